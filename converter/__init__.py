@@ -1,0 +1,1 @@
+"""thinker-convert: one streaming engine, one declarative mapping module per source family."""

@@ -1,0 +1,225 @@
+"""Tensor sources: one lazy view over a checkpoint's tensors, whatever the file format.
+
+The engine plans a conversion from names and shapes alone (``names``, ``shape``) and only then reads bytes, one
+tensor at a time (``load``), so a source must never materialise the whole model. Every source answers the same
+five questions; the file a tensor lives in is kept for error messages.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from safetensors import safe_open
+
+from .errors import ThinkerError
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+class TensorSource(Protocol):
+    """What the engine needs of a checkpoint: names and shapes up front, bytes on demand."""
+
+    root: Path
+
+    def names(self) -> list[str]: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def dtype(self, name: str) -> torch.dtype: ...
+
+    def load(self, name: str) -> torch.Tensor: ...
+
+    def file_of(self, name: str) -> str: ...
+
+    def close(self) -> None: ...
+
+
+def _read_index(index_path: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ThinkerError(f"{index_path}: not a readable shard index ({err}); re-download the checkpoint") from None
+    if not isinstance(weight_map, dict):
+        raise ThinkerError(f"{index_path}: 'weight_map' must map tensor names to shard files")
+    return weight_map
+
+
+def _shard_path(root: Path, index_path: Path, file_name: str) -> Path:
+    """A shard named by an index, refused if the name would leave the checkpoint folder."""
+    path = (root / file_name).resolve()
+    if root.resolve() not in path.parents:
+        raise ThinkerError(f"{index_path}: shard name {file_name!r} points outside {root}; refusing to read it")
+    if not path.is_file():
+        raise ThinkerError(f"{index_path}: names shard {file_name!r}, which is missing from {root}")
+    return path
+
+
+class SafetensorsSource:
+    """Safetensors shards (one file, or several with ``model.safetensors.index.json``), read lazily by ``safe_open``."""
+
+    def __init__(self, root: Path, files: list[Path] | None = None) -> None:
+        self.root = Path(root)
+        if files is None:
+            files = safetensors_files(self.root)
+        self._stack = ExitStack()
+        self._handles: dict[str, object] = {}
+        self._file_of: dict[str, Path] = {}
+        for path in files:
+            try:
+                handle = self._stack.enter_context(safe_open(str(path), framework="pt"))
+            except Exception as err:  # safetensors raises its own error types for bad headers
+                self.close()
+                raise ThinkerError(
+                    f"{path}: not a readable safetensors file ({err}); the file is truncated or corrupt, re-download it"
+                ) from None
+            for name in handle.keys():
+                if name in self._file_of:
+                    self.close()
+                    raise ThinkerError(f"tensor {name!r} appears in both {self._file_of[name].name} and {path.name}")
+                self._file_of[name] = path
+                self._handles[name] = handle
+
+    def names(self) -> list[str]:
+        return list(self._file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[name].get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        return _SAFETENSORS_DTYPES[self._handles[name].get_slice(name).get_dtype()]
+
+    def load(self, name: str) -> torch.Tensor:
+        try:
+            return self._handles[name].get_tensor(name)
+        except Exception as err:
+            raise ThinkerError(f"{self._file_of[name]}: cannot read tensor {name!r} ({err}); the file is corrupt") from None
+
+    def file_of(self, name: str) -> str:
+        return str(self._file_of[name])
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def safetensors_files(root: Path) -> list[Path]:
+    """The shards of a folder: those its index names (checked to exist), else every ``*.safetensors`` file."""
+    index_path = root / SAFETENSORS_INDEX
+    if index_path.is_file():
+        names = sorted(set(_read_index(index_path).values()))
+        return [_shard_path(root, index_path, name) for name in names]
+    return sorted(root.glob("*.safetensors"))
+
+
+class TorchBinSource:
+    """``pytorch_model*.bin`` state dicts, opened with ``weights_only=True`` (nothing is unpickled beyond tensors)
+    and ``mmap=True`` (tensors stay on disk until read)."""
+
+    def __init__(self, root: Path, files: list[Path] | None = None) -> None:
+        self.root = Path(root)
+        if files is None:
+            files = bin_files(self.root)
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._file_of: dict[str, Path] = {}
+        for path in files:
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as err:
+                raise ThinkerError(
+                    f"{path}: not a loadable weights-only PyTorch state dict ({err.__class__.__name__}); "
+                    "convert it to safetensors or re-download it"
+                ) from None
+            for name, tensor in _flatten_state(state, path):
+                self._tensors[name] = tensor
+                self._file_of[name] = path
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._tensors[name].shape)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._tensors[name].dtype
+
+    def load(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def file_of(self, name: str) -> str:
+        return str(self._file_of[name])
+
+    def close(self) -> None:
+        self._tensors.clear()
+
+
+def _flatten_state(state: object, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    # Training scripts often save {"model": state_dict, "optimizer": ...}; take the one dict of tensors.
+    if isinstance(state, dict) and not any(isinstance(v, torch.Tensor) for v in state.values()):
+        for key in ("model", "state_dict", "model_state_dict", "module"):
+            if isinstance(state.get(key), dict):
+                state = state[key]
+                break
+    if not isinstance(state, dict):
+        raise ThinkerError(f"{path}: expected a dict of tensors (a state dict), found {type(state).__name__}")
+    for name, value in state.items():
+        if isinstance(value, torch.Tensor):
+            yield name, value
+
+
+def bin_files(root: Path) -> list[Path]:
+    index_path = root / BIN_INDEX
+    if index_path.is_file():
+        names = sorted(set(_read_index(index_path).values()))
+        return [_shard_path(root, index_path, name) for name in names]
+    return sorted([*root.glob("*.bin"), *root.glob("*.pth"), *root.glob("*.pt")])
+
+
+def open_source(root: Path) -> TensorSource:
+    """The source for a checkpoint folder (or a single weights file), preferring safetensors."""
+    root = Path(root)
+    if root.is_file():
+        if root.suffix == ".safetensors":
+            return SafetensorsSource(root.parent, [root])
+        if root.suffix == ".gguf":
+            from .gguf_source import GGUFSource
+
+            return GGUFSource(root)
+        return TorchBinSource(root.parent, [root])
+    if not root.is_dir():
+        raise ThinkerError(f"{root}: no such file or folder")
+    if safetensors_files(root):
+        return SafetensorsSource(root)
+    if bin_files(root):
+        return TorchBinSource(root)
+    ggufs = sorted(root.glob("*.gguf"))
+    if len(ggufs) == 1:
+        from .gguf_source import GGUFSource
+
+        return GGUFSource(ggufs[0])
+    if len(ggufs) > 1:
+        raise ThinkerError(f"{root}: holds several .gguf files; pass the one to convert as SOURCE")
+    raise ThinkerError(
+        f"{root}: no checkpoint here (no *.safetensors, pytorch_model*.bin, *.pth or *.gguf); "
+        "point SOURCE at a model folder or a Hub repo id"
+    )

@@ -1,0 +1,516 @@
+"""Thinker: one decoder-only transformer that every Qwen-style checkpoint converts into.
+
+Features, each a config switch (see ``ThinkerConfig``):
+  - RMSNorm computed in float32 (Qwen3) or LayerNorm with bias (GPT-2)
+  - RoPE with every scaling type of transformers' ``ROPE_INIT_FUNCTIONS``, or learned absolute positions
+  - multi-head, grouped-query and multi-query attention; ``head_dim`` independent of ``hidden_size``
+  - q/k/v and output biases (Qwen2, GPT-2), per-head q/k RMSNorm (Qwen3)
+  - SwiGLU or plain GELU MLP, with or without bias
+  - Mixture of Experts with Qwen's routing (softmax, top-k, optional renormalisation), fused 3-D expert weights,
+    an optional shared expert behind a sigmoid gate (Qwen2-MoE), dense layers picked by ``decoder_sparse_step``
+    and ``mlp_only_layers``
+  - tied embeddings; ``inputs_embeds`` for multimodal input, an audio projection and a talker head (Qwen3-Omni)
+  - transformers 5.x plumbing: ``Cache`` objects, the attention-function registry (eager, sdpa, flash, flex),
+    transformers' mask builders, ``generate()``, gradient checkpointing, tensor-parallel and pipeline plans
+
+This file is shipped beside converted checkpoints as remote code, so it imports only torch, transformers and
+its own configuration module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.integrations import use_experts_implementation
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+from .configuration_thinker import ThinkerConfig
+
+# ----------------------------------------------------------------------------------------------------------------
+# norms
+
+
+class ThinkerRMSNorm(nn.Module):
+    """RMSNorm in float32, cast back before the scale: bit-for-bit Qwen3's (and Llama's) order of operations."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(input_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+def make_norm(config: ThinkerConfig, dim: int) -> nn.Module:
+    if config.norm_type == "layernorm":
+        return nn.LayerNorm(dim, eps=config.rms_norm_eps)
+    return ThinkerRMSNorm(dim, eps=config.rms_norm_eps)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# rotary position embedding
+
+
+class ThinkerRotaryEmbedding(nn.Module):
+    """cos/sin tables for the half-split rotation; frequencies come from transformers' RoPE initialisers."""
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, config: ThinkerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
+        self.rope_type = config.rope_parameters["rope_type"]
+        init_fn: Callable = self.compute_default_rope_parameters
+        if self.rope_type != "default":
+            init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = init_fn(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config: ThinkerConfig, device=None, seq_len=None) -> tuple[torch.Tensor, float]:
+        # transformers keeps the unscaled initialiser on each model class rather than in ROPE_INIT_FUNCTIONS.
+        base = config.rope_parameters["rope_theta"]
+        dim = int(config.head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
+        return inv_freq, 1.0
+
+    @torch.no_grad()
+    @dynamic_rope_update  # recomputes inv_freq for the "dynamic" and "longrope" types as the context grows
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(x.device, torch.float)  # (B, T, hs/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, hs)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, hs): broadcast over heads
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# attention
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,  # (B, nh, T, hs)
+    key: torch.Tensor,  # (B, n_kv, S, hs)
+    value: torch.Tensor,  # (B, n_kv, S, hs)
+    attention_mask: torch.Tensor | None,  # additive (B, 1, T, S)
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+):
+    # The registry's fallback when no fused kernel is asked for; written out so that attention weights can be
+    # returned (output_attentions) and the reference order of operations (softmax in fp32) is explicit.
+    groups = module.num_key_value_groups
+    key = key.repeat_interleave(groups, dim=1)  # (B, nh, S, hs)
+    value = value.repeat_interleave(groups, dim=1)
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, nh, T, S)
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    out = torch.matmul(weights, value).transpose(1, 2).contiguous()  # (B, T, nh, hs)
+    return out, weights
+
+
+class ThinkerAttention(nn.Module):
+    def __init__(self, config: ThinkerConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_key_value_groups
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        q_size, kv_size = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_output_bias)
+        if config.qk_norm:  # per head, so it needs no reshape after the projection's view
+            self.q_norm = ThinkerRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = ThinkerRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # (B, T, C)
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+        attention_mask: torch.Tensor | None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)  # (B, T, n, hs)
+        q = self.q_proj(hidden_states).view(hidden_shape)
+        k = self.k_proj(hidden_states).view(hidden_shape)
+        v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, n_kv, T, hs)
+        if self.config.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hs), (B, n_kv, T, hs)
+        if position_embeddings is not None:
+            q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)  # (B, n_kv, past + T, hs)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        out, weights = attention_interface(
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        out = self.o_proj(out.reshape(*input_shape, -1).contiguous())
+        return out, weights
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# feed-forward: dense MLP, experts, router, sparse block
+
+
+class ThinkerMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` when gated (SwiGLU), else ``down(act(up(x)))`` (GPT-2)."""
+
+    def __init__(self, config: ThinkerConfig, intermediate_size: int | None = None) -> None:
+        super().__init__()
+        size = intermediate_size or config.intermediate_size
+        self.gated = config.mlp_gated
+        if self.gated:
+            self.gate_proj = nn.Linear(config.hidden_size, size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=config.mlp_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_fn(self.up_proj(x)))
+
+
+@use_experts_implementation  # lets users pick transformers' grouped_mm / batched_mm kernels for the same weights
+class ThinkerExperts(nn.Module):
+    """All experts of a layer as two 3-D tensors: ``gate_up_proj`` (E, 2·I, C) and ``down_proj`` (E, C, I)."""
+
+    def __init__(self, config: ThinkerConfig) -> None:
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.hidden_dim = config.hidden_size
+        self.intermediate_dim = config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # (N, C) tokens flattened
+        top_k_index: torch.Tensor,  # (N, k)
+        top_k_weights: torch.Tensor,  # (N, k)
+    ) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        # Visit only the experts some token was routed to: the work is proportional to k, not to E.
+        for expert in top_k_index.unique().tolist():
+            token_idx, slot = torch.where(top_k_index == expert)
+            gate, up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(self.act_fn(gate) * up, self.down_proj[expert])
+            out.index_add_(0, token_idx, (y * top_k_weights[token_idx, slot, None]).to(out.dtype))
+        return out
+
+
+class ThinkerTopKRouter(nn.Module):
+    """Qwen's router: softmax over all experts in fp32, top-k, optionally renormalised to sum to one."""
+
+    def __init__(self, config: ThinkerConfig) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = F.linear(hidden_states, self.weight)  # (N, E)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float)
+        top_values, top_index = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
+        if self.norm_topk_prob:
+            top_values = top_values / top_values.sum(dim=-1, keepdim=True)
+        return logits, top_values.to(logits.dtype), top_index
+
+
+class ThinkerSparseMoeBlock(nn.Module):
+    def __init__(self, config: ThinkerConfig) -> None:
+        super().__init__()
+        self.gate = ThinkerTopKRouter(config)
+        self.experts = ThinkerExperts(config)
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = ThinkerMLP(config, intermediate_size=config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = hidden_states.shape
+        flat = hidden_states.view(-1, dim)  # (N, C)
+        _, weights, index = self.gate(flat)
+        out = self.experts(flat, index, weights)
+        if hasattr(self, "shared_expert"):
+            out = out + F.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.view(batch, seq, dim)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# decoder layer and model
+
+
+class ThinkerDecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: ThinkerConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = ThinkerAttention(config, layer_idx)
+        sparse = config.mlp_layer_types[layer_idx] == "sparse"
+        self.mlp = ThinkerSparseMoeBlock(config) if sparse else ThinkerMLP(config)
+        self.input_layernorm = make_norm(config, config.hidden_size)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(
+            self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class ThinkerPreTrainedModel(PreTrainedModel):
+    config_class = ThinkerConfig
+    config: ThinkerConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["ThinkerDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _can_compile_fullgraph = False  # the expert loop is data-dependent
+    _supports_attention_backend = True
+    _can_record_outputs = {
+        "router_logits": OutputRecorder(ThinkerTopKRouter, index=0),
+        "hidden_states": ThinkerDecoderLayer,
+        "attentions": ThinkerAttention,
+    }
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, ThinkerExperts):
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
+        elif isinstance(module, ThinkerTopKRouter):
+            init.normal_(module.weight, mean=0.0, std=std)
+
+
+class ThinkerModel(ThinkerPreTrainedModel):
+    def __init__(self, config: ThinkerConfig) -> None:
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        if config.position_embedding_type == "learned":
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        else:
+            self.rotary_emb = ThinkerRotaryEmbedding(config)
+        if config.audio_embed_size:
+            self.audio_proj = nn.Linear(config.audio_embed_size, config.hidden_size)
+        self.layers = nn.ModuleList([ThinkerDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = make_norm(config, config.hidden_size)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def embed_audio(self, audio_embeds: torch.Tensor) -> torch.Tensor:
+        """Projects audio-token embeddings (B, A, audio_embed_size) into the text embedding space (B, A, C), to be
+        concatenated with text embeddings and passed as ``inputs_embeds`` (Qwen3-Omni's ``audio_embed``)."""
+        if not hasattr(self, "audio_proj"):
+            raise ValueError("this model has no audio projection (config.audio_embed_size is not set)")
+        return self.audio_proj(audio_embeds)
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> MoeModelOutputWithPast:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)  # (B, T, C)
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        if position_ids is None:
+            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen)[None]
+
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+
+        hidden_states = inputs_embeds
+        position_embeddings = None
+        if self.config.position_embedding_type == "learned":
+            hidden_states = hidden_states + self.embed_positions(position_ids)
+        else:
+            position_embeddings = self.rotary_emb(hidden_states, position_ids)
+
+        for layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states = layer(
+                hidden_states,
+                attention_mask=causal_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+                **kwargs,
+            )
+        return MoeModelOutputWithPast(
+            last_hidden_state=self.norm(hidden_states),
+            past_key_values=past_key_values if use_cache else None,
+        )
+
+
+@dataclass
+class ThinkerCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
+    r"""
+    talker_logits (`torch.FloatTensor` of shape `(batch_size, sequence_length, talker_head_size)`, *optional*):
+        The talker head's logits (Qwen3-Omni), present when the config sets ``talker_head_size``.
+    """
+
+    talker_logits: torch.FloatTensor | None = None
+
+
+class ThinkerForCausalLM(ThinkerPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: ThinkerConfig) -> None:
+        super().__init__(config)
+        self.model = ThinkerModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.talker_head_size:
+            self.talker_head = nn.Linear(config.hidden_size, config.talker_head_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_router_logits: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> ThinkerCausalLMOutputWithPast:
+        if output_router_logits is None:
+            output_router_logits = self.config.output_router_logits and self.config.num_experts > 0
+        outputs: MoeModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_router_logits=output_router_logits,
+            **kwargs,
+        )
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)  # (B, T', C)
+        logits = self.lm_head(hidden_states)
+        talker_logits = self.talker_head(hidden_states) if hasattr(self, "talker_head") else None
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+        aux_loss = None
+        if output_router_logits and outputs.router_logits:
+            aux_loss = load_balancing_loss_func(
+                outputs.router_logits, self.config.num_experts, self.config.num_experts_per_tok, attention_mask
+            )
+            if loss is not None:
+                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
+
+        return ThinkerCausalLMOutputWithPast(
+            loss=loss,
+            aux_loss=aux_loss,
+            logits=logits,
+            talker_logits=talker_logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            router_logits=outputs.router_logits,
+        )
+
+
+__all__ = ["ThinkerPreTrainedModel", "ThinkerModel", "ThinkerForCausalLM", "ThinkerCausalLMOutputWithPast"]
