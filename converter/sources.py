@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import ExitStack
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Protocol
 
 import torch
@@ -51,10 +51,14 @@ def _read_index(index_path: Path) -> dict[str, str]:
 
 
 def _shard_path(root: Path, index_path: Path, file_name: str) -> Path:
-    """A shard named by an index, refused if the name would leave the checkpoint folder."""
-    path = (root / file_name).resolve()
-    if root.resolve() not in path.parents:
+    """A shard named by an index, refused if the name would leave the checkpoint folder.
+
+    The name is checked, not the resolved path: in a Hub cache every file is a symlink into ``blobs/``.
+    """
+    name = PurePosixPath(file_name.replace("\\", "/"))
+    if name.is_absolute() or ".." in name.parts or not name.parts:
         raise ThinkerError(f"{index_path}: shard name {file_name!r} points outside {root}; refusing to read it")
+    path = root / name
     if not path.is_file():
         raise ThinkerError(f"{index_path}: names shard {file_name!r}, which is missing from {root}")
     return path

@@ -99,6 +99,7 @@ class ThinkerConfig(PreTrainedConfig):
 
     # --- embeddings, head and the Qwen3-Omni thinker extras ---------------------------------------------------
     tie_word_embeddings: bool = False
+    lm_head_bias: bool = False  # μOmni's head is a plain nn.Linear with bias
     audio_embed_size: int | None = None  # set: a Linear(audio_embed_size -> hidden) projects `audio_embeds`
     talker_head_size: int | None = None  # set: a Linear(hidden -> talker_head_size) whose logits come out too
 

@@ -455,7 +455,7 @@ class ThinkerForCausalLM(ThinkerPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = ThinkerModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
         if config.talker_head_size:
             self.talker_head = nn.Linear(config.hidden_size, config.talker_head_size, bias=False)
         self.post_init()

@@ -1,0 +1,314 @@
+"""Hub sources: turn ``SOURCE`` into a local folder, downloading it from the Hugging Face Hub when it is a repo id.
+
+``resolve_source`` is the only entry point. A local path wins; otherwise ``SOURCE`` must be a repo id (``name`` or
+``owner/name``) and the files a conversion needs are fetched with huggingface_hub's own ``snapshot_download``, so
+the standard cache (``HF_HUB_CACHE``), ``HF_ENDPOINT``, ``HF_TOKEN``, ``HF_HUB_OFFLINE`` and huggingface_hub's
+progress bars all behave as users of other Hugging Face tools expect.
+
+Environment variables are re-read on every call rather than taken only from ``huggingface_hub.constants`` (which
+are frozen when huggingface_hub is imported), so a variable set after import, by a wrapper script or a test, is
+honoured too.
+
+Every failure the user can act on becomes a one-line ``ThinkerError`` naming the repo id and revision.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path, PurePosixPath, PureWindowsPath
+
+from huggingface_hub import HfApi, constants, get_cached_repo_tree, snapshot_download
+from huggingface_hub.errors import (
+    CachedRepoTreeNotFoundError,
+    GatedRepoError,
+    HfHubHTTPError,
+    HFValidationError,
+    IncompleteSnapshotError,
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+    RemoteEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.utils import filter_repo_objects, validate_repo_id
+from huggingface_hub.utils import tqdm as hf_tqdm
+
+from .errors import ThinkerError
+
+try:  # huggingface_hub 2.x talks HTTP through httpx2, 1.x through httpx; both raise TransportError subclasses.
+    import httpx2 as _httpx
+except ImportError:  # pragma: no cover - depends on the installed huggingface_hub
+    import httpx as _httpx
+
+__all__ = ["is_repo_id", "pick_conversion_files", "resolve_source"]
+
+# Failures that mean "the Hub could not be reached", as opposed to the Hub answering "no".
+_NETWORK_ERRORS: tuple[type[BaseException], ...] = (_httpx.TransportError, ConnectionError, TimeoutError)
+# HTTP answers that are worth falling back to the cache for: the Hub is overloaded or down, not refusing us.
+_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+# Files that hold tokenizer vocabularies next to config.json (sentencepiece, tiktoken, BPE merges and vocab).
+_SIDE_FILE_SUFFIXES = (".json", ".txt", ".model", ".tiktoken")
+_COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
+_TRUE_VALUES = {"1", "ON", "YES", "TRUE"}
+
+
+class _NoProgress(hf_tqdm):
+    """huggingface_hub's progress bar class, always disabled: used for ``progress=False``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["disable"] = True
+        super().__init__(*args, **kwargs)
+
+
+def is_repo_id(source: str) -> bool:
+    """Whether ``source`` is shaped like a Hub repo id (``name`` or ``owner/name``), by huggingface_hub's rules."""
+    try:
+        validate_repo_id(source)
+    except HFValidationError:
+        return False
+    return True
+
+
+def pick_conversion_files(repo_files: Iterable[str], label: str) -> list[str]:
+    """The files of a repo that a conversion reads, chosen from its file listing; ``label`` names it in errors.
+
+    Only top-level files are taken: sub-folders hold alternative copies (``original/*.pth``, ``onnx/``, ``gguf/``)
+    that can be many times the size of the checkpoint itself. Of the weights, one format is taken, the first
+    present of: safetensors, PyTorch ``.bin`` (a pickle, so only when no safetensors exist), GGUF (only if that is
+    all there is, and only a single file, since GGUF repos usually hold one file per quantisation). Within a format,
+    the ``model*`` / ``pytorch_model*`` files win over others (Mistral-style repos ship a ``consolidated.safetensors``
+    duplicate of the sharded weights). Next to them come the small side files: every top-level ``*.json`` (config,
+    generation config, shard index, tokenizer), ``*.txt`` (BPE merges, vocab), ``*.model`` (sentencepiece) and
+    ``*.tiktoken``.
+    """
+    top = sorted({name for name in repo_files if "/" not in name})
+
+    def ending(suffix: str, preferred_prefix: str) -> list[str]:
+        found = [name for name in top if name.endswith(suffix)]
+        return [name for name in found if name.startswith(preferred_prefix)] or found
+
+    weights = ending(".safetensors", "model") or ending(".bin", "pytorch_model")
+    if not weights:
+        gguf = ending(".gguf", "")
+        if len(gguf) > 1:
+            shown = ", ".join(gguf[:4]) + (", ..." if len(gguf) > 4 else "")
+            raise ThinkerError(
+                f"{label} holds {len(gguf)} GGUF files ({shown}); download the one you want with "
+                f"`hf download {label.split('@')[0]} FILE` and pass that file's path instead"
+            )
+        weights = gguf
+    if not weights:
+        raise ThinkerError(
+            f"{label} has no .safetensors, .bin or .gguf weights at its top level; check the repo id and revision, "
+            "or download the files yourself and pass the folder"
+        )
+    side_files = [name for name in top if name.endswith(_SIDE_FILE_SUFFIXES)]
+    return sorted(set(weights) | set(side_files))
+
+
+def resolve_source(
+    source: str,
+    revision: str | None = None,
+    *,
+    allow_patterns: list[str] | None = None,
+    token: str | bool | None = None,
+    progress: bool = True,
+) -> Path:
+    """A local folder or file for ``source``: the path itself if it exists, else a Hub snapshot in the cache.
+
+    ``revision`` (branch, tag or commit hash, default ``main``) and ``allow_patterns`` (fnmatch patterns; default:
+    ``pick_conversion_files``) only apply to repo ids. ``token`` defaults to huggingface_hub's own lookup
+    (``HF_TOKEN``, then the ``hf auth login`` token file). ``progress=False`` hides huggingface_hub's bars.
+    """
+    local = Path(source).expanduser()
+    if local.exists():
+        if revision is not None:
+            raise ThinkerError(f"{source}: a revision ({revision!r}) only applies to Hub repo ids, not local paths")
+        return local
+    if not is_repo_id(source):
+        raise ThinkerError(f"{source}: no such folder, and not a Hub repo id ('name' or 'owner/name'); check the path")
+    return _resolve_repo(source, revision or constants.DEFAULT_REVISION, allow_patterns, token, progress)
+
+
+def _resolve_repo(
+    repo_id: str, revision: str, allow_patterns: list[str] | None, token: str | bool | None, progress: bool
+) -> Path:
+    label = f"{repo_id}@{revision}"
+    endpoint = (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+    cache_dir = Path(os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE).expanduser()
+    offline = _offline()
+
+    # The file listing picks what to download. Online it comes from the Hub; offline, or when the Hub cannot be
+    # reached, from the listing huggingface_hub cached with the snapshot, so the same files are chosen either way
+    # (and huggingface_hub can then tell a complete cached snapshot from a partial one).
+    files: list[str] | None = None
+    unreachable: Exception | None = None
+    if not offline:
+        try:
+            files = _remote_listing(repo_id, revision, endpoint, token)
+        except HfHubHTTPError as err:
+            # A definite "no" from the Hub (missing repo or revision, gated, bad token) is reported, not papered
+            # over with a stale cached copy; an overloaded or failing Hub falls back to the cache.
+            if _status(err) not in _TRANSIENT_STATUS:
+                raise _explain(err, repo_id, label, endpoint, cache_dir) from None
+            unreachable = err
+        except _NETWORK_ERRORS as err:
+            unreachable = err
+    if files is None:
+        files = _cached_listing(repo_id, revision, cache_dir)
+        if files is None:
+            raise _not_cached(label, endpoint, cache_dir, offline, unreachable)
+
+    if allow_patterns is None:
+        allow_patterns = [glob.escape(name) for name in pick_conversion_files(files, label)]
+    for name in filter_repo_objects(files, allow_patterns=allow_patterns):
+        _check_file_name(name, label)
+
+    try:
+        folder = snapshot_download(
+            repo_id,
+            revision=revision,
+            allow_patterns=allow_patterns,
+            cache_dir=cache_dir,
+            endpoint=endpoint,
+            token=token,
+            # Files from the cache's listing: the Hub is off limits or out of reach, so do not try it again.
+            local_files_only=offline or unreachable is not None,
+            tqdm_class=None if progress else _NoProgress,
+        )
+    except IncompleteSnapshotError as err:
+        raise ThinkerError(
+            f"{label}: the cached snapshot at {err.snapshot_path} is missing files and the Hub "
+            f"{'is off limits (HF_HUB_OFFLINE=1)' if offline else f'at {endpoint} cannot be reached'}; "
+            "run once online to complete it"
+        ) from None
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as err:
+        raise _not_cached(label, endpoint, cache_dir, offline, err.__cause__ or err) from None
+    except HfHubHTTPError as err:
+        raise _explain(err, repo_id, label, endpoint, cache_dir) from None
+    except _NETWORK_ERRORS as err:  # the connection dropped in the middle of a download
+        raise _not_cached(label, endpoint, cache_dir, offline, err) from None
+    except OSError as err:  # a full disk, an unwritable cache, a size mismatch after download
+        raise ThinkerError(
+            f"{label}: download into {cache_dir} failed ({_first_line(err)}); fix that and retry"
+        ) from None
+    snapshot = Path(folder)
+    _check_snapshot(snapshot, cache_dir, repo_id, label)
+    return snapshot
+
+
+def _offline() -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub read it at import, or as the environment says now."""
+    now = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return constants.is_offline_mode() or now.upper() in _TRUE_VALUES
+
+
+def _remote_listing(repo_id: str, revision: str, endpoint: str, token: str | bool | None) -> list[str]:
+    """Every file name of the repo at ``revision``, from one model-info call (its ``siblings``)."""
+    api = HfApi(endpoint=endpoint, token=token)
+    info = api.model_info(repo_id, revision=revision)
+    if info.siblings is None:  # not expected from the Hub, but a mirror may leave it out
+        return api.list_repo_files(repo_id, revision=revision)
+    return [sibling.rfilename for sibling in info.siblings]
+
+
+def _cached_listing(repo_id: str, revision: str, cache_dir: Path) -> list[str] | None:
+    """The file names huggingface_hub cached with an earlier download of ``revision``; None if there is none."""
+    try:
+        return [entry.path for entry in get_cached_repo_tree(repo_id, revision=revision, cache_dir=cache_dir)]
+    except (CachedRepoTreeNotFoundError, OSError, ValueError):
+        return None
+
+
+def _check_file_name(name: str, label: str) -> None:
+    """Refuse a repo file name that would land outside the snapshot folder once joined onto it.
+
+    huggingface_hub refuses these too (``_validate_relative_filename``); checking here as well keeps the guarantee
+    independent of its version and fails before anything is downloaded. Both POSIX and Windows rules are applied
+    because the cache may later be read on either.
+    """
+    parts = name.replace("\\", "/").split("/")
+    if ".." in parts or PurePosixPath(name).is_absolute() or PureWindowsPath(name).anchor:
+        raise ThinkerError(f"{label}: repo file name {name!r} would escape the download folder; refusing the repo")
+
+
+def _check_snapshot(snapshot: Path, cache_dir: Path, repo_id: str, label: str) -> None:
+    """Refuse a snapshot that is not where the cache layout says, or whose files lead out of the cache.
+
+    Cached files are symlinks from ``snapshots/<commit>/`` into ``blobs/`` (the repo's, or the cache-wide shared
+    store), so "inside" means: the entry's own path lies in the snapshot folder, and what it resolves to lies in
+    the cache. A commit hash or ETag sent by a hostile HF_ENDPOINT, or a tampered cache, fails this check.
+    """
+    cache_root = cache_dir.resolve()
+    expected_parent = cache_root / f"models--{repo_id.replace('/', '--')}" / "snapshots"
+    if Path(os.path.abspath(snapshot)).parent != expected_parent or not _COMMIT_HASH.fullmatch(snapshot.name):
+        raise ThinkerError(f"{label}: snapshot folder {snapshot} is not under {expected_parent}; refusing it")
+    for folder, dir_names, file_names in os.walk(snapshot):  # does not descend into symlinked folders
+        for name in dir_names + file_names:
+            entry = Path(folder, name)
+            target = entry.resolve()
+            if cache_root != target and cache_root not in target.parents:
+                raise ThinkerError(
+                    f"{label}: cached file {entry.relative_to(snapshot)} points outside the cache {cache_root} "
+                    f"(to {target}); delete {expected_parent.parent} and download again"
+                )
+
+
+def _status(err: HfHubHTTPError) -> int | None:
+    response = getattr(err, "response", None)
+    return getattr(response, "status_code", None)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _not_cached(
+    label: str, endpoint: str, cache_dir: Path, offline: bool, reason: BaseException | None
+) -> ThinkerError:
+    """Nothing usable in the cache, and the Hub is off limits (offline) or out of reach."""
+    if offline:
+        return ThinkerError(
+            f"{label} is not in the cache at {cache_dir} and HF_HUB_OFFLINE=1; run once online or unset HF_HUB_OFFLINE"
+        )
+    why = f" ({type(reason).__name__}: {_first_line(reason)})" if reason is not None else ""
+    return ThinkerError(
+        f"cannot reach the Hub at {endpoint} to fetch {label}{why}, and it is not in the cache at {cache_dir}; "
+        "check the network, set HF_ENDPOINT to a reachable mirror, or run once online and then use HF_HUB_OFFLINE=1"
+    )
+
+
+def _explain(err: HfHubHTTPError, repo_id: str, label: str, endpoint: str, cache_dir: Path) -> ThinkerError:
+    """A one-line, actionable message for an HTTP error from the Hub (or HF_ENDPOINT)."""
+    status = _status(err)
+    if isinstance(err, RevisionNotFoundError):
+        return ThinkerError(
+            f"{label}: revision not found in {repo_id} on {endpoint}; pass an existing branch, tag or commit hash"
+        )
+    if isinstance(err, GatedRepoError):
+        return ThinkerError(
+            f"{label}: {repo_id} is a gated repo and access was refused (HTTP {status}); accept its terms at "
+            f"{endpoint}/{repo_id} and set HF_TOKEN to a token of that account"
+        )
+    if isinstance(err, RepositoryNotFoundError):
+        local_hint = f"; no local folder named {repo_id!r} exists either" if "/" in repo_id else ""
+        return ThinkerError(
+            f"{label}: repo not found on {endpoint} (or it is private and no valid token was sent); check the repo id, "
+            f"or set HF_TOKEN if it is private{local_hint}"
+        )
+    if isinstance(err, RemoteEntryNotFoundError):
+        return ThinkerError(f"{label}: a listed file is missing on {endpoint} ({_first_line(err)}); retry later")
+    if status == 401:
+        return ThinkerError(f"{label}: the Hub at {endpoint} refused the token (HTTP 401); set HF_TOKEN to a valid one")
+    if status == 403:
+        return ThinkerError(
+            f"{label}: the token has no access to {repo_id} (HTTP 403); use a token with read access (HF_TOKEN)"
+        )
+    return ThinkerError(
+        f"{label}: the Hub at {endpoint} answered HTTP {status} ({_first_line(err)}); retry later, or use the cache "
+        f"at {cache_dir} with HF_HUB_OFFLINE=1"
+    )

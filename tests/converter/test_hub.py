@@ -1,0 +1,229 @@
+"""converter.hub against a fake Hub (tests/hub_server.py, fixture ``fake_hub``): downloads, cache, offline, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from huggingface_hub import constants
+from safetensors.numpy import save
+
+from converter.errors import ThinkerError
+from converter.hub import pick_conversion_files, resolve_source
+
+REPO = "acme/tiny"
+BIG = b"\0" * 200_000  # stands for the multi-GB files a conversion must never fetch
+
+
+def tiny_repo(hidden_size: int = 4) -> dict[str, bytes]:
+    """A small checkpoint plus the kind of extras real repos carry, which must not be downloaded."""
+    return {
+        "config.json": json.dumps({"model_type": "qwen2", "hidden_size": hidden_size}).encode(),
+        "model.safetensors": save({"w": np.arange(hidden_size, dtype=np.float32)}),
+        "tokenizer.json": b'{"model": {"type": "BPE"}}',
+        "README.md": b"# tiny",
+        "model.onnx": BIG,
+        "pytorch_model.bin": BIG,  # a pickle: skipped because safetensors exist
+        "original/consolidated.pth": BIG,
+    }
+
+
+WANTED = {"config.json", "model.safetensors", "tokenizer.json"}
+
+
+def files_in(folder) -> set[str]:
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+
+
+def go_offline(monkeypatch: pytest.MonkeyPatch, how: str = "both") -> None:
+    """HF_HUB_OFFLINE=1 as set before huggingface_hub was imported ("constant"), after it ("env"), or both."""
+    if how in ("env", "both"):
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    if how in ("constant", "both"):
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
+def test_downloads_only_the_files_a_conversion_needs(fake_hub):
+    sha = fake_hub.add_repo(REPO, tiny_repo())
+
+    folder = resolve_source(REPO, progress=False)
+
+    assert folder.name == sha and folder.is_relative_to(fake_hub.cache)
+    assert files_in(folder) == WANTED
+    assert (folder / "model.safetensors").read_bytes() == tiny_repo()["model.safetensors"]
+    fetched = {r.path.rsplit(f"/resolve/{sha}/", 1)[-1] for r in fake_hub.file_requests()}
+    assert fetched == WANTED
+
+
+def test_second_resolve_reuses_the_cache(fake_hub):
+    fake_hub.add_repo(REPO, tiny_repo())
+    first = resolve_source(REPO, progress=False)
+    downloads = len(fake_hub.file_requests())
+
+    assert resolve_source(REPO, progress=False) == first
+    assert len(fake_hub.file_requests()) == downloads
+
+
+def test_offline_resolves_from_the_cache_alone(fake_hub, monkeypatch):
+    fake_hub.add_repo(REPO, tiny_repo())
+    online = resolve_source(REPO, progress=False)
+    fake_hub.stop()
+    go_offline(monkeypatch)
+
+    assert resolve_source(REPO, progress=False) == online
+    assert files_in(online) == WANTED
+
+
+@pytest.mark.parametrize("how", ["env", "constant"])
+def test_offline_and_not_cached(fake_hub, monkeypatch, how):
+    fake_hub.add_repo(REPO, tiny_repo())
+    go_offline(monkeypatch, how)
+
+    with pytest.raises(ThinkerError) as err:
+        resolve_source(REPO, progress=False)
+    message = str(err.value)
+    assert f"{REPO}@main is not in the cache at" in message and "HF_HUB_OFFLINE=1" in message
+    assert "unset HF_HUB_OFFLINE" in message and "\n" not in message
+    assert fake_hub.requests == []
+
+
+def test_offline_with_a_partial_cache(fake_hub, monkeypatch):
+    fake_hub.add_repo(REPO, tiny_repo())
+    folder = resolve_source(REPO, progress=False)
+    (folder / "model.safetensors").unlink()  # as after an interrupted download
+    go_offline(monkeypatch)
+
+    with pytest.raises(ThinkerError, match="acme/tiny@main: the cached snapshot at .* is missing files") as err:
+        resolve_source(REPO, progress=False)
+    assert "HF_HUB_OFFLINE=1" in str(err.value)
+
+
+def test_missing_repo(fake_hub):
+    with pytest.raises(ThinkerError, match="acme/nope@main: repo not found") as err:
+        resolve_source("acme/nope", progress=False)
+    assert "HF_TOKEN" in str(err.value)
+
+
+def test_missing_revision(fake_hub):
+    fake_hub.add_repo(REPO, tiny_repo())
+    with pytest.raises(ThinkerError, match="acme/tiny@v9: revision not found"):
+        resolve_source(REPO, revision="v9", progress=False)
+
+
+def test_gated_repo_without_token(fake_hub):
+    fake_hub.add_repo(REPO, tiny_repo(), gated=True)
+    with pytest.raises(ThinkerError, match="gated") as err:
+        resolve_source(REPO, progress=False)
+    assert REPO in str(err.value) and "HF_TOKEN" in str(err.value)
+    assert {r.authorization for r in fake_hub.requests} == {None}
+
+
+@pytest.mark.parametrize("how", ["HF_TOKEN", "argument"])
+def test_token_is_sent(fake_hub, monkeypatch, how):
+    fake_hub.add_repo(REPO, tiny_repo(), gated=True)
+    if how == "HF_TOKEN":
+        monkeypatch.setenv("HF_TOKEN", fake_hub.TOKEN)
+        folder = resolve_source(REPO, progress=False)
+    else:
+        folder = resolve_source(REPO, token=fake_hub.TOKEN, progress=False)
+
+    assert files_in(folder) == WANTED
+    assert {r.authorization for r in fake_hub.file_requests()} == {f"Bearer {fake_hub.TOKEN}"}
+
+
+def test_revision_picks_its_commit(fake_hub):
+    main = fake_hub.add_repo(REPO, tiny_repo(hidden_size=4))
+    tagged = fake_hub.add_repo(REPO, tiny_repo(hidden_size=8), revision="v2")
+
+    for revision, sha, size in [(None, main, 4), ("v2", tagged, 8), (main, main, 4)]:
+        folder = resolve_source(REPO, revision=revision, progress=False)
+        assert folder.name == sha
+        assert json.loads((folder / "config.json").read_text())["hidden_size"] == size
+
+
+def test_unreachable_hub_falls_back_to_the_cache(fake_hub):
+    fake_hub.add_repo(REPO, tiny_repo())
+    cached = resolve_source(REPO, progress=False)
+    fake_hub.stop()
+
+    assert resolve_source(REPO, progress=False) == cached
+    with pytest.raises(ThinkerError, match="cannot reach the Hub at .*acme/other@main") as err:
+        resolve_source("acme/other", progress=False)
+    assert "HF_ENDPOINT" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_local_paths_and_bad_sources(tmp_path):
+    assert resolve_source(str(tmp_path)) == tmp_path
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    assert resolve_source(str(tmp_path / "model.gguf")) == tmp_path / "model.gguf"
+    with pytest.raises(ThinkerError, match="no such folder, and not a Hub repo id"):
+        resolve_source(str(tmp_path / "missing" / "model"))
+    with pytest.raises(ThinkerError, match="only applies to Hub repo ids"):
+        resolve_source(str(tmp_path), revision="main")
+
+
+def test_file_names_cannot_escape_the_download_folder(fake_hub):
+    fake_hub.add_repo(REPO, {**tiny_repo(), "..\\escape.json": b"{}"})
+    with pytest.raises(ThinkerError, match="would escape the download folder"):
+        resolve_source(REPO, progress=False)
+    assert fake_hub.file_requests() == []
+
+
+def test_cached_file_leading_out_of_the_cache_is_refused(fake_hub, tmp_path):
+    fake_hub.add_repo(REPO, tiny_repo())
+    folder = resolve_source(REPO, progress=False)
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text("{}")
+    (folder / "config.json").unlink()
+    os.symlink(outside, folder / "config.json")
+
+    with pytest.raises(ThinkerError, match="points outside the cache"):
+        resolve_source(REPO, progress=False)
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        (
+            ["config.json", "model.safetensors", "pytorch_model.bin", "onnx/model.onnx"],
+            ["config.json", "model.safetensors"],
+        ),
+        (["config.json", "pytorch_model.bin", "training_args.bin"], ["config.json", "pytorch_model.bin"]),
+        (
+            [
+                "config.json",
+                "consolidated.safetensors",
+                "model-00001-of-00002.safetensors",
+                "model-00002-of-00002.safetensors",
+                "model.safetensors.index.json",
+                "tokenizer.model",
+                "merges.txt",
+            ],
+            [
+                "config.json",
+                "merges.txt",
+                "model-00001-of-00002.safetensors",
+                "model-00002-of-00002.safetensors",
+                "model.safetensors.index.json",
+                "tokenizer.model",
+            ],
+        ),
+        (["README.md", "qwen-q8_0.gguf"], ["qwen-q8_0.gguf"]),
+    ],
+)
+def test_pick_conversion_files(files, expected):
+    assert pick_conversion_files(files, "r@main") == expected
+
+
+def test_pick_conversion_files_refuses_ambiguous_or_missing_weights():
+    with pytest.raises(ThinkerError, match="2 GGUF files"):
+        pick_conversion_files(["a-q4.gguf", "a-q8.gguf"], "acme/a@main")
+    with pytest.raises(ThinkerError, match="no .safetensors, .bin or .gguf weights"):
+        pick_conversion_files(["config.json", "original/model.pth"], "acme/a@main")
+
+
+def test_gguf_only_repo_downloads_its_single_file(fake_hub):
+    fake_hub.add_repo("acme/tiny-gguf", {"README.md": b"#", "tiny-q8_0.gguf": b"GGUF" + bytes(60)})
+    assert files_in(resolve_source("acme/tiny-gguf", progress=False)) == {"tiny-q8_0.gguf"}
