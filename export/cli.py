@@ -1,0 +1,243 @@
+"""The ``thinker`` command: export to ONNX, generate, and (from the converter) convert and verify."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+
+from converter.errors import ThinkerError
+
+from .exporter import DTYPES, MODEL_FILE, export_model, is_thinker_folder, read_json
+
+
+def reports_errors(command: Callable) -> Callable:
+    """A ThinkerError becomes one line on stderr and exit status 1; ``--debug`` keeps the traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args, debug: bool = False, **kwargs):
+        if not debug:
+            _quiet_transformers()
+        try:
+            return command(*args, **kwargs)
+        except ThinkerError as err:
+            if debug:
+                raise
+            click.echo(f"error: {err}", err=True)
+            sys.exit(1)
+
+    return click.option("--debug", is_flag=True, help="Show the full traceback on errors.")(wrapper)
+
+
+def _quiet_transformers() -> None:
+    # transformers' per-load progress bars and notices would drown the one-line summaries of these commands.
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+def main() -> None:
+    """Thinker: Qwen-style checkpoints to a transformers model, and on to ONNX.
+
+    \b
+    A typical session:
+      thinker convert Qwen/Qwen3-0.6B ./qwen3            # Hub repo or folder -> Thinker folder
+      thinker export ./qwen3 ./qwen3-onnx --dtype float16 # Thinker folder -> ONNX folder (+ parity check)
+      thinker generate ./qwen3-onnx --prompt "Hello"      # greedy text with onnxruntime
+
+    Run `thinker COMMAND --help` for each command's options.
+    """
+
+
+@main.command("export")
+@click.argument("model_dir", metavar="MODEL_DIR")
+@click.argument("output", type=click.Path(path_type=Path))
+@click.option(
+    "--dtype",
+    type=click.Choice(list(DTYPES)),
+    default="float32",
+    show_default=True,
+    help="Precision of the graph's weights, activations and KV cache (logits are always float32).",
+)
+@click.option(
+    "--verify/--no-verify",
+    default=True,
+    show_default=True,
+    help="Compare onnxruntime with the PyTorch model over prefill + 6 decode steps on a left-padded batch; "
+    "fail beyond tolerance. Needs memory for both models at once.",
+)
+@click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="intra-op threads for genai_config.json [default: 0, one per physical core of the machine that runs "
+    "the model] and for --verify [default: physical cores].",
+)
+@reports_errors
+def export_command(model_dir: str, output: Path, dtype: str, verify: bool, force: bool, threads: int | None) -> None:
+    """Export MODEL_DIR to an ONNX folder OUTPUT for onnxruntime and onnxruntime-genai.
+
+    MODEL_DIR is a Thinker folder (from `thinker convert`), or any SOURCE that `thinker convert` accepts, which is
+    converted on the way. OUTPUT receives model.onnx with its weights in model.onnx.data, genai_config.json, the
+    tokenizer, and export_report.json (sizes, node count, parity figures). OUTPUT is written atomically.
+
+    \b
+    The graph's inputs: input_ids, attention_mask, position_ids, past_key_values.{i}.key/.value;
+    its outputs: logits, present.{i}.key/.value (KV as [batch, kv_heads, seq, head_dim]).
+    """
+    report = export_model(model_dir, output, dtype=dtype, verify=verify, force=force, threads=threads)
+    sizes = ", ".join(f"{name} {_human(size)}" for name, size in report["sizes"].items() if name.startswith("model"))
+    click.echo(f"wrote {output}: {report['nodes']} nodes, {report['parameters']:,} parameters ({sizes})")
+    figures = report["verify"]
+    if figures and figures.get("skipped"):
+        click.echo(f"verify skipped: {figures['skipped']}", err=True)
+    elif figures:
+        click.echo(
+            f"verify: max |Δlogit| {figures['max_abs_diff']:.3g} (tolerance {figures['tolerance']:.3g}), "
+            f"top-1 agreement {figures['top1_agreement']:.1%} over {figures['positions']} positions "
+            f"on {figures['provider']}"
+        )
+
+
+@main.command("generate")
+@click.argument("folder", type=click.Path(path_type=Path))
+@click.option("--prompt", "-p", required=True, help="The text to continue.")
+@click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option(
+    "--provider",
+    type=click.Choice(["auto", "cpu", "cuda"]),
+    default="auto",
+    show_default=True,
+    help="onnxruntime execution provider (ONNX folders only); auto picks CUDA when it really runs.",
+)
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads [default: physical cores].")
+@reports_errors
+def generate_command(folder: Path, prompt: str, max_new_tokens: int, provider: str, threads: int | None) -> None:
+    """Greedy continuation of --prompt with the model in FOLDER, using the tokenizer in FOLDER.
+
+    FOLDER is an ONNX folder from `thinker export` (run by onnxruntime) or a Thinker folder (run by transformers).
+    The continuation goes to stdout, the speed to stderr.
+    """
+    if not folder.is_dir():
+        raise ThinkerError(f"{folder}: no such folder")
+    tokenizer = _load_tokenizer(folder)
+    prompt_ids = tokenizer(prompt, return_tensors="np")["input_ids"]
+    if prompt_ids.shape[1] == 0:
+        raise ThinkerError("--prompt tokenizes to nothing; give some text")
+    eos, pad = _stop_tokens(folder)
+    if (folder / MODEL_FILE).is_file():
+        from .runtime import OnnxDecoder
+
+        decoder = OnnxDecoder(folder, provider=provider, threads=threads)
+        runtime = f"onnxruntime ({decoder.device})"
+        started = time.perf_counter()  # generation only, not the session's start
+        tokens = decoder.generate(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
+    elif is_thinker_folder(folder):
+        model = _load_transformers(folder, threads)
+        runtime = "transformers (cpu)"
+        started = time.perf_counter()
+        tokens = _generate_transformers(model, prompt_ids, max_new_tokens, eos, pad)
+    else:
+        raise ThinkerError(f"{folder}: neither an ONNX folder ({MODEL_FILE}) nor a Thinker folder (config.json)")
+    elapsed = time.perf_counter() - started
+    new = tokens[0, prompt_ids.shape[1] :]
+    click.echo(tokenizer.decode(new, skip_special_tokens=True))
+    click.echo(f"{len(new)} tokens in {elapsed:.2f} s ({len(new) / elapsed:.1f} tokens/s) with {runtime}", err=True)
+
+
+def _load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as err:
+        raise ThinkerError(f"{folder}: no usable tokenizer ({err.__class__.__name__}: {err})") from None
+
+
+def _stop_tokens(folder: Path) -> tuple[list[int] | None, int | None]:
+    """eos and pad ids: genai_config.json in an ONNX folder, else generation_config.json, else config.json."""
+    genai = read_json(folder / "genai_config.json")
+    if genai:
+        eos = genai["model"]["eos_token_id"]
+        return (eos if isinstance(eos, list) else [eos]), genai["model"]["pad_token_id"]
+    for name in ("generation_config.json", "config.json"):
+        config = read_json(folder / name) or {}
+        if config.get("eos_token_id") is not None:
+            eos = config["eos_token_id"]
+            return (eos if isinstance(eos, list) else [eos]), config.get("pad_token_id")
+    return None, None
+
+
+def _load_transformers(folder: Path, threads: int | None):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import thinker  # noqa: F401  (registers the Thinker classes with AutoModelForCausalLM)
+
+    if threads:
+        torch.set_num_threads(threads)
+    return AutoModelForCausalLM.from_pretrained(folder).eval()
+
+
+def _generate_transformers(model, prompt_ids, max_new_tokens: int, eos, pad):
+    import torch
+
+    prompt = torch.from_numpy(prompt_ids)
+    with torch.no_grad():
+        out = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=pad if pad is not None else (eos[0] if eos else None),
+        )
+    return out.numpy()
+
+
+def _human(size: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1024 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return str(size)
+
+
+def _add_converter_commands() -> None:
+    """`thinker convert` and `thinker verify` are the converter's own click commands, added when installed."""
+    try:
+        from converter.cli import convert_command, verify_command
+    except ImportError as err:
+        reason = str(err)
+
+        def unavailable(name: str) -> click.Command:
+            @click.command(name, context_settings={"ignore_unknown_options": True}, add_help_option=False)
+            @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+            def command(args) -> None:
+                click.echo(
+                    f"error: `thinker {name}` needs the converter's CLI, which failed to import ({reason})", err=True
+                )
+                sys.exit(1)
+
+            command.help = f"(unavailable: converter.cli does not import: {reason})"
+            return command
+
+        main.add_command(unavailable("convert"), "convert")
+        main.add_command(unavailable("verify"), "verify")
+        return
+    main.add_command(convert_command, "convert")
+    main.add_command(verify_command, "verify")
+
+
+_add_converter_commands()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,408 @@
+"""The Thinker decoder with its KV cache as an ONNX graph of standard operators, written op by op.
+
+Every part of the model is one ``emit_*`` method that mirrors the PyTorch module's order of operations
+(``thinker/modeling_thinker.py``): RMSNorm in float32 then cast back before the scale, softmax in float32, RoPE
+tables in the model dtype, Qwen's router (softmax, top-k, optional renormalisation). A fused variant for
+onnxruntime's contrib ops (GroupQueryAttention, SimplifiedLayerNormalization, RotaryEmbedding, MatMulNBits)
+subclasses ``DecoderGraph`` and overrides the emitters it replaces.
+
+IO contract (shared/DESIGN.md), P past and T new positions:
+  inputs   input_ids [B, T] int64, attention_mask [B, P+T] int64, position_ids [B, T] int64,
+           past_key_values.{i}.key/.value [B, n_kv, P, hs] in the model dtype
+  outputs  logits [B, T, V] float32, present.{i}.key/.value [B, n_kv, P+T, hs] in the model dtype
+
+Linear weights are stored transposed, [in, out], so that every projection is a plain MatMul.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import onnx
+import torch
+from onnx import TensorProto, helper
+
+from converter.errors import ThinkerError
+from thinker.configuration_thinker import ThinkerConfig
+from thinker.modeling_thinker import ThinkerRotaryEmbedding
+
+from .graph_builder import TORCH_TO_ONNX, GraphBuilder, value_info
+from .weights import ThinkerWeights
+
+OPSET = 21
+IR_VERSION = 10  # what opset 21 asks for; onnxruntime >= 1.20 reads it
+
+# Symbolic dimension names, as Optimum and onnxruntime-genai's builder spell them.
+BATCH, SEQ, PAST, TOTAL = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
+
+SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "quick_gelu", "relu")
+
+
+@dataclass
+class StepContext:
+    """Values computed once per forward and shared by every layer."""
+
+    attn_bias: str  # float32 additive mask, (B, 1, 1, T, S): 0 where a query may attend, the float32 minimum elsewhere
+    cos: str | None  # (B, 1, T, hs) in the model dtype, for RoPE
+    sin: str | None
+
+
+class DecoderGraph:
+    """Builds the decoder graph for one config, streaming weights from ``weights`` into ``builder``."""
+
+    def __init__(self, config: ThinkerConfig, weights: ThinkerWeights, builder: GraphBuilder, dtype: torch.dtype):
+        self.config = config
+        self.weights = weights
+        self.b = builder
+        self.dtype = dtype
+        self.onnx_dtype = TORCH_TO_ONNX[dtype]
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        check_exportable(config)
+
+    # --- the whole graph --------------------------------------------------------------------------------------
+    def build(self) -> onnx.GraphProto:
+        cfg, b = self.config, self.b
+        with b.scope("model"):
+            ctx = self.emit_step_context("input_ids", "attention_mask", "position_ids")
+            with b.scope("embed"):
+                hidden = self.emit_embeddings("input_ids", "position_ids")
+            for i in range(cfg.num_hidden_layers):
+                with b.scope(f"layers.{i}"):
+                    hidden = self.emit_layer(i, hidden, ctx)
+            with b.scope("norm"):
+                hidden = self.emit_norm(hidden, "model.norm")
+        with b.scope("lm_head"):
+            self.emit_lm_head(hidden, "logits")
+        return b.make_graph("thinker_decoder", self.graph_inputs(), self.graph_outputs())
+
+    def graph_inputs(self) -> list[onnx.ValueInfoProto]:
+        kv_shape = [BATCH, self.num_kv_heads, PAST, self.head_dim]
+        inputs = [
+            value_info("input_ids", TensorProto.INT64, [BATCH, SEQ]),
+            value_info("attention_mask", TensorProto.INT64, [BATCH, TOTAL]),
+            value_info("position_ids", TensorProto.INT64, [BATCH, SEQ]),
+        ]
+        for i in range(self.config.num_hidden_layers):
+            inputs.append(value_info(f"past_key_values.{i}.key", self.onnx_dtype, kv_shape))
+            inputs.append(value_info(f"past_key_values.{i}.value", self.onnx_dtype, kv_shape))
+        return inputs
+
+    def graph_outputs(self) -> list[onnx.ValueInfoProto]:
+        kv_shape = [BATCH, self.num_kv_heads, TOTAL, self.head_dim]
+        outputs = [value_info("logits", TensorProto.FLOAT, [BATCH, SEQ, self.config.vocab_size])]
+        for i in range(self.config.num_hidden_layers):
+            outputs.append(value_info(f"present.{i}.key", self.onnx_dtype, kv_shape))
+            outputs.append(value_info(f"present.{i}.value", self.onnx_dtype, kv_shape))
+        return outputs
+
+    # --- small helpers ----------------------------------------------------------------------------------------
+    def weight(self, name: str, transpose: bool = False) -> str:
+        tensor = self.weights.get(name)
+        if transpose:  # nn.Linear keeps (out, in); MatMul wants (in, out). For 3-D expert stacks: the last two axes.
+            tensor = tensor.transpose(-1, -2)
+        return self.b.weight(name, tensor)
+
+    def scalar(self, value: float) -> str:
+        """A scalar in the model dtype."""
+        return self.b.const(value, self.dtype)
+
+    def to_float(self, x: str) -> str:
+        return x if self.dtype == torch.float32 else self.b.op("Cast", x, to=TensorProto.FLOAT)
+
+    def to_model_dtype(self, x: str) -> str:
+        return x if self.dtype == torch.float32 else self.b.op("Cast", x, to=self.onnx_dtype)
+
+    def linear(self, x: str, prefix: str, bias: bool) -> str:
+        y = self.b.op("MatMul", x, self.weight(f"{prefix}.weight", transpose=True))
+        return self.b.op("Add", y, self.weight(f"{prefix}.bias")) if bias else y
+
+    # --- per-forward values -----------------------------------------------------------------------------------
+    def emit_step_context(self, input_ids: str, attention_mask: str, position_ids: str) -> StepContext:
+        with self.b.scope("attn_mask"):
+            bias = self.emit_attention_bias(input_ids, attention_mask)
+        cos = sin = None
+        if self.config.position_embedding_type == "rope":
+            with self.b.scope("rotary_emb"):
+                cos, sin = self.emit_rope_tables(position_ids)
+        return StepContext(attn_bias=bias, cos=cos, sin=sin)
+
+    def emit_attention_bias(self, input_ids: str, attention_mask: str) -> str:
+        """Causal and padding masks in one additive float32 bias of shape (B, 1, 1, T, S).
+
+        Query t sits at cache slot P + t, where P = S - T, and may see slot s when s <= P + t and the mask
+        keeps s. Rows that see nothing (a left pad's own query) get a uniform softmax, never NaN, because
+        the bias is finite; their outputs are garbage that no kept position reads.
+        """
+        b = self.b
+        seq = b.op("Squeeze", b.op("Shape", input_ids, start=1, end=2), b.const([0]))  # T, a scalar
+        total = b.op("Squeeze", b.op("Shape", attention_mask, start=1, end=2), b.const([0]))  # S
+        past = b.op("Sub", total, seq)
+        query_slot = b.op("Unsqueeze", b.op("Range", past, total, b.const(1)), b.const([1]))  # (T, 1)
+        key_slot = b.op("Unsqueeze", b.op("Range", b.const(0), total, b.const(1)), b.const([0]))  # (1, S)
+        causal = b.op("LessOrEqual", key_slot, query_slot)  # (T, S)
+        keep = b.op("Cast", attention_mask, to=TensorProto.BOOL)
+        keep = b.op("Unsqueeze", keep, b.const([1, 2, 3]))  # (B, 1, 1, 1, S)
+        allowed = b.op("And", causal, keep)  # (B, 1, 1, T, S)
+        lowest = torch.finfo(torch.float32).min
+        return b.op("Where", allowed, b.const(0.0, torch.float32), b.const(lowest, torch.float32))
+
+    def emit_rope_tables(self, position_ids: str) -> tuple[str, str]:
+        """cos/sin rows for ``position_ids`` from tables over the whole context, computed by the model's own
+        ``ThinkerRotaryEmbedding`` (so every rope_type transformers knows is right), in the model dtype."""
+        rotary = ThinkerRotaryEmbedding(self.config)
+        positions = torch.arange(self.config.max_position_embeddings)[None]
+        cos, sin = rotary(torch.zeros((), dtype=self.dtype), positions)  # (1, max_pos, hs)
+        if cos.shape[-1] != self.head_dim:
+            raise ThinkerError(
+                f"RoPE covers {cos.shape[-1]} of head_dim={self.head_dim} dimensions (partial_rotary_factor); "
+                "the Thinker model applies RoPE to whole heads only"
+            )
+        cos_table = self.b.weight("rotary_emb.cos_cache", cos[0])
+        sin_table = self.b.weight("rotary_emb.sin_cache", sin[0])
+        cos = self.b.op("Unsqueeze", self.b.op("Gather", cos_table, position_ids), self.b.const([1]))  # (B,1,T,hs)
+        sin = self.b.op("Unsqueeze", self.b.op("Gather", sin_table, position_ids), self.b.const([1]))
+        return cos, sin
+
+    # --- embeddings and head ----------------------------------------------------------------------------------
+    def emit_embeddings(self, input_ids: str, position_ids: str) -> str:
+        hidden = self.b.op("Gather", self.weight("model.embed_tokens.weight"), input_ids)  # (B, T, C)
+        if self.config.position_embedding_type == "learned":
+            positions = self.b.op("Gather", self.weight("model.embed_positions.weight"), position_ids)
+            hidden = self.b.op("Add", hidden, positions)
+        return hidden
+
+    def emit_lm_head(self, hidden: str, output: str) -> None:
+        b, cfg = self.b, self.config
+        bias = [self.weight("lm_head.bias")] if cfg.lm_head_bias else []
+        if cfg.tie_word_embeddings:
+            # Tied: the (V, C) embedding matrix serves as the head through Gemm's transB, so it is stored once.
+            flat = b.op("Reshape", hidden, b.const([-1, cfg.hidden_size]))
+            logits = b.op("Gemm", flat, "model.embed_tokens.weight", *bias, transB=1)
+            out_shape = b.op("Concat", b.op("Shape", hidden, start=0, end=2), b.const([cfg.vocab_size]), axis=0)
+            logits = b.op("Reshape", logits, out_shape)
+        else:
+            logits = b.op("MatMul", hidden, self.weight("lm_head.weight", transpose=True))
+            logits = b.op("Add", logits, bias[0]) if bias else logits
+        b.op_to("Cast", [logits], [output], to=TensorProto.FLOAT)
+
+    # --- norms ------------------------------------------------------------------------------------------------
+    def emit_norm(self, x: str, prefix: str) -> str:
+        if self.config.norm_type == "layernorm":
+            weight, bias = self.weight(f"{prefix}.weight"), self.weight(f"{prefix}.bias")
+            return self.b.op(
+                "LayerNormalization", x, weight, bias, axis=-1, epsilon=self.config.rms_norm_eps, stash_type=1
+            )
+        return self.emit_rms_norm(x, self.weight(f"{prefix}.weight"))
+
+    def emit_rms_norm(self, x: str, weight: str) -> str:
+        """``weight * (x32 * rsqrt(mean(x32²) + eps)).to(dtype)`` over the last axis, as ThinkerRMSNorm."""
+        b = self.b
+        x32 = self.to_float(x)
+        variance = b.op("ReduceMean", b.op("Mul", x32, x32), b.const([-1]), keepdims=1)
+        eps = b.const(self.config.rms_norm_eps, torch.float32)
+        inv_rms = b.op("Reciprocal", b.op("Sqrt", b.op("Add", variance, eps)))
+        return b.op("Mul", weight, self.to_model_dtype(b.op("Mul", x32, inv_rms)))
+
+    # --- decoder layer ----------------------------------------------------------------------------------------
+    def emit_layer(self, i: int, hidden: str, ctx: StepContext) -> str:
+        prefix = f"model.layers.{i}"
+        with self.b.scope("input_layernorm"):
+            normed = self.emit_norm(hidden, f"{prefix}.input_layernorm")
+        with self.b.scope("self_attn"):
+            attn = self.emit_attention(i, normed, ctx)
+        hidden = self.b.op("Add", hidden, attn)
+        with self.b.scope("post_attention_layernorm"):
+            normed = self.emit_norm(hidden, f"{prefix}.post_attention_layernorm")
+        with self.b.scope("mlp"):
+            if self.config.mlp_layer_types[i] == "sparse":
+                mlp = self.emit_moe(normed, f"{prefix}.mlp")
+            else:
+                mlp = self.emit_mlp(normed, f"{prefix}.mlp")
+        return self.b.op("Add", hidden, mlp)
+
+    # --- attention --------------------------------------------------------------------------------------------
+    def emit_attention(self, i: int, x: str, ctx: StepContext) -> str:
+        cfg, b = self.config, self.b
+        prefix = f"model.layers.{i}.self_attn"
+        nh, nkv, hs = self.num_heads, self.num_kv_heads, self.head_dim
+        q = b.op("Reshape", self.linear(x, f"{prefix}.q_proj", cfg.attention_bias), b.const([0, 0, nh, hs]))
+        k = b.op("Reshape", self.linear(x, f"{prefix}.k_proj", cfg.attention_bias), b.const([0, 0, nkv, hs]))
+        v = b.op("Reshape", self.linear(x, f"{prefix}.v_proj", cfg.attention_bias), b.const([0, 0, nkv, hs]))
+        if cfg.qk_norm:  # per head, on (B, T, n, hs)
+            with b.scope("q_norm"):
+                q = self.emit_rms_norm(q, self.weight(f"{prefix}.q_norm.weight"))
+            with b.scope("k_norm"):
+                k = self.emit_rms_norm(k, self.weight(f"{prefix}.k_norm.weight"))
+        q = b.op("Transpose", q, perm=[0, 2, 1, 3])  # (B, nh, T, hs)
+        k = b.op("Transpose", k, perm=[0, 2, 1, 3])  # (B, n_kv, T, hs)
+        v = b.op("Transpose", v, perm=[0, 2, 1, 3])
+        if ctx.cos is not None:
+            with b.scope("rotary"):
+                q = self.emit_rotary(q, ctx.cos, ctx.sin)
+                k = self.emit_rotary(k, ctx.cos, ctx.sin)
+        b.op_to("Concat", [f"past_key_values.{i}.key", k], [f"present.{i}.key"], axis=2)  # (B, n_kv, S, hs)
+        b.op_to("Concat", [f"past_key_values.{i}.value", v], [f"present.{i}.value"], axis=2)
+        out = self.emit_sdpa(q, f"present.{i}.key", f"present.{i}.value", ctx.attn_bias)  # (B, T, nh*hs)
+        return self.linear(out, f"{prefix}.o_proj", cfg.attention_output_bias)
+
+    def emit_rotary(self, x: str, cos: str, sin: str) -> str:
+        """``x * cos + rotate_half(x) * sin`` with the half-split rotation."""
+        b = self.b
+        first, second = b.op("Split", x, axis=-1, num_outputs=2, outputs=2)
+        rotated = b.op("Concat", b.op("Neg", second), first, axis=-1)
+        return b.op("Add", b.op("Mul", x, cos), b.op("Mul", rotated, sin))
+
+    def emit_sdpa(self, q: str, k: str, v: str, attn_bias: str) -> str:
+        """Grouped-query attention without copying K/V per query head: the g = nh / n_kv query heads that share a
+        KV head become one axis, and MatMul broadcasts K/V over it. (B, nh, T, hs) -> (B, T, nh * hs)."""
+        b = self.b
+        nh, nkv, hs = self.num_heads, self.num_kv_heads, self.head_dim
+        groups = nh // nkv
+        q = b.op("Reshape", q, b.const([0, nkv, groups, -1, hs]))  # (B, n_kv, g, T, hs)
+        # Transpose right before MatMul, so that onnxruntime folds it into the product (FusedMatMul, transB).
+        k_t = b.op("Transpose", b.op("Unsqueeze", k, b.const([2])), perm=[0, 1, 2, 4, 3])  # (B, n_kv, 1, hs, S)
+        scores = b.op("Mul", b.op("MatMul", q, k_t), self.scalar(hs**-0.5))  # (B, n_kv, g, T, S)
+        scores = b.op("Add", self.to_float(scores), attn_bias)
+        probs = self.to_model_dtype(b.op("Softmax", scores, axis=-1))
+        out = b.op("MatMul", probs, b.op("Unsqueeze", v, b.const([2])))  # (B, n_kv, g, T, hs)
+        out = b.op("Reshape", out, b.const([0, nh, -1, hs]))  # (B, nh, T, hs)
+        out = b.op("Transpose", out, perm=[0, 2, 1, 3])  # (B, T, nh, hs)
+        return b.op("Reshape", out, b.const([0, 0, nh * hs]))
+
+    # --- feed-forward -----------------------------------------------------------------------------------------
+    def emit_activation(self, x: str, b: GraphBuilder | None = None) -> str:
+        """``hidden_act`` as transformers' ACT2FN computes it; ``b`` is the builder to write into (a Loop body)."""
+        b, act = b or self.b, self.config.hidden_act
+        if act in ("silu", "swish"):
+            return b.op("Mul", x, b.op("Sigmoid", x))
+        if act == "relu":
+            return b.op("Relu", x)
+        if act == "quick_gelu":
+            return b.op("Mul", x, b.op("Sigmoid", b.op("Mul", x, self.scalar(1.702))))
+        half_x = b.op("Mul", x, self.scalar(0.5))
+        if act == "gelu":  # exact: 0.5 x (1 + erf(x / sqrt 2))
+            inner = b.op("Erf", b.op("Mul", x, self.scalar(1 / math.sqrt(2))))
+        else:  # the tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x³)))
+            cube = b.op("Mul", b.op("Mul", x, x), x)
+            inner = b.op("Add", x, b.op("Mul", cube, self.scalar(0.044715)))
+            inner = b.op("Tanh", b.op("Mul", inner, self.scalar(math.sqrt(2 / math.pi))))
+        return b.op("Mul", half_x, b.op("Add", inner, self.scalar(1.0)))
+
+    def emit_mlp(self, x: str, prefix: str) -> str:
+        bias = self.config.mlp_bias
+        if self.config.mlp_gated:
+            gate = self.emit_activation(self.linear(x, f"{prefix}.gate_proj", bias))
+            hidden = self.b.op("Mul", gate, self.linear(x, f"{prefix}.up_proj", bias))
+        else:
+            hidden = self.emit_activation(self.linear(x, f"{prefix}.up_proj", bias))
+        return self.linear(hidden, f"{prefix}.down_proj", bias)
+
+    def emit_router(self, flat: str, prefix: str) -> tuple[str, str]:
+        """Qwen's router: softmax over every expert in float32, top-k, optionally renormalised.
+        Returns the routing weights (N, k) in the model dtype and the expert indices (N, k) int64."""
+        b, cfg = self.b, self.config
+        logits = b.op("MatMul", flat, self.weight(f"{prefix}.gate.weight", transpose=True))  # (N, E)
+        probs = b.op("Softmax", self.to_float(logits), axis=-1)
+        top_values, top_index = b.op("TopK", probs, b.const([cfg.num_experts_per_tok]), axis=-1, outputs=2)
+        if cfg.norm_topk_prob:
+            top_values = b.op("Div", top_values, b.op("ReduceSum", top_values, b.const([-1]), keepdims=1))
+        return self.to_model_dtype(top_values), top_index
+
+    def emit_moe(self, x: str, prefix: str) -> str:
+        """Sparse MoE with real top-k routing: a Loop over the experts that some token picked (``Unique`` of the
+        top-k indices, ascending, as the PyTorch block visits them). Each iteration gathers its tokens, runs the
+        expert on those rows only and adds the weighted result back at the same rows, so the work is proportional
+        to tokens x k, not tokens x E, and memory holds one expert's rows at a time.
+
+        Cost: standard ONNX has no way to multiply by one slice of a weight stack without copying it (Gather), so
+        each visited expert's weights are read about three times (copy in, copy out, product); a dense pass over
+        every expert reads all E once. The Loop wins when E > 3k (Qwen3-MoE: E = 128, k = 8). The fused variant
+        replaces this with onnxruntime's MoE contrib op, which reads each routed expert once."""
+        b, cfg = self.b, self.config
+        flat = b.op("Reshape", x, b.const([-1, cfg.hidden_size]))  # (N, C)
+        with b.scope("gate"):
+            routing_weights, expert_index = self.emit_router(flat, prefix)
+        gate_up = self.weight(f"{prefix}.experts.gate_up_proj", transpose=True)  # (E, C, 2I)
+        down = self.weight(f"{prefix}.experts.down_proj", transpose=True)  # (E, I, C)
+        experts = b.op("Unique", b.op("Reshape", expert_index, b.const([-1])), sorted=1, outputs=4)[0]
+        zero = helper.make_tensor("zero", self.onnx_dtype, [1], [0])
+        zeros = b.op("ConstantOfShape", b.op("Shape", flat), value=zero)  # the accumulator, (N, C)
+
+        body = b.subgraph()
+        with body.scope("expert"):
+            # Body inputs get model-wide unique names: onnx forbids a subgraph name that shadows another.
+            iteration, cond_in, acc = body.fresh("iteration"), body.fresh("condition_in"), body.fresh("accumulated")
+            cond_out = body.op("Identity", cond_in)  # no early exit: the trip count is the number of experts
+            out = self.emit_expert_step(
+                body, iteration, acc, experts, expert_index, routing_weights, flat, gate_up, down
+            )
+        loop_body = body.make_graph(
+            "moe_expert_step",
+            [
+                value_info(iteration, TensorProto.INT64, []),
+                value_info(cond_in, TensorProto.BOOL, []),
+                value_info(acc, self.onnx_dtype, [None, cfg.hidden_size]),
+            ],
+            [value_info(cond_out, TensorProto.BOOL, []), value_info(out, self.onnx_dtype, [None, cfg.hidden_size])],
+        )
+        # The condition is given although it never stops the loop: onnx's reference evaluator skips a Loop whose
+        # optional condition is left out.
+        moe = b.op("Loop", b.op("Size", experts), b.const(True, torch.bool), zeros, body=loop_body)
+
+        if cfg.shared_expert_intermediate_size:
+            with b.scope("shared_expert"):
+                shared = self.emit_mlp(flat, f"{prefix}.shared_expert")
+                shared_gate = b.op("Sigmoid", self.linear(flat, f"{prefix}.shared_expert_gate", bias=False))
+                moe = b.op("Add", moe, b.op("Mul", shared_gate, shared))
+        return b.op("Reshape", moe, b.op("Shape", x))
+
+    def emit_expert_step(
+        self,
+        body: GraphBuilder,
+        iteration: str,
+        accumulated: str,
+        experts: str,
+        expert_index: str,
+        routing_weights: str,
+        flat: str,
+        gate_up: str,
+        down: str,
+    ) -> str:
+        """The Loop body: expert ``experts[iteration]`` runs on its tokens, its weighted output is added in."""
+        expert = body.op("Gather", experts, iteration)  # a scalar expert id
+        picks = body.op("NonZero", body.op("Equal", expert_index, expert))  # (2, M): (token, slot) pairs
+        tokens = body.op("Gather", picks, body.const(0))  # (M,)
+        weights = body.op("GatherND", routing_weights, body.op("Transpose", picks, perm=[1, 0]))  # (M,)
+        rows = body.op("Gather", flat, tokens)  # (M, C)
+        gate, up = body.op(
+            "Split", body.op("MatMul", rows, body.op("Gather", gate_up, expert)), axis=-1, num_outputs=2, outputs=2
+        )
+        hidden = body.op("Mul", self.emit_activation(gate, body), up)
+        y = body.op("MatMul", hidden, body.op("Gather", down, expert))  # (M, C)
+        y = body.op("Mul", y, body.op("Unsqueeze", weights, body.const([-1])))
+        # Each token meets an expert at most once, so a gather-add-scatter is exact (no duplicate indices).
+        token_rows = body.op("Unsqueeze", tokens, body.const([-1]))  # (M, 1)
+        updated = body.op("Add", body.op("Gather", accumulated, tokens), y)
+        return body.op("ScatterND", accumulated, token_rows, updated)
+
+
+def check_exportable(config: ThinkerConfig) -> None:
+    """Refuses configs the graph cannot express, naming the field, before any byte is written."""
+    if config.hidden_act not in SUPPORTED_ACTIVATIONS:
+        raise ThinkerError(
+            f"hidden_act={config.hidden_act!r} has no ONNX export yet; supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
+        )
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise ThinkerError("num_attention_heads must be a multiple of num_key_value_heads")
+
+
+def make_model(graph: onnx.GraphProto, metadata: dict[str, str]) -> onnx.ModelProto:
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="thinker", ir_version=IR_VERSION
+    )
+    for key, value in metadata.items():
+        model.metadata_props.add(key=key, value=value)
+    return model

@@ -1,0 +1,253 @@
+"""``thinker export``: a Thinker folder (or any source thinker-convert reads) to an ONNX folder.
+
+The output folder holds ``model.onnx`` + ``model.onnx.data``, ``genai_config.json``, the tokenizer and model
+configs, and ``export_report.json``. It is written into a temporary sibling folder that is renamed into place only
+when everything (the checker, the optional parity check) has passed, so OUTPUT is either complete or untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import torch
+
+from converter.errors import ThinkerError
+from thinker.configuration_thinker import ThinkerConfig
+
+from .decoder_graph import IR_VERSION, OPSET, DecoderGraph, make_model
+from .genai_config import make_genai_config
+from .graph_builder import GraphBuilder, WeightFile
+from .weights import ThinkerWeights
+
+MODEL_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
+REPORT_FILE = "export_report.json"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Copied beside the graph: the tokenizer (for `thinker generate` and onnxruntime-genai) and the model's own configs.
+SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+@dataclass
+class GraphFiles:
+    model_path: Path
+    nodes: int
+    nodes_by_op: dict[str, int]
+    parameters: int
+    data_bytes: int
+
+
+def export_model(
+    source: str | Path,
+    output: str | Path,
+    dtype: str = "float32",
+    verify: bool = True,
+    force: bool = False,
+    threads: int | None = None,
+) -> dict:
+    """Exports ``source`` to the folder ``output`` and returns the export report (also written there)."""
+    output = Path(output)
+    if dtype not in DTYPES:
+        raise ThinkerError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+    if output.exists() and not force:
+        raise ThinkerError(f"{output} already exists; pass --force to replace it")
+    started = time.perf_counter()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with staging_folder(output) as staging, thinker_folder(source, staging) as model_dir:
+        check_paths(model_dir, output)
+        config = load_config(model_dir)
+        final = staging / "onnx"
+        graph = build_onnx(model_dir, config, final, DTYPES[dtype])
+        copy_side_files(model_dir, final)
+        generation_config = read_json(model_dir / "generation_config.json")
+        genai = make_genai_config(config, generation_config, threads)
+        (final / "genai_config.json").write_text(json.dumps(genai, indent=2) + "\n")
+        report = {
+            "source": str(source),
+            "converted": model_dir != Path(source),  # True: SOURCE went through thinker-convert first
+            "dtype": dtype,
+            "opset": OPSET,
+            "ir_version": IR_VERSION,
+            "nodes": graph.nodes,
+            "nodes_by_op": graph.nodes_by_op,
+            "parameters": graph.parameters,
+            "sizes": {p.name: p.stat().st_size for p in sorted(final.iterdir())},
+            "export_seconds": round(time.perf_counter() - started, 3),
+            "verify": None,
+            "versions": versions(),
+        }
+        if verify:
+            from .verify import verify_export
+
+            report["verify"] = verify_export(model_dir, graph.model_path, DTYPES[dtype], threads=threads)
+            if report["verify"].get("passed") is False:
+                figures = report["verify"]
+                raise ThinkerError(
+                    f"onnxruntime disagrees with PyTorch: max |Δlogit| {figures['max_abs_diff']:.3g} > tolerance "
+                    f"{figures['tolerance']:.3g} ({dtype}); the export was not written"
+                )
+        (final / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+        replace_folder(final, output)
+    return report
+
+
+def build_onnx(model_dir: Path, config: ThinkerConfig, out_dir: Path, dtype: torch.dtype) -> GraphFiles:
+    """Writes ``model.onnx`` and ``model.onnx.data`` into ``out_dir`` and checks them."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weights = ThinkerWeights(model_dir, dtype, config.tie_word_embeddings)
+    data = WeightFile(out_dir / DATA_FILE)
+    try:
+        graph = DecoderGraph(config, weights, GraphBuilder(data), dtype).build()
+        unused = weights.unused()
+        if unused:
+            raise ThinkerError(
+                f"{model_dir}: tensors the ONNX graph does not use: {', '.join(unused[:8])}"
+                + (f" (+{len(unused) - 8} more)" if len(unused) > 8 else "")
+                + "; the config does not describe these weights"
+            )
+    finally:
+        data.close()
+        weights.close()
+    model = make_model(graph, {"thinker.dtype": str(dtype).removeprefix("torch."), "thinker.source": str(model_dir)})
+    model_path = out_dir / MODEL_FILE
+    onnx.save_model(model, model_path)  # the proto alone: the weights are in DATA_FILE already
+    try:
+        # On the path, so that the checker follows the external data and has no 2 GB limit.
+        onnx.checker.check_model(str(model_path))
+    except onnx.checker.ValidationError as err:
+        raise RuntimeError(f"the exported graph is invalid (a bug in the exporter): {err}") from err
+    ops = count_ops(model.graph)
+    return GraphFiles(
+        model_path=model_path,
+        nodes=sum(ops.values()),
+        nodes_by_op=dict(sorted(ops.items())),
+        parameters=count_parameters(model.graph),
+        data_bytes=data.bytes_written,
+    )
+
+
+def check_paths(model_dir: Path, output: Path) -> None:
+    if (model_dir / MODEL_FILE).is_file():
+        raise ThinkerError(f"{model_dir} is an ONNX export already; export the Thinker folder it came from")
+    resolved = output.resolve()
+    if resolved == model_dir.resolve() or resolved in model_dir.resolve().parents:
+        raise ThinkerError(f"OUTPUT {output} would replace the model being exported ({model_dir}); pick another folder")
+
+
+# --- the model folder ---------------------------------------------------------------------------------------------
+def load_config(model_dir: Path) -> ThinkerConfig:
+    try:
+        return ThinkerConfig.from_pretrained(model_dir)
+    except Exception as err:
+        raise ThinkerError(f"{model_dir}/config.json: not a readable Thinker config ({err})") from None
+
+
+def is_thinker_folder(path: Path) -> bool:
+    config = read_json(path / "config.json") if path.is_dir() else None
+    return bool(config) and config.get("model_type") == "thinker"
+
+
+@contextmanager
+def thinker_folder(source: str | Path, staging: Path) -> Iterator[Path]:
+    """``source`` itself when it is a Thinker folder, else a Thinker folder converted from it into ``staging``
+    (a Hub repo id or any checkpoint thinker-convert reads; the converter checks its own parity when it fits)."""
+    path = Path(source)
+    if is_thinker_folder(path):
+        yield path
+        return
+    from converter.convert import convert
+
+    converted = staging / "thinker"
+    convert(str(source), converted)
+    yield converted
+
+
+@contextmanager
+def staging_folder(output: Path) -> Iterator[Path]:
+    """A temporary folder beside ``output`` (same file system, so the final rename is atomic), always removed."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent))
+    try:
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def replace_folder(new: Path, output: Path) -> None:
+    """Renames ``new`` to ``output``; an existing ``output`` (--force) is moved aside first, then deleted."""
+    old = None
+    if output.exists():
+        old = new.parent / "previous"
+        output.rename(old)
+    new.rename(output)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def copy_side_files(model_dir: Path, out_dir: Path) -> None:
+    for name in SIDE_FILES:
+        if (model_dir / name).is_file():
+            shutil.copy2(model_dir / name, out_dir / name)
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise ThinkerError(f"{path}: not readable JSON ({err})") from None
+
+
+# --- figures for the report ---------------------------------------------------------------------------------------
+def count_ops(graph: onnx.GraphProto) -> Counter:
+    """Node count by op type, control-flow bodies included."""
+    ops: Counter = Counter()
+    for node in graph.node:
+        ops[node.op_type] += 1
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                ops.update(count_ops(attr.g))
+    return ops
+
+
+def count_parameters(graph: onnx.GraphProto) -> int:
+    total = 0
+    for tensor in graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL and not tensor.name.startswith("rotary_emb."):
+            size = 1
+            for dim in tensor.dims:
+                size *= dim
+            total += size
+    return total
+
+
+def versions() -> dict[str, str]:
+    import onnxruntime
+    import transformers
+
+    return {
+        "onnx": onnx.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }

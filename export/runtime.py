@@ -1,0 +1,213 @@
+"""Runs an exported decoder with onnxruntime: ``prefill``, ``decode_one_token`` and greedy ``generate``.
+
+On CUDA the KV cache never leaves the device: each step binds the previous step's ``present.*`` OrtValues as the
+next ``past_key_values.*`` inputs through IO binding, and only the logits come back to the host. On CPU the
+cache is a dict of numpy arrays fed back the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NotImplementedByOrt
+
+from converter.errors import ThinkerError
+
+MODEL_FILE = "model.onnx"
+CUDA = "CUDAExecutionProvider"
+CPU = "CPUExecutionProvider"
+
+# onnxruntime's type strings for the cache dtypes, to the onnx element type (bfloat16 has no numpy dtype).
+_ORT_TYPES = {"tensor(float)": (1, np.float32), "tensor(float16)": (10, np.float16), "tensor(bfloat16)": (16, None)}
+
+
+def physical_cores() -> int:
+    """Physical cores (hyper-threads share a core's matrix units, so more threads than cores slow matmuls down)."""
+    try:
+        import psutil
+
+        return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    except ImportError:
+        return os.cpu_count() or 1
+
+
+def session_options(threads: int | None = None) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads or physical_cores()
+    options.log_severity_level = 3  # errors only: the CPU fallback warnings are expected and noisy
+    return options
+
+
+@functools.cache
+def cuda_usable() -> bool:
+    """Whether a CUDA session really runs here. The provider list names CUDA wherever onnxruntime-gpu is
+    installed, with or without a GPU and its libraries, and a session then falls back to CPU, so a one-node
+    model is run. Asked once per process."""
+    if CUDA not in ort.get_available_providers():
+        return False
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
+    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "probe", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    ort.set_default_logger_severity(4)  # a missing libcublas is the answer here, not an error to print
+    try:
+        session = ort.InferenceSession(model.SerializeToString(), session_options(1), providers=[CUDA])
+        session.run(None, {"x": np.ones(1, np.float32)})
+        return CUDA in session.get_providers()
+    except Exception:
+        return False
+    finally:
+        ort.set_default_logger_severity(2)  # onnxruntime's default: warnings
+
+
+@dataclass
+class DecoderState:
+    """What one step hands to the next: the mask over every cached slot, each row's next position, the cache."""
+
+    attention_mask: np.ndarray  # (B, S) int64
+    next_position: np.ndarray  # (B,) int64
+    cache: dict[str, object] = field(default_factory=dict)  # past_key_values.* name -> np.ndarray or OrtValue
+
+
+class OnnxDecoder:
+    """An onnxruntime session over ``model.onnx`` that follows the Thinker IO contract.
+
+    ``provider``: "auto" (CUDA when a CUDA session really runs, else CPU), "cuda" or "cpu".
+    ``threads``: intra-op threads for CPU work, default all physical cores.
+    """
+
+    def __init__(self, path: str | Path, provider: str = "auto", threads: int | None = None) -> None:
+        path = Path(path)
+        self.model_path = path / MODEL_FILE if path.is_dir() else path
+        if not self.model_path.is_file():
+            raise ThinkerError(f"{self.model_path}: no such ONNX model; export one with `thinker export`")
+        if provider not in ("auto", "cuda", "cpu"):
+            raise ThinkerError(f"provider={provider!r}; expected auto, cuda or cpu")
+        use_cuda = provider == "cuda" or (provider == "auto" and cuda_usable())
+        providers = [CUDA, CPU] if use_cuda else [CPU]
+        try:
+            self.session = ort.InferenceSession(str(self.model_path), session_options(threads), providers=providers)
+        except NotImplementedByOrt as err:  # a kernel the provider lacks: bfloat16 on CPU, typically
+            reason = str(err).splitlines()[0]
+            raise ThinkerError(
+                f"{self.model_path}: onnxruntime cannot run it on {_provider_label(providers)}: {reason}"
+            ) from None
+        self.device = "cuda" if CUDA in self.session.get_providers() else "cpu"
+        if provider == "cuda" and self.device != "cuda":
+            raise ThinkerError("onnxruntime could not start its CUDA execution provider here; use --provider cpu")
+
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        self.past_names = sorted((n for n in inputs if n.startswith("past_key_values.")), key=_layer_order)
+        self.present_names = [n.replace("past_key_values.", "present.") for n in self.past_names]
+        if not self.past_names or "input_ids" not in inputs:
+            raise ThinkerError(f"{self.model_path}: not a decoder with a KV cache (no past_key_values.* inputs)")
+        first = inputs[self.past_names[0]]
+        self.num_kv_heads, self.head_dim = first.shape[1], first.shape[3]
+        self.onnx_cache_type, self.numpy_cache_type = _ORT_TYPES[first.type]
+        self.output_names = ["logits", *self.present_names]
+
+    # --- the cache ------------------------------------------------------------------------------------------------
+    def empty_cache(self, batch: int) -> dict[str, object]:
+        """past_seq = 0: every past_key_values input with a zero-length sequence axis."""
+        shape = [batch, self.num_kv_heads, 0, self.head_dim]
+        if self.device == "cuda":
+            make = ort.OrtValue.ortvalue_from_shape_and_type
+            return {name: make(shape, self.onnx_cache_type, "cuda", 0) for name in self.past_names}
+        if self.numpy_cache_type is None:
+            raise ThinkerError("this model keeps its cache in bfloat16, which onnxruntime runs on CUDA only")
+        return {name: np.zeros(shape, self.numpy_cache_type) for name in self.past_names}
+
+    # --- one forward ----------------------------------------------------------------------------------------------
+    def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, state: DecoderState) -> np.ndarray:
+        """Runs the graph on new tokens; ``state.cache`` becomes the presents. Returns logits (B, T, V) float32."""
+        feeds = {
+            "input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
+            "attention_mask": np.ascontiguousarray(state.attention_mask, dtype=np.int64),
+            "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64),
+        }
+        if self.device == "cuda":
+            return self._forward_io_binding(feeds, state)
+        outputs = self.session.run(self.output_names, {**feeds, **state.cache})
+        state.cache = dict(zip(self.past_names, outputs[1:], strict=True))
+        return outputs[0]
+
+    def _forward_io_binding(self, feeds: dict[str, np.ndarray], state: DecoderState) -> np.ndarray:
+        binding = self.session.io_binding()
+        for name, value in feeds.items():
+            binding.bind_cpu_input(name, value)
+        for name, value in state.cache.items():
+            binding.bind_ortvalue_input(name, value)  # last step's present, still on the GPU
+        binding.bind_output("logits", "cpu")
+        for name in self.present_names:
+            binding.bind_output(name, "cuda", 0)  # onnxruntime allocates it on the device
+        self.session.run_with_iobinding(binding)
+        outputs = binding.get_outputs()
+        state.cache = dict(zip(self.past_names, outputs[1:], strict=True))
+        return outputs[0].numpy()
+
+    # --- the verbs ------------------------------------------------------------------------------------------------
+    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, DecoderState]:
+        """The prompt (left-padded when rows differ in length) through an empty cache. Logits (B, T, V)."""
+        attention_mask = np.asarray(attention_mask, dtype=np.int64)
+        positions = position_ids_from_mask(attention_mask)
+        state = DecoderState(attention_mask, positions[:, -1] + 1, self.empty_cache(input_ids.shape[0]))
+        return self.forward(input_ids, positions, state), state
+
+    def decode_one_token(self, tokens: np.ndarray, state: DecoderState) -> np.ndarray:
+        """One new token per row after the cache. Returns logits (B, V)."""
+        batch = tokens.shape[0]
+        state.attention_mask = np.concatenate([state.attention_mask, np.ones((batch, 1), np.int64)], axis=1)
+        logits = self.forward(tokens.reshape(batch, 1), state.next_position.reshape(batch, 1), state)
+        state.next_position = state.next_position + 1
+        return logits[:, -1]
+
+    def generate(
+        self,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray | None = None,
+        max_new_tokens: int = 32,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
+    ) -> np.ndarray:
+        """Greedy continuation; returns (B, T + n) tokens. Rows that reach EOS are padded from there on (as
+        transformers' ``generate`` does) and the loop stops when every row has."""
+        input_ids = np.asarray(input_ids, dtype=np.int64)
+        if attention_mask is None:
+            attention_mask = np.ones_like(input_ids)
+        eos = set(np.atleast_1d(eos_token_id).tolist()) if eos_token_id is not None else set()
+        pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
+        logits, state = self.prefill(input_ids, attention_mask)
+        next_logits = logits[:, -1]  # left padding: the last column is every row's last real token
+        done = np.zeros(input_ids.shape[0], dtype=bool)
+        new_tokens = []
+        for step in range(max_new_tokens):
+            token = np.where(done, pad, next_logits.argmax(-1)).astype(np.int64)
+            new_tokens.append(token)
+            done |= np.isin(token, list(eos))
+            if done.all() or step == max_new_tokens - 1:
+                break
+            next_logits = self.decode_one_token(token, state)
+        if not new_tokens:
+            return input_ids
+        return np.concatenate([input_ids, np.stack(new_tokens, axis=1)], axis=1)
+
+
+def position_ids_from_mask(attention_mask: np.ndarray) -> np.ndarray:
+    """Each kept slot's position counts the kept slots before it; pads get 0 (any valid row of the tables)."""
+    return np.maximum(np.cumsum(attention_mask, axis=-1) - 1, 0).astype(np.int64)
+
+
+def _provider_label(providers: list[str]) -> str:
+    return "CUDA" if CUDA in providers else "CPU (export float16 or float32 for CPU)"
+
+
+def _layer_order(name: str) -> tuple[int, int]:
+    _, layer, kind = name.split(".")
+    return int(layer), 0 if kind == "key" else 1

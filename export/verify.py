@@ -1,0 +1,121 @@
+"""``thinker export --verify``: onnxruntime against the PyTorch Thinker, step by step.
+
+A left-padded batch of two prompts goes through prefill and then several single-token decode steps in both
+runtimes, each fed the same (PyTorch-greedy) tokens. Logits are compared at every kept position; pads carry no
+meaning in either runtime and are left out. The tolerance is relative to the logit scale, as in DESIGN.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .runtime import OnnxDecoder, cuda_usable, position_ids_from_mask
+
+# max |Δlogit| allowed, as a fraction of max(1, max |logit|), per graph dtype.
+RELATIVE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+DECODE_STEPS = 6
+
+
+def parity_batch(vocab_size: int, seed: int = 0, lengths: tuple[int, int] = (7, 4)) -> tuple[np.ndarray, np.ndarray]:
+    """Two random prompts, the shorter one left-padded: (input_ids, attention_mask), both (2, max(lengths))."""
+    rng = np.random.default_rng(seed)
+    width = max(lengths)
+    input_ids = rng.integers(0, vocab_size, size=(len(lengths), width), dtype=np.int64)
+    attention_mask = np.zeros_like(input_ids)
+    for row, length in enumerate(lengths):
+        attention_mask[row, width - length :] = 1
+    return np.where(attention_mask == 1, input_ids, 0), attention_mask
+
+
+@dataclass
+class Agreement:
+    """Running figures over every compared position."""
+
+    max_abs_diff: float = 0.0
+    abs_diff_sum: float = 0.0
+    logit_scale: float = 0.0
+    positions: int = 0
+    top1_equal: int = 0
+    per_step: list[float] = field(default_factory=list)
+
+    def add(self, reference: np.ndarray, candidate: np.ndarray) -> None:
+        """Adds (N, V) logits of the same N positions."""
+        diff = np.abs(reference.astype(np.float64) - candidate.astype(np.float64))
+        self.max_abs_diff = max(self.max_abs_diff, float(diff.max()))
+        self.abs_diff_sum += float(diff.mean(axis=-1).sum())
+        self.logit_scale = max(self.logit_scale, float(np.abs(reference).max()))
+        self.positions += reference.shape[0]
+        self.top1_equal += int((reference.argmax(-1) == candidate.argmax(-1)).sum())
+        self.per_step.append(float(diff.max()))
+
+    def figures(self) -> dict:
+        return {
+            "max_abs_diff": self.max_abs_diff,
+            "mean_abs_diff": self.abs_diff_sum / max(self.positions, 1),
+            "logit_scale": self.logit_scale,
+            "top1_agreement": self.top1_equal / max(self.positions, 1),
+            "positions": self.positions,
+            "max_abs_diff_per_step": self.per_step,  # prefill first, then each decode step
+        }
+
+
+@torch.no_grad()
+def compare_decoders(
+    model: torch.nn.Module,
+    decoder: OnnxDecoder,
+    input_ids: np.ndarray,
+    attention_mask: np.ndarray,
+    steps: int = DECODE_STEPS,
+) -> dict:
+    """Prefill + ``steps`` decode steps in PyTorch and onnxruntime; figures over every kept position."""
+    agreement = Agreement()
+    mask = torch.from_numpy(attention_mask)
+    positions = torch.from_numpy(position_ids_from_mask(attention_mask))
+    out = model(input_ids=torch.from_numpy(input_ids), attention_mask=mask, position_ids=positions, use_cache=True)
+    reference = out.logits.float().numpy()
+    candidate, state = decoder.prefill(input_ids, attention_mask)
+    kept = attention_mask.astype(bool)
+    agreement.add(reference[kept], candidate[kept])
+
+    past, next_position = out.past_key_values, positions[:, -1:] + 1
+    token = reference[:, -1].argmax(-1)
+    for _ in range(steps):
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        out = model(
+            input_ids=torch.from_numpy(token[:, None]),
+            attention_mask=mask,
+            position_ids=next_position,
+            past_key_values=past,
+            use_cache=True,
+        )
+        reference = out.logits[:, -1].float().numpy()
+        agreement.add(reference, decoder.decode_one_token(token, state))
+        past, next_position, token = out.past_key_values, next_position + 1, reference.argmax(-1)
+    return {"batch": int(input_ids.shape[0]), "decode_steps": steps, **agreement.figures()}
+
+
+def verify_export(model_dir: Path, onnx_path: Path, dtype: torch.dtype, threads: int | None = None) -> dict:
+    """The figures for the export report; ``passed`` is False beyond tolerance, None when it could not run."""
+    from thinker import ThinkerForCausalLM
+
+    if dtype == torch.bfloat16 and not cuda_usable():
+        return {
+            "passed": None,
+            "skipped": "onnxruntime's CPU execution provider has no bfloat16 kernels; verify where CUDA is available",
+        }
+    decoder = OnnxDecoder(onnx_path, threads=threads)
+    model = ThinkerForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    input_ids, attention_mask = parity_batch(model.config.vocab_size)
+    figures = compare_decoders(model, decoder, input_ids, attention_mask)
+    tolerance = RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"])
+    return {
+        "provider": decoder.device,
+        "reference": f"PyTorch ThinkerForCausalLM, {str(dtype).removeprefix('torch.')}, CPU",
+        **figures,
+        "tolerance": tolerance,
+        "passed": figures["max_abs_diff"] <= tolerance,
+    }

@@ -1,0 +1,64 @@
+"""A Thinker folder's weights, read one tensor at a time and cast to the export dtype.
+
+The exporter asks for tensors by their Thinker parameter name in the order it emits the graph; nothing else is
+held, so peak memory stays near the largest tensor. ``unused()`` names what was never asked for, so that a
+feature the graph forgot is an error rather than a silently different model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from converter.errors import ThinkerError
+from converter.sources import SafetensorsSource, safetensors_files
+
+# Parts of a Thinker checkpoint that are not the text decoder the ONNX graph holds (Qwen3-Omni extras).
+NOT_EXPORTED_PREFIXES = ("model.audio_proj.", "talker_head.")
+
+
+class ThinkerWeights:
+    def __init__(self, folder: Path, dtype: torch.dtype, tie_word_embeddings: bool) -> None:
+        self.folder = Path(folder)
+        self.dtype = dtype
+        if not safetensors_files(self.folder):
+            raise ThinkerError(
+                f"{self.folder}: no *.safetensors weights; is this a Thinker folder written by thinker-convert?"
+            )
+        self._source = SafetensorsSource(self.folder)
+        self._names = set(self._source.names())
+        self._used: set[str] = set()
+        self._tied = tie_word_embeddings
+
+    def __contains__(self, name: str) -> bool:
+        return self._resolve(name) in self._names
+
+    def _resolve(self, name: str) -> str:
+        # transformers drops a tied head from the checkpoint; it is the embedding matrix.
+        if name == "lm_head.weight" and self._tied and name not in self._names:
+            return "model.embed_tokens.weight"
+        return name
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor in the export dtype (floating-point tensors only are cast)."""
+        source_name = self._resolve(name)
+        if source_name not in self._names:
+            raise ThinkerError(
+                f"{self.folder}: tensor {name!r} is missing, but config.json asks for it; "
+                "the folder's weights do not match its config"
+            )
+        self._used.add(source_name)
+        tensor = self._source.load(source_name)
+        return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._source.shape(self._resolve(name))
+
+    def unused(self) -> list[str]:
+        """Tensors of the folder that the graph never read (a tied head saved anyway is the embedding)."""
+        ignored = {"lm_head.weight"} if self._tied else set()
+        return sorted(n for n in self._names - self._used - ignored if not n.startswith(NOT_EXPORTED_PREFIXES))
+
+    def close(self) -> None:
+        self._source.close()

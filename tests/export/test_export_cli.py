@@ -1,0 +1,105 @@
+"""The ``thinker`` command line: export (with --verify) then generate, refusals, one-line errors, help."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from export.cli import main
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+def test_export_then_generate(runner, thinker_folder, tmp_path):
+    source = thinker_folder("qwen3_moe")
+    output = tmp_path / "onnx"
+    result = runner.invoke(main, ["export", str(source), str(output), "--threads", "2"])
+    assert result.exit_code == 0, result.output
+    assert "verify: max |Δlogit|" in result.stdout
+
+    names = {p.name for p in output.iterdir()}
+    assert {"model.onnx", "model.onnx.data", "genai_config.json", "export_report.json"} <= names
+    assert {"tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json"} <= names
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left behind
+    report = json.loads((output / "export_report.json").read_text())
+    assert report["dtype"] == "float32" and report["opset"] == 21 and report["nodes"] > 0
+    assert report["verify"]["passed"] is True and report["verify"]["max_abs_diff"] <= 1e-4
+    assert report["verify"]["decode_steps"] == 6 and report["verify"]["batch"] == 2
+    genai = json.loads((output / "genai_config.json").read_text())
+    assert genai["model"]["decoder"]["session_options"]["intra_op_num_threads"] == 2
+    assert (genai["model"]["eos_token_id"], genai["model"]["bos_token_id"], genai["model"]["pad_token_id"]) == (2, 1, 0)
+
+    prompt = ["--prompt", "the cat sat on the mat", "--max-new-tokens", "6"]
+    onnx_run = runner.invoke(main, ["generate", str(output), *prompt])
+    torch_run = runner.invoke(main, ["generate", str(source), *prompt])
+    assert onnx_run.exit_code == 0, onnx_run.output
+    assert torch_run.exit_code == 0, torch_run.output
+    assert onnx_run.stdout.strip() and onnx_run.stdout == torch_run.stdout
+    assert "onnxruntime (cpu)" in onnx_run.stderr and "transformers" in torch_run.stderr
+
+
+def test_export_converts_a_source_on_the_way(runner, tmp_path):
+    """A transformers Qwen3 folder (not a Thinker folder) is converted by thinker-convert, then exported."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=12, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    Qwen3ForCausalLM(config).save_pretrained(tmp_path / "qwen3")
+    result = runner.invoke(main, ["export", str(tmp_path / "qwen3"), str(tmp_path / "onnx")])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "onnx" / "export_report.json").read_text())
+    assert report["converted"] is True and report["verify"]["passed"] is True
+
+
+def test_existing_output_is_refused_without_force(runner, thinker_folder, tmp_path):
+    output = tmp_path / "onnx"
+    output.mkdir()
+    (output / "keep.txt").write_text("mine")
+    result = runner.invoke(main, ["export", str(thinker_folder("qwen2")), str(output), "--no-verify"])
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines() == [f"error: {output} already exists; pass --force to replace it"]
+    assert [p.name for p in output.iterdir()] == ["keep.txt"]
+
+    result = runner.invoke(main, ["export", str(thinker_folder("qwen2")), str(output), "--no-verify", "--force"])
+    assert result.exit_code == 0, result.output
+    assert (output / "model.onnx").is_file() and not (output / "keep.txt").exists()
+
+
+def test_errors_are_one_line_unless_debug(runner, tmp_path):
+    missing = tmp_path / "nothing-here"
+    result = runner.invoke(main, ["export", str(missing), str(tmp_path / "out")])
+    assert result.exit_code == 1
+    assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("error: ")
+    assert "Traceback" not in result.output
+
+    debug = runner.invoke(main, ["export", str(missing), str(tmp_path / "out"), "--debug"])
+    assert debug.exit_code == 1 and debug.exception is not None  # the exception itself, for its traceback
+
+
+def test_generate_refuses_a_folder_without_a_model(runner, thinker_folder, tmp_path):
+    (tmp_path / "tokenizer-only").mkdir()
+    thinker_tokenizer = thinker_folder("qwen2")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "tokenizer-only" / name).write_bytes((thinker_tokenizer / name).read_bytes())
+    result = runner.invoke(main, ["generate", str(tmp_path / "tokenizer-only"), "--prompt", "the cat"])
+    assert result.exit_code == 1
+    assert "neither an ONNX folder" in result.stderr
+
+
+def test_help_teaches(runner):
+    result = runner.invoke(main, ["--help"])
+    assert result.exit_code == 0
+    for command in ("convert", "export", "generate", "verify"):
+        assert command in result.stdout
+    export_help = runner.invoke(main, ["export", "--help"]).stdout
+    for option in ("--dtype", "--verify / --no-verify", "--force", "--threads", "--debug", "past_key_values"):
+        assert option in export_help

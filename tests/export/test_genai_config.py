@@ -1,0 +1,27 @@
+"""genai_config.json: the special ids come from the model's own configs; the IO names are ours."""
+
+from __future__ import annotations
+
+from export_helpers import make_config
+
+from export.genai_config import make_genai_config
+
+
+def test_special_ids_prefer_generation_config():
+    config = make_config("qwen3", eos_token_id=2, pad_token_id=None, bos_token_id=None)
+    genai = make_genai_config(config, {"eos_token_id": [7, 2], "bos_token_id": 5})["model"]
+    assert (genai["eos_token_id"], genai["bos_token_id"], genai["pad_token_id"]) == ([7, 2], 5, 7)
+    assert genai["type"] == "qwen3"
+    assert genai["context_length"] == config.max_position_embeddings
+
+
+def test_decoder_section_declares_the_contract():
+    config = make_config("qwen2")
+    genai = make_genai_config(config, None, threads=3)
+    decoder = genai["model"]["decoder"]
+    assert decoder["inputs"]["past_key_names"] == "past_key_values.%d.key"
+    assert decoder["outputs"]["present_value_names"] == "present.%d.value"
+    assert (decoder["head_size"], decoder["num_key_value_heads"]) == (config.head_dim, 2)
+    assert decoder["session_options"]["intra_op_num_threads"] == 3
+    assert genai["search"]["do_sample"] is False and genai["search"]["past_present_share_buffer"] is False
+    assert genai["model"]["type"] == "qwen2"

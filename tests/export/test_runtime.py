@@ -1,0 +1,56 @@
+"""export/runtime.py: greedy generation against transformers, session options, and error messages."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from converter.errors import ThinkerError
+from export.runtime import OnnxDecoder, physical_cores
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gpt2"])
+def test_generate_equals_transformers_greedy(family, thinker_folder, onnx_folder):
+    """A left-padded batch of two, 8 new tokens: the same tokens as transformers' generate (eos never stops it
+    early here: the ids come from an untrained model, so the test uses an eos outside the vocabulary)."""
+    from thinker import ThinkerForCausalLM
+
+    input_ids = np.array([[0, 0, 5, 9, 17], [4, 8, 15, 16, 23]], dtype=np.int64)
+    attention_mask = np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=np.int64)
+    model = ThinkerForCausalLM.from_pretrained(thinker_folder(family)).eval()
+    with torch.no_grad():
+        expected = model.generate(
+            torch.from_numpy(input_ids),
+            attention_mask=torch.from_numpy(attention_mask),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        ).numpy()
+    decoder = OnnxDecoder(onnx_folder(family), provider="cpu")
+    tokens = decoder.generate(input_ids, attention_mask, max_new_tokens=8)
+    np.testing.assert_array_equal(tokens, expected)
+
+
+def test_generate_stops_rows_at_eos(onnx_folder):
+    decoder = OnnxDecoder(onnx_folder("qwen2"), provider="cpu")
+    prompt = np.array([[5, 9, 17]], dtype=np.int64)
+    free = decoder.generate(prompt, max_new_tokens=6)
+    eos = int(free[0, 4])  # the second new token: generation must stop right after it
+    stopped = decoder.generate(prompt, max_new_tokens=6, eos_token_id=[eos])
+    first = int(np.argmax(free[0, 3:] == eos))  # eos may already appear as the first new token
+    np.testing.assert_array_equal(stopped[0], free[0, : 3 + first + 1])
+
+
+def test_threads_and_provider(onnx_folder):
+    decoder = OnnxDecoder(onnx_folder("qwen2"), provider="cpu", threads=1)
+    assert decoder.session.get_session_options().intra_op_num_threads == 1
+    assert decoder.device == "cpu"
+    default = OnnxDecoder(onnx_folder("qwen2"), provider="cpu")
+    assert default.session.get_session_options().intra_op_num_threads == physical_cores()
+
+
+def test_missing_model_is_a_thinker_error(tmp_path):
+    with pytest.raises(ThinkerError, match="no such ONNX model"):
+        OnnxDecoder(tmp_path)
