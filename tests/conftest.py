@@ -41,3 +41,105 @@ def fake_hub(monkeypatch, tmp_path):
         yield hub
     finally:
         hub.stop()
+
+
+# --- tiny Thinker models (tests/test_modeling.py, tests/test_distributed.py) ---------------------------------------
+
+# Every size divides by 2 (heads, KV heads, MLP and expert widths, vocabulary), so each config also shards over the
+# two ranks of tests/test_distributed.py.
+_TINY_COMMON = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    pad_token_id=0,
+)
+_TINY_KINDS = {
+    # Qwen3-like: GQA, qk-norm, head_dim (12) independent of hidden_size / heads (8), q/k/v/o biases
+    "dense": dict(head_dim=12, qk_norm=True, attention_bias=True),
+    # Qwen-MoE-like: layers 0 and 2 sparse (layer 1 listed dense), shared expert behind its gate, renormalised top-2
+    "moe": dict(
+        qk_norm=True,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        mlp_only_layers=[1],
+        norm_topk_prob=True,
+    ),
+    # GPT-2-like: learned positions, LayerNorm, plain GELU MLP, biases everywhere, tied head, MHA
+    "learned": dict(
+        num_key_value_heads=4,
+        position_embedding_type="learned",
+        norm_type="layernorm",
+        mlp_gated=False,
+        hidden_act="gelu_new",
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+    ),
+}
+
+
+def randomize_parameters(model, seed: int = 0):
+    """Fills every parameter with seeded values that have no trivial structure: matrices ~ N(0, 1/fan_in), norm
+    scales ~ 1 + N(0, 0.1²), biases ~ N(0, 0.1²). Default inits (zero biases, unit norms) would hide a missing bias or
+    a norm applied to the wrong tensor."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if param.ndim > 1:
+                param.copy_(noise / param.shape[-1] ** 0.5)
+            elif name.endswith("bias"):
+                param.copy_(0.1 * noise)
+            else:
+                param.copy_(1.0 + 0.1 * noise)
+    return model
+
+
+def make_tiny_config(kind: str, **overrides):
+    from thinker import ThinkerConfig
+
+    return ThinkerConfig(**{**_TINY_COMMON, **_TINY_KINDS[kind], **overrides})
+
+
+def make_tiny_thinker(kind: str, seed: int = 0, **overrides):
+    from thinker import ThinkerForCausalLM
+
+    return randomize_parameters(ThinkerForCausalLM(make_tiny_config(kind, **overrides)), seed).eval()
+
+
+@pytest.fixture
+def tiny_config():
+    """``tiny_config(kind, **overrides) -> ThinkerConfig``; kind is "dense", "moe" or "learned" (see _TINY_KINDS)."""
+    return make_tiny_config
+
+
+@pytest.fixture
+def tiny_thinker():
+    """``tiny_thinker(kind, seed=0, **overrides) -> ThinkerForCausalLM`` with randomised weights, in eval mode."""
+    return make_tiny_thinker
+
+
+@pytest.fixture
+def randomize():
+    """``randomize(model, seed=0)``: see ``randomize_parameters``."""
+    return randomize_parameters
+
+
+@pytest.fixture(scope="session")
+def tiny_thinker_dirs(tmp_path_factory):
+    """Saved folders {"dense": Path, "moe": Path} of randomised tiny Thinkers (config, safetensors, remote code)."""
+    root = tmp_path_factory.mktemp("tiny-thinkers")
+    folders = {}
+    for kind in ("dense", "moe"):
+        make_tiny_thinker(kind).save_pretrained(root / kind)
+        folders[kind] = root / kind
+    return folders

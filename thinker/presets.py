@@ -36,7 +36,7 @@ def list_presets() -> list[str]:
 
 
 def load_preset(name: str) -> ThinkerConfig:
-    """The ``ThinkerConfig`` of preset ``name`` (see ``list_presets()``); ``ValueError`` names the presets if unknown."""
+    """The ``ThinkerConfig`` of preset ``name`` (one of ``list_presets()``); a ``ValueError`` lists them if unknown."""
     presets = list_presets()
     if name not in presets:
         raise ValueError(f"unknown preset {name!r}; the presets are: {', '.join(presets)}")

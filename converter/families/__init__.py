@@ -1,0 +1,65 @@
+"""The registry of source families: one module each, pure data interpreted by ``converter.engine``.
+
+Adding a family means writing its module and listing its ``Family`` here; the engine does not change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from ..errors import ThinkerError
+from ..spec import Family
+from .gguf import GGUF_FAMILIES
+from .gpt2 import GPT2
+from .llama import LLAMA
+from .llms_from_scratch_qwen3 import LLMS_FROM_SCRATCH_QWEN3
+from .qwen2 import QWEN2
+from .qwen2_moe import QWEN2_MOE
+from .qwen3 import QWEN3
+from .qwen3_moe import QWEN3_MOE
+from .qwen3_omni import QWEN3_OMNI
+from .uomni import UOMNI
+
+FAMILIES: tuple[Family, ...] = (
+    QWEN2,
+    QWEN3,
+    QWEN2_MOE,
+    QWEN3_MOE,
+    QWEN3_OMNI,
+    LLAMA,
+    GPT2,
+    *GGUF_FAMILIES,
+    UOMNI,
+    LLMS_FROM_SCRATCH_QWEN3,
+)
+
+
+def detect_family(source_config: Mapping[str, Any], tensor_names: Collection[str]) -> Family:
+    """The family whose recognition rules match the source config and tensor names."""
+    for family in FAMILIES:
+        if family.recognises(source_config, tensor_names):
+            return family
+    model_type = source_config.get("model_type")
+    supported = sorted({model_type for family in FAMILIES for model_type in family.model_types})
+    if model_type in supported:
+        raise ThinkerError(
+            f"the source declares model_type {model_type!r}, but its tensor names match no known layout of it "
+            f"(first tensors: {', '.join(sorted(tensor_names)[:3])})"
+        )
+    by_keys = [f"{family.name} ({', '.join(family.config_keys)})" for family in FAMILIES if family.config_keys]
+    raise ThinkerError(
+        f"source model_type {model_type!r} (architectures {source_config.get('architectures')}) is not supported; "
+        f"supported: {', '.join(supported)}; or, for a config without model_type, one holding the keys of "
+        f"{'; '.join(by_keys)}"
+    )
+
+
+def family_by_name(name: str) -> Family:
+    for family in FAMILIES:
+        if family.name == name:
+            return family
+    raise ThinkerError(f"no source family named {name!r}; known: {', '.join(f.name for f in FAMILIES)}")
+
+
+__all__ = ["FAMILIES", "detect_family", "family_by_name"]

@@ -1,0 +1,182 @@
+"""Thinker against transformers' Qwen3ForCausalLM: the same random weights, fp32, the same attention backend.
+
+Times a prefill forward pass (batch 1 x PREFILL tokens) and a greedy ``generate`` of NEW tokens with the KV cache,
+on a preset shaped like a real release (default: Qwen3-0.6B). Repetitions alternate between the two models (and
+swap which goes first each round), so that drift in machine load falls on both; medians are reported, with the
+ratio Thinker time / Qwen3 time (the goal is at most 1.05).
+
+    python bench/bench_model.py --threads 2 --reps 5
+    python bench/bench_model.py --layers 4 --reps 3        # a quicker, shallower run of the same shapes
+
+Prints a table and writes JSON to bench/results/model.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from thinker import ThinkerConfig, ThinkerForCausalLM
+from thinker.presets import load_preset
+
+RESULTS = Path(__file__).resolve().parent / "results" / "model.json"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="qwen3-0.6b", help="a dense Qwen3-shaped preset (see thinker.presets)")
+    parser.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (quicker runs)")
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions per model and task")
+    parser.add_argument("--prefill", type=int, default=128, help="prompt length")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated greedily")
+    parser.add_argument("--attn", default="sdpa", help="attention implementation of both models")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    return parser.parse_args()
+
+
+def qwen3_config(config: ThinkerConfig) -> Qwen3Config:
+    """The Qwen3 config of a dense, qk-normed ThinkerConfig (the field names are the same)."""
+    if config.num_experts or not config.qk_norm or config.position_embedding_type != "rope":
+        raise ValueError("the comparison needs a dense Qwen3-shaped preset (qk_norm, RoPE, no experts)")
+    fields = (
+        "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
+        "head_dim max_position_embeddings rms_norm_eps rope_parameters hidden_act tie_word_embeddings attention_bias"
+    ).split()
+    return Qwen3Config(**{name: getattr(config, name) for name in fields})
+
+
+def build_models(args: argparse.Namespace) -> dict[str, torch.nn.Module]:
+    config = load_preset(args.preset)
+    if args.layers:
+        config.num_hidden_layers, config.mlp_layer_types = args.layers, config.mlp_layer_types[: args.layers]
+    config.eos_token_id = None  # every run generates exactly --new-tokens tokens
+    config.pad_token_id = 0
+    qwen = AutoModelForCausalLM.from_config(qwen3_config(config), attn_implementation=args.attn).eval()
+    thinker = AutoModelForCausalLM.from_config(config, attn_implementation=args.attn).eval()
+    assert isinstance(qwen, Qwen3ForCausalLM) and isinstance(thinker, ThinkerForCausalLM)
+    # assign=True: the Thinker takes Qwen's tensors themselves, so both models share one copy of the weights.
+    thinker.load_state_dict(qwen.state_dict(), strict=True, assign=True)
+    thinker.tie_weights()
+    for model in (qwen, thinker):
+        model.generation_config.eos_token_id = None
+        model.generation_config.pad_token_id = 0
+    return {"qwen3": qwen, "thinker": thinker}
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, object]:
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def prefill(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: model(ids, use_cache=True).logits
+
+
+def generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> Callable[[], torch.Tensor]:
+    mask = torch.ones_like(ids)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    return lambda: model.generate(ids, attention_mask=mask, **kwargs)
+
+
+@torch.inference_mode()
+def run(args: argparse.Namespace, models: dict[str, torch.nn.Module]) -> dict:
+    vocab = models["thinker"].config.vocab_size
+    ids = torch.randint(0, vocab, (1, args.prefill), generator=torch.Generator().manual_seed(0))
+    tasks = {
+        "prefill": {name: prefill(model, ids) for name, model in models.items()},
+        "generate": {name: generate(model, ids, args.new_tokens) for name, model in models.items()},
+    }
+    # Warm-up (allocator, kernels), and the check that both do the same work and get the same answer.
+    outputs = {task: {name: fn() for name, fn in fns.items()} for task, fns in tasks.items()}
+    max_logit_diff = (outputs["prefill"]["thinker"] - outputs["prefill"]["qwen3"]).abs().max().item()
+    same_tokens = torch.equal(outputs["generate"]["thinker"], outputs["generate"]["qwen3"])
+
+    samples = {task: {name: [] for name in models} for task in tasks}
+    for rep in range(args.reps):
+        order = list(models) if rep % 2 == 0 else list(reversed(models))
+        for task, fns in tasks.items():
+            for name in order:
+                samples[task][name].append(timed(fns[name])[0])
+    return {"samples_s": samples, "max_abs_logit_diff": max_logit_diff, "same_generated_tokens": same_tokens}
+
+
+def summarise(args: argparse.Namespace, models: dict, measured: dict) -> dict:
+    config = models["thinker"].config
+    rows = {}
+    for task, by_model in measured["samples_s"].items():
+        median = {name: statistics.median(times) for name, times in by_model.items()}
+        rows[task] = {
+            "thinker_median_s": median["thinker"],
+            "qwen3_median_s": median["qwen3"],
+            "ratio": median["thinker"] / median["qwen3"],
+        }
+    rows["generate"]["thinker_tokens_per_s"] = args.new_tokens / rows["generate"]["thinker_median_s"]
+    rows["generate"]["qwen3_tokens_per_s"] = args.new_tokens / rows["generate"]["qwen3_median_s"]
+    return {
+        "preset": args.preset,
+        "num_hidden_layers": config.num_hidden_layers,
+        "parameters": sum(p.numel() for p in models["thinker"].parameters()),
+        "dtype": "float32",
+        "attn_implementation": args.attn,
+        "prefill_tokens": args.prefill,
+        "new_tokens": args.new_tokens,
+        "reps": args.reps,
+        "threads": args.threads,
+        "results": rows,
+        "max_abs_logit_diff": measured["max_abs_logit_diff"],
+        "same_generated_tokens": measured["same_generated_tokens"],
+        "samples_s": measured["samples_s"],
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "load_average": os.getloadavg(),
+        },
+    }
+
+
+def print_table(report: dict) -> None:
+    print(
+        f"\n{report['preset']} ({report['num_hidden_layers']} layers, {report['parameters'] / 1e6:.0f} M parameters), "
+        f"fp32, {report['attn_implementation']}, {report['threads']} threads, median of {report['reps']}"
+    )
+    print(f"{'task':<34}{'Thinker s':>12}{'Qwen3 s':>12}{'ratio':>9}")
+    labels = {
+        "prefill": f"prefill 1 x {report['prefill_tokens']}",
+        "generate": f"greedy generate {report['new_tokens']} tokens",
+    }
+    for task, row in report["results"].items():
+        print(f"{labels[task]:<34}{row['thinker_median_s']:>12.3f}{row['qwen3_median_s']:>12.3f}{row['ratio']:>9.3f}")
+    print(
+        f"max |Δlogit| {report['max_abs_logit_diff']:.2e}; same generated tokens: {report['same_generated_tokens']}; "
+        f"load average {report['machine']['load_average'][0]:.1f}"
+    )
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    models = build_models(args)
+    report = summarise(args, models, run(args, models))
+    print_table(report)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""``thinker-convert`` and ``thinker verify``: click commands over ``converter.convert``.
+
+``convert_command`` is the ``thinker-convert`` console script and, under the name ``convert``, a command of the
+``thinker`` group (``export/cli.py`` adds it, with ``verify_command`` as ``verify``). A ``ThinkerError`` ends either
+command with one red line on stderr and exit code 1 (click's usage errors exit with 2); ``--debug`` shows the
+traceback instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from functools import wraps
+from pathlib import Path
+
+import click
+
+from .errors import ThinkerError
+from .shards import parse_size
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
+
+CONVERT_HELP = """Convert SOURCE into a Thinker checkpoint folder at OUTPUT.
+
+\b
+SOURCE is one of:
+  - a local folder: config.json with *.safetensors (sharded or not)
+    or pytorch_model*.bin / *.pt / *.pth weights
+  - one weights file: .safetensors or .bin (config.json beside it),
+    or a llama.cpp .gguf
+  - a Hugging Face Hub repo id such as Qwen/Qwen3-0.6B, downloaded into
+    the standard cache (only the files a conversion needs); HF_TOKEN,
+    HF_ENDPOINT and HF_HUB_OFFLINE are honoured
+
+Supported families: Qwen2 / Qwen2.5, Qwen3, Qwen2-MoE, Qwen3-MoE (per-expert or fused experts), Llama-style,
+GPT-2-style, GGUF files of the llama, qwen2 and qwen3 architectures, the Qwen3-Omni-MoE thinker (its text decoder,
+taken out of the full checkpoint), and two training-script formats with no transformers class, a *.pt / *.pth
+state dict with its config.json: the μOmni ThinkerLM and the LLMs-from-scratch Qwen3 (parity for these two is
+proven by the test suite; --verify needs a transformers class).
+
+With --to FAMILY the direction reverses: SOURCE is a Thinker folder, written back as FAMILY's own folder.
+
+Before any weight is read, the mapping is checked from the tensor headers: every source tensor must be mapped or
+dropped on purpose, every Thinker parameter produced once with the right shape, and the tie setting must match
+the tensors; otherwise nothing is written and the error names the tensors. Weights are then streamed one tensor
+(or one layer's experts) at a time, so memory stays at the largest tensor, not the model.
+
+OUTPUT receives model.safetensors (or model-0000i-of-0000N.safetensors shards with model.safetensors.index.json),
+config.json with the modeling code (loads with AutoModelForCausalLM after `import thinker`, or with
+trust_remote_code=True), generation_config.json, the tokenizer files, and parity.json when verified. It is written
+into a temporary folder beside OUTPUT and renamed into place when complete.
+
+\b
+Examples:
+  thinker-convert Qwen/Qwen3-0.6B ./qwen3-0.6b-thinker
+  thinker-convert ./qwen2-folder ./out --dtype bfloat16 --max-shard-size 2GB
+  thinker-convert ./SmolLM2-135M-Instruct.Q4_1.gguf ./smollm2 --force
+  thinker-convert Qwen/Qwen3-30B-A3B ./qwen3-moe --no-verify
+  thinker-convert ./qwen3-0.6b-thinker ./qwen3-0.6b-again --to qwen3
+"""
+
+VERIFY_HELP = """Compare a converted Thinker folder with its SOURCE, the source family's own transformers class.
+
+Runs fixed prompts (a left-padded batch and 8-token greedy continuations) through both models, prints a table and
+writes CONVERTED/parity.json with, per dtype, max and mean |Δlogit|, top-1 agreement and greedy agreement. Fails
+(exit 1) when float32 logits differ by more than 1e-4 × max(1, logit scale) or a greedy continuation differs,
+naming the first layer whose hidden states diverge. SOURCE is given as to thinker-convert.
+
+\b
+Example:
+  thinker verify Qwen/Qwen3-0.6B ./qwen3-0.6b-thinker
+"""
+
+
+def _report_errors(command: Callable) -> Callable:
+    """Turn ThinkerError into one red line and exit code 1, unless --debug asks for the traceback."""
+
+    @wraps(command)
+    def run(*args, debug: bool, **kwargs):
+        logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s: %(message)s")
+        if not debug:
+            _quiet_transformers()
+        try:
+            return command(*args, **kwargs)
+        except ThinkerError as err:
+            report = getattr(err, "report", None)
+            if report is not None:
+                click.echo(report.table())
+            if debug:
+                raise
+            click.secho(f"error: {err}", fg="red", err=True)
+            sys.exit(1)
+
+    return run
+
+
+def _quiet_transformers() -> None:
+    # Loading messages and per-load progress bars of transformers would drown our own progress and table.
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
+
+
+def _shard_size(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    try:
+        parse_size(value)
+    except ThinkerError as err:
+        raise click.BadParameter(str(err)) from None
+    return value
+
+
+debug_option = click.option("--debug", is_flag=True, help="Show full tracebacks and debug logging on errors.")
+revision_option = click.option(
+    "--revision", metavar="REV", help="Hub branch, tag or commit of a repo-id SOURCE (default: main)."
+)
+
+
+@click.command("thinker-convert", help=CONVERT_HELP, context_settings=CONTEXT)
+@click.argument("source")
+@click.argument("output", type=click.Path(path_type=Path))
+@revision_option
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+    default="auto",
+    show_default=True,
+    help="Output dtype. auto keeps the dtype the source config declares (else the source tensors' dtype; GGUF "
+    "dequantizes to float32). float16 refuses tensors whose values exceed ±65504, naming them.",
+)
+@click.option(
+    "--max-shard-size",
+    default="5GB",
+    show_default=True,
+    callback=_shard_size,
+    help="Largest safetensors shard, e.g. 500MB, 2GiB or a byte count; bigger outputs are split with an index.",
+)
+@click.option(
+    "--verify/--no-verify",
+    default=None,
+    help="Check parity against the source family's transformers class and write parity.json (see `thinker "
+    "verify`). Default: on when the two models in float32 (8 bytes per parameter) fit in half the available "
+    "memory, skipped with a note otherwise. A failed check writes nothing and exits 1.",
+)
+@click.option("--force", is_flag=True, help="Replace an existing OUTPUT, only once the new one is complete.")
+@click.option(
+    "--to",
+    "to_family",
+    metavar="FAMILY",
+    help="The way back: SOURCE is a Thinker folder, written out as FAMILY's own Hugging Face folder (qwen3, "
+    "qwen3_moe, qwen2, qwen2_moe, llama) through the family's table read backwards; a round trip is bit-exact. "
+    "--verify (default on) compares it, loaded with its transformers class, with the Thinker.",
+)
+@debug_option
+@_report_errors
+def convert_command(
+    source: str,
+    output: Path,
+    revision: str | None,
+    dtype: str,
+    max_shard_size: str,
+    verify: bool | None,
+    force: bool,
+    to_family: str | None,
+) -> None:
+    from .convert import convert
+
+    if to_family is not None:
+        from .back import convert_back
+
+        if revision is not None:
+            raise ThinkerError("--revision applies to a Hub SOURCE; --to takes a local Thinker folder")
+        result = convert_back(
+            source, output, to_family, dtype=dtype, max_shard_size=max_shard_size, verify=verify, force=force
+        )
+    else:
+        result = convert(
+            source,
+            output,
+            revision=revision,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            verify=verify,
+            force=force,
+        )
+    if result.parity is not None:
+        click.echo(result.parity.table())
+    for note in result.notes:
+        click.secho(note, fg="yellow", err=True)
+    click.echo(
+        f"converted {source} ({result.family}) -> {result.output}: {result.total_bytes / 2**20:.1f} MiB "
+        f"{result.dtype} in {len(result.files)} files, {result.seconds:.1f} s"
+    )
+
+
+@click.command("verify", help=VERIFY_HELP, context_settings=CONTEXT)
+@click.argument("source")
+@click.argument("converted", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@revision_option
+@debug_option
+@_report_errors
+def verify_command(source: str, converted: Path, revision: str | None) -> None:
+    from .convert import verify
+
+    report = verify(source, converted, revision=revision)
+    click.echo(report.table())
+    click.echo(f"parity holds; wrote {converted / 'parity.json'}")
+
+
+__all__ = ["convert_command", "verify_command"]

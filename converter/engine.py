@@ -1,0 +1,333 @@
+"""The conversion engine: plan and check a conversion from tensor headers alone, then stream the tensors.
+
+``plan_conversion`` never reads a tensor's bytes. It translates the source config, builds the Thinker model on the
+meta device to learn every parameter it must produce (names and shapes, tied ones left out), expands the family's
+table for this model's layers and experts into exact names, picks the rules that apply, and checks:
+
+- the config's ``tie_word_embeddings`` agrees with whether the source has an output projection;
+- every source tensor a needed rule reads is present;
+- every source tensor is read by some rule or dropped on purpose;
+- every Thinker parameter is produced, and by exactly one rule;
+- every produced shape (the rule's operation run on meta tensors) equals the parameter's shape.
+
+Each failure is a ``ThinkerError`` naming the tensors. ``stream_tensors`` then reads one rule's sources at a time
+(a rule is the unit of memory: one tensor, or one layer's experts when they are stacked), applies the operation,
+checks the values (no NaN/Inf; nothing a float16 cast would overflow) and casts to the output dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from huggingface_hub.errors import StrictDataclassError
+
+from thinker import ThinkerConfig, ThinkerForCausalLM
+
+from .errors import ThinkerError
+from .families import detect_family
+from .ops import Op
+from .sources import TensorSource
+from .spec import EXPERT, LAYER, Family, TensorRule
+
+OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FLOAT16_MAX = torch.finfo(torch.float16).max  # 65504: larger magnitudes become inf in float16
+
+
+@dataclass(frozen=True)
+class Step:
+    """One rule made concrete: exact source names in, exact Thinker names out; the unit of reading and memory."""
+
+    sources: tuple[str, ...]
+    targets: tuple[str, ...]
+    op: Op
+
+
+@dataclass
+class Plan:
+    """Everything needed to write a Thinker checkpoint, known before any tensor is read."""
+
+    family: Family
+    config: ThinkerConfig  # the target config; ``config.dtype`` is the output dtype
+    steps: list[Step]  # in the order the source files hold their tensors
+    shapes: dict[str, tuple[int, ...]]  # Thinker parameter -> shape, in the order the steps produce them
+    dtype: torch.dtype
+    dropped: list[str]  # source tensors skipped on purpose
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(_numel(shape) for shape in self.shapes.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_parameters * self.dtype.itemsize
+
+    @property
+    def largest_step_bytes(self) -> int:
+        """Bytes of output of the largest step: what streaming holds in memory at most (plus its inputs)."""
+        return max((sum(_numel(self.shapes[t]) for t in step.targets) for step in self.steps), default=0) * (
+            self.dtype.itemsize
+        )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def describe_names(names: list[str] | set[str], limit: int = 5) -> str:
+    """``a, b, c and 4 more``: error messages name the tensors without flooding the terminal."""
+    ordered = sorted(names) if isinstance(names, set) else list(names)
+    shown = ", ".join(ordered[:limit])
+    return shown + (f" and {len(ordered) - limit} more" if len(ordered) > limit else "") + f" ({len(ordered)} in all)"
+
+
+# --- templates ---------------------------------------------------------------------------------------------------
+
+
+def expand_names(templates: tuple[str, ...], layer: int | None, num_experts: int) -> tuple[str, ...]:
+    """Exact names for one layer: ``{layer}`` filled in, each ``{expert}`` template repeated for every expert."""
+    names: list[str] = []
+    for template in templates:
+        name = template if layer is None else template.replace(LAYER, str(layer))
+        if EXPERT in name:
+            names.extend(name.replace(EXPERT, str(expert)) for expert in range(num_experts))
+        else:
+            names.append(name)
+    return tuple(names)
+
+
+def expand_rules(rules: tuple[TensorRule, ...], num_layers: int, num_experts: int) -> list[Step]:
+    """Every rule for every layer it names, as exact names: a lookup table with no patterns left in it."""
+    steps = []
+    for entry in rules:
+        per_layer = any(LAYER in name for name in entry.sources + entry.targets)
+        for layer in range(num_layers) if per_layer else (None,):
+            steps.append(
+                Step(
+                    expand_names(entry.sources, layer, num_experts),
+                    expand_names(entry.targets, layer, num_experts),
+                    entry.op,
+                )
+            )
+    return steps
+
+
+# --- planning ----------------------------------------------------------------------------------------------------
+
+
+def thinker_parameter_shapes(config: ThinkerConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Thinker checkpoint of this config holds, from the model built on the meta device (no memory).
+
+    Tied parameters (``lm_head.weight`` when the embeddings are tied) are not stored, as transformers saves them.
+    """
+    with torch.device("meta"):
+        model = ThinkerForCausalLM(config)
+    tied = set(model.all_tied_weights_keys)
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items() if name not in tied}
+
+
+def translate_config(family: Family, source_config: Mapping[str, Any], dtype: torch.dtype) -> ThinkerConfig:
+    kwargs = family.translate_config(source_config)
+    try:
+        config = ThinkerConfig(**kwargs)
+        config.validate_architecture()
+    except (TypeError, ValueError, StrictDataclassError) as err:
+        reason = " ".join(str(err).split())
+        raise ThinkerError(f"{family.name} config does not translate to a valid Thinker config: {reason}") from None
+    config.architectures = ["ThinkerForCausalLM"]
+    config.dtype = dtype
+    return config
+
+
+def resolve_dtype(requested: str, source: TensorSource, source_config: Mapping[str, Any]) -> torch.dtype:
+    """``auto``: the dtype the source config declares, else the floating dtype holding most of the source's bytes."""
+    if requested != "auto":
+        if requested not in OUTPUT_DTYPES:
+            raise ThinkerError(f"--dtype {requested!r} is not one of auto, {', '.join(OUTPUT_DTYPES)}")
+        return OUTPUT_DTYPES[requested]
+    declared = source_config.get("dtype") or source_config.get("torch_dtype")
+    if isinstance(declared, str) and declared in OUTPUT_DTYPES:
+        return OUTPUT_DTYPES[declared]
+    bytes_by_dtype: Counter[torch.dtype] = Counter()
+    for name in source.names():
+        dtype = source.dtype(name)
+        if dtype in OUTPUT_DTYPES.values():
+            bytes_by_dtype[dtype] += _numel(source.shape(name)) * dtype.itemsize
+    return bytes_by_dtype.most_common(1)[0][0] if bytes_by_dtype else torch.float32
+
+
+def plan_conversion(
+    source: TensorSource,
+    source_config: Mapping[str, Any],
+    dtype: str = "auto",
+    family: Family | None = None,
+) -> Plan:
+    """Decide and check the whole conversion from names and shapes; raises ``ThinkerError`` naming what is off."""
+    names = source.names()
+    if family is None:
+        family = detect_family(source_config, set(names))
+    output_dtype = resolve_dtype(dtype, source, source_config)
+    config = translate_config(family, source_config, output_dtype)
+    expected = thinker_parameter_shapes(config)
+
+    _check_tie(family, config, set(names))
+    steps = _select_steps(family, config, expected, set(names))
+    _check_sources_used(family, config, steps, names)
+    _check_targets_produced(family, steps, expected)
+    _check_shapes(family, config, steps, expected, source)
+
+    position = {name: index for index, name in enumerate(names)}
+    steps.sort(key=lambda step: min(position[name] for name in step.sources))
+    shapes = {target: expected[target] for step in steps for target in step.targets}
+    dropped = sorted(set(names) & _dropped_names(family, config) | _dropped_by_prefix(family, names))
+    return Plan(family, config, steps, shapes, output_dtype, dropped)
+
+
+def _check_tie(family: Family, config: ThinkerConfig, names: set[str]) -> None:
+    if family.head is None:
+        return
+    if config.tie_word_embeddings and family.head in names:
+        raise ThinkerError(
+            f"the config ties the output head to the embeddings (tie_word_embeddings=true), but the checkpoint also "
+            f"holds a separate {family.head}; set tie_word_embeddings to false in the source config.json if the "
+            "head is trained separately"
+        )
+    if not config.tie_word_embeddings and family.head not in names:
+        raise ThinkerError(
+            f"the config has an untied output head (tie_word_embeddings=false), but the checkpoint holds no "
+            f"{family.head}; set tie_word_embeddings to true in the source config.json if the head reuses the "
+            "embeddings"
+        )
+
+
+def _select_steps(
+    family: Family, config: ThinkerConfig, expected: Mapping[str, tuple[int, ...]], names: set[str]
+) -> list[Step]:
+    """The steps this model needs: for each group of targets it has, the first alternative whose sources exist."""
+    alternatives: dict[tuple[str, ...], list[Step]] = {}
+    for step in expand_rules(family.tensors, config.num_hidden_layers, config.num_experts):
+        present = [target in expected for target in step.targets]
+        if not any(present):
+            continue  # a rule for something this model does not have (biases, experts on a dense layer ...)
+        if not all(present):
+            absent = [t for t, ok in zip(step.targets, present, strict=True) if not ok]
+            raise ThinkerError(
+                f"the {family.name} table produces {describe_names(absent)}, which the Thinker model of this "
+                "config does not have; the family's table and config translation disagree"
+            )
+        alternatives.setdefault(step.targets, []).append(step)
+
+    chosen, missing = [], set()
+    for options in alternatives.values():
+        usable = next((step for step in options if names.issuperset(step.sources)), None)
+        if usable is None:
+            missing.update(name for name in options[0].sources if name not in names)
+        else:
+            chosen.append(usable)
+    if missing:
+        raise ThinkerError(
+            f"the source checkpoint lacks tensors a {family.name} model of this config needs: "
+            f"{describe_names(missing)}; the checkpoint is incomplete or its config.json does not describe it"
+        )
+    return chosen
+
+
+def _dropped_names(family: Family, config: ThinkerConfig) -> set[str]:
+    dropped = expand_rules(
+        tuple(TensorRule((name,), ()) for name in family.dropped), config.num_hidden_layers, config.num_experts
+    )
+    return {name for step in dropped for name in step.sources}
+
+
+def _dropped_by_prefix(family: Family, names: list[str]) -> set[str]:
+    return {name for name in names if family.dropped_prefixes and name.startswith(family.dropped_prefixes)}
+
+
+def _check_sources_used(family: Family, config: ThinkerConfig, steps: list[Step], names: list[str]) -> None:
+    used = {name for step in steps for name in step.sources} | _dropped_names(family, config)
+    used |= _dropped_by_prefix(family, names)
+    unexpected = [name for name in names if name not in used]
+    if unexpected:
+        raise ThinkerError(
+            f"the source checkpoint holds tensors that no {family.name} rule maps and none drops on purpose: "
+            f"{describe_names(unexpected)}; its config.json may not match the weights (layer or expert counts, "
+            "biases, tied head)"
+        )
+
+
+def _check_targets_produced(family: Family, steps: list[Step], expected: Mapping[str, tuple[int, ...]]) -> None:
+    produced = Counter(target for step in steps for target in step.targets)
+    twice = [name for name, count in produced.items() if count > 1]
+    if twice:
+        raise ThinkerError(f"the {family.name} table produces {describe_names(twice)} more than once")
+    never = [name for name in expected if name not in produced]
+    if never:
+        raise ThinkerError(
+            f"no {family.name} rule produces the Thinker parameters {describe_names(never)}; "
+            "the family's table is incomplete for this config"
+        )
+
+
+def _check_shapes(
+    family: Family,
+    config: ThinkerConfig,
+    steps: list[Step],
+    expected: Mapping[str, tuple[int, ...]],
+    source: TensorSource,
+) -> None:
+    mismatches = []
+    for step in steps:
+        inputs = [torch.empty(source.shape(name), device="meta") for name in step.sources]
+        try:
+            outputs = step.op(inputs, config)
+        except (RuntimeError, ValueError, ThinkerError) as err:
+            shapes = ", ".join(f"{name} {tuple(t.shape)}" for name, t in zip(step.sources, inputs, strict=True))
+            raise ThinkerError(f"cannot convert {shapes}: {err}; the config.json does not match the weights") from None
+        for target, output in zip(step.targets, outputs, strict=True):
+            if tuple(output.shape) != expected[target]:
+                origin = step.sources[0] if len(step.sources) == 1 else f"{step.sources[0]} (+{len(step.sources) - 1})"
+                mismatches.append(f"{target} from {origin}: {tuple(output.shape)}, expected {expected[target]}")
+    if mismatches:
+        shown = "; ".join(mismatches[:5]) + (f"; and {len(mismatches) - 5} more" if len(mismatches) > 5 else "")
+        raise ThinkerError(
+            f"{len(mismatches)} tensor shape(s) disagree with the config: {shown}; "
+            "the config.json does not describe these weights"
+        )
+
+
+# --- streaming ---------------------------------------------------------------------------------------------------
+
+
+def stream_tensors(plan: Plan, source: TensorSource) -> Iterator[tuple[str, torch.Tensor]]:
+    """Thinker tensors in plan order, each checked and cast; only one step's tensors are alive at a time."""
+    for step in plan.steps:
+        outputs = step.op([source.load(name) for name in step.sources], plan.config)
+        for index, target in enumerate(step.targets):
+            tensor, outputs[index] = outputs[index], None  # hand over our reference: freed once written
+            yield target, finish_tensor(tensor, target, step.sources, plan.dtype)
+            del tensor
+
+
+def finish_tensor(tensor: torch.Tensor, target: str, sources: tuple[str, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Refuse NaN/Inf and float16 overflow (naming the tensor), then cast and make contiguous for writing."""
+    if tensor.is_floating_point() and tensor.numel():
+        low, high = torch.aminmax(tensor)  # one pass, no copy; NaN propagates into both
+        low, high = low.item(), high.item()
+        origin = sources[0] if len(sources) == 1 else f"{sources[0]} and {len(sources) - 1} more"
+        if not (math.isfinite(low) and math.isfinite(high)):
+            raise ThinkerError(
+                f"source tensor {origin} (for {target}) holds NaN or Inf values; the checkpoint is corrupt"
+            )
+        if dtype == torch.float16 and max(-low, high) > FLOAT16_MAX:
+            raise ThinkerError(
+                f"source tensor {origin} (for {target}) holds values up to {max(-low, high):.6g}, beyond float16's "
+                f"±{FLOAT16_MAX:.0f}; convert with --dtype bfloat16 or float32 instead"
+            )
+    return tensor.to(dtype).contiguous()

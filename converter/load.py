@@ -1,0 +1,75 @@
+"""Load without converting: any supported source checkpoint straight into a ``ThinkerForCausalLM`` in memory.
+
+``load_thinker("Qwen/Qwen3-0.6B")`` (or a local folder, or a μOmni / LLMs-from-scratch ``.pth`` folder) translates
+the config and renames the weights through the same family tables and the same checks as ``thinker-convert``
+(``plan_conversion``: every source tensor mapped or dropped on purpose, every Thinker parameter produced once with
+the right shape), streams the tensors through the same operations, and hands the state dict to transformers'
+``from_pretrained``, which builds the model without random initialisation and places it (``device_map``, ``dtype``,
+``attn_implementation`` ... pass through). Nothing is written to disk.
+
+transformers 5 can also rename and fuse weights at load time (``WeightRenaming`` / ``WeightConverter`` in its
+``conversion_mapping``); the family tables are interpreted here by the converter's own engine instead, because they
+need operations transformers has no counterpart for (``Each``, the interleaved-to-half RoPE reorder of a fused
+qkv) and because the engine's completeness checks are the point: an unmapped tensor is an error, not a warning.
+
+Only ``config_for`` needs no weights: the translated ``ThinkerConfig`` of a source. For families that already use
+Thinker's names (Qwen2, Qwen3, Llama, Qwen3-MoE with fused experts) it is enough to load the source with plain
+transformers: ``AutoModelForCausalLM.from_pretrained(folder, config=config_for(folder))`` builds the Thinker.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from thinker import ThinkerConfig, ThinkerForCausalLM
+
+from .convert import read_source_config
+from .engine import plan_conversion, stream_tensors
+from .hub import resolve_source
+from .sources import open_source
+
+
+def config_for(source: str | Path, *, revision: str | None = None, dtype: str = "auto") -> ThinkerConfig:
+    """The Thinker config a source checkpoint translates to (checked against its tensor headers)."""
+    root = resolve_source(str(source), revision, progress=False)
+    tensor_source = open_source(root)
+    try:
+        source_config = read_source_config(tensor_source)
+        if source_config.get("model_type") == ThinkerConfig.model_type:
+            return ThinkerConfig.from_pretrained(root)
+        return plan_conversion(tensor_source, source_config, dtype).config
+    finally:
+        tensor_source.close()
+
+
+def load_thinker(
+    source: str | Path,
+    *,
+    revision: str | None = None,
+    dtype: str = "auto",
+    progress: bool = False,
+    **from_pretrained_kwargs: Any,
+) -> ThinkerForCausalLM:
+    """``source`` (Hub repo id, folder or weights file of any supported family) as a Thinker model, in eval mode.
+
+    ``dtype`` is the converter's choice (``auto`` keeps the source's); other keyword arguments go to
+    ``ThinkerForCausalLM.from_pretrained``. A Thinker folder is loaded as it is.
+    """
+    root = resolve_source(str(source), revision, progress=progress)
+    tensor_source = open_source(root)
+    try:
+        source_config = read_source_config(tensor_source)
+        native = source_config.get("model_type") == ThinkerConfig.model_type
+        if not native:
+            plan = plan_conversion(tensor_source, source_config, dtype)
+            state = dict(stream_tensors(plan, tensor_source))
+    finally:
+        tensor_source.close()
+    if native:
+        return ThinkerForCausalLM.from_pretrained(root, **({"dtype": dtype} | from_pretrained_kwargs)).eval()
+    kwargs = {"dtype": plan.dtype} | from_pretrained_kwargs
+    return ThinkerForCausalLM.from_pretrained(None, config=plan.config, state_dict=state, **kwargs).eval()
+
+
+__all__ = ["config_for", "load_thinker"]

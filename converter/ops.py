@@ -1,0 +1,227 @@
+"""Declared tensor operations: what a mapping rule does to its source tensors to make the Thinker ones.
+
+Every operation takes a list of tensors and returns a list of tensors, and knows its inverse, so that a family's
+table also describes the way back (a Thinker folder written out in the source family's layout). Operations never
+read files or look at names; they see tensors and the target ``ThinkerConfig`` (for head counts and sizes).
+
+The engine runs each operation twice: once on meta tensors while planning, which yields the output shapes from the
+headers alone and fails on impossible shapes before any byte is read, and once on the real tensors.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from thinker import ThinkerConfig
+
+from .gguf_source import permute_llama_rope, unpermute_llama_rope
+
+SizesFn = Callable[[ThinkerConfig], Sequence[int]]
+
+
+class Op(ABC):
+    """A reversible transformation of a list of tensors; ``inverse()`` undoes it exactly."""
+
+    @abstractmethod
+    def __call__(self, tensors: Sequence[torch.Tensor], config: ThinkerConfig) -> list[torch.Tensor]: ...
+
+    @abstractmethod
+    def inverse(self) -> Op: ...
+
+
+def _one(op: Op, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    if len(tensors) != 1:
+        raise ValueError(f"{type(op).__name__} takes one tensor, got {len(tensors)}")
+    return tensors[0]
+
+
+@dataclass(frozen=True)
+class Identity(Op):
+    """Tensors pass unchanged: a rename (the names live in the rule, not here)."""
+
+    def __call__(self, tensors, config):
+        return list(tensors)
+
+    def inverse(self) -> Op:
+        return self
+
+
+@dataclass(frozen=True)
+class Transpose(Op):
+    """Swap two dimensions of each tensor: GPT-2's ``Conv1D`` stores (in, out) where ``nn.Linear`` wants (out, in)."""
+
+    dim0: int = 0
+    dim1: int = 1
+
+    def __call__(self, tensors, config):
+        return [tensor.transpose(self.dim0, self.dim1) for tensor in tensors]
+
+    def inverse(self) -> Op:
+        return self
+
+
+@dataclass(frozen=True)
+class Split(Op):
+    """Cut one tensor along ``dim`` into ``parts`` equal pieces, or into ``sizes(config)`` (a fused qkv with GQA)."""
+
+    dim: int = 0
+    parts: int | None = None
+    sizes: SizesFn | None = None
+
+    def __post_init__(self) -> None:
+        if (self.parts is None) == (self.sizes is None):
+            raise ValueError("Split takes exactly one of parts= or sizes=")
+
+    def __call__(self, tensors, config):
+        tensor = _one(self, tensors)
+        if self.sizes is not None:
+            sizes = list(self.sizes(config))
+            if sum(sizes) != tensor.shape[self.dim]:
+                raise ValueError(f"cannot split dimension {self.dim} of {tuple(tensor.shape)} into {sizes}")
+            return list(tensor.split(sizes, dim=self.dim))
+        if tensor.shape[self.dim] % self.parts:
+            raise ValueError(f"cannot split dimension {self.dim} of {tuple(tensor.shape)} into {self.parts} parts")
+        return list(tensor.chunk(self.parts, dim=self.dim))
+
+    def inverse(self) -> Op:
+        return Concatenate(dim=self.dim, parts=self.parts, sizes=self.sizes)
+
+
+@dataclass(frozen=True)
+class Concatenate(Op):
+    """Join tensors along ``dim``; ``parts`` / ``sizes`` describe the pieces so that the inverse can cut them again."""
+
+    dim: int = 0
+    parts: int | None = None
+    sizes: SizesFn | None = None
+
+    def __post_init__(self) -> None:
+        if (self.parts is None) == (self.sizes is None):
+            raise ValueError("Concatenate takes exactly one of parts= or sizes=")
+
+    def __call__(self, tensors, config):
+        return [torch.cat(list(tensors), dim=self.dim)]
+
+    def inverse(self) -> Op:
+        return Split(dim=self.dim, parts=self.parts, sizes=self.sizes)
+
+
+@dataclass(frozen=True)
+class StackExperts(Op):
+    """Per-expert 2-D tensors into one fused 3-D tensor: (E, ...) by stacking, then the ``parts`` joined on ``dim``.
+
+    The inputs come ordered part-major: ``[gate_0 .. gate_{E-1}, up_0 .. up_{E-1}]`` for ``parts=2``, which gives
+    ``gate_up_proj`` (E, 2·I, C) = per expert [gate; up] along dim 1, the layout transformers 5 fuses to at load.
+    """
+
+    parts: int = 1
+    dim: int = 1
+
+    def __call__(self, tensors, config):
+        if len(tensors) % self.parts:
+            raise ValueError(f"{len(tensors)} expert tensors do not divide into {self.parts} parts")
+        per_part = len(tensors) // self.parts
+        stacks = [torch.stack(list(tensors[i * per_part : (i + 1) * per_part])) for i in range(self.parts)]
+        return [stacks[0] if self.parts == 1 else torch.cat(stacks, dim=self.dim)]
+
+    def inverse(self) -> Op:
+        return UnstackExperts(parts=self.parts, dim=self.dim)
+
+
+@dataclass(frozen=True)
+class UnstackExperts(Op):
+    """A fused 3-D expert tensor back into per-expert 2-D tensors, part-major (the inverse of ``StackExperts``)."""
+
+    parts: int = 1
+    dim: int = 1
+
+    def __call__(self, tensors, config):
+        fused = _one(self, tensors)
+        pieces = fused.chunk(self.parts, dim=self.dim) if self.parts > 1 else (fused,)
+        return [expert for piece in pieces for expert in piece.unbind(0)]
+
+    def inverse(self) -> Op:
+        return StackExperts(parts=self.parts, dim=self.dim)
+
+
+@dataclass(frozen=True)
+class InterleavedToHalfRope(Op):
+    """Reorder q/k projection rows from interleaved RoPE pairs (2j, 2j+1) to Thinker's half split (j, j + hs/2).
+
+    ``heads`` names the config field holding the tensor's head count (``num_attention_heads`` for q,
+    ``num_key_value_heads`` for k). Applies to weights and biases alike: only dimension 0 is reordered.
+    """
+
+    heads: str
+
+    def __call__(self, tensors, config):
+        return [unpermute_llama_rope(tensor, getattr(config, self.heads)) for tensor in tensors]
+
+    def inverse(self) -> Op:
+        return HalfToInterleavedRope(self.heads)
+
+
+@dataclass(frozen=True)
+class HalfToInterleavedRope(Op):
+    """Thinker's half-split q/k rows back to interleaved pairs (the inverse of ``InterleavedToHalfRope``)."""
+
+    heads: str
+
+    def __call__(self, tensors, config):
+        return [permute_llama_rope(tensor, getattr(config, self.heads)) for tensor in tensors]
+
+    def inverse(self) -> Op:
+        return InterleavedToHalfRope(self.heads)
+
+
+class Each(Op):
+    """One operation per tensor, by position: ``Each(a, b, c)`` applies ``a`` to the first tensor, ``b`` to the
+    second and ``c`` to the third (a fused qkv split into q, k, v, of which only q and k need a RoPE reorder)."""
+
+    def __init__(self, *ops: Op) -> None:
+        self.ops = ops
+
+    def __call__(self, tensors, config):
+        if len(tensors) != len(self.ops):
+            raise ValueError(f"Each has {len(self.ops)} operations for {len(tensors)} tensors")
+        return [out for op, tensor in zip(self.ops, tensors, strict=True) for out in op([tensor], config)]
+
+    def inverse(self) -> Op:
+        return Each(*(op.inverse() for op in self.ops))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Each) and self.ops == other.ops
+
+    def __hash__(self) -> int:
+        return hash(self.ops)
+
+    def __repr__(self) -> str:
+        return f"Each{self.ops!r}"
+
+
+class Chain(Op):
+    """Operations applied in order; the inverse applies their inverses in reverse order."""
+
+    def __init__(self, *ops: Op) -> None:
+        self.ops = ops
+
+    def __call__(self, tensors, config):
+        for op in self.ops:
+            tensors = op(tensors, config)
+        return list(tensors)
+
+    def inverse(self) -> Op:
+        return Chain(*(op.inverse() for op in reversed(self.ops)))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Chain) and self.ops == other.ops
+
+    def __hash__(self) -> int:
+        return hash(self.ops)
+
+    def __repr__(self) -> str:
+        return f"Chain{self.ops!r}"

@@ -1,0 +1,282 @@
+"""The parity gate: the converted Thinker against the source family's own transformers class, on fixed prompts.
+
+Both models see the same token ids: a left-padded batch of three prompts (explicit position ids, compared only at
+real tokens) for the logits, then 8 greedy tokens decoded from that batch, each model with its own KV cache.
+Figures per dtype: max and mean |Δlogit|, the logit scale, top-1 agreement, greedy agreement, the tolerance and the
+verdict.
+
+The float32 run always happens and is strict: max |Δlogit| <= 1e-4 × max(1, logit scale) and identical greedy
+continuations. The reference is loaded in the converted folder's dtype and then widened, so that both sides hold
+the same rounded weights and a bfloat16 conversion is still held to float32 exactness. A half-precision
+conversion is also run in its own dtype, against a looser tolerance. On failure, the first hidden state (output of
+``embeddings`` or ``layer i``) that diverges beyond the same relative tolerance is named.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from thinker import ThinkerForCausalLM
+
+from .errors import ThinkerError
+from .spec import Family
+
+PARITY_FILE = "parity.json"
+GREEDY_TOKENS = 8
+PROMPT_LENGTHS = (11, 7, 4)  # unequal, so the batch is left-padded
+PROMPT_SEED = 20240611
+# max |Δlogit| allowed, relative to max(1, largest |logit|). Half precision is run end to end in that dtype, where
+# the two implementations may round intermediate results differently.
+TOLERANCES = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+HALF_TOP1_MIN = 0.9  # half precision: share of positions whose argmax must agree
+# A conversion is verified by default when both models in float32 (8 bytes per parameter) fit in this share of
+# the memory currently available.
+VERIFY_MEMORY_SHARE = 0.5
+
+
+class ParityFailed(ThinkerError):
+    """Raised when the converted model does not match its reference; carries the report to print."""
+
+    def __init__(self, message: str, report: ParityReport) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass
+class DtypeParity:
+    dtype: str
+    max_abs_diff: float
+    mean_abs_diff: float
+    logit_scale: float
+    tolerance: float
+    top1_agreement: float
+    greedy_identical: int  # prompts whose whole continuation agrees
+    greedy_prompts: int
+    greedy_token_agreement: float
+    passed: bool
+    first_divergence: str | None = None
+
+
+@dataclass
+class ParityReport:
+    reference: str
+    converted: str
+    prompts: list[list[int]]
+    results: list[DtypeParity] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(result.passed for result in self.results)
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["passed"] = self.passed
+        data["greedy_tokens"] = GREEDY_TOKENS
+        return json.dumps(data, indent=2) + "\n"
+
+    def table(self) -> str:
+        columns = ("dtype", "max|Δlogit|", "mean|Δlogit|", "tolerance", "top-1", "greedy")
+        header = "{:<9} {:>11} {:>12} {:>9} {:>6} {:>7}  result".format(*columns)
+        rows = [f"parity: {self.converted} vs {self.reference}", header]
+        for r in self.results:
+            verdict = "pass" if r.passed else f"FAIL (first divergence: {r.first_divergence})"
+            rows.append(
+                f"{r.dtype:<9} {r.max_abs_diff:>11.3g} {r.mean_abs_diff:>12.3g} {r.tolerance:>9.2g} "
+                f"{r.top1_agreement:>6.1%} {r.greedy_identical:>3}/{r.greedy_prompts:<3}  {verdict}"
+            )
+        return "\n".join(rows)
+
+
+def fixed_prompts(vocab_size: int) -> list[list[int]]:
+    """Token ids from a fixed seed: the same prompts for every run of the same vocabulary size."""
+    generator = torch.Generator().manual_seed(PROMPT_SEED)
+    return [torch.randint(0, vocab_size, (length,), generator=generator).tolist() for length in PROMPT_LENGTHS]
+
+
+def left_padded(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, position_ids), each (B, T): pads on the left, positions counted from 0 per row."""
+    width = max(len(prompt) for prompt in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+# --- loading -----------------------------------------------------------------------------------------------------
+
+
+def load_reference(source: Path, dtype: torch.dtype) -> PreTrainedModel:
+    """The source family's own transformers class, from the source folder (or GGUF file) as given."""
+    source = Path(source)
+    gguf_file = None
+    if source.is_file() and source.suffix == ".gguf":
+        source, gguf_file = source.parent, source.name
+    elif source.is_file():
+        source = source.parent
+    elif not (source / "config.json").is_file() and len(ggufs := sorted(source.glob("*.gguf"))) == 1:
+        gguf_file = ggufs[0].name
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source, gguf_file=gguf_file, dtype=dtype, attn_implementation="eager"
+        )
+    except (OSError, ValueError) as err:
+        raise ThinkerError(f"{source}: the reference model does not load with transformers ({err})") from None
+    return model.eval()
+
+
+def load_converted(folder: Path, dtype: torch.dtype | None = None) -> ThinkerForCausalLM:
+    try:
+        model = ThinkerForCausalLM.from_pretrained(folder, dtype=dtype or "auto", attn_implementation="eager")
+    except (OSError, ValueError) as err:
+        raise ThinkerError(f"{folder}: the converted model does not load ({err})") from None
+    return model.eval()
+
+
+# --- comparison --------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def run_prompts(model: PreTrainedModel, prompts: list[list[int]], steps: int = GREEDY_TOKENS) -> tuple[Any, list]:
+    """The left-padded batch through ``model`` (output with hidden states), then ``steps`` greedy tokens per prompt.
+
+    Decoding goes on from the same batch with the model's own KV cache, one token per step for every row; a model
+    that returns no cache recomputes the whole sequence each step.
+    """
+    ids, mask, positions = left_padded(prompts)
+    first = output = model(
+        input_ids=ids, attention_mask=mask, position_ids=positions, output_hidden_states=True, use_cache=True
+    )
+    tokens = [output.logits[:, -1].argmax(-1)]  # (B,) per step
+    while len(tokens) < steps:
+        step = tokens[-1][:, None]  # (B, 1)
+        mask = torch.cat([mask, torch.ones_like(step)], dim=1)
+        if output.past_key_values is not None:
+            positions = positions[:, -1:] + 1
+            output = model(
+                input_ids=step,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=output.past_key_values,
+                use_cache=True,
+            )
+        else:
+            ids, positions = torch.cat([ids, step], dim=1), torch.cat([positions, positions[:, -1:] + 1], dim=1)
+            output = model(input_ids=ids, attention_mask=mask, position_ids=positions)
+        tokens.append(output.logits[:, -1].argmax(-1))
+    return first, torch.stack(tokens, dim=1).tolist()
+
+
+@torch.no_grad()
+def compare(reference: PreTrainedModel, converted: PreTrainedModel, prompts: list[list[int]]) -> DtypeParity:
+    """Run both models (which must hold the same dtype) on the prompts and measure how far apart they are."""
+    dtype = converted.dtype
+    (expected, ref_tokens), (actual, tokens) = run_prompts(reference, prompts), run_prompts(converted, prompts)
+    real = left_padded(prompts)[1].bool()
+    ref_logits, logits = expected.logits[real].float(), actual.logits[real].float()  # (real tokens, vocab)
+    diff = (ref_logits - logits).abs()
+    scale = ref_logits.abs().max().item()
+    tolerance = TOLERANCES[dtype] * max(1.0, scale)
+    top1 = (ref_logits.argmax(-1) == logits.argmax(-1)).float().mean().item()
+
+    identical = sum(ref == conv for ref, conv in zip(ref_tokens, tokens, strict=True))
+    token_agreement = sum(
+        a == b for ref, conv in zip(ref_tokens, tokens, strict=True) for a, b in zip(ref, conv, strict=True)
+    ) / (len(prompts) * GREEDY_TOKENS)
+
+    max_diff = diff.max().item()
+    if dtype == torch.float32:
+        passed = max_diff <= tolerance and identical == len(prompts)
+    else:
+        passed = max_diff <= tolerance and top1 >= HALF_TOP1_MIN
+    result = DtypeParity(
+        dtype=str(dtype).removeprefix("torch."),
+        max_abs_diff=max_diff,
+        mean_abs_diff=diff.mean().item(),
+        logit_scale=scale,
+        tolerance=tolerance,
+        top1_agreement=top1,
+        greedy_identical=identical,
+        greedy_prompts=len(prompts),
+        greedy_token_agreement=token_agreement,
+        passed=passed,
+    )
+    if not passed:
+        result.first_divergence = first_divergence(
+            expected.hidden_states, actual.hidden_states, real, dtype, converted.model.norm
+        )
+    return result
+
+
+def first_divergence(
+    expected: tuple[torch.Tensor, ...],
+    actual: tuple[torch.Tensor, ...],
+    real: torch.Tensor,
+    dtype: torch.dtype,
+    final_norm: torch.nn.Module,
+) -> str:
+    """The first hidden state (embeddings, then each layer's output) that differs beyond tolerance.
+
+    The last layer's output is compared both as is and after the converted model's ``final_norm``: some reference
+    classes (GPT-2) report it normalised, others (Qwen, Llama) do not. When every hidden state agrees, the
+    difference lies in the final norm or the head.
+    """
+    if len(expected) != len(actual):
+        return f"hidden-state count ({len(expected)} reference, {len(actual)} converted): the layer counts differ"
+
+    def agree(ref: torch.Tensor, conv: torch.Tensor) -> bool:
+        ref, conv = ref[real].float(), conv[real].float()
+        return (ref - conv).abs().max().item() <= TOLERANCES[dtype] * max(1.0, ref.abs().max().item())
+
+    for index, (ref, conv) in enumerate(zip(expected[:-1], actual[:-1], strict=True)):
+        if not agree(ref, conv):
+            return "embeddings" if index == 0 else f"layer {index - 1}"
+    last = len(expected) - 2
+    if not (agree(expected[-1], actual[-1]) or agree(expected[-1], final_norm(actual[-1]))):
+        return f"layer {last}"
+    return "the final norm or the head (every layer's output agrees)"
+
+
+def check_parity(source: Path, converted: Path, family: Family | None = None) -> ParityReport:
+    """Compare ``converted`` with the reference loaded from ``source``: float32, plus the converted dtype if half.
+
+    The reference is the family's own loader when it declares one (a sub-model of a multimodal checkpoint), else
+    ``AutoModelForCausalLM``; a family without any transformers class cannot be verified here.
+    """
+    if family is not None and family.no_reference:
+        raise ThinkerError(f"cannot verify a {family.name} conversion: {family.no_reference}")
+    model = load_converted(converted)
+    dtype = model.dtype
+    loader = family.reference if family is not None and family.reference is not None else load_reference
+    reference = loader(Path(source), dtype)
+    prompts = fixed_prompts(model.config.vocab_size)
+    report = ParityReport(reference=type(reference).__name__, converted=type(model).__name__, prompts=prompts)
+    if dtype != torch.float32:
+        report.results.append(compare(reference, model, prompts))
+    # Widened in place: the same rounded weights on both sides, compared in float32. ``.to`` rather than ``.float``,
+    # which transformers refuses for models loaded from GGUF (marked quantized although dequantized on load).
+    report.results.insert(0, compare(reference.to(torch.float32), model.to(torch.float32), prompts))
+    return report
+
+
+def write_report(report: ParityReport, path: Path) -> None:
+    Path(path).write_text(report.to_json())
+
+
+def verify_fits_memory(num_parameters: int) -> tuple[bool, str]:
+    """Whether default verification runs: both models in float32 within a share of the available memory."""
+    import psutil  # a dependency of accelerate, which transformers' loading uses
+
+    needed = 8 * num_parameters
+    available = psutil.virtual_memory().available
+    if needed <= VERIFY_MEMORY_SHARE * available:
+        return True, ""
+    return False, (
+        f"verification skipped: the reference and converted models need ~{needed / 2**30:.1f} GiB in float32, more "
+        f"than {VERIFY_MEMORY_SHARE:.0%} of the {available / 2**30:.1f} GiB available; run `thinker verify` on a "
+        "larger machine, or pass --verify to force it"
+    )

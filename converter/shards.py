@@ -1,0 +1,166 @@
+"""Safetensors output written tensor by tensor, with every shard's layout fixed before the first byte.
+
+A safetensors file is an 8-byte header length, a JSON header giving each tensor's dtype, shape and byte range, then
+the data. Because the plan knows every output tensor's name, shape and dtype in advance, each shard's header can be
+written first and each tensor's bytes put at their offset as soon as the tensor exists, so nothing accumulates in
+memory: ``safetensors.torch.save_file`` would need a whole shard's tensors at once.
+
+Shards are filled in production order and a new one starts when the next tensor would push a shard past
+``max_shard_size`` (a single larger tensor gets a shard of its own), as transformers does; names and the index file
+follow transformers' conventions.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+from .errors import ThinkerError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_DTYPE_CODES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+# Decimal units as transformers reads them ("5GB" = 5e9 bytes); binary ones ("5GiB") too.
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_SIZE_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a plain byte count -> bytes."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE.match(text)
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _SIZE_UNITS or float(match.group(1)) <= 0:
+        raise ThinkerError(f"size {text!r} is not a size like 5GB, 500MB, 2GiB or a byte count")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    shard: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # byte range within the shard's data section
+    end: int
+
+
+class ShardLayout:
+    """Which shard each tensor goes to and at which byte range, decided from names, shapes and dtypes alone."""
+
+    def __init__(self, tensors: list[tuple[str, tuple[int, ...], torch.dtype]], max_shard_size: int) -> None:
+        self.slots: dict[str, TensorSlot] = {}
+        shard, used = 0, 0
+        for name, shape, dtype in tensors:
+            size = dtype.itemsize
+            for dim in shape:
+                size *= dim
+            if used and used + size > max_shard_size:
+                shard, used = shard + 1, 0
+            self.slots[name] = TensorSlot(shard, dtype, tuple(shape), used, used + size)
+            used += size
+        self.num_shards = shard + 1 if tensors else 1
+
+    def file_name(self, shard: int) -> str:
+        if self.num_shards == 1:
+            return SINGLE_FILE
+        return f"model-{shard + 1:05d}-of-{self.num_shards:05d}.safetensors"
+
+    def header(self, shard: int) -> bytes:
+        """The shard's length-prefixed JSON header, padded with spaces so the data starts 8-byte aligned."""
+        entries: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        for name, slot in self.slots.items():
+            if slot.shard == shard:
+                entries[name] = {
+                    "dtype": _DTYPE_CODES[slot.dtype],
+                    "shape": list(slot.shape),
+                    "data_offsets": [slot.begin, slot.end],
+                }
+        text = json.dumps(entries, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        return len(text).to_bytes(8, "little") + text
+
+    @property
+    def total_size(self) -> int:
+        return sum(slot.end - slot.begin for slot in self.slots.values())
+
+    def index(self) -> dict[str, object]:
+        return {
+            "metadata": {
+                "total_size": self.total_size,
+                "total_parameters": sum((slot.end - slot.begin) // slot.dtype.itemsize for slot in self.slots.values()),
+            },
+            "weight_map": {name: self.file_name(slot.shard) for name, slot in self.slots.items()},
+        }
+
+
+class ShardWriter:
+    """Writes the tensors of a ``ShardLayout`` into ``folder`` as they arrive; ``close`` checks all arrived."""
+
+    def __init__(self, folder: Path, layout: ShardLayout) -> None:
+        self.folder = Path(folder)
+        self.layout = layout
+        self._files: dict[int, BinaryIO] = {}
+        self._data_start: dict[int, int] = {}
+        self._written: set[str] = set()
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for handle in self._files.values():
+            handle.close()
+        self._files.clear()
+
+    def write(self, name: str, tensor: torch.Tensor) -> int:
+        """Put ``tensor``'s bytes at its slot; returns the number of bytes written."""
+        slot = self.layout.slots[name]
+        if tensor.dtype != slot.dtype or tuple(tensor.shape) != slot.shape or name in self._written:
+            raise RuntimeError(f"{name}: {tensor.dtype} {tuple(tensor.shape)} does not fit its planned slot {slot}")
+        handle = self._open(slot.shard)
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        handle.seek(self._data_start[slot.shard] + slot.begin)
+        handle.write(memoryview(data))
+        self._written.add(name)
+        return slot.end - slot.begin
+
+    def _open(self, shard: int) -> BinaryIO:
+        if shard not in self._files:
+            header = self.layout.header(shard)
+            handle = (self.folder / self.layout.file_name(shard)).open("wb")
+            handle.write(header)
+            self._files[shard] = handle
+            self._data_start[shard] = len(header)
+        return self._files[shard]
+
+    def close(self) -> list[str]:
+        """Finish every shard (and the index when there are several); returns the files written."""
+        missing = [name for name in self.layout.slots if name not in self._written]
+        if missing:
+            raise RuntimeError(f"{len(missing)} planned tensors were never written, e.g. {missing[:3]}")
+        for shard in range(self.layout.num_shards):
+            self._open(shard)  # a shard of only empty tensors still needs its header
+        self.__exit__(None, None, None)
+        files = [self.layout.file_name(shard) for shard in range(self.layout.num_shards)]
+        if self.layout.num_shards > 1:
+            (self.folder / INDEX_FILE).write_text(json.dumps(self.layout.index(), indent=2) + "\n")
+            files.append(INDEX_FILE)
+        return files

@@ -1,0 +1,112 @@
+"""The data a source family is made of: how to recognise it, how its config translates, and its tensor table.
+
+A family module (``converter/families/*.py``) builds one ``Family`` from these types and nothing else; the engine
+(``converter/engine.py``) is the only code that interprets them. Tensor names are templates: ``{layer}`` stands for
+a decoder layer index and ``{expert}`` for an expert index. A rule whose templates hold ``{layer}`` applies to every
+layer; a template holding ``{expert}`` stands for the list of that name for every expert, in expert order (so
+``mlp.experts.{expert}.gate_proj.weight`` on the source side of a rule gathers all experts of the layer).
+
+Which rules apply is decided by the target: the engine builds the Thinker model from the translated config on the
+meta device and keeps the rules whose targets it has (a q_proj bias rule is inert for a model without biases, an
+expert rule for a dense layer). Several rules may produce the same targets: they are alternatives (per-expert or
+fused expert layouts on disk), and the first whose source tensors are all present wins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .ops import Identity, Op
+
+LAYER = "{layer}"
+EXPERT = "{expert}"
+
+ConfigTranslator = Callable[[Mapping[str, Any]], dict[str, Any]]
+# (source folder, dtype) -> the reference model for parity, called like a transformers causal LM.
+ReferenceLoader = Callable[[Path, Any], Any]
+# Thinker config -> the source family's config.json dict: the way back (``thinker-convert THINKER OUT --to FAMILY``).
+ConfigExporter = Callable[[Any], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    """Source tensors -> Thinker tensors through one declared operation.
+
+    ``sources`` and ``targets`` are name templates; the operation receives the source tensors in template order
+    (each ``{expert}`` template expanded in place) and returns the targets in template order.
+    """
+
+    sources: tuple[str, ...]
+    targets: tuple[str, ...]
+    op: Op = field(default_factory=Identity)
+
+    def inverted(self) -> TensorRule:
+        """The same rule read backwards: Thinker tensors -> source tensors."""
+        return TensorRule(self.targets, self.sources, self.op.inverse())
+
+
+def rule(sources: str | Sequence[str], targets: str | Sequence[str], op: Op | None = None) -> TensorRule:
+    """A table entry; single names may be given as plain strings."""
+    return TensorRule(_names(sources), _names(targets), op or Identity())
+
+
+def _names(names: str | Sequence[str]) -> tuple[str, ...]:
+    return (names,) if isinstance(names, str) else tuple(names)
+
+
+def renames(pairs: Mapping[str, str]) -> tuple[TensorRule, ...]:
+    """Plain one-to-one renames, the bulk of every table."""
+    return tuple(rule(source, target) for source, target in pairs.items())
+
+
+@dataclass(frozen=True)
+class Family:
+    """One source family: recognition, config translation, tensor table, deliberate drops.
+
+    - ``model_types`` / ``architectures``: the source config's ``model_type`` or any of its ``architectures``
+      selects the family; ``tensor_hints``, when given, must also match (at least one of these exact tensor names
+      is present), which tells apart families that share a config (HF Llama and llama.cpp's GGUF Llama).
+    - ``config_keys``: for checkpoints of training scripts, whose config has no ``model_type``: a config without
+      one that holds all of these keys selects the family (``tensor_hints`` must still match).
+    - ``translate_config``: source config dict -> ``ThinkerConfig`` keyword arguments; refuses (``ThinkerError``)
+      what Thinker cannot represent rather than converting to a different model.
+    - ``tensors``: the table; ``dropped``: source tensors skipped on purpose (templates, like the table), e.g.
+      buffers older checkpoints saved; ``dropped_prefixes``: whole sub-models skipped on purpose by name prefix
+      (a multimodal checkpoint's vision tower), whose layer counts the Thinker config does not know.
+    - ``head``: the source name of the output projection, checked against ``tie_word_embeddings``.
+    - ``reference``: loads the parity reference from the source folder; None means transformers'
+      ``AutoModelForCausalLM``. ``no_reference``: set, instead, for a family that has no transformers class; it
+      says why, and verification is then skipped (or refused when asked for) with that message.
+    - ``export_config``: the inverse of ``translate_config``, for families a Thinker folder can be written back to
+      (``--to``); the tensors go back through ``inverted_tensors``.
+    """
+
+    name: str
+    description: str
+    model_types: tuple[str, ...]
+    translate_config: ConfigTranslator
+    tensors: tuple[TensorRule, ...]
+    architectures: tuple[str, ...] = ()
+    tensor_hints: tuple[str, ...] = ()
+    dropped: tuple[str, ...] = ()
+    head: str | None = "lm_head.weight"
+    config_keys: tuple[str, ...] = ()
+    dropped_prefixes: tuple[str, ...] = ()
+    reference: ReferenceLoader | None = None
+    no_reference: str | None = None
+    export_config: ConfigExporter | None = None
+
+    def recognises(self, config: Mapping[str, Any], tensor_names: Collection[str]) -> bool:
+        declared = config.get("model_type") in self.model_types or any(
+            architecture in self.architectures for architecture in config.get("architectures") or ()
+        )
+        if not declared and self.config_keys and not config.get("model_type"):
+            declared = all(key in config for key in self.config_keys)
+        return declared and (not self.tensor_hints or any(hint in tensor_names for hint in self.tensor_hints))
+
+    def inverted_tensors(self) -> tuple[TensorRule, ...]:
+        """The table read backwards (Thinker -> source), for writing a Thinker folder out in this family's layout."""
+        return tuple(entry.inverted() for entry in self.tensors)

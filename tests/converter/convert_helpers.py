@@ -1,0 +1,139 @@
+"""Helpers for the converter tests: tiny reference checkpoints with random weights, and logit comparison.
+
+Every checkpoint is a real transformers model of its family, built from an awkward tiny config, with every
+parameter (norms and biases included) drawn from a fixed seed, and saved the way its users would find it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
+from transformers.utils import logging as transformers_logging
+
+import thinker  # noqa: F401  (registers the Auto classes)
+from converter.parity import left_padded
+from thinker import ThinkerForCausalLM
+
+transformers_logging.set_verbosity_error()
+transformers_logging.disable_progress_bar()
+
+# float32 logits of the converted model against the reference: the same operations in the same order, so only
+# summation-order noise is allowed.
+FP32_ATOL = 1e-5
+FP32_RTOL = 1e-5
+PROMPTS = [[5, 17, 3, 29, 11, 2, 40, 8], [7, 1, 33, 12], [19, 4, 26]]
+
+
+def randomize_(model: PreTrainedModel, seed: int, std: float = 0.2) -> PreTrainedModel:
+    """Every parameter from a fixed seed; norm weights around 1 so activations keep a sensible scale."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in sorted(model.named_parameters()):
+            noise = torch.randn(parameter.shape, generator=generator) * std
+            is_norm_weight = ("norm" in name or ".ln_" in name) and name.endswith("weight")
+            parameter.copy_(1 + noise if is_norm_weight else noise)
+    return model.eval()
+
+
+def build_reference(config: PreTrainedConfig, seed: int = 0) -> PreTrainedModel:
+    torch.manual_seed(seed)
+    return randomize_(AutoModelForCausalLM.from_config(config), seed)
+
+
+def save_unfused_experts(model: PreTrainedModel, folder: Path) -> Path:
+    """The per-expert layout of Hub MoE checkpoints (``mlp.experts.{e}.gate_proj.weight`` ...), written by hand from
+    the fused 3-D tensors transformers 5 holds in memory."""
+    folder.mkdir(parents=True)
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix = name.removesuffix("gate_up_proj")
+            for expert, fused in enumerate(tensor):
+                gate, up = fused.chunk(2, dim=0)
+                tensors[f"{prefix}{expert}.gate_proj.weight"] = gate.clone()
+                tensors[f"{prefix}{expert}.up_proj.weight"] = up.clone()
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name.removesuffix("down_proj")
+            for expert, down in enumerate(tensor):
+                tensors[f"{prefix}{expert}.down_proj.weight"] = down.clone()
+        elif not (name == "lm_head.weight" and model.config.tie_word_embeddings):
+            tensors[name] = tensor.contiguous()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    model.config.save_pretrained(folder)
+    return folder
+
+
+@torch.no_grad()
+def assert_same_logits(reference: PreTrainedModel, converted_folder: Path, atol=FP32_ATOL, rtol=FP32_RTOL) -> None:
+    """The converted folder, loaded as Thinker, gives the reference's logits on a left-padded batch (real tokens)."""
+    converted = ThinkerForCausalLM.from_pretrained(converted_folder, dtype=torch.float32).eval()
+    reference = reference.float().eval()
+    ids, mask, positions = left_padded(PROMPTS)
+    inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
+    real = mask.bool()
+    expected = reference(**inputs).logits[real]
+    torch.testing.assert_close(converted(**inputs).logits[real], expected, atol=atol, rtol=rtol)
+
+
+def edit_config(folder: Path, **changes) -> None:
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config))
+
+
+def write_gguf(model: PreTrainedModel, path: Path, architecture: str) -> Path:
+    """The model as llama.cpp's converter would write it, in float32: llama.cpp names, its metadata keys, and for
+    the llama architecture the interleaved-RoPE row order of q/k. A stand-in for real GGUF files of qwen2/qwen3."""
+    import gguf
+    import numpy as np
+
+    from converter.gguf_source import (
+        GGUF_TENSOR_NAMES,
+        ROPE_PERMUTED_ARCHITECTURES,
+        ROPE_PERMUTED_TENSORS,
+        permute_llama_rope,
+    )
+
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    to_gguf = {}
+    for gguf_template, hf_template in GGUF_TENSOR_NAMES.items():
+        for layer in range(config.num_hidden_layers):
+            to_gguf[hf_template.replace("{i}", str(layer))] = (gguf_template.replace("{i}", str(layer)), gguf_template)
+    writer = gguf.GGUFWriter(path, arch=architecture)
+    prefix = architecture
+    writer.add_uint32(f"{prefix}.block_count", config.num_hidden_layers)
+    writer.add_uint32(f"{prefix}.context_length", config.max_position_embeddings)
+    writer.add_uint32(f"{prefix}.embedding_length", config.hidden_size)
+    writer.add_uint32(f"{prefix}.feed_forward_length", config.intermediate_size)
+    writer.add_uint32(f"{prefix}.attention.head_count", config.num_attention_heads)
+    writer.add_uint32(f"{prefix}.attention.head_count_kv", config.num_key_value_heads)
+    writer.add_uint32(f"{prefix}.attention.key_length", head_dim)
+    writer.add_uint32(f"{prefix}.attention.value_length", head_dim)
+    writer.add_uint32(f"{prefix}.rope.dimension_count", head_dim)
+    writer.add_float32(f"{prefix}.rope.freq_base", config.rope_parameters["rope_theta"])
+    writer.add_float32(f"{prefix}.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
+    writer.add_uint32(f"{prefix}.vocab_size", config.vocab_size)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        gguf_name, template = to_gguf.get(name, (name, name))
+        if name == "model.embed_tokens.weight":
+            gguf_name = template = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf_name = template = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gguf_name = template = "output.weight"
+        if architecture in ROPE_PERMUTED_ARCHITECTURES and template in ROPE_PERMUTED_TENSORS:
+            tensor = permute_llama_rope(tensor, getattr(config, ROPE_PERMUTED_TENSORS[template]))
+        writer.add_tensor(gguf_name, np.ascontiguousarray(tensor.float().numpy()))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -1,0 +1,119 @@
+"""``thinker-convert`` and ``thinker verify`` as users run them: click's runner, a real subprocess, a Hub repo id."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+from transformers import Qwen3Config
+
+from converter.cli import convert_command, verify_command
+from converter.errors import ThinkerError
+
+QWEN3 = Qwen3Config(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+)
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def source(save_reference) -> Path:
+    return save_reference(QWEN3)[1]
+
+
+def test_convert_prints_the_parity_table(source, tmp_path):
+    result = CliRunner().invoke(convert_command, [str(source), str(tmp_path / "out"), "--verify"])
+    assert result.exit_code == 0, result.output
+    assert "parity: ThinkerForCausalLM vs Qwen3ForCausalLM" in result.stdout
+    assert "float32" in result.stdout and "pass" in result.stdout
+    assert json.loads((tmp_path / "out" / "parity.json").read_text())["passed"] is True
+
+
+def test_user_errors_are_one_red_line_and_exit_1(source, tmp_path):
+    (tmp_path / "out").mkdir()
+    result = CliRunner().invoke(convert_command, [str(source), str(tmp_path / "out")], color=True)
+    assert result.exit_code == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "already exists; pass --force" in lines[0]
+    assert lines[0].startswith("\x1b[31m")  # red
+    assert "Traceback" not in result.output
+
+
+def test_debug_shows_the_exception(source, tmp_path):
+    (tmp_path / "out").mkdir()
+    result = CliRunner().invoke(convert_command, [str(source), str(tmp_path / "out"), "--debug"])
+    assert result.exit_code == 1 and isinstance(result.exception, ThinkerError)
+
+
+@pytest.mark.parametrize(
+    "options", [["--dtype", "float8"], ["--max-shard-size", "huge"], []], ids=["dtype", "shard-size", "no-output"]
+)
+def test_usage_errors_exit_2(source, tmp_path, options):
+    arguments = [str(source)] + ([str(tmp_path / "out")] if options else []) + options
+    assert CliRunner().invoke(convert_command, arguments).exit_code == 2
+
+
+def test_help_teaches(tmp_path):
+    text = CliRunner().invoke(convert_command, ["--help"]).output
+    for expected in ("Examples:", "Qwen/Qwen3-0.6B", "--max-shard-size", "--no-verify", "available", "--force"):
+        assert expected in text, expected
+    assert "parity.json" in CliRunner().invoke(verify_command, ["--help"]).output
+
+
+def test_real_subprocess_with_sharded_output_and_dtype(source, tmp_path):
+    command = [sys.executable, "-c", "from converter.cli import convert_command; convert_command()"]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HF_HOME": str(tmp_path / "hf-home")}
+    output = tmp_path / "out"
+    arguments = [str(source), str(output), "--dtype", "bfloat16", "--max-shard-size", "10KB", "--no-verify"]
+    done = subprocess.run(command + arguments, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "converted" in done.stdout and "bfloat16" in done.stdout
+    assert (output / "model.safetensors.index.json").is_file()
+
+    failed = subprocess.run(command + arguments, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert failed.returncode == 1
+    assert failed.stderr.strip().splitlines() == [
+        f"error: {output} already exists; pass --force to replace it once the new conversion is complete"
+    ]
+
+
+def test_verify_standalone_passes_then_names_the_broken_layer(source, tmp_path):
+    runner = CliRunner()
+    converted = tmp_path / "out"
+    assert runner.invoke(convert_command, [str(source), str(converted), "--no-verify"]).exit_code == 0
+    assert not (converted / "parity.json").exists()
+
+    result = runner.invoke(verify_command, [str(source), str(converted)])
+    assert result.exit_code == 0, result.output
+    assert "parity holds" in result.stdout and (converted / "parity.json").is_file()
+
+    weights = load_file(converted / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"] *= 1.5
+    save_file(weights, converted / "model.safetensors", metadata={"format": "pt"})
+    result = runner.invoke(verify_command, [str(source), str(converted)])
+    assert result.exit_code == 1
+    assert "FAIL (first divergence: layer 1)" in result.stdout
+    assert "does not match its reference" in result.stderr
+    assert json.loads((converted / "parity.json").read_text())["passed"] is False
+
+
+def test_hub_repo_id_through_a_local_endpoint(fake_hub, save_reference, tmp_path):
+    _, folder = save_reference(QWEN3, name="hub-source")
+    (folder / "tokenizer.json").write_text("{}")
+    fake_hub.add_repo("tiny-org/tiny-qwen3", folder)
+    result = CliRunner().invoke(convert_command, ["tiny-org/tiny-qwen3", str(tmp_path / "out"), "--verify"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+    assert any(request.path.endswith("model.safetensors") for request in fake_hub.file_requests("GET"))

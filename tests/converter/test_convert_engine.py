@@ -1,0 +1,408 @@
+"""The engine: reversible operations, completeness checks before bytes, streaming, shards, dtypes, the output folder."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from convert_helpers import assert_same_logits, build_reference, edit_config
+from safetensors.torch import load_file, save_file
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
+
+from converter.convert import read_source_config, write_weights
+from converter.engine import plan_conversion, stream_tensors
+from converter.errors import ThinkerError
+from converter.ops import (
+    Chain,
+    Concatenate,
+    HalfToInterleavedRope,
+    Identity,
+    InterleavedToHalfRope,
+    Split,
+    StackExperts,
+    Transpose,
+    UnstackExperts,
+)
+from converter.shards import parse_size
+from converter.sources import SafetensorsSource
+from thinker import ThinkerConfig
+
+QWEN2 = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+
+# --- operations --------------------------------------------------------------------------------------------------
+
+CONFIG = ThinkerConfig(hidden_size=24, num_attention_heads=3, num_key_value_heads=1, head_dim=8)
+
+
+@pytest.mark.parametrize(
+    ("op", "shapes"),
+    [
+        (Identity(), [(3, 4), (5,)]),
+        (Transpose(), [(6, 4)]),
+        (Split(dim=0, parts=3), [(9, 4)]),
+        (Split(dim=0, sizes=lambda c: [c.num_attention_heads * c.head_dim, c.head_dim, c.head_dim]), [(40, 24)]),
+        (Concatenate(dim=1, parts=2), [(3, 4), (3, 4)]),
+        (StackExperts(), [(4, 6)] * 5),
+        (StackExperts(parts=2, dim=1), [(4, 6)] * 10),
+        (UnstackExperts(parts=2, dim=1), [(5, 8, 6)]),
+        (InterleavedToHalfRope("num_attention_heads"), [(24, 24), (24,)]),
+        (HalfToInterleavedRope("num_key_value_heads"), [(8, 24)]),
+        (Chain(Transpose(), Split(dim=0, parts=3)), [(24, 72)]),
+    ],
+    ids=lambda value: type(value).__name__ if not isinstance(value, list) else "",
+)
+def test_every_operation_is_undone_by_its_inverse(op, shapes):
+    generator = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(shape, generator=generator) for shape in shapes]
+    restored = op.inverse()(op(tensors, CONFIG), CONFIG)
+    assert len(restored) == len(tensors)
+    for before, after in zip(tensors, restored, strict=True):
+        torch.testing.assert_close(after, before, atol=0, rtol=0)
+
+
+def test_stacked_experts_are_gate_then_up_per_expert():
+    gates = [torch.full((2, 3), float(e)) for e in range(4)]
+    ups = [torch.full((2, 3), 10.0 + e) for e in range(4)]
+    (fused,) = StackExperts(parts=2, dim=1)(gates + ups, CONFIG)
+    assert fused.shape == (4, 4, 3)
+    assert fused[2, :2].eq(2).all() and fused[2, 2:].eq(12).all()
+
+
+def test_interleaved_rope_rows_become_half_split():
+    # One head of size 4: interleaved pairs (x0, x1), (x2, x3) -> halves (x0, x2 | x1, x3).
+    config = ThinkerConfig(hidden_size=4, num_attention_heads=1)
+    (half,) = InterleavedToHalfRope("num_attention_heads")([torch.arange(4.0)], config)
+    assert half.tolist() == [0.0, 2.0, 1.0, 3.0]
+
+
+INVERTIBLE_SOURCES = {
+    "qwen2": Qwen2Config(**QWEN2),
+    "qwen3": Qwen3Config(**QWEN2, head_dim=12),
+    "qwen2_moe": Qwen2MoeConfig(
+        **QWEN2, num_experts=3, num_experts_per_tok=2, moe_intermediate_size=8, shared_expert_intermediate_size=8
+    ),
+    "qwen3_moe": Qwen3MoeConfig(
+        **QWEN2, num_experts=3, num_experts_per_tok=2, moe_intermediate_size=8, mlp_only_layers=[0]
+    ),
+    "llama": LlamaConfig(**QWEN2, attention_bias=True),
+    "gpt2": GPT2Config(vocab_size=64, n_embd=24, n_layer=2, n_head=3, n_positions=32),
+}
+
+
+@pytest.mark.parametrize("family", sorted(INVERTIBLE_SOURCES))
+def test_inverted_table_restores_the_source_tensors(family, tmp_path):
+    """Every family's table read backwards gives back the source checkpoint exactly (for writing folders out)."""
+    build_reference(INVERTIBLE_SOURCES[family]).save_pretrained(tmp_path)
+    source = SafetensorsSource(tmp_path)
+    plan = plan_conversion(source, read_source_config(source))
+    assert plan.family.name == family
+    for step in plan.steps:
+        originals = [source.load(name) for name in step.sources]
+        restored = step.op.inverse()(step.op(originals, plan.config), plan.config)
+        for before, after in zip(originals, restored, strict=True):
+            assert torch.equal(before, after)
+    inverted = plan.family.inverted_tensors()
+    assert [entry.sources for entry in inverted] == [entry.targets for entry in plan.family.tensors]
+
+
+# --- completeness before bytes -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def qwen2_tensors(tmp_path):
+    """A small Qwen2 checkpoint as a dict, and a function that writes any variant of it and plans its conversion."""
+    model = build_reference(Qwen2Config(**QWEN2, tie_word_embeddings=False))
+    tensors = {name: t.contiguous() for name, t in model.state_dict().items()}
+
+    def plan(variant: dict[str, torch.Tensor], **config_changes):
+        folder = tmp_path / "variant"
+        folder.mkdir(exist_ok=True)
+        save_file(variant, folder / "model.safetensors")
+        model.config.save_pretrained(folder)
+        edit_config(folder, **config_changes)
+        source = SafetensorsSource(folder)
+        return plan_conversion(source, read_source_config(source))
+
+    return tensors, plan
+
+
+def test_complete_checkpoint_plans(qwen2_tensors):
+    tensors, plan = qwen2_tensors
+    result = plan(tensors)
+    assert set(result.shapes) == set(tensors) and result.dropped == []
+
+
+def test_extra_tensor_is_named(qwen2_tensors):
+    tensors, plan = qwen2_tensors
+    with pytest.raises(ThinkerError, match=r"no qwen2 rule maps.*model\.layers\.0\.mlp\.extra_proj\.weight"):
+        plan(tensors | {"model.layers.0.mlp.extra_proj.weight": torch.zeros(2, 2)})
+
+
+def test_missing_tensors_are_named_with_a_count(qwen2_tensors):
+    tensors, plan = qwen2_tensors
+    dropped = {name for name in tensors if name.endswith("k_proj.bias")}
+    with pytest.raises(ThinkerError, match=r"lacks tensors.*layers\.0\.self_attn\.k_proj\.bias.*\(2 in all\)"):
+        plan({name: t for name, t in tensors.items() if name not in dropped})
+
+
+def test_layers_beyond_the_config_are_unmapped(qwen2_tensors):
+    tensors, plan = qwen2_tensors
+    with pytest.raises(ThinkerError, match=r"no qwen2 rule maps.*model\.layers\.1\..* and \d+ more"):
+        plan(tensors, num_hidden_layers=1, layer_types=None)
+
+
+def test_wrong_shape_is_named_with_both_shapes(qwen2_tensors):
+    tensors, plan = qwen2_tensors
+    bad = dict(tensors, **{"model.layers.1.mlp.up_proj.weight": torch.zeros(47, 32)})
+    with pytest.raises(ThinkerError, match=r"model\.layers\.1\.mlp\.up_proj\.weight .*\(47, 32\), expected \(48, 32\)"):
+        plan(bad)
+
+
+def test_config_that_does_not_describe_the_weights(qwen2_tensors):
+    tensors, plan = qwen2_tensors
+    with pytest.raises(ThinkerError, match=r"shape\(s\) disagree.*gate_proj"):
+        plan(tensors, intermediate_size=40)
+
+
+def test_tied_config_with_a_separate_head(qwen2_tensors):
+    tensors, plan = qwen2_tensors
+    with pytest.raises(ThinkerError, match=r"tie_word_embeddings=true.*separate lm_head\.weight"):
+        plan(tensors, tie_word_embeddings=True)
+
+
+def test_untied_config_without_a_head(qwen2_tensors):
+    tensors, plan = qwen2_tensors
+    without_head = {name: t for name, t in tensors.items() if name != "lm_head.weight"}
+    with pytest.raises(ThinkerError, match=r"tie_word_embeddings=false.*no lm_head\.weight"):
+        plan(without_head)
+
+
+def test_unknown_model_type(qwen2_tensors):
+    tensors, plan = qwen2_tensors
+    with pytest.raises(ThinkerError, match=r"model_type 'mamba'.*not supported; supported: gpt2, llama"):
+        plan(tensors, model_type="mamba", architectures=["MambaForCausalLM"])
+
+
+def test_sliding_window_checkpoints_are_refused(qwen2_tensors):
+    tensors, plan = qwen2_tensors
+    with pytest.raises(ThinkerError, match="sliding-window attention on layers"):
+        plan(tensors, use_sliding_window=True, sliding_window=16, max_window_layers=0, layer_types=None)
+
+
+# --- values and dtypes -------------------------------------------------------------------------------------------
+
+
+def test_float16_overflow_is_named(qwen2_tensors, run_convert, tmp_path):
+    tensors, _ = qwen2_tensors
+    tensors["model.layers.1.self_attn.o_proj.weight"][0, 0] = 70000.0
+    source = tmp_path / "overflow"
+    build_reference(Qwen2Config(**QWEN2, tie_word_embeddings=False)).config.save_pretrained(source)
+    save_file(tensors, source / "model.safetensors")
+    with pytest.raises(ThinkerError, match=r"model\.layers\.1\.self_attn\.o_proj\.weight.*70000.*float16"):
+        run_convert(source, dtype="float16")
+    assert not (tmp_path / "out").exists()
+    assert run_convert(source, dtype="bfloat16", verify=False).dtype == "bfloat16"  # bfloat16 has the range
+
+
+def test_nan_weights_are_named(qwen2_tensors, run_convert, tmp_path):
+    tensors, _ = qwen2_tensors
+    tensors["model.norm.weight"][3] = float("nan")
+    source = tmp_path / "nan"
+    build_reference(Qwen2Config(**QWEN2, tie_word_embeddings=False)).config.save_pretrained(source)
+    save_file(tensors, source / "model.safetensors")
+    with pytest.raises(ThinkerError, match=r"model\.norm\.weight.*NaN or Inf"):
+        run_convert(source, verify=False)
+
+
+def test_bfloat16_output_is_verified_in_both_dtypes(save_reference, run_convert):
+    model, source = save_reference(Qwen2Config(**QWEN2))
+    result = run_convert(source, dtype="bfloat16")
+    assert [r.dtype for r in result.parity.results] == ["float32", "bfloat16"]
+    assert result.parity.passed
+    weights = load_file(result.output / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    with torch.no_grad():  # the converter's rounding, on the parameters only (not the RoPE buffers)
+        for parameter in model.parameters():
+            parameter.copy_(parameter.to(torch.bfloat16))
+    assert_same_logits(model, result.output)
+
+
+def test_auto_dtype_follows_the_source_config(save_reference, run_convert):
+    model, source = save_reference(Qwen2Config(**QWEN2, dtype="float16"))
+    model.half().save_pretrained(source)
+    result = run_convert(source, verify=False)
+    assert result.dtype == "float16" and ThinkerConfig.from_pretrained(result.output).dtype == torch.float16
+
+
+# --- shards and streaming ----------------------------------------------------------------------------------------
+
+
+def test_sharded_source_and_sharded_output(save_reference, run_convert):
+    model, source = save_reference(Qwen2Config(**QWEN2), max_shard_size="20KB")
+    assert (source / "model.safetensors.index.json").is_file()
+    result = run_convert(source, max_shard_size="16KB")
+    index = json.loads((result.output / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert all((result.output / shard).stat().st_size <= 16_000 + 4096 for shard in shards[:-1])  # + header
+    assert index["metadata"]["total_size"] == result.total_bytes
+    assert result.parity.passed
+    assert_same_logits(model, result.output)
+
+
+def test_parse_size():
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size("1024") == 1024
+    with pytest.raises(ThinkerError, match="not a size"):
+        parse_size("five gigs")
+
+
+class TrackedSource:
+    """A source that records how many bytes of loaded tensors are still alive at each load: the engine's memory."""
+
+    def __init__(self, source) -> None:
+        self._source = source
+        self.root = source.root
+        self.live = 0
+        self.peak = 0
+
+    def __getattr__(self, name):
+        return getattr(self._source, name)
+
+    def load(self, name: str) -> torch.Tensor:
+        tensor = self._source.load(name)
+        size = tensor.numel() * tensor.element_size()
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        # The storage, not the tensor: views handed on (splits, transposes) keep the bytes alive.
+        weakref.finalize(tensor.untyped_storage(), self._release, size)
+        return tensor
+
+    def _release(self, size: int) -> None:
+        self.live -= size
+
+
+def test_peak_memory_is_bounded_by_the_largest_tensor(tmp_path):
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4
+    )
+    build_reference(config).save_pretrained(tmp_path / "source", max_shard_size="300KB")
+    source = TrackedSource(SafetensorsSource(tmp_path / "source"))
+    plan = plan_conversion(source, read_source_config(source))
+    largest = max(_bytes(source, name) for name in source.names())
+    (tmp_path / "out").mkdir()
+    write_weights(plan, source, tmp_path / "out", max_shard_size=10**6, progress=False)
+    total = sum(_bytes(source, name) for name in source.names())
+    assert total > 20 * largest
+    assert source.peak <= 2 * largest, f"peak {source.peak} bytes of source tensors alive; largest is {largest}"
+    assert source.live == 0
+
+
+def _bytes(source, name) -> int:
+    count = source.dtype(name).itemsize
+    for size in source.shape(name):
+        count *= size
+    return count
+
+
+def test_streaming_yields_each_parameter_once_in_source_order(save_reference):
+    _, folder = save_reference(Qwen2Config(**QWEN2))
+    source = SafetensorsSource(folder)
+    plan = plan_conversion(source, read_source_config(source))
+    names = [name for name, _ in stream_tensors(plan, source)]
+    assert names == list(plan.shapes) and len(set(names)) == len(names)
+
+
+# --- the output folder -------------------------------------------------------------------------------------------
+
+
+def test_output_folder_contents_and_remote_code(save_reference, run_convert, tmp_path):
+    model, source = save_reference(Qwen2Config(**QWEN2, bos_token_id=1, eos_token_id=2))
+    for name in ("tokenizer.json", "tokenizer_config.json", "merges.txt"):
+        (source / name).write_text("{}" if name.endswith(".json") else "#version: 0.2\n")
+    result = run_convert(source, verify=False)
+    files = {path.name for path in result.output.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "merges.txt"} <= files
+    assert {"modeling_thinker.py", "configuration_thinker.py"} <= files
+    config = json.loads((result.output / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_thinker.ThinkerForCausalLM"
+    assert json.loads((result.output / "generation_config.json").read_text())["eos_token_id"] == 2
+    assert not list(tmp_path.glob(".out.*")), "the staging folder was left behind"
+
+    # Where the thinker package cannot be imported, the folder's own code loads it (trust_remote_code).
+    script = (
+        "import sys, torch; sys.path = [p for p in sys.path if p not in ('', '.', sys.argv[2])]\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
+        "assert type(m).__module__.startswith('transformers_modules'), type(m).__module__\n"
+        "print(m(torch.tensor([[1, 2, 3]])).logits[0, -1, :4].tolist())\n"
+    )
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {"PATH": "/usr/bin:/bin", "HF_HOME": str(tmp_path / "hf-home")}
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(result.output), repo],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    expected = AutoModelForCausalLM.from_pretrained(result.output)(torch.tensor([[1, 2, 3]])).logits[0, -1, :4]
+    torch.testing.assert_close(torch.tensor(json.loads(done.stdout.strip().splitlines()[-1])), expected)
+
+
+def test_existing_output_is_untouched_without_force(save_reference, run_convert, tmp_path):
+    _, source = save_reference(Qwen2Config(**QWEN2))
+    existing = tmp_path / "out"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("mine")
+    with pytest.raises(ThinkerError, match="already exists; pass --force"):
+        run_convert(source)
+    assert [p.name for p in existing.iterdir()] == ["keep.txt"]
+
+    result = run_convert(source, force=True, verify=False)
+    assert not (result.output / "keep.txt").exists() and (result.output / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_failed_conversion_leaves_an_existing_output_in_place(qwen2_tensors, run_convert, tmp_path):
+    tensors, _ = qwen2_tensors
+    tensors["model.embed_tokens.weight"][0, 0] = float("inf")
+    source = tmp_path / "broken"
+    build_reference(Qwen2Config(**QWEN2, tie_word_embeddings=False)).config.save_pretrained(source)
+    save_file(tensors, source / "model.safetensors")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(ThinkerError, match="NaN or Inf"):
+        run_convert(source, force=True)
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_output_may_not_replace_its_source(save_reference, run_convert, tmp_path):
+    _, source = save_reference(Qwen2Config(**QWEN2))
+    with pytest.raises(ThinkerError, match="replace the source checkpoint"):
+        run_convert(source, name="source", force=True)
+    assert (source / "model.safetensors").is_file()

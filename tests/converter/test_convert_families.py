@@ -1,0 +1,177 @@
+"""Parity of every source family against its own transformers class, on awkward tiny configs.
+
+Each test builds the family's reference model with random weights, saves it the way users find it, converts it
+with the production tables, and checks twice: the converter's own parity gate (``--verify``) and a direct
+``assert_close`` of float32 logits on a left-padded batch (atol = rtol = 1e-5).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from convert_helpers import assert_same_logits, build_reference, save_unfused_experts
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import GPT2Config, LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
+
+from thinker import ThinkerConfig
+
+# Awkward on purpose: GQA, odd vocabularies, head_dim unrelated to hidden_size where the family allows it.
+SMALL = {"vocab_size": 67, "hidden_size": 32, "num_hidden_layers": 3, "max_position_embeddings": 64}
+
+
+def assert_verified(result, family: str) -> None:
+    assert result.family == family
+    assert result.parity is not None and result.parity.passed, result.parity and result.parity.table()
+    fp32 = result.parity.results[0]
+    assert fp32.dtype == "float32" and fp32.max_abs_diff <= 1e-4 * max(1.0, fp32.logit_scale)
+    assert (result.output / "parity.json").is_file()
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_qwen2_with_biases(save_reference, run_convert, tied):
+    config = Qwen2Config(
+        **SMALL, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied
+    )
+    model, source = save_reference(config)
+    result = run_convert(source)
+    assert_verified(result, "qwen2")
+    assert ThinkerConfig.from_pretrained(result.output).tie_word_embeddings is tied
+    assert_same_logits(model, result.output)
+
+
+def test_qwen3_qk_norm_free_head_dim_and_rope_scaling(save_reference, run_convert):
+    config = Qwen3Config(
+        **SMALL,
+        intermediate_size=40,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=12,  # != 32 / 4
+        attention_bias=True,
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0},
+    )
+    model, source = save_reference(config)
+    result = run_convert(source)
+    assert_verified(result, "qwen3")
+    converted = ThinkerConfig.from_pretrained(result.output)
+    assert converted.qk_norm and converted.head_dim == 12 and converted.rope_parameters["rope_type"] == "linear"
+    assert_same_logits(model, result.output)
+
+
+def test_qwen2_moe_shared_expert(save_reference, run_convert):
+    config = Qwen2MoeConfig(
+        **SMALL,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        decoder_sparse_step=2,  # layer 1 sparse, layers 0 and 2 dense
+    )
+    model, source = save_reference(config)
+    result = run_convert(source)
+    assert_verified(result, "qwen2_moe")
+    assert ThinkerConfig.from_pretrained(result.output).mlp_layer_types == ["dense", "sparse", "dense"]
+    assert_same_logits(model, result.output)
+
+
+QWEN3_MOE = dict(
+    SMALL,
+    num_hidden_layers=4,
+    intermediate_size=40,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_experts=5,
+    num_experts_per_tok=2,
+    moe_intermediate_size=12,
+)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False], ids=["renormalised", "raw-topk"])
+def test_qwen3_moe_per_expert_layout(tmp_path, run_convert, norm_topk_prob):
+    # decoder_sparse_step=1 with mlp_only_layers=[2]: layers 0, 1, 3 sparse, layer 2 dense.
+    config = Qwen3MoeConfig(**QWEN3_MOE, norm_topk_prob=norm_topk_prob, mlp_only_layers=[2])
+    model = build_reference(config)
+    source = save_unfused_experts(model, tmp_path / "per-expert")
+    with safe_open(source / "model.safetensors", "pt") as handle:
+        assert "model.layers.0.mlp.experts.4.gate_proj.weight" in handle.keys()
+    result = run_convert(source)
+    assert_verified(result, "qwen3_moe")
+    assert ThinkerConfig.from_pretrained(result.output).mlp_layer_types == ["sparse", "sparse", "dense", "sparse"]
+    assert_same_logits(model, result.output)
+
+
+def test_qwen3_moe_fused_layout_and_sparse_step(save_reference, run_convert):
+    config = Qwen3MoeConfig(**QWEN3_MOE, decoder_sparse_step=2, norm_topk_prob=False)
+    # transformers 5 writes its in-memory fused experts when asked not to restore the original layout.
+    model, source = save_reference(config, save_original_format=False)
+    with safe_open(source / "model.safetensors", "pt") as handle:
+        assert "model.layers.1.mlp.experts.gate_up_proj" in handle.keys()
+    result = run_convert(source)
+    assert_verified(result, "qwen3_moe")
+    assert ThinkerConfig.from_pretrained(result.output).mlp_layer_types == ["dense", "sparse", "dense", "sparse"]
+    assert_same_logits(model, result.output)
+
+
+def test_llama_with_biases_and_llama3_rope(save_reference, run_convert):
+    config = LlamaConfig(
+        **SMALL,
+        intermediate_size=56,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_bias=True,
+        mlp_bias=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    )
+    model, source = save_reference(config)
+    result = run_convert(source)
+    assert_verified(result, "llama")
+    assert_same_logits(model, result.output)
+
+
+GPT2_SMALL = dict(
+    vocab_size=71, n_embd=24, n_layer=3, n_head=3, n_positions=40, n_inner=40, bos_token_id=0, eos_token_id=0
+)
+
+
+def test_gpt2_primegpt_architecture(save_reference, run_convert):
+    model, source = save_reference(GPT2Config(**GPT2_SMALL))
+    result = run_convert(source)
+    assert_verified(result, "gpt2")
+    converted = ThinkerConfig.from_pretrained(result.output)
+    assert (converted.norm_type, converted.position_embedding_type, converted.mlp_gated) == (
+        "layernorm",
+        "learned",
+        False,
+    )
+    assert converted.tie_word_embeddings
+    assert_same_logits(model, result.output)
+
+
+def test_gpt2_original_layout_without_prefix_and_with_mask_buffers(tmp_path, run_convert):
+    # The original `gpt2` repo: GPT2Model names (no "transformer."), plus the causal-mask buffers it saved.
+    config = GPT2Config(**GPT2_SMALL)
+    model = build_reference(config)
+    tensors = {
+        name.removeprefix("transformer."): t for name, t in model.state_dict().items() if name != "lm_head.weight"
+    }
+    for layer in range(config.n_layer):
+        tensors[f"h.{layer}.attn.bias"] = torch.tril(torch.ones(40, 40)).view(1, 1, 40, 40)
+        tensors[f"h.{layer}.attn.masked_bias"] = torch.tensor(-1e4)
+    source = tmp_path / "gpt2-original"
+    source.mkdir()
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(source)
+    result = run_convert(source)
+    assert_verified(result, "gpt2")
+    assert_same_logits(model, result.output)

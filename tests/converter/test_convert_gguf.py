@@ -1,0 +1,69 @@
+"""GGUF sources: synthetic llama / qwen2 / qwen3 files, and the real SmolLM2-135M-Instruct Q4_1 weights.
+
+The reference is transformers' own GGUF loading (``from_pretrained(folder, gguf_file=...)``), which the parity gate
+uses for GGUF sources. The synthetic files are written the way llama.cpp's converter writes them (names, metadata,
+the llama q/k row permutation), so the permutation is undone by the engine and checked against transformers'.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from convert_helpers import assert_same_logits, build_reference, write_gguf
+from transformers import AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3Config
+
+from converter.gguf_source import smollm2_gguf_path
+from thinker import ThinkerForCausalLM
+
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, max_position_embeddings=64)
+SYNTHETIC = {
+    # GQA with the q/k rows permuted for llama.cpp's interleaved RoPE; tied head (no output.weight).
+    "llama": LlamaConfig(**TINY, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    # q/k/v biases; stored unpermuted.
+    "qwen2": Qwen2Config(**TINY, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    # qk-norm, untied. head_dim 128: transformers' GGUF loader ignores attention.key_length and uses Qwen3's
+    # default, so only that head size has a reference to compare with.
+    "qwen3": Qwen3Config(**TINY, num_attention_heads=2, num_key_value_heads=1, head_dim=128, tie_word_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("architecture", sorted(SYNTHETIC))
+def test_synthetic_gguf(architecture, tmp_path, run_convert):
+    model = build_reference(SYNTHETIC[architecture])
+    folder = tmp_path / "gguf"
+    folder.mkdir()
+    path = write_gguf(model, folder / f"tiny-{architecture}.gguf", architecture)
+    result = run_convert(path)
+    assert result.family == f"gguf-{architecture}" and result.dtype == "float32"
+    assert result.parity.passed, result.parity.table()
+    assert_same_logits(model, result.output)
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    """SmolLM2-135M-Instruct converted once from its Q4_1 GGUF, with the parity gate on."""
+    from converter.convert import convert
+
+    output = tmp_path_factory.mktemp("smollm2") / "thinker"
+    return convert(smollm2_gguf_path(), output, verify=True, progress=False)
+
+
+@pytest.mark.slow
+def test_smollm2_real_weights_convert_with_parity(smollm2):
+    assert smollm2.family == "gguf-llama"
+    assert smollm2.parity.passed, smollm2.parity.table()
+    fp32 = smollm2.parity.results[0]
+    assert fp32.greedy_identical == fp32.greedy_prompts and fp32.top1_agreement == 1.0
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= set(smollm2.files) | {
+        path.name for path in smollm2.output.iterdir()
+    }
+
+
+@pytest.mark.slow
+def test_smollm2_answers_in_plain_text(smollm2):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2.output)
+    model = ThinkerForCausalLM.from_pretrained(smollm2.output, dtype=torch.float32).eval()
+    inputs = tokenizer("The capital of France is", return_tensors="pt")
+    output = model.generate(**inputs, max_new_tokens=6, do_sample=False)
+    text = tokenizer.decode(output[0, inputs.input_ids.shape[1] :], skip_special_tokens=True)
+    assert "Paris" in text, text

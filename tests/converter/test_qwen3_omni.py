@@ -1,0 +1,104 @@
+"""Parity of the Qwen3-Omni-MoE thinker, taken out of a tiny full Qwen3-Omni checkpoint (thinker, audio and vision
+towers, talker, code2wav) built and saved with transformers' own classes (``tests/references/qwen3_omni.py``).
+
+The conversion goes through the real command line with the converter's parity gate on (its reference is
+transformers' ``Qwen3OmniMoeThinkerForConditionalGeneration``), then the converted folder is compared directly with
+the reference thinker on text input, with positions counted by the text model and with the multimodal positions
+of ``get_rope_index`` (atol 1e-5 in float32).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from references import qwen3_omni
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from converter.cli import convert_command
+from thinker import ThinkerConfig, ThinkerForCausalLM
+
+ATOL = 1e-5
+IDS = torch.tensor([[5, 17, 3, 29, 11, 2, 40, 8, 0, 63, 127, 1, 9], [7, 1, 33, 12, 96, 4, 26, 19, 44, 2, 70, 3, 5]])
+
+
+@pytest.fixture(scope="module")
+def omni_source(tmp_path_factory) -> Path:
+    return qwen3_omni.save(tmp_path_factory.mktemp("qwen3_omni") / "source")
+
+
+def cli_convert(source: Path, output: Path, *options: str):
+    return CliRunner().invoke(convert_command, [str(source), str(output), *options], catch_exceptions=False)
+
+
+def tensor_names(folder: Path) -> list[str]:
+    names = []
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(path, "pt") as handle:
+            names += list(handle.keys())
+    return names
+
+
+def test_qwen3_omni_thinker_converts_with_parity(omni_source, tmp_path):
+    result = cli_convert(omni_source, tmp_path / "out", "--verify")
+    assert result.exit_code == 0, result.output
+    assert "(qwen3_omni)" in result.output and "pass" in result.output
+    parity = json.loads((tmp_path / "out" / "parity.json").read_text())
+    assert parity["passed"] and parity["reference"] == "Qwen3OmniMoeThinkerForConditionalGeneration"
+
+    config = ThinkerConfig.from_pretrained(tmp_path / "out")
+    assert config.mlp_layer_types == ["dense", "sparse", "dense", "sparse"]
+    assert config.qk_norm and config.norm_topk_prob and config.head_dim == 16
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 1e6}  # mrope keys left out
+    assert config.audio_embed_size is None and config.talker_head_size is None
+
+    names = tensor_names(tmp_path / "out")
+    assert not [n for n in names if "audio" in n or "visual" in n or "talker" in n or "code2wav" in n]
+    assert "model.layers.1.mlp.experts.gate_up_proj" in names and "lm_head.weight" in names
+
+    converted = ThinkerForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    reference = qwen3_omni.load_reference_thinker(omni_source)
+    with torch.no_grad():
+        actual = converted(input_ids=IDS).logits
+    for mask in (None, torch.ones_like(IDS)):
+        expected = qwen3_omni.thinker_logits(reference, IDS, mask)
+        torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
+
+
+def test_qwen3_omni_hub_config_spelling(omni_source, tmp_path):
+    """The Hub's config.json spells RoPE the transformers-4 way (``rope_theta`` + ``rope_scaling`` with the mrope
+    keys); it translates to the same plain RoPE."""
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "model.safetensors").symlink_to(omni_source / "model.safetensors")
+    config = json.loads((omni_source / "config.json").read_text())
+    text = config["thinker_config"]["text_config"]
+    rope = text.pop("rope_parameters")
+    text["rope_theta"] = rope["rope_theta"]
+    text["rope_scaling"] = {"rope_type": "default", "mrope_section": [4, 2, 2], "interleaved": True}
+    (source / "config.json").write_text(json.dumps(config))
+
+    result = cli_convert(source, tmp_path / "out", "--no-verify")
+    assert result.exit_code == 0, result.output
+    assert ThinkerConfig.from_pretrained(tmp_path / "out").rope_parameters == {
+        "rope_type": "default",
+        "rope_theta": 1e6,
+    }
+
+
+def test_qwen3_omni_refuses_unknown_tensors(omni_source, tmp_path):
+    """Only the listed sub-models are dropped: a tensor outside them and outside the table is an error naming it."""
+    source = tmp_path / "source"
+    source.mkdir()
+    tensors = load_file(omni_source / "model.safetensors")
+    tensors["thinker.model.extra_proj.weight"] = torch.zeros(2, 2)
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    (source / "config.json").write_text((omni_source / "config.json").read_text())
+
+    result = cli_convert(source, tmp_path / "out", "--no-verify")
+    assert result.exit_code == 1 and "thinker.model.extra_proj.weight" in result.output
+    assert not (tmp_path / "out").exists()

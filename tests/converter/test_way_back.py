@@ -1,0 +1,118 @@
+"""The way back: ``thinker-convert THINKER_FOLDER OUTPUT --to FAMILY`` writes a Thinker folder out as the family's
+own Hugging Face folder through the inverted table, and source -> Thinker -> source is bit-exact.
+
+Each round trip starts from a tiny transformers checkpoint, converts it forward (verified), writes it back through
+the real command line (verified: the written folder, loaded with its own transformers class, against the Thinker),
+and compares every tensor of the result with the original file: same names, dtypes and bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from convert_helpers import build_reference, save_unfused_experts
+from references import uomni
+from safetensors.torch import load_file
+from transformers import AutoConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+
+from converter.cli import convert_command
+
+SMALL = {"vocab_size": 67, "hidden_size": 32, "num_hidden_layers": 3, "max_position_embeddings": 64}
+
+
+def cli(*args: str | Path):
+    return CliRunner().invoke(convert_command, [str(arg) for arg in args], catch_exceptions=False)
+
+
+def safetensors_of(folder: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        tensors |= load_file(path)
+    return tensors
+
+
+def assert_bit_exact(original: Path, written: Path) -> None:
+    before, after = safetensors_of(original), safetensors_of(written)
+    assert sorted(after) == sorted(before)
+    for name, tensor in before.items():
+        assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
+
+
+def round_trip(source: Path, family: str, tmp_path: Path, verify_back: bool = True) -> Path:
+    """Forward without the parity gate (the forward tests run it), back with it unless told otherwise."""
+    forward = cli(source, tmp_path / "thinker", "--no-verify")
+    assert forward.exit_code == 0, forward.output
+    back = cli(tmp_path / "thinker", tmp_path / "back", "--to", family, "--verify" if verify_back else "--no-verify")
+    assert back.exit_code == 0, back.output
+    assert f"({family})" in back.output
+    assert (tmp_path / "back" / "parity.json").is_file() is verify_back
+    if verify_back:
+        assert json.loads((tmp_path / "back" / "parity.json").read_text())["passed"]
+    return tmp_path / "back"
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_qwen3_round_trip_is_bit_exact(tmp_path, tied: bool):
+    config = Qwen3Config(
+        **SMALL,
+        intermediate_size=40,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
+        attention_bias=True,
+        tie_word_embeddings=tied,
+    )
+    build_reference(config).save_pretrained(tmp_path / "source")
+    back = round_trip(tmp_path / "source", "qwen3", tmp_path)
+    assert_bit_exact(tmp_path / "source", back)
+    original, written = AutoConfig.from_pretrained(tmp_path / "source"), AutoConfig.from_pretrained(back)
+    assert type(written) is Qwen3Config and written.architectures == ["Qwen3ForCausalLM"]
+    for field in ("head_dim", "num_key_value_heads", "attention_bias", "tie_word_embeddings", "rope_parameters"):
+        assert getattr(written, field) == getattr(original, field), field
+
+
+def test_qwen3_moe_round_trip_restores_per_expert_tensors(tmp_path):
+    config = Qwen3MoeConfig(
+        **dict(SMALL, num_hidden_layers=4),
+        intermediate_size=40,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=5,
+        num_experts_per_tok=2,
+        moe_intermediate_size=12,
+        mlp_only_layers=[2],
+    )
+    source = save_unfused_experts(build_reference(config), tmp_path / "source")
+    back = round_trip(source, "qwen3_moe", tmp_path)
+    assert_bit_exact(source, back)
+    assert "model.layers.3.mlp.experts.4.up_proj.weight" in safetensors_of(back)
+
+
+def test_qwen2_bfloat16_round_trip_is_bit_exact(tmp_path):
+    config = Qwen2Config(**SMALL, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2)
+    build_reference(config).to(torch.bfloat16).save_pretrained(tmp_path / "source")
+    back = round_trip(tmp_path / "source", "qwen2", tmp_path, verify_back=False)  # bit-exactness is the point
+    assert_bit_exact(tmp_path / "source", back)
+    assert next(iter(safetensors_of(back).values())).dtype == torch.bfloat16
+
+
+def test_way_back_refuses_what_the_family_cannot_express(tmp_path):
+    """A μOmni Thinker has a head bias and no qk-norm: as Qwen3 it would be another model, so nothing is written."""
+    source = uomni.save_checkpoint(uomni.ThinkerLM(uomni.tiny_config()), tmp_path / "uomni")
+    assert cli(source, tmp_path / "thinker").exit_code == 0
+
+    refused = cli(tmp_path / "thinker", tmp_path / "back", "--to", "qwen3")
+    assert refused.exit_code == 1 and "not expressible as qwen3" in refused.output
+    assert "qk_norm" in refused.output and "lm_head_bias" in refused.output
+    assert not (tmp_path / "back").exists()
+
+    no_table = cli(tmp_path / "thinker", tmp_path / "back", "--to", "uomni")
+    assert no_table.exit_code == 1 and "cannot be written back as uomni" in no_table.output
+
+    not_thinker = cli(source, tmp_path / "back", "--to", "qwen3")
+    assert not_thinker.exit_code == 1 and "Thinker folder" in not_thinker.output

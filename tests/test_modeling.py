@@ -1,0 +1,545 @@
+"""ThinkerForCausalLM against transformers' own reference classes, and the transformers plumbing it promises.
+
+Parity tests build a tiny random reference model (Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Llama, GPT-2), copy its
+weights into a Thinker by a plain rename written here (no converter involved), and require the logits and every
+hidden state to agree in fp32 within ``torch.testing.assert_close(atol=1e-5, rtol=1e-5)``. Weights are randomised,
+norms and biases included, so that a missing bias or a misplaced norm shows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import site
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing import assert_close
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+from thinker import ThinkerConfig, ThinkerForCausalLM
+from thinker.modeling_thinker import ThinkerSparseMoeBlock
+from thinker.presets import load_preset
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+REPO = Path(__file__).resolve().parent.parent
+
+# The sizes every parity reference shares; each family test adds its own switches.
+REF_SIZES = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+# ThinkerConfig fields that mean the same in every Qwen/Llama config (Qwen's names are ours).
+SHARED_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_parameters",
+    "hidden_act",
+    "tie_word_embeddings",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "shared_expert_intermediate_size",
+)
+
+
+def token_ids(vocab_size: int = 96, batch: int = 2, length: int = 11, seed: int = 1) -> torch.Tensor:
+    return torch.randint(1, vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def thinker_config_from(reference_config, **switches) -> ThinkerConfig:
+    fields = {name: getattr(reference_config, name) for name in SHARED_FIELDS if hasattr(reference_config, name)}
+    return ThinkerConfig(**{**fields, **switches})
+
+
+def build_reference(config, randomize, **impl) -> torch.nn.Module:
+    return randomize(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", **impl), seed=0).eval()
+
+
+def build_thinker(config: ThinkerConfig, state_dict: dict, **impl) -> ThinkerForCausalLM:
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", **impl).eval()
+    assert isinstance(model, ThinkerForCausalLM)
+    model.load_state_dict(state_dict, strict=True)  # every Thinker parameter copied, nothing left over
+    return model
+
+
+@torch.no_grad()
+def assert_same_outputs(thinker: torch.nn.Module, reference: torch.nn.Module, input_ids: torch.Tensor) -> None:
+    ours = thinker(input_ids, output_hidden_states=True, use_cache=False)
+    theirs = reference(input_ids, output_hidden_states=True, use_cache=False)
+    assert_close(ours.logits, theirs.logits, **TOL)
+    assert len(ours.hidden_states) == len(theirs.hidden_states) == thinker.config.num_hidden_layers + 1
+    for layer, (mine, ref) in enumerate(zip(ours.hidden_states, theirs.hidden_states, strict=True)):
+        assert_close(mine, ref, **TOL, msg=lambda m, layer=layer: f"hidden state {layer}: {m}")
+
+
+def assert_tied(model: ThinkerForCausalLM, tied: bool) -> None:
+    same = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert same == tied
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# architecture parity with transformers' reference classes (weights copied by name)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_qwen2_parity(randomize, tied):
+    config = Qwen2Config(
+        **REF_SIZES, tie_word_embeddings=tied, rope_parameters={"rope_type": "default", "rope_theta": 1e4}
+    )
+    reference = build_reference(config, randomize)
+    # Qwen2 has bias on q/k/v and none on o_proj.
+    thinker = build_thinker(
+        thinker_config_from(config, attention_bias=True, attention_output_bias=False), reference.state_dict()
+    )
+    assert_tied(thinker, tied)
+    assert_same_outputs(thinker, reference, token_ids())
+
+
+QWEN3_ROPES = {
+    "default": {"rope_type": "default", "rope_theta": 1e4},
+    "linear": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16},
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 5e5,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
+    # 11 tokens past a context of 8: the "dynamic" frequencies are recomputed during the forward pass
+    "dynamic": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0},
+}
+
+
+@pytest.mark.parametrize("rope", QWEN3_ROPES)
+def test_qwen3_parity(randomize, rope):
+    sizes = {**REF_SIZES, "max_position_embeddings": 8 if rope == "dynamic" else 64}
+    # head_dim 12 != hidden_size / heads (8); biases on q/k/v/o (Qwen3's attention_bias covers o_proj too)
+    config = Qwen3Config(**sizes, head_dim=12, attention_bias=True, rope_parameters=QWEN3_ROPES[rope])
+    reference = build_reference(config, randomize)
+    thinker = build_thinker(thinker_config_from(config, qk_norm=True, attention_bias=True), reference.state_dict())
+    assert_same_outputs(thinker, reference, token_ids())
+
+
+def test_llama_parity(randomize):
+    config = LlamaConfig(
+        **REF_SIZES, head_dim=16, attention_bias=True, mlp_bias=True, rms_norm_eps=1e-5, tie_word_embeddings=False
+    )
+    reference = build_reference(config, randomize)
+    thinker = build_thinker(thinker_config_from(config, attention_bias=True, mlp_bias=True), reference.state_dict())
+    assert_same_outputs(thinker, reference, token_ids())
+
+
+@pytest.mark.parametrize("experts_implementation", ["eager", "grouped_mm"])
+def test_qwen2_moe_parity(randomize, experts_implementation):
+    # decoder_sparse_step 2: layer 1 is sparse, layers 0 and 2 dense; a shared expert behind a sigmoid gate
+    config = Qwen2MoeConfig(
+        **REF_SIZES,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=2,
+    )
+    reference = build_reference(config, randomize, experts_implementation="eager")
+    thinker_config = thinker_config_from(config, attention_bias=True, attention_output_bias=False)
+    assert thinker_config.mlp_layer_types == ["dense", "sparse", "dense"]
+    thinker = build_thinker(thinker_config, reference.state_dict(), experts_implementation=experts_implementation)
+    assert_same_outputs(thinker, reference, token_ids())
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+@pytest.mark.parametrize("experts_implementation", ["eager", "grouped_mm"])
+def test_qwen3_moe_parity(randomize, norm_topk_prob, experts_implementation):
+    # mlp_only_layers: layer 1 dense although decoder_sparse_step 1 makes every other layer sparse
+    config = Qwen3MoeConfig(
+        **REF_SIZES,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mlp_only_layers=[1],
+        norm_topk_prob=norm_topk_prob,
+    )
+    reference = build_reference(config, randomize, experts_implementation="eager")
+    thinker_config = thinker_config_from(config, qk_norm=True)
+    assert thinker_config.mlp_layer_types == ["sparse", "dense", "sparse"]
+    thinker = build_thinker(thinker_config, reference.state_dict(), experts_implementation=experts_implementation)
+    assert_same_outputs(thinker, reference, token_ids())
+
+
+def gpt2_to_thinker(state: dict[str, torch.Tensor], config: GPT2Config) -> dict[str, torch.Tensor]:
+    """GPT-2's names, its Conv1D weights stored (in, out) (transposed here), and its fused c_attn split into q/k/v."""
+    out = {
+        "model.embed_tokens.weight": state["transformer.wte.weight"],
+        "model.embed_positions.weight": state["transformer.wpe.weight"],
+        "model.norm.weight": state["transformer.ln_f.weight"],
+        "model.norm.bias": state["transformer.ln_f.bias"],
+        "lm_head.weight": state["lm_head.weight"],
+    }
+    renames = {
+        "ln_1": "input_layernorm",
+        "ln_2": "post_attention_layernorm",
+        "attn.c_proj": "self_attn.o_proj",
+        "mlp.c_fc": "mlp.up_proj",
+        "mlp.c_proj": "mlp.down_proj",
+    }
+    for i in range(config.n_layer):
+        src, dst = f"transformer.h.{i}.", f"model.layers.{i}."
+        for old, new in renames.items():
+            weight = state[f"{src}{old}.weight"]
+            out[f"{dst}{new}.weight"] = weight if old.startswith("ln") else weight.t()
+            out[f"{dst}{new}.bias"] = state[f"{src}{old}.bias"]
+        q, k, v = state[f"{src}attn.c_attn.weight"].t().chunk(3, dim=0)
+        qb, kb, vb = state[f"{src}attn.c_attn.bias"].chunk(3)
+        for name, weight, bias in (("q_proj", q, qb), ("k_proj", k, kb), ("v_proj", v, vb)):
+            out[f"{dst}self_attn.{name}.weight"], out[f"{dst}self_attn.{name}.bias"] = weight, bias
+    return out
+
+
+def test_gpt2_parity(randomize):
+    config = GPT2Config(vocab_size=96, n_embd=32, n_layer=3, n_head=4, n_positions=64, activation_function="gelu_new")
+    reference = build_reference(config, randomize)
+    thinker_config = ThinkerConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.n_embd,
+        intermediate_size=4 * config.n_embd,
+        num_hidden_layers=config.n_layer,
+        num_attention_heads=config.n_head,
+        max_position_embeddings=config.n_positions,
+        position_embedding_type="learned",
+        norm_type="layernorm",
+        mlp_gated=False,
+        hidden_act=config.activation_function,
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=True,
+        rms_norm_eps=config.layer_norm_epsilon,
+    )
+    thinker = build_thinker(thinker_config, gpt2_to_thinker(reference.state_dict(), config))
+    assert_tied(thinker, True)
+    assert_same_outputs(thinker, reference, token_ids())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# MoE routing: ties and renormalisation decided exactly as Qwen does
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_moe_routing_matches_qwen_with_ties(randomize, norm_topk_prob):
+    sizes = dict(hidden_size=16, moe_intermediate_size=8, num_experts=6, num_experts_per_tok=2)
+    qwen_config = Qwen3MoeConfig(**sizes, norm_topk_prob=norm_topk_prob)
+    qwen_config._experts_implementation = "eager"
+    reference = randomize(Qwen3MoeSparseMoeBlock(qwen_config), seed=3)
+    with torch.no_grad():  # experts 1, 2, 3 get the same router row, so their probabilities tie exactly
+        reference.gate.weight[2:4] = reference.gate.weight[1]
+    thinker_config = ThinkerConfig(**sizes, norm_topk_prob=norm_topk_prob)
+    thinker_config._experts_implementation = "eager"
+    block = ThinkerSparseMoeBlock(thinker_config)
+    block.load_state_dict(reference.state_dict(), strict=True)
+
+    x = torch.randn(1, 64, 16, generator=torch.Generator().manual_seed(4))
+    flat = x.view(-1, 16)
+    probs = torch.softmax(flat @ reference.gate.weight.T, dim=-1).sort(dim=-1, descending=True).values
+    tie_at_cut = probs[:, 1] == probs[:, 2]  # the 2nd and 3rd choices are equal: top-k has to break the tie
+    assert tie_at_cut.sum() >= 3, "the case does not exercise ties"
+
+    with torch.no_grad():
+        ours, theirs = block.gate(flat), reference.gate(flat)
+        for mine, ref in zip(ours, theirs, strict=True):  # logits, top-k weights, top-k expert indices
+            assert_close(mine, ref, atol=0, rtol=0)
+        assert_close(block(x), reference(x), **TOL)
+        # ... and the renormalisation is not a no-op here: flipping it changes the output
+        block.gate.norm_topk_prob = not norm_topk_prob
+        assert not torch.allclose(block(x), reference(x), **TOL)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# generation, padding, embeddings, attention backends
+
+
+def left_pad(rows: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    length = max(len(row) for row in rows)
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, length - len(row) :], mask[i, length - len(row) :] = row, 1
+    return ids, mask
+
+
+def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Each row counts from 0 at its first real token, as generate() does."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "learned"])
+def test_greedy_generate_cache_equals_no_cache(tiny_thinker, kind):
+    model = tiny_thinker(kind)
+    ids = token_ids(length=6)
+    runs = {
+        use_cache: model.generate(
+            ids,
+            max_new_tokens=8,
+            do_sample=False,
+            use_cache=use_cache,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        for use_cache in (True, False)
+    }
+    assert torch.equal(runs[True].sequences, runs[False].sequences)
+    assert_close(torch.stack(runs[True].logits), torch.stack(runs[False].logits), **TOL)
+
+
+@pytest.mark.parametrize("kind", ["dense", "learned"])
+def test_left_padded_batch_equals_rows_alone(tiny_thinker, kind):
+    model = tiny_thinker(kind)
+    rows = [token_ids(batch=1, length=n, seed=n)[0] for n in (9, 4, 6)]
+    ids, mask = left_pad(rows)
+    with torch.no_grad():
+        batch_logits = model(ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
+        for i, row in enumerate(rows):
+            alone = model(row[None]).logits[0]
+            assert_close(batch_logits[i, mask[i].bool()], alone, **TOL)
+
+    generated = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)[:, ids.shape[1] :]
+    for i, row in enumerate(rows):
+        alone = model.generate(row[None], max_new_tokens=6, do_sample=False)[0, len(row) :]
+        assert torch.equal(generated[i], alone), f"row {i}"
+
+
+@pytest.mark.parametrize("kind", ["dense", "learned"])
+def test_inputs_embeds_equal_input_ids(tiny_thinker, kind):
+    model = tiny_thinker(kind)
+    ids = token_ids(length=7)
+    embeds = model.get_input_embeddings()(ids)
+    with torch.no_grad():
+        assert_close(model(inputs_embeds=embeds).logits, model(ids).logits, atol=0, rtol=0)
+    # generate() from embeddings returns only the new tokens
+    from_ids = model.generate(ids, max_new_tokens=5, do_sample=False)[:, ids.shape[1] :]
+    from_embeds = model.generate(inputs_embeds=embeds, max_new_tokens=5, do_sample=False)
+    assert torch.equal(from_embeds, from_ids)
+
+
+def test_exactly_one_of_input_ids_and_inputs_embeds(tiny_thinker):
+    model = tiny_thinker("dense")
+    ids = token_ids(length=3)
+    with pytest.raises(ValueError, match="exactly one"):
+        model(ids, inputs_embeds=model.get_input_embeddings()(ids))
+    with pytest.raises(ValueError, match="exactly one"):
+        model()
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_eager_equals_sdpa(tiny_config, randomize, kind):
+    models = {
+        impl: randomize(AutoModelForCausalLM.from_config(tiny_config(kind), attn_implementation=impl)).eval()
+        for impl in ("eager", "sdpa")
+    }
+    assert models["eager"].config._attn_implementation == "eager"
+    assert models["sdpa"].config._attn_implementation == "sdpa"
+    ids, mask = left_pad([token_ids(batch=1, length=n, seed=n)[0] for n in (8, 5)])
+    real = mask.bool()
+    with torch.no_grad():
+        eager, sdpa = (m(ids, attention_mask=mask, position_ids=positions_from_mask(mask)) for m in models.values())
+        assert_close(eager.logits[real], sdpa.logits[real], **TOL)
+        # eager also returns the attention weights: causal, one row per head summing to one
+        attentions = models["eager"](ids, attention_mask=mask, output_attentions=True).attentions
+    assert len(attentions) == 3 and attentions[0].shape == (2, 4, 8, 8)
+    assert_close(attentions[0][0].sum(-1), torch.ones(4, 8), **TOL)
+    assert torch.all(attentions[0][0].triu(diagonal=1) == 0)
+
+
+def test_output_hidden_states(tiny_thinker):
+    model = tiny_thinker("dense")
+    ids = token_ids(length=5)
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+        base = model.model(ids)
+    assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+    assert all(h.shape == (2, 5, 32) for h in out.hidden_states)
+    assert_close(out.hidden_states[0], model.get_input_embeddings()(ids), atol=0, rtol=0)
+    assert_close(out.hidden_states[-1], base.last_hidden_state, atol=0, rtol=0)  # the last one is normed
+
+
+def test_talker_head_and_audio_projection(tiny_thinker):
+    model = tiny_thinker("dense", audio_embed_size=24, talker_head_size=40)
+    audio = torch.randn(2, 5, 24)
+    text = token_ids(length=3)
+    audio_embeds = model.model.embed_audio(audio)
+    assert audio_embeds.shape == (2, 5, 32)
+    embeds = torch.cat([audio_embeds, model.get_input_embeddings()(text)], dim=1)
+    with torch.no_grad():
+        out = model(inputs_embeds=embeds)
+    assert out.logits.shape == (2, 8, 96)
+    assert out.talker_logits.shape == (2, 8, 40)
+    assert_close(out.talker_logits, model.talker_head(model.model(inputs_embeds=embeds).last_hidden_state), **TOL)
+
+    plain = tiny_thinker("dense")
+    assert plain(text).talker_logits is None
+    with pytest.raises(ValueError, match="audio projection"):
+        plain.model.embed_audio(audio)
+
+
+def test_gradient_checkpointing_same_gradients(tiny_thinker):
+    model = tiny_thinker("moe").train()  # no dropout in the tiny configs, so train mode is deterministic
+    ids = token_ids(length=7)
+    layer_calls = []  # counted inside the layers: transformers checkpoints forward(), not the hooks of __call__
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_hook(lambda *_: layer_calls.append(1))
+
+    def gradients() -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids, use_cache=False).loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    plain = gradients()
+    assert len(layer_calls) == 3
+    model.activation_checkpointing_enable()
+    layer_calls.clear()
+    checkpointed = gradients()
+    assert len(layer_calls) == 6, "each layer should run again in the backward pass"
+    assert plain.keys() == checkpointed.keys() and len(plain) == len(list(model.parameters()))
+    for name in plain:
+        assert_close(checkpointed[name], plain[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# saving, loading, Auto classes, remote code, device maps
+
+
+def test_save_load_round_trip(tiny_thinker, tmp_path):
+    model = tiny_thinker("moe")
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert isinstance(loaded, ThinkerForCausalLM) and not loaded.training
+    ids = token_ids(length=6)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    ours, theirs = model.config.to_dict(), loaded.config.to_dict()
+    ours.pop("_name_or_path"), theirs.pop("_name_or_path")
+    assert ours == theirs
+    assert AutoConfig.from_pretrained(tmp_path).to_dict() == loaded.config.to_dict()
+
+
+def test_from_config_tiny_preset():
+    config = load_preset("thinker_tiny")
+    model = AutoModelForCausalLM.from_config(config)
+    assert isinstance(model, ThinkerForCausalLM)
+    assert model.model.embed_tokens.weight.shape == (5000, 256)
+    assert len(model.model.layers) == 4
+    layer = model.model.layers[0]
+    assert layer.self_attn.k_proj.weight.shape == (256, 256)  # no GQA
+    assert layer.mlp.gate_proj.weight.shape == (1024, 256)  # SwiGLU
+    assert model.lm_head.bias is not None and model.lm_head.bias.shape == (5000,)
+    # The raw JSON (with its _source / _comment keys) resolves to ThinkerConfig through model_type too.
+    raw = json.loads((REPO / "configs" / "thinker_tiny.json").read_text())
+    fields = {key: value for key, value in raw.items() if not key.startswith("_")}
+    assert type(AutoConfig.for_model(**fields)) is ThinkerConfig
+
+
+REMOTE_CODE_CHILD = """
+import importlib.util, sys
+import torch
+assert importlib.util.find_spec("thinker") is None, "the thinker package is importable: the test proves nothing"
+from transformers import AutoModelForCausalLM
+folder, ids_file, out_file = sys.argv[1:]
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
+with torch.no_grad():
+    torch.save(model(torch.load(ids_file)).logits, out_file)
+"""
+
+
+def test_trust_remote_code_without_the_package(tiny_thinker, tmp_path):
+    folder = tmp_path / "model"
+    model = tiny_thinker("moe")
+    model.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["auto_map"]["AutoConfig"] == "configuration_thinker.ThinkerConfig"
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_thinker.ThinkerForCausalLM"
+    assert (folder / "modeling_thinker.py").is_file() and (folder / "configuration_thinker.py").is_file()
+
+    ids = token_ids(length=6)
+    torch.save(ids, tmp_path / "ids.pt")
+    # -S: no site module, hence no .pth files (an editable install of this repo is one); the site-packages folders
+    # come back through PYTHONPATH, which lacks the repository; cwd is elsewhere.
+    site_packages = [p for p in site.getsitepackages() if Path(p).is_dir() and Path(p).resolve() != REPO]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(site_packages), "HF_HOME": str(tmp_path / "hf-home")}
+    env["HF_HUB_OFFLINE"] = "1"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-S",
+            "-c",
+            REMOTE_CODE_CHILD,
+            str(folder),
+            str(tmp_path / "ids.pt"),
+            str(tmp_path / "out.pt"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    with torch.no_grad():
+        assert_close(torch.load(tmp_path / "out.pt"), model(ids).logits, atol=0, rtol=0)
+
+
+def test_device_map_auto(tiny_thinker, tmp_path):
+    model = tiny_thinker("dense", num_hidden_layers=4)
+    model.save_pretrained(tmp_path / "model")
+    ids = token_ids(length=5)
+    with torch.no_grad():
+        expected = model(ids).logits
+
+        on_cpu = AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map="auto")
+        assert {p.device.type for p in on_cpu.parameters()} == {"cpu"}
+        assert torch.equal(on_cpu(ids).logits, expected)
+
+        # Room for the embeddings and about 1.5 decoder layers: the rest goes to disk, but a layer is never split
+        # (_no_split_modules), since its residual stream must stay on one device.
+        layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+        embed_bytes = model.model.embed_tokens.weight.numel() * 4
+        offloaded = AutoModelForCausalLM.from_pretrained(
+            tmp_path / "model",
+            device_map="auto",
+            max_memory={"cpu": embed_bytes + int(1.5 * layer_bytes)},
+            offload_folder=tmp_path / "offload",
+        )
+        placement = offloaded.hf_device_map
+        assert "disk" in placement.values() and "cpu" in placement.values()
+        split = [name for name in placement if name.startswith("model.layers.") and name.count(".") > 2]
+        assert not split, f"decoder layers split across devices: {split}"
+        assert_close(offloaded(ids).logits, expected, **TOL)

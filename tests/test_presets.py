@@ -1,0 +1,104 @@
+"""The presets of configs/: they load, carry their source, have the released shapes, and resolve through the
+installed package ``thinker_configs`` rather than through the source tree."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from thinker import ThinkerConfig, ThinkerForCausalLM, presets
+from thinker.presets import list_presets, load_preset
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+RELEASES = ("qwen2.5-0.5b", "qwen3-0.6b", "qwen3-30b-a3b", "qwen3-omni-30b-a3b-thinker", "smollm2-135m")
+
+
+def test_every_json_is_listed():
+    assert list_presets() == sorted(path.stem for path in CONFIGS.glob("*.json"))
+    assert {"thinker_tiny", *RELEASES} <= set(list_presets())
+
+
+@pytest.mark.parametrize("name", sorted(path.stem for path in CONFIGS.glob("*.json")))
+def test_preset_loads_and_cites_its_source(name):
+    raw = json.loads((CONFIGS / f"{name}.json").read_text(encoding="utf-8"))
+    assert raw["model_type"] == "thinker"
+    assert raw["_source"]
+    if name in RELEASES:
+        assert raw["_source"].startswith("https://huggingface.co/") and "config.json" in raw["_source"]
+    config = load_preset(name)
+    assert isinstance(config, ThinkerConfig)
+    assert not any(key.startswith("_") and key in config.to_dict() for key in raw)  # documentation keys dropped
+    for key, value in raw.items():  # every other key is taken as written
+        if not key.startswith("_") and key != "model_type":
+            assert getattr(config, key) == value, key
+    config.validate_architecture()
+
+
+def parameter_count(config: ThinkerConfig) -> int:
+    """Counted on the meta device: no memory, whatever the size."""
+    with torch.device("meta"):
+        model = ThinkerForCausalLM(config)
+    return sum(p.numel() for p in model.parameters())  # tied weights are one parameter
+
+
+# The published sizes of the releases (total parameters, embeddings included).
+@pytest.mark.parametrize(
+    ("name", "billions"),
+    [("qwen2.5-0.5b", 0.49), ("qwen3-0.6b", 0.60), ("qwen3-30b-a3b", 30.5), ("smollm2-135m", 0.135)],
+)
+def test_release_parameter_counts(name, billions):
+    assert parameter_count(load_preset(name)) / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+def test_qwen3_omni_thinker_shapes():
+    config = load_preset("qwen3-omni-30b-a3b-thinker")
+    assert config.mlp_layer_types == ["sparse"] * 48
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (32, 4, 128)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (128, 8, 768)
+    assert config.vocab_size == 152064 and config.qk_norm and not config.tie_word_embeddings
+    # the Qwen3-30B-A3B decoder with the larger Omni vocabulary: 30.5 B + 2 x 128 x 2048
+    assert parameter_count(config) / 1e9 == pytest.approx(30.5 + 2 * 128 * 2048 / 1e9, rel=0.02)
+
+
+def test_tiny_preset_is_the_uomni_thinker():
+    config = load_preset("thinker_tiny")
+    assert (config.vocab_size, config.num_hidden_layers, config.hidden_size) == (5000, 4, 256)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.intermediate_size) == (4, 4, 1024)
+    assert config.rope_parameters["rope_theta"] == 10000 and config.max_position_embeddings == 512
+    assert config.mlp_gated and config.num_experts == 0
+
+
+def test_unknown_preset_names_the_presets():
+    with pytest.raises(ValueError, match="qwen3-0.6b") as error:
+        load_preset("qwen9-1t")
+    assert "qwen9-1t" in str(error.value)
+
+
+def test_resolves_through_the_installed_package(tmp_path, monkeypatch):
+    """As from a wheel: ``thinker_configs`` is a package of its own, found on sys.path, wherever the source is."""
+    package = tmp_path / "thinker_configs"
+    shutil.copytree(CONFIGS, package)
+    (package / "only-in-the-wheel.json").write_text(json.dumps({"model_type": "thinker", "_source": "test"}))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    installed = sys.modules.pop("thinker_configs", None)  # an editable install's, if any: shadowed for this test
+    try:
+        assert "only-in-the-wheel" in list_presets()
+        assert load_preset("only-in-the-wheel").num_hidden_layers == ThinkerConfig().num_hidden_layers
+        assert Path(sys.modules["thinker_configs"].__file__).parent == package
+    finally:
+        sys.modules.pop("thinker_configs", None)
+        if installed is not None:
+            sys.modules["thinker_configs"] = installed
+
+
+def test_source_checkout_fallback(monkeypatch):
+    def not_installed(package: str):
+        raise ModuleNotFoundError(package)
+
+    monkeypatch.setattr(presets.resources, "files", not_installed)
+    assert list_presets() == sorted(path.stem for path in CONFIGS.glob("*.json"))
