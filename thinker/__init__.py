@@ -3,12 +3,14 @@
 ``import thinker`` registers the classes with transformers' Auto* factories, so that
 ``AutoModelForCausalLM.from_pretrained(folder)`` works on a converted folder, and marks them for auto class so
 that every ``save_pretrained`` writes ``auto_map`` and the modeling source (the folder then also loads with
-``trust_remote_code=True`` where this package is not installed).
+``trust_remote_code=True`` where this package is not installed). ``ThinkerForCausalLM.from_pretrained`` also
+accepts a checkpoint of any supported source family and converts it on load (see ``thinker/foreign.py``).
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .configuration_thinker import ThinkerConfig
+from .foreign import accept_foreign_checkpoints
 from .modeling_thinker import ThinkerForCausalLM, ThinkerModel, ThinkerPreTrainedModel
 
 AutoConfig.register(ThinkerConfig.model_type, ThinkerConfig, exist_ok=True)
@@ -18,5 +20,8 @@ AutoModelForCausalLM.register(ThinkerConfig, ThinkerForCausalLM, exist_ok=True)
 ThinkerConfig.register_for_auto_class()
 ThinkerModel.register_for_auto_class("AutoModel")
 ThinkerForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+# ThinkerForCausalLM.from_pretrained("Qwen/Qwen3-0.6B") converts on load, through the converter's family tables.
+accept_foreign_checkpoints(ThinkerForCausalLM)
 
 __all__ = ["ThinkerConfig", "ThinkerModel", "ThinkerForCausalLM", "ThinkerPreTrainedModel"]

@@ -98,7 +98,9 @@ class ThinkerRotaryEmbedding(nn.Module):
         # transformers keeps the unscaled initialiser on each model class rather than in ROPE_INIT_FUNCTIONS.
         base = config.rope_parameters["rope_theta"]
         dim = int(config.head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
+        inv_freq = 1.0 / (
+            base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim)
+        )
         return inv_freq, 1.0
 
     @torch.no_grad()
@@ -115,7 +117,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary_pos_emb(q, k, cos, sin):
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, hs): broadcast over heads
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, rot): broadcast over heads
+    rot = cos.shape[-1]  # < hs with partial_rotary_factor: the tail of each head passes through unrotated
+    if rot < q.shape[-1]:
+        (q, q_pass), (k, k_pass) = q.split([rot, q.shape[-1] - rot], -1), k.split([rot, k.shape[-1] - rot], -1)
+        q, k = apply_rotary_pos_emb(q, k, cos[:, 0], sin[:, 0])
+        return torch.cat((q, q_pass), -1), torch.cat((k, k_pass), -1)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 

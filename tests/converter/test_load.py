@@ -117,3 +117,23 @@ def test_load_a_thinker_folder_as_it_is(tmp_path):
     torch.testing.assert_close(logits(again), logits(model), atol=0, rtol=0)
     saved = load_file(tmp_path / "thinker" / "model.safetensors")
     assert "model.layers.0.self_attn.q_proj.weight" in saved and "lm_head.bias" in saved
+
+
+def test_thinker_from_pretrained_converts_a_foreign_folder_on_load(tmp_path):
+    """``ThinkerForCausalLM.from_pretrained(<Qwen3-MoE folder, per-expert tensors>)`` goes through the family tables
+    (transformers alone would drop q_norm/k_norm and the per-expert tensors with a warning)."""
+    config = Qwen3MoeConfig(
+        vocab_size=101, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        mlp_only_layers=[0], norm_topk_prob=True,
+    )  # fmt: skip
+    reference = build_reference(config, seed=3).eval()
+    folder = save_unfused_experts(reference, tmp_path / "qwen3_moe")
+    reference.config.save_pretrained(folder)
+    model = ThinkerForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert model.config.qk_norm and model.config.mlp_layer_types == ["dense", "sparse"]
+    torch.testing.assert_close(logits(model), logits(reference), atol=ATOL, rtol=ATOL)
+    # A Thinker folder still takes transformers' own path, unchanged.
+    model.save_pretrained(tmp_path / "native")
+    again = ThinkerForCausalLM.from_pretrained(tmp_path / "native")
+    torch.testing.assert_close(logits(again), logits(model), atol=0, rtol=0)
