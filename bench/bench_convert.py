@@ -2,9 +2,10 @@
 
 Builds a Qwen3-0.6B-shaped checkpoint with random float32 weights (2.4 GB in 1 GB shards, like a Hub download),
 warms the page cache, then times ``cp`` of the shards and ``thinker-convert --no-verify`` (a fresh process, as users
-run it) on the same files. While the converter runs, its /proc status is sampled for resident memory, split into
-anonymous memory (tensors the process holds) and file-backed pages (the source shards safetensors maps, which the
-kernel may drop at any time); the peak total is checked against getrusage's ``ru_maxrss``.
+run it) on the same files. While the converter runs, its /proc status is sampled every few milliseconds: the peak
+resident set (``VmHWM``, which the kernel keeps exactly) and the peaks of its anonymous part (memory the process
+allocated: tensors) and file-backed part (mapped files: libraries, and any mapped checkpoint pages). getrusage's
+``ru_maxrss`` is no use here: a child forked from this process inherits this process's high-water mark.
 
     python bench/bench_convert.py [--work /tmp/thinker-bench] [--keep]
 
@@ -154,18 +155,18 @@ class MemorySampler:
             time.sleep(self.interval)
 
 
-def run_measured(command: list[str], env: dict[str, str]) -> tuple[float, dict[str, int], int, str]:
-    """(wall seconds, sampled peaks, ru_maxrss bytes, stdout) of one child process."""
+def run_measured(command: list[str], env: dict[str, str]) -> tuple[float, dict[str, int], str]:
+    """(wall seconds, sampled memory peaks, stdout) of one child process."""
     started = time.perf_counter()
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     with MemorySampler(process.pid) as sampler:
-        _, status, usage = os.wait4(process.pid, 0)
+        _, status = os.waitpid(process.pid, 0)
     seconds = time.perf_counter() - started
     output = process.stdout.read()
     process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode:
         raise SystemExit(f"{' '.join(command)} failed with exit code {process.returncode}")
-    return seconds, sampler.peak, usage.ru_maxrss * 1024, output
+    return seconds, sampler.peak, output
 
 
 def main() -> None:
@@ -186,13 +187,11 @@ def main() -> None:
         shutil.rmtree(copied)
 
         # The converter's process without the conversion: interpreter, torch, transformers, thinker.
-        _, idle, _, _ = run_measured([python, "-c", "import converter.cli, converter.convert"], env)
+        _, idle, _ = run_measured([python, "-c", "import converter.cli, converter.convert"], env)
         convert = [python, "-c", "from converter.cli import convert_command; convert_command()"]
-        convert_seconds, peak, max_rss, output = run_measured(
-            convert + [str(source), str(converted), "--no-verify"], env
-        )
+        convert_seconds, peak, output = run_measured(convert + [str(source), str(converted), "--no-verify"], env)
         subprocess.run(["sync", "-f", str(converted)], check=True)
-        inner = re.search(r"files, ([\d.]+) s", output)
+        inner = re.search(r"weights, ([\d.]+) s", output)
         engine_seconds = float(inner.group(1)) if inner else float("nan")
     finally:
         if not args.keep:
@@ -214,10 +213,11 @@ def main() -> None:
         "throughput_fraction_of_cp_excluding_startup": cp_seconds / engine_seconds,
         "convert_gb_per_s": checkpoint_bytes / 1e9 / engine_seconds,
         "cp_gb_per_s": checkpoint_bytes / 1e9 / cp_seconds,
-        "peak_rss_bytes": max_rss,
+        "peak_rss_bytes": peak["VmHWM"],
         "peak_rss_anon_bytes": peak["RssAnon"],
         "peak_rss_file_bytes": peak["RssFile"],
         "idle_process_rss_anon_bytes": idle["RssAnon"],
+        "idle_process_peak_rss_bytes": idle["VmHWM"],
         "peak_anon_above_idle_bytes": peak["RssAnon"] - idle["RssAnon"],
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
@@ -234,9 +234,10 @@ def main() -> None:
             f"{result['throughput_fraction_of_cp']:.2f} (excl. startup "
             f"{result['throughput_fraction_of_cp_excluding_startup']:.2f})",
         ),
-        ("peak RSS (ru_maxrss)", f"{max_rss / gib:.2f} GiB = {max_rss / checkpoint_bytes:.2f} × checkpoint"),
-        ("  of which anonymous (held tensors)", f"{peak['RssAnon'] / gib:.2f} GiB"),
-        ("  of which mapped source pages", f"{peak['RssFile'] / gib:.2f} GiB (page cache, reclaimable)"),
+        ("peak RSS (VmHWM)", f"{peak['VmHWM'] / gib:.2f} GiB = {peak['VmHWM'] / checkpoint_bytes:.2f} × checkpoint"),
+        ("  of which anonymous (allocated)", f"{peak['RssAnon'] / gib:.2f} GiB"),
+        ("  of which file-backed (libraries)", f"{peak['RssFile'] / gib:.2f} GiB"),
+        ("peak RSS of the same process idle (imports)", f"{idle['VmHWM'] / gib:.2f} GiB"),
         (
             "anonymous above an idle process",
             f"{result['peak_anon_above_idle_bytes'] / gib:.2f} GiB "

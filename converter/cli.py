@@ -189,8 +189,8 @@ def convert_command(
     for note in result.notes:
         click.secho(note, fg="yellow", err=True)
     click.echo(
-        f"converted {source} ({result.family}) -> {result.output}: {result.total_bytes / 2**20:.1f} MiB "
-        f"{result.dtype} in {len(result.files)} files, {result.seconds:.1f} s"
+        f"converted {source} ({result.family}) -> {result.output}: {result.total_bytes / 2**20:.1f} MiB of "
+        f"{result.dtype} weights, {result.seconds:.1f} s"
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,10 +74,15 @@ def source_family(root: Path) -> Family:
 
 
 def write_weights(plan: Plan, source: TensorSource, folder: Path, max_shard_size: int, progress: bool) -> list[str]:
-    """Stream the plan's tensors into safetensors shards in ``folder``; returns the files written."""
+    """Stream the plan's tensors into safetensors shards in ``folder``; returns the files written.
+
+    One background thread writes while the main thread reads and checks the next tensor (file I/O and torch both
+    release the GIL). At most two steps' tensors are alive: the one being written and the one being produced.
+    """
     layout = ShardLayout([(name, shape, plan.dtype) for name, shape in plan.shapes.items()], max_shard_size)
     with (
         ShardWriter(folder, layout) as writer,
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as background,
         tqdm(
             total=layout.total_size,
             unit="B",
@@ -86,8 +92,14 @@ def write_weights(plan: Plan, source: TensorSource, folder: Path, max_shard_size
             disable=not progress,
         ) as bar,
     ):
+        writing = None
         for name, tensor in stream_tensors(plan, source):
-            bar.update(writer.write(name, tensor))
+            if writing is not None:
+                bar.update(writing.result())  # the previous write must end before this tensor is handed over
+            writing = background.submit(writer.write, name, tensor)
+            del tensor
+        if writing is not None:
+            bar.update(writing.result())
         return writer.close()
 
 

@@ -66,13 +66,6 @@ class Plan:
     def total_bytes(self) -> int:
         return self.num_parameters * self.dtype.itemsize
 
-    @property
-    def largest_step_bytes(self) -> int:
-        """Bytes of output of the largest step: what streaming holds in memory at most (plus its inputs)."""
-        return max((sum(_numel(self.shapes[t]) for t in step.targets) for step in self.steps), default=0) * (
-            self.dtype.itemsize
-        )
-
 
 def _numel(shape: tuple[int, ...]) -> int:
     count = 1
@@ -306,7 +299,7 @@ def _check_shapes(
 
 
 def stream_tensors(plan: Plan, source: TensorSource) -> Iterator[tuple[str, torch.Tensor]]:
-    """Thinker tensors in plan order, each checked and cast; only one step's tensors are alive at a time."""
+    """Thinker tensors in plan order, each checked and cast; the generator holds only the current step's tensors."""
     for step in plan.steps:
         outputs = step.op([source.load(name) for name in step.sources], plan.config)
         for index, target in enumerate(step.targets):

@@ -13,6 +13,7 @@ follow transformers' conventions.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,7 +114,11 @@ class ShardLayout:
 
 
 class ShardWriter:
-    """Writes the tensors of a ``ShardLayout`` into ``folder`` as they arrive; ``close`` checks all arrived."""
+    """Writes the tensors of a ``ShardLayout`` into ``folder`` as they arrive; ``close`` checks all arrived.
+
+    A shard is flushed to disk (``fsync``) and closed as soon as its last tensor is written, so that a finished
+    conversion is durable before its folder is renamed into place, and the syncing overlaps the later shards.
+    """
 
     def __init__(self, folder: Path, layout: ShardLayout) -> None:
         self.folder = Path(folder)
@@ -121,6 +126,9 @@ class ShardWriter:
         self._files: dict[int, BinaryIO] = {}
         self._data_start: dict[int, int] = {}
         self._written: set[str] = set()
+        self._left = [0] * layout.num_shards  # tensors not yet written, per shard
+        for slot in layout.slots.values():
+            self._left[slot.shard] += 1
 
     def __enter__(self) -> ShardWriter:
         return self
@@ -140,6 +148,9 @@ class ShardWriter:
         handle.seek(self._data_start[slot.shard] + slot.begin)
         handle.write(memoryview(data))
         self._written.add(name)
+        self._left[slot.shard] -= 1
+        if not self._left[slot.shard]:
+            self._finish(slot.shard)
         return slot.end - slot.begin
 
     def _open(self, shard: int) -> BinaryIO:
@@ -151,14 +162,20 @@ class ShardWriter:
             self._data_start[shard] = len(header)
         return self._files[shard]
 
+    def _finish(self, shard: int) -> None:
+        handle = self._open(shard)
+        handle.flush()
+        os.fsync(handle.fileno())
+        handle.close()
+        del self._files[shard]
+
     def close(self) -> list[str]:
         """Finish every shard (and the index when there are several); returns the files written."""
         missing = [name for name in self.layout.slots if name not in self._written]
         if missing:
             raise RuntimeError(f"{len(missing)} planned tensors were never written, e.g. {missing[:3]}")
-        for shard in range(self.layout.num_shards):
-            self._open(shard)  # a shard of only empty tensors still needs its header
-        self.__exit__(None, None, None)
+        if not self.layout.slots:
+            self._finish(0)  # a checkpoint without tensors is still a valid (empty) safetensors file
         files = [self.layout.file_name(shard) for shard in range(self.layout.num_shards)]
         if self.layout.num_shards > 1:
             (self.folder / INDEX_FILE).write_text(json.dumps(self.layout.index(), indent=2) + "\n")

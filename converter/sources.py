@@ -8,6 +8,7 @@ five questions; the file a tensor lives in is kept for error messages.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path, PurePosixPath
@@ -65,7 +66,14 @@ def _shard_path(root: Path, index_path: Path, file_name: str) -> Path:
 
 
 class SafetensorsSource:
-    """Safetensors shards (one file, or several with ``model.safetensors.index.json``), read lazily by ``safe_open``."""
+    """Safetensors shards (one file, or several with ``model.safetensors.index.json``), read lazily.
+
+    ``safe_open`` validates the headers and answers names, shapes and dtypes. Bytes are read with ``pread`` into a
+    buffer the returned tensor owns, rather than through ``safe_open``'s memory map: a mapped tensor stays resident
+    (counted in the process's RSS) until the whole file is unmapped, so converting through the map would grow the
+    resident set to the size of the checkpoint. Read this way, memory is what the caller holds, and it is freed
+    with the tensor.
+    """
 
     def __init__(self, root: Path, files: list[Path] | None = None) -> None:
         self.root = Path(root)
@@ -74,6 +82,8 @@ class SafetensorsSource:
         self._stack = ExitStack()
         self._handles: dict[str, object] = {}
         self._file_of: dict[str, Path] = {}
+        self._byte_ranges: dict[str, tuple[int, int]] = {}  # tensor -> [begin, end) within its file
+        self._descriptors: dict[Path, int] = {}
         for path in files:
             try:
                 handle = self._stack.enter_context(safe_open(str(path), framework="pt"))
@@ -88,6 +98,8 @@ class SafetensorsSource:
                     raise ThinkerError(f"tensor {name!r} appears in both {self._file_of[name].name} and {path.name}")
                 self._file_of[name] = path
                 self._handles[name] = handle
+            self._byte_ranges.update(_data_byte_ranges(path))
+            self._descriptors[path] = self._stack.enter_context(path.open("rb")).fileno()
 
     def names(self) -> list[str]:
         return list(self._file_of)
@@ -99,16 +111,39 @@ class SafetensorsSource:
         return _SAFETENSORS_DTYPES[self._handles[name].get_slice(name).get_dtype()]
 
     def load(self, name: str) -> torch.Tensor:
-        try:
-            return self._handles[name].get_tensor(name)
-        except Exception as err:
-            raise ThinkerError(f"{self._file_of[name]}: cannot read tensor {name!r} ({err}); the file is corrupt") from None
+        path = self._file_of[name]
+        begin, end = self._byte_ranges[name]
+        data = torch.empty(end - begin, dtype=torch.uint8)  # not zero-filled: the read fills every byte
+        view, done = memoryview(data.numpy()), 0
+        while done < len(view):  # pread returns at most ~2 GiB per call, and less at end of file
+            count = os.preadv(self._descriptors[path], [view[done : done + _READ_CHUNK]], begin + done)
+            if count == 0:
+                raise ThinkerError(f"{path}: ends inside tensor {name!r}; the file is truncated, re-download it")
+            done += count
+        return data.view(self.dtype(name)).reshape(self.shape(name))
 
     def file_of(self, name: str) -> str:
         return str(self._file_of[name])
 
     def close(self) -> None:
         self._stack.close()
+
+
+_READ_CHUNK = 1 << 30
+
+
+def _data_byte_ranges(path: Path) -> dict[str, tuple[int, int]]:
+    """Each tensor's byte range within a safetensors file: after the 8-byte header length and the JSON header, at
+    the header's ``data_offsets``. The header was already validated by ``safe_open``."""
+    with path.open("rb") as handle:
+        header_size = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(header_size))
+    start = 8 + header_size
+    return {
+        name: (start + entry["data_offsets"][0], start + entry["data_offsets"][1])
+        for name, entry in header.items()
+        if name != "__metadata__"
+    }
 
 
 _SAFETENSORS_DTYPES = {

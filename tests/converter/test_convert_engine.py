@@ -406,3 +406,15 @@ def test_output_may_not_replace_its_source(save_reference, run_convert, tmp_path
     with pytest.raises(ThinkerError, match="replace the source checkpoint"):
         run_convert(source, name="source", force=True)
     assert (source / "model.safetensors").is_file()
+
+
+def test_pytorch_bin_source(tmp_path, run_convert):
+    # transformers 5 no longer writes .bin files; older checkpoints hold them. They are read with
+    # torch.load(weights_only=True, mmap=True): nothing beyond tensors is unpickled.
+    model = build_reference(Qwen2Config(**QWEN2))
+    source = tmp_path / "bin"
+    model.config.save_pretrained(source)
+    torch.save(model.state_dict(), source / "pytorch_model.bin")
+    result = run_convert(source)
+    assert result.parity.passed
+    assert_same_logits(model, result.output)
