@@ -1,11 +1,12 @@
 """Thinker against transformers' Qwen3ForCausalLM: the same random weights, fp32, the same attention backend.
 
-Times a prefill forward pass (batch 1 x PREFILL tokens) and a greedy ``generate`` of NEW tokens with the KV cache,
-on a preset shaped like a real release (default: Qwen3-0.6B). Repetitions alternate between the two models (and
+Times a prefill forward pass (batch 1 x PREFILL tokens), one decode step (a token on top of the prompt's KV cache)
+and a greedy ``generate`` of NEW tokens with the KV cache, on a preset shaped like a real release (default:
+Qwen3-0.6B). Repetitions alternate between the two models (and
 swap which goes first each round), so that drift in machine load falls on both; medians are reported, with the
 ratio Thinker time / Qwen3 time (the goal is at most 1.05).
 
-    python bench/bench_model.py --threads 2 --reps 5
+    python bench/bench_model.py --threads 2 --reps 5       # from the repository root, with the package installed
     python bench/bench_model.py --layers 4 --reps 3        # a quicker, shallower run of the same shapes
 
 Prints a table and writes JSON to bench/results/model.json.
@@ -84,6 +85,19 @@ def prefill(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], torch.Ten
     return lambda: model(ids, use_cache=True).logits
 
 
+def decode_step(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """One token on top of a cache of the prompt, which is cropped back after each call (constant context)."""
+    cache = model(ids, use_cache=True).past_key_values
+    token, position = ids[:, -1:], torch.tensor([[ids.shape[1]]])
+
+    def step() -> torch.Tensor:
+        logits = model(token, past_key_values=cache, position_ids=position, use_cache=True, logits_to_keep=1).logits
+        cache.crop(-1)
+        return logits
+
+    return step
+
+
 def generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> Callable[[], torch.Tensor]:
     mask = torch.ones_like(ids)
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
@@ -96,18 +110,21 @@ def run(args: argparse.Namespace, models: dict[str, torch.nn.Module]) -> dict:
     ids = torch.randint(0, vocab, (1, args.prefill), generator=torch.Generator().manual_seed(0))
     tasks = {
         "prefill": {name: prefill(model, ids) for name, model in models.items()},
+        "decode_step": {name: decode_step(model, ids) for name, model in models.items()},
         "generate": {name: generate(model, ids, args.new_tokens) for name, model in models.items()},
     }
+    # A decode step is short, so it is sampled more often: the per-token cost with the least noise.
+    reps = {"prefill": args.reps, "decode_step": 8 * args.reps, "generate": args.reps}
     # Warm-up (allocator, kernels), and the check that both do the same work and get the same answer.
     outputs = {task: {name: fn() for name, fn in fns.items()} for task, fns in tasks.items()}
     max_logit_diff = (outputs["prefill"]["thinker"] - outputs["prefill"]["qwen3"]).abs().max().item()
     same_tokens = torch.equal(outputs["generate"]["thinker"], outputs["generate"]["qwen3"])
 
     samples = {task: {name: [] for name in models} for task in tasks}
-    for rep in range(args.reps):
+    for rep in range(max(reps.values())):
         order = list(models) if rep % 2 == 0 else list(reversed(models))
         for task, fns in tasks.items():
-            for name in order:
+            for name in order if rep < reps[task] else ():
                 samples[task][name].append(timed(fns[name])[0])
     return {"samples_s": samples, "max_abs_logit_diff": max_logit_diff, "same_generated_tokens": same_tokens}
 
@@ -151,11 +168,13 @@ def summarise(args: argparse.Namespace, models: dict, measured: dict) -> dict:
 def print_table(report: dict) -> None:
     print(
         f"\n{report['preset']} ({report['num_hidden_layers']} layers, {report['parameters'] / 1e6:.0f} M parameters), "
-        f"fp32, {report['attn_implementation']}, {report['threads']} threads, median of {report['reps']}"
+        f"fp32, {report['attn_implementation']}, {report['threads']} threads, "
+        f"median of {report['reps']} (decode step: of {8 * report['reps']})"
     )
     print(f"{'task':<34}{'Thinker s':>12}{'Qwen3 s':>12}{'ratio':>9}")
     labels = {
         "prefill": f"prefill 1 x {report['prefill_tokens']}",
+        "decode_step": f"decode 1 token, {report['prefill_tokens']} cached",
         "generate": f"greedy generate {report['new_tokens']} tokens",
     }
     for task, row in report["results"].items():

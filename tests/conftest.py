@@ -143,3 +143,92 @@ def tiny_thinker_dirs(tmp_path_factory):
         make_tiny_thinker(kind).save_pretrained(root / kind)
         folders[kind] = root / kind
     return folders
+
+
+# --- bad input and faults (tests/test_bad_input.py, tests/test_faults.py) -------------------------------------------
+
+_WORDS = "the a cat dog sat on mat and ran to house big small red blue one two three is was it".split()
+
+
+def save_word_tokenizer(folder, vocab_size: int = 64):
+    """A whitespace word-level tokenizer with one token per id (pad 0, bos 1, eos 2, unk 3, words, w<id> fillers)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = ["[PAD]", "[BOS]", "[EOS]", "[UNK]", *_WORDS]
+    tokens += [f"w{i}" for i in range(len(tokens), vocab_size)]
+    backend = Tokenizer(models.WordLevel({token: i for i, token in enumerate(tokens)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]", unk_token="[UNK]"
+    )
+    tokenizer.save_pretrained(folder)
+
+
+@pytest.fixture(scope="session")
+def qwen3_source(tmp_path_factory):
+    """A tiny transformers Qwen3 checkpoint folder (config, model.safetensors, tokenizer), saved once per session.
+    Read-only: copy it (``source_copy``) to break it."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("qwen3") / "source"
+    Qwen3ForCausalLM(config).save_pretrained(folder)
+    save_word_tokenizer(folder, config.vocab_size)
+    return folder
+
+
+@pytest.fixture
+def source_copy(qwen3_source, tmp_path):
+    """``source_copy(name="source") -> Path``: a private copy of ``qwen3_source`` in this test's tmp_path."""
+    import shutil
+
+    def copy(name: str = "source"):
+        return shutil.copytree(qwen3_source, tmp_path / name)
+
+    return copy
+
+
+def tree_digest(path) -> dict[str, str]:
+    """Every file under ``path`` (symlinks as their targets) -> sha256 of its bytes: equal digests, equal trees."""
+    import hashlib
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.is_dir():
+        return {path.name: hashlib.sha256(path.read_bytes()).hexdigest()}
+    files = sorted(p for p in path.rglob("*") if p.is_file())
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+@pytest.fixture
+def digest():
+    """``digest(path) -> {relative file: sha256}``; see ``tree_digest``."""
+    return tree_digest
+
+
+@pytest.fixture(scope="session")
+def qwen3_thinker(qwen3_source, tmp_path_factory):
+    """``qwen3_source`` converted to a Thinker folder (unverified), once per session. Read-only."""
+    from converter.convert import convert
+
+    output = tmp_path_factory.mktemp("qwen3-thinker") / "thinker"
+    convert(qwen3_source, output, verify=False, progress=False)
+    return output
+
+
+@pytest.fixture(scope="session")
+def qwen3_onnx(qwen3_thinker, tmp_path_factory):
+    """``qwen3_thinker`` exported to an ONNX folder (unverified), once per session. Read-only."""
+    from export.exporter import export_model
+
+    output = tmp_path_factory.mktemp("qwen3-onnx") / "onnx"
+    export_model(qwen3_thinker, output, verify=False)
+    return output

@@ -194,7 +194,16 @@ def test_qwen3_moe_parity(randomize, norm_topk_prob, experts_implementation):
     thinker_config = thinker_config_from(config, qk_norm=True)
     assert thinker_config.mlp_layer_types == ["sparse", "dense", "sparse"]
     thinker = build_thinker(thinker_config, reference.state_dict(), experts_implementation=experts_implementation)
-    assert_same_outputs(thinker, reference, token_ids())
+    ids = token_ids()
+    assert_same_outputs(thinker, reference, ids)
+    # router logits of the sparse layers, and the loss with its load-balancing term
+    with torch.no_grad():
+        ours, theirs = (m(ids, labels=ids, output_router_logits=True) for m in (thinker, reference))
+    assert len(ours.router_logits) == len(theirs.router_logits) == 2
+    for mine, ref in zip(ours.router_logits, theirs.router_logits, strict=True):
+        assert_close(mine, ref, **TOL)
+    assert_close(ours.aux_loss, theirs.aux_loss, **TOL)
+    assert_close(ours.loss, theirs.loss, **TOL)
 
 
 def gpt2_to_thinker(state: dict[str, torch.Tensor], config: GPT2Config) -> dict[str, torch.Tensor]:
@@ -320,6 +329,17 @@ def test_greedy_generate_cache_equals_no_cache(tiny_thinker, kind):
     assert_close(torch.stack(runs[True].logits), torch.stack(runs[False].logits), **TOL)
 
 
+def test_static_cache_generate_equals_dynamic(tiny_thinker):
+    """A compileable cache makes generate() build the 4-D mask itself, which the model must take as it is."""
+    model = tiny_thinker("dense")
+    ids, mask = left_pad([token_ids(batch=1, length=n, seed=n)[0] for n in (7, 4)])
+    runs = [
+        model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, **cache)
+        for cache in ({}, {"cache_implementation": "static"})
+    ]
+    assert torch.equal(runs[0], runs[1])
+
+
 @pytest.mark.parametrize("kind", ["dense", "learned"])
 def test_left_padded_batch_equals_rows_alone(tiny_thinker, kind):
     model = tiny_thinker(kind)
@@ -437,8 +457,13 @@ def test_gradient_checkpointing_same_gradients(tiny_thinker):
 # saving, loading, Auto classes, remote code, device maps
 
 
-def test_save_load_round_trip(tiny_thinker, tmp_path):
-    model = tiny_thinker("moe")
+YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16}
+
+
+# The loader rebuilds non-persistent buffers (RoPE frequencies) itself: a scaled RoPE shows whether it does so right.
+@pytest.mark.parametrize(("kind", "overrides"), [("moe", {}), ("learned", {}), ("dense", {"rope_parameters": YARN})])
+def test_save_load_round_trip(tiny_thinker, tmp_path, kind, overrides):
+    model = tiny_thinker(kind, **overrides)
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert isinstance(loaded, ThinkerForCausalLM) and not loaded.training

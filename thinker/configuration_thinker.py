@@ -151,7 +151,9 @@ class ThinkerConfig(PreTrainedConfig):
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
         if len(self.mlp_layer_types) != self.num_hidden_layers or set(self.mlp_layer_types) - {"dense", "sparse"}:
-            raise ValueError(f"mlp_layer_types must list 'dense' or 'sparse' for each of {self.num_hidden_layers} layers")
+            raise ValueError(
+                f"mlp_layer_types must list 'dense' or 'sparse' for each of {self.num_hidden_layers} layers"
+            )
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must lie in 1..{self.num_experts}")
 
