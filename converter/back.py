@@ -169,7 +169,8 @@ def convert_back(
         plan = plan_back(tensor_source, config, family, dtype)
         refuse_overwriting_source(output, source)
         report = None
-        with staged_output(output, force) as staging:
+        needed = sum(_numel(shape) for shape in plan.shapes.values()) * plan.dtype.itemsize
+        with staged_output(output, force, needed=needed) as staging:
             layout = ShardLayout([(n, s, plan.dtype) for n, s in plan.shapes.items()], parse_size(max_shard_size))
             with ShardWriter(staging, layout) as writer:
                 for step in plan.steps:

@@ -8,14 +8,11 @@ traceback instead.
 
 from __future__ import annotations
 
-import logging
-import sys
-from collections.abc import Callable
-from functools import wraps
 from pathlib import Path
 
 import click
 
+from .cli_support import reports_errors
 from .errors import ThinkerError
 from .shards import parse_size
 
@@ -49,7 +46,10 @@ the tensors; otherwise nothing is written and the error names the tensors. Weigh
 OUTPUT receives model.safetensors (or model-0000i-of-0000N.safetensors shards with model.safetensors.index.json),
 config.json with the modeling code (loads with AutoModelForCausalLM after `import thinker`, or with
 trust_remote_code=True), generation_config.json, the tokenizer files, and parity.json when verified. It is written
-into a temporary folder beside OUTPUT and renamed into place when complete.
+into a hidden folder beside OUTPUT (.OUTPUT.partial-HOST-PID-XXXXXXXX) and renamed into place when complete; such a
+folder left by a killed run is removed by the next run into the same OUTPUT, and may be deleted by hand. With
+--force, the old OUTPUT is swapped for the new one in one step. Code shipped with a checkpoint (auto_map) is never
+run, and .bin / .pt files are read with torch.load(weights_only=True).
 
 \b
 Examples:
@@ -73,36 +73,6 @@ Example:
 """
 
 
-def _report_errors(command: Callable) -> Callable:
-    """Turn ThinkerError into one red line and exit code 1, unless --debug asks for the traceback."""
-
-    @wraps(command)
-    def run(*args, debug: bool, **kwargs):
-        logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s: %(message)s")
-        if not debug:
-            _quiet_transformers()
-        try:
-            return command(*args, **kwargs)
-        except ThinkerError as err:
-            report = getattr(err, "report", None)
-            if report is not None:
-                click.echo(report.table())
-            if debug:
-                raise
-            click.secho(f"error: {err}", fg="red", err=True)
-            sys.exit(1)
-
-    return run
-
-
-def _quiet_transformers() -> None:
-    # Loading messages and per-load progress bars of transformers would drown our own progress and table.
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.set_verbosity_error()
-    transformers_logging.disable_progress_bar()
-
-
 def _shard_size(ctx: click.Context, param: click.Parameter, value: str) -> str:
     try:
         parse_size(value)
@@ -111,7 +81,6 @@ def _shard_size(ctx: click.Context, param: click.Parameter, value: str) -> str:
     return value
 
 
-debug_option = click.option("--debug", is_flag=True, help="Show full tracebacks and debug logging on errors.")
 revision_option = click.option(
     "--revision", metavar="REV", help="Hub branch, tag or commit of a repo-id SOURCE (default: main)."
 )
@@ -152,8 +121,7 @@ revision_option = click.option(
     "qwen3_moe, qwen2, qwen2_moe, llama) through the family's table read backwards; a round trip is bit-exact. "
     "--verify (default on) compares it, loaded with its transformers class, with the Thinker.",
 )
-@debug_option
-@_report_errors
+@reports_errors
 def convert_command(
     source: str,
     output: Path,
@@ -198,8 +166,7 @@ def convert_command(
 @click.argument("source")
 @click.argument("converted", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @revision_option
-@debug_option
-@_report_errors
+@reports_errors
 def verify_command(source: str, converted: Path, revision: str | None) -> None:
     from .convert import verify
 

@@ -140,7 +140,7 @@ def convert(
             verify, note = verify_fits_memory(plan.num_parameters)
             notes += [note] if note else []
         report = None
-        with staged_output(output, force) as staging:
+        with staged_output(output, force, needed=plan.total_bytes) as staging:
             files = write_weights(plan, tensor_source, staging, shard_bytes, progress)
             write_thinker_config(staging, plan.config)
             write_generation_config(staging, Path(tensor_source.root), plan.config)

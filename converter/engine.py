@@ -120,14 +120,27 @@ def thinker_parameter_shapes(config: ThinkerConfig) -> dict[str, tuple[int, ...]
 
     Tied parameters (``lm_head.weight`` when the embeddings are tied) are not stored, as transformers saves them.
     """
-    with torch.device("meta"):
-        model = ThinkerForCausalLM(config)
+    try:
+        with torch.device("meta"):
+            model = ThinkerForCausalLM(config)
+    except (RuntimeError, *_CONFIG_ERRORS) as err:  # sizes no model has: negative, zero vocabulary ...
+        reason = " ".join(str(err).split())
+        raise ThinkerError(f"the config does not build a Thinker model: {reason}; check config.json") from None
     tied = set(model.all_tied_weights_keys)
     return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items() if name not in tied}
 
 
+# Errors a family's config translation raises on a config.json with missing keys or values of the wrong kind: its
+# input is whatever the user's file holds, so these are the user's to fix, not bugs.
+_CONFIG_ERRORS = (KeyError, IndexError, TypeError, ValueError, AttributeError, ArithmeticError, StrictDataclassError)
+
+
 def translate_config(family: Family, source_config: Mapping[str, Any], dtype: torch.dtype) -> ThinkerConfig:
-    kwargs = family.translate_config(source_config)
+    try:
+        kwargs = family.translate_config(source_config)
+    except _CONFIG_ERRORS as err:
+        reason = f"no key {err}" if isinstance(err, KeyError) else " ".join(str(err).split())
+        raise ThinkerError(f"the source config.json is not a valid {family.name} config: {reason}") from None
     try:
         config = ThinkerConfig(**kwargs)
         config.validate_architecture()
@@ -167,7 +180,10 @@ def plan_conversion(
     if family is None:
         family = detect_family(source_config, set(names))
     output_dtype = resolve_dtype(dtype, source, source_config)
+    bounds = _count_bounds(source)
+    _check_counts(family, _declared_counts(source_config), bounds)  # before transformers builds lists from them
     config = translate_config(family, source_config, output_dtype)
+    _check_counts(family, {"num_hidden_layers": config.num_hidden_layers, "num_experts": config.num_experts}, bounds)
     expected = thinker_parameter_shapes(config)
 
     _check_tie(family, config, set(names))
@@ -181,6 +197,44 @@ def plan_conversion(
     shapes = {target: expected[target] for step in steps for target in step.targets}
     dropped = sorted(set(names) & _dropped_names(family, config) | _dropped_by_prefix(family, names))
     return Plan(family, config, steps, shapes, output_dtype, dropped)
+
+
+# Config keys that count layers or experts, as the supported families' configs spell them (at any nesting depth:
+# Qwen3-Omni keeps its decoder's under thinker_config.text_config).
+_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "n_layers")
+_EXPERT_COUNTS = ("num_experts", "num_local_experts")
+
+
+def _count_bounds(source: TensorSource) -> dict[str, tuple[int, str]]:
+    """The most layers and experts a checkpoint can hold: every layer has tensors of its own, every expert at least
+    one weight."""
+    names = source.names()
+    tensors = (len(names), "tensors")
+    weights = (sum(_numel(source.shape(name)) for name in names), "weights")
+    return {key: tensors for key in _LAYER_COUNTS} | {key: weights for key in _EXPERT_COUNTS}
+
+
+def _declared_counts(config: Mapping[str, Any]) -> dict[str, Any]:
+    counts = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            counts |= _declared_counts(value)
+        elif key in _LAYER_COUNTS + _EXPERT_COUNTS:
+            counts[key] = value
+    return counts
+
+
+def _check_counts(family: Family, counts: Mapping[str, Any], bounds: Mapping[str, tuple[int, str]]) -> None:
+    """Refuse layer or expert counts no checkpoint of this size holds, before anything is built from them: building
+    the model and expanding the table take time per layer and per expert (and transformers' config classes build
+    per-layer lists), so a config.json claiming a billion layers would otherwise hang instead of failing."""
+    for key, count in counts.items():
+        bound, unit = bounds[key]
+        if isinstance(count, int) and not isinstance(count, bool) and count > bound:
+            raise ThinkerError(
+                f"the source config.json says {key}={count}, but the checkpoint holds only {bound} {unit} in all; "
+                f"its config.json does not describe these {family.name} weights"
+            )
 
 
 def _check_tie(family: Family, config: ThinkerConfig, names: set[str]) -> None:
@@ -310,17 +364,22 @@ def stream_tensors(plan: Plan, source: TensorSource) -> Iterator[tuple[str, torc
 
 def finish_tensor(tensor: torch.Tensor, target: str, sources: tuple[str, ...], dtype: torch.dtype) -> torch.Tensor:
     """Refuse NaN/Inf and float16 overflow (naming the tensor), then cast and make contiguous for writing."""
-    if tensor.is_floating_point() and tensor.numel():
-        low, high = torch.aminmax(tensor)  # one pass, no copy; NaN propagates into both
-        low, high = low.item(), high.item()
+    problem = value_problem(tensor, dtype)
+    if problem:
         origin = sources[0] if len(sources) == 1 else f"{sources[0]} and {len(sources) - 1} more"
-        if not (math.isfinite(low) and math.isfinite(high)):
-            raise ThinkerError(
-                f"source tensor {origin} (for {target}) holds NaN or Inf values; the checkpoint is corrupt"
-            )
-        if dtype == torch.float16 and max(-low, high) > FLOAT16_MAX:
-            raise ThinkerError(
-                f"source tensor {origin} (for {target}) holds values up to {max(-low, high):.6g}, beyond float16's "
-                f"±{FLOAT16_MAX:.0f}; convert with --dtype bfloat16 or float32 instead"
-            )
+        advice = "the checkpoint is corrupt" if "NaN" in problem else "convert with --dtype bfloat16 or float32 instead"
+        raise ThinkerError(f"source tensor {origin} (for {target}) {problem}; {advice}")
     return tensor.to(dtype).contiguous()
+
+
+def value_problem(tensor: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """What is wrong with ``tensor``'s values for a cast to ``dtype``: NaN or Inf, or magnitudes float16 turns into
+    Inf; None when nothing is. One pass over the tensor, no copy."""
+    if not tensor.is_floating_point() or not tensor.numel():
+        return None
+    low, high = (value.item() for value in torch.aminmax(tensor))  # NaN propagates into both
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return "holds NaN or Inf values"
+    if dtype == torch.float16 and max(-low, high) > FLOAT16_MAX:
+        return f"holds values up to {max(-low, high):.6g}, beyond float16's ±{FLOAT16_MAX:.0f}"
+    return None

@@ -15,6 +15,7 @@ conversion is also run in its own dtype, against a looser tolerance. On failure,
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,19 +121,39 @@ def load_reference(source: Path, dtype: torch.dtype) -> PreTrainedModel:
         source = source.parent
     elif not (source / "config.json").is_file() and len(ggufs := sorted(source.glob("*.gguf"))) == 1:
         gguf_file = ggufs[0].name
+    if gguf_file is None:
+        _refuse_unknown_model_type(source / "config.json")
     try:
+        # transformers' own class for the family, never code shipped with the checkpoint (a config's auto_map).
         model = AutoModelForCausalLM.from_pretrained(
-            source, gguf_file=gguf_file, dtype=dtype, attn_implementation="eager"
+            source, gguf_file=gguf_file, dtype=dtype, attn_implementation="eager", trust_remote_code=False
         )
-    except (OSError, ValueError) as err:
+    except Exception as err:  # transformers raises many types for a folder it cannot load; all are the folder's
         raise ThinkerError(f"{source}: the reference model does not load with transformers ({err})") from None
     return model.eval()
+
+
+def _refuse_unknown_model_type(config_path: Path) -> None:
+    """The reference is transformers' own class for the config's model_type; for a type it does not know, it would
+    look for code in the folder (auto_map), which is never run here."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        model_type = json.loads(config_path.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # transformers reports an unreadable config itself
+    if isinstance(model_type, str) and model_type not in CONFIG_MAPPING:
+        raise ThinkerError(
+            f"{config_path}: model_type {model_type!r} is not one transformers knows, so --verify has no reference "
+            "to compare with (code shipped with a checkpoint, its auto_map, is never run); correct model_type, or "
+            "convert with --no-verify"
+        )
 
 
 def load_converted(folder: Path, dtype: torch.dtype | None = None) -> ThinkerForCausalLM:
     try:
         model = ThinkerForCausalLM.from_pretrained(folder, dtype=dtype or "auto", attn_implementation="eager")
-    except (OSError, ValueError) as err:
+    except Exception as err:  # as for the reference: whatever the folder's files make transformers raise
         raise ThinkerError(f"{folder}: the converted model does not load ({err})") from None
     return model.eval()
 
@@ -264,7 +285,11 @@ def check_parity(source: Path, converted: Path, family: Family | None = None) ->
 
 
 def write_report(report: ParityReport, path: Path) -> None:
-    Path(path).write_text(report.to_json())
+    """Written beside and renamed over: `thinker verify` updates a finished folder, which a kill must not damage."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    partial.write_text(report.to_json())
+    os.replace(partial, path)
 
 
 def verify_fits_memory(num_parameters: int) -> tuple[bool, str]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import re
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path, PurePosixPath
@@ -108,7 +110,13 @@ class SafetensorsSource:
         return tuple(self._handles[name].get_slice(name).get_shape())
 
     def dtype(self, name: str) -> torch.dtype:
-        return _SAFETENSORS_DTYPES[self._handles[name].get_slice(name).get_dtype()]
+        code = self._handles[name].get_slice(name).get_dtype()
+        if code not in _SAFETENSORS_DTYPES:
+            raise ThinkerError(
+                f"{self._file_of[name]}: tensor {name!r} has dtype {code}, which PyTorch cannot hold; "
+                f"supported: {', '.join(_SAFETENSORS_DTYPES)}"
+            )
+        return _SAFETENSORS_DTYPES[code]
 
     def load(self, name: str) -> torch.Tensor:
         path = self._file_of[name]
@@ -155,6 +163,9 @@ _SAFETENSORS_DTYPES = {
     "I32": torch.int32,
     "I16": torch.int16,
     "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
     "U8": torch.uint8,
     "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn,
@@ -184,6 +195,13 @@ class TorchBinSource:
         for path in files:
             try:
                 state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except pickle.UnpicklingError as err:  # weights_only met something that is not a tensor or a container
+                found = _UNSUPPORTED_GLOBAL.search(str(err))
+                what = f"e.g. {found[1]}" if found else "not tensors"
+                raise ThinkerError(
+                    f"{path}: holds pickled Python objects besides tensors ({what}); they are refused, never run "
+                    "(weights_only loading); get a safetensors copy of this checkpoint"
+                ) from None
             except Exception as err:
                 raise ThinkerError(
                     f"{path}: not a loadable weights-only PyTorch state dict ({err.__class__.__name__}); "
@@ -210,6 +228,10 @@ class TorchBinSource:
 
     def close(self) -> None:
         self._tensors.clear()
+
+
+# How torch names the object weights_only refused to unpickle: "Unsupported global: GLOBAL builtins.exec was not ..."
+_UNSUPPORTED_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)")
 
 
 def _flatten_state(state: object, path: Path) -> Iterator[tuple[str, torch.Tensor]]:

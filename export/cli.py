@@ -2,43 +2,17 @@
 
 from __future__ import annotations
 
-import functools
-import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import click
 
+from converter.cli import convert_command, verify_command
+from converter.cli_support import reports_errors
 from converter.errors import ThinkerError
 
-from .exporter import DTYPES, MODEL_FILE, export_model, is_thinker_folder, read_json
-
-
-def reports_errors(command: Callable) -> Callable:
-    """A ThinkerError becomes one line on stderr and exit status 1; ``--debug`` keeps the traceback."""
-
-    @functools.wraps(command)
-    def wrapper(*args, debug: bool = False, **kwargs):
-        if not debug:
-            _quiet_transformers()
-        try:
-            return command(*args, **kwargs)
-        except ThinkerError as err:
-            if debug:
-                raise
-            click.echo(f"error: {err}", err=True)
-            sys.exit(1)
-
-    return click.option("--debug", is_flag=True, help="Show the full traceback on errors.")(wrapper)
-
-
-def _quiet_transformers() -> None:
-    # transformers' per-load progress bars and notices would drown the one-line summaries of these commands.
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.set_verbosity_error()
-    transformers_logging.disable_progress_bar()
+from .exporter import DTYPES, GRAPHS, MODEL_FILE, export_model, is_thinker_folder, read_json
+from .quantize import ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES, QuantizeSpec
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -72,6 +46,52 @@ def main() -> None:
     help="Compare onnxruntime with the PyTorch model over prefill + 6 decode steps on a left-padded batch; "
     "fail beyond tolerance. Needs memory for both models at once.",
 )
+@click.option(
+    "--graph",
+    type=click.Choice(list(GRAPHS)),
+    default="plain",
+    show_default=True,
+    help="plain: standard ONNX operators only (any runtime). fused: onnxruntime's contrib operators "
+    "(GroupQueryAttention with RoPE inside, SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, MoE); "
+    "faster, onnxruntime only. See below for how the fused graph reads position_ids.",
+)
+@click.option(
+    "--quantize",
+    type=click.Choice(list(BITS)),
+    default=None,
+    help="Weight-only quantization of the projections (MatMulNBits) by onnxruntime's quantizer; "
+    "float32/float16 only. [default: none]",
+)
+@click.option(
+    "--block-size",
+    type=click.Choice([str(b) for b in BLOCK_SIZES]),
+    default="32",
+    show_default=True,
+    help="--quantize: weights per scale (and zero point) along the input axis.",
+)
+@click.option(
+    "--algo",
+    type=click.Choice(list(ALGORITHMS)),
+    default="rtn",
+    show_default=True,
+    help="--quantize: rtn, symmetric block-wise round-to-nearest (onnxruntime's fastest CPU layout); hqq, "
+    "Half-Quadratic Quantization (int4; better fidelity, but onnxruntime's CPU kernel dequantizes its float zero "
+    "points on every call: slow on CPU).",
+)
+@click.option(
+    "--quantize-head",
+    type=click.Choice(list(BITS)),
+    default=None,
+    help="--quantize: the head's precision when it should differ from the body's (int8 under int4 roughly halves "
+    "the perplexity loss on SmolLM2, for ~7% lower decode speed). [default: as --quantize]",
+)
+@click.option(
+    "--accuracy-level",
+    type=click.Choice([str(level) for level in ACCURACY_LEVELS]),
+    default="4",
+    show_default=True,
+    help="--quantize: MatMulNBits' activation precision: 4 int8 (fastest on CPU), 1 float32, 0 as the graph.",
+)
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option(
     "--threads",
@@ -81,7 +101,20 @@ def main() -> None:
     "the model] and for --verify [default: physical cores].",
 )
 @reports_errors
-def export_command(model_dir: str, output: Path, dtype: str, verify: bool, force: bool, threads: int | None) -> None:
+def export_command(
+    model_dir: str,
+    output: Path,
+    dtype: str,
+    verify: bool,
+    graph: str,
+    quantize: str | None,
+    block_size: str,
+    algo: str,
+    quantize_head: str | None,
+    accuracy_level: str,
+    force: bool,
+    threads: int | None,
+) -> None:
     """Export MODEL_DIR to an ONNX folder OUTPUT for onnxruntime and onnxruntime-genai.
 
     MODEL_DIR is a Thinker folder (from `thinker convert`), or any SOURCE that `thinker convert` accepts, which is
@@ -91,16 +124,34 @@ def export_command(model_dir: str, output: Path, dtype: str, verify: bool, force
     \b
     The graph's inputs: input_ids, attention_mask, position_ids, past_key_values.{i}.key/.value;
     its outputs: logits, present.{i}.key/.value (KV as [batch, kv_heads, seq, head_dim]).
+
+    \b
+    --graph fused keeps these names and shapes. Its GroupQueryAttention rotates q/k by cache slot (when head_dim
+    is a multiple of 16), so position_ids is accepted but not read: left-padded rows give the same logits as the
+    plain graph (RoPE sees position differences only), but custom position numbering is not honoured. A step with
+    several new tokens after a non-empty cache needs batch 1.
+
+    \b
+    --quantize int4|int8 works with either graph; --verify then checks top-1 agreement with the float model
+    (>= 50% on random prompts) instead of |Δlogit|.
     """
-    report = export_model(model_dir, output, dtype=dtype, verify=verify, force=force, threads=threads)
+    spec = None
+    if quantize:
+        spec = QuantizeSpec.parse(quantize, int(block_size), algo, int(accuracy_level), quantize_head)
+    elif quantize_head:
+        raise ThinkerError("--quantize-head needs --quantize")
+    report = export_model(
+        model_dir, output, dtype=dtype, verify=verify, force=force, threads=threads, graph=graph, quantize=spec
+    )
     sizes = ", ".join(f"{name} {_human(size)}" for name, size in report["sizes"].items() if name.startswith("model"))
     click.echo(f"wrote {output}: {report['nodes']} nodes, {report['parameters']:,} parameters ({sizes})")
     figures = report["verify"]
     if figures and figures.get("skipped"):
         click.echo(f"verify skipped: {figures['skipped']}", err=True)
     elif figures:
+        bound = f"tolerance {figures['tolerance']:.3g}" if "tolerance" in figures else "quantized"
         click.echo(
-            f"verify: max |Δlogit| {figures['max_abs_diff']:.3g} (tolerance {figures['tolerance']:.3g}), "
+            f"verify: max |Δlogit| {figures['max_abs_diff']:.3g} ({bound}), "
             f"top-1 agreement {figures['top1_agreement']:.1%} over {figures['positions']} positions "
             f"on {figures['provider']}"
         )
@@ -115,7 +166,8 @@ def export_command(model_dir: str, output: Path, dtype: str, verify: bool, force
     type=click.Choice(["auto", "cpu", "cuda"]),
     default="auto",
     show_default=True,
-    help="onnxruntime execution provider (ONNX folders only); auto picks CUDA when it really runs.",
+    help="onnxruntime's execution provider for an ONNX folder (auto picks CUDA when it really runs), torch's "
+    "device for a Thinker folder (auto: cpu). cuda where none is: an error.",
 )
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads [default: physical cores].")
 @reports_errors
@@ -131,6 +183,7 @@ def generate_command(folder: Path, prompt: str, max_new_tokens: int, provider: s
     prompt_ids = tokenizer(prompt, return_tensors="np")["input_ids"]
     if prompt_ids.shape[1] == 0:
         raise ThinkerError("--prompt tokenizes to nothing; give some text")
+    _check_prompt(folder, prompt_ids, max_new_tokens)
     eos, pad = _stop_tokens(folder)
     if (folder / MODEL_FILE).is_file():
         from .runtime import OnnxDecoder
@@ -140,8 +193,8 @@ def generate_command(folder: Path, prompt: str, max_new_tokens: int, provider: s
         started = time.perf_counter()  # generation only, not the session's start
         tokens = decoder.generate(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
     elif is_thinker_folder(folder):
-        model = _load_transformers(folder, threads)
-        runtime = "transformers (cpu)"
+        model = _load_transformers(folder, threads, provider)
+        runtime = f"transformers ({model.device.type})"
         started = time.perf_counter()
         tokens = _generate_transformers(model, prompt_ids, max_new_tokens, eos, pad)
     else:
@@ -187,17 +240,43 @@ def _load_tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(folder)
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except Exception as err:
-        raise ThinkerError(f"{folder}: no usable tokenizer ({err.__class__.__name__}: {err})") from None
+        raise ThinkerError(
+            f"{folder}: no usable tokenizer ({err.__class__.__name__}: {err}); copy the source model's tokenizer "
+            "files (tokenizer.json, tokenizer_config.json ...) into it"
+        ) from None
+
+
+def _check_prompt(folder: Path, prompt_ids, max_new_tokens: int) -> None:
+    """Refuse what the model cannot take, which would otherwise fail deep inside onnxruntime or torch: token ids
+    beyond its vocabulary (a tokenizer from another model) and more positions than it has."""
+    config = read_json(folder / "config.json") or {}
+    vocab_size, context = config.get("vocab_size"), config.get("max_position_embeddings")
+    if isinstance(vocab_size, int) and prompt_ids.max() >= vocab_size:
+        raise ThinkerError(
+            f"{folder}: the tokenizer gives token id {int(prompt_ids.max())} for --prompt, beyond the model's "
+            f"vocabulary of {vocab_size}; the folder's tokenizer does not belong to its model"
+        )
+    length = prompt_ids.shape[1]
+    if isinstance(context, int) and length + max_new_tokens > context:
+        raise ThinkerError(
+            f"--prompt is {length} tokens, and with --max-new-tokens {max_new_tokens} that is beyond the model's "
+            f"{context} positions (max_position_embeddings); shorten the prompt or lower --max-new-tokens"
+        )
 
 
 def _stop_tokens(folder: Path) -> tuple[list[int] | None, int | None]:
     """eos and pad ids: genai_config.json in an ONNX folder, else generation_config.json, else config.json."""
     genai = read_json(folder / "genai_config.json")
     if genai:
-        eos = genai["model"]["eos_token_id"]
-        return (eos if isinstance(eos, list) else [eos]), genai["model"]["pad_token_id"]
+        try:
+            eos, pad = genai["model"]["eos_token_id"], genai["model"]["pad_token_id"]
+        except (KeyError, TypeError):
+            raise ThinkerError(
+                f"{folder}/genai_config.json: no model.eos_token_id or pad_token_id; export again"
+            ) from None
+        return (eos if isinstance(eos, list) else [eos]), pad
     for name in ("generation_config.json", "config.json"):
         config = read_json(folder / name) or {}
         if config.get("eos_token_id") is not None:
@@ -206,21 +285,28 @@ def _stop_tokens(folder: Path) -> tuple[list[int] | None, int | None]:
     return None, None
 
 
-def _load_transformers(folder: Path, threads: int | None):
+def _load_transformers(folder: Path, threads: int | None, provider: str = "auto"):
     import torch
     from transformers import AutoModelForCausalLM
 
     import thinker  # noqa: F401  (registers the Thinker classes with AutoModelForCausalLM)
 
+    if provider == "cuda" and not torch.cuda.is_available():
+        raise ThinkerError("--provider cuda: CUDA asked for where none is (torch sees no GPU); use --provider cpu")
     if threads:
         torch.set_num_threads(threads)
-    return AutoModelForCausalLM.from_pretrained(folder).eval()
+    try:
+        # The installed Thinker classes, never the folder's copy of the modeling code (trust_remote_code=False).
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False)
+    except Exception as err:  # transformers and safetensors raise many types for a damaged folder
+        raise ThinkerError(f"{folder}: the model does not load ({type(err).__name__}: {err})") from None
+    return model.to("cuda" if provider == "cuda" else "cpu").eval()
 
 
 def _generate_transformers(model, prompt_ids, max_new_tokens: int, eos, pad):
     import torch
 
-    prompt = torch.from_numpy(prompt_ids)
+    prompt = torch.from_numpy(prompt_ids).to(model.device)
     with torch.no_grad():
         out = model.generate(
             prompt,
@@ -230,7 +316,7 @@ def _generate_transformers(model, prompt_ids, max_new_tokens: int, eos, pad):
             eos_token_id=eos,
             pad_token_id=pad if pad is not None else (eos[0] if eos else None),
         )
-    return out.numpy()
+    return out.cpu().numpy()
 
 
 def _human(size: int) -> str:
@@ -241,33 +327,9 @@ def _human(size: int) -> str:
     return str(size)
 
 
-def _add_converter_commands() -> None:
-    """`thinker convert` and `thinker verify` are the converter's own click commands, added when installed."""
-    try:
-        from converter.cli import convert_command, verify_command
-    except ImportError as err:
-        reason = str(err)
-
-        def unavailable(name: str) -> click.Command:
-            @click.command(name, context_settings={"ignore_unknown_options": True}, add_help_option=False)
-            @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-            def command(args) -> None:
-                click.echo(
-                    f"error: `thinker {name}` needs the converter's CLI, which failed to import ({reason})", err=True
-                )
-                sys.exit(1)
-
-            command.help = f"(unavailable: converter.cli does not import: {reason})"
-            return command
-
-        main.add_command(unavailable("convert"), "convert")
-        main.add_command(unavailable("verify"), "verify")
-        return
-    main.add_command(convert_command, "convert")
-    main.add_command(verify_command, "verify")
-
-
-_add_converter_commands()
+# `thinker convert` and `thinker verify` are the converter's own commands, under the one `thinker` group.
+main.add_command(convert_command, "convert")
+main.add_command(verify_command, "verify")
 
 
 if __name__ == "__main__":

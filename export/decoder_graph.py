@@ -2,9 +2,10 @@
 
 Every part of the model is one ``emit_*`` method that mirrors the PyTorch module's order of operations
 (``thinker/modeling_thinker.py``): RMSNorm in float32 then cast back before the scale, softmax in float32, RoPE
-tables in the model dtype, Qwen's router (softmax, top-k, optional renormalisation). A fused variant for
-onnxruntime's contrib ops (GroupQueryAttention, SimplifiedLayerNormalization, RotaryEmbedding, MatMulNBits)
-subclasses ``DecoderGraph`` and overrides the emitters it replaces.
+tables in the model dtype, Qwen's router (softmax, top-k, optional renormalisation). The fused variant for
+onnxruntime's contrib ops (``export/fused_graph.py``: GroupQueryAttention, SimplifiedLayerNormalization, MoE)
+subclasses ``DecoderGraph`` and overrides the emitters it replaces; weight-only quantization
+(``export/quantize.py``, MatMulNBits) plugs into ``emit_matmul`` and works with either graph.
 
 IO contract (shared/DESIGN.md), P past and T new positions:
   inputs   input_ids [B, T] int64, attention_mask [B, P+T] int64, position_ids [B, T] int64,
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import onnx
 import torch
@@ -30,7 +32,11 @@ from thinker.modeling_thinker import ThinkerRotaryEmbedding
 from .graph_builder import TORCH_TO_ONNX, GraphBuilder, value_info
 from .weights import ThinkerWeights
 
+if TYPE_CHECKING:
+    from .quantize import WeightQuantizer
+
 OPSET = 21
+MS_DOMAIN = "com.microsoft"  # onnxruntime's contrib operators
 IR_VERSION = 10  # what opset 21 asks for; onnxruntime >= 1.20 reads it
 
 # Symbolic dimension names, as Optimum and onnxruntime-genai's builder spell them.
@@ -51,8 +57,18 @@ class StepContext:
 class DecoderGraph:
     """Builds the decoder graph for one config, streaming weights from ``weights`` into ``builder``."""
 
-    def __init__(self, config: ThinkerConfig, weights: ThinkerWeights, builder: GraphBuilder, dtype: torch.dtype):
+    contrib_ops = False  # True where the graph uses onnxruntime's com.microsoft operators
+
+    def __init__(
+        self,
+        config: ThinkerConfig,
+        weights: ThinkerWeights,
+        builder: GraphBuilder,
+        dtype: torch.dtype,
+        quantizer: WeightQuantizer | None = None,
+    ):
         self.config = config
+        self.quantizer = quantizer
         self.weights = weights
         self.b = builder
         self.dtype = dtype
@@ -69,11 +85,14 @@ class DecoderGraph:
             ctx = self.emit_step_context("input_ids", "attention_mask", "position_ids")
             with b.scope("embed"):
                 hidden = self.emit_embeddings("input_ids", "position_ids")
+            # The residual stream travels as (sum so far, the last block's output not yet added), so that a fused
+            # graph can add and normalise in one node (SkipSimplifiedLayerNormalization).
+            delta = None
             for i in range(cfg.num_hidden_layers):
                 with b.scope(f"layers.{i}"):
-                    hidden = self.emit_layer(i, hidden, ctx)
+                    hidden, delta = self.emit_layer(i, hidden, delta, ctx)
             with b.scope("norm"):
-                hidden = self.emit_norm(hidden, "model.norm")
+                _, hidden = self.emit_add_norm(hidden, delta, "model.norm")
         with b.scope("lm_head"):
             self.emit_lm_head(hidden, "logits")
         return b.make_graph("thinker_decoder", self.graph_inputs(), self.graph_outputs())
@@ -116,8 +135,15 @@ class DecoderGraph:
         return x if self.dtype == torch.float32 else self.b.op("Cast", x, to=self.onnx_dtype)
 
     def linear(self, x: str, prefix: str, bias: bool) -> str:
-        y = self.b.op("MatMul", x, self.weight(f"{prefix}.weight", transpose=True))
+        y = self.emit_matmul(x, f"{prefix}.weight", self.weights.get(f"{prefix}.weight").T)
         return self.b.op("Add", y, self.weight(f"{prefix}.bias")) if bias else y
+
+    def emit_matmul(self, x: str, name: str, weight: torch.Tensor) -> str:
+        """``x @ weight`` for a 2-D (in, out) weight: the one place a projection is written, so that a
+        weight-only quantizer (``export/quantize.py``) can replace it with MatMulNBits."""
+        if self.quantizer is not None and self.quantizer.applies(weight):
+            return self.quantizer.emit(self.b, x, name, weight)
+        return self.b.op("MatMul", x, self.b.weight(name, weight))
 
     # --- per-forward values -----------------------------------------------------------------------------------
     def emit_step_context(self, input_ids: str, attention_mask: str, position_ids: str) -> StepContext:
@@ -130,12 +156,16 @@ class DecoderGraph:
         return StepContext(attn_bias=bias, cos=cos, sin=sin)
 
     def emit_attention_bias(self, input_ids: str, attention_mask: str) -> str:
-        """Causal and padding masks in one additive float32 bias of shape (B, 1, 1, T, S).
+        """Causal and padding masks in one additive float32 bias of shape (B, 1, 1, T, S): 0 where allowed, the
+        float32 minimum elsewhere. Rows that see nothing (a left pad's own query) get a uniform softmax, never NaN,
+        because the bias is finite; their outputs are garbage that no kept position reads."""
+        allowed = self.emit_allowed(input_ids, attention_mask)
+        lowest = torch.finfo(torch.float32).min
+        return self.b.op("Where", allowed, self.b.const(0.0, torch.float32), self.b.const(lowest, torch.float32))
 
-        Query t sits at cache slot P + t, where P = S - T, and may see slot s when s <= P + t and the mask
-        keeps s. Rows that see nothing (a left pad's own query) get a uniform softmax, never NaN, because
-        the bias is finite; their outputs are garbage that no kept position reads.
-        """
+    def emit_allowed(self, input_ids: str, attention_mask: str) -> str:
+        """Which cache slot each query may see, bool (B, 1, 1, T, S): query t sits at slot P + t, where
+        P = S - T, and may see slot s when s <= P + t and the mask keeps s."""
         b = self.b
         seq = b.op("Squeeze", b.op("Shape", input_ids, start=1, end=2), b.const([0]))  # T, a scalar
         total = b.op("Squeeze", b.op("Shape", attention_mask, start=1, end=2), b.const([0]))  # S
@@ -145,9 +175,7 @@ class DecoderGraph:
         causal = b.op("LessOrEqual", key_slot, query_slot)  # (T, S)
         keep = b.op("Cast", attention_mask, to=TensorProto.BOOL)
         keep = b.op("Unsqueeze", keep, b.const([1, 2, 3]))  # (B, 1, 1, 1, S)
-        allowed = b.op("And", causal, keep)  # (B, 1, 1, T, S)
-        lowest = torch.finfo(torch.float32).min
-        return b.op("Where", allowed, b.const(0.0, torch.float32), b.const(lowest, torch.float32))
+        return b.op("And", causal, keep)  # (B, 1, 1, T, S)
 
     def emit_rope_tables(self, position_ids: str) -> tuple[str, str]:
         """cos/sin rows for ``position_ids`` from tables over the whole context, computed by the model's own
@@ -177,18 +205,25 @@ class DecoderGraph:
     def emit_lm_head(self, hidden: str, output: str) -> None:
         b, cfg = self.b, self.config
         bias = [self.weight("lm_head.bias")] if cfg.lm_head_bias else []
-        if cfg.tie_word_embeddings:
+        if cfg.tie_word_embeddings and self.quantizer is None:
             # Tied: the (V, C) embedding matrix serves as the head through Gemm's transB, so it is stored once.
+            # (Quantized graphs keep a quantized copy for the head instead: the float Gather stays exact.)
             flat = b.op("Reshape", hidden, b.const([-1, cfg.hidden_size]))
             logits = b.op("Gemm", flat, "model.embed_tokens.weight", *bias, transB=1)
             out_shape = b.op("Concat", b.op("Shape", hidden, start=0, end=2), b.const([cfg.vocab_size]), axis=0)
             logits = b.op("Reshape", logits, out_shape)
         else:
-            logits = b.op("MatMul", hidden, self.weight("lm_head.weight", transpose=True))
+            logits = self.emit_matmul(hidden, "lm_head.weight", self.weights.get("lm_head.weight").T)
             logits = b.op("Add", logits, bias[0]) if bias else logits
         b.op_to("Cast", [logits], [output], to=TensorProto.FLOAT)
 
     # --- norms ------------------------------------------------------------------------------------------------
+    def emit_add_norm(self, hidden: str, delta: str | None, prefix: str) -> tuple[str, str]:
+        """The residual add (when ``delta`` is given) and the norm after it: returns (hidden + delta, norm)."""
+        if delta is not None:
+            hidden = self.b.op("Add", hidden, delta)
+        return hidden, self.emit_norm(hidden, prefix)
+
     def emit_norm(self, x: str, prefix: str) -> str:
         if self.config.norm_type == "layernorm":
             weight, bias = self.weight(f"{prefix}.weight"), self.weight(f"{prefix}.bias")
@@ -207,21 +242,21 @@ class DecoderGraph:
         return b.op("Mul", weight, self.to_model_dtype(b.op("Mul", x32, inv_rms)))
 
     # --- decoder layer ----------------------------------------------------------------------------------------
-    def emit_layer(self, i: int, hidden: str, ctx: StepContext) -> str:
+    def emit_layer(self, i: int, hidden: str, delta: str | None, ctx: StepContext) -> tuple[str, str]:
+        """One decoder layer on the residual stream ``hidden + delta``; returns the new (hidden, delta)."""
         prefix = f"model.layers.{i}"
         with self.b.scope("input_layernorm"):
-            normed = self.emit_norm(hidden, f"{prefix}.input_layernorm")
+            hidden, normed = self.emit_add_norm(hidden, delta, f"{prefix}.input_layernorm")
         with self.b.scope("self_attn"):
             attn = self.emit_attention(i, normed, ctx)
-        hidden = self.b.op("Add", hidden, attn)
         with self.b.scope("post_attention_layernorm"):
-            normed = self.emit_norm(hidden, f"{prefix}.post_attention_layernorm")
+            hidden, normed = self.emit_add_norm(hidden, attn, f"{prefix}.post_attention_layernorm")
         with self.b.scope("mlp"):
             if self.config.mlp_layer_types[i] == "sparse":
                 mlp = self.emit_moe(normed, f"{prefix}.mlp")
             else:
                 mlp = self.emit_mlp(normed, f"{prefix}.mlp")
-        return self.b.op("Add", hidden, mlp)
+        return hidden, mlp
 
     # --- attention --------------------------------------------------------------------------------------------
     def emit_attention(self, i: int, x: str, ctx: StepContext) -> str:
@@ -323,6 +358,17 @@ class DecoderGraph:
         replaces this with onnxruntime's MoE contrib op, which reads each routed expert once."""
         b, cfg = self.b, self.config
         flat = b.op("Reshape", x, b.const([-1, cfg.hidden_size]))  # (N, C)
+        moe = self.emit_routed_experts(flat, prefix)
+        if cfg.shared_expert_intermediate_size:
+            with b.scope("shared_expert"):
+                shared = self.emit_mlp(flat, f"{prefix}.shared_expert")
+                shared_gate = b.op("Sigmoid", self.linear(flat, f"{prefix}.shared_expert_gate", bias=False))
+                moe = b.op("Add", moe, b.op("Mul", shared_gate, shared))
+        return b.op("Reshape", moe, b.op("Shape", x))
+
+    def emit_routed_experts(self, flat: str, prefix: str) -> str:
+        """The routed experts' weighted sum for tokens ``flat`` (N, C): the Loop described in ``emit_moe``."""
+        b, cfg = self.b, self.config
         with b.scope("gate"):
             routing_weights, expert_index = self.emit_router(flat, prefix)
         gate_up = self.weight(f"{prefix}.experts.gate_up_proj", transpose=True)  # (E, C, 2I)
@@ -350,14 +396,7 @@ class DecoderGraph:
         )
         # The condition is given although it never stops the loop: onnx's reference evaluator skips a Loop whose
         # optional condition is left out.
-        moe = b.op("Loop", b.op("Size", experts), b.const(True, torch.bool), zeros, body=loop_body)
-
-        if cfg.shared_expert_intermediate_size:
-            with b.scope("shared_expert"):
-                shared = self.emit_mlp(flat, f"{prefix}.shared_expert")
-                shared_gate = b.op("Sigmoid", self.linear(flat, f"{prefix}.shared_expert_gate", bias=False))
-                moe = b.op("Add", moe, b.op("Mul", shared_gate, shared))
-        return b.op("Reshape", moe, b.op("Shape", x))
+        return b.op("Loop", b.op("Size", experts), b.const(True, torch.bool), zeros, body=loop_body)
 
     def emit_expert_step(
         self,
@@ -399,10 +438,12 @@ def check_exportable(config: ThinkerConfig) -> None:
         raise ThinkerError("num_attention_heads must be a multiple of num_key_value_heads")
 
 
-def make_model(graph: onnx.GraphProto, metadata: dict[str, str]) -> onnx.ModelProto:
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="thinker", ir_version=IR_VERSION
-    )
+def make_model(graph: onnx.GraphProto, metadata: dict[str, str], contrib_ops: bool = False) -> onnx.ModelProto:
+    """``contrib_ops``: the graph uses onnxruntime's com.microsoft operators (fused or quantized graphs)."""
+    opsets = [helper.make_opsetid("", OPSET)]
+    if contrib_ops:
+        opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="thinker", ir_version=IR_VERSION)
     for key, value in metadata.items():
         model.metadata_props.add(key=key, value=value)
     return model

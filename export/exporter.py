@@ -8,8 +8,8 @@ when everything (the checker, the optional parity check) has passed, so OUTPUT i
 from __future__ import annotations
 
 import json
+import math
 import shutil
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -21,17 +21,24 @@ import onnx
 import torch
 
 from converter.errors import ThinkerError
+from converter.output import install, work_folder
+from converter.sources import SafetensorsSource
 from thinker.configuration_thinker import ThinkerConfig
 
+from .contrib_schemas import register_onnxruntime_schemas
 from .decoder_graph import IR_VERSION, OPSET, DecoderGraph, make_model
+from .fused_graph import FusedDecoderGraph
 from .genai_config import make_genai_config
 from .graph_builder import GraphBuilder, WeightFile
+from .quantize import QuantizeSpec, WeightQuantizer
 from .weights import ThinkerWeights
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 REPORT_FILE = "export_report.json"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# "plain": standard ONNX operators only; "fused": onnxruntime's contrib operators (export/fused_graph.py).
+GRAPHS = {"plain": DecoderGraph, "fused": FusedDecoderGraph}
 # Copied beside the graph: the tokenizer (for `thinker generate` and onnxruntime-genai) and the model's own configs.
 SIDE_FILES = (
     "config.json",
@@ -64,20 +71,27 @@ def export_model(
     verify: bool = True,
     force: bool = False,
     threads: int | None = None,
+    graph: str = "plain",
+    quantize: QuantizeSpec | None = None,
 ) -> dict:
-    """Exports ``source`` to the folder ``output`` and returns the export report (also written there)."""
+    """Exports ``source`` to the folder ``output`` and returns the export report (also written there).
+
+    ``graph``: "plain" or "fused" (see GRAPHS); ``quantize``: weight-only int4/int8 of the projections."""
     output = Path(output)
     if dtype not in DTYPES:
         raise ThinkerError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
-    if output.exists() and not force:
+    if graph not in GRAPHS:
+        raise ThinkerError(f"--graph {graph}: expected one of {', '.join(GRAPHS)}")
+    quantizer = WeightQuantizer(quantize, DTYPES[dtype]) if quantize else None
+    if (output.exists() or output.is_symlink()) and not force:
         raise ThinkerError(f"{output} already exists; pass --force to replace it")
     started = time.perf_counter()
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with staging_folder(output) as staging, thinker_folder(source, staging) as model_dir:
+    needed = None if quantize else weights_size(source, DTYPES[dtype])  # quantized: smaller, by how much varies
+    with work_folder(output, needed) as staging, thinker_folder(source, staging) as model_dir:
         check_paths(model_dir, output)
         config = load_config(model_dir)
         final = staging / "onnx"
-        graph = build_onnx(model_dir, config, final, DTYPES[dtype])
+        files = build_onnx(model_dir, config, final, DTYPES[dtype], GRAPHS[graph], quantizer)
         copy_side_files(model_dir, final)
         generation_config = read_json(model_dir / "generation_config.json")
         genai = make_genai_config(config, generation_config, threads)
@@ -86,11 +100,13 @@ def export_model(
             "source": str(source),
             "converted": model_dir != Path(source),  # True: SOURCE went through thinker-convert first
             "dtype": dtype,
+            "graph": graph,
+            "quantize": quantize.describe() if quantize else None,
             "opset": OPSET,
             "ir_version": IR_VERSION,
-            "nodes": graph.nodes,
-            "nodes_by_op": graph.nodes_by_op,
-            "parameters": graph.parameters,
+            "nodes": files.nodes,
+            "nodes_by_op": files.nodes_by_op,
+            "parameters": files.parameters,
             "sizes": {p.name: p.stat().st_size for p in sorted(final.iterdir())},
             "export_seconds": round(time.perf_counter() - started, 3),
             "verify": None,
@@ -99,25 +115,34 @@ def export_model(
         if verify:
             from .verify import verify_export
 
-            report["verify"] = verify_export(model_dir, graph.model_path, DTYPES[dtype], threads=threads)
+            report["verify"] = verify_export(
+                model_dir, files.model_path, DTYPES[dtype], threads=threads, quantized=quantize is not None
+            )
             if report["verify"].get("passed") is False:
-                figures = report["verify"]
                 raise ThinkerError(
-                    f"onnxruntime disagrees with PyTorch: max |Δlogit| {figures['max_abs_diff']:.3g} > tolerance "
-                    f"{figures['tolerance']:.3g} ({dtype}); the export was not written"
+                    f"onnxruntime disagrees with PyTorch: {report['verify']['failure']} ({dtype}, {graph} graph"
+                    f"{', ' + quantize.label() if quantize else ''}); the export was not written"
                 )
         (final / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
-        replace_folder(final, output)
+        install(final, output.absolute(), force)  # atomic: OUTPUT is the old folder or the new one, never partial
     return report
 
 
-def build_onnx(model_dir: Path, config: ThinkerConfig, out_dir: Path, dtype: torch.dtype) -> GraphFiles:
+def build_onnx(
+    model_dir: Path,
+    config: ThinkerConfig,
+    out_dir: Path,
+    dtype: torch.dtype,
+    graph_class: type[DecoderGraph] = DecoderGraph,
+    quantizer: WeightQuantizer | None = None,
+) -> GraphFiles:
     """Writes ``model.onnx`` and ``model.onnx.data`` into ``out_dir`` and checks them."""
     out_dir.mkdir(parents=True, exist_ok=True)
     weights = ThinkerWeights(model_dir, dtype, config.tie_word_embeddings)
     data = WeightFile(out_dir / DATA_FILE)
+    contrib_ops = graph_class.contrib_ops or quantizer is not None
     try:
-        graph = DecoderGraph(config, weights, GraphBuilder(data), dtype).build()
+        graph = graph_class(config, weights, GraphBuilder(data), dtype, quantizer).build()
         unused = weights.unused()
         if unused:
             raise ThinkerError(
@@ -128,9 +153,12 @@ def build_onnx(model_dir: Path, config: ThinkerConfig, out_dir: Path, dtype: tor
     finally:
         data.close()
         weights.close()
-    model = make_model(graph, {"thinker.dtype": str(dtype).removeprefix("torch."), "thinker.source": str(model_dir)})
+    metadata = {"thinker.dtype": str(dtype).removeprefix("torch."), "thinker.source": str(model_dir)}
+    model = make_model(graph, metadata, contrib_ops=contrib_ops)
     model_path = out_dir / MODEL_FILE
     onnx.save_model(model, model_path)  # the proto alone: the weights are in DATA_FILE already
+    if contrib_ops:
+        register_onnxruntime_schemas()
     try:
         # On the path, so that the checker follows the external data and has no 2 GB limit.
         onnx.checker.check_model(str(model_path))
@@ -162,6 +190,18 @@ def load_config(model_dir: Path) -> ThinkerConfig:
         raise ThinkerError(f"{model_dir}/config.json: not a readable Thinker config ({err})") from None
 
 
+def weights_size(source: str | Path, dtype: torch.dtype) -> int | None:
+    """Bytes of a Thinker folder's weights in ``dtype``, what the export writes; None for a source converted on the
+    way (the conversion checks its own size)."""
+    if not is_thinker_folder(Path(source)):
+        return None
+    weights = SafetensorsSource(Path(source))
+    try:
+        return sum(math.prod(weights.shape(name)) for name in weights.names()) * dtype.itemsize
+    finally:
+        weights.close()
+
+
 def is_thinker_folder(path: Path) -> bool:
     config = read_json(path / "config.json") if path.is_dir() else None
     return bool(config) and config.get("model_type") == "thinker"
@@ -180,27 +220,6 @@ def thinker_folder(source: str | Path, staging: Path) -> Iterator[Path]:
     converted = staging / "thinker"
     convert(str(source), converted)
     yield converted
-
-
-@contextmanager
-def staging_folder(output: Path) -> Iterator[Path]:
-    """A temporary folder beside ``output`` (same file system, so the final rename is atomic), always removed."""
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent))
-    try:
-        yield staging
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def replace_folder(new: Path, output: Path) -> None:
-    """Renames ``new`` to ``output``; an existing ``output`` (--force) is moved aside first, then deleted."""
-    old = None
-    if output.exists():
-        old = new.parent / "previous"
-        output.rename(old)
-    new.rename(output)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def copy_side_files(model_dir: Path, out_dir: Path) -> None:
@@ -231,9 +250,17 @@ def count_ops(graph: onnx.GraphProto) -> Counter:
 
 
 def count_parameters(graph: onnx.GraphProto) -> int:
+    """Model parameters: float weights by element, MatMulNBits projections by K x N (not their packed bytes,
+    scales and zero points); the RoPE tables are not parameters."""
+    quantized = {name for node in graph.node if node.op_type == "MatMulNBits" for name in node.input[1:]}
     total = 0
+    for node in graph.node:
+        if node.op_type == "MatMulNBits":
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            total += attrs["K"] * attrs["N"]
     for tensor in graph.initializer:
-        if tensor.data_location == onnx.TensorProto.EXTERNAL and not tensor.name.startswith("rotary_emb."):
+        external = tensor.data_location == onnx.TensorProto.EXTERNAL
+        if external and tensor.name not in quantized and not tensor.name.startswith("rotary_emb."):
             size = 1
             for dim in tensor.dims:
                 size *= dim

@@ -26,6 +26,7 @@ TORCH_TO_ONNX = {
     torch.bfloat16: TensorProto.BFLOAT16,
     torch.int64: TensorProto.INT64,
     torch.int32: TensorProto.INT32,
+    torch.uint8: TensorProto.UINT8,
     torch.bool: TensorProto.BOOL,
 }
 
@@ -46,12 +47,20 @@ class WeightFile:
         self.count = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> TensorProto:
+        return self._append(name, TORCH_TO_ONNX[tensor.dtype], list(tensor.shape), as_bytes_view(tensor))
+
+    def add_array(self, name: str, array: np.ndarray) -> TensorProto:
+        """A numpy array (what onnxruntime's quantizers hand back), by its own dtype."""
+        array = np.ascontiguousarray(array)
+        data_type = helper.np_dtype_to_tensor_dtype(array.dtype)
+        return self._append(name, data_type, list(array.shape), array.reshape(-1).view(np.uint8))
+
+    def _append(self, name: str, data_type: int, dims: list[int], data: np.ndarray) -> TensorProto:
         pad = -self._file.tell() % ALIGNMENT
         self._file.write(b"\0" * pad)
         offset = self._file.tell()
-        data = as_bytes_view(tensor)
         self._file.write(data)  # straight from the tensor's memory
-        proto = TensorProto(name=name, data_type=TORCH_TO_ONNX[tensor.dtype], dims=list(tensor.shape))
+        proto = TensorProto(name=name, data_type=data_type, dims=dims)
         proto.data_location = TensorProto.EXTERNAL
         for key, value in (("location", self.path.name), ("offset", offset), ("length", data.nbytes)):
             proto.external_data.add(key=key, value=str(value))
@@ -112,9 +121,10 @@ class GraphBuilder:
         self.nodes.append(helper.make_node(op_type, list(inputs), list(outputs), name=self._unique(op_type), **attrs))
 
     # --- data -------------------------------------------------------------------------------------------------
-    def weight(self, name: str, tensor: torch.Tensor) -> str:
+    def weight(self, name: str, tensor: torch.Tensor | np.ndarray) -> str:
         """A model weight: streamed to the external-data file, referenced by name."""
-        self._root.initializers.append(self.weights.add(name, tensor))
+        add = self.weights.add_array if isinstance(tensor, np.ndarray) else self.weights.add
+        self._root.initializers.append(add(name, tensor))
         return name
 
     def const(self, value, dtype: torch.dtype = torch.int64) -> str:

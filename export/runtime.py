@@ -13,7 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
+from onnxruntime.capi.onnxruntime_pybind11_state import Fail as OrtFail
+from onnxruntime.capi.onnxruntime_pybind11_state import InvalidGraph, InvalidProtobuf, NoSuchFile
 from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NotImplementedByOrt
 
 from converter.errors import ThinkerError
@@ -67,6 +70,48 @@ def cuda_usable() -> bool:
         ort.set_default_logger_severity(2)  # onnxruntime's default: warnings
 
 
+def cuda_absence() -> str:
+    """Why ``cuda_usable`` said no, for the error message."""
+    if CUDA not in ort.get_available_providers():
+        return "this onnxruntime has no CUDA execution provider; install onnxruntime-gpu"
+    return "onnxruntime's CUDA execution provider does not start: no GPU, or its CUDA libraries are missing"
+
+
+def check_external_data(model_path: Path) -> None:
+    """Every external weights file the graph names must lie beside it; a partial copy of an export is a common
+    mistake, and onnxruntime's own error for it does not say which file is missing."""
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+    except Exception as err:  # protobuf's DecodeError and friends, for a truncated or foreign file
+        raise ThinkerError(f"{model_path}: not a readable ONNX model ({type(err).__name__}); export it again") from None
+    ends: dict[str, int] = {}  # external file -> the end of the last byte range the graph reads from it
+    for tensor in model.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            entry = {item.key: item.value for item in tensor.external_data}
+            location = entry.get("location", "")
+            try:
+                end = int(entry.get("offset", 0)) + int(entry.get("length", 0))
+            except ValueError:
+                raise ThinkerError(f"{model_path}: tensor {tensor.name!r} has malformed external data") from None
+            ends[location] = max(ends.get(location, 0), end)
+    outside = sorted(name for name in ends if Path(name).is_absolute() or ".." in Path(name).parts)
+    if outside:
+        raise ThinkerError(f"{model_path}: names weights outside its folder ({outside[0]}); refusing to read them")
+    missing = sorted(name for name in ends if not (model_path.parent / name).is_file())
+    if missing:
+        raise ThinkerError(
+            f"{model_path.parent}: {', '.join(missing)} missing beside {model_path.name}; the ONNX folder is "
+            "incomplete: copy the whole folder, or export it again"
+        )
+    for name, end in ends.items():
+        size = (model_path.parent / name).stat().st_size
+        if size < end:
+            raise ThinkerError(
+                f"{model_path.parent / name}: {size} bytes, but {model_path.name} reads up to byte {end}; the file "
+                "is truncated: copy the whole folder again, or export it again"
+            )
+
+
 @dataclass
 class DecoderState:
     """What one step hands to the next: the mask over every cached slot, each row's next position, the cache."""
@@ -90,6 +135,9 @@ class OnnxDecoder:
             raise ThinkerError(f"{self.model_path}: no such ONNX model; export one with `thinker export`")
         if provider not in ("auto", "cuda", "cpu"):
             raise ThinkerError(f"provider={provider!r}; expected auto, cuda or cpu")
+        if provider == "cuda" and not cuda_usable():
+            raise ThinkerError(f"--provider cuda: CUDA asked for where none is ({cuda_absence()}); use --provider cpu")
+        check_external_data(self.model_path)
         use_cuda = provider == "cuda" or (provider == "auto" and cuda_usable())
         providers = [CUDA, CPU] if use_cuda else [CPU]
         try:
@@ -98,6 +146,11 @@ class OnnxDecoder:
             reason = str(err).splitlines()[0]
             raise ThinkerError(
                 f"{self.model_path}: onnxruntime cannot run it on {_provider_label(providers)}: {reason}"
+            ) from None
+        except (OrtFail, InvalidProtobuf, InvalidGraph, NoSuchFile) as err:  # a damaged or truncated export
+            reason = " ".join(str(err).split())
+            raise ThinkerError(
+                f"{self.model_path}: onnxruntime cannot load it ({reason}); export the model again"
             ) from None
         self.device = "cuda" if CUDA in self.session.get_providers() else "cpu"
         if provider == "cuda" and self.device != "cuda":

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from converter.engine import value_problem
 from converter.errors import ThinkerError
 from converter.sources import SafetensorsSource, safetensors_files
 
@@ -50,6 +51,10 @@ class ThinkerWeights:
             )
         self._used.add(source_name)
         tensor = self._source.load(source_name)
+        problem = value_problem(tensor, self.dtype)
+        if problem:
+            advice = "the folder is corrupt" if "NaN" in problem else "export with --dtype bfloat16 or float32 instead"
+            raise ThinkerError(f"{self._source.file_of(source_name)}: tensor {source_name!r} {problem}; {advice}")
         return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
 
     def shape(self, name: str) -> tuple[int, ...]:

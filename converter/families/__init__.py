@@ -37,6 +37,7 @@ FAMILIES: tuple[Family, ...] = (
 
 def detect_family(source_config: Mapping[str, Any], tensor_names: Collection[str]) -> Family:
     """The family whose recognition rules match the source config and tensor names."""
+    _check_identity_keys(source_config)
     for family in FAMILIES:
         if family.recognises(source_config, tensor_names):
             return family
@@ -53,6 +54,21 @@ def detect_family(source_config: Mapping[str, Any], tensor_names: Collection[str
         f"supported: {', '.join(supported)}; or, for a config without model_type, one holding the keys of "
         f"{'; '.join(by_keys)}"
     )
+
+
+def _check_identity_keys(source_config: Mapping[str, Any]) -> None:
+    """The two keys that name a family must be what transformers writes: a string, and a list of class names."""
+    model_type = source_config.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise ThinkerError(f"config.json: 'model_type' must be a string such as \"qwen3\", not {model_type!r}")
+    architectures = source_config.get("architectures")
+    if architectures is not None and not (
+        isinstance(architectures, list) and all(isinstance(name, str) for name in architectures)
+    ):
+        raise ThinkerError(
+            f"config.json: 'architectures' must be a list of class names such as [\"Qwen3ForCausalLM\"], "
+            f"not {architectures!r}"
+        )
 
 
 def family_by_name(name: str) -> Family:

@@ -67,7 +67,7 @@ def load_reference(source: Path, dtype: Any) -> Any:
 
     folder = source.parent if source.is_file() else source
     try:
-        config = AutoConfig.from_pretrained(folder).thinker_config
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=False).thinker_config
         model = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(
             folder, config=config, dtype=dtype, attn_implementation="eager"
         )

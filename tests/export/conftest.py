@@ -69,3 +69,50 @@ def genai_python() -> Path:
     if done.returncode != 0:
         pytest.fail(f"onnxruntime-genai does not import in {GENAI_VENV}:\n{done.stderr[-2000:]}")
     return python
+
+
+# --- fused and quantized graphs (test_onnx_fused.py, test_onnx_quantized.py) ---------------------------------------
+
+# onnxruntime's GroupQueryAttention applies RoPE itself only when head_dim is a multiple of 16; the tiny families'
+# head_dim is 8 or 12, so the fused tests export variants with head_dim 16 unless they test the fallbacks.
+FUSED_HEAD_DIM = 16
+
+
+@pytest.fixture(scope="session")
+def thinker_variant(tmp_path_factory) -> Callable[..., Path]:
+    """``thinker_variant(family, **overrides)`` -> a saved random Thinker folder (with a tokenizer) of the family
+    with config overrides, made once per session."""
+    root = tmp_path_factory.mktemp("thinker-variant")
+    cache: dict[tuple, Path] = {}
+
+    def get(family: str, **overrides) -> Path:
+        key = (family, tuple(sorted(overrides.items())))
+        if key not in cache:
+            cache[key] = save_thinker(root / f"{family}-{len(cache)}", family, **overrides)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def onnx_variant(tmp_path_factory, thinker_variant) -> Callable[..., Path]:
+    """``onnx_variant(family, dtype="float32", graph="fused", quantize=None, head_dim=FUSED_HEAD_DIM, **overrides)``
+    -> the (unverified) export of ``thinker_variant(family, head_dim=..., **overrides)``; ``quantize`` is a
+    ``QuantizeSpec``; ``head_dim=None`` keeps the family's own. Made once per session."""
+    from export.exporter import export_model
+
+    root = tmp_path_factory.mktemp("onnx-variant")
+    cache: dict[tuple, Path] = {}
+
+    def get(family: str, dtype="float32", graph="fused", quantize=None, head_dim=FUSED_HEAD_DIM, **overrides) -> Path:
+        if head_dim is not None:
+            overrides["head_dim"] = head_dim
+        key = (family, dtype, graph, quantize, tuple(sorted(overrides.items())))
+        if key not in cache:
+            output = root / f"{family}-{dtype}-{graph}-{len(cache)}"
+            folder = thinker_variant(family, **overrides)
+            export_model(folder, output, dtype=dtype, graph=graph, quantize=quantize, verify=False)
+            cache[key] = output
+        return cache[key]
+
+    return get

@@ -1,0 +1,201 @@
+"""One runtime with one model loaded, timing requests read as JSON lines on stdin (a reply per line on stdout).
+
+Started by bench_fast.py, in our environment (backends ``ort`` and ``torch``) or in the onnxruntime-genai one
+(``genai``), so that several runtimes stay loaded side by side and the orchestrator can interleave their
+repetitions. It imports nothing from this repository: it must run in the peers' environments too.
+
+Requests:
+  {"op": "generate", "batch": B, "prompt": P, "new": N}   greedy, every row the same length (no padding):
+      prefill_s (the prompt's forward), decode_s (the N - 1 single-token forwards after it), tokens (row 0's new ids)
+  {"op": "decode_at", "context": L, "steps": K}           batch 1: K single-token forwards after a context of L
+      tokens; decode_s only (ort feeds a random cache of length L instead of running the prefill)
+
+Backends:
+  ort     any ONNX decoder with the Optimum / onnxruntime-genai IO names (ours, the builder's, Optimum's): feeds the
+          inputs the graph declares (position_ids only where it has one) and feeds presents back as pasts
+  genai   og.Model + og.Generator, greedy, with the session's intra-op threads set through a config overlay
+  torch   a transformers model (its own class, attn_implementation="eager"); timed inside ``generate`` by a
+          logits processor that stamps each step
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+VOCAB_CAP = 49152  # prompts draw ids below this, so every model (and a borrowed tokenizer) knows them
+
+
+def prompt_ids(batch: int, length: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, VOCAB_CAP, size=(batch, length), dtype=np.int64)
+
+
+class OrtBackend:
+    def __init__(self, folder: Path, threads: int) -> None:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.log_severity_level = 3
+        self.session = ort.InferenceSession(str(folder / "model.onnx"), options, providers=["CPUExecutionProvider"])
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        self.past = [n for n in inputs if n.startswith("past_key_values.")]
+        self.present = [n.replace("past_key_values.", "present.") for n in self.past]
+        first = inputs[self.past[0]]
+        self.kv_heads, self.head_dim = first.shape[1], first.shape[3]
+        if not isinstance(self.head_dim, int):  # the builder's graphs leave it symbolic; its config has it
+            self.head_dim = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]["head_size"]
+        self.cache_dtype = {"tensor(float)": np.float32, "tensor(float16)": np.float16}[first.type]
+        self.has_positions = "position_ids" in inputs
+
+    def forward(self, ids: np.ndarray, mask: np.ndarray, cache: dict) -> tuple[np.ndarray, dict]:
+        feeds = {"input_ids": ids, "attention_mask": mask, **cache}
+        if self.has_positions:
+            start = mask.shape[1] - ids.shape[1]
+            feeds["position_ids"] = np.broadcast_to(np.arange(start, mask.shape[1]), ids.shape).astype(np.int64)
+        outputs = self.session.run(["logits", *self.present], feeds)
+        return outputs[0][:, -1], dict(zip(self.past, outputs[1:], strict=True))
+
+    def prefill_logits(self, ids: np.ndarray) -> np.ndarray:
+        """(T, V) logits of one row of token ids through an empty cache (for fidelity figures)."""
+        ids = ids[None].astype(np.int64)
+        feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), **self.cache(1, 0)}
+        if self.has_positions:
+            feeds["position_ids"] = np.arange(ids.shape[1])[None]
+        return self.session.run(["logits"], feeds)[0][0]
+
+    def cache(self, batch: int, length: int, rng=None) -> dict:
+        """An empty cache, or (``rng``) a random one of ``length`` slots standing in for a prefilled context."""
+        shape = (batch, self.kv_heads, length, self.head_dim)
+        if rng is None:
+            return {name: np.zeros(shape, self.cache_dtype) for name in self.past}
+        return {name: (0.5 * rng.standard_normal(shape)).astype(self.cache_dtype) for name in self.past}
+
+    def generate(self, batch: int, prompt: int, new: int) -> dict:
+        ids = prompt_ids(batch, prompt)
+        mask = np.ones_like(ids)
+        started = time.perf_counter()
+        logits, cache = self.forward(ids, mask, self.cache(batch, 0))
+        prefilled = time.perf_counter()
+        tokens = [logits.argmax(-1)]
+        for _ in range(new - 1):
+            mask = np.ones((batch, mask.shape[1] + 1), np.int64)
+            logits, cache = self.forward(tokens[-1][:, None].astype(np.int64), mask, cache)
+            tokens.append(logits.argmax(-1))
+        done = time.perf_counter()
+        return {"prefill_s": prefilled - started, "decode_s": done - prefilled, "tokens": [int(t[0]) for t in tokens]}
+
+    def decode_at(self, context: int, steps: int) -> dict:
+        cache = self.cache(1, context, np.random.default_rng(0))
+        token = np.array([[1]], np.int64)
+        started = time.perf_counter()
+        for step in range(steps):
+            logits, cache = self.forward(token, np.ones((1, context + step + 1), np.int64), cache)
+            token = logits.argmax(-1)[:, None].astype(np.int64)
+        return {"decode_s": time.perf_counter() - started}
+
+
+class GenaiBackend:
+    def __init__(self, folder: Path, threads: int) -> None:
+        import onnxruntime_genai as og
+
+        self.og = og
+        config = og.Config(str(folder))
+        config.clear_providers()  # CPU
+        overlay = {"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}
+        config.overlay(json.dumps(overlay))
+        self.model = og.Model(config)
+
+    def run(self, ids: np.ndarray, new: int) -> tuple[float, float, list[int]]:
+        params = self.og.GeneratorParams(self.model)
+        length = ids.shape[1] + new
+        params.set_search_options(do_sample=False, max_length=length, min_length=length, batch_size=ids.shape[0])
+        generator = self.og.Generator(self.model, params)
+        started = time.perf_counter()
+        generator.append_tokens(ids)  # runs the prompt's forward
+        prefilled = time.perf_counter()
+        for _ in range(new):  # the first call picks from the prompt's logits; each later one runs one forward
+            generator.generate_next_token()
+        done = time.perf_counter()
+        return prefilled - started, done - prefilled, [int(t) for t in generator.get_sequence(0)[ids.shape[1] :]]
+
+    def generate(self, batch: int, prompt: int, new: int) -> dict:
+        prefill, decode, tokens = self.run(prompt_ids(batch, prompt), new)
+        return {"prefill_s": prefill, "decode_s": decode, "tokens": tokens}
+
+    def decode_at(self, context: int, steps: int) -> dict:
+        _, decode, _ = self.run(prompt_ids(1, context), steps + 1)
+        return {"decode_s": decode}
+
+
+class TorchBackend:
+    def __init__(self, folder: Path, threads: int) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, LogitsProcessor
+
+        torch.set_num_threads(threads)
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+        self.model.eval()
+
+        class Clock(LogitsProcessor):
+            """Stamps the time each generation step's logits arrive (after that step's forward)."""
+
+            def __init__(self) -> None:
+                self.stamps: list[float] = []
+
+            def __call__(self, input_ids, scores):
+                self.stamps.append(time.perf_counter())
+                return scores
+
+        self.clock_class = Clock
+
+    def run(self, ids: np.ndarray, new: int) -> tuple[float, float, list[int]]:
+        clock = self.clock_class()
+        with self.torch.no_grad():
+            started = time.perf_counter()
+            out = self.model.generate(
+                self.torch.from_numpy(ids),
+                attention_mask=self.torch.ones(ids.shape, dtype=self.torch.long),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+                logits_processor=[clock],
+            )
+        return clock.stamps[0] - started, clock.stamps[-1] - clock.stamps[0], out[0, ids.shape[1] :].tolist()
+
+    def generate(self, batch: int, prompt: int, new: int) -> dict:
+        prefill, decode, tokens = self.run(prompt_ids(batch, prompt), new)
+        return {"prefill_s": prefill, "decode_s": decode, "tokens": tokens}
+
+    def decode_at(self, context: int, steps: int) -> dict:
+        _, decode, _ = self.run(prompt_ids(1, context), steps + 1)
+        return {"decode_s": decode}
+
+
+BACKENDS = {"ort": OrtBackend, "genai": GenaiBackend, "torch": TorchBackend}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("backend", choices=list(BACKENDS))
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--threads", type=int, required=True)
+    args = parser.parse_args()
+    backend = BACKENDS[args.backend](args.folder, args.threads)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        op = request.pop("op")
+        print(json.dumps(getattr(backend, op)(**request)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

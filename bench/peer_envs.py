@@ -1,0 +1,62 @@
+"""The peers' own virtual environments, built on first use under ~/.cache (each needs what ours must not share).
+
+genai     onnxruntime-genai with the CPU onnxruntime it pulls in (the same one the tests use; it must not share an
+          environment with onnxruntime-gpu)
+builder   onnxruntime-genai's model builder: onnxruntime-genai + torch + transformers (the builder reads the HF
+          folder with transformers)
+optimum   Optimum's ONNX exporter: optimum-onnx, which needs transformers < 4.58
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HOME_CACHE = Path.home() / ".cache"
+ENVS = {
+    "genai": (
+        Path(os.environ.get("THINKER_GENAI_VENV", HOME_CACHE / "thinker-test-genai-venv")),
+        ["onnxruntime-genai", "numpy"],
+        "import onnxruntime_genai",
+    ),
+    "builder": (
+        HOME_CACHE / "thinker-bench-builder-venv",
+        ["onnxruntime-genai", "torch==2.13.0", "transformers==5.23.0", "onnx", "onnx-ir", "numpy", "protobuf"],
+        "import onnxruntime_genai.models.builder, torch, transformers",
+    ),
+    "optimum": (
+        HOME_CACHE / "thinker-bench-optimum-venv",
+        ["optimum-onnx[onnxruntime]", "transformers<4.58", "torch==2.13.0"],
+        "import optimum.exporters.onnx, transformers",
+    ),
+}
+
+
+def python_of(name: str) -> Path:
+    """The Python of environment ``name``, built if missing; raises RuntimeError with pip's reason if it cannot be."""
+    venv, packages, probe = ENVS[name]
+    python = venv / "bin" / "python"
+    if python.exists() and subprocess.run([str(python), "-c", probe], capture_output=True).returncode == 0:
+        return python
+    for command in (
+        [sys.executable, "-m", "venv", "--clear", str(venv)],
+        [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *packages],
+    ):
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"cannot build the {name} environment ({' '.join(command)}):\n{done.stderr[-2000:]}")
+    return python
+
+
+def package_versions(name: str) -> dict[str, str]:
+    """Versions of the packages that matter for the figures, as installed in environment ``name``."""
+    wanted = ["onnxruntime", "onnxruntime-genai", "optimum", "optimum-onnx", "transformers", "torch"]
+    code = (
+        "import importlib.metadata as m, json, sys; names = set(sys.argv[1:]); "
+        "print(json.dumps({d.metadata['Name']: d.version for d in m.distributions() if d.metadata['Name'] in names}))"
+    )
+    done = subprocess.run([str(python_of(name)), "-c", code, *wanted], capture_output=True, text=True)
+    return json.loads(done.stdout) if done.returncode == 0 else {}

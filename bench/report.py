@@ -1,0 +1,113 @@
+"""Markdown tables from bench_fast.py's results (printed, and pasted into README via README-figures.md)."""
+
+from __future__ import annotations
+
+GIB = 2**30
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def fmt(value: float | None, digits: int = 1, suffix: str = "") -> str:
+    return "—" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def ratio(value: float | None, reference: float | None) -> str:
+    return "—" if value is None or not reference else f"{value / reference:.2f}x"
+
+
+def speed_table(model: dict) -> str:
+    """One row per runtime: batch 1 and batch 8 prefill and decode, against the builder's graph of the same
+    precision in the same runtime, and batch 1 decode as a share of the memory-bandwidth limit."""
+    rows = []
+    rows_by_label = {r["label"]: r for r in model["runtimes"]}
+    for runtime in model["runtimes"]:
+        peer = rows_by_label.get(runtime.get("builder_peer") or "")
+        one, eight = runtime.get("batch1"), runtime.get("batch8")
+        peer_one, peer_eight = (peer or {}).get("batch1") or {}, (peer or {}).get("batch8") or {}
+        rows.append(
+            [
+                runtime["label"],
+                fmt(one and one["prefill_ms"], 0),
+                ratio(one and one["prefill_ms"], peer_one.get("prefill_ms")),
+                fmt(one and one["decode_tokens_per_s"]),
+                ratio(one and one["decode_tokens_per_s"], peer_one.get("decode_tokens_per_s")),
+                fmt(runtime.get("fraction_of_limit") and 100 * runtime["fraction_of_limit"], 0, " %"),
+                fmt(eight and eight["prefill_ms"], 0),
+                ratio(eight and eight["prefill_ms"], peer_eight.get("prefill_ms")),
+                fmt(eight and eight["batch_tokens_per_s"]),
+                ratio(eight and eight["batch_tokens_per_s"], peer_eight.get("batch_tokens_per_s")),
+                runtime.get("greedy_check", "—"),
+            ]
+        )
+    header = [
+        "runtime",
+        "prefill b1 (ms)",
+        "vs builder",
+        "decode b1 (tok/s)",
+        "vs builder",
+        "of BW limit",
+        "prefill b8 (ms)",
+        "vs builder",
+        "decode b8 (tok/s, all rows)",
+        "vs builder",
+        "greedy = ours-fused",
+    ]
+    return table(header, rows)
+
+
+def limit_table(results: dict) -> str:
+    rows = []
+    bandwidth = results["bandwidth"]["bytes_per_s"]
+    for name, model in results["models"].items():
+        for graph, size in sorted(model["bytes_per_token"].items()):
+            rows.append([name, graph, f"{size / GIB:.3f}", f"{bandwidth / size:.1f}"])
+    header = ["model", "graph", "weights read per token (GiB)", "limit (tok/s)"]
+    return (
+        f"Read bandwidth: {bandwidth / 1e9:.1f} GB/s (numpy streaming read, best of kernels and threads)\n\n"
+        + table(header, rows)
+    )
+
+
+def export_table(model: dict) -> str:
+    rows = []
+    exports = model["exports"]
+    model_bytes = model["model_bytes"]
+    peers = {"ours-plain": "builder-fp32", "ours-fused": "builder-fp32", "ours-int4": "builder-int4"}
+    for name, figures in exports.items():
+        if figures.get("error"):
+            rows.append([name, "failed: " + figures["error"][:80], "", "", "", ""])
+            continue
+        peer = exports.get(peers.get(name, ""), {})
+        rows.append(
+            [
+                name,
+                fmt(figures["seconds"]),
+                ratio(figures["seconds"], peer.get("seconds")),
+                fmt(figures["peak_rss"] and figures["peak_rss"] / GIB, 2),
+                fmt(figures["peak_rss"] and figures["peak_rss"] / model_bytes, 2, "x"),
+                ratio(figures["peak_rss"], peer.get("peak_rss")),
+            ]
+        )
+    header = ["export", "wall (s)", "vs builder", "peak RSS (GiB)", "RSS / float32 model bytes", "vs builder"]
+    return table(header, rows)
+
+
+def fidelity_table(fidelity: dict) -> str:
+    rows = [
+        [
+            name,
+            f"{100 * f['top1_agreement']:.1f} %",
+            f"{f['perplexity']:.2f}",
+            f"{100 * f['perplexity_change']:+.1f} %",
+        ]
+        for name, f in fidelity["graphs"].items()
+    ]
+    intro = (
+        f"{fidelity['tokens']} tokens of English (export/fidelity.py), teacher-forced; reference: our fused float32 "
+        f"graph, perplexity {fidelity['perplexity_reference']:.2f}.\n\n"
+    )
+    return intro + table(["graph", "top-1 agreement", "perplexity", "change"], rows)

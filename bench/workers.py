@@ -1,0 +1,102 @@
+"""Runtimes kept loaded side by side: one ``decode_worker.py`` process each, driven over JSON lines.
+
+The orchestrator starts a group of workers at once and interleaves their repetitions (worker 1, worker 2, ...,
+worker 1, ...), so that the load other jobs put on the shared cores lands on every runtime alike and the ratios
+between them hold even when the absolute figures drift.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from peer_envs import python_of
+
+WORKER = Path(__file__).with_name("decode_worker.py")
+
+
+@dataclass
+class Runtime:
+    """One row of the tables: a graph (or HF folder) run by a backend."""
+
+    label: str  # e.g. "ours-fused on onnxruntime"
+    graph: str  # export name (exports.py) or "hf"
+    backend: str  # ort | genai | torch
+    builder_peer: str | None = None  # label of the builder runtime it is compared with
+    results: dict = field(default_factory=dict)  # request key -> list of replies
+
+
+class Worker:
+    def __init__(self, runtime: Runtime, folder: Path, threads: int) -> None:
+        self.runtime = runtime
+        python = python_of("genai") if runtime.backend == "genai" else Path(sys.executable)
+        command = [str(python), str(WORKER), runtime.backend, str(folder), "--threads", str(threads)]
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self._read()  # {"ready": true}, once the model is loaded
+
+    def _read(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.runtime.label}: the worker died:\n{self.process.stderr.read()[-3000:]}")
+        return json.loads(line)
+
+    def request(self, **request) -> dict:
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+@contextmanager
+def started(runtimes: list[Runtime], folders: dict[str, Path], threads: int):
+    """Workers for ``runtimes`` (those whose graph exists), closed on exit."""
+    workers = []
+    try:
+        for runtime in runtimes:
+            if runtime.graph in folders:
+                print(f"  loading {runtime.label}", file=sys.stderr, flush=True)
+                workers.append(Worker(runtime, folders[runtime.graph], threads))
+        yield workers
+    finally:
+        for worker in workers:
+            worker.process.kill()
+
+
+def interleave(workers: list[Worker], requests: list[dict], reps: int) -> None:
+    """Runs every request ``reps`` times on every worker, round-robin, after one small warm-up each; replies are
+    collected in ``worker.runtime.results[key]`` (key: the request as text)."""
+    for worker in workers:
+        worker.request(op="generate", batch=1, prompt=16, new=4)
+    for rep in range(reps):
+        for request in requests:
+            for worker in workers:
+                print(f"  rep {rep + 1}/{reps} {request} {worker.runtime.label}", file=sys.stderr, flush=True)
+                reply = worker.request(**request)
+                worker.runtime.results.setdefault(json.dumps(request, sort_keys=True), []).append(reply)
+
+
+def summary(runtime: Runtime, request: dict) -> dict | None:
+    """Medians over the repetitions of a ``generate`` request: prefill seconds, decode tokens/s per sequence and
+    for the whole batch, row 0's greedy tokens."""
+    replies = runtime.results.get(json.dumps(request, sort_keys=True))
+    if not replies:
+        return None
+    steps = request["new"] - 1
+    per_sequence = statistics.median(steps / r["decode_s"] for r in replies)
+    return {
+        "prefill_ms": 1e3 * statistics.median(r["prefill_s"] for r in replies),
+        "decode_tokens_per_s": per_sequence,
+        "batch_tokens_per_s": per_sequence * request["batch"],
+        "tokens": replies[0].get("tokens", []),
+        "repetitions": len(replies),
+    }

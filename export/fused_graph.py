@@ -1,0 +1,251 @@
+"""The decoder graph with onnxruntime's contrib operators (``thinker export --graph fused``).
+
+Same IO contract as ``DecoderGraph`` (names, shapes, dtypes; KV as (B, n_kv, S, hs)); what changes is inside:
+
+  attention    one packed QKV MatMul and GroupQueryAttention (com.microsoft), which appends to the cache, applies
+               RoPE (``do_rotary``, from cos/sin caches of shape (max_pos, hs/2)), the causal mask and softmax
+  norms        SimplifiedLayerNormalization for RMSNorm, SkipSimplifiedLayerNormalization (SkipLayerNormalization
+               for LayerNorm) wherever a residual add comes right before a norm
+  qk-norm      SimplifiedLayerNormalization on q and k per head *before* GroupQueryAttention, whose ``do_rotary``
+               then rotates the normalised q/k, as Qwen3 does (norm, then RoPE)
+  MoE          the MoE op (com.microsoft): softmax over the router logits, top-k, optional renormalisation,
+               interleaved SwiGLU experts: Qwen's routing exactly (checked against PyTorch in the tests)
+
+GroupQueryAttention and left padding. Its CPU kernel assumes right-padded rows: a row's keys are the slots
+[0, seqlens_k + 1), and with ``do_rotary`` it rotates each token by its *cache slot*, not by ``position_ids``. So the
+graph feeds ``seqlens_k = S - 1`` for every row (every slot counts) and expresses padding as the additive
+``attention_bias`` input, the same mask the plain graph builds. A left-padded row then holds its real tokens at
+slots p .. S-1 and rotates them by slot, which is its positions shifted by the constant p; RoPE depends only on
+q/k position differences, so the logits equal the plain graph's up to rounding (the parity tests check this on
+left-padded batches). Consequences, documented in ``thinker export --help``:
+  * with RoPE in GroupQueryAttention (head_dim a multiple of 16), ``position_ids`` is accepted but not read:
+    positions are the cache slots, which is what every caller that numbers tokens from the mask gets anyway;
+    a head_dim that is a multiple of 8 only rotates with the RotaryEmbedding op, which does read ``position_ids``;
+  * a step with several new tokens after a non-empty cache (chunked prefill) needs batch 1 (an onnxruntime limit);
+  * the cache is not shared between past and present (``past_present_share_buffer``): the contract's present is
+    (B, n_kv, P + T, hs), a new buffer per step.
+Configs that GroupQueryAttention cannot take (head_dim not a multiple of 8) keep the plain attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from onnx import TensorProto
+
+from thinker.modeling_thinker import ThinkerRotaryEmbedding
+
+from .decoder_graph import MS_DOMAIN, DecoderGraph, StepContext
+
+
+@dataclass
+class FusedStepContext(StepContext):
+    """What GroupQueryAttention reads, computed once per forward."""
+
+    seqlens_k: str | None = None  # (B,) int32: S - 1 for every row
+    total_length: str | None = None  # int32 scalar: S
+    padding_bias: str | None = None  # (B, 1, T, S) in the model dtype: 0 where allowed, the dtype's minimum elsewhere
+    cos_cache: str | None = None  # (max_pos, hs / 2) in the model dtype
+    sin_cache: str | None = None
+    position_ids: str | None = None  # for the RotaryEmbedding op
+
+
+class FusedDecoderGraph(DecoderGraph):
+    contrib_ops = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        cfg = self.config
+        # onnxruntime's GroupQueryAttention checks: head_size % 8 == 0, and % 16 == 0 when it applies RoPE itself.
+        self.use_gqa = self.head_dim % 8 == 0
+        rope = cfg.position_embedding_type == "rope"
+        self.rotary = None if not rope else ("gqa" if self.head_dim % 16 == 0 else "op")
+        self.rms = cfg.norm_type != "layernorm"
+
+    # --- per-forward values -----------------------------------------------------------------------------------
+    def emit_step_context(self, input_ids: str, attention_mask: str, position_ids: str) -> StepContext:
+        if not self.use_gqa:
+            return super().emit_step_context(input_ids, attention_mask, position_ids)
+        b = self.b
+        with b.scope("attn_mask"):
+            allowed = b.op("Squeeze", self.emit_allowed(input_ids, attention_mask), b.const([1]))  # (B, 1, T, S)
+            # The dtype's own minimum: finite (a row that sees nothing gets a uniform softmax, never NaN, which
+            # would reach real rows as 0 x NaN through a pad's value vector).
+            lowest = self.scalar(torch.finfo(self.dtype).min)
+            padding_bias = b.op("Where", allowed, self.scalar(0.0), lowest)
+            total = b.op("Cast", b.op("Shape", attention_mask, start=1, end=2), to=TensorProto.INT32)  # (1,): S
+            batch = b.op("Shape", input_ids, start=0, end=1)
+            seqlens_k = b.op("Expand", b.op("Sub", total, b.const([1], torch.int32)), batch)  # (B,)
+            total = b.op("Squeeze", total, b.const([0]))
+        ctx = FusedStepContext(
+            attn_bias="",
+            cos=None,
+            sin=None,
+            seqlens_k=seqlens_k,
+            total_length=total,
+            padding_bias=padding_bias,
+            position_ids=position_ids,
+        )
+        if self.rotary:
+            with b.scope("rotary_emb"):
+                ctx.cos_cache, ctx.sin_cache = self.emit_rope_caches()
+        return ctx
+
+    def emit_rope_caches(self) -> tuple[str, str]:
+        """cos/sin over the whole context, (max_pos, hs / 2): the half-split rotation repeats each frequency, so
+        GroupQueryAttention and RotaryEmbedding take the first half of the model's own tables."""
+        rotary = ThinkerRotaryEmbedding(self.config)
+        positions = torch.arange(self.config.max_position_embeddings)[None]
+        cos, sin = rotary(torch.zeros((), dtype=self.dtype), positions)  # (1, max_pos, hs)
+        half = self.head_dim // 2
+        cos_cache = self.b.weight("rotary_emb.cos_cache", cos[0, :, :half])
+        sin_cache = self.b.weight("rotary_emb.sin_cache", sin[0, :, :half])
+        return cos_cache, sin_cache
+
+    # --- norms ------------------------------------------------------------------------------------------------
+    def emit_norm(self, x: str, prefix: str) -> str:
+        if not self.rms:
+            return super().emit_norm(x, prefix)
+        return self.emit_rms_norm(x, self.weight(f"{prefix}.weight"))
+
+    def emit_rms_norm(self, x: str, weight: str) -> str:
+        """Over the last axis, computed in float32 (stash_type 1) whatever the model dtype."""
+        eps = self.config.rms_norm_eps
+        return self.b.op("SimplifiedLayerNormalization", x, weight, axis=-1, epsilon=eps, stash_type=1)
+
+    def emit_add_norm(self, hidden: str, delta: str | None, prefix: str) -> tuple[str, str]:
+        if delta is None:
+            return hidden, self.emit_norm(hidden, prefix)
+        b = self.b
+        normed, total = b.fresh("normed"), b.fresh("residual")
+        if self.rms:
+            inputs, op = [hidden, delta, self.weight(f"{prefix}.weight")], "SkipSimplifiedLayerNormalization"
+        else:
+            inputs = [hidden, delta, self.weight(f"{prefix}.weight"), self.weight(f"{prefix}.bias")]
+            op = "SkipLayerNormalization"
+        # Outputs: the norm, (mean, inv_std_var: unused, left unnamed), and hidden + delta for the next residual.
+        b.op_to(op, inputs, [normed, "", "", total], domain=MS_DOMAIN, epsilon=self.config.rms_norm_eps)
+        return total, normed
+
+    # --- attention --------------------------------------------------------------------------------------------
+    def emit_attention(self, i: int, x: str, ctx: StepContext) -> str:
+        if not self.use_gqa:
+            return super().emit_attention(i, x, ctx)
+        assert isinstance(ctx, FusedStepContext)
+        cfg, b = self.config, self.b
+        prefix = f"model.layers.{i}.self_attn"
+        nh, nkv, hs = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.emit_packed_qkv(x, prefix)  # (B, T, (nh + 2 n_kv) hs)
+        if cfg.qk_norm or self.rotary == "op":
+            q, k, v = b.op("Split", qkv, b.const([nh * hs, nkv * hs, nkv * hs]), axis=-1, outputs=3)
+            if cfg.qk_norm:  # per head, on (B, T, n, hs), before RoPE
+                with b.scope("q_norm"):
+                    q = self.emit_head_norm(q, nh, f"{prefix}.q_norm.weight")
+                with b.scope("k_norm"):
+                    k = self.emit_head_norm(k, nkv, f"{prefix}.k_norm.weight")
+            if self.rotary == "op":
+                q, k = (self.emit_rotary_op(t, n, ctx) for t, n in ((q, nh), (k, nkv)))
+            qkv_inputs = [q, k, v]
+        else:
+            qkv_inputs = [qkv, "", ""]  # packed: GroupQueryAttention splits it
+        rope_inputs = [ctx.cos_cache, ctx.sin_cache] if self.rotary == "gqa" else ["", ""]
+        out = b.fresh("attention")
+        b.op_to(
+            "GroupQueryAttention",
+            [
+                *qkv_inputs,
+                f"past_key_values.{i}.key",
+                f"past_key_values.{i}.value",
+                ctx.seqlens_k,
+                ctx.total_length,
+                *rope_inputs,
+                "",  # position_ids: the kernel would use only its first element in a prompt (see the docstring)
+                ctx.padding_bias,
+            ],
+            [out, f"present.{i}.key", f"present.{i}.value"],
+            domain=MS_DOMAIN,
+            num_heads=nh,
+            kv_num_heads=nkv,
+            scale=hs**-0.5,
+            do_rotary=int(self.rotary == "gqa"),
+            rotary_interleaved=0,
+        )
+        return self.linear(out, f"{prefix}.o_proj", cfg.attention_output_bias)
+
+    def emit_packed_qkv(self, x: str, prefix: str) -> str:
+        """q, k and v in one MatMul over the concatenated (C, (nh + 2 n_kv) hs) weight: one pass over x."""
+        names = [f"{prefix}.{p}_proj" for p in "qkv"]
+        weight = torch.cat([self.weights.get(f"{n}.weight") for n in names]).T
+        qkv = self.emit_matmul(x, f"{prefix}.qkv_proj.weight", weight)
+        if self.config.attention_bias:
+            bias = torch.cat([self.weights.get(f"{n}.bias") for n in names])
+            qkv = self.b.op("Add", qkv, self.b.weight(f"{prefix}.qkv_proj.bias", bias))
+        return qkv
+
+    def emit_head_norm(self, x: str, heads: int, weight_name: str) -> str:
+        """RMSNorm of each head of a (B, T, heads * hs) projection."""
+        b, hs = self.b, self.head_dim
+        per_head = b.op("Reshape", x, b.const([0, 0, heads, hs]))
+        return b.op("Reshape", self.emit_rms_norm(per_head, self.weight(weight_name)), b.const([0, 0, heads * hs]))
+
+    def emit_rotary_op(self, x: str, heads: int, ctx: FusedStepContext) -> str:
+        """RoPE by ``position_ids`` with the RotaryEmbedding op, on (B, T, heads * hs)."""
+        return self.b.op(
+            "RotaryEmbedding",
+            x,
+            ctx.position_ids,
+            ctx.cos_cache,
+            ctx.sin_cache,
+            domain=MS_DOMAIN,
+            num_heads=heads,
+            rotary_embedding_dim=self.head_dim,
+            interleaved=0,
+        )
+
+    # --- feed-forward -----------------------------------------------------------------------------------------
+    def emit_mlp(self, x: str, prefix: str) -> str:
+        """A gated MLP's gate and up projections as one MatMul over the concatenated (C, 2I) weight, split after:
+        one pass over x and one kernel call instead of two (decode is a chain of small calls on a few cores)."""
+        cfg, b = self.config, self.b
+        if not cfg.mlp_gated:
+            return super().emit_mlp(x, prefix)
+        names = [f"{prefix}.gate_proj", f"{prefix}.up_proj"]
+        weight = torch.cat([self.weights.get(f"{n}.weight") for n in names]).T
+        gate_up = self.emit_matmul(x, f"{prefix}.gate_up_proj.weight", weight)
+        if cfg.mlp_bias:
+            bias = torch.cat([self.weights.get(f"{n}.bias") for n in names])
+            gate_up = b.op("Add", gate_up, b.weight(f"{prefix}.gate_up_proj.bias", bias))
+        gate, up = b.op("Split", gate_up, axis=-1, num_outputs=2, outputs=2)
+        hidden = b.op("Mul", self.emit_activation(gate), up)
+        return self.linear(hidden, f"{prefix}.down_proj", cfg.mlp_bias)
+
+    # --- mixture of experts -----------------------------------------------------------------------------------
+    def emit_routed_experts(self, flat: str, prefix: str) -> str:
+        """onnxruntime's MoE op where its SwiGLU is the model's (gated SiLU); else the plain graph's Loop."""
+        cfg, b = self.config, self.b
+        if not (cfg.mlp_gated and cfg.hidden_act in ("silu", "swish")):
+            return super().emit_routed_experts(flat, prefix)
+        with b.scope("gate"):
+            router_logits = b.op("MatMul", flat, self.weight(f"{prefix}.gate.weight", transpose=True))  # (N, E)
+        gate_up = self.weights.get(f"{prefix}.experts.gate_up_proj")  # (E, 2I, C): gate rows, then up rows
+        experts, double, hidden = gate_up.shape
+        # The CPU kernel takes SwiGLU interleaved (swiglu_fusion=1): row 2j is gate j, row 2j + 1 is up j.
+        interleaved = gate_up.view(experts, 2, double // 2, hidden).transpose(1, 2).reshape(experts, double, hidden)
+        fc1 = self.b.weight(f"{prefix}.experts.gate_up_proj", interleaved)
+        fc2 = self.weight(f"{prefix}.experts.down_proj")  # (E, C, I), as the op wants
+        return b.op(
+            "MoE",
+            flat,
+            router_logits,
+            fc1,
+            "",
+            fc2,
+            domain=MS_DOMAIN,
+            k=cfg.num_experts_per_tok,
+            activation_type="swiglu",
+            swiglu_fusion=1,
+            activation_alpha=1.0,  # SwiGLU here is G * sigmoid(alpha G) * (L + beta): SiLU(G) * L
+            activation_beta=0.0,
+            normalize_routing_weights=int(cfg.norm_topk_prob),
+        )

@@ -1,0 +1,154 @@
+"""Weight-only int4/int8 quantization of the projections (``thinker export --quantize int4|int8``): MatMulNBits.
+
+The quantization itself is onnxruntime's: each projection is handed, as a one-node MatMul model, to
+``onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer`` with the chosen algorithm, and what comes
+back (a MatMulNBits node, packed weights, scales, zero points) is spliced into the graph being built, its tensors
+streamed to the external-data file. Quantizing one weight at a time while the graph is written keeps the
+exporter's memory at one tensor, as for float graphs, instead of loading a whole float model to quantize it after.
+
+  rtn   the quantizer's default: block-wise round-to-nearest, symmetric (a scale per block, no zero point), the
+        layout onnxruntime's CPU kernels run fastest (with zero points they run at half the speed here) and the
+        one onnxruntime-genai's model builder writes for CPU
+  hqq   Half-Quadratic Quantization: asymmetric, fits each block's zero point to minimise the error. Much better
+        fidelity, but its float zero points take onnxruntime's CPU "unpacked" path, which dequantizes the weights on
+        every call: fine for checking fidelity, far too slow for CPU decoding (bench/results/README-figures.md)
+
+What is quantized: every 2-D projection that goes through ``DecoderGraph.emit_matmul`` (attention q/k/v/o, the
+MLPs, shared experts, the head; a tied head gets its own quantized copy while the embedding Gather stays float).
+What is not: embeddings, norms, the MoE router and routed experts (their stacks stay float), projections too small
+to gain (fewer input features than one block, or fewer than 16 outputs). ``head_bits=8`` keeps the head, the
+single most output-sensitive weight, at 8 bits under an int4 body.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import onnx
+import torch
+from onnx import helper, numpy_helper
+
+from converter.errors import ThinkerError
+
+from .graph_builder import TORCH_TO_ONNX, GraphBuilder
+
+BITS = {"int4": 4, "int8": 8}
+ALGORITHMS = ("rtn", "hqq")
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+ACCURACY_LEVELS = (0, 1, 4)
+MIN_OUTPUTS = 16  # below this a projection (the shared-expert gate, (C, 1)) is not worth a quantized kernel
+HEAD = "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class QuantizeSpec:
+    """``bits`` 4 or 8; ``block_size`` weights per scale along the input axis; ``algo`` rtn or hqq;
+    ``accuracy_level`` MatMulNBits' compute type for the activations (0: as the graph, 1: float32, 4: int8,
+    onnxruntime's fastest CPU kernels and its model builder's CPU default); ``head_bits`` the head's bits when
+    they differ from the body's (rtn)."""
+
+    bits: int = 4
+    block_size: int = 32
+    algo: str = "rtn"
+    accuracy_level: int = 4
+    head_bits: int | None = None
+
+    @classmethod
+    def parse(
+        cls, quantize: str, block_size: int = 32, algo: str = "rtn", accuracy_level: int = 4, head: str | None = None
+    ) -> QuantizeSpec:
+        """From the CLI's words: ``quantize`` and ``head`` are int4 / int8 (``head`` None: as the body)."""
+        for option, value in (("--quantize", quantize), ("--quantize-head", head or quantize)):
+            if value not in BITS:
+                raise ThinkerError(f"{option} {value}: expected one of {', '.join(BITS)}")
+        if algo not in ALGORITHMS:
+            raise ThinkerError(f"--algo {algo}: expected one of {', '.join(ALGORITHMS)}")
+        if algo == "hqq" and quantize != "int4":
+            # HQQ writes float zero points, which onnxruntime's CPU MatMulNBits reads for 2 and 4 bits only.
+            raise ThinkerError("--algo hqq quantizes to int4 only; use --algo rtn for int8")
+        if block_size not in BLOCK_SIZES:
+            raise ThinkerError(f"--block-size {block_size}: expected one of {', '.join(map(str, BLOCK_SIZES))}")
+        if accuracy_level not in ACCURACY_LEVELS:
+            raise ThinkerError(f"--accuracy-level {accuracy_level}: expected one of {ACCURACY_LEVELS}")
+        head_bits = BITS[head] if head and head != quantize else None
+        return cls(BITS[quantize], block_size, algo, accuracy_level, head_bits)
+
+    def for_weight(self, name: str) -> QuantizeSpec:
+        """The spec for weight ``name``: the head may have its own bits (always rtn: HQQ is int4 only)."""
+        if name == HEAD and self.head_bits:
+            return dataclasses.replace(self, bits=self.head_bits, algo="rtn", head_bits=None)
+        return self
+
+    def describe(self) -> dict:
+        return {
+            "weights": f"int{self.bits}",
+            "head": f"int{self.head_bits or self.bits}",
+            "block_size": self.block_size,
+            "algo": self.algo,
+            "symmetric": self.algo == "rtn",
+            "accuracy_level": self.accuracy_level,
+        }
+
+    def label(self) -> str:
+        head = f", int{self.head_bits} head" if self.head_bits else ""
+        return f"int{self.bits} {self.algo}, block {self.block_size}{head}"
+
+
+class WeightQuantizer:
+    """Turns ``x @ W`` into MatMulNBits through onnxruntime's MatMulNBitsQuantizer, one weight at a time."""
+
+    def __init__(self, spec: QuantizeSpec, dtype: torch.dtype) -> None:
+        if dtype not in (torch.float32, torch.float16):
+            raise ThinkerError("--quantize needs --dtype float32 or float16 (MatMulNBits' activation types)")
+        self.spec = spec
+        self.dtype = dtype
+        # The quantizer logs two INFO lines per weight on its own handler; keep its warnings only.
+        logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+
+    def applies(self, weight: torch.Tensor) -> bool:
+        in_features, out_features = weight.shape
+        return in_features >= self.spec.block_size and out_features >= MIN_OUTPUTS
+
+    @staticmethod
+    def algo_config(spec: QuantizeSpec):
+        from onnxruntime.quantization import matmul_nbits_quantizer as nbits
+
+        if spec.algo == "hqq":  # asymmetric by construction: HQQ optimises the zero points
+            return nbits.HQQWeightOnlyQuantConfig(block_size=spec.block_size, bits=spec.bits)
+        return nbits.DefaultWeightOnlyQuantConfig(
+            block_size=spec.block_size, is_symmetric=True, accuracy_level=spec.accuracy_level, bits=spec.bits
+        )
+
+    def emit(self, b: GraphBuilder, x: str, name: str, weight: torch.Tensor) -> str:
+        """Adds ``x @ weight`` as a MatMulNBits node to ``b`` and returns its output."""
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+        spec = self.spec.for_weight(name)
+        quantizer = MatMulNBitsQuantizer(self.one_matmul_model(name, weight), algo_config=self.algo_config(spec))
+        quantizer.process()
+        graph = quantizer.model.model.graph
+        (node,) = graph.node
+        if node.op_type != "MatMulNBits":
+            raise RuntimeError(f"onnxruntime's quantizer left {name} as {node.op_type} (a bug in the exporter)")
+        for tensor in graph.initializer:  # packed weights, scales (zero points): into the external-data file
+            b.weight(tensor.name, numpy_helper.to_array(tensor))
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        attributes["accuracy_level"] = spec.accuracy_level  # HQQ's config has no field for it
+        return b.op("MatMulNBits", x, *node.input[1:], domain=node.domain, **attributes)
+
+    def one_matmul_model(self, name: str, weight: torch.Tensor) -> onnx.ModelProto:
+        """``y = x @ weight`` with ``x`` of rank 3 (so the quantizer needs no reshape), the weight in the graph's
+        dtype (its scales follow it)."""
+        in_features, out_features = weight.shape
+        elem_type = TORCH_TO_ONNX[self.dtype]
+        node = helper.make_node("MatMul", ["x", name], ["y"], name=name)
+        graph = helper.make_graph(
+            [node],
+            "projection",
+            [helper.make_tensor_value_info("x", elem_type, ["batch", "seq", in_features])],
+            [helper.make_tensor_value_info("y", elem_type, ["batch", "seq", out_features])],
+            initializer=[numpy_helper.from_array(weight.detach().contiguous().numpy(), name)],
+        )
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)

@@ -1,0 +1,292 @@
+"""The fused graph (``thinker export --graph fused``): onnxruntime's contrib operators, the same IO contract, the
+same parity checks as the plain graph (prefill + 6 decode steps on a left-padded batch of two), onnxruntime-genai.
+
+The tiny families get head_dim 16 here (``FUSED_HEAD_DIM``), so that GroupQueryAttention applies RoPE itself;
+head_dim 8 (RotaryEmbedding op + GroupQueryAttention) and 12 (plain attention) are the fallbacks, tested apart.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from export.contrib_schemas import register_onnxruntime_schemas
+from export.exporter import count_ops
+from export.runtime import OnnxDecoder, cuda_usable
+from export.verify import compare_decoders, parity_batch
+
+FAMILIES = ["qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "gpt2", "uomni"]
+GENAI_SCRIPT = Path(__file__).with_name("genai_greedy.py")
+
+
+def load_thinker(folder, dtype=torch.float32):
+    from thinker import ThinkerForCausalLM
+
+    return ThinkerForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+
+
+def ops(folder: Path) -> Counter:
+    return count_ops(onnx.load(folder / "model.onnx", load_external_data=False).graph)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float32_parity(family, thinker_variant, onnx_variant):
+    """The same bound as the plain graph: max |Δlogit| <= 1e-3, top-1 equal, at every kept position."""
+    model = load_thinker(thinker_variant(family, head_dim=16))
+    decoder = OnnxDecoder(onnx_variant(family), provider="cpu")
+    figures = compare_decoders(model, decoder, *parity_batch(model.config.vocab_size), steps=6)
+
+    assert figures["positions"] == 7 + 4 + 6 * 2
+    assert figures["max_abs_diff"] <= 1e-3, figures
+    assert figures["top1_agreement"] == 1.0, figures
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_contrib_ops_replace_the_standard_ones(family, onnx_variant):
+    counts = ops(onnx_variant(family))
+    layers = 3
+    assert counts["GroupQueryAttention"] == layers
+    assert counts["Softmax"] == 0 and counts["Transpose"] == 0  # attention is all inside the op
+    assert counts["RotaryEmbedding"] == 0  # RoPE inside GroupQueryAttention (head_dim 16)
+    if family == "gpt2":
+        assert counts["SkipLayerNormalization"] == 2 * layers
+    else:
+        # Every residual add feeds a norm (2 per layer); the first norm has no residual before it.
+        assert counts["SkipSimplifiedLayerNormalization"] == 2 * layers
+        assert counts["SimplifiedLayerNormalization"] == 1 + (2 * layers if family in ("qwen3", "qwen3_moe") else 0)
+        assert counts["ReduceMean"] == 0 and counts["Sqrt"] == 0
+    sparse = {"qwen3_moe": 2, "qwen2_moe": 1}.get(family, 0)  # sparse layers of the tiny MoE configs
+    assert counts["MoE"] == sparse and counts["Loop"] == 0
+
+
+def test_io_contract_is_the_plain_graphs(onnx_folder, onnx_variant):
+    """Same input and output names, element types and symbolic shapes as the plain graph."""
+
+    def io(folder):
+        graph = onnx.load(folder / "model.onnx", load_external_data=False).graph
+
+        def describe(values):
+            return [
+                (
+                    v.name,
+                    v.type.tensor_type.elem_type,
+                    [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim],
+                )
+                for v in values
+            ]  # noqa: E501
+
+        return describe(graph.input), describe(graph.output)
+
+    assert io(onnx_variant("qwen3", head_dim=None)) == io(onnx_folder("qwen3"))
+
+
+def test_checker_passes_with_the_onnxruntime_schemas(onnx_variant):
+    """SimplifiedLayerNormalization is onnxruntime's (default domain, no onnx schema): export registers its schema
+    so that the checker validates the graph, shapes included, rather than refusing it."""
+    register_onnxruntime_schemas()
+    onnx.checker.check_model(str(onnx_variant("qwen3_moe") / "model.onnx"), full_check=True)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_head_dim_8_rotates_with_the_rotary_embedding_op(family, thinker_variant, onnx_variant):
+    """head_dim 8: GroupQueryAttention without RoPE, RotaryEmbedding ops (which read position_ids) before it;
+    qk-norm comes first (Qwen3: norm, then RoPE)."""
+    counts = ops(onnx_variant(family, head_dim=8))
+    assert counts["GroupQueryAttention"] == 3 and counts["RotaryEmbedding"] == 6
+    model = load_thinker(thinker_variant(family, head_dim=8))
+    figures = compare_decoders(model, OnnxDecoder(onnx_variant(family, head_dim=8), provider="cpu"), *parity_batch(96))
+    assert figures["max_abs_diff"] <= 1e-3 and figures["top1_agreement"] == 1.0, figures
+
+
+def test_head_dim_12_keeps_the_plain_attention(thinker_folder, onnx_variant):
+    """GroupQueryAttention needs head_dim % 8 == 0: the tiny Qwen3 (12) keeps the standard attention, the norms
+    are still fused."""
+    folder = onnx_variant("qwen3", head_dim=None)
+    counts = ops(folder)
+    assert counts["GroupQueryAttention"] == 0 and counts["Softmax"] == 3
+    assert counts["SkipSimplifiedLayerNormalization"] == 6
+    model = load_thinker(thinker_folder("qwen3"))
+    figures = compare_decoders(model, OnnxDecoder(folder, provider="cpu"), *parity_batch(96))
+    assert figures["max_abs_diff"] <= 1e-3 and figures["top1_agreement"] == 1.0, figures
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt2"])
+def test_left_padded_rows_equal_rows_alone(family, onnx_variant):
+    """GroupQueryAttention rotates by cache slot; a left-padded row is shifted by its pad count, which RoPE (and the
+    learned positions, read from position_ids) cancel: each row gives the logits it gives alone."""
+    decoder = OnnxDecoder(onnx_variant(family), provider="cpu")
+    input_ids, attention_mask = parity_batch(96)
+    batch_logits, state = decoder.prefill(input_ids, attention_mask)
+    batch_steps = [decoder.decode_one_token(np.array([11, 12]), state)]
+    batch_steps.append(decoder.decode_one_token(np.array([13, 14]), state))
+    for row, tokens in enumerate([(11, 13), (12, 14)]):
+        kept = attention_mask[row].astype(bool)
+        alone, alone_state = decoder.prefill(input_ids[row : row + 1, kept], attention_mask[row : row + 1, kept])
+        np.testing.assert_allclose(batch_logits[row, kept], alone[0], atol=1e-4)
+        for step, token in zip(batch_steps, tokens, strict=True):
+            np.testing.assert_allclose(
+                step[row], decoder.decode_one_token(np.array([token]), alone_state)[0], atol=1e-4
+            )
+
+
+def test_several_new_tokens_after_a_cache_need_batch_1(onnx_variant):
+    """Chunked prefill: batch 1 equals the one-shot prefill; batch 2 is refused by onnxruntime's kernel (a limit the
+    plain graph does not have; OnnxDecoder and onnxruntime-genai never ask for it)."""
+    decoder = OnnxDecoder(onnx_variant("qwen3"), provider="cpu")
+    tokens = np.array([[3, 14, 15, 92, 65, 35, 89, 79]], dtype=np.int64)
+    full, _ = decoder.prefill(tokens, np.ones_like(tokens))
+    _, state = decoder.prefill(tokens[:, :3], np.ones((1, 3), np.int64))
+    state.attention_mask = np.ones((1, 8), np.int64)
+    chunk = decoder.forward(tokens[:, 3:], np.arange(3, 8)[None], state)
+    np.testing.assert_allclose(chunk[0], full[0, 3:], atol=1e-4)
+
+    batch = np.repeat(tokens, 2, axis=0)
+    _, state = decoder.prefill(batch[:, :3], np.ones((2, 3), np.int64))
+    state.attention_mask = np.ones((2, 8), np.int64)
+    with pytest.raises(Exception, match="batch_size must be 1"):
+        decoder.forward(batch[:, 3:], np.repeat(np.arange(3, 8)[None], 2, axis=0), state)
+
+
+def test_moe_op_runs_only_the_routed_experts(tmp_path):
+    """As for the plain graph's Loop: an expert full of NaN poisons exactly the tokens routed to it (a dense pass
+    over every expert would poison every token: 0 x NaN = NaN). The exporter refuses NaN weights, so the NaN goes
+    into the exported weights file and into the PyTorch model in memory."""
+    from export_helpers import save_thinker
+
+    from export.exporter import export_model
+
+    folder = save_thinker(
+        tmp_path / "moe", "qwen3_moe", tokenizer=False, num_hidden_layers=1, mlp_only_layers=[], head_dim=16
+    )
+    export_model(folder, tmp_path / "onnx", verify=False, graph="fused")
+    name, expert = "model.layers.0.mlp.experts.down_proj", 3
+    poison_expert(tmp_path / "onnx", name, expert)
+    model = load_thinker(folder)
+    with torch.no_grad():
+        model.get_parameter(name)[expert] = float("nan")
+
+    tokens = np.arange(40, dtype=np.int64)[:, None]
+    logits, _ = OnnxDecoder(tmp_path / "onnx", provider="cpu").prefill(tokens, np.ones_like(tokens))
+    with torch.no_grad():
+        reference = model(torch.from_numpy(tokens)).logits.numpy()
+    poisoned = np.isnan(reference[:, 0]).any(-1)
+    assert 0 < poisoned.sum() < len(tokens)
+    np.testing.assert_array_equal(np.isnan(logits[:, 0]).any(-1), poisoned)
+    np.testing.assert_allclose(logits[~poisoned], reference[~poisoned], atol=1e-4)
+
+
+def poison_expert(folder: Path, name: str, expert: int) -> None:
+    """Overwrites expert ``expert`` of the float32 (E, ...) initializer ``name`` with NaN in model.onnx.data."""
+    graph = onnx.load(folder / "model.onnx", load_external_data=False).graph
+    (tensor,) = [t for t in graph.initializer if t.name == name]
+    where = {entry.key: entry.value for entry in tensor.external_data}
+    per_expert = int(np.prod(tensor.dims[1:]))
+    data = np.memmap(
+        folder / where["location"],
+        dtype=np.float32,
+        mode="r+",
+        offset=int(where["offset"]),
+        shape=(tensor.dims[0], per_expert),
+    )
+    data[expert] = np.nan
+    data.flush()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gpt2"])
+def test_float16_parity_on_cpu(family, thinker_variant, onnx_variant):
+    model = load_thinker(thinker_variant(family, head_dim=16), torch.float16)
+    decoder = OnnxDecoder(onnx_variant(family, "float16"), provider="cpu")
+    figures = compare_decoders(model, decoder, *parity_batch(model.config.vocab_size), steps=6)
+    assert figures["max_abs_diff"] <= 2e-2 * max(1.0, figures["logit_scale"]), figures
+    assert figures["top1_agreement"] >= 0.9, figures
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt2"])
+def test_bfloat16_graph_is_the_float32_graph_in_bfloat16(family, onnx_variant):
+    """onnxruntime's CPU provider has no bfloat16 kernels (and onnx's reference evaluator no contrib ops), so on CPU
+    the bfloat16 graph is checked with shapes and compared node for node with the float32 one; it runs on CUDA
+    (test_cuda_bfloat16_fused_parity)."""
+    register_onnxruntime_schemas()
+    path = onnx_variant(family, "bfloat16") / "model.onnx"
+    onnx.checker.check_model(str(path), full_check=True)
+    bf16 = onnx.load(path, load_external_data=False).graph
+    fp32 = onnx.load(onnx_variant(family) / "model.onnx", load_external_data=False).graph
+    assert [n.op_type for n in bf16.node] == [n.op_type for n in fp32.node]
+    cache = [v for v in bf16.input if v.name.startswith("past_key_values.")]
+    assert {v.type.tensor_type.elem_type for v in cache} == {onnx.TensorProto.BFLOAT16}
+
+
+GENAI_CASES = [("qwen3", "float32"), ("qwen3_moe", "float32"), ("gpt2", "float32"), ("qwen3", "float16")]
+
+
+def test_genai_greedy_equals_transformers(genai_python, thinker_variant, onnx_variant):
+    """onnxruntime-genai runs the fused folders as written; greedy tokens equal transformers' greedy tokens."""
+    prompt, new_tokens = [5, 9, 17, 33, 4, 21], 10
+    cases = [
+        {"folder": str(onnx_variant(f, d)), "prompt": prompt, "max_new_tokens": new_tokens} for f, d in GENAI_CASES
+    ]
+    done = subprocess.run(
+        [str(genai_python), str(GENAI_SCRIPT)], input=json.dumps(cases), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for (family, dtype), sequence in zip(GENAI_CASES, json.loads(done.stdout), strict=True):
+        model = load_thinker(thinker_variant(family, head_dim=16), getattr(torch, dtype))
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)[0].tolist()
+        assert sequence == expected, f"{family} {dtype}: genai {sequence} != transformers {expected}"
+
+
+def test_cli_exports_the_fused_graph_and_verifies_it(thinker_variant, tmp_path):
+    from click.testing import CliRunner
+
+    from export.cli import main
+
+    output = tmp_path / "fused"
+    result = CliRunner().invoke(
+        main, ["export", str(thinker_variant("qwen3", head_dim=16)), str(output), "--graph", "fused"]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads((output / "export_report.json").read_text())
+    assert report["graph"] == "fused" and report["verify"]["passed"] is True
+    assert report["nodes_by_op"]["GroupQueryAttention"] == 3
+
+
+# --- CUDA (skipped unless a CUDA session really runs) ---------------------------------------------------------------
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe", "gpt2"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_usable(), reason="onnxruntime's CUDA provider does not run here")
+def test_cuda_half_precision_parity(family, dtype, thinker_variant, onnx_variant):
+    """The fused half-precision graph on CUDA (GroupQueryAttention's CUDA kernel, MoE's) against PyTorch in float32,
+    on the left-padded batch: top-1 agreement and logits within the half-precision bound."""
+    model = load_thinker(thinker_variant(family, head_dim=16))
+    decoder = OnnxDecoder(onnx_variant(family, dtype), provider="cuda")
+    figures = compare_decoders(model, decoder, *parity_batch(96), steps=6)
+    bound = {"float16": 2e-2, "bfloat16": 5e-2}[dtype]
+    assert figures["top1_agreement"] >= 0.9, figures
+    assert figures["max_abs_diff"] <= bound * max(1.0, figures["logit_scale"]), figures
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_usable(), reason="onnxruntime's CUDA provider does not run here")
+def test_cuda_io_binding_keeps_the_fused_cache_on_the_device(onnx_variant):
+    import onnxruntime as ort
+
+    cuda = OnnxDecoder(onnx_variant("qwen3", "float16"), provider="cuda")
+    cpu = OnnxDecoder(onnx_variant("qwen3"), provider="cpu")
+    input_ids, attention_mask = parity_batch(96)
+    _, cuda_state = cuda.prefill(input_ids, attention_mask)
+    cpu_logits, cpu_state = cpu.prefill(input_ids, attention_mask)
+    token = cpu_logits[:, -1].argmax(-1)
+    for _ in range(3):
+        assert all(isinstance(v, ort.OrtValue) and v.device_name().lower() == "cuda" for v in cuda_state.cache.values())
+        cuda_logits, cpu_logits = cuda.decode_one_token(token, cuda_state), cpu.decode_one_token(token, cpu_state)
+        np.testing.assert_allclose(cuda_logits, cpu_logits, atol=5e-2)  # float16 against float32
+        token = cpu_logits.argmax(-1)

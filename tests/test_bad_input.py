@@ -1,0 +1,611 @@
+"""Bad input (issue 7): every user mistake ends in one line that names the file, tensor or key and says what to do,
+exit status 1 (2 for click's usage errors), no traceback, and nothing written: no OUTPUT, no staging folder.
+Then safety (nothing unpickled or run that should not be; no file name escapes its folder) and a fuzz test of the
+converter. docs/errors.md tabulates the cases.
+
+Every command runs in process through click's runner, on the tiny session-wide Qwen3 checkpoint of conftest.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+import struct
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+from click.testing import CliRunner, Result
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+from converter.cli import convert_command
+from converter.convert import convert
+from converter.engine import plan_conversion, stream_tensors
+from converter.errors import ThinkerError
+from converter.sources import open_source
+from export.cli import main
+from export.runtime import cuda_usable
+
+
+def thinker(*args: object, command=main) -> Result:
+    return CliRunner().invoke(command, [str(arg) for arg in args])
+
+
+def assert_error(result: Result, *fragments: str) -> str:
+    """Exit 1 with one ``error: ...`` line, last on stderr (after any progress bar), holding every fragment; no
+    traceback anywhere."""
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit), result.exception  # not an exception escaping the command
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("error: "), result.stderr
+    assert not [line for line in lines[:-1] if "error" in line.lower()], result.stderr
+    for fragment in fragments:
+        assert fragment in lines[-1], (fragment, lines[-1])
+    assert "Traceback" not in result.output
+    return lines[-1]
+
+
+def assert_usage_error(result: Result, *fragments: str) -> None:
+    """click's own refusal of an option value: exit 2, its ``Error:`` line, no traceback."""
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in result.stderr, (fragment, result.stderr)
+
+
+def assert_nothing_written(output: Path) -> None:
+    """No OUTPUT, and no staging folder (``.OUTPUT.partial-*``) or other hidden leftover beside it."""
+    assert not output.exists()
+    assert not [path.name for path in output.parent.iterdir() if path.name.startswith(".")]
+
+
+# --- breaking a checkpoint ---------------------------------------------------------------------------------------
+
+
+def edit_config(folder: Path, drop: tuple[str, ...] = (), **changes) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    for key in drop:
+        del config[key]
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def edit_tensors(folder: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    tensors = load_file(folder / "model.safetensors")
+    change(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def set_value(name: str, value: float) -> Callable[[dict[str, torch.Tensor]], None]:
+    def change(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[name].view(-1)[3] = value
+
+    return change
+
+
+def truncate(folder: Path) -> None:
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def garble_header(folder: Path) -> None:
+    path = folder / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[8:24] = b"\xff" * 16
+    path.write_bytes(bytes(data))
+
+
+def huge_header_length(folder: Path) -> None:
+    path = folder / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", 2**60) + path.read_bytes()[8:])
+
+
+def index_naming_a_missing_shard(folder: Path) -> None:
+    names = list(load_file(folder / "model.safetensors"))
+    weight_map = {name: "model.safetensors" for name in names[1:]} | {names[0]: "model-00002-of-00002.safetensors"}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def drop(name: str) -> Callable[[dict[str, torch.Tensor]], None]:
+    return lambda tensors: tensors.pop(name)
+
+
+def add(name: str) -> Callable[[dict[str, torch.Tensor]], None]:
+    return lambda tensors: tensors.update({name: torch.zeros(4)})
+
+
+NAN, INF = float("nan"), float("inf")
+EMBED = "model.embed_tokens.weight"
+DOWN = "model.layers.1.mlp.down_proj.weight"
+
+# case -> (how to break the source copy, options, fragments the error line must hold)
+CONVERT_CASES = {
+    "truncated safetensors": (truncate, [], ["model.safetensors", "truncated or corrupt, re-download it"]),
+    "corrupt header": (garble_header, [], ["model.safetensors", "truncated or corrupt"]),
+    "huge header length": (huge_header_length, [], ["model.safetensors", "truncated or corrupt"]),
+    "index names a missing shard": (
+        index_naming_a_missing_shard,
+        [],
+        ["model.safetensors.index.json", "'model-00002-of-00002.safetensors', which is missing"],
+    ),
+    "unknown architecture": (
+        lambda folder: edit_config(folder, model_type="mamba", architectures=["MambaForCausalLM"]),
+        [],
+        ["model_type 'mamba'", "is not supported; supported: ", "qwen3"],
+    ),
+    "unmapped tensor": (
+        lambda folder: edit_tensors(folder, add("model.layers.0.mlp.extra.weight")),
+        [],
+        ["no qwen3 rule maps", "model.layers.0.mlp.extra.weight"],
+    ),
+    "missing tensor": (lambda folder: edit_tensors(folder, drop(DOWN)), [], ["lacks tensors", DOWN, "incomplete"]),
+    "shape disagrees with config": (
+        lambda folder: edit_config(folder, intermediate_size=40),
+        [],
+        ["disagree with the config", "model.layers.0.mlp.gate_proj.weight", "(48, 32), expected (40, 32)"],
+    ),
+    "tied in config, head in tensors": (
+        lambda folder: edit_config(folder, tie_word_embeddings=True),
+        [],
+        ["tie_word_embeddings=true", "lm_head.weight", "set tie_word_embeddings to false"],
+    ),
+    "untied in config, no head": (
+        lambda folder: edit_tensors(folder, drop("lm_head.weight")),
+        [],
+        ["tie_word_embeddings=false", "holds no lm_head.weight", "set tie_word_embeddings to true"],
+    ),
+    "float16 overflow": (
+        lambda folder: edit_tensors(folder, set_value(DOWN, 1e5)),
+        ["--dtype", "float16"],
+        [DOWN, "100000, beyond float16's ±65504", "--dtype bfloat16 or float32"],
+    ),
+    "NaN in weights": (lambda folder: edit_tensors(folder, set_value(EMBED, NAN)), [], [EMBED, "NaN or Inf"]),
+    "Inf in weights": (lambda folder: edit_tensors(folder, set_value(DOWN, INF)), [], [DOWN, "NaN or Inf"]),
+    "config.json missing": (lambda folder: (folder / "config.json").unlink(), [], ["no config.json beside"]),
+    "config.json not JSON": (
+        lambda folder: (folder / "config.json").write_text("{model_type: qwen3"),
+        [],
+        ["config.json: not readable JSON"],
+    ),
+    "config key of the wrong type": (
+        lambda folder: edit_config(folder, architectures="Qwen3ForCausalLM"),
+        [],
+        ["'architectures' must be a list of class names"],
+    ),
+    "negative size": (
+        lambda folder: edit_config(folder, intermediate_size=-5),
+        [],
+        ["config", "-5"],
+    ),
+    "a billion layers": (
+        lambda folder: edit_config(folder, num_hidden_layers=10**9),
+        [],
+        ["num_hidden_layers=1000000000", "holds only", "does not describe these qwen3 weights"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CONVERT_CASES)
+def test_convert_refuses_a_broken_checkpoint(case, source_copy, tmp_path):
+    break_it, options, fragments = CONVERT_CASES[case]
+    source = source_copy()
+    break_it(source)
+    output = tmp_path / "out"
+    assert_error(thinker("convert", source, output, "--no-verify", *options), *fragments)
+    assert_nothing_written(output)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda folder: folder.mkdir(),
+        lambda folder: (folder.mkdir(), (folder / "README.md").write_text("# notes")),
+        lambda folder: (folder.mkdir(), (folder / "config.json").write_text('{"model_type": "qwen3"}')),
+    ],
+    ids=["empty", "a README only", "config without weights"],
+)
+def test_a_folder_without_a_checkpoint(make, tmp_path):
+    make(tmp_path / "folder")
+    result = thinker("convert", tmp_path / "folder", tmp_path / "out")
+    assert_error(result, str(tmp_path / "folder"), "no checkpoint here", "point SOURCE at a model folder")
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_a_path_that_does_not_exist(tmp_path):
+    result = thinker("convert", tmp_path / "nowhere", tmp_path / "out")
+    assert_error(result, "nowhere: no such folder, and not a Hub repo id")
+
+
+def test_the_thinker_convert_script_reports_the_same_way(source_copy, tmp_path):
+    source = source_copy()
+    truncate(source)
+    assert_error(thinker(source, tmp_path / "out", command=convert_command), "truncated or corrupt")
+
+
+def test_debug_shows_the_traceback(source_copy, tmp_path):
+    source = source_copy()
+    truncate(source)
+    result = thinker("convert", source, tmp_path / "out", "--debug")
+    assert result.exit_code == 1 and isinstance(result.exception, ThinkerError)
+
+
+# --- OUTPUT ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["convert", "export"])
+@pytest.mark.parametrize("kind", ["folder", "file"])
+def test_an_existing_output_is_left_untouched(command, kind, qwen3_source, qwen3_thinker, tmp_path, digest):
+    output = tmp_path / "out"
+    if kind == "folder":
+        output.mkdir()
+        (output / "model.safetensors").write_bytes(b"precious")
+    else:
+        output.write_text("precious")
+    before = digest(output)
+    source = qwen3_source if command == "convert" else qwen3_thinker
+    assert_error(thinker(command, source, output, "--no-verify"), str(output), "already exists; pass --force")
+    assert digest(output) == before
+
+
+def test_output_where_no_folder_can_be(qwen3_source, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    result = thinker("convert", qwen3_source, tmp_path / "a-file" / "out", "--no-verify")
+    assert_error(result, str(tmp_path / "a-file"), "cannot create OUTPUT there")
+
+
+def test_disk_full_while_writing_weights(qwen3_source, tmp_path, monkeypatch):
+    def no_space(self, name, tensor):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("converter.shards.ShardWriter.write", no_space)
+    output = tmp_path / "out"
+    result = thinker("convert", qwen3_source, output, "--no-verify")
+    assert_error(result, f"the disk is full at {tmp_path}: writing OUTPUT needs about ", "MiB free there")
+    assert_nothing_written(output)
+
+
+def test_disk_full_before_writing(qwen3_source, tmp_path, monkeypatch):
+    monkeypatch.setattr("converter.output.free_bytes", lambda folder: 1000)
+    output = tmp_path / "out"
+    result = thinker("convert", qwen3_source, output, "--no-verify")
+    assert_error(result, f"the disk is full at {tmp_path}", "needs about 0.1 MiB, 0.0 MiB free")
+    assert_nothing_written(output)
+
+
+def test_disk_full_while_exporting(qwen3_thinker, tmp_path, monkeypatch):
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("export.graph_builder.WeightFile._append", no_space)
+    output = tmp_path / "onnx"
+    result = thinker("export", qwen3_thinker, output, "--no-verify")
+    assert_error(result, f"the disk is full at {tmp_path}: writing OUTPUT needs about ")
+    assert_nothing_written(output)
+
+
+# --- dtype and device --------------------------------------------------------------------------------------------
+
+
+def test_unsupported_dtypes(qwen3_source, qwen3_thinker, tmp_path):
+    result = thinker("convert", qwen3_source, tmp_path / "out", "--dtype", "int8")
+    assert_usage_error(result, "Invalid value for '--dtype': 'int8' is not one of 'auto', 'float32'")
+    result = thinker("export", qwen3_thinker, tmp_path / "out", "--dtype", "int8")
+    assert_usage_error(result, "Invalid value for '--dtype': 'int8'")
+    with pytest.raises(ThinkerError, match="--dtype 'int8' is not one of auto, float32, bfloat16, float16"):
+        convert(qwen3_source, tmp_path / "out", dtype="int8", verify=False, progress=False)
+    assert_nothing_written(tmp_path / "out")
+
+
+@pytest.mark.skipif(cuda_usable() or torch.cuda.is_available(), reason="CUDA is here")
+@pytest.mark.parametrize("model", ["onnx", "thinker"])
+def test_cuda_asked_for_where_none_is(model, qwen3_onnx, qwen3_thinker):
+    folder = qwen3_onnx if model == "onnx" else qwen3_thinker
+    result = thinker("generate", folder, "--prompt", "the cat", "--provider", "cuda")
+    assert_error(result, "--provider cuda: CUDA asked for where none is", "use --provider cpu")
+
+
+def test_an_unknown_provider(qwen3_onnx):
+    assert_usage_error(thinker("generate", qwen3_onnx, "-p", "the cat", "--provider", "tpu"), "'--provider'")
+
+
+# --- generate ----------------------------------------------------------------------------------------------------
+
+
+def test_bad_prompts(qwen3_onnx, tmp_path):
+    assert_error(thinker("generate", qwen3_onnx, "--prompt", ""), "--prompt tokenizes to nothing; give some text")
+    result = thinker("generate", qwen3_onnx, "--prompt", "the cat sat", "--max-new-tokens", "62")
+    assert_error(result, "--prompt is 3 tokens, and with --max-new-tokens 62", "beyond the model's 64 positions")
+
+    folder = shutil.copytree(qwen3_onnx, tmp_path / "onnx")
+    edit_config(folder, vocab_size=8)  # as if the tokenizer came from another model
+    result = thinker("generate", folder, "--prompt", "the cat sat")
+    assert_error(result, "the tokenizer gives token id 8 for --prompt, beyond the model's vocabulary of 8")
+
+
+@pytest.mark.parametrize(
+    "damage, fragments",
+    [
+        (lambda f: (f / "model.onnx.data").unlink(), ["model.onnx.data missing beside model.onnx", "incomplete"]),
+        (lambda f: (f / "model.onnx").write_bytes(b"\x08\x07\x12\xff"), ["model.onnx", "export it again"]),
+        (lambda f: (f / "model.onnx.data").write_bytes(b"short"), ["model.onnx.data: 5 bytes", "is truncated"]),
+        (lambda f: (f / "tokenizer.json").unlink(), ["no usable tokenizer"]),
+    ],
+    ids=["no model.onnx.data", "corrupt model.onnx", "truncated model.onnx.data", "no tokenizer"],
+)
+def test_generate_with_an_incomplete_onnx_folder(damage, fragments, qwen3_onnx, tmp_path):
+    folder = shutil.copytree(qwen3_onnx, tmp_path / "onnx")
+    damage(folder)
+    assert_error(thinker("generate", folder, "--prompt", "the cat"), str(folder), *fragments)
+
+
+def test_generate_with_a_folder_that_is_no_model(tmp_path, qwen3_onnx):
+    assert_error(thinker("generate", tmp_path / "nowhere", "-p", "the cat"), "nowhere: no such folder")
+    folder = tmp_path / "tokenizer-only"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(qwen3_onnx / name, folder)
+    assert_error(thinker("generate", folder, "-p", "the cat"), "neither an ONNX folder", "nor a Thinker folder")
+
+
+# --- export and verify -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value, options, fragments",
+    [(NAN, [], ["holds NaN or Inf", "the folder is corrupt"]), (1e5, ["--dtype", "float16"], ["beyond float16"])],
+    ids=["NaN", "float16 overflow"],
+)
+def test_export_refuses_bad_weights(value, options, fragments, qwen3_thinker, tmp_path):
+    folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
+    edit_tensors(folder, set_value(DOWN, value))
+    output = tmp_path / "onnx"
+    assert_error(thinker("export", folder, output, "--no-verify", *options), f"tensor '{DOWN}'", *fragments)
+    assert_nothing_written(output)
+
+
+def test_export_of_a_broken_source_stops_at_the_conversion(source_copy, tmp_path):
+    source = source_copy()
+    edit_config(source, model_type="mamba", architectures=["MambaForCausalLM"])
+    output = tmp_path / "onnx"
+    assert_error(thinker("export", source, output, "--no-verify"), "model_type 'mamba'", "is not supported")
+    assert_nothing_written(output)
+
+
+def test_export_of_a_corrupt_thinker_folder(qwen3_thinker, tmp_path):
+    folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
+    truncate(folder)
+    output = tmp_path / "onnx"
+    assert_error(thinker("export", folder, output, "--no-verify"), "model.safetensors", "truncated or corrupt")
+    assert_nothing_written(output)
+
+
+def test_verify_refuses_what_is_not_a_conversion(qwen3_source, source_copy, tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert_error(thinker("verify", qwen3_source, tmp_path / "empty"), "not a converted model folder")
+    source = source_copy()
+    edit_config(source, model_type="mamba", architectures=["MambaForCausalLM"])
+    assert_error(thinker("verify", source, qwen3_source), "model_type 'mamba'", "not supported")
+    assert_usage_error(thinker("verify", qwen3_source, tmp_path / "nowhere"), "does not exist")
+
+
+# --- the Hub -----------------------------------------------------------------------------------------------------
+
+
+def test_a_hub_id_while_offline_and_not_cached(fake_hub, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = thinker("convert", "tiny-org/tiny-qwen3", tmp_path / "out")
+    assert_error(result, "tiny-org/tiny-qwen3@main is not in the cache", "HF_HUB_OFFLINE=1; run once online")
+    assert_nothing_written(tmp_path / "out")
+    assert not fake_hub.requests
+
+
+def test_a_hub_id_that_does_not_exist(fake_hub, tmp_path):
+    result = thinker("convert", "tiny-org/no-such-model", tmp_path / "out")
+    assert_error(result, "tiny-org/no-such-model@main: repo not found on", "check the repo id")
+    assert_nothing_written(tmp_path / "out")
+
+
+# --- safety ------------------------------------------------------------------------------------------------------
+
+
+class _RunsCode:
+    """Pickles to a call of ``exec``: what a malicious checkpoint hides in a .bin or .pth file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
+
+
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "model.pth"])
+def test_a_pickle_that_would_run_code_is_refused(name, qwen3_source, tmp_path):
+    marker = tmp_path / "code-ran"
+    source = tmp_path / "source"
+    source.mkdir()
+    shutil.copy(qwen3_source / "config.json", source)
+    torch.save({EMBED: torch.zeros(64, 32), "payload": _RunsCode(marker)}, source / name)
+    result = thinker("convert", source, tmp_path / "out")
+    assert_error(result, str(source / name), "pickled Python objects besides tensors (e.g. ", "never run")
+    assert not marker.exists()
+    assert_nothing_written(tmp_path / "out")
+
+
+EVIL_MODULE = "open({marker!r}, 'w').write('ran')\n"
+
+
+def test_no_remote_code_from_a_source(source_copy, tmp_path):
+    """auto_map in config.json and tokenizer_config.json points at code beside the weights: never imported."""
+    marker = tmp_path / "code-ran"
+    source = source_copy()
+    (source / "evil.py").write_text(EVIL_MODULE.format(marker=str(marker)))
+    auto_map = {"AutoConfig": "evil.Config", "AutoModelForCausalLM": "evil.Model", "AutoTokenizer": ["evil.Tok", None]}
+    edit_config(source, auto_map=auto_map)
+    tokenizer_config = json.loads((source / "tokenizer_config.json").read_text())
+    (source / "tokenizer_config.json").write_text(json.dumps(tokenizer_config | {"auto_map": auto_map}))
+
+    result = thinker("convert", source, tmp_path / "out", "--verify")  # the reference: transformers' Qwen3 class
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / "out" / "evil.py").exists()  # tokenizer files are copied by their known names only
+    result = thinker("generate", tmp_path / "out", "--prompt", "the cat", "-n", "2")
+    assert result.exit_code == 0, result.output
+
+    # A model_type transformers does not know: the folder's auto_map is all there is to build a reference from.
+    edit_config(source, model_type="evil")
+    result = thinker("convert", source, tmp_path / "out2", "--verify")
+    assert_error(result, "model_type 'evil' is not one transformers knows", "auto_map, is never run", "--no-verify")
+    edit_config(source, architectures=["EvilForCausalLM"])
+    assert_error(thinker("convert", source, tmp_path / "out2"), "model_type 'evil'", "is not supported")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/tmp/outside.safetensors", "sub/../../x.safetensors"])
+def test_index_shard_names_cannot_leave_the_checkpoint(shard, source_copy, tmp_path):
+    source = source_copy()
+    (source / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {EMBED: shard}}))
+    result = thinker("convert", source, tmp_path / "out")
+    assert_error(result, "model.safetensors.index.json", f"shard name {shard!r} points outside", "refusing")
+
+
+def test_hub_file_names_cannot_leave_the_cache(fake_hub, qwen3_source, tmp_path):
+    files = {path.name: path.read_bytes() for path in qwen3_source.iterdir()}
+    fake_hub.add_repo("tiny-org/escape", files | {"..\\escape.json": b"{}", "sub/../../escape.json": b"{}"})
+    result = thinker("convert", "tiny-org/escape", tmp_path / "out")
+    assert_error(result, "repo file name '..\\\\escape.json' would escape the download folder")
+    assert not list(tmp_path.rglob("*escape.json"))
+
+
+def test_onnx_external_data_cannot_leave_the_folder(qwen3_onnx, tmp_path):
+    folder = shutil.copytree(qwen3_onnx, tmp_path / "onnx")
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    for tensor in model.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = "../../etc/passwd"
+    onnx.save_model(model, str(folder / "model.onnx"))
+    assert_error(thinker("generate", folder, "-p", "the cat"), "names weights outside its folder")
+
+
+# --- fuzz: the converter ends in success or ThinkerError, never in another exception ------------------------------
+
+FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+DTYPE_CODES = ["F32", "F16", "BF16", "F64", "I64", "I32", "I8", "U8", "U16", "U64", "BOOL", "F8_E4M3", "F4", "C64", "?"]
+SIZES = st.sampled_from([-1, 0, 1, 2, 3, 8, 32, 48, 64, 2**31, 2**40, 2**63 - 1])
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | SIZES | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+def plan_and_stream(folder: Path, config: dict | None = None) -> None:
+    """Plan the conversion of ``folder`` (with ``config`` or its own config.json) and, if it plans, stream every
+    tensor through the checks: the whole converter short of writing."""
+    source = open_source(folder)
+    try:
+        if config is None:
+            config = json.loads((folder / "config.json").read_text())
+        plan = plan_conversion(source, config)
+        for _ in stream_tensors(plan, source):
+            pass
+    finally:
+        source.close()
+
+
+def mutated_header(data: st.DataObject, header: dict) -> dict:
+    header = json.loads(json.dumps(header))
+    names = sorted(name for name in header if name != "__metadata__")
+    for _ in range(data.draw(st.integers(1, 4))):
+        name = data.draw(st.sampled_from(names))
+        entry = header.get(name)
+        kind = data.draw(st.sampled_from(["dtype", "shape", "offsets", "drop", "rename", "junk"]))
+        if kind == "drop" or not isinstance(entry, dict):
+            header.pop(name, None)
+        elif kind == "dtype":
+            entry["dtype"] = data.draw(st.sampled_from(DTYPE_CODES) | JSON_VALUES)
+        elif kind == "shape":
+            entry["shape"] = data.draw(st.lists(SIZES, max_size=3) | JSON_VALUES)
+        elif kind == "offsets":
+            entry["data_offsets"] = data.draw(st.lists(SIZES | st.integers(0, 20000), min_size=2, max_size=2))
+        elif kind == "rename":
+            header[data.draw(st.text(max_size=12))] = header.pop(name)
+        else:
+            header[name] = data.draw(JSON_VALUES)
+    return header
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_safetensors_headers(data, qwen3_source):
+    raw = (qwen3_source / "model.safetensors").read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header, body = json.loads(raw[8 : 8 + length]), raw[8 + length :]
+    form = data.draw(st.sampled_from(["mutated", "random JSON", "truncated", "length prefix"]))
+    if form == "mutated":
+        text = json.dumps(mutated_header(data, header)).encode()
+    elif form == "random JSON":
+        text = json.dumps(data.draw(JSON_VALUES)).encode()
+    else:
+        text = json.dumps(header).encode()
+    prefix = struct.pack("<Q", len(text))
+    if form == "length prefix":
+        prefix = struct.pack("<Q", data.draw(st.sampled_from([0, 1, len(text) - 1, len(text) + 1, 2**63, 2**64 - 1])))
+    if form == "truncated" or data.draw(st.booleans()):
+        body = body[: data.draw(st.integers(0, len(body)))]
+    with tempfile.TemporaryDirectory() as folder:
+        shutil.copy(qwen3_source / "config.json", folder)
+        Path(folder, "model.safetensors").write_bytes(prefix + text + body)
+        try:
+            plan_and_stream(Path(folder))
+        except ThinkerError:
+            pass
+
+
+CONFIG_KEYS = [
+    "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings",
+    "rope_parameters", "rope_theta", "rope_scaling", "rms_norm_eps", "hidden_act", "attention_bias", "layer_types",
+    "use_sliding_window", "num_experts", "dtype", "torch_dtype", "eos_token_id",
+]  # fmt: skip
+
+
+def mutated_config(data: st.DataObject, config: dict) -> dict:
+    config = dict(config)
+    for _ in range(data.draw(st.integers(1, 4))):
+        key = data.draw(st.sampled_from(CONFIG_KEYS))
+        if data.draw(st.booleans()):
+            config.pop(key, None)
+        else:
+            config[key] = data.draw(SIZES | JSON_VALUES)
+    return config
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_config(data, qwen3_source):
+    config = mutated_config(data, json.loads((qwen3_source / "config.json").read_text()))
+    try:
+        plan_and_stream(qwen3_source, config)
+    except ThinkerError:
+        pass
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_fuzz_the_command_line(data, qwen3_source):
+    """A few random configs through `thinker convert` itself: success or one error line, never a traceback."""
+    config = mutated_config(data, json.loads((qwen3_source / "config.json").read_text()))
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(shutil.copytree(qwen3_source, Path(folder) / "source"))
+        (source / "config.json").write_text(json.dumps(config))
+        result = thinker("convert", source, Path(folder) / "out", "--no-verify")
+        if result.exit_code == 0:
+            return
+        assert_error(result)
+        assert_nothing_written(Path(folder) / "out")

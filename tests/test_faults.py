@@ -1,0 +1,210 @@
+"""Faults (issue 7): a conversion or an export killed at any moment leaves no partial OUTPUT, the next run into the
+same OUTPUT works (and removes what the killed one left), and ``--force`` replaces OUTPUT only with a complete one.
+
+Each run is a real process killed with SIGKILL at a chosen point: the function named by ``KillPoint`` kills its own
+process on its n-th call, before or after doing its work. The processes are forked from a forkserver that imported
+the converter and the exporter once, so a run costs a fraction of a second rather than an interpreter start.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from pkgutil import resolve_name
+
+import pytest
+
+from converter.convert import convert
+from converter.output import _HOST as HOST
+from converter.output import remove_stale_staging, staging_path
+from converter.sources import open_source
+from export.exporter import export_model
+
+CONVERT = {"verify": False, "progress": False, "max_shard_size": "20KB"}  # several shards and an index
+EXPORT = {"verify": False}
+
+
+@dataclass(frozen=True)
+class KillPoint:
+    """SIGKILL on the ``call``-th call of ``owner.attribute`` (``owner`` as pkgutil.resolve_name reads it)."""
+
+    owner: str
+    attribute: str
+    call: int = 1
+    after: bool = False  # die once the call has done its work, rather than before it starts
+
+    def __str__(self) -> str:
+        return f"{'after' if self.after else 'at'} {self.owner}.{self.attribute} #{self.call}"
+
+
+def _die_at(point: KillPoint, job, args: tuple, kwargs: dict) -> None:
+    """The child: arm the kill point, run the job. Returning normally means the point was never reached."""
+    owner = resolve_name(point.owner)
+    original = getattr(owner, point.attribute)
+    calls = 0
+
+    def dying(*call_args, **call_kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == point.call and not point.after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        result = original(*call_args, **call_kwargs)
+        if calls == point.call and point.after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    setattr(owner, point.attribute, dying)
+    job(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def killed():
+    """``killed(point, job, *args, **kwargs)``: run ``job`` in a child process that the kill point ends."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["converter.convert", "export.exporter"])
+
+    def run(point: KillPoint, job, *args, **kwargs) -> None:
+        child = context.Process(target=_die_at, args=(point, job, args, kwargs))
+        child.start()
+        child.join(timeout=120)
+        assert child.exitcode == -signal.SIGKILL, f"not killed {point} (exit code {child.exitcode})"
+
+    return run
+
+
+def leftovers(output: Path) -> list[str]:
+    return sorted(path.name for path in output.parent.iterdir() if path.name.startswith(f".{output.name}."))
+
+
+def assert_complete_conversion(output: Path, source: Path) -> None:
+    assert (output / "config.json").is_file() and (output / "model.safetensors.index.json").is_file()
+    converted = open_source(output)  # every shard the index names is there, and every header reads
+    try:
+        assert len(converted.names()) == len(open_source(source).names())
+    finally:
+        converted.close()
+
+
+def assert_complete_export(output: Path) -> None:
+    assert {"model.onnx", "model.onnx.data", "genai_config.json", "export_report.json"} <= {
+        path.name for path in output.iterdir()
+    }
+
+
+CONVERT_POINTS = [
+    KillPoint("converter.shards:ShardWriter", "write", call=1),  # the first shard half written
+    KillPoint("converter.shards:ShardWriter", "write", call=9, after=True),  # some shards done, some not
+    KillPoint("converter.convert", "write_thinker_config"),  # every weight written, no config yet
+    KillPoint("converter.output", "install"),  # everything written, not yet renamed
+]
+
+
+@pytest.mark.parametrize("point", CONVERT_POINTS, ids=str)
+def test_a_killed_conversion_leaves_no_output_and_the_next_run_works(point, killed, qwen3_source, tmp_path):
+    output = tmp_path / "out"
+    killed(point, convert, qwen3_source, output, **CONVERT)
+    assert not output.exists()
+    assert leftovers(output)  # the killed run's staging folder, which the next run must not trip over
+
+    convert(qwen3_source, output, **CONVERT)
+    assert_complete_conversion(output, qwen3_source)
+    assert leftovers(output) == []  # removed: its process is dead
+
+
+@pytest.mark.parametrize(
+    "point",
+    [KillPoint("converter.shards:ShardWriter", "write", call=3), KillPoint("converter.output", "_exchange")],
+    ids=str,
+)
+def test_a_killed_force_run_leaves_the_old_output_intact(point, killed, qwen3_source, tmp_path, digest):
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "notes.txt").write_text("the previous conversion")
+    before = digest(output)
+    killed(point, convert, qwen3_source, output, force=True, **CONVERT)
+    assert digest(output) == before
+
+    convert(qwen3_source, output, force=True, **CONVERT)
+    assert_complete_conversion(output, qwen3_source)
+    assert not (output / "notes.txt").exists() and leftovers(output) == []
+
+
+def test_killed_just_after_the_swap_the_output_is_the_new_one(killed, qwen3_source, tmp_path):
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "notes.txt").write_text("the previous conversion")
+    killed(KillPoint("converter.output", "_exchange", after=True), convert, qwen3_source, output, force=True, **CONVERT)
+    assert_complete_conversion(output, qwen3_source)
+    assert len(leftovers(output)) == 1  # the old folder, now under the staging name: the next run removes it
+    remove_stale_staging(output.absolute())
+    assert leftovers(output) == []
+
+
+EXPORT_POINTS = [
+    KillPoint("export.graph_builder:WeightFile", "_append", call=4),  # model.onnx.data half written
+    KillPoint("export.exporter", "copy_side_files"),  # the graph written, no tokenizer or genai_config yet
+    KillPoint("export.exporter", "install"),  # everything written, not yet renamed
+]
+
+
+@pytest.mark.parametrize("point", EXPORT_POINTS, ids=str)
+def test_a_killed_export_leaves_no_output_and_the_next_run_works(point, killed, qwen3_thinker, tmp_path):
+    output = tmp_path / "onnx"
+    killed(point, export_model, qwen3_thinker, output, **EXPORT)
+    assert not output.exists() and leftovers(output)
+
+    export_model(qwen3_thinker, output, **EXPORT)
+    assert_complete_export(output)
+    assert leftovers(output) == []
+
+
+def test_a_killed_export_that_converts_on_the_way(killed, qwen3_source, tmp_path):
+    """Killed inside the conversion that an export of a non-Thinker SOURCE runs in its own staging folder."""
+    output = tmp_path / "onnx"
+    killed(KillPoint("converter.shards:ShardWriter", "write", call=2), export_model, qwen3_source, output, **EXPORT)
+    assert not output.exists()
+    export_model(qwen3_source, output, **EXPORT)
+    assert_complete_export(output)
+    assert leftovers(output) == []
+
+
+def test_a_killed_export_with_force_leaves_the_old_output_intact(killed, qwen3_thinker, qwen3_onnx, tmp_path, digest):
+    output = tmp_path / "onnx"
+    output.mkdir()
+    (output / "model.onnx").write_bytes(b"the previous export")
+    before = digest(output)
+    point = KillPoint("export.graph_builder:WeightFile", "_append", call=2)
+    killed(point, export_model, qwen3_thinker, output, force=True, **EXPORT)
+    assert digest(output) == before
+    killed(KillPoint("converter.output", "_exchange"), export_model, qwen3_thinker, output, force=True, **EXPORT)
+    assert digest(output) == before
+
+    export_model(qwen3_thinker, output, force=True, **EXPORT)
+    assert_complete_export(output)
+    assert leftovers(output) == []
+
+
+# --- staging folders of other runs -------------------------------------------------------------------------------
+
+
+def test_only_the_staging_folders_of_dead_processes_are_removed(tmp_path):
+    output = tmp_path / "out"
+    live = staging_path(output)  # this process's own: a run in progress
+    dead = tmp_path / f".out.partial-{HOST}-{_dead_pid()}-0123abcd"
+    elsewhere = tmp_path / ".out.partial-another-host-1-0123abcd"  # its process may live, on that host
+    other_output = tmp_path / f".other.partial-{HOST}-{_dead_pid()}-0123abcd"
+    for folder in (live, dead, elsewhere, other_output):
+        folder.mkdir()
+    assert remove_stale_staging(output) == [dead]
+    assert sorted(tmp_path.iterdir()) == sorted([live, elsewhere, other_output])
+
+
+def _dead_pid() -> int:
+    """The id of a process that has exited and been reaped."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
