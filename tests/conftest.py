@@ -1,6 +1,7 @@
 """Shared pytest fixtures."""
 
 import pytest
+from seeded_weights import randomize_parameters
 
 # --- fake Hugging Face Hub (tests/hub_server.py) -------------------------------------------------------------------
 
@@ -85,23 +86,6 @@ _TINY_KINDS = {
 }
 
 
-def randomize_parameters(model, seed: int = 0):
-    """Fills every parameter with seeded values that have no trivial structure: matrices ~ N(0, 1/fan_in), norm
-    scales ~ 1 + N(0, 0.1²), biases ~ N(0, 0.1²). Default inits (zero biases, unit norms) would hide a missing bias or
-    a norm applied to the wrong tensor."""
-    import torch
-
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            if param.ndim > 1:
-                param.copy_(noise / param.shape[-1] ** 0.5)
-            elif name.endswith("bias"):
-                param.copy_(0.1 * noise)
-            else:
-                param.copy_(1.0 + 0.1 * noise)
-    return model
 
 
 def make_tiny_config(kind: str, **overrides):

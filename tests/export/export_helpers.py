@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
+from seeded_weights import randomize_parameters
 
 # Three layers so that MoE configs mix sparse and dense layers; every size tiny, so that a test takes a second.
 COMMON = dict(
@@ -70,28 +70,13 @@ def make_config(family: str, **overrides):
     return ThinkerConfig(**{**COMMON, **FAMILIES[family], **overrides})
 
 
-def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Seeded weights without trivial structure (default inits give zero biases and unit norms, which would hide a
-    missing bias or a norm on the wrong tensor): matrices ~ N(0, 1/fan_in), norm scales 1 + N(0, 0.1²),
-    biases N(0, 0.1²)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            if param.ndim > 1:
-                param.copy_(noise / param.shape[-1] ** 0.5)
-            elif name.endswith("bias"):
-                param.copy_(0.1 * noise)
-            else:
-                param.copy_(1.0 + 0.1 * noise)
-    return model
 
 
 def save_thinker(folder: Path, family: str, seed: int = 0, tokenizer: bool = True, **overrides) -> Path:
     """A Thinker folder with random weights (and a tokenizer), as thinker-convert would leave it."""
     from thinker import ThinkerForCausalLM
 
-    model = randomize(ThinkerForCausalLM(make_config(family, **overrides)), seed).eval()
+    model = randomize_parameters(ThinkerForCausalLM(make_config(family, **overrides)), seed).eval()
     model.save_pretrained(folder)
     if tokenizer:
         make_tokenizer().save_pretrained(folder)

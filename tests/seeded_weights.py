@@ -1,0 +1,22 @@
+"""Seeded weights for tests, shared by the model, converter and export tests."""
+
+from __future__ import annotations
+
+import torch
+
+
+def randomize_parameters(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Fills every parameter with seeded values that have no trivial structure: matrices ~ N(0, 1/fan_in), norm
+    scales ~ 1 + N(0, 0.1²), biases ~ N(0, 0.1²). Default inits (zero biases, unit norms) would hide a missing bias or
+    a norm applied to the wrong tensor."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if param.ndim > 1:
+                param.copy_(noise / param.shape[-1] ** 0.5)
+            elif name.endswith("bias"):
+                param.copy_(0.1 * noise)
+            else:
+                param.copy_(1.0 + 0.1 * noise)
+    return model
