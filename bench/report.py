@@ -111,3 +111,61 @@ def fidelity_table(fidelity: dict) -> str:
         f"graph, perplexity {fidelity['perplexity_reference']:.2f}.\n\n"
     )
     return intro + table(["graph", "top-1 agreement", "perplexity", "change"], rows)
+
+
+def goals_table(results: dict) -> str:
+    """The issue's goals, each checked against this run's figures (ratios within one run)."""
+    rows = []
+
+    def runtime(model: dict, label: str) -> dict:
+        return next((r for r in model["runtimes"] if r["label"] == label), {})
+
+    def check(goal: str, model_name: str, value: float | None, bound: float, above: bool, shown: str) -> None:
+        met = value is not None and (value >= bound if above else value <= bound)
+        rows.append([goal, model_name, shown if value is not None else "—", "yes" if met else "**no**"])
+
+    for name, model in results["models"].items():
+        for runtime_name in ("onnxruntime", "onnxruntime-genai"):
+            ours = runtime(model, f"ours-fused on {runtime_name}").get("batch1")
+            peer = runtime(model, f"builder-fp32 on {runtime_name}").get("batch1")
+            if ours and peer:
+                speed = ours["decode_tokens_per_s"] / peer["decode_tokens_per_s"]
+                check(f"fp32 decode >= 0.95x builder ({runtime_name})", name, speed, 0.95, True, f"{speed:.2f}x")
+                prefill = ours["prefill_ms"] / peer["prefill_ms"]
+                check(f"fp32 prefill <= 1.1x builder ({runtime_name})", name, prefill, 1.1, False, f"{prefill:.2f}x")
+            fraction = runtime(model, f"ours-fused on {runtime_name}").get("fraction_of_limit")
+            check(
+                f"fp32 decode >= 90 % of the bandwidth limit ({runtime_name})",
+                name,
+                fraction,
+                0.9,
+                True,
+                f"{100 * (fraction or 0):.0f} %",
+            )
+            ours4 = runtime(model, f"ours-int4 on {runtime_name}").get("batch1")
+            peer4 = runtime(model, f"builder-int4 on {runtime_name}").get("batch1")
+            if ours4 and peer4:
+                speed = ours4["decode_tokens_per_s"] / peer4["decode_tokens_per_s"]
+                check(f"int4 decode >= 1.0x builder int4 ({runtime_name})", name, speed, 1.0, True, f"{speed:.2f}x")
+        fidelity = (model.get("fidelity") or {}).get("graphs", {})
+        if "ours-int4" in fidelity and "builder-int4" in fidelity:
+            ours, peer = fidelity["ours-int4"]["top1_agreement"], fidelity["builder-int4"]["top1_agreement"]
+            check(
+                "int4 top-1 agreement > builder int4's",
+                name,
+                ours - peer,
+                1e-9,
+                True,
+                f"{100 * ours:.1f} % vs {100 * peer:.1f} %",
+            )
+        exports = model["exports"]
+        for ours_name, peer_name in (("ours-fused", "builder-fp32"), ("ours-int4", "builder-int4")):
+            ours, peer = exports.get(ours_name, {}), exports.get(peer_name, {})
+            if ours.get("seconds") and peer.get("seconds"):
+                wall = ours["seconds"] / peer["seconds"]
+                check(f"export wall <= 2x builder ({ours_name})", name, wall, 2.0, False, f"{wall:.2f}x")
+            if ours.get("peak_rss"):
+                rss = ours["peak_rss"] / model["model_bytes"]
+                check(f"export peak RSS <= 1.6x model bytes ({ours_name})", name, rss, 1.6, False, f"{rss:.2f}x")
+    rows.append(["GPU float16: >= 1.0x builder CUDA, >= 3x eager", "—", "not measured (no GPU lent)", "**no**"])
+    return table(["goal", "model", "measured", "met"], rows)

@@ -58,6 +58,7 @@ class DecoderGraph:
     """Builds the decoder graph for one config, streaming weights from ``weights`` into ``builder``."""
 
     contrib_ops = False  # True where the graph uses onnxruntime's com.microsoft operators
+    kv_in_place = False  # True where every layer's cache can also be one buffer bound as past and present
 
     def __init__(
         self,

@@ -58,6 +58,7 @@ SIDE_FILES = (
 @dataclass
 class GraphFiles:
     model_path: Path
+    kv_in_place: bool  # the cache may be one buffer bound as past and present (genai_config's share_buffer)
     nodes: int
     nodes_by_op: dict[str, int]
     parameters: int
@@ -94,7 +95,7 @@ def export_model(
         files = build_onnx(model_dir, config, final, DTYPES[dtype], GRAPHS[graph], quantizer)
         copy_side_files(model_dir, final)
         generation_config = read_json(model_dir / "generation_config.json")
-        genai = make_genai_config(config, generation_config, threads)
+        genai = make_genai_config(config, generation_config, threads, share_buffer=files.kv_in_place)
         (final / "genai_config.json").write_text(json.dumps(genai, indent=2) + "\n")
         report = {
             "source": str(source),
@@ -142,7 +143,8 @@ def build_onnx(
     data = WeightFile(out_dir / DATA_FILE)
     contrib_ops = graph_class.contrib_ops or quantizer is not None
     try:
-        graph = graph_class(config, weights, GraphBuilder(data), dtype, quantizer).build()
+        graph_object = graph_class(config, weights, GraphBuilder(data), dtype, quantizer)
+        graph = graph_object.build()
         unused = weights.unused()
         if unused:
             raise ThinkerError(
@@ -167,6 +169,7 @@ def build_onnx(
     ops = count_ops(model.graph)
     return GraphFiles(
         model_path=model_path,
+        kv_in_place=graph_object.kv_in_place,
         nodes=sum(ops.values()),
         nodes_by_op=dict(sorted(ops.items())),
         parameters=count_parameters(model.graph),

@@ -21,9 +21,11 @@ left-padded batches). Consequences, documented in ``thinker export --help``:
   * with RoPE in GroupQueryAttention (head_dim a multiple of 16), ``position_ids`` is accepted but not read:
     positions are the cache slots, which is what every caller that numbers tokens from the mask gets anyway;
     a head_dim that is a multiple of 8 only rotates with the RotaryEmbedding op, which does read ``position_ids``;
-  * a step with several new tokens after a non-empty cache (chunked prefill) needs batch 1 (an onnxruntime limit);
-  * the cache is not shared between past and present (``past_present_share_buffer``): the contract's present is
-    (B, n_kv, P + T, hs), a new buffer per step.
+  * a step with several new tokens after a non-empty cache (chunked prefill) needs batch 1 (an onnxruntime limit).
+KV buffers: a caller that concatenates (``OnnxDecoder``) feeds P past slots and gets P + T back, the contract. The
+same graph also runs with one buffer of the whole context bound as both past and present, which
+GroupQueryAttention updates in place at the slots the attention mask gives (S - T .. S - 1): genai_config.json
+turns that on (``past_present_share_buffer``), and onnxruntime-genai then skips copying the cache every step.
 Configs that GroupQueryAttention cannot take (head_dim not a multiple of 8) keep the plain attention.
 """
 
@@ -59,6 +61,7 @@ class FusedDecoderGraph(DecoderGraph):
         cfg = self.config
         # onnxruntime's GroupQueryAttention checks: head_size % 8 == 0, and % 16 == 0 when it applies RoPE itself.
         self.use_gqa = self.head_dim % 8 == 0
+        self.kv_in_place = self.use_gqa  # GroupQueryAttention writes into a shared past/present buffer
         rope = cfg.position_embedding_type == "rope"
         self.rotary = None if not rope else ("gqa" if self.head_dim % 16 == 0 else "op")
         self.rms = cfg.norm_type != "layernorm"

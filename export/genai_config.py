@@ -2,8 +2,14 @@
 
 onnxruntime-genai picks its model class from ``model.type``; "qwen2", "qwen3" and "llama" all select its generic
 decoder-only model, which reads the IO names from the ``inputs``/``outputs`` sections below, so our contract
-names are declared there rather than assumed. The KV cache grows by concatenation in our graph (past and present
-are distinct buffers), hence ``past_present_share_buffer: false``.
+names are declared there rather than assumed.
+
+``past_present_share_buffer``: the plain graph grows the KV cache by concatenation (past and present are distinct
+buffers), so it is false there. The fused graph's GroupQueryAttention also takes one buffer of the whole context
+bound as both past and present, writing each step's keys and values in place (its cache slots follow the
+attention mask, so left padding keeps working); onnxruntime-genai then skips the per-step copy of the cache, which
+is most of what batch decoding spends beyond the weights. The graph's IO contract is unchanged: a caller that
+concatenates (OnnxDecoder) feeds a past of P slots and gets P + T back, as before.
 """
 
 from __future__ import annotations
@@ -37,7 +43,10 @@ def special_token_ids(config: ThinkerConfig, generation_config: dict | None) -> 
     return int(bos), [int(i) for i in eos_ids] or [-1], int(pad)
 
 
-def make_genai_config(config: ThinkerConfig, generation_config: dict | None, threads: int | None = None) -> dict:
+def make_genai_config(
+    config: ThinkerConfig, generation_config: dict | None, threads: int | None = None, share_buffer: bool = False
+) -> dict:
+    """``share_buffer``: the graph updates one KV buffer in place when bound as past and present (fused graphs)."""
     bos, eos, pad = special_token_ids(config, generation_config)
     layers = config.num_hidden_layers
     return {
@@ -92,6 +101,6 @@ def make_genai_config(config: ThinkerConfig, generation_config: dict | None, thr
             "min_length": 0,
             "max_length": config.max_position_embeddings,
             "early_stopping": True,
-            "past_present_share_buffer": False,
+            "past_present_share_buffer": share_buffer,
         },
     }

@@ -19,7 +19,7 @@ import torch
 
 from export.contrib_schemas import register_onnxruntime_schemas
 from export.exporter import count_ops
-from export.runtime import OnnxDecoder, cuda_usable
+from export.runtime import OnnxDecoder, cuda_usable, position_ids_from_mask
 from export.verify import compare_decoders, parity_batch
 
 FAMILIES = ["qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "gpt2", "uomni"]
@@ -152,6 +152,53 @@ def test_several_new_tokens_after_a_cache_need_batch_1(onnx_variant):
     state.attention_mask = np.ones((2, 8), np.int64)
     with pytest.raises(Exception, match="batch_size must be 1"):
         decoder.forward(batch[:, 3:], np.repeat(np.arange(3, 8)[None], 2, axis=0), state)
+
+
+def test_one_kv_buffer_bound_as_past_and_present(onnx_variant):
+    """The in-place mode genai_config.json turns on: one buffer of the whole context bound (IO binding) as each
+    layer's past and present, which GroupQueryAttention updates at the mask's slots, gives the logits of the
+    concatenating caller on the left-padded batch."""
+    import onnxruntime as ort
+
+    folder = onnx_variant("qwen3_moe")
+    genai = json.loads((folder / "genai_config.json").read_text())
+    assert genai["search"]["past_present_share_buffer"] is True
+    decoder = OnnxDecoder(folder, provider="cpu")
+    input_ids, attention_mask = parity_batch(96)
+    expected, state = decoder.prefill(input_ids, attention_mask)
+    steps = 3
+    buffers = {
+        name: ort.OrtValue.ortvalue_from_numpy(np.zeros((2, 2, input_ids.shape[1] + steps, 16), np.float32))
+        for name in decoder.past_names
+    }
+
+    def run(ids, mask, positions):
+        binding = decoder.session.io_binding()
+        for name, value in (("input_ids", ids), ("attention_mask", mask), ("position_ids", positions)):
+            binding.bind_cpu_input(name, np.ascontiguousarray(value, dtype=np.int64))
+        binding.bind_output("logits")  # first: get_outputs() follows the binding order
+        for past, present in zip(decoder.past_names, decoder.present_names, strict=True):
+            binding.bind_ortvalue_input(past, buffers[past])
+            binding.bind_ortvalue_output(present, buffers[past])
+        decoder.session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()
+
+    mask = attention_mask
+    logits = run(input_ids, mask, position_ids_from_mask(mask))
+    kept = attention_mask.astype(bool)
+    np.testing.assert_allclose(logits[kept], expected[kept], atol=1e-4)
+    token = expected[:, -1].argmax(-1)
+    for _ in range(steps):
+        expected_step = decoder.decode_one_token(token, state)
+        mask = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)
+        step = run(token[:, None], mask, position_ids_from_mask(mask)[:, -1:])[:, -1]
+        np.testing.assert_allclose(step, expected_step, atol=1e-4)
+        token = expected_step.argmax(-1)
+
+
+def test_plain_graph_keeps_distinct_past_and_present(onnx_folder):
+    genai = json.loads((onnx_folder("qwen3") / "genai_config.json").read_text())
+    assert genai["search"]["past_present_share_buffer"] is False  # Concat: present is a new tensor
 
 
 def test_moe_op_runs_only_the_routed_experts(tmp_path):
