@@ -14,6 +14,8 @@ from transformers.modeling_rope_utils import RopeParameters
 
 POSITION_EMBEDDING_TYPES = ("rope", "learned")
 NORM_TYPES = ("rmsnorm", "layernorm")
+# Token mixers, per layer (transformers' names: its caches and mask builders dispatch on them).
+LAYER_TYPES = ("full_attention", "linear_attention")
 
 
 @strict
@@ -24,8 +26,9 @@ class ThinkerConfig(PreTrainedConfig):
 
     Derived fields are filled in ``__post_init__`` only: ``num_key_value_heads`` defaults to the head count (MHA),
     ``head_dim`` to ``hidden_size // num_attention_heads``, ``moe_intermediate_size`` to ``intermediate_size``,
-    ``attention_output_bias`` to ``attention_bias``, and ``mlp_layer_types`` ("dense" / "sparse" per layer) from
-    the MoE fields exactly as Qwen-MoE decides them.
+    ``attention_output_bias`` to ``attention_bias``, ``mlp_layer_types`` ("dense" / "sparse" per layer) from
+    the MoE fields exactly as Qwen-MoE decides them, and ``layer_types`` (the token mixer per layer) to all
+    ``"full_attention"`` when not given.
 
     ```python
     >>> from thinker import ThinkerConfig, ThinkerForCausalLM
@@ -52,12 +55,20 @@ class ThinkerConfig(PreTrainedConfig):
         "layers.*.mlp.shared_expert.gate_proj": "colwise",
         "layers.*.mlp.shared_expert.up_proj": "colwise",
         "layers.*.mlp.shared_expert.down_proj": "rowwise",
+        # Gated DeltaNet, as Qwen3.5 plans it: each rank computes every head and gathers the projections' outputs.
+        "layers.*.linear_attn.in_proj_qkv": "colwise_gather_output",
+        "layers.*.linear_attn.in_proj_z": "colwise_gather_output",
+        "layers.*.linear_attn.in_proj_b": "colwise_gather_output",
+        "layers.*.linear_attn.in_proj_a": "colwise_gather_output",
+        "layers.*.linear_attn.out_proj": "colwise_gather_output",
     }
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
         "norm": (["hidden_states"], ["hidden_states"]),
     }
+    # Multimodal RoPE keys (Qwen3.5, Qwen3-Omni) are read by the rotary embedding, not by transformers' validators.
+    ignore_keys_at_rope_validation = {"mrope_section", "mrope_interleaved", "interleaved"}
 
     # --- sizes ------------------------------------------------------------------------------------------------
     vocab_size: int = 5000
@@ -73,18 +84,32 @@ class ThinkerConfig(PreTrainedConfig):
     attention_bias: bool = False  # bias on q/k/v (Qwen2: True)
     attention_output_bias: bool | None = None  # bias on o_proj; None: same as attention_bias (Llama, GPT-2)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    attention_output_gate: bool = False  # q_proj also yields a per-head gate; output * sigmoid(gate) (Qwen3.5)
     attention_dropout: float | int = 0.0
 
     # --- positions --------------------------------------------------------------------------------------------
     position_embedding_type: str = "rope"  # "rope", or "learned" absolute positions (GPT-2 / PrimeGPT)
-    rope_parameters: RopeParameters | dict | None = None  # any rope_type transformers' ROPE_INIT_FUNCTIONS knows
+    # Any rope_type transformers' ROPE_INIT_FUNCTIONS knows, plus "partial_rotary_factor" (Qwen3.5: 0.25) and
+    # interleaved multimodal RoPE: "mrope_section" [t, h, w] frequencies, which (3, B, T) position_ids select.
+    rope_parameters: RopeParameters | dict | None = None
 
     # --- MLP and norms ----------------------------------------------------------------------------------------
     hidden_act: str = "silu"
     mlp_gated: bool = True  # SwiGLU-style act(gate) * up; False: plain act(up) (GPT-2)
     mlp_bias: bool = False
     norm_type: str = "rmsnorm"  # "rmsnorm" (computed in fp32, as Qwen3) or "layernorm" (with bias)
+    norm_zero_centered: bool = False  # RMSNorm weights stored as offsets from one: x * (1 + w) (Qwen3.5, Qwen3-Next)
     rms_norm_eps: float = 1e-6  # epsilon of every norm, whichever type
+
+    # --- hybrid token mixers: Gated DeltaNet linear attention (Qwen3.5, Qwen3-Next) ---------------------------
+    # Per layer "full_attention" or "linear_attention"; None: every layer full attention. It is the one source of
+    # truth (no other field is derived into it), so editing it is all it takes to change a layer's mixer.
+    layer_types: list[str] | None = None
+    linear_conv_kernel_dim: int = 4  # depthwise causal conv over q, k, v before the delta rule
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32  # a multiple of linear_num_key_heads: each key head serves several
 
     # --- mixture of experts -----------------------------------------------------------------------------------
     num_experts: int = 0  # 0: every layer dense
@@ -122,12 +147,12 @@ class ThinkerConfig(PreTrainedConfig):
             self.moe_intermediate_size = self.intermediate_size
         if self.mlp_only_layers is None:
             self.mlp_only_layers = []
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
         if self.mlp_layer_types is None:
             self.mlp_layer_types = [
                 "sparse"
-                if self.num_experts > 0
-                and i not in self.mlp_only_layers
-                and (i + 1) % self.decoder_sparse_step == 0
+                if self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
                 else "dense"
                 for i in range(self.num_hidden_layers)
             ]
@@ -156,10 +181,39 @@ class ThinkerConfig(PreTrainedConfig):
             )
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must lie in 1..{self.num_experts}")
+        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - set(LAYER_TYPES):
+            raise ValueError(
+                f"layer_types must list one of {LAYER_TYPES} for each of {self.num_hidden_layers} layers; "
+                f"got {self.layer_types}"
+            )
+        if "linear_attention" in self.layer_types and self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
+                f"linear_num_key_heads={self.linear_num_key_heads}"
+            )
+        if self.norm_zero_centered and self.norm_type != "rmsnorm":
+            raise ValueError("norm_zero_centered applies to RMSNorm weights; it needs norm_type='rmsnorm'")
+        mrope_section = (self.rope_parameters or {}).get("mrope_section")
+        if mrope_section is not None:
+            rotary_pairs = int(self.head_dim * self.rope_parameters.get("partial_rotary_factor", 1.0)) // 2
+            if len(mrope_section) != 3 or sum(mrope_section) != rotary_pairs:
+                raise ValueError(
+                    f"rope_parameters['mrope_section']={mrope_section} must give [t, h, w] frequency counts summing to "
+                    f"the {rotary_pairs} rotary frequencies of a head"
+                )
+            if not self.rope_parameters.get("mrope_interleaved", self.rope_parameters.get("interleaved", True)):
+                raise ValueError(
+                    "only interleaved multimodal RoPE (Qwen3-VL, Qwen3.5, Qwen3-Omni) is supported; "
+                    "rope_parameters sets mrope_interleaved=False"
+                )
 
     @property
     def num_key_value_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def has_linear_attention(self) -> bool:
+        return "linear_attention" in self.layer_types
 
 
 __all__ = ["ThinkerConfig"]

@@ -1,10 +1,15 @@
 """Thinker: one decoder-only transformer that every Qwen-style checkpoint converts into.
 
 Features, each a config switch (see ``ThinkerConfig``):
-  - RMSNorm computed in float32 (Qwen3) or LayerNorm with bias (GPT-2)
-  - RoPE with every scaling type of transformers' ``ROPE_INIT_FUNCTIONS``, or learned absolute positions
+  - RMSNorm computed in float32 (Qwen3), with weights stored as offsets from one if zero-centred (Qwen3.5,
+    Qwen3-Next), or LayerNorm with bias (GPT-2)
+  - RoPE with every scaling type of transformers' ``ROPE_INIT_FUNCTIONS``, partial rotary, or learned absolute
+    positions; interleaved multimodal RoPE (Qwen3-VL, Qwen3.5, Qwen3-Omni) from ``(3|4, B, T)`` position_ids
   - multi-head, grouped-query and multi-query attention; ``head_dim`` independent of ``hidden_size``
-  - q/k/v and output biases (Qwen2, GPT-2), per-head q/k RMSNorm (Qwen3)
+  - q/k/v and output biases (Qwen2, GPT-2), per-head q/k RMSNorm (Qwen3), a sigmoid output gate (Qwen3.5)
+  - hybrid token mixers per layer (``layer_types``): full attention or Gated DeltaNet linear attention (a causal
+    depthwise conv, the gated delta rule over a recurrent state, a gated RMSNorm; Qwen3.5, Qwen3-Next), with
+    transformers' own kernels (chunked prefill, one-step decode) and its linear-attention cache layers
   - SwiGLU or plain GELU MLP, with or without bias
   - Mixture of Experts with Qwen's routing (softmax, top-k, optional renormalisation), fused 3-D expert weights,
     an optional shared expert behind a sigmoid gate (Qwen2-MoE), dense layers picked by ``decoder_sparse_step``
@@ -29,13 +34,25 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.integrations import use_experts_implementation
-from transformers.masking_utils import create_causal_mask
+from transformers.integrations import use_experts_implementation, use_kernel_forward_from_hub, use_kernelized_func
+from transformers.integrations.accelerate import force_accelerate_hooks
+from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+# The Gated DeltaNet kernels: transformers' torch fallbacks, which defer to hub kernels or the fla / causal-conv1d
+# packages when those are installed, exactly as for Qwen3.5 and Qwen3-Next. Imported rather than re-derived so that
+# the numerics are the reference's by construction; qwen3_next is the module that has held them in every 5.x.
+from transformers.models.qwen3_next.modeling_qwen3_next import (
+    apply_mask_to_padding_states,
+    causal_conv1d_fn,
+    causal_conv1d_update,
+    torch_chunk_gated_delta_rule,
+    torch_recurrent_gated_delta_rule,
+)
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
@@ -48,27 +65,52 @@ from .configuration_thinker import ThinkerConfig
 
 
 class ThinkerRMSNorm(nn.Module):
-    """RMSNorm in float32, cast back before the scale: bit-for-bit Qwen3's (and Llama's) order of operations."""
+    """RMSNorm in float32. Plain: cast back, then scale by ``w`` (Qwen3's and Llama's order of operations).
+    Zero-centred: scale by ``1 + w`` in float32, then cast (Qwen3.5's, Qwen3-Next's and Gemma's order); the weight
+    is kept as the checkpoint stores it, so conversions stay bit-exact both ways."""
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, zero_centered: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.zero_centered = zero_centered
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        if self.zero_centered:
+            return (x * (1.0 + self.weight.float())).to(input_dtype)
         return self.weight * x.to(input_dtype)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+        centred = ", zero_centered=True" if self.zero_centered else ""
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}{centred}"
+
+
+@use_kernel_forward_from_hub("RMSNormGated")  # the hub kernel transformers offers for Qwen3.5's gated norm
+class ThinkerRMSNormGated(nn.Module):
+    """The Gated DeltaNet's output norm: RMSNorm in float32 with a plain weight (not zero-centred), then times
+    ``silu(gate)`` in float32; Qwen3NextRMSNormGated's order of operations."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = eps
+        self.activation = "silu"
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        x = hidden_states.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        x = self.weight * x.to(input_dtype)
+        return (x * F.silu(gate.to(torch.float32))).to(input_dtype)
 
 
 def make_norm(config: ThinkerConfig, dim: int) -> nn.Module:
     if config.norm_type == "layernorm":
         return nn.LayerNorm(dim, eps=config.rms_norm_eps)
-    return ThinkerRMSNorm(dim, eps=config.rms_norm_eps)
+    return ThinkerRMSNorm(dim, eps=config.rms_norm_eps, zero_centered=config.norm_zero_centered)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -76,7 +118,13 @@ def make_norm(config: ThinkerConfig, dim: int) -> nn.Module:
 
 
 class ThinkerRotaryEmbedding(nn.Module):
-    """cos/sin tables for the half-split rotation; frequencies come from transformers' RoPE initialisers."""
+    """cos/sin tables for the half-split rotation; frequencies come from transformers' RoPE initialisers.
+
+    Interleaved multimodal RoPE (``rope_parameters["mrope_section"]``): given (3, B, T) temporal/height/width
+    positions, frequency ``i`` takes the height position when ``i % 3 == 1`` and ``i < 3 * section[1]``, the width
+    position when ``i % 3 == 2`` and ``i < 3 * section[2]``, and the temporal position otherwise
+    (Qwen3VLTextRotaryEmbedding's layout). (B, T) positions are the text case, where all three coincide.
+    """
 
     inv_freq: torch.Tensor
 
@@ -92,6 +140,7 @@ class ThinkerRotaryEmbedding(nn.Module):
         inv_freq, self.attention_scaling = init_fn(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
+        self.mrope_section = config.rope_parameters.get("mrope_section")
 
     @staticmethod
     def compute_default_rope_parameters(config: ThinkerConfig, device=None, seq_len=None) -> tuple[torch.Tensor, float]:
@@ -106,9 +155,23 @@ class ThinkerRotaryEmbedding(nn.Module):
     @torch.no_grad()
     @dynamic_rope_update  # recomputes inv_freq for the "dynamic" and "longrope" types as the context grows
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.to(x.device, torch.float)  # (B, T, hs/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, hs)
+        freqs = position_ids[..., None].float() * self.inv_freq.to(x.device, torch.float)  # ([3,] B, T, rot/2)
+        if position_ids.ndim == 3:
+            freqs = self.interleave_sections(freqs)  # (B, T, rot/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, rot)
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+    def interleave_sections(self, freqs: torch.Tensor) -> torch.Tensor:
+        if self.mrope_section is None:
+            raise ValueError(
+                "position_ids of shape (3, B, T) or (4, B, T) need multimodal RoPE; rope_parameters has no "
+                "mrope_section"
+            )
+        thw = freqs[0].clone()  # temporal everywhere, then the height and width slots overwritten
+        for row in (1, 2):
+            slots = slice(row, 3 * self.mrope_section[row], 3)
+            thw[..., slots] = freqs[row, ..., slots]
+        return thw
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -165,13 +228,17 @@ class ThinkerAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
         q_size, kv_size = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.attention_bias)
+        self.output_gate = config.attention_output_gate
+        # With the output gate, q_proj's rows hold [query, gate] for each head in turn (Qwen3.5's layout).
+        q_rows = 2 * q_size if self.output_gate else q_size
+        self.q_proj = nn.Linear(config.hidden_size, q_rows, bias=config.attention_bias)
         self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_output_bias)
         if config.qk_norm:  # per head, so it needs no reshape after the projection's view
-            self.q_norm = ThinkerRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-            self.k_norm = ThinkerRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            centred = config.norm_zero_centered
+            self.q_norm = ThinkerRMSNorm(self.head_dim, eps=config.rms_norm_eps, zero_centered=centred)
+            self.k_norm = ThinkerRMSNorm(self.head_dim, eps=config.rms_norm_eps, zero_centered=centred)
 
     def forward(
         self,
@@ -183,7 +250,11 @@ class ThinkerAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)  # (B, T, n, hs)
-        q = self.q_proj(hidden_states).view(hidden_shape)
+        if self.output_gate:
+            q, gate = self.q_proj(hidden_states).view(*input_shape, -1, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(*input_shape, -1)  # (B, T, nh * hs)
+        else:
+            q = self.q_proj(hidden_states).view(hidden_shape)
         k = self.k_proj(hidden_states).view(hidden_shape)
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, n_kv, T, hs)
         if self.config.qk_norm:
@@ -207,8 +278,113 @@ class ThinkerAttention(nn.Module):
             scaling=self.scaling,
             **kwargs,
         )
-        out = self.o_proj(out.reshape(*input_shape, -1).contiguous())
-        return out, weights
+        out = out.reshape(*input_shape, -1).contiguous()  # (B, T, nh * hs)
+        if self.output_gate:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out), weights
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# linear attention: Gated DeltaNet
+
+
+@use_kernelized_func(
+    [torch_recurrent_gated_delta_rule, torch_chunk_gated_delta_rule, causal_conv1d_fn, causal_conv1d_update]
+)
+class ThinkerGatedDeltaNet(nn.Module):
+    """Gated DeltaNet in Qwen3.5's parameter layout (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``,
+    ``conv1d``, ``dt_bias``, ``A_log``, ``norm``, ``out_proj``), so a Qwen3.5 state dict loads by name; Qwen3-Next's
+    fused, per-key-head grouped ``in_proj_qkvz`` / ``in_proj_ba`` are reordered into it by the converter.
+
+    q, k, v go through a causal depthwise conv (SiLU); the state S (per value head, k_dim x v_dim) decays by
+    ``exp(g)`` and takes the delta-rule update ``S += k (beta (v - S^T k))^T`` for each token; the output
+    ``S^T q`` goes through an RMSNorm gated by ``silu(z)``. Each key head serves ``v_heads / k_heads`` value heads.
+    The cache (transformers' LinearAttentionLayer) holds the last ``linear_conv_kernel_dim`` conv inputs and S.
+    """
+
+    def __init__(self, config: ThinkerConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_kernel_size = config.linear_conv_kernel_dim
+        self.activation = config.hidden_act
+
+        self.conv_dim = 2 * self.key_dim + self.value_dim  # channels of [q | k | v]
+        self.conv1d = nn.Conv1d(
+            self.conv_dim,
+            self.conv_dim,
+            kernel_size=self.conv_kernel_size,
+            groups=self.conv_dim,
+            padding=self.conv_kernel_size - 1,
+            bias=False,
+        )
+        self.in_proj_qkv = nn.Linear(config.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(config.hidden_size, self.value_dim, bias=False)  # output gate
+        self.in_proj_b = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)  # write strength beta
+        self.in_proj_a = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)  # decay step
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        # log of the decay rate A; its range keeps log(A) finite (transformers' initialisation)
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads).uniform_(0.01, 16).log_())
+        self.norm = ThinkerRMSNormGated(self.head_v_dim, eps=config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
+
+    @force_accelerate_hooks("conv1d")  # its weight is read directly by the conv kernels, not through forward()
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # (B, T, C)
+        attention_mask: torch.Tensor | None = None,  # 2-D padding mask (B, T) or None
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        # Padding positions become zeros: with no biases they write nothing into the state (transformers' rule).
+        hidden_states = apply_mask_to_padding_states(hidden_states, attention_mask)
+        batch, seq, _ = hidden_states.shape
+        cache = past_key_values
+        conv_state = cache.get_conv_state(self.layer_idx) if cache is not None else None
+        recurrent_state = cache.get_recurrent_state(self.layer_idx) if cache is not None else None
+
+        qkv = self.in_proj_qkv(hidden_states).transpose(1, 2)  # (B, 2·Dk + Dv, T)
+        z = self.in_proj_z(hidden_states).reshape(batch, seq, -1, self.head_v_dim)  # (B, T, nv, hv)
+        b, a = self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)  # (B, T, nv)
+
+        weight = self.conv1d.weight.squeeze(1)  # (channels, kernel)
+        if conv_state is not None and seq == 1 and not cache.is_recording_past(self.layer_idx):
+            qkv = causal_conv1d_update(qkv, conv_state, weight, self.conv1d.bias, self.activation)  # state in place
+        else:
+            if cache is not None:  # prefill or a multi-token step: the cached inputs become the left context
+                qkv = cache.update_conv_state(qkv, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
+            qkv = causal_conv1d_fn(qkv, weight, self.conv1d.bias, activation=self.activation, **kwargs)
+            if cache is not None:
+                qkv = qkv[:, :, -seq:]  # drop the outputs of the cached context
+        query, key, value = qkv.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        query = query.reshape(batch, seq, -1, self.head_k_dim)  # (B, T, nk, hk)
+        key = key.reshape(batch, seq, -1, self.head_k_dim)
+        value = value.reshape(batch, seq, -1, self.head_v_dim)  # (B, T, nv, hv)
+
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # log decay <= 0, in fp32
+        one_step = recurrent_state is not None and seq == 1  # decode; prefill runs the chunked form
+        delta_rule = torch_recurrent_gated_delta_rule if one_step else torch_chunk_gated_delta_rule
+        out, last_state = delta_rule(
+            query,
+            key,
+            value,
+            g=g,
+            beta=beta,
+            initial_state=recurrent_state,
+            output_final_state=cache is not None,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=kwargs.pop("cu_seq_lens_q", None),
+            **kwargs,
+        )  # (B, T, nv, hv)
+        if cache is not None:
+            cache.update_recurrent_state(last_state, self.layer_idx)
+
+        out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(out.reshape(batch, seq, -1))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -304,12 +480,30 @@ class ThinkerSparseMoeBlock(nn.Module):
 # decoder layer and model
 
 
+def split_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(text positions for the causal mask, positions for RoPE), taking position_ids as Qwen3.5's and Qwen3-Omni's
+    text models do: (B, T) text; (3, B, T) temporal/height/width, no separate text row (the mask then counts
+    positions from the cache); (4, B, T) a text row followed by temporal/height/width."""
+    if position_ids.ndim == 2:
+        return position_ids, position_ids
+    if position_ids.ndim == 3 and position_ids.shape[0] == 4:
+        return position_ids[0], position_ids[1:]
+    if position_ids.ndim == 3 and position_ids.shape[0] == 3:
+        return None, position_ids
+    raise ValueError(f"position_ids must be (B, T), (3, B, T) or (4, B, T); got {tuple(position_ids.shape)}")
+
+
 class ThinkerDecoderLayer(GradientCheckpointingLayer):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm block: ``x + mixer(norm(x))``, then ``x + mlp(norm(x))``; the mixer is full attention
+    (``self_attn``) or Gated DeltaNet (``linear_attn``) as ``layer_types`` says."""
 
     def __init__(self, config: ThinkerConfig, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = ThinkerAttention(config, layer_idx)
+        self.layer_type = config.layer_types[layer_idx]
+        if self.layer_type == "linear_attention":
+            self.linear_attn = ThinkerGatedDeltaNet(config, layer_idx)
+        else:
+            self.self_attn = ThinkerAttention(config, layer_idx)
         sparse = config.mlp_layer_types[layer_idx] == "sparse"
         self.mlp = ThinkerSparseMoeBlock(config) if sparse else ThinkerMLP(config)
         self.input_layernorm = make_norm(config, config.hidden_size)
@@ -318,7 +512,7 @@ class ThinkerDecoderLayer(GradientCheckpointingLayer):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,  # this layer type's mask (4-D additive, or 2-D padding)
         position_ids: torch.LongTensor | None = None,
         past_key_values: Cache | None = None,
         use_cache: bool | None = False,
@@ -326,13 +520,17 @@ class ThinkerDecoderLayer(GradientCheckpointingLayer):
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         residual = hidden_states
-        hidden_states, _ = self.self_attn(
-            self.input_layernorm(hidden_states),
-            position_embeddings=position_embeddings,
-            attention_mask=attention_mask,
-            past_key_values=past_key_values,
-            **kwargs,
-        )
+        normed = self.input_layernorm(hidden_states)
+        if self.layer_type == "linear_attention":
+            hidden_states = self.linear_attn(normed, attention_mask, past_key_values, **kwargs)
+        else:
+            hidden_states, _ = self.self_attn(
+                normed,
+                position_embeddings=position_embeddings,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+                **kwargs,
+            )
         hidden_states = residual + hidden_states
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
@@ -355,11 +553,21 @@ class ThinkerPreTrainedModel(PreTrainedModel):
         "attentions": ThinkerAttention,
     }
 
+    def __init__(self, config: ThinkerConfig, *inputs, **kwargs) -> None:
+        super().__init__(config, *inputs, **kwargs)
+        # A recurrent state cannot be rolled back to a prefix, so generate() must refuse assisted decoding.
+        self._is_stateful = config.has_linear_attention
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
         std = self.config.initializer_range
-        if isinstance(module, ThinkerExperts):
+        if isinstance(module, ThinkerRMSNorm) and module.zero_centered:
+            init.zeros_(module.weight)  # a scale of one, stored as its offset from one
+        elif isinstance(module, ThinkerGatedDeltaNet):  # as Qwen3.5 initialises them
+            init.ones_(module.dt_bias)
+            init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(0.01, 16).log_())
+        elif isinstance(module, ThinkerExperts):
             init.normal_(module.gate_up_proj, mean=0.0, std=std)
             init.normal_(module.down_proj, mean=0.0, std=std)
         elif isinstance(module, ThinkerTopKRouter):
@@ -378,6 +586,11 @@ class ThinkerModel(ThinkerPreTrainedModel):
             self.rotary_emb = ThinkerRotaryEmbedding(config)
         if config.audio_embed_size:
             self.audio_proj = nn.Linear(config.audio_embed_size, config.hidden_size)
+        if len(config.layer_types) != config.num_hidden_layers:
+            raise ValueError(
+                f"config.layer_types lists {len(config.layer_types)} layers but num_hidden_layers is "
+                f"{config.num_hidden_layers}: set layer_types for every layer"
+            )
         self.layers = nn.ModuleList([ThinkerDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = make_norm(config, config.hidden_size)
         self.gradient_checkpointing = False
@@ -411,27 +624,34 @@ class ThinkerModel(ThinkerPreTrainedModel):
         if position_ids is None:
             past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen)[None]
+        text_positions, rope_positions = split_position_ids(position_ids)
 
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            past_key_values=past_key_values,
-            position_ids=position_ids,
-        )
+        if not isinstance(masks := attention_mask, dict):  # generate() may have built them (compileable caches)
+            mask_kwargs = dict(
+                config=self.config,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+                position_ids=text_positions,
+            )
+            masks = {"full_attention": create_causal_mask(**mask_kwargs)}
+            if self.config.has_linear_attention:
+                masks["linear_attention"] = create_recurrent_attention_mask(**mask_kwargs)
 
         hidden_states = inputs_embeds
         position_embeddings = None
         if self.config.position_embedding_type == "learned":
-            hidden_states = hidden_states + self.embed_positions(position_ids)
+            if rope_positions.ndim == 3:
+                raise ValueError("multimodal (3, B, T) position_ids need rotary positions, not learned ones")
+            hidden_states = hidden_states + self.embed_positions(rope_positions)
         else:
-            position_embeddings = self.rotary_emb(hidden_states, position_ids)
+            position_embeddings = self.rotary_emb(hidden_states, rope_positions)
 
-        for layer in self.layers[: self.config.num_hidden_layers]:
+        for i, layer in enumerate(self.layers[: self.config.num_hidden_layers]):
             hidden_states = layer(
                 hidden_states,
-                attention_mask=causal_mask,
-                position_ids=position_ids,
+                attention_mask=masks[self.config.layer_types[i]],
+                position_ids=text_positions,
                 past_key_values=past_key_values,
                 use_cache=use_cache,
                 position_embeddings=position_embeddings,
