@@ -1,0 +1,483 @@
+"""The hybrid families as Thinker configurations: Qwen3.5, Qwen3.5-MoE and Qwen3-Next against transformers' own
+classes, and multimodal positions against the Qwen3.5 vision-language model and the Qwen3-Omni thinker.
+
+Each reference is tiny and awkward on purpose: linear-attention and full-attention layers mixed (a linear one
+first), two value heads per key head, key and value head sizes that differ, partial rotary (0.25) with an
+interleaved mrope section, an untied head, MoE with a gated shared expert (and a dense layer among the sparse ones
+for Qwen3-Next). Every weight is randomised (norms, ``A_log``, ``dt_bias``, the conv kernel included), so the
+zero-centred norms, the attention output gate and the gated norm all shape the logits. Configs are translated and
+state dicts renamed by the small functions here, not by the converter. Qwen3-Next's fused ``in_proj_qkvz`` /
+``in_proj_ba`` are reordered into the Thinker's split layout by ``qwen3_next_split_projections`` below, a
+test-local copy of what the converter's reorder operation has to do.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from huggingface_hub.errors import StrictDataclassError
+from references import qwen3_omni
+from seeded_weights import randomize_parameters
+from torch.testing import assert_close
+from transformers import (
+    DynamicCache,
+    Qwen3_5Config,
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
+)
+from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerTextModel
+
+from thinker import ThinkerConfig, ThinkerForCausalLM
+from thinker.modeling_thinker import ThinkerRMSNorm
+
+TOL = dict(atol=1e-4, rtol=0)  # max |Δlogit| in fp32
+ATTENTION = ["eager", "sdpa"]
+VOCAB = 96
+LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+HYBRID_SIZES = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,  # rotary 0.25 of it: 8 dims, 4 frequencies = mrope_section 2 + 1 + 1
+    layer_types=LAYER_TYPES,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,  # two value heads per key head
+    linear_key_head_dim=12,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 1e4,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True,
+    },
+)
+MOE_SIZES = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+
+# Qwen's names are the Thinker's; the switches Qwen hard-codes in these classes are explicit here.
+TRANSLATED_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "hidden_act",
+    "attention_bias",
+    "tie_word_embeddings",
+    "layer_types",
+    "linear_conv_kernel_dim",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "norm_topk_prob",
+)
+HYBRID_SWITCHES = dict(qk_norm=True, attention_output_gate=True, norm_zero_centered=True)
+
+
+def thinker_config_from(reference_config, **switches) -> ThinkerConfig:
+    """A Qwen3.5 / Qwen3.5-MoE / Qwen3-Next / Qwen3-Omni text config as a ThinkerConfig (the converter's family
+    modules will do this for real)."""
+    fields = {name: getattr(reference_config, name) for name in TRANSLATED_FIELDS if hasattr(reference_config, name)}
+    if reference_config.model_type == "qwen3_5_moe_text":
+        fields["norm_topk_prob"] = True  # Qwen3.5-MoE's router always renormalises its top-k
+    fields["rope_parameters"] = dict(reference_config.rope_parameters)
+    return ThinkerConfig(**fields, **switches)
+
+
+def token_ids(batch: int = 2, length: int = 11, seed: int = 1) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def build_thinker(config: ThinkerConfig, state: dict[str, torch.Tensor], attn: str) -> ThinkerForCausalLM:
+    model = ThinkerForCausalLM._from_config(config, attn_implementation=attn, experts_implementation="eager").eval()
+    model.load_state_dict(state, strict=True)  # every parameter by name, nothing left over
+    return model
+
+
+def reference(model_class, config, attn: str):
+    model = model_class._from_config(config, attn_implementation=attn, experts_implementation="eager")
+    return randomize_parameters(model, seed=0).eval()
+
+
+def qwen3_next_split_projections(state: dict[str, torch.Tensor], config: Qwen3NextConfig) -> dict:
+    """Qwen3-Next's fused projections, grouped per key head as [q, k, v (r heads), z (r heads)] and [b (r), a (r)]
+    with r value heads per key head, reordered into Qwen3.5's split in_proj_qkv / in_proj_z / in_proj_b / in_proj_a
+    (all query heads, then all keys, then all values)."""
+    nk, r = config.linear_num_key_heads, config.linear_num_value_heads // config.linear_num_key_heads
+    hk, hv = config.linear_key_head_dim, config.linear_value_head_dim
+    out = {}
+    for name, tensor in state.items():
+        prefix = name.rpartition(".in_proj_")[0]
+        if name.endswith("linear_attn.in_proj_qkvz.weight"):
+            q, k, v, z = tensor.view(nk, 2 * hk + 2 * r * hv, -1).split([hk, hk, r * hv, r * hv], dim=1)
+            hidden = tensor.shape[-1]
+            out[f"{prefix}.in_proj_qkv.weight"] = torch.cat([x.reshape(-1, hidden) for x in (q, k, v)])
+            out[f"{prefix}.in_proj_z.weight"] = z.reshape(-1, hidden)
+        elif name.endswith("linear_attn.in_proj_ba.weight"):
+            b, a = tensor.view(nk, 2 * r, -1).split([r, r], dim=1)
+            out[f"{prefix}.in_proj_b.weight"] = b.reshape(-1, tensor.shape[-1])
+            out[f"{prefix}.in_proj_a.weight"] = a.reshape(-1, tensor.shape[-1])
+        else:
+            out[name] = tensor
+    return out
+
+
+def language_model_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Qwen3.5's vision-language layout with the vision tower dropped: model.language_model.* -> model.*."""
+    return {
+        name.replace("model.language_model.", "model."): tensor
+        for name, tensor in state.items()
+        if not name.startswith("model.visual.")
+    }
+
+
+def qwen3_5_config(**overrides) -> Qwen3_5TextConfig:
+    return Qwen3_5TextConfig(**{**HYBRID_SIZES, "intermediate_size": 48, **overrides})
+
+
+def qwen3_5_moe_config() -> Qwen3_5MoeTextConfig:
+    return Qwen3_5MoeTextConfig(**HYBRID_SIZES, **MOE_SIZES)
+
+
+def qwen3_next_config() -> Qwen3NextConfig:
+    # layer 2 dense among sparse layers (mlp_only_layers), as Qwen3-Next's config allows
+    return Qwen3NextConfig(**HYBRID_SIZES, **MOE_SIZES, intermediate_size=40, mlp_only_layers=[2], norm_topk_prob=True)
+
+
+def qwen3_5_vl_config() -> Qwen3_5Config:
+    return Qwen3_5Config(
+        text_config={**HYBRID_SIZES, "intermediate_size": 48},
+        vision_config=dict(
+            depth=1,
+            hidden_size=16,
+            intermediate_size=16,
+            num_heads=2,
+            patch_size=4,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            out_hidden_size=32,
+            num_position_embeddings=16,
+        ),
+        image_token_id=90,
+        video_token_id=91,
+        vision_start_token_id=88,
+        vision_end_token_id=89,
+    )
+
+
+def family_pair(family: str, attn: str):
+    """(reference, thinker) with the same weights."""
+    if family == "qwen3_5":
+        ref = reference(Qwen3_5ForCausalLM, qwen3_5_config(), attn)
+        return ref, build_thinker(thinker_config_from(ref.config, **HYBRID_SWITCHES), ref.state_dict(), attn)
+    if family == "qwen3_5_moe":
+        ref = reference(Qwen3_5MoeForCausalLM, qwen3_5_moe_config(), attn)
+        config = thinker_config_from(ref.config, **HYBRID_SWITCHES)
+        assert config.mlp_layer_types == ["sparse"] * 4
+        return ref, build_thinker(config, ref.state_dict(), attn)
+    if family == "qwen3_next":
+        ref = reference(Qwen3NextForCausalLM, qwen3_next_config(), attn)
+        config = thinker_config_from(ref.config, **HYBRID_SWITCHES)
+        assert config.mlp_layer_types == ["sparse", "sparse", "dense", "sparse"]
+        return ref, build_thinker(config, qwen3_next_split_projections(ref.state_dict(), ref.config), attn)
+    if family == "qwen3_5_vl":
+        ref = reference(Qwen3_5ForConditionalGeneration, qwen3_5_vl_config(), attn)
+        config = thinker_config_from(ref.config.text_config, **HYBRID_SWITCHES)
+        return ref, build_thinker(config, language_model_state(ref.state_dict()), attn)
+    raise ValueError(family)
+
+
+FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_vl"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# parity with the references: logits, hidden states, router logits, greedy continuations
+
+
+@pytest.mark.parametrize("attn", ATTENTION)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parity_with_reference(family, attn):
+    ref, thinker = family_pair(family, attn)
+    ids = token_ids(length=70)  # past one 64-token chunk of the delta rule
+    with torch.no_grad():
+        ours = thinker(ids, output_hidden_states=True, output_router_logits=True, use_cache=False)
+        theirs = ref(ids, output_hidden_states=True, output_router_logits=True, use_cache=False)
+    assert_close(ours.logits, theirs.logits, **TOL)
+    assert len(ours.hidden_states) == len(theirs.hidden_states) == 5
+    for layer, (mine, other) in enumerate(zip(ours.hidden_states, theirs.hidden_states, strict=True)):
+        assert_close(mine, other, **TOL, msg=lambda m, layer=layer: f"hidden state {layer}: {m}")
+    if family in ("qwen3_5_moe", "qwen3_next"):
+        assert len(ours.router_logits) == len(theirs.router_logits) == (4 if family == "qwen3_5_moe" else 3)
+        for mine, other in zip(ours.router_logits, theirs.router_logits, strict=True):
+            assert_close(mine, other, **TOL)
+
+    prompt = token_ids(batch=1, length=9, seed=2)
+    greedy = dict(max_new_tokens=12, do_sample=False, min_new_tokens=12)
+    assert torch.equal(thinker.generate(prompt, **greedy), ref.generate(prompt, **greedy))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# cache: prefill then one-token decode, both layer types
+
+
+def test_cache_holds_kv_and_recurrent_state():
+    _, thinker = family_pair("qwen3_5", "sdpa")
+    cache = DynamicCache(config=thinker.config)
+    assert [type(layer) for layer in cache.layers] == [LinearAttentionLayer, DynamicLayer] * 2
+    with torch.no_grad():
+        thinker(token_ids(length=7), past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 7
+    config = thinker.config
+    conv = cache.layers[0].conv_states[0]
+    state = cache.layers[0].recurrent_states[0]
+    conv_channels = 2 * config.linear_num_key_heads * config.linear_key_head_dim
+    conv_channels += config.linear_num_value_heads * config.linear_value_head_dim
+    assert conv.shape == (2, conv_channels, config.linear_conv_kernel_dim)
+    assert state.shape == (2, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
+    assert cache.layers[1].keys.shape == (2, 2, 7, 32)
+    assert thinker._is_stateful and not ThinkerForCausalLM(ThinkerConfig())._is_stateful
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_prefill_then_decode_equals_full_forward(family):
+    ref, thinker = family_pair(family, "sdpa")
+    ids = token_ids(batch=2, length=156, seed=3)
+    prompt, steps = ids[:, :150], ids[:, 150:]
+    with torch.no_grad():
+        full = ref(ids, use_cache=False).logits
+        cache = DynamicCache(config=thinker.config)
+        logits = [thinker(prompt, past_key_values=cache, use_cache=True).logits]
+        for step in steps.T:  # one token at a time: the one-step delta rule and the conv-state update
+            logits.append(thinker(step[:, None], past_key_values=cache, use_cache=True).logits)
+    assert cache.get_seq_length() == 156
+    assert_close(torch.cat(logits, dim=1), full, **TOL)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# left padding, inputs_embeds
+
+
+def left_pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    length = max(len(row) for row in rows)
+    ids = torch.zeros((len(rows), length), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, length - len(row) :], mask[i, length - len(row) :] = row, 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_left_padded_batch_equals_rows_alone(family):
+    ref, thinker = family_pair(family, "sdpa")
+    rows = [token_ids(batch=1, length=n, seed=n)[0] for n in (80, 13)]  # the short row has 67 padding tokens
+    ids, mask = left_pad(rows)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        batch = {
+            name: m(ids, attention_mask=mask, position_ids=positions).logits
+            for name, m in (("ours", thinker), ("ref", ref))
+        }
+        for i, row in enumerate(rows):
+            real = mask[i].bool()
+            alone = thinker(row[None]).logits[0]
+            assert_close(batch["ours"][i, real], alone, **TOL)
+            assert_close(batch["ref"][i, real], ref(row[None]).logits[0], **TOL)  # the reference's own behaviour
+            assert_close(batch["ours"][i, real], batch["ref"][i, real], **TOL)
+
+    greedy = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    generated = thinker.generate(ids, attention_mask=mask, **greedy)[:, ids.shape[1] :]
+    assert torch.equal(generated, ref.generate(ids, attention_mask=mask, **greedy)[:, ids.shape[1] :])
+    for i, row in enumerate(rows):
+        assert torch.equal(generated[i], thinker.generate(row[None], **greedy)[0, len(row) :]), f"row {i}"
+
+
+def test_inputs_embeds_equal_input_ids():
+    _, thinker = family_pair("qwen3_5", "sdpa")
+    ids = token_ids(length=9)
+    embeds = thinker.get_input_embeddings()(ids)
+    with torch.no_grad():
+        assert_close(thinker(inputs_embeds=embeds).logits, thinker(ids).logits, atol=0, rtol=0)
+    greedy = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert torch.equal(thinker.generate(inputs_embeds=embeds, **greedy), thinker.generate(ids, **greedy)[:, 9:])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# multimodal positions: the reference's own inputs_embeds and 3-D / 4-D position_ids
+
+
+def capture_language_model_inputs(model) -> dict:
+    captured = {}
+
+    def hook(module, args, kwargs):
+        captured.update(inputs_embeds=kwargs["inputs_embeds"], position_ids=kwargs["position_ids"])
+
+    model.model.language_model.register_forward_pre_hook(hook, with_kwargs=True)
+    return captured
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_vl_image_prompt():
+    """A Qwen3.5 vision-language reference, a prompt holding one 4x6-patch image (6 tokens after the 2x2 merge),
+    and what its own forward hands to the text decoder."""
+    ref, thinker = family_pair("qwen3_5_vl", "sdpa")
+    config = ref.config
+    image = [config.vision_start_token_id] + [config.image_token_id] * 6 + [config.vision_end_token_id]
+    text = torch.randint(1, config.vision_start_token_id, (12,), generator=torch.Generator().manual_seed(4))
+    ids = torch.cat([text[:5], torch.tensor(image), text[5:]])[None]  # no stray special token among the text
+    grid = torch.tensor([[1, 4, 6]])
+    patch_size = 3 * config.vision_config.temporal_patch_size * config.vision_config.patch_size**2
+    pixels = torch.randn(24, patch_size, generator=torch.Generator().manual_seed(6))
+    captured = capture_language_model_inputs(ref)
+    with torch.no_grad():
+        logits = ref(
+            ids, pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=(ids == config.image_token_id).int()
+        ).logits
+    return ref, thinker, captured, logits
+
+
+def test_qwen3_5_vl_image_prompt_gives_reference_logits(qwen3_5_vl_image_prompt):
+    ref, thinker, captured, expected = qwen3_5_vl_image_prompt
+    embeds, positions = captured["inputs_embeds"], captured["position_ids"]
+    assert positions.shape == (3, 1, 20)
+    assert not torch.equal(positions[1], positions[2]) and not torch.equal(positions[0], positions[1])
+    with torch.no_grad():
+        assert_close(thinker(inputs_embeds=embeds, position_ids=positions).logits, expected, **TOL)
+        # (4, B, T): a text row ahead of t/h/w, as generate() hands them to Qwen3.5's text model
+        four = torch.cat([torch.arange(20)[None, None], positions])
+        theirs = ref.lm_head(ref.model.language_model(inputs_embeds=embeds, position_ids=four).last_hidden_state)
+        assert_close(thinker(inputs_embeds=embeds, position_ids=four).logits, theirs, **TOL)
+
+
+def test_switches_change_the_logits(qwen3_5_vl_image_prompt):
+    """Each hybrid switch matters with these weights: dropping it would fail the parity tests above."""
+    _, thinker, captured, expected = qwen3_5_vl_image_prompt
+    embeds, positions = captured["inputs_embeds"], captured["position_ids"]
+
+    def logits() -> torch.Tensor:
+        with torch.no_grad():
+            return thinker(inputs_embeds=embeds, position_ids=positions).logits
+
+    def differs(changed: torch.Tensor) -> bool:
+        return (changed - expected).abs().max() > 100 * TOL["atol"]
+
+    rotary = thinker.model.rotary_emb
+    section = rotary.mrope_section
+    bounds = [0, section[0], section[0] + section[1], sum(section)]
+    for dropped in (
+        lambda freqs: freqs[0],  # temporal positions only
+        lambda freqs: torch.cat([freqs[i, ..., bounds[i] : bounds[i + 1]] for i in range(3)], -1),  # not interleaved
+    ):
+        rotary.interleave_sections = dropped
+        assert differs(logits())
+        del rotary.interleave_sections
+
+    norms = [m for m in thinker.modules() if isinstance(m, ThinkerRMSNorm)]
+    for norm in norms:
+        norm.zero_centered = False
+    assert differs(logits())
+    for norm in norms:
+        norm.zero_centered = True
+
+    gated = [layer.self_attn for layer in thinker.model.layers if hasattr(layer, "self_attn")]
+    for attn in gated:  # the same attention without its gate: q_proj keeps only each head's query rows
+        attn.gated_q_proj, attn.output_gate = attn.q_proj, False
+        attn.q_proj = torch.nn.Linear(32, 4 * 32, bias=False)
+        with torch.no_grad():
+            attn.q_proj.weight.copy_(attn.gated_q_proj.weight.view(4, 2, 32, 32)[:, 0].reshape(4 * 32, 32))
+    assert differs(logits())
+    for attn in gated:
+        attn.q_proj, attn.output_gate = attn.gated_q_proj, True
+        del attn.gated_q_proj
+    assert_close(logits(), expected, **TOL)
+
+
+def image_positions(start: int, grid_t: int, grid_h: int, grid_w: int) -> torch.Tensor:
+    """(3, t·h·w) temporal/height/width positions of an image block starting at `start` (Qwen3-VL's layout)."""
+    t, h, w = torch.meshgrid(torch.arange(grid_t), torch.arange(grid_h), torch.arange(grid_w), indexing="ij")
+    return torch.stack([t, h, w]).reshape(3, -1) + start
+
+
+@pytest.mark.parametrize("rows", [3, 4])
+def test_qwen3_omni_text_decoder_with_multimodal_positions(rows):
+    text_config = qwen3_omni.tiny_config().thinker_config.text_config  # mrope_section [4, 2, 2], interleaved
+    decoder = randomize_parameters(Qwen3OmniMoeThinkerTextModel._from_config(text_config), seed=0).eval()
+    decoder.config._experts_implementation = "eager"
+    head = randomize_parameters(torch.nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False), 1)
+    config = thinker_config_from(text_config, qk_norm=True)
+    assert config.mlp_layer_types == ["dense", "sparse", "dense", "sparse"]
+    state = {f"model.{name}": tensor for name, tensor in decoder.state_dict().items()}
+    thinker = build_thinker(config, {**state, "lm_head.weight": head.weight}, "sdpa")
+
+    # text, an audio/image block, text: t/h/w rows that differ inside the block
+    block = image_positions(4, 1, 2, 3)
+    positions = torch.cat([torch.arange(4).expand(3, -1), block, (torch.arange(5) + 7).expand(3, -1)], dim=1)
+    positions = positions[:, None].expand(3, 2, -1)  # (3, B, T)
+    if rows == 4:
+        positions = torch.cat([torch.arange(15).expand(1, 2, -1), positions])
+    embeds = torch.randn(2, 15, text_config.hidden_size, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected = head(decoder(inputs_embeds=embeds, position_ids=positions).last_hidden_state)
+        assert_close(thinker(inputs_embeds=embeds, position_ids=positions).logits, expected, **TOL)
+        # ... and the same embeddings at plain text positions give other logits: the t/h/w rows are used
+        plain = thinker(inputs_embeds=embeds).logits
+    assert (plain - expected).abs().max() > 100 * TOL["atol"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# config: layer_types
+
+
+def test_layer_types_default_validation_and_edits():
+    assert ThinkerConfig(num_hidden_layers=3).layer_types == ["full_attention"] * 3
+    with pytest.raises(StrictDataclassError, match="layer_types must list"):
+        ThinkerConfig(num_hidden_layers=2, layer_types=["full_attention"])
+    with pytest.raises(StrictDataclassError, match="layer_types must list"):
+        ThinkerConfig(num_hidden_layers=1, layer_types=["mamba2"])
+    with pytest.raises(StrictDataclassError, match="linear_num_value_heads=3"):
+        ThinkerConfig(num_hidden_layers=1, layer_types=["linear_attention"], linear_num_value_heads=3)
+    with pytest.raises(StrictDataclassError, match="mrope_section"):
+        ThinkerConfig(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [1, 1]})
+    with pytest.raises(StrictDataclassError, match="norm_zero_centered"):
+        ThinkerConfig(norm_type="layernorm", norm_zero_centered=True)
+
+    # layer_types is stored, not derived from another field: an edit after construction is what the model builds
+    config = ThinkerConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, linear_num_key_heads=2)
+    config.layer_types = ["full_attention", "linear_attention"]
+    model = ThinkerForCausalLM(config)
+    assert hasattr(model.model.layers[1], "linear_attn") and hasattr(model.model.layers[0], "self_attn")
+    config.num_hidden_layers = 3
+    with pytest.raises(ValueError, match="layer_types lists 2 layers but num_hidden_layers is 3"):
+        ThinkerForCausalLM(config)
+
+
+def test_save_load_round_trip_keeps_the_hybrid_layout(tmp_path):
+    _, thinker = family_pair("qwen3_5_moe", "sdpa")
+    thinker.save_pretrained(tmp_path)
+    loaded = ThinkerForCausalLM.from_pretrained(tmp_path, experts_implementation="eager")
+    assert loaded.config.layer_types == LAYER_TYPES and loaded.config.norm_zero_centered
+    assert loaded.config.rope_parameters["mrope_section"] == [2, 1, 1]
+    ids = token_ids(length=9)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, thinker(ids).logits)
