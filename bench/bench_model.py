@@ -1,20 +1,24 @@
-"""Thinker against transformers' Qwen3ForCausalLM: the same random weights, fp32, the same attention backend.
+"""Thinker against transformers' Qwen3ForCausalLM (or Qwen3_5ForCausalLM): the same random weights, fp32, the
+same attention backend.
 
-Times a prefill forward pass (batch 1 x PREFILL tokens), one decode step (a token on top of the prompt's KV cache)
-and a greedy ``generate`` of NEW tokens with the KV cache, on a preset shaped like a real release (default:
-Qwen3-0.6B). Repetitions alternate between the two models (and
-swap which goes first each round), so that drift in machine load falls on both; medians are reported, with the
-ratio Thinker time / Qwen3 time (the goal is at most 1.05).
+Times a prefill forward pass (batch 1 x PREFILL tokens), one decode step (a token on top of the prompt's cache)
+and a greedy ``generate`` of NEW tokens with the cache. ``--family qwen3`` runs a preset shaped like a real release
+(default: Qwen3-0.6B); ``--family qwen3_5`` a small random Qwen3.5-shaped hybrid (linear attention in three layers
+of four, output-gated full attention in the fourth, zero-centred norms, partial rotary; ``--hidden`` wide).
+Repetitions alternate between the two models (and swap which goes first each round), so that drift in machine load
+falls on both; medians are reported, with the ratio Thinker time / reference time (the goal is at most 1.05).
 
     python bench/bench_model.py --threads 2 --reps 5       # from the repository root, with the package installed
     python bench/bench_model.py --layers 4 --reps 3        # a quicker, shallower run of the same shapes
+    python bench/bench_model.py --family qwen3_5 --layers 8 --threads 1 --reps 9
 
-Prints a table and writes JSON to bench/results/model.json.
+Prints a table and writes JSON to bench/results/model.json (model_qwen3_5.json for the hybrid family).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -25,25 +29,30 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
 from thinker import ThinkerConfig, ThinkerForCausalLM
 from thinker.presets import load_preset
 
-RESULTS = Path(__file__).resolve().parent / "results" / "model.json"
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", choices=("qwen3", "qwen3_5"), default="qwen3", help="the reference class")
     parser.add_argument("--preset", default="qwen3-0.6b", help="a dense Qwen3-shaped preset (see thinker.presets)")
     parser.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (quicker runs)")
+    parser.add_argument("--hidden", type=int, default=512, help="hidden size of the qwen3_5 family's model")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per model and task")
     parser.add_argument("--prefill", type=int, default=128, help="prompt length")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated greedily")
     parser.add_argument("--attn", default="sdpa", help="attention implementation of both models")
-    parser.add_argument("--output", type=Path, default=RESULTS)
-    return parser.parse_args()
+    parser.add_argument("--output", type=Path, default=None)
+    args = parser.parse_args()
+    if args.output is None:
+        args.output = RESULTS / ("model.json" if args.family == "qwen3" else f"model_{args.family}.json")
+    return args
 
 
 def qwen3_config(config: ThinkerConfig) -> Qwen3Config:
@@ -57,25 +66,69 @@ def qwen3_config(config: ThinkerConfig) -> Qwen3Config:
     return Qwen3Config(**{name: getattr(config, name) for name in fields})
 
 
+def qwen3_5_configs(args: argparse.Namespace) -> tuple[Qwen3_5TextConfig, ThinkerConfig]:
+    """A small Qwen3.5-shaped hybrid (the proportions of Qwen3.5's released configs, scaled to --hidden) and the
+    same model as a ThinkerConfig."""
+    hidden, layers = args.hidden, args.layers or 8
+    reference = Qwen3_5TextConfig(
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=2,
+        head_dim=128,
+        linear_num_key_heads=hidden // 128,
+        linear_num_value_heads=hidden // 64,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        max_position_embeddings=4096,
+        eos_token_id=None,
+        pad_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    )
+    shared = (
+        "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads head_dim "
+        "max_position_embeddings rms_norm_eps hidden_act tie_word_embeddings attention_bias layer_types "
+        "linear_conv_kernel_dim linear_key_head_dim linear_value_head_dim linear_num_key_heads linear_num_value_heads "
+        "eos_token_id pad_token_id"
+    ).split()
+    thinker = ThinkerConfig(
+        **{name: getattr(reference, name) for name in shared},
+        rope_parameters=dict(reference.rope_parameters),
+        qk_norm=True,
+        attention_output_gate=True,
+        norm_zero_centered=True,
+    )
+    return reference, thinker
+
+
 def build_models(args: argparse.Namespace) -> dict[str, torch.nn.Module]:
-    config = load_preset(args.preset)
-    if args.layers:
-        config.num_hidden_layers, config.mlp_layer_types = args.layers, config.mlp_layer_types[: args.layers]
-    config.eos_token_id = None  # every run generates exactly --new-tokens tokens
-    config.pad_token_id = 0
-    qwen = AutoModelForCausalLM.from_config(qwen3_config(config), attn_implementation=args.attn).eval()
+    if args.family == "qwen3_5":
+        reference_config, config = qwen3_5_configs(args)
+    else:
+        config = load_preset(args.preset)
+        if args.layers:
+            config.num_hidden_layers, config.mlp_layer_types = args.layers, config.mlp_layer_types[: args.layers]
+            config.layer_types = config.layer_types[: args.layers]
+        config.eos_token_id = None  # every run generates exactly --new-tokens tokens
+        config.pad_token_id = 0
+        reference_config = qwen3_config(config)
+    qwen = AutoModelForCausalLM.from_config(reference_config, attn_implementation=args.attn).eval()
     thinker = AutoModelForCausalLM.from_config(config, attn_implementation=args.attn).eval()
-    assert isinstance(qwen, Qwen3ForCausalLM) and isinstance(thinker, ThinkerForCausalLM)
+    assert isinstance(qwen, (Qwen3ForCausalLM, Qwen3_5ForCausalLM)) and isinstance(thinker, ThinkerForCausalLM)
     # assign=True: the Thinker takes Qwen's tensors themselves, so both models share one copy of the weights.
     thinker.load_state_dict(qwen.state_dict(), strict=True, assign=True)
     thinker.tie_weights()
     for model in (qwen, thinker):
         model.generation_config.eos_token_id = None
         model.generation_config.pad_token_id = 0
-    return {"qwen3": qwen, "thinker": thinker}
+    return {args.family: qwen, "thinker": thinker}
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, object]:
+    if hasattr(fn, "prepare"):
+        fn.prepare()
     start = time.perf_counter()
     result = fn()
     return time.perf_counter() - start, result
@@ -86,15 +139,26 @@ def prefill(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], torch.Ten
 
 
 def decode_step(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """One token on top of a cache of the prompt, which is cropped back after each call (constant context)."""
-    cache = model(ids, use_cache=True).past_key_values
+    """One token on top of a cache of the prompt, which is cropped back after each call (constant context).
+
+    A recurrent state cannot be cropped back, so a stateful (hybrid) model's step runs on a fresh copy of the
+    prompt's cache, made before the clock starts (``timed`` calls ``prepare`` first, untimed)."""
+    prompt_cache = model(ids, use_cache=True).past_key_values
     token, position = ids[:, -1:], torch.tensor([[ids.shape[1]]])
+    cache = prompt_cache
+
+    def prepare() -> None:
+        nonlocal cache
+        cache = copy.deepcopy(prompt_cache)
 
     def step() -> torch.Tensor:
         logits = model(token, past_key_values=cache, position_ids=position, use_cache=True, logits_to_keep=1).logits
-        cache.crop(-1)
+        if not model._is_stateful:
+            cache.crop(-1)
         return logits
 
+    if model._is_stateful:
+        step.prepare = prepare
     return step
 
 
@@ -116,9 +180,10 @@ def run(args: argparse.Namespace, models: dict[str, torch.nn.Module]) -> dict:
     # A decode step is short, so it is sampled more often: the per-token cost with the least noise.
     reps = {"prefill": args.reps, "decode_step": 8 * args.reps, "generate": args.reps}
     # Warm-up (allocator, kernels), and the check that both do the same work and get the same answer.
-    outputs = {task: {name: fn() for name, fn in fns.items()} for task, fns in tasks.items()}
-    max_logit_diff = (outputs["prefill"]["thinker"] - outputs["prefill"]["qwen3"]).abs().max().item()
-    same_tokens = torch.equal(outputs["generate"]["thinker"], outputs["generate"]["qwen3"])
+    outputs = {task: {name: timed(fn)[1] for name, fn in fns.items()} for task, fns in tasks.items()}
+    reference = args.family
+    max_logit_diff = (outputs["prefill"]["thinker"] - outputs["prefill"][reference]).abs().max().item()
+    same_tokens = torch.equal(outputs["generate"]["thinker"], outputs["generate"][reference])
 
     samples = {task: {name: [] for name in models} for task in tasks}
     for rep in range(max(reps.values())):
@@ -130,19 +195,20 @@ def run(args: argparse.Namespace, models: dict[str, torch.nn.Module]) -> dict:
 
 
 def summarise(args: argparse.Namespace, models: dict, measured: dict) -> dict:
-    config = models["thinker"].config
+    config, reference = models["thinker"].config, args.family
     rows = {}
     for task, by_model in measured["samples_s"].items():
         median = {name: statistics.median(times) for name, times in by_model.items()}
         rows[task] = {
             "thinker_median_s": median["thinker"],
-            "qwen3_median_s": median["qwen3"],
-            "ratio": median["thinker"] / median["qwen3"],
+            f"{reference}_median_s": median[reference],
+            "ratio": median["thinker"] / median[reference],
         }
-    rows["generate"]["thinker_tokens_per_s"] = args.new_tokens / rows["generate"]["thinker_median_s"]
-    rows["generate"]["qwen3_tokens_per_s"] = args.new_tokens / rows["generate"]["qwen3_median_s"]
+    for name in ("thinker", reference):
+        rows["generate"][f"{name}_tokens_per_s"] = args.new_tokens / rows["generate"][f"{name}_median_s"]
     return {
-        "preset": args.preset,
+        "family": reference,
+        "preset": args.preset if reference == "qwen3" else f"qwen3_5-shaped, hidden {args.hidden}",
         "num_hidden_layers": config.num_hidden_layers,
         "parameters": sum(p.numel() for p in models["thinker"].parameters()),
         "dtype": "float32",
@@ -171,14 +237,16 @@ def print_table(report: dict) -> None:
         f"fp32, {report['attn_implementation']}, {report['threads']} threads, "
         f"median of {report['reps']} (decode step: of {8 * report['reps']})"
     )
-    print(f"{'task':<34}{'Thinker s':>12}{'Qwen3 s':>12}{'ratio':>9}")
+    reference = report["family"]
+    print(f"{'task':<34}{'Thinker s':>12}{reference + ' s':>12}{'ratio':>9}")
     labels = {
         "prefill": f"prefill 1 x {report['prefill_tokens']}",
         "decode_step": f"decode 1 token, {report['prefill_tokens']} cached",
         "generate": f"greedy generate {report['new_tokens']} tokens",
     }
     for task, row in report["results"].items():
-        print(f"{labels[task]:<34}{row['thinker_median_s']:>12.3f}{row['qwen3_median_s']:>12.3f}{row['ratio']:>9.3f}")
+        reference_s = row[f"{reference}_median_s"]
+        print(f"{labels[task]:<34}{row['thinker_median_s']:>12.4f}{reference_s:>12.4f}{row['ratio']:>9.3f}")
     print(
         f"max |Δlogit| {report['max_abs_logit_diff']:.2e}; same generated tokens: {report['same_generated_tokens']}; "
         f"load average {report['machine']['load_average'][0]:.1f}"

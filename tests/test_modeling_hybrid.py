@@ -260,9 +260,10 @@ def test_cache_holds_kv_and_recurrent_state():
     assert thinker._is_stateful and not ThinkerForCausalLM(ThinkerConfig())._is_stateful
 
 
+@pytest.mark.parametrize("attn", ATTENTION)
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
-def test_prefill_then_decode_equals_full_forward(family):
-    ref, thinker = family_pair(family, "sdpa")
+def test_prefill_then_decode_equals_full_forward(family, attn):
+    ref, thinker = family_pair(family, attn)
     ids = token_ids(batch=2, length=156, seed=3)
     prompt, steps = ids[:, :150], ids[:, 150:]
     with torch.no_grad():
@@ -288,9 +289,10 @@ def left_pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+@pytest.mark.parametrize("attn", ATTENTION)
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
-def test_left_padded_batch_equals_rows_alone(family):
-    ref, thinker = family_pair(family, "sdpa")
+def test_left_padded_batch_equals_rows_alone(family, attn):
+    ref, thinker = family_pair(family, attn)
     rows = [token_ids(batch=1, length=n, seed=n)[0] for n in (80, 13)]  # the short row has 67 padding tokens
     ids, mask = left_pad(rows)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -337,11 +339,11 @@ def capture_language_model_inputs(model) -> dict:
     return captured
 
 
-@pytest.fixture(scope="module")
-def qwen3_5_vl_image_prompt():
+@pytest.fixture(scope="module", params=ATTENTION)
+def qwen3_5_vl_image_prompt(request):
     """A Qwen3.5 vision-language reference, a prompt holding one 4x6-patch image (6 tokens after the 2x2 merge),
     and what its own forward hands to the text decoder."""
-    ref, thinker = family_pair("qwen3_5_vl", "sdpa")
+    ref, thinker = family_pair("qwen3_5_vl", request.param)
     config = ref.config
     image = [config.vision_start_token_id] + [config.image_token_id] * 6 + [config.vision_end_token_id]
     text = torch.randint(1, config.vision_start_token_id, (12,), generator=torch.Generator().manual_seed(4))
@@ -419,16 +421,18 @@ def image_positions(start: int, grid_t: int, grid_h: int, grid_w: int) -> torch.
     return torch.stack([t, h, w]).reshape(3, -1) + start
 
 
+@pytest.mark.parametrize("attn", ATTENTION)
 @pytest.mark.parametrize("rows", [3, 4])
-def test_qwen3_omni_text_decoder_with_multimodal_positions(rows):
+def test_qwen3_omni_text_decoder_with_multimodal_positions(rows, attn):
     text_config = qwen3_omni.tiny_config().thinker_config.text_config  # mrope_section [4, 2, 2], interleaved
-    decoder = randomize_parameters(Qwen3OmniMoeThinkerTextModel._from_config(text_config), seed=0).eval()
+    decoder = Qwen3OmniMoeThinkerTextModel._from_config(text_config, attn_implementation=attn)
+    decoder = randomize_parameters(decoder, seed=0).eval()
     decoder.config._experts_implementation = "eager"
     head = randomize_parameters(torch.nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False), 1)
     config = thinker_config_from(text_config, qk_norm=True)
     assert config.mlp_layer_types == ["dense", "sparse", "dense", "sparse"]
     state = {f"model.{name}": tensor for name, tensor in decoder.state_dict().items()}
-    thinker = build_thinker(config, {**state, "lm_head.weight": head.weight}, "sdpa")
+    thinker = build_thinker(config, {**state, "lm_head.weight": head.weight}, attn)
 
     # text, an audio/image block, text: t/h/w rows that differ inside the block
     block = image_positions(4, 1, 2, 3)
@@ -470,6 +474,17 @@ def test_layer_types_default_validation_and_edits():
     config.num_hidden_layers = 3
     with pytest.raises(ValueError, match="layer_types lists 2 layers but num_hidden_layers is 3"):
         ThinkerForCausalLM(config)
+
+
+def test_init_weights_as_the_references():
+    config = thinker_config_from(qwen3_5_moe_config(), **HYBRID_SWITCHES)
+    model = ThinkerForCausalLM(config)
+    zero_centred = [m.weight for m in model.modules() if isinstance(m, ThinkerRMSNorm)]
+    assert len(zero_centred) == 4 * 2 + 2 * 2 + 1 and all(torch.all(w == 0) for w in zero_centred)  # scale one
+    linear = model.model.layers[0].linear_attn
+    assert torch.all(linear.norm.weight == 1) and torch.all(linear.dt_bias == 1)
+    assert torch.all((linear.A_log.exp() >= 0.01 - 1e-6) & (linear.A_log.exp() <= 16 + 1e-4))
+    assert 0 < linear.conv1d.weight.std() < 0.05  # normal(0, initializer_range), as every Linear and Conv1d
 
 
 def test_save_load_round_trip_keeps_the_hybrid_layout(tmp_path):
