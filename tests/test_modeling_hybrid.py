@@ -276,6 +276,12 @@ def test_prefill_then_decode_equals_full_forward(family, attn):
     assert_close(torch.cat(logits, dim=1), full, **TOL)
 
 
+def test_cache_without_linear_layers_is_refused():
+    _, thinker = family_pair("qwen3_5", "sdpa")
+    with pytest.raises(ValueError, match=r"DynamicCache\(config=model.config\)"):
+        thinker(token_ids(length=3), past_key_values=DynamicCache(), use_cache=True)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # left padding, inputs_embeds
 
@@ -313,6 +319,16 @@ def test_left_padded_batch_equals_rows_alone(family, attn):
     assert torch.equal(generated, ref.generate(ids, attention_mask=mask, **greedy)[:, ids.shape[1] :])
     for i, row in enumerate(rows):
         assert torch.equal(generated[i], thinker.generate(row[None], **greedy)[0, len(row) :]), f"row {i}"
+
+
+def test_static_cache_generate_equals_dynamic():
+    """A compileable cache makes generate() build both masks itself (a dict by layer type), which the model takes."""
+    ref, thinker = family_pair("qwen3_5", "sdpa")
+    ids, mask = left_pad([token_ids(batch=1, length=n, seed=n)[0] for n in (9, 5)])
+    greedy = dict(max_new_tokens=6, min_new_tokens=6, attention_mask=mask, do_sample=False)
+    dynamic = thinker.generate(ids, **greedy)
+    assert torch.equal(thinker.generate(ids, cache_implementation="static", **greedy), dynamic)
+    assert torch.equal(ref.generate(ids, cache_implementation="static", **greedy), dynamic)
 
 
 def test_inputs_embeds_equal_input_ids():

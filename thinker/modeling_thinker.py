@@ -621,6 +621,11 @@ class ThinkerModel(ThinkerPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, C)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
+        if self.config.has_linear_attention and past_key_values is not None and not any(past_key_values.is_linear):
+            raise ValueError(
+                "this model's linear-attention layers keep conv and recurrent state in the cache: build it with "
+                "DynamicCache(config=model.config)"
+            )
         if position_ids is None:
             past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen)[None]
