@@ -103,7 +103,8 @@ class ThinkerConfig(PreTrainedConfig):
 
     # --- hybrid token mixers: Gated DeltaNet linear attention (Qwen3.5, Qwen3-Next) ---------------------------
     # Per layer "full_attention" or "linear_attention"; None: every layer full attention. It is the one source of
-    # truth (no other field is derived into it), so editing it is all it takes to change a layer's mixer.
+    # truth (no other field is derived into it), so editing it is all it takes to change a layer's mixer; its length
+    # follows num_hidden_layers (a model refuses to build from a list of another length).
     layer_types: list[str] | None = None
     linear_conv_kernel_dim: int = 4  # depthwise causal conv over q, k, v before the delta rule
     linear_key_head_dim: int = 128
