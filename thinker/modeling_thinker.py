@@ -592,6 +592,7 @@ class ThinkerModel(ThinkerPreTrainedModel):
                 f"{config.num_hidden_layers}: set layer_types for every layer"
             )
         self.layers = nn.ModuleList([ThinkerDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.has_linear_attention = config.has_linear_attention
         self.norm = make_norm(config, config.hidden_size)
         self.gradient_checkpointing = False
         self.post_init()
@@ -621,7 +622,7 @@ class ThinkerModel(ThinkerPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, C)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
-        if self.config.has_linear_attention and past_key_values is not None and not any(past_key_values.is_linear):
+        if self.has_linear_attention and past_key_values is not None and not any(past_key_values.is_linear):
             raise ValueError(
                 "this model's linear-attention layers keep conv and recurrent state in the cache: build it with "
                 "DynamicCache(config=model.config)"
@@ -640,7 +641,7 @@ class ThinkerModel(ThinkerPreTrainedModel):
                 position_ids=text_positions,
             )
             masks = {"full_attention": create_causal_mask(**mask_kwargs)}
-            if self.config.has_linear_attention:
+            if self.has_linear_attention:
                 masks["linear_attention"] = create_recurrent_attention_mask(**mask_kwargs)
 
         hidden_states = inputs_embeds
@@ -652,10 +653,10 @@ class ThinkerModel(ThinkerPreTrainedModel):
         else:
             position_embeddings = self.rotary_emb(hidden_states, rope_positions)
 
-        for i, layer in enumerate(self.layers[: self.config.num_hidden_layers]):
+        for layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states = layer(
                 hidden_states,
-                attention_mask=masks[self.config.layer_types[i]],
+                attention_mask=masks[layer.layer_type],
                 position_ids=text_positions,
                 past_key_values=past_key_values,
                 use_cache=use_cache,
