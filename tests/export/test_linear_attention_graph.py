@@ -35,23 +35,23 @@ from export.hybrid_attention_graph import (
     rope_tables,
     zero_centered_scale,
 )
-from export.linear_attention_graph import (
-    FusedGatedDeltaNetGraph,
-    GatedDeltaNetDims,
-    GatedDeltaNetGraph,
-    emit_keep_mask,
-)
+from export.layer_models import PAST_STATES, PRESENT_STATES, write_gated_deltanet_model
+from export.linear_attention_graph import FusedGatedDeltaNetGraph, GatedDeltaNetDims, GatedDeltaNetGraph
 
 # max |Δ| allowed, relative to the reference's largest magnitude, in float32
 RELATIVE_TOLERANCE = 1e-5
 FORMS = {"plain": GatedDeltaNetGraph, "fused": FusedGatedDeltaNetGraph}
-PREFIX = "model.layers.0.linear_attn"
-STATE_NAMES = ("past_key_values.0.conv_state", "past_key_values.0.recurrent_state")
-PRESENT_NAMES = ("present.0.conv_state", "present.0.recurrent_state")
 DECODE_STEPS = 6
 
 
 # --- building and running one exported piece ------------------------------------------------------------------
+def cpu_session(path: Path) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
 def save_and_load(b: GraphBuilder, weights: WeightFile, folder: Path, inputs, outputs, contrib_ops: bool):
     """The builder's graph as ``folder/piece.onnx`` (checked by onnx where it uses standard operators only) in an
     onnxruntime CPU session."""
@@ -60,10 +60,7 @@ def save_and_load(b: GraphBuilder, weights: WeightFile, folder: Path, inputs, ou
     onnx.save(make_model(b.make_graph("piece", inputs, outputs), {}, contrib_ops=contrib_ops), str(path))
     if not contrib_ops:
         onnx.checker.check_model(str(path), full_check=True)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.log_severity_level = 3
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return cpu_session(path)
 
 
 def new_builder(folder: Path) -> tuple[GraphBuilder, WeightFile]:
@@ -112,26 +109,10 @@ def gated_deltanet(config: Qwen3_5TextConfig, seed: int = 0) -> Qwen3_5GatedDelt
 def export_gated_deltanet(module: Qwen3_5GatedDeltaNet, config, graph_class, folder: Path) -> ort.InferenceSession:
     """One layer as a model: hidden_states, attention_mask and the two states in; output and new states out."""
     dims = GatedDeltaNetDims.from_config(config)
-    b, weights = new_builder(folder)
-    params = {f"{PREFIX}.{name}": p.detach() for name, p in module.named_parameters()}
-    layer = graph_class(b, dims, torch.float32, params.__getitem__)
-    with b.scope(PREFIX.replace(".", "/")):
-        keep = emit_keep_mask(b, "attention_mask", "hidden_states", torch.float32)
-        out = layer.emit("hidden_states", PREFIX, keep, *STATE_NAMES, *PRESENT_NAMES)
-    b.op_to("Identity", [out], ["output"])
-    f32 = TensorProto.FLOAT
-    inputs = [
-        value_info("hidden_states", f32, ["batch", "seq", dims.hidden_size]),
-        value_info("attention_mask", TensorProto.INT64, ["batch", "total"]),
-        value_info(STATE_NAMES[0], f32, dims.conv_state_shape("batch")),
-        value_info(STATE_NAMES[1], f32, dims.recurrent_state_shape("batch")),
-    ]
-    outputs = [
-        value_info("output", f32, ["batch", "seq", dims.hidden_size]),
-        value_info(PRESENT_NAMES[0], f32, dims.conv_state_shape("batch")),
-        value_info(PRESENT_NAMES[1], f32, dims.recurrent_state_shape("batch")),
-    ]
-    return save_and_load(b, weights, folder, inputs, outputs, layer.contrib_ops)
+    path = write_gated_deltanet_model(folder, dims, dict(module.named_parameters()), graph_class=graph_class)
+    if not graph_class.contrib_ops:
+        onnx.checker.check_model(str(path), full_check=True)
+    return cpu_session(path)
 
 
 class OnnxLayer:
@@ -150,9 +131,9 @@ class OnnxLayer:
         feeds = {
             "hidden_states": hidden.numpy(),
             "attention_mask": self.mask,
-            **dict(zip(STATE_NAMES, self.states, strict=True)),
+            **dict(zip(PAST_STATES, self.states, strict=True)),
         }
-        out, *self.states = self.session.run(["output", *PRESENT_NAMES], feeds)
+        out, *self.states = self.session.run(["output", *PRESENT_STATES], feeds)
         return out
 
 
