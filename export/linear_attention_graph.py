@@ -190,8 +190,15 @@ class GatedDeltaNetGraph:
         inputs = b.op("Transpose", qkv, perm=[0, 2, 1])  # (B, C, T)
         window = b.op("Concat", past, inputs, axis=2)  # (B, C, k - 1 + T)
         b.op_to("Slice", [window, b.const([-(k - 1)]), b.const([INT64_MAX]), b.const([2])], [present])
-        weight = b.weight(weight_name, self.weight(weight_name))  # (C, 1, k): nn.Conv1d's depthwise layout
-        conv = b.op("Conv", window, weight, group=self.dims.conv_dim, kernel_shape=[k])  # (B, C, T)
+        weight = self.weight(weight_name)  # (C, 1, k): nn.Conv1d's depthwise layout
+        if self.dtype == torch.bfloat16:
+            # Conv takes no bfloat16 before opset 22: float32 products and sums (what the kernels accumulate in
+            # anyway), rounded to bfloat16 after.
+            window = self.to_float(window)
+            conv = b.op("Conv", window, self.float_weight(weight_name, weight), group=self.dims.conv_dim)
+            conv = self.to_model_dtype(conv)
+        else:
+            conv = b.op("Conv", window, b.weight(weight_name, weight), group=self.dims.conv_dim)  # (B, C, T)
         conv = b.op("Mul", conv, b.op("Sigmoid", conv))  # SiLU
         return b.op("Transpose", conv, perm=[0, 2, 1])
 

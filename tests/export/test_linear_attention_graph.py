@@ -40,6 +40,7 @@ from export.linear_attention_graph import FusedGatedDeltaNetGraph, GatedDeltaNet
 
 # max |Δ| allowed, relative to the reference's largest magnitude, in float32
 RELATIVE_TOLERANCE = 1e-5
+FLOAT16_TOLERANCE = 2e-2
 FORMS = {"plain": GatedDeltaNetGraph, "fused": FusedGatedDeltaNetGraph}
 DECODE_STEPS = 6
 
@@ -118,18 +119,18 @@ def export_gated_deltanet(module: Qwen3_5GatedDeltaNet, config, graph_class, fol
 class OnnxLayer:
     """The exported layer's state carried from step to step, zeros to start."""
 
-    def __init__(self, session: ort.InferenceSession, dims: GatedDeltaNetDims, batch: int) -> None:
+    def __init__(self, session: ort.InferenceSession, dims: GatedDeltaNetDims, batch: int, dtype=np.float32) -> None:
         self.session = session
         self.states = [
-            np.zeros(dims.conv_state_shape(batch), np.float32),
-            np.zeros(dims.recurrent_state_shape(batch), np.float32),
+            np.zeros(dims.conv_state_shape(batch), dtype),  # the model dtype
+            np.zeros(dims.recurrent_state_shape(batch), np.float32),  # float32 always
         ]
         self.mask = np.zeros((batch, 0), np.int64)
 
     def step(self, hidden: torch.Tensor, new_mask: np.ndarray) -> np.ndarray:
         self.mask = np.concatenate([self.mask, new_mask], axis=1)
         feeds = {
-            "hidden_states": hidden.numpy(),
+            "hidden_states": hidden.numpy().astype(self.states[0].dtype),
             "attention_mask": self.mask,
             **dict(zip(PAST_STATES, self.states, strict=True)),
         }
@@ -155,20 +156,23 @@ class TorchLayer:
         return self.cache.get_conv_state(0)[..., 1:], self.cache.get_recurrent_state(0)
 
 
-def run_left_padded_batch(session, module, config, lengths: tuple[int, int], seed: int = 0) -> dict[str, float]:
+def run_left_padded_batch(
+    session, module, config, lengths: tuple[int, int], seed: int = 0, dtype: torch.dtype = torch.float32
+) -> dict[str, float]:
     """Prefill of a left-padded batch of two, then DECODE_STEPS one-token steps carrying the states, in
-    onnxruntime and in transformers (batched, and each row alone without padding). Returns the relative errors,
-    over kept positions only (padding outputs mean nothing)."""
+    onnxruntime and in transformers (batched, and each row alone without padding), ``module`` and the graph in
+    ``dtype``. Returns the relative errors, over kept positions only (padding outputs mean nothing)."""
     dims = GatedDeltaNetDims.from_config(config)
     generator = torch.Generator().manual_seed(seed)
     width = max(lengths)
-    prompt = torch.randn(2, width, dims.hidden_size, generator=generator)
+    prompt = torch.randn(2, width, dims.hidden_size, generator=generator).to(dtype)
     mask = np.zeros((2, width), np.int64)
     for row, length in enumerate(lengths):
         mask[row, width - length :] = 1
-    tokens = [torch.randn(2, 1, dims.hidden_size, generator=generator) for _ in range(DECODE_STEPS)]
+    tokens = [torch.randn(2, 1, dims.hidden_size, generator=generator).to(dtype) for _ in range(DECODE_STEPS)]
 
-    onnx_layer, batched = OnnxLayer(session, dims, 2), TorchLayer(module, config)
+    numpy_dtype = torch.empty((), dtype=dtype).numpy().dtype
+    onnx_layer, batched = OnnxLayer(session, dims, 2, numpy_dtype), TorchLayer(module, config)
     alone = [TorchLayer(module, config) for _ in lengths]
     errors: dict[str, float] = {}
 
@@ -178,21 +182,23 @@ def run_left_padded_batch(session, module, config, lengths: tuple[int, int], see
     ours = onnx_layer.step(prompt, mask)
     reference = batched.step(prompt, mask)
     kept = mask.astype(bool)
-    compare("prefill vs batched", reference.numpy()[kept], ours[kept])
+    compare("prefill vs batched", reference.float().numpy()[kept], ours[kept])
     for row, length in enumerate(lengths):
         own = alone[row].step(prompt[row : row + 1, width - length :])
-        compare("prefill vs row alone", own.numpy()[0], ours[row, width - length :])
+        compare("prefill vs row alone", own.float().numpy()[0], ours[row, width - length :])
     for token in tokens:
         ours = onnx_layer.step(token, np.ones((2, 1), np.int64))
-        compare("decode vs batched", batched.step(token).numpy(), ours)
+        compare("decode vs batched", batched.step(token).float().numpy(), ours)
         for row in range(2):
-            compare("decode vs row alone", alone[row].step(token[row : row + 1]).numpy(), ours[row : row + 1])
+            own = alone[row].step(token[row : row + 1])
+            compare("decode vs row alone", own.float().numpy(), ours[row : row + 1])
     for kind, reference, candidate in zip(
         ("conv state", "recurrent state"), batched.states(), onnx_layer.states, strict=True
     ):
-        compare(f"{kind} vs batched", reference.numpy(), candidate)
+        compare(f"{kind} vs batched", reference.float().numpy(), candidate)
         for row in range(2):
-            compare(f"{kind} vs row alone", alone[row].states()[kind == "recurrent state"].numpy()[0], candidate[row])
+            own = alone[row].states()[kind == "recurrent state"]
+            compare(f"{kind} vs row alone", own.float().numpy()[0], candidate[row])
     return errors
 
 
@@ -223,6 +229,19 @@ def test_gated_deltanet_multi_token_step_after_state(form, tmp_path):
         assert relative_error(torch_layer.step(hidden).numpy(), ours) <= RELATIVE_TOLERANCE
     for reference, candidate in zip(torch_layer.states(), onnx_layer.states, strict=True):
         assert relative_error(reference.numpy(), candidate) <= RELATIVE_TOLERANCE
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_gated_deltanet_float16(form, tmp_path):
+    """float16 graph (conv state float16, recurrence and its state float32) against the float16 transformers
+    module, within the exporter's float16 tolerance (export/verify.py)."""
+    config = linear_config()
+    module = gated_deltanet(config)
+    dims = GatedDeltaNetDims.from_config(config)
+    params = dict(module.named_parameters())
+    path = write_gated_deltanet_model(tmp_path, dims, params, dtype=torch.float16, graph_class=FORMS[form])
+    errors = run_left_padded_batch(cpu_session(path), module.half(), config, (70, 41), dtype=torch.float16)
+    assert max(errors.values()) <= FLOAT16_TOLERANCE, errors
 
 
 class WithoutL2Norm(GatedDeltaNetGraph):
