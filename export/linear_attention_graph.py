@@ -1,0 +1,361 @@
+"""Gated DeltaNet, the linear-attention token mixer of Qwen3.5 and Qwen3-Next, as ONNX with its carried state.
+
+One layer, in the order of transformers' ``Qwen3_5GatedDeltaNet.forward`` (which the Thinker mirrors):
+
+  padding      hidden * keep: padded positions become zeros before the projections (apply_mask_to_padding_states);
+               with no biases they then add nothing to either state, so a left-padded row from an empty state
+               gives its own result
+  projections  in_proj_qkv, in_proj_z (output gate), in_proj_b (write strength), in_proj_a (decay step)
+  conv         causal depthwise conv over the q|k|v channels with the last k - 1 inputs carried, then SiLU
+  gates        beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias), the log decay, in float32
+  q, k         per head: l2-normalised in float32 (eps 1e-6 inside the root, as transformers' ``l2norm``); each
+               key head serves ``Hv / Hk`` consecutive value heads
+  delta rule   per value head, state S (dk x dv): S = exp(g) S; S += k (beta (v - S^T k))^T; out = S^T q / sqrt(dk)
+  norm         RMSNorm per value head, times silu(z) in float32 (Qwen3_5RMSNormGated), then out_proj
+
+The carried state, graph inputs and outputs of the caller's choosing (names in docs/hybrid-export.md):
+  conv_state       (B, conv_dim, k - 1) in the model dtype: the raw q|k|v inputs the next step's conv window reads
+                   (transformers' cache keeps k columns; the oldest is never read again)
+  recurrent_state  (B, Hv, dk, dv) float32, key-major as transformers' cache and onnxruntime's LinearAttention
+Zeros start a sequence. The graph is the same for a prompt of any length and for one-token decode.
+
+Two forms: ``GatedDeltaNetGraph`` uses standard ONNX operators only (the recurrence is a ``Scan`` over tokens);
+``FusedGatedDeltaNetGraph`` replaces the conv, the gates, the recurrence and the gated norm with onnxruntime's
+com.microsoft operators (CausalConvWithState, LinearAttentionGate, LinearAttention, GatedRMSNorm), each of which
+runs on onnxruntime's CPU execution provider and matches transformers' torch fallbacks to rounding (measured in
+docs/hybrid-export.md). Both keep the recurrence, its inputs and its state in float32 whatever the model dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from onnx import TensorProto
+
+from .graph_builder import TORCH_TO_ONNX, GraphBuilder, value_info
+
+MS_DOMAIN = "com.microsoft"
+L2NORM_EPS = 1e-6  # transformers' l2norm (and the FLA kernels it follows) put this inside the square root
+INT64_MAX = 2**63 - 1  # Slice's "to the end"
+
+# (x, weight name, weight (in, out)) -> x @ weight: lets a caller route projections through its quantizer.
+MatMulEmitter = Callable[[str, str, torch.Tensor], str]
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetDims:
+    """The sizes of one Gated DeltaNet layer, in Qwen3.5's config names."""
+
+    hidden_size: int
+    num_key_heads: int  # linear_num_key_heads: q and k heads
+    num_value_heads: int  # linear_num_value_heads: v heads, one state each; a multiple of num_key_heads
+    key_head_dim: int  # linear_key_head_dim
+    value_head_dim: int  # linear_value_head_dim
+    conv_kernel: int  # linear_conv_kernel_dim
+    rms_norm_eps: float
+
+    def __post_init__(self) -> None:
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(
+                f"linear_num_value_heads={self.num_value_heads} is not a multiple of "
+                f"linear_num_key_heads={self.num_key_heads}"
+            )
+        if self.conv_kernel < 2:
+            raise ValueError(f"linear_conv_kernel_dim={self.conv_kernel}: the carried conv state needs a kernel >= 2")
+
+    @classmethod
+    def from_config(cls, config) -> GatedDeltaNetDims:
+        """From any config with Qwen3.5's field names (Qwen3_5TextConfig, Qwen3NextConfig, the hybrid Thinker)."""
+        return cls(
+            hidden_size=config.hidden_size,
+            num_key_heads=config.linear_num_key_heads,
+            num_value_heads=config.linear_num_value_heads,
+            key_head_dim=config.linear_key_head_dim,
+            value_head_dim=config.linear_value_head_dim,
+            conv_kernel=config.linear_conv_kernel_dim,
+            rms_norm_eps=config.rms_norm_eps,
+        )
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim  # channels [q | k | v]
+
+    @property
+    def value_heads_per_key_head(self) -> int:
+        return self.num_value_heads // self.num_key_heads
+
+    def conv_state_shape(self, batch: int | str) -> list[int | str]:
+        return [batch, self.conv_dim, self.conv_kernel - 1]
+
+    def recurrent_state_shape(self, batch: int | str) -> list[int | str]:
+        return [batch, self.num_value_heads, self.key_head_dim, self.value_head_dim]
+
+
+def emit_keep_mask(b: GraphBuilder, attention_mask: str, hidden: str, dtype: torch.dtype) -> str:
+    """(B, T, 1) in the model dtype: 1 for the new positions the mask keeps, 0 for padding. The new positions
+    are the last T columns of the (B, P + T) attention mask, T being the hidden states' sequence length."""
+    seq = b.op("Shape", hidden, start=1, end=2)  # (1,): T
+    new = b.op("Slice", attention_mask, b.op("Neg", seq), b.const([INT64_MAX]), b.const([1]))  # (B, T)
+    return b.op("Unsqueeze", b.op("Cast", new, to=TORCH_TO_ONNX[dtype]), b.const([-1]))
+
+
+class GatedDeltaNetGraph:
+    """Writes Gated DeltaNet layers into ``builder`` with standard ONNX operators.
+
+    ``weight(name)`` returns a parameter by its module name (``{prefix}.in_proj_qkv.weight``...) in the model
+    dtype; ``matmul`` writes ``x @ W`` for a projection (default: a MatMul over the weight stored (in, out)).
+    """
+
+    contrib_ops = False
+
+    def __init__(
+        self,
+        builder: GraphBuilder,
+        dims: GatedDeltaNetDims,
+        dtype: torch.dtype,
+        weight: Callable[[str], torch.Tensor],
+        matmul: MatMulEmitter | None = None,
+    ) -> None:
+        self.b = builder
+        self.dims = dims
+        self.dtype = dtype
+        self.onnx_dtype = TORCH_TO_ONNX[dtype]
+        self.weight = weight
+        self.matmul = matmul or (lambda x, name, w: self.b.op("MatMul", x, self.b.weight(name, w)))
+
+    # --- small helpers ----------------------------------------------------------------------------------------
+    def to_float(self, x: str) -> str:
+        return x if self.dtype == torch.float32 else self.b.op("Cast", x, to=TensorProto.FLOAT)
+
+    def to_model_dtype(self, x: str) -> str:
+        return x if self.dtype == torch.float32 else self.b.op("Cast", x, to=self.onnx_dtype)
+
+    def linear(self, x: str, name: str) -> str:
+        return self.matmul(x, f"{name}.weight", self.weight(f"{name}.weight").T)
+
+    def float_weight(self, name: str, tensor: torch.Tensor) -> str:
+        return self.b.weight(name, tensor.detach().to(torch.float32).contiguous())
+
+    # --- the layer --------------------------------------------------------------------------------------------
+    def emit(
+        self,
+        x: str,
+        prefix: str,
+        keep: str,
+        past_conv: str,
+        past_recurrent: str,
+        present_conv: str,
+        present_recurrent: str,
+    ) -> str:
+        """One layer on ``x`` (B, T, C) in the model dtype; ``keep`` (B, T, 1) from ``emit_keep_mask``. Writes the
+        graph values ``present_conv`` and ``present_recurrent``; returns the layer output (B, T, C)."""
+        b, d = self.b, self.dims
+        x = b.op("Mul", x, keep)  # padding positions: zeros, which write nothing into either state
+        with b.scope("in_proj"):
+            qkv = self.linear(x, f"{prefix}.in_proj_qkv")  # (B, T, conv_dim)
+            z = self.linear(x, f"{prefix}.in_proj_z")  # (B, T, Hv * dv)
+            write = self.linear(x, f"{prefix}.in_proj_b")  # (B, T, Hv)
+            step = self.linear(x, f"{prefix}.in_proj_a")  # (B, T, Hv)
+        with b.scope("conv"):
+            qkv = self.emit_conv(qkv, f"{prefix}.conv1d.weight", past_conv, present_conv)  # (B, T, conv_dim)
+        query, key, value = b.op("Split", qkv, b.const([d.key_dim, d.key_dim, d.value_dim]), axis=-1, outputs=3)
+        with b.scope("gates"):
+            log_decay, beta = self.emit_gates(step, write, prefix)  # (B, T, Hv) float32 each
+        with b.scope("qk_l2norm"):
+            query = self.emit_l2norm(query, d.num_key_heads, d.key_head_dim)  # (B, T, Hk * dk) float32
+            key = self.emit_l2norm(key, d.num_key_heads, d.key_head_dim)
+        with b.scope("delta_rule"):
+            core = self.emit_delta_rule(query, key, value, log_decay, beta, past_recurrent, present_recurrent)
+        with b.scope("norm"):
+            core = self.emit_gated_norm(self.to_model_dtype(core), z, f"{prefix}.norm.weight")  # (B, T, Hv * dv)
+        with b.scope("out_proj"):
+            return self.linear(core, f"{prefix}.out_proj")
+
+    # --- pieces, each replaced by one onnxruntime operator in the fused form --------------------------------
+    def emit_conv(self, qkv: str, weight_name: str, past: str, present: str) -> str:
+        """Causal depthwise conv + SiLU over time, (B, T, C) -> (B, T, C). The window of token t is the k - 1
+        inputs before it (from ``past`` where the step starts) and itself: Conv over ``past ++ inputs`` with no
+        padding gives exactly T outputs; ``present`` is the last k - 1 columns of that concatenation."""
+        b, k = self.b, self.dims.conv_kernel
+        inputs = b.op("Transpose", qkv, perm=[0, 2, 1])  # (B, C, T)
+        window = b.op("Concat", past, inputs, axis=2)  # (B, C, k - 1 + T)
+        b.op_to("Slice", [window, b.const([-(k - 1)]), b.const([INT64_MAX]), b.const([2])], [present])
+        weight = self.weight(weight_name)  # (C, 1, k): nn.Conv1d's depthwise layout
+        if self.dtype == torch.bfloat16:
+            # Conv takes no bfloat16 before opset 22: float32 products and sums (what the kernels accumulate in
+            # anyway), rounded to bfloat16 after.
+            window = self.to_float(window)
+            conv = b.op("Conv", window, self.float_weight(weight_name, weight), group=self.dims.conv_dim)
+            conv = self.to_model_dtype(conv)
+        else:
+            conv = b.op("Conv", window, b.weight(weight_name, weight), group=self.dims.conv_dim)  # (B, C, T)
+        conv = b.op("Mul", conv, b.op("Sigmoid", conv))  # SiLU
+        return b.op("Transpose", conv, perm=[0, 2, 1])
+
+    def emit_gates(self, step: str, write: str, prefix: str) -> tuple[str, str]:
+        """The log decay g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b), both (B, T, Hv) float32.
+        -exp(A_log) is folded at export with torch in float32, the very value transformers computes per call."""
+        b = self.b
+        dt_bias = self.float_weight(f"{prefix}.dt_bias", self.weight(f"{prefix}.dt_bias"))
+        decay_rate = self.float_weight(f"{prefix}.neg_exp_A_log", -self.weight(f"{prefix}.A_log").float().exp())
+        log_decay = b.op("Mul", b.op("Softplus", b.op("Add", self.to_float(step), dt_bias)), decay_rate)
+        beta = self.to_float(b.op("Sigmoid", write))  # sigmoid in the model dtype, as transformers does
+        return log_decay, beta
+
+    def emit_l2norm(self, x: str, heads: int, head_dim: int) -> str:
+        """Each head of (B, T, heads * head_dim) scaled to unit length in float32: x / sqrt(sum(x²) + eps)."""
+        b = self.b
+        x = self.to_float(b.op("Reshape", x, b.const([0, 0, heads, head_dim])))
+        sum_sq = b.op("ReduceSum", b.op("Mul", x, x), b.const([-1]), keepdims=1)
+        inv_norm = b.op("Reciprocal", b.op("Sqrt", b.op("Add", sum_sq, b.const(L2NORM_EPS, torch.float32))))
+        return b.op("Reshape", b.op("Mul", x, inv_norm), b.const([0, 0, heads * head_dim]))
+
+    def emit_delta_rule(
+        self, query: str, key: str, value: str, log_decay: str, beta: str, past: str, present: str
+    ) -> str:
+        """The gated delta rule as a Scan over tokens; returns (B, T, Hv * dv) float32 and writes ``present``.
+
+        Per token (transformers' ``torch_recurrent_gated_delta_rule``, which its chunked prefill form equals to
+        rounding): S = exp(g) S; delta = beta (v - S^T k); S += k delta^T; out = S^T q * dk^-0.5."""
+        b, d = self.b, self.dims
+        query = b.op("Mul", query, b.const(d.key_head_dim**-0.5, torch.float32))
+        # Time-major: Scan walks axis 0. Each key head serves Hv / Hk consecutive value heads.
+        query = b.op("Transpose", self.per_value_head(query), perm=[1, 0, 2, 3])  # (T, B, Hv, dk)
+        key = b.op("Transpose", self.per_value_head(key), perm=[1, 0, 2, 3])
+        value = self.to_float(b.op("Reshape", value, b.const([0, 0, d.num_value_heads, d.value_head_dim])))
+        value = b.op("Transpose", value, perm=[1, 0, 2, 3])  # (T, B, Hv, dv)
+        decay = b.op("Transpose", b.op("Exp", log_decay), perm=[1, 0, 2])  # (T, B, Hv)
+        beta = b.op("Transpose", beta, perm=[1, 0, 2])
+
+        body = b.subgraph()
+        with body.scope("token"):
+            names = {n: body.fresh(n) for n in ("state", "q", "k", "v", "decay", "beta")}
+            state_out, out = self.emit_delta_step(body, **names)
+        hv, dk, dv = d.num_value_heads, d.key_head_dim, d.value_head_dim
+        float32 = TensorProto.FLOAT
+        graph = body.make_graph(
+            "gated_delta_step",
+            [
+                value_info(names["state"], float32, [None, hv, dk, dv]),
+                value_info(names["q"], float32, [None, hv, dk]),
+                value_info(names["k"], float32, [None, hv, dk]),
+                value_info(names["v"], float32, [None, hv, dv]),
+                value_info(names["decay"], float32, [None, hv]),
+                value_info(names["beta"], float32, [None, hv]),
+            ],
+            [value_info(state_out, float32, [None, hv, dk, dv]), value_info(out, float32, [None, hv, dv])],
+        )
+        outputs = b.fresh("outputs")
+        b.op_to("Scan", [past, query, key, value, decay, beta], [present, outputs], body=graph, num_scan_inputs=5)
+        out = b.op("Transpose", outputs, perm=[1, 0, 2, 3])  # (B, T, Hv, dv)
+        return b.op("Reshape", out, b.const([0, 0, d.value_dim]))
+
+    def per_value_head(self, x: str) -> str:
+        """(B, T, Hk * dk) -> (B, T, Hv, dk): key head h serves value heads h * r .. h * r + r - 1
+        (torch's repeat_interleave over the head axis)."""
+        b, d = self.b, self.dims
+        x = b.op("Reshape", x, b.const([0, 0, d.num_key_heads, 1, d.key_head_dim]))
+        if d.value_heads_per_key_head > 1:
+            x = b.op("Expand", x, b.const([1, 1, 1, d.value_heads_per_key_head, 1]))
+        return b.op("Reshape", x, b.const([0, 0, d.num_value_heads, d.key_head_dim]))
+
+    @staticmethod
+    def emit_delta_step(
+        body: GraphBuilder, state: str, q: str, k: str, v: str, decay: str, beta: str
+    ) -> tuple[str, str]:
+        """One token: state (B, Hv, dk, dv); q, k (B, Hv, dk); v (B, Hv, dv); decay, beta (B, Hv)."""
+        state = body.op("Mul", state, body.op("Unsqueeze", decay, body.const([2, 3])))  # S = exp(g) S
+        k_row = body.op("Unsqueeze", k, body.const([2]))  # (B, Hv, 1, dk)
+        remembered = body.op("MatMul", k_row, state)  # S^T k as a row: (B, Hv, 1, dv)
+        delta = body.op("Sub", body.op("Unsqueeze", v, body.const([2])), remembered)
+        delta = body.op("Mul", delta, body.op("Unsqueeze", beta, body.const([2, 3])))  # beta (v - S^T k)
+        k_col = body.op("Unsqueeze", k, body.const([3]))  # (B, Hv, dk, 1)
+        state = body.op("Add", state, body.op("MatMul", k_col, delta))  # S += k delta^T
+        out = body.op("MatMul", body.op("Unsqueeze", q, body.const([2])), state)  # S^T q: (B, Hv, 1, dv)
+        return body.op("Identity", state), body.op("Squeeze", out, body.const([2]))
+
+    def emit_gated_norm(self, x: str, z: str, weight_name: str) -> str:
+        """Qwen3_5RMSNormGated per value head: w * (x32 / sqrt(mean(x32²) + eps)).to(dtype), times silu(z32), cast
+        to the model dtype. x and z (B, T, Hv * dv) in the model dtype."""
+        b, d = self.b, self.dims
+        heads = b.const([0, 0, d.num_value_heads, d.value_head_dim])
+        x32 = self.to_float(b.op("Reshape", x, heads))
+        variance = b.op("ReduceMean", b.op("Mul", x32, x32), b.const([-1]), keepdims=1)
+        eps = b.const(d.rms_norm_eps, torch.float32)
+        normed = b.op("Mul", x32, b.op("Reciprocal", b.op("Sqrt", b.op("Add", variance, eps))))
+        scaled = b.op("Mul", b.weight(weight_name, self.weight(weight_name)), self.to_model_dtype(normed))
+        gate = self.to_float(b.op("Reshape", z, heads))
+        out = b.op("Mul", self.to_float(scaled), b.op("Mul", gate, b.op("Sigmoid", gate)))
+        return b.op("Reshape", self.to_model_dtype(out), b.const([0, 0, d.value_dim]))
+
+
+class FusedGatedDeltaNetGraph(GatedDeltaNetGraph):
+    """The same layer with onnxruntime's com.microsoft operators where they are exact:
+
+    conv        CausalConvWithState (carry of k - 1 inputs, fused SiLU), on (B, C, T)
+    gates       LinearAttentionGate: decay_scale * softplus(a + dt_bias) and sigmoid(b), fed float32 so that
+                both come out in float32
+    delta rule  LinearAttention, update_rule gated_delta, q and k at the key heads (onnxruntime expands them to
+                the value heads itself), state (B, Hv, dk, dv) float32, scale dk^-0.5
+    norm        GatedRMSNorm over each value head's dv channels, silu gate, float32 inside
+
+    The l2 norm of q and k stays in standard operators: LinearAttention expects normalised keys, and onnxruntime's
+    own normalising variant (GatedDeltaNet, qk_l2_norm) has CUDA and WebGPU kernels only.
+    """
+
+    contrib_ops = True
+
+    def emit_conv(self, qkv: str, weight_name: str, past: str, present: str) -> str:
+        b = self.b
+        inputs = b.op("Transpose", qkv, perm=[0, 2, 1])  # (B, C, T)
+        weight = b.weight(weight_name, self.weight(weight_name))  # (C, 1, k)
+        conv = b.fresh("conv")
+        b.op_to("CausalConvWithState", [inputs, weight, "", past], [conv, present], domain=MS_DOMAIN, activation="silu")
+        return b.op("Transpose", conv, perm=[0, 2, 1])
+
+    def emit_gates(self, step: str, write: str, prefix: str) -> tuple[str, str]:
+        dt_bias = self.float_weight(f"{prefix}.dt_bias", self.weight(f"{prefix}.dt_bias"))
+        decay_rate = self.float_weight(f"{prefix}.neg_exp_A_log", -self.weight(f"{prefix}.A_log").float().exp())
+        log_decay, beta = self.b.op(
+            "LinearAttentionGate",
+            self.to_float(step),
+            dt_bias,
+            decay_rate,
+            self.to_float(write),
+            domain=MS_DOMAIN,
+            outputs=2,
+        )
+        return log_decay, beta
+
+    def emit_delta_rule(
+        self, query: str, key: str, value: str, log_decay: str, beta: str, past: str, present: str
+    ) -> str:
+        d = self.dims
+        out = self.b.fresh("linear_attention")
+        self.b.op_to(
+            "LinearAttention",
+            [query, key, self.to_float(value), past, log_decay, beta],
+            [out, present],
+            domain=MS_DOMAIN,
+            q_num_heads=d.num_key_heads,
+            kv_num_heads=d.num_value_heads,
+            update_rule="gated_delta",
+            scale=d.key_head_dim**-0.5,
+        )
+        return out  # (B, T, Hv * dv) float32
+
+    def emit_gated_norm(self, x: str, z: str, weight_name: str) -> str:
+        weight = self.b.weight(weight_name, self.weight(weight_name))  # (dv,): one norm per value head
+        return self.b.op(
+            "GatedRMSNorm", x, weight, z, domain=MS_DOMAIN, activation="silu", epsilon=self.dims.rms_norm_eps
+        )
