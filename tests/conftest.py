@@ -86,8 +86,6 @@ _TINY_KINDS = {
 }
 
 
-
-
 def make_tiny_config(kind: str, **overrides):
     from thinker import ThinkerConfig
 

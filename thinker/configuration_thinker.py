@@ -125,9 +125,7 @@ class ThinkerConfig(PreTrainedConfig):
         if self.mlp_layer_types is None:
             self.mlp_layer_types = [
                 "sparse"
-                if self.num_experts > 0
-                and i not in self.mlp_only_layers
-                and (i + 1) % self.decoder_sparse_step == 0
+                if self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
                 else "dense"
                 for i in range(self.num_hidden_layers)
             ]

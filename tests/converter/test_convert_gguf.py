@@ -12,7 +12,7 @@ import torch
 from convert_helpers import assert_same_logits, build_reference, write_gguf
 from transformers import AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3Config
 
-from converter.gguf_source import smollm2_gguf_path
+from converter.families.gguf import smollm2_gguf_path
 from thinker import ThinkerForCausalLM
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, max_position_embeddings=64)

@@ -70,8 +70,6 @@ def make_config(family: str, **overrides):
     return ThinkerConfig(**{**COMMON, **FAMILIES[family], **overrides})
 
 
-
-
 def save_thinker(folder: Path, family: str, seed: int = 0, tokenizer: bool = True, **overrides) -> Path:
     """A Thinker folder with random weights (and a tokenizer), as thinker-convert would leave it."""
     from thinker import ThinkerForCausalLM
