@@ -35,9 +35,10 @@ def load_hf_config(source_config: Mapping[str, Any], model_type: str) -> PreTrai
         raise ThinkerError(f"the source config.json is not a valid {model_type} config: {reason}") from None
 
 
-def decoder_fields(hf: PreTrainedConfig) -> dict[str, Any]:
-    """The ThinkerConfig fields every RoPE / RMSNorm / SwiGLU decoder (Llama, Qwen2, Qwen3 and their MoE) shares."""
-    refuse_sliding_window(hf)
+def decoder_fields(hf: PreTrainedConfig, layer_types: tuple[str, ...] = ("full_attention",)) -> dict[str, Any]:
+    """The ThinkerConfig fields every RoPE / RMSNorm / SwiGLU decoder (Llama, Qwen2, Qwen3 and their MoE) shares;
+    ``layer_types``: the kinds of layer the family converts (see ``refuse_layer_types``)."""
+    refuse_layer_types(hf, layer_types)
     return {
         "vocab_size": hf.vocab_size,
         "hidden_size": hf.hidden_size,
@@ -94,16 +95,24 @@ def hf_export_config(
     return export
 
 
-def refuse_sliding_window(hf: PreTrainedConfig) -> None:
-    """Thinker attends over the full context; a checkpoint trained with sliding-window layers is another model."""
+def refuse_layer_types(hf: PreTrainedConfig, allowed: tuple[str, ...] = ("full_attention",)) -> None:
+    """A checkpoint whose ``layer_types`` name layers the family's Thinker does not build (sliding-window attention,
+    for one: Thinker attends over the full context) is another model; refused, naming the layers."""
     layer_types = getattr(hf, "layer_types", None) or []
-    windowed = [index for index, kind in enumerate(layer_types) if kind != "full_attention"]
-    if windowed:
+    other = [index for index, kind in enumerate(layer_types) if kind not in allowed]
+    if not other:
+        return
+    shown = f"{other[:8]}{' ...' if len(other) > 8 else ''}"
+    kinds = sorted({layer_types[index] for index in other})
+    if kinds == ["sliding_attention"]:
         raise ThinkerError(
-            f"the source config uses sliding-window attention on layers {windowed[:8]}"
-            f"{' ...' if len(windowed) > 8 else ''} (use_sliding_window / layer_types), which Thinker does not "
-            "implement; only full-attention checkpoints convert"
+            f"the source config uses sliding-window attention on layers {shown} (use_sliding_window / layer_types), "
+            "which Thinker does not implement; only full-attention checkpoints convert"
         )
+    raise ThinkerError(
+        f"the source config has {', '.join(kinds)} layers {shown} (layer_types), which this family's conversion "
+        f"does not build; it converts {', '.join(allowed)} layers"
+    )
 
 
 # --- tensor groups ---------------------------------------------------------------------------------------------------
@@ -165,6 +174,7 @@ def hf_family(
     name: str | None = None,
     moe: bool = False,
     decoder_config: Callable[[PreTrainedConfig], PreTrainedConfig] | None = None,
+    layer_types: tuple[str, ...] = ("full_attention",),
     layouts: Sequence[Mapping[str, str]] = ({},),
     dropped: tuple[str, ...] = (),
     dropped_prefixes: tuple[str, ...] = (),
@@ -184,6 +194,8 @@ def hf_family(
       config: ``lambda hf: {"qk_norm": True, "attention_bias": hf.attention_bias}``.
     - ``decoder_config``: the text decoder's config within the family's config; default: transformers' own
       ``get_text_config(decoder=True)`` (the config itself, or a multimodal config's ``text_config``).
+    - ``layer_types``: the kinds of layer (the config's ``layer_types``) the family converts; a checkpoint with
+      others is refused. Full attention only, unless the family says more (``("full_attention", "linear_attention")``).
     - ``layouts``: where the decoder's tensors sit in the checkpoint, as prefix renames from Thinker's names to the
       source's (``{"": "thinker."}``, ``{"model.": "model.language_model."}``); several layouts are alternatives and
       the engine uses the one present. ``dropped`` names tensors skipped on purpose (in Thinker's names, like the
@@ -200,7 +212,7 @@ def hf_family(
         declared = source.get("model_type")
         hf = load_hf_config(source, declared if declared in model_types else model_types[0])
         decoder = decoder_config(hf) if decoder_config else hf.get_text_config(decoder=True)
-        return decoder_fields(decoder) | (moe_fields(decoder) if moe else {}) | fields(decoder)
+        return decoder_fields(decoder, layer_types) | (moe_fields(decoder) if moe else {}) | fields(decoder)
 
     tensors = tuple(under(layout, entry) for layout in layouts for entry in (e for group in groups for e in group))
     return Family(
