@@ -15,7 +15,7 @@ are right:
 - the parity reference: transformers' own GGUF loading, ``from_pretrained(folder, gguf_file=...)``.
 
 Each architecture then reuses its Hugging Face family's config translation. Adding one (a dense decoder both
-libraries know) is one entry in ``GGUF_FAMILIES``.
+libraries know) is one more Hugging Face family in ``_HF_FAMILIES``.
 """
 
 from __future__ import annotations
@@ -243,7 +243,8 @@ def load_reference(source: Path, dtype: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
     source = Path(source)
-    path = source if source.is_file() else next(iter(sorted(source.glob("*.gguf"))), source)
+    # A folder was opened as a GGUF source only because it holds exactly one .gguf file (common.sources.open_source).
+    path = source if source.is_file() else next(source.glob("*.gguf"))
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path.parent, gguf_file=path.name, dtype=dtype, attn_implementation="eager", trust_remote_code=False
