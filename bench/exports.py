@@ -68,7 +68,7 @@ def export_command(name: str, model: BenchModel, out: Path, threads: int) -> lis
         return [
             sys.executable,
             "-m",
-            "export.cli",
+            "common.cli",
             "export",
             str(model.thinker),
             str(out),

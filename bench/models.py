@@ -13,12 +13,10 @@ written back by ``thinker-convert --to``.
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 CACHE = Path(os.environ.get("THINKER_BENCH_CACHE", Path.home() / ".cache" / "thinker-bench"))
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 @dataclass(frozen=True)
@@ -34,7 +32,7 @@ class BenchModel:
 def smollm2() -> BenchModel:
     from converter.back import convert_back
     from converter.convert import convert
-    from converter.gguf_source import smollm2_gguf_path
+    from converter.families.gguf import smollm2_gguf_path
 
     thinker, hf = CACHE / "smollm2-135m", CACHE / "smollm2-135m-hf"
     if not thinker.exists():
@@ -48,6 +46,7 @@ def qwen3_shaped(layers: int | None = None) -> BenchModel:
     """Qwen3-0.6B's shapes with random weights; ``layers`` < 28 keeps the first layers' shapes (a shorter run)."""
     import torch
 
+    from common.side_files import copy_files, tokenizer_files
     from converter.back import convert_back
     from thinker import ThinkerForCausalLM
     from thinker.presets import load_preset
@@ -63,9 +62,7 @@ def qwen3_shaped(layers: int | None = None) -> BenchModel:
         model.save_pretrained(thinker)
         del model
         source = smollm2().thinker
-        for file in TOKENIZER_FILES:
-            if (source / file).is_file():
-                shutil.copy2(source / file, thinker / file)
+        copy_files(tokenizer_files(source), source, thinker)
     if not hf.exists():
         convert_back(thinker, hf, "qwen3", verify=False)
     return BenchModel(name, thinker, hf, "qwen3", layers=layers, real_weights=False)

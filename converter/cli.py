@@ -1,9 +1,10 @@
 """``thinker-convert`` and ``thinker verify``: click commands over ``converter.convert``.
 
 ``convert_command`` is the ``thinker-convert`` console script and, under the name ``convert``, a command of the
-``thinker`` group (``export/cli.py`` adds it, with ``verify_command`` as ``verify``). A ``ThinkerError`` ends either
-command with one red line on stderr and exit code 1 (click's usage errors exit with 2); ``--debug`` shows the
-traceback instead.
+``thinker`` group (``common/cli.py``), with ``verify_command`` as ``verify``. A ``ThinkerError`` ends either command
+with one red line on stderr and exit code 1 (click's usage errors exit with 2); ``--debug`` shows the traceback
+instead. The converter itself (torch, transformers) is imported inside the commands, so that ``--help`` and usage
+errors answer at once.
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ from pathlib import Path
 
 import click
 
-from .cli_support import reports_errors
-from .errors import ThinkerError
-from .shards import parse_size
-
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
+from common.cli import CONTEXT, reports_errors
+from common.dtypes import FLOAT_DTYPES
+from common.errors import ThinkerError
+from common.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 
 CONVERT_HELP = """Convert SOURCE into a Thinker checkpoint folder at OUTPUT.
 
@@ -92,7 +92,7 @@ revision_option = click.option(
 @revision_option
 @click.option(
     "--dtype",
-    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+    type=click.Choice(["auto", *FLOAT_DTYPES]),
     default="auto",
     show_default=True,
     help="Output dtype. auto keeps the dtype the source config declares (else the source tensors' dtype; GGUF "
@@ -100,7 +100,7 @@ revision_option = click.option(
 )
 @click.option(
     "--max-shard-size",
-    default="5GB",
+    default=DEFAULT_MAX_SHARD_SIZE,
     show_default=True,
     callback=_shard_size,
     help="Largest safetensors shard, e.g. 500MB, 2GiB or a byte count; bigger outputs are split with an index.",

@@ -1,39 +1,26 @@
 """One conversion from start to finish: resolve SOURCE, plan and check, stream the weights, write the folder around
 them, verify, and install OUTPUT atomically. The command line (``converter/cli.py``) is a thin layer over
-``convert`` and ``verify``.
+``convert`` and ``verify``; the way back (``--to``) is ``converter/back.py``.
 """
 
 from __future__ import annotations
 
-import json
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
+from common.errors import ThinkerError
+from common.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
+from common.sources import open_source
+from common.staging import refuse_existing_output, refuse_overwriting_source, staged_output
 
-from .engine import Plan, plan_conversion, stream_tensors
-from .errors import ThinkerError
+from .engine import plan_conversion, write_weights
 from .families import detect_family
-from .gguf_source import GGUFSource, gguf_to_hf_config
 from .hub import resolve_source
-from .output import (
-    copy_tokenizer_files,
-    refuse_existing_output,
-    refuse_overwriting_source,
-    save_gguf_tokenizer,
-    staged_output,
-    write_generation_config,
-    write_thinker_config,
-)
-from .parity import PARITY_FILE, ParityFailed, ParityReport, check_parity, verify_fits_memory, write_report
-from .shards import ShardLayout, ShardWriter, parse_size
-from .sources import TensorSource, open_source
+from .output import write_generation_config, write_thinker_config
+from .parity import ParityReport, parity_gate, verify_fits_memory
 from .spec import Family
-
-DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 
 @dataclass
@@ -48,59 +35,13 @@ class ConversionResult:
     notes: list[str] = field(default_factory=list)  # e.g. why verification was skipped
 
 
-def read_source_config(source: TensorSource) -> dict[str, Any]:
-    """The source's Hugging Face config: ``config.json`` beside the weights, or rebuilt from GGUF metadata."""
-    if isinstance(source, GGUFSource):
-        return gguf_to_hf_config(source.metadata, source.names())
-    path = Path(source.root) / "config.json"
-    if not path.is_file():
-        raise ThinkerError(f"{source.root}: no config.json beside the weights; it says which model they belong to")
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise ThinkerError(f"{path}: not readable JSON ({err})") from None
-    if not isinstance(config, dict):
-        raise ThinkerError(f"{path}: expected a JSON object")
-    return config
-
-
 def source_family(root: Path) -> Family:
     """The family of the checkpoint at ``root``, from its config and tensor names (headers only)."""
     tensor_source = open_source(root)
     try:
-        return detect_family(read_source_config(tensor_source), set(tensor_source.names()))
+        return detect_family(tensor_source.config(), set(tensor_source.names()))
     finally:
         tensor_source.close()
-
-
-def write_weights(plan: Plan, source: TensorSource, folder: Path, max_shard_size: int, progress: bool) -> list[str]:
-    """Stream the plan's tensors into safetensors shards in ``folder``; returns the files written.
-
-    One background thread writes while the main thread reads and checks the next tensor (file I/O and torch both
-    release the GIL). At most two steps' tensors are alive: the one being written and the one being produced.
-    """
-    layout = ShardLayout([(name, shape, plan.dtype) for name, shape in plan.shapes.items()], max_shard_size)
-    with (
-        ShardWriter(folder, layout) as writer,
-        ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as background,
-        tqdm(
-            total=layout.total_size,
-            unit="B",
-            unit_scale=True,
-            unit_divisor=1024,
-            desc="converting",
-            disable=not progress,
-        ) as bar,
-    ):
-        writing = None
-        for name, tensor in stream_tensors(plan, source):
-            if writing is not None:
-                bar.update(writing.result())  # the previous write must end before this tensor is handed over
-            writing = background.submit(writer.write, name, tensor)
-            del tensor
-        if writing is not None:
-            bar.update(writing.result())
-        return writer.close()
 
 
 def convert(
@@ -113,20 +54,22 @@ def convert(
     verify: bool | None = None,
     force: bool = False,
     progress: bool = True,
+    **hub_options: Any,
 ) -> ConversionResult:
     """Convert ``source`` (a folder, a weights file, or a Hub repo id) into a Thinker folder at ``output``.
 
     ``verify=None`` verifies when the two models fit the memory budget (see ``parity.verify_fits_memory``).
+    ``hub_options`` (``token``, ``cache_dir`` ...) go to ``hub.resolve_source``.
     Raises ``ThinkerError`` (``ParityFailed`` when verification fails; nothing is installed then).
     """
     started = time.perf_counter()
     output = Path(output)
     shard_bytes = parse_size(max_shard_size)
-    refuse_existing_output(output, force)  # before any download
-    root = resolve_source(str(source), revision, progress=progress)
+    refuse_existing_output(output, force, "once the new conversion is complete")  # before any download
+    root = resolve_source(str(source), revision, progress=progress, **hub_options)
     tensor_source = open_source(root)
     try:
-        plan = plan_conversion(tensor_source, read_source_config(tensor_source), dtype)
+        plan = plan_conversion(tensor_source, tensor_source.config(), dtype)
         refuse_overwriting_source(output, Path(tensor_source.root))
         notes = []
         if plan.family.no_reference:
@@ -144,15 +87,10 @@ def convert(
             files = write_weights(plan, tensor_source, staging, shard_bytes, progress)
             write_thinker_config(staging, plan.config)
             write_generation_config(staging, Path(tensor_source.root), plan.config)
-            if isinstance(tensor_source, GGUFSource):
-                files += save_gguf_tokenizer(tensor_source.path, staging)
-            else:
-                files += copy_tokenizer_files(Path(tensor_source.root), staging)
+            files += tensor_source.save_tokenizer(staging)
             if verify:
-                report = check_parity(root, staging, plan.family)
-                write_report(report, staging / PARITY_FILE)
-                if not report.passed:
-                    raise ParityFailed(f"{output}: does not match its reference; nothing written", report)
+                failure = f"{output}: does not match its reference; nothing written"
+                report = parity_gate(root, staging, plan.family, staging, failure)
     finally:
         tensor_source.close()
     return ConversionResult(
@@ -173,8 +111,5 @@ def verify(source: str | Path, converted: str | Path, *, revision: str | None = 
     if not (converted / "config.json").is_file():
         raise ThinkerError(f"{converted}: not a converted model folder (no config.json)")
     root = resolve_source(str(source), revision)
-    report = check_parity(root, converted, source_family(root))
-    write_report(report, converted / PARITY_FILE)
-    if not report.passed:
-        raise ParityFailed(f"{converted} does not match its reference {source}", report)
-    return report
+    failure = f"{converted} does not match its reference {source}"
+    return parity_gate(root, converted, source_family(root), converted, failure)

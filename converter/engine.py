@@ -4,6 +4,7 @@
 meta device to learn every parameter it must produce (names and shapes, tied ones left out), expands the family's
 table for this model's layers and experts into exact names, picks the rules that apply, and checks:
 
+- the layer and expert counts the config declares fit the checkpoint (before anything is built from them);
 - the config's ``tie_word_embeddings`` agrees with whether the source has an output projection;
 - every source tensor a needed rule reads is present;
 - every source tensor is read by some rule or dropped on purpose;
@@ -12,7 +13,11 @@ table for this model's layers and experts into exact names, picks the rules that
 
 Each failure is a ``ThinkerError`` naming the tensors. ``stream_tensors`` then reads one rule's sources at a time
 (a rule is the unit of memory: one tensor, or one layer's experts when they are stacked), applies the operation,
-checks the values (no NaN/Inf; nothing a float16 cast would overflow) and casts to the output dtype.
+checks the values (no NaN/Inf; nothing a float16 cast would overflow) and casts to the output dtype;
+``write_weights`` hands each tensor to a background thread that writes it into its planned shard.
+
+The way back (``converter/back.py``) plans over the family's inverted table and then uses the same shape check,
+streaming, value checks and writer: a ``Plan`` does not care which way it converts.
 """
 
 from __future__ import annotations
@@ -20,22 +25,25 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
+from tqdm.auto import tqdm
 
+from common.dtypes import FLOAT_DTYPES, dtype_name, torch_dtype
+from common.errors import ThinkerError
+from common.sources import TensorSource
+from common.values import value_problem
 from thinker import ThinkerConfig, ThinkerForCausalLM
 
-from .errors import ThinkerError
 from .families import detect_family
 from .ops import Op
-from .sources import TensorSource
-from .spec import EXPERT, LAYER, Family, TensorRule
-
-OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-FLOAT16_MAX = torch.finfo(torch.float16).max  # 65504: larger magnitudes become inf in float16
+from .shards import ShardLayout, ShardWriter
+from .spec import EXPERT_INDEX, LAYER_INDEX, Family, TensorRule
 
 
 @dataclass(frozen=True)
@@ -49,29 +57,23 @@ class Step:
 
 @dataclass
 class Plan:
-    """Everything needed to write a Thinker checkpoint, known before any tensor is read."""
+    """Everything needed to write a checkpoint, known before any tensor is read: a Thinker checkpoint from a source
+    (``plan_conversion``), or a family's checkpoint from a Thinker folder (the way back, ``converter/back.py``)."""
 
     family: Family
-    config: ThinkerConfig  # the target config; ``config.dtype`` is the output dtype
+    config: ThinkerConfig  # the Thinker config (the operations read head counts and sizes from it)
     steps: list[Step]  # in the order the source files hold their tensors
-    shapes: dict[str, tuple[int, ...]]  # Thinker parameter -> shape, in the order the steps produce them
-    dtype: torch.dtype
-    dropped: list[str]  # source tensors skipped on purpose
+    shapes: dict[str, tuple[int, ...]]  # output tensor -> shape, in the order the steps produce them
+    dtype: torch.dtype  # of every output tensor
+    dropped: list[str] = field(default_factory=list)  # source tensors skipped on purpose
 
     @property
     def num_parameters(self) -> int:
-        return sum(_numel(shape) for shape in self.shapes.values())
+        return sum(math.prod(shape) for shape in self.shapes.values())
 
     @property
     def total_bytes(self) -> int:
         return self.num_parameters * self.dtype.itemsize
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def describe_names(names: list[str] | set[str], limit: int = 5) -> str:
@@ -88,9 +90,9 @@ def expand_names(templates: tuple[str, ...], layer: int | None, num_experts: int
     """Exact names for one layer: ``{layer}`` filled in, each ``{expert}`` template repeated for every expert."""
     names: list[str] = []
     for template in templates:
-        name = template if layer is None else template.replace(LAYER, str(layer))
-        if EXPERT in name:
-            names.extend(name.replace(EXPERT, str(expert)) for expert in range(num_experts))
+        name = template if layer is None else template.replace(LAYER_INDEX, str(layer))
+        if EXPERT_INDEX in name:
+            names.extend(name.replace(EXPERT_INDEX, str(expert)) for expert in range(num_experts))
         else:
             names.append(name)
     return tuple(names)
@@ -100,7 +102,7 @@ def expand_rules(rules: tuple[TensorRule, ...], num_layers: int, num_experts: in
     """Every rule for every layer it names, as exact names: a lookup table with no patterns left in it."""
     steps = []
     for entry in rules:
-        per_layer = any(LAYER in name for name in entry.sources + entry.targets)
+        per_layer = any(LAYER_INDEX in name for name in entry.sources + entry.targets)
         for layer in range(num_layers) if per_layer else (None,):
             steps.append(
                 Step(
@@ -152,20 +154,22 @@ def translate_config(family: Family, source_config: Mapping[str, Any], dtype: to
     return config
 
 
-def resolve_dtype(requested: str, source: TensorSource, source_config: Mapping[str, Any]) -> torch.dtype:
-    """``auto``: the dtype the source config declares, else the floating dtype holding most of the source's bytes."""
+def resolve_dtype(requested: str, declared: Any, source: TensorSource) -> torch.dtype:
+    """The output dtype. ``auto``: ``declared`` (the dtype the source's config names) when it is one a folder may
+    hold, else the floating dtype holding most of the source's bytes."""
     if requested != "auto":
-        if requested not in OUTPUT_DTYPES:
-            raise ThinkerError(f"--dtype {requested!r} is not one of auto, {', '.join(OUTPUT_DTYPES)}")
-        return OUTPUT_DTYPES[requested]
-    declared = source_config.get("dtype") or source_config.get("torch_dtype")
-    if isinstance(declared, str) and declared in OUTPUT_DTYPES:
-        return OUTPUT_DTYPES[declared]
+        if requested not in FLOAT_DTYPES:
+            raise ThinkerError(f"--dtype {requested!r} is not one of auto, {', '.join(FLOAT_DTYPES)}")
+        return torch_dtype(requested)
+    if isinstance(declared, torch.dtype):
+        declared = dtype_name(declared)
+    if isinstance(declared, str) and declared in FLOAT_DTYPES:
+        return torch_dtype(declared)
     bytes_by_dtype: Counter[torch.dtype] = Counter()
     for name in source.names():
         dtype = source.dtype(name)
-        if dtype in OUTPUT_DTYPES.values():
-            bytes_by_dtype[dtype] += _numel(source.shape(name)) * dtype.itemsize
+        if dtype_name(dtype) in FLOAT_DTYPES:
+            bytes_by_dtype[dtype] += math.prod(source.shape(name)) * dtype.itemsize
     return bytes_by_dtype.most_common(1)[0][0] if bytes_by_dtype else torch.float32
 
 
@@ -179,10 +183,10 @@ def plan_conversion(
     names = source.names()
     if family is None:
         family = detect_family(source_config, set(names))
-    output_dtype = resolve_dtype(dtype, source, source_config)
-    bounds = _count_bounds(source)
-    _check_counts(family, _declared_counts(source_config), bounds)  # before transformers builds lists from them
-    config = translate_config(family, source_config, output_dtype)
+    output_dtype = resolve_dtype(dtype, source_config.get("dtype") or source_config.get("torch_dtype"), source)
+    bounds = _count_bounds(family, source)
+    _check_counts(family, _declared_counts(family, source_config), bounds)  # before anything is built from them
+    config = translate_config(family, family.hf_config(source_config, names), output_dtype)
     _check_counts(family, {"num_hidden_layers": config.num_hidden_layers, "num_experts": config.num_experts}, bounds)
     expected = thinker_parameter_shapes(config)
 
@@ -190,36 +194,39 @@ def plan_conversion(
     steps = _select_steps(family, config, expected, set(names))
     _check_sources_used(family, config, steps, names)
     _check_targets_produced(family, steps, expected)
-    _check_shapes(family, config, steps, expected, source)
+    planned_shapes(family, config, steps, source, expected)
 
-    position = {name: index for index, name in enumerate(names)}
-    steps.sort(key=lambda step: min(position[name] for name in step.sources))
+    steps = in_source_order(steps, names)
     shapes = {target: expected[target] for step in steps for target in step.targets}
     dropped = sorted(set(names) & _dropped_names(family, config) | _dropped_by_prefix(family, names))
     return Plan(family, config, steps, shapes, output_dtype, dropped)
 
 
-# Config keys that count layers or experts, as the supported families' configs spell them (at any nesting depth:
-# Qwen3-Omni keeps its decoder's under thinker_config.text_config).
-_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "n_layers")
-_EXPERT_COUNTS = ("num_experts", "num_local_experts")
+def in_source_order(steps: list[Step], names: list[str]) -> list[Step]:
+    """The steps in the order the source files hold their tensors: each file is read front to back."""
+    position = {name: index for index, name in enumerate(names)}
+    return sorted(steps, key=lambda step: min(position[name] for name in step.sources))
 
 
-def _count_bounds(source: TensorSource) -> dict[str, tuple[int, str]]:
+def _count_bounds(family: Family, source: TensorSource) -> dict[str, tuple[int, str]]:
     """The most layers and experts a checkpoint can hold: every layer has tensors of its own, every expert at least
-    one weight."""
+    one weight. Keyed by the family's spellings of the counts and by Thinker's."""
     names = source.names()
     tensors = (len(names), "tensors")
-    weights = (sum(_numel(source.shape(name)) for name in names), "weights")
-    return {key: tensors for key in _LAYER_COUNTS} | {key: weights for key in _EXPERT_COUNTS}
+    weights = (sum(math.prod(source.shape(name)) for name in names), "weights")
+    layers = {*family.layer_count_keys, "num_hidden_layers"}
+    experts = {*family.expert_count_keys, "num_experts"}
+    return {key: tensors for key in layers} | {key: weights for key in experts}
 
 
-def _declared_counts(config: Mapping[str, Any]) -> dict[str, Any]:
+def _declared_counts(family: Family, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The layer and expert counts ``config`` declares, at any nesting depth (Qwen3-Omni keeps its decoder's under
+    thinker_config.text_config)."""
     counts = {}
     for key, value in config.items():
         if isinstance(value, Mapping):
-            counts |= _declared_counts(value)
-        elif key in _LAYER_COUNTS + _EXPERT_COUNTS:
+            counts |= _declared_counts(family, value)
+        elif key in family.layer_count_keys + family.expert_count_keys:
             counts[key] = value
     return counts
 
@@ -322,31 +329,37 @@ def _check_targets_produced(family: Family, steps: list[Step], expected: Mapping
         )
 
 
-def _check_shapes(
+def planned_shapes(
     family: Family,
     config: ThinkerConfig,
     steps: list[Step],
-    expected: Mapping[str, tuple[int, ...]],
     source: TensorSource,
-) -> None:
-    mismatches = []
+    expected: Mapping[str, tuple[int, ...]] | None = None,
+) -> dict[str, tuple[int, ...]]:
+    """Every output's shape, from each step's operation run on meta tensors (no bytes read); when ``expected`` is
+    given, every shape must equal it. Raises ``ThinkerError`` naming the tensors that do not fit."""
+    shapes, mismatches = {}, []
     for step in steps:
         inputs = [torch.empty(source.shape(name), device="meta") for name in step.sources]
         try:
             outputs = step.op(inputs, config)
         except (RuntimeError, ValueError, ThinkerError) as err:
-            shapes = ", ".join(f"{name} {tuple(t.shape)}" for name, t in zip(step.sources, inputs, strict=True))
-            raise ThinkerError(f"cannot convert {shapes}: {err}; the config.json does not match the weights") from None
+            described = ", ".join(f"{name} {tuple(t.shape)}" for name, t in zip(step.sources, inputs, strict=True))
+            raise ThinkerError(
+                f"cannot convert {described}: {err}; the config.json does not match the weights"
+            ) from None
         for target, output in zip(step.targets, outputs, strict=True):
-            if tuple(output.shape) != expected[target]:
+            shapes[target] = tuple(output.shape)
+            if expected is not None and shapes[target] != expected[target]:
                 origin = step.sources[0] if len(step.sources) == 1 else f"{step.sources[0]} (+{len(step.sources) - 1})"
-                mismatches.append(f"{target} from {origin}: {tuple(output.shape)}, expected {expected[target]}")
+                mismatches.append(f"{target} from {origin}: {shapes[target]}, expected {expected[target]}")
     if mismatches:
         shown = "; ".join(mismatches[:5]) + (f"; and {len(mismatches) - 5} more" if len(mismatches) > 5 else "")
         raise ThinkerError(
             f"{len(mismatches)} tensor shape(s) disagree with the config: {shown}; "
             "the config.json does not describe these weights"
         )
+    return shapes
 
 
 # --- streaming ---------------------------------------------------------------------------------------------------
@@ -372,14 +385,28 @@ def finish_tensor(tensor: torch.Tensor, target: str, sources: tuple[str, ...], d
     return tensor.to(dtype).contiguous()
 
 
-def value_problem(tensor: torch.Tensor, dtype: torch.dtype) -> str | None:
-    """What is wrong with ``tensor``'s values for a cast to ``dtype``: NaN or Inf, or magnitudes float16 turns into
-    Inf; None when nothing is. One pass over the tensor, no copy."""
-    if not tensor.is_floating_point() or not tensor.numel():
-        return None
-    low, high = (value.item() for value in torch.aminmax(tensor))  # NaN propagates into both
-    if not (math.isfinite(low) and math.isfinite(high)):
-        return "holds NaN or Inf values"
-    if dtype == torch.float16 and max(-low, high) > FLOAT16_MAX:
-        return f"holds values up to {max(-low, high):.6g}, beyond float16's ±{FLOAT16_MAX:.0f}"
-    return None
+def write_weights(
+    plan: Plan, source: TensorSource, folder: Path, max_shard_size: int, progress: bool, desc: str = "converting"
+) -> list[str]:
+    """Stream the plan's tensors into safetensors shards in ``folder``; returns the files written.
+
+    One background thread writes while the main thread reads and checks the next tensor (file I/O and torch both
+    release the GIL). At most two steps' tensors are alive: the one being written and the one being produced.
+    """
+    layout = ShardLayout([(name, shape, plan.dtype) for name, shape in plan.shapes.items()], max_shard_size)
+    with (
+        ShardWriter(folder, layout) as writer,
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as background,
+        tqdm(
+            total=layout.total_size, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not progress
+        ) as bar,
+    ):
+        writing = None
+        for name, tensor in stream_tensors(plan, source):
+            if writing is not None:
+                bar.update(writing.result())  # the previous write must end before this tensor is handed over
+            writing = background.submit(writer.write, name, tensor)
+            del tensor
+        if writing is not None:
+            bar.update(writing.result())
+        return writer.close()

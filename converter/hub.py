@@ -18,6 +18,7 @@ import glob
 import os
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from huggingface_hub import HfApi, constants, get_cached_repo_tree, snapshot_download
@@ -36,7 +37,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import filter_repo_objects, validate_repo_id
 from huggingface_hub.utils import tqdm as hf_tqdm
 
-from .errors import ThinkerError
+from common.errors import ThinkerError
 
 try:  # huggingface_hub 2.x talks HTTP through httpx2, 1.x through httpx; both raise TransportError subclasses.
     import httpx2 as _httpx
@@ -115,31 +116,59 @@ def resolve_source(
     *,
     allow_patterns: list[str] | None = None,
     token: str | bool | None = None,
+    cache_dir: str | Path | None = None,
+    local_files_only: bool = False,
+    force_download: bool = False,
+    subfolder: str | None = None,
     progress: bool = True,
 ) -> Path:
     """A local folder or file for ``source``: the path itself if it exists, else a Hub snapshot in the cache.
 
     ``revision`` (branch, tag or commit hash, default ``main``) and ``allow_patterns`` (fnmatch patterns; default:
     ``pick_conversion_files``) only apply to repo ids. ``token`` defaults to huggingface_hub's own lookup
-    (``HF_TOKEN``, then the ``hf auth login`` token file). ``progress=False`` hides huggingface_hub's bars.
+    (``HF_TOKEN``, then the ``hf auth login`` token file); ``cache_dir`` to ``HF_HUB_CACHE``; ``local_files_only``
+    uses the cache alone, as ``HF_HUB_OFFLINE=1`` does; ``force_download`` fetches again what is cached;
+    ``subfolder`` is the checkpoint's folder inside the repo (or the local folder). These are the Hub arguments of
+    transformers' ``from_pretrained``, with the same meaning. ``progress=False`` hides huggingface_hub's bars.
     """
     local = Path(source).expanduser()
     if local.exists():
         if revision is not None:
             raise ThinkerError(f"{source}: a revision ({revision!r}) only applies to Hub repo ids, not local paths")
-        return local
+        return _in_subfolder(local, subfolder, source)
     if not is_repo_id(source):
         raise ThinkerError(f"{source}: no such folder, and not a Hub repo id ('name' or 'owner/name'); check the path")
-    return _resolve_repo(source, revision or constants.DEFAULT_REVISION, allow_patterns, token, progress)
+    hub = _HubOptions(token, cache_dir, local_files_only, force_download, (subfolder or "").strip("/"))
+    snapshot = _resolve_repo(source, revision or constants.DEFAULT_REVISION, allow_patterns, hub, progress)
+    return _in_subfolder(snapshot, hub.subfolder, f"{source}@{revision or constants.DEFAULT_REVISION}")
+
+
+@dataclass(frozen=True)
+class _HubOptions:
+    token: str | bool | None
+    cache_dir: str | Path | None
+    local_files_only: bool
+    force_download: bool
+    subfolder: str
+
+
+def _in_subfolder(folder: Path, subfolder: str | None, label: str) -> Path:
+    if not subfolder:
+        return folder
+    path = folder / subfolder
+    if not path.exists():
+        raise ThinkerError(f"{label}: no subfolder {subfolder!r} in {folder}; check the subfolder name")
+    return path
 
 
 def _resolve_repo(
-    repo_id: str, revision: str, allow_patterns: list[str] | None, token: str | bool | None, progress: bool
+    repo_id: str, revision: str, allow_patterns: list[str] | None, hub: _HubOptions, progress: bool
 ) -> Path:
     label = f"{repo_id}@{revision}"
     endpoint = (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
-    cache_dir = Path(os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE).expanduser()
-    offline = _offline()
+    cache_dir = Path(hub.cache_dir or os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE).expanduser()
+    offline = _offline() or hub.local_files_only
+    token = hub.token
 
     # The file listing picks what to download. Online it comes from the Hub; offline, or when the Hub cannot be
     # reached, from the listing huggingface_hub cached with the snapshot, so the same files are chosen either way
@@ -163,7 +192,9 @@ def _resolve_repo(
             raise _not_cached(label, endpoint, cache_dir, offline, unreachable)
 
     if allow_patterns is None:
-        allow_patterns = [glob.escape(name) for name in pick_conversion_files(files, label)]
+        prefix = f"{hub.subfolder}/" if hub.subfolder else ""
+        inside = [name.removeprefix(prefix) for name in files if name.startswith(prefix)]
+        allow_patterns = [glob.escape(prefix + name) for name in pick_conversion_files(inside, label)]
     for name in filter_repo_objects(files, allow_patterns=allow_patterns):
         _check_file_name(name, label)
 
@@ -175,6 +206,7 @@ def _resolve_repo(
             cache_dir=cache_dir,
             endpoint=endpoint,
             token=token,
+            force_download=hub.force_download,
             # Files from the cache's listing: the Hub is off limits or out of reach, so do not try it again.
             local_files_only=offline or unreachable is not None,
             tqdm_class=None if progress else _NoProgress,

@@ -7,6 +7,11 @@ the right shape), streams the tensors through the same operations, and hands the
 ``from_pretrained``, which builds the model without random initialisation and places it (``device_map``, ``dtype``,
 ``attn_implementation`` ... pass through). Nothing is written to disk.
 
+Importing this module registers ``load_thinker`` with ``thinker.foreign``, so that
+``ThinkerForCausalLM.from_pretrained`` on a checkpoint of another family converts it on load, with every Hub
+argument (``revision``, ``token``, ``cache_dir``, ``local_files_only``, ``force_download``, ``subfolder``) going to
+the converter's Hub resolution.
+
 transformers 5 can also rename and fuse weights at load time (``WeightRenaming`` / ``WeightConverter`` in its
 ``conversion_mapping``); the family tables are interpreted here by the converter's own engine instead, because they
 need operations transformers has no counterpart for (``Each``, the interleaved-to-half RoPE reorder of a fused
@@ -22,20 +27,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from thinker import ThinkerConfig, ThinkerForCausalLM
+from common.sources import open_source
+from thinker import ThinkerConfig, ThinkerForCausalLM, foreign
 
-from .convert import read_source_config
 from .engine import plan_conversion, stream_tensors
 from .hub import resolve_source
-from .sources import open_source
 
 
-def config_for(source: str | Path, *, revision: str | None = None, dtype: str = "auto") -> ThinkerConfig:
-    """The Thinker config a source checkpoint translates to (checked against its tensor headers)."""
-    root = resolve_source(str(source), revision, progress=False)
+def config_for(source: str | Path, *, revision: str | None = None, dtype: str = "auto", **hub: Any) -> ThinkerConfig:
+    """The Thinker config a source checkpoint translates to (checked against its tensor headers).
+
+    ``hub``: the Hub arguments of ``hub.resolve_source`` (``token``, ``cache_dir`` ...)."""
+    root = resolve_source(str(source), revision, progress=False, **hub)
     tensor_source = open_source(root)
     try:
-        source_config = read_source_config(tensor_source)
+        source_config = tensor_source.config()
         if source_config.get("model_type") == ThinkerConfig.model_type:
             return ThinkerConfig.from_pretrained(root)
         return plan_conversion(tensor_source, source_config, dtype).config
@@ -49,17 +55,25 @@ def load_thinker(
     revision: str | None = None,
     dtype: str = "auto",
     progress: bool = False,
+    token: str | bool | None = None,
+    cache_dir: str | Path | None = None,
+    local_files_only: bool = False,
+    force_download: bool = False,
+    subfolder: str | None = None,
     **from_pretrained_kwargs: Any,
 ) -> ThinkerForCausalLM:
     """``source`` (Hub repo id, folder or weights file of any supported family) as a Thinker model, in eval mode.
 
-    ``dtype`` is the converter's choice (``auto`` keeps the source's); other keyword arguments go to
-    ``ThinkerForCausalLM.from_pretrained``. A Thinker folder is loaded as it is.
+    ``dtype`` is the converter's choice (``auto`` keeps the source's); ``token``, ``cache_dir``,
+    ``local_files_only``, ``force_download`` and ``subfolder`` locate it (``hub.resolve_source``); other keyword
+    arguments go to ``ThinkerForCausalLM.from_pretrained``. A Thinker folder is loaded as it is.
     """
-    root = resolve_source(str(source), revision, progress=progress)
+    hub = {"token": token, "cache_dir": cache_dir, "local_files_only": local_files_only}
+    hub |= {"force_download": force_download, "subfolder": subfolder}
+    root = resolve_source(str(source), revision, progress=progress, **hub)
     tensor_source = open_source(root)
     try:
-        source_config = read_source_config(tensor_source)
+        source_config = tensor_source.config()
         native = source_config.get("model_type") == ThinkerConfig.model_type
         if not native:
             plan = plan_conversion(tensor_source, source_config, dtype)
@@ -71,5 +85,7 @@ def load_thinker(
     kwargs = {"dtype": plan.dtype} | from_pretrained_kwargs
     return ThinkerForCausalLM.from_pretrained(None, config=plan.config, state_dict=state, **kwargs).eval()
 
+
+foreign.register_checkpoint_loader(load_thinker)
 
 __all__ = ["config_for", "load_thinker"]

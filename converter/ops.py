@@ -16,9 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.errors import ThinkerError
 from thinker import ThinkerConfig
-
-from .gguf_source import permute_llama_rope, unpermute_llama_rope
 
 SizesFn = Callable[[ThinkerConfig], Sequence[int]]
 
@@ -146,6 +145,40 @@ class UnstackExperts(Op):
 
     def inverse(self) -> Op:
         return StackExperts(parts=self.parts, dim=self.dim)
+
+
+# --- RoPE row order ------------------------------------------------------------------------------------------------
+#
+# Thinker (like Hugging Face Llama and Qwen) rotates each head's dimensions in two halves: dimension j pairs with
+# j + head_dim/2 (``rotate_half``). Other code rotates adjacent pairs (2j, 2j+1): ggml's default ("normal") RoPE,
+# which llama.cpp uses for the llama architecture, and μOmni's ``apply_rope``. The two are the same model once the
+# rows of q_proj and k_proj (weights and biases) are reordered within each head: HF's pair (j, j + head_dim/2) sits
+# on rows (2j, 2j+1) of the interleaved layout, i.e. reshape(n_head, 2, head_dim/2, ...) with the two middle axes
+# swapped. llama.cpp's convert_hf_to_gguf.py applies that permutation to llama models (``LlamaModel.permute``), and
+# transformers' GGUF loader undoes it (``LlamaTensorProcessor``). The head count is the tensor's own:
+# num_attention_heads for q, num_key_value_heads for k.
+
+
+def _rope_heads_view(weight: torch.Tensor, n_head: int) -> tuple[int, int]:
+    rows = weight.shape[0]
+    if n_head <= 0 or rows % (2 * n_head):
+        raise ThinkerError(
+            f"a q/k projection with {rows} rows cannot hold {n_head} heads of even size; "
+            "the file's head counts do not match its tensors"
+        )
+    return n_head, rows // n_head // 2
+
+
+def permute_llama_rope(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Half-split layout -> interleaved layout (what llama.cpp's convert_hf_to_gguf.py does); weight or bias."""
+    heads, half = _rope_heads_view(weight, n_head)
+    return weight.reshape(heads, 2, half, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def unpermute_llama_rope(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Interleaved layout -> half-split layout: the inverse of ``permute_llama_rope``; weight or bias."""
+    heads, half = _rope_heads_view(weight, n_head)
+    return weight.reshape(heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """The parity gate: the converted Thinker against the source family's own transformers class, on fixed prompts.
 
-Both models see the same token ids: a left-padded batch of three prompts (explicit position ids, compared only at
-real tokens) for the logits, then 8 greedy tokens decoded from that batch, each model with its own KV cache.
+Both models see the same token ids: the left-padded batch of ``common/parity_inputs.py`` (explicit position ids,
+compared only at real tokens) for the logits, then 8 greedy tokens decoded from that batch, each model with its own
+KV cache.
 Figures per dtype: max and mean |Δlogit|, the logit scale, top-1 agreement, greedy agreement, the tolerance and the
 verdict.
 
@@ -23,18 +24,14 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from common.errors import ThinkerError
+from common.parity_inputs import RELATIVE_TOLERANCE, fixed_prompts, left_padded
 from thinker import ThinkerForCausalLM
 
-from .errors import ThinkerError
 from .spec import Family
 
 PARITY_FILE = "parity.json"
 GREEDY_TOKENS = 8
-PROMPT_LENGTHS = (11, 7, 4)  # unequal, so the batch is left-padded
-PROMPT_SEED = 20240611
-# max |Δlogit| allowed, relative to max(1, largest |logit|). Half precision is run end to end in that dtype, where
-# the two implementations may round intermediate results differently.
-TOLERANCES = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 HALF_TOP1_MIN = 0.9  # half precision: share of positions whose argmax must agree
 # A conversion is verified by default when both models in float32 (8 bytes per parameter) fit in this share of
 # the memory currently available.
@@ -94,39 +91,19 @@ class ParityReport:
         return "\n".join(rows)
 
 
-def fixed_prompts(vocab_size: int) -> list[list[int]]:
-    """Token ids from a fixed seed: the same prompts for every run of the same vocabulary size."""
-    generator = torch.Generator().manual_seed(PROMPT_SEED)
-    return [torch.randint(0, vocab_size, (length,), generator=generator).tolist() for length in PROMPT_LENGTHS]
-
-
-def left_padded(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask, position_ids), each (B, T): pads on the left, positions counted from 0 per row."""
-    width = max(len(prompt) for prompt in prompts)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
-
-
 # --- loading -----------------------------------------------------------------------------------------------------
 
 
 def load_reference(source: Path, dtype: torch.dtype) -> PreTrainedModel:
-    """The source family's own transformers class, from the source folder (or GGUF file) as given."""
+    """The source family's own transformers class, from the source folder (or a weights file in it) as given."""
     source = Path(source)
-    gguf_file = None
-    if source.is_file() and source.suffix == ".gguf":
-        source, gguf_file = source.parent, source.name
-    elif source.is_file():
+    if source.is_file():
         source = source.parent
-    elif not (source / "config.json").is_file() and len(ggufs := sorted(source.glob("*.gguf"))) == 1:
-        gguf_file = ggufs[0].name
-    if gguf_file is None:
-        _refuse_unknown_model_type(source / "config.json")
+    _refuse_unknown_model_type(source / "config.json")
     try:
         # transformers' own class for the family, never code shipped with the checkpoint (a config's auto_map).
         model = AutoModelForCausalLM.from_pretrained(
-            source, gguf_file=gguf_file, dtype=dtype, attn_implementation="eager", trust_remote_code=False
+            source, dtype=dtype, attn_implementation="eager", trust_remote_code=False
         )
     except Exception as err:  # transformers raises many types for a folder it cannot load; all are the folder's
         raise ThinkerError(f"{source}: the reference model does not load with transformers ({err})") from None
@@ -201,7 +178,7 @@ def compare(reference: PreTrainedModel, converted: PreTrainedModel, prompts: lis
     ref_logits, logits = expected.logits[real].float(), actual.logits[real].float()  # (real tokens, vocab)
     diff = (ref_logits - logits).abs()
     scale = ref_logits.abs().max().item()
-    tolerance = TOLERANCES[dtype] * max(1.0, scale)
+    tolerance = RELATIVE_TOLERANCE[dtype] * max(1.0, scale)
     top1 = (ref_logits.argmax(-1) == logits.argmax(-1)).float().mean().item()
 
     identical = sum(ref == conv for ref, conv in zip(ref_tokens, tokens, strict=True))
@@ -251,7 +228,7 @@ def first_divergence(
 
     def agree(ref: torch.Tensor, conv: torch.Tensor) -> bool:
         ref, conv = ref[real].float(), conv[real].float()
-        return (ref - conv).abs().max().item() <= TOLERANCES[dtype] * max(1.0, ref.abs().max().item())
+        return (ref - conv).abs().max().item() <= RELATIVE_TOLERANCE[dtype] * max(1.0, ref.abs().max().item())
 
     for index, (ref, conv) in enumerate(zip(expected[:-1], actual[:-1], strict=True)):
         if not agree(ref, conv):
@@ -281,6 +258,15 @@ def check_parity(source: Path, converted: Path, family: Family | None = None) ->
     # Widened in place: the same rounded weights on both sides, compared in float32. ``.to`` rather than ``.float``,
     # which transformers refuses for models loaded from GGUF (marked quantized although dequantized on load).
     report.results.insert(0, compare(reference.to(torch.float32), model.to(torch.float32), prompts))
+    return report
+
+
+def parity_gate(reference: Path, converted: Path, family: Family | None, into: Path, failure: str) -> ParityReport:
+    """``check_parity``, its report written to ``into/parity.json``; ``ParityFailed(failure)`` when it fails."""
+    report = check_parity(reference, converted, family)
+    write_report(report, into / PARITY_FILE)
+    if not report.passed:
+        raise ParityFailed(failure, report)
     return report
 
 

@@ -13,46 +13,18 @@ follow transformers' conventions.
 from __future__ import annotations
 
 import json
+import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 import torch
 
-from .errors import ThinkerError
+from common.dtypes import safetensors_code
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-
-_DTYPE_CODES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-# Decimal units as transformers reads them ("5GB" = 5e9 bytes); binary ones ("5GiB") too.
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_SIZE_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(text: str | int) -> int:
-    """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a plain byte count -> bytes."""
-    if isinstance(text, int):
-        return text
-    match = _SIZE.match(text)
-    unit = match.group(2).upper() if match else None
-    if match is None or unit not in _SIZE_UNITS or float(match.group(1)) <= 0:
-        raise ThinkerError(f"size {text!r} is not a size like 5GB, 500MB, 2GiB or a byte count")
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
 @dataclass(frozen=True)
@@ -71,9 +43,7 @@ class ShardLayout:
         self.slots: dict[str, TensorSlot] = {}
         shard, used = 0, 0
         for name, shape, dtype in tensors:
-            size = dtype.itemsize
-            for dim in shape:
-                size *= dim
+            size = dtype.itemsize * math.prod(shape)
             if used and used + size > max_shard_size:
                 shard, used = shard + 1, 0
             self.slots[name] = TensorSlot(shard, dtype, tuple(shape), used, used + size)
@@ -91,7 +61,7 @@ class ShardLayout:
         for name, slot in self.slots.items():
             if slot.shard == shard:
                 entries[name] = {
-                    "dtype": _DTYPE_CODES[slot.dtype],
+                    "dtype": safetensors_code(slot.dtype),
                     "shape": list(slot.shape),
                     "data_offsets": [slot.begin, slot.end],
                 }

@@ -1,10 +1,11 @@
 """The data a source family is made of: how to recognise it, how its config translates, and its tensor table.
 
 A family module (``converter/families/*.py``) builds one ``Family`` from these types and nothing else; the engine
-(``converter/engine.py``) is the only code that interprets them. Tensor names are templates: ``{layer}`` stands for
-a decoder layer index and ``{expert}`` for an expert index. A rule whose templates hold ``{layer}`` applies to every
-layer; a template holding ``{expert}`` stands for the list of that name for every expert, in expert order (so
-``mlp.experts.{expert}.gate_proj.weight`` on the source side of a rule gathers all experts of the layer).
+(``converter/engine.py``) is the only code that interprets them. Tensor names are templates: ``{layer}``
+(``LAYER_INDEX``) stands for a decoder layer index and ``{expert}`` (``EXPERT_INDEX``) for an expert index. A rule
+whose templates hold ``{layer}`` applies to every layer; a template holding ``{expert}`` stands for the list of that
+name for every expert, in expert order (so ``mlp.experts.{expert}.gate_proj.weight`` on the source side of a rule
+gathers all experts of the layer).
 
 Which rules apply is decided by the target: the engine builds the Thinker model from the translated config on the
 meta device and keeps the rules whose targets it has (a q_proj bias rule is inert for a model without biases, an
@@ -21,10 +22,13 @@ from typing import Any
 
 from .ops import Identity, Op
 
-LAYER = "{layer}"
-EXPERT = "{expert}"
+LAYER_INDEX = "{layer}"
+EXPERT_INDEX = "{expert}"
 
 ConfigTranslator = Callable[[Mapping[str, Any]], dict[str, Any]]
+# (the config a source carries, its tensor names) -> a Hugging Face config dict: for formats that are not Hugging
+# Face's (a GGUF file's metadata), some of whose settings are recorded only by which tensors are present.
+HFConfigReader = Callable[[Mapping[str, Any], Collection[str]], dict[str, Any]]
 # (source folder, dtype) -> the reference model for parity, called like a transformers causal LM.
 ReferenceLoader = Callable[[Path, Any], Any]
 # Thinker config -> the source family's config.json dict: the way back (``thinker-convert THINKER OUT --to FAMILY``).
@@ -66,13 +70,17 @@ def renames(pairs: Mapping[str, str]) -> tuple[TensorRule, ...]:
 class Family:
     """One source family: recognition, config translation, tensor table, deliberate drops.
 
-    - ``model_types`` / ``architectures``: the source config's ``model_type`` or any of its ``architectures``
-      selects the family; ``tensor_hints``, when given, must also match (at least one of these exact tensor names
-      is present), which tells apart families that share a config (HF Llama and llama.cpp's GGUF Llama).
+    - ``model_types`` / ``architectures``: the source config's ``model_type`` (the key ``model_type_key``:
+      ``general.architecture`` in GGUF metadata) or any of its ``architectures`` selects the family;
+      ``tensor_hints``, when given, must also match (at least one of these exact tensor names is present), which
+      tells apart layouts that share a config.
     - ``config_keys``: for checkpoints of training scripts, whose config has no ``model_type``: a config without
       one that holds all of these keys selects the family (``tensor_hints`` must still match).
     - ``translate_config``: source config dict -> ``ThinkerConfig`` keyword arguments; refuses (``ThinkerError``)
-      what Thinker cannot represent rather than converting to a different model.
+      what Thinker cannot represent rather than converting to a different model. ``to_hf_config``, for a format
+      whose config is not Hugging Face's (GGUF metadata), first turns it into a Hugging Face config dict.
+    - ``layer_count_keys`` / ``expert_count_keys``: how the source config spells its layer and expert counts (at
+      any nesting depth), checked against the checkpoint's size before anything is built from them.
     - ``tensors``: the table; ``dropped``: source tensors skipped on purpose (templates, like the table), e.g.
       buffers older checkpoints saved; ``dropped_prefixes``: whole sub-models skipped on purpose by name prefix
       (a multimodal checkpoint's vision tower), whose layer counts the Thinker config does not know.
@@ -98,14 +106,22 @@ class Family:
     reference: ReferenceLoader | None = None
     no_reference: str | None = None
     export_config: ConfigExporter | None = None
+    model_type_key: str = "model_type"
+    to_hf_config: HFConfigReader | None = None
+    layer_count_keys: tuple[str, ...] = ("num_hidden_layers",)
+    expert_count_keys: tuple[str, ...] = ("num_experts", "num_local_experts")
 
     def recognises(self, config: Mapping[str, Any], tensor_names: Collection[str]) -> bool:
-        declared = config.get("model_type") in self.model_types or any(
+        declared = config.get(self.model_type_key) in self.model_types or any(
             architecture in self.architectures for architecture in config.get("architectures") or ()
         )
-        if not declared and self.config_keys and not config.get("model_type"):
+        if not declared and self.config_keys and not config.get(self.model_type_key):
             declared = all(key in config for key in self.config_keys)
         return declared and (not self.tensor_hints or any(hint in tensor_names for hint in self.tensor_hints))
+
+    def hf_config(self, config: Mapping[str, Any], tensor_names: Collection[str]) -> Mapping[str, Any]:
+        """The source config as ``translate_config`` reads it."""
+        return config if self.to_hf_config is None else self.to_hf_config(config, tensor_names)
 
     def inverted_tensors(self) -> tuple[TensorRule, ...]:
         """The table read backwards (Thinker -> source), for writing a Thinker folder out in this family's layout."""

@@ -1,4 +1,9 @@
-"""The ``thinker`` command: export to ONNX, generate, and (from the converter) convert and verify."""
+"""``thinker export``, ``thinker generate`` and ``thinker demo``: the export's commands of the ``thinker`` group
+(``common/cli.py``).
+
+Only click and plain data are imported at module level; onnx, onnxruntime, torch and transformers are imported
+inside the commands, so that ``--help`` and usage errors answer at once.
+"""
 
 from __future__ import annotations
 
@@ -7,34 +12,20 @@ from pathlib import Path
 
 import click
 
-from converter.cli import convert_command, verify_command
-from converter.cli_support import reports_errors
-from converter.errors import ThinkerError
+from common.cli import CONTEXT, reports_errors
+from common.dtypes import FLOAT_DTYPES
+from common.errors import ThinkerError
+from common.side_files import read_json
 
-from .exporter import DTYPES, GRAPHS, MODEL_FILE, export_model, is_thinker_folder, read_json
-from .quantize import ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES, QuantizeSpec
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
-def main() -> None:
-    """Thinker: Qwen-style checkpoints to a transformers model, and on to ONNX.
-
-    \b
-    A typical session:
-      thinker convert Qwen/Qwen3-0.6B ./qwen3            # Hub repo or folder -> Thinker folder
-      thinker export ./qwen3 ./qwen3-onnx --dtype float16 # Thinker folder -> ONNX folder (+ parity check)
-      thinker generate ./qwen3-onnx --prompt "Hello"      # greedy text with onnxruntime
-
-    Run `thinker COMMAND --help` for each command's options.
-    """
+from .names import ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES, GENAI_CONFIG_FILE, GRAPHS, MODEL_FILE
 
 
-@main.command("export")
+@click.command("export", context_settings=CONTEXT)
 @click.argument("model_dir", metavar="MODEL_DIR")
 @click.argument("output", type=click.Path(path_type=Path))
 @click.option(
     "--dtype",
-    type=click.Choice(list(DTYPES)),
+    type=click.Choice(FLOAT_DTYPES),
     default="float32",
     show_default=True,
     help="Precision of the graph's weights, activations and KV cache (logits are always float32).",
@@ -135,6 +126,9 @@ def export_command(
     --quantize int4|int8 works with either graph; --verify then checks top-1 agreement with the float model
     (>= 50% on random prompts) instead of |Δlogit|.
     """
+    from .exporter import export_model
+    from .quantize import QuantizeSpec
+
     spec = None
     if quantize:
         spec = QuantizeSpec.parse(quantize, int(block_size), algo, int(accuracy_level), quantize_head)
@@ -157,7 +151,7 @@ def export_command(
         )
 
 
-@main.command("generate")
+@click.command("generate", context_settings=CONTEXT)
 @click.argument("folder", type=click.Path(path_type=Path))
 @click.option("--prompt", "-p", required=True, help="The text to continue.")
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=32, show_default=True)
@@ -185,6 +179,8 @@ def generate_command(folder: Path, prompt: str, max_new_tokens: int, provider: s
         raise ThinkerError("--prompt tokenizes to nothing; give some text")
     _check_prompt(folder, prompt_ids, max_new_tokens)
     eos, pad = _stop_tokens(folder)
+    from .exporter import is_thinker_folder
+
     if (folder / MODEL_FILE).is_file():
         from .runtime import OnnxDecoder
 
@@ -205,8 +201,7 @@ def generate_command(folder: Path, prompt: str, max_new_tokens: int, provider: s
     click.echo(f"{len(new)} tokens in {elapsed:.2f} s ({len(new) / elapsed:.1f} tokens/s) with {runtime}", err=True)
 
 
-
-@main.command("demo")
+@click.command("demo", context_settings=CONTEXT)
 @click.option(
     "--workdir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -268,13 +263,13 @@ def _check_prompt(folder: Path, prompt_ids, max_new_tokens: int) -> None:
 
 def _stop_tokens(folder: Path) -> tuple[list[int] | None, int | None]:
     """eos and pad ids: genai_config.json in an ONNX folder, else generation_config.json, else config.json."""
-    genai = read_json(folder / "genai_config.json")
+    genai = read_json(folder / GENAI_CONFIG_FILE)
     if genai:
         try:
             eos, pad = genai["model"]["eos_token_id"], genai["model"]["pad_token_id"]
         except (KeyError, TypeError):
             raise ThinkerError(
-                f"{folder}/genai_config.json: no model.eos_token_id or pad_token_id; export again"
+                f"{folder / GENAI_CONFIG_FILE}: no model.eos_token_id or pad_token_id; export again"
             ) from None
         return (eos if isinstance(eos, list) else [eos]), pad
     for name in ("generation_config.json", "config.json"):
@@ -325,12 +320,3 @@ def _human(size: int) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return str(size)
-
-
-# `thinker convert` and `thinker verify` are the converter's own commands, under the one `thinker` group.
-main.add_command(convert_command, "convert")
-main.add_command(verify_command, "verify")
-
-
-if __name__ == "__main__":
-    main()

@@ -25,7 +25,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
-from converter.errors import ThinkerError
+from common.errors import ThinkerError
 from thinker.configuration_thinker import ThinkerConfig
 from thinker.modeling_thinker import ThinkerRotaryEmbedding
 
@@ -179,18 +179,10 @@ class DecoderGraph:
         return b.op("And", causal, keep)  # (B, 1, 1, T, S)
 
     def emit_rope_tables(self, position_ids: str) -> tuple[str, str]:
-        """cos/sin rows for ``position_ids`` from tables over the whole context, computed by the model's own
-        ``ThinkerRotaryEmbedding`` (so every rope_type transformers knows is right), in the model dtype."""
-        rotary = ThinkerRotaryEmbedding(self.config)
-        positions = torch.arange(self.config.max_position_embeddings)[None]
-        cos, sin = rotary(torch.zeros((), dtype=self.dtype), positions)  # (1, max_pos, hs)
-        if cos.shape[-1] != self.head_dim:
-            raise ThinkerError(
-                f"RoPE covers {cos.shape[-1]} of head_dim={self.head_dim} dimensions (partial_rotary_factor); "
-                "the Thinker model applies RoPE to whole heads only"
-            )
-        cos_table = self.b.weight("rotary_emb.cos_cache", cos[0])
-        sin_table = self.b.weight("rotary_emb.sin_cache", sin[0])
+        """cos/sin rows for ``position_ids``, (B, 1, T, hs), gathered from ``rope_tables`` stored as weights."""
+        cos, sin = rope_tables(self.config, self.dtype)
+        cos_table = self.b.weight("rotary_emb.cos_cache", cos)
+        sin_table = self.b.weight("rotary_emb.sin_cache", sin)
         cos = self.b.op("Unsqueeze", self.b.op("Gather", cos_table, position_ids), self.b.const([1]))  # (B,1,T,hs)
         sin = self.b.op("Unsqueeze", self.b.op("Gather", sin_table, position_ids), self.b.const([1]))
         return cos, sin
@@ -427,6 +419,31 @@ class DecoderGraph:
         token_rows = body.op("Unsqueeze", tokens, body.const([-1]))  # (M, 1)
         updated = body.op("Add", body.op("Gather", accumulated, tokens), y)
         return body.op("ScatterND", accumulated, token_rows, updated)
+
+
+def rope_tables(config: ThinkerConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin over the whole context, (max_position_embeddings, head_dim) each in ``dtype``, computed by the
+    model's own ``ThinkerRotaryEmbedding`` (so every rope_type transformers knows is right). The one source of the
+    RoPE tables of both graphs (the fused one keeps the first half: the half split repeats each frequency)."""
+    rotary = ThinkerRotaryEmbedding(config)
+    positions = torch.arange(config.max_position_embeddings)[None]
+    cos, sin = rotary(torch.zeros((), dtype=dtype), positions)  # (1, max_pos, rotary dims)
+    if cos.shape[-1] != config.head_dim:
+        raise ThinkerError(
+            f"RoPE covers {cos.shape[-1]} of head_dim={config.head_dim} dimensions (partial_rotary_factor "
+            f"{config.rope_parameters.get('partial_rotary_factor')}), which the ONNX export does not support yet; "
+            "the graphs rotate whole heads only"
+        )
+    return cos[0], sin[0]
+
+
+def not_exported(config: ThinkerConfig) -> tuple[str, ...]:
+    """Name prefixes of the Thinker parts the graph leaves out on purpose: it is the text decoder, which takes
+    token ids, so neither the audio projection (``audio_embed_size``; audio embeddings reach the model through
+    ``inputs_embeds``) nor the talker head (``talker_head_size``) is exported."""
+    return (("model.audio_proj.",) if config.audio_embed_size else ()) + (
+        ("talker_head.",) if config.talker_head_size else ()
+    )
 
 
 def check_exportable(config: ThinkerConfig) -> None:

@@ -17,7 +17,7 @@ DEFAULT_PROMPT = "The capital of France is"
 def run_demo(workdir: Path, prompt: str, max_new_tokens: int, generate) -> None:
     """Runs the four steps; ``generate(folder, prompt, max_new_tokens)`` prints a greedy continuation."""
     from converter.convert import convert
-    from converter.gguf_source import smollm2_gguf_path
+    from converter.families.gguf import smollm2_gguf_path
 
     from .exporter import export_model
 

@@ -9,50 +9,31 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from pkgutil import resolve_name
 
 import onnx
 import torch
 
-from converter.errors import ThinkerError
-from converter.output import install, work_folder
-from converter.sources import SafetensorsSource
+from common.dtypes import FLOAT_DTYPES, torch_dtype
+from common.errors import ThinkerError
+from common.side_files import CONFIG_FILES, copy_files, read_json, tokenizer_files
+from common.sources import SafetensorsSource
+from common.staging import install, refuse_existing_output, work_folder
 from thinker.configuration_thinker import ThinkerConfig
 
 from .contrib_schemas import register_onnxruntime_schemas
-from .decoder_graph import IR_VERSION, OPSET, DecoderGraph, make_model
-from .fused_graph import FusedDecoderGraph
+from .decoder_graph import IR_VERSION, OPSET, DecoderGraph, make_model, not_exported
 from .genai_config import make_genai_config
 from .graph_builder import GraphBuilder, WeightFile
+from .names import DATA_FILE, GENAI_CONFIG_FILE, GRAPHS, MODEL_FILE, REPORT_FILE
 from .quantize import QuantizeSpec, WeightQuantizer
 from .weights import ThinkerWeights
-
-MODEL_FILE = "model.onnx"
-DATA_FILE = "model.onnx.data"
-REPORT_FILE = "export_report.json"
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# "plain": standard ONNX operators only; "fused": onnxruntime's contrib operators (export/fused_graph.py).
-GRAPHS = {"plain": DecoderGraph, "fused": FusedDecoderGraph}
-# Copied beside the graph: the tokenizer (for `thinker generate` and onnxruntime-genai) and the model's own configs.
-SIDE_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 
 
 @dataclass
@@ -79,24 +60,24 @@ def export_model(
 
     ``graph``: "plain" or "fused" (see GRAPHS); ``quantize``: weight-only int4/int8 of the projections."""
     output = Path(output)
-    if dtype not in DTYPES:
-        raise ThinkerError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+    if dtype not in FLOAT_DTYPES:
+        raise ThinkerError(f"--dtype {dtype}: expected one of {', '.join(FLOAT_DTYPES)}")
     if graph not in GRAPHS:
         raise ThinkerError(f"--graph {graph}: expected one of {', '.join(GRAPHS)}")
-    quantizer = WeightQuantizer(quantize, DTYPES[dtype]) if quantize else None
-    if (output.exists() or output.is_symlink()) and not force:
-        raise ThinkerError(f"{output} already exists; pass --force to replace it")
+    graph_dtype = torch_dtype(dtype)
+    quantizer = WeightQuantizer(quantize, graph_dtype) if quantize else None
+    refuse_existing_output(output, force)
     started = time.perf_counter()
-    needed = None if quantize else weights_size(source, DTYPES[dtype])  # quantized: smaller, by how much varies
+    needed = None if quantize else weights_size(source, graph_dtype)  # quantized: smaller, by how much varies
     with work_folder(output, needed) as staging, thinker_folder(source, staging) as model_dir:
         check_paths(model_dir, output)
         config = load_config(model_dir)
         final = staging / "onnx"
-        files = build_onnx(model_dir, config, final, DTYPES[dtype], GRAPHS[graph], quantizer)
+        files = build_onnx(model_dir, config, final, graph_dtype, resolve_name(GRAPHS[graph]), quantizer)
         copy_side_files(model_dir, final)
         generation_config = read_json(model_dir / "generation_config.json")
         genai = make_genai_config(config, generation_config, threads, share_buffer=files.kv_in_place)
-        (final / "genai_config.json").write_text(json.dumps(genai, indent=2) + "\n")
+        (final / GENAI_CONFIG_FILE).write_text(json.dumps(genai, indent=2) + "\n")
         report = {
             "source": str(source),
             "converted": model_dir != Path(source),  # True: SOURCE went through thinker-convert first
@@ -117,7 +98,7 @@ def export_model(
             from .verify import verify_export
 
             report["verify"] = verify_export(
-                model_dir, files.model_path, DTYPES[dtype], threads=threads, quantized=quantize is not None
+                model_dir, files.model_path, graph_dtype, threads=threads, quantized=quantize is not None
             )
             if report["verify"].get("passed") is False:
                 raise ThinkerError(
@@ -139,7 +120,7 @@ def build_onnx(
 ) -> GraphFiles:
     """Writes ``model.onnx`` and ``model.onnx.data`` into ``out_dir`` and checks them."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    weights = ThinkerWeights(model_dir, dtype, config.tie_word_embeddings)
+    weights = ThinkerWeights(model_dir, dtype, config.tie_word_embeddings, not_exported(config))
     data = WeightFile(out_dir / DATA_FILE)
     contrib_ops = graph_class.contrib_ops or quantizer is not None
     try:
@@ -225,19 +206,11 @@ def thinker_folder(source: str | Path, staging: Path) -> Iterator[Path]:
     yield converted
 
 
-def copy_side_files(model_dir: Path, out_dir: Path) -> None:
-    for name in SIDE_FILES:
-        if (model_dir / name).is_file():
-            shutil.copy2(model_dir / name, out_dir / name)
-
-
-def read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as err:
-        raise ThinkerError(f"{path}: not readable JSON ({err})") from None
+def copy_side_files(model_dir: Path, out_dir: Path) -> list[str]:
+    """Beside the graph: the model's own configs, and the tokenizer (for `thinker generate` and onnxruntime-genai),
+    every file of it the Thinker folder has."""
+    configs = [name for name in CONFIG_FILES if (model_dir / name).is_file()]
+    return copy_files(configs + tokenizer_files(model_dir), model_dir, out_dir)
 
 
 # --- figures for the report ---------------------------------------------------------------------------------------

@@ -36,9 +36,7 @@ from dataclasses import dataclass
 import torch
 from onnx import TensorProto
 
-from thinker.modeling_thinker import ThinkerRotaryEmbedding
-
-from .decoder_graph import MS_DOMAIN, DecoderGraph, StepContext
+from .decoder_graph import MS_DOMAIN, DecoderGraph, StepContext, rope_tables
 
 
 @dataclass
@@ -97,14 +95,13 @@ class FusedDecoderGraph(DecoderGraph):
 
     def emit_rope_caches(self) -> tuple[str, str]:
         """cos/sin over the whole context, (max_pos, hs / 2): the half-split rotation repeats each frequency, so
-        GroupQueryAttention and RotaryEmbedding take the first half of the model's own tables."""
-        rotary = ThinkerRotaryEmbedding(self.config)
-        positions = torch.arange(self.config.max_position_embeddings)[None]
-        cos, sin = rotary(torch.zeros((), dtype=self.dtype), positions)  # (1, max_pos, hs)
+        GroupQueryAttention and RotaryEmbedding take the first half of the model's own tables (``rope_tables``,
+        which refuses a partial rotary factor as the plain graph does)."""
+        cos, sin = rope_tables(self.config, self.dtype)
         half = self.head_dim // 2
-        cos_cache = self.b.weight("rotary_emb.cos_cache", cos[0, :, :half])
-        sin_cache = self.b.weight("rotary_emb.sin_cache", sin[0, :, :half])
-        return cos_cache, sin_cache
+        return self.b.weight("rotary_emb.cos_cache", cos[:, :half]), self.b.weight(
+            "rotary_emb.sin_cache", sin[:, :half]
+        )
 
     # --- norms ------------------------------------------------------------------------------------------------
     def emit_norm(self, x: str, prefix: str) -> str:

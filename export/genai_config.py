@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from thinker.configuration_thinker import ThinkerConfig
 
+from .names import MODEL_FILE
+
 
 def genai_model_type(config: ThinkerConfig) -> str:
     # Only the decoder-only family matters to the runtime; the name follows the nearest Qwen release.
@@ -58,7 +60,7 @@ def make_genai_config(
             "context_length": config.max_position_embeddings,
             "vocab_size": config.vocab_size,
             "decoder": {
-                "filename": "model.onnx",
+                "filename": MODEL_FILE,
                 "head_size": config.head_dim,
                 "hidden_size": config.hidden_size,
                 "num_attention_heads": config.num_attention_heads,

@@ -30,14 +30,11 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from converter.errors import ThinkerError
+from common.errors import ThinkerError
 
 from .graph_builder import TORCH_TO_ONNX, GraphBuilder
+from .names import ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES
 
-BITS = {"int4": 4, "int8": 8}
-ALGORITHMS = ("rtn", "hqq")
-BLOCK_SIZES = (16, 32, 64, 128, 256)
-ACCURACY_LEVELS = (0, 1, 4)
 MIN_OUTPUTS = 16  # below this a projection (the shared-expert gate, (C, 1)) is not worth a quantized kernel
 HEAD = "lm_head.weight"
 

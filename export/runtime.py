@@ -19,9 +19,10 @@ from onnxruntime.capi.onnxruntime_pybind11_state import Fail as OrtFail
 from onnxruntime.capi.onnxruntime_pybind11_state import InvalidGraph, InvalidProtobuf, NoSuchFile
 from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NotImplementedByOrt
 
-from converter.errors import ThinkerError
+from common.errors import ThinkerError
 
-MODEL_FILE = "model.onnx"
+from .names import MODEL_FILE
+
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
 

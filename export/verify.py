@@ -1,8 +1,9 @@
 """``thinker export --verify``: onnxruntime against the PyTorch Thinker, step by step.
 
-A left-padded batch of two prompts goes through prefill and then several single-token decode steps in both
-runtimes, each fed the same (PyTorch-greedy) tokens. Logits are compared at every kept position; pads carry no
-meaning in either runtime and are left out. The tolerance is relative to the logit scale, as in DESIGN.md.
+The left-padded batch of ``common/parity_inputs.py`` goes through prefill and then several single-token decode
+steps in both runtimes, each fed the same (PyTorch-greedy) tokens. Logits are compared at every kept position; pads
+carry no meaning in either runtime and are left out. The tolerance is relative to the logit scale, as in DESIGN.md,
+and the same as the converter's parity gate (``RELATIVE_TOLERANCE``).
 """
 
 from __future__ import annotations
@@ -13,24 +14,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
+
 from .runtime import OnnxDecoder, cuda_usable, position_ids_from_mask
 
-# max |Δlogit| allowed, as a fraction of max(1, max |logit|), per graph dtype.
-RELATIVE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 # Weight-only quantized graphs are lossy by design: they pass on top-1 agreement with the float model instead.
 QUANTIZED_MIN_TOP1 = 0.5
 DECODE_STEPS = 6
-
-
-def parity_batch(vocab_size: int, seed: int = 0, lengths: tuple[int, int] = (7, 4)) -> tuple[np.ndarray, np.ndarray]:
-    """Two random prompts, the shorter one left-padded: (input_ids, attention_mask), both (2, max(lengths))."""
-    rng = np.random.default_rng(seed)
-    width = max(lengths)
-    input_ids = rng.integers(0, vocab_size, size=(len(lengths), width), dtype=np.int64)
-    attention_mask = np.zeros_like(input_ids)
-    for row, length in enumerate(lengths):
-        attention_mask[row, width - length :] = 1
-    return np.where(attention_mask == 1, input_ids, 0), attention_mask
 
 
 @dataclass

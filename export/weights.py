@@ -1,8 +1,9 @@
 """A Thinker folder's weights, read one tensor at a time and cast to the export dtype.
 
 The exporter asks for tensors by their Thinker parameter name in the order it emits the graph; nothing else is
-held, so peak memory stays near the largest tensor. ``unused()`` names what was never asked for, so that a
-feature the graph forgot is an error rather than a silently different model.
+held, so peak memory stays near the largest tensor. ``unused()`` names what was never asked for (but the parts
+the graph leaves out on purpose, ``not_exported``), so that a feature the graph forgot is an error rather than a
+silently different model.
 """
 
 from __future__ import annotations
@@ -11,16 +12,15 @@ from pathlib import Path
 
 import torch
 
-from converter.engine import value_problem
-from converter.errors import ThinkerError
-from converter.sources import SafetensorsSource, safetensors_files
-
-# Parts of a Thinker checkpoint that are not the text decoder the ONNX graph holds (Qwen3-Omni extras).
-NOT_EXPORTED_PREFIXES = ("model.audio_proj.", "talker_head.")
+from common.errors import ThinkerError
+from common.sources import SafetensorsSource, safetensors_files
+from common.values import value_problem
 
 
 class ThinkerWeights:
-    def __init__(self, folder: Path, dtype: torch.dtype, tie_word_embeddings: bool) -> None:
+    def __init__(
+        self, folder: Path, dtype: torch.dtype, tie_word_embeddings: bool, not_exported: tuple[str, ...] = ()
+    ) -> None:
         self.folder = Path(folder)
         self.dtype = dtype
         if not safetensors_files(self.folder):
@@ -31,6 +31,7 @@ class ThinkerWeights:
         self._names = set(self._source.names())
         self._used: set[str] = set()
         self._tied = tie_word_embeddings
+        self._not_exported = not_exported  # name prefixes of the parts the graph leaves out on purpose
 
     def __contains__(self, name: str) -> bool:
         return self._resolve(name) in self._names
@@ -63,7 +64,7 @@ class ThinkerWeights:
     def unused(self) -> list[str]:
         """Tensors of the folder that the graph never read (a tied head saved anyway is the embedding)."""
         ignored = {"lm_head.weight"} if self._tied else set()
-        return sorted(n for n in self._names - self._used - ignored if not n.startswith(NOT_EXPORTED_PREFIXES))
+        return sorted(n for n in self._names - self._used - ignored if not n.startswith(self._not_exported))
 
     def close(self) -> None:
         self._source.close()

@@ -24,12 +24,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
+from common.cli import main
+from common.errors import ThinkerError
+from common.sources import open_source
 from converter.cli import convert_command
 from converter.convert import convert
 from converter.engine import plan_conversion, stream_tensors
-from converter.errors import ThinkerError
-from converter.sources import open_source
-from export.cli import main
 from export.runtime import cuda_usable
 
 
@@ -271,7 +271,7 @@ def test_disk_full_while_writing_weights(qwen3_source, tmp_path, monkeypatch):
 
 
 def test_disk_full_before_writing(qwen3_source, tmp_path, monkeypatch):
-    monkeypatch.setattr("converter.output.free_bytes", lambda folder: 1000)
+    monkeypatch.setattr("common.staging.free_bytes", lambda folder: 1000)
     output = tmp_path / "out"
     result = thinker("convert", qwen3_source, output, "--no-verify")
     assert_error(result, f"the disk is full at {tmp_path}", "needs about 0.1 MiB, 0.0 MiB free")

@@ -18,10 +18,10 @@ from pkgutil import resolve_name
 
 import pytest
 
+from common.sources import open_source
+from common.staging import _HOST as HOST
+from common.staging import remove_stale_staging, staging_path
 from converter.convert import convert
-from converter.output import _HOST as HOST
-from converter.output import remove_stale_staging, staging_path
-from converter.sources import open_source
 from export.exporter import export_model
 
 CONVERT = {"verify": False, "progress": False, "max_shard_size": "20KB"}  # several shards and an index
@@ -99,7 +99,7 @@ CONVERT_POINTS = [
     KillPoint("converter.shards:ShardWriter", "write", call=1),  # the first shard half written
     KillPoint("converter.shards:ShardWriter", "write", call=9, after=True),  # some shards done, some not
     KillPoint("converter.convert", "write_thinker_config"),  # every weight written, no config yet
-    KillPoint("converter.output", "install"),  # everything written, not yet renamed
+    KillPoint("common.staging", "install"),  # everything written, not yet renamed
 ]
 
 
@@ -117,7 +117,7 @@ def test_a_killed_conversion_leaves_no_output_and_the_next_run_works(point, kill
 
 @pytest.mark.parametrize(
     "point",
-    [KillPoint("converter.shards:ShardWriter", "write", call=3), KillPoint("converter.output", "_exchange")],
+    [KillPoint("converter.shards:ShardWriter", "write", call=3), KillPoint("common.staging", "_exchange")],
     ids=str,
 )
 def test_a_killed_force_run_leaves_the_old_output_intact(point, killed, qwen3_source, tmp_path, digest):
@@ -137,7 +137,7 @@ def test_killed_just_after_the_swap_the_output_is_the_new_one(killed, qwen3_sour
     output = tmp_path / "out"
     output.mkdir()
     (output / "notes.txt").write_text("the previous conversion")
-    killed(KillPoint("converter.output", "_exchange", after=True), convert, qwen3_source, output, force=True, **CONVERT)
+    killed(KillPoint("common.staging", "_exchange", after=True), convert, qwen3_source, output, force=True, **CONVERT)
     assert_complete_conversion(output, qwen3_source)
     assert len(leftovers(output)) == 1  # the old folder, now under the staging name: the next run removes it
     remove_stale_staging(output.absolute())
@@ -180,7 +180,7 @@ def test_a_killed_export_with_force_leaves_the_old_output_intact(killed, qwen3_t
     point = KillPoint("export.graph_builder:WeightFile", "_append", call=2)
     killed(point, export_model, qwen3_thinker, output, force=True, **EXPORT)
     assert digest(output) == before
-    killed(KillPoint("converter.output", "_exchange"), export_model, qwen3_thinker, output, force=True, **EXPORT)
+    killed(KillPoint("common.staging", "_exchange"), export_model, qwen3_thinker, output, force=True, **EXPORT)
     assert digest(output) == before
 
     export_model(qwen3_thinker, output, force=True, **EXPORT)

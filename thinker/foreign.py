@@ -1,18 +1,26 @@
 """``ThinkerForCausalLM.from_pretrained`` on a checkpoint of another family (a Qwen folder, a Hub repo id, a GGUF).
 
-transformers would build a Thinker from a Qwen ``config.json`` with only a warning, drop the tensors whose names
-it does not know, and initialise the rest at random. Instead, a source whose ``model_type`` is not ``thinker`` is
-handed to the converter's loader, which translates its config and renames its weights on load through the same
-family tables and completeness checks as ``thinker-convert``; nothing is written to disk.
+transformers would build a Thinker from a Qwen ``config.json`` with only a warning, drop the tensors whose names it
+does not know, and initialise the rest at random. Instead, ``from_pretrained`` (below) looks at what it is given:
+
+- a Thinker checkpoint (``model_type: thinker``), or a call with ``config=`` or extra positional arguments, goes to
+  transformers' own ``from_pretrained`` unchanged;
+- any other checkpoint goes to the loader registered here (``register_checkpoint_loader``), with every argument:
+  the Hub ones (``revision``, ``token``, ``cache_dir``, ``local_files_only``, ``force_download``, ``subfolder``,
+  which locate the checkpoint) and the model ones (``dtype``, ``device_map``, ``attn_implementation`` ...).
+
+The loader is the converter's ``converter.load.load_thinker``, which renames the weights on load through the same
+family tables and checks as ``thinker-convert``. The converter registers it when it is imported
+(``import converter.load``); this package imports nothing outside itself, so a foreign checkpoint asked for before
+that is refused with an error saying so, rather than loaded at random.
 
 This module belongs to the installed package only: the files shipped beside checkpoints as remote code
-(``configuration_thinker.py``, ``modeling_thinker.py``) never import it, and the converter is imported lazily,
-when a foreign checkpoint is actually asked for.
+(``configuration_thinker.py``, ``modeling_thinker.py``) never import it.
 """
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,44 +29,62 @@ from transformers import PreTrainedConfig
 
 from .configuration_thinker import ThinkerConfig
 
-_PASSED_TO_CONFIG_LOOKUP = ("revision", "token", "cache_dir", "local_files_only", "subfolder")
+# The Hub arguments of transformers' from_pretrained that locate a checkpoint; the loader receives them all.
+HUB_ARGUMENTS = ("revision", "token", "cache_dir", "local_files_only", "force_download", "subfolder")
+
+# (source, **from_pretrained arguments) -> a ThinkerForCausalLM.
+CheckpointLoader = Callable[..., Any]
+_loaders: list[CheckpointLoader] = []
 
 
-def is_foreign_checkpoint(source: str | Path, **hub_kwargs: Any) -> bool:
+def register_checkpoint_loader(loader: CheckpointLoader) -> None:
+    """Make ``loader`` the one that ``ThinkerForCausalLM.from_pretrained`` hands foreign checkpoints to."""
+    _loaders[:] = [loader]
+
+
+def is_foreign_checkpoint(source: str | Path, **hub_arguments: Any) -> bool:
     """True when ``source`` is not a Thinker checkpoint: another ``model_type``, or a weights file with no config."""
     path = Path(source)
     if path.is_file():  # a single .gguf / .pth / .safetensors file
         return True
     try:
-        config, _ = PreTrainedConfig.get_config_dict(str(source), **hub_kwargs)
+        config, _ = PreTrainedConfig.get_config_dict(str(source), **hub_arguments)
     except OSError:
         # No config.json: a local folder of a training script's checkpoint (μOmni, LLMs-from-scratch) or a GGUF.
         return path.is_dir()
     return config.get("model_type") != ThinkerConfig.model_type
 
 
-def accept_foreign_checkpoints(cls: type) -> None:
-    """Wraps ``cls.from_pretrained`` so that foreign checkpoints go through the converter's family tables."""
-    original = cls.from_pretrained.__func__
+def from_pretrained(
+    cls: type, transformers_from_pretrained: Callable, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """``ThinkerForCausalLM.from_pretrained``: transformers' own for Thinker checkpoints, the registered loader for
+    the checkpoints of other families (see the module docstring)."""
+    hub_arguments = {key: kwargs[key] for key in HUB_ARGUMENTS if key in kwargs}
+    if (
+        pretrained_model_name_or_path is None
+        or args
+        or kwargs.get("config") is not None
+        or not is_foreign_checkpoint(pretrained_model_name_or_path, **hub_arguments)
+    ):
+        return transformers_from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs)
+    if not _loaders:
+        raise ValueError(
+            f"{pretrained_model_name_or_path} is not a Thinker checkpoint; to convert it on load, `import "
+            "converter.load` first (it registers the converter's family tables), or convert it with thinker-convert"
+        )
+    dtype = kwargs.pop("dtype", "auto")
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    return _loaders[0](pretrained_model_name_or_path, dtype=dtype, **kwargs)
 
-    @functools.wraps(original)
-    def from_pretrained(klass, pretrained_model_name_or_path, *args, **kwargs):
-        hub_kwargs = {key: kwargs[key] for key in _PASSED_TO_CONFIG_LOOKUP if key in kwargs}
-        if (
-            pretrained_model_name_or_path is None
-            or args
-            or kwargs.get("config") is not None
-            or not is_foreign_checkpoint(pretrained_model_name_or_path, **hub_kwargs)
-        ):
-            return original(klass, pretrained_model_name_or_path, *args, **kwargs)
-        from converter.load import load_thinker  # the family tables live in the converter
 
-        dtype = kwargs.pop("dtype", "auto")
-        if isinstance(dtype, torch.dtype):
-            dtype = str(dtype).removeprefix("torch.")
-        revision = kwargs.pop("revision", None)
-        for key in ("token", "cache_dir", "local_files_only", "subfolder"):
-            kwargs.pop(key, None)  # resolved by the converter's own Hub code (HF_TOKEN, HF_HUB_CACHE, ...)
-        return load_thinker(pretrained_model_name_or_path, revision=revision, dtype=dtype, **kwargs)
+def accept_foreign_checkpoints(model_class: type) -> None:
+    """Give ``model_class`` the ``from_pretrained`` above, around the one it inherits from transformers."""
+    inherited = model_class.from_pretrained.__func__
 
-    cls.from_pretrained = classmethod(from_pretrained)
+    def dispatching_from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        return from_pretrained(cls, inherited, pretrained_model_name_or_path, *args, **kwargs)
+
+    dispatching_from_pretrained.__doc__ = from_pretrained.__doc__
+    model_class.from_pretrained = classmethod(dispatching_from_pretrained)

@@ -1,6 +1,8 @@
 """The registry of source families: one module each, pure data interpreted by ``converter.engine``.
 
-Adding a family means writing its module and listing its ``Family`` here; the engine does not change.
+Adding a family means writing its module (for a Hugging Face family, one ``common.hf_family(...)`` call) and
+listing its ``Family`` here; the engine does not change. Order matters only where two families could claim the
+same checkpoint: the first that recognises it wins.
 """
 
 from __future__ import annotations
@@ -8,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from ..errors import ThinkerError
+from common.errors import ThinkerError
+
 from ..spec import Family
 from .gguf import GGUF_FAMILIES
 from .gpt2 import GPT2
@@ -41,16 +44,17 @@ def detect_family(source_config: Mapping[str, Any], tensor_names: Collection[str
     for family in FAMILIES:
         if family.recognises(source_config, tensor_names):
             return family
-    model_type = source_config.get("model_type")
+    key = next((f.model_type_key for f in FAMILIES if f.model_type_key in source_config), "model_type")
+    model_type = source_config.get(key)
     supported = sorted({model_type for family in FAMILIES for model_type in family.model_types})
     if model_type in supported:
         raise ThinkerError(
-            f"the source declares model_type {model_type!r}, but its tensor names match no known layout of it "
+            f"the source declares {key} {model_type!r}, but its tensor names match no known layout of it "
             f"(first tensors: {', '.join(sorted(tensor_names)[:3])})"
         )
     by_keys = [f"{family.name} ({', '.join(family.config_keys)})" for family in FAMILIES if family.config_keys]
     raise ThinkerError(
-        f"source model_type {model_type!r} (architectures {source_config.get('architectures')}) is not supported; "
+        f"source {key} {model_type!r} (architectures {source_config.get('architectures')}) is not supported; "
         f"supported: {', '.join(supported)}; or, for a config without model_type, one holding the keys of "
         f"{'; '.join(by_keys)}"
     )

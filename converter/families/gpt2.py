@@ -1,6 +1,7 @@
-"""GPT-2-style checkpoints (``model_type: gpt2``), the PrimeGPT architecture of seed 003: pre-norm LayerNorm with
-bias, learned absolute positions, a plain GELU MLP (``gelu_new``), biases everywhere, the head tied to the
-embeddings.
+"""GPT-2-style checkpoints (``model_type: gpt2``), as transformers' ``GPT2LMHeadModel`` (models/gpt2) and OpenAI's
+original ``gpt2`` release store them; the PrimeGPT design (a from-scratch GPT: pre-norm LayerNorm with bias, learned
+absolute positions, a plain GELU MLP, ``gelu_new``, biases everywhere, the head tied to the embeddings) is this
+architecture.
 
 Two layout changes: GPT-2's ``Conv1D`` stores weights as (in, out), the transpose of ``nn.Linear``; and its
 attention projects q, k and v with one fused ``c_attn`` whose output columns are [q | k | v]. Checkpoints name the
@@ -13,35 +14,34 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import ThinkerError
+from common.errors import ThinkerError
+
 from ..ops import Chain, Split, Transpose
 from ..spec import Family, TensorRule, rule
-from .common import load_hf_config
-
-LAYER = "model.layers.{layer}"
+from .common import THINKER_LAYER, load_hf_config
 
 
 def tensor_table(prefix: str) -> tuple[TensorRule, ...]:
-    block = prefix + "h.{layer}"
+    block, layer = prefix + "h.{layer}.", THINKER_LAYER  # a GPT-2 block's tensors, and a Thinker layer's
     return (
         rule(f"{prefix}wte.weight", "model.embed_tokens.weight"),
         rule(f"{prefix}wpe.weight", "model.embed_positions.weight"),
-        rule(f"{block}.ln_1.weight", f"{LAYER}.input_layernorm.weight"),
-        rule(f"{block}.ln_1.bias", f"{LAYER}.input_layernorm.bias"),
+        rule(f"{block}ln_1.weight", f"{layer}input_layernorm.weight"),
+        rule(f"{block}ln_1.bias", f"{layer}input_layernorm.bias"),
         rule(
-            f"{block}.attn.c_attn.weight",
-            [f"{LAYER}.self_attn.{p}_proj.weight" for p in "qkv"],
+            f"{block}attn.c_attn.weight",
+            [f"{layer}self_attn.{p}_proj.weight" for p in "qkv"],
             Chain(Transpose(), Split(dim=0, parts=3)),
         ),
-        rule(f"{block}.attn.c_attn.bias", [f"{LAYER}.self_attn.{p}_proj.bias" for p in "qkv"], Split(dim=0, parts=3)),
-        rule(f"{block}.attn.c_proj.weight", f"{LAYER}.self_attn.o_proj.weight", Transpose()),
-        rule(f"{block}.attn.c_proj.bias", f"{LAYER}.self_attn.o_proj.bias"),
-        rule(f"{block}.ln_2.weight", f"{LAYER}.post_attention_layernorm.weight"),
-        rule(f"{block}.ln_2.bias", f"{LAYER}.post_attention_layernorm.bias"),
-        rule(f"{block}.mlp.c_fc.weight", f"{LAYER}.mlp.up_proj.weight", Transpose()),
-        rule(f"{block}.mlp.c_fc.bias", f"{LAYER}.mlp.up_proj.bias"),
-        rule(f"{block}.mlp.c_proj.weight", f"{LAYER}.mlp.down_proj.weight", Transpose()),
-        rule(f"{block}.mlp.c_proj.bias", f"{LAYER}.mlp.down_proj.bias"),
+        rule(f"{block}attn.c_attn.bias", [f"{layer}self_attn.{p}_proj.bias" for p in "qkv"], Split(dim=0, parts=3)),
+        rule(f"{block}attn.c_proj.weight", f"{layer}self_attn.o_proj.weight", Transpose()),
+        rule(f"{block}attn.c_proj.bias", f"{layer}self_attn.o_proj.bias"),
+        rule(f"{block}ln_2.weight", f"{layer}post_attention_layernorm.weight"),
+        rule(f"{block}ln_2.bias", f"{layer}post_attention_layernorm.bias"),
+        rule(f"{block}mlp.c_fc.weight", f"{layer}mlp.up_proj.weight", Transpose()),
+        rule(f"{block}mlp.c_fc.bias", f"{layer}mlp.up_proj.bias"),
+        rule(f"{block}mlp.c_proj.weight", f"{layer}mlp.down_proj.weight", Transpose()),
+        rule(f"{block}mlp.c_proj.bias", f"{layer}mlp.down_proj.bias"),
         rule(f"{prefix}ln_f.weight", "model.norm.weight"),
         rule(f"{prefix}ln_f.bias", "model.norm.bias"),
     )
@@ -82,6 +82,7 @@ GPT2 = Family(
     description="GPT-2-style (PrimeGPT: LayerNorm, learned positions, GELU, Conv1D)",
     model_types=("gpt2",),
     architectures=("GPT2LMHeadModel",),
+    layer_count_keys=("n_layer",),
     tensor_hints=("transformer.wte.weight", "wte.weight"),
     translate_config=translate_config,
     tensors=tensor_table("transformer.") + tensor_table("") + (rule("lm_head.weight", "lm_head.weight"),),

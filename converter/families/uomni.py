@@ -1,4 +1,6 @@
-"""μOmni ThinkerLM (seeds 000/001): ``tok_emb`` / ``blocks.N`` / ``norm`` / ``head``, saved as a plain state dict.
+"""μOmni's ThinkerLM (``omni/thinker.py`` of the μOmni repository, github.com/prskid1000/micro-Omni, a tiny
+Qwen3-style omni model trained from scratch): ``tok_emb`` / ``blocks.N`` / ``norm`` / ``head``, saved as a plain
+state dict.
 
 The checkpoint is a folder with ``config.json`` holding the keys of μOmni's ``configs/thinker_tiny.json``
 (``vocab_size, n_layers, d_model, n_heads, d_ff, dropout, rope_theta, ctx_len, use_swiglu, use_gqa, use_moe``;
@@ -11,8 +13,8 @@ Per block: ``norm1`` / ``norm2`` RMSNorms with a ``scale`` (eps 1e-6), attention
 (0, 1), (2, 3) ... of each head; Thinker rotates halves (j, j + head_dim/2), so the q and k rows are reordered
 within each head (evens, then odds), which leaves every attention score unchanged.
 
-Refused rather than guessed: ``use_swiglu: false`` and ``use_moe: true`` (the seeds describe neither the GELU MLP
-nor the MoE routing weights of ThinkerLM precisely enough to convert them exactly).
+Refused rather than guessed: ``use_swiglu: false`` and ``use_moe: true`` (μOmni's design notes describe neither the
+GELU MLP nor the MoE routing weights of ThinkerLM precisely enough to convert them exactly).
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import ThinkerError
+from common.errors import ThinkerError
+
 from ..ops import Chain, Each, Identity, InterleavedToHalfRope, Split
 from ..spec import Family, renames, rule
+from .common import THINKER_LAYER
 
 RMS_NORM_EPS = 1e-6  # μOmni's RMSNorm default; the config file does not carry it
 Q_ROPE = InterleavedToHalfRope("num_attention_heads")
@@ -54,15 +58,15 @@ def translate_config(source: Mapping[str, Any]) -> dict[str, Any]:
         raise ThinkerError(f"μOmni config.json lacks the key {err.args[0]!r}") from None
 
 
-BLOCK = "blocks.{layer}."
-LAYER = "model.layers.{layer}."
-QKV_TARGETS = (LAYER + "self_attn.q_proj.weight", LAYER + "self_attn.k_proj.weight", LAYER + "self_attn.v_proj.weight")
+BLOCK = "blocks.{layer}."  # a ThinkerLM block's tensors
+QKV_TARGETS = tuple(THINKER_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv")
 
 UOMNI = Family(
     name="uomni",
     description="μOmni ThinkerLM (tok_emb / blocks.N / head; fused or split qkv; interleaved RoPE)",
     model_types=(),
     config_keys=("d_model", "n_layers", "n_heads", "d_ff"),
+    layer_count_keys=("n_layers",),
     tensor_hints=("tok_emb.weight",),
     translate_config=translate_config,
     tensors=(
@@ -72,12 +76,12 @@ UOMNI = Family(
                 "norm.scale": "model.norm.weight",
                 "head.weight": "lm_head.weight",
                 "head.bias": "lm_head.bias",
-                BLOCK + "norm1.scale": LAYER + "input_layernorm.weight",
-                BLOCK + "norm2.scale": LAYER + "post_attention_layernorm.weight",
-                BLOCK + "attn.o.weight": LAYER + "self_attn.o_proj.weight",
-                BLOCK + "mlp.gate_proj.weight": LAYER + "mlp.gate_proj.weight",
-                BLOCK + "mlp.up_proj.weight": LAYER + "mlp.up_proj.weight",
-                BLOCK + "mlp.down_proj.weight": LAYER + "mlp.down_proj.weight",
+                BLOCK + "norm1.scale": THINKER_LAYER + "input_layernorm.weight",
+                BLOCK + "norm2.scale": THINKER_LAYER + "post_attention_layernorm.weight",
+                BLOCK + "attn.o.weight": THINKER_LAYER + "self_attn.o_proj.weight",
+                BLOCK + "mlp.gate_proj.weight": THINKER_LAYER + "mlp.gate_proj.weight",
+                BLOCK + "mlp.up_proj.weight": THINKER_LAYER + "mlp.up_proj.weight",
+                BLOCK + "mlp.down_proj.weight": THINKER_LAYER + "mlp.down_proj.weight",
             }
         ),
         # Two layouts of the same three targets; the engine uses the one whose tensors the checkpoint holds.
@@ -89,6 +93,6 @@ UOMNI = Family(
         ),
     ),
     head="head.weight",
-    no_reference="μOmni ThinkerLM has no transformers class; its parity is proven against the seed reference "
+    no_reference="μOmni ThinkerLM has no transformers class; its parity is proven against the reference "
     "implementation in tests/references/uomni.py (tests/converter/test_seed_families.py)",
 )

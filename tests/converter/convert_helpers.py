@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
 import thinker  # noqa: F401  (registers the Auto classes)
-from converter.parity import left_padded
+from common.parity_inputs import left_padded
 from thinker import ThinkerForCausalLM
 
 transformers_logging.set_verbosity_error()
@@ -92,19 +92,19 @@ def write_gguf(model: PreTrainedModel, path: Path, architecture: str) -> Path:
     import gguf
     import numpy as np
 
-    from converter.gguf_source import (
-        GGUF_TENSOR_NAMES,
-        ROPE_PERMUTED_ARCHITECTURES,
-        ROPE_PERMUTED_TENSORS,
-        permute_llama_rope,
-    )
+    from converter.families.gguf import GGUF_TENSOR_NAMES, ROPE_PERMUTED_ARCHITECTURES, ROPE_PERMUTED_TENSORS
+    from converter.ops import permute_llama_rope
+    from converter.spec import LAYER_INDEX
 
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     to_gguf = {}
     for gguf_template, hf_template in GGUF_TENSOR_NAMES.items():
         for layer in range(config.num_hidden_layers):
-            to_gguf[hf_template.replace("{i}", str(layer))] = (gguf_template.replace("{i}", str(layer)), gguf_template)
+            to_gguf[hf_template.replace(LAYER_INDEX, str(layer))] = (
+                gguf_template.replace(LAYER_INDEX, str(layer)),
+                gguf_template,
+            )
     writer = gguf.GGUFWriter(path, arch=architecture)
     prefix = architecture
     writer.add_uint32(f"{prefix}.block_count", config.num_hidden_layers)

@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
+from common.errors import ThinkerError
 from converter.cli import convert_command, verify_command
-from converter.errors import ThinkerError
 
 QWEN3 = Qwen3Config(
     vocab_size=64,

@@ -22,9 +22,10 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from converter.convert import read_source_config, write_weights
-from converter.engine import plan_conversion, stream_tensors
-from converter.errors import ThinkerError
+from common.errors import ThinkerError
+from common.sizes import parse_size
+from common.sources import SafetensorsSource
+from converter.engine import plan_conversion, stream_tensors, write_weights
 from converter.ops import (
     Chain,
     Concatenate,
@@ -36,8 +37,6 @@ from converter.ops import (
     Transpose,
     UnstackExperts,
 )
-from converter.shards import parse_size
-from converter.sources import SafetensorsSource
 from thinker import ThinkerConfig
 
 QWEN2 = dict(
@@ -116,7 +115,7 @@ def test_inverted_table_restores_the_source_tensors(family, tmp_path):
     """Every family's table read backwards gives back the source checkpoint exactly (for writing folders out)."""
     build_reference(INVERTIBLE_SOURCES[family]).save_pretrained(tmp_path)
     source = SafetensorsSource(tmp_path)
-    plan = plan_conversion(source, read_source_config(source))
+    plan = plan_conversion(source, source.config())
     assert plan.family.name == family
     for step in plan.steps:
         originals = [source.load(name) for name in step.sources]
@@ -143,7 +142,7 @@ def qwen2_tensors(tmp_path):
         model.config.save_pretrained(folder)
         edit_config(folder, **config_changes)
         source = SafetensorsSource(folder)
-        return plan_conversion(source, read_source_config(source))
+        return plan_conversion(source, source.config())
 
     return tensors, plan
 
@@ -309,7 +308,7 @@ def test_peak_memory_is_bounded_by_the_largest_tensor(tmp_path):
     )
     build_reference(config).save_pretrained(tmp_path / "source", max_shard_size="300KB")
     source = TrackedSource(SafetensorsSource(tmp_path / "source"))
-    plan = plan_conversion(source, read_source_config(source))
+    plan = plan_conversion(source, source.config())
     largest = max(_bytes(source, name) for name in source.names())
     (tmp_path / "out").mkdir()
     write_weights(plan, source, tmp_path / "out", max_shard_size=10**6, progress=False)
@@ -329,7 +328,7 @@ def _bytes(source, name) -> int:
 def test_streaming_yields_each_parameter_once_in_source_order(save_reference):
     _, folder = save_reference(Qwen2Config(**QWEN2))
     source = SafetensorsSource(folder)
-    plan = plan_conversion(source, read_source_config(source))
+    plan = plan_conversion(source, source.config())
     names = [name for name, _ in stream_tensors(plan, source)]
     assert names == list(plan.shapes) and len(set(names)) == len(names)
 

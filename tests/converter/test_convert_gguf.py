@@ -12,7 +12,7 @@ import torch
 from convert_helpers import assert_same_logits, build_reference, write_gguf
 from transformers import AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3Config
 
-from converter.gguf_source import smollm2_gguf_path
+from converter.families.gguf import smollm2_gguf_path
 from thinker import ThinkerForCausalLM
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, max_position_embeddings=64)
@@ -67,3 +67,30 @@ def test_smollm2_answers_in_plain_text(smollm2):
     output = model.generate(**inputs, max_new_tokens=6, do_sample=False)
     text = tokenizer.decode(output[0, inputs.input_ids.shape[1] :], skip_special_tokens=True)
     assert "Paris" in text, text
+
+
+@pytest.mark.parametrize("architecture", sorted(SYNTHETIC))
+def test_config_agrees_with_transformers_gguf_loader(architecture, tmp_path):
+    """``gguf_to_hf_config`` reads the metadata keys transformers' own tables name (``load_gguf_checkpoint`` with
+    ``return_tensors=False``); it differs only where it says so: head_dim from ``attention.key_length``."""
+    import numpy as np
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from common.gguf_reader import GGUFSource
+    from converter.families.gguf import gguf_to_hf_config
+
+    model = build_reference(SYNTHETIC[architecture])
+    path = write_gguf(model, tmp_path / f"tiny-{architecture}.gguf", architecture)
+    source = GGUFSource(path)
+    ours = gguf_to_hf_config(source.config(), source.names())
+    source.close()
+    theirs = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+    fields = ["model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"]
+    fields += ["num_attention_heads", "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings"]
+    for field in fields:
+        assert ours[field] == theirs[field], field
+    assert np.float32(ours["rms_norm_eps"]) == np.float32(theirs["rms_norm_eps"])
+    assert np.float32(ours["rope_parameters"]["rope_theta"]) == np.float32(theirs["rope_theta"])
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    assert ours["head_dim"] == head_dim == theirs.get("head_dim", head_dim)

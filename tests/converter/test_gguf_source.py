@@ -18,20 +18,20 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.initialization import no_init_weights
 
-from converter.errors import ThinkerError
-from converter.gguf_source import (
+from common.errors import ThinkerError
+from common.gguf_reader import GGUFSource
+from common.sources import open_source
+from converter.families.gguf import (
     GGUF_TENSOR_NAMES,
     ROPE_PERMUTED_ARCHITECTURES,
     ROPE_PERMUTED_TENSORS,
-    GGUFSource,
     gguf_template,
     gguf_to_hf_config,
     hf_tensor_name,
-    permute_llama_rope,
     smollm2_gguf_path,
-    unpermute_llama_rope,
 )
-from converter.sources import open_source
+from converter.ops import permute_llama_rope, unpermute_llama_rope
+from converter.spec import LAYER_INDEX
 
 # "The capital of France is" under the SmolLM2 tokenizer, and " Paris": fixed here so that the test need not load
 # the tokenizer (another ~5 s).
@@ -206,7 +206,7 @@ def test_name_table() -> None:
     assert hf_tensor_name("blk.17.attn_k_norm.weight") == "model.layers.17.self_attn.k_norm.weight"
     assert hf_tensor_name("output.weight") == "lm_head.weight"
     assert hf_tensor_name("rope_freqs.weight") is None
-    assert all(("{i}" in gguf) == ("{i}" in hf) for gguf, hf in GGUF_TENSOR_NAMES.items())
+    assert all((LAYER_INDEX in gguf) == (LAYER_INDEX in hf) for gguf, hf in GGUF_TENSOR_NAMES.items())
     assert set(ROPE_PERMUTED_TENSORS) <= set(GGUF_TENSOR_NAMES)
 
 

@@ -10,7 +10,7 @@ import pytest
 from huggingface_hub import constants
 from safetensors.numpy import save
 
-from converter.errors import ThinkerError
+from common.errors import ThinkerError
 from converter.hub import pick_conversion_files, resolve_source
 
 REPO = "acme/tiny"

@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from convert_helpers import PROMPTS, build_reference, save_unfused_experts
@@ -11,12 +15,13 @@ from references import qwen3_omni, uomni
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
-from converter.errors import ThinkerError
+from common.errors import ThinkerError
+from common.parity_inputs import left_padded
 from converter.load import config_for, load_thinker
-from converter.parity import left_padded
 from thinker import ThinkerForCausalLM
 
 ATOL = 1e-5
+REPO = Path(__file__).resolve().parents[2]
 IDS = torch.tensor([[5, 17, 3, 29, 11, 2, 40, 8, 0, 63], [7, 1, 33, 12, 96, 4, 26, 19, 44, 2]])
 
 
@@ -137,3 +142,50 @@ def test_thinker_from_pretrained_converts_a_foreign_folder_on_load(tmp_path):
     model.save_pretrained(tmp_path / "native")
     again = ThinkerForCausalLM.from_pretrained(tmp_path / "native")
     torch.testing.assert_close(logits(again), logits(model), atol=0, rtol=0)
+
+
+GATED = "acme/gated-qwen3"
+
+
+def test_from_pretrained_passes_every_hub_argument_to_the_hub(fake_hub, save_reference, tmp_path):
+    """A gated Hub repo of another family, its checkpoint in a subfolder of a tagged revision: ``from_pretrained``
+    converts it on load, and ``token``, ``cache_dir``, ``revision``, ``subfolder``, ``force_download`` and
+    ``local_files_only`` all reach the (fake, local) Hub as they would in transformers."""
+    config = Qwen3Config(
+        vocab_size=101, hidden_size=32, num_hidden_layers=2, intermediate_size=40, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8,
+    )  # fmt: skip
+    reference, folder = save_reference(config, name="repo/weights")
+    fake_hub.add_repo(GATED, folder.parent, revision="v1", gated=True)
+    cache = tmp_path / "my-cache"
+    hub = {"revision": "v1", "subfolder": "weights", "cache_dir": cache}
+
+    with pytest.raises(OSError, match="gated"):  # no token: the Hub refuses, as it does for transformers' own classes
+        ThinkerForCausalLM.from_pretrained(GATED, **hub)
+    model = ThinkerForCausalLM.from_pretrained(GATED, token=fake_hub.TOKEN, dtype=torch.float32, **hub)
+    assert_same_padded_logits(reference, model)
+    weights = [r for r in fake_hub.file_requests("GET") if r.path.endswith("weights/model.safetensors")]
+    assert len(weights) == 1 and weights[0].authorization == f"Bearer {fake_hub.TOKEN}"
+    assert (cache / "models--acme--gated-qwen3").is_dir() and not fake_hub.cache.exists()  # cache_dir, not the default
+
+    ThinkerForCausalLM.from_pretrained(GATED, token=fake_hub.TOKEN, force_download=True, **hub)
+    assert len([r for r in fake_hub.file_requests("GET") if r.path.endswith("weights/model.safetensors")]) == 2
+
+    asked = len(fake_hub.requests)
+    again = ThinkerForCausalLM.from_pretrained(GATED, local_files_only=True, dtype=torch.float32, **hub)
+    assert len(fake_hub.requests) == asked  # the cache alone answered
+    torch.testing.assert_close(logits(again), logits(model), atol=0, rtol=0)
+
+
+def test_a_foreign_checkpoint_needs_the_converter_registered(save_reference, tmp_path):
+    """``import thinker`` alone does not import the converter; a foreign checkpoint is then refused with an error
+    saying what to import, rather than loaded with random weights."""
+    _, folder = save_reference(Qwen3Config(vocab_size=67, hidden_size=32, num_hidden_layers=1, num_attention_heads=4))
+    code = (
+        "from thinker import ThinkerForCausalLM\n"
+        f"try:\n    ThinkerForCausalLM.from_pretrained({str(folder)!r})\n"
+        "except ValueError as err:\n    print(err)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "import converter.load" in done.stdout and str(folder) in done.stdout

@@ -12,11 +12,12 @@ import torch
 from export_helpers import make_config, save_thinker
 from safetensors.torch import load_file, save_file
 
-from converter.errors import ThinkerError
+from common.errors import ThinkerError
+from common.parity_inputs import parity_batch
 from export.exporter import export_model
 from export.graph_builder import ALIGNMENT
 from export.runtime import OnnxDecoder, position_ids_from_mask
-from export.verify import compare_decoders, parity_batch
+from export.verify import compare_decoders
 
 
 def test_io_contract(onnx_folder):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from export.cli import main
+from common.cli import main
 
 
 @pytest.fixture

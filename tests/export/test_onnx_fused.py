@@ -17,10 +17,11 @@ import onnx
 import pytest
 import torch
 
+from common.parity_inputs import parity_batch
 from export.contrib_schemas import register_onnxruntime_schemas
 from export.exporter import count_ops
 from export.runtime import OnnxDecoder, cuda_usable, position_ids_from_mask
-from export.verify import compare_decoders, parity_batch
+from export.verify import compare_decoders
 
 FAMILIES = ["qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "gpt2", "uomni"]
 GENAI_SCRIPT = Path(__file__).with_name("genai_greedy.py")
@@ -293,7 +294,7 @@ def test_genai_greedy_equals_transformers(genai_python, thinker_variant, onnx_va
 def test_cli_exports_the_fused_graph_and_verifies_it(thinker_variant, tmp_path):
     from click.testing import CliRunner
 
-    from export.cli import main
+    from common.cli import main
 
     output = tmp_path / "fused"
     result = CliRunner().invoke(

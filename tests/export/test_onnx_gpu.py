@@ -8,9 +8,10 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
+from common.parity_inputs import parity_batch
 from export.exporter import export_model
 from export.runtime import OnnxDecoder, cuda_usable
-from export.verify import compare_decoders, parity_batch
+from export.verify import compare_decoders
 
 pytestmark = [
     pytest.mark.gpu,

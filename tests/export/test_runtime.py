@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from converter.errors import ThinkerError
+from common.errors import ThinkerError
 from export.runtime import OnnxDecoder, physical_cores
 
 

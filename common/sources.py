@@ -1,8 +1,10 @@
 """Tensor sources: one lazy view over a checkpoint's tensors, whatever the file format.
 
-The engine plans a conversion from names and shapes alone (``names``, ``shape``) and only then reads bytes, one
+The converter plans a conversion from names and shapes alone (``names``, ``shape``) and only then reads bytes, one
 tensor at a time (``load``), so a source must never materialise the whole model. Every source answers the same
-five questions; the file a tensor lives in is kept for error messages.
+questions, including what its checkpoint says about itself (``config``) and where its tokenizer is
+(``save_tokenizer``); the file a tensor lives in is kept for error messages. ``open_source`` picks the reader:
+safetensors and PyTorch state dicts here, GGUF in ``gguf_reader``.
 """
 
 from __future__ import annotations
@@ -14,21 +16,31 @@ import re
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path, PurePosixPath
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
 
+from .dtypes import SAFETENSORS_DTYPES, torch_dtype
 from .errors import ThinkerError
+from .side_files import copy_files, read_json, tokenizer_files
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
 
 
 class TensorSource(Protocol):
-    """What the engine needs of a checkpoint: names and shapes up front, bytes on demand."""
+    """What the engine needs of a checkpoint: names and shapes up front, bytes on demand, and its own config."""
 
     root: Path
+
+    def config(self) -> dict[str, Any]:
+        """The config the checkpoint carries, as its format writes it (``config.json``; a GGUF file's metadata)."""
+        ...
+
+    def save_tokenizer(self, folder: Path) -> list[str]:
+        """Write the checkpoint's tokenizer into ``folder`` as transformers' files; returns their names."""
+        ...
 
     def names(self) -> list[str]: ...
 
@@ -67,7 +79,26 @@ def _shard_path(root: Path, index_path: Path, file_name: str) -> Path:
     return path
 
 
-class SafetensorsSource:
+class FolderSource:
+    """A checkpoint folder in Hugging Face's layout: ``config.json`` and the tokenizer files beside the weights."""
+
+    root: Path
+
+    def config(self) -> dict[str, Any]:
+        path = self.root / "config.json"
+        if not path.is_file():
+            raise ThinkerError(f"{self.root}: no config.json beside the weights; it says which model they belong to")
+        config = read_json(path)
+        if not isinstance(config, dict):
+            raise ThinkerError(f"{path}: expected a JSON object")
+        return config
+
+    def save_tokenizer(self, folder: Path) -> list[str]:
+        """The folder's tokenizer files, copied (none is fine: weights-only checkpoints)."""
+        return copy_files(tokenizer_files(self.root), self.root, folder)
+
+
+class SafetensorsSource(FolderSource):
     """Safetensors shards (one file, or several with ``model.safetensors.index.json``), read lazily.
 
     ``safe_open`` validates the headers and answers names, shapes and dtypes. Bytes are read with ``pread`` into a
@@ -111,12 +142,12 @@ class SafetensorsSource:
 
     def dtype(self, name: str) -> torch.dtype:
         code = self._handles[name].get_slice(name).get_dtype()
-        if code not in _SAFETENSORS_DTYPES:
+        if code not in SAFETENSORS_DTYPES:
             raise ThinkerError(
                 f"{self._file_of[name]}: tensor {name!r} has dtype {code}, which PyTorch cannot hold; "
-                f"supported: {', '.join(_SAFETENSORS_DTYPES)}"
+                f"supported: {', '.join(SAFETENSORS_DTYPES)}"
             )
-        return _SAFETENSORS_DTYPES[code]
+        return torch_dtype(SAFETENSORS_DTYPES[code])
 
     def load(self, name: str) -> torch.Tensor:
         path = self._file_of[name]
@@ -154,25 +185,6 @@ def _data_byte_ranges(path: Path) -> dict[str, tuple[int, int]]:
     }
 
 
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U64": torch.uint64,
-    "U32": torch.uint32,
-    "U16": torch.uint16,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-
-
 def safetensors_files(root: Path) -> list[Path]:
     """The shards of a folder: those its index names (checked to exist), else every ``*.safetensors`` file."""
     index_path = root / SAFETENSORS_INDEX
@@ -182,7 +194,7 @@ def safetensors_files(root: Path) -> list[Path]:
     return sorted(root.glob("*.safetensors"))
 
 
-class TorchBinSource:
+class TorchBinSource(FolderSource):
     """``pytorch_model*.bin`` state dicts, opened with ``weights_only=True`` (nothing is unpickled beyond tensors)
     and ``mmap=True`` (tensors stay on disk until read)."""
 
@@ -263,7 +275,7 @@ def open_source(root: Path) -> TensorSource:
         if root.suffix == ".safetensors":
             return SafetensorsSource(root.parent, [root])
         if root.suffix == ".gguf":
-            from .gguf_source import GGUFSource
+            from .gguf_reader import GGUFSource
 
             return GGUFSource(root)
         return TorchBinSource(root.parent, [root])
@@ -275,7 +287,7 @@ def open_source(root: Path) -> TensorSource:
         return TorchBinSource(root)
     ggufs = sorted(root.glob("*.gguf"))
     if len(ggufs) == 1:
-        from .gguf_source import GGUFSource
+        from .gguf_reader import GGUFSource
 
         return GGUFSource(ggufs[0])
     if len(ggufs) > 1:

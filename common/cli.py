@@ -1,0 +1,105 @@
+"""The ``thinker`` command, and how every command of it and of ``thinker-convert`` ends on a user's mistake.
+
+``reports_errors`` gives a click command a ``--debug`` flag and turns a ``ThinkerError`` into one red line on stderr
+and exit status 1 (click's own usage errors exit with 2). Any other exception is a bug and keeps its traceback.
+
+``main`` is the ``thinker`` group. Its commands live with the code they drive (``converter/cli.py``: convert and
+verify; ``export/cli.py``: export, generate and demo) and are named here by where they live rather than imported:
+this package sits below ``converter`` and ``export``, and a command module is imported only when the command runs
+or its help is shown (click's lazily loading group). The command modules themselves import torch, transformers and
+onnxruntime inside the commands, so ``thinker --help`` and argument errors answer at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from collections.abc import Callable
+from pkgutil import resolve_name
+
+import click
+
+from .errors import ThinkerError
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
+
+debug_option = click.option("--debug", is_flag=True, help="Show full tracebacks and debug logging on errors.")
+
+
+def reports_errors(command: Callable) -> Callable:
+    """Decorate a click command's function (below its options): adds ``--debug``, reports ``ThinkerError``."""
+
+    @functools.wraps(command)
+    def run(*args, debug: bool = False, **kwargs):
+        logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s: %(message)s")
+        if not debug:
+            quiet_transformers()
+        try:
+            return command(*args, **kwargs)
+        except ThinkerError as err:
+            report = getattr(err, "report", None)  # a failed parity check carries its table: show what differed
+            if report is not None:
+                click.echo(report.table())
+            if debug:
+                raise
+            message = " ".join(str(err).split())  # one line, even when it quotes a multi-line library message
+            click.secho(f"error: {message}", fg="red", err=True)
+            sys.exit(1)
+
+    return debug_option(run)
+
+
+def quiet_transformers() -> None:
+    # transformers' loading notices and per-load progress bars would drown our own progress, tables and summaries.
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
+
+
+# The commands of `thinker`, in the order of a session, and the click command object each one is.
+COMMANDS = {
+    "convert": "converter.cli:convert_command",
+    "verify": "converter.cli:verify_command",
+    "export": "export.cli:export_command",
+    "generate": "export.cli:generate_command",
+    "demo": "export.cli:demo_command",
+}
+
+
+class LazyGroup(click.Group):
+    """A group whose commands are imported from ``module:attribute`` names when first asked for."""
+
+    def __init__(self, *args, lazy_commands: dict[str, str], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy_commands = lazy_commands
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [*self.lazy_commands, *(name for name in super().list_commands(ctx) if name not in self.lazy_commands)]
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self.lazy_commands:
+            return resolve_name(self.lazy_commands[name])
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=LazyGroup, lazy_commands=COMMANDS, context_settings=CONTEXT)
+def main() -> None:
+    """Thinker: Qwen-style checkpoints to a transformers model, and on to ONNX.
+
+    \b
+    A typical session:
+      thinker convert Qwen/Qwen3-0.6B ./qwen3            # Hub repo or folder -> Thinker folder
+      thinker export ./qwen3 ./qwen3-onnx --dtype float16 # Thinker folder -> ONNX folder (+ parity check)
+      thinker generate ./qwen3-onnx --prompt "Hello"      # greedy text with onnxruntime
+
+    Run `thinker COMMAND --help` for each command's options.
+    """
+
+
+__all__ = ["CONTEXT", "main", "quiet_transformers", "reports_errors"]
+
+
+if __name__ == "__main__":  # python -m common.cli COMMAND ... (the benchmarks run it so)
+    main()

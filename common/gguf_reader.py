@@ -1,0 +1,198 @@
+"""GGUF (llama.cpp) checkpoints as a lazy tensor source.
+
+``GGUFSource`` answers the ``TensorSource`` questions for one ``.gguf`` file. ``gguf.GGUFReader`` memory-maps the
+file and parses only the header, so names, shapes and dtypes cost nothing; ``load`` dequantizes one tensor at a time
+with the ``gguf`` package's own ``gguf.quants.dequantize`` (the same routine transformers uses), so the values are
+bit-identical to what ``from_pretrained(..., gguf_file=...)`` produces.
+
+This module reads the file; it does not interpret it. Tensor names stay as llama.cpp wrote them
+(``blk.0.attn_q.weight``) and ``config()`` is the file's metadata under llama.cpp's keys (``llama.block_count``):
+what they mean in Hugging Face terms (names, the q/k RoPE row order, config fields) is the GGUF family's business
+(``converter/families/gguf.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import ThinkerError
+
+log = logging.getLogger(__name__)
+
+GGUF_MAGIC = b"GGUF"
+
+
+def _torch_dtypes() -> dict[Any, torch.dtype]:
+    from gguf import GGMLQuantizationType as T
+
+    # Unquantized types keep their own dtype; every other (block-quantized) type dequantizes to float32.
+    return {
+        T.F32: torch.float32,
+        T.F16: torch.float16,
+        T.BF16: torch.bfloat16,
+        T.F64: torch.float64,
+        T.I8: torch.int8,
+        T.I16: torch.int16,
+        T.I32: torch.int32,
+        T.I64: torch.int64,
+    }
+
+
+class GGUFSource:
+    """One ``.gguf`` file, read lazily: the header up front, each tensor's bytes only when ``load`` asks for it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.root = self.path.parent
+        self._reader = _open_reader(self.path)
+        self._tensors = {tensor.name: tensor for tensor in self._reader.tensors}
+        self._native = _torch_dtypes()
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        # GGUF lists dimensions fastest-varying first (ggml's ne[0] is the row length); PyTorch is the reverse.
+        return tuple(int(d) for d in reversed(self._tensor(name).shape.tolist()))
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._native.get(self._tensor(name).tensor_type, torch.float32)
+
+    def load(self, name: str) -> torch.Tensor:
+        from gguf import GGMLQuantizationType, quants
+
+        tensor = self._tensor(name)
+        kind = tensor.tensor_type
+        try:
+            if kind == GGMLQuantizationType.BF16:
+                # The reader exposes BF16 as raw bytes and ``dequantize`` would widen it to float32; reinterpret
+                # the bits instead so the tensor keeps the dtype that ``dtype`` reports.
+                raw = np.array(tensor.data, copy=True).view(np.int16)
+                result = torch.from_numpy(raw).view(torch.bfloat16)
+            elif kind in self._native:
+                # Native types are already typed views of the map; copy so the tensor owns writable memory.
+                result = torch.from_numpy(np.array(tensor.data, copy=True))
+            else:
+                # Block-quantized types: gguf's reference dequantizer returns a fresh float32 array.
+                result = torch.from_numpy(quants.dequantize(tensor.data, kind))
+        except NotImplementedError:
+            raise ThinkerError(
+                f"{self.path}: tensor {name!r} is stored as {kind.name}, which gguf {_gguf_version()} cannot "
+                "dequantize; upgrade the gguf package or use a file with another quantization"
+            ) from None
+        except (OSError, ValueError) as err:
+            raise ThinkerError(f"{self.path}: cannot read tensor {name!r} ({err}); the file is corrupt") from None
+        return result.reshape(self.shape(name))
+
+    def file_of(self, name: str) -> str:
+        self._tensor(name)
+        return str(self.path)
+
+    def config(self) -> dict[str, Any]:
+        """GGUF's config is its metadata: ``general.architecture``, ``{arch}.block_count`` ... (a copy)."""
+        return dict(self.metadata)
+
+    def save_tokenizer(self, folder: Path) -> list[str]:
+        """A GGUF file carries its tokenizer as metadata; transformers rebuilds it, and it is saved as usual files."""
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(self.root, gguf_file=self.path.name, trust_remote_code=False)
+        except Exception as err:  # tokenizer conversion has many failure modes; the weights are still good
+            log.warning("the tokenizer in %s could not be converted (%s); the output has no tokenizer", self.path, err)
+            return []
+        before = set(os.listdir(folder))
+        tokenizer.save_pretrained(folder)
+        return sorted(set(os.listdir(folder)) - before)
+
+    def close(self) -> None:
+        # The memory map is released once nothing refers to it; the tensors handed out by ``load`` are copies.
+        self._tensors = {}
+        self._reader = None
+
+    @cached_property
+    def metadata(self) -> dict[str, Any]:
+        """The file's key/value metadata as plain Python values (strings decoded, arrays as lists).
+
+        Computed on first use: the tokenizer vocabulary alone is ~10^5 strings. The reader's ``GGUF.*`` entries
+        are the file header (version and counts), not stored metadata, and are left out.
+        """
+        if self._reader is None:
+            raise ThinkerError(f"{self.path}: the source is closed")
+        return {key: _field_value(field) for key, field in self._reader.fields.items() if not key.startswith("GGUF.")}
+
+    def _tensor(self, name: str) -> Any:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise KeyError(f"{self.path}: no tensor named {name!r}") from None
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gguf")
+    except PackageNotFoundError:
+        return "(unknown version)"
+
+
+def _open_reader(path: Path) -> Any:
+    """A ``GGUFReader`` for ``path``, with every way a file can be unreadable turned into one ``ThinkerError``."""
+    from gguf import GGUFReader
+
+    try:
+        with path.open("rb") as handle:
+            magic = handle.read(4)
+        size = path.stat().st_size
+    except OSError as err:
+        raise ThinkerError(f"{path}: cannot open ({err.strerror or err}); check the path") from None
+    if magic != GGUF_MAGIC:
+        raise ThinkerError(f"{path}: not a GGUF file (it does not start with b'GGUF'); pass a llama.cpp .gguf file")
+    try:
+        reader = GGUFReader(path)
+    except Exception as err:  # the reader signals a short or garbled file with assorted exception types
+        raise ThinkerError(
+            f"{path}: not a readable GGUF file ({err.__class__.__name__}: {err}); it is truncated or corrupt, "
+            "re-download it"
+        ) from None
+    if reader.byte_order != "I":
+        # gguf's dequantizers assume the host's (little-endian) byte order for the packed blocks.
+        raise ThinkerError(f"{path}: a GGUF file of the opposite byte order (big-endian); use a little-endian file")
+    # A cut inside the tensor data can still parse when numpy silently shortens the last views; check the extents.
+    for tensor in reader.tensors:
+        if int(tensor.data_offset) + int(tensor.n_bytes) > size:
+            raise ThinkerError(
+                f"{path}: truncated ({size} bytes, but tensor {tensor.name!r} ends at byte "
+                f"{int(tensor.data_offset) + int(tensor.n_bytes)}); re-download it"
+            )
+    return reader
+
+
+def _field_value(field: Any) -> Any:
+    """Decode one ``ReaderField``: ``field.types`` is ``[ARRAY, item type]`` for arrays, else ``[type]``, and
+    ``field.data`` indexes the parts holding the value(s)."""
+    from gguf import GGUFValueType
+
+    if not field.types:
+        return None
+
+    def item(index: int, kind: Any) -> Any:
+        part = field.parts[index]
+        if kind == GGUFValueType.STRING:
+            # Token strings may hold byte fragments that are not valid UTF-8 on their own; keep them visible.
+            return bytes(part).decode("utf-8", errors="replace")
+        return part[0].item()  # numpy scalar -> Python int / float / bool
+
+    if field.types[0] == GGUFValueType.ARRAY:
+        # Nested arrays are flattened by the reader; their innermost type describes every element.
+        kind = field.types[-1]
+        return [item(index, kind) for index in field.data]
+    return item(field.data[0], field.types[0])

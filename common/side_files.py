@@ -1,0 +1,57 @@
+"""The files that travel with a model folder besides its weights: the tokenizer (every kind transformers ships),
+the chat template, and the model's own configs. One list, used by the converter (tokenizer files from the source)
+and by the exporter (tokenizer and configs beside the graph), so that no stage drops a file another one keeps.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from .errors import ThinkerError
+
+# Files a tokenizer (or chat template) may live in, for every tokenizer type transformers ships: fast (tokenizer.json),
+# BPE (vocab.json + merges.txt), WordPiece (vocab.txt), SentencePiece (tokenizer.model / spiece.model).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+TOKENIZER_PATTERNS = ("*.tiktoken",)  # tiktoken vocabularies are named after their encoding (cl100k_base.tiktoken)
+
+# The model's own configs, which a Thinker folder carries beside its weights.
+CONFIG_FILES = ("config.json", "generation_config.json")
+
+
+def tokenizer_files(folder: Path) -> list[str]:
+    """The names of ``folder``'s tokenizer files, by the lists above; code or anything else is never picked."""
+    names = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
+    names += sorted(path.name for pattern in TOKENIZER_PATTERNS for path in folder.glob(pattern) if path.is_file())
+    return names
+
+
+def copy_files(names: list[str], source: Path, destination: Path) -> list[str]:
+    """Copy the named files of ``source`` into ``destination``; returns the names."""
+    for name in names:
+        shutil.copyfile(source / name, destination / name)
+    return names
+
+
+def read_json(path: Path) -> Any:
+    """The JSON in ``path``; None when there is no such file; ``ThinkerError`` naming it when it does not parse."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise ThinkerError(f"{path}: not readable JSON ({err})") from None

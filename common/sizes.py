@@ -1,0 +1,27 @@
+"""Sizes as people write them: ``5GB``, ``500MB``, ``2GiB`` or a byte count."""
+
+from __future__ import annotations
+
+import re
+
+from .errors import ThinkerError
+
+# Where a converted folder is split into shards: transformers 4's default for save_pretrained, and the shard size
+# most Hub checkpoints have (transformers 5 writes up to 50GB per file).
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+# Decimal units as transformers reads them ("5GB" = 5e9 bytes); binary ones ("5GiB") too.
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_SIZE_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a plain byte count -> bytes."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE.match(text)
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _SIZE_UNITS or float(match.group(1)) <= 0:
+        raise ThinkerError(f"size {text!r} is not a size like 5GB, 500MB, 2GiB or a byte count")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])

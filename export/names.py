@@ -1,0 +1,18 @@
+"""Plain data the exporter, the runtime and the command line share, importable without onnx or torch (so that
+``thinker export --help`` answers at once): the ONNX folder's file names and the choices of ``thinker export``."""
+
+from __future__ import annotations
+
+MODEL_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
+REPORT_FILE = "export_report.json"
+GENAI_CONFIG_FILE = "genai_config.json"
+
+# --graph: "plain", standard ONNX operators only; "fused", onnxruntime's contrib operators (export/fused_graph.py).
+GRAPHS = {"plain": "export.decoder_graph:DecoderGraph", "fused": "export.fused_graph:FusedDecoderGraph"}
+
+# --quantize and its options (export/quantize.py).
+BITS = {"int4": 4, "int8": 8}
+ALGORITHMS = ("rtn", "hqq")
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+ACCURACY_LEVELS = (0, 1, 4)

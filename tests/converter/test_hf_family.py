@@ -1,0 +1,82 @@
+"""``hf_family``: a Hugging Face family from its differences, with the layouts a decoder is saved in.
+
+The next families (Qwen3.5 / Qwen3-Next) store their text decoder either alone (``model.*``) or inside a
+vision-language model (``model.language_model.*``, beside ``model.visual.*`` and a multi-token-prediction head
+``mtp.*`` that do not convert). This builds such a family for Qwen3 weights, saved in both layouts, and checks that
+the engine takes the layout present, drops the rest by prefix, and still refuses a tensor nobody claims.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from convert_helpers import assert_same_logits, build_reference
+from safetensors.torch import save_file
+from transformers import Qwen3Config
+
+from common.errors import ThinkerError
+from common.sources import SafetensorsSource
+from converter.engine import plan_conversion, write_weights
+from converter.families.common import (
+    ATTENTION,
+    DENSE_MLP,
+    EMBEDDINGS_AND_HEAD,
+    LAYER_NORMS,
+    QK_NORMS,
+    hf_family,
+    layer_names,
+)
+from converter.output import write_thinker_config
+
+EXTRA_GROUP = layer_names("self_attn.q_proj.bias")  # a group the model of this config lacks: inert
+
+FAMILY = hf_family(
+    "qwen3",
+    ("Qwen3ForCausalLM", "Qwen3VLStyleForConditionalGeneration"),
+    "Qwen3 weights, alone or inside a vision-language checkpoint",
+    (EMBEDDINGS_AND_HEAD, LAYER_NORMS, ATTENTION, QK_NORMS, DENSE_MLP, EXTRA_GROUP),
+    lambda hf: {"attention_bias": hf.attention_bias, "qk_norm": True},
+    name="qwen3_layouts",
+    layouts=({}, {"model.": "model.language_model."}),
+    dropped_prefixes=("model.visual.", "mtp."),
+)
+CONFIG = Qwen3Config(
+    vocab_size=67, hidden_size=32, num_hidden_layers=2, intermediate_size=40, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, tie_word_embeddings=False,
+)  # fmt: skip
+
+
+def save(model, folder, layout: str, extra: dict[str, torch.Tensor] | None = None):
+    folder.mkdir()
+    state = {
+        (name.replace("model.", "model.language_model.", 1) if layout == "vl" else name): tensor.contiguous()
+        for name, tensor in model.state_dict().items()
+    }
+    save_file(state | (extra or {}), folder / "model.safetensors", metadata={"format": "pt"})
+    model.config.save_pretrained(folder)
+    return SafetensorsSource(folder)
+
+
+@pytest.mark.parametrize("layout", ["causal-lm", "vl"])
+def test_each_layout_converts_exactly(layout, tmp_path):
+    model = build_reference(CONFIG)
+    extra = {"model.visual.patch_embed.weight": torch.ones(4, 3), "mtp.fc.weight": torch.ones(2, 2)}
+    source = save(model, tmp_path / "source", layout, extra if layout == "vl" else None)
+    assert FAMILY.recognises(source.config(), set(source.names()))
+
+    plan = plan_conversion(source, source.config(), family=FAMILY)
+    prefix = "model.language_model." if layout == "vl" else "model."
+    assert {name for step in plan.steps for name in step.sources if name.startswith("model.")} <= {
+        name for name in source.names() if name.startswith(prefix)
+    }
+    assert plan.dropped == (sorted(extra) if layout == "vl" else [])
+    (tmp_path / "out").mkdir()
+    write_weights(plan, source, tmp_path / "out", max_shard_size=10**9, progress=False)
+    write_thinker_config(tmp_path / "out", plan.config)
+    assert_same_logits(model, tmp_path / "out")
+
+
+def test_a_tensor_outside_every_layout_and_prefix_is_refused(tmp_path):
+    source = save(build_reference(CONFIG), tmp_path / "source", "vl", {"model.audio.proj.weight": torch.ones(2)})
+    with pytest.raises(ThinkerError, match=r"no qwen3_layouts rule maps .*model\.audio\.proj\.weight"):
+        plan_conversion(source, source.config(), family=FAMILY)

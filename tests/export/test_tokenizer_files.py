@@ -1,0 +1,75 @@
+"""Every tokenizer file travels: source -> ``thinker-convert`` -> Thinker folder -> ``thinker export`` -> ONNX folder.
+
+The converter and the exporter read one list of tokenizer files (``common/side_files.py``); before it was one list,
+the export dropped SentencePiece (``tokenizer.model``, ``spiece.model``), WordPiece (``vocab.txt``) and tiktoken
+(``*.tiktoken``) vocabularies. The SentencePiece model here is a real one, a ``ModelProto`` written with the protobuf
+schema transformers reads SentencePiece files with (the ``sentencepiece`` package itself is not installed).
+"""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import torch
+from export_helpers import make_tokenizer
+
+WORDS = "the a cat dog sat on mat and ran to house".split()
+
+
+def sentencepiece_model() -> bytes:
+    from transformers.convert_slow_tokenizer import import_protobuf
+
+    model = import_protobuf().ModelProto()
+    model.trainer_spec.model_type = 1  # UNIGRAM
+    model.normalizer_spec.name = "identity"
+    piece_type = type(model).SentencePiece
+    for text, kind in (("<unk>", piece_type.UNKNOWN), ("<s>", piece_type.CONTROL), ("</s>", piece_type.CONTROL)):
+        model.pieces.add(piece=text, score=0.0, type=kind)
+    for rank, word in enumerate(WORDS):
+        model.pieces.add(piece="\u2581" + word, score=-1.0 - rank / 100, type=piece_type.NORMAL)
+    return model.SerializeToString()
+
+
+def tokenizer_files() -> dict[str, bytes]:
+    """What a source folder may carry besides tokenizer.json: SentencePiece, WordPiece and tiktoken vocabularies."""
+    return {
+        "tokenizer.model": sentencepiece_model(),
+        "spiece.model": sentencepiece_model(),
+        "vocab.txt": "\n".join(["[PAD]", "[UNK]", *WORDS]).encode() + b"\n",
+        "cl100k_base.tiktoken": b"".join(
+            base64.b64encode(w.encode()) + f" {i}\n".encode() for i, w in enumerate(WORDS)
+        ),
+    }
+
+
+def test_export_keeps_every_tokenizer_file(tmp_path: Path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers.convert_slow_tokenizer import import_protobuf
+
+    from converter.convert import convert
+    from export.exporter import export_model
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+    )  # fmt: skip
+    source = tmp_path / "source"
+    Qwen3ForCausalLM(config).save_pretrained(source)
+    make_tokenizer().save_pretrained(source)  # tokenizer.json, tokenizer_config.json (what `generate` loads)
+    extras = tokenizer_files()
+    for name, data in extras.items():
+        (source / name).write_bytes(data)
+    expected = {"tokenizer.json", "tokenizer_config.json", *extras}
+
+    thinker = convert(source, tmp_path / "thinker", verify=False, progress=False).output
+    export_model(thinker, tmp_path / "onnx", verify=False)
+
+    for folder in (thinker, tmp_path / "onnx"):
+        present = {path.name for path in folder.iterdir()}
+        assert expected <= present, f"{folder.name} lacks {sorted(expected - present)}"
+        for name in expected:
+            assert (folder / name).read_bytes() == (source / name).read_bytes(), f"{folder.name}/{name}"
+    parsed = import_protobuf().ModelProto.FromString((tmp_path / "onnx" / "tokenizer.model").read_bytes())
+    assert [piece.piece for piece in parsed.pieces][3:] == ["\u2581" + word for word in WORDS]
