@@ -282,7 +282,9 @@ def _select_steps(
     for options in alternatives.values():
         usable = next((step for step in options if names.issuperset(step.sources)), None)
         if usable is None:
-            missing.update(name for name in options[0].sources if name not in names)
+            # Named in the layout the checkpoint is closest to (most of its tensors present), not the table's first.
+            closest = max(options, key=lambda step: sum(name in names for name in step.sources))
+            missing.update(name for name in closest.sources if name not in names)
         else:
             chosen.append(usable)
     if missing:
