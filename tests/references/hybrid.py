@@ -71,10 +71,11 @@ def qwen3_5_moe_config(**overrides) -> Qwen3_5MoeTextConfig:
 
 
 def qwen3_next_config(**overrides) -> Qwen3NextConfig:
-    # layer 2 dense among sparse layers (mlp_only_layers), as Qwen3-Next's config allows
+    # Plain partial RoPE (Qwen3-Next has no multimodal sections); layer 2 dense among sparse layers (mlp_only_layers).
+    rope = {key: value for key, value in HYBRID_SIZES["rope_parameters"].items() if not key.startswith("mrope")}
     return Qwen3NextConfig(
-        **{**HYBRID_SIZES, **MOE_SIZES, "intermediate_size": 40, "mlp_only_layers": [2], "norm_topk_prob": True}
-        | overrides
+        **{**HYBRID_SIZES, **MOE_SIZES, "rope_parameters": rope, "intermediate_size": 40, "mlp_only_layers": [2]},
+        **{"norm_topk_prob": True, **overrides},
     )
 
 
