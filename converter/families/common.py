@@ -246,7 +246,10 @@ def reference_by_model_type(classes: Mapping[str, str]) -> ReferenceLoader:
         from ..parity import load_reference
 
         folder = source.parent if source.is_file() else source
-        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+        try:
+            model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            model_type = None  # load_reference reports what is wrong with the folder
         if model_type not in classes:
             return load_reference(folder, dtype)
         try:

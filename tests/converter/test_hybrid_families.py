@@ -318,33 +318,29 @@ def test_qwen3_omni_distinct_position_rows_through_the_converter(omni, rows):
 
 
 @pytest.fixture(scope="module")
-def next_conversion(tmp_path_factory):
-    root = tmp_path_factory.mktemp("next-gate")
-    model = reference(Qwen3NextForCausalLM, qwen3_next_config())
-    model.save_pretrained(root / "source")
-    assert cli(root / "source", root / "thinker", "--no-verify").exit_code == 0
-    return root
+def next_conversion(conversions) -> Converted:
+    return conversions("qwen3_next")
 
 
 def test_gate_fails_on_value_heads_out_of_order(next_conversion, tmp_path):
     """What a wrong reorder of Qwen3-Next's grouped rows would write: layer 0's two output-gate heads of one key head
     swapped. The gate fails and names the layer."""
-    planted = shutil.copytree(next_conversion / "thinker", tmp_path / "planted")
+    planted = shutil.copytree(next_conversion.output, tmp_path / "planted")
     path = planted / "model.safetensors"
     tensors = load_file(path)
     z = tensors["model.layers.0.linear_attn.in_proj_z.weight"]
     tensors["model.layers.0.linear_attn.in_proj_z.weight"] = torch.cat([z[8:16], z[:8], z[16:]])  # heads 0 <-> 1
     save_file(tensors, path, metadata={"format": "pt"})
-    report = check_parity(next_conversion / "source", planted)
+    report = check_parity(next_conversion.source, planted)
     assert not report.passed and report.results[0].first_divergence == "layer 0"
-    assert check_parity(next_conversion / "source", next_conversion / "thinker").passed
+    assert check_parity(next_conversion.source, next_conversion.output).passed
 
 
 def test_gate_fails_when_padding_leaks_into_the_recurrent_state(next_conversion, monkeypatch):
     """A Thinker whose linear-attention layers let left padding into their state agrees with the reference on
     unpadded rows only: the gate's left-padded batch catches it."""
     monkeypatch.setattr(thinker.modeling_thinker, "apply_mask_to_padding_states", lambda states, mask: states)
-    report = check_parity(next_conversion / "source", next_conversion / "thinker")
+    report = check_parity(next_conversion.source, next_conversion.output)
     assert not report.passed and report.results[0].max_abs_diff > report.results[0].tolerance
 
 
@@ -393,12 +389,8 @@ def test_split_head_groups_is_transformers_ordering_and_reverses_exactly(key_hea
 
 
 @pytest.fixture(scope="module")
-def vl_source(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("vl") / "source"
-    model = reference(Qwen3_5ForConditionalGeneration, qwen3_5_vl_config())
-    model.save_pretrained(folder)
-    add_mtp_tensors(folder, model.config.text_config.hidden_size)
-    return folder
+def vl_source(conversions) -> Path:
+    return conversions("qwen3_5-vl").source
 
 
 def edited_copy(source: Path, folder: Path, drop: str | None = None, text_config: dict | None = None, **top) -> Path:
@@ -468,7 +460,7 @@ def test_hub_config_spelling_of_qwen3_5(vl_source, tmp_path):
 def test_hub_config_spelling_of_qwen3_next(next_conversion, tmp_path):
     """Qwen3-Next-80B-A3B's config.json spells RoPE the transformers-4 way (``rope_theta``, ``partial_rotary_factor``,
     ``rope_scaling: null``) and has no ``layer_types``: it translates to the same model."""
-    source = shutil.copytree(next_conversion / "source", tmp_path / "source")
+    source = shutil.copytree(next_conversion.source, tmp_path / "source")
     config = json.loads((source / "config.json").read_text())
     rope = config.pop("rope_parameters")
     del config["layer_types"]
@@ -477,8 +469,6 @@ def test_hub_config_spelling_of_qwen3_next(next_conversion, tmp_path):
     (source / "config.json").write_text(json.dumps(config))
     assert cli(source, tmp_path / "out", "--no-verify").exit_code == 0
     converted = ThinkerConfig.from_pretrained(tmp_path / "out")
-    assert converted.to_dict() | {"dtype": None} == ThinkerConfig.from_pretrained(
-        next_conversion / "thinker"
-    ).to_dict() | {"dtype": None}
+    assert converted.to_dict() == ThinkerConfig.from_pretrained(next_conversion.output).to_dict()
     with safe_open(source / "model.safetensors", "pt") as handle:
         assert "model.layers.0.linear_attn.in_proj_qkvz.weight" in handle.keys()
