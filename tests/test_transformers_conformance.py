@@ -439,7 +439,7 @@ def _grouped_mm_strides_fail_on_cpu(cls):
 
 
 @_grouped_mm_strides_fail_on_cpu
-class ThinkerMoeTest(ExpertParallelTesterMixin, _ThinkerCommonTest, unittest.TestCase):
+class ThinkerMoeTest(_ThinkerCommonTest, ExpertParallelTesterMixin, unittest.TestCase):
     """As Qwen3-MoE's: its test class sets test_all_params_have_gradient = False (top-2 of 8 leaves experts idle)."""
 
     kind = "moe"
