@@ -568,3 +568,99 @@ def test_device_map_auto(tiny_thinker, tmp_path):
         split = [name for name in placement if name.startswith("model.layers.") and name.count(".") > 2]
         assert not split, f"decoder layers split across devices: {split}"
         assert_close(offloaded(ids).logits, expected, **TOL)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# config-derived layout: MLP kinds and parallel plans follow edits of the fields they come from
+
+
+def test_mlp_layer_types_follow_moe_field_edits(tiny_config):
+    config = tiny_config("moe")  # mlp_only_layers [1]
+    assert config.mlp_layer_types == ["sparse", "dense", "sparse"]
+    config.mlp_only_layers = [0]  # as transformers' common tests edit a Qwen3-MoE config
+    assert config.mlp_layer_types == ["dense", "sparse", "sparse"]
+    model = ThinkerForCausalLM(config)
+    assert [type(layer.mlp).__name__ for layer in model.model.layers] == [
+        "ThinkerMLP",
+        "ThinkerSparseMoeBlock",
+        "ThinkerSparseMoeBlock",
+    ]
+    config.decoder_sparse_step = 2
+    assert config.mlp_layer_types == ["dense", "sparse", "dense"]
+    config.num_experts = 0
+    assert config.mlp_layer_types == ["dense"] * 3
+
+
+def test_config_json_with_mlp_layer_types_still_loads(tiny_config, tmp_path):
+    """Folders saved before mlp_layer_types was derived carry it; it is folded into the MoE fields it stands for."""
+    saved = tiny_config("moe").to_dict()
+    assert "mlp_layer_types" not in saved  # derived, so not written any more
+    old = {**saved, "mlp_layer_types": ["dense", "dense", "sparse"], "decoder_sparse_step": 1}
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert config.mlp_layer_types == ["dense", "dense", "sparse"]
+    assert (config.decoder_sparse_step, config.mlp_only_layers) == (1, [0, 1])
+    # one that agrees with the MoE fields changes nothing
+    same = ThinkerConfig(**{**saved, "mlp_layer_types": ["sparse", "dense", "sparse"]})
+    assert same.to_dict() == ThinkerConfig(**saved).to_dict()
+    with pytest.raises(ValueError, match="num_experts is 0"):
+        ThinkerConfig(num_hidden_layers=2, mlp_layer_types=["sparse", "dense"])
+    with pytest.raises(ValueError, match="for each of 2 layers"):
+        ThinkerConfig(num_hidden_layers=2, num_experts=4, mlp_layer_types=["sparse"])
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "learned"])
+def test_parallel_plans_name_only_parameters_the_model_has(tiny_config, kind):
+    from transformers.distributed.parallel_utils import _get_parameter_plan
+
+    model = ThinkerForCausalLM(tiny_config(kind))
+    params, modules = [name for name, _ in model.named_parameters()], [name for name, _ in model.named_modules()]
+    for plan in (model.tp_plan, model.ep_plan):
+        for pattern in plan:
+            assert any(_get_parameter_plan(name, {pattern: ""}, is_weight=True) is not None for name in params) or any(
+                _get_parameter_plan(name, {pattern: ""}, is_weight=False) is not None for name in modules
+            ), pattern
+    experts = [name for name in params if name.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert bool(experts) == (kind == "moe")
+    for name in experts:  # every expert weight is sharded by both plans
+        assert _get_parameter_plan(name, model.tp_plan, is_weight=True) is not None
+        assert _get_parameter_plan(name, model.ep_plan, is_weight=True) is not None
+    assert bool(model.ep_plan) == (kind == "moe")
+
+
+HEADS_CHILD = """
+import importlib.util, sys
+import torch
+assert importlib.util.find_spec("thinker") is None
+from transformers import AutoModelForSequenceClassification
+folder, ids_file, out_file = sys.argv[1:]
+model = AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=True)
+with torch.no_grad():
+    torch.save(model(torch.load(ids_file)).logits, out_file)
+"""
+
+
+def test_task_heads_auto_classes_and_remote_code(tiny_config, randomize, tmp_path):
+    from transformers import AutoModelForQuestionAnswering, AutoModelForSequenceClassification
+
+    from thinker import ThinkerForQuestionAnswering, ThinkerForSequenceClassification
+
+    config = tiny_config("moe", num_labels=3)
+    model = randomize(AutoModelForSequenceClassification.from_config(config)).eval()
+    assert isinstance(model, ThinkerForSequenceClassification)
+    assert isinstance(AutoModelForQuestionAnswering.from_config(config), ThinkerForQuestionAnswering)
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
+    assert auto_map["AutoModelForSequenceClassification"] == "modeling_thinker.ThinkerForSequenceClassification"
+
+    ids = token_ids(length=6)
+    torch.save(ids, tmp_path / "ids.pt")
+    site_packages = [p for p in site.getsitepackages() if Path(p).is_dir() and Path(p).resolve() != REPO]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(site_packages), "HF_HOME": str(tmp_path / "hf-home")}
+    env["HF_HUB_OFFLINE"] = "1"
+    command = [sys.executable, "-S", "-c", HEADS_CHILD, str(folder), str(tmp_path / "ids.pt"), str(tmp_path / "o.pt")]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    with torch.no_grad():
+        assert_close(torch.load(tmp_path / "o.pt"), model(ids).logits, **TOL)

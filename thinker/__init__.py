@@ -1,3 +1,5 @@
+# Copyright 2026 The Thinker authors.
+# SPDX-License-Identifier: Apache-2.0
 """Thinker: a transformers-native decoder for Qwen-style checkpoints.
 
 ``import thinker`` registers the classes with transformers' Auto* factories, so that
@@ -10,23 +12,43 @@ accepts a checkpoint of any supported source family once the converter has regis
 This package imports nothing outside itself (torch and transformers aside); the converter and the exporter import it.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+import transformers
 
 from .configuration_thinker import ThinkerConfig
 from .foreign import accept_foreign_checkpoints
-from .modeling_thinker import ThinkerForCausalLM, ThinkerModel, ThinkerPreTrainedModel
+from .modeling_thinker import (
+    ThinkerForCausalLM,
+    ThinkerForQuestionAnswering,
+    ThinkerForSequenceClassification,
+    ThinkerForTokenClassification,
+    ThinkerModel,
+    ThinkerPreTrainedModel,
+)
 
-AutoConfig.register(ThinkerConfig.model_type, ThinkerConfig, exist_ok=True)
-AutoModel.register(ThinkerConfig, ThinkerModel, exist_ok=True)
-AutoModelForCausalLM.register(ThinkerConfig, ThinkerForCausalLM, exist_ok=True)
-
+transformers.AutoConfig.register(ThinkerConfig.model_type, ThinkerConfig, exist_ok=True)
 ThinkerConfig.register_for_auto_class()
-ThinkerModel.register_for_auto_class("AutoModel")
-ThinkerForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+# The model and its heads, registered as Qwen3's are: with the Auto classes here, and in the auto_map of a saved folder.
+for _auto_class, _model in (
+    ("AutoModel", ThinkerModel),
+    ("AutoModelForCausalLM", ThinkerForCausalLM),
+    ("AutoModelForSequenceClassification", ThinkerForSequenceClassification),
+    ("AutoModelForTokenClassification", ThinkerForTokenClassification),
+    ("AutoModelForQuestionAnswering", ThinkerForQuestionAnswering),
+):
+    getattr(transformers, _auto_class).register(ThinkerConfig, _model, exist_ok=True)
+    _model.register_for_auto_class(_auto_class)
 
 # ThinkerForCausalLM.from_pretrained dispatches foreign checkpoints to the loader the converter registers. It is
 # attached here rather than written in modeling_thinker.py so that the copy shipped beside checkpoints as remote
 # code stays the model alone.
 accept_foreign_checkpoints(ThinkerForCausalLM)
 
-__all__ = ["ThinkerConfig", "ThinkerModel", "ThinkerForCausalLM", "ThinkerPreTrainedModel"]
+__all__ = [
+    "ThinkerConfig",
+    "ThinkerModel",
+    "ThinkerForCausalLM",
+    "ThinkerForSequenceClassification",
+    "ThinkerForTokenClassification",
+    "ThinkerForQuestionAnswering",
+    "ThinkerPreTrainedModel",
+]

@@ -1,3 +1,5 @@
+# Copyright 2026 The Thinker authors.
+# SPDX-License-Identifier: Apache-2.0
 """ThinkerConfig: one typed config for every decoder the converters bring in.
 
 Field names are Qwen's (``hidden_size``, ``num_key_value_heads``, ``head_dim``, ``num_experts``,
@@ -16,6 +18,47 @@ POSITION_EMBEDDING_TYPES = ("rope", "learned")
 NORM_TYPES = ("rmsnorm", "layernorm")
 # Token mixers, per layer (transformers' names: its caches and mask builders dispatch on them).
 LAYER_TYPES = ("full_attention", "linear_attention")
+MLP_LAYER_TYPES = ("dense", "sparse")
+
+# Parallel plans, one table per kind of module; ``ThinkerConfig.base_model_tp_plan`` / ``base_model_ep_plan`` keep
+# the tables of the modules that this config's model has, so that every entry names some of its parameters.
+# Attention heads and MLP columns split across ranks, outputs all-reduced (rowwise), as Qwen3 / Qwen2-MoE plan them.
+_FULL_ATTENTION_TP_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+}
+_QK_NORM_TP_PLAN = {
+    "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+    "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+}
+# Gated DeltaNet, as Qwen3.5 plans it: each rank computes every head and gathers the projections' outputs.
+_LINEAR_ATTENTION_TP_PLAN = {
+    "layers.*.linear_attn.in_proj_qkv": "colwise_gather_output",
+    "layers.*.linear_attn.in_proj_z": "colwise_gather_output",
+    "layers.*.linear_attn.in_proj_b": "colwise_gather_output",
+    "layers.*.linear_attn.in_proj_a": "colwise_gather_output",
+    "layers.*.linear_attn.out_proj": "colwise_gather_output",
+}
+_EXPERTS_TP_PLAN = {
+    "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+    "layers.*.mlp.experts.down_proj": "rowwise",
+    "layers.*.mlp.experts": "moe_tp_experts",
+}
+# Expert parallelism (Qwen3-MoE's plan): whole experts per rank, tokens dispatched to them.
+_EXPERTS_EP_PLAN = {
+    "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+    "layers.*.mlp.experts.down_proj": "grouped_gemm",
+    "layers.*.mlp.experts": "ep_dispatch_experts",
+}
+
+
+def _mlp_tp_plan(prefix: str, gated: bool) -> dict[str, str]:
+    plan = {f"{prefix}.up_proj": "colwise", f"{prefix}.down_proj": "rowwise"}
+    if gated:
+        plan[f"{prefix}.gate_proj"] = "colwise"
+    return plan
 
 
 @strict
@@ -24,11 +67,15 @@ class ThinkerConfig(PreTrainedConfig):
     Configuration of a [`ThinkerModel`]. The defaults are the μOmni Thinker of ``configs/thinker_tiny.json``
     (vocab 5000, 4 layers, d_model 256, 4 heads, d_ff 1024, SwiGLU, RoPE θ=10000, context 512).
 
-    Derived fields are filled in ``__post_init__`` only: ``num_key_value_heads`` defaults to the head count (MHA),
-    ``head_dim`` to ``hidden_size // num_attention_heads``, ``moe_intermediate_size`` to ``intermediate_size``,
-    ``attention_output_bias`` to ``attention_bias``, ``mlp_layer_types`` ("dense" / "sparse" per layer) from
-    the MoE fields exactly as Qwen-MoE decides them, and ``layer_types`` (the token mixer per layer) to all
+    Defaults filled in ``__post_init__``: ``num_key_value_heads`` defaults to the head count (MHA), ``head_dim`` to
+    ``hidden_size // num_attention_heads``, ``moe_intermediate_size`` to ``intermediate_size``,
+    ``attention_output_bias`` to ``attention_bias``, and ``layer_types`` (the token mixer per layer) to all
     ``"full_attention"`` when not given.
+
+    Derived on every read, so that they follow edits of the fields they come from: ``mlp_layer_types`` ("dense" /
+    "sparse" per layer, from ``num_experts``, ``decoder_sparse_step`` and ``mlp_only_layers`` exactly as Qwen-MoE
+    decides them) and the parallel plans ``base_model_tp_plan`` / ``base_model_ep_plan`` (only the entries whose
+    modules this config's model has).
 
     ```python
     >>> from thinker import ThinkerConfig, ThinkerForCausalLM
@@ -38,30 +85,6 @@ class ThinkerConfig(PreTrainedConfig):
 
     model_type = "thinker"
     keys_to_ignore_at_inference = ["past_key_values"]
-    # Tensor-parallel plan: attention heads and MLP columns split across ranks, outputs all-reduced (rowwise).
-    base_model_tp_plan = {
-        "layers.*.self_attn.q_proj": "colwise",
-        "layers.*.self_attn.k_proj": "colwise",
-        "layers.*.self_attn.v_proj": "colwise",
-        "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
-        "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
-        "layers.*.self_attn.o_proj": "rowwise",
-        "layers.*.mlp.gate_proj": "colwise",
-        "layers.*.mlp.up_proj": "colwise",
-        "layers.*.mlp.down_proj": "rowwise",
-        "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
-        "layers.*.mlp.experts.down_proj": "rowwise",
-        "layers.*.mlp.experts": "moe_tp_experts",
-        "layers.*.mlp.shared_expert.gate_proj": "colwise",
-        "layers.*.mlp.shared_expert.up_proj": "colwise",
-        "layers.*.mlp.shared_expert.down_proj": "rowwise",
-        # Gated DeltaNet, as Qwen3.5 plans it: each rank computes every head and gathers the projections' outputs.
-        "layers.*.linear_attn.in_proj_qkv": "colwise_gather_output",
-        "layers.*.linear_attn.in_proj_z": "colwise_gather_output",
-        "layers.*.linear_attn.in_proj_b": "colwise_gather_output",
-        "layers.*.linear_attn.in_proj_a": "colwise_gather_output",
-        "layers.*.linear_attn.out_proj": "colwise_gather_output",
-    }
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
@@ -130,7 +153,6 @@ class ThinkerConfig(PreTrainedConfig):
     talker_head_size: int | None = None  # set: a Linear(hidden -> talker_head_size) whose logits come out too
 
     # --- the rest ---------------------------------------------------------------------------------------------
-    mlp_layer_types: list[str] | None = None  # derived: "dense" or "sparse" per layer
     initializer_range: float = 0.02
     use_cache: bool = True
     pad_token_id: int | None = None
@@ -150,13 +172,9 @@ class ThinkerConfig(PreTrainedConfig):
             self.mlp_only_layers = []
         if self.layer_types is None:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
-        if self.mlp_layer_types is None:
-            self.mlp_layer_types = [
-                "sparse"
-                if self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
-                else "dense"
-                for i in range(self.num_hidden_layers)
-            ]
+        # config.json files written before mlp_layer_types was derived carry it: fold it into the MoE fields.
+        if (mlp_layer_types := kwargs.pop("mlp_layer_types", None)) is not None:
+            self.mlp_layer_types = mlp_layer_types
         if self.position_embedding_type == "rope" and self.rope_parameters is None and "rope_theta" not in kwargs:
             kwargs["rope_theta"] = 10000.0
         super().__post_init__(**kwargs)
@@ -175,10 +193,6 @@ class ThinkerConfig(PreTrainedConfig):
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
-            )
-        if len(self.mlp_layer_types) != self.num_hidden_layers or set(self.mlp_layer_types) - {"dense", "sparse"}:
-            raise ValueError(
-                f"mlp_layer_types must list 'dense' or 'sparse' for each of {self.num_hidden_layers} layers"
             )
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must lie in 1..{self.num_experts}")
@@ -207,6 +221,56 @@ class ThinkerConfig(PreTrainedConfig):
                     "only interleaved multimodal RoPE (Qwen3-VL, Qwen3.5, Qwen3-Omni) is supported; "
                     "rope_parameters sets mrope_interleaved=False"
                 )
+
+    @property
+    def mlp_layer_types(self) -> list[str]:
+        """The MLP kind of each layer, "dense" or "sparse": sparse where Qwen-MoE puts experts (``num_experts`` > 0,
+        ``(i + 1)`` a multiple of ``decoder_sparse_step``, ``i`` not in ``mlp_only_layers``)."""
+        only_dense = set(self.mlp_only_layers or ())
+        return [
+            "sparse" if self.num_experts > 0 and i not in only_dense and (i + 1) % self.decoder_sparse_step == 0
+            else "dense"
+            for i in range(self.num_hidden_layers)
+        ]  # fmt: skip
+
+    @mlp_layer_types.setter
+    def mlp_layer_types(self, types: list[str]) -> None:
+        # Kept as the MoE fields that produce it (not as a list of its own), so that they stay the one source.
+        types = list(types)
+        if len(types) != self.num_hidden_layers or set(types) - set(MLP_LAYER_TYPES):
+            raise ValueError(
+                f"mlp_layer_types must list one of {MLP_LAYER_TYPES} for each of {self.num_hidden_layers} layers; "
+                f"got {types}"
+            )
+        if types == self.mlp_layer_types:
+            return
+        if "sparse" in types and self.num_experts == 0:
+            raise ValueError(f"mlp_layer_types {types} has sparse layers but num_experts is 0")
+        self.decoder_sparse_step = 1
+        self.mlp_only_layers = [i for i, kind in enumerate(types) if kind == "dense"]
+
+    @property
+    def base_model_tp_plan(self) -> dict[str, str]:
+        """The tensor-parallel plan of the modules this config's layers have (transformers reads it when a model is
+        built, so the plan follows the config as it is then)."""
+        plan = {}
+        if "full_attention" in self.layer_types:
+            plan |= _FULL_ATTENTION_TP_PLAN | (_QK_NORM_TP_PLAN if self.qk_norm else {})
+        if self.has_linear_attention:
+            plan |= _LINEAR_ATTENTION_TP_PLAN
+        mlp_types = self.mlp_layer_types
+        if "dense" in mlp_types:
+            plan |= _mlp_tp_plan("layers.*.mlp", self.mlp_gated)
+        if "sparse" in mlp_types:
+            plan |= _EXPERTS_TP_PLAN
+            if self.shared_expert_intermediate_size:
+                plan |= _mlp_tp_plan("layers.*.mlp.shared_expert", self.mlp_gated)
+        return plan
+
+    @property
+    def base_model_ep_plan(self) -> dict[str, str] | None:
+        """The expert-parallel plan: the experts of the sparse layers, whole experts per rank; None without any."""
+        return dict(_EXPERTS_EP_PLAN) if "sparse" in self.mlp_layer_types else None
 
     @property
     def num_key_value_groups(self) -> int:

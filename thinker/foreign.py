@@ -1,3 +1,5 @@
+# Copyright 2026 The Thinker authors.
+# SPDX-License-Identifier: Apache-2.0
 """``ThinkerForCausalLM.from_pretrained`` on a checkpoint of another family (a Qwen folder, a Hub repo id, a GGUF).
 
 transformers would build a Thinker from a Qwen ``config.json`` with only a warning, drop the tensors whose names it

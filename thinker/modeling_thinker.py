@@ -1,3 +1,5 @@
+# Copyright 2026 The Thinker authors.
+# SPDX-License-Identifier: Apache-2.0
 """Thinker: one decoder-only transformer that every Qwen-style checkpoint converts into.
 
 Features, each a config switch (see ``ThinkerConfig``):
@@ -11,18 +13,20 @@ Features, each a config switch (see ``ThinkerConfig``):
     depthwise conv, the gated delta rule over a recurrent state, a gated RMSNorm; Qwen3.5, Qwen3-Next), with
     transformers' own kernels (chunked prefill, one-step decode) and its linear-attention cache layers
   - SwiGLU or plain GELU MLP, with or without bias
-  - Mixture of Experts with Qwen's routing (softmax, top-k, optional renormalisation), fused 3-D expert weights,
-    an optional shared expert behind a sigmoid gate (Qwen2-MoE), dense layers picked by ``decoder_sparse_step``
-    and ``mlp_only_layers``
+  - Mixture of Experts with Qwen's routing (softmax, top-k, optional renormalisation), fused 3-D expert weights
+    (only the chosen experts run, eagerly or under ``torch.compile(fullgraph=True)``), transformers' experts
+    implementations (grouped_mm, batched_mm), an optional shared expert behind a sigmoid gate (Qwen2-MoE), dense
+    layers picked by ``decoder_sparse_step`` and ``mlp_only_layers``
   - tied embeddings; ``inputs_embeds`` for multimodal input, an audio projection and a talker head (Qwen3-Omni)
+  - sequence-classification, token-classification and question-answering heads (transformers' generic ones)
   - transformers 5.x plumbing: ``Cache`` objects, the attention-function registry (eager, sdpa, flash, flex),
-    transformers' mask builders, ``generate()``, gradient checkpointing, tensor-parallel and pipeline plans
+    transformers' mask builders, ``generate()`` (static caches and compiled decoding too), gradient checkpointing,
+    tensor-, expert- and pipeline-parallel plans
 
 This file is shipped beside converted checkpoints as remote code, so it imports only torch, transformers and
-its own configuration module.
+its own configuration module. (No ``from __future__ import annotations``: transformers reads the forward methods'
+return annotations as classes, to know which outputs a head declares.)
 """
-
-from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,14 +34,21 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AutoModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation, use_kernel_forward_from_hub, use_kernelized_func
 from transformers.integrations.accelerate import force_accelerate_hooks
+from transformers.integrations.moe import grouped_mm_experts_forward
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
-from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_layers import (
+    GenericForQuestionAnswering,
+    GenericForSequenceClassification,
+    GenericForTokenClassification,
+    GradientCheckpointingLayer,
+)
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
@@ -429,9 +440,17 @@ class ThinkerExperts(nn.Module):
         top_k_index: torch.Tensor,  # (N, k)
         top_k_weights: torch.Tensor,  # (N, k)
     ) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # The loop below has a data-dependent trip count, which torch.compile(fullgraph=True) cannot trace.
+            # transformers' grouped form has none: tokens sorted by expert, one grouped matmul over per-expert row
+            # ranges (an opaque op where the grouped kernel cannot be compiled), so still only chosen experts work.
+            return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
         out = torch.zeros_like(hidden_states)
-        # Visit only the experts some token was routed to: the work is proportional to k, not to E.
+        # Visit only the experts some token was routed to: the work is proportional to k, not to E. Under expert
+        # parallelism, ids past this rank's experts are routes to other ranks (weight 0): skipped.
         for expert in top_k_index.unique().tolist():
+            if expert >= self.num_experts:
+                continue
             token_idx, slot = torch.where(top_k_index == expert)
             gate, up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert]).chunk(2, dim=-1)
             y = F.linear(self.act_fn(gate) * up, self.down_proj[expert])
@@ -545,7 +564,7 @@ class ThinkerPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
-    _can_compile_fullgraph = False  # the expert loop is data-dependent
+    _can_compile_fullgraph = True  # the experts' loop gives way to a grouped form under torch.compile
     _supports_attention_backend = True
     _can_record_outputs = {
         "router_logits": OutputRecorder(ThinkerTopKRouter, index=0),
@@ -746,4 +765,44 @@ class ThinkerForCausalLM(ThinkerPreTrainedModel, GenerationMixin):
         )
 
 
-__all__ = ["ThinkerPreTrainedModel", "ThinkerModel", "ThinkerForCausalLM", "ThinkerCausalLMOutputWithPast"]
+def register_base_model_for(config: ThinkerConfig) -> None:
+    """transformers' generic heads build their base model with ``AutoModel.from_config(config)``. Loaded as remote
+    code, where ``import thinker`` (which registers the Auto classes) never ran, the config's class comes from
+    another copy of configuration_thinker than this module's (transformers keys each remote module by a hash of its
+    own files), so ThinkerModel is registered for the config's own class."""
+    AutoModel.register(type(config), ThinkerModel, exist_ok=True)
+
+
+class ThinkerForSequenceClassification(GenericForSequenceClassification, ThinkerPreTrainedModel):
+    """A score per label from the last non-padding token's hidden state."""
+
+    def __init__(self, config: ThinkerConfig) -> None:
+        register_base_model_for(config)
+        super().__init__(config)
+
+
+class ThinkerForTokenClassification(GenericForTokenClassification, ThinkerPreTrainedModel):
+    """A score per label for every token."""
+
+    def __init__(self, config: ThinkerConfig) -> None:
+        register_base_model_for(config)
+        super().__init__(config)
+
+
+class ThinkerForQuestionAnswering(GenericForQuestionAnswering, ThinkerPreTrainedModel):
+    """Start and end logits of an answer span, per token."""
+
+    def __init__(self, config: ThinkerConfig) -> None:
+        register_base_model_for(config)
+        super().__init__(config)
+
+
+__all__ = [
+    "ThinkerPreTrainedModel",
+    "ThinkerModel",
+    "ThinkerForCausalLM",
+    "ThinkerCausalLMOutputWithPast",
+    "ThinkerForSequenceClassification",
+    "ThinkerForTokenClassification",
+    "ThinkerForQuestionAnswering",
+]

@@ -1,3 +1,5 @@
+# Copyright 2026 The Thinker authors.
+# SPDX-License-Identifier: Apache-2.0
 """Named configurations: the JSON files of ``configs/``, installed as the package ``thinker_configs``.
 
 Each file is a ``ThinkerConfig`` plus keys that start with ``_`` (``_source``: the config it copies, ``_comment``),
