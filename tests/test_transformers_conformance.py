@@ -170,6 +170,18 @@ def thinker_in_transformers_model_names():
         yield
 
 
+@pytest.fixture(autouse=True)
+def transformers_default_verbosity():
+    """transformers' tests read its warnings ("Reinit due to size mismatch"); other tests in this process may have
+    quieted transformers (the ``thinker`` commands do, run in-process), so each test here starts at the default."""
+    from transformers.utils import logging as transformers_logging
+
+    before = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_warning()
+    yield
+    transformers_logging.set_verbosity(before)
+
+
 # The family whose transformers tester each config kind mirrors (its skips and allow-lists are the Thinker's too).
 REFERENCE_MODEL_TYPE = {"dense": "qwen3", "moe": "qwen3_moe", "hybrid": "qwen3_5"}
 
