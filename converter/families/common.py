@@ -23,7 +23,7 @@ from common.errors import ThinkerError
 from thinker import ThinkerConfig
 
 from ..ops import StackExperts
-from ..spec import Family, ReferenceLoader, TensorRule, rule
+from ..spec import Family, LayeredReferenceLoader, ReferenceLoader, TensorRule, rule
 
 
 def load_hf_config(source_config: Mapping[str, Any], model_type: str) -> PreTrainedConfig:
@@ -179,6 +179,7 @@ def hf_family(
     dropped: tuple[str, ...] = (),
     dropped_prefixes: tuple[str, ...] = (),
     reference: ReferenceLoader | None = None,
+    layered_reference: LayeredReferenceLoader | None = None,
     way_back: bool = True,
     renamed_fields: Mapping[str, str] | None = None,
 ) -> Family:
@@ -200,7 +201,9 @@ def hf_family(
       source's (``{"": "thinker."}``, ``{"model.": "model.language_model."}``); several layouts are alternatives and
       the engine uses the one present. ``dropped`` names tensors skipped on purpose (in Thinker's names, like the
       groups), ``dropped_prefixes`` whole sub-models skipped by source prefix (a vision tower, ``mtp.``).
-    - ``reference``: the parity reference when it is not ``AutoModelForCausalLM`` (a sub-model).
+    - ``reference``: the parity reference when it is not ``AutoModelForCausalLM`` (a sub-model), and
+      ``layered_reference`` the same for parity layer by layer (``converter/layer_parity.py``), which otherwise
+      builds the class ``AutoModelForCausalLM`` picks and reads the folder's tensors one layer at a time.
     - ``way_back``: a Thinker folder can be written back as this family (``--to``); ``renamed_fields`` names the
       config fields the family spells differently from Thinker (``{"attention_bias": "qkv_bias"}``).
     """
@@ -227,6 +230,7 @@ def hf_family(
         dropped_prefixes=dropped_prefixes,
         head=renamed(layouts[0], "lm_head.weight"),
         reference=reference,
+        layered_reference=layered_reference,
         export_config=hf_export_config(model_types[0], architectures[0], renamed_fields) if way_back else None,
     )
 
