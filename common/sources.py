@@ -24,6 +24,7 @@ from safetensors import safe_open
 from .dtypes import SAFETENSORS_DTYPES, torch_dtype
 from .errors import ThinkerError
 from .side_files import copy_files, read_json, tokenizer_files
+from .values import ValueScan
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -48,7 +49,9 @@ class TensorSource(Protocol):
 
     def dtype(self, name: str) -> torch.dtype: ...
 
-    def load(self, name: str) -> torch.Tensor: ...
+    def load(self, name: str, scan: ValueScan | None = None) -> torch.Tensor:
+        """The tensor's values; ``scan``, when given, sees them all (``common.values``)."""
+        ...
 
     def file_of(self, name: str) -> str: ...
 
@@ -149,17 +152,43 @@ class SafetensorsSource(FolderSource):
             )
         return torch_dtype(SAFETENSORS_DTYPES[code])
 
-    def load(self, name: str) -> torch.Tensor:
+    def load(self, name: str, scan: ValueScan | None = None) -> torch.Tensor:
+        """Read with ``pread``; with ``scan``, in pieces small enough to stay in the processor's cache, each piece
+        scanned as soon as it has arrived (the value check then costs no second pass over memory)."""
         path = self._file_of[name]
         begin, end = self._byte_ranges[name]
+        dtype = self.dtype(name)
         data = torch.empty(end - begin, dtype=torch.uint8)  # not zero-filled: the read fills every byte
-        view, done = memoryview(data.numpy()), 0
+        view, done, scanned = memoryview(data.numpy()), 0, 0
+        piece = _READ_CHUNK if scan is None else _SCAN_CHUNK
         while done < len(view):  # pread returns at most ~2 GiB per call, and less at end of file
-            count = os.preadv(self._descriptors[path], [view[done : done + _READ_CHUNK]], begin + done)
+            count = os.preadv(self._descriptors[path], [view[done : done + piece]], begin + done)
             if count == 0:
                 raise ThinkerError(f"{path}: ends inside tensor {name!r}; the file is truncated, re-download it")
             done += count
-        return data.view(self.dtype(name)).reshape(self.shape(name))
+            if scan is not None:
+                whole = done - done % dtype.itemsize  # only whole elements; a partial one waits for the next read
+                if whole > scanned:
+                    scan.update(data[scanned:whole].view(dtype))
+                    scanned = whole
+        return data.view(dtype).reshape(self.shape(name))
+
+    def read_pieces(self, name: str, buffer: torch.Tensor) -> Iterator[torch.Tensor]:
+        """The tensor's bytes, read into ``buffer`` (uint8, reused: no memory of the tensor's size, no fresh pages
+        to fault in) one piece at a time; each piece holds whole elements and is valid until the next is read."""
+        path = self._file_of[name]
+        begin, end = self._byte_ranges[name]
+        itemsize = self.dtype(name).itemsize
+        size = len(buffer) - len(buffer) % itemsize
+        view = memoryview(buffer.numpy())
+        for start in range(begin, end, size):
+            length, done = min(size, end - start), 0
+            while done < length:
+                count = os.preadv(self._descriptors[path], [view[done:length]], start + done)
+                if count == 0:
+                    raise ThinkerError(f"{path}: ends inside tensor {name!r}; the file is truncated, re-download it")
+                done += count
+            yield buffer[:length]
 
     def file_of(self, name: str) -> str:
         return str(self._file_of[name])
@@ -169,6 +198,7 @@ class SafetensorsSource(FolderSource):
 
 
 _READ_CHUNK = 1 << 30
+_SCAN_CHUNK = 4 << 20  # within a core's share of the last-level cache on common machines
 
 
 def _data_byte_ranges(path: Path) -> dict[str, tuple[int, int]]:
@@ -232,8 +262,11 @@ class TorchBinSource(FolderSource):
     def dtype(self, name: str) -> torch.dtype:
         return self._tensors[name].dtype
 
-    def load(self, name: str) -> torch.Tensor:
-        return self._tensors[name]
+    def load(self, name: str, scan: ValueScan | None = None) -> torch.Tensor:
+        tensor = self._tensors[name]
+        if scan is not None:
+            scan.update(tensor)  # the first touch of the mapped bytes
+        return tensor
 
     def file_of(self, name: str) -> str:
         return str(self._file_of[name])

@@ -184,9 +184,9 @@ def test_failed_layer_check_installs_nothing(tmp_path, run_convert, monkeypatch)
     source = save_source(QWEN3_MOE, tmp_path / "source")
     finish = engine.finish_tensor
 
-    def miswrite(tensor, target, sources, dtype):
-        tensor = finish(tensor, target, sources, dtype)
-        return tensor * 1.5 if target == "model.layers.2.self_attn.o_proj.weight" else tensor
+    def miswrite(tensor, target, sources, dtype, **options):
+        tensor = finish(tensor, target, sources, dtype, **options)
+        return tensor * 1.5 if target == "model.layers.2.mlp.experts.down_proj" else tensor
 
     monkeypatch.setattr(engine, "finish_tensor", miswrite)
     with pytest.raises(ParityFailed, match="does not match its reference") as failed:
