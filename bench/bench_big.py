@@ -250,8 +250,8 @@ def report(result: dict) -> str:
         rows.append(
             (
                 f"parity, {parity['dtype']}",
-                f"max |Δlogit| {parity['max_abs_diff']:.3g} (tolerance {parity['tolerance']:.2g}), top-1 "
-                f"{parity['top1_agreement']:.0%}, {parity['stages']} stages, largest stage max |Δ| "
+                f"max \\|Δlogit\\| {parity['max_abs_diff']:.3g} (tolerance {parity['tolerance']:.2g}), top-1 "
+                f"{parity['top1_agreement']:.0%}, {parity['stages']} stages, largest stage max \\|Δ\\| "
                 f"{parity['largest_stage_max_abs_diff']:.3g}",
             )
         )

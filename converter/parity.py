@@ -116,10 +116,13 @@ class ParityReport:
         for r in self.results:
             if r.layers:
                 worst = max(r.layers, key=lambda layer: layer.max_abs_diff / layer.tolerance)
-                rows.append(
-                    f"{r.dtype}: {len(r.layers)} stages compared on the reference's inputs; largest max|Δ| relative "
-                    f"to its tolerance at {worst.name}: {worst.max_abs_diff:.3g} (tolerance {worst.tolerance:.2g})"
+                where = (
+                    "every stage identical (max|Δ| 0)"
+                    if worst.max_abs_diff == 0
+                    else f"largest max|Δ| against its tolerance at {worst.name}: {worst.max_abs_diff:.3g} "
+                    f"(tolerance {worst.tolerance:.2g})"
                 )
+                rows.append(f"{r.dtype}: {len(r.layers)} stages compared on the reference's inputs; {where}")
         return "\n".join(rows)
 
 
