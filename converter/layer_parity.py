@@ -95,9 +95,10 @@ def load_layered_converted(folder: Path, dtype: torch.dtype) -> StreamedModel:
     return StreamedModel(model, lazy_tensors(source), close=source.close)
 
 
-def load_layered_reference(source: Path, dtype: torch.dtype) -> StreamedModel:
-    """The family's transformers class, as ``AutoModelForCausalLM`` picks it for the source's config, built on the
-    meta device in ``dtype``; its weights read unit by unit from the source as given (a folder or a weights file)."""
+def load_layered_reference(source: Path, dtype: torch.dtype, model_class: type | None = None) -> StreamedModel:
+    """The family's transformers class (``model_class``, else the one ``AutoModelForCausalLM`` picks for the source's
+    config), built on the meta device in ``dtype``; its weights read unit by unit from the source as given (a folder
+    or a weights file)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     source = Path(source)
@@ -106,7 +107,10 @@ def load_layered_reference(source: Path, dtype: torch.dtype) -> StreamedModel:
     try:
         # transformers' own class for the family, never code shipped with the checkpoint (a config's auto_map).
         config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
-        model = empty_model(AutoModelForCausalLM.from_config, config, dtype, trust_remote_code=False)
+        if model_class is None:
+            model = empty_model(AutoModelForCausalLM.from_config, config, dtype, trust_remote_code=False)
+        else:
+            model = empty_model(model_class._from_config, config, dtype)
     except Exception as err:  # transformers raises many types for a folder it cannot build; all are the folder's
         raise ThinkerError(f"{folder}: the reference model does not build with transformers ({err})") from None
     tensors = open_source(source)

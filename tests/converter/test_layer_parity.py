@@ -24,11 +24,21 @@ import pytest
 import torch
 from click.testing import CliRunner
 from convert_helpers import build_reference, save_unfused_experts, write_gguf
+from references import hybrid, uomni
 from references import llms_from_scratch_qwen3 as scratch
-from references import uomni
 from safetensors.torch import load_file, save_file
-from transformers import GPT2Config, LlamaConfig, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
+from transformers import (
+    GPT2Config,
+    LlamaConfig,
+    Qwen2MoeConfig,
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3Config,
+    Qwen3MoeConfig,
+    Qwen3NextForCausalLM,
+)
 
+import thinker.modeling_thinker
 from common.parity_inputs import fixed_prompts
 from common.sources import open_source
 from converter import engine
@@ -150,6 +160,47 @@ def test_layer_mode_agrees_with_whole_model_mode(config, dtype, tmp_path, run_co
         assert layered.max_abs_diff <= complete.tolerance and complete.max_abs_diff <= complete.tolerance
         assert len(layered.layers) == config.num_hidden_layers + 2  # embeddings, every layer, final norm and head
         assert layered.greedy_identical is None and complete.greedy_identical == complete.greedy_prompts
+
+
+# --- hybrid linear attention: the 2-D padding mask and the recurrent state come from each model's own forward ------
+
+HYBRID = {
+    "qwen3_5": (Qwen3_5ForCausalLM, hybrid.qwen3_5_config),
+    "qwen3_5-vl": (Qwen3_5ForConditionalGeneration, hybrid.qwen3_5_vl_config),
+    "qwen3_next": (Qwen3NextForCausalLM, hybrid.qwen3_next_config),
+}
+
+
+def save_hybrid(name: str, folder: Path) -> Path:
+    model_class, config = HYBRID[name]
+    hybrid.reference(model_class, config()).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("name", list(HYBRID))
+def test_hybrid_layer_mode_agrees_and_names_an_altered_linear_attention_layer(name, tmp_path, run_convert):
+    """Layers 0 and 2 are Gated DeltaNet, 1 and 3 full attention (``references.hybrid.LAYER_TYPES``)."""
+    source = save_hybrid(name, tmp_path / "source")
+    result = run_convert(source)
+    by_layer = check_parity(source, result.output, source_family(source), BY_LAYER)
+    assert result.parity.passed and by_layer.passed, by_layer.table()
+    assert by_layer.reference == result.parity.reference
+    assert by_layer.results[0].max_abs_diff <= result.parity.results[0].tolerance
+
+    alter(result.output, "model.layers.2.linear_attn.out_proj.weight", 1.1)
+    failed = cli(verify_command, source, result.output, "--verify-by-layer")
+    assert failed.exit_code == 1 and "first divergence: layer 2" in failed.stdout, failed.output
+    assert stages(result.output)["layer 1"]["passed"] and stages(result.output)["layer 3"]["passed"]
+
+
+def test_layer_mode_catches_padding_leaking_into_the_recurrent_state(tmp_path, run_convert, monkeypatch):
+    """A Thinker whose linear-attention layers let left padding into their state: on the reference's own hidden
+    states, the first Gated DeltaNet layer already differs at real tokens."""
+    source = save_hybrid("qwen3_next", tmp_path / "source")
+    output = run_convert(source).output
+    monkeypatch.setattr(thinker.modeling_thinker, "apply_mask_to_padding_states", lambda states, mask: states)
+    report = check_parity(source, output, source_family(source), BY_LAYER)
+    assert not report.passed and report.results[0].first_divergence == "layer 0"
 
 
 # --- the automatic switch, and nothing installed on failure ------------------------------------------------------
