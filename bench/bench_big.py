@@ -15,7 +15,7 @@ than one layer. Then, each in a fresh process whose /proc status is sampled ever
 
 The bound checked: peak RSS of the verification ≤ the idle process + 4 x the largest layer's bytes on disk.
 
-    python bench/bench_big.py [--layers 12] [--work /work/thinker-big] [--keep]
+    python bench/bench_big.py [--layers 12] [--source-dtype bfloat16] [--dtype bfloat16] [--work DIR] [--keep]
     python bench/bench_big.py --report        # the README table, from bench/results/big.json
 
 The checkpoint and the converted folder (twice its size on disk in all) are deleted at the end unless --keep.
@@ -42,7 +42,7 @@ COMMAND = "python bench/bench_big.py"
 GIB = 2**30
 
 
-def qwen3_moe_config(layers: int):
+def qwen3_moe_config(layers: int, dtype: str = "bfloat16"):
     """Qwen3-30B-A3B's shapes (https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json), fewer layers."""
     from transformers import Qwen3MoeConfig
 
@@ -62,7 +62,7 @@ def qwen3_moe_config(layers: int):
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
-        dtype="bfloat16",
+        dtype=dtype,
     )
 
 
@@ -90,12 +90,13 @@ def per_expert_shapes(config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def build_checkpoint(folder: Path, layers: int) -> dict:
-    """Random bfloat16 weights, one shard per decoder layer plus one for the rest, one shard in memory at a time."""
+def build_checkpoint(folder: Path, layers: int, dtype: str = "bfloat16") -> dict:
+    """Random weights, one shard per decoder layer plus one for the rest, one shard in memory at a time."""
     import torch
     from safetensors.torch import save_file
 
-    config = qwen3_moe_config(layers)
+    config = qwen3_moe_config(layers, dtype)
+    stored = getattr(torch, dtype)
     shapes = per_expert_shapes(config)
     folder.mkdir(parents=True)
     groups: dict[str, list[str]] = {}
@@ -112,11 +113,11 @@ def build_checkpoint(folder: Path, layers: int) -> dict:
             values = torch.randn(shapes[name], generator=generator, dtype=torch.float32).mul_(0.02)
             if "norm" in name:
                 values.add_(1.0)  # norm weights around one, so activations keep their scale
-            tensors[name] = values.to(torch.bfloat16)
+            tensors[name] = values.to(stored)
             del values
         save_file(tensors, folder / file_name, metadata={"format": "pt"})
         weight_map |= dict.fromkeys(names, file_name)
-        sizes[key] = sum(tensor.numel() * 2 for tensor in tensors.values())
+        sizes[key] = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
         print(f"  wrote {file_name} ({sizes[key] / GIB:.2f} GiB)", flush=True)
         del tensors
     index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
@@ -155,19 +156,19 @@ def run_measured(command: list[str], env: dict[str, str]) -> dict:
     }
 
 
-def measure(work: Path, layers: int) -> dict:
+def measure(work: Path, layers: int, source_dtype: str, dtype: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO), TQDM_DISABLE="1")
     env.pop("THINKER_VERIFY_MEMORY", None)  # the budget is the machine's own
     source, converted = work / "source", work / "converted"
-    print(f"building a {layers}-layer Qwen3-MoE checkpoint (bfloat16, per-expert tensors) in {source} ...", flush=True)
+    print(f"building a {layers}-layer Qwen3-MoE checkpoint ({source_dtype}, per-expert tensors) in {source} ...")
     started = time.perf_counter()
-    checkpoint = build_checkpoint(source, layers)
+    checkpoint = build_checkpoint(source, layers, source_dtype)
     build_seconds = time.perf_counter() - started
     load_before = load_average()
 
     print("converting (thinker-convert --no-verify) ...", flush=True)
     convert_command = [sys.executable, "-c", "from converter.cli import convert_command; convert_command()"]
-    conversion = run_measured(convert_command + [str(source), str(converted), "--no-verify"], env)
+    conversion = run_measured(convert_command + [str(source), str(converted), "--no-verify", "--dtype", dtype], env)
     if conversion["exit_code"]:
         raise SystemExit(f"conversion failed:\n{conversion['output_tail']}")
     print(f"  {conversion['seconds']:.0f} s, peak RSS {conversion['peak_rss_bytes'] / GIB:.2f} GiB", flush=True)
@@ -185,7 +186,9 @@ def measure(work: Path, layers: int) -> dict:
     import psutil
 
     return {
-        "command": f"{COMMAND} --layers {layers}",
+        "command": f"{COMMAND} --layers {layers}"
+        + (f" --source-dtype {source_dtype}" if source_dtype != "bfloat16" else "")
+        + (f" --dtype {dtype}" if dtype != "bfloat16" else ""),
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
@@ -193,7 +196,8 @@ def measure(work: Path, layers: int) -> dict:
             "load_average_before": load_before,
             "load_average_after": load_average(),
         },
-        "checkpoint": checkpoint | {"shape": "Qwen3-30B-A3B", "dtype": "bfloat16", "build_seconds": build_seconds},
+        "checkpoint": checkpoint | {"shape": "Qwen3-30B-A3B", "dtype": source_dtype, "build_seconds": build_seconds},
+        "converted_dtype": dtype,
         "conversion": conversion,
         "verification": verification
         | {
@@ -225,9 +229,10 @@ def report(result: dict) -> str:
     rows = [
         (
             "checkpoint",
-            f"Qwen3-MoE, {checkpoint['layers']} layers of Qwen3-30B-A3B's shapes (128 experts), bfloat16, per-expert "
-            f"tensors: {checkpoint['bytes'] / GIB:.1f} GiB, {checkpoint['parameters'] / 1e9:.2f} B parameters "
-            f"({checkpoint['bytes'] / memory:.0%} of the machine's {memory / GIB:.0f} GiB)",
+            f"Qwen3-MoE, {checkpoint['layers']} layers of Qwen3-30B-A3B's shapes (128 experts), {checkpoint['dtype']}, "
+            f"per-expert tensors: {checkpoint['bytes'] / GIB:.1f} GiB, {checkpoint['parameters'] / 1e9:.2f} B "
+            f"parameters ({checkpoint['bytes'] / memory:.0%} of the machine's {memory / GIB:.1f} GiB); converted to "
+            f"{result['converted_dtype']}",
         ),
         ("largest layer on disk", f"{checkpoint['largest_layer_bytes'] / GIB:.2f} GiB"),
         (
@@ -268,7 +273,9 @@ def report(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=12, help="decoder layers (each ~1.25 GB)")
+    parser.add_argument("--layers", type=int, default=12, help="decoder layers (each ~1.25 GB in bfloat16)")
+    parser.add_argument("--source-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="of the conversion")
     parser.add_argument("--work", type=Path, default=Path("/work/thinker-big"), help="scratch folder (deleted)")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint and the converted folder")
     parser.add_argument("--report", action="store_true", help="print the README table from the results file")
@@ -277,12 +284,13 @@ def main() -> None:
         print(report(json.loads(RESULTS.read_text())))
         return
     free = shutil.disk_usage(args.work.parent).free
-    needed = 2 * (1.25 * args.layers + 1.3) * 1e9
-    if free < needed + 10e9:
+    itemsize = {"bfloat16": 2, "float32": 4}
+    needed = (1.25 * args.layers + 1.25) / 2 * 1e9 * (itemsize[args.source_dtype] + itemsize[args.dtype])
+    if free < needed + 2e9:  # others work on this disk too
         raise SystemExit(f"{args.work.parent}: {free / 1e9:.0f} GB free; this needs ~{needed / 1e9:.0f} GB + a margin")
     shutil.rmtree(args.work, ignore_errors=True)
     try:
-        result = measure(args.work, args.layers)
+        result = measure(args.work, args.layers, args.source_dtype, args.dtype)
     finally:
         if not args.keep:
             shutil.rmtree(args.work, ignore_errors=True)
