@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from .errors import ThinkerError
+from .values import ValueScan
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class GGUFSource:
     def dtype(self, name: str) -> torch.dtype:
         return self._native.get(self._tensor(name).tensor_type, torch.float32)
 
-    def load(self, name: str) -> torch.Tensor:
+    def load(self, name: str, scan: ValueScan | None = None) -> torch.Tensor:
         from gguf import GGMLQuantizationType, quants
 
         tensor = self._tensor(name)
@@ -89,6 +90,8 @@ class GGUFSource:
             ) from None
         except (OSError, ValueError) as err:
             raise ThinkerError(f"{self.path}: cannot read tensor {name!r} ({err}); the file is corrupt") from None
+        if scan is not None:
+            scan.update(result)
         return result.reshape(self.shape(name))
 
     def file_of(self, name: str) -> str:

@@ -13,7 +13,7 @@ import json
 import os
 import pickle
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
@@ -24,6 +24,7 @@ from safetensors import safe_open
 from .dtypes import SAFETENSORS_DTYPES, torch_dtype
 from .errors import ThinkerError
 from .side_files import copy_files, read_json, tokenizer_files
+from .values import ValueScan
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -48,7 +49,9 @@ class TensorSource(Protocol):
 
     def dtype(self, name: str) -> torch.dtype: ...
 
-    def load(self, name: str) -> torch.Tensor: ...
+    def load(self, name: str, scan: ValueScan | None = None) -> torch.Tensor:
+        """The tensor's values; ``scan``, when given, sees them all (``common.values``)."""
+        ...
 
     def file_of(self, name: str) -> str: ...
 
@@ -149,17 +152,44 @@ class SafetensorsSource(FolderSource):
             )
         return torch_dtype(SAFETENSORS_DTYPES[code])
 
-    def load(self, name: str) -> torch.Tensor:
+    def load(self, name: str, scan: ValueScan | None = None) -> torch.Tensor:
+        """Read with ``pread``; with ``scan``, in pieces small enough to stay in the processor's cache, each piece
+        scanned as soon as it has arrived (the value check then costs no second pass over memory)."""
         path = self._file_of[name]
         begin, end = self._byte_ranges[name]
+        dtype = self.dtype(name)
         data = torch.empty(end - begin, dtype=torch.uint8)  # not zero-filled: the read fills every byte
-        view, done = memoryview(data.numpy()), 0
+        view, done, scanned = memoryview(data.numpy()), 0, 0
+        piece = _READ_CHUNK if scan is None else _SCAN_CHUNK
         while done < len(view):  # pread returns at most ~2 GiB per call, and less at end of file
-            count = os.preadv(self._descriptors[path], [view[done : done + _READ_CHUNK]], begin + done)
+            count = os.preadv(self._descriptors[path], [view[done : done + piece]], begin + done)
             if count == 0:
                 raise ThinkerError(f"{path}: ends inside tensor {name!r}; the file is truncated, re-download it")
             done += count
-        return data.view(self.dtype(name)).reshape(self.shape(name))
+            if scan is not None:
+                whole = done - done % dtype.itemsize  # only whole elements; a partial one waits for the next read
+                if whole > scanned:
+                    scan.update(data[scanned:whole].view(dtype))
+                    scanned = whole
+        return data.view(dtype).reshape(self.shape(name))
+
+    def read_pieces(self, name: str, buffers: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+        """The tensor's bytes, one piece at a time, read into ``buffers`` (uint8, of one size) in turn: no memory of
+        the tensor's size and no fresh pages to fault in. Each piece holds whole elements and stays valid until the
+        reader comes back round to its buffer, so with two buffers one piece can be written while the next is read."""
+        path = self._file_of[name]
+        begin, end = self._byte_ranges[name]
+        itemsize = self.dtype(name).itemsize
+        size = len(buffers[0]) - len(buffers[0]) % itemsize
+        for index, start in enumerate(range(begin, end, size)):
+            buffer = buffers[index % len(buffers)]
+            view, length, done = memoryview(buffer.numpy()), min(size, end - start), 0
+            while done < length:
+                count = os.preadv(self._descriptors[path], [view[done:length]], start + done)
+                if count == 0:
+                    raise ThinkerError(f"{path}: ends inside tensor {name!r}; the file is truncated, re-download it")
+                done += count
+            yield buffer[:length]
 
     def file_of(self, name: str) -> str:
         return str(self._file_of[name])
@@ -169,6 +199,7 @@ class SafetensorsSource(FolderSource):
 
 
 _READ_CHUNK = 1 << 30
+_SCAN_CHUNK = 4 << 20  # within a core's share of the last-level cache on common machines
 
 
 def _data_byte_ranges(path: Path) -> dict[str, tuple[int, int]]:
@@ -232,8 +263,11 @@ class TorchBinSource(FolderSource):
     def dtype(self, name: str) -> torch.dtype:
         return self._tensors[name].dtype
 
-    def load(self, name: str) -> torch.Tensor:
-        return self._tensors[name]
+    def load(self, name: str, scan: ValueScan | None = None) -> torch.Tensor:
+        tensor = self._tensors[name]
+        if scan is not None:
+            scan.update(tensor)  # the first touch of the mapped bytes
+        return tensor
 
     def file_of(self, name: str) -> str:
         return str(self._file_of[name])

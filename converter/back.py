@@ -44,7 +44,7 @@ from .engine import (
     write_weights,
 )
 from .families import FAMILIES, family_by_name
-from .parity import parity_gate
+from .parity import BY_LAYER, parity_gate, parity_mode
 from .spec import Family
 
 # Runtime switches that do not change the model, left out of the round-trip comparison of configs.
@@ -128,12 +128,15 @@ def convert_back(
     dtype: str = "auto",
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
     verify: bool | None = None,
+    verify_by_layer: bool = False,
     force: bool = False,
     progress: bool = True,
+    memory_budget: int | None = None,
 ) -> ConversionResult:
     """Write the Thinker folder ``source`` out as a ``family_name`` folder at ``output``, atomically.
 
-    ``verify`` (default on) checks the written folder, loaded with its own transformers class, against the Thinker.
+    ``verify`` (default on) checks the written folder, loaded with its own transformers class, against the Thinker:
+    the whole models when both fit ``memory_budget``, else (or with ``verify_by_layer``) one layer at a time.
     """
     started = time.perf_counter()
     source, output = Path(source), Path(output)
@@ -155,9 +158,10 @@ def convert_back(
             if (source / "generation_config.json").is_file():  # sampling defaults of the source release
                 files += copy_files(["generation_config.json"], source, staging)
             files += tensor_source.save_tokenizer(staging)
-            if verify is None or verify:
+            if verify is not False or verify_by_layer:
+                mode, note = (BY_LAYER, "") if verify_by_layer else parity_mode(plan.num_parameters, memory_budget)
                 failure = f"{output}: does not match the Thinker folder; nothing written"
-                report = parity_gate(staging, source, None, staging, failure)
+                report = parity_gate(staging, source, None, staging, failure, mode, note)
     finally:
         tensor_source.close()
     return ConversionResult(

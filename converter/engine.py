@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +38,11 @@ from tqdm.auto import tqdm
 from common.dtypes import FLOAT_DTYPES, dtype_name, torch_dtype
 from common.errors import ThinkerError
 from common.sources import TensorSource
-from common.values import value_problem
+from common.values import ValueScan, value_problem
 from thinker import ThinkerConfig, ThinkerForCausalLM
 
 from .families import detect_family
-from .ops import Op
+from .ops import Identity, Op
 from .shards import ShardLayout, ShardWriter
 from .spec import EXPERT_INDEX, LAYER_INDEX, Family, TensorRule
 
@@ -377,21 +378,49 @@ def planned_shapes(
 def stream_tensors(plan: Plan, source: TensorSource) -> Iterator[tuple[str, torch.Tensor]]:
     """Thinker tensors in plan order, each checked and cast; the generator holds only the current step's tensors."""
     for step in plan.steps:
-        outputs = step.op([source.load(name) for name in step.sources], plan.config)
-        for index, target in enumerate(step.targets):
-            tensor, outputs[index] = outputs[index], None  # hand over our reference: freed once written
-            yield target, finish_tensor(tensor, target, step.sources, plan.dtype)
-            del tensor
+        yield from convert_step(step, source, plan)
 
 
-def finish_tensor(tensor: torch.Tensor, target: str, sources: tuple[str, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Refuse NaN/Inf and float16 overflow (naming the tensor), then cast and make contiguous for writing."""
-    problem = value_problem(tensor, dtype)
-    if problem:
+def convert_step(step: Step, source: TensorSource, plan: Plan) -> Iterator[tuple[str, torch.Tensor]]:
+    """One step's output tensors, checked and cast.
+
+    When the step's operation only moves values (``Op.rearranges``), each source tensor's values are checked as its
+    bytes are read (``ValueScan``), which costs no pass of its own; otherwise the outputs are checked."""
+    scan_sources = step.op.rearranges
+    inputs = []
+    for name in step.sources:
+        scan = ValueScan() if scan_sources else None
+        inputs.append(source.load(name, scan=scan))
+        if scan is not None:
+            refuse_values(scan.problem(plan.dtype), name, ", ".join(step.targets))
+    outputs = step.op(inputs, plan.config)
+    del inputs
+    for index, target in enumerate(step.targets):
+        tensor, outputs[index] = outputs[index], None  # hand over our reference: freed once written
+        yield target, finish_tensor(tensor, target, step.sources, plan.dtype, checked=scan_sources)
+        del tensor
+
+
+def finish_tensor(
+    tensor: torch.Tensor, target: str, sources: tuple[str, ...], dtype: torch.dtype, checked: bool = False
+) -> torch.Tensor:
+    """Refuse NaN/Inf and float16 overflow (naming the tensor) unless ``checked`` already, then cast and make
+    contiguous for writing."""
+    if not checked:
         origin = sources[0] if len(sources) == 1 else f"{sources[0]} and {len(sources) - 1} more"
+        refuse_values(value_problem(tensor, dtype), origin, target)
+    return tensor.to(dtype).contiguous()
+
+
+def refuse_values(problem: str | None, origin: str, target: str) -> None:
+    if problem:
         advice = "the checkpoint is corrupt" if "NaN" in problem else "convert with --dtype bfloat16 or float32 instead"
         raise ThinkerError(f"source tensor {origin} (for {target}) {problem}; {advice}")
-    return tensor.to(dtype).contiguous()
+
+
+# Bytes copied unchanged go through a buffer of this size, reused: it stays in the processor's cache while its values
+# are checked and written.
+COPY_PIECE = 4 << 20
 
 
 def write_weights(
@@ -399,10 +428,15 @@ def write_weights(
 ) -> list[str]:
     """Stream the plan's tensors into safetensors shards in ``folder``; returns the files written.
 
-    One background thread writes while the main thread reads and checks the next tensor (file I/O and torch both
-    release the GIL). At most two steps' tensors are alive: the one being written and the one being produced.
+    Reading, converting and writing overlap: the main thread reads (and converts) what comes next while a background
+    thread writes what came before (file I/O and torch both release the GIL), and the disk writes back what is
+    already written while both go on (``shards.ShardWriter``). At most two steps' tensors are alive: the one being
+    written and the one being produced. A tensor copied unchanged (a rename, in the output dtype, from a source that
+    reads in pieces) is never held whole: it goes through two small buffers in turn, the main thread reading and
+    checking one piece while the writer writes the other (``copy_checked``).
     """
     layout = ShardLayout([(name, shape, plan.dtype) for name, shape in plan.shapes.items()], max_shard_size)
+    buffers = [torch.empty(COPY_PIECE, dtype=torch.uint8) for _ in range(2)]
     with (
         ShardWriter(folder, layout) as writer,
         ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as background,
@@ -411,11 +445,51 @@ def write_weights(
         ) as bar,
     ):
         writing = None
-        for name, tensor in stream_tensors(plan, source):
+
+        def hand_over(job: Callable[[], int]) -> None:
+            """Give the writer its next job once the previous one is done (its buffer or tensor is then free)."""
+            nonlocal writing
             if writing is not None:
-                bar.update(writing.result())  # the previous write must end before this tensor is handed over
-            writing = background.submit(writer.write, name, tensor)
-            del tensor
+                bar.update(writing.result())
+            writing = background.submit(job)
+
+        for step in plan.steps:
+            if copies_bytes(step, source, plan.dtype):
+                copy_checked(step, source, plan.dtype, writer, buffers, hand_over)
+            else:
+                for name, tensor in convert_step(step, source, plan):
+                    hand_over(partial(writer.write, name, tensor))
+                    del tensor
         if writing is not None:
             bar.update(writing.result())
         return writer.close()
+
+
+def copies_bytes(step: Step, source: TensorSource, dtype: torch.dtype) -> bool:
+    """Whether a step writes its one source tensor's bytes unchanged."""
+    return (
+        isinstance(step.op, Identity)
+        and len(step.sources) == 1
+        and hasattr(source, "read_pieces")
+        and source.dtype(step.sources[0]) == dtype
+    )
+
+
+def copy_checked(
+    step: Step,
+    source: TensorSource,
+    dtype: torch.dtype,
+    writer: ShardWriter,
+    buffers: list[torch.Tensor],
+    hand_over: Callable[[Callable[[], int]], None],
+) -> None:
+    """Copy a step's one source tensor into its slot piece by piece, checking each piece's values while it is in
+    cache; refuses (``ThinkerError``) values the output dtype cannot hold."""
+    (name,), (target,) = step.sources, step.targets
+    scan, offset = ValueScan(), 0
+    for piece in source.read_pieces(name, buffers):
+        scan.update(piece.view(dtype))
+        hand_over(partial(writer.write_at, target, piece, offset))
+        offset += len(piece)
+    refuse_values(scan.problem(dtype), name, target)
+    hand_over(partial(writer.complete, target, offset))

@@ -254,6 +254,62 @@ def load_reference(source: Path, dtype: Any) -> Any:
     return model.eval()
 
 
+def load_layered_reference(source: Path, dtype: Any) -> Any:
+    """The same reference for parity layer by layer: the class transformers' GGUF loading builds, on the meta device,
+    each tensor dequantized and processed when its layer runs by the very steps of the loop in transformers'
+    ``load_gguf_checkpoint`` (``gguf.dequantize``, the architecture's ``TENSOR_PROCESSORS`` entry, the name map of
+    ``get_gguf_hf_weights_map``), which otherwise reads the whole file into memory first.
+
+    Only processors that treat each tensor on its own are run this way (those of llama, qwen2 and qwen3); one that
+    gathers tensors across the file (MoE experts) is refused. The file is memory-mapped by ``gguf.GGUFReader``:
+    pages once read stay mapped (page cache, counted in the resident set) until the check ends.
+    """
+    import torch
+    from gguf import GGUFReader, dequantize
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        LlamaTensorProcessor,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        read_field,
+    )
+
+    from ..streamed import LazyTensor, StreamedModel, empty_model
+
+    source = Path(source)
+    path = source if source.is_file() else next(source.glob("*.gguf"))
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False)
+        model = empty_model(AutoModelForCausalLM.from_config, config, dtype, trust_remote_code=False)
+    except Exception as err:  # transformers raises many types for a file it cannot read; all are the file's
+        raise ThinkerError(f"{path}: the reference model does not build with transformers ({err})") from None
+    reader = GGUFReader(path)
+    architecture = read_field(reader, "general.architecture")[0]
+    # The processors read head counts from the config dict ``load_gguf_checkpoint`` parses: the config's fields.
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+    if type(processor) not in (TensorProcessor, LlamaTensorProcessor):
+        raise ThinkerError(
+            f"{path}: transformers loads {architecture} GGUF tensors together ({type(processor).__name__}), so its "
+            "reference cannot be read one layer at a time; verify the whole model instead"
+        )
+    names = get_gguf_hf_weights_map(model, processor)
+
+    def read(tensor: Any) -> torch.Tensor:
+        weights = dequantize(tensor.data, tensor.tensor_type)
+        processed = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names, parsed_parameters={})
+        return torch.from_numpy(np.copy(processed.weights))
+
+    tensors = {
+        names[tensor.name]: LazyTensor(
+            lambda tensor=tensor: read(tensor), tuple(int(n) for n in reversed(tensor.shape)), torch.float32
+        )
+        for tensor in reader.tensors
+        if tensor.name in names
+    }
+    return StreamedModel(model, tensors)
+
+
 # --- the families --------------------------------------------------------------------------------------------------
 
 
@@ -275,6 +331,7 @@ def gguf_family(hf_family: Family) -> Family:
         tensors=tensor_table(architecture, hf_family),
         head="output.weight",
         reference=load_reference,
+        layered_reference=load_layered_reference,
         layer_count_keys=(f"{architecture}.block_count",),
         expert_count_keys=(f"{architecture}.expert_count",),
     )
