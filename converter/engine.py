@@ -281,11 +281,20 @@ def _select_steps(
             )
         alternatives.setdefault(step.targets, []).append(step)
 
+    def parent(name: str) -> str:  # the module holding the tensor's module: "...layers.2.linear_attn"
+        return name.rsplit(".", 2)[0]
+
+    parents = {parent(name) for name in names}
+
+    def closeness(step: Step) -> tuple[int, int]:  # tensors present, then tensors with present siblings
+        return sum(name in names for name in step.sources), sum(parent(name) in parents for name in step.sources)
+
     chosen, missing = [], set()
     for options in alternatives.values():
         usable = next((step for step in options if names.issuperset(step.sources)), None)
         if usable is None:
-            missing.update(name for name in options[0].sources if name not in names)
+            # Named as the layout the checkpoint is closest to spells them, not as the table's first layout does.
+            missing.update(name for name in max(options, key=closeness).sources if name not in names)
         else:
             chosen.append(usable)
     if missing:

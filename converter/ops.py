@@ -258,3 +258,79 @@ class Chain(Op):
 
     def __repr__(self) -> str:
         return f"Chain{self.ops!r}"
+
+
+# --- rows grouped per head -----------------------------------------------------------------------------------------
+#
+# Qwen3-Next fuses its Gated DeltaNet input projections and groups their rows per key head: in_proj_qkvz holds, for
+# each key head g in turn, [q_g, k_g, v_g, z_g] (v_g and z_g covering the value heads that key head serves), and
+# in_proj_ba holds [b_g, a_g]. Qwen3.5 and the Thinker keep one projection per part with every head of that part
+# together (in_proj_qkv = all q, all k, all v; in_proj_z; in_proj_b; in_proj_a). The same linear maps, rows reordered.
+
+# config -> (number of groups, rows of each part within one group)
+GroupLayout = Callable[[ThinkerConfig], tuple[int, Sequence[int]]]
+
+
+def _group_layout(op: Op, layout: GroupLayout, outputs: Sequence[int], config: ThinkerConfig):
+    groups, parts = layout(config)
+    parts = list(parts)
+    if sum(outputs) != len(parts):
+        raise ValueError(f"{type(op).__name__}: outputs {tuple(outputs)} do not cover the {len(parts)} parts")
+    return groups, parts
+
+
+@dataclass(frozen=True)
+class SplitHeadGroups(Op):
+    """One tensor whose rows come group by group, each group holding a slice of every part (``layout``: the group
+    count and the rows of each part in a group), into tensors that hold the parts one after another, each part with
+    every group's rows in group order. ``outputs`` says how many consecutive parts each output tensor joins:
+    ``(3, 1)`` makes [q | k | v] and [z] of Qwen3-Next's [q_g, k_g, v_g, z_g] groups. Dimension 0 only, so it
+    applies to weights and biases alike."""
+
+    layout: GroupLayout
+    outputs: tuple[int, ...]
+
+    def __call__(self, tensors, config):
+        fused = _one(self, tensors)
+        groups, parts = _group_layout(self, self.layout, self.outputs, config)
+        if fused.shape[0] != groups * sum(parts):
+            rows = " + ".join(map(str, parts))
+            raise ValueError(f"{fused.shape[0]} rows are not {groups} head groups of {sum(parts)} rows ({rows})")
+        rest = fused.shape[1:]
+        pieces = fused.reshape(groups, sum(parts), *rest).split(parts, dim=1)  # per part: (groups, rows, ...)
+        by_part = [piece.reshape(groups * rows, *rest) for piece, rows in zip(pieces, parts, strict=True)]
+        joined, start = [], 0
+        for count in self.outputs:
+            joined.append(torch.cat(by_part[start : start + count]) if count > 1 else by_part[start])
+            start += count
+        return joined
+
+    def inverse(self) -> Op:
+        return JoinHeadGroups(self.layout, self.outputs)
+
+
+@dataclass(frozen=True)
+class JoinHeadGroups(Op):
+    """The inverse of ``SplitHeadGroups``: tensors holding the parts one after another back into one tensor whose
+    rows come group by group (Qwen3.5's split projections into Qwen3-Next's fused ones)."""
+
+    layout: GroupLayout
+    outputs: tuple[int, ...]
+
+    def __call__(self, tensors, config):
+        groups, parts = _group_layout(self, self.layout, self.outputs, config)
+        if len(tensors) != len(self.outputs):
+            raise ValueError(f"JoinHeadGroups joins {len(self.outputs)} tensors, got {len(tensors)}")
+        by_part, start = [], 0
+        for tensor, count in zip(tensors, self.outputs, strict=True):
+            sizes = [groups * rows for rows in parts[start : start + count]]
+            if tensor.shape[0] != sum(sizes):
+                raise ValueError(f"{tensor.shape[0]} rows are not the {' + '.join(map(str, sizes))} rows of its parts")
+            by_part += tensor.split(sizes)
+            start += count
+        rest = tensors[0].shape[1:]
+        grouped = [part.reshape(groups, rows, *rest) for part, rows in zip(by_part, parts, strict=True)]
+        return [torch.cat(grouped, dim=1).reshape(groups * sum(parts), *rest)]
+
+    def inverse(self) -> Op:
+        return SplitHeadGroups(self.layout, self.outputs)

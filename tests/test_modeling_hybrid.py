@@ -1,14 +1,12 @@
 """The hybrid families as Thinker configurations: Qwen3.5, Qwen3.5-MoE and Qwen3-Next against transformers' own
 classes, and multimodal positions against the Qwen3.5 vision-language model and the Qwen3-Omni thinker.
 
-Each reference is tiny and awkward on purpose: linear-attention and full-attention layers mixed (a linear one
-first), two value heads per key head, key and value head sizes that differ, partial rotary (0.25) with an
-interleaved mrope section, an untied head, MoE with a gated shared expert (and a dense layer among the sparse ones
-for Qwen3-Next). Every weight is randomised (norms, ``A_log``, ``dt_bias``, the conv kernel included), so the
-zero-centred norms, the attention output gate and the gated norm all shape the logits. Configs are translated and
-state dicts renamed by the small functions here, not by the converter. Qwen3-Next's fused ``in_proj_qkvz`` /
-``in_proj_ba`` are reordered into the Thinker's split layout by ``qwen3_next_split_projections`` below, a
-test-local copy of what the converter's reorder operation has to do.
+The tiny, awkward references (both layer types, two value heads per key head, key and value head sizes that differ,
+partial interleaved mRoPE, untied head, MoE with a gated shared expert, every weight random) are built by
+``tests/references/hybrid.py``. Configs are translated by the small function here, not by the converter, so these
+tests hold the model to the references on their own. Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba`` are
+reordered into the Thinker's split layout by the converter's own table (``converter/families/qwen3_next.py``), so
+that the reorder lives in one place.
 """
 
 from __future__ import annotations
@@ -17,53 +15,36 @@ import pytest
 import torch
 from huggingface_hub.errors import StrictDataclassError
 from references import qwen3_omni
+from references.hybrid import (
+    LAYER_TYPES,
+    left_pad,
+    qwen3_5_config,
+    qwen3_5_moe_config,
+    qwen3_5_vl_config,
+    qwen3_next_config,
+    reference,
+    run_image_prompt,
+    text_image_text_positions,
+    token_ids,
+)
 from seeded_weights import randomize_parameters
 from torch.testing import assert_close
 from transformers import (
     DynamicCache,
-    Qwen3_5Config,
     Qwen3_5ForCausalLM,
     Qwen3_5ForConditionalGeneration,
     Qwen3_5MoeForCausalLM,
-    Qwen3_5MoeTextConfig,
-    Qwen3_5TextConfig,
-    Qwen3NextConfig,
     Qwen3NextForCausalLM,
 )
 from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerTextModel
 
+from converter.families.qwen3_next import FUSED_PROJECTIONS
 from thinker import ThinkerConfig, ThinkerForCausalLM
 from thinker.modeling_thinker import ThinkerRMSNorm
 
 TOL = dict(atol=1e-4, rtol=0)  # max |Δlogit| in fp32
 ATTENTION = ["eager", "sdpa"]
-VOCAB = 96
-LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
-HYBRID_SIZES = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,  # rotary 0.25 of it: 8 dims, 4 frequencies = mrope_section 2 + 1 + 1
-    layer_types=LAYER_TYPES,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,  # two value heads per key head
-    linear_key_head_dim=12,
-    linear_value_head_dim=8,
-    linear_conv_kernel_dim=4,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-    rope_parameters={
-        "rope_type": "default",
-        "rope_theta": 1e4,
-        "partial_rotary_factor": 0.25,
-        "mrope_section": [2, 1, 1],
-        "mrope_interleaved": True,
-    },
-)
-MOE_SIZES = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
 
 # Qwen's names are the Thinker's; the switches Qwen hard-codes in these classes are explicit here.
 TRANSLATED_FIELDS = (
@@ -97,17 +78,13 @@ HYBRID_SWITCHES = dict(qk_norm=True, attention_output_gate=True, norm_zero_cente
 
 
 def thinker_config_from(reference_config, **switches) -> ThinkerConfig:
-    """A Qwen3.5 / Qwen3.5-MoE / Qwen3-Next / Qwen3-Omni text config as a ThinkerConfig (the converter's family
-    modules will do this for real)."""
+    """A Qwen3.5 / Qwen3.5-MoE / Qwen3-Next / Qwen3-Omni text config as a ThinkerConfig, translated here rather than
+    by the converter's family modules (tests/converter/test_hybrid_families.py holds those to the same references)."""
     fields = {name: getattr(reference_config, name) for name in TRANSLATED_FIELDS if hasattr(reference_config, name)}
     if reference_config.model_type == "qwen3_5_moe_text":
         fields["norm_topk_prob"] = True  # Qwen3.5-MoE's router always renormalises its top-k
     fields["rope_parameters"] = dict(reference_config.rope_parameters)
     return ThinkerConfig(**fields, **switches)
-
-
-def token_ids(batch: int = 2, length: int = 11, seed: int = 1) -> torch.Tensor:
-    return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 def build_thinker(config: ThinkerConfig, state: dict[str, torch.Tensor], attn: str) -> ThinkerForCausalLM:
@@ -116,31 +93,16 @@ def build_thinker(config: ThinkerConfig, state: dict[str, torch.Tensor], attn: s
     return model
 
 
-def reference(model_class, config, attn: str):
-    model = model_class._from_config(config, attn_implementation=attn, experts_implementation="eager")
-    return randomize_parameters(model, seed=0).eval()
-
-
-def qwen3_next_split_projections(state: dict[str, torch.Tensor], config: Qwen3NextConfig) -> dict:
-    """Qwen3-Next's fused projections, grouped per key head as [q, k, v (r heads), z (r heads)] and [b (r), a (r)]
-    with r value heads per key head, reordered into Qwen3.5's split in_proj_qkv / in_proj_z / in_proj_b / in_proj_a
-    (all query heads, then all keys, then all values)."""
-    nk, r = config.linear_num_key_heads, config.linear_num_value_heads // config.linear_num_key_heads
-    hk, hv = config.linear_key_head_dim, config.linear_value_head_dim
-    out = {}
-    for name, tensor in state.items():
-        prefix = name.rpartition(".in_proj_")[0]
-        if name.endswith("linear_attn.in_proj_qkvz.weight"):
-            q, k, v, z = tensor.view(nk, 2 * hk + 2 * r * hv, -1).split([hk, hk, r * hv, r * hv], dim=1)
-            hidden = tensor.shape[-1]
-            out[f"{prefix}.in_proj_qkv.weight"] = torch.cat([x.reshape(-1, hidden) for x in (q, k, v)])
-            out[f"{prefix}.in_proj_z.weight"] = z.reshape(-1, hidden)
-        elif name.endswith("linear_attn.in_proj_ba.weight"):
-            b, a = tensor.view(nk, 2 * r, -1).split([r, r], dim=1)
-            out[f"{prefix}.in_proj_b.weight"] = b.reshape(-1, tensor.shape[-1])
-            out[f"{prefix}.in_proj_a.weight"] = a.reshape(-1, tensor.shape[-1])
-        else:
-            out[name] = tensor
+def qwen3_next_split_projections(state: dict[str, torch.Tensor], config: ThinkerConfig) -> dict:
+    """Qwen3-Next's fused, per-key-head grouped in_proj_qkvz / in_proj_ba split into the Thinker's in_proj_qkv /
+    in_proj_z / in_proj_b / in_proj_a by the converter's own rules."""
+    out = dict(state)
+    for entry in FUSED_PROJECTIONS:
+        for layer in range(config.num_hidden_layers):
+            source = entry.sources[0].replace("{layer}", str(layer))
+            if source in out:
+                targets = [name.replace("{layer}", str(layer)) for name in entry.targets]
+                out.update(zip(targets, entry.op([out.pop(source)], config), strict=True))
     return out
 
 
@@ -151,40 +113,6 @@ def language_model_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tens
         for name, tensor in state.items()
         if not name.startswith("model.visual.")
     }
-
-
-def qwen3_5_config(**overrides) -> Qwen3_5TextConfig:
-    return Qwen3_5TextConfig(**{**HYBRID_SIZES, "intermediate_size": 48, **overrides})
-
-
-def qwen3_5_moe_config() -> Qwen3_5MoeTextConfig:
-    return Qwen3_5MoeTextConfig(**HYBRID_SIZES, **MOE_SIZES)
-
-
-def qwen3_next_config() -> Qwen3NextConfig:
-    # layer 2 dense among sparse layers (mlp_only_layers), as Qwen3-Next's config allows
-    return Qwen3NextConfig(**HYBRID_SIZES, **MOE_SIZES, intermediate_size=40, mlp_only_layers=[2], norm_topk_prob=True)
-
-
-def qwen3_5_vl_config() -> Qwen3_5Config:
-    return Qwen3_5Config(
-        text_config={**HYBRID_SIZES, "intermediate_size": 48},
-        vision_config=dict(
-            depth=1,
-            hidden_size=16,
-            intermediate_size=16,
-            num_heads=2,
-            patch_size=4,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            out_hidden_size=32,
-            num_position_embeddings=16,
-        ),
-        image_token_id=90,
-        video_token_id=91,
-        vision_start_token_id=88,
-        vision_end_token_id=89,
-    )
 
 
 def family_pair(family: str, attn: str):
@@ -201,7 +129,7 @@ def family_pair(family: str, attn: str):
         ref = reference(Qwen3NextForCausalLM, qwen3_next_config(), attn)
         config = thinker_config_from(ref.config, **HYBRID_SWITCHES)
         assert config.mlp_layer_types == ["sparse", "sparse", "dense", "sparse"]
-        return ref, build_thinker(config, qwen3_next_split_projections(ref.state_dict(), ref.config), attn)
+        return ref, build_thinker(config, qwen3_next_split_projections(ref.state_dict(), config), attn)
     if family == "qwen3_5_vl":
         ref = reference(Qwen3_5ForConditionalGeneration, qwen3_5_vl_config(), attn)
         config = thinker_config_from(ref.config.text_config, **HYBRID_SWITCHES)
@@ -286,15 +214,6 @@ def test_cache_without_linear_layers_is_refused():
 # left padding, inputs_embeds
 
 
-def left_pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    length = max(len(row) for row in rows)
-    ids = torch.zeros((len(rows), length), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, row in enumerate(rows):
-        ids[i, length - len(row) :], mask[i, length - len(row) :] = row, 1
-    return ids, mask
-
-
 @pytest.mark.parametrize("attn", ATTENTION)
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
 def test_left_padded_batch_equals_rows_alone(family, attn):
@@ -345,33 +264,12 @@ def test_inputs_embeds_equal_input_ids():
 # multimodal positions: the reference's own inputs_embeds and 3-D / 4-D position_ids
 
 
-def capture_language_model_inputs(model) -> dict:
-    captured = {}
-
-    def hook(module, args, kwargs):
-        captured.update(inputs_embeds=kwargs["inputs_embeds"], position_ids=kwargs["position_ids"])
-
-    model.model.language_model.register_forward_pre_hook(hook, with_kwargs=True)
-    return captured
-
-
 @pytest.fixture(scope="module", params=ATTENTION)
 def qwen3_5_vl_image_prompt(request):
     """A Qwen3.5 vision-language reference, a prompt holding one 4x6-patch image (6 tokens after the 2x2 merge),
     and what its own forward hands to the text decoder."""
     ref, thinker = family_pair("qwen3_5_vl", request.param)
-    config = ref.config
-    image = [config.vision_start_token_id] + [config.image_token_id] * 6 + [config.vision_end_token_id]
-    text = torch.randint(1, config.vision_start_token_id, (12,), generator=torch.Generator().manual_seed(4))
-    ids = torch.cat([text[:5], torch.tensor(image), text[5:]])[None]  # no stray special token among the text
-    grid = torch.tensor([[1, 4, 6]])
-    patch_size = 3 * config.vision_config.temporal_patch_size * config.vision_config.patch_size**2
-    pixels = torch.randn(24, patch_size, generator=torch.Generator().manual_seed(6))
-    captured = capture_language_model_inputs(ref)
-    with torch.no_grad():
-        logits = ref(
-            ids, pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=(ids == config.image_token_id).int()
-        ).logits
+    captured, logits = run_image_prompt(ref)
     return ref, thinker, captured, logits
 
 
@@ -431,12 +329,6 @@ def test_switches_change_the_logits(qwen3_5_vl_image_prompt):
     assert_close(logits(), expected, **TOL)
 
 
-def image_positions(start: int, grid_t: int, grid_h: int, grid_w: int) -> torch.Tensor:
-    """(3, t·h·w) temporal/height/width positions of an image block starting at `start` (Qwen3-VL's layout)."""
-    t, h, w = torch.meshgrid(torch.arange(grid_t), torch.arange(grid_h), torch.arange(grid_w), indexing="ij")
-    return torch.stack([t, h, w]).reshape(3, -1) + start
-
-
 @pytest.mark.parametrize("attn", ATTENTION)
 @pytest.mark.parametrize("rows", [3, 4])
 def test_qwen3_omni_text_decoder_with_multimodal_positions(rows, attn):
@@ -450,10 +342,7 @@ def test_qwen3_omni_text_decoder_with_multimodal_positions(rows, attn):
     state = {f"model.{name}": tensor for name, tensor in decoder.state_dict().items()}
     thinker = build_thinker(config, {**state, "lm_head.weight": head.weight}, attn)
 
-    # text, an audio/image block, text: t/h/w rows that differ inside the block
-    block = image_positions(4, 1, 2, 3)
-    positions = torch.cat([torch.arange(4).expand(3, -1), block, (torch.arange(5) + 7).expand(3, -1)], dim=1)
-    positions = positions[:, None].expand(3, 2, -1)  # (3, B, T)
+    positions = text_image_text_positions(batch=2)  # (3, B, T): t/h/w rows that differ inside the block
     if rows == 4:
         positions = torch.cat([torch.arange(15).expand(1, 2, -1), positions])
     embeds = torch.randn(2, 15, text_config.hidden_size, generator=torch.Generator().manual_seed(7))

@@ -15,7 +15,16 @@ from thinker import ThinkerConfig, ThinkerForCausalLM, presets
 from thinker.presets import list_presets, load_preset
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-RELEASES = ("qwen2.5-0.5b", "qwen3-0.6b", "qwen3-30b-a3b", "qwen3-omni-30b-a3b-thinker", "smollm2-135m")
+RELEASES = (
+    "qwen2.5-0.5b",
+    "qwen3-0.6b",
+    "qwen3-30b-a3b",
+    "qwen3-omni-30b-a3b-thinker",
+    "smollm2-135m",
+    "qwen3.5-0.8b",
+    "qwen3.6-35b-a3b",
+    "qwen3-next-80b-a3b-instruct",
+)
 
 
 def test_every_json_is_listed():
@@ -53,6 +62,33 @@ def parameter_count(config: ThinkerConfig) -> int:
 )
 def test_release_parameter_counts(name, billions):
     assert parameter_count(load_preset(name)) / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+# The hybrid releases publish their sizes rounded (0.8B, 35B, 80B): a count within half the last published digit is
+# that size. Text decoders only: the vision towers and MTP heads of the releases are not the Thinker's.
+@pytest.mark.parametrize(
+    ("name", "billions", "half_digit"),
+    [("qwen3.5-0.8b", 0.8, 0.05), ("qwen3.6-35b-a3b", 35, 0.5), ("qwen3-next-80b-a3b-instruct", 80, 0.5)],
+)
+def test_hybrid_release_parameter_counts(name, billions, half_digit):
+    assert abs(parameter_count(load_preset(name)) / 1e9 - billions) <= half_digit
+
+
+@pytest.mark.parametrize(
+    ("name", "layers", "value_heads", "sparse"),
+    [("qwen3.5-0.8b", 24, 16, 0), ("qwen3.6-35b-a3b", 40, 32, 40), ("qwen3-next-80b-a3b-instruct", 48, 32, 48)],
+)
+def test_hybrid_release_shapes(name, layers, value_heads, sparse):
+    """Three Gated DeltaNet layers, then one gated full-attention layer, over and over (full_attention_interval 4);
+    zero-centred norms, q/k norm, partial rotary 0.25 of head_dim 256."""
+    config = load_preset(name)
+    assert config.layer_types == ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)]
+    assert config.attention_output_gate and config.norm_zero_centered and config.qk_norm and config.head_dim == 256
+    assert config.rope_parameters["partial_rotary_factor"] == 0.25
+    assert (config.linear_num_key_heads, config.linear_num_value_heads) == (16, value_heads)
+    assert config.mlp_layer_types.count("sparse") == sparse
+    if config.num_experts:
+        assert config.shared_expert_intermediate_size == config.moe_intermediate_size == 512 and config.norm_topk_prob
 
 
 def test_qwen3_omni_thinker_shapes():

@@ -20,7 +20,10 @@ from .llms_from_scratch_qwen3 import LLMS_FROM_SCRATCH_QWEN3
 from .qwen2 import QWEN2
 from .qwen2_moe import QWEN2_MOE
 from .qwen3 import QWEN3
+from .qwen3_5 import QWEN3_5
+from .qwen3_5_moe import QWEN3_5_MOE
 from .qwen3_moe import QWEN3_MOE
+from .qwen3_next import QWEN3_NEXT
 from .qwen3_omni import QWEN3_OMNI
 from .uomni import UOMNI
 
@@ -30,6 +33,9 @@ FAMILIES: tuple[Family, ...] = (
     QWEN2_MOE,
     QWEN3_MOE,
     QWEN3_OMNI,
+    QWEN3_5,
+    QWEN3_5_MOE,
+    QWEN3_NEXT,
     LLAMA,
     GPT2,
     *GGUF_FAMILIES,

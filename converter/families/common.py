@@ -13,7 +13,9 @@ layer) is inert: the engine keeps only the rules whose targets the model has.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from huggingface_hub.errors import StrictDataclassError
@@ -35,6 +37,16 @@ def load_hf_config(source_config: Mapping[str, Any], model_type: str) -> PreTrai
         raise ThinkerError(f"the source config.json is not a valid {model_type} config: {reason}") from None
 
 
+def text_decoder_config(hf: PreTrainedConfig) -> PreTrainedConfig:
+    """The text decoder's config: the config itself, or a vision-language config's ``text_config``, given the tie
+    setting of the model that holds the head (transformers ties a vision-language model's head by the outer
+    config's ``tie_word_embeddings``, which is independent of its text config's)."""
+    text = hf.get_text_config(decoder=True)
+    if text is not hf:
+        text.tie_word_embeddings = hf.tie_word_embeddings
+    return text
+
+
 def decoder_fields(hf: PreTrainedConfig, layer_types: tuple[str, ...] = ("full_attention",)) -> dict[str, Any]:
     """The ThinkerConfig fields every RoPE / RMSNorm / SwiGLU decoder (Llama, Qwen2, Qwen3 and their MoE) shares;
     ``layer_types``: the kinds of layer the family converts (see ``refuse_layer_types``)."""
@@ -42,7 +54,8 @@ def decoder_fields(hf: PreTrainedConfig, layer_types: tuple[str, ...] = ("full_a
     return {
         "vocab_size": hf.vocab_size,
         "hidden_size": hf.hidden_size,
-        "intermediate_size": hf.intermediate_size,
+        # absent where every layer is sparse (Qwen3.5-MoE): the family sets it then
+        **({"intermediate_size": hf.intermediate_size} if hasattr(hf, "intermediate_size") else {}),
         "num_hidden_layers": hf.num_hidden_layers,
         "max_position_embeddings": hf.max_position_embeddings,
         "num_attention_heads": hf.num_attention_heads,
@@ -161,6 +174,95 @@ ROUTED_EXPERTS = (
 ROTARY_BUFFERS = (THINKER_LAYER + "self_attn.rotary_emb.inv_freq",)
 
 
+# --- hybrid linear attention (Qwen3-Next and its descendants Qwen3.5 / Qwen3.6) -------------------------------------
+
+HYBRID_LAYER_TYPES = ("full_attention", "linear_attention")
+# A Gated DeltaNet layer's tensors besides its input projections (which Qwen3-Next fuses differently).
+GATED_DELTANET_STATE = layer_names(
+    *(f"linear_attn.{name}" for name in ("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight"))
+)
+# Qwen3.5's layout, which is the Thinker's: one input projection per part, every head of the part together.
+GATED_DELTANET = GATED_DELTANET_STATE + layer_names(
+    *(f"linear_attn.in_proj_{part}.weight" for part in ("qkv", "z", "b", "a"))
+)
+# The vision-language layout of a decoder (Qwen3.5, Qwen3.6): the text model under ``model.language_model``.
+VISION_LANGUAGE_LAYOUT = {"model.": "model.language_model."}
+# What Qwen3.5's Hub checkpoints hold beside the text decoder: the vision tower and the multi-token-prediction head,
+# which transformers' own classes skip on load too (``_keys_to_ignore_on_load_unexpected``).
+VISION_AND_MTP_PREFIXES = ("model.visual.", "mtp.")
+
+
+def hybrid_fields(hf: PreTrainedConfig) -> dict[str, Any]:
+    """The Thinker switches of Qwen3-Next's decoder, which Qwen3.5 and Qwen3.5-MoE keep: ``layer_types`` with the
+    Gated DeltaNet sizes, full attention with a sigmoid output gate and per-head q/k RMSNorm, and every RMSNorm
+    weight stored zero-centred. transformers' classes hard-code the gate, the qk-norm and the centring."""
+    gate = getattr(hf, "attn_output_gate", True)  # read by vLLM and written in Hub configs; transformers ignores it
+    if gate is not True:
+        raise ThinkerError(
+            f"the source config sets attn_output_gate={gate!r}; transformers' {hf.model_type} classes always gate the "
+            "attention output, so these weights do not describe one of its models"
+        )
+    return {
+        "layer_types": list(hf.layer_types),
+        "linear_conv_kernel_dim": hf.linear_conv_kernel_dim,
+        "linear_key_head_dim": hf.linear_key_head_dim,
+        "linear_value_head_dim": hf.linear_value_head_dim,
+        "linear_num_key_heads": hf.linear_num_key_heads,
+        "linear_num_value_heads": hf.linear_num_value_heads,
+        "attention_bias": hf.attention_bias,
+        "attention_output_gate": True,
+        "qk_norm": True,
+        "norm_zero_centered": True,
+    }
+
+
+MROPE_KEYS = ("mrope_section", "mrope_interleaved", "interleaved")
+
+
+def interleaved_mrope(hf: PreTrainedConfig, reference_section: list[int]) -> dict[str, Any]:
+    """``rope_parameters`` with the multimodal-RoPE keys as the Thinker reads them, matching the reference text
+    models (Qwen3.5's, Qwen3-Omni's): they always interleave the sections (neither reads ``mrope_interleaved`` /
+    ``interleaved``) and use ``reference_section`` when the config names none. That fallback is kept only when it
+    covers the head's rotary frequencies; otherwise the config converts without one (exact on text, where the
+    sections coincide; the Thinker then refuses 3-D positions rather than guess)."""
+    rope = {key: value for key, value in hf.rope_parameters.items() if key not in MROPE_KEYS}
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    rotary_pairs = int(head_dim * rope.get("partial_rotary_factor", 1.0)) // 2
+    section = hf.rope_parameters.get("mrope_section")
+    if section is None and sum(reference_section) == rotary_pairs:
+        section = list(reference_section)
+    if section is None:
+        return rope
+    return rope | {"mrope_section": list(section), "mrope_interleaved": True}
+
+
+def reference_by_model_type(classes: Mapping[str, str]) -> ReferenceLoader:
+    """A parity reference that follows the checkpoint's ``model_type``: transformers' class named in ``classes`` for
+    those types (a vision-language model, run on text), ``AutoModelForCausalLM`` for the others."""
+
+    def load(source: Path, dtype: Any) -> Any:
+        import transformers
+
+        from ..parity import load_reference
+
+        folder = source.parent if source.is_file() else source
+        try:
+            model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            model_type = None  # load_reference reports what is wrong with the folder
+        if model_type not in classes:
+            return load_reference(folder, dtype)
+        try:
+            model = getattr(transformers, classes[model_type]).from_pretrained(
+                folder, dtype=dtype, attn_implementation="eager"
+            )
+        except Exception as err:  # as parity.load_reference: whatever the folder makes transformers raise
+            raise ThinkerError(f"{folder}: the reference {classes[model_type]} does not load ({err})") from None
+        return model.eval()
+
+    return load
+
+
 # --- a Hugging Face family from its differences -------------------------------------------------------------------
 
 
@@ -181,6 +283,8 @@ def hf_family(
     reference: ReferenceLoader | None = None,
     way_back: bool = True,
     renamed_fields: Mapping[str, str] | None = None,
+    layer_count_keys: tuple[str, ...] = ("num_hidden_layers",),
+    expert_count_keys: tuple[str, ...] = ("num_experts", "num_local_experts"),
 ) -> Family:
     """A family whose checkpoints transformers writes (``config.json`` with ``model_type``), by what sets it apart.
 
@@ -192,8 +296,8 @@ def hf_family(
       names; ``moe`` adds the routing fields (and ``ROUTED_EXPERTS`` belongs in ``groups``).
     - ``fields``: what the family's config sets beyond ``decoder_fields`` (and ``moe_fields``), from the decoder's
       config: ``lambda hf: {"qk_norm": True, "attention_bias": hf.attention_bias}``.
-    - ``decoder_config``: the text decoder's config within the family's config; default: transformers' own
-      ``get_text_config(decoder=True)`` (the config itself, or a multimodal config's ``text_config``).
+    - ``decoder_config``: the text decoder's config within the family's config; default: ``text_decoder_config``
+      (the config itself, or a vision-language config's ``text_config`` with the outer config's tie setting).
     - ``layer_types``: the kinds of layer (the config's ``layer_types``) the family converts; a checkpoint with
       others is refused. Full attention only, unless the family says more (``("full_attention", "linear_attention")``).
     - ``layouts``: where the decoder's tensors sit in the checkpoint, as prefix renames from Thinker's names to the
@@ -203,6 +307,8 @@ def hf_family(
     - ``reference``: the parity reference when it is not ``AutoModelForCausalLM`` (a sub-model).
     - ``way_back``: a Thinker folder can be written back as this family (``--to``); ``renamed_fields`` names the
       config fields the family spells differently from Thinker (``{"attention_bias": "qkv_bias"}``).
+    - ``layer_count_keys`` / ``expert_count_keys``: the config keys (at any depth) holding layer and expert counts,
+      bounded by the checkpoint's size before a config class builds anything from them (``Family``).
     """
 
     model_types = (model_types,) if isinstance(model_types, str) else tuple(model_types)
@@ -211,7 +317,7 @@ def hf_family(
     def translate_config(source: Mapping[str, Any]) -> dict[str, Any]:
         declared = source.get("model_type")
         hf = load_hf_config(source, declared if declared in model_types else model_types[0])
-        decoder = decoder_config(hf) if decoder_config else hf.get_text_config(decoder=True)
+        decoder = (decoder_config or text_decoder_config)(hf)
         return decoder_fields(decoder, layer_types) | (moe_fields(decoder) if moe else {}) | fields(decoder)
 
     tensors = tuple(under(layout, entry) for layout in layouts for entry in (e for group in groups for e in group))
@@ -228,6 +334,8 @@ def hf_family(
         head=renamed(layouts[0], "lm_head.weight"),
         reference=reference,
         export_config=hf_export_config(model_types[0], architectures[0], renamed_fields) if way_back else None,
+        layer_count_keys=layer_count_keys,
+        expert_count_keys=expert_count_keys,
     )
 
 

@@ -9,12 +9,16 @@ prefix, on purpose and by name, so a tensor outside all of these is still an err
 
 The decoder is ``Qwen3OmniMoeThinkerTextModel``: Qwen3-MoE with q/k RMSNorm (GQA, dense and sparse MLP layers
 chosen by ``decoder_sparse_step`` / ``mlp_only_layers``, top-k routing with ``norm_topk_prob``, untied head). Its
-RoPE is multimodal (``mrope_section``, interleaved): the temporal, height and width sections take the same position
-on text, which makes it plain RoPE, so the mrope keys are left out of the Thinker config (exact on text input; image,
-video and audio positions are the multimodal towers' business). The Qwen3-Omni design notes also name an
-``audio_embed`` projection and a ``talker_head`` on the thinker; the released checkpoints have neither (their audio
-tower projects to the hidden size itself, and the talker is a separate model), so the Thinker's ``audio_proj`` /
-``talker_head`` stay off.
+RoPE is interleaved multimodal RoPE (``mrope_section``; the class always interleaves and falls back to [24, 20, 20]
+when the config names no section), kept in the Thinker config: given the thinker's ``inputs_embeds`` and its
+``(3, B, T)`` temporal/height/width positions, the Thinker gives the text decoder's logits. That makes text and
+audio prompts exact (the audio tower's embeddings go into ``inputs_embeds``; audio positions are sequential). Image
+and video prompts are not: Qwen3-Omni's text decoder also adds the vision tower's deepstack features to the hidden
+states of its first layers (``deepstack_visual_embeds``), an input the Thinker does not take.
+
+The Qwen3-Omni design notes also name an ``audio_embed`` projection and a ``talker_head`` on the thinker; the
+released checkpoints have neither (their audio tower projects to the hidden size itself, and the talker is a separate
+model), so the Thinker's ``audio_proj`` / ``talker_head`` stay off.
 """
 
 from __future__ import annotations
@@ -36,12 +40,13 @@ from .common import (
     ROUTED_EXPERTS,
     ROUTER,
     hf_family,
+    interleaved_mrope,
 )
 
 # Everything of the full model that is not the thinker's text decoder.
 DROPPED_PREFIXES = ("thinker.audio_tower.", "thinker.visual.", "talker.", "code2wav.")
-# Multimodal-RoPE keys: they only split positions across sections, which coincide on text.
-MROPE_KEYS = ("mrope_section", "interleaved", "mrope_interleaved")
+# Qwen3OmniMoeThinkerTextRotaryEmbedding's section when the config names none (models/qwen3_omni_moe).
+REFERENCE_MROPE_SECTION = [24, 20, 20]
 
 
 def text_decoder_config(full: PreTrainedConfig) -> PreTrainedConfig:
@@ -52,7 +57,7 @@ def text_decoder_config(full: PreTrainedConfig) -> PreTrainedConfig:
 
 
 def text_decoder_fields(text: PreTrainedConfig) -> dict[str, Any]:
-    rope = {key: value for key, value in text.rope_parameters.items() if key not in MROPE_KEYS}
+    rope = interleaved_mrope(text, REFERENCE_MROPE_SECTION)
     return {"qk_norm": True, "attention_bias": text.attention_bias, "rope_parameters": rope}
 
 

@@ -24,6 +24,7 @@ from converter.cli import convert_command
 from thinker import ThinkerConfig, ThinkerForCausalLM
 
 ATOL = 1e-5
+MROPE = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
 IDS = torch.tensor([[5, 17, 3, 29, 11, 2, 40, 8, 0, 63, 127, 1, 9], [7, 1, 33, 12, 96, 4, 26, 19, 44, 2, 70, 3, 5]])
 
 
@@ -54,7 +55,8 @@ def test_qwen3_omni_thinker_converts_with_parity(omni_source, tmp_path):
     config = ThinkerConfig.from_pretrained(tmp_path / "out")
     assert config.mlp_layer_types == ["dense", "sparse", "dense", "sparse"]
     assert config.qk_norm and config.norm_topk_prob and config.head_dim == 16
-    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 1e6}  # mrope keys left out
+    # the interleaved mRoPE kept (tests/converter/test_hybrid_families.py gives it 3-D positions)
+    assert config.rope_parameters == MROPE
     assert config.audio_embed_size is None and config.talker_head_size is None
 
     names = tensor_names(tmp_path / "out")
@@ -72,7 +74,7 @@ def test_qwen3_omni_thinker_converts_with_parity(omni_source, tmp_path):
 
 def test_qwen3_omni_hub_config_spelling(omni_source, tmp_path):
     """The Hub's config.json spells RoPE the transformers-4 way (``rope_theta`` + ``rope_scaling`` with the mrope
-    keys); it translates to the same plain RoPE."""
+    keys); it translates to the same interleaved mRoPE."""
     source = tmp_path / "source"
     source.mkdir()
     # A copy, not a symlink: a link leading out of the source folder is refused (tests/test_source_safety.py).
@@ -86,10 +88,7 @@ def test_qwen3_omni_hub_config_spelling(omni_source, tmp_path):
 
     result = cli_convert(source, tmp_path / "out", "--no-verify")
     assert result.exit_code == 0, result.output
-    assert ThinkerConfig.from_pretrained(tmp_path / "out").rope_parameters == {
-        "rope_type": "default",
-        "rope_theta": 1e6,
-    }
+    assert ThinkerConfig.from_pretrained(tmp_path / "out").rope_parameters == MROPE
 
 
 def test_qwen3_omni_refuses_unknown_tensors(omni_source, tmp_path):

@@ -61,8 +61,10 @@ AUDIO_CONFIG: dict[str, Any] = {
     "output_dim": HIDDEN,
     "downsample_hidden_size": 8,
     "max_source_positions": 32,
-    "n_window": 4,
-    "n_window_infer": 8,
+    # As released: the audio tower's output length (_get_feat_extract_output_lengths) counts 13 tokens per chunk of
+    # 2 * n_window = 100 mel frames, so a smaller window gives a tower that cannot run on real features.
+    "n_window": 50,
+    "n_window_infer": 100,
     "conv_chunksize": 8,
 }
 VISION_CONFIG: dict[str, Any] = {
