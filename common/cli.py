@@ -61,8 +61,7 @@ def held_warnings(hold: bool = True) -> Iterator[None]:
     if not hold:
         yield
         return
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("default")
+    with warnings.catch_warnings(record=True) as caught:  # the filters in force decide what is shown, as before
         yield
     for warning in caught:
         warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
