@@ -40,7 +40,9 @@ def tokenizer_files(folder: Path) -> list[str]:
     is checked (``source_files.checked_file``): a symlink leading out of the folder, or a named pipe, is refused."""
     names = [name for name in TOKENIZER_FILES if present(folder / name, folder)]
     matches = sorted({path.name for pattern in TOKENIZER_PATTERNS for path in folder.glob(pattern)})
-    return names + [name for name in matches if checked_file(folder / name, folder)]
+    for name in matches:
+        checked_file(folder / name, folder)
+    return names + matches
 
 
 def copy_files(names: list[str], source: Path, destination: Path) -> list[str]:

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import ThinkerError
+from .side_files import CONFIG_FILES, TOKENIZER_FILES
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,6 @@ def refuse_output_over_source(output: Path, source: Path, writes_into: bool = Fa
     nor hold it, nor lie inside a source folder; beside a single source file, it must not be one of the files read
     with it (its config.json, its tokenizer). ``writes_into``: OUTPUT is an existing folder written into (``thinker
     verify``'s parity.json), so only being, or lying inside, the source is refused."""
-    from .side_files import CONFIG_FILES, TOKENIZER_FILES
-
     shown = Path(output).absolute()
     folder_source = Path(source).is_dir()
     for out in _forms(output):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from common.dtypes import dtype_name
 from common.errors import ThinkerError
 from common.parity_inputs import PROMPT_LENGTHS
 from common.sources import SafetensorsSource
@@ -47,7 +48,7 @@ def check_thinker_folder(model_dir: Path, config: ThinkerConfig, dtype: torch.dt
         for name in found:
             if not weights.dtype(name).is_floating_point:
                 raise ThinkerError(
-                    f"{weights.file_of(name)}: tensor {name!r} is stored as {str(weights.dtype(name))[6:]}, but the "
+                    f"{weights.file_of(name)}: tensor {name!r} is stored as {dtype_name(weights.dtype(name))}, but the "
                     "model's weights are floating point; the folder is corrupt: convert it again"
                 )
     finally:
