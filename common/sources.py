@@ -13,6 +13,7 @@ import json
 import os
 import pickle
 import re
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path, PurePosixPath
@@ -24,6 +25,7 @@ from safetensors import safe_open
 from .dtypes import SAFETENSORS_DTYPES, torch_dtype
 from .errors import ThinkerError
 from .side_files import copy_files, read_json, tokenizer_files
+from .source_files import checked_file, present, regular_file
 from .values import ValueScan
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -58,28 +60,44 @@ class TensorSource(Protocol):
     def close(self) -> None: ...
 
 
-def _read_index(index_path: Path) -> dict[str, str]:
+def _read_index(index_path: Path, root: Path) -> dict[str, str]:
+    """An index's ``weight_map`` (tensor name -> shard file name), checked to be that and to name at least one."""
+    checked_file(index_path, root)
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
+    except RecursionError:
+        raise ThinkerError(f"{index_path}: not a readable shard index (nested too deeply); re-download it") from None
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ThinkerError(f"{index_path}: not a readable shard index ({err}); re-download the checkpoint") from None
     if not isinstance(weight_map, dict):
         raise ThinkerError(f"{index_path}: 'weight_map' must map tensor names to shard files")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise ThinkerError(
+                f"{index_path}: 'weight_map' maps {name!r} to {shard!r}, not to a shard file name; the index is "
+                "corrupt: re-download the checkpoint"
+            )
+    if not weight_map:
+        raise ThinkerError(
+            f"{index_path}: its 'weight_map' names no tensor, so no shard; the index is corrupt: re-download the "
+            "checkpoint, or delete the index if the folder's weights are one file"
+        )
     return weight_map
 
 
 def _shard_path(root: Path, index_path: Path, file_name: str) -> Path:
     """A shard named by an index, refused if the name would leave the checkpoint folder.
 
-    The name is checked, not the resolved path: in a Hub cache every file is a symlink into ``blobs/``.
+    The name is checked first, then the file (``checked_file``: in a Hub cache every file is a symlink into
+    ``blobs/``, which is fine; a symlinked shard or shard folder leading anywhere else is not).
     """
     name = PurePosixPath(file_name.replace("\\", "/"))
     if name.is_absolute() or ".." in name.parts or not name.parts:
         raise ThinkerError(f"{index_path}: shard name {file_name!r} points outside {root}; refusing to read it")
     path = root / name
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise ThinkerError(f"{index_path}: names shard {file_name!r}, which is missing from {root}")
-    return path
+    return checked_file(path, root)
 
 
 class FolderSource:
@@ -89,7 +107,7 @@ class FolderSource:
 
     def config(self) -> dict[str, Any]:
         path = self.root / "config.json"
-        if not path.is_file():
+        if not present(path, self.root):
             raise ThinkerError(f"{self.root}: no config.json beside the weights; it says which model they belong to")
         config = read_json(path)
         if not isinstance(config, dict):
@@ -219,10 +237,10 @@ def _data_byte_ranges(path: Path) -> dict[str, tuple[int, int]]:
 def safetensors_files(root: Path) -> list[Path]:
     """The shards of a folder: those its index names (checked to exist), else every ``*.safetensors`` file."""
     index_path = root / SAFETENSORS_INDEX
-    if index_path.is_file():
-        names = sorted(set(_read_index(index_path).values()))
+    if os.path.lexists(index_path):
+        names = sorted(set(_read_index(index_path, root).values()))
         return [_shard_path(root, index_path, name) for name in names]
-    return sorted(root.glob("*.safetensors"))
+    return [checked_file(path, root) for path in sorted(root.glob("*.safetensors"))]
 
 
 class TorchBinSource(FolderSource):
@@ -236,20 +254,7 @@ class TorchBinSource(FolderSource):
         self._tensors: dict[str, torch.Tensor] = {}
         self._file_of: dict[str, Path] = {}
         for path in files:
-            try:
-                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except pickle.UnpicklingError as err:  # weights_only met something that is not a tensor or a container
-                found = _UNSUPPORTED_GLOBAL.search(str(err))
-                what = f"e.g. {found[1]}" if found else "not tensors"
-                raise ThinkerError(
-                    f"{path}: holds pickled Python objects besides tensors ({what}); they are refused, never run "
-                    "(weights_only loading); get a safetensors copy of this checkpoint"
-                ) from None
-            except Exception as err:
-                raise ThinkerError(
-                    f"{path}: not a loadable weights-only PyTorch state dict ({err.__class__.__name__}); "
-                    "convert it to safetensors or re-download it"
-                ) from None
+            state = _load_weights_only(path)
             for name, tensor in _flatten_state(state, path):
                 self._tensors[name] = tensor
                 self._file_of[name] = path
@@ -276,8 +281,42 @@ class TorchBinSource(FolderSource):
         self._tensors.clear()
 
 
-# How torch names the object weights_only refused to unpickle: "Unsupported global: GLOBAL builtins.exec was not ..."
-_UNSUPPORTED_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)")
+# How torch names the object weights_only refused to unpickle, in its two wordings: "Unsupported global: GLOBAL
+# builtins.exec was not an allowed global by default" and "Trying to load unsupported GLOBAL posix.system whose
+# module posix is blocked".
+_UNSUPPORTED_GLOBAL = re.compile(r"unsupported (?:global: )?GLOBAL ([\w.]+)", re.IGNORECASE)
+_UNPICKLER_REASON = re.compile(r"WeightsUnpickler error:\s*(\S[^\n]*)")
+
+
+def _load_weights_only(path: Path) -> Any:
+    """``torch.load(weights_only=True)`` of ``path``, memory-mapped where the format allows; every refusal becomes a
+    ``ThinkerError`` that names what torch refused. torch's own warnings (about pickle protocols, on the way to
+    refusing a file) are not printed: the error says it all."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as err:
+                if "mmap can only be used" not in str(err):
+                    raise
+            # The legacy (pre-1.6, not zip) format cannot be memory-mapped; it is read whole, still weights only.
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:  # weights_only met something that is not a tensor or a container
+        text = str(err)
+        found, reason = _UNSUPPORTED_GLOBAL.search(text), _UNPICKLER_REASON.search(text)
+        what = f"e.g. {found[1]}, which torch's weights-only loader blocks" if found else None
+        what = what or (reason[1].strip() if reason else "objects torch's weights-only loader refuses")
+        raise ThinkerError(
+            f"{path}: holds pickled Python objects besides tensors ({what}); they are refused, never run "
+            "(weights_only loading); get a safetensors copy of this checkpoint"
+        ) from None
+    except Exception as err:
+        reason = " ".join(str(err).split())[:200]
+        raise ThinkerError(
+            f"{path}: not a loadable weights-only PyTorch state dict ({err.__class__.__name__}: {reason}); "
+            "convert it to safetensors or re-download it"
+        ) from None
 
 
 def _flatten_state(state: object, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -296,16 +335,17 @@ def _flatten_state(state: object, path: Path) -> Iterator[tuple[str, torch.Tenso
 
 def bin_files(root: Path) -> list[Path]:
     index_path = root / BIN_INDEX
-    if index_path.is_file():
-        names = sorted(set(_read_index(index_path).values()))
+    if os.path.lexists(index_path):
+        names = sorted(set(_read_index(index_path, root).values()))
         return [_shard_path(root, index_path, name) for name in names]
-    return sorted([*root.glob("*.bin"), *root.glob("*.pth"), *root.glob("*.pt")])
+    return [checked_file(path, root) for path in sorted([*root.glob("*.bin"), *root.glob("*.pth"), *root.glob("*.pt")])]
 
 
 def open_source(root: Path) -> TensorSource:
     """The source for a checkpoint folder (or a single weights file), preferring safetensors."""
     root = Path(root)
-    if root.is_file():
+    if os.path.lexists(root) and not root.is_dir():
+        regular_file(root)  # SOURCE named on the command line: a symlink is the user's choice, a pipe is not a file
         if root.suffix == ".safetensors":
             return SafetensorsSource(root.parent, [root])
         if root.suffix == ".gguf":
@@ -319,7 +359,7 @@ def open_source(root: Path) -> TensorSource:
         return SafetensorsSource(root)
     if bin_files(root):
         return TorchBinSource(root)
-    ggufs = sorted(root.glob("*.gguf"))
+    ggufs = [checked_file(path, root) for path in sorted(root.glob("*.gguf"))]
     if len(ggufs) == 1:
         from .gguf_reader import GGUFSource
 

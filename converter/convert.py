@@ -14,7 +14,7 @@ from typing import Any
 from common.errors import ThinkerError
 from common.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from common.sources import open_source
-from common.staging import refuse_existing_output, refuse_overwriting_source, staged_output
+from common.staging import refuse_existing_output, refuse_output_over_source, staged_output
 
 from .engine import plan_conversion, write_weights
 from .families import detect_family
@@ -75,10 +75,10 @@ def convert(
     shard_bytes = parse_size(max_shard_size)
     refuse_existing_output(output, force, "once the new conversion is complete")  # before any download
     root = resolve_source(str(source), revision, progress=progress, **hub_options)
+    refuse_output_over_source(output, root)
     tensor_source = open_source(root)
     try:
         plan = plan_conversion(tensor_source, tensor_source.config(), dtype)
-        refuse_overwriting_source(output, Path(tensor_source.root))
         notes = []
         if plan.family.no_reference:
             if verify or verify_by_layer:  # asked for explicitly: refuse before writing anything
@@ -129,6 +129,7 @@ def verify(
     if not (converted / "config.json").is_file():
         raise ThinkerError(f"{converted}: not a converted model folder (no config.json)")
     root = resolve_source(str(source), revision)
+    refuse_output_over_source(converted, root, writes_into=True)  # parity.json goes into CONVERTED
     mode, note = (BY_LAYER, "") if by_layer else parity_mode(folder_parameters(converted), memory_budget)
     failure = f"{converted} does not match its reference {source}"
     return parity_gate(root, converted, source_family(root), converted, failure, mode, note)

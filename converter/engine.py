@@ -33,10 +33,11 @@ from typing import Any
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
-from tqdm.auto import tqdm
 
+from common.config_values import check_model_config
 from common.dtypes import FLOAT_DTYPES, dtype_name, torch_dtype
 from common.errors import ThinkerError
+from common.progress import progress_bar
 from common.sources import TensorSource
 from common.values import ValueScan, value_problem
 from thinker import ThinkerConfig, ThinkerForCausalLM
@@ -150,6 +151,7 @@ def translate_config(family: Family, source_config: Mapping[str, Any], dtype: to
     except (TypeError, ValueError, StrictDataclassError) as err:
         reason = " ".join(str(err).split())
         raise ThinkerError(f"{family.name} config does not translate to a valid Thinker config: {reason}") from None
+    check_model_config(config.to_dict(), "the source config.json")
     config.architectures = ["ThinkerForCausalLM"]
     config.dtype = dtype
     return config
@@ -193,6 +195,7 @@ def plan_conversion(
 
     _check_tie(family, config, set(names))
     steps = _select_steps(family, config, expected, set(names))
+    check_float_sources(family, steps, source)
     _check_sources_used(family, config, steps, names)
     _check_targets_produced(family, steps, expected)
     planned_shapes(family, config, steps, source, expected)
@@ -301,6 +304,19 @@ def _select_steps(
             f"{describe_names(missing)}; the checkpoint is incomplete or its config.json does not describe it"
         )
     return chosen
+
+
+def check_float_sources(family: Family, steps: list[Step], source: TensorSource) -> None:
+    """Every tensor a step reads holds floating-point values: a float tensor relabelled ``I32`` in a safetensors
+    header would otherwise be cast to float as integers and written as a model (every weight a huge number)."""
+    for step in steps:
+        for name in step.sources:
+            dtype = source.dtype(name)
+            if not dtype.is_floating_point:
+                raise ThinkerError(
+                    f"{source.file_of(name)}: tensor {name!r} is stored as {dtype_name(dtype)}, where a {family.name} "
+                    "checkpoint holds floating-point weights; the file is corrupt or mislabelled: re-download it"
+                )
 
 
 def _dropped_names(family: Family, config: ThinkerConfig) -> set[str]:
@@ -440,9 +456,7 @@ def write_weights(
     with (
         ShardWriter(folder, layout) as writer,
         ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as background,
-        tqdm(
-            total=layout.total_size, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not progress
-        ) as bar,
+        progress_bar(layout.total_size, desc, enabled=progress) as bar,
     ):
         writing = None
 

@@ -135,13 +135,37 @@ def load_reference(source: Path, dtype: torch.dtype) -> PreTrainedModel:
     if source.is_file():
         source = source.parent
     _refuse_unknown_model_type(source / "config.json")
+    return reference_from_pretrained(source, source, dtype=dtype)
+
+
+def reference_from_pretrained(label: Path, folder: Path, **kwargs: Any) -> PreTrainedModel:
+    """transformers' own class for the family from ``folder`` (``kwargs`` to ``from_pretrained``), never code shipped
+    with the checkpoint (a config's auto_map); ``label`` names the source in errors.
+
+    Loaded with ``ignore_mismatched_sizes`` and the loading info, so that tensors of other shapes than transformers
+    builds for the config are named here: otherwise transformers logs them in a report (silenced on the command
+    line) and raises "look at the above report!" with no report to look at.
+    """
     try:
-        # transformers' own class for the family, never code shipped with the checkpoint (a config's auto_map).
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, attn_implementation="eager", trust_remote_code=False
+        model, info = AutoModelForCausalLM.from_pretrained(
+            folder,
+            attn_implementation="eager",
+            trust_remote_code=False,
+            ignore_mismatched_sizes=True,
+            output_loading_info=True,
+            **kwargs,
         )
     except Exception as err:  # transformers raises many types for a folder it cannot load; all are the folder's
-        raise ThinkerError(f"{source}: the reference model does not load with transformers ({err})") from None
+        raise ThinkerError(f"{label}: the reference model does not load with transformers ({err})") from None
+    mismatched = sorted(info.get("mismatched_keys") or [])
+    if mismatched:
+        name, stored, built = mismatched[0]
+        more = f" and {len(mismatched) - 1} more" if len(mismatched) > 1 else ""
+        raise ThinkerError(
+            f"{label}: transformers builds {type(model).__name__} from it with tensors of other shapes than it holds "
+            f"({name}: {tuple(stored)} in the checkpoint, {tuple(built)} in transformers' model{more}), so there is "
+            "no reference to verify against; convert with --no-verify"
+        )
     return model.eval()
 
 
@@ -315,7 +339,8 @@ def parity_gate(
     report.mode_note = mode_note
     write_report(report, into / PARITY_FILE)
     if not report.passed:
-        raise ParityFailed(failure, report)
+        where = next((r.first_divergence for r in report.results if not r.passed and r.first_divergence), None)
+        raise ParityFailed(f"{failure}; first divergence: {where}" if where else failure, report)
     return report
 
 

@@ -402,7 +402,7 @@ def test_failed_conversion_leaves_an_existing_output_in_place(qwen2_tensors, run
 
 def test_output_may_not_replace_its_source(save_reference, run_convert, tmp_path):
     _, source = save_reference(Qwen2Config(**QWEN2))
-    with pytest.raises(ThinkerError, match="replace the source checkpoint"):
+    with pytest.raises(ThinkerError, match="OUTPUT is the source .* itself"):
         run_convert(source, name="source", force=True)
     assert (source / "model.safetensors").is_file()
 
