@@ -28,16 +28,18 @@ Exports, each timed in its own process tree (wall, peak RSS):
                             genai environment and run with this environment's torch and transformers, as
                             docs/hybrid-export.md did), -p fp32 -e cpu, on the vision-language checkpoint
   mobius-fp32               mobius build --ep cpu --optimize --runtime ort-genai (its CPU rewrites), on the causal-LM
-                            checkpoint (dense); on the vision-language one for the MoE, whose text class mobius 0.1.0
-                            does not know ("Unknown model_type 'qwen3_5_moe_text'")
+                            checkpoint (dense); on the vision-language one for the MoE (there mobius writes a
+                            decoder-only model, and its text class is unknown to it: "Unknown model_type
+                            'qwen3_5_moe_text'"); its MoE runs every expert for every token (a dense fallback)
 
 Runs: batch 1, a prompt of random ids, greedy new tokens; each (runtime, repetition) in a fresh process with a small
 warm-up, repetitions interleaved runtime by runtime so that the load other jobs put on the shared cores lands on
-every runtime alike. Medians and ratios to the builder (onnxruntime-genai) are reported:
-  onnxruntime-genai   the genai environment (onnxruntime-genai 0.18, its onnxruntime 1.32), intra-op threads set
-  onnxruntime         one driver for every graph (decode_worker.py ``ort-states``: states fed back as numpy arrays,
-                      mobius's package fed its own embedding model's output), this environment's onnxruntime: the
-                      only way mobius's MoE package runs here
+every runtime alike. Medians, each repetition's figures, and ratios to the builder are reported:
+  onnxruntime-genai   (default) the genai environment (onnxruntime-genai 0.18, its onnxruntime 1.32), intra-op threads
+                      set by a config overlay
+  onnxruntime         (--runtimes genai,ort-states) one driver for every graph (decode_worker.py ``ort-states``:
+                      states fed back as numpy arrays, a package's decoder fed its own embedding model's output), this
+                      environment's onnxruntime
 Results: bench/results/hybrid.json, and the markdown printed at the end (README "Hybrid models").
 """
 
@@ -290,6 +292,10 @@ def measure(name: str, exports: dict[str, dict], args) -> list[dict]:
     for runtime in runtimes:
         row = {"label": runtime.label, "graph": runtime.graph, "builder_peer": runtime.builder_peer}
         row.update(summary(runtime, request) or {"error": errors.get(runtime.label)})
+        row["per_repetition"] = [
+            {"prefill_ms": 1e3 * r["prefill_s"], "decode_tokens_per_s": (args.new - 1) / r["decode_s"]}
+            for r in runtime.results.get(json.dumps(request, sort_keys=True), [])
+        ]
         rows.append(row)
     by_label = {row["label"]: row for row in rows}
     for row in rows:
@@ -384,7 +390,9 @@ def markdown(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="dense,moe", help="comma-separated: dense, moe")
-    parser.add_argument("--runtimes", default="genai,ort-states", help="comma-separated: genai, ort-states")
+    parser.add_argument(
+        "--runtimes", default="genai", help="comma-separated: genai (onnxruntime-genai), ort-states (onnxruntime)"
+    )
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt", type=int, default=128)
