@@ -399,7 +399,14 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=33, help="new tokens; decode is timed over the last new - 1")
     parser.add_argument("--fresh-exports", action="store_true", help="export again even where cached")
     parser.add_argument("--smoke", action="store_true", help="a tiny shape, to check the plumbing; writes nothing")
+    parser.add_argument(
+        "--report", action="store_true", help="print the tables of bench/results/hybrid.json, run nothing"
+    )
     args = parser.parse_args()
+    if args.report:
+        results = json.loads((RESULTS / "hybrid.json").read_text())
+        print(f"`{results['command']}`\n\n{markdown(results)}")
+        return
     args.runtimes = args.runtimes.split(",")
     results = {
         "command": "python bench/bench_hybrid.py " + " ".join(sys.argv[1:]),
