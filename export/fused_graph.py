@@ -246,6 +246,15 @@ class FusedDecoderGraph(DecoderGraph):
             interleaved=0,
         )
 
+    # --- head -------------------------------------------------------------------------------------------------
+    def emit_tied_head(self, hidden: str, bias: list[str], output: str) -> None:
+        """FusedMatMul with transB straight to (B, T, V): no Reshape after it, whose copy of a graph output's
+        logits took 3.4 % of a 64-token Qwen3.5-0.8B prefill (profiled); the same product as Gemm's."""
+        b = self.b
+        if bias:
+            return super().emit_tied_head(hidden, bias, output)
+        b.op_to("FusedMatMul", [hidden, "model.embed_tokens.weight"], [output], domain=MS_DOMAIN, transB=1)
+
     # --- feed-forward -----------------------------------------------------------------------------------------
     def emit_mlp(self, x: str, prefix: str) -> str:
         """A gated MLP's gate and up projections as one MatMul over the concatenated (C, 2I) weight, split after:
