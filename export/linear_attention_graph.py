@@ -240,13 +240,16 @@ class GatedDeltaNetGraph:
         rounding): S = exp(g) S; delta = beta (v - S^T k); S += k delta^T; out = S^T q * dk^-0.5."""
         b, d = self.b, self.dims
         query = b.op("Mul", query, b.const(d.key_head_dim**-0.5, torch.float32))
-        # Time-major: Scan walks axis 0. Each key head serves Hv / Hk consecutive value heads.
-        query = b.op("Transpose", self.per_value_head(query), perm=[1, 0, 2, 3])  # (T, B, Hv, dk)
-        key = b.op("Transpose", self.per_value_head(key), perm=[1, 0, 2, 3])
-        value = self.to_float(b.op("Reshape", value, b.const([0, 0, d.num_value_heads, d.value_head_dim])))
-        value = b.op("Transpose", value, perm=[1, 0, 2, 3])  # (T, B, Hv, dv)
-        decay = b.op("Transpose", b.op("Exp", log_decay), perm=[1, 0, 2])  # (T, B, Hv)
-        beta = b.op("Transpose", beta, perm=[1, 0, 2])
+        # Time-major: Scan walks axis 0. Each key head serves Hv / Hk consecutive value heads. Every per-token input
+        # comes already shaped as the step uses it (rows (.., 1, d), gates (.., 1, 1)): reshaped once here instead
+        # of unsqueezed in each of T steps, which halves the nodes the Scan runs per token.
+        query = b.op("Transpose", self.per_value_head(query), perm=[1, 0, 2, 3, 4])  # (T, B, Hv, 1, dk)
+        key = b.op("Transpose", self.per_value_head(key), perm=[1, 0, 2, 3, 4])
+        value = self.to_float(b.op("Reshape", value, b.const([0, 0, d.num_value_heads, 1, d.value_head_dim])))
+        value = b.op("Transpose", value, perm=[1, 0, 2, 3, 4])  # (T, B, Hv, 1, dv)
+        gate_shape = b.const([0, 0, d.num_value_heads, 1, 1])
+        decay = b.op("Transpose", b.op("Reshape", b.op("Exp", log_decay), gate_shape), perm=[1, 0, 2, 3, 4])
+        beta = b.op("Transpose", b.op("Reshape", beta, gate_shape), perm=[1, 0, 2, 3, 4])  # (T, B, Hv, 1, 1)
 
         body = b.subgraph()
         with body.scope("token"):
@@ -258,42 +261,42 @@ class GatedDeltaNetGraph:
             "gated_delta_step",
             [
                 value_info(names["state"], float32, [None, hv, dk, dv]),
-                value_info(names["q"], float32, [None, hv, dk]),
-                value_info(names["k"], float32, [None, hv, dk]),
-                value_info(names["v"], float32, [None, hv, dv]),
-                value_info(names["decay"], float32, [None, hv]),
-                value_info(names["beta"], float32, [None, hv]),
+                value_info(names["q"], float32, [None, hv, 1, dk]),
+                value_info(names["k"], float32, [None, hv, 1, dk]),
+                value_info(names["v"], float32, [None, hv, 1, dv]),
+                value_info(names["decay"], float32, [None, hv, 1, 1]),
+                value_info(names["beta"], float32, [None, hv, 1, 1]),
             ],
-            [value_info(state_out, float32, [None, hv, dk, dv]), value_info(out, float32, [None, hv, dv])],
+            [value_info(state_out, float32, [None, hv, dk, dv]), value_info(out, float32, [None, hv, 1, dv])],
         )
         outputs = b.fresh("outputs")
         b.op_to("Scan", [past, query, key, value, decay, beta], [present, outputs], body=graph, num_scan_inputs=5)
-        out = b.op("Transpose", outputs, perm=[1, 0, 2, 3])  # (B, T, Hv, dv)
+        out = b.op("Transpose", outputs, perm=[1, 0, 2, 3, 4])  # (B, T, Hv, 1, dv)
         return b.op("Reshape", out, b.const([0, 0, d.value_dim]))
 
     def per_value_head(self, x: str) -> str:
-        """(B, T, Hk * dk) -> (B, T, Hv, dk): key head h serves value heads h * r .. h * r + r - 1
+        """(B, T, Hk * dk) -> (B, T, Hv, 1, dk): key head h serves value heads h * r .. h * r + r - 1
         (torch's repeat_interleave over the head axis)."""
         b, d = self.b, self.dims
         x = b.op("Reshape", x, b.const([0, 0, d.num_key_heads, 1, d.key_head_dim]))
         if d.value_heads_per_key_head > 1:
             x = b.op("Expand", x, b.const([1, 1, 1, d.value_heads_per_key_head, 1]))
-        return b.op("Reshape", x, b.const([0, 0, d.num_value_heads, d.key_head_dim]))
+        return b.op("Reshape", x, b.const([0, 0, d.num_value_heads, 1, d.key_head_dim]))
 
     @staticmethod
     def emit_delta_step(
         body: GraphBuilder, state: str, q: str, k: str, v: str, decay: str, beta: str
     ) -> tuple[str, str]:
-        """One token: state (B, Hv, dk, dv); q, k (B, Hv, dk); v (B, Hv, dv); decay, beta (B, Hv)."""
-        state = body.op("Mul", state, body.op("Unsqueeze", decay, body.const([2, 3])))  # S = exp(g) S
-        k_row = body.op("Unsqueeze", k, body.const([2]))  # (B, Hv, 1, dk)
-        remembered = body.op("MatMul", k_row, state)  # S^T k as a row: (B, Hv, 1, dv)
-        delta = body.op("Sub", body.op("Unsqueeze", v, body.const([2])), remembered)
-        delta = body.op("Mul", delta, body.op("Unsqueeze", beta, body.const([2, 3])))  # beta (v - S^T k)
-        k_col = body.op("Unsqueeze", k, body.const([3]))  # (B, Hv, dk, 1)
-        state = body.op("Add", state, body.op("MatMul", k_col, delta))  # S += k delta^T
-        out = body.op("MatMul", body.op("Unsqueeze", q, body.const([2])), state)  # S^T q: (B, Hv, 1, dv)
-        return body.op("Identity", state), body.op("Squeeze", out, body.const([2]))
+        """One token: state (B, Hv, dk, dv); q, k (B, Hv, 1, dk) rows; v (B, Hv, 1, dv); decay, beta (B, Hv, 1, 1).
+        Returns the new state and the read-out (B, Hv, 1, dv); the new state is the body's output itself (an
+        Identity to name it would copy the whole state every token)."""
+        state = body.op("Mul", state, decay)  # S = exp(g) S
+        remembered = body.op("MatMul", k, state)  # S^T k as a row: (B, Hv, 1, dv)
+        delta = body.op("Mul", body.op("Sub", v, remembered), beta)  # beta (v - S^T k)
+        k_col = body.op("Reshape", k, body.const([0, 0, -1, 1]))  # (B, Hv, dk, 1)
+        state_out = body.fresh("state_out")
+        body.op_to("Add", [state, body.op("MatMul", k_col, delta)], [state_out])  # S += k delta^T
+        return state_out, body.op("MatMul", q, state_out)  # S^T q: (B, Hv, 1, dv)
 
     def emit_gated_norm(self, x: str, z: str, weight_name: str) -> str:
         """Qwen3_5RMSNormGated per value head: w * (x32 / sqrt(mean(x32²) + eps)).to(dtype), times silu(z32), cast
