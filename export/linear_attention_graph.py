@@ -323,8 +323,9 @@ class FusedGatedDeltaNetGraph(GatedDeltaNetGraph):
                 the value heads itself), state (B, Hv, dk, dv) float32, scale dk^-0.5
     norm        GatedRMSNorm over each value head's dv channels, silu gate, float32 inside
 
-    The l2 norm of q and k stays in standard operators: LinearAttention expects normalised keys, and onnxruntime's
-    own normalising variant (GatedDeltaNet, qk_l2_norm) has CUDA and WebGPU kernels only.
+    l2 norm     q and k together in one SimplifiedLayerNormalization with transformers' eps rescaled (LinearAttention
+                expects normalised keys; onnxruntime's normalising variant, GatedDeltaNet with qk_l2_norm, has CUDA
+                and WebGPU kernels only, and the builder's LpNormalization has no eps)
     """
 
     contrib_ops = True
