@@ -10,6 +10,7 @@ Same IO contract as ``DecoderGraph`` (names, shapes, dtypes; KV as (B, n_kv, S, 
                then rotates the normalised q/k, as Qwen3 does (norm, then RoPE)
   MoE          the MoE op (com.microsoft): softmax over the router logits, top-k, optional renormalisation,
                interleaved SwiGLU experts: Qwen's routing exactly (checked against PyTorch in the tests)
+  tied head    FusedMatMul with transB over the embedding matrix, straight to the (B, T, V) logits
 
 GroupQueryAttention and left padding. Its CPU kernel assumes right-padded rows: a row's keys are the slots
 [0, seqlens_k + 1), and with ``do_rotary`` it rotates each token by its *cache slot*, not by ``position_ids``. So the
