@@ -41,11 +41,12 @@ from .names import ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES, GENAI_CONFIG_
 @click.option(
     "--graph",
     type=click.Choice(list(GRAPHS)),
-    default="plain",
-    show_default=True,
+    default=None,
     help="plain: standard ONNX operators only (any runtime). fused: onnxruntime's contrib operators "
-    "(GroupQueryAttention with RoPE inside, SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, MoE); "
-    "faster, onnxruntime only. See below for how the fused graph reads position_ids.",
+    "(GroupQueryAttention with RoPE inside, SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, MoE; "
+    "for hybrid models LinearAttention, CausalConvWithState, GatedRMSNorm); faster, onnxruntime only. See below "
+    "for how the fused graph reads position_ids. [default: fused for hybrid models (linear-attention layers), "
+    "plain otherwise]",
 )
 @click.option(
     "--quantize",
@@ -98,7 +99,7 @@ def export_command(
     output: Path,
     dtype: str,
     verify: bool,
-    graph: str,
+    graph: str | None,
     quantize: str | None,
     block_size: str,
     algo: str,
@@ -145,7 +146,10 @@ def export_command(
         model_dir, output, dtype=dtype, verify=verify, force=force, threads=threads, graph=graph, quantize=spec
     )
     sizes = ", ".join(f"{name} {_human(size)}" for name, size in report["sizes"].items() if name.startswith("model"))
-    click.echo(f"wrote {output}: {report['nodes']} nodes, {report['parameters']:,} parameters ({sizes})")
+    click.echo(
+        f"wrote {output} ({report['graph']} graph): {report['nodes']} nodes, {report['parameters']:,} parameters "
+        f"({sizes})"
+    )
     for note in report.get("notes", []):
         click.secho(f"note: {note}", fg="yellow", err=True)
     figures = report["verify"]

@@ -10,6 +10,7 @@ Same IO contract as ``DecoderGraph`` (names, shapes, dtypes; KV as (B, n_kv, S, 
                then rotates the normalised q/k, as Qwen3 does (norm, then RoPE)
   MoE          the MoE op (com.microsoft): softmax over the router logits, top-k, optional renormalisation,
                interleaved SwiGLU experts: Qwen's routing exactly (checked against PyTorch in the tests)
+  tied head    FusedMatMul with transB over the embedding matrix, straight to the (B, T, V) logits
 
 GroupQueryAttention and left padding. Its CPU kernel assumes right-padded rows: a row's keys are the slots
 [0, seqlens_k + 1), and with ``do_rotary`` it rotates each token by its *cache slot*, not by ``position_ids``. So the
@@ -245,6 +246,15 @@ class FusedDecoderGraph(DecoderGraph):
             rotary_embedding_dim=rotary_dim(self.config),
             interleaved=0,
         )
+
+    # --- head -------------------------------------------------------------------------------------------------
+    def emit_tied_head(self, hidden: str, bias: list[str], output: str) -> None:
+        """FusedMatMul with transB straight to (B, T, V): no Reshape after it, whose copy of a graph output's
+        logits took 3.4 % of a 64-token Qwen3.5-0.8B prefill (profiled); the same product as Gemm's."""
+        b = self.b
+        if bias:
+            return super().emit_tied_head(hidden, bias, output)
+        b.op_to("FusedMatMul", [hidden, "model.embed_tokens.weight"], [output], domain=MS_DOMAIN, transB=1)
 
     # --- feed-forward -----------------------------------------------------------------------------------------
     def emit_mlp(self, x: str, prefix: str) -> str:

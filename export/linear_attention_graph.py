@@ -159,7 +159,7 @@ class GatedDeltaNetGraph:
     ) -> str:
         """One layer on ``x`` (B, T, C) in the model dtype; ``keep`` (B, T, 1) from ``emit_keep_mask``. Writes the
         graph values ``present_conv`` and ``present_recurrent``; returns the layer output (B, T, C)."""
-        b, d = self.b, self.dims
+        b = self.b
         x = b.op("Mul", x, keep)  # padding positions: zeros, which write nothing into either state
         with b.scope("in_proj"):
             qkv = self.linear(x, f"{prefix}.in_proj_qkv")  # (B, T, conv_dim)
@@ -168,12 +168,10 @@ class GatedDeltaNetGraph:
             step = self.linear(x, f"{prefix}.in_proj_a")  # (B, T, Hv)
         with b.scope("conv"):
             qkv = self.emit_conv(qkv, f"{prefix}.conv1d.weight", past_conv, present_conv)  # (B, T, conv_dim)
-        query, key, value = b.op("Split", qkv, b.const([d.key_dim, d.key_dim, d.value_dim]), axis=-1, outputs=3)
         with b.scope("gates"):
             log_decay, beta = self.emit_gates(step, write, prefix)  # (B, T, Hv) float32 each
         with b.scope("qk_l2norm"):
-            query = self.emit_l2norm(query, d.num_key_heads, d.key_head_dim)  # (B, T, Hk * dk) float32
-            key = self.emit_l2norm(key, d.num_key_heads, d.key_head_dim)
+            query, key, value = self.emit_split_qkv(qkv)  # (B, T, Hk * dk) float32 each, v in the model dtype
         with b.scope("delta_rule"):
             core = self.emit_delta_rule(query, key, value, log_decay, beta, past_recurrent, present_recurrent)
         with b.scope("norm"):
@@ -184,23 +182,29 @@ class GatedDeltaNetGraph:
     # --- pieces, each replaced by one onnxruntime operator in the fused form --------------------------------
     def emit_conv(self, qkv: str, weight_name: str, past: str, present: str) -> str:
         """Causal depthwise conv + SiLU over time, (B, T, C) -> (B, T, C). The window of token t is the k - 1
-        inputs before it (from ``past`` where the step starts) and itself: Conv over ``past ++ inputs`` with no
-        padding gives exactly T outputs; ``present`` is the last k - 1 columns of that concatenation."""
+        inputs before it (from ``past`` where the step starts) and itself; ``present`` is the last k - 1 columns of
+        ``past ++ inputs``.
+
+        Written as k taps (a shifted slice of the window times one weight column each, summed) rather than a
+        grouped ``Conv``: onnxruntime's CPU Conv with one group per channel took 7.5 % of a Qwen3.5-0.8B decode
+        step (profiled), the taps are a few elementwise nodes. Half-precision graphs take the taps in float32 (the
+        conv kernels accumulate in float32 too; bfloat16 has no Conv before opset 22 anyway), rounded after."""
         b, k = self.b, self.dims.conv_kernel
         inputs = b.op("Transpose", qkv, perm=[0, 2, 1])  # (B, C, T)
         window = b.op("Concat", past, inputs, axis=2)  # (B, C, k - 1 + T)
         b.op_to("Slice", [window, b.const([-(k - 1)]), b.const([INT64_MAX]), b.const([2])], [present])
-        weight = self.weight(weight_name)  # (C, 1, k): nn.Conv1d's depthwise layout
-        if self.dtype == torch.bfloat16:
-            # Conv takes no bfloat16 before opset 22: float32 products and sums (what the kernels accumulate in
-            # anyway), rounded to bfloat16 after.
-            window = self.to_float(window)
-            conv = b.op("Conv", window, self.float_weight(weight_name, weight), group=self.dims.conv_dim)
-            conv = self.to_model_dtype(conv)
-        else:
-            conv = b.op("Conv", window, b.weight(weight_name, weight), group=self.dims.conv_dim)  # (B, C, T)
-        conv = b.op("Mul", conv, b.op("Sigmoid", conv))  # SiLU
-        return b.op("Transpose", conv, perm=[0, 2, 1])
+        taps = self.weight(weight_name).detach().to(torch.float32)[:, 0, :]  # (C, k): nn.Conv1d's (C, 1, k)
+        window = self.to_float(window)
+        seq = b.op("Shape", inputs, start=2, end=3)  # (1,): T
+        conv = None
+        for j in range(k):  # tap j meets input t + j of the window for output t
+            start = b.const([j])
+            shifted = b.op("Slice", window, start, b.op("Add", start, seq), b.const([2]))  # (B, C, T)
+            column = self.float_weight(f"{weight_name}.tap{j}", taps[:, j : j + 1].contiguous())  # (C, 1)
+            term = b.op("Mul", shifted, column)
+            conv = term if conv is None else b.op("Add", conv, term)
+        conv = b.op("Mul", conv, b.op("Sigmoid", conv))  # SiLU, float32
+        return b.op("Transpose", self.to_model_dtype(conv), perm=[0, 2, 1])
 
     def emit_gates(self, step: str, write: str, prefix: str) -> tuple[str, str]:
         """The log decay g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b), both (B, T, Hv) float32.
@@ -211,6 +215,13 @@ class GatedDeltaNetGraph:
         log_decay = b.op("Mul", b.op("Softplus", b.op("Add", self.to_float(step), dt_bias)), decay_rate)
         beta = self.to_float(b.op("Sigmoid", write))  # sigmoid in the model dtype, as transformers does
         return log_decay, beta
+
+    def emit_split_qkv(self, qkv: str) -> tuple[str, str, str]:
+        """The conv output (B, T, conv_dim) split into q and k, each l2-normalised per head in float32, and v."""
+        b, d = self.b, self.dims
+        query, key, value = b.op("Split", qkv, b.const([d.key_dim, d.key_dim, d.value_dim]), axis=-1, outputs=3)
+        query = self.emit_l2norm(query, d.num_key_heads, d.key_head_dim)
+        return query, self.emit_l2norm(key, d.num_key_heads, d.key_head_dim), value
 
     def emit_l2norm(self, x: str, heads: int, head_dim: int) -> str:
         """Each head of (B, T, heads * head_dim) scaled to unit length in float32: x / sqrt(sum(x²) + eps)."""
@@ -229,13 +240,16 @@ class GatedDeltaNetGraph:
         rounding): S = exp(g) S; delta = beta (v - S^T k); S += k delta^T; out = S^T q * dk^-0.5."""
         b, d = self.b, self.dims
         query = b.op("Mul", query, b.const(d.key_head_dim**-0.5, torch.float32))
-        # Time-major: Scan walks axis 0. Each key head serves Hv / Hk consecutive value heads.
-        query = b.op("Transpose", self.per_value_head(query), perm=[1, 0, 2, 3])  # (T, B, Hv, dk)
-        key = b.op("Transpose", self.per_value_head(key), perm=[1, 0, 2, 3])
-        value = self.to_float(b.op("Reshape", value, b.const([0, 0, d.num_value_heads, d.value_head_dim])))
-        value = b.op("Transpose", value, perm=[1, 0, 2, 3])  # (T, B, Hv, dv)
-        decay = b.op("Transpose", b.op("Exp", log_decay), perm=[1, 0, 2])  # (T, B, Hv)
-        beta = b.op("Transpose", beta, perm=[1, 0, 2])
+        # Time-major: Scan walks axis 0. Each key head serves Hv / Hk consecutive value heads. Every per-token input
+        # comes already shaped as the step uses it (rows (.., 1, d), gates (.., 1, 1)): reshaped once here instead
+        # of unsqueezed in each of T steps, which halves the nodes the Scan runs per token.
+        query = b.op("Transpose", self.per_value_head(query), perm=[1, 0, 2, 3, 4])  # (T, B, Hv, 1, dk)
+        key = b.op("Transpose", self.per_value_head(key), perm=[1, 0, 2, 3, 4])
+        value = self.to_float(b.op("Reshape", value, b.const([0, 0, d.num_value_heads, 1, d.value_head_dim])))
+        value = b.op("Transpose", value, perm=[1, 0, 2, 3, 4])  # (T, B, Hv, 1, dv)
+        gate_shape = b.const([0, 0, d.num_value_heads, 1, 1])
+        decay = b.op("Transpose", b.op("Reshape", b.op("Exp", log_decay), gate_shape), perm=[1, 0, 2, 3, 4])
+        beta = b.op("Transpose", b.op("Reshape", beta, gate_shape), perm=[1, 0, 2, 3, 4])  # (T, B, Hv, 1, 1)
 
         body = b.subgraph()
         with body.scope("token"):
@@ -247,42 +261,42 @@ class GatedDeltaNetGraph:
             "gated_delta_step",
             [
                 value_info(names["state"], float32, [None, hv, dk, dv]),
-                value_info(names["q"], float32, [None, hv, dk]),
-                value_info(names["k"], float32, [None, hv, dk]),
-                value_info(names["v"], float32, [None, hv, dv]),
-                value_info(names["decay"], float32, [None, hv]),
-                value_info(names["beta"], float32, [None, hv]),
+                value_info(names["q"], float32, [None, hv, 1, dk]),
+                value_info(names["k"], float32, [None, hv, 1, dk]),
+                value_info(names["v"], float32, [None, hv, 1, dv]),
+                value_info(names["decay"], float32, [None, hv, 1, 1]),
+                value_info(names["beta"], float32, [None, hv, 1, 1]),
             ],
-            [value_info(state_out, float32, [None, hv, dk, dv]), value_info(out, float32, [None, hv, dv])],
+            [value_info(state_out, float32, [None, hv, dk, dv]), value_info(out, float32, [None, hv, 1, dv])],
         )
         outputs = b.fresh("outputs")
         b.op_to("Scan", [past, query, key, value, decay, beta], [present, outputs], body=graph, num_scan_inputs=5)
-        out = b.op("Transpose", outputs, perm=[1, 0, 2, 3])  # (B, T, Hv, dv)
+        out = b.op("Transpose", outputs, perm=[1, 0, 2, 3, 4])  # (B, T, Hv, 1, dv)
         return b.op("Reshape", out, b.const([0, 0, d.value_dim]))
 
     def per_value_head(self, x: str) -> str:
-        """(B, T, Hk * dk) -> (B, T, Hv, dk): key head h serves value heads h * r .. h * r + r - 1
+        """(B, T, Hk * dk) -> (B, T, Hv, 1, dk): key head h serves value heads h * r .. h * r + r - 1
         (torch's repeat_interleave over the head axis)."""
         b, d = self.b, self.dims
         x = b.op("Reshape", x, b.const([0, 0, d.num_key_heads, 1, d.key_head_dim]))
         if d.value_heads_per_key_head > 1:
             x = b.op("Expand", x, b.const([1, 1, 1, d.value_heads_per_key_head, 1]))
-        return b.op("Reshape", x, b.const([0, 0, d.num_value_heads, d.key_head_dim]))
+        return b.op("Reshape", x, b.const([0, 0, d.num_value_heads, 1, d.key_head_dim]))
 
     @staticmethod
     def emit_delta_step(
         body: GraphBuilder, state: str, q: str, k: str, v: str, decay: str, beta: str
     ) -> tuple[str, str]:
-        """One token: state (B, Hv, dk, dv); q, k (B, Hv, dk); v (B, Hv, dv); decay, beta (B, Hv)."""
-        state = body.op("Mul", state, body.op("Unsqueeze", decay, body.const([2, 3])))  # S = exp(g) S
-        k_row = body.op("Unsqueeze", k, body.const([2]))  # (B, Hv, 1, dk)
-        remembered = body.op("MatMul", k_row, state)  # S^T k as a row: (B, Hv, 1, dv)
-        delta = body.op("Sub", body.op("Unsqueeze", v, body.const([2])), remembered)
-        delta = body.op("Mul", delta, body.op("Unsqueeze", beta, body.const([2, 3])))  # beta (v - S^T k)
-        k_col = body.op("Unsqueeze", k, body.const([3]))  # (B, Hv, dk, 1)
-        state = body.op("Add", state, body.op("MatMul", k_col, delta))  # S += k delta^T
-        out = body.op("MatMul", body.op("Unsqueeze", q, body.const([2])), state)  # S^T q: (B, Hv, 1, dv)
-        return body.op("Identity", state), body.op("Squeeze", out, body.const([2]))
+        """One token: state (B, Hv, dk, dv); q, k (B, Hv, 1, dk) rows; v (B, Hv, 1, dv); decay, beta (B, Hv, 1, 1).
+        Returns the new state and the read-out (B, Hv, 1, dv); the new state is the body's output itself (an
+        Identity to name it would copy the whole state every token)."""
+        state = body.op("Mul", state, decay)  # S = exp(g) S
+        remembered = body.op("MatMul", k, state)  # S^T k as a row: (B, Hv, 1, dv)
+        delta = body.op("Mul", body.op("Sub", v, remembered), beta)  # beta (v - S^T k)
+        k_col = body.op("Reshape", k, body.const([0, 0, -1, 1]))  # (B, Hv, dk, 1)
+        state_out = body.fresh("state_out")
+        body.op_to("Add", [state, body.op("MatMul", k_col, delta)], [state_out])  # S += k delta^T
+        return state_out, body.op("MatMul", q, state_out)  # S^T q: (B, Hv, 1, dv)
 
     def emit_gated_norm(self, x: str, z: str, weight_name: str) -> str:
         """Qwen3_5RMSNormGated per value head: w * (x32 / sqrt(mean(x32²) + eps)).to(dtype), times silu(z32), cast
@@ -309,8 +323,9 @@ class FusedGatedDeltaNetGraph(GatedDeltaNetGraph):
                 the value heads itself), state (B, Hv, dk, dv) float32, scale dk^-0.5
     norm        GatedRMSNorm over each value head's dv channels, silu gate, float32 inside
 
-    The l2 norm of q and k stays in standard operators: LinearAttention expects normalised keys, and onnxruntime's
-    own normalising variant (GatedDeltaNet, qk_l2_norm) has CUDA and WebGPU kernels only.
+    l2 norm     q and k together in one SimplifiedLayerNormalization with transformers' eps rescaled (LinearAttention
+                expects normalised keys; onnxruntime's normalising variant, GatedDeltaNet with qk_l2_norm, has CUDA
+                and WebGPU kernels only, and the builder's LpNormalization has no eps)
     """
 
     contrib_ops = True
@@ -336,6 +351,19 @@ class FusedGatedDeltaNetGraph(GatedDeltaNetGraph):
             outputs=2,
         )
         return log_decay, beta
+
+    def emit_split_qkv(self, qkv: str) -> tuple[str, str, str]:
+        """q and k normalised together by one SimplifiedLayerNormalization over their 2 Hk heads (a dozen small
+        nodes fewer per layer, which decode pays for in dispatch): x / sqrt(sum(x²) + eps) is
+        x / sqrt(mean(x²) + eps / dk) * dk^-0.5, the norm's epsilon and scale; float32 inside and out."""
+        b, d = self.b, self.dims
+        qk, value = b.op("Split", qkv, b.const([2 * d.key_dim, d.value_dim]), axis=-1, outputs=2)
+        qk = self.to_float(b.op("Reshape", qk, b.const([0, 0, 2 * d.num_key_heads, d.key_head_dim])))
+        scale = b.const([d.key_head_dim**-0.5] * d.key_head_dim, torch.float32)  # one inline copy for every layer
+        qk = b.op("SimplifiedLayerNormalization", qk, scale, axis=-1, epsilon=L2NORM_EPS / d.key_head_dim, stash_type=1)
+        qk = b.op("Reshape", qk, b.const([0, 0, 2 * d.key_dim]))
+        query, key = b.op("Split", qk, b.const([d.key_dim, d.key_dim]), axis=-1, outputs=2)
+        return query, key, value
 
     def emit_delta_rule(
         self, query: str, key: str, value: str, log_decay: str, beta: str, past: str, present: str

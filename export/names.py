@@ -11,6 +11,14 @@ GENAI_CONFIG_FILE = "genai_config.json"
 # --graph: "plain", standard ONNX operators only; "fused", onnxruntime's contrib operators (export/fused_graph.py).
 GRAPHS = {"plain": "export.decoder_graph:DecoderGraph", "fused": "export.fused_graph:FusedDecoderGraph"}
 
+
+def default_graph(hybrid: bool) -> str:
+    """The graph ``thinker export`` writes when ``--graph`` is not given: fused for hybrid models (linear-attention
+    layers), whose plain recurrence is a ``Scan`` over tokens and whose plain graph measured slower at prefill and
+    decode (docs/hybrid-export.md, section 6); plain, which any runtime runs, for the others."""
+    return "fused" if hybrid else "plain"
+
+
 # --quantize and its options (export/quantize.py).
 BITS = {"int4": 4, "int8": 8}
 ALGORITHMS = ("rtn", "hqq")

@@ -262,7 +262,7 @@ class TiledHeads(GatedDeltaNetGraph):
         b, d = self.b, self.dims
         x = b.op("Reshape", x, b.const([0, 0, 1, d.num_key_heads, d.key_head_dim]))
         x = b.op("Expand", x, b.const([1, 1, d.value_heads_per_key_head, 1, 1]))
-        return b.op("Reshape", x, b.const([0, 0, d.num_value_heads, d.key_head_dim]))
+        return b.op("Reshape", x, b.const([0, 0, d.num_value_heads, 1, d.key_head_dim]))
 
 
 @pytest.mark.parametrize("planted", [WithoutL2Norm, WithoutDecay, TiledHeads], ids=lambda c: c.__name__)
