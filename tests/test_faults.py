@@ -165,7 +165,9 @@ def test_a_killed_export_leaves_no_output_and_the_next_run_works(point, killed, 
 def test_a_killed_export_that_converts_on_the_way(killed, qwen3_source, tmp_path):
     """Killed inside the conversion that an export of a non-Thinker SOURCE runs in its own staging folder."""
     output = tmp_path / "onnx"
-    killed(KillPoint("converter.shards:ShardWriter", "write_pieces", call=2), export_model, qwen3_source, output, **EXPORT)
+    killed(
+        KillPoint("converter.shards:ShardWriter", "write_pieces", call=2), export_model, qwen3_source, output, **EXPORT
+    )
     assert not output.exists()
     export_model(qwen3_source, output, **EXPORT)
     assert_complete_export(output)
