@@ -1,16 +1,26 @@
-"""Conversion throughput against ``cp`` of the same files, and peak memory against checkpoint size.
+"""Conversion throughput against ``cp`` + ``sync`` of the same files, and peak memory against the largest tensor.
 
-Builds a Qwen3-0.6B-shaped checkpoint with random float32 weights (2.4 GB in 1 GB shards, like a Hub download),
-warms the page cache, then times ``cp`` of the shards and ``thinker-convert --no-verify`` (a fresh process, as users
-run it) on the same files. While the converter runs, its /proc status is sampled every few milliseconds: the peak
-resident set (``VmHWM``, which the kernel keeps exactly) and the peaks of its anonymous part (memory the process
-allocated: tensors) and file-backed part (mapped files: libraries, and any mapped checkpoint pages). getrusage's
-``ru_maxrss`` is no use here: a child forked from this process inherits this process's high-water mark.
+Builds two Qwen3-0.6B-shaped float32 checkpoints that differ only in their number of layers (1 GB shards, like a
+Hub download), then, interleaved and repeated, times ``cp`` of each one's shards followed by ``sync`` and
+``thinker-convert --no-verify`` of each (a fresh process, as users run it, its output synced as part of the run).
+The figure is the marginal throughput: the bytes the larger checkpoint adds over the time it adds, for the converter
+and for ``cp`` alike, which leaves out what does not grow with the model (starting Python, importing torch and
+transformers, planning); that fixed cost is reported on its own (the converter's time at zero bytes, extrapolated).
+The converter's time is taken two ways: the whole process, and the time it reports itself (from the start of the
+conversion, after the imports, to its end: planning, reading, writing, every fsync and the final rename). On a
+shared machine the imports alone vary by several seconds from one run to the next, which the whole-process
+difference carries and the reported one does not, so the latter is the headline ratio.
 
-    python bench/bench_convert.py [--work /tmp/thinker-bench] [--keep]
+While the converter runs, its /proc status is sampled every few milliseconds: the peak resident set (``VmHWM``,
+which the kernel keeps exactly) and the peaks of its anonymous part (memory the process allocated: tensors and
+buffers) against the same process idle after its imports. getrusage's ``ru_maxrss`` is no use here: a child forked
+from this process inherits this process's high-water mark.
 
-Prints a table and writes bench/results/convert.json. Timings are wall-clock on whatever else the machine is doing;
-the fraction of ``cp`` is the figure to compare across machines.
+    python bench/bench_convert.py [--reps 3] [--work /tmp/thinker-bench] [--keep]
+    python bench/bench_convert.py --report     # the README table, from bench/results/convert.json
+
+Timings are wall-clock on whatever else the machine is doing (the load average is recorded before and after); the
+ratio to ``cp`` measured in the same interleaved runs is the figure to compare across machines.
 """
 
 from __future__ import annotations
@@ -21,67 +31,55 @@ import os
 import platform
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-from transformers import Qwen3Config
-
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "convert.json"
+COMMAND = "python bench/bench_convert.py"
 SHARD_BYTES = 10**9
-
-# Qwen3-0.6B's shapes (https://huggingface.co/Qwen/Qwen3-0.6B/blob/main/config.json), tied embeddings.
-QWEN3_0_6B = Qwen3Config(
-    vocab_size=151936,
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=40960,
-    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    dtype="float32",
-)
+LAYERS = (4, 40)  # the two checkpoints: ~0.9 GB and ~3.1 GB
 
 
-def qwen3_tensor_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
-    """The checkpoint's tensors in the order transformers writes them (embeddings, then layer by layer)."""
-    c, q, kv = (
-        config.hidden_size,
-        config.num_attention_heads * config.head_dim,
-        config.num_key_value_heads * config.head_dim,
+def qwen3_config(layers: int):
+    """Qwen3-0.6B's shapes (https://huggingface.co/Qwen/Qwen3-0.6B/blob/main/config.json), tied embeddings."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        dtype="float32",
     )
-    shapes = {"model.embed_tokens.weight": (config.vocab_size, c)}
-    for i in range(config.num_hidden_layers):
-        layer = f"model.layers.{i}"
-        shapes |= {
-            f"{layer}.input_layernorm.weight": (c,),
-            f"{layer}.self_attn.q_proj.weight": (q, c),
-            f"{layer}.self_attn.k_proj.weight": (kv, c),
-            f"{layer}.self_attn.v_proj.weight": (kv, c),
-            f"{layer}.self_attn.o_proj.weight": (c, q),
-            f"{layer}.self_attn.q_norm.weight": (config.head_dim,),
-            f"{layer}.self_attn.k_norm.weight": (config.head_dim,),
-            f"{layer}.post_attention_layernorm.weight": (c,),
-            f"{layer}.mlp.gate_proj.weight": (config.intermediate_size, c),
-            f"{layer}.mlp.up_proj.weight": (config.intermediate_size, c),
-            f"{layer}.mlp.down_proj.weight": (c, config.intermediate_size),
-        }
-    return shapes | {"model.norm.weight": (c,)}
 
 
-def build_checkpoint(folder: Path) -> tuple[int, int]:
-    """Random float32 weights in ~1 GB shards, one shard in memory at a time; returns (total, largest) bytes."""
+def build_checkpoint(folder: Path, layers: int) -> tuple[int, int]:
+    """Random float32 weights in ~1 GB shards, one shard in memory at a time; returns (total, largest) bytes.
+
+    The tensor names and shapes are those of transformers' own model built on the meta device (no memory)."""
+    import torch
+    from accelerate import init_empty_weights
+    from safetensors.torch import save_file
+    from transformers import Qwen3ForCausalLM
+
+    config = qwen3_config(layers)
+    with init_empty_weights():
+        model = Qwen3ForCausalLM(config)
+    tied = set(model.all_tied_weights_keys)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in tied}
     folder.mkdir(parents=True)
-    shapes = qwen3_tensor_shapes(QWEN3_0_6B)
     groups: list[list[str]] = [[]]
     used = 0
     for name, shape in shapes.items():
@@ -102,7 +100,7 @@ def build_checkpoint(folder: Path) -> tuple[int, int]:
     sizes = [4 * torch.Size(shape).numel() for shape in shapes.values()]
     index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    QWEN3_0_6B.save_pretrained(folder)
+    config.save_pretrained(folder)
     return sum(sizes), max(sizes)
 
 
@@ -119,8 +117,12 @@ def time_cp(source: Path, destination: Path) -> float:
     shards = sorted(str(path) for path in source.glob("*.safetensors"))
     started = time.perf_counter()
     subprocess.run(["cp", *shards, str(destination)], check=True)
-    subprocess.run(["sync", "-f", str(destination)], check=True)  # cp returns before its writes reach the disk
-    return time.perf_counter() - started
+    # cp returns before its writes reach the disk; ``sync FILE...`` fsyncs exactly the copies (the converter fsyncs
+    # each shard it writes), not everything else on the disk as ``sync -f`` would.
+    subprocess.run(["sync", *(str(destination / Path(shard).name) for shard in shards)], check=True)
+    seconds = time.perf_counter() - started
+    shutil.rmtree(destination)
+    return seconds
 
 
 class MemorySampler:
@@ -130,7 +132,7 @@ class MemorySampler:
 
     def __init__(self, pid: int, interval: float = 0.005) -> None:
         self.pid, self.interval = pid, interval
-        self.peak = {"RssAnon": 0, "RssFile": 0, "Rss": 0, "VmHWM": 0}
+        self.peak = {"RssAnon": 0, "RssFile": 0, "VmHWM": 0}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -149,7 +151,6 @@ class MemorySampler:
                 values = {key: int(kb) * 1024 for key, kb in self.FIELDS.findall(status.read_text())}
             except (OSError, ValueError):
                 return
-            values["Rss"] = values.get("RssAnon", 0) + values.get("RssFile", 0)
             for key, value in values.items():
                 self.peak[key] = max(self.peak.get(key, 0), value)
             time.sleep(self.interval)
@@ -158,95 +159,200 @@ class MemorySampler:
 def run_measured(command: list[str], env: dict[str, str]) -> tuple[float, dict[str, int], str]:
     """(wall seconds, sampled memory peaks, stdout) of one child process."""
     started = time.perf_counter()
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with MemorySampler(process.pid) as sampler:
-        _, status = os.waitpid(process.pid, 0)
+        output, errors = process.communicate()
     seconds = time.perf_counter() - started
-    output = process.stdout.read()
-    process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode:
-        raise SystemExit(f"{' '.join(command)} failed with exit code {process.returncode}")
+        raise SystemExit(f"{' '.join(command)} failed: {errors[-2000:]}")
     return seconds, sampler.peak, output
+
+
+def time_convert(source: Path, output: Path, env: dict[str, str]) -> tuple[float, float, dict[str, int]]:
+    """(whole-process seconds, the seconds the converter reports, memory peaks)."""
+    shutil.rmtree(output, ignore_errors=True)
+    command = [sys.executable, "-c", "from converter.cli import convert_command; convert_command()"]
+    seconds, peak, printed = run_measured(command + [str(source), str(output), "--no-verify"], env)
+    shutil.rmtree(output)
+    reported = re.search(r"weights, ([\d.]+) s", printed)
+    if reported is None:
+        raise SystemExit(f"thinker-convert printed no time: {printed[-500:]}")
+    return seconds, float(reported.group(1)), peak
+
+
+def load_average() -> float:
+    return os.getloadavg()[0]
+
+
+def measure(work: Path, reps: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO), TQDM_DISABLE="1")
+    sources, sizes = {}, {}
+    for layers in LAYERS:
+        sources[layers] = work / f"source-{layers}"
+        print(f"building a {layers}-layer Qwen3-0.6B-shaped float32 checkpoint ...", flush=True)
+        sizes[layers] = build_checkpoint(sources[layers], layers)
+    load_before = load_average()
+    runs: list[dict] = []
+    for rep in range(reps):
+        # Alternate the order, so that a drift in the machine's load favours neither size.
+        for layers in LAYERS if rep % 2 == 0 else LAYERS[::-1]:
+            warm_page_cache(sources[layers])
+            cp = time_cp(sources[layers], work / "cp")
+            convert, reported, peak = time_convert(sources[layers], work / "converted", env)
+            runs.append(
+                {
+                    "layers": layers,
+                    "rep": rep,
+                    "cp_seconds": cp,
+                    "convert_seconds": convert,
+                    "convert_reported_seconds": reported,
+                    "peak": peak,
+                }
+            )
+            print(
+                f"  rep {rep} {layers:>2} layers: cp+sync {cp:6.2f} s  thinker-convert {convert:6.2f} s "
+                f"(reported {reported:.1f} s)",
+                flush=True,
+            )
+    idle_seconds, idle, _ = run_measured([sys.executable, "-c", "import converter.cli, converter.convert"], env)
+
+    small, large = LAYERS
+    added = sizes[large][0] - sizes[small][0]
+
+    def median(layers: int, key: str) -> float:
+        return statistics.median(run[key] for run in runs if run["layers"] == layers)
+
+    def marginal(key: str) -> float:
+        return added / (median(large, key) - median(small, key))
+
+    per_rep = []
+    for rep in range(reps):
+        pair = {run["layers"]: run for run in runs if run["rep"] == rep}
+        cp_time = pair[large]["cp_seconds"] - pair[small]["cp_seconds"]
+        convert_time = pair[large]["convert_reported_seconds"] - pair[small]["convert_reported_seconds"]
+        per_rep.append(cp_time / convert_time)
+    convert_rate, cp_rate = marginal("convert_reported_seconds"), marginal("cp_seconds")
+    process_rate = marginal("convert_seconds")
+    largest_tensor = max(size[1] for size in sizes.values())
+    peak = {key: max(run["peak"][key] for run in runs) for key in ("VmHWM", "RssAnon", "RssFile")}
+    return {
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "load_average_before": load_before,
+            "load_average_after": load_average(),
+        },
+        "command": COMMAND + (f" --reps {reps}" if reps != 3 else ""),
+        "checkpoints": [
+            {"shape": "Qwen3-0.6B", "dtype": "float32", "layers": layers, "bytes": sizes[layers][0]}
+            for layers in LAYERS
+        ],
+        "largest_tensor_bytes": largest_tensor,
+        "runs": runs,
+        "median_seconds": {
+            str(layers): {
+                "cp": median(layers, "cp_seconds"),
+                "convert_process": median(layers, "convert_seconds"),
+                "convert_reported": median(layers, "convert_reported_seconds"),
+            }
+            for layers in LAYERS
+        },
+        "marginal_bytes": added,
+        "cp_marginal_gb_per_s": cp_rate / 1e9,
+        "convert_marginal_gb_per_s": convert_rate / 1e9,
+        "convert_process_marginal_gb_per_s": process_rate / 1e9,
+        "marginal_throughput_fraction_of_cp": convert_rate / cp_rate,
+        "process_marginal_throughput_fraction_of_cp": process_rate / cp_rate,
+        "per_rep_fraction_of_cp": per_rep,
+        "convert_fixed_seconds": median(small, "convert_seconds") - sizes[small][0] / process_rate,
+        "idle_process_seconds": idle_seconds,
+        "peak_rss_bytes": peak["VmHWM"],
+        "peak_rss_anon_bytes": peak["RssAnon"],
+        "peak_rss_file_bytes": peak["RssFile"],
+        "idle_process_rss_anon_bytes": idle["RssAnon"],
+        "peak_anon_above_idle_bytes": peak["RssAnon"] - idle["RssAnon"],
+    }
+
+
+def report(result: dict) -> str:
+    """The README table."""
+    gib = 2**30
+    small, large = result["checkpoints"]
+    seconds = result["median_seconds"]
+    rows = [
+        (
+            "checkpoints (Qwen3-0.6B shapes, float32)",
+            f"{small['layers']} and {large['layers']} layers: {small['bytes'] / gib:.2f} and "
+            f"{large['bytes'] / gib:.2f} GiB; largest tensor (embeddings) "
+            f"{result['largest_tensor_bytes'] / gib:.2f} GiB",
+        ),
+        (
+            "`cp` + `sync`, median",
+            f"{seconds[str(small['layers'])]['cp']:.1f} s and {seconds[str(large['layers'])]['cp']:.1f} s: "
+            f"{result['cp_marginal_gb_per_s']:.2f} GB/s marginal",
+        ),
+        (
+            "`thinker-convert --no-verify`, the time it reports (after imports), median",
+            f"{seconds[str(small['layers'])]['convert_reported']:.1f} s and "
+            f"{seconds[str(large['layers'])]['convert_reported']:.1f} s: "
+            f"{result['convert_marginal_gb_per_s']:.2f} GB/s marginal",
+        ),
+        (
+            "marginal throughput as a fraction of `cp` + `sync` (goal ≥ 0.8)",
+            f"**{result['marginal_throughput_fraction_of_cp']:.2f}** (each repetition on its own: "
+            + ", ".join(f"{value:.2f}" for value in result["per_rep_fraction_of_cp"])
+            + ")",
+        ),
+        (
+            "the same from whole-process times, median",
+            f"{seconds[str(small['layers'])]['convert_process']:.1f} s and "
+            f"{seconds[str(large['layers'])]['convert_process']:.1f} s: "
+            f"{result['convert_process_marginal_gb_per_s']:.2f} GB/s marginal, "
+            f"{result['process_marginal_throughput_fraction_of_cp']:.2f} of `cp`",
+        ),
+        (
+            "fixed cost of a conversion (time at zero bytes)",
+            f"{result['convert_fixed_seconds']:.1f} s; the process that only imports the converter: "
+            f"{result['idle_process_seconds']:.1f} s",
+        ),
+        (
+            "peak RSS",
+            f"{result['peak_rss_bytes'] / gib:.2f} GiB (idle process after imports: "
+            f"{result['idle_process_rss_anon_bytes'] / gib:.2f} GiB allocated)",
+        ),
+        (
+            "memory allocated above the idle process",
+            f"{result['peak_anon_above_idle_bytes'] / gib:.2f} GiB = "
+            f"{result['peak_anon_above_idle_bytes'] / result['largest_tensor_bytes']:.2f} × the largest tensor",
+        ),
+        (
+            "load average (2 cores, shared) before / after",
+            f"{result['machine']['load_average_before']:.1f} / {result['machine']['load_average_after']:.1f}",
+        ),
+    ]
+    lines = [f"Command: `{result['command']}`", "", "| | |", "|---|---|"]
+    return "\n".join(lines + [f"| {label} | {value} |" for label, value in rows])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=Path("/tmp/thinker-bench"), help="scratch folder (deleted)")
+    parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions of each measurement")
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder")
+    parser.add_argument("--report", action="store_true", help="print the README table from the results file")
     args = parser.parse_args()
+    if args.report:
+        print(report(json.loads(RESULTS.read_text())))
+        return
     shutil.rmtree(args.work, ignore_errors=True)
-    source, copied, converted = args.work / "source", args.work / "cp", args.work / "converted"
-    env = dict(os.environ, PYTHONPATH=str(REPO), TQDM_DISABLE="1")
-    python = sys.executable
     try:
-        print(f"building a Qwen3-0.6B-shaped float32 checkpoint in {source} ...", flush=True)
-        checkpoint_bytes, largest_tensor = build_checkpoint(source)
-        warm_page_cache(source)
-
-        cp_seconds = min(time_cp(source, copied) for _ in range(2))
-        shutil.rmtree(copied)
-
-        # The converter's process without the conversion: interpreter, torch, transformers, thinker.
-        _, idle, _ = run_measured([python, "-c", "import converter.cli, converter.convert"], env)
-        convert = [python, "-c", "from converter.cli import convert_command; convert_command()"]
-        convert_seconds, peak, output = run_measured(convert + [str(source), str(converted), "--no-verify"], env)
-        subprocess.run(["sync", "-f", str(converted)], check=True)
-        inner = re.search(r"weights, ([\d.]+) s", output)
-        engine_seconds = float(inner.group(1)) if inner else float("nan")
+        result = measure(args.work, args.reps)
     finally:
         if not args.keep:
             shutil.rmtree(args.work, ignore_errors=True)
-
-    gib = 2**30
-    result = {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
-        "checkpoint": {
-            "shape": "Qwen3-0.6B",
-            "dtype": "float32",
-            "bytes": checkpoint_bytes,
-            "largest_tensor_bytes": largest_tensor,
-        },
-        "cp_seconds": cp_seconds,
-        "convert_process_seconds": convert_seconds,
-        "convert_seconds_excluding_startup": engine_seconds,
-        "throughput_fraction_of_cp": cp_seconds / convert_seconds,
-        "throughput_fraction_of_cp_excluding_startup": cp_seconds / engine_seconds,
-        "convert_gb_per_s": checkpoint_bytes / 1e9 / engine_seconds,
-        "cp_gb_per_s": checkpoint_bytes / 1e9 / cp_seconds,
-        "peak_rss_bytes": peak["VmHWM"],
-        "peak_rss_anon_bytes": peak["RssAnon"],
-        "peak_rss_file_bytes": peak["RssFile"],
-        "idle_process_rss_anon_bytes": idle["RssAnon"],
-        "idle_process_peak_rss_bytes": idle["VmHWM"],
-        "peak_anon_above_idle_bytes": peak["RssAnon"] - idle["RssAnon"],
-    }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-
-    rows = [
-        ("checkpoint (Qwen3-0.6B shapes, fp32)", f"{checkpoint_bytes / gib:.2f} GiB"),
-        ("largest tensor (embeddings)", f"{largest_tensor / gib:.2f} GiB"),
-        ("cp of the shards (warm cache, synced)", f"{cp_seconds:.1f} s  ({result['cp_gb_per_s']:.2f} GB/s)"),
-        ("thinker-convert, whole process", f"{convert_seconds:.1f} s"),
-        ("thinker-convert, excluding startup", f"{engine_seconds:.1f} s  ({result['convert_gb_per_s']:.2f} GB/s)"),
-        (
-            "throughput as a fraction of cp",
-            f"{result['throughput_fraction_of_cp']:.2f} (excl. startup "
-            f"{result['throughput_fraction_of_cp_excluding_startup']:.2f})",
-        ),
-        ("peak RSS (VmHWM)", f"{peak['VmHWM'] / gib:.2f} GiB = {peak['VmHWM'] / checkpoint_bytes:.2f} × checkpoint"),
-        ("  of which anonymous (allocated)", f"{peak['RssAnon'] / gib:.2f} GiB"),
-        ("  of which file-backed (libraries)", f"{peak['RssFile'] / gib:.2f} GiB"),
-        ("peak RSS of the same process idle (imports)", f"{idle['VmHWM'] / gib:.2f} GiB"),
-        (
-            "anonymous above an idle process",
-            f"{result['peak_anon_above_idle_bytes'] / gib:.2f} GiB "
-            f"= {result['peak_anon_above_idle_bytes'] / largest_tensor:.2f} × largest tensor",
-        ),
-    ]
-    width = max(len(label) for label, _ in rows)
-    for label, value in rows:
-        print(f"{label:<{width}}  {value}")
+    print(report(result))
     print(f"wrote {RESULTS.relative_to(REPO)}")
 
 

@@ -250,7 +250,11 @@ def figures_markdown(results: dict) -> str:
     for name, model in results["models"].items():
         parts += [f"\n### {name} ({model['layers']} layers, {'real' if model['real_weights'] else 'random'} weights)\n"]
         parts += ["Batch 1 and batch 8, 128-token prompt, 64 new tokens, greedy; medians.\n", report.speed_table(model)]
-        parts += ["\nExport cost:\n", report.export_table(model)]
+        parts += [
+            "\nExport cost (`--no-verify`: the export alone; the default `--verify` adds loading the PyTorch model "
+            "and comparing):\n",
+            report.export_table(model),
+        ]
         if "fidelity" in model:
             parts += ["\nFidelity of the quantized graphs:\n", report.fidelity_table(model["fidelity"])]
     parts += ["\n![decode tokens/s against context length](bench/results/decode_vs_context.png)\n", NOTES]

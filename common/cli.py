@@ -12,10 +12,12 @@ onnxruntime inside the commands, so ``thinker --help`` and argument errors answe
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pkgutil import resolve_name
 
 import click
@@ -36,7 +38,8 @@ def reports_errors(command: Callable) -> Callable:
         if not debug:
             quiet_transformers()
         try:
-            return command(*args, **kwargs)
+            with held_warnings(hold=not debug):
+                return command(*args, **kwargs)
         except ThinkerError as err:
             report = getattr(err, "report", None)  # a failed parity check carries its table: show what differed
             if report is not None:
@@ -48,6 +51,20 @@ def reports_errors(command: Callable) -> Callable:
             sys.exit(1)
 
     return debug_option(run)
+
+
+@contextlib.contextmanager
+def held_warnings(hold: bool = True) -> Iterator[None]:
+    """Python warnings raised while a command runs (torch's, numpy's, transformers' ...) are held back and shown
+    when it ends well: a run that ends in a user's mistake prints its one line, not library warnings about the bad
+    input before it. ``hold=False`` (``--debug``) prints them as they come."""
+    if not hold:
+        yield
+        return
+    with warnings.catch_warnings(record=True) as caught:  # the filters in force decide what is shown, as before
+        yield
+    for warning in caught:
+        warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
 
 
 def quiet_transformers() -> None:

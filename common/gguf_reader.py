@@ -23,6 +23,8 @@ import numpy as np
 import torch
 
 from .errors import ThinkerError
+from .source_files import regular_file
+from .values import ValueScan
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +67,7 @@ class GGUFSource:
     def dtype(self, name: str) -> torch.dtype:
         return self._native.get(self._tensor(name).tensor_type, torch.float32)
 
-    def load(self, name: str) -> torch.Tensor:
+    def load(self, name: str, scan: ValueScan | None = None) -> torch.Tensor:
         from gguf import GGMLQuantizationType, quants
 
         tensor = self._tensor(name)
@@ -89,6 +91,8 @@ class GGUFSource:
             ) from None
         except (OSError, ValueError) as err:
             raise ThinkerError(f"{self.path}: cannot read tensor {name!r} ({err}); the file is corrupt") from None
+        if scan is not None:
+            scan.update(result)
         return result.reshape(self.shape(name))
 
     def file_of(self, name: str) -> str:
@@ -148,6 +152,8 @@ def _open_reader(path: Path) -> Any:
     """A ``GGUFReader`` for ``path``, with every way a file can be unreadable turned into one ``ThinkerError``."""
     from gguf import GGUFReader
 
+    if os.path.lexists(path):
+        regular_file(path)  # a named pipe would block the read below forever
     try:
         with path.open("rb") as handle:
             magic = handle.read(4)
@@ -173,7 +179,22 @@ def _open_reader(path: Path) -> Any:
                 f"{path}: truncated ({size} bytes, but tensor {tensor.name!r} ends at byte "
                 f"{int(tensor.data_offset) + int(tensor.n_bytes)}); re-download it"
             )
+    _check_overlaps(path, reader)
     return reader
+
+
+def _check_overlaps(path: Path, reader: Any) -> None:
+    """Every tensor's bytes its own: the reader takes each tensor's offset from the header as given, so a file whose
+    tensors share bytes (one tensor read as another, or a crafted file) would convert without a word."""
+    extents = sorted((int(t.data_offset), int(t.data_offset) + int(t.n_bytes), t.name) for t in reader.tensors)
+    extents = [extent for extent in extents if extent[1] > extent[0]]  # empty tensors occupy no bytes
+    for (_, end, name), (start, following_end, following) in zip(extents, extents[1:], strict=False):
+        if start < end:
+            last = min(end, following_end) - 1
+            raise ThinkerError(
+                f"{path}: the data of tensors {name!r} and {following!r} overlap (both hold bytes {start} to {last} "
+                "of the file); the file is corrupt or crafted: re-download it"
+            )
 
 
 def _field_value(field: Any) -> Any:

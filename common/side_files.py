@@ -6,11 +6,13 @@ and by the exporter (tokenizer and configs beside the graph), so that no stage d
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 from .errors import ThinkerError
+from .source_files import checked_file, present, regular_file
 
 # Files a tokenizer (or chat template) may live in, for every tokenizer type transformers ships: fast (tokenizer.json),
 # BPE (vocab.json + merges.txt), WordPiece (vocab.txt), SentencePiece (tokenizer.model / spiece.model).
@@ -34,10 +36,13 @@ CONFIG_FILES = ("config.json", "generation_config.json")
 
 
 def tokenizer_files(folder: Path) -> list[str]:
-    """The names of ``folder``'s tokenizer files, by the lists above; code or anything else is never picked."""
-    names = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
-    names += sorted(path.name for pattern in TOKENIZER_PATTERNS for path in folder.glob(pattern) if path.is_file())
-    return names
+    """The names of ``folder``'s tokenizer files, by the lists above; code or anything else is never picked. Each
+    is checked (``source_files.checked_file``): a symlink leading out of the folder, or a named pipe, is refused."""
+    names = [name for name in TOKENIZER_FILES if present(folder / name, folder)]
+    matches = sorted({path.name for pattern in TOKENIZER_PATTERNS for path in folder.glob(pattern)})
+    for name in matches:
+        checked_file(folder / name, folder)
+    return names + matches
 
 
 def copy_files(names: list[str], source: Path, destination: Path) -> list[str]:
@@ -48,10 +53,15 @@ def copy_files(names: list[str], source: Path, destination: Path) -> list[str]:
 
 
 def read_json(path: Path) -> Any:
-    """The JSON in ``path``; None when there is no such file; ``ThinkerError`` naming it when it does not parse."""
-    try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
+    """The JSON in ``path``; None when there is no such file; ``ThinkerError`` naming it when it is not a regular
+    file or does not parse (a named pipe would block the read; nesting deeper than Python's recursion limit is
+    refused, not a crash)."""
+    path = Path(path)
+    if not os.path.lexists(path):
         return None
+    try:
+        return json.loads(regular_file(path).read_text())
+    except RecursionError:
+        raise ThinkerError(f"{path}: not readable JSON (nested too deeply); a config is a few levels deep") from None
     except (OSError, ValueError) as err:
         raise ThinkerError(f"{path}: not readable JSON ({err})") from None

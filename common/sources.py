@@ -13,7 +13,8 @@ import json
 import os
 import pickle
 import re
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
@@ -24,6 +25,8 @@ from safetensors import safe_open
 from .dtypes import SAFETENSORS_DTYPES, torch_dtype
 from .errors import ThinkerError
 from .side_files import copy_files, read_json, tokenizer_files
+from .source_files import checked_file, present, regular_file
+from .values import ValueScan
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -48,35 +51,53 @@ class TensorSource(Protocol):
 
     def dtype(self, name: str) -> torch.dtype: ...
 
-    def load(self, name: str) -> torch.Tensor: ...
+    def load(self, name: str, scan: ValueScan | None = None) -> torch.Tensor:
+        """The tensor's values; ``scan``, when given, sees them all (``common.values``)."""
+        ...
 
     def file_of(self, name: str) -> str: ...
 
     def close(self) -> None: ...
 
 
-def _read_index(index_path: Path) -> dict[str, str]:
+def _read_index(index_path: Path, root: Path) -> dict[str, str]:
+    """An index's ``weight_map`` (tensor name -> shard file name), checked to be that and to name at least one."""
+    checked_file(index_path, root)
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
+    except RecursionError:
+        raise ThinkerError(f"{index_path}: not a readable shard index (nested too deeply); re-download it") from None
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ThinkerError(f"{index_path}: not a readable shard index ({err}); re-download the checkpoint") from None
     if not isinstance(weight_map, dict):
         raise ThinkerError(f"{index_path}: 'weight_map' must map tensor names to shard files")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise ThinkerError(
+                f"{index_path}: 'weight_map' maps {name!r} to {shard!r}, not to a shard file name; the index is "
+                "corrupt: re-download the checkpoint"
+            )
+    if not weight_map:
+        raise ThinkerError(
+            f"{index_path}: its 'weight_map' names no tensor, so no shard; the index is corrupt: re-download the "
+            "checkpoint, or delete the index if the folder's weights are one file"
+        )
     return weight_map
 
 
 def _shard_path(root: Path, index_path: Path, file_name: str) -> Path:
     """A shard named by an index, refused if the name would leave the checkpoint folder.
 
-    The name is checked, not the resolved path: in a Hub cache every file is a symlink into ``blobs/``.
+    The name is checked first, then the file (``checked_file``: in a Hub cache every file is a symlink into
+    ``blobs/``, which is fine; a symlinked shard or shard folder leading anywhere else is not).
     """
     name = PurePosixPath(file_name.replace("\\", "/"))
     if name.is_absolute() or ".." in name.parts or not name.parts:
         raise ThinkerError(f"{index_path}: shard name {file_name!r} points outside {root}; refusing to read it")
     path = root / name
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise ThinkerError(f"{index_path}: names shard {file_name!r}, which is missing from {root}")
-    return path
+    return checked_file(path, root)
 
 
 class FolderSource:
@@ -86,7 +107,7 @@ class FolderSource:
 
     def config(self) -> dict[str, Any]:
         path = self.root / "config.json"
-        if not path.is_file():
+        if not present(path, self.root):
             raise ThinkerError(f"{self.root}: no config.json beside the weights; it says which model they belong to")
         config = read_json(path)
         if not isinstance(config, dict):
@@ -149,17 +170,44 @@ class SafetensorsSource(FolderSource):
             )
         return torch_dtype(SAFETENSORS_DTYPES[code])
 
-    def load(self, name: str) -> torch.Tensor:
+    def load(self, name: str, scan: ValueScan | None = None) -> torch.Tensor:
+        """Read with ``pread``; with ``scan``, in pieces small enough to stay in the processor's cache, each piece
+        scanned as soon as it has arrived (the value check then costs no second pass over memory)."""
         path = self._file_of[name]
         begin, end = self._byte_ranges[name]
+        dtype = self.dtype(name)
         data = torch.empty(end - begin, dtype=torch.uint8)  # not zero-filled: the read fills every byte
-        view, done = memoryview(data.numpy()), 0
+        view, done, scanned = memoryview(data.numpy()), 0, 0
+        piece = _READ_CHUNK if scan is None else _SCAN_CHUNK
         while done < len(view):  # pread returns at most ~2 GiB per call, and less at end of file
-            count = os.preadv(self._descriptors[path], [view[done : done + _READ_CHUNK]], begin + done)
+            count = os.preadv(self._descriptors[path], [view[done : done + piece]], begin + done)
             if count == 0:
                 raise ThinkerError(f"{path}: ends inside tensor {name!r}; the file is truncated, re-download it")
             done += count
-        return data.view(self.dtype(name)).reshape(self.shape(name))
+            if scan is not None:
+                whole = done - done % dtype.itemsize  # only whole elements; a partial one waits for the next read
+                if whole > scanned:
+                    scan.update(data[scanned:whole].view(dtype))
+                    scanned = whole
+        return data.view(dtype).reshape(self.shape(name))
+
+    def read_pieces(self, name: str, buffers: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+        """The tensor's bytes, one piece at a time, read into ``buffers`` (uint8, of one size) in turn: no memory of
+        the tensor's size and no fresh pages to fault in. Each piece holds whole elements and stays valid until the
+        reader comes back round to its buffer, so with two buffers one piece can be written while the next is read."""
+        path = self._file_of[name]
+        begin, end = self._byte_ranges[name]
+        itemsize = self.dtype(name).itemsize
+        size = len(buffers[0]) - len(buffers[0]) % itemsize
+        for index, start in enumerate(range(begin, end, size)):
+            buffer = buffers[index % len(buffers)]
+            view, length, done = memoryview(buffer.numpy()), min(size, end - start), 0
+            while done < length:
+                count = os.preadv(self._descriptors[path], [view[done:length]], start + done)
+                if count == 0:
+                    raise ThinkerError(f"{path}: ends inside tensor {name!r}; the file is truncated, re-download it")
+                done += count
+            yield buffer[:length]
 
     def file_of(self, name: str) -> str:
         return str(self._file_of[name])
@@ -169,6 +217,7 @@ class SafetensorsSource(FolderSource):
 
 
 _READ_CHUNK = 1 << 30
+_SCAN_CHUNK = 4 << 20  # within a core's share of the last-level cache on common machines
 
 
 def _data_byte_ranges(path: Path) -> dict[str, tuple[int, int]]:
@@ -188,10 +237,10 @@ def _data_byte_ranges(path: Path) -> dict[str, tuple[int, int]]:
 def safetensors_files(root: Path) -> list[Path]:
     """The shards of a folder: those its index names (checked to exist), else every ``*.safetensors`` file."""
     index_path = root / SAFETENSORS_INDEX
-    if index_path.is_file():
-        names = sorted(set(_read_index(index_path).values()))
+    if os.path.lexists(index_path):
+        names = sorted(set(_read_index(index_path, root).values()))
         return [_shard_path(root, index_path, name) for name in names]
-    return sorted(root.glob("*.safetensors"))
+    return [checked_file(path, root) for path in sorted(root.glob("*.safetensors"))]
 
 
 class TorchBinSource(FolderSource):
@@ -205,20 +254,7 @@ class TorchBinSource(FolderSource):
         self._tensors: dict[str, torch.Tensor] = {}
         self._file_of: dict[str, Path] = {}
         for path in files:
-            try:
-                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except pickle.UnpicklingError as err:  # weights_only met something that is not a tensor or a container
-                found = _UNSUPPORTED_GLOBAL.search(str(err))
-                what = f"e.g. {found[1]}" if found else "not tensors"
-                raise ThinkerError(
-                    f"{path}: holds pickled Python objects besides tensors ({what}); they are refused, never run "
-                    "(weights_only loading); get a safetensors copy of this checkpoint"
-                ) from None
-            except Exception as err:
-                raise ThinkerError(
-                    f"{path}: not a loadable weights-only PyTorch state dict ({err.__class__.__name__}); "
-                    "convert it to safetensors or re-download it"
-                ) from None
+            state = _load_weights_only(path)
             for name, tensor in _flatten_state(state, path):
                 self._tensors[name] = tensor
                 self._file_of[name] = path
@@ -232,8 +268,11 @@ class TorchBinSource(FolderSource):
     def dtype(self, name: str) -> torch.dtype:
         return self._tensors[name].dtype
 
-    def load(self, name: str) -> torch.Tensor:
-        return self._tensors[name]
+    def load(self, name: str, scan: ValueScan | None = None) -> torch.Tensor:
+        tensor = self._tensors[name]
+        if scan is not None:
+            scan.update(tensor)  # the first touch of the mapped bytes
+        return tensor
 
     def file_of(self, name: str) -> str:
         return str(self._file_of[name])
@@ -242,8 +281,42 @@ class TorchBinSource(FolderSource):
         self._tensors.clear()
 
 
-# How torch names the object weights_only refused to unpickle: "Unsupported global: GLOBAL builtins.exec was not ..."
-_UNSUPPORTED_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)")
+# How torch names the object weights_only refused to unpickle, in its two wordings: "Unsupported global: GLOBAL
+# builtins.exec was not an allowed global by default" and "Trying to load unsupported GLOBAL posix.system whose
+# module posix is blocked".
+_UNSUPPORTED_GLOBAL = re.compile(r"unsupported (?:global: )?GLOBAL ([\w.]+)", re.IGNORECASE)
+_UNPICKLER_REASON = re.compile(r"WeightsUnpickler error:\s*(\S[^\n]*)")
+
+
+def _load_weights_only(path: Path) -> Any:
+    """``torch.load(weights_only=True)`` of ``path``, memory-mapped where the format allows; every refusal becomes a
+    ``ThinkerError`` that names what torch refused. torch's own warnings (about pickle protocols, on the way to
+    refusing a file) are not printed: the error says it all."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as err:
+                if "mmap can only be used" not in str(err):
+                    raise
+            # The legacy (pre-1.6, not zip) format cannot be memory-mapped; it is read whole, still weights only.
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:  # weights_only met something that is not a tensor or a container
+        text = str(err)
+        found, reason = _UNSUPPORTED_GLOBAL.search(text), _UNPICKLER_REASON.search(text)
+        what = f"e.g. {found[1]}, which torch's weights-only loader blocks" if found else None
+        what = what or (reason[1].strip() if reason else "objects torch's weights-only loader refuses")
+        raise ThinkerError(
+            f"{path}: holds pickled Python objects besides tensors ({what}); they are refused, never run "
+            "(weights_only loading); get a safetensors copy of this checkpoint"
+        ) from None
+    except Exception as err:
+        reason = " ".join(str(err).split())[:200]
+        raise ThinkerError(
+            f"{path}: not a loadable weights-only PyTorch state dict ({err.__class__.__name__}: {reason}); "
+            "convert it to safetensors or re-download it"
+        ) from None
 
 
 def _flatten_state(state: object, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -262,16 +335,17 @@ def _flatten_state(state: object, path: Path) -> Iterator[tuple[str, torch.Tenso
 
 def bin_files(root: Path) -> list[Path]:
     index_path = root / BIN_INDEX
-    if index_path.is_file():
-        names = sorted(set(_read_index(index_path).values()))
+    if os.path.lexists(index_path):
+        names = sorted(set(_read_index(index_path, root).values()))
         return [_shard_path(root, index_path, name) for name in names]
-    return sorted([*root.glob("*.bin"), *root.glob("*.pth"), *root.glob("*.pt")])
+    return [checked_file(path, root) for path in sorted([*root.glob("*.bin"), *root.glob("*.pth"), *root.glob("*.pt")])]
 
 
 def open_source(root: Path) -> TensorSource:
     """The source for a checkpoint folder (or a single weights file), preferring safetensors."""
     root = Path(root)
-    if root.is_file():
+    if os.path.lexists(root) and not root.is_dir():
+        regular_file(root)  # SOURCE named on the command line: a symlink is the user's choice, a pipe is not a file
         if root.suffix == ".safetensors":
             return SafetensorsSource(root.parent, [root])
         if root.suffix == ".gguf":
@@ -285,7 +359,7 @@ def open_source(root: Path) -> TensorSource:
         return SafetensorsSource(root)
     if bin_files(root):
         return TorchBinSource(root)
-    ggufs = sorted(root.glob("*.gguf"))
+    ggufs = [checked_file(path, root) for path in sorted(root.glob("*.gguf"))]
     if len(ggufs) == 1:
         from .gguf_reader import GGUFSource
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
+import hashlib
 import logging
 import os
 import re
@@ -20,23 +21,60 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import ThinkerError
+from .side_files import CONFIG_FILES, TOKENIZER_FILES
 
 log = logging.getLogger(__name__)
 
 
 def refuse_existing_output(output: Path, force: bool, replaced_when: str = "") -> None:
     """An existing OUTPUT is only ever replaced on request, and it is checked before any work starts;
-    ``replaced_when`` tells the user when ``--force`` would replace it (e.g. "once the new conversion is complete")."""
+    ``replaced_when`` tells the user when ``--force`` would replace it (e.g. "once the new conversion is complete").
+    OUTPUT is never the working directory or a folder holding it (``--force .`` would empty it)."""
+    refuse_working_directory(output)
     if (output.exists() or output.is_symlink()) and not force:
         when = f" {replaced_when}" if replaced_when else ""
         raise ThinkerError(f"{output} already exists; pass --force to replace it{when}")
 
 
-def refuse_overwriting_source(output: Path, source_root: Path) -> None:
-    """``--force`` must not replace the folder the weights are read from (or one holding it)."""
-    output, source_root = output.resolve(), source_root.resolve()
-    if output == source_root or output in source_root.parents:
-        raise ThinkerError(f"{output}: OUTPUT would replace the source checkpoint itself; choose another folder")
+def _forms(path: Path) -> set[Path]:
+    """A path as written (made absolute, ``..`` folded) and with its symlinks resolved: two spellings of one place
+    must not slip past a comparison."""
+    return {Path(os.path.abspath(path)), Path(path).resolve()}
+
+
+def refuse_working_directory(output: Path) -> None:
+    here = _forms(Path.cwd())
+    for form in _forms(output):
+        if form in here or any(form in folder.parents for folder in here):
+            holds = "" if form in here else ", or holds it"
+            raise ThinkerError(
+                f"{Path(output).absolute()}: OUTPUT is the working directory{holds}; replacing OUTPUT would delete "
+                "what you are working in: choose another folder"
+            )
+
+
+def refuse_output_over_source(output: Path, source: Path, writes_into: bool = False) -> None:
+    """OUTPUT is replaced as a whole (``--force``), so it must not be the source (a folder, or one weights file),
+    nor hold it, nor lie inside a source folder; beside a single source file, it must not be one of the files read
+    with it (its config.json, its tokenizer). ``writes_into``: OUTPUT is an existing folder written into (``thinker
+    verify``'s parity.json), so only being, or lying inside, the source is refused."""
+    shown = Path(output).absolute()
+    folder_source = Path(source).is_dir()
+    for out in _forms(output):
+        for src in _forms(source):
+            if out == src:
+                raise ThinkerError(f"{shown}: OUTPUT is the source {src} itself; choose another folder")
+            if out in src.parents and not writes_into:
+                raise ThinkerError(
+                    f"{shown}: OUTPUT holds the source {src}, which replacing OUTPUT would delete; "
+                    "choose another folder"
+                )
+            beside = not folder_source and out.parent == src.parent and out.name in {*CONFIG_FILES, *TOKENIZER_FILES}
+            if (folder_source and src in out.parents) or beside:
+                raise ThinkerError(
+                    f"{shown}: OUTPUT lies inside the source {src if folder_source else src.parent} (a file the "
+                    "conversion reads, or a folder among them); choose a folder outside it"
+                )
 
 
 # --- staging folders -----------------------------------------------------------------------------------------------
@@ -47,8 +85,24 @@ _STAGING = re.compile(r"^\.(?P<output>.+)\.partial-(?P<host>[A-Za-z0-9_-]+)-(?P<
 _HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
 
 
+_NAME_MAX = 255  # bytes in one file name, on every file system Linux and macOS use
+
+
+def _label(name: str) -> str:
+    """OUTPUT's name as staging names carry it: whole when the longest staging name fits in a file name, else cut
+    short and made unique again by a hash of the whole name (a 250-character OUTPUT is a valid name; its staging
+    folder must be one too)."""
+    longest = f".{name}.partial-{_HOST}-{'9' * 10}-{'0' * 8}"  # a pid has at most 10 digits
+    excess = len(os.fsencode(longest)) - _NAME_MAX
+    if excess <= 0:
+        return name
+    digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:12]
+    kept = os.fsencode(name)[: max(len(os.fsencode(name)) - excess - len(digest) - 1, 1)]
+    return f"{kept.decode(errors='ignore')}~{digest}"
+
+
 def staging_path(output: Path) -> Path:
-    return output.with_name(f".{output.name}.partial-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    return output.with_name(f".{_label(output.name)}.partial-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
 def remove_stale_staging(output: Path) -> list[Path]:
@@ -58,9 +112,10 @@ def remove_stale_staging(output: Path) -> list[Path]:
         siblings = list(output.parent.iterdir())
     except OSError:
         return removed
+    label = _label(output.name)
     for path in siblings:
         match = _STAGING.match(path.name)
-        if match and match["output"] == output.name and match["host"] == _HOST and not _alive(int(match["pid"])):
+        if match and match["output"] == label and match["host"] == _HOST and not _alive(int(match["pid"])):
             _remove(path)
             removed.append(path)
     if removed:
@@ -160,7 +215,7 @@ def install(staging: Path, output: Path, force: bool) -> None:
     if _exchange(staging, output):
         return  # the old OUTPUT is at ``staging`` now and goes with it
     # Not a staging name: were the run killed between the two renames, the old folder must survive the next run.
-    retired = output.with_name(f".{output.name}.{uuid.uuid4().hex[:8]}.old")
+    retired = output.with_name(f".{_label(output.name)}.{uuid.uuid4().hex[:8]}.old")
     output.rename(retired)
     staging.rename(output)
     _remove(retired)

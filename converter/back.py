@@ -25,17 +25,20 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from common.config_values import check_model_config
 from common.errors import ThinkerError
-from common.side_files import copy_files
+from common.side_files import copy_files, read_json
 from common.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
+from common.source_files import present
 from common.sources import TensorSource, open_source
-from common.staging import refuse_existing_output, refuse_overwriting_source, staged_output
+from common.staging import refuse_existing_output, refuse_output_over_source, staged_output
 from thinker import ThinkerConfig
 
 from .convert import ConversionResult
 from .engine import (
     Plan,
     Step,
+    check_float_sources,
     describe_names,
     expand_rules,
     in_source_order,
@@ -44,7 +47,7 @@ from .engine import (
     write_weights,
 )
 from .families import FAMILIES, family_by_name
-from .parity import parity_gate
+from .parity import BY_LAYER, parity_gate, parity_mode
 from .spec import Family
 
 # Runtime switches that do not change the model, left out of the round-trip comparison of configs.
@@ -57,12 +60,18 @@ def exportable_families() -> list[str]:
 
 def read_thinker_config(folder: Path) -> ThinkerConfig:
     path = folder / "config.json"
-    if not path.is_file():
+    if not present(path, folder):
         raise ThinkerError(f"{folder}: no config.json; --to takes a Thinker folder written by thinker-convert")
-    model_type = json.loads(path.read_text()).get("model_type")
+    data = read_json(path)
+    model_type = data.get("model_type") if isinstance(data, dict) else None
     if model_type != ThinkerConfig.model_type:
         raise ThinkerError(f"{path}: model_type is {model_type!r}, not 'thinker'; --to takes a Thinker folder")
-    return ThinkerConfig.from_pretrained(folder)
+    try:
+        config = ThinkerConfig.from_pretrained(folder)
+    except Exception as err:  # transformers' config loading raises many types for a damaged file
+        raise ThinkerError(f"{path}: not a readable Thinker config ({' '.join(str(err).split())})") from None
+    check_model_config(config.to_dict(), str(path))
+    return config
 
 
 def export_config(family: Family, config: ThinkerConfig) -> dict[str, Any]:
@@ -92,6 +101,7 @@ def plan_back(source: TensorSource, config: ThinkerConfig, family: Family, dtype
     """The plan that writes the Thinker checkpoint ``source`` out in ``family``'s layout, from headers alone."""
     names = set(source.names())
     steps = _select_steps(family, config, names)
+    check_float_sources(family, steps, source)
     consumed = Counter(name for step in steps for name in step.sources)
     unused = sorted(names - set(consumed))
     if unused:
@@ -128,36 +138,40 @@ def convert_back(
     dtype: str = "auto",
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
     verify: bool | None = None,
+    verify_by_layer: bool = False,
     force: bool = False,
     progress: bool = True,
+    memory_budget: int | None = None,
 ) -> ConversionResult:
     """Write the Thinker folder ``source`` out as a ``family_name`` folder at ``output``, atomically.
 
-    ``verify`` (default on) checks the written folder, loaded with its own transformers class, against the Thinker.
+    ``verify`` (default on) checks the written folder, loaded with its own transformers class, against the Thinker:
+    the whole models when both fit ``memory_budget``, else (or with ``verify_by_layer``) one layer at a time.
     """
     started = time.perf_counter()
     source, output = Path(source), Path(output)
     family = family_by_name(family_name)
     shard_bytes = parse_size(max_shard_size)
     refuse_existing_output(output, force, "once the new conversion is complete")
+    refuse_output_over_source(output, source)
     config = read_thinker_config(source)
     exported = export_config(family, config)
     tensor_source = open_source(source)
     try:
         plan = plan_back(tensor_source, config, family, dtype)
         exported["dtype"] = str(plan.dtype).removeprefix("torch.")
-        refuse_overwriting_source(output, source)
         report = None
         with staged_output(output, force, needed=plan.total_bytes) as staging:
             files = write_weights(plan, tensor_source, staging, shard_bytes, progress, desc="writing back")
             (staging / "config.json").write_text(json.dumps(exported, indent=2, sort_keys=True) + "\n")
             files.append("config.json")
-            if (source / "generation_config.json").is_file():  # sampling defaults of the source release
+            if present(source / "generation_config.json", source):  # sampling defaults of the source release
                 files += copy_files(["generation_config.json"], source, staging)
             files += tensor_source.save_tokenizer(staging)
-            if verify is None or verify:
+            if verify is not False or verify_by_layer:
+                mode, note = (BY_LAYER, "") if verify_by_layer else parity_mode(plan.num_parameters, memory_budget)
                 failure = f"{output}: does not match the Thinker folder; nothing written"
-                report = parity_gate(staging, source, None, staging, failure)
+                report = parity_gate(staging, source, None, staging, failure, mode, note)
     finally:
         tensor_source.close()
     return ConversionResult(

@@ -43,6 +43,11 @@ dropped on purpose, every Thinker parameter produced once with the right shape, 
 the tensors; otherwise nothing is written and the error names the tensors. Weights are then streamed one tensor
 (or one layer's experts) at a time, so memory stays at the largest tensor, not the model.
 
+Every conversion is verified against the source family's own transformers class before OUTPUT is installed: the
+two whole models side by side when both fit in half the available memory (or in THINKER_VERIFY_MEMORY, a size such
+as 8GB, when set), otherwise one layer at a time, which needs the memory of one layer whatever the model's size
+(--verify-by-layer asks for it); --no-verify skips the check.
+
 OUTPUT receives model.safetensors (or model-0000i-of-0000N.safetensors shards with model.safetensors.index.json),
 config.json with the modeling code (loads with AutoModelForCausalLM after `import thinker`, or with
 trust_remote_code=True), generation_config.json, the tokenizer files, and parity.json when verified. It is written
@@ -56,7 +61,7 @@ Examples:
   thinker-convert Qwen/Qwen3-0.6B ./qwen3-0.6b-thinker
   thinker-convert ./qwen2-folder ./out --dtype bfloat16 --max-shard-size 2GB
   thinker-convert ./SmolLM2-135M-Instruct.Q4_1.gguf ./smollm2 --force
-  thinker-convert Qwen/Qwen3-30B-A3B ./qwen3-moe --no-verify
+  thinker-convert Qwen/Qwen3-30B-A3B ./qwen3-moe --verify-by-layer
   thinker-convert ./qwen3-0.6b-thinker ./qwen3-0.6b-again --to qwen3
 """
 
@@ -67,9 +72,16 @@ writes CONVERTED/parity.json with, per dtype, max and mean |Δlogit|, top-1 agre
 (exit 1) when float32 logits differ by more than 1e-4 × max(1, logit scale) or a greedy continuation differs,
 naming the first layer whose hidden states diverge. SOURCE is given as to thinker-convert.
 
+When the two models do not fit in half the available memory (or in THINKER_VERIFY_MEMORY), or with
+--verify-by-layer, they run one layer at a time, each read from its own files: every layer of the Thinker runs on
+the reference's input to that layer, parity.json records each layer's max and mean |Δ| against a tolerance of
+1e-4 (float32) × max(1, the reference layer's largest output), and a failure names the first layer beyond it. The
+top-1 token at every prompt position stands in for the greedy continuations there.
+
 \b
-Example:
+Examples:
   thinker verify Qwen/Qwen3-0.6B ./qwen3-0.6b-thinker
+  thinker verify Qwen/Qwen3-30B-A3B ./qwen3-moe --verify-by-layer
 """
 
 
@@ -109,8 +121,13 @@ revision_option = click.option(
     "--verify/--no-verify",
     default=None,
     help="Check parity against the source family's transformers class and write parity.json (see `thinker "
-    "verify`). Default: on when the two models in float32 (8 bytes per parameter) fit in half the available "
-    "memory, skipped with a note otherwise. A failed check writes nothing and exits 1.",
+    "verify`); on by default: the whole models when both fit in half the available memory (8 bytes per parameter "
+    "in float32), layer by layer otherwise. A failed check writes nothing and exits 1.",
+)
+@click.option(
+    "--verify-by-layer",
+    is_flag=True,
+    help="Verify one layer at a time whatever the model's size: the memory of one layer, not of two models.",
 )
 @click.option("--force", is_flag=True, help="Replace an existing OUTPUT, only once the new one is complete.")
 @click.option(
@@ -129,6 +146,7 @@ def convert_command(
     dtype: str,
     max_shard_size: str,
     verify: bool | None,
+    verify_by_layer: bool,
     force: bool,
     to_family: str | None,
 ) -> None:
@@ -140,7 +158,14 @@ def convert_command(
         if revision is not None:
             raise ThinkerError("--revision applies to a Hub SOURCE; --to takes a local Thinker folder")
         result = convert_back(
-            source, output, to_family, dtype=dtype, max_shard_size=max_shard_size, verify=verify, force=force
+            source,
+            output,
+            to_family,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            verify=verify,
+            verify_by_layer=verify_by_layer,
+            force=force,
         )
     else:
         result = convert(
@@ -150,10 +175,13 @@ def convert_command(
             dtype=dtype,
             max_shard_size=max_shard_size,
             verify=verify,
+            verify_by_layer=verify_by_layer,
             force=force,
         )
     if result.parity is not None:
         click.echo(result.parity.table())
+        if result.parity.mode_note:
+            click.secho(result.parity.mode_note, fg="yellow", err=True)
     for note in result.notes:
         click.secho(note, fg="yellow", err=True)
     click.echo(
@@ -166,11 +194,14 @@ def convert_command(
 @click.argument("source")
 @click.argument("converted", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @revision_option
+@click.option("--verify-by-layer", is_flag=True, help="Run the two models one layer at a time whatever their size.")
 @reports_errors
-def verify_command(source: str, converted: Path, revision: str | None) -> None:
+def verify_command(source: str, converted: Path, revision: str | None, verify_by_layer: bool) -> None:
     from .convert import verify
 
-    report = verify(source, converted, revision=revision)
+    report = verify(source, converted, revision=revision, by_layer=verify_by_layer)
+    if report.mode_note:
+        click.secho(report.mode_note, fg="yellow", err=True)
     click.echo(report.table())
     click.echo(f"parity holds; wrote {converted / 'parity.json'}")
 

@@ -5,6 +5,7 @@ them, verify, and install OUTPUT atomically. The command line (``converter/cli.p
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,13 +14,13 @@ from typing import Any
 from common.errors import ThinkerError
 from common.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from common.sources import open_source
-from common.staging import refuse_existing_output, refuse_overwriting_source, staged_output
+from common.staging import refuse_existing_output, refuse_output_over_source, staged_output
 
 from .engine import plan_conversion, write_weights
 from .families import detect_family
 from .hub import resolve_source
 from .output import write_generation_config, write_thinker_config
-from .parity import ParityReport, parity_gate, verify_fits_memory
+from .parity import BY_LAYER, ParityReport, parity_gate, parity_mode
 from .spec import Family
 
 
@@ -52,36 +53,44 @@ def convert(
     dtype: str = "auto",
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
     verify: bool | None = None,
+    verify_by_layer: bool = False,
     force: bool = False,
     progress: bool = True,
+    memory_budget: int | None = None,
     **hub_options: Any,
 ) -> ConversionResult:
     """Convert ``source`` (a folder, a weights file, or a Hub repo id) into a Thinker folder at ``output``.
 
-    ``verify=None`` verifies when the two models fit the memory budget (see ``parity.verify_fits_memory``).
+    Every conversion is verified against its reference before it is installed, unless ``verify=False``: the whole
+    models side by side when both fit ``memory_budget`` (bytes; default ``parity.memory_budget()``), else layer by
+    layer; ``verify_by_layer`` asks for layer by layer whatever the size. A family without a transformers reference
+    is not verified (a note says why), or refused when ``verify=True`` asks for it.
     ``hub_options`` (``token``, ``cache_dir`` ...) go to ``hub.resolve_source``.
     Raises ``ThinkerError`` (``ParityFailed`` when verification fails; nothing is installed then).
     """
     started = time.perf_counter()
+    if verify is False and verify_by_layer:
+        raise ThinkerError("--verify-by-layer asks for the check that --no-verify turns off; pass one of them")
     output = Path(output)
     shard_bytes = parse_size(max_shard_size)
     refuse_existing_output(output, force, "once the new conversion is complete")  # before any download
     root = resolve_source(str(source), revision, progress=progress, **hub_options)
+    refuse_output_over_source(output, root)
     tensor_source = open_source(root)
     try:
         plan = plan_conversion(tensor_source, tensor_source.config(), dtype)
-        refuse_overwriting_source(output, Path(tensor_source.root))
         notes = []
         if plan.family.no_reference:
-            if verify:  # asked for explicitly: refuse before writing anything
+            if verify or verify_by_layer:  # asked for explicitly: refuse before writing anything
                 family = plan.family
                 raise ThinkerError(f"--verify: cannot verify a {family.name} conversion: {family.no_reference}")
             if verify is None:
                 notes.append(f"verification skipped: {plan.family.no_reference}")
             verify = False
-        if verify is None:
-            verify, note = verify_fits_memory(plan.num_parameters)
-            notes += [note] if note else []
+        verify = verify is not False
+        mode, note = BY_LAYER, ""
+        if verify and not verify_by_layer:
+            mode, note = parity_mode(plan.num_parameters, memory_budget)
         report = None
         with staged_output(output, force, needed=plan.total_bytes) as staging:
             files = write_weights(plan, tensor_source, staging, shard_bytes, progress)
@@ -90,7 +99,7 @@ def convert(
             files += tensor_source.save_tokenizer(staging)
             if verify:
                 failure = f"{output}: does not match its reference; nothing written"
-                report = parity_gate(root, staging, plan.family, staging, failure)
+                report = parity_gate(root, staging, plan.family, staging, failure, mode, note)
     finally:
         tensor_source.close()
     return ConversionResult(
@@ -105,11 +114,31 @@ def convert(
     )
 
 
-def verify(source: str | Path, converted: str | Path, *, revision: str | None = None) -> ParityReport:
-    """``thinker verify``: compare an existing Thinker folder with its source; writes ``parity.json`` into it."""
+def verify(
+    source: str | Path,
+    converted: str | Path,
+    *,
+    revision: str | None = None,
+    by_layer: bool = False,
+    memory_budget: int | None = None,
+) -> ParityReport:
+    """``thinker verify``: compare an existing Thinker folder with its source; writes ``parity.json`` into it.
+
+    Whole models side by side when both fit ``memory_budget``, else (or with ``by_layer``) layer by layer."""
     converted = Path(converted)
     if not (converted / "config.json").is_file():
         raise ThinkerError(f"{converted}: not a converted model folder (no config.json)")
     root = resolve_source(str(source), revision)
+    refuse_output_over_source(converted, root, writes_into=True)  # parity.json goes into CONVERTED
+    mode, note = (BY_LAYER, "") if by_layer else parity_mode(folder_parameters(converted), memory_budget)
     failure = f"{converted} does not match its reference {source}"
-    return parity_gate(root, converted, source_family(root), converted, failure)
+    return parity_gate(root, converted, source_family(root), converted, failure, mode, note)
+
+
+def folder_parameters(folder: Path) -> int:
+    """How many parameters a model folder's weights hold, from the tensor headers."""
+    tensor_source = open_source(folder)
+    try:
+        return sum(math.prod(tensor_source.shape(name)) for name in tensor_source.names())
+    finally:
+        tensor_source.close()

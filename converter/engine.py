@@ -24,24 +24,26 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
-from tqdm.auto import tqdm
 
+from common.config_values import check_model_config
 from common.dtypes import FLOAT_DTYPES, dtype_name, torch_dtype
 from common.errors import ThinkerError
+from common.progress import progress_bar
 from common.sources import TensorSource
-from common.values import value_problem
+from common.values import ValueScan, value_problem
 from thinker import ThinkerConfig, ThinkerForCausalLM
 
 from .families import detect_family
-from .ops import Op
+from .ops import Identity, Op
 from .shards import ShardLayout, ShardWriter
 from .spec import EXPERT_INDEX, LAYER_INDEX, Family, TensorRule
 
@@ -149,6 +151,7 @@ def translate_config(family: Family, source_config: Mapping[str, Any], dtype: to
     except (TypeError, ValueError, StrictDataclassError) as err:
         reason = " ".join(str(err).split())
         raise ThinkerError(f"{family.name} config does not translate to a valid Thinker config: {reason}") from None
+    check_model_config(config.to_dict(), "the source config.json")
     config.architectures = ["ThinkerForCausalLM"]
     config.dtype = dtype
     return config
@@ -192,6 +195,7 @@ def plan_conversion(
 
     _check_tie(family, config, set(names))
     steps = _select_steps(family, config, expected, set(names))
+    check_float_sources(family, steps, source)
     _check_sources_used(family, config, steps, names)
     _check_targets_produced(family, steps, expected)
     planned_shapes(family, config, steps, source, expected)
@@ -302,6 +306,19 @@ def _select_steps(
     return chosen
 
 
+def check_float_sources(family: Family, steps: list[Step], source: TensorSource) -> None:
+    """Every tensor a step reads holds floating-point values: a float tensor relabelled ``I32`` in a safetensors
+    header would otherwise be cast to float as integers and written as a model (every weight a huge number)."""
+    for step in steps:
+        for name in step.sources:
+            dtype = source.dtype(name)
+            if not dtype.is_floating_point:
+                raise ThinkerError(
+                    f"{source.file_of(name)}: tensor {name!r} is stored as {dtype_name(dtype)}, where a {family.name} "
+                    "checkpoint holds floating-point weights; the file is corrupt or mislabelled: re-download it"
+                )
+
+
 def _dropped_names(family: Family, config: ThinkerConfig) -> set[str]:
     dropped = expand_rules(
         tuple(TensorRule((name,), ()) for name in family.dropped), config.num_hidden_layers, config.num_experts
@@ -377,21 +394,49 @@ def planned_shapes(
 def stream_tensors(plan: Plan, source: TensorSource) -> Iterator[tuple[str, torch.Tensor]]:
     """Thinker tensors in plan order, each checked and cast; the generator holds only the current step's tensors."""
     for step in plan.steps:
-        outputs = step.op([source.load(name) for name in step.sources], plan.config)
-        for index, target in enumerate(step.targets):
-            tensor, outputs[index] = outputs[index], None  # hand over our reference: freed once written
-            yield target, finish_tensor(tensor, target, step.sources, plan.dtype)
-            del tensor
+        yield from convert_step(step, source, plan)
 
 
-def finish_tensor(tensor: torch.Tensor, target: str, sources: tuple[str, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Refuse NaN/Inf and float16 overflow (naming the tensor), then cast and make contiguous for writing."""
-    problem = value_problem(tensor, dtype)
-    if problem:
+def convert_step(step: Step, source: TensorSource, plan: Plan) -> Iterator[tuple[str, torch.Tensor]]:
+    """One step's output tensors, checked and cast.
+
+    When the step's operation only moves values (``Op.rearranges``), each source tensor's values are checked as its
+    bytes are read (``ValueScan``), which costs no pass of its own; otherwise the outputs are checked."""
+    scan_sources = step.op.rearranges
+    inputs = []
+    for name in step.sources:
+        scan = ValueScan() if scan_sources else None
+        inputs.append(source.load(name, scan=scan))
+        if scan is not None:
+            refuse_values(scan.problem(plan.dtype), name, ", ".join(step.targets))
+    outputs = step.op(inputs, plan.config)
+    del inputs
+    for index, target in enumerate(step.targets):
+        tensor, outputs[index] = outputs[index], None  # hand over our reference: freed once written
+        yield target, finish_tensor(tensor, target, step.sources, plan.dtype, checked=scan_sources)
+        del tensor
+
+
+def finish_tensor(
+    tensor: torch.Tensor, target: str, sources: tuple[str, ...], dtype: torch.dtype, checked: bool = False
+) -> torch.Tensor:
+    """Refuse NaN/Inf and float16 overflow (naming the tensor) unless ``checked`` already, then cast and make
+    contiguous for writing."""
+    if not checked:
         origin = sources[0] if len(sources) == 1 else f"{sources[0]} and {len(sources) - 1} more"
+        refuse_values(value_problem(tensor, dtype), origin, target)
+    return tensor.to(dtype).contiguous()
+
+
+def refuse_values(problem: str | None, origin: str, target: str) -> None:
+    if problem:
         advice = "the checkpoint is corrupt" if "NaN" in problem else "convert with --dtype bfloat16 or float32 instead"
         raise ThinkerError(f"source tensor {origin} (for {target}) {problem}; {advice}")
-    return tensor.to(dtype).contiguous()
+
+
+# Bytes copied unchanged go through a buffer of this size, reused: it stays in the processor's cache while its values
+# are checked and written.
+COPY_PIECE = 4 << 20
 
 
 def write_weights(
@@ -399,23 +444,66 @@ def write_weights(
 ) -> list[str]:
     """Stream the plan's tensors into safetensors shards in ``folder``; returns the files written.
 
-    One background thread writes while the main thread reads and checks the next tensor (file I/O and torch both
-    release the GIL). At most two steps' tensors are alive: the one being written and the one being produced.
+    Reading, converting and writing overlap: the main thread reads (and converts) what comes next while a background
+    thread writes what came before (file I/O and torch both release the GIL), and the disk writes back what is
+    already written while both go on (``shards.ShardWriter``). At most two steps' tensors are alive: the one being
+    written and the one being produced. A tensor copied unchanged (a rename, in the output dtype, from a source that
+    reads in pieces) is never held whole: it goes through two small buffers in turn, the main thread reading and
+    checking one piece while the writer writes the other (``copy_checked``).
     """
     layout = ShardLayout([(name, shape, plan.dtype) for name, shape in plan.shapes.items()], max_shard_size)
+    buffers = [torch.empty(COPY_PIECE, dtype=torch.uint8) for _ in range(2)]
     with (
         ShardWriter(folder, layout) as writer,
         ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as background,
-        tqdm(
-            total=layout.total_size, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not progress
-        ) as bar,
+        progress_bar(layout.total_size, desc, enabled=progress) as bar,
     ):
         writing = None
-        for name, tensor in stream_tensors(plan, source):
+
+        def hand_over(job: Callable[[], int]) -> None:
+            """Give the writer its next job once the previous one is done (its buffer or tensor is then free)."""
+            nonlocal writing
             if writing is not None:
-                bar.update(writing.result())  # the previous write must end before this tensor is handed over
-            writing = background.submit(writer.write, name, tensor)
-            del tensor
+                bar.update(writing.result())
+            writing = background.submit(job)
+
+        for step in plan.steps:
+            if copies_bytes(step, source, plan.dtype):
+                copy_checked(step, source, plan.dtype, writer, buffers, hand_over)
+            else:
+                for name, tensor in convert_step(step, source, plan):
+                    hand_over(partial(writer.write, name, tensor))
+                    del tensor
         if writing is not None:
             bar.update(writing.result())
         return writer.close()
+
+
+def copies_bytes(step: Step, source: TensorSource, dtype: torch.dtype) -> bool:
+    """Whether a step writes its one source tensor's bytes unchanged."""
+    return (
+        isinstance(step.op, Identity)
+        and len(step.sources) == 1
+        and hasattr(source, "read_pieces")
+        and source.dtype(step.sources[0]) == dtype
+    )
+
+
+def copy_checked(
+    step: Step,
+    source: TensorSource,
+    dtype: torch.dtype,
+    writer: ShardWriter,
+    buffers: list[torch.Tensor],
+    hand_over: Callable[[Callable[[], int]], None],
+) -> None:
+    """Copy a step's one source tensor into its slot piece by piece, checking each piece's values while it is in
+    cache; refuses (``ThinkerError``) values the output dtype cannot hold."""
+    (name,), (target,) = step.sources, step.targets
+    scan, offset = ValueScan(), 0
+    for piece in source.read_pieces(name, buffers):
+        scan.update(piece.view(dtype))
+        hand_over(partial(writer.write_at, target, piece, offset))
+        offset += len(piece)
+    refuse_values(scan.problem(dtype), name, target)
+    hand_over(partial(writer.complete, target, offset))

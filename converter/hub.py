@@ -138,6 +138,14 @@ def resolve_source(
         return _in_subfolder(local, subfolder, source)
     if not is_repo_id(source):
         raise ThinkerError(f"{source}: no such folder, and not a Hub repo id ('name' or 'owner/name'); check the path")
+    first = Path(source.split("/")[0]).expanduser()
+    if "/" in source and (first.exists() or first.is_symlink()):
+        # "ckpt/qwen33" where ./ckpt exists is a local path with a typo, not a Hub repo (which would only fail later,
+        # with a network error, or download some stranger's model of that name).
+        raise ThinkerError(
+            f"{source}: no such folder ({first} exists here, {source} does not); check the path (a Hub repo id "
+            f"spelled like a local path is not tried while {first} exists)"
+        )
     hub = _HubOptions(token, cache_dir, local_files_only, force_download, (subfolder or "").strip("/"))
     snapshot = _resolve_repo(source, revision or constants.DEFAULT_REVISION, allow_patterns, hub, progress)
     return _in_subfolder(snapshot, hub.subfolder, f"{source}@{revision or constants.DEFAULT_REVISION}")

@@ -23,7 +23,14 @@ SizesFn = Callable[[ThinkerConfig], Sequence[int]]
 
 
 class Op(ABC):
-    """A reversible transformation of a list of tensors; ``inverse()`` undoes it exactly."""
+    """A reversible transformation of a list of tensors; ``inverse()`` undoes it exactly.
+
+    ``rearranges``: the outputs hold exactly the input values, moved (split, joined, stacked, transposed, rows
+    reordered), so the engine's value check (NaN, Inf, float16 range) may run on the inputs as they are read rather
+    than on the outputs. An operation that computes new values leaves it False and has its outputs checked.
+    """
+
+    rearranges: bool = False
 
     @abstractmethod
     def __call__(self, tensors: Sequence[torch.Tensor], config: ThinkerConfig) -> list[torch.Tensor]: ...
@@ -42,6 +49,8 @@ def _one(op: Op, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 class Identity(Op):
     """Tensors pass unchanged: a rename (the names live in the rule, not here)."""
 
+    rearranges = True
+
     def __call__(self, tensors, config):
         return list(tensors)
 
@@ -52,6 +61,8 @@ class Identity(Op):
 @dataclass(frozen=True)
 class Transpose(Op):
     """Swap two dimensions of each tensor: GPT-2's ``Conv1D`` stores (in, out) where ``nn.Linear`` wants (out, in)."""
+
+    rearranges = True
 
     dim0: int = 0
     dim1: int = 1
@@ -66,6 +77,8 @@ class Transpose(Op):
 @dataclass(frozen=True)
 class Split(Op):
     """Cut one tensor along ``dim`` into ``parts`` equal pieces, or into ``sizes(config)`` (a fused qkv with GQA)."""
+
+    rearranges = True
 
     dim: int = 0
     parts: int | None = None
@@ -94,6 +107,8 @@ class Split(Op):
 class Concatenate(Op):
     """Join tensors along ``dim``; ``parts`` / ``sizes`` describe the pieces so that the inverse can cut them again."""
 
+    rearranges = True
+
     dim: int = 0
     parts: int | None = None
     sizes: SizesFn | None = None
@@ -117,6 +132,8 @@ class StackExperts(Op):
     ``gate_up_proj`` (E, 2·I, C) = per expert [gate; up] along dim 1, the layout transformers 5 fuses to at load.
     """
 
+    rearranges = True
+
     parts: int = 1
     dim: int = 1
 
@@ -134,6 +151,8 @@ class StackExperts(Op):
 @dataclass(frozen=True)
 class UnstackExperts(Op):
     """A fused 3-D expert tensor back into per-expert 2-D tensors, part-major (the inverse of ``StackExperts``)."""
+
+    rearranges = True
 
     parts: int = 1
     dim: int = 1
@@ -189,6 +208,8 @@ class InterleavedToHalfRope(Op):
     ``num_key_value_heads`` for k). Applies to weights and biases alike: only dimension 0 is reordered.
     """
 
+    rearranges = True
+
     heads: str
 
     def __call__(self, tensors, config):
@@ -201,6 +222,8 @@ class InterleavedToHalfRope(Op):
 @dataclass(frozen=True)
 class HalfToInterleavedRope(Op):
     """Thinker's half-split q/k rows back to interleaved pairs (the inverse of ``InterleavedToHalfRope``)."""
+
+    rearranges = True
 
     heads: str
 
@@ -217,6 +240,10 @@ class Each(Op):
 
     def __init__(self, *ops: Op) -> None:
         self.ops = ops
+
+    @property
+    def rearranges(self) -> bool:
+        return all(op.rearranges for op in self.ops)
 
     def __call__(self, tensors, config):
         if len(tensors) != len(self.ops):
@@ -241,6 +268,10 @@ class Chain(Op):
 
     def __init__(self, *ops: Op) -> None:
         self.ops = ops
+
+    @property
+    def rearranges(self) -> bool:
+        return all(op.rearranges for op in self.ops)
 
     def __call__(self, tensors, config):
         for op in self.ops:
@@ -287,6 +318,8 @@ class SplitHeadGroups(Op):
     ``(3, 1)`` makes [q | k | v] and [z] of Qwen3-Next's [q_g, k_g, v_g, z_g] groups. Dimension 0 only, so it
     applies to weights and biases alike."""
 
+    rearranges = True
+
     layout: GroupLayout
     outputs: tuple[int, ...]
 
@@ -313,6 +346,8 @@ class SplitHeadGroups(Op):
 class JoinHeadGroups(Op):
     """The inverse of ``SplitHeadGroups``: tensors holding the parts one after another back into one tensor whose
     rows come group by group (Qwen3.5's split projections into Qwen3-Next's fused ones)."""
+
+    rearranges = True
 
     layout: GroupLayout
     outputs: tuple[int, ...]

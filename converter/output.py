@@ -12,6 +12,7 @@ from transformers import GenerationConfig
 from transformers.dynamic_module_utils import custom_object_save
 
 from common.errors import ThinkerError
+from common.source_files import present
 from thinker import ThinkerConfig, ThinkerForCausalLM
 
 
@@ -30,7 +31,7 @@ def write_thinker_config(folder: Path, config: ThinkerConfig) -> None:
 
 def write_generation_config(folder: Path, source_root: Path, config: ThinkerConfig) -> None:
     """The source's ``generation_config.json`` when it has one (sampling defaults matter), else one from the ids."""
-    if (source_root / "generation_config.json").is_file():
+    if present(source_root / "generation_config.json", source_root):
         try:
             generation = GenerationConfig.from_pretrained(source_root)
         except (OSError, ValueError) as err:

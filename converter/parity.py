@@ -6,6 +6,11 @@ KV cache.
 Figures per dtype: max and mean |Δlogit|, the logit scale, top-1 agreement, greedy agreement, the tolerance and the
 verdict.
 
+Two modes, the same figures: the whole models side by side (``whole-model``), when both fit the memory budget, or
+one layer at a time (``layer-by-layer``, ``converter/layer_parity.py``), which needs the memory of one layer
+whatever the model's size and adds each layer's max and mean |Δ| to the report. ``parity_mode`` picks; the budget
+is half the memory available, or ``THINKER_VERIFY_MEMORY`` (a size such as ``8GB``) when set.
+
 The float32 run always happens and is strict: max |Δlogit| <= 1e-4 × max(1, logit scale) and identical greedy
 continuations. The reference is loaded in the converted folder's dtype and then widened, so that both sides hold
 the same rounded weights and a bfloat16 conversion is still held to float32 exactness. A half-precision
@@ -26,6 +31,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from common.errors import ThinkerError
 from common.parity_inputs import RELATIVE_TOLERANCE, fixed_prompts, left_padded
+from common.sizes import parse_size
 from thinker import ThinkerForCausalLM
 
 from .spec import Family
@@ -33,9 +39,11 @@ from .spec import Family
 PARITY_FILE = "parity.json"
 GREEDY_TOKENS = 8
 HALF_TOP1_MIN = 0.9  # half precision: share of positions whose argmax must agree
-# A conversion is verified by default when both models in float32 (8 bytes per parameter) fit in this share of
-# the memory currently available.
+# The whole-model check runs when both models in float32 (8 bytes per parameter) fit in the memory budget: this
+# share of the memory currently available, unless the environment variable sets the budget.
 VERIFY_MEMORY_SHARE = 0.5
+MEMORY_BUDGET_ENV = "THINKER_VERIFY_MEMORY"
+WHOLE_MODEL, BY_LAYER = "whole-model", "layer-by-layer"
 
 
 class ParityFailed(ThinkerError):
@@ -47,6 +55,19 @@ class ParityFailed(ThinkerError):
 
 
 @dataclass
+class LayerParity:
+    """One stage of the layer-by-layer check: the converted model's stage run on the reference's input to it."""
+
+    name: str  # "embeddings", "layer 3", "final norm and head"
+    max_abs_diff: float
+    mean_abs_diff: float
+    scale: float  # max |output| of the reference's stage
+    tolerance: float
+    passed: bool
+    stream_max_abs_diff: float | None = None  # each model on its own hidden states: the difference accumulated
+
+
+@dataclass
 class DtypeParity:
     dtype: str
     max_abs_diff: float
@@ -54,11 +75,12 @@ class DtypeParity:
     logit_scale: float
     tolerance: float
     top1_agreement: float
-    greedy_identical: int  # prompts whose whole continuation agrees
-    greedy_prompts: int
-    greedy_token_agreement: float
+    greedy_identical: int | None  # prompts whose whole continuation agrees (None: not run, layer by layer)
+    greedy_prompts: int | None
+    greedy_token_agreement: float | None
     passed: bool
     first_divergence: str | None = None
+    layers: list[LayerParity] = field(default_factory=list)  # layer by layer only
 
 
 @dataclass
@@ -67,6 +89,8 @@ class ParityReport:
     converted: str
     prompts: list[list[int]]
     results: list[DtypeParity] = field(default_factory=list)
+    mode: str = WHOLE_MODEL
+    mode_note: str = ""  # why this mode, when it was not asked for
 
     @property
     def passed(self) -> bool:
@@ -81,13 +105,24 @@ class ParityReport:
     def table(self) -> str:
         columns = ("dtype", "max|Δlogit|", "mean|Δlogit|", "tolerance", "top-1", "greedy")
         header = "{:<9} {:>11} {:>12} {:>9} {:>6} {:>7}  result".format(*columns)
-        rows = [f"parity: {self.converted} vs {self.reference}", header]
+        rows = [f"parity ({self.mode}): {self.converted} vs {self.reference}", header]
         for r in self.results:
             verdict = "pass" if r.passed else f"FAIL (first divergence: {r.first_divergence})"
+            greedy = "—" if r.greedy_identical is None else f"{r.greedy_identical}/{r.greedy_prompts}"
             rows.append(
                 f"{r.dtype:<9} {r.max_abs_diff:>11.3g} {r.mean_abs_diff:>12.3g} {r.tolerance:>9.2g} "
-                f"{r.top1_agreement:>6.1%} {r.greedy_identical:>3}/{r.greedy_prompts:<3}  {verdict}"
+                f"{r.top1_agreement:>6.1%} {greedy:^7}  {verdict}"
             )
+        for r in self.results:
+            if r.layers:
+                worst = max(r.layers, key=lambda layer: layer.max_abs_diff / layer.tolerance)
+                where = (
+                    "every stage identical (max|Δ| 0)"
+                    if worst.max_abs_diff == 0
+                    else f"largest max|Δ| against its tolerance at {worst.name}: {worst.max_abs_diff:.3g} "
+                    f"(tolerance {worst.tolerance:.2g})"
+                )
+                rows.append(f"{r.dtype}: {len(r.layers)} stages compared on the reference's inputs; {where}")
         return "\n".join(rows)
 
 
@@ -100,13 +135,37 @@ def load_reference(source: Path, dtype: torch.dtype) -> PreTrainedModel:
     if source.is_file():
         source = source.parent
     _refuse_unknown_model_type(source / "config.json")
+    return reference_from_pretrained(source, source, dtype=dtype)
+
+
+def reference_from_pretrained(label: Path, folder: Path, **kwargs: Any) -> PreTrainedModel:
+    """transformers' own class for the family from ``folder`` (``kwargs`` to ``from_pretrained``), never code shipped
+    with the checkpoint (a config's auto_map); ``label`` names the source in errors.
+
+    Loaded with ``ignore_mismatched_sizes`` and the loading info, so that tensors of other shapes than transformers
+    builds for the config are named here: otherwise transformers logs them in a report (silenced on the command
+    line) and raises "look at the above report!" with no report to look at.
+    """
     try:
-        # transformers' own class for the family, never code shipped with the checkpoint (a config's auto_map).
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, attn_implementation="eager", trust_remote_code=False
+        model, info = AutoModelForCausalLM.from_pretrained(
+            folder,
+            attn_implementation="eager",
+            trust_remote_code=False,
+            ignore_mismatched_sizes=True,
+            output_loading_info=True,
+            **kwargs,
         )
     except Exception as err:  # transformers raises many types for a folder it cannot load; all are the folder's
-        raise ThinkerError(f"{source}: the reference model does not load with transformers ({err})") from None
+        raise ThinkerError(f"{label}: the reference model does not load with transformers ({err})") from None
+    mismatched = sorted(info.get("mismatched_keys") or [])
+    if mismatched:
+        name, stored, built = mismatched[0]
+        more = f" and {len(mismatched) - 1} more" if len(mismatched) > 1 else ""
+        raise ThinkerError(
+            f"{label}: transformers builds {type(model).__name__} from it with tensors of other shapes than it holds "
+            f"({name}: {tuple(stored)} in the checkpoint, {tuple(built)} in transformers' model{more}), so there is "
+            "no reference to verify against; convert with --no-verify"
+        )
     return model.eval()
 
 
@@ -239,14 +298,19 @@ def first_divergence(
     return "the final norm or the head (every layer's output agrees)"
 
 
-def check_parity(source: Path, converted: Path, family: Family | None = None) -> ParityReport:
+def check_parity(source: Path, converted: Path, family: Family | None = None, mode: str = WHOLE_MODEL) -> ParityReport:
     """Compare ``converted`` with the reference loaded from ``source``: float32, plus the converted dtype if half.
 
     The reference is the family's own loader when it declares one (a sub-model of a multimodal checkpoint), else
-    ``AutoModelForCausalLM``; a family without any transformers class cannot be verified here.
+    ``AutoModelForCausalLM``; a family without any transformers class cannot be verified here. ``mode``:
+    ``WHOLE_MODEL``, or ``BY_LAYER`` (``converter/layer_parity.py``).
     """
     if family is not None and family.no_reference:
         raise ThinkerError(f"cannot verify a {family.name} conversion: {family.no_reference}")
+    if mode == BY_LAYER:
+        from .layer_parity import check_parity_by_layer
+
+        return check_parity_by_layer(Path(source), Path(converted), family)
     model = load_converted(converted)
     dtype = model.dtype
     loader = family.reference if family is not None and family.reference is not None else load_reference
@@ -261,12 +325,22 @@ def check_parity(source: Path, converted: Path, family: Family | None = None) ->
     return report
 
 
-def parity_gate(reference: Path, converted: Path, family: Family | None, into: Path, failure: str) -> ParityReport:
+def parity_gate(
+    reference: Path,
+    converted: Path,
+    family: Family | None,
+    into: Path,
+    failure: str,
+    mode: str = WHOLE_MODEL,
+    mode_note: str = "",
+) -> ParityReport:
     """``check_parity``, its report written to ``into/parity.json``; ``ParityFailed(failure)`` when it fails."""
-    report = check_parity(reference, converted, family)
+    report = check_parity(reference, converted, family, mode)
+    report.mode_note = mode_note
     write_report(report, into / PARITY_FILE)
     if not report.passed:
-        raise ParityFailed(failure, report)
+        where = next((r.first_divergence for r in report.results if not r.passed and r.first_divergence), None)
+        raise ParityFailed(f"{failure}; first divergence: {where}" if where else failure, report)
     return report
 
 
@@ -278,16 +352,35 @@ def write_report(report: ParityReport, path: Path) -> None:
     os.replace(partial, path)
 
 
-def verify_fits_memory(num_parameters: int) -> tuple[bool, str]:
-    """Whether default verification runs: both models in float32 within a share of the available memory."""
+def memory_budget() -> int:
+    """Bytes the whole-model check may use: ``THINKER_VERIFY_MEMORY`` when set, else a share of the available memory."""
+    configured = os.environ.get(MEMORY_BUDGET_ENV)
+    if configured:
+        try:
+            return parse_size(configured.strip())
+        except ThinkerError:
+            raise ThinkerError(
+                f"{MEMORY_BUDGET_ENV}={configured!r} is not a size like 8GB, 500MB or a byte count"
+            ) from None
     import psutil  # a dependency of accelerate, which transformers' loading uses
 
+    return int(VERIFY_MEMORY_SHARE * psutil.virtual_memory().available)
+
+
+def parity_mode(num_parameters: int, budget: int | None = None) -> tuple[str, str]:
+    """(mode, note): whole-model when both models in float32 fit the budget (default ``memory_budget()``), else
+    layer by layer, with a note saying why."""
     needed = 8 * num_parameters
-    available = psutil.virtual_memory().available
-    if needed <= VERIFY_MEMORY_SHARE * available:
-        return True, ""
-    return False, (
-        f"verification skipped: the reference and converted models need ~{needed / 2**30:.1f} GiB in float32, more "
-        f"than {VERIFY_MEMORY_SHARE:.0%} of the {available / 2**30:.1f} GiB available; run `thinker verify` on a "
-        "larger machine, or pass --verify to force it"
+    if budget is not None:
+        source = "as given"
+    elif os.environ.get(MEMORY_BUDGET_ENV):
+        source = f"{MEMORY_BUDGET_ENV}"
+    else:
+        source = f"{VERIFY_MEMORY_SHARE:.0%} of the memory available"
+    budget = memory_budget() if budget is None else budget
+    if needed <= budget:
+        return WHOLE_MODEL, ""
+    return BY_LAYER, (
+        f"verifying layer by layer: the reference and converted models need ~{needed / 2**30:.1f} GiB in float32, "
+        f"more than the {budget / 2**30:.1f} GiB budget ({source})"
     )

@@ -31,6 +31,9 @@ ConfigTranslator = Callable[[Mapping[str, Any]], dict[str, Any]]
 HFConfigReader = Callable[[Mapping[str, Any], Collection[str]], dict[str, Any]]
 # (source folder, dtype) -> the reference model for parity, called like a transformers causal LM.
 ReferenceLoader = Callable[[Path, Any], Any]
+# (source folder, dtype) -> the same reference as a ``converter.streamed.StreamedModel``: built on the meta device,
+# its weights read one layer at a time, for parity layer by layer.
+LayeredReferenceLoader = Callable[[Path, Any], Any]
 # Thinker config -> the source family's config.json dict: the way back (``thinker-convert THINKER OUT --to FAMILY``).
 ConfigExporter = Callable[[Any], dict[str, Any]]
 
@@ -86,8 +89,13 @@ class Family:
       (a multimodal checkpoint's vision tower), whose layer counts the Thinker config does not know.
     - ``head``: the source name of the output projection, checked against ``tie_word_embeddings``.
     - ``reference``: loads the parity reference from the source folder; None means transformers'
-      ``AutoModelForCausalLM``. ``no_reference``: set, instead, for a family that has no transformers class; it
-      says why, and verification is then skipped (or refused when asked for) with that message.
+      ``AutoModelForCausalLM``. ``layered_reference``: the same reference for parity layer by layer, built on the
+      meta device with its weights read one layer at a time (``converter.streamed``); None means the class
+      ``AutoModelForCausalLM`` picks, its tensors through transformers' own loading conversions. Its masks,
+      position embeddings and any per-layer state (linear attention's) come from the model's own forward, so a
+      family needs its own only where its reference is not that class, or its weights are not the folder's
+      tensors (a sub-model, a GGUF file). ``no_reference``: set, instead, for a family that has no transformers
+      class; it says why, and verification is then skipped (or refused when asked for) with that message.
     - ``export_config``: the inverse of ``translate_config``, for families a Thinker folder can be written back to
       (``--to``); the tensors go back through ``inverted_tensors``.
     """
@@ -104,6 +112,7 @@ class Family:
     config_keys: tuple[str, ...] = ()
     dropped_prefixes: tuple[str, ...] = ()
     reference: ReferenceLoader | None = None
+    layered_reference: LayeredReferenceLoader | None = None
     no_reference: str | None = None
     export_config: ConfigExporter | None = None
     model_type_key: str = "model_type"

@@ -7,6 +7,7 @@ inside the commands, so that ``--help`` and usage errors answer at once.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import click
 from common.cli import CONTEXT, reports_errors
 from common.dtypes import FLOAT_DTYPES
 from common.errors import ThinkerError
-from common.side_files import read_json
+from common.side_files import read_json, tokenizer_files
 
 from .names import ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES, GENAI_CONFIG_FILE, GRAPHS, MODEL_FILE
 
@@ -139,6 +140,8 @@ def export_command(
     )
     sizes = ", ".join(f"{name} {_human(size)}" for name, size in report["sizes"].items() if name.startswith("model"))
     click.echo(f"wrote {output}: {report['nodes']} nodes, {report['parameters']:,} parameters ({sizes})")
+    for note in report.get("notes", []):
+        click.secho(f"note: {note}", fg="yellow", err=True)
     figures = report["verify"]
     if figures and figures.get("skipped"):
         click.echo(f"verify skipped: {figures['skipped']}", err=True)
@@ -173,28 +176,25 @@ def generate_command(folder: Path, prompt: str, max_new_tokens: int, provider: s
     """
     if not folder.is_dir():
         raise ThinkerError(f"{folder}: no such folder")
+    kind = _folder_kind(folder)
     tokenizer = _load_tokenizer(folder)
     prompt_ids = tokenizer(prompt, return_tensors="np")["input_ids"]
     if prompt_ids.shape[1] == 0:
         raise ThinkerError("--prompt tokenizes to nothing; give some text")
     _check_prompt(folder, prompt_ids, max_new_tokens)
     eos, pad = _stop_tokens(folder)
-    from .exporter import is_thinker_folder
-
-    if (folder / MODEL_FILE).is_file():
+    if kind == "onnx":
         from .runtime import OnnxDecoder
 
         decoder = OnnxDecoder(folder, provider=provider, threads=threads)
         runtime = f"onnxruntime ({decoder.device})"
         started = time.perf_counter()  # generation only, not the session's start
         tokens = decoder.generate(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
-    elif is_thinker_folder(folder):
+    else:
         model = _load_transformers(folder, threads, provider)
         runtime = f"transformers ({model.device.type})"
         started = time.perf_counter()
         tokens = _generate_transformers(model, prompt_ids, max_new_tokens, eos, pad)
-    else:
-        raise ThinkerError(f"{folder}: neither an ONNX folder ({MODEL_FILE}) nor a Thinker folder (config.json)")
     elapsed = time.perf_counter() - started
     new = tokens[0, prompt_ids.shape[1] :]
     click.echo(tokenizer.decode(new, skip_special_tokens=True))
@@ -231,9 +231,35 @@ def demo_command(ctx: click.Context, workdir: Path, prompt: str, max_new_tokens:
     run_demo(workdir, prompt, max_new_tokens, generate)
 
 
+def _folder_kind(folder: Path) -> str:
+    """ "onnx" (an export: model.onnx) or "thinker" (a Thinker folder, run by transformers); anything else is
+    refused with what it is instead."""
+    if os.path.lexists(folder / MODEL_FILE):
+        return "onnx"
+    config = read_json(folder / "config.json")
+    if config is None:
+        raise ThinkerError(
+            f"{folder}: neither an ONNX folder (no {MODEL_FILE}) nor a Thinker folder (no config.json); point FOLDER "
+            "at the output of `thinker export` or `thinker convert`"
+        )
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type != "thinker":
+        raise ThinkerError(
+            f"{folder}: a {model_type or 'non-Thinker'} checkpoint (config.json's model_type is {model_type!r}), not "
+            f"a Thinker or ONNX folder; convert it first (`thinker convert {folder} OUT`) or export it (`thinker "
+            f"export {folder} OUT`), and run generate on that"
+        )
+    return "thinker"
+
+
 def _load_tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
+    if not tokenizer_files(folder):
+        raise ThinkerError(
+            f"{folder}: no tokenizer files (tokenizer.json, tokenizer_config.json, vocab.json, tokenizer.model ...); "
+            "copy the source model's tokenizer files into it"
+        )
     try:
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except Exception as err:
@@ -245,9 +271,15 @@ def _load_tokenizer(folder: Path):
 
 def _check_prompt(folder: Path, prompt_ids, max_new_tokens: int) -> None:
     """Refuse what the model cannot take, which would otherwise fail deep inside onnxruntime or torch: token ids
-    beyond its vocabulary (a tokenizer from another model) and more positions than it has."""
+    beyond its vocabulary (a tokenizer from another model) and more positions than it has. The sizes come from
+    config.json, or from genai_config.json in an ONNX folder without one."""
     config = read_json(folder / "config.json") or {}
-    vocab_size, context = config.get("vocab_size"), config.get("max_position_embeddings")
+    genai = read_json(folder / GENAI_CONFIG_FILE) or {}
+    genai_model = genai.get("model") if isinstance(genai, dict) and isinstance(genai.get("model"), dict) else {}
+    vocab_size = config.get("vocab_size", genai_model.get("vocab_size"))
+    context, context_key = config.get("max_position_embeddings"), "max_position_embeddings"
+    if context is None:
+        context, context_key = genai_model.get("context_length"), f"context_length in {GENAI_CONFIG_FILE}"
     if isinstance(vocab_size, int) and prompt_ids.max() >= vocab_size:
         raise ThinkerError(
             f"{folder}: the tokenizer gives token id {int(prompt_ids.max())} for --prompt, beyond the model's "
@@ -257,7 +289,7 @@ def _check_prompt(folder: Path, prompt_ids, max_new_tokens: int) -> None:
     if isinstance(context, int) and length + max_new_tokens > context:
         raise ThinkerError(
             f"--prompt is {length} tokens, and with --max-new-tokens {max_new_tokens} that is beyond the model's "
-            f"{context} positions (max_position_embeddings); shorten the prompt or lower --max-new-tokens"
+            f"{context} positions ({context_key}); shorten the prompt or lower --max-new-tokens"
         )
 
 

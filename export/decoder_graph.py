@@ -421,20 +421,43 @@ class DecoderGraph:
         return body.op("ScatterND", accumulated, token_rows, updated)
 
 
-def rope_tables(config: ThinkerConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+# Positions computed per call of the rotary embedding: its float32 temporaries stay a few MiB however long the context.
+ROPE_CHUNK = 1 << 14
+
+
+def rope_tables(config: ThinkerConfig, dtype: torch.dtype, half: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin over the whole context, (max_position_embeddings, head_dim) each in ``dtype``, computed by the
     model's own ``ThinkerRotaryEmbedding`` (so every rope_type transformers knows is right). The one source of the
-    RoPE tables of both graphs (the fused one keeps the first half: the half split repeats each frequency)."""
+    RoPE tables of both graphs; ``half`` keeps the first half of each row, all the fused graph stores (the half split
+    repeats each frequency).
+
+    Built chunk by chunk into tables of the graph's dtype and width, so that memory holds what the graph stores and
+    no more (the whole context in float32 at full width, twice over, is what a long context cannot afford). Each
+    chunk's positions carry the last position too, so that the "dynamic" and "longrope" types, which pick their
+    frequencies by the longest position they are given, see the whole context in every chunk."""
     rotary = ThinkerRotaryEmbedding(config)
-    positions = torch.arange(config.max_position_embeddings)[None]
-    cos, sin = rotary(torch.zeros((), dtype=dtype), positions)  # (1, max_pos, rotary dims)
-    if cos.shape[-1] != config.head_dim:
-        raise ThinkerError(
-            f"RoPE covers {cos.shape[-1]} of head_dim={config.head_dim} dimensions (partial_rotary_factor "
-            f"{config.rope_parameters.get('partial_rotary_factor')}), which the ONNX export does not support yet; "
-            "the graphs rotate whole heads only"
-        )
-    return cos[0], sin[0]
+    total = config.max_position_embeddings
+    width = config.head_dim // 2 if half else config.head_dim
+    cos_table, sin_table = torch.empty(total, width, dtype=dtype), torch.empty(total, width, dtype=dtype)
+    for start in range(0, total, ROPE_CHUNK):
+        stop = min(start + ROPE_CHUNK, total)
+        positions = torch.cat([torch.arange(start, stop), torch.tensor([total - 1])])[None]
+        cos, sin = rotary(torch.zeros((), dtype=dtype), positions)  # (1, chunk + 1, rotary dims)
+        if cos.shape[-1] != config.head_dim:
+            raise ThinkerError(
+                f"RoPE covers {cos.shape[-1]} of head_dim={config.head_dim} dimensions (partial_rotary_factor "
+                f"{config.rope_parameters.get('partial_rotary_factor')}), which the ONNX export does not support "
+                "yet; the graphs rotate whole heads only"
+            )
+        cos_table[start:stop], sin_table[start:stop] = cos[0, :-1, :width], sin[0, :-1, :width]
+    return cos_table, sin_table
+
+
+def rope_table_bytes(config: ThinkerConfig, dtype: torch.dtype) -> int:
+    """What ``rope_tables`` holds at full width: the most any graph stores for the RoPE of this config."""
+    if config.position_embedding_type != "rope":
+        return 0
+    return 2 * config.max_position_embeddings * config.head_dim * dtype.itemsize
 
 
 def not_exported(config: ThinkerConfig) -> tuple[str, ...]:

@@ -20,16 +20,20 @@ from pkgutil import resolve_name
 import onnx
 import torch
 
+from common.config_values import check_model_config
 from common.dtypes import FLOAT_DTYPES, torch_dtype
 from common.errors import ThinkerError
+from common.progress import progress_bar
 from common.side_files import CONFIG_FILES, copy_files, read_json, tokenizer_files
+from common.source_files import present
 from common.sources import SafetensorsSource
-from common.staging import install, refuse_existing_output, work_folder
+from common.staging import install, refuse_existing_output, refuse_output_over_source, work_folder
 from thinker.configuration_thinker import ThinkerConfig
 
 from .contrib_schemas import register_onnxruntime_schemas
 from .decoder_graph import IR_VERSION, OPSET, DecoderGraph, make_model, not_exported
-from .genai_config import make_genai_config
+from .folder_check import check_thinker_folder
+from .genai_config import make_genai_config, no_eos_note
 from .graph_builder import GraphBuilder, WeightFile
 from .names import DATA_FILE, GENAI_CONFIG_FILE, GRAPHS, MODEL_FILE, REPORT_FILE
 from .quantize import QuantizeSpec, WeightQuantizer
@@ -55,10 +59,12 @@ def export_model(
     threads: int | None = None,
     graph: str = "plain",
     quantize: QuantizeSpec | None = None,
+    progress: bool = True,
 ) -> dict:
     """Exports ``source`` to the folder ``output`` and returns the export report (also written there).
 
-    ``graph``: "plain" or "fused" (see GRAPHS); ``quantize``: weight-only int4/int8 of the projections."""
+    ``graph``: "plain" or "fused" (see GRAPHS); ``quantize``: weight-only int4/int8 of the projections;
+    ``progress``: bars on stderr for writing (or quantizing) the weights and for verifying, where it is a terminal."""
     output = Path(output)
     if dtype not in FLOAT_DTYPES:
         raise ThinkerError(f"--dtype {dtype}: expected one of {', '.join(FLOAT_DTYPES)}")
@@ -67,20 +73,24 @@ def export_model(
     graph_dtype = torch_dtype(dtype)
     quantizer = WeightQuantizer(quantize, graph_dtype) if quantize else None
     refuse_existing_output(output, force)
+    location = local_source(source)
+    refuse_output_over_source(output, location)
     started = time.perf_counter()
-    needed = None if quantize else weights_size(source, graph_dtype)  # quantized: smaller, by how much varies
-    with work_folder(output, needed) as staging, thinker_folder(source, staging) as model_dir:
-        check_paths(model_dir, output)
+    needed = None if quantize else weights_size(location, graph_dtype)  # quantized: smaller, by how much varies
+    with work_folder(output, needed) as staging, thinker_folder(location, staging) as model_dir:
+        check_paths(model_dir)
         config = load_config(model_dir)
+        check_thinker_folder(model_dir, config, graph_dtype, verify)  # the structure, before a byte is written
         final = staging / "onnx"
-        files = build_onnx(model_dir, config, final, graph_dtype, resolve_name(GRAPHS[graph]), quantizer)
+        graph_class = resolve_name(GRAPHS[graph])
+        files = build_onnx(model_dir, config, final, graph_dtype, graph_class, quantizer, progress=progress)
         copy_side_files(model_dir, final)
         generation_config = read_json(model_dir / "generation_config.json")
         genai = make_genai_config(config, generation_config, threads, share_buffer=files.kv_in_place)
         (final / GENAI_CONFIG_FILE).write_text(json.dumps(genai, indent=2) + "\n")
         report = {
             "source": str(source),
-            "converted": model_dir != Path(source),  # True: SOURCE went through thinker-convert first
+            "converted": model_dir != location,  # True: SOURCE went through thinker-convert first
             "dtype": dtype,
             "graph": graph,
             "quantize": quantize.describe() if quantize else None,
@@ -93,12 +103,18 @@ def export_model(
             "export_seconds": round(time.perf_counter() - started, 3),
             "verify": None,
             "versions": versions(),
+            "notes": [note] if (note := no_eos_note(config, generation_config)) else [],
         }
         if verify:
             from .verify import verify_export
 
             report["verify"] = verify_export(
-                model_dir, files.model_path, graph_dtype, threads=threads, quantized=quantize is not None
+                model_dir,
+                files.model_path,
+                graph_dtype,
+                threads=threads,
+                quantized=quantize is not None,
+                progress=progress,
             )
             if report["verify"].get("passed") is False:
                 raise ThinkerError(
@@ -117,15 +133,20 @@ def build_onnx(
     dtype: torch.dtype,
     graph_class: type[DecoderGraph] = DecoderGraph,
     quantizer: WeightQuantizer | None = None,
+    progress: bool = False,
 ) -> GraphFiles:
-    """Writes ``model.onnx`` and ``model.onnx.data`` into ``out_dir`` and checks them."""
+    """Writes ``model.onnx`` and ``model.onnx.data`` into ``out_dir`` and checks them; ``progress``: a bar over
+    the weights read (quantizing, when ``quantizer``, is most of the time)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     weights = ThinkerWeights(model_dir, dtype, config.tie_word_embeddings, not_exported(config))
     data = WeightFile(out_dir / DATA_FILE)
     contrib_ops = graph_class.contrib_ops or quantizer is not None
+    desc = "quantizing" if quantizer is not None else "exporting"
+    weights.progress = progress_bar(weights.exported_bytes(), desc, enabled=progress)
     try:
         graph_object = graph_class(config, weights, GraphBuilder(data), dtype, quantizer)
         graph = graph_object.build()
+        parameters = weights.parameters_read()
         unused = weights.unused()
         if unused:
             raise ThinkerError(
@@ -134,6 +155,7 @@ def build_onnx(
                 + "; the config does not describe these weights"
             )
     finally:
+        weights.progress.close()
         data.close()
         weights.close()
     metadata = {"thinker.dtype": str(dtype).removeprefix("torch."), "thinker.source": str(model_dir)}
@@ -153,25 +175,35 @@ def build_onnx(
         kv_in_place=graph_object.kv_in_place,
         nodes=sum(ops.values()),
         nodes_by_op=dict(sorted(ops.items())),
-        parameters=count_parameters(model.graph),
+        parameters=parameters,
         data_bytes=data.bytes_written,
     )
 
 
-def check_paths(model_dir: Path, output: Path) -> None:
+def check_paths(model_dir: Path) -> None:
     if (model_dir / MODEL_FILE).is_file():
         raise ThinkerError(f"{model_dir} is an ONNX export already; export the Thinker folder it came from")
-    resolved = output.resolve()
-    if resolved == model_dir.resolve() or resolved in model_dir.resolve().parents:
-        raise ThinkerError(f"OUTPUT {output} would replace the model being exported ({model_dir}); pick another folder")
+
+
+def local_source(source: str | Path) -> Path:
+    """SOURCE as a local path: the path itself, or for a Hub repo id the snapshot the converter downloads it to (so
+    that OUTPUT is checked against the files it is made from before any work)."""
+    path = Path(source).expanduser()
+    if path.exists() or path.is_symlink():
+        return path
+    from converter.hub import resolve_source
+
+    return resolve_source(str(source))
 
 
 # --- the model folder ---------------------------------------------------------------------------------------------
 def load_config(model_dir: Path) -> ThinkerConfig:
     try:
-        return ThinkerConfig.from_pretrained(model_dir)
+        config = ThinkerConfig.from_pretrained(model_dir)
     except Exception as err:
         raise ThinkerError(f"{model_dir}/config.json: not a readable Thinker config ({err})") from None
+    check_model_config(config.to_dict(), f"{model_dir}/config.json")
+    return config
 
 
 def weights_size(source: str | Path, dtype: torch.dtype) -> int | None:
@@ -202,14 +234,14 @@ def thinker_folder(source: str | Path, staging: Path) -> Iterator[Path]:
     from converter.convert import convert
 
     converted = staging / "thinker"
-    convert(str(source), converted)
+    convert(path, converted)
     yield converted
 
 
 def copy_side_files(model_dir: Path, out_dir: Path) -> list[str]:
     """Beside the graph: the model's own configs, and the tokenizer (for `thinker generate` and onnxruntime-genai),
     every file of it the Thinker folder has."""
-    configs = [name for name in CONFIG_FILES if (model_dir / name).is_file()]
+    configs = [name for name in CONFIG_FILES if present(model_dir / name, model_dir)]
     return copy_files(configs + tokenizer_files(model_dir), model_dir, out_dir)
 
 
@@ -223,25 +255,6 @@ def count_ops(graph: onnx.GraphProto) -> Counter:
             if attr.type == onnx.AttributeProto.GRAPH:
                 ops.update(count_ops(attr.g))
     return ops
-
-
-def count_parameters(graph: onnx.GraphProto) -> int:
-    """Model parameters: float weights by element, MatMulNBits projections by K x N (not their packed bytes,
-    scales and zero points); the RoPE tables are not parameters."""
-    quantized = {name for node in graph.node if node.op_type == "MatMulNBits" for name in node.input[1:]}
-    total = 0
-    for node in graph.node:
-        if node.op_type == "MatMulNBits":
-            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-            total += attrs["K"] * attrs["N"]
-    for tensor in graph.initializer:
-        external = tensor.data_location == onnx.TensorProto.EXTERNAL
-        if external and tensor.name not in quantized and not tensor.name.startswith("rotary_emb."):
-            size = 1
-            for dim in tensor.dims:
-                size *= dim
-            total += size
-    return total
 
 
 def versions() -> dict[str, str]:

@@ -97,11 +97,8 @@ class FusedDecoderGraph(DecoderGraph):
         """cos/sin over the whole context, (max_pos, hs / 2): the half-split rotation repeats each frequency, so
         GroupQueryAttention and RotaryEmbedding take the first half of the model's own tables (``rope_tables``,
         which refuses a partial rotary factor as the plain graph does)."""
-        cos, sin = rope_tables(self.config, self.dtype)
-        half = self.head_dim // 2
-        return self.b.weight("rotary_emb.cos_cache", cos[:, :half]), self.b.weight(
-            "rotary_emb.sin_cache", sin[:, :half]
-        )
+        cos, sin = rope_tables(self.config, self.dtype, half=True)
+        return self.b.weight("rotary_emb.cos_cache", cos), self.b.weight("rotary_emb.sin_cache", sin)
 
     # --- norms ------------------------------------------------------------------------------------------------
     def emit_norm(self, x: str, prefix: str) -> str:

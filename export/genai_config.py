@@ -25,24 +25,46 @@ def genai_model_type(config: ThinkerConfig) -> str:
 
 
 def special_token_ids(config: ThinkerConfig, generation_config: dict | None) -> tuple[int, list[int], int]:
-    """bos, eos (a list: chat models end turns with more than one) and pad ids, generation_config.json first."""
+    """bos, eos (a list: chat models end turns with more than one) and pad ids, generation_config.json first, each
+    a token of the vocabulary.
+
+    onnxruntime-genai needs an eos it can index its logits with: 0.18 refuses one outside [0, vocab_size) (a
+    ``-1`` for "none" included), and every version since 0.8 stops at the pad id when the key is absent. A model
+    whose configs name no eos therefore gets its pad id written as eos, explicitly (the same stop every version
+    makes of a missing key; ``no_eos_note`` says so in the export report)."""
     generation_config = generation_config or {}
+    vocab = range(config.vocab_size)
 
     def pick(key: str):
         value = generation_config.get(key)
         return value if value is not None else getattr(config, key, None)
 
+    def token(value) -> int | None:
+        return value if isinstance(value, int) and not isinstance(value, bool) and value in vocab else None
+
     eos = pick("eos_token_id")
-    eos_ids = [] if eos is None else list(eos) if isinstance(eos, list | tuple) else [eos]
-    bos = pick("bos_token_id")
-    pad = pick("pad_token_id")
-    # onnxruntime-genai wants integers; a model without these ids has nothing to stop on or pad with.
+    eos_ids = [i for i in (eos if isinstance(eos, list | tuple) else [eos]) if token(i) is not None]
+    bos, pad = token(pick("bos_token_id")), token(pick("pad_token_id"))
     if pad is None:
-        pad = eos_ids[0] if eos_ids else 0
+        pad = eos_ids[0] if eos_ids else bos if bos is not None else 0
     if bos is None:
-        bos = eos_ids[0] if eos_ids else 0
-    # No eos at all: -1 matches no token, so generation runs to max_length.
-    return int(bos), [int(i) for i in eos_ids] or [-1], int(pad)
+        bos = eos_ids[0] if eos_ids else pad
+    return bos, eos_ids or [pad], pad
+
+
+def no_eos_note(config: ThinkerConfig, generation_config: dict | None) -> str | None:
+    """What the export report says when ``special_token_ids`` had to stand the pad id in for a missing eos."""
+    eos = (generation_config or {}).get("eos_token_id")
+    eos = eos if eos is not None else config.eos_token_id
+    listed = eos if isinstance(eos, list | tuple) else [eos]
+    if any(isinstance(i, int) and 0 <= i < config.vocab_size for i in listed):
+        return None
+    _, (stop,), _ = special_token_ids(config, generation_config)
+    return (
+        f"the model's configs name no eos_token_id within its vocabulary ({eos!r}); genai_config.json stops at "
+        f"token {stop} (its pad id), since onnxruntime-genai needs one: set eos_token_id in config.json or "
+        "generation_config.json and export again if the model has an end-of-text token"
+    )
 
 
 def make_genai_config(

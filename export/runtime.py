@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
+import subprocess
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +19,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from onnxruntime.capi.onnxruntime_pybind11_state import Fail as OrtFail
-from onnxruntime.capi.onnxruntime_pybind11_state import InvalidGraph, InvalidProtobuf, NoSuchFile
+from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument, InvalidGraph, InvalidProtobuf, NoSuchFile
 from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NotImplementedByOrt
 
 from common.errors import ThinkerError
@@ -75,7 +78,53 @@ def cuda_absence() -> str:
     """Why ``cuda_usable`` said no, for the error message."""
     if CUDA not in ort.get_available_providers():
         return "this onnxruntime has no CUDA execution provider; install onnxruntime-gpu"
-    return "onnxruntime's CUDA execution provider does not start: no GPU, or its CUDA libraries are missing"
+    gpu = visible_gpu()
+    if gpu is None:
+        return "onnxruntime's CUDA execution provider does not start: there is no GPU here"
+    return (
+        f"onnxruntime's CUDA execution provider does not start although a GPU is here ({gpu}): its CUDA libraries "
+        "are missing or do not match"
+    )
+
+
+def visible_gpu(
+    environ: Mapping[str, str] = os.environ,
+    devices: Path = Path("/dev"),
+    nvidia_smi: Callable[[], str | None] | None = None,
+) -> str | None:
+    """The NVIDIA GPU this process is meant to use, described (``/dev/nvidia0``, ``GPU 0: NVIDIA H100 ...``), or
+    None. Independent of onnxruntime, so that a GPU whose CUDA provider does not load is told from no GPU at all.
+    ``CUDA_VISIBLE_DEVICES`` set empty (or to -1) hides every GPU on purpose; otherwise a device node or
+    ``nvidia-smi -L`` shows one. The probes are parameters so that the decision can be tested without a GPU."""
+    hidden = environ.get("CUDA_VISIBLE_DEVICES")
+    if hidden is not None and hidden.strip() in ("", "-1", "NoDevFiles"):
+        return None
+    nodes = sorted(path for path in devices.glob("nvidia[0-9]*") if path.name[6:].isdigit())
+    if nodes:
+        return str(nodes[0])
+    return (nvidia_smi or _nvidia_smi_first_gpu)()
+
+
+def _nvidia_smi_first_gpu() -> str | None:
+    command = shutil.which("nvidia-smi")
+    if command is None:
+        return None
+    try:
+        done = subprocess.run([command, "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return next((line.strip() for line in done.stdout.splitlines() if line.startswith("GPU ")), None)
+
+
+def gpu_test_verdict(usable: bool, gpu: str | None, why: str) -> tuple[str, str]:
+    """What a GPU test does here: ("run", ""), ("skip", reason) where there is no GPU, or ("fail", reason) where a
+    GPU is visible but CUDA sessions do not run: a machine set up wrongly must not pass its GPU tests by skipping
+    them. ``usable``: ``cuda_usable()``; ``gpu``: ``visible_gpu()``; ``why``: ``cuda_absence()``."""
+    if usable:
+        return "run", ""
+    if gpu is None:
+        return "skip", "no GPU here (no /dev/nvidia*, nvidia-smi lists none, or CUDA_VISIBLE_DEVICES hides them)"
+    return "fail", f"a GPU is visible ({gpu}) but CUDA sessions do not run: {why}"
 
 
 def check_external_data(model_path: Path) -> None:
@@ -85,6 +134,9 @@ def check_external_data(model_path: Path) -> None:
         model = onnx.load(str(model_path), load_external_data=False)
     except Exception as err:  # protobuf's DecodeError and friends, for a truncated or foreign file
         raise ThinkerError(f"{model_path}: not a readable ONNX model ({type(err).__name__}); export it again") from None
+    if not model.graph.node:  # an empty file parses as an empty model
+        empty = "the file is empty" if model_path.stat().st_size == 0 else "it holds no graph"
+        raise ThinkerError(f"{model_path}: not a readable ONNX model ({empty}); export it again")
     ends: dict[str, int] = {}  # external file -> the end of the last byte range the graph reads from it
     for tensor in model.graph.initializer:
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
@@ -148,7 +200,7 @@ class OnnxDecoder:
             raise ThinkerError(
                 f"{self.model_path}: onnxruntime cannot run it on {_provider_label(providers)}: {reason}"
             ) from None
-        except (OrtFail, InvalidProtobuf, InvalidGraph, NoSuchFile) as err:  # a damaged or truncated export
+        except (OrtFail, InvalidArgument, InvalidProtobuf, InvalidGraph, NoSuchFile) as err:  # a damaged export
             reason = " ".join(str(err).split())
             raise ThinkerError(
                 f"{self.model_path}: onnxruntime cannot load it ({reason}); export the model again"

@@ -8,6 +8,7 @@ and the same as the converter's parity gate (``RELATIVE_TOLERANCE``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
+from common.progress import progress_bar
 
 from .runtime import OnnxDecoder, cuda_usable, position_ids_from_mask
 
@@ -62,8 +64,11 @@ def compare_decoders(
     input_ids: np.ndarray,
     attention_mask: np.ndarray,
     steps: int = DECODE_STEPS,
+    on_step: Callable[[], object] | None = None,
 ) -> dict:
-    """Prefill + ``steps`` decode steps in PyTorch and onnxruntime; figures over every kept position."""
+    """Prefill + ``steps`` decode steps in PyTorch and onnxruntime; figures over every kept position. ``on_step``
+    is called after the prefill and after each decode step (a progress bar's ``update``)."""
+    on_step = on_step or (lambda: None)
     agreement = Agreement()
     mask = torch.from_numpy(attention_mask)
     positions = torch.from_numpy(position_ids_from_mask(attention_mask))
@@ -72,6 +77,7 @@ def compare_decoders(
     candidate, state = decoder.prefill(input_ids, attention_mask)
     kept = attention_mask.astype(bool)
     agreement.add(reference[kept], candidate[kept])
+    on_step()
 
     past, next_position = out.past_key_values, positions[:, -1:] + 1
     token = reference[:, -1].argmax(-1)
@@ -87,14 +93,21 @@ def compare_decoders(
         reference = out.logits[:, -1].float().numpy()
         agreement.add(reference, decoder.decode_one_token(token, state))
         past, next_position, token = out.past_key_values, next_position + 1, reference.argmax(-1)
+        on_step()
     return {"batch": int(input_ids.shape[0]), "decode_steps": steps, **agreement.figures()}
 
 
 def verify_export(
-    model_dir: Path, onnx_path: Path, dtype: torch.dtype, threads: int | None = None, quantized: bool = False
+    model_dir: Path,
+    onnx_path: Path,
+    dtype: torch.dtype,
+    threads: int | None = None,
+    quantized: bool = False,
+    progress: bool = False,
 ) -> dict:
     """The figures for the export report; ``passed`` is False beyond tolerance (``failure`` says how), None when it
-    could not run. ``quantized``: judged on top-1 agreement (QUANTIZED_MIN_TOP1), not on |Δlogit|."""
+    could not run. ``quantized``: judged on top-1 agreement (QUANTIZED_MIN_TOP1), not on |Δlogit|. ``progress``: a
+    bar over loading both models, the prefill and the decode steps."""
     from thinker import ThinkerForCausalLM
 
     if dtype == torch.bfloat16 and not cuda_usable():
@@ -102,10 +115,12 @@ def verify_export(
             "passed": None,
             "skipped": "onnxruntime's CPU execution provider has no bfloat16 kernels; verify where CUDA is available",
         }
-    decoder = OnnxDecoder(onnx_path, threads=threads)
-    model = ThinkerForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    input_ids, attention_mask = parity_batch(model.config.vocab_size)
-    figures = compare_decoders(model, decoder, input_ids, attention_mask)
+    with progress_bar(2 + DECODE_STEPS, "verifying", unit="step", enabled=progress) as bar:
+        decoder = OnnxDecoder(onnx_path, threads=threads)
+        model = ThinkerForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        bar.update()
+        input_ids, attention_mask = parity_batch(model.config.vocab_size)
+        figures = compare_decoders(model, decoder, input_ids, attention_mask, on_step=bar.update)
     result = {
         "provider": decoder.device,
         "reference": f"PyTorch ThinkerForCausalLM, {str(dtype).removeprefix('torch.')}, CPU",

@@ -8,9 +8,11 @@ silently different model.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from common.errors import ThinkerError
 from common.sources import SafetensorsSource, safetensors_files
@@ -19,7 +21,12 @@ from common.values import value_problem
 
 class ThinkerWeights:
     def __init__(
-        self, folder: Path, dtype: torch.dtype, tie_word_embeddings: bool, not_exported: tuple[str, ...] = ()
+        self,
+        folder: Path,
+        dtype: torch.dtype,
+        tie_word_embeddings: bool,
+        not_exported: tuple[str, ...] = (),
+        progress: tqdm | None = None,
     ) -> None:
         self.folder = Path(folder)
         self.dtype = dtype
@@ -32,6 +39,7 @@ class ThinkerWeights:
         self._used: set[str] = set()
         self._tied = tie_word_embeddings
         self._not_exported = not_exported  # name prefixes of the parts the graph leaves out on purpose
+        self.progress = progress  # advanced by each tensor's bytes the first time the graph reads it
 
     def __contains__(self, name: str) -> bool:
         return self._resolve(name) in self._names
@@ -50,13 +58,27 @@ class ThinkerWeights:
                 f"{self.folder}: tensor {name!r} is missing, but config.json asks for it; "
                 "the folder's weights do not match its config"
             )
-        self._used.add(source_name)
         tensor = self._source.load(source_name)
+        if self.progress is not None and source_name not in self._used:
+            self.progress.update(tensor.nbytes)
+        self._used.add(source_name)
         problem = value_problem(tensor, self.dtype)
         if problem:
             advice = "the folder is corrupt" if "NaN" in problem else "export with --dtype bfloat16 or float32 instead"
             raise ThinkerError(f"{self._source.file_of(source_name)}: tensor {source_name!r} {problem}; {advice}")
         return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+
+    def parameters_read(self) -> int:
+        """The model's parameters as the graph holds them, each stored tensor once (a tied head is the embedding
+        matrix, read again but not counted again): the one rule by which PyTorch (``model.parameters()``) and the
+        converter (the index's ``total_parameters``) count, whatever copies a graph keeps (a transposed or
+        quantized head)."""
+        return sum(math.prod(self._source.shape(name)) for name in self._used)
+
+    def exported_bytes(self) -> int:
+        """The bytes of every tensor the graph reads: the total of ``progress``."""
+        names = [name for name in self._names if not name.startswith(self._not_exported)]
+        return sum(math.prod(self._source.shape(n)) * self._source.dtype(n).itemsize for n in names)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._source.shape(self._resolve(name))

@@ -3,6 +3,24 @@
 import pytest
 from seeded_weights import randomize_parameters
 
+# --- GPU tests ------------------------------------------------------------------------------------------------------
+
+
+def pytest_runtest_setup(item):
+    """Tests marked ``gpu`` run where CUDA sessions run, skip where there is no GPU, and fail where a GPU is visible
+    but onnxruntime's CUDA provider does not load: a machine set up wrongly must not pass by skipping them."""
+    if item.get_closest_marker("gpu") is None:
+        return
+    from export.runtime import cuda_absence, cuda_usable, gpu_test_verdict, visible_gpu
+
+    usable = cuda_usable()
+    verdict, reason = gpu_test_verdict(usable, None if usable else visible_gpu(), "" if usable else cuda_absence())
+    if verdict == "skip":
+        pytest.skip(reason)
+    if verdict == "fail":
+        pytest.fail(reason, pytrace=False)
+
+
 # --- fake Hugging Face Hub (tests/hub_server.py) -------------------------------------------------------------------
 
 

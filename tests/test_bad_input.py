@@ -19,12 +19,11 @@ from pathlib import Path
 import onnx
 import pytest
 import torch
-from click.testing import CliRunner, Result
+from cli_helpers import assert_error, assert_nothing_written, assert_usage_error, edit_config, edit_tensors, thinker
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from common.cli import main
 from common.errors import ThinkerError
 from common.sources import open_source
 from converter.cli import convert_command
@@ -32,54 +31,7 @@ from converter.convert import convert
 from converter.engine import plan_conversion, stream_tensors
 from export.runtime import cuda_usable
 
-
-def thinker(*args: object, command=main) -> Result:
-    return CliRunner().invoke(command, [str(arg) for arg in args])
-
-
-def assert_error(result: Result, *fragments: str) -> str:
-    """Exit 1 with one ``error: ...`` line, last on stderr (after any progress bar), holding every fragment; no
-    traceback anywhere."""
-    assert result.exit_code == 1, result.output
-    assert isinstance(result.exception, SystemExit), result.exception  # not an exception escaping the command
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert lines and lines[-1].startswith("error: "), result.stderr
-    assert not [line for line in lines[:-1] if "error" in line.lower()], result.stderr
-    for fragment in fragments:
-        assert fragment in lines[-1], (fragment, lines[-1])
-    assert "Traceback" not in result.output
-    return lines[-1]
-
-
-def assert_usage_error(result: Result, *fragments: str) -> None:
-    """click's own refusal of an option value: exit 2, its ``Error:`` line, no traceback."""
-    assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output
-    for fragment in fragments:
-        assert fragment in result.stderr, (fragment, result.stderr)
-
-
-def assert_nothing_written(output: Path) -> None:
-    """No OUTPUT, and no staging folder (``.OUTPUT.partial-*``) or other hidden leftover beside it."""
-    assert not output.exists()
-    assert not [path.name for path in output.parent.iterdir() if path.name.startswith(".")]
-
-
 # --- breaking a checkpoint ---------------------------------------------------------------------------------------
-
-
-def edit_config(folder: Path, drop: tuple[str, ...] = (), **changes) -> None:
-    config = json.loads((folder / "config.json").read_text())
-    config.update(changes)
-    for key in drop:
-        del config[key]
-    (folder / "config.json").write_text(json.dumps(config))
-
-
-def edit_tensors(folder: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> None:
-    tensors = load_file(folder / "model.safetensors")
-    change(tensors)
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
 
 
 def set_value(name: str, value: float) -> Callable[[dict[str, torch.Tensor]], None]:
@@ -260,10 +212,10 @@ def test_output_where_no_folder_can_be(qwen3_source, tmp_path):
 
 
 def test_disk_full_while_writing_weights(qwen3_source, tmp_path, monkeypatch):
-    def no_space(self, name, tensor):
+    def no_space(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("converter.shards.ShardWriter.write", no_space)
+    monkeypatch.setattr("converter.shards._write_all", no_space)  # every byte of every shard goes through it
     output = tmp_path / "out"
     result = thinker("convert", qwen3_source, output, "--no-verify")
     assert_error(result, f"the disk is full at {tmp_path}: writing OUTPUT needs about ", "MiB free there")

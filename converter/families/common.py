@@ -25,7 +25,7 @@ from common.errors import ThinkerError
 from thinker import ThinkerConfig
 
 from ..ops import StackExperts
-from ..spec import Family, ReferenceLoader, TensorRule, rule
+from ..spec import Family, LayeredReferenceLoader, ReferenceLoader, TensorRule, rule
 
 
 def load_hf_config(source_config: Mapping[str, Any], model_type: str) -> PreTrainedConfig:
@@ -263,6 +263,26 @@ def reference_by_model_type(classes: Mapping[str, str]) -> ReferenceLoader:
     return load
 
 
+def layered_reference_by_model_type(classes: Mapping[str, str]) -> LayeredReferenceLoader:
+    """``reference_by_model_type`` for parity layer by layer: the same class for the same ``model_type``, built on the
+    meta device and read one layer at a time (``converter.layer_parity.load_layered_reference``)."""
+
+    def load(source: Path, dtype: Any) -> Any:
+        import transformers
+
+        from ..layer_parity import load_layered_reference
+
+        folder = source.parent if source.is_file() else source
+        try:
+            model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            model_type = None  # load_layered_reference reports what is wrong with the folder
+        model_class = getattr(transformers, classes[model_type]) if model_type in classes else None
+        return load_layered_reference(source, dtype, model_class)
+
+    return load
+
+
 # --- a Hugging Face family from its differences -------------------------------------------------------------------
 
 
@@ -281,6 +301,7 @@ def hf_family(
     dropped: tuple[str, ...] = (),
     dropped_prefixes: tuple[str, ...] = (),
     reference: ReferenceLoader | None = None,
+    layered_reference: LayeredReferenceLoader | None = None,
     way_back: bool = True,
     renamed_fields: Mapping[str, str] | None = None,
     layer_count_keys: tuple[str, ...] = ("num_hidden_layers",),
@@ -304,7 +325,9 @@ def hf_family(
       source's (``{"": "thinker."}``, ``{"model.": "model.language_model."}``); several layouts are alternatives and
       the engine uses the one present. ``dropped`` names tensors skipped on purpose (in Thinker's names, like the
       groups), ``dropped_prefixes`` whole sub-models skipped by source prefix (a vision tower, ``mtp.``).
-    - ``reference``: the parity reference when it is not ``AutoModelForCausalLM`` (a sub-model).
+    - ``reference``: the parity reference when it is not ``AutoModelForCausalLM`` (a sub-model), and
+      ``layered_reference`` the same for parity layer by layer (``converter/layer_parity.py``), which otherwise
+      builds the class ``AutoModelForCausalLM`` picks and reads the folder's tensors one layer at a time.
     - ``way_back``: a Thinker folder can be written back as this family (``--to``); ``renamed_fields`` names the
       config fields the family spells differently from Thinker (``{"attention_bias": "qkv_bias"}``).
     - ``layer_count_keys`` / ``expert_count_keys``: the config keys (at any depth) holding layer and expert counts,
@@ -333,6 +356,7 @@ def hf_family(
         dropped_prefixes=dropped_prefixes,
         head=renamed(layouts[0], "lm_head.weight"),
         reference=reference,
+        layered_reference=layered_reference,
         export_config=hf_export_config(model_types[0], architectures[0], renamed_fields) if way_back else None,
         layer_count_keys=layer_count_keys,
         expert_count_keys=expert_count_keys,

@@ -21,6 +21,7 @@ libraries know) is one more Hugging Face family in ``_HF_FAMILIES``.
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 from collections.abc import Collection, Mapping
 from pathlib import Path
@@ -177,9 +178,12 @@ def gguf_to_hf_config(metadata: Mapping[str, Any], tensor_names: Collection[str]
     # llama.cpp allows per-layer head counts (arrays); these architectures use one count for every layer.
     if isinstance(config["num_attention_heads"], list) or isinstance(config.get("num_key_value_heads"), list):
         raise ThinkerError(f"GGUF file has per-layer head counts, which {arch} models do not support")
+    _check_values(config, keys)  # before anything is computed from them (hidden_size // a head count of 0)
     config.setdefault("num_key_value_heads", config["num_attention_heads"])
     if arch == "llama" and f"{arch}.rope.dimension_count" in metadata:
-        config.setdefault("head_dim", metadata[f"{arch}.rope.dimension_count"])
+        dimensions = f"{arch}.rope.dimension_count"
+        config.setdefault("head_dim", metadata[dimensions])
+        _check_values(config, {dimensions: "head_dim"})
     config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])  # llama.cpp's own default
     if "vocab_size" not in config:
         # Older files omit it; transformers then counts the tokenizer's tokens, and so do we.
@@ -201,12 +205,40 @@ def gguf_to_hf_config(metadata: Mapping[str, Any], tensor_names: Collection[str]
         config["attention_bias"] = any(name.endswith(".attn_q.bias") for name in names)
     for key, field in _token_id_keys().items():
         if key in metadata:
-            config[field] = int(metadata[key])
+            value = metadata[key]
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                raise ThinkerError(f"GGUF metadata {key!r} is {value!r}, not a token id; the file is corrupt")
+            config[field] = value
     return config
 
 
+def _check_values(config: Mapping[str, Any], keys: Mapping[str, str]) -> None:
+    """Every size read from the metadata a whole number above 0, and the norm epsilon a positive number, naming the
+    GGUF key: a file whose ``embedding_length`` is a string, or whose ``head_count`` is 0, is corrupt."""
+    for key, field in keys.items():
+        if field not in config:
+            continue
+        value = config[field]
+        if field in _INTEGER_FIELDS and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise ThinkerError(
+                f"GGUF metadata {key!r} is {value!r}; a model needs a whole number above 0 there: the file is corrupt"
+            )
+        if field == "rms_norm_eps" and not (
+            isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+        ):
+            raise ThinkerError(
+                f"GGUF metadata {key!r} is {value!r}; a model needs a small positive number there: the file is corrupt"
+            )
+
+
 def _rope_parameters(metadata: Mapping[str, Any], arch: str, names: set[str]) -> dict[str, Any]:
-    theta = _float32_repr(metadata.get(f"{arch}.rope.freq_base", _DEFAULT_ROPE_THETA))
+    base = metadata.get(f"{arch}.rope.freq_base", _DEFAULT_ROPE_THETA)
+    if not (isinstance(base, int | float) and not isinstance(base, bool) and math.isfinite(base) and base > 0):
+        raise ThinkerError(
+            f"GGUF metadata '{arch}.rope.freq_base' is {base!r}; a model needs a positive number there (such as "
+            "10000.0): the file is corrupt"
+        )
+    theta = _float32_repr(base)
     params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
     if "rope_freqs.weight" in names:
         # Llama 3.1-style scaling is stored only as precomputed per-dimension factors; the parameters HF needs
@@ -240,18 +272,79 @@ def _rope_parameters(metadata: Mapping[str, Any], arch: str, names: set[str]) ->
 def load_reference(source: Path, dtype: Any) -> Any:
     """transformers' own GGUF loading (``from_pretrained(folder, gguf_file=...)``) of the file, or of the one
     ``.gguf`` file in the folder."""
-    from transformers import AutoModelForCausalLM
+    from ..parity import reference_from_pretrained
 
     source = Path(source)
     # A folder was opened as a GGUF source only because it holds exactly one .gguf file (common.sources.open_source).
     path = source if source.is_file() else next(source.glob("*.gguf"))
+    # transformers' GGUF loader draws its own tqdm bar, past the switch that turns its bars off (as the commands do):
+    # it follows that switch here too.
+    from functools import partial
+    from unittest import mock
+
+    from tqdm.auto import tqdm
+    from transformers import modeling_gguf_pytorch_utils as gguf_loading
+    from transformers.utils import logging as transformers_logging
+
+    quiet = partial(tqdm, disable=not transformers_logging.is_progress_bar_enabled())
+    with mock.patch.object(gguf_loading, "tqdm", quiet):
+        return reference_from_pretrained(path, path.parent, gguf_file=path.name, dtype=dtype)
+
+
+def load_layered_reference(source: Path, dtype: Any) -> Any:
+    """The same reference for parity layer by layer: the class transformers' GGUF loading builds, on the meta device,
+    each tensor dequantized and processed when its layer runs by the very steps of the loop in transformers'
+    ``load_gguf_checkpoint`` (``gguf.dequantize``, the architecture's ``TENSOR_PROCESSORS`` entry, the name map of
+    ``get_gguf_hf_weights_map``), which otherwise reads the whole file into memory first.
+
+    Only processors that treat each tensor on its own are run this way (those of llama, qwen2 and qwen3); one that
+    gathers tensors across the file (MoE experts) is refused. The file is memory-mapped by ``gguf.GGUFReader``:
+    pages once read stay mapped (page cache, counted in the resident set) until the check ends.
+    """
+    import torch
+    from gguf import GGUFReader, dequantize
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        LlamaTensorProcessor,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        read_field,
+    )
+
+    from ..streamed import LazyTensor, StreamedModel, empty_model
+
+    source = Path(source)
+    path = source if source.is_file() else next(source.glob("*.gguf"))
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=dtype, attn_implementation="eager", trust_remote_code=False
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False)
+        model = empty_model(AutoModelForCausalLM.from_config, config, dtype, trust_remote_code=False)
+    except Exception as err:  # transformers raises many types for a file it cannot read; all are the file's
+        raise ThinkerError(f"{path}: the reference model does not build with transformers ({err})") from None
+    reader = GGUFReader(path)
+    architecture = read_field(reader, "general.architecture")[0]
+    # The processors read head counts from the config dict ``load_gguf_checkpoint`` parses: the config's fields.
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+    if type(processor) not in (TensorProcessor, LlamaTensorProcessor):
+        raise ThinkerError(
+            f"{path}: transformers loads {architecture} GGUF tensors together ({type(processor).__name__}), so its "
+            "reference cannot be read one layer at a time; verify the whole model instead"
         )
-    except Exception as err:  # transformers raises many types for a file it cannot load; all are the file's
-        raise ThinkerError(f"{path}: the reference model does not load with transformers ({err})") from None
-    return model.eval()
+    names = get_gguf_hf_weights_map(model, processor)
+
+    def read(tensor: Any) -> torch.Tensor:
+        weights = dequantize(tensor.data, tensor.tensor_type)
+        processed = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names, parsed_parameters={})
+        return torch.from_numpy(np.copy(processed.weights))
+
+    tensors = {
+        names[tensor.name]: LazyTensor(
+            lambda tensor=tensor: read(tensor), tuple(int(n) for n in reversed(tensor.shape)), torch.float32
+        )
+        for tensor in reader.tensors
+        if tensor.name in names
+    }
+    return StreamedModel(model, tensors)
 
 
 # --- the families --------------------------------------------------------------------------------------------------
@@ -275,6 +368,7 @@ def gguf_family(hf_family: Family) -> Family:
         tensors=tensor_table(architecture, hf_family),
         head="output.weight",
         reference=load_reference,
+        layered_reference=load_layered_reference,
         layer_count_keys=(f"{architecture}.block_count",),
         expert_count_keys=(f"{architecture}.expert_count",),
     )

@@ -38,6 +38,7 @@ from .common import (
     hf_family,
     hybrid_fields,
     interleaved_mrope,
+    layered_reference_by_model_type,
     reference_by_model_type,
 )
 
@@ -55,5 +56,6 @@ QWEN3_5 = hf_family(
     layouts=({}, VISION_LANGUAGE_LAYOUT),
     dropped_prefixes=VISION_AND_MTP_PREFIXES,
     reference=reference_by_model_type({"qwen3_5": "Qwen3_5ForConditionalGeneration"}),
+    layered_reference=layered_reference_by_model_type({"qwen3_5": "Qwen3_5ForConditionalGeneration"}),
     layer_count_keys=("num_hidden_layers", "mtp_num_hidden_layers"),
 )

@@ -36,6 +36,7 @@ from .common import (
     hf_family,
     hybrid_fields,
     interleaved_mrope,
+    layered_reference_by_model_type,
     reference_by_model_type,
 )
 from .qwen3_5 import REFERENCE_MROPE_SECTION
@@ -70,5 +71,6 @@ QWEN3_5_MOE = hf_family(
     layouts=({}, VISION_LANGUAGE_LAYOUT),
     dropped_prefixes=VISION_AND_MTP_PREFIXES,
     reference=reference_by_model_type({"qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}),
+    layered_reference=layered_reference_by_model_type({"qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}),
     layer_count_keys=("num_hidden_layers", "mtp_num_hidden_layers"),
 )

@@ -61,23 +61,46 @@ def text_decoder_fields(text: PreTrainedConfig) -> dict[str, Any]:
     return {"qk_norm": True, "attention_bias": text.attention_bias, "rope_parameters": rope}
 
 
+def thinker_config(folder: Path) -> PreTrainedConfig:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(folder, trust_remote_code=False).thinker_config
+    except (OSError, ValueError) as err:
+        raise ThinkerError(f"{folder}: the Qwen3-Omni config does not load with transformers ({err})") from None
+
+
 def load_reference(source: Path, dtype: Any) -> Any:
     """transformers' own thinker (``Qwen3OmniMoeThinkerForConditionalGeneration``) from the full checkpoint.
 
     Only the thinker is built: its class strips the ``thinker.`` prefix on load and ignores the talker and code2wav
     tensors, so the reference costs the thinker's memory, not the whole model's.
     """
-    from transformers import AutoConfig, Qwen3OmniMoeThinkerForConditionalGeneration
+    from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
 
     folder = source.parent if source.is_file() else source
     try:
-        config = AutoConfig.from_pretrained(folder, trust_remote_code=False).thinker_config
         model = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(
-            folder, config=config, dtype=dtype, attn_implementation="eager"
+            folder, config=thinker_config(folder), dtype=dtype, attn_implementation="eager"
         )
     except (OSError, ValueError) as err:
         raise ThinkerError(f"{folder}: the Qwen3-Omni thinker does not load with transformers ({err})") from None
     return model.eval()
+
+
+def load_layered_reference(source: Path, dtype: Any) -> Any:
+    """The same thinker built on the meta device, read one layer at a time from the full checkpoint (its class's
+    loading conversions strip ``thinker.``; the towers, talker and code2wav never run on text, so never load)."""
+    from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
+
+    from common.sources import open_source
+
+    from ..streamed import StreamedModel, empty_model, lazy_tensors
+
+    folder = source.parent if source.is_file() else source
+    model = empty_model(Qwen3OmniMoeThinkerForConditionalGeneration._from_config, thinker_config(folder), dtype)
+    tensors = open_source(source)
+    return StreamedModel(model, lazy_tensors(tensors), close=tensors.close)
 
 
 QWEN3_OMNI = hf_family(
@@ -92,5 +115,6 @@ QWEN3_OMNI = hf_family(
     layouts=({"": "thinker."},),
     dropped_prefixes=DROPPED_PREFIXES,
     reference=load_reference,
+    layered_reference=load_layered_reference,
     way_back=False,
 )

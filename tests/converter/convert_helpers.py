@@ -86,9 +86,12 @@ def edit_config(folder: Path, **changes) -> None:
     path.write_text(json.dumps(config))
 
 
-def write_gguf(model: PreTrainedModel, path: Path, architecture: str) -> Path:
+def write_gguf(
+    model: PreTrainedModel, path: Path, architecture: str, metadata: dict[str, object] | None = None
+) -> Path:
     """The model as llama.cpp's converter would write it, in float32: llama.cpp names, its metadata keys, and for
-    the llama architecture the interleaved-RoPE row order of q/k. A stand-in for real GGUF files of qwen2/qwen3."""
+    the llama architecture the interleaved-RoPE row order of q/k. A stand-in for real GGUF files of qwen2/qwen3.
+    ``metadata`` replaces (or adds) keys, each written with the GGUF type of its Python value (to break a file)."""
     import gguf
     import numpy as np
 
@@ -107,18 +110,27 @@ def write_gguf(model: PreTrainedModel, path: Path, architecture: str) -> Path:
             )
     writer = gguf.GGUFWriter(path, arch=architecture)
     prefix = architecture
-    writer.add_uint32(f"{prefix}.block_count", config.num_hidden_layers)
-    writer.add_uint32(f"{prefix}.context_length", config.max_position_embeddings)
-    writer.add_uint32(f"{prefix}.embedding_length", config.hidden_size)
-    writer.add_uint32(f"{prefix}.feed_forward_length", config.intermediate_size)
-    writer.add_uint32(f"{prefix}.attention.head_count", config.num_attention_heads)
-    writer.add_uint32(f"{prefix}.attention.head_count_kv", config.num_key_value_heads)
-    writer.add_uint32(f"{prefix}.attention.key_length", head_dim)
-    writer.add_uint32(f"{prefix}.attention.value_length", head_dim)
-    writer.add_uint32(f"{prefix}.rope.dimension_count", head_dim)
-    writer.add_float32(f"{prefix}.rope.freq_base", config.rope_parameters["rope_theta"])
-    writer.add_float32(f"{prefix}.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
-    writer.add_uint32(f"{prefix}.vocab_size", config.vocab_size)
+    values: dict[str, object] = {
+        f"{prefix}.block_count": config.num_hidden_layers,
+        f"{prefix}.context_length": config.max_position_embeddings,
+        f"{prefix}.embedding_length": config.hidden_size,
+        f"{prefix}.feed_forward_length": config.intermediate_size,
+        f"{prefix}.attention.head_count": config.num_attention_heads,
+        f"{prefix}.attention.head_count_kv": config.num_key_value_heads,
+        f"{prefix}.attention.key_length": head_dim,
+        f"{prefix}.attention.value_length": head_dim,
+        f"{prefix}.rope.dimension_count": head_dim,
+        f"{prefix}.rope.freq_base": float(config.rope_parameters["rope_theta"]),
+        f"{prefix}.attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
+        f"{prefix}.vocab_size": config.vocab_size,
+    }
+    for key, value in {**values, **(metadata or {})}.items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue

@@ -36,7 +36,7 @@ def source(save_reference) -> Path:
 def test_convert_prints_the_parity_table(source, tmp_path):
     result = CliRunner().invoke(convert_command, [str(source), str(tmp_path / "out"), "--verify"])
     assert result.exit_code == 0, result.output
-    assert "parity: ThinkerForCausalLM vs Qwen3ForCausalLM" in result.stdout
+    assert "parity (whole-model): ThinkerForCausalLM vs Qwen3ForCausalLM" in result.stdout
     assert "float32" in result.stdout and "pass" in result.stdout
     assert json.loads((tmp_path / "out" / "parity.json").read_text())["passed"] is True
 

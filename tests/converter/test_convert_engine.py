@@ -289,8 +289,8 @@ class TrackedSource:
     def __getattr__(self, name):
         return getattr(self._source, name)
 
-    def load(self, name: str) -> torch.Tensor:
-        tensor = self._source.load(name)
+    def load(self, name: str, scan=None) -> torch.Tensor:
+        tensor = self._source.load(name, scan)
         size = tensor.numel() * tensor.element_size()
         self.live += size
         self.peak = max(self.peak, self.live)
@@ -402,7 +402,7 @@ def test_failed_conversion_leaves_an_existing_output_in_place(qwen2_tensors, run
 
 def test_output_may_not_replace_its_source(save_reference, run_convert, tmp_path):
     _, source = save_reference(Qwen2Config(**QWEN2))
-    with pytest.raises(ThinkerError, match="replace the source checkpoint"):
+    with pytest.raises(ThinkerError, match="OUTPUT is the source .* itself"):
         run_convert(source, name="source", force=True)
     assert (source / "model.safetensors").is_file()
 
@@ -417,3 +417,77 @@ def test_pytorch_bin_source(tmp_path, run_convert):
     result = run_convert(source)
     assert result.parity.passed
     assert_same_logits(model, result.output)
+
+
+# --- throughput mechanics: values checked as bytes are read, one fsync per file ----------------------------------
+
+
+def test_values_are_checked_piece_by_piece_as_they_are_read(tmp_path):
+    """A tensor of several read pieces, with a bad value in its last element only: the pieces scanned as they
+    arrive (``load(scan=...)`` and the unchanged-copy path's ``read_pieces``) still find it, and every byte read
+    in pieces is the tensor's."""
+    from common.values import ValueScan
+    from converter.engine import COPY_PIECE
+
+    values = torch.randn(3 * COPY_PIECE // 4 + 5)  # float32: 3 pieces and a partial one
+    save_file({"w": values}, tmp_path / "model.safetensors")
+    source = SafetensorsSource(tmp_path)
+    scan = ValueScan()
+    assert torch.equal(source.load("w", scan=scan), values) and scan.problem(torch.float32) is None
+    pieces = [piece.clone() for piece in source.read_pieces("w", [torch.empty(COPY_PIECE, dtype=torch.uint8)])]
+    assert len(pieces) == 4 and torch.equal(torch.cat(pieces).view(torch.float32), values)
+
+    values[-1] = float("nan")
+    save_file({"w": values}, tmp_path / "model.safetensors")
+    scan = ValueScan()
+    SafetensorsSource(tmp_path).load("w", scan=scan)
+    assert scan.problem(torch.float32) == "holds NaN or Inf values"
+    values[-1] = 7e4
+    scan = ValueScan()
+    scan.update(values)
+    assert scan.problem(torch.float32) is None and "beyond float16" in scan.problem(torch.float16)
+
+
+def test_unchanged_tensors_are_copied_and_checked_in_pieces(qwen2_tensors, run_convert, tmp_path, monkeypatch):
+    """Renamed tensors in the output dtype never exist whole in memory: their bytes go through the small reused
+    buffer (and a NaN among them is still named); converted ones (a cast) are loaded whole."""
+    import converter.engine as engine
+
+    copied, loaded = [], []
+    monkeypatch.setattr(SafetensorsSource, "read_pieces", _recording(SafetensorsSource.read_pieces, copied))
+    monkeypatch.setattr(SafetensorsSource, "load", _recording(SafetensorsSource.load, loaded))
+    tensors, _ = qwen2_tensors
+    source = tmp_path / "source"
+    build_reference(Qwen2Config(**QWEN2, tie_word_embeddings=False)).config.save_pretrained(source)
+    save_file(tensors, source / "model.safetensors")
+    run_convert(source, "same", verify=False)
+    assert sorted(copied) == sorted(tensors) and not loaded
+    copied.clear()
+    run_convert(source, "cast", verify=False, dtype="bfloat16")
+    assert sorted(loaded) == sorted(tensors) and not copied
+
+    tensors["model.layers.0.mlp.up_proj.weight"][-1, -1] = float("inf")
+    save_file(tensors, source / "model.safetensors")
+    with pytest.raises(ThinkerError, match=r"source tensor model\.layers\.0\.mlp\.up_proj\.weight .*NaN or Inf"):
+        run_convert(source, "bad", verify=False)
+    assert engine.COPY_PIECE < 8 << 20  # the buffer stays small whatever the tensor
+
+
+def _recording(method, names: list):
+    def record(self, name, *args, **kwargs):
+        names.append(name)
+        return method(self, name, *args, **kwargs)
+
+    return record
+
+
+def test_one_fsync_per_shard(save_reference, run_convert, monkeypatch):
+    import os
+
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda descriptor: synced.append(descriptor) or real_fsync(descriptor))
+    _, source = save_reference(Qwen2Config(**QWEN2))
+    result = run_convert(source, verify=False, max_shard_size="20KB")
+    shards = [name for name in result.files if name.endswith(".safetensors")]
+    assert len(shards) > 3 and len(synced) == len(shards)

@@ -10,6 +10,7 @@ of ``get_rope_index`` (atol 1e-5 in float32).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -76,7 +77,8 @@ def test_qwen3_omni_hub_config_spelling(omni_source, tmp_path):
     keys); it translates to the same interleaved mRoPE."""
     source = tmp_path / "source"
     source.mkdir()
-    (source / "model.safetensors").symlink_to(omni_source / "model.safetensors")
+    # A copy, not a symlink: a link leading out of the source folder is refused (tests/test_source_safety.py).
+    shutil.copy(omni_source / "model.safetensors", source / "model.safetensors")
     config = json.loads((omni_source / "config.json").read_text())
     text = config["thinker_config"]["text_config"]
     rope = text.pop("rope_parameters")

@@ -25,3 +25,23 @@ def test_decoder_section_declares_the_contract():
     assert decoder["session_options"]["intra_op_num_threads"] == 3
     assert genai["search"]["do_sample"] is False and genai["search"]["past_present_share_buffer"] is False
     assert genai["model"]["type"] == "qwen2"
+
+
+def test_a_model_without_eos_stops_at_its_pad_id():
+    """onnxruntime-genai 0.18 refuses eos -1 (and any id outside the vocabulary); a missing key means the pad id
+    in every version since 0.8. So the pad id is written, explicitly, and the report says why."""
+    from export.genai_config import no_eos_note
+
+    config = make_config("qwen3", eos_token_id=None, pad_token_id=0, bos_token_id=1)
+    genai = make_genai_config(config, {"eos_token_id": None})["model"]
+    assert (genai["eos_token_id"], genai["pad_token_id"], genai["bos_token_id"]) == (0, 0, 1)
+    assert "no eos_token_id" in no_eos_note(config, None) and "token 0" in no_eos_note(config, None)
+
+
+def test_special_ids_outside_the_vocabulary_are_not_written():
+    config = make_config("qwen3", eos_token_id=[5000, 2], pad_token_id=-1, bos_token_id=None)
+    genai = make_genai_config(config, None)["model"]
+    assert (genai["eos_token_id"], genai["pad_token_id"], genai["bos_token_id"]) == (2, 2, 2)
+    config = make_config("qwen3", eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    genai = make_genai_config(config, None)["model"]
+    assert all(0 <= genai[key] < config.vocab_size for key in ("eos_token_id", "pad_token_id", "bos_token_id"))

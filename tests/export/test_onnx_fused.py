@@ -20,7 +20,7 @@ import torch
 from common.parity_inputs import parity_batch
 from export.contrib_schemas import register_onnxruntime_schemas
 from export.exporter import count_ops
-from export.runtime import OnnxDecoder, cuda_usable, position_ids_from_mask
+from export.runtime import OnnxDecoder, position_ids_from_mask
 from export.verify import compare_decoders
 
 FAMILIES = ["qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "gpt2", "uomni"]
@@ -310,7 +310,6 @@ def test_cli_exports_the_fused_graph_and_verifies_it(thinker_variant, tmp_path):
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe", "gpt2"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.gpu
-@pytest.mark.skipif(not cuda_usable(), reason="onnxruntime's CUDA provider does not run here")
 def test_cuda_half_precision_parity(family, dtype, thinker_variant, onnx_variant):
     """The fused half-precision graph on CUDA (GroupQueryAttention's CUDA kernel, MoE's) against PyTorch in float32,
     on the left-padded batch: top-1 agreement and logits within the half-precision bound."""
@@ -323,7 +322,6 @@ def test_cuda_half_precision_parity(family, dtype, thinker_variant, onnx_variant
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not cuda_usable(), reason="onnxruntime's CUDA provider does not run here")
 def test_cuda_io_binding_keeps_the_fused_cache_on_the_device(onnx_variant):
     import onnxruntime as ort
 

@@ -27,7 +27,7 @@ from onnx import helper
 from common.cli import main
 from common.parity_inputs import parity_batch
 from export.quantize import QuantizeSpec
-from export.runtime import OnnxDecoder, cuda_usable
+from export.runtime import OnnxDecoder
 from export.verify import compare_decoders
 
 INT4_EXACT = QuantizeSpec(bits=4, block_size=16, accuracy_level=1)  # float32 activations: no activation rounding
@@ -237,7 +237,6 @@ def test_fidelity_on_real_smollm2(smollm2_exports):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not cuda_usable(), reason="onnxruntime's CUDA provider does not run here")
 @pytest.mark.parametrize("graph", ["plain", "fused"])
 def test_cuda_runs_the_quantized_graphs(graph, onnx_variant):
     """MatMulNBits on CUDA (float16 activations) against the same quantized weights on CPU: the same greedy

@@ -1,0 +1,86 @@
+"""Config values no model can work with, refused by key before anything is built from them.
+
+transformers' config classes accept a negative ``max_position_embeddings``, a NaN ``rms_norm_eps`` or a negative
+``rope_theta`` without a word, and the converter and the exporter would then write a model that cannot run (or, for
+a context of 10^12 positions, ask for terabytes of RoPE table). ``check_model_config`` is the one list of these
+rules, applied to the Thinker config by the converter (after translating the source's) and by the exporter (on the
+Thinker folder it reads), so that the message names the key and the file.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import ThinkerError
+
+# The longest context of any released model is 10,485,760 positions (Llama 4 Scout); Qwen's longest is ~1M. A value
+# beyond 2^24 is a typo or a sentinel, and the exported RoPE tables alone would take hundreds of GiB.
+MAX_POSITIONS = 2**24
+
+# Sizes that must be whole positive numbers (None: the field is optional and derived when absent).
+POSITIVE_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def config_problem(config: Mapping[str, Any]) -> str | None:
+    """The first value of ``config`` (a Thinker config as a dict) that no model can work with, described with its
+    key and what it must be; None when every value is usable."""
+    for key in POSITIVE_SIZES:
+        value = config.get(key)
+        if value is not None and not (_whole(value) and value > 0):
+            return f"{key}={value!r} must be a whole number above 0"
+    positions = config.get("max_position_embeddings")
+    if _whole(positions) and positions > MAX_POSITIONS:
+        return (
+            f"max_position_embeddings={positions} is beyond any model's context (the longest released has "
+            f"10,485,760 positions; at most {MAX_POSITIONS:,} are accepted)"
+        )
+    eps = config.get("rms_norm_eps")
+    if eps is not None and not (_real(eps) and math.isfinite(eps) and 0 < eps < 1):
+        return f"rms_norm_eps={eps!r} must be a small positive number such as 1e-06"
+    activation = config.get("hidden_act")
+    if activation is not None:
+        from transformers.activations import ACT2FN
+
+        if activation not in ACT2FN:
+            return f"hidden_act={activation!r} is not an activation transformers knows; known: {', '.join(ACT2FN)}"
+    rope = config.get("rope_parameters")
+    if isinstance(rope, Mapping):
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        rope_type = rope.get("rope_type", "default")
+        known = ["default", *ROPE_INIT_FUNCTIONS]
+        if rope_type not in known:
+            return (
+                f"rope_parameters.rope_type={rope_type!r} is not a RoPE type transformers knows; "
+                f"known: {', '.join(known)}"
+            )
+        theta = rope.get("rope_theta")
+        if theta is not None and not (_real(theta) and math.isfinite(theta) and theta > 0):
+            return f"rope_parameters.rope_theta={theta!r} must be a positive number such as 10000.0"
+    return None
+
+
+def check_model_config(config: Mapping[str, Any], where: str) -> None:
+    """``ThinkerError`` naming ``where`` (the file the values come from) and the key, when ``config_problem``."""
+    problem = config_problem(config)
+    if problem is not None:
+        raise ThinkerError(f"{where}: {problem}; correct the value")

@@ -1,0 +1,99 @@
+"""Which files of a model folder may be read: regular files, inside the folder (or the Hub cache holding it).
+
+Users convert folders they downloaded from strangers and publish what comes out, so every file read from a
+folder, or copied out of it (weights, shard index, ``config.json``, the tokenizer), passes ``checked_file``:
+
+- a symlink is followed only when it resolves inside the folder itself, or inside the Hugging Face cache that holds
+  the folder (a snapshot's files are symlinks into the cache's ``blobs/``). A link to anything else (``merges.txt``
+  -> ``~/.ssh/id_rsa``) would carry a file the user never meant to publish into OUTPUT, so it is refused by name;
+- what it resolves to must be a regular file: reading a named pipe blocks forever, a device never ends, and a
+  folder named ``model.safetensors`` is not weights.
+
+A path the user names on the command line (SOURCE itself, a folder or one weights file) is theirs to choose and may
+be a symlink; what lies in it may not lead out of it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+
+from .errors import ThinkerError
+
+# huggingface_hub's cache: CACHE/models--owner--name/snapshots/<commit>/<files>, the files linking into
+# CACHE/models--owner--name/blobs/ or the cache-wide CACHE/blobs/ store.
+_CACHE_REPO_FOLDER = re.compile(r"(models|datasets|spaces)--.+")
+
+
+def hub_cache_of(folder: Path) -> Path | None:
+    """The Hugging Face cache a folder lies in (the folder above ``models--owner--name``), or None."""
+    for form in {Path(os.path.abspath(folder)), Path(folder).resolve()}:
+        parts = form.parts
+        for index in range(len(parts) - 2, 0, -1):
+            if parts[index] == "snapshots" and _CACHE_REPO_FOLDER.fullmatch(parts[index - 1]):
+                return Path(*parts[: index - 1]).resolve()
+    return None
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (reading it would wait forever)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a file"
+
+
+def regular_file(path: Path) -> Path:
+    """``path`` if it is (or links to) a regular file; else a ``ThinkerError`` saying what it is instead."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode  # follows symlinks
+    except FileNotFoundError:
+        if path.is_symlink():
+            raise ThinkerError(
+                f"{path}: a broken symlink (to {os.readlink(path)}); restore the file it points to, or delete it"
+            ) from None
+        raise ThinkerError(f"{path}: no such file") from None
+    except OSError as err:
+        raise ThinkerError(f"{path}: cannot be read ({err.strerror or err})") from None
+    if not stat.S_ISREG(mode):
+        raise ThinkerError(
+            f"{path}: {_kind(mode)}, not a regular file; a checkpoint's weights, config and tokenizer are plain "
+            "files: replace it with the file it stands for"
+        )
+    return path
+
+
+def checked_file(path: Path, folder: Path) -> Path:
+    """``path`` (a file in ``folder``, possibly in a sub-folder), if it may be read; see the module's rules."""
+    path, folder = Path(path), Path(folder)
+    target = path.resolve()
+    allowed = [folder.resolve()]
+    cache = hub_cache_of(folder)
+    if cache is not None:
+        allowed.append(cache)
+    if not any(_inside(target, root) for root in allowed):
+        where = f"{folder}" + (f" and the Hugging Face cache {cache} holding it" if cache else "")
+        raise ThinkerError(
+            f"{path}: a symlink to {target}, outside {where}; refusing to read it (a file from elsewhere would be "
+            "copied into OUTPUT): put the file itself into the folder if it belongs to the model"
+        )
+    return regular_file(path)
+
+
+def present(path: Path, folder: Path) -> bool:
+    """Whether an optional file is there (``checked_file`` then vouches for it); a broken symlink is an error too."""
+    if not os.path.lexists(path):
+        return False
+    checked_file(path, folder)
+    return True

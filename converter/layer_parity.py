@@ -1,0 +1,294 @@
+"""Parity layer by layer: the source family's reference and the converted Thinker, each run one unit at a time from
+its own files on disk (``converter/streamed.py``), so that a model of any size is verified in the memory of its
+largest layer.
+
+For each batch (the left-padded batch of ``common/parity_inputs.py``, as the whole-model check feeds; a reference
+written without an attention mask gets each prompt alone, unpadded):
+
+1. the reference runs through its own ``forward``, one unit at a time; the hidden states entering and leaving each
+   decoder layer, and its logits, are kept (a few KB per layer);
+2. the Thinker runs the same way on its own hidden states: its logits are the end-to-end figures, the same as the
+   whole-model check's. While each of its decoder layers is loaded, that layer also runs on the reference's input to
+   the same layer, with the masks and position embeddings the Thinker's own forward computed; its final norm and head
+   run on the reference's last hidden state. So every stage is compared on the same hidden states, and a difference
+   is that stage's own, not one accumulated from the layers before (which is recorded too, as
+   ``stream_max_abs_diff``).
+
+Stages: ``embeddings`` (the hidden states entering layer 0), ``layer i`` for every decoder layer, ``final norm and
+head``. A stage's tolerance is ``RELATIVE_TOLERANCE[dtype] × max(1, max |reference's output of that stage|)`` over
+real tokens: scaled by the reference's own activations alone, so a converted model gone wrong never widens it. The
+verdict: every stage within its tolerance, the end-to-end logits within theirs (the whole-model rule), and the top-1
+token identical at every real position in float32 (at least 90 % in half precision). Greedy continuations are not
+run here: each generated token would read both models from disk again; the top-1 check at every position of the
+prompts stands in for them. A failure names the first stage beyond its tolerance.
+
+As in the whole-model check, the float32 run loads both models in the converted folder's dtype and widens them (one
+unit at a time), and a half-precision conversion is also run in its own dtype; each run reads both models once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.errors import ThinkerError
+from common.parity_inputs import RELATIVE_TOLERANCE, fixed_prompts, left_padded
+from common.sources import open_source
+from thinker import ThinkerConfig, ThinkerForCausalLM
+
+from .parity import BY_LAYER, HALF_TOP1_MIN, DtypeParity, LayerParity, ParityReport, _refuse_unknown_model_type
+from .spec import Family
+from .streamed import StreamedModel, Unit, empty_model, lazy_tensors
+
+EMBEDDINGS, HEAD = "embeddings", "final norm and head"
+# Where the Thinker's final norm and head sit (``ThinkerForCausalLM``), run on the reference's last hidden state.
+THINKER_FINAL_NORM, THINKER_HEAD = "model.norm", "lm_head"
+
+
+def check_parity_by_layer(source: Path, converted: Path, family: Family | None = None) -> ParityReport:
+    """Compare ``converted`` with the reference of ``family`` loaded from ``source``, one layer at a time: float32,
+    plus the converted dtype if it is a half-precision one."""
+    stored = converted_dtype(converted)
+    loader = family.layered_reference if family is not None and family.layered_reference else load_layered_reference
+    prompts = fixed_prompts(ThinkerConfig.from_pretrained(converted).vocab_size)
+    results, names = [], ("", "")
+    for dtype in (torch.float32, *([stored] if stored != torch.float32 else [])):
+        reference = loader(source, stored)
+        try:
+            thinker = load_layered_converted(converted, stored)
+            try:
+                for model in (reference, thinker):
+                    model.compute_dtype = dtype if dtype != stored else None
+                results.append(compare_by_layer(reference, thinker, prompts, dtype))
+                names = (reference.name, thinker.name)
+            finally:
+                thinker.close()
+        finally:
+            reference.close()
+    return ParityReport(reference=names[0], converted=names[1], prompts=prompts, results=results, mode=BY_LAYER)
+
+
+# --- loading -----------------------------------------------------------------------------------------------------
+
+
+def converted_dtype(folder: Path) -> torch.dtype:
+    """The dtype a converted folder holds its weights in, as ``from_pretrained(dtype="auto")`` would load it."""
+    from .engine import resolve_dtype
+
+    source = open_source(folder)
+    try:
+        return resolve_dtype("auto", ThinkerConfig.from_pretrained(folder).dtype, source)
+    finally:
+        source.close()
+
+
+def load_layered_converted(folder: Path, dtype: torch.dtype) -> StreamedModel:
+    """The converted Thinker folder, built on the meta device in ``dtype``, its weights read unit by unit."""
+    try:
+        model = empty_model(ThinkerForCausalLM._from_config, ThinkerConfig.from_pretrained(folder), dtype)
+    except Exception as err:  # whatever the folder's config makes transformers raise
+        raise ThinkerError(f"{folder}: the converted model does not build ({err})") from None
+    source = open_source(folder)
+    return StreamedModel(model, lazy_tensors(source), close=source.close)
+
+
+def load_layered_reference(source: Path, dtype: torch.dtype, model_class: type | None = None) -> StreamedModel:
+    """The family's transformers class (``model_class``, else the one ``AutoModelForCausalLM`` picks for the source's
+    config), built on the meta device in ``dtype``; its weights read unit by unit from the source as given (a folder
+    or a weights file)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source = Path(source)
+    folder = source.parent if source.is_file() else source
+    _refuse_unknown_model_type(folder / "config.json")
+    try:
+        # transformers' own class for the family, never code shipped with the checkpoint (a config's auto_map).
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+        if model_class is None:
+            model = empty_model(AutoModelForCausalLM.from_config, config, dtype, trust_remote_code=False)
+        else:
+            model = empty_model(model_class._from_config, config, dtype)
+    except Exception as err:  # transformers raises many types for a folder it cannot build; all are the folder's
+        raise ThinkerError(f"{folder}: the reference model does not build with transformers ({err})") from None
+    tensors = open_source(source)
+    return StreamedModel(model, lazy_tensors(tensors), close=tensors.close)
+
+
+# --- comparison --------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def compare_by_layer(
+    reference: StreamedModel, converted: StreamedModel, prompts: list[list[int]], dtype: torch.dtype
+) -> DtypeParity:
+    """Both models over the prompts, stage by stage on the reference's hidden states; see the module docstring."""
+    relative = RELATIVE_TOLERANCE[dtype]
+    padded = reference.takes_padding and converted.takes_padding
+    batches = [left_padded(prompts)] if padded else [left_padded([prompt]) for prompt in prompts]
+    stages: dict[str, _Stage] = {}
+    expected_logits, actual_logits, counts = [], [], None
+    for ids, mask, positions in batches:
+        real = mask.bool()
+        trace = _Trace()
+        with reference.streaming(trace.record_reference):
+            expected = reference(ids, mask, positions)
+        replay = _Replay(trace)
+        with converted.streaming(replay.observe):
+            actual = converted(ids, mask, positions)
+        if len(trace.inputs) != len(replay.inputs):
+            counts = (len(trace.inputs), len(replay.inputs))
+            break
+        _stage(stages, EMBEDDINGS).add(trace.inputs[0], replay.inputs[0], real)
+        for index, (ref_out, forced, own) in enumerate(zip(trace.outputs, replay.forced, replay.outputs, strict=True)):
+            _stage(stages, f"layer {index}").add(ref_out, forced, real, own)
+        _stage(stages, HEAD).add(expected, replay.head, real, actual)
+        expected_logits.append(expected[real].float())
+        actual_logits.append(actual[real].float())
+
+    if counts is not None:
+        return _layer_counts_differ(dtype, *counts)
+    ref_logits, logits = torch.cat(expected_logits), torch.cat(actual_logits)
+    diff = (ref_logits - logits).abs()
+    scale = ref_logits.abs().max().item()
+    tolerance = relative * max(1.0, scale)
+    top1 = (ref_logits.argmax(-1) == logits.argmax(-1)).float().mean().item()
+    layers = [stage.result(relative) for stage in stages.values()]
+    max_diff = diff.max().item()
+    top1_needed = 1.0 if dtype == torch.float32 else HALF_TOP1_MIN
+    passed = all(layer.passed for layer in layers) and max_diff <= tolerance and top1 >= top1_needed
+    failing = next((layer.name for layer in layers if not layer.passed), None)
+    if not passed and failing is None:
+        failing = "the logits (every stage agrees on the reference's inputs; the differences add up across layers)"
+    return DtypeParity(
+        dtype=str(dtype).removeprefix("torch."),
+        max_abs_diff=max_diff,
+        mean_abs_diff=diff.mean().item(),
+        logit_scale=scale,
+        tolerance=tolerance,
+        top1_agreement=top1,
+        greedy_identical=None,
+        greedy_prompts=None,
+        greedy_token_agreement=None,
+        passed=passed,
+        first_divergence=failing,
+        layers=layers,
+    )
+
+
+def _layer_counts_differ(dtype: torch.dtype, reference: int, converted: int) -> DtypeParity:
+    nan = float("nan")
+    return DtypeParity(
+        dtype=str(dtype).removeprefix("torch."),
+        max_abs_diff=nan,
+        mean_abs_diff=nan,
+        logit_scale=nan,
+        tolerance=nan,
+        top1_agreement=0.0,
+        greedy_identical=None,
+        greedy_prompts=None,
+        greedy_token_agreement=None,
+        passed=False,
+        first_divergence=f"layer count ({reference} reference, {converted} converted): the layer counts differ",
+    )
+
+
+def hidden_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The hidden states a decoder layer is called with: its first positional argument, or ``hidden_states=``."""
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def hidden_output(output: Any) -> torch.Tensor:
+    """A decoder layer's output hidden states (transformers 5 layers return the tensor; older ones a tuple)."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def with_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple, dict]:
+    if args:
+        return (hidden, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": hidden}
+
+
+@dataclass
+class _Trace:
+    """The reference's hidden states entering and leaving each decoder layer, in the order the layers ran."""
+
+    inputs: list[torch.Tensor] = field(default_factory=list)
+    outputs: list[torch.Tensor] = field(default_factory=list)
+
+    def record_reference(self, unit: Unit, args: tuple, kwargs: dict, output: Any) -> None:
+        if unit.is_layer:
+            self.inputs.append(hidden_input(args, kwargs).detach().clone())
+            self.outputs.append(hidden_output(output).detach().clone())
+
+
+@dataclass
+class _Replay:
+    """The Thinker's own hidden states, and each of its stages run again on the reference's input to that stage."""
+
+    trace: _Trace
+    inputs: list[torch.Tensor] = field(default_factory=list)
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    forced: list[torch.Tensor] = field(default_factory=list)  # layer i on the reference's input to layer i
+    normed: torch.Tensor | None = None
+    head: torch.Tensor | None = None  # final norm and head on the reference's last hidden state
+
+    def observe(self, unit: Unit, args: tuple, kwargs: dict, output: Any) -> None:
+        if unit.is_layer:
+            index = len(self.inputs)
+            self.inputs.append(hidden_input(args, kwargs).detach().clone())
+            self.outputs.append(hidden_output(output).detach().clone())
+            if index < len(self.trace.inputs):
+                # ``forward`` rather than the module call: the hooks that load and drop the unit must not run again.
+                args, kwargs = with_hidden(args, kwargs, self.trace.inputs[index].to(self.inputs[-1].dtype))
+                self.forced.append(hidden_output(unit.module.forward(*args, **kwargs)).detach().clone())
+        elif unit.name == THINKER_FINAL_NORM and self.trace.outputs:
+            self.normed = unit.module.forward(self.trace.outputs[-1])
+        elif unit.name == THINKER_HEAD and self.normed is not None:
+            self.head = unit.module.forward(self.normed)
+
+
+def _stage(stages: dict[str, _Stage], name: str) -> _Stage:
+    return stages.setdefault(name, _Stage(name))
+
+
+@dataclass
+class _Stage:
+    """One stage's differences over every batch, at real tokens only."""
+
+    name: str
+    max_abs_diff: float = 0.0
+    total: float = 0.0
+    count: int = 0
+    scale: float = 0.0
+    stream_max_abs_diff: float | None = None
+
+    def add(
+        self, expected: torch.Tensor, actual: torch.Tensor | None, real: torch.Tensor, own: torch.Tensor | None = None
+    ) -> None:
+        expected = expected[real].float()
+        self.scale = max(self.scale, expected.abs().max().item())
+        if actual is None or actual.shape[:-1] != real.shape or actual.shape[-1] != expected.shape[-1]:
+            self.max_abs_diff = float("inf")  # the converted model produced nothing comparable here
+            return
+        diff = (expected - actual[real].float()).abs()
+        self.max_abs_diff = max(self.max_abs_diff, diff.max().item())
+        self.total += diff.sum().item()
+        self.count += diff.numel()
+        if own is not None:
+            stream = (expected - own[real].float()).abs().max().item()
+            self.stream_max_abs_diff = max(self.stream_max_abs_diff or 0.0, stream)
+
+    def result(self, relative: float) -> LayerParity:
+        tolerance = relative * max(1.0, self.scale)
+        return LayerParity(
+            name=self.name,
+            max_abs_diff=self.max_abs_diff,
+            mean_abs_diff=self.total / self.count if self.count else float("nan"),
+            scale=self.scale,
+            tolerance=tolerance,
+            passed=self.max_abs_diff <= tolerance,
+            stream_max_abs_diff=self.stream_max_abs_diff,
+        )

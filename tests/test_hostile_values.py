@@ -1,0 +1,294 @@
+"""Hostile values (issues 15 and 16): files and configs that parse but hold what no model can be, and the unclear
+messages they used to get. Each ends in one ``error:`` line naming the file, tensor or key, exit 1, no traceback
+and no library warning before it, nothing at OUTPUT, in bounded time and memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import (
+    assert_error,
+    assert_nothing_written,
+    assert_process_error,
+    edit_config,
+    edit_tensors,
+    run_cli,
+    thinker,
+)
+from safetensors.torch import load_file
+
+EMBED = "model.embed_tokens.weight"
+DOWN = "model.layers.1.mlp.down_proj.weight"
+
+# --- shard indexes (issue 15, 16) ----------------------------------------------------------------------------------
+
+
+def write_index(folder: Path, weight_map: object) -> None:
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize(
+    "values",
+    [lambda names: 3, lambda names: ["model.safetensors"], lambda names: "mixed"],
+    ids=["numbers", "lists", "mixed"],
+)
+def test_an_index_whose_weight_map_is_not_names(values, source_copy, tmp_path):
+    source = source_copy()
+    names = list(load_file(source / "model.safetensors"))
+    if values(names) == "mixed":
+        weight_map = {name: ("model.safetensors" if i % 2 else [1, 2]) for i, name in enumerate(names)}
+    else:
+        weight_map = {name: values(names) for name in names}
+    write_index(source, weight_map)
+    output = tmp_path / "out"
+    result = thinker("convert", source, output, "--no-verify")
+    assert_error(result, "model.safetensors.index.json", "'weight_map' maps", "not to a shard file name")
+    assert_nothing_written(output)
+
+
+def test_an_index_with_an_empty_weight_map(source_copy, tmp_path):
+    source = source_copy()
+    write_index(source, {})
+    message = assert_error(thinker("convert", source, tmp_path / "out"), "model.safetensors.index.json", "names no")
+    assert "no checkpoint here" not in message
+
+
+# --- JSON nested past the recursion limit (issue 15) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+def test_json_nested_too_deeply(name, source_copy, tmp_path):
+    source = source_copy()
+    (source / name).write_text("[" * 100_000 + "]" * 100_000)
+    output = tmp_path / "out"
+    assert_error(thinker("convert", source, output, "--no-verify"), name, "nested too deeply")
+    assert_nothing_written(output)
+
+
+def test_a_thinker_config_nested_too_deeply(qwen3_thinker, tmp_path):
+    folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
+    (folder / "config.json").write_text('{"model_type": "thinker", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    output = tmp_path / "onnx"
+    assert_error(thinker("export", folder, output, "--no-verify"), "config.json", "nested too deeply")
+    assert_nothing_written(output)
+
+
+# --- config values no model can work with (issues 15, 16) ----------------------------------------------------------
+
+NAN = float("nan")
+BAD_VALUES = {
+    "negative context": ({"max_position_embeddings": -1}, ["max_position_embeddings=-1"]),
+    "no context": ({"max_position_embeddings": 0}, ["max_position_embeddings=0"]),
+    "a context of 1e12": ({"max_position_embeddings": 10**12}, ["max_position_embeddings=1000000000000"]),
+    "unknown activation": ({"hidden_act": "swishy"}, ["hidden_act='swishy'"]),
+    "unknown rope_type": (
+        {"rope_parameters": {"rope_type": "spiral", "rope_theta": 10000.0}},
+        ["rope_type='spiral'"],
+    ),
+    "NaN rms_norm_eps": ({"rms_norm_eps": NAN}, ["rms_norm_eps=nan"]),
+    "negative rope_theta": (
+        {"rope_parameters": {"rope_type": "default", "rope_theta": -5.0}},
+        ["rope_theta=-5.0"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_VALUES)
+def test_convert_refuses_config_values_no_model_has(case, source_copy, tmp_path):
+    changes, fragments = BAD_VALUES[case]
+    source = source_copy()
+    edit_config(source, **changes)
+    output = tmp_path / "out"
+    message = assert_error(thinker("convert", source, output), "config.json", *fragments)
+    assert "does not match its reference" not in message
+    assert_nothing_written(output)
+
+
+@pytest.mark.parametrize("case", BAD_VALUES)
+def test_export_refuses_config_values_no_model_has(case, qwen3_thinker, tmp_path):
+    changes, fragments = BAD_VALUES[case]
+    folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
+    edit_config(folder, **changes)
+    output = tmp_path / "onnx"
+    assert_error(thinker("export", folder, output, "--no-verify"), str(folder / "config.json"), *fragments)
+    assert_nothing_written(output)
+
+
+def test_export_refuses_a_context_too_short_to_verify(qwen3_thinker, tmp_path):
+    folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
+    edit_config(folder, max_position_embeddings=2)
+    output = tmp_path / "onnx"
+    result = thinker("export", folder, output, "--verify")
+    assert_error(result, "max_position_embeddings=2", "fewer positions than --verify runs", "--no-verify")
+    assert_nothing_written(output)
+    assert thinker("export", folder, output, "--no-verify").exit_code == 0  # a 2-position model exports as it is
+
+
+def test_a_huge_context_is_refused_in_bounded_memory(qwen3_thinker, tmp_path):
+    """10^9 positions: the RoPE tables would take 8 GB; refused by key under a 3 GiB address-space cap."""
+    folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
+    edit_config(folder, max_position_embeddings=10**9)
+    done = run_cli("export", folder, tmp_path / "onnx", "--no-verify", address_space=3 * 2**30)
+    assert_process_error(done, "max_position_embeddings=1000000000")
+    assert_nothing_written(tmp_path / "onnx")
+
+
+# --- what the export checks before writing, with or without --verify (issue 16) ------------------------------------
+
+EDITS = {
+    "hidden_size": ({"hidden_size": 40}, ["hidden_size=40"]),
+    "intermediate_size": ({"intermediate_size": 40}, ["intermediate_size=40"]),
+    "num_key_value_heads": ({"num_key_value_heads": 4}, ["num_key_value_heads=4"]),
+    "num_attention_heads": ({"num_attention_heads": 2}, ["num_attention_heads=2"]),
+    "head_dim": ({"head_dim": 16}, ["head_dim=16"]),
+    "vocab_size": ({"vocab_size": 80}, ["vocab_size=80"]),
+}
+
+
+@pytest.mark.parametrize("verify", ["--no-verify", "--verify"])
+@pytest.mark.parametrize("key", EDITS)
+def test_export_refuses_a_config_that_does_not_describe_the_weights(key, verify, qwen3_thinker, tmp_path):
+    changes, fragments = EDITS[key]
+    folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
+    edit_config(folder, **changes)
+    output = tmp_path / "onnx"
+    assert_error(thinker("export", folder, output, verify), "config.json", *fragments, "the folder holds")
+    assert_nothing_written(output)
+
+
+@pytest.mark.parametrize("verify", ["--no-verify", "--verify"])
+def test_export_refuses_a_tensor_of_another_shape(verify, qwen3_thinker, tmp_path):
+    folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
+    edit_tensors(folder, lambda tensors: tensors.update({DOWN: tensors[DOWN][:, :40].clone()}))
+    output = tmp_path / "onnx"
+    assert_error(thinker("export", folder, output, verify), DOWN, "(32, 48)", "(32, 40)")
+    assert_nothing_written(output)
+
+
+@pytest.mark.parametrize("verify", ["--no-verify", "--verify"])
+def test_export_refuses_integer_weights(verify, qwen3_thinker, tmp_path):
+    folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
+    edit_tensors(folder, lambda tensors: tensors.update({DOWN: tensors[DOWN].to(torch.int32)}))
+    output = tmp_path / "onnx"
+    assert_error(thinker("export", folder, output, verify), DOWN, "int32", "floating point")
+    assert_nothing_written(output)
+
+
+@pytest.mark.parametrize("verify", ["--no-verify", "--verify"])
+def test_export_refuses_tying_over_a_trained_head(verify, qwen3_thinker, tmp_path):
+    folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
+    edit_config(folder, tie_word_embeddings=True)
+    output = tmp_path / "onnx"
+    assert_error(thinker("export", folder, output, verify), "tie_word_embeddings", "lm_head.weight", "false")
+    assert_nothing_written(output)
+
+
+# --- a float tensor relabelled as integers (issue 16) --------------------------------------------------------------
+
+
+def relabel(path: Path, name: str, code: str) -> None:
+    """Change one tensor's dtype code in a safetensors header, leaving its bytes (and the header's length) as is."""
+    data = bytearray(path.read_bytes())
+    length = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + length])
+    header[name]["dtype"] = code
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (length - len(text))
+    assert len(text) == length
+    data[8 : 8 + length] = text
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("command", ["convert", "export"])
+def test_a_float_tensor_relabelled_i32(command, source_copy, qwen3_thinker, tmp_path):
+    folder = source_copy() if command == "convert" else shutil.copytree(qwen3_thinker, tmp_path / "thinker")
+    relabel(folder / "model.safetensors", DOWN, "I32")
+    output = tmp_path / "out"
+    assert_error(thinker(command, folder, output, "--verify"), "model.safetensors", DOWN, "int32")
+    assert_nothing_written(output)
+
+
+# --- pickles: what torch refused, by name (issue 16) ----------------------------------------------------------------
+
+
+class _Calls:
+    def __init__(self, function, argument) -> None:
+        self.function, self.argument = function, argument
+
+    def __reduce__(self):
+        return self.function, (self.argument,)
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["zip", "legacy"],
+    ids=["torch.save", "torch.save, pre-1.6 format"],
+)
+def test_a_pickle_refusal_names_the_blocked_global(how, qwen3_source, tmp_path):
+    source = tmp_path / "source"
+    source.mkdir()
+    shutil.copy(qwen3_source / "config.json", source)
+    marker = tmp_path / "ran"
+    payload = {EMBED: torch.zeros(64, 32), "payload": _Calls(os.system, f"touch {marker}")}
+    torch.save(payload, source / "pytorch_model.bin", _use_new_zipfile_serialization=how == "zip")
+    output = tmp_path / "out"
+    message = assert_error(thinker("convert", source, output), "pytorch_model.bin", "posix.system", "never run")
+    assert "RuntimeError" not in message and "not tensors" not in message
+    assert not marker.exists()
+    assert_nothing_written(output)
+
+
+def test_a_raw_pickle_is_refused_without_torch_warnings(qwen3_source, tmp_path):
+    source = tmp_path / "source"
+    source.mkdir()
+    shutil.copy(qwen3_source / "config.json", source)
+    (source / "model.pt").write_bytes(pickle.dumps({"w": [1.0, 2.0]}, protocol=4))
+    assert_error(thinker("convert", source, tmp_path / "out"), "model.pt", "never run")
+
+
+# --- generate (issue 16) ------------------------------------------------------------------------------------------
+
+
+def test_generate_with_an_empty_model_onnx(qwen3_onnx, tmp_path):
+    folder = shutil.copytree(qwen3_onnx, tmp_path / "onnx")
+    (folder / "model.onnx").write_bytes(b"")
+    assert_error(thinker("generate", folder, "-p", "the cat"), str(folder / "model.onnx"), "empty", "export it again")
+
+
+def test_generate_checks_the_context_of_an_onnx_folder_without_config(qwen3_onnx, tmp_path):
+    folder = shutil.copytree(qwen3_onnx, tmp_path / "onnx")
+    (folder / "config.json").unlink()
+    result = thinker("generate", folder, "-p", "the cat " * 30, "-n", "40")
+    assert_error(result, "--prompt is 60 tokens", "beyond the model's 64 positions", "context_length")
+
+
+def test_rope_tables_beyond_the_memory_available(qwen3_thinker, tmp_path, monkeypatch):
+    """The tables hold a row per position; a context whose tables would not fit in memory is refused by key."""
+    import collections
+
+    import psutil
+
+    folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
+    edit_config(folder, max_position_embeddings=2**20)  # 2 tables x 2^20 x 8 x 4 bytes = 64 MiB
+    memory = collections.namedtuple("memory", "available total")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(available=32 * 2**20, total=2**30))
+    output = tmp_path / "onnx"
+    result = thinker("export", folder, output, "--no-verify")
+    assert_error(result, "max_position_embeddings=1048576", "RoPE tables of 0.1 GiB", "memory available")
+    assert_nothing_written(output)
+
+
+def test_export_names_missing_and_extra_tensors(qwen3_thinker, tmp_path):
+    folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
+    edit_tensors(folder, lambda tensors: tensors.update({"extra.weight": tensors.pop(DOWN)}))
+    output = tmp_path / "onnx"
+    assert_error(thinker("export", folder, output, "--no-verify"), f"lacks {DOWN}", "holds extra.weight")
+    assert_nothing_written(output)

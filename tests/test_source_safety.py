@@ -1,0 +1,293 @@
+"""The source is never harmed and never leaks (issues 15 and 16): OUTPUT may not be, hold or lie inside the source,
+nor be the working directory; a symlink is followed only inside the source folder or the Hub cache holding it;
+what is not a regular file (a named pipe, a folder named like a file) is refused instead of read.
+
+Every refusal is one ``error:`` line naming the path, exit 1, the source byte for byte as it was, nothing at OUTPUT.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from cli_helpers import (
+    assert_error,
+    assert_nothing_written,
+    assert_process_error,
+    run_cli,
+    thinker,
+)
+
+# --- OUTPUT over the source (issue 15) -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "where, fragments",
+    [
+        (lambda source: source / "model.safetensors", ["lies inside the source"]),
+        (lambda source: source / "config.json", ["lies inside the source"]),
+        (lambda source: source / "new-folder", ["lies inside the source"]),
+        (lambda source: source, ["is the source"]),
+        (lambda source: source.parent, ["holds the source"]),
+    ],
+    ids=["a weights file", "config.json", "a folder inside", "the source itself", "a folder holding it"],
+)
+@pytest.mark.parametrize("command", ["convert", "export"])
+def test_output_never_replaces_a_source_folder(command, where, fragments, source_copy, tmp_path, digest):
+    source = source_copy()
+    before = digest(tmp_path)
+    output = where(source)
+    result = thinker(command, source, output, "--force", "--no-verify")
+    assert_error(result, str(output.absolute()), *fragments, "choose")
+    assert digest(tmp_path) == before
+
+
+def test_export_never_replaces_the_thinker_folder(qwen3_thinker, tmp_path, digest):
+    folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
+    before = digest(folder)
+    for output in (folder, folder / "onnx", folder / "model.safetensors"):
+        assert_error(thinker("export", folder, output, "--force", "--no-verify"), str(output), "source")
+    assert digest(folder) == before
+
+
+@pytest.fixture
+def weights_file_source(source_copy, tmp_path) -> Path:
+    """A source given as one weights file: model.safetensors with its config.json and tokenizer beside it."""
+    return source_copy() / "model.safetensors"
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json", "tokenizer.json"])
+def test_output_never_replaces_a_file_the_source_reads(name, weights_file_source, tmp_path, digest):
+    before = digest(tmp_path)
+    output = weights_file_source.parent / name
+    assert_error(thinker("convert", weights_file_source, output, "--force", "--no-verify"), str(output), "source")
+    assert digest(tmp_path) == before
+
+
+def test_output_beside_a_weights_file_is_fine(weights_file_source):
+    """A new folder beside a single source file (the usual place for a converted GGUF) harms nothing."""
+    output = weights_file_source.parent / "converted"
+    result = thinker("convert", weights_file_source, output, "--no-verify")
+    assert result.exit_code == 0, result.output
+    assert (output / "model.safetensors").is_file() and (weights_file_source.parent / "config.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def smollm2_copy(tmp_path_factory) -> Path:
+    """The real SmolLM2 GGUF, copied where a test may put it (an OUTPUT must be able to hold it)."""
+    from converter.families.gguf import smollm2_gguf_path
+
+    folder = tmp_path_factory.mktemp("gguf")
+    return Path(shutil.copy(smollm2_gguf_path(), folder))
+
+
+@pytest.mark.parametrize("command", ["convert", "export"])
+@pytest.mark.parametrize("target", ["the file", "its folder"])
+def test_output_never_replaces_a_gguf_source(command, target, smollm2_copy, digest):
+    before = digest(smollm2_copy.parent)
+    output = smollm2_copy if target == "the file" else smollm2_copy.parent
+    result = thinker(command, smollm2_copy, output, "--force", "--no-verify")
+    assert_error(result, str(output), "source")
+    assert digest(smollm2_copy.parent) == before
+
+
+def test_the_way_back_never_replaces_its_source(qwen3_thinker, tmp_path, digest):
+    folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
+    before = digest(folder)
+    for output in (folder, folder / "qwen3", folder / "config.json"):
+        result = thinker("convert", folder, output, "--to", "qwen3", "--force", "--no-verify")
+        assert_error(result, str(output), "source")
+    assert digest(folder) == before
+
+
+def test_verify_never_writes_into_its_source(qwen3_source, source_copy, tmp_path, digest):
+    source = source_copy()
+    before = digest(source)
+    assert_error(thinker("verify", source, source), str(source), "is the source")
+    assert digest(source) == before
+
+
+def test_the_demo_never_replaces_its_source(smollm2_copy, tmp_path, monkeypatch, digest):
+    """The demo's OUTPUT folders are fixed names in --workdir: one of them holding the GGUF is refused."""
+    workdir = tmp_path / "work"
+    gguf = workdir / "smollm2-135m-thinker" / smollm2_copy.name
+    gguf.parent.mkdir(parents=True)
+    shutil.copy(smollm2_copy, gguf)
+    monkeypatch.setattr("converter.families.gguf.smollm2_gguf_path", lambda: gguf)
+    before = digest(workdir)
+    assert_error(thinker("demo", "--workdir", workdir), str(gguf.parent), "holds the source")
+    assert digest(workdir) == before
+
+
+# --- OUTPUT and the working directory (issue 16) -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("output", [".", "..", "./"])
+@pytest.mark.parametrize("command", ["convert", "export"])
+def test_output_is_never_the_working_directory(command, output, qwen3_source, qwen3_thinker, tmp_path, monkeypatch):
+    work = tmp_path / "work" / "here"
+    work.mkdir(parents=True)
+    (work / "notes.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    source = qwen3_source if command == "convert" else qwen3_thinker
+    result = thinker(command, source, output, "--force", "--no-verify")
+    assert_error(result, "the working directory", "choose")
+    assert (work / "notes.txt").read_text() == "mine" and sorted(os.listdir(work)) == ["notes.txt"]
+
+
+def test_a_250_character_output_name(qwen3_source, tmp_path):
+    """The staging folder's name must stay within the file system's 255 bytes although OUTPUT's nearly fills them."""
+    output = tmp_path / ("o" * 250)
+    result = thinker("convert", qwen3_source, output, "--no-verify")
+    assert result.exit_code == 0, result.output
+    assert (output / "model.safetensors").is_file()
+    assert sorted(os.listdir(tmp_path)) == [output.name]
+    result = thinker("convert", qwen3_source, output, "--no-verify", "--force")  # replacing it, too
+    assert result.exit_code == 0, result.output
+
+
+# --- symlinks (issue 16) -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def secret(tmp_path) -> Path:
+    """A file outside every checkpoint that must never reach an OUTPUT."""
+    path = tmp_path / "home" / ".ssh" / "id_rsa"
+    path.parent.mkdir(parents=True)
+    path.write_text("-----BEGIN OPENSSH PRIVATE KEY----- not to be published\n")
+    return path
+
+
+def assert_secret_absent(root: Path) -> None:
+    for path in root.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            assert b"PRIVATE KEY" not in path.read_bytes() or ".ssh" in path.parts, path
+
+
+@pytest.mark.parametrize("name", ["merges.txt", "vocab.txt", "tokenizer.json"])
+def test_convert_refuses_a_tokenizer_file_linking_outside(name, source_copy, secret, tmp_path):
+    source = source_copy()
+    (source / name).unlink(missing_ok=True)
+    (source / name).symlink_to(secret)
+    output = tmp_path / "out"
+    assert_error(thinker("convert", source, output, "--no-verify"), str(source / name), "outside", str(source))
+    assert_nothing_written(output)
+    assert_secret_absent(tmp_path)
+
+
+def test_export_refuses_a_side_file_linking_outside(qwen3_thinker, secret, tmp_path):
+    folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
+    (folder / "merges.txt").symlink_to(secret)
+    output = tmp_path / "onnx"
+    assert_error(thinker("export", folder, output, "--no-verify"), str(folder / "merges.txt"), "outside")
+    assert_nothing_written(output)
+    assert_secret_absent(tmp_path)
+
+
+def test_weights_linking_outside_are_refused(source_copy, tmp_path):
+    source = source_copy()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.move(source / "model.safetensors", elsewhere / "model.safetensors")
+    (source / "model.safetensors").symlink_to(elsewhere / "model.safetensors")
+    output = tmp_path / "out"
+    assert_error(thinker("convert", source, output, "--no-verify"), str(source / "model.safetensors"), "outside")
+    assert_nothing_written(output)
+
+
+def test_a_shard_folder_linking_outside_is_refused(source_copy, tmp_path):
+    source = source_copy()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.move(source / "model.safetensors", elsewhere / "model.safetensors")
+    (source / "shards").symlink_to(elsewhere, target_is_directory=True)
+    from safetensors import safe_open
+
+    with safe_open(elsewhere / "model.safetensors", "pt") as handle:
+        names = list(handle.keys())
+    index = {"weight_map": {name: "shards/model.safetensors" for name in names}}
+    (source / "model.safetensors.index.json").write_text(json.dumps(index))
+    output = tmp_path / "out"
+    assert_error(thinker("convert", source, output, "--no-verify"), "shards/model.safetensors", "outside")
+    assert_nothing_written(output)
+
+
+def test_symlinks_inside_the_folder_are_followed(source_copy, tmp_path):
+    source = source_copy()
+    (source / "files").mkdir()
+    for name in ("model.safetensors", "tokenizer.json"):
+        shutil.move(source / name, source / "files" / name)
+        (source / name).symlink_to(Path("files") / name)  # relative, as the Hub cache writes them
+    output = tmp_path / "out"
+    result = thinker("convert", source, output, "--no-verify")
+    assert result.exit_code == 0, result.output
+    assert (output / "tokenizer.json").is_file() and not (output / "tokenizer.json").is_symlink()
+
+
+def test_the_hub_cache_layout_keeps_working(fake_hub, qwen3_source, tmp_path):
+    """A snapshot's files are symlinks into the cache's blobs/: through the repo id and through the folder path."""
+    fake_hub.add_repo("tiny-org/tiny-qwen3", qwen3_source)
+    result = thinker("convert", "tiny-org/tiny-qwen3", tmp_path / "by-id", "--no-verify")
+    assert result.exit_code == 0, result.output
+    (snapshot,) = (fake_hub.cache / "models--tiny-org--tiny-qwen3" / "snapshots").iterdir()
+    assert (snapshot / "model.safetensors").is_symlink()
+    for command in ("convert", "export"):
+        result = thinker(command, snapshot, tmp_path / f"by-path-{command}", "--no-verify")
+        assert result.exit_code == 0, result.output
+    assert (tmp_path / "by-path-convert" / "tokenizer.json").is_file()
+
+
+def test_a_snapshot_linking_outside_its_cache_is_refused(fake_hub, qwen3_source, secret, tmp_path):
+    fake_hub.add_repo("tiny-org/tiny-qwen3", qwen3_source)
+    assert thinker("convert", "tiny-org/tiny-qwen3", tmp_path / "first", "--no-verify").exit_code == 0
+    (snapshot,) = (fake_hub.cache / "models--tiny-org--tiny-qwen3" / "snapshots").iterdir()
+    (snapshot / "merges.txt").symlink_to(secret)
+    output = tmp_path / "out"
+    assert_error(thinker("convert", snapshot, output, "--no-verify"), "merges.txt", "outside")
+    assert_nothing_written(output)
+
+
+# --- what is not a regular file (issues 15 and 16) ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json", "tokenizer.json"])
+def test_a_named_pipe_is_refused_not_read(name, source_copy, tmp_path):
+    """Reading a named pipe blocks until someone writes to it: the run would hang forever."""
+    source = source_copy()
+    (source / name).unlink()
+    os.mkfifo(source / name)
+    output = tmp_path / "out"
+    assert_process_error(run_cli("convert", source, output, "--no-verify", timeout=120), str(source / name), "pipe")
+    assert_nothing_written(output)
+
+
+def test_a_named_pipe_given_as_source_is_refused(tmp_path):
+    os.mkfifo(tmp_path / "model.safetensors")
+    done = run_cli("convert", tmp_path / "model.safetensors", tmp_path / "out", timeout=120)
+    assert_process_error(done, "model.safetensors", "pipe")
+
+
+def test_a_folder_named_like_the_weights(source_copy, tmp_path):
+    source = source_copy()
+    (source / "model.safetensors").unlink()
+    (source / "model.safetensors").mkdir()
+    result = thinker("convert", source, tmp_path / "out", "--no-verify")
+    message = assert_error(result, str(source / "model.safetensors"), "a folder, not a regular file")
+    assert "truncated" not in message
+
+
+def test_a_broken_symlink_is_named(source_copy, tmp_path):
+    source = source_copy()
+    (source / "vocab.json").symlink_to(source / "nowhere.json")
+    assert_error(thinker("convert", source, tmp_path / "out", "--no-verify"), str(source / "vocab.json"), "broken")
+
+
+def test_a_fifo_config_in_a_thinker_folder(qwen3_thinker, tmp_path):
+    folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
+    (folder / "generation_config.json").unlink()
+    os.mkfifo(folder / "generation_config.json")
+    done = run_cli("export", folder, tmp_path / "onnx", "--no-verify", timeout=240)
+    assert_process_error(done, "generation_config.json", "pipe")
