@@ -37,6 +37,7 @@ from .genai_config import make_genai_config, no_eos_note
 from .graph_builder import GraphBuilder, WeightFile
 from .names import DATA_FILE, GENAI_CONFIG_FILE, GRAPHS, MODEL_FILE, REPORT_FILE
 from .quantize import QuantizeSpec, WeightQuantizer
+from .quantized_verify import QualityGate
 from .weights import ThinkerWeights
 
 
@@ -60,10 +61,12 @@ def export_model(
     graph: str = "plain",
     quantize: QuantizeSpec | None = None,
     progress: bool = True,
+    quality: QualityGate | None = None,
 ) -> dict:
     """Exports ``source`` to the folder ``output`` and returns the export report (also written there).
 
-    ``graph``: "plain" or "fused" (see GRAPHS); ``quantize``: weight-only int4/int8 of the projections;
+    ``graph``: "plain" or "fused" (see GRAPHS); ``quantize``: weight-only int4/int8 of the projections, whose
+    cost against the float model ``--verify`` holds to ``quality`` (default: ``QualityGate.default``);
     ``progress``: bars on stderr for writing (or quantizing) the weights and for verifying, where it is a terminal."""
     output = Path(output)
     if dtype not in FLOAT_DTYPES:
@@ -113,12 +116,14 @@ def export_model(
                 files.model_path,
                 graph_dtype,
                 threads=threads,
-                quantized=quantize is not None,
+                quantized_bits=quantize.bits if quantize else None,
+                gate=quality,
                 progress=progress,
             )
             if report["verify"].get("passed") is False:
+                what = "the quantized export fails its check" if quantize else "onnxruntime disagrees with PyTorch"
                 raise ThinkerError(
-                    f"onnxruntime disagrees with PyTorch: {report['verify']['failure']} ({dtype}, {graph} graph"
+                    f"{what}: {report['verify']['failure']} ({dtype}, {graph} graph"
                     f"{', ' + quantize.label() if quantize else ''}); the export was not written"
                 )
         (final / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,10 +19,11 @@ import torch
 from common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
 from common.progress import progress_bar
 
+if TYPE_CHECKING:
+    from .quantized_verify import QualityGate
+
 from .runtime import OnnxDecoder, cuda_usable, position_ids_from_mask
 
-# Weight-only quantized graphs are lossy by design: they pass on top-1 agreement with the float model instead.
-QUANTIZED_MIN_TOP1 = 0.5
 DECODE_STEPS = 6
 
 
@@ -102,12 +104,14 @@ def verify_export(
     onnx_path: Path,
     dtype: torch.dtype,
     threads: int | None = None,
-    quantized: bool = False,
+    quantized_bits: int | None = None,
+    gate: QualityGate | None = None,
     progress: bool = False,
 ) -> dict:
     """The figures for the export report; ``passed`` is False beyond tolerance (``failure`` says how), None when it
-    could not run. ``quantized``: judged on top-1 agreement (QUANTIZED_MIN_TOP1), not on |Δlogit|. ``progress``: a
-    bar over loading both models, the prefill and the decode steps."""
+    could not run. ``quantized_bits``: a weight-only quantized graph, checked against the model holding the same
+    dequantized weights, its cost against the float model gated by ``gate`` (export/quantized_verify.py).
+    ``progress``: a bar over loading both models, the prefill and the decode steps."""
     from thinker import ThinkerForCausalLM
 
     if dtype == torch.bfloat16 and not cuda_usable():
@@ -115,6 +119,11 @@ def verify_export(
             "passed": None,
             "skipped": "onnxruntime's CPU execution provider has no bfloat16 kernels; verify where CUDA is available",
         }
+    if quantized_bits:
+        from .quantized_verify import verify_quantized
+
+        model = ThinkerForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        return verify_quantized(model, model_dir, onnx_path, quantized_bits, gate, threads=threads)
     with progress_bar(2 + DECODE_STEPS, "verifying", unit="step", enabled=progress) as bar:
         decoder = OnnxDecoder(onnx_path, threads=threads)
         model = ThinkerForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
@@ -126,14 +135,9 @@ def verify_export(
         "reference": f"PyTorch ThinkerForCausalLM, {str(dtype).removeprefix('torch.')}, CPU",
         **figures,
     }
-    if quantized:
-        result["min_top1_agreement"] = QUANTIZED_MIN_TOP1
-        result["passed"] = figures["top1_agreement"] >= QUANTIZED_MIN_TOP1
-        result["failure"] = f"top-1 agreement {figures['top1_agreement']:.1%} < {QUANTIZED_MIN_TOP1:.0%}"
-    else:
-        result["tolerance"] = RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"])
-        result["passed"] = figures["max_abs_diff"] <= result["tolerance"]
-        result["failure"] = f"max |Δlogit| {figures['max_abs_diff']:.3g} > tolerance {result['tolerance']:.3g}"
+    result["tolerance"] = RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"])
+    result["passed"] = figures["max_abs_diff"] <= result["tolerance"]
+    result["failure"] = f"max |Δlogit| {figures['max_abs_diff']:.3g} > tolerance {result['tolerance']:.3g}"
     if result["passed"]:
         del result["failure"]
     return result
