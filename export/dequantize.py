@@ -21,6 +21,7 @@ kernels; float16 scales give float16 weights after one more rounding, which is a
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,13 @@ PACKED = {
 }
 QUANTIZED_OPS = ("MatMulNBits", "GatherBlockQuantized")
 _QUANTIZED_SUFFIX = re.compile(r"_Q\d+$")  # onnxruntime's quantizer names the packed weight "<name>_Q4" / "_Q8"
+
+
+@dataclass
+class QuantizedWeight:
+    op_type: str  # MatMulNBits or GatherBlockQuantized
+    bits: int
+    weight: np.ndarray | torch.Tensor  # a graph's (K, N) / (V, C) array; a Thinker parameter's (out, in) tensor
 
 
 def attributes(node: onnx.NodeProto) -> dict:
@@ -99,42 +107,41 @@ def graph_weight_name(quantized_input: str) -> str:
     return _QUANTIZED_SUFFIX.sub("", quantized_input)
 
 
-def quantized_weights(onnx_path: Path) -> dict[str, tuple[str, np.ndarray]]:
-    """Every quantized weight of the graph, dequantized: graph weight name -> (op type, weight) where a
-    MatMulNBits weight is (K, N), as the graph multiplies by it, and a GatherBlockQuantized table (V, C)."""
+def quantized_weights(onnx_path: Path) -> dict[str, QuantizedWeight]:
+    """Every quantized weight of the graph, dequantized, by graph weight name: a MatMulNBits weight (K, N), as the
+    graph multiplies by it, a GatherBlockQuantized table (V, C)."""
     model = onnx.load(str(onnx_path), load_external_data=True)
     tensors = {t.name: t for t in model.graph.initializer}
 
     def array(name: str):
         return numpy_helper.to_array(tensors[name]) if name else None
 
-    weights: dict[str, tuple[str, np.ndarray]] = {}
+    weights: dict[str, QuantizedWeight] = {}
     for node in model.graph.node:
+        attrs = attributes(node)
         if node.op_type == "MatMulNBits":
             packed, scales, zero = (array(name) for name in [*node.input[1:4], ""][:3])
-            weight = dequantize_matmul_nbits(attributes(node), packed, scales, zero)
-            weights[graph_weight_name(node.input[1])] = (node.op_type, weight)
+            weight = dequantize_matmul_nbits(attrs, packed, scales, zero)
+            weights[graph_weight_name(node.input[1])] = QuantizedWeight(node.op_type, attrs["bits"], weight)
         elif node.op_type == "GatherBlockQuantized":
             data, scales = array(node.input[0]), array(node.input[2])
             zero = array(node.input[3]) if len(node.input) > 3 else None
-            weights[graph_weight_name(node.input[0])] = (
-                node.op_type,
-                dequantize_gather_block(attributes(node), data, scales, zero),
-            )
+            weight = dequantize_gather_block(attrs, data, scales, zero)
+            weights[graph_weight_name(node.input[0])] = QuantizedWeight(node.op_type, attrs.get("bits", 4), weight)
     return weights
 
 
-def as_thinker_parameters(weights: dict[str, tuple[str, np.ndarray]], model: torch.nn.Module) -> dict:
-    """Graph weights -> Thinker parameter name -> (out, in) tensor (a Gather table stays (V, C)); a packed
+def as_thinker_parameters(weights: dict[str, QuantizedWeight], model: torch.nn.Module) -> dict[str, QuantizedWeight]:
+    """Graph weights -> by Thinker parameter name, as (out, in) tensors (a Gather table stays (V, C)); a packed
     projection is split back by its parts' shapes. An unknown name is an exporter bug and raises."""
     parameters = dict(model.named_parameters(remove_duplicate=False))
-    out: dict[str, torch.Tensor] = {}
-    for name, (op_type, weight) in weights.items():
-        tensor = torch.from_numpy(np.ascontiguousarray(weight))
-        if op_type == "MatMulNBits":
+    out: dict[str, QuantizedWeight] = {}
+    for name, quantized in weights.items():
+        tensor = torch.from_numpy(np.ascontiguousarray(quantized.weight))
+        if quantized.op_type == "MatMulNBits":
             tensor = tensor.T  # (K, N) -> (out, in), the Linear layout
         if name in parameters:
-            out[name] = tensor
+            out[name] = QuantizedWeight(quantized.op_type, quantized.bits, tensor)
             continue
         prefix, _, packed = name.removesuffix(".weight").rpartition(".")
         parts = [f"{prefix}.{part}.weight" for part in PACKED.get(packed, ())]
@@ -143,15 +150,17 @@ def as_thinker_parameters(weights: dict[str, tuple[str, np.ndarray]], model: tor
         sizes = [parameters[part].shape[0] for part in parts]
         if sum(sizes) != tensor.shape[0]:
             raise RuntimeError(f"quantized weight {name} has {tensor.shape[0]} outputs, its parts {sum(sizes)}")
-        out.update(zip(parts, torch.split(tensor, sizes, dim=0), strict=True))
+        for part, piece in zip(parts, torch.split(tensor, sizes, dim=0), strict=True):
+            out[part] = QuantizedWeight(quantized.op_type, quantized.bits, piece)
     return out
 
 
-def weight_errors(dequantized: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, float]:
+def weight_errors(dequantized: dict[str, QuantizedWeight], model: torch.nn.Module) -> dict[str, float]:
     """Each dequantized weight's relative RMS error against the float parameter it replaces: ||W' - W|| / ||W||."""
     parameters = dict(model.named_parameters(remove_duplicate=False))
     errors = {}
-    for name, weight in dequantized.items():
+    for name, quantized in dequantized.items():
+        weight = quantized.weight
         reference = parameters[name].detach().float()
         if tuple(reference.shape) != tuple(weight.shape):
             shapes = f"{tuple(weight.shape)}, the model's {tuple(reference.shape)}"
@@ -161,12 +170,12 @@ def weight_errors(dequantized: dict[str, torch.Tensor], model: torch.nn.Module) 
 
 
 @torch.no_grad()
-def load_into(model: torch.nn.Module, dequantized: dict[str, torch.Tensor]) -> None:
+def load_into(model: torch.nn.Module, dequantized: dict[str, QuantizedWeight]) -> None:
     """Replaces the model's parameters by the dequantized ones. Tied embedding and head become two parameters
     first: a graph that quantizes the head (MatMulNBits) may keep the embedding Gather float, or quantize it
     with another layout."""
     embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
     if head is not None and head.weight is embeddings.weight:
         head.weight = torch.nn.Parameter(embeddings.weight.detach().clone())
-    for name, weight in dequantized.items():
-        model.get_parameter(name).copy_(weight)
+    for name, quantized in dequantized.items():
+        model.get_parameter(name).copy_(quantized.weight)

@@ -6,7 +6,7 @@ Judging a quantized graph only by how often it agrees with the float model canno
 
   weights  every quantized weight, read back from the graph and dequantized as onnxruntime does
            (export/dequantize.py), is within its bit width's rounding error of the float weight it replaces:
-           relative RMS error <= WEIGHT_ERROR[bits]. A wrong scale, a transposed or misplaced weight fails here.
+           relative RMS error <= WEIGHT_ERROR[its bits]. A wrong scale, a transposed or misplaced weight fails here.
   graph    onnxruntime's graph against the PyTorch Thinker holding those same dequantized weights: the float
            graphs' check (left-padded batch, prefill + decode steps) at the float graphs' tolerance. The graph runs
            with MatMulNBits' activations in float (accuracy_level 0, in a copy of the graph): level 4 rounds the
@@ -51,11 +51,12 @@ class QualityGate:
 
     @classmethod
     def default(cls, bits: int) -> QualityGate:
-        # Measured on the real SmolLM2-135M with the default options (README, "Quantized exports"): int8 99 %
-        # top-1 and +0.3 % perplexity; int4 (RTN, block 32, int8 head) 71 % and +13 %. SmolLM2's float weights are
-        # a dequantized 4-bit GGUF whose grid a re-quantization does not match, so int4 costs more there than on a
-        # model trained in float; the gate leaves room for that, not for a broken export.
-        return cls(0.9, 0.05) if bits >= 8 else cls(0.6, 0.25)
+        # Measured on the real SmolLM2-135M (bench/results/README-quantize.md): int8 96.5 % top-1 and +1.0 %
+        # perplexity; int4 with its default int8 head 69.5 % and +12.9 %, with an int4 head 60.2 % and +26.5 %
+        # (onnxruntime-genai's builder int4: 58.4 %, +27.5 %); blocks of 128 fail (52.7 %, +77 %). SmolLM2's float
+        # weights are a dequantized 4-bit GGUF whose grid a re-quantization does not match, so int4 costs more
+        # there than on a model trained in float; the gate leaves room for that and for an int4 head.
+        return cls(0.9, 0.05) if bits >= 8 else cls(0.55, 0.35)
 
     def failure(self, cost: dict) -> str | None:
         if cost["top1_agreement"] < self.min_top1:
@@ -90,12 +91,18 @@ def verify_quantized(
 
     dequantized = as_thinker_parameters(quantized_weights(onnx_path), model)
     errors = weight_errors(dequantized, model)
-    worst = max(errors, key=errors.get) if errors else None
+    # Each weight against its own bit width's limit (an int8 head under an int4 body), the worst by that margin.
+    margins = {name: error / WEIGHT_ERROR[dequantized[name].bits] for name, error in errors.items()}
+    worst = max(margins, key=margins.get) if margins else None
     result["weights"] = {
         "quantized": len(errors),
-        "max_relative_error": errors[worst] if worst else 0.0,
         "worst": worst,
-        "limit": WEIGHT_ERROR[bits],
+        "relative_error": errors[worst] if worst else 0.0,
+        "limit": WEIGHT_ERROR[dequantized[worst].bits] if worst else None,
+        "max_relative_error_by_bits": {
+            f"int{bits}": max((e for n, e in errors.items() if dequantized[n].bits == bits), default=0.0)
+            for bits in sorted({q.bits for q in dequantized.values()})
+        },
     }
     load_into(model, dequantized)
     with float_activation_copy(onnx_path) as exact_path:
@@ -105,8 +112,9 @@ def verify_quantized(
     result["graph"] = graph
 
     failures = []
-    if worst and errors[worst] > WEIGHT_ERROR[bits]:
-        failures.append(f"quantized weight {worst} is {errors[worst]:.3g} off the float one (> {WEIGHT_ERROR[bits]})")
+    if worst and margins[worst] > 1:
+        limit = result["weights"]["limit"]
+        failures.append(f"quantized weight {worst} is {errors[worst]:.3g} off the float one (> {limit})")
     if graph["max_abs_diff"] > graph["tolerance"]:
         failures.append(
             f"max |Δlogit| {graph['max_abs_diff']:.3g} against the model with the same dequantized weights "
