@@ -26,34 +26,26 @@ from pathlib import Path
 VOCAB_CAP = 49152
 
 
-def profile(folder: Path, batch: int, prompt: int, new: int, threads: int) -> dict:
+def profile(folder: Path, trace_dir: Path, batch: int, prompt: int, new: int, threads: int) -> float:
+    """One profiled generation; returns the wall seconds of its decode steps. onnxruntime writes the trace into
+    ``trace_dir`` when the session ends, which onnxruntime-genai leaves to the end of the process."""
     import numpy as np
     import onnxruntime_genai as og
 
-    with tempfile.TemporaryDirectory() as tmp:
-        prefix = str(Path(tmp) / "trace")
-        config = og.Config(str(folder))
-        config.clear_providers()
-        overlay = {
-            "model": {"decoder": {"session_options": {"intra_op_num_threads": threads, "enable_profiling": prefix}}}
-        }
-        config.overlay(json.dumps(overlay))
-        model = og.Model(config)
-        ids = np.random.default_rng(0).integers(0, VOCAB_CAP, size=(batch, prompt), dtype=np.int64)
-        params = og.GeneratorParams(model)
-        params.set_search_options(do_sample=False, max_length=prompt + new, min_length=prompt + new, batch_size=batch)
-        generator = og.Generator(model, params)
-        generator.append_tokens(ids)
-        started = time.perf_counter()
-        for _ in range(new):
-            generator.generate_next_token()
-        wall = time.perf_counter() - started
-        del generator, model  # the session writes its trace when it is destroyed
-        traces = sorted(Path(tmp).glob("trace*.json"))
-        if not traces:
-            raise RuntimeError("onnxruntime-genai wrote no profile (enable_profiling not honoured)")
-        events = json.loads(traces[-1].read_text())
-    return summarize(events, wall, new - 1)
+    config = og.Config(str(folder))
+    config.clear_providers()
+    options = {"intra_op_num_threads": threads, "enable_profiling": str(trace_dir / "trace")}
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": options}}}))
+    model = og.Model(config)
+    ids = np.random.default_rng(0).integers(0, VOCAB_CAP, size=(batch, prompt), dtype=np.int64)
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=prompt + new, min_length=prompt + new, batch_size=batch)
+    generator = og.Generator(model, params)
+    generator.append_tokens(ids)
+    started = time.perf_counter()
+    for _ in range(new):
+        generator.generate_next_token()
+    return time.perf_counter() - started
 
 
 def summarize(events: list[dict], wall: float, decode_steps: int) -> dict:
@@ -112,9 +104,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="rounds of all folders, interleaved; the fastest kept")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child run in the genai env
+    parser.add_argument("--trace-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(profile(args.folders[0], args.batch, args.prompt, args.new, args.threads)))
+        wall = profile(args.folders[0], args.trace_dir, args.batch, args.prompt, args.new, args.threads)
+        print(json.dumps({"wall": wall}))
         return
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from peer_envs import python_of
@@ -123,24 +117,18 @@ def main() -> None:
     results: dict[str, dict] = {}
     for _ in range(args.rounds):
         for folder in args.folders:
-            command = [
-                str(python),
-                __file__,
-                str(folder),
-                "--one",
-                "--batch",
-                str(args.batch),
-                "--prompt",
-                str(args.prompt),
-                "--new",
-                str(args.new),
-                "--threads",
-                str(args.threads),
-            ]
-            done = subprocess.run(command, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"{folder}: {done.stderr[-2000:]}")
-            figures = json.loads(done.stdout.strip().splitlines()[-1])
+            with tempfile.TemporaryDirectory() as trace_dir:
+                command = [str(python), __file__, str(folder), "--one", "--trace-dir", trace_dir]
+                for option in ("batch", "prompt", "new", "threads"):
+                    command += [f"--{option}", str(getattr(args, option))]
+                done = subprocess.run(command, capture_output=True, text=True)
+                if done.returncode != 0:
+                    raise RuntimeError(f"{folder}: {done.stderr[-2000:]}")
+                wall = json.loads(done.stdout.strip().splitlines()[-1])["wall"]
+                traces = sorted(Path(trace_dir).glob("trace*.json"))
+                if not traces:
+                    raise RuntimeError(f"{folder}: onnxruntime-genai wrote no profile")
+                figures = summarize(json.loads(traces[-1].read_text()), wall, args.new - 1)
             name = folder.name
             if name not in results or figures["wall_ms_per_step"] < results[name]["wall_ms_per_step"]:
                 results[name] = figures
