@@ -16,6 +16,10 @@ Backends:
   genai   og.Model + og.Generator, greedy, with the session's intra-op threads set through a config overlay
   torch   a transformers model (its own class, attn_implementation="eager"); timed inside ``generate`` by a
           logits processor that stamps each step
+  ort-states  any decoder folder with a genai_config.json whose carried state is named past*.{i}.* -> present.{i}.*
+          (ours, onnxruntime-genai's builder's and mobius-onnx's hybrid graphs: KV, conv and recurrent states),
+          fed what it declares: input_ids, or inputs_embeds from the folder's own embedding model (mobius's
+          vision-language package), position_ids of rank 2 or 3; zeros start the states; presents fed back
 """
 
 from __future__ import annotations
@@ -180,7 +184,72 @@ class TorchBackend:
         return {"decode_s": decode}
 
 
-BACKENDS = {"ort": OrtBackend, "genai": GenaiBackend, "torch": TorchBackend}
+class StatesOrtBackend(OrtBackend):
+    """Hybrid decoders of any exporter (see the module docstring); batch 1 and unpadded rows, as ``generate`` asks."""
+
+    CONTROL = ("input_ids", "inputs_embeds", "attention_mask", "position_ids")
+    TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+    def __init__(self, folder: Path, threads: int) -> None:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.log_severity_level = 3
+        genai = json.loads((folder / "genai_config.json").read_text())["model"]
+        decoder = genai["decoder"]
+
+        def session(name: str):
+            return ort.InferenceSession(str(folder / name), options, providers=["CPUExecutionProvider"])
+
+        self.session = session(decoder["filename"])
+        # mobius's vision-language package: its decoder takes inputs_embeds from a separate embedding model
+        self.embedding = session(genai["embedding"]["filename"]) if "embedding" in genai else None
+        self.hidden_size = decoder["hidden_size"]
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        outputs = {o.name for o in self.session.get_outputs()}
+        self.past, self.present, self.shapes, self.dtypes = [], [], {}, {}
+        for name, info in inputs.items():
+            if name in self.CONTROL:
+                continue
+            present = [
+                p
+                for p in (name.replace("past_key_values.", "present.", 1), name.replace("past.", "present.", 1))
+                if p in outputs
+            ]
+            if len(present) != 1:
+                raise ValueError(f"{folder}: no present output for {name}")
+            self.past.append(name)
+            self.present.append(present[0])
+            if name.endswith((".key", ".value")):  # the builder leaves head_size symbolic: its config has it
+                self.shapes[name] = [decoder["num_key_value_heads"], 0, decoder["head_size"]]
+            else:
+                self.shapes[name] = list(info.shape[1:])
+            self.dtypes[name] = self.TYPES[info.type]
+        self.position_rank = len(inputs["position_ids"].shape)
+
+    def cache(self, batch: int, length: int, rng=None) -> dict:
+        if length or rng is not None:
+            raise ValueError("ort-states starts every sequence from zeros (generate requests only)")
+        return {name: np.zeros([batch, *self.shapes[name]], self.dtypes[name]) for name in self.past}
+
+    def forward(self, ids: np.ndarray, mask: np.ndarray, cache: dict) -> tuple[np.ndarray, dict]:
+        start = mask.shape[1] - ids.shape[1]
+        positions = np.broadcast_to(np.arange(start, mask.shape[1]), ids.shape).astype(np.int64)
+        if self.position_rank == 3:
+            positions = np.ascontiguousarray(np.broadcast_to(positions, (3, *ids.shape)))
+        feeds = {"attention_mask": mask, "position_ids": positions, **cache}
+        if self.embedding is not None:
+            no_image = np.zeros((0, self.hidden_size), np.float32)
+            feeds["inputs_embeds"] = self.embedding.run(None, {"input_ids": ids, "image_features": no_image})[0]
+        else:
+            feeds["input_ids"] = ids
+        outputs = self.session.run(["logits", *self.present], feeds)
+        return outputs[0][:, -1], dict(zip(self.past, outputs[1:], strict=True))
+
+
+BACKENDS = {"ort": OrtBackend, "genai": GenaiBackend, "torch": TorchBackend, "ort-states": StatesOrtBackend}
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ genai     onnxruntime-genai with the CPU onnxruntime it pulls in (the same one t
 builder   onnxruntime-genai's model builder: onnxruntime-genai + torch + transformers (the builder reads the HF
           folder with transformers)
 optimum   Optimum's ONNX exporter: optimum-onnx, which needs transformers < 4.58
+mobius    mobius-onnx 0.1.0's exporter (``mobius build``); THINKER_MOBIUS_VENV points at an existing one
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ ENVS = {
         ["optimum-onnx[onnxruntime]", "transformers<4.58", "torch==2.13.0"],
         "import optimum.exporters.onnx, transformers",
     ),
+    "mobius": (
+        Path(os.environ.get("THINKER_MOBIUS_VENV", HOME_CACHE / "thinker-bench-mobius-venv")),
+        ["mobius-onnx==0.1.0"],
+        "import mobius",
+    ),
 }
 
 
@@ -53,7 +59,7 @@ def python_of(name: str) -> Path:
 
 def package_versions(name: str) -> dict[str, str]:
     """Versions of the packages that matter for the figures, as installed in environment ``name``."""
-    wanted = ["onnxruntime", "onnxruntime-genai", "optimum", "optimum-onnx", "transformers", "torch"]
+    wanted = ["onnxruntime", "onnxruntime-genai", "optimum", "optimum-onnx", "mobius-onnx", "transformers", "torch"]
     code = (
         "import importlib.metadata as m, json, sys; names = set(sys.argv[1:]); "
         "print(json.dumps({d.metadata['Name']: d.version for d in m.distributions() if d.metadata['Name'] in names}))"

@@ -43,10 +43,10 @@ from .engine import (
     expand_rules,
     in_source_order,
     planned_shapes,
-    resolve_dtype,
     write_weights,
 )
 from .families import FAMILIES, family_by_name
+from .output_dtype import resolve_dtype
 from .parity import BY_LAYER, parity_gate, parity_mode
 from .spec import Family
 

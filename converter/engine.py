@@ -35,7 +35,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 
 from common.config_values import check_model_config
-from common.dtypes import FLOAT_DTYPES, dtype_name, torch_dtype
+from common.dtypes import dtype_name
 from common.errors import ThinkerError
 from common.progress import progress_bar
 from common.sources import TensorSource
@@ -44,6 +44,7 @@ from thinker import ThinkerConfig, ThinkerForCausalLM
 
 from .families import detect_family
 from .ops import Identity, Op
+from .output_dtype import resolve_dtype
 from .shards import ShardLayout, ShardWriter
 from .spec import EXPERT_INDEX, LAYER_INDEX, Family, TensorRule
 
@@ -155,25 +156,6 @@ def translate_config(family: Family, source_config: Mapping[str, Any], dtype: to
     config.architectures = ["ThinkerForCausalLM"]
     config.dtype = dtype
     return config
-
-
-def resolve_dtype(requested: str, declared: Any, source: TensorSource) -> torch.dtype:
-    """The output dtype. ``auto``: ``declared`` (the dtype the source's config names) when it is one a folder may
-    hold, else the floating dtype holding most of the source's bytes."""
-    if requested != "auto":
-        if requested not in FLOAT_DTYPES:
-            raise ThinkerError(f"--dtype {requested!r} is not one of auto, {', '.join(FLOAT_DTYPES)}")
-        return torch_dtype(requested)
-    if isinstance(declared, torch.dtype):
-        declared = dtype_name(declared)
-    if isinstance(declared, str) and declared in FLOAT_DTYPES:
-        return torch_dtype(declared)
-    bytes_by_dtype: Counter[torch.dtype] = Counter()
-    for name in source.names():
-        dtype = source.dtype(name)
-        if dtype_name(dtype) in FLOAT_DTYPES:
-            bytes_by_dtype[dtype] += math.prod(source.shape(name)) * dtype.itemsize
-    return bytes_by_dtype.most_common(1)[0][0] if bytes_by_dtype else torch.float32
 
 
 def plan_conversion(

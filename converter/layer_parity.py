@@ -39,7 +39,8 @@ from common.parity_inputs import RELATIVE_TOLERANCE, fixed_prompts, left_padded
 from common.sources import open_source
 from thinker import ThinkerConfig, ThinkerForCausalLM
 
-from .parity import BY_LAYER, HALF_TOP1_MIN, DtypeParity, LayerParity, ParityReport, _refuse_unknown_model_type
+from .output_dtype import resolve_dtype
+from .parity_report import BY_LAYER, HALF_TOP1_MIN, DtypeParity, LayerParity, ParityReport, refuse_unknown_model_type
 from .spec import Family
 from .streamed import StreamedModel, Unit, empty_model, lazy_tensors
 
@@ -76,8 +77,6 @@ def check_parity_by_layer(source: Path, converted: Path, family: Family | None =
 
 def converted_dtype(folder: Path) -> torch.dtype:
     """The dtype a converted folder holds its weights in, as ``from_pretrained(dtype="auto")`` would load it."""
-    from .engine import resolve_dtype
-
     source = open_source(folder)
     try:
         return resolve_dtype("auto", ThinkerConfig.from_pretrained(folder).dtype, source)
@@ -103,7 +102,7 @@ def load_layered_reference(source: Path, dtype: torch.dtype, model_class: type |
 
     source = Path(source)
     folder = source.parent if source.is_file() else source
-    _refuse_unknown_model_type(folder / "config.json")
+    refuse_unknown_model_type(folder / "config.json")
     try:
         # transformers' own class for the family, never code shipped with the checkpoint (a config's auto_map).
         config = AutoConfig.from_pretrained(folder, trust_remote_code=False)

@@ -134,12 +134,18 @@ def export_command(
     \b
     The graph's inputs: input_ids, attention_mask, position_ids, past_key_values.{i}.key/.value;
     its outputs: logits, present.{i}.key/.value (KV as [batch, kv_heads, seq, head_dim]).
+    Hybrid models (Qwen3.5, Qwen3-Next) carry, for each linear-attention layer i instead of KV,
+    past_key_values.{i}.conv_state [batch, conv_dim, kernel - 1] (model dtype) and
+    past_key_values.{i}.recurrent_state [batch, v_heads, k_dim, v_dim] (float32) -> present.{i}.*;
+    zeros start a sequence. With multimodal RoPE (mrope_section) position_ids is [3, batch, seq]:
+    text-only callers repeat their [batch, seq] positions three times.
 
     \b
     --graph fused keeps these names and shapes. Its GroupQueryAttention rotates q/k by cache slot (when head_dim
-    is a multiple of 16), so position_ids is accepted but not read: left-padded rows give the same logits as the
-    plain graph (RoPE sees position differences only), but custom position numbering is not honoured. A step with
-    several new tokens after a non-empty cache needs batch 1.
+    is a multiple of 16 and RoPE covers whole heads), so position_ids is accepted but not read: left-padded rows
+    give the same logits as the plain graph (RoPE sees position differences only), but custom position numbering
+    is not honoured. Partial and multimodal RoPE rotate by position_ids before it. A step with several new tokens
+    after a non-empty cache needs batch 1.
 
     \b
     --quantize int4|int8 works with either graph. --verify then checks the graph against the PyTorch model holding

@@ -8,9 +8,17 @@ subclasses ``DecoderGraph`` and overrides the emitters it replaces; weight-only 
 (``export/quantize.py``, MatMulNBits) plugs into ``emit_matmul`` and works with either graph.
 
 IO contract (shared/DESIGN.md), P past and T new positions:
-  inputs   input_ids [B, T] int64, attention_mask [B, P+T] int64, position_ids [B, T] int64,
-           past_key_values.{i}.key/.value [B, n_kv, P, hs] in the model dtype
+  inputs   input_ids [B, T] int64, attention_mask [B, P+T] int64, position_ids [B, T] int64 ([3, B, T] with
+           interleaved multimodal RoPE: temporal, height, width), past_key_values.{i}.key/.value [B, n_kv, P, hs]
+           in the model dtype for each full-attention layer i
   outputs  logits [B, T, V] float32, present.{i}.key/.value [B, n_kv, P+T, hs] in the model dtype
+
+Hybrid models (Qwen3.5, Qwen3-Next) add, for each linear-attention (Gated DeltaNet) layer i, its carried state:
+past_key_values.{i}.conv_state [B, conv_dim, k - 1] in the model dtype and past_key_values.{i}.recurrent_state
+[B, Hv, dk, dv] float32 -> present.{i}.conv_state / .recurrent_state, every axis but the batch static (what
+onnxruntime-genai allocates from); zeros start a sequence (docs/hybrid-export.md). Their full-attention layers
+add the output gate, zero-centred norms and partial (multimodal) RoPE (``export/hybrid_attention_graph.py``), the
+linear-attention layers come from ``export/linear_attention_graph.py``.
 
 Linear weights are stored transposed, [in, out], so that every projection is a plain MatMul.
 """
@@ -30,6 +38,16 @@ from thinker.configuration_thinker import ThinkerConfig
 from thinker.modeling_thinker import ThinkerRotaryEmbedding
 
 from .graph_builder import TORCH_TO_ONNX, GraphBuilder, value_info
+from .hybrid_attention_graph import (
+    emit_output_gate,
+    emit_partial_rotary,
+    emit_query_and_gate,
+    emit_rotary_cos_sin,
+    emit_zero_centered_rms_norm,
+    mrope_stream_selector,
+    zero_centered_scale,
+)
+from .linear_attention_graph import GatedDeltaNetDims, GatedDeltaNetGraph, emit_keep_mask
 from .weights import ThinkerWeights
 
 if TYPE_CHECKING:
@@ -43,6 +61,11 @@ IR_VERSION = 10  # what opset 21 asks for; onnxruntime >= 1.20 reads it
 BATCH, SEQ, PAST, TOTAL = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
 
 SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "quick_gelu", "relu")
+# The Gated DeltaNet's conv activation is hidden_act; both graph forms (and onnxruntime's fused conv) apply SiLU.
+LINEAR_ATTENTION_ACTIVATIONS = ("silu", "swish")
+# RoPE types whose frequencies transformers recomputes as the context grows (``dynamic_rope_update``): a table
+# computed once at export would differ from the model's for some lengths.
+LENGTH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
 
 
 @dataclass
@@ -50,8 +73,9 @@ class StepContext:
     """Values computed once per forward and shared by every layer."""
 
     attn_bias: str  # float32 additive mask, (B, 1, 1, T, S): 0 where a query may attend, the float32 minimum elsewhere
-    cos: str | None  # (B, 1, T, hs) in the model dtype, for RoPE
+    cos: str | None  # (B, 1, T, rotary_dim) in the model dtype, for RoPE
     sin: str | None
+    keep: str | None = None  # (B, T, 1) model dtype: 1 for real new tokens, 0 for pads (linear-attention layers)
 
 
 class DecoderGraph:
@@ -59,6 +83,7 @@ class DecoderGraph:
 
     contrib_ops = False  # True where the graph uses onnxruntime's com.microsoft operators
     kv_in_place = False  # True where every layer's cache can also be one buffer bound as past and present
+    linear_attention_graph: type[GatedDeltaNetGraph] = GatedDeltaNetGraph  # the Gated DeltaNet emitter
 
     def __init__(
         self,
@@ -78,12 +103,17 @@ class DecoderGraph:
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         check_exportable(config)
+        self.mrope_section = (config.rope_parameters or {}).get("mrope_section")
+        self.linear_dims = GatedDeltaNetDims.from_config(config) if config.has_linear_attention else None
 
     # --- the whole graph --------------------------------------------------------------------------------------
     def build(self) -> onnx.GraphProto:
         cfg, b = self.config, self.b
         with b.scope("model"):
             ctx = self.emit_step_context("input_ids", "attention_mask", "position_ids")
+            if cfg.has_linear_attention:
+                with b.scope("linear_attn_mask"):
+                    ctx.keep = emit_keep_mask(b, "attention_mask", "input_ids", self.dtype)
             with b.scope("embed"):
                 hidden = self.emit_embeddings("input_ids", "position_ids")
             # The residual stream travels as (sum so far, the last block's output not yet added), so that a fused
@@ -99,24 +129,34 @@ class DecoderGraph:
         return b.make_graph("thinker_decoder", self.graph_inputs(), self.graph_outputs())
 
     def graph_inputs(self) -> list[onnx.ValueInfoProto]:
-        kv_shape = [BATCH, self.num_kv_heads, PAST, self.head_dim]
+        positions = [3, BATCH, SEQ] if self.mrope_section else [BATCH, SEQ]
         inputs = [
             value_info("input_ids", TensorProto.INT64, [BATCH, SEQ]),
             value_info("attention_mask", TensorProto.INT64, [BATCH, TOTAL]),
-            value_info("position_ids", TensorProto.INT64, [BATCH, SEQ]),
+            value_info("position_ids", TensorProto.INT64, positions),
         ]
-        for i in range(self.config.num_hidden_layers):
-            inputs.append(value_info(f"past_key_values.{i}.key", self.onnx_dtype, kv_shape))
-            inputs.append(value_info(f"past_key_values.{i}.value", self.onnx_dtype, kv_shape))
-        return inputs
+        return inputs + self.state_values("past_key_values", PAST)
 
     def graph_outputs(self) -> list[onnx.ValueInfoProto]:
-        kv_shape = [BATCH, self.num_kv_heads, TOTAL, self.head_dim]
         outputs = [value_info("logits", TensorProto.FLOAT, [BATCH, SEQ, self.config.vocab_size])]
-        for i in range(self.config.num_hidden_layers):
-            outputs.append(value_info(f"present.{i}.key", self.onnx_dtype, kv_shape))
-            outputs.append(value_info(f"present.{i}.value", self.onnx_dtype, kv_shape))
-        return outputs
+        return outputs + self.state_values("present", TOTAL)
+
+    def state_values(self, prefix: str, kv_length: str) -> list[onnx.ValueInfoProto]:
+        """Each layer's carried state, by its layer type: KV for full attention, conv and recurrent state for
+        linear attention (static but for the batch, as onnxruntime-genai requires)."""
+        kv_shape = [BATCH, self.num_kv_heads, kv_length, self.head_dim]
+        values = []
+        for i, layer_type in enumerate(self.config.layer_types):
+            if layer_type == "linear_attention":
+                dims = self.linear_dims
+                values.append(value_info(f"{prefix}.{i}.conv_state", self.onnx_dtype, dims.conv_state_shape(BATCH)))
+                values.append(
+                    value_info(f"{prefix}.{i}.recurrent_state", TensorProto.FLOAT, dims.recurrent_state_shape(BATCH))
+                )
+            else:
+                values.append(value_info(f"{prefix}.{i}.key", self.onnx_dtype, kv_shape))
+                values.append(value_info(f"{prefix}.{i}.value", self.onnx_dtype, kv_shape))
+        return values
 
     # --- small helpers ----------------------------------------------------------------------------------------
     def weight(self, name: str, transpose: bool = False) -> str:
@@ -142,7 +182,7 @@ class DecoderGraph:
     def emit_matmul(self, x: str, name: str, weight: torch.Tensor) -> str:
         """``x @ weight`` for a 2-D (in, out) weight: the one place a projection is written, so that a
         weight-only quantizer (``export/quantize.py``) can replace it with MatMulNBits."""
-        if self.quantizer is not None and self.quantizer.applies(weight):
+        if self.quantizer is not None and self.quantizer.applies(weight, name):
             return self.quantizer.emit(self.b, x, name, weight)
         return self.b.op("MatMul", x, self.b.weight(name, weight))
 
@@ -179,13 +219,17 @@ class DecoderGraph:
         return b.op("And", causal, keep)  # (B, 1, 1, T, S)
 
     def emit_rope_tables(self, position_ids: str) -> tuple[str, str]:
-        """cos/sin rows for ``position_ids``, (B, 1, T, hs), gathered from ``rope_tables`` stored as weights."""
+        """cos/sin rows for ``position_ids``, (B, 1, T, rotary_dim), gathered from ``rope_tables`` stored as
+        weights; with multimodal RoPE each frequency keeps its own position stream of the (3, B, T) positions."""
         cos, sin = rope_tables(self.config, self.dtype)
         cos_table = self.b.weight("rotary_emb.cos_cache", cos)
         sin_table = self.b.weight("rotary_emb.sin_cache", sin)
-        cos = self.b.op("Unsqueeze", self.b.op("Gather", cos_table, position_ids), self.b.const([1]))  # (B,1,T,hs)
-        sin = self.b.op("Unsqueeze", self.b.op("Gather", sin_table, position_ids), self.b.const([1]))
-        return cos, sin
+        selector = None
+        if self.mrope_section:
+            selector = self.b.weight(
+                "rotary_emb.mrope_selector", mrope_stream_selector(self.mrope_section, cos.shape[1])
+            )
+        return emit_rotary_cos_sin(self.b, position_ids, cos_table, sin_table, self.dtype, selector)
 
     # --- embeddings and head ----------------------------------------------------------------------------------
     def emit_embeddings(self, input_ids: str, position_ids: str) -> str:
@@ -223,11 +267,16 @@ class DecoderGraph:
             return self.b.op(
                 "LayerNormalization", x, weight, bias, axis=-1, epsilon=self.config.rms_norm_eps, stash_type=1
             )
-        return self.emit_rms_norm(x, self.weight(f"{prefix}.weight"))
+        return self.emit_rms_norm(x, f"{prefix}.weight")
 
-    def emit_rms_norm(self, x: str, weight: str) -> str:
-        """``weight * (x32 * rsqrt(mean(x32²) + eps)).to(dtype)`` over the last axis, as ThinkerRMSNorm."""
+    def emit_rms_norm(self, x: str, weight_name: str) -> str:
+        """``weight * (x32 * rsqrt(mean(x32²) + eps)).to(dtype)`` over the last axis, as ThinkerRMSNorm; zero-centred
+        weights (``norm_zero_centered``) scale by the float32 ``1 + w`` before the cast instead."""
         b = self.b
+        if self.config.norm_zero_centered:
+            scale = b.weight(weight_name, zero_centered_scale(self.weights.get(weight_name)))
+            return emit_zero_centered_rms_norm(b, x, scale, self.config.rms_norm_eps, self.dtype)
+        weight = self.weight(weight_name)
         x32 = self.to_float(x)
         variance = b.op("ReduceMean", b.op("Mul", x32, x32), b.const([-1]), keepdims=1)
         eps = b.const(self.config.rms_norm_eps, torch.float32)
@@ -240,8 +289,12 @@ class DecoderGraph:
         prefix = f"model.layers.{i}"
         with self.b.scope("input_layernorm"):
             hidden, normed = self.emit_add_norm(hidden, delta, f"{prefix}.input_layernorm")
-        with self.b.scope("self_attn"):
-            attn = self.emit_attention(i, normed, ctx)
+        if self.config.layer_types[i] == "linear_attention":
+            with self.b.scope("linear_attn"):
+                attn = self.emit_linear_attention(i, normed, ctx)
+        else:
+            with self.b.scope("self_attn"):
+                attn = self.emit_attention(i, normed, ctx)
         with self.b.scope("post_attention_layernorm"):
             hidden, normed = self.emit_add_norm(hidden, attn, f"{prefix}.post_attention_layernorm")
         with self.b.scope("mlp"):
@@ -251,19 +304,32 @@ class DecoderGraph:
                 mlp = self.emit_mlp(normed, f"{prefix}.mlp")
         return hidden, mlp
 
+    # --- linear attention -------------------------------------------------------------------------------------
+    def emit_linear_attention(self, i: int, x: str, ctx: StepContext) -> str:
+        """Gated DeltaNet on (B, T, C) with layer ``i``'s conv and recurrent state in and out."""
+        layer = self.linear_attention_graph(self.b, self.linear_dims, self.dtype, self.weights.get, self.emit_matmul)
+        states = [f"past_key_values.{i}.conv_state", f"past_key_values.{i}.recurrent_state"]
+        states += [f"present.{i}.conv_state", f"present.{i}.recurrent_state"]
+        return layer.emit(x, f"model.layers.{i}.linear_attn", ctx.keep, *states)
+
     # --- attention --------------------------------------------------------------------------------------------
     def emit_attention(self, i: int, x: str, ctx: StepContext) -> str:
         cfg, b = self.config, self.b
         prefix = f"model.layers.{i}.self_attn"
         nh, nkv, hs = self.num_heads, self.num_kv_heads, self.head_dim
-        q = b.op("Reshape", self.linear(x, f"{prefix}.q_proj", cfg.attention_bias), b.const([0, 0, nh, hs]))
+        q = self.linear(x, f"{prefix}.q_proj", cfg.attention_bias)
+        gate = None
+        if cfg.attention_output_gate:  # q_proj yields [query | gate] per head
+            q, gate = emit_query_and_gate(b, q, nh, hs)  # (B, T, nh, hs), (B, T, nh * hs)
+        else:
+            q = b.op("Reshape", q, b.const([0, 0, nh, hs]))
         k = b.op("Reshape", self.linear(x, f"{prefix}.k_proj", cfg.attention_bias), b.const([0, 0, nkv, hs]))
         v = b.op("Reshape", self.linear(x, f"{prefix}.v_proj", cfg.attention_bias), b.const([0, 0, nkv, hs]))
         if cfg.qk_norm:  # per head, on (B, T, n, hs)
             with b.scope("q_norm"):
-                q = self.emit_rms_norm(q, self.weight(f"{prefix}.q_norm.weight"))
+                q = self.emit_rms_norm(q, f"{prefix}.q_norm.weight")
             with b.scope("k_norm"):
-                k = self.emit_rms_norm(k, self.weight(f"{prefix}.k_norm.weight"))
+                k = self.emit_rms_norm(k, f"{prefix}.k_norm.weight")
         q = b.op("Transpose", q, perm=[0, 2, 1, 3])  # (B, nh, T, hs)
         k = b.op("Transpose", k, perm=[0, 2, 1, 3])  # (B, n_kv, T, hs)
         v = b.op("Transpose", v, perm=[0, 2, 1, 3])
@@ -274,14 +340,14 @@ class DecoderGraph:
         b.op_to("Concat", [f"past_key_values.{i}.key", k], [f"present.{i}.key"], axis=2)  # (B, n_kv, S, hs)
         b.op_to("Concat", [f"past_key_values.{i}.value", v], [f"present.{i}.value"], axis=2)
         out = self.emit_sdpa(q, f"present.{i}.key", f"present.{i}.value", ctx.attn_bias)  # (B, T, nh*hs)
+        if gate is not None:
+            out = emit_output_gate(b, out, gate)
         return self.linear(out, f"{prefix}.o_proj", cfg.attention_output_bias)
 
     def emit_rotary(self, x: str, cos: str, sin: str) -> str:
-        """``x * cos + rotate_half(x) * sin`` with the half-split rotation."""
-        b = self.b
-        first, second = b.op("Split", x, axis=-1, num_outputs=2, outputs=2)
-        rotated = b.op("Concat", b.op("Neg", second), first, axis=-1)
-        return b.op("Add", b.op("Mul", x, cos), b.op("Mul", rotated, sin))
+        """``x * cos + rotate_half(x) * sin`` with the half-split rotation, on the first ``rotary_dim`` channels of
+        each head (all of them unless ``partial_rotary_factor`` says otherwise)."""
+        return emit_partial_rotary(self.b, x, cos, sin, rotary_dim(self.config), self.head_dim)
 
     def emit_sdpa(self, q: str, k: str, v: str, attn_bias: str) -> str:
         """Grouped-query attention without copying K/V per query head: the g = nh / n_kv query heads that share a
@@ -425,39 +491,36 @@ class DecoderGraph:
 ROPE_CHUNK = 1 << 14
 
 
-def rope_tables(config: ThinkerConfig, dtype: torch.dtype, half: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin over the whole context, (max_position_embeddings, head_dim) each in ``dtype``, computed by the
-    model's own ``ThinkerRotaryEmbedding`` (so every rope_type transformers knows is right). The one source of the
-    RoPE tables of both graphs; ``half`` keeps the first half of each row, all the fused graph stores (the half split
-    repeats each frequency).
+def rope_tables(config: ThinkerConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin over the whole context, (max_position_embeddings, rotary_dim / 2) each in ``dtype``, computed by
+    the model's own ``ThinkerRotaryEmbedding`` (so every rope_type transformers knows is right, partial rotary
+    included). The one source of the RoPE tables of both graphs: the half-split rotation repeats each frequency, so
+    half a row is all either needs.
 
     Built chunk by chunk into tables of the graph's dtype and width, so that memory holds what the graph stores and
-    no more (the whole context in float32 at full width, twice over, is what a long context cannot afford). Each
-    chunk's positions carry the last position too, so that the "dynamic" and "longrope" types, which pick their
-    frequencies by the longest position they are given, see the whole context in every chunk."""
+    no more (the whole context in float32 at full width is what a long context cannot afford). The rope types whose
+    frequencies depend on the context length are refused by ``check_exportable``, so chunks are independent."""
     rotary = ThinkerRotaryEmbedding(config)
-    total = config.max_position_embeddings
-    width = config.head_dim // 2 if half else config.head_dim
+    total, width = config.max_position_embeddings, rotary.inv_freq.shape[0]
     cos_table, sin_table = torch.empty(total, width, dtype=dtype), torch.empty(total, width, dtype=dtype)
     for start in range(0, total, ROPE_CHUNK):
-        stop = min(start + ROPE_CHUNK, total)
-        positions = torch.cat([torch.arange(start, stop), torch.tensor([total - 1])])[None]
-        cos, sin = rotary(torch.zeros((), dtype=dtype), positions)  # (1, chunk + 1, rotary dims)
-        if cos.shape[-1] != config.head_dim:
-            raise ThinkerError(
-                f"RoPE covers {cos.shape[-1]} of head_dim={config.head_dim} dimensions (partial_rotary_factor "
-                f"{config.rope_parameters.get('partial_rotary_factor')}), which the ONNX export does not support "
-                "yet; the graphs rotate whole heads only"
-            )
-        cos_table[start:stop], sin_table[start:stop] = cos[0, :-1, :width], sin[0, :-1, :width]
+        positions = torch.arange(start, min(start + ROPE_CHUNK, total))[None]
+        cos, sin = rotary(torch.zeros((), dtype=dtype), positions)  # (1, chunk, rotary_dim)
+        cos_table[start : start + positions.shape[1]] = cos[0, :, :width]
+        sin_table[start : start + positions.shape[1]] = sin[0, :, :width]
     return cos_table, sin_table
 
 
 def rope_table_bytes(config: ThinkerConfig, dtype: torch.dtype) -> int:
-    """What ``rope_tables`` holds at full width: the most any graph stores for the RoPE of this config."""
+    """What ``rope_tables`` holds: the RoPE tables a graph of this config stores."""
     if config.position_embedding_type != "rope":
         return 0
-    return 2 * config.max_position_embeddings * config.head_dim * dtype.itemsize
+    return 2 * config.max_position_embeddings * (rotary_dim(config) // 2) * dtype.itemsize
+
+
+def rotary_dim(config: ThinkerConfig) -> int:
+    """Channels of each head that RoPE rotates: the head, or its first part with ``partial_rotary_factor``."""
+    return 2 * ThinkerRotaryEmbedding(config).inv_freq.shape[0]
 
 
 def not_exported(config: ThinkerConfig) -> tuple[str, ...]:
@@ -470,13 +533,33 @@ def not_exported(config: ThinkerConfig) -> tuple[str, ...]:
 
 
 def check_exportable(config: ThinkerConfig) -> None:
-    """Refuses configs the graph cannot express, naming the field, before any byte is written."""
+    """Refuses configs the graph cannot express, naming the field, before any byte is written. Supported beyond
+    the dense families: linear-attention layers (Gated DeltaNet) with a SiLU conv, the attention output gate,
+    zero-centred RMSNorm, partial rotary and interleaved multimodal RoPE (``mrope_section``)."""
     if config.hidden_act not in SUPPORTED_ACTIVATIONS:
         raise ThinkerError(
             f"hidden_act={config.hidden_act!r} has no ONNX export yet; supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
         )
     if config.num_attention_heads % config.num_key_value_heads:
         raise ThinkerError("num_attention_heads must be a multiple of num_key_value_heads")
+    if config.has_linear_attention and config.hidden_act not in LINEAR_ATTENTION_ACTIVATIONS:
+        raise ThinkerError(
+            f"hidden_act={config.hidden_act!r} with linear_attention layers: the Gated DeltaNet conv's activation "
+            f"is hidden_act, and the ONNX export writes {' / '.join(LINEAR_ATTENTION_ACTIVATIONS)} only"
+        )
+    rope = config.rope_parameters or {}
+    if config.position_embedding_type == "rope":
+        rope_type = rope.get("rope_type", "default")
+        if any(kind in rope_type for kind in LENGTH_DEPENDENT_ROPE_TYPES):
+            raise ThinkerError(
+                f"rope_parameters rope_type={rope_type!r} recomputes its frequencies as the context grows, which "
+                "the ONNX graph's fixed RoPE tables cannot follow; export a model with another rope_type"
+            )
+        if rotary_dim(config) > config.head_dim:
+            raise ThinkerError(
+                f"rope_parameters partial_rotary_factor={rope.get('partial_rotary_factor')} rotates "
+                f"{rotary_dim(config)} channels of a head of head_dim={config.head_dim}; it must be at most 1"
+            )
 
 
 def make_model(graph: onnx.GraphProto, metadata: dict[str, str], contrib_ops: bool = False) -> onnx.ModelProto:

@@ -27,6 +27,18 @@ same graph also runs with one buffer of the whole context bound as both past and
 GroupQueryAttention updates in place at the slots the attention mask gives (S - T .. S - 1): genai_config.json
 turns that on (``past_present_share_buffer``), and onnxruntime-genai then skips copying the cache every step.
 Configs that GroupQueryAttention cannot take (head_dim not a multiple of 8) keep the plain attention.
+
+Hybrid models (Qwen3.5, Qwen3-Next; docs/hybrid-export.md):
+  linear layers      FusedGatedDeltaNetGraph: CausalConvWithState, LinearAttentionGate, LinearAttention,
+                     GatedRMSNorm (com.microsoft), the recurrence and its state in float32
+  output gate        GroupQueryAttention has none: its output times sigmoid(gate) (Sigmoid, Mul) before o_proj
+  partial RoPE       the RotaryEmbedding op with ``rotary_embedding_dim``, by ``position_ids``, before
+                     GroupQueryAttention (which then does no rotation)
+  multimodal RoPE    MRotaryEmbedding (interleaved layout) on q and k with the (3, B, T) ``position_ids``, likewise
+  zero-centred norm  in float32 graphs the float32 scale ``1 + w`` folded into (Skip)SimplifiedLayerNormalization;
+                     in half precision the plain graph's norm, because the reference multiplies by ``1 + w`` in
+                     float32 before rounding, which the contrib norms (scale in the model dtype) cannot
+With the partial or multimodal rotation done by position, these graphs read ``position_ids``.
 """
 
 from __future__ import annotations
@@ -36,7 +48,9 @@ from dataclasses import dataclass
 import torch
 from onnx import TensorProto
 
-from .decoder_graph import MS_DOMAIN, DecoderGraph, StepContext, rope_tables
+from .decoder_graph import MS_DOMAIN, DecoderGraph, StepContext, rope_tables, rotary_dim
+from .hybrid_attention_graph import emit_mrotary_embedding, emit_output_gate, emit_query_and_gate, zero_centered_scale
+from .linear_attention_graph import FusedGatedDeltaNetGraph
 
 
 @dataclass
@@ -48,21 +62,32 @@ class FusedStepContext(StepContext):
     padding_bias: str | None = None  # (B, 1, T, S) in the model dtype: 0 where allowed, the dtype's minimum elsewhere
     cos_cache: str | None = None  # (max_pos, hs / 2) in the model dtype
     sin_cache: str | None = None
-    position_ids: str | None = None  # for the RotaryEmbedding op
+    position_ids: str | None = None  # for the RotaryEmbedding and MRotaryEmbedding ops
 
 
 class FusedDecoderGraph(DecoderGraph):
     contrib_ops = True
+    linear_attention_graph = FusedGatedDeltaNetGraph
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         cfg = self.config
         # onnxruntime's GroupQueryAttention checks: head_size % 8 == 0, and % 16 == 0 when it applies RoPE itself.
         self.use_gqa = self.head_dim % 8 == 0
-        self.kv_in_place = self.use_gqa  # GroupQueryAttention writes into a shared past/present buffer
-        rope = cfg.position_embedding_type == "rope"
-        self.rotary = None if not rope else ("gqa" if self.head_dim % 16 == 0 else "op")
+        # GroupQueryAttention writes into a shared past/present buffer; CausalConvWithState and LinearAttention
+        # read their whole past state before writing the present one, so they take one buffer too (tested).
+        self.kv_in_place = self.use_gqa
+        self.rotary = None
+        if cfg.position_embedding_type == "rope":
+            if self.mrope_section:
+                self.rotary = "mrope"
+            elif rotary_dim(cfg) < self.head_dim or self.head_dim % 16:
+                self.rotary = "op"
+            else:
+                self.rotary = "gqa"
         self.rms = cfg.norm_type != "layernorm"
+        # The contrib norms scale in the model dtype; the zero-centred reference scales by 1 + w in float32.
+        self.fused_norms = self.rms and not (cfg.norm_zero_centered and self.dtype != torch.float32)
 
     # --- per-forward values -----------------------------------------------------------------------------------
     def emit_step_context(self, input_ids: str, attention_mask: str, position_ids: str) -> StepContext:
@@ -94,30 +119,38 @@ class FusedDecoderGraph(DecoderGraph):
         return ctx
 
     def emit_rope_caches(self) -> tuple[str, str]:
-        """cos/sin over the whole context, (max_pos, hs / 2): the half-split rotation repeats each frequency, so
-        GroupQueryAttention and RotaryEmbedding take the first half of the model's own tables (``rope_tables``,
-        which refuses a partial rotary factor as the plain graph does)."""
-        cos, sin = rope_tables(self.config, self.dtype, half=True)
+        """cos/sin over the whole context, (max_pos, rotary_dim / 2): the model's own tables (``rope_tables``), as
+        GroupQueryAttention, RotaryEmbedding and MRotaryEmbedding take them."""
+        cos, sin = rope_tables(self.config, self.dtype)
         return self.b.weight("rotary_emb.cos_cache", cos), self.b.weight("rotary_emb.sin_cache", sin)
 
     # --- norms ------------------------------------------------------------------------------------------------
     def emit_norm(self, x: str, prefix: str) -> str:
         if not self.rms:
             return super().emit_norm(x, prefix)
-        return self.emit_rms_norm(x, self.weight(f"{prefix}.weight"))
+        return self.emit_rms_norm(x, f"{prefix}.weight")
 
-    def emit_rms_norm(self, x: str, weight: str) -> str:
+    def rms_weight(self, name: str) -> str:
+        """The contrib norms' scale: the weight, or the zero-centred ``1 + w`` (float32 graphs only)."""
+        if self.config.norm_zero_centered:
+            return self.b.weight(name, zero_centered_scale(self.weights.get(name)))
+        return self.weight(name)
+
+    def emit_rms_norm(self, x: str, weight_name: str) -> str:
         """Over the last axis, computed in float32 (stash_type 1) whatever the model dtype."""
+        if not self.fused_norms:
+            return super().emit_rms_norm(x, weight_name)
         eps = self.config.rms_norm_eps
+        weight = self.rms_weight(weight_name)
         return self.b.op("SimplifiedLayerNormalization", x, weight, axis=-1, epsilon=eps, stash_type=1)
 
     def emit_add_norm(self, hidden: str, delta: str | None, prefix: str) -> tuple[str, str]:
-        if delta is None:
-            return hidden, self.emit_norm(hidden, prefix)
+        if delta is None or (self.rms and not self.fused_norms):
+            return super().emit_add_norm(hidden, delta, prefix)
         b = self.b
         normed, total = b.fresh("normed"), b.fresh("residual")
         if self.rms:
-            inputs, op = [hidden, delta, self.weight(f"{prefix}.weight")], "SkipSimplifiedLayerNormalization"
+            inputs, op = [hidden, delta, self.rms_weight(f"{prefix}.weight")], "SkipSimplifiedLayerNormalization"
         else:
             inputs = [hidden, delta, self.weight(f"{prefix}.weight"), self.weight(f"{prefix}.bias")]
             op = "SkipLayerNormalization"
@@ -133,9 +166,14 @@ class FusedDecoderGraph(DecoderGraph):
         cfg, b = self.config, self.b
         prefix = f"model.layers.{i}.self_attn"
         nh, nkv, hs = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.emit_packed_qkv(x, prefix)  # (B, T, (nh + 2 n_kv) hs)
-        if cfg.qk_norm or self.rotary == "op":
-            q, k, v = b.op("Split", qkv, b.const([nh * hs, nkv * hs, nkv * hs]), axis=-1, outputs=3)
+        qkv = self.emit_packed_qkv(x, prefix)  # (B, T, (nh [x 2 with the gate] + 2 n_kv) hs)
+        gate = None
+        if cfg.qk_norm or cfg.attention_output_gate or self.rotary in ("op", "mrope"):
+            q_width = nh * hs * (2 if cfg.attention_output_gate else 1)
+            q, k, v = b.op("Split", qkv, b.const([q_width, nkv * hs, nkv * hs]), axis=-1, outputs=3)
+            if cfg.attention_output_gate:  # [query | gate] per head
+                q, gate = emit_query_and_gate(b, q, nh, hs)  # (B, T, nh, hs), (B, T, nh * hs)
+                q = b.op("Reshape", q, b.const([0, 0, nh * hs]))
             if cfg.qk_norm:  # per head, on (B, T, n, hs), before RoPE
                 with b.scope("q_norm"):
                     q = self.emit_head_norm(q, nh, f"{prefix}.q_norm.weight")
@@ -143,6 +181,12 @@ class FusedDecoderGraph(DecoderGraph):
                     k = self.emit_head_norm(k, nkv, f"{prefix}.k_norm.weight")
             if self.rotary == "op":
                 q, k = (self.emit_rotary_op(t, n, ctx) for t, n in ((q, nh), (k, nkv)))
+            elif self.rotary == "mrope":
+                section, dim = self.mrope_section, rotary_dim(cfg)
+                q, k = (
+                    emit_mrotary_embedding(b, t, ctx.position_ids, ctx.cos_cache, ctx.sin_cache, n, dim, section)
+                    for t, n in ((q, nh), (k, nkv))
+                )
             qkv_inputs = [q, k, v]
         else:
             qkv_inputs = [qkv, "", ""]  # packed: GroupQueryAttention splits it
@@ -168,6 +212,8 @@ class FusedDecoderGraph(DecoderGraph):
             do_rotary=int(self.rotary == "gqa"),
             rotary_interleaved=0,
         )
+        if gate is not None:
+            out = emit_output_gate(b, out, gate)
         return self.linear(out, f"{prefix}.o_proj", cfg.attention_output_bias)
 
     def emit_packed_qkv(self, x: str, prefix: str) -> str:
@@ -184,7 +230,7 @@ class FusedDecoderGraph(DecoderGraph):
         """RMSNorm of each head of a (B, T, heads * hs) projection."""
         b, hs = self.b, self.head_dim
         per_head = b.op("Reshape", x, b.const([0, 0, heads, hs]))
-        return b.op("Reshape", self.emit_rms_norm(per_head, self.weight(weight_name)), b.const([0, 0, heads * hs]))
+        return b.op("Reshape", self.emit_rms_norm(per_head, weight_name), b.const([0, 0, heads * hs]))
 
     def emit_rotary_op(self, x: str, heads: int, ctx: FusedStepContext) -> str:
         """RoPE by ``position_ids`` with the RotaryEmbedding op, on (B, T, heads * hs)."""
@@ -196,7 +242,7 @@ class FusedDecoderGraph(DecoderGraph):
             ctx.sin_cache,
             domain=MS_DOMAIN,
             num_heads=heads,
-            rotary_embedding_dim=self.head_dim,
+            rotary_embedding_dim=rotary_dim(self.config),
             interleaved=0,
         )
 

@@ -4,6 +4,14 @@ onnxruntime-genai picks its model class from ``model.type``; "qwen2", "qwen3" an
 decoder-only model, which reads the IO names from the ``inputs``/``outputs`` sections below, so our contract
 names are declared there rather than assumed.
 
+Hybrid models (docs/hybrid-export.md, measured on onnxruntime-genai 0.18): the linear-attention layers' state names
+are written out (``past_conv_names`` ...; onnxruntime-genai's defaults are the same names, but nothing rests on a
+default), and it finds those layers by matching the session's inputs against them. The model type decides the
+positions it feeds: "qwen3_5_text" / "qwen3_5_moe_text" (the hybrid types 0.18 runs from a decoder folder) feed the
+(3, B, T) positions a multimodal-RoPE graph declares; models without multimodal RoPE (Qwen3-Next, which 0.18 does
+not know as "qwen3_next") keep "qwen3" and (B, T). Known limit of 0.18: left-padded batches are wrong for hybrid
+models (it unmasks the pads from the first decode step); batch 1 and equal-length rows are right.
+
 ``past_present_share_buffer``: the plain graph grows the KV cache by concatenation (past and present are distinct
 buffers), so it is false there. The fused graph's GroupQueryAttention also takes one buffer of the whole context
 bound as both past and present, writing each step's keys and values in place (its cache slots follow the
@@ -20,8 +28,27 @@ from .names import MODEL_FILE
 
 
 def genai_model_type(config: ThinkerConfig) -> str:
-    # Only the decoder-only family matters to the runtime; the name follows the nearest Qwen release.
+    # Only the decoder-only family matters to the runtime; the name follows the nearest Qwen release. Multimodal
+    # RoPE needs one of the types whose position code feeds (3, B, T).
+    if (config.rope_parameters or {}).get("mrope_section"):
+        return "qwen3_5_moe_text" if config.num_experts else "qwen3_5_text"
     return "qwen3" if config.qk_norm else "qwen2"
+
+
+# onnxruntime-genai 0.18's multimodal position code (the qwen3_5 types) scans each prompt for these ids and wants image
+# grids for the spans they open. The exported decoder takes token ids only (images reach a model as embeddings, which
+# it has no input for), so no token opens a span: -1 matches none. Left unset they default to 0, which is also our
+# pad id, and a left-padded batch then fails with "Not enough image_grid_thw data for image tokens" (measured).
+NO_VISION_TOKENS = {"image_token_id": -1, "video_token_id": -1, "vision_start_token_id": -1}
+
+# onnxruntime-genai's keys for the linear-attention states, and our names (DESIGN.md), which are also its defaults.
+STATE_NAMES = {
+    "inputs": {
+        "past_conv_names": "past_key_values.%d.conv_state",
+        "past_recurrent_names": "past_key_values.%d.recurrent_state",
+    },
+    "outputs": {"present_conv_names": "present.%d.conv_state", "present_recurrent_names": "present.%d.recurrent_state"},
+}
 
 
 def special_token_ids(config: ThinkerConfig, generation_config: dict | None) -> tuple[int, list[int], int]:
@@ -73,7 +100,7 @@ def make_genai_config(
     """``share_buffer``: the graph updates one KV buffer in place when bound as past and present (fused graphs)."""
     bos, eos, pad = special_token_ids(config, generation_config)
     layers = config.num_hidden_layers
-    return {
+    genai = {
         "model": {
             "type": genai_model_type(config),
             "bos_token_id": bos,
@@ -128,3 +155,9 @@ def make_genai_config(
             "past_present_share_buffer": share_buffer,
         },
     }
+    if genai["model"]["type"].startswith("qwen3_5"):
+        genai["model"].update(NO_VISION_TOKENS)
+    if config.has_linear_attention:
+        for section, names in STATE_NAMES.items():
+            genai["model"]["decoder"][section].update(names)
+    return genai

@@ -19,6 +19,12 @@ MLPs, shared experts, the head; a tied head gets its own quantized copy while th
 What is not: embeddings, norms, the MoE router and routed experts (their stacks stay float), projections too small
 to gain (fewer input features than one block, or fewer than 16 outputs). ``head_bits=8`` keeps the head, the
 single most output-sensitive weight, at 8 bits under an int4 body.
+
+Gated DeltaNet layers (Qwen3.5, Qwen3-Next): in_proj_qkv, in_proj_z and out_proj are quantized like any projection;
+in_proj_a and in_proj_b are not (``KEPT_FLOAT``): they are Hv wide (a few kilobytes), and their outputs set the
+decay ``exp(-exp(A_log) * softplus(a + dt_bias))`` and the write strength, to which the whole carried state is
+exponentially sensitive (onnxruntime-genai's builder keeps them float too). The conv, A_log, dt_bias and the norms
+are not projections and stay float; the recurrence runs in float32.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ from .names import ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES
 DEFAULT_HEAD = {"int4": "int8"}
 MIN_OUTPUTS = 16  # below this a projection (the shared-expert gate, (C, 1)) is not worth a quantized kernel
 HEAD = "lm_head.weight"
+# Projections left in float whatever their size, by name suffix (see the module docstring).
+KEPT_FLOAT = (".linear_attn.in_proj_a.weight", ".linear_attn.in_proj_b.weight")
 
 
 @dataclass(frozen=True)
@@ -110,9 +118,11 @@ class WeightQuantizer:
         # The quantizer logs two INFO lines per weight on its own handler; keep its warnings only.
         logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
 
-    def applies(self, weight: torch.Tensor) -> bool:
+    def applies(self, weight: torch.Tensor, name: str = "") -> bool:
+        """Whether projection ``name`` with (in, out) ``weight`` is quantized."""
         in_features, out_features = weight.shape
-        return in_features >= self.spec.block_size and out_features >= MIN_OUTPUTS
+        big_enough = in_features >= self.spec.block_size and out_features >= MIN_OUTPUTS
+        return big_enough and not name.endswith(KEPT_FLOAT)
 
     @staticmethod
     def algo_config(spec: QuantizeSpec):

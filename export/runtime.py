@@ -3,6 +3,13 @@
 On CUDA the KV cache never leaves the device: each step binds the previous step's ``present.*`` OrtValues as the
 next ``past_key_values.*`` inputs through IO binding, and only the logits come back to the host. On CPU the
 cache is a dict of numpy arrays fed back the same way.
+
+The cache is whatever ``past_key_values.*`` inputs the graph declares, discovered by name: ``.key`` / ``.value``
+(full attention: an empty past has a zero-length sequence axis) and, in hybrid models, ``.conv_state`` /
+``.recurrent_state`` (linear attention: zeros of the declared static shape and dtype start a sequence). Models
+whose ``position_ids`` input is (3, B, T) (interleaved multimodal RoPE) get text positions repeated on the three
+streams, as transformers' text models do inside; ``forward`` also takes (3, B, T) positions as they are (an image
+prompt's, from the reference processor's ``get_rope_index``).
 """
 
 from __future__ import annotations
@@ -31,6 +38,10 @@ CPU = "CPUExecutionProvider"
 
 # onnxruntime's type strings for the cache dtypes, to the onnx element type (bfloat16 has no numpy dtype).
 _ORT_TYPES = {"tensor(float)": (1, np.float32), "tensor(float16)": (10, np.float16), "tensor(bfloat16)": (16, None)}
+# The kinds of carried state, in the order of a layer's inputs: KV grows along its sequence axis; the
+# linear-attention states keep their shape.
+STATE_KINDS = ("key", "value", "conv_state", "recurrent_state")
+KV_KINDS = ("key", "value")
 
 
 def physical_cores() -> int:
@@ -210,39 +221,79 @@ class OnnxDecoder:
             raise ThinkerError("onnxruntime could not start its CUDA execution provider here; use --provider cpu")
 
         inputs = {i.name: i for i in self.session.get_inputs()}
-        self.past_names = sorted((n for n in inputs if n.startswith("past_key_values.")), key=_layer_order)
-        self.present_names = [n.replace("past_key_values.", "present.") for n in self.past_names]
-        if not self.past_names or "input_ids" not in inputs:
+        if "input_ids" not in inputs or not any(n.startswith("past_key_values.") for n in inputs):
             raise ThinkerError(f"{self.model_path}: not a decoder with a KV cache (no past_key_values.* inputs)")
-        first = inputs[self.past_names[0]]
-        self.num_kv_heads, self.head_dim = first.shape[1], first.shape[3]
-        self.onnx_cache_type, self.numpy_cache_type = _ORT_TYPES[first.type]
+        self.past_names = sorted((n for n in inputs if n.startswith("past_key_values.")), key=self._state_order)
+        self.present_names = [n.replace("past_key_values.", "present.", 1) for n in self.past_names]
+        # name -> (shape with the batch axis left out, onnx element type, numpy dtype or None for bfloat16)
+        self.state_specs = {name: self._state_spec(inputs[name]) for name in self.past_names}
+        self.position_rank = len(inputs["position_ids"].shape) if "position_ids" in inputs else 2
         self.output_names = ["logits", *self.present_names]
+
+    def _state_order(self, name: str) -> tuple[int, int]:
+        parts = name.split(".")
+        if len(parts) != 3 or not parts[1].isdigit() or parts[2] not in STATE_KINDS:
+            raise ThinkerError(
+                f"{self.model_path}: input {name!r} is no state this runtime knows: expected "
+                f"past_key_values.<layer>.{{{','.join(STATE_KINDS)}}}"
+            )
+        return int(parts[1]), STATE_KINDS.index(parts[2])
+
+    def _state_spec(self, value) -> tuple[list[int], int, type | None]:
+        kind = value.name.rsplit(".", 1)[1]
+        shape = list(value.shape[1:])
+        if kind in KV_KINDS:
+            shape[1] = 0  # past_seq = 0: an empty cache
+        if not all(isinstance(dim, int) for dim in shape):
+            raise ThinkerError(
+                f"{self.model_path}: input {value.name} has shape {value.shape}; every axis but the batch (and a KV "
+                "cache's sequence) must be fixed. Export the model again"
+            )
+        if value.type not in _ORT_TYPES:
+            raise ThinkerError(f"{self.model_path}: input {value.name} is {value.type}; expected a float type")
+        return (shape, *_ORT_TYPES[value.type])
 
     # --- the cache ------------------------------------------------------------------------------------------------
     def empty_cache(self, batch: int) -> dict[str, object]:
-        """past_seq = 0: every past_key_values input with a zero-length sequence axis."""
-        shape = [batch, self.num_kv_heads, 0, self.head_dim]
-        if self.device == "cuda":
-            make = ort.OrtValue.ortvalue_from_shape_and_type
-            return {name: make(shape, self.onnx_cache_type, "cuda", 0) for name in self.past_names}
-        if self.numpy_cache_type is None:
-            raise ThinkerError("this model keeps its cache in bfloat16, which onnxruntime runs on CUDA only")
-        return {name: np.zeros(shape, self.numpy_cache_type) for name in self.past_names}
+        """A sequence's start: KV with a zero-length sequence axis (past_seq = 0), linear-attention states as zeros
+        of their declared shape and dtype. On CUDA every state is allocated on the device."""
+        cache = {}
+        for name, (shape, onnx_type, numpy_type) in self.state_specs.items():
+            shape = [batch, *shape]
+            if self.device == "cuda":
+                cache[name] = _device_zeros(shape, onnx_type)
+            elif numpy_type is None:
+                raise ThinkerError("this model keeps its cache in bfloat16, which onnxruntime runs on CUDA only")
+            else:
+                cache[name] = np.zeros(shape, numpy_type)
+        return cache
 
     # --- one forward ----------------------------------------------------------------------------------------------
     def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, state: DecoderState) -> np.ndarray:
-        """Runs the graph on new tokens; ``state.cache`` becomes the presents. Returns logits (B, T, V) float32."""
+        """Runs the graph on new tokens; ``state.cache`` becomes the presents. Returns logits (B, T, V) float32.
+        ``position_ids`` (B, T), or (3, B, T) for a model with multimodal RoPE."""
         feeds = {
             "input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
             "attention_mask": np.ascontiguousarray(state.attention_mask, dtype=np.int64),
-            "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64),
+            "position_ids": np.ascontiguousarray(self.graph_positions(position_ids), dtype=np.int64),
         }
         if self.device == "cuda":
             return self._forward_io_binding(feeds, state)
         outputs = self.session.run(self.output_names, {**feeds, **state.cache})
         state.cache = dict(zip(self.past_names, outputs[1:], strict=True))
         return outputs[0]
+
+    def graph_positions(self, position_ids: np.ndarray) -> np.ndarray:
+        """Positions in the graph's rank: (B, T) text positions repeated on the three multimodal streams."""
+        position_ids = np.asarray(position_ids)
+        if position_ids.ndim == self.position_rank:
+            return position_ids
+        if position_ids.ndim == 2 and self.position_rank == 3:
+            return np.broadcast_to(position_ids, (3, *position_ids.shape))
+        raise ThinkerError(
+            f"position_ids of shape {position_ids.shape}; this model takes rank {self.position_rank} "
+            "((B, T), or (3, B, T) with multimodal RoPE)"
+        )
 
     def _forward_io_binding(self, feeds: dict[str, np.ndarray], state: DecoderState) -> np.ndarray:
         binding = self.session.io_binding()
@@ -314,6 +365,11 @@ def _provider_label(providers: list[str]) -> str:
     return "CUDA" if CUDA in providers else "CPU (export float16 or float32 for CPU)"
 
 
-def _layer_order(name: str) -> tuple[int, int]:
-    _, layer, kind = name.split(".")
-    return int(layer), 0 if kind == "key" else 1
+def _device_zeros(shape: list[int], onnx_type: int) -> ort.OrtValue:
+    """A CUDA OrtValue of zeros (an empty KV cache allocates nothing). Zeros are all-zero bits in every float type,
+    so a host array of the same item size (bfloat16 has no numpy dtype) is copied in once."""
+    value = ort.OrtValue.ortvalue_from_shape_and_type(shape, onnx_type, "cuda", 0)
+    if 0 not in shape:
+        bits = np.zeros(shape, np.float32 if onnx_type == 1 else np.uint16)
+        value.update_inplace(ort.OrtValue.ortvalue_from_numpy_with_onnx_type(bits, onnx_type))
+    return value

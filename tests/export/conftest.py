@@ -17,6 +17,11 @@ GENAI_VENV = Path(os.environ.get("THINKER_GENAI_VENV", Path.home() / ".cache" / 
 # eos id stops at the pad id, as export/genai_config.py writes explicitly) to 0.18 (which refuses an eos id outside
 # the vocabulary). Both ends were run on a no-eos export; the tests use the newest.
 GENAI_PACKAGES = ["onnxruntime-genai>=0.8,<0.19", "numpy"]
+# onnxruntime-genai's CUDA build (with the onnxruntime-gpu it needs), for the GPU tests only.
+GENAI_CUDA_VENV = Path(
+    os.environ.get("THINKER_GENAI_CUDA_VENV", Path.home() / ".cache" / "thinker-test-genai-cuda-venv")
+)
+GENAI_CUDA_PACKAGES = ["onnxruntime-genai-cuda>=0.8,<0.19", "numpy"]
 
 
 @pytest.fixture(scope="session")
@@ -58,19 +63,29 @@ def genai_python() -> Path:
     """The Python of a virtual environment with onnxruntime-genai and the CPU onnxruntime it pulls in (which must
     not share an environment with onnxruntime-gpu). Built under ~/.cache on first use (THINKER_GENAI_VENV moves
     it); a failure to build it fails the tests that need it, with pip's reason."""
-    python = GENAI_VENV / "bin" / "python"
+    return genai_venv(GENAI_VENV, GENAI_PACKAGES)
+
+
+@pytest.fixture(scope="session")
+def genai_cuda_python() -> Path:
+    """As ``genai_python``, with onnxruntime-genai's CUDA build (THINKER_GENAI_CUDA_VENV moves it)."""
+    return genai_venv(GENAI_CUDA_VENV, GENAI_CUDA_PACKAGES)
+
+
+def genai_venv(venv: Path, packages: list[str]) -> Path:
+    python = venv / "bin" / "python"
     probe = [str(python), "-c", "import onnxruntime_genai, onnxruntime; print(onnxruntime.get_available_providers())"]
     if not python.exists() or subprocess.run(probe, capture_output=True).returncode != 0:
         for command in (
-            [sys.executable, "-m", "venv", "--clear", str(GENAI_VENV)],
-            [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *GENAI_PACKAGES],
+            [sys.executable, "-m", "venv", "--clear", str(venv)],
+            [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *packages],
         ):
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode != 0:
                 pytest.fail(f"cannot build the onnxruntime-genai venv ({' '.join(command)}):\n{done.stderr[-2000:]}")
     done = subprocess.run(probe, capture_output=True, text=True)
     if done.returncode != 0:
-        pytest.fail(f"onnxruntime-genai does not import in {GENAI_VENV}:\n{done.stderr[-2000:]}")
+        pytest.fail(f"onnxruntime-genai does not import in {venv}:\n{done.stderr[-2000:]}")
     return python
 
 

@@ -61,6 +61,57 @@ FAMILIES = {
     ),
 }
 
+# The hybrid families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), their real shapes scaled down and awkward on purpose, as in
+# tests/test_modeling_hybrid.py: a linear-attention layer first, two value heads per key head, key and value head
+# sizes that differ (12 != 8), partial rotary 0.25 (8 of 32 channels; Qwen3.5 interleaved mRoPE [2, 1, 1] over its 4
+# frequencies), the attention output gate, qk-norm and every RMSNorm zero-centred, an untied head.
+HYBRID = dict(
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=12,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    qk_norm=True,
+    attention_output_gate=True,
+    norm_zero_centered=True,
+    max_position_embeddings=128,
+)
+MROPE = {
+    "rope_type": "default",
+    "rope_theta": 1e4,
+    "partial_rotary_factor": 0.25,
+    "mrope_section": [2, 1, 1],
+    "mrope_interleaved": True,
+}
+HYBRID_MOE = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=24,
+    norm_topk_prob=True,
+)
+FAMILIES.update(
+    {
+        # Qwen3.5 (dense): interleaved multimodal RoPE, (3, B, T) positions
+        "qwen3_5": dict(HYBRID, rope_parameters=MROPE),
+        # Qwen3.5-MoE: every layer sparse, top-2 of 4 renormalised, a shared expert behind its sigmoid gate
+        "qwen3_5_moe": dict(HYBRID, **HYBRID_MOE, rope_parameters=MROPE),
+        # Qwen3-Next: plain partial RoPE ((B, T) positions), layer 2 dense among sparse layers
+        "qwen3_next": dict(
+            HYBRID,
+            **HYBRID_MOE,
+            intermediate_size=40,
+            mlp_only_layers=[2],
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
+        ),
+    }
+)
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
 WORDS = "the a cat dog sat on mat and ran to house big small red blue one two three is was it".split()
 
 
@@ -75,10 +126,26 @@ def save_thinker(folder: Path, family: str, seed: int = 0, tokenizer: bool = Tru
     from thinker import ThinkerForCausalLM
 
     model = randomize_parameters(ThinkerForCausalLM(make_config(family, **overrides)), seed).eval()
+    spread_decay_rates(model, seed)
     model.save_pretrained(folder)
     if tokenizer:
         make_tokenizer().save_pretrained(folder)
     return Path(folder)
+
+
+def spread_decay_rates(model, seed: int = 0) -> None:
+    """Gated DeltaNet decay rates from slow (the state carries over a whole prompt) to fast, and dt_bias of both
+    signs, as in tests/export/test_linear_attention_graph.py: randomize_parameters' A_log ~ 1 decays every head
+    within a few tokens, where a wrong decay or a state not carried would hide."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("linear_attn"):
+                heads = module.A_log.shape[0]
+                module.A_log.copy_(torch.linspace(-4.0, 1.0, heads)[torch.randperm(heads, generator=generator)])
+                module.dt_bias.copy_(torch.randn(heads, generator=generator))
 
 
 def make_tokenizer():

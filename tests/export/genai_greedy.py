@@ -1,17 +1,31 @@
-"""Greedy generation with onnxruntime-genai, run in its own virtual environment by test_genai.py.
+"""Greedy generation with onnxruntime-genai, run in its own virtual environment by test_onnx_genai.py and
+test_onnx_hybrid.py.
 
-Reads [{"folder": ..., "prompt": [ids], "max_new_tokens": n}, ...] as JSON on stdin and prints the full token
-sequence of each as JSON: one process for every case, since loading onnxruntime-genai takes a while.
+Reads [{"folder": ..., "prompt": [ids] or "prompts": [[ids], ...], "max_new_tokens": n, "provider": "cuda"
+(optional: the folder's own providers otherwise)}, ...] as JSON on stdin and
+prints, for each case, the full token sequence (one prompt) or the list of each row's new tokens (several prompts,
+left-padded with the model's pad id as a batch), as JSON: one process for every case, since loading
+onnxruntime-genai takes a while.
 """
 
 import json
 import sys
 
+import numpy as np
 import onnxruntime_genai as og
 
 
-def greedy(folder: str, prompt: list[int], max_new_tokens: int) -> list[int]:
-    model = og.Model(folder)
+def load(folder: str, provider: str | None = None):
+    if provider is None:
+        return og.Model(folder)
+    config = og.Config(folder)
+    config.clear_providers()
+    config.append_provider(provider)
+    return og.Model(config)
+
+
+def greedy(folder: str, prompt: list[int], max_new_tokens: int, provider: str | None = None) -> list[int]:
+    model = load(folder, provider)
     params = og.GeneratorParams(model)
     params.set_search_options(do_sample=False, max_length=len(prompt) + max_new_tokens)
     generator = og.Generator(model, params)
@@ -21,6 +35,27 @@ def greedy(folder: str, prompt: list[int], max_new_tokens: int) -> list[int]:
     return [int(t) for t in generator.get_sequence(0)]
 
 
+def greedy_batch(
+    folder: str, prompts: list[list[int]], max_new_tokens: int, provider: str | None = None
+) -> list[list[int]]:
+    config = json.load(open(f"{folder}/genai_config.json"))
+    pad = config["model"]["pad_token_id"]
+    width = max(map(len, prompts))
+    model = load(folder, provider)
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=width + max_new_tokens, batch_size=len(prompts))
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([[pad] * (width - len(p)) + p for p in prompts], np.int32))
+    while not generator.is_done():
+        generator.generate_next_token()
+    return [[int(t) for t in generator.get_sequence(i)][width:] for i in range(len(prompts))]
+
+
+def run(case: dict):
+    if "prompts" in case:
+        return greedy_batch(case["folder"], case["prompts"], case["max_new_tokens"], case.get("provider"))
+    return greedy(case["folder"], case["prompt"], case["max_new_tokens"], case.get("provider"))
+
+
 if __name__ == "__main__":
-    cases = json.load(sys.stdin)
-    print(json.dumps([greedy(c["folder"], c["prompt"], c["max_new_tokens"]) for c in cases]))
+    print(json.dumps([run(case) for case in json.load(sys.stdin)]))

@@ -1,12 +1,19 @@
-"""onnxruntime on CUDA: float16 parity, the KV cache kept on the device by IO binding, bfloat16 verification.
-Skipped where there is no GPU; failed where one is visible but a CUDA session does not run (tests/conftest.py).
+"""onnxruntime on CUDA: float16 parity, the KV cache kept on the device by IO binding, bfloat16 verification; for the
+hybrid models also the linear-attention states kept on the device and onnxruntime-genai's CUDA build. Skipped where
+there is no GPU; failed where one is visible but a CUDA session does not run (tests/conftest.py).
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import onnxruntime as ort
 import pytest
+import torch
+from export_helpers import HYBRID_FAMILIES
 
 from common.parity_inputs import parity_batch
 from export.exporter import export_model
@@ -55,3 +62,50 @@ def test_cuda_generate_runs_greedy(onnx_folder):
     cpu = OnnxDecoder(onnx_folder("qwen3", "float32"), provider="cpu").generate(prompt, max_new_tokens=8)
     assert cuda.shape == (1, 12)
     assert cuda[0, 4] == cpu[0, 4]  # the first new token; half precision may part ways later, on a near-tie
+
+
+# --- hybrid models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) ----------------------------------------------------------------
+@pytest.mark.parametrize("graph", ["plain", "fused"])
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_cuda_float16_hybrid_parity(family, graph, thinker_variant, onnx_variant):
+    """The float16 hybrid graph on CUDA (recurrence and recurrent state float32) against the float16 PyTorch model
+    on CPU: the export's float16 tolerance, and every state an OrtValue on the device from step to step."""
+    from common.parity_inputs import RELATIVE_TOLERANCE
+    from thinker import ThinkerForCausalLM
+
+    model = ThinkerForCausalLM.from_pretrained(thinker_variant(family), dtype=torch.float16).eval()
+    decoder = OnnxDecoder(onnx_variant(family, "float16", graph=graph, head_dim=None), provider="cuda")
+    figures = compare_decoders(model, decoder, *parity_batch(96), steps=6)
+    assert figures["max_abs_diff"] <= RELATIVE_TOLERANCE[torch.float16] * max(1.0, figures["logit_scale"]), figures
+    assert figures["top1_agreement"] >= 0.9, figures
+    _, state = decoder.prefill(*parity_batch(96))
+    assert {n.rsplit(".", 1)[1] for n in state.cache} == {"key", "value", "conv_state", "recurrent_state"}
+    assert all(isinstance(v, ort.OrtValue) and v.device_name().lower() == "cuda" for v in state.cache.values())
+
+
+GENAI_SCRIPT = Path(__file__).with_name("genai_greedy.py")
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_genai_cuda_greedy_equals_transformers_on_hybrid_models(
+    family, genai_cuda_python, thinker_variant, onnx_variant
+):
+    """onnxruntime-genai's CUDA build on the float32 fused graph (shared state buffers): 12 of 12 greedy tokens of
+    transformers', batch 1."""
+    from thinker import ThinkerForCausalLM
+
+    prompt, new_tokens = [5, 9, 17, 33, 4, 21, 8, 7], 12
+    folder = onnx_variant(family, graph="fused", head_dim=None)
+    case = {"folder": str(folder), "prompt": prompt, "max_new_tokens": new_tokens, "provider": "cuda"}
+    done = subprocess.run(
+        [str(genai_cuda_python), str(GENAI_SCRIPT)],
+        input=json.dumps([case]),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    model = ThinkerForCausalLM.from_pretrained(thinker_variant(family)).eval()
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)
+    assert json.loads(done.stdout)[0] == expected[0].tolist()

@@ -1,0 +1,428 @@
+"""Hybrid models: our export (plain and fused graphs) against onnxruntime-genai 0.18's model builder and
+mobius-onnx 0.1.0 on the same Qwen3.5 checkpoint, run by onnxruntime-genai with the same threads.
+
+    python bench/bench_hybrid.py                       # both models, 3 repetitions, 2 threads
+    python bench/bench_hybrid.py --models dense --reps 5 --prompt 128 --new 33
+
+Checkpoints (random weights from transformers' own initialisation, seed 0; cached under
+~/.cache/thinker-bench/hybrid, THINKER_BENCH_CACHE moves it):
+
+  qwen3_5-0.8b   Qwen3.5-0.8B's text shape: hidden 1024, 24 layers ([3 linear, 1 full] x 6), 8 query / 2 KV heads of
+                 256 with the output gate, partial rotary 0.25 with interleaved mRoPE [11, 11, 10], linear attention
+                 16 key / 16 value heads of 128, conv kernel 4, MLP 3584, vocabulary 248320 (distinct from every
+                 projection width: the builder takes any vocabulary-wide Linear for the head), tied embeddings;
+                 context 4096 (only the RoPE tables depend on it)
+  qwen3_5-moe    Qwen3.5-MoE scaled down: the same attention and linear-attention layers x 12, every MLP sparse with
+                 64 experts of 128, top-8 renormalised, and a gated shared expert of 512
+
+Each is written three times with the same tensors: as ``Qwen3_5(Moe)ForConditionalGeneration`` with a one-block
+vision tower (the only Qwen3.5 class onnxruntime-genai's builder takes), as ``Qwen3_5(Moe)ForCausalLM`` (what
+mobius exports as a decoder-only model: from the vision-language checkpoint it writes an embedding + decoder
+package, which onnxruntime-genai 0.18 refuses on CPU, "Decoder-only CPU embedding requires the dynamic-batching
+Engine", and ``--text-only`` refuses qwen3_5), and as a Thinker folder (thinker-convert where this branch has the
+family, else the language model's tensors renamed into the Thinker's names).
+
+Exports, each timed in its own process tree (wall, peak RSS):
+  ours-plain / ours-fused   thinker export --no-verify --graph plain|fused
+  builder-fp32              onnxruntime-genai 0.18's builder (``models/builder.py`` of the wheel, copied out of the
+                            genai environment and run with this environment's torch and transformers, as
+                            docs/hybrid-export.md did), -p fp32 -e cpu, on the vision-language checkpoint
+  mobius-fp32               mobius build --ep cpu --optimize --runtime ort-genai (its CPU rewrites), on the causal-LM
+                            checkpoint (dense); on the vision-language one for the MoE (there mobius writes a
+                            decoder-only model, and its text class is unknown to it: "Unknown model_type
+                            'qwen3_5_moe_text'"); its MoE runs every expert for every token (a dense fallback)
+
+Runs: batch 1, a prompt of random ids, greedy new tokens; each (runtime, repetition) in a fresh process with a small
+warm-up, repetitions interleaved runtime by runtime so that the load other jobs put on the shared cores lands on
+every runtime alike. Medians, each repetition's figures, and ratios to the builder are reported:
+  onnxruntime-genai   (default) the genai environment (onnxruntime-genai 0.18, its onnxruntime 1.32), intra-op threads
+                      set by a config overlay
+  onnxruntime         (--runtimes genai,ort-states) one driver for every graph (decode_worker.py ``ort-states``:
+                      states fed back as numpy arrays, a package's decoder fed its own embedding model's output), this
+                      environment's onnxruntime
+Results: bench/results/hybrid.json, and the markdown printed at the end (README "Hybrid models").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
+
+import report  # noqa: E402
+from exports import REPO, folder_bytes, timed  # noqa: E402
+from models import CACHE  # noqa: E402
+from peer_envs import package_versions, python_of  # noqa: E402
+from workers import Runtime, Worker, summary  # noqa: E402
+
+RESULTS = Path(__file__).with_name("results")
+ROOT = CACHE / "hybrid"
+GIB = 2**30
+
+TEXT = dict(
+    vocab_size=248320,
+    hidden_size=1024,
+    intermediate_size=3584,
+    num_hidden_layers=24,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],  # repeated to the layer count
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=16,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 1e7,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    },
+)
+MOE = dict(
+    num_hidden_layers=12, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=128,
+    shared_expert_intermediate_size=512,
+)  # fmt: skip
+VISION = dict(
+    depth=1, hidden_size=64, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
+    temporal_patch_size=2, num_position_embeddings=64,
+)  # fmt: skip
+MODELS = {"dense": ("qwen3_5-0.8b", {}), "moe": ("qwen3_5-moe", MOE)}
+# --smoke: the same pipeline on a few-megabyte shape, to check the plumbing (results are not written)
+SMOKE = dict(
+    vocab_size=50000, hidden_size=64, intermediate_size=96, num_hidden_layers=4, head_dim=32, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    rope_parameters={**TEXT["rope_parameters"], "mrope_section": [2, 1, 1]},
+)  # fmt: skip
+SMOKE_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32)
+GRAPHS = ["ours-fused", "ours-plain", "builder-fp32", "mobius-fp32"]
+RUNTIMES = {"genai": "onnxruntime-genai", "ort-states": "onnxruntime"}
+
+
+# --- checkpoints ------------------------------------------------------------------------------------------------
+def text_config(overrides: dict) -> dict:
+    fields = {**TEXT, **overrides}
+    fields["layer_types"] = (TEXT["layer_types"] * fields["num_hidden_layers"])[: fields["num_hidden_layers"]]
+    # special ids at the top of the vocabulary, as Qwen's are (the prompts draw ids below 49152)
+    fields.update(eos_token_id=fields["vocab_size"] - 1, pad_token_id=fields["vocab_size"] - 2)
+    return fields
+
+
+def build_checkpoints(name: str, overrides: dict) -> dict[str, Path]:
+    """The three folders of one model (made once): ``vl`` (builder), ``causal`` (mobius), ``thinker`` (ours)."""
+    folders = {kind: ROOT / f"{name}-{kind}" for kind in ("vl", "causal", "thinker")}
+    if all((f / "config.json").is_file() for f in folders.values()):
+        return folders
+    import torch
+    import transformers
+
+    moe = "num_experts" in overrides
+    text = text_config(overrides)
+    vl_class = transformers.Qwen3_5MoeForConditionalGeneration if moe else transformers.Qwen3_5ForConditionalGeneration
+    config_class = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
+    causal_class = transformers.Qwen3_5MoeForCausalLM if moe else transformers.Qwen3_5ForCausalLM
+    special = dict(
+        image_token_id=248056, video_token_id=248057, vision_start_token_id=248053, vision_end_token_id=248054
+    )
+    config = config_class(
+        text_config=text,
+        vision_config={**VISION, "out_hidden_size": text["hidden_size"]},
+        tie_word_embeddings=text["tie_word_embeddings"],
+        **special,
+    )
+    print(f"[{name}] building the checkpoint", file=sys.stderr, flush=True)
+    torch.manual_seed(0)
+    vl = vl_class(config).eval()
+    vl.save_pretrained(folders["vl"])
+    language_model = {
+        key.replace("model.language_model.", "model."): tensor
+        for key, tensor in vl.state_dict().items()
+        if not key.startswith("model.visual.")
+    }
+    del vl
+    causal = causal_class(config.text_config)
+    causal.load_state_dict(language_model, strict=True)
+    causal.save_pretrained(folders["causal"])
+    del causal
+    write_thinker(folders, language_model, config.text_config)
+    return folders
+
+
+def write_thinker(folders: dict[str, Path], language_model: dict, text_config) -> None:
+    """The Thinker folder: by thinker-convert when the converter has the Qwen3.5 families, else the same tensors
+    under the Thinker's names (identical for the language model: Qwen3.5's layout is the Thinker's)."""
+    from converter.families import FAMILIES
+
+    if any("qwen3_5" in family.model_types for family in FAMILIES):
+        from converter.convert import convert
+
+        convert(str(folders["vl"]), folders["thinker"], dtype="float32", verify=False, progress=False)
+        return
+    from thinker import ThinkerConfig, ThinkerForCausalLM
+
+    fields = {
+        key: getattr(text_config, key)
+        for key in (
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "hidden_act",
+            "attention_bias", "tie_word_embeddings", "layer_types", "linear_conv_kernel_dim", "linear_key_head_dim",
+            "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "num_experts",
+            "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size", "eos_token_id",
+            "pad_token_id", "bos_token_id",
+        )
+        if hasattr(text_config, key)
+    }  # fmt: skip
+    if fields.get("num_experts"):
+        fields["norm_topk_prob"] = True  # Qwen3.5-MoE's router always renormalises its top-k
+    config = ThinkerConfig(
+        **fields,
+        rope_parameters=dict(text_config.rope_parameters),
+        qk_norm=True,
+        attention_output_gate=True,
+        norm_zero_centered=True,
+    )
+    model = ThinkerForCausalLM(config)
+    missing, unexpected = model.load_state_dict(language_model, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"Thinker names differ: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.tie_weights()
+    model.save_pretrained(folders["thinker"])
+
+
+# --- exports ----------------------------------------------------------------------------------------------------
+def builder_copy() -> Path:
+    """onnxruntime-genai 0.18's builder package (``onnxruntime_genai/models``), copied out of the genai
+    environment, whose onnxruntime must not meet this one's; it imports its modules by their own names."""
+    target = ROOT / "genai-builder"
+    if not (target / "builder.py").is_file():
+        site = next((python_of("genai").parent.parent / "lib").glob("python*/site-packages"))
+        shutil.copytree(site / "onnxruntime_genai" / "models", target)
+    return target
+
+
+def export_command(graph: str, folders: dict[str, Path], out: Path, threads: int, moe: bool) -> tuple[list[str], Path]:
+    if graph.startswith("ours-"):
+        kind = graph.removeprefix("ours-")
+        command = [sys.executable, "-m", "common.cli", "export", str(folders["thinker"]), str(out), "--no-verify"]
+        return [*command, "--threads", str(threads), "--graph", kind], REPO
+    if graph == "builder-fp32":
+        builder = builder_copy()
+        cache = ROOT / "builder-cache"
+        command = [sys.executable, "builder.py", "-i", str(folders["vl"]), "-o", str(out), "-p", "fp32", "-e", "cpu"]
+        return [*command, "-c", str(cache)], builder
+    if graph == "mobius-fp32":
+        mobius = python_of("mobius").parent / "mobius"
+        source = folders["vl" if moe else "causal"]
+        command = [str(mobius), "build", "--config", str(source), "--runtime", "ort-genai", "--ep", "cpu"]
+        return [*command, "--optimize", "--", str(out)], ROOT
+    raise ValueError(graph)
+
+
+def export_all(name: str, folders: dict[str, Path], threads: int, moe: bool, fresh: bool) -> dict[str, dict]:
+    exports = {}
+    for graph in GRAPHS:
+        out = ROOT / "exports" / name / graph
+        record_file = out.with_name(graph + ".json")
+        if out.exists() and record_file.is_file() and not fresh:
+            exports[graph] = json.loads(record_file.read_text())
+            continue
+        shutil.rmtree(out, ignore_errors=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        print(f"[{name}] exporting {graph}", file=sys.stderr, flush=True)
+        command, cwd = export_command(graph, folders, out, threads, moe)
+        figures = timed(command, cwd=cwd)
+        record = {"folder": str(out), "command": command[1:] if command[0] == sys.executable else command}
+        if figures["returncode"] != 0:
+            record["error"] = figures["stderr"].strip().splitlines()[-1][:500]
+            print(f"  failed: {record['error']}", file=sys.stderr)
+        else:
+            graph_files = [out] + [p for p in out.iterdir() if p.is_dir()]
+            record.update(
+                seconds=figures["seconds"],
+                peak_rss=figures["peak_rss"],
+                model_bytes=sum(folder_bytes(f) for f in graph_files),
+            )
+        record_file.write_text(json.dumps(record, indent=2))
+        exports[graph] = record
+    return exports
+
+
+# --- runs -------------------------------------------------------------------------------------------------------
+def measure(name: str, exports: dict[str, dict], args) -> list[dict]:
+    """Every (graph, runtime) pair ``args.reps`` times, interleaved, each repetition a fresh process."""
+    runtimes = [
+        Runtime(f"{graph} on {RUNTIMES[backend]}", graph, backend, builder_peer=f"builder-fp32 on {RUNTIMES[backend]}")
+        for backend in args.runtimes
+        for graph in GRAPHS
+        if "error" not in exports[graph]
+    ]
+    request = {"op": "generate", "batch": 1, "prompt": args.prompt, "new": args.new}
+    errors = {}
+    for rep in range(args.reps):
+        for runtime in runtimes:
+            if runtime.label in errors:
+                continue
+            print(f"[{name}] rep {rep + 1}/{args.reps} {runtime.label}", file=sys.stderr, flush=True)
+            try:
+                worker = Worker(runtime, Path(exports[runtime.graph]["folder"]), args.threads)
+            except RuntimeError as err:
+                errors[runtime.label] = str(err).strip().splitlines()[-1][:300]
+                print(f"  failed: {errors[runtime.label]}", file=sys.stderr)
+                continue
+            try:
+                worker.request(op="generate", batch=1, prompt=16, new=4)  # warm-up: first-call allocations
+                reply = worker.request(**request)
+                runtime.results.setdefault(json.dumps(request, sort_keys=True), []).append(reply)
+            finally:
+                worker.process.kill()
+                worker.process.wait()
+    rows = []
+    for runtime in runtimes:
+        row = {"label": runtime.label, "graph": runtime.graph, "builder_peer": runtime.builder_peer}
+        row.update(summary(runtime, request) or {"error": errors.get(runtime.label)})
+        row["per_repetition"] = [
+            {"prefill_ms": 1e3 * r["prefill_s"], "decode_tokens_per_s": (args.new - 1) / r["decode_s"]}
+            for r in runtime.results.get(json.dumps(request, sort_keys=True), [])
+        ]
+        rows.append(row)
+    by_label = {row["label"]: row for row in rows}
+    for row in rows:
+        reference = by_label.get(row["label"].replace(row["graph"], "ours-fused"), {})
+        if row.get("tokens") and reference.get("tokens"):
+            row["greedy_equals_ours_fused"] = row["tokens"] == reference["tokens"]
+    return rows
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def run_model(key: str, args) -> dict:
+    name, overrides = MODELS[key]
+    if args.smoke:
+        name = f"smoke-{name}"
+        overrides = {**overrides, **SMOKE, **(SMOKE_MOE if key == "moe" else {})}
+    folders = build_checkpoints(name, overrides)
+    load_before = load_average()
+    started = time.perf_counter()
+    exports = export_all(name, folders, args.threads, moe="num_experts" in overrides, fresh=args.fresh_exports)
+    runs = measure(name, exports, args)
+    return {
+        "name": name,
+        "text_config": text_config(overrides),
+        "exports": exports,
+        "runtimes": runs,
+        "load_average_before": load_before,
+        "load_average_after": load_average(),
+        "minutes": round((time.perf_counter() - started) / 60, 1),
+    }
+
+
+# --- report -----------------------------------------------------------------------------------------------------
+def speed_table(model: dict) -> str:
+    rows_by_label = {r["label"]: r for r in model["runtimes"]}
+    rows = []
+    for row in model["runtimes"]:
+        peer = rows_by_label.get(row["builder_peer"]) or {}
+        if "error" in row:
+            rows.append([row["label"], "failed: " + str(row["error"])] + ["—"] * 5)
+            continue
+        equal = row.get("greedy_equals_ours_fused")
+        rows.append(
+            [
+                row["label"],
+                report.fmt(row["prefill_ms"], 0),
+                report.ratio(row["prefill_ms"], peer.get("prefill_ms")),
+                report.fmt(row["decode_tokens_per_s"], 2),
+                report.ratio(row["decode_tokens_per_s"], peer.get("decode_tokens_per_s")),
+                "—" if equal is None else ("yes" if equal else "no"),
+                str(row["repetitions"]),
+            ]
+        )
+    header = ["runtime", "prefill (ms)", "vs builder", "decode (tok/s)", "vs builder", "greedy = ours-fused", "reps"]
+    return report.table(header, rows)
+
+
+def export_table(model: dict) -> str:
+    builder = model["exports"].get("builder-fp32", {})
+    rows = []
+    for graph, record in model["exports"].items():
+        if "error" in record:
+            rows.append([graph, "failed: " + record["error"], "—", "—", "—", "—"])
+            continue
+        rows.append(
+            [
+                graph,
+                report.fmt(record["seconds"], 1),
+                report.ratio(record["seconds"], builder.get("seconds")),
+                report.fmt(record["peak_rss"] / GIB, 2),
+                report.ratio(record["peak_rss"], builder.get("peak_rss")),
+                report.fmt(record["model_bytes"] / GIB, 2),
+            ]
+        )
+    return report.table(["export", "wall (s)", "vs builder", "peak RSS (GiB)", "vs builder", "files (GiB)"], rows)
+
+
+def markdown(results: dict) -> str:
+    parts = []
+    for model in results["models"]:
+        run = f"fp32, batch 1, {results['prompt']}-token prompt, {results['new']} new tokens"
+        run += f", {results['threads']} threads"
+        loads = f"load average {model['load_average_before']} before, {model['load_average_after']} after"
+        parts.append(f"#### {model['name']} ({run}; {loads})")
+        parts.append(speed_table(model))
+        parts.append(export_table(model))
+    return "\n\n".join(parts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="dense,moe", help="comma-separated: dense, moe")
+    parser.add_argument(
+        "--runtimes", default="genai", help="comma-separated: genai (onnxruntime-genai), ort-states (onnxruntime)"
+    )
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new", type=int, default=33, help="new tokens; decode is timed over the last new - 1")
+    parser.add_argument("--fresh-exports", action="store_true", help="export again even where cached")
+    parser.add_argument("--smoke", action="store_true", help="a tiny shape, to check the plumbing; writes nothing")
+    parser.add_argument(
+        "--report", action="store_true", help="print the tables of bench/results/hybrid.json, run nothing"
+    )
+    args = parser.parse_args()
+    if args.report:
+        results = json.loads((RESULTS / "hybrid.json").read_text())
+        print(f"`{results['command']}`\n\n{markdown(results)}")
+        return
+    args.runtimes = args.runtimes.split(",")
+    results = {
+        "command": "python bench/bench_hybrid.py " + " ".join(sys.argv[1:]),
+        "threads": args.threads,
+        "prompt": args.prompt,
+        "new": args.new,
+        "reps": args.reps,
+        "cpu_count": os.cpu_count(),
+        "versions": {env: package_versions(env) for env in ("genai", "mobius")},
+        "models": [run_model(key, args) for key in args.models.split(",")],
+    }
+    if not args.smoke:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "hybrid.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""The dtype a conversion writes: the one asked for, or (``auto``) the one the source declares or mostly holds.
+
+Apart from the engine so that the layer-by-layer check, which the family modules reach, can read a converted
+folder's dtype without importing the engine (and, through it, the family modules again).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+import torch
+
+from common.dtypes import FLOAT_DTYPES, dtype_name, torch_dtype
+from common.errors import ThinkerError
+from common.sources import TensorSource
+
+
+def resolve_dtype(requested: str, declared: Any, source: TensorSource) -> torch.dtype:
+    """The output dtype. ``auto``: ``declared`` (the dtype the source's config names) when it is one a folder may
+    hold, else the floating dtype holding most of the source's bytes."""
+    if requested != "auto":
+        if requested not in FLOAT_DTYPES:
+            raise ThinkerError(f"--dtype {requested!r} is not one of auto, {', '.join(FLOAT_DTYPES)}")
+        return torch_dtype(requested)
+    if isinstance(declared, torch.dtype):
+        declared = dtype_name(declared)
+    if isinstance(declared, str) and declared in FLOAT_DTYPES:
+        return torch_dtype(declared)
+    bytes_by_dtype: Counter[torch.dtype] = Counter()
+    for name in source.names():
+        dtype = source.dtype(name)
+        if dtype_name(dtype) in FLOAT_DTYPES:
+            bytes_by_dtype[dtype] += math.prod(source.shape(name)) * dtype.itemsize
+    return bytes_by_dtype.most_common(1)[0][0] if bytes_by_dtype else torch.float32

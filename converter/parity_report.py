@@ -1,0 +1,123 @@
+"""What a parity check reports, in either mode (``converter/parity.py`` whole-model, ``converter/layer_parity.py``
+layer by layer): the figures per dtype and per stage, the verdict, the table printed and ``parity.json``; and the
+guard both modes' reference loading shares.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from common.errors import ThinkerError
+
+PARITY_FILE = "parity.json"
+GREEDY_TOKENS = 8
+HALF_TOP1_MIN = 0.9  # half precision: share of positions whose argmax must agree
+WHOLE_MODEL, BY_LAYER = "whole-model", "layer-by-layer"
+
+
+class ParityFailed(ThinkerError):
+    """Raised when the converted model does not match its reference; carries the report to print."""
+
+    def __init__(self, message: str, report: ParityReport) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass
+class LayerParity:
+    """One stage of the layer-by-layer check: the converted model's stage run on the reference's input to it."""
+
+    name: str  # "embeddings", "layer 3", "final norm and head"
+    max_abs_diff: float
+    mean_abs_diff: float
+    scale: float  # max |output| of the reference's stage
+    tolerance: float
+    passed: bool
+    stream_max_abs_diff: float | None = None  # each model on its own hidden states: the difference accumulated
+
+
+@dataclass
+class DtypeParity:
+    dtype: str
+    max_abs_diff: float
+    mean_abs_diff: float
+    logit_scale: float
+    tolerance: float
+    top1_agreement: float
+    greedy_identical: int | None  # prompts whose whole continuation agrees (None: not run, layer by layer)
+    greedy_prompts: int | None
+    greedy_token_agreement: float | None
+    passed: bool
+    first_divergence: str | None = None
+    layers: list[LayerParity] = field(default_factory=list)  # layer by layer only
+
+
+@dataclass
+class ParityReport:
+    reference: str
+    converted: str
+    prompts: list[list[int]]
+    results: list[DtypeParity] = field(default_factory=list)
+    mode: str = WHOLE_MODEL
+    mode_note: str = ""  # why this mode, when it was not asked for
+
+    @property
+    def passed(self) -> bool:
+        return all(result.passed for result in self.results)
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["passed"] = self.passed
+        data["greedy_tokens"] = GREEDY_TOKENS
+        return json.dumps(data, indent=2) + "\n"
+
+    def table(self) -> str:
+        columns = ("dtype", "max|Δlogit|", "mean|Δlogit|", "tolerance", "top-1", "greedy")
+        header = "{:<9} {:>11} {:>12} {:>9} {:>6} {:>7}  result".format(*columns)
+        rows = [f"parity ({self.mode}): {self.converted} vs {self.reference}", header]
+        for r in self.results:
+            verdict = "pass" if r.passed else f"FAIL (first divergence: {r.first_divergence})"
+            greedy = "—" if r.greedy_identical is None else f"{r.greedy_identical}/{r.greedy_prompts}"
+            rows.append(
+                f"{r.dtype:<9} {r.max_abs_diff:>11.3g} {r.mean_abs_diff:>12.3g} {r.tolerance:>9.2g} "
+                f"{r.top1_agreement:>6.1%} {greedy:^7}  {verdict}"
+            )
+        for r in self.results:
+            if r.layers:
+                worst = max(r.layers, key=lambda layer: layer.max_abs_diff / layer.tolerance)
+                where = (
+                    "every stage identical (max|Δ| 0)"
+                    if worst.max_abs_diff == 0
+                    else f"largest max|Δ| against its tolerance at {worst.name}: {worst.max_abs_diff:.3g} "
+                    f"(tolerance {worst.tolerance:.2g})"
+                )
+                rows.append(f"{r.dtype}: {len(r.layers)} stages compared on the reference's inputs; {where}")
+        return "\n".join(rows)
+
+
+def write_report(report: ParityReport, path: Path) -> None:
+    """Written beside and renamed over: `thinker verify` updates a finished folder, which a kill must not damage."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    partial.write_text(report.to_json())
+    os.replace(partial, path)
+
+
+def refuse_unknown_model_type(config_path: Path) -> None:
+    """The reference is transformers' own class for the config's model_type; for a type it does not know, it would
+    look for code in the folder (auto_map), which is never run here."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        model_type = json.loads(config_path.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # transformers reports an unreadable config itself
+    if isinstance(model_type, str) and model_type not in CONFIG_MAPPING:
+        raise ThinkerError(
+            f"{config_path}: model_type {model_type!r} is not one transformers knows, so --verify has no reference "
+            "to compare with (code shipped with a checkpoint, its auto_map, is never run); correct model_type, or "
+            "convert with --no-verify"
+        )

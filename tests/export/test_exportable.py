@@ -1,0 +1,61 @@
+"""What ``thinker export`` takes and what it refuses, before any byte is written (``check_exportable``): partial
+rotary is exported by both graphs and matches PyTorch; RoPE types whose tables change with the context length, and
+a linear-attention conv activation the graphs do not write, are refused with a one-line reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from export_helpers import save_thinker
+
+from common.errors import ThinkerError
+from common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
+from export.exporter import export_model
+from export.runtime import OnnxDecoder
+from export.verify import compare_decoders
+
+PARTIAL = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+
+
+@pytest.mark.parametrize("graph", ["plain", "fused"])
+def test_partial_rotary_matches_pytorch(graph, tmp_path):
+    """A dense Qwen3 whose RoPE rotates 8 of each head's 16 channels."""
+    from thinker import ThinkerForCausalLM
+
+    folder = save_thinker(tmp_path / "thinker", "qwen3", head_dim=16, rope_parameters=PARTIAL)
+    export_model(folder, tmp_path / "onnx", verify=False, graph=graph)
+    model = ThinkerForCausalLM.from_pretrained(folder).eval()
+    figures = compare_decoders(model, OnnxDecoder(tmp_path / "onnx", provider="cpu"), *parity_batch(96))
+    assert figures["max_abs_diff"] <= RELATIVE_TOLERANCE[torch.float32] * max(1.0, figures["logit_scale"]), figures
+
+
+REFUSED = [
+    (
+        dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+        r"rope_type='dynamic' recomputes its frequencies as the context grows",
+    ),
+    (
+        dict(
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0] * 6,
+                "long_factor": [2.0] * 6,
+                "original_max_position_embeddings": 32,
+            }
+        ),
+        r"rope_type='longrope' recomputes its frequencies",
+    ),
+    (
+        dict(layer_types=["linear_attention", "full_attention", "full_attention"], hidden_act="gelu"),
+        r"hidden_act='gelu' with linear_attention layers: .* silu / swish only",
+    ),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), REFUSED, ids=["dynamic", "longrope", "linear-gelu"])
+def test_unsupported_configs_are_refused(overrides, message, tmp_path):
+    folder = save_thinker(tmp_path / "thinker", "qwen3", tokenizer=False, **overrides)
+    with pytest.raises(ThinkerError, match=message):
+        export_model(folder, tmp_path / "onnx", verify=False)
+    assert not (tmp_path / "onnx").exists() and [p.name for p in tmp_path.iterdir()] == ["thinker"]
