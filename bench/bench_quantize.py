@@ -40,14 +40,15 @@ from workers import Runtime, interleave, started, summary  # noqa: E402
 RESULTS = Path(__file__).with_name("results")
 # name -> `thinker export` options (on top of --graph fused); the flips check pairs each with "+acc1" of itself.
 VARIANTS = {
-    "int4": ["--quantize", "int4"],
+    "int4": ["--quantize", "int4"],  # the defaults: RTN, block 32, accuracy level 4, int8 head
     "int4-acc1": ["--quantize", "int4", "--accuracy-level", "1"],
-    "int4-h8": ["--quantize", "int4", "--quantize-head", "int8"],
+    "int4-h4": ["--quantize", "int4", "--quantize-head", "int4"],
     "int4-asym": ["--quantize", "int4", "--algo", "rtn-asym"],
     "int4-b64": ["--quantize", "int4", "--block-size", "64"],
-    "int4-b64-h8": ["--quantize", "int4", "--block-size", "64", "--quantize-head", "int8"],
+    "int4-b64-h4": ["--quantize", "int4", "--block-size", "64", "--quantize-head", "int4"],
     "int4-b128": ["--quantize", "int4", "--block-size", "128"],
     "int4-hqq": ["--quantize", "int4", "--algo", "hqq"],
+    "int4-hqq-h4": ["--quantize", "int4", "--algo", "hqq", "--quantize-head", "int4"],
     "int8": ["--quantize", "int8"],
     "int8-acc1": ["--quantize", "int8", "--accuracy-level", "1"],
 }
@@ -170,7 +171,7 @@ def markdown(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--speed-variants", default="int4,int4-h8,int4-asym,int4-b64,int8")
+    parser.add_argument("--speed-variants", default="int4,int4-h4,int4-asym,int4-b64,int4-b64-h4,int8")
     parser.add_argument("--runtimes", default="ort,genai")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=3)

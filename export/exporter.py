@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from pkgutil import resolve_name
+from typing import TYPE_CHECKING
 
 import onnx
 import torch
@@ -37,7 +38,9 @@ from .genai_config import make_genai_config, no_eos_note
 from .graph_builder import GraphBuilder, WeightFile
 from .names import DATA_FILE, GENAI_CONFIG_FILE, GRAPHS, MODEL_FILE, REPORT_FILE
 from .quantize import QuantizeSpec, WeightQuantizer
-from .quantized_verify import QualityGate
+
+if TYPE_CHECKING:
+    from .quantized_verify import QualityGate
 from .weights import ThinkerWeights
 
 
@@ -108,24 +111,24 @@ def export_model(
             "versions": versions(),
             "notes": [note] if (note := no_eos_note(config, generation_config)) else [],
         }
-        if verify:
+        if verify and quantize:
+            from .quantized_verify import verify_quantized_export
+
+            report["verify"] = verify_quantized_export(
+                model_dir, files.model_path, graph_dtype, quantize.bits, quality, threads=threads
+            )
+        elif verify:
             from .verify import verify_export
 
             report["verify"] = verify_export(
-                model_dir,
-                files.model_path,
-                graph_dtype,
-                threads=threads,
-                quantized_bits=quantize.bits if quantize else None,
-                gate=quality,
-                progress=progress,
+                model_dir, files.model_path, graph_dtype, threads=threads, progress=progress
             )
-            if report["verify"].get("passed") is False:
-                what = "the quantized export fails its check" if quantize else "onnxruntime disagrees with PyTorch"
-                raise ThinkerError(
-                    f"{what}: {report['verify']['failure']} ({dtype}, {graph} graph"
-                    f"{', ' + quantize.label() if quantize else ''}); the export was not written"
-                )
+        if verify and report["verify"].get("passed") is False:
+            what = "the quantized export fails its check" if quantize else "onnxruntime disagrees with PyTorch"
+            raise ThinkerError(
+                f"{what}: {report['verify']['failure']} ({dtype}, {graph} graph"
+                f"{', ' + quantize.label() if quantize else ''}); the export was not written"
+            )
         (final / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
         install(final, output.absolute(), force)  # atomic: OUTPUT is the old folder or the new one, never partial
     return report

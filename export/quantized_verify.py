@@ -34,6 +34,7 @@ from common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
 from .dequantize import as_thinker_parameters, load_into, quantized_weights, weight_errors
 from .fidelity import FIDELITY_TEXT, prefill_logits, text_fidelity
 from .runtime import OnnxDecoder
+from .verify import compare_decoders
 
 # Relative RMS error of a correctly quantized weight, with room: symmetric RTN over blocks of 32 measures ~0.1 at
 # 4 bits and ~0.006 at 8 (one rounding step is 1/8 and 1/128 of the block's largest magnitude); a scale off by 10 %
@@ -69,6 +70,17 @@ class QualityGate:
         return None
 
 
+def verify_quantized_export(
+    model_dir: Path, onnx_path: Path, dtype: torch.dtype, bits: int, gate: QualityGate | None = None, threads=None
+) -> dict:
+    """``thinker export --verify`` of a quantized export: the float Thinker of ``model_dir`` loaded, then
+    ``verify_quantized``."""
+    from thinker import ThinkerForCausalLM
+
+    model = ThinkerForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    return verify_quantized(model, model_dir, onnx_path, bits, gate, threads=threads)
+
+
 def verify_quantized(
     model: torch.nn.Module,
     model_dir: Path,
@@ -79,8 +91,6 @@ def verify_quantized(
 ) -> dict:
     """The three checks on the float ``model`` (changed in place: it ends up holding the dequantized weights).
     Returns the report's figures; ``passed`` False with ``failure`` naming the first check that failed."""
-    from .verify import compare_decoders
-
     gate = gate or QualityGate.default(bits)
     dtype = next(model.parameters()).dtype
     result: dict = {"reference": "PyTorch ThinkerForCausalLM with the graph's dequantized weights"}

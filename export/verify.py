@@ -11,16 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
 from common.progress import progress_bar
-
-if TYPE_CHECKING:
-    from .quantized_verify import QualityGate
 
 from .runtime import OnnxDecoder, cuda_usable, position_ids_from_mask
 
@@ -104,14 +100,11 @@ def verify_export(
     onnx_path: Path,
     dtype: torch.dtype,
     threads: int | None = None,
-    quantized_bits: int | None = None,
-    gate: QualityGate | None = None,
     progress: bool = False,
 ) -> dict:
     """The figures for the export report; ``passed`` is False beyond tolerance (``failure`` says how), None when it
-    could not run. ``quantized_bits``: a weight-only quantized graph, checked against the model holding the same
-    dequantized weights, its cost against the float model gated by ``gate`` (export/quantized_verify.py).
-    ``progress``: a bar over loading both models, the prefill and the decode steps."""
+    could not run. ``progress``: a bar over loading both models, the prefill and the decode steps. (A quantized
+    export has its own checks: export/quantized_verify.py.)"""
     from thinker import ThinkerForCausalLM
 
     if dtype == torch.bfloat16 and not cuda_usable():
@@ -119,11 +112,6 @@ def verify_export(
             "passed": None,
             "skipped": "onnxruntime's CPU execution provider has no bfloat16 kernels; verify where CUDA is available",
         }
-    if quantized_bits:
-        from .quantized_verify import verify_quantized
-
-        model = ThinkerForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-        return verify_quantized(model, model_dir, onnx_path, quantized_bits, gate, threads=threads)
     with progress_bar(2 + DECODE_STEPS, "verifying", unit="step", enabled=progress) as bar:
         decoder = OnnxDecoder(onnx_path, threads=threads)
         model = ThinkerForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()

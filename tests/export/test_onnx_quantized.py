@@ -313,13 +313,13 @@ def planted(folder: Path, out: Path, bug) -> Path:
 def test_quantized_verify_catches_planted_bugs(spec, thinker_variant, onnx_variant, tmp_path):
     """A graph bug fails the graph check and a wrong quantization scale the weight check, at int4 and int8 alike,
     while the export as written passes both; the quality gate is left open, so neither hides behind it."""
-    from export.verify import verify_export
+    from export.quantized_verify import verify_quantized_export
 
     model_dir = thinker_variant("qwen3", head_dim=16)
     folder = onnx_variant("qwen3", graph="fused", quantize=spec)
 
     def verify(path: Path) -> dict:
-        return verify_export(model_dir, path, torch.float32, quantized_bits=spec.bits, gate=NO_GATE)
+        return verify_quantized_export(model_dir, path, torch.float32, spec.bits, NO_GATE)
 
     sound = verify(folder / "model.onnx")
     assert sound["passed"] is True, sound
