@@ -18,7 +18,7 @@ def test_the_demo_runs_the_whole_pipeline(tmp_path):
     steps = ("[1/4] convert", "[2/4] generate with transformers", "[3/4] export", "[4/4] generate with onnxruntime")
     for step in steps:
         assert step in result.stderr, step
-    assert "parity: ThinkerForCausalLM vs LlamaForCausalLM" in result.stdout
+    assert "parity (whole-model): ThinkerForCausalLM vs LlamaForCausalLM" in result.stdout
     assert "float32" in result.stdout and " pass" in result.stdout
     assert "onnxruntime vs PyTorch, prefill + decode on a left-padded batch" in result.stdout
     # The same greedy continuation from transformers and from onnxruntime, and a sensible one.
