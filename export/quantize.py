@@ -18,7 +18,7 @@ What is quantized: every 2-D projection that goes through ``DecoderGraph.emit_ma
 MLPs, shared experts, the head; a tied head gets its own quantized copy while the embedding Gather stays float).
 What is not: embeddings, norms, the MoE router and routed experts (their stacks stay float), projections too small
 to gain (fewer input features than one block, or fewer than 16 outputs). ``head_bits=8`` keeps the head, the
-single most output-sensitive weight, at 8 bits under an int4 body.
+single most output-sensitive weight, at 8 bits under an int4 body: the CLI's default (``DEFAULT_HEAD``).
 
 Gated DeltaNet layers (Qwen3.5, Qwen3-Next): in_proj_qkv, in_proj_z and out_proj are quantized like any projection;
 in_proj_a and in_proj_b are not (``KEPT_FLOAT``): they are Hv wide (a few kilobytes), and their outputs set the
