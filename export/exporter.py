@@ -115,7 +115,7 @@ def export_model(
             from .quantized_verify import verify_quantized_export
 
             report["verify"] = verify_quantized_export(
-                model_dir, files.model_path, graph_dtype, quantize.bits, quality, threads=threads
+                model_dir, files.model_path, graph_dtype, quantize.bits, quality, threads=threads, progress=progress
             )
         elif verify:
             from .verify import verify_export

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,11 +30,12 @@ import onnx
 import torch
 
 from common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
+from common.progress import progress_bar
 
 from .dequantize import as_thinker_parameters, load_into, quantized_weights, weight_errors
 from .fidelity import FIDELITY_TEXT, prefill_logits, text_fidelity
 from .runtime import OnnxDecoder
-from .verify import compare_decoders
+from .verify import DECODE_STEPS, compare_decoders
 
 # Relative RMS error of a correctly quantized weight, with room: symmetric RTN over blocks of 32 measures ~0.1 at
 # 4 bits and ~0.006 at 8 (one rounding step is 1/8 and 1/128 of the block's largest magnitude); a scale off by 10 %
@@ -71,14 +72,22 @@ class QualityGate:
 
 
 def verify_quantized_export(
-    model_dir: Path, onnx_path: Path, dtype: torch.dtype, bits: int, gate: QualityGate | None = None, threads=None
+    model_dir: Path,
+    onnx_path: Path,
+    dtype: torch.dtype,
+    bits: int,
+    gate: QualityGate | None = None,
+    threads: int | None = None,
+    progress: bool = False,
 ) -> dict:
     """``thinker export --verify`` of a quantized export: the float Thinker of ``model_dir`` loaded, then
-    ``verify_quantized``."""
+    ``verify_quantized``; ``progress``: a bar over loading, the cost, the weights and the graph's steps."""
     from thinker import ThinkerForCausalLM
 
-    model = ThinkerForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    return verify_quantized(model, model_dir, onnx_path, bits, gate, threads=threads)
+    with progress_bar(3 + DECODE_STEPS + 1, "verifying", unit="step", enabled=progress) as bar:
+        model = ThinkerForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        bar.update()
+        return verify_quantized(model, model_dir, onnx_path, bits, gate, threads=threads, on_step=bar.update)
 
 
 def verify_quantized(
@@ -88,9 +97,12 @@ def verify_quantized(
     bits: int,
     gate: QualityGate | None = None,
     threads: int | None = None,
+    on_step: Callable[[], object] | None = None,
 ) -> dict:
     """The three checks on the float ``model`` (changed in place: it ends up holding the dequantized weights).
-    Returns the report's figures; ``passed`` False with ``failure`` naming the first check that failed."""
+    Returns the report's figures; ``passed`` False with ``failure`` naming every check that failed. ``on_step``:
+    called after the cost, the weights and each step of the graph check (a progress bar's ``update``)."""
+    on_step = on_step or (lambda: None)
     gate = gate or QualityGate.default(bits)
     dtype = next(model.parameters()).dtype
     result: dict = {"reference": "PyTorch ThinkerForCausalLM with the graph's dequantized weights"}
@@ -98,6 +110,7 @@ def verify_quantized(
     shipped = OnnxDecoder(onnx_path, provider="cpu", threads=threads)
     result["provider"] = shipped.device
     result["cost"] = quantization_cost(model, model_dir, shipped)  # before the weights change
+    on_step()
 
     dequantized = as_thinker_parameters(quantized_weights(onnx_path), model)
     errors = weight_errors(dequantized, model)
@@ -115,9 +128,10 @@ def verify_quantized(
         },
     }
     load_into(model, dequantized)
+    on_step()
     with float_activation_copy(onnx_path) as exact_path:
         exact = OnnxDecoder(exact_path, provider="cpu", threads=threads)
-        graph = compare_decoders(model, exact, *parity_batch(model.config.vocab_size))
+        graph = compare_decoders(model, exact, *parity_batch(model.config.vocab_size), on_step=on_step)
     graph["tolerance"] = RELATIVE_TOLERANCE[dtype] * max(1.0, graph["logit_scale"])
     result["graph"] = graph
 
