@@ -14,7 +14,7 @@ import os
 import pickle
 import re
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
@@ -191,17 +191,16 @@ class SafetensorsSource(FolderSource):
                     scanned = whole
         return data.view(dtype).reshape(self.shape(name))
 
-    def read_pieces(self, name: str, buffers: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
-        """The tensor's bytes, one piece at a time, read into ``buffers`` (uint8, of one size) in turn: no memory of
-        the tensor's size and no fresh pages to fault in. Each piece holds whole elements and stays valid until the
-        reader comes back round to its buffer, so with two buffers one piece can be written while the next is read."""
+    def read_pieces(self, name: str, buffer: torch.Tensor) -> Iterator[torch.Tensor]:
+        """The tensor's bytes, read into ``buffer`` (uint8, reused: no memory of the tensor's size, no fresh pages
+        to fault in) one piece at a time; each piece holds whole elements and is valid until the next is read."""
         path = self._file_of[name]
         begin, end = self._byte_ranges[name]
         itemsize = self.dtype(name).itemsize
-        size = len(buffers[0]) - len(buffers[0]) % itemsize
-        for index, start in enumerate(range(begin, end, size)):
-            buffer = buffers[index % len(buffers)]
-            view, length, done = memoryview(buffer.numpy()), min(size, end - start), 0
+        size = len(buffer) - len(buffer) % itemsize
+        view = memoryview(buffer.numpy())
+        for start in range(begin, end, size):
+            length, done = min(size, end - start), 0
             while done < length:
                 count = os.preadv(self._descriptors[path], [view[done:length]], start + done)
                 if count == 0:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -426,36 +426,31 @@ def write_weights(
 ) -> list[str]:
     """Stream the plan's tensors into safetensors shards in ``folder``; returns the files written.
 
-    Reading, converting and writing overlap: the main thread reads (and converts) what comes next while a background
-    thread writes what came before (file I/O and torch both release the GIL), and the disk writes back what is
-    already written while both go on (``shards.ShardWriter``). At most two steps' tensors are alive: the one being
-    written and the one being produced. A tensor copied unchanged (a rename, in the output dtype, from a source that
-    reads in pieces) is never held whole: it goes through two small buffers in turn, the main thread reading and
-    checking one piece while the writer writes the other (``copy_checked``).
+    Reading, converting and writing overlap: the main thread reads and converts the next step while a background
+    thread writes the previous one into its shard (file I/O and torch both release the GIL), and the disk writes
+    back what is already written while both go on (``shards.ShardWriter``). At most two steps' tensors are alive:
+    the one being written and the one being produced. A tensor copied unchanged (a rename, in the output dtype,
+    from a source that reads in pieces) is never held whole: the writer copies it through one small buffer,
+    checking each piece's values on the way (``copy_checked``).
     """
     layout = ShardLayout([(name, shape, plan.dtype) for name, shape in plan.shapes.items()], max_shard_size)
-    buffers = [torch.empty(COPY_PIECE, dtype=torch.uint8) for _ in range(2)]
+    buffer = torch.empty(COPY_PIECE, dtype=torch.uint8)
     with (
         ShardWriter(folder, layout) as writer,
         ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as background,
         progress_bar(layout.total_size, desc, enabled=progress) as bar,
     ):
         writing = None
-
-        def hand_over(job: Callable[[], int]) -> None:
-            """Give the writer its next job once the previous one is done (its buffer or tensor is then free)."""
-            nonlocal writing
-            if writing is not None:
-                bar.update(writing.result())
-            writing = background.submit(job)
-
         for step in plan.steps:
             if copies_bytes(step, source, plan.dtype):
-                copy_checked(step, source, plan.dtype, writer, buffers, hand_over)
+                jobs = [partial(copy_checked, writer, source, step.sources[0], step.targets[0], plan.dtype, buffer)]
             else:
-                for name, tensor in convert_step(step, source, plan):
-                    hand_over(partial(writer.write, name, tensor))
-                    del tensor
+                jobs = (partial(writer.write, name, tensor) for name, tensor in convert_step(step, source, plan))
+            for job in jobs:
+                if writing is not None:
+                    bar.update(writing.result())  # the previous write must end before the next is handed over
+                writing = background.submit(job)
+                del job
         if writing is not None:
             bar.update(writing.result())
         return writer.close()
@@ -472,20 +467,17 @@ def copies_bytes(step: Step, source: TensorSource, dtype: torch.dtype) -> bool:
 
 
 def copy_checked(
-    step: Step,
-    source: TensorSource,
-    dtype: torch.dtype,
-    writer: ShardWriter,
-    buffers: list[torch.Tensor],
-    hand_over: Callable[[Callable[[], int]], None],
-) -> None:
-    """Copy a step's one source tensor into its slot piece by piece, checking each piece's values while it is in
-    cache; refuses (``ThinkerError``) values the output dtype cannot hold."""
-    (name,), (target,) = step.sources, step.targets
-    scan, offset = ValueScan(), 0
-    for piece in source.read_pieces(name, buffers):
-        scan.update(piece.view(dtype))
-        hand_over(partial(writer.write_at, target, piece, offset))
-        offset += len(piece)
+    writer: ShardWriter, source: TensorSource, name: str, target: str, dtype: torch.dtype, buffer: torch.Tensor
+) -> int:
+    """Copy a source tensor's bytes into its slot piece by piece, checking each piece's values while it is in cache;
+    refuses (``ThinkerError``) values the output dtype cannot hold. Returns the bytes written."""
+    scan = ValueScan()
+
+    def checked() -> Iterator[torch.Tensor]:
+        for piece in source.read_pieces(name, buffer):
+            scan.update(piece.view(dtype))
+            yield piece
+
+    written = writer.write_pieces(target, checked())
     refuse_values(scan.problem(dtype), name, target)
-    hand_over(partial(writer.complete, target, offset))
+    return written

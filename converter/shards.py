@@ -18,6 +18,7 @@ import functools
 import json
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -127,35 +128,29 @@ class ShardWriter:
         if tensor.dtype != slot.dtype or tuple(tensor.shape) != slot.shape:
             raise RuntimeError(f"{name}: {tensor.dtype} {tuple(tensor.shape)} does not fit its planned slot {slot}")
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        offset = 0
-        for piece in data.split(_WRITE_PIECE):
-            offset += self.write_at(name, piece, offset)
-        self.complete(name, offset)
-        return offset
+        return self.write_pieces(name, data.split(_WRITE_PIECE))
 
-    def write_at(self, name: str, piece: torch.Tensor, offset: int) -> int:
-        """Put ``piece`` (uint8) at ``offset`` within ``name``'s slot and hand it to the disk; returns its length.
-        A tensor written this way, piece by piece, ends with ``complete``."""
+    def write_pieces(self, name: str, pieces: Iterable[torch.Tensor]) -> int:
+        """Put the bytes of ``pieces`` (uint8 tensors, in order) at ``name``'s slot, handing each to the disk as it
+        is written; they must fill the slot exactly. Returns the number of bytes written."""
         slot = self.layout.slots[name]
-        if name in self._written or offset + len(piece) > slot.end - slot.begin:
-            raise RuntimeError(f"{name}: {len(piece)} bytes at {offset} do not fit its planned slot {slot}")
+        if name in self._written:
+            raise RuntimeError(f"{name} is written twice")
         handle = self._open(slot.shard)
-        position = self._data_start[slot.shard] + slot.begin + offset
-        _write_all(handle.fileno(), memoryview(piece.numpy()), position)
-        start_writeback(handle.fileno(), position, len(piece))
-        return len(piece)
-
-    def complete(self, name: str, length: int) -> int:
-        """``name``'s bytes are all written (``length`` of them, which must fill its slot); the shard is synced and
-        closed once all its tensors are. Returns 0 (no bytes written here), for the progress count."""
-        slot = self.layout.slots[name]
-        if name in self._written or length != slot.end - slot.begin:
-            raise RuntimeError(f"{name}: {length} bytes written for its planned slot {slot}")
+        start = position = self._data_start[slot.shard] + slot.begin
+        for piece in pieces:
+            if position + len(piece) > start + slot.end - slot.begin:
+                raise RuntimeError(f"{name}: more bytes than its planned slot {slot}")
+            _write_all(handle.fileno(), memoryview(piece.numpy()), position)
+            start_writeback(handle.fileno(), position, len(piece))
+            position += len(piece)
+        if position - start != slot.end - slot.begin:
+            raise RuntimeError(f"{name}: {position - start} bytes for its planned slot {slot}")
         self._written.add(name)
         self._left[slot.shard] -= 1
         if not self._left[slot.shard]:
             self._finish(slot.shard)
-        return 0
+        return slot.end - slot.begin
 
     def _open(self, shard: int) -> BinaryIO:
         if shard not in self._files:

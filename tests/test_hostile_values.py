@@ -277,12 +277,12 @@ def test_rope_tables_beyond_the_memory_available(qwen3_thinker, tmp_path, monkey
     import psutil
 
     folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
-    edit_config(folder, max_position_embeddings=2**20)  # 2 tables x 2^20 x 8 x 4 bytes = 64 MiB
+    edit_config(folder, max_position_embeddings=2**21)  # 2 tables x 2^21 x (head_dim 8 / 2) x 4 bytes = 64 MiB
     memory = collections.namedtuple("memory", "available total")
     monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(available=32 * 2**20, total=2**30))
     output = tmp_path / "onnx"
     result = thinker("export", folder, output, "--no-verify")
-    assert_error(result, "max_position_embeddings=1048576", "RoPE tables of 0.1 GiB", "memory available")
+    assert_error(result, "max_position_embeddings=2097152", "RoPE tables of 0.1 GiB", "memory available")
     assert_nothing_written(output)
 
 

@@ -434,7 +434,7 @@ def test_values_are_checked_piece_by_piece_as_they_are_read(tmp_path):
     source = SafetensorsSource(tmp_path)
     scan = ValueScan()
     assert torch.equal(source.load("w", scan=scan), values) and scan.problem(torch.float32) is None
-    pieces = [piece.clone() for piece in source.read_pieces("w", [torch.empty(COPY_PIECE, dtype=torch.uint8)])]
+    pieces = [piece.clone() for piece in source.read_pieces("w", torch.empty(COPY_PIECE, dtype=torch.uint8))]
     assert len(pieces) == 4 and torch.equal(torch.cat(pieces).view(torch.float32), values)
 
     values[-1] = float("nan")
