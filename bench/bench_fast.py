@@ -44,9 +44,9 @@ from workers import Runtime, interleave, started, summary  # noqa: E402
 
 RESULTS = Path(__file__).with_name("results")
 FP32_ORT = ["ours-fused", "ours-plain", "builder-fp32", "optimum-fp32"]
-INT4_ORT = ["ours-int4", "ours-int4-h8", "builder-int4"]
+INT4_ORT = ["ours-int4", "ours-int4-h4", "builder-int4"]
 FP32_GENAI = ["ours-fused", "ours-plain", "builder-fp32"]
-INT4_GENAI = ["ours-int4", "builder-int4"]
+INT4_GENAI = ["ours-int4", "ours-int4-h4", "builder-int4"]
 
 
 GROUPS = ("ort-fp32", "ort-int4", "genai-fp32", "genai-int4", "torch")
@@ -68,9 +68,11 @@ def runtime_groups(names: tuple[str, ...] = GROUPS) -> list[list[Runtime]]:
     return [groups[name] for name in names]
 
 
-def export_all(model: models.BenchModel, threads: int, with_hqq: bool, fresh: bool) -> dict[str, exp.Export]:
-    names = [*exp.OURS, *exp.BUILDER, "optimum-fp32"]
-    if not with_hqq:
+def export_all(
+    model: models.BenchModel, threads: int, with_hqq: bool, fresh: bool, skip: tuple[str, ...] = ()
+) -> dict[str, exp.Export]:
+    names = [n for n in [*exp.OURS, *exp.BUILDER, "optimum-fp32"] if n not in skip]
+    if not with_hqq and "ours-int4-hqq" in names:
         names.remove("ours-int4-hqq")
     done = {}
     for name in names:
@@ -139,7 +141,7 @@ def measure_fidelity(model: models.BenchModel, folders: dict) -> dict:
         return OrtBackend(folder, threads=2).prefill_logits(np.array(ids))
 
     reference = logits(folders["ours-fused"])
-    graphs = ["ours-int8", "ours-int4", "ours-int4-h8", "ours-int4-hqq", "builder-int4", "builder-fp32"]
+    graphs = ["ours-int8", "ours-int4", "ours-int4-h4", "ours-int4-hqq", "builder-int4", "builder-fp32"]
     figures = {g: text_fidelity(reference, logits(folders[g]), ids) for g in graphs if g in folders}
     first = next(iter(figures.values()))
     result = {"tokens": first["tokens"], "perplexity_reference": first["perplexity_reference"], "graphs": figures}
@@ -150,7 +152,9 @@ def measure_fidelity(model: models.BenchModel, folders: dict) -> dict:
 
 
 def run_model(model: models.BenchModel, args) -> dict:
-    exports = export_all(model, args.threads, with_hqq=model.real_weights, fresh=not args.reuse_exports)
+    exports = export_all(
+        model, args.threads, with_hqq=model.real_weights, fresh=not args.reuse_exports, skip=args.skip_exports
+    )
     folders = {name: e.folder for name, e in exports.items() if not e.error}
     folders["hf"] = model.hf
     results = {
@@ -189,9 +193,11 @@ def main() -> None:
     parser.add_argument("--groups", default=",".join(GROUPS), help="runtime groups to run: " + ", ".join(GROUPS))
     parser.add_argument("--reuse-exports", action="store_true", help="keep cached exports (no export timings)")
     parser.add_argument("--no-fidelity", dest="fidelity", action="store_false")
+    parser.add_argument("--skip-exports", default="", help="comma-separated exports to leave out (optimum-fp32 ...)")
     parser.add_argument("--tag", default="", help="results go to fast-TAG.json / README-figures-TAG.md")
     args = parser.parse_args()
     args.groups = tuple(args.groups.split(","))
+    args.skip_exports = tuple(filter(None, args.skip_exports.split(",")))
     args.batches = [int(b) for b in args.batches.split(",")]
     args.contexts = [int(c) for c in args.contexts.split(",")]
     args.sweep_models = args.sweep_models.split(",")

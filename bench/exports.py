@@ -2,8 +2,9 @@
 
   ours-plain     thinker export --graph plain                 (standard ONNX operators)
   ours-fused     thinker export --graph fused                 (onnxruntime contrib operators)
-  ours-int4      thinker export --graph fused --quantize int4 (symmetric RTN, block 32, accuracy level 4)
-  ours-int4-h8   ... --quantize-head int8                     (the head at 8 bits)
+  ours-int4      thinker export --graph fused --quantize int4 (its defaults: symmetric RTN, block 32, accuracy level
+                 4, the head at 8 bits)
+  ours-int4-h4   ... --quantize-head int4                     (the head at 4 bits too, as the builder's)
   ours-int4-hqq  ... --algo hqq                               (fidelity only: onnxruntime's CPU kernel is slow)
   ours-int8      ... --quantize int8
   builder-fp32   python -m onnxruntime_genai.models.builder -p fp32 -e cpu   (its own environment)
@@ -40,7 +41,7 @@ OURS = {
     "ours-plain": ["--graph", "plain"],
     "ours-fused": ["--graph", "fused"],
     "ours-int4": ["--graph", "fused", "--quantize", "int4"],
-    "ours-int4-h8": ["--graph", "fused", "--quantize", "int4", "--quantize-head", "int8"],
+    "ours-int4-h4": ["--graph", "fused", "--quantize", "int4", "--quantize-head", "int4"],
     "ours-int4-hqq": ["--graph", "fused", "--quantize", "int4", "--algo", "hqq"],
     "ours-int8": ["--graph", "fused", "--quantize", "int8"],
 }

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from pkgutil import resolve_name
+from typing import TYPE_CHECKING
 
 import onnx
 import torch
@@ -39,6 +40,9 @@ from .names import DATA_FILE, GENAI_CONFIG_FILE, GRAPHS, MODEL_FILE, REPORT_FILE
 from .quantize import QuantizeSpec, WeightQuantizer
 from .weights import ThinkerWeights
 
+if TYPE_CHECKING:
+    from .quantized_verify import QualityGate
+
 
 @dataclass
 class GraphFiles:
@@ -60,12 +64,14 @@ def export_model(
     graph: str | None = None,
     quantize: QuantizeSpec | None = None,
     progress: bool = True,
+    quality: QualityGate | None = None,
 ) -> dict:
     """Exports ``source`` to the folder ``output`` and returns the export report (also written there).
 
     ``graph``: "plain" or "fused" (see GRAPHS), None for the model's default (``default_graph``); ``quantize``:
-    weight-only int4/int8 of the projections; ``progress``: bars on stderr for writing (or quantizing) the weights
-    and for verifying, where it is a terminal."""
+    weight-only int4/int8 of the projections, whose cost against the float model ``--verify`` holds to ``quality``
+    (default: ``QualityGate.default``); ``progress``: bars on stderr for writing (or quantizing) the weights and for
+    verifying, where it is a terminal."""
     output = Path(output)
     if dtype not in FLOAT_DTYPES:
         raise ThinkerError(f"--dtype {dtype}: expected one of {', '.join(FLOAT_DTYPES)}")
@@ -107,22 +113,24 @@ def export_model(
             "versions": versions(),
             "notes": [note] if (note := no_eos_note(config, generation_config)) else [],
         }
-        if verify:
+        if verify and quantize:
+            from .quantized_verify import verify_quantized_export
+
+            report["verify"] = verify_quantized_export(
+                model_dir, files.model_path, graph_dtype, quantize.bits, quality, threads=threads, progress=progress
+            )
+        elif verify:
             from .verify import verify_export
 
             report["verify"] = verify_export(
-                model_dir,
-                files.model_path,
-                graph_dtype,
-                threads=threads,
-                quantized=quantize is not None,
-                progress=progress,
+                model_dir, files.model_path, graph_dtype, threads=threads, progress=progress
             )
-            if report["verify"].get("passed") is False:
-                raise ThinkerError(
-                    f"onnxruntime disagrees with PyTorch: {report['verify']['failure']} ({dtype}, {graph} graph"
-                    f"{', ' + quantize.label() if quantize else ''}); the export was not written"
-                )
+        if verify and report["verify"].get("passed") is False:
+            what = "the quantized export fails its check" if quantize else "onnxruntime disagrees with PyTorch"
+            raise ThinkerError(
+                f"{what}: {report['verify']['failure']} ({dtype}, {graph} graph"
+                f"{', ' + quantize.label() if quantize else ''}); the export was not written"
+            )
         (final / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
         install(final, output.absolute(), force)  # atomic: OUTPUT is the old folder or the new one, never partial
     return report

@@ -21,6 +21,6 @@ def default_graph(hybrid: bool) -> str:
 
 # --quantize and its options (export/quantize.py).
 BITS = {"int4": 4, "int8": 8}
-ALGORITHMS = ("rtn", "hqq")
+ALGORITHMS = ("rtn", "rtn-asym", "hqq")
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 ACCURACY_LEVELS = (0, 1, 4)

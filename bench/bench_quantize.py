@@ -1,0 +1,208 @@
+"""The int4/int8 choices of ``thinker export --quantize`` on the real SmolLM2-135M: fidelity and speed, side by side
+with onnxruntime-genai's builder int4, to pick the defaults from measurements.
+
+Every variant is our fused graph with other quantization options (VARIANTS), plus the builder's ``-p int4 -e cpu``.
+For each:
+  fidelity   export/fidelity.py's English paragraph, teacher forced, against the float PyTorch Thinker (what
+             ``--verify`` reports as the cost): top-1 agreement and perplexity change
+  flips      greedy continuation (64 tokens) of the paragraph's first 32 tokens against the same weights with
+             float activations (accuracy level 1): where int8 activations (level 4) change the greedy path
+             (onnxruntime issue 29849 reports flips on Qwen3-0.6B)
+  speed      batch 1 and 8, 128-token prompt, ``--new`` tokens, greedy, interleaved repetitions, medians, under
+             onnxruntime (bench/decode_worker.py's one runner) and under onnxruntime-genai (each folder's config)
+
+    python bench/bench_quantize.py                      # about 20 minutes on 2 shared cores
+    python bench/bench_quantize.py --runtimes ort --reps 1
+
+Writes bench/results/quantize.json and bench/results/README-quantize.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
+
+import exports as exp  # noqa: E402
+import models  # noqa: E402
+from workers import Runtime, interleave, started, summary  # noqa: E402
+
+RESULTS = Path(__file__).with_name("results")
+# name -> `thinker export` options (on top of --graph fused); the flips check pairs each with "+acc1" of itself.
+VARIANTS = {
+    "int4": ["--quantize", "int4"],  # the defaults: RTN, block 32, accuracy level 4, int8 head
+    "int4-acc1": ["--quantize", "int4", "--accuracy-level", "1"],
+    "int4-h4": ["--quantize", "int4", "--quantize-head", "int4"],
+    "int4-asym": ["--quantize", "int4", "--algo", "rtn-asym"],
+    "int4-b64": ["--quantize", "int4", "--block-size", "64"],
+    "int4-b64-h4": ["--quantize", "int4", "--block-size", "64", "--quantize-head", "int4"],
+    "int4-b128": ["--quantize", "int4", "--block-size", "128"],
+    "int4-hqq": ["--quantize", "int4", "--algo", "hqq"],
+    "int4-hqq-h4": ["--quantize", "int4", "--algo", "hqq", "--quantize-head", "int4"],
+    "int8": ["--quantize", "int8"],
+    "int8-acc1": ["--quantize", "int8", "--accuracy-level", "1"],
+}
+FLIP_PAIRS = {"int4": "int4-acc1", "int8": "int8-acc1"}
+
+
+def export_variant(name: str, model: models.BenchModel, fresh: bool) -> Path:
+    out = exp.CACHE / "exports" / model.name / f"q-{name}"
+    if out.exists() and not fresh:
+        return out
+    command = [sys.executable, "-m", "common.cli", "export", str(model.thinker), str(out), "--no-verify", "--force"]
+    done = subprocess.run([*command, "--graph", "fused", *VARIANTS[name]], capture_output=True, text=True, cwd=exp.REPO)
+    if done.returncode != 0:
+        raise RuntimeError(f"export {name} failed: {done.stderr[-2000:]}")
+    return out
+
+
+def fidelity(model: models.BenchModel, folders: dict[str, Path]) -> dict:
+    """The cost ``--verify`` reports, for every folder (the builder's too), and greedy flips of level 4."""
+    import torch
+    from decode_worker import OrtBackend
+    from transformers import AutoTokenizer
+
+    from export.fidelity import FIDELITY_TEXT, text_fidelity
+    from thinker import ThinkerForCausalLM
+
+    ids = np.array(AutoTokenizer.from_pretrained(model.thinker)(FIDELITY_TEXT)["input_ids"])
+    float_model = ThinkerForCausalLM.from_pretrained(model.thinker).eval()
+    with torch.no_grad():
+        reference = float_model(input_ids=torch.from_numpy(ids)[None]).logits[0].numpy()
+    figures = {}
+    continuations = {}
+    for name, folder in folders.items():
+        backend = OrtBackend(folder, threads=2)
+        figures[name] = text_fidelity(reference, backend.prefill_logits(ids), ids)
+        continuations[name] = greedy(backend, ids[:32], 64)
+    with torch.no_grad():
+        float_tokens = float_model.generate(
+            torch.from_numpy(ids[:32])[None], max_new_tokens=64, do_sample=False, min_new_tokens=64
+        )[0, 32:].tolist()
+    for name, tokens in continuations.items():
+        figures[name]["greedy_equal_to_float"] = equal_prefix(tokens, float_tokens)
+    for level4, level1 in FLIP_PAIRS.items():
+        if level4 in continuations and level1 in continuations:
+            figures[level4]["greedy_equal_to_float_activations"] = equal_prefix(
+                continuations[level4], continuations[level1]
+            )
+    return {"tokens": len(ids), "greedy_tokens": 64, "graphs": figures}
+
+
+def greedy(backend, prompt: np.ndarray, new: int) -> list[int]:
+    ids = prompt[None].astype(np.int64)
+    mask = np.ones_like(ids)
+    logits, cache = backend.forward(ids, mask, backend.cache(1, 0))
+    tokens = [int(logits.argmax(-1)[0])]
+    for _ in range(new - 1):
+        mask = np.ones((1, mask.shape[1] + 1), np.int64)
+        logits, cache = backend.forward(np.array([[tokens[-1]]], np.int64), mask, cache)
+        tokens.append(int(logits.argmax(-1)[0]))
+    return tokens
+
+
+def equal_prefix(a: list[int], b: list[int]) -> int:
+    """How many greedy tokens agree before the first difference."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def speed(folders: dict[str, Path], args) -> list[dict]:
+    requests = [{"op": "generate", "batch": b, "prompt": 128, "new": args.new} for b in args.batches]
+    rows = []
+    for backend, runtime_name in (("ort", "onnxruntime"), ("genai", "onnxruntime-genai")):
+        if backend not in args.runtimes:
+            continue
+        runtimes = [Runtime(f"{g} on {runtime_name}", g, backend, f"builder-int4 on {runtime_name}") for g in folders]
+        with started(runtimes, folders, args.threads) as workers:
+            interleave(workers, requests, args.reps)
+        for runtime in runtimes:
+            entry = {"label": runtime.label, "graph": runtime.graph, "backend": backend}
+            entry.update({f"batch{r['batch']}": summary(runtime, r) for r in requests})
+            rows.append(entry)
+    return rows
+
+
+def markdown(results: dict) -> str:
+    lines = [
+        f"Command: `{results['command']}`; load average before/after: {results['load_before']} / "
+        f"{results['load_after']}.\n",
+        f"Fidelity over {results['fidelity']['tokens']} tokens of English against the float PyTorch model; greedy: "
+        f"tokens of a {results['fidelity']['greedy_tokens']}-token continuation equal before the first difference.\n",
+    ]
+    runtimes = sorted({r["backend"] for r in results["speed"]})
+    header = "| graph | options | top-1 | perplexity | greedy = float | greedy = float activations |"
+    rule = "|---|---|---|---|---|---|"
+    for backend in runtimes:
+        for batch in results["settings"]["batches"]:
+            header += f" decode b{batch} {backend} (vs builder) |"
+            rule += "---|"
+    lines += [header, rule]
+    speeds = {(r["graph"], r["backend"]): r for r in results["speed"]}
+    for name, fig in results["fidelity"]["graphs"].items():
+        options = " ".join(VARIANTS.get(name, ["builder -p int4 -e cpu"]))
+        flips = fig.get("greedy_equal_to_float_activations")
+        row = (
+            f"| {name} | `{options}` | {fig['top1_agreement']:.1%} | {fig['perplexity_change']:+.1%} | "
+            f"{fig['greedy_equal_to_float']} | {'—' if flips is None else flips} |"
+        )
+        for backend in runtimes:
+            for batch in results["settings"]["batches"]:
+                ours = (speeds.get((name, backend)) or {}).get(f"batch{batch}")
+                peer = (speeds.get(("builder-int4", backend)) or {}).get(f"batch{batch}")
+                if ours and peer:
+                    ratio = ours["decode_tokens_per_s"] / peer["decode_tokens_per_s"]
+                    row += f" {ours['batch_tokens_per_s']:.1f} ({ratio:.2f}x) |"
+                else:
+                    row += " — |"
+        lines.append(row)
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--speed-variants", default="int4,int4-h4,int4-asym,int4-b64,int4-b64-h4,int8")
+    parser.add_argument("--runtimes", default="ort,genai")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--fresh", action="store_true", help="export again even where a cached export exists")
+    args = parser.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.runtimes = args.runtimes.split(",")
+
+    model = models.smollm2()
+    load_before = os.getloadavg()[0]
+    folders = {name: export_variant(name, model, args.fresh) for name in args.variants.split(",")}
+    folders["builder-int4"] = exp.run_export("builder-int4", model, args.threads, fresh=False).folder
+    results = {
+        "command": "python bench/bench_quantize.py " + " ".join(sys.argv[1:]),
+        "machine": {"processor": platform.processor() or platform.machine(), "threads": args.threads},
+        "settings": vars(args),
+        "load_before": round(load_before, 2),
+        "fidelity": fidelity(model, folders),
+    }
+    timed = {n: f for n, f in folders.items() if n in args.speed_variants.split(",") or n == "builder-int4"}
+    started_at = time.time()
+    results["speed"] = speed(timed, args)
+    results["speed_minutes"] = round((time.time() - started_at) / 60, 1)
+    results["load_after"] = round(os.getloadavg()[0], 2)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "quantize.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    (RESULTS / "README-quantize.md").write_text(markdown(results))
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()

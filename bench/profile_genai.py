@@ -1,0 +1,151 @@
+"""Where a decode step's time goes under onnxruntime-genai: onnxruntime's own profiler, per op type.
+
+Runs in the onnxruntime-genai environment (bench/peer_envs.py), one folder per call: the folder's own
+genai_config.json with two overlays, the session's intra-op threads and ``enable_profiling``; one greedy
+generation (batch B, a P-token prompt, N new tokens); then onnxruntime's trace is read back: the kernel time of
+every node, grouped by op type and averaged over the decode steps (the ``model_run`` events after the first, the
+prompt's), next to the wall time of those steps.
+
+    ~/.cache/thinker-test-genai-venv/bin/python bench/profile_genai.py FOLDER --batch 8 --json out.json
+    python bench/profile_genai.py --compare A B --batch 1      # our environment: runs both, prints side by side
+
+Prints a table; ``--json`` writes the figures (bench/bench_fast.py-style results use them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+VOCAB_CAP = 49152
+
+
+def profile(folder: Path, trace_dir: Path, batch: int, prompt: int, new: int, threads: int) -> float:
+    """One profiled generation; returns the wall seconds of its decode steps. onnxruntime writes the trace into
+    ``trace_dir`` when the session ends, which onnxruntime-genai leaves to the end of the process."""
+    import numpy as np
+    import onnxruntime_genai as og
+
+    config = og.Config(str(folder))
+    config.clear_providers()
+    options = {"intra_op_num_threads": threads, "enable_profiling": str(trace_dir / "trace")}
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": options}}}))
+    model = og.Model(config)
+    ids = np.random.default_rng(0).integers(0, VOCAB_CAP, size=(batch, prompt), dtype=np.int64)
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=prompt + new, min_length=prompt + new, batch_size=batch)
+    generator = og.Generator(model, params)
+    generator.append_tokens(ids)
+    started = time.perf_counter()
+    for _ in range(new):
+        generator.generate_next_token()
+    return time.perf_counter() - started
+
+
+def summarize(events: list[dict], wall: float, decode_steps: int) -> dict:
+    runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "model_run")
+    decode_runs = runs[1:]  # the first is the prompt's
+    by_op: dict[str, float] = defaultdict(float)
+    by_node: dict[str, float] = defaultdict(float)
+    for event in events:
+        if event.get("cat") != "Node" or not event.get("name", "").endswith("_kernel_time"):
+            continue
+        if not any(start <= event["ts"] <= end for start, end in decode_runs):
+            continue
+        by_op[event["args"]["op_name"]] += event["dur"]
+        by_node[event["name"].removesuffix("_kernel_time")] += event["dur"]
+    steps = max(len(decode_runs), 1)
+    run_us = sum(end - start for start, end in decode_runs) / steps
+    return {
+        "decode_steps": len(decode_runs),
+        "wall_ms_per_step": 1e3 * wall / max(decode_steps, 1),
+        "session_run_ms_per_step": run_us / 1e3,
+        "kernel_ms_per_step": sum(by_op.values()) / steps / 1e3,
+        "by_op_ms_per_step": {op: us / steps / 1e3 for op, us in sorted(by_op.items(), key=lambda kv: -kv[1])},
+        "top_nodes_ms_per_step": {
+            node: us / steps / 1e3 for node, us in sorted(by_node.items(), key=lambda kv: -kv[1])[:12]
+        },
+    }
+
+
+def table(results: dict[str, dict]) -> str:
+    names = list(results)
+    ops = sorted(
+        {op for r in results.values() for op in r["by_op_ms_per_step"]},
+        key=lambda op: -max(r["by_op_ms_per_step"].get(op, 0.0) for r in results.values()),
+    )
+    lines = ["| ms per decode step | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for key in ("wall_ms_per_step", "session_run_ms_per_step", "kernel_ms_per_step"):
+        lines.append(
+            f"| {key.removesuffix('_ms_per_step').replace('_', ' ')} | "
+            + " | ".join(f"{results[n][key]:.2f}" for n in names)
+            + " |"
+        )
+    for op in ops:
+        lines.append(
+            f"| {op} | " + " | ".join(f"{results[n]['by_op_ms_per_step'].get(op, 0.0):.2f}" for n in names) + " |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folders", nargs="+", type=Path)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of all folders, interleaved; the fastest kept")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child run in the genai env
+    parser.add_argument("--trace-dir", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        wall = profile(args.folders[0], args.trace_dir, args.batch, args.prompt, args.new, args.threads)
+        print(json.dumps({"wall": wall}))
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from peer_envs import python_of
+
+    python = python_of("genai")
+    results: dict[str, dict] = {}
+    for _ in range(args.rounds):
+        for folder in args.folders:
+            with tempfile.TemporaryDirectory() as trace_dir:
+                command = [str(python), __file__, str(folder), "--one", "--trace-dir", trace_dir]
+                for option in ("batch", "prompt", "new", "threads"):
+                    command += [f"--{option}", str(getattr(args, option))]
+                done = subprocess.run(command, capture_output=True, text=True)
+                if done.returncode != 0:
+                    raise RuntimeError(f"{folder}: {done.stderr[-2000:]}")
+                wall = json.loads(done.stdout.strip().splitlines()[-1])["wall"]
+                traces = sorted(Path(trace_dir).glob("trace*.json"))
+                if not traces:
+                    raise RuntimeError(f"{folder}: onnxruntime-genai wrote no profile")
+                figures = summarize(json.loads(traces[-1].read_text()), wall, args.new - 1)
+            name = folder.name
+            if name not in results or figures["wall_ms_per_step"] < results[name]["wall_ms_per_step"]:
+                results[name] = figures
+    print(f"batch {args.batch}, prompt {args.prompt}, {args.new} new tokens, {args.threads} threads\n")
+    print(table(results))
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "settings": vars(args) | {"folders": [str(f) for f in args.folders], "json": str(args.json)},
+                    "results": results,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+
+
+if __name__ == "__main__":
+    main()

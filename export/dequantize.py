@@ -1,0 +1,181 @@
+"""The weights a quantized graph really computes with: its MatMulNBits and GatherBlockQuantized initializers read
+back and dequantized as onnxruntime's kernels do, keyed by the Thinker parameters they stand for.
+
+``thinker export --verify`` of a ``--quantize`` export loads these into the PyTorch Thinker, so that onnxruntime's
+graph and the model run the same weights and can be held to a tight tolerance (export/verify.py); what the rounding
+costs is measured separately, against the float model.
+
+Layouts (onnxruntime's contrib op schemas, com.microsoft):
+  MatMulNBits           B uint8 (N, blocks, block_size * bits / 8): column n's K weights in blocks along K, low
+                        nibble first for 4 bits; scales (N * blocks); zero_points absent (symmetric: 2^(bits-1)),
+                        uint8 packed like B along the blocks, or float (HQQ) of the scales' shape.
+                        weight[k, n] = (q - zero_point) * scale, over the padded K, cut back to K.
+  GatherBlockQuantized  data (V, C): int4 (signed, zero point 0, or the zero_points given) or uint4; or uint8
+                        holding two 4-bit values per byte (``bits`` 4, default zero point 8) or one 8-bit value
+                        (default 128); scales (V, C / block_size), blocks along quantize_axis 1.
+
+The arithmetic is done in float32, where every (q - zero_point) is exact and each product is one rounding, as in the
+kernels; float16 scales give float16 weights after one more rounding, which is also what the kernels hold.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import helper, numpy_helper
+
+from common.errors import ThinkerError
+
+# What the fused graph packs into one projection along the output axis (export/fused_graph.py writes these names),
+# to the Thinker parameters it concatenates, in order.
+PACKED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+QUANTIZED_OPS = ("MatMulNBits", "GatherBlockQuantized")
+_QUANTIZED_SUFFIX = re.compile(r"_Q\d+$")  # onnxruntime's quantizer names the packed weight "<name>_Q4" / "_Q8"
+
+
+@dataclass
+class QuantizedWeight:
+    op_type: str  # MatMulNBits or GatherBlockQuantized
+    bits: int
+    weight: np.ndarray | torch.Tensor  # a graph's (K, N) / (V, C) array; a Thinker parameter's (out, in) tensor
+
+
+def attributes(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
+    """uint8 (..., n) -> (..., 2n): the low 4 bits of each byte first."""
+    return np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+
+
+def dequantize_matmul_nbits(attrs: dict, packed: np.ndarray, scales: np.ndarray, zero_points=None) -> np.ndarray:
+    """MatMulNBits' B as the (K, N) weight the node multiplies by, in the scales' dtype."""
+    k, n, bits, block = attrs["K"], attrs["N"], attrs["bits"], attrs["block_size"]
+    blocks = -(-k // block)
+    q = packed.reshape(n, blocks, -1)
+    q = unpack_nibbles(q) if bits == 4 else q
+    if bits not in (4, 8) or q.shape[-1] != block:
+        raise ThinkerError(f"MatMulNBits with {bits} bits and B of shape {packed.shape}: not a layout this reads")
+    q = q.astype(np.float32)
+    scale = scales.astype(np.float32).reshape(n, blocks, 1)
+    if zero_points is None:
+        zero = np.float32(2 ** (bits - 1))
+    elif zero_points.dtype == np.uint8:
+        zero = zero_points.reshape(n, -1)
+        zero = (unpack_nibbles(zero) if bits == 4 else zero)[:, :blocks].astype(np.float32).reshape(n, blocks, 1)
+    else:  # float zero points (HQQ), one per block
+        zero = zero_points.astype(np.float32).reshape(n, blocks, 1)
+    weight = ((q - zero) * scale).reshape(n, blocks * block)[:, :k]
+    return weight.T.astype(scales.dtype)
+
+
+def dequantize_gather_block(attrs: dict, data: np.ndarray, scales: np.ndarray, zero_points=None) -> np.ndarray:
+    """GatherBlockQuantized's table as the (V, C) matrix its rows are gathered from, in the scales' dtype."""
+    if attrs.get("gather_axis", 0) != 0 or attrs.get("quantize_axis", 1) != 1:
+        raise ThinkerError("GatherBlockQuantized other than rows gathered, blocks along the row: not read here")
+    block, bits = attrs["block_size"], attrs.get("bits", 4)
+    if data.dtype == np.uint8 and bits == 4:
+        q, default_zero = unpack_nibbles(data), 8
+    elif data.dtype == np.uint8:
+        q, default_zero = data, 128
+    else:  # onnx's int4 / uint4 arrays come back one value per element
+        q, default_zero = data, 0 if np.issubdtype(data.dtype, np.signedinteger) or "int4" in str(data.dtype) else 8
+    rows, columns = scales.shape[0], q.shape[-1]
+    q = q.astype(np.float32).reshape(rows, -1, block)
+    if zero_points is None:
+        zero = np.float32(default_zero)
+    else:
+        zero = zero_points
+        if zero.dtype == np.uint8 and bits == 4:
+            zero = unpack_nibbles(zero)
+        zero = zero.astype(np.float32).reshape(rows, -1)[:, : q.shape[1], None]
+    weight = (q - zero) * scales.astype(np.float32).reshape(rows, -1, 1)
+    return weight.reshape(rows, columns).astype(scales.dtype)
+
+
+def graph_weight_name(quantized_input: str) -> str:
+    """``model.layers.0.self_attn.qkv_proj.weight_Q4`` -> ``model.layers.0.self_attn.qkv_proj.weight``."""
+    return _QUANTIZED_SUFFIX.sub("", quantized_input)
+
+
+def quantized_weights(onnx_path: Path) -> dict[str, QuantizedWeight]:
+    """Every quantized weight of the graph, dequantized, by graph weight name: a MatMulNBits weight (K, N), as the
+    graph multiplies by it, a GatherBlockQuantized table (V, C)."""
+    model = onnx.load(str(onnx_path), load_external_data=True)
+    tensors = {t.name: t for t in model.graph.initializer}
+
+    def array(name: str):
+        return numpy_helper.to_array(tensors[name]) if name else None
+
+    weights: dict[str, QuantizedWeight] = {}
+    for node in model.graph.node:
+        attrs = attributes(node)
+        if node.op_type == "MatMulNBits":
+            packed, scales, zero = (array(name) for name in [*node.input[1:4], ""][:3])
+            weight = dequantize_matmul_nbits(attrs, packed, scales, zero)
+            weights[graph_weight_name(node.input[1])] = QuantizedWeight(node.op_type, attrs["bits"], weight)
+        elif node.op_type == "GatherBlockQuantized":
+            data, scales = array(node.input[0]), array(node.input[2])
+            zero = array(node.input[3]) if len(node.input) > 3 else None
+            weight = dequantize_gather_block(attrs, data, scales, zero)
+            weights[graph_weight_name(node.input[0])] = QuantizedWeight(node.op_type, attrs.get("bits", 4), weight)
+    return weights
+
+
+def as_thinker_parameters(weights: dict[str, QuantizedWeight], model: torch.nn.Module) -> dict[str, QuantizedWeight]:
+    """Graph weights -> by Thinker parameter name, as (out, in) tensors (a Gather table stays (V, C)); a packed
+    projection is split back by its parts' shapes. An unknown name is an exporter bug and raises."""
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    out: dict[str, QuantizedWeight] = {}
+    for name, quantized in weights.items():
+        tensor = torch.from_numpy(np.ascontiguousarray(quantized.weight))
+        if quantized.op_type == "MatMulNBits":
+            tensor = tensor.T  # (K, N) -> (out, in), the Linear layout
+        if name in parameters:
+            out[name] = QuantizedWeight(quantized.op_type, quantized.bits, tensor)
+            continue
+        prefix, _, packed = name.removesuffix(".weight").rpartition(".")
+        parts = [f"{prefix}.{part}.weight" for part in PACKED.get(packed, ())]
+        if not parts or any(part not in parameters for part in parts):
+            raise RuntimeError(f"quantized weight {name} stands for no Thinker parameter (a bug in the exporter)")
+        sizes = [parameters[part].shape[0] for part in parts]
+        if sum(sizes) != tensor.shape[0]:
+            raise RuntimeError(f"quantized weight {name} has {tensor.shape[0]} outputs, its parts {sum(sizes)}")
+        for part, piece in zip(parts, torch.split(tensor, sizes, dim=0), strict=True):
+            out[part] = QuantizedWeight(quantized.op_type, quantized.bits, piece)
+    return out
+
+
+def weight_errors(dequantized: dict[str, QuantizedWeight], model: torch.nn.Module) -> dict[str, float]:
+    """Each dequantized weight's relative RMS error against the float parameter it replaces: ||W' - W|| / ||W||."""
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    errors = {}
+    for name, quantized in dequantized.items():
+        weight = quantized.weight
+        reference = parameters[name].detach().float()
+        if tuple(reference.shape) != tuple(weight.shape):
+            shapes = f"{tuple(weight.shape)}, the model's {tuple(reference.shape)}"
+            raise RuntimeError(f"quantized {name} has shape {shapes} (a bug in the exporter)")
+        errors[name] = float((weight.float() - reference).norm() / reference.norm().clamp_min(1e-30))
+    return errors
+
+
+@torch.no_grad()
+def load_into(model: torch.nn.Module, dequantized: dict[str, QuantizedWeight]) -> None:
+    """Replaces the model's parameters by the dequantized ones. Tied embedding and head become two parameters
+    first: a graph that quantizes the head (MatMulNBits) may keep the embedding Gather float, or quantize it
+    with another layout."""
+    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is not None and head.weight is embeddings.weight:
+        head.weight = torch.nn.Parameter(embeddings.weight.detach().clone())
+    for name, quantized in dequantized.items():
+        model.get_parameter(name).copy_(quantized.weight)
