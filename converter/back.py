@@ -47,7 +47,8 @@ from .engine import (
 )
 from .families import FAMILIES, family_by_name
 from .output_dtype import resolve_dtype
-from .parity import BY_LAYER, parity_gate, parity_mode
+from .parity import parity_gate, parity_mode
+from .parity_report import BY_LAYER
 from .spec import Family
 
 # Runtime switches that do not change the model, left out of the round-trip comparison of configs.

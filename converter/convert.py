@@ -20,7 +20,8 @@ from .engine import plan_conversion, write_weights
 from .families import detect_family
 from .hub import resolve_source
 from .output import write_generation_config, write_thinker_config
-from .parity import BY_LAYER, ParityReport, parity_gate, parity_mode
+from .parity import parity_gate, parity_mode
+from .parity_report import BY_LAYER, ParityReport
 from .spec import Family
 
 

@@ -45,7 +45,8 @@ from converter import engine
 from converter.cli import convert_command, verify_command
 from converter.convert import source_family
 from converter.layer_parity import compare_by_layer, load_layered_converted
-from converter.parity import BY_LAYER, MEMORY_BUDGET_ENV, WHOLE_MODEL, ParityFailed, check_parity
+from converter.parity import MEMORY_BUDGET_ENV, check_parity
+from converter.parity_report import BY_LAYER, WHOLE_MODEL, ParityFailed
 from converter.streamed import StreamedModel, lazy_tensors
 
 REPO = Path(__file__).resolve().parents[2]
