@@ -138,8 +138,11 @@ def test_left_padded_rows_equal_rows_alone(family, onnx_variant):
 
 
 def test_several_new_tokens_after_a_cache_need_batch_1(onnx_variant):
-    """Chunked prefill: batch 1 equals the one-shot prefill; batch 2 is refused by onnxruntime's kernel (a limit the
-    plain graph does not have; OnnxDecoder and onnxruntime-genai never ask for it)."""
+    """Chunked prefill: batch 1 equals the one-shot prefill; at batch 2 onnxruntime's kernel refuses (a limit the
+    plain graph does not have; OnnxDecoder's prefill and decode steps and onnxruntime-genai never ask for it), and
+    OnnxDecoder.forward says so by name before the kernel does."""
+    from common.errors import ThinkerError
+
     decoder = OnnxDecoder(onnx_variant("qwen3"), provider="cpu")
     tokens = np.array([[3, 14, 15, 92, 65, 35, 89, 79]], dtype=np.int64)
     full, _ = decoder.prefill(tokens, np.ones_like(tokens))
@@ -149,10 +152,14 @@ def test_several_new_tokens_after_a_cache_need_batch_1(onnx_variant):
     np.testing.assert_allclose(chunk[0], full[0, 3:], atol=1e-4)
 
     batch = np.repeat(tokens, 2, axis=0)
+    positions = np.repeat(np.arange(3, 8)[None], 2, axis=0)
     _, state = decoder.prefill(batch[:, :3], np.ones((2, 3), np.int64))
     state.attention_mask = np.ones((2, 8), np.int64)
-    with pytest.raises(Exception, match="batch_size must be 1"):
-        decoder.forward(batch[:, 3:], np.repeat(np.arange(3, 8)[None], 2, axis=0), state)
+    with pytest.raises(ThinkerError, match="5 new tokens after a non-empty cache at batch 2.*--graph plain"):
+        decoder.forward(batch[:, 3:], positions, state)
+    feeds = {"input_ids": batch[:, 3:], "attention_mask": state.attention_mask, "position_ids": positions}
+    with pytest.raises(Exception, match="batch_size must be 1"):  # the kernel's own limit, which the refusal names
+        decoder.session.run(None, {**feeds, **state.cache})
 
 
 def test_one_kv_buffer_bound_as_past_and_present(onnx_variant):
