@@ -302,19 +302,23 @@ def test_genai_greedy_equals_transformers(genai_python, thinker_variant, onnx_va
         assert sequence == expected, f"{family} {dtype}: genai {sequence} != transformers {expected}"
 
 
-def test_cli_exports_the_fused_graph_and_verifies_it(thinker_variant, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"], ids=["dense", "moe"])
+def test_the_default_export_is_the_fused_graph(family, thinker_variant, tmp_path):
+    """Without --graph every decoder, dense or MoE, gets the fused graph (``names.DEFAULT_GRAPH``), verified against
+    PyTorch; the command's line, the report and genai_config.json (one KV buffer for past and present) follow it."""
     from click.testing import CliRunner
 
     from common.cli import main
 
-    output = tmp_path / "fused"
-    result = CliRunner().invoke(
-        main, ["export", str(thinker_variant("qwen3", head_dim=16)), str(output), "--graph", "fused"]
-    )
-    assert result.exit_code == 0, result.output
+    output = tmp_path / "onnx"
+    result = CliRunner().invoke(main, ["export", str(thinker_variant(family, head_dim=16)), str(output)])
+    assert result.exit_code == 0 and "(fused graph)" in result.stdout, result.output
     report = json.loads((output / "export_report.json").read_text())
     assert report["graph"] == "fused" and report["verify"]["passed"] is True
-    assert report["nodes_by_op"]["GroupQueryAttention"] == 3
+    assert report["nodes_by_op"]["GroupQueryAttention"] == 3 and "Concat" not in report["nodes_by_op"]
+    assert report["nodes_by_op"].get("MoE", 0) == {"qwen3": 0, "qwen3_moe": 2}[family]
+    genai = json.loads((output / "genai_config.json").read_text())
+    assert genai["search"]["past_present_share_buffer"] is True
 
 
 # --- CUDA (skipped unless a CUDA session really runs) ---------------------------------------------------------------
