@@ -302,23 +302,35 @@ def test_genai_greedy_equals_transformers(genai_python, thinker_variant, onnx_va
         assert sequence == expected, f"{family} {dtype}: genai {sequence} != transformers {expected}"
 
 
+BATCH_PROMPTS = [[5, 9, 17, 33, 4, 21, 8, 7], [11, 12, 13, 14, 15, 16, 17, 18]]  # no pad id (0): genai masks it
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"], ids=["dense", "moe"])
-def test_the_default_export_is_the_fused_graph(family, thinker_variant, tmp_path):
-    """Without --graph every decoder, dense or MoE, gets the fused graph (``names.DEFAULT_GRAPH``), verified against
-    PyTorch; the command's line, the report and genai_config.json (one KV buffer for past and present) follow it."""
-    from click.testing import CliRunner
+def test_genai_batch_equals_rows_alone(family, genai_python, thinker_variant, onnx_variant):
+    """The default export under onnxruntime-genai at batch 2, through the one shared KV buffer
+    (past_present_share_buffer): each row gets transformers' greedy tokens for that row alone, up to its eos.
+    Equal-length rows: onnxruntime-genai 0.18 gets a left-padded batch wrong for the plain and the fused graph
+    alike (the same wrong tokens from both), which OnnxDecoder and --verify check instead."""
+    new_tokens = 10
+    case = {"folder": str(onnx_variant(family)), "prompts": BATCH_PROMPTS, "max_new_tokens": new_tokens}
+    done = subprocess.run(
+        [str(genai_python), str(GENAI_SCRIPT)], input=json.dumps([case]), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (rows,) = json.loads(done.stdout)
+    model = load_thinker(thinker_variant(family, head_dim=16))
+    eos = model.config.eos_token_id
 
-    from common.cli import main
+    def until_eos(tokens: list[int]) -> list[int]:
+        return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
 
-    output = tmp_path / "onnx"
-    result = CliRunner().invoke(main, ["export", str(thinker_variant(family, head_dim=16)), str(output)])
-    assert result.exit_code == 0 and "(fused graph)" in result.stdout, result.output
-    report = json.loads((output / "export_report.json").read_text())
-    assert report["graph"] == "fused" and report["verify"]["passed"] is True
-    assert report["nodes_by_op"]["GroupQueryAttention"] == 3 and "Concat" not in report["nodes_by_op"]
-    assert report["nodes_by_op"].get("MoE", 0) == {"qwen3": 0, "qwen3_moe": 2}[family]
-    genai = json.loads((output / "genai_config.json").read_text())
-    assert genai["search"]["past_present_share_buffer"] is True
+    for prompt, row in zip(BATCH_PROMPTS, rows, strict=True):
+        with torch.no_grad():
+            alone = model.generate(
+                torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None
+            )
+        expected = until_eos(alone[0, len(prompt) :].tolist())
+        assert until_eos(row) == expected, f"{family}: genai row {row} != transformers alone {expected}"
 
 
 # --- CUDA (skipped unless a CUDA session really runs) ---------------------------------------------------------------
