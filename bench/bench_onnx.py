@@ -1,12 +1,14 @@
 """The exported decoder against PyTorch: export time, prefill latency and greedy decode speed.
 
 A preset shaped like a real release (default: Qwen3-0.6B) gets random weights, is saved as a Thinker folder and
-exported with ``thinker export``'s code path; then a prompt of PREFILL tokens is prefilled and NEW tokens decoded
-greedily, by onnxruntime (``export.runtime.OnnxDecoder``) and by transformers' ``generate`` on the same weights.
+exported with ``thinker export``'s code path (``--graph``, by default ``thinker export``'s: fused); then a prompt of
+PREFILL tokens is prefilled and NEW tokens decoded greedily, by onnxruntime (``export.runtime.OnnxDecoder``) and by
+transformers' ``generate`` on the same weights.
 Medians over --reps are reported, with the decode speed as tokens/s.
 
     python bench/bench_onnx.py --layers 4 --threads 2                 # a quick CPU run of Qwen3-0.6B's shapes
-    python bench/bench_onnx.py --preset qwen3-30b-a3b --layers 2 --experts 16   # MoE: the routing Loop
+    python bench/bench_onnx.py --preset qwen3-30b-a3b --layers 2 --experts 16   # MoE: the MoE op
+    python bench/bench_onnx.py --graph plain --preset qwen3-30b-a3b --layers 2 --experts 16   # the routing Loop
     python bench/bench_onnx.py --dtype float16 --provider cuda        # on a GPU
 
 Prints a table and writes JSON to bench/results/onnx.json.
@@ -27,6 +29,7 @@ import onnxruntime
 import torch
 
 from export.exporter import export_model
+from export.names import DEFAULT_GRAPH, GRAPHS
 from export.runtime import OnnxDecoder, physical_cores
 from thinker import ThinkerForCausalLM
 from thinker.presets import load_preset
@@ -47,6 +50,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help="override num_hidden_layers (a quicker, shallower run)")
     parser.add_argument("--experts", type=int, help="override num_experts (MoE presets)")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    parser.add_argument("--graph", choices=list(GRAPHS), default=DEFAULT_GRAPH)
     parser.add_argument("--provider", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--threads", type=int, default=None, help="default: physical cores")
     parser.add_argument("--prefill", type=int, default=64)
@@ -72,7 +76,7 @@ def main() -> None:
         model.save_pretrained(Path(tmp) / "thinker")
         started = time.perf_counter()
         report = export_model(
-            Path(tmp) / "thinker", Path(tmp) / "onnx", dtype=args.dtype, verify=False, threads=threads
+            Path(tmp) / "thinker", Path(tmp) / "onnx", dtype=args.dtype, verify=False, threads=threads, graph=args.graph
         )
         export_seconds = time.perf_counter() - started
         decoder = OnnxDecoder(Path(tmp) / "onnx", provider=args.provider, threads=threads)
@@ -86,6 +90,7 @@ def main() -> None:
             "preset": args.preset,
             "overrides": overrides,
             "dtype": args.dtype,
+            "graph": report["graph"],
             "device": decoder.device,
             "threads": threads,
             "parameters": report["parameters"],

@@ -18,7 +18,7 @@ from common.dtypes import FLOAT_DTYPES
 from common.errors import ThinkerError
 from common.side_files import read_json, tokenizer_files
 
-from .names import ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES, GENAI_CONFIG_FILE, GRAPHS, MODEL_FILE
+from .names import ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES, DEFAULT_GRAPH, GENAI_CONFIG_FILE, GRAPHS, MODEL_FILE
 
 
 @click.command("export", context_settings=CONTEXT)
@@ -41,12 +41,14 @@ from .names import ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES, GENAI_CONFIG_
 @click.option(
     "--graph",
     type=click.Choice(list(GRAPHS)),
-    default=None,
-    help="plain: standard ONNX operators only (any runtime). fused: onnxruntime's contrib operators "
-    "(GroupQueryAttention with RoPE inside, SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, MoE; "
-    "for hybrid models LinearAttention, CausalConvWithState, GatedRMSNorm); faster, onnxruntime only. See below "
-    "for how the fused graph reads position_ids. [default: fused for hybrid models (linear-attention layers), "
-    "plain otherwise]",
+    default=DEFAULT_GRAPH,
+    show_default=True,
+    help="fused: onnxruntime's contrib operators (GroupQueryAttention with RoPE inside, "
+    "SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, MoE; for hybrid models LinearAttention, "
+    "CausalConvWithState, GatedRMSNorm), the faster graph under onnxruntime-genai and onnxruntime alike, and exact "
+    "for every model (what the contrib operators cannot take, e.g. a head_dim that is not a multiple of 8, it builds "
+    "from standard operators); onnxruntime (and onnxruntime-genai) only. plain: standard ONNX operators only, for "
+    "any runtime. See below for how the fused graph reads position_ids.",
 )
 @click.option(
     "--quantize",
@@ -115,7 +117,7 @@ def export_command(
     output: Path,
     dtype: str,
     verify: bool,
-    graph: str | None,
+    graph: str,
     quantize: str | None,
     block_size: str,
     algo: str,
@@ -142,11 +144,13 @@ def export_command(
     text-only callers repeat their [batch, seq] positions three times.
 
     \b
-    --graph fused keeps these names and shapes. Its GroupQueryAttention rotates q/k by cache slot (when head_dim
-    is a multiple of 16 and RoPE covers whole heads), so position_ids is accepted but not read: left-padded rows
-    give the same logits as the plain graph (RoPE sees position differences only), but custom position numbering
-    is not honoured. Partial and multimodal RoPE rotate by position_ids before it. A step with several new tokens
-    after a non-empty cache needs batch 1.
+    --graph fused (the default) keeps these names and shapes. Its GroupQueryAttention rotates q/k by cache slot
+    (when head_dim is a multiple of 16 and RoPE covers whole heads), so position_ids is accepted but not read:
+    left-padded rows give the same logits as the plain graph (RoPE sees position differences only), but custom
+    position numbering is not honoured (use --graph plain for that). Partial and multimodal RoPE rotate by
+    position_ids before it. A step with several new tokens after a non-empty cache needs batch 1 (prefill and
+    one-token decode steps, all that onnxruntime-genai and `thinker generate` run, are unaffected).
+    genai_config.json lets onnxruntime-genai update one KV buffer in place (past_present_share_buffer).
 
     \b
     --quantize int4|int8 works with either graph. --verify then checks the graph against the PyTorch model holding

@@ -36,7 +36,7 @@ from .decoder_graph import IR_VERSION, OPSET, DecoderGraph, make_model, not_expo
 from .folder_check import check_thinker_folder
 from .genai_config import make_genai_config, no_eos_note
 from .graph_builder import GraphBuilder, WeightFile
-from .names import DATA_FILE, GENAI_CONFIG_FILE, GRAPHS, MODEL_FILE, REPORT_FILE, default_graph
+from .names import DATA_FILE, DEFAULT_GRAPH, GENAI_CONFIG_FILE, GRAPHS, MODEL_FILE, REPORT_FILE
 from .quantize import QuantizeSpec, WeightQuantizer
 from .weights import ThinkerWeights
 
@@ -68,7 +68,7 @@ def export_model(
 ) -> dict:
     """Exports ``source`` to the folder ``output`` and returns the export report (also written there).
 
-    ``graph``: "plain" or "fused" (see GRAPHS), None for the model's default (``default_graph``); ``quantize``:
+    ``graph``: "plain" or "fused" (see GRAPHS), None for ``DEFAULT_GRAPH`` (fused); ``quantize``:
     weight-only int4/int8 of the projections, whose cost against the float model ``--verify`` holds to ``quality``
     (default: ``QualityGate.default``); ``progress``: bars on stderr for writing (or quantizing) the weights and for
     verifying, where it is a terminal."""
@@ -77,6 +77,7 @@ def export_model(
         raise ThinkerError(f"--dtype {dtype}: expected one of {', '.join(FLOAT_DTYPES)}")
     if graph is not None and graph not in GRAPHS:
         raise ThinkerError(f"--graph {graph}: expected one of {', '.join(GRAPHS)}")
+    graph = graph or DEFAULT_GRAPH
     graph_dtype = torch_dtype(dtype)
     quantizer = WeightQuantizer(quantize, graph_dtype) if quantize else None
     refuse_existing_output(output, force)
@@ -88,7 +89,6 @@ def export_model(
         check_paths(model_dir)
         config = load_config(model_dir)
         check_thinker_folder(model_dir, config, graph_dtype, verify)  # the structure, before a byte is written
-        graph = graph or default_graph(config.has_linear_attention)
         final = staging / "onnx"
         graph_class = resolve_name(GRAPHS[graph])
         files = build_onnx(model_dir, config, final, graph_dtype, graph_class, quantizer, progress=progress)

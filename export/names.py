@@ -12,11 +12,20 @@ GENAI_CONFIG_FILE = "genai_config.json"
 GRAPHS = {"plain": "export.decoder_graph:DecoderGraph", "fused": "export.fused_graph:FusedDecoderGraph"}
 
 
-def default_graph(hybrid: bool) -> str:
-    """The graph ``thinker export`` writes when ``--graph`` is not given: fused for hybrid models (linear-attention
-    layers), whose plain recurrence is a ``Scan`` over tokens and whose plain graph measured slower at prefill and
-    decode (docs/hybrid-export.md, section 6); plain, which any runtime runs, for the others."""
-    return "fused" if hybrid else "plain"
+# The graph ``thinker export`` writes when ``--graph`` is not given, for every decoder: fused. It is the faster graph
+# where the exports run. Under onnxruntime-genai the plain graph cannot share one KV buffer between past and present,
+# so the cache grows by Concat every step, and it runs ~10 unfused small operators per layer: a decode step of 124
+# against 80 ms at batch 1, 284 against 180 ms at batch 8 on SmolLM2 (README, "Where decode time goes under
+# onnxruntime-genai"); under plain onnxruntime the two are at parity; for hybrid models the plain recurrence is a Scan
+# over tokens, slower at prefill and decode (docs/hybrid-export.md, section 6). And it is exact wherever the plain
+# graph is, so no config needs a plain default: what onnxruntime's contrib operators cannot take, the fused graph
+# already builds the plain way inside itself (head_dim not a multiple of 8: the plain attention; partial or
+# multimodal RoPE: rotated by position_ids before GroupQueryAttention; zero-centred norms in half precision and
+# non-SwiGLU experts: the plain forms). Every family, dtype and --quantize passes its verify fused
+# (tests/export/test_onnx_fused.py, test_onnx_hybrid.py, test_onnx_quantized.py). `--graph plain` stays for runtimes
+# without the contrib operators and for callers that number positions other than by the attention mask
+# (GroupQueryAttention with RoPE inside rotates by cache slot; `thinker export --help`).
+DEFAULT_GRAPH = "fused"
 
 
 # --quantize and its options (export/quantize.py).

@@ -138,9 +138,10 @@ def gpu_test_verdict(usable: bool, gpu: str | None, why: str) -> tuple[str, str]
     return "fail", f"a GPU is visible ({gpu}) but CUDA sessions do not run: {why}"
 
 
-def check_external_data(model_path: Path) -> None:
+def check_external_data(model_path: Path) -> onnx.ModelProto:
     """Every external weights file the graph names must lie beside it; a partial copy of an export is a common
-    mistake, and onnxruntime's own error for it does not say which file is missing."""
+    mistake, and onnxruntime's own error for it does not say which file is missing. Returns the graph, without its
+    weights."""
     try:
         model = onnx.load(str(model_path), load_external_data=False)
     except Exception as err:  # protobuf's DecodeError and friends, for a truncated or foreign file
@@ -174,6 +175,7 @@ def check_external_data(model_path: Path) -> None:
                 f"{model_path.parent / name}: {size} bytes, but {model_path.name} reads up to byte {end}; the file "
                 "is truncated: copy the whole folder again, or export it again"
             )
+    return model
 
 
 @dataclass
@@ -201,7 +203,10 @@ class OnnxDecoder:
             raise ThinkerError(f"provider={provider!r}; expected auto, cuda or cpu")
         if provider == "cuda" and not cuda_usable():
             raise ThinkerError(f"--provider cuda: CUDA asked for where none is ({cuda_absence()}); use --provider cpu")
-        check_external_data(self.model_path)
+        graph = check_external_data(self.model_path).graph
+        # onnxruntime's GroupQueryAttention (the fused graph) takes several new tokens after a non-empty cache at
+        # batch 1 only; ``forward`` refuses the other case by name rather than with the kernel's error.
+        self.chunks_need_batch_1 = any(node.op_type == "GroupQueryAttention" for node in graph.node)
         use_cuda = provider == "cuda" or (provider == "auto" and cuda_usable())
         providers = [CUDA, CPU] if use_cuda else [CPU]
         try:
@@ -272,6 +277,13 @@ class OnnxDecoder:
     def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, state: DecoderState) -> np.ndarray:
         """Runs the graph on new tokens; ``state.cache`` becomes the presents. Returns logits (B, T, V) float32.
         ``position_ids`` (B, T), or (3, B, T) for a model with multimodal RoPE."""
+        batch, steps = np.shape(input_ids)
+        if self.chunks_need_batch_1 and batch > 1 and steps > 1 and state.attention_mask.shape[1] > steps:
+            raise ThinkerError(
+                f"{self.model_path}: {steps} new tokens after a non-empty cache at batch {batch}: this graph's "
+                "GroupQueryAttention (--graph fused) takes several tokens after a cache at batch 1 only; feed the "
+                "rows one at a time, the tokens one at a time, or export with --graph plain"
+            )
         feeds = {
             "input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
             "attention_mask": np.ascontiguousarray(state.attention_mask, dtype=np.int64),

@@ -41,8 +41,9 @@ def thinker_folder(tmp_path_factory) -> Callable[..., Path]:
 
 @pytest.fixture(scope="session")
 def onnx_folder(tmp_path_factory, thinker_folder) -> Callable[..., Path]:
-    """``onnx_folder(family, dtype="float32")`` -> the export of ``thinker_folder(family)`` (not verified: the
-    tests check parity themselves), made once per session."""
+    """``onnx_folder(family, dtype="float32")`` -> the plain-graph export (``--graph plain``; ``onnx_variant`` makes
+    the fused ones, the default) of ``thinker_folder(family)`` (not verified: the tests check parity themselves),
+    made once per session."""
     from export.exporter import export_model
 
     root = tmp_path_factory.mktemp("onnx")
@@ -51,7 +52,7 @@ def onnx_folder(tmp_path_factory, thinker_folder) -> Callable[..., Path]:
     def get(family: str, dtype: str = "float32") -> Path:
         if (family, dtype) not in cache:
             output = root / f"{family}-{dtype}"
-            export_model(thinker_folder(family), output, dtype=dtype, verify=False)
+            export_model(thinker_folder(family), output, dtype=dtype, graph="plain", verify=False)
             cache[family, dtype] = output
         return cache[family, dtype]
 

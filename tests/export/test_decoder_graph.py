@@ -130,7 +130,7 @@ def test_moe_runs_only_the_routed_experts(tmp_path, monkeypatch):
     state = load_file(folder / "model.safetensors")
     state["model.layers.0.mlp.experts.down_proj"][3] = float("nan")
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
-    export_model(folder, tmp_path / "onnx", verify=False)
+    export_model(folder, tmp_path / "onnx", verify=False, graph="plain")  # the fused MoE op: test_onnx_fused.py
 
     tokens = np.arange(40, dtype=np.int64)[:, None]  # 40 one-token rows: every row is independent
     ones = np.ones_like(tokens)
@@ -151,24 +151,27 @@ def test_moe_graph_has_no_dense_expert_pass(onnx_folder):
     assert [n.op_type for n in graph.node].count("Loop") == 2  # layers 0 and 2 are sparse, 1 is dense
 
 
-def test_rope_scaling_comes_from_transformers(tmp_path):
-    """A YaRN-scaled RoPE (scaled frequencies and attention factor) exports exactly."""
+@pytest.mark.parametrize("graph", ["plain", "fused"])
+def test_rope_scaling_comes_from_transformers(graph, tmp_path):
+    """A YaRN-scaled RoPE (scaled frequencies and attention factor) exports exactly, also as the cos/sin caches of
+    the fused graph's GroupQueryAttention (head_dim 16)."""
     from thinker import ThinkerForCausalLM
 
     rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}
-    folder = save_thinker(tmp_path / "yarn", "qwen3", tokenizer=False, rope_parameters=rope)
-    export_model(folder, tmp_path / "onnx", verify=False)
+    folder = save_thinker(tmp_path / "yarn", "qwen3", tokenizer=False, rope_parameters=rope, head_dim=16)
+    export_model(folder, tmp_path / "onnx", verify=False, graph=graph)
     model = ThinkerForCausalLM.from_pretrained(folder).eval()
     figures = compare_decoders(model, OnnxDecoder(tmp_path / "onnx", provider="cpu"), *parity_batch(96))
     assert figures["max_abs_diff"] <= 1e-3, figures
 
 
-def test_tied_head_with_bias(tmp_path):
+@pytest.mark.parametrize("graph", ["plain", "fused"])
+def test_tied_head_with_bias(graph, tmp_path):
     """The tied head is a Gemm on the embedding matrix (stored once); a head bias rides along as its C input."""
     from thinker import ThinkerForCausalLM
 
     folder = save_thinker(tmp_path / "tied", "qwen2", tokenizer=False, tie_word_embeddings=True, lm_head_bias=True)
-    export_model(folder, tmp_path / "onnx", verify=False)
+    export_model(folder, tmp_path / "onnx", verify=False, graph=graph)
     graph = onnx.load(tmp_path / "onnx" / "model.onnx", load_external_data=False).graph
     assert sum(t.name == "model.embed_tokens.weight" for t in graph.initializer) == 1
     assert "lm_head.weight" not in {t.name for t in graph.initializer}

@@ -103,3 +103,4 @@ def test_help_teaches(runner):
     export_help = runner.invoke(main, ["export", "--help"]).stdout
     for option in ("--dtype", "--verify / --no-verify", "--force", "--threads", "--debug", "past_key_values"):
         assert option in export_help
+    assert "[default: fused]" in " ".join(export_help.split())  # one default graph, for every model

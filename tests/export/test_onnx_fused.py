@@ -138,8 +138,11 @@ def test_left_padded_rows_equal_rows_alone(family, onnx_variant):
 
 
 def test_several_new_tokens_after_a_cache_need_batch_1(onnx_variant):
-    """Chunked prefill: batch 1 equals the one-shot prefill; batch 2 is refused by onnxruntime's kernel (a limit the
-    plain graph does not have; OnnxDecoder and onnxruntime-genai never ask for it)."""
+    """Chunked prefill: batch 1 equals the one-shot prefill; at batch 2 onnxruntime's kernel refuses (a limit the
+    plain graph does not have; OnnxDecoder's prefill and decode steps and onnxruntime-genai never ask for it), and
+    OnnxDecoder.forward says so by name before the kernel does."""
+    from common.errors import ThinkerError
+
     decoder = OnnxDecoder(onnx_variant("qwen3"), provider="cpu")
     tokens = np.array([[3, 14, 15, 92, 65, 35, 89, 79]], dtype=np.int64)
     full, _ = decoder.prefill(tokens, np.ones_like(tokens))
@@ -149,10 +152,14 @@ def test_several_new_tokens_after_a_cache_need_batch_1(onnx_variant):
     np.testing.assert_allclose(chunk[0], full[0, 3:], atol=1e-4)
 
     batch = np.repeat(tokens, 2, axis=0)
+    positions = np.repeat(np.arange(3, 8)[None], 2, axis=0)
     _, state = decoder.prefill(batch[:, :3], np.ones((2, 3), np.int64))
     state.attention_mask = np.ones((2, 8), np.int64)
-    with pytest.raises(Exception, match="batch_size must be 1"):
-        decoder.forward(batch[:, 3:], np.repeat(np.arange(3, 8)[None], 2, axis=0), state)
+    with pytest.raises(ThinkerError, match="5 new tokens after a non-empty cache at batch 2.*--graph plain"):
+        decoder.forward(batch[:, 3:], positions, state)
+    feeds = {"input_ids": batch[:, 3:], "attention_mask": state.attention_mask, "position_ids": positions}
+    with pytest.raises(Exception, match="batch_size must be 1"):  # the kernel's own limit, which the refusal names
+        decoder.session.run(None, {**feeds, **state.cache})
 
 
 def test_one_kv_buffer_bound_as_past_and_present(onnx_variant):
@@ -295,19 +302,35 @@ def test_genai_greedy_equals_transformers(genai_python, thinker_variant, onnx_va
         assert sequence == expected, f"{family} {dtype}: genai {sequence} != transformers {expected}"
 
 
-def test_cli_exports_the_fused_graph_and_verifies_it(thinker_variant, tmp_path):
-    from click.testing import CliRunner
+BATCH_PROMPTS = [[5, 9, 17, 33, 4, 21, 8, 7], [11, 12, 13, 14, 15, 16, 17, 18]]  # no pad id (0): genai masks it
 
-    from common.cli import main
 
-    output = tmp_path / "fused"
-    result = CliRunner().invoke(
-        main, ["export", str(thinker_variant("qwen3", head_dim=16)), str(output), "--graph", "fused"]
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"], ids=["dense", "moe"])
+def test_genai_batch_equals_rows_alone(family, genai_python, thinker_variant, onnx_variant):
+    """The default export under onnxruntime-genai at batch 2, through the one shared KV buffer
+    (past_present_share_buffer): each row gets transformers' greedy tokens for that row alone, up to its eos.
+    Equal-length rows: onnxruntime-genai 0.18 gets a left-padded batch wrong for the plain and the fused graph
+    alike (the same wrong tokens from both), which OnnxDecoder and --verify check instead."""
+    new_tokens = 10
+    case = {"folder": str(onnx_variant(family)), "prompts": BATCH_PROMPTS, "max_new_tokens": new_tokens}
+    done = subprocess.run(
+        [str(genai_python), str(GENAI_SCRIPT)], input=json.dumps([case]), capture_output=True, text=True, timeout=300
     )
-    assert result.exit_code == 0, result.output
-    report = json.loads((output / "export_report.json").read_text())
-    assert report["graph"] == "fused" and report["verify"]["passed"] is True
-    assert report["nodes_by_op"]["GroupQueryAttention"] == 3
+    assert done.returncode == 0, done.stderr[-3000:]
+    (rows,) = json.loads(done.stdout)
+    model = load_thinker(thinker_variant(family, head_dim=16))
+    eos = model.config.eos_token_id
+
+    def until_eos(tokens: list[int]) -> list[int]:
+        return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+    for prompt, row in zip(BATCH_PROMPTS, rows, strict=True):
+        with torch.no_grad():
+            alone = model.generate(
+                torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None
+            )
+        expected = until_eos(alone[0, len(prompt) :].tolist())
+        assert until_eos(row) == expected, f"{family}: genai row {row} != transformers alone {expected}"
 
 
 # --- CUDA (skipped unless a CUDA session really runs) ---------------------------------------------------------------

@@ -59,9 +59,10 @@ def without_rope(monkeypatch) -> None:
 @pytest.mark.parametrize("plant", [without_k_norm, without_rope], ids=["k-norm dropped", "RoPE dropped"])
 def test_plain_verify_rejects_a_broken_graph(plant, thinker_folder, tmp_path, monkeypatch):
     folder = thinker_folder("qwen3")  # qk-norm, RoPE
-    assert_passes(folder, tmp_path / "good")
+    assert_passes(folder, tmp_path / "good", "--graph", "plain")
     plant(monkeypatch)
-    assert_rejected(export(folder, tmp_path / "bad"), tmp_path / "bad", "float32, plain graph", "> tolerance")
+    bad = export(folder, tmp_path / "bad", "--graph", "plain")
+    assert_rejected(bad, tmp_path / "bad", "float32, plain graph", "> tolerance")
 
 
 def identity_rope_caches(monkeypatch) -> None:
