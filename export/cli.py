@@ -18,7 +18,16 @@ from common.dtypes import FLOAT_DTYPES
 from common.errors import ThinkerError
 from common.side_files import read_json, tokenizer_files
 
-from .names import ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES, GENAI_CONFIG_FILE, GRAPHS, MODEL_FILE
+from .names import (
+    ACCURACY_LEVELS,
+    ALGORITHMS,
+    BITS,
+    BLOCK_SIZES,
+    DEFAULT_MIN_AGREEMENT,
+    GENAI_CONFIG_FILE,
+    GRAPHS,
+    MODEL_FILE,
+)
 
 
 @click.command("export", context_settings=CONTEXT)
@@ -88,6 +97,15 @@ from .names import ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES, GENAI_CONFIG_
     help="--quantize: MatMulNBits' activation precision: 4 int8 (fastest on CPU), 1 float32, 0 as the graph.",
 )
 @click.option(
+    "--accuracy-guard",
+    type=click.FloatRange(0.0, 1.0),
+    default=DEFAULT_MIN_AGREEMENT,
+    show_default=True,
+    help="--quantize at --accuracy-level 4: the least top-1 agreement of the int8-activation graph with the same "
+    "weights at float activations (level 1) on a fixed English paragraph; below it the layers whose int8 "
+    "activations cost most fall back to level 1, one at a time, until it is met (0 turns the guard off).",
+)
+@click.option(
     "--min-top1",
     type=click.FloatRange(0.0, 1.0),
     default=None,
@@ -121,6 +139,7 @@ def export_command(
     algo: str,
     quantize_head: str | None,
     accuracy_level: str,
+    accuracy_guard: float,
     min_top1: float | None,
     max_perplexity_increase: float | None,
     force: bool,
@@ -185,6 +204,7 @@ def export_command(
         graph=graph,
         quantize=spec,
         quality=gate,
+        accuracy_guard=accuracy_guard or None,
     )
     sizes = ", ".join(f"{name} {_human(size)}" for name, size in report["sizes"].items() if name.startswith("model"))
     click.echo(
