@@ -213,6 +213,14 @@ def export_command(
     )
     for note in report.get("notes", []):
         click.secho(f"note: {note}", fg="yellow", err=True)
+    guard = report.get("accuracy_guard")
+    if guard:
+        moved = guard["moved_to_level_1"]
+        click.echo(
+            f"accuracy guard: int8 activations agree with float ones on {guard['agreement_before']:.1%} of the "
+            f"paragraph's next tokens (at least {guard['min_agreement']:.0%}): "
+            + (f"{', '.join(moved)} moved to level 1 ({guard['agreement']:.1%})" if moved else "nothing moved")
+        )
     figures = report["verify"]
     if figures and figures.get("skipped"):
         click.echo(f"verify skipped: {figures['skipped']}", err=True)

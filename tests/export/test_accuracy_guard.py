@@ -87,9 +87,9 @@ def test_cli_runs_the_guard_by_default_and_turns_it_off(thinker_variant, tmp_pat
     model_dir = str(thinker_variant("qwen3", head_dim=16))
     args = ["export", model_dir, "--graph", "fused", "--quantize", "int4", "--block-size", "16", "--no-verify"]
     on = CliRunner().invoke(main, [args[0], args[1], str(tmp_path / "on"), *args[2:]])
-    assert on.exit_code == 0, on.output
+    assert on.exit_code == 0 and "accuracy guard: int8 activations agree" in on.output, on.output
     guard = json.loads((tmp_path / "on" / "export_report.json").read_text())["accuracy_guard"]
     assert guard["min_agreement"] == 0.9 and "agreement_before" in guard, guard
     off = CliRunner().invoke(main, [args[0], args[1], str(tmp_path / "off"), *args[2:], "--accuracy-guard", "0"])
-    assert off.exit_code == 0, off.output
+    assert off.exit_code == 0 and "accuracy guard" not in off.output, off.output
     assert json.loads((tmp_path / "off" / "export_report.json").read_text())["accuracy_guard"] is None
