@@ -108,18 +108,16 @@ def activation_rounding_errors(
     model: onnx.ModelProto, onnx_path: Path, units: dict[str, list[str]], ids: np.ndarray, threads
 ) -> dict[str, float]:
     """Each unit's worst relative output error from int8 activations, on the level-1 graph's own activations."""
-    from .dequantize import attributes, constant_arrays, dequantize_matmul_nbits
+    from .dequantize import attributes, constant_reader, dequantize_matmul_nbits
 
-    weights = onnx.load(str(onnx_path), load_external_data=True)  # the quantized tensors: a fraction of float's
-    constants = constant_arrays(weights.graph)
-    del weights
+    read = constant_reader(onnx.load(str(onnx_path), load_external_data=True).graph)
     matmuls = {node.name: node for node in model.graph.node if node.op_type == "MatMulNBits"}
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     activations = sorted({matmuls[name].input[0] for names in units.values() for name in names})
     for name in activations:  # every MatMulNBits input as an extra output; its type is its scales'
         node = next(n for n in matmuls.values() if n.input[0] == name)
-        elem_type = onnx.helper.np_dtype_to_tensor_dtype(constants[node.input[2]].dtype)
+        elem_type = onnx.helper.np_dtype_to_tensor_dtype(read(node.input[2]).dtype)
         probe.graph.output.append(onnx.helper.make_tensor_value_info(name, elem_type, None))
     with graph_variant(probe, onnx_path, dict.fromkeys(matmuls, FALLBACK_LEVEL)) as path:
         decoder = OnnxDecoder(path, provider="cpu", threads=threads)
@@ -138,7 +136,7 @@ def activation_rounding_errors(
         for name in names:
             node = matmuls[name]
             attrs = attributes(node)
-            packed, scales, zero = (constants.get(i) if i else None for i in [*node.input[1:4], ""][:3])
+            packed, scales, zero = (read(i) if i else None for i in [*node.input[1:4], ""][:3])
             weight = dequantize_matmul_nbits(attrs, packed, scales, zero).astype(np.float32)
             a = inputs[node.input[0]].astype(np.float32).reshape(-1, attrs["K"])
             exact = a @ weight

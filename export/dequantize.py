@@ -21,6 +21,7 @@ kernels; float16 scales give float16 weights after one more rounding, which is a
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,14 +115,15 @@ def quantized_weights(onnx_path: Path) -> dict[str, QuantizedWeight]:
     the exporter gathers quantized is the token embedding: its GatherBlockQuantized is ``EMBEDDING``, whatever
     tensors it reads (a tied one reads the head's)."""
     model = onnx.load(str(onnx_path), load_external_data=True)
-    constants = constant_arrays(model.graph)
+    read = constant_reader(model.graph)
 
     def array(name: str):
         if not name:
             return None
-        if name not in constants:
+        value = read(name)
+        if value is None:
             raise RuntimeError(f"quantized tensor {name} is not a constant of the graph (a bug in the exporter)")
-        return constants[name]
+        return value
 
     weights: dict[str, QuantizedWeight] = {}
     for node in model.graph.node:
@@ -140,17 +142,27 @@ def quantized_weights(onnx_path: Path) -> dict[str, QuantizedWeight]:
     return weights
 
 
-def constant_arrays(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
-    """The graph's initializers, and the outputs of Reshapes of them (how a tied embedding reads the head's packed
-    weight), by value name."""
-    arrays = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
-    for node in graph.node:
-        if node.op_type == "Reshape" and all(name in arrays for name in node.input[:2]):
-            data, shape = arrays[node.input[0]], arrays[node.input[1]]
-            if attributes(node).get("allowzero", 0) == 0:  # ONNX: a 0 copies the input's dimension
-                shape = [data.shape[i] if size == 0 else size for i, size in enumerate(shape)]
-            arrays[node.output[0]] = data.reshape([int(size) for size in shape])
-    return arrays
+def constant_reader(graph: onnx.GraphProto) -> Callable[[str], np.ndarray | None]:
+    """A function from a value name to its array when the value is a constant: an initializer, or a Reshape of
+    constants (how a tied embedding reads the head's packed weight); None otherwise. Arrays are made on demand, so
+    the float weights a graph also holds are never converted."""
+    tensors = {t.name: t for t in graph.initializer}
+    reshapes = {node.output[0]: node for node in graph.node if node.op_type == "Reshape"}
+
+    def read(name: str) -> np.ndarray | None:
+        if name in tensors:
+            return numpy_helper.to_array(tensors[name])
+        node = reshapes.get(name)
+        if node is None:
+            return None
+        data, shape = read(node.input[0]), read(node.input[1])
+        if data is None or shape is None:
+            return None
+        if attributes(node).get("allowzero", 0) == 0:  # ONNX: a 0 copies the input's dimension
+            shape = [data.shape[i] if size == 0 else size for i, size in enumerate(shape)]
+        return data.reshape([int(size) for size in shape])
+
+    return read
 
 
 def as_thinker_parameters(weights: dict[str, QuantizedWeight], model: torch.nn.Module) -> dict[str, QuantizedWeight]:
