@@ -159,6 +159,9 @@ def test_verify_runs_the_dequantized_embedding(spec, thinker_variant, onnx_varia
     assert sound["weights"]["embedding"] == "GatherBlockQuantized", sound["weights"]
     assert sound["weights"]["tied_embedding_max_abs_diff_from_head"] == 0.0, sound["weights"]
     assert sound["graph"]["max_abs_diff"] <= 1e-4, sound["graph"]
+    # A well-conditioned input: the rounding-sensitivity floor stays under the float graphs' tolerance.
+    graph = sound["graph"]
+    assert graph["tolerance"] == 1e-4 * max(1.0, graph["logit_scale"]) > 8 * graph["rounding_sensitivity"], graph
 
     as_parameters = quantized_verify.as_thinker_parameters
 
