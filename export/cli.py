@@ -18,7 +18,17 @@ from common.dtypes import FLOAT_DTYPES
 from common.errors import ThinkerError
 from common.side_files import read_json, tokenizer_files
 
-from .names import ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES, DEFAULT_GRAPH, GENAI_CONFIG_FILE, GRAPHS, MODEL_FILE
+from .names import (
+    ACCURACY_LEVELS,
+    ALGORITHMS,
+    BITS,
+    BLOCK_SIZES,
+    DEFAULT_GRAPH,
+    DEFAULT_MIN_AGREEMENT,
+    GENAI_CONFIG_FILE,
+    GRAPHS,
+    MODEL_FILE,
+)
 
 
 @click.command("export", context_settings=CONTEXT)
@@ -90,6 +100,15 @@ from .names import ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES, DEFAULT_GRAPH
     help="--quantize: MatMulNBits' activation precision: 4 int8 (fastest on CPU), 1 float32, 0 as the graph.",
 )
 @click.option(
+    "--accuracy-guard",
+    type=click.FloatRange(0.0, 1.0),
+    default=DEFAULT_MIN_AGREEMENT,
+    show_default=True,
+    help="--quantize at --accuracy-level 4: the least top-1 agreement of the int8-activation graph with the same "
+    "weights at float activations (level 1) on a fixed English paragraph; below it the layers whose int8 "
+    "activations cost most fall back to level 1, one at a time, until it is met (0 turns the guard off).",
+)
+@click.option(
     "--min-top1",
     type=click.FloatRange(0.0, 1.0),
     default=None,
@@ -123,6 +142,7 @@ def export_command(
     algo: str,
     quantize_head: str | None,
     accuracy_level: str,
+    accuracy_guard: float,
     min_top1: float | None,
     max_perplexity_increase: float | None,
     force: bool,
@@ -189,6 +209,7 @@ def export_command(
         graph=graph,
         quantize=spec,
         quality=gate,
+        accuracy_guard=accuracy_guard or None,
     )
     sizes = ", ".join(f"{name} {_human(size)}" for name, size in report["sizes"].items() if name.startswith("model"))
     click.echo(
@@ -197,6 +218,14 @@ def export_command(
     )
     for note in report.get("notes", []):
         click.secho(f"note: {note}", fg="yellow", err=True)
+    guard = report.get("accuracy_guard")
+    if guard:
+        moved = guard["moved_to_level_1"]
+        click.echo(
+            f"accuracy guard: int8 activations agree with float ones on {guard['agreement_before']:.1%} of the "
+            f"paragraph's next tokens (at least {guard['min_agreement']:.0%}): "
+            + (f"{', '.join(moved)} moved to level 1 ({guard['agreement']:.1%})" if moved else "nothing moved")
+        )
     figures = report["verify"]
     if figures and figures.get("skipped"):
         click.echo(f"verify skipped: {figures['skipped']}", err=True)

@@ -51,7 +51,7 @@ from .linear_attention_graph import GatedDeltaNetDims, GatedDeltaNetGraph, emit_
 from .weights import ThinkerWeights
 
 if TYPE_CHECKING:
-    from .quantize import WeightQuantizer
+    from .quantize import QuantizedProjection, WeightQuantizer
 
 OPSET = 21
 MS_DOMAIN = "com.microsoft"  # onnxruntime's contrib operators
@@ -105,6 +105,9 @@ class DecoderGraph:
         check_exportable(config)
         self.mrope_section = (config.rope_parameters or {}).get("mrope_section")
         self.linear_dims = GatedDeltaNetDims.from_config(config) if config.has_linear_attention else None
+        # A quantized head that a tied embedding is gathered from (``emit_embeddings``), quantized there, emitted
+        # as the head later.
+        self.shared_head: QuantizedProjection | None = None
 
     # --- the whole graph --------------------------------------------------------------------------------------
     def build(self) -> onnx.GraphProto:
@@ -233,7 +236,15 @@ class DecoderGraph:
 
     # --- embeddings and head ----------------------------------------------------------------------------------
     def emit_embeddings(self, input_ids: str, position_ids: str) -> str:
-        hidden = self.b.op("Gather", self.weight("model.embed_tokens.weight"), input_ids)  # (B, T, C)
+        cfg, quantizer = self.config, self.quantizer
+        head_shape = (cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_word_embeddings and quantizer is not None and quantizer.shares_embedding(head_shape):
+            # Tied and quantized: the head is quantized here, once, and the lookup dequantizes its rows
+            # (export/quantize.py, ``emit_gather``), so the table is stored once, quantized.
+            self.shared_head = quantizer.quantize(self.b, "lm_head.weight", self.weights.get("lm_head.weight").T)
+            hidden = quantizer.emit_gather(self.b, self.shared_head, input_ids)
+        else:
+            hidden = self.b.op("Gather", self.weight("model.embed_tokens.weight"), input_ids)  # (B, T, C)
         if self.config.position_embedding_type == "learned":
             positions = self.b.op("Gather", self.weight("model.embed_positions.weight"), position_ids)
             hidden = self.b.op("Add", hidden, positions)
@@ -247,13 +258,16 @@ class DecoderGraph:
         cast = self.dtype != torch.float32
         if cfg.tie_word_embeddings and self.quantizer is None:
             # Tied: the (V, C) embedding matrix serves as the head through Gemm's transB, so it is stored once.
-            # (Quantized graphs keep a quantized copy for the head instead: the float Gather stays exact.)
+            # (Quantized graphs quantize the head; the embedding gathers from it, or, with HQQ, stays float.)
             # transB reads the (V, C) matrix as fast as MatMul reads a (C, V) copy (measured: onnxruntime 1.31,
             # V = 124160, 1 and 128 rows).
             logits_out = b.fresh("logits") if cast else output
             self.emit_tied_head(hidden, bias, logits_out)
         else:
-            logits_out = self.emit_matmul(hidden, "lm_head.weight", self.weights.get("lm_head.weight").T)
+            if self.shared_head is not None:
+                logits_out = self.quantizer.emit_matmul(b, hidden, self.shared_head)
+            else:
+                logits_out = self.emit_matmul(hidden, "lm_head.weight", self.weights.get("lm_head.weight").T)
             if bias:
                 logits_out = b.op("Add", logits_out, bias[0])
             if not cast:

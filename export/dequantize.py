@@ -21,6 +21,7 @@ kernels; float16 scales give float16 weights after one more rounding, which is a
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ PACKED = {
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
 QUANTIZED_OPS = ("MatMulNBits", "GatherBlockQuantized")
+EMBEDDING = "model.embed_tokens.weight"
 _QUANTIZED_SUFFIX = re.compile(r"_Q\d+$")  # onnxruntime's quantizer names the packed weight "<name>_Q4" / "_Q8"
 
 
@@ -109,12 +111,19 @@ def graph_weight_name(quantized_input: str) -> str:
 
 def quantized_weights(onnx_path: Path) -> dict[str, QuantizedWeight]:
     """Every quantized weight of the graph, dequantized, by graph weight name: a MatMulNBits weight (K, N), as the
-    graph multiplies by it, a GatherBlockQuantized table (V, C)."""
+    graph multiplies by it, a GatherBlockQuantized table (V, C') (C' the row padded to whole blocks). The one table
+    the exporter gathers quantized is the token embedding: its GatherBlockQuantized is ``EMBEDDING``, whatever
+    tensors it reads (a tied one reads the head's)."""
     model = onnx.load(str(onnx_path), load_external_data=True)
-    tensors = {t.name: t for t in model.graph.initializer}
+    read = constant_reader(model.graph)
 
     def array(name: str):
-        return numpy_helper.to_array(tensors[name]) if name else None
+        if not name:
+            return None
+        value = read(name)
+        if value is None:
+            raise RuntimeError(f"quantized tensor {name} is not a constant of the graph (a bug in the exporter)")
+        return value
 
     weights: dict[str, QuantizedWeight] = {}
     for node in model.graph.node:
@@ -127,8 +136,33 @@ def quantized_weights(onnx_path: Path) -> dict[str, QuantizedWeight]:
             data, scales = array(node.input[0]), array(node.input[2])
             zero = array(node.input[3]) if len(node.input) > 3 else None
             weight = dequantize_gather_block(attrs, data, scales, zero)
-            weights[graph_weight_name(node.input[0])] = QuantizedWeight(node.op_type, attrs.get("bits", 4), weight)
+            if EMBEDDING in weights:
+                raise RuntimeError("a second GatherBlockQuantized in the graph (a bug in the exporter)")
+            weights[EMBEDDING] = QuantizedWeight(node.op_type, attrs.get("bits", 4), weight)
     return weights
+
+
+def constant_reader(graph: onnx.GraphProto) -> Callable[[str], np.ndarray | None]:
+    """A function from a value name to its array when the value is a constant: an initializer, or a Reshape of
+    constants (how a tied embedding reads the head's packed weight); None otherwise. Arrays are made on demand, so
+    the float weights a graph also holds are never converted."""
+    tensors = {t.name: t for t in graph.initializer}
+    reshapes = {node.output[0]: node for node in graph.node if node.op_type == "Reshape"}
+
+    def read(name: str) -> np.ndarray | None:
+        if name in tensors:
+            return numpy_helper.to_array(tensors[name])
+        node = reshapes.get(name)
+        if node is None:
+            return None
+        data, shape = read(node.input[0]), read(node.input[1])
+        if data is None or shape is None:
+            return None
+        if attributes(node).get("allowzero", 0) == 0:  # ONNX: a 0 copies the input's dimension
+            shape = [data.shape[i] if size == 0 else size for i, size in enumerate(shape)]
+        return data.reshape([int(size) for size in shape])
+
+    return read
 
 
 def as_thinker_parameters(weights: dict[str, QuantizedWeight], model: torch.nn.Module) -> dict[str, QuantizedWeight]:
@@ -140,6 +174,10 @@ def as_thinker_parameters(weights: dict[str, QuantizedWeight], model: torch.nn.M
         tensor = torch.from_numpy(np.ascontiguousarray(quantized.weight))
         if quantized.op_type == "MatMulNBits":
             tensor = tensor.T  # (K, N) -> (out, in), the Linear layout
+        elif name in parameters and tensor.shape[1] > parameters[name].shape[1]:
+            # A Gather table's rows padded to whole blocks: the graph slices the gathered rows back (its graph
+            # check would fail on the shapes if it did not).
+            tensor = tensor[:, : parameters[name].shape[1]]
         if name in parameters:
             out[name] = QuantizedWeight(quantized.op_type, quantized.bits, tensor)
             continue

@@ -65,13 +65,16 @@ def export_model(
     quantize: QuantizeSpec | None = None,
     progress: bool = True,
     quality: QualityGate | None = None,
+    accuracy_guard: float | None = None,
 ) -> dict:
     """Exports ``source`` to the folder ``output`` and returns the export report (also written there).
 
     ``graph``: "plain" or "fused" (see GRAPHS), None for ``DEFAULT_GRAPH`` (fused); ``quantize``:
     weight-only int4/int8 of the projections, whose cost against the float model ``--verify`` holds to ``quality``
     (default: ``QualityGate.default``); ``progress``: bars on stderr for writing (or quantizing) the weights and for
-    verifying, where it is a terminal."""
+    verifying, where it is a terminal; ``accuracy_guard``: with ``quantize`` at accuracy level 4, the least top-1
+    agreement with the same graph at level 1 on a fixed paragraph, below which the most sensitive layers fall back
+    to level 1 (export/accuracy_guard.py; None: no guard)."""
     output = Path(output)
     if dtype not in FLOAT_DTYPES:
         raise ThinkerError(f"--dtype {dtype}: expected one of {', '.join(FLOAT_DTYPES)}")
@@ -92,6 +95,13 @@ def export_model(
         final = staging / "onnx"
         graph_class = resolve_name(GRAPHS[graph])
         files = build_onnx(model_dir, config, final, graph_dtype, graph_class, quantizer, progress=progress)
+        guard = None
+        if quantize and quantize.accuracy_level == 4 and accuracy_guard is not None:
+            from .accuracy_guard import guard_accuracy_level
+
+            guard = guard_accuracy_level(
+                model_dir, files.model_path, config.vocab_size, config.max_position_embeddings, accuracy_guard, threads
+            )
         copy_side_files(model_dir, final)
         generation_config = read_json(model_dir / "generation_config.json")
         genai = make_genai_config(config, generation_config, threads, share_buffer=files.kv_in_place)
@@ -102,6 +112,7 @@ def export_model(
             "dtype": dtype,
             "graph": graph,
             "quantize": quantize.describe() if quantize else None,
+            "accuracy_guard": guard,
             "opset": OPSET,
             "ir_version": IR_VERSION,
             "nodes": files.nodes,

@@ -33,3 +33,6 @@ BITS = {"int4": 4, "int8": 8}
 ALGORITHMS = ("rtn", "rtn-asym", "hqq")
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 ACCURACY_LEVELS = (0, 1, 4)
+# --accuracy-guard (export/accuracy_guard.py): the least teacher-forced top-1 agreement of an accuracy-level-4 graph
+# with the same weights at level 1, below which layers fall back to level 1.
+DEFAULT_MIN_AGREEMENT = 0.9

@@ -15,9 +15,14 @@ exporter's memory at one tensor, as for float graphs, instead of loading a whole
         every call: fine for checking fidelity, far too slow for CPU decoding (bench/results/README-figures.md)
 
 What is quantized: every 2-D projection that goes through ``DecoderGraph.emit_matmul`` (attention q/k/v/o, the
-MLPs, shared experts, the head; a tied head gets its own quantized copy while the embedding Gather stays float).
-What is not: embeddings, norms, the MoE router and routed experts (their stacks stay float), projections too small
-to gain (fewer input features than one block, or fewer than 16 outputs). ``head_bits=8`` keeps the head, the
+MLPs, shared experts, the head). A tied embedding is the head's weight: when the head is quantized the embedding
+lookup becomes onnxruntime's ``GatherBlockQuantized`` over the head's own packed weight, scales and zero points
+(``emit_gather``), so the table is stored once, quantized, as onnxruntime-genai's builder does. Not with HQQ: its
+float zero points are not a type GatherBlockQuantized takes (zero points share the data's uint8 type), so an HQQ
+export keeps the float embedding beside its quantized head. An untied embedding stays float: a decode step reads one
+row of it per token, so quantizing it would save file size, not time. What is not quantized: norms, the MoE router
+and routed experts (their stacks stay float), projections too small to gain (fewer input features than one block,
+or fewer than 16 outputs). ``head_bits=8`` keeps the head, the
 single most output-sensitive weight, at 8 bits under an int4 body: the CLI's default (``DEFAULT_HEAD``).
 
 Gated DeltaNet layers (Qwen3.5, Qwen3-Next): in_proj_qkv, in_proj_z and out_proj are quantized like any projection;
@@ -33,6 +38,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
 import torch
 from onnx import helper, numpy_helper
@@ -107,6 +113,19 @@ class QuantizeSpec:
         return f"int{self.bits} {self.algo}, block {self.block_size}{head}"
 
 
+@dataclass(frozen=True)
+class QuantizedProjection:
+    """One projection as onnxruntime's quantizer left it, its tensors already in the graph's weights file:
+    ``inputs`` the MatMulNBits inputs after the activations (packed weight, scales, zero points when asymmetric),
+    ``shapes`` theirs, ``attributes`` the node's (K, N, bits, block_size, accuracy_level)."""
+
+    inputs: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    attributes: dict
+    domain: str
+    float_zero_points: bool  # HQQ's: a MatMulNBits input that GatherBlockQuantized does not take
+
+
 class WeightQuantizer:
     """Turns ``x @ W`` into MatMulNBits through onnxruntime's MatMulNBitsQuantizer, one weight at a time."""
 
@@ -120,9 +139,17 @@ class WeightQuantizer:
 
     def applies(self, weight: torch.Tensor, name: str = "") -> bool:
         """Whether projection ``name`` with (in, out) ``weight`` is quantized."""
-        in_features, out_features = weight.shape
+        return self.applies_to_shape(tuple(weight.shape), name)
+
+    def applies_to_shape(self, shape: tuple[int, ...], name: str = "") -> bool:
+        in_features, out_features = shape
         big_enough = in_features >= self.spec.block_size and out_features >= MIN_OUTPUTS
         return big_enough and not name.endswith(KEPT_FLOAT)
+
+    def shares_embedding(self, head_shape: tuple[int, ...]) -> bool:
+        """Whether a tied embedding is gathered from the quantized head of (in, out) ``head_shape``: the head is
+        quantized, and not with float zero points (HQQ), which GatherBlockQuantized does not take."""
+        return self.applies_to_shape(head_shape, HEAD) and self.spec.for_weight(HEAD).algo != "hqq"
 
     @staticmethod
     def algo_config(spec: QuantizeSpec):
@@ -139,6 +166,10 @@ class WeightQuantizer:
 
     def emit(self, b: GraphBuilder, x: str, name: str, weight: torch.Tensor) -> str:
         """Adds ``x @ weight`` as a MatMulNBits node to ``b`` and returns its output."""
+        return self.emit_matmul(b, x, self.quantize(b, name, weight))
+
+    def quantize(self, b: GraphBuilder, name: str, weight: torch.Tensor) -> QuantizedProjection:
+        """``weight`` (in, out) quantized by onnxruntime's quantizer, its tensors written to ``b``'s weights."""
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
         spec = self.spec.for_weight(name)
@@ -148,11 +179,64 @@ class WeightQuantizer:
         (node,) = graph.node
         if node.op_type != "MatMulNBits":
             raise RuntimeError(f"onnxruntime's quantizer left {name} as {node.op_type} (a bug in the exporter)")
-        for tensor in graph.initializer:  # packed weights, scales (zero points): into the external-data file
-            b.weight(tensor.name, numpy_helper.to_array(tensor))
+        arrays = {tensor.name: numpy_helper.to_array(tensor) for tensor in graph.initializer}
+        inputs = tuple(node.input[1:])  # positional: an input left out is "" (none here but trailing ones)
+        for tensor_name in filter(None, inputs):  # packed weights, scales (zero points): into the external-data file
+            b.weight(tensor_name, arrays[tensor_name])
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         attributes["accuracy_level"] = spec.accuracy_level  # HQQ's config has no field for it
-        return b.op("MatMulNBits", x, *node.input[1:], domain=node.domain, **attributes)
+        zero_points = arrays[inputs[2]] if len(inputs) > 2 and inputs[2] else None
+        return QuantizedProjection(
+            inputs=inputs,
+            shapes=tuple(arrays[i].shape if i else () for i in inputs),
+            attributes=attributes,
+            domain=node.domain,
+            float_zero_points=zero_points is not None and zero_points.dtype != np.uint8,
+        )
+
+    @staticmethod
+    def emit_matmul(b: GraphBuilder, x: str, projection: QuantizedProjection) -> str:
+        """``x @ W`` as the MatMulNBits node over ``projection``'s tensors."""
+        return b.op("MatMulNBits", x, *projection.inputs, domain=projection.domain, **projection.attributes)
+
+    @staticmethod
+    def emit_gather(b: GraphBuilder, head: QuantizedProjection, indices: str) -> str:
+        """Rows ``indices`` of the head's (N, K) weight, i.e. of the tied embedding, dequantized by
+        GatherBlockQuantized from the head's own tensors: (..., K) in the scales' dtype.
+
+        Layouts (onnxruntime 1.31's contrib schemas and CPU kernels): MatMulNBits' packed weight is (N, blocks,
+        block * bits / 8) uint8 and its scales (N, blocks), its uint8 zero points (N, ceil(blocks * bits / 8));
+        GatherBlockQuantized with uint8 data, ``gather_axis`` 0 and ``quantize_axis`` 1 reads data (N, blocks *
+        block * bits / 8), values packed along the row low bits first (4 bits) or one a byte (8), scales (N, blocks)
+        and uint8 zero points packed along the row the same way, the defaults when absent 2^(bits-1) as MatMulNBits'
+        symmetric ones. So the same bytes serve both: the packed weight goes through a Reshape (MatMulNBits insists
+        on its 3-D initializer; a Reshape of a constant is folded by onnxruntime when the session loads), the
+        scales and zero points as they are. A K that is not a whole number of blocks is padded in the packed rows:
+        the gathered rows are cut back to K."""
+        if head.float_zero_points:
+            raise RuntimeError("GatherBlockQuantized takes no float zero points (a bug in the exporter)")
+        attrs = head.attributes
+        k, n, bits, block = attrs["K"], attrs["N"], attrs["bits"], attrs["block_size"]
+        packed, scales_and_zeros = head.inputs[0], [i for i in head.inputs[1:3] if i]
+        packed_shape, scales_shape = head.shapes[:2]
+        blocks = packed_shape[1]
+        if len(head.inputs) > 3 or packed_shape != (n, blocks, block * bits // 8) or scales_shape != (n, blocks):
+            raise RuntimeError(f"quantized head of shapes {head.shapes}: not the layout GatherBlockQuantized reads")
+        table = b.op("Reshape", packed, b.const([n, blocks * block * bits // 8]))
+        rows = b.op(
+            "GatherBlockQuantized",
+            table,
+            indices,
+            *scales_and_zeros,
+            domain=head.domain,
+            bits=bits,
+            block_size=block,
+            gather_axis=0,
+            quantize_axis=1,
+        )
+        if blocks * block == k:
+            return rows
+        return b.op("Slice", rows, b.const([0]), b.const([k]), b.const([-1]))
 
     def one_matmul_model(self, name: str, weight: torch.Tensor) -> onnx.ModelProto:
         """``y = x @ weight`` with ``x`` of rank 3 (so the quantizer needs no reshape), the weight in the graph's

@@ -1,0 +1,224 @@
+"""A per-layer guard for ``--accuracy-level 4``: layers whose int8 activations flip tokens fall back to float.
+
+accuracy_level 4 has MatMulNBits round its activations to int8 per block of the input axis (onnxruntime's fastest
+CPU kernels), which is reported to flip greedy tokens on some models (onnxruntime issue 29849): an outlier channel
+in a block crushes the other channels of that block to a few levels. After the graph is written, the guard runs
+export/fidelity.py's paragraph (teacher forced, one prefill) through the graph as written and through the same
+graph with every MatMulNBits at accuracy_level 1 (float32 activations, the same quantized weights), and takes the
+share of positions where both pick the same next token. Below ``min_agreement`` it ranks the decoder layers (and
+the head) by what int8 activations cost each: one more prefill at level 1 hands back every MatMulNBits' input
+activations, which are rounded here as level 4 rounds them (per block of the input axis, a scale of max |a| / 127,
+MLAS's CompInt8 quantization of A) and multiplied by the node's dequantized weight (export/dequantize.py): each
+node's relative output error ||(A_int8 - A) W|| / ||A W||, a unit ranked by its worst node. That costs one prefill
+in all, where measuring each unit alone at level 4 would cost one onnxruntime session per layer (~10 s each for
+SmolLM2 on this machine); it is a proxy for the kernel's rounding, so the choice is made with the real kernels:
+the costliest units' MatMulNBits move to level 1, the shortest prefix of the ranking whose graph meets
+``min_agreement``, found by bisection (agreement grows, if not strictly, as units move; whatever prefix is chosen
+was measured to meet the threshold).
+It rewrites the model proto with those levels (the weights file is untouched).
+
+Cost: two sessions and prefills of ~230 tokens when the graph passes (SmolLM2-135M int4: 20-40 s on this shared
+2-core machine, most of it onnxruntime preparing each session); when it falls back, one more for the ranking and
+one per bisection step (log2 of the units).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from .fidelity import FIDELITY_TEXT, log_softmax
+from .names import DEFAULT_MIN_AGREEMENT
+from .runtime import OnnxDecoder, position_ids_from_mask
+
+FALLBACK_LEVEL = 1
+_UNIT = re.compile(r"^/model/layers\.(\d+)/|^/lm_head/")
+GUARD_TOKENS = 256  # the paragraph is ~230 tokens with SmolLM2's tokenizer; random ids when there is no tokenizer
+
+
+def guard_token_ids(model_dir: Path, vocab_size: int, max_positions: int) -> tuple[np.ndarray, str]:
+    """export/fidelity.py's paragraph through the model's tokenizer, or, without a usable one (or with ids beyond
+    the vocabulary), GUARD_TOKENS ids from a fixed seed; cut to the model's context."""
+    from transformers import AutoTokenizer
+
+    length = min(GUARD_TOKENS, max_positions)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+        ids = np.asarray(tokenizer(FIDELITY_TEXT)["input_ids"], dtype=np.int64)
+        if len(ids) > 1 and ids.max() < vocab_size:
+            return ids[:length], "export/fidelity.py FIDELITY_TEXT"
+    except Exception:  # no tokenizer files, or ones transformers cannot read: the fixed ids below
+        pass
+    rng = np.random.default_rng(0)
+    return rng.integers(0, vocab_size, size=length, dtype=np.int64), "random ids (seed 0)"
+
+
+def matmul_units(model: onnx.ModelProto) -> dict[str, list[str]]:
+    """The graph's MatMulNBits node names by unit: ``layers.i`` or ``lm_head``, in graph order."""
+    units: dict[str, list[str]] = {}
+    for node in model.graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        match = _UNIT.match(node.name)
+        unit = (f"layers.{match.group(1)}" if match.group(1) else "lm_head") if match else "other"
+        units.setdefault(unit, []).append(node.name)
+    return units
+
+
+def set_levels(model: onnx.ModelProto, levels: dict[str, int]) -> None:
+    """Sets each MatMulNBits node named in ``levels`` to its accuracy level."""
+    for node in model.graph.node:
+        if node.name in levels:
+            for attribute in node.attribute:
+                if attribute.name == "accuracy_level":
+                    attribute.i = levels[node.name]
+
+
+@contextmanager
+def graph_variant(model: onnx.ModelProto, onnx_path: Path, levels: dict[str, int]) -> Iterator[Path]:
+    """``model`` with ``levels`` applied, saved beside ``onnx_path`` (its weights file in reach), removed after."""
+    variant = onnx.ModelProto()
+    variant.CopyFrom(model)
+    set_levels(variant, levels)
+    handle, name = tempfile.mkstemp(prefix=".guard-", suffix=".onnx", dir=onnx_path.parent)
+    os.close(handle)
+    path = Path(name)
+    try:
+        onnx.save_model(variant, str(path))
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def prefill(model: onnx.ModelProto, onnx_path: Path, levels: dict[str, int], ids: np.ndarray, threads) -> np.ndarray:
+    with graph_variant(model, onnx_path, levels) as path:
+        decoder = OnnxDecoder(path, provider="cpu", threads=threads)
+        return decoder.prefill(ids[None], np.ones_like(ids)[None])[0][0]
+
+
+def activation_rounding_errors(
+    model: onnx.ModelProto, onnx_path: Path, units: dict[str, list[str]], ids: np.ndarray, threads
+) -> dict[str, float]:
+    """Each unit's worst relative output error from int8 activations, on the level-1 graph's own activations."""
+    from .dequantize import attributes, constant_reader, dequantize_matmul_nbits
+
+    read = constant_reader(onnx.load(str(onnx_path), load_external_data=True).graph)
+    matmuls = {node.name: node for node in model.graph.node if node.op_type == "MatMulNBits"}
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    activations = sorted({matmuls[name].input[0] for names in units.values() for name in names})
+    for name in activations:  # every MatMulNBits input as an extra output; its type is its scales'
+        node = next(n for n in matmuls.values() if n.input[0] == name)
+        elem_type = onnx.helper.np_dtype_to_tensor_dtype(read(node.input[2]).dtype)
+        probe.graph.output.append(onnx.helper.make_tensor_value_info(name, elem_type, None))
+    with graph_variant(probe, onnx_path, dict.fromkeys(matmuls, FALLBACK_LEVEL)) as path:
+        decoder = OnnxDecoder(path, provider="cpu", threads=threads)
+        mask = np.ones_like(ids)[None]
+        feeds = {
+            "input_ids": ids[None],
+            "attention_mask": mask,
+            "position_ids": decoder.graph_positions(position_ids_from_mask(mask)),
+            **decoder.empty_cache(1),
+        }
+        values = decoder.session.run(activations, feeds)
+    inputs = dict(zip(activations, values, strict=True))
+    errors = {}
+    for unit, names in units.items():
+        worst = 0.0
+        for name in names:
+            node = matmuls[name]
+            attrs = attributes(node)
+            packed, scales, zero = (read(i) if i else None for i in [*node.input[1:4], ""][:3])
+            weight = dequantize_matmul_nbits(attrs, packed, scales, zero).astype(np.float32)
+            a = inputs[node.input[0]].astype(np.float32).reshape(-1, attrs["K"])
+            exact = a @ weight
+            rounded = int8_blockwise(a, attrs["block_size"]) @ weight
+            worst = max(worst, float(np.linalg.norm(rounded - exact) / max(np.linalg.norm(exact), 1e-30)))
+        errors[unit] = worst
+    return errors
+
+
+def int8_blockwise(a: np.ndarray, block: int) -> np.ndarray:
+    """(M, K) activations as accuracy level 4 sees them: per block of ``block`` along K, a symmetric int8 scale of
+    max |a| / 127, rounded to nearest, then dequantized."""
+    m, k = a.shape
+    padded = np.zeros((m, -(-k // block) * block), dtype=np.float32)
+    padded[:, :k] = a
+    blocks = padded.reshape(m, -1, block)
+    scale = np.abs(blocks).max(-1, keepdims=True) / 127
+    scale[scale == 0] = 1
+    return (np.clip(np.rint(blocks / scale), -127, 127) * scale).reshape(m, -1)[:, :k]
+
+
+def top1_agreement(reference: np.ndarray, candidate: np.ndarray) -> float:
+    return float((reference.argmax(-1) == candidate.argmax(-1)).mean())
+
+
+def mean_kl(reference: np.ndarray, candidate: np.ndarray) -> float:
+    """Mean over positions of KL(reference || candidate) of the next-token distributions."""
+    log_p, log_q = log_softmax(reference), log_softmax(candidate)
+    return float((np.exp(log_p) * (log_p - log_q)).sum(-1).mean())
+
+
+def guard_accuracy_level(
+    model_dir: Path,
+    onnx_path: Path,
+    vocab_size: int,
+    max_positions: int,
+    min_agreement: float = DEFAULT_MIN_AGREEMENT,
+    threads: int | None = None,
+) -> dict:
+    """Checks the written graph's level-4 MatMulNBits against level 1 and moves the most sensitive units to level 1
+    until they agree on at least ``min_agreement`` of the paragraph's next tokens; rewrites ``onnx_path`` when
+    anything moved. Returns the report's figures."""
+    started = time.perf_counter()
+    onnx_path = Path(onnx_path)
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    units = matmul_units(model)
+    nodes = [name for names in units.values() for name in names]
+    ids, text = guard_token_ids(model_dir, vocab_size, max_positions)
+    result: dict = {"min_agreement": min_agreement, "text": text, "tokens": len(ids)}
+
+    float_levels = dict.fromkeys(nodes, FALLBACK_LEVEL)
+    reference = prefill(model, onnx_path, float_levels, ids, threads)
+    shipped = prefill(model, onnx_path, {}, ids, threads)
+    agreement = top1_agreement(reference, shipped)
+    result["agreement_before"] = agreement
+    result["mean_kl_before"] = mean_kl(reference, shipped)
+    moved: list[str] = []
+    if agreement < min_agreement:
+        sensitivity = activation_rounding_errors(model, onnx_path, units, ids, threads)
+        result["unit_activation_rounding_error"] = dict(sorted(sensitivity.items(), key=lambda item: -item[1]))
+        ranked = sorted(sensitivity, key=sensitivity.get, reverse=True)
+
+        def levels_moving(count: int) -> dict[str, int]:
+            return {name: FALLBACK_LEVEL for unit in ranked[:count] for name in units[unit]}
+
+        # The fewest of the costliest units whose fallback meets the threshold, by bisection over the ranking:
+        # log2(units) sessions instead of one per unit. Every unit moved is the level-1 reference itself.
+        tried = {len(ranked): 1.0}
+        low, high = 1, len(ranked)
+        while low < high:
+            middle = (low + high) // 2
+            tried[middle] = top1_agreement(reference, prefill(model, onnx_path, levels_moving(middle), ids, threads))
+            low, high = (low, middle) if tried[middle] >= min_agreement else (middle + 1, high)
+        moved, agreement = ranked[:low], tried[low]
+        result["agreement_by_units_moved"] = dict(sorted(tried.items()))
+        set_levels(model, levels_moving(low))
+        onnx.save_model(model, str(onnx_path))
+    result.update(
+        agreement=agreement,
+        passed=agreement >= min_agreement,
+        moved_to_level_1=moved,
+        nodes_moved=[name for unit in moved for name in units[unit]],
+        seconds=round(time.perf_counter() - started, 3),
+    )
+    return result

@@ -1,0 +1,241 @@
+"""A tied embedding under ``--quantize``: GatherBlockQuantized over the head's own quantized tensors.
+
+The table is stored once, quantized (no float copy); onnxruntime's GatherBlockQuantized kernel gathers exactly the
+rows its MatMulNBits kernel multiplies by (checked kernel against kernel, int4 and int8, symmetric and asymmetric,
+a row padded to whole blocks); HQQ (float zero points) and untied models keep the float embedding; ``--verify``
+runs the PyTorch Thinker with the dequantized embedding and fails an embedding that is not the head's.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import helper, numpy_helper
+
+from export.dequantize import EMBEDDING, quantized_weights
+from export.quantize import QuantizeSpec
+from export.quantized_verify import QualityGate
+
+INT4 = QuantizeSpec(bits=4, block_size=16)
+INT4_HEAD8 = QuantizeSpec(bits=4, block_size=16, head_bits=8)  # the CLI's int4 default: an int8 head
+INT8 = QuantizeSpec(bits=8, block_size=16)
+INT4_ASYM = QuantizeSpec(bits=4, block_size=16, algo="rtn-asym")
+INT8_ASYM = QuantizeSpec(bits=8, block_size=16, algo="rtn-asym")
+HQQ = QuantizeSpec(bits=4, block_size=16, algo="hqq")
+SPECS = {"int4": INT4, "int4-head8": INT4_HEAD8, "int8": INT8, "int4-asym": INT4_ASYM, "int8-asym": INT8_ASYM}
+TIED = dict(tie_word_embeddings=True)
+PADDED = dict(tie_word_embeddings=True, hidden_size=40)  # 40 = 2.5 blocks of 16: the packed rows are padded
+NO_GATE = QualityGate(min_top1=0.0, max_perplexity_increase=float("inf"))
+GENAI_SCRIPT = Path(__file__).with_name("genai_greedy.py")
+OPSETS = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+
+
+def attributes(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def run_nodes(model: onnx.ModelProto, nodes: list[onnx.NodeProto], inputs: dict[str, np.ndarray], output: str):
+    """``nodes`` of ``model`` (its initializers with them) as a model of their own, run by onnxruntime on CPU."""
+    used = {name for node in nodes for name in node.input}
+    initializers = [t for t in model.graph.initializer if t.name in used]
+    graph = helper.make_graph(
+        nodes,
+        "part",
+        [
+            helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
+            for name, a in inputs.items()
+        ],
+        [helper.make_tensor_value_info(output, onnx.TensorProto.FLOAT, None)],
+        initializer=initializers,
+    )
+    session = ort.InferenceSession(
+        helper.make_model(graph, opset_imports=OPSETS, ir_version=10).SerializeToString(),
+        providers=["CPUExecutionProvider"],
+    )
+    return session.run(None, inputs)[0]
+
+
+def embedding_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The nodes from the quantized head's tensors to the embedding's output, in order."""
+    nodes = [n for n in model.graph.node if "/embed/" in n.name]
+    assert [n.op_type for n in nodes][:2] == ["Reshape", "GatherBlockQuantized"], [n.op_type for n in nodes]
+    return nodes
+
+
+def head_node(model: onnx.ModelProto) -> onnx.NodeProto:
+    return next(n for n in model.graph.node if n.op_type == "MatMulNBits" and n.input[1].startswith("lm_head."))
+
+
+@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
+def test_tied_embedding_is_gathered_from_the_head(spec, onnx_variant):
+    folder = onnx_variant("qwen3", graph="plain", quantize=spec, **TIED)
+    model = onnx.load(folder / "model.onnx", load_external_data=False)
+    reshape, gather = embedding_nodes(model)
+    head = head_node(model)
+    # The head's packed weight (through a Reshape to 2-D), its scales and zero points, and nothing else.
+    assert reshape.input[0] == head.input[1] and gather.input[0] == reshape.output[0]
+    assert gather.input[1] == "input_ids" and list(gather.input[2:]) == list(head.input[2:])
+    assert len(gather.input) == (4 if spec.algo == "rtn-asym" else 3)
+    assert attributes(gather) == {
+        "bits": attributes(head)["bits"],
+        "block_size": 16,
+        "gather_axis": 0,
+        "quantize_axis": 1,
+    }
+    # Stored once: no float table, and each tensor once.
+    names = [t.name for t in model.graph.initializer]
+    assert EMBEDDING not in names and "lm_head.weight" not in names and len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("spec", [HQQ, None], ids=["hqq", "untied"])
+def test_float_embedding_where_it_cannot_be_shared(spec, onnx_variant):
+    """HQQ's float zero points are not a type GatherBlockQuantized takes; an untied embedding is its own weight."""
+    overrides = TIED if spec else {}
+    folder = onnx_variant("qwen3", graph="plain", quantize=spec or INT4, **overrides)
+    model = onnx.load(folder / "model.onnx", load_external_data=False)
+    assert not [n for n in model.graph.node if n.op_type == "GatherBlockQuantized"]
+    gathers = [n for n in model.graph.node if n.op_type == "Gather" and n.input[1] == "input_ids"]
+    assert [n.input[0] for n in gathers] == [EMBEDDING]
+    assert head_node(model).op_type == "MatMulNBits"
+
+
+@pytest.mark.parametrize("overrides", [TIED, PADDED], ids=["whole-blocks", "padded"])
+@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
+def test_gathered_rows_are_what_the_head_multiplies_by(spec, overrides, onnx_variant):
+    """Kernel against kernel: every row onnxruntime's GatherBlockQuantized gathers equals the column of the weight
+    its MatMulNBits multiplies by (run on an identity matrix with float activations), bit for bit; and
+    export/dequantize.py reads the same table back."""
+    folder = onnx_variant("qwen3", graph="plain", quantize=spec, **overrides)
+    model = onnx.load(folder / "model.onnx")
+    vocab, hidden = 96, overrides.get("hidden_size", 32)
+    nodes = embedding_nodes(model)
+    table = run_nodes(model, nodes, {"input_ids": np.arange(vocab)[None]}, nodes[-1].output[0])[0]
+    head = head_node(model)
+    matmul = helper.make_node("MatMulNBits", ["x", *head.input[1:]], ["y"], domain="com.microsoft")
+    matmul.attribute.extend(helper.make_attribute(k, v) for k, v in {**attributes(head), "accuracy_level": 0}.items())
+    weight = run_nodes(model, [matmul], {"x": np.eye(hidden, dtype=np.float32)}, "y")  # (C, V)
+    assert table.shape == (vocab, hidden)
+    np.testing.assert_array_equal(table, weight.T)
+    ours = quantized_weights(folder / "model.onnx")
+    assert ours[EMBEDDING].op_type == "GatherBlockQuantized" and ours[EMBEDDING].bits == attributes(head)["bits"]
+    np.testing.assert_array_equal(ours[EMBEDDING].weight[:, :hidden], table)
+
+
+def test_sizes_and_parameter_count_stay_true(thinker_variant, tmp_path):
+    """The report's sizes are the files', the parameter count PyTorch's (each weight once, however the graph stores
+    it); no float (V, C) table is left in the graph."""
+    from export.exporter import export_model
+    from thinker import ThinkerForCausalLM
+
+    folder = thinker_variant("qwen3", head_dim=16, **PADDED)
+    report = export_model(folder, tmp_path / "out", graph="plain", quantize=INT4_HEAD8, verify=False, progress=False)
+    files = {p.name: p.stat().st_size for p in (tmp_path / "out").iterdir() if p.name != "export_report.json"}
+    assert report["sizes"] == files
+    model = ThinkerForCausalLM.from_pretrained(folder)
+    assert report["parameters"] == sum(p.numel() for p in model.parameters())
+    graph = onnx.load(tmp_path / "out" / "model.onnx", load_external_data=False).graph
+    assert not [t.name for t in graph.initializer if list(t.dims) in ([96, 40], [40, 96])]
+    hqq = export_model(folder, tmp_path / "hqq", graph="plain", quantize=HQQ, verify=False, progress=False)
+    assert hqq["parameters"] == report["parameters"]
+
+
+@pytest.mark.parametrize("spec", [INT4, INT4_HEAD8, INT8, INT4_ASYM], ids=["int4", "int4-head8", "int8", "int4-asym"])
+def test_verify_runs_the_dequantized_embedding(spec, thinker_variant, onnx_variant, monkeypatch):
+    """The export passes, its embedding exactly the head's table; the same check with the PyTorch model left holding
+    its float embedding fails the graph check: the tolerance sees the embedding's rounding, so feeding it matters."""
+    import export.quantized_verify as quantized_verify
+
+    model_dir = thinker_variant("qwen3", head_dim=16, **TIED)
+    path = onnx_variant("qwen3", graph="fused", quantize=spec, **TIED) / "model.onnx"
+    sound = quantized_verify.verify_quantized_export(model_dir, path, torch.float32, spec.bits, NO_GATE)
+    assert sound["passed"] is True, sound
+    assert sound["weights"]["embedding"] == "GatherBlockQuantized", sound["weights"]
+    assert sound["weights"]["tied_embedding_max_abs_diff_from_head"] == 0.0, sound["weights"]
+    assert sound["graph"]["max_abs_diff"] <= 1e-4, sound["graph"]
+    # A well-conditioned input: the rounding-sensitivity floor stays under the float graphs' tolerance.
+    graph = sound["graph"]
+    assert graph["tolerance"] == 1e-4 * max(1.0, graph["logit_scale"]) > 8 * graph["rounding_sensitivity"], graph
+
+    as_parameters = quantized_verify.as_thinker_parameters
+
+    def without_embedding(weights, model):
+        return {name: w for name, w in as_parameters(weights, model).items() if name != EMBEDDING}
+
+    monkeypatch.setattr(quantized_verify, "as_thinker_parameters", without_embedding)
+    float_embedding = quantized_verify.verify_quantized_export(model_dir, path, torch.float32, spec.bits, NO_GATE)
+    assert float_embedding["passed"] is False, float_embedding
+    assert "against the model with the same dequantized weights" in float_embedding["failure"], float_embedding
+
+
+def scale_embedding(model: onnx.ModelProto) -> None:
+    """The embedding's Gather reads its own scales, 10 % off the head's (one copy too many, and wrong)."""
+    gather = next(n for n in model.graph.node if n.op_type == "GatherBlockQuantized")
+    scales = next(t for t in model.graph.initializer if t.name == gather.input[2])
+    model.graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array(scales) * 1.1, "embed_scales"))
+    gather.input[2] = "embed_scales"
+
+
+def drop_embedding_zero_points(model: onnx.ModelProto) -> None:
+    """The asymmetric embedding read without its zero points (the op's default zero point instead)."""
+    gather = next(n for n in model.graph.node if n.op_type == "GatherBlockQuantized")
+    del gather.input[3]
+
+
+def shift_tokens(model: onnx.ModelProto) -> None:
+    """The embedding gathers each token's neighbour row (an indexing bug, the table itself sound)."""
+    gather = next(n for n in model.graph.node if n.op_type == "GatherBlockQuantized")
+    one = numpy_helper.from_array(np.array(1, dtype=np.int64), "one")
+    model.graph.initializer.append(one)
+    model.graph.node.insert(0, helper.make_node("Add", ["input_ids", "one"], ["shifted_ids"], name="shift"))
+    gather.input[1] = "shifted_ids"
+
+
+@pytest.mark.parametrize(
+    ("spec", "bug", "message"),
+    [
+        (INT4, scale_embedding, "the tied embedding dequantizes to a table"),
+        (INT8, scale_embedding, "the tied embedding dequantizes to a table"),
+        (INT4_ASYM, drop_embedding_zero_points, "the tied embedding dequantizes to a table"),
+        (INT4_HEAD8, shift_tokens, "against the model with the same dequantized weights"),
+    ],
+    ids=["int4-scales", "int8-scales", "int4-asym-zero-points", "int4-head8-indices"],
+)
+def test_verify_fails_a_wrong_embedding(spec, bug, message, thinker_variant, onnx_variant, tmp_path):
+    """Planted bugs in the embedding op. (A wrong block size never gets this far: onnxruntime's shape inference
+    refuses a GatherBlockQuantized whose scales do not match its data and block size when the session loads.)"""
+    from export.quantized_verify import verify_quantized_export
+
+    model_dir = thinker_variant("qwen3", head_dim=16, **TIED)
+    model = onnx.load(onnx_variant("qwen3", graph="fused", quantize=spec, **TIED) / "model.onnx")
+    bug(model)
+    (tmp_path / "broken").mkdir()
+    onnx.save_model(model, tmp_path / "broken" / "model.onnx")
+    broken = verify_quantized_export(model_dir, tmp_path / "broken" / "model.onnx", torch.float32, spec.bits, NO_GATE)
+    assert broken["passed"] is False and message in broken["failure"], broken
+
+
+def test_genai_runs_the_quantized_embedding(genai_python, onnx_variant):
+    """onnxruntime-genai's greedy tokens equal onnxruntime's on tied int4 (int8 head) and int4-asym graphs."""
+    from export.runtime import OnnxDecoder
+
+    folders = [
+        onnx_variant("qwen3", graph="fused", quantize=INT4_HEAD8, **TIED),
+        onnx_variant("qwen3", graph="plain", quantize=INT4_ASYM, **PADDED),
+    ]
+    prompt, new_tokens = [5, 9, 17, 33, 4, 21], 10
+    cases = [{"folder": str(f), "prompt": prompt, "max_new_tokens": new_tokens} for f in folders]
+    done = subprocess.run(
+        [str(genai_python), str(GENAI_SCRIPT)], input=json.dumps(cases), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for folder, sequence in zip(folders, json.loads(done.stdout), strict=True):
+        decoder = OnnxDecoder(folder, provider="cpu")
+        expected = decoder.generate(np.array([prompt]), max_new_tokens=new_tokens, eos_token_id=2, pad_token_id=0)
+        assert sequence == expected[0].tolist(), folder
