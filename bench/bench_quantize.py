@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,7 +39,8 @@ from workers import Runtime, interleave, started, summary  # noqa: E402
 RESULTS = Path(__file__).with_name("results")
 # name -> `thinker export` options (on top of --graph fused); the flips check pairs each with "+acc1" of itself.
 VARIANTS = {
-    "int4": ["--quantize", "int4"],  # the defaults: RTN, block 32, accuracy level 4, int8 head
+    "int4": ["--quantize", "int4"],  # the defaults: RTN, block 32, accuracy level 4, int8 head, the guard at 0.9
+    "int4-noguard": ["--quantize", "int4", "--accuracy-guard", "0"],  # what the accuracy guard costs an export
     "int4-acc1": ["--quantize", "int4", "--accuracy-level", "1"],
     "int4-h4": ["--quantize", "int4", "--quantize-head", "int4"],
     "int4-asym": ["--quantize", "int4", "--algo", "rtn-asym"],
@@ -55,15 +55,23 @@ VARIANTS = {
 FLIP_PAIRS = {"int4": "int4-acc1", "int8": "int8-acc1"}
 
 
-def export_variant(name: str, model: models.BenchModel, fresh: bool) -> Path:
+def export_variant(name: str, model: models.BenchModel, fresh: bool) -> tuple[Path, dict]:
+    """The variant's folder and what its export cost: wall seconds and peak RSS (None when an earlier run's export
+    is reused), the weight files' bytes, and what the accuracy guard measured (export_report.json)."""
     out = exp.CACHE / "exports" / model.name / f"q-{name}"
-    if out.exists() and not fresh:
-        return out
-    command = [sys.executable, "-m", "common.cli", "export", str(model.thinker), str(out), "--no-verify", "--force"]
-    done = subprocess.run([*command, "--graph", "fused", *VARIANTS[name]], capture_output=True, text=True, cwd=exp.REPO)
-    if done.returncode != 0:
-        raise RuntimeError(f"export {name} failed: {done.stderr[-2000:]}")
-    return out
+    figures: dict = {"seconds": None, "peak_rss": None}
+    if fresh or not out.exists():
+        command = [sys.executable, "-m", "common.cli", "export", str(model.thinker), str(out), "--no-verify", "--force"]
+        done = exp.timed([*command, "--graph", "fused", *VARIANTS[name]], cwd=exp.REPO)
+        if done["returncode"] != 0:
+            raise RuntimeError(f"export {name} failed: {done['stderr'][-2000:]}")
+        figures = {"seconds": done["seconds"], "peak_rss": done["peak_rss"]}
+    guard = json.loads((out / "export_report.json").read_text()).get("accuracy_guard") or {}
+    figures["model_bytes"] = exp.folder_bytes(out)
+    figures["accuracy_guard"] = {
+        key: guard[key] for key in ("agreement_before", "agreement", "moved_to_level_1", "seconds") if key in guard
+    }
+    return out, figures
 
 
 def fidelity(model: models.BenchModel, folders: dict[str, Path]) -> dict:
@@ -165,7 +173,31 @@ def markdown(results: dict) -> str:
                 else:
                     row += " — |"
         lines.append(row)
+    lines += [
+        "",
+        "Export (`--no-verify`; the accuracy guard, on by default at 0.9, compares the level-4 graph with the same "
+        "weights at level 1 over the paragraph):",
+        "",
+        "| graph | wall (s) | peak RSS (MB) | model files (MB) | guard: level 4 = level 1 | units moved | guard (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, fig in results.get("exports", {}).items():
+        guard = fig["accuracy_guard"]
+        cells = [
+            name,
+            optional(fig["seconds"], "{:.1f}"),
+            optional(fig["peak_rss"] and fig["peak_rss"] / 1e6, "{:.0f}"),
+            f"{fig['model_bytes'] / 1e6:.1f}",
+            optional(guard.get("agreement"), "{:.1%}"),
+            optional(guard and len(guard["moved_to_level_1"]), "{}"),
+            optional(guard.get("seconds"), "{:.1f}"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def optional(value, spec: str) -> str:
+    return "—" if value is None or value == {} else spec.format(value)
 
 
 def main() -> None:
@@ -184,13 +216,23 @@ def main() -> None:
 
     model = models.smollm2()
     load_before = os.getloadavg()[0]
-    folders = {name: export_variant(name, model, args.fresh) for name in args.variants.split(",")}
-    folders["builder-int4"] = exp.run_export("builder-int4", model, args.threads, fresh=False).folder
+    exported = {name: export_variant(name, model, args.fresh) for name in args.variants.split(",")}
+    folders = {name: folder for name, (folder, _) in exported.items()}
+    builder = exp.run_export("builder-int4", model, args.threads, fresh=False)
+    folders["builder-int4"] = builder.folder
+    exports = {name: figures for name, (_, figures) in exported.items()}
+    exports["builder-int4"] = {
+        "seconds": builder.seconds,
+        "peak_rss": builder.peak_rss,
+        "model_bytes": exp.folder_bytes(builder.folder),
+        "accuracy_guard": {},
+    }
     results = {
         "command": "python bench/bench_quantize.py " + " ".join(sys.argv[1:]),
         "machine": {"processor": platform.processor() or platform.machine(), "threads": args.threads},
         "settings": vars(args),
         "load_before": round(load_before, 2),
+        "exports": exports,
         "fidelity": fidelity(model, folders),
     }
     timed = {n: f for n, f in folders.items() if n in args.speed_variants.split(",") or n == "builder-int4"}
