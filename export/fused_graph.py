@@ -80,12 +80,10 @@ class FusedDecoderGraph(DecoderGraph):
         self.kv_in_place = self.use_gqa
         self.rotary = None
         if cfg.position_embedding_type == "rope":
-            if self.mrope_section:
-                self.rotary = "mrope"
-            elif rotary_dim(cfg) < self.head_dim or self.head_dim % 16:
-                self.rotary = "op"
-            else:
-                self.rotary = "gqa"
+            # Always by position_ids, never GroupQueryAttention's do_rotary, which rotates by cache slot: a
+            # right-padded batch (onnxruntime-genai's own padding) has pad slots inside each shorter row, so
+            # slot and position part there (see the module docstring).
+            self.rotary = "mrope" if self.mrope_section else "op"
         self.rms = cfg.norm_type != "layernorm"
         # The contrib norms scale in the model dtype; the zero-centred reference scales by 1 + w in float32.
         self.fused_norms = self.rms and not (cfg.norm_zero_centered and self.dtype != torch.float32)
@@ -169,7 +167,7 @@ class FusedDecoderGraph(DecoderGraph):
         nh, nkv, hs = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.emit_packed_qkv(x, prefix)  # (B, T, (nh [x 2 with the gate] + 2 n_kv) hs)
         gate = None
-        if cfg.qk_norm or cfg.attention_output_gate or self.rotary in ("op", "mrope"):
+        if cfg.qk_norm or cfg.attention_output_gate or self.rotary:
             q_width = nh * hs * (2 if cfg.attention_output_gate else 1)
             q, k, v = b.op("Split", qkv, b.const([q_width, nkv * hs, nkv * hs]), axis=-1, outputs=3)
             if cfg.attention_output_gate:  # [query | gate] per head
@@ -191,7 +189,6 @@ class FusedDecoderGraph(DecoderGraph):
             qkv_inputs = [q, k, v]
         else:
             qkv_inputs = [qkv, "", ""]  # packed: GroupQueryAttention splits it
-        rope_inputs = [ctx.cos_cache, ctx.sin_cache] if self.rotary == "gqa" else ["", ""]
         out = b.fresh("attention")
         b.op_to(
             "GroupQueryAttention",
@@ -201,8 +198,9 @@ class FusedDecoderGraph(DecoderGraph):
                 f"past_key_values.{i}.value",
                 ctx.seqlens_k,
                 ctx.total_length,
-                *rope_inputs,
-                "",  # position_ids: the kernel would use only its first element in a prompt (see the docstring)
+                "",  # cos_cache, sin_cache, position_ids: q and k come rotated (by position_ids)
+                "",
+                "",
                 ctx.padding_bias,
             ],
             [out, f"present.{i}.key", f"present.{i}.value"],
@@ -210,8 +208,7 @@ class FusedDecoderGraph(DecoderGraph):
             num_heads=nh,
             kv_num_heads=nkv,
             scale=hs**-0.5,
-            do_rotary=int(self.rotary == "gqa"),
-            rotary_interleaved=0,
+            do_rotary=0,
         )
         if gate is not None:
             out = emit_output_gate(b, out, gate)
