@@ -164,12 +164,10 @@ def export_command(
     text-only callers repeat their [batch, seq] positions three times.
 
     \b
-    --graph fused (the default) keeps these names and shapes. Its GroupQueryAttention rotates q/k by cache slot
-    (when head_dim is a multiple of 16 and RoPE covers whole heads), so position_ids is accepted but not read:
-    left-padded rows give the same logits as the plain graph (RoPE sees position differences only), but custom
-    position numbering is not honoured (use --graph plain for that). Partial and multimodal RoPE rotate by
-    position_ids before it. A step with several new tokens after a non-empty cache needs batch 1 (prefill and
-    one-token decode steps, all that onnxruntime-genai and `thinker generate` run, are unaffected).
+    --graph fused (the default) keeps these names and shapes, and reads position_ids and attention_mask as the
+    plain graph does (left-padded batches, and onnxruntime-genai's right-padded ones, give each row its own
+    tokens). A step with several new tokens after a non-empty cache needs batch 1 (prefill and one-token decode
+    steps, all that onnxruntime-genai and `thinker generate` run, are unaffected).
     genai_config.json lets onnxruntime-genai update one KV buffer in place (past_present_share_buffer).
 
     \b

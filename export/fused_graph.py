@@ -2,27 +2,28 @@
 
 Same IO contract as ``DecoderGraph`` (names, shapes, dtypes; KV as (B, n_kv, S, hs)); what changes is inside:
 
-  attention    one packed QKV MatMul and GroupQueryAttention (com.microsoft), which appends to the cache, applies
-               RoPE (``do_rotary``, from cos/sin caches of shape (max_pos, hs/2)), the causal mask and softmax
+  attention    one packed QKV MatMul, RoPE on q and k by ``position_ids`` (RotaryEmbedding, from cos/sin caches of
+               shape (max_pos, rotary_dim/2)), then GroupQueryAttention (com.microsoft), which appends to the cache and
+               applies the causal mask and softmax
   norms        SimplifiedLayerNormalization for RMSNorm, SkipSimplifiedLayerNormalization (SkipLayerNormalization
                for LayerNorm) wherever a residual add comes right before a norm
-  qk-norm      SimplifiedLayerNormalization on q and k per head *before* GroupQueryAttention, whose ``do_rotary``
-               then rotates the normalised q/k, as Qwen3 does (norm, then RoPE)
+  qk-norm      SimplifiedLayerNormalization on q and k per head, before the rotation, as Qwen3 does (norm, then RoPE)
   MoE          the MoE op (com.microsoft): softmax over the router logits, top-k, optional renormalisation,
                interleaved SwiGLU experts: Qwen's routing exactly (checked against PyTorch in the tests)
   tied head    FusedMatMul with transB over the embedding matrix, straight to the (B, T, V) logits
 
-GroupQueryAttention and left padding. Its CPU kernel assumes right-padded rows: a row's keys are the slots
-[0, seqlens_k + 1), and with ``do_rotary`` it rotates each token by its *cache slot*, not by ``position_ids``. So the
-graph feeds ``seqlens_k = S - 1`` for every row (every slot counts) and expresses padding as the additive
-``attention_bias`` input, the same mask the plain graph builds. A left-padded row then holds its real tokens at
-slots p .. S-1 and rotates them by slot, which is its positions shifted by the constant p; RoPE depends only on
-q/k position differences, so the logits equal the plain graph's up to rounding (the parity tests check this on
-left-padded batches). Consequences, documented in ``thinker export --help``:
-  * with RoPE in GroupQueryAttention (head_dim a multiple of 16), ``position_ids`` is accepted but not read:
-    positions are the cache slots, which is what every caller that numbers tokens from the mask gets anyway;
-    a head_dim that is a multiple of 8 only rotates with the RotaryEmbedding op, which does read ``position_ids``;
-  * a step with several new tokens after a non-empty cache (chunked prefill) needs batch 1 (an onnxruntime limit).
+GroupQueryAttention and padding. Its CPU kernel assumes compact rows: a row's keys are the slots [0, seqlens_k + 1).
+So the graph feeds ``seqlens_k = S - 1`` for every row (every slot counts) and expresses padding as the additive
+``attention_bias`` input, the same mask the plain graph builds: any mask works, left padding (transformers',
+``OnnxDecoder``'s) and onnxruntime-genai's right padding alike, whose decode steps leave the pad slots inside the
+shorter rows (mask 1 1 1 0 0 1: the new token at slot 5, position 3). RoPE is therefore never GroupQueryAttention's
+``do_rotary``: that rotates each token by its *cache slot*, which equals a constant shift of its position in a
+left-padded row (harmless, RoPE sees differences only) but not once a row has pad slots between its prompt and its
+new tokens; the RotaryEmbedding op rotates by ``position_ids``, which genai numbers per row (measured: a right-padded
+batch of a 3-token and an 8-token prompt under onnxruntime-genai 0.18 gave wrong tokens on the short row with
+``do_rotary``, each row's own tokens with RotaryEmbedding; tests/export/test_onnx_fused.py). The graph thus honours
+``position_ids`` as the plain graph does. A step with several new tokens after a non-empty cache (chunked prefill)
+needs batch 1 (an onnxruntime limit), documented in ``thinker export --help``.
 KV buffers: a caller that concatenates (``OnnxDecoder``) feeds P past slots and gets P + T back, the contract. The
 same graph also runs with one buffer of the whole context bound as both past and present, which
 GroupQueryAttention updates in place at the slots the attention mask gives (S - T .. S - 1): genai_config.json
@@ -33,13 +34,11 @@ Hybrid models (Qwen3.5, Qwen3-Next; docs/hybrid-export.md):
   linear layers      FusedGatedDeltaNetGraph: CausalConvWithState, LinearAttentionGate, LinearAttention,
                      GatedRMSNorm (com.microsoft), the recurrence and its state in float32
   output gate        GroupQueryAttention has none: its output times sigmoid(gate) (Sigmoid, Mul) before o_proj
-  partial RoPE       the RotaryEmbedding op with ``rotary_embedding_dim``, by ``position_ids``, before
-                     GroupQueryAttention (which then does no rotation)
+  partial RoPE       the RotaryEmbedding op with ``rotary_embedding_dim``, by ``position_ids``, as for whole heads
   multimodal RoPE    MRotaryEmbedding (interleaved layout) on q and k with the (3, B, T) ``position_ids``, likewise
   zero-centred norm  in float32 graphs the float32 scale ``1 + w`` folded into (Skip)SimplifiedLayerNormalization;
                      in half precision the plain graph's norm, because the reference multiplies by ``1 + w`` in
                      float32 before rounding, which the contrib norms (scale in the model dtype) cannot
-With the partial or multimodal rotation done by position, these graphs read ``position_ids``.
 """
 
 from __future__ import annotations
@@ -73,19 +72,17 @@ class FusedDecoderGraph(DecoderGraph):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         cfg = self.config
-        # onnxruntime's GroupQueryAttention checks: head_size % 8 == 0, and % 16 == 0 when it applies RoPE itself.
+        # onnxruntime's GroupQueryAttention checks head_size % 8 == 0 (and % 16 for its own RoPE, not used here).
         self.use_gqa = self.head_dim % 8 == 0
         # GroupQueryAttention writes into a shared past/present buffer; CausalConvWithState and LinearAttention
         # read their whole past state before writing the present one, so they take one buffer too (tested).
         self.kv_in_place = self.use_gqa
         self.rotary = None
         if cfg.position_embedding_type == "rope":
-            if self.mrope_section:
-                self.rotary = "mrope"
-            elif rotary_dim(cfg) < self.head_dim or self.head_dim % 16:
-                self.rotary = "op"
-            else:
-                self.rotary = "gqa"
+            # Always by position_ids, never GroupQueryAttention's do_rotary, which rotates by cache slot: a
+            # right-padded batch (onnxruntime-genai's own padding) has pad slots inside each shorter row, so
+            # slot and position part there (see the module docstring).
+            self.rotary = "mrope" if self.mrope_section else "op"
         self.rms = cfg.norm_type != "layernorm"
         # The contrib norms scale in the model dtype; the zero-centred reference scales by 1 + w in float32.
         self.fused_norms = self.rms and not (cfg.norm_zero_centered and self.dtype != torch.float32)
@@ -169,7 +166,7 @@ class FusedDecoderGraph(DecoderGraph):
         nh, nkv, hs = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.emit_packed_qkv(x, prefix)  # (B, T, (nh [x 2 with the gate] + 2 n_kv) hs)
         gate = None
-        if cfg.qk_norm or cfg.attention_output_gate or self.rotary in ("op", "mrope"):
+        if cfg.qk_norm or cfg.attention_output_gate or self.rotary:
             q_width = nh * hs * (2 if cfg.attention_output_gate else 1)
             q, k, v = b.op("Split", qkv, b.const([q_width, nkv * hs, nkv * hs]), axis=-1, outputs=3)
             if cfg.attention_output_gate:  # [query | gate] per head
@@ -191,7 +188,6 @@ class FusedDecoderGraph(DecoderGraph):
             qkv_inputs = [q, k, v]
         else:
             qkv_inputs = [qkv, "", ""]  # packed: GroupQueryAttention splits it
-        rope_inputs = [ctx.cos_cache, ctx.sin_cache] if self.rotary == "gqa" else ["", ""]
         out = b.fresh("attention")
         b.op_to(
             "GroupQueryAttention",
@@ -201,8 +197,9 @@ class FusedDecoderGraph(DecoderGraph):
                 f"past_key_values.{i}.value",
                 ctx.seqlens_k,
                 ctx.total_length,
-                *rope_inputs,
-                "",  # position_ids: the kernel would use only its first element in a prompt (see the docstring)
+                "",  # cos_cache, sin_cache, position_ids: q and k come rotated (by position_ids)
+                "",
+                "",
                 ctx.padding_bias,
             ],
             [out, f"present.{i}.key", f"present.{i}.value"],
@@ -210,8 +207,7 @@ class FusedDecoderGraph(DecoderGraph):
             num_heads=nh,
             kv_num_heads=nkv,
             scale=hs**-0.5,
-            do_rotary=int(self.rotary == "gqa"),
-            rotary_interleaved=0,
+            do_rotary=0,
         )
         if gate is not None:
             out = emit_output_gate(b, out, gate)

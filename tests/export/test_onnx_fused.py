@@ -55,7 +55,9 @@ def test_contrib_ops_replace_the_standard_ones(family, onnx_variant):
     layers = 3
     assert counts["GroupQueryAttention"] == layers
     assert counts["Softmax"] == 0 and counts["Transpose"] == 0  # attention is all inside the op
-    assert counts["RotaryEmbedding"] == 0  # RoPE inside GroupQueryAttention (head_dim 16)
+    # RoPE by position_ids on q and k, not by GroupQueryAttention's do_rotary (which rotates by cache slot, wrong for
+    # the pad slots inside right-padded rows, onnxruntime-genai's padding); gpt2's positions are learned.
+    assert counts["RotaryEmbedding"] == (0 if family == "gpt2" else 2 * layers)
     if family == "gpt2":
         assert counts["SkipLayerNormalization"] == 2 * layers
     else:
@@ -302,35 +304,62 @@ def test_genai_greedy_equals_transformers(genai_python, thinker_variant, onnx_va
         assert sequence == expected, f"{family} {dtype}: genai {sequence} != transformers {expected}"
 
 
-BATCH_PROMPTS = [[5, 9, 17, 33, 4, 21, 8, 7], [11, 12, 13, 14, 15, 16, 17, 18]]  # no pad id (0): genai masks it
+# Unequal lengths, so that onnxruntime-genai pads the short row (on the right, as it does itself; genai_greedy.py);
+# no pad id (0) inside a prompt. An equal-length pair rides along: the shared KV buffer at batch 2 without padding.
+BATCH_PROMPTS = [[5, 9, 17, 33, 4, 21, 8, 7], [11, 12, 13]]
+EQUAL_PROMPTS = [[5, 9, 17, 33, 4, 21, 8, 7], [11, 12, 13, 14, 15, 16, 17, 18]]
+BATCH_CASES = [(f, g) for f in ("qwen2", "qwen3", "qwen3_moe") for g in ("plain", "fused")]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"], ids=["dense", "moe"])
-def test_genai_batch_equals_rows_alone(family, genai_python, thinker_variant, onnx_variant):
-    """The default export under onnxruntime-genai at batch 2, through the one shared KV buffer
-    (past_present_share_buffer): each row gets transformers' greedy tokens for that row alone, up to its eos.
-    Equal-length rows: onnxruntime-genai 0.18 gets a left-padded batch wrong for the plain and the fused graph
-    alike (the same wrong tokens from both), which OnnxDecoder and --verify check instead."""
+def greedy_alone(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of one prompt, every id a token (an explicit mask of ones: generate would
+    mask pad ids itself), up to and without its eos (where genai stops a row)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None
+        )
+    tokens = out[0, len(prompt) :].tolist()
+    eos = model.config.eos_token_id
+    return tokens[: tokens.index(eos)] if eos in tokens else tokens
+
+
+def test_genai_batch_equals_rows_alone(genai_python, thinker_variant, onnx_variant):
+    """Both graphs under onnxruntime-genai at batch 2 (the fused one through its shared KV buffer), rows of unequal
+    length padded as genai pads them, on the right: each row gets transformers' greedy tokens for that row alone.
+    The fused graph failed this on the short row while GroupQueryAttention rotated by cache slot (genai leaves the
+    pad slots between a short row's prompt and its new tokens); it rotates by position_ids now. A left-padded
+    batch, which genai does not make, it reads as prompts that begin with pad tokens (mask 1): the last case pins
+    that, against transformers on the padded prompt taken as text."""
     new_tokens = 10
-    case = {"folder": str(onnx_variant(family)), "prompts": BATCH_PROMPTS, "max_new_tokens": new_tokens}
+    cases = [
+        {"folder": str(onnx_variant(f, graph=g)), "prompts": prompts, "max_new_tokens": new_tokens}
+        for f, g in BATCH_CASES
+        for prompts in (BATCH_PROMPTS, EQUAL_PROMPTS)
+    ]
+    cases.append({"folder": str(onnx_variant("qwen3")), "prompts": BATCH_PROMPTS, "max_new_tokens": new_tokens})
+    cases[-1]["pad"] = "left"
     done = subprocess.run(
-        [str(genai_python), str(GENAI_SCRIPT)], input=json.dumps([case]), capture_output=True, text=True, timeout=300
+        [str(genai_python), str(GENAI_SCRIPT)], input=json.dumps(cases), capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    (rows,) = json.loads(done.stdout)
-    model = load_thinker(thinker_variant(family, head_dim=16))
-    eos = model.config.eos_token_id
+    results = json.loads(done.stdout)
 
-    def until_eos(tokens: list[int]) -> list[int]:
-        return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+    def cut(tokens: list[int], eos: int) -> list[int]:
+        return tokens[: tokens.index(eos)] if eos in tokens else tokens
 
-    for prompt, row in zip(BATCH_PROMPTS, rows, strict=True):
-        with torch.no_grad():
-            alone = model.generate(
-                torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None
-            )
-        expected = until_eos(alone[0, len(prompt) :].tolist())
-        assert until_eos(row) == expected, f"{family}: genai row {row} != transformers alone {expected}"
+    for index, (family, graph) in enumerate(BATCH_CASES):
+        model = load_thinker(thinker_variant(family, head_dim=16))
+        for prompts, rows in zip((BATCH_PROMPTS, EQUAL_PROMPTS), results[2 * index : 2 * index + 2], strict=True):
+            for prompt, row in zip(prompts, rows, strict=True):
+                expected = greedy_alone(model, prompt, new_tokens)
+                assert cut(row, model.config.eos_token_id) == expected, f"{family} {graph} {prompt}: {row}"
+
+    model = load_thinker(thinker_variant("qwen3", head_dim=16))
+    width = max(map(len, BATCH_PROMPTS))
+    for prompt, row in zip(BATCH_PROMPTS, results[-1], strict=True):
+        as_text = [model.config.pad_token_id] * (width - len(prompt)) + prompt
+        assert cut(row, model.config.eos_token_id) == greedy_alone(model, as_text, new_tokens), prompt
 
 
 # --- CUDA (skipped unless a CUDA session really runs) ---------------------------------------------------------------

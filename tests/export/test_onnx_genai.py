@@ -3,9 +3,9 @@ equal transformers' greedy tokens. It runs in its own virtual environment (see t
 because its CPU onnxruntime must not share one with onnxruntime-gpu.
 
 Hybrid models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next; plain and fused graphs): 12 of 12 greedy tokens at batch 1, and a
-batch of two prompts of equal length. onnxruntime-genai 0.18 gets left-padded hybrid batches wrong (it unmasks the
-pads from the first decode step, and on the (B, T) path neither masks them nor numbers positions per row;
-docs/hybrid-export.md), so no padded batch is asked of it here; OnnxDecoder and ``--verify`` check those."""
+batch of two prompts of equal length. Rows of unequal length are not right for them under onnxruntime-genai, which
+pads on the right: the pads after a short prompt pass through the linear-attention layers (pinned below as a strict
+xfail; docs/hybrid-export.md 5.2). Dense models get each row right (test_onnx_fused.py)."""
 
 from __future__ import annotations
 
@@ -91,3 +91,27 @@ def test_genai_greedy_equals_transformers_on_hybrid_models(family, genai_python,
             new = sequence[len(prompt) :]
             assert len(new) == HYBRID_NEW_TOKENS and new == tokens, f"{family} {graph}: genai {new} != {tokens}"
         assert batch == expected, f"{family} {graph}, batch of two: genai {batch} != transformers {expected}"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="onnxruntime-genai pads a batch on the right, and a short row's trailing pads pass through the "
+    "linear-attention layers: masked to zero input they still decay the recurrent state and shift the conv window "
+    "(transformers' padding rule, defined for left padding); docs/hybrid-export.md 5.2",
+)
+def test_genai_right_padded_hybrid_batch_equals_rows_alone(genai_python, thinker_variant, onnx_variant):
+    prompts = [HYBRID_PROMPTS[0], HYBRID_PROMPTS[1][:3]]
+    families = ("qwen3_5", "qwen3_next")  # the (3, B, T) and the (B, T) position paths
+    cases = [
+        {"folder": str(onnx_variant(f, head_dim=None)), "prompts": prompts, "max_new_tokens": HYBRID_NEW_TOKENS}
+        for f in families
+    ]
+    done = subprocess.run(
+        [str(genai_python), str(SCRIPT)], input=json.dumps(cases), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for family, rows in zip(families, json.loads(done.stdout), strict=True):
+        alone = [thinker_greedy(thinker_variant(family), [p], HYBRID_NEW_TOKENS)[0] for p in prompts]
+        eos = 2  # export_helpers.COMMON: genai stops a row there, transformers here was told not to
+        rows, alone = ([r[: r.index(eos)] if eos in r else r for r in x] for x in (rows, alone))
+        assert rows == alone, f"{family}: genai {rows} != transformers row by row {alone}"
