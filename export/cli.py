@@ -164,10 +164,12 @@ def export_command(
     text-only callers repeat their [batch, seq] positions three times.
 
     \b
-    --graph fused (the default) keeps these names and shapes, and reads position_ids and attention_mask as the
-    plain graph does (left-padded batches, and onnxruntime-genai's right-padded ones, give each row its own
-    tokens). A step with several new tokens after a non-empty cache needs batch 1 (prefill and one-token decode
-    steps, all that onnxruntime-genai and `thinker generate` run, are unaffected).
+    --graph fused (the default) keeps these names and shapes; left-padded batches, and onnxruntime-genai's
+    right-padded ones, give each row its own tokens. Its RoPE (inside GroupQueryAttention) numbers a prompt's
+    tokens by cache slot and later tokens by position_ids, shifted by the row's first unmasked slot: exact for
+    the contiguous positions text callers feed; multimodal RoPE rotates by position_ids, as the plain graph.
+    A step with several new tokens after a non-empty cache needs batch 1 (prefill and one-token decode steps, all
+    that onnxruntime-genai and `thinker generate` run, are unaffected).
     genai_config.json lets onnxruntime-genai update one KV buffer in place (past_present_share_buffer).
 
     \b

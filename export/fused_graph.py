@@ -2,9 +2,9 @@
 
 Same IO contract as ``DecoderGraph`` (names, shapes, dtypes; KV as (B, n_kv, S, hs)); what changes is inside:
 
-  attention    one packed QKV MatMul, RoPE on q and k by ``position_ids`` (RotaryEmbedding, from cos/sin caches of
-               shape (max_pos, rotary_dim/2)), then GroupQueryAttention (com.microsoft), which appends to the cache and
-               applies the causal mask and softmax
+  attention    one packed QKV MatMul and GroupQueryAttention (com.microsoft), which applies RoPE (``do_rotary``,
+               from cos/sin caches of shape (max_pos, hs/2), at the positions the graph gives it), appends to the
+               cache and applies the causal mask and softmax
   norms        SimplifiedLayerNormalization for RMSNorm, SkipSimplifiedLayerNormalization (SkipLayerNormalization
                for LayerNorm) wherever a residual add comes right before a norm
   qk-norm      SimplifiedLayerNormalization on q and k per head, before the rotation, as Qwen3 does (norm, then RoPE)
@@ -16,13 +16,18 @@ GroupQueryAttention and padding. Its CPU kernel assumes compact rows: a row's ke
 So the graph feeds ``seqlens_k = S - 1`` for every row (every slot counts) and expresses padding as the additive
 ``attention_bias`` input, the same mask the plain graph builds: any mask works, left padding (transformers',
 ``OnnxDecoder``'s) and onnxruntime-genai's right padding alike, whose decode steps leave the pad slots inside the
-shorter rows (mask 1 1 1 0 0 1: the new token at slot 5, position 3). RoPE is therefore never GroupQueryAttention's
-``do_rotary``: that rotates each token by its *cache slot*, which equals a constant shift of its position in a
-left-padded row (harmless, RoPE sees differences only) but not once a row has pad slots between its prompt and its
-new tokens; the RotaryEmbedding op rotates by ``position_ids``, which genai numbers per row (measured: a right-padded
-batch of a 3-token and an 8-token prompt under onnxruntime-genai 0.18 gave wrong tokens on the short row with
-``do_rotary``, each row's own tokens with RotaryEmbedding; tests/export/test_onnx_fused.py). The graph thus honours
-``position_ids`` as the plain graph does. A step with several new tokens after a non-empty cache (chunked prefill)
+shorter rows (mask 1 1 1 0 0 1: the new token at slot 5, position 3).
+RoPE inside GroupQueryAttention, and what it rotates by. In a prompt (an empty cache) the kernel rotates the token at
+slot t by ``p + t``, p the first element of its ``position_ids`` input, whatever the rows; in a step after a cache it
+rotates each token by its own element. Rotating every token by its slot is exact for a left-padded row (its
+positions shifted by the constant number of pads; RoPE sees differences only) but not once a row has pad slots
+between its prompt and its new tokens, as genai's right-padded rows do (measured: wrong tokens on the short row of a
+3- and an 8-token prompt under onnxruntime-genai 0.18; tests/export/test_onnx_fused.py). So the graph gives the
+kernel each token's ``position_ids`` shifted by its row's first unmasked slot: a left-padded row's real tokens get
+their slots, a right-padded row (first slot 0) its positions, and pad tokens their slots, so that a prompt's first
+element is 0 in every layout. Where the kernel cannot rotate (head_dim not a multiple of 16, partial rotary,
+multimodal RoPE) the RotaryEmbedding / MRotaryEmbedding op rotates q and k by ``position_ids`` before it. A step
+with several new tokens after a non-empty cache (chunked prefill)
 needs batch 1 (an onnxruntime limit), documented in ``thinker export --help``.
 KV buffers: a caller that concatenates (``OnnxDecoder``) feeds P past slots and gets P + T back, the contract. The
 same graph also runs with one buffer of the whole context bound as both past and present, which
@@ -63,6 +68,7 @@ class FusedStepContext(StepContext):
     cos_cache: str | None = None  # (max_pos, hs / 2) in the model dtype
     sin_cache: str | None = None
     position_ids: str | None = None  # for the RotaryEmbedding and MRotaryEmbedding ops
+    rotation_positions: str | None = None  # (B, T) int64: what GroupQueryAttention's own RoPE rotates by
 
 
 class FusedDecoderGraph(DecoderGraph):
@@ -72,17 +78,19 @@ class FusedDecoderGraph(DecoderGraph):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         cfg = self.config
-        # onnxruntime's GroupQueryAttention checks head_size % 8 == 0 (and % 16 for its own RoPE, not used here).
+        # onnxruntime's GroupQueryAttention checks: head_size % 8 == 0, and % 16 == 0 when it applies RoPE itself.
         self.use_gqa = self.head_dim % 8 == 0
         # GroupQueryAttention writes into a shared past/present buffer; CausalConvWithState and LinearAttention
         # read their whole past state before writing the present one, so they take one buffer too (tested).
         self.kv_in_place = self.use_gqa
         self.rotary = None
         if cfg.position_embedding_type == "rope":
-            # Always by position_ids, never GroupQueryAttention's do_rotary, which rotates by cache slot: a
-            # right-padded batch (onnxruntime-genai's own padding) has pad slots inside each shorter row, so
-            # slot and position part there (see the module docstring).
-            self.rotary = "mrope" if self.mrope_section else "op"
+            if self.mrope_section:
+                self.rotary = "mrope"
+            elif rotary_dim(cfg) < self.head_dim or self.head_dim % 16:
+                self.rotary = "op"
+            else:  # inside GroupQueryAttention: two RotaryEmbedding nodes less per layer, and q/k/v stay packed
+                self.rotary = "gqa"
         self.rms = cfg.norm_type != "layernorm"
         # The contrib norms scale in the model dtype; the zero-centred reference scales by 1 + w in float32.
         self.fused_norms = self.rms and not (cfg.norm_zero_centered and self.dtype != torch.float32)
@@ -114,7 +122,23 @@ class FusedDecoderGraph(DecoderGraph):
         if self.rotary:
             with b.scope("rotary_emb"):
                 ctx.cos_cache, ctx.sin_cache = self.emit_rope_caches()
+        if self.rotary == "gqa":
+            with b.scope("rotation_positions"):
+                ctx.rotation_positions = self.emit_rotation_positions(input_ids, attention_mask, position_ids)
         return ctx
+
+    def emit_rotation_positions(self, input_ids: str, attention_mask: str, position_ids: str) -> str:
+        """(B, T) int64: each new token's ``position_ids`` plus its row's first unmasked slot, and a pad token's own
+        slot (see the module docstring): the slots of a left-padded row, the positions of a right-padded one."""
+        b = self.b
+        total = b.op("Shape", attention_mask, start=1, end=2)  # (1,): S
+        new = b.op("Shape", input_ids, start=1, end=2)  # (1,): T
+        past = b.op("Sub", total, new)
+        slots = b.op("Range", b.op("Squeeze", past), b.op("Squeeze", total), b.const(1))  # (T,): S - T .. S - 1
+        mask = b.op("Cast", attention_mask, to=TensorProto.INT32)  # ArgMax: the first maximum, on int32
+        first = b.op("Cast", b.op("ArgMax", mask, axis=1, keepdims=1), to=TensorProto.INT64)  # (B, 1)
+        real = b.op("Cast", b.op("Slice", attention_mask, past, total, b.const([1])), to=TensorProto.BOOL)  # (B, T)
+        return b.op("Where", real, b.op("Add", position_ids, first), b.op("Unsqueeze", slots, b.const([0])))
 
     def emit_rope_caches(self) -> tuple[str, str]:
         """cos/sin over the whole context, (max_pos, rotary_dim / 2): the model's own tables (``rope_tables``), as
@@ -166,7 +190,7 @@ class FusedDecoderGraph(DecoderGraph):
         nh, nkv, hs = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.emit_packed_qkv(x, prefix)  # (B, T, (nh [x 2 with the gate] + 2 n_kv) hs)
         gate = None
-        if cfg.qk_norm or cfg.attention_output_gate or self.rotary:
+        if cfg.qk_norm or cfg.attention_output_gate or self.rotary in ("op", "mrope"):
             q_width = nh * hs * (2 if cfg.attention_output_gate else 1)
             q, k, v = b.op("Split", qkv, b.const([q_width, nkv * hs, nkv * hs]), axis=-1, outputs=3)
             if cfg.attention_output_gate:  # [query | gate] per head
@@ -188,6 +212,7 @@ class FusedDecoderGraph(DecoderGraph):
             qkv_inputs = [q, k, v]
         else:
             qkv_inputs = [qkv, "", ""]  # packed: GroupQueryAttention splits it
+        in_kernel = self.rotary == "gqa"  # else q and k come rotated, or there is no RoPE
         out = b.fresh("attention")
         b.op_to(
             "GroupQueryAttention",
@@ -197,9 +222,7 @@ class FusedDecoderGraph(DecoderGraph):
                 f"past_key_values.{i}.value",
                 ctx.seqlens_k,
                 ctx.total_length,
-                "",  # cos_cache, sin_cache, position_ids: q and k come rotated (by position_ids)
-                "",
-                "",
+                *((ctx.cos_cache, ctx.sin_cache, ctx.rotation_positions) if in_kernel else ("", "", "")),
                 ctx.padding_bias,
             ],
             [out, f"present.{i}.key", f"present.{i}.value"],
@@ -207,7 +230,8 @@ class FusedDecoderGraph(DecoderGraph):
             num_heads=nh,
             kv_num_heads=nkv,
             scale=hs**-0.5,
-            do_rotary=0,
+            do_rotary=int(in_kernel),
+            rotary_interleaved=0,
         )
         if gate is not None:
             out = emit_output_gate(b, out, gate)

@@ -20,7 +20,7 @@ GRAPHS = {"plain": "export.decoder_graph:DecoderGraph", "fused": "export.fused_g
 # over tokens, slower at prefill and decode (docs/hybrid-export.md, section 6). And it is exact wherever the plain
 # graph is, so no config needs a plain default: what onnxruntime's contrib operators cannot take, the fused graph
 # already builds the plain way inside itself (head_dim not a multiple of 8: the plain attention; partial or
-# multimodal RoPE: rotated by position_ids before GroupQueryAttention, as every RoPE is; zero-centred norms in half
+# multimodal RoPE: rotated by position_ids before GroupQueryAttention; zero-centred norms in half
 # precision and non-SwiGLU experts: the plain forms). Every family, dtype and --quantize passes its verify fused
 # (tests/export/test_onnx_fused.py, test_onnx_hybrid.py, test_onnx_quantized.py). `--graph plain` stays for runtimes
 # without the contrib operators.

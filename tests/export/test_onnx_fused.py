@@ -55,9 +55,8 @@ def test_contrib_ops_replace_the_standard_ones(family, onnx_variant):
     layers = 3
     assert counts["GroupQueryAttention"] == layers
     assert counts["Softmax"] == 0 and counts["Transpose"] == 0  # attention is all inside the op
-    # RoPE by position_ids on q and k, not by GroupQueryAttention's do_rotary (which rotates by cache slot, wrong for
-    # the pad slots inside right-padded rows, onnxruntime-genai's padding); gpt2's positions are learned.
-    assert counts["RotaryEmbedding"] == (0 if family == "gpt2" else 2 * layers)
+    # RoPE inside GroupQueryAttention (head_dim 16), at positions the graph computes once (ArgMax over the mask).
+    assert counts["RotaryEmbedding"] == 0 and counts["ArgMax"] == (0 if family == "gpt2" else 1)
     if family == "gpt2":
         assert counts["SkipLayerNormalization"] == 2 * layers
     else:
