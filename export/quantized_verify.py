@@ -22,8 +22,6 @@ Judging a quantized graph only by how often it agrees with the float model canno
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,6 +34,7 @@ import torch
 from common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
 from common.progress import progress_bar
 
+from .accuracy_guard import graph_variant
 from .dequantize import EMBEDDING, as_thinker_parameters, load_into, quantized_weights, weight_errors
 from .fidelity import FIDELITY_TEXT, prefill_logits, text_fidelity
 from .quantize import HEAD
@@ -240,15 +239,6 @@ def float_activation_copy(onnx_path: Path) -> Iterator[Path]:
     link from another folder), removed afterwards."""
     onnx_path = Path(onnx_path)
     model = onnx.load(str(onnx_path), load_external_data=False)
-    for node in model.graph.node:
-        for attribute in node.attribute:
-            if node.op_type == "MatMulNBits" and attribute.name == "accuracy_level":
-                attribute.i = 0
-    handle, name = tempfile.mkstemp(prefix=".verify-", suffix=".onnx", dir=onnx_path.parent)
-    os.close(handle)
-    path = Path(name)
-    try:
-        onnx.save_model(model, str(path))
+    levels = {node.name: 0 for node in model.graph.node if node.op_type == "MatMulNBits"}
+    with graph_variant(model, onnx_path, levels) as path:
         yield path
-    finally:
-        path.unlink(missing_ok=True)

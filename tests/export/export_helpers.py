@@ -163,3 +163,27 @@ def make_tokenizer():
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]", unk_token="[UNK]"
     )
+
+
+GENAI_SCRIPT = Path(__file__).with_name("genai_greedy.py")
+
+
+def assert_genai_equals_onnxruntime(genai_python: Path, folders: list[Path]) -> None:
+    """onnxruntime-genai's greedy tokens (its own environment) equal OnnxDecoder's on each folder's graph."""
+    import json
+    import subprocess
+
+    import numpy as np
+
+    from export.runtime import OnnxDecoder
+
+    prompt, new_tokens = [5, 9, 17, 33, 4, 21], 10
+    cases = [{"folder": str(f), "prompt": prompt, "max_new_tokens": new_tokens} for f in folders]
+    done = subprocess.run(
+        [str(genai_python), str(GENAI_SCRIPT)], input=json.dumps(cases), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for folder, sequence in zip(folders, json.loads(done.stdout), strict=True):
+        decoder = OnnxDecoder(folder, provider="cpu")
+        expected = decoder.generate(np.array([prompt]), max_new_tokens=new_tokens, eos_token_id=2, pad_token_id=0)
+        assert sequence == expected[0].tolist(), folder

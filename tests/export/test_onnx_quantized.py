@@ -13,7 +13,6 @@ match, so int4 loses more here than on a model trained in float); an int8 head d
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from click.testing import CliRunner
+from export_helpers import assert_genai_equals_onnxruntime
 from onnx import helper, numpy_helper
 
 from common.cli import main
@@ -35,7 +35,6 @@ from export.verify import compare_decoders
 INT4_EXACT = QuantizeSpec(bits=4, block_size=16, accuracy_level=1)  # float32 activations: no activation rounding
 INT4 = QuantizeSpec(bits=4, block_size=16)
 INT8 = QuantizeSpec(bits=8, block_size=16)
-GENAI_SCRIPT = Path(__file__).with_name("genai_greedy.py")
 
 
 def load_thinker(folder):
@@ -152,16 +151,7 @@ def test_genai_runs_the_quantized_graphs(genai_python, onnx_variant):
         onnx_variant("qwen3", graph="fused", quantize=INT4),
         onnx_variant("qwen3_moe", graph="plain", quantize=INT8),
     ]
-    prompt, new_tokens = [5, 9, 17, 33, 4, 21], 10
-    cases = [{"folder": str(f), "prompt": prompt, "max_new_tokens": new_tokens} for f in folders]
-    done = subprocess.run(
-        [str(genai_python), str(GENAI_SCRIPT)], input=json.dumps(cases), capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    for folder, sequence in zip(folders, json.loads(done.stdout), strict=True):
-        decoder = OnnxDecoder(folder, provider="cpu")
-        expected = decoder.generate(np.array([prompt]), max_new_tokens=new_tokens, eos_token_id=2, pad_token_id=0)
-        assert sequence == expected[0].tolist(), folder
+    assert_genai_equals_onnxruntime(genai_python, folders)
 
 
 def test_cli_quantizes_and_verifies(thinker_variant, tmp_path):

@@ -8,15 +8,12 @@ runs the PyTorch Thinker with the dequantized embedding and fails an embedding t
 
 from __future__ import annotations
 
-import json
-import subprocess
-from pathlib import Path
-
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from export_helpers import assert_genai_equals_onnxruntime
 from onnx import helper, numpy_helper
 
 from export.dequantize import EMBEDDING, quantized_weights
@@ -33,7 +30,6 @@ SPECS = {"int4": INT4, "int4-head8": INT4_HEAD8, "int8": INT8, "int4-asym": INT4
 TIED = dict(tie_word_embeddings=True)
 PADDED = dict(tie_word_embeddings=True, hidden_size=40)  # 40 = 2.5 blocks of 16: the packed rows are padded
 NO_GATE = QualityGate(min_top1=0.0, max_perplexity_increase=float("inf"))
-GENAI_SCRIPT = Path(__file__).with_name("genai_greedy.py")
 OPSETS = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
 
 
@@ -223,19 +219,8 @@ def test_verify_fails_a_wrong_embedding(spec, bug, message, thinker_variant, onn
 
 def test_genai_runs_the_quantized_embedding(genai_python, onnx_variant):
     """onnxruntime-genai's greedy tokens equal onnxruntime's on tied int4 (int8 head) and int4-asym graphs."""
-    from export.runtime import OnnxDecoder
-
     folders = [
         onnx_variant("qwen3", graph="fused", quantize=INT4_HEAD8, **TIED),
         onnx_variant("qwen3", graph="plain", quantize=INT4_ASYM, **PADDED),
     ]
-    prompt, new_tokens = [5, 9, 17, 33, 4, 21], 10
-    cases = [{"folder": str(f), "prompt": prompt, "max_new_tokens": new_tokens} for f in folders]
-    done = subprocess.run(
-        [str(genai_python), str(GENAI_SCRIPT)], input=json.dumps(cases), capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    for folder, sequence in zip(folders, json.loads(done.stdout), strict=True):
-        decoder = OnnxDecoder(folder, provider="cpu")
-        expected = decoder.generate(np.array([prompt]), max_new_tokens=new_tokens, eos_token_id=2, pad_token_id=0)
-        assert sequence == expected[0].tolist(), folder
+    assert_genai_equals_onnxruntime(genai_python, folders)
