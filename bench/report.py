@@ -126,35 +126,39 @@ def goals_table(results: dict) -> str:
 
     for name, model in results["models"].items():
         for runtime_name in ("onnxruntime", "onnxruntime-genai"):
-            ours = runtime(model, f"ours-fused on {runtime_name}").get("batch1")
-            peer = runtime(model, f"builder-fp32 on {runtime_name}").get("batch1")
-            if ours and peer:
-                speed = ours["decode_tokens_per_s"] / peer["decode_tokens_per_s"]
-                check(f"fp32 decode >= 0.95x builder ({runtime_name})", name, speed, 0.95, True, f"{speed:.2f}x")
-                prefill = ours["prefill_ms"] / peer["prefill_ms"]
-                check(f"fp32 prefill <= 1.1x builder ({runtime_name})", name, prefill, 1.1, False, f"{prefill:.2f}x")
+            for batch in ("batch1", "batch8"):
+                ours = runtime(model, f"ours-fused on {runtime_name}").get(batch)
+                peer = runtime(model, f"builder-fp32 on {runtime_name}").get(batch)
+                if ours and peer:
+                    speed = ours["decode_tokens_per_s"] / peer["decode_tokens_per_s"]
+                    goal = f"fp32 decode >= 1.0x builder ({runtime_name}, {batch})"
+                    check(goal, name, speed, 1.0, True, f"{speed:.2f}x")
+                    prefill = ours["prefill_ms"] / peer["prefill_ms"]
+                    goal = f"fp32 prefill <= 1.0x builder ({runtime_name}, {batch})"
+                    check(goal, name, prefill, 1.0, False, f"{prefill:.2f}x")
+                ours4 = runtime(model, f"ours-int4 on {runtime_name}").get(batch)
+                peer4 = runtime(model, f"builder-int4 on {runtime_name}").get(batch)
+                if ours4 and peer4:
+                    speed = ours4["decode_tokens_per_s"] / peer4["decode_tokens_per_s"]
+                    goal = f"int4 decode >= 1.0x builder int4 ({runtime_name}, {batch})"
+                    check(goal, name, speed, 1.0, True, f"{speed:.2f}x")
             fraction = runtime(model, f"ours-fused on {runtime_name}").get("fraction_of_limit")
             check(
-                f"fp32 decode >= 90 % of the bandwidth limit ({runtime_name})",
+                f"fp32 decode >= 90 % of the bandwidth limit ({runtime_name}, batch1)",
                 name,
                 fraction,
                 0.9,
                 True,
                 f"{100 * (fraction or 0):.0f} %",
             )
-            ours4 = runtime(model, f"ours-int4 on {runtime_name}").get("batch1")
-            peer4 = runtime(model, f"builder-int4 on {runtime_name}").get("batch1")
-            if ours4 and peer4:
-                speed = ours4["decode_tokens_per_s"] / peer4["decode_tokens_per_s"]
-                check(f"int4 decode >= 1.0x builder int4 ({runtime_name})", name, speed, 1.0, True, f"{speed:.2f}x")
         fidelity = (model.get("fidelity") or {}).get("graphs", {})
         if "ours-int4" in fidelity and "builder-int4" in fidelity:
             ours, peer = fidelity["ours-int4"]["top1_agreement"], fidelity["builder-int4"]["top1_agreement"]
             check(
-                "int4 top-1 agreement > builder int4's",
+                "int4 top-1 agreement >= builder int4's + 10 points",
                 name,
                 ours - peer,
-                1e-9,
+                0.1,
                 True,
                 f"{100 * ours:.1f} % vs {100 * peer:.1f} %",
             )
