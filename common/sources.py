@@ -191,6 +191,11 @@ class SafetensorsSource(FolderSource):
                     scanned = whole
         return data.view(dtype).reshape(self.shape(name))
 
+    def byte_range(self, name: str) -> tuple[int, int, int]:
+        """(open descriptor, first byte, end) of the tensor's bytes in its file, for a copy made by the kernel."""
+        begin, end = self._byte_ranges[name]
+        return self._descriptors[self._file_of[name]], begin, end
+
     def read_pieces(self, name: str, buffer: torch.Tensor) -> Iterator[torch.Tensor]:
         """The tensor's bytes, read into ``buffer`` (uint8, reused: no memory of the tensor's size, no fresh pages
         to fault in) one piece at a time; each piece holds whole elements and is valid until the next is read."""

@@ -469,9 +469,17 @@ def copies_bytes(step: Step, source: TensorSource, dtype: torch.dtype) -> bool:
 def copy_checked(
     writer: ShardWriter, source: TensorSource, name: str, target: str, dtype: torch.dtype, buffer: torch.Tensor
 ) -> int:
-    """Copy a source tensor's bytes into its slot piece by piece, checking each piece's values while it is in cache;
-    refuses (``ThinkerError``) values the output dtype cannot hold. Returns the bytes written."""
+    """Copy a source tensor's bytes into its slot unchanged, refusing (``ThinkerError``) values the output dtype
+    cannot hold. The values are checked piece by piece as they are read; the bytes are then copied by the kernel
+    from the file (still in the page cache), which is where a copy's time goes otherwise: through this process's
+    memory, as a pwrite of every piece, the copy measured 2-2.6x slower. Returns the bytes written."""
     scan = ValueScan()
+    if hasattr(source, "byte_range"):
+        for piece in source.read_pieces(name, buffer):
+            scan.update(piece.view(dtype))
+        refuse_values(scan.problem(dtype), name, target)
+        descriptor, begin, end = source.byte_range(name)
+        return writer.copy_range(target, descriptor, begin, end - begin)
 
     def checked() -> Iterator[torch.Tensor]:
         for piece in source.read_pieces(name, buffer):

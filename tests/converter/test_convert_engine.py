@@ -271,6 +271,34 @@ def test_sharded_source_and_sharded_output(save_reference, run_convert):
     assert_same_logits(model, result.output)
 
 
+@pytest.mark.parametrize("kernel_copy", ["copy_file_range", "refused"])
+def test_unchanged_tensors_are_copied_byte_for_byte(save_reference, run_convert, monkeypatch, kernel_copy):
+    """float32 to float32 copies each tensor's bytes (by the kernel, or through a buffer where copy_file_range
+    refuses the two files): the output tensors equal the source's bit for bit, across shards on both sides."""
+    import errno
+    import os
+
+    calls = []
+
+    def refused(*args):
+        calls.append(args)
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    if kernel_copy == "refused":
+        monkeypatch.setattr(os, "copy_file_range", refused)
+    model, source = save_reference(Qwen2Config(**QWEN2, tie_word_embeddings=False), max_shard_size="20KB")
+    result = run_convert(source, max_shard_size="16KB", verify=False)
+    index = json.loads((result.output / "model.safetensors.index.json").read_text())
+    converted = {}
+    for shard in set(index["weight_map"].values()):
+        converted |= load_file(result.output / shard)
+    expected = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    assert converted.keys() == expected.keys()
+    for name, tensor in converted.items():
+        assert torch.equal(tensor.view(torch.int32), expected[name].contiguous().view(torch.int32)), name
+    assert bool(calls) == (kernel_copy == "refused")
+
+
 def test_parse_size():
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size("1024") == 1024
     with pytest.raises(ThinkerError, match="not a size"):
