@@ -96,8 +96,9 @@ def assert_complete_export(output: Path) -> None:
 
 
 CONVERT_POINTS = [
-    KillPoint("converter.shards:ShardWriter", "write_pieces", call=1),  # the first shard half written
-    KillPoint("converter.shards:ShardWriter", "write_pieces", call=9, after=True),  # some shards done, some not
+    # Every tensor's bytes, written or copied by the kernel, go into their slot between _slot and _filled.
+    KillPoint("converter.shards:ShardWriter", "_slot", call=2),  # the first shard half written
+    KillPoint("converter.shards:ShardWriter", "_filled", call=9, after=True),  # some shards done, some not
     KillPoint("converter.convert", "write_thinker_config"),  # every weight written, no config yet
     KillPoint("common.staging", "install"),  # everything written, not yet renamed
 ]
@@ -117,7 +118,7 @@ def test_a_killed_conversion_leaves_no_output_and_the_next_run_works(point, kill
 
 @pytest.mark.parametrize(
     "point",
-    [KillPoint("converter.shards:ShardWriter", "write_pieces", call=3), KillPoint("common.staging", "_exchange")],
+    [KillPoint("converter.shards:ShardWriter", "_slot", call=3), KillPoint("common.staging", "_exchange")],
     ids=str,
 )
 def test_a_killed_force_run_leaves_the_old_output_intact(point, killed, qwen3_source, tmp_path, digest):
@@ -165,9 +166,7 @@ def test_a_killed_export_leaves_no_output_and_the_next_run_works(point, killed, 
 def test_a_killed_export_that_converts_on_the_way(killed, qwen3_source, tmp_path):
     """Killed inside the conversion that an export of a non-Thinker SOURCE runs in its own staging folder."""
     output = tmp_path / "onnx"
-    killed(
-        KillPoint("converter.shards:ShardWriter", "write_pieces", call=2), export_model, qwen3_source, output, **EXPORT
-    )
+    killed(KillPoint("converter.shards:ShardWriter", "_slot", call=2), export_model, qwen3_source, output, **EXPORT)
     assert not output.exists()
     export_model(qwen3_source, output, **EXPORT)
     assert_complete_export(output)
