@@ -430,8 +430,8 @@ def write_weights(
     thread writes the previous one into its shard (file I/O and torch both release the GIL), and the disk writes
     back what is already written while both go on (``shards.ShardWriter``). At most two steps' tensors are alive:
     the one being written and the one being produced. A tensor copied unchanged (a rename, in the output dtype,
-    from a source that reads in pieces) is never held whole: the writer copies it through one small buffer,
-    checking each piece's values on the way (``copy_checked``).
+    from a source that knows its bytes' place in a file) is never held whole: the writer reads it through one small
+    buffer to check its values, then the kernel copies its bytes (``copy_checked``).
     """
     layout = ShardLayout([(name, shape, plan.dtype) for name, shape in plan.shapes.items()], max_shard_size)
     buffer = torch.empty(COPY_PIECE, dtype=torch.uint8)
@@ -461,7 +461,7 @@ def copies_bytes(step: Step, source: TensorSource, dtype: torch.dtype) -> bool:
     return (
         isinstance(step.op, Identity)
         and len(step.sources) == 1
-        and hasattr(source, "read_pieces")
+        and hasattr(source, "byte_range")
         and source.dtype(step.sources[0]) == dtype
     )
 
@@ -470,22 +470,12 @@ def copy_checked(
     writer: ShardWriter, source: TensorSource, name: str, target: str, dtype: torch.dtype, buffer: torch.Tensor
 ) -> int:
     """Copy a source tensor's bytes into its slot unchanged, refusing (``ThinkerError``) values the output dtype
-    cannot hold. The values are checked piece by piece as they are read; the bytes are then copied by the kernel
-    from the file (still in the page cache), which is where a copy's time goes otherwise: through this process's
-    memory, as a pwrite of every piece, the copy measured 2-2.6x slower. Returns the bytes written."""
+    cannot hold. The values are checked piece by piece as they are read into ``buffer``; the bytes are then copied
+    by the kernel from the file (still in the page cache): through this process's memory, as a pwrite of every
+    piece, the copy measured 2-2.6x slower. Returns the bytes written."""
     scan = ValueScan()
-    if hasattr(source, "byte_range"):
-        for piece in source.read_pieces(name, buffer):
-            scan.update(piece.view(dtype))
-        refuse_values(scan.problem(dtype), name, target)
-        descriptor, begin, end = source.byte_range(name)
-        return writer.copy_range(target, descriptor, begin, end - begin)
-
-    def checked() -> Iterator[torch.Tensor]:
-        for piece in source.read_pieces(name, buffer):
-            scan.update(piece.view(dtype))
-            yield piece
-
-    written = writer.write_pieces(target, checked())
+    for piece in source.read_pieces(name, buffer):
+        scan.update(piece.view(dtype))
     refuse_values(scan.problem(dtype), name, target)
-    return written
+    descriptor, begin, end = source.byte_range(name)
+    return writer.copy_range(target, descriptor, begin, end - begin)

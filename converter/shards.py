@@ -18,7 +18,6 @@ import functools
 import json
 import math
 import os
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -128,20 +127,12 @@ class ShardWriter:
         if tensor.dtype != slot.dtype or tuple(tensor.shape) != slot.shape:
             raise RuntimeError(f"{name}: {tensor.dtype} {tuple(tensor.shape)} does not fit its planned slot {slot}")
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        return self.write_pieces(name, data.split(_WRITE_PIECE))
-
-    def write_pieces(self, name: str, pieces: Iterable[torch.Tensor]) -> int:
-        """Put the bytes of ``pieces`` (uint8 tensors, in order) at ``name``'s slot, handing each to the disk as it
-        is written; they must fill the slot exactly. Returns the number of bytes written."""
-        handle, start, length = self._slot(name)
-        position = start
-        for piece in pieces:
-            if position + len(piece) > start + length:
-                raise RuntimeError(f"{name}: more bytes than its planned slot {self.layout.slots[name]}")
-            _write_all(handle.fileno(), memoryview(piece.numpy()), position)
-            start_writeback(handle.fileno(), position, len(piece))
-            position += len(piece)
-        return self._filled(name, position - start)
+        handle, start, _ = self._slot(name)
+        for offset in range(0, len(data), _WRITE_PIECE):  # each piece handed to the disk as it is written
+            piece = data[offset : offset + _WRITE_PIECE]
+            _write_all(handle.fileno(), memoryview(piece.numpy()), start + offset)
+            start_writeback(handle.fileno(), start + offset, len(piece))
+        return self._filled(name, len(data))
 
     def copy_range(self, name: str, source: int, offset: int, length: int) -> int:
         """Put ``length`` bytes of the open file ``source`` from ``offset`` at ``name``'s slot, copied by the kernel

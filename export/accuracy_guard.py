@@ -17,9 +17,9 @@ the costliest units' MatMulNBits move to level 1, the shortest prefix of the ran
 was measured to meet the threshold).
 It rewrites the model proto with those levels (the weights file is untouched).
 
-Cost: two sessions and prefills of ~230 tokens when the graph passes (SmolLM2-135M int4: 20-40 s on this shared
-2-core machine, most of it onnxruntime preparing each session); when it falls back, one more for the ranking and
-one per bisection step (log2 of the units).
+Cost: two sessions and prefills of ~230 tokens when the graph passes (SmolLM2-135M int4: about 4 s and 170 MB of
+peak RSS, bench/results/README-quantize.md); when it falls back, one more for the ranking and one per bisection
+step (log2 of the units).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from .fidelity import FIDELITY_TEXT, log_softmax
+from .fidelity import fidelity_token_ids, log_softmax
 from .names import DEFAULT_MIN_AGREEMENT
 from .runtime import OnnxDecoder, position_ids_from_mask
 
@@ -47,18 +47,11 @@ GUARD_TOKENS = 256  # the paragraph is ~230 tokens with SmolLM2's tokenizer; ran
 def guard_token_ids(model_dir: Path, vocab_size: int, max_positions: int) -> tuple[np.ndarray, str]:
     """export/fidelity.py's paragraph through the model's tokenizer, or, without a usable one (or with ids beyond
     the vocabulary), GUARD_TOKENS ids from a fixed seed; cut to the model's context."""
-    from transformers import AutoTokenizer
-
     length = min(GUARD_TOKENS, max_positions)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
-        ids = np.asarray(tokenizer(FIDELITY_TEXT)["input_ids"], dtype=np.int64)
-        if len(ids) > 1 and ids.max() < vocab_size:
-            return ids[:length], "export/fidelity.py FIDELITY_TEXT"
-    except Exception:  # no tokenizer files, or ones transformers cannot read: the fixed ids below
-        pass
-    rng = np.random.default_rng(0)
-    return rng.integers(0, vocab_size, size=length, dtype=np.int64), "random ids (seed 0)"
+    ids, text = fidelity_token_ids(model_dir, vocab_size, length)
+    if ids is not None and len(ids) > 1:
+        return ids, text
+    return np.random.default_rng(0).integers(0, vocab_size, size=length, dtype=np.int64), "random ids (seed 0)"
 
 
 def matmul_units(model: onnx.ModelProto) -> dict[str, list[str]]:

@@ -8,6 +8,8 @@ real text.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from .runtime import OnnxDecoder
@@ -26,6 +28,25 @@ FIDELITY_TEXT = (
     "replaced by a bulb and a motor, and twenty years later the last keeper left. Today the tower is a museum, "
     "and visitors who climb the stairs on a clear day can see the islands forty kilometres away."
 )
+
+
+FIDELITY_SOURCE = "export/fidelity.py FIDELITY_TEXT"
+
+
+def fidelity_token_ids(model_dir: Path, vocab_size: int, max_positions: int) -> tuple[np.ndarray | None, str]:
+    """FIDELITY_TEXT through the model's own tokenizer, cut to its context (the tiny test models read the
+    paragraph's beginning), and where the ids come from; (None, why) when the folder has no tokenizer transformers
+    can read or its ids exceed the model's vocabulary."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+    except Exception as err:  # no tokenizer files, or ones transformers cannot read
+        return None, f"no usable tokenizer in {model_dir} ({type(err).__name__})"
+    ids = np.asarray(tokenizer(FIDELITY_TEXT)["input_ids"], dtype=np.int64)[:max_positions]
+    if ids.max(initial=0) >= vocab_size:
+        return None, "the tokenizer's ids exceed the model's vocabulary"
+    return ids, FIDELITY_SOURCE
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -36,7 +36,7 @@ from common.progress import progress_bar
 
 from .accuracy_guard import graph_variant
 from .dequantize import EMBEDDING, as_thinker_parameters, load_into, quantized_weights, weight_errors
-from .fidelity import FIDELITY_TEXT, prefill_logits, text_fidelity
+from .fidelity import fidelity_token_ids, prefill_logits, text_fidelity
 from .quantize import HEAD
 from .runtime import OnnxDecoder
 from .verify import DECODE_STEPS, compare_decoders
@@ -218,18 +218,11 @@ def tied_table_difference(dequantized: dict, model: torch.nn.Module) -> float | 
 @torch.no_grad()
 def quantization_cost(model: torch.nn.Module, model_dir: Path, decoder: OnnxDecoder) -> dict:
     """export/fidelity.py's paragraph through the float PyTorch model and the shipped graph."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except Exception as err:  # no tokenizer files, or ones transformers cannot read
-        return {"skipped": f"no usable tokenizer in {model_dir} ({type(err).__name__})"}
-    # A model with a shorter context than the paragraph (the tiny test models) reads its beginning.
-    ids = np.asarray(tokenizer(FIDELITY_TEXT)["input_ids"], dtype=np.int64)[: model.config.max_position_embeddings]
-    if ids.max(initial=0) >= model.config.vocab_size:
-        return {"skipped": "the tokenizer's ids exceed the model's vocabulary"}
+    ids, text = fidelity_token_ids(model_dir, model.config.vocab_size, model.config.max_position_embeddings)
+    if ids is None:
+        return {"skipped": text}
     reference = model(input_ids=torch.from_numpy(ids)[None]).logits[0].float().numpy()
-    return {"text": "export/fidelity.py FIDELITY_TEXT", **text_fidelity(reference, prefill_logits(decoder, ids), ids)}
+    return {"text": text, **text_fidelity(reference, prefill_logits(decoder, ids), ids)}
 
 
 @contextmanager
