@@ -16,7 +16,8 @@ IO contract (shared/DESIGN.md), P past and T new positions:
 Hybrid models (Qwen3.5, Qwen3-Next) add, for each linear-attention (Gated DeltaNet) layer i, its carried state:
 past_key_values.{i}.conv_state [B, conv_dim, k - 1] in the model dtype and past_key_values.{i}.recurrent_state
 [B, Hv, dk, dv] float32 -> present.{i}.conv_state / .recurrent_state, every axis but the batch static (what
-onnxruntime-genai allocates from); zeros start a sequence (docs/hybrid-export.md). Their full-attention layers
+onnxruntime-genai allocates from); zeros start a sequence, and a position the attention mask hides leaves both as they
+were (padding on either side; docs/hybrid-export.md decision 6). Their full-attention layers
 add the output gate, zero-centred norms and partial (multimodal) RoPE (``export/hybrid_attention_graph.py``), the
 linear-attention layers come from ``export/linear_attention_graph.py``.
 

@@ -21,7 +21,7 @@ So, besides zeroing the inputs:
                lastpos = max_t keep_t (t + 1) (0 for a row masked throughout: the old state), gathered per row
                (GatherElements) with one index that every layer shares (``emit_padding_masks``)
 Where nothing is masked this is exactly the unpadded layer (the last k - 1 columns; g and beta times 1), and a
-left-padded row from an empty state gets exactly transformers' result, as before.
+left-padded row from an empty state gets transformers' result as before (float32: the same bits).
 
 The carried state, graph inputs and outputs of the caller's choosing (names in docs/hybrid-export.md):
   conv_state       (B, conv_dim, k - 1) in the model dtype: the raw q|k|v inputs the next step's conv window reads
