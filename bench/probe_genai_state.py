@@ -45,7 +45,8 @@ for case in json.loads(sys.stdin.read()):
         params.set_search_options(do_sample=False, max_length=12, batch_size=len(case["prompts"]))
         generator = og.Generator(model, params)
         width = max(map(len, case["prompts"]))
-        rows = [[0] * (width - len(p)) + p for p in case["prompts"]]  # left-padded with pad_token_id 0
+        pad = [[0] * (width - len(p)) for p in case["prompts"]]  # pad_token_id 0, on the side the case asks for
+        rows = [p + z if case["right"] else z + p for p, z in zip(case["prompts"], pad)]
         generator.append_tokens(np.array(rows, np.int32) if len(rows) > 1 else rows[0])
         while not generator.is_done():
             generator.generate_next_token()
@@ -207,6 +208,14 @@ CASES = [
     ("2-D: first mask slot (a pad in row 1)", dict(report="mask_first", positions="2d"), [[5, 6, 7, 8, 9], [7, 8, 9]]),
     ("rank not declared: positions", dict(report="pos1", positions="any"), [[5, 6, 7, 8, 9]]),
 ]
+# Batches padded on the right, as onnxruntime-genai pads them itself (its Tokenizer.encode_batch).
+RIGHT_PADDED = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15]]
+RIGHT_PADDED_CASES = [
+    ("3-D, right-padded: temporal positions", dict(report="pos0"), RIGHT_PADDED),
+    ("3-D, right-padded: mask sum", dict(report="mask_sum"), RIGHT_PADDED),
+    ("2-D, right-padded: mask sum", dict(report="mask_sum", positions="2d"), RIGHT_PADDED),
+    ("rank not declared, right-padded: mask sum", dict(report="mask_sum", positions="any"), RIGHT_PADDED),
+]
 
 
 def main() -> None:
@@ -216,13 +225,14 @@ def main() -> None:
     print("each line: the value the probe saw at the last prompt token, then at each generated step")
     with tempfile.TemporaryDirectory() as tmp:
         jobs = []
-        for index, (_, arguments, prompts) in enumerate(CASES):
-            jobs.append({"folder": str(probe_model(Path(tmp) / str(index), **arguments)), "prompts": prompts})
+        for index, (_, arguments, prompts) in enumerate(CASES + RIGHT_PADDED_CASES):
+            folder = str(probe_model(Path(tmp) / str(index), **arguments))
+            jobs.append({"folder": folder, "prompts": prompts, "right": index >= len(CASES)})
         done = subprocess.run([str(python), "-c", WORKER], input=json.dumps(jobs), capture_output=True, text=True)
     results = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
-    if len(results) != len(CASES):
+    if len(results) != len(CASES) + len(RIGHT_PADDED_CASES):
         raise SystemExit(f"the onnxruntime-genai worker failed:\n{done.stderr[-2000:]}")
-    for (label, _, _), result in zip(CASES, results, strict=True):
+    for (label, _, _), result in zip(CASES + RIGHT_PADDED_CASES, results, strict=True):
         print(f"{label:<58} {result if isinstance(result, str) else '  '.join(map(str, result))}")
 
 

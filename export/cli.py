@@ -161,8 +161,10 @@ def export_command(
     Hybrid models (Qwen3.5, Qwen3-Next) carry, for each linear-attention layer i instead of KV,
     past_key_values.{i}.conv_state [batch, conv_dim, kernel - 1] (model dtype) and
     past_key_values.{i}.recurrent_state [batch, v_heads, k_dim, v_dim] (float32) -> present.{i}.*;
-    zeros start a sequence. With multimodal RoPE (mrope_section) position_ids is [3, batch, seq]:
-    text-only callers repeat their [batch, seq] positions three times.
+    zeros start a sequence; a position the attention mask hides leaves both states untouched, so batches
+    padded on either side give each row its own result. With multimodal RoPE (mrope_section) position_ids is
+    [3, batch, seq]: text-only callers repeat their [batch, seq] positions three times. (onnxruntime-genai 0.18
+    unmasks the pads of such models after the prompt, so their unequal-length batches are wrong under it.)
 
     \b
     --graph fused (the default) keeps these names and shapes; left-padded batches, and onnxruntime-genai's

@@ -16,7 +16,8 @@ IO contract (shared/DESIGN.md), P past and T new positions:
 Hybrid models (Qwen3.5, Qwen3-Next) add, for each linear-attention (Gated DeltaNet) layer i, its carried state:
 past_key_values.{i}.conv_state [B, conv_dim, k - 1] in the model dtype and past_key_values.{i}.recurrent_state
 [B, Hv, dk, dv] float32 -> present.{i}.conv_state / .recurrent_state, every axis but the batch static (what
-onnxruntime-genai allocates from); zeros start a sequence (docs/hybrid-export.md). Their full-attention layers
+onnxruntime-genai allocates from); zeros start a sequence, and a position the attention mask hides leaves both as they
+were (padding on either side; docs/hybrid-export.md decision 6). Their full-attention layers
 add the output gate, zero-centred norms and partial (multimodal) RoPE (``export/hybrid_attention_graph.py``), the
 linear-attention layers come from ``export/linear_attention_graph.py``.
 
@@ -47,7 +48,7 @@ from .hybrid_attention_graph import (
     mrope_stream_selector,
     zero_centered_scale,
 )
-from .linear_attention_graph import GatedDeltaNetDims, GatedDeltaNetGraph, emit_keep_mask
+from .linear_attention_graph import GatedDeltaNetDims, GatedDeltaNetGraph, PaddingMasks, emit_padding_masks
 from .weights import ThinkerWeights
 
 if TYPE_CHECKING:
@@ -75,7 +76,7 @@ class StepContext:
     attn_bias: str  # float32 additive mask, (B, 1, 1, T, S): 0 where a query may attend, the float32 minimum elsewhere
     cos: str | None  # (B, 1, T, rotary_dim) in the model dtype, for RoPE
     sin: str | None
-    keep: str | None = None  # (B, T, 1) model dtype: 1 for real new tokens, 0 for pads (linear-attention layers)
+    linear_padding: PaddingMasks | None = None  # what the linear-attention layers read about padding
 
 
 class DecoderGraph:
@@ -116,7 +117,9 @@ class DecoderGraph:
             ctx = self.emit_step_context("input_ids", "attention_mask", "position_ids")
             if cfg.has_linear_attention:
                 with b.scope("linear_attn_mask"):
-                    ctx.keep = emit_keep_mask(b, "attention_mask", "input_ids", self.dtype)
+                    ctx.linear_padding = emit_padding_masks(
+                        b, "attention_mask", "input_ids", self.dtype, self.linear_dims
+                    )
             with b.scope("embed"):
                 hidden = self.emit_embeddings("input_ids", "position_ids")
             # The residual stream travels as (sum so far, the last block's output not yet added), so that a fused
@@ -339,7 +342,7 @@ class DecoderGraph:
         layer = self.linear_attention_graph(self.b, self.linear_dims, self.dtype, self.weights.get, self.emit_matmul)
         states = [f"past_key_values.{i}.conv_state", f"past_key_values.{i}.recurrent_state"]
         states += [f"present.{i}.conv_state", f"present.{i}.recurrent_state"]
-        return layer.emit(x, f"model.layers.{i}.linear_attn", ctx.keep, *states)
+        return layer.emit(x, f"model.layers.{i}.linear_attn", ctx.linear_padding, *states)
 
     # --- attention --------------------------------------------------------------------------------------------
     def emit_attention(self, i: int, x: str, ctx: StepContext) -> str:

@@ -9,9 +9,10 @@ are written out (``past_conv_names`` ...; onnxruntime-genai's defaults are the s
 default), and it finds those layers by matching the session's inputs against them. The model type decides the
 positions it feeds: "qwen3_5_text" / "qwen3_5_moe_text" (the hybrid types 0.18 runs from a decoder folder) feed the
 (3, B, T) positions a multimodal-RoPE graph declares; models without multimodal RoPE (Qwen3-Next, which 0.18 does
-not know as "qwen3_next") keep "qwen3" and (B, T). onnxruntime-genai pads a batch on the right; for hybrid models
-rows of unequal length are then wrong (the pads pass through the linear-attention state; docs/hybrid-export.md 5.2);
-batch 1 and equal-length rows are right, and dense models are right on unequal lengths too.
+not know as "qwen3_next") keep "qwen3" and (B, T). onnxruntime-genai pads a batch on the right; the graphs leave the
+linear-attention states untouched at pads, so rows of unequal length are right for hybrid models with (B, T) positions
+(Qwen3-Next) as for dense ones. With (3, B, T) positions they are not: that position code sets every mask slot to 1
+from the first decode step, unmasking the pads (docs/hybrid-export.md 1.3, 5.2); batch 1 and equal lengths are right.
 
 ``past_present_share_buffer``: the plain graph grows the KV cache by concatenation (past and present are distinct
 buffers), so it is false there. The fused graph's GroupQueryAttention also takes one buffer of the whole context

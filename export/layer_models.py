@@ -19,7 +19,7 @@ from onnx import TensorProto
 
 from .decoder_graph import make_model
 from .graph_builder import TORCH_TO_ONNX, GraphBuilder, WeightFile, value_info
-from .linear_attention_graph import GatedDeltaNetDims, GatedDeltaNetGraph, emit_keep_mask
+from .linear_attention_graph import GatedDeltaNetDims, GatedDeltaNetGraph, emit_padding_masks
 
 LAYER_PREFIX = "model.layers.0.linear_attn"
 PAST_STATES = ("past_key_values.0.conv_state", "past_key_values.0.recurrent_state")
@@ -45,8 +45,8 @@ def write_gated_deltanet_model(
 
     layer = graph_class(b, dims, dtype, weight)
     with b.scope(LAYER_PREFIX.replace(".", "/")):
-        keep = emit_keep_mask(b, "attention_mask", "hidden_states", dtype)
-        out = layer.emit("hidden_states", LAYER_PREFIX, keep, *PAST_STATES, *PRESENT_STATES)
+        padding = emit_padding_masks(b, "attention_mask", "hidden_states", dtype, dims)
+        out = layer.emit("hidden_states", LAYER_PREFIX, padding, *PAST_STATES, *PRESENT_STATES)
     b.op_to("Identity", [out], ["output"])
     model_dtype, float32 = TORCH_TO_ONNX[dtype], TensorProto.FLOAT
     inputs = [

@@ -2,9 +2,7 @@
 
 One layer, in the order of transformers' ``Qwen3_5GatedDeltaNet.forward`` (which the Thinker mirrors):
 
-  padding      hidden * keep: padded positions become zeros before the projections (apply_mask_to_padding_states);
-               with no biases they then add nothing to either state, so a left-padded row from an empty state
-               gives its own result
+  padding      hidden * keep: padded positions become zeros before the projections (apply_mask_to_padding_states)
   projections  in_proj_qkv, in_proj_z (output gate), in_proj_b (write strength), in_proj_a (decay step)
   conv         causal depthwise conv over the q|k|v channels with the last k - 1 inputs carried, then SiLU
   gates        beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias), the log decay, in float32
@@ -12,6 +10,18 @@ One layer, in the order of transformers' ``Qwen3_5GatedDeltaNet.forward`` (which
                key head serves ``Hv / Hk`` consecutive value heads
   delta rule   per value head, state S (dk x dv): S = exp(g) S; S += k (beta (v - S^T k))^T; out = S^T q / sqrt(dk)
   norm         RMSNorm per value head, times silu(z) in float32 (Qwen3_5RMSNormGated), then out_proj
+
+Padding (docs/hybrid-export.md, decision 6): a position the attention mask hides leaves both states exactly as they
+were, whatever the layout (left pads, onnxruntime-genai's right pads, a row masked for a whole step). Zeroed inputs
+alone (transformers' rule) do that only for left pads from an empty state: a trailing pad's conv window still holds
+the real tokens before it (k, v and beta are not zero), its decay is not one, and it shifts the carried conv window.
+So, besides zeroing the inputs:
+  recurrence   log decay g and beta times the float32 keep mask: exp(0) = 1 and beta = 0 leave S as it was
+  conv state   the k - 1 columns of ``past ++ inputs`` that end at the row's last unmasked new position,
+               lastpos = max_t keep_t (t + 1) (0 for a row masked throughout: the old state), gathered per row
+               (GatherElements) with one index that every layer shares (``emit_padding_masks``)
+Where nothing is masked this is exactly the unpadded layer (the last k - 1 columns; g and beta times 1), and a
+left-padded row from an empty state gets transformers' result as before (float32: the same bits).
 
 The carried state, graph inputs and outputs of the caller's choosing (names in docs/hybrid-export.md):
   conv_state       (B, conv_dim, k - 1) in the model dtype: the raw q|k|v inputs the next step's conv window reads
@@ -101,12 +111,35 @@ class GatedDeltaNetDims:
         return [batch, self.num_value_heads, self.key_head_dim, self.value_head_dim]
 
 
-def emit_keep_mask(b: GraphBuilder, attention_mask: str, hidden: str, dtype: torch.dtype) -> str:
-    """(B, T, 1) in the model dtype: 1 for the new positions the mask keeps, 0 for padding. The new positions
-    are the last T columns of the (B, P + T) attention mask, T being the hidden states' sequence length."""
+@dataclass(frozen=True)
+class PaddingMasks:
+    """What every linear-attention layer of one forward reads about padding, computed once (``emit_padding_masks``)."""
+
+    keep: str  # (B, T, 1) model dtype: 1 for the new positions the mask keeps, 0 for pads; zeroes the layer's input
+    keep_float: str  # (B, T, 1) float32, the same: scales the log decay and beta (0 at pads: the state stays)
+    conv_state_index: str  # (B, conv_dim, k - 1) int64: columns lastpos .. lastpos + k - 2 of past ++ inputs
+
+
+def emit_padding_masks(
+    b: GraphBuilder, attention_mask: str, hidden: str, dtype: torch.dtype, dims: GatedDeltaNetDims
+) -> PaddingMasks:
+    """The padding values of one forward. The new positions are the last T columns of the (B, P + T) attention
+    mask, T being ``hidden``'s sequence length (hidden states (B, T, C) or input ids (B, T))."""
     seq = b.op("Shape", hidden, start=1, end=2)  # (1,): T
-    new = b.op("Slice", attention_mask, b.op("Neg", seq), b.const([INT64_MAX]), b.const([1]))  # (B, T)
-    return b.op("Unsqueeze", b.op("Cast", new, to=TORCH_TO_ONNX[dtype]), b.const([-1]))
+    new = b.op("Slice", attention_mask, b.op("Neg", seq), b.const([INT64_MAX]), b.const([1]))  # (B, T) int64
+    keep = b.op("Unsqueeze", b.op("Cast", new, to=TORCH_TO_ONNX[dtype]), b.const([-1]))
+    keep_float = keep
+    if dtype != torch.float32:
+        keep_float = b.op("Unsqueeze", b.op("Cast", new, to=TensorProto.FLOAT), b.const([-1]))
+    # lastpos = max_t keep_t (t + 1): the row's last real input is column lastpos + k - 2 of past ++ inputs, so
+    # the next window is columns lastpos .. lastpos + k - 2 (the last k - 1 where the row ends unpadded, the old
+    # state where it is masked throughout).
+    ordinal = b.op("Range", b.const(1), b.op("Add", b.op("Squeeze", seq, b.const([0])), b.const(1)), b.const(1))
+    last = b.op("ReduceMax", b.op("Mul", new, ordinal), b.const([1]), keepdims=1)  # (B, 1)
+    window = b.const(list(range(dims.conv_kernel - 1)))  # (k - 1,)
+    index = b.op("Add", b.op("Unsqueeze", last, b.const([2])), window)  # (B, 1, k - 1)
+    index = b.op("Expand", index, b.const([1, dims.conv_dim, 1]))  # GatherElements wants the output's shape
+    return PaddingMasks(keep, keep_float, index)
 
 
 class GatedDeltaNetGraph:
@@ -151,25 +184,27 @@ class GatedDeltaNetGraph:
         self,
         x: str,
         prefix: str,
-        keep: str,
+        padding: PaddingMasks,
         past_conv: str,
         past_recurrent: str,
         present_conv: str,
         present_recurrent: str,
     ) -> str:
-        """One layer on ``x`` (B, T, C) in the model dtype; ``keep`` (B, T, 1) from ``emit_keep_mask``. Writes the
+        """One layer on ``x`` (B, T, C) in the model dtype; ``padding`` from ``emit_padding_masks``. Writes the
         graph values ``present_conv`` and ``present_recurrent``; returns the layer output (B, T, C)."""
         b = self.b
-        x = b.op("Mul", x, keep)  # padding positions: zeros, which write nothing into either state
+        x = b.op("Mul", x, padding.keep)  # padding positions: zeros (so a left pad is nothing in the conv window)
         with b.scope("in_proj"):
             qkv = self.linear(x, f"{prefix}.in_proj_qkv")  # (B, T, conv_dim)
             z = self.linear(x, f"{prefix}.in_proj_z")  # (B, T, Hv * dv)
             write = self.linear(x, f"{prefix}.in_proj_b")  # (B, T, Hv)
             step = self.linear(x, f"{prefix}.in_proj_a")  # (B, T, Hv)
         with b.scope("conv"):
-            qkv = self.emit_conv(qkv, f"{prefix}.conv1d.weight", past_conv, present_conv)  # (B, T, conv_dim)
+            qkv = self.emit_conv(qkv, f"{prefix}.conv1d.weight", past_conv, present_conv, padding.conv_state_index)
         with b.scope("gates"):
             log_decay, beta = self.emit_gates(step, write, prefix)  # (B, T, Hv) float32 each
+            # A pad neither decays the state (exp(0) = 1) nor writes into it (beta = 0).
+            log_decay, beta = b.op("Mul", log_decay, padding.keep_float), b.op("Mul", beta, padding.keep_float)
         with b.scope("qk_l2norm"):
             query, key, value = self.emit_split_qkv(qkv)  # (B, T, Hk * dk) float32 each, v in the model dtype
         with b.scope("delta_rule"):
@@ -180,10 +215,10 @@ class GatedDeltaNetGraph:
             return self.linear(core, f"{prefix}.out_proj")
 
     # --- pieces, each replaced by one onnxruntime operator in the fused form --------------------------------
-    def emit_conv(self, qkv: str, weight_name: str, past: str, present: str) -> str:
+    def emit_conv(self, qkv: str, weight_name: str, past: str, present: str, state_index: str) -> str:
         """Causal depthwise conv + SiLU over time, (B, T, C) -> (B, T, C). The window of token t is the k - 1
-        inputs before it (from ``past`` where the step starts) and itself; ``present`` is the last k - 1 columns of
-        ``past ++ inputs``.
+        inputs before it (from ``past`` where the step starts) and itself; ``present`` is the k - 1 columns of
+        ``past ++ inputs`` that ``state_index`` picks per row (those ending at the row's last real input).
 
         Written as k taps (a shifted slice of the window times one weight column each, summed) rather than a
         grouped ``Conv``: onnxruntime's CPU Conv with one group per channel took 7.5 % of a Qwen3.5-0.8B decode
@@ -192,7 +227,7 @@ class GatedDeltaNetGraph:
         b, k = self.b, self.dims.conv_kernel
         inputs = b.op("Transpose", qkv, perm=[0, 2, 1])  # (B, C, T)
         window = b.op("Concat", past, inputs, axis=2)  # (B, C, k - 1 + T)
-        b.op_to("Slice", [window, b.const([-(k - 1)]), b.const([INT64_MAX]), b.const([2])], [present])
+        b.op_to("GatherElements", [window, state_index], [present], axis=2)  # (B, C, k - 1)
         taps = self.weight(weight_name).detach().to(torch.float32)[:, 0, :]  # (C, k): nn.Conv1d's (C, 1, k)
         window = self.to_float(window)
         seq = b.op("Shape", inputs, start=2, end=3)  # (1,): T
@@ -316,7 +351,8 @@ class GatedDeltaNetGraph:
 class FusedGatedDeltaNetGraph(GatedDeltaNetGraph):
     """The same layer with onnxruntime's com.microsoft operators where they are exact:
 
-    conv        CausalConvWithState (carry of k - 1 inputs, fused SiLU), on (B, C, T)
+    conv        CausalConvWithState (carry of k - 1 inputs, fused SiLU), on (B, C, T); the carried state is
+                gathered per row as in the plain form, the op's own (the last k - 1 columns) left unused
     gates       LinearAttentionGate: decay_scale * softplus(a + dt_bias) and sigmoid(b), fed float32 so that
                 both come out in float32
     delta rule  LinearAttention, update_rule gated_delta, q and k at the key heads (onnxruntime expands them to
@@ -330,12 +366,20 @@ class FusedGatedDeltaNetGraph(GatedDeltaNetGraph):
 
     contrib_ops = True
 
-    def emit_conv(self, qkv: str, weight_name: str, past: str, present: str) -> str:
-        b = self.b
+    def emit_conv(self, qkv: str, weight_name: str, past: str, present: str, state_index: str) -> str:
+        """The op's carry is the last k - 1 columns whatever the mask, so ``present`` is gathered from
+        ``past ++ inputs`` as in the plain form. The op then reads its past from that concatenation, not from
+        ``past``: where past and present are one buffer (genai_config's past_present_share_buffer) the Concat,
+        ``past``'s only reader, must run before the gather writes ``present``, which only a data path guarantees."""
+        b, k = self.b, self.dims.conv_kernel
         inputs = b.op("Transpose", qkv, perm=[0, 2, 1])  # (B, C, T)
+        window = b.op("Concat", past, inputs, axis=2)  # (B, C, k - 1 + T)
+        b.op_to("GatherElements", [window, state_index], [present], axis=2)  # (B, C, k - 1)
+        carried = b.op("Slice", window, b.const([0]), b.const([k - 1]), b.const([2]))  # past, read through the window
         weight = b.weight(weight_name, self.weight(weight_name))  # (C, 1, k)
-        conv = b.fresh("conv")
-        b.op_to("CausalConvWithState", [inputs, weight, "", past], [conv, present], domain=MS_DOMAIN, activation="silu")
+        conv, _ = b.op(
+            "CausalConvWithState", inputs, weight, "", carried, domain=MS_DOMAIN, activation="silu", outputs=2
+        )
         return b.op("Transpose", conv, perm=[0, 2, 1])
 
     def emit_gates(self, step: str, write: str, prefix: str) -> tuple[str, str]:

@@ -3,9 +3,11 @@ equal transformers' greedy tokens. It runs in its own virtual environment (see t
 because its CPU onnxruntime must not share one with onnxruntime-gpu.
 
 Hybrid models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next; plain and fused graphs): 12 of 12 greedy tokens at batch 1, and a
-batch of two prompts of equal length. Rows of unequal length are not right for them under onnxruntime-genai, which
-pads on the right: the pads after a short prompt pass through the linear-attention layers (pinned below as a strict
-xfail; docs/hybrid-export.md 5.2). Dense models get each row right (test_onnx_fused.py)."""
+batch of two prompts of equal length. Rows of unequal length, which onnxruntime-genai pads on the right: each row its
+own tokens for Qwen3-Next (the short row's trailing pads leave the linear-attention states untouched). Qwen3.5 is
+still wrong there, because genai's (3, B, T) position code unmasks the pad slots from the first decode step: pinned as
+a strict xfail, and the graph shown to give exactly genai's tokens under the mask genai feeds (docs/hybrid-export.md
+5.2). Dense models get each row right (test_onnx_fused.py)."""
 
 from __future__ import annotations
 
@@ -93,25 +95,94 @@ def test_genai_greedy_equals_transformers_on_hybrid_models(family, genai_python,
         assert batch == expected, f"{family} {graph}, batch of two: genai {batch} != transformers {expected}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="onnxruntime-genai pads a batch on the right, and a short row's trailing pads pass through the "
-    "linear-attention layers: masked to zero input they still decay the recurrent state and shift the conv window "
-    "(transformers' padding rule, defined for left padding); docs/hybrid-export.md 5.2",
-)
-def test_genai_right_padded_hybrid_batch_equals_rows_alone(genai_python, thinker_variant, onnx_variant):
-    prompts = [HYBRID_PROMPTS[0], HYBRID_PROMPTS[1][:3]]
-    families = ("qwen3_5", "qwen3_next")  # the (3, B, T) and the (B, T) position paths
+# Right-padded batches of unequal length (genai_greedy.py pads as onnxruntime-genai does): a 3-token row beside an
+# 8-token one, both graphs.
+RIGHT_PADDED_PROMPTS = [HYBRID_PROMPTS[0], HYBRID_PROMPTS[1][:3]]
+RIGHT_PADDED_FAMILIES = ("qwen3_5", "qwen3_next")  # the (3, B, T) and the (B, T) position paths
+GRAPHS = ("plain", "fused")
+EOS = 2  # export_helpers.COMMON: genai stops a row there
+
+
+def up_to_eos(rows: list[list[int]]) -> list[list[int]]:
+    return [r[: r.index(EOS)] if EOS in r else r for r in rows]
+
+
+@pytest.fixture(scope="module")
+def right_padded_genai_rows(genai_python, onnx_variant) -> dict[tuple[str, str], list[list[int]]]:
+    """(family, graph) -> each row's new tokens from onnxruntime-genai on RIGHT_PADDED_PROMPTS: one process."""
+    keys = [(family, graph) for family in RIGHT_PADDED_FAMILIES for graph in GRAPHS]
     cases = [
-        {"folder": str(onnx_variant(f, head_dim=None)), "prompts": prompts, "max_new_tokens": HYBRID_NEW_TOKENS}
-        for f in families
+        {
+            "folder": str(onnx_variant(family, graph=graph, head_dim=None)),
+            "prompts": RIGHT_PADDED_PROMPTS,
+            "max_new_tokens": HYBRID_NEW_TOKENS,
+        }
+        for family, graph in keys
     ]
     done = subprocess.run(
         [str(genai_python), str(SCRIPT)], input=json.dumps(cases), capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    for family, rows in zip(families, json.loads(done.stdout), strict=True):
-        alone = [thinker_greedy(thinker_variant(family), [p], HYBRID_NEW_TOKENS)[0] for p in prompts]
-        eos = 2  # export_helpers.COMMON: genai stops a row there, transformers here was told not to
-        rows, alone = ([r[: r.index(eos)] if eos in r else r for r in x] for x in (rows, alone))
-        assert rows == alone, f"{family}: genai {rows} != transformers row by row {alone}"
+    return dict(zip(keys, json.loads(done.stdout), strict=True))
+
+
+GENAI_MROPE_MASK = (
+    "onnxruntime-genai 0.18's position code for the (3, B, T) types (Qwen2VLPositionInputs: qwen3_5_text, "
+    "qwen3_5_moe_text) sets every attention-mask slot to 1 from the first decode step, so a short row's pad slots "
+    "become keys of the full-attention layers; the graph has nothing but the mask to tell them by "
+    "(test_genai_mrope_right_padded_batch_is_the_graph_under_genais_mask; docs/hybrid-export.md 5.2)"
+)
+
+
+@pytest.mark.parametrize(
+    "family",
+    [pytest.param("qwen3_5", marks=pytest.mark.xfail(strict=True, reason=GENAI_MROPE_MASK)), "qwen3_next"],
+)
+def test_genai_right_padded_hybrid_batch_equals_rows_alone(family, right_padded_genai_rows, thinker_variant):
+    """Both graphs under onnxruntime-genai (the fused one through its shared state buffers), rows of unequal length
+    padded on the right as genai pads them: each row gets transformers' greedy tokens for that row alone, up to its
+    eos. The short row's trailing pads pass through the linear-attention layers and leave both states untouched
+    (export/linear_attention_graph.py); before, they decayed the recurrent state and shifted the conv window, and
+    the short row went wrong from its second new token."""
+    alone = [thinker_greedy(thinker_variant(family), [p], HYBRID_NEW_TOKENS)[0] for p in RIGHT_PADDED_PROMPTS]
+    for graph in GRAPHS:
+        rows = right_padded_genai_rows[family, graph]
+        assert up_to_eos(rows) == up_to_eos(alone), f"{family} {graph}: genai {rows} != transformers row by row {alone}"
+
+
+def onnxruntime_right_padded_greedy(folder: Path, prompts: list[list[int]], genai_mask: bool) -> list[list[int]]:
+    """Greedy new tokens of a right-padded batch through OnnxDecoder's session: each row's positions count its own
+    tokens (pads at 0, as genai's (3, B, T) code writes them); decode steps append mask 1 at each row's next position.
+    ``genai_mask``: from the first decode step every mask slot is 1, as that code feeds it; else the pads stay 0."""
+    import numpy as np
+
+    from export.runtime import DecoderState, OnnxDecoder
+
+    decoder = OnnxDecoder(folder, provider="cpu")
+    width, lengths = max(map(len, prompts)), np.array([len(p) for p in prompts])
+    mask = (np.arange(width)[None] < lengths[:, None]).astype(np.int64)
+    ids = np.array([p + [0] * (width - len(p)) for p in prompts])
+    state = DecoderState(mask, lengths.copy(), decoder.empty_cache(len(prompts)))
+    logits = decoder.forward(ids, np.where(mask == 1, np.arange(width)[None], 0), state)
+    token = logits[np.arange(len(prompts)), lengths - 1].argmax(-1)
+    if genai_mask:
+        state.attention_mask = np.ones_like(mask)
+    new = [token]
+    for _ in range(HYBRID_NEW_TOKENS - 1):
+        new.append(decoder.decode_one_token(token, state).argmax(-1))
+        token = new[-1]
+    return np.stack(new, axis=1).tolist()
+
+
+def test_genai_mrope_right_padded_batch_is_the_graph_under_genais_mask(right_padded_genai_rows, onnx_variant):
+    """Why Qwen3.5 (and any (3, B, T) model) is still wrong on right-padded batches under onnxruntime-genai 0.18: its
+    tokens, both graphs, are exactly what the graph gives when fed as that runtime feeds it (pad positions 0, and
+    every mask slot 1 from the first decode step: the short row's pad slots unmasked), while the same graph fed the
+    true mask gives each row its own tokens (test_onnx_hybrid.py, right-padded rows)."""
+    for graph in GRAPHS:
+        folder = onnx_variant("qwen3_5", graph=graph, head_dim=None)
+        genai = right_padded_genai_rows["qwen3_5", graph]
+        as_fed = onnxruntime_right_padded_greedy(folder, RIGHT_PADDED_PROMPTS, genai_mask=True)
+        true_mask = onnxruntime_right_padded_greedy(folder, RIGHT_PADDED_PROMPTS, genai_mask=False)
+        assert up_to_eos(genai) == up_to_eos(as_fed), f"{graph}: genai {genai} != the graph under its mask {as_fed}"
+        assert up_to_eos(genai) != up_to_eos(true_mask), f"{graph}: genai now gives the true-mask tokens"

@@ -102,6 +102,89 @@ def test_long_left_padded_prefill_gives_each_row_its_own_result(family, graph, t
         token = step.argmax(-1)
 
 
+# --- padding anywhere: right-padded rows (onnxruntime-genai's batches) and masked steps ------------------------------
+# Each row's real tokens: (leading pads, real tokens) of a 9-column prompt, the rest trailing pads. Row 1 is
+# onnxruntime-genai's short row; row 2 is one real token between pads (fewer than the conv's k - 1 = 3 columns, so its
+# carried conv window reaches back into the empty past).
+PADDED_ROWS = ((0, 9), (0, 4), (2, 1))
+PADDED_WIDTH = 9
+DECODE_TOKENS = 5
+MASKED_STEP = 2  # row 1's token at this decode step is masked (attention mask 0): its states must not move
+LINEAR_STATES = ("conv_state", "recurrent_state")
+
+
+def padded_batch(seed: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """ids, mask and positions of the PADDED_ROWS prompt, and DECODE_TOKENS tokens per row to feed after it.
+    Positions count each row's real tokens from 0; a pad's position is its column (any row of the tables)."""
+    rng = np.random.default_rng(seed)
+    ids = np.zeros((len(PADDED_ROWS), PADDED_WIDTH), np.int64)
+    mask = np.zeros_like(ids)
+    positions = np.tile(np.arange(PADDED_WIDTH), (len(PADDED_ROWS), 1))
+    for row, (start, length) in enumerate(PADDED_ROWS):
+        ids[row, start : start + length] = rng.integers(3, VOCAB, size=length)
+        mask[row, start : start + length] = 1
+        positions[row, start : start + length] = np.arange(length)
+    return ids, mask, positions, rng.integers(3, VOCAB, size=(len(PADDED_ROWS), DECODE_TOKENS))
+
+
+def row_alone(decoder: OnnxDecoder, ids: np.ndarray, tokens: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """One row without padding: its prompt's logits (T, V) and each following token's logits (V,)."""
+    logits, state = decoder.prefill(ids[None], np.ones((1, len(ids)), np.int64))
+    return logits[0], [decoder.decode_one_token(np.array([token]), state)[0] for token in tokens]
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_right_padded_rows_and_masked_steps_give_each_row_its_own_result(family, graph, onnx_variant):
+    """A batch padded as onnxruntime-genai pads (trailing pads; positions counting real tokens from 0, the new tokens
+    after the pad slots), one row padded on both sides, then decode steps, one of which masks row 1's token: every
+    row's logits equal that row run alone through the same graph, prefill and decode, within 1e-5 of the logit
+    scale; and the masked step hands row 1's linear-attention states back bit for bit. Trailing pads that decayed
+    the recurrent state, wrote into it or shifted the conv window would each fail this."""
+    decoder = OnnxDecoder(hybrid_export(onnx_variant, family, graph), provider="cpu")
+    ids, mask, positions, tokens = padded_batch()
+    state = DecoderState(mask, None, decoder.empty_cache(len(PADDED_ROWS)))
+    prompt_logits = decoder.forward(ids, positions, state)
+    next_position = np.array([length for _, length in PADDED_ROWS])
+    step_logits = []  # per step: (B, V)
+    for step in range(DECODE_TOKENS):
+        keep = np.ones(len(PADDED_ROWS), np.int64)
+        if step == MASKED_STEP:
+            keep[1] = 0
+        state.attention_mask = np.concatenate([state.attention_mask, keep[:, None]], axis=1)
+        past = dict(state.cache)
+        step_logits.append(decoder.forward(tokens[:, step : step + 1], next_position[:, None], state)[:, 0])
+        next_position += keep
+        if step == MASKED_STEP:
+            linear = [n for n in decoder.past_names if n.endswith(LINEAR_STATES)]
+            for name in linear:
+                np.testing.assert_array_equal(state.cache[name][1], past[name][1], err_msg=name)
+            assert all(not np.array_equal(state.cache[n][0], past[n][0]) for n in linear)  # row 0 did move
+
+    kept = mask.astype(bool)
+    scale = max(1.0, float(np.abs(prompt_logits[kept]).max()))
+    for row, (start, length) in enumerate(PADDED_ROWS):
+        steps = [s for s in range(DECODE_TOKENS) if not (row == 1 and s == MASKED_STEP)]
+        alone_prompt, alone_steps = row_alone(decoder, ids[row, start : start + length], list(tokens[row, steps]))
+        np.testing.assert_allclose(prompt_logits[row, kept[row]], alone_prompt, atol=1e-5 * scale, rtol=0)
+        for s, expected in zip(steps, alone_steps, strict=True):
+            np.testing.assert_allclose(step_logits[s][row], expected, atol=1e-5 * scale, rtol=0, err_msg=f"step {s}")
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_a_masked_chunk_leaves_the_linear_states_untouched(graph, onnx_variant):
+    """Three new tokens, all masked, after a prompt (batch 1, as a chunked step needs in the fused graph): the
+    conv and recurrent states come back bit for bit, through the Scan and LinearAttention's multi-token path."""
+    decoder = OnnxDecoder(hybrid_export(onnx_variant, "qwen3_next", graph), provider="cpu")
+    ids, _ = left_padded((6,), seed=4)
+    _, state = decoder.prefill(ids, np.ones_like(ids))
+    past = dict(state.cache)
+    state.attention_mask = np.concatenate([state.attention_mask, np.zeros((1, 3), np.int64)], axis=1)
+    decoder.forward(ids[:, :3], np.arange(6, 9)[None], state)
+    for name in (n for n in decoder.past_names if n.endswith(LINEAR_STATES)):
+        np.testing.assert_array_equal(state.cache[name], past[name], err_msg=name)
+
+
 def test_multi_token_step_after_a_prompt(thinker_variant, onnx_variant):
     """Prefill of any length and decode are one graph: a 5-token step after a 9-token prompt (both states and the
     KV carried) equals PyTorch's full forward over the 14 tokens (batch 1, as onnxruntime's GroupQueryAttention
