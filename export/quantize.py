@@ -56,6 +56,13 @@ MIN_OUTPUTS = 16  # below this a projection (the shared-expert gate, (C, 1)) is 
 HEAD = "lm_head.weight"
 # Projections left in float whatever their size, by name suffix (see the module docstring).
 KEPT_FLOAT = (".linear_attn.in_proj_a.weight", ".linear_attn.in_proj_b.weight")
+# onnxruntime's quantizer holds several float copies of the weight it is handed (padded, transposed, scales in
+# float64): 3.5x the weight at the peak, measured, so SmolLM2's 113 MB head cost the export 400 MB. A weight bigger
+# than this goes through it in slices of whole output columns. Blocks run along the input axis, so under RTN every
+# column is quantized on its own and the slices' tensors, concatenated on N (their outermost axis), are the whole
+# weight's bit for bit (tested). Not HQQ: its solver stops on the mean error of the whole tensor.
+SLICE_BYTES = 16 * 2**20
+COLUMN_WISE_ALGORITHMS = ("rtn", "rtn-asym")
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,17 @@ class QuantizedProjection:
     float_zero_points: bool  # HQQ's: a MatMulNBits input that GatherBlockQuantized does not take
 
 
+@dataclass(frozen=True)
+class QuantizedSlice:
+    """The quantizer's MatMulNBits node for some of a weight's output columns, as plain values: its inputs after
+    the activations, attributes, domain and tensors by name."""
+
+    inputs: tuple[str, ...]
+    attributes: dict
+    domain: str
+    arrays: dict[str, np.ndarray]
+
+
 class WeightQuantizer:
     """Turns ``x @ W`` into MatMulNBits through onnxruntime's MatMulNBitsQuantizer, one weight at a time."""
 
@@ -170,28 +188,49 @@ class WeightQuantizer:
 
     def quantize(self, b: GraphBuilder, name: str, weight: torch.Tensor) -> QuantizedProjection:
         """``weight`` (in, out) quantized by onnxruntime's quantizer, its tensors written to ``b``'s weights."""
+        spec = self.spec.for_weight(name)
+        in_features, out_features = weight.shape
+        columns = out_features
+        if spec.algo in COLUMN_WISE_ALGORITHMS:
+            columns = max(MIN_OUTPUTS, SLICE_BYTES // (in_features * weight.element_size()))
+        slices = [
+            self.quantize_slice(name, weight[:, start : start + columns], spec)
+            for start in range(0, out_features, columns)
+        ]
+        first = slices[0]
+        arrays = {}
+        for position, tensor_name in enumerate(first.inputs):
+            if tensor_name:  # packed weights, scales (zero points), N outermost: into the external-data file
+                parts = [part.arrays[part.inputs[position]] for part in slices]
+                arrays[tensor_name] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+                b.weight(tensor_name, arrays[tensor_name])
+        zero_points = arrays[first.inputs[2]] if len(first.inputs) > 2 and first.inputs[2] else None
+        return QuantizedProjection(
+            inputs=first.inputs,
+            shapes=tuple(arrays[i].shape if i else () for i in first.inputs),
+            attributes={**first.attributes, "N": out_features},
+            domain=first.domain,
+            float_zero_points=zero_points is not None and zero_points.dtype != np.uint8,
+        )
+
+    def quantize_slice(self, name: str, weight: torch.Tensor, spec: QuantizeSpec) -> QuantizedSlice:
+        """What onnxruntime's quantizer makes of ``x @ weight``, copied out of its model: a reference into a
+        protobuf message keeps the whole message alive, the float weight it was given included."""
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-        spec = self.spec.for_weight(name)
         quantizer = MatMulNBitsQuantizer(self.one_matmul_model(name, weight), algo_config=self.algo_config(spec))
         quantizer.process()
         graph = quantizer.model.model.graph
         (node,) = graph.node
         if node.op_type != "MatMulNBits":
             raise RuntimeError(f"onnxruntime's quantizer left {name} as {node.op_type} (a bug in the exporter)")
-        arrays = {tensor.name: numpy_helper.to_array(tensor) for tensor in graph.initializer}
-        inputs = tuple(node.input[1:])  # positional: an input left out is "" (none here but trailing ones)
-        for tensor_name in filter(None, inputs):  # packed weights, scales (zero points): into the external-data file
-            b.weight(tensor_name, arrays[tensor_name])
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         attributes["accuracy_level"] = spec.accuracy_level  # HQQ's config has no field for it
-        zero_points = arrays[inputs[2]] if len(inputs) > 2 and inputs[2] else None
-        return QuantizedProjection(
-            inputs=inputs,
-            shapes=tuple(arrays[i].shape if i else () for i in inputs),
+        return QuantizedSlice(
+            inputs=tuple(node.input[1:]),  # positional: an input left out is "" (none here but trailing ones)
             attributes=attributes,
             domain=node.domain,
-            float_zero_points=zero_points is not None and zero_points.dtype != np.uint8,
+            arrays={tensor.name: numpy_helper.to_array(tensor).copy() for tensor in graph.initializer},
         )
 
     @staticmethod

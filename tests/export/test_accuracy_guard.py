@@ -13,6 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 import torch
@@ -93,3 +94,16 @@ def test_cli_runs_the_guard_by_default_and_turns_it_off(thinker_variant, tmp_pat
     off = CliRunner().invoke(main, [args[0], args[1], str(tmp_path / "off"), *args[2:], "--accuracy-guard", "0"])
     assert off.exit_code == 0 and "accuracy guard" not in off.output, off.output
     assert json.loads((tmp_path / "off" / "export_report.json").read_text())["accuracy_guard"] is None
+
+
+def test_mean_kl_a_few_rows_at_a_time_is_the_whole_mean():
+    from export.accuracy_guard import mean_kl
+    from export.fidelity import log_softmax
+
+    rng = np.random.default_rng(0)
+    reference, candidate = rng.normal(size=(37, 500)), rng.normal(size=(37, 500))
+    log_p, log_q = log_softmax(reference), log_softmax(candidate)
+    whole = float((np.exp(log_p) * (log_p - log_q)).sum(-1).mean())
+    assert mean_kl(reference, candidate) == pytest.approx(whole, rel=1e-12)
+    assert mean_kl(reference, candidate, rows=5) == pytest.approx(whole, rel=1e-12)
+    assert mean_kl(reference, reference) == pytest.approx(0.0, abs=1e-12)

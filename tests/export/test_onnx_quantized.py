@@ -341,3 +341,60 @@ def test_default_int4_export_of_smollm2_passes_its_own_verify(smollm2_exports, t
     assert verify["passed"] is True, verify
     assert verify["graph"]["top1_agreement"] == 1.0, verify["graph"]
     assert verify["cost"]["top1_agreement"] >= verify["cost"]["min_top1_agreement"], verify["cost"]
+
+
+class Weights:
+    """A GraphBuilder's weight sink: what ``WeightQuantizer.quantize`` writes, by name."""
+
+    def __init__(self) -> None:
+        self.arrays: dict[str, np.ndarray] = {}
+
+    def weight(self, name: str, array: np.ndarray) -> None:
+        self.arrays[name] = array
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        INT4,
+        INT8,
+        QuantizeSpec(bits=4, block_size=32, algo="rtn-asym"),
+        QuantizeSpec(bits=8, block_size=32, algo="rtn-asym"),
+    ],
+    ids=["int4", "int8", "int4-asym", "int8-asym"],
+)
+def test_a_weight_quantized_in_slices_is_the_weight_quantized_whole(spec, monkeypatch):
+    """A projection bigger than SLICE_BYTES goes through onnxruntime's quantizer in slices of output columns (its
+    peak memory is several times the weight's): the tensors, node attributes and shapes are the whole weight's,
+    bit for bit, including a last slice narrower than the others."""
+    import export.quantize as quantize
+
+    weight = torch.randn(96, 200, generator=torch.Generator().manual_seed(0))
+    whole_sink, sliced_sink = Weights(), Weights()
+    quantizer = quantize.WeightQuantizer(spec, torch.float32)
+    whole = quantizer.quantize(whole_sink, "lm_head.weight", weight)
+    slices = []
+    monkeypatch.setattr(quantize, "SLICE_BYTES", 96 * 4 * 48)  # 48 columns a slice: 5 slices, the last of 8
+    monkeypatch.setattr(
+        quantizer, "quantize_slice", lambda *a: slices.append(a) or type(quantizer).quantize_slice(quantizer, *a)
+    )
+    sliced = quantizer.quantize(sliced_sink, "lm_head.weight", weight)
+    assert [a[1].shape[1] for a in slices] == [48, 48, 48, 48, 8]
+    assert sliced == whole
+    assert sliced_sink.arrays.keys() == whole_sink.arrays.keys()
+    for name, array in whole_sink.arrays.items():
+        assert sliced_sink.arrays[name].dtype == array.dtype and np.array_equal(sliced_sink.arrays[name], array), name
+
+
+def test_hqq_is_quantized_whole(monkeypatch):
+    """HQQ's solver stops on the mean error of the whole tensor, so slices would change its result: never sliced."""
+    import export.quantize as quantize
+
+    monkeypatch.setattr(quantize, "SLICE_BYTES", 1)
+    quantizer = quantize.WeightQuantizer(QuantizeSpec(bits=4, block_size=32, algo="hqq"), torch.float32)
+    calls = []
+    monkeypatch.setattr(
+        quantizer, "quantize_slice", lambda *a: calls.append(a) or type(quantizer).quantize_slice(quantizer, *a)
+    )
+    quantizer.quantize(Weights(), "x.weight", torch.randn(64, 48))
+    assert len(calls) == 1 and calls[0][1].shape == (64, 48)
