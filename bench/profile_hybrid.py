@@ -96,11 +96,22 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=17)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--nodes", action="store_true", help="time per node instead of per operator type")
+    parser.add_argument("--out", type=Path, help="also write the times (microseconds per run) to this JSON file")
     args = parser.parse_args()
+    results = {}
     for folder in args.folders:
         prefill, decode, steps = profile(folder.resolve(), args.prompt, args.new, args.threads, args.nodes)
+        results[str(folder)] = {
+            "prefill_us": prefill["(run)"],
+            "decode_steps": steps,
+            "decode_us_per_step": decode["(run)"] / max(steps, 1),
+            "decode_by_op_us_per_step": {op: us / max(steps, 1) for op, us in decode.items() if op != "(run)"},
+        }
         print(table(f"{folder} prefill {args.prompt}", prefill, 1))
         print(table(f"{folder} decode", decode, steps))
+    if args.out:
+        settings = {"prompt": args.prompt, "new": args.new, "threads": args.threads, "command": " ".join(sys.argv)}
+        args.out.write_text(json.dumps({"settings": settings, "folders": results}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ the costliest units' MatMulNBits move to level 1, the shortest prefix of the ran
 was measured to meet the threshold).
 It rewrites the model proto with those levels (the weights file is untouched).
 
-Cost: two sessions and prefills of ~230 tokens when the graph passes (SmolLM2-135M int4: about 4 s and 170 MB of
+Cost: two sessions and prefills of ~230 tokens when the graph passes (SmolLM2-135M int4: 2-3 s and 110 MB of
 peak RSS, bench/results/README-quantize.md); when it falls back, one more for the ranking and one per bisection
 step (log2 of the units).
 """

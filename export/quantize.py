@@ -4,7 +4,8 @@ The quantization itself is onnxruntime's: each projection is handed, as a one-no
 ``onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer`` with the chosen algorithm, and what comes
 back (a MatMulNBits node, packed weights, scales, zero points) is spliced into the graph being built, its tensors
 streamed to the external-data file. Quantizing one weight at a time while the graph is written keeps the
-exporter's memory at one tensor, as for float graphs, instead of loading a whole float model to quantize it after.
+exporter's memory at one tensor, as for float graphs, instead of loading a whole float model to quantize it after;
+a big one (the head) goes through the quantizer in slices of output columns (``SLICE_BYTES``).
 
   rtn-asym  the same with a zero point per block (uint8): a little better fidelity, 5-8 % slower on CPU
   rtn   the quantizer's default: block-wise round-to-nearest, symmetric (a scale per block, no zero point), the
