@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 import models  # noqa: E402
 
 from export.dequantize import dequantize_matmul_nbits  # noqa: E402
-from export.fidelity import FIDELITY_TEXT  # noqa: E402
+from export.fidelity import FIDELITY_TEXT, mean_kl, text_fidelity  # noqa: E402
 from export.quantize import QuantizeSpec, WeightQuantizer  # noqa: E402
 
 RESULTS = Path(__file__).with_name("results")
@@ -123,15 +123,14 @@ CONFIGS = [
 
 
 def text_measures(logits: torch.Tensor, reference: torch.Tensor, ids: torch.Tensor) -> dict:
-    """Top-1 agreement, perplexity change and mean KL(float || quantized) over one text's positions."""
-    log_q, log_p = logits.double().log_softmax(-1), reference.double().log_softmax(-1)
-    targets = ids[1:, None]
-    nll = -log_q[:-1].gather(-1, targets).mean()
-    nll_float = -log_p[:-1].gather(-1, targets).mean()
+    """What ``--verify`` reports as the cost (export/fidelity.py: top-1 agreement and perplexity change over the
+    next-token predictions) and the mean KL(float || quantized) over them."""
+    logits, reference = logits.numpy(), reference.numpy()
+    figures = text_fidelity(reference, logits, ids.numpy())
     return {
-        "top1": float((log_q.argmax(-1) == log_p.argmax(-1)).double().mean()),
-        "perplexity_change": float(torch.exp(nll - nll_float) - 1),
-        "mean_kl": float((log_p.exp() * (log_p - log_q)).sum(-1).mean()),
+        "top1": figures["top1_agreement"],
+        "perplexity_change": figures["perplexity_change"],
+        "mean_kl": mean_kl(reference[:-1], logits[:-1]),
     }
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from .fidelity import fidelity_token_ids, log_softmax
+from .fidelity import fidelity_token_ids, mean_kl
 from .names import DEFAULT_MIN_AGREEMENT
 from .runtime import OnnxDecoder, position_ids_from_mask
 
@@ -153,17 +153,6 @@ def int8_blockwise(a: np.ndarray, block: int) -> np.ndarray:
 
 def top1_agreement(reference: np.ndarray, candidate: np.ndarray) -> float:
     return float((reference.argmax(-1) == candidate.argmax(-1)).mean())
-
-
-def mean_kl(reference: np.ndarray, candidate: np.ndarray, rows: int = 16) -> float:
-    """Mean over positions of KL(reference || candidate) of the next-token distributions, ``rows`` positions at a
-    time: in float64 a whole paragraph's distributions over a 49152-word vocabulary are 90 MB an array, and the
-    export's peak memory was this function's (measured)."""
-    total = 0.0
-    for start in range(0, len(reference), rows):
-        log_p, log_q = log_softmax(reference[start : start + rows]), log_softmax(candidate[start : start + rows])
-        total += float((np.exp(log_p) * (log_p - log_q)).sum())
-    return total / len(reference)
 
 
 def guard_accuracy_level(
