@@ -28,6 +28,7 @@ from .names import (
     GENAI_CONFIG_FILE,
     GRAPHS,
     MODEL_FILE,
+    POSITIONS,
 )
 
 
@@ -59,6 +60,15 @@ from .names import (
     "for every model (what the contrib operators cannot take, e.g. a head_dim that is not a multiple of 8, it builds "
     "from standard operators); onnxruntime (and onnxruntime-genai) only. plain: standard ONNX operators only, for "
     "any runtime. See below for how the fused graph reads position_ids.",
+)
+@click.option(
+    "--positions",
+    type=click.Choice(list(POSITIONS)),
+    default=None,
+    help="position_ids of a model with multimodal RoPE (Qwen3.5): multimodal, [3, batch, seq]; text, [batch, seq], "
+    "repeated on the three streams inside (the same logits), and the form under which onnxruntime-genai 0.18 gets "
+    "batches of unequal prompt lengths right. Other models take [batch, seq] only. [default: multimodal with "
+    "multimodal RoPE]",
 )
 @click.option(
     "--quantize",
@@ -138,6 +148,7 @@ def export_command(
     dtype: str,
     verify: bool,
     graph: str,
+    positions: str | None,
     quantize: str | None,
     block_size: str,
     algo: str,
@@ -163,8 +174,9 @@ def export_command(
     past_key_values.{i}.recurrent_state [batch, v_heads, k_dim, v_dim] (float32) -> present.{i}.*;
     zeros start a sequence; a position the attention mask hides leaves both states untouched, so batches
     padded on either side give each row its own result. With multimodal RoPE (mrope_section) position_ids is
-    [3, batch, seq]: text-only callers repeat their [batch, seq] positions three times. (onnxruntime-genai 0.18
-    unmasks the pads of such models after the prompt, so their unequal-length batches are wrong under it.)
+    [3, batch, seq]: text-only callers repeat their [batch, seq] positions three times, or export with
+    --positions text for a [batch, seq] input. (onnxruntime-genai 0.18 unmasks the pads of [3, batch, seq]
+    models after the prompt, so their unequal-length batches are wrong under it: --positions text is right.)
 
     \b
     --graph fused (the default) keeps these names and shapes; left-padded batches, and onnxruntime-genai's
@@ -213,6 +225,7 @@ def export_command(
         quantize=spec,
         quality=gate,
         accuracy_guard=accuracy_guard or None,
+        positions=positions,
     )
     sizes = ", ".join(f"{name} {_human(size)}" for name, size in report["sizes"].items() if name.startswith("model"))
     click.echo(

@@ -9,7 +9,8 @@ subclasses ``DecoderGraph`` and overrides the emitters it replaces; weight-only 
 
 IO contract (shared/DESIGN.md), P past and T new positions:
   inputs   input_ids [B, T] int64, attention_mask [B, P+T] int64, position_ids [B, T] int64 ([3, B, T] with
-           interleaved multimodal RoPE: temporal, height, width), past_key_values.{i}.key/.value [B, n_kv, P, hs]
+           interleaved multimodal RoPE: temporal, height, width; [B, T] there too under ``text_positions``, repeated
+           on the three streams inside), past_key_values.{i}.key/.value [B, n_kv, P, hs]
            in the model dtype for each full-attention layer i
   outputs  logits [B, T, V] float32, present.{i}.key/.value [B, n_kv, P+T, hs] in the model dtype
 
@@ -93,7 +94,10 @@ class DecoderGraph:
         builder: GraphBuilder,
         dtype: torch.dtype,
         quantizer: WeightQuantizer | None = None,
+        text_positions: bool = False,
     ):
+        """``text_positions``: a multimodal-RoPE model takes (B, T) position_ids and repeats them on its three
+        streams (``--positions text``); without multimodal RoPE positions are (B, T) anyway."""
         self.config = config
         self.quantizer = quantizer
         self.weights = weights
@@ -105,6 +109,7 @@ class DecoderGraph:
         self.head_dim = config.head_dim
         check_exportable(config)
         self.mrope_section = (config.rope_parameters or {}).get("mrope_section")
+        self.multimodal_positions = bool(self.mrope_section) and not text_positions
         self.linear_dims = GatedDeltaNetDims.from_config(config) if config.has_linear_attention else None
         # A quantized head that a tied embedding is gathered from (``emit_embeddings``), quantized there, emitted
         # as the head later.
@@ -114,14 +119,18 @@ class DecoderGraph:
     def build(self) -> onnx.GraphProto:
         cfg, b = self.config, self.b
         with b.scope("model"):
-            ctx = self.emit_step_context("input_ids", "attention_mask", "position_ids")
+            positions = "position_ids"
+            if self.mrope_section and not self.multimodal_positions:
+                with b.scope("text_positions"):  # (B, T) -> (3, B, T): the same rows on every stream
+                    positions = b.op("Expand", b.op("Unsqueeze", positions, b.const([0])), b.const([3, 1, 1]))
+            ctx = self.emit_step_context("input_ids", "attention_mask", positions)
             if cfg.has_linear_attention:
                 with b.scope("linear_attn_mask"):
                     ctx.linear_padding = emit_padding_masks(
                         b, "attention_mask", "input_ids", self.dtype, self.linear_dims
                     )
             with b.scope("embed"):
-                hidden = self.emit_embeddings("input_ids", "position_ids")
+                hidden = self.emit_embeddings("input_ids", positions)
             # The residual stream travels as (sum so far, the last block's output not yet added), so that a fused
             # graph can add and normalise in one node (SkipSimplifiedLayerNormalization).
             delta = None
@@ -135,7 +144,7 @@ class DecoderGraph:
         return b.make_graph("thinker_decoder", self.graph_inputs(), self.graph_outputs())
 
     def graph_inputs(self) -> list[onnx.ValueInfoProto]:
-        positions = [3, BATCH, SEQ] if self.mrope_section else [BATCH, SEQ]
+        positions = [3, BATCH, SEQ] if self.multimodal_positions else [BATCH, SEQ]
         inputs = [
             value_info("input_ids", TensorProto.INT64, [BATCH, SEQ]),
             value_info("attention_mask", TensorProto.INT64, [BATCH, TOTAL]),

@@ -34,9 +34,9 @@ from thinker.configuration_thinker import ThinkerConfig
 from .contrib_schemas import register_onnxruntime_schemas
 from .decoder_graph import IR_VERSION, OPSET, DecoderGraph, make_model, not_exported
 from .folder_check import check_thinker_folder
-from .genai_config import make_genai_config, no_eos_note
+from .genai_config import make_genai_config, no_eos_note, positions_note
 from .graph_builder import GraphBuilder, WeightFile
-from .names import DATA_FILE, DEFAULT_GRAPH, GENAI_CONFIG_FILE, GRAPHS, MODEL_FILE, REPORT_FILE
+from .names import DATA_FILE, DEFAULT_GRAPH, GENAI_CONFIG_FILE, GRAPHS, MODEL_FILE, POSITIONS, REPORT_FILE
 from .quantize import QuantizeSpec, WeightQuantizer
 from .weights import ThinkerWeights
 
@@ -66,6 +66,7 @@ def export_model(
     progress: bool = True,
     quality: QualityGate | None = None,
     accuracy_guard: float | None = None,
+    positions: str | None = None,
 ) -> dict:
     """Exports ``source`` to the folder ``output`` and returns the export report (also written there).
 
@@ -74,12 +75,15 @@ def export_model(
     (default: ``QualityGate.default``); ``progress``: bars on stderr for writing (or quantizing) the weights and for
     verifying, where it is a terminal; ``accuracy_guard``: with ``quantize`` at accuracy level 4, the least top-1
     agreement with the same graph at level 1 on a fixed paragraph, below which the most sensitive layers fall back
-    to level 1 (export/accuracy_guard.py; None: no guard)."""
+    to level 1 (export/accuracy_guard.py; None: no guard); ``positions``: "multimodal" or "text" (see POSITIONS),
+    None for the model's own form (multimodal with multimodal RoPE)."""
     output = Path(output)
     if dtype not in FLOAT_DTYPES:
         raise ThinkerError(f"--dtype {dtype}: expected one of {', '.join(FLOAT_DTYPES)}")
     if graph is not None and graph not in GRAPHS:
         raise ThinkerError(f"--graph {graph}: expected one of {', '.join(GRAPHS)}")
+    if positions is not None and positions not in POSITIONS:
+        raise ThinkerError(f"--positions {positions}: expected one of {', '.join(POSITIONS)}")
     graph = graph or DEFAULT_GRAPH
     graph_dtype = torch_dtype(dtype)
     quantizer = WeightQuantizer(quantize, graph_dtype) if quantize else None
@@ -92,9 +96,12 @@ def export_model(
         check_paths(model_dir)
         config = load_config(model_dir)
         check_thinker_folder(model_dir, config, graph_dtype, verify)  # the structure, before a byte is written
+        positions = position_form(config, positions)
         final = staging / "onnx"
         graph_class = resolve_name(GRAPHS[graph])
-        files = build_onnx(model_dir, config, final, graph_dtype, graph_class, quantizer, progress=progress)
+        files = build_onnx(
+            model_dir, config, final, graph_dtype, graph_class, quantizer, progress, text_positions=positions == "text"
+        )
         guard = None
         if quantize and quantize.accuracy_level == 4 and accuracy_guard is not None:
             from .accuracy_guard import guard_accuracy_level
@@ -104,13 +111,14 @@ def export_model(
             )
         copy_side_files(model_dir, final)
         generation_config = read_json(model_dir / "generation_config.json")
-        genai = make_genai_config(config, generation_config, threads, share_buffer=files.kv_in_place)
+        genai = make_genai_config(config, generation_config, threads, files.kv_in_place, positions)
         (final / GENAI_CONFIG_FILE).write_text(json.dumps(genai, indent=2) + "\n")
         report = {
             "source": str(source),
             "converted": model_dir != location,  # True: SOURCE went through thinker-convert first
             "dtype": dtype,
             "graph": graph,
+            "positions": positions,
             "quantize": quantize.describe() if quantize else None,
             "accuracy_guard": guard,
             "opset": OPSET,
@@ -122,7 +130,7 @@ def export_model(
             "export_seconds": round(time.perf_counter() - started, 3),
             "verify": None,
             "versions": versions(),
-            "notes": [note] if (note := no_eos_note(config, generation_config)) else [],
+            "notes": [note for note in (no_eos_note(config, generation_config), positions_note(positions)) if note],
         }
         if verify and quantize:
             from .quantized_verify import verify_quantized_export
@@ -147,6 +155,17 @@ def export_model(
     return report
 
 
+def position_form(config: ThinkerConfig, positions: str | None) -> str:
+    """The graph's position_ids form: the asked one, or the model's own (multimodal where it has multimodal RoPE)."""
+    multimodal = bool((config.rope_parameters or {}).get("mrope_section"))
+    if positions == "multimodal" and not multimodal:
+        raise ThinkerError(
+            "--positions multimodal: this model has no multimodal RoPE (no mrope_section in its rope_parameters), "
+            "so its position_ids are (batch, seq) text positions; leave --positions out"
+        )
+    return positions or ("multimodal" if multimodal else "text")
+
+
 def build_onnx(
     model_dir: Path,
     config: ThinkerConfig,
@@ -155,9 +174,11 @@ def build_onnx(
     graph_class: type[DecoderGraph] = DecoderGraph,
     quantizer: WeightQuantizer | None = None,
     progress: bool = False,
+    text_positions: bool = False,
 ) -> GraphFiles:
     """Writes ``model.onnx`` and ``model.onnx.data`` into ``out_dir`` and checks them; ``progress``: a bar over
-    the weights read (quantizing, when ``quantizer``, is most of the time)."""
+    the weights read (quantizing, when ``quantizer``, is most of the time); ``text_positions``: (B, T) position_ids
+    for a multimodal-RoPE model (``--positions text``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     weights = ThinkerWeights(model_dir, dtype, config.tie_word_embeddings, not_exported(config))
     data = WeightFile(out_dir / DATA_FILE)
@@ -165,7 +186,7 @@ def build_onnx(
     desc = "quantizing" if quantizer is not None else "exporting"
     weights.progress = progress_bar(weights.exported_bytes(), desc, enabled=progress)
     try:
-        graph_object = graph_class(config, weights, GraphBuilder(data), dtype, quantizer)
+        graph_object = graph_class(config, weights, GraphBuilder(data), dtype, quantizer, text_positions)
         graph = graph_object.build()
         parameters = weights.parameters_read()
         unused = weights.unused()

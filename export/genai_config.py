@@ -8,11 +8,12 @@ Hybrid models (docs/hybrid-export.md, measured on onnxruntime-genai 0.18): the l
 are written out (``past_conv_names`` ...; onnxruntime-genai's defaults are the same names, but nothing rests on a
 default), and it finds those layers by matching the session's inputs against them. The model type decides the
 positions it feeds: "qwen3_5_text" / "qwen3_5_moe_text" (the hybrid types 0.18 runs from a decoder folder) feed the
-(3, B, T) positions a multimodal-RoPE graph declares; models without multimodal RoPE (Qwen3-Next, which 0.18 does
-not know as "qwen3_next") keep "qwen3" and (B, T). onnxruntime-genai pads a batch on the right; the graphs leave the
-linear-attention states untouched at pads, so rows of unequal length are right for hybrid models with (B, T) positions
-(Qwen3-Next) as for dense ones. With (3, B, T) positions they are not: that position code sets every mask slot to 1
-from the first decode step, unmasking the pads (docs/hybrid-export.md 1.3, 5.2); batch 1 and equal lengths are right.
+(3, B, T) positions a multimodal-RoPE graph declares; every graph with (B, T) positions (Qwen3-Next, which 0.18 does
+not know as "qwen3_next", and Qwen3.5 exported with ``--positions text``) gets "qwen3". onnxruntime-genai pads a batch
+on the right; the graphs leave the linear-attention states untouched at pads, so rows of unequal length are right for
+hybrid models with (B, T) positions as for dense ones. With (3, B, T) positions they are not: that position code sets
+every mask slot to 1 from the first decode step, unmasking the pads (docs/hybrid-export.md 1.3, 5.2); batch 1 and
+equal lengths are right.
 
 ``past_present_share_buffer``: the plain graph grows the KV cache by concatenation (past and present are distinct
 buffers), so it is false there. The fused graph's GroupQueryAttention also takes one buffer of the whole context
@@ -29,12 +30,25 @@ from thinker.configuration_thinker import ThinkerConfig
 from .names import MODEL_FILE
 
 
-def genai_model_type(config: ThinkerConfig) -> str:
-    # Only the decoder-only family matters to the runtime; the name follows the nearest Qwen release. Multimodal
-    # RoPE needs one of the types whose position code feeds (3, B, T).
-    if (config.rope_parameters or {}).get("mrope_section"):
+def genai_model_type(config: ThinkerConfig, positions: str = "text") -> str:
+    # Only the decoder-only family matters to the runtime; the name follows the nearest Qwen release. A graph with
+    # (3, B, T) positions needs one of the types whose position code feeds them; every other graph, Qwen3.5 with
+    # --positions text included, takes the generic decoder's (B, T) positions.
+    if positions == "multimodal":
         return "qwen3_5_moe_text" if config.num_experts else "qwen3_5_text"
     return "qwen3" if config.qk_norm else "qwen2"
+
+
+def positions_note(positions: str) -> str | None:
+    """What the export tells a user of (3, B, T) positions about onnxruntime-genai's batches (docs/hybrid-export.md
+    5.2)."""
+    if positions != "multimodal":
+        return None
+    return (
+        "position_ids are (3, batch, seq): onnxruntime-genai 0.18 unmasks a right-padded batch's pads from the "
+        "first decode step for such models, so batches of unequal prompt lengths are wrong under it; export with "
+        "--positions text for batched onnxruntime-genai serving (one prompt at a time is right either way)"
+    )
 
 
 # onnxruntime-genai 0.18's multimodal position code (the qwen3_5 types) scans each prompt for these ids and wants image
@@ -97,14 +111,19 @@ def no_eos_note(config: ThinkerConfig, generation_config: dict | None) -> str | 
 
 
 def make_genai_config(
-    config: ThinkerConfig, generation_config: dict | None, threads: int | None = None, share_buffer: bool = False
+    config: ThinkerConfig,
+    generation_config: dict | None,
+    threads: int | None = None,
+    share_buffer: bool = False,
+    positions: str = "text",
 ) -> dict:
-    """``share_buffer``: the graph updates one KV buffer in place when bound as past and present (fused graphs)."""
+    """``share_buffer``: the graph updates one KV buffer in place when bound as past and present (fused graphs);
+    ``positions``: the graph's position_ids form, "multimodal" (3, B, T) or "text" (B, T)."""
     bos, eos, pad = special_token_ids(config, generation_config)
     layers = config.num_hidden_layers
     genai = {
         "model": {
-            "type": genai_model_type(config),
+            "type": genai_model_type(config, positions),
             "bos_token_id": bos,
             "eos_token_id": eos if len(eos) > 1 else eos[0],
             "pad_token_id": pad,

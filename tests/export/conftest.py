@@ -115,22 +115,25 @@ def thinker_variant(tmp_path_factory) -> Callable[..., Path]:
 
 @pytest.fixture(scope="session")
 def onnx_variant(tmp_path_factory, thinker_variant) -> Callable[..., Path]:
-    """``onnx_variant(family, dtype="float32", graph="fused", quantize=None, head_dim=FUSED_HEAD_DIM, **overrides)``
-    -> the (unverified) export of ``thinker_variant(family, head_dim=..., **overrides)``; ``quantize`` is a
-    ``QuantizeSpec``; ``head_dim=None`` keeps the family's own. Made once per session."""
+    """``onnx_variant(family, dtype="float32", graph="fused", quantize=None, head_dim=FUSED_HEAD_DIM, positions=None,
+    **overrides)`` -> the (unverified) export of ``thinker_variant(family, head_dim=..., **overrides)``; ``quantize``
+    is a ``QuantizeSpec``; ``head_dim=None`` keeps the family's own; ``positions`` is ``--positions``. Made once per
+    session."""
     from export.exporter import export_model
 
     root = tmp_path_factory.mktemp("onnx-variant")
     cache: dict[tuple, Path] = {}
 
-    def get(family: str, dtype="float32", graph="fused", quantize=None, head_dim=FUSED_HEAD_DIM, **overrides) -> Path:
+    def get(
+        family: str, dtype="float32", graph="fused", quantize=None, head_dim=FUSED_HEAD_DIM, positions=None, **overrides
+    ) -> Path:
         if head_dim is not None:
             overrides["head_dim"] = head_dim
-        key = (family, dtype, graph, quantize, tuple(sorted(overrides.items())))
+        key = (family, dtype, graph, quantize, positions, tuple(sorted(overrides.items())))
         if key not in cache:
             output = root / f"{family}-{dtype}-{graph}-{len(cache)}"
             folder = thinker_variant(family, **overrides)
-            export_model(folder, output, dtype=dtype, graph=graph, quantize=quantize, verify=False)
+            export_model(folder, output, dtype=dtype, graph=graph, quantize=quantize, verify=False, positions=positions)
             cache[key] = output
         return cache[key]
 

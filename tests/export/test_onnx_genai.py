@@ -4,10 +4,11 @@ because its CPU onnxruntime must not share one with onnxruntime-gpu.
 
 Hybrid models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next; plain and fused graphs): 12 of 12 greedy tokens at batch 1, and a
 batch of two prompts of equal length. Rows of unequal length, which onnxruntime-genai pads on the right: each row its
-own tokens for Qwen3-Next (the short row's trailing pads leave the linear-attention states untouched). Qwen3.5 is
-still wrong there, because genai's (3, B, T) position code unmasks the pad slots from the first decode step: pinned as
-a strict xfail, and the graph shown to give exactly genai's tokens under the mask genai feeds (docs/hybrid-export.md
-5.2). Dense models get each row right (test_onnx_fused.py)."""
+own tokens for Qwen3-Next (the short row's trailing pads leave the linear-attention states untouched), and for Qwen3.5
+exported with --positions text. Qwen3.5 with its default (3, B, T) positions is still wrong there, because genai's
+position code for them unmasks the pad slots from the first decode step: pinned as a strict xfail, and the graph shown
+to give exactly genai's tokens under the mask genai feeds (docs/hybrid-export.md 5.2). Dense models get each row right
+(test_onnx_fused.py)."""
 
 from __future__ import annotations
 
@@ -98,7 +99,9 @@ def test_genai_greedy_equals_transformers_on_hybrid_models(family, genai_python,
 # Right-padded batches of unequal length (genai_greedy.py pads as onnxruntime-genai does): a 3-token row beside an
 # 8-token one, both graphs.
 RIGHT_PADDED_PROMPTS = [HYBRID_PROMPTS[0], HYBRID_PROMPTS[1][:3]]
-RIGHT_PADDED_FAMILIES = ("qwen3_5", "qwen3_next")  # the (3, B, T) and the (B, T) position paths
+# The (3, B, T) position path, Qwen3.5 (dense and MoE) exported with --positions text, and the (B, T) path of a model
+# without mRoPE.
+RIGHT_PADDED_MODELS = (("qwen3_5", None), ("qwen3_5", "text"), ("qwen3_5_moe", "text"), ("qwen3_next", None))
 GRAPHS = ("plain", "fused")
 EOS = 2  # export_helpers.COMMON: genai stops a row there
 
@@ -108,16 +111,17 @@ def up_to_eos(rows: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def right_padded_genai_rows(genai_python, onnx_variant) -> dict[tuple[str, str], list[list[int]]]:
-    """(family, graph) -> each row's new tokens from onnxruntime-genai on RIGHT_PADDED_PROMPTS: one process."""
-    keys = [(family, graph) for family in RIGHT_PADDED_FAMILIES for graph in GRAPHS]
+def right_padded_genai_rows(genai_python, onnx_variant) -> dict[tuple[str, str | None, str], list[list[int]]]:
+    """(family, positions, graph) -> each row's new tokens from onnxruntime-genai on RIGHT_PADDED_PROMPTS: one
+    process."""
+    keys = [(family, positions, graph) for family, positions in RIGHT_PADDED_MODELS for graph in GRAPHS]
     cases = [
         {
-            "folder": str(onnx_variant(family, graph=graph, head_dim=None)),
+            "folder": str(onnx_variant(family, graph=graph, head_dim=None, positions=positions)),
             "prompts": RIGHT_PADDED_PROMPTS,
             "max_new_tokens": HYBRID_NEW_TOKENS,
         }
-        for family, graph in keys
+        for family, positions, graph in keys
     ]
     done = subprocess.run(
         [str(genai_python), str(SCRIPT)], input=json.dumps(cases), capture_output=True, text=True, timeout=300
@@ -130,23 +134,30 @@ GENAI_MROPE_MASK = (
     "onnxruntime-genai 0.18's position code for the (3, B, T) types (Qwen2VLPositionInputs: qwen3_5_text, "
     "qwen3_5_moe_text) sets every attention-mask slot to 1 from the first decode step, so a short row's pad slots "
     "become keys of the full-attention layers; the graph has nothing but the mask to tell them by "
-    "(test_genai_mrope_right_padded_batch_is_the_graph_under_genais_mask; docs/hybrid-export.md 5.2)"
+    "(test_genai_mrope_right_padded_batch_is_the_graph_under_genais_mask; docs/hybrid-export.md 5.2); "
+    "--positions text takes the (B, T) path, which is right"
 )
 
 
 @pytest.mark.parametrize(
-    "family",
-    [pytest.param("qwen3_5", marks=pytest.mark.xfail(strict=True, reason=GENAI_MROPE_MASK)), "qwen3_next"],
+    ("family", "positions"),
+    [
+        pytest.param("qwen3_5", None, marks=pytest.mark.xfail(strict=True, reason=GENAI_MROPE_MASK)),
+        ("qwen3_5", "text"),
+        ("qwen3_5_moe", "text"),
+        ("qwen3_next", None),
+    ],
 )
-def test_genai_right_padded_hybrid_batch_equals_rows_alone(family, right_padded_genai_rows, thinker_variant):
+def test_genai_right_padded_hybrid_batch_equals_rows_alone(family, positions, right_padded_genai_rows, thinker_variant):
     """Both graphs under onnxruntime-genai (the fused one through its shared state buffers), rows of unequal length
     padded on the right as genai pads them: each row gets transformers' greedy tokens for that row alone, up to its
     eos. The short row's trailing pads pass through the linear-attention layers and leave both states untouched
     (export/linear_attention_graph.py); before, they decayed the recurrent state and shifted the conv window, and
-    the short row went wrong from its second new token."""
+    the short row went wrong from its second new token. Qwen3.5 needs --positions text for it (genai's (B, T)
+    position code keeps the pads masked)."""
     alone = [thinker_greedy(thinker_variant(family), [p], HYBRID_NEW_TOKENS)[0] for p in RIGHT_PADDED_PROMPTS]
     for graph in GRAPHS:
-        rows = right_padded_genai_rows[family, graph]
+        rows = right_padded_genai_rows[family, positions, graph]
         assert up_to_eos(rows) == up_to_eos(alone), f"{family} {graph}: genai {rows} != transformers row by row {alone}"
 
 
@@ -181,7 +192,7 @@ def test_genai_mrope_right_padded_batch_is_the_graph_under_genais_mask(right_pad
     true mask gives each row its own tokens (test_onnx_hybrid.py, right-padded rows)."""
     for graph in GRAPHS:
         folder = onnx_variant("qwen3_5", graph=graph, head_dim=None)
-        genai = right_padded_genai_rows["qwen3_5", graph]
+        genai = right_padded_genai_rows["qwen3_5", None, graph]
         as_fed = onnxruntime_right_padded_greedy(folder, RIGHT_PADDED_PROMPTS, genai_mask=True)
         true_mask = onnxruntime_right_padded_greedy(folder, RIGHT_PADDED_PROMPTS, genai_mask=False)
         assert up_to_eos(genai) == up_to_eos(as_fed), f"{graph}: genai {genai} != the graph under its mask {as_fed}"

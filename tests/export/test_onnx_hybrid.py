@@ -377,6 +377,75 @@ def test_image_prompt_positions_give_pytorch_logits(graph, thinker_variant, onnx
     assert np.abs(text_logits[kept] - reference[kept]).max() > 100 * 1e-4 * scale
 
 
+# --- text positions (--positions text) ------------------------------------------------------------------------------
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_text_positions_are_the_multimodal_graph_fed_three_equal_streams(graph, onnx_variant):
+    """--positions text: position_ids (B, T), and every logit and state bit for bit what the default graph gives for
+    the same positions on its three streams, over the right-padded batch and decode steps above (one masked)."""
+    text = OnnxDecoder(hybrid_export(onnx_variant, "qwen3_5", graph, positions="text"), provider="cpu")
+    multimodal = OnnxDecoder(hybrid_export(onnx_variant, "qwen3_5", graph), provider="cpu")
+    assert text.position_rank == 2 and multimodal.position_rank == 3
+    ids, mask, positions, tokens = padded_batch()
+    text_state, multimodal_state = (
+        DecoderState(mask, None, d.empty_cache(len(PADDED_ROWS))) for d in (text, multimodal)
+    )
+    feeds = [(ids, positions)]
+    next_position = np.array([length for _, length in PADDED_ROWS])
+    for step in range(DECODE_TOKENS):
+        feeds.append((tokens[:, step : step + 1], next_position[:, None].copy()))
+        next_position += 1
+    for step, (step_ids, step_positions) in enumerate(feeds):
+        if step:
+            keep = np.ones((len(PADDED_ROWS), 1), np.int64)
+            keep[1] = 0 if step == MASKED_STEP + 1 else 1
+            for state in (text_state, multimodal_state):
+                state.attention_mask = np.concatenate([state.attention_mask, keep], axis=1)
+        ours = text.forward(step_ids, step_positions, text_state)
+        three = np.broadcast_to(step_positions, (3, *step_positions.shape))
+        np.testing.assert_array_equal(ours, multimodal.forward(step_ids, three, multimodal_state), f"step {step}")
+        for name in text.past_names:
+            np.testing.assert_array_equal(text_state.cache[name], multimodal_state.cache[name], f"{name}, {step}")
+
+
+def test_text_positions_take_equal_streams_and_refuse_distinct_ones(onnx_variant):
+    """A text-positions graph takes (3, B, T) positions whose streams are equal (text numbered the multimodal way)
+    and refuses an image prompt's, whose height and width streams it cannot read, naming the option that can."""
+    from common.errors import ThinkerError
+
+    decoder = OnnxDecoder(hybrid_export(onnx_variant, "qwen3_5", "fused", positions="text"), provider="cpu")
+    ids, mask, positions = image_prompt_positions()
+    text = np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 1)
+    two_d = decoder.forward(ids, text, DecoderState(mask, None, decoder.empty_cache(2)))
+    three = np.broadcast_to(text, (3, *text.shape))
+    np.testing.assert_array_equal(decoder.forward(ids, three, DecoderState(mask, None, decoder.empty_cache(2))), two_d)
+    with pytest.raises(ThinkerError, match="--positions multimodal"):
+        decoder.forward(ids, positions, DecoderState(mask, None, decoder.empty_cache(2)))
+
+
+def test_positions_option_in_the_report_genai_config_and_errors(thinker_variant, tmp_path):
+    """The report names the form; genai_config.json's type follows it ((3, B, T): a qwen3_5 type, whose batches
+    genai gets wrong, which the export's note says; (B, T): the generic decoder's); a model without multimodal RoPE
+    refuses --positions multimodal in one line, writing nothing."""
+    runs = {}
+    for positions in ("multimodal", "text"):
+        out = tmp_path / positions
+        args = ["export", str(thinker_variant("qwen3_5")), str(out), "--no-verify", "--positions", positions]
+        runs[positions] = CliRunner().invoke(main, args)
+        assert runs[positions].exit_code == 0, runs[positions].output
+        assert json.loads((out / "export_report.json").read_text())["positions"] == positions
+    genai = {p: json.loads((tmp_path / p / "genai_config.json").read_text())["model"] for p in runs}
+    assert genai["multimodal"]["type"] == "qwen3_5_text" and genai["multimodal"]["image_token_id"] == -1
+    assert genai["text"]["type"] == "qwen3" and "image_token_id" not in genai["text"]
+    assert "--positions text" in runs["multimodal"].output and "--positions text" not in runs["text"].output
+
+    dense = tmp_path / "dense"
+    refused = CliRunner().invoke(
+        main, ["export", str(thinker_variant("qwen3")), str(dense), "--no-verify", "--positions", "multimodal"]
+    )
+    assert refused.exit_code != 0 and "no multimodal RoPE" in refused.output and not dense.exists(), refused.output
+    assert "Traceback" not in refused.output
+
+
 # --- half precision -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("graph", GRAPHS)
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
