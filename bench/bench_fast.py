@@ -40,7 +40,7 @@ import models  # noqa: E402
 import report  # noqa: E402
 from bandwidth import read_bandwidth, weight_bytes_per_token  # noqa: E402
 from peer_envs import package_versions  # noqa: E402
-from workers import Runtime, interleave, started, summary  # noqa: E402
+from workers import Runtime, interleave_fresh, started, summary  # noqa: E402
 
 RESULTS = Path(__file__).with_name("results")
 FP32_ORT = ["ours-fused", "ours-plain", "builder-fp32", "optimum-fp32"]
@@ -86,8 +86,7 @@ def export_all(
 def measure_speed(model_results: dict, folders: dict, args) -> None:
     requests = [{"op": "generate", "batch": b, "prompt": args.prompt, "new": args.new} for b in args.batches]
     for runtimes in runtime_groups(args.groups):
-        with started(runtimes, folders, args.threads) as workers:
-            interleave(workers, requests, args.reps)
+        interleave_fresh(runtimes, folders, args.threads, requests, args.reps)
         for runtime in runtimes:
             entry = {"label": runtime.label, "graph": runtime.graph, "backend": runtime.backend}
             entry["builder_peer"] = runtime.builder_peer
@@ -273,9 +272,12 @@ NOTES = """### How these were measured
   Thinker folder; onnxruntime-genai's model builder (`-p fp32|int4 -e cpu`, its defaults: int4 is symmetric RTN,
   block 32, accuracy level 4, int4 head and embedding) and Optimum (`optimum-onnx` 0.1.0 with transformers 4.57,
   which installed fine) from the family's own Hugging Face folder, each in its own virtual environment.
-- Runtimes of one group (same runtime, same precision) stay loaded side by side and take turns request by request;
-  figures are medians of 3 repetitions, and every "vs builder" ratio is taken within one group. The two cores are
-  shared with other jobs, so absolute figures drift by several percent between runs; the ratios much less.
+- Runtimes of one group (same runtime, same precision) are loaded side by side and take turns request by request;
+  every repetition starts the group in fresh processes (bench/workers.py ``interleave_fresh``), because what a
+  process happens to get moves a runtime's figures by 5-15 % here and stays with the process. Figures are medians
+  of the repetitions; a "vs builder" ratio is the median of the per-repetition ratios within one group, with its
+  90 % bootstrap interval in brackets (bench/report.py ``ratio_interval``); a goal whose interval spans it is
+  marked "within noise".
 - "onnxruntime" rows use one runner for every graph (bench/decode_worker.py): numpy inputs, the presents fed back
   as the next pasts (a copy of the cache per step for every graph, the builder's included). "onnxruntime-genai"
   rows use each folder's own genai_config.json, with the intra-op threads set to the same count for all (the

@@ -24,6 +24,7 @@ family, else the language model's tensors renamed into the Thinker's names).
 
 Exports, each timed in its own process tree (wall, peak RSS):
   ours-plain / ours-fused   thinker export --no-verify --graph plain|fused
+  ours-text                 the fused graph with --positions text: (B, T) position_ids, genai's generic decoder type
   builder-fp32              onnxruntime-genai 0.18's builder (``models/builder.py`` of the wheel, copied out of the
                             genai environment and run with this environment's torch and transformers, as
                             docs/hybrid-export.md did), -p fp32 -e cpu, on the vision-language checkpoint
@@ -34,7 +35,8 @@ Exports, each timed in its own process tree (wall, peak RSS):
 
 Runs: batch 1, a prompt of random ids, greedy new tokens; each (runtime, repetition) in a fresh process with a small
 warm-up, repetitions interleaved runtime by runtime so that the load other jobs put on the shared cores lands on
-every runtime alike. Medians, each repetition's figures, and ratios to the builder are reported:
+every runtime alike. Medians, each repetition's figures, and ratios to the builder (the median of the
+per-repetition ratios, with its 90 % bootstrap interval: bench/report.py ``ratio_interval``) are reported:
   onnxruntime-genai   (default) the genai environment (onnxruntime-genai 0.18, its onnxruntime 1.32), intra-op threads
                       set by a config overlay
   onnxruntime         (--runtimes genai,ort-states) one driver for every graph (decode_worker.py ``ort-states``:
@@ -107,7 +109,7 @@ SMOKE = dict(
     rope_parameters={**TEXT["rope_parameters"], "mrope_section": [2, 1, 1]},
 )  # fmt: skip
 SMOKE_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32)
-GRAPHS = ["ours-fused", "ours-plain", "builder-fp32", "mobius-fp32"]
+GRAPHS = ["ours-fused", "ours-text", "ours-plain", "builder-fp32", "mobius-fp32"]
 RUNTIMES = {"genai": "onnxruntime-genai", "ort-states": "onnxruntime"}
 
 
@@ -214,9 +216,9 @@ def builder_copy() -> Path:
 
 def export_command(graph: str, folders: dict[str, Path], out: Path, threads: int, moe: bool) -> tuple[list[str], Path]:
     if graph.startswith("ours-"):
-        kind = graph.removeprefix("ours-")
+        options = {"ours-text": ["--graph", "fused", "--positions", "text"]}.get(graph)
         command = [sys.executable, "-m", "common.cli", "export", str(folders["thinker"]), str(out), "--no-verify"]
-        return [*command, "--threads", str(threads), "--graph", kind], REPO
+        return [*command, "--threads", str(threads), *(options or ["--graph", graph.removeprefix("ours-")])], REPO
     if graph == "builder-fp32":
         builder = builder_copy()
         cache = ROOT / "builder-cache"
@@ -344,9 +346,9 @@ def speed_table(model: dict) -> str:
             [
                 row["label"],
                 report.fmt(row["prefill_ms"], 0),
-                report.ratio(row["prefill_ms"], peer.get("prefill_ms")),
+                report.ratio_cell(report.compared(row, peer, "prefill_ms")),
                 report.fmt(row["decode_tokens_per_s"], 2),
-                report.ratio(row["decode_tokens_per_s"], peer.get("decode_tokens_per_s")),
+                report.ratio_cell(report.compared(row, peer, "decode_tokens_per_s")),
                 "—" if equal is None else ("yes" if equal else "no"),
                 str(row["repetitions"]),
             ]

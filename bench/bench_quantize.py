@@ -8,8 +8,10 @@ For each:
   flips      greedy continuation (64 tokens) of the paragraph's first 32 tokens against the same weights with
              float activations (accuracy level 1): where int8 activations (level 4) change the greedy path
              (onnxruntime issue 29849 reports flips on Qwen3-0.6B)
-  speed      batch 1 and 8, 128-token prompt, ``--new`` tokens, greedy, interleaved repetitions, medians, under
-             onnxruntime (bench/decode_worker.py's one runner) and under onnxruntime-genai (each folder's config)
+  speed      batch 1 and 8, 128-token prompt, ``--new`` tokens, greedy, interleaved repetitions (each in fresh
+             processes), medians, under onnxruntime (bench/decode_worker.py's one runner) and under onnxruntime-genai
+             (each folder's config); ratios to the builder's int4 as median per-repetition ratios with their 90 %
+             bootstrap interval (bench/report.py)
 
     python bench/bench_quantize.py                      # about 20 minutes on 2 shared cores
     python bench/bench_quantize.py --runtimes ort --reps 1
@@ -34,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 import exports as exp  # noqa: E402
 import models  # noqa: E402
-from workers import Runtime, interleave, started, summary  # noqa: E402
+import report  # noqa: E402
+from workers import Runtime, interleave_fresh, summary  # noqa: E402
 
 RESULTS = Path(__file__).with_name("results")
 # name -> `thinker export` options (on top of --graph fused); the flips check pairs each with "+acc1" of itself.
@@ -131,8 +134,7 @@ def speed(folders: dict[str, Path], args) -> list[dict]:
         if backend not in args.runtimes:
             continue
         runtimes = [Runtime(f"{g} on {runtime_name}", g, backend, f"builder-int4 on {runtime_name}") for g in folders]
-        with started(runtimes, folders, args.threads) as workers:
-            interleave(workers, requests, args.reps)
+        interleave_fresh(runtimes, folders, args.threads, requests, args.reps)
         for runtime in runtimes:
             entry = {"label": runtime.label, "graph": runtime.graph, "backend": backend}
             entry.update({f"batch{r['batch']}": summary(runtime, r) for r in requests})
@@ -167,9 +169,8 @@ def markdown(results: dict) -> str:
             for batch in results["settings"]["batches"]:
                 ours = (speeds.get((name, backend)) or {}).get(f"batch{batch}")
                 peer = (speeds.get(("builder-int4", backend)) or {}).get(f"batch{batch}")
-                if ours and peer:
-                    ratio = ours["decode_tokens_per_s"] / peer["decode_tokens_per_s"]
-                    row += f" {ours['batch_tokens_per_s']:.1f} ({ratio:.2f}x) |"
+                if figures := report.compared(ours, peer, "decode_tokens_per_s"):
+                    row += f" {ours['batch_tokens_per_s']:.1f} ({report.ratio_cell(figures)}) |"
                 else:
                     row += " — |"
         lines.append(row)

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import statistics
+
+import numpy as np
+
 GIB = 2**30
+CONFIDENCE = 0.9  # of the ratio intervals
+RESAMPLES = 4000
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
@@ -19,6 +25,39 @@ def ratio(value: float | None, reference: float | None) -> str:
     return "—" if value is None or not reference else f"{value / reference:.2f}x"
 
 
+def ratio_interval(values: list[float], references: list[float]) -> tuple[float, float, float] | None:
+    """The median of the per-repetition ratios values[i] / references[i] and a bootstrap percentile interval of that
+    median (CONFIDENCE). Repetition i of both runtimes ran side by side, each in its own fresh process, so a ratio
+    pairs two draws of the same minutes: what a process happens to get (memory placement, which core, a
+    neighbour's load) moves single figures by 5-15 % here, and the interval says how far the median can be trusted.
+    None without at least two pairs."""
+    pairs = [v / r for v, r in zip(values, references, strict=False) if v and r]
+    if len(pairs) < 2:
+        return None
+    draws = np.random.default_rng(0).choice(pairs, size=(RESAMPLES, len(pairs)))
+    low, high = np.quantile(np.median(draws, axis=1), [(1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2])
+    return statistics.median(pairs), float(low), float(high)
+
+
+def compared(ours: dict | None, peer: dict | None, key: str) -> tuple[float, float, float] | None:
+    """``key``'s ratio of two summaries (bench/workers.py ``summary``): from their repetitions where both have them,
+    else the ratio of the medians with no interval (results written before repetitions were kept)."""
+    if not ours or not peer or not peer.get(key):
+        return None
+    reps, peer_reps = ours.get("per_repetition"), peer.get("per_repetition")
+    if reps and peer_reps and (interval := ratio_interval([r[key] for r in reps], [r[key] for r in peer_reps])):
+        return interval
+    value = ours[key] / peer[key]
+    return value, value, value
+
+
+def ratio_cell(figures: tuple[float, float, float] | None) -> str:
+    if figures is None:
+        return "—"
+    value, low, high = figures
+    return f"{value:.2f}x" if low == high else f"{value:.2f}x ({low:.2f}–{high:.2f})"
+
+
 def speed_table(model: dict) -> str:
     """One row per runtime: batch 1 and batch 8 prefill and decode, against the builder's graph of the same
     precision in the same runtime, and batch 1 decode as a share of the memory-bandwidth limit."""
@@ -32,14 +71,14 @@ def speed_table(model: dict) -> str:
             [
                 runtime["label"],
                 fmt(one and one["prefill_ms"], 0),
-                ratio(one and one["prefill_ms"], peer_one.get("prefill_ms")),
+                ratio_cell(compared(one, peer_one, "prefill_ms")),
                 fmt(one and one["decode_tokens_per_s"]),
-                ratio(one and one["decode_tokens_per_s"], peer_one.get("decode_tokens_per_s")),
+                ratio_cell(compared(one, peer_one, "decode_tokens_per_s")),
                 fmt(runtime.get("fraction_of_limit") and 100 * runtime["fraction_of_limit"], 0, " %"),
                 fmt(eight and eight["prefill_ms"], 0),
-                ratio(eight and eight["prefill_ms"], peer_eight.get("prefill_ms")),
+                ratio_cell(compared(eight, peer_eight, "prefill_ms")),
                 fmt(eight and eight["batch_tokens_per_s"]),
-                ratio(eight and eight["batch_tokens_per_s"], peer_eight.get("batch_tokens_per_s")),
+                ratio_cell(compared(eight, peer_eight, "batch_tokens_per_s")),
                 runtime.get("greedy_check", "—"),
             ]
         )
@@ -120,9 +159,21 @@ def goals_table(results: dict) -> str:
     def runtime(model: dict, label: str) -> dict:
         return next((r for r in model["runtimes"] if r["label"] == label), {})
 
-    def check(goal: str, model_name: str, value: float | None, bound: float, above: bool, shown: str) -> None:
-        met = value is not None and (value >= bound if above else value <= bound)
-        rows.append([goal, model_name, shown if value is not None else "—", "yes" if met else "**no**"])
+    def check(
+        goal: str, model_name: str, value: float | None, bound: float, above: bool, shown: str, interval=None
+    ) -> None:
+        """``interval`` (low, high): the goal is decided only where the whole interval is on one side of the bound."""
+        if value is None:
+            rows.append([goal, model_name, "—", "**no**"])
+            return
+
+        def meets(x: float) -> bool:
+            return x >= bound if above else x <= bound
+
+        verdict = "yes" if meets(value) else "**no**"
+        if interval and meets(interval[0]) != meets(interval[1]):
+            verdict += " (within noise: the interval spans the goal)"
+        rows.append([goal, model_name, shown, verdict])
 
     for name, model in results["models"].items():
         for runtime_name in ("onnxruntime", "onnxruntime-genai"):
@@ -135,10 +186,9 @@ def goals_table(results: dict) -> str:
                 ):
                     ours = runtime(model, f"{ours_graph} on {runtime_name}").get(batch)
                     peer = runtime(model, f"{peer_graph} on {runtime_name}").get(batch)
-                    if ours and peer:
-                        ratio = ours[key] / peer[key]
+                    if figures := compared(ours, peer, key):
                         goal = f"{what} {'>=' if above else '<='} 1.0x {peer_graph} ({runtime_name}, {batch})"
-                        check(goal, name, ratio, 1.0, above, f"{ratio:.2f}x")
+                        check(goal, name, figures[0], 1.0, above, ratio_cell(figures), figures[1:])
             fraction = runtime(model, f"ours-fused on {runtime_name}").get("fraction_of_limit")
             check(
                 f"fp32 decode >= 90 % of the bandwidth limit ({runtime_name}, batch1)",

@@ -1,0 +1,57 @@
+"""bench/report.py's ratio figures: the median of per-repetition ratios, its bootstrap interval, and the verdict of a
+goal whose interval spans its bound. No timing is asserted; the figures are made up."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import report  # noqa: E402
+
+
+def test_ratio_interval_pairs_repetitions_and_brackets_the_median():
+    # Repetition i of both runtimes ran side by side: a slow minute slows both, and the pairs cancel it.
+    ours = [90.0, 45.0, 93.0, 60.0, 88.0]
+    builder = [100.0, 50.0, 100.0, 64.0, 92.0]
+    value, low, high = report.ratio_interval(ours, builder)
+    assert value == pytest.approx(0.93)  # the median of 0.9, 0.9, 0.93, 0.9375, 0.9565
+    assert low <= value <= high and high < 1.0  # every pair below 1: no resample reaches it
+    assert report.ratio_interval([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]) == (1.0, 1.0, 1.0)
+    assert report.ratio_interval([1.0], [2.0]) is None  # one pair: no interval
+
+
+def test_compared_falls_back_to_the_ratio_of_medians_without_repetitions():
+    ours, peer = {"decode_tokens_per_s": 9.0}, {"decode_tokens_per_s": 10.0}
+    assert report.compared(ours, peer, "decode_tokens_per_s") == (0.9, 0.9, 0.9)
+    assert report.ratio_cell((0.9, 0.9, 0.9)) == "0.90x"
+    assert report.ratio_cell((0.93, 0.82, 1.03)) == "0.93x (0.82–1.03)"
+    assert report.compared(None, peer, "decode_tokens_per_s") is None
+
+
+def runtime(label: str, decode: list[float]) -> dict:
+    per_repetition = [{"decode_tokens_per_s": d, "prefill_ms": 100.0, "batch_tokens_per_s": d} for d in decode]
+    batch = {"decode_tokens_per_s": sorted(decode)[len(decode) // 2], "prefill_ms": 100.0, "batch_tokens_per_s": 1.0}
+    return {"label": label, "batch1": {**batch, "per_repetition": per_repetition}}
+
+
+def goal_rows(ours: list[float], builder: list[float]) -> list[str]:
+    model = {
+        "runtimes": [runtime("ours-fused on onnxruntime", ours), runtime("builder-fp32 on onnxruntime", builder)],
+        "exports": {},
+        "model_bytes": 1,
+    }
+    table = report.goals_table({"models": {"m": model}})
+    return [line for line in table.splitlines() if "fp32 decode >= 1.0x builder-fp32 (onnxruntime, batch1)" in line]
+
+
+def test_a_goal_is_decided_only_where_the_interval_is_on_one_side():
+    (clear,) = goal_rows([80.0, 81.0, 79.0, 80.5, 80.2], [100.0, 100.5, 99.0, 100.2, 100.1])
+    assert clear.endswith("| **no** |"), clear
+    (noisy,) = goal_rows([95.0, 104.0, 90.0, 101.0, 97.0], [100.0, 100.0, 100.0, 100.0, 100.0])
+    assert "**no** (within noise" in noisy, noisy
+    (met,) = goal_rows([110.0, 111.0, 109.0, 112.0, 110.5], [100.0, 100.0, 100.0, 100.0, 100.0])
+    assert met.endswith("| yes |"), met
