@@ -2,7 +2,7 @@
 
 The orchestrator starts a group of workers at once and interleaves their repetitions (worker 1, worker 2, ...,
 worker 1, ...), so that the load other jobs put on the shared cores lands on every runtime alike and the ratios
-between them hold even when the absolute figures drift. ``interleave_fresh`` starts the group anew for every
+between them hold even when the absolute figures drift; ``interleave_fresh`` starts the group anew for every
 repetition, so that the repetitions also sample what a process happens to get.
 """
 
@@ -76,11 +76,12 @@ def started(runtimes: list[Runtime], folders: dict[str, Path], threads: int):
 def interleave_fresh(
     runtimes: list[Runtime], folders: dict[str, Path], threads: int, requests: list[dict], reps: int
 ) -> None:
-    """As ``interleave``, but every repetition starts the group's workers afresh (loaded in turn, the order reversed
-    every other repetition) and closes them after: one process holds a runtime for one repetition only. What a
-    process happens to get (where its weights land in memory, which core its threads run on) moves a runtime's
-    figures by 5-15 % on this machine and stays with it for the process's life, so repetitions inside one process
-    all carry the same draw; fresh ones sample it."""
+    """Runs every request ``reps`` times on every runtime, round-robin, after one small warm-up each; replies are
+    collected in ``runtime.results[key]`` (key: the request as text). Every repetition starts the group's workers
+    afresh (loaded in turn, the order reversed every other repetition) and closes them after: one process holds a
+    runtime for one repetition only. What a process happens to get (where its weights land in memory, which core its
+    threads run on) moves a runtime's figures by 5-15 % on this machine and stays with it for the process's life, so
+    repetitions inside one process all carry the same draw; fresh ones sample it."""
     for rep in range(reps):
         order = runtimes if rep % 2 == 0 else runtimes[::-1]
         with started(order, folders, threads) as workers:
@@ -91,19 +92,6 @@ def interleave_fresh(
                     print(f"  rep {rep + 1}/{reps} {request} {worker.runtime.label}", file=sys.stderr, flush=True)
                     reply = worker.request(**request)
                     worker.runtime.results.setdefault(json.dumps(request, sort_keys=True), []).append(reply)
-
-
-def interleave(workers: list[Worker], requests: list[dict], reps: int) -> None:
-    """Runs every request ``reps`` times on every worker, round-robin, after one small warm-up each; replies are
-    collected in ``worker.runtime.results[key]`` (key: the request as text)."""
-    for worker in workers:
-        worker.request(op="generate", batch=1, prompt=16, new=4)
-    for rep in range(reps):
-        for request in requests:
-            for worker in workers:
-                print(f"  rep {rep + 1}/{reps} {request} {worker.runtime.label}", file=sys.stderr, flush=True)
-                reply = worker.request(**request)
-                worker.runtime.results.setdefault(json.dumps(request, sort_keys=True), []).append(reply)
 
 
 def summary(runtime: Runtime, request: dict) -> dict | None:

@@ -9,7 +9,7 @@ subclasses ``DecoderGraph`` and overrides the emitters it replaces; weight-only 
 
 IO contract (shared/DESIGN.md), P past and T new positions:
   inputs   input_ids [B, T] int64, attention_mask [B, P+T] int64, position_ids [B, T] int64 ([3, B, T] with
-           interleaved multimodal RoPE: temporal, height, width; [B, T] there too under ``text_positions``, repeated
+           interleaved multimodal RoPE: temporal, height, width; [B, T] there too under ``--positions text``, repeated
            on the three streams inside), past_key_values.{i}.key/.value [B, n_kv, P, hs]
            in the model dtype for each full-attention layer i
   outputs  logits [B, T, V] float32, present.{i}.key/.value [B, n_kv, P+T, hs] in the model dtype
@@ -80,6 +80,18 @@ class StepContext:
     linear_padding: PaddingMasks | None = None  # what the linear-attention layers read about padding
 
 
+def position_form(config: ThinkerConfig, positions: str | None) -> str:
+    """The graph's position_ids form (``--positions``): the asked one, or the model's own, "multimodal" (3, B, T)
+    where it has multimodal RoPE, else "text" (B, T)."""
+    multimodal = bool((config.rope_parameters or {}).get("mrope_section"))
+    if positions == "multimodal" and not multimodal:
+        raise ThinkerError(
+            "--positions multimodal: this model has no multimodal RoPE (no mrope_section in its rope_parameters), "
+            "so its position_ids are (batch, seq) text positions; leave --positions out"
+        )
+    return positions or ("multimodal" if multimodal else "text")
+
+
 class DecoderGraph:
     """Builds the decoder graph for one config, streaming weights from ``weights`` into ``builder``."""
 
@@ -94,10 +106,10 @@ class DecoderGraph:
         builder: GraphBuilder,
         dtype: torch.dtype,
         quantizer: WeightQuantizer | None = None,
-        text_positions: bool = False,
+        positions: str | None = None,
     ):
-        """``text_positions``: a multimodal-RoPE model takes (B, T) position_ids and repeats them on its three
-        streams (``--positions text``); without multimodal RoPE positions are (B, T) anyway."""
+        """``positions``: the form of position_ids (``position_form``); "text" on a multimodal-RoPE model takes
+        (B, T) and repeats them on its three streams (``--positions text``)."""
         self.config = config
         self.quantizer = quantizer
         self.weights = weights
@@ -109,7 +121,7 @@ class DecoderGraph:
         self.head_dim = config.head_dim
         check_exportable(config)
         self.mrope_section = (config.rope_parameters or {}).get("mrope_section")
-        self.multimodal_positions = bool(self.mrope_section) and not text_positions
+        self.multimodal_positions = position_form(config, positions) == "multimodal"
         self.linear_dims = GatedDeltaNetDims.from_config(config) if config.has_linear_attention else None
         # A quantized head that a tied embedding is gathered from (``emit_embeddings``), quantized there, emitted
         # as the head later.

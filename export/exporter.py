@@ -32,7 +32,7 @@ from common.staging import install, refuse_existing_output, refuse_output_over_s
 from thinker.configuration_thinker import ThinkerConfig
 
 from .contrib_schemas import register_onnxruntime_schemas
-from .decoder_graph import IR_VERSION, OPSET, DecoderGraph, make_model, not_exported
+from .decoder_graph import IR_VERSION, OPSET, DecoderGraph, make_model, not_exported, position_form
 from .folder_check import check_thinker_folder
 from .genai_config import make_genai_config, no_eos_note, positions_note
 from .graph_builder import GraphBuilder, WeightFile
@@ -99,9 +99,7 @@ def export_model(
         positions = position_form(config, positions)
         final = staging / "onnx"
         graph_class = resolve_name(GRAPHS[graph])
-        files = build_onnx(
-            model_dir, config, final, graph_dtype, graph_class, quantizer, progress, text_positions=positions == "text"
-        )
+        files = build_onnx(model_dir, config, final, graph_dtype, graph_class, quantizer, progress, positions)
         guard = None
         if quantize and quantize.accuracy_level == 4 and accuracy_guard is not None:
             from .accuracy_guard import guard_accuracy_level
@@ -155,17 +153,6 @@ def export_model(
     return report
 
 
-def position_form(config: ThinkerConfig, positions: str | None) -> str:
-    """The graph's position_ids form: the asked one, or the model's own (multimodal where it has multimodal RoPE)."""
-    multimodal = bool((config.rope_parameters or {}).get("mrope_section"))
-    if positions == "multimodal" and not multimodal:
-        raise ThinkerError(
-            "--positions multimodal: this model has no multimodal RoPE (no mrope_section in its rope_parameters), "
-            "so its position_ids are (batch, seq) text positions; leave --positions out"
-        )
-    return positions or ("multimodal" if multimodal else "text")
-
-
 def build_onnx(
     model_dir: Path,
     config: ThinkerConfig,
@@ -174,11 +161,11 @@ def build_onnx(
     graph_class: type[DecoderGraph] = DecoderGraph,
     quantizer: WeightQuantizer | None = None,
     progress: bool = False,
-    text_positions: bool = False,
+    positions: str | None = None,
 ) -> GraphFiles:
     """Writes ``model.onnx`` and ``model.onnx.data`` into ``out_dir`` and checks them; ``progress``: a bar over
-    the weights read (quantizing, when ``quantizer``, is most of the time); ``text_positions``: (B, T) position_ids
-    for a multimodal-RoPE model (``--positions text``)."""
+    the weights read (quantizing, when ``quantizer``, is most of the time); ``positions``: the form of position_ids
+    (``position_form``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     weights = ThinkerWeights(model_dir, dtype, config.tie_word_embeddings, not_exported(config))
     data = WeightFile(out_dir / DATA_FILE)
@@ -186,7 +173,7 @@ def build_onnx(
     desc = "quantizing" if quantizer is not None else "exporting"
     weights.progress = progress_bar(weights.exported_bytes(), desc, enabled=progress)
     try:
-        graph_object = graph_class(config, weights, GraphBuilder(data), dtype, quantizer, text_positions)
+        graph_object = graph_class(config, weights, GraphBuilder(data), dtype, quantizer, positions)
         graph = graph_object.build()
         parameters = weights.parameters_read()
         unused = weights.unused()

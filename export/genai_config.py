@@ -27,10 +27,11 @@ from __future__ import annotations
 
 from thinker.configuration_thinker import ThinkerConfig
 
+from .decoder_graph import position_form
 from .names import MODEL_FILE
 
 
-def genai_model_type(config: ThinkerConfig, positions: str = "text") -> str:
+def genai_model_type(config: ThinkerConfig, positions: str) -> str:
     # Only the decoder-only family matters to the runtime; the name follows the nearest Qwen release. A graph with
     # (3, B, T) positions needs one of the types whose position code feeds them; every other graph, Qwen3.5 with
     # --positions text included, takes the generic decoder's (B, T) positions.
@@ -115,15 +116,16 @@ def make_genai_config(
     generation_config: dict | None,
     threads: int | None = None,
     share_buffer: bool = False,
-    positions: str = "text",
+    positions: str | None = None,
 ) -> dict:
     """``share_buffer``: the graph updates one KV buffer in place when bound as past and present (fused graphs);
-    ``positions``: the graph's position_ids form, "multimodal" (3, B, T) or "text" (B, T)."""
+    ``positions``: the graph's position_ids form, "multimodal" (3, B, T) or "text" (B, T); None for the model's own
+    (``position_form``)."""
     bos, eos, pad = special_token_ids(config, generation_config)
     layers = config.num_hidden_layers
     genai = {
         "model": {
-            "type": genai_model_type(config, positions),
+            "type": genai_model_type(config, position_form(config, positions)),
             "bos_token_id": bos,
             "eos_token_id": eos if len(eos) > 1 else eos[0],
             "pad_token_id": pad,

@@ -379,8 +379,9 @@ class FusedGatedDeltaNetGraph(GatedDeltaNetGraph):
     def emit_conv(self, qkv: str, weight_name: str, past: str, present: str, state_index: str) -> str:
         """The op's carry is the last k - 1 columns whatever the mask, so ``present`` is gathered from
         ``past ++ inputs`` as in the plain form. The op then reads its past from that concatenation, not from
-        ``past``: where past and present are one buffer (genai_config's past_present_share_buffer) the Concat,
-        ``past``'s only reader, must run before the gather writes ``present``, which only a data path guarantees."""
+        ``past``: where past and present are one buffer (genai_config's past_present_share_buffer) the window's
+        Transpose, ``past``'s only reader, must run before the gather writes ``present``, which only a data path
+        guarantees."""
         b, k = self.b, self.dims.conv_kernel
         window = self.emit_window(qkv, past, present, state_index)  # (B, k - 1 + T, C)
         past_rows = b.op("Slice", window, b.const([0]), b.const([k - 1]), b.const([1]))  # past, read through the window

@@ -45,3 +45,12 @@ def test_special_ids_outside_the_vocabulary_are_not_written():
     config = make_config("qwen3", eos_token_id=None, pad_token_id=None, bos_token_id=None)
     genai = make_genai_config(config, None)["model"]
     assert all(0 <= genai[key] < config.vocab_size for key in ("eos_token_id", "pad_token_id", "bos_token_id"))
+
+
+def test_the_model_type_follows_the_position_form():
+    """A multimodal-RoPE model gets a qwen3_5 type (its (3, B, T) position code) unless exported with text positions;
+    left unsaid, the form is the model's own."""
+    config = make_config("qwen3_5")
+    assert make_genai_config(config, None)["model"]["type"] == "qwen3_5_text"
+    assert make_genai_config(config, None, positions="multimodal")["model"]["type"] == "qwen3_5_text"
+    assert make_genai_config(config, None, positions="text")["model"]["type"] == "qwen3"
