@@ -139,7 +139,12 @@ class DecoderGraph:
             if cfg.has_linear_attention:
                 with b.scope("linear_attn_mask"):
                     ctx.linear_padding = emit_padding_masks(
-                        b, "attention_mask", "input_ids", self.dtype, self.linear_dims
+                        b,
+                        "attention_mask",
+                        "input_ids",
+                        self.dtype,
+                        self.linear_dims,
+                        branches=self.linear_attention_graph.branches_on_padding,
                     )
             with b.scope("embed"):
                 hidden = self.emit_embeddings("input_ids", positions)

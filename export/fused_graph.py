@@ -14,9 +14,10 @@ Same IO contract as ``DecoderGraph`` (names, shapes, dtypes; KV as (B, n_kv, S, 
 
 GroupQueryAttention and padding. Its CPU kernel assumes compact rows: a row's keys are the slots [0, seqlens_k + 1).
 So the graph feeds ``seqlens_k = S - 1`` for every row (every slot counts) and expresses padding as the additive
-``attention_bias`` input, the same mask the plain graph builds: any mask works, left padding (transformers',
-``OnnxDecoder``'s) and onnxruntime-genai's right padding alike, whose decode steps leave the pad slots inside the
-shorter rows (mask 1 1 1 0 0 1: the new token at slot 5, position 3).
+``attention_bias`` input, the attention mask's row expanded over the T queries (the kernel applies the causal mask
+itself; the former causal-and-padding bias, the plain graph's, gave the same bits in nine nodes more per step): any
+mask works, left padding (transformers', ``OnnxDecoder``'s) and onnxruntime-genai's right padding alike, whose
+decode steps leave the pad slots inside the shorter rows (mask 1 1 1 0 0 1: the new token at slot 5, position 3).
 RoPE inside GroupQueryAttention, and what it rotates by. In a prompt (an empty cache) the kernel rotates the token at
 slot t by ``p + t``, p the first element of its ``position_ids`` input, whatever the rows; in a step after a cache it
 rotates each token by its own element. Rotating every token by its slot is exact for a left-padded row (its
@@ -64,7 +65,7 @@ class FusedStepContext(StepContext):
 
     seqlens_k: str | None = None  # (B,) int32: S - 1 for every row
     total_length: str | None = None  # int32 scalar: S
-    padding_bias: str | None = None  # (B, 1, T, S) in the model dtype: 0 where allowed, the dtype's minimum elsewhere
+    padding_bias: str | None = None  # (B, 1, T, S) in the model dtype: 0 at kept slots, the dtype's minimum at pads
     cos_cache: str | None = None  # (max_pos, hs / 2) in the model dtype
     sin_cache: str | None = None
     position_ids: str | None = None  # for the RotaryEmbedding and MRotaryEmbedding ops
@@ -101,11 +102,14 @@ class FusedDecoderGraph(DecoderGraph):
             return super().emit_step_context(input_ids, attention_mask, position_ids)
         b = self.b
         with b.scope("attn_mask"):
-            allowed = b.op("Squeeze", self.emit_allowed(input_ids, attention_mask), b.const([1]))  # (B, 1, T, S)
+            # Padding alone: GroupQueryAttention applies the causal mask itself. Its bias must be (B, 1, T, S),
+            # so the (B, 1, 1, S) row is expanded over the T queries.
+            keep = b.op("Unsqueeze", b.op("Cast", attention_mask, to=TensorProto.BOOL), b.const([1, 2]))
             # The dtype's own minimum: finite (a row that sees nothing gets a uniform softmax, never NaN, which
             # would reach real rows as 0 x NaN through a pad's value vector).
             lowest = self.scalar(torch.finfo(self.dtype).min)
-            padding_bias = b.op("Where", allowed, self.scalar(0.0), lowest)
+            queries = b.op("Concat", b.const([1, 1]), b.op("Shape", input_ids, start=1, end=2), b.const([1]), axis=0)
+            padding_bias = b.op("Expand", b.op("Where", keep, self.scalar(0.0), lowest), queries)  # (B, 1, T, S)
             total = b.op("Cast", b.op("Shape", attention_mask, start=1, end=2), to=TensorProto.INT32)  # (1,): S
             batch = b.op("Shape", input_ids, start=0, end=1)
             seqlens_k = b.op("Expand", b.op("Sub", total, b.const([1], torch.int32)), batch)  # (B,)

@@ -85,6 +85,7 @@ class GraphBuilder:
         # Initializers always live in the main graph; a body reads them as outer-scope values.
         self._root = root or self
         self.initializers: list[TensorProto] = []
+        self._weights: dict[str, tuple] = {}  # name -> (dtype, shape) of the weights written (root only)
         self._names: Counter = self._root._names if root else Counter()
         self._consts: dict = self._root._consts if root else {}
         self._scope: list[str] = []
@@ -122,9 +123,16 @@ class GraphBuilder:
 
     # --- data -------------------------------------------------------------------------------------------------
     def weight(self, name: str, tensor: torch.Tensor | np.ndarray) -> str:
-        """A model weight: streamed to the external-data file, referenced by name."""
-        add = self.weights.add_array if isinstance(tensor, np.ndarray) else self.weights.add
-        self._root.initializers.append(add(name, tensor))
+        """A model weight: streamed to the external-data file once, referenced by name. Naming it again (the two
+        branches of an ``If`` read one weight) refers to the first, which must have the same dtype and shape."""
+        key = (str(tensor.dtype), tuple(tensor.shape))
+        written = self._root._weights.get(name)
+        if written is None:
+            add = self.weights.add_array if isinstance(tensor, np.ndarray) else self.weights.add
+            self._root.initializers.append(add(name, tensor))
+            self._root._weights[name] = key
+        elif written != key:
+            raise ValueError(f"weight {name} written twice, as {written} and then {key}")
         return name
 
     def const(self, value, dtype: torch.dtype = torch.int64) -> str:

@@ -21,7 +21,9 @@ So, besides zeroing the inputs:
                lastpos = max_t keep_t (t + 1) (0 for a row masked throughout: the old state), gathered per row
                (GatherElements) with one index that every layer shares (``emit_padding_masks``)
 Where nothing is masked this is exactly the unpadded layer (the last k - 1 columns; g and beta times 1), and a
-left-padded row from an empty state gets transformers' result as before (float32: the same bits).
+left-padded row from an empty state gets transformers' result as before (float32: the same bits). The fused form
+runs the rule only where it matters: an ``If`` on "every new position kept" (each decode step onnxruntime-genai
+runs, any unpadded prompt) takes the unpadded layer, the same bits in fewer nodes (``emit_conv_and_gates``).
 
 The carried state, graph inputs and outputs of the caller's choosing (names in docs/hybrid-export.md):
   conv_state       (B, conv_dim, k - 1) in the model dtype: the raw q|k|v inputs the next step's conv window reads
@@ -38,7 +40,8 @@ docs/hybrid-export.md). Both keep the recurrence, its inputs and its state in fl
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -118,13 +121,20 @@ class PaddingMasks:
     keep: str  # (B, T, 1) model dtype: 1 for the new positions the mask keeps, 0 for pads; zeroes the layer's input
     keep_float: str  # (B, T, 1) float32, the same: scales the log decay and beta (0 at pads: the state stays)
     conv_state_index: str  # (B, k - 1, conv_dim) int64: rows lastpos .. lastpos + k - 2 of the time-major window
+    unpadded: str | None = None  # bool scalar: the mask keeps every new position (asked for with ``branches``)
 
 
 def emit_padding_masks(
-    b: GraphBuilder, attention_mask: str, hidden: str, dtype: torch.dtype, dims: GatedDeltaNetDims
+    b: GraphBuilder,
+    attention_mask: str,
+    hidden: str,
+    dtype: torch.dtype,
+    dims: GatedDeltaNetDims,
+    branches: bool = False,
 ) -> PaddingMasks:
     """The padding values of one forward. The new positions are the last T columns of the (B, P + T) attention
-    mask, T being ``hidden``'s sequence length (hidden states (B, T, C) or input ids (B, T))."""
+    mask, T being ``hidden``'s sequence length (hidden states (B, T, C) or input ids (B, T)). ``branches`` adds
+    the ``unpadded`` flag that the fused layers branch on."""
     seq = b.op("Shape", hidden, start=1, end=2)  # (1,): T
     new = b.op("Slice", attention_mask, b.op("Neg", seq), b.const([INT64_MAX]), b.const([1]))  # (B, T) int64
     keep = b.op("Unsqueeze", b.op("Cast", new, to=TORCH_TO_ONNX[dtype]), b.const([-1]))
@@ -139,7 +149,8 @@ def emit_padding_masks(
     window = b.const([[i] for i in range(dims.conv_kernel - 1)])  # (k - 1, 1)
     index = b.op("Add", b.op("Unsqueeze", last, b.const([2])), window)  # (B, k - 1, 1)
     index = b.op("Expand", index, b.const([1, 1, dims.conv_dim]))  # GatherElements wants the output's shape
-    return PaddingMasks(keep, keep_float, index)
+    unpadded = b.op("Cast", b.op("ReduceMin", new, keepdims=0), to=TensorProto.BOOL) if branches else None
+    return PaddingMasks(keep, keep_float, index, unpadded)
 
 
 class GatedDeltaNetGraph:
@@ -150,6 +161,7 @@ class GatedDeltaNetGraph:
     """
 
     contrib_ops = False
+    branches_on_padding = False  # whether ``emit`` reads PaddingMasks.unpadded (emit_padding_masks' ``branches``)
 
     def __init__(
         self,
@@ -193,18 +205,13 @@ class GatedDeltaNetGraph:
         """One layer on ``x`` (B, T, C) in the model dtype; ``padding`` from ``emit_padding_masks``. Writes the
         graph values ``present_conv`` and ``present_recurrent``; returns the layer output (B, T, C)."""
         b = self.b
-        x = b.op("Mul", x, padding.keep)  # padding positions: zeros (so a left pad is nothing in the conv window)
+        x = self.emit_input_mask(x, padding)
         with b.scope("in_proj"):
             qkv = self.linear(x, f"{prefix}.in_proj_qkv")  # (B, T, conv_dim)
             z = self.linear(x, f"{prefix}.in_proj_z")  # (B, T, Hv * dv)
             write = self.linear(x, f"{prefix}.in_proj_b")  # (B, T, Hv)
             step = self.linear(x, f"{prefix}.in_proj_a")  # (B, T, Hv)
-        with b.scope("conv"):
-            qkv = self.emit_conv(qkv, f"{prefix}.conv1d.weight", past_conv, present_conv, padding.conv_state_index)
-        with b.scope("gates"):
-            log_decay, beta = self.emit_gates(step, write, prefix)  # (B, T, Hv) float32 each
-            # A pad neither decays the state (exp(0) = 1) nor writes into it (beta = 0).
-            log_decay, beta = b.op("Mul", log_decay, padding.keep_float), b.op("Mul", beta, padding.keep_float)
+        qkv, log_decay, beta = self.emit_conv_and_gates(qkv, step, write, prefix, padding, past_conv, present_conv)
         with b.scope("qk_l2norm"):
             query, key, value = self.emit_split_qkv(qkv)  # (B, T, Hk * dk) float32 each, v in the model dtype
         with b.scope("delta_rule"):
@@ -213,6 +220,24 @@ class GatedDeltaNetGraph:
             core = self.emit_gated_norm(self.to_model_dtype(core), z, f"{prefix}.norm.weight")  # (B, T, Hv * dv)
         with b.scope("out_proj"):
             return self.linear(core, f"{prefix}.out_proj")
+
+    def emit_input_mask(self, x: str, padding: PaddingMasks) -> str:
+        """The layer input with padded positions zeroed (so a left pad is nothing in the conv window)."""
+        return self.b.op("Mul", x, padding.keep)
+
+    def emit_conv_and_gates(
+        self, qkv: str, step: str, write: str, prefix: str, padding: PaddingMasks, past_conv: str, present_conv: str
+    ) -> tuple[str, str, str]:
+        """The conv output (B, T, conv_dim), writing ``present_conv``, and the gates (log decay, beta), both
+        (B, T, Hv) float32, zero at pads."""
+        b = self.b
+        with b.scope("conv"):
+            qkv = self.emit_conv(qkv, f"{prefix}.conv1d.weight", past_conv, present_conv, padding.conv_state_index)
+        with b.scope("gates"):
+            log_decay, beta = self.emit_gates(step, write, prefix)  # (B, T, Hv) float32 each
+            # A pad neither decays the state (exp(0) = 1) nor writes into it (beta = 0).
+            log_decay, beta = b.op("Mul", log_decay, padding.keep_float), b.op("Mul", beta, padding.keep_float)
+        return qkv, log_decay, beta
 
     # --- pieces, each replaced by one onnxruntime operator in the fused form --------------------------------
     def emit_conv(self, qkv: str, weight_name: str, past: str, present: str, state_index: str) -> str:
@@ -375,6 +400,70 @@ class FusedGatedDeltaNetGraph(GatedDeltaNetGraph):
     """
 
     contrib_ops = True
+    branches_on_padding = True
+
+    @contextmanager
+    def building(self, builder: GraphBuilder) -> Iterator[None]:
+        """Emits into ``builder`` (an ``If`` branch) for the duration of the block."""
+        outer, self.b = self.b, builder
+        try:
+            yield
+        finally:
+            self.b = outer
+
+    def emit_input_mask(self, x: str, padding: PaddingMasks) -> str:
+        """Unchanged: the padded branch zeroes the conv's input instead (``emit_conv_and_gates``). A pad's z, a and b
+        projections then differ from transformers', which only that pad's own output reads (its decay and beta
+        are masked, its q|k|v zeroed); kept positions are the same bits, x * 1 being x."""
+        return x
+
+    def emit_conv_and_gates(
+        self, qkv: str, step: str, write: str, prefix: str, padding: PaddingMasks, past_conv: str, present_conv: str
+    ) -> tuple[str, str, str]:
+        """An ``If`` on ``padding.unpadded``. A step whose new positions are all kept (every decode step
+        onnxruntime-genai runs, an unpadded prompt) takes the unpadded branch: the conv op's own carry is the
+        state and the gates go unmasked, which is what the padded branch computes there, bit for bit, in a
+        third of the nodes. Other steps take the padded branch: the conv input zeroed at pads, the state
+        gathered, the gates masked. Decode pays per node on small tensors: the nine nodes of the padding rule
+        took 3.5 % of a Qwen3.5-0.8B decode step (in-process A/B against the graph without them)."""
+        b = self.b
+        types = [self.onnx_dtype, TensorProto.FLOAT, TensorProto.FLOAT, self.onnx_dtype]
+        branches = {}
+        for name in ("unpadded", "padded"):
+            body = b.subgraph()
+            present = body.fresh("present_conv")
+            with self.building(body), body.scope(name):
+                if name == "unpadded":
+                    with body.scope("conv"):
+                        conv = self.emit_unpadded_conv(qkv, f"{prefix}.conv1d.weight", past_conv, present)
+                    with body.scope("gates"):
+                        log_decay, beta = self.emit_gates(step, write, prefix)
+                else:
+                    masked = body.op("Mul", qkv, padding.keep)  # pads: zeros in the conv window (transformers' rule)
+                    conv, log_decay, beta = super().emit_conv_and_gates(
+                        masked, step, write, prefix, padding, past_conv, present
+                    )
+            outputs = [value_info(v, t, None) for v, t in zip((conv, log_decay, beta, present), types, strict=True)]
+            branches[name] = body.make_graph(f"{prefix}.{name}", [], outputs)
+        conv, log_decay, beta = b.fresh("conv"), b.fresh("log_decay"), b.fresh("beta")
+        b.op_to(
+            "If",
+            [padding.unpadded],
+            [conv, log_decay, beta, present_conv],
+            then_branch=branches["unpadded"],
+            else_branch=branches["padded"],
+        )
+        return conv, log_decay, beta
+
+    def emit_unpadded_conv(self, qkv: str, weight_name: str, past: str, present: str) -> str:
+        """Every new position kept: the op's carry, the last k - 1 columns of ``past ++ inputs``, is the state.
+        The op reads all of ``past`` before it writes ``present`` (one buffer under genai's shared buffers: tested)."""
+        b = self.b
+        inputs = b.op("Transpose", qkv, perm=[0, 2, 1])  # (B, C, T)
+        weight = b.weight(weight_name, self.weight(weight_name))  # (C, 1, k)
+        conv = b.fresh("conv")
+        b.op_to("CausalConvWithState", [inputs, weight, "", past], [conv, present], domain=MS_DOMAIN, activation="silu")
+        return b.op("Transpose", conv, perm=[0, 2, 1])
 
     def emit_conv(self, qkv: str, weight_name: str, past: str, present: str, state_index: str) -> str:
         """The op's carry is the last k - 1 columns whatever the mask, so ``present`` is gathered from

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
+import onnx
 from seeded_weights import randomize_parameters
 
 # Three layers so that MoE configs mix sparse and dense layers; every size tiny, so that a test takes a second.
@@ -187,3 +189,16 @@ def assert_genai_equals_onnxruntime(genai_python: Path, folders: list[Path]) -> 
         decoder = OnnxDecoder(folder, provider="cpu")
         expected = decoder.generate(np.array([prompt]), max_new_tokens=new_tokens, eos_token_id=2, pad_token_id=0)
         assert sequence == expected[0].tolist(), folder
+
+
+def graph_nodes(model_path: Path) -> Iterator[onnx.NodeProto]:
+    """Every node of an exported graph, those inside If / Loop / Scan bodies included."""
+
+    def walk(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+        for node in graph.node:
+            yield node
+            for attribute in node.attribute:
+                if attribute.type == onnx.AttributeProto.GRAPH:
+                    yield from walk(attribute.g)
+
+    yield from walk(onnx.load(str(model_path), load_external_data=False).graph)

@@ -479,3 +479,15 @@ def test_gated_attention_matches_transformers(kind, fused_rotary, tmp_path):
     session = export_gated_attention(module, config, tmp_path, multimodal, fused_rotary)
     ours = session.run(["output"], {"hidden_states": hidden.numpy(), "position_ids": positions.numpy()})[0]
     assert relative_error(reference_attention(module, rotary, hidden, positions), ours) <= RELATIVE_TOLERANCE
+
+
+def test_a_weight_named_twice_is_written_once_and_must_match(tmp_path):
+    """Both branches of a fused layer's If read the conv weight and the gate constants: a second ``weight`` of a name
+    refers to the first (one initializer, one copy in the data file); a different dtype or shape is a bug."""
+    b, weights = new_builder(tmp_path)
+    branch = b.subgraph()
+    assert b.weight("w", torch.ones(3, 2)) == branch.weight("w", torch.zeros(3, 2)) == "w"
+    assert [t.name for t in b.initializers] == ["w"] and weights.count == 1
+    with pytest.raises(ValueError, match="weight w written twice"):
+        branch.weight("w", torch.ones(2, 3))
+    weights.close()

@@ -20,7 +20,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from click.testing import CliRunner
-from export_helpers import HYBRID_FAMILIES
+from export_helpers import HYBRID_FAMILIES, graph_nodes
 from test_onnx_quantized import attributes, dequantized_weights
 
 from common.cli import main
@@ -240,20 +240,10 @@ def test_state_inputs_and_outputs(family, graph, thinker_variant, onnx_variant):
 
 
 def test_fused_graph_uses_the_contrib_operators(onnx_variant):
-    ops = {
-        n.op_type
-        for n in onnx.load(
-            hybrid_export(onnx_variant, "qwen3_5_moe", "fused") / "model.onnx", load_external_data=False
-        ).graph.node
-    }
+    ops = {n.op_type for n in graph_nodes(hybrid_export(onnx_variant, "qwen3_5_moe", "fused") / "model.onnx")}
     assert {"CausalConvWithState", "LinearAttentionGate", "LinearAttention", "GatedRMSNorm", "MRotaryEmbedding"} <= ops
     assert {"GroupQueryAttention", "MoE", "SkipSimplifiedLayerNormalization"} <= ops and "Scan" not in ops
-    next_ops = {
-        n.op_type
-        for n in onnx.load(
-            hybrid_export(onnx_variant, "qwen3_next", "fused") / "model.onnx", load_external_data=False
-        ).graph.node
-    }
+    next_ops = {n.op_type for n in graph_nodes(hybrid_export(onnx_variant, "qwen3_next", "fused") / "model.onnx")}
     assert "RotaryEmbedding" in next_ops and "MRotaryEmbedding" not in next_ops
 
 
@@ -308,6 +298,46 @@ def test_fused_states_take_one_buffer_as_past_and_present(onnx_variant):
             run(token[:, None], mask, position_ids_from_mask(mask)[:, -1:])[:, -1], expected_step, atol=1e-4
         )
         token = expected_step.argmax(-1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_unpadded_branch_is_the_padding_rule_bit_for_bit(family, dtype, onnx_variant, tmp_path):
+    """The fused linear layers branch on whether the mask keeps every new position: the unpadded branch (the conv
+    op's own carry, unmasked gates) must give every logit and state bit the padded branch (gathered state, masked
+    gates) gives on the same unpadded prompt and decode steps. The padded-only graph is the export with each If
+    fed a false that onnxruntime cannot fold (a constant condition would have the branch inlined, and float16 cast
+    pairs then fused across what was the branch's edge, which changes the rounding, not the rule)."""
+    folder = hybrid_export(onnx_variant, family, "fused", dtype=dtype)
+    model = onnx.load(folder / "model.onnx", load_external_data=False)
+    branches = [n for n in model.graph.node if n.op_type == "If"]
+    layer_types = json.loads((folder / "config.json").read_text())["layer_types"]
+    assert len(branches) == layer_types.count("linear_attention")
+    for node in branches:
+        then_ops = {n.op_type for n in next(a.g for a in node.attribute if a.name == "then_branch").node}
+        else_ops = {n.op_type for n in next(a.g for a in node.attribute if a.name == "else_branch").node}
+        assert "GatherElements" in else_ops and not then_ops & {"GatherElements", "Concat", "Mul"}, then_ops
+        node.input[0] = "always_padded"
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.array(1, np.int64), "one"))
+    highest = onnx.helper.make_node("ReduceMax", ["attention_mask"], ["highest"], keepdims=0)
+    model.graph.node.insert(0, onnx.helper.make_node("Greater", ["highest", "one"], ["always_padded"]))
+    model.graph.node.insert(0, highest)
+    (tmp_path / "model.onnx.data").write_bytes((folder / "model.onnx.data").read_bytes())
+    onnx.save(model, str(tmp_path / "model.onnx"))
+    branching, padded_only = (OnnxDecoder(path, provider="cpu") for path in (folder, tmp_path / "model.onnx"))
+
+    ids = np.random.default_rng(3).integers(3, VOCAB, size=(2, 9))
+    states = [DecoderState(np.ones_like(ids), None, d.empty_cache(2)) for d in (branching, padded_only)]
+    step_ids, positions = ids, position_ids_from_mask(np.ones_like(ids))
+    for step in range(5):
+        decoders = zip((branching, padded_only), states, strict=True)
+        logits = [d.forward(step_ids, positions, state) for d, state in decoders]
+        np.testing.assert_array_equal(logits[0], logits[1], f"step {step}")
+        for name in branching.past_names:
+            np.testing.assert_array_equal(states[0].cache[name], states[1].cache[name], f"{name}, step {step}")
+        step_ids, positions = logits[0][:, -1:].argmax(-1), positions[:, -1:] + 1
+        for state in states:
+            state.attention_mask = np.concatenate([state.attention_mask, np.ones((2, 1), np.int64)], axis=1)
 
 
 # --- multimodal positions from a real image prompt ----------------------------------------------------------------
@@ -499,7 +529,7 @@ def test_quantized_projections(graph, onnx_variant):
     folder = hybrid_export(
         onnx_variant, "qwen3_5_moe", graph, quantize=INT8, linear_num_value_heads=16, linear_value_head_dim=2
     )
-    nodes = onnx.load(folder / "model.onnx", load_external_data=False).graph.node
+    nodes = list(graph_nodes(folder / "model.onnx"))
     quantized = {n.input[1].split(".weight")[0] + ".weight" for n in nodes if n.op_type == "MatMulNBits"}
     float_matmuls = {n.input[1] for n in nodes if n.op_type == "MatMul"}
     for i in (0, 2):
