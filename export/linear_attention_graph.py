@@ -386,8 +386,9 @@ class GatedDeltaNetGraph:
 class FusedGatedDeltaNetGraph(GatedDeltaNetGraph):
     """The same layer with onnxruntime's com.microsoft operators where they are exact:
 
-    conv        CausalConvWithState (carry of k - 1 inputs, fused SiLU), on (B, C, T); the carried state is
-                gathered per row as in the plain form, the op's own (the last k - 1 columns) left unused
+    conv        CausalConvWithState (carry of k - 1 inputs, fused SiLU), on (B, C, T); where the step has pads
+                the carried state is gathered per row as in the plain form (the op's own, the last k - 1 columns,
+                left unused), elsewhere it is the op's own (an If per layer: ``emit_conv_and_gates``)
     gates       LinearAttentionGate: decay_scale * softplus(a + dt_bias) and sigmoid(b), fed float32 so that
                 both come out in float32
     delta rule  LinearAttention, update_rule gated_delta, q and k at the key heads (onnxruntime expands them to
@@ -424,8 +425,8 @@ class FusedGatedDeltaNetGraph(GatedDeltaNetGraph):
         onnxruntime-genai runs, an unpadded prompt) takes the unpadded branch: the conv op's own carry is the
         state and the gates go unmasked, which is what the padded branch computes there, bit for bit, in a
         third of the nodes. Other steps take the padded branch: the conv input zeroed at pads, the state
-        gathered, the gates masked. Decode pays per node on small tensors: the nine nodes of the padding rule
-        took 3.5 % of a Qwen3.5-0.8B decode step (in-process A/B against the graph without them)."""
+        gathered, the gates masked. Decode pays per node on small tensors: skipping the rule's nine nodes made a
+        Qwen3.5-0.8B-shaped decode step 1.022x (0.977-1.036) as fast (docs/hybrid-export.md 6.6)."""
         b = self.b
         types = [self.onnx_dtype, TensorProto.FLOAT, TensorProto.FLOAT, self.onnx_dtype]
         branches = {}
