@@ -459,11 +459,17 @@ class FusedGatedDeltaNetGraph(GatedDeltaNetGraph):
     def emit_unpadded_conv(self, qkv: str, weight_name: str, past: str, present: str) -> str:
         """Every new position kept: the op's carry, the last k - 1 columns of ``past ++ inputs``, is the state.
         The op reads all of ``past`` before it writes ``present`` (one buffer under genai's shared buffers: tested)."""
+        return self.emit_causal_conv(qkv, weight_name, past, present)
+
+    def emit_causal_conv(self, qkv: str, weight_name: str, past: str, present: str | None = None) -> str:
+        """CausalConvWithState with fused SiLU over (B, T, C) -> (B, T, C), reading its k - 1 past columns from
+        ``past`` (B, C, k - 1); its carry goes to ``present``, or nowhere where the caller gathers its own."""
         b = self.b
-        inputs = b.op("Transpose", qkv, perm=[0, 2, 1])  # (B, C, T)
+        inputs = b.op("Transpose", qkv, perm=[0, 2, 1])  # (B, C, T): the op is channel-major
         weight = b.weight(weight_name, self.weight(weight_name))  # (C, 1, k)
         conv = b.fresh("conv")
-        b.op_to("CausalConvWithState", [inputs, weight, "", past], [conv, present], domain=MS_DOMAIN, activation="silu")
+        carry = present or b.fresh("unused_carry")
+        b.op_to("CausalConvWithState", [inputs, weight, "", past], [conv, carry], domain=MS_DOMAIN, activation="silu")
         return b.op("Transpose", conv, perm=[0, 2, 1])
 
     def emit_conv(self, qkv: str, weight_name: str, past: str, present: str, state_index: str) -> str:
@@ -476,12 +482,7 @@ class FusedGatedDeltaNetGraph(GatedDeltaNetGraph):
         window = self.emit_window(qkv, past, present, state_index)  # (B, k - 1 + T, C)
         past_rows = b.op("Slice", window, b.const([0]), b.const([k - 1]), b.const([1]))  # past, read through the window
         carried = b.op("Transpose", past_rows, perm=[0, 2, 1])  # (B, C, k - 1)
-        inputs = b.op("Transpose", qkv, perm=[0, 2, 1])  # (B, C, T)
-        weight = b.weight(weight_name, self.weight(weight_name))  # (C, 1, k)
-        conv, _ = b.op(
-            "CausalConvWithState", inputs, weight, "", carried, domain=MS_DOMAIN, activation="silu", outputs=2
-        )
-        return b.op("Transpose", conv, perm=[0, 2, 1])
+        return self.emit_causal_conv(qkv, weight_name, carried)
 
     def emit_gates(self, step: str, write: str, prefix: str) -> tuple[str, str]:
         dt_bias = self.float_weight(f"{prefix}.dt_bias", self.weight(f"{prefix}.dt_bias"))

@@ -647,6 +647,21 @@ def test_verify_fails_on_a_recurrence_without_decay(graph, options, thinker_vari
 
 
 # --- the generate command ---------------------------------------------------------------------------------------------
+def test_verify_fails_on_an_unpadded_branch_that_forgets_the_conv_state(thinker_variant, tmp_path, monkeypatch):
+    """The fused graph's unpadded branch (every decode step takes it) with its conv reading zeros instead of the
+    carried state: the prompt still matches, the decode steps do not, and ``thinker export --verify`` refuses."""
+    conv = FusedGatedDeltaNetGraph.emit_causal_conv
+
+    def forgetting(self, qkv, weight_name, past, present):
+        return conv(self, qkv, weight_name, self.b.op("Sub", past, past), present)  # past - past: zeros
+
+    monkeypatch.setattr(FusedGatedDeltaNetGraph, "emit_unpadded_conv", forgetting)
+    output = tmp_path / "onnx"
+    result = CliRunner().invoke(main, ["export", str(thinker_variant("qwen3_5")), str(output), "--graph", "fused"])
+    assert result.exit_code != 0 and "onnxruntime disagrees with PyTorch" in result.output, result.output
+    assert not output.exists()
+
+
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
 def test_generate_command_on_a_hybrid_folder(family, thinker_variant, onnx_variant):
     """``thinker generate`` on the ONNX folder (states carried by OnnxDecoder) writes what it writes on the
