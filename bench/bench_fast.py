@@ -71,7 +71,7 @@ def runtime_groups(names: tuple[str, ...] = GROUPS) -> list[list[Runtime]]:
 def export_all(
     model: models.BenchModel, threads: int, with_hqq: bool, fresh: bool, skip: tuple[str, ...] = ()
 ) -> dict[str, exp.Export]:
-    names = [n for n in [*exp.OURS, *exp.BUILDER, "optimum-fp32"] if n not in skip]
+    names = [n for n in exp.CPU_EXPORTS if n not in skip]
     if not with_hqq and "ours-int4-hqq" in names:
         names.remove("ours-int4-hqq")
     done = {}

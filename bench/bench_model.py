@@ -107,10 +107,7 @@ def build_models(args: argparse.Namespace) -> dict[str, torch.nn.Module]:
     if args.family == "qwen3_5":
         reference_config, config = qwen3_5_configs(args)
     else:
-        config = load_preset(args.preset)
-        if args.layers:
-            config.num_hidden_layers, config.mlp_layer_types = args.layers, config.mlp_layer_types[: args.layers]
-            config.layer_types = config.layer_types[: args.layers]
+        config = load_preset(args.preset, **({"num_hidden_layers": args.layers} if args.layers else {}))
         config.eos_token_id = None  # every run generates exactly --new-tokens tokens
         config.pad_token_id = 0
         reference_config = qwen3_config(config)

@@ -65,8 +65,7 @@ def main() -> None:
     if args.experts:
         overrides["num_experts"] = args.experts
         overrides["num_experts_per_tok"] = min(load_preset(args.preset).num_experts_per_tok, args.experts)
-    config = load_preset(args.preset)
-    config = type(config)(**{**config.to_dict(), **overrides, "mlp_layer_types": None})
+    config = load_preset(args.preset, **overrides)
     threads = args.threads or physical_cores()
     torch.set_num_threads(threads)
 

@@ -16,10 +16,16 @@ Backends:
   genai   og.Model + og.Generator, greedy, with the session's intra-op threads set through a config overlay
   torch   a transformers model (its own class, attn_implementation="eager"); timed inside ``generate`` by a
           logits processor that stamps each step
+  thinker our folders through ``export.runtime.OnnxDecoder`` (the one backend that imports this repository): on
+          CUDA it keeps the cache on the device by IO binding, as ``thinker generate`` does
   ort-states  any decoder folder with a genai_config.json whose carried state is named past*.{i}.* -> present.{i}.*
           (ours, onnxruntime-genai's builder's and mobius-onnx's hybrid graphs: KV, conv and recurrent states),
           fed what it declares: input_ids, or inputs_embeds from the folder's own embedding model (mobius's
           vision-language package), position_ids of rank 2 or 3; zeros start the states; presents fed back
+
+``--provider cuda`` (bench_gpu.py) runs genai on its CUDA provider (``--cuda-graph``: with CUDA graph capture), torch
+on the GPU in float16 with a synchronize before each stamp, and thinker on onnxruntime's CUDA provider; every timer
+stops only after the device has finished (a host copy of what the step produced).
 """
 
 from __future__ import annotations
@@ -106,12 +112,17 @@ class OrtBackend:
 
 
 class GenaiBackend:
-    def __init__(self, folder: Path, threads: int) -> None:
+    def __init__(self, folder: Path, threads: int, provider: str = "cpu", cuda_graph: bool = False) -> None:
         import onnxruntime_genai as og
 
         self.og = og
+        self.cuda = provider == "cuda"
         config = og.Config(str(folder))
-        config.clear_providers()  # CPU
+        config.clear_providers()  # CPU, unless:
+        if self.cuda:
+            config.append_provider("cuda")
+            if cuda_graph:
+                config.set_provider_option("cuda", "enable_cuda_graph", "1")
         overlay = {"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}
         config.overlay(json.dumps(overlay))
         self.model = og.Model(config)
@@ -123,11 +134,14 @@ class GenaiBackend:
         generator = self.og.Generator(self.model, params)
         started = time.perf_counter()
         generator.append_tokens(ids)  # runs the prompt's forward
+        if self.cuda:
+            generator.get_logits()  # a host copy: the prompt's kernels have finished
         prefilled = time.perf_counter()
         for _ in range(new):  # the first call picks from the prompt's logits; each later one runs one forward
             generator.generate_next_token()
+        sequence = generator.get_sequence(0)  # a host copy (on CUDA: the last step has finished)
         done = time.perf_counter()
-        return prefilled - started, done - prefilled, [int(t) for t in generator.get_sequence(0)[ids.shape[1] :]]
+        return prefilled - started, done - prefilled, [int(t) for t in sequence[ids.shape[1] :]]
 
     def generate(self, batch: int, prompt: int, new: int) -> dict:
         prefill, decode, tokens = self.run(prompt_ids(batch, prompt), new)
@@ -139,14 +153,17 @@ class GenaiBackend:
 
 
 class TorchBackend:
-    def __init__(self, folder: Path, threads: int) -> None:
+    def __init__(self, folder: Path, threads: int, provider: str = "cpu", cuda_graph: bool = False) -> None:
         import torch
         from transformers import AutoModelForCausalLM, LogitsProcessor
 
         torch.set_num_threads(threads)
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
-        self.model.eval()
+        self.device = "cuda" if provider == "cuda" else "cpu"
+        dtype = torch.float16 if self.device == "cuda" else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
+        self.model.to(self.device).eval()
+        synchronize = torch.cuda.synchronize if self.device == "cuda" else (lambda: None)
 
         class Clock(LogitsProcessor):
             """Stamps the time each generation step's logits arrive (after that step's forward)."""
@@ -155,6 +172,7 @@ class TorchBackend:
                 self.stamps: list[float] = []
 
             def __call__(self, input_ids, scores):
+                synchronize()
                 self.stamps.append(time.perf_counter())
                 return scores
 
@@ -165,8 +183,8 @@ class TorchBackend:
         with self.torch.no_grad():
             started = time.perf_counter()
             out = self.model.generate(
-                self.torch.from_numpy(ids),
-                attention_mask=self.torch.ones(ids.shape, dtype=self.torch.long),
+                self.torch.from_numpy(ids).to(self.device),
+                attention_mask=self.torch.ones(ids.shape, dtype=self.torch.long, device=self.device),
                 max_new_tokens=new,
                 min_new_tokens=new,
                 do_sample=False,
@@ -249,7 +267,36 @@ class StatesOrtBackend(OrtBackend):
         return outputs[0][:, -1], dict(zip(self.past, outputs[1:], strict=True))
 
 
-BACKENDS = {"ort": OrtBackend, "genai": GenaiBackend, "torch": TorchBackend, "ort-states": StatesOrtBackend}
+class ThinkerBackend:
+    """Our own runtime, ``export.runtime.OnnxDecoder``: prefill, then one ``decode_one_token`` per new token (its
+    logits come back to the host every step, as ``generate`` needs them)."""
+
+    def __init__(self, folder: Path, threads: int, provider: str = "cpu", cuda_graph: bool = False) -> None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from export.runtime import OnnxDecoder
+
+        self.decoder = OnnxDecoder(folder, provider=provider, threads=threads)
+
+    def generate(self, batch: int, prompt: int, new: int) -> dict:
+        ids = prompt_ids(batch, prompt)
+        started = time.perf_counter()
+        logits, state = self.decoder.prefill(ids, np.ones_like(ids))
+        prefilled = time.perf_counter()
+        tokens = [logits[:, -1].argmax(-1)]
+        for _ in range(new - 1):
+            tokens.append(self.decoder.decode_one_token(tokens[-1], state).argmax(-1))
+        done = time.perf_counter()
+        return {"prefill_s": prefilled - started, "decode_s": done - prefilled, "tokens": [int(t[0]) for t in tokens]}
+
+
+BACKENDS = {
+    "ort": OrtBackend,
+    "genai": GenaiBackend,
+    "torch": TorchBackend,
+    "ort-states": StatesOrtBackend,
+    "thinker": ThinkerBackend,
+}
+CUDA_BACKENDS = ("genai", "torch", "thinker")
 
 
 def main() -> None:
@@ -257,8 +304,15 @@ def main() -> None:
     parser.add_argument("backend", choices=list(BACKENDS))
     parser.add_argument("folder", type=Path)
     parser.add_argument("--threads", type=int, required=True)
+    parser.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--cuda-graph", action="store_true", help="genai on CUDA: capture the decode step as a graph")
     args = parser.parse_args()
-    backend = BACKENDS[args.backend](args.folder, args.threads)
+    if args.provider == "cpu" and not args.cuda_graph:
+        backend = BACKENDS[args.backend](args.folder, args.threads)
+    elif args.backend in CUDA_BACKENDS:
+        backend = BACKENDS[args.backend](args.folder, args.threads, args.provider, args.cuda_graph)
+    else:
+        parser.error(f"--provider cuda / --cuda-graph: backend {args.backend} runs on the CPU only")
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)

@@ -7,9 +7,12 @@
   ours-int4-h4   ... --quantize-head int4                     (the head at 4 bits too, as the builder's)
   ours-int4-hqq  ... --algo hqq                               (fidelity only: onnxruntime's CPU kernel is slow)
   ours-int8      ... --quantize int8
+  ours-fp16      thinker export --graph fused --dtype float16 (bench_gpu.py)
+  ours-int4-fp16 ... --quantize int4, float16 activations (bench_gpu.py: the CUDA int4 graph)
   builder-fp32   python -m onnxruntime_genai.models.builder -p fp32 -e cpu   (its own environment)
   builder-int4   python -m onnxruntime_genai.models.builder -p int4 -e cpu   (its defaults: symmetric RTN, block 32,
                  accuracy level 4, int4 head and int4 embedding table)
+  builder-fp16-cuda, builder-int4-cuda   the builder's -p fp16 / int4 -e cuda (bench_gpu.py)
   optimum-fp32   python -m optimum.exporters.onnx --task text-generation-with-past (its own environment)
 
 Each tool runs in a child process started by a small Python wrapper, so the peak RSS is the tool's own (the
@@ -44,8 +47,18 @@ OURS = {
     "ours-int4-h4": ["--graph", "fused", "--quantize", "int4", "--quantize-head", "int4"],
     "ours-int4-hqq": ["--graph", "fused", "--quantize", "int4", "--algo", "hqq"],
     "ours-int8": ["--graph", "fused", "--quantize", "int8"],
+    "ours-fp16": ["--graph", "fused", "--dtype", "float16"],
+    "ours-int4-fp16": ["--graph", "fused", "--dtype", "float16", "--quantize", "int4"],
 }
-BUILDER = {"builder-fp32": "fp32", "builder-int4": "int4"}
+# name -> the builder's (-p precision, -e execution provider)
+BUILDER = {
+    "builder-fp32": ("fp32", "cpu"),
+    "builder-int4": ("int4", "cpu"),
+    "builder-fp16-cuda": ("fp16", "cuda"),
+    "builder-int4-cuda": ("int4", "cuda"),
+}
+CPU_EXPORTS = ["ours-plain", "ours-fused", "ours-int4", "ours-int4-h4", "ours-int4-hqq", "ours-int8", "builder-fp32"]
+CPU_EXPORTS += ["builder-int4", "optimum-fp32"]  # bench_fast.py's
 
 
 @dataclass
@@ -80,6 +93,7 @@ def export_command(name: str, model: BenchModel, out: Path, threads: int) -> lis
         ]
     if name in BUILDER:
         builder = [str(python_of("builder")), "-m", "onnxruntime_genai.models.builder"]
+        precision, provider = BUILDER[name]
         return [
             *builder,
             "-i",
@@ -87,9 +101,9 @@ def export_command(name: str, model: BenchModel, out: Path, threads: int) -> lis
             "-o",
             str(out),
             "-p",
-            BUILDER[name],
+            precision,
             "-e",
-            "cpu",
+            provider,
             "-c",
             str(CACHE / "builder-cache"),
         ]

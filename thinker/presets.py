@@ -37,8 +37,16 @@ def list_presets() -> list[str]:
     return sorted(entry.name.removesuffix(".json") for entry in _preset_dir().iterdir() if entry.name.endswith(".json"))
 
 
-def load_preset(name: str) -> ThinkerConfig:
-    """The ``ThinkerConfig`` of preset ``name`` (one of ``list_presets()``); a ``ValueError`` lists them if unknown."""
+# Per-layer lists, which a shallower copy of a preset keeps the first entries of.
+PER_LAYER_FIELDS = ("layer_types", "mlp_layer_types")
+
+
+def load_preset(name: str, **overrides) -> ThinkerConfig:
+    """The ``ThinkerConfig`` of preset ``name`` (one of ``list_presets()``); a ``ValueError`` lists them if unknown.
+
+    ``overrides`` replace the preset's fields. A smaller ``num_hidden_layers`` keeps the first layers as they are
+    (their entries of ``layer_types`` and ``mlp_layer_types``, where not overridden too): a shallower run of the same
+    shapes, a hybrid preset's mix of linear and full attention included."""
     presets = list_presets()
     if name not in presets:
         raise ValueError(f"unknown preset {name!r}; the presets are: {', '.join(presets)}")
@@ -47,7 +55,13 @@ def load_preset(name: str) -> ThinkerConfig:
     model_type = fields.pop("model_type", ThinkerConfig.model_type)
     if model_type != ThinkerConfig.model_type:
         raise ValueError(f"preset {name!r} has model_type {model_type!r}, not {ThinkerConfig.model_type!r}")
-    return ThinkerConfig(**fields)
+    layers = overrides.get("num_hidden_layers", fields.get("num_hidden_layers"))
+    for key in PER_LAYER_FIELDS:
+        if key not in overrides and isinstance(fields.get(key), list) and layers is not None:
+            if layers > len(fields[key]):
+                raise ValueError(f"preset {name!r} lists {key} for {len(fields[key])} layers; asked for {layers}")
+            fields[key] = fields[key][:layers]
+    return ThinkerConfig(**{**fields, **overrides})
 
 
 __all__ = ["list_presets", "load_preset"]

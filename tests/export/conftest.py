@@ -74,9 +74,13 @@ def genai_cuda_python() -> Path:
 
 
 def genai_venv(venv: Path, packages: list[str]) -> Path:
+    """The venv's Python, built first where it has none. One that exists but fails the probe is rebuilt only at
+    its default place: a venv named by THINKER_GENAI_VENV / THINKER_GENAI_CUDA_VENV is someone's own (the GPU
+    kit's, bench/gpu_kit.py), and fails the test instead of being cleared."""
     python = venv / "bin" / "python"
     probe = [str(python), "-c", "import onnxruntime_genai, onnxruntime; print(onnxruntime.get_available_providers())"]
-    if not python.exists() or subprocess.run(probe, capture_output=True).returncode != 0:
+    named = str(venv) in {os.environ.get("THINKER_GENAI_VENV"), os.environ.get("THINKER_GENAI_CUDA_VENV")}
+    if not python.exists() or (not named and subprocess.run(probe, capture_output=True).returncode != 0):
         for command in (
             [sys.executable, "-m", "venv", "--clear", str(venv)],
             [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *packages],

@@ -1,0 +1,274 @@
+"""GPU speed of our float16 and int4 exports against onnxruntime-genai's builder and transformers eager (issue 13).
+
+A CUDA machine runs this, driven by bench/gpu_session.sh on a lent one (docs/gpu-session.md); ``--provider cpu``
+rehearses the same pipeline on a CPU (float32 in place of float16), which is how it is tested without a GPU.
+
+Model: Qwen3-0.6B's shapes with random weights (bench/models.py), all 28 layers unless --layers. Exports
+(bench/exports.py, each timed):
+  ours-fp16          thinker export --dtype float16 (the default fused graph)
+  ours-int4-fp16     ... --quantize int4 (int4 weights, float16 activations: MatMulNBits on CUDA)
+  builder-fp16-cuda  onnxruntime-genai 0.18's builder -p fp16 -e cuda
+  builder-int4-cuda  ... -p int4 -e cuda
+Runtimes, each a fresh process per repetition, interleaved (bench/workers.py), batch 1 and 8, a --prompt token
+prompt and --new greedy tokens:
+  onnxruntime-genai on CUDA       every export; the float16 pair again with CUDA graph capture (enable_cuda_graph)
+  onnxruntime on CUDA             ours-fp16 through export.runtime.OnnxDecoder: IO binding keeps the cache on the
+                                  device, the logits come back each step (what ``thinker generate`` runs)
+  transformers eager on CUDA      the source family's own class (Qwen3ForCausalLM), float16
+Roofline: the weight bytes one decode step reads (bench/bandwidth.py) against the device's bandwidth, measured
+here by a device-to-device copy of 1 GiB (bytes read + written per second, the best of 10): batch-1 decode as a
+share of ``bandwidth / bytes per token``.
+
+    python bench/bench_gpu.py                                   # on a CUDA machine: about 10 minutes on an H100
+    python bench/bench_gpu.py --provider cpu --layers 2 --reps 1 --new 8 --batches 1   # the CPU rehearsal
+
+Writes bench/results/gpu.json and bench/results/README-gpu.md (``--provider cpu``: gpu-rehearsal-cpu.json and
+README-gpu-rehearsal-cpu.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
+
+import exports as exp  # noqa: E402
+import models  # noqa: E402
+import report  # noqa: E402
+from bandwidth import read_bandwidth, weight_bytes_per_token  # noqa: E402
+from peer_envs import package_versions  # noqa: E402
+from workers import Runtime, interleave_fresh, summary  # noqa: E402
+
+RESULTS = Path(__file__).with_name("results")
+GIB = 2**30
+
+# provider -> (float export, its builder peer, int4 export, its builder peer)
+EXPORTS = {
+    "cuda": ("ours-fp16", "builder-fp16-cuda", "ours-int4-fp16", "builder-int4-cuda"),
+    "cpu": ("ours-fused", "builder-fp32", "ours-int4", "builder-int4"),
+}
+
+
+def runtimes_for(provider: str, cuda_graph: bool) -> list[list[Runtime]]:
+    """Groups loaded side by side; each runtime names the row it is compared with."""
+    ours, builder, ours_int4, builder_int4 = EXPORTS[provider]
+    device = ("--provider", provider)
+    genai = f"onnxruntime-genai ({provider})"
+
+    def row(graph: str, backend: str, runtime: str, peer: str | None, options=()) -> Runtime:
+        label = f"{'Qwen3ForCausalLM' if graph == 'hf' else graph} on {runtime}"
+        return Runtime(label, graph, backend, builder_peer=peer, worker_options=(*device, *options))
+
+    groups = [
+        [
+            row(ours, "genai", genai, f"{builder} on {genai}"),
+            row(builder, "genai", genai, None),
+            row(ours, "thinker", f"onnxruntime ({provider})", f"{builder} on {genai}"),
+            row("hf", "torch", f"transformers eager ({provider})", None),
+        ],
+        [row(ours_int4, "genai", genai, f"{builder_int4} on {genai}"), row(builder_int4, "genai", genai, None)],
+    ]
+    if cuda_graph:
+        graphed = f"onnxruntime-genai ({provider}, CUDA graph)"
+        options = ("--cuda-graph",)
+        groups.append(
+            [
+                row(ours, "genai", graphed, f"{builder} on {graphed}", options),
+                row(builder, "genai", graphed, None, options),
+            ]
+        )
+    return groups
+
+
+def device_bandwidth(provider: str, threads: int) -> dict:
+    """Bytes per second the device moves: a 1 GiB device-to-device copy counted as read + write on CUDA (the best
+    of 10, timed by CUDA events); on the CPU bench/bandwidth.py's read rate."""
+    if provider == "cpu":
+        figures = read_bandwidth(threads)
+        return {"bytes_per_s": figures["bytes_per_s"], "how": "numpy streaming read (bench/bandwidth.py)"}
+    import torch
+
+    source = torch.empty(GIB // 2, dtype=torch.float16, device="cuda")
+    target = torch.empty_like(source)
+    best = 0.0
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        target.copy_(source)
+        end.record()
+        torch.cuda.synchronize()
+        best = max(best, 2 * source.nbytes / (start.elapsed_time(end) / 1e3))
+    return {"bytes_per_s": best, "how": "1 GiB device-to-device copy, read + write, best of 12 (torch)"}
+
+
+def device_name(provider: str) -> str:
+    if provider == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    return platform.processor() or platform.machine()
+
+
+def export_all(model: models.BenchModel, provider: str, threads: int, fresh: bool) -> dict[str, exp.Export]:
+    """Every export of ``provider``; a fresh one's timings are kept beside it, so that a later ``--reuse-exports``
+    run (the device's second call, when one call cannot hold exports and runs) still reports them."""
+    done = {}
+    for name in EXPORTS[provider]:
+        print(f"[{model.name}] exporting {name}", file=sys.stderr, flush=True)
+        export = exp.run_export(name, model, threads, fresh=fresh)
+        record = export.folder.with_name(name + ".json")
+        if export.seconds is not None or export.error:
+            record.write_text(json.dumps({"seconds": export.seconds, "peak_rss": export.peak_rss}))
+        elif record.is_file():
+            export = exp.Export(name, export.folder, **json.loads(record.read_text()))
+        if export.error:
+            print(f"  failed: {export.error}", file=sys.stderr)
+        done[name] = export
+    return done
+
+
+def measure(groups: list[list[Runtime]], folders: dict[str, Path], args) -> list[dict]:
+    requests = [{"op": "generate", "batch": b, "prompt": args.prompt, "new": args.new} for b in args.batches]
+    entries = []
+    for runtimes in groups:
+        runnable = [r for r in runtimes if r.graph in folders]
+        try:
+            interleave_fresh(runnable, folders, args.threads, requests, args.reps)
+        except RuntimeError as err:  # a runtime that does not start here is a finding, not the end of the run
+            print(f"  group failed: {err}", file=sys.stderr)
+            entries += [{"label": r.label, "graph": r.graph, "error": str(err)[-1500:]} for r in runnable]
+            continue
+        for runtime in runnable:
+            entry = {"label": runtime.label, "graph": runtime.graph, "backend": runtime.backend}
+            entry["builder_peer"] = runtime.builder_peer
+            for request in requests:
+                entry[f"batch{request['batch']}"] = summary(runtime, request)
+            entries.append(entry)
+    return entries
+
+
+def add_limits(results: dict) -> None:
+    """Batch-1 decode as a share of the bandwidth limit, and ours against transformers eager."""
+    per_token, bandwidth = results["bytes_per_token"], results["bandwidth"]["bytes_per_s"]
+    ours = EXPORTS[results["provider"]][0]
+    for runtime in results["runtimes"]:
+        one = runtime.get("batch1")
+        graph = ours if runtime["graph"] == "hf" else runtime["graph"]  # eager reads the same float16 weights
+        if one and graph in per_token:
+            runtime["fraction_of_limit"] = one["decode_tokens_per_s"] / (bandwidth / per_token[graph])
+
+
+def speed_table(results: dict) -> str:
+    runtimes = {r["label"]: r for r in results["runtimes"]}
+    eager = next((r for r in results["runtimes"] if r["graph"] == "hf" and "error" not in r), None)
+    rows = []
+    for runtime in results["runtimes"]:
+        if "error" in runtime:
+            rows.append([runtime["label"], "failed: " + runtime["error"].splitlines()[-1][:120]] + ["—"] * 6)
+            continue
+        peer = runtimes.get(runtime["builder_peer"] or "")
+        row = [runtime["label"]]
+        for batch in results["batches"]:
+            figures, key = runtime.get(f"batch{batch}"), f"batch{batch}"
+            row.append(report.fmt(figures and figures["decode_tokens_per_s"]))
+            row.append(report.ratio_cell(report.compared(figures, peer and peer.get(key), "decode_tokens_per_s")))
+            row.append(report.ratio_cell(report.compared(figures, eager and eager.get(key), "decode_tokens_per_s")))
+        one = runtime.get("batch1")
+        row.append(report.fmt(one and one["prefill_ms"]))
+        row.append(report.fmt(runtime.get("fraction_of_limit"), 2))
+        rows.append(row)
+    header = ["runtime"]
+    for batch in results["batches"]:
+        header += [f"decode b{batch} (tokens/s per sequence)", "vs builder", "vs eager"]
+    header += [f"prefill b1, {results['prompt']} tokens (ms)", "b1 share of the bandwidth limit"]
+    return report.table(header, rows)
+
+
+def export_table(results: dict) -> str:
+    rows = [
+        [
+            name,
+            report.fmt(e["seconds"]),
+            report.fmt(e["peak_rss"] and e["peak_rss"] / 2**20, 0),
+            report.fmt(results["bytes_per_token"].get(name, 0) / GIB, 3),
+            e["error"] or "",
+        ]
+        for name, e in results["exports"].items()
+    ]
+    return report.table(["export", "wall (s)", "peak RSS (MB)", "weights read per token (GiB)", "error"], rows)
+
+
+def markdown(results: dict) -> str:
+    bandwidth = results["bandwidth"]
+    return "\n\n".join(
+        [
+            f"Command: `{results['command']}`; device: {results['device']}; bandwidth "
+            f"{bandwidth['bytes_per_s'] / 1e9:.0f} GB/s ({bandwidth['how']}); {results['layers']} layers, random "
+            f"weights; {results['reps']} repetitions in fresh processes, medians, ratios as median per-repetition "
+            "ratios with 90 % bootstrap intervals (bench/report.py).",
+            speed_table(results),
+            export_table(results),
+        ]
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--provider", choices=["cuda", "cpu"], default="cuda", help="cpu: the rehearsal")
+    parser.add_argument("--layers", type=int, help="Qwen3-0.6B has 28; fewer for a shorter run")
+    parser.add_argument("--threads", type=int, default=2, help="intra-op threads of CPU work")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false")
+    parser.add_argument("--reuse-exports", action="store_true", help="keep cached exports (and their timings)")
+    parser.add_argument("--exports-only", action="store_true", help="export, then stop (a later --reuse-exports)")
+    args = parser.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    if args.provider == "cuda":
+        from export.runtime import cuda_absence, cuda_usable
+
+        if not cuda_usable():
+            parser.exit(2, f"bench_gpu.py: no CUDA here ({cuda_absence()}); --provider cpu rehearses on the CPU\n")
+
+    started = time.perf_counter()
+    model = models.qwen3_shaped(args.layers)
+    exports = export_all(model, args.provider, args.threads, fresh=not args.reuse_exports)
+    if args.exports_only:
+        return
+    folders = {name: e.folder for name, e in exports.items() if not e.error}
+    folders["hf"] = model.hf
+    results = {
+        "command": "python bench/bench_gpu.py " + " ".join(sys.argv[1:]),
+        "provider": args.provider,
+        "device": device_name(args.provider),
+        "layers": model.layers,
+        "reps": args.reps,
+        "prompt": args.prompt,
+        "new": args.new,
+        "batches": args.batches,
+        "bandwidth": device_bandwidth(args.provider, args.threads),
+        "exports": {n: {"seconds": e.seconds, "peak_rss": e.peak_rss, "error": e.error} for n, e in exports.items()},
+        "bytes_per_token": {n: weight_bytes_per_token(f / "model.onnx") for n, f in folders.items() if n != "hf"},
+        "runtimes": measure(runtimes_for(args.provider, args.cuda_graph and args.provider == "cuda"), folders, args),
+        "versions": package_versions("genai"),
+    }
+    add_limits(results)
+    results["seconds"] = round(time.perf_counter() - started, 1)
+    tag = "gpu" if args.provider == "cuda" else "gpu-rehearsal-cpu"
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{tag}.json").write_text(json.dumps(results, indent=2) + "\n")
+    text = markdown(results)
+    (RESULTS / f"README-{tag}.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
