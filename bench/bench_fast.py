@@ -4,10 +4,12 @@ For each model (the real SmolLM2-135M; the Qwen3-0.6B-shaped preset with random 
 by its own tool (exports.py, timed: wall clock and peak RSS), then each runtime decodes greedily, batch 1 and
 batch 8, a 128-token prompt and 64 new tokens:
 
-  onnxruntime         our plain, fused, int4 and int4-with-int8-head graphs; the model builder's fp32 and int4
-                      graphs; Optimum's export (all through one IO-contract runner, decode_worker.py)
-  onnxruntime-genai   our fused, plain and int4 folders; the builder's fp32 and int4 folders (its own environment;
-                      every session given the same intra-op threads through a config overlay)
+  onnxruntime         our plain, fused (also with --logits last), int4 and int4-with-int8-head graphs; the model
+                      builder's fp32 and int4 graphs; Optimum's export (all through one IO-contract runner,
+                      decode_worker.py)
+  onnxruntime-genai   our fused (also with --logits last), plain and int4 folders; the builder's fp32 and int4
+                      folders (its own environment; every session given the same intra-op threads through a
+                      config overlay)
   transformers        eager ``generate`` on the source family's own class
 
 Runtimes of a group (same runtime, same precision) stay loaded side by side and take turns, repetition by
@@ -43,9 +45,9 @@ from peer_envs import package_versions  # noqa: E402
 from workers import Runtime, interleave_fresh, started, summary  # noqa: E402
 
 RESULTS = Path(__file__).with_name("results")
-FP32_ORT = ["ours-fused", "ours-plain", "builder-fp32", "optimum-fp32"]
+FP32_ORT = ["ours-fused", "ours-fused-last", "ours-plain", "builder-fp32", "optimum-fp32"]
 INT4_ORT = ["ours-int4", "ours-int4-h4", "builder-int4"]
-FP32_GENAI = ["ours-fused", "ours-plain", "builder-fp32"]
+FP32_GENAI = ["ours-fused", "ours-fused-last", "ours-plain", "builder-fp32"]
 INT4_GENAI = ["ours-int4", "ours-int4-h4", "builder-int4"]
 
 

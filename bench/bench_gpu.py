@@ -7,11 +7,12 @@ Model: Qwen3-0.6B's shapes with random weights (bench/models.py), all 28 layers 
 (bench/exports.py, each timed):
   ours-fp16          thinker export --dtype float16 (the default fused graph)
   ours-int4-fp16     ... --quantize int4 (int4 weights, float16 activations: MatMulNBits on CUDA)
+  ours-fp16-last     ... --logits last (the head on each row's last position: the prefill)
   builder-fp16-cuda  onnxruntime-genai 0.18's builder -p fp16 -e cuda
   builder-int4-cuda  ... -p int4 -e cuda
 Runtimes, each a fresh process per repetition, interleaved (bench/workers.py), batch 1 and 8, a --prompt token
 prompt and --new greedy tokens:
-  onnxruntime-genai on CUDA       every export; the float16 pair again with CUDA graph capture (enable_cuda_graph)
+  onnxruntime-genai on CUDA       every export; ours-fp16 and the builder's again with CUDA graph capture
   onnxruntime on CUDA             ours-fp16 through export.runtime.OnnxDecoder: IO binding keeps the cache on the
                                   device, the logits come back each step (what ``thinker generate`` runs)
   transformers eager on CUDA      the source family's own class (Qwen3ForCausalLM), float16
@@ -48,16 +49,16 @@ from workers import Runtime, interleave_fresh, summary  # noqa: E402
 RESULTS = Path(__file__).with_name("results")
 GIB = 2**30
 
-# provider -> (float export, its builder peer, int4 export, its builder peer)
+# provider -> (float export, its builder peer, int4 export, its builder peer, the float export with --logits last)
 EXPORTS = {
-    "cuda": ("ours-fp16", "builder-fp16-cuda", "ours-int4-fp16", "builder-int4-cuda"),
-    "cpu": ("ours-fused", "builder-fp32", "ours-int4", "builder-int4"),
+    "cuda": ("ours-fp16", "builder-fp16-cuda", "ours-int4-fp16", "builder-int4-cuda", "ours-fp16-last"),
+    "cpu": ("ours-fused", "builder-fp32", "ours-int4", "builder-int4", "ours-fused-last"),
 }
 
 
 def runtimes_for(provider: str, cuda_graph: bool) -> list[list[Runtime]]:
     """Groups loaded side by side; each runtime names the row it is compared with."""
-    ours, builder, ours_int4, builder_int4 = EXPORTS[provider]
+    ours, builder, ours_int4, builder_int4, ours_last = EXPORTS[provider]
     device = ("--provider", provider)
     genai = f"onnxruntime-genai ({provider})"
 
@@ -68,6 +69,7 @@ def runtimes_for(provider: str, cuda_graph: bool) -> list[list[Runtime]]:
     groups = [
         [
             row(ours, "genai", genai, f"{builder} on {genai}"),
+            row(ours_last, "genai", genai, f"{builder} on {genai}"),
             row(builder, "genai", genai, None),
             row(ours, "thinker", f"onnxruntime ({provider})", f"{builder} on {genai}"),
             row("hf", "torch", f"transformers eager ({provider})", None),

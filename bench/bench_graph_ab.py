@@ -18,6 +18,9 @@ the first folder's time divided by its own (above 1: faster than the first), wit
 graphs of one function are compared.
 
     python bench/bench_graph_ab.py BEFORE AFTER [MORE ...] --reps 6 --tag qwen3_5-unpadded-branch
+    python bench/bench_graph_ab.py ALL LAST --prefill --prompt 128 --steps 16 --tag smollm2-last-logits
+
+``--prefill`` times whole prefills of ``--prompt`` tokens instead of decode steps (same rounds, gap and rotation).
 
 Writes bench/results/graph_ab_<tag>.json and prints a table.
 """
@@ -56,6 +59,8 @@ def repetition(folders: list[Path], args: argparse.Namespace) -> dict[str, float
             tokens.append(logits[:, -1].argmax(-1))
         return states, tokens
 
+    if args.prefill:
+        return timed_prefills(decoders, folders, ids, args)
     states, tokens = start()
     times = np.zeros((len(decoders), args.steps))
     for step in range(args.steps):
@@ -72,6 +77,22 @@ def repetition(folders: list[Path], args: argparse.Namespace) -> dict[str, float
     return {str(folder): float(np.median(row)) for folder, row in zip(folders, times, strict=True)}
 
 
+def timed_prefills(decoders: list, folders: list[Path], ids: np.ndarray, args: argparse.Namespace) -> dict[str, float]:
+    """``repetition`` for prefills: rounds of one whole prefill per folder, shuffled; median seconds per folder."""
+    times = np.zeros((len(decoders), args.steps))
+    for step in range(args.steps):
+        tokens = {}
+        for k in np.random.default_rng(step).permutation(len(decoders)):
+            time.sleep(args.gap)
+            started = time.perf_counter()
+            logits, _ = decoders[k].prefill(ids, np.ones_like(ids))
+            times[k, step] = time.perf_counter() - started
+            tokens[k] = logits[:, -1].argmax(-1)
+        if any(not np.array_equal(t, tokens[0]) for t in tokens.values()):
+            raise SystemExit(f"the folders' next tokens differ at round {step}: not one function")
+    return {str(folder): float(np.median(row)) for folder, row in zip(folders, times, strict=True)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folders", nargs="+", type=Path, help="exports of one model; the first is the reference")
@@ -81,6 +102,7 @@ def main() -> None:
     parser.add_argument("--restart", type=int, default=48, help="a new prefill every this many rounds")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gap", type=float, default=0.15, help="seconds of pause before each step")
+    parser.add_argument("--prefill", action="store_true", help="time prefills of --prompt tokens, not decode steps")
     parser.add_argument("--tag", help="names the results file (required unless --worker)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one repetition, JSON on stdout
     args = parser.parse_args()
@@ -92,7 +114,7 @@ def main() -> None:
 
     folders = [str(folder.resolve()) for folder in args.folders]
     settings = ["--steps", args.steps, "--prompt", args.prompt, "--restart", args.restart]
-    settings += ["--threads", args.threads, "--gap", args.gap]
+    settings += ["--threads", args.threads, "--gap", args.gap] + (["--prefill"] if args.prefill else [])
     reps = []
     for rep in range(args.reps):
         order = folders[rep % len(folders) :] + folders[: rep % len(folders)]

@@ -2,12 +2,13 @@
 
   ours-plain     thinker export --graph plain                 (standard ONNX operators)
   ours-fused     thinker export --graph fused                 (onnxruntime contrib operators)
+  ours-fused-last  ... --logits last                          (the head on each row's last position only)
   ours-int4      thinker export --graph fused --quantize int4 (its defaults: symmetric RTN, block 32, accuracy level
                  4, the head at 8 bits)
   ours-int4-h4   ... --quantize-head int4                     (the head at 4 bits too, as the builder's)
   ours-int4-hqq  ... --algo hqq                               (fidelity only: onnxruntime's CPU kernel is slow)
   ours-int8      ... --quantize int8
-  ours-fp16      thinker export --graph fused --dtype float16 (bench_gpu.py)
+  ours-fp16      thinker export --graph fused --dtype float16 (bench_gpu.py; ours-fp16-last: with --logits last)
   ours-int4-fp16 ... --quantize int4, float16 activations (bench_gpu.py: the CUDA int4 graph)
   builder-fp32   python -m onnxruntime_genai.models.builder -p fp32 -e cpu   (its own environment)
   builder-int4   python -m onnxruntime_genai.models.builder -p int4 -e cpu   (its defaults: symmetric RTN, block 32,
@@ -43,11 +44,13 @@ print(json.dumps({"seconds": time.perf_counter() - started, "returncode": done.r
 OURS = {
     "ours-plain": ["--graph", "plain"],
     "ours-fused": ["--graph", "fused"],
+    "ours-fused-last": ["--graph", "fused", "--logits", "last"],
     "ours-int4": ["--graph", "fused", "--quantize", "int4"],
     "ours-int4-h4": ["--graph", "fused", "--quantize", "int4", "--quantize-head", "int4"],
     "ours-int4-hqq": ["--graph", "fused", "--quantize", "int4", "--algo", "hqq"],
     "ours-int8": ["--graph", "fused", "--quantize", "int8"],
     "ours-fp16": ["--graph", "fused", "--dtype", "float16"],
+    "ours-fp16-last": ["--graph", "fused", "--dtype", "float16", "--logits", "last"],
     "ours-int4-fp16": ["--graph", "fused", "--dtype", "float16", "--quantize", "int4"],
 }
 # name -> the builder's (-p precision, -e execution provider)
@@ -57,7 +60,16 @@ BUILDER = {
     "builder-fp16-cuda": ("fp16", "cuda"),
     "builder-int4-cuda": ("int4", "cuda"),
 }
-CPU_EXPORTS = ["ours-plain", "ours-fused", "ours-int4", "ours-int4-h4", "ours-int4-hqq", "ours-int8", "builder-fp32"]
+CPU_EXPORTS = [
+    "ours-plain",
+    "ours-fused",
+    "ours-fused-last",
+    "ours-int4",
+    "ours-int4-h4",
+    "ours-int4-hqq",
+    "ours-int8",
+    "builder-fp32",
+]
 CPU_EXPORTS += ["builder-int4", "optimum-fp32"]  # bench_fast.py's
 
 

@@ -93,7 +93,7 @@ def graph_variant(model: onnx.ModelProto, onnx_path: Path, levels: dict[str, int
 
 def prefill(model: onnx.ModelProto, onnx_path: Path, levels: dict[str, int], ids: np.ndarray, threads) -> np.ndarray:
     with graph_variant(model, onnx_path, levels) as path:
-        decoder = OnnxDecoder(path, provider="cpu", threads=threads)
+        decoder = OnnxDecoder(path, provider="cpu", threads=threads, all_positions=True)
         return decoder.prefill(ids[None], np.ones_like(ids)[None])[0][0]
 
 
@@ -113,7 +113,7 @@ def activation_rounding_errors(
         elem_type = onnx.helper.np_dtype_to_tensor_dtype(read(node.input[2]).dtype)
         probe.graph.output.append(onnx.helper.make_tensor_value_info(name, elem_type, None))
     with graph_variant(probe, onnx_path, dict.fromkeys(matmuls, FALLBACK_LEVEL)) as path:
-        decoder = OnnxDecoder(path, provider="cpu", threads=threads)
+        decoder = OnnxDecoder(path, provider="cpu", threads=threads, all_positions=True)
         mask = np.ones_like(ids)[None]
         feeds = {
             "input_ids": ids[None],

@@ -24,9 +24,11 @@ from .names import (
     BITS,
     BLOCK_SIZES,
     DEFAULT_GRAPH,
+    DEFAULT_LOGITS,
     DEFAULT_MIN_AGREEMENT,
     GENAI_CONFIG_FILE,
     GRAPHS,
+    LOGITS,
     MODEL_FILE,
     POSITIONS,
 )
@@ -69,6 +71,16 @@ from .names import (
     "repeated on the three streams inside (the same logits), and the form under which onnxruntime-genai 0.18 gets "
     "batches of unequal prompt lengths right. Other models take [batch, seq] only. [default: multimodal with "
     "multimodal RoPE]",
+)
+@click.option(
+    "--logits",
+    type=click.Choice(list(LOGITS)),
+    default=DEFAULT_LOGITS,
+    show_default=True,
+    help="all: logits for every new position, [batch, seq, vocab], as transformers' forward returns them (scoring a "
+    "text). last: [batch, 1, vocab], each row's last kept new position, the one generation samples from: the head "
+    "runs on one position instead of seq, a faster prefill (onnxruntime-genai 0.12.2 or later; OnnxDecoder and "
+    "`thinker generate` take either).",
 )
 @click.option(
     "--quantize",
@@ -149,6 +161,7 @@ def export_command(
     verify: bool,
     graph: str,
     positions: str | None,
+    logits: str,
     quantize: str | None,
     block_size: str,
     algo: str,
@@ -168,7 +181,8 @@ def export_command(
 
     \b
     The graph's inputs: input_ids, attention_mask, position_ids, past_key_values.{i}.key/.value;
-    its outputs: logits, present.{i}.key/.value (KV as [batch, kv_heads, seq, head_dim]).
+    its outputs: logits [batch, seq, vocab] ([batch, 1, vocab] with --logits last), present.{i}.key/.value
+    (KV as [batch, kv_heads, seq, head_dim]).
     Hybrid models (Qwen3.5, Qwen3-Next) carry, for each linear-attention layer i instead of KV,
     past_key_values.{i}.conv_state [batch, conv_dim, kernel - 1] (model dtype) and
     past_key_values.{i}.recurrent_state [batch, v_heads, k_dim, v_dim] (float32) -> present.{i}.*;
@@ -226,6 +240,7 @@ def export_command(
         quality=gate,
         accuracy_guard=accuracy_guard or None,
         positions=positions,
+        logits=logits,
     )
     sizes = ", ".join(f"{name} {_human(size)}" for name, size in report["sizes"].items() if name.startswith("model"))
     click.echo(

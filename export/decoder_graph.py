@@ -50,6 +50,7 @@ from .hybrid_attention_graph import (
     zero_centered_scale,
 )
 from .linear_attention_graph import GatedDeltaNetDims, GatedDeltaNetGraph, PaddingMasks, emit_padding_masks
+from .names import LAST_POSITION_SCOPE
 from .weights import ThinkerWeights
 
 if TYPE_CHECKING:
@@ -107,10 +108,13 @@ class DecoderGraph:
         dtype: torch.dtype,
         quantizer: WeightQuantizer | None = None,
         positions: str | None = None,
+        logits: str = "all",
     ):
         """``positions``: the form of position_ids (``position_form``); "text" on a multimodal-RoPE model takes
-        (B, T) and repeats them on its three streams (``--positions text``)."""
+        (B, T) and repeats them on its three streams (``--positions text``). ``logits``: "all" (B, T, V), or "last"
+        (B, 1, V): each row's last kept new position only (``--logits``, export/names.py LOGITS)."""
         self.config = config
+        self.last_logits_only = logits == "last"
         self.quantizer = quantizer
         self.weights = weights
         self.b = builder
@@ -157,6 +161,9 @@ class DecoderGraph:
             with b.scope("norm"):
                 _, hidden = self.emit_add_norm(hidden, delta, "model.norm")
         with b.scope("lm_head"):
+            if self.last_logits_only:
+                with b.scope(LAST_POSITION_SCOPE):
+                    hidden = self.emit_last_position(hidden, "input_ids", "attention_mask")
             self.emit_lm_head(hidden, "logits")
         return b.make_graph("thinker_decoder", self.graph_inputs(), self.graph_outputs())
 
@@ -170,7 +177,9 @@ class DecoderGraph:
         return inputs + self.state_values("past_key_values", PAST)
 
     def graph_outputs(self) -> list[onnx.ValueInfoProto]:
-        outputs = [value_info("logits", TensorProto.FLOAT, [BATCH, SEQ, self.config.vocab_size])]
+        # A static 1 is how onnxruntime-genai (0.12.2 and later) recognises logits it need not slice itself.
+        positions = 1 if self.last_logits_only else SEQ
+        outputs = [value_info("logits", TensorProto.FLOAT, [BATCH, positions, self.config.vocab_size])]
         return outputs + self.state_values("present", TOTAL)
 
     def state_values(self, prefix: str, kv_length: str) -> list[onnx.ValueInfoProto]:
@@ -278,6 +287,20 @@ class DecoderGraph:
             positions = self.b.op("Gather", self.weight("model.embed_positions.weight"), position_ids)
             hidden = self.b.op("Add", hidden, positions)
         return hidden
+
+    def emit_last_position(self, hidden: str, input_ids: str, attention_mask: str) -> str:
+        """(B, 1, C): each row's hidden state at its last kept new position, the one a next token is sampled from.
+        That is the last slot for a left-padded prompt and every decode step, and the last real token of a
+        right-padded one (onnxruntime-genai pads a batch of unequal prompts on the right); a row that keeps no new
+        position takes position 0. The mask, not the last slot, decides: a right-padded row's last slot is a pad."""
+        b = self.b
+        seq = b.op("Shape", input_ids, start=1, end=2)  # (1,): T
+        new = b.op("Slice", attention_mask, b.op("Neg", seq), b.const([torch.iinfo(torch.int64).max]), b.const([1]))
+        numbers = b.op("Range", b.const(1), b.op("Add", b.op("Squeeze", seq, b.const([0])), b.const(1)), b.const(1))
+        last = b.op("ReduceMax", b.op("Mul", new, numbers), b.const([1]), keepdims=1)  # (B, 1): 1 + its index
+        index = b.op("Max", b.op("Sub", last, b.const(1)), b.const(0))
+        index = b.op("Expand", b.op("Unsqueeze", index, b.const([2])), b.const([1, 1, self.config.hidden_size]))
+        return b.op("GatherElements", hidden, index, axis=1)
 
     def emit_lm_head(self, hidden: str, output: str) -> None:
         b, cfg = self.b, self.config

@@ -36,7 +36,17 @@ from .decoder_graph import IR_VERSION, OPSET, DecoderGraph, make_model, not_expo
 from .folder_check import check_thinker_folder
 from .genai_config import make_genai_config, no_eos_note, positions_note
 from .graph_builder import GraphBuilder, WeightFile
-from .names import DATA_FILE, DEFAULT_GRAPH, GENAI_CONFIG_FILE, GRAPHS, MODEL_FILE, POSITIONS, REPORT_FILE
+from .names import (
+    DATA_FILE,
+    DEFAULT_GRAPH,
+    DEFAULT_LOGITS,
+    GENAI_CONFIG_FILE,
+    GRAPHS,
+    LOGITS,
+    MODEL_FILE,
+    POSITIONS,
+    REPORT_FILE,
+)
 from .quantize import QuantizeSpec, WeightQuantizer
 from .weights import ThinkerWeights
 
@@ -67,6 +77,7 @@ def export_model(
     quality: QualityGate | None = None,
     accuracy_guard: float | None = None,
     positions: str | None = None,
+    logits: str | None = None,
 ) -> dict:
     """Exports ``source`` to the folder ``output`` and returns the export report (also written there).
 
@@ -76,7 +87,8 @@ def export_model(
     verifying, where it is a terminal; ``accuracy_guard``: with ``quantize`` at accuracy level 4, the least top-1
     agreement with the same graph at level 1 on a fixed paragraph, below which the most sensitive layers fall back
     to level 1 (export/accuracy_guard.py; None: no guard); ``positions``: "multimodal" or "text" (see POSITIONS),
-    None for the model's own form (multimodal with multimodal RoPE)."""
+    None for the model's own form (multimodal with multimodal RoPE); ``logits``: "all" or "last" (see LOGITS), None
+    for ``DEFAULT_LOGITS``."""
     output = Path(output)
     if dtype not in FLOAT_DTYPES:
         raise ThinkerError(f"--dtype {dtype}: expected one of {', '.join(FLOAT_DTYPES)}")
@@ -84,7 +96,10 @@ def export_model(
         raise ThinkerError(f"--graph {graph}: expected one of {', '.join(GRAPHS)}")
     if positions is not None and positions not in POSITIONS:
         raise ThinkerError(f"--positions {positions}: expected one of {', '.join(POSITIONS)}")
+    if logits is not None and logits not in LOGITS:
+        raise ThinkerError(f"--logits {logits}: expected one of {', '.join(LOGITS)}")
     graph = graph or DEFAULT_GRAPH
+    logits = logits or DEFAULT_LOGITS
     graph_dtype = torch_dtype(dtype)
     quantizer = WeightQuantizer(quantize, graph_dtype) if quantize else None
     refuse_existing_output(output, force)
@@ -99,7 +114,7 @@ def export_model(
         positions = position_form(config, positions)
         final = staging / "onnx"
         graph_class = resolve_name(GRAPHS[graph])
-        files = build_onnx(model_dir, config, final, graph_dtype, graph_class, quantizer, progress, positions)
+        files = build_onnx(model_dir, config, final, graph_dtype, graph_class, quantizer, progress, positions, logits)
         guard = None
         if quantize and quantize.accuracy_level == 4 and accuracy_guard is not None:
             from .accuracy_guard import guard_accuracy_level
@@ -117,6 +132,7 @@ def export_model(
             "dtype": dtype,
             "graph": graph,
             "positions": positions,
+            "logits": logits,
             "quantize": quantize.describe() if quantize else None,
             "accuracy_guard": guard,
             "opset": OPSET,
@@ -162,10 +178,11 @@ def build_onnx(
     quantizer: WeightQuantizer | None = None,
     progress: bool = False,
     positions: str | None = None,
+    logits: str = "all",
 ) -> GraphFiles:
     """Writes ``model.onnx`` and ``model.onnx.data`` into ``out_dir`` and checks them; ``progress``: a bar over
     the weights read (quantizing, when ``quantizer``, is most of the time); ``positions``: the form of position_ids
-    (``position_form``)."""
+    (``position_form``); ``logits``: "all" or "last" (LOGITS)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     weights = ThinkerWeights(model_dir, dtype, config.tie_word_embeddings, not_exported(config))
     data = WeightFile(out_dir / DATA_FILE)
@@ -173,7 +190,7 @@ def build_onnx(
     desc = "quantizing" if quantizer is not None else "exporting"
     weights.progress = progress_bar(weights.exported_bytes(), desc, enabled=progress)
     try:
-        graph_object = graph_class(config, weights, GraphBuilder(data), dtype, quantizer, positions)
+        graph_object = graph_class(config, weights, GraphBuilder(data), dtype, quantizer, positions, logits)
         graph = graph_object.build()
         parameters = weights.parameters_read()
         unused = weights.unused()

@@ -56,7 +56,10 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def prefill_logits(decoder: OnnxDecoder, token_ids: np.ndarray) -> np.ndarray:
-    """(T, V) logits of one row through an empty cache."""
+    """(T, V) logits of one row through an empty cache; a ``--logits last`` graph gives them opened with
+    ``all_positions=True``."""
+    if decoder.last_logits_only:
+        raise ValueError(f"{decoder.model_path} gives the last position's logits only; open it with all_positions")
     ids = np.asarray(token_ids, dtype=np.int64)[None]
     return decoder.prefill(ids, np.ones_like(ids))[0][0]
 

@@ -35,6 +35,17 @@ DEFAULT_GRAPH = "fused"
 # (export/genai_config.py). Models without multimodal RoPE take (B, T) only.
 POSITIONS = ("multimodal", "text")
 
+# --logits: what the graph's logits output holds. "all", (B, T, V): every new position, as transformers' forward gives
+# them (scoring a text, perplexity). "last", (B, 1, V): each row's last kept new position, the only one generation
+# samples from; the head then multiplies one position rather than T, which is most of what a prefill spends beyond the
+# layers (the head is a fifth of SmolLM2's weights). onnxruntime-genai (0.12.2 and later) takes a static 1 there as
+# logits it need not slice; OnnxDecoder and ``thinker generate`` take either, and the export's checks read every
+# position of a "last" graph from its copy with the selection left out (export/runtime.py ``all_positions_model``).
+LOGITS = ("all", "last")
+DEFAULT_LOGITS = "all"
+# Where a "last" graph selects the position: lm_head/<this>/, ending in a GatherElements over the final hidden states.
+LAST_POSITION_SCOPE = "last_position"
+
 # --quantize and its options (export/quantize.py).
 BITS = {"int4": 4, "int8": 8}
 ALGORITHMS = ("rtn", "rtn-asym", "hqq")

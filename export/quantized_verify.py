@@ -124,7 +124,8 @@ def verify_quantized(
     dtype = next(model.parameters()).dtype
     result: dict = {"reference": "PyTorch ThinkerForCausalLM with the graph's dequantized weights"}
 
-    shipped = OnnxDecoder(onnx_path, provider="cpu", threads=threads)
+    # every position of the paragraph, also from a --logits last graph (whose selection the parity check below covers)
+    shipped = OnnxDecoder(onnx_path, provider="cpu", threads=threads, all_positions=True)
     result["provider"] = shipped.device
     result["cost"] = quantization_cost(model, model_dir, shipped)  # before the weights change
     on_step()

@@ -31,7 +31,7 @@ from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NotImp
 
 from common.errors import ThinkerError
 
-from .names import MODEL_FILE
+from .names import LAST_POSITION_SCOPE, MODEL_FILE
 
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
@@ -192,9 +192,14 @@ class OnnxDecoder:
 
     ``provider``: "auto" (CUDA when a CUDA session really runs, else CPU), "cuda" or "cpu".
     ``threads``: intra-op threads for CPU work, default all physical cores.
+    ``all_positions``: logits for every position even from a graph exported with ``--logits last`` (which gives
+    each row's last kept position only): the session then runs that graph with the selection left out
+    (``all_positions_model``), as the export's own checks do to score a text.
     """
 
-    def __init__(self, path: str | Path, provider: str = "auto", threads: int | None = None) -> None:
+    def __init__(
+        self, path: str | Path, provider: str = "auto", threads: int | None = None, all_positions: bool = False
+    ) -> None:
         path = Path(path)
         self.model_path = path / MODEL_FILE if path.is_dir() else path
         if not self.model_path.is_file():
@@ -203,14 +208,25 @@ class OnnxDecoder:
             raise ThinkerError(f"provider={provider!r}; expected auto, cuda or cpu")
         if provider == "cuda" and not cuda_usable():
             raise ThinkerError(f"--provider cuda: CUDA asked for where none is ({cuda_absence()}); use --provider cpu")
-        graph = check_external_data(self.model_path).graph
+        model = check_external_data(self.model_path)
+        graph = model.graph
+        # --logits last: the logits output's position axis is a static 1 (each row's last kept position)
+        self.last_logits_only = graph.output[0].type.tensor_type.shape.dim[1].dim_value == 1
         # onnxruntime's GroupQueryAttention (the fused graph) takes several new tokens after a non-empty cache at
         # batch 1 only; ``forward`` refuses the other case by name rather than with the kernel's error.
         self.chunks_need_batch_1 = any(node.op_type == "GroupQueryAttention" for node in graph.node)
         use_cuda = provider == "cuda" or (provider == "auto" and cuda_usable())
         providers = [CUDA, CPU] if use_cuda else [CPU]
+        options, source = session_options(threads), str(self.model_path)
+        if all_positions and self.last_logits_only:
+            source = all_positions_model(model).SerializeToString()
+            # the weights file is found beside the model's path, which a model passed as bytes does not have
+            options.add_session_config_entry(
+                "session.model_external_initializers_file_folder_path", str(self.model_path.parent)
+            )
+            self.last_logits_only = False
         try:
-            self.session = ort.InferenceSession(str(self.model_path), session_options(threads), providers=providers)
+            self.session = ort.InferenceSession(source, options, providers=providers)
         except NotImplementedByOrt as err:  # a kernel the provider lacks: bfloat16 on CPU, typically
             reason = str(err).splitlines()[0]
             raise ThinkerError(
@@ -331,7 +347,8 @@ class OnnxDecoder:
 
     # --- the verbs ------------------------------------------------------------------------------------------------
     def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, DecoderState]:
-        """The prompt (left-padded when rows differ in length) through an empty cache. Logits (B, T, V)."""
+        """The prompt (left-padded when rows differ in length) through an empty cache. Logits (B, T, V), or (B, 1, V)
+        from a ``--logits last`` graph: each row's last kept position."""
         attention_mask = np.asarray(attention_mask, dtype=np.int64)
         positions = position_ids_from_mask(attention_mask)
         state = DecoderState(attention_mask, positions[:, -1] + 1, self.empty_cache(input_ids.shape[0]))
@@ -374,6 +391,31 @@ class OnnxDecoder:
         if not new_tokens:
             return input_ids
         return np.concatenate([input_ids, np.stack(new_tokens, axis=1)], axis=1)
+
+
+def all_positions_model(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A ``--logits last`` graph with its selection of the last position left out: the head reads every position
+    and ``logits`` is (B, T, V), as from ``--logits all``; every other node is the shipped graph's. The weights stay
+    where the model's external data says (load the result with its folder named, as ``OnnxDecoder`` does)."""
+    prefix = f"/lm_head/{LAST_POSITION_SCOPE}/"
+    selection = [node for node in model.graph.node if node.name.startswith(prefix)]
+    picks = [node for node in selection if node.op_type == "GatherElements"]
+    if len(picks) != 1:
+        raise ThinkerError(f"a --logits last graph without its {prefix}GatherElements; export the model again")
+    hidden, picked = picks[0].input[0], picks[0].output[0]
+    full = onnx.ModelProto()
+    full.CopyFrom(model)
+    del full.graph.node[:]
+    for node in model.graph.node:
+        if node.name.startswith(prefix):
+            continue
+        copy = full.graph.node.add()
+        copy.CopyFrom(node)
+        copy.input[:] = [hidden if name == picked else name for name in node.input]
+    positions = full.graph.output[0].type.tensor_type.shape.dim[1]
+    positions.Clear()
+    positions.dim_param = "sequence_length"
+    return full
 
 
 def position_ids_from_mask(attention_mask: np.ndarray) -> np.ndarray:

@@ -64,8 +64,9 @@ def compare_decoders(
     steps: int = DECODE_STEPS,
     on_step: Callable[[], object] | None = None,
 ) -> dict:
-    """Prefill + ``steps`` decode steps in PyTorch and onnxruntime; figures over every kept position. ``on_step``
-    is called after the prefill and after each decode step (a progress bar's ``update``)."""
+    """Prefill + ``steps`` decode steps in PyTorch and onnxruntime; figures over every kept position (of a
+    ``--logits last`` graph's prefill: each row's last kept position, all it gives). ``on_step`` is called after the
+    prefill and after each decode step (a progress bar's ``update``)."""
     on_step = on_step or (lambda: None)
     agreement = Agreement()
     mask = torch.from_numpy(attention_mask)
@@ -73,8 +74,15 @@ def compare_decoders(
     out = model(input_ids=torch.from_numpy(input_ids), attention_mask=mask, position_ids=positions, use_cache=True)
     reference = out.logits.float().numpy()
     candidate, state = decoder.prefill(input_ids, attention_mask)
-    kept = attention_mask.astype(bool)
-    agreement.add(reference[kept], candidate[kept])
+    if decoder.last_logits_only:
+        rows = np.arange(len(attention_mask))
+        agreement.add(reference[rows, last_kept_positions(attention_mask)], candidate[:, 0])
+        # Left padding puts every row's last token in the last slot; onnxruntime-genai pads on the right, where
+        # only the mask tells a row's last token from its pads: the same rows padded so, prefill only.
+        add_right_padded_prefill(agreement, model, decoder, input_ids, attention_mask)
+    else:
+        kept = attention_mask.astype(bool)
+        agreement.add(reference[kept], candidate[kept])
     on_step()
 
     past, next_position = out.past_key_values, positions[:, -1:] + 1
@@ -93,6 +101,30 @@ def compare_decoders(
         past, next_position, token = out.past_key_values, next_position + 1, reference.argmax(-1)
         on_step()
     return {"batch": int(input_ids.shape[0]), "decode_steps": steps, **agreement.figures()}
+
+
+def add_right_padded_prefill(
+    agreement: Agreement,
+    model: torch.nn.Module,
+    decoder: OnnxDecoder,
+    input_ids: np.ndarray,
+    attention_mask: np.ndarray,
+) -> None:
+    """The left-padded batch's rows padded on the right instead, prefilled by both: each row's last real token's
+    logits (what a ``--logits last`` graph gives) into ``agreement``."""
+    order = np.argsort(1 - attention_mask, axis=1, kind="stable")  # each row's kept slots first, in order
+    ids, mask = np.take_along_axis(input_ids, order, 1), np.take_along_axis(attention_mask, order, 1)
+    positions = torch.from_numpy(position_ids_from_mask(mask))
+    out = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), position_ids=positions)
+    rows = np.arange(len(mask))
+    reference = out.logits.float().numpy()[rows, last_kept_positions(mask)]
+    agreement.add(reference, decoder.prefill(ids, mask)[0][:, 0])
+
+
+def last_kept_positions(attention_mask: np.ndarray) -> np.ndarray:
+    """Each row's last position the mask keeps (0 for a row that keeps none), as a ``--logits last`` graph picks."""
+    numbered = attention_mask * np.arange(1, attention_mask.shape[1] + 1)
+    return np.maximum(numbered.max(axis=1) - 1, 0)
 
 
 def verify_export(

@@ -120,24 +120,40 @@ def thinker_variant(tmp_path_factory) -> Callable[..., Path]:
 @pytest.fixture(scope="session")
 def onnx_variant(tmp_path_factory, thinker_variant) -> Callable[..., Path]:
     """``onnx_variant(family, dtype="float32", graph="fused", quantize=None, head_dim=FUSED_HEAD_DIM, positions=None,
-    **overrides)`` -> the (unverified) export of ``thinker_variant(family, head_dim=..., **overrides)``; ``quantize``
-    is a ``QuantizeSpec``; ``head_dim=None`` keeps the family's own; ``positions`` is ``--positions``. Made once per
-    session."""
+    logits=None, **overrides)`` -> the (unverified) export of ``thinker_variant(family, head_dim=..., **overrides)``;
+    ``quantize`` is a ``QuantizeSpec``; ``head_dim=None`` keeps the family's own; ``positions`` and ``logits`` are
+    ``--positions`` and ``--logits``. Made once per session."""
     from export.exporter import export_model
 
     root = tmp_path_factory.mktemp("onnx-variant")
     cache: dict[tuple, Path] = {}
 
     def get(
-        family: str, dtype="float32", graph="fused", quantize=None, head_dim=FUSED_HEAD_DIM, positions=None, **overrides
+        family: str,
+        dtype="float32",
+        graph="fused",
+        quantize=None,
+        head_dim=FUSED_HEAD_DIM,
+        positions=None,
+        logits=None,
+        **overrides,
     ) -> Path:
         if head_dim is not None:
             overrides["head_dim"] = head_dim
-        key = (family, dtype, graph, quantize, positions, tuple(sorted(overrides.items())))
+        key = (family, dtype, graph, quantize, positions, logits, tuple(sorted(overrides.items())))
         if key not in cache:
             output = root / f"{family}-{dtype}-{graph}-{len(cache)}"
             folder = thinker_variant(family, **overrides)
-            export_model(folder, output, dtype=dtype, graph=graph, quantize=quantize, verify=False, positions=positions)
+            export_model(
+                folder,
+                output,
+                dtype=dtype,
+                graph=graph,
+                quantize=quantize,
+                verify=False,
+                positions=positions,
+                logits=logits,
+            )
             cache[key] = output
         return cache[key]
 

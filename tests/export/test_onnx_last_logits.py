@@ -1,0 +1,153 @@
+"""``--logits last``: the graph gives each row's last kept new position's logits, (B, 1, V), and its head multiplies
+one position rather than T. Its logits are the every-position graph's at that position, bit for bit, whether the
+batch is padded on the left (ours) or on the right (onnxruntime-genai's); genai takes them as they are; the export's
+checks read every position from the graph with its selection left out; and verify catches a selection that takes
+the last slot instead of the last real token (the model builder's ``prune_lm_head``, which genai's right padding
+defeats)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from common.errors import ThinkerError
+from common.parity_inputs import parity_batch
+from export.decoder_graph import DecoderGraph
+from export.exporter import export_model
+from export.quantize import QuantizeSpec
+from export.quantized_verify import QualityGate
+from export.runtime import OnnxDecoder, all_positions_model
+from export.verify import last_kept_positions
+
+GENAI_SCRIPT = Path(__file__).with_name("genai_greedy.py")
+CASES = [
+    ("qwen3", "fused", 16),
+    ("qwen3", "plain", 16),
+    ("qwen3_moe", "fused", 16),
+    ("gpt2", "plain", None),  # learned positions, a head with a bias
+    ("qwen3_5", "fused", None),  # hybrid: linear-attention states
+    ("qwen3_next", "plain", None),
+]
+PROMPTS = [[5, 9, 17, 33, 4, 21, 8, 7], [11, 12, 13]]
+
+
+def right_padded(input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    order = np.argsort(1 - attention_mask, axis=1, kind="stable")
+    return np.take_along_axis(input_ids, order, 1), np.take_along_axis(attention_mask, order, 1)
+
+
+@pytest.mark.parametrize(("family", "graph", "head_dim"), CASES)
+def test_last_logits_are_the_every_position_logits_at_each_rows_last_token(family, graph, head_dim, onnx_variant):
+    every = OnnxDecoder(onnx_variant(family, graph=graph, head_dim=head_dim), provider="cpu")
+    folder = onnx_variant(family, graph=graph, head_dim=head_dim, logits="last")
+    last = OnnxDecoder(folder, provider="cpu")
+    assert last.last_logits_only and not every.last_logits_only
+    assert json.loads((folder / "export_report.json").read_text())["logits"] == "last"
+    left = parity_batch(96)
+    for ids, mask in (left, right_padded(*left)):
+        rows = np.arange(len(ids))
+        full, full_state = every.prefill(ids, mask)
+        picked, picked_state = last.prefill(ids, mask)
+        assert picked.shape == (len(ids), 1, full.shape[-1])
+        np.testing.assert_array_equal(picked[:, 0], full[rows, last_kept_positions(mask)])
+    token = full[:, -1].argmax(-1)  # the left-padded batch's decode steps (the right-padded one's last slot is a pad)
+    every_state, last_state = every.prefill(*left)[1], last.prefill(*left)[1]
+    for _ in range(3):
+        step_full = every.decode_one_token(token, every_state)
+        np.testing.assert_array_equal(last.decode_one_token(token, last_state), step_full)
+        token = step_full.argmax(-1)
+    # the export's checks read every position from the same file, with the selection left out
+    twin = OnnxDecoder(folder, provider="cpu", all_positions=True)
+    np.testing.assert_array_equal(twin.prefill(*left)[0], every.prefill(*left)[0])
+    del full_state, picked_state
+
+
+def test_all_positions_model_needs_the_selection(onnx_variant):
+    every = onnx.load(onnx_variant("qwen3", graph="plain") / "model.onnx", load_external_data=False)
+    with pytest.raises(ThinkerError, match="without its /lm_head/last_position/GatherElements; export the model again"):
+        all_positions_model(every)
+    last = onnx.load(onnx_variant("qwen3", graph="plain", logits="last") / "model.onnx", load_external_data=False)
+    full = all_positions_model(last)
+    assert not any(node.name.startswith("/lm_head/last_position/") for node in full.graph.node)
+    assert full.graph.output[0].type.tensor_type.shape.dim[1].dim_param == "sequence_length"
+    assert len(full.graph.node) == len(every.graph.node)  # the every-position graph again, node for node
+
+
+def test_verify_fails_on_a_selection_that_takes_the_last_slot(thinker_variant, tmp_path, monkeypatch):
+    """The builder's prune_lm_head takes the last slot: right for left-padded prompts and decode steps, a pad's
+    logits for a right-padded row. Verify's left-padded batch cannot see it; its right-padded prefill does."""
+    folder = thinker_variant("qwen3", head_dim=16)
+    assert export_model(folder, tmp_path / "ok", logits="last", progress=False)["verify"]["passed"]
+
+    def last_slot(self, hidden, input_ids, attention_mask):
+        return self.b.op("Gather", hidden, self.b.const([-1]), axis=1)
+
+    monkeypatch.setattr(DecoderGraph, "emit_last_position", last_slot)
+    monkeypatch.setattr(
+        "export.runtime.all_positions_model", lambda model: pytest.fail("not needed by a float export's verify")
+    )
+    with pytest.raises(ThinkerError, match=r"max \|Δlogit\|"):
+        export_model(folder, tmp_path / "planted", logits="last", progress=False)
+    assert not (tmp_path / "planted").exists()
+
+
+def test_quantized_checks_read_every_position(thinker_variant, tmp_path):
+    """The accuracy guard and the quantization cost score a paragraph at every position: a --logits last export
+    gets the same figures as the every-position one, and its parity check covers the selection."""
+    folder = thinker_variant("qwen3", head_dim=16, vocab_size=512)
+    spec = QuantizeSpec(bits=4, block_size=16, accuracy_level=4)
+    gate = QualityGate(0.0, 1e9)  # random weights: only the equality of the figures is asked here
+    reports = {
+        logits: export_model(
+            folder, tmp_path / logits, quantize=spec, quality=gate, accuracy_guard=0.9, logits=logits, progress=False
+        )
+        for logits in ("all", "last")
+    }
+    for key in ("agreement_before", "agreement", "moved_to_level_1"):
+        assert reports["last"]["accuracy_guard"][key] == reports["all"]["accuracy_guard"][key], key
+    cost_all, cost_last = reports["all"]["verify"]["cost"], reports["last"]["verify"]["cost"]
+    for key in ("top1_agreement", "perplexity_change"):
+        assert cost_last[key] == pytest.approx(cost_all[key], abs=1e-6), key
+    assert reports["last"]["verify"]["passed"] and reports["last"]["verify"]["graph"]["positions"] == 16
+
+
+def test_genai_takes_the_last_logits_as_they_are(genai_python, thinker_variant, onnx_variant):
+    """onnxruntime-genai sees the static 1 and skips its own slicing: a batch of unequal prompts, which it pads on
+    the right, gives each row transformers' greedy tokens for that row alone."""
+    from thinker import ThinkerForCausalLM
+
+    new_tokens = 8
+    variants = [("qwen3", "fused", 16, None), ("qwen3", "plain", 16, None), ("qwen3_5", "fused", None, "text")]
+    cases = [
+        {"folder": str(onnx_variant(f, graph=g, head_dim=h, positions=p, logits="last")), "prompts": PROMPTS}
+        for f, g, h, p in variants
+    ]
+    for case in cases:
+        case["max_new_tokens"] = new_tokens
+    done = subprocess.run(
+        [str(genai_python), str(GENAI_SCRIPT)], input=json.dumps(cases), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for (family, _, head_dim, _), rows in zip(variants, json.loads(done.stdout), strict=True):
+        overrides = {"head_dim": head_dim} if head_dim else {}
+        model = ThinkerForCausalLM.from_pretrained(thinker_variant(family, **overrides)).eval()
+        eos = model.config.eos_token_id
+        for prompt, row in zip(PROMPTS, rows, strict=True):
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                out = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=new_tokens,
+                    do_sample=False,
+                    eos_token_id=None,
+                )
+            expected = out[0, len(prompt) :].tolist()
+            expected = expected[: expected.index(eos)] if eos in expected else expected
+            assert (row[: row.index(eos)] if eos in row else row) == expected, f"{family}: {prompt}"
