@@ -44,6 +44,28 @@ def test_export_then_generate(runner, thinker_folder, tmp_path):
     assert "onnxruntime (cpu)" in onnx_run.stderr and "transformers" in torch_run.stderr
 
 
+def test_export_logits_last_then_generate(runner, thinker_folder, tmp_path):
+    """--logits last from the command line: the report and the graph say so, --verify passes, and `thinker generate`
+    on it writes what transformers writes."""
+    import onnx
+
+    source = thinker_folder("qwen3")
+    output = tmp_path / "onnx"
+    result = runner.invoke(main, ["export", str(source), str(output), "--logits", "last"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((output / "export_report.json").read_text())
+    assert report["logits"] == "last" and report["verify"]["passed"] is True
+    logits = onnx.load(output / "model.onnx", load_external_data=False).graph.output[0]
+    assert [d.dim_value or d.dim_param for d in logits.type.tensor_type.shape.dim][1] == 1
+    prompt = ["--prompt", "the cat sat on the mat", "--max-new-tokens", "6"]
+    onnx_run = runner.invoke(main, ["generate", str(output), *prompt])
+    torch_run = runner.invoke(main, ["generate", str(source), *prompt])
+    assert onnx_run.exit_code == 0, onnx_run.output
+    assert onnx_run.stdout.strip() and onnx_run.stdout == torch_run.stdout
+    bad = runner.invoke(main, ["export", str(source), str(tmp_path / "bad"), "--logits", "first"])
+    assert bad.exit_code == 2 and "'first' is not one of 'all', 'last'" in bad.output
+
+
 def test_export_converts_a_source_on_the_way(runner, tmp_path):
     """A transformers Qwen3 folder (not a Thinker folder) is converted by thinker-convert, then exported."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
