@@ -45,7 +45,8 @@ PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x
 # What the device's image lacks or holds too old (its package list: /work/.library/device/KINDS.md), pinned to
 # the versions this machine runs so that the figures come from the code the suite tests. Installed with --no-deps:
 # everything they need beyond these the image has (torch, numpy, onnx, tokenizers, huggingface_hub, ...).
-PACKAGES = ["onnxruntime-gpu", "transformers", "onnx-ir", "gguf", "parameterized"]
+# regex: transformers 5.23 asks for a release newer than the image may hold (its version is not listed there).
+PACKAGES = ["onnxruntime-gpu", "transformers", "regex", "onnx-ir", "gguf", "parameterized"]
 GENAI_CUDA = ("onnxruntime-genai-cuda", "onnxruntime-genai")  # the CUDA build, at the CPU build's version here
 # The files that hold tests marked gpu (tests/test_gpu_kit.py keeps the list whole). Named rather than collected
 # from tests/: collecting the transformers conformance suite fetches transformers' tests, which the device cannot.

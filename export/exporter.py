@@ -34,7 +34,7 @@ from thinker.configuration_thinker import ThinkerConfig
 from .contrib_schemas import register_onnxruntime_schemas
 from .decoder_graph import IR_VERSION, OPSET, DecoderGraph, make_model, not_exported, position_form
 from .folder_check import check_thinker_folder
-from .genai_config import make_genai_config, no_eos_note, positions_note
+from .genai_config import logits_note, make_genai_config, no_eos_note, positions_note
 from .graph_builder import GraphBuilder, WeightFile
 from .names import (
     DATA_FILE,
@@ -144,7 +144,11 @@ def export_model(
             "export_seconds": round(time.perf_counter() - started, 3),
             "verify": None,
             "versions": versions(),
-            "notes": [note for note in (no_eos_note(config, generation_config), positions_note(positions)) if note],
+            "notes": [
+                note
+                for note in (no_eos_note(config, generation_config), positions_note(positions), logits_note(logits))
+                if note
+            ],
         }
         if verify and quantize:
             from .quantized_verify import verify_quantized_export

@@ -52,6 +52,16 @@ def positions_note(positions: str) -> str | None:
     )
 
 
+def logits_note(logits: str) -> str | None:
+    """What the export tells a user of ``--logits last`` about the runtimes that read it."""
+    if logits != "last":
+        return None
+    return (
+        "logits are [batch, 1, vocab] (each row's last kept position): onnxruntime-genai reads them from 0.12.2 on "
+        "and older releases fail on them; export with --logits all (the default) to score every position of a text"
+    )
+
+
 # onnxruntime-genai 0.18's multimodal position code (the qwen3_5 types) scans each prompt for these ids and wants image
 # grids for the spans they open. The exported decoder takes token ids only (images reach a model as embeddings, which
 # it has no input for), so no token opens a span: -1 matches none. Left unset they default to 0, which is also our

@@ -55,6 +55,7 @@ def test_export_logits_last_then_generate(runner, thinker_folder, tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads((output / "export_report.json").read_text())
     assert report["logits"] == "last" and report["verify"]["passed"] is True
+    assert "note: logits are [batch, 1, vocab]" in result.output and "from 0.12.2 on" in result.output
     logits = onnx.load(output / "model.onnx", load_external_data=False).graph.output[0]
     assert [d.dim_value or d.dim_param for d in logits.type.tensor_type.shape.dim][1] == 1
     prompt = ["--prompt", "the cat sat on the mat", "--max-new-tokens", "6"]
