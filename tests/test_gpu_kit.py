@@ -108,6 +108,9 @@ def test_the_plan_carries_the_manifest_and_one_part_per_call(kit_sources, tmp_pa
     assert all(call["carry"][0] == ".gpukit-test-plan/manifest.json" for call in part_calls)
     assert all(call["command"].startswith("python3 bench/gpu_kit.py receive") for call in part_calls)
     assert "install" in part_calls[-1]["command"] and "install" not in part_calls[0]["command"]
+    assert part_calls[-1]["command"].endswith(
+        "install && { python3 bench/gpu_kit.py run probe; python3 bench/gpu_kit.py run tests; }"
+    )
     assert [call["command"].split()[-1] for call in calls[len(part_calls) :]] == ["--exports-only", "--reuse-exports"]
 
 
