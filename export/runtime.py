@@ -211,7 +211,10 @@ class OnnxDecoder:
         model = check_external_data(self.model_path)
         graph = model.graph
         # --logits last: the logits output's position axis is a static 1 (each row's last kept position)
-        self.last_logits_only = graph.output[0].type.tensor_type.shape.dim[1].dim_value == 1
+        logits = next((o for o in graph.output if o.name == "logits"), None)
+        if logits is None:
+            raise ThinkerError(f"{self.model_path}: no logits output; export the model with `thinker export`")
+        self.last_logits_only = [d.dim_value for d in logits.type.tensor_type.shape.dim][1:2] == [1]
         # onnxruntime's GroupQueryAttention (the fused graph) takes several new tokens after a non-empty cache at
         # batch 1 only; ``forward`` refuses the other case by name rather than with the kernel's error.
         self.chunks_need_batch_1 = any(node.op_type == "GroupQueryAttention" for node in graph.node)

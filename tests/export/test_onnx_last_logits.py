@@ -50,14 +50,12 @@ def test_last_logits_are_the_every_position_logits_at_each_rows_last_token(famil
     assert last.last_logits_only and not every.last_logits_only
     assert json.loads((folder / "export_report.json").read_text())["logits"] == "last"
     left = parity_batch(96)
-    for ids, mask in (left, right_padded(*left)):
-        rows = np.arange(len(ids))
-        full, full_state = every.prefill(ids, mask)
-        picked, picked_state = last.prefill(ids, mask)
+    for ids, mask in (right_padded(*left), left):  # the left-padded batch last: its states go on decoding
+        full, every_state = every.prefill(ids, mask)
+        picked, last_state = last.prefill(ids, mask)
         assert picked.shape == (len(ids), 1, full.shape[-1])
-        np.testing.assert_array_equal(picked[:, 0], full[rows, last_kept_positions(mask)])
-    token = full[:, -1].argmax(-1)  # the left-padded batch's decode steps (the right-padded one's last slot is a pad)
-    every_state, last_state = every.prefill(*left)[1], last.prefill(*left)[1]
+        np.testing.assert_array_equal(picked[:, 0], full[np.arange(len(ids)), last_kept_positions(mask)])
+    token = full[:, -1].argmax(-1)
     for _ in range(3):
         step_full = every.decode_one_token(token, every_state)
         np.testing.assert_array_equal(last.decode_one_token(token, last_state), step_full)
@@ -65,7 +63,6 @@ def test_last_logits_are_the_every_position_logits_at_each_rows_last_token(famil
     # the export's checks read every position from the same file, with the selection left out
     twin = OnnxDecoder(folder, provider="cpu", all_positions=True)
     np.testing.assert_array_equal(twin.prefill(*left)[0], every.prefill(*left)[0])
-    del full_state, picked_state
 
 
 def test_all_positions_model_needs_the_selection(onnx_variant):
@@ -151,3 +148,14 @@ def test_genai_takes_the_last_logits_as_they_are(genai_python, thinker_variant, 
             expected = out[0, len(prompt) :].tolist()
             expected = expected[: expected.index(eos)] if eos in expected else expected
             assert (row[: row.index(eos)] if eos in row else row) == expected, f"{family}: {prompt}"
+
+
+def test_a_graph_without_logits_is_refused_by_name(tmp_path):
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
+    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "no_logits", [x], [y])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10), tmp_path / "m.onnx")
+    with pytest.raises(ThinkerError, match=r"m\.onnx: no logits output; export the model with `thinker export`"):
+        OnnxDecoder(tmp_path / "m.onnx", provider="cpu")
