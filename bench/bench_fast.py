@@ -42,7 +42,7 @@ import models  # noqa: E402
 import report  # noqa: E402
 from bandwidth import read_bandwidth, weight_bytes_per_token  # noqa: E402
 from peer_envs import package_versions  # noqa: E402
-from workers import Runtime, interleave_fresh, started, summary  # noqa: E402
+from workers import Runtime, interleave_fresh, runtime_entry, started  # noqa: E402
 
 RESULTS = Path(__file__).with_name("results")
 FP32_ORT = ["ours-fused", "ours-fused-last", "ours-plain", "builder-fp32", "optimum-fp32"]
@@ -89,12 +89,7 @@ def measure_speed(model_results: dict, folders: dict, args) -> None:
     requests = [{"op": "generate", "batch": b, "prompt": args.prompt, "new": args.new} for b in args.batches]
     for runtimes in runtime_groups(args.groups):
         interleave_fresh(runtimes, folders, args.threads, requests, args.reps)
-        for runtime in runtimes:
-            entry = {"label": runtime.label, "graph": runtime.graph, "backend": runtime.backend}
-            entry["builder_peer"] = runtime.builder_peer
-            for request in requests:
-                entry[f"batch{request['batch']}"] = summary(runtime, request)
-            model_results["runtimes"].append(entry)
+        model_results["runtimes"] += [runtime_entry(runtime, requests) for runtime in runtimes]
 
 
 def add_limits_and_checks(model_results: dict, bandwidth: float) -> None:

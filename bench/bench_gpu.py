@@ -44,7 +44,7 @@ import models  # noqa: E402
 import report  # noqa: E402
 from bandwidth import read_bandwidth, weight_bytes_per_token  # noqa: E402
 from peer_envs import package_versions  # noqa: E402
-from workers import Runtime, interleave_fresh, summary  # noqa: E402
+from workers import Runtime, interleave_fresh, runtime_entry  # noqa: E402
 
 RESULTS = Path(__file__).with_name("results")
 GIB = 2**30
@@ -146,17 +146,12 @@ def measure(groups: list[list[Runtime]], folders: dict[str, Path], args) -> list
             print(f"  group failed: {err}", file=sys.stderr)
             entries += [{"label": r.label, "graph": r.graph, "error": str(err)[-1500:]} for r in runnable]
             continue
-        for runtime in runnable:
-            entry = {"label": runtime.label, "graph": runtime.graph, "backend": runtime.backend}
-            entry["builder_peer"] = runtime.builder_peer
-            for request in requests:
-                entry[f"batch{request['batch']}"] = summary(runtime, request)
-            entries.append(entry)
+        entries += [runtime_entry(runtime, requests) for runtime in runnable]
     return entries
 
 
 def add_limits(results: dict) -> None:
-    """Batch-1 decode as a share of the bandwidth limit, and ours against transformers eager."""
+    """Batch-1 decode as a share of the bandwidth limit (eager's against the float16 weights ours reads)."""
     per_token, bandwidth = results["bytes_per_token"], results["bandwidth"]["bytes_per_s"]
     ours = EXPORTS[results["provider"]][0]
     for runtime in results["runtimes"]:

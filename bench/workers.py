@@ -96,6 +96,15 @@ def interleave_fresh(
                     worker.runtime.results.setdefault(json.dumps(request, sort_keys=True), []).append(reply)
 
 
+def runtime_entry(runtime: Runtime, requests: list[dict]) -> dict:
+    """A runtime's row of the results: what it is, and ``summary`` of each request under ``batch<B>``."""
+    entry = {"label": runtime.label, "graph": runtime.graph, "backend": runtime.backend}
+    entry["builder_peer"] = runtime.builder_peer
+    for request in requests:
+        entry[f"batch{request['batch']}"] = summary(runtime, request)
+    return entry
+
+
 def summary(runtime: Runtime, request: dict) -> dict | None:
     """Medians over the repetitions of a ``generate`` request: prefill seconds, decode tokens/s per sequence and
     for the whole batch, row 0's greedy tokens."""

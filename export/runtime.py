@@ -401,8 +401,7 @@ def all_positions_model(model: onnx.ModelProto) -> onnx.ModelProto:
     and ``logits`` is (B, T, V), as from ``--logits all``; every other node is the shipped graph's. The weights stay
     where the model's external data says (load the result with its folder named, as ``OnnxDecoder`` does)."""
     prefix = f"/lm_head/{LAST_POSITION_SCOPE}/"
-    selection = [node for node in model.graph.node if node.name.startswith(prefix)]
-    picks = [node for node in selection if node.op_type == "GatherElements"]
+    picks = [node for node in model.graph.node if node.name.startswith(prefix) and node.op_type == "GatherElements"]
     if len(picks) != 1:
         raise ThinkerError(f"a --logits last graph without its {prefix}GatherElements; export the model again")
     hidden, picked = picks[0].input[0], picks[0].output[0]

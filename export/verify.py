@@ -75,8 +75,7 @@ def compare_decoders(
     reference = out.logits.float().numpy()
     candidate, state = decoder.prefill(input_ids, attention_mask)
     if decoder.last_logits_only:
-        rows = np.arange(len(attention_mask))
-        agreement.add(reference[rows, last_kept_positions(attention_mask)], candidate[:, 0])
+        agreement.add(at_last_kept(reference, attention_mask), candidate[:, 0])
         # Left padding puts every row's last token in the last slot; onnxruntime-genai pads on the right, where
         # only the mask tells a row's last token from its pads: the same rows padded so, prefill only.
         add_right_padded_prefill(agreement, model, decoder, input_ids, attention_mask)
@@ -112,19 +111,23 @@ def add_right_padded_prefill(
 ) -> None:
     """The left-padded batch's rows padded on the right instead, prefilled by both: each row's last real token's
     logits (what a ``--logits last`` graph gives) into ``agreement``."""
-    order = np.argsort(1 - attention_mask, axis=1, kind="stable")  # each row's kept slots first, in order
-    ids, mask = np.take_along_axis(input_ids, order, 1), np.take_along_axis(attention_mask, order, 1)
+    ids, mask = right_padded(input_ids, attention_mask)
     positions = torch.from_numpy(position_ids_from_mask(mask))
     out = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), position_ids=positions)
-    rows = np.arange(len(mask))
-    reference = out.logits.float().numpy()[rows, last_kept_positions(mask)]
-    agreement.add(reference, decoder.prefill(ids, mask)[0][:, 0])
+    agreement.add(at_last_kept(out.logits.float().numpy(), mask), decoder.prefill(ids, mask)[0][:, 0])
 
 
-def last_kept_positions(attention_mask: np.ndarray) -> np.ndarray:
-    """Each row's last position the mask keeps (0 for a row that keeps none), as a ``--logits last`` graph picks."""
+def right_padded(input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The same rows with their kept slots moved to the front, in order: padded on the right instead."""
+    order = np.argsort(1 - attention_mask, axis=1, kind="stable")
+    return np.take_along_axis(input_ids, order, 1), np.take_along_axis(attention_mask, order, 1)
+
+
+def at_last_kept(logits: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+    """(B, V): each row of (B, T, V) ``logits`` at its last position the mask keeps (0 for a row that keeps none),
+    the position a ``--logits last`` graph picks."""
     numbered = attention_mask * np.arange(1, attention_mask.shape[1] + 1)
-    return np.maximum(numbered.max(axis=1) - 1, 0)
+    return logits[np.arange(len(logits)), np.maximum(numbered.max(axis=1) - 1, 0)]
 
 
 def verify_export(

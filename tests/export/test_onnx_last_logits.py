@@ -23,7 +23,7 @@ from export.exporter import export_model
 from export.quantize import QuantizeSpec
 from export.quantized_verify import QualityGate
 from export.runtime import OnnxDecoder, all_positions_model
-from export.verify import last_kept_positions
+from export.verify import at_last_kept, right_padded
 
 GENAI_SCRIPT = Path(__file__).with_name("genai_greedy.py")
 CASES = [
@@ -35,11 +35,6 @@ CASES = [
     ("qwen3_next", "plain", None),
 ]
 PROMPTS = [[5, 9, 17, 33, 4, 21, 8, 7], [11, 12, 13]]
-
-
-def right_padded(input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    order = np.argsort(1 - attention_mask, axis=1, kind="stable")
-    return np.take_along_axis(input_ids, order, 1), np.take_along_axis(attention_mask, order, 1)
 
 
 @pytest.mark.parametrize(("family", "graph", "head_dim"), CASES)
@@ -54,7 +49,7 @@ def test_last_logits_are_the_every_position_logits_at_each_rows_last_token(famil
         full, every_state = every.prefill(ids, mask)
         picked, last_state = last.prefill(ids, mask)
         assert picked.shape == (len(ids), 1, full.shape[-1])
-        np.testing.assert_array_equal(picked[:, 0], full[np.arange(len(ids)), last_kept_positions(mask)])
+        np.testing.assert_array_equal(picked[:, 0], at_last_kept(full, mask))
     token = full[:, -1].argmax(-1)
     for _ in range(3):
         step_full = every.decode_one_token(token, every_state)
