@@ -98,7 +98,7 @@ class TorchRunner:
     def _run(self, hidden: np.ndarray) -> float:
         x = torch.from_numpy(hidden)
         started = time.perf_counter()
-        self.module(x, cache_params=self.cache)
+        self.module(x, self.cache)  # the cache's keyword changed name in transformers 5.24
         return time.perf_counter() - started
 
 

@@ -32,6 +32,7 @@ import transformers
 from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
 from thinker import ThinkerConfig, ThinkerForCausalLM
+from thinker.modeling_thinker import CACHE_ARG
 from thinker.presets import load_preset
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -140,7 +141,7 @@ def decode_step(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], torch
 
     A recurrent state cannot be cropped back, so a stateful (hybrid) model's step runs on a fresh copy of the
     prompt's cache, made before the clock starts (``timed`` calls ``prepare`` first, untimed)."""
-    prompt_cache = model(ids, use_cache=True).past_key_values
+    prompt_cache = getattr(model(ids, use_cache=True), CACHE_ARG)
     token, position = ids[:, -1:], torch.tensor([[ids.shape[1]]])
     cache = prompt_cache
 
@@ -149,7 +150,7 @@ def decode_step(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], torch
         cache = copy.deepcopy(prompt_cache)
 
     def step() -> torch.Tensor:
-        logits = model(token, past_key_values=cache, position_ids=position, use_cache=True, logits_to_keep=1).logits
+        logits = model(token, position_ids=position, use_cache=True, logits_to_keep=1, **{CACHE_ARG: cache}).logits
         if not model._is_stateful:
             cache.crop(-1)
         return logits

@@ -31,6 +31,7 @@ from common.errors import ThinkerError
 from common.parity_inputs import RELATIVE_TOLERANCE, fixed_prompts, left_padded
 from common.sizes import parse_size
 from thinker import ThinkerForCausalLM
+from thinker.modeling_thinker import CACHE_ARG
 
 from .parity_report import (
     BY_LAYER,
@@ -121,14 +122,10 @@ def run_prompts(model: PreTrainedModel, prompts: list[list[int]], steps: int = G
     while len(tokens) < steps:
         step = tokens[-1][:, None]  # (B, 1)
         mask = torch.cat([mask, torch.ones_like(step)], dim=1)
-        if output.past_key_values is not None:
+        if (cache := getattr(output, CACHE_ARG)) is not None:
             positions = positions[:, -1:] + 1
             output = model(
-                input_ids=step,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=output.past_key_values,
-                use_cache=True,
+                input_ids=step, attention_mask=mask, position_ids=positions, use_cache=True, **{CACHE_ARG: cache}
             )
         else:
             ids, positions = torch.cat([ids, step], dim=1), torch.cat([positions, positions[:, -1:] + 1], dim=1)

@@ -17,6 +17,7 @@ import torch
 
 from common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
 from common.progress import progress_bar
+from thinker.modeling_thinker import CACHE_ARG
 
 from .runtime import OnnxDecoder, cuda_usable, position_ids_from_mask
 
@@ -84,7 +85,7 @@ def compare_decoders(
         agreement.add(reference[kept], candidate[kept])
     on_step()
 
-    past, next_position = out.past_key_values, positions[:, -1:] + 1
+    past, next_position = getattr(out, CACHE_ARG), positions[:, -1:] + 1
     token = reference[:, -1].argmax(-1)
     for _ in range(steps):
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
@@ -92,12 +93,12 @@ def compare_decoders(
             input_ids=torch.from_numpy(token[:, None]),
             attention_mask=mask,
             position_ids=next_position,
-            past_key_values=past,
             use_cache=True,
+            **{CACHE_ARG: past},
         )
         reference = out.logits[:, -1].float().numpy()
         agreement.add(reference, decoder.decode_one_token(token, state))
-        past, next_position, token = out.past_key_values, next_position + 1, reference.argmax(-1)
+        past, next_position, token = getattr(out, CACHE_ARG), next_position + 1, reference.argmax(-1)
         on_step()
     return {"batch": int(input_ids.shape[0]), "decode_steps": steps, **agreement.figures()}
 

@@ -38,6 +38,7 @@ from transformers_suite import common_tests
 
 from thinker import ThinkerConfig
 from thinker.modeling_thinker import (
+    CACHE_ARG,
     ThinkerExperts,
     ThinkerForCausalLM,
     ThinkerForQuestionAnswering,
@@ -241,10 +242,10 @@ class ThinkerGenerationChecks:
         cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 6)
         # The first decode step compiles; the other steps, and a second prompt of the same shape, must reuse it.
         with torch._dynamo.config.patch(error_on_recompile=True):
-            compiled = model.generate(ids, **greedy, past_key_values=cache, compile_config=compile_config)
+            compiled = model.generate(ids, **greedy, compile_config=compile_config, **{CACHE_ARG: cache})
             self.assertTrue(hasattr(model, "_compiled_call"), "generate() did not compile the decoding step")
             cache.reset()
-            again = model.generate(ids.flip(-1), **greedy, past_key_values=cache, compile_config=compile_config)
+            again = model.generate(ids.flip(-1), **greedy, compile_config=compile_config, **{CACHE_ARG: cache})
         self.assertTrue(torch.equal(compiled, expected))
         self.assertTrue(torch.equal(again, model.generate(ids.flip(-1), **greedy)))
 

@@ -84,7 +84,7 @@ class ThinkerConfig(PreTrainedConfig):
     """
 
     model_type = "thinker"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]  # the name since transformers 5.24, and before
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),

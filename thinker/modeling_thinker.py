@@ -66,10 +66,32 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_thinker import ThinkerConfig
+
+# transformers 5.24 renamed the cache, as an argument of forward() and the mask builders and as an output field, from
+# ``past_key_values`` to ``cache`` (the old name still works there, with a deprecation warning). The model passes and
+# returns it under the installed version's name, and its forwards take either name, so callers of both eras work.
+CACHE_ARG = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+# From 5.24 the old name is a deprecated alias, renamed with its warning by transformers' own decorator, as its models
+# take it; before, it is the name generate() passes, taken as it is.
+if CACHE_ARG == "cache":
+    takes_old_cache_name = deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+else:
+
+    def takes_old_cache_name(forward: Callable) -> Callable:
+        return forward
+
+
+def either_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | None:
+    """The cache a forward was given, under its transformers 5.24 name or the one before."""
+    if cache is not None and past_key_values is not None:
+        raise ValueError("pass the cache as `cache` or as `past_key_values`, not both")
+    return cache if cache is not None else past_key_values
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # norms
@@ -256,7 +278,7 @@ class ThinkerAttention(nn.Module):
         hidden_states: torch.Tensor,  # (B, T, C)
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
@@ -273,8 +295,8 @@ class ThinkerAttention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hs), (B, n_kv, T, hs)
         if position_embeddings is not None:
             q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)  # (B, n_kv, past + T, hs)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)  # (B, n_kv, past + T, hs)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -347,13 +369,12 @@ class ThinkerGatedDeltaNet(nn.Module):
         self,
         hidden_states: torch.Tensor,  # (B, T, C)
         attention_mask: torch.Tensor | None = None,  # 2-D padding mask (B, T) or None
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         # Padding positions become zeros: with no biases they write nothing into the state (transformers' rule).
         hidden_states = apply_mask_to_padding_states(hidden_states, attention_mask)
         batch, seq, _ = hidden_states.shape
-        cache = past_key_values
         conv_state = cache.get_conv_state(self.layer_idx) if cache is not None else None
         recurrent_state = cache.get_recurrent_state(self.layer_idx) if cache is not None else None
 
@@ -533,21 +554,23 @@ class ThinkerDecoderLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,  # this layer type's mask (4-D additive, or 2-D padding)
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past_key_values: Cache | None = None,  # the name before transformers 5.24, which its checkpointing reads
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
+        cache = either_cache(cache, past_key_values)
         residual = hidden_states
         normed = self.input_layernorm(hidden_states)
         if self.layer_type == "linear_attention":
-            hidden_states = self.linear_attn(normed, attention_mask, past_key_values, **kwargs)
+            hidden_states = self.linear_attn(normed, attention_mask, cache, **kwargs)
         else:
             hidden_states, _ = self.self_attn(
                 normed,
                 position_embeddings=position_embeddings,
                 attention_mask=attention_mask,
-                past_key_values=past_key_values,
+                cache=cache,
                 **kwargs,
             )
         hidden_states = residual + hidden_states
@@ -560,7 +583,7 @@ class ThinkerPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["ThinkerDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -625,29 +648,32 @@ class ThinkerModel(ThinkerPreTrainedModel):
 
     @merge_with_config_defaults
     @capture_outputs
+    @takes_old_cache_name
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        past_key_values: Cache | None = None,  # the cache's name before transformers 5.24
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoeModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, C)
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
-        if self.has_linear_attention and past_key_values is not None and not any(past_key_values.is_linear):
+        cache = either_cache(cache, past_key_values)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        if self.has_linear_attention and cache is not None and not any(cache.is_linear):
             raise ValueError(
                 "this model's linear-attention layers keep conv and recurrent state in the cache: build it with "
                 "DynamicCache(config=model.config)"
             )
         if position_ids is None:
-            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past_seen = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen)[None]
         text_positions, rope_positions = split_position_ids(position_ids)
 
@@ -656,8 +682,8 @@ class ThinkerModel(ThinkerPreTrainedModel):
                 config=self.config,
                 inputs_embeds=inputs_embeds,
                 attention_mask=attention_mask,
-                past_key_values=past_key_values,
                 position_ids=text_positions,
+                **{CACHE_ARG: cache},
             )
             masks = {"full_attention": create_causal_mask(**mask_kwargs)}
             if self.has_linear_attention:
@@ -677,14 +703,13 @@ class ThinkerModel(ThinkerPreTrainedModel):
                 hidden_states,
                 attention_mask=masks[layer.layer_type],
                 position_ids=text_positions,
-                past_key_values=past_key_values,
                 use_cache=use_cache,
                 position_embeddings=position_embeddings,
+                **{CACHE_ARG: cache},  # the name transformers' gradient checkpointing looks for
                 **kwargs,
             )
         return MoeModelOutputWithPast(
-            last_hidden_state=self.norm(hidden_states),
-            past_key_values=past_key_values if use_cache else None,
+            last_hidden_state=self.norm(hidden_states), **{CACHE_ARG: cache if use_cache else None}
         )
 
 
@@ -712,18 +737,20 @@ class ThinkerForCausalLM(ThinkerPreTrainedModel, GenerationMixin):
             self.talker_head = nn.Linear(config.hidden_size, config.talker_head_size, bias=False)
         self.post_init()
 
+    @takes_old_cache_name
     @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         output_router_logits: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: Cache | None = None,  # the cache's name before transformers 5.24
         **kwargs: Unpack[TransformersKwargs],
     ) -> ThinkerCausalLMOutputWithPast:
         if output_router_logits is None:
@@ -732,7 +759,7 @@ class ThinkerForCausalLM(ThinkerPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=either_cache(cache, past_key_values),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_router_logits=output_router_logits,
@@ -758,7 +785,7 @@ class ThinkerForCausalLM(ThinkerPreTrainedModel, GenerationMixin):
             aux_loss=aux_loss,
             logits=logits,
             talker_logits=talker_logits,
-            past_key_values=outputs.past_key_values,
+            **{CACHE_ARG: getattr(outputs, CACHE_ARG)},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             router_logits=outputs.router_logits,

@@ -149,7 +149,7 @@ class TorchLayer:
     @torch.no_grad()
     def step(self, hidden: torch.Tensor, new_mask: np.ndarray | None = None) -> torch.Tensor:
         mask = None if new_mask is None or hidden.shape[1] == 1 else torch.from_numpy(new_mask)
-        return self.module(hidden, cache_params=self.cache, attention_mask=mask)
+        return self.module(hidden, self.cache, mask)  # by position: transformers 5.24 renamed cache_params
 
     def states(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The conv state as ours keeps it (transformers' cache holds one more, never read, column)."""

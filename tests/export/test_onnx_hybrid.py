@@ -29,6 +29,7 @@ from export.linear_attention_graph import FusedGatedDeltaNetGraph, GatedDeltaNet
 from export.quantize import QuantizeSpec, WeightQuantizer
 from export.runtime import DecoderState, OnnxDecoder, position_ids_from_mask
 from export.verify import compare_decoders
+from thinker.modeling_thinker import CACHE_ARG
 
 GRAPHS = ["plain", "fused"]
 VOCAB = 96
@@ -392,16 +393,16 @@ def test_image_prompt_positions_give_pytorch_logits(graph, thinker_variant, onnx
     scale = max(1.0, float(np.abs(reference[kept]).max()))
     np.testing.assert_allclose(ours[kept], reference[kept], atol=1e-4 * scale, rtol=0)
 
-    torch_mask, cache, token = torch.from_numpy(mask), out.past_key_values, reference[:, -1].argmax(-1)
+    torch_mask, cache, token = torch.from_numpy(mask), getattr(out, CACHE_ARG), reference[:, -1].argmax(-1)
     for _ in range(4):
         step = decoder.decode_one_token(token, state)
         torch_mask = torch.cat([torch_mask, torch.ones_like(torch_mask[:, :1])], dim=1)
         position = torch.from_numpy(state.next_position - 1)[:, None]
         with torch.no_grad():
             out = model(torch.from_numpy(token[:, None]), attention_mask=torch_mask, position_ids=position,
-                        past_key_values=cache, use_cache=True)  # fmt: skip
+                        use_cache=True, **{CACHE_ARG: cache})  # fmt: skip
         np.testing.assert_allclose(step, out.logits[:, -1].numpy(), atol=1e-4 * scale, rtol=0)
-        cache, token = out.past_key_values, out.logits[:, -1].numpy().argmax(-1)
+        cache, token = getattr(out, CACHE_ARG), out.logits[:, -1].numpy().argmax(-1)
 
     text_logits, _ = decoder.prefill(ids, mask)  # the same tokens numbered as text
     assert np.abs(text_logits[kept] - reference[kept]).max() > 100 * 1e-4 * scale
