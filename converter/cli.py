@@ -30,11 +30,32 @@ SOURCE is one of:
     the standard cache (only the files a conversion needs); HF_TOKEN,
     HF_ENDPOINT and HF_HUB_OFFLINE are honoured
 
-Supported families: Qwen2 / Qwen2.5, Qwen3, Qwen2-MoE, Qwen3-MoE (per-expert or fused experts), Llama-style,
-GPT-2-style, GGUF files of the llama, qwen2 and qwen3 architectures, the Qwen3-Omni-MoE thinker (its text decoder,
-taken out of the full checkpoint), and two training-script formats with no transformers class, a *.pt / *.pth
-state dict with its config.json: the μOmni ThinkerLM and the LLMs-from-scratch Qwen3 (parity for these two is
-proven by the test suite; --verify needs a transformers class).
+\b
+Supported families:
+  qwen2         Qwen2 / Qwen2.5 (qkv bias)
+  qwen3         Qwen3 (qk-norm)
+  qwen2_moe     Qwen2-MoE (shared expert)
+  qwen3_moe     Qwen3-MoE (fused or per-expert tensors)
+  qwen3_omni    Qwen3-Omni-MoE thinker text decoder (audio, vision, talker
+                and code2wav dropped)
+  qwen3_5       Qwen3.5 / Qwen3.6 dense (hybrid Gated DeltaNet; causal-LM
+                or vision-language layout)
+  qwen3_5_moe   Qwen3.5 / Qwen3.6 MoE (hybrid Gated DeltaNet, shared expert;
+                causal-LM or vision-language layout)
+  qwen3_next    Qwen3-Next (hybrid Gated DeltaNet, fused per-key-head
+                projections, MoE with shared expert)
+  llama         Llama-style (SmolLM, TinyLlama, ...)
+  gpt2          GPT-2-style (PrimeGPT: LayerNorm, learned positions, GELU,
+                Conv1D)
+  gguf-*        llama.cpp GGUF, llama, qwen2 and qwen3 architectures (.gguf)
+  uomni         μOmni ThinkerLM (tok_emb / blocks.N / head; fused or split
+                qkv; interleaved RoPE)
+  llms_from_scratch_qwen3
+                LLMs-from-scratch Qwen3 (tok_emb / trf_blocks.N.att.W_query
+                ... / out_head; plain .pth)
+The last two are training-script formats with no transformers class: a *.pt /
+*.pth state dict with its config.json; the test suite proves their parity
+(--verify needs a transformers class).
 
 With --to FAMILY the direction reverses: SOURCE is a Thinker folder, written back as FAMILY's own folder.
 

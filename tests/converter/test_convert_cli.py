@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
 from common.errors import ThinkerError
-from converter.cli import convert_command, verify_command
+from converter.cli import CONVERT_HELP, convert_command, verify_command
 
 QWEN3 = Qwen3Config(
     vocab_size=64,
@@ -70,6 +71,21 @@ def test_help_teaches(tmp_path):
     for expected in ("Examples:", "Qwen/Qwen3-0.6B", "--max-shard-size", "--no-verify", "available", "--force"):
         assert expected in text, expected
     assert "parity.json" in CliRunner().invoke(verify_command, ["--help"]).output
+
+
+def test_help_lists_every_registered_family():
+    """The help's family list is written out (so that --help imports no family table) and held to the registry
+    here: a family added without its line, or a line left behind, fails. The GGUF families share one line."""
+    from converter.families import FAMILIES
+
+    section = CONVERT_HELP.split("Supported families:")[1].split("The last two")[0]
+    listed = {line.split()[0] for line in section.splitlines() if re.match(r"  \S", line)}
+    flat = " ".join(section.split())
+    names = {"gguf-*" if family.name.startswith("gguf-") else family.name for family in FAMILIES}
+    assert listed == names
+    for family in FAMILIES:
+        description = family.description.split(", ")[0] if family.name.startswith("gguf-") else family.description
+        assert description in flat, f"{family.name}: {description!r} is not in thinker-convert --help"
 
 
 def test_real_subprocess_with_sharded_output_and_dtype(source, tmp_path):
