@@ -250,8 +250,8 @@ def parity_gate(
     return report
 
 
-def memory_budget() -> int:
-    """Bytes the whole-model check may use: ``THINKER_VERIFY_MEMORY`` when set, else a share of the available memory."""
+def memory_budget(share: float = VERIFY_MEMORY_SHARE) -> int:
+    """Bytes a check may use: ``THINKER_VERIFY_MEMORY`` when set, else ``share`` of the available memory."""
     configured = os.environ.get(MEMORY_BUDGET_ENV)
     if configured:
         try:
@@ -262,7 +262,7 @@ def memory_budget() -> int:
             ) from None
     import psutil  # a dependency of accelerate, which transformers' loading uses
 
-    return int(VERIFY_MEMORY_SHARE * psutil.virtual_memory().available)
+    return int(share * psutil.virtual_memory().available)
 
 
 def parity_mode(num_parameters: int, budget: int | None = None) -> tuple[str, str]:

@@ -132,6 +132,19 @@ def test_export_refuses_a_context_too_short_to_verify(qwen3_thinker, tmp_path):
     assert thinker("export", folder, output, "--no-verify").exit_code == 0  # a 2-position model exports as it is
 
 
+def test_export_refuses_a_verify_that_cannot_fit_in_memory(qwen3_thinker, tmp_path, monkeypatch):
+    """--verify holds the PyTorch model beside onnxruntime's copy of its weights: where the two cannot fit, the export
+    is refused before it starts (not killed once written), and --no-verify still exports."""
+    monkeypatch.setenv("THINKER_VERIFY_MEMORY", "1KB")
+    output = tmp_path / "onnx"
+    result = thinker("export", qwen3_thinker, output, "--verify")
+    assert_error(result, str(qwen3_thinker), "GiB in float32", "THINKER_VERIFY_MEMORY allows", "--no-verify")
+    assert_nothing_written(output)
+    assert thinker("export", qwen3_thinker, output, "--no-verify").exit_code == 0
+    monkeypatch.setenv("THINKER_VERIFY_MEMORY", "1GB")  # the tiny model's two copies fit
+    assert thinker("export", qwen3_thinker, tmp_path / "verified", "--verify").exit_code == 0
+
+
 def test_a_huge_context_is_refused_in_bounded_memory(qwen3_thinker, tmp_path):
     """10^9 positions: the RoPE tables would take 8 GB; refused by key under a 3 GiB address-space cap."""
     folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
