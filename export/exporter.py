@@ -48,6 +48,7 @@ from .names import (
     REPORT_FILE,
 )
 from .quantize import QuantizeSpec, WeightQuantizer
+from .verify import WHOLE, verify_export, verify_plan
 from .weights import ThinkerWeights
 
 if TYPE_CHECKING:
@@ -111,6 +112,7 @@ def export_model(
         check_paths(model_dir)
         config = load_config(model_dir)
         check_thinker_folder(model_dir, config, graph_dtype, verify)  # the structure, before a byte is written
+        plan = verify_plan(model_dir, graph_dtype, quantize is not None) if verify else None  # and the memory
         positions = position_form(config, positions)
         final = staging / "onnx"
         graph_class = resolve_name(GRAPHS[graph])
@@ -157,10 +159,8 @@ def export_model(
                 model_dir, files.model_path, graph_dtype, quantize.bits, quality, threads=threads, progress=progress
             )
         elif verify:
-            from .verify import verify_export
-
             report["verify"] = verify_export(
-                model_dir, files.model_path, graph_dtype, threads=threads, progress=progress
+                model_dir, files.model_path, graph_dtype, threads=threads, progress=progress, plan=plan or WHOLE
             )
         if verify and report["verify"].get("passed") is False:
             what = "the quantized export fails its check" if quantize else "onnxruntime disagrees with PyTorch"

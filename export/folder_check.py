@@ -10,7 +10,6 @@ Thinker built on the meta device), and the context against what the export build
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -20,7 +19,6 @@ from common.errors import ThinkerError
 from common.parity_inputs import PROMPT_LENGTHS
 from common.sources import SafetensorsSource
 from converter.engine import describe_names, thinker_parameter_shapes
-from converter.parity import MEMORY_BUDGET_ENV, memory_budget
 from thinker.configuration_thinker import ThinkerConfig
 
 from .decoder_graph import not_exported, rope_table_bytes
@@ -82,8 +80,6 @@ def check_thinker_folder(model_dir: Path, config: ThinkerConfig, dtype: torch.dt
             f"{tuple(found[name])}{more}; config.json does not describe these weights: correct it"
         )
     _check_context(config, config_path, dtype, verify)
-    if verify:
-        _check_verify_memory(model_dir, found, dtype)
 
 
 def _keys_behind(config: ThinkerConfig, name: str, found: tuple[int, ...]) -> list[str]:
@@ -134,26 +130,4 @@ def _check_context(config: ThinkerConfig, config_path: Path, dtype: torch.dtype,
             f"{config_path}: max_position_embeddings={positions} needs RoPE tables of {table / 2**30:.1f} GiB, more "
             f"than the {available / 2**30:.1f} GiB of memory available; lower max_position_embeddings to the context "
             "you will use, or export on a larger machine"
-        )
-
-
-def _check_verify_memory(model_dir: Path, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> None:
-    """``--verify`` runs the PyTorch model beside a second copy of its weights (the onnxruntime session's; for a
-    quantized export, the dequantized weights the PyTorch model runs with), twice the model's bytes, where the export
-    itself holds one tensor at a time. Where that cannot fit, the export is refused before it starts rather than
-    killed by the kernel after it is written. Unlike the converter there is no layer-by-layer fallback to take, so
-    the budget is all the memory available (or ``THINKER_VERIFY_MEMORY``), not the converter's share of it."""
-    from .verify import cuda_usable
-
-    if dtype == torch.bfloat16 and not cuda_usable():
-        return  # --verify skips bfloat16 on the CPU (verify_export says why)
-    needed = 2 * dtype.itemsize * sum(torch.Size(shape).numel() for shape in shapes.values())
-    budget = memory_budget(share=1.0)
-    if needed > budget:
-        limit = f"{MEMORY_BUDGET_ENV} allows" if os.environ.get(MEMORY_BUDGET_ENV) else "of memory available"
-        raise ThinkerError(
-            f"{model_dir}: --verify runs the PyTorch model beside onnxruntime's copy of its weights, about "
-            f"{needed / 2**30:.1f} GiB in {dtype_name(dtype)}, more than the {budget / 2**30:.1f} GiB {limit}; export "
-            "with --no-verify (`thinker verify SOURCE FOLDER` proves the Thinker folder itself, layer by layer at "
-            "any size), or where more memory is free"
         )

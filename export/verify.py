@@ -4,10 +4,19 @@ The left-padded batch of ``common/parity_inputs.py`` goes through prefill and th
 steps in both runtimes, each fed the same (PyTorch-greedy) tokens. Logits are compared at every kept position; pads
 carry no meaning in either runtime and are left out. The tolerance is relative to the logit scale, as in DESIGN.md,
 and the same as the converter's parity gate (``RELATIVE_TOLERANCE``).
+
+The onnxruntime session holds the whole graph; the PyTorch model is held whole beside it where both fit in the
+memory available (or ``THINKER_VERIFY_MEMORY``), else streamed: built on the meta device and read from the Thinker
+folder one layer at a time as it runs (``converter.streamed``, as the converter's parity check runs at any size),
+which checks the same shipped graph on the same inputs in the memory of the graph and one layer. ``verify_plan``
+decides before the export starts, and refuses a model for which neither fits, rather than let the kernel kill the
+process once the export is written.
 """
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,13 +24,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.dtypes import dtype_name
+from common.errors import ThinkerError
 from common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
 from common.progress import progress_bar
+from common.sources import SafetensorsSource
+from converter.parity import MEMORY_BUDGET_ENV, memory_budget
 from thinker.modeling_thinker import CACHE_ARG
 
 from .runtime import OnnxDecoder, cuda_usable, position_ids_from_mask
 
 DECODE_STEPS = 6
+# How --verify holds the PyTorch model (verify_plan).
+WHOLE, STREAMED = "whole", "streamed"
 
 
 @dataclass
@@ -131,16 +146,58 @@ def at_last_kept(logits: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
     return logits[np.arange(len(logits)), np.maximum(numbered.max(axis=1) - 1, 0)]
 
 
+def verify_plan(model_dir: Path, dtype: torch.dtype, quantized: bool) -> str | None:
+    """How ``--verify`` will hold the PyTorch model beside the graph's session: WHOLE when both fit in the memory
+    budget (all the memory available, or ``THINKER_VERIFY_MEMORY``: unlike the converter's check, nothing cheaper
+    waits behind this one), else STREAMED (the session, and one layer at a time); None where verification is
+    skipped (bfloat16 on the CPU). A quantized export's check holds the float model beside its dequantized weights
+    and runs whole only. Raises, naming the sizes and what to do, when neither fits."""
+    if dtype == torch.bfloat16 and not cuda_usable():
+        return None
+    model, largest_unit = model_bytes(model_dir, dtype)
+    budget = memory_budget(share=1.0)
+    if 2 * model <= budget:
+        return WHOLE
+    if not quantized and model + largest_unit <= budget:
+        return STREAMED
+    needed = 2 * model if quantized else model + largest_unit
+    held = "the float model beside its dequantized weights" if quantized else "the graph and one PyTorch layer"
+    limit = f"{MEMORY_BUDGET_ENV} allows" if os.environ.get(MEMORY_BUDGET_ENV) else "of memory available"
+    raise ThinkerError(
+        f"{model_dir}: --verify holds at least {held}, about {needed / 2**30:.1f} GiB in {dtype_name(dtype)}, more "
+        f"than the {budget / 2**30:.1f} GiB {limit}; export with --no-verify (`thinker verify SOURCE FOLDER` proves "
+        "the Thinker folder against its source layer by layer, at any size), or where more memory is free"
+    )
+
+
+def model_bytes(model_dir: Path, dtype: torch.dtype) -> tuple[int, int]:
+    """(the model's weights, its largest streamed unit) in ``dtype``, from the folder's safetensors headers: the
+    units are the decoder layers and the other modules (embeddings, norm, head), as ``converter.streamed`` loads
+    them."""
+    weights = SafetensorsSource(model_dir)
+    try:
+        units: dict[str, int] = {}
+        for name in weights.names():
+            parts = name.split(".")
+            unit = ".".join(parts[:3]) if parts[1:2] == ["layers"] else name.rpartition(".")[0]
+            units[unit] = units.get(unit, 0) + math.prod(weights.shape(name)) * dtype.itemsize
+    finally:
+        weights.close()
+    return sum(units.values()), max(units.values(), default=0)
+
+
 def verify_export(
     model_dir: Path,
     onnx_path: Path,
     dtype: torch.dtype,
     threads: int | None = None,
     progress: bool = False,
+    plan: str = WHOLE,
 ) -> dict:
     """The figures for the export report; ``passed`` is False beyond tolerance (``failure`` says how), None when it
-    could not run. ``progress``: a bar over loading both models, the prefill and the decode steps. (A quantized
-    export has its own checks: export/quantized_verify.py.)"""
+    could not run. ``progress``: a bar over loading both models, the prefill and the decode steps; ``plan``: WHOLE
+    or STREAMED (``verify_plan``). (A quantized export has its own checks: export/quantized_verify.py.)"""
+    from converter.layer_parity import load_layered_converted
     from thinker import ThinkerForCausalLM
 
     if dtype == torch.bfloat16 and not cuda_usable():
@@ -150,13 +207,24 @@ def verify_export(
         }
     with progress_bar(2 + DECODE_STEPS, "verifying", unit="step", enabled=progress) as bar:
         decoder = OnnxDecoder(onnx_path, threads=threads)
-        model = ThinkerForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-        bar.update()
-        input_ids, attention_mask = parity_batch(model.config.vocab_size)
-        figures = compare_decoders(model, decoder, input_ids, attention_mask, on_step=bar.update)
+        if plan == STREAMED:
+            streamed = load_layered_converted(model_dir, dtype)
+            try:
+                bar.update()
+                input_ids, attention_mask = parity_batch(streamed.model.config.vocab_size)
+                with streamed.streaming():
+                    figures = compare_decoders(streamed.model, decoder, input_ids, attention_mask, on_step=bar.update)
+            finally:
+                streamed.close()
+        else:
+            model = ThinkerForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+            bar.update()
+            input_ids, attention_mask = parity_batch(model.config.vocab_size)
+            figures = compare_decoders(model, decoder, input_ids, attention_mask, on_step=bar.update)
+    held = ", read layer by layer as it runs" if plan == STREAMED else ""
     result = {
         "provider": decoder.device,
-        "reference": f"PyTorch ThinkerForCausalLM, {str(dtype).removeprefix('torch.')}, CPU",
+        "reference": f"PyTorch ThinkerForCausalLM, {str(dtype).removeprefix('torch.')}, CPU{held}",
         **figures,
     }
     result["tolerance"] = RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"])

@@ -25,6 +25,8 @@ from cli_helpers import (
 )
 from safetensors.torch import load_file
 
+from export.verify import model_bytes
+
 EMBED = "model.embed_tokens.weight"
 DOWN = "model.layers.1.mlp.down_proj.weight"
 
@@ -133,16 +135,25 @@ def test_export_refuses_a_context_too_short_to_verify(qwen3_thinker, tmp_path):
 
 
 def test_export_refuses_a_verify_that_cannot_fit_in_memory(qwen3_thinker, tmp_path, monkeypatch):
-    """--verify holds the PyTorch model beside onnxruntime's copy of its weights: where the two cannot fit, the export
-    is refused before it starts (not killed once written), and --no-verify still exports."""
+    """--verify holds at least the graph's session and one PyTorch layer (the whole model where it fits, else streamed
+    layer by layer: tests/export/test_verify_rejects.py): where not even that fits, the export is refused before it
+    starts (not killed once written), and --no-verify still exports. A quantized export's check runs whole only."""
     monkeypatch.setenv("THINKER_VERIFY_MEMORY", "1KB")
     output = tmp_path / "onnx"
     result = thinker("export", qwen3_thinker, output, "--verify")
-    assert_error(result, str(qwen3_thinker), "GiB in float32", "THINKER_VERIFY_MEMORY allows", "--no-verify")
+    assert_error(
+        result, str(qwen3_thinker), "one PyTorch layer", "GiB in float32", "THINKER_VERIFY_MEMORY allows", "--no-verify"
+    )
     assert_nothing_written(output)
     assert thinker("export", qwen3_thinker, output, "--no-verify").exit_code == 0
     monkeypatch.setenv("THINKER_VERIFY_MEMORY", "1GB")  # the tiny model's two copies fit
     assert thinker("export", qwen3_thinker, tmp_path / "verified", "--verify").exit_code == 0
+
+    weights, largest_unit = model_bytes(qwen3_thinker, torch.float32)
+    monkeypatch.setenv("THINKER_VERIFY_MEMORY", str(weights + largest_unit))  # streamed fits, two copies do not
+    quantized = thinker("export", qwen3_thinker, tmp_path / "int8", "--verify", "--quantize", "int8")
+    assert_error(quantized, "the float model beside its dequantized weights", "--no-verify")
+    assert_nothing_written(tmp_path / "int8")
 
 
 def test_a_huge_context_is_refused_in_bounded_memory(qwen3_thinker, tmp_path):

@@ -4,6 +4,7 @@ planted bug passes, so it is the bug that fails it. Plain, fused and quantized v
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,29 @@ def test_quantized_verify_rejects_a_broken_graph(graph, thinker_variant, tmp_pat
     monkeypatch.setattr(WeightQuantizer, "emit", emit)
     bad = export(folder, tmp_path / "bad", *options)
     assert_rejected(bad, tmp_path / "bad", "quantized weight lm_head.weight is", "int8 rtn")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_moe"])
+def test_streamed_verify_checks_the_shipped_graph_layer_by_layer(family, thinker_folder, tmp_path, monkeypatch):
+    """Where the graph's session and the whole PyTorch model do not fit together but the session and one layer do,
+    --verify streams the PyTorch model layer by layer: the same figures as whole (the same graph, inputs and
+    weights; eager against sdpa attention at most float32 rounding apart), and a planted bug still fails it. The
+    hybrid MoE carries its recurrent state, KV cache and routed experts through the streamed layers."""
+    from converter.parity import MEMORY_BUDGET_ENV
+    from export.verify import model_bytes
+
+    folder = thinker_folder(family)
+    model, largest_unit = model_bytes(folder, torch.float32)
+    whole = export(folder, tmp_path / "whole", "--graph", "plain")
+    assert whole.exit_code == 0, whole.output
+    monkeypatch.setenv(MEMORY_BUDGET_ENV, str(model + largest_unit))  # one layer beside the graph, not two models
+    assert_passes(folder, tmp_path / "good", "--graph", "plain")
+    figures = [json.loads((tmp_path / name / "export_report.json").read_text())["verify"] for name in ("whole", "good")]
+    assert figures[1]["reference"].endswith("read layer by layer as it runs")
+    assert "layer by layer" not in figures[0]["reference"]
+    assert figures[1]["top1_agreement"] == figures[0]["top1_agreement"] == 1.0
+    assert abs(figures[1]["max_abs_diff"] - figures[0]["max_abs_diff"]) <= 1e-5 * max(1.0, figures[0]["logit_scale"])
+
+    without_k_norm(monkeypatch)
+    bad = export(folder, tmp_path / "bad", "--graph", "plain")
+    assert_rejected(bad, tmp_path / "bad", "float32, plain graph", "> tolerance")
