@@ -49,7 +49,9 @@ from .names import (
     default=True,
     show_default=True,
     help="Compare onnxruntime with the PyTorch model over prefill + 6 decode steps on a left-padded batch; "
-    "fail beyond tolerance. Needs memory for both models at once.",
+    "fail beyond tolerance. The PyTorch model is held whole beside the graph where both fit in the memory "
+    "available (or THINKER_VERIFY_MEMORY, e.g. 8GB), else read layer by layer as it runs; a quantized export's "
+    "check holds the float model and its dequantized weights.",
 )
 @click.option(
     "--graph",
