@@ -3,18 +3,21 @@
 ``--verify`` runs the PyTorch Thinker beside the graph's onnxruntime session. Where both fit in the memory
 available it loads the PyTorch model whole; where they do not, but the session and one layer do, it streams the
 PyTorch model from the Thinker folder one layer at a time (export/verify.py ``verify_plan``). This bench exports the
-same folder (``bench/models.py`` qwen3-0.6b: 28 layers, 596 M parameters, float32, random weights) three ways, each
-in a fresh process whose /proc status is sampled every few milliseconds:
+same folder (``bench/models.py`` qwen3-0.6b: 28 layers, 596 M parameters, float32, random weights) three ways, as
+float32 and as ``--quantize int4``, each in a fresh process whose /proc status is sampled every few milliseconds:
 
 1. ``--no-verify``: the export alone;
-2. ``--verify`` with the machine's own budget: the whole model beside the session;
-3. ``--verify`` with ``THINKER_VERIFY_MEMORY`` set to the graph's bytes plus the largest layer's, so that only the
-   streamed check fits: the same graph checked layer by layer.
+2. ``--verify`` with the machine's own budget: the whole model beside the session (int4: the float model and its
+   dequantized weights beside the graph's two sessions);
+3. ``--verify`` with ``THINKER_VERIFY_MEMORY`` set so that only the streamed check fits: the graph's bytes plus
+   the largest layer's (int4: twice the graph's and twice the largest layer's), the same graph checked with the
+   PyTorch model read layer by layer.
 
-It reports each one's wall time and peak resident set (VmHWM), and the verify figures of 2 and 3, which compare the
-same graph on the same inputs and must agree.
+It reports each one's wall time and peak resident set (VmHWM), and the verify figures of 2 and 3 (for int4 the graph
+check's: the graph against the PyTorch model holding its dequantized weights), which compare the same graph on the
+same inputs and must agree.
 
-    python bench/bench_verify_memory.py            # about 3 minutes on 2 cores, after the model is built
+    python bench/bench_verify_memory.py            # about 6 minutes on 2 cores, after the model is built
     python bench/bench_verify_memory.py --report   # the README table, from bench/results/verify_memory.json
 """
 
@@ -48,10 +51,16 @@ def measure() -> dict:
     model = models.qwen3_shaped()
     weights, largest_unit = model_bytes(model.thinker, torch.float32)
     environment = {key: value for key, value in os.environ.items() if key != MEMORY_BUDGET_ENV}
+    int4 = ["--quantize", "int4"]
     runs = {
         "no-verify": (["--no-verify"], environment),
         "verify, whole": (["--verify"], environment),
         "verify, streamed": (["--verify"], {**environment, MEMORY_BUDGET_ENV: str(weights + largest_unit)}),
+        "int4, no-verify": ([*int4, "--no-verify"], environment),
+        "int4, verify, whole": ([*int4, "--verify"], environment),
+        # the budget of the streamed int4 check (two sessions of the graph, one layer float and dequantized) is set
+        # once the graph's size is known, from the int4 no-verify run
+        "int4, verify, streamed": ([*int4, "--verify"], None),
     }
     result = {
         "command": "python bench/bench_verify_memory.py",
@@ -59,19 +68,27 @@ def measure() -> dict:
         "model": {"name": model.name, "weights_bytes": weights, "largest_unit_bytes": largest_unit},
         "runs": {},
     }
+    int4_graph = 0  # set by the int4 no-verify run, before the streamed int4 run needs it
     work = Path(tempfile.mkdtemp(prefix="thinker-verify-memory-"))
     try:
         for name, (options, env) in runs.items():
             output = work / name.replace(", ", "-")
+            if env is None:
+                budget = 2 * int4_graph + 2 * largest_unit
+                env = {**environment, MEMORY_BUDGET_ENV: str(budget)}
             seconds, peak, _ = run_measured([*EXPORT, str(model.thinker), str(output), *options], env)
             report = json.loads((output / "export_report.json").read_text())
+            if name == "int4, no-verify":
+                int4_graph = report["sizes"]["model.onnx.data"]
+                result["model"]["int4_graph_bytes"] = int4_graph
             verify = report["verify"] or {}
             result["runs"][name] = {
                 "seconds": round(seconds, 1),
                 "peak_rss_bytes": peak["VmHWM"],
                 "reference": verify.get("reference"),
-                "max_abs_diff": verify.get("max_abs_diff"),
-                "top1_agreement": verify.get("top1_agreement"),
+                # a quantized export's graph check: the graph against the PyTorch model with its dequantized weights
+                "max_abs_diff": verify.get("graph", verify).get("max_abs_diff"),
+                "top1_agreement": verify.get("graph", verify).get("top1_agreement"),
                 "passed": verify.get("passed"),
             }
             print(name, json.dumps(result["runs"][name]), flush=True)

@@ -122,6 +122,9 @@ class StreamedModel:
         self.call = call
         self.takes_padding = takes_padding
         self._close = close
+        # Called with each unit once its tensors are in place, before it runs: a caller may put other weights in
+        # (export's quantized check puts in the graph's dequantized ones); they are dropped with the unit.
+        self.after_load: Callable[[Unit], None] | None = None
         if layer_classes is None:
             no_split = set(getattr(model, "_no_split_modules", None) or ())
             layer_classes = tuple(type(m) for m in model.modules() if type(m).__name__ in no_split)
@@ -178,6 +181,8 @@ class StreamedModel:
             )
         if self.compute_dtype is not None:
             self._widen([*unit.tensors, *unit.ties, *unit.ties.values()])
+        if self.after_load is not None:
+            self.after_load(unit)
 
     def drop_unit(self, unit: Unit) -> None:
         meta = getattr(unit, "_meta", None)

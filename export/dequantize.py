@@ -21,7 +21,7 @@ kernels; float16 scales give float16 weights after one more rounding, which is a
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,8 +114,15 @@ def quantized_weights(onnx_path: Path) -> dict[str, QuantizedWeight]:
     graph multiplies by it, a GatherBlockQuantized table (V, C') (C' the row padded to whole blocks). The one table
     the exporter gathers quantized is the token embedding: its GatherBlockQuantized is ``EMBEDDING``, whatever
     tensors it reads (a tied one reads the head's)."""
-    model = onnx.load(str(onnx_path), load_external_data=True)
-    read = constant_reader(model.graph)
+    return {name: read() for name, read in quantized_weight_readers(onnx_path).items()}
+
+
+def quantized_weight_readers(onnx_path: Path) -> dict[str, Callable[[], QuantizedWeight]]:
+    """``quantized_weights``, each weight read from the graph's weights file and dequantized only when its reader is
+    called: a graph of any size, one weight in memory at a time."""
+    onnx_path = Path(onnx_path)
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    read = constant_reader(model.graph, base_dir=onnx_path.parent)
 
     def array(name: str):
         if not name:
@@ -125,33 +132,39 @@ def quantized_weights(onnx_path: Path) -> dict[str, QuantizedWeight]:
             raise RuntimeError(f"quantized tensor {name} is not a constant of the graph (a bug in the exporter)")
         return value
 
-    weights: dict[str, QuantizedWeight] = {}
+    def matmul_nbits(attrs: dict, inputs: list[str]) -> QuantizedWeight:
+        packed, scales, zero = (array(name) for name in [*inputs, ""][:3])
+        return QuantizedWeight("MatMulNBits", attrs["bits"], dequantize_matmul_nbits(attrs, packed, scales, zero))
+
+    def gather_block(attrs: dict, data: str, scales: str, zero: str) -> QuantizedWeight:
+        table = dequantize_gather_block(attrs, array(data), array(scales), array(zero))
+        return QuantizedWeight("GatherBlockQuantized", attrs.get("bits", 4), table)
+
+    readers: dict[str, Callable[[], QuantizedWeight]] = {}
     for node in model.graph.node:
         attrs = attributes(node)
         if node.op_type == "MatMulNBits":
-            packed, scales, zero = (array(name) for name in [*node.input[1:4], ""][:3])
-            weight = dequantize_matmul_nbits(attrs, packed, scales, zero)
-            weights[graph_weight_name(node.input[1])] = QuantizedWeight(node.op_type, attrs["bits"], weight)
+            inputs = list(node.input[1:4])
+            readers[graph_weight_name(node.input[1])] = lambda a=attrs, i=inputs: matmul_nbits(a, i)
         elif node.op_type == "GatherBlockQuantized":
-            data, scales = array(node.input[0]), array(node.input[2])
-            zero = array(node.input[3]) if len(node.input) > 3 else None
-            weight = dequantize_gather_block(attrs, data, scales, zero)
-            if EMBEDDING in weights:
+            if EMBEDDING in readers:
                 raise RuntimeError("a second GatherBlockQuantized in the graph (a bug in the exporter)")
-            weights[EMBEDDING] = QuantizedWeight(node.op_type, attrs.get("bits", 4), weight)
-    return weights
+            zero = node.input[3] if len(node.input) > 3 else ""
+            readers[EMBEDDING] = lambda a=attrs, d=node.input[0], s=node.input[2], z=zero: gather_block(a, d, s, z)
+    return readers
 
 
-def constant_reader(graph: onnx.GraphProto) -> Callable[[str], np.ndarray | None]:
+def constant_reader(graph: onnx.GraphProto, base_dir: Path | str = "") -> Callable[[str], np.ndarray | None]:
     """A function from a value name to its array when the value is a constant: an initializer, or a Reshape of
     constants (how a tied embedding reads the head's packed weight); None otherwise. Arrays are made on demand, so
-    the float weights a graph also holds are never converted."""
+    the float weights a graph also holds are never converted; ``base_dir``: the folder of the weights file, for a
+    graph loaded without its external data (each tensor then read from the file when asked for)."""
     tensors = {t.name: t for t in graph.initializer}
     reshapes = {node.output[0]: node for node in graph.node if node.op_type == "Reshape"}
 
     def read(name: str) -> np.ndarray | None:
         if name in tensors:
-            return numpy_helper.to_array(tensors[name])
+            return numpy_helper.to_array(tensors[name], str(base_dir))
         node = reshapes.get(name)
         if node is None:
             return None
@@ -178,13 +191,10 @@ def as_thinker_parameters(weights: dict[str, QuantizedWeight], model: torch.nn.M
             # A Gather table's rows padded to whole blocks: the graph slices the gathered rows back (its graph
             # check would fail on the shapes if it did not).
             tensor = tensor[:, : parameters[name].shape[1]]
-        if name in parameters:
+        parts = thinker_names(name, parameters)
+        if parts == [name]:
             out[name] = QuantizedWeight(quantized.op_type, quantized.bits, tensor)
             continue
-        prefix, _, packed = name.removesuffix(".weight").rpartition(".")
-        parts = [f"{prefix}.{part}.weight" for part in PACKED.get(packed, ())]
-        if not parts or any(part not in parameters for part in parts):
-            raise RuntimeError(f"quantized weight {name} stands for no Thinker parameter (a bug in the exporter)")
         sizes = [parameters[part].shape[0] for part in parts]
         if sum(sizes) != tensor.shape[0]:
             raise RuntimeError(f"quantized weight {name} has {tensor.shape[0]} outputs, its parts {sum(sizes)}")
@@ -193,18 +203,31 @@ def as_thinker_parameters(weights: dict[str, QuantizedWeight], model: torch.nn.M
     return out
 
 
+def thinker_names(name: str, parameters: Mapping[str, torch.Tensor]) -> list[str]:
+    """The Thinker parameters graph weight ``name`` stands for: itself, or the parts of a packed projection, in
+    order. An unknown name is an exporter bug and raises."""
+    if name in parameters:
+        return [name]
+    prefix, _, packed = name.removesuffix(".weight").rpartition(".")
+    parts = [f"{prefix}.{part}.weight" for part in PACKED.get(packed, ())]
+    if not parts or any(part not in parameters for part in parts):
+        raise RuntimeError(f"quantized weight {name} stands for no Thinker parameter (a bug in the exporter)")
+    return parts
+
+
 def weight_errors(dequantized: dict[str, QuantizedWeight], model: torch.nn.Module) -> dict[str, float]:
     """Each dequantized weight's relative RMS error against the float parameter it replaces: ||W' - W|| / ||W||."""
     parameters = dict(model.named_parameters(remove_duplicate=False))
-    errors = {}
-    for name, quantized in dequantized.items():
-        weight = quantized.weight
-        reference = parameters[name].detach().float()
-        if tuple(reference.shape) != tuple(weight.shape):
-            shapes = f"{tuple(weight.shape)}, the model's {tuple(reference.shape)}"
-            raise RuntimeError(f"quantized {name} has shape {shapes} (a bug in the exporter)")
-        errors[name] = float((weight.float() - reference).norm() / reference.norm().clamp_min(1e-30))
-    return errors
+    return {name: relative_error(name, quantized.weight, parameters[name]) for name, quantized in dequantized.items()}
+
+
+def relative_error(name: str, weight: torch.Tensor, reference: torch.Tensor) -> float:
+    """||weight - reference|| / ||reference|| for dequantized parameter ``name``; shapes must agree."""
+    reference = reference.detach().float()
+    if tuple(reference.shape) != tuple(weight.shape):
+        shapes = f"{tuple(weight.shape)}, the model's {tuple(reference.shape)}"
+        raise RuntimeError(f"quantized {name} has shape {shapes} (a bug in the exporter)")
+    return float((weight.float() - reference).norm() / reference.norm().clamp_min(1e-30))
 
 
 @torch.no_grad()

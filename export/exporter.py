@@ -155,8 +155,9 @@ def export_model(
         if verify and quantize:
             from .quantized_verify import verify_quantized_export
 
+            plan = verify_plan(model_dir, graph_dtype, quantized=True, graph_bytes=files.data_bytes)
             report["verify"] = verify_quantized_export(
-                model_dir, files.model_path, graph_dtype, quantize.bits, quality, threads=threads, progress=progress
+                model_dir, files.model_path, graph_dtype, quantize.bits, quality, threads, progress, plan or WHOLE
             )
         elif verify:
             report["verify"] = verify_export(

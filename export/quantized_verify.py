@@ -35,11 +35,20 @@ from common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
 from common.progress import progress_bar
 
 from .accuracy_guard import graph_variant
-from .dequantize import EMBEDDING, as_thinker_parameters, load_into, quantized_weights, weight_errors
+from .dequantize import (
+    EMBEDDING,
+    as_thinker_parameters,
+    load_into,
+    quantized_weight_readers,
+    quantized_weights,
+    relative_error,
+    thinker_names,
+    weight_errors,
+)
 from .fidelity import fidelity_token_ids, prefill_logits, text_fidelity
 from .quantize import HEAD
 from .runtime import OnnxDecoder
-from .verify import DECODE_STEPS, compare_decoders
+from .verify import DECODE_STEPS, STREAMED, WHOLE, compare_decoders
 
 # The graph check's tolerance floor on ill-conditioned inputs: SmolLM2's residual stream carries "massive
 # activations" (values near 23,000 after layer 11) from which the logits come out by cancellation, so at some
@@ -96,12 +105,17 @@ def verify_quantized_export(
     gate: QualityGate | None = None,
     threads: int | None = None,
     progress: bool = False,
+    plan: str = WHOLE,
 ) -> dict:
-    """``thinker export --verify`` of a quantized export: the float Thinker of ``model_dir`` loaded, then
-    ``verify_quantized``; ``progress``: a bar over loading, the cost, the weights and the graph's steps."""
+    """``thinker export --verify`` of a quantized export: ``verify_quantized`` on the float Thinker of ``model_dir``
+    loaded whole, or ``verify_quantized_streamed`` (``plan`` STREAMED, export/verify.py ``verify_plan``);
+    ``progress``: a bar over loading, the cost, the weights and the graph's steps."""
     from thinker import ThinkerForCausalLM
 
     with progress_bar(3 + DECODE_STEPS + 1, "verifying", unit="step", enabled=progress) as bar:
+        if plan == STREAMED:
+            bar.update()
+            return verify_quantized_streamed(model_dir, onnx_path, dtype, bits, gate, threads, on_step=bar.update)
         model = ThinkerForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
         bar.update()
         return verify_quantized(model, model_dir, onnx_path, bits, gate, threads=threads, on_step=bar.update)
@@ -120,37 +134,98 @@ def verify_quantized(
     Returns the report's figures; ``passed`` False with ``failure`` naming every check that failed. ``on_step``:
     called after the cost, the weights and each step of the graph check (a progress bar's ``update``)."""
     on_step = on_step or (lambda: None)
-    gate = gate or QualityGate.default(bits)
-    dtype = next(model.parameters()).dtype
-    result: dict = {"reference": "PyTorch ThinkerForCausalLM with the graph's dequantized weights"}
-
     # every position of the paragraph, also from a --logits last graph (whose selection the parity check below covers)
     shipped = OnnxDecoder(onnx_path, provider="cpu", threads=threads, all_positions=True)
-    result["provider"] = shipped.device
-    result["cost"] = quantization_cost(model, model_dir, shipped)  # before the weights change
+    cost = quantization_cost(model, model_dir, shipped)  # before the weights change
     on_step()
 
     dequantized = as_thinker_parameters(quantized_weights(onnx_path), model)
-    errors = weight_errors(dequantized, model)
-    # Each weight against its own bit width's limit (an int8 head under an int4 body), the worst by that margin.
-    margins = {name: error / WEIGHT_ERROR[dequantized[name].bits] for name, error in errors.items()}
-    worst = max(margins, key=margins.get) if margins else None
-    result["weights"] = {
-        "quantized": len(errors),
-        "worst": worst,
-        "relative_error": errors[worst] if worst else 0.0,
-        "limit": WEIGHT_ERROR[dequantized[worst].bits] if worst else None,
-        "max_relative_error_by_bits": {
-            f"int{bits}": max((e for n, e in errors.items() if dequantized[n].bits == bits), default=0.0)
-            for bits in sorted({q.bits for q in dequantized.values()})
-        },
-        "embedding": dequantized[EMBEDDING].op_type if EMBEDDING in dequantized else "Gather (float)",
-    }
-    tied_difference = tied_table_difference(dequantized, model)
-    if tied_difference is not None:
-        result["weights"]["tied_embedding_max_abs_diff_from_head"] = tied_difference
+    weights = WeightFigures(
+        errors=weight_errors(dequantized, model),
+        bits={name: quantized.bits for name, quantized in dequantized.items()},
+        embedding=dequantized[EMBEDDING].op_type if EMBEDDING in dequantized else "Gather (float)",
+        tied_difference=tied_table_difference(dequantized, model),
+    )
     load_into(model, dequantized)
     on_step()
+    graph = graph_check(model, onnx_path, threads, on_step)
+    reference = "PyTorch ThinkerForCausalLM with the graph's dequantized weights"
+    return quantized_result(reference, shipped.device, cost, weights, graph, gate or QualityGate.default(bits))
+
+
+def verify_quantized_streamed(
+    model_dir: Path,
+    onnx_path: Path,
+    dtype: torch.dtype,
+    bits: int,
+    gate: QualityGate | None = None,
+    threads: int | None = None,
+    on_step: Callable[[], object] | None = None,
+) -> dict:
+    """The same three checks with the float Thinker read from ``model_dir`` one layer at a time as it runs
+    (``converter.streamed``), and each quantized weight read from the graph's weights file and dequantized when its
+    layer loads, in place of the float one: the memory of the graph's two sessions and one layer, for a model of
+    any size. The figures are ``verify_quantized``'s."""
+    from converter.layer_parity import load_layered_converted
+
+    on_step = on_step or (lambda: None)
+    streamed = load_layered_converted(model_dir, dtype)
+    model = streamed.model
+    try:
+        shipped = OnnxDecoder(onnx_path, provider="cpu", threads=threads, all_positions=True)
+        with streamed.streaming():
+            cost = quantization_cost(model, model_dir, shipped)
+        on_step()
+
+        readers = quantized_weight_readers(onnx_path)
+        parameters = dict(model.named_parameters(remove_duplicate=False))  # on the meta device: names and shapes
+        owners = {part: name for name in readers for part in thinker_names(name, parameters)}
+        weights = WeightFigures(errors={}, bits={}, embedding="Gather (float)", tied_difference=None)
+        if model.config.tie_word_embeddings and EMBEDDING in readers and HEAD in readers:
+            tables = {name: readers[name]() for name in (EMBEDDING, HEAD)}
+            weights.tied_difference = tied_table_difference(as_thinker_parameters(tables, model), model)
+            del tables
+
+        def put_dequantized(unit) -> None:
+            """The unit's quantized parameters replaced by the graph's dequantized weights (dropped with it)."""
+            names = [name for name in [*unit.tensors, *unit.ties] if name in owners]
+            for graph_name in dict.fromkeys(owners[name] for name in names):
+                for name, quantized in as_thinker_parameters({graph_name: readers[graph_name]()}, model).items():
+                    current = streamed._get(name)
+                    weights.errors.setdefault(name, relative_error(name, quantized.weight, current))
+                    weights.bits[name] = quantized.bits
+                    if name == EMBEDDING:
+                        weights.embedding = quantized.op_type
+                    dequantized = torch.nn.Parameter(quantized.weight.to(current.dtype), requires_grad=False)
+                    streamed._set(name, dequantized)
+
+        on_step()
+        streamed.after_load = put_dequantized
+        with streamed.streaming():
+            graph = graph_check(model, onnx_path, threads, on_step)
+    finally:
+        streamed.close()
+    reference = "PyTorch ThinkerForCausalLM with the graph's dequantized weights, read layer by layer as it runs"
+    return quantized_result(reference, shipped.device, cost, weights, graph, gate or QualityGate.default(bits))
+
+
+@dataclass
+class WeightFigures:
+    """What the weights check found: each dequantized parameter's relative error against its float original and
+    its bits, the embedding's op, and for a tied model the largest difference of the embedding's table from the
+    head's (None where it does not apply)."""
+
+    errors: dict[str, float]
+    bits: dict[str, int]
+    embedding: str
+    tied_difference: float | None
+
+
+def graph_check(model: torch.nn.Module, onnx_path: Path, threads: int | None, on_step: Callable[[], object]) -> dict:
+    """The graph with float activations against ``model`` (holding the graph's dequantized weights) over the
+    parity batch, with the tolerance: the float graphs', or SENSITIVITY_MARGIN times the input's own rounding
+    sensitivity where that is larger."""
+    dtype = next(model.parameters()).dtype
     with float_activation_copy(onnx_path) as exact_path:
         exact = OnnxDecoder(exact_path, provider="cpu", threads=threads)
         batch = parity_batch(model.config.vocab_size)
@@ -159,15 +234,41 @@ def verify_quantized(
     graph["tolerance"] = max(
         RELATIVE_TOLERANCE[dtype] * max(1.0, graph["logit_scale"]), SENSITIVITY_MARGIN * graph["rounding_sensitivity"]
     )
+    return graph
+
+
+def quantized_result(
+    reference: str, provider: str, cost: dict, weights: WeightFigures, graph: dict, gate: QualityGate
+) -> dict:
+    """The report's figures from the three checks; ``passed`` False with ``failure`` naming every check that
+    failed."""
+    errors, bits = weights.errors, weights.bits
+    # Each weight against its own bit width's limit (an int8 head under an int4 body), the worst by that margin.
+    margins = {name: error / WEIGHT_ERROR[bits[name]] for name, error in errors.items()}
+    worst = max(margins, key=margins.get) if margins else None
+    result: dict = {"reference": reference, "provider": provider, "cost": cost}
+    result["weights"] = {
+        "quantized": len(errors),
+        "worst": worst,
+        "relative_error": errors[worst] if worst else 0.0,
+        "limit": WEIGHT_ERROR[bits[worst]] if worst else None,
+        "max_relative_error_by_bits": {
+            f"int{b}": max((e for n, e in errors.items() if bits[n] == b), default=0.0)
+            for b in sorted(set(bits.values()))
+        },
+        "embedding": weights.embedding,
+    }
+    if weights.tied_difference is not None:
+        result["weights"]["tied_embedding_max_abs_diff_from_head"] = weights.tied_difference
     result["graph"] = graph
 
     failures = []
     if worst and margins[worst] > 1:
         limit = result["weights"]["limit"]
         failures.append(f"quantized weight {worst} is {errors[worst]:.3g} off the float one (> {limit})")
-    if tied_difference:
+    if weights.tied_difference:
         failures.append(
-            f"the tied embedding dequantizes to a table up to {tied_difference:.3g} off the head's "
+            f"the tied embedding dequantizes to a table up to {weights.tied_difference:.3g} off the head's "
             "(it must gather the head's own quantized weights)"
         )
     if graph["max_abs_diff"] > graph["tolerance"]:
@@ -175,9 +276,9 @@ def verify_quantized(
             f"max |Δlogit| {graph['max_abs_diff']:.3g} against the model with the same dequantized weights "
             f"> tolerance {graph['tolerance']:.3g}"
         )
-    if "skipped" not in result["cost"]:
-        result["cost"].update(min_top1_agreement=gate.min_top1, max_perplexity_increase=gate.max_perplexity_increase)
-        cost_failure = gate.failure(result["cost"])
+    if "skipped" not in cost:
+        cost.update(min_top1_agreement=gate.min_top1, max_perplexity_increase=gate.max_perplexity_increase)
+        cost_failure = gate.failure(cost)
         if cost_failure:
             failures.append(f"{cost_failure} (set the limits with --min-top1 / --max-perplexity-increase)")
     result["passed"] = not failures

@@ -146,25 +146,37 @@ def at_last_kept(logits: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
     return logits[np.arange(len(logits)), np.maximum(numbered.max(axis=1) - 1, 0)]
 
 
-def verify_plan(model_dir: Path, dtype: torch.dtype, quantized: bool) -> str | None:
-    """How ``--verify`` will hold the PyTorch model beside the graph's session: WHOLE when both fit in the memory
-    budget (all the memory available, or ``THINKER_VERIFY_MEMORY``: unlike the converter's check, nothing cheaper
-    waits behind this one), else STREAMED (the session, and one layer at a time); None where verification is
-    skipped (bfloat16 on the CPU). A quantized export's check holds the float model beside its dequantized weights
-    and runs whole only. Raises, naming the sizes and what to do, when neither fits."""
+def verify_plan(
+    model_dir: Path, dtype: torch.dtype, quantized: bool = False, graph_bytes: int | None = None
+) -> str | None:
+    """How ``--verify`` will hold the PyTorch model: WHOLE when it fits whole beside what the check runs, else
+    STREAMED (one layer at a time); None where verification is skipped (bfloat16 on the CPU). Raises, naming the
+    sizes and what to do, when neither fits. The budget is all the memory available, or ``THINKER_VERIFY_MEMORY``
+    (unlike the converter's check, nothing cheaper waits behind this one).
+
+    A float export's check holds the graph's session (about the model's bytes) and the PyTorch model. A quantized
+    export's holds two sessions of its graph (``graph_bytes``: as shipped, and with float activations) and the float
+    model beside its dequantized weights, or streamed, one layer in both forms. Before a quantized graph is written
+    its size is unknown: with ``graph_bytes`` 0 the call refuses only what cannot fit whatever the graph's size, and
+    the exporter asks again once it knows."""
     if dtype == torch.bfloat16 and not cuda_usable():
         return None
     model, largest_unit = model_bytes(model_dir, dtype)
+    if quantized:
+        graph = graph_bytes or 0
+        whole, streamed = 2 * graph + 2 * model, 2 * graph + 2 * largest_unit
+        held = "two sessions of the quantized graph and one PyTorch layer, float and dequantized"
+    else:
+        whole, streamed = 2 * model, model + largest_unit
+        held = "the graph and one PyTorch layer"
     budget = memory_budget(share=1.0)
-    if 2 * model <= budget:
+    if whole <= budget:
         return WHOLE
-    if not quantized and model + largest_unit <= budget:
+    if streamed <= budget:
         return STREAMED
-    needed = 2 * model if quantized else model + largest_unit
-    held = "the float model beside its dequantized weights" if quantized else "the graph and one PyTorch layer"
     limit = f"{MEMORY_BUDGET_ENV} allows" if os.environ.get(MEMORY_BUDGET_ENV) else "of memory available"
     raise ThinkerError(
-        f"{model_dir}: --verify holds at least {held}, about {needed / 2**30:.1f} GiB in {dtype_name(dtype)}, more "
+        f"{model_dir}: --verify holds at least {held}, about {streamed / 2**30:.1f} GiB in {dtype_name(dtype)}, more "
         f"than the {budget / 2**30:.1f} GiB {limit}; export with --no-verify (`thinker verify SOURCE FOLDER` proves "
         "the Thinker folder against its source layer by layer, at any size), or where more memory is free"
     )

@@ -41,7 +41,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3Omni
 
 from converter.families.qwen3_next import FUSED_PROJECTIONS
 from thinker import ThinkerConfig, ThinkerForCausalLM
-from thinker.modeling_thinker import ThinkerRMSNorm
+from thinker.modeling_thinker import CACHE_ARG, ThinkerRMSNorm
 
 TOL = dict(atol=1e-4, rtol=0)  # max |Δlogit| in fp32
 ATTENTION = ["eager", "sdpa"]
@@ -175,7 +175,7 @@ def test_cache_holds_kv_and_recurrent_state():
     cache = DynamicCache(config=thinker.config)
     assert [type(layer) for layer in cache.layers] == [LinearAttentionLayer, DynamicLayer] * 2
     with torch.no_grad():
-        thinker(token_ids(length=7), past_key_values=cache, use_cache=True)
+        thinker(token_ids(length=7), use_cache=True, **{CACHE_ARG: cache})
     assert cache.get_seq_length() == 7
     config = thinker.config
     conv = cache.layers[0].conv_states[0]
@@ -197,9 +197,9 @@ def test_prefill_then_decode_equals_full_forward(family, attn):
     with torch.no_grad():
         full = ref(ids, use_cache=False).logits
         cache = DynamicCache(config=thinker.config)
-        logits = [thinker(prompt, past_key_values=cache, use_cache=True).logits]
+        logits = [thinker(prompt, use_cache=True, **{CACHE_ARG: cache}).logits]
         for step in steps.T:  # one token at a time: the one-step delta rule and the conv-state update
-            logits.append(thinker(step[:, None], past_key_values=cache, use_cache=True).logits)
+            logits.append(thinker(step[:, None], use_cache=True, **{CACHE_ARG: cache}).logits)
     assert cache.get_seq_length() == 156
     assert_close(torch.cat(logits, dim=1), full, **TOL)
 
@@ -207,7 +207,7 @@ def test_prefill_then_decode_equals_full_forward(family, attn):
 def test_cache_without_linear_layers_is_refused():
     _, thinker = family_pair("qwen3_5", "sdpa")
     with pytest.raises(ValueError, match=r"DynamicCache\(config=model.config\)"):
-        thinker(token_ids(length=3), past_key_values=DynamicCache(), use_cache=True)
+        thinker(token_ids(length=3), use_cache=True, **{CACHE_ARG: DynamicCache()})
 
 
 # ----------------------------------------------------------------------------------------------------------------

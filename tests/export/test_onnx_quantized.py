@@ -30,7 +30,7 @@ from export.dequantize import quantized_weights
 from export.quantize import QuantizeSpec
 from export.quantized_verify import QualityGate
 from export.runtime import OnnxDecoder
-from export.verify import compare_decoders
+from export.verify import STREAMED, WHOLE, compare_decoders
 
 INT4_EXACT = QuantizeSpec(bits=4, block_size=16, accuracy_level=1)  # float32 activations: no activation rounding
 INT4 = QuantizeSpec(bits=4, block_size=16)
@@ -299,21 +299,32 @@ def planted(folder: Path, out: Path, bug) -> Path:
     return out / "model.onnx"
 
 
+@pytest.mark.parametrize("plan", [WHOLE, STREAMED])
 @pytest.mark.parametrize("spec", [INT4, INT8], ids=["int4", "int8"])
-def test_quantized_verify_catches_planted_bugs(spec, thinker_variant, onnx_variant, tmp_path):
+def test_quantized_verify_catches_planted_bugs(spec, plan, thinker_variant, onnx_variant, tmp_path):
     """A graph bug fails the graph check and a wrong quantization scale the weight check, at int4 and int8 alike,
-    while the export as written passes both; the quality gate is left open, so neither hides behind it."""
+    while the export as written passes both; the quality gate is left open, so neither hides behind it. The same
+    with the float model streamed layer by layer, each quantized weight dequantized as its layer loads: the same
+    figures as the whole check's."""
     from export.quantized_verify import verify_quantized_export
 
     model_dir = thinker_variant("qwen3", head_dim=16)
     folder = onnx_variant("qwen3", graph="fused", quantize=spec)
 
-    def verify(path: Path) -> dict:
-        return verify_quantized_export(model_dir, path, torch.float32, spec.bits, NO_GATE)
+    def verify(path: Path, plan: str = plan) -> dict:
+        return verify_quantized_export(model_dir, path, torch.float32, spec.bits, NO_GATE, plan=plan)
 
     sound = verify(folder / "model.onnx")
     assert sound["passed"] is True, sound
     assert sound["graph"]["max_abs_diff"] <= 1e-4, sound["graph"]  # far inside the tolerance: the check is tight
+    if plan == STREAMED:
+        whole = verify(folder / "model.onnx", WHOLE)
+        assert sound["reference"].endswith("read layer by layer as it runs"), sound["reference"]
+        assert sound["weights"] == whole["weights"]
+        assert sound["cost"]["top1_agreement"] == whole["cost"]["top1_agreement"]
+        # the float reference's attention is eager when streamed, sdpa whole: float32 rounding apart
+        assert sound["cost"]["perplexity_reference"] == pytest.approx(whole["cost"]["perplexity_reference"], rel=1e-6)
+        assert abs(sound["graph"]["max_abs_diff"] - whole["graph"]["max_abs_diff"]) <= 1e-5
     for bug in (drop_k_norm, scale_attention):
         broken = verify(planted(folder, tmp_path / bug.__name__, bug))
         assert (

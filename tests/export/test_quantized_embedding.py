@@ -19,6 +19,7 @@ from onnx import helper, numpy_helper
 from export.dequantize import EMBEDDING, quantized_weights
 from export.quantize import QuantizeSpec
 from export.quantized_verify import QualityGate
+from export.verify import STREAMED, WHOLE
 
 INT4 = QuantizeSpec(bits=4, block_size=16)
 INT4_HEAD8 = QuantizeSpec(bits=4, block_size=16, head_bits=8)  # the CLI's int4 default: an int8 head
@@ -142,15 +143,17 @@ def test_sizes_and_parameter_count_stay_true(thinker_variant, tmp_path):
     assert hqq["parameters"] == report["parameters"]
 
 
+@pytest.mark.parametrize("plan", [WHOLE, STREAMED])
 @pytest.mark.parametrize("spec", [INT4, INT4_HEAD8, INT8, INT4_ASYM], ids=["int4", "int4-head8", "int8", "int4-asym"])
-def test_verify_runs_the_dequantized_embedding(spec, thinker_variant, onnx_variant, monkeypatch):
+def test_verify_runs_the_dequantized_embedding(spec, plan, thinker_variant, onnx_variant, monkeypatch):
     """The export passes, its embedding exactly the head's table; the same check with the PyTorch model left holding
-    its float embedding fails the graph check: the tolerance sees the embedding's rounding, so feeding it matters."""
+    its float embedding fails the graph check: the tolerance sees the embedding's rounding, so feeding it matters.
+    Whole, and streamed layer by layer (the tied head and embedding then loaded as two units)."""
     import export.quantized_verify as quantized_verify
 
     model_dir = thinker_variant("qwen3", head_dim=16, **TIED)
     path = onnx_variant("qwen3", graph="fused", quantize=spec, **TIED) / "model.onnx"
-    sound = quantized_verify.verify_quantized_export(model_dir, path, torch.float32, spec.bits, NO_GATE)
+    sound = quantized_verify.verify_quantized_export(model_dir, path, torch.float32, spec.bits, NO_GATE, plan=plan)
     assert sound["passed"] is True, sound
     assert sound["weights"]["embedding"] == "GatherBlockQuantized", sound["weights"]
     assert sound["weights"]["tied_embedding_max_abs_diff_from_head"] == 0.0, sound["weights"]
@@ -165,7 +168,9 @@ def test_verify_runs_the_dequantized_embedding(spec, thinker_variant, onnx_varia
         return {name: w for name, w in as_parameters(weights, model).items() if name != EMBEDDING}
 
     monkeypatch.setattr(quantized_verify, "as_thinker_parameters", without_embedding)
-    float_embedding = quantized_verify.verify_quantized_export(model_dir, path, torch.float32, spec.bits, NO_GATE)
+    float_embedding = quantized_verify.verify_quantized_export(
+        model_dir, path, torch.float32, spec.bits, NO_GATE, plan=plan
+    )
     assert float_embedding["passed"] is False, float_embedding
     assert "against the model with the same dequantized weights" in float_embedding["failure"], float_embedding
 

@@ -143,3 +143,36 @@ def test_streamed_verify_checks_the_shipped_graph_layer_by_layer(family, thinker
     without_k_norm(monkeypatch)
     bad = export(folder, tmp_path / "bad", "--graph", "plain")
     assert_rejected(bad, tmp_path / "bad", "float32, plain graph", "> tolerance")
+
+
+def test_streamed_quantized_verify_from_the_command_line(thinker_folder, tmp_path, monkeypatch):
+    """A quantized export whose float model and dequantized weights do not fit beside the graph's two sessions, but
+    one layer in both forms does: --verify streams it, passes, and still rejects a planted bug (a negated head, every
+    argmax an argmin). The hybrid MoE: linear-attention and full-attention layers, routed experts left float."""
+    from converter.parity import MEMORY_BUDGET_ENV
+    from export.quantize import HEAD, WeightQuantizer
+    from export.verify import model_bytes
+
+    folder = thinker_folder("qwen3_5_moe")
+    # the quality gate open: a tiny random model's near-ties say nothing of what int8 costs (test_onnx_quantized.py)
+    options = ("--quantize", "int8", "--min-top1", "0", "--max-perplexity-increase", "100")
+    unverified = CliRunner().invoke(main, ["export", str(folder), str(tmp_path / "sizes"), *options, "--no-verify"])
+    assert unverified.exit_code == 0, unverified.output
+    graph = (tmp_path / "sizes" / "model.onnx.data").stat().st_size
+    model, largest_unit = model_bytes(folder, torch.float32)
+    budget = 2 * graph + 2 * largest_unit
+    assert budget < 2 * graph + 2 * model
+    monkeypatch.setenv(MEMORY_BUDGET_ENV, str(budget))
+    assert_passes(folder, tmp_path / "good", *options)
+    report = json.loads((tmp_path / "good" / "export_report.json").read_text())["verify"]
+    assert report["reference"].endswith("read layer by layer as it runs"), report["reference"]
+    assert report["weights"]["quantized"] > 0 and report["passed"] is True
+
+    original = WeightQuantizer.emit
+
+    def emit(self, b, x, name, weight):
+        return original(self, b, x, name, -weight if name == HEAD else weight)
+
+    monkeypatch.setattr(WeightQuantizer, "emit", emit)
+    bad = export(folder, tmp_path / "bad", *options)
+    assert_rejected(bad, tmp_path / "bad", "quantized weight lm_head.weight is", "int8 rtn")
