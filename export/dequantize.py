@@ -215,12 +215,6 @@ def thinker_names(name: str, parameters: Mapping[str, torch.Tensor]) -> list[str
     return parts
 
 
-def weight_errors(dequantized: dict[str, QuantizedWeight], model: torch.nn.Module) -> dict[str, float]:
-    """Each dequantized weight's relative RMS error against the float parameter it replaces: ||W' - W|| / ||W||."""
-    parameters = dict(model.named_parameters(remove_duplicate=False))
-    return {name: relative_error(name, quantized.weight, parameters[name]) for name, quantized in dequantized.items()}
-
-
 def relative_error(name: str, weight: torch.Tensor, reference: torch.Tensor) -> float:
     """||weight - reference|| / ||reference|| for dequantized parameter ``name``; shapes must agree."""
     reference = reference.detach().float()
@@ -231,12 +225,9 @@ def relative_error(name: str, weight: torch.Tensor, reference: torch.Tensor) -> 
 
 
 @torch.no_grad()
-def load_into(model: torch.nn.Module, dequantized: dict[str, QuantizedWeight]) -> None:
-    """Replaces the model's parameters by the dequantized ones. Tied embedding and head become two parameters
-    first: a graph that quantizes the head (MatMulNBits) may keep the embedding Gather float, or quantize it
-    with another layout."""
+def untie_head(model: torch.nn.Module) -> None:
+    """Tied embedding and head become two parameters: a graph that quantizes the head (MatMulNBits) may keep the
+    embedding Gather float, or quantize it with another layout."""
     embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
     if head is not None and head.weight is embeddings.weight:
         head.weight = torch.nn.Parameter(embeddings.weight.detach().clone())
-    for name, quantized in dequantized.items():
-        model.get_parameter(name).copy_(quantized.weight)

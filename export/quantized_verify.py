@@ -37,13 +37,12 @@ from common.progress import progress_bar
 from .accuracy_guard import graph_variant
 from .dequantize import (
     EMBEDDING,
+    QuantizedWeight,
     as_thinker_parameters,
-    load_into,
     quantized_weight_readers,
-    quantized_weights,
     relative_error,
     thinker_names,
-    weight_errors,
+    untie_head,
 )
 from .fidelity import fidelity_token_ids, prefill_logits, text_fidelity
 from .quantize import HEAD
@@ -139,14 +138,15 @@ def verify_quantized(
     cost = quantization_cost(model, model_dir, shipped)  # before the weights change
     on_step()
 
-    dequantized = as_thinker_parameters(quantized_weights(onnx_path), model)
-    weights = WeightFigures(
-        errors=weight_errors(dequantized, model),
-        bits={name: quantized.bits for name, quantized in dequantized.items()},
-        embedding=dequantized[EMBEDDING].op_type if EMBEDDING in dequantized else "Gather (float)",
-        tied_difference=tied_table_difference(dequantized, model),
-    )
-    load_into(model, dequantized)
+    readers = quantized_weight_readers(onnx_path)
+    weights = WeightFigures.for_graph(readers, model)
+    untie_head(model)  # a graph may quantize the head and gather the embedding another way: two tables
+    for graph_name, read in readers.items():  # one weight dequantized at a time
+        for name, quantized in as_thinker_parameters({graph_name: read()}, model).items():
+            parameter = model.get_parameter(name)
+            weights.add(name, quantized, parameter)
+            with torch.no_grad():
+                parameter.copy_(quantized.weight)
     on_step()
     graph = graph_check(model, onnx_path, threads, on_step)
     reference = "PyTorch ThinkerForCausalLM with the graph's dequantized weights"
@@ -180,11 +180,7 @@ def verify_quantized_streamed(
         readers = quantized_weight_readers(onnx_path)
         parameters = dict(model.named_parameters(remove_duplicate=False))  # on the meta device: names and shapes
         owners = {part: name for name in readers for part in thinker_names(name, parameters)}
-        weights = WeightFigures(errors={}, bits={}, embedding="Gather (float)", tied_difference=None)
-        if model.config.tie_word_embeddings and EMBEDDING in readers and HEAD in readers:
-            tables = {name: readers[name]() for name in (EMBEDDING, HEAD)}
-            weights.tied_difference = tied_table_difference(as_thinker_parameters(tables, model), model)
-            del tables
+        weights = WeightFigures.for_graph(readers, model)
 
         def put_dequantized(unit) -> None:
             """The unit's quantized parameters replaced by the graph's dequantized weights (dropped with it)."""
@@ -192,10 +188,7 @@ def verify_quantized_streamed(
             for graph_name in dict.fromkeys(owners[name] for name in names):
                 for name, quantized in as_thinker_parameters({graph_name: readers[graph_name]()}, model).items():
                     current = streamed._get(name)
-                    weights.errors.setdefault(name, relative_error(name, quantized.weight, current))
-                    weights.bits[name] = quantized.bits
-                    if name == EMBEDDING:
-                        weights.embedding = quantized.op_type
+                    weights.add(name, quantized, current)
                     dequantized = torch.nn.Parameter(quantized.weight.to(current.dtype), requires_grad=False)
                     streamed._set(name, dequantized)
 
@@ -219,6 +212,23 @@ class WeightFigures:
     bits: dict[str, int]
     embedding: str
     tied_difference: float | None
+
+    @classmethod
+    def for_graph(cls, readers: dict[str, Callable[[], QuantizedWeight]], model: torch.nn.Module) -> WeightFigures:
+        """Empty figures for the quantized weights of ``readers``, the tied tables already compared: for a tied
+        model whose embedding and head are both quantized, the two tables read and held to each other."""
+        figures = cls(errors={}, bits={}, embedding="Gather (float)", tied_difference=None)
+        if model.config.tie_word_embeddings and EMBEDDING in readers and HEAD in readers:
+            tables = as_thinker_parameters({name: readers[name]() for name in (EMBEDDING, HEAD)}, model)
+            figures.tied_difference = tied_table_difference(tables, model)
+        return figures
+
+    def add(self, name: str, quantized: QuantizedWeight, float_weight: torch.Tensor) -> None:
+        """Parameter ``name``'s dequantized weight against its float one (the first time it is seen)."""
+        self.errors.setdefault(name, relative_error(name, quantized.weight, float_weight))
+        self.bits[name] = quantized.bits
+        if name == EMBEDDING:
+            self.embedding = quantized.op_type
 
 
 def graph_check(model: torch.nn.Module, onnx_path: Path, threads: int | None, on_step: Callable[[], object]) -> dict:

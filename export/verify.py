@@ -156,7 +156,7 @@ def verify_plan(
 
     A float export's check holds the graph's session (about the model's bytes) and the PyTorch model. A quantized
     export's holds two sessions of its graph (``graph_bytes``: as shipped, and with float activations) and the float
-    model beside its dequantized weights, or streamed, one layer in both forms. Before a quantized graph is written
+    model, whose weights it replaces by the dequantized ones one at a time; or, streamed, one layer in both forms. Before a quantized graph is written
     its size is unknown: with ``graph_bytes`` 0 the call refuses only what cannot fit whatever the graph's size, and
     the exporter asks again once it knows."""
     if dtype == torch.bfloat16 and not cuda_usable():
@@ -164,7 +164,7 @@ def verify_plan(
     model, largest_unit = model_bytes(model_dir, dtype)
     if quantized:
         graph = graph_bytes or 0
-        whole, streamed = 2 * graph + 2 * model, 2 * graph + 2 * largest_unit
+        whole, streamed = 2 * graph + model + largest_unit, 2 * graph + 2 * largest_unit
         held = "two sessions of the quantized graph and one PyTorch layer, float and dequantized"
     else:
         whole, streamed = 2 * model, model + largest_unit
