@@ -168,11 +168,11 @@ class StreamedModel:
     def load_unit(self, unit: Unit) -> None:
         if getattr(unit, "_meta", None) is not None:
             return  # already loaded (a module called twice in one forward)
-        unit._meta = {name: self._get(name) for name in [*unit.tensors, *unit.ties, *unit.ties.values()]}
+        unit._meta = {name: self.get_tensor(name) for name in [*unit.tensors, *unit.ties, *unit.ties.values()]}
         self._load(self, unit)
         for tied, source in unit.ties.items():
-            self._set(tied, self._get(source))
-        missing = [name for name in [*unit.tensors, *unit.ties] if self._get(name).is_meta]
+            self.set_tensor(tied, self.get_tensor(source))
+        missing = [name for name in [*unit.tensors, *unit.ties] if self.get_tensor(name).is_meta]
         if missing:
             self.drop_unit(unit)
             raise ThinkerError(
@@ -189,26 +189,29 @@ class StreamedModel:
         if meta is None:
             return
         for name, tensor in meta.items():
-            self._set(name, tensor)
+            self.set_tensor(name, tensor)
         unit._meta = None
 
     def _widen(self, names: list[str]) -> None:
         """Each loaded floating tensor cast to ``compute_dtype``, one at a time (the old one freed before the next)."""
         done: dict[int, torch.Tensor] = {}
         for name in names:
-            tensor = self._get(name)
+            tensor = self.get_tensor(name)
             if not tensor.is_floating_point() or tensor.dtype == self.compute_dtype:
                 continue
             if id(tensor) not in done:
                 widened = tensor.detach().to(self.compute_dtype)
                 done[id(tensor)] = nn.Parameter(widened, requires_grad=False) if _is_param(tensor) else widened
-            self._set(name, done[id(tensor)])
+            self.set_tensor(name, done[id(tensor)])
 
-    def _get(self, name: str) -> torch.Tensor:
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """The model's parameter or buffer ``name`` as it is now (on the meta device when its unit is not loaded)."""
         module, _, attr = name.rpartition(".")
         return getattr(self.model.get_submodule(module), attr)
 
-    def _set(self, name: str, tensor: torch.Tensor) -> None:
+    def set_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """Puts ``tensor`` in as parameter (wrapped, without gradient) or buffer ``name``: for loaders and
+        ``after_load``; the unit's drop puts the meta tensor back."""
         module, _, attr = name.rpartition(".")
         owner = self.model.get_submodule(module)
         if attr in owner._parameters:
@@ -365,13 +368,13 @@ def _built_dtype(model: nn.Module) -> torch.dtype:
 def plain_loader(streamed: StreamedModel, unit: Unit) -> None:
     """Name for name, for models that are not transformers classes (a reference implementation's state dict)."""
     for key in unit.keys:
-        current = streamed._get(key)
+        current = streamed.get_tensor(key)
         tensor = streamed.tensors[key][...].to(current.dtype)
         if tuple(tensor.shape) != tuple(current.shape):
             raise ThinkerError(
                 f"{streamed.name}: {key} has shape {tuple(tensor.shape)}, expected {tuple(current.shape)}"
             )
-        streamed._set(key, nn.Parameter(tensor, requires_grad=False) if _is_param(current) else tensor)
+        streamed.set_tensor(key, nn.Parameter(tensor, requires_grad=False) if _is_param(current) else tensor)
 
 
 # --- building ----------------------------------------------------------------------------------------------------

@@ -187,10 +187,9 @@ def verify_quantized_streamed(
             names = [name for name in [*unit.tensors, *unit.ties] if name in owners]
             for graph_name in dict.fromkeys(owners[name] for name in names):
                 for name, quantized in as_thinker_parameters({graph_name: readers[graph_name]()}, model).items():
-                    current = streamed._get(name)
+                    current = streamed.get_tensor(name)
                     weights.add(name, quantized, current)
-                    dequantized = torch.nn.Parameter(quantized.weight.to(current.dtype), requires_grad=False)
-                    streamed._set(name, dequantized)
+                    streamed.set_tensor(name, quantized.weight.to(current.dtype))
 
         on_step()
         streamed.after_load = put_dequantized

@@ -156,9 +156,9 @@ def verify_plan(
 
     A float export's check holds the graph's session (about the model's bytes) and the PyTorch model. A quantized
     export's holds two sessions of its graph (``graph_bytes``: as shipped, and with float activations) and the float
-    model, whose weights it replaces by the dequantized ones one at a time; or, streamed, one layer in both forms. Before a quantized graph is written
-    its size is unknown: with ``graph_bytes`` 0 the call refuses only what cannot fit whatever the graph's size, and
-    the exporter asks again once it knows."""
+    model, whose weights it replaces by the dequantized ones one at a time; or, streamed, one layer in both forms.
+    Before a quantized graph is written its size is unknown: with ``graph_bytes`` 0 the call refuses only what
+    cannot fit whatever the graph's size, and the exporter asks again once it knows."""
     if dtype == torch.bfloat16 and not cuda_usable():
         return None
     model, largest_unit = model_bytes(model_dir, dtype)
