@@ -102,20 +102,25 @@ def test_fused_verify_rejects_a_broken_graph(plant, thinker_variant, tmp_path, m
     assert_rejected(result, tmp_path / "bad", "float32, fused graph")
 
 
-@pytest.mark.parametrize("graph", ["plain", "fused"])
-def test_quantized_verify_rejects_a_broken_graph(graph, thinker_variant, tmp_path, monkeypatch):
-    """A negated head (every argmax an argmin) is a quantized weight far off its float original."""
+def negated_head(monkeypatch) -> None:
+    """The quantized head written negated: every argmax an argmin, a quantized weight far off its float original."""
     from export.quantize import HEAD, WeightQuantizer
 
-    folder = thinker_variant("qwen3", head_dim=16)
-    options = ("--graph", graph, "--quantize", "int8")
-    assert_passes(folder, tmp_path / "good", *options)
     original = WeightQuantizer.emit
 
     def emit(self, b, x, name, weight):
         return original(self, b, x, name, -weight if name == HEAD else weight)
 
     monkeypatch.setattr(WeightQuantizer, "emit", emit)
+
+
+@pytest.mark.parametrize("graph", ["plain", "fused"])
+def test_quantized_verify_rejects_a_broken_graph(graph, thinker_variant, tmp_path, monkeypatch):
+    """A negated head (every argmax an argmin) is a quantized weight far off its float original."""
+    folder = thinker_variant("qwen3", head_dim=16)
+    options = ("--graph", graph, "--quantize", "int8")
+    assert_passes(folder, tmp_path / "good", *options)
+    negated_head(monkeypatch)
     bad = export(folder, tmp_path / "bad", *options)
     assert_rejected(bad, tmp_path / "bad", "quantized weight lm_head.weight is", "int8 rtn")
 
@@ -151,7 +156,6 @@ def test_streamed_quantized_verify_from_the_command_line(thinker_folder, tmp_pat
     forms does: --verify streams it, passes, and still rejects a planted bug (a negated head, every
     argmax an argmin). The hybrid MoE: linear-attention and full-attention layers, routed experts left float."""
     from converter.parity import MEMORY_BUDGET_ENV
-    from export.quantize import HEAD, WeightQuantizer
     from export.verify import model_bytes
 
     folder = thinker_folder("qwen3_5_moe")
@@ -170,11 +174,6 @@ def test_streamed_quantized_verify_from_the_command_line(thinker_folder, tmp_pat
     assert report["reference"].endswith("read layer by layer as it runs"), report["reference"]
     assert report["weights"]["quantized"] > 0 and report["passed"] is True
 
-    original = WeightQuantizer.emit
-
-    def emit(self, b, x, name, weight):
-        return original(self, b, x, name, -weight if name == HEAD else weight)
-
-    monkeypatch.setattr(WeightQuantizer, "emit", emit)
+    negated_head(monkeypatch)
     bad = export(folder, tmp_path / "bad", *options)
     assert_rejected(bad, tmp_path / "bad", "quantized weight lm_head.weight is", "int8 rtn")
