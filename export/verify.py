@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -198,6 +199,24 @@ def model_bytes(model_dir: Path, dtype: torch.dtype) -> tuple[int, int]:
     return sum(units.values()), max(units.values(), default=0)
 
 
+@contextmanager
+def pytorch_thinker(model_dir: Path, dtype: torch.dtype, plan: str) -> Iterator[torch.nn.Module]:
+    """The PyTorch Thinker of ``model_dir`` for the check: loaded whole (WHOLE), or built on the meta device with
+    each layer read from the folder as it runs (STREAMED)."""
+    from converter.layer_parity import load_layered_converted
+    from thinker import ThinkerForCausalLM
+
+    if plan != STREAMED:
+        yield ThinkerForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        return
+    streamed = load_layered_converted(model_dir, dtype)
+    try:
+        with streamed.streaming():
+            yield streamed.model
+    finally:
+        streamed.close()
+
+
 def verify_export(
     model_dir: Path,
     onnx_path: Path,
@@ -209,9 +228,6 @@ def verify_export(
     """The figures for the export report; ``passed`` is False beyond tolerance (``failure`` says how), None when it
     could not run. ``progress``: a bar over loading both models, the prefill and the decode steps; ``plan``: WHOLE
     or STREAMED (``verify_plan``). (A quantized export has its own checks: export/quantized_verify.py.)"""
-    from converter.layer_parity import load_layered_converted
-    from thinker import ThinkerForCausalLM
-
     if dtype == torch.bfloat16 and not cuda_usable():
         return {
             "passed": None,
@@ -219,17 +235,7 @@ def verify_export(
         }
     with progress_bar(2 + DECODE_STEPS, "verifying", unit="step", enabled=progress) as bar:
         decoder = OnnxDecoder(onnx_path, threads=threads)
-        if plan == STREAMED:
-            streamed = load_layered_converted(model_dir, dtype)
-            try:
-                bar.update()
-                input_ids, attention_mask = parity_batch(streamed.model.config.vocab_size)
-                with streamed.streaming():
-                    figures = compare_decoders(streamed.model, decoder, input_ids, attention_mask, on_step=bar.update)
-            finally:
-                streamed.close()
-        else:
-            model = ThinkerForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        with pytorch_thinker(model_dir, dtype, plan) as model:
             bar.update()
             input_ids, attention_mask = parity_batch(model.config.vocab_size)
             figures = compare_decoders(model, decoder, input_ids, attention_mask, on_step=bar.update)
