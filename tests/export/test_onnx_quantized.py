@@ -52,8 +52,8 @@ def attributes(node: onnx.NodeProto) -> dict:
 
 
 def dequantized_weights(folder: Path) -> dict[str, np.ndarray]:
-    """Each MatMulNBits weight as onnxruntime's own kernel sees it: the node run on an identity matrix (float32
-    activations) gives its dequantized (K, N) weight. Keyed by the Thinker weight name it came from."""
+    """Each MatMulNBits weight as onnxruntime's own kernel sees it: the node run on an identity matrix (activations
+    of the scales' type) gives its dequantized (K, N) weight. Keyed by the Thinker weight name it came from."""
     model = onnx.load(folder / "model.onnx")
     tensors = {t.name: t for t in model.graph.initializer}
     weights = {}
@@ -62,12 +62,13 @@ def dequantized_weights(folder: Path) -> dict[str, np.ndarray]:
             continue
         attrs = {**attributes(node), "accuracy_level": 0}
         k = attrs["K"]
+        elem_type = tensors[node.input[2]].data_type  # the scales'
         one = helper.make_node("MatMulNBits", ["x", *node.input[1:]], ["y"], domain="com.microsoft", **attrs)
         graph = helper.make_graph(
             [one],
             "dequantize",
-            [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [k, k])],
-            [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+            [helper.make_tensor_value_info("x", elem_type, [k, k])],
+            [helper.make_tensor_value_info("y", elem_type, None)],
             initializer=[tensors[name] for name in node.input[1:] if name],
         )
         opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
@@ -75,7 +76,8 @@ def dequantized_weights(folder: Path) -> dict[str, np.ndarray]:
             helper.make_model(graph, opset_imports=opsets, ir_version=10).SerializeToString()
         )
         name = node.input[1][: node.input[1].rindex(".weight") + len(".weight")]
-        weights[name] = session.run(None, {"x": np.eye(k, dtype=np.float32)})[0]
+        identity = np.eye(k, dtype=helper.tensor_dtype_to_np_dtype(elem_type))
+        weights[name] = session.run(None, {"x": identity})[0]
     return weights
 
 
@@ -251,9 +253,13 @@ HQQ = QuantizeSpec(bits=4, block_size=16, algo="hqq")
 INT4_PADDED = QuantizeSpec(bits=4, block_size=32)  # the MLP's 48 inputs: one full block and one padded
 
 
-@pytest.mark.parametrize("spec", [INT4, INT8, HQQ, INT4_PADDED], ids=["int4", "int8", "hqq", "int4-padded"])
-def test_dequantized_weights_are_what_onnxruntime_computes_with(spec, onnx_variant):
-    folder = onnx_variant("qwen3_moe", graph="fused", quantize=spec)
+@pytest.mark.parametrize(
+    "spec, dtype",
+    [(INT4, "float32"), (INT8, "float32"), (HQQ, "float32"), (INT4_PADDED, "float32"), (INT4, "float16")],
+    ids=["int4", "int8", "hqq", "int4-padded", "int4-float16"],
+)
+def test_dequantized_weights_are_what_onnxruntime_computes_with(spec, dtype, onnx_variant):
+    folder = onnx_variant("qwen3_moe", dtype, graph="fused", quantize=spec)
     kernel = dequantized_weights(folder)
     ours = quantized_weights(folder / "model.onnx")
     assert set(ours) == set(kernel) and kernel
