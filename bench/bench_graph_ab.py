@@ -14,13 +14,26 @@ the machine favours one. Two effects inside a process had to be cancelled, both 
     number of repetitions puts every folder in every place equally.
 A repetition's figure per folder is its median step time; the ratio per folder is the median over repetitions of
 the first folder's time divided by its own (above 1: faster than the first), with a 90 % bootstrap interval
-(bench/report.py ``ratio_interval``). The folders must agree on the greedy tokens (checked every step), so only
-graphs of one function are compared.
+(bench/report.py ``ratio_interval``). The load-order effect makes those per-repetition ratios two-valued (one value per
+order, about 10 % apart under onnxruntime-genai), which widens that interval; so each rotation cycle (as many
+consecutive repetitions as folders, every folder once in every place) also gives one ratio, the geometric mean of its
+repetitions', in which the effect cancels: "by cycle", the median over cycles with its interval. The folders must
+agree on the greedy tokens (checked every step), so only graphs of one function are compared.
 
     python bench/bench_graph_ab.py BEFORE AFTER [MORE ...] --reps 6 --tag qwen3_5-unpadded-branch
     python bench/bench_graph_ab.py ALL LAST --prefill --prompt 128 --steps 16 --tag smollm2-last-logits
 
 ``--prefill`` times whole prefills of ``--prompt`` tokens instead of decode steps (same rounds, gap and rotation).
+
+``--runtime genai`` runs the repetitions in onnxruntime-genai's own environment (bench/peer_envs.py), each folder an
+``og.Model`` (its genai_config.json, the intra-op threads overlaid) with an ``og.Generator`` over the same prompt; a
+step is one ``generate_next_token`` (one forward and the greedy pick), so folders from different exporters of one
+checkpoint compare as onnxruntime-genai runs them (ours against the builder's: the issue's goal under its own
+runtime). ``--batch`` feeds that many rows of one prompt length. ``--own-tokens`` compares folders that compute
+different functions (two int4 quantizations): each then decodes its own greedy tokens, which at a fixed length costs
+the same steps, and the token check is off.
+
+    python bench/bench_graph_ab.py BUILDER OURS --runtime genai --batch 8 --reps 6 --tag smollm2-genai-b8
 
 Writes bench/results/graph_ab_<tag>.json and prints a table.
 """
@@ -39,17 +52,20 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
 
-from report import ratio_interval, table  # noqa: E402
+from peer_envs import python_of  # noqa: E402
+from report import median_interval, ratio_interval, table  # noqa: E402
 
 RESULTS = Path(__file__).with_name("results")
 
 
 def repetition(folders: list[Path], args: argparse.Namespace) -> dict[str, float]:
     """One process's run: every folder loaded in the given order; median decode step (s) per folder."""
+    ids = np.random.default_rng(0).integers(100, 5000, size=(args.batch, args.prompt))
+    if args.runtime == "genai":
+        return genai_repetition(folders, ids, args)
     from export.runtime import OnnxDecoder
 
     decoders = [OnnxDecoder(folder, provider="cpu", threads=args.threads) for folder in folders]
-    ids = np.random.default_rng(0).integers(100, 5000, size=(1, args.prompt))
 
     def start() -> tuple[list, list]:
         states, tokens = [], []
@@ -77,6 +93,46 @@ def repetition(folders: list[Path], args: argparse.Namespace) -> dict[str, float
     return {str(folder): float(np.median(row)) for folder, row in zip(folders, times, strict=True)}
 
 
+def genai_repetition(folders: list[Path], ids: np.ndarray, args: argparse.Namespace) -> dict[str, float]:
+    """``repetition`` under onnxruntime-genai (decode steps only): imports nothing from this repository, since it
+    runs in the genai environment."""
+    import onnxruntime_genai as og
+
+    models = []
+    for folder in folders:
+        config = og.Config(str(folder))
+        config.clear_providers()  # the CPU
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": args.threads}}}}))
+        models.append(og.Model(config))
+
+    def start() -> list:
+        generators = []
+        for model in models:
+            params = og.GeneratorParams(model)
+            length = ids.shape[1] + args.restart + 1
+            params.set_search_options(do_sample=False, max_length=length, min_length=length, batch_size=len(ids))
+            generator = og.Generator(model, params)
+            generator.append_tokens(ids)  # the prompt's forward
+            generator.generate_next_token()  # the first pick, from the prompt's logits
+            generators.append(generator)
+        return generators
+
+    generators = start()
+    times = np.zeros((len(models), args.steps))
+    for step in range(args.steps):
+        tokens = [g.get_next_tokens() for g in generators]
+        if not args.own_tokens and any(not np.array_equal(t, tokens[0]) for t in tokens):
+            raise SystemExit(f"the folders' greedy tokens differ at step {step}: not one function")
+        for k in np.random.default_rng(step).permutation(len(models)):
+            time.sleep(args.gap)
+            started = time.perf_counter()
+            generators[k].generate_next_token()  # the last token's forward, then the pick
+            times[k, step] = time.perf_counter() - started
+        if (step + 1) % args.restart == 0:
+            generators = start()
+    return {str(folder): float(np.median(row)) for folder, row in zip(folders, times, strict=True)}
+
+
 def timed_prefills(decoders: list, folders: list[Path], ids: np.ndarray, args: argparse.Namespace) -> dict[str, float]:
     """``repetition`` for prefills: rounds of one whole prefill per folder, shuffled; median seconds per folder."""
     times = np.zeros((len(decoders), args.steps))
@@ -95,7 +151,7 @@ def timed_prefills(decoders: list, folders: list[Path], ids: np.ndarray, args: a
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("folders", nargs="+", type=Path, help="exports of one model; the first is the reference")
+    parser.add_argument("folders", nargs="*", type=Path, help="exports of one model; the first is the reference")
     parser.add_argument("--reps", type=int, default=6, help="fresh processes, the load order rotated each time")
     parser.add_argument("--steps", type=int, default=120, help="decode rounds per repetition")
     parser.add_argument("--prompt", type=int, default=32)
@@ -103,50 +159,99 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gap", type=float, default=0.15, help="seconds of pause before each step")
     parser.add_argument("--prefill", action="store_true", help="time prefills of --prompt tokens, not decode steps")
+    parser.add_argument("--batch", type=int, default=1, help="rows of the prompt")
+    runtimes = {"ort": "onnxruntime through OnnxDecoder", "genai": "onnxruntime-genai"}
+    parser.add_argument("--runtime", choices=list(runtimes), default="ort", help=", or ".join(runtimes.values()))
+    parser.add_argument(
+        "--own-tokens",
+        action="store_true",
+        help="genai: folders of different functions (two quantizations), each decoding its own greedy tokens",
+    )
     parser.add_argument("--tag", help="names the results file (required unless --worker)")
+    parser.add_argument("--report", action="store_true", help="print --tag's table from its results file, no run")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one repetition, JSON on stdout
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(repetition(args.folders, args)))
         return
+    if args.report:
+        report(args.tag or parser.error("--report needs --tag"))
+        return
     if len(args.folders) < 2 or not args.tag:
         parser.error("give at least two folders and --tag")
+    if args.runtime == "genai" and args.prefill:
+        parser.error("--prefill times OnnxDecoder prefills: not with --runtime genai")
+    if args.own_tokens and args.runtime != "genai":
+        parser.error("--own-tokens is for --runtime genai")
 
     folders = [str(folder.resolve()) for folder in args.folders]
     settings = ["--steps", args.steps, "--prompt", args.prompt, "--restart", args.restart]
-    settings += ["--threads", args.threads, "--gap", args.gap] + (["--prefill"] if args.prefill else [])
+    settings += ["--threads", args.threads, "--gap", args.gap, "--batch", args.batch, "--runtime", args.runtime]
+    settings += (["--prefill"] if args.prefill else []) + (["--own-tokens"] if args.own_tokens else [])
+    python = python_of("genai") if args.runtime == "genai" else sys.executable
     reps = []
     for rep in range(args.reps):
         order = folders[rep % len(folders) :] + folders[: rep % len(folders)]
-        command = [sys.executable, __file__, *order, "--worker", *map(str, settings)]
-        figures = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+        command = [str(python), __file__, *order, "--worker", *map(str, settings)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:  # the worker's own last line says why (tokens that differ, a folder that fails)
+            raise SystemExit(f"repetition {rep + 1} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+        figures = json.loads(done.stdout)
         reps.append({"order": order, "step_s": figures})
         print(f"repetition {rep + 1}: " + ", ".join(f"{Path(f).name} {1e3 * figures[f]:.1f} ms" for f in order))
 
+    result = {"command": " ".join(sys.argv), "settings": vars(args) | {"folders": folders}, "reps": reps}
+    result["rows"] = summary(reps, folders)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"graph_ab_{args.tag}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(report_table(result["rows"]))
+
+
+def summary(reps: list[dict], folders: list[str]) -> list[dict]:
+    """Per folder: its median step and its speed against the first folder, by repetition and by rotation cycle."""
     rows = []
     for folder in folders:
         steps = [r["step_s"][folder] for r in reps]
         figures = ratio_interval([r["step_s"][folders[0]] for r in reps], steps)
+        cycles = median_interval(cycle_ratios(reps, folders[0], folder, len(folders))) or (np.nan,) * 3
         rows.append(
             {
                 "folder": folder,
                 "median_step_ms": round(1e3 * float(np.median(steps)), 2),
                 "speed_vs_first": [round(v, 4) for v in figures],
+                "speed_vs_first_by_cycle": [round(v, 4) for v in cycles],
             }
         )
-    result = {"command": " ".join(sys.argv), "settings": vars(args) | {"folders": folders}, "reps": reps}
-    result["rows"] = rows
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"graph_ab_{args.tag}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(
-        table(
-            ["folder", "median step (ms)", "speed vs the first (90 % interval)"],
-            [
-                [r["folder"], f"{r['median_step_ms']:.1f}", "{:.3f}x ({:.3f}–{:.3f})".format(*r["speed_vs_first"])]
-                for r in rows
-            ],
-        )
-    )
+    return rows
+
+
+def report(tag: str) -> None:
+    """The table of a results file again, its summary recomputed from its repetitions (and written back)."""
+    path = RESULTS / f"graph_ab_{tag}.json"
+    result = json.loads(path.read_text())
+    result["rows"] = summary(result["reps"], result["settings"]["folders"])
+    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(report_table(result["rows"]))
+
+
+def cycle_ratios(reps: list[dict], first: str, folder: str, size: int) -> list[float]:
+    """Per whole rotation cycle (``size`` consecutive repetitions): the geometric mean of its repetitions' speed
+    ratios of ``folder`` against ``first``."""
+    ratios = [r["step_s"][first] / r["step_s"][folder] for r in reps]
+    cycles = [ratios[i : i + size] for i in range(0, len(ratios) - size + 1, size)]
+    return [float(np.exp(np.mean(np.log(cycle)))) for cycle in cycles]
+
+
+def report_table(rows: list[dict]) -> str:
+    def cell(figures: list[float] | None) -> str:
+        return "—" if not figures or np.isnan(figures[0]) else "{:.3f}x ({:.3f}–{:.3f})".format(*figures)
+
+    header = ["folder", "median step (ms)", "speed vs the first (90 % interval)", "by cycle (90 % interval)"]
+    cells = [
+        [r["folder"], f"{r['median_step_ms']:.1f}", cell(r["speed_vs_first"]), cell(r.get("speed_vs_first_by_cycle"))]
+        for r in rows
+    ]
+    return table(header, cells)
 
 
 if __name__ == "__main__":

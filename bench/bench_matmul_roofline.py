@@ -40,13 +40,15 @@ RESULTS = Path(__file__).with_name("results")
 
 
 def projection_shapes(preset: str) -> tuple[dict[str, tuple[int, int]], int, tuple[int, int]]:
-    """(K, N) of each of a layer's projections as our fused graph packs them, the layer count, and the head's."""
+    """(K, N) of each of a layer's projections as our fused graph writes them (q, k and v packed; gate and up apart),
+    the layer count, and the head's."""
     config = load_preset(preset)
     c, d = config.hidden_size, config.head_dim
     shapes = {
         "q|k|v": (c, (config.num_attention_heads + 2 * config.num_key_value_heads) * d),
         "o": (config.num_attention_heads * d, c),
-        "gate|up": (c, 2 * config.intermediate_size),
+        "gate": (c, config.intermediate_size),
+        "up": (c, config.intermediate_size),
         "down": (config.intermediate_size, c),
     }
     return shapes, config.num_hidden_layers, (c, config.vocab_size)

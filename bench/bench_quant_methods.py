@@ -111,7 +111,8 @@ METHODS: dict[str, Callable[[], Callable[[torch.Tensor], torch.Tensor]]] = {
     "hqq": lambda: onnxruntime_quantizer(4, "hqq"),
     "rtn int8": lambda: onnxruntime_quantizer(8, "rtn"),
 }
-# (body, head): the builder's layout, our default, and each other body method under our default int8 head.
+# (body, head): the builder's layout, our default, each other body method under our default int8 head, and our
+# body under each int4 head method with integer zero points (the builder's bytes, give or take the zero points).
 CONFIGS = [
     ("rtn", "rtn"),
     ("rtn", "rtn int8"),
@@ -119,6 +120,8 @@ CONFIGS = [
     ("k-quant", "rtn int8"),
     ("k-quant", "k-quant"),
     ("hqq", "rtn int8"),
+    ("rtn", "rtn-asym"),
+    ("rtn", "k-quant"),
 ]
 
 

@@ -31,12 +31,16 @@ def ratio_interval(values: list[float], references: list[float]) -> tuple[float,
     pairs two draws of the same minutes: what a process happens to get (memory placement, which core, a
     neighbour's load) moves single figures by 5-15 % here, and the interval says how far the median can be trusted.
     None without at least two pairs."""
-    pairs = [v / r for v, r in zip(values, references, strict=False) if v and r]
-    if len(pairs) < 2:
+    return median_interval([v / r for v, r in zip(values, references, strict=False) if v and r])
+
+
+def median_interval(values: list[float]) -> tuple[float, float, float] | None:
+    """The median of ``values`` and a bootstrap percentile interval of it (CONFIDENCE); None for fewer than two."""
+    if len(values) < 2:
         return None
-    draws = np.random.default_rng(0).choice(pairs, size=(RESAMPLES, len(pairs)))
+    draws = np.random.default_rng(0).choice(values, size=(RESAMPLES, len(values)))
     low, high = np.quantile(np.median(draws, axis=1), [(1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2])
-    return statistics.median(pairs), float(low), float(high)
+    return statistics.median(values), float(low), float(high)
 
 
 def compared(ours: dict | None, peer: dict | None, key: str) -> tuple[float, float, float] | None:

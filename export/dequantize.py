@@ -34,7 +34,7 @@ from onnx import helper, numpy_helper
 from common.errors import ThinkerError
 
 # What the fused graph packs into one projection along the output axis (export/fused_graph.py writes these names),
-# to the Thinker parameters it concatenates, in order.
+# to the Thinker parameters it concatenates, in order. gate|up: graphs exported before the MLP's two MatMuls.
 PACKED = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),

@@ -281,21 +281,12 @@ class FusedDecoderGraph(DecoderGraph):
         b.op_to("FusedMatMul", [hidden, "model.embed_tokens.weight"], [output], domain=MS_DOMAIN, transB=1)
 
     # --- feed-forward -----------------------------------------------------------------------------------------
-    def emit_mlp(self, x: str, prefix: str) -> str:
-        """A gated MLP's gate and up projections as one MatMul over the concatenated (C, 2I) weight, split after:
-        one pass over x and one kernel call instead of two (decode is a chain of small calls on a few cores)."""
-        cfg, b = self.config, self.b
-        if not cfg.mlp_gated:
-            return super().emit_mlp(x, prefix)
-        names = [f"{prefix}.gate_proj", f"{prefix}.up_proj"]
-        weight = torch.cat([self.weights.get(f"{n}.weight") for n in names]).T
-        gate_up = self.emit_matmul(x, f"{prefix}.gate_up_proj.weight", weight)
-        if cfg.mlp_bias:
-            bias = torch.cat([self.weights.get(f"{n}.bias") for n in names])
-            gate_up = b.op("Add", gate_up, b.weight(f"{prefix}.gate_up_proj.bias", bias))
-        gate, up = b.op("Split", gate_up, axis=-1, num_outputs=2, outputs=2)
-        hidden = b.op("Mul", self.emit_activation(gate), up)
-        return self.linear(hidden, f"{prefix}.down_proj", cfg.mlp_bias)
+    # A gated MLP is the plain graph's: gate and up as two MatMuls over x. The fused graph used to pack them into one
+    # MatMul over the concatenated (C, 2I) weight and Split its output; under onnxruntime-genai that Split (a copy,
+    # and a kernel call per layer) cost more than the second MatMul call saves: two MatMuls decode SmolLM2 1.009x
+    # (1.000-1.014) as fast at batch 1 and 1.010x (1.001-1.020) at batch 8, int4 1.019x (1.006-1.026) at batch 8
+    # (bench/bench_graph_ab.py --runtime genai: bench/results/graph_ab_smollm2-genai-*unpacked-mlp-b*.json). q/k/v
+    # stay packed: GroupQueryAttention reads the packed projection itself, with no Split.
 
     # --- mixture of experts -----------------------------------------------------------------------------------
     def emit_routed_experts(self, flat: str, prefix: str) -> str:

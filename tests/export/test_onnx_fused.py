@@ -68,6 +68,18 @@ def test_contrib_ops_replace_the_standard_ones(family, onnx_variant):
     assert counts["MoE"] == sparse and counts["Loop"] == 0
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_moe"])
+def test_gated_mlp_is_two_matmuls_without_a_split(family, onnx_variant):
+    """Gate and up (of the dense MLP and of a shared expert) as two MatMuls over the same input, as the plain graph
+    writes them: one packed MatMul and a Split of its output decoded slower under onnxruntime-genai (the Split is a
+    copy and a kernel call per layer; export/fused_graph.py)."""
+    graph = onnx.load(onnx_variant(family) / "model.onnx", load_external_data=False).graph
+    mlp_nodes = [n for n in graph.node if "/mlp/" in n.name]
+    assert mlp_nodes and not [n.name for n in mlp_nodes if n.op_type == "Split"]
+    projections = {n.input[1].rsplit(".", 2)[-2] for n in mlp_nodes if n.op_type == "MatMul"}
+    assert {"gate_proj", "up_proj", "down_proj"} <= projections
+
+
 def test_io_contract_is_the_plain_graphs(onnx_folder, onnx_variant):
     """Same input and output names, element types and symbolic shapes as the plain graph."""
 

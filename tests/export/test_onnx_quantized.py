@@ -87,8 +87,8 @@ def test_every_projection_is_matmulnbits(graph, spec, onnx_variant):
     folder = onnx_variant("qwen3_moe", graph=graph, quantize=spec)
     nodes = graph_of(folder).node
     quantized = [n for n in nodes if n.op_type == "MatMulNBits"]
-    # plain: q, k, v, o per layer, gate/up/down in the dense layer 1, the head; fused packs q/k/v and gate/up.
-    assert len(quantized) == (3 * 4 + 3 + 1 if graph == "plain" else 3 * 2 + 2 + 1)
+    # plain: q, k, v, o per layer, gate/up/down in the dense layer 1, the head; fused packs q/k/v.
+    assert len(quantized) == (3 * 4 + 3 + 1 if graph == "plain" else 3 * 2 + 3 + 1)
     assert {
         (attributes(n)["bits"], attributes(n)["block_size"], attributes(n)["accuracy_level"]) for n in quantized
     } == {(spec.bits, spec.block_size, 4)}
