@@ -285,8 +285,10 @@ class FusedDecoderGraph(DecoderGraph):
     # MatMul over the concatenated (C, 2I) weight and Split its output; under onnxruntime-genai that Split (a copy,
     # and a kernel call per layer) cost more than the second MatMul call saves: two MatMuls decode SmolLM2 1.009x
     # (1.000-1.014) as fast at batch 1 and 1.010x (1.001-1.020) at batch 8, int4 1.019x (1.006-1.026) at batch 8
-    # (bench/bench_graph_ab.py --runtime genai: bench/results/graph_ab_smollm2-genai-*unpacked-mlp-b*.json). q/k/v
-    # stay packed: GroupQueryAttention reads the packed projection itself, with no Split.
+    # (bench/bench_graph_ab.py --runtime genai: bench/results/graph_ab_smollm2-genai-*unpacked-mlp-b*.json). The
+    # balance moves with the shape by about 1 % either way (Qwen3-0.6B's: 1.008x; Qwen3.5-0.8B's: 0.990x, the packed
+    # form faster; graph_ab_qwen3*-genai-unpacked-mlp-b1.json); one layout, the builder's, is kept. q/k/v stay packed:
+    # GroupQueryAttention reads the packed projection itself, with no Split.
 
     # --- mixture of experts -----------------------------------------------------------------------------------
     def emit_routed_experts(self, flat: str, prefix: str) -> str:
