@@ -55,3 +55,25 @@ def test_a_goal_is_decided_only_where_the_interval_is_on_one_side():
     assert "**no** (within noise" in noisy, noisy
     (met,) = goal_rows([110.0, 111.0, 109.0, 112.0, 110.5], [100.0, 100.0, 100.0, 100.0, 100.0])
     assert met.endswith("| yes |"), met
+
+
+def test_a_rotation_cycle_cancels_the_load_order():
+    """bench_graph_ab: the folder loaded last runs ~5 % faster whichever it is, so per-process ratios come in two
+    clusters; the geometric mean over each rotation cycle (one process in each order) recovers the true ratio."""
+    import bench_graph_ab
+
+    true, order_effect = 0.99, 1.05
+    reps = []
+    for rep in range(8):  # two folders: B is loaded last in even repetitions, first in odd ones
+        b_last = rep % 2 == 0
+        a_step = 0.030 * (1.0 if b_last else 1 / order_effect)
+        b_step = 0.030 / true * (1 / order_effect if b_last else 1.0)
+        reps.append({"step_s": {"A": a_step, "B": b_step}})
+    per_process = [r["step_s"]["A"] / r["step_s"]["B"] for r in reps]
+    assert max(per_process) / min(per_process) > 1.09  # the two clusters
+    cycles = bench_graph_ab.cycle_ratios(reps, "A", "B", 2)
+    assert len(cycles) == 4 and cycles == pytest.approx([true] * 4)
+    value, low, high = report.median_interval(cycles)
+    assert value == pytest.approx(true) and low == pytest.approx(true) and high == pytest.approx(true)
+    rows = bench_graph_ab.summary(reps, ["A", "B"])
+    assert rows[1]["speed_vs_first_by_cycle"][0] == pytest.approx(true, abs=1e-4)
