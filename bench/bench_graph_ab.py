@@ -45,6 +45,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -66,31 +67,19 @@ def repetition(folders: list[Path], args: argparse.Namespace) -> dict[str, float
     from export.runtime import OnnxDecoder
 
     decoders = [OnnxDecoder(folder, provider="cpu", threads=args.threads) for folder in folders]
-
-    def start() -> tuple[list, list]:
-        states, tokens = [], []
-        for decoder in decoders:
-            logits, state = decoder.prefill(ids, np.ones_like(ids))
-            states.append(state)
-            tokens.append(logits[:, -1].argmax(-1))
-        return states, tokens
-
     if args.prefill:
         return timed_prefills(decoders, folders, ids, args)
-    states, tokens = start()
-    times = np.zeros((len(decoders), args.steps))
-    for step in range(args.steps):
-        if any(not np.array_equal(t, tokens[0]) for t in tokens):
-            raise SystemExit(f"the folders' greedy tokens differ at step {step}: not one function")
-        for k in np.random.default_rng(step).permutation(len(decoders)):
-            time.sleep(args.gap)
-            started = time.perf_counter()
-            logits = decoders[k].decode_one_token(tokens[k], states[k])
-            times[k, step] = time.perf_counter() - started
-            tokens[k] = logits.argmax(-1)
-        if (step + 1) % args.restart == 0:
-            states, tokens = start()
-    return {str(folder): float(np.median(row)) for folder, row in zip(folders, times, strict=True)}
+    logits, states = [None] * len(decoders), [None] * len(decoders)
+
+    def start() -> None:
+        for k, decoder in enumerate(decoders):
+            prompt_logits, states[k] = decoder.prefill(ids, np.ones_like(ids))
+            logits[k] = prompt_logits[:, -1]
+
+    def step(k: int, token: np.ndarray) -> None:
+        logits[k] = decoders[k].decode_one_token(token, states[k])
+
+    return decode_rounds(folders, args, start, step, lambda k: logits[k].argmax(-1))
 
 
 def genai_repetition(folders: list[Path], ids: np.ndarray, args: argparse.Namespace) -> dict[str, float]:
@@ -104,32 +93,47 @@ def genai_repetition(folders: list[Path], ids: np.ndarray, args: argparse.Namesp
         config.clear_providers()  # the CPU
         config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": args.threads}}}}))
         models.append(og.Model(config))
+    generators = [None] * len(models)
 
-    def start() -> list:
-        generators = []
-        for model in models:
+    def start() -> None:
+        for k, model in enumerate(models):
             params = og.GeneratorParams(model)
             length = ids.shape[1] + args.restart + 1
             params.set_search_options(do_sample=False, max_length=length, min_length=length, batch_size=len(ids))
-            generator = og.Generator(model, params)
-            generator.append_tokens(ids)  # the prompt's forward
-            generator.generate_next_token()  # the first pick, from the prompt's logits
-            generators.append(generator)
-        return generators
+            generators[k] = og.Generator(model, params)
+            generators[k].append_tokens(ids)  # the prompt's forward
+            generators[k].generate_next_token()  # the first pick, from the prompt's logits
 
-    generators = start()
-    times = np.zeros((len(models), args.steps))
-    for step in range(args.steps):
-        tokens = [g.get_next_tokens() for g in generators]
-        if not args.own_tokens and any(not np.array_equal(t, tokens[0]) for t in tokens):
-            raise SystemExit(f"the folders' greedy tokens differ at step {step}: not one function")
-        for k in np.random.default_rng(step).permutation(len(models)):
+    def step(k: int, token: np.ndarray) -> None:
+        generators[k].generate_next_token()  # the last token's forward, then the pick
+
+    return decode_rounds(folders, args, start, step, lambda k: generators[k].get_next_tokens())
+
+
+def decode_rounds(
+    folders: list[Path],
+    args: argparse.Namespace,
+    start: Callable[[], None],
+    step: Callable[[int, np.ndarray], None],
+    tokens: Callable[[int], np.ndarray],
+) -> dict[str, float]:
+    """``args.steps`` rounds of one decode step per folder in a shuffled order, each after ``args.gap`` seconds and
+    timed alone: ``start`` prefills every folder (again every ``args.restart`` rounds), ``tokens(k)`` is folder k's
+    next greedy tokens (checked equal across folders unless ``--own-tokens``), ``step(k, tokens)`` decodes them.
+    Median seconds per step, per folder."""
+    start()
+    times = np.zeros((len(folders), args.steps))
+    for round_ in range(args.steps):
+        current = [tokens(k) for k in range(len(folders))]
+        if not args.own_tokens and any(not np.array_equal(t, current[0]) for t in current):
+            raise SystemExit(f"the folders' greedy tokens differ at step {round_}: not one function")
+        for k in np.random.default_rng(round_).permutation(len(folders)):
             time.sleep(args.gap)
             started = time.perf_counter()
-            generators[k].generate_next_token()  # the last token's forward, then the pick
-            times[k, step] = time.perf_counter() - started
-        if (step + 1) % args.restart == 0:
-            generators = start()
+            step(k, current[k])
+            times[k, round_] = time.perf_counter() - started
+        if (round_ + 1) % args.restart == 0:
+            start()
     return {str(folder): float(np.median(row)) for folder, row in zip(folders, times, strict=True)}
 
 
