@@ -13,6 +13,9 @@ Methods, each block 32 along the input axis as MatMulNBits stores them:
   k-quant    onnxruntime's k-quant (llama.cpp's weighted least-squares search of scale and minimum, integer zero
              points; ``onnxruntime.quantization.neural_compressor.weight_only``)
   hqq        onnxruntime's HQQ (float zero points: no fast CPU kernel)
+  rtn-search the symmetric layout (the builder's bytes, the fast kernel) with each block's scale chosen by a
+             least-squares search instead of the block's largest magnitude (``least_squares_symmetric``): the one
+             calibration-free improvement that keeps that layout, which onnxruntime does not ship
 Configurations pair a body method with a head (the tied embedding quantized alike), as `thinker export` would.
 
     python bench/bench_quant_methods.py          # about 10 minutes on 2 cores
@@ -104,15 +107,46 @@ def k_quant(weight: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(dequantized.reshape(weight.shape[1], weight.shape[0]).T.copy())
 
 
+def least_squares_symmetric(weight: torch.Tensor) -> torch.Tensor:
+    """Symmetric int4 (q in [-8, 7], no zero point: MatMulNBits' fast layout) with each block's scale searched.
+
+    Written here because onnxruntime's quantizers have no such search: its RTN maps each block's largest magnitude
+    to -8, k-quant and HQQ fit zero points. For every block of 32 along the input axis: try clipping ratios of the
+    block's signed extreme, round with each, refit the scale by least squares to the rounded values
+    (s = <x, q> / <q, q>), round again, and keep the scale with the smallest squared error (llama.cpp's
+    ``make_qx_quants`` search, unweighted: no calibration data)."""
+    in_features, out_features = weight.shape
+    blocks = weight.double().reshape(in_features // BLOCK, BLOCK, out_features).permute(2, 0, 1)  # (N, K/32, 32)
+    extreme = torch.gather(blocks, -1, blocks.abs().argmax(-1, keepdim=True))  # the signed largest magnitude
+    best_error, best_scale = None, None
+    # The extreme maps to -8 (RTN's choice) or +7, or a little inside either: clipping trades it for the rest.
+    for target in [-8 + 0.125 * k for k in range(25)] + [7 - 0.125 * k for k in range(17)]:
+        scale = torch.where(extreme == 0, torch.ones_like(extreme), extreme / target)
+        for _ in range(2):
+            q = torch.clamp(torch.round(blocks / scale), -8, 7)
+            energy = (q * q).sum(-1, keepdim=True)
+            scale = torch.where(energy > 0, (blocks * q).sum(-1, keepdim=True) / energy.clamp_min(1e-30), scale)
+        q = torch.clamp(torch.round(blocks / scale), -8, 7)
+        error = ((blocks - scale * q) ** 2).sum(-1, keepdim=True)
+        better = error < best_error if best_error is not None else torch.ones_like(error, dtype=torch.bool)
+        best_error = error if best_error is None else torch.where(better, error, best_error)
+        best_scale = scale if best_scale is None else torch.where(better, scale, best_scale)
+    scale = best_scale.float()  # stored as MatMulNBits stores it, in the graph's float32
+    dequantized = scale * torch.clamp(torch.round(blocks.float() / scale), -8, 7)
+    return dequantized.permute(1, 2, 0).reshape(in_features, out_features)
+
+
 METHODS: dict[str, Callable[[], Callable[[torch.Tensor], torch.Tensor]]] = {
     "rtn": lambda: onnxruntime_quantizer(4, "rtn"),
     "rtn-asym": lambda: onnxruntime_quantizer(4, "rtn-asym"),
     "k-quant": lambda: k_quant,
     "hqq": lambda: onnxruntime_quantizer(4, "hqq"),
+    "rtn-search": lambda: least_squares_symmetric,
     "rtn int8": lambda: onnxruntime_quantizer(8, "rtn"),
 }
 # (body, head): the builder's layout, our default, each other body method under our default int8 head, and our
-# body under each int4 head method with integer zero points (the builder's bytes, give or take the zero points).
+# body under each int4 head method with integer zero points (the builder's bytes, give or take the zero points);
+# last, the searched symmetric scales in the builder's layout and under our int8 head.
 CONFIGS = [
     ("rtn", "rtn"),
     ("rtn", "rtn int8"),
@@ -122,6 +156,8 @@ CONFIGS = [
     ("hqq", "rtn int8"),
     ("rtn", "rtn-asym"),
     ("rtn", "k-quant"),
+    ("rtn-search", "rtn-search"),
+    ("rtn-search", "rtn int8"),
 ]
 
 
