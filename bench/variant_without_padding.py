@@ -1,0 +1,84 @@
+"""A measurement-only copy of a fused export without what exact padding costs per forward, for bench_graph_ab.py.
+
+The fused graph feeds every GroupQueryAttention an additive ``attention_bias`` built from the attention mask and the
+positions it rotates by (``position_ids`` shifted by each row's first unmasked slot): about 24 small nodes per
+forward that the builder's graph, which gets left padding wrong, does without (export/fused_graph.py). To learn what
+they cost, this writes the same export with those GroupQueryAttention inputs cut (and the nodes that only fed them
+pruned); with ``--no-positions`` also without the ``position_ids`` input, so that the kernel rotates by slot as the
+builder's does. The copy computes the same function only for batches without padding, which is all
+bench_graph_ab.py feeds it: never ship it.
+
+    python bench/variant_without_padding.py OURS /tmp/ours-nobias
+    python bench/variant_without_padding.py OURS /tmp/ours-nobias-nopos --no-positions
+    python bench/bench_graph_ab.py BUILDER OURS /tmp/ours-nobias /tmp/ours-nobias-nopos --runtime genai --own-tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import onnx
+
+# GroupQueryAttention's optional inputs by position (onnxruntime's contrib schema).
+POSITION_IDS, ATTENTION_BIAS = 9, 10
+
+
+def prune_dead_nodes(graph: onnx.GraphProto) -> None:
+    """Drops nodes none of whose outputs is read by another node or is a graph output, until none is left."""
+    while True:
+        read = {name for node in graph.node for name in node.input} | {output.name for output in graph.output}
+        dead = [node for node in graph.node if not any(name in read for name in node.output if name)]
+        if not dead:
+            return
+        for node in dead:
+            graph.node.remove(node)
+
+
+def strip(model: onnx.ModelProto, positions: bool) -> int:
+    """Cuts the attention bias (and the positions) from every GroupQueryAttention; returns how many it changed."""
+    cut = [ATTENTION_BIAS] + ([] if positions else [POSITION_IDS])
+    changed = 0
+    for node in model.graph.node:
+        if node.op_type != "GroupQueryAttention":
+            continue
+        for index in cut:
+            if index < len(node.input):
+                node.input[index] = ""
+        while node.input and not node.input[-1]:
+            node.input.pop()
+        changed += 1
+    prune_dead_nodes(model.graph)
+    if not positions:
+        kept = [i for i in model.graph.input if i.name != "position_ids"]
+        del model.graph.input[:]
+        model.graph.input.extend(kept)
+    return changed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", type=Path, help="a fused `thinker export` folder")
+    parser.add_argument("output", type=Path, help="a new folder (must not exist)")
+    parser.add_argument("--no-positions", action="store_true", help="also drop the position_ids input")
+    args = parser.parse_args()
+    if args.output.exists():
+        raise SystemExit(f"{args.output} exists: give a new folder")
+    model = onnx.load(args.source / "model.onnx", load_external_data=False)
+    if not strip(model, positions=not args.no_positions):
+        raise SystemExit(f"{args.source / 'model.onnx'} has no GroupQueryAttention: not a fused export")
+    # onnxruntime refuses external data reached through a link out of the folder: the files are copied.
+    shutil.copytree(args.source, args.output, ignore=shutil.ignore_patterns("model.onnx"))
+    onnx.save(model, args.output / "model.onnx")
+    if args.no_positions:
+        config_path = args.output / "genai_config.json"
+        config = json.loads(config_path.read_text())
+        config["model"]["decoder"]["inputs"].pop("position_ids", None)
+        config_path.write_text(json.dumps(config, indent=4) + "\n")
+    print(f"wrote {args.output}: {len(model.graph.node)} nodes")
+
+
+if __name__ == "__main__":
+    main()
