@@ -18,7 +18,7 @@ Methods, each block 32 along the input axis as MatMulNBits stores them:
              calibration-free improvement that keeps that layout, which onnxruntime does not ship
 Configurations pair a body method with a head (the tied embedding quantized alike), as `thinker export` would.
 
-    python bench/bench_quant_methods.py          # about 10 minutes on 2 cores
+    python bench/bench_quant_methods.py          # about 15 minutes on 2 cores
 
 Writes bench/results/quant_methods.json and bench/results/README-quant-methods.md.
 """
