@@ -118,7 +118,7 @@ def least_squares_symmetric(weight: torch.Tensor) -> torch.Tensor:
     in_features, out_features = weight.shape
     blocks = weight.double().reshape(in_features // BLOCK, BLOCK, out_features).permute(2, 0, 1)  # (N, K/32, 32)
     extreme = torch.gather(blocks, -1, blocks.abs().argmax(-1, keepdim=True))  # the signed largest magnitude
-    best_error, best_scale = None, None
+    best_error, best_scale = torch.full_like(extreme, float("inf")), torch.ones_like(extreme)
     # The extreme maps to -8 (RTN's choice) or +7, or a little inside either: clipping trades it for the rest.
     for target in [-8 + 0.125 * k for k in range(25)] + [7 - 0.125 * k for k in range(17)]:
         scale = torch.where(extreme == 0, torch.ones_like(extreme), extreme / target)
@@ -128,9 +128,8 @@ def least_squares_symmetric(weight: torch.Tensor) -> torch.Tensor:
             scale = torch.where(energy > 0, (blocks * q).sum(-1, keepdim=True) / energy.clamp_min(1e-30), scale)
         q = torch.clamp(torch.round(blocks / scale), -8, 7)
         error = ((blocks - scale * q) ** 2).sum(-1, keepdim=True)
-        better = error < best_error if best_error is not None else torch.ones_like(error, dtype=torch.bool)
-        best_error = error if best_error is None else torch.where(better, error, best_error)
-        best_scale = scale if best_scale is None else torch.where(better, scale, best_scale)
+        better = error < best_error
+        best_error, best_scale = torch.where(better, error, best_error), torch.where(better, scale, best_scale)
     scale = best_scale.float()  # stored as MatMulNBits stores it, in the graph's float32
     dequantized = scale * torch.clamp(torch.round(blocks.float() / scale), -8, 7)
     return dequantized.permute(1, 2, 0).reshape(in_features, out_features)
