@@ -52,6 +52,10 @@ def strip(model: onnx.ModelProto, positions: bool) -> int:
         changed += 1
     prune_dead_nodes(model.graph)
     if not positions:
+        readers = [node.name for node in model.graph.node if "position_ids" in node.input]
+        if readers:  # a RotaryEmbedding before the attention (partial or multimodal RoPE) still rotates by them
+            needs = "--no-positions needs RoPE inside GroupQueryAttention"
+            raise SystemExit(f"position_ids still feeds {', '.join(readers[:3])}: {needs}")
         kept = [i for i in model.graph.input if i.name != "position_ids"]
         del model.graph.input[:]
         model.graph.input.extend(kept)

@@ -48,3 +48,13 @@ def test_no_positions_drops_the_input_and_the_nodes_that_fed_it(onnx_variant, tm
     attention = [node for node in after.node if node.op_type == "GroupQueryAttention"]
     assert attention and all(len(node.input) <= 9 for node in attention)  # neither position_ids nor the bias
     assert len(after.node) < len(before.node) - 10  # the mask and position nodes went with them
+
+
+def test_no_positions_refuses_a_graph_whose_rope_runs_outside_the_kernel(onnx_variant, tmp_path):
+    source = onnx_variant("qwen2", head_dim=24)  # not a multiple of 16: a RotaryEmbedding op rotates by position_ids
+    output = tmp_path / "nopos"
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), str(source), str(output), "--no-positions"], capture_output=True, text=True
+    )
+    assert run.returncode != 0 and "RotaryEmbedding" in run.stderr and "--no-positions needs" in run.stderr
+    assert not output.exists()  # refused before anything was written
