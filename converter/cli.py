@@ -47,7 +47,8 @@ Supported families:
   llama         Llama-style (SmolLM, TinyLlama, ...)
   gpt2          GPT-2-style (PrimeGPT: LayerNorm, learned positions, GELU,
                 Conv1D)
-  gguf-*        llama.cpp GGUF, llama, qwen2 and qwen3 architectures (.gguf)
+  gguf-*        llama.cpp GGUF: llama, qwen2, qwen3, qwen2moe and qwen3moe
+                architectures (.gguf)
   uomni         μOmni ThinkerLM (tok_emb / blocks.N / head; fused or split
                 qkv; interleaved RoPE)
   llms_from_scratch_qwen3

@@ -166,6 +166,37 @@ class UnstackExperts(Op):
         return StackExperts(parts=self.parts, dim=self.dim)
 
 
+@dataclass(frozen=True)
+class AsRow(Op):
+    """A vector as a one-row matrix: llama.cpp stores Qwen2-MoE's shared-expert gate (an ``nn.Linear(C, 1)``, weight
+    (1, C)) as the vector (C,). A tensor that kept its (1, C) shape passes unchanged."""
+
+    rearranges = True
+
+    def __call__(self, tensors, config):
+        tensor = _one(self, tensors)
+        return [tensor.reshape(1, -1) if tensor.ndim == 1 else tensor]
+
+    def inverse(self) -> Op:
+        return AsVector()
+
+
+@dataclass(frozen=True)
+class AsVector(Op):
+    """A one-row matrix as a vector, the layout llama.cpp stores (the inverse of ``AsRow``)."""
+
+    rearranges = True
+
+    def __call__(self, tensors, config):
+        tensor = _one(self, tensors)
+        if tensor.ndim != 2 or tensor.shape[0] != 1:
+            raise ValueError(f"AsVector takes a one-row matrix, got {tuple(tensor.shape)}")
+        return [tensor.reshape(-1)]
+
+    def inverse(self) -> Op:
+        return AsRow()
+
+
 # --- RoPE row order ------------------------------------------------------------------------------------------------
 #
 # Thinker (like Hugging Face Llama and Qwen) rotates each head's dimensions in two halves: dimension j pairs with

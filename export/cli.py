@@ -104,7 +104,8 @@ from .names import (
     default="rtn",
     show_default=True,
     help="--quantize: rtn, symmetric block-wise round-to-nearest (onnxruntime's fastest CPU layout); rtn-asym, the "
-    "same with a zero point per block (a little truer, 5-8% slower on CPU); hqq, "
+    "same with a zero point per block (on SmolLM2 more top-1 agreement but a larger perplexity cost, at about "
+    "rtn's speed: README, Quantized exports); hqq, "
     "Half-Quadratic Quantization (int4; better fidelity, but onnxruntime's CPU kernel dequantizes its float zero "
     "points on every call: slow on CPU).",
 )
@@ -145,15 +146,16 @@ from .names import (
     type=click.FloatRange(min=0.0),
     default=None,
     help="--quantize --verify: the most the perplexity on that paragraph may rise over the float model's, as a "
-    "fraction (0.35: 35%%) [default: 0.05 for int8, 0.35 for int4].",
+    "fraction (0.35: 35%) [default: 0.05 for int8, 0.35 for int4].",
 )
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option(
     "--threads",
     type=click.IntRange(min=1),
     default=None,
-    help="intra-op threads for genai_config.json [default: 0, one per physical core of the machine that runs "
-    "the model] and for --verify [default: physical cores].",
+    help="intra-op threads written into genai_config.json (when not given: 0, which onnxruntime-genai reads as "
+    "one per physical core of the machine that runs the model) and used by --verify (when not given: this "
+    "machine's physical cores).",
 )
 @reports_errors
 def export_command(

@@ -1,11 +1,14 @@
-"""llama.cpp GGUF files of the llama, qwen2 and qwen3 architectures (read by ``common.gguf_reader.GGUFSource``,
-dequantized on read), the format of llama.cpp's ``convert_hf_to_gguf.py``.
+"""llama.cpp GGUF files of the llama, qwen2, qwen3, qwen2moe and qwen3moe architectures (read by
+``common.gguf_reader.GGUFSource``, dequantized on read), the format of llama.cpp's ``convert_hf_to_gguf.py``.
 
 Everything GGUF means in Hugging Face terms is here, derived from the two libraries that already know it where they
 are right:
 
-- tensor names: each architecture's table is its Hugging Face family's (``llama.py``, ``qwen2.py``, ``qwen3.py``),
-  renamed through ``gguf``'s own ``get_tensor_name_map`` (HF name -> llama.cpp name, what the convert script uses);
+- tensor names: each architecture's table is its Hugging Face family's (``llama.py``, ``qwen2.py``, ``qwen3.py``,
+  ``qwen2_moe.py``, ``qwen3_moe.py``), renamed through ``gguf``'s own ``get_tensor_name_map`` (HF name -> llama.cpp
+  name, what the convert script uses); a MoE layer's experts, which llama.cpp stores stacked as three 3-D tensors
+  (``ffn_{gate,up,down}_exps``) where Hugging Face checkpoints hold one tensor per expert, have their own rules
+  (``EXPERT_RULES``);
 - the q/k row order: llama.cpp permutes q/k of the architectures transformers' GGUF loader un-permutes
   (``TENSOR_PROCESSORS`` entries that are a ``LlamaTensorProcessor``); the engine undoes it with
   ``InterleavedToHalfRope`` (see ``converter/ops.py``);
@@ -14,8 +17,8 @@ are right:
   in ``gguf_to_hf_config``;
 - the parity reference: transformers' own GGUF loading, ``from_pretrained(folder, gguf_file=...)``.
 
-Each architecture then reuses its Hugging Face family's config translation. Adding one (a dense decoder both
-libraries know) is one more Hugging Face family in ``_HF_FAMILIES``.
+Each architecture then reuses its Hugging Face family's config translation. Adding one (a decoder both libraries
+know) is one more Hugging Face family in ``_HF_FAMILIES``.
 """
 
 from __future__ import annotations
@@ -31,11 +34,24 @@ import numpy as np
 
 from common.errors import ThinkerError
 
-from ..ops import InterleavedToHalfRope
+from ..ops import AsRow, Concatenate, InterleavedToHalfRope
 from ..spec import LAYER_INDEX, Family, TensorRule, rule
+from .common import THINKER_LAYER
 from .llama import LLAMA
 from .qwen2 import QWEN2
+from .qwen2_moe import QWEN2_MOE
 from .qwen3 import QWEN3
+from .qwen3_moe import QWEN3_MOE
+
+# llama.cpp's architecture name (``general.architecture``) -> the Hugging Face family whose model_type it names
+# (llama.cpp writes the MoE ones without the underscore).
+_HF_FAMILIES: dict[str, Family] = {
+    "llama": LLAMA,
+    "qwen2": QWEN2,
+    "qwen3": QWEN3,
+    "qwen2moe": QWEN2_MOE,
+    "qwen3moe": QWEN3_MOE,
+}
 
 # --- names ---------------------------------------------------------------------------------------------------------
 
@@ -60,16 +76,38 @@ def gguf_name(hf_template: str, name_map: Any) -> str | None:
     return name.replace("blk.0.", f"blk.{LAYER_INDEX}.") + dot + suffix
 
 
-def tensor_names(hf_family: Family) -> dict[str, str]:
-    """llama.cpp template -> Thinker template, for every tensor of the family's table that llama.cpp can store."""
-    name_map = _name_map(hf_family.model_types[0])
+# A Hugging Face MoE family's routed experts (one tensor per expert, or Thinker's fused 3-D pair): llama.cpp stores
+# them differently, so the GGUF families take ``EXPERT_RULES`` instead.
+_EXPERTS = THINKER_LAYER + "mlp.experts."
+
+
+def tensor_names(architecture: str) -> dict[str, str]:
+    """llama.cpp template -> Thinker template, for every renamed tensor of the Hugging Face family's table that
+    llama.cpp stores under a name of its own (the routed experts aside)."""
+    name_map = _name_map(architecture)
     names = {}
-    for entry in hf_family.tensors:
-        (source,), (target,) = entry.sources, entry.targets  # a Hugging Face family's table is renames
+    for entry in _HF_FAMILIES[architecture].tensors:
+        if entry.sources[0].startswith(_EXPERTS):
+            continue
+        (source,), (target,) = entry.sources, entry.targets  # the rest of a Hugging Face family's table is renames
         found = gguf_name(source, name_map)
         if found is not None:
             names[found] = target
     return names
+
+
+# llama.cpp stacks a layer's experts: ffn_gate_exps and ffn_up_exps (E, I, C) each, ffn_down_exps (E, C, I), the
+# layout of Thinker's gate_up_proj (E, 2·I, C, gate rows first) and down_proj. Its Qwen2-MoE shared-expert gate is a
+# vector (C,) where the Linear holds (1, C).
+EXPERT_RULES = (
+    rule(
+        (f"blk.{LAYER_INDEX}.ffn_gate_exps.weight", f"blk.{LAYER_INDEX}.ffn_up_exps.weight"),
+        _EXPERTS + "gate_up_proj",
+        Concatenate(dim=1, parts=2),
+    ),
+    rule(f"blk.{LAYER_INDEX}.ffn_down_exps.weight", _EXPERTS + "down_proj"),
+)
+AS_ROW_TENSORS = frozenset({f"blk.{LAYER_INDEX}.ffn_gate_inp_shexp.weight"})
 
 
 # --- the q/k row order --------------------------------------------------------------------------------------------
@@ -94,12 +132,21 @@ ROPE_PERMUTED_TENSORS: dict[str, str] = {
 }
 
 
-def tensor_table(architecture: str, hf_family: Family) -> tuple[TensorRule, ...]:
+def tensor_table(architecture: str) -> tuple[TensorRule, ...]:
     permuted = ROPE_PERMUTED_TENSORS if _rope_permuted(architecture) else {}
-    return tuple(
-        rule(source, target, InterleavedToHalfRope(permuted[source]) if source in permuted else None)
-        for source, target in tensor_names(hf_family).items()
-    )
+
+    def op(source: str) -> Any:
+        if source in permuted:
+            return InterleavedToHalfRope(permuted[source])
+        return AsRow() if source in AS_ROW_TENSORS else None
+
+    renamed = tuple(rule(source, target, op(source)) for source, target in tensor_names(architecture).items())
+    return renamed + (EXPERT_RULES if is_moe(architecture) else ())
+
+
+def is_moe(architecture: str) -> bool:
+    """Whether the architecture's layers route to experts (its Hugging Face family's table has expert tensors)."""
+    return any(entry.sources[0].startswith(_EXPERTS) for entry in _HF_FAMILIES[architecture].tensors)
 
 
 # --- config.json ---------------------------------------------------------------------------------------------------
@@ -107,15 +154,28 @@ def tensor_table(architecture: str, hf_family: Family) -> tuple[TensorRule, ...]
 # llama.cpp's default when a file has no ``{arch}.rope.freq_base``.
 _DEFAULT_ROPE_THETA = 10000.0
 # The fields every architecture here needs; a file without the key that gives one is incomplete.
-_REQUIRED = (
-    "hidden_size",
-    "num_attention_heads",
-    "intermediate_size",
-    "num_hidden_layers",
-    "rms_norm_eps",
-    "max_position_embeddings",
-)
-_INTEGER_FIELDS = {*_REQUIRED, "num_key_value_heads", "vocab_size", "head_dim"} - {"rms_norm_eps"}
+_REQUIRED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "rms_norm_eps", "max_position_embeddings")
+# What a dense MLP or a MoE layer needs besides (a MoE file may omit feed_forward_length, the width of dense layers
+# it does not have). Qwen2-MoE adds its shared expert's width.
+_REQUIRED_MLP = ("intermediate_size",)
+_REQUIRED_MOE = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+_REQUIRED_SHARED_EXPERT = ("shared_expert_intermediate_size",)
+_INTEGER_FIELDS = {
+    *_REQUIRED,
+    *_REQUIRED_MLP,
+    *_REQUIRED_MOE,
+    *_REQUIRED_SHARED_EXPERT,
+    "num_key_value_heads",
+    "vocab_size",
+    "head_dim",
+} - {"rms_norm_eps"}
+
+
+def _required(architecture: str) -> tuple[str, ...]:
+    if not is_moe(architecture):
+        return _REQUIRED + _REQUIRED_MLP
+    shared = _REQUIRED_SHARED_EXPERT if architecture == "qwen2moe" else ()
+    return _REQUIRED + _REQUIRED_MOE + shared
 
 
 def _float32_repr(value: float) -> float:
@@ -128,6 +188,21 @@ def _float32_repr(value: float) -> float:
     return float(str(np.float32(value)))  # numpy prints float32 with the shortest round-tripping digits
 
 
+# Keys transformers' table leaves out for the MoE architectures: the experts' widths. Without them transformers
+# builds its GGUF model with the config class's default widths (Qwen3-MoE 768, Qwen2-MoE 1408 and 5632: right only
+# for the checkpoints those defaults were taken from), so they are read here and handed to the reference too
+# (``reference_config``).
+EXPERT_WIDTH_KEYS = {
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+}
+
+
+def hf_model_type(architecture: str) -> str:
+    """The Hugging Face model_type of a llama.cpp architecture (``qwen3moe`` -> ``qwen3_moe``)."""
+    return _HF_FAMILIES[architecture].model_types[0]
+
+
 def _config_keys(architecture: str) -> dict[str, str]:
     """``{arch}.KEY`` -> Hugging Face field, from transformers' table for the architecture (keys it maps to None, it
     reads but does not keep).
@@ -135,12 +210,14 @@ def _config_keys(architecture: str) -> dict[str, str]:
     Where that table is not enough: it maps ``attention.key_length`` to ``head_dim`` only for qwen3_moe, although
     every architecture here writes it when head_dim is not hidden / heads (Qwen3-0.6B: 128, not 64), so it is
     added and takes precedence; ``rope.dimension_count`` (llama only) is head_dim only because llama rotates whole
-    heads, so it is the fallback."""
+    heads, so it is the fallback; the experts' widths (``EXPERT_WIDTH_KEYS``) are added for the MoE ones."""
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
     # rope_theta too is left to rope_parameters (below), which also reads the scaling keys transformers ignores.
-    table = GGUF_CONFIG_MAPPING[architecture].items()
+    table = GGUF_CONFIG_MAPPING[hf_model_type(architecture)].items()
     keys = {f"{architecture}.{key}": field for key, field in table if field not in (None, "head_dim", "rope_theta")}
+    if is_moe(architecture):
+        keys |= {f"{architecture}.{key}": field for key, field in EXPERT_WIDTH_KEYS.items()}
     return keys | {f"{architecture}.attention.key_length": "head_dim"}
 
 
@@ -156,11 +233,11 @@ def _token_id_keys() -> dict[str, str]:
 
 
 def gguf_to_hf_config(metadata: Mapping[str, Any], tensor_names: Collection[str]) -> dict[str, Any]:
-    """A Hugging Face config.json dict for a llama / qwen2 / qwen3 GGUF file.
+    """A Hugging Face config.json dict for a GGUF file of one of ``GGUF_ARCHITECTURES``.
 
     ``metadata`` is ``GGUFSource.config()``; ``tensor_names`` its ``names()``, needed because GGUF records tied
     embeddings and attention biases only by which tensors are present. Agrees with what transformers'
-    ``load_gguf_checkpoint`` builds for the same file, but for head_dim (see ``_config_keys``).
+    ``load_gguf_checkpoint`` builds for the same file, but for head_dim and the experts' widths (``_config_keys``).
     """
     names = set(tensor_names)
     arch = metadata.get("general.architecture")
@@ -168,10 +245,11 @@ def gguf_to_hf_config(metadata: Mapping[str, Any], tensor_names: Collection[str]
         raise ThinkerError(
             f"GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(GGUF_ARCHITECTURES))}"
         )
-    config: dict[str, Any] = {"model_type": arch, "architectures": list(_HF_FAMILIES[arch].architectures)}
+    hf_family = _HF_FAMILIES[arch]
+    config: dict[str, Any] = {"model_type": hf_model_type(arch), "architectures": list(hf_family.architectures)}
     keys = _config_keys(arch)
     config |= {field: metadata[key] for key, field in keys.items() if key in metadata}
-    for field in _REQUIRED:
+    for field in _required(arch):
         if field not in config:
             key = next(key for key, name in keys.items() if name == field)
             raise ThinkerError(f"GGUF metadata lacks {key!r}, which a {arch} model needs; the file is incomplete")
@@ -191,7 +269,7 @@ def gguf_to_hf_config(metadata: Mapping[str, Any], tensor_names: Collection[str]
         if tokens is None:
             raise ThinkerError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
         config["vocab_size"] = len(tokens)
-    for field in _INTEGER_FIELDS:
+    for field in _INTEGER_FIELDS & config.keys():
         config[field] = int(config[field])
     config |= {
         "hidden_act": "silu",
@@ -200,9 +278,17 @@ def gguf_to_hf_config(metadata: Mapping[str, Any], tensor_names: Collection[str]
         # No output.weight tensor means llama.cpp reuses token_embd for the output projection.
         "tie_word_embeddings": "output.weight" not in names,
     }
-    if arch != "qwen2":
-        # Qwen2 always has q/k/v biases (no flag); Llama and Qwen3 take a flag, set by whether biases are stored.
+    if arch not in ("qwen2", "qwen2moe"):
+        # Qwen2 and Qwen2-MoE always have q/k/v biases; Llama and Qwen3(-MoE) take a flag, set by whether biases are
+        # stored.
         config["attention_bias"] = any(name.endswith(".attn_q.bias") for name in names)
+    if is_moe(arch):
+        # What llama.cpp's graph for the architecture fixes and the metadata does not say (Qwen3-MoE renormalises
+        # the top-k weights), from transformers' own table of such defaults; llama.cpp's MoE layers are all sparse.
+        from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING
+
+        config |= GGUF_CONFIG_DEFAULTS_MAPPING.get(hf_model_type(arch), {})
+        config |= {"decoder_sparse_step": 1, "mlp_only_layers": []}
     for key, field in _token_id_keys().items():
         if key in metadata:
             value = metadata[key]
@@ -269,14 +355,40 @@ def _rope_parameters(metadata: Mapping[str, Any], arch: str, names: set[str]) ->
 # --- the parity reference ------------------------------------------------------------------------------------------
 
 
+def _gguf_path(source: Path) -> Path:
+    """The file itself, or the one ``.gguf`` file in the folder: a folder was opened as a GGUF source only because
+    it holds exactly one (common.sources.open_source)."""
+    source = Path(source)
+    return source if source.is_file() else next(source.glob("*.gguf"))
+
+
+def reference_config(path: Path) -> Any:
+    """The config transformers' GGUF loading builds for the file, with the experts' widths it does not read
+    (``EXPERT_WIDTH_KEYS``) taken from the file's metadata, as ``gguf_to_hf_config`` takes them: without them
+    transformers' model has the config class's default widths and no reference exists for most MoE files."""
+    from gguf import GGUFReader
+    from transformers import AutoConfig
+    from transformers.modeling_gguf_pytorch_utils import read_field
+
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False)
+    except Exception as err:  # transformers raises many types for a file it cannot read; all are the file's
+        raise ThinkerError(f"{path}: the reference model does not build with transformers ({err})") from None
+    reader = GGUFReader(path)
+    architecture = read_field(reader, "general.architecture")[0]
+    for key, field in EXPERT_WIDTH_KEYS.items():
+        value = read_field(reader, f"{architecture}.{key}")
+        if value:
+            setattr(config, field, int(value[0]))
+    return config
+
+
 def load_reference(source: Path, dtype: Any) -> Any:
     """transformers' own GGUF loading (``from_pretrained(folder, gguf_file=...)``) of the file, or of the one
-    ``.gguf`` file in the folder."""
+    ``.gguf`` file in the folder, with ``reference_config``."""
     from ..parity import reference_from_pretrained
 
-    source = Path(source)
-    # A folder was opened as a GGUF source only because it holds exactly one .gguf file (common.sources.open_source).
-    path = source if source.is_file() else next(source.glob("*.gguf"))
+    path = _gguf_path(source)
     # transformers' GGUF loader draws its own tqdm bar, past the switch that turns its bars off (as the commands do):
     # it follows that switch here too.
     from functools import partial
@@ -288,7 +400,9 @@ def load_reference(source: Path, dtype: Any) -> Any:
 
     quiet = partial(tqdm, disable=not transformers_logging.is_progress_bar_enabled())
     with mock.patch.object(gguf_loading, "tqdm", quiet):
-        return reference_from_pretrained(path, path.parent, gguf_file=path.name, dtype=dtype)
+        return reference_from_pretrained(
+            path, path.parent, gguf_file=path.name, config=reference_config(path), dtype=dtype
+        )
 
 
 def load_layered_reference(source: Path, dtype: Any) -> Any:
@@ -297,16 +411,19 @@ def load_layered_reference(source: Path, dtype: Any) -> Any:
     ``load_gguf_checkpoint`` (``gguf.dequantize``, the architecture's ``TENSOR_PROCESSORS`` entry, the name map of
     ``get_gguf_hf_weights_map``), which otherwise reads the whole file into memory first.
 
-    Only processors that treat each tensor on its own are run this way (those of llama, qwen2 and qwen3); one that
-    gathers tensors across the file (MoE experts) is refused. The file is memory-mapped by ``gguf.GGUFReader``:
-    pages once read stay mapped (page cache, counted in the resident set) until the check ends.
+    The GGUF tensors that make one Hugging Face tensor are read together: one, or for a MoE layer's experts the
+    stacked gate and up tensors that the Qwen-MoE processor merges into gate_up_proj (it writes them into the
+    ``parsed_parameters`` it is given, one such dict per Hugging Face tensor here). Processors known to gather
+    tensors otherwise are refused. The file is memory-mapped by ``gguf.GGUFReader``: pages once read stay mapped
+    (page cache, counted in the resident set) until the check ends.
     """
     import torch
     from gguf import GGUFReader, dequantize
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
         LlamaTensorProcessor,
+        Qwen2MoeTensorProcessor,
         TensorProcessor,
         get_gguf_hf_weights_map,
         read_field,
@@ -314,35 +431,55 @@ def load_layered_reference(source: Path, dtype: Any) -> Any:
 
     from ..streamed import LazyTensor, StreamedModel, empty_model
 
-    source = Path(source)
-    path = source if source.is_file() else next(source.glob("*.gguf"))
+    path = _gguf_path(source)
+    config = reference_config(path)
     try:
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False)
         model = empty_model(AutoModelForCausalLM.from_config, config, dtype, trust_remote_code=False)
-    except Exception as err:  # transformers raises many types for a file it cannot read; all are the file's
+    except Exception as err:  # transformers raises many types for a config it cannot build; all are the file's
         raise ThinkerError(f"{path}: the reference model does not build with transformers ({err})") from None
     reader = GGUFReader(path)
     architecture = read_field(reader, "general.architecture")[0]
     # The processors read head counts from the config dict ``load_gguf_checkpoint`` parses: the config's fields.
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
-    if type(processor) not in (TensorProcessor, LlamaTensorProcessor):
+    if type(processor) not in (TensorProcessor, LlamaTensorProcessor, Qwen2MoeTensorProcessor):
         raise ThinkerError(
             f"{path}: transformers loads {architecture} GGUF tensors together ({type(processor).__name__}), so its "
             "reference cannot be read one layer at a time; verify the whole model instead"
         )
     names = get_gguf_hf_weights_map(model, processor)
+    # The MoE processor maps stacked experts by their stem (blk.N.ffn_gate_exps), every other tensor by its name.
+    groups: dict[str, list[Any]] = {}
+    for tensor in reader.tensors:
+        hf_name = names.get(tensor.name) or names.get(tensor.name.removesuffix(".weight"))
+        if hf_name is not None:
+            groups.setdefault(hf_name, []).append(tensor)
+    built = {name: tuple(value.shape) for name, value in model.state_dict().items()}
 
-    def read(tensor: Any) -> torch.Tensor:
-        weights = dequantize(tensor.data, tensor.tensor_type)
-        processed = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names, parsed_parameters={})
-        return torch.from_numpy(np.copy(processed.weights))
+    def read(hf_name: str, members: list[Any]) -> torch.Tensor:
+        parsed: dict[str, dict[str, torch.Tensor]] = {"tensors": {}}
+        for tensor in members:
+            weights = dequantize(tensor.data, tensor.tensor_type)
+            processed = processor.process(
+                weights=weights, name=tensor.name, tensor_key_mapping=names, parsed_parameters=parsed
+            )
+            if processed.name is not None:  # None: the processor wrote it into ``parsed`` itself
+                parsed["tensors"][hf_name] = torch.from_numpy(np.copy(processed.weights))
+        result = parsed["tensors"][hf_name]
+        if tuple(result.shape) != built.get(hf_name, tuple(result.shape)):
+            raise ThinkerError(
+                f"{path}: {', '.join(tensor.name for tensor in members)} make {hf_name} of shape "
+                f"{tuple(result.shape)} in transformers' GGUF loading, where its model holds {built[hf_name]}"
+            )
+        return result
 
+    # Declared with the shapes transformers' model holds; ``read`` checks what the tensors really make.
     tensors = {
-        names[tensor.name]: LazyTensor(
-            lambda tensor=tensor: read(tensor), tuple(int(n) for n in reversed(tensor.shape)), torch.float32
+        hf_name: LazyTensor(
+            lambda hf_name=hf_name, members=members: read(hf_name, members),
+            built.get(hf_name, tuple(int(n) for n in reversed(members[0].shape))),
+            torch.float32,
         )
-        for tensor in reader.tensors
-        if tensor.name in names
+        for hf_name, members in groups.items()
     }
     return StreamedModel(model, tensors)
 
@@ -350,13 +487,9 @@ def load_layered_reference(source: Path, dtype: Any) -> Any:
 # --- the families --------------------------------------------------------------------------------------------------
 
 
-# The architectures supported, each by the Hugging Face family llama.cpp's name for it is the model_type of.
-_HF_FAMILIES = {family.model_types[0]: family for family in (LLAMA, QWEN2, QWEN3)}
-
-
-def gguf_family(hf_family: Family) -> Family:
-    """The GGUF files of the architecture llama.cpp names like ``hf_family``'s model_type."""
-    architecture = hf_family.model_types[0]
+def gguf_family(architecture: str) -> Family:
+    """The GGUF files of one llama.cpp architecture (a key of ``_HF_FAMILIES``)."""
+    hf_family = _HF_FAMILIES[architecture]
     return Family(
         name=f"gguf-{architecture}",
         description=f"llama.cpp GGUF, {architecture} architecture",
@@ -365,7 +498,7 @@ def gguf_family(hf_family: Family) -> Family:
         tensor_hints=("token_embd.weight",),
         to_hf_config=gguf_to_hf_config,
         translate_config=hf_family.translate_config,
-        tensors=tensor_table(architecture, hf_family),
+        tensors=tensor_table(architecture),
         head="output.weight",
         reference=load_reference,
         layered_reference=load_layered_reference,
@@ -374,12 +507,13 @@ def gguf_family(hf_family: Family) -> Family:
     )
 
 
-GGUF_FAMILIES = tuple(gguf_family(hf_family) for hf_family in _HF_FAMILIES.values())
+GGUF_FAMILIES = tuple(gguf_family(architecture) for architecture in _HF_FAMILIES)
 GGUF_ARCHITECTURES = tuple(_HF_FAMILIES)
 ROPE_PERMUTED_ARCHITECTURES = tuple(arch for arch in GGUF_ARCHITECTURES if _rope_permuted(arch))
-# Every llama.cpp template -> Thinker template, across the architectures (they agree where they overlap).
+# Every llama.cpp template -> Thinker template, across the architectures (they agree where they overlap); the
+# stacked experts' rules are EXPERT_RULES.
 GGUF_TENSOR_NAMES: dict[str, str] = {
-    source: target for hf_family in _HF_FAMILIES.values() for source, target in tensor_names(hf_family).items()
+    source: target for architecture in _HF_FAMILIES for source, target in tensor_names(architecture).items()
 }
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")  # a llama.cpp block's tensor names start blk.N.

@@ -87,11 +87,18 @@ def edit_config(folder: Path, **changes) -> None:
 
 
 def write_gguf(
-    model: PreTrainedModel, path: Path, architecture: str, metadata: dict[str, object] | None = None
+    model: PreTrainedModel,
+    path: Path,
+    architecture: str,
+    metadata: dict[str, object] | None = None,
+    quantization: str | None = None,
 ) -> Path:
-    """The model as llama.cpp's converter would write it, in float32: llama.cpp names, its metadata keys, and for
-    the llama architecture the interleaved-RoPE row order of q/k. A stand-in for real GGUF files of qwen2/qwen3.
-    ``metadata`` replaces (or adds) keys, each written with the GGUF type of its Python value (to break a file)."""
+    """The model as llama.cpp's converter would write it, in float32: llama.cpp names, its metadata keys, for the
+    llama architecture the interleaved-RoPE row order of q/k, and for the MoE ones each layer's experts stacked
+    (``ffn_{gate,up,down}_exps``) and Qwen2-MoE's shared-expert gate as a vector. A stand-in for real GGUF files.
+    ``metadata`` replaces (or adds) keys, each written with the GGUF type of its Python value (to break a file);
+    a value None leaves the key out. ``quantization`` (a ``GGMLQuantizationType`` name such as ``"Q8_0"``) stores
+    every matrix and expert stack whose rows fit its blocks in that type, as llama.cpp's quantized files do."""
     import gguf
     import numpy as np
 
@@ -109,6 +116,16 @@ def write_gguf(
                 gguf_template,
             )
     writer = gguf.GGUFWriter(path, arch=architecture)
+    kind = None if quantization is None else gguf.GGMLQuantizationType[quantization]
+
+    def add(name: str, tensor: torch.Tensor) -> None:
+        array = np.ascontiguousarray(tensor.float().numpy())
+        block = None if kind is None else gguf.GGML_QUANT_SIZES[kind][0]
+        if block is not None and array.ndim >= 2 and array.shape[-1] % block == 0:
+            writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, array)
+
     prefix = architecture
     values: dict[str, object] = {
         f"{prefix}.block_count": config.num_hidden_layers,
@@ -124,7 +141,17 @@ def write_gguf(
         f"{prefix}.attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
         f"{prefix}.vocab_size": config.vocab_size,
     }
+    if getattr(config, "num_experts", None):
+        values |= {
+            f"{prefix}.expert_count": config.num_experts,
+            f"{prefix}.expert_used_count": config.num_experts_per_tok,
+            f"{prefix}.expert_feed_forward_length": config.moe_intermediate_size,
+        }
+        if getattr(config, "shared_expert_intermediate_size", None):
+            values[f"{prefix}.expert_shared_feed_forward_length"] = config.shared_expert_intermediate_size
     for key, value in {**values, **(metadata or {})}.items():
+        if value is None:
+            continue
         if isinstance(value, str):
             writer.add_string(key, value)
         elif isinstance(value, float):
@@ -134,6 +161,16 @@ def write_gguf(
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
+        stem, _, leaf = name.rpartition(".")
+        if stem.endswith("mlp.experts"):  # transformers 5's fused (E, 2·I, C) and (E, C, I): llama.cpp's three stacks
+            block = f"blk.{name.split('.')[2]}"
+            parts = tensor.chunk(2, dim=1) if leaf == "gate_up_proj" else (tensor,)
+            stacks = ("ffn_gate_exps", "ffn_up_exps") if leaf == "gate_up_proj" else ("ffn_down_exps",)
+            for stack, part in zip(stacks, parts, strict=True):
+                add(f"{block}.{stack}.weight", part)
+            continue
+        if name.endswith("mlp.shared_expert_gate.weight"):
+            tensor = tensor.reshape(-1)  # llama.cpp's {n_embd}
         gguf_name, template = to_gguf.get(name, (name, name))
         if name == "model.embed_tokens.weight":
             gguf_name = template = "token_embd.weight"
@@ -143,7 +180,7 @@ def write_gguf(
             gguf_name = template = "output.weight"
         if architecture in ROPE_PERMUTED_ARCHITECTURES and template in ROPE_PERMUTED_TENSORS:
             tensor = permute_llama_rope(tensor, getattr(config, ROPE_PERMUTED_TENSORS[template]))
-        writer.add_tensor(gguf_name, np.ascontiguousarray(tensor.float().numpy()))
+        add(gguf_name, tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

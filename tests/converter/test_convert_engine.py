@@ -27,6 +27,8 @@ from common.sizes import parse_size
 from common.sources import SafetensorsSource
 from converter.engine import plan_conversion, stream_tensors, write_weights
 from converter.ops import (
+    AsRow,
+    AsVector,
     Chain,
     Concatenate,
     HalfToInterleavedRope,
@@ -68,6 +70,8 @@ CONFIG = ThinkerConfig(hidden_size=24, num_attention_heads=3, num_key_value_head
         (UnstackExperts(parts=2, dim=1), [(5, 8, 6)]),
         (InterleavedToHalfRope("num_attention_heads"), [(24, 24), (24,)]),
         (HalfToInterleavedRope("num_key_value_heads"), [(8, 24)]),
+        (AsRow(), [(24,)]),
+        (AsVector(), [(1, 24)]),
         (Chain(Transpose(), Split(dim=0, parts=3)), [(24, 72)]),
     ],
     ids=lambda value: type(value).__name__ if not isinstance(value, list) else "",

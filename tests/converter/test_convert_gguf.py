@@ -1,4 +1,5 @@
-"""GGUF sources: synthetic llama / qwen2 / qwen3 files, and the real SmolLM2-135M-Instruct Q4_1 weights.
+"""GGUF sources: synthetic llama / qwen2 / qwen3 / qwen2moe / qwen3moe files, and the real SmolLM2-135M-Instruct Q4_1
+weights.
 
 The reference is transformers' own GGUF loading (``from_pretrained(folder, gguf_file=...)``), which the parity gate
 uses for GGUF sources. The synthetic files are written the way llama.cpp's converter writes them (names, metadata,
@@ -10,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from convert_helpers import assert_same_logits, build_reference, write_gguf
-from transformers import AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoTokenizer, LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
 from converter.families.gguf import smollm2_gguf_path
 from thinker import ThinkerForCausalLM
@@ -24,6 +25,30 @@ SYNTHETIC = {
     # qk-norm, untied. head_dim 128: transformers' GGUF loader ignores attention.key_length and uses Qwen3's
     # default, so only that head size has a reference to compare with.
     "qwen3": Qwen3Config(**TINY, num_attention_heads=2, num_key_value_heads=1, head_dim=128, tie_word_embeddings=False),
+    # Routed experts stacked per layer (ffn_*_exps) and a shared expert behind a gate llama.cpp stores as a vector;
+    # expert widths other than the config classes' defaults, which transformers' own GGUF tables do not read.
+    "qwen2moe": Qwen2MoeConfig(
+        **TINY,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=40,
+        tie_word_embeddings=False,
+    ),
+    # qk-norm, top-k weights renormalised (what llama.cpp's qwen3moe graph does); head_dim from key_length.
+    "qwen3moe": Qwen3MoeConfig(
+        **TINY,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        norm_topk_prob=True,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -94,3 +119,58 @@ def test_config_agrees_with_transformers_gguf_loader(architecture, tmp_path):
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     assert ours["head_dim"] == head_dim == theirs.get("head_dim", head_dim)
+
+
+@pytest.mark.parametrize("architecture", ["qwen2moe", "qwen3moe"])
+def test_moe_config_reads_the_experts(architecture, tmp_path):
+    """The routing fields come from the file (the widths from keys transformers' table leaves out), and what
+    llama.cpp's graph fixes from transformers' table of GGUF defaults: Qwen3-MoE renormalises its top-k weights."""
+    from common.gguf_reader import GGUFSource
+    from converter.families.gguf import gguf_to_hf_config
+
+    config = SYNTHETIC[architecture]
+    path = write_gguf(build_reference(config), tmp_path / f"tiny-{architecture}.gguf", architecture)
+    source = GGUFSource(path)
+    ours = gguf_to_hf_config(source.config(), source.names())
+    source.close()
+    assert ours["model_type"] == config.model_type
+    assert (ours["num_experts"], ours["num_experts_per_tok"], ours["moe_intermediate_size"]) == (4, 2, 24)
+    assert ours.get("norm_topk_prob", False) is config.norm_topk_prob  # Qwen2-MoE: the config class default
+    assert ours.get("shared_expert_intermediate_size") == getattr(config, "shared_expert_intermediate_size", None)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "missing"),
+    [("qwen3moe", "expert_feed_forward_length"), ("qwen2moe", "expert_shared_feed_forward_length")],
+)
+def test_moe_file_without_an_expert_width_is_refused_by_name(architecture, missing, tmp_path, run_convert):
+    from common.errors import ThinkerError
+
+    model = build_reference(SYNTHETIC[architecture])
+    path = write_gguf(model, tmp_path / "broken.gguf", architecture, metadata={f"{architecture}.{missing}": None})
+    with pytest.raises(ThinkerError, match=f"GGUF metadata lacks '{architecture}.{missing}'.*the file is incomplete"):
+        run_convert(path)
+    assert not (tmp_path / "out").exists()
+
+
+def test_moe_file_without_dense_width_converts(tmp_path, run_convert):
+    """feed_forward_length is the width of dense layers, which llama.cpp's MoE architectures do not have."""
+    model = build_reference(SYNTHETIC["qwen3moe"])
+    path = write_gguf(model, tmp_path / "t.gguf", "qwen3moe", metadata={"qwen3moe.feed_forward_length": None})
+    result = run_convert(path)
+    assert result.parity.passed, result.parity.table()
+    assert_same_logits(model, result.output)
+
+
+def test_quantized_moe_file_converts_with_parity(tmp_path, run_convert):
+    """Expert stacks stored block-quantized (Q8_0, as llama.cpp's quantized files store them): dequantized 3-D on
+    read, bit for bit as transformers' GGUF loading dequantizes them, so the parity gate holds at its tolerance."""
+    import gguf
+
+    config = SYNTHETIC["qwen3moe"]
+    path = write_gguf(build_reference(config), tmp_path / "q8.gguf", "qwen3moe", quantization="Q8_0")
+    kinds = {tensor.name: tensor.tensor_type for tensor in gguf.GGUFReader(path).tensors}
+    assert kinds["blk.0.ffn_gate_exps.weight"] == gguf.GGMLQuantizationType.Q8_0
+    result = run_convert(path)
+    assert result.parity.passed, result.parity.table()
+    assert result.parity.results[0].max_abs_diff == 0

@@ -2,7 +2,8 @@
 time from their own files; every Thinker layer runs on the reference's input to that layer.
 
 - an altered tensor of one layer is named by ``thinker verify --verify-by-layer``, for a dense, an MoE (per-expert
-  source tensors, fused by transformers' own loading conversion) and a GGUF source;
+  source tensors, fused by transformers' own loading conversion) and a GGUF source (llama, and Qwen2-MoE's stacked
+  experts);
 - on passing models, layer mode reaches the whole-model check's verdict and figures;
 - ``thinker-convert`` switches to layer mode by itself when the memory budget is too small, and a failed layer
   check installs nothing;
@@ -127,15 +128,27 @@ def test_verify_by_layer_names_the_altered_layer(config, altered, tmp_path):
 HEAD_STAGE = "final norm and head"
 
 
-def test_verify_by_layer_names_the_altered_layer_of_a_gguf_source(tmp_path):
-    """llama.cpp's permuted q/k rows, undone by transformers' own GGUF tensor processing one tensor at a time."""
+@pytest.mark.parametrize(
+    ("config", "architecture", "altered"),
+    [
+        (LLAMA, "llama", "model.layers.1.self_attn.q_proj.weight"),
+        (QWEN2_MOE, "qwen2moe", "model.layers.1.mlp.experts.gate_up_proj"),
+        (QWEN2_MOE, "qwen2moe", "model.layers.1.mlp.shared_expert_gate.weight"),
+    ],
+    ids=["llama-q", "qwen2moe-experts", "qwen2moe-shared-gate"],
+)
+def test_verify_by_layer_names_the_altered_layer_of_a_gguf_source(config, architecture, altered, tmp_path):
+    """llama.cpp's permuted q/k rows, and its stacked experts (gate and up merged) and vector shared-expert gate,
+    made by transformers' own GGUF tensor processing one Hugging Face tensor at a time."""
     folder = tmp_path / "gguf"
     folder.mkdir()
-    path = write_gguf(build_reference(LLAMA), folder / "tiny-llama.gguf", "llama")
+    path = write_gguf(build_reference(config), folder / f"tiny-{architecture}.gguf", architecture)
     converted = tmp_path / "out"
     assert cli(convert_command, path, converted, "--no-verify").exit_code == 0
-    assert cli(verify_command, path, converted, "--verify-by-layer").exit_code == 0
-    alter(converted, "model.layers.1.self_attn.q_proj.weight", 1.1)
+    passed = cli(verify_command, path, converted, "--verify-by-layer")
+    assert passed.exit_code == 0, passed.output
+    assert all(stage["max_abs_diff"] == 0 for stage in stages(converted).values())
+    alter(converted, altered, 1.1)
     failed = cli(verify_command, path, converted, "--verify-by-layer")
     assert failed.exit_code == 1 and "first divergence: layer 1" in failed.stdout
 
