@@ -145,14 +145,14 @@ def translate_config(family: Family, source_config: Mapping[str, Any], dtype: to
         kwargs = family.translate_config(source_config)
     except _CONFIG_ERRORS as err:
         reason = f"no key {err}" if isinstance(err, KeyError) else " ".join(str(err).split())
-        raise ThinkerError(f"the source config.json is not a valid {family.name} config: {reason}") from None
+        raise ThinkerError(f"the source {family.config_label} is not a valid {family.name} config: {reason}") from None
     try:
         config = ThinkerConfig(**kwargs)
         config.validate_architecture()
     except (TypeError, ValueError, StrictDataclassError) as err:
         reason = " ".join(str(err).split())
         raise ThinkerError(f"{family.name} config does not translate to a valid Thinker config: {reason}") from None
-    check_model_config(config.to_dict(), "the source config.json")
+    check_model_config(config.to_dict(), f"the source {family.config_label}")
     config.architectures = ["ThinkerForCausalLM"]
     config.dtype = dtype
     return config
@@ -225,8 +225,8 @@ def _check_counts(family: Family, counts: Mapping[str, Any], bounds: Mapping[str
         bound, unit = bounds[key]
         if isinstance(count, int) and not isinstance(count, bool) and count > bound:
             raise ThinkerError(
-                f"the source config.json says {key}={count}, but the checkpoint holds only {bound} {unit} in all; "
-                f"its config.json does not describe these {family.name} weights"
+                f"the source {family.config_label} says {key}={count}, but the checkpoint holds only {bound} {unit} "
+                f"in all; its {family.config_label} does not describe these {family.name} weights"
             )
 
 
@@ -283,7 +283,8 @@ def _select_steps(
     if missing:
         raise ThinkerError(
             f"the source checkpoint lacks tensors a {family.name} model of this config needs: "
-            f"{describe_names(missing)}; the checkpoint is incomplete or its config.json does not describe it"
+            f"{describe_names(missing)}; the checkpoint is incomplete or its {family.config_label} does not "
+            "describe it"
         )
     return chosen
 
@@ -319,8 +320,8 @@ def _check_sources_used(family: Family, config: ThinkerConfig, steps: list[Step]
     if unexpected:
         raise ThinkerError(
             f"the source checkpoint holds tensors that no {family.name} rule maps and none drops on purpose: "
-            f"{describe_names(unexpected)}; its config.json may not match the weights (layer or expert counts, "
-            "biases, tied head)"
+            f"{describe_names(unexpected)}; its {family.config_label} may not match the weights (layer or expert "
+            "counts, biases, tied head)"
         )
 
 
@@ -354,7 +355,7 @@ def planned_shapes(
         except (RuntimeError, ValueError, ThinkerError) as err:
             described = ", ".join(f"{name} {tuple(t.shape)}" for name, t in zip(step.sources, inputs, strict=True))
             raise ThinkerError(
-                f"cannot convert {described}: {err}; the config.json does not match the weights"
+                f"cannot convert {described}: {err}; the {family.config_label} does not match the weights"
             ) from None
         for target, output in zip(step.targets, outputs, strict=True):
             shapes[target] = tuple(output.shape)
@@ -365,7 +366,7 @@ def planned_shapes(
         shown = "; ".join(mismatches[:5]) + (f"; and {len(mismatches) - 5} more" if len(mismatches) > 5 else "")
         raise ThinkerError(
             f"{len(mismatches)} tensor shape(s) disagree with the config: {shown}; "
-            "the config.json does not describe these weights"
+            f"the {family.config_label} does not describe these weights"
         )
     return shapes
 

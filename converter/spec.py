@@ -84,6 +84,7 @@ class Family:
       whose config is not Hugging Face's (GGUF metadata), first turns it into a Hugging Face config dict.
     - ``layer_count_keys`` / ``expert_count_keys``: how the source config spells its layer and expert counts (at
       any nesting depth), checked against the checkpoint's size before anything is built from them.
+    - ``config_label``: what error messages call the source's config (``config.json``; ``GGUF metadata``).
     - ``tensors``: the table; ``dropped``: source tensors skipped on purpose (templates, like the table), e.g.
       buffers older checkpoints saved; ``dropped_prefixes``: whole sub-models skipped on purpose by name prefix
       (a multimodal checkpoint's vision tower), whose layer counts the Thinker config does not know.
@@ -119,6 +120,7 @@ class Family:
     to_hf_config: HFConfigReader | None = None
     layer_count_keys: tuple[str, ...] = ("num_hidden_layers",)
     expert_count_keys: tuple[str, ...] = ("num_experts", "num_local_experts")
+    config_label: str = "config.json"
 
     def recognises(self, config: Mapping[str, Any], tensor_names: Collection[str]) -> bool:
         declared = config.get(self.model_type_key) in self.model_types or any(

@@ -504,6 +504,7 @@ def gguf_family(architecture: str) -> Family:
         layered_reference=load_layered_reference,
         layer_count_keys=(f"{architecture}.block_count",),
         expert_count_keys=(f"{architecture}.expert_count",),
+        config_label="GGUF metadata",
     )
 
 

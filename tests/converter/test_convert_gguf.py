@@ -174,3 +174,18 @@ def test_quantized_moe_file_converts_with_parity(tmp_path, run_convert):
     result = run_convert(path)
     assert result.parity.passed, result.parity.table()
     assert result.parity.results[0].max_abs_diff == 0
+
+
+def test_moe_metadata_disagreeing_with_the_expert_stacks_is_named(tmp_path, run_convert):
+    """An expert count the stacked tensors do not hold: refused before a byte is read, naming the stacks and the
+    GGUF metadata (not a config.json the user does not have)."""
+    from common.errors import ThinkerError
+
+    model = build_reference(SYNTHETIC["qwen3moe"])
+    path = write_gguf(model, tmp_path / "m.gguf", "qwen3moe", metadata={"qwen3moe.expert_count": 3})
+    with pytest.raises(ThinkerError) as caught:
+        run_convert(path)
+    message = str(caught.value)
+    assert "blk.0.ffn_gate_exps.weight (+1): (4, 48, 32), expected (3, 48, 32)" in message
+    assert message.endswith("the GGUF metadata does not describe these weights")
+    assert not (tmp_path / "out").exists()
