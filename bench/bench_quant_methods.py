@@ -16,7 +16,8 @@ Methods, each block 32 along the input axis as MatMulNBits stores them:
   rtn-search the symmetric layout (the builder's bytes, the fast kernel) with each block's scale chosen by a
              least-squares search instead of the block's largest magnitude (``least_squares_symmetric``): the one
              calibration-free improvement that keeps that layout, which onnxruntime does not ship
-Configurations pair a body method with a head (the tied embedding quantized alike), as `thinker export` would.
+Configurations pair a body method with a head (the tied embedding quantized alike), as `thinker export` would; the
+head may also be "rtn mixed", the int4 default's: its first rows at int8 (export/quantize.py).
 
     python bench/bench_quant_methods.py          # about 15 minutes on 2 cores
 
@@ -135,6 +136,16 @@ def least_squares_symmetric(weight: torch.Tensor) -> torch.Tensor:
     return dequantized.permute(1, 2, 0).reshape(in_features, out_features)
 
 
+def mixed_head(weight: torch.Tensor) -> torch.Tensor:
+    """``thinker export``'s int4 default head: its first ``DEFAULT_HEAD_INT8_ROWS`` rows (output columns of the
+    (in, out) weight) at int8, the rest at int4, both RTN."""
+    from export.names import DEFAULT_HEAD_INT8_ROWS
+
+    rows = DEFAULT_HEAD_INT8_ROWS
+    int8, int4 = onnxruntime_quantizer(8, "rtn"), onnxruntime_quantizer(4, "rtn")
+    return torch.cat([int8(weight[:, :rows].contiguous()), int4(weight[:, rows:].contiguous())], dim=1)
+
+
 METHODS: dict[str, Callable[[], Callable[[torch.Tensor], torch.Tensor]]] = {
     "rtn": lambda: onnxruntime_quantizer(4, "rtn"),
     "rtn-asym": lambda: onnxruntime_quantizer(4, "rtn-asym"),
@@ -142,13 +153,16 @@ METHODS: dict[str, Callable[[], Callable[[torch.Tensor], torch.Tensor]]] = {
     "hqq": lambda: onnxruntime_quantizer(4, "hqq"),
     "rtn-search": lambda: least_squares_symmetric,
     "rtn int8": lambda: onnxruntime_quantizer(8, "rtn"),
+    "rtn mixed": lambda: mixed_head,
 }
-# (body, head): the builder's layout, our default, each other body method under our default int8 head, and our
+# (body, head): the builder's layout, the int8 head, our default (the mixed head), each other body method under the
+# int8 head, and our
 # body under each int4 head method with integer zero points (the builder's bytes, give or take the zero points);
 # last, the searched symmetric scales in the builder's layout and under our int8 head.
 CONFIGS = [
     ("rtn", "rtn"),
     ("rtn", "rtn int8"),
+    ("rtn", "rtn mixed"),
     ("rtn-asym", "rtn int8"),
     ("k-quant", "rtn int8"),
     ("k-quant", "k-quant"),

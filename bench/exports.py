@@ -4,7 +4,8 @@
   ours-fused     thinker export --graph fused                 (onnxruntime contrib operators)
   ours-fused-last  ... --logits last                          (the head on each row's last position only)
   ours-int4      thinker export --graph fused --quantize int4 (its defaults: symmetric RTN, block 32, accuracy level
-                 4, the head at 8 bits)
+                 4, the mixed head: its first 8192 rows at 8 bits)
+  ours-int4-h8   ... --quantize-head int8                     (the whole head at 8 bits)
   ours-int4-h4   ... --quantize-head int4                     (the head at 4 bits too, as the builder's)
   ours-int4-hqq  ... --algo hqq                               (fidelity only: onnxruntime's CPU kernel is slow)
   ours-int8      ... --quantize int8
@@ -46,6 +47,7 @@ OURS = {
     "ours-fused": ["--graph", "fused"],
     "ours-fused-last": ["--graph", "fused", "--logits", "last"],
     "ours-int4": ["--graph", "fused", "--quantize", "int4"],
+    "ours-int4-h8": ["--graph", "fused", "--quantize", "int4", "--quantize-head", "int8"],
     "ours-int4-h4": ["--graph", "fused", "--quantize", "int4", "--quantize-head", "int4"],
     "ours-int4-hqq": ["--graph", "fused", "--quantize", "int4", "--algo", "hqq"],
     "ours-int8": ["--graph", "fused", "--quantize", "int8"],

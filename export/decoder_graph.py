@@ -54,7 +54,7 @@ from .names import LAST_POSITION_SCOPE
 from .weights import ThinkerWeights
 
 if TYPE_CHECKING:
-    from .quantize import QuantizedProjection, WeightQuantizer
+    from .quantize import QuantizedProjection, SplitProjection, WeightQuantizer
 
 OPSET = 21
 MS_DOMAIN = "com.microsoft"  # onnxruntime's contrib operators
@@ -129,7 +129,7 @@ class DecoderGraph:
         self.linear_dims = GatedDeltaNetDims.from_config(config) if config.has_linear_attention else None
         # A quantized head that a tied embedding is gathered from (``emit_embeddings``), quantized there, emitted
         # as the head later.
-        self.shared_head: QuantizedProjection | None = None
+        self.shared_head: QuantizedProjection | SplitProjection | None = None
 
     # --- the whole graph --------------------------------------------------------------------------------------
     def build(self) -> onnx.GraphProto:

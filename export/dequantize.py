@@ -24,6 +24,7 @@ import re
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +43,8 @@ PACKED = {
 QUANTIZED_OPS = ("MatMulNBits", "GatherBlockQuantized")
 EMBEDDING = "model.embed_tokens.weight"
 _QUANTIZED_SUFFIX = re.compile(r"_Q\d+$")  # onnxruntime's quantizer names the packed weight "<name>_Q4" / "_Q8"
+# A weight quantized in row ranges (export/quantize.py ``SplitProjection``, the mixed head): "<name>.rows_<a>_<b>".
+_ROW_RANGE = re.compile(r"^(?P<name>.+)\.rows_(?P<start>\d+)_(?P<stop>\d+)$")
 
 
 @dataclass
@@ -158,18 +161,56 @@ def quantized_weight_readers(onnx_path: Path) -> dict[str, Callable[[], Quantize
         table = dequantize_gather_block(attrs, array(data), array(scales), array(zero))
         return QuantizedWeight("GatherBlockQuantized", attrs.get("bits", 4), table)
 
+    reshaped = {node.output[0]: node.input[0] for node in model.graph.node if node.op_type == "Reshape"}
     readers: dict[str, Callable[[], QuantizedWeight]] = {}
     for node in model.graph.node:
         attrs = attributes(node)
         if node.op_type == "MatMulNBits":
             inputs = list(node.input[1:4])
-            readers[graph_weight_name(node.input[1])] = lambda a=attrs, i=inputs: matmul_nbits(a, i)
+            name = graph_weight_name(node.input[1])
+            read_one = lambda a=attrs, i=inputs: matmul_nbits(a, i)  # noqa: E731
         elif node.op_type == "GatherBlockQuantized":
-            if EMBEDDING in readers:
-                raise RuntimeError("a second GatherBlockQuantized in the graph (a bug in the exporter)")
             zero = node.input[3] if len(node.input) > 3 else ""
-            readers[EMBEDDING] = lambda a=attrs, d=node.input[0], s=node.input[2], z=zero: gather_block(a, d, s, z)
-    return readers
+            read_one = lambda a=attrs, d=node.input[0], s=node.input[2], z=zero: gather_block(a, d, s, z)  # noqa: E731
+            # The table is the head's packed weight through a Reshape: its name says which rows (a mixed head).
+            part = _ROW_RANGE.match(graph_weight_name(reshaped.get(node.input[0], node.input[0])))
+            name = EMBEDDING if part is None else f"{EMBEDDING}.rows_{part['start']}_{part['stop']}"
+        else:
+            continue
+        if name in readers:
+            raise RuntimeError(f"a second {node.op_type} over {name} in the graph (a bug in the exporter)")
+        readers[name] = read_one
+    return _join_row_ranges(readers)
+
+
+def _join_row_ranges(readers: dict[str, Callable[[], QuantizedWeight]]) -> dict[str, Callable[[], QuantizedWeight]]:
+    """The parts of a weight quantized in row ranges (``<name>.rows_<a>_<b>``) under one reader for ``name``."""
+    joined: dict[str, Callable[[], QuantizedWeight]] = {}
+    ranges: dict[str, list[tuple[int, int, Callable[[], QuantizedWeight]]]] = {}
+    for name, read in readers.items():
+        part = _ROW_RANGE.match(name)
+        if part is None:
+            joined[name] = read
+        else:
+            ranges.setdefault(part["name"], []).append((int(part["start"]), int(part["stop"]), read))
+    for name, parts in ranges.items():
+        joined[name] = partial(_joined, name, sorted(parts, key=lambda part: part[0]))
+    return joined
+
+
+def _joined(name: str, ranges: list[tuple[int, int, Callable[[], QuantizedWeight]]]) -> QuantizedWeight:
+    """A weight quantized in row ranges as one: its parts concatenated in row order (which must tile the rows from
+    0), at the fewest bits of any part (the looser bound for the per-weight error check). A table's rows are its
+    first axis; a MatMulNBits weight, read as the (K, N) it multiplies by, has them as columns."""
+    expected = 0
+    for start, stop, _ in ranges:
+        if start != expected:
+            raise RuntimeError(f"the parts of {name} do not tile its rows at {start} (a bug in the exporter)")
+        expected = stop
+    parts = [read() for _, _, read in ranges]
+    axis = 1 if parts[0].op_type == "MatMulNBits" else 0
+    weight = np.concatenate([part.weight for part in parts], axis=axis)
+    return QuantizedWeight(parts[0].op_type, min(part.bits for part in parts), weight)
 
 
 def constant_reader(graph: onnx.GraphProto, base_dir: Path | str = "") -> Callable[[str], np.ndarray | None]:

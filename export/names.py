@@ -48,6 +48,10 @@ LAST_POSITION_SCOPE = "last_position"
 
 # --quantize and its options (export/quantize.py).
 BITS = {"int4": 4, "int8": 8}
+# --quantize-head: the head's precision; "mixed" (int4 graphs' default) keeps the first --head-int8-rows vocabulary
+# rows at int8 and the rest at int4 (export/quantize.py, ``SplitProjection``).
+HEAD_PRECISIONS = (*BITS, "mixed")
+DEFAULT_HEAD_INT8_ROWS = 8192
 ALGORITHMS = ("rtn", "rtn-asym", "hqq")
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 ACCURACY_LEVELS = (0, 1, 4)

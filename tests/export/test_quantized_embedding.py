@@ -2,8 +2,9 @@
 
 The table is stored once, quantized (no float copy); onnxruntime's GatherBlockQuantized kernel gathers exactly the
 rows its MatMulNBits kernel multiplies by (checked kernel against kernel, int4 and int8, symmetric and asymmetric,
-a row padded to whole blocks); HQQ (float zero points) and untied models keep the float embedding; ``--verify``
-runs the PyTorch Thinker with the dequantized embedding and fails an embedding that is not the head's.
+a row padded to whole blocks, and the mixed head's two parts: int8 rows, then int4 ones); HQQ (float zero points)
+and untied models keep the float embedding; ``--verify`` runs the PyTorch Thinker with the dequantized embedding and
+fails an embedding that is not the head's.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ INT8 = QuantizeSpec(bits=8, block_size=16)
 INT4_ASYM = QuantizeSpec(bits=4, block_size=16, algo="rtn-asym")
 INT8_ASYM = QuantizeSpec(bits=8, block_size=16, algo="rtn-asym")
 HQQ = QuantizeSpec(bits=4, block_size=16, algo="hqq")
+MIXED = QuantizeSpec(bits=4, block_size=16, head_int8_rows=40)  # the int4 default's layout: rows 0-39 int8, 40-95 int4
 SPECS = {"int4": INT4, "int4-head8": INT4_HEAD8, "int8": INT8, "int4-asym": INT4_ASYM, "int8-asym": INT8_ASYM}
 TIED = dict(tie_word_embeddings=True)
 PADDED = dict(tie_word_embeddings=True, hidden_size=40)  # 40 = 2.5 blocks of 16: the packed rows are padded
@@ -223,9 +225,90 @@ def test_verify_fails_a_wrong_embedding(spec, bug, message, thinker_variant, onn
 
 
 def test_genai_runs_the_quantized_embedding(genai_python, onnx_variant):
-    """onnxruntime-genai's greedy tokens equal onnxruntime's on tied int4 (int8 head) and int4-asym graphs."""
+    """onnxruntime-genai's greedy tokens equal onnxruntime's on tied int4 (int8 head, mixed head) and int4-asym
+    graphs."""
     folders = [
         onnx_variant("qwen3", graph="fused", quantize=INT4_HEAD8, **TIED),
+        onnx_variant("qwen3", graph="fused", quantize=MIXED, **TIED),
         onnx_variant("qwen3", graph="plain", quantize=INT4_ASYM, **PADDED),
     ]
     assert_genai_equals_onnxruntime(genai_python, folders)
+
+
+# --- the mixed head: its first rows int8, the rest int4 ----------------------------------------------------------
+
+
+def mixed_head_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [n for n in model.graph.node if n.op_type == "MatMulNBits" and n.input[1].startswith("lm_head.")]
+
+
+@pytest.mark.parametrize("overrides", [TIED, PADDED], ids=["whole-blocks", "padded"])
+def test_mixed_head_is_two_parts_and_the_embedding_gathers_each_id_from_its_own(overrides, onnx_variant):
+    """Two MatMulNBits (rows 0-39 at 8 bits, 40-95 at 4) concatenated; the embedding's rows, kernel against kernel,
+    are the columns the two multiply by, on both sides of the boundary; export/dequantize.py joins both back."""
+    folder = onnx_variant("qwen3", graph="plain", quantize=MIXED, **overrides)
+    model = onnx.load(folder / "model.onnx")
+    vocab, hidden = 96, overrides.get("hidden_size", 32)
+    high, low = mixed_head_nodes(model)
+    assert [high.input[1], low.input[1]] == ["lm_head.weight.rows_0_40_Q8", "lm_head.weight.rows_40_96_Q4"]
+    assert [(attributes(n)["bits"], attributes(n)["N"]) for n in (high, low)] == [(8, 40), (4, 56)]
+    concat = next(n for n in model.graph.node if list(n.input) == [high.output[0], low.output[0]])
+    assert concat.op_type == "Concat" and attributes(concat)["axis"] == -1
+    embed = [n for n in model.graph.node if "/embed/" in n.name]
+    assert sum(n.op_type == "GatherBlockQuantized" for n in embed) == 2
+    assert EMBEDDING not in {t.name for t in model.graph.initializer}
+    table = run_nodes(model, embed, {"input_ids": np.arange(vocab)[None]}, embed[-1].output[0])[0]
+    columns = []
+    for node in (high, low):
+        matmul = helper.make_node("MatMulNBits", ["x", *node.input[1:]], ["y"], domain="com.microsoft")
+        matmul.attribute.extend(
+            helper.make_attribute(k, v) for k, v in {**attributes(node), "accuracy_level": 0}.items()
+        )
+        columns.append(run_nodes(model, [matmul], {"x": np.eye(hidden, dtype=np.float32)}, "y"))
+    weight = np.concatenate(columns, axis=1)  # (C, V)
+    np.testing.assert_array_equal(table, weight.T)
+    ours = quantized_weights(folder / "model.onnx")
+    assert (ours["lm_head.weight"].bits, ours[EMBEDDING].bits) == (4, 4)  # the looser bound of the two parts
+    np.testing.assert_array_equal(ours["lm_head.weight"].weight, weight)
+    np.testing.assert_array_equal(ours[EMBEDDING].weight[:, :hidden], table)
+
+
+@pytest.mark.parametrize("plan", [WHOLE, STREAMED])
+def test_verify_runs_the_mixed_head(plan, thinker_variant, onnx_variant):
+    from export.quantized_verify import verify_quantized_export
+
+    model_dir = thinker_variant("qwen3", head_dim=16, **TIED)
+    path = onnx_variant("qwen3", graph="fused", quantize=MIXED, **TIED) / "model.onnx"
+    sound = verify_quantized_export(model_dir, path, torch.float32, 4, NO_GATE, plan=plan)
+    assert sound["passed"] is True, sound
+    assert sound["weights"]["tied_embedding_max_abs_diff_from_head"] == 0.0, sound["weights"]
+    assert sound["graph"]["max_abs_diff"] <= 1e-4, sound["graph"]
+
+
+def unshifted_high_ids(model: onnx.ModelProto) -> None:
+    """The int4 part's gather reads id 40 + i at row 40 + i of its own table (the Sub of its first row left out):
+    the ids past the boundary gather the wrong rows, or the last one clamped."""
+    sub = next(n for n in model.graph.node if n.op_type == "Sub" and "/embed/" in n.name)
+    for node in model.graph.node:
+        node.input[:] = ["input_ids" if name == sub.output[0] else name for name in node.input]
+
+
+def swapped_parts(model: onnx.ModelProto) -> None:
+    """The head's logits concatenated int4 part first: every id's logit lands on another id."""
+    high, low = mixed_head_nodes(model)
+    concat = next(n for n in model.graph.node if list(n.input) == [high.output[0], low.output[0]])
+    concat.input[:] = [low.output[0], high.output[0]]
+
+
+@pytest.mark.parametrize("bug", [unshifted_high_ids, swapped_parts])
+def test_verify_fails_a_wrong_mixed_head(bug, thinker_variant, onnx_variant, tmp_path):
+    from export.quantized_verify import verify_quantized_export
+
+    model_dir = thinker_variant("qwen3", head_dim=16, **TIED)
+    model = onnx.load(onnx_variant("qwen3", graph="fused", quantize=MIXED, **TIED) / "model.onnx")
+    bug(model)
+    (tmp_path / "broken").mkdir()
+    onnx.save_model(model, tmp_path / "broken" / "model.onnx")
+    broken = verify_quantized_export(model_dir, tmp_path / "broken" / "model.onnx", torch.float32, 4, NO_GATE)
+    assert broken["passed"] is False, broken
+    assert "against the model with the same dequantized weights" in broken["failure"], broken
