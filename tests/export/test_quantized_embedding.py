@@ -273,15 +273,20 @@ def test_mixed_head_is_two_parts_and_the_embedding_gathers_each_id_from_its_own(
     np.testing.assert_array_equal(ours[EMBEDDING].weight[:, :hidden], table)
 
 
-@pytest.mark.parametrize("plan", [WHOLE, STREAMED])
-def test_verify_runs_the_mixed_head(plan, thinker_variant, onnx_variant):
+@pytest.mark.parametrize(
+    ("plan", "overrides"), [(WHOLE, TIED), (STREAMED, TIED), (WHOLE, {})], ids=["tied", "tied-streamed", "untied"]
+)
+def test_verify_runs_the_mixed_head(plan, overrides, thinker_variant, onnx_variant):
+    """Tied (the embedding gathered from both parts) and untied (a float embedding, the head alone split)."""
     from export.quantized_verify import verify_quantized_export
 
-    model_dir = thinker_variant("qwen3", head_dim=16, **TIED)
-    path = onnx_variant("qwen3", graph="fused", quantize=MIXED, **TIED) / "model.onnx"
+    model_dir = thinker_variant("qwen3", head_dim=16, **overrides)
+    path = onnx_variant("qwen3", graph="fused", quantize=MIXED, **overrides) / "model.onnx"
     sound = verify_quantized_export(model_dir, path, torch.float32, 4, NO_GATE, plan=plan)
     assert sound["passed"] is True, sound
-    assert sound["weights"]["tied_embedding_max_abs_diff_from_head"] == 0.0, sound["weights"]
+    assert len(mixed_head_nodes(onnx.load(path, load_external_data=False))) == 2
+    if overrides:
+        assert sound["weights"]["tied_embedding_max_abs_diff_from_head"] == 0.0, sound["weights"]
     assert sound["graph"]["max_abs_diff"] <= 1e-4, sound["graph"]
 
 
