@@ -4,12 +4,12 @@ For each model (the real SmolLM2-135M; the Qwen3-0.6B-shaped preset with random 
 by its own tool (exports.py, timed: wall clock and peak RSS), then each runtime decodes greedily, batch 1 and
 batch 8, a 128-token prompt and 64 new tokens:
 
-  onnxruntime         our plain, fused (also with --logits last), int4 and int4-with-int8-head graphs; the model
-                      builder's fp32 and int4 graphs; Optimum's export (all through one IO-contract runner,
-                      decode_worker.py)
-  onnxruntime-genai   our fused (also with --logits last), plain and int4 folders; the builder's fp32 and int4
-                      folders (its own environment; every session given the same intra-op threads through a
-                      config overlay)
+  onnxruntime         our plain, fused (also with --logits last) and int4 graphs (the default mixed head, the
+                      whole head at int8 or at int4); the model builder's fp32 and int4 graphs; Optimum's export
+                      (all through one IO-contract runner, decode_worker.py)
+  onnxruntime-genai   our fused (also with --logits last), plain and int4 (the same three) folders; the builder's
+                      fp32 and int4 folders (its own environment; every session given the same intra-op threads
+                      through a config overlay)
   transformers        eager ``generate`` on the source family's own class
 
 Runtimes of a group (same runtime, same precision) stay loaded side by side and take turns, repetition by
@@ -46,9 +46,9 @@ from workers import Runtime, interleave_fresh, runtime_entry, started  # noqa: E
 
 RESULTS = Path(__file__).with_name("results")
 FP32_ORT = ["ours-fused", "ours-fused-last", "ours-plain", "builder-fp32", "optimum-fp32"]
-INT4_ORT = ["ours-int4", "ours-int4-h4", "builder-int4"]
+INT4_ORT = ["ours-int4", "ours-int4-h8", "ours-int4-h4", "builder-int4"]
 FP32_GENAI = ["ours-fused", "ours-fused-last", "ours-plain", "builder-fp32"]
-INT4_GENAI = ["ours-int4", "ours-int4-h4", "builder-int4"]
+INT4_GENAI = ["ours-int4", "ours-int4-h8", "ours-int4-h4", "builder-int4"]
 
 
 GROUPS = ("ort-fp32", "ort-int4", "genai-fp32", "genai-int4", "torch")
@@ -137,7 +137,7 @@ def measure_fidelity(model: models.BenchModel, folders: dict) -> dict:
         return OrtBackend(folder, threads=2).prefill_logits(np.array(ids))
 
     reference = logits(folders["ours-fused"])
-    graphs = ["ours-int8", "ours-int4", "ours-int4-h4", "ours-int4-hqq", "builder-int4", "builder-fp32"]
+    graphs = ["ours-int8", "ours-int4", "ours-int4-h8", "ours-int4-h4", "ours-int4-hqq", "builder-int4", "builder-fp32"]
     figures = {g: text_fidelity(reference, logits(folders[g]), ids) for g in graphs if g in folders}
     first = next(iter(figures.values()))
     result = {"tokens": first["tokens"], "perplexity_reference": first["perplexity_reference"], "graphs": figures}

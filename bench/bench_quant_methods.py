@@ -43,6 +43,7 @@ import models  # noqa: E402
 
 from export.dequantize import dequantize_matmul_nbits  # noqa: E402
 from export.fidelity import FIDELITY_TEXT, mean_kl, text_fidelity  # noqa: E402
+from export.names import DEFAULT_HEAD_INT8_ROWS  # noqa: E402
 from export.quantize import QuantizeSpec, WeightQuantizer  # noqa: E402
 
 RESULTS = Path(__file__).with_name("results")
@@ -136,14 +137,19 @@ def least_squares_symmetric(weight: torch.Tensor) -> torch.Tensor:
     return dequantized.permute(1, 2, 0).reshape(in_features, out_features)
 
 
-def mixed_head(weight: torch.Tensor) -> torch.Tensor:
-    """``thinker export``'s int4 default head: its first ``DEFAULT_HEAD_INT8_ROWS`` rows (output columns of the
+def mixed_head(rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``thinker export``'s int4 default head with ``rows`` int8 rows: its first ``rows`` rows (output columns of the
     (in, out) weight) at int8, the rest at int4, both RTN."""
-    from export.names import DEFAULT_HEAD_INT8_ROWS
-
-    rows = DEFAULT_HEAD_INT8_ROWS
     int8, int4 = onnxruntime_quantizer(8, "rtn"), onnxruntime_quantizer(4, "rtn")
-    return torch.cat([int8(weight[:, :rows].contiguous()), int4(weight[:, rows:].contiguous())], dim=1)
+
+    def apply(weight: torch.Tensor) -> torch.Tensor:
+        return torch.cat([int8(weight[:, :rows].contiguous()), int4(weight[:, rows:].contiguous())], dim=1)
+
+    return apply
+
+
+# The mixed head's int8 rows: the default, and half and twice it (how much the choice matters).
+MIXED_ROWS = (DEFAULT_HEAD_INT8_ROWS // 2, DEFAULT_HEAD_INT8_ROWS, 2 * DEFAULT_HEAD_INT8_ROWS)
 
 
 METHODS: dict[str, Callable[[], Callable[[torch.Tensor], torch.Tensor]]] = {
@@ -153,7 +159,12 @@ METHODS: dict[str, Callable[[], Callable[[torch.Tensor], torch.Tensor]]] = {
     "hqq": lambda: onnxruntime_quantizer(4, "hqq"),
     "rtn-search": lambda: least_squares_symmetric,
     "rtn int8": lambda: onnxruntime_quantizer(8, "rtn"),
-    "rtn mixed": lambda: mixed_head,
+    "rtn mixed": lambda: mixed_head(DEFAULT_HEAD_INT8_ROWS),
+    **{
+        f"rtn mixed {rows}": (lambda rows=rows: mixed_head(rows))
+        for rows in MIXED_ROWS
+        if rows != DEFAULT_HEAD_INT8_ROWS
+    },
 }
 # (body, head): the builder's layout, the int8 head, our default (the mixed head), each other body method under the
 # int8 head, and our
@@ -171,6 +182,7 @@ CONFIGS = [
     ("rtn", "k-quant"),
     ("rtn-search", "rtn-search"),
     ("rtn-search", "rtn int8"),
+    *(("rtn", f"rtn mixed {rows}") for rows in MIXED_ROWS if rows != DEFAULT_HEAD_INT8_ROWS),
 ]
 
 
@@ -203,6 +215,11 @@ def main() -> None:
     head_name = "model.embed_tokens.weight"
     with torch.no_grad():
         reference = {name: model(ids[None]).logits[0] for name, ids in texts.items()}
+    # Where the float model's next-token picks lie in the vocabulary: what the mixed head's int8 rows cover.
+    picks = {
+        name: {rows: round(float((logits[:-1].argmax(-1) < rows).float().mean()), 4) for rows in MIXED_ROWS}
+        for name, logits in reference.items()
+    }
     rows = []
     for body, head in CONFIGS:
         started = time.perf_counter()
@@ -224,6 +241,7 @@ def main() -> None:
         "tokens": {name: len(ids) for name, ids in texts.items()},
         "block_size": BLOCK,
         "activations": "float (accuracy level 1)",
+        "float_top1_in_first_rows": picks,
         "rows": rows,
     }
     RESULTS.mkdir(exist_ok=True)
@@ -249,6 +267,13 @@ def report(result: dict) -> str:
             m = row["texts"][name]
             cells += [f"{m['top1']:.1%}", f"{m['perplexity_change']:+.1%}", f"{m['mean_kl']:.3f}"]
         lines.append(f"| {row['body']} | {row['head']} | " + " | ".join(cells) + " |")
+    picks = result.get("float_top1_in_first_rows")
+    if picks:
+        shares = "; ".join(
+            f"{name}: " + ", ".join(f"{share:.0%} in the first {rows}" for rows, share in by_rows.items())
+            for name, by_rows in picks.items()
+        )
+        lines += ["", f"The float model's top-1 tokens (the mixed head's int8 rows cover the first ones): {shares}."]
     return "\n".join(lines) + "\n"
 
 

@@ -67,6 +67,7 @@ CPU_EXPORTS = [
     "ours-fused",
     "ours-fused-last",
     "ours-int4",
+    "ours-int4-h8",
     "ours-int4-h4",
     "ours-int4-hqq",
     "ours-int8",

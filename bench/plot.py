@@ -11,6 +11,7 @@ COLOURS = {
     "ours-fused": "tab:blue",
     "ours-plain": "tab:cyan",
     "ours-int4": "tab:blue",
+    "ours-int4-h8": "tab:purple",
     "ours-int4-h4": "tab:cyan",
     "builder-fp32": "tab:red",
     "builder-int4": "tab:red",

@@ -1,5 +1,6 @@
 """bench/bench_quant_methods.py's own quantizer (the searched symmetric scales): it must stay on MatMulNBits'
-symmetric grid, never round worse than the RTN it starts from, and leave a weight already on that grid alone."""
+symmetric grid, never round worse than the RTN it starts from, and leave a weight already on that grid alone. Its
+mixed head is the exporter's, bit for bit."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from bench_quant_methods import BLOCK, least_squares_symmetric, onnxruntime_quantizer  # noqa: E402
+from bench_quant_methods import BLOCK, Sink, least_squares_symmetric, mixed_head, onnxruntime_quantizer  # noqa: E402
 
 
 def blockwise(weight: torch.Tensor) -> torch.Tensor:
@@ -39,3 +40,24 @@ def test_a_weight_on_the_grid_comes_back_unchanged():
     codes[:, 0, :] = -8  # every block reaches -8: the grid's own extreme
     weight = (codes * scales).reshape(64, 24)
     torch.testing.assert_close(least_squares_symmetric(weight), weight, rtol=1e-6, atol=1e-6)
+
+
+def test_the_benchs_mixed_head_is_what_the_exporter_writes():
+    import numpy as np
+
+    from export.dequantize import dequantize_matmul_nbits
+    from export.quantize import HEAD, QuantizeSpec, SplitProjection, WeightQuantizer
+
+    torch.manual_seed(2)
+    weight = torch.randn(64, 96)  # (in, out): 96 vocabulary rows
+    sink = Sink()
+    split = WeightQuantizer(QuantizeSpec(bits=4, block_size=BLOCK, head_int8_rows=40), torch.float32).quantize(
+        sink, HEAD, weight
+    )
+    assert isinstance(split, SplitProjection) and [p.attributes["bits"] for p in split.pieces] == [8, 4]
+    pieces = [
+        dequantize_matmul_nbits(p.attributes, *[sink.arrays[name] if name else None for name in p.inputs[:3]])
+        for p in split.pieces
+    ]
+    exported = torch.from_numpy(np.concatenate(pieces, axis=1).astype(np.float32))
+    assert torch.equal(mixed_head(40)(weight), exported)
