@@ -134,7 +134,8 @@ def quantized_weights(onnx_path: Path) -> dict[str, QuantizedWeight]:
     """Every quantized weight of the graph, dequantized, by graph weight name: a MatMulNBits weight (K, N), as the
     graph multiplies by it, a GatherBlockQuantized table (V, C') (C' the row padded to whole blocks). The one table
     the exporter gathers quantized is the token embedding: its GatherBlockQuantized is ``EMBEDDING``, whatever
-    tensors it reads (a tied one reads the head's)."""
+    tensors it reads (a tied one reads the head's; a mixed head's two parts, joined). A weight quantized in row
+    ranges (the mixed head) comes back whole."""
     return {name: read() for name, read in quantized_weight_readers(onnx_path).items()}
 
 

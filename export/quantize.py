@@ -33,8 +33,9 @@ embedding gathers each id from its own part. Byte-level BPE vocabularies (GPT-2'
 number tokens in merge order, which follows frequency, so the first rows are the tokens a model picks most: on
 SmolLM2 the float model's top-1 token lies in the first 8192 ids at 90 % and 96 % of the positions of the two
 benchmark texts, and a head with those rows at int8 keeps the int8 head's top-1 agreement (67.7 % / 70.5 % against
-68.6 % / 70.7 %; an int4 head 60.2 % / 58.6 %) for 2.6 % more bytes than an int4 head, where the int8 head costs
-18 %; the perplexity cost lies between the two (+20 % against +13 % and +27 %; bench/bench_quant_methods.py).
+68.6 % / 70.7 %; an int4 head 60.2 % / 58.6 %) for 2.8 % more bytes per token than an int4 head, where the int8
+head costs 18 %; the perplexity cost lies between the two (+20 % against +13 % and +27 %;
+bench/bench_quant_methods.py).
 
 Gated DeltaNet layers (Qwen3.5, Qwen3-Next): in_proj_qkv, in_proj_z and out_proj are quantized like any projection;
 in_proj_a and in_proj_b are not (``KEPT_FLOAT``): they are Hv wide (a few kilobytes), and their outputs set the
@@ -325,9 +326,9 @@ class WeightQuantizer:
         the ids clamped into its range, the right one chosen per id (one more gather of B x T rows, no table)."""
         if not isinstance(head, SplitProjection):
             return cls.emit_gather_rows(b, head, indices)
-        first, rest = head.pieces
         if len(head.pieces) != 2:
             raise RuntimeError(f"a head in {len(head.pieces)} pieces (a bug in the exporter)")
+        first, rest = head.pieces
         rows = first.attributes["N"]
         low = cls.emit_gather_rows(b, first, b.op("Min", indices, b.const(rows - 1)))
         high = cls.emit_gather_rows(b, rest, b.op("Max", b.op("Sub", indices, b.const(rows)), b.const(0)))
