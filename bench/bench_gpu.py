@@ -135,7 +135,9 @@ def export_all(model: models.BenchModel, provider: str, threads: int, fresh: boo
     return done
 
 
-def measure(groups: list[list[Runtime]], folders: dict[str, Path], args) -> list[dict]:
+def measure(groups: list[list[Runtime]], folders: dict[str, Path], args, done=lambda entries: None) -> list[dict]:
+    """Each group's runtimes, interleaved; ``done`` sees the entries so far after each group (a device call cut off
+    at its time limit still leaves the groups it finished)."""
     requests = [{"op": "generate", "batch": b, "prompt": args.prompt, "new": args.new} for b in args.batches]
     entries = []
     for runtimes in groups:
@@ -145,8 +147,9 @@ def measure(groups: list[list[Runtime]], folders: dict[str, Path], args) -> list
         except RuntimeError as err:  # a runtime that does not start here is a finding, not the end of the run
             print(f"  group failed: {err}", file=sys.stderr)
             entries += [{"label": r.label, "graph": r.graph, "error": str(err)[-1500:]} for r in runnable]
-            continue
-        entries += [runtime_entry(runtime, requests) for runtime in runnable]
+        else:
+            entries += [runtime_entry(runtime, requests) for runtime in runnable]
+        done(entries)
     return entries
 
 
@@ -227,6 +230,7 @@ def main() -> None:
     parser.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false")
     parser.add_argument("--reuse-exports", action="store_true", help="keep cached exports (and their timings)")
     parser.add_argument("--exports-only", action="store_true", help="export, then stop (a later --reuse-exports)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the results go (the device's $OUT)")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     if args.provider == "cuda":
@@ -254,18 +258,21 @@ def main() -> None:
         "bandwidth": device_bandwidth(args.provider, args.threads),
         "exports": {n: {"seconds": e.seconds, "peak_rss": e.peak_rss, "error": e.error} for n, e in exports.items()},
         "bytes_per_token": {n: weight_bytes_per_token(f / "model.onnx") for n, f in folders.items() if n != "hf"},
-        "runtimes": measure(runtimes_for(args.provider, args.cuda_graph and args.provider == "cuda"), folders, args),
+        "runtimes": [],
         "versions": package_versions("genai"),
     }
-    add_limits(results)
-    results["seconds"] = round(time.perf_counter() - started, 1)
     tag = "gpu" if args.provider == "cuda" else "gpu-rehearsal-cpu"
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{tag}.json").write_text(json.dumps(results, indent=2) + "\n")
-    text = markdown(results)
-    (RESULTS / f"README-{tag}.md").write_text(text + "\n")
-    print(text)
 
+    def save(entries: list[dict]) -> None:
+        results["runtimes"] = entries
+        add_limits(results)
+        results["seconds"] = round(time.perf_counter() - started, 1)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{tag}.json").write_text(json.dumps(results, indent=2) + "\n")
+        (args.out / f"README-{tag}.md").write_text(markdown(results) + "\n")
+
+    save(measure(runtimes_for(args.provider, args.cuda_graph and args.provider == "cuda"), folders, args, save))
+    print(markdown(results))
 
 if __name__ == "__main__":
     main()

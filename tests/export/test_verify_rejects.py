@@ -177,3 +177,31 @@ def test_streamed_quantized_verify_from_the_command_line(thinker_folder, tmp_pat
     negated_head(monkeypatch)
     bad = export(folder, tmp_path / "bad", *options)
     assert_rejected(bad, tmp_path / "bad", "quantized weight lm_head.weight is", "int8 rtn")
+
+
+def test_half_precision_verify_holds_the_graph_to_the_float32_model(thinker_folder, tmp_path, monkeypatch):
+    """A float16 export is checked against the exact model, PyTorch in float32, within float16's tolerance (a
+    half-precision reference rounds apart from onnxruntime's kernels: export/verify.py), and its memory plan counts
+    that reference in float32: a budget that holds the graph beside a float16 model but not beside the float32 one
+    streams the reference layer by layer, with the same figures. A planted bug still fails it."""
+    from converter.parity import MEMORY_BUDGET_ENV
+    from export.verify import model_bytes
+
+    folder = thinker_folder("qwen3_moe")
+    half, _ = model_bytes(folder, torch.float16)
+    full, full_unit = model_bytes(folder, torch.float32)
+    assert_passes(folder, tmp_path / "whole", "--dtype", "float16")
+    whole = json.loads((tmp_path / "whole" / "export_report.json").read_text())["verify"]
+    assert whole["reference"] == "PyTorch ThinkerForCausalLM, float32, CPU", whole["reference"]
+    assert whole["tolerance"] == pytest.approx(5e-2 * max(1.0, whole["logit_scale"]))
+
+    assert half + full_unit <= 2 * half < half + full
+    monkeypatch.setenv(MEMORY_BUDGET_ENV, str(2 * half))
+    assert_passes(folder, tmp_path / "streamed", "--dtype", "float16")
+    streamed = json.loads((tmp_path / "streamed" / "export_report.json").read_text())["verify"]
+    assert streamed["reference"] == "PyTorch ThinkerForCausalLM, float32, CPU, read layer by layer as it runs"
+    assert abs(streamed["max_abs_diff"] - whole["max_abs_diff"]) <= 1e-5 * max(1.0, whole["logit_scale"])
+
+    without_k_norm(monkeypatch)
+    bad = export(folder, tmp_path / "bad", "--dtype", "float16", "--graph", "plain")
+    assert_rejected(bad, tmp_path / "bad", "float16, plain graph", "> tolerance")
