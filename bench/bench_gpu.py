@@ -274,5 +274,6 @@ def main() -> None:
     save(measure(runtimes_for(args.provider, args.cuda_graph and args.provider == "cuda"), folders, args, save))
     print(markdown(results))
 
+
 if __name__ == "__main__":
     main()

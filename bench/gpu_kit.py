@@ -304,7 +304,8 @@ def run(what: str, out: Path, options: list[str]) -> int:
     elif what == "half":  # half-precision graphs against float32 and half PyTorch (what --verify compares with)
         command = [python, "bench/probe_half_reference.py", "--out", str(out), *options]
     elif what == "profile":  # where a decode step's time goes on CUDA, per op type (options: folders, --batch)
-        command = [python, "bench/profile_genai.py", "--provider", "cuda", "--json", str(out / "profile.json"), *options]
+        command = [python, "bench/profile_genai.py", "--provider", "cuda", "--json", str(out / "profile.json")]
+        command += options
     elif what == "probe":  # which linear-attention contrib operators CUDA runs (docs/hybrid-export.md 1.2)
         command = [python, "bench/probe_hybrid_ops.py", "--provider", "cuda", *options]
     else:  # the bench writes its results into out after each group of runtimes
@@ -325,9 +326,9 @@ def main() -> None:
     packing.add_argument("--part-mib", type=float, help="default: what a call leaves beside the working tree")
     verbs.add_parser("receive", help="there: keep the carried part under /tmp/gpukit")
     verbs.add_parser("install", help="there: check, unpack and install the kit (/tmp/thinker-venv/bin/python)")
-    running = verbs.add_parser("run", help="there: the operator probe, the GPU tests or bench_gpu.py, into $OUT")
+    running = verbs.add_parser("run", help="there: the GPU tests, a probe, a profile or bench_gpu.py, into $OUT")
     running.add_argument("what", choices=["probe", "tests", "bench", "profile", "half"])
-    running.add_argument("options", nargs=argparse.REMAINDER, help="the options of pytest, bench_gpu.py, profile_genai.py")
+    running.add_argument("options", nargs=argparse.REMAINDER, help="the options of pytest or of the script run")
     args = parser.parse_args()
     try:
         if args.verb == "pack":
