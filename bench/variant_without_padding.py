@@ -6,7 +6,8 @@ forward that the builder's graph, which gets left padding wrong, does without (e
 they cost, this writes the same export with those GroupQueryAttention inputs cut (and the nodes that only fed them
 pruned); with ``--no-positions`` also without the ``position_ids`` input, so that the kernel rotates by slot as the
 builder's does. The copy computes the same function only for batches without padding, which is all
-bench_graph_ab.py feeds it: never ship it.
+bench_graph_ab.py feeds it: never ship it. (The export now writes the shipped form of the second one for
+onnxruntime-genai, right for its right-padded batches too: ``model.genai.onnx``, export/genai_graph.py.)
 
     python bench/variant_without_padding.py OURS /tmp/ours-nobias
     python bench/variant_without_padding.py OURS /tmp/ours-nobias-nopos --no-positions
@@ -22,19 +23,7 @@ from pathlib import Path
 
 import onnx
 
-# GroupQueryAttention's optional inputs by position (onnxruntime's contrib schema).
-POSITION_IDS, ATTENTION_BIAS = 9, 10
-
-
-def prune_dead_nodes(graph: onnx.GraphProto) -> None:
-    """Drops nodes none of whose outputs is read by another node or is a graph output, until none is left."""
-    while True:
-        read = {name for node in graph.node for name in node.input} | {output.name for output in graph.output}
-        dead = [node for node in graph.node if not any(name in read for name in node.output if name)]
-        if not dead:
-            return
-        for node in dead:
-            graph.node.remove(node)
+from export.genai_graph import ATTENTION_BIAS, POSITION_IDS, prune_dead_nodes
 
 
 def strip(model: onnx.ModelProto, positions: bool) -> int:
@@ -74,13 +63,16 @@ def main() -> None:
     if not strip(model, positions=not args.no_positions):
         raise SystemExit(f"{args.source / 'model.onnx'} has no GroupQueryAttention: not a fused export")
     # onnxruntime refuses external data reached through a link out of the folder: the files are copied.
-    shutil.copytree(args.source, args.output, ignore=shutil.ignore_patterns("model.onnx"))
+    shutil.copytree(args.source, args.output, ignore=shutil.ignore_patterns("model.onnx", "model.genai.onnx"))
     onnx.save(model, args.output / "model.onnx")
+    config_path = args.output / "genai_config.json"
+    config = json.loads(config_path.read_text())
+    config["model"]["decoder"]["filename"] = "model.onnx"  # this variant, not the export's model.genai.onnx
     if args.no_positions:
-        config_path = args.output / "genai_config.json"
-        config = json.loads(config_path.read_text())
         config["model"]["decoder"]["inputs"].pop("position_ids", None)
-        config_path.write_text(json.dumps(config, indent=4) + "\n")
+    else:
+        config["model"]["decoder"]["inputs"]["position_ids"] = "position_ids"
+    config_path.write_text(json.dumps(config, indent=4) + "\n")
     print(f"wrote {args.output}: {len(model.graph.node)} nodes")
 
 

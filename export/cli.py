@@ -215,7 +215,10 @@ def export_command(
     the contiguous positions text callers feed; multimodal RoPE rotates by position_ids, as the plain graph.
     A step with several new tokens after a non-empty cache needs batch 1 (prefill and one-token decode steps, all
     that onnxruntime-genai and `thinker generate` run, are unaffected).
-    genai_config.json lets onnxruntime-genai update one KV buffer in place (past_present_share_buffer).
+    genai_config.json lets onnxruntime-genai update one KV buffer in place (past_present_share_buffer), and
+    names model.genai.onnx: the same graph over the same weights file, for the right-padded batches
+    onnxruntime-genai makes, without the padding bias that slows GroupQueryAttention on CUDA (model.onnx keeps
+    it and takes any padding; --verify checks both).
 
     \b
     --quantize int4|int8 works with either graph. --verify then checks the graph against the PyTorch model holding

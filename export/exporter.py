@@ -35,6 +35,7 @@ from .contrib_schemas import register_onnxruntime_schemas
 from .decoder_graph import IR_VERSION, OPSET, DecoderGraph, make_model, not_exported, position_form
 from .folder_check import check_thinker_folder
 from .genai_config import logits_note, make_genai_config, no_eos_note, positions_note
+from .genai_graph import write_genai_graph
 from .graph_builder import GraphBuilder, WeightFile
 from .names import (
     DATA_FILE,
@@ -124,9 +125,18 @@ def export_model(
             guard = guard_accuracy_level(
                 model_dir, files.model_path, config.vocab_size, config.max_position_embeddings, accuracy_guard, threads
             )
+        genai_graph = write_genai_graph(files.model_path)  # after the guard, which may rewrite model.onnx
         copy_side_files(model_dir, final)
         generation_config = read_json(model_dir / "generation_config.json")
-        genai = make_genai_config(config, generation_config, threads, files.kv_in_place, positions)
+        genai = make_genai_config(
+            config,
+            generation_config,
+            threads,
+            files.kv_in_place,
+            positions,
+            graph=genai_graph.path.name if genai_graph else MODEL_FILE,
+            graph_positions=genai_graph.positions if genai_graph else True,
+        )
         (final / GENAI_CONFIG_FILE).write_text(json.dumps(genai, indent=2) + "\n")
         report = {
             "source": str(source),

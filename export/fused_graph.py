@@ -35,6 +35,8 @@ same graph also runs with one buffer of the whole context bound as both past and
 GroupQueryAttention updates in place at the slots the attention mask gives (S - T .. S - 1): genai_config.json
 turns that on (``past_present_share_buffer``), and onnxruntime-genai then skips copying the cache every step.
 Configs that GroupQueryAttention cannot take (head_dim not a multiple of 8) keep the plain attention.
+onnxruntime-genai runs a copy of this graph without the padding bias and the shifted positions, which its
+right-padded batches do not need and which slow GroupQueryAttention on CUDA: export/genai_graph.py.
 
 Hybrid models (Qwen3.5, Qwen3-Next; docs/hybrid-export.md):
   linear layers      FusedGatedDeltaNetGraph: CausalConvWithState, LinearAttentionGate, LinearAttention,

@@ -127,10 +127,13 @@ def make_genai_config(
     threads: int | None = None,
     share_buffer: bool = False,
     positions: str | None = None,
+    graph: str = MODEL_FILE,
+    graph_positions: bool = True,
 ) -> dict:
     """``share_buffer``: the graph updates one KV buffer in place when bound as past and present (fused graphs);
     ``positions``: the graph's position_ids form, "multimodal" (3, B, T) or "text" (B, T); None for the model's own
-    (``position_form``)."""
+    (``position_form``); ``graph``: the file onnxruntime-genai runs (``model.genai.onnx`` where the export wrote
+    one: export/genai_graph.py), ``graph_positions``: whether that graph takes position_ids."""
     bos, eos, pad = special_token_ids(config, generation_config)
     layers = config.num_hidden_layers
     genai = {
@@ -142,7 +145,7 @@ def make_genai_config(
             "context_length": config.max_position_embeddings,
             "vocab_size": config.vocab_size,
             "decoder": {
-                "filename": MODEL_FILE,
+                "filename": graph,
                 "head_size": config.head_dim,
                 "hidden_size": config.hidden_size,
                 "num_attention_heads": config.num_attention_heads,
@@ -188,6 +191,8 @@ def make_genai_config(
             "past_present_share_buffer": share_buffer,
         },
     }
+    if not graph_positions:
+        del genai["model"]["decoder"]["inputs"]["position_ids"]
     if genai["model"]["type"].startswith("qwen3_5"):
         genai["model"].update(NO_VISION_TOKENS)
     if config.has_linear_attention:

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
+# onnxruntime-genai's graph: the fused model.onnx rewired for right-padded batches, over the same data file
+# (export/genai_graph.py); genai_config.json names it.
+GENAI_MODEL_FILE = "model.genai.onnx"
+# Its metadata entry saying so ("right"), which OnnxDecoder reads to refuse a left-padded batch.
+PADDING_KEY = "thinker.padding"
 REPORT_FILE = "export_report.json"
 GENAI_CONFIG_FILE = "genai_config.json"
 

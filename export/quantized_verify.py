@@ -47,7 +47,7 @@ from .dequantize import (
 from .fidelity import fidelity_token_ids, prefill_logits, text_fidelity
 from .quantize import HEAD
 from .runtime import OnnxDecoder
-from .verify import DECODE_STEPS, STREAMED, WHOLE, compare_decoders
+from .verify import DECODE_STEPS, STREAMED, WHOLE, compare_decoders, genai_graph_failures, genai_graph_of
 
 # The graph check's tolerance floor on ill-conditioned inputs: SmolLM2's residual stream carries "massive
 # activations" (values near 23,000 after layer 11) from which the logits come out by cancellation, so at some
@@ -237,10 +237,16 @@ def graph_check(model: torch.nn.Module, onnx_path: Path, threads: int | None, on
     parity batch, with the tolerance: the float graphs', or SENSITIVITY_MARGIN times the input's own rounding
     sensitivity where that is larger."""
     dtype = next(model.parameters()).dtype
+    batch = parity_batch(model.config.vocab_size)
     with float_activation_copy(onnx_path) as exact_path:
         exact = OnnxDecoder(exact_path, provider="cpu", threads=threads)
-        batch = parity_batch(model.config.vocab_size)
         graph = compare_decoders(model, exact, *batch, on_step=on_step)
+        del exact  # one session of the graph at a time
+    genai_path = genai_graph_of(onnx_path)
+    if genai_path:  # onnxruntime-genai's graph over the same weights, on the rows padded on the right
+        with float_activation_copy(genai_path) as exact_path:
+            exact = OnnxDecoder(exact_path, provider="cpu", threads=threads)
+            graph["genai_graph"] = compare_decoders(model, exact, *batch, right_padded_candidate=True)
     graph["rounding_sensitivity"] = rounding_sensitivity(model, *batch)
     graph["tolerance"] = max(
         RELATIVE_TOLERANCE[dtype] * max(1.0, graph["logit_scale"]), SENSITIVITY_MARGIN * graph["rounding_sensitivity"]
@@ -287,6 +293,8 @@ def quantized_result(
             f"max |Δlogit| {graph['max_abs_diff']:.3g} against the model with the same dequantized weights "
             f"> tolerance {graph['tolerance']:.3g}"
         )
+    if "genai_graph" in graph:
+        failures += genai_graph_failures(graph["genai_graph"], graph["tolerance"])
     if "skipped" not in cost:
         cost.update(min_top1_agreement=gate.min_top1, max_perplexity_increase=gate.max_perplexity_increase)
         cost_failure = gate.failure(cost)

@@ -31,7 +31,7 @@ from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NotImp
 
 from common.errors import ThinkerError
 
-from .names import LAST_POSITION_SCOPE, MODEL_FILE
+from .names import LAST_POSITION_SCOPE, MODEL_FILE, PADDING_KEY
 
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
@@ -252,6 +252,9 @@ class OnnxDecoder:
         # name -> (shape with the batch axis left out, onnx element type, numpy dtype or None for bfloat16)
         self.state_specs = {name: self._state_spec(inputs[name]) for name in self.past_names}
         self.position_rank = len(inputs["position_ids"].shape) if "position_ids" in inputs else 2
+        self.takes_positions = "position_ids" in inputs  # onnxruntime-genai's graph may rotate by slot instead
+        metadata = self.session.get_modelmeta().custom_metadata_map
+        self.right_padding_only = metadata.get(PADDING_KEY) == "right"  # model.genai.onnx (export/genai_graph.py)
         self.output_names = ["logits", *self.present_names]
 
     def _state_order(self, name: str) -> tuple[int, int]:
@@ -306,8 +309,9 @@ class OnnxDecoder:
         feeds = {
             "input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
             "attention_mask": np.ascontiguousarray(state.attention_mask, dtype=np.int64),
-            "position_ids": np.ascontiguousarray(self.graph_positions(position_ids), dtype=np.int64),
         }
+        if self.takes_positions:
+            feeds["position_ids"] = np.ascontiguousarray(self.graph_positions(position_ids), dtype=np.int64)
         if self.device == "cuda":
             return self._forward_io_binding(feeds, state)
         outputs = self.session.run(self.output_names, {**feeds, **state.cache})
@@ -353,6 +357,11 @@ class OnnxDecoder:
         """The prompt (left-padded when rows differ in length) through an empty cache. Logits (B, T, V), or (B, 1, V)
         from a ``--logits last`` graph: each row's last kept position."""
         attention_mask = np.asarray(attention_mask, dtype=np.int64)
+        if self.right_padding_only and (np.diff(attention_mask, axis=1) > 0).any():
+            raise ThinkerError(
+                f"{self.model_path}: onnxruntime-genai's graph takes right-padded batches only, and a row of this "
+                f"one has pads before its tokens; run {MODEL_FILE}, which takes any padding"
+            )
         positions = position_ids_from_mask(attention_mask)
         state = DecoderState(attention_mask, positions[:, -1] + 1, self.empty_cache(input_ids.shape[0]))
         return self.forward(input_ids, positions, state), state

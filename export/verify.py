@@ -39,6 +39,7 @@ from common.sources import SafetensorsSource
 from converter.parity import MEMORY_BUDGET_ENV, memory_budget
 from thinker.modeling_thinker import CACHE_ARG
 
+from .names import GENAI_MODEL_FILE
 from .runtime import OnnxDecoder, cuda_usable, position_ids_from_mask
 
 DECODE_STEPS = 6
@@ -87,25 +88,30 @@ def compare_decoders(
     attention_mask: np.ndarray,
     steps: int = DECODE_STEPS,
     on_step: Callable[[], object] | None = None,
+    right_padded_candidate: bool = False,
 ) -> dict:
     """Prefill + ``steps`` decode steps in PyTorch and onnxruntime; figures over every kept position (of a
     ``--logits last`` graph's prefill: each row's last kept position, all it gives). ``on_step`` is called after the
-    prefill and after each decode step (a progress bar's ``update``)."""
+    prefill and after each decode step (a progress bar's ``update``). ``right_padded_candidate``: onnxruntime gets
+    the rows padded on the right (onnxruntime-genai's layout, which its graph ``model.genai.onnx`` takes), PyTorch
+    still the batch as given: each row's own result is the reference, as transformers defines it with left padding
+    (a right-padded PyTorch batch would carry a hybrid model's recurrence over the pads, as no runtime should)."""
     on_step = on_step or (lambda: None)
     agreement = Agreement()
     mask = torch.from_numpy(attention_mask)
     positions = torch.from_numpy(position_ids_from_mask(attention_mask))
     out = model(input_ids=torch.from_numpy(input_ids), attention_mask=mask, position_ids=positions, use_cache=True)
     reference = out.logits.float().numpy()
-    candidate, state = decoder.prefill(input_ids, attention_mask)
+    given = right_padded(input_ids, attention_mask) if right_padded_candidate else (input_ids, attention_mask)
+    candidate, state = decoder.prefill(*given)
     if decoder.last_logits_only:
         agreement.add(at_last_kept(reference, attention_mask), candidate[:, 0])
-        # Left padding puts every row's last token in the last slot; onnxruntime-genai pads on the right, where
-        # only the mask tells a row's last token from its pads: the same rows padded so, prefill only.
-        add_right_padded_prefill(agreement, model, decoder, input_ids, attention_mask)
-    else:
-        kept = attention_mask.astype(bool)
-        agreement.add(reference[kept], candidate[kept])
+        if not right_padded_candidate:
+            # Left padding puts every row's last token in the last slot; onnxruntime-genai pads on the right, where
+            # only the mask tells a row's last token from its pads: the same rows padded so, prefill only.
+            add_right_padded_prefill(agreement, model, decoder, input_ids, attention_mask)
+    else:  # the kept positions of each row, in order, whichever side its pads are
+        agreement.add(reference[attention_mask.astype(bool)], candidate[given[1].astype(bool)])
     on_step()
 
     past, next_position = getattr(out, CACHE_ARG), positions[:, -1:] + 1
@@ -152,6 +158,22 @@ def at_last_kept(logits: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
     the position a ``--logits last`` graph picks."""
     numbered = attention_mask * np.arange(1, attention_mask.shape[1] + 1)
     return logits[np.arange(len(logits)), np.maximum(numbered.max(axis=1) - 1, 0)]
+
+
+def genai_graph_of(onnx_path: Path) -> Path | None:
+    """onnxruntime-genai's graph beside ``onnx_path``, where the export wrote one (export/genai_graph.py)."""
+    path = onnx_path.with_name(GENAI_MODEL_FILE)
+    return path if path.is_file() else None
+
+
+def genai_graph_failures(figures: dict, tolerance: float) -> list[str]:
+    """The failure of onnxruntime-genai's graph (checked on the batch's rows padded on the right), if any."""
+    if figures["max_abs_diff"] <= tolerance:
+        return []
+    return [
+        f"{GENAI_MODEL_FILE} (onnxruntime-genai's graph, rows padded on the right): max |Δlogit| "
+        f"{figures['max_abs_diff']:.3g} > tolerance {tolerance:.3g}"
+    ]
 
 
 def verify_plan(
@@ -242,21 +264,34 @@ def verify_export(
             "passed": None,
             "skipped": "onnxruntime's CPU execution provider has no bfloat16 kernels; verify where CUDA is available",
         }
-    with progress_bar(2 + DECODE_STEPS, "verifying", unit="step", enabled=progress) as bar:
-        decoder = OnnxDecoder(onnx_path, threads=threads)
+    genai_path = genai_graph_of(onnx_path)
+    steps = 2 + DECODE_STEPS + (1 + DECODE_STEPS if genai_path else 0)
+    with progress_bar(steps, "verifying", unit="step", enabled=progress) as bar:
         with pytorch_thinker(model_dir, REFERENCE_DTYPE, plan) as model:
             bar.update()
-            input_ids, attention_mask = parity_batch(model.config.vocab_size)
-            figures = compare_decoders(model, decoder, input_ids, attention_mask, on_step=bar.update)
+            batch = parity_batch(model.config.vocab_size)
+            decoder = OnnxDecoder(onnx_path, threads=threads)
+            device = decoder.device
+            figures = compare_decoders(model, decoder, *batch, on_step=bar.update)
+            del decoder  # one session at a time, as verify_plan counts them
+            if genai_path:
+                genai = OnnxDecoder(genai_path, threads=threads)
+                genai_figures = compare_decoders(model, genai, *batch, on_step=bar.update, right_padded_candidate=True)
     held = ", read layer by layer as it runs" if plan == STREAMED else ""
     result = {
-        "provider": decoder.device,
+        "provider": device,
         "reference": f"PyTorch ThinkerForCausalLM, {dtype_name(REFERENCE_DTYPE)}, CPU{held}",
         **figures,
     }
     result["tolerance"] = RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"])
-    result["passed"] = figures["max_abs_diff"] <= result["tolerance"]
-    result["failure"] = f"max |Δlogit| {figures['max_abs_diff']:.3g} > tolerance {result['tolerance']:.3g}"
+    failures = []
+    if figures["max_abs_diff"] > result["tolerance"]:
+        failures.append(f"max |Δlogit| {figures['max_abs_diff']:.3g} > tolerance {result['tolerance']:.3g}")
+    if genai_path:
+        result["genai_graph"] = genai_figures
+        failures += genai_graph_failures(genai_figures, result["tolerance"])
+    result["passed"] = not failures
+    result["failure"] = "; ".join(failures)
     if result["passed"]:
         del result["failure"]
     return result

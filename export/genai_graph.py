@@ -1,0 +1,134 @@
+"""onnxruntime-genai's own graph (``model.genai.onnx``): the fused graph rewired for right-padded batches only.
+
+The fused graph is exact for any attention mask (export/fused_graph.py): every GroupQueryAttention takes
+``seqlens_k = S - 1`` for every row, the padding as an additive ``attention_bias``, and the positions it rotates by
+(``position_ids`` shifted by each row's first kept slot). That costs little on the CPU (about 2 % of a decode step)
+but much on CUDA, where the bias takes the kernel off its fastest path: on an H200 under onnxruntime-genai a
+Qwen3-0.6B-shaped step at batch 8 spent 2.4 ms in GroupQueryAttention against 0.86 ms without the bias, 0.75 ms
+without the positions too, and the builder's 0.75 ms (README, "Where the goals of the speed issue stand").
+
+onnxruntime-genai never left-pads: a prompt batch is padded on the right, and each decode step appends one slot to
+every row (a short row's mask reads 1 1 1 0 0 1). For such batches GroupQueryAttention's own contract is exact with
+nothing added: each row's keys compact in the slots [0, seqlens_k], ``seqlens_k`` = the row's kept slots - 1, the
+new tokens written at the row's own next slot (in onnxruntime-genai's shared buffer or in a concatenated present
+alike), and RoPE at the slot, which is then the row's position. So this graph is the fused one with, in every
+GroupQueryAttention, ``seqlens_k`` from the mask's row sums, no ``attention_bias``, and no ``position_ids`` where
+the kernel rotates (the nodes that fed them pruned, the input dropped where nothing else reads it). It is wrong for
+a left-padded batch, which only the fused ``model.onnx`` takes; ``genai_config.json`` names this one, and
+``--verify`` checks it on the right-padded rows of its batch (export/verify.py).
+
+It shares ``model.onnx.data`` with ``model.onnx``: the same initializers, so the proto alone is written.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+from onnx import TensorProto, helper
+
+from .names import GENAI_MODEL_FILE, PADDING_KEY
+
+# GroupQueryAttention's inputs by position (onnxruntime's contrib schema, com.microsoft).
+SEQLENS_K, POSITION_IDS, ATTENTION_BIAS = 5, 9, 10
+SCOPE = "/genai_seqlens"
+INT64 = TensorProto.INT64
+
+
+@dataclass(frozen=True)
+class GenaiGraph:
+    path: Path
+    positions: bool  # whether it still takes position_ids (a RotaryEmbedding before the attention reads them)
+
+
+def write_genai_graph(model_path: Path) -> GenaiGraph | None:
+    """Writes ``model.genai.onnx`` beside the fused ``model_path`` (whose data file it shares) and checks it; None,
+    and nothing written, where the graph has no padding bias to take out."""
+    genai = right_padded_graph(onnx.load(model_path, load_external_data=False))
+    if genai is None:
+        return None
+    path = model_path.with_name(GENAI_MODEL_FILE)
+    onnx.save_model(genai, path)
+    try:
+        onnx.checker.check_model(str(path))  # on the path: the checker follows the external data
+    except onnx.checker.ValidationError as err:
+        raise RuntimeError(f"{path.name} is invalid (a bug in the exporter): {err}") from err
+    return GenaiGraph(path, takes_positions(genai))
+
+
+def right_padded_graph(model: onnx.ModelProto) -> onnx.ModelProto | None:
+    """The graph of this module's docstring, from the fused ``model`` (left as it is); None where no
+    GroupQueryAttention takes a padding bias (the plain graph, or a fused one with plain attention)."""
+    attention = [n for n in model.graph.node if n.op_type == "GroupQueryAttention" and takes_bias(n)]
+    if not attention:
+        return None
+    genai = copy.deepcopy(model)
+    graph = genai.graph
+    seqlens = emit_seqlens(graph)
+    for node in (n for n in graph.node if n.op_type == "GroupQueryAttention"):
+        node.input[SEQLENS_K] = seqlens
+        node.input[ATTENTION_BIAS] = ""
+        if rotates(node):
+            node.input[POSITION_IDS] = ""
+        while node.input and not node.input[-1]:
+            node.input.pop()
+    prune_dead_nodes(graph)
+    if "position_ids" not in names_read(graph):
+        kept = [value for value in graph.input if value.name != "position_ids"]
+        del graph.input[:]
+        graph.input.extend(kept)
+    helper.set_model_props(genai, {p.key: p.value for p in model.metadata_props} | {PADDING_KEY: "right"})
+    return genai
+
+
+def takes_bias(node: onnx.NodeProto) -> bool:
+    return len(node.input) > ATTENTION_BIAS and bool(node.input[ATTENTION_BIAS])
+
+
+def rotates(node: onnx.NodeProto) -> bool:
+    return any(a.name == "do_rotary" and a.i == 1 for a in node.attribute)
+
+
+def takes_positions(model: onnx.ModelProto) -> bool:
+    return any(value.name == "position_ids" for value in model.graph.input)
+
+
+def emit_seqlens(graph: onnx.GraphProto) -> str:
+    """(B,) int32: each row's kept slots - 1, computed first in the graph (from the attention_mask input alone)."""
+    names = {step: f"{SCOPE}/{step}_output_0" for step in ("axes", "one", "kept", "last", "seqlens")}
+    axes, one = helper.make_tensor("axes", INT64, [1], [1]), helper.make_tensor("one", INT64, [], [1])
+    nodes = [
+        helper.make_node("Constant", [], [names["axes"]], f"{SCOPE}/axes", value=axes),
+        helper.make_node("Constant", [], [names["one"]], f"{SCOPE}/one", value=one),
+        helper.make_node("ReduceSum", ["attention_mask", names["axes"]], [names["kept"]], f"{SCOPE}/kept", keepdims=0),
+        helper.make_node("Sub", [names["kept"], names["one"]], [names["last"]], f"{SCOPE}/last"),
+        helper.make_node("Cast", [names["last"]], [names["seqlens"]], f"{SCOPE}/seqlens", to=TensorProto.INT32),
+    ]
+    for index, node in enumerate(nodes):
+        graph.node.insert(index, node)
+    return names["seqlens"]
+
+
+def prune_dead_nodes(graph: onnx.GraphProto) -> None:
+    """Drops nodes none of whose outputs another node (or a subgraph of one: the hybrid graphs' If branches read
+    the outer scope) or the graph's outputs read, until none is left."""
+    while True:
+        read = names_read(graph) | {output.name for output in graph.output}
+        dead = [node for node in graph.node if not any(name in read for name in node.output if name)]
+        if not dead:
+            return
+        for node in dead:
+            graph.node.remove(node)
+
+
+def names_read(graph: onnx.GraphProto) -> set[str]:
+    """Every name the nodes of ``graph`` read, those of their subgraphs included."""
+    read = set()
+    for node in graph.node:
+        read.update(node.input)
+        for attribute in node.attribute:
+            for subgraph in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs:
+                read |= names_read(subgraph)
+    return read
