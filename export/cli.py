@@ -284,8 +284,8 @@ def export_command(
         graph, cost = figures["graph"], figures["cost"]
         click.echo(
             f"verify: max |Δlogit| {graph['max_abs_diff']:.3g} (tolerance {graph['tolerance']:.3g}) against the model "
-            f"with the same dequantized weights; worst weight {figures['weights']['relative_error']:.3g} "
-            f"(limit {figures['weights']['limit']}) off the float one"
+            f"with the same dequantized weights{genai_figure(graph)}; worst weight "
+            f"{figures['weights']['relative_error']:.3g} (limit {figures['weights']['limit']}) off the float one"
         )
         if "skipped" in cost:
             click.echo(f"quantization cost not measured: {cost['skipped']}", err=True)
@@ -299,8 +299,14 @@ def export_command(
         click.echo(
             f"verify: max |Δlogit| {figures['max_abs_diff']:.3g} ({bound}), "
             f"top-1 agreement {figures['top1_agreement']:.1%} over {figures['positions']} positions "
-            f"on {figures['provider']}"
+            f"on {figures['provider']}{genai_figure(figures)}"
         )
+
+
+def genai_figure(figures: dict) -> str:
+    """The verify line's part for onnxruntime-genai's graph, where the export wrote one."""
+    genai = figures.get("genai_graph")
+    return f"; model.genai.onnx on right-padded rows {genai['max_abs_diff']:.3g}" if genai else ""
 
 
 @click.command("generate", context_settings=CONTEXT)
