@@ -388,6 +388,19 @@ def test_cuda_half_precision_parity(family, dtype, thinker_variant, onnx_variant
     assert figures["max_abs_diff"] <= bound * max(1.0, figures["logit_scale"]), figures
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+@pytest.mark.gpu
+def test_cuda_genai_graph_on_right_padded_rows(family, thinker_variant, onnx_variant):
+    """model.genai.onnx in float16 on CUDA (GroupQueryAttention without the padding bias: the kernel's path that
+    onnxruntime-genai runs) on the parity batch's rows padded on the right, against PyTorch in float32 on each row's
+    own result."""
+    model = load_thinker(thinker_variant(family, head_dim=16))
+    decoder = OnnxDecoder(onnx_variant(family, "float16") / "model.genai.onnx", provider="cuda")
+    figures = compare_decoders(model, decoder, *parity_batch(96), steps=6, right_padded_candidate=True)
+    assert figures["top1_agreement"] >= 0.9, figures
+    assert figures["max_abs_diff"] <= 2e-2 * max(1.0, figures["logit_scale"]), figures
+
+
 @pytest.mark.gpu
 def test_cuda_io_binding_keeps_the_fused_cache_on_the_device(onnx_variant):
     import onnxruntime as ort
