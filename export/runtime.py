@@ -203,6 +203,8 @@ class OnnxDecoder:
     each row's last kept position only): the session then runs that graph with the selection left out
     (``all_positions_model``), as the export's own checks do to score a text.
     ``single_run``: a session that runs once, held to its least memory (``session_options``).
+    ``path`` may also name an export's ``model.genai.onnx`` (export/genai_graph.py): it takes no position_ids where
+    its attention rotates by slot, and right-padded (or unpadded) batches only, which ``prefill`` checks.
     """
 
     def __init__(

@@ -11,6 +11,10 @@ differently from onnxruntime's kernels (its MoE routing and accumulation orders 
 can sit further apart than either from float32: measured on an H200, a bfloat16 Qwen3-MoE graph was 0.066 from
 float32 (tolerance 0.158) but 0.55 from PyTorch's bfloat16 (bench/results/gpu-half-reference.txt).
 
+Where the export also wrote onnxruntime-genai's graph (``model.genai.onnx``, export/genai_graph.py), that graph is
+checked the same way after ``model.onnx``, one session at a time, on the batch's rows padded on the right (the only
+layout it takes), against the same reference: each row's own result. Either graph beyond tolerance fails the export.
+
 The onnxruntime session holds the whole graph; the PyTorch model is held whole beside it where both fit in the
 memory available (or ``THINKER_VERIFY_MEMORY``), else streamed: built on the meta device and read from the Thinker
 folder one layer at a time as it runs (``converter.streamed``, as the converter's parity check runs at any size),
