@@ -202,3 +202,11 @@ def graph_nodes(model_path: Path) -> Iterator[onnx.NodeProto]:
                     yield from walk(attribute.g)
 
     yield from walk(onnx.load(str(model_path), load_external_data=False).graph)
+
+
+def record_parity(record_property, figures: dict) -> None:
+    """A parity check's figures into the JUnit XML (pytest's ``record_property``), so that a GPU session's
+    gpu-tests XML records them beside the verdict (bench/gpu_kit.py run tests)."""
+    for key in ("max_abs_diff", "logit_scale", "top1_agreement"):
+        if key in figures:
+            record_property(key, round(float(figures[key]), 6))

@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from export_helpers import record_parity
 
 from common.parity_inputs import parity_batch
 from export.contrib_schemas import register_onnxruntime_schemas
@@ -377,12 +378,13 @@ def test_genai_batch_equals_rows_alone(genai_python, thinker_variant, onnx_varia
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe", "gpt2"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.gpu
-def test_cuda_half_precision_parity(family, dtype, thinker_variant, onnx_variant):
+def test_cuda_half_precision_parity(family, dtype, thinker_variant, onnx_variant, record_property):
     """The fused half-precision graph on CUDA (GroupQueryAttention's CUDA kernel, MoE's) against PyTorch in float32,
     on the left-padded batch: top-1 agreement and logits within the half-precision bound."""
     model = load_thinker(thinker_variant(family, head_dim=16))
     decoder = OnnxDecoder(onnx_variant(family, dtype), provider="cuda")
     figures = compare_decoders(model, decoder, *parity_batch(96), steps=6)
+    record_parity(record_property, figures)
     bound = {"float16": 2e-2, "bfloat16": 5e-2}[dtype]
     assert figures["top1_agreement"] >= 0.9, figures
     assert figures["max_abs_diff"] <= bound * max(1.0, figures["logit_scale"]), figures
@@ -390,13 +392,14 @@ def test_cuda_half_precision_parity(family, dtype, thinker_variant, onnx_variant
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 @pytest.mark.gpu
-def test_cuda_genai_graph_on_right_padded_rows(family, thinker_variant, onnx_variant):
+def test_cuda_genai_graph_on_right_padded_rows(family, thinker_variant, onnx_variant, record_property):
     """model.genai.onnx in float16 on CUDA (GroupQueryAttention without the padding bias: the kernel's path that
     onnxruntime-genai runs) on the parity batch's rows padded on the right, against PyTorch in float32 on each row's
     own result."""
     model = load_thinker(thinker_variant(family, head_dim=16))
     decoder = OnnxDecoder(onnx_variant(family, "float16") / "model.genai.onnx", provider="cuda")
     figures = compare_decoders(model, decoder, *parity_batch(96), steps=6, right_padded_candidate=True)
+    record_parity(record_property, figures)
     assert figures["top1_agreement"] >= 0.9, figures
     assert figures["max_abs_diff"] <= 2e-2 * max(1.0, figures["logit_scale"]), figures
 

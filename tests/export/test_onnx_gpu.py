@@ -13,7 +13,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from export_helpers import HYBRID_FAMILIES
+from export_helpers import HYBRID_FAMILIES, record_parity
 
 from common.parity_inputs import parity_batch
 from export.exporter import export_model
@@ -24,13 +24,14 @@ pytestmark = pytest.mark.gpu  # run, skipped (no GPU) or failed (a GPU CUDA cann
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe", "gpt2"])
-def test_cuda_float16_parity(family, thinker_folder, onnx_folder):
+def test_cuda_float16_parity(family, thinker_folder, onnx_folder, record_property):
     """The float16 graph on CUDA against the PyTorch model in float32: top-1 agreement, logits close."""
     from thinker import ThinkerForCausalLM
 
     model = ThinkerForCausalLM.from_pretrained(thinker_folder(family)).eval()
     decoder = OnnxDecoder(onnx_folder(family, "float16"), provider="cuda")
     figures = compare_decoders(model, decoder, *parity_batch(model.config.vocab_size), steps=6)
+    record_parity(record_property, figures)
     assert figures["top1_agreement"] >= 0.9, figures
     assert figures["max_abs_diff"] <= 2e-2 * max(1.0, figures["logit_scale"]), figures
 
@@ -50,8 +51,9 @@ def test_io_binding_keeps_the_cache_on_the_device(onnx_folder):
     assert cuda_state.cache["past_key_values.0.key"].shape()[2] == input_ids.shape[1] + 3
 
 
-def test_cuda_bfloat16_export_verifies(thinker_folder, tmp_path):
+def test_cuda_bfloat16_export_verifies(thinker_folder, tmp_path, record_property):
     report = export_model(thinker_folder("qwen3_moe"), tmp_path / "bf16", dtype="bfloat16", verify=True)
+    record_parity(record_property, report["verify"])
     assert report["verify"]["provider"] == "cuda"
     assert report["verify"]["passed"] is True, report["verify"]
 
@@ -67,7 +69,7 @@ def test_cuda_generate_runs_greedy(onnx_folder):
 # --- hybrid models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) ----------------------------------------------------------------
 @pytest.mark.parametrize("graph", ["plain", "fused"])
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
-def test_cuda_float16_hybrid_parity(family, graph, thinker_variant, onnx_variant):
+def test_cuda_float16_hybrid_parity(family, graph, thinker_variant, onnx_variant, record_property):
     """The float16 hybrid graph on CUDA (recurrence and recurrent state float32) against the float16 PyTorch model
     on CPU: the export's float16 tolerance, and every state an OrtValue on the device from step to step."""
     from common.parity_inputs import RELATIVE_TOLERANCE
@@ -76,6 +78,7 @@ def test_cuda_float16_hybrid_parity(family, graph, thinker_variant, onnx_variant
     model = ThinkerForCausalLM.from_pretrained(thinker_variant(family), dtype=torch.float16).eval()
     decoder = OnnxDecoder(onnx_variant(family, "float16", graph=graph, head_dim=None), provider="cuda")
     figures = compare_decoders(model, decoder, *parity_batch(96), steps=6)
+    record_parity(record_property, figures)
     assert figures["max_abs_diff"] <= RELATIVE_TOLERANCE[torch.float16] * max(1.0, figures["logit_scale"]), figures
     assert figures["top1_agreement"] >= 0.9, figures
     _, state = decoder.prefill(*parity_batch(96))
