@@ -93,7 +93,7 @@ def graph_variant(model: onnx.ModelProto, onnx_path: Path, levels: dict[str, int
 
 def prefill(model: onnx.ModelProto, onnx_path: Path, levels: dict[str, int], ids: np.ndarray, threads) -> np.ndarray:
     with graph_variant(model, onnx_path, levels) as path:
-        decoder = OnnxDecoder(path, provider="cpu", threads=threads, all_positions=True, single_run=True)
+        decoder = OnnxDecoder(path, provider="cpu", threads=threads, all_positions=True)
         return decoder.prefill(ids[None], np.ones_like(ids)[None])[0][0]
 
 

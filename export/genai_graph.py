@@ -61,13 +61,12 @@ def write_genai_graph(model_path: Path) -> GenaiGraph | None:
 def right_padded_graph(model: onnx.ModelProto) -> onnx.ModelProto | None:
     """The graph of this module's docstring, from the fused ``model`` (left as it is); None where no
     GroupQueryAttention takes a padding bias (the plain graph, or a fused one with plain attention)."""
-    attention = [n for n in model.graph.node if n.op_type == "GroupQueryAttention" and takes_bias(n)]
-    if not attention:
+    if not any(padded_attention(node) for node in model.graph.node):
         return None
     genai = copy.deepcopy(model)
     graph = genai.graph
     seqlens = emit_seqlens(graph)
-    for node in (n for n in graph.node if n.op_type == "GroupQueryAttention"):
+    for node in filter(padded_attention, graph.node):
         node.input[SEQLENS_K] = seqlens
         node.input[ATTENTION_BIAS] = ""
         if rotates(node):
@@ -83,8 +82,10 @@ def right_padded_graph(model: onnx.ModelProto) -> onnx.ModelProto | None:
     return genai
 
 
-def takes_bias(node: onnx.NodeProto) -> bool:
-    return len(node.input) > ATTENTION_BIAS and bool(node.input[ATTENTION_BIAS])
+def padded_attention(node: onnx.NodeProto) -> bool:
+    """A GroupQueryAttention that takes the padding as an attention bias."""
+    bias = node.input[ATTENTION_BIAS] if len(node.input) > ATTENTION_BIAS else ""
+    return node.op_type == "GroupQueryAttention" and bool(bias)
 
 
 def rotates(node: onnx.NodeProto) -> bool:

@@ -54,17 +54,10 @@ def physical_cores() -> int:
         return os.cpu_count() or 1
 
 
-def session_options(threads: int | None = None, single_run: bool = False) -> ort.SessionOptions:
-    """``single_run``: a session run once (the export's accuracy guard), for which onnxruntime's arena and its
-    memory pattern (both kept to make the next run's allocations cheap) only raise the peak memory: without them
-    the int8 export of SmolLM2 peaked at 850 MB against 869 MB (medians of three, /usr/bin/time), with the same
-    results."""
+def session_options(threads: int | None = None) -> ort.SessionOptions:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads or physical_cores()
     options.log_severity_level = 3  # errors only: the CPU fallback warnings are expected and noisy
-    if single_run:
-        options.enable_cpu_mem_arena = False
-        options.enable_mem_pattern = False
     return options
 
 
@@ -202,7 +195,6 @@ class OnnxDecoder:
     ``all_positions``: logits for every position even from a graph exported with ``--logits last`` (which gives
     each row's last kept position only): the session then runs that graph with the selection left out
     (``all_positions_model``), as the export's own checks do to score a text.
-    ``single_run``: a session that runs once, held to its least memory (``session_options``).
     ``path`` may also name an export's ``model.genai.onnx`` (export/genai_graph.py): it takes no position_ids where
     its attention rotates by slot, and right-padded (or unpadded) batches only, which ``prefill`` checks.
     """
@@ -213,7 +205,6 @@ class OnnxDecoder:
         provider: str = "auto",
         threads: int | None = None,
         all_positions: bool = False,
-        single_run: bool = False,
     ) -> None:
         path = Path(path)
         self.model_path = path / MODEL_FILE if path.is_dir() else path
@@ -235,7 +226,7 @@ class OnnxDecoder:
         self.chunks_need_batch_1 = any(node.op_type == "GroupQueryAttention" for node in graph.node)
         use_cuda = provider == "cuda" or (provider == "auto" and cuda_usable())
         providers = [CUDA, CPU] if use_cuda else [CPU]
-        options, source = session_options(threads, single_run), str(self.model_path)
+        options, source = session_options(threads), str(self.model_path)
         if all_positions and self.last_logits_only:
             source = all_positions_model(model).SerializeToString()
             # the weights file is found beside the model's path, which a model passed as bytes does not have
