@@ -135,7 +135,7 @@ def export_all(model: models.BenchModel, provider: str, threads: int, fresh: boo
     return done
 
 
-def measure(groups: list[list[Runtime]], folders: dict[str, Path], args, done=lambda entries: None) -> list[dict]:
+def measure(groups: list[list[Runtime]], folders: dict[str, Path], args, done) -> list[dict]:
     """Each group's runtimes, interleaved; ``done`` sees the entries so far after each group (a device call cut off
     at its time limit still leaves the groups it finished)."""
     requests = [{"op": "generate", "batch": b, "prompt": args.prompt, "new": args.new} for b in args.batches]
@@ -271,7 +271,7 @@ def main() -> None:
         (args.out / f"{tag}.json").write_text(json.dumps(results, indent=2) + "\n")
         (args.out / f"README-{tag}.md").write_text(markdown(results) + "\n")
 
-    save(measure(runtimes_for(args.provider, args.cuda_graph and args.provider == "cuda"), folders, args, save))
+    measure(runtimes_for(args.provider, args.cuda_graph and args.provider == "cuda"), folders, args, save)
     print(markdown(results))
 
 

@@ -2,10 +2,11 @@
 
 The fused graph is exact for any attention mask (export/fused_graph.py): every GroupQueryAttention takes
 ``seqlens_k = S - 1`` for every row, the padding as an additive ``attention_bias``, and the positions it rotates by
-(``position_ids`` shifted by each row's first kept slot). That costs little on the CPU (about 2 % of a decode step)
-but much on CUDA, where the bias takes the kernel off its fastest path: on an H200 under onnxruntime-genai a
-Qwen3-0.6B-shaped step at batch 8 spent 2.4 ms in GroupQueryAttention against 0.86 ms without the bias, 0.75 ms
-without the positions too, and the builder's 0.75 ms (README, "Where the goals of the speed issue stand").
+(``position_ids`` shifted by each row's first kept slot). That costs nothing measurable on the CPU (the two graphs
+decode within 1 % of each other there, README) but much on CUDA, where the bias takes the kernel off its fastest
+path: on an H200 under onnxruntime-genai a Qwen3-0.6B-shaped step at batch 8 spent 2.4 ms in GroupQueryAttention
+against 0.86 ms without the bias, 0.75 ms without the positions too, and the builder's 0.75 ms (README, "Where the
+goals of the speed issue stand").
 
 onnxruntime-genai never left-pads: a prompt batch is padded on the right, and each decode step appends one slot to
 every row (a short row's mask reads 1 1 1 0 0 1). For such batches GroupQueryAttention's own contract is exact with
