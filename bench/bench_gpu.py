@@ -7,12 +7,15 @@ Model: Qwen3-0.6B's shapes with random weights (bench/models.py), all 28 layers 
 (bench/exports.py, each timed):
   ours-fp16          thinker export --dtype float16 (the default fused graph)
   ours-int4-fp16     ... --quantize int4 (int4 weights, float16 activations: MatMulNBits on CUDA)
+  ours-int4-fp16-h4  ... --quantize-head int4 (the builder's head: all int4, no int8 rows)
   ours-fp16-last     ... --logits last (the head on each row's last position: the prefill)
   builder-fp16-cuda  onnxruntime-genai 0.18's builder -p fp16 -e cuda
   builder-int4-cuda  ... -p int4 -e cuda
 Runtimes, each a fresh process per repetition, interleaved (bench/workers.py), batch 1 and 8, a --prompt token
 prompt and --new greedy tokens:
-  onnxruntime-genai on CUDA       every export; ours-fp16 and the builder's again with CUDA graph capture
+  onnxruntime-genai on CUDA       every export; ours-fp16 and the builder's again with CUDA graph capture (batch 1:
+                                  GroupQueryAttention refuses a batch of prompts over the shared past buffer that
+                                  capture needs, on both graphs)
   onnxruntime on CUDA             ours-fp16 through export.runtime.OnnxDecoder: IO binding keeps the cache on the
                                   device, the logits come back each step (what ``thinker generate`` runs)
   transformers eager on CUDA      the source family's own class (Qwen3ForCausalLM), float16
@@ -49,16 +52,27 @@ from workers import Runtime, interleave_fresh, runtime_entry  # noqa: E402
 RESULTS = Path(__file__).with_name("results")
 GIB = 2**30
 
-# provider -> (float export, its builder peer, int4 export, its builder peer, the float export with --logits last)
+# provider -> (float export, its builder peer, int4 export, its builder peer, the float export with --logits last,
+# the int4 export with the builder's all-int4 head)
 EXPORTS = {
-    "cuda": ("ours-fp16", "builder-fp16-cuda", "ours-int4-fp16", "builder-int4-cuda", "ours-fp16-last"),
-    "cpu": ("ours-fused", "builder-fp32", "ours-int4", "builder-int4", "ours-fused-last"),
+    "cuda": (
+        "ours-fp16",
+        "builder-fp16-cuda",
+        "ours-int4-fp16",
+        "builder-int4-cuda",
+        "ours-fp16-last",
+        "ours-int4-fp16-h4",
+    ),
+    "cpu": ("ours-fused", "builder-fp32", "ours-int4", "builder-int4", "ours-fused-last", "ours-int4-h4"),
 }
+# onnxruntime-genai's CUDA graph runs batch 1 only here: at batch 8 GroupQueryAttention stops the prompt of both
+# graphs ("batch_size must be 1 when sequence_length > 1 and past context is given", the first H200 session).
+CUDA_GRAPH_BATCHES = (1,)
 
 
 def runtimes_for(provider: str, cuda_graph: bool) -> list[list[Runtime]]:
     """Groups loaded side by side; each runtime names the row it is compared with."""
-    ours, builder, ours_int4, builder_int4, ours_last = EXPORTS[provider]
+    ours, builder, ours_int4, builder_int4, ours_last, ours_int4_h4 = EXPORTS[provider]
     device = ("--provider", provider)
     genai = f"onnxruntime-genai ({provider})"
 
@@ -74,7 +88,11 @@ def runtimes_for(provider: str, cuda_graph: bool) -> list[list[Runtime]]:
             row(ours, "thinker", f"onnxruntime ({provider})", f"{builder} on {genai}"),
             row("hf", "torch", f"transformers eager ({provider})", None),
         ],
-        [row(ours_int4, "genai", genai, f"{builder_int4} on {genai}"), row(builder_int4, "genai", genai, None)],
+        [
+            row(ours_int4, "genai", genai, f"{builder_int4} on {genai}"),
+            row(ours_int4_h4, "genai", genai, f"{builder_int4} on {genai}"),
+            row(builder_int4, "genai", genai, None),
+        ],
     ]
     if cuda_graph:
         graphed = f"onnxruntime-genai ({provider}, CUDA graph)"
@@ -138,15 +156,17 @@ def export_all(model: models.BenchModel, provider: str, threads: int, fresh: boo
 def measure(groups: list[list[Runtime]], folders: dict[str, Path], args, done) -> list[dict]:
     """Each group's runtimes, interleaved; ``done`` sees the entries so far after each group (a device call cut off
     at its time limit still leaves the groups it finished)."""
-    requests = [{"op": "generate", "batch": b, "prompt": args.prompt, "new": args.new} for b in args.batches]
     entries = []
     for runtimes in groups:
         runnable = [r for r in runtimes if r.graph in folders]
+        graphed = all("--cuda-graph" in r.worker_options for r in runnable)
+        batches = [b for b in args.batches if b in CUDA_GRAPH_BATCHES] if graphed else args.batches
+        requests = [{"op": "generate", "batch": b, "prompt": args.prompt, "new": args.new} for b in batches]
         try:
             interleave_fresh(runnable, folders, args.threads, requests, args.reps)
-        except RuntimeError as err:  # a runtime that does not start here is a finding, not the end of the run
-            print(f"  group failed: {err}", file=sys.stderr)
-            entries += [{"label": r.label, "graph": r.graph, "error": str(err)[-1500:]} for r in runnable]
+        except RuntimeError as err:  # a runtime that fails here is a finding, not the end of the run
+            print(f"  group failed: {err}", file=sys.stderr)  # the requests it answered before keep their figures
+            entries += [runtime_entry(r, requests) | {"error": str(err)[-1500:]} for r in runnable]
         else:
             entries += [runtime_entry(runtime, requests) for runtime in runnable]
         done(entries)
@@ -169,13 +189,14 @@ def speed_table(results: dict) -> str:
     eager = next((r for r in results["runtimes"] if r["graph"] == "hf" and "error" not in r), None)
     rows = []
     for runtime in results["runtimes"]:
-        if "error" in runtime:
-            rows.append([runtime["label"], "failed: " + runtime["error"].splitlines()[-1][:120]] + ["—"] * 6)
-            continue
+        failed = "failed: " + runtime["error"].splitlines()[-1][:120] if "error" in runtime else None
         peer = runtimes.get(runtime["builder_peer"] or "")
         row = [runtime["label"]]
         for batch in results["batches"]:
             figures, key = runtime.get(f"batch{batch}"), f"batch{batch}"
+            if figures is None and failed:
+                row += [failed, "—", "—"]
+                continue
             row.append(report.fmt(figures and figures["decode_tokens_per_s"]))
             row.append(report.ratio_cell(report.compared(figures, peer and peer.get(key), "decode_tokens_per_s")))
             row.append(report.ratio_cell(report.compared(figures, eager and eager.get(key), "decode_tokens_per_s")))

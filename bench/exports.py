@@ -54,6 +54,7 @@ OURS = {
     "ours-fp16": ["--graph", "fused", "--dtype", "float16"],
     "ours-fp16-last": ["--graph", "fused", "--dtype", "float16", "--logits", "last"],
     "ours-int4-fp16": ["--graph", "fused", "--dtype", "float16", "--quantize", "int4"],
+    "ours-int4-fp16-h4": ["--graph", "fused", "--dtype", "float16", "--quantize", "int4", "--quantize-head", "int4"],
 }
 # name -> the builder's (-p precision, -e execution provider)
 BUILDER = {

@@ -61,6 +61,7 @@ def summarize(events: list[dict], wall: float, decode_steps: int) -> dict:
     by_op: dict[str, float] = defaultdict(float)
     by_node: dict[str, float] = defaultdict(float)
     nodes_by_provider: dict[str, int] = defaultdict(int)
+    off_device: dict[str, str] = {}  # the nodes the CPU ran while a device provider ran the rest: name -> op type
     for event in events:
         if event.get("cat") != "Node" or not event.get("name", "").endswith("_kernel_time"):
             continue
@@ -68,7 +69,10 @@ def summarize(events: list[dict], wall: float, decode_steps: int) -> dict:
             continue
         by_op[event["args"]["op_name"]] += event["dur"]
         by_node[event["name"].removesuffix("_kernel_time")] += event["dur"]
-        nodes_by_provider[event["args"].get("provider", "?").removesuffix("ExecutionProvider")] += 1
+        provider = event["args"].get("provider", "?").removesuffix("ExecutionProvider")
+        nodes_by_provider[provider] += 1
+        if provider == "CPU":
+            off_device[event["name"].removesuffix("_kernel_time")] = event["args"]["op_name"]
     steps = max(len(decode_runs), 1)
     run_us = sum(end - start for start, end in decode_runs) / steps
     return {
@@ -77,6 +81,7 @@ def summarize(events: list[dict], wall: float, decode_steps: int) -> dict:
         "session_run_ms_per_step": run_us / 1e3,
         "kernel_ms_per_step": sum(by_op.values()) / steps / 1e3,
         "nodes_per_step": {name: count / steps for name, count in sorted(nodes_by_provider.items())},
+        "cpu_nodes": dict(sorted(off_device.items())) if len(nodes_by_provider) > 1 else {},
         "by_op_ms_per_step": {op: us / steps / 1e3 for op, us in sorted(by_op.items(), key=lambda kv: -kv[1])},
         "top_nodes_ms_per_step": {
             node: us / steps / 1e3 for node, us in sorted(by_node.items(), key=lambda kv: -kv[1])[:12]
@@ -149,6 +154,12 @@ def main() -> None:
                 results[name] = figures
     print(f"batch {args.batch}, prompt {args.prompt}, {args.new} new tokens, {args.threads} threads, {args.provider}\n")
     print(table(results))
+    for name, figures in results.items():
+        if figures["cpu_nodes"]:
+            print(
+                f"\n{name}: nodes the CPU ran each step: "
+                + ", ".join(f"{n} ({op})" for n, op in figures["cpu_nodes"].items())
+            )
     if args.json:
         args.json.write_text(
             json.dumps(

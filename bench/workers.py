@@ -78,18 +78,24 @@ def started(runtimes: list[Runtime], folders: dict[str, Path], threads: int):
 def interleave_fresh(
     runtimes: list[Runtime], folders: dict[str, Path], threads: int, requests: list[dict], reps: int
 ) -> None:
-    """Runs every request ``reps`` times on every runtime, round-robin, after one small warm-up each; replies are
-    collected in ``runtime.results[key]`` (key: the request as text). Every repetition starts the group's workers
-    afresh (loaded in turn, the order reversed every other repetition) and closes them after: one process holds a
-    runtime for one repetition only. What a process happens to get (where its weights land in memory, which core its
-    threads run on) moves a runtime's figures by 5-15 % on this machine and stays with it for the process's life, so
-    repetitions inside one process all carry the same draw; fresh ones sample it."""
+    """Runs every request ``reps`` times on every runtime, round-robin; replies are collected in
+    ``runtime.results[key]`` (key: the request as text). Every repetition starts the group's workers afresh (loaded
+    in turn, the order reversed every other repetition) and closes them after: one process holds a runtime for one
+    repetition only. What a process happens to get (where its weights land in memory, which core its threads run on)
+    moves a runtime's figures by 5-15 % on this machine and stays with it for the process's life, so repetitions
+    inside one process all carry the same draw; fresh ones sample it. Before its first timed request of a shape, each
+    worker runs that shape once untimed (two new tokens): on CUDA the first run of a shape loads kernels and sizes
+    buffers, which a timed prefill must not carry (the first GPU session's prefill figures did)."""
     for rep in range(reps):
         order = runtimes if rep % 2 == 0 else runtimes[::-1]
         with started(order, folders, threads) as workers:
-            for worker in workers:
-                worker.request(op="generate", batch=1, prompt=16, new=4)
+            warm: set[tuple[int, int]] = set()
             for request in requests:
+                shape = (request.get("batch", 1), request.get("prompt", 16))
+                if request["op"] == "generate" and shape not in warm:
+                    warm.add(shape)
+                    for worker in workers:
+                        worker.request(op="generate", batch=shape[0], prompt=shape[1], new=2)
                 for worker in workers:
                     print(f"  rep {rep + 1}/{reps} {request} {worker.runtime.label}", file=sys.stderr, flush=True)
                     reply = worker.request(**request)
