@@ -327,7 +327,7 @@ def generate_command(folder: Path, prompt: str, max_new_tokens: int, provider: s
     """Greedy continuation of --prompt with the model in FOLDER, using the tokenizer in FOLDER.
 
     FOLDER is an ONNX folder from `thinker export` (run by onnxruntime) or a Thinker folder (run by transformers).
-    The continuation goes to stdout, the speed to stderr.
+    The continuation goes to stdout as it is generated, the speed to stderr.
     """
     if not folder.is_dir():
         raise ThinkerError(f"{folder}: no such folder")
@@ -338,21 +338,26 @@ def generate_command(folder: Path, prompt: str, max_new_tokens: int, provider: s
         raise ThinkerError("--prompt tokenizes to nothing; give some text")
     _check_prompt(folder, prompt_ids, max_new_tokens)
     eos, pad = _stop_tokens(folder)
+    from transformers import TextStreamer
+
+    # transformers' own streamer: prints each piece of text to stdout once it decodes to whole words
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     if kind == "onnx":
         from .runtime import OnnxDecoder
 
         decoder = OnnxDecoder(folder, provider=provider, threads=threads)
         runtime = f"onnxruntime ({decoder.device})"
         started = time.perf_counter()  # generation only, not the session's start
-        tokens = decoder.generate(prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
+        tokens = decoder.generate(
+            prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, streamer=streamer
+        )
     else:
         model = _load_transformers(folder, threads, provider)
         runtime = f"transformers ({model.device.type})"
         started = time.perf_counter()
-        tokens = _generate_transformers(model, prompt_ids, max_new_tokens, eos, pad)
+        tokens = _generate_transformers(model, prompt_ids, max_new_tokens, eos, pad, streamer)
     elapsed = time.perf_counter() - started
     new = tokens[0, prompt_ids.shape[1] :]
-    click.echo(tokenizer.decode(new, skip_special_tokens=True))
     click.echo(f"{len(new)} tokens in {elapsed:.2f} s ({len(new) / elapsed:.1f} tokens/s) with {runtime}", err=True)
 
 
@@ -485,7 +490,7 @@ def _load_transformers(folder: Path, threads: int | None, provider: str = "auto"
     return model.to("cuda" if provider == "cuda" else "cpu").eval()
 
 
-def _generate_transformers(model, prompt_ids, max_new_tokens: int, eos, pad):
+def _generate_transformers(model, prompt_ids, max_new_tokens: int, eos, pad, streamer=None):
     import torch
 
     prompt = torch.from_numpy(prompt_ids).to(model.device)
@@ -497,6 +502,7 @@ def _generate_transformers(model, prompt_ids, max_new_tokens: int, eos, pad):
             do_sample=False,
             eos_token_id=eos,
             pad_token_id=pad if pad is not None else (eos[0] if eos else None),
+            streamer=streamer,
         )
     return out.cpu().numpy()
 

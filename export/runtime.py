@@ -2,7 +2,13 @@
 
 On CUDA the KV cache never leaves the device: each step binds the previous step's ``present.*`` OrtValues as the
 next ``past_key_values.*`` inputs through IO binding, and only the logits come back to the host. On CPU the
-cache is a dict of numpy arrays fed back the same way.
+cache is a dict of numpy arrays fed back the same way, and the fused graph's KV is one buffer per layer that
+GroupQueryAttention writes in place: onnxruntime's kernel takes a past and a present bound to the same memory as
+its shared-buffer mode (the mode onnxruntime-genai runs), where it writes the new tokens' keys and values after
+the cached ones instead of copying the whole cache into a new present every step. The buffer holds more slots
+than the mask has columns (``generate`` sizes it for the whole continuation; otherwise it doubles when full); the
+slots past the mask's length are unused. Sharing waits for a GPU run to prove it on CUDA, which keeps the copying
+form.
 
 The cache is whatever ``past_key_values.*`` inputs the graph declares, discovered by name: ``.key`` / ``.value``
 (full attention: an empty past has a zero-length sequence axis) and, in hybrid models, ``.conv_state`` /
@@ -180,7 +186,9 @@ def check_external_data(model_path: Path) -> onnx.ModelProto:
 
 @dataclass
 class DecoderState:
-    """What one step hands to the next: the mask over every cached slot, each row's next position, the cache."""
+    """What one step hands to the next: the mask over every cached slot, each row's next position, the cache.
+    A shared KV buffer (``OnnxDecoder.shared_kv``) may hold more slots than the mask has columns: those past the
+    mask's length are unused."""
 
     attention_mask: np.ndarray  # (B, S) int64
     next_position: np.ndarray  # (B,) int64
@@ -197,6 +205,8 @@ class OnnxDecoder:
     (``all_positions_model``), as the export's own checks do to score a text.
     ``path`` may also name an export's ``model.genai.onnx`` (export/genai_graph.py): it takes no position_ids where
     its attention rotates by slot, and right-padded (or unpadded) batches only, which ``prefill`` checks.
+    ``share_kv``: on the CPU, GroupQueryAttention's KV in one buffer per layer written in place (the module
+    docstring); False keeps the copying form, the reference the tests hold the shared one to.
     """
 
     def __init__(
@@ -205,6 +215,7 @@ class OnnxDecoder:
         provider: str = "auto",
         threads: int | None = None,
         all_positions: bool = False,
+        share_kv: bool = True,
     ) -> None:
         path = Path(path)
         self.model_path = path / MODEL_FILE if path.is_dir() else path
@@ -262,6 +273,9 @@ class OnnxDecoder:
         metadata = self.session.get_modelmeta().custom_metadata_map
         self.right_padding_only = metadata.get(PADDING_KEY) == "right"  # model.genai.onnx (export/genai_graph.py)
         self.output_names = ["logits", *self.present_names]
+        # The KV each GroupQueryAttention reads as its past and writes as its present: one buffer shared by both
+        # (the module docstring). On the CPU only, until a GPU run has checked the CUDA kernel's form of it.
+        self.shared_kv = shared_kv_names(graph) if share_kv and self.device == "cpu" else frozenset()
 
     def _state_order(self, name: str) -> tuple[int, int]:
         parts = name.split(".")
@@ -287,12 +301,15 @@ class OnnxDecoder:
         return (shape, *_ORT_TYPES[value.type])
 
     # --- the cache ------------------------------------------------------------------------------------------------
-    def empty_cache(self, batch: int) -> dict[str, object]:
+    def empty_cache(self, batch: int, slots: int = 0) -> dict[str, object]:
         """A sequence's start: KV with a zero-length sequence axis (past_seq = 0), linear-attention states as zeros
-        of their declared shape and dtype. On CUDA every state is allocated on the device."""
+        of their declared shape and dtype. On CUDA every state is allocated on the device. ``slots``: room for that
+        many tokens in a shared KV buffer (``shared_kv``; zeros, unused until written), so that it need not grow."""
         cache = {}
         for name, (shape, onnx_type, numpy_type) in self.state_specs.items():
             shape = [batch, *shape]
+            if name in self.shared_kv:
+                shape[2] = slots
             if self.device == "cuda":
                 cache[name] = _device_zeros(shape, onnx_type)
             elif numpy_type is None:
@@ -320,6 +337,8 @@ class OnnxDecoder:
             feeds["position_ids"] = np.ascontiguousarray(self.graph_positions(position_ids), dtype=np.int64)
         if self.device == "cuda":
             return self._forward_io_binding(feeds, state)
+        if self.shared_kv:
+            return self._forward_shared_kv(feeds, state)
         outputs = self.session.run(self.output_names, {**feeds, **state.cache})
         state.cache = dict(zip(self.past_names, outputs[1:], strict=True))
         return outputs[0]
@@ -358,10 +377,36 @@ class OnnxDecoder:
         state.cache = dict(zip(self.past_names, outputs[1:], strict=True))
         return outputs[0].numpy()
 
+    def _forward_shared_kv(self, feeds: dict[str, np.ndarray], state: DecoderState) -> np.ndarray:
+        """A CPU step whose KV buffers GroupQueryAttention writes in place: past and present bound to one OrtValue
+        over the numpy buffer (no copy), the other states fed and returned as numpy arrays."""
+        reserve_slots(state.cache, self.shared_kv, state.attention_mask.shape[1])
+        binding = self.session.io_binding()
+        for name, value in feeds.items():
+            binding.bind_cpu_input(name, value)
+        binding.bind_output("logits", "cpu")
+        for past, present in zip(self.past_names, self.present_names, strict=True):
+            if past in self.shared_kv:
+                buffer = ort.OrtValue.ortvalue_from_numpy(state.cache[past])
+                binding.bind_ortvalue_input(past, buffer)
+                binding.bind_ortvalue_output(present, buffer)
+            else:
+                binding.bind_cpu_input(past, state.cache[past])
+                binding.bind_output(present, "cpu")
+        self.session.run_with_iobinding(binding)
+        logits, *presents = binding.get_outputs()  # in the order they were bound
+        for past, value in zip(self.past_names, presents, strict=True):
+            if past not in self.shared_kv:  # a shared buffer already holds its present
+                state.cache[past] = value.numpy()
+        return logits.numpy()
+
     # --- the verbs ------------------------------------------------------------------------------------------------
-    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, DecoderState]:
+    def prefill(
+        self, input_ids: np.ndarray, attention_mask: np.ndarray, new_tokens: int = 0
+    ) -> tuple[np.ndarray, DecoderState]:
         """The prompt (left-padded when rows differ in length) through an empty cache. Logits (B, T, V), or (B, 1, V)
-        from a ``--logits last`` graph: each row's last kept position."""
+        from a ``--logits last`` graph: each row's last kept position. ``new_tokens``: how many tokens will follow,
+        which a shared KV buffer is sized for up front."""
         attention_mask = np.asarray(attention_mask, dtype=np.int64)
         if self.right_padding_only and (np.diff(attention_mask, axis=1) > 0).any():
             raise ThinkerError(
@@ -369,7 +414,8 @@ class OnnxDecoder:
                 f"one has pads before its tokens; run {MODEL_FILE}, which takes any padding"
             )
         positions = position_ids_from_mask(attention_mask)
-        state = DecoderState(attention_mask, positions[:, -1] + 1, self.empty_cache(input_ids.shape[0]))
+        cache = self.empty_cache(input_ids.shape[0], slots=attention_mask.shape[1] + new_tokens)
+        state = DecoderState(attention_mask, positions[:, -1] + 1, cache)
         return self.forward(input_ids, positions, state), state
 
     def decode_one_token(self, tokens: np.ndarray, state: DecoderState) -> np.ndarray:
@@ -387,28 +433,63 @@ class OnnxDecoder:
         max_new_tokens: int = 32,
         eos_token_id: int | list[int] | None = None,
         pad_token_id: int | None = None,
+        streamer=None,
     ) -> np.ndarray:
         """Greedy continuation; returns (B, T + n) tokens. Rows that reach EOS are padded from there on (as
-        transformers' ``generate`` does) and the loop stops when every row has."""
+        transformers' ``generate`` does) and the loop stops when every row has. ``streamer``: one of transformers'
+        streamers (``TextStreamer``, ``TextIteratorStreamer``), fed as its ``generate`` feeds it: ``put`` the prompt,
+        then each step's new tokens as they come, then ``end``."""
         input_ids = np.asarray(input_ids, dtype=np.int64)
         if attention_mask is None:
             attention_mask = np.ones_like(input_ids)
         eos = set(np.atleast_1d(eos_token_id).tolist()) if eos_token_id is not None else set()
         pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
-        logits, state = self.prefill(input_ids, attention_mask)
+        if streamer is not None:
+            streamer.put(input_ids)
+        logits, state = self.prefill(input_ids, attention_mask, new_tokens=max_new_tokens)
         next_logits = logits[:, -1]  # left padding: the last column is every row's last real token
         done = np.zeros(input_ids.shape[0], dtype=bool)
         new_tokens = []
         for step in range(max_new_tokens):
             token = np.where(done, pad, next_logits.argmax(-1)).astype(np.int64)
             new_tokens.append(token)
+            if streamer is not None:
+                streamer.put(token)
             done |= np.isin(token, list(eos))
             if done.all() or step == max_new_tokens - 1:
                 break
             next_logits = self.decode_one_token(token, state)
+        if streamer is not None:
+            streamer.end()
         if not new_tokens:
             return input_ids
         return np.concatenate([input_ids, np.stack(new_tokens, axis=1)], axis=1)
+
+
+def shared_kv_names(graph: onnx.GraphProto) -> frozenset[str]:
+    """The ``past_key_values.*`` inputs that a GroupQueryAttention node reads as its past key or value (inputs 3 and
+    4) and whose present (its outputs 1 and 2) is the graph's ``present.*`` of the same name: the KV that kernel can
+    write in place."""
+    shared = set()
+    for node in graph.node:
+        if node.op_type != "GroupQueryAttention" or len(node.input) < 5:
+            continue
+        for past, present in zip(node.input[3:5], node.output[1:3], strict=False):
+            if past.startswith("past_key_values.") and present == past.replace("past_key_values.", "present.", 1):
+                shared.add(past)
+    return frozenset(shared)
+
+
+def reserve_slots(cache: dict[str, np.ndarray], names: frozenset[str], slots: int) -> None:
+    """Grows each shared KV buffer in ``cache`` (B, H, slots, D) to hold ``slots`` tokens, to twice its size at least
+    (a sequence that outgrows its buffer copies it a logarithmic number of times); the new slots are zeros."""
+    for name in names:
+        buffer = cache[name]
+        if buffer.shape[2] >= slots:
+            continue
+        grown = np.zeros((*buffer.shape[:2], max(slots, 2 * buffer.shape[2]), buffer.shape[3]), buffer.dtype)
+        grown[:, :, : buffer.shape[2]] = buffer
+        cache[name] = grown
 
 
 def all_positions_model(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -21,7 +21,7 @@ from export_helpers import record_parity
 from common.parity_inputs import parity_batch
 from export.contrib_schemas import register_onnxruntime_schemas
 from export.exporter import count_ops
-from export.runtime import OnnxDecoder, position_ids_from_mask
+from export.runtime import OnnxDecoder
 from export.verify import compare_decoders
 
 FAMILIES = ["qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "gpt2", "uomni"]
@@ -177,45 +177,34 @@ def test_several_new_tokens_after_a_cache_need_batch_1(onnx_variant):
 
 
 def test_one_kv_buffer_bound_as_past_and_present(onnx_variant):
-    """The in-place mode genai_config.json turns on: one buffer of the whole context bound (IO binding) as each
-    layer's past and present, which GroupQueryAttention updates at the mask's slots, gives the logits of the
-    concatenating caller on the left-padded batch."""
-    import onnxruntime as ort
-
+    """The in-place mode genai_config.json turns on, which OnnxDecoder runs on the CPU: each GroupQueryAttention's
+    past and present bound to one buffer, updated at the mask's slots. On the left-padded batch it gives the copying
+    form's logits (the cache concatenated into a new present every step) through a buffer that grows (prefill sized
+    for the prompt alone) and one sized up front (generate); a step with room writes the same array in place."""
     folder = onnx_variant("qwen3_moe")
     genai = json.loads((folder / "genai_config.json").read_text())
     assert genai["search"]["past_present_share_buffer"] is True
-    decoder = OnnxDecoder(folder, provider="cpu")
+    shared, copying = OnnxDecoder(folder, provider="cpu"), OnnxDecoder(folder, provider="cpu", share_kv=False)
+    assert shared.shared_kv == set(shared.past_names) and not copying.shared_kv
     input_ids, attention_mask = parity_batch(96)
-    expected, state = decoder.prefill(input_ids, attention_mask)
-    steps = 3
-    buffers = {
-        name: ort.OrtValue.ortvalue_from_numpy(np.zeros((2, 2, input_ids.shape[1] + steps, 16), np.float32))
-        for name in decoder.past_names
-    }
-
-    def run(ids, mask, positions):
-        binding = decoder.session.io_binding()
-        for name, value in (("input_ids", ids), ("attention_mask", mask), ("position_ids", positions)):
-            binding.bind_cpu_input(name, np.ascontiguousarray(value, dtype=np.int64))
-        binding.bind_output("logits")  # first: get_outputs() follows the binding order
-        for past, present in zip(decoder.past_names, decoder.present_names, strict=True):
-            binding.bind_ortvalue_input(past, buffers[past])
-            binding.bind_ortvalue_output(present, buffers[past])
-        decoder.session.run_with_iobinding(binding)
-        return binding.get_outputs()[0].numpy()
-
-    mask = attention_mask
-    logits = run(input_ids, mask, position_ids_from_mask(mask))
-    kept = attention_mask.astype(bool)
-    np.testing.assert_allclose(logits[kept], expected[kept], atol=1e-4)
+    logits, state = shared.prefill(input_ids, attention_mask)
+    expected, reference = copying.prefill(input_ids, attention_mask)
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-6)
+    key = shared.past_names[0]
+    assert state.cache[key].shape[2] == input_ids.shape[1]  # no room yet: the first step doubles it
     token = expected[:, -1].argmax(-1)
-    for _ in range(steps):
-        expected_step = decoder.decode_one_token(token, state)
-        mask = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)
-        step = run(token[:, None], mask, position_ids_from_mask(mask)[:, -1:])[:, -1]
-        np.testing.assert_allclose(step, expected_step, atol=1e-4)
-        token = expected_step.argmax(-1)
+    for step in range(3):
+        before = state.cache[key]
+        logits = shared.decode_one_token(token, state)
+        expected = copying.decode_one_token(token, reference)
+        np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-6, err_msg=f"step {step}")
+        assert state.cache[key].shape[2] == 2 * input_ids.shape[1]
+        assert (state.cache[key] is before) == (step > 0)  # grown once, then written in place
+        token = expected.argmax(-1)
+    np.testing.assert_array_equal(
+        shared.generate(input_ids, attention_mask, max_new_tokens=5),
+        copying.generate(input_ids, attention_mask, max_new_tokens=5),
+    )
 
 
 def test_plain_graph_keeps_distinct_past_and_present(onnx_folder):

@@ -43,6 +43,27 @@ def test_generate_stops_rows_at_eos(onnx_folder):
     np.testing.assert_array_equal(stopped[0], free[0, : 3 + first + 1])
 
 
+def test_generate_feeds_a_streamer_as_each_token_is_chosen(onnx_folder):
+    """transformers' streamer protocol, which `thinker generate` prints through (TextStreamer): the prompt, then each
+    step's tokens before the next step runs, then end()."""
+    calls: list = []
+
+    class Recorder:
+        def put(self, value):
+            calls.append(np.asarray(value).tolist())
+
+        def end(self):
+            calls.append("end")
+
+    decoder = OnnxDecoder(onnx_folder("qwen2"), provider="cpu")
+    decode_one_token = decoder.decode_one_token
+    decoder.decode_one_token = lambda *args: calls.append("step") or decode_one_token(*args)
+    prompt = np.array([[5, 9, 17]], dtype=np.int64)
+    tokens = decoder.generate(prompt, max_new_tokens=3, streamer=Recorder())
+    new = tokens[0, 3:].tolist()
+    assert calls == [prompt.tolist(), [new[0]], "step", [new[1]], "step", [new[2]], "end"]
+
+
 def test_threads_and_provider(onnx_folder):
     decoder = OnnxDecoder(onnx_folder("qwen2"), provider="cpu", threads=1)
     assert decoder.session.get_session_options().intra_op_num_threads == 1
