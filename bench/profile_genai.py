@@ -58,6 +58,7 @@ def profile(folder: Path, trace_dir: Path, batch: int, prompt: int, new: int, th
 def summarize(events: list[dict], wall: float, decode_steps: int) -> dict:
     runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "model_run")
     decode_runs = runs[1:]  # the first is the prompt's
+    prompt_by_op: dict[str, float] = defaultdict(float)  # the prompt's run, apart (its time is not a step's)
     by_op: dict[str, float] = defaultdict(float)
     by_node: dict[str, float] = defaultdict(float)
     nodes_by_provider: dict[str, int] = defaultdict(int)
@@ -65,6 +66,8 @@ def summarize(events: list[dict], wall: float, decode_steps: int) -> dict:
     for event in events:
         if event.get("cat") != "Node" or not event.get("name", "").endswith("_kernel_time"):
             continue
+        if runs and runs[0][0] <= event["ts"] <= runs[0][1]:
+            prompt_by_op[event["args"]["op_name"]] += event["dur"]
         if not any(start <= event["ts"] <= end for start, end in decode_runs):
             continue
         by_op[event["args"]["op_name"]] += event["dur"]
@@ -82,11 +85,17 @@ def summarize(events: list[dict], wall: float, decode_steps: int) -> dict:
         "kernel_ms_per_step": sum(by_op.values()) / steps / 1e3,
         "nodes_per_step": {name: count / steps for name, count in sorted(nodes_by_provider.items())},
         "cpu_nodes": dict(sorted(off_device.items())) if len(nodes_by_provider) > 1 else {},
+        "prompt_run_ms": (runs[0][1] - runs[0][0]) / 1e3 if runs else None,
+        "prompt_by_op_ms": {op: us / 1e3 for op, us in sorted(prompt_by_op.items(), key=lambda kv: -kv[1])[:12]},
         "by_op_ms_per_step": {op: us / steps / 1e3 for op, us in sorted(by_op.items(), key=lambda kv: -kv[1])},
         "top_nodes_ms_per_step": {
             node: us / steps / 1e3 for node, us in sorted(by_node.items(), key=lambda kv: -kv[1])[:12]
         },
     }
+
+
+def report_ms(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
 
 
 def table(results: dict[str, dict]) -> str:
@@ -96,6 +105,9 @@ def table(results: dict[str, dict]) -> str:
         key=lambda op: -max(r["by_op_ms_per_step"].get(op, 0.0) for r in results.values()),
     )
     lines = ["| ms per decode step | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    lines.append(
+        "| the prompt's run (ms, once) | " + " | ".join(report_ms(results[n].get("prompt_run_ms")) for n in names) + " |"
+    )
     for key in ("wall_ms_per_step", "session_run_ms_per_step", "kernel_ms_per_step"):
         lines.append(
             f"| {key.removesuffix('_ms_per_step').replace('_', ' ')} | "

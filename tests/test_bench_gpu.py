@@ -101,6 +101,7 @@ def test_the_profile_names_the_nodes_the_cpu_ran_beside_cuda():
     ]
     figures = profile_genai.summarize(events, wall=0.001, decode_steps=1)
     assert figures["cpu_nodes"] == {"/model/attn_mask/Cast_1": "Cast"}
+    assert figures["prompt_run_ms"] == 0.1 and figures["prompt_by_op_ms"] == {"Shape": 0.005}  # the prompt, apart
     assert figures["nodes_per_step"] == {"CPU": 1.0, "CUDA": 1.0}
     cpu_only = [kernel_event("/model/x", "MatMul", "CPUExecutionProvider", 210)]
     assert profile_genai.summarize(runs + cpu_only, wall=0.001, decode_steps=1)["cpu_nodes"] == {}
