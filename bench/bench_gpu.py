@@ -17,7 +17,8 @@ prompt and --new greedy tokens:
                                   GroupQueryAttention refuses a batch of prompts over the shared past buffer that
                                   capture needs, on both graphs)
   onnxruntime on CUDA             ours-fp16 through export.runtime.OnnxDecoder: IO binding keeps the cache on the
-                                  device, the logits come back each step (what ``thinker generate`` runs)
+                                  device, the logits come back each step (what ``thinker generate`` runs); again
+                                  with share_kv=True (one KV buffer per layer written in place, opt-in on CUDA)
   transformers eager on CUDA      the source family's own class (Qwen3ForCausalLM), float16
 Roofline: the weight bytes one decode step reads (bench/bandwidth.py) against the device's bandwidth, measured
 here by a device-to-device copy of 1 GiB (bytes read + written per second, the best of 10): batch-1 decode as a
@@ -86,6 +87,11 @@ def runtimes_for(provider: str, cuda_graph: bool) -> list[list[Runtime]]:
             row(ours_last, "genai", genai, f"{builder} on {genai}"),
             row(builder, "genai", genai, None),
             row(ours, "thinker", f"onnxruntime ({provider})", f"{builder} on {genai}"),
+            *(
+                [row(ours, "thinker", f"onnxruntime ({provider}, shared KV)", f"{builder} on {genai}", ("--share-kv",))]
+                if provider == "cuda"  # on the CPU the shared buffer is OnnxDecoder's default: the row above
+                else []
+            ),
             row("hf", "torch", f"transformers eager ({provider})", None),
         ],
         [

@@ -271,16 +271,18 @@ class ThinkerBackend:
     """Our own runtime, ``export.runtime.OnnxDecoder``: prefill, then one ``decode_one_token`` per new token (its
     logits come back to the host every step, as ``generate`` needs them)."""
 
-    def __init__(self, folder: Path, threads: int, provider: str = "cpu", cuda_graph: bool = False) -> None:
+    def __init__(
+        self, folder: Path, threads: int, provider: str = "cpu", cuda_graph: bool = False, share_kv: bool | None = None
+    ) -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
         from export.runtime import OnnxDecoder
 
-        self.decoder = OnnxDecoder(folder, provider=provider, threads=threads)
+        self.decoder = OnnxDecoder(folder, provider=provider, threads=threads, share_kv=share_kv)
 
     def generate(self, batch: int, prompt: int, new: int) -> dict:
         ids = prompt_ids(batch, prompt)
         started = time.perf_counter()
-        logits, state = self.decoder.prefill(ids, np.ones_like(ids))
+        logits, state = self.decoder.prefill(ids, np.ones_like(ids), new_tokens=new)  # as generate sizes its cache
         prefilled = time.perf_counter()
         tokens = [logits[:, -1].argmax(-1)]
         for _ in range(new - 1):
@@ -306,8 +308,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--cuda-graph", action="store_true", help="genai on CUDA: capture the decode step as a graph")
+    parser.add_argument("--share-kv", action="store_true", help="thinker on CUDA: OnnxDecoder(share_kv=True)")
     args = parser.parse_args()
-    if args.provider == "cpu" and not args.cuda_graph:
+    if args.share_kv:
+        if args.backend != "thinker":
+            parser.error(f"--share-kv: OnnxDecoder's option (backend thinker), not backend {args.backend}'s")
+        backend = ThinkerBackend(args.folder, args.threads, args.provider, share_kv=True)
+    elif args.provider == "cpu" and not args.cuda_graph:
         backend = BACKENDS[args.backend](args.folder, args.threads)
     elif args.backend in CUDA_BACKENDS:
         backend = BACKENDS[args.backend](args.folder, args.threads, args.provider, args.cuda_graph)

@@ -105,9 +105,8 @@ def table(results: dict[str, dict]) -> str:
         key=lambda op: -max(r["by_op_ms_per_step"].get(op, 0.0) for r in results.values()),
     )
     lines = ["| ms per decode step | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    lines.append(
-        "| the prompt's run (ms, once) | " + " | ".join(report_ms(results[n].get("prompt_run_ms")) for n in names) + " |"
-    )
+    prompt_runs = [report_ms(results[n].get("prompt_run_ms")) for n in names]
+    lines.append("| the prompt's run (ms, once) | " + " | ".join(prompt_runs) + " |")
     for key in ("wall_ms_per_step", "session_run_ms_per_step", "kernel_ms_per_step"):
         lines.append(
             f"| {key.removesuffix('_ms_per_step').replace('_', ' ')} | "

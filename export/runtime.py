@@ -7,8 +7,9 @@ GroupQueryAttention writes in place: onnxruntime's kernel takes a past and a pre
 its shared-buffer mode (the mode onnxruntime-genai runs), where it writes the new tokens' keys and values after
 the cached ones instead of copying the whole cache into a new present every step. The buffer holds more slots
 than the mask has columns (``generate`` sizes it for the whole continuation; otherwise it doubles when full); the
-slots past the mask's length are unused. Sharing waits for a GPU run to prove it on CUDA, which keeps the copying
-form.
+slots past the mask's length are unused. On CUDA it is opt-in (``share_kv=True``; float16 and float32 caches,
+which a buffer that must grow takes through the host) until a GPU run has checked it: the default there keeps the
+copying form.
 
 The cache is whatever ``past_key_values.*`` inputs the graph declares, discovered by name: ``.key`` / ``.value``
 (full attention: an empty past has a zero-length sequence axis) and, in hybrid models, ``.conv_state`` /
@@ -205,8 +206,9 @@ class OnnxDecoder:
     (``all_positions_model``), as the export's own checks do to score a text.
     ``path`` may also name an export's ``model.genai.onnx`` (export/genai_graph.py): it takes no position_ids where
     its attention rotates by slot, and right-padded (or unpadded) batches only, which ``prefill`` checks.
-    ``share_kv``: on the CPU, GroupQueryAttention's KV in one buffer per layer written in place (the module
-    docstring); False keeps the copying form, the reference the tests hold the shared one to.
+    ``share_kv``: GroupQueryAttention's KV in one buffer per layer written in place (the module docstring). None:
+    on the CPU only; True: on CUDA too (float16 and float32 caches); False: the copying form everywhere, the
+    reference the tests hold the shared one to.
     """
 
     def __init__(
@@ -215,7 +217,7 @@ class OnnxDecoder:
         provider: str = "auto",
         threads: int | None = None,
         all_positions: bool = False,
-        share_kv: bool = True,
+        share_kv: bool | None = None,
     ) -> None:
         path = Path(path)
         self.model_path = path / MODEL_FILE if path.is_dir() else path
@@ -273,9 +275,20 @@ class OnnxDecoder:
         metadata = self.session.get_modelmeta().custom_metadata_map
         self.right_padding_only = metadata.get(PADDING_KEY) == "right"  # model.genai.onnx (export/genai_graph.py)
         self.output_names = ["logits", *self.present_names]
-        # The KV each GroupQueryAttention reads as its past and writes as its present: one buffer shared by both
-        # (the module docstring). On the CPU only, until a GPU run has checked the CUDA kernel's form of it.
-        self.shared_kv = shared_kv_names(graph) if share_kv and self.device == "cpu" else frozenset()
+        self.shared_kv = self._kv_to_share(graph, share_kv)
+
+    def _kv_to_share(self, graph: onnx.GraphProto, share_kv: bool | None) -> frozenset[str]:
+        """The KV each GroupQueryAttention reads as its past and writes as its present, which one buffer serves
+        (the module docstring): on the CPU unless ``share_kv`` is False, on CUDA when it is True."""
+        if share_kv is False or (self.device == "cuda" and share_kv is None):
+            return frozenset()
+        names = shared_kv_names(graph)
+        if self.device == "cuda" and any(self.state_specs[name][2] is None for name in names):
+            # a buffer that must grow goes through the host, where bfloat16 has no array type
+            raise ThinkerError(
+                f"{self.model_path}: share_kv=True on CUDA takes a float16 or float32 cache, not bfloat16"
+            )
+        return names
 
     def _state_order(self, name: str) -> tuple[int, int]:
         parts = name.split(".")
@@ -335,10 +348,8 @@ class OnnxDecoder:
         }
         if self.takes_positions:
             feeds["position_ids"] = np.ascontiguousarray(self.graph_positions(position_ids), dtype=np.int64)
-        if self.device == "cuda":
-            return self._forward_io_binding(feeds, state)
-        if self.shared_kv:
-            return self._forward_shared_kv(feeds, state)
+        if self.device == "cuda" or self.shared_kv:
+            return self._forward_bound(feeds, state)
         outputs = self.session.run(self.output_names, {**feeds, **state.cache})
         state.cache = dict(zip(self.past_names, outputs[1:], strict=True))
         return outputs[0]
@@ -363,42 +374,46 @@ class OnnxDecoder:
             "((B, T), or (3, B, T) with multimodal RoPE)"
         )
 
-    def _forward_io_binding(self, feeds: dict[str, np.ndarray], state: DecoderState) -> np.ndarray:
+    def _forward_bound(self, feeds: dict[str, np.ndarray], state: DecoderState) -> np.ndarray:
+        """A step through IO binding: on CUDA every state stays on the device (the last step's presents bound as
+        this step's pasts); a shared KV buffer, on either device, is bound as its layer's past and present, which
+        GroupQueryAttention writes in place. Only the logits come back to the host."""
+        self._reserve_kv(state)
         binding = self.session.io_binding()
         for name, value in feeds.items():
             binding.bind_cpu_input(name, value)
-        for name, value in state.cache.items():
-            binding.bind_ortvalue_input(name, value)  # last step's present, still on the GPU
-        binding.bind_output("logits", "cpu")
-        for name in self.present_names:
-            binding.bind_output(name, "cuda", 0)  # onnxruntime allocates it on the device
-        self.session.run_with_iobinding(binding)
-        outputs = binding.get_outputs()
-        state.cache = dict(zip(self.past_names, outputs[1:], strict=True))
-        return outputs[0].numpy()
-
-    def _forward_shared_kv(self, feeds: dict[str, np.ndarray], state: DecoderState) -> np.ndarray:
-        """A CPU step whose KV buffers GroupQueryAttention writes in place: past and present bound to one OrtValue
-        over the numpy buffer (no copy), the other states fed and returned as numpy arrays."""
-        reserve_slots(state.cache, self.shared_kv, state.attention_mask.shape[1])
-        binding = self.session.io_binding()
-        for name, value in feeds.items():
-            binding.bind_cpu_input(name, value)
-        binding.bind_output("logits", "cpu")
+        binding.bind_output("logits", "cpu")  # first: get_outputs() follows the binding order
         for past, present in zip(self.past_names, self.present_names, strict=True):
+            value = state.cache[past]
+            if isinstance(value, np.ndarray):  # the CPU's states: an OrtValue over the array, no copy
+                value = ort.OrtValue.ortvalue_from_numpy(value)
+            binding.bind_ortvalue_input(past, value)
             if past in self.shared_kv:
-                buffer = ort.OrtValue.ortvalue_from_numpy(state.cache[past])
-                binding.bind_ortvalue_input(past, buffer)
-                binding.bind_ortvalue_output(present, buffer)
+                binding.bind_ortvalue_output(present, value)
             else:
-                binding.bind_cpu_input(past, state.cache[past])
-                binding.bind_output(present, "cpu")
+                binding.bind_output(present, self.device, 0)  # onnxruntime allocates it there
         self.session.run_with_iobinding(binding)
-        logits, *presents = binding.get_outputs()  # in the order they were bound
+        logits, *presents = binding.get_outputs()
         for past, value in zip(self.past_names, presents, strict=True):
             if past not in self.shared_kv:  # a shared buffer already holds its present
-                state.cache[past] = value.numpy()
+                state.cache[past] = value.numpy() if self.device == "cpu" else value
         return logits.numpy()
+
+    def _reserve_kv(self, state: DecoderState) -> None:
+        """Grows each shared KV buffer (B, H, slots, D) to hold the mask's columns, to twice its slots at least (a
+        sequence that outgrows its buffer copies it a logarithmic number of times); the new slots are zeros. On CUDA
+        the copy goes through the host: ``generate`` sizes the buffer once, so only a step-by-step caller that did not
+        pass ``new_tokens`` pays it."""
+        slots = state.attention_mask.shape[1]
+        for name in self.shared_kv:
+            buffer = state.cache[name]
+            shape = buffer.shape if isinstance(buffer, np.ndarray) else buffer.shape()
+            if shape[2] >= slots:
+                continue
+            host = buffer if isinstance(buffer, np.ndarray) else buffer.numpy()
+            grown = np.zeros((*shape[:2], max(slots, 2 * shape[2]), shape[3]), host.dtype)
+            grown[:, :, : shape[2]] = host
+            state.cache[name] = grown if self.device == "cpu" else ort.OrtValue.ortvalue_from_numpy(grown, "cuda", 0)
 
     # --- the verbs ------------------------------------------------------------------------------------------------
     def prefill(
@@ -478,18 +493,6 @@ def shared_kv_names(graph: onnx.GraphProto) -> frozenset[str]:
             if past.startswith("past_key_values.") and present == past.replace("past_key_values.", "present.", 1):
                 shared.add(past)
     return frozenset(shared)
-
-
-def reserve_slots(cache: dict[str, np.ndarray], names: frozenset[str], slots: int) -> None:
-    """Grows each shared KV buffer in ``cache`` (B, H, slots, D) to hold ``slots`` tokens, to twice its size at least
-    (a sequence that outgrows its buffer copies it a logarithmic number of times); the new slots are zeros."""
-    for name in names:
-        buffer = cache[name]
-        if buffer.shape[2] >= slots:
-            continue
-        grown = np.zeros((*buffer.shape[:2], max(slots, 2 * buffer.shape[2]), buffer.shape[3]), buffer.dtype)
-        grown[:, :, : buffer.shape[2]] = buffer
-        cache[name] = grown
 
 
 def all_positions_model(model: onnx.ModelProto) -> onnx.ModelProto:

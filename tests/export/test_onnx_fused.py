@@ -408,3 +408,42 @@ def test_cuda_io_binding_keeps_the_fused_cache_on_the_device(onnx_variant):
         cuda_logits, cpu_logits = cuda.decode_one_token(token, cuda_state), cpu.decode_one_token(token, cpu_state)
         np.testing.assert_allclose(cuda_logits, cpu_logits, atol=5e-2)  # float16 against float32
         token = cpu_logits.argmax(-1)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+@pytest.mark.gpu
+def test_cuda_shared_kv_buffer(family, thinker_variant, onnx_variant, record_property):
+    """share_kv=True on CUDA (opt-in until this passes on a GPU): one device buffer per layer bound as
+    GroupQueryAttention's past and present. On the left-padded batch it holds the float16 bound against PyTorch in
+    float32, as the copying form does, and gives the copying form's logits; the buffer grows once through the host
+    (a prefill sized for the prompt alone) and is written in place after; a bfloat16 cache is refused by name."""
+    import onnxruntime as ort
+
+    from common.errors import ThinkerError
+
+    model = load_thinker(thinker_variant(family, head_dim=16))
+    folder = onnx_variant(family, "float16")
+    shared, copying = OnnxDecoder(folder, provider="cuda", share_kv=True), OnnxDecoder(folder, provider="cuda")
+    assert shared.shared_kv == set(shared.past_names) and not copying.shared_kv  # the default: copying on CUDA
+    figures = compare_decoders(model, shared, *parity_batch(96), steps=6)
+    record_parity(record_property, figures)
+    assert figures["top1_agreement"] >= 0.9, figures
+    assert figures["max_abs_diff"] <= 2e-2 * max(1.0, figures["logit_scale"]), figures
+
+    input_ids, attention_mask = parity_batch(96)
+    logits, state = shared.prefill(input_ids, attention_mask)
+    expected, reference = copying.prefill(input_ids, attention_mask)
+    np.testing.assert_allclose(logits, expected, atol=2e-2 * max(1.0, np.abs(expected).max()))
+    key = shared.past_names[0]
+    token = expected[:, -1].argmax(-1)
+    for step in range(3):
+        before = state.cache[key]
+        logits = shared.decode_one_token(token, state)
+        expected = copying.decode_one_token(token, reference)
+        np.testing.assert_allclose(logits, expected, atol=2e-2 * max(1.0, np.abs(expected).max()), err_msg=f"{step}")
+        buffer = state.cache[key]
+        assert isinstance(buffer, ort.OrtValue) and buffer.device_name().lower() == "cuda"
+        assert buffer.shape()[2] == 2 * input_ids.shape[1] and (buffer is before) == (step > 0)
+        token = expected.argmax(-1)
+    with pytest.raises(ThinkerError, match="share_kv=True on CUDA takes a float16 or float32 cache, not bfloat16"):
+        OnnxDecoder(onnx_variant(family, "bfloat16"), provider="cuda", share_kv=True)
