@@ -483,14 +483,27 @@ class OnnxDecoder:
 
 def shared_kv_names(graph: onnx.GraphProto) -> frozenset[str]:
     """The ``past_key_values.*`` inputs that a GroupQueryAttention node reads as its past key or value (inputs 3 and
-    4) and whose present (its outputs 1 and 2) is the graph's ``present.*`` of the same name: the KV that kernel can
-    write in place."""
+    4), whose present (its outputs 1 and 2) is the graph's ``present.*`` of the same name, and that no other node
+    reads (in a subgraph either): the KV that kernel can write in place. Another reader would see the buffer's
+    unused slots in its shape, or values the kernel has already overwritten."""
+    readers: dict[str, int] = {}
+
+    def count(nodes) -> None:
+        for node in nodes:
+            for name in node.input:
+                readers[name] = readers.get(name, 0) + 1
+            for attribute in node.attribute:
+                for subgraph in [attribute.g, *attribute.graphs]:
+                    count(subgraph.node)
+
+    count(graph.node)
     shared = set()
     for node in graph.node:
         if node.op_type != "GroupQueryAttention" or len(node.input) < 5:
             continue
         for past, present in zip(node.input[3:5], node.output[1:3], strict=False):
-            if past.startswith("past_key_values.") and present == past.replace("past_key_values.", "present.", 1):
+            writes_its_present = present == past.replace("past_key_values.", "present.", 1)
+            if past.startswith("past_key_values.") and writes_its_present and readers[past] == 1:
                 shared.add(past)
     return frozenset(shared)
 

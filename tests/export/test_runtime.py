@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
@@ -62,6 +63,32 @@ def test_generate_feeds_a_streamer_as_each_token_is_chosen(onnx_folder):
     tokens = decoder.generate(prompt, max_new_tokens=3, streamer=Recorder())
     new = tokens[0, 3:].tolist()
     assert calls == [prompt.tolist(), [new[0]], "step", [new[1]], "step", [new[2]], "end"]
+
+
+def test_only_kv_that_attention_alone_reads_is_shared():
+    """shared_kv_names: a past that GroupQueryAttention reads and writes back as its own present, and nothing else
+    reads; a past another node also reads (here a Shape, in an If branch: it would see the buffer's unused slots)
+    or one written to a differently named present keeps the copying form."""
+    from onnx import helper
+
+    from export.runtime import shared_kv_names
+
+    def attention(layer: int, present_key: str) -> onnx.NodeProto:
+        pasts = [f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"]
+        outputs = [f"attention.{layer}", present_key, f"present.{layer}.value"]
+        return helper.make_node("GroupQueryAttention", ["q", "", "", *pasts, "seqlens", "total"], outputs)
+
+    shape = helper.make_node("Shape", ["past_key_values.1.key"], ["past_length"])
+    branch = helper.make_graph([shape], "branch", [], [])
+    reads_in_a_branch = helper.make_node("If", ["condition"], ["x"], then_branch=branch, else_branch=branch)
+    nodes = [attention(0, "present.0.key"), attention(1, "present.1.key"), attention(2, "other"), reads_in_a_branch]
+    graph = helper.make_graph(nodes, "g", [], [])
+    assert shared_kv_names(graph) == {
+        "past_key_values.0.key",
+        "past_key_values.0.value",
+        "past_key_values.1.value",
+        "past_key_values.2.value",
+    }
 
 
 def test_threads_and_provider(onnx_folder):
