@@ -81,25 +81,22 @@ def runtimes_for(provider: str, cuda_graph: bool) -> list[list[Runtime]]:
         label = f"{'Qwen3ForCausalLM' if graph == 'hf' else graph} on {runtime}"
         return Runtime(label, graph, backend, builder_peer=peer, worker_options=(*device, *options))
 
-    groups = [
-        [
-            row(ours, "genai", genai, f"{builder} on {genai}"),
-            row(ours_last, "genai", genai, f"{builder} on {genai}"),
-            row(builder, "genai", genai, None),
-            row(ours, "thinker", f"onnxruntime ({provider})", f"{builder} on {genai}"),
-            *(
-                [row(ours, "thinker", f"onnxruntime ({provider}, shared KV)", f"{builder} on {genai}", ("--share-kv",))]
-                if provider == "cuda"  # on the CPU the shared buffer is OnnxDecoder's default: the row above
-                else []
-            ),
-            row("hf", "torch", f"transformers eager ({provider})", None),
-        ],
-        [
-            row(ours_int4, "genai", genai, f"{builder_int4} on {genai}"),
-            row(ours_int4_h4, "genai", genai, f"{builder_int4} on {genai}"),
-            row(builder_int4, "genai", genai, None),
-        ],
+    float_group = [
+        row(ours, "genai", genai, f"{builder} on {genai}"),
+        row(ours_last, "genai", genai, f"{builder} on {genai}"),
+        row(builder, "genai", genai, None),
+        row(ours, "thinker", f"onnxruntime ({provider})", f"{builder} on {genai}"),
     ]
+    if provider == "cuda":  # on the CPU the shared KV buffer is OnnxDecoder's default: the row above
+        shared = f"onnxruntime ({provider}, shared KV)"
+        float_group.append(row(ours, "thinker", shared, f"{builder} on {genai}", ("--share-kv",)))
+    float_group.append(row("hf", "torch", f"transformers eager ({provider})", None))
+    int4_group = [
+        row(ours_int4, "genai", genai, f"{builder_int4} on {genai}"),
+        row(ours_int4_h4, "genai", genai, f"{builder_int4} on {genai}"),
+        row(builder_int4, "genai", genai, None),
+    ]
+    groups = [float_group, int4_group]
     if cuda_graph:
         graphed = f"onnxruntime-genai ({provider}, CUDA graph)"
         options = ("--cuda-graph",)
