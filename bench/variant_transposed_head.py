@@ -37,7 +37,8 @@ def main() -> None:
     table = next(t for t in graph.initializer if t.name == head.input[1])
     transposed = np.ascontiguousarray(numpy_helper.to_array(table).T)
     graph.initializer.append(numpy_helper.from_array(transposed, "lm_head.weight.transposed"))
-    matmul = helper.make_node("MatMul", [head.input[0], "lm_head.weight.transposed"], list(head.output), "/lm_head/MatMul")
+    inputs = [head.input[0], "lm_head.weight.transposed"]
+    matmul = helper.make_node("MatMul", inputs, list(head.output), name="/lm_head/MatMul")
     position = list(graph.node).index(head)
     graph.node.remove(head)
     graph.node.insert(position, matmul)
