@@ -75,7 +75,12 @@ def right_padded_graph(model: onnx.ModelProto) -> onnx.ModelProto | None:
         while node.input and not node.input[-1]:
             node.input.pop()
     prune_dead_nodes(graph)
-    if "position_ids" not in names_read(graph):
+    read = names_read(graph)
+    # the bias's own constants, read by nothing now: onnxruntime would warn about each at every load
+    kept = [tensor for tensor in graph.initializer if tensor.name in read]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    if "position_ids" not in read:
         kept = [value for value in graph.input if value.name != "position_ids"]
         del graph.input[:]
         graph.input.extend(kept)
