@@ -311,8 +311,14 @@ def genai_figure(figures: dict) -> str:
 
 @click.command("generate", context_settings=CONTEXT)
 @click.argument("folder", type=click.Path(path_type=Path))
-@click.option("--prompt", "-p", required=True, help="The text to continue.")
+@click.option("--prompt", "-p", required=True, help="The text to continue (with --chat: the user's message).")
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option(
+    "--chat",
+    is_flag=True,
+    help="Put --prompt in the tokenizer's chat template as one user message, the assistant's turn opened (what an "
+    "instruct model answers); without it the text is continued as it is.",
+)
 @click.option(
     "--provider",
     type=click.Choice(["auto", "cpu", "cuda"]),
@@ -323,7 +329,9 @@ def genai_figure(figures: dict) -> str:
 )
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads [default: physical cores].")
 @reports_errors
-def generate_command(folder: Path, prompt: str, max_new_tokens: int, provider: str, threads: int | None) -> None:
+def generate_command(
+    folder: Path, prompt: str, max_new_tokens: int, provider: str, threads: int | None, chat: bool = False
+) -> None:
     """Greedy continuation of --prompt with the model in FOLDER, using the tokenizer in FOLDER.
 
     FOLDER is an ONNX folder from `thinker export` (run by onnxruntime) or a Thinker folder (run by transformers).
@@ -333,7 +341,7 @@ def generate_command(folder: Path, prompt: str, max_new_tokens: int, provider: s
         raise ThinkerError(f"{folder}: no such folder")
     kind = _folder_kind(folder)
     tokenizer = _load_tokenizer(folder)
-    prompt_ids = tokenizer(prompt, return_tensors="np")["input_ids"]
+    prompt_ids = _chat_ids(folder, tokenizer, prompt) if chat else tokenizer(prompt, return_tensors="np")["input_ids"]
     if prompt_ids.shape[1] == 0:
         raise ThinkerError("--prompt tokenizes to nothing; give some text")
     _check_prompt(folder, prompt_ids, max_new_tokens)
@@ -427,6 +435,17 @@ def _load_tokenizer(folder: Path):
             f"{folder}: no usable tokenizer ({err.__class__.__name__}: {err}); copy the source model's tokenizer "
             "files (tokenizer.json, tokenizer_config.json ...) into it"
         ) from None
+
+
+def _chat_ids(folder: Path, tokenizer, message: str):
+    """``message`` as one user turn of the tokenizer's own chat template, the assistant's turn opened."""
+    if not tokenizer.chat_template:
+        raise ThinkerError(
+            f"{folder}: its tokenizer has no chat template (chat_template.jinja, or chat_template in "
+            "tokenizer_config.json); run without --chat, or copy the source model's template into the folder"
+        )
+    conversation = [{"role": "user", "content": message}]
+    return tokenizer.apply_chat_template(conversation, add_generation_prompt=True, return_tensors="np")["input_ids"]
 
 
 def _check_prompt(folder: Path, prompt_ids, max_new_tokens: int) -> None:

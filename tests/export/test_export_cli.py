@@ -118,6 +118,38 @@ def test_generate_refuses_a_folder_without_a_model(runner, thinker_folder, tmp_p
     assert "neither an ONNX folder" in result.stderr
 
 
+# A chat template in the tiny tokenizer's own words: a user turn "the MESSAGE is", then the assistant's turn "a".
+CHAT_TEMPLATE = (
+    "{% for m in messages %}the {{ m['content'] }} is {% endfor %}{% if add_generation_prompt %}a{% endif %}"
+)
+
+
+def test_generate_chat_puts_the_prompt_in_the_chat_template(runner, thinker_folder, tmp_path):
+    """--chat: the prompt as one user message of the folder's chat template, the assistant's turn opened; the same
+    text from onnxruntime and transformers; a folder without a template is refused by name."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from export.cli import _chat_ids
+
+    source = tmp_path / "thinker"
+    shutil.copytree(thinker_folder("qwen3"), source)
+    output = tmp_path / "onnx"
+    assert runner.invoke(main, ["export", str(source), str(output), "--no-verify"]).exit_code == 0
+    refused = runner.invoke(main, ["generate", str(output), "-p", "cat sat", "--chat"])
+    assert refused.exit_code == 1 and "its tokenizer has no chat template" in refused.stderr
+    for folder in (source, output):
+        (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    tokenizer = AutoTokenizer.from_pretrained(output)
+    expected = tokenizer("the cat sat is a", return_tensors="np")["input_ids"]
+    assert _chat_ids(output, tokenizer, "cat sat").tolist() == expected.tolist()
+    prompt = ["-p", "cat sat", "--chat", "-n", "6"]
+    onnx_run, torch_run = (runner.invoke(main, ["generate", str(f), *prompt]) for f in (output, source))
+    assert onnx_run.exit_code == 0 and torch_run.exit_code == 0, onnx_run.output + torch_run.output
+    assert onnx_run.stdout.strip() and onnx_run.stdout == torch_run.stdout
+
+
 def test_help_teaches(runner):
     result = runner.invoke(main, ["--help"])
     assert result.exit_code == 0
