@@ -37,6 +37,7 @@ from .folder_check import check_thinker_folder
 from .genai_config import logits_note, make_genai_config, no_eos_note, positions_note
 from .genai_graph import write_genai_graph
 from .graph_builder import GraphBuilder, WeightFile
+from .graph_walk import all_nodes
 from .names import (
     DATA_FILE,
     DEFAULT_GRAPH,
@@ -309,13 +310,7 @@ def copy_side_files(model_dir: Path, out_dir: Path) -> list[str]:
 # --- figures for the report ---------------------------------------------------------------------------------------
 def count_ops(graph: onnx.GraphProto) -> Counter:
     """Node count by op type, control-flow bodies included."""
-    ops: Counter = Counter()
-    for node in graph.node:
-        ops[node.op_type] += 1
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                ops.update(count_ops(attr.g))
-    return ops
+    return Counter(node.op_type for node in all_nodes(graph))
 
 
 def versions() -> dict[str, str]:

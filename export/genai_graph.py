@@ -30,6 +30,7 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, helper
 
+from .graph_walk import all_nodes
 from .names import GENAI_MODEL_FILE, PADDING_KEY
 
 # GroupQueryAttention's inputs by position (onnxruntime's contrib schema, com.microsoft).
@@ -132,10 +133,4 @@ def prune_dead_nodes(graph: onnx.GraphProto) -> None:
 
 def names_read(graph: onnx.GraphProto) -> set[str]:
     """Every name the nodes of ``graph`` read, those of their subgraphs included."""
-    read = set()
-    for node in graph.node:
-        read.update(node.input)
-        for attribute in node.attribute:
-            for subgraph in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs:
-                read |= names_read(subgraph)
-    return read
+    return {name for node in all_nodes(graph) for name in node.input}

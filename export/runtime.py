@@ -25,6 +25,7 @@ import functools
 import os
 import shutil
 import subprocess
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NotImp
 
 from common.errors import ThinkerError
 
+from .graph_walk import all_nodes
 from .names import LAST_POSITION_SCOPE, MODEL_FILE, PADDING_KEY
 
 CUDA = "CUDAExecutionProvider"
@@ -486,17 +488,7 @@ def shared_kv_names(graph: onnx.GraphProto) -> frozenset[str]:
     4), whose present (its outputs 1 and 2) is the graph's ``present.*`` of the same name, and that no other node
     reads (in a subgraph either): the KV that kernel can write in place. Another reader would see the buffer's
     unused slots in its shape, or values the kernel has already overwritten."""
-    readers: dict[str, int] = {}
-
-    def count(nodes) -> None:
-        for node in nodes:
-            for name in node.input:
-                readers[name] = readers.get(name, 0) + 1
-            for attribute in node.attribute:
-                for subgraph in [attribute.g, *attribute.graphs]:
-                    count(subgraph.node)
-
-    count(graph.node)
+    readers = Counter(name for node in all_nodes(graph) for name in node.input)
     shared = set()
     for node in graph.node:
         if node.op_type != "GroupQueryAttention" or len(node.input) < 5:
