@@ -193,15 +193,9 @@ def assert_genai_equals_onnxruntime(genai_python: Path, folders: list[Path]) -> 
 
 def graph_nodes(model_path: Path) -> Iterator[onnx.NodeProto]:
     """Every node of an exported graph, those inside If / Loop / Scan bodies included."""
+    from export.graph_walk import all_nodes
 
-    def walk(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
-        for node in graph.node:
-            yield node
-            for attribute in node.attribute:
-                if attribute.type == onnx.AttributeProto.GRAPH:
-                    yield from walk(attribute.g)
-
-    yield from walk(onnx.load(str(model_path), load_external_data=False).graph)
+    yield from all_nodes(onnx.load(str(model_path), load_external_data=False).graph)
 
 
 def record_parity(record_property, figures: dict) -> None:
