@@ -17,8 +17,8 @@ prompt and --new greedy tokens:
                                   GroupQueryAttention refuses a batch of prompts over the shared past buffer that
                                   capture needs, on both graphs)
   onnxruntime on CUDA             ours-fp16 through export.runtime.OnnxDecoder: IO binding keeps the cache on the
-                                  device, the logits come back each step (what ``thinker generate`` runs); again
-                                  with share_kv=True (one KV buffer per layer written in place, opt-in on CUDA)
+                                  device, the logits come back each step (what ``thinker generate`` runs), one KV
+                                  buffer per layer written in place; again with share_kv=False (the copying form)
   transformers eager on CUDA      the source family's own class (Qwen3ForCausalLM), float16
 Roofline: the weight bytes one decode step reads (bench/bandwidth.py) against the device's bandwidth, measured
 here by a device-to-device copy of 1 GiB (bytes read + written per second, the best of 10): batch-1 decode as a
@@ -87,9 +87,9 @@ def runtimes_for(provider: str, cuda_graph: bool) -> list[list[Runtime]]:
         row(builder, "genai", genai, None),
         row(ours, "thinker", f"onnxruntime ({provider})", f"{builder} on {genai}"),
     ]
-    if provider == "cuda":  # on the CPU the shared KV buffer is OnnxDecoder's default: the row above
-        shared = f"onnxruntime ({provider}, shared KV)"
-        float_group.append(row(ours, "thinker", shared, f"{builder} on {genai}", ("--share-kv",)))
+    if provider == "cuda":  # the copying form beside the default shared buffer (on the CPU: bench_shared_cache.py)
+        copying = f"onnxruntime ({provider}, copying KV)"
+        float_group.append(row(ours, "thinker", copying, f"{builder} on {genai}", ("--copy-kv",)))
     float_group.append(row("hf", "torch", f"transformers eager ({provider})", None))
     int4_group = [
         row(ours_int4, "genai", genai, f"{builder_int4} on {genai}"),
@@ -138,11 +138,11 @@ def device_name(provider: str) -> str:
     return platform.processor() or platform.machine()
 
 
-def export_all(model: models.BenchModel, provider: str, threads: int, fresh: bool) -> dict[str, exp.Export]:
-    """Every export of ``provider``; a fresh one's timings are kept beside it, so that a later ``--reuse-exports``
-    run (the device's second call, when one call cannot hold exports and runs) still reports them."""
+def export_all(model: models.BenchModel, names: list[str], threads: int, fresh: bool) -> dict[str, exp.Export]:
+    """The exports ``names``; a fresh one's timings are kept beside it, so that a later ``--reuse-exports`` run
+    (the device's second call, when one call cannot hold exports and runs) still reports them."""
     done = {}
-    for name in EXPORTS[provider]:
+    for name in names:
         print(f"[{model.name}] exporting {name}", file=sys.stderr, flush=True)
         export = exp.run_export(name, model, threads, fresh=fresh)
         record = export.folder.with_name(name + ".json")
@@ -255,8 +255,16 @@ def main() -> None:
     parser.add_argument("--reuse-exports", action="store_true", help="keep cached exports (and their timings)")
     parser.add_argument("--exports-only", action="store_true", help="export, then stop (a later --reuse-exports)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the results go (the device's $OUT)")
+    parser.add_argument(
+        "--exports", help="comma-separated: only these exports, and the runtimes that run them (a short device call)"
+    )
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
+    names = list(EXPORTS[args.provider])
+    if args.exports:
+        names = args.exports.split(",")
+        if unknown := sorted(set(names) - set(EXPORTS[args.provider])):
+            parser.error(f"--exports: {', '.join(unknown)} not among {', '.join(EXPORTS[args.provider])}")
     if args.provider == "cuda":
         from export.runtime import cuda_absence, cuda_usable
 
@@ -265,7 +273,7 @@ def main() -> None:
 
     started = time.perf_counter()
     model = models.qwen3_shaped(args.layers)
-    exports = export_all(model, args.provider, args.threads, fresh=not args.reuse_exports)
+    exports = export_all(model, names, args.threads, fresh=not args.reuse_exports)
     if args.exports_only:
         return
     folders = {name: e.folder for name, e in exports.items() if not e.error}

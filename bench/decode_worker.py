@@ -6,7 +6,8 @@ repetitions. It imports nothing from this repository: it must run in the peers' 
 
 Requests:
   {"op": "generate", "batch": B, "prompt": P, "new": N}   greedy, every row the same length (no padding):
-      prefill_s (the prompt's forward), decode_s (the N - 1 single-token forwards after it), tokens (row 0's new ids)
+      prefill_s (the prompt's forward), decode_s (the N - 1 single-token forwards after it), tokens (row 0's new ids);
+      with "steps": S, only the first S of the N tokens, every buffer sized for N (a warm-up of the timed request)
   {"op": "decode_at", "context": L, "steps": K}           batch 1: K single-token forwards after a context of L
       tokens; decode_s only (ort feeds a random cache of length L instead of running the prefill)
 
@@ -87,7 +88,8 @@ class OrtBackend:
             return {name: np.zeros(shape, self.cache_dtype) for name in self.past}
         return {name: (0.5 * rng.standard_normal(shape)).astype(self.cache_dtype) for name in self.past}
 
-    def generate(self, batch: int, prompt: int, new: int) -> dict:
+    def generate(self, batch: int, prompt: int, new: int, steps: int | None = None) -> dict:
+        new = new if steps is None else min(steps, new)  # the cache grows by concatenation: nothing sized ahead
         ids = prompt_ids(batch, prompt)
         mask = np.ones_like(ids)
         started = time.perf_counter()
@@ -127,7 +129,10 @@ class GenaiBackend:
         config.overlay(json.dumps(overlay))
         self.model = og.Model(config)
 
-    def run(self, ids: np.ndarray, new: int) -> tuple[float, float, list[int]]:
+    def run(self, ids: np.ndarray, new: int, steps: int | None = None) -> tuple[float, float, list[int]]:
+        """Greedy generation of ``new`` tokens, or its first ``steps`` (a warm-up: onnxruntime-genai sizes its KV
+        buffers by ``max_length``, and on Hopper GroupQueryAttention's prompt runs cuDNN attention with a plan built
+        per KV capacity, so only a warm-up with the timed run's ``max_length`` warms what the timed run uses)."""
         params = self.og.GeneratorParams(self.model)
         length = ids.shape[1] + new
         params.set_search_options(do_sample=False, max_length=length, min_length=length, batch_size=ids.shape[0])
@@ -137,14 +142,14 @@ class GenaiBackend:
         if self.cuda:
             generator.get_logits()  # a host copy: the prompt's kernels have finished
         prefilled = time.perf_counter()
-        for _ in range(new):  # the first call picks from the prompt's logits; each later one runs one forward
+        for _ in range(new if steps is None else min(steps, new)):  # the first picks from the prompt's logits
             generator.generate_next_token()
         sequence = generator.get_sequence(0)  # a host copy (on CUDA: the last step has finished)
         done = time.perf_counter()
         return prefilled - started, done - prefilled, [int(t) for t in sequence[ids.shape[1] :]]
 
-    def generate(self, batch: int, prompt: int, new: int) -> dict:
-        prefill, decode, tokens = self.run(prompt_ids(batch, prompt), new)
+    def generate(self, batch: int, prompt: int, new: int, steps: int | None = None) -> dict:
+        prefill, decode, tokens = self.run(prompt_ids(batch, prompt), new, steps)
         return {"prefill_s": prefill, "decode_s": decode, "tokens": tokens}
 
     def decode_at(self, context: int, steps: int) -> dict:
@@ -193,8 +198,9 @@ class TorchBackend:
             )
         return clock.stamps[0] - started, clock.stamps[-1] - clock.stamps[0], out[0, ids.shape[1] :].tolist()
 
-    def generate(self, batch: int, prompt: int, new: int) -> dict:
-        prefill, decode, tokens = self.run(prompt_ids(batch, prompt), new)
+    def generate(self, batch: int, prompt: int, new: int, steps: int | None = None) -> dict:
+        # nothing here is sized by the request's length: a warm-up's shorter run warms the same kernels
+        prefill, decode, tokens = self.run(prompt_ids(batch, prompt), new if steps is None else min(steps, new))
         return {"prefill_s": prefill, "decode_s": decode, "tokens": tokens}
 
     def decode_at(self, context: int, steps: int) -> dict:
@@ -279,13 +285,13 @@ class ThinkerBackend:
 
         self.decoder = OnnxDecoder(folder, provider=provider, threads=threads, share_kv=share_kv)
 
-    def generate(self, batch: int, prompt: int, new: int) -> dict:
+    def generate(self, batch: int, prompt: int, new: int, steps: int | None = None) -> dict:
         ids = prompt_ids(batch, prompt)
         started = time.perf_counter()
         logits, state = self.decoder.prefill(ids, np.ones_like(ids), new_tokens=new)  # as generate sizes its cache
         prefilled = time.perf_counter()
         tokens = [logits[:, -1].argmax(-1)]
-        for _ in range(new - 1):
+        for _ in range((new if steps is None else min(steps, new)) - 1):
             tokens.append(self.decoder.decode_one_token(tokens[-1], state).argmax(-1))
         done = time.perf_counter()
         return {"prefill_s": prefilled - started, "decode_s": done - prefilled, "tokens": [int(t[0]) for t in tokens]}
@@ -308,12 +314,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--cuda-graph", action="store_true", help="genai on CUDA: capture the decode step as a graph")
-    parser.add_argument("--share-kv", action="store_true", help="thinker on CUDA: OnnxDecoder(share_kv=True)")
+    parser.add_argument("--copy-kv", action="store_true", help="thinker: OnnxDecoder(share_kv=False)")
     args = parser.parse_args()
-    if args.share_kv:
+    if args.copy_kv:
         if args.backend != "thinker":
-            parser.error(f"--share-kv: OnnxDecoder's option (backend thinker), not backend {args.backend}'s")
-        backend = ThinkerBackend(args.folder, args.threads, args.provider, share_kv=True)
+            parser.error(f"--copy-kv: OnnxDecoder's option (backend thinker), not backend {args.backend}'s")
+        backend = ThinkerBackend(args.folder, args.threads, args.provider, share_kv=False)
     elif args.provider == "cpu" and not args.cuda_graph:
         backend = BACKENDS[args.backend](args.folder, args.threads)
     elif args.backend in CUDA_BACKENDS:

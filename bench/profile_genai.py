@@ -2,9 +2,10 @@
 
 Runs in the onnxruntime-genai environment (bench/peer_envs.py), one folder per call: the folder's own
 genai_config.json with two overlays, the session's intra-op threads and ``enable_profiling``; one greedy
-generation (batch B, a P-token prompt, N new tokens); then onnxruntime's trace is read back: the kernel time of
-every node, grouped by op type and averaged over the decode steps (the ``model_run`` events after the first, the
-prompt's), next to the wall time of those steps.
+generation (batch B, a P-token prompt, N new tokens) after an untimed warm-up of the same length; then
+onnxruntime's trace is read back: the kernel time of every node, grouped by op type and averaged over the decode
+steps (the generation's ``model_run`` events after its first, the prompt's, reported apart), next to the wall time
+of those steps.
 
     ~/.cache/thinker-test-genai-venv/bin/python bench/profile_genai.py FOLDER --batch 8 --json out.json
     python bench/profile_genai.py A B --batch 1                # our environment: runs both, prints side by side
@@ -29,6 +30,7 @@ from collections import defaultdict
 from pathlib import Path
 
 VOCAB_CAP = 49152
+WARM_STEPS = 2  # the warm-up's forwards: its prompt's and one decode step's
 
 
 def profile(folder: Path, trace_dir: Path, batch: int, prompt: int, new: int, threads: int, provider: str) -> float:
@@ -45,18 +47,32 @@ def profile(folder: Path, trace_dir: Path, batch: int, prompt: int, new: int, th
     config.overlay(json.dumps({"model": {"decoder": {"session_options": options}}}))
     model = og.Model(config)
     ids = np.random.default_rng(0).integers(0, VOCAB_CAP, size=(batch, prompt), dtype=np.int64)
-    params = og.GeneratorParams(model)
-    params.set_search_options(do_sample=False, max_length=prompt + new, min_length=prompt + new, batch_size=batch)
-    generator = og.Generator(model, params)
-    generator.append_tokens(ids)
+
+    def generator():
+        params = og.GeneratorParams(model)
+        params.set_search_options(do_sample=False, max_length=prompt + new, min_length=prompt + new, batch_size=batch)
+        return og.Generator(model, params)
+
+    # A warm-up of the same length first (its runs are left out by ``summarize``): a process's first prompt
+    # loads kernels and, on Hopper, builds GroupQueryAttention's cuDNN plan for this KV capacity (about a second)
+    warm = generator()
+    warm.append_tokens(ids)
+    for _ in range(WARM_STEPS):
+        warm.generate_next_token()
+    del warm
+    timed = generator()
+    timed.append_tokens(ids)
     started = time.perf_counter()
     for _ in range(new):
-        generator.generate_next_token()
+        timed.generate_next_token()
     return time.perf_counter() - started
 
 
 def summarize(events: list[dict], wall: float, decode_steps: int) -> dict:
+    """The figures of the profiled generation: its last ``decode_steps + 1`` runs (its prompt's, then one per
+    decode step); the warm-up's runs before them are left out."""
     runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "model_run")
+    runs = runs[-(decode_steps + 1) :]
     decode_runs = runs[1:]  # the first is the prompt's
     prompt_by_op: dict[str, float] = defaultdict(float)  # the prompt's run, apart (its time is not a step's)
     by_op: dict[str, float] = defaultdict(float)

@@ -84,18 +84,21 @@ def interleave_fresh(
     repetition only. What a process happens to get (where its weights land in memory, which core its threads run on)
     moves a runtime's figures by 5-15 % on this machine and stays with it for the process's life, so repetitions
     inside one process all carry the same draw; fresh ones sample it. Before its first timed request of a shape, each
-    worker runs that shape once untimed (two new tokens): on CUDA the first run of a shape loads kernels and sizes
-    buffers, which a timed prefill must not carry (the first GPU session's prefill figures did)."""
+    worker runs that request once untimed, two of its tokens only: on CUDA the first run of a shape loads kernels and
+    sizes buffers, which a timed prefill must not carry. The warm-up asks for the request's own length, not a shorter
+    one: onnxruntime-genai sizes the KV cache by it, and on Hopper GroupQueryAttention runs the prompt through cuDNN
+    with a plan built per KV capacity (about a second), which a two-token request's capacity did not warm (the
+    second GPU session's genai prefill figures carried it)."""
     for rep in range(reps):
         order = runtimes if rep % 2 == 0 else runtimes[::-1]
         with started(order, folders, threads) as workers:
-            warm: set[tuple[int, int]] = set()
+            warm: set[str] = set()
             for request in requests:
-                shape = (request.get("batch", 1), request.get("prompt", 16))
-                if request["op"] == "generate" and shape not in warm:
-                    warm.add(shape)
+                key = json.dumps(request, sort_keys=True)
+                if request["op"] == "generate" and key not in warm:
+                    warm.add(key)
                     for worker in workers:
-                        worker.request(op="generate", batch=shape[0], prompt=shape[1], new=2)
+                        worker.request(**request, steps=2)
                 for worker in workers:
                     print(f"  rep {rep + 1}/{reps} {request} {worker.runtime.label}", file=sys.stderr, flush=True)
                     reply = worker.request(**request)

@@ -7,9 +7,9 @@ GroupQueryAttention writes in place: onnxruntime's kernel takes a past and a pre
 its shared-buffer mode (the mode onnxruntime-genai runs), where it writes the new tokens' keys and values after
 the cached ones instead of copying the whole cache into a new present every step. The buffer holds more slots
 than the mask has columns (``generate`` sizes it for the whole continuation; otherwise it doubles when full); the
-slots past the mask's length are unused. On CUDA it is opt-in (``share_kv=True``; float16 and float32 caches,
-which a buffer that must grow takes through the host) until a GPU run has checked it: the default there keeps the
-copying form.
+slots past the mask's length are unused. On CUDA the same holds for float16 and float32 caches (a buffer that must
+grow goes through the host, where bfloat16 has no array type: a bfloat16 cache keeps the copying form); an H200
+measured 1.1-1.4x more tokens/s than the copying form on Qwen3-0.6B (docs/gpu-session.md).
 
 The cache is whatever ``past_key_values.*`` inputs the graph declares, discovered by name: ``.key`` / ``.value``
 (full attention: an empty past has a zero-length sequence axis) and, in hybrid models, ``.conv_state`` /
@@ -209,8 +209,9 @@ class OnnxDecoder:
     ``path`` may also name an export's ``model.genai.onnx`` (export/genai_graph.py): it takes no position_ids where
     its attention rotates by slot, and right-padded (or unpadded) batches only, which ``prefill`` checks.
     ``share_kv``: GroupQueryAttention's KV in one buffer per layer written in place (the module docstring). None:
-    on the CPU only; True: on CUDA too (float16 and float32 caches); False: the copying form everywhere, the
-    reference the tests hold the shared one to.
+    wherever it applies (on CUDA, float16 and float32 caches); True: the same, and a bfloat16 cache on CUDA is an
+    error rather than the copying form; False: the copying form everywhere, the reference the tests hold the
+    shared one to.
     """
 
     def __init__(
@@ -281,12 +282,14 @@ class OnnxDecoder:
 
     def _kv_to_share(self, graph: onnx.GraphProto, share_kv: bool | None) -> frozenset[str]:
         """The KV each GroupQueryAttention reads as its past and writes as its present, which one buffer serves
-        (the module docstring): on the CPU unless ``share_kv`` is False, on CUDA when it is True."""
-        if share_kv is False or (self.device == "cuda" and share_kv is None):
+        (the module docstring), unless ``share_kv`` is False; on CUDA a float16 or float32 cache only."""
+        if share_kv is False:
             return frozenset()
         names = shared_kv_names(graph)
         if self.device == "cuda" and any(self.state_specs[name][2] is None for name in names):
             # a buffer that must grow goes through the host, where bfloat16 has no array type
+            if share_kv is None:
+                return frozenset()
             raise ThinkerError(
                 f"{self.model_path}: share_kv=True on CUDA takes a float16 or float32 cache, not bfloat16"
             )

@@ -54,10 +54,12 @@ def test_each_shape_is_warmed_up_just_before_it_is_first_timed(stand_in_workers)
     log, _ = stand_in_workers
     runtimes = [workers.Runtime("a", "a", "genai"), workers.Runtime("b", "b", "genai")]
     workers.interleave_fresh(runtimes, {"a": Path("a"), "b": Path("b")}, 2, [generate(1), generate(8)], reps=2)
-    first_rep = [(label, request["batch"], request["new"]) for label, request in log[: len(log) // 2]]
+    first_rep = [(label, r["batch"], r["new"], r.get("steps")) for label, r in log[: len(log) // 2]]
+    # a warm-up is the timed request itself cut to two steps: the same length sizes the same buffers (the KV
+    # capacity onnxruntime-genai allocates, the cuDNN attention plan Hopper builds per capacity)
     assert first_rep == [
-        ("a", 1, 2), ("b", 1, 2), ("a", 1, 64), ("b", 1, 64),  # batch 1: warmed, then timed
-        ("a", 8, 2), ("b", 8, 2), ("a", 8, 64), ("b", 8, 64),  # batch 8 only after batch 1's figures are in
+        ("a", 1, 64, 2), ("b", 1, 64, 2), ("a", 1, 64, None), ("b", 1, 64, None),  # batch 1: warmed, then timed
+        ("a", 8, 64, 2), ("b", 8, 64, 2), ("a", 8, 64, None), ("b", 8, 64, None),  # batch 8 after batch 1's
     ]  # fmt: skip
     assert [label for label, _ in log[len(log) // 2 :]][:2] == ["b", "a"]  # the second repetition loads b first
     assert all(len(replies) == 2 for replies in runtimes[0].results.values())  # the warm-ups are not kept
@@ -93,15 +95,23 @@ def kernel_event(name: str, op: str, provider: str, ts: int) -> dict:
 
 
 def test_the_profile_names_the_nodes_the_cpu_ran_beside_cuda():
+    warm_up = [{"name": "model_run", "ts": -900, "dur": 500}, {"name": "model_run", "ts": -300, "dur": 100}]
     runs = [{"name": "model_run", "ts": 0, "dur": 100}, {"name": "model_run", "ts": 200, "dur": 100}]
-    events = runs + [
-        kernel_event("/model/attn_mask/Cast_1", "Cast", "CPUExecutionProvider", 210),
-        kernel_event("/model/layers.0/attn/GroupQueryAttention", "GroupQueryAttention", "CUDAExecutionProvider", 220),
-        kernel_event("/model/prompt_only", "Shape", "CPUExecutionProvider", 10),  # the prompt's run: not a step
-    ]
+    events = (
+        warm_up
+        + runs
+        + [
+            kernel_event("/model/warm_up", "Gather", "CPUExecutionProvider", -890),  # the warm-up's: left out
+            kernel_event("/model/attn_mask/Cast_1", "Cast", "CPUExecutionProvider", 210),
+            kernel_event(
+                "/model/layers.0/attn/GroupQueryAttention", "GroupQueryAttention", "CUDAExecutionProvider", 220
+            ),
+            kernel_event("/model/prompt_only", "Shape", "CPUExecutionProvider", 10),  # the prompt's run: not a step
+        ]
+    )
     figures = profile_genai.summarize(events, wall=0.001, decode_steps=1)
     assert figures["cpu_nodes"] == {"/model/attn_mask/Cast_1": "Cast"}
     assert figures["prompt_run_ms"] == 0.1 and figures["prompt_by_op_ms"] == {"Shape": 0.005}  # the prompt, apart
-    assert figures["nodes_per_step"] == {"CPU": 1.0, "CUDA": 1.0}
+    assert figures["nodes_per_step"] == {"CPU": 1.0, "CUDA": 1.0} and figures["decode_steps"] == 1
     cpu_only = [kernel_event("/model/x", "MatMul", "CPUExecutionProvider", 210)]
     assert profile_genai.summarize(runs + cpu_only, wall=0.001, decode_steps=1)["cpu_nodes"] == {}

@@ -413,18 +413,19 @@ def test_cuda_io_binding_keeps_the_fused_cache_on_the_device(onnx_variant):
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 @pytest.mark.gpu
 def test_cuda_shared_kv_buffer(family, thinker_variant, onnx_variant, record_property):
-    """share_kv=True on CUDA (opt-in until this passes on a GPU): one device buffer per layer bound as
-    GroupQueryAttention's past and present. On the left-padded batch it holds the float16 bound against PyTorch in
-    float32, as the copying form does, and gives the copying form's logits; the buffer grows once through the host
-    (a prefill sized for the prompt alone) and is written in place after; a bfloat16 cache is refused by name."""
+    """The shared KV buffer on CUDA (the default there for float16 and float32 caches): one device buffer per layer
+    bound as GroupQueryAttention's past and present. On the left-padded batch it holds the float16 bound against
+    PyTorch in float32, as the copying form does, and gives the copying form's logits; the buffer grows once through
+    the host (a prefill sized for the prompt alone) and is written in place after; a bfloat16 cache keeps the
+    copying form by default, and asking it to share is refused by name."""
     import onnxruntime as ort
 
     from common.errors import ThinkerError
 
     model = load_thinker(thinker_variant(family, head_dim=16))
     folder = onnx_variant(family, "float16")
-    shared, copying = OnnxDecoder(folder, provider="cuda", share_kv=True), OnnxDecoder(folder, provider="cuda")
-    assert shared.shared_kv == set(shared.past_names) and not copying.shared_kv  # the default: copying on CUDA
+    shared, copying = OnnxDecoder(folder, provider="cuda"), OnnxDecoder(folder, provider="cuda", share_kv=False)
+    assert shared.shared_kv == set(shared.past_names) and not copying.shared_kv  # the default: shared on CUDA
     figures = compare_decoders(model, shared, *parity_batch(96), steps=6)
     record_parity(record_property, figures)
     assert figures["top1_agreement"] >= 0.9, figures
@@ -445,5 +446,6 @@ def test_cuda_shared_kv_buffer(family, thinker_variant, onnx_variant, record_pro
         assert isinstance(buffer, ort.OrtValue) and buffer.device_name().lower() == "cuda"
         assert buffer.shape()[2] == 2 * input_ids.shape[1] and (buffer is before) == (step > 0)
         token = expected.argmax(-1)
+    assert not OnnxDecoder(onnx_variant(family, "bfloat16"), provider="cuda").shared_kv
     with pytest.raises(ThinkerError, match="share_kv=True on CUDA takes a float16 or float32 cache, not bfloat16"):
         OnnxDecoder(onnx_variant(family, "bfloat16"), provider="cuda", share_kv=True)
