@@ -17,9 +17,10 @@ the costliest units' MatMulNBits move to level 1, the shortest prefix of the ran
 was measured to meet the threshold).
 It rewrites the model proto with those levels (the weights file is untouched).
 
-Cost: two sessions and prefills of ~230 tokens when the graph passes (SmolLM2-135M int4: 2-3 s and 110 MB of
-peak RSS, bench/results/README-quantize.md); when it falls back, one more for the ranking and one per bisection
-step (log2 of the units).
+Cost: two sessions and prefills of ~230 tokens when the graph passes (SmolLM2-135M: 2-3 s, and 151 MB of peak RSS
+at int4, 151 at int8, bench/results/README-export-peak.md); when it falls back, one more for the ranking and one
+per bisection step (log2 of the units). The float-activation sessions run wide 8-bit MatMulNBits as row slices
+(export/row_slices.py), or onnxruntime would dequantize a whole 8-bit head at once.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import onnx
 
 from .fidelity import fidelity_token_ids, mean_kl
 from .names import DEFAULT_MIN_AGREEMENT
+from .row_slices import split_wide_matmuls
 from .runtime import OnnxDecoder, position_ids_from_mask
 
 FALLBACK_LEVEL = 1
@@ -76,11 +78,17 @@ def set_levels(model: onnx.ModelProto, levels: dict[str, int]) -> None:
 
 
 @contextmanager
-def graph_variant(model: onnx.ModelProto, onnx_path: Path, levels: dict[str, int]) -> Iterator[Path]:
-    """``model`` with ``levels`` applied, saved beside ``onnx_path`` (its weights file in reach), removed after."""
+def graph_variant(
+    model: onnx.ModelProto, onnx_path: Path, levels: dict[str, int], split_wide: bool = False
+) -> Iterator[Path]:
+    """``model`` with ``levels`` applied, saved beside ``onnx_path`` (its weights file in reach), removed after.
+    ``split_wide``: its wide level-1 MatMulNBits as row slices of the same weights (export/row_slices.py), the
+    same products at a lower peak, for the guard's own sessions."""
     variant = onnx.ModelProto()
     variant.CopyFrom(model)
     set_levels(variant, levels)
+    if split_wide:
+        split_wide_matmuls(variant, levels=frozenset({FALLBACK_LEVEL}))
     handle, name = tempfile.mkstemp(prefix=".guard-", suffix=".onnx", dir=onnx_path.parent)
     os.close(handle)
     path = Path(name)
@@ -92,7 +100,7 @@ def graph_variant(model: onnx.ModelProto, onnx_path: Path, levels: dict[str, int
 
 
 def prefill(model: onnx.ModelProto, onnx_path: Path, levels: dict[str, int], ids: np.ndarray, threads) -> np.ndarray:
-    with graph_variant(model, onnx_path, levels) as path:
+    with graph_variant(model, onnx_path, levels, split_wide=True) as path:
         decoder = OnnxDecoder(path, provider="cpu", threads=threads, all_positions=True)
         return decoder.prefill(ids[None], np.ones_like(ids)[None])[0][0]
 
@@ -112,7 +120,7 @@ def activation_rounding_errors(
         node = next(n for n in matmuls.values() if n.input[0] == name)
         elem_type = onnx.helper.np_dtype_to_tensor_dtype(read(node.input[2]).dtype)
         probe.graph.output.append(onnx.helper.make_tensor_value_info(name, elem_type, None))
-    with graph_variant(probe, onnx_path, dict.fromkeys(matmuls, FALLBACK_LEVEL)) as path:
+    with graph_variant(probe, onnx_path, dict.fromkeys(matmuls, FALLBACK_LEVEL), split_wide=True) as path:
         decoder = OnnxDecoder(path, provider="cpu", threads=threads, all_positions=True)
         mask = np.ones_like(ids)[None]
         feeds = {

@@ -1,0 +1,93 @@
+"""Peak memory of ``thinker export --quantize`` on the real SmolLM2-135M, with and without the accuracy guard.
+
+The speed issue's export goal is a peak RSS of at most 1.6x the float32 model's bytes. One fresh export's peak
+moves by about ±50 MB on this machine, and bench_quantize.py exports each variant once, so this bench exports each
+of ``--variants`` (bench_quantize.VARIANTS' flags, ``--no-verify``) ``--reps`` times, the variants interleaved,
+each in a fresh process, and reports the median wall and peak RSS, and the peak as a multiple of the float32 fused
+export's bytes (the denominator bench_fast.py uses). The pairs with and without the guard (int8 / int8-acc1,
+int4 / int4-noguard) price the guard's onnxruntime sessions.
+
+    python bench/bench_export_peak.py                  # about 3 minutes on 2 shared cores
+    python bench/bench_export_peak.py --variants int8,int8-acc1 --reps 5
+
+Writes bench/results/export_peak.json and bench/results/README-export-peak.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
+
+import exports as exp  # noqa: E402
+import models  # noqa: E402
+from bench_quantize import VARIANTS, export_variant  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GOAL = 1.6  # peak RSS / float32 model bytes
+
+
+def markdown(results: dict) -> str:
+    lines = [
+        f"Command: `{results['command']}`; {results['reps']} fresh exports of each variant, interleaved; medians (and"
+        f" the range); the float32 fused export is {results['float32_model_bytes'] / 1e6:.0f} MB.",
+        "",
+        "| variant | flags | wall (s) | peak RSS (MB) | range (MB) | / float32 model bytes | goal ≤ 1.6x |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, row in results["variants"].items():
+        ratio = row["peak_rss_median"] / results["float32_model_bytes"]
+        low, high = min(row["peak_rss"]) / 1e6, max(row["peak_rss"]) / 1e6
+        peaks = f"{row['peak_rss_median'] / 1e6:.0f} | {low:.0f}-{high:.0f}"
+        lines.append(
+            f"| {name} | `{' '.join(VARIANTS[name])}` | {row['seconds_median']:.1f} | {peaks} | {ratio:.2f}x "
+            f"| {'met' if ratio <= GOAL else 'not met'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default="int8,int8-acc1,int4,int4-noguard")
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    names = args.variants.split(",")
+    if unknown := sorted(set(names) - set(VARIANTS)):
+        parser.error(f"--variants: {', '.join(unknown)} not among {', '.join(VARIANTS)}")
+
+    model = models.smollm2()
+    float32 = exp.run_export("ours-fused", model, threads=2, fresh=False)
+    rows: dict[str, dict] = {name: {"seconds": [], "peak_rss": []} for name in names}
+    started = time.perf_counter()
+    for rep in range(args.reps):
+        for name in names if rep % 2 == 0 else names[::-1]:
+            print(f"  rep {rep + 1}/{args.reps}: export {name}", file=sys.stderr, flush=True)
+            _, figures = export_variant(name, model, fresh=True)
+            rows[name]["seconds"].append(figures["seconds"])
+            rows[name]["peak_rss"].append(figures["peak_rss"])
+    for row in rows.values():
+        row["seconds_median"] = statistics.median(row["seconds"])
+        row["peak_rss_median"] = statistics.median(row["peak_rss"])
+    results = {
+        "command": " ".join(["python bench/bench_export_peak.py", *sys.argv[1:]]),
+        "machine": platform.processor() or platform.machine(),
+        "reps": args.reps,
+        "float32_model_bytes": exp.folder_bytes(float32.folder),
+        "variants": rows,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "export_peak.json").write_text(json.dumps(results, indent=2) + "\n")
+    (RESULTS / "README-export-peak.md").write_text(markdown(results))
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
