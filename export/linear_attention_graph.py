@@ -31,7 +31,8 @@ The carried state, graph inputs and outputs of the caller's choosing (names in d
   recurrent_state  (B, Hv, dk, dv) float32, key-major as transformers' cache and onnxruntime's LinearAttention
 Zeros start a sequence. The graph is the same for a prompt of any length and for one-token decode.
 
-Two forms: ``GatedDeltaNetGraph`` uses standard ONNX operators only (the recurrence is a ``Scan`` over tokens);
+Two forms: ``GatedDeltaNetGraph`` uses standard ONNX operators only (the recurrence is a ``Scan`` over tokens for
+a decode step, and over chunks of 64 tokens for a step of CHUNKED_FROM tokens or more, export/chunked_delta_rule.py);
 ``FusedGatedDeltaNetGraph`` replaces the conv, the gates, the recurrence and the gated norm with onnxruntime's
 com.microsoft operators (CausalConvWithState, LinearAttentionGate, LinearAttention, GatedRMSNorm), each of which
 runs on onnxruntime's CPU execution provider and matches transformers' torch fallbacks to rounding (measured in
@@ -47,11 +48,17 @@ from dataclasses import dataclass
 import torch
 from onnx import TensorProto
 
+from .chunked_delta_rule import emit_chunked_delta_rule
 from .graph_builder import TORCH_TO_ONNX, GraphBuilder, value_info
 
 MS_DOMAIN = "com.microsoft"
 L2NORM_EPS = 1e-6  # transformers' l2norm (and the FLA kernels it follows) put this inside the square root
 INT64_MAX = 2**63 - 1  # Slice's "to the end"
+# Steps of at least this many tokens (a prompt) run the plain graph's delta rule in chunks: for one layer of
+# Qwen3.5-0.8B's sizes the two forms break even at about 48 tokens, and from 64 on the chunks take 0.6-0.72x the
+# Scan's time (bench/bench_delta_rule.py); below that a chunk's fixed cost (5-10 ms, the padded chunk's products)
+# outweighs the Scan's per token (0.1-0.3 ms), and a decode step keeps the Scan
+CHUNKED_FROM = 64
 
 # (x, weight name, weight (in, out)) -> x @ weight: lets a caller route projections through its quantizer.
 MatMulEmitter = Callable[[str, str, torch.Tensor], str]
@@ -179,6 +186,15 @@ class GatedDeltaNetGraph:
         self.matmul = matmul or (lambda x, name, w: self.b.op("MatMul", x, self.b.weight(name, w)))
 
     # --- small helpers ----------------------------------------------------------------------------------------
+    @contextmanager
+    def building(self, builder: GraphBuilder) -> Iterator[None]:
+        """Emits into ``builder`` (an ``If`` branch) for the duration of the block."""
+        outer, self.b = self.b, builder
+        try:
+            yield
+        finally:
+            self.b = outer
+
     def to_float(self, x: str) -> str:
         return x if self.dtype == torch.float32 else self.b.op("Cast", x, to=TensorProto.FLOAT)
 
@@ -304,12 +320,48 @@ class GatedDeltaNetGraph:
     def emit_delta_rule(
         self, query: str, key: str, value: str, log_decay: str, beta: str, past: str, present: str
     ) -> str:
-        """The gated delta rule as a Scan over tokens; returns (B, T, Hv * dv) float32 and writes ``present``.
-
-        Per token (transformers' ``torch_recurrent_gated_delta_rule``, which its chunked prefill form equals to
-        rounding): S = exp(g) S; delta = beta (v - S^T k); S += k delta^T; out = S^T q * dk^-0.5."""
+        """The gated delta rule; returns (B, T, Hv * dv) float32 and writes ``present``. An ``If`` on the step's
+        length: from CHUNKED_FROM tokens on (a prompt) in chunks (export/chunked_delta_rule.py), below that (a
+        decode step) as a Scan over tokens, which pays nothing for the chunk's padding."""
         b, d = self.b, self.dims
         query = b.op("Mul", query, b.const(d.key_head_dim**-0.5, torch.float32))
+        length = b.op("Gather", b.op("Shape", query), b.const(1), axis=0)
+        branches = {}
+        for name in ("chunks", "tokens"):
+            body = b.subgraph()
+            state = body.fresh("present_recurrent")
+            with self.building(body), body.scope(name):
+                rule = self.emit_delta_chunks if name == "chunks" else self.emit_delta_scan
+                out = rule(query, key, value, log_decay, beta, past, state)
+            outputs = [value_info(out, TensorProto.FLOAT, None), value_info(state, TensorProto.FLOAT, None)]
+            branches[name] = body.make_graph(f"delta_rule.{name}", [], outputs)
+        out = b.fresh("delta_rule")
+        chunked = b.op("GreaterOrEqual", length, b.const(CHUNKED_FROM))
+        b.op_to("If", [chunked], [out, present], then_branch=branches["chunks"], else_branch=branches["tokens"])
+        return out
+
+    def emit_delta_chunks(
+        self, query: str, key: str, value: str, log_decay: str, beta: str, past: str, present: str
+    ) -> str:
+        """The rule in chunks of the prompt, over head-major rows (transformers' ``torch_chunk_gated_delta_rule``)."""
+        b, d = self.b, self.dims
+
+        def heads_first(x: str, width: int) -> str:  # (B, T, Hv * width) -> (B, Hv, T, width)
+            return b.op("Transpose", b.op("Reshape", x, b.const([0, 0, d.num_value_heads, width])), perm=[0, 2, 1, 3])
+
+        query, key = (heads_first(self.per_value_head(x), d.key_head_dim) for x in (query, key))
+        value = heads_first(self.to_float(value), d.value_head_dim)
+        log_decay, beta = (b.op("Transpose", x, perm=[0, 2, 1]) for x in (log_decay, beta))  # (B, Hv, T)
+        heads = (d.num_value_heads, d.key_head_dim, d.value_head_dim)
+        out = emit_chunked_delta_rule(b, heads, query, key, value, log_decay, beta, past, present)
+        return b.op("Reshape", b.op("Transpose", out, perm=[0, 2, 1, 3]), b.const([0, 0, d.value_dim]))
+
+    def emit_delta_scan(
+        self, query: str, key: str, value: str, log_decay: str, beta: str, past: str, present: str
+    ) -> str:
+        """The rule as a Scan over tokens (q already scaled). Per token (transformers'
+        ``torch_recurrent_gated_delta_rule``): S = exp(g) S; delta = beta (v - S^T k); S += k delta^T; out = S^T q."""
+        b, d = self.b, self.dims
         # Time-major: Scan walks axis 0. Each key head serves Hv / Hk consecutive value heads. Every per-token input
         # comes already shaped as the step uses it (rows (.., 1, d), gates (.., 1, 1)): reshaped once here instead
         # of unsqueezed in each of T steps, which halves the nodes the Scan runs per token.
@@ -402,15 +454,6 @@ class FusedGatedDeltaNetGraph(GatedDeltaNetGraph):
 
     contrib_ops = True
     branches_on_padding = True
-
-    @contextmanager
-    def building(self, builder: GraphBuilder) -> Iterator[None]:
-        """Emits into ``builder`` (an ``If`` branch) for the duration of the block."""
-        outer, self.b = self.b, builder
-        try:
-            yield
-        finally:
-            self.b = outer
 
     def emit_input_mask(self, x: str, padding: PaddingMasks) -> str:
         """Unchanged: the padded branch zeroes the conv's input instead (``emit_conv_and_gates``). A pad's z, a and b

@@ -186,19 +186,22 @@ def test_a_masked_chunk_leaves_the_linear_states_untouched(graph, onnx_variant):
         np.testing.assert_array_equal(state.cache[name], past[name], err_msg=name)
 
 
-def test_multi_token_step_after_a_prompt(thinker_variant, onnx_variant):
+@pytest.mark.parametrize("step", [5, 70])
+def test_multi_token_step_after_a_prompt(step, thinker_variant, onnx_variant):
     """Prefill of any length and decode are one graph: a 5-token step after a 9-token prompt (both states and the
     KV carried) equals PyTorch's full forward over the 14 tokens (batch 1, as onnxruntime's GroupQueryAttention
-    needs for a chunked step)."""
+    needs for a chunked step); a 70-token step, which the plain graph's delta rule takes in chunks (from
+    CHUNKED_FROM tokens), starts from the prompt's state as well."""
     model = load_thinker(thinker_variant("qwen3_5"))
-    ids, _ = left_padded((14,), seed=3)
+    total = 9 + step
+    ids, _ = left_padded((total,), seed=3)
     with torch.no_grad():
         expected = model(torch.from_numpy(ids)).logits.numpy()
     for graph in GRAPHS:
         decoder = OnnxDecoder(hybrid_export(onnx_variant, "qwen3_5", graph), provider="cpu")
         first, state = decoder.prefill(ids[:, :9], np.ones((1, 9), np.int64))
-        state.attention_mask = np.ones((1, 14), np.int64)
-        second = decoder.forward(ids[:, 9:], np.arange(9, 14)[None], state)
+        state.attention_mask = np.ones((1, total), np.int64)
+        second = decoder.forward(ids[:, 9:], np.arange(9, total)[None], state)
         logits = np.concatenate([first, second], axis=1)
         np.testing.assert_allclose(logits, expected, atol=1e-4 * max(1.0, np.abs(expected).max()), rtol=0)
 
