@@ -3,7 +3,8 @@
 One layer's rule at Qwen3.5-0.8B's sizes (16 value heads, keys and values of 128; batch 1), as the plain graph
 emits it (``GatedDeltaNetGraph.emit_delta_scan`` and ``emit_delta_chunks``), on random unit keys and gates of a
 trained model's range, for prompt lengths from 1 to 512 tokens. Both forms run in one onnxruntime process, their
-repetitions interleaved; the figure is each one's median time per call and their ratio. The same call also checks
+repetitions interleaved, each call after a pause (``--gap``: a session's threads spin a while after its run and slow
+the other's); the figure is each one's median time per call and their ratio. The same call also checks
 that both give the same outputs and state (max |Δ|). The graph's ``CHUNKED_FROM`` (where a step's length switches
 it from the Scan to the chunks) is read off this table: the shortest length from which the chunks stay ahead.
 
@@ -97,6 +98,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="1,16,32,48,64,96,128,256,512")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--gap", type=float, default=0.1, help="seconds of pause before each timed call")
     args = parser.parse_args()
     options = ort.SessionOptions()
     options.intra_op_num_threads = args.threads
@@ -117,6 +119,7 @@ def main() -> None:
             times: dict[str, list[float]] = {form: [] for form in sessions}
             for rep in range(args.reps):
                 for form in list(sessions) if rep % 2 == 0 else list(sessions)[::-1]:
+                    time.sleep(args.gap)  # the other session's threads spin a while after its run (bench_graph_ab.py)
                     started = time.perf_counter()
                     sessions[form].run(None, inputs)
                     times[form].append(time.perf_counter() - started)

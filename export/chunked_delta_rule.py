@@ -66,9 +66,7 @@ def emit_chunked_delta_rule(
     decay = b.op("Exp", b.op("Where", upper, b.const(float("-inf"), torch.float32), pairwise))  # (.., C, C)
     k_beta, v_beta = b.op("Mul", k, beta), b.op("Mul", v, beta)
     k_t = b.op("Transpose", k, perm=[0, 1, 2, 4, 3])  # (B, Hv, n, dk, C)
-    negative_lower = b.const((-torch.ones(CHUNK, CHUNK).tril(-1)).tolist(), torch.float32)
-    lower = b.op("Mul", b.op("Mul", b.op("MatMul", k_beta, k_t), decay), negative_lower)  # N = I - lower
-    inverse = emit_unit_lower_inverse(b, lower)
+    inverse = emit_unit_lower_inverse(b, k_beta, k, cum, key_dim)
     exp_cum = b.op("Exp", b.op("Unsqueeze", cum, b.const([-1])))  # (B, Hv, n, C, 1)
     new_values = b.op("MatMul", inverse, v_beta)
     read_keys = b.op("MatMul", inverse, b.op("Mul", k_beta, exp_cum))
@@ -110,26 +108,30 @@ def emit_chunked_delta_rule(
     return b.op("Slice", out, b.const([0]), b.op("Unsqueeze", length, b.const([0])), b.const([2]))
 
 
-def emit_unit_lower_inverse(b: GraphBuilder, lower: str) -> str:
-    """(I - lower)^-1 for ``lower`` (.., C, C) strictly lower triangular, by recursive 2 x 2 blocks: the inverse's
-    diagonal blocks of size m, (.., C / m, m, m), paired into blocks of 2m, log2(C) times."""
+def emit_unit_lower_inverse(b: GraphBuilder, k_beta: str, k: str, cum: str, key_dim: int) -> str:
+    """N^-1 for each chunk's N = I + strictly_lower((k_beta k^T) * decay), (B, Hv, n, C, C), by recursive 2 x 2
+    blocks: the inverse's diagonal blocks of size m, (.., C / m, m, m), paired into blocks of 2m, log2(C) times. A
+    pair's lower-left block of N is -L21 = (k_beta of the second half) (k of the first)^T * exp(cum_i - cum_j),
+    computed as such (every i after every j: no mask, no overflow) rather than cut out of a C x C matrix."""
 
-    def diagonal_blocks(size: int) -> str:  # lower's diagonal blocks of ``size``: (.., C / size, size, size)
-        count = CHUNK // size
-        grid = b.op("Reshape", lower, b.const([0, 0, 0, count, size, count, size]))
-        eye = b.const(torch.eye(count).reshape(count, 1, count, 1).tolist(), torch.float32)
-        return b.op("ReduceSum", b.op("Mul", grid, eye), b.const([-2]), keepdims=0)
+    def halves(x: str, size: int, width: int) -> tuple[str, str]:  # (.., C, width) -> each 2m-block's two halves
+        pairs = b.op("Reshape", x, b.const([0, 0, 0, CHUNK // (2 * size), 2, size, width]))
+        return b.op("Gather", pairs, b.const(0), axis=-3), b.op("Gather", pairs, b.const(1), axis=-3)
 
-    # size 2: [[1, 0], [l, 1]] is its own block's inverse but for the sign: [[1, 0], [-l, 1]]^-1 = [[1, 0], [l, 1]]
-    inverse = b.op("Add", diagonal_blocks(2), b.const(torch.eye(2).tolist(), torch.float32))
-    size = 2
+    last_two = [0, 1, 2, 3, 5, 4]
+    inverse = b.op(
+        "Expand", b.const([[1.0]], torch.float32), b.op("Concat", b.op("Shape", cum), b.const([1, 1]), axis=0)
+    )
+    cum = b.op("Unsqueeze", cum, b.const([-1]))  # (.., C, 1)
+    size = 1
     while size < CHUNK:
-        pairs = b.op("Reshape", inverse, b.const([0, 0, 0, CHUNK // (2 * size), 2, size, size]))
-        first = b.op("Gather", pairs, b.const(0), axis=-3)  # A^-1: (.., C / 2m, m, m)
-        second = b.op("Gather", pairs, b.const(1), axis=-3)  # D^-1
-        blocks = diagonal_blocks(2 * size)
-        below = b.op("Slice", blocks, b.const([size, 0]), b.const([2 * size, size]), b.const([-2, -1]))  # L21
-        corner = b.op("MatMul", b.op("MatMul", second, below), first)  # D^-1 L21 A^-1
+        _, second_keys = halves(k_beta, size, key_dim)
+        first_keys, _ = halves(k, size, key_dim)
+        first_cum, second_cum = halves(cum, size, 1)
+        decay = b.op("Exp", b.op("Sub", second_cum, b.op("Transpose", first_cum, perm=last_two)))
+        below = b.op("Mul", b.op("MatMul", second_keys, b.op("Transpose", first_keys, perm=last_two)), decay)
+        first, second = halves(inverse, size, size)  # A^-1, D^-1: (.., C / 2m, m, m)
+        corner = b.op("Neg", b.op("MatMul", b.op("MatMul", second, below), first))  # D^-1 L21 A^-1, L21 = -below
         zeros = b.op("Expand", b.const(torch.zeros(size, size).tolist(), torch.float32), b.op("Shape", first))
         top = b.op("Concat", first, zeros, axis=-1)
         bottom = b.op("Concat", corner, second, axis=-1)

@@ -55,9 +55,9 @@ MS_DOMAIN = "com.microsoft"
 L2NORM_EPS = 1e-6  # transformers' l2norm (and the FLA kernels it follows) put this inside the square root
 INT64_MAX = 2**63 - 1  # Slice's "to the end"
 # Steps of at least this many tokens (a prompt) run the plain graph's delta rule in chunks: for one layer of
-# Qwen3.5-0.8B's sizes the two forms break even at about 48 tokens, and from 64 on the chunks take 0.6-0.72x the
-# Scan's time (bench/bench_delta_rule.py); below that a chunk's fixed cost (5-10 ms, the padded chunk's products)
-# outweighs the Scan's per token (0.1-0.3 ms), and a decode step keeps the Scan
+# Qwen3.5-0.8B's sizes the two forms break even at about 48 tokens, and from 64 on the chunks take 0.54-0.81x the
+# Scan's time (bench/bench_delta_rule.py); below that a chunk's fixed cost (about 4.3 ms, the padded chunk's
+# products) outweighs the Scan's per token (about 0.09 ms), and a decode step keeps the Scan
 CHUNKED_FROM = 64
 
 # (x, weight name, weight (in, out)) -> x @ weight: lets a caller route projections through its quantizer.

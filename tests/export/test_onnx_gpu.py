@@ -86,6 +86,27 @@ def test_cuda_float16_hybrid_parity(family, graph, thinker_variant, onnx_variant
     assert all(isinstance(v, ort.OrtValue) and v.device_name().lower() == "cuda" for v in state.cache.values())
 
 
+@pytest.mark.parametrize("graph", ["plain", "fused"])
+def test_cuda_float16_hybrid_long_prompt_parity(graph, thinker_variant, onnx_variant, record_property):
+    """A 70-token row beside a 13-token one padded by 57 on CUDA: the plain graph's delta rule takes such a prompt
+    in chunks (an If and a Scan over chunks, export/chunked_delta_rule.py), the fused graph as ever; both within the
+    float16 tolerance of the float16 PyTorch model, prefill and 6 decode steps."""
+    from common.parity_inputs import RELATIVE_TOLERANCE
+    from thinker import ThinkerForCausalLM
+
+    rng = np.random.default_rng(0)
+    input_ids, attention_mask = np.zeros((2, 70), np.int64), np.zeros((2, 70), np.int64)
+    for row, length in enumerate((70, 13)):
+        input_ids[row, 70 - length :] = rng.integers(3, 96, size=length)
+        attention_mask[row, 70 - length :] = 1
+    model = ThinkerForCausalLM.from_pretrained(thinker_variant("qwen3_5"), dtype=torch.float16).eval()
+    decoder = OnnxDecoder(onnx_variant("qwen3_5", "float16", graph=graph, head_dim=None), provider="cuda")
+    figures = compare_decoders(model, decoder, input_ids, attention_mask, steps=6)
+    record_parity(record_property, figures)
+    assert figures["max_abs_diff"] <= RELATIVE_TOLERANCE[torch.float16] * max(1.0, figures["logit_scale"]), figures
+    assert figures["top1_agreement"] >= 0.9, figures
+
+
 GENAI_SCRIPT = Path(__file__).with_name("genai_greedy.py")
 
 
