@@ -149,6 +149,7 @@ class DecoderGraph:
                         self.dtype,
                         self.linear_dims,
                         branches=self.linear_attention_graph.branches_on_padding,
+                        chunks=self.linear_attention_graph.chunks_prompts,
                     )
             with b.scope("embed"):
                 hidden = self.emit_embeddings("input_ids", positions)

@@ -46,7 +46,13 @@ def write_gated_deltanet_model(
     layer = graph_class(b, dims, dtype, weight)
     with b.scope(LAYER_PREFIX.replace(".", "/")):
         padding = emit_padding_masks(
-            b, "attention_mask", "hidden_states", dtype, dims, branches=graph_class.branches_on_padding
+            b,
+            "attention_mask",
+            "hidden_states",
+            dtype,
+            dims,
+            branches=graph_class.branches_on_padding,
+            chunks=graph_class.chunks_prompts,
         )
         out = layer.emit("hidden_states", LAYER_PREFIX, padding, *PAST_STATES, *PRESENT_STATES)
     b.op_to("Identity", [out], ["output"])

@@ -123,12 +123,14 @@ class GatedDeltaNetDims:
 
 @dataclass(frozen=True)
 class PaddingMasks:
-    """What every linear-attention layer of one forward reads about padding, computed once (``emit_padding_masks``)."""
+    """What every linear-attention layer of one forward reads about its step's padding (and length), computed once
+    (``emit_padding_masks``)."""
 
     keep: str  # (B, T, 1) model dtype: 1 for the new positions the mask keeps, 0 for pads; zeroes the layer's input
     keep_float: str  # (B, T, 1) float32, the same: scales the log decay and beta (0 at pads: the state stays)
     conv_state_index: str  # (B, k - 1, conv_dim) int64: rows lastpos .. lastpos + k - 2 of the time-major window
     unpadded: str | None = None  # bool scalar: the mask keeps every new position (asked for with ``branches``)
+    chunked: str | None = None  # bool (1,): T >= CHUNKED_FROM, where the plain rule takes chunks (with ``chunks``)
 
 
 def emit_padding_masks(
@@ -138,10 +140,11 @@ def emit_padding_masks(
     dtype: torch.dtype,
     dims: GatedDeltaNetDims,
     branches: bool = False,
+    chunks: bool = False,
 ) -> PaddingMasks:
     """The padding values of one forward. The new positions are the last T columns of the (B, P + T) attention
     mask, T being ``hidden``'s sequence length (hidden states (B, T, C) or input ids (B, T)). ``branches`` adds
-    the ``unpadded`` flag that the fused layers branch on."""
+    the ``unpadded`` flag that the fused layers branch on, ``chunks`` the ``chunked`` one of the plain layers."""
     seq = b.op("Shape", hidden, start=1, end=2)  # (1,): T
     new = b.op("Slice", attention_mask, b.op("Neg", seq), b.const([INT64_MAX]), b.const([1]))  # (B, T) int64
     keep = b.op("Unsqueeze", b.op("Cast", new, to=TORCH_TO_ONNX[dtype]), b.const([-1]))
@@ -157,7 +160,8 @@ def emit_padding_masks(
     index = b.op("Add", b.op("Unsqueeze", last, b.const([2])), window)  # (B, k - 1, 1)
     index = b.op("Expand", index, b.const([1, 1, dims.conv_dim]))  # GatherElements wants the output's shape
     unpadded = b.op("Cast", b.op("ReduceMin", new, keepdims=0), to=TensorProto.BOOL) if branches else None
-    return PaddingMasks(keep, keep_float, index, unpadded)
+    chunked = b.op("GreaterOrEqual", seq, b.const([CHUNKED_FROM])) if chunks else None
+    return PaddingMasks(keep, keep_float, index, unpadded, chunked)
 
 
 class GatedDeltaNetGraph:
@@ -169,6 +173,7 @@ class GatedDeltaNetGraph:
 
     contrib_ops = False
     branches_on_padding = False  # whether ``emit`` reads PaddingMasks.unpadded (emit_padding_masks' ``branches``)
+    chunks_prompts = True  # whether ``emit`` reads PaddingMasks.chunked (emit_padding_masks' ``chunks``)
 
     def __init__(
         self,
@@ -231,7 +236,7 @@ class GatedDeltaNetGraph:
         with b.scope("qk_l2norm"):
             query, key, value = self.emit_split_qkv(qkv)  # (B, T, Hk * dk) float32 each, v in the model dtype
         with b.scope("delta_rule"):
-            core = self.emit_delta_rule(query, key, value, log_decay, beta, past_recurrent, present_recurrent)
+            core = self.emit_delta_rule(query, key, value, log_decay, beta, past_recurrent, present_recurrent, padding)
         with b.scope("norm"):
             core = self.emit_gated_norm(self.to_model_dtype(core), z, f"{prefix}.norm.weight")  # (B, T, Hv * dv)
         with b.scope("out_proj"):
@@ -318,14 +323,22 @@ class GatedDeltaNetGraph:
         return b.op("Reshape", b.op("Mul", x, inv_norm), b.const([0, 0, heads * head_dim]))
 
     def emit_delta_rule(
-        self, query: str, key: str, value: str, log_decay: str, beta: str, past: str, present: str
+        self,
+        query: str,
+        key: str,
+        value: str,
+        log_decay: str,
+        beta: str,
+        past: str,
+        present: str,
+        padding: PaddingMasks,
     ) -> str:
         """The gated delta rule; returns (B, T, Hv * dv) float32 and writes ``present``. An ``If`` on the step's
-        length: from CHUNKED_FROM tokens on (a prompt) in chunks (export/chunked_delta_rule.py), below that (a
-        decode step) as a Scan over tokens, which pays nothing for the chunk's padding."""
+        length (``padding.chunked``, one flag for every layer): from CHUNKED_FROM tokens on (a prompt) in chunks
+        (export/chunked_delta_rule.py), below that (a decode step) as a Scan over tokens, which pays nothing for the
+        chunk's padding."""
         b, d = self.b, self.dims
         query = b.op("Mul", query, b.const(d.key_head_dim**-0.5, torch.float32))
-        length = b.op("Gather", b.op("Shape", query), b.const(1), axis=0)
         branches = {}
         for name in ("chunks", "tokens"):
             body = b.subgraph()
@@ -336,8 +349,7 @@ class GatedDeltaNetGraph:
             outputs = [value_info(out, TensorProto.FLOAT, None), value_info(state, TensorProto.FLOAT, None)]
             branches[name] = body.make_graph(f"delta_rule.{name}", [], outputs)
         out = b.fresh("delta_rule")
-        chunked = b.op("GreaterOrEqual", length, b.const(CHUNKED_FROM))
-        b.op_to("If", [chunked], [out, present], then_branch=branches["chunks"], else_branch=branches["tokens"])
+        b.op_to("If", [padding.chunked], [out, present], then_branch=branches["chunks"], else_branch=branches["tokens"])
         return out
 
     def emit_delta_chunks(
@@ -454,6 +466,7 @@ class FusedGatedDeltaNetGraph(GatedDeltaNetGraph):
 
     contrib_ops = True
     branches_on_padding = True
+    chunks_prompts = False  # onnxruntime's LinearAttention takes any length
 
     def emit_input_mask(self, x: str, padding: PaddingMasks) -> str:
         """Unchanged: the padded branch zeroes the conv's input instead (``emit_conv_and_gates``). A pad's z, a and b
@@ -555,7 +568,15 @@ class FusedGatedDeltaNetGraph(GatedDeltaNetGraph):
         return query, key, value
 
     def emit_delta_rule(
-        self, query: str, key: str, value: str, log_decay: str, beta: str, past: str, present: str
+        self,
+        query: str,
+        key: str,
+        value: str,
+        log_decay: str,
+        beta: str,
+        past: str,
+        present: str,
+        padding: PaddingMasks,
     ) -> str:
         d = self.dims
         out = self.b.fresh("linear_attention")
