@@ -173,15 +173,18 @@ def test_right_padded_rows_and_masked_steps_give_each_row_its_own_result(family,
 
 
 @pytest.mark.parametrize("graph", GRAPHS)
-def test_a_masked_chunk_leaves_the_linear_states_untouched(graph, onnx_variant):
-    """Three new tokens, all masked, after a prompt (batch 1, as a chunked step needs in the fused graph): the
-    conv and recurrent states come back bit for bit, through the Scan and LinearAttention's multi-token path."""
+@pytest.mark.parametrize("masked", [3, 70])
+def test_a_masked_chunk_leaves_the_linear_states_untouched(masked, graph, onnx_variant):
+    """New tokens, all masked, after a prompt (batch 1, as a chunked step needs in the fused graph): the conv and
+    recurrent states come back bit for bit, through the Scan and LinearAttention's multi-token path (3 tokens) and
+    the plain graph's chunks (70)."""
     decoder = OnnxDecoder(hybrid_export(onnx_variant, "qwen3_next", graph), provider="cpu")
     ids, _ = left_padded((6,), seed=4)
     _, state = decoder.prefill(ids, np.ones_like(ids))
     past = dict(state.cache)
-    state.attention_mask = np.concatenate([state.attention_mask, np.zeros((1, 3), np.int64)], axis=1)
-    decoder.forward(ids[:, :3], np.arange(6, 9)[None], state)
+    state.attention_mask = np.concatenate([state.attention_mask, np.zeros((1, masked), np.int64)], axis=1)
+    new_ids, _ = left_padded((masked,), seed=5)
+    decoder.forward(new_ids, np.arange(6, 6 + masked)[None], state)
     for name in (n for n in decoder.past_names if n.endswith(LINEAR_STATES)):
         np.testing.assert_array_equal(state.cache[name], past[name], err_msg=name)
 
