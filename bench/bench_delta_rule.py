@@ -32,6 +32,7 @@ from onnx import TensorProto, helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
 
+from export.chunked_delta_rule import DeltaRuleInputs  # noqa: E402
 from export.decoder_graph import IR_VERSION, OPSET  # noqa: E402
 from export.graph_builder import GraphBuilder, WeightFile, value_info  # noqa: E402
 from export.linear_attention_graph import CHUNKED_FROM, GatedDeltaNetDims, GatedDeltaNetGraph  # noqa: E402
@@ -51,7 +52,7 @@ def rule_model(form: str, folder: Path) -> Path:
     builder = GraphBuilder(weights)
     layer = GatedDeltaNetGraph(builder, d, torch.float32, weight=lambda name: None)
     rule = layer.emit_delta_scan if form == "tokens" else layer.emit_delta_chunks
-    out = rule(*INPUTS[:-1], "past", "present")
+    out = rule(DeltaRuleInputs(*INPUTS[:-1]), "past", "present")
     builder.op_to("Identity", [out], ["out"])
     weights.close()
     float32 = TensorProto.FLOAT

@@ -25,6 +25,8 @@ with such positions, whose outputs are cut off.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from onnx import TensorProto
 
@@ -33,20 +35,23 @@ from .graph_builder import GraphBuilder, value_info
 CHUNK = 64  # transformers' chunk_size
 
 
+class DeltaRuleInputs(NamedTuple):
+    """The values the gated delta rule reads, by name: query, key and value rows, the log decay g and beta."""
+
+    query: str
+    key: str
+    value: str
+    log_decay: str
+    beta: str
+
+
 def emit_chunked_delta_rule(
-    b: GraphBuilder,
-    dims: tuple[int, int, int],
-    query: str,
-    key: str,
-    value: str,
-    log_decay: str,
-    beta: str,
-    past: str,
-    present: str,
+    b: GraphBuilder, dims: tuple[int, int, int], rule: DeltaRuleInputs, past: str, present: str
 ) -> str:
     """The rule over (B, Hv, T, d) float32 rows (q already scaled) and gates (B, Hv, T), ``dims`` (Hv, dk, dv);
     returns (B, Hv, T, dv) and writes ``present`` (B, Hv, dk, dv) from ``past``."""
     heads, key_dim, value_dim = dims
+    query, key, value, log_decay, beta = rule
     length = b.op("Gather", b.op("Shape", query), b.const(2), axis=0)
     pad = b.op("Mod", b.op("Sub", b.const(CHUNK), b.op("Mod", length, b.const(CHUNK))), b.const(CHUNK))
     row_pads = b.op("Concat", b.const([0, 0, 0, 0, 0, 0]), b.op("Unsqueeze", pad, b.const([0])), b.const([0]), axis=0)

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 from onnx import TensorProto
 
-from .chunked_delta_rule import emit_chunked_delta_rule
+from .chunked_delta_rule import DeltaRuleInputs, emit_chunked_delta_rule
 from .graph_builder import TORCH_TO_ONNX, GraphBuilder, value_info
 
 MS_DOMAIN = "com.microsoft"
@@ -236,7 +236,8 @@ class GatedDeltaNetGraph:
         with b.scope("qk_l2norm"):
             query, key, value = self.emit_split_qkv(qkv)  # (B, T, Hk * dk) float32 each, v in the model dtype
         with b.scope("delta_rule"):
-            core = self.emit_delta_rule(query, key, value, log_decay, beta, past_recurrent, present_recurrent, padding)
+            rule = DeltaRuleInputs(query, key, value, log_decay, beta)
+            core = self.emit_delta_rule(rule, past_recurrent, present_recurrent, padding)
         with b.scope("norm"):
             core = self.emit_gated_norm(self.to_model_dtype(core), z, f"{prefix}.norm.weight")  # (B, T, Hv * dv)
         with b.scope("out_proj"):
@@ -322,41 +323,31 @@ class GatedDeltaNetGraph:
         inv_norm = b.op("Reciprocal", b.op("Sqrt", b.op("Add", sum_sq, b.const(L2NORM_EPS, torch.float32))))
         return b.op("Reshape", b.op("Mul", x, inv_norm), b.const([0, 0, heads * head_dim]))
 
-    def emit_delta_rule(
-        self,
-        query: str,
-        key: str,
-        value: str,
-        log_decay: str,
-        beta: str,
-        past: str,
-        present: str,
-        padding: PaddingMasks,
-    ) -> str:
-        """The gated delta rule; returns (B, T, Hv * dv) float32 and writes ``present``. An ``If`` on the step's
+    def emit_delta_rule(self, rule: DeltaRuleInputs, past: str, present: str, padding: PaddingMasks) -> str:
+        """The gated delta rule over ``rule``'s q, k (B, T, Hk * dk) float32, v (B, T, Hv * dv) and gates
+        (B, T, Hv) float32; returns (B, T, Hv * dv) float32 and writes ``present``. An ``If`` on the step's
         length (``padding.chunked``, one flag for every layer): from CHUNKED_FROM tokens on (a prompt) in chunks
         (export/chunked_delta_rule.py), below that (a decode step) as a Scan over tokens, which pays nothing for the
         chunk's padding."""
         b, d = self.b, self.dims
-        query = b.op("Mul", query, b.const(d.key_head_dim**-0.5, torch.float32))
+        rule = rule._replace(query=b.op("Mul", rule.query, b.const(d.key_head_dim**-0.5, torch.float32)))
         branches = {}
         for name in ("chunks", "tokens"):
             body = b.subgraph()
             state = body.fresh("present_recurrent")
             with self.building(body), body.scope(name):
-                rule = self.emit_delta_chunks if name == "chunks" else self.emit_delta_scan
-                out = rule(query, key, value, log_decay, beta, past, state)
+                form = self.emit_delta_chunks if name == "chunks" else self.emit_delta_scan
+                out = form(rule, past, state)
             outputs = [value_info(out, TensorProto.FLOAT, None), value_info(state, TensorProto.FLOAT, None)]
             branches[name] = body.make_graph(f"delta_rule.{name}", [], outputs)
         out = b.fresh("delta_rule")
         b.op_to("If", [padding.chunked], [out, present], then_branch=branches["chunks"], else_branch=branches["tokens"])
         return out
 
-    def emit_delta_chunks(
-        self, query: str, key: str, value: str, log_decay: str, beta: str, past: str, present: str
-    ) -> str:
+    def emit_delta_chunks(self, rule: DeltaRuleInputs, past: str, present: str) -> str:
         """The rule in chunks of the prompt, over head-major rows (transformers' ``torch_chunk_gated_delta_rule``)."""
         b, d = self.b, self.dims
+        query, key, value, log_decay, beta = rule
 
         def heads_first(x: str, width: int) -> str:  # (B, T, Hv * width) -> (B, Hv, T, width)
             return b.op("Transpose", b.op("Reshape", x, b.const([0, 0, d.num_value_heads, width])), perm=[0, 2, 1, 3])
@@ -365,15 +356,14 @@ class GatedDeltaNetGraph:
         value = heads_first(self.to_float(value), d.value_head_dim)
         log_decay, beta = (b.op("Transpose", x, perm=[0, 2, 1]) for x in (log_decay, beta))  # (B, Hv, T)
         heads = (d.num_value_heads, d.key_head_dim, d.value_head_dim)
-        out = emit_chunked_delta_rule(b, heads, query, key, value, log_decay, beta, past, present)
+        out = emit_chunked_delta_rule(b, heads, DeltaRuleInputs(query, key, value, log_decay, beta), past, present)
         return b.op("Reshape", b.op("Transpose", out, perm=[0, 2, 1, 3]), b.const([0, 0, d.value_dim]))
 
-    def emit_delta_scan(
-        self, query: str, key: str, value: str, log_decay: str, beta: str, past: str, present: str
-    ) -> str:
+    def emit_delta_scan(self, rule: DeltaRuleInputs, past: str, present: str) -> str:
         """The rule as a Scan over tokens (q already scaled). Per token (transformers'
         ``torch_recurrent_gated_delta_rule``): S = exp(g) S; delta = beta (v - S^T k); S += k delta^T; out = S^T q."""
         b, d = self.b, self.dims
+        query, key, value, log_decay, beta = rule
         # Time-major: Scan walks axis 0. Each key head serves Hv / Hk consecutive value heads. Every per-token input
         # comes already shaped as the step uses it (rows (.., 1, d), gates (.., 1, 1)): reshaped once here instead
         # of unsqueezed in each of T steps, which halves the nodes the Scan runs per token.
@@ -567,22 +557,12 @@ class FusedGatedDeltaNetGraph(GatedDeltaNetGraph):
         query, key = b.op("Split", qk, b.const([d.key_dim, d.key_dim]), axis=-1, outputs=2)
         return query, key, value
 
-    def emit_delta_rule(
-        self,
-        query: str,
-        key: str,
-        value: str,
-        log_decay: str,
-        beta: str,
-        past: str,
-        present: str,
-        padding: PaddingMasks,
-    ) -> str:
+    def emit_delta_rule(self, rule: DeltaRuleInputs, past: str, present: str, padding: PaddingMasks) -> str:
         d = self.dims
         out = self.b.fresh("linear_attention")
         self.b.op_to(
             "LinearAttention",
-            [query, key, self.to_float(value), past, log_decay, beta],
+            [rule.query, rule.key, self.to_float(rule.value), past, rule.log_decay, rule.beta],
             [out, present],
             domain=MS_DOMAIN,
             q_num_heads=d.num_key_heads,
