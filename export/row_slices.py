@@ -26,13 +26,12 @@ def split_wide_matmuls(model: onnx.ModelProto, levels: frozenset[int] = frozense
     and whose row-laid inputs are all in external data; returns the names of the nodes split."""
     initializers = {tensor.name: tensor for tensor in model.graph.initializer}
     split = []
-    nodes = list(model.graph.node)
     rewritten = []
-    for node in nodes:
+    for node in model.graph.node:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         # 8-bit weights only: for 4-bit ones MLAS has float kernels that prepack the weight once, and slices of
-        # those measured 30 MB more, not less (bench/bench_export_peak.py)
-        if node.op_type != "MatMulNBits" or attrs.get("accuracy_level", 0) not in levels or attrs["bits"] != 8:
+        # those measured 30 MB more, not less (bench/bench_export_peak.py). The attributes' defaults are the op's.
+        if node.op_type != "MatMulNBits" or attrs.get("accuracy_level", 0) not in levels or attrs.get("bits", 4) != 8:
             rewritten.append(node)
             continue
         rows_per_slice = max(1, slice_bytes // (4 * attrs["K"]))
