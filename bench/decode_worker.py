@@ -42,6 +42,11 @@ import numpy as np
 VOCAB_CAP = 49152  # prompts draw ids below this, so every model (and a borrowed tokenizer) knows them
 
 
+def tokens_to_run(new: int, steps: int | None) -> int:
+    """How many of a request's ``new`` tokens to generate: all, or a warm-up's first ``steps``."""
+    return new if steps is None else min(steps, new)
+
+
 def prompt_ids(batch: int, length: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, VOCAB_CAP, size=(batch, length), dtype=np.int64)
 
@@ -89,7 +94,7 @@ class OrtBackend:
         return {name: (0.5 * rng.standard_normal(shape)).astype(self.cache_dtype) for name in self.past}
 
     def generate(self, batch: int, prompt: int, new: int, steps: int | None = None) -> dict:
-        new = new if steps is None else min(steps, new)  # the cache grows by concatenation: nothing sized ahead
+        new = tokens_to_run(new, steps)  # the cache grows by concatenation: nothing sized ahead
         ids = prompt_ids(batch, prompt)
         mask = np.ones_like(ids)
         started = time.perf_counter()
@@ -142,7 +147,7 @@ class GenaiBackend:
         if self.cuda:
             generator.get_logits()  # a host copy: the prompt's kernels have finished
         prefilled = time.perf_counter()
-        for _ in range(new if steps is None else min(steps, new)):  # the first picks from the prompt's logits
+        for _ in range(tokens_to_run(new, steps)):  # the first picks from the prompt's logits
             generator.generate_next_token()
         sequence = generator.get_sequence(0)  # a host copy (on CUDA: the last step has finished)
         done = time.perf_counter()
@@ -200,7 +205,7 @@ class TorchBackend:
 
     def generate(self, batch: int, prompt: int, new: int, steps: int | None = None) -> dict:
         # nothing here is sized by the request's length: a warm-up's shorter run warms the same kernels
-        prefill, decode, tokens = self.run(prompt_ids(batch, prompt), new if steps is None else min(steps, new))
+        prefill, decode, tokens = self.run(prompt_ids(batch, prompt), tokens_to_run(new, steps))
         return {"prefill_s": prefill, "decode_s": decode, "tokens": tokens}
 
     def decode_at(self, context: int, steps: int) -> dict:
@@ -291,7 +296,7 @@ class ThinkerBackend:
         logits, state = self.decoder.prefill(ids, np.ones_like(ids), new_tokens=new)  # as generate sizes its cache
         prefilled = time.perf_counter()
         tokens = [logits[:, -1].argmax(-1)]
-        for _ in range((new if steps is None else min(steps, new)) - 1):
+        for _ in range(tokens_to_run(new, steps) - 1):
             tokens.append(self.decoder.decode_one_token(tokens[-1], state).argmax(-1))
         done = time.perf_counter()
         return {"prefill_s": prefilled - started, "decode_s": done - prefilled, "tokens": [int(t[0]) for t in tokens]}
