@@ -33,16 +33,20 @@ Exports, each timed in its own process tree (wall, peak RSS):
                             decoder-only model, and its text class is unknown to it: "Unknown model_type
                             'qwen3_5_moe_text'"); its MoE runs every expert for every token (a dense fallback)
 
-Runs: batch 1, a prompt of random ids, greedy new tokens; each (runtime, repetition) in a fresh process with a small
-warm-up, repetitions interleaved runtime by runtime so that the load other jobs put on the shared cores lands on
-every runtime alike. Medians, each repetition's figures, and ratios to the builder (the median of the
-per-repetition ratios, with its 90 % bootstrap interval: bench/report.py ``ratio_interval``) are reported:
+Runs: batch 1, a prompt of random ids, greedy new tokens; each (runtime, repetition) in a fresh process warmed by
+two tokens of the timed request itself (after ``os.sync()``: the exports' writeback done), repetitions interleaved
+runtime by runtime so that the load other jobs put on the shared cores lands on every runtime alike. Medians, each
+repetition's figures, and ratios to the builder (the median of the per-repetition ratios, with its 90 % bootstrap
+interval: bench/report.py ``ratio_interval``) are reported:
   onnxruntime-genai   (default) the genai environment (onnxruntime-genai 0.18, its onnxruntime 1.32), intra-op threads
                       set by a config overlay
   onnxruntime         (--runtimes genai,ort-states) one driver for every graph (decode_worker.py ``ort-states``:
                       states fed back as numpy arrays, a package's decoder fed its own embedding model's output), this
                       environment's onnxruntime
 Results: bench/results/hybrid.json, and the markdown printed at the end (README "Hybrid models").
+
+``--precision int4`` compares int4 exports instead (ours fused and plain ``--quantize int4``, the builder's
+``-p int4``; bench/results/hybrid-int4.json): the same runs, the same tables.
 """
 
 from __future__ import annotations
@@ -109,7 +113,12 @@ SMOKE = dict(
     rope_parameters={**TEXT["rope_parameters"], "mrope_section": [2, 1, 1]},
 )  # fmt: skip
 SMOKE_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32)
-GRAPHS = ["ours-fused", "ours-text", "ours-plain", "builder-fp32", "mobius-fp32"]
+# --precision: the exports compared. int4: ours (routed experts as QMoE in the fused graph, int8-held and dequantized
+# in the plain graph's Loop) against the builder's int4 (its QMoE for the experts); mobius is left out.
+GRAPHS = {
+    "fp32": ["ours-fused", "ours-text", "ours-plain", "builder-fp32", "mobius-fp32"],
+    "int4": ["ours-fused-int4", "ours-plain-int4", "builder-int4"],
+}
 RUNTIMES = {"genai": "onnxruntime-genai", "ort-states": "onnxruntime"}
 
 
@@ -216,13 +225,16 @@ def builder_copy() -> Path:
 
 def export_command(graph: str, folders: dict[str, Path], out: Path, threads: int, moe: bool) -> tuple[list[str], Path]:
     if graph.startswith("ours-"):
-        options = {"ours-text": ["--graph", "fused", "--positions", "text"]}.get(graph)
+        name, _, precision = graph.removeprefix("ours-").partition("-")
+        options = {"text": ["--graph", "fused", "--positions", "text"]}.get(name, ["--graph", name])
+        options += ["--quantize", precision] if precision else []
         command = [sys.executable, "-m", "common.cli", "export", str(folders["thinker"]), str(out), "--no-verify"]
-        return [*command, "--threads", str(threads), *(options or ["--graph", graph.removeprefix("ours-")])], REPO
-    if graph == "builder-fp32":
+        return [*command, "--threads", str(threads), *options], REPO
+    if graph.startswith("builder-"):
         builder = builder_copy()
         cache = ROOT / "builder-cache"
-        command = [sys.executable, "builder.py", "-i", str(folders["vl"]), "-o", str(out), "-p", "fp32", "-e", "cpu"]
+        precision = graph.removeprefix("builder-")
+        command = [sys.executable, "builder.py", "-i", str(folders["vl"]), "-o", str(out), "-p", precision, "-e", "cpu"]
         return [*command, "-c", str(cache)], builder
     if graph == "mobius-fp32":
         mobius = python_of("mobius").parent / "mobius"
@@ -232,9 +244,11 @@ def export_command(graph: str, folders: dict[str, Path], out: Path, threads: int
     raise ValueError(graph)
 
 
-def export_all(name: str, folders: dict[str, Path], threads: int, moe: bool, fresh: bool) -> dict[str, dict]:
+def export_all(
+    name: str, folders: dict[str, Path], threads: int, moe: bool, fresh: bool, graphs: list[str]
+) -> dict[str, dict]:
     exports = {}
-    for graph in GRAPHS:
+    for graph in graphs:
         out = ROOT / "exports" / name / graph
         record_file = out.with_name(graph + ".json")
         if out.exists() and record_file.is_file() and not fresh:
@@ -264,10 +278,11 @@ def export_all(name: str, folders: dict[str, Path], threads: int, moe: bool, fre
 # --- runs -------------------------------------------------------------------------------------------------------
 def measure(name: str, exports: dict[str, dict], args) -> list[dict]:
     """Every (graph, runtime) pair ``args.reps`` times, interleaved, each repetition a fresh process."""
+    builder = f"builder-{args.precision}"
     runtimes = [
-        Runtime(f"{graph} on {RUNTIMES[backend]}", graph, backend, builder_peer=f"builder-fp32 on {RUNTIMES[backend]}")
+        Runtime(f"{graph} on {RUNTIMES[backend]}", graph, backend, builder_peer=f"{builder} on {RUNTIMES[backend]}")
         for backend in args.runtimes
-        for graph in GRAPHS
+        for graph in GRAPHS[args.precision]
         if "error" not in exports[graph]
     ]
     request = {"op": "generate", "batch": 1, "prompt": args.prompt, "new": args.new}
@@ -284,7 +299,10 @@ def measure(name: str, exports: dict[str, dict], args) -> list[dict]:
                 print(f"  failed: {errors[runtime.label]}", file=sys.stderr)
                 continue
             try:
-                worker.request(op="generate", batch=1, prompt=16, new=4)  # warm-up: first-call allocations
+                # The warm-up is the timed request itself, two tokens of it (workers.interleave_fresh says why): a
+                # shorter prompt left the plain graph's chunked prompt branch (64 tokens and more) and the experts
+                # it never routed to (their pages read in from the weights file on first touch) to the timed run.
+                worker.request(**request, steps=2)
                 reply = worker.request(**request)
                 runtime.results.setdefault(json.dumps(request, sort_keys=True), []).append(reply)
             finally:
@@ -301,10 +319,19 @@ def measure(name: str, exports: dict[str, dict], args) -> list[dict]:
         rows.append(row)
     by_label = {row["label"]: row for row in rows}
     for row in rows:
-        reference = by_label.get(row["label"].replace(row["graph"], "ours-fused"), {})
+        reference = by_label.get(row["label"].replace(row["graph"], reference_graph(args.precision)), {})
         if row.get("tokens") and reference.get("tokens"):
             row["greedy_equals_ours_fused"] = row["tokens"] == reference["tokens"]
     return rows
+
+
+def reference_graph(precision: str) -> str:
+    """The export whose greedy tokens every row is compared with: our fused graph at the run's precision."""
+    return "ours-fused" if precision == "fp32" else f"ours-fused-{precision}"
+
+
+def results_file(precision: str) -> Path:
+    return RESULTS / ("hybrid.json" if precision == "fp32" else f"hybrid-{precision}.json")
 
 
 def load_average() -> list[float]:
@@ -319,7 +346,11 @@ def run_model(key: str, args) -> dict:
     folders = build_checkpoints(name, overrides)
     load_before = load_average()
     started = time.perf_counter()
-    exports = export_all(name, folders, args.threads, moe="num_experts" in overrides, fresh=args.fresh_exports)
+    moe = "num_experts" in overrides
+    exports = export_all(name, folders, args.threads, moe, args.fresh_exports, GRAPHS[args.precision])
+    # Fresh exports leave gigabytes of dirty pages, which the kernel writes back for minutes after: on two cores that
+    # writeback slowed the first timed runs (the plain graph's many small operators most), so it happens here.
+    os.sync()
     runs = measure(name, exports, args)
     return {
         "name": name,
@@ -333,7 +364,7 @@ def run_model(key: str, args) -> dict:
 
 
 # --- report -----------------------------------------------------------------------------------------------------
-def speed_table(model: dict) -> str:
+def speed_table(model: dict, precision: str) -> str:
     rows_by_label = {r["label"]: r for r in model["runtimes"]}
     rows = []
     for row in model["runtimes"]:
@@ -353,12 +384,13 @@ def speed_table(model: dict) -> str:
                 str(row["repetitions"]),
             ]
         )
-    header = ["runtime", "prefill (ms)", "vs builder", "decode (tok/s)", "vs builder", "greedy = ours-fused", "reps"]
+    reference = reference_graph(precision)
+    header = ["runtime", "prefill (ms)", "vs builder", "decode (tok/s)", "vs builder", f"greedy = {reference}", "reps"]
     return report.table(header, rows)
 
 
-def export_table(model: dict) -> str:
-    builder = model["exports"].get("builder-fp32", {})
+def export_table(model: dict, precision: str) -> str:
+    builder = model["exports"].get(f"builder-{precision}", {})
     rows = []
     for graph, record in model["exports"].items():
         if "error" in record:
@@ -380,12 +412,13 @@ def export_table(model: dict) -> str:
 def markdown(results: dict) -> str:
     parts = []
     for model in results["models"]:
-        run = f"fp32, batch 1, {results['prompt']}-token prompt, {results['new']} new tokens"
+        precision = results.get("precision", "fp32")
+        run = f"{precision}, batch 1, {results['prompt']}-token prompt, {results['new']} new tokens"
         run += f", {results['threads']} threads"
         loads = f"load average {model['load_average_before']} before, {model['load_average_after']} after"
         parts.append(f"#### {model['name']} ({run}; {loads})")
-        parts.append(speed_table(model))
-        parts.append(export_table(model))
+        parts.append(speed_table(model, precision))
+        parts.append(export_table(model, precision))
     return "\n\n".join(parts)
 
 
@@ -400,13 +433,16 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=33, help="new tokens; decode is timed over the last new - 1")
     parser.add_argument("--fresh-exports", action="store_true", help="export again even where cached")
+    parser.add_argument(
+        "--precision", choices=list(GRAPHS), default="fp32", help="fp32, or int4 (bench/results/hybrid-int4.json)"
+    )
     parser.add_argument("--smoke", action="store_true", help="a tiny shape, to check the plumbing; writes nothing")
     parser.add_argument(
-        "--report", action="store_true", help="print the tables of bench/results/hybrid.json, run nothing"
+        "--report", action="store_true", help="print the tables of the --precision's results file, run nothing"
     )
     args = parser.parse_args()
     if args.report:
-        results = json.loads((RESULTS / "hybrid.json").read_text())
+        results = json.loads(results_file(args.precision).read_text())
         print(f"`{results['command']}`\n\n{markdown(results)}")
         return
     args.runtimes = args.runtimes.split(",")
@@ -416,13 +452,14 @@ def main() -> None:
         "prompt": args.prompt,
         "new": args.new,
         "reps": args.reps,
+        "precision": args.precision,
         "cpu_count": os.cpu_count(),
         "versions": {env: package_versions(env) for env in ("genai", "mobius")},
         "models": [run_model(key, args) for key in args.models.split(",")],
     }
     if not args.smoke:
         RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "hybrid.json").write_text(json.dumps(results, indent=2) + "\n")
+        results_file(args.precision).write_text(json.dumps(results, indent=2) + "\n")
     print(markdown(results))
 
 

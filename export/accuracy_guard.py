@@ -3,15 +3,15 @@
 accuracy_level 4 has MatMulNBits round its activations to int8 per block of the input axis (onnxruntime's fastest
 CPU kernels), which is reported to flip greedy tokens on some models (onnxruntime issue 29849): an outlier channel
 in a block crushes the other channels of that block to a few levels. After the graph is written, the guard runs
-export/fidelity.py's paragraph (teacher forced, one prefill) through the graph as written and through the same
-graph with every MatMulNBits at accuracy_level 1 (float32 activations, the same quantized weights), and takes the
-share of positions where both pick the same next token. Below ``min_agreement`` it ranks the decoder layers (and
-the head) by what int8 activations cost each: one more prefill at level 1 hands back every MatMulNBits' input
-activations, which are rounded here as level 4 rounds them (per block of the input axis, a scale of max |a| / 127,
-MLAS's CompInt8 quantization of A) and multiplied by the node's dequantized weight (export/dequantize.py): each
-node's relative output error ||(A_int8 - A) W|| / ||A W||, a unit ranked by its worst node. That costs one prefill
-in all, where measuring each unit alone at level 4 would cost one onnxruntime session per layer (~10 s each for
-SmolLM2 on this machine); it is a proxy for the kernel's rounding, so the choice is made with the real kernels:
+export/fidelity.py's paragraph (teacher forced, one prefill) through the graph as written and through the same graph
+with every MatMulNBits (and QMoE) at accuracy_level 1 (float32 activations, the same quantized weights), and takes the
+share of positions where both pick the same next token. Below ``min_agreement`` it ranks the decoder layers (and the
+head) by what int8 activations cost each: one more prefill at level 1 hands back every MatMulNBits' input activations,
+which are rounded here as level 4 rounds them (per block of the input axis, a scale of max |a| / 127, MLAS's CompInt8
+quantization of A) and multiplied by the node's dequantized weight (export/dequantize.py): each node's relative output
+error ||(A_int8 - A) W|| / ||A W||, a unit ranked by its worst node. That costs one prefill in all, where measuring each
+unit alone at level 4 would cost one onnxruntime session per layer (~10 s each for SmolLM2 on this machine); it is a
+proxy for the kernel's rounding, so the choice is made with the real kernels:
 the costliest units' MatMulNBits move to level 1, the shortest prefix of the ranking whose graph meets
 ``min_agreement``, found by bisection (agreement grows, if not strictly, as units move; whatever prefix is chosen
 was measured to meet the threshold).
@@ -42,6 +42,9 @@ from .row_slices import split_wide_matmuls
 from .runtime import OnnxDecoder, position_ids_from_mask
 
 FALLBACK_LEVEL = 1
+# The quantized ops with MatMulNBits' accuracy levels: a unit falls back as a whole, its quantized experts (QMoE)
+# with its projections, though only the projections' activations rank it (``activation_rounding_errors``).
+LEVELLED_OPS = ("MatMulNBits", "QMoE")
 _UNIT = re.compile(r"^/model/layers\.(\d+)/|^/lm_head/")
 GUARD_TOKENS = 256  # the paragraph is ~230 tokens with SmolLM2's tokenizer; random ids when there is no tokenizer
 
@@ -57,10 +60,11 @@ def guard_token_ids(model_dir: Path, vocab_size: int, max_positions: int) -> tup
 
 
 def matmul_units(model: onnx.ModelProto) -> dict[str, list[str]]:
-    """The graph's MatMulNBits node names by unit: ``layers.i`` or ``lm_head``, in graph order."""
+    """The graph's nodes with an accuracy level (``LEVELLED_OPS``) by unit: ``layers.i`` or ``lm_head``, in graph
+    order."""
     units: dict[str, list[str]] = {}
     for node in model.graph.node:
-        if node.op_type != "MatMulNBits":
+        if node.op_type not in LEVELLED_OPS:
             continue
         match = _UNIT.match(node.name)
         unit = (f"layers.{match.group(1)}" if match.group(1) else "lm_head") if match else "other"
@@ -108,11 +112,14 @@ def prefill(model: onnx.ModelProto, onnx_path: Path, levels: dict[str, int], ids
 def activation_rounding_errors(
     model: onnx.ModelProto, onnx_path: Path, units: dict[str, list[str]], ids: np.ndarray, threads
 ) -> dict[str, float]:
-    """Each unit's worst relative output error from int8 activations, on the level-1 graph's own activations."""
+    """Each unit's worst relative output error from int8 activations in its MatMulNBits (a QMoE's routed products
+    are not probed), on the level-1 graph's own activations."""
     from .dequantize import attributes, constant_reader, dequantize_matmul_nbits
 
     read = constant_reader(onnx.load(str(onnx_path), load_external_data=True).graph)
     matmuls = {node.name: node for node in model.graph.node if node.op_type == "MatMulNBits"}
+    units = {unit: [name for name in names if name in matmuls] for unit, names in units.items()}
+    levelled = [node.name for node in model.graph.node if node.op_type in LEVELLED_OPS]
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     activations = sorted({matmuls[name].input[0] for names in units.values() for name in names})
@@ -120,7 +127,7 @@ def activation_rounding_errors(
         node = next(n for n in matmuls.values() if n.input[0] == name)
         elem_type = onnx.helper.np_dtype_to_tensor_dtype(read(node.input[2]).dtype)
         probe.graph.output.append(onnx.helper.make_tensor_value_info(name, elem_type, None))
-    with graph_variant(probe, onnx_path, dict.fromkeys(matmuls, FALLBACK_LEVEL), split_wide=True) as path:
+    with graph_variant(probe, onnx_path, dict.fromkeys(levelled, FALLBACK_LEVEL), split_wide=True) as path:
         decoder = OnnxDecoder(path, provider="cpu", threads=threads, all_positions=True)
         mask = np.ones_like(ids)[None]
         feeds = {

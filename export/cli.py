@@ -91,8 +91,8 @@ from .names import (
     "--quantize",
     type=click.Choice(list(BITS)),
     default=None,
-    help="Weight-only quantization of the projections (MatMulNBits) by onnxruntime's quantizer; "
-    "float32/float16 only. [default: none]",
+    help="Weight-only quantization of the projections (MatMulNBits) by onnxruntime's quantizer, and of an MoE's "
+    "routed experts (QMoE in the fused graph); float32/float16 only. [default: none]",
 )
 @click.option(
     "--block-size",

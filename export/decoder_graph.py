@@ -54,7 +54,7 @@ from .names import LAST_POSITION_SCOPE
 from .weights import ThinkerWeights
 
 if TYPE_CHECKING:
-    from .quantize import QuantizedProjection, SplitProjection, WeightQuantizer
+    from .quantize import QuantizedProjection, SplitProjection, StandardExperts, WeightQuantizer
 
 OPSET = 21
 MS_DOMAIN = "com.microsoft"  # onnxruntime's contrib operators
@@ -496,7 +496,8 @@ class DecoderGraph:
         Cost: standard ONNX has no way to multiply by one slice of a weight stack without copying it (Gather), so
         each visited expert's weights are read about three times (copy in, copy out, product); a dense pass over
         every expert reads all E once. The Loop wins when E > 3k (Qwen3-MoE: E = 128, k = 8). The fused variant
-        replaces this with onnxruntime's MoE contrib op, which reads each routed expert once."""
+        replaces this with onnxruntime's MoE contrib op, which reads each routed expert once. Under ``--quantize``
+        the gathered copy is the expert's int4 / int8 slice, dequantized (``expert_stacks``)."""
         b, cfg = self.b, self.config
         flat = b.op("Reshape", x, b.const([-1, cfg.hidden_size]))  # (N, C)
         moe = self.emit_routed_experts(flat, prefix)
@@ -512,8 +513,7 @@ class DecoderGraph:
         b, cfg = self.b, self.config
         with b.scope("gate"):
             routing_weights, expert_index = self.emit_router(flat, prefix)
-        gate_up = self.weight(f"{prefix}.experts.gate_up_proj", transpose=True)  # (E, C, 2I)
-        down = self.weight(f"{prefix}.experts.down_proj", transpose=True)  # (E, I, C)
+        gate_up, down = self.expert_stacks(prefix)
         experts = b.op("Unique", b.op("Reshape", expert_index, b.const([-1])), sorted=1, outputs=4)[0]
         zero = helper.make_tensor("zero", self.onnx_dtype, [1], [0])
         zeros = b.op("ConstantOfShape", b.op("Shape", flat), value=zero)  # the accumulator, (N, C)
@@ -539,6 +539,28 @@ class DecoderGraph:
         # optional condition is left out.
         return b.op("Loop", b.op("Size", experts), b.const(True, torch.bool), zeros, body=loop_body)
 
+    def expert_stacks(self, prefix: str) -> tuple[str | StandardExperts, str | StandardExperts]:
+        """The layer's two expert stacks as the Loop multiplies by them: float (E, C, 2I) and (E, I, C), or under
+        ``--quantize`` the same quantized weights as the fused graph's QMoE in standard types (``StandardExperts``,
+        dequantized one gathered expert at a time)."""
+        names = (f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.down_proj")
+        stacks = [self.weights.get(name) for name in names]  # (E, 2I, C), (E, C, I): (E, N, K)
+        quantizer = self.quantizer
+        if quantizer and all(quantizer.applies_to_experts(*stack.shape[1:]) for stack in stacks):
+            return tuple(quantizer.standard_experts(self.b, n, s) for n, s in zip(names, stacks, strict=True))
+        return tuple(self.weight(name, transpose=True) for name in names)
+
+    @staticmethod
+    def emit_expert_weight(body: GraphBuilder, stack: str | StandardExperts, expert: str) -> str:
+        """Expert ``expert``'s (K, N) weight out of ``stack`` (``expert_stacks``): a copy of its slice (Gather), or
+        its quantized slice dequantized."""
+        if isinstance(stack, str):
+            return body.op("Gather", stack, expert)
+        values, scales = body.op("Gather", stack.values, expert), body.op("Gather", stack.scales, expert)
+        if stack.block_size:  # blocks along K, the first axis
+            return body.op("DequantizeLinear", values, scales, axis=0, block_size=stack.block_size)
+        return body.op("DequantizeLinear", values, scales, axis=1)  # a scale per output
+
     def emit_expert_step(
         self,
         body: GraphBuilder,
@@ -548,8 +570,8 @@ class DecoderGraph:
         expert_index: str,
         routing_weights: str,
         flat: str,
-        gate_up: str,
-        down: str,
+        gate_up: str | StandardExperts,
+        down: str | StandardExperts,
     ) -> str:
         """The Loop body: expert ``experts[iteration]`` runs on its tokens, its weighted output is added in."""
         expert = body.op("Gather", experts, iteration)  # a scalar expert id
@@ -557,11 +579,10 @@ class DecoderGraph:
         tokens = body.op("Gather", picks, body.const(0))  # (M,)
         weights = body.op("GatherND", routing_weights, body.op("Transpose", picks, perm=[1, 0]))  # (M,)
         rows = body.op("Gather", flat, tokens)  # (M, C)
-        gate, up = body.op(
-            "Split", body.op("MatMul", rows, body.op("Gather", gate_up, expert)), axis=-1, num_outputs=2, outputs=2
-        )
+        gate_up_rows = body.op("MatMul", rows, self.emit_expert_weight(body, gate_up, expert))
+        gate, up = body.op("Split", gate_up_rows, axis=-1, num_outputs=2, outputs=2)
         hidden = body.op("Mul", self.emit_activation(gate, body), up)
-        y = body.op("MatMul", hidden, body.op("Gather", down, expert))  # (M, C)
+        y = body.op("MatMul", hidden, self.emit_expert_weight(body, down, expert))  # (M, C)
         y = body.op("Mul", y, body.op("Unsqueeze", weights, body.const([-1])))
         # Each token meets an expert at most once, so a gather-add-scatter is exact (no duplicate indices).
         token_rows = body.op("Unsqueeze", tokens, body.const([-1]))  # (M, 1)

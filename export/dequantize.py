@@ -10,6 +10,9 @@ Layouts (onnxruntime's contrib op schemas, com.microsoft):
                         nibble first for 4 bits; scales (N * blocks); zero_points absent (symmetric: 2^(bits-1)),
                         uint8 packed like B along the blocks, or float (HQQ) of the scales' shape.
                         weight[k, n] = (q - zero_point) * scale, over the padded K, cut back to K.
+  QMoE                  each expert stack's packed weights (E, N, K * bits / 8) and scales (E, N, K / block_size):
+                        per expert, MatMulNBits' B and scales (symmetric); FC1's rows interleave gate and up
+                        (``swiglu_fusion`` 1).
   GatherBlockQuantized  data (V, C): int4 (signed, zero point 0, or the zero_points given) or uint4; or uint8
                         holding two 4-bit values per byte (``bits`` 4, default zero point 8) or one 8-bit value
                         (default 128); scales (V, C / block_size), blocks along quantize_axis 1.
@@ -40,7 +43,9 @@ PACKED = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
-QUANTIZED_OPS = ("MatMulNBits", "GatherBlockQuantized")
+QUANTIZED_OPS = ("MatMulNBits", "GatherBlockQuantized", "QMoE")
+# The plain graph's expert Loop dequantizes these stacks (DequantizeLinear over int8 values), by graph name.
+PLAIN_EXPERT_STACKS = (".experts.gate_up_proj", ".experts.down_proj")
 EMBEDDING = "model.embed_tokens.weight"
 _QUANTIZED_SUFFIX = re.compile(r"_Q\d+$")  # onnxruntime's quantizer names the packed weight "<name>_Q4" / "_Q8"
 # A weight quantized in row ranges (export/quantize.py ``SplitProjection``, the mixed head): "<name>.rows_<a>_<b>".
@@ -49,7 +54,7 @@ _ROW_RANGE = re.compile(r"^(?P<name>.+)\.rows_(?P<start>\d+)_(?P<stop>\d+)$")
 
 @dataclass
 class QuantizedWeight:
-    op_type: str  # MatMulNBits or GatherBlockQuantized
+    op_type: str  # MatMulNBits, GatherBlockQuantized, QMoE, or DequantizeLinear (the plain graph's experts)
     bits: int
     weight: np.ndarray | torch.Tensor  # a graph's (K, N) / (V, C) array; a Thinker parameter's (out, in) tensor
 
@@ -99,6 +104,34 @@ def dequantize_matmul_nbits(attrs: dict, packed: np.ndarray, scales: np.ndarray,
         zero = as_float32(zero_points).reshape(n, blocks, 1)
     weight = q.to(torch.float32).sub_(zero).mul_(scale).reshape(n, blocks * block)[:, :k]
     return weight.numpy().astype(scales.dtype, copy=False).T
+
+
+def dequantize_qmoe(attrs: dict, packed: np.ndarray, scales: np.ndarray, interleaved: bool) -> np.ndarray:
+    """One of QMoE's block-wise quantized expert stacks as the (E, N, K) float stack its experts multiply by (each
+    expert's rows its outputs), in the scales' dtype; ``interleaved``: an FC1 whose rows alternate gate and up
+    (``swiglu_fusion`` 1), returned as the Thinker's gate rows and then up rows."""
+    experts, rows, width = packed.shape
+    bits = attrs.get("expert_weight_bits", 4)
+    k = width * 8 // bits
+    block = attrs.get("block_size", k)  # none: one scale per row, a block of K
+    if scales.shape[:2] != (experts, rows) or scales[0, 0].size * block != k or width * 8 != k * bits:
+        raise ThinkerError(f"QMoE experts of shape {packed.shape}, scales {scales.shape}: not a layout this reads")
+    layout = {"K": k, "N": experts * rows, "bits": bits, "block_size": block}
+    stack = dequantize_matmul_nbits(layout, packed.reshape(experts * rows, -1), scales).T.reshape(experts, rows, k)
+    if interleaved:  # rows (g0, u0, g1, u1, ...) -> (g0, g1, ..., u0, u1, ...)
+        stack = np.concatenate([stack[:, 0::2], stack[:, 1::2]], axis=1)
+    return stack
+
+
+def dequantize_plain_experts(values: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The plain graph's quantized expert stack (export/quantize.py ``standard_experts``): signed int8 values
+    (E, K, N) and scales (E, K / block, N) in blocks along K or (E, N) one per output, as the (E, N, K) float stack
+    (each expert's rows its outputs), in the scales' dtype."""
+    experts, k, n = values.shape
+    scale = as_float32(scales)
+    scale = scale[:, None, :] if scales.ndim == 2 else scale.repeat_interleave(k // scales.shape[1], dim=1)
+    weight = integer_tensor(values).to(torch.float32).mul_(scale)
+    return weight.transpose(1, 2).numpy().astype(scales.dtype, copy=False)
 
 
 def dequantize_gather_block(attrs: dict, data: np.ndarray, scales: np.ndarray, zero_points=None) -> np.ndarray:
@@ -170,6 +203,18 @@ def quantized_weight_readers(onnx_path: Path) -> dict[str, Callable[[], Quantize
             inputs = list(node.input[1:4])
             name = graph_weight_name(node.input[1])
             read_one = lambda a=attrs, i=inputs: matmul_nbits(a, i)  # noqa: E731
+        elif node.op_type == "QMoE":  # two weights: FC1 (gate and up, interleaved under SwiGLU) and FC2
+            for packed, scales, interleaved in (
+                (node.input[2], node.input[3], attrs.get("swiglu_fusion", 0) == 1),
+                (node.input[5], node.input[6], False),
+            ):
+                name = graph_weight_name(packed)
+                if name in readers:
+                    raise RuntimeError(f"a second QMoE over {name} in the graph (a bug in the exporter)")
+                readers[name] = lambda a=attrs, p=packed, s=scales, i=interleaved: QuantizedWeight(  # noqa: E731
+                    "QMoE", a.get("expert_weight_bits", 4), dequantize_qmoe(a, array(p), array(s), i)
+                )
+            continue
         elif node.op_type == "GatherBlockQuantized":
             zero = node.input[3] if len(node.input) > 3 else ""
             read_one = lambda a=attrs, d=node.input[0], s=node.input[2], z=zero: gather_block(a, d, s, z)  # noqa: E731
@@ -181,6 +226,12 @@ def quantized_weight_readers(onnx_path: Path) -> dict[str, Callable[[], Quantize
         if name in readers:
             raise RuntimeError(f"a second {node.op_type} over {name} in the graph (a bug in the exporter)")
         readers[name] = read_one
+    for tensor in model.graph.initializer:  # the plain graph's quantized experts, read in its expert Loop
+        name = graph_weight_name(tensor.name)
+        if tensor.data_type == onnx.TensorProto.INT8 and name.endswith(PLAIN_EXPERT_STACKS) and name not in readers:
+            readers[name] = lambda v=tensor.name, s=f"{name}_scales": QuantizedWeight(  # noqa: E731
+                "DequantizeLinear", 8 if array(s).ndim == 2 else 4, dequantize_plain_experts(array(v), array(s))
+            )
     return _join_row_ranges(readers)
 
 

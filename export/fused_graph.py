@@ -9,7 +9,8 @@ Same IO contract as ``DecoderGraph`` (names, shapes, dtypes; KV as (B, n_kv, S, 
                for LayerNorm) wherever a residual add comes right before a norm
   qk-norm      SimplifiedLayerNormalization on q and k per head, before the rotation, as Qwen3 does (norm, then RoPE)
   MoE          the MoE op (com.microsoft): softmax over the router logits, top-k, optional renormalisation,
-               interleaved SwiGLU experts: Qwen's routing exactly (checked against PyTorch in the tests)
+               interleaved SwiGLU experts: Qwen's routing exactly (checked against PyTorch in the tests); under
+               ``--quantize`` QMoE, the same op over 4-bit (blocks) or 8-bit (a scale per row) experts
   tied head    FusedMatMul with transB over the embedding matrix, straight to the (B, T, V) logits
 
 GroupQueryAttention and padding. Its CPU kernel assumes compact rows: a row's keys are the slots [0, seqlens_k + 1).
@@ -294,25 +295,20 @@ class FusedDecoderGraph(DecoderGraph):
 
     # --- mixture of experts -----------------------------------------------------------------------------------
     def emit_routed_experts(self, flat: str, prefix: str) -> str:
-        """onnxruntime's MoE op where its SwiGLU is the model's (gated SiLU); else the plain graph's Loop."""
+        """onnxruntime's MoE op where its SwiGLU is the model's (gated SiLU), QMoE under ``--quantize``; else the
+        plain graph's Loop."""
         cfg, b = self.config, self.b
         if not (cfg.mlp_gated and cfg.hidden_act in ("silu", "swish")):
             return super().emit_routed_experts(flat, prefix)
         with b.scope("gate"):
             router_logits = b.op("MatMul", flat, self.weight(f"{prefix}.gate.weight", transpose=True))  # (N, E)
-        gate_up = self.weights.get(f"{prefix}.experts.gate_up_proj")  # (E, 2I, C): gate rows, then up rows
+        gate_up_name, down_name = f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.down_proj"
+        gate_up = self.weights.get(gate_up_name)  # (E, 2I, C): gate rows, then up rows
         experts, double, hidden = gate_up.shape
         # The CPU kernel takes SwiGLU interleaved (swiglu_fusion=1): row 2j is gate j, row 2j + 1 is up j.
         interleaved = gate_up.view(experts, 2, double // 2, hidden).transpose(1, 2).reshape(experts, double, hidden)
-        fc1 = self.b.weight(f"{prefix}.experts.gate_up_proj", interleaved)
-        fc2 = self.weight(f"{prefix}.experts.down_proj")  # (E, C, I), as the op wants
-        return b.op(
-            "MoE",
-            flat,
-            router_logits,
-            fc1,
-            "",
-            fc2,
+        down = self.weights.get(down_name)  # (E, C, I), as the op wants
+        attributes = dict(
             domain=MS_DOMAIN,
             k=cfg.num_experts_per_tok,
             activation_type="swiglu",
@@ -321,3 +317,19 @@ class FusedDecoderGraph(DecoderGraph):
             activation_beta=0.0,
             normalize_routing_weights=int(cfg.norm_topk_prob),
         )
+        quantizer = self.quantizer
+        if quantizer and all(quantizer.applies_to_experts(*w.shape[1:]) for w in (gate_up, down)):
+            if not cfg.norm_topk_prob:
+                # onnxruntime 1.31's CPU QMoE renormalises the top-k weights whatever normalize_routing_weights
+                # says (measured: the same output at 0 and 1; the float MoE op honours it), which is wrong for
+                # Qwen2-MoE's raw softmax weights: the plain graph's Loop over the same quantized experts instead.
+                return super().emit_routed_experts(flat, prefix)
+            fc1 = quantizer.quantize_experts(b, gate_up_name, interleaved)
+            fc2 = quantizer.quantize_experts(b, down_name, down)
+            if fc1.block_size:  # else one scale per row
+                attributes.update(block_size=fc1.block_size, accuracy_level=fc1.accuracy_level)
+            # weights_prepacked 0: the raw (E, N, K * bits / 8) layout, whatever a provider's own would be
+            attributes.update(expert_weight_bits=fc1.bits, weights_prepacked=0)
+            return b.op("QMoE", flat, router_logits, *fc1.inputs, "", *fc2.inputs, **attributes)
+        fc1 = self.b.weight(gate_up_name, interleaved)
+        return b.op("MoE", flat, router_logits, fc1, "", self.b.weight(down_name, down), **attributes)

@@ -21,9 +21,11 @@ lookup becomes onnxruntime's ``GatherBlockQuantized`` over the head's own packed
 (``emit_gather``), so the table is stored once, quantized, as onnxruntime-genai's builder does. Not with HQQ: its
 float zero points are not a type GatherBlockQuantized takes (zero points share the data's uint8 type), so an HQQ
 export keeps the float embedding beside its quantized head. An untied embedding stays float: a decode step reads one
-row of it per token, so quantizing it would save file size, not time. What is not quantized: norms, the MoE router
-and routed experts (their stacks stay float), projections too small to gain (fewer input features than one block,
-or fewer than 16 outputs).
+row of it per token, so quantizing it would save file size, not time. In the fused graph a layer's routed experts
+are onnxruntime's QMoE over the two expert stacks quantized the same way (``quantize_experts``; symmetric RTN at
+the body's bits whatever ``algo``: QMoE takes no float zero points), where their widths are whole blocks; the plain
+graph's expert Loop keeps them float. What is not quantized: norms, the MoE router, projections too small to gain
+(fewer input features than one block, or fewer than 16 outputs).
 
 The head, the single most output-sensitive weight, may take its own precision (``--quantize-head``): int8 under an
 int4 body (``head_bits=8``) is the truest and reads 18 % more bytes per SmolLM2 token than the builder's int4
@@ -194,6 +196,45 @@ def split_piece_name(name: str, start: int, stop: int) -> str:
     return f"{name}.rows_{start}_{stop}"
 
 
+def column_wise_int8(stack: torch.Tensor, scale_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """An (E, N, K) stack as symmetric 8-bit weights with one scale per row: uint8 q (E, N, K) and scales (E, N) in
+    ``scale_dtype``, the weight (q - 128) * scale. Written here because onnxruntime's quantizer takes blocks of 16
+    to 256 only (QMoE's row-wise layout is one block of K); one expert at a time, so the float temporaries stay
+    one expert's. Each row is rounded against its stored scale, so the weights are exactly what the kernel reads."""
+    packed = np.empty(stack.shape, dtype=np.uint8)
+    scales = np.empty(stack.shape[:2], dtype=scale_dtype)
+    for expert, weight in enumerate(stack):
+        weight = weight.float()
+        scale = torch.from_numpy((weight.abs().amax(-1) / 127).numpy().astype(scale_dtype)).float()
+        scale[scale == 0] = 1.0
+        q = torch.round(weight / scale[:, None]).clamp_(-127, 127).add_(128)
+        packed[expert] = q.to(torch.uint8).numpy()
+        scales[expert] = scale.numpy().astype(scale_dtype)
+    return packed, scales
+
+
+@dataclass(frozen=True)
+class QuantizedExperts:
+    """One expert stack as QMoE reads it, its tensors already in the graph's weights file: ``inputs`` the packed
+    weights (E, N, K * bits / 8) and scales: (E, N, K / block_size) in blocks, (E, N) per row (``block_size`` 0,
+    8 bits)."""
+
+    inputs: tuple[str, str]
+    bits: int
+    block_size: int
+    accuracy_level: int
+
+
+@dataclass(frozen=True)
+class StandardExperts:
+    """One expert stack in standard onnx types (``WeightQuantizer.standard_experts``): ``values`` (E, K, N) int8,
+    ``scales`` (E, K / block_size, N), or (E, N) where ``block_size`` is 0."""
+
+    values: str
+    scales: str
+    block_size: int
+
+
 @dataclass(frozen=True)
 class QuantizedSlice:
     """The quantizer's MatMulNBits node for some of a weight's output columns, as plain values: its inputs after
@@ -265,8 +306,25 @@ class WeightQuantizer:
     def quantize_whole(
         self, b: GraphBuilder, name: str, weight: torch.Tensor, spec: QuantizeSpec
     ) -> QuantizedProjection:
-        """``weight`` as one MatMulNBits' tensors, through the quantizer in slices of output columns
-        (``SLICE_BYTES``)."""
+        """``weight`` as one MatMulNBits' tensors (``quantize_columns``), written to ``b``'s weights."""
+        out_features = weight.shape[1]
+        first, arrays = self.quantize_columns(name, weight, spec)
+        for tensor_name, array in arrays.items():  # packed weights, scales (zero points): the external-data file
+            b.weight(tensor_name, array)
+        zero_points = arrays[first.inputs[2]] if len(first.inputs) > 2 and first.inputs[2] else None
+        return QuantizedProjection(
+            inputs=first.inputs,
+            shapes=tuple(arrays[i].shape if i else () for i in first.inputs),
+            attributes={**first.attributes, "N": out_features},
+            domain=first.domain,
+            float_zero_points=zero_points is not None and zero_points.dtype != np.uint8,
+        )
+
+    def quantize_columns(
+        self, name: str, weight: torch.Tensor, spec: QuantizeSpec
+    ) -> tuple[QuantizedSlice, dict[str, np.ndarray]]:
+        """``weight`` (in, out) through the quantizer in slices of output columns (``SLICE_BYTES``): the first
+        slice's node (inputs, attributes) and the slices' tensors joined along N (their outermost axis), by name."""
         in_features, out_features = weight.shape
         columns = out_features
         if spec.algo in COLUMN_WISE_ALGORITHMS:
@@ -278,18 +336,63 @@ class WeightQuantizer:
         first = slices[0]
         arrays = {}
         for position, tensor_name in enumerate(first.inputs):
-            if tensor_name:  # packed weights, scales (zero points), N outermost: into the external-data file
+            if tensor_name:
                 parts = [part.arrays[part.inputs[position]] for part in slices]
                 arrays[tensor_name] = parts[0] if len(parts) == 1 else np.concatenate(parts)
-                b.weight(tensor_name, arrays[tensor_name])
-        zero_points = arrays[first.inputs[2]] if len(first.inputs) > 2 and first.inputs[2] else None
-        return QuantizedProjection(
-            inputs=first.inputs,
-            shapes=tuple(arrays[i].shape if i else () for i in first.inputs),
-            attributes={**first.attributes, "N": out_features},
-            domain=first.domain,
-            float_zero_points=zero_points is not None and zero_points.dtype != np.uint8,
-        )
+        return first, arrays
+
+    def applies_to_experts(self, rows: int, in_features: int) -> bool:
+        """Whether a stack of experts of ``rows`` outputs and ``in_features`` inputs each is quantized (QMoE):
+        at 4 bits its inputs must be whole blocks (QMoE reads no padding), and its rows a projection's
+        (``applies_to_shape``)."""
+        whole_blocks = self.spec.bits == 8 or in_features % self.spec.block_size == 0
+        return whole_blocks and self.applies_to_shape((in_features, rows))
+
+    def quantize_experts(self, b: GraphBuilder, name: str, stack: torch.Tensor) -> QuantizedExperts:
+        """A layer's (E, N, K) expert stack (each expert's rows its outputs) as QMoE's tensors, written to ``b``'s
+        weights, symmetric (QMoE's CPU kernel reads 2^(bits-1) as the zero point when none is given, and takes no
+        float ones, HQQ's), whatever ``algo``.
+
+        4 bits, in blocks along K: every row of every expert is one column of an (K, E * N) weight to onnxruntime's
+        quantizer, so each expert comes out as if quantized alone (RTN quantizes every column on its own), and its
+        (E * N, blocks, block / 2) packed rows and (E * N, blocks) scales are QMoE's (E, N, K / 2) and (E, N,
+        K / block), the layout the op documents as "produced by quantize_matmul_{4,8}bits"; ``accuracy_level`` as
+        MatMulNBits'. 8 bits, a scale per row (``column_wise_int8``): QMoE's block-wise 8-bit kernel rounds its
+        activations to int8 at every accuracy level (measured: 1 % off the same weights in float), which no
+        PyTorch reference reproduces and the quantized verify could not hold to a float tolerance; its row-wise
+        kernel computes in float."""
+        packed, scales, block_size = self.expert_arrays(name, stack)
+        fc = (f"{name}_Q{self.spec.bits}", f"{name}_scales")
+        b.weight(fc[0], packed)
+        b.weight(fc[1], scales)
+        return QuantizedExperts(fc, self.spec.bits, block_size, self.spec.accuracy_level if block_size else 0)
+
+    def standard_experts(self, b: GraphBuilder, name: str, stack: torch.Tensor) -> StandardExperts:
+        """The same quantized weights as ``quantize_experts`` in standard onnx types, for the plain graph's expert
+        Loop (DequantizeLinear of the expert it gathers): the values signed (q - 2^(bits-1), so no zero point) and
+        int8 at either width, because onnx's Gather takes no int4 (so a 4-bit stack costs a byte a weight here, half
+        the fused graph's bytes and a quarter of float32's), transposed to (E, K, N) as MatMul multiplies by them;
+        scales (E, K / block, N) in blocks along K, or (E, N) one per output."""
+        packed, scales, block_size = self.expert_arrays(name, stack)
+        if self.spec.bits == 4:
+            values = torch.from_numpy(packed)
+            values = torch.stack([values & 0x0F, values >> 4], dim=-1).reshape(stack.shape).numpy()
+            values, scales = values.astype(np.int8) - 8, scales.transpose(0, 2, 1)
+        else:
+            values = (packed.astype(np.int16) - 128).astype(np.int8)
+        values_name = b.weight(f"{name}_Q{self.spec.bits}", np.ascontiguousarray(values.transpose(0, 2, 1)))
+        return StandardExperts(values_name, b.weight(f"{name}_scales", np.ascontiguousarray(scales)), block_size)
+
+    def expert_arrays(self, name: str, stack: torch.Tensor) -> tuple[np.ndarray, np.ndarray, int]:
+        """(E, N, K) -> QMoE's packed weights (E, N, K * bits / 8), scales and block size (0: one scale per row)."""
+        experts, rows, in_features = stack.shape
+        if self.spec.bits == 8:
+            packed, scales = column_wise_int8(stack, np.float16 if self.dtype == torch.float16 else np.float32)
+            return packed, scales, 0
+        spec = dataclasses.replace(self.spec, algo="rtn", head_bits=None, head_int8_rows=0)
+        first, arrays = self.quantize_columns(name, stack.reshape(experts * rows, in_features).T, spec)
+        packed, scales = (arrays[first.inputs[i]] for i in (0, 1))
+        return packed.reshape(experts, rows, -1), scales.reshape(experts, rows, -1), spec.block_size
 
     def quantize_slice(self, name: str, weight: torch.Tensor, spec: QuantizeSpec) -> QuantizedSlice:
         """What onnxruntime's quantizer makes of ``x @ weight``, copied out of its model: a reference into a

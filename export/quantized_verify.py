@@ -34,7 +34,7 @@ import torch
 from common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
 from common.progress import progress_bar
 
-from .accuracy_guard import graph_variant
+from .accuracy_guard import LEVELLED_OPS, graph_variant
 from .dequantize import (
     EMBEDDING,
     QuantizedWeight,
@@ -348,11 +348,11 @@ def quantization_cost(model: torch.nn.Module, model_dir: Path, decoder: OnnxDeco
 
 @contextmanager
 def float_activation_copy(onnx_path: Path) -> Iterator[Path]:
-    """The graph with every MatMulNBits at accuracy_level 0 (activations in the graph's float type): a temporary
-    proto beside the original, reading the same weights file (onnxruntime refuses external data reached through a
-    link from another folder), removed afterwards."""
+    """The graph with every MatMulNBits and QMoE at accuracy_level 0 (activations in the graph's float type): a
+    temporary proto beside the original, reading the same weights file (onnxruntime refuses external data reached
+    through a link from another folder), removed afterwards."""
     onnx_path = Path(onnx_path)
     model = onnx.load(str(onnx_path), load_external_data=False)
-    levels = {node.name: 0 for node in model.graph.node if node.op_type == "MatMulNBits"}
+    levels = {node.name: 0 for node in model.graph.node if node.op_type in LEVELLED_OPS}
     with graph_variant(model, onnx_path, levels) as path:
         yield path

@@ -133,3 +133,23 @@ def test_genai_cuda_greedy_equals_transformers_on_hybrid_models(
     with torch.no_grad():
         expected = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)
     assert json.loads(done.stdout)[0] == expected[0].tolist()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_cuda_quantized_experts_equal_the_cpu(bits, onnx_variant, record_property):
+    """A float16 fused export with quantized routed experts (QMoE, export/quantize.py ``quantize_experts``) on CUDA
+    against the same graph on the CPU: the float16 tolerance, the same greedy tokens (never run on a GPU yet:
+    whether CUDA's QMoE takes the raw, un-prepacked layout and these block sizes is what it finds out)."""
+    from common.parity_inputs import RELATIVE_TOLERANCE
+    from export.quantize import QuantizeSpec
+
+    folder = onnx_variant("qwen3_moe", "float16", graph="fused", quantize=QuantizeSpec(bits=bits, block_size=16))
+    cpu, cuda = OnnxDecoder(folder, provider="cpu"), OnnxDecoder(folder, provider="cuda")
+    batch = parity_batch(96)
+    expected, actual = cpu.prefill(*batch)[0], cuda.prefill(*batch)[0]
+    kept = batch[1].astype(bool)
+    difference = float(np.abs(actual[kept].astype(np.float32) - expected[kept].astype(np.float32)).max())
+    scale = float(np.abs(expected[kept].astype(np.float32)).max())
+    record_property("max_abs_diff", difference)
+    assert difference <= RELATIVE_TOLERANCE[torch.float16] * max(1.0, scale), (difference, scale)
+    assert (actual[kept].argmax(-1) == expected[kept].argmax(-1)).mean() >= 0.9

@@ -1,0 +1,266 @@
+"""Routed experts under ``--quantize`` in the fused graph: onnxruntime's QMoE over 4-bit (blocks along the input
+axis) or 8-bit (a scale per row) expert stacks, read back by export/dequantize.py and held by the quantized verify.
+
+The kernel check runs a graph's own QMoE node alone against the MoE computed in PyTorch from ``dequantize_qmoe``'s
+weights with Qwen's routing (float activations: accuracy level 0 at 4 bits; the row-wise 8-bit kernel computes in
+float at every level), to float32 rounding (1e-5 of the output's scale).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+import torch.nn.functional as F
+from click.testing import CliRunner
+from export_helpers import assert_genai_equals_onnxruntime
+from onnx import helper, numpy_helper
+
+from common.cli import main
+from export.dequantize import attributes, constant_reader, dequantize_qmoe, quantized_weights
+from export.quantize import QuantizeSpec, WeightQuantizer
+from export.quantized_verify import QualityGate, verify_quantized_export
+
+INT4 = QuantizeSpec(bits=4, block_size=16)
+INT8 = QuantizeSpec(bits=8, block_size=16)
+SPECS = {"int4": INT4, "int8": INT8}
+NO_GATE = QualityGate(min_top1=0.0, max_perplexity_increase=float("inf"))
+MOE_FAMILIES = ["qwen3_moe", "qwen3_5_moe"]
+
+
+def graph_of(folder: Path) -> onnx.GraphProto:
+    return onnx.load(folder / "model.onnx", load_external_data=False).graph
+
+
+def export_of(onnx_variant, family: str, spec: QuantizeSpec) -> Path:
+    head_dim = None if family == "qwen3_5_moe" else 16  # the hybrid keeps its own head_dim
+    return onnx_variant(family, graph="fused", quantize=spec, head_dim=head_dim)
+
+
+class Weights:
+    """A GraphBuilder's weight sink: what the quantizer writes, by name."""
+
+    def __init__(self) -> None:
+        self.arrays: dict[str, np.ndarray] = {}
+
+    def weight(self, name: str, array: np.ndarray) -> None:
+        self.arrays[name] = array
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
+def test_routed_experts_are_qmoe(family, spec, onnx_variant):
+    """Every sparse layer's experts are one QMoE over uint8 stacks: blocks of the spec's size at 4 bits, a scale per
+    row at 8; no float MoE and no float expert stack is left in the graph."""
+    graph = graph_of(export_of(onnx_variant, family, spec))
+    qmoe = [n for n in graph.node if n.op_type == "QMoE"]
+    assert qmoe and not [n for n in graph.node if n.op_type == "MoE"]
+    tensors = {t.name: t for t in graph.initializer}
+    for node in qmoe:
+        attrs = attributes(node)
+        assert attrs["expert_weight_bits"] == spec.bits and attrs["weights_prepacked"] == 0
+        assert attrs.get("block_size") == (spec.block_size if spec.bits == 4 else None), attrs
+        for packed, scales in ((node.input[2], node.input[3]), (node.input[5], node.input[6])):
+            assert tensors[packed].data_type == onnx.TensorProto.UINT8
+            assert len(tensors[scales].dims) == (3 if spec.bits == 4 else 2)
+    assert not [name for name in tensors if name.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
+def test_dequantized_experts_are_what_qmoe_computes_with(family, spec, onnx_variant, tmp_path):
+    """The first QMoE of the export, alone (router logits as an input), against the MoE computed in PyTorch from
+    ``dequantize_qmoe``'s stacks: softmax over the logits, top-k, renormalised, SiLU(gate) * up, weighted sum."""
+    folder = export_of(onnx_variant, family, spec)
+    model = onnx.load(folder / "model.onnx")  # tiny: every tensor in memory
+    node = next(n for n in model.graph.node if n.op_type == "QMoE")
+    attrs = attributes(node)
+    read = constant_reader(model.graph)
+    gate_up = dequantize_qmoe(attrs, read(node.input[2]), read(node.input[3]), interleaved=True)
+    down = dequantize_qmoe(attrs, read(node.input[5]), read(node.input[6]), interleaved=False)
+    experts, hidden = down.shape[0], down.shape[1]
+
+    alone = helper.make_node("QMoE", ["x", "logits", *node.input[2:]], ["y"], domain=node.domain)
+    alone.attribute.extend(a for a in node.attribute if a.name != "accuracy_level")  # level 0: float activations
+    used = set(node.input[2:])
+    graph = helper.make_graph(
+        [alone],
+        "qmoe",
+        [
+            helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", hidden]),
+            helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["N", experts]),
+        ],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", hidden])],
+        [numpy_helper.from_array(read(name), name) for name in used if name],
+    )
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    session = ort.InferenceSession(helper.make_model(graph, opset_imports=opsets, ir_version=10).SerializeToString())
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(6, hidden, generator=generator)
+    logits = 2 * torch.randn(6, experts, generator=generator)
+    y = session.run(None, {"x": x.numpy(), "logits": logits.numpy()})[0]
+
+    weights, chosen = torch.softmax(logits, -1).topk(attrs["k"], dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    reference = torch.zeros_like(x)
+    w1, w2 = torch.from_numpy(gate_up), torch.from_numpy(down)
+    for token in range(x.shape[0]):
+        for weight, expert in zip(weights[token], chosen[token], strict=True):
+            gate, up = (w1[expert] @ x[token]).chunk(2)
+            reference[token] += weight * (w2[expert] @ (F.silu(gate) * up))
+    scale = float(reference.abs().max())
+    np.testing.assert_allclose(y, reference.numpy(), rtol=0, atol=1e-5 * scale)
+
+
+def test_each_expert_is_quantized_as_if_alone():
+    """4 bits: the stack through onnxruntime's quantizer as one (K, E * N) weight gives each expert the tensors it
+    gets quantized alone, bit for bit (RTN quantizes every column on its own). 8 bits: a scale per row, the
+    largest magnitude over 127, every weight within half a step of its float value."""
+    stack = torch.randn(3, 40, 64, generator=torch.Generator().manual_seed(0))
+    quantizer = WeightQuantizer(INT4, torch.float32)
+    sink = Weights()
+    experts = quantizer.quantize_experts(sink, "e", stack)
+    packed, scales = (sink.arrays[name] for name in experts.inputs)
+    assert packed.shape == (3, 40, 32) and scales.shape == (3, 40, 4)
+    for expert in range(3):
+        alone = Weights()
+        projection = quantizer.quantize_whole(alone, "alone", stack[expert].T, INT4)
+        assert np.array_equal(alone.arrays[projection.inputs[0]].reshape(40, 32), packed[expert])
+        assert np.array_equal(alone.arrays[projection.inputs[1]].reshape(40, 4), scales[expert])
+
+    sink = Weights()
+    experts = WeightQuantizer(INT8, torch.float32).quantize_experts(sink, "e", stack)
+    packed, scales = (sink.arrays[name] for name in experts.inputs)
+    assert (packed.shape, packed.dtype, scales.shape, experts.block_size) == ((3, 40, 64), np.uint8, (3, 40), 0)
+    np.testing.assert_allclose(scales, stack.abs().amax(-1).numpy() / 127, rtol=1e-6)
+    dequantized = (packed.astype(np.float32) - 128) * scales[..., None]
+    assert np.abs(dequantized - stack.numpy()).max() <= 0.5 * scales.max() * (1 + 1e-6)
+
+
+def route_to_one_expert(model: onnx.ModelProto) -> None:
+    """Every QMoE mixes its top expert alone (k = 1) where the model mixes its top k."""
+    for node in model.graph.node:
+        for attribute in node.attribute:
+            if node.op_type == "QMoE" and attribute.name == "k":
+                attribute.i = 1
+
+
+def scale_down_experts(model: onnx.ModelProto) -> None:
+    """One layer's FC2 expert scales 30 % off (the exporter writing wrong scales)."""
+    tensors = {t.name: t for t in model.graph.initializer}
+    node = next(n for n in model.graph.node if n.op_type == "QMoE")
+    scales = tensors[node.input[6]]
+    scales.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(scales) * 1.3, scales.name))
+
+
+def planted(folder: Path, out: Path, bug) -> Path:
+    model = onnx.load(folder / "model.onnx")
+    bug(model)
+    out.mkdir()
+    onnx.save_model(model, out / "model.onnx")
+    return out / "model.onnx"
+
+
+@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
+def test_quantized_verify_holds_the_experts(spec, thinker_variant, onnx_variant, tmp_path):
+    """The quantized verify of a MoE export: sound, the graph within 1e-4 of the PyTorch model holding the
+    dequantized experts; routing to the top expert alone fails the graph check, an expert stack's wrong scales the
+    weight check (naming the stack), while that graph itself stays sound."""
+    model_dir = thinker_variant("qwen3_moe", head_dim=16)
+    folder = export_of(onnx_variant, "qwen3_moe", spec)
+
+    def verify(path: Path) -> dict:
+        return verify_quantized_export(model_dir, path, torch.float32, spec.bits, NO_GATE)
+
+    sound = verify(folder / "model.onnx")
+    assert sound["passed"] is True, sound
+    assert sound["graph"]["max_abs_diff"] <= 1e-4, sound["graph"]
+    assert set(quantized_weights(folder / "model.onnx")) >= {
+        "model.layers.0.mlp.experts.gate_up_proj",
+        "model.layers.0.mlp.experts.down_proj",
+    }
+    one_expert = verify(planted(folder, tmp_path / "routing", route_to_one_expert))
+    assert one_expert["passed"] is False, one_expert
+    assert "against the model with the same dequantized weights" in one_expert["failure"], one_expert
+    assert one_expert["graph"]["max_abs_diff"] > 10 * one_expert["graph"]["tolerance"], one_expert["graph"]
+    if spec.bits == 8:  # at 4 bits a 30 % scale error is within the rounding error the check allows (0.2)
+        wrong_scale = verify(planted(folder, tmp_path / "scale", scale_down_experts))
+        assert wrong_scale["passed"] is False and "experts.down_proj is" in wrong_scale["failure"], wrong_scale
+        assert wrong_scale["graph"]["max_abs_diff"] <= wrong_scale["graph"]["tolerance"]
+
+
+@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
+def test_cli_export_of_a_hybrid_moe_verifies(spec, thinker_variant, tmp_path):
+    """``thinker export --quantize`` of the tiny Qwen3.5-MoE passes its own verify, the experts among the weights
+    checked, at a fraction of the float export's size."""
+    source = thinker_variant("qwen3_5_moe")
+    words = {4: "int4", 8: "int8"}[spec.bits]
+    output = tmp_path / words
+    args = ["export", str(source), str(output), "--quantize", words, "--block-size", "16"]
+    result = CliRunner().invoke(main, [*args, "--min-top1", "0", "--max-perplexity-increase", "9"])
+    assert result.exit_code == 0, result.output
+    verify = json.loads((output / "export_report.json").read_text())["verify"]
+    assert verify["passed"] is True, verify
+    assert verify["graph"]["max_abs_diff"] <= verify["graph"]["tolerance"], verify["graph"]
+    assert {node.op_type for node in graph_of(output).node} >= {"QMoE", "MatMulNBits"}
+
+
+def test_genai_runs_quantized_experts(genai_python, onnx_variant):
+    """onnxruntime-genai's greedy tokens equal onnxruntime's on the QMoE graphs (its own onnxruntime)."""
+    folders = [export_of(onnx_variant, "qwen3_moe", INT4), export_of(onnx_variant, "qwen3_5_moe", INT8)]
+    assert_genai_equals_onnxruntime(genai_python, folders)
+
+
+def test_onnxruntime_qmoe_renormalises_whatever_its_attribute(onnx_variant):
+    """Why a model with unnormalised top-k weights (Qwen2-MoE) keeps the Loop under --quantize: onnxruntime's CPU
+    QMoE gives the same output with normalize_routing_weights 0 and 1. When this fails, the kernel honours the
+    attribute and export/fused_graph.py can use QMoE for those models too."""
+    model = onnx.load(export_of(onnx_variant, "qwen3_moe", INT4) / "model.onnx")
+    node = next(n for n in model.graph.node if n.op_type == "QMoE")
+    read = constant_reader(model.graph)
+    hidden = read(node.input[5]).shape[1]
+    experts = read(node.input[2]).shape[0]
+    outputs = []
+    for normalize in (0, 1):
+        alone = helper.make_node("QMoE", ["x", "logits", *node.input[2:]], ["y"], domain=node.domain)
+        alone.attribute.extend(a for a in node.attribute if a.name != "normalize_routing_weights")
+        alone.attribute.append(helper.make_attribute("normalize_routing_weights", normalize))
+        graph = helper.make_graph(
+            [alone],
+            "qmoe",
+            [
+                helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", hidden]),
+                helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["N", experts]),
+            ],
+            [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", hidden])],
+            [numpy_helper.from_array(read(name), name) for name in set(node.input[2:]) if name],
+        )
+        opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+        model_bytes = helper.make_model(graph, opset_imports=opsets, ir_version=10).SerializeToString()
+        feeds = {"x": np.ones((2, hidden), np.float32), "logits": np.linspace(-1, 1, 2 * experts, dtype=np.float32)}
+        feeds["logits"] = feeds["logits"].reshape(2, experts)
+        outputs.append(ort.InferenceSession(model_bytes).run(None, feeds)[0])
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+
+
+def test_unnormalised_routing_keeps_the_loop_over_quantized_experts(thinker_variant, tmp_path):
+    """Qwen2-MoE (norm_topk_prob false): the fused int4 export has no QMoE; its Loop dequantizes the int8-held
+    experts (DequantizeLinear), and the export passes its own verify, the experts among the weights checked."""
+    output = tmp_path / "int4"
+    args = ["export", str(thinker_variant("qwen2_moe", head_dim=16)), str(output), "--quantize", "int4"]
+    args += ["--block-size", "16", "--min-top1", "0", "--max-perplexity-increase", "9"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    verify = json.loads((output / "export_report.json").read_text())["verify"]
+    assert verify["passed"] is True, verify
+    assert [name for name in quantized_weights(output / "model.onnx") if name.endswith(".mlp.experts.down_proj")]
+    graph = graph_of(output)
+    assert not [n for n in graph.node if n.op_type in ("QMoE", "MoE")]
+    loop = next(n for n in graph.node if n.op_type == "Loop")
+    body = helper.get_attribute_value(loop.attribute[0])
+    assert "DequantizeLinear" in {n.op_type for n in body.node}
