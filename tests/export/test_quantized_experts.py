@@ -9,6 +9,7 @@ float at every level), to float32 rounding (1e-5 of the output's scale).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +43,33 @@ def export_of(onnx_variant, family: str, spec: QuantizeSpec) -> Path:
     return onnx_variant(family, graph="fused", quantize=spec, head_dim=head_dim)
 
 
+def first_qmoe(folder: Path) -> tuple[onnx.NodeProto, Callable[[str], np.ndarray]]:
+    """The export's first QMoE node and a reader of its tensors (tiny: the whole model in memory)."""
+    model = onnx.load(folder / "model.onnx")
+    return next(n for n in model.graph.node if n.op_type == "QMoE"), constant_reader(model.graph)
+
+
+def qmoe_alone(node: onnx.NodeProto, read: Callable[[str], np.ndarray], **attributes) -> ort.InferenceSession:
+    """``node`` alone in a session, its router logits an input: ``y = QMoE(x, logits)`` over its own expert tensors,
+    its attributes but those given (None: left out, the schema's default)."""
+    hidden, experts = read(node.input[5]).shape[1], read(node.input[2]).shape[0]
+    alone = helper.make_node("QMoE", ["x", "logits", *node.input[2:]], ["y"], domain=node.domain)
+    alone.attribute.extend(a for a in node.attribute if a.name not in attributes)
+    alone.attribute.extend(helper.make_attribute(k, v) for k, v in attributes.items() if v is not None)
+    graph = helper.make_graph(
+        [alone],
+        "qmoe",
+        [
+            helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", hidden]),
+            helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["N", experts]),
+        ],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", hidden])],
+        [numpy_helper.from_array(read(name), name) for name in set(node.input[2:]) if name],
+    )
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    return ort.InferenceSession(helper.make_model(graph, opset_imports=opsets, ir_version=10).SerializeToString())
+
+
 class Weights:
     """A GraphBuilder's weight sink: what the quantizer writes, by name."""
 
@@ -73,33 +101,15 @@ def test_routed_experts_are_qmoe(family, spec, onnx_variant):
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 @pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
-def test_dequantized_experts_are_what_qmoe_computes_with(family, spec, onnx_variant, tmp_path):
+def test_dequantized_experts_are_what_qmoe_computes_with(family, spec, onnx_variant):
     """The first QMoE of the export, alone (router logits as an input), against the MoE computed in PyTorch from
     ``dequantize_qmoe``'s stacks: softmax over the logits, top-k, renormalised, SiLU(gate) * up, weighted sum."""
-    folder = export_of(onnx_variant, family, spec)
-    model = onnx.load(folder / "model.onnx")  # tiny: every tensor in memory
-    node = next(n for n in model.graph.node if n.op_type == "QMoE")
+    node, read = first_qmoe(export_of(onnx_variant, family, spec))
     attrs = attributes(node)
-    read = constant_reader(model.graph)
     gate_up = dequantize_qmoe(attrs, read(node.input[2]), read(node.input[3]), interleaved=True)
     down = dequantize_qmoe(attrs, read(node.input[5]), read(node.input[6]), interleaved=False)
     experts, hidden = down.shape[0], down.shape[1]
-
-    alone = helper.make_node("QMoE", ["x", "logits", *node.input[2:]], ["y"], domain=node.domain)
-    alone.attribute.extend(a for a in node.attribute if a.name != "accuracy_level")  # level 0: float activations
-    used = set(node.input[2:])
-    graph = helper.make_graph(
-        [alone],
-        "qmoe",
-        [
-            helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", hidden]),
-            helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["N", experts]),
-        ],
-        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", hidden])],
-        [numpy_helper.from_array(read(name), name) for name in used if name],
-    )
-    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
-    session = ort.InferenceSession(helper.make_model(graph, opset_imports=opsets, ir_version=10).SerializeToString())
+    session = qmoe_alone(node, read, accuracy_level=None)  # level 0: float activations
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(6, hidden, generator=generator)
     logits = 2 * torch.randn(6, experts, generator=generator)
@@ -220,31 +230,11 @@ def test_onnxruntime_qmoe_renormalises_whatever_its_attribute(onnx_variant):
     """Why a model with unnormalised top-k weights (Qwen2-MoE) keeps the Loop under --quantize: onnxruntime's CPU
     QMoE gives the same output with normalize_routing_weights 0 and 1. When this fails, the kernel honours the
     attribute and export/fused_graph.py can use QMoE for those models too."""
-    model = onnx.load(export_of(onnx_variant, "qwen3_moe", INT4) / "model.onnx")
-    node = next(n for n in model.graph.node if n.op_type == "QMoE")
-    read = constant_reader(model.graph)
-    hidden = read(node.input[5]).shape[1]
-    experts = read(node.input[2]).shape[0]
-    outputs = []
-    for normalize in (0, 1):
-        alone = helper.make_node("QMoE", ["x", "logits", *node.input[2:]], ["y"], domain=node.domain)
-        alone.attribute.extend(a for a in node.attribute if a.name != "normalize_routing_weights")
-        alone.attribute.append(helper.make_attribute("normalize_routing_weights", normalize))
-        graph = helper.make_graph(
-            [alone],
-            "qmoe",
-            [
-                helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", hidden]),
-                helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["N", experts]),
-            ],
-            [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", hidden])],
-            [numpy_helper.from_array(read(name), name) for name in set(node.input[2:]) if name],
-        )
-        opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
-        model_bytes = helper.make_model(graph, opset_imports=opsets, ir_version=10).SerializeToString()
-        feeds = {"x": np.ones((2, hidden), np.float32), "logits": np.linspace(-1, 1, 2 * experts, dtype=np.float32)}
-        feeds["logits"] = feeds["logits"].reshape(2, experts)
-        outputs.append(ort.InferenceSession(model_bytes).run(None, feeds)[0])
+    node, read = first_qmoe(export_of(onnx_variant, "qwen3_moe", INT4))
+    hidden, experts = read(node.input[5]).shape[1], read(node.input[2]).shape[0]
+    feeds = {"x": np.ones((2, hidden), np.float32), "logits": np.linspace(-1, 1, 2 * experts, dtype=np.float32)}
+    feeds["logits"] = feeds["logits"].reshape(2, experts)
+    outputs = [qmoe_alone(node, read, normalize_routing_weights=normalize).run(None, feeds)[0] for normalize in (0, 1)]
     np.testing.assert_array_equal(outputs[0], outputs[1])
 
 
