@@ -10,9 +10,9 @@ Layouts (onnxruntime's contrib op schemas, com.microsoft):
                         nibble first for 4 bits; scales (N * blocks); zero_points absent (symmetric: 2^(bits-1)),
                         uint8 packed like B along the blocks, or float (HQQ) of the scales' shape.
                         weight[k, n] = (q - zero_point) * scale, over the padded K, cut back to K.
-  QMoE                  each expert stack's packed weights (E, N, K * bits / 8) and scales (E, N, K / block_size):
-                        per expert, MatMulNBits' B and scales (symmetric); FC1's rows interleave gate and up
-                        (``swiglu_fusion`` 1).
+  QMoE                  each expert stack's packed weights (E, N, K * bits / 8) and scales (E, N, K / block_size),
+                        or (E, N) without ``block_size`` (a scale per row): per expert, MatMulNBits' B and scales
+                        (symmetric); FC1's rows interleave gate and up (``swiglu_fusion`` 1).
   GatherBlockQuantized  data (V, C): int4 (signed, zero point 0, or the zero_points given) or uint4; or uint8
                         holding two 4-bit values per byte (``bits`` 4, default zero point 8) or one 8-bit value
                         (default 128); scales (V, C / block_size), blocks along quantize_axis 1.
@@ -107,9 +107,9 @@ def dequantize_matmul_nbits(attrs: dict, packed: np.ndarray, scales: np.ndarray,
 
 
 def dequantize_qmoe(attrs: dict, packed: np.ndarray, scales: np.ndarray, interleaved: bool) -> np.ndarray:
-    """One of QMoE's block-wise quantized expert stacks as the (E, N, K) float stack its experts multiply by (each
-    expert's rows its outputs), in the scales' dtype; ``interleaved``: an FC1 whose rows alternate gate and up
-    (``swiglu_fusion`` 1), returned as the Thinker's gate rows and then up rows."""
+    """One of QMoE's quantized expert stacks (in blocks, or a scale per row) as the (E, N, K) float stack its
+    experts multiply by (each expert's rows its outputs), in the scales' dtype; ``interleaved``: an FC1 whose rows
+    alternate gate and up (``swiglu_fusion`` 1), returned as the Thinker's gate rows and then up rows."""
     experts, rows, width = packed.shape
     bits = attrs.get("expert_weight_bits", 4)
     k = width * 8 // bits

@@ -22,10 +22,10 @@ lookup becomes onnxruntime's ``GatherBlockQuantized`` over the head's own packed
 float zero points are not a type GatherBlockQuantized takes (zero points share the data's uint8 type), so an HQQ
 export keeps the float embedding beside its quantized head. An untied embedding stays float: a decode step reads one
 row of it per token, so quantizing it would save file size, not time. In the fused graph a layer's routed experts
-are onnxruntime's QMoE over the two expert stacks quantized the same way (``quantize_experts``; symmetric RTN at
-the body's bits whatever ``algo``: QMoE takes no float zero points), where their widths are whole blocks; the plain
-graph's expert Loop keeps them float. What is not quantized: norms, the MoE router, projections too small to gain
-(fewer input features than one block, or fewer than 16 outputs).
+are onnxruntime's QMoE over the two expert stacks (``quantize_experts``: symmetric whatever ``algo``, QMoE taking no
+float zero points; int4 in blocks where the widths are whole blocks, int8 a scale per row); the plain graph's expert
+Loop dequantizes the same values, held as int8 (``standard_experts``). What is not quantized: norms,
+the MoE router, projections too small to gain (fewer input features than one block, or fewer than 16 outputs).
 
 The head, the single most output-sensitive weight, may take its own precision (``--quantize-head``): int8 under an
 int4 body (``head_bits=8``) is the truest and reads 18 % more bytes per SmolLM2 token than the builder's int4
