@@ -45,7 +45,7 @@ interval: bench/report.py ``ratio_interval``) are reported:
                       environment's onnxruntime
 Results: bench/results/hybrid.json, and the markdown printed at the end (README "Hybrid models").
 
-``--precision int4`` compares int4 exports instead (ours fused and plain ``--quantize int4``, the builder's
+``--precision int4`` (or ``int8``) compares quantized exports instead (ours ``--quantize int4``, the builder's
 ``-p int4``; bench/results/hybrid-int4.json): the same runs, the same tables.
 """
 
@@ -118,6 +118,7 @@ SMOKE_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
 GRAPHS = {
     "fp32": ["ours-fused", "ours-text", "ours-plain", "builder-fp32", "mobius-fp32"],
     "int4": ["ours-fused-int4", "ours-fused-int4-noguard", "ours-plain-int4", "builder-int4"],
+    "int8": ["ours-fused-int8", "ours-fused-int8-noguard", "builder-int8"],
 }
 # thinker export's options for each of our graphs (and --no-verify --threads). The accuracy guard judges level 4 by
 # top-1 agreement with float activations, which on random weights (near ties everywhere) moves most layers to level
@@ -129,6 +130,8 @@ OURS = {
     "ours-fused-int4": ["--graph", "fused", "--quantize", "int4"],
     "ours-fused-int4-noguard": ["--graph", "fused", "--quantize", "int4", "--accuracy-guard", "0"],
     "ours-plain-int4": ["--graph", "plain", "--quantize", "int4"],
+    "ours-fused-int8": ["--graph", "fused", "--quantize", "int8"],
+    "ours-fused-int8-noguard": ["--graph", "fused", "--quantize", "int8", "--accuracy-guard", "0"],
 }
 RUNTIMES = {"genai": "onnxruntime-genai", "ort-states": "onnxruntime"}
 
@@ -442,7 +445,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=33, help="new tokens; decode is timed over the last new - 1")
     parser.add_argument("--fresh-exports", action="store_true", help="export again even where cached")
     parser.add_argument(
-        "--precision", choices=list(GRAPHS), default="fp32", help="fp32, or int4 (bench/results/hybrid-int4.json)"
+        "--precision", choices=list(GRAPHS), default="fp32", help="fp32, int4 or int8 (bench/results/hybrid-<it>.json)"
     )
     parser.add_argument("--smoke", action="store_true", help="a tiny shape, to check the plumbing; writes nothing")
     parser.add_argument(
