@@ -67,6 +67,18 @@ class GraphFiles:
     data_bytes: int
 
 
+def routed_experts(config: ThinkerConfig, nodes_by_op: dict[str, int]) -> dict[str, str]:
+    """For a quantized MoE export, what its routed experts became (read off the graph's operators): onnxruntime's
+    QMoE, or the expert Loop dequantizing int8-held experts (the plain graph; Qwen2-MoE's unnormalised routing)."""
+    if not config.num_experts:
+        return {}
+    if nodes_by_op.get("QMoE"):
+        return {"routed_experts": "QMoE"}
+    if nodes_by_op.get("DequantizeLinear"):
+        return {"routed_experts": "DequantizeLinear in the expert Loop"}
+    return {"routed_experts": "float (too narrow: widths not whole blocks, or fewer than 16 outputs)"}
+
+
 def export_model(
     source: str | Path,
     output: str | Path,
@@ -146,7 +158,7 @@ def export_model(
             "graph": graph,
             "positions": positions,
             "logits": logits,
-            "quantize": quantize.describe() if quantize else None,
+            "quantize": quantize.describe() | routed_experts(config, files.nodes_by_op) if quantize else None,
             "accuracy_guard": guard,
             "opset": OPSET,
             "ir_version": IR_VERSION,

@@ -214,7 +214,9 @@ def test_cli_export_of_a_hybrid_moe_verifies(spec, thinker_variant, tmp_path):
     args = ["export", str(source), str(output), "--quantize", words, "--block-size", "16"]
     result = CliRunner().invoke(main, [*args, "--min-top1", "0", "--max-perplexity-increase", "9"])
     assert result.exit_code == 0, result.output
-    verify = json.loads((output / "export_report.json").read_text())["verify"]
+    report = json.loads((output / "export_report.json").read_text())
+    assert report["quantize"]["routed_experts"] == "QMoE", report["quantize"]
+    verify = report["verify"]
     assert verify["passed"] is True, verify
     assert verify["graph"]["max_abs_diff"] <= verify["graph"]["tolerance"], verify["graph"]
     assert {node.op_type for node in graph_of(output).node} >= {"QMoE", "MatMulNBits"}
@@ -246,7 +248,9 @@ def test_unnormalised_routing_keeps_the_loop_over_quantized_experts(thinker_vari
     args += ["--block-size", "16", "--min-top1", "0", "--max-perplexity-increase", "9"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
-    verify = json.loads((output / "export_report.json").read_text())["verify"]
+    report = json.loads((output / "export_report.json").read_text())
+    assert report["quantize"]["routed_experts"] == "DequantizeLinear in the expert Loop", report["quantize"]
+    verify = report["verify"]
     assert verify["passed"] is True, verify
     assert [name for name in quantized_weights(output / "model.onnx") if name.endswith(".mlp.experts.down_proj")]
     graph = graph_of(output)
