@@ -45,8 +45,9 @@ interval: bench/report.py ``ratio_interval``) are reported:
                       environment's onnxruntime
 Results: bench/results/hybrid.json, and the markdown printed at the end (README "Hybrid models").
 
-``--precision int4`` (or ``int8``) compares quantized exports instead (ours ``--quantize int4``, the builder's
-``-p int4``; bench/results/hybrid-int4.json): the same runs, the same tables.
+``--precision int4`` or ``int8`` compares quantized exports instead (ours ``--quantize`` at that precision, with and
+without the accuracy guard, the builder's ``-p`` at it; bench/results/hybrid-<precision>.json): the same runs, the
+same tables.
 """
 
 from __future__ import annotations
@@ -359,8 +360,8 @@ def run_model(key: str, args) -> dict:
     started = time.perf_counter()
     moe = "num_experts" in overrides
     exports = export_all(name, folders, args.threads, moe, args.fresh_exports, GRAPHS[args.precision])
-    # Fresh exports leave gigabytes of dirty pages, which the kernel writes back for minutes after: on two cores that
-    # writeback slowed the first timed runs (the plain graph's many small operators most), so it happens here.
+    # Fresh exports leave gigabytes of dirty pages, which the kernel writes back for minutes after, on the two cores
+    # the timed runs use: written back here, before any of them.
     os.sync()
     runs = measure(name, exports, args)
     return {

@@ -59,6 +59,7 @@ from onnx import helper, numpy_helper
 
 from common.errors import ThinkerError
 
+from .dequantize import unpack_nibbles
 from .graph_builder import TORCH_TO_ONNX, GraphBuilder
 from .names import ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES, DEFAULT_HEAD_INT8_ROWS, HEAD_PRECISIONS
 
@@ -375,8 +376,7 @@ class WeightQuantizer:
         scales (E, K / block, N) in blocks along K, or (E, N) one per output."""
         packed, scales, block_size = self.expert_arrays(name, stack)
         if self.spec.bits == 4:
-            values = torch.from_numpy(packed)
-            values = torch.stack([values & 0x0F, values >> 4], dim=-1).reshape(stack.shape).numpy()
+            values = unpack_nibbles(torch.from_numpy(packed)).numpy()  # (E, N, K), 0..15
             values, scales = values.astype(np.int8) - 8, scales.transpose(0, 2, 1)
         else:
             values = (packed.astype(np.int16) - 128).astype(np.int8)
