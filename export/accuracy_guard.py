@@ -15,7 +15,9 @@ proxy for the kernel's rounding, so the choice is made with the real kernels:
 the costliest units' MatMulNBits move to level 1, the shortest prefix of the ranking whose graph meets
 ``min_agreement``, found by bisection (agreement grows, if not strictly, as units move; whatever prefix is chosen
 was measured to meet the threshold).
-It rewrites the model proto with those levels (the weights file is untouched).
+It rewrites the model proto with those levels; a moved 8-bit MatMulNBits of a float32 graph becomes a float32 MatMul
+over its dequantized weight instead, the same function without onnxruntime's per-call dequantization
+(export/float_fallback.py, which rewrites the weights file), and the graph as written is measured once more.
 
 Cost: two sessions and prefills of ~230 tokens when the graph passes (SmolLM2-135M: 2-3 s, and 151 MB of peak RSS
 at int4, 151 at int8, bench/results/README-export-peak.md); when it falls back, one more for the ranking and one
@@ -37,6 +39,7 @@ import numpy as np
 import onnx
 
 from .fidelity import fidelity_token_ids, mean_kl
+from .float_fallback import float_fallback_nodes, replace_with_float_matmuls
 from .names import DEFAULT_MIN_AGREEMENT
 from .row_slices import split_wide_matmuls
 from .runtime import OnnxDecoder, position_ids_from_mask
@@ -215,6 +218,12 @@ def guard_accuracy_level(
         moved, agreement = ranked[:low], tried[low]
         result["agreement_by_units_moved"] = dict(sorted(tried.items()))
         set_levels(model, levels_moving(low))
+        to_float = float_fallback_nodes(model, list(levels_moving(low)))
+        if to_float:  # the same function as level 1 (export/float_fallback.py), so measured again as written
+            result["float_fallback_bytes"] = replace_with_float_matmuls(model, onnx_path, to_float)
+            agreement = top1_agreement(reference, prefill(model, onnx_path, {}, ids, threads))
+            result["agreement_at_level_1"] = tried[low]
+        result["nodes_to_float_matmul"] = to_float
         onnx.save_model(model, str(onnx_path))
     result.update(
         agreement=agreement,

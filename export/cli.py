@@ -276,6 +276,12 @@ def export_command(
             f"accuracy guard: int8 activations agree with float ones on {guard['agreement_before']:.1%} of the "
             f"paragraph's next tokens (at least {guard['min_agreement']:.0%}): "
             + (f"{', '.join(moved)} moved to level 1 ({guard['agreement']:.1%})" if moved else "nothing moved")
+            + (
+                f"; their {len(guard['nodes_to_float_matmul'])} 8-bit projections as float32 MatMuls "
+                f"({_human(guard['float_fallback_bytes'])}, faster than 8-bit at level 1)"
+                if guard.get("nodes_to_float_matmul")
+                else ""
+            )
         )
     figures = report["verify"]
     if figures and figures.get("skipped"):

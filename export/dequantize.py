@@ -44,6 +44,12 @@ PACKED = {
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
 QUANTIZED_OPS = ("MatMulNBits", "GatherBlockQuantized", "QMoE")
+# The accuracy guard's float fallback for an 8-bit MatMulNBits (export/float_fallback.py): a MatMul over the packed
+# weight's dequantized values, named "<packed weight>" + DEQUANTIZED ("..._Q8_dequantized"), read back as that
+# quantized weight.
+DEQUANTIZED = "_dequantized"
+# The ops whose weight is read as the (K, N) array they multiply by (the transposed view of a Linear's).
+MATMUL_OPS = ("MatMulNBits", "MatMul")
 # The plain graph's expert Loop dequantizes these stacks (DequantizeLinear over int8 values), by graph name.
 PLAIN_EXPERT_STACKS = (".experts.gate_up_proj", ".experts.down_proj")
 EMBEDDING = "model.embed_tokens.weight"
@@ -54,7 +60,8 @@ _ROW_RANGE = re.compile(r"^(?P<name>.+)\.rows_(?P<start>\d+)_(?P<stop>\d+)$")
 
 @dataclass
 class QuantizedWeight:
-    op_type: str  # MatMulNBits, GatherBlockQuantized, QMoE, or DequantizeLinear (the plain graph's experts)
+    op_type: str  # MatMulNBits, GatherBlockQuantized, QMoE, DequantizeLinear (the plain graph's experts), or
+    # MatMul (the guard's float fallback, already dequantized)
     bits: int
     weight: np.ndarray | torch.Tensor  # a graph's (K, N) / (V, C) array; a Thinker parameter's (out, in) tensor
 
@@ -203,6 +210,14 @@ def quantized_weight_readers(onnx_path: Path) -> dict[str, Callable[[], Quantize
             inputs = list(node.input[1:4])
             name = graph_weight_name(node.input[1])
             read_one = lambda a=attrs, i=inputs: matmul_nbits(a, i)  # noqa: E731
+        elif node.op_type == "MatMul" and node.input[1].endswith(DEQUANTIZED):
+            packed = node.input[1].removesuffix(DEQUANTIZED)
+            name = graph_weight_name(packed)
+            suffix = _QUANTIZED_SUFFIX.search(packed)
+            if suffix is None:
+                raise RuntimeError(f"float fallback {node.input[1]} names no bit width (a bug in the exporter)")
+            bits = int(suffix.group(0)[2:])
+            read_one = lambda b=bits, w=node.input[1]: QuantizedWeight("MatMul", b, array(w))  # noqa: E731
         elif node.op_type == "QMoE":  # two weights: FC1 (gate and up, interleaved under SwiGLU) and FC2
             for packed, scales, interleaved in (
                 (node.input[2], node.input[3], attrs.get("swiglu_fusion", 0) == 1),
@@ -260,7 +275,7 @@ def _joined(name: str, ranges: list[tuple[int, int, Callable[[], QuantizedWeight
             raise RuntimeError(f"the parts of {name} do not tile its rows at {start} (a bug in the exporter)")
         expected = stop
     parts = [read() for _, _, read in ranges]
-    axis = 1 if parts[0].op_type == "MatMulNBits" else 0
+    axis = 1 if parts[0].op_type in MATMUL_OPS else 0
     weight = np.concatenate([part.weight for part in parts], axis=axis)
     return QuantizedWeight(parts[0].op_type, min(part.bits for part in parts), weight)
 
@@ -296,7 +311,7 @@ def as_thinker_parameters(weights: dict[str, QuantizedWeight], model: torch.nn.M
     out: dict[str, QuantizedWeight] = {}
     for name, quantized in weights.items():
         tensor = torch.from_numpy(quantized.weight)  # a MatMulNBits weight: the (K, N) view of an (N, K) array
-        if quantized.op_type == "MatMulNBits":
+        if quantized.op_type in MATMUL_OPS:
             tensor = tensor.T  # (K, N) -> (out, in), the Linear layout
         elif name in parameters and tensor.shape[1] > parameters[name].shape[1]:
             # A Gather table's rows padded to whole blocks: the graph slices the gathered rows back (its graph

@@ -55,6 +55,10 @@ class WeightFile:
         data_type = helper.np_dtype_to_tensor_dtype(array.dtype)
         return self._append(name, data_type, list(array.shape), array.reshape(-1).view(np.uint8))
 
+    def add_raw(self, name: str, data_type: int, dims: list[int], data: np.ndarray) -> TensorProto:
+        """A tensor's bytes as they are (a uint8 array), e.g. copied from another weights file."""
+        return self._append(name, data_type, dims, data)
+
     def _append(self, name: str, data_type: int, dims: list[int], data: np.ndarray) -> TensorProto:
         pad = -self._file.tell() % ALIGNMENT
         self._file.write(b"\0" * pad)

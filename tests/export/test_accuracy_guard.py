@@ -22,6 +22,7 @@ from onnx import helper
 
 from common.cli import main
 from export.quantize import QuantizeSpec
+from export.quantized_verify import QualityGate
 
 OUTLIER = 1000.0
 PLANTED_LAYER = 1
@@ -107,3 +108,89 @@ def test_mean_kl_a_few_rows_at_a_time_is_the_whole_mean():
     assert mean_kl(reference, candidate) == pytest.approx(whole, rel=1e-12)
     assert mean_kl(reference, candidate, rows=5) == pytest.approx(whole, rel=1e-12)
     assert mean_kl(reference, reference) == pytest.approx(0.0, abs=1e-12)
+
+
+# --- the 8-bit fallback: a float32 MatMul over the dequantized weight (export/float_fallback.py) ---------------------
+
+INT8 = QuantizeSpec(bits=8, block_size=16)  # accuracy level 4
+NO_GATE = QualityGate(min_top1=0.0, max_perplexity_increase=float("inf"))  # random weights: the graph checks alone
+
+
+def external_ranges(path: Path) -> tuple[dict[str, tuple[int, int]], int]:
+    """Each external tensor's (offset, length) in the weights file, and the file's size."""
+    model = onnx.load(path, load_external_data=False)
+    ranges = {}
+    for tensor in model.graph.initializer:
+        entries = {entry.key: entry.value for entry in tensor.external_data}
+        if entries:
+            ranges[tensor.name] = (int(entries["offset"]), int(entries["length"]))
+    return ranges, (path.parent / "model.onnx.data").stat().st_size
+
+
+@pytest.mark.parametrize("graph", ["plain", "fused"])
+def test_int8_units_fall_back_to_float_matmuls_that_the_verify_reads(graph, thinker_variant, tmp_path):
+    """At 8 bits the moved layer's projections become float32 MatMuls over their dequantized weights (onnxruntime's
+    8-bit level 1 dequantizes on every call), the weights file holds no tensor nothing reads, and the quantized
+    verify reads those MatMuls as the 8-bit weights they are (its graph check at the float graphs' tolerance)."""
+    from export.dequantize import DEQUANTIZED
+    from export.exporter import export_model
+    from export.graph_builder import ALIGNMENT
+
+    folder = with_outlier(thinker_variant("qwen3", head_dim=16), tmp_path / "outlier", PLANTED_LAYER)
+    report = export_model(folder, tmp_path / "out", graph=graph, quantize=INT8, verify=True, accuracy_guard=0.9, quality=NO_GATE)
+    guard = report["accuracy_guard"]
+    assert guard["moved_to_level_1"] == [f"layers.{PLANTED_LAYER}"], guard
+    assert guard["passed"] is True and guard["agreement"] >= 0.9, guard
+    assert guard["nodes_to_float_matmul"] and set(guard["nodes_to_float_matmul"]) <= set(guard["nodes_moved"])
+    assert report["verify"]["passed"] is True, report["verify"]
+    path = tmp_path / "out" / "model.onnx"
+    model = onnx.load(path, load_external_data=False)
+    in_layer = [n for n in model.graph.node if f"/layers.{PLANTED_LAYER}/" in n.name]
+    assert not [n.name for n in in_layer if n.op_type == "MatMulNBits"]
+    floats = [n for n in in_layer if n.op_type == "MatMul" and n.input[1].endswith(DEQUANTIZED)]
+    assert len(floats) == len(guard["nodes_to_float_matmul"])
+    weights = {t.name: t for t in model.graph.initializer}
+    assert all(weights[n.input[1]].data_type == onnx.TensorProto.FLOAT for n in floats)
+    assert not [name for name in weights if name + DEQUANTIZED in weights]  # the packed 8-bit tensors are gone
+    ranges, size = external_ranges(path)
+    assert size <= sum(length for _, length in ranges.values()) + ALIGNMENT * len(ranges)
+    assert set(levels_by_layer(path).pop("layers.0")) == {4}
+
+
+def test_the_float_fallback_computes_what_level_1_computes(thinker_variant, tmp_path):
+    from export.accuracy_guard import matmul_units, prefill
+    from export.exporter import export_model
+    from export.float_fallback import float_fallback_nodes, replace_with_float_matmuls
+
+    folder = thinker_variant("qwen3", head_dim=16)
+    export_model(folder, tmp_path / "out", graph="fused", quantize=INT8, verify=False, accuracy_guard=None)
+    shutil.copytree(tmp_path / "out", tmp_path / "float")
+    level_4 = onnx.load(tmp_path / "out" / "model.onnx", load_external_data=False)
+    names = [name for names in matmul_units(level_4).values() for name in names]
+    ids = np.random.default_rng(0).integers(0, 90, size=24)
+    at_level_1 = prefill(level_4, tmp_path / "out" / "model.onnx", dict.fromkeys(names, 1), ids, threads=1)
+    model = onnx.load(tmp_path / "float" / "model.onnx", load_external_data=False)
+    chosen = float_fallback_nodes(model, names)
+    assert sorted(chosen) == sorted(names)  # every projection and the head: all 8-bit, float32 scales
+    assert replace_with_float_matmuls(model, tmp_path / "float" / "model.onnx", chosen) > 0
+    onnx.save_model(model, tmp_path / "float" / "model.onnx")
+    as_float = prefill(model, tmp_path / "float" / "model.onnx", {}, ids, threads=1)
+    scale = np.abs(at_level_1).max()
+    assert np.abs(as_float - at_level_1).max() <= 1e-6 * scale
+    assert sorted(p.name for p in (tmp_path / "float").iterdir()) == sorted(p.name for p in (tmp_path / "out").iterdir())
+
+
+def test_the_verify_fails_a_float_fallback_with_the_wrong_weight(thinker_variant, tmp_path, monkeypatch):
+    """A planted bug: the fallback's weights 5 % too large (as a wrong scale would make them). The graph check runs
+    PyTorch on the weights read back from the graph, so it is the weight check, 8 bits' bound against the float
+    weights, that refuses it, as it refuses a wrong MatMulNBits scale."""
+    import export.float_fallback as float_fallback
+    from common.errors import ThinkerError
+    from export.exporter import export_model
+
+    real = float_fallback.dequantize_matmul_nbits
+    monkeypatch.setattr(float_fallback, "dequantize_matmul_nbits", lambda *args: real(*args) * 1.05)
+    folder = with_outlier(thinker_variant("qwen3", head_dim=16), tmp_path / "outlier", PLANTED_LAYER)
+    with pytest.raises(ThinkerError, match=rf"quantized weight model\.layers\.{PLANTED_LAYER}\..* off the float one"):
+        export_model(folder, tmp_path / "out", graph="fused", quantize=INT8, verify=True, accuracy_guard=0.9, quality=NO_GATE)
+    assert not (tmp_path / "out").exists()
