@@ -62,7 +62,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=9)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
-    weights = [(rng.standard_normal((args.dim, args.dim)) / np.sqrt(args.dim)).astype(np.float32) for _ in range(args.layers)]
+    weights = [
+        (rng.standard_normal((args.dim, args.dim)) / np.sqrt(args.dim)).astype(np.float32) for _ in range(args.layers)
+    ]
     base = chain(weights)
     variants = {"float32 MatMul": base}
     for bits in (4, 8):
@@ -90,7 +92,8 @@ def main() -> None:
                 times[name].append(time.perf_counter() - start)
         for name, samples in times.items():
             results[name][rows]["ms"] = statistics.median(samples) * 1e3
-    print(f"{args.layers} projections of {args.dim} x {args.dim}, {args.threads} threads, median of {args.reps} interleaved runs")
+    shape = f"{args.layers} projections of {args.dim} x {args.dim}"
+    print(f"{shape}, {args.threads} threads, median of {args.reps} interleaved runs")
     print(f"| layout | {' | '.join(f'{r} row(s) (ms)' for r in ROWS)} | vs 8-bit level 4 | error vs float32 |")
     print("|---|" + "---|" * (len(ROWS) + 2))
     for name, by_rows in results.items():

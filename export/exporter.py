@@ -69,13 +69,14 @@ class GraphFiles:
 
 def routed_experts(config: ThinkerConfig, nodes_by_op: dict[str, int]) -> dict[str, str]:
     """For a quantized MoE export, what its routed experts became (read off the graph's operators): onnxruntime's
-    QMoE, or the expert Loop dequantizing int8-held experts (the plain graph; Qwen2-MoE's unnormalised routing)."""
+    QMoE, or the plain graph's int8-held experts dequantized as each step gathers them (its expert Loop, or a decode
+    step's picked experts at once; also Qwen2-MoE's unnormalised routing in the fused graph)."""
     if not config.num_experts:
         return {}
     if nodes_by_op.get("QMoE"):
         return {"routed_experts": "QMoE"}
     if nodes_by_op.get("DequantizeLinear"):
-        return {"routed_experts": "DequantizeLinear in the expert Loop"}
+        return {"routed_experts": "DequantizeLinear of the gathered experts"}
     return {"routed_experts": "float (too narrow: widths not whole blocks, or fewer than 16 outputs)"}
 
 

@@ -229,11 +229,12 @@ class QuantizedExperts:
 @dataclass(frozen=True)
 class StandardExperts:
     """One expert stack in standard onnx types (``WeightQuantizer.standard_experts``): ``values`` (E, K, N) int8,
-    ``scales`` (E, K / block_size, N), or (E, N) where ``block_size`` is 0."""
+    ``scales`` (E, K / block_size, N), or (E, N) where ``block_size`` is 0; ``in_features`` K."""
 
     values: str
     scales: str
     block_size: int
+    in_features: int
 
 
 @dataclass(frozen=True)
@@ -381,7 +382,8 @@ class WeightQuantizer:
         else:
             values = (packed.astype(np.int16) - 128).astype(np.int8)
         values_name = b.weight(f"{name}_Q{self.spec.bits}", np.ascontiguousarray(values.transpose(0, 2, 1)))
-        return StandardExperts(values_name, b.weight(f"{name}_scales", np.ascontiguousarray(scales)), block_size)
+        scales_name = b.weight(f"{name}_scales", np.ascontiguousarray(scales))
+        return StandardExperts(values_name, scales_name, block_size, stack.shape[2])
 
     def expert_arrays(self, name: str, stack: torch.Tensor) -> tuple[np.ndarray, np.ndarray, int]:
         """(E, N, K) -> QMoE's packed weights (E, N, K * bits / 8), scales and block size (0: one scale per row)."""

@@ -137,7 +137,9 @@ def test_int8_units_fall_back_to_float_matmuls_that_the_verify_reads(graph, thin
     from export.graph_builder import ALIGNMENT
 
     folder = with_outlier(thinker_variant("qwen3", head_dim=16), tmp_path / "outlier", PLANTED_LAYER)
-    report = export_model(folder, tmp_path / "out", graph=graph, quantize=INT8, verify=True, accuracy_guard=0.9, quality=NO_GATE)
+    report = export_model(
+        folder, tmp_path / "out", graph=graph, quantize=INT8, verify=True, accuracy_guard=0.9, quality=NO_GATE
+    )
     guard = report["accuracy_guard"]
     assert guard["moved_to_level_1"] == [f"layers.{PLANTED_LAYER}"], guard
     assert guard["passed"] is True and guard["agreement"] >= 0.9, guard
@@ -177,7 +179,9 @@ def test_the_float_fallback_computes_what_level_1_computes(thinker_variant, tmp_
     as_float = prefill(model, tmp_path / "float" / "model.onnx", {}, ids, threads=1)
     scale = np.abs(at_level_1).max()
     assert np.abs(as_float - at_level_1).max() <= 1e-6 * scale
-    assert sorted(p.name for p in (tmp_path / "float").iterdir()) == sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert sorted(p.name for p in (tmp_path / "float").iterdir()) == sorted(
+        p.name for p in (tmp_path / "out").iterdir()
+    )
 
 
 def test_the_verify_fails_a_float_fallback_with_the_wrong_weight(thinker_variant, tmp_path, monkeypatch):
@@ -192,5 +196,7 @@ def test_the_verify_fails_a_float_fallback_with_the_wrong_weight(thinker_variant
     monkeypatch.setattr(float_fallback, "dequantize_matmul_nbits", lambda *args: real(*args) * 1.05)
     folder = with_outlier(thinker_variant("qwen3", head_dim=16), tmp_path / "outlier", PLANTED_LAYER)
     with pytest.raises(ThinkerError, match=rf"quantized weight model\.layers\.{PLANTED_LAYER}\..* off the float one"):
-        export_model(folder, tmp_path / "out", graph="fused", quantize=INT8, verify=True, accuracy_guard=0.9, quality=NO_GATE)
+        export_model(
+            folder, tmp_path / "out", graph="fused", quantize=INT8, verify=True, accuracy_guard=0.9, quality=NO_GATE
+        )
     assert not (tmp_path / "out").exists()

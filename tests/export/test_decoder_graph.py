@@ -14,8 +14,10 @@ from safetensors.torch import load_file, save_file
 
 from common.errors import ThinkerError
 from common.parity_inputs import parity_batch
+from export.decoder_graph import picked_experts_max_tokens
 from export.exporter import export_model
 from export.graph_builder import ALIGNMENT
+from export.graph_walk import all_nodes
 from export.runtime import OnnxDecoder, position_ids_from_mask
 from export.verify import compare_decoders
 
@@ -133,8 +135,13 @@ def test_moe_runs_only_the_routed_experts(tmp_path, monkeypatch):
     export_model(folder, tmp_path / "onnx", verify=False, graph="plain")  # the fused MoE op: test_onnx_fused.py
 
     tokens = np.arange(40, dtype=np.int64)[:, None]  # 40 one-token rows: every row is independent
-    ones = np.ones_like(tokens)
-    logits, _ = OnnxDecoder(tmp_path / "onnx", provider="cpu").prefill(tokens, ones)
+    decoder = OnnxDecoder(tmp_path / "onnx", provider="cpu")
+    logits, _ = decoder.prefill(tokens, np.ones_like(tokens))  # 40 tokens in a step: the expert Loop
+    # ... and a few at a time: each step's picked experts gathered at once
+    few = picked_experts_max_tokens(ThinkerForCausalLM.config_class.from_pretrained(folder))
+    assert 1 <= few < len(tokens)
+    steps = [decoder.prefill(tokens[i : i + few], np.ones_like(tokens[i : i + few]))[0] for i in range(0, 40, few)]
+    np.testing.assert_allclose(np.concatenate(steps), logits, atol=1e-5)
     with torch.no_grad():
         reference = ThinkerForCausalLM.from_pretrained(folder).eval()(torch.from_numpy(tokens)).logits.numpy()
     poisoned = np.isnan(reference[:, 0]).any(-1)
@@ -144,11 +151,18 @@ def test_moe_runs_only_the_routed_experts(tmp_path, monkeypatch):
 
 
 def test_moe_graph_has_no_dense_expert_pass(onnx_folder):
+    """The stacked (E, ...) expert weights are only ever gathered, never multiplied whole: per sparse layer an If
+    between the picked experts gathered at once (a step of a few tokens) and a Loop gathering one visited expert at
+    a time."""
     graph = onnx.load(onnx_folder("qwen3_moe") / "model.onnx", load_external_data=False).graph
     expert_weights = {t.name for t in graph.initializer if ".experts." in t.name}
-    # The stacked (E, ...) expert weights are only gathered one expert at a time inside the Loop body.
-    assert not any(set(node.input) & expert_weights for node in graph.node)
-    assert [n.op_type for n in graph.node].count("Loop") == 2  # layers 0 and 2 are sparse, 1 is dense
+    readers = [node for node in all_nodes(graph) if set(node.input) & expert_weights]
+    assert readers and {node.op_type for node in readers} == {"Gather"}
+    choices = [node for node in graph.node if node.op_type == "If"]
+    assert len(choices) == 2  # layers 0 and 2 are sparse, 1 is dense
+    for choice in choices:
+        branches = {a.name: {n.op_type for n in all_nodes(a.g)} for a in choice.attribute}
+        assert "Loop" in branches["else_branch"] and "Loop" not in branches["then_branch"], branches
 
 
 @pytest.mark.parametrize("graph", ["plain", "fused"])

@@ -24,6 +24,7 @@ from onnx import helper, numpy_helper
 
 from common.cli import main
 from export.dequantize import attributes, constant_reader, dequantize_qmoe, quantized_weights
+from export.graph_walk import all_nodes
 from export.quantize import QuantizeSpec, WeightQuantizer
 from export.quantized_verify import QualityGate, verify_quantized_export
 
@@ -222,6 +223,21 @@ def test_cli_export_of_a_hybrid_moe_verifies(spec, thinker_variant, tmp_path):
     assert {node.op_type for node in graph_of(output).node} >= {"QMoE", "MatMulNBits"}
 
 
+@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
+def test_plain_graph_decode_path_equals_its_expert_loop(spec, onnx_variant):
+    """The plain graph's two paths over the same int8-held experts: a one-token step gathers its picked experts at
+    once and dequantizes them as a batch (blocks along K at int4, int8's scale per output as one block of all K),
+    a 24-token step visits them in the Loop, which the quantized verify holds to PyTorch; each token's logits
+    agree to float rounding."""
+    from export.runtime import OnnxDecoder
+
+    decoder = OnnxDecoder(onnx_variant("qwen3_moe", graph="plain", quantize=spec), provider="cpu")
+    tokens = np.arange(24, dtype=np.int64)[:, None]  # 24 one-token rows
+    loop = decoder.prefill(tokens, np.ones_like(tokens))[0]
+    picked = np.concatenate([decoder.prefill(row[None], np.ones_like(row[None]))[0] for row in tokens])
+    np.testing.assert_allclose(picked, loop, rtol=0, atol=1e-5 * np.abs(loop).max())
+
+
 def test_genai_runs_quantized_experts(genai_python, onnx_variant):
     """onnxruntime-genai's greedy tokens equal onnxruntime's on the QMoE graphs (its own onnxruntime)."""
     folders = [export_of(onnx_variant, "qwen3_moe", INT4), export_of(onnx_variant, "qwen3_5_moe", INT8)]
@@ -249,12 +265,22 @@ def test_unnormalised_routing_keeps_the_loop_over_quantized_experts(thinker_vari
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     report = json.loads((output / "export_report.json").read_text())
-    assert report["quantize"]["routed_experts"] == "DequantizeLinear in the expert Loop", report["quantize"]
+    assert report["quantize"]["routed_experts"] == "DequantizeLinear of the gathered experts", report["quantize"]
     verify = report["verify"]
     assert verify["passed"] is True, verify
     assert [name for name in quantized_weights(output / "model.onnx") if name.endswith(".mlp.experts.down_proj")]
     graph = graph_of(output)
     assert not [n for n in graph.node if n.op_type in ("QMoE", "MoE")]
-    loop = next(n for n in graph.node if n.op_type == "Loop")
-    body = helper.get_attribute_value(loop.attribute[0])
-    assert "DequantizeLinear" in {n.op_type for n in body.node}
+    for branch in ("then_branch", "else_branch"):  # a decode step's picked experts, and a prompt's expert Loop
+        body = helper.get_attribute_value(next(a for a in expert_if(graph).attribute if a.name == branch))
+        assert "DequantizeLinear" in {n.op_type for n in all_nodes(body)}, branch
+
+
+def expert_if(graph: onnx.GraphProto) -> onnx.NodeProto:
+    """The first MoE layer's ``If`` between the picked experts (then) and the Loop (else)."""
+    return next(
+        node
+        for node in graph.node
+        if node.op_type == "If"
+        and any(n.op_type == "Loop" for a in node.attribute if a.name == "else_branch" for n in a.g.node)
+    )
