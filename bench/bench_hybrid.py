@@ -421,12 +421,29 @@ def export_table(model: dict, precision: str) -> str:
     return report.table(["export", "wall (s)", "vs builder", "peak RSS (GiB)", "vs builder", "files (GiB)"], rows)
 
 
+# What each model's entry records of the run that measured it (older files keep them at the top level only).
+RUN_SETTINGS = ("command", "threads", "prompt", "new", "reps")
+
+
+def merged_models(path: Path, models: list[dict]) -> list[dict]:
+    """``models`` in place of the same-named entries of the results file at ``path``, the file's other models kept
+    (each with the settings of the run that measured it): ``--models moe`` does not throw the dense figures away."""
+    if not path.is_file():
+        return models
+    previous = json.loads(path.read_text())
+    fresh = {model["name"]: model for model in models}
+    kept = [{key: previous[key] for key in RUN_SETTINGS} | model for model in previous["models"]]
+    out = [fresh.pop(model["name"], model) for model in kept]
+    return out + list(fresh.values())
+
+
 def markdown(results: dict) -> str:
     parts = []
     for model in results["models"]:
         precision = results.get("precision", "fp32")
-        run = f"{precision}, batch 1, {results['prompt']}-token prompt, {results['new']} new tokens"
-        run += f", {results['threads']} threads"
+        settings = {key: model.get(key, results[key]) for key in RUN_SETTINGS}
+        run = f"{precision}, batch 1, {settings['prompt']}-token prompt, {settings['new']} new tokens"
+        run += f", {settings['threads']} threads"
         loads = f"load average {model['load_average_before']} before, {model['load_average_after']} after"
         parts.append(f"#### {model['name']} ({run}; {loads})")
         parts.append(speed_table(model, precision))
@@ -455,19 +472,23 @@ def main() -> None:
     args = parser.parse_args()
     if args.report:
         results = json.loads(results_file(args.precision).read_text())
-        print(f"`{results['command']}`\n\n{markdown(results)}")
+        commands = dict.fromkeys(model.get("command", results["command"]) for model in results["models"])
+        print("\n".join(f"`{command}`" for command in commands) + f"\n\n{markdown(results)}")
         return
     args.runtimes = args.runtimes.split(",")
-    results = {
+    settings = {
         "command": "python bench/bench_hybrid.py " + " ".join(sys.argv[1:]),
         "threads": args.threads,
         "prompt": args.prompt,
         "new": args.new,
         "reps": args.reps,
+    }
+    models = [run_model(key, args) | settings for key in args.models.split(",")]
+    results = settings | {
         "precision": args.precision,
         "cpu_count": os.cpu_count(),
         "versions": {env: package_versions(env) for env in ("genai", "mobius")},
-        "models": [run_model(key, args) for key in args.models.split(",")],
+        "models": models if args.smoke else merged_models(results_file(args.precision), models),
     }
     if not args.smoke:
         RESULTS.mkdir(exist_ok=True)

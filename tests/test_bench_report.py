@@ -77,3 +77,27 @@ def test_a_rotation_cycle_cancels_the_load_order():
     assert value == pytest.approx(true) and low == pytest.approx(true) and high == pytest.approx(true)
     rows = bench_graph_ab.summary(reps, ["A", "B"])
     assert rows[1]["speed_vs_first_by_cycle"][0] == pytest.approx(true, abs=1e-4)
+
+
+def test_bench_hybrid_keeps_the_models_a_run_did_not_measure(tmp_path):
+    """``bench_hybrid.py --models moe`` replaces the MoE's entry of its results file and keeps the dense model's,
+    which carries the settings of the run that measured it (older files hold them at the top level only)."""
+    import json
+
+    import bench_hybrid
+
+    old_settings = {
+        "command": "python bench/bench_hybrid.py --reps 7",
+        "threads": 2,
+        "prompt": 128,
+        "new": 33,
+        "reps": 7,
+    }
+    path = tmp_path / "hybrid.json"
+    path.write_text(json.dumps(old_settings | {"models": [{"name": "dense", "x": 1}, {"name": "moe", "x": 2}]}))
+    fresh = {"name": "moe", "x": 3, "command": "python bench/bench_hybrid.py --models moe", "reps": 3}
+    merged = bench_hybrid.merged_models(path, [fresh])
+    assert [model["name"] for model in merged] == ["dense", "moe"]
+    assert merged[0] == old_settings | {"name": "dense", "x": 1}
+    assert merged[1] == fresh
+    assert bench_hybrid.merged_models(tmp_path / "none.json", [fresh]) == [fresh]
