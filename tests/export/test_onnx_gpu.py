@@ -66,6 +66,20 @@ def test_cuda_generate_runs_greedy(onnx_folder):
     assert cuda[0, 4] == cpu[0, 4]  # the first new token; half precision may part ways later, on a near-tie
 
 
+def test_cuda_plain_moe_decode_path_equals_its_expert_loop(onnx_variant):
+    """The plain graph's two MoE paths on CUDA, float16: one-token steps gather their picked experts at once (a
+    Gather of the expert stack and a batched MatMul), a 24-token step visits them in the Loop; each token's logits
+    agree within float16's tolerance (the paths sum the experts in different orders)."""
+    from common.parity_inputs import RELATIVE_TOLERANCE
+
+    decoder = OnnxDecoder(onnx_variant("qwen3_moe", "float16", graph="plain"), provider="cuda")
+    tokens = np.arange(24, dtype=np.int64)[:, None]  # 24 one-token rows
+    loop = decoder.prefill(tokens, np.ones_like(tokens))[0].astype(np.float32)
+    picked = np.concatenate([decoder.prefill(row[None], np.ones_like(row[None]))[0] for row in tokens])
+    tolerance = RELATIVE_TOLERANCE[torch.float16] * max(1.0, float(np.abs(loop).max()))
+    np.testing.assert_allclose(picked.astype(np.float32), loop, rtol=0, atol=tolerance)
+
+
 # --- hybrid models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) ----------------------------------------------------------------
 @pytest.mark.parametrize("graph", ["plain", "fused"])
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
