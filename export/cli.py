@@ -142,8 +142,9 @@ from .names import (
     show_default=True,
     help="--quantize at --accuracy-level 4: the least top-1 agreement of the int8-activation graph with the same "
     "weights at float activations (level 1) on a fixed English paragraph; below it the layers whose int8 "
-    "activations cost most fall back to level 1 (the fewest that meet it, by bisection over their ranking; 0 turns "
-    "the guard off).",
+    "activations cost most fall back to level 1 (the fewest that meet it, by bisection over their ranking; an "
+    "8-bit projection falls back as a float32 MatMul over its dequantized weight, onnxruntime's 8-bit level 1 "
+    "being slow; 0 turns the guard off).",
 )
 @click.option(
     "--min-top1",

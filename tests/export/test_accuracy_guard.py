@@ -200,3 +200,12 @@ def test_the_verify_fails_a_float_fallback_with_the_wrong_weight(thinker_variant
             folder, tmp_path / "out", graph="fused", quantize=INT8, verify=True, accuracy_guard=0.9, quality=NO_GATE
         )
     assert not (tmp_path / "out").exists()
+
+
+def test_cli_says_which_int8_projections_became_float(thinker_variant, tmp_path):
+    folder = with_outlier(thinker_variant("qwen3", head_dim=16), tmp_path / "outlier", PLANTED_LAYER)
+    args = ["export", str(folder), str(tmp_path / "out"), "--graph", "fused", "--quantize", "int8"]
+    result = CliRunner().invoke(main, [*args, "--block-size", "16", "--no-verify"])
+    assert result.exit_code == 0, result.output
+    assert f"layers.{PLANTED_LAYER} moved to level 1" in result.output, result.output
+    assert "8-bit projections as float32 MatMuls" in result.output, result.output
