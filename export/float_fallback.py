@@ -15,8 +15,9 @@ and runs the PyTorch Thinker on it).
 
 The weights file is then rewritten one tensor at a time into a temporary file beside it and renamed over it, without
 the tensors no node reads any longer (a tied embedding's GatherBlockQuantized keeps reading a moved head's packed
-weight, which then stays): no dead bytes, and one tensor in memory at a time. Other graph dtypes keep level 1 (a
-float16 MatMul has no fast CPU kernel either).
+weight, which then stays): no dead bytes, and one tensor in memory at a time. Float16 and bfloat16 graphs keep
+level 1: their float MatMul would run in half precision (not level 1's function), and the guard runs on the CPU,
+where onnxruntime's half-precision matmuls are not the fast path either.
 """
 
 from __future__ import annotations
