@@ -28,8 +28,6 @@ Linear weights are stored transposed, [in, out], so that every projection is a p
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,7 +39,7 @@ from common.errors import ThinkerError
 from thinker.configuration_thinker import ThinkerConfig
 from thinker.modeling_thinker import ThinkerRotaryEmbedding
 
-from .graph_builder import TORCH_TO_ONNX, GraphBuilder, value_info
+from .graph_builder import TORCH_TO_ONNX, GraphBuilder, emitting_into, value_info
 from .hybrid_attention_graph import (
     emit_output_gate,
     emit_partial_rotary,
@@ -96,6 +94,18 @@ def position_form(config: ThinkerConfig, positions: str | None) -> str:
             "so its position_ids are (batch, seq) text positions; leave --positions out"
         )
     return positions or ("multimodal" if multimodal else "text")
+
+
+@dataclass(frozen=True)
+class RoutedStep:
+    """What both ways of running one MoE step's routed experts read (``DecoderGraph.emit_routed_experts``): the
+    step's tokens (N, C), each token's k routing weights and expert ids (N, k), the layer's two expert stacks."""
+
+    flat: str
+    weights: str
+    experts: str
+    gate_up: str | StandardExperts
+    down: str | StandardExperts
 
 
 class DecoderGraph:
@@ -526,34 +536,19 @@ class DecoderGraph:
         gate_up, down = self.expert_stacks(prefix)
         tokens = b.op("Shape", flat, start=0, end=1)
         few = b.op("LessOrEqual", tokens, b.const([picked_experts_max_tokens(cfg)]))
+        step = RoutedStep(flat, routing_weights, expert_index, gate_up, down)
         branches = {}
         for name, emit in (("picked", self.emit_picked_experts), ("visited", self.emit_expert_loop)):
             body = b.subgraph()
-            with self.emitting_into(body), body.scope(name):
-                out = emit(flat, routing_weights, expert_index, gate_up, down)
+            with emitting_into(self, body), body.scope(name):
+                out = emit(step)
             outputs = [value_info(out, self.onnx_dtype, [None, cfg.hidden_size])]
             branches[name] = body.make_graph(f"{prefix}.experts.{name}", [], outputs)
         routed = b.fresh("routed_experts")
         b.op_to("If", [few], [routed], then_branch=branches["picked"], else_branch=branches["visited"])
         return routed
 
-    @contextmanager
-    def emitting_into(self, builder: GraphBuilder) -> Iterator[None]:
-        """Emits into ``builder`` (an ``If`` branch) for the duration of the block."""
-        outer, self.b = self.b, builder
-        try:
-            yield
-        finally:
-            self.b = outer
-
-    def emit_picked_experts(
-        self,
-        flat: str,
-        routing_weights: str,
-        expert_index: str,
-        gate_up: str | StandardExperts,
-        down: str | StandardExperts,
-    ) -> str:
+    def emit_picked_experts(self, step: RoutedStep) -> str:
         """Every (token, slot) pair's expert at once: the N x k picked experts' weights gathered into one batch
         (a copy each, as the Loop makes of each expert it visits), one batched product per projection, the slots'
         weighted outputs summed. The same work as the Loop for a decode step (k experts, each picked once), in a
@@ -562,39 +557,30 @@ class DecoderGraph:
         sum by float rounding."""
         b, cfg = self.b, self.config
         k = cfg.num_experts_per_tok
-        picked = b.op("Reshape", expert_index, b.const([-1]))  # (N k,)
-        rows = b.op("Expand", b.op("Unsqueeze", flat, b.const([1])), b.const([1, k, 1]))  # (N, k, C)
+        picked = b.op("Reshape", step.experts, b.const([-1]))  # (N k,)
+        rows = b.op("Expand", b.op("Unsqueeze", step.flat, b.const([1])), b.const([1, k, 1]))  # (N, k, C)
         rows = b.op("Reshape", rows, b.const([-1, 1, cfg.hidden_size]))  # (N k, 1, C)
-        gate_up_rows = b.op("MatMul", rows, self.emit_expert_weight(b, gate_up, picked))  # (N k, 1, 2I)
+        gate_up_rows = b.op("MatMul", rows, self.emit_expert_weight(b, step.gate_up, picked))  # (N k, 1, 2I)
         gate, up = b.op("Split", gate_up_rows, axis=-1, num_outputs=2, outputs=2)
         hidden = b.op("Mul", self.emit_activation(gate, b), up)
-        y = b.op("MatMul", hidden, self.emit_expert_weight(b, down, picked))  # (N k, 1, C)
+        y = b.op("MatMul", hidden, self.emit_expert_weight(b, step.down, picked))  # (N k, 1, C)
         y = b.op("Reshape", y, b.const([-1, k, cfg.hidden_size]))  # (N, k, C)
-        y = b.op("Mul", y, b.op("Unsqueeze", routing_weights, b.const([-1])))
+        y = b.op("Mul", y, b.op("Unsqueeze", step.weights, b.const([-1])))
         return b.op("ReduceSum", y, b.const([1]), keepdims=0)  # (N, C)
 
-    def emit_expert_loop(
-        self,
-        flat: str,
-        routing_weights: str,
-        expert_index: str,
-        gate_up: str | StandardExperts,
-        down: str | StandardExperts,
-    ) -> str:
+    def emit_expert_loop(self, step: RoutedStep) -> str:
         """A Loop over the experts that some token picked: ``emit_moe``."""
         b, cfg = self.b, self.config
-        experts = b.op("Unique", b.op("Reshape", expert_index, b.const([-1])), sorted=1, outputs=4)[0]
+        experts = b.op("Unique", b.op("Reshape", step.experts, b.const([-1])), sorted=1, outputs=4)[0]
         zero = helper.make_tensor("zero", self.onnx_dtype, [1], [0])
-        zeros = b.op("ConstantOfShape", b.op("Shape", flat), value=zero)  # the accumulator, (N, C)
+        zeros = b.op("ConstantOfShape", b.op("Shape", step.flat), value=zero)  # the accumulator, (N, C)
 
         body = b.subgraph()
         with body.scope("expert"):
             # Body inputs get model-wide unique names: onnx forbids a subgraph name that shadows another.
             iteration, cond_in, acc = body.fresh("iteration"), body.fresh("condition_in"), body.fresh("accumulated")
             cond_out = body.op("Identity", cond_in)  # no early exit: the trip count is the number of experts
-            out = self.emit_expert_step(
-                body, iteration, acc, experts, expert_index, routing_weights, flat, gate_up, down
-            )
+            out = self.emit_expert_step(body, iteration, acc, experts, step)
         loop_body = body.make_graph(
             "moe_expert_step",
             [
@@ -632,27 +618,18 @@ class DecoderGraph:
         return body.op("DequantizeLinear", values, scales, axis=-2, block_size=block)  # blocks along K
 
     def emit_expert_step(
-        self,
-        body: GraphBuilder,
-        iteration: str,
-        accumulated: str,
-        experts: str,
-        expert_index: str,
-        routing_weights: str,
-        flat: str,
-        gate_up: str | StandardExperts,
-        down: str | StandardExperts,
+        self, body: GraphBuilder, iteration: str, accumulated: str, visited: str, step: RoutedStep
     ) -> str:
-        """The Loop body: expert ``experts[iteration]`` runs on its tokens, its weighted output is added in."""
-        expert = body.op("Gather", experts, iteration)  # a scalar expert id
-        picks = body.op("NonZero", body.op("Equal", expert_index, expert))  # (2, M): (token, slot) pairs
+        """The Loop body: expert ``visited[iteration]`` runs on its tokens, its weighted output is added in."""
+        expert = body.op("Gather", visited, iteration)  # a scalar expert id
+        picks = body.op("NonZero", body.op("Equal", step.experts, expert))  # (2, M): (token, slot) pairs
         tokens = body.op("Gather", picks, body.const(0))  # (M,)
-        weights = body.op("GatherND", routing_weights, body.op("Transpose", picks, perm=[1, 0]))  # (M,)
-        rows = body.op("Gather", flat, tokens)  # (M, C)
-        gate_up_rows = body.op("MatMul", rows, self.emit_expert_weight(body, gate_up, expert))
+        weights = body.op("GatherND", step.weights, body.op("Transpose", picks, perm=[1, 0]))  # (M,)
+        rows = body.op("Gather", step.flat, tokens)  # (M, C)
+        gate_up_rows = body.op("MatMul", rows, self.emit_expert_weight(body, step.gate_up, expert))
         gate, up = body.op("Split", gate_up_rows, axis=-1, num_outputs=2, outputs=2)
         hidden = body.op("Mul", self.emit_activation(gate, body), up)
-        y = body.op("MatMul", hidden, self.emit_expert_weight(body, down, expert))  # (M, C)
+        y = body.op("MatMul", hidden, self.emit_expert_weight(body, step.down, expert))  # (M, C)
         y = body.op("Mul", y, body.op("Unsqueeze", weights, body.const([-1])))
         # Each token meets an expert at most once, so a gather-add-scatter is exact (no duplicate indices).
         token_rows = body.op("Unsqueeze", tokens, body.const([-1]))  # (M, 1)

@@ -165,6 +165,17 @@ class GraphBuilder:
         return helper.make_graph(self.nodes, name, list(inputs), list(outputs), initializer=self.initializers)
 
 
+@contextmanager
+def emitting_into(owner, builder: GraphBuilder) -> Iterator[None]:
+    """Has ``owner`` (a graph writer that emits through ``owner.b``) emit into ``builder``, a control-flow body, for
+    the duration of the block."""
+    outer, owner.b = owner.b, builder
+    try:
+        yield
+    finally:
+        owner.b = outer
+
+
 def value_info(name: str, elem_type: int, shape: Sequence[int | str | None] | None) -> onnx.ValueInfoProto:
     """A typed value; ``None`` in ``shape`` is an unnamed dynamic dimension, ``shape=None`` an unknown rank."""
     return helper.make_tensor_value_info(name, elem_type, None if shape is None else list(shape))

@@ -41,15 +41,14 @@ docs/hybrid-export.md). Both keep the recurrence, its inputs and its state in fl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from onnx import TensorProto
 
 from .chunked_delta_rule import DeltaRuleInputs, emit_chunked_delta_rule
-from .graph_builder import TORCH_TO_ONNX, GraphBuilder, value_info
+from .graph_builder import TORCH_TO_ONNX, GraphBuilder, emitting_into, value_info
 
 MS_DOMAIN = "com.microsoft"
 L2NORM_EPS = 1e-6  # transformers' l2norm (and the FLA kernels it follows) put this inside the square root
@@ -191,15 +190,6 @@ class GatedDeltaNetGraph:
         self.matmul = matmul or (lambda x, name, w: self.b.op("MatMul", x, self.b.weight(name, w)))
 
     # --- small helpers ----------------------------------------------------------------------------------------
-    @contextmanager
-    def building(self, builder: GraphBuilder) -> Iterator[None]:
-        """Emits into ``builder`` (an ``If`` branch) for the duration of the block."""
-        outer, self.b = self.b, builder
-        try:
-            yield
-        finally:
-            self.b = outer
-
     def to_float(self, x: str) -> str:
         return x if self.dtype == torch.float32 else self.b.op("Cast", x, to=TensorProto.FLOAT)
 
@@ -335,7 +325,7 @@ class GatedDeltaNetGraph:
         for name in ("chunks", "tokens"):
             body = b.subgraph()
             state = body.fresh("present_recurrent")
-            with self.building(body), body.scope(name):
+            with emitting_into(self, body), body.scope(name):
                 form = self.emit_delta_chunks if name == "chunks" else self.emit_delta_scan
                 out = form(rule, past, state)
             outputs = [value_info(out, TensorProto.FLOAT, None), value_info(state, TensorProto.FLOAT, None)]
@@ -479,7 +469,7 @@ class FusedGatedDeltaNetGraph(GatedDeltaNetGraph):
         for name in ("unpadded", "padded"):
             body = b.subgraph()
             present = body.fresh("present_conv")
-            with self.building(body), body.scope(name):
+            with emitting_into(self, body), body.scope(name):
                 if name == "unpadded":
                     with body.scope("conv"):
                         conv = self.emit_unpadded_conv(qkv, f"{prefix}.conv1d.weight", past_conv, present)
