@@ -560,10 +560,11 @@ class DecoderGraph:
         picked = b.op("Reshape", step.experts, b.const([-1]))  # (N k,)
         rows = b.op("Expand", b.op("Unsqueeze", step.flat, b.const([1])), b.const([1, k, 1]))  # (N, k, C)
         rows = b.op("Reshape", rows, b.const([-1, 1, cfg.hidden_size]))  # (N k, 1, C)
-        gate_up_rows = b.op("MatMul", rows, self.emit_expert_weight(b, step.gate_up, picked))  # (N k, 1, 2I)
+        gate_up = self.emit_expert_weight(b, step.gate_up, picked, batch=True)  # (N k, C, 2I)
+        gate_up_rows = b.op("MatMul", rows, gate_up)  # (N k, 1, 2I)
         gate, up = b.op("Split", gate_up_rows, axis=-1, num_outputs=2, outputs=2)
         hidden = b.op("Mul", self.emit_activation(gate, b), up)
-        y = b.op("MatMul", hidden, self.emit_expert_weight(b, step.down, picked))  # (N k, 1, C)
+        y = b.op("MatMul", hidden, self.emit_expert_weight(b, step.down, picked, batch=True))  # (N k, 1, C)
         y = b.op("Reshape", y, b.const([-1, k, cfg.hidden_size]))  # (N, k, C)
         y = b.op("Mul", y, b.op("Unsqueeze", step.weights, b.const([-1])))
         return b.op("ReduceSum", y, b.const([1]), keepdims=0)  # (N, C)
@@ -606,16 +607,21 @@ class DecoderGraph:
         return tuple(self.weight(name, transpose=True) for name in names)
 
     @staticmethod
-    def emit_expert_weight(body: GraphBuilder, stack: str | StandardExperts, expert: str) -> str:
+    def emit_expert_weight(body: GraphBuilder, stack: str | StandardExperts, expert: str, batch: bool = False) -> str:
         """Expert ``expert``'s (K, N) weight out of ``stack`` (``expert_stacks``): a copy of its slice (Gather), or
-        its quantized slice dequantized; for a 1-D ``expert``, the (M, K, N) batch of those experts."""
+        its quantized slice dequantized; with ``batch``, ``expert`` is 1-D and this the (M, K, N) batch of those
+        experts."""
         if isinstance(stack, str):
             return body.op("Gather", stack, expert)
         values, scales = body.op("Gather", stack.values, expert), body.op("Gather", stack.scales, expert)
-        block = stack.block_size
-        if not block:  # a scale per output: one block of all K, a form that takes a batch of experts too
-            scales, block = body.op("Unsqueeze", scales, body.const([-2])), stack.in_features
-        return body.op("DequantizeLinear", values, scales, axis=-2, block_size=block)  # blocks along K
+        if stack.block_size:  # blocks along K, the second axis from the end of (K, N) and of (M, K, N)
+            return body.op("DequantizeLinear", values, scales, axis=-2, block_size=stack.block_size)
+        if not batch:
+            return body.op("DequantizeLinear", values, scales, axis=1)  # a scale per output
+        # A batch's scales per output, (M, N): DequantizeLinear's per-axis form takes one axis of scales, so its
+        # product (no zero point: q * scale, one rounding) in elementwise operators, broadcast over K.
+        weight = body.op("Cast", values, to=stack.scale_type)
+        return body.op("Mul", weight, body.op("Unsqueeze", scales, body.const([-2])))
 
     def emit_expert_step(
         self, body: GraphBuilder, iteration: str, accumulated: str, visited: str, step: RoutedStep

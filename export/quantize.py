@@ -229,12 +229,12 @@ class QuantizedExperts:
 @dataclass(frozen=True)
 class StandardExperts:
     """One expert stack in standard onnx types (``WeightQuantizer.standard_experts``): ``values`` (E, K, N) int8,
-    ``scales`` (E, K / block_size, N), or (E, N) where ``block_size`` is 0; ``in_features`` K."""
+    ``scales`` (E, K / block_size, N), or (E, N) where ``block_size`` is 0, of onnx type ``scale_type``."""
 
     values: str
     scales: str
     block_size: int
-    in_features: int
+    scale_type: int
 
 
 @dataclass(frozen=True)
@@ -383,7 +383,7 @@ class WeightQuantizer:
             values = (packed.astype(np.int16) - 128).astype(np.int8)
         values_name = b.weight(f"{name}_Q{self.spec.bits}", np.ascontiguousarray(values.transpose(0, 2, 1)))
         scales_name = b.weight(f"{name}_scales", np.ascontiguousarray(scales))
-        return StandardExperts(values_name, scales_name, block_size, stack.shape[2])
+        return StandardExperts(values_name, scales_name, block_size, helper.np_dtype_to_tensor_dtype(scales.dtype))
 
     def expert_arrays(self, name: str, stack: torch.Tensor) -> tuple[np.ndarray, np.ndarray, int]:
         """(E, N, K) -> QMoE's packed weights (E, N, K * bits / 8), scales and block size (0: one scale per row)."""

@@ -226,7 +226,8 @@ def test_cli_export_of_a_hybrid_moe_verifies(spec, thinker_variant, tmp_path):
 @pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
 def test_plain_graph_decode_path_equals_its_expert_loop(spec, onnx_variant):
     """The plain graph's two paths over the same int8-held experts: a one-token step gathers its picked experts at
-    once and dequantizes them as a batch (blocks along K at int4, int8's scale per output as one block of all K),
+    once and dequantizes them as a batch (DequantizeLinear in blocks along K at int4, int8's scale per output as a
+    Cast and a Mul),
     a 24-token step visits them in the Loop, which the quantized verify holds to PyTorch; each token's logits
     agree to float rounding."""
     from export.runtime import OnnxDecoder
