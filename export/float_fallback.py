@@ -29,6 +29,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from common.errors import ThinkerError
+
 from .dequantize import DEQUANTIZED, attributes, constant_reader, dequantize_matmul_nbits
 from .graph_builder import WeightFile
 from .graph_walk import all_nodes
@@ -112,6 +114,11 @@ def _rewrite_weights(model, onnx_path: Path, kept, added: dict, weight_of) -> in
             initializers.append(weights.add_array(name, array))
         weights.close()
         os.replace(staging / data_path.name, data_path)
+    except OSError as err:
+        raise ThinkerError(
+            f"{data_path}: cannot rewrite the weights file with the accuracy guard's float32 fallback ({err}); "
+            "free disk space, or export with --accuracy-guard 0"
+        ) from err
     finally:
         for leftover in staging.iterdir():
             leftover.unlink()

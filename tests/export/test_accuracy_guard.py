@@ -209,3 +209,27 @@ def test_cli_says_which_int8_projections_became_float(thinker_variant, tmp_path)
     assert result.exit_code == 0, result.output
     assert f"layers.{PLANTED_LAYER} moved to level 1" in result.output, result.output
     assert "8-bit projections as float32 MatMuls" in result.output, result.output
+
+
+def test_a_fallback_that_fails_midway_leaves_no_output(thinker_variant, tmp_path, monkeypatch):
+    """The weights file is rewritten into a temporary file beside it; a failure while writing it (here a disk full
+    at the second weight) ends the export with an error naming the file and what to do, nothing at OUTPUT and no
+    temporary file left."""
+    import export.float_fallback as float_fallback
+    from common.errors import ThinkerError
+    from export.exporter import export_model
+
+    real, calls = float_fallback.dequantize_matmul_nbits, []
+
+    def fails_the_second_time(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return real(*args)
+
+    monkeypatch.setattr(float_fallback, "dequantize_matmul_nbits", fails_the_second_time)
+    folder = with_outlier(thinker_variant("qwen3", head_dim=16), tmp_path / "outlier", PLANTED_LAYER)
+    with pytest.raises(ThinkerError, match=r"model\.onnx\.data: cannot rewrite .* \(disk full\); free disk space"):
+        export_model(folder, tmp_path / "out", graph="fused", quantize=INT8, verify=False, accuracy_guard=0.9)
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["outlier"]  # no work folder left beside OUTPUT either
