@@ -27,6 +27,7 @@ per bisection step (log2 of the units). The float-activation sessions run wide 8
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tempfile
@@ -37,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+
+from common.progress import progress_bar
 
 from .fidelity import fidelity_token_ids, mean_kl
 from .float_fallback import float_fallback_nodes, replace_with_float_matmuls
@@ -180,12 +183,18 @@ def guard_accuracy_level(
     max_positions: int,
     min_agreement: float = DEFAULT_MIN_AGREEMENT,
     threads: int | None = None,
+    progress: bool = True,
 ) -> dict:
     """Checks the written graph's level-4 MatMulNBits against level 1 and moves the most sensitive units to level 1
     until they agree on at least ``min_agreement`` of the paragraph's next tokens; rewrites ``onnx_path`` when
-    anything moved. Returns the report's figures."""
+    anything moved. Returns the report's figures. ``progress``: a bar over its steps (onnxruntime runs, a float
+    fallback's rewrite of the weights file) on stderr, where it is a terminal."""
+    with progress_bar(2, "accuracy guard", unit="step", enabled=progress) as bar:
+        return _guard(model_dir, Path(onnx_path), vocab_size, max_positions, min_agreement, threads, bar)
+
+
+def _guard(model_dir, onnx_path, vocab_size, max_positions, min_agreement, threads, bar) -> dict:
     started = time.perf_counter()
-    onnx_path = Path(onnx_path)
     model = onnx.load(str(onnx_path), load_external_data=False)
     units = matmul_units(model)
     nodes = [name for names in units.values() for name in names]
@@ -194,13 +203,18 @@ def guard_accuracy_level(
 
     float_levels = dict.fromkeys(nodes, FALLBACK_LEVEL)
     reference = prefill(model, onnx_path, float_levels, ids, threads)
+    bar.update()
     shipped = prefill(model, onnx_path, {}, ids, threads)
+    bar.update()
     agreement = top1_agreement(reference, shipped)
     result["agreement_before"] = agreement
     result["mean_kl_before"] = mean_kl(reference, shipped)
     moved: list[str] = []
     if agreement < min_agreement:
+        bar.total += 1 + math.ceil(math.log2(max(len(units), 1)))  # the ranking, then the bisection's runs
+        bar.refresh()
         sensitivity = activation_rounding_errors(model, onnx_path, units, ids, threads)
+        bar.update()
         result["unit_activation_rounding_error"] = dict(sorted(sensitivity.items(), key=lambda item: -item[1]))
         ranked = sorted(sensitivity, key=sensitivity.get, reverse=True)
 
@@ -214,14 +228,20 @@ def guard_accuracy_level(
         while low < high:
             middle = (low + high) // 2
             tried[middle] = top1_agreement(reference, prefill(model, onnx_path, levels_moving(middle), ids, threads))
+            bar.update()
             low, high = (low, middle) if tried[middle] >= min_agreement else (middle + 1, high)
         moved, agreement = ranked[:low], tried[low]
+        bar.total = bar.n  # the bisection may need fewer runs than its bound
         result["agreement_by_units_moved"] = dict(sorted(tried.items()))
         set_levels(model, levels_moving(low))
         to_float = float_fallback_nodes(model, list(levels_moving(low)))
         if to_float:  # the same function as level 1 (export/float_fallback.py), so measured again as written
+            bar.total += 2  # the weights file rewritten, the graph run again
+            bar.refresh()
             result["float_fallback_bytes"] = replace_with_float_matmuls(model, onnx_path, to_float)
+            bar.update()
             agreement = top1_agreement(reference, prefill(model, onnx_path, {}, ids, threads))
+            bar.update()
             result["agreement_at_level_1"] = tried[low]
         result["nodes_to_float_matmul"] = to_float
         onnx.save_model(model, str(onnx_path))

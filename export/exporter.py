@@ -137,7 +137,13 @@ def export_model(
             from .accuracy_guard import guard_accuracy_level
 
             guard = guard_accuracy_level(
-                model_dir, files.model_path, config.vocab_size, config.max_position_embeddings, accuracy_guard, threads
+                model_dir,
+                files.model_path,
+                config.vocab_size,
+                config.max_position_embeddings,
+                accuracy_guard,
+                threads,
+                progress,
             )
         genai_graph = write_genai_graph(files.model_path)  # after the guard, which may rewrite model.onnx
         copy_side_files(model_dir, final)

@@ -60,7 +60,7 @@ def test_export_and_verify_show_progress_on_a_terminal(qwen3_thinker, tmp_path):
 def test_quantization_shows_progress_on_a_terminal(qwen3_thinker, tmp_path):
     status, shown = run_on_terminal("export", qwen3_thinker, tmp_path / "onnx", "--quantize", "int8", "--verify")
     assert status == 0, shown
-    assert_bars(shown, "quantizing", "verifying")
+    assert_bars(shown, "quantizing", "accuracy guard", "verifying")
 
 
 def test_conversion_shows_progress_on_a_terminal(qwen3_source, tmp_path):
