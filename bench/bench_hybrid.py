@@ -119,7 +119,7 @@ SMOKE_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
 GRAPHS = {
     "fp32": ["ours-fused", "ours-text", "ours-plain", "builder-fp32", "mobius-fp32"],
     "int4": ["ours-fused-int4", "ours-fused-int4-noguard", "ours-plain-int4", "builder-int4"],
-    "int8": ["ours-fused-int8", "ours-fused-int8-noguard", "builder-int8"],
+    "int8": ["ours-fused-int8", "ours-fused-int8-noguard", "ours-plain-int8", "builder-int8"],
 }
 # thinker export's options for each of our graphs (and --no-verify --threads). The accuracy guard judges level 4 by
 # top-1 agreement with float activations, which on random weights (near ties everywhere) moves most layers to level
@@ -133,6 +133,7 @@ OURS = {
     "ours-plain-int4": ["--graph", "plain", "--quantize", "int4"],
     "ours-fused-int8": ["--graph", "fused", "--quantize", "int8"],
     "ours-fused-int8-noguard": ["--graph", "fused", "--quantize", "int8", "--accuracy-guard", "0"],
+    "ours-plain-int8": ["--graph", "plain", "--quantize", "int8"],
 }
 RUNTIMES = {"genai": "onnxruntime-genai", "ort-states": "onnxruntime"}
 
