@@ -14,6 +14,7 @@
   builder-fp32   python -m onnxruntime_genai.models.builder -p fp32 -e cpu   (its own environment)
   builder-int4   python -m onnxruntime_genai.models.builder -p int4 -e cpu   (its defaults: symmetric RTN, block 32,
                  accuracy level 4, int4 head and int4 embedding table)
+  builder-int8   ... -p int8 -e cpu (bench_int8.py)
   builder-fp16-cuda, builder-int4-cuda   the builder's -p fp16 / int4 -e cuda (bench_gpu.py)
   optimum-fp32   python -m optimum.exporters.onnx --task text-generation-with-past (its own environment)
 
@@ -60,6 +61,7 @@ OURS = {
 BUILDER = {
     "builder-fp32": ("fp32", "cpu"),
     "builder-int4": ("int4", "cpu"),
+    "builder-int8": ("int8", "cpu"),
     "builder-fp16-cuda": ("fp16", "cuda"),
     "builder-int4-cuda": ("int4", "cuda"),
 }
