@@ -233,8 +233,9 @@ def _guard(model_dir, onnx_path, vocab_size, max_positions, min_agreement, threa
         moved, agreement = ranked[:low], tried[low]
         bar.total = bar.n  # the bisection may need fewer runs than its bound
         result["agreement_by_units_moved"] = dict(sorted(tried.items()))
-        set_levels(model, levels_moving(low))
-        to_float = float_fallback_nodes(model, list(levels_moving(low)))
+        levels = levels_moving(low)
+        set_levels(model, levels)
+        to_float = float_fallback_nodes(model, list(levels))
         if to_float:  # the same function as level 1 (export/float_fallback.py), so measured again as written
             bar.total += 2  # the weights file rewritten, the graph run again
             bar.refresh()

@@ -596,9 +596,9 @@ class DecoderGraph:
         return b.op("Loop", b.op("Size", experts), b.const(True, torch.bool), zeros, body=loop_body)
 
     def expert_stacks(self, prefix: str) -> tuple[str | StandardExperts, str | StandardExperts]:
-        """The layer's two expert stacks as the Loop multiplies by them: float (E, C, 2I) and (E, I, C), or under
-        ``--quantize`` the same quantized weights as the fused graph's QMoE in standard types (``StandardExperts``,
-        dequantized one gathered expert at a time)."""
+        """The layer's two expert stacks as both MoE paths gather from them: float (E, C, 2I) and (E, I, C), or
+        under ``--quantize`` the same quantized weights as the fused graph's QMoE in standard types
+        (``StandardExperts``, dequantized as they are gathered: ``emit_expert_weight``)."""
         names = (f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.down_proj")
         stacks = [self.weights.get(name) for name in names]  # (E, 2I, C), (E, C, I): (E, N, K)
         quantizer = self.quantizer
@@ -648,8 +648,8 @@ def picked_experts_max_tokens(config: ThinkerConfig) -> int:
     decode step). Gathering copies N x k experts where the Loop copies the distinct ones, about E (1 - e^(-N k / E)):
     at N k = E / 4, 13 % more copies, against the Loop's seventeen nodes per visited expert; measured on a
     Qwen3.5-MoE of E = 64, k = 8 under onnxruntime-genai (bench/results/graph_ab_qwen3_5-moe-plain-picked-experts-*):
-    decode 1.15x the Loop's speed at batch 1, 1.07x at batch 2 (N k = E / 4), 0.97x at batch 4 (N k = E / 2),
-    each interval spanning a few percent either way at the last two. PICKED_EXPERTS_MAX_PAIRS bounds the
+    decode 1.15x the Loop's speed at batch 1, 1.11x at batch 2 (N k = E / 4), 0.97x at batch 4 (N k = E / 2), by
+    rotation cycle, the last interval spanning 1. PICKED_EXPERTS_MAX_PAIRS bounds the
     gathered copies' memory (32 experts of 2048 x 1024 float32 weights: 268 MB)."""
     pairs = min(config.num_experts // 4, PICKED_EXPERTS_MAX_PAIRS)
     return max(1, pairs // config.num_experts_per_tok)

@@ -50,7 +50,7 @@ QUANTIZED_OPS = ("MatMulNBits", "GatherBlockQuantized", "QMoE")
 DEQUANTIZED = "_dequantized"
 # The ops whose weight is read as the (K, N) array they multiply by (the transposed view of a Linear's).
 MATMUL_OPS = ("MatMulNBits", "MatMul")
-# The plain graph's expert Loop dequantizes these stacks (DequantizeLinear over int8 values), by graph name.
+# The plain graph dequantizes these stacks (int8 values) as it gathers their experts, by graph name.
 PLAIN_EXPERT_STACKS = (".experts.gate_up_proj", ".experts.down_proj")
 EMBEDDING = "model.embed_tokens.weight"
 _QUANTIZED_SUFFIX = re.compile(r"_Q\d+$")  # onnxruntime's quantizer names the packed weight "<name>_Q4" / "_Q8"
@@ -241,7 +241,7 @@ def quantized_weight_readers(onnx_path: Path) -> dict[str, Callable[[], Quantize
         if name in readers:
             raise RuntimeError(f"a second {node.op_type} over {name} in the graph (a bug in the exporter)")
         readers[name] = read_one
-    for tensor in model.graph.initializer:  # the plain graph's quantized experts, read in its expert Loop
+    for tensor in model.graph.initializer:  # the plain graph's quantized experts, read where it gathers them
         name = graph_weight_name(tensor.name)
         if tensor.data_type == onnx.TensorProto.INT8 and name.endswith(PLAIN_EXPERT_STACKS) and name not in readers:
             readers[name] = lambda v=tensor.name, s=f"{name}_scales": QuantizedWeight(  # noqa: E731

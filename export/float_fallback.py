@@ -23,11 +23,14 @@ where onnxruntime's half-precision matmuls are not the fast path either.
 from __future__ import annotations
 
 import os
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
+from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
 from common.errors import ThinkerError
 
@@ -59,15 +62,17 @@ def replace_with_float_matmuls(model: onnx.ModelProto, onnx_path: Path, names: l
     onnx_path = Path(onnx_path)
     read = constant_reader(model.graph, base_dir=onnx_path.parent)
     chosen = set(names)
-    dequantized: dict[str, tuple[dict, list[str]]] = {}  # new weight -> (the node's attributes, B, scales, zeros)
+    dequantized: dict[str, Callable[[], np.ndarray]] = {}  # new weight -> its float32 values, made when written
     nodes = []
     for node in model.graph.node:
         if node.name not in chosen:
             nodes.append(node)
             continue
-        attrs = attributes(node)
         weight = node.input[1] + DEQUANTIZED
-        dequantized[weight] = (attrs, [*node.input[1:4], ""][:3])
+        attrs, (packed, scales, zero) = attributes(node), [*node.input[1:4], ""][:3]
+        dequantized[weight] = lambda a=attrs, p=packed, s=scales, z=zero: dequantize_matmul_nbits(
+            a, read(p), read(s), read(z) if z else None
+        )
         inputs = list(node.input)
         bias = inputs[5] if len(inputs) > 5 else ""
         product = node.output[0] if not bias else f"{node.output[0]}/unbiased"
@@ -76,66 +81,44 @@ def replace_with_float_matmuls(model: onnx.ModelProto, onnx_path: Path, names: l
             nodes.append(helper.make_node("Add", [product, bias], [node.output[0]], name=f"{node.name}/bias"))
     del model.graph.node[:]
     model.graph.node.extend(nodes)
-
-    def weight_of(name: str) -> np.ndarray:
-        attrs, (packed, scales, zero) = dequantized[name]
-        return dequantize_matmul_nbits(attrs, read(packed), read(scales), read(zero) if zero else None)
-
     read_names = {name for node in all_nodes(model.graph) for name in node.input}
     kept = [tensor for tensor in model.graph.initializer if tensor.name in read_names]
-    return _rewrite_weights(model, onnx_path, kept, dequantized, weight_of)
+    return _rewrite_weights(model, onnx_path, kept, dequantized)
 
 
-def _rewrite_weights(model, onnx_path: Path, kept, added: dict, weight_of) -> int:
-    """Writes ``kept`` (external tensors copied byte for byte) and ``added`` (made by ``weight_of``) to a fresh
+def _rewrite_weights(model, onnx_path: Path, kept, added: dict[str, Callable[[], np.ndarray]]) -> int:
+    """Writes ``kept`` (external tensors copied byte for byte) and ``added`` (each made when written) to a fresh
     weights file that replaces the old one; points ``model``'s initializers at it."""
-    locations = {_location(tensor) for tensor in kept if _location(tensor)}
+    external = {tensor.name: ExternalDataInfo(tensor) for tensor in kept if uses_external_data(tensor)}
+    locations = {info.location for info in external.values()}
     if len(locations) != 1:
         raise RuntimeError(f"{onnx_path}: weights in {sorted(locations)}, expected one file (a bug in the exporter)")
     data_path = onnx_path.parent / locations.pop()
-    staging = onnx_path.parent / f".float-fallback-{os.getpid()}"
-    staging.mkdir()
     written = 0
     try:
-        weights = WeightFile(staging / data_path.name)
-        initializers = []
-        with open(data_path, "rb") as source:
-            for tensor in kept:
-                if not _location(tensor):
-                    initializers.append(tensor)
-                    continue
-                offset, length = _external(tensor, "offset"), _external(tensor, "length")
-                source.seek(offset)
-                data = np.frombuffer(source.read(length), dtype=np.uint8)
-                initializers.append(weights.add_raw(tensor.name, tensor.data_type, list(tensor.dims), data))
-        for name in added:
-            array = weight_of(name)
-            written += array.nbytes
-            initializers.append(weights.add_array(name, array))
-        weights.close()
-        os.replace(staging / data_path.name, data_path)
+        with tempfile.TemporaryDirectory(prefix=".float-fallback-", dir=onnx_path.parent) as staging:
+            weights = WeightFile(Path(staging) / data_path.name)
+            initializers = []
+            with open(data_path, "rb") as source:
+                for tensor in kept:
+                    info = external.get(tensor.name)
+                    if info is None:  # stored in the proto itself
+                        initializers.append(tensor)
+                        continue
+                    source.seek(info.offset or 0)
+                    data = np.frombuffer(source.read(-1 if info.length is None else info.length), dtype=np.uint8)
+                    initializers.append(weights.add_raw(tensor.name, tensor.data_type, list(tensor.dims), data))
+            for name, make in added.items():
+                array = make()
+                written += array.nbytes
+                initializers.append(weights.add_array(name, array))
+            weights.close()
+            os.replace(weights.path, data_path)
     except OSError as err:
         raise ThinkerError(
             f"{data_path}: cannot rewrite the weights file with the accuracy guard's float32 fallback ({err}); "
             "free disk space, or export with --accuracy-guard 0"
         ) from err
-    finally:
-        for leftover in staging.iterdir():
-            leftover.unlink()
-        staging.rmdir()
     del model.graph.initializer[:]
     model.graph.initializer.extend(initializers)
     return written
-
-
-def _location(tensor: TensorProto) -> str | None:
-    if tensor.data_location != TensorProto.EXTERNAL:
-        return None
-    return next(entry.value for entry in tensor.external_data if entry.key == "location")
-
-
-def _external(tensor: TensorProto, key: str) -> int:
-    value = next((entry.value for entry in tensor.external_data if entry.key == key), None)
-    if value is None:  # the exporter's WeightFile always writes both
-        raise RuntimeError(f"external tensor {tensor.name} has no {key} (a bug in the exporter)")
-    return int(value)

@@ -23,8 +23,8 @@ float zero points are not a type GatherBlockQuantized takes (zero points share t
 export keeps the float embedding beside its quantized head. An untied embedding stays float: a decode step reads one
 row of it per token, so quantizing it would save file size, not time. In the fused graph a layer's routed experts
 are onnxruntime's QMoE over the two expert stacks (``quantize_experts``: symmetric whatever ``algo``, QMoE taking no
-float zero points; int4 in blocks where the widths are whole blocks, int8 a scale per row); the plain graph's expert
-Loop dequantizes the same values, held as int8 (``standard_experts``). What is not quantized: norms,
+float zero points; int4 in blocks where the widths are whole blocks, int8 a scale per row); the plain graph
+dequantizes the same values, held as int8, as it gathers them (``standard_experts``). What is not quantized: norms,
 the MoE router, projections too small to gain (fewer input features than one block, or fewer than 16 outputs).
 
 The head, the single most output-sensitive weight, may take its own precision (``--quantize-head``): int8 under an
@@ -370,11 +370,12 @@ class WeightQuantizer:
         return QuantizedExperts(fc, self.spec.bits, block_size, self.spec.accuracy_level if block_size else 0)
 
     def standard_experts(self, b: GraphBuilder, name: str, stack: torch.Tensor) -> StandardExperts:
-        """The same quantized weights as ``quantize_experts`` in standard onnx types, for the plain graph's expert
-        Loop (DequantizeLinear of the expert it gathers): the values signed (q - 2^(bits-1), so no zero point) and
-        int8 at either width, because onnx's Gather takes no int4 (so a 4-bit stack costs a byte a weight here, half
-        the fused graph's bytes and a quarter of float32's), transposed to (E, K, N) as MatMul multiplies by them;
-        scales (E, K / block, N) in blocks along K, or (E, N) one per output."""
+        """The same quantized weights as ``quantize_experts`` in standard onnx types, for the plain graph's experts
+        (dequantized as they are gathered: a prompt's Loop expert by expert, a decode step's picked experts as one
+        batch): the values signed (q - 2^(bits-1), so no zero point) and int8 at either width, because onnx's
+        Gather takes no int4 (so a 4-bit stack costs a byte a weight here, half the fused graph's bytes and a quarter
+        of float32's), transposed to (E, K, N) as MatMul multiplies by them; scales (E, K / block, N) in blocks along
+        K, or (E, N) one per output."""
         packed, scales, block_size = self.expert_arrays(name, stack)
         if self.spec.bits == 4:
             values = unpack_nibbles(torch.from_numpy(packed)).numpy()  # (E, N, K), 0..15
