@@ -2,22 +2,25 @@
 
 accuracy_level 4 has MatMulNBits round its activations to int8 per block of the input axis (onnxruntime's fastest
 CPU kernels), which is reported to flip greedy tokens on some models (onnxruntime issue 29849): an outlier channel
-in a block crushes the other channels of that block to a few levels. After the graph is written, the guard runs
-export/fidelity.py's paragraph (teacher forced, one prefill) through the graph as written and through the same graph
-with every MatMulNBits (and QMoE) at accuracy_level 1 (float32 activations, the same quantized weights), and takes the
-share of positions where both pick the same next token. Below ``min_agreement`` it ranks the decoder layers (and the
-head) by what int8 activations cost each: one more prefill at level 1 hands back every MatMulNBits' input activations,
-which are rounded here as level 4 rounds them (per block of the input axis, a scale of max |a| / 127, MLAS's CompInt8
-quantization of A) and multiplied by the node's dequantized weight (export/dequantize.py): each node's relative output
-error ||(A_int8 - A) W|| / ||A W||, a unit ranked by its worst node. That costs one prefill in all, where measuring each
-unit alone at level 4 would cost one onnxruntime session per layer (~10 s each for SmolLM2 on this machine); it is a
-proxy for the kernel's rounding, so the choice is made with the real kernels:
-the costliest units' MatMulNBits move to level 1, the shortest prefix of the ranking whose graph meets
-``min_agreement``, found by bisection (agreement grows, if not strictly, as units move; whatever prefix is chosen
-was measured to meet the threshold).
-It rewrites the model proto with those levels; a moved 8-bit MatMulNBits of a float32 graph becomes a float32 MatMul
-over its dequantized weight instead, the same function without onnxruntime's per-call dequantization
-(export/float_fallback.py, which rewrites the weights file), and the graph as written is measured once more.
+in a block crushes the other channels of that block to a few levels. QMoE's experts in blocks do the same (4 bits at
+level 4; 8 bits at every level). After the graph is written, the guard runs export/fidelity.py's paragraph (teacher
+forced, one prefill) through the graph as written and through the same graph with every MatMulNBits and QMoE at
+accuracy_level 1 and 8-bit experts through onnxruntime's float path (``experts_in_float``): float32 activations, the
+same quantized weights. It takes the share of positions where both pick the same next token. Below
+``min_agreement`` it ranks the decoder layers (and the head) by what int8 activations cost each: one more prefill
+at level 1 hands back every quantized op's input activations, which are rounded here as level 4 rounds them (per
+block of the input axis, a scale of max |a| / 127, MLAS's CompInt8 quantization of A) and multiplied by the op's
+dequantized weights (export/dequantize.py): a MatMulNBits' relative output error ||(A_int8 - A) W|| / ||A W||, a
+QMoE's over its routed experts with their SwiGLU outputs rounded too (``qmoe_rounding_error``), a unit ranked by its
+worst op. That costs one prefill in all, where measuring each unit alone at level 4 would cost one onnxruntime
+session per layer (~10 s each for SmolLM2 on this machine); it is a proxy for the kernel's rounding, so the choice is
+made with the real kernels: the costliest units move to float activations, the shortest prefix of the ranking whose
+graph meets ``min_agreement``, found by bisection (agreement grows, if not strictly, as units move; whatever prefix
+is chosen was measured to meet the threshold, as the guard writes it).
+A moved unit's MatMulNBits and 4-bit QMoE go to level 1. A moved 8-bit MatMulNBits of a float32 graph becomes a
+float32 MatMul over its dequantized weight instead, the same function without onnxruntime's per-call
+dequantization, and a moved 8-bit QMoE in blocks its row-wise form, whose kernel computes in float
+(export/float_fallback.py, which rewrites the weights file); the graph as written is measured once more.
 
 Cost: two sessions and prefills of ~230 tokens when the graph passes (SmolLM2-135M: 2-3 s, and 151 MB of peak RSS
 at int4, 151 at int8, bench/results/README-export-peak.md); when it falls back, one more for the ranking and one
@@ -32,8 +35,8 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -41,8 +44,16 @@ import onnx
 
 from common.progress import progress_bar
 
+from .dequantize import attributes, constant_reader, dequantize_matmul_nbits, dequantize_qmoe
 from .fidelity import fidelity_token_ids, mean_kl
-from .float_fallback import float_fallback_nodes, replace_with_float_matmuls
+from .float_fallback import (
+    float_fallback_nodes,
+    replace_with_fallbacks,
+    rowwise_expert_nodes,
+    rowwise_experts,
+    write_group,
+)
+from .graph_builder import WeightFile
 from .names import DEFAULT_MIN_AGREEMENT
 from .row_slices import split_wide_matmuls
 from .runtime import OnnxDecoder, position_ids_from_mask
@@ -51,6 +62,9 @@ FALLBACK_LEVEL = 1
 # The quantized ops with MatMulNBits' accuracy levels: a unit falls back as a whole, its quantized experts (QMoE)
 # with its projections, though only the projections' activations rank it (``activation_rounding_errors``).
 LEVELLED_OPS = ("MatMulNBits", "QMoE")
+# onnxruntime's CPU QMoE reads this as each session makes its kernels: "fp32" runs 8-bit experts in blocks with float
+# activations (its dequantizing path), which otherwise round their activations to int8 whatever the node's level.
+QMOE_COMPUTE_ENV = "ORT_QMOE_CPU_QNBIT_GEMM"
 _UNIT = re.compile(r"^/model/layers\.(\d+)/|^/lm_head/")
 GUARD_TOKENS = 256  # the paragraph is ~230 tokens with SmolLM2's tokenizer; random ids when there is no tokenizer
 
@@ -88,10 +102,32 @@ def set_levels(model: onnx.ModelProto, levels: dict[str, int]) -> None:
 
 
 @contextmanager
+def experts_in_float() -> Iterator[None]:
+    """onnxruntime sessions made inside compute 8-bit experts in blocks with float activations (the same weights):
+    level 1's function, for the guard's reference and the quantized verify's graph check. A session keeps what it
+    was made with (measured), so only its creation needs to be inside."""
+    before = os.environ.get(QMOE_COMPUTE_ENV)
+    os.environ[QMOE_COMPUTE_ENV] = "fp32"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[QMOE_COMPUTE_ENV]
+        else:
+            os.environ[QMOE_COMPUTE_ENV] = before
+
+
+@contextmanager
 def graph_variant(
-    model: onnx.ModelProto, onnx_path: Path, levels: dict[str, int], split_wide: bool = False
+    model: onnx.ModelProto,
+    onnx_path: Path,
+    levels: dict[str, int],
+    split_wide: bool = False,
+    rowwise: Sequence[str] = (),
 ) -> Iterator[Path]:
     """``model`` with ``levels`` applied, saved beside ``onnx_path`` (its weights file in reach), removed after.
+    ``rowwise``: QMoE nodes (``rowwise_expert_nodes``) in their row-wise form (export/float_fallback.py), as the
+    guard writes a moved one, their requantized stacks in a second weights file beside it, removed too.
     ``split_wide``: its wide level-1 MatMulNBits as row slices of the same weights (export/row_slices.py), the
     same products at a lower peak, for the guard's own sessions."""
     variant = onnx.ModelProto()
@@ -99,42 +135,67 @@ def graph_variant(
     set_levels(variant, levels)
     if split_wide:
         split_wide_matmuls(variant, levels=frozenset({FALLBACK_LEVEL}))
-    handle, name = tempfile.mkstemp(prefix=".guard-", suffix=".onnx", dir=onnx_path.parent)
-    os.close(handle)
-    path = Path(name)
+    paths = [beside(onnx_path, ".onnx")]
     try:
-        onnx.save_model(variant, str(path))
-        yield path
+        rowwise = rowwise_experts(variant, constant_reader(model.graph, base_dir=onnx_path.parent), list(rowwise))
+        if rowwise:
+            paths.append(beside(onnx_path, ".data"))
+            weights = WeightFile(paths[-1])
+            initializers = []
+            for group in rowwise:
+                write_group(weights, group, initializers)
+            weights.close()
+            variant.graph.initializer.extend(initializers)
+        onnx.save_model(variant, str(paths[0]))
+        yield paths[0]
     finally:
-        path.unlink(missing_ok=True)
+        for path in paths:
+            path.unlink(missing_ok=True)
 
 
-def prefill(model: onnx.ModelProto, onnx_path: Path, levels: dict[str, int], ids: np.ndarray, threads) -> np.ndarray:
-    with graph_variant(model, onnx_path, levels, split_wide=True) as path:
-        decoder = OnnxDecoder(path, provider="cpu", threads=threads, all_positions=True)
+def beside(onnx_path: Path, suffix: str) -> Path:
+    """A new empty file beside ``onnx_path`` for one of the guard's variants (hidden, removed by its caller)."""
+    handle, name = tempfile.mkstemp(prefix=".guard-", suffix=suffix, dir=onnx_path.parent)
+    os.close(handle)
+    return Path(name)
+
+
+def prefill(
+    model: onnx.ModelProto,
+    onnx_path: Path,
+    levels: dict[str, int],
+    ids: np.ndarray,
+    threads,
+    float_experts: bool = False,
+    rowwise: Sequence[str] = (),
+) -> np.ndarray:
+    """The logits of ``ids`` through ``model`` with ``levels`` and ``rowwise`` (``graph_variant``);
+    ``float_experts``: every QMoE with float activations (``experts_in_float``), for the all-level-1 reference."""
+    with graph_variant(model, onnx_path, levels, split_wide=True, rowwise=rowwise) as path:
+        with experts_in_float() if float_experts else nullcontext():
+            decoder = OnnxDecoder(path, provider="cpu", threads=threads, all_positions=True)
         return decoder.prefill(ids[None], np.ones_like(ids)[None])[0][0]
 
 
 def activation_rounding_errors(
     model: onnx.ModelProto, onnx_path: Path, units: dict[str, list[str]], ids: np.ndarray, threads
 ) -> dict[str, float]:
-    """Each unit's worst relative output error from int8 activations in its MatMulNBits (a QMoE's routed products
-    are not probed), on the level-1 graph's own activations."""
-    from .dequantize import attributes, constant_reader, dequantize_matmul_nbits
-
-    read = constant_reader(onnx.load(str(onnx_path), load_external_data=True).graph)
-    matmuls = {node.name: node for node in model.graph.node if node.op_type == "MatMulNBits"}
-    units = {unit: [name for name in names if name in matmuls] for unit, names in units.items()}
-    levelled = [node.name for node in model.graph.node if node.op_type in LEVELLED_OPS]
+    """Each unit's worst relative output error from int8 activations in its quantized ops, on the level-1 graph's
+    own activations: a MatMulNBits' product, a QMoE's routed experts (``qmoe_rounding_error``). Weights are read
+    from the file one op at a time."""
+    read = constant_reader(model.graph, base_dir=onnx_path.parent)
+    levelled = {node.name: node for node in model.graph.node if node.op_type in LEVELLED_OPS}
+    probed = {}  # every op's activations (a QMoE's router logits too) as extra outputs, typed as its scales
+    for node in levelled.values():
+        scales = node.input[2] if node.op_type == "MatMulNBits" else node.input[3]
+        for name in node.input[: 2 if node.op_type == "QMoE" else 1]:
+            probed[name] = onnx.helper.np_dtype_to_tensor_dtype(read(scales).dtype)
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
-    activations = sorted({matmuls[name].input[0] for names in units.values() for name in names})
-    for name in activations:  # every MatMulNBits input as an extra output; its type is its scales'
-        node = next(n for n in matmuls.values() if n.input[0] == name)
-        elem_type = onnx.helper.np_dtype_to_tensor_dtype(read(node.input[2]).dtype)
-        probe.graph.output.append(onnx.helper.make_tensor_value_info(name, elem_type, None))
+    probe.graph.output.extend(onnx.helper.make_tensor_value_info(n, t, None) for n, t in sorted(probed.items()))
     with graph_variant(probe, onnx_path, dict.fromkeys(levelled, FALLBACK_LEVEL), split_wide=True) as path:
-        decoder = OnnxDecoder(path, provider="cpu", threads=threads, all_positions=True)
+        with experts_in_float():
+            decoder = OnnxDecoder(path, provider="cpu", threads=threads, all_positions=True)
         mask = np.ones_like(ids)[None]
         feeds = {
             "input_ids": ids[None],
@@ -142,22 +203,51 @@ def activation_rounding_errors(
             "position_ids": decoder.graph_positions(position_ids_from_mask(mask)),
             **decoder.empty_cache(1),
         }
-        values = decoder.session.run(activations, feeds)
-    inputs = dict(zip(activations, values, strict=True))
-    errors = {}
-    for unit, names in units.items():
-        worst = 0.0
-        for name in names:
-            node = matmuls[name]
-            attrs = attributes(node)
-            packed, scales, zero = (read(i) if i else None for i in [*node.input[1:4], ""][:3])
-            weight = dequantize_matmul_nbits(attrs, packed, scales, zero).astype(np.float32)
-            a = inputs[node.input[0]].astype(np.float32).reshape(-1, attrs["K"])
-            exact = a @ weight
-            rounded = int8_blockwise(a, attrs["block_size"]) @ weight
-            worst = max(worst, float(np.linalg.norm(rounded - exact) / max(np.linalg.norm(exact), 1e-30)))
-        errors[unit] = worst
-    return errors
+        names = sorted(probed)
+        values = dict(zip(names, decoder.session.run(names, feeds), strict=True))
+    del decoder
+
+    def error(node: onnx.NodeProto) -> float:
+        attrs = attributes(node)
+        if node.op_type == "QMoE":
+            if not attrs.get("block_size"):  # a scale per row: computed in float at every level
+                return 0.0
+            fc1 = dequantize_qmoe(attrs, read(node.input[2]), read(node.input[3]), attrs.get("swiglu_fusion") == 1)
+            fc2 = dequantize_qmoe(attrs, read(node.input[5]), read(node.input[6]), interleaved=False)
+            x, logits = (values[name].astype(np.float32).reshape(-1, values[name].shape[-1]) for name in node.input[:2])
+            return qmoe_rounding_error(attrs, x, logits, fc1.astype(np.float32), fc2.astype(np.float32))
+        packed, scales, zero = (read(i) if i else None for i in [*node.input[1:4], ""][:3])
+        weight = dequantize_matmul_nbits(attrs, packed, scales, zero).astype(np.float32)
+        a = values[node.input[0]].astype(np.float32).reshape(-1, attrs["K"])
+        return relative_difference(int8_blockwise(a, attrs["block_size"]) @ weight, a @ weight)
+
+    return {unit: max((error(levelled[name]) for name in names), default=0.0) for unit, names in units.items()}
+
+
+def qmoe_rounding_error(attrs: dict, x: np.ndarray, logits: np.ndarray, fc1: np.ndarray, fc2: np.ndarray) -> float:
+    """A QMoE's relative output error from int8 activations, its kernel's in blocks: the float MoE of its
+    dequantized stacks (FC1 (E, 2I, C) gate rows then up rows, FC2 (E, C, I)) over the tokens ``x`` (N, C) with
+    their input, and their SwiGLU outputs, each rounded per block as level 4 rounds (``int8_blockwise``: what the
+    kernel computes, measured in tests/export/test_quantized_experts.py), against the same without rounding; routed
+    as QMoE routes (softmax, top k, renormalised: the graph writes QMoE only where the model renormalises)."""
+    block, k = attrs["block_size"], attrs["k"]
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    top = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    weights = np.take_along_axis(probs, top, -1)
+    weights /= weights.sum(-1, keepdims=True)
+    exact, rounded = np.zeros_like(x), np.zeros_like(x)
+    for expert in np.unique(top):
+        rows, slots = np.nonzero(top == expert)
+        for a, out, rounds in ((x[rows], exact, False), (int8_blockwise(x[rows], block), rounded, True)):
+            gate, up = np.split(a @ fc1[expert].T, 2, axis=-1)
+            inner = gate / (1 + np.exp(-gate)) * up
+            inner = int8_blockwise(inner, block) if rounds else inner
+            np.add.at(out, rows, weights[rows, slots, None] * (inner @ fc2[expert].T))
+    return relative_difference(rounded, exact)
+
+
+def relative_difference(candidate: np.ndarray, exact: np.ndarray) -> float:
+    return float(np.linalg.norm(candidate - exact) / max(float(np.linalg.norm(exact)), 1e-30))
 
 
 def int8_blockwise(a: np.ndarray, block: int) -> np.ndarray:
@@ -202,7 +292,7 @@ def _guard(model_dir, onnx_path, vocab_size, max_positions, min_agreement, threa
     result: dict = {"min_agreement": min_agreement, "text": text, "tokens": len(ids)}
 
     float_levels = dict.fromkeys(nodes, FALLBACK_LEVEL)
-    reference = prefill(model, onnx_path, float_levels, ids, threads)
+    reference = prefill(model, onnx_path, float_levels, ids, threads, float_experts=True)
     bar.update()
     shipped = prefill(model, onnx_path, {}, ids, threads)
     bar.update()
@@ -211,7 +301,7 @@ def _guard(model_dir, onnx_path, vocab_size, max_positions, min_agreement, threa
     result["mean_kl_before"] = mean_kl(reference, shipped)
     moved: list[str] = []
     if agreement < min_agreement:
-        bar.total += 1 + math.ceil(math.log2(max(len(units), 1)))  # the ranking, then the bisection's runs
+        bar.total += 2 + math.ceil(math.log2(max(len(units), 1)))  # the ranking, the bisection's runs (and one)
         bar.refresh()
         sensitivity = activation_rounding_errors(model, onnx_path, units, ids, threads)
         bar.update()
@@ -221,30 +311,40 @@ def _guard(model_dir, onnx_path, vocab_size, max_positions, min_agreement, threa
         def levels_moving(count: int) -> dict[str, int]:
             return {name: FALLBACK_LEVEL for unit in ranked[:count] for name in units[unit]}
 
+        def agreement_moving(count: int) -> float:  # the graph as the guard would write it
+            levels = levels_moving(count)
+            rowwise = rowwise_expert_nodes(model, list(levels))
+            return top1_agreement(reference, prefill(model, onnx_path, levels, ids, threads, rowwise=rowwise))
+
         # The fewest of the costliest units whose fallback meets the threshold, by bisection over the ranking:
-        # log2(units) sessions instead of one per unit. Every unit moved is the level-1 reference itself.
-        tried = {len(ranked): 1.0}
+        # log2(units) sessions instead of one per unit. Every unit moved is the level-1 reference itself, unless
+        # 8-bit experts in blocks move (to a scale per row): then that too is measured, if the bisection gets there.
+        tried = {} if rowwise_expert_nodes(model, nodes) else {len(ranked): 1.0}
         low, high = 1, len(ranked)
         while low < high:
             middle = (low + high) // 2
-            tried[middle] = top1_agreement(reference, prefill(model, onnx_path, levels_moving(middle), ids, threads))
+            tried[middle] = agreement_moving(middle)
             bar.update()
             low, high = (low, middle) if tried[middle] >= min_agreement else (middle + 1, high)
+        if low not in tried:
+            tried[low] = agreement_moving(low)
         moved, agreement = ranked[:low], tried[low]
         bar.total = bar.n  # the bisection may need fewer runs than its bound
         result["agreement_by_units_moved"] = dict(sorted(tried.items()))
         levels = levels_moving(low)
         set_levels(model, levels)
         to_float = float_fallback_nodes(model, list(levels))
-        if to_float:  # the same function as level 1 (export/float_fallback.py), so measured again as written
+        to_rowwise = rowwise_expert_nodes(model, list(levels))
+        if to_float or to_rowwise:  # export/float_fallback.py: measured again as written
             bar.total += 2  # the weights file rewritten, the graph run again
             bar.refresh()
-            result["float_fallback_bytes"] = replace_with_float_matmuls(model, onnx_path, to_float)
+            result["float_fallback_bytes"] = replace_with_fallbacks(model, onnx_path, to_float, to_rowwise)
             bar.update()
             agreement = top1_agreement(reference, prefill(model, onnx_path, {}, ids, threads))
             bar.update()
             result["agreement_at_level_1"] = tried[low]
         result["nodes_to_float_matmul"] = to_float
+        result["experts_to_rowwise"] = to_rowwise
         onnx.save_model(model, str(onnx_path))
     result.update(
         agreement=agreement,

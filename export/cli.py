@@ -133,7 +133,8 @@ from .names import (
     type=click.Choice([str(level) for level in ACCURACY_LEVELS]),
     default="4",
     show_default=True,
-    help="--quantize: MatMulNBits' activation precision: 4 int8 (fastest on CPU), 1 float32, 0 as the graph.",
+    help="--quantize: MatMulNBits' (and QMoE's) activation precision: 4 int8 (fastest on CPU), 1 float32, 0 as "
+    "the graph; int8 routed experts below 4 keep a scale per row, whose kernel computes in float.",
 )
 @click.option(
     "--accuracy-guard",
@@ -144,7 +145,7 @@ from .names import (
     "weights at float activations (level 1) on a fixed English paragraph; below it the layers whose int8 "
     "activations cost most fall back to level 1 (the fewest that meet it, by bisection over their ranking; an "
     "8-bit projection falls back as a float32 MatMul over its dequantized weight, onnxruntime's 8-bit level 1 "
-    "being slow; 0 turns the guard off).",
+    "being slow, and a layer's 8-bit routed experts with a scale per row; 0 turns the guard off).",
 )
 @click.option(
     "--min-top1",
@@ -277,12 +278,7 @@ def export_command(
             f"accuracy guard: int8 activations agree with float ones on {guard['agreement_before']:.1%} of the "
             f"paragraph's next tokens (at least {guard['min_agreement']:.0%}): "
             + (f"{', '.join(moved)} moved to level 1 ({guard['agreement']:.1%})" if moved else "nothing moved")
-            + (
-                f"; their {len(guard['nodes_to_float_matmul'])} 8-bit projections as float32 MatMuls "
-                f"({_human(guard['float_fallback_bytes'])}, faster than 8-bit at level 1)"
-                if guard.get("nodes_to_float_matmul")
-                else ""
-            )
+            + fallback_words(guard)
         )
     figures = report["verify"]
     if figures and figures.get("skipped"):
@@ -308,6 +304,18 @@ def export_command(
             f"top-1 agreement {figures['top1_agreement']:.1%} over {figures['positions']} positions "
             f"on {figures['provider']}{genai_figure(figures)}"
         )
+
+
+def fallback_words(guard: dict) -> str:
+    """What the guard wrote for the 8-bit units it moved (export/float_fallback.py), or nothing."""
+    parts = []
+    if guard.get("nodes_to_float_matmul"):
+        parts.append(f"{len(guard['nodes_to_float_matmul'])} 8-bit projections as float32 MatMuls")
+    if guard.get("experts_to_rowwise"):
+        parts.append(f"{len(guard['experts_to_rowwise'])} 8-bit expert layers with a scale per row")
+    if not parts:
+        return ""
+    return f"; their {' and '.join(parts)} ({_human(guard['float_fallback_bytes'])}, float activations, fast kernels)"
 
 
 def genai_figure(figures: dict) -> str:

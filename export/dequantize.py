@@ -48,6 +48,9 @@ QUANTIZED_OPS = ("MatMulNBits", "GatherBlockQuantized", "QMoE")
 # weight's dequantized values, named "<packed weight>" + DEQUANTIZED ("..._Q8_dequantized"), read back as that
 # quantized weight.
 DEQUANTIZED = "_dequantized"
+# Its fallback for 8-bit experts in blocks: the same experts with a scale per row, "<packed>" + ROWWISE and
+# "<scales>" + ROWWISE, read back as the QMoE weights they are.
+ROWWISE = "_rowwise"
 # The ops whose weight is read as the (K, N) array they multiply by (the transposed view of a Linear's).
 MATMUL_OPS = ("MatMulNBits", "MatMul")
 # The plain graph dequantizes these stacks (int8 values) as it gathers their experts, by graph name.
@@ -223,7 +226,7 @@ def quantized_weight_readers(onnx_path: Path) -> dict[str, Callable[[], Quantize
                 (node.input[2], node.input[3], attrs.get("swiglu_fusion", 0) == 1),
                 (node.input[5], node.input[6], False),
             ):
-                name = graph_weight_name(packed)
+                name = graph_weight_name(packed.removesuffix(ROWWISE))
                 if name in readers:
                     raise RuntimeError(f"a second QMoE over {name} in the graph (a bug in the exporter)")
                 readers[name] = lambda a=attrs, p=packed, s=scales, i=interleaved: QuantizedWeight(  # noqa: E731

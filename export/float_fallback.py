@@ -1,4 +1,4 @@
-"""The accuracy guard's fallback for 8-bit projections: a float32 MatMul over the dequantized weight.
+"""The accuracy guard's fallbacks for 8-bit units of a float32 graph: level 1's function without level 1's cost.
 
 The guard (export/accuracy_guard.py) moves the projections whose int8 activations flip tokens to float activations.
 For 4 bits that is MatMulNBits at accuracy level 1, which MLAS has a float-activation kernel for. For 8 bits it has
@@ -13,11 +13,18 @@ written graph holds a MatMul over the dequantized weight instead, named ``<packe
 ``export/dequantize.py`` reads back as the quantized weight it is (the quantized verify holds it to the 8-bit bound
 and runs the PyTorch Thinker on it).
 
+8-bit routed experts in blocks (QMoE's block-wise kernel, export/quantize.py ``experts_in_blocks``) round their
+activations to int8 whatever the node's accuracy level, so a moved unit's QMoE takes the other 8-bit layout instead:
+a scale per row, whose kernel computes in float (``rowwise_experts``), requantized from the block-wise weights (each
+weight moves by at most half a row step more: within the quantized verify's 8-bit bound) and named ``<packed>`` +
+``ROWWISE``. It keeps the experts' 1x bytes, where a float MoE over their dequantized stacks would read 4x; a
+Qwen3.5-MoE layer's experts take 0.3 ms a decode step so (bench/results/qmoe_int8.json).
+
 The weights file is then rewritten one tensor at a time into a temporary file beside it and renamed over it, without
 the tensors no node reads any longer (a tied embedding's GatherBlockQuantized keeps reading a moved head's packed
-weight, which then stays): no dead bytes, and one tensor in memory at a time. Float16 and bfloat16 graphs keep
-level 1: their float MatMul would run in half precision (not level 1's function), and the guard runs on the CPU,
-where onnxruntime's half-precision matmuls are not the fast path either.
+weight, which then stays): no dead bytes, and one tensor (one expert stack) in memory at a time. Float16 and bfloat16
+graphs keep level 1: their float MatMul would run in half precision (not level 1's function), and the guard runs on
+the CPU, where onnxruntime's half-precision matmuls are not the fast path either.
 """
 
 from __future__ import annotations
@@ -29,16 +36,21 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import torch
 from onnx import TensorProto, helper
 from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
 from common.errors import ThinkerError
 
-from .dequantize import DEQUANTIZED, attributes, constant_reader, dequantize_matmul_nbits
+from .dequantize import DEQUANTIZED, ROWWISE, attributes, constant_reader, dequantize_matmul_nbits, dequantize_qmoe
 from .graph_builder import WeightFile
 from .graph_walk import all_nodes
+from .quantize import column_wise_int8
 
 FLOAT_FALLBACK_BITS = 8
+# New weights by name, each group made by one call when it is written (one expert stack's packed values and scales
+# come from one requantization).
+NewWeights = list[tuple[tuple[str, ...], Callable[[], tuple[np.ndarray, ...]]]]
 
 
 def float_fallback_nodes(model: onnx.ModelProto, names: list[str]) -> list[str]:
@@ -55,14 +67,68 @@ def float_fallback_nodes(model: onnx.ModelProto, names: list[str]) -> list[str]:
     ]
 
 
-def replace_with_float_matmuls(model: onnx.ModelProto, onnx_path: Path, names: list[str]) -> int:
+def rowwise_expert_nodes(model: onnx.ModelProto, names: list[str]) -> list[str]:
+    """Those of ``names`` that are QMoE over 8-bit experts in blocks, whose kernel computes with int8 activations at
+    every accuracy level: the ones the guard writes with a scale per row when it moves their unit."""
+    wanted = set(names)
+    return [
+        node.name
+        for node in model.graph.node
+        if node.name in wanted
+        and node.op_type == "QMoE"
+        and attributes(node).get("expert_weight_bits") == FLOAT_FALLBACK_BITS
+        and attributes(node).get("block_size")
+    ]
+
+
+def rowwise_experts(model: onnx.ModelProto, read: Callable[[str], np.ndarray], names: list[str]) -> NewWeights:
+    """Rewrites, in ``model``, each QMoE named in ``names`` (``rowwise_expert_nodes``) to read its two expert stacks
+    requantized with a scale per row, without ``block_size``; returns those new weights, made when written."""
+    chosen, added = set(names), []
+    for node in model.graph.node:
+        if node.name not in chosen:
+            continue
+        attrs = attributes(node)
+        for position in (2, 5):  # FC1's and FC2's packed weights, their scales after each
+            packed, scales = node.input[position], node.input[position + 1]
+            node.input[position], node.input[position + 1] = packed + ROWWISE, scales + ROWWISE
+            make = lambda a=attrs, p=packed, s=scales: requantize_rowwise(a, read(p), read(s))  # noqa: E731
+            added.append(((packed + ROWWISE, scales + ROWWISE), make))
+        kept = [a for a in node.attribute if a.name not in ("block_size", "accuracy_level")]
+        del node.attribute[:]
+        node.attribute.extend(kept)
+    return added
+
+
+def requantize_rowwise(attrs: dict, packed: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One 8-bit block-wise expert stack (E, N, K) as QMoE's row-wise layout: uint8 values (E, N, K) and a scale
+    per row (E, N), of the block scales' dtype; expert by expert, so one expert's float weights at a time."""
+    values, row_scales = np.empty(packed.shape, dtype=np.uint8), np.empty(packed.shape[:2], dtype=scales.dtype)
+    for expert in range(packed.shape[0]):
+        weight = dequantize_qmoe(attrs, packed[expert : expert + 1], scales[expert : expert + 1], interleaved=False)
+        expert_values, expert_scales = column_wise_int8(torch.from_numpy(weight.astype(np.float32)), scales.dtype)
+        values[expert], row_scales[expert] = expert_values[0], expert_scales[0]
+    return values, row_scales
+
+
+def replace_with_fallbacks(model: onnx.ModelProto, onnx_path: Path, matmuls: list[str], experts: list[str]) -> int:
     """Replaces, in ``model`` (the graph of ``onnx_path``, loaded without its weights), each MatMulNBits named in
-    ``names`` with a float32 MatMul over its dequantized weight (and an Add for a bias), then rewrites the weights
-    file without the tensors left unread. Returns the bytes of float32 weight written. ``model`` is not saved."""
+    ``matmuls`` with a float32 MatMul over its dequantized weight (and an Add for a bias) and each QMoE named in
+    ``experts`` with its row-wise form, then rewrites the weights file without the tensors left unread. Returns the
+    bytes of the new weights. ``model`` is not saved."""
     onnx_path = Path(onnx_path)
     read = constant_reader(model.graph, base_dir=onnx_path.parent)
+    added = float_matmuls(model, read, matmuls) + rowwise_experts(model, read, experts)
+    read_names = {name for node in all_nodes(model.graph) for name in node.input}
+    kept = [tensor for tensor in model.graph.initializer if tensor.name in read_names]
+    return _rewrite_weights(model, onnx_path, kept, added)
+
+
+def float_matmuls(model: onnx.ModelProto, read: Callable[[str], np.ndarray], names: list[str]) -> NewWeights:
+    """Rewrites, in ``model``, each MatMulNBits named in ``names`` as a float32 MatMul over its dequantized weight
+    (and an Add for a bias); returns those weights, made when written."""
     chosen = set(names)
-    dequantized: dict[str, Callable[[], np.ndarray]] = {}  # new weight -> its float32 values, made when written
+    added: NewWeights = []
     nodes = []
     for node in model.graph.node:
         if node.name not in chosen:
@@ -70,9 +136,10 @@ def replace_with_float_matmuls(model: onnx.ModelProto, onnx_path: Path, names: l
             continue
         weight = node.input[1] + DEQUANTIZED
         attrs, (packed, scales, zero) = attributes(node), [*node.input[1:4], ""][:3]
-        dequantized[weight] = lambda a=attrs, p=packed, s=scales, z=zero: dequantize_matmul_nbits(
-            a, read(p), read(s), read(z) if z else None
+        make = lambda a=attrs, p=packed, s=scales, z=zero: (  # noqa: E731
+            dequantize_matmul_nbits(a, read(p), read(s), read(z) if z else None),
         )
+        added.append(((weight,), make))
         inputs = list(node.input)
         bias = inputs[5] if len(inputs) > 5 else ""
         product = node.output[0] if not bias else f"{node.output[0]}/unbiased"
@@ -81,14 +148,12 @@ def replace_with_float_matmuls(model: onnx.ModelProto, onnx_path: Path, names: l
             nodes.append(helper.make_node("Add", [product, bias], [node.output[0]], name=f"{node.name}/bias"))
     del model.graph.node[:]
     model.graph.node.extend(nodes)
-    read_names = {name for node in all_nodes(model.graph) for name in node.input}
-    kept = [tensor for tensor in model.graph.initializer if tensor.name in read_names]
-    return _rewrite_weights(model, onnx_path, kept, dequantized)
+    return added
 
 
-def _rewrite_weights(model, onnx_path: Path, kept, added: dict[str, Callable[[], np.ndarray]]) -> int:
-    """Writes ``kept`` (external tensors copied byte for byte) and ``added`` (each made when written) to a fresh
-    weights file that replaces the old one; points ``model``'s initializers at it."""
+def _rewrite_weights(model, onnx_path: Path, kept, added: NewWeights) -> int:
+    """Writes ``kept`` (external tensors copied byte for byte) and ``added`` (each group made when written) to a
+    fresh weights file that replaces the old one; points ``model``'s initializers at it."""
     external = {tensor.name: ExternalDataInfo(tensor) for tensor in kept if uses_external_data(tensor)}
     locations = {info.location for info in external.values()}
     if len(locations) != 1:
@@ -108,17 +173,24 @@ def _rewrite_weights(model, onnx_path: Path, kept, added: dict[str, Callable[[],
                     source.seek(info.offset or 0)
                     data = np.frombuffer(source.read(-1 if info.length is None else info.length), dtype=np.uint8)
                     initializers.append(weights.add_raw(tensor.name, tensor.data_type, list(tensor.dims), data))
-            for name, make in added.items():
-                array = make()
-                written += array.nbytes
-                initializers.append(weights.add_array(name, array))
+            for group in added:
+                written += write_group(weights, group, initializers)
             weights.close()
             os.replace(weights.path, data_path)
     except OSError as err:
         raise ThinkerError(
-            f"{data_path}: cannot rewrite the weights file with the accuracy guard's float32 fallback ({err}); "
+            f"{data_path}: cannot rewrite the weights file with the accuracy guard's 8-bit fallbacks ({err}); "
             "free disk space, or export with --accuracy-guard 0"
         ) from err
     del model.graph.initializer[:]
     model.graph.initializer.extend(initializers)
     return written
+
+
+def write_group(weights: WeightFile, group: tuple[tuple[str, ...], Callable], initializers: list) -> int:
+    """Makes one group of new weights, appends them to ``weights`` and their initializers to ``initializers``;
+    returns their bytes."""
+    names, make = group
+    arrays = make()
+    initializers.extend(weights.add_array(name, array) for name, array in zip(names, arrays, strict=True))
+    return sum(array.nbytes for array in arrays)

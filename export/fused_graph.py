@@ -10,7 +10,7 @@ Same IO contract as ``DecoderGraph`` (names, shapes, dtypes; KV as (B, n_kv, S, 
   qk-norm      SimplifiedLayerNormalization on q and k per head, before the rotation, as Qwen3 does (norm, then RoPE)
   MoE          the MoE op (com.microsoft): softmax over the router logits, top-k, optional renormalisation,
                interleaved SwiGLU experts: Qwen's routing exactly (checked against PyTorch in the tests); under
-               ``--quantize`` QMoE, the same op over 4-bit (blocks) or 8-bit (a scale per row) experts
+               ``--quantize`` QMoE, the same op over 4-bit (blocks) or 8-bit (blocks at level 4, else a scale per row) experts
   tied head    FusedMatMul with transB over the embedding matrix, straight to the (B, T, V) logits
 
 GroupQueryAttention and padding. Its CPU kernel assumes compact rows: a row's keys are the slots [0, seqlens_k + 1).
@@ -324,8 +324,9 @@ class FusedDecoderGraph(DecoderGraph):
                 # says (measured: the same output at 0 and 1; the float MoE op honours it), which is wrong for
                 # Qwen2-MoE's raw softmax weights: the plain graph's Loop over the same quantized experts instead.
                 return super().emit_routed_experts(flat, prefix)
-            fc1 = quantizer.quantize_experts(b, gate_up_name, interleaved)
-            fc2 = quantizer.quantize_experts(b, down_name, down)
+            in_blocks = quantizer.experts_in_blocks(hidden, down.shape[2])
+            fc1 = quantizer.quantize_experts(b, gate_up_name, interleaved, in_blocks)
+            fc2 = quantizer.quantize_experts(b, down_name, down, in_blocks)
             if fc1.block_size:  # else one scale per row
                 attributes.update(block_size=fc1.block_size, accuracy_level=fc1.accuracy_level)
             # weights_prepacked 0: the raw (E, N, K * bits / 8) layout, whatever a provider's own would be

@@ -23,7 +23,8 @@ float zero points are not a type GatherBlockQuantized takes (zero points share t
 export keeps the float embedding beside its quantized head. An untied embedding stays float: a decode step reads one
 row of it per token, so quantizing it would save file size, not time. In the fused graph a layer's routed experts
 are onnxruntime's QMoE over the two expert stacks (``quantize_experts``: symmetric whatever ``algo``, QMoE taking no
-float zero points; int4 in blocks where the widths are whole blocks, int8 a scale per row); the plain graph
+float zero points; in blocks where the widths are whole blocks: int4, and int8 at accuracy level 4 in a float32 graph,
+whose block-wise kernel rounds the activations to int8; else int8 a scale per row, computed in float); the plain graph
 dequantizes the same values, held as int8, as it gathers them (``standard_experts``). What is not quantized: norms,
 the MoE router, projections too small to gain (fewer input features than one block, or fewer than 16 outputs).
 
@@ -350,20 +351,33 @@ class WeightQuantizer:
         whole_blocks = self.spec.bits == 8 or in_features % self.spec.block_size == 0
         return whole_blocks and self.applies_to_shape((in_features, rows))
 
-    def quantize_experts(self, b: GraphBuilder, name: str, stack: torch.Tensor) -> QuantizedExperts:
+    def experts_in_blocks(self, *in_features: int) -> bool:
+        """Whether one QMoE's expert stacks, of these input widths, go in blocks along their inputs (its one
+        ``block_size`` is both stacks'): at 4 bits always (``applies_to_experts``); at 8 bits where every width is
+        whole blocks and the graph is a float32 one at accuracy level 4, else a scale per row. QMoE's block-wise
+        8-bit CPU kernel rounds the experts' activations to int8 per block at any accuracy level (measured: it
+        computes the float MoE of the same weights over activations rounded as level 4 rounds MatMulNBits', per
+        block a scale of max |a| / 127), which is level 4's function, and runs a decode step 5x faster than the
+        row-wise kernel, which computes in float (bench/results/qmoe_int8.json). So at a float-activation level
+        (``--accuracy-level 1``), or in a float16 graph (whose QMoE is CUDA's), 8-bit experts keep a scale per
+        row."""
+        if self.spec.bits == 4:
+            return True
+        level_4 = self.spec.accuracy_level == 4 and self.dtype == torch.float32
+        return level_4 and all(width % self.spec.block_size == 0 for width in in_features)
+
+    def quantize_experts(self, b: GraphBuilder, name: str, stack: torch.Tensor, in_blocks: bool) -> QuantizedExperts:
         """A layer's (E, N, K) expert stack (each expert's rows its outputs) as QMoE's tensors, written to ``b``'s
         weights, symmetric (QMoE's CPU kernel reads 2^(bits-1) as the zero point when none is given, and takes no
         float ones, HQQ's), whatever ``algo``.
 
-        4 bits, in blocks along K: every row of every expert is one column of an (K, E * N) weight to onnxruntime's
-        quantizer, so each expert comes out as if quantized alone (RTN quantizes every column on its own), and its
-        (E * N, blocks, block / 2) packed rows and (E * N, blocks) scales are QMoE's (E, N, K / 2) and (E, N,
-        K / block), the layout the op documents as "produced by quantize_matmul_{4,8}bits"; ``accuracy_level`` as
-        MatMulNBits'. 8 bits, a scale per row (``column_wise_int8``): QMoE's block-wise 8-bit kernel rounds its
-        activations to int8 at every accuracy level (measured: 1 % off the same weights in float), which no
-        PyTorch reference reproduces and the quantized verify could not hold to a float tolerance; its row-wise
-        kernel computes in float."""
-        packed, scales, block_size = self.expert_arrays(name, stack)
+        ``in_blocks`` (``experts_in_blocks``), in blocks along K: every row of every expert is one column of an
+        (K, E * N) weight to onnxruntime's quantizer, so each expert comes out as if quantized alone (RTN quantizes
+        every column on its own), and its (E * N, blocks, block * bits / 8) packed rows and (E * N, blocks) scales
+        are QMoE's (E, N, K * bits / 8) and (E, N, K / block), the layout the op documents as "produced by
+        quantize_matmul_{4,8}bits"; ``accuracy_level`` as MatMulNBits'. Else (8 bits) a scale per row
+        (``column_wise_int8``)."""
+        packed, scales, block_size = self.expert_arrays(name, stack, in_blocks)
         fc = (f"{name}_Q{self.spec.bits}", f"{name}_scales")
         b.weight(fc[0], packed)
         b.weight(fc[1], scales)
@@ -376,7 +390,7 @@ class WeightQuantizer:
         Gather takes no int4 (so a 4-bit stack costs a byte a weight here, half the fused graph's bytes and a quarter
         of float32's), transposed to (E, K, N) as MatMul multiplies by them; scales (E, K / block, N) in blocks along
         K, or (E, N) one per output."""
-        packed, scales, block_size = self.expert_arrays(name, stack)
+        packed, scales, block_size = self.expert_arrays(name, stack, in_blocks=self.spec.bits == 4)
         if self.spec.bits == 4:
             values = unpack_nibbles(torch.from_numpy(packed)).numpy()  # (E, N, K), 0..15
             values, scales = values.astype(np.int8) - 8, scales.transpose(0, 2, 1)
@@ -386,10 +400,11 @@ class WeightQuantizer:
         scales_name = b.weight(f"{name}_scales", np.ascontiguousarray(scales))
         return StandardExperts(values_name, scales_name, block_size, helper.np_dtype_to_tensor_dtype(scales.dtype))
 
-    def expert_arrays(self, name: str, stack: torch.Tensor) -> tuple[np.ndarray, np.ndarray, int]:
-        """(E, N, K) -> QMoE's packed weights (E, N, K * bits / 8), scales and block size (0: one scale per row)."""
+    def expert_arrays(self, name: str, stack: torch.Tensor, in_blocks: bool) -> tuple[np.ndarray, np.ndarray, int]:
+        """(E, N, K) -> QMoE's packed weights (E, N, K * bits / 8), scales and block size: in blocks of the spec's
+        size along K, or (8 bits, not ``in_blocks``) a scale per row, block size 0."""
         experts, rows, in_features = stack.shape
-        if self.spec.bits == 8:
+        if not in_blocks:
             packed, scales = column_wise_int8(stack, np.float16 if self.dtype == torch.float16 else np.float32)
             return packed, scales, 0
         spec = dataclasses.replace(self.spec, algo="rtn", head_bits=None, head_int8_rows=0)

@@ -13,8 +13,9 @@ Judging a quantized graph only by how often it agrees with the float model canno
   graph    onnxruntime's graph against the PyTorch Thinker holding those same dequantized weights (the embedding
            too, when the graph quantizes it; the tie undone, so each holds what its op reads): the float
            graphs' check (left-padded batch, prefill + decode steps) at the float graphs' tolerance. The graph runs
-           with MatMulNBits' activations in float (accuracy_level 0, in a copy of the graph): level 4 rounds the
-           activations to int8, which has no PyTorch counterpart. A graph bug fails here, whatever the bits.
+           with MatMulNBits' activations in float (accuracy_level 0, in a copy of the graph; 8-bit experts in
+           blocks through onnxruntime's float path, export/accuracy_guard.py ``experts_in_float``): level 4 rounds
+           the activations to int8, which has no PyTorch counterpart. A graph bug fails here, whatever the bits.
   cost     the graph as shipped (its own accuracy level) against the float model on export/fidelity.py's English
            paragraph: top-1 agreement and perplexity change, gated by ``QualityGate`` (``--min-top1``,
            ``--max-perplexity-increase``). This is what quantization costs, not a test of the graph.
@@ -34,7 +35,7 @@ import torch
 from common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
 from common.progress import progress_bar
 
-from .accuracy_guard import LEVELLED_OPS, graph_variant
+from .accuracy_guard import LEVELLED_OPS, experts_in_float, graph_variant
 from .dequantize import (
     EMBEDDING,
     QuantizedWeight,
@@ -350,9 +351,10 @@ def quantization_cost(model: torch.nn.Module, model_dir: Path, decoder: OnnxDeco
 def float_activation_copy(onnx_path: Path) -> Iterator[Path]:
     """The graph with every MatMulNBits and QMoE at accuracy_level 0 (activations in the graph's float type): a
     temporary proto beside the original, reading the same weights file (onnxruntime refuses external data reached
-    through a link from another folder), removed afterwards."""
+    through a link from another folder), removed afterwards. Sessions made inside also run 8-bit experts in blocks
+    with float activations, which they round to int8 at every level (``experts_in_float``)."""
     onnx_path = Path(onnx_path)
     model = onnx.load(str(onnx_path), load_external_data=False)
     levels = {node.name: 0 for node in model.graph.node if node.op_type in LEVELLED_OPS}
-    with graph_variant(model, onnx_path, levels) as path:
+    with graph_variant(model, onnx_path, levels) as path, experts_in_float():
         yield path

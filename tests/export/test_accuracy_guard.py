@@ -162,7 +162,7 @@ def test_int8_units_fall_back_to_float_matmuls_that_the_verify_reads(graph, thin
 def test_the_float_fallback_computes_what_level_1_computes(thinker_variant, tmp_path):
     from export.accuracy_guard import matmul_units, prefill
     from export.exporter import export_model
-    from export.float_fallback import float_fallback_nodes, replace_with_float_matmuls
+    from export.float_fallback import float_fallback_nodes, replace_with_fallbacks
 
     folder = thinker_variant("qwen3", head_dim=16)
     export_model(folder, tmp_path / "out", graph="fused", quantize=INT8, verify=False, accuracy_guard=None)
@@ -174,7 +174,7 @@ def test_the_float_fallback_computes_what_level_1_computes(thinker_variant, tmp_
     model = onnx.load(tmp_path / "float" / "model.onnx", load_external_data=False)
     chosen = float_fallback_nodes(model, names)
     assert sorted(chosen) == sorted(names)  # every projection and the head: all 8-bit, float32 scales
-    assert replace_with_float_matmuls(model, tmp_path / "float" / "model.onnx", chosen) > 0
+    assert replace_with_fallbacks(model, tmp_path / "float" / "model.onnx", chosen, []) > 0
     onnx.save_model(model, tmp_path / "float" / "model.onnx")
     as_float = prefill(model, tmp_path / "float" / "model.onnx", {}, ids, threads=1)
     scale = np.abs(at_level_1).max()
@@ -233,3 +233,77 @@ def test_a_fallback_that_fails_midway_leaves_no_output(thinker_variant, tmp_path
         export_model(folder, tmp_path / "out", graph="fused", quantize=INT8, verify=False, accuracy_guard=0.9)
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["outlier"]  # no work folder left beside OUTPUT either
+
+
+# --- 8-bit experts in blocks: QMoE's kernel rounds their activations at every level; a moved one goes row-wise ------
+
+
+def with_expert_outlier(folder: Path, out: Path, layer: int, channel: int = 3) -> Path:
+    """A copy of the MoE Thinker ``folder`` whose sparse layer ``layer`` has an outlier channel into its experts (and
+    router), the float function unchanged."""
+    from thinker import ThinkerForCausalLM
+
+    shutil.copytree(folder, out)
+    model = ThinkerForCausalLM.from_pretrained(folder).eval()
+    block = model.model.layers[layer]
+    with torch.no_grad():
+        block.post_attention_layernorm.weight[channel] *= OUTLIER
+        block.mlp.experts.gate_up_proj[:, :, channel] /= OUTLIER
+        block.mlp.gate.weight[:, channel] /= OUTLIER
+    model.save_pretrained(out)
+    return out
+
+
+def qmoe_nodes(path: Path) -> dict[str, onnx.NodeProto]:
+    return {n.name: n for n in onnx.load(path, load_external_data=False).graph.node if n.op_type == "QMoE"}
+
+
+def test_moved_int8_experts_go_rowwise_and_verify(thinker_variant, tmp_path):
+    """An outlier into layer 0's experts: the ranking puts that layer first (its QMoE's routed products, rounded as
+    the kernel rounds them), the guard moves it alone and writes its QMoE with a scale per row (the float kernel),
+    the other layer's QMoE stays in blocks; the quantized verify reads the row-wise stacks as the 8-bit experts
+    they are and passes, and nothing of the guard's variants is left in the folder."""
+    from export.dequantize import ROWWISE
+    from export.exporter import export_model
+
+    folder = with_expert_outlier(thinker_variant("qwen3_moe", head_dim=16), tmp_path / "outlier", layer=0)
+    report = export_model(
+        folder, tmp_path / "out", graph="fused", quantize=INT8, verify=True, accuracy_guard=0.9, quality=NO_GATE
+    )
+    guard = report["accuracy_guard"]
+    assert guard["agreement_before"] < 0.9, guard
+    assert next(iter(guard["unit_activation_rounding_error"])) == "layers.0", guard
+    assert guard["moved_to_level_1"] == ["layers.0"] and guard["passed"] is True, guard
+    assert [name.split("/")[2] for name in guard["experts_to_rowwise"]] == ["layers.0"], guard
+    assert report["verify"]["passed"] is True, report["verify"]
+    assert report["verify"]["graph"]["max_abs_diff"] <= report["verify"]["graph"]["tolerance"]
+    nodes = qmoe_nodes(tmp_path / "out" / "model.onnx")
+    moved, kept = (next(n for name, n in nodes.items() if f"/layers.{i}/" in name) for i in (0, 2))
+    assert all(name.endswith(ROWWISE) for name in [*moved.input[2:4], *moved.input[5:7]])
+    assert "block_size" not in {a.name for a in moved.attribute}
+    assert {a.name: a.i for a in kept.attribute}["block_size"] == INT8.block_size
+    assert not [p.name for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]
+    weights = {t.name for t in onnx.load(tmp_path / "out" / "model.onnx", load_external_data=False).graph.initializer}
+    assert not [name for name in weights if name + ROWWISE in weights]  # the block-wise stacks are gone
+
+
+def test_the_verify_fails_rowwise_experts_with_the_wrong_scales(thinker_variant, tmp_path, monkeypatch):
+    """A planted bug: the row-wise requantization's scales 5 % too large. The weight check refuses the stacks,
+    naming them."""
+    import export.float_fallback as float_fallback
+    from common.errors import ThinkerError
+    from export.exporter import export_model
+
+    real = float_fallback.requantize_rowwise
+
+    def scales_off(*args):
+        values, scales = real(*args)
+        return values, scales * np.float32(1.05)
+
+    monkeypatch.setattr(float_fallback, "requantize_rowwise", scales_off)
+    folder = with_expert_outlier(thinker_variant("qwen3_moe", head_dim=16), tmp_path / "outlier", layer=0)
+    with pytest.raises(ThinkerError, match=r"quantized weight model\.layers\.0\.mlp\.experts\..* off the float one"):
+        export_model(
+            folder, tmp_path / "out", graph="fused", quantize=INT8, verify=True, accuracy_guard=0.9, quality=NO_GATE
+        )
+    assert not (tmp_path / "out").exists()

@@ -1,13 +1,16 @@
-"""Routed experts under ``--quantize`` in the fused graph: onnxruntime's QMoE over 4-bit (blocks along the input
-axis) or 8-bit (a scale per row) expert stacks, read back by export/dequantize.py and held by the quantized verify.
+"""Routed experts under ``--quantize`` in the fused graph: onnxruntime's QMoE over 4-bit or 8-bit expert stacks in
+blocks along the input axis (8 bits with a scale per row at a float-activation level, or in a float16 graph), read
+back by export/dequantize.py and held by the quantized verify.
 
 The kernel check runs a graph's own QMoE node alone against the MoE computed in PyTorch from ``dequantize_qmoe``'s
-weights with Qwen's routing (float activations: accuracy level 0 at 4 bits; the row-wise 8-bit kernel computes in
-float at every level), to float32 rounding (1e-5 of the output's scale).
+weights with Qwen's routing, to float32 rounding (1e-5 of the output's scale), with float activations (accuracy
+level 0 at 4 bits; 8-bit experts in blocks through onnxruntime's float path, ``experts_in_float``), and with int8
+activations as the block-wise kernels compute by default, against the same MoE over activations rounded per block.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +26,7 @@ from export_helpers import assert_genai_equals_onnxruntime
 from onnx import helper, numpy_helper
 
 from common.cli import main
+from export.accuracy_guard import experts_in_float, int8_blockwise
 from export.dequantize import attributes, constant_reader, dequantize_qmoe, quantized_weights
 from export.graph_walk import all_nodes
 from export.quantize import QuantizeSpec, WeightQuantizer
@@ -84,8 +88,8 @@ class Weights:
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 @pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
 def test_routed_experts_are_qmoe(family, spec, onnx_variant):
-    """Every sparse layer's experts are one QMoE over uint8 stacks: blocks of the spec's size at 4 bits, a scale per
-    row at 8; no float MoE and no float expert stack is left in the graph."""
+    """Every sparse layer's experts are one QMoE over uint8 stacks in blocks of the spec's size (a float32 graph at
+    accuracy level 4); no float MoE and no float expert stack is left in the graph."""
     graph = graph_of(export_of(onnx_variant, family, spec))
     qmoe = [n for n in graph.node if n.op_type == "QMoE"]
     assert qmoe and not [n for n in graph.node if n.op_type == "MoE"]
@@ -93,10 +97,10 @@ def test_routed_experts_are_qmoe(family, spec, onnx_variant):
     for node in qmoe:
         attrs = attributes(node)
         assert attrs["expert_weight_bits"] == spec.bits and attrs["weights_prepacked"] == 0
-        assert attrs.get("block_size") == (spec.block_size if spec.bits == 4 else None), attrs
+        assert attrs.get("block_size") == spec.block_size and attrs["accuracy_level"] == 4, attrs
         for packed, scales in ((node.input[2], node.input[3]), (node.input[5], node.input[6])):
             assert tensors[packed].data_type == onnx.TensorProto.UINT8
-            assert len(tensors[scales].dims) == (3 if spec.bits == 4 else 2)
+            assert len(tensors[scales].dims) == 3
     assert not [name for name in tensors if name.endswith(("experts.gate_up_proj", "experts.down_proj"))]
 
 
@@ -106,46 +110,89 @@ def test_dequantized_experts_are_what_qmoe_computes_with(family, spec, onnx_vari
     """The first QMoE of the export, alone (router logits as an input), against the MoE computed in PyTorch from
     ``dequantize_qmoe``'s stacks: softmax over the logits, top-k, renormalised, SiLU(gate) * up, weighted sum."""
     node, read = first_qmoe(export_of(onnx_variant, family, spec))
-    attrs = attributes(node)
-    gate_up = dequantize_qmoe(attrs, read(node.input[2]), read(node.input[3]), interleaved=True)
-    down = dequantize_qmoe(attrs, read(node.input[5]), read(node.input[6]), interleaved=False)
-    experts, hidden = down.shape[0], down.shape[1]
-    session = qmoe_alone(node, read, accuracy_level=None)  # level 0: float activations
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(6, hidden, generator=generator)
-    logits = 2 * torch.randn(6, experts, generator=generator)
+    with experts_in_float():
+        session = qmoe_alone(node, read, accuracy_level=None)  # level 0: float activations
+    x, logits = router_inputs(node, read)
     y = session.run(None, {"x": x.numpy(), "logits": logits.numpy()})[0]
-
-    weights, chosen = torch.softmax(logits, -1).topk(attrs["k"], dim=-1)
-    weights = weights / weights.sum(-1, keepdim=True)
-    reference = torch.zeros_like(x)
-    w1, w2 = torch.from_numpy(gate_up), torch.from_numpy(down)
-    for token in range(x.shape[0]):
-        for weight, expert in zip(weights[token], chosen[token], strict=True):
-            gate, up = (w1[expert] @ x[token]).chunk(2)
-            reference[token] += weight * (w2[expert] @ (F.silu(gate) * up))
+    reference = moe_of(node, read, x, logits)
     scale = float(reference.abs().max())
     np.testing.assert_allclose(y, reference.numpy(), rtol=0, atol=1e-5 * scale)
 
 
-def test_each_expert_is_quantized_as_if_alone():
-    """4 bits: the stack through onnxruntime's quantizer as one (K, E * N) weight gives each expert the tensors it
-    gets quantized alone, bit for bit (RTN quantizes every column on its own). 8 bits: a scale per row, the
-    largest magnitude over 127, every weight within half a step of its float value."""
+@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
+def test_experts_in_blocks_compute_with_int8_activations(spec, onnx_variant):
+    """What the guard's ranking and its reference rest on: the block-wise kernels at level 4 (and at 8 bits at every
+    level, unless ``experts_in_float``) compute the float MoE over the tokens and their SwiGLU outputs rounded to
+    int8 per block (``int8_blockwise``): within 1e-4 of the output's scale (3e-7 measured; float summation order
+    can flip a rounding step now and then), where the unrounded MoE is 20x that away (7e-3 measured)."""
+    node, read = first_qmoe(export_of(onnx_variant, "qwen3_5_moe", spec))
+    x, logits = router_inputs(node, read)
+    y = qmoe_alone(node, read).run(None, {"x": x.numpy(), "logits": logits.numpy()})[0]
+    rounded = moe_of(node, read, x, logits, round_block=spec.block_size)
+    exact = moe_of(node, read, x, logits)
+    scale = float(exact.abs().max())
+    assert np.abs(y - rounded.numpy()).max() <= 1e-4 * scale
+    assert np.abs(y - exact.numpy()).max() > 2e-3 * scale
+
+
+def router_inputs(node: onnx.NodeProto, read: Callable[[str], np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Six random tokens for ``node`` and router logits that spread them over its experts."""
+    experts, hidden = read(node.input[5]).shape[:2]
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(6, hidden, generator=generator), 2 * torch.randn(6, experts, generator=generator)
+
+
+def moe_of(node, read, x: torch.Tensor, logits: torch.Tensor, round_block: int | None = None) -> torch.Tensor:
+    """The MoE of ``node``'s dequantized stacks (``dequantize_qmoe``) in PyTorch: softmax over the logits, top-k,
+    renormalised, SiLU(gate) * up, weighted sum; ``round_block``: its activations rounded to int8 in blocks of it."""
+    attrs = attributes(node)
+    w1 = torch.from_numpy(dequantize_qmoe(attrs, read(node.input[2]), read(node.input[3]), interleaved=True))
+    w2 = torch.from_numpy(dequantize_qmoe(attrs, read(node.input[5]), read(node.input[6]), interleaved=False))
+
+    def rounded(a: torch.Tensor) -> torch.Tensor:
+        return a if round_block is None else torch.from_numpy(int8_blockwise(a[None].numpy(), round_block)[0])
+
+    weights, chosen = torch.softmax(logits, -1).topk(attrs["k"], dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for token in range(x.shape[0]):
+        for weight, expert in zip(weights[token], chosen[token], strict=True):
+            gate, up = (w1[expert] @ rounded(x[token])).chunk(2)
+            out[token] += weight * (w2[expert] @ rounded(F.silu(gate) * up))
+    return out
+
+
+@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
+def test_each_expert_is_quantized_as_if_alone(spec):
+    """In blocks: the stack through onnxruntime's quantizer as one (K, E * N) weight gives each expert the tensors
+    it gets quantized alone, bit for bit (RTN quantizes every column on its own)."""
     stack = torch.randn(3, 40, 64, generator=torch.Generator().manual_seed(0))
-    quantizer = WeightQuantizer(INT4, torch.float32)
+    quantizer = WeightQuantizer(spec, torch.float32)
     sink = Weights()
-    experts = quantizer.quantize_experts(sink, "e", stack)
+    experts = quantizer.quantize_experts(sink, "e", stack, in_blocks=True)
     packed, scales = (sink.arrays[name] for name in experts.inputs)
-    assert packed.shape == (3, 40, 32) and scales.shape == (3, 40, 4)
+    width = 64 * spec.bits // 8
+    assert (packed.shape, scales.shape, experts.block_size) == ((3, 40, width), (3, 40, 4), 16)
     for expert in range(3):
         alone = Weights()
-        projection = quantizer.quantize_whole(alone, "alone", stack[expert].T, INT4)
-        assert np.array_equal(alone.arrays[projection.inputs[0]].reshape(40, 32), packed[expert])
+        projection = quantizer.quantize_whole(alone, "alone", stack[expert].T, spec)
+        assert np.array_equal(alone.arrays[projection.inputs[0]].reshape(40, width), packed[expert])
         assert np.array_equal(alone.arrays[projection.inputs[1]].reshape(40, 4), scales[expert])
 
+
+def test_int8_experts_take_blocks_only_where_their_activations_may_be_int8():
+    """8-bit experts go in blocks (whose kernel rounds activations to int8) only in a float32 graph at accuracy
+    level 4 whose widths are whole blocks; else a scale per row: the largest magnitude over 127, every weight
+    within half a step of its float value."""
+    assert WeightQuantizer(INT8, torch.float32).experts_in_blocks(64, 32)
+    assert not WeightQuantizer(INT8, torch.float32).experts_in_blocks(64, 40)  # 40 is not whole blocks of 16
+    assert not WeightQuantizer(dataclasses.replace(INT8, accuracy_level=1), torch.float32).experts_in_blocks(64, 32)
+    assert not WeightQuantizer(INT8, torch.float16).experts_in_blocks(64, 32)
+    assert WeightQuantizer(INT4, torch.float16).experts_in_blocks(64, 32)
+
+    stack = torch.randn(3, 40, 64, generator=torch.Generator().manual_seed(0))
     sink = Weights()
-    experts = WeightQuantizer(INT8, torch.float32).quantize_experts(sink, "e", stack)
+    experts = WeightQuantizer(INT8, torch.float32).quantize_experts(sink, "e", stack, in_blocks=False)
     packed, scales = (sink.arrays[name] for name in experts.inputs)
     assert (packed.shape, packed.dtype, scales.shape, experts.block_size) == ((3, 40, 64), np.uint8, (3, 40), 0)
     np.testing.assert_allclose(scales, stack.abs().amax(-1).numpy() / 127, rtol=1e-6)

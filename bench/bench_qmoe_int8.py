@@ -1,0 +1,170 @@
+"""What a layer of routed experts costs on onnxruntime's CPU provider, by QMoE layout: why 8-bit experts go in blocks.
+
+    python bench/bench_qmoe_int8.py [--layers 12] [--experts 64] [--top-k 8] [--hidden 1024] [--inner 128]
+                                    [--threads 2] [--reps 15]
+
+A chain of ``--layers`` residual MoE layers (a router MatMul, the experts, an Add), the shapes of bench_hybrid.py's
+Qwen3.5-MoE by default (so the experts' weights lie well beyond the caches, as in a model), at one row (a decode
+step) and at 128 (a prompt), for each way export/quantize.py can write the experts: the float MoE op, and QMoE at 8
+bits with a scale per row, at 8 bits in blocks of 32 (the kernel rounds activations to int8 at every accuracy level),
+the same under ``experts_in_float`` (onnxruntime's float path, what the quantized verify and the guard's reference
+run), and at 4 bits in blocks at accuracy levels 1 and 4. The experts are quantized by the exporter's own code
+(``WeightQuantizer.quantize_experts``). Each output's error against the float chain is printed beside its time,
+which says which layouts compute with int8 activations. Writes ``bench/results/qmoe_int8.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages, when run as a script
+
+from export.accuracy_guard import experts_in_float  # noqa: E402
+from export.quantize import QuantizeSpec, WeightQuantizer  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "qmoe_int8.json"
+ROWS = (1, 128)
+MOE_ATTRIBUTES = dict(
+    k=0, activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0, normalize_routing_weights=1
+)
+
+
+class Tensors:
+    """What the quantizer writes (``b.weight``), kept as initializers of the bench's graph."""
+
+    def __init__(self) -> None:
+        self.initializers: list[onnx.TensorProto] = []
+
+    def weight(self, name: str, array: np.ndarray) -> str:
+        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+
+def moe_chain(layers: list[dict], top_k: int, spec: QuantizeSpec | None, in_blocks: bool) -> onnx.ModelProto:
+    """``x + MoE(x)`` per layer; the experts float (``spec`` None) or QMoE as the exporter writes them."""
+    tensors, nodes = Tensors(), []
+    hidden = layers[0]["router"].shape[0]
+    quantizer = WeightQuantizer(spec, torch.float32) if spec else None
+    for i, layer in enumerate(layers):
+        x, logits, y = f"x{i}", f"logits{i}", f"y{i}"
+        nodes.append(helper.make_node("MatMul", [x, tensors.weight(f"router{i}", layer["router"])], [logits]))
+        attributes = {**MOE_ATTRIBUTES, "k": top_k}
+        if quantizer is None:
+            fc = [tensors.weight(f"fc1_{i}", layer["fc1"]), "", tensors.weight(f"fc2_{i}", layer["fc2"])]
+            nodes.append(helper.make_node("MoE", [x, logits, *fc], [y], domain="com.microsoft", **attributes))
+        else:
+            fc1, fc2 = (
+                quantizer.quantize_experts(tensors, f"fc{j}_{i}", torch.from_numpy(layer[f"fc{j}"]), in_blocks)
+                for j in (1, 2)
+            )
+            attributes.update(expert_weight_bits=spec.bits, weights_prepacked=0)
+            if fc1.block_size:
+                attributes.update(block_size=fc1.block_size, accuracy_level=fc1.accuracy_level)
+            inputs = [x, logits, *fc1.inputs, "", *fc2.inputs]
+            nodes.append(helper.make_node("QMoE", inputs, [y], domain="com.microsoft", **attributes))
+        nodes.append(helper.make_node("Add", [x, y], [f"x{i + 1}"]))
+    graph = helper.make_graph(
+        nodes,
+        "moe_chain",
+        [helper.make_tensor_value_info("x0", TensorProto.FLOAT, ["rows", hidden])],
+        [helper.make_tensor_value_info(f"x{len(layers)}", TensorProto.FLOAT, ["rows", hidden])],
+        tensors.initializers,
+    )
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--inner", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=15)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    e, h, i = args.experts, args.hidden, args.inner
+    layers = [
+        {
+            "router": (rng.standard_normal((h, e)) / np.sqrt(h)).astype(np.float32),
+            "fc1": (rng.standard_normal((e, 2 * i, h)) * 0.02).astype(np.float32),  # gate, up interleaved
+            "fc2": (rng.standard_normal((e, h, i)) * 0.02).astype(np.float32),
+        }
+        for _ in range(args.layers)
+    ]
+    int8, int4 = QuantizeSpec(bits=8, accuracy_level=4), QuantizeSpec(bits=4, accuracy_level=4)
+    layouts = {  # name -> (model, made under experts_in_float)
+        "float MoE": (moe_chain(layers, args.top_k, None, False), False),
+        "QMoE 8-bit, a scale per row": (moe_chain(layers, args.top_k, int8, in_blocks=False), False),
+        "QMoE 8-bit, blocks of 32": (moe_chain(layers, args.top_k, int8, in_blocks=True), False),
+        "QMoE 8-bit, blocks of 32, experts_in_float": (moe_chain(layers, args.top_k, int8, in_blocks=True), True),
+        "QMoE 4-bit, blocks of 32, level 1": (
+            moe_chain(layers, args.top_k, QuantizeSpec(bits=4, accuracy_level=1), in_blocks=True),
+            False,
+        ),
+        "QMoE 4-bit, blocks of 32, level 4": (moe_chain(layers, args.top_k, int4, in_blocks=True), False),
+    }
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = args.threads
+    sessions = {}
+    for name, (model, in_float) in layouts.items():
+        with experts_in_float() if in_float else nullcontext():
+            sessions[name] = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    results: dict = {}
+    for rows in ROWS:
+        x = rng.standard_normal((rows, h)).astype(np.float32)
+        reference = sessions["float MoE"].run(None, {"x0": x})[0] - x  # the layers' sum, without the input
+        for name, session in sessions.items():
+            out = session.run(None, {"x0": x})[0] - x  # a warm-up run, and the output's error
+            error = float(np.abs(out - reference).max() / np.abs(reference).max())
+            results.setdefault(name, {})[rows] = {"relative_error": error}
+        times: dict[str, list[float]] = {name: [] for name in sessions}
+        for _ in range(args.reps):  # interleaved: a burst of load hits every layout alike
+            for name, session in sessions.items():
+                start = time.perf_counter()
+                session.run(None, {"x0": x})
+                times[name].append(time.perf_counter() - start)
+        for name, samples in times.items():
+            results[name][rows]["ms"] = statistics.median(samples) * 1e3
+    per_layer = f"{e} experts of {h} x {i} (SwiGLU), top {args.top_k}"
+    print(f"{args.layers} MoE layers of {per_layer}, {args.threads} threads, median of {args.reps} interleaved runs")
+    base = "QMoE 8-bit, a scale per row"
+    print(f"| layout | {' | '.join(f'{r} row(s) (ms)' for r in ROWS)} | vs a scale per row | error vs float |")
+    print("|---|" + "---|" * (len(ROWS) + 2))
+    for name, by_rows in results.items():
+        ratio = " / ".join(f"{by_rows[r]['ms'] / results[base][r]['ms']:.2f}x" for r in ROWS)
+        times_ms = " | ".join(f"{by_rows[r]['ms']:.2f}" for r in ROWS)
+        print(f"| {name} | {times_ms} | {ratio} | {by_rows[ROWS[0]]['relative_error']:.1e} |")
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(
+        json.dumps(
+            {
+                **vars(args),
+                "onnxruntime": ort.__version__,
+                "machine": platform.processor() or platform.machine(),
+                "results": results,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
