@@ -14,16 +14,17 @@ chain is printed beside its time, which says which layouts compute with int8 act
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import statistics
-import time
+import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
+
+from layout_timing import report_layouts, time_layouts  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "int8_fallback.json"
 ROWS = (1, 64)
@@ -76,47 +77,11 @@ def main() -> None:
         name: ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         for name, model in variants.items()
     }
-    results: dict = {}
-    for rows in ROWS:
-        x = rng.standard_normal((rows, args.dim)).astype(np.float32)
-        reference = sessions["float32 MatMul"].run(None, {"x0": x})[0]
-        times: dict[str, list[float]] = {name: [] for name in sessions}
-        for name, session in sessions.items():
-            out = session.run(None, {"x0": x})[0]  # a warm-up run, and the output's error
-            error = float(np.abs(out - reference).max() / np.abs(reference).max())
-            results.setdefault(name, {})[rows] = {"relative_error": error}
-        for _ in range(args.reps):  # interleaved: a burst of load hits every layout alike
-            for name, session in sessions.items():
-                start = time.perf_counter()
-                session.run(None, {"x0": x})
-                times[name].append(time.perf_counter() - start)
-        for name, samples in times.items():
-            results[name][rows]["ms"] = statistics.median(samples) * 1e3
+    results = time_layouts(sessions, ROWS, args.dim, args.reps, seed=0)
     shape = f"{args.layers} projections of {args.dim} x {args.dim}"
-    print(f"{shape}, {args.threads} threads, median of {args.reps} interleaved runs")
-    print(f"| layout | {' | '.join(f'{r} row(s) (ms)' for r in ROWS)} | vs 8-bit level 4 | error vs float32 |")
-    print("|---|" + "---|" * (len(ROWS) + 2))
-    for name, by_rows in results.items():
-        ratio = " / ".join(f"{by_rows[r]['ms'] / results['MatMulNBits 8-bit level 4'][r]['ms']:.2f}x" for r in ROWS)
-        times = " | ".join(f"{by_rows[r]['ms']:.2f}" for r in ROWS)
-        print(f"| {name} | {times} | {ratio} | {by_rows[ROWS[0]]['relative_error']:.1e} |")
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(
-        json.dumps(
-            {
-                "dim": args.dim,
-                "layers": args.layers,
-                "threads": args.threads,
-                "reps": args.reps,
-                "onnxruntime": ort.__version__,
-                "machine": platform.processor() or platform.machine(),
-                "results": results,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
-    print(f"wrote {RESULTS}")
+    title = f"{shape}, {args.threads} threads, median of {args.reps} interleaved runs"
+    settings = {"dim": args.dim, "layers": args.layers, "threads": args.threads, "reps": args.reps}
+    report_layouts(results, "MatMulNBits 8-bit level 4", title, RESULTS, settings)
 
 
 if __name__ == "__main__":

@@ -5,22 +5,19 @@
 
 A chain of ``--layers`` residual MoE layers (a router MatMul, the experts, an Add), the shapes of bench_hybrid.py's
 Qwen3.5-MoE by default (so the experts' weights lie well beyond the caches, as in a model), at one row (a decode
-step) and at 128 (a prompt), for each way export/quantize.py can write the experts: the float MoE op, and QMoE at 8
-bits with a scale per row, at 8 bits in blocks of 32 (the kernel rounds activations to int8 at every accuracy level),
-the same under ``experts_in_float`` (onnxruntime's float path, what the quantized verify and the guard's reference
-run), and at 4 bits in blocks at accuracy levels 1 and 4. The experts are quantized by the exporter's own code
-(``WeightQuantizer.quantize_experts``). Each output's error against the float chain is printed beside its time,
+step) and at 128 (a prompt), interleaved, each run after a pause (``--gap``), for each way export/quantize.py can
+write the experts: the float MoE op, and QMoE at 8 bits with a scale per row, at 8 bits in blocks of 32 (the kernel
+rounds activations to int8 at every accuracy level), the same under ``experts_in_float`` (onnxruntime's float path,
+what the quantized verify runs), and at 4 bits in blocks at accuracy levels 1 and 4. The experts are quantized by
+the exporter's own code (``WeightQuantizer.quantize_experts``). Each output's error against the float chain is
+printed beside its time,
 which says which layouts compute with int8 activations. Writes ``bench/results/qmoe_int8.json``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import statistics
 import sys
-import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -30,15 +27,23 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages, when run as a script
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
 
-from export.accuracy_guard import experts_in_float  # noqa: E402
+from layout_timing import report_layouts, time_layouts  # noqa: E402
+
 from export.quantize import QuantizeSpec, WeightQuantizer  # noqa: E402
+from export.quantized_verify import experts_in_float  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "qmoe_int8.json"
 ROWS = (1, 128)
 MOE_ATTRIBUTES = dict(
-    k=0, activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0, normalize_routing_weights=1
+    k=0,
+    activation_type="swiglu",
+    swiglu_fusion=1,
+    activation_alpha=1.0,
+    activation_beta=0.0,
+    normalize_routing_weights=1,
 )
 
 
@@ -96,6 +101,13 @@ def main() -> None:
     parser.add_argument("--inner", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument(
+        "--gap",
+        type=float,
+        default=0.15,
+        help="seconds before each timed run (bench_graph_ab.py: a session's threads "
+        "keep spinning after its run, slowing the next session's)",
+    )
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     e, h, i = args.experts, args.hidden, args.inner
@@ -124,46 +136,13 @@ def main() -> None:
     sessions = {}
     for name, (model, in_float) in layouts.items():
         with experts_in_float() if in_float else nullcontext():
-            sessions[name] = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    results: dict = {}
-    for rows in ROWS:
-        x = rng.standard_normal((rows, h)).astype(np.float32)
-        reference = sessions["float MoE"].run(None, {"x0": x})[0] - x  # the layers' sum, without the input
-        for name, session in sessions.items():
-            out = session.run(None, {"x0": x})[0] - x  # a warm-up run, and the output's error
-            error = float(np.abs(out - reference).max() / np.abs(reference).max())
-            results.setdefault(name, {})[rows] = {"relative_error": error}
-        times: dict[str, list[float]] = {name: [] for name in sessions}
-        for _ in range(args.reps):  # interleaved: a burst of load hits every layout alike
-            for name, session in sessions.items():
-                start = time.perf_counter()
-                session.run(None, {"x0": x})
-                times[name].append(time.perf_counter() - start)
-        for name, samples in times.items():
-            results[name][rows]["ms"] = statistics.median(samples) * 1e3
+            sessions[name] = ort.InferenceSession(
+                model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+            )
+    results = time_layouts(sessions, ROWS, h, args.reps, args.gap, function=lambda out, x: out - x)
     per_layer = f"{e} experts of {h} x {i} (SwiGLU), top {args.top_k}"
-    print(f"{args.layers} MoE layers of {per_layer}, {args.threads} threads, median of {args.reps} interleaved runs")
-    base = "QMoE 8-bit, a scale per row"
-    print(f"| layout | {' | '.join(f'{r} row(s) (ms)' for r in ROWS)} | vs a scale per row | error vs float |")
-    print("|---|" + "---|" * (len(ROWS) + 2))
-    for name, by_rows in results.items():
-        ratio = " / ".join(f"{by_rows[r]['ms'] / results[base][r]['ms']:.2f}x" for r in ROWS)
-        times_ms = " | ".join(f"{by_rows[r]['ms']:.2f}" for r in ROWS)
-        print(f"| {name} | {times_ms} | {ratio} | {by_rows[ROWS[0]]['relative_error']:.1e} |")
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(
-        json.dumps(
-            {
-                **vars(args),
-                "onnxruntime": ort.__version__,
-                "machine": platform.processor() or platform.machine(),
-                "results": results,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
-    print(f"wrote {RESULTS}")
+    title = f"{args.layers} MoE layers of {per_layer}, {args.threads} threads, median of {args.reps} interleaved runs"
+    report_layouts(results, "QMoE 8-bit, a scale per row", title, RESULTS, vars(args))
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@ accuracy_level 4 has MatMulNBits round its activations to int8 per block of the 
 CPU kernels), which is reported to flip greedy tokens on some models (onnxruntime issue 29849): an outlier channel
 in a block crushes the other channels of that block to a few levels. QMoE's experts in blocks do the same (4 bits at
 level 4; 8 bits at every level). After the graph is written, the guard runs export/fidelity.py's paragraph (teacher
-forced, one prefill) through the graph as written and through the same graph with every MatMulNBits and QMoE at
-accuracy_level 1 and 8-bit experts through onnxruntime's float path (``experts_in_float``): float32 activations, the
-same quantized weights. It takes the share of positions where both pick the same next token. Below
+forced, one prefill) through the graph as written and through the same graph with every unit moved to float
+activations, the same quantized weights: MatMulNBits and 4-bit QMoE at accuracy_level 1, 8-bit QMoE as the float MoE
+op over its dequantized stacks. It takes the share of positions where both pick the same next token. Below
 ``min_agreement`` it ranks the decoder layers (and the head) by what int8 activations cost each: one more prefill
 at level 1 hands back every quantized op's input activations, which are rounded here as level 4 rounds them (per
 block of the input axis, a scale of max |a| / 127, MLAS's CompInt8 quantization of A) and multiplied by the op's
@@ -19,8 +19,9 @@ graph meets ``min_agreement``, found by bisection (agreement grows, if not stric
 is chosen was measured to meet the threshold, as the guard writes it).
 A moved unit's MatMulNBits and 4-bit QMoE go to level 1. A moved 8-bit MatMulNBits of a float32 graph becomes a
 float32 MatMul over its dequantized weight instead, the same function without onnxruntime's per-call
-dequantization, and a moved 8-bit QMoE in blocks its row-wise form, whose kernel computes in float
-(export/float_fallback.py, which rewrites the weights file); the graph as written is measured once more.
+dequantization, and a moved 8-bit QMoE in blocks the float MoE op over its dequantized stacks (export/float_fallback.py,
+which rewrites the weights file; the trial graphs dequantize those in the graph); the graph as written is measured
+once more.
 
 Cost: two sessions and prefills of ~230 tokens when the graph passes (SmolLM2-135M: 2-3 s, and 151 MB of peak RSS
 at int4, 151 at int8, bench/results/README-export-peak.md); when it falls back, one more for the ranking and one
@@ -36,7 +37,7 @@ import re
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -46,25 +47,15 @@ from common.progress import progress_bar
 
 from .dequantize import attributes, constant_reader, dequantize_matmul_nbits, dequantize_qmoe
 from .fidelity import fidelity_token_ids, mean_kl
-from .float_fallback import (
-    float_fallback_nodes,
-    replace_with_fallbacks,
-    rowwise_expert_nodes,
-    rowwise_experts,
-    write_group,
-)
-from .graph_builder import WeightFile
+from .float_fallback import dequantizing_experts, expert_fallback_nodes, float_fallback_nodes, replace_with_fallbacks
 from .names import DEFAULT_MIN_AGREEMENT
 from .row_slices import split_wide_matmuls
 from .runtime import OnnxDecoder, position_ids_from_mask
 
 FALLBACK_LEVEL = 1
 # The quantized ops with MatMulNBits' accuracy levels: a unit falls back as a whole, its quantized experts (QMoE)
-# with its projections, though only the projections' activations rank it (``activation_rounding_errors``).
+# with its projections.
 LEVELLED_OPS = ("MatMulNBits", "QMoE")
-# onnxruntime's CPU QMoE reads this as each session makes its kernels: "fp32" runs 8-bit experts in blocks with float
-# activations (its dequantizing path), which otherwise round their activations to int8 whatever the node's level.
-QMOE_COMPUTE_ENV = "ORT_QMOE_CPU_QNBIT_GEMM"
 _UNIT = re.compile(r"^/model/layers\.(\d+)/|^/lm_head/")
 GUARD_TOKENS = 256  # the paragraph is ~230 tokens with SmolLM2's tokenizer; random ids when there is no tokenizer
 
@@ -102,62 +93,32 @@ def set_levels(model: onnx.ModelProto, levels: dict[str, int]) -> None:
 
 
 @contextmanager
-def experts_in_float() -> Iterator[None]:
-    """onnxruntime sessions made inside compute 8-bit experts in blocks with float activations (the same weights):
-    level 1's function, for the guard's reference and the quantized verify's graph check. A session keeps what it
-    was made with (measured), so only its creation needs to be inside."""
-    before = os.environ.get(QMOE_COMPUTE_ENV)
-    os.environ[QMOE_COMPUTE_ENV] = "fp32"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[QMOE_COMPUTE_ENV]
-        else:
-            os.environ[QMOE_COMPUTE_ENV] = before
-
-
-@contextmanager
 def graph_variant(
     model: onnx.ModelProto,
     onnx_path: Path,
     levels: dict[str, int],
     split_wide: bool = False,
-    rowwise: Sequence[str] = (),
+    float_experts: Sequence[str] = (),
 ) -> Iterator[Path]:
     """``model`` with ``levels`` applied, saved beside ``onnx_path`` (its weights file in reach), removed after.
-    ``rowwise``: QMoE nodes (``rowwise_expert_nodes``) in their row-wise form (export/float_fallback.py), as the
-    guard writes a moved one, their requantized stacks in a second weights file beside it, removed too.
-    ``split_wide``: its wide level-1 MatMulNBits as row slices of the same weights (export/row_slices.py), the
-    same products at a lower peak, for the guard's own sessions."""
+    ``float_experts``: those QMoE nodes (``expert_fallback_nodes``) as the float MoE op over their stacks
+    dequantized in the graph (export/float_fallback.py ``dequantizing_experts``), the function the guard writes for a
+    moved one. ``split_wide``: its wide level-1 MatMulNBits as row slices of the same weights
+    (export/row_slices.py), the same products at a lower peak, for the guard's own sessions."""
     variant = onnx.ModelProto()
     variant.CopyFrom(model)
     set_levels(variant, levels)
+    dequantizing_experts(variant, list(float_experts))
     if split_wide:
         split_wide_matmuls(variant, levels=frozenset({FALLBACK_LEVEL}))
-    paths = [beside(onnx_path, ".onnx")]
-    try:
-        rowwise = rowwise_experts(variant, constant_reader(model.graph, base_dir=onnx_path.parent), list(rowwise))
-        if rowwise:
-            paths.append(beside(onnx_path, ".data"))
-            weights = WeightFile(paths[-1])
-            initializers = []
-            for group in rowwise:
-                write_group(weights, group, initializers)
-            weights.close()
-            variant.graph.initializer.extend(initializers)
-        onnx.save_model(variant, str(paths[0]))
-        yield paths[0]
-    finally:
-        for path in paths:
-            path.unlink(missing_ok=True)
-
-
-def beside(onnx_path: Path, suffix: str) -> Path:
-    """A new empty file beside ``onnx_path`` for one of the guard's variants (hidden, removed by its caller)."""
-    handle, name = tempfile.mkstemp(prefix=".guard-", suffix=suffix, dir=onnx_path.parent)
+    handle, name = tempfile.mkstemp(prefix=".guard-", suffix=".onnx", dir=onnx_path.parent)
     os.close(handle)
-    return Path(name)
+    path = Path(name)
+    try:
+        onnx.save_model(variant, str(path))
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def prefill(
@@ -166,14 +127,12 @@ def prefill(
     levels: dict[str, int],
     ids: np.ndarray,
     threads,
-    float_experts: bool = False,
-    rowwise: Sequence[str] = (),
 ) -> np.ndarray:
-    """The logits of ``ids`` through ``model`` with ``levels`` and ``rowwise`` (``graph_variant``);
-    ``float_experts``: every QMoE with float activations (``experts_in_float``), for the all-level-1 reference."""
-    with graph_variant(model, onnx_path, levels, split_wide=True, rowwise=rowwise) as path:
-        with experts_in_float() if float_experts else nullcontext():
-            decoder = OnnxDecoder(path, provider="cpu", threads=threads, all_positions=True)
+    """The logits of ``ids`` through ``model`` with ``levels``, its moved 8-bit experts in blocks in float
+    (``graph_variant``): every unit moved is the guard's reference."""
+    float_experts = expert_fallback_nodes(model, [name for name, level in levels.items() if level == FALLBACK_LEVEL])
+    with graph_variant(model, onnx_path, levels, split_wide=True, float_experts=float_experts) as path:
+        decoder = OnnxDecoder(path, provider="cpu", threads=threads, all_positions=True)
         return decoder.prefill(ids[None], np.ones_like(ids)[None])[0][0]
 
 
@@ -193,9 +152,10 @@ def activation_rounding_errors(
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     probe.graph.output.extend(onnx.helper.make_tensor_value_info(n, t, None) for n, t in sorted(probed.items()))
-    with graph_variant(probe, onnx_path, dict.fromkeys(levelled, FALLBACK_LEVEL), split_wide=True) as path:
-        with experts_in_float():
-            decoder = OnnxDecoder(path, provider="cpu", threads=threads, all_positions=True)
+    float_experts = expert_fallback_nodes(model, list(levelled))
+    levels = dict.fromkeys(levelled, FALLBACK_LEVEL)
+    with graph_variant(probe, onnx_path, levels, split_wide=True, float_experts=float_experts) as path:
+        decoder = OnnxDecoder(path, provider="cpu", threads=threads, all_positions=True)
         mask = np.ones_like(ids)[None]
         feeds = {
             "input_ids": ids[None],
@@ -292,7 +252,7 @@ def _guard(model_dir, onnx_path, vocab_size, max_positions, min_agreement, threa
     result: dict = {"min_agreement": min_agreement, "text": text, "tokens": len(ids)}
 
     float_levels = dict.fromkeys(nodes, FALLBACK_LEVEL)
-    reference = prefill(model, onnx_path, float_levels, ids, threads, float_experts=True)
+    reference = prefill(model, onnx_path, float_levels, ids, threads)
     bar.update()
     shipped = prefill(model, onnx_path, {}, ids, threads)
     bar.update()
@@ -301,7 +261,7 @@ def _guard(model_dir, onnx_path, vocab_size, max_positions, min_agreement, threa
     result["mean_kl_before"] = mean_kl(reference, shipped)
     moved: list[str] = []
     if agreement < min_agreement:
-        bar.total += 2 + math.ceil(math.log2(max(len(units), 1)))  # the ranking, the bisection's runs (and one)
+        bar.total += 1 + math.ceil(math.log2(max(len(units), 1)))  # the ranking, then the bisection's runs
         bar.refresh()
         sensitivity = activation_rounding_errors(model, onnx_path, units, ids, threads)
         bar.update()
@@ -311,40 +271,32 @@ def _guard(model_dir, onnx_path, vocab_size, max_positions, min_agreement, threa
         def levels_moving(count: int) -> dict[str, int]:
             return {name: FALLBACK_LEVEL for unit in ranked[:count] for name in units[unit]}
 
-        def agreement_moving(count: int) -> float:  # the graph as the guard would write it
-            levels = levels_moving(count)
-            rowwise = rowwise_expert_nodes(model, list(levels))
-            return top1_agreement(reference, prefill(model, onnx_path, levels, ids, threads, rowwise=rowwise))
-
         # The fewest of the costliest units whose fallback meets the threshold, by bisection over the ranking:
-        # log2(units) sessions instead of one per unit. Every unit moved is the level-1 reference itself, unless
-        # 8-bit experts in blocks move (to a scale per row): then that too is measured, if the bisection gets there.
-        tried = {} if rowwise_expert_nodes(model, nodes) else {len(ranked): 1.0}
+        # log2(units) sessions instead of one per unit. Every unit moved is the level-1 reference itself.
+        tried = {len(ranked): 1.0}
         low, high = 1, len(ranked)
         while low < high:
             middle = (low + high) // 2
-            tried[middle] = agreement_moving(middle)
+            tried[middle] = top1_agreement(reference, prefill(model, onnx_path, levels_moving(middle), ids, threads))
             bar.update()
             low, high = (low, middle) if tried[middle] >= min_agreement else (middle + 1, high)
-        if low not in tried:
-            tried[low] = agreement_moving(low)
         moved, agreement = ranked[:low], tried[low]
         bar.total = bar.n  # the bisection may need fewer runs than its bound
         result["agreement_by_units_moved"] = dict(sorted(tried.items()))
         levels = levels_moving(low)
         set_levels(model, levels)
         to_float = float_fallback_nodes(model, list(levels))
-        to_rowwise = rowwise_expert_nodes(model, list(levels))
-        if to_float or to_rowwise:  # export/float_fallback.py: measured again as written
+        experts_to_float = expert_fallback_nodes(model, list(levels))
+        if to_float or experts_to_float:  # the same function as level 1 (export/float_fallback.py), measured again
             bar.total += 2  # the weights file rewritten, the graph run again
             bar.refresh()
-            result["float_fallback_bytes"] = replace_with_fallbacks(model, onnx_path, to_float, to_rowwise)
+            result["float_fallback_bytes"] = replace_with_fallbacks(model, onnx_path, to_float, experts_to_float)
             bar.update()
             agreement = top1_agreement(reference, prefill(model, onnx_path, {}, ids, threads))
             bar.update()
             result["agreement_at_level_1"] = tried[low]
         result["nodes_to_float_matmul"] = to_float
-        result["experts_to_rowwise"] = to_rowwise
+        result["experts_to_float_moe"] = experts_to_float
         onnx.save_model(model, str(onnx_path))
     result.update(
         agreement=agreement,

@@ -145,7 +145,7 @@ from .names import (
     "weights at float activations (level 1) on a fixed English paragraph; below it the layers whose int8 "
     "activations cost most fall back to level 1 (the fewest that meet it, by bisection over their ranking; an "
     "8-bit projection falls back as a float32 MatMul over its dequantized weight, onnxruntime's 8-bit level 1 "
-    "being slow, and a layer's 8-bit routed experts with a scale per row; 0 turns the guard off).",
+    "being slow, and a layer's 8-bit routed experts as a float32 MoE op; 0 turns the guard off).",
 )
 @click.option(
     "--min-top1",
@@ -311,11 +311,11 @@ def fallback_words(guard: dict) -> str:
     parts = []
     if guard.get("nodes_to_float_matmul"):
         parts.append(f"{len(guard['nodes_to_float_matmul'])} 8-bit projections as float32 MatMuls")
-    if guard.get("experts_to_rowwise"):
-        parts.append(f"{len(guard['experts_to_rowwise'])} 8-bit expert layers with a scale per row")
+    if guard.get("experts_to_float_moe"):
+        parts.append(f"{len(guard['experts_to_float_moe'])} 8-bit expert layers as float32 MoE ops")
     if not parts:
         return ""
-    return f"; their {' and '.join(parts)} ({_human(guard['float_fallback_bytes'])}, float activations, fast kernels)"
+    return f"; their {' and '.join(parts)} ({_human(guard['float_fallback_bytes'])}, faster than 8-bit at level 1)"
 
 
 def genai_figure(figures: dict) -> str:

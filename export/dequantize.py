@@ -44,13 +44,10 @@ PACKED = {
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
 QUANTIZED_OPS = ("MatMulNBits", "GatherBlockQuantized", "QMoE")
-# The accuracy guard's float fallback for an 8-bit MatMulNBits (export/float_fallback.py): a MatMul over the packed
-# weight's dequantized values, named "<packed weight>" + DEQUANTIZED ("..._Q8_dequantized"), read back as that
-# quantized weight.
+# The accuracy guard's float fallbacks for 8-bit units (export/float_fallback.py): a MatMul over the packed
+# weight's dequantized values, named "<packed weight>" + DEQUANTIZED ("..._Q8_dequantized"), and a float MoE op over
+# a QMoE's two stacks so named, read back as the quantized weights they are.
 DEQUANTIZED = "_dequantized"
-# Its fallback for 8-bit experts in blocks: the same experts with a scale per row, "<packed>" + ROWWISE and
-# "<scales>" + ROWWISE, read back as the QMoE weights they are.
-ROWWISE = "_rowwise"
 # The ops whose weight is read as the (K, N) array they multiply by (the transposed view of a Linear's).
 MATMUL_OPS = ("MatMulNBits", "MatMul")
 # The plain graph dequantizes these stacks (int8 values) as it gathers their experts, by graph name.
@@ -128,9 +125,20 @@ def dequantize_qmoe(attrs: dict, packed: np.ndarray, scales: np.ndarray, interle
         raise ThinkerError(f"QMoE experts of shape {packed.shape}, scales {scales.shape}: not a layout this reads")
     layout = {"K": k, "N": experts * rows, "bits": bits, "block_size": block}
     stack = dequantize_matmul_nbits(layout, packed.reshape(experts * rows, -1), scales).T.reshape(experts, rows, k)
-    if interleaved:  # rows (g0, u0, g1, u1, ...) -> (g0, g1, ..., u0, u1, ...)
-        stack = np.concatenate([stack[:, 0::2], stack[:, 1::2]], axis=1)
-    return stack
+    return deinterleaved(stack) if interleaved else stack
+
+
+def deinterleaved(stack: np.ndarray) -> np.ndarray:
+    """An (E, 2I, K) SwiGLU stack's rows (g0, u0, g1, u1, ...) as (g0, g1, ..., u0, u1, ...)."""
+    return np.concatenate([stack[:, 0::2], stack[:, 1::2]], axis=1)
+
+
+def bits_of(packed: str) -> int:
+    """The bit width a packed weight's name gives ("..._Q8": 8), for the float fallbacks read back."""
+    suffix = _QUANTIZED_SUFFIX.search(packed)
+    if suffix is None:
+        raise RuntimeError(f"float fallback over {packed} names no bit width (a bug in the exporter)")
+    return int(suffix.group(0)[2:])
 
 
 def dequantize_plain_experts(values: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -201,6 +209,12 @@ def quantized_weight_readers(onnx_path: Path) -> dict[str, Callable[[], Quantize
         packed, scales, zero = (array(name) for name in [*inputs, ""][:3])
         return QuantizedWeight("MatMulNBits", attrs["bits"], dequantize_matmul_nbits(attrs, packed, scales, zero))
 
+    def float_weight(name: str, bits: int) -> QuantizedWeight:
+        return QuantizedWeight("MatMul", bits, array(name))
+
+    def float_stack(name: str, interleaved: bool, bits: int) -> QuantizedWeight:
+        return QuantizedWeight("MoE", bits, deinterleaved(array(name)) if interleaved else array(name))
+
     def gather_block(attrs: dict, data: str, scales: str, zero: str) -> QuantizedWeight:
         table = dequantize_gather_block(attrs, array(data), array(scales), array(zero))
         return QuantizedWeight("GatherBlockQuantized", attrs.get("bits", 4), table)
@@ -216,22 +230,23 @@ def quantized_weight_readers(onnx_path: Path) -> dict[str, Callable[[], Quantize
         elif node.op_type == "MatMul" and node.input[1].endswith(DEQUANTIZED):
             packed = node.input[1].removesuffix(DEQUANTIZED)
             name = graph_weight_name(packed)
-            suffix = _QUANTIZED_SUFFIX.search(packed)
-            if suffix is None:
-                raise RuntimeError(f"float fallback {node.input[1]} names no bit width (a bug in the exporter)")
-            bits = int(suffix.group(0)[2:])
-            read_one = lambda b=bits, w=node.input[1]: QuantizedWeight("MatMul", b, array(w))  # noqa: E731
+            read_one = partial(float_weight, node.input[1], bits_of(packed))
         elif node.op_type == "QMoE":  # two weights: FC1 (gate and up, interleaved under SwiGLU) and FC2
             for packed, scales, interleaved in (
                 (node.input[2], node.input[3], attrs.get("swiglu_fusion", 0) == 1),
                 (node.input[5], node.input[6], False),
             ):
-                name = graph_weight_name(packed.removesuffix(ROWWISE))
+                name = graph_weight_name(packed)
                 if name in readers:
                     raise RuntimeError(f"a second QMoE over {name} in the graph (a bug in the exporter)")
                 readers[name] = lambda a=attrs, p=packed, s=scales, i=interleaved: QuantizedWeight(  # noqa: E731
                     "QMoE", a.get("expert_weight_bits", 4), dequantize_qmoe(a, array(p), array(s), i)
                 )
+            continue
+        elif node.op_type == "MoE" and node.input[2].endswith(DEQUANTIZED):  # a QMoE the guard moved, in float
+            for stack, interleaved in ((node.input[2], attrs.get("swiglu_fusion", 0) == 1), (node.input[4], False)):
+                packed = stack.removesuffix(DEQUANTIZED)
+                readers[graph_weight_name(packed)] = partial(float_stack, stack, interleaved, bits_of(packed))
             continue
         elif node.op_type == "GatherBlockQuantized":
             zero = node.input[3] if len(node.input) > 3 else ""

@@ -7,18 +7,23 @@ multiplies, which made a Qwen3.5-MoE int8 decode step 7.5x slower with six of it
 (bench/profile_hybrid.py: MatMulNBits 204.5 ms of a 218 ms step, against 18.2 ms with every unit at level 4).
 A float32 MatMul over the dequantized weight computes the same function, (q - zero_point) * scale rounded once to
 float32 and then the same MLAS SGEMM, without the per-call dequantization; it reads 4x the 8-bit weight's bytes
-(``python bench/bench_int8_fallback.py``: at one row 6-7x faster than 8-bit level 1 and 3-4x slower than level
+(``python bench/bench_int8_fallback.py``: at one row 6-8x faster than 8-bit level 1 and 3-6x slower than level
 4; at 64 rows 2x faster than level 1). So where the guard moves an 8-bit MatMulNBits of a float32 graph, the
 written graph holds a MatMul over the dequantized weight instead, named ``<packed weight>`` + ``DEQUANTIZED``, which
 ``export/dequantize.py`` reads back as the quantized weight it is (the quantized verify holds it to the 8-bit bound
 and runs the PyTorch Thinker on it).
 
 8-bit routed experts in blocks (QMoE's block-wise kernel, export/quantize.py ``experts_in_blocks``) round their
-activations to int8 whatever the node's accuracy level, so a moved unit's QMoE takes the other 8-bit layout instead:
-a scale per row, whose kernel computes in float (``rowwise_experts``), requantized from the block-wise weights (each
-weight moves by at most half a row step more: within the quantized verify's 8-bit bound) and named ``<packed>`` +
-``ROWWISE``. It keeps the experts' 1x bytes, where a float MoE over their dequantized stacks would read 4x; a
-Qwen3.5-MoE layer's experts take 0.3 ms a decode step so (bench/results/qmoe_int8.json).
+activations to int8 whatever the node's accuracy level, so a moved unit's QMoE becomes onnxruntime's float MoE op
+over its two stacks dequantized (``float_experts``; named ``<packed>`` + ``DEQUANTIZED`` too): the function the
+guard's reference computes (QMoE's own float path, which a process can only choose for every QMoE at once), for 4x
+the experts' bytes. Requantizing them with a scale per row instead (the 8-bit layout whose kernel computes in
+float: 1x the bytes, 0.35 against 0.68 ms per layer of bench_hybrid.py's Qwen3.5-MoE at one row, the experts in
+blocks 0.22; ``python bench/bench_qmoe_int8.py``) changes the weights by up to half a row step: on random weights,
+where the next tokens are near ties, that alone parted 18 % of them from the reference, so the guard could not meet
+its threshold by moving every layer. The guard's own trial graphs do not write the float stacks: they dequantize
+the moved experts in the graph (``dequantizing_experts``: DequantizeLinear in blocks, which onnxruntime leaves
+unfolded, then the same MoE op), the same function at no disk cost.
 
 The weights file is then rewritten one tensor at a time into a temporary file beside it and renamed over it, without
 the tensors no node reads any longer (a tied embedding's GatherBlockQuantized keeps reading a moved head's packed
@@ -36,16 +41,14 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import torch
 from onnx import TensorProto, helper
 from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
 from common.errors import ThinkerError
 
-from .dequantize import DEQUANTIZED, ROWWISE, attributes, constant_reader, dequantize_matmul_nbits, dequantize_qmoe
+from .dequantize import DEQUANTIZED, attributes, constant_reader, dequantize_matmul_nbits, dequantize_qmoe
 from .graph_builder import WeightFile
 from .graph_walk import all_nodes
-from .quantize import column_wise_int8
 
 FLOAT_FALLBACK_BITS = 8
 # New weights by name, each group made by one call when it is written (one expert stack's packed values and scales
@@ -55,70 +58,91 @@ NewWeights = list[tuple[tuple[str, ...], Callable[[], tuple[np.ndarray, ...]]]]
 
 def float_fallback_nodes(model: onnx.ModelProto, names: list[str]) -> list[str]:
     """Those of ``names`` that become float MatMuls: 8-bit MatMulNBits with float32 scales (a float32 graph)."""
+    return _float32_nodes(model, names, "MatMulNBits", "bits", scales=2)
+
+
+def expert_fallback_nodes(model: onnx.ModelProto, names: list[str]) -> list[str]:
+    """Those of ``names`` that become float MoE ops: QMoE over 8-bit experts in blocks with float32 scales, whose
+    kernel computes with int8 activations at every accuracy level."""
+    in_blocks = set(_float32_nodes(model, names, "QMoE", "expert_weight_bits", scales=3))
+    return [node.name for node in model.graph.node if node.name in in_blocks and attributes(node).get("block_size")]
+
+
+def _float32_nodes(model: onnx.ModelProto, names: list[str], op_type: str, bits: str, scales: int) -> list[str]:
+    """Those of ``names`` that are ``op_type`` nodes at 8 bits (attribute ``bits``) whose scales (input
+    ``scales``) are float32."""
     wanted = set(names)
     scale_types = {tensor.name: tensor.data_type for tensor in model.graph.initializer}
     return [
         node.name
         for node in model.graph.node
         if node.name in wanted
-        and node.op_type == "MatMulNBits"
-        and attributes(node)["bits"] == FLOAT_FALLBACK_BITS
-        and scale_types.get(node.input[2]) == TensorProto.FLOAT
+        and node.op_type == op_type
+        and attributes(node).get(bits) == FLOAT_FALLBACK_BITS
+        and scale_types.get(node.input[scales]) == TensorProto.FLOAT
     ]
 
 
-def rowwise_expert_nodes(model: onnx.ModelProto, names: list[str]) -> list[str]:
-    """Those of ``names`` that are QMoE over 8-bit experts in blocks, whose kernel computes with int8 activations at
-    every accuracy level: the ones the guard writes with a scale per row when it moves their unit."""
-    wanted = set(names)
-    return [
-        node.name
-        for node in model.graph.node
-        if node.name in wanted
-        and node.op_type == "QMoE"
-        and attributes(node).get("expert_weight_bits") == FLOAT_FALLBACK_BITS
-        and attributes(node).get("block_size")
-    ]
-
-
-def rowwise_experts(model: onnx.ModelProto, read: Callable[[str], np.ndarray], names: list[str]) -> NewWeights:
-    """Rewrites, in ``model``, each QMoE named in ``names`` (``rowwise_expert_nodes``) to read its two expert stacks
-    requantized with a scale per row, without ``block_size``; returns those new weights, made when written."""
+def float_experts(model: onnx.ModelProto, read: Callable[[str], np.ndarray], names: list[str]) -> NewWeights:
+    """Rewrites, in ``model``, each QMoE named in ``names`` (``expert_fallback_nodes``) as the float MoE op over its
+    two stacks dequantized; returns those stacks, made when written (one at a time)."""
     chosen, added = set(names), []
     for node in model.graph.node:
         if node.name not in chosen:
             continue
-        attrs = attributes(node)
-        for position in (2, 5):  # FC1's and FC2's packed weights, their scales after each
-            packed, scales = node.input[position], node.input[position + 1]
-            node.input[position], node.input[position + 1] = packed + ROWWISE, scales + ROWWISE
-            make = lambda a=attrs, p=packed, s=scales: requantize_rowwise(a, read(p), read(s))  # noqa: E731
-            added.append(((packed + ROWWISE, scales + ROWWISE), make))
-        kept = [a for a in node.attribute if a.name not in ("block_size", "accuracy_level")]
-        del node.attribute[:]
-        node.attribute.extend(kept)
+        attrs, stacks = attributes(node), []
+        for packed, scales in ((node.input[2], node.input[3]), (node.input[5], node.input[6])):
+            make = lambda a=attrs, p=packed, s=scales: (dequantize_qmoe(a, read(p), read(s), interleaved=False),)  # noqa: E731
+            added.append(((packed + DEQUANTIZED,), make))
+            stacks.append(packed + DEQUANTIZED)
+        _as_float_moe(node, *stacks)
     return added
 
 
-def requantize_rowwise(attrs: dict, packed: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """One 8-bit block-wise expert stack (E, N, K) as QMoE's row-wise layout: uint8 values (E, N, K) and a scale
-    per row (E, N), of the block scales' dtype; expert by expert, so one expert's float weights at a time."""
-    values, row_scales = np.empty(packed.shape, dtype=np.uint8), np.empty(packed.shape[:2], dtype=scales.dtype)
-    for expert in range(packed.shape[0]):
-        weight = dequantize_qmoe(attrs, packed[expert : expert + 1], scales[expert : expert + 1], interleaved=False)
-        expert_values, expert_scales = column_wise_int8(torch.from_numpy(weight.astype(np.float32)), scales.dtype)
-        values[expert], row_scales[expert] = expert_values[0], expert_scales[0]
-    return values, row_scales
+def dequantizing_experts(model: onnx.ModelProto, names: list[str]) -> None:
+    """Rewrites, in ``model``, each QMoE named in ``names`` as the float MoE op over its stacks dequantized in the
+    graph (per run: for the guard's trial graphs, which run once): DequantizeLinear in the QMoE's blocks along K,
+    its zero point 128 (QMoE's, unwritten), the same (q - 128) * scale in float32 as ``dequantize_qmoe``."""
+    chosen, nodes = set(names), []
+    for node in model.graph.node:
+        if node.name in chosen:
+            block, outputs = attributes(node)["block_size"], []
+            for packed, scales in ((node.input[2], node.input[3]), (node.input[5], node.input[6])):
+                zero, dequantized = f"{packed}/zero_point", f"{packed}{DEQUANTIZED}/in_graph"
+                value = helper.make_tensor("value", TensorProto.UINT8, [1], [2 ** (FLOAT_FALLBACK_BITS - 1)])
+                nodes += [
+                    helper.make_node("Shape", [scales], [f"{packed}/scales_shape"]),
+                    helper.make_node("ConstantOfShape", [f"{packed}/scales_shape"], [zero], value=value),
+                    helper.make_node(
+                        "DequantizeLinear", [packed, scales, zero], [dequantized], axis=-1, block_size=block
+                    ),
+                ]
+                outputs.append(dequantized)
+            _as_float_moe(node, *outputs)
+        nodes.append(node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+
+
+def _as_float_moe(node: onnx.NodeProto, fc1: str, fc2: str) -> None:
+    """Turns QMoE ``node`` into the MoE op (the same routing and activation attributes) over float stacks."""
+    quantization = ("expert_weight_bits", "block_size", "accuracy_level", "weights_prepacked")
+    kept = [a for a in node.attribute if a.name not in quantization]
+    inputs = [node.input[0], node.input[1], fc1, "", fc2]
+    node.op_type = "MoE"
+    del node.attribute[:], node.input[:]
+    node.attribute.extend(kept)
+    node.input.extend(inputs)
 
 
 def replace_with_fallbacks(model: onnx.ModelProto, onnx_path: Path, matmuls: list[str], experts: list[str]) -> int:
     """Replaces, in ``model`` (the graph of ``onnx_path``, loaded without its weights), each MatMulNBits named in
     ``matmuls`` with a float32 MatMul over its dequantized weight (and an Add for a bias) and each QMoE named in
-    ``experts`` with its row-wise form, then rewrites the weights file without the tensors left unread. Returns the
-    bytes of the new weights. ``model`` is not saved."""
+    ``experts`` with the float MoE op over its dequantized stacks, then rewrites the weights file without the tensors
+    left unread. Returns the bytes of the new weights. ``model`` is not saved."""
     onnx_path = Path(onnx_path)
     read = constant_reader(model.graph, base_dir=onnx_path.parent)
-    added = float_matmuls(model, read, matmuls) + rowwise_experts(model, read, experts)
+    added = float_matmuls(model, read, matmuls) + float_experts(model, read, experts)
     read_names = {name for node in all_nodes(model.graph) for name in node.input}
     kept = [tensor for tensor in model.graph.initializer if tensor.name in read_names]
     return _rewrite_weights(model, onnx_path, kept, added)

@@ -10,7 +10,8 @@ Same IO contract as ``DecoderGraph`` (names, shapes, dtypes; KV as (B, n_kv, S, 
   qk-norm      SimplifiedLayerNormalization on q and k per head, before the rotation, as Qwen3 does (norm, then RoPE)
   MoE          the MoE op (com.microsoft): softmax over the router logits, top-k, optional renormalisation,
                interleaved SwiGLU experts: Qwen's routing exactly (checked against PyTorch in the tests); under
-               ``--quantize`` QMoE, the same op over 4-bit (blocks) or 8-bit (blocks at level 4, else a scale per row) experts
+               ``--quantize`` QMoE, the same op over 4-bit (blocks) or 8-bit experts (blocks at level 4, else a
+               scale per row)
   tied head    FusedMatMul with transB over the embedding matrix, straight to the (B, T, V) logits
 
 GroupQueryAttention and padding. Its CPU kernel assumes compact rows: a row's keys are the slots [0, seqlens_k + 1).

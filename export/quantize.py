@@ -357,8 +357,8 @@ class WeightQuantizer:
         whole blocks and the graph is a float32 one at accuracy level 4, else a scale per row. QMoE's block-wise
         8-bit CPU kernel rounds the experts' activations to int8 per block at any accuracy level (measured: it
         computes the float MoE of the same weights over activations rounded as level 4 rounds MatMulNBits', per
-        block a scale of max |a| / 127), which is level 4's function, and runs a decode step 5x faster than the
-        row-wise kernel, which computes in float (bench/results/qmoe_int8.json). So at a float-activation level
+        block a scale of max |a| / 127), which is level 4's function, and runs a decode step 1.6x faster than the
+        row-wise kernel, which computes in float (bench/bench_qmoe_int8.py). So at a float-activation level
         (``--accuracy-level 1``), or in a float16 graph (whose QMoE is CUDA's), 8-bit experts keep a scale per
         row."""
         if self.spec.bits == 4:

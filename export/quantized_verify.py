@@ -14,7 +14,7 @@ Judging a quantized graph only by how often it agrees with the float model canno
            too, when the graph quantizes it; the tie undone, so each holds what its op reads): the float
            graphs' check (left-padded batch, prefill + decode steps) at the float graphs' tolerance. The graph runs
            with MatMulNBits' activations in float (accuracy_level 0, in a copy of the graph; 8-bit experts in
-           blocks through onnxruntime's float path, export/accuracy_guard.py ``experts_in_float``): level 4 rounds
+           blocks through onnxruntime's float path, ``experts_in_float``): level 4 rounds
            the activations to int8, which has no PyTorch counterpart. A graph bug fails here, whatever the bits.
   cost     the graph as shipped (its own accuracy level) against the float model on export/fidelity.py's English
            paragraph: top-1 agreement and perplexity change, gated by ``QualityGate`` (``--min-top1``,
@@ -23,6 +23,7 @@ Judging a quantized graph only by how often it agrees with the float model canno
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ import torch
 from common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
 from common.progress import progress_bar
 
-from .accuracy_guard import LEVELLED_OPS, experts_in_float, graph_variant
+from .accuracy_guard import LEVELLED_OPS, graph_variant
 from .dequantize import (
     EMBEDDING,
     QuantizedWeight,
@@ -67,6 +68,26 @@ SENSITIVITY_MARGIN = 8.0
 # 4 bits and ~0.006 at 8 (one rounding step is 1/8 and 1/128 of the block's largest magnitude); a scale off by 10 %
 # adds ~0.1, a wrong or transposed weight ~1.4.
 WEIGHT_ERROR = {4: 0.2, 8: 0.02}
+
+# onnxruntime's CPU QMoE reads this as each session makes its kernels: "fp32" runs 8-bit experts in blocks with float
+# activations (its dequantizing path), which otherwise round their activations to int8 whatever the node's level.
+QMOE_COMPUTE_ENV = "ORT_QMOE_CPU_QNBIT_GEMM"
+
+
+@contextmanager
+def experts_in_float() -> Iterator[None]:
+    """onnxruntime sessions made inside compute 8-bit experts in blocks with float activations (the same weights),
+    for the graph check. A session keeps what it was made with (measured), so only its creation needs to be
+    inside."""
+    before = os.environ.get(QMOE_COMPUTE_ENV)
+    os.environ[QMOE_COMPUTE_ENV] = "fp32"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[QMOE_COMPUTE_ENV]
+        else:
+            os.environ[QMOE_COMPUTE_ENV] = before
 
 
 @dataclass(frozen=True)

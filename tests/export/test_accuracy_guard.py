@@ -235,7 +235,7 @@ def test_a_fallback_that_fails_midway_leaves_no_output(thinker_variant, tmp_path
     assert [p.name for p in tmp_path.iterdir()] == ["outlier"]  # no work folder left beside OUTPUT either
 
 
-# --- 8-bit experts in blocks: QMoE's kernel rounds their activations at every level; a moved one goes row-wise ------
+# --- 8-bit experts in blocks: QMoE's kernel rounds their activations at every level; a moved one becomes float --------
 
 
 def with_expert_outlier(folder: Path, out: Path, layer: int, channel: int = 3) -> Path:
@@ -254,16 +254,12 @@ def with_expert_outlier(folder: Path, out: Path, layer: int, channel: int = 3) -
     return out
 
 
-def qmoe_nodes(path: Path) -> dict[str, onnx.NodeProto]:
-    return {n.name: n for n in onnx.load(path, load_external_data=False).graph.node if n.op_type == "QMoE"}
-
-
-def test_moved_int8_experts_go_rowwise_and_verify(thinker_variant, tmp_path):
+def test_moved_int8_experts_become_float_moe_and_verify(thinker_variant, tmp_path):
     """An outlier into layer 0's experts: the ranking puts that layer first (its QMoE's routed products, rounded as
-    the kernel rounds them), the guard moves it alone and writes its QMoE with a scale per row (the float kernel),
-    the other layer's QMoE stays in blocks; the quantized verify reads the row-wise stacks as the 8-bit experts
-    they are and passes, and nothing of the guard's variants is left in the folder."""
-    from export.dequantize import ROWWISE
+    the kernel rounds them), the guard moves it alone and writes its QMoE as the float MoE op over the dequantized
+    stacks, the other layer's QMoE stays; the quantized verify reads those stacks as the 8-bit experts they are and
+    passes, and nothing of the guard's trial graphs is left in the folder."""
+    from export.dequantize import DEQUANTIZED
     from export.exporter import export_model
 
     folder = with_expert_outlier(thinker_variant("qwen3_moe", head_dim=16), tmp_path / "outlier", layer=0)
@@ -274,33 +270,66 @@ def test_moved_int8_experts_go_rowwise_and_verify(thinker_variant, tmp_path):
     assert guard["agreement_before"] < 0.9, guard
     assert next(iter(guard["unit_activation_rounding_error"])) == "layers.0", guard
     assert guard["moved_to_level_1"] == ["layers.0"] and guard["passed"] is True, guard
-    assert [name.split("/")[2] for name in guard["experts_to_rowwise"]] == ["layers.0"], guard
+    assert [name.split("/")[2] for name in guard["experts_to_float_moe"]] == ["layers.0"], guard
     assert report["verify"]["passed"] is True, report["verify"]
     assert report["verify"]["graph"]["max_abs_diff"] <= report["verify"]["graph"]["tolerance"]
-    nodes = qmoe_nodes(tmp_path / "out" / "model.onnx")
-    moved, kept = (next(n for name, n in nodes.items() if f"/layers.{i}/" in name) for i in (0, 2))
-    assert all(name.endswith(ROWWISE) for name in [*moved.input[2:4], *moved.input[5:7]])
-    assert "block_size" not in {a.name for a in moved.attribute}
-    assert {a.name: a.i for a in kept.attribute}["block_size"] == INT8.block_size
+    model = onnx.load(tmp_path / "out" / "model.onnx", load_external_data=False)
+    moved = [n for n in model.graph.node if n.op_type == "MoE"]
+    kept = [n for n in model.graph.node if n.op_type == "QMoE"]
+    assert [n.name.split("/")[2] for n in moved] == ["layers.0"] and [n.name.split("/")[2] for n in kept] == [
+        "layers.2"
+    ]
+    weights = {t.name: t for t in model.graph.initializer}
+    assert all(weights[name].data_type == onnx.TensorProto.FLOAT for name in (moved[0].input[2], moved[0].input[4]))
+    assert all(name.endswith(DEQUANTIZED) for name in (moved[0].input[2], moved[0].input[4]))
+    assert not [name for name in weights if name + DEQUANTIZED in weights]  # the 8-bit stacks are gone
     assert not [p.name for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]
-    weights = {t.name for t in onnx.load(tmp_path / "out" / "model.onnx", load_external_data=False).graph.initializer}
-    assert not [name for name in weights if name + ROWWISE in weights]  # the block-wise stacks are gone
 
 
-def test_the_verify_fails_rowwise_experts_with_the_wrong_scales(thinker_variant, tmp_path, monkeypatch):
-    """A planted bug: the row-wise requantization's scales 5 % too large. The weight check refuses the stacks,
-    naming them."""
+def test_the_float_experts_compute_what_the_float_path_computes(thinker_variant, tmp_path):
+    """The moved experts' float MoE, written or dequantized in the graph (the guard's trial graphs), against QMoE's
+    own float path (``experts_in_float``) over the same 8-bit weights: equal to 1e-6 of the logit scale."""
+    from export.accuracy_guard import graph_variant
+    from export.exporter import export_model
+    from export.float_fallback import expert_fallback_nodes, replace_with_fallbacks
+    from export.quantized_verify import experts_in_float
+    from export.runtime import OnnxDecoder
+
+    folder = thinker_variant("qwen3_moe", head_dim=16)
+    export_model(folder, tmp_path / "out", graph="fused", quantize=INT8, verify=False, accuracy_guard=None)
+    shutil.copytree(tmp_path / "out", tmp_path / "float")
+    ids = np.random.default_rng(0).integers(0, 90, size=(1, 24))
+
+    def logits(path: Path) -> np.ndarray:
+        decoder = OnnxDecoder(path, provider="cpu", threads=1, all_positions=True)
+        return decoder.prefill(ids, np.ones_like(ids))[0]
+
+    with experts_in_float():
+        float_path = logits(tmp_path / "out" / "model.onnx")
+    as_shipped = logits(tmp_path / "out" / "model.onnx")  # int8 activations
+    model = onnx.load(tmp_path / "float" / "model.onnx", load_external_data=False)
+    experts = expert_fallback_nodes(model, [n.name for n in model.graph.node])
+    assert len(experts) == 2  # the two sparse layers
+    with graph_variant(model, tmp_path / "float" / "model.onnx", {}, float_experts=experts) as path:
+        in_graph = logits(path)
+    assert replace_with_fallbacks(model, tmp_path / "float" / "model.onnx", [], experts) > 0
+    onnx.save_model(model, tmp_path / "float" / "model.onnx")
+    written = logits(tmp_path / "float" / "model.onnx")
+    scale = np.abs(float_path).max()
+    assert np.abs(written - float_path).max() <= 1e-6 * scale
+    assert np.abs(in_graph - float_path).max() <= 1e-6 * scale
+    assert np.abs(as_shipped - float_path).max() > 1e-4 * scale  # what the float path is for
+
+
+def test_the_verify_fails_float_experts_with_the_wrong_weights(thinker_variant, tmp_path, monkeypatch):
+    """A planted bug: the moved experts' dequantized stacks 5 % too large (as a wrong scale would make them). The
+    weight check refuses them, naming the stack."""
     import export.float_fallback as float_fallback
     from common.errors import ThinkerError
     from export.exporter import export_model
 
-    real = float_fallback.requantize_rowwise
-
-    def scales_off(*args):
-        values, scales = real(*args)
-        return values, scales * np.float32(1.05)
-
-    monkeypatch.setattr(float_fallback, "requantize_rowwise", scales_off)
+    real = float_fallback.dequantize_qmoe
+    monkeypatch.setattr(float_fallback, "dequantize_qmoe", lambda *args, **kwargs: real(*args, **kwargs) * 1.05)
     folder = with_expert_outlier(thinker_variant("qwen3_moe", head_dim=16), tmp_path / "outlier", layer=0)
     with pytest.raises(ThinkerError, match=r"quantized weight model\.layers\.0\.mlp\.experts\..* off the float one"):
         export_model(
