@@ -261,7 +261,8 @@ def _guard(model_dir, onnx_path, vocab_size, max_positions, min_agreement, threa
     result["mean_kl_before"] = mean_kl(reference, shipped)
     moved: list[str] = []
     if agreement < min_agreement:
-        bar.total += 1 + math.ceil(math.log2(max(len(units), 1)))  # the ranking, then the bisection's runs
+        # the ranking, the bisection's runs, and one with the moved units' 8-bit experts kept
+        bar.total += 2 + math.ceil(math.log2(max(len(units), 1)))
         bar.refresh()
         sensitivity = activation_rounding_errors(model, onnx_path, units, ids, threads)
         bar.update()
@@ -281,9 +282,19 @@ def _guard(model_dir, onnx_path, vocab_size, max_positions, min_agreement, threa
             bar.update()
             low, high = (low, middle) if tried[middle] >= min_agreement else (middle + 1, high)
         moved, agreement = ranked[:low], tried[low]
-        bar.total = bar.n  # the bisection may need fewer runs than its bound
         result["agreement_by_units_moved"] = dict(sorted(tried.items()))
         levels = levels_moving(low)
+        # A moved unit's 8-bit experts in blocks fall back at 4x their bytes: one more run says whether the moved
+        # units meet the threshold with their experts kept at int8 activations, and if so they stay.
+        experts = expert_fallback_nodes(model, list(levels))
+        if experts:
+            kept = {name: level for name, level in levels.items() if name not in experts}
+            with_int8_experts = top1_agreement(reference, prefill(model, onnx_path, kept, ids, threads))
+            bar.update()
+            result["agreement_with_int8_experts"] = with_int8_experts
+            if with_int8_experts >= min_agreement:
+                levels, agreement = kept, with_int8_experts
+        bar.total = bar.n  # the bisection may need fewer runs than its bound
         set_levels(model, levels)
         to_float = float_fallback_nodes(model, list(levels))
         experts_to_float = expert_fallback_nodes(model, list(levels))

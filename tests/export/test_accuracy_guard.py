@@ -336,3 +336,32 @@ def test_the_verify_fails_float_experts_with_the_wrong_weights(thinker_variant, 
             folder, tmp_path / "out", graph="fused", quantize=INT8, verify=True, accuracy_guard=0.9, quality=NO_GATE
         )
     assert not (tmp_path / "out").exists()
+
+
+def test_a_moved_layer_keeps_its_int8_experts_where_they_do_not_cost(thinker_variant, tmp_path):
+    """An outlier into layer 0's attention alone: the guard moves layer 0, then finds that layer meets the threshold
+    with its experts still at int8 activations (one more run), so its QMoE stays and no float stacks are written."""
+    from export.exporter import export_model
+    from thinker import ThinkerForCausalLM
+
+    source = thinker_variant("qwen3_moe", head_dim=16)
+    folder = tmp_path / "outlier"
+    shutil.copytree(source, folder)
+    model = ThinkerForCausalLM.from_pretrained(source).eval()
+    block = model.model.layers[0]
+    with torch.no_grad():
+        block.input_layernorm.weight[3] *= OUTLIER
+        for projection in (block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj):
+            projection.weight[:, 3] /= OUTLIER
+    model.save_pretrained(folder)
+    report = export_model(
+        folder, tmp_path / "out", graph="fused", quantize=INT8, verify=True, accuracy_guard=0.9, quality=NO_GATE
+    )
+    guard = report["accuracy_guard"]
+    assert guard["moved_to_level_1"] == ["layers.0"] and guard["passed"] is True, guard
+    assert guard["agreement_with_int8_experts"] >= 0.9 and guard["experts_to_float_moe"] == [], guard
+    assert guard["nodes_to_float_matmul"], guard  # its projections did fall back
+    assert [n.op_type for n in onnx.load(tmp_path / "out" / "model.onnx", load_external_data=False).graph.node].count(
+        "QMoE"
+    ) == 2
+    assert report["verify"]["passed"] is True, report["verify"]
