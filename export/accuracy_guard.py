@@ -20,8 +20,9 @@ is chosen was measured to meet the threshold, as the guard writes it).
 A moved unit's MatMulNBits and 4-bit QMoE go to level 1. A moved 8-bit MatMulNBits of a float32 graph becomes a
 float32 MatMul over its dequantized weight instead, the same function without onnxruntime's per-call
 dequantization, and a moved 8-bit QMoE in blocks the float MoE op over its dequantized stacks (export/float_fallback.py,
-which rewrites the weights file; the trial graphs dequantize those in the graph); the graph as written is measured
-once more.
+which rewrites the weights file; the trial graphs dequantize those in the graph), unless one more run shows the
+moved units meeting the threshold with their 8-bit experts kept at int8 activations (the float stacks cost 4x
+their bytes); the graph as written is measured once more.
 
 Cost: two sessions and prefills of ~230 tokens when the graph passes (SmolLM2-135M: 2-3 s, and 151 MB of peak RSS
 at int4, 151 at int8, bench/results/README-export-peak.md); when it falls back, one more for the ranking and one
