@@ -122,13 +122,7 @@ def graph_variant(
         path.unlink(missing_ok=True)
 
 
-def prefill(
-    model: onnx.ModelProto,
-    onnx_path: Path,
-    levels: dict[str, int],
-    ids: np.ndarray,
-    threads,
-) -> np.ndarray:
+def prefill(model: onnx.ModelProto, onnx_path: Path, levels: dict[str, int], ids: np.ndarray, threads) -> np.ndarray:
     """The logits of ``ids`` through ``model`` with ``levels``, its moved 8-bit experts in blocks in float
     (``graph_variant``): every unit moved is the guard's reference."""
     float_experts = expert_fallback_nodes(model, [name for name, level in levels.items() if level == FALLBACK_LEVEL])

@@ -14,8 +14,8 @@ Judging a quantized graph only by how often it agrees with the float model canno
            too, when the graph quantizes it; the tie undone, so each holds what its op reads): the float
            graphs' check (left-padded batch, prefill + decode steps) at the float graphs' tolerance. The graph runs
            with MatMulNBits' activations in float (accuracy_level 0, in a copy of the graph; 8-bit experts in
-           blocks through onnxruntime's float path, ``experts_in_float``): level 4 rounds
-           the activations to int8, which has no PyTorch counterpart. A graph bug fails here, whatever the bits.
+           blocks through onnxruntime's float path, ``experts_in_float``): level 4 rounds the activations to
+           int8, which has no PyTorch counterpart. A graph bug fails here, whatever the bits.
   cost     the graph as shipped (its own accuracy level) against the float model on export/fidelity.py's English
            paragraph: top-1 agreement and perplexity change, gated by ``QualityGate`` (``--min-top1``,
            ``--max-perplexity-increase``). This is what quantization costs, not a test of the graph.
