@@ -339,3 +339,24 @@ def expert_if(graph: onnx.GraphProto) -> onnx.NodeProto:
         if node.op_type == "If"
         and any(n.op_type == "Loop" for a in node.attribute if a.name == "else_branch" for n in a.g.node)
     )
+
+
+def test_int8_experts_at_float_activations_keep_a_scale_per_row(thinker_variant, onnx_variant, tmp_path):
+    """``--quantize int8 --accuracy-level 1``: the experts take a scale per row (no ``block_size``), whose kernel
+    computes in float without ``experts_in_float``, and the quantized verify holds the graph to 1e-4; routing to
+    the top expert alone still fails its graph check."""
+    spec = dataclasses.replace(INT8, accuracy_level=1)
+    folder = export_of(onnx_variant, "qwen3_moe", spec)
+    tensors = {t.name: t for t in graph_of(folder).initializer}
+    for node in (n for n in graph_of(folder).node if n.op_type == "QMoE"):
+        assert "block_size" not in attributes(node) and len(tensors[node.input[3]].dims) == 2
+    node, read = first_qmoe(folder)
+    x, logits = router_inputs(node, read)
+    y = qmoe_alone(node, read).run(None, {"x": x.numpy(), "logits": logits.numpy()})[0]
+    reference = moe_of(node, read, x, logits)
+    np.testing.assert_allclose(y, reference.numpy(), rtol=0, atol=1e-5 * float(reference.abs().max()))
+    model_dir = thinker_variant("qwen3_moe", head_dim=16)
+    sound = verify_quantized_export(model_dir, folder / "model.onnx", torch.float32, 8, NO_GATE)
+    assert sound["passed"] is True and sound["graph"]["max_abs_diff"] <= 1e-4, sound
+    one_expert = planted(folder, tmp_path / "routing", route_to_one_expert)
+    assert verify_quantized_export(model_dir, one_expert, torch.float32, 8, NO_GATE)["passed"] is False
