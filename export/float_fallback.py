@@ -20,16 +20,16 @@ guard's reference computes (QMoE's own float path, which a process can only choo
 the experts' bytes. Requantizing them with a scale per row instead (the 8-bit layout whose kernel computes in
 float: 1x the bytes, 0.35 against 0.68 ms per layer of bench_hybrid.py's Qwen3.5-MoE at one row, the experts in
 blocks 0.22; ``python bench/bench_qmoe_int8.py``) changes the weights by up to half a row step: on random weights,
-where the next tokens are near ties, that alone parted 18 % of them from the reference, so the guard could not meet
-its threshold by moving every layer. The guard's own trial graphs do not write the float stacks: they dequantize
-the moved experts in the graph (``dequantizing_experts``: DequantizeLinear in blocks, which onnxruntime leaves
-unfolded, then the same MoE op), the same function at no disk cost.
+where the next tokens are near ties, that alone parted 18 % of them from the reference in a trial export, so the
+guard could not meet its threshold by moving every layer. The guard's own trial graphs do not write the float
+stacks: they dequantize the moved experts in the graph (``dequantizing_experts``: DequantizeLinear in blocks, which
+onnxruntime leaves unfolded, then the same MoE op), the same function at no disk cost.
 
 The weights file is then rewritten one tensor at a time into a temporary file beside it and renamed over it, without
 the tensors no node reads any longer (a tied embedding's GatherBlockQuantized keeps reading a moved head's packed
-weight, which then stays): no dead bytes, and one tensor (one expert stack) in memory at a time. Float16 and bfloat16
-graphs keep level 1: their float MatMul would run in half precision (not level 1's function), and the guard runs on
-the CPU, where onnxruntime's half-precision matmuls are not the fast path either.
+weight, which then stays): no dead bytes, and one new tensor (one expert stack) in memory at a time. Float16 and
+bfloat16 graphs keep level 1: their float MatMul would run in half precision (not level 1's function), and the guard
+runs on the CPU, where onnxruntime's half-precision matmuls are not the fast path either.
 """
 
 from __future__ import annotations
@@ -51,9 +51,8 @@ from .graph_builder import WeightFile
 from .graph_walk import all_nodes
 
 FLOAT_FALLBACK_BITS = 8
-# New weights by name, each group made by one call when it is written (one expert stack's packed values and scales
-# come from one requantization).
-NewWeights = list[tuple[tuple[str, ...], Callable[[], tuple[np.ndarray, ...]]]]
+# New weights by name, each made when it is written (one in memory at a time).
+NewWeights = dict[str, Callable[[], np.ndarray]]
 
 
 def float_fallback_nodes(model: onnx.ModelProto, names: list[str]) -> list[str]:
@@ -86,16 +85,16 @@ def _float32_nodes(model: onnx.ModelProto, names: list[str], op_type: str, bits:
 def float_experts(model: onnx.ModelProto, read: Callable[[str], np.ndarray], names: list[str]) -> NewWeights:
     """Rewrites, in ``model``, each QMoE named in ``names`` (``expert_fallback_nodes``) as the float MoE op over its
     two stacks dequantized; returns those stacks, made when written (one at a time)."""
-    chosen, added = set(names), []
+    chosen, added = set(names), {}
     for node in model.graph.node:
         if node.name not in chosen:
             continue
-        attrs, stacks = attributes(node), []
+        attrs = attributes(node)
         for packed, scales in ((node.input[2], node.input[3]), (node.input[5], node.input[6])):
-            make = lambda a=attrs, p=packed, s=scales: (dequantize_qmoe(a, read(p), read(s), interleaved=False),)  # noqa: E731
-            added.append(((packed + DEQUANTIZED,), make))
-            stacks.append(packed + DEQUANTIZED)
-        _as_float_moe(node, *stacks)
+            added[packed + DEQUANTIZED] = lambda a=attrs, p=packed, s=scales: dequantize_qmoe(  # noqa: E731
+                a, read(p), read(s), interleaved=False
+            )
+        _as_float_moe(node, node.input[2] + DEQUANTIZED, node.input[5] + DEQUANTIZED)
     return added
 
 
@@ -142,7 +141,7 @@ def replace_with_fallbacks(model: onnx.ModelProto, onnx_path: Path, matmuls: lis
     left unread. Returns the bytes of the new weights. ``model`` is not saved."""
     onnx_path = Path(onnx_path)
     read = constant_reader(model.graph, base_dir=onnx_path.parent)
-    added = float_matmuls(model, read, matmuls) + float_experts(model, read, experts)
+    added = {**float_matmuls(model, read, matmuls), **float_experts(model, read, experts)}
     read_names = {name for node in all_nodes(model.graph) for name in node.input}
     kept = [tensor for tensor in model.graph.initializer if tensor.name in read_names]
     return _rewrite_weights(model, onnx_path, kept, added)
@@ -152,7 +151,7 @@ def float_matmuls(model: onnx.ModelProto, read: Callable[[str], np.ndarray], nam
     """Rewrites, in ``model``, each MatMulNBits named in ``names`` as a float32 MatMul over its dequantized weight
     (and an Add for a bias); returns those weights, made when written."""
     chosen = set(names)
-    added: NewWeights = []
+    added: NewWeights = {}
     nodes = []
     for node in model.graph.node:
         if node.name not in chosen:
@@ -160,10 +159,9 @@ def float_matmuls(model: onnx.ModelProto, read: Callable[[str], np.ndarray], nam
             continue
         weight = node.input[1] + DEQUANTIZED
         attrs, (packed, scales, zero) = attributes(node), [*node.input[1:4], ""][:3]
-        make = lambda a=attrs, p=packed, s=scales, z=zero: (  # noqa: E731
-            dequantize_matmul_nbits(a, read(p), read(s), read(z) if z else None),
+        added[weight] = lambda a=attrs, p=packed, s=scales, z=zero: dequantize_matmul_nbits(  # noqa: E731
+            a, read(p), read(s), read(z) if z else None
         )
-        added.append(((weight,), make))
         inputs = list(node.input)
         bias = inputs[5] if len(inputs) > 5 else ""
         product = node.output[0] if not bias else f"{node.output[0]}/unbiased"
@@ -176,8 +174,8 @@ def float_matmuls(model: onnx.ModelProto, read: Callable[[str], np.ndarray], nam
 
 
 def _rewrite_weights(model, onnx_path: Path, kept, added: NewWeights) -> int:
-    """Writes ``kept`` (external tensors copied byte for byte) and ``added`` (each group made when written) to a
-    fresh weights file that replaces the old one; points ``model``'s initializers at it."""
+    """Writes ``kept`` (external tensors copied byte for byte) and ``added`` (each made when written) to a fresh
+    weights file that replaces the old one; points ``model``'s initializers at it."""
     external = {tensor.name: ExternalDataInfo(tensor) for tensor in kept if uses_external_data(tensor)}
     locations = {info.location for info in external.values()}
     if len(locations) != 1:
@@ -197,8 +195,10 @@ def _rewrite_weights(model, onnx_path: Path, kept, added: NewWeights) -> int:
                     source.seek(info.offset or 0)
                     data = np.frombuffer(source.read(-1 if info.length is None else info.length), dtype=np.uint8)
                     initializers.append(weights.add_raw(tensor.name, tensor.data_type, list(tensor.dims), data))
-            for group in added:
-                written += write_group(weights, group, initializers)
+            for name, make in added.items():
+                array = make()
+                written += array.nbytes
+                initializers.append(weights.add_array(name, array))
             weights.close()
             os.replace(weights.path, data_path)
     except OSError as err:
@@ -209,12 +209,3 @@ def _rewrite_weights(model, onnx_path: Path, kept, added: NewWeights) -> int:
     del model.graph.initializer[:]
     model.graph.initializer.extend(initializers)
     return written
-
-
-def write_group(weights: WeightFile, group: tuple[tuple[str, ...], Callable], initializers: list) -> int:
-    """Makes one group of new weights, appends them to ``weights`` and their initializers to ``initializers``;
-    returns their bytes."""
-    names, make = group
-    arrays = make()
-    initializers.extend(weights.add_array(name, array) for name, array in zip(names, arrays, strict=True))
-    return sum(array.nbytes for array in arrays)
