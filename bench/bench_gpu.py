@@ -17,8 +17,9 @@ prompt and --new greedy tokens:
                                   GroupQueryAttention refuses a batch of prompts over the shared past buffer that
                                   capture needs, on both graphs)
   onnxruntime on CUDA             ours-fp16 through export.runtime.OnnxDecoder: IO binding keeps the cache on the
-                                  device, the logits come back each step (what ``thinker generate`` runs), one KV
-                                  buffer per layer written in place; again with share_kv=False (the copying form)
+                                  device, the logits come back each step (what ``thinker generate`` runs: its
+                                  model.genai.onnx, no padding bias), one KV buffer per layer written in place;
+                                  again with share_kv=False (the copying form), and over model.onnx (the bias)
   transformers eager on CUDA      the source family's own class (Qwen3ForCausalLM), float16
 Roofline: the weight bytes one decode step reads (bench/bandwidth.py) against the device's bandwidth, measured
 here by a device-to-device copy of 1 GiB (bytes read + written per second, the best of 10): batch-1 decode as a
@@ -90,6 +91,9 @@ def runtimes_for(provider: str, cuda_graph: bool) -> list[list[Runtime]]:
     if provider == "cuda":  # the copying form beside the default shared buffer (on the CPU: bench_shared_cache.py)
         copying = f"onnxruntime ({provider}, copying KV)"
         float_group.append(row(ours, "thinker", copying, f"{builder} on {genai}", ("--copy-kv",)))
+        # model.onnx, with the padding bias, beside model.genai.onnx, which OnnxDecoder runs on CUDA for these prompts
+        any_padding = f"onnxruntime ({provider}, model.onnx)"
+        float_group.append(row(ours, "thinker", any_padding, f"{builder} on {genai}", ("--any-padding",)))
     float_group.append(row("hf", "torch", f"transformers eager ({provider})", None))
     int4_group = [
         row(ours_int4, "genai", genai, f"{builder_int4} on {genai}"),

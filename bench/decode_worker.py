@@ -280,15 +280,25 @@ class StatesOrtBackend(OrtBackend):
 
 class ThinkerBackend:
     """Our own runtime, ``export.runtime.OnnxDecoder``: prefill, then one ``decode_one_token`` per new token (its
-    logits come back to the host every step, as ``generate`` needs them)."""
+    logits come back to the host every step, as ``generate`` needs them), over the graph ``thinker generate`` runs
+    for prompts without padding (``generation_graph``: ``model.genai.onnx`` on CUDA), or ``model.onnx`` with
+    ``any_padding``."""
 
     def __init__(
-        self, folder: Path, threads: int, provider: str = "cpu", cuda_graph: bool = False, share_kv: bool | None = None
+        self,
+        folder: Path,
+        threads: int,
+        provider: str = "cpu",
+        cuda_graph: bool = False,
+        share_kv: bool | None = None,
+        any_padding: bool = False,
     ) -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from export.runtime import OnnxDecoder
+        from export.names import MODEL_FILE
+        from export.runtime import OnnxDecoder, generation_graph
 
-        self.decoder = OnnxDecoder(folder, provider=provider, threads=threads, share_kv=share_kv)
+        graph = folder / MODEL_FILE if any_padding else generation_graph(folder, provider)
+        self.decoder = OnnxDecoder(graph, provider=provider, threads=threads, share_kv=share_kv)
 
     def generate(self, batch: int, prompt: int, new: int, steps: int | None = None) -> dict:
         ids = prompt_ids(batch, prompt)
@@ -320,11 +330,15 @@ def main() -> None:
     parser.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--cuda-graph", action="store_true", help="genai on CUDA: capture the decode step as a graph")
     parser.add_argument("--copy-kv", action="store_true", help="thinker: OnnxDecoder(share_kv=False)")
+    parser.add_argument("--any-padding", action="store_true", help="thinker: model.onnx, whatever the provider")
     args = parser.parse_args()
-    if args.copy_kv:
+    if args.copy_kv or args.any_padding:
         if args.backend != "thinker":
-            parser.error(f"--copy-kv: OnnxDecoder's option (backend thinker), not backend {args.backend}'s")
-        backend = ThinkerBackend(args.folder, args.threads, args.provider, share_kv=False)
+            parser.error(f"--copy-kv / --any-padding: OnnxDecoder's options (backend thinker), not {args.backend}'s")
+        share_kv = False if args.copy_kv else None
+        backend = ThinkerBackend(
+            args.folder, args.threads, args.provider, share_kv=share_kv, any_padding=args.any_padding
+        )
     elif args.provider == "cpu" and not args.cuda_graph:
         backend = BACKENDS[args.backend](args.folder, args.threads)
     elif args.backend in CUDA_BACKENDS:

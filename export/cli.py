@@ -131,10 +131,10 @@ from .names import (
 @click.option(
     "--accuracy-level",
     type=click.Choice([str(level) for level in ACCURACY_LEVELS]),
-    default="4",
-    show_default=True,
-    help="--quantize: MatMulNBits' (and QMoE's) activation precision: 4 int8 (fastest on CPU), 1 float32, 0 as "
-    "the graph; int8 routed experts below 4 keep a scale per row, whose kernel computes in float.",
+    default=None,
+    help="--quantize: MatMulNBits' (and QMoE's) activation precision on the CPU: 4 int8 (fastest), 1 float32, 0 as "
+    "the graph; int8 routed experts below 4 keep a scale per row, whose kernel computes in float. CUDA never "
+    "reads it (float16 activations). [default: 4 for --dtype float32, 0 for float16]",
 )
 @click.option(
     "--accuracy-guard",
@@ -234,7 +234,8 @@ def export_command(
 
     spec = gate = None
     if quantize:
-        spec = QuantizeSpec.parse(quantize, int(block_size), algo, int(accuracy_level), quantize_head, head_int8_rows)
+        level = None if accuracy_level is None else int(accuracy_level)
+        spec = QuantizeSpec.parse(quantize, int(block_size), algo, level, quantize_head, head_int8_rows, dtype)
         default = QualityGate.default(spec.bits)
         gate = QualityGate(
             default.min_top1 if min_top1 is None else min_top1,
@@ -366,10 +367,10 @@ def generate_command(
     # transformers' own streamer: prints each piece of text to stdout once it decodes to whole words
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     if kind == "onnx":
-        from .runtime import OnnxDecoder
+        from .runtime import OnnxDecoder, generation_graph
 
-        decoder = OnnxDecoder(folder, provider=provider, threads=threads)
-        runtime = f"onnxruntime ({decoder.device})"
+        decoder = OnnxDecoder(generation_graph(folder, provider), provider=provider, threads=threads)
+        runtime = f"onnxruntime ({decoder.device}, {decoder.model_path.name})"
         started = time.perf_counter()  # generation only, not the session's start
         tokens = decoder.generate(
             prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, streamer=streamer

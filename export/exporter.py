@@ -49,7 +49,7 @@ from .names import (
     POSITIONS,
     REPORT_FILE,
 )
-from .quantize import QuantizeSpec, WeightQuantizer
+from .quantize import QuantizeSpec, WeightQuantizer, cuda_experts_note
 from .verify import WHOLE, verify_export, verify_plan
 from .weights import ThinkerWeights
 
@@ -178,7 +178,12 @@ def export_model(
             "versions": versions(),
             "notes": [
                 note
-                for note in (no_eos_note(config, generation_config), positions_note(positions), logits_note(logits))
+                for note in (
+                    no_eos_note(config, generation_config),
+                    positions_note(positions),
+                    logits_note(logits),
+                    cuda_experts_note(config, dtype, quantize, files.nodes_by_op),
+                )
                 if note
             ],
         }

@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -62,7 +63,18 @@ from common.errors import ThinkerError
 
 from .dequantize import unpack_nibbles
 from .graph_builder import TORCH_TO_ONNX, GraphBuilder
-from .names import ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES, DEFAULT_HEAD_INT8_ROWS, HEAD_PRECISIONS
+from .names import (
+    ACCURACY_LEVELS,
+    ALGORITHMS,
+    BITS,
+    BLOCK_SIZES,
+    DEFAULT_ACCURACY_LEVEL,
+    DEFAULT_HEAD_INT8_ROWS,
+    HEAD_PRECISIONS,
+)
+
+if TYPE_CHECKING:
+    from thinker.configuration_thinker import ThinkerConfig
 
 # The head's precision when --quantize-head is not given: mixed under int4 (see the module docstring), int8 under int8.
 DEFAULT_HEAD = {"int4": "mixed"}
@@ -100,12 +112,16 @@ class QuantizeSpec:
         quantize: str,
         block_size: int = 32,
         algo: str = "rtn",
-        accuracy_level: int = 4,
+        accuracy_level: int | None = None,
         head: str | None = None,
         head_int8_rows: int | None = None,
+        dtype: str = "float32",
     ) -> QuantizeSpec:
         """From the CLI's words: ``quantize`` int4 / int8, ``head`` int4 / int8 / mixed (None: DEFAULT_HEAD's
-        choice), ``head_int8_rows`` a mixed head's int8 rows (None: ``DEFAULT_HEAD_INT8_ROWS``)."""
+        choice), ``head_int8_rows`` a mixed head's int8 rows (None: ``DEFAULT_HEAD_INT8_ROWS``),
+        ``accuracy_level`` None: the graph ``dtype``'s (``DEFAULT_ACCURACY_LEVEL``)."""
+        if accuracy_level is None:
+            accuracy_level = DEFAULT_ACCURACY_LEVEL.get(dtype, 0)
         if quantize not in BITS:
             raise ThinkerError(f"--quantize {quantize}: expected one of {', '.join(BITS)}")
         head = head or DEFAULT_HEAD.get(quantize, quantize)
@@ -360,7 +376,8 @@ class WeightQuantizer:
         block a scale of max |a| / 127), which is level 4's function, and runs a decode step 1.6x faster than the
         row-wise kernel, which computes in float (bench/bench_qmoe_int8.py). So at a float-activation level
         (``--accuracy-level 1``), or in a float16 graph (whose QMoE is CUDA's), 8-bit experts keep a scale per
-        row."""
+        row. CUDA's QMoE computes 8-bit blocks right too (float16 activations; an H100,
+        ``test_cuda_quantized_experts_equal_the_cpu``), but which of the two is faster there is untimed."""
         if self.spec.bits == 4:
             return True
         level_4 = self.spec.accuracy_level == 4 and self.dtype == torch.float32
@@ -509,3 +526,30 @@ class WeightQuantizer:
             initializer=[numpy_helper.from_array(weight.detach().contiguous().numpy(), name)],
         )
         return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+
+
+# What CUDA's QMoE takes (onnxruntime-gpu 1.31.1 on an H100, its own error messages): expert widths that are whole
+# multiples of 64 ("the interleaved-weight K tile") and blocks of 32, 64 or 128.
+CUDA_QMOE_WIDTH = 64
+CUDA_QMOE_BLOCKS = (32, 64, 128)
+
+
+def cuda_experts_note(
+    config: ThinkerConfig, dtype: str, spec: QuantizeSpec | None, nodes: dict[str, int]
+) -> str | None:
+    """What the export tells the user of a float16 graph (one for CUDA) whose QMoE CUDA's kernel refuses: it runs on
+    the CPU only, which widths or block size is why, and what to export instead."""
+    if dtype != "float16" or spec is None or not nodes.get("QMoE"):
+        return None
+    widths = {"hidden_size": config.hidden_size, "moe_intermediate_size": config.moe_intermediate_size}
+    wrong = [f"{name} {width}" for name, width in widths.items() if width % CUDA_QMOE_WIDTH]
+    if wrong:
+        instead = "export without --quantize for CUDA (its float MoE takes any width)"
+    elif spec.bits == 4 and spec.block_size not in CUDA_QMOE_BLOCKS:  # a float16 graph's 8-bit experts: per row
+        wrong, instead = [f"--block-size {spec.block_size}"], "export with --block-size 32 for CUDA"
+    else:
+        return None
+    return (
+        f"the routed experts' QMoE runs on the CPU but not on CUDA, whose kernel takes widths that are multiples of "
+        f"{CUDA_QMOE_WIDTH} and blocks of {', '.join(map(str, CUDA_QMOE_BLOCKS))} ({', '.join(wrong)}): {instead}"
+    )

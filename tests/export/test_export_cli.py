@@ -41,7 +41,7 @@ def test_export_then_generate(runner, thinker_folder, tmp_path):
     assert onnx_run.exit_code == 0, onnx_run.output
     assert torch_run.exit_code == 0, torch_run.output
     assert onnx_run.stdout.strip() and onnx_run.stdout == torch_run.stdout
-    assert "onnxruntime (cpu)" in onnx_run.stderr and "transformers" in torch_run.stderr
+    assert "onnxruntime (cpu, model.onnx)" in onnx_run.stderr and "transformers" in torch_run.stderr
 
 
 def test_export_logits_last_then_generate(runner, thinker_folder, tmp_path):

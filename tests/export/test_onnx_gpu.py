@@ -66,6 +66,30 @@ def test_cuda_generate_runs_greedy(onnx_folder):
     assert cuda[0, 4] == cpu[0, 4]  # the first new token; half precision may part ways later, on a near-tie
 
 
+def test_cuda_generate_runs_the_genai_graph(onnx_variant):
+    """`thinker generate --provider cuda` runs model.genai.onnx (``generation_graph``: no padding bias) and says so;
+    on its one unpadded prompt that graph gives model.onnx's first-step logits on CUDA within float16's tolerance, and
+    the same first token."""
+    from click.testing import CliRunner
+
+    from common.cli import main
+    from common.parity_inputs import RELATIVE_TOLERANCE
+    from export.names import GENAI_MODEL_FILE
+
+    folder = onnx_variant("qwen3", "float16")
+    result = CliRunner().invoke(
+        main, ["generate", str(folder), "--prompt", "the cat sat", "-n", "4", "--provider", "cuda"]
+    )
+    assert result.exit_code == 0, result.output
+    assert f"onnxruntime (cuda, {GENAI_MODEL_FILE})" in result.stderr
+    prompt = np.array([[5, 9, 17, 33, 4, 21]], dtype=np.int64)
+    genai, padded = OnnxDecoder(folder / GENAI_MODEL_FILE, provider="cuda"), OnnxDecoder(folder, provider="cuda")
+    actual, expected = (d.prefill(prompt, np.ones_like(prompt))[0].astype(np.float32) for d in (genai, padded))
+    scale = float(np.abs(expected).max())
+    assert np.abs(actual - expected).max() <= RELATIVE_TOLERANCE[torch.float16] * max(1.0, scale)
+    assert actual[0, -1].argmax() == expected[0, -1].argmax()
+
+
 def test_cuda_plain_moe_decode_path_equals_its_expert_loop(onnx_variant):
     """The plain graph's two MoE paths on CUDA, float16: one-token steps gather their picked experts at once (a
     Gather of the expert stack and a batched MatMul), a 24-token step visits them in the Loop; each token's logits

@@ -183,6 +183,61 @@ def test_cli_quantizes_and_verifies(thinker_variant, tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("dtype", "options", "level"),
+    [("float32", [], 4), ("float16", [], 0), ("float16", ["--accuracy-level", "4"], 4)],
+    ids=["float32-default", "float16-default", "float16-asked-for-4"],
+)
+def test_accuracy_level_defaults_to_the_graphs_provider(dtype, options, level, thinker_variant, tmp_path):
+    """--accuracy-level's default is 4 for float32 graphs (the CPU's int8-activation kernels) and 0 for float16 ones
+    (CUDA never reads it, so the CPU's verify and accuracy guard judge what CUDA computes); one asked for is kept.
+    Every MatMulNBits and QMoE carries it; the guard runs at 4 only."""
+    output = tmp_path / "out"
+    source = thinker_variant("qwen3_moe", head_dim=16)
+    args = ["export", str(source), str(output), "--dtype", dtype, "--quantize", "int4", "--no-verify", *options]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads((output / "export_report.json").read_text())
+    assert report["quantize"]["accuracy_level"] == level
+    assert (report["accuracy_guard"] is not None) == (level == 4), report["accuracy_guard"]
+    model = onnx.load(output / "model.onnx", load_external_data=False)
+    levels = {
+        helper.get_attribute_value(a)
+        for node in model.graph.node
+        if node.op_type in ("MatMulNBits", "QMoE")
+        for a in node.attribute
+        if a.name == "accuracy_level"
+    }
+    assert levels == {level}, levels
+
+
+@pytest.mark.parametrize(
+    ("dtype", "width", "block", "advice"),
+    [
+        ("float16", 32, "32", "export without --quantize for CUDA"),
+        ("float16", 64, "16", "export with --block-size 32 for CUDA"),
+        ("float16", 64, "32", None),
+        ("float32", 32, "16", None),
+    ],
+    ids=["narrow-experts", "small-blocks", "cuda-ready", "float32"],
+)
+def test_float16_experts_cuda_refuses_are_named(dtype, width, block, advice, thinker_variant, tmp_path):
+    """A float16 export (one for CUDA) whose QMoE CUDA's kernel refuses (widths not multiples of 64, blocks other
+    than 32, 64, 128; an H100 said so) is written, since the CPU runs it, with a note that says why and what to
+    export instead; a CUDA-ready one, or a float32 one, has none."""
+    output = tmp_path / "out"
+    source = thinker_variant("qwen3_moe", head_dim=16, hidden_size=width, moe_intermediate_size=width)
+    args = ["export", str(source), str(output), "--dtype", dtype, "--quantize", "int4", "--block-size", block]
+    result = CliRunner().invoke(main, [*args, "--no-verify"])
+    assert result.exit_code == 0, result.output
+    notes = [n for n in json.loads((output / "export_report.json").read_text())["notes"] if "QMoE" in n]
+    if advice is None:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and advice in notes[0], notes
+        assert f"note: {notes[0]}" in result.output
+
+
+@pytest.mark.parametrize(
     ("options", "message"),
     [
         (["--quantize", "int8", "--algo", "hqq"], "--algo hqq quantizes to int4 only"),

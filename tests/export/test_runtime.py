@@ -7,8 +7,10 @@ import onnx
 import pytest
 import torch
 
+import export.runtime
 from common.errors import ThinkerError
-from export.runtime import OnnxDecoder, physical_cores
+from export.names import GENAI_MODEL_FILE, MODEL_FILE
+from export.runtime import OnnxDecoder, generation_graph, physical_cores
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gpt2"])
@@ -102,3 +104,44 @@ def test_threads_and_provider(onnx_folder):
 def test_missing_model_is_a_thinker_error(tmp_path):
     with pytest.raises(ThinkerError, match="no such ONNX model"):
         OnnxDecoder(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("provider", "cuda_runs", "expected"),
+    [
+        ("cpu", True, MODEL_FILE),
+        ("cuda", False, GENAI_MODEL_FILE),
+        ("auto", True, GENAI_MODEL_FILE),
+        ("auto", False, MODEL_FILE),
+    ],
+)
+def test_generation_graph_is_the_genai_one_on_cuda(
+    provider, cuda_runs, expected, onnx_variant, onnx_folder, monkeypatch
+):
+    """For prompts without padding ``thinker generate`` runs model.genai.onnx on CUDA (no padding bias) and
+    model.onnx on the CPU; a folder without the genai graph (the plain graph's) gives model.onnx everywhere."""
+    monkeypatch.setattr(export.runtime, "cuda_usable", lambda: cuda_runs)
+    fused = onnx_variant("qwen3")
+    assert generation_graph(fused, provider) == fused / expected
+    plain = onnx_folder("qwen3")
+    assert not (plain / GENAI_MODEL_FILE).exists()
+    assert generation_graph(plain, provider) == plain / MODEL_FILE
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_genai_graph_equals_the_padded_one_on_a_prompt_without_pads(family, onnx_variant):
+    """What ``generation_graph`` relies on: for a prompt without pads the genai graph gives model.onnx's logits (to
+    float32 rounding) at the prefill and at each decode step, and the same greedy tokens."""
+    folder = onnx_variant(family, head_dim=None if family == "qwen3_5" else 16)  # a hybrid keeps its own
+    prompt = np.array([[5, 9, 17, 33, 4, 21], [8, 7, 6, 5, 4, 3]], dtype=np.int64)
+    padded, genai = OnnxDecoder(folder, provider="cpu"), OnnxDecoder(folder / GENAI_MODEL_FILE, provider="cpu")
+    (expected, expected_state), (actual, actual_state) = (
+        d.prefill(prompt, np.ones_like(prompt)) for d in (padded, genai)
+    )
+    np.testing.assert_allclose(actual, expected, atol=1e-4, rtol=0)
+    token = expected[:, -1].argmax(-1)
+    for _ in range(4):
+        expected = padded.decode_one_token(token, expected_state)
+        np.testing.assert_allclose(genai.decode_one_token(token, actual_state), expected, atol=1e-4, rtol=0)
+        token = expected.argmax(-1)
+    np.testing.assert_array_equal(genai.generate(prompt, max_new_tokens=8), padded.generate(prompt, max_new_tokens=8))
