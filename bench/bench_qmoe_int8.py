@@ -1,7 +1,7 @@
 """What a layer of routed experts costs on onnxruntime's CPU provider, by QMoE layout: why 8-bit experts go in blocks.
 
     python bench/bench_qmoe_int8.py [--layers 12] [--experts 64] [--top-k 8] [--hidden 1024] [--inner 128]
-                                    [--threads 2] [--reps 15]
+                                    [--threads 2] [--reps 15] [--provider cpu|cuda]
 
 A chain of ``--layers`` residual MoE layers (a router MatMul, the experts, an Add), the shapes of bench_hybrid.py's
 Qwen3.5-MoE by default (so the experts' weights lie well beyond the caches, as in a model), at one row (a decode
@@ -12,6 +12,11 @@ what the quantized verify runs), and at 4 bits in blocks at accuracy levels 1 an
 the exporter's own code (``WeightQuantizer.quantize_experts``). Each output's error against the float chain is
 printed beside its time,
 which says which layouts compute with int8 activations. Writes ``bench/results/qmoe_int8.json``.
+
+``--provider cuda`` (a lent GPU: ``python3 bench/gpu_kit.py run qmoe``) asks the same of CUDA's QMoE, in float16
+graphs (what float16 exports write), over the layouts CUDA distinguishes (it reads no accuracy level): the float
+MoE, 8 bits a scale per row (float16 exports' layout), 8 bits in blocks of 32, 4 bits in blocks of 32. Writes
+``qmoe_int8-cuda.json`` (``--out``: elsewhere).
 """
 
 from __future__ import annotations
@@ -25,17 +30,19 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
 
 from layout_timing import report_layouts, time_layouts  # noqa: E402
 
+from export.graph_builder import TORCH_TO_ONNX  # noqa: E402
 from export.quantize import QuantizeSpec, WeightQuantizer  # noqa: E402
 from export.quantized_verify import experts_in_float  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "qmoe_int8.json"
+NUMPY_TYPES = {torch.float32: np.float32, torch.float16: np.float16}
 ROWS = (1, 128)
 MOE_ATTRIBUTES = dict(
     k=0,
@@ -58,17 +65,23 @@ class Tensors:
         return name
 
 
-def moe_chain(layers: list[dict], top_k: int, spec: QuantizeSpec | None, in_blocks: bool) -> onnx.ModelProto:
-    """``x + MoE(x)`` per layer; the experts float (``spec`` None) or QMoE as the exporter writes them."""
+def moe_chain(
+    layers: list[dict], top_k: int, spec: QuantizeSpec | None, in_blocks: bool, dtype: torch.dtype = torch.float32
+) -> onnx.ModelProto:
+    """``x + MoE(x)`` per layer, in ``dtype``; the experts float (``spec`` None) or QMoE as the exporter writes
+    them."""
     tensors, nodes = Tensors(), []
     hidden = layers[0]["router"].shape[0]
-    quantizer = WeightQuantizer(spec, torch.float32) if spec else None
+    quantizer = WeightQuantizer(spec, dtype) if spec else None
+    numpy_type, onnx_type = NUMPY_TYPES[dtype], TORCH_TO_ONNX[dtype]
     for i, layer in enumerate(layers):
         x, logits, y = f"x{i}", f"logits{i}", f"y{i}"
-        nodes.append(helper.make_node("MatMul", [x, tensors.weight(f"router{i}", layer["router"])], [logits]))
+        router = tensors.weight(f"router{i}", layer["router"].astype(numpy_type))
+        nodes.append(helper.make_node("MatMul", [x, router], [logits]))
         attributes = {**MOE_ATTRIBUTES, "k": top_k}
         if quantizer is None:
-            fc = [tensors.weight(f"fc1_{i}", layer["fc1"]), "", tensors.weight(f"fc2_{i}", layer["fc2"])]
+            fc1, fc2 = (tensors.weight(f"fc{j}_{i}", layer[f"fc{j}"].astype(numpy_type)) for j in (1, 2))
+            fc = [fc1, "", fc2]
             nodes.append(helper.make_node("MoE", [x, logits, *fc], [y], domain="com.microsoft", **attributes))
         else:
             fc1, fc2 = (
@@ -84,8 +97,8 @@ def moe_chain(layers: list[dict], top_k: int, spec: QuantizeSpec | None, in_bloc
     graph = helper.make_graph(
         nodes,
         "moe_chain",
-        [helper.make_tensor_value_info("x0", TensorProto.FLOAT, ["rows", hidden])],
-        [helper.make_tensor_value_info(f"x{len(layers)}", TensorProto.FLOAT, ["rows", hidden])],
+        [helper.make_tensor_value_info("x0", onnx_type, ["rows", hidden])],
+        [helper.make_tensor_value_info(f"x{len(layers)}", onnx_type, ["rows", hidden])],
         tensors.initializers,
     )
     opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
@@ -108,17 +121,25 @@ def main() -> None:
         help="seconds before each timed run (bench_graph_ab.py: a session's threads "
         "keep spinning after its run, slowing the next session's)",
     )
+    parser.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--out", type=Path, default=RESULTS.parent, help="the folder the results go to")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     e, h, i = args.experts, args.hidden, args.inner
+    # float16 (CUDA) rounds x + MoE(x) to x's scale: experts' weights large enough that the MoE term is too, or the
+    # error column would measure float16's resolution of x alone (speed does not depend on the values)
+    scale = 0.1 if args.provider == "cuda" else 0.02
     layers = [
         {
             "router": (rng.standard_normal((h, e)) / np.sqrt(h)).astype(np.float32),
-            "fc1": (rng.standard_normal((e, 2 * i, h)) * 0.02).astype(np.float32),  # gate, up interleaved
-            "fc2": (rng.standard_normal((e, h, i)) * 0.02).astype(np.float32),
+            "fc1": (rng.standard_normal((e, 2 * i, h)) * scale).astype(np.float32),  # gate, up interleaved
+            "fc2": (rng.standard_normal((e, h, i)) * scale).astype(np.float32),
         }
         for _ in range(args.layers)
     ]
+    if args.provider == "cuda":
+        cuda_layouts(args, layers)
+        return
     int8, int4 = QuantizeSpec(bits=8, accuracy_level=4), QuantizeSpec(bits=4, accuracy_level=4)
     layouts = {  # name -> (model, made under experts_in_float)
         "float MoE": (moe_chain(layers, args.top_k, None, False), False),
@@ -142,7 +163,35 @@ def main() -> None:
     results = time_layouts(sessions, ROWS, h, args.reps, args.gap, function=lambda out, x: out - x)
     per_layer = f"{e} experts of {h} x {i} (SwiGLU), top {args.top_k}"
     title = f"{args.layers} MoE layers of {per_layer}, {args.threads} threads, median of {args.reps} interleaved runs"
-    report_layouts(results, "QMoE 8-bit, a scale per row", title, RESULTS, vars(args))
+    report_layouts(results, "QMoE 8-bit, a scale per row", title, args.out / RESULTS.name, settings(args))
+
+
+def cuda_layouts(args: argparse.Namespace, layers: list[dict]) -> None:
+    """The float16 chains on CUDA: float MoE, 8 bits per row and in blocks, 4 bits in blocks (CUDA's QMoE reads no
+    accuracy level; its widths must be multiples of 64, export/quantize.py ``CUDA_QMOE_WIDTH``)."""
+    half = torch.float16
+    layouts = {
+        "float MoE": moe_chain(layers, args.top_k, None, False, half),
+        "QMoE 8-bit, a scale per row": moe_chain(layers, args.top_k, QuantizeSpec(bits=8), False, half),
+        "QMoE 8-bit, blocks of 32": moe_chain(layers, args.top_k, QuantizeSpec(bits=8), True, half),
+        "QMoE 4-bit, blocks of 32": moe_chain(layers, args.top_k, QuantizeSpec(bits=4), True, half),
+    }
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    sessions = {
+        name: ort.InferenceSession(model.SerializeToString(), providers=providers) for name, model in layouts.items()
+    }
+    for name, session in sessions.items():
+        if session.get_providers()[0] != providers[0]:
+            raise SystemExit(f"{name}: onnxruntime started no CUDA session here ({session.get_providers()})")
+    results = time_layouts(sessions, ROWS, args.hidden, args.reps, args.gap, lambda out, x: out - x, dtype=np.float16)
+    per_layer = f"{args.experts} experts of {args.hidden} x {args.inner} (SwiGLU), top {args.top_k}"
+    title = f"{args.layers} MoE layers of {per_layer}, CUDA, float16, median of {args.reps} interleaved runs"
+    path = args.out / RESULTS.name.replace(".json", "-cuda.json")
+    report_layouts(results, "QMoE 8-bit, a scale per row", title, path, settings(args))
+
+
+def settings(args: argparse.Namespace) -> dict:
+    return {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
 
 
 if __name__ == "__main__":

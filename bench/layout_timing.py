@@ -29,14 +29,18 @@ def time_layouts(
     gap: float = 0.0,
     function: Callable[[np.ndarray, np.ndarray], np.ndarray] = lambda out, x: out,
     seed: int = 1,
+    dtype: type = np.float32,
 ) -> dict[str, dict[int, dict[str, float]]]:
-    """``results[layout][rows]``: ``relative_error`` against the first session and ``ms``, the median run. The
-    error is taken on ``function(output, x)`` (e.g. a residual chain's output without its input)."""
+    """``results[layout][rows]``: ``relative_error`` against the first session and ``ms``, the median run (on
+    CUDA a run includes copying ``x`` in and the output out, which waits for the device). The error is taken on
+    ``function(output, x)`` (e.g. a residual chain's output without its input), in float32; ``dtype``: the input's."""
     rng = np.random.default_rng(seed)
     results: dict = {}
     for count in rows:
-        x = rng.standard_normal((count, width)).astype(np.float32)
-        outputs = {name: function(session.run(None, {"x0": x})[0], x) for name, session in sessions.items()}
+        x = rng.standard_normal((count, width)).astype(dtype)
+        outputs = {
+            name: function(session.run(None, {"x0": x})[0], x).astype(np.float32) for name, session in sessions.items()
+        }
         reference = next(iter(outputs.values()))
         for name, out in outputs.items():
             error = float(np.abs(out - reference).max() / np.abs(reference).max())
