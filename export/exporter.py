@@ -145,7 +145,9 @@ def export_model(
                 threads,
                 progress,
             )
-        genai_graph = write_genai_graph(files.model_path)  # after the guard, which may rewrite model.onnx
+        genai_graph = write_genai_graph(
+            files.model_path, config.hidden_size
+        )  # after the guard, which may rewrite model.onnx
         copy_side_files(model_dir, final)
         generation_config = read_json(model_dir / "generation_config.json")
         genai = make_genai_config(

@@ -18,6 +18,12 @@ the kernel rotates (the nodes that fed them pruned, the input dropped where noth
 a left-padded batch, which only the fused ``model.onnx`` takes; ``genai_config.json`` names this one, and
 ``--verify`` checks it on the right-padded rows of its batch (export/verify.py).
 
+onnxruntime-genai samples from each row's last kept position and reads no other logits (a static 1 on the logits'
+position axis tells it so, from 0.12.2 on), so this graph also puts only that position through the head, as
+``--logits last`` does (export/decoder_graph.py ``emit_last_position``): ``model.onnx`` keeps every position, the
+contract for scoring a text. A prompt's head then costs one row instead of its length, and its logits are (B, 1, V)
+rather than (B, T, V) (a 4096-token Qwen3 prompt's float32 logits are 2.5 GB).
+
 It shares ``model.onnx.data`` with ``model.onnx``: the same initializers, so the proto alone is written.
 """
 
@@ -30,12 +36,16 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, helper
 
+from .decoder_graph import emit_last_position
+from .graph_builder import GraphBuilder
 from .graph_walk import all_nodes
-from .names import GENAI_MODEL_FILE, PADDING_KEY
+from .names import GENAI_MODEL_FILE, LAST_POSITION_SCOPE, PADDING_KEY
 
 # GroupQueryAttention's inputs by position (onnxruntime's contrib schema, com.microsoft).
 SEQLENS_K, POSITION_IDS, ATTENTION_BIAS = 5, 9, 10
 SCOPE = "/genai_seqlens"
+HEAD_SCOPE = "/lm_head/"  # the head's nodes (export/decoder_graph.py ``build``)
+LAST_CONSTS = "/genai_last/const/"  # the selection's constants, named apart from the fused graph's
 INT64 = TensorProto.INT64
 
 
@@ -45,12 +55,13 @@ class GenaiGraph:
     positions: bool  # whether it still takes position_ids (a RotaryEmbedding before the attention reads them)
 
 
-def write_genai_graph(model_path: Path) -> GenaiGraph | None:
+def write_genai_graph(model_path: Path, hidden_size: int) -> GenaiGraph | None:
     """Writes ``model.genai.onnx`` beside the fused ``model_path`` (whose data file it shares) and checks it; None,
     and nothing written, where the graph has no padding bias to take out."""
     genai = right_padded_graph(onnx.load(model_path, load_external_data=False))
     if genai is None:
         return None
+    select_last_position(genai.graph, hidden_size)
     path = model_path.with_name(GENAI_MODEL_FILE)
     onnx.save_model(genai, path)
     try:
@@ -134,3 +145,33 @@ def prune_dead_nodes(graph: onnx.GraphProto) -> None:
 def names_read(graph: onnx.GraphProto) -> set[str]:
     """Every name the nodes of ``graph`` read, those of their subgraphs included."""
     return {name for node in all_nodes(graph) for name in node.input}
+
+
+def select_last_position(graph: onnx.GraphProto, hidden_size: int) -> None:
+    """Puts each row's last kept position alone through the head (the module docstring), unless the graph does
+    already (``--logits last``): the selection's nodes go before the head's, which read the picked (B, 1, C) rows in
+    place of the final hidden states, and ``logits`` becomes (B, 1, V)."""
+    (logits,) = (value for value in graph.output if value.name == "logits")
+    positions = logits.type.tensor_type.shape.dim[1]
+    if positions.HasField("dim_value") and positions.dim_value == 1:
+        return
+    head = [node for node in graph.node if node.name.startswith(HEAD_SCOPE)]
+    made_in_head = {name for node in head for name in node.output}
+    given = {tensor.name for tensor in graph.initializer} | {value.name for value in graph.input}
+    outer = {name for node in head for name in node.input if name and name not in made_in_head | given}
+    if len(outer) != 1:
+        raise RuntimeError(
+            f"the head reads {sorted(outer)} from the graph, not one hidden state (a bug in the exporter)"
+        )
+    (hidden,) = outer
+    b = GraphBuilder(None, consts=LAST_CONSTS)
+    with b.scope(HEAD_SCOPE.strip("/")), b.scope(LAST_POSITION_SCOPE):
+        picked = emit_last_position(b, hidden, "input_ids", "attention_mask", hidden_size)
+    for node in head:
+        node.input[:] = [picked if name == hidden else name for name in node.input]
+    first = next(index for index, node in enumerate(graph.node) if node.name.startswith(HEAD_SCOPE))
+    for offset, node in enumerate(b.nodes):
+        graph.node.insert(first + offset, node)
+    graph.initializer.extend(b.initializers)
+    positions.Clear()
+    positions.dim_value = 1

@@ -83,8 +83,11 @@ class GraphBuilder:
     current ``scope`` (``/model/layers.3/attn/MatMul_2``), which keeps the graph readable in Netron and in profiles.
     """
 
-    def __init__(self, weights: WeightFile, root: GraphBuilder | None = None) -> None:
+    def __init__(self, weights: WeightFile | None, root: GraphBuilder | None = None, consts: str = "/const/") -> None:
+        """``weights``: where ``weight`` streams to (None: a builder of constants and nodes only); ``consts``: the
+        prefix of its constants' names, which must differ from an existing graph's that its nodes join."""
         self.weights = weights
+        self._const_prefix = consts
         self.nodes: list[onnx.NodeProto] = []
         # Initializers always live in the main graph; a body reads them as outer-scope values.
         self._root = root or self
@@ -146,7 +149,7 @@ class GraphBuilder:
         raw = as_bytes_view(tensor).tobytes()
         key = (str(dtype), tuple(tensor.shape), raw)
         if key not in self._consts:
-            name = f"/const/{str(dtype).removeprefix('torch.')}_{len(self._consts)}"
+            name = f"{self._root._const_prefix}{str(dtype).removeprefix('torch.')}_{len(self._consts)}"
             self._consts[key] = name
             proto = TensorProto(name=name, data_type=TORCH_TO_ONNX[dtype], dims=list(tensor.shape), raw_data=raw)
             self._root.initializers.append(proto)

@@ -54,15 +54,27 @@ def test_the_genai_graph_is_the_fused_one_without_the_padding_inputs(onnx_varian
     assert all(len(node.input) <= genai_graph.POSITION_IDS for node in attention_nodes(genai))
     assert all(len(node.input) > genai_graph.ATTENTION_BIAS for node in attention_nodes(fused))
     # the same weights, read from the same file at the same offsets; the proto alone is new. The padding bias's
-    # constants are gone with it: every initializer left is read (onnxruntime warns at load about each one that is not)
+    # constants are gone with it: every initializer left is read (onnxruntime warns at load about each one that is
+    # not); the only new ones are the last-position selection's constants
     read = {name for node in genai.graph.node for name in node.input}
     fused_tensors = {t.name: list(t.external_data) for t in fused.graph.initializer}
-    assert {t.name: list(t.external_data) for t in genai.graph.initializer} == {
-        name: data for name, data in fused_tensors.items() if name in read
-    }
+    kept = {t.name: list(t.external_data) for t in genai.graph.initializer if t.name in fused_tensors}
+    assert kept == {name: data for name, data in fused_tensors.items() if name in read}
+    added = [t.name for t in genai.graph.initializer if t.name not in fused_tensors]
+    assert added and all(name.startswith(genai_graph.LAST_CONSTS) and name in read for name in added), added
     assert any(name not in read for name in fused_tensors)  # the bias's constants, dropped
-    assert len(genai.graph.node) < len(fused.graph.node)
     assert (folder / GENAI).stat().st_size < 2 * (folder / "model.onnx").stat().st_size
+    # the head on each row's last kept position alone: (B, 1, V) logits, as onnxruntime-genai reads them
+    (logits,) = (value for value in genai.graph.output if value.name == "logits")
+    assert [d.dim_value for d in logits.type.tensor_type.shape.dim][1] == 1
+    (pick,) = (node for node in genai.graph.node if node.op_type == "GatherElements")
+    assert pick.name.startswith(f"{genai_graph.HEAD_SCOPE}last_position/")
+    selection = f"{genai_graph.HEAD_SCOPE}last_position/"
+    head = [
+        n for n in genai.graph.node if n.name.startswith(genai_graph.HEAD_SCOPE) and not n.name.startswith(selection)
+    ]
+    read_by_head = {name for node in head for name in node.input}
+    assert pick.output[0] in read_by_head and pick.input[0] not in read_by_head  # every position's hidden: unread
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", *HYBRID_FAMILIES])
@@ -81,7 +93,9 @@ def test_the_genai_graph_gives_each_right_padded_row_its_own_result(family, thin
     ids, _ = parity_batch(96)
     whole = np.ones_like(ids)
     fused = OnnxDecoder(folder, provider="cpu")
-    np.testing.assert_allclose(genai.prefill(ids, whole)[0], fused.prefill(ids, whole)[0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(
+        genai.prefill(ids, whole)[0][:, 0], fused.prefill(ids, whole)[0][:, -1], atol=1e-5, rtol=0
+    )
 
 
 def test_onnx_decoder_refuses_a_left_padded_batch_on_the_genai_graph(onnx_variant):

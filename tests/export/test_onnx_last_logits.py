@@ -18,7 +18,6 @@ import torch
 
 from common.errors import ThinkerError
 from common.parity_inputs import parity_batch
-from export.decoder_graph import DecoderGraph
 from export.exporter import export_model
 from export.quantize import QuantizeSpec
 from export.quantized_verify import QualityGate
@@ -71,21 +70,32 @@ def test_all_positions_model_needs_the_selection(onnx_variant):
     assert len(full.graph.node) == len(every.graph.node)  # the every-position graph again, node for node
 
 
-def test_verify_fails_on_a_selection_that_takes_the_last_slot(thinker_variant, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("logits", "planted_in", "message"),
+    [
+        ("last", "export.decoder_graph", r"max \|Δlogit\|"),
+        ("all", "export.genai_graph", r"model.genai.onnx \(onnxruntime-genai's graph, rows padded on the right\)"),
+    ],
+    ids=["model.onnx", "model.genai.onnx"],
+)
+def test_verify_fails_on_a_selection_that_takes_the_last_slot(
+    logits, planted_in, message, thinker_variant, tmp_path, monkeypatch
+):
     """The builder's prune_lm_head takes the last slot: right for left-padded prompts and decode steps, a pad's
-    logits for a right-padded row. Verify's left-padded batch cannot see it; its right-padded prefill does."""
+    logits for a right-padded row. Verify's left-padded batch cannot see it; its right-padded prefill does, in a
+    --logits last model.onnx and in the genai graph every fused export writes (which selects the same way)."""
     folder = thinker_variant("qwen3", head_dim=16)
-    assert export_model(folder, tmp_path / "ok", logits="last", progress=False)["verify"]["passed"]
+    assert export_model(folder, tmp_path / "ok", logits=logits, progress=False)["verify"]["passed"]
 
-    def last_slot(self, hidden, input_ids, attention_mask):
-        return self.b.op("Gather", hidden, self.b.const([-1]), axis=1)
+    def last_slot(b, hidden, input_ids, attention_mask, hidden_size):
+        return b.op("Gather", hidden, b.const([-1]), axis=1)
 
-    monkeypatch.setattr(DecoderGraph, "emit_last_position", last_slot)
+    monkeypatch.setattr(f"{planted_in}.emit_last_position", last_slot)
     monkeypatch.setattr(
         "export.runtime.all_positions_model", lambda model: pytest.fail("not needed by a float export's verify")
     )
-    with pytest.raises(ThinkerError, match=r"max \|Δlogit\|"):
-        export_model(folder, tmp_path / "planted", logits="last", progress=False)
+    with pytest.raises(ThinkerError, match=message):
+        export_model(folder, tmp_path / "planted", logits=logits, progress=False)
     assert not (tmp_path / "planted").exists()
 
 
