@@ -145,9 +145,8 @@ def export_model(
                 threads,
                 progress,
             )
-        genai_graph = write_genai_graph(
-            files.model_path, config.hidden_size
-        )  # after the guard, which may rewrite model.onnx
+        # after the guard, which may rewrite model.onnx
+        genai_graph = write_genai_graph(files.model_path, config.hidden_size)
         copy_side_files(model_dir, final)
         generation_config = read_json(model_dir / "generation_config.json")
         genai = make_genai_config(

@@ -192,8 +192,9 @@ def generation_graph(folder: Path, provider: str) -> Path:
     CUDA (``provider`` "cuda", or "auto" where CUDA runs) the export's ``model.genai.onnx`` where it wrote one, else
     ``model.onnx``. That graph is the fused one without the padding bias (export/genai_graph.py), which takes
     GroupQueryAttention off its fastest CUDA path (an H200's profile: 2.1-2.4 against 0.75 ms a step at batch 8), and
-    gives rows without pads the same logits (``--verify`` checks it against PyTorch). On the CPU the bias costs
-    nothing measurable (0.985x against 0.996x the builder's decode), so the graph that takes any padding stays."""
+    gives rows without pads the same logits at each row's last position, the only one it puts through the head
+    (``--verify`` checks it against PyTorch). On the CPU the bias costs nothing measurable (0.985x against 0.996x the
+    builder's decode), so the graph that takes any padding, and scores every position, stays."""
     genai_graph = folder / GENAI_MODEL_FILE
     on_cuda = provider == "cuda" or (provider == "auto" and cuda_usable())
     return genai_graph if on_cuda and genai_graph.is_file() else folder / MODEL_FILE
