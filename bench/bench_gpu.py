@@ -8,7 +8,6 @@ Model: Qwen3-0.6B's shapes with random weights (bench/models.py), all 28 layers 
   ours-fp16          thinker export --dtype float16 (the default fused graph)
   ours-int4-fp16     ... --quantize int4 (int4 weights, float16 activations: MatMulNBits on CUDA)
   ours-int4-fp16-h4  ... --quantize-head int4 (the builder's head: all int4, no int8 rows)
-  ours-fp16-last     ... --logits last (the head on each row's last position: the prefill)
   builder-fp16-cuda  onnxruntime-genai 0.18's builder -p fp16 -e cuda
   builder-int4-cuda  ... -p int4 -e cuda
 Runtimes, each a fresh process per repetition, interleaved (bench/workers.py), batch 1 and 8, a --prompt token
@@ -54,18 +53,12 @@ from workers import Runtime, interleave_fresh, runtime_entry  # noqa: E402
 RESULTS = Path(__file__).with_name("results")
 GIB = 2**30
 
-# provider -> (float export, its builder peer, int4 export, its builder peer, the float export with --logits last,
-# the int4 export with the builder's all-int4 head)
+# provider -> (float export, its builder peer, int4 export, its builder peer, the int4 export with the builder's
+# all-int4 head). (A --logits last export is not among them: under onnxruntime-genai it runs the same
+# model.genai.onnx as the default one, which selects the last position itself.)
 EXPORTS = {
-    "cuda": (
-        "ours-fp16",
-        "builder-fp16-cuda",
-        "ours-int4-fp16",
-        "builder-int4-cuda",
-        "ours-fp16-last",
-        "ours-int4-fp16-h4",
-    ),
-    "cpu": ("ours-fused", "builder-fp32", "ours-int4", "builder-int4", "ours-fused-last", "ours-int4-h4"),
+    "cuda": ("ours-fp16", "builder-fp16-cuda", "ours-int4-fp16", "builder-int4-cuda", "ours-int4-fp16-h4"),
+    "cpu": ("ours-fused", "builder-fp32", "ours-int4", "builder-int4", "ours-int4-h4"),
 }
 # onnxruntime-genai's CUDA graph runs batch 1 only here: at batch 8 GroupQueryAttention stops the prompt of both
 # graphs ("batch_size must be 1 when sequence_length > 1 and past context is given", the first H200 session).
@@ -74,7 +67,7 @@ CUDA_GRAPH_BATCHES = (1,)
 
 def runtimes_for(provider: str, cuda_graph: bool) -> list[list[Runtime]]:
     """Groups loaded side by side; each runtime names the row it is compared with."""
-    ours, builder, ours_int4, builder_int4, ours_last, ours_int4_h4 = EXPORTS[provider]
+    ours, builder, ours_int4, builder_int4, ours_int4_h4 = EXPORTS[provider]
     device = ("--provider", provider)
     genai = f"onnxruntime-genai ({provider})"
 
@@ -84,7 +77,6 @@ def runtimes_for(provider: str, cuda_graph: bool) -> list[list[Runtime]]:
 
     float_group = [
         row(ours, "genai", genai, f"{builder} on {genai}"),
-        row(ours_last, "genai", genai, f"{builder} on {genai}"),
         row(builder, "genai", genai, None),
         row(ours, "thinker", f"onnxruntime ({provider})", f"{builder} on {genai}"),
     ]

@@ -9,7 +9,7 @@
   ours-int4-h4   ... --quantize-head int4                     (the head at 4 bits too, as the builder's)
   ours-int4-hqq  ... --algo hqq                               (fidelity only: onnxruntime's CPU kernel is slow)
   ours-int8      ... --quantize int8
-  ours-fp16      thinker export --graph fused --dtype float16 (bench_gpu.py; ours-fp16-last: with --logits last)
+  ours-fp16      thinker export --graph fused --dtype float16 (bench_gpu.py)
   ours-int4-fp16 ... --quantize int4, float16 activations (bench_gpu.py: the CUDA int4 graph)
   builder-fp32   python -m onnxruntime_genai.models.builder -p fp32 -e cpu   (its own environment)
   builder-int4   python -m onnxruntime_genai.models.builder -p int4 -e cpu   (its defaults: symmetric RTN, block 32,
@@ -53,7 +53,6 @@ OURS = {
     "ours-int4-hqq": ["--graph", "fused", "--quantize", "int4", "--algo", "hqq"],
     "ours-int8": ["--graph", "fused", "--quantize", "int8"],
     "ours-fp16": ["--graph", "fused", "--dtype", "float16"],
-    "ours-fp16-last": ["--graph", "fused", "--dtype", "float16", "--logits", "last"],
     "ours-int4-fp16": ["--graph", "fused", "--dtype", "float16", "--quantize", "int4"],
     "ours-int4-fp16-h4": ["--graph", "fused", "--dtype", "float16", "--quantize", "int4", "--quantize-head", "int4"],
 }

@@ -55,13 +55,13 @@ class GenaiGraph:
     positions: bool  # whether it still takes position_ids (a RotaryEmbedding before the attention reads them)
 
 
-def write_genai_graph(model_path: Path, hidden_size: int) -> GenaiGraph | None:
+def write_genai_graph(model_path: Path) -> GenaiGraph | None:
     """Writes ``model.genai.onnx`` beside the fused ``model_path`` (whose data file it shares) and checks it; None,
     and nothing written, where the graph has no padding bias to take out."""
     genai = right_padded_graph(onnx.load(model_path, load_external_data=False))
     if genai is None:
         return None
-    select_last_position(genai.graph, hidden_size)
+    select_last_position(genai.graph)
     path = model_path.with_name(GENAI_MODEL_FILE)
     onnx.save_model(genai, path)
     try:
@@ -147,7 +147,7 @@ def names_read(graph: onnx.GraphProto) -> set[str]:
     return {name for node in all_nodes(graph) for name in node.input}
 
 
-def select_last_position(graph: onnx.GraphProto, hidden_size: int) -> None:
+def select_last_position(graph: onnx.GraphProto) -> None:
     """Puts each row's last kept position alone through the head (the module docstring), unless the graph does
     already (``--logits last``): the selection's nodes go before the head's, which read the picked (B, 1, C) rows in
     place of the final hidden states, and ``logits`` becomes (B, 1, V)."""
@@ -166,7 +166,7 @@ def select_last_position(graph: onnx.GraphProto, hidden_size: int) -> None:
     (hidden,) = outer
     b = GraphBuilder(None, consts=LAST_CONSTS)
     with b.scope(HEAD_SCOPE.strip("/")), b.scope(LAST_POSITION_SCOPE):
-        picked = emit_last_position(b, hidden, "input_ids", "attention_mask", hidden_size)
+        picked = emit_last_position(b, hidden, "input_ids", "attention_mask")
     for node in head:
         node.input[:] = [picked if name == hidden else name for name in node.input]
     first = next(index for index, node in enumerate(graph.node) if node.name.startswith(HEAD_SCOPE))

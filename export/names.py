@@ -48,7 +48,7 @@ POSITIONS = ("multimodal", "text")
 # position of a "last" graph from its copy with the selection left out (export/runtime.py ``all_positions_model``).
 LOGITS = ("all", "last")
 DEFAULT_LOGITS = "all"
-# Where a "last" graph selects the position: lm_head/<this>/, ending in a GatherElements over the final hidden states.
+# Where a "last" graph selects the position: lm_head/<this>/, a GatherND over the final hidden states.
 LAST_POSITION_SCOPE = "last_position"
 
 # --quantize and its options (export/quantize.py).

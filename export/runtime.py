@@ -521,10 +521,15 @@ def all_positions_model(model: onnx.ModelProto) -> onnx.ModelProto:
     and ``logits`` is (B, T, V), as from ``--logits all``; every other node is the shipped graph's. The weights stay
     where the model's external data says (load the result with its folder named, as ``OnnxDecoder`` does)."""
     prefix = f"/lm_head/{LAST_POSITION_SCOPE}/"
-    picks = [node for node in model.graph.node if node.name.startswith(prefix) and node.op_type == "GatherElements"]
-    if len(picks) != 1:
-        raise ThinkerError(f"a --logits last graph without its {prefix}GatherElements; export the model again")
-    hidden, picked = picks[0].input[0], picks[0].output[0]
+    selection = [node for node in model.graph.node if node.name.startswith(prefix)]
+    picks = [node for node in selection if node.op_type == "GatherND"]
+    made = {name for node in selection for name in node.output}
+    read = {
+        name for node in model.graph.node if not node.name.startswith(prefix) for name in node.input if name in made
+    }
+    if len(picks) != 1 or len(read) != 1:
+        raise ThinkerError(f"a --logits last graph without its {prefix}GatherND; export the model again")
+    hidden, (picked,) = picks[0].input[0], read
     full = onnx.ModelProto()
     full.CopyFrom(model)
     del full.graph.node[:]

@@ -158,10 +158,11 @@ def right_padded(input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.
 
 
 def at_last_kept(logits: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-    """(B, V): each row of (B, T, V) ``logits`` at its last position the mask keeps (0 for a row that keeps none),
-    the position a ``--logits last`` graph picks."""
+    """(B, V): each row of (B, T, V) ``logits`` at its last position the mask keeps (the last for a row that keeps
+    none), the position a ``--logits last`` graph picks."""
     numbered = attention_mask * np.arange(1, attention_mask.shape[1] + 1)
-    return logits[np.arange(len(logits)), np.maximum(numbered.max(axis=1) - 1, 0)]
+    last = numbered.max(axis=1) - 1
+    return logits[np.arange(len(logits)), np.where(last < 0, attention_mask.shape[1] - 1, last)]
 
 
 def genai_graph_of(onnx_path: Path) -> Path | None:

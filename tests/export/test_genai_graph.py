@@ -67,14 +67,13 @@ def test_the_genai_graph_is_the_fused_one_without_the_padding_inputs(onnx_varian
     # the head on each row's last kept position alone: (B, 1, V) logits, as onnxruntime-genai reads them
     (logits,) = (value for value in genai.graph.output if value.name == "logits")
     assert [d.dim_value for d in logits.type.tensor_type.shape.dim][1] == 1
-    (pick,) = (node for node in genai.graph.node if node.op_type == "GatherElements")
-    assert pick.name.startswith(f"{genai_graph.HEAD_SCOPE}last_position/")
-    selection = f"{genai_graph.HEAD_SCOPE}last_position/"
-    head = [
-        n for n in genai.graph.node if n.name.startswith(genai_graph.HEAD_SCOPE) and not n.name.startswith(selection)
-    ]
+    selection_scope = f"{genai_graph.HEAD_SCOPE}last_position/"
+    selection = [node for node in genai.graph.node if node.name.startswith(selection_scope)]
+    (pick,) = (node for node in selection if node.op_type == "GatherND")
+    head = [n for n in genai.graph.node if n.name.startswith(genai_graph.HEAD_SCOPE) and n not in selection]
     read_by_head = {name for node in head for name in node.input}
-    assert pick.output[0] in read_by_head and pick.input[0] not in read_by_head  # every position's hidden: unread
+    assert read_by_head & {name for node in selection for name in node.output}  # the picked rows
+    assert pick.input[0] not in read_by_head  # every position's hidden state: read by the selection alone
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", *HYBRID_FAMILIES])

@@ -61,7 +61,7 @@ def test_last_logits_are_the_every_position_logits_at_each_rows_last_token(famil
 
 def test_all_positions_model_needs_the_selection(onnx_variant):
     every = onnx.load(onnx_variant("qwen3", graph="plain") / "model.onnx", load_external_data=False)
-    with pytest.raises(ThinkerError, match="without its /lm_head/last_position/GatherElements; export the model again"):
+    with pytest.raises(ThinkerError, match="without its /lm_head/last_position/GatherND; export the model again"):
         all_positions_model(every)
     last = onnx.load(onnx_variant("qwen3", graph="plain", logits="last") / "model.onnx", load_external_data=False)
     full = all_positions_model(last)
@@ -87,7 +87,7 @@ def test_verify_fails_on_a_selection_that_takes_the_last_slot(
     folder = thinker_variant("qwen3", head_dim=16)
     assert export_model(folder, tmp_path / "ok", logits=logits, progress=False)["verify"]["passed"]
 
-    def last_slot(b, hidden, input_ids, attention_mask, hidden_size):
+    def last_slot(b, hidden, input_ids, attention_mask):
         return b.op("Gather", hidden, b.const([-1]), axis=1)
 
     monkeypatch.setattr(f"{planted_in}.emit_last_position", last_slot)
