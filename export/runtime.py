@@ -193,8 +193,10 @@ def generation_graph(folder: Path, provider: str) -> Path:
     ``model.onnx``. That graph is the fused one without the padding bias (export/genai_graph.py), which takes
     GroupQueryAttention off its fastest CUDA path (an H200's profile: 2.1-2.4 against 0.75 ms a step at batch 8), and
     gives rows without pads the same logits at each row's last position, the only one it puts through the head
-    (``--verify`` checks it against PyTorch). On the CPU the bias costs nothing measurable (0.985x against 0.996x the
-    builder's decode), so the graph that takes any padding, and scores every position, stays."""
+    (``--verify`` checks it against PyTorch). On the CPU, under this runtime, it prefills 1.20x faster (the head on
+    one position) but decodes at 0.990x (0.979-1.004) of ``model.onnx`` (SmolLM2, bench/bench_graph_ab.py,
+    ``graph_ab_smollm2-ort-genai-graph-*.json``): past about 128 new tokens that loses more than the prefill gains,
+    so the graph that takes any padding, and scores every position, stays."""
     genai_graph = folder / GENAI_MODEL_FILE
     on_cuda = provider == "cuda" or (provider == "auto" and cuda_usable())
     return genai_graph if on_cuda and genai_graph.is_file() else folder / MODEL_FILE
