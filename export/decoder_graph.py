@@ -108,16 +108,26 @@ class RoutedStep:
     down: str | StandardExperts
 
 
-def emit_last_position(b: GraphBuilder, hidden: str, input_ids: str, attention_mask: str) -> str:
+def emit_last_position(b: GraphBuilder, hidden: str, input_ids: str, attention_mask: str, dtype: torch.dtype) -> str:
     """(B, 1, C): each row's hidden state at its last kept new position, the one a next token is sampled from.
     That is the last slot for a left-padded prompt and every decode step, and the last real token of a right-padded
     one (onnxruntime-genai pads a batch of unequal prompts on the right); a row that keeps no new position (no
     logits worth reading) takes its last slot. The mask, not the last slot, decides: a right-padded row's last slot
-    is a pad. (``--logits last``'s graph, and every onnxruntime-genai graph: export/genai_graph.py.) Six nodes, as
-    every decode step runs them: 13 in an earlier form cost 0.8 % of a SmolLM2 step under onnxruntime-genai."""
+    is a pad. (``--logits last``'s graph, and every onnxruntime-genai graph: export/genai_graph.py.)
+
+    Every decode step runs it, so it is written per provider, in the fewest nodes each runs on its device. A
+    float32 graph (the CPU's): ArgMax with ``select_last_index``, six nodes (an earlier 13-node form cost 0.8 % of a
+    SmolLM2 step under onnxruntime-genai, this one nothing measurable). A half graph (CUDA's, whose ArgMax takes no
+    int64: onnxruntime's operator table) numbers the kept positions and takes the largest, in int64 operators CUDA
+    runs, so that no node falls back to the CPU (a copy each way per step, and no CUDA graph capture)."""
     seq = b.op("Shape", input_ids, start=1, end=2)  # (1,): T
     new = b.op("Slice", attention_mask, b.op("Neg", seq), b.const([torch.iinfo(torch.int64).max]), b.const([1]))
-    index = b.op("ArgMax", new, axis=1, keepdims=1, select_last_index=1)  # (B, 1): the last 1, else the last slot
+    if dtype == torch.float32:
+        index = b.op("ArgMax", new, axis=1, keepdims=1, select_last_index=1)  # (B, 1): the last 1, else the last slot
+    else:
+        numbers = b.op("Range", b.const(1), b.op("Add", b.op("Squeeze", seq, b.const([0])), b.const(1)), b.const(1))
+        last = b.op("ReduceMax", b.op("Mul", new, numbers), b.const([1]), keepdims=1)  # (B, 1): 1 + its index
+        index = b.op("Sub", last, b.const(1))  # -1 where none is kept: GatherND's last slot
     return b.op("Unsqueeze", b.op("GatherND", hidden, index, batch_dims=1), b.const([1]))
 
 
@@ -192,7 +202,7 @@ class DecoderGraph:
         with b.scope("lm_head"):
             if self.last_logits_only:
                 with b.scope(LAST_POSITION_SCOPE):
-                    hidden = emit_last_position(b, hidden, "input_ids", "attention_mask")
+                    hidden = emit_last_position(b, hidden, "input_ids", "attention_mask", self.dtype)
             self.emit_lm_head(hidden, "logits")
         return b.make_graph("thinker_decoder", self.graph_inputs(), self.graph_outputs())
 

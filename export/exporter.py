@@ -146,7 +146,7 @@ def export_model(
                 progress,
             )
         # after the guard, which may rewrite model.onnx
-        genai_graph = write_genai_graph(files.model_path)
+        genai_graph = write_genai_graph(files.model_path, graph_dtype)
         copy_side_files(model_dir, final)
         generation_config = read_json(model_dir / "generation_config.json")
         genai = make_genai_config(

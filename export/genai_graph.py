@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
+import torch
 from onnx import TensorProto, helper
 
 from .decoder_graph import emit_last_position
@@ -55,13 +56,14 @@ class GenaiGraph:
     positions: bool  # whether it still takes position_ids (a RotaryEmbedding before the attention reads them)
 
 
-def write_genai_graph(model_path: Path) -> GenaiGraph | None:
+def write_genai_graph(model_path: Path, dtype: torch.dtype) -> GenaiGraph | None:
     """Writes ``model.genai.onnx`` beside the fused ``model_path`` (whose data file it shares) and checks it; None,
-    and nothing written, where the graph has no padding bias to take out."""
+    and nothing written, where the graph has no padding bias to take out. ``dtype``: the graph's (the selection's
+    form follows it: export/decoder_graph.py ``emit_last_position``)."""
     genai = right_padded_graph(onnx.load(model_path, load_external_data=False))
     if genai is None:
         return None
-    select_last_position(genai.graph)
+    select_last_position(genai.graph, dtype)
     path = model_path.with_name(GENAI_MODEL_FILE)
     onnx.save_model(genai, path)
     try:
@@ -147,7 +149,7 @@ def names_read(graph: onnx.GraphProto) -> set[str]:
     return {name for node in all_nodes(graph) for name in node.input}
 
 
-def select_last_position(graph: onnx.GraphProto) -> None:
+def select_last_position(graph: onnx.GraphProto, dtype: torch.dtype) -> None:
     """Puts each row's last kept position alone through the head (the module docstring), unless the graph does
     already (``--logits last``): the selection's nodes go before the head's, which read the picked (B, 1, C) rows in
     place of the final hidden states, and ``logits`` becomes (B, 1, V)."""
@@ -166,7 +168,7 @@ def select_last_position(graph: onnx.GraphProto) -> None:
     (hidden,) = outer
     b = GraphBuilder(None, consts=LAST_CONSTS)
     with b.scope(HEAD_SCOPE.strip("/")), b.scope(LAST_POSITION_SCOPE):
-        picked = emit_last_position(b, hidden, "input_ids", "attention_mask")
+        picked = emit_last_position(b, hidden, "input_ids", "attention_mask", dtype)
     for node in head:
         node.input[:] = [picked if name == hidden else name for name in node.input]
     first = next(index for index, node in enumerate(graph.node) if node.name.startswith(HEAD_SCOPE))

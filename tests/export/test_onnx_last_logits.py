@@ -87,7 +87,7 @@ def test_verify_fails_on_a_selection_that_takes_the_last_slot(
     folder = thinker_variant("qwen3", head_dim=16)
     assert export_model(folder, tmp_path / "ok", logits=logits, progress=False)["verify"]["passed"]
 
-    def last_slot(b, hidden, input_ids, attention_mask):
+    def last_slot(b, hidden, input_ids, attention_mask, dtype):
         return b.op("Gather", hidden, b.const([-1]), axis=1)
 
     monkeypatch.setattr(f"{planted_in}.emit_last_position", last_slot)
@@ -164,3 +164,64 @@ def test_a_graph_without_logits_is_refused_by_name(tmp_path):
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10), tmp_path / "m.onnx")
     with pytest.raises(ThinkerError, match=r"m\.onnx: no logits output; export the model with `thinker export`"):
         OnnxDecoder(tmp_path / "m.onnx", provider="cpu")
+
+
+# What onnxruntime's CUDA provider runs in int64 (its operator table, docs/OperatorKernels.md) among the selection's
+# operators: a half graph's selection uses no other, so no node of it falls back to the CPU on CUDA.
+CUDA_INT64_OPS = {
+    "Shape",
+    "Neg",
+    "Slice",
+    "Squeeze",
+    "Add",
+    "Range",
+    "Mul",
+    "ReduceMax",
+    "Sub",
+    "GatherND",
+    "Unsqueeze",
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+def test_last_position_forms_pick_each_rows_last_kept_position(dtype):
+    """``emit_last_position`` alone: a left-padded row, a right-padded one, a full one and one that keeps nothing
+    (its last slot), after two cached slots; then a decode step (one new slot). Both forms (float32: ArgMax; half:
+    int64 operators CUDA runs) pick the same rows."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from export.decoder_graph import emit_last_position
+    from export.graph_builder import TORCH_TO_ONNX, GraphBuilder
+
+    b = GraphBuilder(None)
+    picked = emit_last_position(b, "hidden", "input_ids", "attention_mask", dtype)
+    ops = {node.op_type for node in b.nodes}
+    assert ("ArgMax" in ops) == (dtype == torch.float32)
+    assert dtype == torch.float32 or ops <= CUDA_INT64_OPS, ops
+    b.op_to("Identity", [picked], ["picked"])
+    element = TORCH_TO_ONNX[dtype]
+    graph = b.make_graph(
+        "selection",
+        [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["B", "T"]),
+            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["B", "S"]),
+            helper.make_tensor_value_info("hidden", element, ["B", "T", 3]),
+        ],
+        [helper.make_tensor_value_info("picked", element, ["B", 1, 3])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    numpy_type = np.float32 if dtype == torch.float32 else np.float16
+    cases = [
+        (np.array([[1, 1, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0, 0]]), 5),
+        (np.array([[1, 1, 1, 0, 0, 1], [1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 1]]), 1),
+    ]
+    for mask, steps in cases:
+        hidden = np.arange(4 * steps * 3).reshape(4, steps, 3).astype(numpy_type)
+        new = mask[:, -steps:]
+        kept = np.where(new.any(axis=1), steps - 1 - np.argmax(new[:, ::-1], axis=1), steps - 1)
+        (actual,) = session.run(
+            None, {"input_ids": np.zeros((4, steps), np.int64), "attention_mask": mask, "hidden": hidden}
+        )
+        np.testing.assert_array_equal(actual[:, 0], hidden[np.arange(4), kept])
