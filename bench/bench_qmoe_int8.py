@@ -160,10 +160,7 @@ def main() -> None:
             sessions[name] = ort.InferenceSession(
                 model.SerializeToString(), options, providers=["CPUExecutionProvider"]
             )
-    results = time_layouts(sessions, ROWS, h, args.reps, args.gap, function=lambda out, x: out - x)
-    per_layer = f"{e} experts of {h} x {i} (SwiGLU), top {args.top_k}"
-    title = f"{args.layers} MoE layers of {per_layer}, {args.threads} threads, median of {args.reps} interleaved runs"
-    report_layouts(results, "QMoE 8-bit, a scale per row", title, args.out / RESULTS.name, settings(args))
+    time_and_report(args, sessions, f"{args.threads} threads", args.out / RESULTS.name)
 
 
 def cuda_layouts(args: argparse.Namespace, layers: list[dict]) -> None:
@@ -183,15 +180,17 @@ def cuda_layouts(args: argparse.Namespace, layers: list[dict]) -> None:
     for name, session in sessions.items():
         if session.get_providers()[0] != providers[0]:
             raise SystemExit(f"{name}: onnxruntime started no CUDA session here ({session.get_providers()})")
-    results = time_layouts(sessions, ROWS, args.hidden, args.reps, args.gap, lambda out, x: out - x, dtype=np.float16)
+    time_and_report(args, sessions, "CUDA, float16", args.out / RESULTS.name.replace(".json", "-cuda.json"), np.float16)
+
+
+def time_and_report(args: argparse.Namespace, sessions: dict, where: str, path: Path, dtype: type = np.float32) -> None:
+    """Times the chains' sessions (layout_timing.py; the error on each chain's MoE terms, without the residual),
+    prints the table against the row-wise 8-bit layout and writes it with the settings to ``path``."""
+    results = time_layouts(sessions, ROWS, args.hidden, args.reps, args.gap, lambda out, x: out - x, dtype=dtype)
     per_layer = f"{args.experts} experts of {args.hidden} x {args.inner} (SwiGLU), top {args.top_k}"
-    title = f"{args.layers} MoE layers of {per_layer}, CUDA, float16, median of {args.reps} interleaved runs"
-    path = args.out / RESULTS.name.replace(".json", "-cuda.json")
-    report_layouts(results, "QMoE 8-bit, a scale per row", title, path, settings(args))
-
-
-def settings(args: argparse.Namespace) -> dict:
-    return {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+    title = f"{args.layers} MoE layers of {per_layer}, {where}, median of {args.reps} interleaved runs"
+    settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+    report_layouts(results, "QMoE 8-bit, a scale per row", title, path, settings)
 
 
 if __name__ == "__main__":

@@ -193,6 +193,7 @@ def test_last_position_forms_pick_each_rows_last_kept_position(dtype):
 
     from export.decoder_graph import emit_last_position
     from export.graph_builder import TORCH_TO_ONNX, GraphBuilder
+    from export.verify import at_last_kept
 
     b = GraphBuilder(None)
     picked = emit_last_position(b, "hidden", "input_ids", "attention_mask", dtype)
@@ -219,9 +220,7 @@ def test_last_position_forms_pick_each_rows_last_kept_position(dtype):
     ]
     for mask, steps in cases:
         hidden = np.arange(4 * steps * 3).reshape(4, steps, 3).astype(numpy_type)
-        new = mask[:, -steps:]
-        kept = np.where(new.any(axis=1), steps - 1 - np.argmax(new[:, ::-1], axis=1), steps - 1)
         (actual,) = session.run(
             None, {"input_ids": np.zeros((4, steps), np.int64), "attention_mask": mask, "hidden": hidden}
         )
-        np.testing.assert_array_equal(actual[:, 0], hidden[np.arange(4), kept])
+        np.testing.assert_array_equal(actual[:, 0], at_last_kept(hidden, mask[:, -steps:]))  # verify's rule
