@@ -35,6 +35,11 @@ the same steps, and the token check is off.
 
     python bench/bench_graph_ab.py BUILDER OURS --runtime genai --batch 8 --reps 6 --tag smollm2-genai-b8
 
+``--runtime session`` is plain onnxruntime without OnnxDecoder: one bare ``InferenceSession`` per folder, numpy feeds,
+the KV cache handed back each step (bench_fast's onnxruntime harness), so the builder's folders take part too:
+
+    python bench/bench_graph_ab.py BUILDER OURS --runtime session --prefill --prompt 128 --steps 12 --tag TAG
+
 Writes bench/results/graph_ab_<tag>.json and prints a table.
 """
 
@@ -64,11 +69,14 @@ def repetition(folders: list[Path], args: argparse.Namespace) -> dict[str, float
     ids = np.random.default_rng(0).integers(100, 5000, size=(args.batch, args.prompt))
     if args.runtime == "genai":
         return genai_repetition(folders, ids, args)
+    if args.runtime == "session":
+        return session_repetition(folders, ids, args)
     from export.runtime import OnnxDecoder
 
     decoders = [OnnxDecoder(folder, provider="cpu", threads=args.threads) for folder in folders]
     if args.prefill:
-        return timed_prefills(decoders, folders, ids, args)
+        mask = np.ones_like(ids)
+        return timed_prefills([lambda d=d: d.prefill(ids, mask)[0][:, -1] for d in decoders], folders, args)
     logits, states = [None] * len(decoders), [None] * len(decoders)
 
     def start() -> None:
@@ -78,6 +86,31 @@ def repetition(folders: list[Path], args: argparse.Namespace) -> dict[str, float
 
     def step(k: int, token: np.ndarray) -> None:
         logits[k] = decoders[k].decode_one_token(token, states[k])
+
+    return decode_rounds(folders, args, start, step, lambda k: logits[k].argmax(-1))
+
+
+def session_repetition(folders: list[Path], ids: np.ndarray, args: argparse.Namespace) -> dict[str, float]:
+    """``repetition`` under plain onnxruntime with no runtime of ours: one bare InferenceSession per folder, numpy
+    feeds and fetches, the KV cache handed back each step (bench/decode_worker.py's OrtBackend, bench_fast's
+    onnxruntime rows), so any exporter's folder takes part: the builder's against ours, under onnxruntime."""
+    from decode_worker import OrtBackend
+
+    backends = [OrtBackend(folder, threads=args.threads) for folder in folders]
+    mask = np.ones_like(ids)
+    if args.prefill:
+        prefills = [lambda b=b: b.forward(ids, mask, b.cache(len(ids), 0))[0] for b in backends]
+        return timed_prefills(prefills, folders, args)
+    logits, caches, masks = [None] * len(backends), [None] * len(backends), [mask] * len(backends)
+
+    def start() -> None:
+        for k, backend in enumerate(backends):
+            logits[k], caches[k] = backend.forward(ids, mask, backend.cache(len(ids), 0))
+            masks[k] = mask
+
+    def step(k: int, token: np.ndarray) -> None:
+        masks[k] = np.ones((len(ids), masks[k].shape[1] + 1), np.int64)
+        logits[k], caches[k] = backends[k].forward(token[:, None].astype(np.int64), masks[k], caches[k])
 
     return decode_rounds(folders, args, start, step, lambda k: logits[k].argmax(-1))
 
@@ -137,17 +170,20 @@ def decode_rounds(
     return {str(folder): float(np.median(row)) for folder, row in zip(folders, times, strict=True)}
 
 
-def timed_prefills(decoders: list, folders: list[Path], ids: np.ndarray, args: argparse.Namespace) -> dict[str, float]:
-    """``repetition`` for prefills: rounds of one whole prefill per folder, shuffled; median seconds per folder."""
-    times = np.zeros((len(decoders), args.steps))
+def timed_prefills(
+    prefills: list[Callable[[], np.ndarray]], folders: list[Path], args: argparse.Namespace
+) -> dict[str, float]:
+    """``repetition`` for prefills: rounds of one whole prefill per folder (``prefills[k]()`` runs folder k's and
+    returns its last position's logits), shuffled; median seconds per folder."""
+    times = np.zeros((len(prefills), args.steps))
     for step in range(args.steps):
         tokens = {}
-        for k in np.random.default_rng(step).permutation(len(decoders)):
+        for k in np.random.default_rng(step).permutation(len(prefills)):
             time.sleep(args.gap)
             started = time.perf_counter()
-            logits, _ = decoders[k].prefill(ids, np.ones_like(ids))
+            logits = prefills[k]()
             times[k, step] = time.perf_counter() - started
-            tokens[k] = logits[:, -1].argmax(-1)
+            tokens[k] = logits.argmax(-1)
         if any(not np.array_equal(t, tokens[0]) for t in tokens.values()):
             raise SystemExit(f"the folders' next tokens differ at round {step}: not one function")
     return {str(folder): float(np.median(row)) for folder, row in zip(folders, times, strict=True)}
@@ -164,12 +200,16 @@ def main() -> None:
     parser.add_argument("--gap", type=float, default=0.15, help="seconds of pause before each step")
     parser.add_argument("--prefill", action="store_true", help="time prefills of --prompt tokens, not decode steps")
     parser.add_argument("--batch", type=int, default=1, help="rows of the prompt")
-    runtimes = {"ort": "onnxruntime through OnnxDecoder", "genai": "onnxruntime-genai"}
+    runtimes = {
+        "ort": "onnxruntime through OnnxDecoder",
+        "session": "a bare onnxruntime session (any exporter's folder)",
+        "genai": "onnxruntime-genai",
+    }
     parser.add_argument("--runtime", choices=list(runtimes), default="ort", help=", or ".join(runtimes.values()))
     parser.add_argument(
         "--own-tokens",
         action="store_true",
-        help="genai: folders of different functions (two quantizations), each decoding its own greedy tokens",
+        help="folders of different functions (two quantizations), each decoding its own greedy tokens",
     )
     parser.add_argument("--tag", help="names the results file (required unless --worker)")
     parser.add_argument("--report", action="store_true", help="print --tag's table from its results file, no run")
@@ -184,9 +224,9 @@ def main() -> None:
     if len(args.folders) < 2 or not args.tag:
         parser.error("give at least two folders and --tag")
     if args.runtime == "genai" and args.prefill:
-        parser.error("--prefill times OnnxDecoder prefills: not with --runtime genai")
-    if args.own_tokens and args.runtime != "genai":
-        parser.error("--own-tokens is for --runtime genai")
+        parser.error("--prefill times whole prefills under onnxruntime (--runtime ort or session): not genai")
+    if args.own_tokens and args.runtime == "ort":
+        parser.error("--own-tokens is for --runtime genai or session")
 
     folders = [str(folder.resolve()) for folder in args.folders]
     settings = ["--steps", args.steps, "--prompt", args.prompt, "--restart", args.restart]
