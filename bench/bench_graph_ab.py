@@ -62,11 +62,12 @@ from peer_envs import python_of  # noqa: E402
 from report import median_interval, ratio_interval, table  # noqa: E402
 
 RESULTS = Path(__file__).with_name("results")
+PROMPT_IDS = (100, 5000)  # the random prompt's ids: ordinary tokens of any real vocabulary
 
 
 def repetition(folders: list[Path], args: argparse.Namespace) -> dict[str, float]:
     """One process's run: every folder loaded in the given order; median decode step (s) per folder."""
-    ids = np.random.default_rng(0).integers(100, 5000, size=(args.batch, args.prompt))
+    ids = np.random.default_rng(0).integers(*PROMPT_IDS, size=(args.batch, args.prompt))
     if args.runtime == "genai":
         return genai_repetition(folders, ids, args)
     if args.runtime == "session":

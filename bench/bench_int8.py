@@ -10,8 +10,11 @@ gathered from, the accuracy guard) beside ``builder -p int8 -e cpu`` (its own de
             continuation equal the float model's (bench_quantize.py's measures);
   speed     decode steps in one onnxruntime-genai process, the two folders taking turns, every repetition a fresh
             process with the load order rotated (bench_graph_ab.py --runtime genai --own-tokens), batch 1 and 8.
-The exports are each tool's own under ~/.cache/thinker-bench (bench/exports.py; ours made afresh each run). Writes
-bench/results/int8.json (the speed repetitions in graph_ab_smollm2-genai-int8-b1.json / -b8.json).
+The exports are each tool's own under ~/.cache/thinker-bench (bench/exports.py; ours made afresh each run). A third
+row, fidelity and size only, is ours with the float embedding table in place of the gather from the int8 head
+(bench/variant_float_embedding.py: the one way the two int8 folders differ in their bytes), which answers where
+their fidelity differs. Writes bench/results/int8.json (the speed repetitions in graph_ab_smollm2-genai-int8-b1.json
+/ -b8.json).
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 import exports as exp  # noqa: E402
 import models  # noqa: E402
 from bench_quantize import export_variant, fidelity  # noqa: E402
+from variant_float_embedding import float_embedding_copy  # noqa: E402
 
 RESULTS = Path(__file__).with_name("results")
 BATCHES = (1, 8)
+FLOAT_EMBEDDING = "ours-int8, float embedding"
 
 
 def speed(builder: Path, ours: Path, batch: int, args) -> dict:
@@ -53,7 +58,8 @@ def main() -> None:
     if builder.error:
         raise SystemExit(f"the builder's int8 export failed: {builder.error}")
     ours, _ = export_variant("int8", model, fresh=True)  # today's code (the builder's export is cached)
-    folders = {"ours-int8": ours, "builder-int8": builder.folder}
+    float_embedding = float_embedding_copy(ours)
+    folders = {"ours-int8": ours, "builder-int8": builder.folder, FLOAT_EMBEDDING: float_embedding}
     result = {
         "command": "python bench/bench_int8.py " + " ".join(sys.argv[1:]),
         "model": model.name,
@@ -72,11 +78,14 @@ def markdown(result: dict) -> str:
         + "".join(f" decode b{b}: step (ms), vs builder |" for b in BATCHES),
         "|---|---|---|---|---|" + "---|" * len(BATCHES),
     ]
-    for name in ("ours-int8", "builder-int8"):
+    for name in ("ours-int8", "builder-int8", FLOAT_EMBEDDING):
         fig = result["fidelity"]["graphs"][name]
         cells = [f"{fig['top1_agreement']:.1%}", f"{fig['perplexity_change']:+.1%}", str(fig["greedy_equal_to_float"])]
         cells.append(f"{result['model_bytes'][name] / 1e6:.1f}")
         for batch in BATCHES:
+            if name == FLOAT_EMBEDDING:  # not timed: the same graph but for one Gather of a row per token
+                cells.append("—")
+                continue
             row = result["speed"][f"batch{batch}"]["ours" if name == "ours-int8" else "builder"]
             value, low, high = row["speed_vs_first_by_cycle"]
             cells.append(f"{row['median_step_ms']:.1f}, {value:.3f}x ({low:.3f}–{high:.3f})")

@@ -101,3 +101,13 @@ def test_bench_hybrid_keeps_the_models_a_run_did_not_measure(tmp_path):
     assert merged[0] == old_settings | {"name": "dense", "x": 1}
     assert merged[1] == fresh
     assert bench_hybrid.merged_models(tmp_path / "none.json", [fresh]) == [fresh]
+
+
+def test_pooled_top1_weighs_each_text_by_its_predictions():
+    """bench_quant_texts: the pooled figure is agreement over all predictions, not the mean of the texts' figures."""
+    import bench_quant_texts
+
+    texts = {"short": {"tokens": 11, "top1_agreement": 0.5}, "long": {"tokens": 31, "top1_agreement": 0.9}}
+    pooled = bench_quant_texts.pooled_top1(texts)
+    assert pooled["pooled_predictions"] == 40
+    assert pooled["pooled_top1_agreement"] == pytest.approx((5 + 27) / 40)  # not (0.5 + 0.9) / 2
