@@ -6,7 +6,7 @@ is 0.44 points and a near tie that flips moves the figure by that much; bench_qu
 text (496 tokens) but runs the dequantized weights in PyTorch with float activations, not the graphs. This runs the
 graphs themselves (onnxruntime, each folder's model.onnx, the accuracy level it was written with) over both texts,
 teacher forced, against the float PyTorch Thinker: top-1 agreement, perplexity change and the mean KL divergence of
-the next-token distributions per text, and top-1 over the two texts pooled (722 predictions).
+the next-token distributions per text, and top-1 over the two texts pooled (721 predictions).
 
 Folders: ``thinker export --quantize int4`` (the default: the mixed head) and its ``--quantize-head int4`` /
 ``int8`` variants (bench_quantize.py's, made afresh unless ``--reuse-exports``), the builder's ``-p int4 -e cpu``;
