@@ -11,9 +11,9 @@ gathered from, the accuracy guard) beside ``builder -p int8 -e cpu`` (its own de
   speed     decode steps in one onnxruntime-genai process, the two folders taking turns, every repetition a fresh
             process with the load order rotated (bench_graph_ab.py --runtime genai --own-tokens), batch 1 and 8.
 The exports are each tool's own under ~/.cache/thinker-bench (bench/exports.py; ours made afresh each run). A third
-row, fidelity and size only, is ours with the float embedding table in place of the gather from the int8 head
-(bench/variant_float_embedding.py: the one way the two int8 folders differ in their bytes), which answers where
-their fidelity differs. Writes bench/results/int8.json (the speed repetitions in graph_ab_smollm2-genai-int8-b1.json
+row, fidelity and size only, is ours with ``--embedding float`` (the float table beside the int8 head instead of the
+gather from it: the one way the two int8 folders differ in their bytes), which answers where their fidelity
+differs. Writes bench/results/int8.json (the speed repetitions in graph_ab_smollm2-genai-int8-b1.json
 / -b8.json).
 """
 
@@ -31,11 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 import exports as exp  # noqa: E402
 import models  # noqa: E402
 from bench_quantize import export_variant, fidelity  # noqa: E402
-from variant_float_embedding import float_embedding_copy  # noqa: E402
 
 RESULTS = Path(__file__).with_name("results")
 BATCHES = (1, 8)
-FLOAT_EMBEDDING = "ours-int8, float embedding"
+FLOAT_EMBEDDING = "ours-int8 --embedding float"
 
 
 def speed(builder: Path, ours: Path, batch: int, args) -> dict:
@@ -58,7 +57,7 @@ def main() -> None:
     if builder.error:
         raise SystemExit(f"the builder's int8 export failed: {builder.error}")
     ours, _ = export_variant("int8", model, fresh=True)  # today's code (the builder's export is cached)
-    float_embedding = float_embedding_copy(ours)
+    float_embedding, _ = export_variant("int8-femb", model, fresh=True)
     folders = {"ours-int8": ours, "builder-int8": builder.folder, FLOAT_EMBEDDING: float_embedding}
     result = {
         "command": "python bench/bench_int8.py " + " ".join(sys.argv[1:]),

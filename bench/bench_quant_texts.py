@@ -10,9 +10,9 @@ the next-token distributions per text, and top-1 over the two texts pooled (721 
 
 Folders: ``thinker export --quantize int4`` (the default: the mixed head) and its ``--quantize-head int4`` /
 ``int8`` variants (bench_quantize.py's, made afresh unless ``--reuse-exports``), the builder's ``-p int4 -e cpu``;
-the same for int8 (ours and ``-p int8``); and the int4 and int8 defaults again with the tied embedding looked up in
-the float table instead of gathered from the quantized head (bench/variant_float_embedding.py), which is how the
-builder's int8 differs from ours.
+the same for int8 (ours and ``-p int8``); and the int4 and int8 defaults again with ``--embedding float`` (the tied
+embedding looked up in the float table instead of gathered from the quantized head), which is how the builder's
+int8 differs from ours.
 
     python bench/bench_quant_texts.py [--reuse-exports]
 
@@ -35,11 +35,9 @@ import exports as exp  # noqa: E402
 import models  # noqa: E402
 from bench_quant_methods import TEXTS  # noqa: E402
 from bench_quantize import export_variant  # noqa: E402
-from variant_float_embedding import float_embedding_copy  # noqa: E402
 
 RESULTS = Path(__file__).with_name("results")
-OURS = ("int4", "int4-h4", "int4-h8", "int8")  # bench_quantize.py's variants
-FLOAT_EMBEDDING = ("int4", "int8")  # judged again with the float table (bench/variant_float_embedding.py)
+OURS = ("int4", "int4-h4", "int4-h8", "int4-femb", "int8", "int8-femb")  # bench_quantize.py's variants
 BUILDERS = ("builder-int4", "builder-int8")
 
 
@@ -82,8 +80,6 @@ def main() -> None:
 
     model = models.smollm2()
     folders = {name: export_variant(name, model, fresh=not args.reuse_exports)[0] for name in OURS}
-    for name in FLOAT_EMBEDDING:
-        folders[f"{name}, float embedding"] = float_embedding_copy(folders[name])
     for name in BUILDERS:
         built = exp.run_export(name, model, threads=2, fresh=False)
         if built.error:

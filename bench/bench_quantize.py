@@ -56,6 +56,8 @@ VARIANTS = {
     "int4-hqq-h4": ["--quantize", "int4", "--algo", "hqq", "--quantize-head", "int4"],
     "int8": ["--quantize", "int8"],
     "int8-acc1": ["--quantize", "int8", "--accuracy-level", "1"],
+    "int8-femb": ["--quantize", "int8", "--embedding", "float"],  # the builder's int8 layout: a float table
+    "int4-femb": ["--quantize", "int4", "--embedding", "float"],
 }
 FLIP_PAIRS = {"int4": "int4-acc1", "int8": "int8-acc1"}
 

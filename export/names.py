@@ -57,6 +57,10 @@ BITS = {"int4": 4, "int8": 8}
 # rows at int8 and the rest at int4 (export/quantize.py, ``SplitProjection``).
 HEAD_PRECISIONS = (*BITS, "mixed")
 DEFAULT_HEAD_INT8_ROWS = 8192
+# --embedding: a tied embedding under --quantize, gathered from the quantized head's own tensors (stored once), or
+# the float table beside the quantized head (its bytes more in the files; the builder's int8 layout, whose
+# fidelity on SmolLM2 it gives to the last digit: README, "int8 against the builder's int8").
+EMBEDDINGS = ("quantized", "float")
 ALGORITHMS = ("rtn", "rtn-asym", "hqq")
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 ACCURACY_LEVELS = (0, 1, 4)

@@ -70,6 +70,7 @@ from .names import (
     BLOCK_SIZES,
     DEFAULT_ACCURACY_LEVEL,
     DEFAULT_HEAD_INT8_ROWS,
+    EMBEDDINGS,
     HEAD_PRECISIONS,
 )
 
@@ -97,7 +98,8 @@ class QuantizeSpec:
     ``accuracy_level`` MatMulNBits' compute type for the activations (0: as the graph, 1: float32, 4: int8,
     onnxruntime's fastest CPU kernels and its model builder's CPU default); ``head_bits`` the head's bits when
     they differ from the body's (rtn); ``head_int8_rows`` a mixed head's rows at 8 bits (the first ones), the rest at
-    ``bits`` (rtn)."""
+    ``bits`` (rtn); ``float_embedding`` a tied embedding kept as the float table beside the quantized head instead of
+    gathered from the head's tensors (the builder's int8 layout)."""
 
     bits: int = 4
     block_size: int = 32
@@ -105,6 +107,7 @@ class QuantizeSpec:
     accuracy_level: int = 4
     head_bits: int | None = None
     head_int8_rows: int = 0
+    float_embedding: bool = False
 
     @classmethod
     def parse(
@@ -116,10 +119,12 @@ class QuantizeSpec:
         head: str | None = None,
         head_int8_rows: int | None = None,
         dtype: str = "float32",
+        embedding: str = "quantized",
     ) -> QuantizeSpec:
         """From the CLI's words: ``quantize`` int4 / int8, ``head`` int4 / int8 / mixed (None: DEFAULT_HEAD's
         choice), ``head_int8_rows`` a mixed head's int8 rows (None: ``DEFAULT_HEAD_INT8_ROWS``),
-        ``accuracy_level`` None: the graph ``dtype``'s (``DEFAULT_ACCURACY_LEVEL``)."""
+        ``accuracy_level`` None: the graph ``dtype``'s (``DEFAULT_ACCURACY_LEVEL``), ``embedding`` a tied
+        embedding's table, quantized (gathered from the head's) or float."""
         if accuracy_level is None:
             accuracy_level = DEFAULT_ACCURACY_LEVEL.get(dtype, 0)
         if quantize not in BITS:
@@ -143,10 +148,13 @@ class QuantizeSpec:
             raise ThinkerError(f"--block-size {block_size}: expected one of {', '.join(map(str, BLOCK_SIZES))}")
         if accuracy_level not in ACCURACY_LEVELS:
             raise ThinkerError(f"--accuracy-level {accuracy_level}: expected one of {ACCURACY_LEVELS}")
+        if embedding not in EMBEDDINGS:
+            raise ThinkerError(f"--embedding {embedding}: expected one of {', '.join(EMBEDDINGS)}")
+        float_embedding = embedding == "float"
         if head == "mixed":
-            return cls(BITS[quantize], block_size, algo, accuracy_level, head_int8_rows=rows)
+            return cls(BITS[quantize], block_size, algo, accuracy_level, 0, rows, float_embedding)
         head_bits = BITS[head] if head != quantize else None
-        return cls(BITS[quantize], block_size, algo, accuracy_level, head_bits)
+        return cls(BITS[quantize], block_size, algo, accuracy_level, head_bits, 0, float_embedding)
 
     def for_weight(self, name: str) -> QuantizeSpec:
         """The spec for weight ``name``: the head may have its own bits (always rtn: HQQ is int4 only); a mixed
@@ -166,10 +174,12 @@ class QuantizeSpec:
     def describe(self) -> dict:
         head = "mixed" if self.head_int8_rows else f"int{self.head_bits or self.bits}"
         rows = {"head_int8_rows": self.head_int8_rows} if self.head_int8_rows else {}
+        embedding = {"embedding": "float"} if self.float_embedding else {}
         return {
             "weights": f"int{self.bits}",
             "head": head,
             **rows,
+            **embedding,
             "block_size": self.block_size,
             "algo": self.algo,
             "symmetric": self.algo == "rtn",
@@ -287,7 +297,10 @@ class WeightQuantizer:
 
     def shares_embedding(self, head_shape: tuple[int, ...]) -> bool:
         """Whether a tied embedding is gathered from the quantized head of (in, out) ``head_shape``: the head is
-        quantized, and not with float zero points (HQQ), which GatherBlockQuantized does not take."""
+        quantized, not with float zero points (HQQ), which GatherBlockQuantized does not take, and the float table
+        was not asked for (``float_embedding``)."""
+        if self.spec.float_embedding:
+            return False
         return self.applies_to_shape(head_shape, HEAD) and self.spec.for_weight(HEAD).algo != "hqq"
 
     @staticmethod

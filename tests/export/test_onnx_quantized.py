@@ -182,6 +182,22 @@ def test_cli_quantizes_and_verifies(thinker_variant, tmp_path):
     assert "MatMulNBits" in report["nodes_by_op"]
 
 
+def test_cli_embedding_float_keeps_the_table_and_verifies(thinker_variant, tmp_path):
+    """``--embedding float``: the tied embedding is the float table beside the int8 head (the builder's int8 layout),
+    the export says so, and its verify (the PyTorch model with its own float embedding) passes; without --quantize
+    the option is refused."""
+    model_dir = thinker_variant("qwen3", head_dim=16, tie_word_embeddings=True)
+    output = tmp_path / "int8-float-embedding"
+    args = ["export", str(model_dir), str(output), "--quantize", "int8", "--block-size", "16", "--embedding", "float"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads((output / "export_report.json").read_text())
+    assert report["quantize"]["embedding"] == "float"
+    assert report["verify"]["passed"] is True and report["verify"]["weights"]["embedding"] == "Gather (float)"
+    graph = onnx.load(output / "model.onnx", load_external_data=False).graph
+    assert "GatherBlockQuantized" not in {node.op_type for node in graph.node}
+
+
 @pytest.mark.parametrize(
     ("dtype", "options", "level"),
     [("float32", [], 4), ("float16", [], 0), ("float16", ["--accuracy-level", "4"], 4)],
@@ -245,6 +261,7 @@ def test_float16_experts_cuda_refuses_are_named(dtype, width, block, advice, thi
         (["--quantize-head", "int8"], "--quantize-head needs --quantize"),
         (["--min-top1", "0.5"], "--min-top1 needs --quantize"),
         (["--head-int8-rows", "64"], "--head-int8-rows needs --quantize"),
+        (["--embedding", "float"], "--embedding needs --quantize"),
         (["--quantize", "int8", "--quantize-head", "mixed"], "--quantize-head mixed splits an int4 head"),
         (["--quantize", "int4", "--quantize-head", "int8", "--head-int8-rows", "64"], "sets the int8 rows of"),
     ],

@@ -26,6 +26,7 @@ INT4 = QuantizeSpec(bits=4, block_size=16)
 INT4_HEAD8 = QuantizeSpec(bits=4, block_size=16, head_bits=8)  # the CLI's int4 default: an int8 head
 INT8 = QuantizeSpec(bits=8, block_size=16)
 INT4_ASYM = QuantizeSpec(bits=4, block_size=16, algo="rtn-asym")
+INT8_FLOAT_EMBEDDING = QuantizeSpec(bits=8, block_size=16, float_embedding=True)  # --embedding float
 INT8_ASYM = QuantizeSpec(bits=8, block_size=16, algo="rtn-asym")
 HQQ = QuantizeSpec(bits=4, block_size=16, algo="hqq")
 MIXED = QuantizeSpec(bits=4, block_size=16, head_int8_rows=40)  # the int4 default's layout: rows 0-39 int8, 40-95 int4
@@ -93,9 +94,10 @@ def test_tied_embedding_is_gathered_from_the_head(spec, onnx_variant):
     assert EMBEDDING not in names and "lm_head.weight" not in names and len(names) == len(set(names))
 
 
-@pytest.mark.parametrize("spec", [HQQ, None], ids=["hqq", "untied"])
+@pytest.mark.parametrize("spec", [HQQ, None, INT8_FLOAT_EMBEDDING], ids=["hqq", "untied", "asked-for"])
 def test_float_embedding_where_it_cannot_be_shared(spec, onnx_variant):
-    """HQQ's float zero points are not a type GatherBlockQuantized takes; an untied embedding is its own weight."""
+    """HQQ's float zero points are not a type GatherBlockQuantized takes; an untied embedding is its own weight;
+    ``--embedding float`` asks for the float table beside a quantized head."""
     overrides = TIED if spec else {}
     folder = onnx_variant("qwen3", graph="plain", quantize=spec or INT4, **overrides)
     model = onnx.load(folder / "model.onnx", load_external_data=False)
