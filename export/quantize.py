@@ -15,18 +15,20 @@ a big one (the head) goes through the quantizer in slices of output columns (``S
         fidelity, but its float zero points take onnxruntime's CPU "unpacked" path, which dequantizes the weights on
         every call: fine for checking fidelity, far too slow for CPU decoding (bench/results/README-figures.md)
 
-What is quantized: every 2-D projection that goes through ``DecoderGraph.emit_matmul`` (attention q/k/v/o, the
-MLPs, shared experts, the head). A tied embedding is the head's weight: when the head is quantized the embedding
-lookup becomes onnxruntime's ``GatherBlockQuantized`` over the head's own packed weight, scales and zero points
-(``emit_gather``), so the table is stored once, quantized, as onnxruntime-genai's builder does. Not with HQQ: its
-float zero points are not a type GatherBlockQuantized takes (zero points share the data's uint8 type), so an HQQ
-export keeps the float embedding beside its quantized head. An untied embedding stays float: a decode step reads one
-row of it per token, so quantizing it would save file size, not time. In the fused graph a layer's routed experts
-are onnxruntime's QMoE over the two expert stacks (``quantize_experts``: symmetric whatever ``algo``, QMoE taking no
-float zero points; in blocks where the widths are whole blocks: int4, and int8 at accuracy level 4 in a float32 graph,
-whose block-wise kernel rounds the activations to int8; else int8 a scale per row, computed in float); the plain graph
-dequantizes the same values, held as int8, as it gathers them (``standard_experts``). What is not quantized: norms,
-the MoE router, projections too small to gain (fewer input features than one block, or fewer than 16 outputs).
+What is quantized: every 2-D projection that goes through ``DecoderGraph.emit_matmul`` (attention q/k/v/o, the MLPs,
+shared experts, the head). A tied embedding is the head's weight: when the head is quantized the embedding lookup
+becomes onnxruntime's ``GatherBlockQuantized`` over the head's own packed weight, scales and zero points
+(``emit_gather``), so the table is stored once, quantized, as onnxruntime-genai's builder does. Not with HQQ: its float
+zero points are not a type GatherBlockQuantized takes (zero points share the data's uint8 type), so an HQQ export keeps
+the float embedding beside its quantized head, as does ``--embedding float`` (``float_embedding``: the builder's int8
+layout, whose fidelity the quantized table costs a little of on SmolLM2). An untied embedding stays float: a decode step
+reads one row of it per token, so quantizing it would save file size, not time. In the fused graph a layer's routed
+experts are onnxruntime's QMoE over the two expert stacks (``quantize_experts``: symmetric whatever ``algo``, QMoE
+taking no float zero points; in blocks where the widths are whole blocks: int4, and int8 at accuracy level 4 in a
+float32 graph, whose block-wise kernel rounds the activations to int8; else int8 a scale per row, computed in float);
+the plain graph dequantizes the same values, held as int8, as it gathers them (``standard_experts``). What is not
+quantized: norms, the MoE router, projections too small to gain (fewer input features than one block, or fewer than 16
+outputs).
 
 The head, the single most output-sensitive weight, may take its own precision (``--quantize-head``): int8 under an
 int4 body (``head_bits=8``) is the truest and reads 18 % more bytes per SmolLM2 token than the builder's int4
@@ -152,9 +154,11 @@ class QuantizeSpec:
             raise ThinkerError(f"--embedding {embedding}: expected one of {', '.join(EMBEDDINGS)}")
         float_embedding = embedding == "float"
         if head == "mixed":
-            return cls(BITS[quantize], block_size, algo, accuracy_level, 0, rows, float_embedding)
+            return cls(
+                BITS[quantize], block_size, algo, accuracy_level, head_int8_rows=rows, float_embedding=float_embedding
+            )
         head_bits = BITS[head] if head != quantize else None
-        return cls(BITS[quantize], block_size, algo, accuracy_level, head_bits, 0, float_embedding)
+        return cls(BITS[quantize], block_size, algo, accuracy_level, head_bits, float_embedding=float_embedding)
 
     def for_weight(self, name: str) -> QuantizeSpec:
         """The spec for weight ``name``: the head may have its own bits (always rtn: HQQ is int4 only); a mixed
