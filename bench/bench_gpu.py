@@ -18,7 +18,8 @@ prompt and --new greedy tokens:
   onnxruntime on CUDA             ours-fp16 through export.runtime.OnnxDecoder: IO binding keeps the cache on the
                                   device, the logits come back each step (what ``thinker generate`` runs: its
                                   model.genai.onnx, no padding bias), one KV buffer per layer written in place;
-                                  again with share_kv=False (the copying form), and over model.onnx (the bias)
+                                  again with share_kv=False (the copying form, which runs model.onnx:
+                                  ``generation_graph``), and over model.onnx with the shared buffer (the bias)
   transformers eager on CUDA      the source family's own class (Qwen3ForCausalLM), float16
 Roofline: the weight bytes one decode step reads (bench/bandwidth.py) against the device's bandwidth, measured
 here by a device-to-device copy of 1 GiB (bytes read + written per second, the best of 10): batch-1 decode as a

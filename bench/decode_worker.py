@@ -297,7 +297,7 @@ class ThinkerBackend:
         from export.names import MODEL_FILE
         from export.runtime import OnnxDecoder, generation_graph
 
-        graph = folder / MODEL_FILE if any_padding else generation_graph(folder, provider)
+        graph = folder / MODEL_FILE if any_padding else generation_graph(folder, provider, share_kv)
         self.decoder = OnnxDecoder(graph, provider=provider, threads=threads, share_kv=share_kv)
 
     def generate(self, batch: int, prompt: int, new: int, steps: int | None = None) -> dict:

@@ -540,7 +540,9 @@ class WeightQuantizer:
             "projection",
             [helper.make_tensor_value_info("x", elem_type, ["batch", "seq", in_features])],
             [helper.make_tensor_value_info("y", elem_type, ["batch", "seq", out_features])],
-            initializer=[numpy_helper.from_array(weight.detach().contiguous().numpy(), name)],
+            # a stack handed over in float32 for a float16 graph would leave float32 scales, which CUDA's QMoE
+            # refuses ("fc1_scales must match the activation type")
+            initializer=[numpy_helper.from_array(weight.detach().to(self.dtype).contiguous().numpy(), name)],
         )
         return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
 

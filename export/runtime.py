@@ -187,19 +187,34 @@ def check_external_data(model_path: Path) -> onnx.ModelProto:
     return model
 
 
-def generation_graph(folder: Path, provider: str) -> Path:
+def generation_graph(folder: Path, provider: str, share_kv: bool | None = None) -> Path:
     """The graph to run for prompts without padding (``thinker generate``'s one prompt, a batch of equal rows): on
-    CUDA (``provider`` "cuda", or "auto" where CUDA runs) the export's ``model.genai.onnx`` where it wrote one, else
-    ``model.onnx``. That graph is the fused one without the padding bias (export/genai_graph.py), which takes
-    GroupQueryAttention off its fastest CUDA path (an H200's profile: 2.1-2.4 against 0.75 ms a step at batch 8), and
-    gives rows without pads the same logits at each row's last position, the only one it puts through the head
-    (``--verify`` checks it against PyTorch). On the CPU, under this runtime, it prefills 1.20x faster (the head on
-    one position) but decodes at 0.990x (0.979-1.004) of ``model.onnx`` (SmolLM2, bench/bench_graph_ab.py,
+    CUDA (``provider`` "cuda", or "auto" where CUDA runs) the export's ``model.genai.onnx`` where it wrote one and
+    its KV is one buffer written in place (``share_kv`` not False, a float16 or float32 cache), else ``model.onnx``.
+    That graph is the fused one without the padding bias (export/genai_graph.py), which takes GroupQueryAttention
+    off its fastest CUDA path (an H200's profile: 2.1-2.4 against 0.75 ms a step at batch 8), and gives rows without
+    pads the same logits at each row's last position, the only one it puts through the head (``--verify`` checks it
+    against PyTorch). Its KV must be the shared buffer: in the copying form (a past one slot longer every step) an
+    H100 decoded 8.4 tokens/s over ``model.genai.onnx`` against 123 over ``model.onnx``
+    (bench/results/gpu-h100-session5.json and gpu-h100.json, "copying KV"), as if GroupQueryAttention's bias-free
+    path planned its kernel anew for each cache length, as its prompt run does per capacity (docs/gpu-session.md).
+    On the CPU, under this runtime, the genai graph prefills 1.20x faster (the head on one position) but decodes
+    at 0.990x (0.979-1.004) of ``model.onnx`` (SmolLM2, bench/bench_graph_ab.py,
     ``graph_ab_smollm2-ort-genai-graph-*.json``): past about 128 new tokens that loses more than the prefill gains,
     so the graph that takes any padding, and scores every position, stays."""
     genai_graph = folder / GENAI_MODEL_FILE
     on_cuda = provider == "cuda" or (provider == "auto" and cuda_usable())
-    return genai_graph if on_cuda and genai_graph.is_file() else folder / MODEL_FILE
+    if not on_cuda or share_kv is False or not genai_graph.is_file():
+        return folder / MODEL_FILE
+    return genai_graph if cuda_shares_kv(genai_graph) else folder / MODEL_FILE
+
+
+def cuda_shares_kv(path: Path) -> bool:
+    """Whether ``OnnxDecoder`` on CUDA keeps the graph's KV as one buffer per layer (``share_kv`` None): every
+    key and value cache float16 or float32 (``_kv_to_share``; the graph's structure read, not its weights)."""
+    inputs = onnx.load(path, load_external_data=False).graph.input
+    caches = [i for i in inputs if i.name.startswith("past_key_values.") and i.name.rsplit(".", 1)[1] in KV_KINDS]
+    return all(i.type.tensor_type.elem_type != onnx.TensorProto.BFLOAT16 for i in caches)
 
 
 @dataclass

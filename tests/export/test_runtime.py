@@ -128,6 +128,18 @@ def test_generation_graph_is_the_genai_one_on_cuda(
     assert generation_graph(plain, provider) == plain / MODEL_FILE
 
 
+def test_generation_graph_on_cuda_needs_the_shared_kv(onnx_variant):
+    """The genai graph only with its KV written in place: over the copying form (``share_kv=False``, or a bfloat16
+    cache, which CUDA keeps copying) an H100 decoded it 15x slower than model.onnx (``generation_graph``)."""
+    fused = onnx_variant("qwen3")
+    assert generation_graph(fused, "cuda", share_kv=True) == fused / GENAI_MODEL_FILE
+    assert generation_graph(fused, "cuda", share_kv=False) == fused / MODEL_FILE
+    half = onnx_variant("qwen3", dtype="bfloat16")
+    assert (half / GENAI_MODEL_FILE).is_file()
+    assert generation_graph(half, "cuda") == half / MODEL_FILE
+    assert generation_graph(onnx_variant("qwen3", dtype="float16"), "cuda").name == GENAI_MODEL_FILE
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_genai_graph_equals_the_padded_one_on_a_prompt_without_pads(family, onnx_variant):
     """What ``generation_graph`` relies on: for a prompt without pads the genai graph gives model.onnx's logits (to
