@@ -162,6 +162,7 @@ def measure(groups: list[list[Runtime]], folders: dict[str, Path], args, done) -
         graphed = all("--cuda-graph" in r.worker_options for r in runnable)
         batches = [b for b in args.batches if b in CUDA_GRAPH_BATCHES] if graphed else args.batches
         requests = [{"op": "generate", "batch": b, "prompt": args.prompt, "new": args.new} for b in batches]
+        started = time.perf_counter()
         try:
             interleave_fresh(runnable, folders, args.threads, requests, args.reps)
         except RuntimeError as err:  # a runtime that fails here is a finding, not the end of the run
@@ -169,6 +170,8 @@ def measure(groups: list[list[Runtime]], folders: dict[str, Path], args, done) -
             entries += [runtime_entry(r, requests) | {"error": str(err)[-1500:]} for r in runnable]
         else:
             entries += [runtime_entry(runtime, requests) for runtime in runnable]
+        # what a device call must leave for each group (a fifth session's call ended inside one)
+        print(f"  group of {len(runnable)} runtimes: {time.perf_counter() - started:.0f} s", file=sys.stderr)
         done(entries)
     return entries
 
