@@ -152,13 +152,16 @@ class QuantizeSpec:
             raise ThinkerError(f"--accuracy-level {accuracy_level}: expected one of {ACCURACY_LEVELS}")
         if embedding not in EMBEDDINGS:
             raise ThinkerError(f"--embedding {embedding}: expected one of {', '.join(EMBEDDINGS)}")
-        float_embedding = embedding == "float"
-        if head == "mixed":
-            return cls(
-                BITS[quantize], block_size, algo, accuracy_level, head_int8_rows=rows, float_embedding=float_embedding
-            )
-        head_bits = BITS[head] if head != quantize else None
-        return cls(BITS[quantize], block_size, algo, accuracy_level, head_bits, float_embedding=float_embedding)
+        mixed = head == "mixed"
+        return cls(
+            BITS[quantize],
+            block_size,
+            algo,
+            accuracy_level,
+            head_bits=None if mixed or head == quantize else BITS[head],
+            head_int8_rows=rows if mixed else 0,
+            float_embedding=embedding == "float",
+        )
 
     def for_weight(self, name: str) -> QuantizeSpec:
         """The spec for weight ``name``: the head may have its own bits (always rtn: HQQ is int4 only); a mixed

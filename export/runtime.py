@@ -47,6 +47,9 @@ CPU = "CPUExecutionProvider"
 
 # onnxruntime's type strings for the cache dtypes, to the onnx element type (bfloat16 has no numpy dtype).
 _ORT_TYPES = {"tensor(float)": (1, np.float32), "tensor(float16)": (10, np.float16), "tensor(bfloat16)": (16, None)}
+# The KV types a CUDA buffer can share (grow through the host, as a numpy array): a bfloat16 cache keeps the copying
+# form (``OnnxDecoder._kv_to_share``, ``generation_graph``).
+CUDA_SHARED_KV_TYPES = frozenset(onnx_type for onnx_type, dtype in _ORT_TYPES.values() if dtype is not None)
 # The kinds of carried state, in the order of a layer's inputs: KV grows along its sequence axis; the
 # linear-attention states keep their shape.
 STATE_KINDS = ("key", "value", "conv_state", "recurrent_state")
@@ -211,10 +214,10 @@ def generation_graph(folder: Path, provider: str, share_kv: bool | None = None) 
 
 def cuda_shares_kv(path: Path) -> bool:
     """Whether ``OnnxDecoder`` on CUDA keeps the graph's KV as one buffer per layer (``share_kv`` None): every
-    key and value cache float16 or float32 (``_kv_to_share``; the graph's structure read, not its weights)."""
+    key and value cache of a type in ``CUDA_SHARED_KV_TYPES`` (the graph's structure read, not its weights)."""
     inputs = onnx.load(path, load_external_data=False).graph.input
     caches = [i for i in inputs if i.name.startswith("past_key_values.") and i.name.rsplit(".", 1)[1] in KV_KINDS]
-    return all(i.type.tensor_type.elem_type != onnx.TensorProto.BFLOAT16 for i in caches)
+    return all(i.type.tensor_type.elem_type in CUDA_SHARED_KV_TYPES for i in caches)
 
 
 @dataclass
@@ -316,7 +319,7 @@ class OnnxDecoder:
         if share_kv is False:
             return frozenset()
         names = shared_kv_names(graph)
-        if self.device == "cuda" and any(self.state_specs[name][2] is None for name in names):
+        if self.device == "cuda" and any(self.state_specs[name][1] not in CUDA_SHARED_KV_TYPES for name in names):
             # a buffer that must grow goes through the host, where bfloat16 has no array type
             if share_kv is None:
                 return frozenset()
