@@ -47,8 +47,8 @@ Supported families:
   llama         Llama-style (SmolLM, TinyLlama, ...)
   gpt2          GPT-2-style (PrimeGPT: LayerNorm, learned positions, GELU,
                 Conv1D)
-  gguf-*        llama.cpp GGUF: llama, qwen2, qwen3, qwen2moe and qwen3moe
-                architectures (.gguf)
+  gguf-*        llama.cpp GGUF: llama, qwen2, qwen3, qwen2moe, qwen3moe, and
+                Qwen3.5 / Qwen3.6's qwen35 and qwen35moe architectures (.gguf)
   uomni         μOmni ThinkerLM (tok_emb / blocks.N / head; fused or split
                 qkv; interleaved RoPE)
   llms_from_scratch_qwen3

@@ -23,6 +23,7 @@ streaming, value checks and writer: a ``Plan`` does not care which way it conver
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -184,7 +185,7 @@ def plan_conversion(
 
     steps = in_source_order(steps, names)
     shapes = {target: expected[target] for step in steps for target in step.targets}
-    dropped = sorted(set(names) & _dropped_names(family, config) | _dropped_by_prefix(family, names))
+    dropped = sorted(set(names) & _dropped_names(family, config) | _dropped_by_prefix(family, names, config))
     return Plan(family, config, steps, shapes, output_dtype, dropped)
 
 
@@ -309,13 +310,20 @@ def _dropped_names(family: Family, config: ThinkerConfig) -> set[str]:
     return {name for step in dropped for name in step.sources}
 
 
-def _dropped_by_prefix(family: Family, names: list[str]) -> set[str]:
-    return {name for name in names if family.dropped_prefixes and name.startswith(family.dropped_prefixes)}
+def _dropped_by_prefix(family: Family, names: list[str], config: ThinkerConfig) -> set[str]:
+    dropped = {name for name in names if family.dropped_prefixes and name.startswith(family.dropped_prefixes)}
+    if family.dropped_extra_layers:
+        before, _, after = family.dropped_extra_layers.partition(LAYER_INDEX)
+        layer = re.compile(re.escape(before) + r"(\d+)" + re.escape(after))
+        dropped |= {
+            name for name in names if (match := layer.match(name)) and int(match[1]) >= config.num_hidden_layers
+        }
+    return dropped
 
 
 def _check_sources_used(family: Family, config: ThinkerConfig, steps: list[Step], names: list[str]) -> None:
     used = {name for step in steps for name in step.sources} | _dropped_names(family, config)
-    used |= _dropped_by_prefix(family, names)
+    used |= _dropped_by_prefix(family, names, config)
     unexpected = [name for name in names if name not in used]
     if unexpected:
         raise ThinkerError(

@@ -197,6 +197,141 @@ class AsVector(Op):
         return AsRow()
 
 
+@dataclass(frozen=True)
+class Unsqueeze(Op):
+    """A size-1 dimension inserted at ``dim``: llama.cpp stores a depthwise conv1d weight (C, 1, K) squeezed to (C, K).
+    A tensor that kept its size-1 dimension passes unchanged."""
+
+    rearranges = True
+
+    dim: int = 1
+    ndim: int = 3  # the tensor's dimensions once unsqueezed
+
+    def __call__(self, tensors, config):
+        tensor = _one(self, tensors)
+        return [tensor if tensor.ndim == self.ndim else tensor.unsqueeze(self.dim)]
+
+    def inverse(self) -> Op:
+        return Squeeze(self.dim, self.ndim)
+
+
+@dataclass(frozen=True)
+class Squeeze(Op):
+    """The size-1 dimension ``dim`` removed (the inverse of ``Unsqueeze``)."""
+
+    rearranges = True
+
+    dim: int = 1
+    ndim: int = 3
+
+    def __call__(self, tensors, config):
+        tensor = _one(self, tensors)
+        if tensor.ndim != self.ndim or tensor.shape[self.dim] != 1:
+            raise ValueError(
+                f"Squeeze({self.dim}) takes {self.ndim} dimensions, size 1 there; got {tuple(tensor.shape)}"
+            )
+        return [tensor.squeeze(self.dim)]
+
+    def inverse(self) -> Op:
+        return Unsqueeze(self.dim, self.ndim)
+
+
+# --- values llama.cpp stores transformed -----------------------------------------------------------------------------
+#
+# Computed in float32 and cast back, as transformers' GGUF loading computes them (its ``SubtractOne`` and
+# ``LogNegate``), so that a Thinker converted from a GGUF file holds the very values of transformers' model.
+
+
+@dataclass(frozen=True)
+class Offset(Op):
+    """``amount`` added to every value: llama.cpp stores zero-centred RMSNorm weights as ``1 + w`` (Qwen3.5's),
+    which ``Offset(-1.0)`` undoes."""
+
+    amount: float
+
+    def __call__(self, tensors, config):
+        tensor = _one(self, tensors)
+        return [(tensor.float() + self.amount).to(tensor.dtype)]
+
+    def inverse(self) -> Op:
+        return Offset(-self.amount)
+
+
+@dataclass(frozen=True)
+class LogOfNegated(Op):
+    """``log(-x)``: llama.cpp stores a Gated DeltaNet layer's ``A_log`` as the decay rate ``-exp(A_log)`` (its
+    ``ssm_a``). A value that is not negative has no logarithm and becomes NaN, which the engine's value check
+    reports with the tensor's name."""
+
+    def __call__(self, tensors, config):
+        tensor = _one(self, tensors)
+        return [torch.log(-tensor.float()).to(tensor.dtype)]
+
+    def inverse(self) -> Op:
+        return NegatedExp()
+
+
+@dataclass(frozen=True)
+class NegatedExp(Op):
+    """``-exp(x)``, llama.cpp's ``ssm_a`` from ``A_log`` (the inverse of ``LogOfNegated``)."""
+
+    def __call__(self, tensors, config):
+        tensor = _one(self, tensors)
+        return [(-torch.exp(tensor.float())).to(tensor.dtype)]
+
+    def inverse(self) -> Op:
+        return LogOfNegated()
+
+
+# --- value heads, tiled or grouped ---------------------------------------------------------------------------------
+#
+# A Gated DeltaNet layer with more value heads than key heads (r = value heads per key head) serves key head g with
+# value heads g·r ... g·r + r - 1 in transformers' order ("grouped": v0k0 v1k0 v0k1 v1k1, written v{j}k{g}).
+# llama.cpp's converter reorders them so that its ggml broadcast can repeat the key heads ("tiled": v0k0 v0k1 v1k0
+# v1k1), on every tensor with a row (or, for out_proj, a column) per value head or per value element. transformers'
+# GGUF loading undoes it (``TiledToGroupedRows``); so does this.
+
+
+def _tiled_from_grouped(config: ThinkerConfig, per_head: int) -> torch.Tensor:
+    """For each position in tiled order, the grouped position it holds (``per_head`` rows or columns per head)."""
+    key_heads = config.linear_num_key_heads
+    per_key = config.linear_num_value_heads // key_heads
+    grouped = torch.arange(key_heads * per_key * per_head)
+    return grouped.reshape(key_heads, per_key, per_head).transpose(0, 1).reshape(-1)
+
+
+@dataclass(frozen=True)
+class TiledToGroupedValueHeads(Op):
+    """Value heads from llama.cpp's tiled order into transformers' grouped one, along ``dim``.
+
+    ``elements``: each head spans ``linear_value_head_dim`` rows (True: in_proj_z, the value part of in_proj_qkv
+    and conv1d, out_proj's columns) or one (False: A_log, dt_bias, in_proj_a, in_proj_b). ``after_query_key``: the
+    value rows follow the query and key rows (in_proj_qkv, conv1d), which stay where they are."""
+
+    rearranges = True
+
+    elements: bool
+    dim: int = 0
+    after_query_key: bool = False
+    to_grouped: bool = True
+
+    def __call__(self, tensors, config):
+        tensor = _one(self, tensors)
+        order = _tiled_from_grouped(config, config.linear_value_head_dim if self.elements else 1)
+        if self.to_grouped:
+            order = torch.argsort(order)
+        start = 2 * config.linear_key_head_dim * config.linear_num_key_heads if self.after_query_key else 0
+        if tensor.shape[self.dim] != start + len(order):
+            raise ValueError(
+                f"dimension {self.dim} of {tuple(tensor.shape)} is not {start} query/key + {len(order)} value entries"
+            )
+        head, values = tensor.split([start, len(order)], dim=self.dim)
+        return [torch.cat([head, values.index_select(self.dim, order.to(tensor.device))], dim=self.dim)]
+
+    def inverse(self) -> Op:
+        return TiledToGroupedValueHeads(self.elements, self.dim, self.after_query_key, not self.to_grouped)
+
+
 # --- RoPE row order ------------------------------------------------------------------------------------------------
 #
 # Thinker (like Hugging Face Llama and Qwen) rotates each head's dimensions in two halves: dimension j pairs with

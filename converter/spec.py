@@ -87,7 +87,9 @@ class Family:
     - ``config_label``: what error messages call the source's config (``config.json``; ``GGUF metadata``).
     - ``tensors``: the table; ``dropped``: source tensors skipped on purpose (templates, like the table), e.g.
       buffers older checkpoints saved; ``dropped_prefixes``: whole sub-models skipped on purpose by name prefix
-      (a multimodal checkpoint's vision tower), whose layer counts the Thinker config does not know.
+      (a multimodal checkpoint's vision tower), whose layer counts the Thinker config does not know;
+      ``dropped_extra_layers``: the layer prefix (``blk.{layer}.``) under which a source stores blocks past the
+      decoder's ``num_hidden_layers`` that the model does not run (llama.cpp's multi-token-prediction block).
     - ``head``: the source name of the output projection, checked against ``tie_word_embeddings``.
     - ``reference``: loads the parity reference from the source folder; None means transformers'
       ``AutoModelForCausalLM``. ``layered_reference``: the same reference for parity layer by layer, built on the
@@ -112,6 +114,7 @@ class Family:
     head: str | None = "lm_head.weight"
     config_keys: tuple[str, ...] = ()
     dropped_prefixes: tuple[str, ...] = ()
+    dropped_extra_layers: str | None = None
     reference: ReferenceLoader | None = None
     layered_reference: LayeredReferenceLoader | None = None
     no_reference: str | None = None

@@ -13,7 +13,7 @@ from typing import Any
 from common.errors import ThinkerError
 
 from ..spec import Family
-from .gguf import GGUF_FAMILIES
+from .gguf import GGUF_FAMILIES, UNSUPPORTED_GGUF
 from .gpt2 import GPT2
 from .llama import LLAMA
 from .llms_from_scratch_qwen3 import LLMS_FROM_SCRATCH_QWEN3
@@ -52,6 +52,8 @@ def detect_family(source_config: Mapping[str, Any], tensor_names: Collection[str
             return family
     key = next((f.model_type_key for f in FAMILIES if f.model_type_key in source_config), "model_type")
     model_type = source_config.get(key)
+    if key == "general.architecture" and model_type in UNSUPPORTED_GGUF:
+        raise ThinkerError(UNSUPPORTED_GGUF[model_type])
     supported = sorted({model_type for family in FAMILIES for model_type in family.model_types})
     if model_type in supported:
         raise ThinkerError(

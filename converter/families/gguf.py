@@ -1,5 +1,6 @@
-"""llama.cpp GGUF files of the llama, qwen2, qwen3, qwen2moe and qwen3moe architectures (read by
-``common.gguf_reader.GGUFSource``, dequantized on read), the format of llama.cpp's ``convert_hf_to_gguf.py``.
+"""llama.cpp GGUF files of the llama, qwen2, qwen3, qwen2moe and qwen3moe architectures, and of the hybrid
+qwen35 and qwen35moe (Qwen3.5 / Qwen3.6, dense and MoE), read by ``common.gguf_reader.GGUFSource`` and dequantized on
+read: the format of llama.cpp's ``convert_hf_to_gguf.py``.
 
 Everything GGUF means in Hugging Face terms is here, derived from the two libraries that already know it where they
 are right:
@@ -14,7 +15,11 @@ are right:
   ``InterleavedToHalfRope`` (see ``converter/ops.py``);
 - the config: the metadata keys come from transformers' ``GGUF_CONFIG_MAPPING`` and ``GGUF_TO_TRANSFORMERS_MAPPING``
   (what ``load_gguf_checkpoint(..., return_tensors=False)`` reads); where they are not enough, this module says so
-  in ``gguf_to_hf_config``;
+  in ``gguf_to_hf_config``. The hybrid architectures take transformers' newer per-architecture config builders
+  (``integrations.gguf.GGUF_CONFIG_ARCHS``) whole;
+- the values llama.cpp stores transformed for the hybrid architectures (``HYBRID_OPS``: norms as ``1 + w``,
+  ``-exp(A_log)``, the conv kernel squeezed, value heads tiled), undone as transformers' GGUF conversion mapping for
+  them (``integrations.gguf.GGUF_ARCHS``) undoes them;
 - the parity reference: transformers' own GGUF loading, ``from_pretrained(folder, gguf_file=...)``.
 
 Each architecture then reuses its Hugging Face family's config translation. Adding one (a decoder both libraries
@@ -34,13 +39,25 @@ import numpy as np
 
 from common.errors import ThinkerError
 
-from ..ops import AsRow, Concatenate, InterleavedToHalfRope
+from ..ops import (
+    AsRow,
+    Chain,
+    Concatenate,
+    InterleavedToHalfRope,
+    LogOfNegated,
+    Offset,
+    Op,
+    TiledToGroupedValueHeads,
+    Unsqueeze,
+)
 from ..spec import LAYER_INDEX, Family, TensorRule, rule
-from .common import THINKER_LAYER
+from .common import THINKER_LAYER, VISION_LANGUAGE_LAYOUT
 from .llama import LLAMA
 from .qwen2 import QWEN2
 from .qwen2_moe import QWEN2_MOE
 from .qwen3 import QWEN3
+from .qwen3_5 import QWEN3_5
+from .qwen3_5_moe import QWEN3_5_MOE
 from .qwen3_moe import QWEN3_MOE
 
 # llama.cpp's architecture name (``general.architecture``) -> the Hugging Face family whose model_type it names
@@ -51,6 +68,21 @@ _HF_FAMILIES: dict[str, Family] = {
     "qwen3": QWEN3,
     "qwen2moe": QWEN2_MOE,
     "qwen3moe": QWEN3_MOE,
+    "qwen35": QWEN3_5,
+    "qwen35moe": QWEN3_5_MOE,
+}
+# The hybrid ones (Gated DeltaNet and gated full attention): llama.cpp transforms some of their values on the way in
+# (``HYBRID_OPS``), and transformers reads them through its newer GGUF loading (config and conversion mapping per
+# architecture). qwen3next is not here: transformers cannot load its GGUF files, so no parity reference exists.
+HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe")
+# llama.cpp architectures of families converted from Hugging Face checkpoints that transformers cannot load from GGUF
+# (so a conversion would have no reference), and what to do instead; ``detect_family`` says it.
+UNSUPPORTED_GGUF = {
+    "qwen3next": (
+        "GGUF architecture 'qwen3next' is not supported: transformers cannot load qwen3next GGUF files, so a "
+        "conversion would have no reference to be verified against; convert the Hugging Face checkpoint (such as "
+        "Qwen/Qwen3-Next-80B-A3B-Instruct) instead"
+    ),
 }
 
 # --- names ---------------------------------------------------------------------------------------------------------
@@ -66,10 +98,23 @@ def _name_map(architecture: str) -> Any:
     return get_tensor_name_map(arch, 1)
 
 
+# Parameters llama.cpp's converter renames before looking them up in its table: a Gated DeltaNet layer's ``dt_bias``
+# is the bias of the ``dt_proj`` it has no weight for (``ssm_dt.bias``).
+_RENAMED_BEFORE_LOOKUP = {".linear_attn.dt_bias": ".linear_attn.dt_proj.bias"}
+
+
 def gguf_name(hf_template: str, name_map: Any) -> str | None:
     """The llama.cpp template for a Hugging Face template (``model.layers.{layer}.self_attn.q_proj.weight`` ->
-    ``blk.{layer}.attn_q.weight``), or None when llama.cpp stores no such tensor for the architecture."""
+    ``blk.{layer}.attn_q.weight``), or None when llama.cpp stores no such tensor for the architecture. A parameter
+    that is neither a weight nor a bias (``linear_attn.A_log``) is stored under the table's name alone
+    (``blk.{layer}.ssm_a``)."""
+    for before, after in _RENAMED_BEFORE_LOOKUP.items():
+        if hf_template.endswith(before):
+            hf_template = hf_template.removesuffix(before) + after
     stem, dot, suffix = hf_template.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        whole = name_map.get_name(hf_template.replace(LAYER_INDEX, "0"))
+        return None if whole is None else whole.replace("blk.0.", f"blk.{LAYER_INDEX}.")
     name = name_map.get_name(stem.replace(LAYER_INDEX, "0"))
     if name is None:
         return None
@@ -87,7 +132,7 @@ def tensor_names(architecture: str) -> dict[str, str]:
     name_map = _name_map(architecture)
     names = {}
     for entry in _HF_FAMILIES[architecture].tensors:
-        if entry.sources[0].startswith(_EXPERTS):
+        if entry.sources[0].startswith(_EXPERTS) or entry.sources[0].startswith(_VISION_LANGUAGE_PREFIXES):
             continue
         (source,), (target,) = entry.sources, entry.targets  # the rest of a Hugging Face family's table is renames
         found = gguf_name(source, name_map)
@@ -95,6 +140,10 @@ def tensor_names(architecture: str) -> dict[str, str]:
             names[found] = target
     return names
 
+
+# A hybrid family's table holds its vision-language layout too (the decoder under ``model.language_model.``), which
+# llama.cpp writes as the causal-LM one.
+_VISION_LANGUAGE_PREFIXES = tuple(VISION_LANGUAGE_LAYOUT.values())
 
 # llama.cpp stacks a layer's experts: ffn_gate_exps and ffn_up_exps (E, I, C) each, ffn_down_exps (E, C, I), the
 # layout of Thinker's gate_up_proj (E, 2·I, C, gate rows first) and down_proj. Its Qwen2-MoE shared-expert gate is a
@@ -132,15 +181,43 @@ ROPE_PERMUTED_TENSORS: dict[str, str] = {
 }
 
 
+# --- the hybrid architectures' transformed values ------------------------------------------------------------------
+
+_LINEAR = THINKER_LAYER + "linear_attn."
+_ZERO_CENTRED = Offset(-1.0)
+# Thinker name -> what undoes llama.cpp's convert_hf_to_gguf.py (its Qwen3.5 text model class): every zero-centred
+# RMSNorm weight stored as ``1 + w`` (the gated norm of the linear attention, ``linear_attn.norm``, is not centred and
+# stays), ``A_log`` stored as ``-exp(A_log)``, the conv1d weight (C, 1, K) squeezed to (C, K), and the value heads
+# tiled on every tensor that has a row (or for out_proj a column) per value head or value element.
+HYBRID_OPS: dict[str, Op] = {
+    "model.norm.weight": _ZERO_CENTRED,
+    THINKER_LAYER + "input_layernorm.weight": _ZERO_CENTRED,
+    THINKER_LAYER + "post_attention_layernorm.weight": _ZERO_CENTRED,
+    THINKER_LAYER + "self_attn.q_norm.weight": _ZERO_CENTRED,
+    THINKER_LAYER + "self_attn.k_norm.weight": _ZERO_CENTRED,
+    _LINEAR + "A_log": Chain(LogOfNegated(), TiledToGroupedValueHeads(elements=False)),
+    _LINEAR + "dt_bias": TiledToGroupedValueHeads(elements=False),
+    _LINEAR + "in_proj_a.weight": TiledToGroupedValueHeads(elements=False),
+    _LINEAR + "in_proj_b.weight": TiledToGroupedValueHeads(elements=False),
+    _LINEAR + "in_proj_z.weight": TiledToGroupedValueHeads(elements=True),
+    _LINEAR + "in_proj_qkv.weight": TiledToGroupedValueHeads(elements=True, after_query_key=True),
+    _LINEAR + "conv1d.weight": Chain(TiledToGroupedValueHeads(elements=True, after_query_key=True), Unsqueeze(1)),
+    _LINEAR + "out_proj.weight": TiledToGroupedValueHeads(elements=True, dim=1),
+}
+
+
 def tensor_table(architecture: str) -> tuple[TensorRule, ...]:
     permuted = ROPE_PERMUTED_TENSORS if _rope_permuted(architecture) else {}
+    transformed = HYBRID_OPS if architecture in HYBRID_ARCHITECTURES else {}
 
-    def op(source: str) -> Any:
+    def op(source: str, target: str) -> Any:
         if source in permuted:
             return InterleavedToHalfRope(permuted[source])
+        if target in transformed:
+            return transformed[target]
         return AsRow() if source in AS_ROW_TENSORS else None
 
-    renamed = tuple(rule(source, target, op(source)) for source, target in tensor_names(architecture).items())
+    renamed = tuple(rule(source, target, op(source, target)) for source, target in tensor_names(architecture).items())
     return renamed + (EXPERT_RULES if is_moe(architecture) else ())
 
 
@@ -245,6 +322,8 @@ def gguf_to_hf_config(metadata: Mapping[str, Any], tensor_names: Collection[str]
         raise ThinkerError(
             f"GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(GGUF_ARCHITECTURES))}"
         )
+    if arch in HYBRID_ARCHITECTURES:
+        return _hybrid_hf_config(metadata, names, arch)
     hf_family = _HF_FAMILIES[arch]
     config: dict[str, Any] = {"model_type": hf_model_type(arch), "architectures": list(hf_family.architectures)}
     keys = _config_keys(arch)
@@ -295,6 +374,75 @@ def gguf_to_hf_config(metadata: Mapping[str, Any], tensor_names: Collection[str]
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
                 raise ThinkerError(f"GGUF metadata {key!r} is {value!r}, not a token id; the file is corrupt")
             config[field] = value
+    return config
+
+
+# What transformers' config builder for a hybrid architecture reads, as ``{arch}.KEY`` -> the field it sets (the
+# checks of ``_check_values`` by field name); the MoE keys only where the architecture has experts.
+_HYBRID_KEYS = {
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "block_count": "num_hidden_layers",
+    "full_attention_interval": "full_attention_interval",
+    "ssm.conv_kernel": "linear_conv_kernel_dim",
+    "ssm.state_size": "linear_key_head_dim",
+    "ssm.group_count": "linear_num_key_heads",
+    "ssm.time_step_rank": "linear_num_value_heads",
+    "ssm.inner_size": "linear_value_head_dim",
+    "rope.dimension_count": "rope_dimension_count",
+}
+_HYBRID_MOE_KEYS = {
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+}
+_HYBRID_INTEGER_FIELDS = {field for field in (*_HYBRID_KEYS.values(), *_HYBRID_MOE_KEYS.values())} - {"rms_norm_eps"}
+
+
+def _hybrid_hf_config(metadata: Mapping[str, Any], names: set[str], arch: str) -> dict[str, Any]:
+    """The config transformers' own GGUF loading builds for a qwen35 / qwen35moe file (``GGUF_CONFIG_ARCHS``), after
+    the checks every GGUF config gets here: each key it reads present, and a whole number above 0 or a positive
+    float (a corrupt file names its key rather than failing inside transformers)."""
+    from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
+
+    keys = _HYBRID_KEYS | (_HYBRID_MOE_KEYS if arch == "qwen35moe" else {})
+    for key, field in keys.items():
+        name = f"{arch}.{key}"
+        if name not in metadata:
+            raise ThinkerError(f"GGUF metadata lacks {name!r}, which a {arch} model needs; the file is incomplete")
+        value = metadata[name]
+        integer = field in _HYBRID_INTEGER_FIELDS
+        if integer and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise ThinkerError(
+                f"GGUF metadata {name!r} is {value!r}; a model needs a whole number above 0 there: the file is corrupt"
+            )
+    _check_values({"rms_norm_eps": metadata[f"{arch}.attention.layer_norm_rms_epsilon"]},
+                  {f"{arch}.attention.layer_norm_rms_epsilon": "rms_norm_eps"})  # fmt: skip
+    theta = _rope_parameters(metadata, arch, names)["rope_theta"]  # checks the base, refuses scaling keys it cannot map
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens:
+        raise ThinkerError(f"GGUF metadata has no tokenizer.ggml.tokens, which sets a {arch} model's vocabulary size")
+    sections = metadata.get(f"{arch}.rope.dimension_sections")
+    if not (isinstance(sections, list) and all(isinstance(n, int) and n >= 0 for n in sections)):
+        raise ThinkerError(
+            f"GGUF metadata '{arch}.rope.dimension_sections' is {sections!r}; a {arch} model needs its multimodal "
+            "RoPE sections there (a list of whole numbers): the file is corrupt"
+        )
+    # transformers' reader leaves an array it is not asked for as its length: the vocabulary as its size.
+    counted = {**metadata, "tokenizer.ggml.tokens": len(tokens)}
+    config = GGUF_CONFIG_ARCHS[arch](counted, tuple(sorted(names)))
+    config["rms_norm_eps"] = _float32_repr(config["rms_norm_eps"])
+    config["rope_parameters"] |= {"rope_theta": theta, "rope_type": "default"}
+    if config["num_hidden_layers"] < 1:
+        raise ThinkerError(
+            f"GGUF metadata '{arch}.block_count' counts {metadata[f'{arch}.block_count']} blocks, of which "
+            f"{metadata.get(f'{arch}.nextn_predict_layers')} are the multi-token-prediction head: no decoder layer"
+        )
     return config
 
 
@@ -439,6 +587,8 @@ def load_layered_reference(source: Path, dtype: Any) -> Any:
         raise ThinkerError(f"{path}: the reference model does not build with transformers ({err})") from None
     reader = GGUFReader(path)
     architecture = read_field(reader, "general.architecture")[0]
+    if architecture in HYBRID_ARCHITECTURES:
+        return StreamedModel(model, _mapped_reference_tensors(path, reader, architecture, model))
     # The processors read head counts from the config dict ``load_gguf_checkpoint`` parses: the config's fields.
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
     if type(processor) not in (TensorProcessor, LlamaTensorProcessor, Qwen2MoeTensorProcessor):
@@ -484,6 +634,65 @@ def load_layered_reference(source: Path, dtype: Any) -> Any:
     return StreamedModel(model, tensors)
 
 
+def _mapped_reference_tensors(path: Path, reader: Any, architecture: str, model: Any) -> dict[str, Any]:
+    """The reference's tensors of a file transformers reads through its newer GGUF loading (the hybrid
+    architectures), each made when its layer runs by that loading's own steps: ``gguf.dequantize``, then the
+    conversion mapping transformers keeps for the architecture (``get_gguf_conversion_mapping``: its renamings and
+    the one converter that matches, whose operations run in order on the tensors that make one parameter).
+
+    Tensors the mapping names outside the model (the multi-token-prediction block, renamed ``mtp.``) are left out,
+    as transformers' loading leaves them."""
+    from copy import deepcopy
+
+    import torch
+    from gguf import dequantize
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    from transformers.integrations.gguf.utils import get_gguf_conversion_mapping
+
+    from ..streamed import LazyTensor
+
+    built = {name: tuple(value.shape) for name, value in model.state_dict().items()}
+    # A fresh copy of the mapping for every use: matching a name arms the stateful renamings (as get_gguf_plan says).
+    mapping = get_gguf_conversion_mapping(architecture, model.config)
+    renamings = [entry for entry in deepcopy(mapping) if isinstance(entry, WeightRenaming)]
+    converters = [entry for entry in deepcopy(mapping) if isinstance(entry, WeightConverter)]
+    by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
+    groups: dict[str, list[tuple[Any, str | None]]] = {}
+    for tensor in reader.tensors:
+        hf_name, pattern = rename_source_key(tensor.name, renamings, converters)
+        if hf_name in built:
+            groups.setdefault(hf_name, []).append((tensor, pattern))
+
+    def read(hf_name: str, members: list[tuple[Any, str | None]]) -> torch.Tensor:
+        inputs = {
+            pattern or tensor.name: [torch.from_numpy(np.copy(dequantize(tensor.data, tensor.tensor_type)))]
+            for tensor, pattern in members
+        }
+        converter = by_pattern.get(members[0][1]) if members[0][1] is not None else None
+        if converter is None:
+            (result,) = next(iter(inputs.values()))
+        else:
+            for operation in converter.operations:
+                outputs = operation.convert(
+                    inputs, source_patterns=converter.source_patterns, target_patterns=[hf_name]
+                )
+                inputs = {hf_name: [next(iter(outputs.values()))]}
+            (result,) = inputs[hf_name]
+        if tuple(result.shape) != built[hf_name]:
+            raise ThinkerError(
+                f"{path}: {', '.join(tensor.name for tensor, _ in members)} make {hf_name} of shape "
+                f"{tuple(result.shape)} in transformers' GGUF loading, where its model holds {built[hf_name]}"
+            )
+        return result.float()
+
+    return {
+        hf_name: LazyTensor(
+            lambda hf_name=hf_name, members=members: read(hf_name, members), built[hf_name], torch.float32
+        )  # fmt: skip
+        for hf_name, members in groups.items()
+    }
+
+
 # --- the families --------------------------------------------------------------------------------------------------
 
 
@@ -500,6 +709,10 @@ def gguf_family(architecture: str) -> Family:
         translate_config=hf_family.translate_config,
         tensors=tensor_table(architecture),
         head="output.weight",
+        # llama.cpp writes Qwen3.5's multi-token-prediction head as one more block (blk.{num_hidden_layers}.*, counted
+        # in block_count and in nextn_predict_layers); transformers' GGUF loading drops it by name, as the Hugging
+        # Face families drop ``mtp.*``.
+        dropped_extra_layers=f"blk.{LAYER_INDEX}." if architecture in HYBRID_ARCHITECTURES else None,
         reference=load_reference,
         layered_reference=load_layered_reference,
         layer_count_keys=(f"{architecture}.block_count",),
@@ -511,8 +724,9 @@ def gguf_family(architecture: str) -> Family:
 GGUF_FAMILIES = tuple(gguf_family(architecture) for architecture in _HF_FAMILIES)
 GGUF_ARCHITECTURES = tuple(_HF_FAMILIES)
 ROPE_PERMUTED_ARCHITECTURES = tuple(arch for arch in GGUF_ARCHITECTURES if _rope_permuted(arch))
-# Every llama.cpp template -> Thinker template, across the architectures (they agree where they overlap); the
-# stacked experts' rules are EXPERT_RULES.
+# Every llama.cpp template -> Thinker template, across the architectures (they agree where they overlap; two
+# llama.cpp names may give one Thinker name, llama's ffn_norm and qwen35's post_attention_norm, so the inverse is
+# per architecture: ``tensor_names``); the stacked experts' rules are EXPERT_RULES.
 GGUF_TENSOR_NAMES: dict[str, str] = {
     source: target for architecture in _HF_FAMILIES for source, target in tensor_names(architecture).items()
 }

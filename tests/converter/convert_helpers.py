@@ -102,14 +102,14 @@ def write_gguf(
     import gguf
     import numpy as np
 
-    from converter.families.gguf import GGUF_TENSOR_NAMES, ROPE_PERMUTED_ARCHITECTURES, ROPE_PERMUTED_TENSORS
+    from converter.families.gguf import ROPE_PERMUTED_ARCHITECTURES, ROPE_PERMUTED_TENSORS, tensor_names
     from converter.ops import permute_llama_rope
     from converter.spec import LAYER_INDEX
 
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     to_gguf = {}
-    for gguf_template, hf_template in GGUF_TENSOR_NAMES.items():
+    for gguf_template, hf_template in tensor_names(architecture).items():  # the architecture's own names
         for layer in range(config.num_hidden_layers):
             to_gguf[hf_template.replace(LAYER_INDEX, str(layer))] = (
                 gguf_template.replace(LAYER_INDEX, str(layer)),

@@ -342,7 +342,7 @@ def test_rope_scaling() -> None:
 
 
 def test_unsupported_architecture_and_missing_keys() -> None:
-    supported = "supported: llama, qwen2, qwen2moe, qwen3, qwen3moe"
+    supported = "supported: llama, qwen2, qwen2moe, qwen3, qwen35, qwen35moe, qwen3moe"
     with pytest.raises(ThinkerError, match=f"'gemma2' is not supported; {supported}"):
         gguf_to_hf_config(_metadata("gemma2"), [])
     incomplete = _metadata("llama")

@@ -1,0 +1,176 @@
+"""Qwen3.5 and Qwen3.5-MoE GGUF files (llama.cpp's ``qwen35`` / ``qwen35moe``), as llama.cpp's converter writes them
+(``hybrid_gguf.py``: norms as ``1 + w``, ``-exp(A_log)``, the conv kernel squeezed, value heads tiled, the
+multi-token-prediction head as one more block), from tiny transformers models with both layer types and two value
+heads per key head (``tests/references/hybrid.py``).
+
+Each converts through the command line with the parity gate on, against transformers' own GGUF loading of the file,
+whole and layer by layer; the converted Thinker then gives the logits of the transformers model the file was written
+from. A planted mistake in the converter's table fails the gate; a file missing a key, or holding a decay rate no
+``A_log`` makes, fails with one line naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import gguf
+import pytest
+import torch
+from click.testing import CliRunner
+from convert_helpers import FP32_ATOL, FP32_RTOL
+from hybrid_gguf import write_hybrid_gguf
+from references.hybrid import left_pad, qwen3_5_config, qwen3_5_moe_config, reference, token_ids
+from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+
+import converter.families
+from common.cli import main
+from converter.ops import Identity
+from thinker import ThinkerForCausalLM
+
+MODELS = {
+    "qwen35": (Qwen3_5ForCausalLM, qwen3_5_config),
+    "qwen35moe": (Qwen3_5MoeForCausalLM, qwen3_5_moe_config),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def convert(*args: object):
+    return CliRunner().invoke(main, ["convert", *map(str, args)])
+
+
+def assert_error(result, *fragments: str) -> str:
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[-1], (fragment, lines[-1])
+    assert "Traceback" not in result.output
+    return lines[-1]
+
+
+def source_model(architecture: str, **overrides):
+    model_class, config = MODELS[architecture]
+    return reference(model_class, config(**overrides))
+
+
+def gguf_file(tmp_path, kind: str, **options):
+    """The tiny model of ``kind`` (a key of ``MODELS``) and its GGUF file (``options`` to ``write_hybrid_gguf``)."""
+    folder = tmp_path / "gguf"
+    folder.mkdir(exist_ok=True)
+    model = source_model(kind)
+    return model, write_hybrid_gguf(model, folder / f"tiny-{kind}.gguf", **options)
+
+
+@torch.no_grad()
+def assert_gives_the_models_logits(model, folder, atol=FP32_ATOL, rtol=FP32_RTOL) -> None:
+    """The Thinker in ``folder`` gives ``model``'s float32 logits on a left-padded batch (real positions)."""
+    converted = ThinkerForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids, mask = left_pad([token_ids(1, 9, seed=3)[0], token_ids(1, 5, seed=4)[0]])
+    real = mask.bool()
+    expected = model(input_ids=ids, attention_mask=mask).logits[real]
+    torch.testing.assert_close(
+        converted(input_ids=ids, attention_mask=mask).logits[real], expected, atol=atol, rtol=rtol
+    )
+
+
+@pytest.mark.parametrize("architecture", sorted(MODELS))
+@pytest.mark.parametrize("verify", ["--verify", "--verify-by-layer"])
+def test_hybrid_gguf_converts_to_the_model_it_was_written_from(architecture, verify, tmp_path):
+    model, path = gguf_file(tmp_path, architecture, mtp_layers=1)
+    output = tmp_path / "out"
+    result = convert(path, output, verify)
+    assert result.exit_code == 0, result.output
+    assert f"(gguf-{architecture})" in result.output and "pass" in result.output, result.output
+    parity = json.loads((output / "parity.json").read_text())
+    assert parity["passed"] and parity["mode"] == ("layer-by-layer" if verify.endswith("layer") else "whole-model")
+    assert_gives_the_models_logits(model, output)
+    config = json.loads((output / "config.json").read_text())
+    assert config["layer_types"] == model.config.layer_types and config["num_hidden_layers"] == 4  # MTP block dropped
+    assert config["rope_parameters"]["mrope_section"] == [2, 1, 1] and config["norm_zero_centered"]
+
+
+@pytest.mark.parametrize("verify", ["--verify", "--verify-by-layer"])
+def test_quantized_hybrid_gguf_is_verified_against_its_own_dequantized_weights(verify, tmp_path):
+    """Q8_0 blocks: the gate compares against transformers' reading of the same blocks, so they agree to float32
+    summation noise. (Not against the float model the file was written from: these random tiny models turn a
+    relative weight error of 2e-3, about what Q8_0 costs, into logit changes of order 1.)"""
+    _, path = gguf_file(tmp_path, "qwen35moe", quantization="Q8_0")
+    output = tmp_path / "out"
+    result = convert(path, output, verify)
+    assert result.exit_code == 0, result.output
+    (fp32,) = json.loads((output / "parity.json").read_text())["results"]
+    assert fp32["passed"] and fp32["max_abs_diff"] <= 1e-5, fp32
+
+
+def test_hybrid_gguf_tokenizer_is_transformers_reading_of_the_file(tmp_path):
+    _, path = gguf_file(tmp_path, "qwen35")
+    output = tmp_path / "out"
+    assert convert(path, output, "--no-verify").exit_code == 0
+    ours = AutoTokenizer.from_pretrained(output)
+    theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    text = "".join(ours.convert_ids_to_tokens(list(range(40, 60))))
+    assert ours(text).input_ids == theirs(text).input_ids and len(ours(text).input_ids) > 1
+
+
+@pytest.fixture
+def norms_left_centred(monkeypatch):
+    """The converter with one mistake planted: the layer norms' ``1 + w`` kept instead of undone."""
+    norm = "model.layers.{layer}.input_layernorm.weight"
+
+    def planted(family):
+        if family.name != "gguf-qwen35":
+            return family
+        tensors = tuple(
+            dataclasses.replace(entry, op=Identity()) if entry.targets == (norm,) else entry for entry in family.tensors
+        )
+        return dataclasses.replace(family, tensors=tensors)
+
+    monkeypatch.setattr(converter.families, "FAMILIES", tuple(map(planted, converter.families.FAMILIES)))
+
+
+@pytest.mark.parametrize("verify", ["--verify", "--verify-by-layer"])
+def test_a_planted_mistake_fails_the_gate(verify, tmp_path, norms_left_centred):
+    _, path = gguf_file(tmp_path, "qwen35")
+    output = tmp_path / "out"
+    result = convert(path, output, verify)
+    assert result.exit_code == 1, result.output
+    assert "fail" in result.output and not output.exists()
+
+
+@pytest.mark.parametrize("key", ["qwen35.ssm.conv_kernel", "qwen35.rope.dimension_sections", "tokenizer.ggml.tokens"])
+def test_a_missing_key_is_named(key, tmp_path):
+    _, path = gguf_file(tmp_path, "qwen35", metadata={key: None})
+    output = tmp_path / "out"
+    assert_error(convert(path, output, "--no-verify"), key)
+    assert not output.exists()
+
+
+def test_an_impossible_value_is_named(tmp_path):
+    _, path = gguf_file(tmp_path, "qwen35", metadata={"qwen35.ssm.group_count": 0})
+    assert_error(convert(path, tmp_path / "out", "--no-verify"), "'qwen35.ssm.group_count'", "corrupt")
+
+
+def test_a_decay_rate_no_a_log_makes_is_named(tmp_path):
+    """``ssm_a`` holds ``-exp(A_log)``, always negative: a positive value has no ``A_log`` (its log is NaN)."""
+    _, path = gguf_file(tmp_path, "qwen35")
+    reader = gguf.GGUFReader(path, "r+")
+    (ssm_a,) = [tensor for tensor in reader.tensors if tensor.name == "blk.0.ssm_a"]
+    ssm_a.data[:] = -ssm_a.data  # positive rates
+    reader.data.flush()
+    del reader
+    output = tmp_path / "out"
+    assert_error(convert(path, output, "--no-verify"), "blk.0.ssm_a")
+    assert not output.exists()
+
+
+def test_qwen3_next_gguf_says_what_to_do(tmp_path):
+    _, path = gguf_file(tmp_path, "qwen35", architecture="qwen3next")
+    assert_error(convert(path, tmp_path / "out", "--no-verify"), "'qwen3next'", "Hugging Face checkpoint")
