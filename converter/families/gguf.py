@@ -438,6 +438,10 @@ def _hybrid_hf_config(metadata: Mapping[str, Any], names: set[str], arch: str) -
     config = GGUF_CONFIG_ARCHS[arch](counted, tuple(sorted(names)))
     config["rms_norm_eps"] = _float32_repr(config["rms_norm_eps"])
     config["rope_parameters"] |= {"rope_theta": theta, "rope_type": "default"}
+    # llama.cpp pads the [t, h, w] sections to four with a 0, which transformers drops with every other 0: a real
+    # section of 0 frequencies ([1, 1, 0]) would go too, and the [t, h, w] triple with it. The first three are kept.
+    if len(sections) == 4 and sections[3] == 0:
+        config["rope_parameters"]["mrope_section"] = sections[:3]
     if config["num_hidden_layers"] < 1:
         raise ThinkerError(
             f"GGUF metadata '{arch}.block_count' counts {metadata[f'{arch}.block_count']} blocks, of which "

@@ -174,3 +174,12 @@ def test_a_decay_rate_no_a_log_makes_is_named(tmp_path):
 def test_qwen3_next_gguf_says_what_to_do(tmp_path):
     _, path = gguf_file(tmp_path, "qwen35", architecture="qwen3next")
     assert_error(convert(path, tmp_path / "out", "--no-verify"), "'qwen3next'", "Hugging Face checkpoint")
+
+
+def test_a_section_of_no_frequencies_keeps_its_place(tmp_path):
+    """llama.cpp pads the [t, h, w] mRoPE sections to four with a 0; transformers' config builder drops every 0, so
+    [3, 1, 0] would lose its w. The first three are kept."""
+    _, path = gguf_file(tmp_path, "qwen35", metadata={"qwen35.rope.dimension_sections": [3, 1, 0, 0]})
+    output = tmp_path / "out"
+    assert convert(path, output, "--no-verify").exit_code == 0
+    assert json.loads((output / "config.json").read_text())["rope_parameters"]["mrope_section"] == [3, 1, 0]
