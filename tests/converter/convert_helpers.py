@@ -100,7 +100,6 @@ def write_gguf(
     a value None leaves the key out. ``quantization`` (a ``GGMLQuantizationType`` name such as ``"Q8_0"``) stores
     every matrix and expert stack whose rows fit its blocks in that type, as llama.cpp's quantized files do."""
     import gguf
-    import numpy as np
 
     from converter.families.gguf import ROPE_PERMUTED_ARCHITECTURES, ROPE_PERMUTED_TENSORS, tensor_names
     from converter.ops import permute_llama_rope
@@ -116,15 +115,9 @@ def write_gguf(
                 gguf_template,
             )
     writer = gguf.GGUFWriter(path, arch=architecture)
-    kind = None if quantization is None else gguf.GGMLQuantizationType[quantization]
 
     def add(name: str, tensor: torch.Tensor) -> None:
-        array = np.ascontiguousarray(tensor.float().numpy())
-        block = None if kind is None else gguf.GGML_QUANT_SIZES[kind][0]
-        if block is not None and array.ndim >= 2 and array.shape[-1] % block == 0:
-            writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
-        else:
-            writer.add_tensor(name, array)
+        add_gguf_tensor(writer, name, tensor, quantization)
 
     prefix = architecture
     values: dict[str, object] = {
@@ -149,15 +142,7 @@ def write_gguf(
         }
         if getattr(config, "shared_expert_intermediate_size", None):
             values[f"{prefix}.expert_shared_feed_forward_length"] = config.shared_expert_intermediate_size
-    for key, value in {**values, **(metadata or {})}.items():
-        if value is None:
-            continue
-        if isinstance(value, str):
-            writer.add_string(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        else:
-            writer.add_uint32(key, value)
+    add_gguf_metadata(writer, {**values, **(metadata or {})})
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -186,3 +171,34 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def add_gguf_metadata(writer, values: dict[str, object]) -> None:
+    """Each key with the GGUF type of its Python value (str, float32, a list as an array, else uint32); a value None
+    leaves the key out."""
+    for key, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, list):
+            writer.add_array(key, value)
+        else:
+            writer.add_uint32(key, value)
+
+
+def add_gguf_tensor(writer, name: str, tensor: torch.Tensor, quantization: str | None = None) -> None:
+    """The tensor in float32, or in ``quantization``'s blocks (a ``GGMLQuantizationType`` name such as ``"Q8_0"``)
+    where its rows fit them, as llama.cpp's quantized files store matrices and expert stacks."""
+    import gguf
+    import numpy as np
+
+    array = np.ascontiguousarray(tensor.float().numpy())
+    kind = None if quantization is None else gguf.GGMLQuantizationType[quantization]
+    block = None if kind is None else gguf.GGML_QUANT_SIZES[kind][0]
+    if block is not None and array.ndim >= 2 and array.shape[-1] % block == 0:
+        writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+    else:
+        writer.add_tensor(name, array)

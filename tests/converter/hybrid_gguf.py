@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
+from convert_helpers import add_gguf_metadata, add_gguf_tensor
 from transformers import PreTrainedModel
 
 # Hugging Face name within a layer -> llama.cpp's (gguf-py's tensor table for qwen35 / qwen35moe).
@@ -178,27 +178,10 @@ def write_hybrid_gguf(
     else:
         values[f"{architecture}.feed_forward_length"] = config.intermediate_size
     writer = gguf.GGUFWriter(path, arch=architecture)
-    for key, value in {**values, **(metadata or {})}.items():
-        if value is None:
-            continue
-        if isinstance(value, str):
-            writer.add_string(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        elif isinstance(value, list):
-            writer.add_array(key, value)
-        else:
-            writer.add_uint32(key, value)
-    kind = None if quantization is None else gguf.GGMLQuantizationType[quantization]
+    add_gguf_metadata(writer, {**values, **(metadata or {})})
     for name, tensor in llama_cpp_tensors(model, mtp_layers).items():
-        if name in drop:
-            continue
-        array = np.ascontiguousarray(tensor.numpy())
-        block = None if kind is None else gguf.GGML_QUANT_SIZES[kind][0]
-        if block is not None and array.ndim >= 2 and array.shape[-1] % block == 0:
-            writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
-        else:
-            writer.add_tensor(name, array)
+        if name not in drop:
+            add_gguf_tensor(writer, name, tensor, quantization)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
