@@ -369,7 +369,9 @@ def open_source(root: Path) -> TensorSource:
 
         return GGUFSource(ggufs[0])
     if len(ggufs) > 1:
-        raise ThinkerError(f"{root}: holds several .gguf files; pass the one to convert as SOURCE")
+        raise ThinkerError(
+            f"{root}: holds several .gguf files; pass the one to convert as SOURCE, or name it with --gguf-file"
+        )
     raise ThinkerError(
         f"{root}: no checkpoint here (no *.safetensors, pytorch_model*.bin, *.pth or *.gguf); "
         "point SOURCE at a model folder or a Hub repo id"

@@ -83,6 +83,7 @@ Examples:
   thinker-convert Qwen/Qwen3-0.6B ./qwen3-0.6b-thinker
   thinker-convert ./qwen2-folder ./out --dtype bfloat16 --max-shard-size 2GB
   thinker-convert ./SmolLM2-135M-Instruct.Q4_1.gguf ./smollm2 --force
+  thinker-convert unsloth/Qwen3.5-0.8B-GGUF ./qwen3.5-0.8b --gguf-file Qwen3.5-0.8B-Q8_0.gguf
   thinker-convert Qwen/Qwen3-30B-A3B ./qwen3-moe --verify-by-layer
   thinker-convert ./qwen3-0.6b-thinker ./qwen3-0.6b-again --to qwen3
 """
@@ -118,12 +119,19 @@ def _shard_size(ctx: click.Context, param: click.Parameter, value: str) -> str:
 revision_option = click.option(
     "--revision", metavar="REV", help="Hub branch, tag or commit of a repo-id SOURCE (default: main)."
 )
+gguf_file_option = click.option(
+    "--gguf-file",
+    metavar="NAME",
+    help="The GGUF file to convert, by name, when SOURCE (a Hub repo or a folder) holds several, one per "
+    "quantisation: only that file is downloaded (as transformers' from_pretrained(..., gguf_file=NAME)).",
+)
 
 
 @click.command("thinker-convert", help=CONVERT_HELP, context_settings=CONTEXT)
 @click.argument("source")
 @click.argument("output", type=click.Path(path_type=Path))
 @revision_option
+@gguf_file_option
 @click.option(
     "--dtype",
     type=click.Choice(["auto", *FLOAT_DTYPES]),
@@ -165,6 +173,7 @@ def convert_command(
     source: str,
     output: Path,
     revision: str | None,
+    gguf_file: str | None,
     dtype: str,
     max_shard_size: str,
     verify: bool | None,
@@ -177,8 +186,9 @@ def convert_command(
     if to_family is not None:
         from .back import convert_back
 
-        if revision is not None:
-            raise ThinkerError("--revision applies to a Hub SOURCE; --to takes a local Thinker folder")
+        if revision is not None or gguf_file is not None:
+            given = "--revision" if revision is not None else "--gguf-file"
+            raise ThinkerError(f"{given} applies to a Hub or GGUF SOURCE; --to takes a local Thinker folder")
         result = convert_back(
             source,
             output,
@@ -194,6 +204,7 @@ def convert_command(
             source,
             output,
             revision=revision,
+            gguf_file=gguf_file,
             dtype=dtype,
             max_shard_size=max_shard_size,
             verify=verify,
@@ -216,12 +227,15 @@ def convert_command(
 @click.argument("source")
 @click.argument("converted", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @revision_option
+@gguf_file_option
 @click.option("--verify-by-layer", is_flag=True, help="Run the two models one layer at a time whatever their size.")
 @reports_errors
-def verify_command(source: str, converted: Path, revision: str | None, verify_by_layer: bool) -> None:
+def verify_command(
+    source: str, converted: Path, revision: str | None, gguf_file: str | None, verify_by_layer: bool
+) -> None:
     from .convert import verify
 
-    report = verify(source, converted, revision=revision, by_layer=verify_by_layer)
+    report = verify(source, converted, revision=revision, gguf_file=gguf_file, by_layer=verify_by_layer)
     if report.mode_note:
         click.secho(report.mode_note, fg="yellow", err=True)
     click.echo(report.table())

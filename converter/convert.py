@@ -120,6 +120,7 @@ def verify(
     converted: str | Path,
     *,
     revision: str | None = None,
+    gguf_file: str | None = None,
     by_layer: bool = False,
     memory_budget: int | None = None,
 ) -> ParityReport:
@@ -129,7 +130,7 @@ def verify(
     converted = Path(converted)
     if not (converted / "config.json").is_file():
         raise ThinkerError(f"{converted}: not a converted model folder (no config.json)")
-    root = resolve_source(str(source), revision)
+    root = resolve_source(str(source), revision, gguf_file=gguf_file)
     refuse_output_over_source(converted, root, writes_into=True)  # parity.json goes into CONVERTED
     mode, note = (BY_LAYER, "") if by_layer else parity_mode(folder_parameters(converted), memory_budget)
     failure = f"{converted} does not match its reference {source}"

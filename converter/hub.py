@@ -73,8 +73,9 @@ def is_repo_id(source: str) -> bool:
     return True
 
 
-def pick_conversion_files(repo_files: Iterable[str], label: str) -> list[str]:
+def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str | None = None) -> list[str]:
     """The files of a repo that a conversion reads, chosen from its file listing; ``label`` names it in errors.
+    ``gguf_file`` names the one GGUF file to take, of the several a GGUF repo holds (one per quantisation).
 
     Only top-level files are taken: sub-folders hold alternative copies (``original/*.pth``, ``onnx/``, ``gguf/``)
     that can be many times the size of the checkpoint itself. Of the weights, one format is taken, the first
@@ -91,15 +92,16 @@ def pick_conversion_files(repo_files: Iterable[str], label: str) -> list[str]:
         found = [name for name in top if name.endswith(suffix)]
         return [name for name in found if name.startswith(preferred_prefix)] or found
 
-    weights = ending(".safetensors", "model") or ending(".bin", "pytorch_model")
+    gguf = ending(".gguf", "")
+    if gguf_file is not None:
+        if gguf_file not in gguf:
+            raise ThinkerError(f"{label} has no GGUF file {gguf_file!r} at its top level; {_ggufs_held(gguf)}")
+        weights = [gguf_file]
+    else:
+        weights = ending(".safetensors", "model") or ending(".bin", "pytorch_model")
     if not weights:
-        gguf = ending(".gguf", "")
         if len(gguf) > 1:
-            shown = ", ".join(gguf[:4]) + (", ..." if len(gguf) > 4 else "")
-            raise ThinkerError(
-                f"{label} holds {len(gguf)} GGUF files ({shown}); download the one you want with "
-                f"`hf download {label.split('@')[0]} FILE` and pass that file's path instead"
-            )
+            raise ThinkerError(f"{label} holds {len(gguf)} GGUF files; pick one with --gguf-file: {_ggufs_held(gguf)}")
         weights = gguf
     if not weights:
         raise ThinkerError(
@@ -110,10 +112,16 @@ def pick_conversion_files(repo_files: Iterable[str], label: str) -> list[str]:
     return sorted(set(weights) | set(side_files))
 
 
+def _ggufs_held(names: list[str]) -> str:
+    shown = ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
+    return f"the GGUF files there: {shown}" if names else "there are no GGUF files there"
+
+
 def resolve_source(
     source: str,
     revision: str | None = None,
     *,
+    gguf_file: str | None = None,
     allow_patterns: list[str] | None = None,
     token: str | bool | None = None,
     cache_dir: str | Path | None = None,
@@ -128,14 +136,19 @@ def resolve_source(
     ``pick_conversion_files``) only apply to repo ids. ``token`` defaults to huggingface_hub's own lookup
     (``HF_TOKEN``, then the ``hf auth login`` token file); ``cache_dir`` to ``HF_HUB_CACHE``; ``local_files_only``
     uses the cache alone, as ``HF_HUB_OFFLINE=1`` does; ``force_download`` fetches again what is cached;
-    ``subfolder`` is the checkpoint's folder inside the repo (or the local folder). These are the Hub arguments of
-    transformers' ``from_pretrained``, with the same meaning. ``progress=False`` hides huggingface_hub's bars.
+    ``subfolder`` is the checkpoint's folder inside the repo (or the local folder); ``gguf_file`` the GGUF file to
+    take in it, of several (the path of that file is returned). These are the Hub arguments of transformers'
+    ``from_pretrained``, with the same meaning. ``progress=False`` hides huggingface_hub's bars.
     """
+    if gguf_file is not None and (not gguf_file.endswith(".gguf") or "/" in gguf_file or gguf_file.startswith(".")):
+        raise ThinkerError(
+            f"--gguf-file {gguf_file!r}: give the name of a .gguf file (with --subfolder for its folder)"
+        )
     local = Path(source).expanduser()
     if local.exists():
         if revision is not None:
             raise ThinkerError(f"{source}: a revision ({revision!r}) only applies to Hub repo ids, not local paths")
-        return _in_subfolder(local, subfolder, source)
+        return _gguf_in(_in_subfolder(local, subfolder, source), gguf_file, source)
     if not is_repo_id(source):
         raise ThinkerError(f"{source}: no such folder, and not a Hub repo id ('name' or 'owner/name'); check the path")
     first = Path(source.split("/")[0]).expanduser()
@@ -146,9 +159,10 @@ def resolve_source(
             f"{source}: no such folder ({first} exists here, {source} does not); check the path (a Hub repo id "
             f"spelled like a local path is not tried while {first} exists)"
         )
-    hub = _HubOptions(token, cache_dir, local_files_only, force_download, (subfolder or "").strip("/"))
+    hub = _HubOptions(token, cache_dir, local_files_only, force_download, (subfolder or "").strip("/"), gguf_file)
+    label = f"{source}@{revision or constants.DEFAULT_REVISION}"
     snapshot = _resolve_repo(source, revision or constants.DEFAULT_REVISION, allow_patterns, hub, progress)
-    return _in_subfolder(snapshot, hub.subfolder, f"{source}@{revision or constants.DEFAULT_REVISION}")
+    return _gguf_in(_in_subfolder(snapshot, hub.subfolder, label), gguf_file, label)
 
 
 @dataclass(frozen=True)
@@ -158,6 +172,7 @@ class _HubOptions:
     local_files_only: bool
     force_download: bool
     subfolder: str
+    gguf_file: str | None = None
 
 
 def _in_subfolder(folder: Path, subfolder: str | None, label: str) -> Path:
@@ -167,6 +182,19 @@ def _in_subfolder(folder: Path, subfolder: str | None, label: str) -> Path:
     if not path.exists():
         raise ThinkerError(f"{label}: no subfolder {subfolder!r} in {folder}; check the subfolder name")
     return path
+
+
+def _gguf_in(path: Path, gguf_file: str | None, label: str) -> Path:
+    """The GGUF file ``gguf_file`` names in the folder ``path`` (``path`` itself when none is named)."""
+    if gguf_file is None:
+        return path
+    if not path.is_dir():
+        raise ThinkerError(f"{label}: --gguf-file picks a file in a folder or a Hub repo; SOURCE is already a file")
+    file = path / gguf_file
+    if not file.is_file():
+        held = sorted(entry.name for entry in path.glob("*.gguf"))
+        raise ThinkerError(f"{label}: no GGUF file {gguf_file!r} in {path}; {_ggufs_held(held)}")
+    return file
 
 
 def _resolve_repo(
@@ -202,7 +230,8 @@ def _resolve_repo(
     if allow_patterns is None:
         prefix = f"{hub.subfolder}/" if hub.subfolder else ""
         inside = [name.removeprefix(prefix) for name in files if name.startswith(prefix)]
-        allow_patterns = [glob.escape(prefix + name) for name in pick_conversion_files(inside, label)]
+        picked = pick_conversion_files(inside, label, hub.gguf_file)
+        allow_patterns = [glob.escape(prefix + name) for name in picked]
     for name in filter_repo_objects(files, allow_patterns=allow_patterns):
         _check_file_name(name, label)
 

@@ -9,7 +9,8 @@ the right shape), streams the tensors through the same operations, and hands the
 
 Importing this module registers ``load_thinker`` with ``thinker.foreign``, so that
 ``ThinkerForCausalLM.from_pretrained`` on a checkpoint of another family converts it on load, with every Hub
-argument (``revision``, ``token``, ``cache_dir``, ``local_files_only``, ``force_download``, ``subfolder``) going to
+argument (``revision``, ``token``, ``cache_dir``, ``local_files_only``, ``force_download``, ``subfolder``,
+``gguf_file``) going to
 the converter's Hub resolution.
 
 transformers 5 can also rename and fuse weights at load time (``WeightRenaming`` / ``WeightConverter`` in its
@@ -60,16 +61,17 @@ def load_thinker(
     local_files_only: bool = False,
     force_download: bool = False,
     subfolder: str | None = None,
+    gguf_file: str | None = None,
     **from_pretrained_kwargs: Any,
 ) -> ThinkerForCausalLM:
     """``source`` (Hub repo id, folder or weights file of any supported family) as a Thinker model, in eval mode.
 
     ``dtype`` is the converter's choice (``auto`` keeps the source's); ``token``, ``cache_dir``,
-    ``local_files_only``, ``force_download`` and ``subfolder`` locate it (``hub.resolve_source``); other keyword
-    arguments go to ``ThinkerForCausalLM.from_pretrained``. A Thinker folder is loaded as it is.
+    ``local_files_only``, ``force_download``, ``subfolder`` and ``gguf_file`` locate it (``hub.resolve_source``);
+    other keyword arguments go to ``ThinkerForCausalLM.from_pretrained``. A Thinker folder is loaded as it is.
     """
     hub = {"token": token, "cache_dir": cache_dir, "local_files_only": local_files_only}
-    hub |= {"force_download": force_download, "subfolder": subfolder}
+    hub |= {"force_download": force_download, "subfolder": subfolder, "gguf_file": gguf_file}
     root = resolve_source(str(source), revision, progress=progress, **hub)
     tensor_source = open_source(root)
     try:

@@ -9,7 +9,9 @@ does not know, and initialise the rest at random. Instead, ``from_pretrained`` (
   transformers' own ``from_pretrained`` unchanged;
 - any other checkpoint goes to the loader registered here (``register_checkpoint_loader``), with every argument:
   the Hub ones (``revision``, ``token``, ``cache_dir``, ``local_files_only``, ``force_download``, ``subfolder``,
-  which locate the checkpoint) and the model ones (``dtype``, ``device_map``, ``attn_implementation`` ...).
+  which locate the checkpoint) and the model ones (``dtype``, ``device_map``, ``attn_implementation`` ...);
+- so does a call with ``gguf_file=`` (one GGUF file of a repo or folder, as for transformers' models): a Thinker
+  checkpoint is never a GGUF file.
 
 The loader is the converter's ``converter.load.load_thinker``, which renames the weights on load through the same
 family tables and checks as ``thinker-convert``. The converter registers it when it is imported
@@ -67,7 +69,10 @@ def from_pretrained(
         pretrained_model_name_or_path is None
         or args
         or kwargs.get("config") is not None
-        or not is_foreign_checkpoint(pretrained_model_name_or_path, **hub_arguments)
+        or (
+            kwargs.get("gguf_file") is None
+            and not is_foreign_checkpoint(pretrained_model_name_or_path, **hub_arguments)
+        )
     ):
         return transformers_from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs)
     if not _loaders:

@@ -183,3 +183,32 @@ def test_a_section_of_no_frequencies_keeps_its_place(tmp_path):
     output = tmp_path / "out"
     assert convert(path, output, "--no-verify").exit_code == 0
     assert json.loads((output / "config.json").read_text())["rope_parameters"]["mrope_section"] == [3, 1, 0]
+
+
+def test_one_quantisation_of_a_hub_gguf_repo(fake_hub, tmp_path):
+    """A Hub GGUF repo holds one file per quantisation: ``--gguf-file`` converts (and verifies) the one named."""
+    _, q8 = gguf_file(tmp_path, "qwen35", quantization="Q8_0")
+    model, f32 = gguf_file(tmp_path, "qwen35moe")
+    fake_hub.add_repo("acme/tiny-qwen3.5-GGUF", {"tiny-Q8_0.gguf": q8.read_bytes(), "tiny-F32.gguf": f32.read_bytes()})
+    output = tmp_path / "out"
+    result = convert("acme/tiny-qwen3.5-GGUF", output, "--gguf-file", "tiny-F32.gguf")
+    assert result.exit_code == 0, result.output
+    assert "(gguf-qwen35moe)" in result.output
+    assert_gives_the_models_logits(model, output)
+    verified = CliRunner().invoke(
+        main, ["verify", "acme/tiny-qwen3.5-GGUF", str(output), "--gguf-file", "tiny-F32.gguf"]
+    )
+    assert verified.exit_code == 0 and "parity holds" in verified.output, verified.output
+
+
+def test_thinker_from_pretrained_takes_gguf_file(tmp_path):
+    """``ThinkerForCausalLM.from_pretrained(folder, gguf_file=NAME)``, as transformers' own models take it: the named
+    file of a folder holding several is converted on load."""
+    import converter.load  # noqa: F401  (registers the converter with ThinkerForCausalLM.from_pretrained)
+
+    model, path = gguf_file(tmp_path, "qwen35")
+    write_hybrid_gguf(source_model("qwen35moe"), path.parent / "other.gguf")
+    loaded = ThinkerForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    ids = token_ids(2, 7)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=FP32_ATOL, rtol=FP32_RTOL)

@@ -227,3 +227,35 @@ def test_pick_conversion_files_refuses_ambiguous_or_missing_weights():
 def test_gguf_only_repo_downloads_its_single_file(fake_hub):
     fake_hub.add_repo("acme/tiny-gguf", {"README.md": b"#", "tiny-q8_0.gguf": b"GGUF" + bytes(60)})
     assert files_in(resolve_source("acme/tiny-gguf", progress=False)) == {"tiny-q8_0.gguf"}
+
+
+GGUF_REPO = {
+    "README.md": b"#",
+    "tiny-Q4_K_M.gguf": b"GGUF" + bytes(60),
+    "tiny-Q8_0.gguf": b"GGUF" + bytes(61),
+    "mmproj-F16.gguf": b"GGUF" + bytes(62),
+}
+
+
+def test_gguf_file_picks_one_of_a_repos_quantisations(fake_hub):
+    sha = fake_hub.add_repo("acme/tiny-gguf", GGUF_REPO)
+    path = resolve_source("acme/tiny-gguf", gguf_file="tiny-Q8_0.gguf", progress=False)
+    assert path.name == "tiny-Q8_0.gguf" and path.parent.name == sha and path.read_bytes() == GGUF_REPO[path.name]
+    assert files_in(path.parent) == {"tiny-Q8_0.gguf"}  # the other quantisations are not downloaded
+    with pytest.raises(ThinkerError, match=r"no GGUF file 'tiny-Q5.gguf' .*tiny-Q4_K_M.gguf, tiny-Q8_0.gguf"):
+        resolve_source("acme/tiny-gguf", gguf_file="tiny-Q5.gguf", progress=False)
+    with pytest.raises(ThinkerError, match="holds 3 GGUF files; pick one with --gguf-file: .*mmproj-F16.gguf"):
+        resolve_source("acme/tiny-gguf", progress=False)
+
+
+def test_gguf_file_in_a_local_folder(tmp_path):
+    for name, content in GGUF_REPO.items():
+        (tmp_path / name).write_bytes(content)
+    assert resolve_source(str(tmp_path), gguf_file="tiny-Q4_K_M.gguf") == tmp_path / "tiny-Q4_K_M.gguf"
+    with pytest.raises(ThinkerError, match="no GGUF file 'q2.gguf' in .*the GGUF files there: mmproj-F16.gguf"):
+        resolve_source(str(tmp_path), gguf_file="q2.gguf")
+    with pytest.raises(ThinkerError, match="SOURCE is already a file"):
+        resolve_source(str(tmp_path / "tiny-Q8_0.gguf"), gguf_file="tiny-Q8_0.gguf")
+    for bad in ("../tiny-Q8_0.gguf", "sub/tiny.gguf", "tiny.safetensors", ".hidden.gguf"):
+        with pytest.raises(ThinkerError, match="give the name of a .gguf file"):
+            resolve_source(str(tmp_path), gguf_file=bad)
