@@ -377,31 +377,32 @@ def gguf_to_hf_config(metadata: Mapping[str, Any], tensor_names: Collection[str]
     return config
 
 
-# What transformers' config builder for a hybrid architecture reads, as ``{arch}.KEY`` -> the field it sets (the
-# checks of ``_check_values`` by field name); the MoE keys only where the architecture has experts.
-_HYBRID_KEYS = {
-    "context_length": "max_position_embeddings",
-    "embedding_length": "hidden_size",
-    "attention.head_count": "num_attention_heads",
-    "attention.head_count_kv": "num_key_value_heads",
-    "attention.key_length": "head_dim",
-    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
-    "block_count": "num_hidden_layers",
-    "full_attention_interval": "full_attention_interval",
-    "ssm.conv_kernel": "linear_conv_kernel_dim",
-    "ssm.state_size": "linear_key_head_dim",
-    "ssm.group_count": "linear_num_key_heads",
-    "ssm.time_step_rank": "linear_num_value_heads",
-    "ssm.inner_size": "linear_value_head_dim",
-    "rope.dimension_count": "rope_dimension_count",
+# The sizes transformers' config builder for a hybrid architecture reads (``{arch}.KEY``), each a whole number above
+# 0: those of both, then the dense MLP's width or the experts'.
+_HYBRID_SIZE_KEYS = (
+    "context_length",
+    "embedding_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    "block_count",
+    "full_attention_interval",
+    "ssm.conv_kernel",
+    "ssm.state_size",
+    "ssm.group_count",
+    "ssm.time_step_rank",
+    "ssm.inner_size",
+    "rope.dimension_count",
+)
+_HYBRID_MLP_SIZE_KEYS = {
+    "qwen35": ("feed_forward_length",),
+    "qwen35moe": (
+        "expert_count",
+        "expert_used_count",
+        "expert_feed_forward_length",
+        "expert_shared_feed_forward_length",
+    ),
 }
-_HYBRID_MOE_KEYS = {
-    "expert_count": "num_experts",
-    "expert_used_count": "num_experts_per_tok",
-    "expert_feed_forward_length": "moe_intermediate_size",
-    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
-}
-_HYBRID_INTEGER_FIELDS = {field for field in (*_HYBRID_KEYS.values(), *_HYBRID_MOE_KEYS.values())} - {"rms_norm_eps"}
 
 
 def _hybrid_hf_config(metadata: Mapping[str, Any], names: set[str], arch: str) -> dict[str, Any]:
@@ -410,19 +411,16 @@ def _hybrid_hf_config(metadata: Mapping[str, Any], names: set[str], arch: str) -
     float (a corrupt file names its key rather than failing inside transformers)."""
     from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
 
-    keys = _HYBRID_KEYS | (_HYBRID_MOE_KEYS if arch == "qwen35moe" else {})
-    for key, field in keys.items():
-        name = f"{arch}.{key}"
+    eps = f"{arch}.attention.layer_norm_rms_epsilon"
+    for name in (*(f"{arch}.{key}" for key in (*_HYBRID_SIZE_KEYS, *_HYBRID_MLP_SIZE_KEYS[arch])), eps):
         if name not in metadata:
             raise ThinkerError(f"GGUF metadata lacks {name!r}, which a {arch} model needs; the file is incomplete")
         value = metadata[name]
-        integer = field in _HYBRID_INTEGER_FIELDS
-        if integer and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        if name != eps and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
             raise ThinkerError(
                 f"GGUF metadata {name!r} is {value!r}; a model needs a whole number above 0 there: the file is corrupt"
             )
-    _check_values({"rms_norm_eps": metadata[f"{arch}.attention.layer_norm_rms_epsilon"]},
-                  {f"{arch}.attention.layer_norm_rms_epsilon": "rms_norm_eps"})  # fmt: skip
+    _check_values({"rms_norm_eps": metadata[eps]}, {eps: "rms_norm_eps"})
     theta = _rope_parameters(metadata, arch, names)["rope_theta"]  # checks the base, refuses scaling keys it cannot map
     tokens = metadata.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens:

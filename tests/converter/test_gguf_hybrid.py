@@ -145,7 +145,10 @@ def test_a_planted_mistake_fails_the_gate(verify, tmp_path, norms_left_centred):
     assert "fail" in result.output and not output.exists()
 
 
-@pytest.mark.parametrize("key", ["qwen35.ssm.conv_kernel", "qwen35.rope.dimension_sections", "tokenizer.ggml.tokens"])
+@pytest.mark.parametrize(
+    "key",
+    ["qwen35.ssm.conv_kernel", "qwen35.feed_forward_length", "qwen35.rope.dimension_sections", "tokenizer.ggml.tokens"],
+)
 def test_a_missing_key_is_named(key, tmp_path):
     _, path = gguf_file(tmp_path, "qwen35", metadata={key: None})
     output = tmp_path / "out"
