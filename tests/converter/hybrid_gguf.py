@@ -106,15 +106,22 @@ def llama_cpp_tensors(model: PreTrainedModel, mtp_layers: int = 0) -> dict[str, 
 
 
 def stand_in_vocabulary(size: int) -> dict[str, object]:
-    """A byte-level BPE vocabulary of ``size`` tokens as llama.cpp's keys hold one: single characters of GPT-2's byte
-    alphabet, the last token the merge of the first two, Qwen3.5's pre-tokenizer and an end-of-text id."""
+    """A byte-level BPE vocabulary of ``size`` tokens as llama.cpp's keys hold one: characters of GPT-2's byte
+    alphabet, then pairs and triples of them as a real-sized vocabulary needs, the last token the merge of the first
+    two; Qwen3.5's pre-tokenizer and an end-of-text id."""
+    from itertools import chain, islice, product
+
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    alphabet = sorted(bytes_to_unicode().values())[33 : 33 + size - 1]
+    alphabet = sorted(bytes_to_unicode().values())[33:]
+    words = chain(alphabet, ("".join(pair) for pair in product(alphabet, repeat=2)),
+                  ("".join(triple) for triple in product(alphabet, repeat=3)))  # fmt: skip
+    merged = alphabet[0] + alphabet[1]
+    tokens = list(islice((word for word in words if word != merged), size - 1))
     return {
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "qwen35",
-        "tokenizer.ggml.tokens": [*alphabet, alphabet[0] + alphabet[1]],
+        "tokenizer.ggml.tokens": [*tokens, merged],
         "tokenizer.ggml.merges": [f"{alphabet[0]} {alphabet[1]}"],
         "tokenizer.ggml.eos_token_id": size - 2,
     }

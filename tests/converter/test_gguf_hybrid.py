@@ -215,3 +215,16 @@ def test_thinker_from_pretrained_takes_gguf_file(tmp_path):
     ids = token_ids(2, 7)
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=FP32_ATOL, rtol=FP32_RTOL)
+
+
+def test_a_bfloat16_gguf_converts_to_bfloat16_exactly(tmp_path):
+    """A BF16 file (llama.cpp's unquantised release; its norms and decay rates stay float32) converts to bfloat16,
+    the norms' ``1 + w`` undone in float32 before the cast, as transformers' loading does: both dtypes agree with
+    transformers' model of the file to the last bit."""
+    _, path = gguf_file(tmp_path, "qwen35", quantization="BF16")
+    output = tmp_path / "out"
+    result = convert(path, output)
+    assert result.exit_code == 0, result.output
+    assert json.loads((output / "config.json").read_text())["dtype"] == "bfloat16"
+    rows = json.loads((output / "parity.json").read_text())["results"]
+    assert [row["dtype"] for row in rows] == ["float32", "bfloat16"] and all(row["max_abs_diff"] == 0 for row in rows)
