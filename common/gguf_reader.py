@@ -148,10 +148,29 @@ def _gguf_version() -> str:
         return "(unknown version)"
 
 
-def _open_reader(path: Path) -> Any:
-    """A ``GGUFReader`` for ``path``, with every way a file can be unreadable turned into one ``ThinkerError``."""
+def mapped_reader(path: Path) -> Any:
+    """``gguf.GGUFReader(path)`` over a plain ndarray view of its memory map rather than the ``np.memmap`` itself.
+
+    The reader slices its map once per metadata string and per array element, and every slice of an ``np.memmap``
+    runs memmap's ``__array_finalize__`` and ``__getitem__``: 11.6 s to open a file with Qwen3.5's 248,320-token
+    vocabulary, against 3.3 s over a view of the same mapped bytes (the view keeps the map alive; nothing is
+    copied). The reader and its tensors are otherwise gguf's own."""
     from gguf import GGUFReader
 
+    class MappedReader(GGUFReader):
+        @property
+        def data(self) -> np.ndarray:
+            return self._mapped
+
+        @data.setter
+        def data(self, value: np.ndarray) -> None:  # GGUFReader.__init__ assigns its np.memmap here
+            self._mapped = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+    return MappedReader(path)
+
+
+def _open_reader(path: Path) -> Any:
+    """A ``GGUFReader`` for ``path``, with every way a file can be unreadable turned into one ``ThinkerError``."""
     if os.path.lexists(path):
         regular_file(path)  # a named pipe would block the read below forever
     try:
@@ -163,7 +182,7 @@ def _open_reader(path: Path) -> Any:
     if magic != GGUF_MAGIC:
         raise ThinkerError(f"{path}: not a GGUF file (it does not start with b'GGUF'); pass a llama.cpp .gguf file")
     try:
-        reader = GGUFReader(path)
+        reader = mapped_reader(path)
     except Exception as err:  # the reader signals a short or garbled file with assorted exception types
         raise ThinkerError(
             f"{path}: not a readable GGUF file ({err.__class__.__name__}: {err}); it is truncated or corrupt, "

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from common.errors import ThinkerError
+from common.gguf_reader import mapped_reader
 
 from ..ops import (
     AsRow,
@@ -516,7 +517,6 @@ def reference_config(path: Path) -> Any:
     """The config transformers' GGUF loading builds for the file, with the experts' widths it does not read
     (``EXPERT_WIDTH_KEYS``) taken from the file's metadata, as ``gguf_to_hf_config`` takes them: without them
     transformers' model has the config class's default widths and no reference exists for most MoE files."""
-    from gguf import GGUFReader
     from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import read_field
 
@@ -524,7 +524,7 @@ def reference_config(path: Path) -> Any:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False)
     except Exception as err:  # transformers raises many types for a file it cannot read; all are the file's
         raise ThinkerError(f"{path}: the reference model does not build with transformers ({err})") from None
-    reader = GGUFReader(path)
+    reader = mapped_reader(path)
     architecture = read_field(reader, "general.architecture")[0]
     for key, field in EXPERT_WIDTH_KEYS.items():
         value = read_field(reader, f"{architecture}.{key}")
@@ -564,11 +564,11 @@ def load_layered_reference(source: Path, dtype: Any) -> Any:
     The GGUF tensors that make one Hugging Face tensor are read together: one, or for a MoE layer's experts the
     stacked gate and up tensors that the Qwen-MoE processor merges into gate_up_proj (it writes them into the
     ``parsed_parameters`` it is given, one such dict per Hugging Face tensor here). Processors known to gather
-    tensors otherwise are refused. The file is memory-mapped by ``gguf.GGUFReader``: pages once read stay mapped
-    (page cache, counted in the resident set) until the check ends.
+    tensors otherwise are refused. The file is memory-mapped by ``gguf.GGUFReader`` (``mapped_reader``): pages once
+    read stay mapped (page cache, counted in the resident set) until the check ends.
     """
     import torch
-    from gguf import GGUFReader, dequantize
+    from gguf import dequantize
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
@@ -587,7 +587,7 @@ def load_layered_reference(source: Path, dtype: Any) -> Any:
         model = empty_model(AutoModelForCausalLM.from_config, config, dtype, trust_remote_code=False)
     except Exception as err:  # transformers raises many types for a config it cannot build; all are the file's
         raise ThinkerError(f"{path}: the reference model does not build with transformers ({err})") from None
-    reader = GGUFReader(path)
+    reader = mapped_reader(path)
     architecture = read_field(reader, "general.architecture")[0]
     if architecture in HYBRID_ARCHITECTURES:
         return StreamedModel(model, _mapped_reference_tensors(path, reader, architecture, model))
