@@ -410,7 +410,15 @@ def _hybrid_hf_config(metadata: Mapping[str, Any], names: set[str], arch: str) -
     """The config transformers' own GGUF loading builds for a qwen35 / qwen35moe file (``GGUF_CONFIG_ARCHS``), after
     the checks every GGUF config gets here: each key it reads present, and a whole number above 0 or a positive
     float (a corrupt file names its key rather than failing inside transformers)."""
-    from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
+    try:
+        from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
+    except ImportError:
+        GGUF_CONFIG_ARCHS = {}  # transformers before 5.24
+    if arch not in GGUF_CONFIG_ARCHS:
+        raise ThinkerError(
+            f"GGUF {arch} files need transformers 5.24 or later, whose GGUF loading of them is the parity reference; "
+            "run `pip install 'transformers>=5.24,<5.25'`"
+        )
 
     eps = f"{arch}.attention.layer_norm_rms_epsilon"
     for name in (*(f"{arch}.{key}" for key in (*_HYBRID_SIZE_KEYS, *_HYBRID_MLP_SIZE_KEYS[arch])), eps):

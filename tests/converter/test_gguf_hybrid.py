@@ -228,3 +228,12 @@ def test_a_bfloat16_gguf_converts_to_bfloat16_exactly(tmp_path):
     assert json.loads((output / "config.json").read_text())["dtype"] == "bfloat16"
     rows = json.loads((output / "parity.json").read_text())["results"]
     assert [row["dtype"] for row in rows] == ["float32", "bfloat16"] and all(row["max_abs_diff"] == 0 for row in rows)
+
+
+def test_without_transformers_gguf_loading_of_qwen35_says_so(tmp_path, monkeypatch):
+    """transformers before 5.24 cannot load these files, so there is no reference: one line says what to install."""
+    import transformers.integrations.gguf
+
+    monkeypatch.setattr(transformers.integrations.gguf, "GGUF_CONFIG_ARCHS", {})
+    _, path = gguf_file(tmp_path, "qwen35")
+    assert_error(convert(path, tmp_path / "out", "--no-verify"), "transformers 5.24 or later")
