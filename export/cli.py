@@ -175,6 +175,12 @@ from .names import (
 )
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option(
+    "--gguf-file",
+    metavar="NAME",
+    help="The GGUF file of MODEL_DIR (a Hub repo or a folder holding several, one per quantisation) to convert on "
+    "the way, as `thinker convert --gguf-file`.",
+)
+@click.option(
     "--threads",
     type=click.IntRange(min=1),
     default=None,
@@ -202,6 +208,7 @@ def export_command(
     min_top1: float | None,
     max_perplexity_increase: float | None,
     force: bool,
+    gguf_file: str | None,
     threads: int | None,
 ) -> None:
     """Export MODEL_DIR to an ONNX folder OUTPUT for onnxruntime and onnxruntime-genai.
@@ -280,6 +287,7 @@ def export_command(
         accuracy_guard=accuracy_guard or None,
         positions=positions,
         logits=logits,
+        gguf_file=gguf_file,
     )
     sizes = ", ".join(f"{name} {_human(size)}" for name, size in report["sizes"].items() if name.startswith("model"))
     click.echo(

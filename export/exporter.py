@@ -94,6 +94,7 @@ def export_model(
     accuracy_guard: float | None = None,
     positions: str | None = None,
     logits: str | None = None,
+    gguf_file: str | None = None,
 ) -> dict:
     """Exports ``source`` to the folder ``output`` and returns the export report (also written there).
 
@@ -104,7 +105,8 @@ def export_model(
     agreement with the same graph at level 1 on a fixed paragraph, below which the most sensitive layers fall back
     to level 1 (export/accuracy_guard.py; None: no guard); ``positions``: "multimodal" or "text" (see POSITIONS),
     None for the model's own form (multimodal with multimodal RoPE); ``logits``: "all" or "last" (see LOGITS), None
-    for ``DEFAULT_LOGITS``."""
+    for ``DEFAULT_LOGITS``; ``gguf_file``: the GGUF file of a source (a Hub repo or a folder) that holds several,
+    converted on the way."""
     output = Path(output)
     if dtype not in FLOAT_DTYPES:
         raise ThinkerError(f"--dtype {dtype}: expected one of {', '.join(FLOAT_DTYPES)}")
@@ -119,7 +121,7 @@ def export_model(
     graph_dtype = torch_dtype(dtype)
     quantizer = WeightQuantizer(quantize, graph_dtype) if quantize else None
     refuse_existing_output(output, force)
-    location = local_source(source)
+    location = local_source(source, gguf_file)
     refuse_output_over_source(output, location)
     started = time.perf_counter()
     needed = None if quantize else weights_size(location, graph_dtype)  # quantized: smaller, by how much varies
@@ -272,15 +274,16 @@ def check_paths(model_dir: Path) -> None:
         raise ThinkerError(f"{model_dir} is an ONNX export already; export the Thinker folder it came from")
 
 
-def local_source(source: str | Path) -> Path:
+def local_source(source: str | Path, gguf_file: str | None = None) -> Path:
     """SOURCE as a local path: the path itself, or for a Hub repo id the snapshot the converter downloads it to (so
-    that OUTPUT is checked against the files it is made from before any work)."""
+    that OUTPUT is checked against the files it is made from before any work); with ``gguf_file``, that file in
+    either."""
     path = Path(source).expanduser()
-    if path.exists() or path.is_symlink():
+    if (path.exists() or path.is_symlink()) and gguf_file is None:
         return path
     from converter.hub import resolve_source
 
-    return resolve_source(str(source))
+    return resolve_source(str(source), gguf_file=gguf_file)
 
 
 # --- the model folder ---------------------------------------------------------------------------------------------

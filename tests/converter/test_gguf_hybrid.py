@@ -237,3 +237,18 @@ def test_without_transformers_gguf_loading_of_qwen35_says_so(tmp_path, monkeypat
     monkeypatch.setattr(transformers.integrations.gguf, "GGUF_CONFIG_ARCHS", {})
     _, path = gguf_file(tmp_path, "qwen35")
     assert_error(convert(path, tmp_path / "out", "--no-verify"), "transformers 5.24 or later")
+
+
+def test_export_converts_the_named_gguf_on_the_way(tmp_path):
+    """``thinker export FOLDER OUT --gguf-file NAME``: the named file of several is converted (its parity gate on),
+    then exported and verified against the converted Thinker."""
+    _, path = gguf_file(tmp_path, "qwen35")
+    write_hybrid_gguf(source_model("qwen35moe"), path.parent / "other.gguf")
+    output = tmp_path / "onnx"
+    result = CliRunner().invoke(main, ["export", str(path.parent), str(output), "--gguf-file", path.name])
+    assert result.exit_code == 0, result.output
+    report = json.loads((output / "export_report.json").read_text())
+    assert report["converted"] and report["verify"]["passed"], report
+    assert json.loads((output / "config.json").read_text())["linear_num_value_heads"] == 4
+    missing = CliRunner().invoke(main, ["export", str(path.parent), str(tmp_path / "x"), "--gguf-file", "q.gguf"])
+    assert_error(missing, "no GGUF file 'q.gguf'", "other.gguf")
