@@ -652,8 +652,6 @@ def _mapped_reference_tensors(path: Path, reader: Any, architecture: str, model:
 
     Tensors the mapping names outside the model (the multi-token-prediction block, renamed ``mtp.``) are left out,
     as transformers' loading leaves them."""
-    from copy import deepcopy
-
     import torch
     from gguf import dequantize
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
@@ -662,10 +660,11 @@ def _mapped_reference_tensors(path: Path, reader: Any, architecture: str, model:
     from ..streamed import LazyTensor
 
     built = {name: tuple(value.shape) for name, value in model.state_dict().items()}
-    # A fresh copy of the mapping for every use: matching a name arms the stateful renamings (as get_gguf_plan says).
+    # Built for this call alone, so matching names may arm its stateful renamings (transformers' loader copies the
+    # mapping only because it reuses it).
     mapping = get_gguf_conversion_mapping(architecture, model.config)
-    renamings = [entry for entry in deepcopy(mapping) if isinstance(entry, WeightRenaming)]
-    converters = [entry for entry in deepcopy(mapping) if isinstance(entry, WeightConverter)]
+    renamings = [entry for entry in mapping if isinstance(entry, WeightRenaming)]
+    converters = [entry for entry in mapping if isinstance(entry, WeightConverter)]
     by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
     groups: dict[str, list[tuple[Any, str | None]]] = {}
     for tensor in reader.tensors:
