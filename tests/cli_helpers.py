@@ -3,14 +3,18 @@ line last on stderr, exit status 1, no traceback and no library warning before t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
 import subprocess
 import sys
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import pytest
 import torch
 from click.testing import CliRunner, Result
 from safetensors.torch import load_file, save_file
@@ -22,6 +26,28 @@ REPO = Path(__file__).resolve().parents[1]
 
 def thinker(*args: object, command=main) -> Result:
     return CliRunner().invoke(command, [str(arg) for arg in args])
+
+
+def thinker_meeting_pipes(*args: object, pipes: Iterable[Path], timeout: float = 120) -> Result:
+    """``thinker ARGS`` in process, for a run that meets named pipes: a refusal returns at once, but a run that opens
+    a pipe blocks until someone writes to it. So the run gets ``timeout`` seconds in a thread; past them each pipe's
+    writing end is opened and closed (which releases a reader blocked on it, with end of file) and the test fails.
+    In process rather than in a real one (``run_cli``), which would cost a fresh interpreter's imports each time."""
+    outcome: dict[str, Result] = {}
+    worker = threading.Thread(target=lambda: outcome.setdefault("result", thinker(*args)), daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        # The run may open a pipe again after each end of file (a retry, a second reader): release it until it ends
+        # (or, if it never does, leave the thread behind: it is a daemon, and the test fails either way).
+        deadline = time.monotonic() + timeout
+        while worker.is_alive() and time.monotonic() < deadline:
+            for pipe in pipes:
+                with contextlib.suppress(OSError):  # ENXIO: nobody is reading this one now
+                    os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
+            worker.join(0.05)
+        pytest.fail(f"thinker {' '.join(map(str, args))} was still running after {timeout} s: it read a named pipe")
+    return outcome["result"]
 
 
 def assert_error(result: Result, *fragments: str) -> str:
@@ -55,8 +81,8 @@ def assert_nothing_written(output: Path) -> None:
 def run_cli(
     *args: object, cwd: Path | None = None, timeout: float = 240, address_space: int | None = None
 ) -> subprocess.CompletedProcess:
-    """``thinker ARGS`` in a real process: for what could hang the test process itself (a named pipe), or must run
-    within ``address_space`` bytes of memory."""
+    """``thinker ARGS`` in a real process: for what must run within ``address_space`` bytes of memory, or must be
+    seen as a user's shell sees it."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     command = [sys.executable, "-m", "common.cli", *map(str, args)]
 
