@@ -59,6 +59,16 @@ def exportable_families() -> list[str]:
     return [family.name for family in FAMILIES if family.export_config is not None]
 
 
+def way_back_family(name: str) -> Family:
+    """The family ``--to NAME`` writes, refused by name (with what ``--to`` accepts) unless it has a way back."""
+    accepted = exportable_families()
+    if name not in accepted:
+        known = any(family.name == name for family in FAMILIES)
+        what = f"a Thinker folder cannot be written back as {name}" if known else f"--to {name!r} names no family"
+        raise ThinkerError(f"{what}; --to accepts {', '.join(accepted)}")
+    return family_by_name(name)
+
+
 def read_thinker_config(folder: Path) -> ThinkerConfig:
     path = folder / "config.json"
     if not present(path, folder):
@@ -151,7 +161,7 @@ def convert_back(
     """
     started = time.perf_counter()
     source, output = Path(source), Path(output)
-    family = family_by_name(family_name)
+    family = way_back_family(family_name)
     shard_bytes = parse_size(max_shard_size)
     refuse_existing_output(output, force, "once the new conversion is complete")
     refuse_output_over_source(output, source)

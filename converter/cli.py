@@ -164,8 +164,9 @@ gguf_file_option = click.option(
     "--to",
     "to_family",
     metavar="FAMILY",
-    help="The way back: SOURCE is a Thinker folder, written out as FAMILY's own Hugging Face folder (qwen3, "
-    "qwen3_moe, qwen2, qwen2_moe, llama) through the family's table read backwards; a round trip is bit-exact. "
+    help="The way back: SOURCE is a Thinker folder, written out as FAMILY's own Hugging Face folder (qwen2, qwen3, "
+    "qwen2_moe, qwen3_moe, qwen3_5, qwen3_5_moe, qwen3_next, llama) through the family's table read backwards; a "
+    "round trip is bit-exact. "
     "--verify (default on) compares it, loaded with its transformers class, with the Thinker.",
 )
 @reports_errors

@@ -369,7 +369,8 @@ def planned_shapes(
             shapes[target] = tuple(output.shape)
             if expected is not None and shapes[target] != expected[target]:
                 origin = step.sources[0] if len(step.sources) == 1 else f"{step.sources[0]} (+{len(step.sources) - 1})"
-                mismatches.append(f"{target} from {origin}: {shapes[target]}, expected {expected[target]}")
+                named = target if origin == target else f"{target} from {origin}"  # a name kept is said once
+                mismatches.append(f"{named}: {shapes[target]}, expected {expected[target]}")
     if mismatches:
         shown = "; ".join(mismatches[:5]) + (f"; and {len(mismatches) - 5} more" if len(mismatches) > 5 else "")
         raise ThinkerError(

@@ -380,6 +380,8 @@ def generate_command(
     if not folder.is_dir():
         raise ThinkerError(f"{folder}: no such folder")
     kind = _folder_kind(folder)
+    if kind == "thinker":
+        _check_thinker(folder)  # before the tokenizer, which reads config.json too and would take the blame
     tokenizer = _load_tokenizer(folder)
     prompt_ids = _chat_ids(folder, tokenizer, prompt) if chat else tokenizer(prompt, return_tensors="np")["input_ids"]
     if prompt_ids.shape[1] == 0:
@@ -460,6 +462,16 @@ def _folder_kind(folder: Path) -> str:
     return "thinker"
 
 
+def _check_thinker(folder: Path) -> None:
+    """The checks ``thinker export`` makes of a Thinker folder's config and weights, before transformers loads it:
+    transformers initialises a missing or misshapen weight afresh and runs (its report is silenced with its other
+    logging), so a folder whose config.json and weights disagree would generate from random weights."""
+    from .exporter import load_config
+    from .folder_check import check_thinker_weights
+
+    check_thinker_weights(folder, load_config(folder))
+
+
 def _load_tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
@@ -471,10 +483,24 @@ def _load_tokenizer(folder: Path):
     try:
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except Exception as err:
+        _refuse_unreadable_config(folder)  # AutoTokenizer reads config.json too: a bad one is not the tokenizer's fault
         raise ThinkerError(
             f"{folder}: no usable tokenizer ({err.__class__.__name__}: {err}); copy the source model's tokenizer "
             "files (tokenizer.json, tokenizer_config.json ...) into it"
         ) from None
+
+
+def _refuse_unreadable_config(folder: Path) -> None:
+    from transformers import AutoConfig
+
+    import thinker  # noqa: F401  (registers the Thinker config with AutoConfig)
+
+    if not (folder / "config.json").is_file():
+        return
+    try:
+        AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    except Exception as err:
+        raise ThinkerError(f"{folder}/config.json: not a readable config ({type(err).__name__}: {err})") from None
 
 
 def _chat_ids(folder: Path, tokenizer, message: str):
@@ -543,9 +569,13 @@ def _load_transformers(folder: Path, threads: int | None, provider: str = "auto"
         torch.set_num_threads(threads)
     try:
         # The installed Thinker classes, never the folder's copy of the modeling code (trust_remote_code=False).
-        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False)
+        model, loading = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False, output_loading_info=True)
     except Exception as err:  # transformers and safetensors raise many types for a damaged folder
         raise ThinkerError(f"{folder}: the model does not load ({type(err).__name__}: {err})") from None
+    # What _check_thinker reads from the headers, as transformers found it: nothing left at its initial value.
+    unloaded = [f"{kind.replace('_', ' ')}: {', '.join(map(str, names))}" for kind, names in loading.items() if names]
+    if unloaded:
+        raise ThinkerError(f"{folder}: the weights do not load as the model of its config.json ({'; '.join(unloaded)})")
     return model.to("cuda" if provider == "cuda" else "cpu").eval()
 
 

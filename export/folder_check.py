@@ -40,6 +40,15 @@ SIZE_KEYS = (
 def check_thinker_folder(model_dir: Path, config: ThinkerConfig, dtype: torch.dtype, verify: bool) -> None:
     """Refuse a folder whose weights do not fit its config.json, or a context the export cannot build or verify;
     the message names the tensor, the key and the file."""
+    check_thinker_weights(model_dir, config)
+    _check_context(config, model_dir / "config.json", dtype, verify)
+
+
+def check_thinker_weights(model_dir: Path, config: ThinkerConfig) -> None:
+    """Refuse a folder whose safetensors headers do not fit the model of its config.json: a tensor missing, one too
+    many, of another shape or of an integer dtype, or a trained head under ``tie_word_embeddings``. transformers
+    would load such a folder with those weights freshly initialised (a warning at most), a model that runs and
+    computes nothing the user converted."""
     config_path = model_dir / "config.json"
     expected = thinker_parameter_shapes(config)
     weights = SafetensorsSource(model_dir)
@@ -66,8 +75,8 @@ def check_thinker_folder(model_dir: Path, config: ThinkerConfig, dtype: torch.dt
         parts += [f"holds {describe_names(extra)}"] if extra else []
         raise ThinkerError(
             f"{model_dir}: the weights do not fit config.json: the folder {' and '.join(parts)}, "
-            "which the model of its config.json does not have (check num_hidden_layers, tie_word_embeddings and "
-            "the MoE fields)"
+            "which the model of its config.json does not have (check num_hidden_layers, layer_types, "
+            "tie_word_embeddings and the MoE fields)"
         )
     wrong = [name for name, shape in expected.items() if found[name] != shape]
     if wrong:
@@ -79,7 +88,6 @@ def check_thinker_folder(model_dir: Path, config: ThinkerConfig, dtype: torch.dt
             f"{config_path}: {behind} gives {name} the shape {expected[name]}, but the folder holds "
             f"{tuple(found[name])}{more}; config.json does not describe these weights: correct it"
         )
-    _check_context(config, config_path, dtype, verify)
 
 
 def _keys_behind(config: ThinkerConfig, name: str, found: tuple[int, ...]) -> list[str]:

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -455,7 +456,10 @@ class WeightQuantizer:
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
         quantizer = MatMulNBitsQuantizer(self.one_matmul_model(name, weight), algo_config=self.algo_config(spec))
-        quantizer.process()
+        with warnings.catch_warnings():
+            # HQQ hands torch a read-only view of the weight it only reads; torch warns of writes that never come.
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+            quantizer.process()
         graph = quantizer.model.model.graph
         (node,) = graph.node
         if node.op_type != "MatMulNBits":

@@ -1,11 +1,13 @@
 """Messages that say what is actually wrong (issue 15): a mistyped local path is not sent to the Hub, and
-``thinker generate`` names a Hugging Face folder, a missing tokenizer or an empty folder for what they are."""
+``thinker generate`` names a Hugging Face folder, a missing tokenizer, an empty folder, a config.json that does not fit
+its weights or does not validate for what they are."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
-from cli_helpers import assert_error, thinker
+from cli_helpers import assert_error, edit_config, thinker
 
 
 def test_a_mistyped_local_path_is_no_such_folder(fake_hub, qwen3_source, tmp_path, monkeypatch):
@@ -36,3 +38,38 @@ def test_generate_on_an_empty_folder(tmp_path):
     (tmp_path / "empty").mkdir()
     message = assert_error(thinker("generate", tmp_path / "empty", "-p", "the cat"), "neither an ONNX folder")
     assert "no model.onnx" in message and "no config.json" in message and "tokenizer" not in message
+
+
+def test_generate_refuses_a_thinker_folder_whose_config_does_not_fit_its_weights(qwen3_thinker, tmp_path):
+    """transformers would initialise what it cannot load afresh and run it (its report silenced): random weights."""
+    folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
+    layers = json.loads((folder / "config.json").read_text())["layer_types"]
+    edit_config(folder, num_hidden_layers=len(layers) - 1, layer_types=layers[:-1])
+    assert_error(thinker("generate", folder, "-p", "the cat"), str(folder), "do not fit config.json", "holds")
+
+
+def test_generate_names_a_broken_config_not_the_tokenizer(qwen3_thinker, tmp_path):
+    folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
+    edit_config(folder, num_key_value_heads=3)
+    message = assert_error(thinker("generate", folder, "-p", "the cat"), f"{folder}/config.json")
+    assert "tokenizer" not in message
+
+
+def test_generate_checks_what_transformers_loaded(qwen3_thinker, tmp_path, monkeypatch):
+    """Behind the header check, transformers' own loading report: with the check planted away, a folder missing a
+    layer's weights is still refused, by its missing keys."""
+    folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
+    layers = json.loads((folder / "config.json").read_text())["layer_types"]
+    edit_config(folder, num_hidden_layers=len(layers) + 1, layer_types=[*layers, layers[-1]])
+    monkeypatch.setattr("export.cli._check_thinker", lambda folder: None)
+    result = thinker("generate", folder, "-p", "the cat")
+    assert_error(result, "do not load as the model", "missing keys: model.layers.")
+
+
+def test_generate_names_a_broken_config_of_an_onnx_folder(qwen3_onnx, tmp_path):
+    """An ONNX folder is not checked as a Thinker folder, but its tokenizer reads config.json: the message still
+    names the config, not the tokenizer."""
+    folder = shutil.copytree(qwen3_onnx, tmp_path / "onnx")
+    edit_config(folder, num_key_value_heads=3)
+    message = assert_error(thinker("generate", folder, "-p", "the cat"), f"{folder}/config.json")
+    assert "tokenizer" not in message

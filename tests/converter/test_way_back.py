@@ -19,6 +19,7 @@ from references import uomni
 from safetensors.torch import load_file
 from transformers import AutoConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
+from converter.back import exportable_families
 from converter.cli import convert_command
 
 SMALL = {"vocab_size": 67, "hidden_size": 32, "num_hidden_layers": 3, "max_position_embeddings": 64}
@@ -114,5 +115,17 @@ def test_way_back_refuses_what_the_family_cannot_express(tmp_path):
     no_table = cli(tmp_path / "thinker", tmp_path / "back", "--to", "uomni")
     assert no_table.exit_code == 1 and "cannot be written back as uomni" in no_table.output
 
+    unknown = cli(tmp_path / "thinker", tmp_path / "back", "--to", "qwen9")
+    assert unknown.exit_code == 1 and "--to 'qwen9' names no family" in unknown.output
+    accepted = unknown.output.split("--to accepts ")[1].split()
+    assert [name.rstrip(",") for name in accepted] == exportable_families(), unknown.output
+
     not_thinker = cli(source, tmp_path / "back", "--to", "qwen3")
     assert not_thinker.exit_code == 1 and "Thinker folder" in not_thinker.output
+
+
+def test_the_help_names_every_family_with_a_way_back():
+    """``--help`` is written out (the CLI imports no converter for it); this holds it to the families' tables."""
+    shown = " ".join(cli("--help").output.split())
+    listed = shown.split("written out as FAMILY's own Hugging Face folder (")[1].split(")")[0]
+    assert listed.split(", ") == exportable_families()
