@@ -73,10 +73,10 @@ from .names import (
     "--positions",
     type=click.Choice(list(POSITIONS)),
     default=None,
-    help="position_ids of a model with multimodal RoPE (Qwen3.5): multimodal, [3, batch, seq]; text, [batch, seq], "
-    "repeated on the three streams inside (the same logits), and the form under which onnxruntime-genai 0.18 gets "
-    "batches of unequal prompt lengths right. Other models take [batch, seq] only. [default: multimodal with "
-    "multimodal RoPE]",
+    help="model.onnx's position_ids for a model with multimodal RoPE (Qwen3.5): multimodal, [3, batch, seq]; text, "
+    "[batch, seq], repeated on the three streams inside (the same logits). onnxruntime-genai's graph "
+    "(model.genai.onnx) takes [batch, seq] either way: the form under which onnxruntime-genai 0.18 gets batches of "
+    "unequal prompt lengths right. Other models take [batch, seq] only. [default: multimodal with multimodal RoPE]",
 )
 @click.option(
     "--logits",
@@ -227,8 +227,8 @@ def export_command(
     zeros start a sequence; a position the attention mask hides leaves both states untouched, so batches
     padded on either side give each row its own result. With multimodal RoPE (mrope_section) position_ids is
     [3, batch, seq]: text-only callers repeat their [batch, seq] positions three times, or export with
-    --positions text for a [batch, seq] input. (onnxruntime-genai 0.18 unmasks the pads of [3, batch, seq]
-    models after the prompt, so their unequal-length batches are wrong under it: --positions text is right.)
+    --positions text for a [batch, seq] input. onnxruntime-genai's graph (model.genai.onnx) takes [batch, seq]
+    whatever --positions says (genai 0.18 unmasks the pads of [3, batch, seq] models after the prompt).
 
     \b
     --graph fused (the default) keeps these names and shapes; left-padded batches, and onnxruntime-genai's

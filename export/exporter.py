@@ -34,7 +34,7 @@ from thinker.configuration_thinker import ThinkerConfig
 from .contrib_schemas import register_onnxruntime_schemas
 from .decoder_graph import IR_VERSION, OPSET, DecoderGraph, make_model, not_exported, position_form
 from .folder_check import check_thinker_folder
-from .genai_config import logits_note, make_genai_config, no_eos_note, positions_note
+from .genai_config import logits_note, make_genai_config, no_eos_note
 from .genai_graph import write_genai_graph
 from .graph_builder import GraphBuilder, WeightFile
 from .graph_walk import all_nodes
@@ -156,7 +156,7 @@ def export_model(
             generation_config,
             threads,
             files.kv_in_place,
-            positions,
+            "text" if genai_graph and genai_graph.positions else positions,  # a genai graph's positions are (B, T)
             graph=genai_graph.path.name if genai_graph else MODEL_FILE,
             graph_positions=genai_graph.positions if genai_graph else True,
         )
@@ -183,7 +183,6 @@ def export_model(
                 note
                 for note in (
                     no_eos_note(config, generation_config),
-                    positions_note(positions),
                     logits_note(logits),
                     cuda_experts_note(config, dtype, quantize, files.nodes_by_op),
                 )

@@ -9,11 +9,12 @@ are written out (``past_conv_names`` ...; onnxruntime-genai's defaults are the s
 default), and it finds those layers by matching the session's inputs against them. The model type decides the
 positions it feeds: "qwen3_5_text" / "qwen3_5_moe_text" (the hybrid types 0.18 runs from a decoder folder) feed the
 (3, B, T) positions a multimodal-RoPE graph declares; every graph with (B, T) positions (Qwen3-Next, which 0.18 does
-not know as "qwen3_next", and Qwen3.5 exported with ``--positions text``) gets "qwen3". onnxruntime-genai pads a batch
-on the right; the graphs leave the linear-attention states untouched at pads, so rows of unequal length are right for
-hybrid models with (B, T) positions as for dense ones. With (3, B, T) positions they are not: that position code sets
-every mask slot to 1 from the first decode step, unmasking the pads (docs/hybrid-export.md 1.3, 5.2); batch 1 and
-equal lengths are right.
+not know as "qwen3_next", and Qwen3.5's onnxruntime-genai graph, which takes (B, T) positions whatever model.onnx
+takes: export/genai_graph.py) gets "qwen3". onnxruntime-genai pads a batch on the right; the graphs leave the
+linear-attention states untouched at pads, so rows of unequal length are right for hybrid models with (B, T) positions
+as for dense ones. With (3, B, T) positions they would not be: that position code sets every mask slot to 1 from the
+first decode step, unmasking the pads (docs/hybrid-export.md 1.3, 5.2), which is why no export names those types for
+the graph genai runs now.
 
 ``past_present_share_buffer``: the plain graph grows the KV cache by concatenation (past and present are distinct
 buffers), so it is false there. The fused graph's GroupQueryAttention also takes one buffer of the whole context
@@ -38,18 +39,6 @@ def genai_model_type(config: ThinkerConfig, positions: str) -> str:
     if positions == "multimodal":
         return "qwen3_5_moe_text" if config.num_experts else "qwen3_5_text"
     return "qwen3" if config.qk_norm else "qwen2"
-
-
-def positions_note(positions: str) -> str | None:
-    """What the export tells a user of (3, B, T) positions about onnxruntime-genai's batches (docs/hybrid-export.md
-    5.2)."""
-    if positions != "multimodal":
-        return None
-    return (
-        "position_ids are (3, batch, seq): onnxruntime-genai 0.18 unmasks a right-padded batch's pads from the "
-        "first decode step for such models, so batches of unequal prompt lengths are wrong under it; export with "
-        "--positions text for batched onnxruntime-genai serving (one prompt at a time is right either way)"
-    )
 
 
 def logits_note(logits: str) -> str | None:

@@ -24,6 +24,15 @@ position axis tells it so, from 0.12.2 on), so this graph also puts only that po
 contract for scoring a text. A prompt's head then costs one row instead of its length, and its logits are (B, 1, V)
 rather than (B, T, V) (a 4096-token Qwen3 prompt's float32 logits are 2.5 GB).
 
+A model with interleaved multimodal RoPE (Qwen3.5) gets this graph from either of its graphs, fused or plain, taking
+(B, T) positions where ``model.onnx`` takes (3, B, T), repeated on the three streams first thing (as
+``--positions text`` builds its graphs: logits and states bit for bit those of three equal streams). onnxruntime-genai
+0.18 feeds (3, B, T) positions only under its Qwen3.5 model types, whose position code unmasks a right-padded row's
+pads from the first decode step (docs/hybrid-export.md 5.2), and (B, T) ones under its generic decoder, which keeps
+them masked. The decoder takes token ids only, so the positions it is ever fed are text positions: the (B, T) graph
+loses nothing, and genai_config.json names the generic type. Batches of unequal prompt lengths are then right under
+onnxruntime-genai whatever ``--positions`` says.
+
 It shares ``model.onnx.data`` with ``model.onnx``: the same initializers, so the proto alone is written.
 """
 
@@ -45,6 +54,7 @@ from .names import GENAI_MODEL_FILE, LAST_POSITION_SCOPE, PADDING_KEY
 # GroupQueryAttention's inputs by position (onnxruntime's contrib schema, com.microsoft).
 SEQLENS_K, POSITION_IDS, ATTENTION_BIAS = 5, 9, 10
 SCOPE = "/genai_seqlens"
+TEXT_POSITIONS_SCOPE = "/genai_text_positions"
 HEAD_SCOPE = "/lm_head/"  # the head's nodes (export/decoder_graph.py ``build``)
 LAST_CONSTS = "/genai_last/const/"  # the selection's constants, named apart from the fused graph's
 INT64 = TensorProto.INT64
@@ -57,10 +67,14 @@ class GenaiGraph:
 
 
 def write_genai_graph(model_path: Path, dtype: torch.dtype) -> GenaiGraph | None:
-    """Writes ``model.genai.onnx`` beside the fused ``model_path`` (whose data file it shares) and checks it; None,
-    and nothing written, where the graph has no padding bias to take out. ``dtype``: the graph's (the selection's
-    form follows it: export/decoder_graph.py ``emit_last_position``)."""
-    genai = right_padded_graph(onnx.load(model_path, load_external_data=False))
+    """Writes ``model.genai.onnx`` beside ``model_path`` (whose data file it shares) and checks it; None, and nothing
+    written, where the graph has neither a padding bias to take out nor (3, B, T) positions to take as (B, T).
+    ``dtype``: the graph's (the selection's form follows it: export/decoder_graph.py ``emit_last_position``)."""
+    model = onnx.load(model_path, load_external_data=False)
+    genai = right_padded_graph(model)
+    if takes_stream_positions(genai or model):
+        genai = genai or copy.deepcopy(model)
+        take_text_positions(genai.graph)
     if genai is None:
         return None
     select_last_position(genai.graph, dtype)
@@ -114,6 +128,43 @@ def rotates(node: onnx.NodeProto) -> bool:
 
 def takes_positions(model: onnx.ModelProto) -> bool:
     return any(value.name == "position_ids" for value in model.graph.input)
+
+
+def takes_stream_positions(model: onnx.ModelProto) -> bool:
+    """Whether the graph's position_ids are (3, B, T): one stream each for time, height and width."""
+    return any(
+        value.name == "position_ids" and len(value.type.tensor_type.shape.dim) == 3 for value in model.graph.input
+    )
+
+
+def take_text_positions(graph: onnx.GraphProto) -> None:
+    """position_ids become a (B, T) input, repeated on the three streams before any node reads them (the module
+    docstring): every reader, in subgraphs too, reads the repeated streams instead."""
+    streams = f"{TEXT_POSITIONS_SCOPE}/Expand_output_0"
+    for node in all_nodes(graph):
+        node.input[:] = [streams if name == "position_ids" else name for name in node.input]
+    axes = helper.make_tensor("axes", INT64, [1], [0])
+    shape = helper.make_tensor("shape", INT64, [3], [3, 1, 1])
+    unsqueezed = f"{TEXT_POSITIONS_SCOPE}/Unsqueeze_output_0"
+    nodes = [
+        helper.make_node("Constant", [], [f"{TEXT_POSITIONS_SCOPE}/axes"], f"{TEXT_POSITIONS_SCOPE}/axes", value=axes),
+        helper.make_node(
+            "Constant", [], [f"{TEXT_POSITIONS_SCOPE}/shape"], f"{TEXT_POSITIONS_SCOPE}/shape", value=shape
+        ),
+        helper.make_node(
+            "Unsqueeze",
+            ["position_ids", f"{TEXT_POSITIONS_SCOPE}/axes"],
+            [unsqueezed],
+            f"{TEXT_POSITIONS_SCOPE}/Unsqueeze",
+        ),
+        helper.make_node(
+            "Expand", [unsqueezed, f"{TEXT_POSITIONS_SCOPE}/shape"], [streams], f"{TEXT_POSITIONS_SCOPE}/Expand"
+        ),
+    ]
+    for index, node in enumerate(nodes):
+        graph.node.insert(index, node)
+    (value,) = (value for value in graph.input if value.name == "position_ids")
+    del value.type.tensor_type.shape.dim[0]  # (3, B, T) -> (B, T)
 
 
 def emit_seqlens(graph: onnx.GraphProto) -> str:

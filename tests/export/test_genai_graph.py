@@ -1,8 +1,9 @@
 """onnxruntime-genai's graph, ``model.genai.onnx`` (export/genai_graph.py): the fused graph with GroupQueryAttention
 rewired for right-padded batches (seqlens_k from the mask, no padding bias, RoPE by slot), over model.onnx's data
-file. It is exact for the rows onnxruntime-genai gives it, refused for left-padded ones, checked by --verify, and a
-planted bug in it fails the export. The end-to-end runs under onnxruntime-genai (rows of unequal length through its
-shared buffer) are in test_onnx_fused.py, test_onnx_genai.py and test_onnx_last_logits.py, which now run it."""
+file; for a model with multimodal RoPE, either graph taking (B, T) positions. It is exact for the rows
+onnxruntime-genai gives it, refused for left-padded ones, checked by --verify, and a planted bug in it fails the
+export. The end-to-end runs under onnxruntime-genai (rows of unequal length through its shared buffer) are in
+test_onnx_fused.py, test_onnx_genai.py and test_onnx_last_logits.py, which now run it."""
 
 from __future__ import annotations
 
@@ -95,6 +96,54 @@ def test_the_genai_graph_gives_each_right_padded_row_its_own_result(family, thin
     np.testing.assert_allclose(
         genai.prefill(ids, whole)[0][:, 0], fused.prefill(ids, whole)[0][:, -1], atol=1e-5, rtol=0
     )
+
+
+def position_rank(path: Path) -> int:
+    (positions,) = (i for i in onnx.load(path, load_external_data=False).graph.input if i.name == "position_ids")
+    return len(positions.type.tensor_type.shape.dim)
+
+
+@pytest.mark.parametrize("graph", ["fused", "plain"])
+def test_a_multimodal_rope_model_gets_a_genai_graph_with_text_positions(graph, thinker_variant, onnx_variant):
+    """Qwen3.5's model.onnx takes (3, B, T) positions; its onnxruntime-genai graph, from either graph, takes (B, T)
+    ones (genai's generic decoder type feeds those and keeps a right-padded row's pads masked) and gives each
+    right-padded row its own result, and on an unpadded batch model.onnx's logits at each row's last position."""
+    folder = onnx_variant("qwen3_5", graph=graph, head_dim=None)
+    assert (position_rank(folder / "model.onnx"), position_rank(folder / GENAI)) == (3, 2)
+    config = json.loads((folder / "genai_config.json").read_text())["model"]
+    assert (config["type"], config["decoder"]["filename"]) == ("qwen3", GENAI)
+
+    genai = OnnxDecoder(folder / GENAI, provider="cpu")
+    model = load_thinker(thinker_variant("qwen3_5"))
+    figures = compare_decoders(model, genai, *parity_batch(96), right_padded_candidate=True)
+    assert figures["max_abs_diff"] <= RELATIVE_TOLERANCE[torch.float32] * max(1.0, figures["logit_scale"]), figures
+    ids, _ = parity_batch(96)
+    whole = np.ones_like(ids)
+    np.testing.assert_array_equal(
+        genai.prefill(ids, whole)[0][:, 0], OnnxDecoder(folder, provider="cpu").prefill(ids, whole)[0][:, -1]
+    )
+
+
+TAKE_TEXT_POSITIONS = genai_graph.take_text_positions
+
+
+def zero_positions(graph: onnx.GraphProto) -> None:
+    """A planted bug: the text positions taken, then every position read as 0 (the rows' RoPE gone)."""
+    TAKE_TEXT_POSITIONS(graph)
+    streams = f"{genai_graph.TEXT_POSITIONS_SCOPE}/Expand_output_0"
+    for node in graph.node:
+        node.input[:] = ["planted/zeros" if name == streams else name for name in node.input]
+    graph.node.insert(4, onnx.helper.make_node("Sub", [streams, streams], ["planted/zeros"]))
+
+
+def test_verify_fails_a_genai_graph_that_loses_the_positions(thinker_variant, tmp_path, monkeypatch):
+    monkeypatch.setattr(genai_graph, "take_text_positions", zero_positions)
+    output = tmp_path / "bad"
+    bad = CliRunner().invoke(main, ["export", str(thinker_variant("qwen3_5")), str(output), "--graph", "plain"])
+    assert bad.exit_code == 1, bad.output
+    line = bad.stderr.strip().splitlines()[-1]
+    assert "model.genai.onnx (onnxruntime-genai's graph, rows padded on the right)" in line, line
+    assert not output.exists()
 
 
 def test_onnx_decoder_refuses_a_left_padded_batch_on_the_genai_graph(onnx_variant):

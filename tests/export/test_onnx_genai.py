@@ -4,11 +4,10 @@ because its CPU onnxruntime must not share one with onnxruntime-gpu.
 
 Hybrid models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next; plain and fused graphs): 12 of 12 greedy tokens at batch 1, and a
 batch of two prompts of equal length. Rows of unequal length, which onnxruntime-genai pads on the right: each row its
-own tokens for Qwen3-Next (the short row's trailing pads leave the linear-attention states untouched), and for Qwen3.5
-exported with --positions text. Qwen3.5 with its default (3, B, T) positions is still wrong there, because genai's
-position code for them unmasks the pad slots from the first decode step: pinned as a strict xfail, and the graph shown
-to give exactly genai's tokens under the mask genai feeds (docs/hybrid-export.md 5.2). Dense models get each row right
-(test_onnx_fused.py)."""
+own tokens (the short row's trailing pads leave the linear-attention states untouched), Qwen3.5 by default as with
+--positions text: its onnxruntime-genai graph takes (B, T) positions under genai's generic decoder type, whose
+position code keeps the pads masked (genai's Qwen3.5 types, which feed (3, B, T) positions, unmask them from the
+first decode step: docs/hybrid-export.md 5.2). Dense models get each row right (test_onnx_fused.py)."""
 
 from __future__ import annotations
 
@@ -99,9 +98,8 @@ def test_genai_greedy_equals_transformers_on_hybrid_models(family, genai_python,
 # Right-padded batches of unequal length (genai_greedy.py pads as onnxruntime-genai does): a 3-token row beside an
 # 8-token one, both graphs.
 RIGHT_PADDED_PROMPTS = [HYBRID_PROMPTS[0], HYBRID_PROMPTS[1][:3]]
-# The (3, B, T) position path, Qwen3.5 (dense and MoE) exported with --positions text, and the (B, T) path of a model
-# without mRoPE.
-RIGHT_PADDED_MODELS = (("qwen3_5", None), ("qwen3_5", "text"), ("qwen3_5_moe", "text"), ("qwen3_next", None))
+# Qwen3.5 (dense and MoE) as exported by default and with --positions text, and a model without mRoPE.
+RIGHT_PADDED_MODELS = (("qwen3_5", None), ("qwen3_5", "text"), ("qwen3_5_moe", None), ("qwen3_next", None))
 GRAPHS = ("plain", "fused")
 EOS = 2  # export_helpers.COMMON: genai stops a row there
 
@@ -130,70 +128,15 @@ def right_padded_genai_rows(genai_python, onnx_variant) -> dict[tuple[str, str |
     return dict(zip(keys, json.loads(done.stdout), strict=True))
 
 
-GENAI_MROPE_MASK = (
-    "onnxruntime-genai 0.18's position code for the (3, B, T) types (Qwen2VLPositionInputs: qwen3_5_text, "
-    "qwen3_5_moe_text) sets every attention-mask slot to 1 from the first decode step, so a short row's pad slots "
-    "become keys of the full-attention layers; the graph has nothing but the mask to tell them by "
-    "(test_genai_mrope_right_padded_batch_is_the_graph_under_genais_mask; docs/hybrid-export.md 5.2); "
-    "--positions text takes the (B, T) path, which is right"
-)
-
-
-@pytest.mark.parametrize(
-    ("family", "positions"),
-    [
-        pytest.param("qwen3_5", None, marks=pytest.mark.xfail(strict=True, reason=GENAI_MROPE_MASK)),
-        ("qwen3_5", "text"),
-        ("qwen3_5_moe", "text"),
-        ("qwen3_next", None),
-    ],
-)
+@pytest.mark.parametrize(("family", "positions"), RIGHT_PADDED_MODELS)
 def test_genai_right_padded_hybrid_batch_equals_rows_alone(family, positions, right_padded_genai_rows, thinker_variant):
     """Both graphs under onnxruntime-genai (the fused one through its shared state buffers), rows of unequal length
     padded on the right as genai pads them: each row gets transformers' greedy tokens for that row alone, up to its
     eos. The short row's trailing pads pass through the linear-attention layers and leave both states untouched
     (export/linear_attention_graph.py); before, they decayed the recurrent state and shifted the conv window, and
-    the short row went wrong from its second new token. Qwen3.5 needs --positions text for it (genai's (B, T)
-    position code keeps the pads masked)."""
+    the short row went wrong from its second new token. Qwen3.5 by default too: before its genai graph took (B, T)
+    positions, genai's (3, B, T) position code unmasked the short row's pads from the first decode step."""
     alone = [thinker_greedy(thinker_variant(family), [p], HYBRID_NEW_TOKENS)[0] for p in RIGHT_PADDED_PROMPTS]
     for graph in GRAPHS:
         rows = right_padded_genai_rows[family, positions, graph]
         assert up_to_eos(rows) == up_to_eos(alone), f"{family} {graph}: genai {rows} != transformers row by row {alone}"
-
-
-def onnxruntime_right_padded_greedy(folder: Path, prompts: list[list[int]], genai_mask: bool) -> list[list[int]]:
-    """Greedy new tokens of a right-padded batch through OnnxDecoder's session: each row's positions count its own
-    tokens (pads at 0, as genai's (3, B, T) code writes them); decode steps append mask 1 at each row's next position.
-    ``genai_mask``: from the first decode step every mask slot is 1, as that code feeds it; else the pads stay 0."""
-    import numpy as np
-
-    from export.runtime import DecoderState, OnnxDecoder
-
-    decoder = OnnxDecoder(folder, provider="cpu")
-    width, lengths = max(map(len, prompts)), np.array([len(p) for p in prompts])
-    mask = (np.arange(width)[None] < lengths[:, None]).astype(np.int64)
-    ids = np.array([p + [0] * (width - len(p)) for p in prompts])
-    state = DecoderState(mask, lengths.copy(), decoder.empty_cache(len(prompts)))
-    logits = decoder.forward(ids, np.where(mask == 1, np.arange(width)[None], 0), state)
-    token = logits[np.arange(len(prompts)), lengths - 1].argmax(-1)
-    if genai_mask:
-        state.attention_mask = np.ones_like(mask)
-    new = [token]
-    for _ in range(HYBRID_NEW_TOKENS - 1):
-        new.append(decoder.decode_one_token(token, state).argmax(-1))
-        token = new[-1]
-    return np.stack(new, axis=1).tolist()
-
-
-def test_genai_mrope_right_padded_batch_is_the_graph_under_genais_mask(right_padded_genai_rows, onnx_variant):
-    """Why Qwen3.5 (and any (3, B, T) model) is still wrong on right-padded batches under onnxruntime-genai 0.18: its
-    tokens, both graphs, are exactly what the graph gives when fed as that runtime feeds it (pad positions 0, and
-    every mask slot 1 from the first decode step: the short row's pad slots unmasked), while the same graph fed the
-    true mask gives each row its own tokens (test_onnx_hybrid.py, right-padded rows)."""
-    for graph in GRAPHS:
-        folder = onnx_variant("qwen3_5", graph=graph, head_dim=None)
-        genai = right_padded_genai_rows["qwen3_5", None, graph]
-        as_fed = onnxruntime_right_padded_greedy(folder, RIGHT_PADDED_PROMPTS, genai_mask=True)
-        true_mask = onnxruntime_right_padded_greedy(folder, RIGHT_PADDED_PROMPTS, genai_mask=False)
-        assert up_to_eos(genai) == up_to_eos(as_fed), f"{graph}: genai {genai} != the graph under its mask {as_fed}"
-        assert up_to_eos(genai) != up_to_eos(true_mask), f"{graph}: genai now gives the true-mask tokens"

@@ -235,14 +235,15 @@ def test_state_inputs_and_outputs(family, graph, thinker_variant, onnx_variant):
     assert inputs["position_ids"][0] == positions
     assert len(inputs) == 3 + 8 and len(outputs) == 1 + 8
 
+    # onnxruntime-genai's graph takes (B, T) positions whatever model.onnx takes, under its generic decoder type
     genai = json.loads((folder / "genai_config.json").read_text())["model"]
-    expected_type = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "qwen3_next": "qwen3"}[family]
-    assert genai["type"] == expected_type and genai["decoder"]["num_hidden_layers"] == 4
+    assert genai["type"] == "qwen3" and genai["decoder"]["num_hidden_layers"] == 4
+    genai_session = ort.InferenceSession(str(folder / genai["decoder"]["filename"]), providers=["CPUExecutionProvider"])
+    genai_inputs = {i.name: i.shape for i in genai_session.get_inputs()}
+    assert genai_inputs["position_ids"] == ["batch_size", "sequence_length"]
     assert genai["decoder"]["inputs"]["past_recurrent_names"] == "past_key_values.%d.recurrent_state"
     assert genai["decoder"]["outputs"]["present_conv_names"] == "present.%d.conv_state"
-    assert (genai.get("image_token_id"), genai.get("vision_start_token_id")) == (
-        (-1, -1) if multimodal else (None, None)
-    )
+    assert "image_token_id" not in genai and "vision_start_token_id" not in genai
     share = json.loads((folder / "genai_config.json").read_text())["search"]["past_present_share_buffer"]
     assert share is (graph == "fused")
 
@@ -461,9 +462,10 @@ def test_text_positions_take_equal_streams_and_refuse_distinct_ones(onnx_variant
 
 
 def test_positions_option_in_the_report_genai_config_and_errors(thinker_variant, tmp_path):
-    """The report names the form; genai_config.json's type follows it ((3, B, T): a qwen3_5 type, whose batches
-    genai gets wrong, which the export's note says; (B, T): the generic decoder's); a model without multimodal RoPE
-    refuses --positions multimodal in one line, writing nothing."""
+    """The report names model.onnx's form; onnxruntime-genai's graph takes (B, T) positions under the generic
+    decoder's type either way (genai's Qwen3.5 types, which feed (3, B, T), get its batches wrong), so neither export
+    prints a note about it; a model without multimodal RoPE refuses --positions multimodal in one line, writing
+    nothing."""
     runs = {}
     for positions in ("multimodal", "text"):
         out = tmp_path / positions
@@ -472,9 +474,15 @@ def test_positions_option_in_the_report_genai_config_and_errors(thinker_variant,
         assert runs[positions].exit_code == 0, runs[positions].output
         assert json.loads((out / "export_report.json").read_text())["positions"] == positions
     genai = {p: json.loads((tmp_path / p / "genai_config.json").read_text())["model"] for p in runs}
-    assert genai["multimodal"]["type"] == "qwen3_5_text" and genai["multimodal"]["image_token_id"] == -1
-    assert genai["text"]["type"] == "qwen3" and "image_token_id" not in genai["text"]
-    assert "--positions text" in runs["multimodal"].output and "--positions text" not in runs["text"].output
+    for positions in runs:
+        assert genai[positions]["type"] == "qwen3" and "image_token_id" not in genai[positions], genai[positions]
+        assert "--positions text" not in runs[positions].output
+        graphs = {
+            name: {i.name: i for i in onnx.load(tmp_path / positions / name, load_external_data=False).graph.input}
+            for name in ("model.onnx", genai[positions]["decoder"]["filename"])
+        }
+        ranks = {name: len(inputs["position_ids"].type.tensor_type.shape.dim) for name, inputs in graphs.items()}
+        assert ranks == {"model.onnx": 3 if positions == "multimodal" else 2, "model.genai.onnx": 2}, ranks
 
     dense = tmp_path / "dense"
     refused = CliRunner().invoke(
