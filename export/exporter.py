@@ -185,6 +185,7 @@ def export_model(
                     no_eos_note(config, generation_config),
                     logits_note(logits),
                     cuda_experts_note(config, dtype, quantize, files.nodes_by_op),
+                    quantizer.narrow_note() if quantizer else None,
                 )
                 if note
             ],

@@ -291,12 +291,30 @@ class WeightQuantizer:
             raise ThinkerError("--quantize needs --dtype float32 or float16 (MatMulNBits' activation types)")
         self.spec = spec
         self.dtype = dtype
+        self.narrower_than_a_block: dict[str, int] = {}  # projection -> its input width, under the block size
         # The quantizer logs two INFO lines per weight on its own handler; keep its warnings only.
         logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
 
     def applies(self, weight: torch.Tensor, name: str = "") -> bool:
-        """Whether projection ``name`` with (in, out) ``weight`` is quantized."""
+        """Whether projection ``name`` with (in, out) ``weight`` is quantized; one left float only because its input
+        is narrower than a block is noted (``narrow_note``)."""
+        in_features, out_features = weight.shape
+        if in_features < self.spec.block_size and out_features >= MIN_OUTPUTS and not name.endswith(KEPT_FLOAT):
+            self.narrower_than_a_block[name] = in_features
         return self.applies_to_shape(tuple(weight.shape), name)
+
+    def narrow_note(self) -> str | None:
+        """What the export tells a user whose --block-size left projections float (a small model's widths)."""
+        if not self.narrower_than_a_block:
+            return None
+        widths = sorted(set(self.narrower_than_a_block.values()))
+        names = sorted(self.narrower_than_a_block)
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        return (
+            f"{len(names)} projection(s) stay float: their input width ({', '.join(map(str, widths))}) is under "
+            f"--block-size {self.spec.block_size} ({shown}); export with --block-size "
+            f"{max((b for b in BLOCK_SIZES if b <= widths[0]), default=min(BLOCK_SIZES))} or less to quantize them"
+        )
 
     def applies_to_shape(self, shape: tuple[int, ...], name: str = "") -> bool:
         in_features, out_features = shape

@@ -274,6 +274,23 @@ def test_cli_refuses_what_cannot_be_quantized(options, message, thinker_variant,
     assert not (tmp_path / "out").exists()
 
 
+def test_projections_narrower_than_a_block_are_named_in_a_note(thinker_variant, tmp_path):
+    """A block wider than a projection's input leaves it float (MatMulNBits quantizes whole blocks along the input):
+    the export says which, and what block size would take them; a block that fits leaves no note."""
+    folder = thinker_variant("qwen3", head_dim=16)
+    hidden = json.loads((folder / "config.json").read_text())["hidden_size"]
+    quantized = ["--no-verify", "--quantize", "int4", "--block-size"]
+    wide = CliRunner().invoke(main, ["export", str(folder), str(tmp_path / "wide"), *quantized, "256"])
+    assert wide.exit_code == 0, wide.output
+    (note,) = [line for line in wide.stderr.splitlines() if "stay float" in line]
+    assert f"input width ({hidden}" in note and "--block-size 256" in note and "model.layers.0." in note, note
+    notes = json.loads((tmp_path / "wide" / "export_report.json").read_text())["notes"]
+    assert any("stay float" in n for n in notes), notes
+
+    fits = CliRunner().invoke(main, ["export", str(folder), str(tmp_path / "fits"), *quantized, "16"])
+    assert fits.exit_code == 0 and "stay float" not in fits.output, fits.output
+
+
 # --- the real SmolLM2, once -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smollm2_exports(tmp_path_factory) -> dict[str, Path]:
