@@ -103,7 +103,7 @@ def hf_export_config(
         hf = config_class(**{key: value for key, value in values.items() if key in accepted})
         hf.architectures = [architecture]
         hf.dtype = config.dtype
-        return hf.to_dict()
+        return hf.to_diff_dict()  # what save_pretrained writes: no defaults the source never had (id2label ...)
 
     return export
 

@@ -223,6 +223,9 @@ def test_way_back_is_bit_exact(conversions, name, tmp_path):
     written = json.loads((tmp_path / "back" / "config.json").read_text())
     assert written["model_type"] == converted.reference.config.get_text_config().model_type  # qwen3_5_text ...
     assert written["architectures"] == [CAUSAL_LM[case.family]]
+    # as save_pretrained writes it: the text config's own keys, none of PretrainedConfig's defaults (id2label ...)
+    expected = converted.reference.config.get_text_config().to_diff_dict()
+    assert set(written) - {"architectures", "dtype"} == set(expected) - {"architectures", "dtype"}
     source = {
         name.replace("model.language_model.", "model."): tensor
         for name, tensor in safetensors_of(converted.source).items()
