@@ -182,7 +182,8 @@ def convert_back(
             if verify is not False or verify_by_layer:
                 mode, note = (BY_LAYER, "") if verify_by_layer else parity_mode(plan.num_parameters, memory_budget)
                 failure = f"{output}: does not match the Thinker folder; nothing written"
-                report = parity_gate(staging, source, None, staging, failure, mode, note)
+                # at the written dtype: the float32 Thinker rounded as the way back rounded it
+                report = parity_gate(staging, source, None, staging, failure, mode, note, plan.dtype)
     finally:
         tensor_source.close()
     return ConversionResult(

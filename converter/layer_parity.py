@@ -49,10 +49,12 @@ EMBEDDINGS, HEAD = "embeddings", "final norm and head"
 THINKER_FINAL_NORM, THINKER_HEAD = "model.norm", "lm_head"
 
 
-def check_parity_by_layer(source: Path, converted: Path, family: Family | None = None) -> ParityReport:
+def check_parity_by_layer(
+    source: Path, converted: Path, family: Family | None = None, dtype: torch.dtype | None = None
+) -> ParityReport:
     """Compare ``converted`` with the reference of ``family`` loaded from ``source``, one layer at a time: float32,
-    plus the converted dtype if it is a half-precision one."""
-    stored = converted_dtype(converted)
+    plus the converted dtype if it is a half-precision one (``dtype`` in its place where given: ``check_parity``)."""
+    stored = dtype or converted_dtype(converted)
     loader = family.layered_reference if family is not None and family.layered_reference else load_layered_reference
     prompts = fixed_prompts(ThinkerConfig.from_pretrained(converted).vocab_size)
     results, names = [], ("", "")

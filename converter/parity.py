@@ -204,20 +204,28 @@ def first_divergence(
     return "the final norm or the head (every layer's output agrees)"
 
 
-def check_parity(source: Path, converted: Path, family: Family | None = None, mode: str = WHOLE_MODEL) -> ParityReport:
+def check_parity(
+    source: Path,
+    converted: Path,
+    family: Family | None = None,
+    mode: str = WHOLE_MODEL,
+    dtype: torch.dtype | None = None,
+) -> ParityReport:
     """Compare ``converted`` with the reference loaded from ``source``: float32, plus the converted dtype if half.
 
     The reference is the family's own loader when it declares one (a sub-model of a multimodal checkpoint), else
     ``AutoModelForCausalLM``; a family without any transformers class cannot be verified here. ``mode``:
-    ``WHOLE_MODEL``, or ``BY_LAYER`` (``converter/layer_parity.py``).
+    ``WHOLE_MODEL``, or ``BY_LAYER`` (``converter/layer_parity.py``). ``dtype``: the one both sides are loaded in
+    (their weights rounded to it alike), the converted folder's unless given; the way back gives the dtype it wrote,
+    where ``converted`` is the float32 Thinker it was written from.
     """
     if family is not None and family.no_reference:
         raise ThinkerError(f"cannot verify a {family.name} conversion: {family.no_reference}")
     if mode == BY_LAYER:
         from .layer_parity import check_parity_by_layer
 
-        return check_parity_by_layer(Path(source), Path(converted), family)
-    model = load_converted(converted)
+        return check_parity_by_layer(Path(source), Path(converted), family, dtype)
+    model = load_converted(converted, dtype)
     dtype = model.dtype
     loader = family.reference if family is not None and family.reference is not None else load_reference
     reference = loader(Path(source), dtype)
@@ -239,9 +247,10 @@ def parity_gate(
     failure: str,
     mode: str = WHOLE_MODEL,
     mode_note: str = "",
+    dtype: torch.dtype | None = None,
 ) -> ParityReport:
     """``check_parity``, its report written to ``into/parity.json``; ``ParityFailed(failure)`` when it fails."""
-    report = check_parity(reference, converted, family, mode)
+    report = check_parity(reference, converted, family, mode, dtype)
     report.mode_note = mode_note
     write_report(report, into / PARITY_FILE)
     if not report.passed:

@@ -129,3 +129,18 @@ def test_the_help_names_every_family_with_a_way_back():
     shown = " ".join(cli("--help").output.split())
     listed = shown.split("written out as FAMILY's own Hugging Face folder (")[1].split(")")[0]
     assert listed.split(", ") == exportable_families()
+
+
+@pytest.mark.parametrize("mode", ["--verify", "--verify-by-layer"])
+def test_way_back_to_a_narrower_dtype_verifies(tmp_path, mode):
+    """``--to qwen3 --dtype bfloat16`` from a float32 Thinker: the check loads both at the written dtype (the Thinker
+    rounded as the way back rounded it), so it passes, in float32 and bfloat16; against the float32 Thinker as it
+    is, every bfloat16 rounding would count as a difference and no such way back could be written."""
+    config = Qwen3Config(**SMALL, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2, head_dim=12)
+    build_reference(config).save_pretrained(tmp_path / "source")
+    assert cli(tmp_path / "source", tmp_path / "thinker", "--no-verify").exit_code == 0
+    back = cli(tmp_path / "thinker", tmp_path / "back", "--to", "qwen3", "--dtype", "bfloat16", mode)
+    assert back.exit_code == 0, back.output
+    report = json.loads((tmp_path / "back" / "parity.json").read_text())
+    assert report["passed"] and [r["dtype"] for r in report["results"]] == ["float32", "bfloat16"], report
+    assert next(iter(safetensors_of(tmp_path / "back").values())).dtype == torch.bfloat16
