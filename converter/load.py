@@ -83,9 +83,16 @@ def load_thinker(
     finally:
         tensor_source.close()
     if native:
-        return ThinkerForCausalLM.from_pretrained(root, **({"dtype": dtype} | from_pretrained_kwargs)).eval()
+        return in_eval_mode(ThinkerForCausalLM.from_pretrained(root, **({"dtype": dtype} | from_pretrained_kwargs)))
     kwargs = {"dtype": plan.dtype} | from_pretrained_kwargs
-    return ThinkerForCausalLM.from_pretrained(None, config=plan.config, state_dict=state, **kwargs).eval()
+    return in_eval_mode(ThinkerForCausalLM.from_pretrained(None, config=plan.config, state_dict=state, **kwargs))
+
+
+def in_eval_mode(loaded: Any) -> Any:
+    """``from_pretrained``'s result with the model in eval mode: the model, or (model, loading info) when
+    ``output_loading_info=True`` asked for the pair."""
+    (loaded[0] if isinstance(loaded, tuple) else loaded).eval()
+    return loaded
 
 
 foreign.register_checkpoint_loader(load_thinker)

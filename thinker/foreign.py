@@ -80,6 +80,8 @@ def from_pretrained(
             f"{pretrained_model_name_or_path} is not a Thinker checkpoint; to convert it on load, `import "
             "converter.load` first (it registers the converter's family tables), or convert it with thinker-convert"
         )
+    if "torch_dtype" in kwargs:  # transformers' former name for it, which transformers' own loading still takes
+        kwargs.setdefault("dtype", kwargs.pop("torch_dtype"))
     dtype = kwargs.pop("dtype", "auto")
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")

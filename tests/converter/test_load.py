@@ -144,6 +144,19 @@ def test_thinker_from_pretrained_converts_a_foreign_folder_on_load(tmp_path):
     torch.testing.assert_close(logits(again), logits(model), atol=0, rtol=0)
 
 
+def test_from_pretrained_on_a_foreign_folder_takes_transformers_loading_arguments(tmp_path):
+    """As for transformers' own classes: ``torch_dtype`` (the former name of ``dtype``) is honoured, and
+    ``output_loading_info=True`` returns the model, in eval mode, with what transformers found."""
+    config = Qwen3MoeConfig(
+        vocab_size=101, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    folder = save_unfused_experts(build_reference(config, seed=3), tmp_path / "qwen3_moe")
+    assert ThinkerForCausalLM.from_pretrained(folder, torch_dtype=torch.float16).dtype == torch.float16
+    model, info = ThinkerForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert not model.training and not info["missing_keys"] and not info["unexpected_keys"], info
+
+
 GATED = "acme/gated-qwen3"
 
 
