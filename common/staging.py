@@ -31,6 +31,8 @@ def refuse_existing_output(output: Path, force: bool, replaced_when: str = "") -
     ``replaced_when`` tells the user when ``--force`` would replace it (e.g. "once the new conversion is complete").
     OUTPUT is never the working directory or a folder holding it (``--force .`` would empty it)."""
     refuse_working_directory(output)
+    if not force:
+        refuse_a_file(output)  # with --force, after the checks against the source, whose messages say more
     if (output.exists() or output.is_symlink()) and not force:
         when = f" {replaced_when}" if replaced_when else ""
         raise ThinkerError(f"{output} already exists; pass --force to replace it{when}")
@@ -56,14 +58,16 @@ def refuse_working_directory(output: Path) -> None:
 def refuse_output_over_source(output: Path, source: Path, writes_into: bool = False) -> None:
     """OUTPUT is replaced as a whole (``--force``), so it must not be the source (a folder, or one weights file),
     nor hold it, nor lie inside a source folder; beside a single source file, it must not be one of the files read
-    with it (its config.json, its tokenizer). ``writes_into``: OUTPUT is an existing folder written into (``thinker
-    verify``'s parity.json), so only being, or lying inside, the source is refused."""
+    with it (its config.json, its tokenizer); and it is a folder, never a file. ``writes_into``: OUTPUT is an
+    existing folder written into (``thinker verify``'s parity.json, its CONVERTED argument), so only being, or lying
+    inside, the source is refused."""
     shown = Path(output).absolute()
+    role = "CONVERTED" if writes_into else "OUTPUT"
     folder_source = Path(source).is_dir()
     for out in _forms(output):
         for src in _forms(source):
             if out == src:
-                raise ThinkerError(f"{shown}: OUTPUT is the source {src} itself; choose another folder")
+                raise ThinkerError(f"{shown}: {role} is the source {src} itself; choose another folder")
             if out in src.parents and not writes_into:
                 raise ThinkerError(
                     f"{shown}: OUTPUT holds the source {src}, which replacing OUTPUT would delete; "
@@ -72,9 +76,19 @@ def refuse_output_over_source(output: Path, source: Path, writes_into: bool = Fa
             beside = not folder_source and out.parent == src.parent and out.name in {*CONFIG_FILES, *TOKENIZER_FILES}
             if (folder_source and src in out.parents) or beside:
                 raise ThinkerError(
-                    f"{shown}: OUTPUT lies inside the source {src if folder_source else src.parent} (a file the "
+                    f"{shown}: {role} lies inside the source {src if folder_source else src.parent} (a file the "
                     "conversion reads, or a folder among them); choose a folder outside it"
                 )
+    if not writes_into:
+        refuse_a_file(output)
+
+
+def refuse_a_file(output: Path) -> None:
+    """A file at OUTPUT is more likely a mistyped path than an old output, so not even --force, which removes what it
+    replaces, takes it (transformers' save_pretrained refuses a file too)."""
+    if output.exists() and not output.is_dir():
+        shown = Path(output).absolute()
+        raise ThinkerError(f"{shown} is a file, and OUTPUT is a folder: choose another path (--force replaces folders)")
 
 
 # --- staging folders -----------------------------------------------------------------------------------------------

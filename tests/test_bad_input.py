@@ -201,7 +201,12 @@ def test_an_existing_output_is_left_untouched(command, kind, qwen3_source, qwen3
         output.write_text("precious")
     before = digest(output)
     source = qwen3_source if command == "convert" else qwen3_thinker
-    assert_error(thinker(command, source, output, "--no-verify"), str(output), "already exists; pass --force")
+    if kind == "folder":
+        assert_error(thinker(command, source, output, "--no-verify"), str(output), "already exists; pass --force")
+    else:  # a file at OUTPUT is more likely a mistyped path than an old output: --force does not take it either
+        for force in ([], ["--force"]):
+            result = thinker(command, source, output, "--no-verify", *force)
+            assert_error(result, str(output), "is a file", "--force replaces folders")
     assert digest(output) == before
 
 

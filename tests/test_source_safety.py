@@ -107,7 +107,7 @@ def test_the_way_back_never_replaces_its_source(qwen3_thinker, tmp_path, digest)
 def test_verify_never_writes_into_its_source(qwen3_source, source_copy, tmp_path, digest):
     source = source_copy()
     before = digest(source)
-    assert_error(thinker("verify", source, source), str(source), "is the source")
+    assert_error(thinker("verify", source, source), str(source), "CONVERTED is the source")
     assert digest(source) == before
 
 
