@@ -38,9 +38,10 @@ from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument, Invalid
 from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NotImplementedByOrt
 
 from common.errors import ThinkerError
+from common.side_files import read_json
 
 from .graph_walk import all_nodes
-from .names import GENAI_MODEL_FILE, LAST_POSITION_SCOPE, MODEL_FILE, PADDING_KEY
+from .names import GENAI_CONFIG_FILE, GENAI_MODEL_FILE, LAST_POSITION_SCOPE, MODEL_FILE, PADDING_KEY
 
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
@@ -64,6 +65,18 @@ def physical_cores() -> int:
         return psutil.cpu_count(logical=False) or os.cpu_count() or 1
     except ImportError:
         return os.cpu_count() or 1
+
+
+def _context_length(folder: Path) -> int | None:
+    """The positions the export's RoPE tables hold: genai_config.json's context_length, else config.json's
+    max_position_embeddings (a folder may lack either; None: unchecked)."""
+    genai = read_json(folder / GENAI_CONFIG_FILE)
+    model = genai.get("model") if isinstance(genai, dict) else None
+    context = model.get("context_length") if isinstance(model, dict) else None
+    if context is None:
+        config = read_json(folder / "config.json")
+        context = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return context if isinstance(context, int) and not isinstance(context, bool) and context > 0 else None
 
 
 def session_options(threads: int | None = None) -> ort.SessionOptions:
@@ -270,6 +283,9 @@ class OnnxDecoder:
         if logits is None:
             raise ThinkerError(f"{self.model_path}: no logits output; export the model with `thinker export`")
         self.last_logits_only = [d.dim_value for d in logits.type.tensor_type.shape.dim][1:2] == [1]
+        vocab = [d.dim_value for d in logits.type.tensor_type.shape.dim][2:3]
+        self.vocab_size = vocab[0] if vocab and vocab[0] > 0 else None  # ids at or past it would fail in Gather
+        self.context_length = _context_length(self.model_path.parent)  # the RoPE tables' rows, where known
         # onnxruntime's GroupQueryAttention (the fused graph) takes several new tokens after a non-empty cache at
         # batch 1 only; ``forward`` refuses the other case by name rather than with the kernel's error.
         self.chunks_need_batch_1 = any(node.op_type == "GroupQueryAttention" for node in graph.node)
@@ -373,7 +389,9 @@ class OnnxDecoder:
     def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, state: DecoderState) -> np.ndarray:
         """Runs the graph on new tokens; ``state.cache`` becomes the presents. Returns logits (B, T, V) float32.
         ``position_ids`` (B, T), or (3, B, T) for a model with multimodal RoPE."""
-        batch, steps = np.shape(input_ids)
+        input_ids = self._checked_ids(input_ids)
+        batch, steps = input_ids.shape
+        self._check_mask(state.attention_mask, batch, steps)
         if self.chunks_need_batch_1 and batch > 1 and steps > 1 and state.attention_mask.shape[1] > steps:
             raise ThinkerError(
                 f"{self.model_path}: {steps} new tokens after a non-empty cache at batch {batch}: this graph's "
@@ -385,12 +403,53 @@ class OnnxDecoder:
             "attention_mask": np.ascontiguousarray(state.attention_mask, dtype=np.int64),
         }
         if self.takes_positions:
-            feeds["position_ids"] = np.ascontiguousarray(self.graph_positions(position_ids), dtype=np.int64)
+            positions = np.ascontiguousarray(self.graph_positions(position_ids), dtype=np.int64)
+            self._check_positions(positions, batch, steps)
+            feeds["position_ids"] = positions
         if self.device == "cuda" or self.shared_kv:
             return self._forward_bound(feeds, state)
         outputs = self.session.run(self.output_names, {**feeds, **state.cache})
         state.cache = dict(zip(self.past_names, outputs[1:], strict=True))
         return outputs[0]
+
+    # What the graph would otherwise fail on deep inside onnxruntime (a Gather out of range, a broadcast of
+    # mismatched shapes), or worse, compute without a word (a negative id reads the table's last row, a float mask
+    # of 0.5 casts to 0): refused here by name.
+    def _checked_ids(self, input_ids) -> np.ndarray:
+        ids = np.asarray(input_ids)
+        if ids.ndim != 2 or 0 in ids.shape:
+            raise ThinkerError(f"input_ids of shape {ids.shape}; expected (batch, seq) with at least one token a row")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ThinkerError(f"input_ids of dtype {ids.dtype}; token ids are integers")
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or (self.vocab_size is not None and high >= self.vocab_size):
+            bad = low if low < 0 else high
+            raise ThinkerError(f"token id {bad} is outside this model's vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def _check_mask(self, mask: np.ndarray, batch: int, steps: int) -> None:
+        if mask.ndim != 2 or mask.shape[0] != batch or mask.shape[1] < steps:
+            raise ThinkerError(
+                f"attention_mask of shape {mask.shape} for input_ids of shape ({batch}, {steps}); expected (batch, "
+                "past + seq)"
+            )
+
+    def _check_prompt_mask(self, mask: np.ndarray) -> None:
+        """A prompt's mask, as given (a decode step's is the prompt's with a column of ones appended)."""
+        if not ((mask == 0) | (mask == 1)).all():
+            raise ThinkerError("attention_mask holds values other than 0 and 1 (1 keeps a token, 0 masks a pad)")
+        empty = np.flatnonzero(~mask.any(axis=1))
+        if empty.size:
+            raise ThinkerError(f"row {int(empty[0])} of attention_mask keeps no token; every row needs one at least")
+
+    def _check_positions(self, positions: np.ndarray, batch: int, steps: int) -> None:
+        if positions.shape[-2:] != (batch, steps):
+            raise ThinkerError(f"position_ids of shape {positions.shape} for input_ids of shape ({batch}, {steps})")
+        if self.context_length is not None and int(positions.max()) >= self.context_length:
+            raise ThinkerError(
+                f"position {int(positions.max())} is past this model's context of {self.context_length} positions "
+                "(max_position_embeddings); shorten the prompt or the number of new tokens"
+            )
 
     def graph_positions(self, position_ids: np.ndarray) -> np.ndarray:
         """Positions in the graph's rank: (B, T) text positions repeated on the three multimodal streams; (3, B, T)
@@ -460,7 +519,15 @@ class OnnxDecoder:
         """The prompt (left-padded when rows differ in length) through an empty cache. Logits (B, T, V), or (B, 1, V)
         from a ``--logits last`` graph: each row's last kept position. ``new_tokens``: how many tokens will follow,
         which a shared KV buffer is sized for up front."""
-        attention_mask = np.asarray(attention_mask, dtype=np.int64)
+        input_ids = self._checked_ids(input_ids)
+        attention_mask = np.asarray(attention_mask)
+        if attention_mask.shape != input_ids.shape:
+            raise ThinkerError(
+                f"attention_mask of shape {attention_mask.shape} for input_ids of shape {input_ids.shape}; a prompt's "
+                "mask has the shape of its ids"
+            )
+        self._check_prompt_mask(attention_mask)
+        attention_mask = attention_mask.astype(np.int64)
         if self.right_padding_only and (np.diff(attention_mask, axis=1) > 0).any():
             raise ThinkerError(
                 f"{self.model_path}: onnxruntime-genai's graph takes right-padded batches only, and a row of this "
@@ -473,7 +540,13 @@ class OnnxDecoder:
 
     def decode_one_token(self, tokens: np.ndarray, state: DecoderState) -> np.ndarray:
         """One new token per row after the cache. Returns logits (B, V)."""
-        batch = tokens.shape[0]
+        tokens = np.asarray(tokens)
+        batch = tokens.shape[0] if tokens.ndim else 0
+        if tokens.size != batch or batch != state.attention_mask.shape[0]:
+            raise ThinkerError(
+                f"tokens of shape {tokens.shape} for a batch of {state.attention_mask.shape[0]}; decode_one_token "
+                "takes one token per row"
+            )
         state.attention_mask = np.concatenate([state.attention_mask, np.ones((batch, 1), np.int64)], axis=1)
         logits = self.forward(tokens.reshape(batch, 1), state.next_position.reshape(batch, 1), state)
         state.next_position = state.next_position + 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import onnx
 import pytest
@@ -159,3 +161,32 @@ def test_genai_graph_equals_the_padded_one_on_a_prompt_without_pads(family, onnx
         np.testing.assert_allclose(genai.decode_one_token(token, actual_state), expected, atol=1e-4, rtol=0)
         token = expected.argmax(-1)
     np.testing.assert_array_equal(genai.generate(prompt, max_new_tokens=8), padded.generate(prompt, max_new_tokens=8))
+
+
+def test_bad_inputs_are_refused_by_name(onnx_folder):
+    """What onnxruntime would fail on deep inside the graph (a Gather out of range, mismatched shapes), or compute
+    without a word (a negative id reads the table's last row, a mask of 0.5 casts to 0), is a ThinkerError saying
+    what is wrong; lists are taken as arrays, as ``generate`` takes them."""
+    decoder = OnnxDecoder(onnx_folder("qwen3"), provider="cpu")
+    vocab, context = decoder.vocab_size, decoder.context_length
+    assert vocab and context
+    logits, state = decoder.prefill([[3, 4, 5]], [[1, 1, 1]])  # lists
+    assert logits.shape[:2] == (1, 3)
+    cases = {
+        "outside this model's vocabulary": ([[3, vocab]], [[1, 1]]),
+        "outside this model's vocabulary [0,": ([[3, -1]], [[1, 1]]),
+        "token ids are integers": ([[3.0, 4.0]], [[1, 1]]),
+        "expected (batch, seq)": ([3, 4], [1, 1]),
+        "at least one token": (np.zeros((1, 0), np.int64), np.zeros((1, 0), np.int64)),
+        "a prompt's mask has the shape of its ids": ([[3, 4]], [[1, 1, 1]]),
+        "values other than 0 and 1": ([[3, 4]], [[0.5, 1]]),
+        "row 1 of attention_mask keeps no token": ([[3, 4], [5, 6]], [[1, 1], [0, 0]]),
+        "past this model's context": (np.full((1, context + 1), 3), np.ones((1, context + 1), np.int64)),
+    }
+    for fragment, (ids, mask) in cases.items():
+        with pytest.raises(ThinkerError, match=re.escape(fragment)):
+            decoder.prefill(ids, mask)
+    with pytest.raises(ThinkerError, match="one token per row"):
+        decoder.decode_one_token(np.array([1, 2]), state)
+    with pytest.raises(ThinkerError, match=r"position_ids of shape \(1, 2\) for input_ids of shape \(1, 1\)"):
+        decoder.forward(np.array([[1]]), np.array([[3, 4]]), state)
