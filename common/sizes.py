@@ -18,8 +18,12 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 def parse_size(text: str | int) -> int:
     """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a plain byte count -> bytes."""
-    if isinstance(text, int):
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text <= 0:
+            raise ThinkerError(f"size {text!r} is not a size: a byte count is a whole number above 0")
         return text
+    if not isinstance(text, str):
+        raise ThinkerError(f"size {text!r} is not a size like 5GB, 500MB, 2GiB or a byte count")
     match = _SIZE.match(text)
     unit = match.group(2).upper() if match else None
     if match is None or unit not in _SIZE_UNITS or float(match.group(1)) <= 0:

@@ -122,8 +122,9 @@ revision_option = click.option(
 gguf_file_option = click.option(
     "--gguf-file",
     metavar="NAME",
-    help="The GGUF file to convert, by name, when SOURCE (a Hub repo or a folder) holds several, one per "
-    "quantisation: only that file is downloaded (as transformers' from_pretrained(..., gguf_file=NAME)).",
+    help="The GGUF file of SOURCE (a Hub repo or a folder holding several, one per quantisation) to read, by name "
+    "(converted, or verified against): only that file is downloaded (as transformers' from_pretrained(..., "
+    "gguf_file=NAME)).",
 )
 
 

@@ -17,9 +17,12 @@ from common.errors import ThinkerError
 from common.sources import TensorSource
 
 
-def resolve_dtype(requested: str, declared: Any, source: TensorSource) -> torch.dtype:
+def resolve_dtype(requested: str | torch.dtype, declared: Any, source: TensorSource) -> torch.dtype:
     """The output dtype. ``auto``: ``declared`` (the dtype the source's config names) when it is one a folder may
-    hold, else the floating dtype holding most of the source's bytes."""
+    hold, else the floating dtype holding most of the source's bytes. A Python caller may name it as a
+    ``torch.dtype``, as transformers' ``dtype=`` takes it."""
+    if isinstance(requested, torch.dtype):
+        requested = dtype_name(requested)
     if requested != "auto":
         if requested not in FLOAT_DTYPES:
             raise ThinkerError(f"--dtype {requested!r} is not one of auto, {', '.join(FLOAT_DTYPES)}")

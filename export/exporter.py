@@ -22,7 +22,7 @@ import onnx
 import torch
 
 from common.config_values import check_model_config
-from common.dtypes import FLOAT_DTYPES, torch_dtype
+from common.dtypes import FLOAT_DTYPES, dtype_name, torch_dtype
 from common.errors import ThinkerError
 from common.progress import progress_bar
 from common.side_files import CONFIG_FILES, copy_files, read_json, tokenizer_files
@@ -83,7 +83,7 @@ def routed_experts(config: ThinkerConfig, nodes_by_op: dict[str, int]) -> dict[s
 def export_model(
     source: str | Path,
     output: str | Path,
-    dtype: str = "float32",
+    dtype: str | torch.dtype = "float32",
     verify: bool = True,
     force: bool = False,
     threads: int | None = None,
@@ -108,8 +108,17 @@ def export_model(
     for ``DEFAULT_LOGITS``; ``gguf_file``: the GGUF file of a source (a Hub repo or a folder) that holds several,
     converted on the way."""
     output = Path(output)
+    if isinstance(dtype, torch.dtype):  # as transformers' dtype= takes it
+        dtype = dtype_name(dtype)
     if dtype not in FLOAT_DTYPES:
         raise ThinkerError(f"--dtype {dtype}: expected one of {', '.join(FLOAT_DTYPES)}")
+    if quantize is not None and not isinstance(quantize, QuantizeSpec):
+        raise ThinkerError(
+            f"quantize={quantize!r}: pass a QuantizeSpec (export.quantize), e.g. QuantizeSpec(bits=4), as the CLI's "
+            "--quantize builds one"
+        )
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ThinkerError(f"threads={threads!r}: a whole number of threads above 0, or None for every core")
     if graph is not None and graph not in GRAPHS:
         raise ThinkerError(f"--graph {graph}: expected one of {', '.join(GRAPHS)}")
     if positions is not None and positions not in POSITIONS:

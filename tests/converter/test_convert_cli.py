@@ -133,3 +133,15 @@ def test_hub_repo_id_through_a_local_endpoint(fake_hub, save_reference, tmp_path
     assert result.exit_code == 0, result.output
     assert (tmp_path / "out" / "tokenizer.json").is_file()
     assert any(request.path.endswith("model.safetensors") for request in fake_hub.file_requests("GET"))
+
+
+def test_convert_from_python_takes_a_torch_dtype(qwen3_source, tmp_path):
+    """``convert`` and ``load_thinker`` name the dtype as transformers' ``dtype=`` does, a torch.dtype too."""
+    import torch
+
+    from converter.convert import convert
+    from converter.load import load_thinker
+
+    result = convert(qwen3_source, tmp_path / "out", dtype=torch.bfloat16, verify=False, progress=False)
+    assert result.dtype == "bfloat16"
+    assert load_thinker(qwen3_source, dtype=torch.float16).dtype == torch.float16

@@ -9,6 +9,7 @@ import torch
 from click.testing import CliRunner
 
 from common.cli import main
+from common.errors import ThinkerError
 
 
 @pytest.fixture
@@ -159,3 +160,16 @@ def test_help_teaches(runner):
     for option in ("--dtype", "--verify / --no-verify", "--force", "--threads", "--debug", "past_key_values"):
         assert option in export_help
     assert "[default: fused]" in " ".join(export_help.split())  # one default graph, for every model
+
+
+def test_export_model_from_python_takes_a_torch_dtype_and_refuses_what_the_cli_would(thinker_folder, tmp_path):
+    """``export_model`` is the CLI's function: a torch.dtype names the dtype as transformers' ``dtype=`` does; a
+    quantization named by a string, or 0 threads, is refused by name rather than failing deep inside."""
+    from export.exporter import export_model
+
+    report = export_model(thinker_folder("qwen3"), tmp_path / "half", dtype=torch.float16, verify=False, progress=False)
+    assert report["dtype"] == "float16"
+    for wrong, message in (({"quantize": "int4"}, "pass a QuantizeSpec"), ({"threads": 0}, "threads=0")):
+        with pytest.raises(ThinkerError, match=message):
+            export_model(thinker_folder("qwen3"), tmp_path / "never", verify=False, progress=False, **wrong)
+    assert not (tmp_path / "never").exists()
