@@ -274,6 +274,14 @@ def export_command(
         for option, value in given.items():
             if value is not None:
                 raise ThinkerError(f"{option} needs --quantize")
+    if dtype == "bfloat16" and verify and _given_on_the_command_line("verify"):
+        from .runtime import cuda_usable
+
+        if not cuda_usable():  # by default the check is skipped with a note; asked for, it must not be
+            raise ThinkerError(
+                "--verify: onnxruntime's CPU execution provider has no bfloat16 kernels and no CUDA runs here, so a "
+                "bfloat16 export cannot be checked; export where CUDA is available, or leave --verify out"
+            )
     report = export_model(
         model_dir,
         output,
@@ -439,6 +447,13 @@ def demo_command(ctx: click.Context, workdir: Path, prompt: str, max_new_tokens:
         ctx.invoke(generate_command, folder=folder, prompt=text, max_new_tokens=tokens)
 
     run_demo(workdir, prompt, max_new_tokens, generate)
+
+
+def _given_on_the_command_line(parameter: str) -> bool:
+    """Whether the user passed ``parameter``'s option, rather than its default standing."""
+    from click.core import ParameterSource
+
+    return click.get_current_context().get_parameter_source(parameter) == ParameterSource.COMMANDLINE
 
 
 def _folder_kind(folder: Path) -> str:
