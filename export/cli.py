@@ -262,6 +262,7 @@ def export_command(
         gate = QualityGate(
             default.min_top1 if min_top1 is None else min_top1,
             default.max_perplexity_increase if max_perplexity_increase is None else max_perplexity_increase,
+            required=min_top1 is not None or max_perplexity_increase is not None,
         )
     else:
         given = {

@@ -97,6 +97,9 @@ class QualityGate:
 
     min_top1: float
     max_perplexity_increase: float
+    # The limits were set by the user: a cost that cannot be measured (no tokenizer in the folder) fails the check
+    # rather than passing it with a note, as the default limits' does.
+    required: bool = False
 
     @classmethod
     def default(cls, bits: int) -> QualityGate:
@@ -317,6 +320,11 @@ def quantized_result(
         )
     if "genai_graph" in graph:
         failures += genai_graph_failures(graph["genai_graph"], graph["tolerance"])
+    if "skipped" in cost and gate.required:
+        failures.append(
+            f"the quantization cost, which --min-top1 / --max-perplexity-increase limit, was not measured: "
+            f"{cost['skipped']}"
+        )
     if "skipped" not in cost:
         cost.update(min_top1_agreement=gate.min_top1, max_perplexity_increase=gate.max_perplexity_increase)
         cost_failure = gate.failure(cost)

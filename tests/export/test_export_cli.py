@@ -188,3 +188,20 @@ def test_an_explicit_verify_of_a_bfloat16_export_fails_where_it_cannot_run(runne
     assert not (tmp_path / "asked").exists()
     default = runner.invoke(main, ["export", str(folder), str(tmp_path / "default"), "--dtype", "bfloat16"])
     assert default.exit_code == 0, default.output
+
+
+def test_quality_limits_given_by_name_need_the_cost_measured(runner, thinker_folder, tmp_path):
+    """The quantization cost runs a paragraph through the folder's tokenizer. Without one it is not measured: with
+    the default limits the export says so and passes; with --min-top1 given, the limit cannot be held, so it fails."""
+    import shutil
+
+    folder = shutil.copytree(thinker_folder("qwen3"), tmp_path / "thinker")
+    for path in folder.glob("*"):
+        if path.name.startswith(("tokenizer", "vocab", "merges", "special_tokens")):
+            path.unlink()
+    quantized = ["--quantize", "int8", "--block-size", "16"]
+    default = runner.invoke(main, ["export", str(folder), str(tmp_path / "default"), *quantized])
+    assert default.exit_code == 0 and "quantization cost not measured" in default.stderr, default.output
+    limited = runner.invoke(main, ["export", str(folder), str(tmp_path / "limited"), *quantized, "--min-top1", "0"])
+    assert limited.exit_code == 1 and "was not measured" in limited.stderr, limited.output
+    assert not (tmp_path / "limited").exists()
