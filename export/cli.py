@@ -507,16 +507,11 @@ def _load_tokenizer(folder: Path):
 
 
 def _refuse_unreadable_config(folder: Path) -> None:
-    from transformers import AutoConfig
+    """A Thinker folder's config.json, or the copy an export keeps, read as export reads it (one line naming it)."""
+    from .exporter import load_config
 
-    import thinker  # noqa: F401  (registers the Thinker config with AutoConfig)
-
-    if not (folder / "config.json").is_file():
-        return
-    try:
-        AutoConfig.from_pretrained(folder, trust_remote_code=False)
-    except Exception as err:
-        raise ThinkerError(f"{folder}/config.json: not a readable config ({type(err).__name__}: {err})") from None
+    if (folder / "config.json").is_file():
+        load_config(folder)
 
 
 def _chat_ids(folder: Path, tokenizer, message: str):
@@ -534,20 +529,20 @@ def _check_prompt(folder: Path, prompt_ids, max_new_tokens: int) -> None:
     """Refuse what the model cannot take, which would otherwise fail deep inside onnxruntime or torch: token ids
     beyond its vocabulary (a tokenizer from another model) and more positions than it has. The sizes come from
     config.json, or from genai_config.json in an ONNX folder without one."""
+    from .runtime import folder_context
+
     config = read_json(folder / "config.json") or {}
     genai = read_json(folder / GENAI_CONFIG_FILE) or {}
     genai_model = genai.get("model") if isinstance(genai, dict) and isinstance(genai.get("model"), dict) else {}
     vocab_size = config.get("vocab_size", genai_model.get("vocab_size"))
-    context, context_key = config.get("max_position_embeddings"), "max_position_embeddings"
-    if context is None:
-        context, context_key = genai_model.get("context_length"), f"context_length in {GENAI_CONFIG_FILE}"
+    context, context_key = folder_context(folder)
     if isinstance(vocab_size, int) and prompt_ids.max() >= vocab_size:
         raise ThinkerError(
             f"{folder}: the tokenizer gives token id {int(prompt_ids.max())} for --prompt, beyond the model's "
             f"vocabulary of {vocab_size}; the folder's tokenizer does not belong to its model"
         )
     length = prompt_ids.shape[1]
-    if isinstance(context, int) and length + max_new_tokens > context:
+    if context is not None and length + max_new_tokens > context:
         raise ThinkerError(
             f"--prompt is {length} tokens, and with --max-new-tokens {max_new_tokens} that is beyond the model's "
             f"{context} positions ({context_key}); shorten the prompt or lower --max-new-tokens"

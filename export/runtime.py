@@ -67,16 +67,20 @@ def physical_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _context_length(folder: Path) -> int | None:
-    """The positions the export's RoPE tables hold: genai_config.json's context_length, else config.json's
-    max_position_embeddings (a folder may lack either; None: unchecked)."""
-    genai = read_json(folder / GENAI_CONFIG_FILE)
-    model = genai.get("model") if isinstance(genai, dict) else None
-    context = model.get("context_length") if isinstance(model, dict) else None
+def folder_context(folder: Path) -> tuple[int | None, str]:
+    """The positions a model folder's RoPE tables hold, and the key that says so: config.json's
+    max_position_embeddings, else genai_config.json's context_length (an ONNX folder without config.json); None
+    where neither gives a whole number above 0."""
+    config = read_json(folder / "config.json")
+    key = "max_position_embeddings"
+    context = config.get(key) if isinstance(config, dict) else None
     if context is None:
-        config = read_json(folder / "config.json")
-        context = config.get("max_position_embeddings") if isinstance(config, dict) else None
-    return context if isinstance(context, int) and not isinstance(context, bool) and context > 0 else None
+        genai = read_json(folder / GENAI_CONFIG_FILE)
+        model = genai.get("model") if isinstance(genai, dict) else None
+        context = model.get("context_length") if isinstance(model, dict) else None
+        key = f"context_length in {GENAI_CONFIG_FILE}"
+    valid = isinstance(context, int) and not isinstance(context, bool) and context > 0
+    return (context if valid else None), key
 
 
 def session_options(threads: int | None = None) -> ort.SessionOptions:
@@ -285,7 +289,7 @@ class OnnxDecoder:
         self.last_logits_only = [d.dim_value for d in logits.type.tensor_type.shape.dim][1:2] == [1]
         vocab = [d.dim_value for d in logits.type.tensor_type.shape.dim][2:3]
         self.vocab_size = vocab[0] if vocab and vocab[0] > 0 else None  # ids at or past it would fail in Gather
-        self.context_length = _context_length(self.model_path.parent)  # the RoPE tables' rows, where known
+        self.context_length = folder_context(self.model_path.parent)[0]  # the RoPE tables' rows, where known
         # onnxruntime's GroupQueryAttention (the fused graph) takes several new tokens after a non-empty cache at
         # batch 1 only; ``forward`` refuses the other case by name rather than with the kernel's error.
         self.chunks_need_batch_1 = any(node.op_type == "GroupQueryAttention" for node in graph.node)
