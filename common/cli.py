@@ -36,7 +36,7 @@ def reports_errors(command: Callable) -> Callable:
     def run(*args, debug: bool = False, **kwargs):
         logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s: %(message)s")
         if not debug:
-            quiet_transformers()
+            quiet_libraries()
         try:
             with held_warnings(hold=not debug):
                 return command(*args, **kwargs)
@@ -67,12 +67,16 @@ def held_warnings(hold: bool = True) -> Iterator[None]:
         warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
 
 
-def quiet_transformers() -> None:
-    # transformers' loading notices and per-load progress bars would drown our own progress, tables and summaries.
+def quiet_libraries() -> None:
+    # transformers' loading notices and per-load progress bars would drown our own progress, tables and summaries;
+    # huggingface_hub's download retries ("Trying to resume download...", each printed twice: by its own handler and,
+    # propagated, by the root logger's) would bury the one line that says what failed and what to do.
+    from huggingface_hub.utils import logging as hub_logging
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.set_verbosity_error()
     transformers_logging.disable_progress_bar()
+    hub_logging.set_verbosity_error()
 
 
 # The commands of `thinker`, in the order of a session, and the click command object each one is.
@@ -115,7 +119,7 @@ def main() -> None:
     """
 
 
-__all__ = ["CONTEXT", "main", "quiet_transformers", "reports_errors"]
+__all__ = ["CONTEXT", "main", "quiet_libraries", "reports_errors"]
 
 
 if __name__ == "__main__":  # python -m common.cli COMMAND ... (the benchmarks run it so)

@@ -140,10 +140,8 @@ def resolve_source(
     take in it, of several (the path of that file is returned). These are the Hub arguments of transformers'
     ``from_pretrained``, with the same meaning. ``progress=False`` hides huggingface_hub's bars.
     """
-    if gguf_file is not None and (not gguf_file.endswith(".gguf") or "/" in gguf_file or gguf_file.startswith(".")):
-        raise ThinkerError(
-            f"--gguf-file {gguf_file!r}: give the name of a .gguf file (with --subfolder for its folder)"
-        )
+    if gguf_file is not None:
+        gguf_file, subfolder = _split_gguf_path(gguf_file, subfolder)
     local = Path(source).expanduser()
     if local.exists():
         if revision is not None:
@@ -163,6 +161,22 @@ def resolve_source(
     label = f"{source}@{revision or constants.DEFAULT_REVISION}"
     snapshot = _resolve_repo(source, revision or constants.DEFAULT_REVISION, allow_patterns, hub, progress)
     return _gguf_in(_in_subfolder(snapshot, hub.subfolder, label), gguf_file, label)
+
+
+def _split_gguf_path(gguf_file: str, subfolder: str | None) -> tuple[str, str | None]:
+    """``--gguf-file`` as a file name and the folder it lies in: many GGUF repos keep each quantisation in a folder
+    of its own (``Q4_K_M/model-Q4_K_M.gguf``), so a path inside SOURCE is taken too, its folder joined to
+    ``subfolder``."""
+    folder, _, name = gguf_file.replace("\\", "/").rpartition("/")
+    parts = [part for part in folder.split("/") if part]
+    if not name.endswith(".gguf") or name.startswith(".") or gguf_file.startswith("/") or ".." in parts:
+        raise ThinkerError(
+            f"--gguf-file {gguf_file!r}: give a .gguf file's name, or its path inside SOURCE (a folder of the repo: "
+            "Q4_K_M/model-Q4_K_M.gguf)"
+        )
+    if parts:
+        subfolder = "/".join([*filter(None, [(subfolder or "").strip("/")]), *parts])
+    return name, subfolder
 
 
 @dataclass(frozen=True)
@@ -229,6 +243,10 @@ def _resolve_repo(
 
     if allow_patterns is None:
         prefix = f"{hub.subfolder}/" if hub.subfolder else ""
+        if hub.gguf_file is not None and prefix + hub.gguf_file not in files:
+            # Named wherever the repo keeps them: GGUF repos often hold each quantisation in a folder of its own.
+            held = sorted(name for name in files if name.endswith(".gguf"))
+            raise ThinkerError(f"{label} has no GGUF file {prefix + hub.gguf_file!r}; {_ggufs_held(held)}")
         inside = [name.removeprefix(prefix) for name in files if name.startswith(prefix)]
         picked = pick_conversion_files(inside, label, hub.gguf_file)
         allow_patterns = [glob.escape(prefix + name) for name in picked]
@@ -259,7 +277,11 @@ def _resolve_repo(
     except HfHubHTTPError as err:
         raise _explain(err, repo_id, label, endpoint, cache_dir) from None
     except _NETWORK_ERRORS as err:  # the connection dropped in the middle of a download
-        raise _not_cached(label, endpoint, cache_dir, offline, err) from None
+        raise ThinkerError(
+            f"{label}: the connection to the Hub at {endpoint} dropped during the download "
+            f"({type(err).__name__}: {_first_line(err)}); what was fetched stays in the cache at {cache_dir}, and "
+            "running the command again goes on from there"
+        ) from None
     except OSError as err:  # a full disk, an unwritable cache, a size mismatch after download
         raise ThinkerError(
             f"{label}: download into {cache_dir} failed ({_first_line(err)}); fix that and retry"

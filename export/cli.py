@@ -376,7 +376,13 @@ def genai_figure(figures: dict) -> str:
     help="onnxruntime's execution provider for an ONNX folder (auto picks CUDA when it really runs), torch's "
     "device for a Thinker folder (auto: cpu). cuda where none is: an error.",
 )
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads [default: physical cores].")
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="CPU threads: onnxruntime's intra-op threads for an ONNX folder, torch's for a Thinker folder "
+    "[default: each library's own, the physical cores].",
+)
 @reports_errors
 def generate_command(
     folder: Path, prompt: str, max_new_tokens: int, provider: str, threads: int | None, chat: bool = False

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import socket
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -66,6 +67,9 @@ class FakeHub:
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))  # port 0: any free port
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
+        # The connection drops before the body of every LFS file sent after this many whole ones (None: never).
+        self.cut_downloads_after: int | None = None
+        self._whole_downloads = 0
 
     @property
     def endpoint(self) -> str:
@@ -196,7 +200,17 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             if file_path.endswith(LFS_SUFFIXES):
                 headers["X-Linked-Etag"] = f'"{hashlib.sha256(content).hexdigest()}"'
                 headers["X-Linked-Size"] = str(len(content))
+                if not head and self._cut_this_download():
+                    self._send(200, content, headers, head, cut=True)
+                    return
             self._send(200, content, headers, head)
+
+        def _cut_this_download(self) -> bool:
+            with hub._lock:
+                if hub.cut_downloads_after is None or hub._whole_downloads < hub.cut_downloads_after:
+                    hub._whole_downloads += 1
+                    return False
+                return True
 
         def _send_json(self, payload: object, head: bool) -> None:
             self._send(200, json.dumps(payload).encode(), {"Content-Type": "application/json"}, head)
@@ -207,14 +221,19 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 headers["X-Error-Code"] = code
             self._send(status, json.dumps({"error": message}).encode(), headers, self.command == "HEAD")
 
-        def _send(self, status: int, body: bytes, headers: dict[str, str], head: bool) -> None:
+        def _send(self, status: int, body: bytes, headers: dict[str, str], head: bool, cut: bool = False) -> None:
+            """``cut``: the full length is announced, and the connection dropped before the body (a body cut off
+            midway would be resumed and cut again, each try resetting huggingface_hub's count of retries)."""
             self.send_response(status)
             for name, value in headers.items():
                 self.send_header(name, value)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            if not head:
+            if not head and not cut:
                 self.wfile.write(body)
+            if cut:
+                self.wfile.flush()
+                self.connection.shutdown(socket.SHUT_RDWR)
 
     return Handler
 

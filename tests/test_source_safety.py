@@ -241,6 +241,23 @@ def test_the_hub_cache_layout_keeps_working(fake_hub, qwen3_source, tmp_path):
     assert (tmp_path / "by-path-convert" / "tokenizer.json").is_file()
 
 
+@pytest.mark.parametrize("command", ["convert", "export"])
+def test_output_never_lies_in_the_hub_cache_of_its_source(command, fake_hub, qwen3_source, tmp_path, digest):
+    """A Hub source's bytes live in the cache's blobs/, outside the snapshot folder its links sit in: OUTPUT there,
+    even with --force, would delete them (and leave every snapshot of the repo dangling)."""
+    fake_hub.add_repo("tiny-org/tiny-qwen3", qwen3_source)
+    assert thinker("convert", "tiny-org/tiny-qwen3", tmp_path / "first", "--no-verify").exit_code == 0
+    blobs = fake_hub.cache / "models--tiny-org--tiny-qwen3" / "blobs"
+    (snapshot,) = (blobs.parent / "snapshots").iterdir()
+    source = "tiny-org/tiny-qwen3" if command == "convert" else snapshot
+    before = digest(fake_hub.cache)
+    for output in (blobs, blobs / "new-folder", blobs.parent / "refs", fake_hub.cache / "another"):
+        assert_error(
+            thinker(command, source, output, "--no-verify", "--force"), str(output), "inside the Hugging Face cache"
+        )
+    assert digest(fake_hub.cache) == before
+
+
 def test_a_snapshot_linking_outside_its_cache_is_refused(fake_hub, qwen3_source, secret, tmp_path):
     fake_hub.add_repo("tiny-org/tiny-qwen3", qwen3_source)
     assert thinker("convert", "tiny-org/tiny-qwen3", tmp_path / "first", "--no-verify").exit_code == 0

@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 import pytest
+from cli_helpers import assert_nothing_written, assert_process_error, run_cli
 from huggingface_hub import constants
 from safetensors.numpy import save
 
@@ -154,6 +155,24 @@ def test_unreachable_hub_falls_back_to_the_cache(fake_hub):
     assert "HF_ENDPOINT" in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_download_cut_off_midway_is_one_line_and_resumes(fake_hub, qwen3_source, tmp_path):
+    """The connection drops inside the weights' body on every try: huggingface_hub retries (its warnings kept out of
+    the user's terminal), then one line says what happened; what was fetched stays cached, and the next run, with the
+    Hub well again, completes the snapshot."""
+    fake_hub.add_repo("tiny-org/tiny-qwen3", qwen3_source)
+    fake_hub.cut_downloads_after = 0
+    output = tmp_path / "out"
+    done = run_cli("convert", "tiny-org/tiny-qwen3", output, "--no-verify")
+    assert_process_error(done, "tiny-org/tiny-qwen3@main", "dropped during the download", "running the command again")
+    assert "resume" not in done.stderr.lower()  # huggingface_hub's retry notices
+    assert_nothing_written(output)
+    assert (
+        len(fake_hub.file_requests("GET")) > 1
+    )  # cut, retried, cut again: the error came after huggingface_hub's tries
+    fake_hub.cut_downloads_after = None
+    assert (resolve_source("tiny-org/tiny-qwen3", progress=False) / "model.safetensors").is_file()
+
+
 def test_local_paths_and_bad_sources(tmp_path):
     assert resolve_source(str(tmp_path)) == tmp_path
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
@@ -242,7 +261,7 @@ def test_gguf_file_picks_one_of_a_repos_quantisations(fake_hub):
     path = resolve_source("acme/tiny-gguf", gguf_file="tiny-Q8_0.gguf", progress=False)
     assert path.name == "tiny-Q8_0.gguf" and path.parent.name == sha and path.read_bytes() == GGUF_REPO[path.name]
     assert files_in(path.parent) == {"tiny-Q8_0.gguf"}  # the other quantisations are not downloaded
-    with pytest.raises(ThinkerError, match=r"no GGUF file 'tiny-Q5.gguf' .*tiny-Q4_K_M.gguf, tiny-Q8_0.gguf"):
+    with pytest.raises(ThinkerError, match=r"no GGUF file 'tiny-Q5.gguf'.*tiny-Q4_K_M.gguf, tiny-Q8_0.gguf"):
         resolve_source("acme/tiny-gguf", gguf_file="tiny-Q5.gguf", progress=False)
     with pytest.raises(ThinkerError, match="holds 3 GGUF files; pick one with --gguf-file: .*mmproj-F16.gguf"):
         resolve_source("acme/tiny-gguf", progress=False)
@@ -256,6 +275,20 @@ def test_gguf_file_in_a_local_folder(tmp_path):
         resolve_source(str(tmp_path), gguf_file="q2.gguf")
     with pytest.raises(ThinkerError, match="SOURCE is already a file"):
         resolve_source(str(tmp_path / "tiny-Q8_0.gguf"), gguf_file="tiny-Q8_0.gguf")
-    for bad in ("../tiny-Q8_0.gguf", "sub/tiny.gguf", "tiny.safetensors", ".hidden.gguf"):
-        with pytest.raises(ThinkerError, match="give the name of a .gguf file"):
+    for bad in ("../tiny-Q8_0.gguf", "sub/../../tiny.gguf", "/tmp/tiny.gguf", "tiny.safetensors", ".hidden.gguf"):
+        with pytest.raises(ThinkerError, match="give a .gguf file's name, or its path inside SOURCE"):
             resolve_source(str(tmp_path), gguf_file=bad)
+
+
+def test_gguf_file_as_a_path_inside_the_source(fake_hub, tmp_path):
+    """GGUF repos often keep each quantisation in a folder of its own: --gguf-file takes the path in the repo."""
+    in_folders = {"README.md": b"#", **{f"{name[5:-5]}/{name}": content for name, content in GGUF_REPO.items()}}
+    fake_hub.add_repo("acme/gguf-folders", in_folders)
+    path = resolve_source("acme/gguf-folders", gguf_file="Q8_0/tiny-Q8_0.gguf", progress=False)
+    assert path.name == "tiny-Q8_0.gguf" and path.read_bytes() == GGUF_REPO["tiny-Q8_0.gguf"]
+    assert files_in(path.parent.parent) == {"Q8_0/tiny-Q8_0.gguf"}  # nothing else downloaded
+    with pytest.raises(ThinkerError, match="no GGUF file 'Q5/tiny-Q5.gguf'; the GGUF files there: Q4_K_M/tiny-Q4_K_M"):
+        resolve_source("acme/gguf-folders", gguf_file="Q5/tiny-Q5.gguf", progress=False)
+    (tmp_path / "Q4_K_M").mkdir()
+    (tmp_path / "Q4_K_M" / "tiny-Q4_K_M.gguf").write_bytes(GGUF_REPO["tiny-Q4_K_M.gguf"])
+    assert resolve_source(str(tmp_path), gguf_file="Q4_K_M/tiny-Q4_K_M.gguf") == tmp_path / "Q4_K_M/tiny-Q4_K_M.gguf"
