@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .errors import ThinkerError
-from .source_files import regular_file
+from .source_files import redownload, regular_file
 from .values import ValueScan
 
 log = logging.getLogger(__name__)
@@ -186,7 +186,7 @@ def _open_reader(path: Path) -> Any:
     except Exception as err:  # the reader signals a short or garbled file with assorted exception types
         raise ThinkerError(
             f"{path}: not a readable GGUF file ({err.__class__.__name__}: {err}); it is truncated or corrupt, "
-            "re-download it"
+            f"{redownload(path)}"
         ) from None
     if reader.byte_order != "I":
         # gguf's dequantizers assume the host's (little-endian) byte order for the packed blocks.

@@ -37,6 +37,16 @@ def hub_cache_of(folder: Path) -> Path | None:
     return None
 
 
+def redownload(path: Path | str) -> str:
+    """What to do about a truncated or corrupt source file. A Hub download is huggingface_hub's cached copy, which
+    every later run takes again as it is: only once deleted (the blob its snapshot link points to) is it fetched
+    afresh."""
+    path = Path(path)
+    if hub_cache_of(path.parent) is not None:
+        return f"re-download it: delete the cached copy {path.resolve()} and run again, which fetches it afresh"
+    return "re-download it"
+
+
 def _inside(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 

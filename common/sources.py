@@ -25,7 +25,7 @@ from safetensors import safe_open
 from .dtypes import SAFETENSORS_DTYPES, torch_dtype
 from .errors import ThinkerError
 from .side_files import copy_files, read_json, tokenizer_files
-from .source_files import checked_file, present, regular_file
+from .source_files import checked_file, present, redownload, regular_file
 from .values import ValueScan
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -66,9 +66,11 @@ def _read_index(index_path: Path, root: Path) -> dict[str, str]:
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
     except RecursionError:
-        raise ThinkerError(f"{index_path}: not a readable shard index (nested too deeply); re-download it") from None
+        raise ThinkerError(
+            f"{index_path}: not a readable shard index (nested too deeply); {redownload(index_path)}"
+        ) from None
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ThinkerError(f"{index_path}: not a readable shard index ({err}); re-download the checkpoint") from None
+        raise ThinkerError(f"{index_path}: not a readable shard index ({err}); {redownload(index_path)}") from None
     if not isinstance(weight_map, dict):
         raise ThinkerError(f"{index_path}: 'weight_map' must map tensor names to shard files")
     for name, shard in weight_map.items():
@@ -144,7 +146,8 @@ class SafetensorsSource(FolderSource):
             except Exception as err:  # safetensors raises its own error types for bad headers
                 self.close()
                 raise ThinkerError(
-                    f"{path}: not a readable safetensors file ({err}); the file is truncated or corrupt, re-download it"
+                    f"{path}: not a readable safetensors file ({err}); the file is truncated or corrupt, "
+                    f"{redownload(path)}"
                 ) from None
             for name in handle.keys():
                 if name in self._file_of:
@@ -182,7 +185,7 @@ class SafetensorsSource(FolderSource):
         while done < len(view):  # pread returns at most ~2 GiB per call, and less at end of file
             count = os.preadv(self._descriptors[path], [view[done : done + piece]], begin + done)
             if count == 0:
-                raise ThinkerError(f"{path}: ends inside tensor {name!r}; the file is truncated, re-download it")
+                raise ThinkerError(f"{path}: ends inside tensor {name!r}; the file is truncated, {redownload(path)}")
             done += count
             if scan is not None:
                 whole = done - done % dtype.itemsize  # only whole elements; a partial one waits for the next read
@@ -209,7 +212,9 @@ class SafetensorsSource(FolderSource):
             while done < length:
                 count = os.preadv(self._descriptors[path], [view[done:length]], start + done)
                 if count == 0:
-                    raise ThinkerError(f"{path}: ends inside tensor {name!r}; the file is truncated, re-download it")
+                    raise ThinkerError(
+                        f"{path}: ends inside tensor {name!r}; the file is truncated, {redownload(path)}"
+                    )
                 done += count
             yield buffer[:length]
 

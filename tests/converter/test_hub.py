@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 import pytest
-from cli_helpers import assert_nothing_written, assert_process_error, run_cli
+from cli_helpers import assert_error, assert_nothing_written, assert_process_error, run_cli, thinker
 from huggingface_hub import constants
 from safetensors.numpy import save
 
@@ -171,6 +171,19 @@ def test_a_download_cut_off_midway_is_one_line_and_resumes(fake_hub, qwen3_sourc
     )  # cut, retried, cut again: the error came after huggingface_hub's tries
     fake_hub.cut_downloads_after = None
     assert (resolve_source("tiny-org/tiny-qwen3", progress=False) / "model.safetensors").is_file()
+
+
+def test_a_corrupt_cached_file_says_which_copy_to_delete(fake_hub, qwen3_source, tmp_path):
+    """Every run takes huggingface_hub's cached copy as it is, so "re-download it" must say how: delete the blob."""
+    fake_hub.add_repo("tiny-org/tiny-qwen3", qwen3_source)
+    weights = resolve_source("tiny-org/tiny-qwen3", progress=False) / "model.safetensors"
+    blob = weights.resolve()
+    blob.write_bytes(blob.read_bytes()[:100])
+    message = assert_error(thinker("convert", "tiny-org/tiny-qwen3", tmp_path / "out", "--no-verify"), str(weights))
+    assert f"delete the cached copy {blob} and run again" in message
+    blob.unlink()
+    result = thinker("convert", "tiny-org/tiny-qwen3", tmp_path / "out", "--no-verify")
+    assert result.exit_code == 0, result.output
 
 
 def test_local_paths_and_bad_sources(tmp_path):
