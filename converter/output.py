@@ -14,6 +14,7 @@ from transformers.dynamic_module_utils import custom_object_save
 from common.errors import ThinkerError
 from common.source_files import present
 from thinker import ThinkerConfig, ThinkerForCausalLM
+from thinker.modeling_thinker import name_every_auto_class
 
 
 def write_thinker_config(folder: Path, config: ThinkerConfig) -> None:
@@ -25,7 +26,7 @@ def write_thinker_config(folder: Path, config: ThinkerConfig) -> None:
     with torch.device("meta"):
         model = ThinkerForCausalLM(config)
     custom_object_save(model, folder, config=config)  # modeling_thinker.py, configuration_thinker.py
-    custom_object_save(model.model, folder, config=config)  # AutoModel -> ThinkerModel
+    name_every_auto_class(config, type(model).__module__)  # AutoModel and every head, beside AutoModelForCausalLM
     config.save_pretrained(folder)  # AutoConfig -> ThinkerConfig, and config.json itself
 
 

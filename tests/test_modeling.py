@@ -502,6 +502,10 @@ model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
 assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
 with torch.no_grad():
     torch.save(model(torch.load(ids_file)).logits, out_file)
+# A head other than the one saved loads from the same folder (its score layer new, as from a Qwen3 folder).
+from transformers import AutoModelForTokenClassification
+head = AutoModelForTokenClassification.from_pretrained(folder, trust_remote_code=True, num_labels=2)
+assert type(head).__name__ == "ThinkerForTokenClassification", type(head)
 """
 
 
@@ -510,8 +514,14 @@ def test_trust_remote_code_without_the_package(tiny_thinker, tmp_path):
     model = tiny_thinker("moe")
     model.save_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
-    assert config["auto_map"]["AutoConfig"] == "configuration_thinker.ThinkerConfig"
-    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_thinker.ThinkerForCausalLM"
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_thinker.ThinkerConfig",
+        "AutoModel": "modeling_thinker.ThinkerModel",
+        "AutoModelForCausalLM": "modeling_thinker.ThinkerForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_thinker.ThinkerForSequenceClassification",
+        "AutoModelForTokenClassification": "modeling_thinker.ThinkerForTokenClassification",
+        "AutoModelForQuestionAnswering": "modeling_thinker.ThinkerForQuestionAnswering",
+    }
     assert (folder / "modeling_thinker.py").is_file() and (folder / "configuration_thinker.py").is_file()
 
     ids = token_ids(length=6)

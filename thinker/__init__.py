@@ -14,9 +14,11 @@ This package imports nothing outside itself (torch and transformers aside); the 
 
 import transformers
 
+from . import modeling_thinker
 from .configuration_thinker import ThinkerConfig
 from .foreign import accept_foreign_checkpoints
 from .modeling_thinker import (
+    AUTO_CLASSES,
     ThinkerForCausalLM,
     ThinkerForQuestionAnswering,
     ThinkerForSequenceClassification,
@@ -27,14 +29,10 @@ from .modeling_thinker import (
 
 transformers.AutoConfig.register(ThinkerConfig.model_type, ThinkerConfig, exist_ok=True)
 ThinkerConfig.register_for_auto_class()
-# The model and its heads, registered as Qwen3's are: with the Auto classes here, and in the auto_map of a saved folder.
-for _auto_class, _model in (
-    ("AutoModel", ThinkerModel),
-    ("AutoModelForCausalLM", ThinkerForCausalLM),
-    ("AutoModelForSequenceClassification", ThinkerForSequenceClassification),
-    ("AutoModelForTokenClassification", ThinkerForTokenClassification),
-    ("AutoModelForQuestionAnswering", ThinkerForQuestionAnswering),
-):
+# The model and its heads, registered as Qwen3's are: with the Auto classes here, and in the auto_map of a saved folder
+# (every one of them, whichever is saved: ThinkerPreTrainedModel.save_pretrained).
+for _auto_class, _name in AUTO_CLASSES.items():
+    _model = getattr(modeling_thinker, _name)
     getattr(transformers, _auto_class).register(ThinkerConfig, _model, exist_ok=True)
     _model.register_for_auto_class(_auto_class)
 

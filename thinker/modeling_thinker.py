@@ -600,6 +600,11 @@ class ThinkerPreTrainedModel(PreTrainedModel):
         # A recurrent state cannot be rolled back to a prefix, so generate() must refuse assisted decoding.
         self._is_stateful = config.has_linear_attention
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        if self._auto_class is not None:  # registered: by ``import thinker``, or loaded as remote code
+            name_every_auto_class(self.config, type(self).__module__)
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
@@ -824,7 +829,28 @@ class ThinkerForQuestionAnswering(GenericForQuestionAnswering, ThinkerPreTrained
         super().__init__(config)
 
 
+# The Auto class each model class loads through. A saved folder's auto_map names them all, whichever one was saved
+# (transformers records only that one): its copy of this file holds every head, and a Qwen3 folder loads any head.
+AUTO_CLASSES = {
+    "AutoModel": "ThinkerModel",
+    "AutoModelForCausalLM": "ThinkerForCausalLM",
+    "AutoModelForSequenceClassification": "ThinkerForSequenceClassification",
+    "AutoModelForTokenClassification": "ThinkerForTokenClassification",
+    "AutoModelForQuestionAnswering": "ThinkerForQuestionAnswering",
+}
+
+
+def name_every_auto_class(config: ThinkerConfig, module: str) -> None:
+    """Put every class of ``AUTO_CLASSES`` in ``config.auto_map``, as found in ``module`` (this file's module name:
+    ``thinker.modeling_thinker``, or ``transformers_modules.<hash>.modeling_thinker`` when loaded as remote code)."""
+    file = module.split(".")[-1]
+    named = {auto_class: f"{file}.{name}" for auto_class, name in AUTO_CLASSES.items()}
+    config.auto_map = {**(getattr(config, "auto_map", None) or {}), **named}
+
+
 __all__ = [
+    "AUTO_CLASSES",
+    "name_every_auto_class",
     "ThinkerPreTrainedModel",
     "ThinkerModel",
     "ThinkerForCausalLM",

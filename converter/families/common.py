@@ -114,6 +114,14 @@ def refuse_layer_types(hf: PreTrainedConfig, allowed: tuple[str, ...] = ("full_a
     layer_types = getattr(hf, "layer_types", None) or []
     other = [index for index, kind in enumerate(layer_types) if kind not in allowed]
     if not other:
+        if layer_types and "full_attention" not in layer_types:
+            # transformers' caches count the context on an attention layer (get_seq_length); with none, the reference
+            # class, and the Thinker built on the same caches, can run no forward with a cache, hence no generate().
+            raise ThinkerError(
+                f"the source config's layer_types has no full_attention layer ({len(layer_types)} x "
+                f"{layer_types[0]}); transformers' {hf.model_type} classes cannot decode such a model (their cache "
+                "needs an attention layer), so it is not a checkpoint of this family: check layer_types"
+            )
         return
     shown = f"{other[:8]}{' ...' if len(other) > 8 else ''}"
     kinds = sorted({layer_types[index] for index in other})

@@ -380,6 +380,8 @@ def test_output_folder_contents_and_remote_code(save_reference, run_convert, tmp
     assert {"modeling_thinker.py", "configuration_thinker.py"} <= files
     config = json.loads((result.output / "config.json").read_text())
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_thinker.ThinkerForCausalLM"
+    # every head the folder's code holds, as a Qwen3 folder loads any head
+    assert config["auto_map"]["AutoModelForQuestionAnswering"] == "modeling_thinker.ThinkerForQuestionAnswering"
     assert json.loads((result.output / "generation_config.json").read_text())["eos_token_id"] == 2
     assert not list(tmp_path.glob(".out.*")), "the staging folder was left behind"
 

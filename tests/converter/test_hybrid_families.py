@@ -435,8 +435,9 @@ def test_unknown_tensor_beside_the_vision_tower_is_named(vl_source, tmp_path):
         ({"attn_output_gate": False}, "attn_output_gate"),
         ({"layer_types": ["linear_attention", "chunked_attention"] * 2}, "chunked_attention"),
         ({"linear_num_value_heads": 3}, "linear_num_value_heads"),
+        ({"layer_types": ["linear_attention"] * 4}, "no full_attention layer"),
     ],
-    ids=["ungated", "chunked", "value-heads"],
+    ids=["ungated", "chunked", "value-heads", "linear-only"],
 )
 def test_what_thinker_cannot_represent_is_refused_by_key(vl_source, tmp_path, text_config, named):
     source = edited_copy(vl_source, tmp_path / "source", text_config=text_config)
