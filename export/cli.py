@@ -265,16 +265,10 @@ def export_command(
             required=min_top1 is not None or max_perplexity_increase is not None,
         )
     else:
-        given = {
-            "--quantize-head": quantize_head,
-            "--head-int8-rows": head_int8_rows,
-            "--embedding": None if embedding == "quantized" else embedding,
-            "--min-top1": min_top1,
-            "--max-perplexity-increase": max_perplexity_increase,
-        }
-        for option, value in given.items():
-            if value is not None:
-                raise ThinkerError(f"{option} needs --quantize")
+        # Options of a quantized export only: given without --quantize, each would be silently ignored.
+        for parameter in QUANTIZE_ONLY:
+            if _given_on_the_command_line(parameter):
+                raise ThinkerError(f"--{parameter.replace('_', '-')} needs --quantize")
     if dtype == "bfloat16" and verify and _given_on_the_command_line("verify"):
         from .runtime import cuda_usable
 
@@ -454,6 +448,19 @@ def demo_command(ctx: click.Context, workdir: Path, prompt: str, max_new_tokens:
         ctx.invoke(generate_command, folder=folder, prompt=text, max_new_tokens=tokens)
 
     run_demo(workdir, prompt, max_new_tokens, generate)
+
+
+QUANTIZE_ONLY = (
+    "block_size",
+    "algo",
+    "accuracy_level",
+    "accuracy_guard",
+    "quantize_head",
+    "head_int8_rows",
+    "embedding",
+    "min_top1",
+    "max_perplexity_increase",
+)
 
 
 def _given_on_the_command_line(parameter: str) -> bool:

@@ -456,19 +456,28 @@ class OnnxDecoder:
             )
 
     def graph_positions(self, position_ids: np.ndarray) -> np.ndarray:
-        """Positions in the graph's rank: (B, T) text positions repeated on the three multimodal streams; (3, B, T)
-        ones whose streams are equal (text) taken as (B, T) by a graph exported with ``--positions text``."""
+        """Positions in the graph's rank, from any form the Thinker takes: (B, T) text positions repeated on the
+        three multimodal streams; (4, B, T), a text row before the three streams, as its streams (the text row only
+        orders the attention mask, which the graph takes as attention_mask); (3, B, T) ones whose streams are equal
+        (text) taken as (B, T) by a graph of (B, T) positions."""
         position_ids = np.asarray(position_ids)
+        if position_ids.ndim == 3 and len(position_ids) == 4:
+            position_ids = position_ids[1:]
+        if position_ids.ndim == 3 and len(position_ids) != 3:
+            raise ThinkerError(
+                f"position_ids of shape {position_ids.shape}; multimodal positions are (3, B, T) or (4, B, T)"
+            )
         if position_ids.ndim == self.position_rank:
             return position_ids
         if position_ids.ndim == 2 and self.position_rank == 3:
             return np.broadcast_to(position_ids, (3, *position_ids.shape))
-        if position_ids.ndim == 3 and self.position_rank == 2 and len(position_ids) == 3:
+        if position_ids.ndim == 3 and self.position_rank == 2:
             if (position_ids == position_ids[:1]).all():
                 return position_ids[0]
             raise ThinkerError(
                 f"{self.model_path}: position_ids with distinct multimodal streams, and this graph takes (B, T) text "
-                "positions (exported with --positions text); export with --positions multimodal for them"
+                "positions: exported with --positions text (export with --positions multimodal for them), or a "
+                "model without multimodal RoPE, which has one stream"
             )
         raise ThinkerError(
             f"position_ids of shape {position_ids.shape}; this model takes rank {self.position_rank} "

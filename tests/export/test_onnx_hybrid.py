@@ -416,6 +416,21 @@ def test_image_prompt_positions_give_pytorch_logits(graph, thinker_variant, onnx
     assert np.abs(text_logits[kept] - reference[kept]).max() > 100 * 1e-4 * scale
 
 
+def test_four_row_positions_are_the_three_streams_and_other_forms_are_refused(onnx_variant):
+    """(4, B, T) positions, a text row before the three streams (a form the Thinker and Qwen3.5's classes take),
+    give the three streams' logits; a leading axis of another size is refused by name before onnxruntime runs."""
+    from common.errors import ThinkerError
+
+    decoder = OnnxDecoder(hybrid_export(onnx_variant, "qwen3_5", "fused"), provider="cpu")
+    ids, mask, positions = image_prompt_positions()
+    text = np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 1)[None]
+    three = decoder.forward(ids, positions, DecoderState(mask, None, decoder.empty_cache(2)))
+    four = decoder.forward(ids, np.concatenate([text, positions]), DecoderState(mask, None, decoder.empty_cache(2)))
+    np.testing.assert_array_equal(four, three)
+    with pytest.raises(ThinkerError, match=r"position_ids of shape \(5, 2, \d+\); multimodal positions are"):
+        decoder.forward(ids, np.concatenate([text, text, positions]), DecoderState(mask, None, decoder.empty_cache(2)))
+
+
 # --- text positions (--positions text) ------------------------------------------------------------------------------
 @pytest.mark.parametrize("graph", GRAPHS)
 def test_text_positions_are_the_multimodal_graph_fed_three_equal_streams(graph, onnx_variant):
