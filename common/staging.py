@@ -27,11 +27,17 @@ from .source_files import hub_cache_of
 log = logging.getLogger(__name__)
 
 
-def refuse_existing_output(output: Path, force: bool, replaced_when: str = "") -> None:
+def refuse_existing_output(
+    output: Path, force: bool, replaced_when: str = "", source: str | Path | None = None
+) -> None:
     """An existing OUTPUT is only ever replaced on request, and it is checked before any work starts;
     ``replaced_when`` tells the user when ``--force`` would replace it (e.g. "once the new conversion is complete").
-    OUTPUT is never the working directory or a folder holding it (``--force .`` would empty it)."""
+    OUTPUT is never the working directory or a folder holding it (``--force .`` would empty it). A local ``source``
+    path is checked first (``refuse_output_over_source``): an OUTPUT that is the source is told so, not sent to
+    --force, which would only be refused next."""
     refuse_working_directory(output)
+    if source is not None and Path(source).expanduser().exists():
+        refuse_output_over_source(output, Path(source).expanduser())
     if not force:
         refuse_a_file(output)  # with --force, after the checks against the source, whose messages say more
     if (output.exists() or output.is_symlink()) and not force:

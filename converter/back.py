@@ -31,7 +31,7 @@ from common.side_files import copy_files, read_json
 from common.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from common.source_files import present
 from common.sources import TensorSource, open_source
-from common.staging import refuse_existing_output, refuse_output_over_source, staged_output
+from common.staging import refuse_existing_output, staged_output
 from thinker import ThinkerConfig
 
 from .convert import ConversionResult
@@ -163,8 +163,7 @@ def convert_back(
     source, output = Path(source), Path(output)
     family = way_back_family(family_name)
     shard_bytes = parse_size(max_shard_size)
-    refuse_existing_output(output, force, "once the new conversion is complete")
-    refuse_output_over_source(output, source)
+    refuse_existing_output(output, force, "once the new conversion is complete", source)
     config = read_thinker_config(source)
     exported = export_config(family, config)
     tensor_source = open_source(source)

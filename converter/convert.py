@@ -74,7 +74,9 @@ def convert(
         raise ThinkerError("--verify-by-layer asks for the check that --no-verify turns off; pass one of them")
     output = Path(output)
     shard_bytes = parse_size(max_shard_size)
-    refuse_existing_output(output, force, "once the new conversion is complete")  # before any download
+    # before any download; a local SOURCE first (a GGUF picked in a folder is checked once it is resolved)
+    local = None if hub_options.get("gguf_file") else source
+    refuse_existing_output(output, force, "once the new conversion is complete", local)
     root = resolve_source(str(source), revision, progress=progress, **hub_options)
     refuse_output_over_source(output, root)
     tensor_source = open_source(root)

@@ -129,7 +129,7 @@ def export_model(
     logits = logits or DEFAULT_LOGITS
     graph_dtype = torch_dtype(dtype)
     quantizer = WeightQuantizer(quantize, graph_dtype) if quantize else None
-    refuse_existing_output(output, force)
+    refuse_existing_output(output, force, source=source if gguf_file is None else None)
     location = local_source(source, gguf_file)
     refuse_output_over_source(output, location)
     started = time.perf_counter()

@@ -36,21 +36,25 @@ from cli_helpers import (
     ],
     ids=["a weights file", "config.json", "a folder inside", "the source itself", "a folder holding it"],
 )
+@pytest.mark.parametrize("force", [["--force"], []], ids=["force", "no-force"])
 @pytest.mark.parametrize("command", ["convert", "export"])
-def test_output_never_replaces_a_source_folder(command, where, fragments, source_copy, tmp_path, digest):
+def test_output_never_replaces_a_source_folder(command, force, where, fragments, source_copy, tmp_path, digest):
+    """With or without --force, the same message: without it, "already exists; pass --force" would only lead to
+    this refusal."""
     source = source_copy()
     before = digest(tmp_path)
     output = where(source)
-    result = thinker(command, source, output, "--force", "--no-verify")
+    result = thinker(command, source, output, *force, "--no-verify")
     assert_error(result, str(output.absolute()), *fragments, "choose")
     assert digest(tmp_path) == before
 
 
-def test_export_never_replaces_the_thinker_folder(qwen3_thinker, tmp_path, digest):
+@pytest.mark.parametrize("force", [["--force"], []], ids=["force", "no-force"])
+def test_export_never_replaces_the_thinker_folder(force, qwen3_thinker, tmp_path, digest):
     folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
     before = digest(folder)
     for output in (folder, folder / "onnx", folder / "model.safetensors"):
-        assert_error(thinker("export", folder, output, "--force", "--no-verify"), str(output), "source")
+        assert_error(thinker("export", folder, output, *force, "--no-verify"), str(output), "source")
     assert digest(folder) == before
 
 
@@ -99,8 +103,9 @@ def test_the_way_back_never_replaces_its_source(qwen3_thinker, tmp_path, digest)
     folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
     before = digest(folder)
     for output in (folder, folder / "qwen3", folder / "config.json"):
-        result = thinker("convert", folder, output, "--to", "qwen3", "--force", "--no-verify")
-        assert_error(result, str(output), "source")
+        for force in (["--force"], []):
+            result = thinker("convert", folder, output, "--to", "qwen3", *force, "--no-verify")
+            assert_error(result, str(output), "source")
     assert digest(folder) == before
 
 
