@@ -29,6 +29,11 @@ POSITIVE_SIZES = (
     "num_key_value_heads",
     "head_dim",
     "max_position_embeddings",
+    "linear_conv_kernel_dim",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
 )
 
 

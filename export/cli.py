@@ -496,9 +496,16 @@ def _check_thinker(folder: Path) -> None:
     transformers initialises a missing or misshapen weight afresh and runs (its report is silenced with its other
     logging), so a folder whose config.json and weights disagree would generate from random weights."""
     from .exporter import load_config
-    from .folder_check import check_thinker_weights
+    from .folder_check import check_decodable, check_thinker_weights
 
-    check_thinker_weights(folder, load_config(folder))
+    config = load_config(folder)
+    check_thinker_weights(folder, config)
+    check_decodable(
+        config,
+        folder / "config.json",
+        "transformers cannot generate with it: export it (thinker export --no-verify) "
+        "and generate from the ONNX folder",
+    )
 
 
 def _load_tokenizer(folder: Path):

@@ -719,6 +719,11 @@ def check_exportable(config: ThinkerConfig) -> None:
         )
     if config.num_attention_heads % config.num_key_value_heads:
         raise ThinkerError("num_attention_heads must be a multiple of num_key_value_heads")
+    if config.has_linear_attention and config.linear_conv_kernel_dim < 2:
+        raise ThinkerError(
+            f"linear_conv_kernel_dim={config.linear_conv_kernel_dim}: the graph carries the conv's last kernel - 1 "
+            "inputs from step to step as its conv state, so it exports kernels of 2 or more"
+        )
     if config.has_linear_attention and config.hidden_act not in LINEAR_ATTENTION_ACTIVATIONS:
         raise ThinkerError(
             f"hidden_act={config.hidden_act!r} with linear_attention layers: the Gated DeltaNet conv's activation "

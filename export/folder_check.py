@@ -34,6 +34,12 @@ SIZE_KEYS = (
     "head_dim",
     "moe_intermediate_size",
     "shared_expert_intermediate_size",
+    "num_experts",
+    "linear_conv_kernel_dim",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
 )
 
 
@@ -42,6 +48,20 @@ def check_thinker_folder(model_dir: Path, config: ThinkerConfig, dtype: torch.dt
     the message names the tensor, the key and the file."""
     check_thinker_weights(model_dir, config)
     _check_context(config, model_dir / "config.json", dtype, verify)
+    if verify:
+        check_decodable(config, model_dir / "config.json", "--verify cannot run it: export with --no-verify")
+
+
+def check_decodable(config: ThinkerConfig, config_path: Path, consequence: str) -> None:
+    """Refuse a model the PyTorch Thinker cannot decode: with no full-attention layer, transformers' caches (the
+    Thinker's, and the reference classes') have no layer that counts the context, and any forward with a cache
+    fails. The ONNX graph carries its own states and runs such a model."""
+    if config.layer_types and "full_attention" not in config.layer_types:
+        raise ThinkerError(
+            f"{config_path}: layer_types has no full_attention layer ({len(config.layer_types)} x "
+            f"{config.layer_types[0]}), and transformers' caches, with which the PyTorch Thinker decodes, count the "
+            f"context on an attention layer; {consequence}"
+        )
 
 
 def check_thinker_weights(model_dir: Path, config: ThinkerConfig) -> None:
@@ -85,8 +105,8 @@ def check_thinker_weights(model_dir: Path, config: ThinkerConfig) -> None:
         behind = " or ".join(f"{key}={getattr(config, key)}" for key in keys) if keys else "its sizes"
         more = f" (and {len(wrong) - 1} more tensor(s))" if len(wrong) > 1 else ""
         raise ThinkerError(
-            f"{config_path}: {behind} gives {name} the shape {expected[name]}, but the folder holds "
-            f"{tuple(found[name])}{more}; config.json does not describe these weights: correct it"
+            f"{config_path}: {behind} give{'s' if keys else ''} {name} the shape {expected[name]}, but the folder "
+            f"holds {tuple(found[name])}{more}; config.json does not describe these weights: correct it"
         )
 
 
@@ -100,10 +120,12 @@ def _keys_behind(config: ThinkerConfig, name: str, found: tuple[int, ...]) -> li
         value = getattr(config, key, None)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             continue
-        if key == "num_attention_heads":
+        if key in ("num_attention_heads", "linear_num_value_heads"):
             changed = value * 2  # still a multiple of the key/value heads
         elif key == "num_key_value_heads":
             changed = 1 if value != 1 else config.num_attention_heads
+        elif key == "linear_num_key_heads":
+            changed = 1 if value != 1 else config.linear_num_value_heads
         else:
             changed = value + 2  # head_dim stays even, as RoPE needs
         try:

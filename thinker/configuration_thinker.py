@@ -194,6 +194,8 @@ class ThinkerConfig(PreTrainedConfig):
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
+        if self.num_experts < 0:
+            raise ValueError(f"num_experts={self.num_experts} must be 0 (every layer dense) or more")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must lie in 1..{self.num_experts}")
         if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - set(LAYER_TYPES):

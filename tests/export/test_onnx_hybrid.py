@@ -13,6 +13,7 @@ checked exactly (the PyTorch model holding onnxruntime's dequantized weights rep
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import onnx
@@ -20,7 +21,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from click.testing import CliRunner
-from export_helpers import HYBRID_FAMILIES, graph_nodes
+from export_helpers import HYBRID_FAMILIES, graph_nodes, save_thinker
 from test_onnx_quantized import attributes, dequantized_weights
 
 from common.cli import main
@@ -429,6 +430,56 @@ def test_four_row_positions_are_the_three_streams_and_other_forms_are_refused(on
     np.testing.assert_array_equal(four, three)
     with pytest.raises(ThinkerError, match=r"position_ids of shape \(5, 2, \d+\); multimodal positions are"):
         decoder.forward(ids, np.concatenate([text, text, positions]), DecoderState(mask, None, decoder.empty_cache(2)))
+
+
+HOSTILE_EDITS = {
+    "conv kernel": ("qwen3_5", {"linear_conv_kernel_dim": 3}, "linear_conv_kernel_dim=3 gives"),
+    "value head size": ("qwen3_5", {"linear_value_head_dim": 12}, "linear_value_head_dim=12"),
+    "key heads": ("qwen3_5", {"linear_num_key_heads": 1}, "linear_num_key_heads=1"),
+    "experts": ("qwen3_5_moe", {"num_experts": 3}, "num_experts=3 gives"),
+    "kernel as text": ("qwen3_5", {"linear_conv_kernel_dim": "4"}, "linear_conv_kernel_dim='4' must be a whole number"),
+    "negative experts": ("qwen3_5_moe", {"num_experts": -1}, "num_experts=-1 must be 0 (every layer dense) or more"),
+    "top-k zero": ("qwen3_5_moe", {"num_experts_per_tok": 0}, "num_experts_per_tok=0 must lie in 1..4"),
+}
+
+
+@pytest.mark.parametrize("edit", HOSTILE_EDITS)
+def test_a_hybrid_config_that_does_not_describe_the_weights_is_named_by_key(edit, thinker_variant, tmp_path):
+    """A linear-attention or expert size edited in config.json: one line naming config.json and the key."""
+    family, changes, fragment = HOSTILE_EDITS[edit]
+    folder = tmp_path / "thinker"
+    shutil.copytree(thinker_variant(family), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    result = CliRunner().invoke(main, ["export", str(folder), str(tmp_path / "onnx"), "--no-verify"])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert str(folder / "config.json") in line and fragment in line, line
+    assert not (tmp_path / "onnx").exists()
+
+
+def test_what_the_graph_or_the_pytorch_thinker_cannot_run_is_refused_in_one_line(thinker_variant, tmp_path):
+    """A conv kernel of 1 leaves no conv state to carry: refused by key. With no full-attention layer transformers'
+    caches cannot decode, so --verify and generate with transformers are refused naming layer_types (the graph itself
+    runs such a model: --no-verify exports it)."""
+    kernel_one = thinker_variant("qwen3_5", linear_conv_kernel_dim=1)
+    result = CliRunner().invoke(main, ["export", str(kernel_one), str(tmp_path / "k1"), "--no-verify"])
+    assert result.exit_code == 1 and "linear_conv_kernel_dim=1" in result.stderr, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "k1").exists()
+
+    layers = json.loads((thinker_variant("qwen3_5") / "config.json").read_text())["num_hidden_layers"]
+    linear_only = save_thinker(tmp_path / "linear-only", "qwen3_5", layer_types=["linear_attention"] * layers)
+    for command, fragment in (
+        (["export", str(linear_only), str(tmp_path / "verified")], "export with --no-verify"),
+        (["generate", str(linear_only), "-p", "the cat"], "generate from the ONNX folder"),
+    ):
+        result = CliRunner().invoke(main, command)
+        assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+        (line,) = result.stderr.strip().splitlines()
+        assert "layer_types has no full_attention layer" in line and fragment in line, line
+    assert not (tmp_path / "verified").exists()
+    exported = CliRunner().invoke(main, ["export", str(linear_only), str(tmp_path / "onnx"), "--no-verify"])
+    assert exported.exit_code == 0, exported.output
 
 
 # --- text positions (--positions text) ------------------------------------------------------------------------------
