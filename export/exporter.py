@@ -77,7 +77,22 @@ def routed_experts(config: ThinkerConfig, nodes_by_op: dict[str, int]) -> dict[s
         return {"routed_experts": "QMoE"}
     if nodes_by_op.get("DequantizeLinear"):
         return {"routed_experts": "DequantizeLinear of the gathered experts"}
-    return {"routed_experts": "float (too narrow: widths not whole blocks, or fewer than 16 outputs)"}
+    return {"routed_experts": FLOAT_EXPERTS}
+
+
+FLOAT_EXPERTS = "float (too narrow: widths not whole blocks, or fewer than 16 outputs)"
+
+
+def float_experts_note(config: ThinkerConfig, quantize: QuantizeSpec | None, nodes_by_op: dict[str, int]) -> str | None:
+    """A quantized MoE export whose routed experts stayed float (most of an MoE's weights) says so on the console,
+    not only in export_report.json."""
+    if quantize is None or routed_experts(config, nodes_by_op).get("routed_experts") != FLOAT_EXPERTS:
+        return None
+    return (
+        f"the routed experts stay float: their widths (hidden_size={config.hidden_size}, moe_intermediate_size="
+        f"{config.moe_intermediate_size}) are not whole blocks of --block-size {quantize.block_size} (or give fewer "
+        "than 16 outputs); a smaller --block-size quantizes them where the widths allow"
+    )
 
 
 def export_model(
@@ -195,6 +210,7 @@ def export_model(
                     logits_note(logits),
                     cuda_experts_note(config, dtype, quantize, files.nodes_by_op),
                     quantizer.narrow_note() if quantizer else None,
+                    float_experts_note(config, quantize, files.nodes_by_op),
                 )
                 if note
             ],

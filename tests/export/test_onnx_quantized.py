@@ -278,6 +278,21 @@ def test_cli_refuses_what_cannot_be_quantized(options, message, thinker_variant,
     assert not (tmp_path / "out").exists()
 
 
+def test_routed_experts_left_float_are_named_in_a_note(thinker_variant, tmp_path):
+    """Experts 16 wide under blocks of 32 stay float, most of an MoE's weights: the console says so, not only the
+    report; blocks of 16 quantize them, and the note goes."""
+    folder = thinker_variant("qwen3_5_moe")
+    quantized = ["--no-verify", "--quantize", "int4", "--block-size"]
+    wide = CliRunner().invoke(main, ["export", str(folder), str(tmp_path / "wide"), *quantized, "32"])
+    assert wide.exit_code == 0, wide.output
+    report = json.loads((tmp_path / "wide" / "export_report.json").read_text())
+    assert report["quantize"]["routed_experts"].startswith("float")
+    (note,) = [line for line in wide.stderr.splitlines() if "routed experts stay float" in line]
+    assert "moe_intermediate_size=16" in note and "--block-size 32" in note
+    fits = CliRunner().invoke(main, ["export", str(folder), str(tmp_path / "fits"), *quantized, "16"])
+    assert fits.exit_code == 0 and "routed experts stay float" not in fits.stderr, fits.output
+
+
 def test_projections_narrower_than_a_block_are_named_in_a_note(thinker_variant, tmp_path):
     """A block wider than a projection's input leaves it float (MatMulNBits quantizes whole blocks along the input):
     the export says which, and what block size would take them; a block that fits leaves no note."""
