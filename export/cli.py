@@ -264,6 +264,17 @@ def export_command(
             default.max_perplexity_increase if max_perplexity_increase is None else max_perplexity_increase,
             required=min_top1 is not None or max_perplexity_increase is not None,
         )
+        # Given and then unused, an option would say the export was held to something it was not.
+        if accuracy_guard and _given_on_the_command_line("accuracy_guard") and spec.accuracy_level != 4:
+            raise ThinkerError(
+                f"--accuracy-guard guards accuracy level 4 (int8 activations), and this export runs at level "
+                f"{spec.accuracy_level}; drop --accuracy-guard"
+            )
+        for parameter in ("min_top1", "max_perplexity_increase"):
+            if not verify and _given_on_the_command_line(parameter):
+                raise ThinkerError(
+                    f"--{parameter.replace('_', '-')} is a limit --verify checks; drop it or --no-verify"
+                )
     else:
         # Options of a quantized export only: given without --quantize, each would be silently ignored.
         for parameter in QUANTIZE_ONLY:
