@@ -377,6 +377,12 @@ def open_source(root: Path) -> TensorSource:
         raise ThinkerError(
             f"{root}: holds several .gguf files; pass the one to convert as SOURCE, or name it with --gguf-file"
         )
+    nested = sorted(path.relative_to(root).as_posix() for path in root.glob("*/**/*.gguf"))
+    if nested:  # GGUF repos often keep each quantisation in a folder of its own
+        shown = ", ".join(nested[:4]) + (f", ... ({len(nested)} in all)" if len(nested) > 4 else "")
+        raise ThinkerError(
+            f"{root}: no checkpoint at its top level; its folders hold {shown}: name one with --gguf-file"
+        )
     raise ThinkerError(
         f"{root}: no checkpoint here (no *.safetensors, pytorch_model*.bin, *.pth or *.gguf); "
         "point SOURCE at a model folder or a Hub repo id"

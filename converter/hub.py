@@ -206,7 +206,7 @@ def _gguf_in(path: Path, gguf_file: str | None, label: str) -> Path:
         raise ThinkerError(f"{label}: --gguf-file picks a file in a folder or a Hub repo; SOURCE is already a file")
     file = path / gguf_file
     if not file.is_file():
-        held = sorted(entry.name for entry in path.glob("*.gguf"))
+        held = sorted(entry.relative_to(path).as_posix() for entry in path.glob("**/*.gguf"))
         raise ThinkerError(f"{label}: no GGUF file {gguf_file!r} in {path}; {_ggufs_held(held)}")
     return file
 

@@ -54,7 +54,8 @@ def detect_family(source_config: Mapping[str, Any], tensor_names: Collection[str
     model_type = source_config.get(key)
     if key == "general.architecture" and model_type in UNSUPPORTED_GGUF:
         raise ThinkerError(UNSUPPORTED_GGUF[model_type])
-    supported = sorted({model_type for family in FAMILIES for model_type in family.model_types})
+    # the names of this kind of source: config.json's model_types, or a GGUF's general.architecture values
+    supported = sorted({name for family in FAMILIES if family.model_type_key == key for name in family.model_types})
     if model_type in supported:
         raise ThinkerError(
             f"the source declares {key} {model_type!r}, but its tensor names match no known layout of it "

@@ -204,8 +204,9 @@ def test_untied_config_without_a_head(qwen2_tensors):
 
 def test_unknown_model_type(qwen2_tensors):
     tensors, plan = qwen2_tensors
-    with pytest.raises(ThinkerError, match=r"model_type 'mamba'.*not supported; supported: gpt2, llama"):
+    with pytest.raises(ThinkerError, match=r"model_type 'mamba'.*not supported; supported: gpt2, llama") as err:
         plan(tensors, model_type="mamba", architectures=["MambaForCausalLM"])
+    assert "qwen35moe" not in str(err.value)  # a GGUF's architecture name, not a config.json model_type
 
 
 def test_sliding_window_checkpoints_are_refused(qwen2_tensors):

@@ -12,6 +12,7 @@ from huggingface_hub import constants
 from safetensors.numpy import save
 
 from common.errors import ThinkerError
+from common.sources import open_source
 from converter.hub import pick_conversion_files, resolve_source
 
 REPO = "acme/tiny"
@@ -305,3 +306,7 @@ def test_gguf_file_as_a_path_inside_the_source(fake_hub, tmp_path):
     (tmp_path / "Q4_K_M").mkdir()
     (tmp_path / "Q4_K_M" / "tiny-Q4_K_M.gguf").write_bytes(GGUF_REPO["tiny-Q4_K_M.gguf"])
     assert resolve_source(str(tmp_path), gguf_file="Q4_K_M/tiny-Q4_K_M.gguf") == tmp_path / "Q4_K_M/tiny-Q4_K_M.gguf"
+    with pytest.raises(ThinkerError, match="no GGUF file 'typo.gguf' .*the GGUF files there: Q4_K_M/tiny-Q4_K_M.gguf"):
+        resolve_source(str(tmp_path), gguf_file="typo.gguf")
+    with pytest.raises(ThinkerError, match="no checkpoint at its top level; its folders hold Q4_K_M/tiny-Q4_K_M.gguf"):
+        open_source(tmp_path)
