@@ -175,6 +175,11 @@ from .names import (
 )
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option(
+    "--revision",
+    metavar="REV",
+    help="Hub branch, tag or commit of a repo-id MODEL_DIR, converted on the way (default: main).",
+)
+@click.option(
     "--gguf-file",
     metavar="NAME",
     help="The GGUF file of MODEL_DIR (a Hub repo or a folder holding several, one per quantisation) to convert on "
@@ -208,6 +213,7 @@ def export_command(
     min_top1: float | None,
     max_perplexity_increase: float | None,
     force: bool,
+    revision: str | None,
     gguf_file: str | None,
     threads: int | None,
 ) -> None:
@@ -302,6 +308,7 @@ def export_command(
         positions=positions,
         logits=logits,
         gguf_file=gguf_file,
+        revision=revision,
     )
     sizes = ", ".join(f"{name} {_human(size)}" for name, size in report["sizes"].items() if name.startswith("model"))
     click.echo(

@@ -110,6 +110,7 @@ def export_model(
     positions: str | None = None,
     logits: str | None = None,
     gguf_file: str | None = None,
+    revision: str | None = None,
 ) -> dict:
     """Exports ``source`` to the folder ``output`` and returns the export report (also written there).
 
@@ -121,7 +122,7 @@ def export_model(
     to level 1 (export/accuracy_guard.py; None: no guard); ``positions``: "multimodal" or "text" (see POSITIONS),
     None for the model's own form (multimodal with multimodal RoPE); ``logits``: "all" or "last" (see LOGITS), None
     for ``DEFAULT_LOGITS``; ``gguf_file``: the GGUF file of a source (a Hub repo or a folder) that holds several,
-    converted on the way."""
+    converted on the way; ``revision``: the branch, tag or commit of a Hub repo id ``source`` (default main)."""
     output = Path(output)
     if isinstance(dtype, torch.dtype):  # as transformers' dtype= takes it
         dtype = dtype_name(dtype)
@@ -145,7 +146,7 @@ def export_model(
     graph_dtype = torch_dtype(dtype)
     quantizer = WeightQuantizer(quantize, graph_dtype) if quantize else None
     refuse_existing_output(output, force, source=source if gguf_file is None else None)
-    location = local_source(source, gguf_file)
+    location = local_source(source, gguf_file, revision)
     refuse_output_over_source(output, location)
     started = time.perf_counter()
     needed = None if quantize else weights_size(location, graph_dtype)  # quantized: smaller, by how much varies
@@ -187,6 +188,7 @@ def export_model(
         (final / GENAI_CONFIG_FILE).write_text(json.dumps(genai, indent=2) + "\n")
         report = {
             "source": str(source),
+            "revision": revision,
             "converted": model_dir != location,  # True: SOURCE went through thinker-convert first
             "dtype": dtype,
             "graph": graph,
@@ -299,16 +301,16 @@ def check_paths(model_dir: Path) -> None:
         raise ThinkerError(f"{model_dir} is an ONNX export already; export the Thinker folder it came from")
 
 
-def local_source(source: str | Path, gguf_file: str | None = None) -> Path:
-    """SOURCE as a local path: the path itself, or for a Hub repo id the snapshot the converter downloads it to (so
-    that OUTPUT is checked against the files it is made from before any work); with ``gguf_file``, that file in
-    either."""
+def local_source(source: str | Path, gguf_file: str | None = None, revision: str | None = None) -> Path:
+    """SOURCE as a local path: the path itself, or for a Hub repo id the snapshot the converter downloads it to (at
+    ``revision``; so that OUTPUT is checked against the files it is made from before any work); with ``gguf_file``,
+    that file in either."""
     path = Path(source).expanduser()
-    if (path.exists() or path.is_symlink()) and gguf_file is None:
+    if (path.exists() or path.is_symlink()) and gguf_file is None and revision is None:
         return path
     from converter.hub import resolve_source
 
-    return resolve_source(str(source), gguf_file=gguf_file)
+    return resolve_source(str(source), revision, gguf_file=gguf_file)
 
 
 # --- the model folder ---------------------------------------------------------------------------------------------

@@ -21,6 +21,21 @@ def test_a_mistyped_local_path_is_no_such_folder(fake_hub, qwen3_source, tmp_pat
     assert thinker("convert", "tiny-org/tiny-qwen3", tmp_path / "out", "--no-verify").exit_code == 0
 
 
+def test_export_takes_a_revision_of_a_hub_source(fake_hub, qwen3_source, tmp_path):
+    """`thinker export REPO OUT --revision REV` converts that revision on the way, as convert and verify do."""
+    main_sha = fake_hub.add_repo("tiny-org/tiny-qwen3", qwen3_source)
+    edited = {p.name: p.read_bytes() for p in qwen3_source.iterdir() if p.is_file()}
+    edited["README.md"] = b"# v2"
+    v2_sha = fake_hub.add_repo("tiny-org/tiny-qwen3", edited, revision="v2")
+    result = thinker("export", "tiny-org/tiny-qwen3", tmp_path / "onnx", "--revision", "v2", "--no-verify")
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "onnx" / "export_report.json").read_text())["revision"] == "v2"
+    fetched = {request.path.split("/")[4] for request in fake_hub.file_requests()}
+    assert fetched == {v2_sha} and main_sha not in fetched
+    local = thinker("export", qwen3_source, tmp_path / "local", "--revision", "v2", "--no-verify")
+    assert_error(local, "a revision ('v2') only applies to Hub repo ids")
+
+
 def test_generate_on_a_hugging_face_folder(qwen3_source):
     message = assert_error(thinker("generate", qwen3_source, "-p", "the cat"), "a qwen3 checkpoint", "thinker convert")
     assert "neither" not in message
