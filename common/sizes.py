@@ -26,6 +26,17 @@ def parse_size(text: str | int) -> int:
         raise ThinkerError(f"size {text!r} is not a size like 5GB, 500MB, 2GiB or a byte count")
     match = _SIZE.match(text)
     unit = match.group(2).upper() if match else None
-    if match is None or unit not in _SIZE_UNITS or float(match.group(1)) <= 0:
+    if match is None or unit not in _SIZE_UNITS:
         raise ThinkerError(f"size {text!r} is not a size like 5GB, 500MB, 2GiB or a byte count")
+    if float(match.group(1)) <= 0:
+        raise ThinkerError(f"size {text!r}: a size must be above 0")
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def human_size(size: float) -> str:
+    """Bytes as a person reads them, in binary units with one decimal (``1.5 GiB``, ``10.0 KiB``): the unit follows
+    the size, so a small budget does not print as ``0.0 GiB``."""
+    units, power = ("B", "KiB", "MiB", "GiB"), 0
+    while abs(size) >= 1024 and power < len(units) - 1:
+        size, power = size / 1024, power + 1
+    return f"{size:.0f} B" if power == 0 else f"{size:.1f} {units[power]}"

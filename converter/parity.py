@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from common.errors import ThinkerError
 from common.parity_inputs import RELATIVE_TOLERANCE, fixed_prompts, left_padded
-from common.sizes import parse_size
+from common.sizes import human_size, parse_size
 from thinker import ThinkerForCausalLM
 from thinker.modeling_thinker import CACHE_ARG
 
@@ -288,6 +288,6 @@ def parity_mode(num_parameters: int, budget: int | None = None) -> tuple[str, st
     if needed <= budget:
         return WHOLE_MODEL, ""
     return BY_LAYER, (
-        f"verifying layer by layer: the reference and converted models need ~{needed / 2**30:.1f} GiB in float32, "
-        f"more than the {budget / 2**30:.1f} GiB budget ({source})"
+        f"verifying layer by layer: the reference and converted models need ~{human_size(needed)} in float32, "
+        f"more than the {human_size(budget)} budget ({source})"
     )

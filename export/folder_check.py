@@ -17,6 +17,7 @@ import torch
 from common.dtypes import dtype_name
 from common.errors import ThinkerError
 from common.parity_inputs import PROMPT_LENGTHS
+from common.sizes import human_size
 from common.sources import SafetensorsSource
 from converter.engine import describe_names, thinker_parameter_shapes
 from thinker.configuration_thinker import ThinkerConfig
@@ -157,7 +158,7 @@ def _check_context(config: ThinkerConfig, config_path: Path, dtype: torch.dtype,
     available = psutil.virtual_memory().available
     if table > available:
         raise ThinkerError(
-            f"{config_path}: max_position_embeddings={positions} needs RoPE tables of {table / 2**30:.1f} GiB, more "
-            f"than the {available / 2**30:.1f} GiB of memory available; lower max_position_embeddings to the context "
+            f"{config_path}: max_position_embeddings={positions} needs RoPE tables of {human_size(table)}, more "
+            f"than the {human_size(available)} of memory available; lower max_position_embeddings to the context "
             "you will use, or export on a larger machine"
         )

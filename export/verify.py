@@ -39,6 +39,7 @@ from common.dtypes import dtype_name
 from common.errors import ThinkerError
 from common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
 from common.progress import progress_bar
+from common.sizes import human_size
 from common.sources import SafetensorsSource
 from converter.parity import MEMORY_BUDGET_ENV, memory_budget
 from thinker.modeling_thinker import CACHE_ARG
@@ -213,9 +214,10 @@ def verify_plan(
         return STREAMED
     limit = f"{MEMORY_BUDGET_ENV} allows" if os.environ.get(MEMORY_BUDGET_ENV) else "of memory available"
     raise ThinkerError(
-        f"{model_dir}: --verify holds at least {held}, about {streamed / 2**30:.1f} GiB in {dtype_name(dtype)}, more "
-        f"than the {budget / 2**30:.1f} GiB {limit}; export with --no-verify (`thinker verify SOURCE FOLDER` proves "
-        "the Thinker folder against its source layer by layer, at any size), or where more memory is free"
+        f"{model_dir}: --verify holds at least {held}, about {human_size(streamed)} with the graph in "
+        f"{dtype_name(dtype)}, more than the {human_size(budget)} {limit}; export with --no-verify (`thinker verify "
+        "SOURCE FOLDER` proves the Thinker folder against its source layer by layer, at any size), or where more "
+        "memory is free"
     )
 
 
