@@ -308,7 +308,13 @@ def test_rope_tables_beyond_the_memory_available(qwen3_thinker, tmp_path, monkey
     monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(available=32 * 2**20, total=2**30))
     output = tmp_path / "onnx"
     result = thinker("export", folder, output, "--no-verify")
-    assert_error(result, "max_position_embeddings=2097152", "RoPE tables of 64.0 MiB", "than the 32.0 MiB of memory available", "memory available")
+    assert_error(
+        result,
+        "max_position_embeddings=2097152",
+        "RoPE tables of 64.0 MiB",
+        "than the 32.0 MiB of memory available",
+        "memory available",
+    )
     assert_nothing_written(output)
 
 
