@@ -17,6 +17,7 @@ from common.cli import CONTEXT, reports_errors
 from common.dtypes import FLOAT_DTYPES
 from common.errors import ThinkerError
 from common.side_files import read_json, tokenizer_files
+from common.sizes import human_size
 
 from .names import (
     ACCURACY_LEVELS,
@@ -310,7 +311,9 @@ def export_command(
         gguf_file=gguf_file,
         revision=revision,
     )
-    sizes = ", ".join(f"{name} {_human(size)}" for name, size in report["sizes"].items() if name.startswith("model"))
+    sizes = ", ".join(
+        f"{name} {human_size(size)}" for name, size in report["sizes"].items() if name.startswith("model")
+    )
     click.echo(
         f"wrote {output} ({report['graph']} graph): {report['nodes']} nodes, {report['parameters']:,} parameters "
         f"({sizes})"
@@ -361,7 +364,7 @@ def fallback_words(guard: dict) -> str:
         parts.append(f"{len(guard['experts_to_float_moe'])} 8-bit expert layers as float32 MoE ops")
     if not parts:
         return ""
-    return f"; their {' and '.join(parts)} ({_human(guard['float_fallback_bytes'])}, faster than 8-bit at level 1)"
+    return f"; their {' and '.join(parts)} ({human_size(guard['float_fallback_bytes'])}, faster than 8-bit at level 1)"
 
 
 def genai_figure(figures: dict) -> str:
@@ -643,11 +646,3 @@ def _generate_transformers(model, prompt_ids, max_new_tokens: int, eos, pad, str
             streamer=streamer,
         )
     return out.cpu().numpy()
-
-
-def _human(size: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1024 or unit == "GB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return str(size)
