@@ -172,6 +172,13 @@ class QuantizeSpec:
             return dataclasses.replace(self, bits=bits, algo="rtn", head_bits=None, head_int8_rows=0)
         return self
 
+    def for_vocab(self, vocab_size: int) -> QuantizeSpec:
+        """This spec for a model of ``vocab_size`` rows: a mixed head whose int8 rows cover the whole vocabulary is
+        an int8 head, and is reported and labelled as one."""
+        if 0 < vocab_size <= self.head_int8_rows:
+            return dataclasses.replace(self, head_int8_rows=0, head_bits=None if self.bits == 8 else 8)
+        return self
+
     def head_rows(self, outputs: int) -> list[tuple[int, int, QuantizeSpec]]:
         """The head's row ranges ``(start, stop, spec)``: one, or a mixed head's int8 rows and then the rest."""
         whole = self.for_weight(HEAD)

@@ -474,7 +474,16 @@ def test_quality_gate_fails_an_export_that_costs_too_much(thinker_variant, tmp_p
     args = ["export", str(thinker_variant("qwen3", head_dim=16)), str(tmp_path / "out"), "--graph", "fused"]
     result = CliRunner().invoke(main, [*args, "--quantize", "int4", "--block-size", "16", "--min-top1", "1.0"])
     assert result.exit_code == 1 and "--min-top1" in result.stderr and "top-1 agreement" in result.stderr, result.output
+    assert "int4 rtn, block 16, int8 head)" in result.stderr, result.output  # 8192 "mixed" rows cover its vocabulary
     assert not (tmp_path / "out").exists()
+
+
+def test_a_mixed_head_over_the_whole_vocabulary_is_an_int8_head():
+    mixed = QuantizeSpec(bits=4, head_int8_rows=8192)
+    assert mixed.for_vocab(49152) is mixed
+    assert mixed.for_vocab(8192).describe()["head"] == "int8" and "head_int8_rows" not in mixed.for_vocab(512).describe()
+    assert mixed.for_vocab(512).head_rows(512) == mixed.head_rows(512)  # the same graph, now called what it is
+    assert QuantizeSpec(bits=8).for_vocab(512) == QuantizeSpec(bits=8)
 
 
 def test_default_int4_export_of_smollm2_passes_its_own_verify(smollm2_exports, tmp_path):
