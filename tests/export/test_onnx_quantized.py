@@ -481,7 +481,8 @@ def test_quality_gate_fails_an_export_that_costs_too_much(thinker_variant, tmp_p
 def test_a_mixed_head_over_the_whole_vocabulary_is_an_int8_head():
     mixed = QuantizeSpec(bits=4, head_int8_rows=8192)
     assert mixed.for_vocab(49152) is mixed
-    assert mixed.for_vocab(8192).describe()["head"] == "int8" and "head_int8_rows" not in mixed.for_vocab(512).describe()
+    assert mixed.for_vocab(8192).describe()["head"] == "int8"
+    assert "head_int8_rows" not in mixed.for_vocab(512).describe()
     assert mixed.for_vocab(512).head_rows(512) == mixed.head_rows(512)  # the same graph, now called what it is
     assert QuantizeSpec(bits=8).for_vocab(512) == QuantizeSpec(bits=8)
 
