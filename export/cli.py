@@ -583,10 +583,11 @@ def _check_prompt(folder: Path, prompt_ids, max_new_tokens: int) -> None:
             f"vocabulary of {vocab_size}; the folder's tokenizer does not belong to its model"
         )
     length = prompt_ids.shape[1]
-    if context is not None and length + max_new_tokens > context:
+    needed = length + max_new_tokens - 1  # the last new token is never fed back, so it takes no position
+    if context is not None and needed > context:
         raise ThinkerError(
-            f"--prompt is {length} tokens, and with --max-new-tokens {max_new_tokens} that is beyond the model's "
-            f"{context} positions ({context_key}); shorten the prompt or lower --max-new-tokens"
+            f"--prompt is {length} tokens, and with --max-new-tokens {max_new_tokens} that needs {needed} positions, "
+            f"beyond the model's {context} ({context_key}); shorten the prompt or lower --max-new-tokens"
         )
 
 

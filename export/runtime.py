@@ -21,7 +21,9 @@ prompt's, from the reference processor's ``get_rope_index``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import os
 import shutil
 import subprocess
@@ -184,6 +186,8 @@ def check_external_data(model_path: Path) -> onnx.ModelProto:
             entry = {item.key: item.value for item in tensor.external_data}
             location = entry.get("location", "")
             try:
+                if not isinstance(location, str):  # protobuf hands back bytes that are not UTF-8 as bytes
+                    raise ValueError(location)
                 end = int(entry.get("offset", 0)) + int(entry.get("length", 0))
             except ValueError:
                 raise ThinkerError(f"{model_path}: tensor {tensor.name!r} has malformed external data") from None
@@ -304,7 +308,9 @@ class OnnxDecoder:
             )
             self.last_logits_only = False
         try:
-            self.session = ort.InferenceSession(source, options, providers=providers)
+            # onnxruntime prints an "EP Error" banner on stdout before retrying a failed load: the error below says it
+            with contextlib.redirect_stdout(io.StringIO()):
+                self.session = ort.InferenceSession(source, options, providers=providers)
         except NotImplementedByOrt as err:  # a kernel the provider lacks: bfloat16 on CPU, typically
             reason = str(err).splitlines()[0]
             raise ThinkerError(
@@ -314,6 +320,10 @@ class OnnxDecoder:
             reason = " ".join(str(err).split())
             raise ThinkerError(
                 f"{self.model_path}: onnxruntime cannot load it ({reason}); export the model again"
+            ) from None
+        except UnicodeDecodeError:  # onnxruntime's error quotes the damaged bytes, which Python cannot decode
+            raise ThinkerError(
+                f"{self.model_path}: onnxruntime cannot load it (the file is damaged); export the model again"
             ) from None
         self.device = "cuda" if CUDA in self.session.get_providers() else "cpu"
         if provider == "cuda" and self.device != "cuda":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
+import random
 import shutil
 import struct
 import tempfile
@@ -278,8 +279,10 @@ def test_an_unknown_provider(qwen3_onnx):
 
 def test_bad_prompts(qwen3_onnx, tmp_path):
     assert_error(thinker("generate", qwen3_onnx, "--prompt", ""), "--prompt tokenizes to nothing; give some text")
-    result = thinker("generate", qwen3_onnx, "--prompt", "the cat sat", "--max-new-tokens", "62")
-    assert_error(result, "--prompt is 3 tokens, and with --max-new-tokens 62", "beyond the model's 64 positions")
+    result = thinker("generate", qwen3_onnx, "--prompt", "the cat sat", "--max-new-tokens", "63")
+    assert_error(result, "--prompt is 3 tokens, and with --max-new-tokens 63 that needs 65 positions", "model's 64")
+    fits = thinker("generate", qwen3_onnx, "--prompt", "the cat sat", "--max-new-tokens", "62")  # the last is not fed
+    assert fits.exit_code == 0, fits.output
 
     folder = shutil.copytree(qwen3_onnx, tmp_path / "onnx")
     edit_config(folder, vocab_size=8)  # as if the tokenizer came from another model
@@ -301,6 +304,25 @@ def test_generate_with_an_incomplete_onnx_folder(damage, fragments, qwen3_onnx, 
     folder = shutil.copytree(qwen3_onnx, tmp_path / "onnx")
     damage(folder)
     assert_error(thinker("generate", folder, "--prompt", "the cat"), str(folder), *fragments)
+
+
+def test_a_damaged_model_onnx_is_an_error_naming_it(qwen3_onnx, tmp_path, capsys):
+    """Bytes changed inside model.onnx (it may still parse: a string field no longer UTF-8, an external-data entry
+    garbled) load, or fail with a ThinkerError naming the file: never another exception, nor onnxruntime's banner."""
+    from export.runtime import OnnxDecoder
+
+    folder = shutil.copytree(qwen3_onnx, tmp_path / "onnx")
+    intact = (qwen3_onnx / "model.onnx").read_bytes()
+    for seed in range(60):
+        draw, damaged = random.Random(seed), bytearray(intact)
+        start = draw.randrange(len(damaged))
+        damaged[start : start + 8] = bytes(draw.randrange(256) for _ in range(8))
+        (folder / "model.onnx").write_bytes(damaged)
+        try:
+            OnnxDecoder(folder, provider="cpu")
+        except ThinkerError as err:
+            assert str(folder / "model.onnx") in str(err), (seed, err)
+    assert "EP Error" not in capsys.readouterr().out
 
 
 def test_generate_with_a_folder_that_is_no_model(tmp_path, qwen3_onnx):
