@@ -136,6 +136,18 @@ def refuse_layer_types(hf: PreTrainedConfig, allowed: tuple[str, ...] = ("full_a
     )
 
 
+def refuse_sliding_window(hf: PreTrainedConfig) -> PreTrainedConfig:
+    """For a family whose config has no ``layer_types`` and whose transformers class slides the attention window over
+    every layer once ``use_sliding_window`` is set (Qwen3-MoE): such a checkpoint is refused as ``refuse_layer_types``
+    refuses sliding layers. Returns ``hf``."""
+    if getattr(hf, "use_sliding_window", False) and getattr(hf, "sliding_window", None):
+        raise ThinkerError(
+            f"the source config uses sliding-window attention on every layer (use_sliding_window, sliding_window "
+            f"{hf.sliding_window}), which Thinker does not implement; only full-attention checkpoints convert"
+        )
+    return hf
+
+
 # --- tensor groups ---------------------------------------------------------------------------------------------------
 
 THINKER_LAYER = "model.layers.{layer}."  # the prefix of a decoder layer's tensors, in Thinker's names

@@ -17,6 +17,7 @@ from .common import (
     ROUTED_EXPERTS,
     ROUTER,
     hf_family,
+    refuse_sliding_window,
 )
 
 QWEN3_MOE = hf_family(
@@ -24,6 +25,6 @@ QWEN3_MOE = hf_family(
     "Qwen3MoeForCausalLM",
     "Qwen3-MoE (fused or per-expert tensors)",
     (EMBEDDINGS_AND_HEAD, LAYER_NORMS, ATTENTION, ATTENTION_BIASES, QK_NORMS, DENSE_MLP, ROUTER, ROUTED_EXPERTS),
-    lambda hf: {"attention_bias": hf.attention_bias, "qk_norm": True},
+    lambda hf: {"attention_bias": refuse_sliding_window(hf).attention_bias, "qk_norm": True},
     moe=True,
 )

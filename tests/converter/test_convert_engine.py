@@ -215,6 +215,17 @@ def test_sliding_window_checkpoints_are_refused(qwen2_tensors):
         plan(tensors, use_sliding_window=True, sliding_window=16, max_window_layers=0, layer_types=None)
 
 
+def test_a_qwen3_moe_sliding_over_every_layer_is_refused(tmp_path):
+    """Qwen3-MoE's config has no layer_types: use_sliding_window slides the window over every layer of its class."""
+    build_reference(INVERTIBLE_SOURCES["qwen3_moe"]).save_pretrained(tmp_path)
+    edit_config(tmp_path, use_sliding_window=True, sliding_window=16)
+    source = SafetensorsSource(tmp_path)
+    with pytest.raises(ThinkerError, match=r"sliding-window attention on every layer \(use_sliding_window, sliding_"):
+        plan_conversion(source, source.config())
+    edit_config(tmp_path, use_sliding_window=False)  # sliding_window alone is a default transformers ignores then
+    assert plan_conversion(source, source.config()).family.name == "qwen3_moe"
+
+
 # --- values and dtypes -------------------------------------------------------------------------------------------
 
 
