@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import signal
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from pkgutil import resolve_name
@@ -38,8 +40,11 @@ def reports_errors(command: Callable) -> Callable:
         if not debug:
             quiet_libraries()
         try:
-            with held_warnings(hold=not debug):
+            with held_warnings(hold=not debug), sigterm_unwinds():
                 return command(*args, **kwargs)
+        except Terminated:
+            click.echo("Terminated.", err=True)  # as click says "Aborted!" for Ctrl-C
+            sys.exit(128 + signal.SIGTERM)
         except ThinkerError as err:
             report = getattr(err, "report", None)  # a failed parity check carries its table: show what differed
             if report is not None:
@@ -51,6 +56,30 @@ def reports_errors(command: Callable) -> Callable:
             sys.exit(1)
 
     return debug_option(run)
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the command was: a BaseException, as KeyboardInterrupt is, so no ``except Exception``
+    swallows it on the way out."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM (kill, timeout, docker stop, systemd) ends a command as Ctrl-C does, by unwinding: the staging folders'
+    cleanup runs. Python's default for it is to die on the spot, leaving a partial OUTPUT's staging folder behind.
+    Only the main thread can take signals; elsewhere (a library caller's thread) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import signal
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from pkgutil import resolve_name
@@ -187,6 +188,31 @@ def test_a_killed_export_with_force_leaves_the_old_output_intact(killed, qwen3_t
     export_model(qwen3_thinker, output, force=True, **EXPORT)
     assert_complete_export(output)
     assert leftovers(output) == []
+
+
+# A real `thinker-convert` process that sends itself SIGTERM (what kill, timeout and docker stop send) while its
+# second tensor is being written.
+TERMINATED_MIDWAY = """
+import os, signal, sys
+from converter import shards
+from converter.cli import convert_command
+original, calls = shards.ShardWriter._slot, []
+def slot(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return original(*args, **kwargs)
+shards.ShardWriter._slot = slot
+convert_command(sys.argv[1:])
+"""
+
+
+def test_sigterm_unwinds_like_ctrl_c(qwen3_source, tmp_path):
+    output = tmp_path / "out"
+    command = [sys.executable, "-c", TERMINATED_MIDWAY, str(qwen3_source), str(output), "--no-verify"]
+    result = subprocess.run([*command, "--max-shard-size", "20KB"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 128 + signal.SIGTERM and result.stderr.strip() == "Terminated.", result.stderr
+    assert not output.exists() and leftovers(output) == []  # its staging folder removed on the way out
 
 
 # --- staging folders of other runs -------------------------------------------------------------------------------
