@@ -169,7 +169,7 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-_DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}  # no space, or over the user's quota
+DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}  # no space, or over the user's quota
 
 
 def free_bytes(folder: Path) -> int:
@@ -178,6 +178,7 @@ def free_bytes(folder: Path) -> int:
 
 def disk_full(folder: Path, needed: int | None) -> ThinkerError:
     """The one message for a full disk, whether found before writing or by a write that failed."""
+    folder = outside_staging(folder)
     try:
         free = f"{_mib(free_bytes(folder))} free"
     except OSError:
@@ -187,6 +188,15 @@ def disk_full(folder: Path, needed: int | None) -> ThinkerError:
         f"the disk is full at {folder}: writing OUTPUT {need}, {free} there; free some space or put OUTPUT on "
         "another disk (nothing was written)"
     )
+
+
+def outside_staging(path: Path) -> Path:
+    """``path``, or the folder holding the outermost staging folder on it: what a message names, since a staging
+    folder (an export's conversion on the way writes into its own) is gone by the time the user reads it."""
+    for index, part in enumerate(path.parts):
+        if _STAGING.match(part):
+            return Path(*path.parts[:index])
+    return path
 
 
 def _mib(size: int) -> str:
@@ -213,7 +223,8 @@ def work_folder(output: Path, needed: int | None = None) -> Iterator[Path]:
             raise disk_full(output.parent, needed)
         yield staging
     except OSError as err:
-        if err.errno in _DISK_FULL:
+        if err.errno in DISK_FULL:
+            _remove(staging)  # first, so that the free space the message gives is what the user now has
             raise disk_full(output.parent, needed) from None
         raise
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import random
 import shutil
 import struct
@@ -247,6 +248,33 @@ def test_disk_full_while_exporting(qwen3_thinker, tmp_path, monkeypatch):
     result = thinker("export", qwen3_thinker, output, "--no-verify")
     assert_error(result, f"the disk is full at {tmp_path}: writing OUTPUT needs about ")
     assert_nothing_written(output)
+
+
+def test_a_disk_full_message_names_no_staging_folder(tmp_path):
+    """An export converting on the way writes into its own staging folder; the message names where OUTPUT goes."""
+    from common.staging import outside_staging, staging_path
+
+    assert outside_staging(staging_path(tmp_path / "out") / "thinker" / "model.safetensors") == tmp_path
+    assert outside_staging(tmp_path / "out") == tmp_path / "out"
+
+
+@pytest.mark.parametrize(
+    "code, advice", [(errno.ENOSPC, "(No space left on device); free some space"), (errno.EROFS, "make the folder")]
+)
+def test_verify_that_cannot_write_its_report(code, advice, qwen3_source, qwen3_thinker, tmp_path, monkeypatch):
+    """`thinker verify` writes parity.json into a finished folder: a full disk or a read-only folder is one line,
+    and leaves neither a partial report nor a changed folder."""
+    folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
+    (folder / "parity.json").write_text("the report before")
+    before = sorted(path.name for path in folder.iterdir())
+
+    def cannot(*args, **kwargs):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr("converter.parity_report.os.replace", cannot)
+    assert_error(thinker("verify", qwen3_source, folder), f"{folder}: cannot write parity.json there", advice)
+    assert sorted(path.name for path in folder.iterdir()) == before
+    assert (folder / "parity.json").read_text() == "the report before"
 
 
 # --- dtype and device --------------------------------------------------------------------------------------------
