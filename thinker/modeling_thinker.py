@@ -779,8 +779,13 @@ class ThinkerForCausalLM(ThinkerPreTrainedModel, GenerationMixin):
             loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
         aux_loss = None
         if output_router_logits and outputs.router_logits:
+            # The router saw the new tokens only: their columns of a 2-D mask (the whole mask, as transformers' own
+            # classes pass it, fails on a step after a cache: one token's router logits against the context's mask).
+            mask = attention_mask
+            if mask is not None and mask.dim() == 2:
+                mask = mask[:, -outputs.last_hidden_state.shape[1] :]
             aux_loss = load_balancing_loss_func(
-                outputs.router_logits, self.config.num_experts, self.config.num_experts_per_tok, attention_mask
+                outputs.router_logits, self.config.num_experts, self.config.num_experts_per_tok, mask
             )
             if loss is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)

@@ -83,6 +83,8 @@ def moe_fields(hf: PreTrainedConfig) -> dict[str, Any]:
         "decoder_sparse_step": hf.decoder_sparse_step,
         "mlp_only_layers": list(hf.mlp_only_layers or []),
         "router_aux_loss_coef": hf.router_aux_loss_coef,
+        # a training setting fine-tuned checkpoints keep: with it, a labelled forward adds the router's loss
+        "output_router_logits": bool(getattr(hf, "output_router_logits", False)),
     }
 
 

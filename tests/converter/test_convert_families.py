@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import GPT2Config, LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
-from thinker import ThinkerConfig
+from thinker import ThinkerConfig, ThinkerForCausalLM
 
 # Awkward on purpose: GQA, odd vocabularies, head_dim unrelated to hidden_size where the family allows it.
 SMALL = {"vocab_size": 67, "hidden_size": 32, "num_hidden_layers": 3, "max_position_embeddings": 64}
@@ -102,6 +102,23 @@ def test_qwen3_moe_per_expert_layout(tmp_path, run_convert, norm_topk_prob):
     assert_verified(result, "qwen3_moe")
     assert ThinkerConfig.from_pretrained(result.output).mlp_layer_types == ["sparse", "sparse", "dense", "sparse"]
     assert_same_logits(model, result.output)
+
+
+def test_a_moe_that_outputs_its_router_logits(save_reference, run_convert):
+    """A fine-tuned checkpoint's config may ask for the router's load-balancing loss (output_router_logits): the
+    gate's decode steps do not trip over it, and the Thinker adds the same loss to a labelled forward."""
+    model, source = save_reference(Qwen3MoeConfig(**QWEN3_MOE, output_router_logits=True, router_aux_loss_coef=0.05))
+    result = run_convert(source)
+    assert_verified(result, "qwen3_moe")
+    converted = ThinkerForCausalLM.from_pretrained(result.output).eval()
+    assert converted.config.output_router_logits is True
+    ids = torch.tensor([[3, 14, 15, 9, 26, 5]])
+    with torch.no_grad():
+        expected, actual = model(input_ids=ids, labels=ids), converted(input_ids=ids, labels=ids)
+        torch.testing.assert_close(actual.aux_loss, expected.aux_loss)
+        torch.testing.assert_close(actual.loss, expected.loss)
+        step = converted(input_ids=ids[:, -1:], attention_mask=torch.ones(1, 7), cache=actual.cache, use_cache=True)
+    assert step.aux_loss is not None  # the new token's router logits, against its own column of the mask
 
 
 def test_qwen3_moe_fused_layout_and_sparse_step(save_reference, run_convert):
