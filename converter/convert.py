@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import ThinkerError
+from common.side_files import read_json
 from common.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from common.sources import open_source
 from common.staging import refuse_existing_output, refuse_output_over_source, staged_output
+from thinker import ThinkerConfig
 
 from .engine import plan_conversion, write_weights
 from .families import detect_family
@@ -134,6 +136,11 @@ def verify(
         raise ThinkerError(f"{converted}: not a converted model folder (no config.json)")
     root = resolve_source(str(source), revision, gguf_file=gguf_file)
     refuse_output_over_source(converted, root, writes_into=True)  # parity.json goes into CONVERTED
+    if (read_json(Path(root) / "config.json") or {}).get("model_type") == ThinkerConfig.model_type:
+        raise ThinkerError(
+            f"{source}: SOURCE is a Thinker folder, which has no reference to verify against; the order is "
+            "`thinker verify SOURCE CONVERTED` (the checkpoint converted from, then the Thinker folder)"
+        )
     mode, note = (BY_LAYER, "") if by_layer else parity_mode(folder_parameters(converted), memory_budget)
     failure = f"{converted} does not match its reference {source}"
     return parity_gate(root, converted, source_family(root), converted, failure, mode, note)

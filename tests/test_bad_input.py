@@ -394,13 +394,15 @@ def test_export_of_a_corrupt_thinker_folder(qwen3_thinker, tmp_path):
     assert_nothing_written(output)
 
 
-def test_verify_refuses_what_is_not_a_conversion(qwen3_source, source_copy, tmp_path):
+def test_verify_refuses_what_is_not_a_conversion(qwen3_source, qwen3_thinker, source_copy, tmp_path):
     (tmp_path / "empty").mkdir()
     assert_error(thinker("verify", qwen3_source, tmp_path / "empty"), "not a converted model folder")
     source = source_copy()
     edit_config(source, model_type="mamba", architectures=["MambaForCausalLM"])
     assert_error(thinker("verify", source, qwen3_source), "model_type 'mamba'", "not supported")
     assert_usage_error(thinker("verify", qwen3_source, tmp_path / "nowhere"), "does not exist")
+    swapped = thinker("verify", qwen3_thinker, qwen3_source)
+    assert_error(swapped, f"{qwen3_thinker}: SOURCE is a Thinker folder", "order is `thinker verify SOURCE CONVERTED`")
 
 
 # --- the Hub -----------------------------------------------------------------------------------------------------

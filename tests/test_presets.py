@@ -97,6 +97,9 @@ def test_qwen3_omni_thinker_shapes():
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (32, 4, 128)
     assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (128, 8, 768)
     assert config.vocab_size == 152064 and config.qk_norm and not config.tie_word_embeddings
+    # the release's interleaved multimodal RoPE, as a conversion of it writes: (3, B, T) positions are taken
+    rope = config.rope_parameters
+    assert (rope["mrope_section"], rope["mrope_interleaved"]) == ([24, 20, 20], True)
     # the Qwen3-30B-A3B decoder with the larger Omni vocabulary: 30.5 B + 2 x 128 x 2048
     assert parameter_count(config) / 1e9 == pytest.approx(30.5 + 2 * 128 * 2048 / 1e9, rel=0.02)
 
