@@ -23,6 +23,7 @@ kernels; float16 scales give float16 weights after one more rounding, which is a
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 from collections.abc import Callable, Mapping
@@ -64,6 +65,12 @@ class QuantizedWeight:
     # MatMul (the guard's float fallback, already dequantized)
     bits: int
     weight: np.ndarray | torch.Tensor  # a graph's (K, N) / (V, C) array; a Thinker parameter's (out, in) tensor
+    # The quantization grid, for the per-row check: each output row's inputs in blocks of ``block_size`` (0: one
+    # block per row), None where the graph does not say (the guard's float fallbacks). A weight quantized in row
+    # ranges (the mixed head) gives each range's own instead, ``row_parts``: (start, stop, bits, block_size).
+    block_size: int | None = None
+    row_parts: tuple[tuple[int, int, int, int | None], ...] = ()
+    asymmetric: bool = False  # with zero points (uint ones of asymmetric RTN, HQQ's float ones)
 
 
 def attributes(node: onnx.NodeProto) -> dict:
@@ -207,7 +214,8 @@ def quantized_weight_readers(onnx_path: Path) -> dict[str, Callable[[], Quantize
 
     def matmul_nbits(attrs: dict, inputs: list[str]) -> QuantizedWeight:
         packed, scales, zero = (array(name) for name in [*inputs, ""][:3])
-        return QuantizedWeight("MatMulNBits", attrs["bits"], dequantize_matmul_nbits(attrs, packed, scales, zero))
+        weight = dequantize_matmul_nbits(attrs, packed, scales, zero)
+        return QuantizedWeight("MatMulNBits", attrs["bits"], weight, attrs["block_size"], asymmetric=zero is not None)
 
     def float_weight(name: str, bits: int) -> QuantizedWeight:
         return QuantizedWeight("MatMul", bits, array(name))
@@ -215,9 +223,15 @@ def quantized_weight_readers(onnx_path: Path) -> dict[str, Callable[[], Quantize
     def float_stack(name: str, interleaved: bool, bits: int) -> QuantizedWeight:
         return QuantizedWeight("MoE", bits, deinterleaved(array(name)) if interleaved else array(name))
 
+    def plain_experts(values: str, scales: str) -> QuantizedWeight:
+        values, scales = array(values), array(scales)  # (E, K, N) and (E, N) per row or (E, K / block, N)
+        block, bits = (0, 8) if scales.ndim == 2 else (values.shape[1] // scales.shape[1], 4)
+        return QuantizedWeight("DequantizeLinear", bits, dequantize_plain_experts(values, scales), block)
+
     def gather_block(attrs: dict, data: str, scales: str, zero: str) -> QuantizedWeight:
         table = dequantize_gather_block(attrs, array(data), array(scales), array(zero))
-        return QuantizedWeight("GatherBlockQuantized", attrs.get("bits", 4), table)
+        block, asymmetric = attrs["block_size"], bool(zero)  # a symmetric table takes the op's default zero point
+        return QuantizedWeight("GatherBlockQuantized", attrs.get("bits", 4), table, block, asymmetric=asymmetric)
 
     reshaped = {node.output[0]: node.input[0] for node in model.graph.node if node.op_type == "Reshape"}
     readers: dict[str, Callable[[], QuantizedWeight]] = {}
@@ -240,7 +254,10 @@ def quantized_weight_readers(onnx_path: Path) -> dict[str, Callable[[], Quantize
                 if name in readers:
                     raise RuntimeError(f"a second QMoE over {name} in the graph (a bug in the exporter)")
                 readers[name] = lambda a=attrs, p=packed, s=scales, i=interleaved: QuantizedWeight(  # noqa: E731
-                    "QMoE", a.get("expert_weight_bits", 4), dequantize_qmoe(a, array(p), array(s), i)
+                    "QMoE",
+                    a.get("expert_weight_bits", 4),
+                    dequantize_qmoe(a, array(p), array(s), i),
+                    a.get("block_size", 0),
                 )
             continue
         elif node.op_type == "MoE" and node.input[2].endswith(DEQUANTIZED):  # a QMoE the guard moved, in float
@@ -262,9 +279,7 @@ def quantized_weight_readers(onnx_path: Path) -> dict[str, Callable[[], Quantize
     for tensor in model.graph.initializer:  # the plain graph's quantized experts, read where it gathers them
         name = graph_weight_name(tensor.name)
         if tensor.data_type == onnx.TensorProto.INT8 and name.endswith(PLAIN_EXPERT_STACKS) and name not in readers:
-            readers[name] = lambda v=tensor.name, s=f"{name}_scales": QuantizedWeight(  # noqa: E731
-                "DequantizeLinear", 8 if array(s).ndim == 2 else 4, dequantize_plain_experts(array(v), array(s))
-            )
+            readers[name] = partial(plain_experts, tensor.name, f"{name}_scales")
     return _join_row_ranges(readers)
 
 
@@ -295,7 +310,11 @@ def _joined(name: str, ranges: list[tuple[int, int, Callable[[], QuantizedWeight
     parts = [read() for _, _, read in ranges]
     axis = 1 if parts[0].op_type in MATMUL_OPS else 0
     weight = np.concatenate([part.weight for part in parts], axis=axis)
-    return QuantizedWeight(parts[0].op_type, min(part.bits for part in parts), weight)
+    grid = tuple(
+        (start, stop, part.bits, part.block_size) for (start, stop, _), part in zip(ranges, parts, strict=True)
+    )
+    bits = min(part.bits for part in parts)
+    return QuantizedWeight(parts[0].op_type, bits, weight, row_parts=grid, asymmetric=parts[0].asymmetric)
 
 
 def constant_reader(graph: onnx.GraphProto, base_dir: Path | str = "") -> Callable[[str], np.ndarray | None]:
@@ -337,13 +356,13 @@ def as_thinker_parameters(weights: dict[str, QuantizedWeight], model: torch.nn.M
             tensor = tensor[:, : parameters[name].shape[1]]
         parts = thinker_names(name, parameters)
         if parts == [name]:
-            out[name] = QuantizedWeight(quantized.op_type, quantized.bits, tensor)
+            out[name] = dataclasses.replace(quantized, weight=tensor)
             continue
         sizes = [parameters[part].shape[0] for part in parts]
         if sum(sizes) != tensor.shape[0]:
             raise RuntimeError(f"quantized weight {name} has {tensor.shape[0]} outputs, its parts {sum(sizes)}")
         for part, piece in zip(parts, torch.split(tensor, sizes, dim=0), strict=True):
-            out[part] = QuantizedWeight(quantized.op_type, quantized.bits, piece)
+            out[part] = dataclasses.replace(quantized, weight=piece)  # a packed projection: no row ranges
     return out
 
 

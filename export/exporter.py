@@ -49,7 +49,7 @@ from .names import (
     POSITIONS,
     REPORT_FILE,
 )
-from .quantize import QuantizeSpec, WeightQuantizer, cuda_experts_note
+from .quantize import HEAD, QuantizeSpec, WeightQuantizer, cuda_experts_note
 from .verify import WHOLE, verify_export, verify_plan
 from .weights import ThinkerWeights
 
@@ -81,6 +81,14 @@ def routed_experts(config: ThinkerConfig, nodes_by_op: dict[str, int]) -> dict[s
 
 
 FLOAT_EXPERTS = "float (too narrow: widths not whole blocks, or fewer than 16 outputs)"
+
+
+def head_quantized(model_path: Path) -> bool:
+    """Whether the written graph computes the head from quantized weights (MatMulNBits, or the guard's float
+    fallback of them), read from its nodes."""
+    from .dequantize import quantized_weight_readers
+
+    return HEAD in quantized_weight_readers(model_path)
 
 
 def float_experts_note(config: ThinkerConfig, quantize: QuantizeSpec | None, nodes_by_op: dict[str, int]) -> str | None:
@@ -197,7 +205,9 @@ def export_model(
             "graph": graph,
             "positions": positions,
             "logits": logits,
-            "quantize": quantize.describe() | routed_experts(config, files.nodes_by_op) if quantize else None,
+            "quantize": quantize.describe(head_quantized(files.model_path)) | routed_experts(config, files.nodes_by_op)
+            if quantize
+            else None,
             "accuracy_guard": guard,
             "opset": OPSET,
             "ir_version": IR_VERSION,

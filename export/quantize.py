@@ -186,9 +186,12 @@ class QuantizeSpec:
             return [(0, outputs, dataclasses.replace(whole, bits=8) if self.head_int8_rows else whole)]
         return [(0, self.head_int8_rows, dataclasses.replace(whole, bits=8)), (self.head_int8_rows, outputs, whole)]
 
-    def describe(self) -> dict:
+    def describe(self, head_quantized: bool = True) -> dict:
+        """For export_report.json; ``head_quantized`` False: the graph kept the head float (narrower than a block,
+        or too few outputs), which the report says rather than the head layout asked for."""
         head = "mixed" if self.head_int8_rows else f"int{self.head_bits or self.bits}"
-        rows = {"head_int8_rows": self.head_int8_rows} if self.head_int8_rows else {}
+        rows = {"head_int8_rows": self.head_int8_rows} if self.head_int8_rows and head_quantized else {}
+        head = head if head_quantized else "float"
         embedding = {"embedding": "float"} if self.float_embedding else {}
         return {
             "weights": f"int{self.bits}",

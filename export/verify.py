@@ -191,14 +191,14 @@ def verify_plan(
     (unlike the converter's check, nothing cheaper waits behind this one).
 
     A float export's check holds the graph's session (about the model's bytes in ``dtype``) and the PyTorch model in
-    float32 (``REFERENCE_DTYPE``). A quantized
-    export's holds two sessions of its graph (``graph_bytes``: as shipped, and with float activations) and the float
-    model, whose weights it replaces by the dequantized ones one at a time; or, streamed, one layer in both forms.
+    float32 (``REFERENCE_DTYPE``). A quantized export's holds two sessions of its graph (``graph_bytes``: as
+    shipped, and with float activations) and the float32 model, whose weights it replaces by the dequantized ones
+    one at a time; or, streamed, one layer in both forms.
     Before a quantized graph is written its size is unknown: with ``graph_bytes`` 0 the call refuses only what
     cannot fit whatever the graph's size, and the exporter asks again once it knows."""
     if dtype == torch.bfloat16 and not cuda_usable():
         return None
-    model, largest_unit = model_bytes(model_dir, dtype)
+    model, largest_unit = model_bytes(model_dir, REFERENCE_DTYPE if quantized else dtype)
     if quantized:
         graph = graph_bytes or 0
         whole, streamed = 2 * graph + model + largest_unit, 2 * graph + 2 * largest_unit

@@ -307,11 +307,13 @@ def test_projections_narrower_than_a_block_are_named_in_a_note(thinker_variant, 
     assert wide.exit_code == 0, wide.output
     (note,) = [line for line in wide.stderr.splitlines() if "stay float" in line]
     assert f"input width ({hidden}" in note and "--block-size 256" in note and "model.layers.0." in note, note
-    notes = json.loads((tmp_path / "wide" / "export_report.json").read_text())["notes"]
-    assert any("stay float" in n for n in notes), notes
+    report = json.loads((tmp_path / "wide" / "export_report.json").read_text())
+    assert any("stay float" in n for n in report["notes"]), report["notes"]
+    assert report["quantize"]["head"] == "float", report["quantize"]  # what the graph holds, not what was asked
 
     fits = CliRunner().invoke(main, ["export", str(folder), str(tmp_path / "fits"), *quantized, "16"])
     assert fits.exit_code == 0 and "stay float" not in fits.output, fits.output
+    assert json.loads((tmp_path / "fits" / "export_report.json").read_text())["quantize"]["head"] == "int8"
 
 
 # --- the real SmolLM2, once -----------------------------------------------------------------------------------------
@@ -425,6 +427,46 @@ def scale_one_weight(model: onnx.ModelProto) -> None:
     scales.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(scales) * 1.3, scales.name))
 
 
+def scales_of(model: onnx.ModelProto, pick) -> tuple[onnx.TensorProto, np.ndarray]:
+    """The scales tensor of the first MatMulNBits whose packed weight's name ``pick`` takes, and its values."""
+    tensors = {t.name: t for t in model.graph.initializer}
+    node = next(n for n in model.graph.node if n.op_type == "MatMulNBits" and pick(n.input[1]))
+    return tensors[node.input[2]], numpy_helper.to_array(tensors[node.input[2]]).copy()
+
+
+def rewrite(tensor: onnx.TensorProto, values: np.ndarray) -> None:
+    tensor.CopyFrom(numpy_helper.from_array(values.astype(numpy_helper.to_array(tensor).dtype), tensor.name))
+
+
+def scale_one_layer_slightly(model: onnx.ModelProto) -> None:
+    """One MLP projection's scales 15 % off: its error stays within int4's whole-tensor limit."""
+    scales, values = scales_of(model, lambda name: "down_proj" in name)
+    rewrite(scales, values * 1.15)
+
+
+def scale_one_block(model: onnx.ModelProto) -> None:
+    """One block of one row of o_proj at twice its scale: a fault in 1 of the weight's blocks."""
+    scales, values = scales_of(model, lambda name: "o_proj" in name)
+    values.reshape(-1)[5] *= 2
+    rewrite(scales, values)
+
+
+def scale_int8_head_rows(model: onnx.ModelProto) -> None:
+    """A mixed head's int8 rows (its first part) with scales 15 % off: far beyond int8's rounding."""
+    scales, values = scales_of(model, lambda name: "lm_head" in name and ".rows_0_" in name)
+    rewrite(scales, values * 1.15)
+
+
+def shift_one_zero_point(model: onnx.ModelProto) -> None:
+    """One 4-bit zero point of o_proj (asymmetric RTN) moved by 3 steps."""
+    tensors = {t.name: t for t in model.graph.initializer}
+    node = next(n for n in model.graph.node if n.op_type == "MatMulNBits" and "o_proj" in n.input[1])
+    zeros = numpy_helper.to_array(tensors[node.input[3]]).copy()
+    low = zeros.reshape(-1)[0] & 0x0F
+    zeros.reshape(-1)[0] = (zeros.reshape(-1)[0] & 0xF0) | ((low + 3) % 16 if low < 13 else low - 3)
+    rewrite(tensors[node.input[3]], zeros)
+
+
 def planted(folder: Path, out: Path, bug) -> Path:
     model = onnx.load(folder / "model.onnx")  # tiny: every weight back in the proto
     bug(model)
@@ -468,6 +510,51 @@ def test_quantized_verify_catches_planted_bugs(spec, plan, thinker_variant, onnx
     wrong_scale = verify(planted(folder, tmp_path / "scale", scale_one_weight))
     assert wrong_scale["passed"] is False and "o_proj.weight is" in wrong_scale["failure"], wrong_scale
     assert wrong_scale["graph"]["max_abs_diff"] <= wrong_scale["graph"]["tolerance"]  # the graph itself is sound
+
+
+@pytest.mark.parametrize(
+    "spec, bug",
+    [
+        (INT4, scale_one_layer_slightly),
+        (INT4, scale_one_block),
+        (QuantizeSpec(bits=4, block_size=16, algo="rtn-asym"), shift_one_zero_point),
+        (QuantizeSpec(bits=4, block_size=16, head_int8_rows=40), scale_int8_head_rows),
+    ],
+    ids=["one layer's scales 15 % off", "one block", "one zero point", "a mixed head's int8 rows"],
+)
+def test_each_row_is_held_to_its_own_rounding(spec, bug, thinker_variant, onnx_variant, tmp_path):
+    """Faults too small or too local for a whole weight's error, each within int4's whole-tensor limit, fail the
+    check of every row against the rounding onnxruntime's quantizer makes on it, which the sound export meets
+    exactly."""
+    from export.quantized_verify import ROW_ROUNDING_LIMIT, verify_quantized_export
+
+    model_dir = thinker_variant("qwen3", head_dim=16)
+    folder = onnx_variant("qwen3", graph="fused", quantize=spec)
+    sound = verify_quantized_export(model_dir, folder / "model.onnx", torch.float32, spec.bits, NO_GATE)
+    assert sound["passed"] is True, sound
+    assert sound["weights"]["worst_row"]["error_over_rounding"] == pytest.approx(1.0, abs=1e-4), sound["weights"]
+    broken = verify_quantized_export(model_dir, planted(folder, tmp_path / "bug", bug), torch.float32, 4, NO_GATE)
+    assert broken["passed"] is False and "as far from the float row as round-to-nearest" in broken["failure"], broken
+    assert broken["weights"]["worst_row"]["error_over_rounding"] > 2 * ROW_ROUNDING_LIMIT, broken["weights"]
+    assert broken["weights"]["relative_error"] <= broken["weights"]["limit"], broken["weights"]  # hidden there
+
+
+def test_a_float16_quantized_export_is_judged_against_the_float32_model(thinker_variant, onnx_variant):
+    """As --verify's help says, for every --dtype: the cost against the float32 model, the graph's own dtype
+    setting only the graph check's tolerance."""
+    from export.quantized_verify import verify_quantized_export
+
+    model_dir = thinker_variant("qwen3", head_dim=16)
+    reports = {
+        dtype: verify_quantized_export(
+            model_dir, onnx_variant("qwen3", dtype=dtype, quantize=INT4) / "model.onnx", getattr(torch, dtype), 4
+        )
+        for dtype in ("float32", "float16")
+    }
+    assert all(report["passed"] for report in reports.values()), reports
+    assert reports["float16"]["cost"]["perplexity_reference"] == reports["float32"]["cost"]["perplexity_reference"]
+    scale = reports["float16"]["graph"]["logit_scale"]
+    assert reports["float16"]["graph"]["tolerance"] == pytest.approx(5e-2 * max(1.0, scale)), reports["float16"]
 
 
 def test_quality_gate_fails_an_export_that_costs_too_much(thinker_variant, tmp_path):
