@@ -34,6 +34,7 @@ from common.sources import TensorSource, open_source
 from common.staging import refuse_existing_output, staged_output
 from thinker import ThinkerConfig
 
+from .config_compare import config_differences
 from .convert import ConversionResult
 from .engine import (
     Plan,
@@ -50,9 +51,6 @@ from .output_dtype import resolve_dtype
 from .parity import parity_gate, parity_mode
 from .parity_report import BY_LAYER
 from .spec import Family
-
-# Runtime switches that do not change the model, left out of the round-trip comparison of configs.
-RUNTIME_FIELDS = {"use_cache", "output_router_logits"}
 
 
 def exportable_families() -> list[str]:
@@ -92,14 +90,7 @@ def export_config(family: Family, config: ThinkerConfig) -> dict[str, Any]:
             f"a Thinker folder cannot be written back as {family.name}; --to accepts {', '.join(exportable_families())}"
         )
     exported = family.export_config(config)
-    again = ThinkerConfig(**family.translate_config(exported)).to_dict()
-    original = config.to_dict()
-    fields = [name for name in ThinkerConfig.__annotations__ if name not in RUNTIME_FIELDS]
-    differ = [
-        f"{name} ({original.get(name)!r} -> {again.get(name)!r})"
-        for name in fields
-        if original.get(name) != again.get(name)
-    ]
+    differ = config_differences(config, ThinkerConfig(**family.translate_config(exported)))
     if differ:
         raise ThinkerError(
             f"this Thinker model is not expressible as {family.name}: the {family.name} config would change "

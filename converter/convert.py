@@ -18,6 +18,7 @@ from common.sources import open_source
 from common.staging import refuse_existing_output, refuse_output_over_source, staged_output
 from thinker import ThinkerConfig
 
+from .config_compare import config_differences
 from .engine import plan_conversion, write_weights
 from .families import detect_family
 from .hub import resolve_source
@@ -141,9 +142,30 @@ def verify(
             f"{source}: SOURCE is a Thinker folder, which has no reference to verify against; the order is "
             "`thinker verify SOURCE CONVERTED` (the checkpoint converted from, then the Thinker folder)"
         )
+    refuse_another_config(root, converted)
     mode, note = (BY_LAYER, "") if by_layer else parity_mode(folder_parameters(converted), memory_budget)
     failure = f"{converted} does not match its reference {source}"
     return parity_gate(root, converted, source_family(root), converted, failure, mode, note)
+
+
+def refuse_another_config(root: Path, converted: Path) -> None:
+    """CONVERTED's config.json must be the Thinker config its source translates to: a field the fixed parity
+    prompts cannot reach (max_position_embeddings, RoPE scaling past their length) is still the model's."""
+    tensor_source = open_source(root)
+    try:
+        expected = plan_conversion(tensor_source, tensor_source.config()).config
+    finally:
+        tensor_source.close()
+    try:
+        actual = ThinkerConfig.from_pretrained(converted)
+    except Exception as err:  # transformers raises many types for a config it cannot read; all are the file's
+        raise ThinkerError(f"{converted / 'config.json'}: not a Thinker config ({err})") from None
+    differ = config_differences(expected, actual)
+    if differ:
+        raise ThinkerError(
+            f"{converted / 'config.json'} is not the config its source translates to: {', '.join(differ[:6])}"
+            f"{' ...' if len(differ) > 6 else ''} (the source's value first); convert the source again"
+        )
 
 
 def folder_parameters(folder: Path) -> int:

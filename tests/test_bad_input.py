@@ -401,6 +401,12 @@ def test_verify_refuses_what_is_not_a_conversion(qwen3_source, qwen3_thinker, so
     edit_config(source, model_type="mamba", architectures=["MambaForCausalLM"])
     assert_error(thinker("verify", source, qwen3_source), "model_type 'mamba'", "not supported")
     assert_usage_error(thinker("verify", qwen3_source, tmp_path / "nowhere"), "does not exist")
+    edited = shutil.copytree(qwen3_thinker, tmp_path / "edited")
+    edit_config(edited, max_position_embeddings=100000)  # beyond the fixed prompts' reach, still another model
+    assert_error(
+        thinker("verify", qwen3_source, edited),
+        "config.json is not the config its source translates to: max_position_embeddings (64 -> 100000)",
+    )
     swapped = thinker("verify", qwen3_thinker, qwen3_source)
     assert_error(swapped, f"{qwen3_thinker}: SOURCE is a Thinker folder", "order is `thinker verify SOURCE CONVERTED`")
 

@@ -293,7 +293,7 @@ def test_generate_checks_the_context_of_an_onnx_folder_without_config(qwen3_onnx
     folder = shutil.copytree(qwen3_onnx, tmp_path / "onnx")
     (folder / "config.json").unlink()
     result = thinker("generate", folder, "-p", "the cat " * 30, "-n", "40")
-    assert_error(result, "--prompt is 60 tokens", "beyond the model's 64 positions", "context_length")
+    assert_error(result, "--prompt is 60 tokens", "needs 99 positions, beyond the model's 64", "context_length")
 
 
 def test_rope_tables_beyond_the_memory_available(qwen3_thinker, tmp_path, monkeypatch):
