@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from common.errors import ThinkerError
 from common.parity_inputs import RELATIVE_TOLERANCE, fixed_prompts, left_padded
@@ -43,6 +44,7 @@ from .output_dtype import resolve_dtype
 from .parity_report import BY_LAYER, HALF_TOP1_MIN, DtypeParity, LayerParity, ParityReport, refuse_unknown_model_type
 from .spec import Family
 from .streamed import StreamedModel, Unit, empty_model, lazy_tensors
+from .unreached import EMBEDDING_ROWS, embedding_probe, every_expert, experts_stage, stage
 
 EMBEDDINGS, HEAD = "embeddings", "final norm and head"
 # Where the Thinker's final norm and head sit (``ThinkerForCausalLM``), run on the reference's last hidden state.
@@ -131,12 +133,13 @@ def compare_by_layer(
     batches = [left_padded(prompts)] if padded else [left_padded([prompt]) for prompt in prompts]
     stages: dict[str, _Stage] = {}
     expected_logits, actual_logits, counts = [], [], None
-    for ids, mask, positions in batches:
+    probes = Probes(converted.model.config.hidden_size, converted.model.config.vocab_size)
+    for batch, (ids, mask, positions) in enumerate(batches):
         real = mask.bool()
-        trace = _Trace()
+        trace = _Trace(probes if batch == 0 else None)  # the unreached parts, once: they take no prompt
         with reference.streaming(trace.record_reference):
             expected = reference(ids, mask, positions)
-        replay = _Replay(trace)
+        replay = _Replay(trace, probes if batch == 0 else None)
         with converted.streaming(replay.observe):
             actual = converted(ids, mask, positions)
         if len(trace.inputs) != len(replay.inputs):
@@ -159,8 +162,9 @@ def compare_by_layer(
     layers = [stage.result(relative) for stage in stages.values()]
     max_diff = diff.max().item()
     top1_needed = 1.0 if dtype == torch.float32 else HALF_TOP1_MIN
-    passed = all(layer.passed for layer in layers) and max_diff <= tolerance and top1 >= top1_needed
-    failing = next((layer.name for layer in layers if not layer.passed), None)
+    unreached = probes.stages(dtype)
+    passed = all(layer.passed for layer in [*layers, *unreached]) and max_diff <= tolerance and top1 >= top1_needed
+    failing = next((layer.name for layer in [*layers, *unreached] if not layer.passed), None)
     if not passed and failing is None:
         failing = "the logits (every stage agrees on the reference's inputs; the differences add up across layers)"
     return DtypeParity(
@@ -176,6 +180,7 @@ def compare_by_layer(
         passed=passed,
         first_divergence=failing,
         layers=layers,
+        unreached=unreached,
     )
 
 
@@ -213,13 +218,42 @@ def with_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple,
 
 
 @dataclass
+class Probes:
+    """What the prompts cannot reach (converter/unreached.py), each side's figures taken while its unit is loaded:
+    the embedding table's probe and each decoder layer's experts, in the order the layers ran."""
+
+    hidden_size: int
+    vocab_size: int
+    embeddings: dict[str, torch.Tensor] = field(default_factory=dict)  # "reference" / "converted"
+    experts: dict[str, list[torch.Tensor | None]] = field(default_factory=lambda: {"reference": [], "converted": []})
+
+    def take(self, side: str, unit: Unit) -> None:
+        if unit.is_layer:
+            self.experts[side].append(every_expert(unit.module, self.hidden_size))
+        elif isinstance(unit.module, nn.Embedding) and unit.module.num_embeddings == self.vocab_size:
+            self.embeddings.setdefault(side, embedding_probe(unit.module))
+
+    def stages(self, dtype: torch.dtype) -> list[LayerParity]:
+        found = [stage(EMBEDDING_ROWS, self.embeddings.get("reference"), self.embeddings.get("converted"), dtype)]
+        ours, theirs = self.experts["converted"], self.experts["reference"]
+        for index, actual in enumerate(ours):
+            expected = theirs[index] if index < len(theirs) else None
+            if actual is not None or expected is not None:
+                found.append(stage(experts_stage(index), expected, actual, dtype))
+        return found
+
+
+@dataclass
 class _Trace:
     """The reference's hidden states entering and leaving each decoder layer, in the order the layers ran."""
 
+    probes: Probes | None = None
     inputs: list[torch.Tensor] = field(default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)
 
     def record_reference(self, unit: Unit, args: tuple, kwargs: dict, output: Any) -> None:
+        if self.probes is not None:
+            self.probes.take("reference", unit)
         if unit.is_layer:
             self.inputs.append(hidden_input(args, kwargs).detach().clone())
             self.outputs.append(hidden_output(output).detach().clone())
@@ -230,6 +264,7 @@ class _Replay:
     """The Thinker's own hidden states, and each of its stages run again on the reference's input to that stage."""
 
     trace: _Trace
+    probes: Probes | None = None
     inputs: list[torch.Tensor] = field(default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)
     forced: list[torch.Tensor] = field(default_factory=list)  # layer i on the reference's input to layer i
@@ -237,6 +272,8 @@ class _Replay:
     head: torch.Tensor | None = None  # final norm and head on the reference's last hidden state
 
     def observe(self, unit: Unit, args: tuple, kwargs: dict, output: Any) -> None:
+        if self.probes is not None:
+            self.probes.take("converted", unit)
         if unit.is_layer:
             index = len(self.inputs)
             self.inputs.append(hidden_input(args, kwargs).detach().clone())

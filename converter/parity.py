@@ -46,6 +46,7 @@ from .parity_report import (
     write_report,
 )
 from .spec import Family
+from .unreached import unreached_stages
 
 # The whole-model check runs when both models in float32 (8 bytes per parameter) fit in the memory budget: this
 # share of the memory currently available, unless the environment variable sets the budget.
@@ -168,10 +169,14 @@ def compare(reference: PreTrainedModel, converted: PreTrainedModel, prompts: lis
         greedy_token_agreement=token_agreement,
         passed=passed,
     )
+    result.unreached = unreached_stages(reference, converted, dtype)
+    unreached = next((stage.name for stage in result.unreached if not stage.passed), None)
     if not passed:
         result.first_divergence = first_divergence(
             expected.hidden_states, actual.hidden_states, real, dtype, converted.model.norm
         )
+    elif unreached is not None:  # the prompts' logits agree; a row or an expert they never reach does not
+        result.passed, result.first_divergence = False, unreached
     return result
 
 

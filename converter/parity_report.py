@@ -55,6 +55,9 @@ class DtypeParity:
     passed: bool
     first_divergence: str | None = None
     layers: list[LayerParity] = field(default_factory=list)  # layer by layer only
+    # what the prompts cannot reach, compared on inputs of its own: the embedding table, every expert
+    # (converter/unreached.py)
+    unreached: list[LayerParity] = field(default_factory=list)
 
 
 @dataclass
@@ -97,6 +100,15 @@ class ParityReport:
                     f"(tolerance {worst.tolerance:.2g})"
                 )
                 rows.append(f"{r.dtype}: {len(r.layers)} stages compared on the reference's inputs; {where}")
+        for r in self.results:
+            if r.unreached:
+                failing = [stage.name for stage in r.unreached if not stage.passed]
+                verdict = f"FAIL at {', '.join(failing[:3])}" if failing else "pass"
+                experts = len(r.unreached) - 1
+                rows.append(
+                    f"{r.dtype}: every embedding row{f' and the experts of {experts} layers' if experts else ''}, "
+                    f"beyond the prompts' reach, on inputs of their own: {verdict}"
+                )
         return "\n".join(rows)
 
 

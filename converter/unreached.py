@@ -1,0 +1,123 @@
+"""The parts of a model the parity prompts cannot reach, compared directly: every row of the token embedding and
+every routed expert.
+
+The fixed prompts hold 11 token ids, so they read 11 rows of the embedding; and a router sends them to a few of a
+layer's experts (13 of 32 in a tiny Qwen3-MoE with top-1 routing; of 128 experts at top-8, most are never run). A
+conversion that garbles a row or an expert nobody routes to would pass the logits. So both models' embeddings and
+experts also run on inputs of their own, from a fixed seed:
+
+- the embedding: the whole table times a fixed (hidden, PROBE_COLUMNS) matrix, which differs wherever any row does;
+- each MoE layer's experts: EXPERT_ROWS random hidden states sent to every expert in turn (weight 1, one expert a
+  token), through the experts module's own forward (transformers 5's ``experts(hidden, top_k_index,
+  top_k_weights)``, the Thinker's alike) or, for a list of expert modules, each expert called.
+
+Each is a stage like the layer-by-layer check's (``LayerParity``), held to the same relative tolerance. Both the
+whole-model check (``unreached_stages``) and the layer-by-layer one (each layer's experts while it is loaded:
+``every_expert``; the embedding when its unit loads: ``embedding_probe``) run them.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from common.parity_inputs import RELATIVE_TOLERANCE
+
+from .parity_report import LayerParity
+
+PROBE_COLUMNS = 8
+EXPERT_ROWS = 2
+PROBE_SEED = 0
+EMBEDDING_ROWS = "every embedding row"
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)$")
+
+
+def _random(rows: int, columns: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, columns, generator=generator).to(dtype)
+
+
+@torch.no_grad()
+def embedding_probe(embedding: nn.Embedding) -> torch.Tensor:
+    """The table times a fixed (hidden, PROBE_COLUMNS) matrix: (vocab, PROBE_COLUMNS), a row per token id."""
+    table = embedding.weight
+    return table @ _random(table.shape[1], PROBE_COLUMNS, table.dtype, PROBE_SEED)
+
+
+def experts_of(layer: nn.Module) -> nn.Module | None:
+    """A decoder layer's routed experts (``mlp.experts``), or None for a dense layer."""
+    experts = getattr(getattr(layer, "mlp", None), "experts", None)
+    return experts if isinstance(experts, nn.Module) else None
+
+
+@torch.no_grad()
+def every_expert(layer: nn.Module, hidden_size: int) -> torch.Tensor | None:
+    """Each routed expert of ``layer`` on the same EXPERT_ROWS fixed hidden states: (experts * EXPERT_ROWS, hidden),
+    expert after expert; None for a dense layer."""
+    experts = experts_of(layer)
+    if experts is None:
+        return None
+    dtype = next(experts.parameters()).dtype
+    hidden = _random(EXPERT_ROWS, hidden_size, dtype, PROBE_SEED + 1)
+    if isinstance(experts, nn.ModuleList):  # one module per expert
+        return torch.cat([expert(hidden) for expert in experts])
+    count = experts.num_experts
+    index = torch.arange(count).repeat_interleave(EXPERT_ROWS)[:, None]
+    return experts(hidden.repeat(count, 1), index, torch.ones(index.shape, dtype=dtype))
+
+
+def stage(name: str, expected: torch.Tensor | None, actual: torch.Tensor | None, dtype: torch.dtype) -> LayerParity:
+    """``expected`` against ``actual`` at ``RELATIVE_TOLERANCE[dtype]`` of the expected's scale; a missing or
+    differently shaped side fails."""
+    if expected is None or actual is None or expected.shape != actual.shape:
+        nan, inf = float("nan"), float("inf")
+        return LayerParity(name=name, max_abs_diff=inf, mean_abs_diff=nan, scale=nan, tolerance=nan, passed=False)
+    expected, actual = expected.float(), actual.float()
+    diff = (expected - actual).abs()
+    scale = expected.abs().max().item()
+    tolerance = RELATIVE_TOLERANCE[dtype] * max(1.0, scale)
+    return LayerParity(
+        name=name,
+        max_abs_diff=diff.max().item(),
+        mean_abs_diff=diff.mean().item(),
+        scale=scale,
+        tolerance=tolerance,
+        passed=diff.max().item() <= tolerance,
+    )
+
+
+def experts_stage(layer: int) -> str:
+    return f"layer {layer}: every expert"
+
+
+def decoder_layers(model: nn.Module) -> dict[int, nn.Module]:
+    """A model's decoder layers by index (``...layers.{i}``, whatever the prefix: ``model.``,
+    ``model.language_model.``)."""
+    found = {}
+    for name, module in model.named_modules():
+        match = _LAYER.search(name)
+        if match:
+            found.setdefault(int(match.group(1)), module)
+    return found
+
+
+def unreached_stages(reference: nn.Module, converted: nn.Module, dtype: torch.dtype) -> list[LayerParity]:
+    """Whole models, in the same dtype: the embedding table, then each MoE layer's experts."""
+    stages = [
+        stage(
+            EMBEDDING_ROWS,
+            embedding_probe(reference.get_input_embeddings()),
+            embedding_probe(converted.get_input_embeddings()),
+            dtype,
+        )
+    ]
+    hidden = converted.config.hidden_size
+    theirs, ours = decoder_layers(reference), decoder_layers(converted)
+    for index, layer in sorted(ours.items()):
+        actual = every_expert(layer, hidden)
+        expected = every_expert(theirs[index], hidden) if index in theirs else None
+        if actual is not None or expected is not None:
+            stages.append(stage(experts_stage(index), expected, actual, dtype))
+    return stages

@@ -1,0 +1,71 @@
+"""The parts of a model the parity prompts never reach (converter/unreached.py): an embedding row no prompt token
+reads, an expert no prompt token is routed to. A fault in either leaves the prompts' logits exact; the gate fails
+it by name, whole-model and layer by layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from convert_helpers import build_reference
+from safetensors.torch import load_file, save_file
+from transformers import Qwen2Config, Qwen3MoeConfig
+
+from common.parity_inputs import fixed_prompts
+from converter.parity import check_parity
+from converter.parity_report import BY_LAYER, WHOLE_MODEL
+from converter.unreached import EMBEDDING_ROWS, experts_stage
+
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2)
+# Many experts, one per token: the 11 prompt tokens reach a few of each layer's 16.
+MOE = Qwen3MoeConfig(
+    **TINY, num_hidden_layers=2, head_dim=8, moe_intermediate_size=8, num_experts=16, num_experts_per_tok=1
+)
+
+
+def changed(folder, name: str, change) -> None:
+    weights = load_file(folder / "model.safetensors")
+    change(weights[name])
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def unrouted_expert(source, layer: int) -> int:
+    """An expert of ``layer`` that no position of the parity prompts is routed to, by the reference itself."""
+    model = build_reference(MOE)
+    routed = set()
+    hook = model.model.layers[layer].mlp.gate.register_forward_hook(
+        lambda module, args, output: routed.update(output[2].flatten().tolist())
+    )
+    with torch.no_grad():
+        for prompt in fixed_prompts(MOE.vocab_size):
+            model(torch.tensor([prompt]))
+    hook.remove()
+    return next(expert for expert in range(MOE.num_experts) if expert not in routed)
+
+
+@pytest.mark.parametrize("mode", [WHOLE_MODEL, BY_LAYER])
+def test_an_embedding_row_no_prompt_reads(mode, save_reference, run_convert):
+    _, source = save_reference(Qwen2Config(**TINY, num_hidden_layers=2, tie_word_embeddings=False))
+    converted = run_convert(source, verify=False).output
+    unread = next(i for i in range(TINY["vocab_size"]) if i not in sum(fixed_prompts(TINY["vocab_size"]), []))
+    assert check_parity(source, converted, mode=mode).passed
+    changed(converted, "model.embed_tokens.weight", lambda table: table[unread].add_(0.5))
+
+    report = check_parity(source, converted, mode=mode)
+    fp32 = report.results[0]
+    assert fp32.max_abs_diff <= fp32.tolerance and fp32.top1_agreement == 1.0  # the prompts see nothing
+    assert not report.passed and fp32.first_divergence == EMBEDDING_ROWS, report.table()
+
+
+@pytest.mark.parametrize("mode", [WHOLE_MODEL, BY_LAYER])
+def test_an_expert_no_prompt_is_routed_to(mode, save_reference, run_convert):
+    _, source = save_reference(MOE)
+    converted = run_convert(source, verify=False).output
+    expert = unrouted_expert(source, layer=1)
+    assert check_parity(source, converted, mode=mode).passed
+    changed(converted, "model.layers.1.mlp.experts.down_proj", lambda stack: stack[expert].mul_(3))
+
+    report = check_parity(source, converted, mode=mode)
+    fp32 = report.results[0]
+    assert fp32.max_abs_diff <= fp32.tolerance and fp32.top1_agreement == 1.0  # the prompts see nothing
+    assert not report.passed and fp32.first_divergence == experts_stage(1), report.table()
+    assert [stage.passed for stage in fp32.unreached] == [True, True, False], fp32.unreached
