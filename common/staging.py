@@ -209,26 +209,42 @@ def work_folder(output: Path, needed: int | None = None) -> Iterator[Path]:
     removed at the end. ``needed``, the bytes the run will write, is checked against the free space first; a write
     that fails for lack of space, there or later, becomes a ``ThinkerError`` saying so."""
     output = output.absolute()
+    created = [folder for folder in [output.parent, *output.parent.parents] if not folder.exists()]  # deepest first
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_staging(output)
         staging = staging_path(output)
         staging.mkdir()
     except OSError as err:
+        _remove_empty(created)
         raise ThinkerError(
             f"{output.parent}: cannot create OUTPUT there ({err.strerror or err}); choose a folder you can write to"
         ) from None
     try:
-        if needed is not None and free_bytes(output.parent) < needed:
-            raise disk_full(output.parent, needed)
-        yield staging
-    except OSError as err:
-        if err.errno in DISK_FULL:
-            _remove(staging)  # first, so that the free space the message gives is what the user now has
-            raise disk_full(output.parent, needed) from None
+        try:
+            if needed is not None and free_bytes(output.parent) < needed:
+                raise disk_full(output.parent, needed)
+            yield staging
+        except OSError as err:
+            if err.errno in DISK_FULL:
+                _remove(staging)  # first, so that the free space the message gives is what the user now has
+                raise disk_full(output.parent, needed) from None
+            raise
+    except BaseException:
+        _remove(staging)
+        _remove_empty(created)  # a run that wrote nothing leaves no folders behind, not even OUTPUT's parents
         raise
     finally:
         _remove(staging)
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders this run created for OUTPUT's parent, deepest first, while they are empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 @contextmanager

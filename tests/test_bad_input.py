@@ -218,6 +218,16 @@ def test_output_where_no_folder_can_be(qwen3_source, tmp_path):
     assert_error(result, str(tmp_path / "a-file"), "cannot create OUTPUT there")
 
 
+@pytest.mark.parametrize("command", ["convert", "export"])
+def test_a_refused_run_leaves_no_parent_folders(command, qwen3_source, qwen3_thinker, tmp_path):
+    """OUTPUT's missing parents are made for the run; one that ends in an error takes them away again."""
+    folder = shutil.copytree(qwen3_source if command == "convert" else qwen3_thinker, tmp_path / "model")
+    edit_config(folder, intermediate_size=100)  # not the weights' shape: refused before a byte is written
+    result = thinker(command, folder, tmp_path / "new" / "nested" / "out", "--no-verify")
+    assert_error(result, "does not describe these weights")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["model"]
+
+
 def test_disk_full_while_writing_weights(qwen3_source, tmp_path, monkeypatch):
     def no_space(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
