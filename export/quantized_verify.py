@@ -337,7 +337,9 @@ def worst_row_rounding(quantized: QuantizedWeight, reference: torch.Tensor) -> t
         if block is None:
             continue
         rounding = nearest_rounding_error(reference[start:stop], bits, block, quantized.asymmetric)
-        ratios = (weight[start:stop] - reference[start:stop]).norm(dim=-1) / rounding.clamp_min(1e-30)
+        # A row already on the grid rounds to itself; a float16 graph still rounds its scales (2^-11 relative)
+        floor = (2.0**-10 * reference[start:stop].norm(dim=-1)).clamp_min(1e-30)
+        ratios = (weight[start:stop] - reference[start:stop]).norm(dim=-1) / torch.maximum(rounding, floor)
         row = int(ratios.argmax())
         if worst is None or ratios[row] > worst[0]:
             worst = (float(ratios[row]), start + row, bits, block)
