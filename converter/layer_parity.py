@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from common.errors import ThinkerError
 from common.parity_inputs import RELATIVE_TOLERANCE, fixed_prompts, left_padded
@@ -44,7 +43,7 @@ from .output_dtype import resolve_dtype
 from .parity_report import BY_LAYER, HALF_TOP1_MIN, DtypeParity, LayerParity, ParityReport, refuse_unknown_model_type
 from .spec import Family
 from .streamed import StreamedModel, Unit, empty_model, lazy_tensors
-from .unreached import EMBEDDING_ROWS, embedding_probe, every_expert, experts_stage, stage
+from .unreached import Probes
 
 EMBEDDINGS, HEAD = "embeddings", "final norm and head"
 # Where the Thinker's final norm and head sit (``ThinkerForCausalLM``), run on the reference's last hidden state.
@@ -218,32 +217,6 @@ def with_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple,
 
 
 @dataclass
-class Probes:
-    """What the prompts cannot reach (converter/unreached.py), each side's figures taken while its unit is loaded:
-    the embedding table's probe and each decoder layer's experts, in the order the layers ran."""
-
-    hidden_size: int
-    vocab_size: int
-    embeddings: dict[str, torch.Tensor] = field(default_factory=dict)  # "reference" / "converted"
-    experts: dict[str, list[torch.Tensor | None]] = field(default_factory=lambda: {"reference": [], "converted": []})
-
-    def take(self, side: str, unit: Unit) -> None:
-        if unit.is_layer:
-            self.experts[side].append(every_expert(unit.module, self.hidden_size))
-        elif isinstance(unit.module, nn.Embedding) and unit.module.num_embeddings == self.vocab_size:
-            self.embeddings.setdefault(side, embedding_probe(unit.module))
-
-    def stages(self, dtype: torch.dtype) -> list[LayerParity]:
-        found = [stage(EMBEDDING_ROWS, self.embeddings.get("reference"), self.embeddings.get("converted"), dtype)]
-        ours, theirs = self.experts["converted"], self.experts["reference"]
-        for index, actual in enumerate(ours):
-            expected = theirs[index] if index < len(theirs) else None
-            if actual is not None or expected is not None:
-                found.append(stage(experts_stage(index), expected, actual, dtype))
-        return found
-
-
-@dataclass
 class _Trace:
     """The reference's hidden states entering and leaving each decoder layer, in the order the layers ran."""
 
@@ -253,7 +226,7 @@ class _Trace:
 
     def record_reference(self, unit: Unit, args: tuple, kwargs: dict, output: Any) -> None:
         if self.probes is not None:
-            self.probes.take("reference", unit)
+            self.probes.take("reference", unit.module, unit.is_layer)
         if unit.is_layer:
             self.inputs.append(hidden_input(args, kwargs).detach().clone())
             self.outputs.append(hidden_output(output).detach().clone())
@@ -273,7 +246,7 @@ class _Replay:
 
     def observe(self, unit: Unit, args: tuple, kwargs: dict, output: Any) -> None:
         if self.probes is not None:
-            self.probes.take("converted", unit)
+            self.probes.take("converted", unit.module, unit.is_layer)
         if unit.is_layer:
             index = len(self.inputs)
             self.inputs.append(hidden_input(args, kwargs).detach().clone())

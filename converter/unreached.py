@@ -11,14 +11,15 @@ experts also run on inputs of their own, from a fixed seed:
   token), through the experts module's own forward (transformers 5's ``experts(hidden, top_k_index,
   top_k_weights)``, the Thinker's alike) or, for a list of expert modules, each expert called.
 
-Each is a stage like the layer-by-layer check's (``LayerParity``), held to the same relative tolerance. Both the
-whole-model check (``unreached_stages``) and the layer-by-layer one (each layer's experts while it is loaded:
-``every_expert``; the embedding when its unit loads: ``embedding_probe``) run them.
+Each is a stage like the layer-by-layer check's (``LayerParity``), held to the same relative tolerance. ``Probes``
+collects both sides' figures and compares them: from whole models (``unreached_stages``), or unit by unit as the
+layer-by-layer check loads them.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -103,21 +104,39 @@ def decoder_layers(model: nn.Module) -> dict[int, nn.Module]:
     return found
 
 
+@dataclass
+class Probes:
+    """Each side's figures ("reference", "converted"): the embedding table's probe, and each decoder layer's experts
+    in the order of the layers (None for a dense one). Taken as the modules come: all at once from whole models
+    (``unreached_stages``), or while each unit is loaded (converter/layer_parity.py)."""
+
+    hidden_size: int
+    vocab_size: int
+    embeddings: dict[str, torch.Tensor] = field(default_factory=dict)
+    experts: dict[str, list[torch.Tensor | None]] = field(default_factory=lambda: {"reference": [], "converted": []})
+
+    def take(self, side: str, module: nn.Module, is_layer: bool) -> None:
+        if is_layer:
+            self.experts[side].append(every_expert(module, self.hidden_size))
+        elif isinstance(module, nn.Embedding) and module.num_embeddings == self.vocab_size:
+            self.embeddings.setdefault(side, embedding_probe(module))
+
+    def stages(self, dtype: torch.dtype) -> list[LayerParity]:
+        """The embedding table, then each MoE layer's experts (a layer dense on both sides has none)."""
+        found = [stage(EMBEDDING_ROWS, self.embeddings.get("reference"), self.embeddings.get("converted"), dtype)]
+        theirs = self.experts["reference"]
+        for index, actual in enumerate(self.experts["converted"]):
+            expected = theirs[index] if index < len(theirs) else None
+            if actual is not None or expected is not None:
+                found.append(stage(experts_stage(index), expected, actual, dtype))
+        return found
+
+
 def unreached_stages(reference: nn.Module, converted: nn.Module, dtype: torch.dtype) -> list[LayerParity]:
-    """Whole models, in the same dtype: the embedding table, then each MoE layer's experts."""
-    stages = [
-        stage(
-            EMBEDDING_ROWS,
-            embedding_probe(reference.get_input_embeddings()),
-            embedding_probe(converted.get_input_embeddings()),
-            dtype,
-        )
-    ]
-    hidden = converted.config.hidden_size
-    theirs, ours = decoder_layers(reference), decoder_layers(converted)
-    for index, layer in sorted(ours.items()):
-        actual = every_expert(layer, hidden)
-        expected = every_expert(theirs[index], hidden) if index in theirs else None
-        if actual is not None or expected is not None:
-            stages.append(stage(experts_stage(index), expected, actual, dtype))
-    return stages
+    """Whole models, in the same dtype: ``Probes.stages``."""
+    probes = Probes(converted.config.hidden_size, converted.config.vocab_size)
+    for side, model in (("reference", reference), ("converted", converted)):
+        probes.take(side, model.get_input_embeddings(), is_layer=False)
+        for _, layer in sorted(decoder_layers(model).items()):
+            probes.take(side, layer, is_layer=True)
+    return probes.stages(dtype)
