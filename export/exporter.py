@@ -162,9 +162,8 @@ def export_model(
         check_paths(model_dir)
         config = load_config(model_dir)
         check_thinker_folder(model_dir, config, graph_dtype, verify)  # the structure, before a byte is written
-        if quantize:  # known only now: whether a mixed head's int8 rows are the whole vocabulary
-            quantize = quantize.for_vocab(config.vocab_size)
-            quantizer.spec = quantize
+        if quantize:  # known only now: whether a mixed head's int8 rows are the whole vocabulary (the quantizer
+            quantize = quantize.for_vocab(config.vocab_size)  # writes such a head whole either way: head_rows)
         plan = verify_plan(model_dir, graph_dtype, quantize is not None) if verify else None  # and the memory
         positions = position_form(config, positions)
         final = staging / "onnx"
