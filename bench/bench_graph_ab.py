@@ -270,13 +270,11 @@ def summary(reps: list[dict], folders: list[str]) -> list[dict]:
     return rows
 
 
-def report(tag: str) -> None:
-    """The table of a results file again, its summary recomputed from its repetitions (and written back)."""
-    path = RESULTS / f"graph_ab_{tag}.json"
-    result = json.loads(path.read_text())
-    result["rows"] = summary(result["reps"], result["settings"]["folders"])
-    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(report_table(result["rows"]))
+def report(tag: str, results: Path = RESULTS) -> None:
+    """The table of a results file again, its summary recomputed from its repetitions. Read only: files written
+    before a summary column existed print it too, and stay as their run wrote them."""
+    result = json.loads((results / f"graph_ab_{tag}.json").read_text())
+    print(report_table(summary(result["reps"], result["settings"]["folders"])))
 
 
 def cycle_ratios(reps: list[dict], first: str, folder: str, size: int) -> list[float]:

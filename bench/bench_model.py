@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,9 +32,11 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
-from thinker import ThinkerConfig, ThinkerForCausalLM
-from thinker.modeling_thinker import CACHE_ARG
-from thinker.presets import load_preset
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages, when run as a script
+
+from thinker import ThinkerConfig, ThinkerForCausalLM  # noqa: E402
+from thinker.modeling_thinker import CACHE_ARG  # noqa: E402
+from thinker.presets import load_preset  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -20,6 +20,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,11 +29,13 @@ import numpy as np
 import onnxruntime
 import torch
 
-from export.exporter import export_model
-from export.names import DEFAULT_GRAPH, GRAPHS
-from export.runtime import OnnxDecoder, physical_cores
-from thinker import ThinkerForCausalLM
-from thinker.presets import load_preset
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages, when run as a script
+
+from export.exporter import export_model  # noqa: E402
+from export.names import DEFAULT_GRAPH, GRAPHS  # noqa: E402
+from export.runtime import OnnxDecoder, physical_cores  # noqa: E402
+from thinker import ThinkerForCausalLM  # noqa: E402
+from thinker.presets import load_preset  # noqa: E402
 
 
 def median_time(fn, reps: int) -> float:

@@ -4,13 +4,15 @@ Each probe is a decoder-shaped ONNX graph (input_ids, attention_mask, position_i
 recurrent state for layer 0) whose logits are a one-hot of one quantity it was fed, so that greedy generation
 prints that quantity step by step: a position stream, a mask slot, the mask's sum, the past length, or the carried
 states (each step adds 1 to both). onnxruntime-genai runs in its own environment (bench/peer_envs.py). The
-figures in docs/hybrid-export.md come from this script.
+figures in docs/hybrid-export.md come from this script, which prints them and writes them to
+bench/results/probe_genai_state.json.
 
     python bench/probe_genai_state.py
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -218,7 +220,13 @@ RIGHT_PADDED_CASES = [
 ]
 
 
+RESULTS = Path(__file__).with_name("results") / "probe_genai_state.json"
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="the JSON file the figures are written to")
+    args = parser.parse_args()
     python = python_of("genai")
     versions = package_versions("genai")
     print(f"onnxruntime-genai {versions.get('onnxruntime-genai')}, onnxruntime {versions.get('onnxruntime')}")
@@ -234,6 +242,11 @@ def main() -> None:
         raise SystemExit(f"the onnxruntime-genai worker failed:\n{done.stderr[-2000:]}")
     for (label, _, _), result in zip(CASES + RIGHT_PADDED_CASES, results, strict=True):
         print(f"{label:<58} {result if isinstance(result, str) else '  '.join(map(str, result))}")
+    labels = [label for label, _, _ in CASES + RIGHT_PADDED_CASES]
+    record = {"command": " ".join(sys.argv), "versions": versions, "probes": dict(zip(labels, results, strict=True))}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"written to {args.out}")
 
 
 if __name__ == "__main__":

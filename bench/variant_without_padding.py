@@ -19,11 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import onnx
 
-from export.genai_graph import ATTENTION_BIAS, POSITION_IDS, prune_dead_nodes
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages, when run as a script
+
+from export.genai_graph import ATTENTION_BIAS, POSITION_IDS, prune_dead_nodes  # noqa: E402
 
 
 def strip(model: onnx.ModelProto, positions: bool) -> int:

@@ -79,6 +79,22 @@ def test_a_rotation_cycle_cancels_the_load_order():
     assert rows[1]["speed_vs_first_by_cycle"][0] == pytest.approx(true, abs=1e-4)
 
 
+def test_graph_ab_report_prints_without_writing(tmp_path, capsys):
+    """``bench_graph_ab.py --report`` recomputes its table from the repetitions and leaves the results file as
+    its run wrote it (a file from before the by-cycle column gains nothing on disk)."""
+    import json
+
+    import bench_graph_ab
+
+    reps = [{"step_s": {"A": 0.030, "B": 0.031}}, {"step_s": {"A": 0.029, "B": 0.030}}]
+    path = tmp_path / "graph_ab_old.json"
+    path.write_text(json.dumps({"settings": {"folders": ["A", "B"]}, "reps": reps}))
+    before = path.read_bytes()
+    bench_graph_ab.report("old", results=tmp_path)
+    assert path.read_bytes() == before
+    assert "B" in capsys.readouterr().out
+
+
 def test_bench_hybrid_keeps_the_models_a_run_did_not_measure(tmp_path):
     """``bench_hybrid.py --models moe`` replaces the MoE's entry of its results file and keeps the dense model's,
     which carries the settings of the run that measured it (older files hold them at the top level only)."""
