@@ -50,7 +50,7 @@ from .hybrid_attention_graph import (
     zero_centered_scale,
 )
 from .linear_attention_graph import GatedDeltaNetDims, GatedDeltaNetGraph, PaddingMasks, emit_padding_masks
-from .names import LAST_POSITION_SCOPE
+from .names import LAST_POSITION_SCOPE, ROPE_TABLE
 from .weights import ThinkerWeights
 
 if TYPE_CHECKING:
@@ -302,7 +302,7 @@ class DecoderGraph:
         """cos/sin rows for ``position_ids``, (B, 1, T, rotary_dim), gathered from ``rope_tables`` stored as
         weights; with multimodal RoPE each frequency keeps its own position stream of the (3, B, T) positions."""
         cos, sin = rope_tables(self.config, self.dtype)
-        cos_table = self.b.weight("rotary_emb.cos_cache", cos)
+        cos_table = self.b.weight(ROPE_TABLE, cos)
         sin_table = self.b.weight("rotary_emb.sin_cache", sin)
         selector = None
         if self.mrope_section:

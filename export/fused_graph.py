@@ -61,6 +61,7 @@ from onnx import TensorProto
 from .decoder_graph import MS_DOMAIN, DecoderGraph, StepContext, rope_tables, rotary_dim
 from .hybrid_attention_graph import emit_mrotary_embedding, emit_output_gate, emit_query_and_gate, zero_centered_scale
 from .linear_attention_graph import FusedGatedDeltaNetGraph
+from .names import ROPE_TABLE
 
 
 @dataclass
@@ -152,7 +153,7 @@ class FusedDecoderGraph(DecoderGraph):
         """cos/sin over the whole context, (max_pos, rotary_dim / 2): the model's own tables (``rope_tables``), as
         GroupQueryAttention, RotaryEmbedding and MRotaryEmbedding take them."""
         cos, sin = rope_tables(self.config, self.dtype)
-        return self.b.weight("rotary_emb.cos_cache", cos), self.b.weight("rotary_emb.sin_cache", sin)
+        return self.b.weight(ROPE_TABLE, cos), self.b.weight("rotary_emb.sin_cache", sin)
 
     # --- norms ------------------------------------------------------------------------------------------------
     def emit_norm(self, x: str, prefix: str) -> str:

@@ -11,6 +11,8 @@ GENAI_MODEL_FILE = "model.genai.onnx"
 # Its metadata entry saying so ("right"), which OnnxDecoder reads to refuse a left-padded batch.
 PADDING_KEY = "thinker.padding"
 REPORT_FILE = "export_report.json"
+# The RoPE cos table both graphs store, one row per position: an export's context where no config says it.
+ROPE_TABLE = "rotary_emb.cos_cache"
 GENAI_CONFIG_FILE = "genai_config.json"
 
 # --graph: "plain", standard ONNX operators only; "fused", onnxruntime's contrib operators (export/fused_graph.py).

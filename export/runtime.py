@@ -43,7 +43,7 @@ from common.errors import ThinkerError
 from common.side_files import read_json
 
 from .graph_walk import all_nodes
-from .names import GENAI_CONFIG_FILE, GENAI_MODEL_FILE, LAST_POSITION_SCOPE, MODEL_FILE, PADDING_KEY
+from .names import GENAI_CONFIG_FILE, GENAI_MODEL_FILE, LAST_POSITION_SCOPE, MODEL_FILE, PADDING_KEY, ROPE_TABLE
 
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
@@ -71,8 +71,8 @@ def physical_cores() -> int:
 
 def folder_context(folder: Path) -> tuple[int | None, str]:
     """The positions a model folder's RoPE tables hold, and the key that says so: config.json's
-    max_position_embeddings, else genai_config.json's context_length (an ONNX folder without config.json); None
-    where neither gives a whole number above 0."""
+    max_position_embeddings, else genai_config.json's context_length (an ONNX folder without config.json), else
+    the rows of model.onnx's own tables (a folder with neither file); None where none gives a whole number above 0."""
     config = read_json(folder / "config.json")
     key = "max_position_embeddings"
     context = config.get(key) if isinstance(config, dict) else None
@@ -81,8 +81,21 @@ def folder_context(folder: Path) -> tuple[int | None, str]:
         model = genai.get("model") if isinstance(genai, dict) else None
         context = model.get("context_length") if isinstance(model, dict) else None
         key = f"context_length in {GENAI_CONFIG_FILE}"
+    if context is None and (folder / MODEL_FILE).is_file():
+        context, key = graph_context(folder / MODEL_FILE), f"the RoPE table rows of {MODEL_FILE}"
     valid = isinstance(context, int) and not isinstance(context, bool) and context > 0
     return (context if valid else None), key
+
+
+def graph_context(model_path: Path) -> int | None:
+    """The rows of an export's RoPE table (both graphs store ``rotary_emb.cos_cache``, one row per position), read
+    from the graph alone: its weights stay on disk."""
+    try:
+        graph = onnx.load(str(model_path), load_external_data=False).graph
+    except Exception:  # a damaged file: whoever loads it says so
+        return None
+    table = next((t for t in graph.initializer if t.name == ROPE_TABLE), None)
+    return int(table.dims[0]) if table is not None and table.dims else None
 
 
 def session_options(threads: int | None = None) -> ort.SessionOptions:
@@ -282,8 +295,10 @@ class OnnxDecoder:
             raise ThinkerError(f"{self.model_path}: no such ONNX model; export one with `thinker export`")
         if provider not in ("auto", "cuda", "cpu"):
             raise ThinkerError(f"provider={provider!r}; expected auto, cuda or cpu")
+        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+            raise ThinkerError(f"threads={threads!r}; expected a whole number of threads, 1 or more (None: every core)")
         if provider == "cuda" and not cuda_usable():
-            raise ThinkerError(f"--provider cuda: CUDA asked for where none is ({cuda_absence()}); use --provider cpu")
+            raise ThinkerError(f"provider cuda: CUDA asked for where none is ({cuda_absence()}); use the CPU provider")
         model = check_external_data(self.model_path)
         graph = model.graph
         # --logits last: the logits output's position axis is a static 1 (each row's last kept position)
@@ -448,13 +463,21 @@ class OnnxDecoder:
                 "past + seq)"
             )
 
-    def _check_prompt_mask(self, mask: np.ndarray) -> None:
-        """A prompt's mask, as given (a decode step's is the prompt's with a column of ones appended)."""
+    def _checked_prompt(self, input_ids, attention_mask) -> tuple[np.ndarray, np.ndarray]:
+        """A prompt's ids and mask, as given (a decode step's mask is the prompt's with a column of ones appended)."""
+        input_ids = self._checked_ids(input_ids)
+        mask = np.asarray(attention_mask)
+        if mask.shape != input_ids.shape:
+            raise ThinkerError(
+                f"attention_mask of shape {mask.shape} for input_ids of shape {input_ids.shape}; a prompt's "
+                "mask has the shape of its ids"
+            )
         if not ((mask == 0) | (mask == 1)).all():
             raise ThinkerError("attention_mask holds values other than 0 and 1 (1 keeps a token, 0 masks a pad)")
         empty = np.flatnonzero(~mask.any(axis=1))
         if empty.size:
             raise ThinkerError(f"row {int(empty[0])} of attention_mask keeps no token; every row needs one at least")
+        return input_ids.astype(np.int64), mask.astype(np.int64)
 
     def _check_positions(self, positions: np.ndarray, batch: int, steps: int) -> None:
         if positions.shape[-2:] != (batch, steps):
@@ -542,15 +565,7 @@ class OnnxDecoder:
         """The prompt (left-padded when rows differ in length) through an empty cache. Logits (B, T, V), or (B, 1, V)
         from a ``--logits last`` graph: each row's last kept position. ``new_tokens``: how many tokens will follow,
         which a shared KV buffer is sized for up front."""
-        input_ids = self._checked_ids(input_ids)
-        attention_mask = np.asarray(attention_mask)
-        if attention_mask.shape != input_ids.shape:
-            raise ThinkerError(
-                f"attention_mask of shape {attention_mask.shape} for input_ids of shape {input_ids.shape}; a prompt's "
-                "mask has the shape of its ids"
-            )
-        self._check_prompt_mask(attention_mask)
-        attention_mask = attention_mask.astype(np.int64)
+        input_ids, attention_mask = self._checked_prompt(input_ids, attention_mask)
         if self.right_padding_only and (np.diff(attention_mask, axis=1) > 0).any():
             raise ThinkerError(
                 f"{self.model_path}: onnxruntime-genai's graph takes right-padded batches only, and a row of this "
@@ -588,15 +603,26 @@ class OnnxDecoder:
         transformers' ``generate`` does) and the loop stops when every row has. ``streamer``: one of transformers'
         streamers (``TextStreamer``, ``TextIteratorStreamer``), fed as its ``generate`` feeds it: ``put`` the prompt,
         then each step's new tokens as they come, then ``end``."""
-        input_ids = np.asarray(input_ids, dtype=np.int64)
         if attention_mask is None:
-            attention_mask = np.ones_like(input_ids)
+            attention_mask = np.ones(np.shape(input_ids), np.int64)
+        input_ids, attention_mask = self._checked_prompt(input_ids, attention_mask)
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+            raise ThinkerError(f"max_new_tokens={max_new_tokens!r}; expected a whole number, 0 or more")
+        # Refused before the first token rather than at the step that runs out (a streamer would have printed the
+        # rest): the last new token is never fed back, so it takes no position.
+        longest = int(attention_mask.sum(axis=1).max())
+        if self.context_length is not None and longest + max_new_tokens - 1 > self.context_length:
+            raise ThinkerError(
+                f"a prompt of {longest} tokens and {max_new_tokens} new ones need {longest + max_new_tokens - 1} "
+                f"positions, past this model's context of {self.context_length}; shorten the prompt or lower "
+                "max_new_tokens"
+            )
         eos = set(np.atleast_1d(eos_token_id).tolist()) if eos_token_id is not None else set()
         pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
         if streamer is not None:
             streamer.put(input_ids)
         logits, state = self.prefill(input_ids, attention_mask, new_tokens=max_new_tokens)
-        next_logits = logits[:, -1]  # left padding: the last column is every row's last real token
+        next_logits = last_kept_logits(logits, state.attention_mask)
         done = np.zeros(input_ids.shape[0], dtype=bool)
         new_tokens = []
         for step in range(max_new_tokens):
@@ -659,6 +685,16 @@ def all_positions_model(model: onnx.ModelProto) -> onnx.ModelProto:
     positions.Clear()
     positions.dim_param = "sequence_length"
     return full
+
+
+def last_kept_logits(logits: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+    """(B, V): each row's logits at its last kept position, the column its next token follows: the last column of a
+    left-padded row, the last before its pads of a right-padded one. A ``--logits last`` graph gives that one
+    position already."""
+    if logits.shape[1] == 1:
+        return logits[:, 0]
+    last = attention_mask.shape[1] - 1 - np.argmax(attention_mask[:, ::-1], axis=1)
+    return logits[np.arange(len(logits)), last]
 
 
 def position_ids_from_mask(attention_mask: np.ndarray) -> np.ndarray:

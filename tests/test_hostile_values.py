@@ -296,6 +296,16 @@ def test_generate_checks_the_context_of_an_onnx_folder_without_config(qwen3_onnx
     assert_error(result, "--prompt is 60 tokens", "needs 99 positions, beyond the model's 64", "context_length")
 
 
+def test_generate_checks_the_context_of_an_onnx_folder_without_either_config(qwen3_onnx, tmp_path):
+    """Neither config.json nor genai_config.json: the context is the rows of the graph's own RoPE table (was
+    onnxruntime's GroupQueryAttention error, with a traceback)."""
+    folder = shutil.copytree(qwen3_onnx, tmp_path / "onnx")
+    (folder / "config.json").unlink()
+    (folder / "genai_config.json").unlink()
+    result = thinker("generate", folder, "-p", "the cat " * 30, "-n", "40")
+    assert_error(result, "--prompt is 60 tokens", "needs 99 positions, beyond the model's 64", "RoPE table rows")
+
+
 def test_rope_tables_beyond_the_memory_available(qwen3_thinker, tmp_path, monkeypatch):
     """The tables hold a row per position; a context whose tables would not fit in memory is refused by key."""
     import collections

@@ -38,6 +38,23 @@ def test_generate_equals_transformers_greedy(family, thinker_folder, onnx_folder
     np.testing.assert_array_equal(tokens, expected)
 
 
+@pytest.mark.parametrize(("family", "graph"), [("qwen3", "plain"), ("qwen3", "fused"), ("qwen3_5", "fused")])
+def test_generate_gives_each_row_its_own_tokens_however_padded(family, graph, onnx_folder, onnx_variant):
+    """``model.onnx`` takes any padding, so a batch padded on either side continues each row as that row alone:
+    a right-padded row's first new token comes from its last real token's logits, not from its pads'."""
+    folder = onnx_folder(family) if graph == "plain" else onnx_variant(family, head_dim=None)
+    decoder = OnnxDecoder(folder, provider="cpu")
+    rows = [[5, 6, 40, 41], [7, 8, 9, 10, 11, 12, 13]]
+    alone = [decoder.generate(np.array([row]), max_new_tokens=6)[0, len(row) :].tolist() for row in rows]
+    width = max(map(len, rows))
+    for side in ("left", "right"):
+        pads = [[0] * (width - len(row)) for row in rows]
+        ids = np.array([pad + row if side == "left" else row + pad for row, pad in zip(rows, pads, strict=True)])
+        mask = (np.arange(width) < np.array([[len(row)] for row in rows])).astype(np.int64)
+        mask = mask[:, ::-1] if side == "left" else mask
+        assert decoder.generate(ids, mask, max_new_tokens=6)[:, width:].tolist() == alone, side
+
+
 def test_generate_stops_rows_at_eos(onnx_folder):
     decoder = OnnxDecoder(onnx_folder("qwen2"), provider="cpu")
     prompt = np.array([[5, 9, 17]], dtype=np.int64)
@@ -188,5 +205,18 @@ def test_bad_inputs_are_refused_by_name(onnx_folder):
             decoder.prefill(ids, mask)
     with pytest.raises(ThinkerError, match="one token per row"):
         decoder.decode_one_token(np.array([1, 2]), state)
+    # generate: the same checks before any token (floats were truncated to ids), and its own arguments
+    with pytest.raises(ThinkerError, match="token ids are integers"):
+        decoder.generate([[5.7, 6.2]], max_new_tokens=2)
+    with pytest.raises(ThinkerError, match=re.escape("max_new_tokens=-3; expected a whole number, 0 or more")):
+        decoder.generate([[5, 6]], max_new_tokens=-3)
+    streamed = []
+    streamer = type("Streamer", (), {"put": lambda self, value: streamed.append(value), "end": lambda self: None})()
+    with pytest.raises(ThinkerError, match=f"need {context + 1} positions, past this model's context of {context}"):
+        decoder.generate(np.full((1, context - 8), 3), max_new_tokens=10, streamer=streamer)
+    assert streamed == []  # refused before the prompt was streamed or a token chosen
+    for threads in (2.5, 0, True):
+        with pytest.raises(ThinkerError, match=re.escape(f"threads={threads!r}; expected a whole number")):
+            OnnxDecoder(onnx_folder("qwen3"), provider="cpu", threads=threads)
     with pytest.raises(ThinkerError, match=r"position_ids of shape \(1, 2\) for input_ids of shape \(1, 1\)"):
         decoder.forward(np.array([[1]]), np.array([[3, 4]]), state)
