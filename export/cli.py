@@ -405,7 +405,9 @@ def generate_command(
     """Greedy continuation of --prompt with the model in FOLDER, using the tokenizer in FOLDER.
 
     FOLDER is an ONNX folder from `thinker export` (run by onnxruntime) or a Thinker folder (run by transformers).
-    The continuation goes to stdout as it is generated, the speed to stderr.
+    The continuation goes to stdout as it is generated, the speed to stderr. Plain greedy on both, so the two
+    compare: generation_config.json's sampling and penalties (repetition_penalty ...) are not applied; it stops at
+    its eos ids.
     """
     if not folder.is_dir():
         raise ThinkerError(f"{folder}: no such folder")
@@ -634,16 +636,24 @@ def _load_transformers(folder: Path, threads: int | None, provider: str = "auto"
 
 def _generate_transformers(model, prompt_ids, max_new_tokens: int, eos, pad, streamer=None):
     import torch
+    from transformers import GenerationConfig
 
     prompt = torch.from_numpy(prompt_ids).to(model.device)
-    with torch.no_grad():
-        out = model.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=pad if pad is not None else (eos[0] if eos else None),
-            streamer=streamer,
-        )
+    # Plain greedy, as onnxruntime's path decodes: generate() fills what it is not given from the folder's
+    # generation_config.json, whose repetition_penalty, no_repeat_ngram_size, suppress_tokens and the like would
+    # change the Thinker's tokens alone. An empty config leaves it nothing to fill from.
+    greedy = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=pad if pad is not None else (eos[0] if eos else None),
+    )
+    saved, model.generation_config = model.generation_config, GenerationConfig()
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                prompt, attention_mask=torch.ones_like(prompt), generation_config=greedy, streamer=streamer
+            )
+    finally:
+        model.generation_config = saved
     return out.cpu().numpy()

@@ -45,6 +45,34 @@ def test_export_then_generate(runner, thinker_folder, tmp_path):
     assert "onnxruntime (cpu, model.onnx)" in onnx_run.stderr and "transformers" in torch_run.stderr
 
 
+def test_generate_is_plain_greedy_on_both_paths(runner, thinker_folder, onnx_folder, tmp_path):
+    """generation_config.json's processors (Qwen2.5-Instruct ships repetition_penalty 1.05) are not applied by
+    transformers' side alone: a Thinker folder and its export continue a prompt alike."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from thinker import ThinkerForCausalLM
+
+    folder = shutil.copytree(thinker_folder("qwen3"), tmp_path / "thinker")
+    config = json.loads((folder / "generation_config.json").read_text())
+    config.update(repetition_penalty=5.0, no_repeat_ngram_size=1)
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    text = "the cat sat on the mat"
+    prompt = ["--prompt", text, "--max-new-tokens", "8"]
+    torch_run = runner.invoke(main, ["generate", str(folder), *prompt])
+    onnx_run = runner.invoke(main, ["generate", str(onnx_folder("qwen3")), *prompt])
+    assert torch_run.exit_code == 0 and onnx_run.exit_code == 0, torch_run.output + onnx_run.output
+    assert torch_run.stdout.strip() and torch_run.stdout == onnx_run.stdout
+    # ... where the folder's own settings would have changed the Thinker's tokens
+    ids = AutoTokenizer.from_pretrained(folder)(text, return_tensors="pt").input_ids
+    model = ThinkerForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        processed = model.generate(ids, max_new_tokens=8, do_sample=False)
+        plain = model.generate(ids, max_new_tokens=8, do_sample=False, repetition_penalty=1.0, no_repeat_ngram_size=0)
+    assert processed.tolist() != plain.tolist()
+
+
 def test_export_logits_last_then_generate(runner, thinker_folder, tmp_path):
     """--logits last from the command line: the report and the graph say so, --verify passes, and `thinker generate`
     on it writes what transformers writes."""
