@@ -34,7 +34,7 @@ from thinker.configuration_thinker import ThinkerConfig
 from .contrib_schemas import register_onnxruntime_schemas
 from .decoder_graph import IR_VERSION, OPSET, DecoderGraph, make_model, not_exported, position_form
 from .folder_check import check_thinker_folder
-from .genai_config import logits_note, make_genai_config, no_eos_note
+from .genai_config import logits_note, make_genai_config, no_eos_note, search_options
 from .genai_graph import write_genai_graph
 from .graph_builder import GraphBuilder, WeightFile
 from .graph_walk import all_nodes
@@ -162,6 +162,8 @@ def export_model(
         check_paths(model_dir)
         config = load_config(model_dir)
         check_thinker_folder(model_dir, config, graph_dtype, verify)  # the structure, before a byte is written
+        generation_file = model_dir / "generation_config.json"
+        search_options(read_json(generation_file), generation_file)  # its sampling keys, checked before any work
         if quantize:  # known only now: whether a mixed head's int8 rows are the whole vocabulary (the quantizer
             quantize = quantize.for_vocab(config.vocab_size)  # writes such a head whole either way: head_rows)
         plan = verify_plan(model_dir, graph_dtype, quantize is not None) if verify else None  # and the memory

@@ -26,6 +26,7 @@ concatenates (OnnxDecoder) feeds a past of P slots and gets P + T back, as befor
 
 from __future__ import annotations
 
+from common.errors import ThinkerError
 from thinker.configuration_thinker import ThinkerConfig
 
 from .decoder_graph import position_form
@@ -110,6 +111,53 @@ def no_eos_note(config: ThinkerConfig, generation_config: dict | None) -> str | 
     )
 
 
+# What transformers' generate() decodes a folder with unless told otherwise: generation_config.json's values, else
+# these, GenerationConfig's defaults (tests/export/test_genai_config.py holds them to transformers'). Every key is
+# written, so nothing rests on onnxruntime-genai's own defaults. Greedy where the folder says nothing.
+SEARCH_DEFAULTS = {
+    "do_sample": False,
+    "temperature": 1.0,
+    "top_k": 50,
+    "top_p": 1.0,
+    "repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+}
+
+
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+SEARCH_VALID = {
+    "do_sample": lambda v: isinstance(v, bool),
+    "temperature": lambda v: _number(v) and v > 0,
+    "top_k": _count,
+    "top_p": lambda v: _number(v) and 0 < v <= 1,
+    "repetition_penalty": lambda v: _number(v) and v > 0,
+    "no_repeat_ngram_size": _count,
+}
+
+
+def search_options(generation_config: dict | None, path: object = "generation_config.json") -> dict:
+    """genai_config.json's sampling keys from the folder's generation_config.json, as transformers' generate() uses
+    them (a Qwen3 release samples at temperature 0.6, top_p 0.95, top_k 20, as its card asks); a value
+    onnxruntime-genai cannot take is refused by key."""
+    given = generation_config if isinstance(generation_config, dict) else {}
+    options = {key: default if given.get(key) is None else given[key] for key, default in SEARCH_DEFAULTS.items()}
+    for key, value in options.items():
+        if not SEARCH_VALID[key](value):
+            raise ThinkerError(
+                f"{path}: {key}={value!r} is not a value generate() takes (do_sample true or false; "
+                "temperature and repetition_penalty above 0; top_p in (0, 1]; top_k and no_repeat_ngram_size whole "
+                "numbers, 0 or more); correct it in the Thinker folder and export again"
+            )
+    return options
+
+
 def make_genai_config(
     config: ThinkerConfig,
     generation_config: dict | None,
@@ -163,17 +211,11 @@ def make_genai_config(
             },
         },
         "search": {
-            # Greedy by default: the exported model reproduces the PyTorch one token for token.
-            "do_sample": False,
+            **search_options(generation_config),
             "num_beams": 1,
             "num_return_sequences": 1,
-            "top_k": 1,
-            "top_p": 1.0,
-            "temperature": 1.0,
-            "repetition_penalty": 1.0,
             "length_penalty": 1.0,
             "diversity_penalty": 0.0,
-            "no_repeat_ngram_size": 0,
             "min_length": 0,
             "max_length": config.max_position_embeddings,
             "early_stopping": True,

@@ -122,6 +122,21 @@ def test_export_refuses_config_values_no_model_has(case, qwen3_thinker, tmp_path
     assert_nothing_written(output)
 
 
+@pytest.mark.parametrize(
+    ("key", "value"), [("top_p", 2.0), ("temperature", 0), ("do_sample", "yes"), ("top_k", -1), ("top_k", 2.5)]
+)
+def test_export_refuses_sampling_values_generate_cannot_take(key, value, qwen3_thinker, tmp_path):
+    """generation_config.json's sampling keys go into genai_config.json's search (export/genai_config.py), where
+    onnxruntime-genai would fail on them at load time: refused by key before the export starts."""
+    folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
+    path = folder / "generation_config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {key: value}))
+    output = tmp_path / "onnx"
+    result = thinker("export", folder, output, "--no-verify")
+    assert_error(result, str(path), f"{key}={value!r} is not a value generate() takes")
+    assert_nothing_written(output)
+
+
 def test_export_refuses_a_context_too_short_to_verify(qwen3_thinker, tmp_path):
     folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
     edit_config(folder, max_position_embeddings=2)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from export_helpers import make_config
 
-from export.genai_config import make_genai_config
+from export.genai_config import SEARCH_DEFAULTS, make_genai_config
 
 
 def test_special_ids_prefer_generation_config():
@@ -54,3 +54,28 @@ def test_the_model_type_follows_the_position_form():
     assert make_genai_config(config, None)["model"]["type"] == "qwen3_5_text"
     assert make_genai_config(config, None, positions="multimodal")["model"]["type"] == "qwen3_5_text"
     assert make_genai_config(config, None, positions="text")["model"]["type"] == "qwen3"
+
+
+def test_search_follows_generation_config_as_transformers_does():
+    """The sampling a release asks for (Qwen3's card: temperature 0.6, top_p 0.95, top_k 20) is what
+    onnxruntime-genai samples with by default, as transformers' generate() does; where the folder says nothing,
+    greedy, with top_k 50 rather than 1 (which turned a caller's do_sample=True back into greedy)."""
+    config = make_config("qwen3")
+    qwen3 = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "eos_token_id": [2]}
+    search = make_genai_config(config, qwen3)["search"]
+    assert {key: search[key] for key in ("do_sample", "temperature", "top_p", "top_k")} == {
+        "do_sample": True,
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "top_k": 20,
+    }
+    assert (search["repetition_penalty"], search["no_repeat_ngram_size"]) == (1.0, 0)
+    plain = make_genai_config(config, {"repetition_penalty": 1.05, "top_k": None})["search"]
+    assert (plain["do_sample"], plain["top_k"], plain["repetition_penalty"]) == (False, 50, 1.05)
+
+
+def test_search_defaults_are_transformers_own():
+    from transformers import GenerationConfig
+
+    defaults = GenerationConfig()._get_default_generation_params()
+    assert SEARCH_DEFAULTS == {key: defaults[key] for key in SEARCH_DEFAULTS}
