@@ -371,9 +371,16 @@ def thinker_folder(source: str | Path, staging: Path) -> Iterator[Path]:
 
 def copy_side_files(model_dir: Path, out_dir: Path) -> list[str]:
     """Beside the graph: the model's own configs, and the tokenizer (for `thinker generate` and onnxruntime-genai),
-    every file of it the Thinker folder has."""
+    every file of it the Thinker folder has. config.json goes without its ``auto_map``: the modeling code it names
+    is the PyTorch model's, which an ONNX folder does not carry, and a stale map makes transformers ask whether to
+    run code that is not there (AutoTokenizer on the folder did)."""
     configs = [name for name in CONFIG_FILES if present(model_dir / name, model_dir)]
-    return copy_files(configs + tokenizer_files(model_dir), model_dir, out_dir)
+    copied = copy_files(configs + tokenizer_files(model_dir), model_dir, out_dir)
+    config_path = out_dir / "config.json"
+    config = read_json(config_path) if config_path.is_file() else None
+    if isinstance(config, dict) and config.pop("auto_map", None) is not None:
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return copied
 
 
 # --- figures for the report ---------------------------------------------------------------------------------------

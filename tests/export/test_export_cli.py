@@ -27,6 +27,9 @@ def test_export_then_generate(runner, thinker_folder, tmp_path):
     names = {p.name for p in output.iterdir()}
     assert {"model.onnx", "model.onnx.data", "genai_config.json", "export_report.json"} <= names
     assert {"tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json"} <= names
+    # the model's config without the auto_map of the PyTorch code the ONNX folder does not carry
+    exported, thinker_config = (json.loads((f / "config.json").read_text()) for f in (output, source))
+    assert "auto_map" in thinker_config and exported == {k: v for k, v in thinker_config.items() if k != "auto_map"}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left behind
     report = json.loads((output / "export_report.json").read_text())
     assert report["dtype"] == "float32" and report["opset"] == 21 and report["nodes"] > 0
