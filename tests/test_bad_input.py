@@ -176,6 +176,15 @@ def test_a_path_that_does_not_exist(tmp_path):
     assert_error(result, "nowhere: no such folder, and not a Hub repo id")
 
 
+def test_converting_a_thinker_folder_says_what_it_is(qwen3_thinker, tmp_path):
+    """A Thinker's save_pretrained (a Trainer's output) given to convert: not "model_type 'thinker' is not
+    supported", but what the folder is and the commands that take it."""
+    output = tmp_path / "out"
+    result = thinker("convert", qwen3_thinker, output)
+    assert_error(result, "already a Thinker folder", "`thinker export`", "--to FAMILY")
+    assert_nothing_written(output)
+
+
 def test_the_thinker_convert_script_reports_the_same_way(source_copy, tmp_path):
     source = source_copy()
     truncate(source)

@@ -11,6 +11,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from common.errors import ThinkerError
+from thinker.configuration_thinker import ThinkerConfig
 
 from ..spec import Family
 from .gguf import GGUF_FAMILIES, UNSUPPORTED_GGUF
@@ -52,6 +53,11 @@ def detect_family(source_config: Mapping[str, Any], tensor_names: Collection[str
             return family
     key = next((f.model_type_key for f in FAMILIES if f.model_type_key in source_config), "model_type")
     model_type = source_config.get(key)
+    if key == "model_type" and model_type == ThinkerConfig.model_type:  # a Thinker's save_pretrained, a Trainer's
+        raise ThinkerError(
+            "the source is already a Thinker folder (model_type 'thinker'): `thinker export` and `thinker generate` "
+            "take it as it is, and `thinker-convert SOURCE OUTPUT --to FAMILY` writes it back as FAMILY's own folder"
+        )
     if key == "general.architecture" and model_type in UNSUPPORTED_GGUF:
         raise ThinkerError(UNSUPPORTED_GGUF[model_type])
     # the names of this kind of source: config.json's model_types, or a GGUF's general.architecture values
