@@ -425,8 +425,10 @@ def generate_command(
     # transformers' own streamer: prints each piece of text to stdout once it decodes to whole words
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     if kind == "onnx":
-        from .runtime import OnnxDecoder, generation_graph
+        from .runtime import OnnxDecoder, cuda_absence, cuda_usable, generation_graph
 
+        if provider == "cuda" and not cuda_usable():  # said in the command's terms (OnnxDecoder's are the API's)
+            raise ThinkerError(f"--provider cuda: CUDA asked for where none is ({cuda_absence()}); use --provider cpu")
         decoder = OnnxDecoder(generation_graph(folder, provider), provider=provider, threads=threads)
         runtime = f"onnxruntime ({decoder.device}, {decoder.model_path.name})"
         started = time.perf_counter()  # generation only, not the session's start

@@ -298,7 +298,7 @@ class OnnxDecoder:
         if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
             raise ThinkerError(f"threads={threads!r}; expected a whole number of threads, 1 or more (None: every core)")
         if provider == "cuda" and not cuda_usable():
-            raise ThinkerError(f"provider cuda: CUDA asked for where none is ({cuda_absence()}); use the CPU provider")
+            raise ThinkerError(f"provider='cuda': CUDA asked for where none is ({cuda_absence()}); use provider='cpu'")
         model = check_external_data(self.model_path)
         graph = model.graph
         # --logits last: the logits output's position axis is a static 1 (each row's last kept position)

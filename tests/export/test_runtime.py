@@ -120,6 +120,13 @@ def test_threads_and_provider(onnx_folder):
     assert default.session.get_session_options().intra_op_num_threads == physical_cores()
 
 
+@pytest.mark.skipif(export.runtime.cuda_usable(), reason="CUDA is here")
+def test_cuda_asked_for_where_none_is_said_in_the_api_terms(onnx_folder):
+    with pytest.raises(ThinkerError, match=re.escape("provider='cuda': CUDA asked for where none is")) as caught:
+        OnnxDecoder(onnx_folder("qwen2"), provider="cuda")
+    assert "--provider" not in str(caught.value)
+
+
 def test_missing_model_is_a_thinker_error(tmp_path):
     with pytest.raises(ThinkerError, match="no such ONNX model"):
         OnnxDecoder(tmp_path)
