@@ -102,7 +102,13 @@ def hf_export_config(
         accepted = {field.name for field in dataclasses.fields(config_class)} - housekeeping
         names = renamed or {}
         values = {names.get(key, key): value for key, value in config.to_dict().items()}
-        hf = config_class(**{key: value for key, value in values.items() if key in accepted})
+        kwargs = {key: value for key, value in values.items() if key in accepted}
+        # The Qwen2, Qwen2-MoE and Qwen3-MoE config classes do not declare head_dim, yet their attention reads it
+        # (getattr(config, "head_dim", hidden_size // num_attention_heads)), and Qwen3-30B-A3B's config.json sets
+        # it: carried where it is not that quotient, as such a config.json writes it.
+        if "head_dim" not in accepted and config.head_dim != config.hidden_size // config.num_attention_heads:
+            kwargs["head_dim"] = config.head_dim
+        hf = config_class(**kwargs)
         hf.architectures = [architecture]
         hf.dtype = config.dtype
         return hf.to_diff_dict()  # what save_pretrained writes: no defaults the source never had (id2label ...)

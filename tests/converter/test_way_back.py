@@ -82,7 +82,7 @@ def test_qwen3_moe_round_trip_restores_per_expert_tensors(tmp_path):
         intermediate_size=40,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=8,
+        head_dim=16,  # not hidden / heads, as Qwen3-30B-A3B's 128 is not 2048 / 32: a key its class does not declare
         num_experts=5,
         num_experts_per_tok=2,
         moe_intermediate_size=12,
@@ -92,10 +92,11 @@ def test_qwen3_moe_round_trip_restores_per_expert_tensors(tmp_path):
     back = round_trip(source, "qwen3_moe", tmp_path)
     assert_bit_exact(source, back)
     assert "model.layers.3.mlp.experts.4.up_proj.weight" in safetensors_of(back)
+    assert json.loads((back / "config.json").read_text())["head_dim"] == 16
 
 
 def test_qwen2_bfloat16_round_trip_is_bit_exact(tmp_path):
-    config = Qwen2Config(**SMALL, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2)
+    config = Qwen2Config(**SMALL, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     build_reference(config).to(torch.bfloat16).save_pretrained(tmp_path / "source")
     back = round_trip(tmp_path / "source", "qwen2", tmp_path, verify_back=False)  # bit-exactness is the point
     assert_bit_exact(tmp_path / "source", back)
