@@ -538,6 +538,14 @@ def reference_config(path: Path) -> Any:
         value = read_field(reader, f"{architecture}.{key}")
         if value:
             setattr(config, field, int(value[0]))
+    # transformers reads a GGUF's RoPE scaling for gpt-oss alone, so its model of a linear- or YaRN-scaled file
+    # rotates unscaled, unlike llama.cpp and the Thinker (``_rope_parameters``): given the file's scaling, as read
+    # for the Thinker, the reference is the model the file describes.
+    rope_keys = [key for key in reader.fields if key.startswith(f"{architecture}.rope.")]
+    rope = {key: values[0] for key in rope_keys if (values := read_field(reader, key))}
+    parameters = _rope_parameters(rope, architecture, set())
+    if parameters["rope_type"] != "default":
+        config.rope_parameters = parameters
     return config
 
 

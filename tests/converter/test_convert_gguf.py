@@ -64,6 +64,29 @@ def test_synthetic_gguf(architecture, tmp_path, run_convert):
     assert_same_logits(model, result.output)
 
 
+SCALED = {  # RoPE scaling as llama.cpp's converter records it, and the Hugging Face parameters it stands for
+    "qwen2": ({"type": "yarn", "factor": 4.0, "original_context_length": 16}, {"original_max_position_embeddings": 16}),
+    "llama": ({"type": "linear", "factor": 4.0}, {}),
+}
+
+
+@pytest.mark.parametrize("architecture", sorted(SCALED))
+def test_rope_scaled_gguf_passes_its_gate(architecture, tmp_path, run_convert):
+    """transformers' GGUF loading reads RoPE scaling for gpt-oss alone, so the gate's reference rotated unscaled and
+    every scaled file failed it: the reference now takes the file's scaling, and both equal the scaled original."""
+    scaling, extra = SCALED[architecture]
+    config = SYNTHETIC[architecture]
+    rope = {"rope_type": scaling["type"], "rope_theta": 10000.0, "factor": scaling["factor"], **extra}
+    model = build_reference(type(config)(**(config.to_dict() | {"rope_parameters": rope})))
+    folder = tmp_path / "gguf"
+    folder.mkdir()
+    metadata = {f"{architecture}.rope.scaling.{key}": value for key, value in scaling.items()}
+    path = write_gguf(model, folder / f"scaled-{architecture}.gguf", architecture, metadata=metadata)
+    result = run_convert(path)
+    assert result.parity.passed, result.parity.table()
+    assert_same_logits(model, result.output)
+
+
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     """SmolLM2-135M-Instruct converted once from its Q4_1 GGUF, with the parity gate on."""
