@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config_values import check_model_config
+from common.dtypes import dtype_name
 from common.errors import ThinkerError
 from common.side_files import copy_files, read_json
 from common.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
@@ -47,7 +48,7 @@ from .engine import (
     write_weights,
 )
 from .families import FAMILIES, family_by_name
-from .output_dtype import resolve_dtype
+from .output_dtype import kept_wider, resolve_dtype
 from .parity import parity_gate, parity_mode
 from .parity_report import BY_LAYER
 from .spec import Family
@@ -90,7 +91,11 @@ def export_config(family: Family, config: ThinkerConfig) -> dict[str, Any]:
             f"a Thinker folder cannot be written back as {family.name}; --to accepts {', '.join(exportable_families())}"
         )
     exported = family.export_config(config)
-    differ = config_differences(config, ThinkerConfig(**family.translate_config(exported)))
+    try:
+        translated = family.translate_config(exported)
+    except ThinkerError as err:  # what the family refuses to convert, it cannot be written as either
+        raise ThinkerError(f"this Thinker model is not expressible as {family.name}: {err}") from None
+    differ = config_differences(config, ThinkerConfig(**translated))
     if differ:
         raise ThinkerError(
             f"this Thinker model is not expressible as {family.name}: the {family.name} config would change "
@@ -116,7 +121,8 @@ def plan_back(source: TensorSource, config: ThinkerConfig, family: Family, dtype
         raise ThinkerError(f"the inverted {family.name} table uses or produces {describe_names(twice)} twice")
     steps = in_source_order(steps, source.names())
     shapes = planned_shapes(family, config, steps, source)
-    return Plan(family, config, steps, shapes, resolve_dtype(dtype, config.dtype, source))
+    output_dtype = resolve_dtype(dtype, config.dtype, source)
+    return Plan(family, config, steps, shapes, output_dtype, kept=kept_wider(dtype, output_dtype, steps, source))
 
 
 def _select_steps(family: Family, config: ThinkerConfig, names: set[str]) -> list[Step]:
@@ -184,4 +190,5 @@ def convert_back(
         total_bytes=plan.total_bytes,
         seconds=time.perf_counter() - started,
         parity=report,
+        kept={name: dtype_name(dtype) for name, dtype in plan.kept.items()},
     )

@@ -139,7 +139,9 @@ gguf_file_option = click.option(
     default="auto",
     show_default=True,
     help="Output dtype. auto keeps the dtype the source config declares (else the source tensors' dtype; GGUF "
-    "dequantizes to float32). float16 refuses tensors whose values exceed ±65504, naming them.",
+    "dequantizes to float32), and keeps tensors the source stores wider as they are (Qwen3.5's float32 A_log and "
+    "norms beside bfloat16 weights). A dtype named casts every tensor; float16 refuses tensors whose values exceed "
+    "±65504, naming them.",
 )
 @click.option(
     "--max-shard-size",
@@ -219,10 +221,7 @@ def convert_command(
             click.secho(result.parity.mode_note, fg="yellow", err=True)
     for note in result.notes:
         click.secho(note, fg="yellow", err=True)
-    click.echo(
-        f"converted {source} ({result.family}) -> {result.output}: {result.total_bytes / 2**20:.1f} MiB of "
-        f"{result.dtype} weights, {result.seconds:.1f} s"
-    )
+    click.echo(f"converted {source} ({result.family}) -> {result.output}: {result.weights()}, {result.seconds:.1f} s")
 
 
 @click.command("verify", help=VERIFY_HELP, context_settings=CONTEXT)

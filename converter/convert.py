@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.dtypes import dtype_name
 from common.errors import ThinkerError
 from common.side_files import read_json
 from common.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
@@ -38,6 +40,15 @@ class ConversionResult:
     seconds: float
     parity: ParityReport | None = None
     notes: list[str] = field(default_factory=list)  # e.g. why verification was skipped
+    kept: dict[str, str] = field(default_factory=dict)  # tensor -> the wider dtype --dtype auto kept it in
+
+    def weights(self) -> str:
+        """``12.3 MiB of bfloat16 weights (72 tensors kept in float32, as the source stores them)``."""
+        kept = Counter(self.kept.values())
+        note = ", ".join(f"{count} tensor{'s' * (count > 1)} kept in {dtype}" for dtype, count in sorted(kept.items()))
+        return f"{self.total_bytes / 2**20:.1f} MiB of {self.dtype} weights" + (
+            f" ({note}, as the source stores them)" if note else ""
+        )
 
 
 def source_family(root: Path) -> Family:
@@ -117,6 +128,7 @@ def convert(
         seconds=time.perf_counter() - started,
         parity=report,
         notes=notes,
+        kept={name: dtype_name(dtype) for name, dtype in plan.kept.items()},
     )
 
 

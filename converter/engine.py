@@ -45,7 +45,7 @@ from thinker import ThinkerConfig, ThinkerForCausalLM
 
 from .families import detect_family
 from .ops import Identity, Op
-from .output_dtype import resolve_dtype
+from .output_dtype import kept_wider, resolve_dtype
 from .shards import ShardLayout, ShardWriter
 from .spec import EXPERT_INDEX, LAYER_INDEX, Family, TensorRule
 
@@ -68,8 +68,12 @@ class Plan:
     config: ThinkerConfig  # the Thinker config (the operations read head counts and sizes from it)
     steps: list[Step]  # in the order the source files hold their tensors
     shapes: dict[str, tuple[int, ...]]  # output tensor -> shape, in the order the steps produce them
-    dtype: torch.dtype  # of every output tensor
+    dtype: torch.dtype  # the folder's: of every output tensor but those in ``kept``
     dropped: list[str] = field(default_factory=list)  # source tensors skipped on purpose
+    kept: dict[str, torch.dtype] = field(default_factory=dict)  # output tensor -> the wider dtype its source stores
+
+    def dtype_of(self, target: str) -> torch.dtype:
+        return self.kept.get(target, self.dtype)
 
     @property
     def num_parameters(self) -> int:
@@ -77,7 +81,7 @@ class Plan:
 
     @property
     def total_bytes(self) -> int:
-        return self.num_parameters * self.dtype.itemsize
+        return sum(math.prod(shape) * self.dtype_of(name).itemsize for name, shape in self.shapes.items())
 
 
 def describe_names(names: list[str] | set[str], limit: int = 5) -> str:
@@ -186,7 +190,7 @@ def plan_conversion(
     steps = in_source_order(steps, names)
     shapes = {target: expected[target] for step in steps for target in step.targets}
     dropped = sorted(set(names) & _dropped_names(family, config) | _dropped_by_prefix(family, names, config))
-    return Plan(family, config, steps, shapes, output_dtype, dropped)
+    return Plan(family, config, steps, shapes, output_dtype, dropped, kept_wider(dtype, output_dtype, steps, source))
 
 
 def in_source_order(steps: list[Step], names: list[str]) -> list[Step]:
@@ -395,17 +399,18 @@ def convert_step(step: Step, source: TensorSource, plan: Plan) -> Iterator[tuple
     When the step's operation only moves values (``Op.rearranges``), each source tensor's values are checked as its
     bytes are read (``ValueScan``), which costs no pass of its own; otherwise the outputs are checked."""
     scan_sources = step.op.rearranges
+    narrowest = min((plan.dtype_of(target) for target in step.targets), key=lambda dtype: dtype.itemsize)
     inputs = []
     for name in step.sources:
         scan = ValueScan() if scan_sources else None
         inputs.append(source.load(name, scan=scan))
         if scan is not None:
-            refuse_values(scan.problem(plan.dtype), name, ", ".join(step.targets))
+            refuse_values(scan.problem(narrowest), name, ", ".join(step.targets))
     outputs = step.op(inputs, plan.config)
     del inputs
     for index, target in enumerate(step.targets):
         tensor, outputs[index] = outputs[index], None  # hand over our reference: freed once written
-        yield target, finish_tensor(tensor, target, step.sources, plan.dtype, checked=scan_sources)
+        yield target, finish_tensor(tensor, target, step.sources, plan.dtype_of(target), checked=scan_sources)
         del tensor
 
 
@@ -443,7 +448,7 @@ def write_weights(
     from a source that knows its bytes' place in a file) is never held whole: the writer reads it through one small
     buffer to check its values, then the kernel copies its bytes (``copy_checked``).
     """
-    layout = ShardLayout([(name, shape, plan.dtype) for name, shape in plan.shapes.items()], max_shard_size)
+    layout = ShardLayout([(name, shape, plan.dtype_of(name)) for name, shape in plan.shapes.items()], max_shard_size)
     buffer = torch.empty(COPY_PIECE, dtype=torch.uint8)
     with (
         ShardWriter(folder, layout) as writer,
@@ -452,8 +457,9 @@ def write_weights(
     ):
         writing = None
         for step in plan.steps:
-            if copies_bytes(step, source, plan.dtype):
-                jobs = [partial(copy_checked, writer, source, step.sources[0], step.targets[0], plan.dtype, buffer)]
+            target = step.targets[0]
+            if copies_bytes(step, source, plan.dtype_of(target)):
+                jobs = [partial(copy_checked, writer, source, step.sources[0], target, plan.dtype_of(target), buffer)]
             else:
                 jobs = (partial(writer.write, name, tensor) for name, tensor in convert_step(step, source, plan))
             for job in jobs:

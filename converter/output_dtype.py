@@ -1,4 +1,5 @@
-"""The dtype a conversion writes: the one asked for, or (``auto``) the one the source declares or mostly holds.
+"""The dtype a conversion writes: the one asked for, or (``auto``) the one the source declares or mostly holds, with
+the tensors the source stores wider kept as they are (``kept_wider``).
 
 Apart from the engine so that the layer-by-layer check, which the family modules reach, can read a converted
 folder's dtype without importing the engine (and, through it, the family modules again).
@@ -37,3 +38,20 @@ def resolve_dtype(requested: str | torch.dtype, declared: Any, source: TensorSou
         if dtype_name(dtype) in FLOAT_DTYPES:
             bytes_by_dtype[dtype] += math.prod(source.shape(name)) * dtype.itemsize
     return bytes_by_dtype.most_common(1)[0][0] if bytes_by_dtype else torch.float32
+
+
+def kept_wider(requested: str | torch.dtype, dtype: torch.dtype, steps: list, source: TensorSource) -> dict:
+    """``auto``: the output tensors whose source tensors are stored in a wider floating dtype than the folder's keep
+    it, so that no value is rounded. Qwen3.5's releases store each linear-attention layer's ``A_log`` and gated
+    norm in float32 beside bfloat16 weights (a GGUF its norms in F32 beside F16 weights): the folder is bfloat16,
+    its config says so, and ``from_pretrained(dtype="auto")`` loads it as the source class loads the source, while
+    float32 loads get the stored values and the way back writes the source's bits. A dtype asked for casts all."""
+    if requested != "auto":
+        return {}
+    kept = {}
+    for step in steps:
+        stored = [source.dtype(name) for name in step.sources if dtype_name(source.dtype(name)) in FLOAT_DTYPES]
+        widest = max(stored, key=lambda stored_dtype: stored_dtype.itemsize, default=dtype)
+        if widest.itemsize > dtype.itemsize:
+            kept.update(dict.fromkeys(step.targets, widest))
+    return kept

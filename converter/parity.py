@@ -84,7 +84,10 @@ def reference_from_pretrained(label: Path, folder: Path, **kwargs: Any) -> PreTr
             **kwargs,
         )
     except Exception as err:  # transformers raises many types for a folder it cannot load; all are the folder's
-        raise ThinkerError(f"{label}: the reference model does not load with transformers ({err})") from None
+        raise ThinkerError(
+            f"{label}: the reference model does not load with transformers ({err}), so there is no reference to "
+            "verify against; convert with --no-verify"
+        ) from None
     mismatched = sorted(info.get("mismatched_keys") or [])
     if mismatched:
         name, stored, built = mismatched[0]

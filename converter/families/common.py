@@ -62,7 +62,9 @@ def decoder_fields(hf: PreTrainedConfig, layer_types: tuple[str, ...] = ("full_a
         "num_key_value_heads": hf.num_key_value_heads or hf.num_attention_heads,
         "head_dim": getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
         "attention_dropout": hf.attention_dropout,
-        "rope_parameters": dict(hf.rope_parameters),
+        # The multimodal keys only where the family's class reads them (``interleaved_mrope``): a Qwen3-Next or Qwen3
+        # config carrying an mrope_section rotates text positions alone, and so must the Thinker.
+        "rope_parameters": {key: value for key, value in hf.rope_parameters.items() if key not in MROPE_KEYS},
         "hidden_act": hf.hidden_act,
         "rms_norm_eps": hf.rms_norm_eps,
         "tie_word_embeddings": hf.tie_word_embeddings,
@@ -139,8 +141,8 @@ def refuse_layer_types(hf: PreTrainedConfig, allowed: tuple[str, ...] = ("full_a
             "which Thinker does not implement; only full-attention checkpoints convert"
         )
     raise ThinkerError(
-        f"the source config has {', '.join(kinds)} layers {shown} (layer_types), which this family's conversion "
-        f"does not build; it converts {', '.join(allowed)} layers"
+        f"the config has {', '.join(kinds)} layers {shown} (layer_types), which {hf.model_type} models do not have; "
+        f"theirs are {', '.join(allowed)} layers"
     )
 
 

@@ -94,3 +94,20 @@ def test_a_reference_transformers_cannot_build_is_named(tmp_path):
     assert not output.exists()
     result = convert(path, output, "--no-verify")  # the conversion itself is sound
     assert result.exit_code == 0, result.output
+
+
+def test_a_reference_transformers_cannot_load_is_named(tmp_path, monkeypatch):
+    """F64 tensors convert, but transformers' GGUF loading has no dequantization for them: the gate says it has no
+    reference and how to convert anyway."""
+    import convert_helpers
+
+    def add_float64(writer, name, tensor, quantization=None):
+        wide = tensor.double() if tensor.ndim >= 2 else tensor.float()
+        writer.add_tensor(name, np.ascontiguousarray(wide.numpy()))
+
+    monkeypatch.setattr(convert_helpers, "add_gguf_tensor", add_float64)
+    path = tiny_gguf(tmp_path)
+    output = tmp_path / "out"
+    assert_error(convert(path, output, "--verify"), str(path), "does not load with transformers", "--no-verify")
+    assert not output.exists()
+    assert convert(path, output, "--no-verify").exit_code == 0

@@ -237,6 +237,64 @@ def test_way_back_is_bit_exact(conversions, name, tmp_path):
         assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
 
 
+def test_multimodal_rope_goes_only_where_the_class_reads_it(conversions, tmp_path):
+    """Qwen3-Next's class rotates text positions alone, whatever mrope_section its config names: converted without
+    it, and a Qwen3.5 Thinker (which has one) is refused by key on the way back to qwen3_next."""
+    config = qwen3_next_config()
+    config.rope_parameters = dict(config.rope_parameters) | {"mrope_section": [1, 1, 0]}
+    reference(Qwen3NextForCausalLM, config).save_pretrained(tmp_path / "next")
+    assert cli(tmp_path / "next", tmp_path / "next-thinker").exit_code == 0
+    written = json.loads((tmp_path / "next-thinker" / "config.json").read_text())["rope_parameters"]
+    assert "mrope_section" not in written
+    back = CliRunner().invoke(
+        convert_command, [str(conversions("qwen3_5").output), str(tmp_path / "x"), "--to", "qwen3_next"]
+    )
+    assert back.exit_code == 1 and "not expressible as qwen3_next" in back.output and "mrope_section" in back.output
+    assert not (tmp_path / "x").exists()
+    dense = CliRunner().invoke(
+        convert_command, [str(conversions("qwen3_5").output), str(tmp_path / "x"), "--to", "qwen3"]
+    )
+    assert "not expressible as qwen3: the config has linear_attention layers" in dense.output, dense.output
+    assert "which qwen3 models do not have; theirs are full_attention layers" in dense.output
+
+
+def test_mixed_dtypes_keep_the_wider_tensors(tmp_path):
+    """Qwen3.5's releases store each linear-attention layer's A_log and gated norm in float32 beside bfloat16
+    weights. ``--dtype auto`` keeps those as stored: float32 loads equal the source class's to the bit, and the way
+    back gives the source's bits; ``dtype="auto"`` loads both as bfloat16, as transformers does; ``--dtype
+    bfloat16`` casts every tensor."""
+    model = reference(Qwen3_5ForCausalLM, qwen3_5_config())
+    original = {name: tensor.clone() for name, tensor in model.state_dict().items()}  # float32
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "source")
+    path = tmp_path / "source" / "model.safetensors"
+    stored = load_file(path)
+    wide = sorted(name for name in stored if name.endswith(("linear_attn.A_log", "linear_attn.norm.weight")))
+    stored |= {name: original[name].contiguous() for name in wide}
+    save_file(stored, path, metadata={"format": "pt"})
+
+    result = cli(tmp_path / "source", tmp_path / "thinker")
+    assert result.exit_code == 0, result.output
+    assert f"bfloat16 weights ({len(wide)} tensors kept in float32, as the source stores them)" in result.output
+    written = safetensors_of(tmp_path / "thinker")
+    assert {name for name, tensor in written.items() if tensor.dtype == torch.float32} == set(wide)
+    ids = torch.tensor([[3, 5, 7, 9, 11, 13]])
+    with torch.no_grad():
+        expected = Qwen3_5ForCausalLM.from_pretrained(tmp_path / "source", dtype=torch.float32)(ids).logits
+        actual = ThinkerForCausalLM.from_pretrained(tmp_path / "thinker", dtype=torch.float32)(ids).logits
+    assert torch.equal(actual, expected)
+    auto = ThinkerForCausalLM.from_pretrained(tmp_path / "thinker", dtype="auto")
+    assert {parameter.dtype for parameter in auto.parameters()} == {torch.bfloat16}
+
+    back = cli(tmp_path / "thinker", tmp_path / "back", "--to", "qwen3_5")
+    assert back.exit_code == 0, back.output
+    after = safetensors_of(tmp_path / "back")
+    for name, tensor in stored.items():
+        assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
+    narrow = cli(tmp_path / "source", tmp_path / "narrow", "--dtype", "bfloat16")
+    assert narrow.exit_code == 0 and "kept" not in narrow.output
+    assert {tensor.dtype for tensor in safetensors_of(tmp_path / "narrow").values()} == {torch.bfloat16}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # multimodal through the converter
 

@@ -107,18 +107,19 @@ def test_scratch_qwen3_converts_with_parity(tmp_path, qk_norm: bool):
 
 
 def test_scratch_qwen3_bfloat16_follows_the_config_dtype(tmp_path):
-    """The notebook's bfloat16 model keeps its norm scales in float32; ``--dtype auto`` follows the config's dtype,
-    and the converted model equals the reference holding the same bfloat16-rounded weights."""
+    """The notebook's bfloat16 model keeps its norm scales in float32; ``--dtype auto`` follows the config's dtype
+    and keeps those scales as stored, so the converted model equals the reference's own weights, widened."""
     reference = scratch.randomize_(scratch.Qwen3Model(scratch.tiny_config(dtype=torch.bfloat16))).eval()
     source = scratch.save_checkpoint(reference, tmp_path / "scratch")
 
     result = cli_convert(source, tmp_path / "out")
     assert result.exit_code == 0 and "bfloat16" in result.output, result.output
     assert ThinkerForCausalLM.from_pretrained(tmp_path / "out").dtype == torch.bfloat16
+    stored = {str(tensor.dtype) for tensor in reference.state_dict().values()}
+    assert stored == {"torch.bfloat16", "torch.float32"} and "kept in float32" in result.output
 
     widened = scratch.Qwen3Model(scratch.tiny_config(dtype=torch.float32)).eval()
-    rounded = {name: tensor.to(torch.bfloat16).float() for name, tensor in reference.state_dict().items()}
-    widened.load_state_dict(rounded)
+    widened.load_state_dict({name: tensor.float() for name, tensor in reference.state_dict().items()})
     with torch.no_grad():
         expected = widened(IDS)
     torch.testing.assert_close(converted_logits(tmp_path / "out"), expected, atol=ATOL, rtol=0)
