@@ -84,8 +84,14 @@ def moe_fields(hf: PreTrainedConfig) -> dict[str, Any]:
         "norm_topk_prob": hf.norm_topk_prob,
         "decoder_sparse_step": hf.decoder_sparse_step,
         "mlp_only_layers": list(hf.mlp_only_layers or []),
+    } | router_loss_fields(hf)
+
+
+def router_loss_fields(hf: PreTrainedConfig) -> dict[str, Any]:
+    """The router's auxiliary loss: a training setting fine-tuned checkpoints keep. With output_router_logits, a
+    labelled forward adds it to the loss, in the Thinker as in the source class."""
+    return {
         "router_aux_loss_coef": hf.router_aux_loss_coef,
-        # a training setting fine-tuned checkpoints keep: with it, a labelled forward adds the router's loss
         "output_router_logits": bool(getattr(hf, "output_router_logits", False)),
     }
 

@@ -38,6 +38,7 @@ from .common import (
     interleaved_mrope,
     layered_reference_by_model_type,
     reference_by_model_type,
+    router_loss_fields,
 )
 from .qwen3_5 import REFERENCE_MROPE_SECTION
 
@@ -48,7 +49,7 @@ def every_layer_sparse(hf: PreTrainedConfig) -> dict[str, Any]:
         "num_experts_per_tok": hf.num_experts_per_tok,
         "moe_intermediate_size": hf.moe_intermediate_size,
         "shared_expert_intermediate_size": hf.shared_expert_intermediate_size,
-        "router_aux_loss_coef": hf.router_aux_loss_coef,
+        **router_loss_fields(hf),
         "norm_topk_prob": True,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],

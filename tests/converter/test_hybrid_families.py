@@ -237,6 +237,25 @@ def test_way_back_is_bit_exact(conversions, name, tmp_path):
         assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
 
 
+@pytest.mark.parametrize(
+    ("model_class", "make_config"),
+    [(Qwen3_5MoeForCausalLM, qwen3_5_moe_config), (Qwen3NextForCausalLM, qwen3_next_config)],
+)
+def test_a_hybrid_moe_keeps_its_router_loss(model_class, make_config, tmp_path):
+    """output_router_logits, as a fine-tuned checkpoint's config keeps it, carried over: a labelled forward adds the
+    same router loss as the source class (Qwen3.5-MoE's was dropped: the gate and verify do not compare losses)."""
+    model = reference(model_class, make_config(output_router_logits=True, router_aux_loss_coef=0.5))
+    model.save_pretrained(tmp_path / "source")
+    assert cli(tmp_path / "source", tmp_path / "thinker").exit_code == 0
+    converted = load_thinker(tmp_path / "thinker")
+    assert converted.config.output_router_logits is True
+    ids = token_ids(1, 7)
+    with torch.no_grad():
+        expected, actual = model(input_ids=ids, labels=ids), converted(input_ids=ids, labels=ids)
+    assert_close(actual.aux_loss, expected.aux_loss)
+    assert_close(actual.loss, expected.loss)
+
+
 def test_multimodal_rope_goes_only_where_the_class_reads_it(conversions, tmp_path):
     """Qwen3-Next's class rotates text positions alone, whatever mrope_section its config names: converted without
     it, and a Qwen3.5 Thinker (which has one) is refused by key on the way back to qwen3_next."""
