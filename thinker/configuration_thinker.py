@@ -212,7 +212,8 @@ class ThinkerConfig(PreTrainedConfig):
             raise ValueError("norm_zero_centered applies to RMSNorm weights; it needs norm_type='rmsnorm'")
         mrope_section = (self.rope_parameters or {}).get("mrope_section")
         if mrope_section is not None:
-            rotary_pairs = int(self.head_dim * self.rope_parameters.get("partial_rotary_factor", 1.0)) // 2
+            # transformers' RoPE takes a frequency per even channel of the rotary part: an odd part of 5 has 3
+            rotary_pairs = (int(self.head_dim * self.rope_parameters.get("partial_rotary_factor", 1.0)) + 1) // 2
             if len(mrope_section) != 3 or sum(mrope_section) != rotary_pairs:
                 raise ValueError(
                     f"rope_parameters['mrope_section']={mrope_section} must give [t, h, w] frequency counts summing to "

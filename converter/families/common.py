@@ -263,7 +263,7 @@ def interleaved_mrope(hf: PreTrainedConfig, reference_section: list[int]) -> dic
     sections coincide; the Thinker then refuses 3-D positions rather than guess)."""
     rope = {key: value for key, value in hf.rope_parameters.items() if key not in MROPE_KEYS}
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    rotary_pairs = int(head_dim * rope.get("partial_rotary_factor", 1.0)) // 2
+    rotary_pairs = (int(head_dim * rope.get("partial_rotary_factor", 1.0)) + 1) // 2  # as ThinkerConfig counts them
     section = hf.rope_parameters.get("mrope_section")
     if section is None and sum(reference_section) == rotary_pairs:
         section = list(reference_section)

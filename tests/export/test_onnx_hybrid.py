@@ -13,6 +13,7 @@ checked exactly (the PyTorch model holding onnxruntime's dequantized weights rep
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -571,6 +572,25 @@ def test_float16_parity(family, graph, thinker_variant, onnx_variant):
     figures = compare_decoders(model, decoder, *parity_batch(VOCAB), steps=6)
     assert figures["max_abs_diff"] <= bound(figures, torch.float16), figures
     assert figures["top1_agreement"] >= 0.9, figures
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_an_odd_rotary_part_exports_with_its_multimodal_sections(graph, tmp_path):
+    """head_dim 20 at partial_rotary_factor 0.25 rotates 5 channels, which transformers' RoPE gives 3 frequencies
+    (one per even channel): the config, the converter and the graph count them alike (the config counted 2, so
+    the one section it took failed the export with a traceback)."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    from export.exporter import export_model
+    from thinker import ThinkerConfig
+
+    odd = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25, "mrope_interleaved": True}
+    with pytest.raises(StrictDataclassError, match=re.escape("summing to the 3 rotary frequencies of a head")):
+        ThinkerConfig(head_dim=20, rope_parameters=odd | {"mrope_section": [1, 1, 0]})
+    sections = odd | {"mrope_section": [1, 1, 1]}
+    folder = save_thinker(tmp_path / "thinker", "qwen3_5", head_dim=20, rope_parameters=sections)
+    report = export_model(folder, tmp_path / "onnx", graph=graph)
+    assert report["verify"]["passed"] is True
 
 
 @pytest.mark.parametrize("graph", GRAPHS)
