@@ -47,9 +47,12 @@ def text_decoder_config(hf: PreTrainedConfig) -> PreTrainedConfig:
     return text
 
 
-def decoder_fields(hf: PreTrainedConfig, layer_types: tuple[str, ...] = ("full_attention",)) -> dict[str, Any]:
+def decoder_fields(
+    hf: PreTrainedConfig, layer_types: tuple[str, ...] = ("full_attention",), partial_rotary: bool = False
+) -> dict[str, Any]:
     """The ThinkerConfig fields every RoPE / RMSNorm / SwiGLU decoder (Llama, Qwen2, Qwen3 and their MoE) shares;
-    ``layer_types``: the kinds of layer the family converts (see ``refuse_layer_types``)."""
+    ``layer_types``: the kinds of layer the family converts (see ``refuse_layer_types``); ``partial_rotary``: its
+    class reads ``partial_rotary_factor`` (see ``reference_rope``)."""
     refuse_layer_types(hf, layer_types)
     return {
         "vocab_size": hf.vocab_size,
@@ -62,9 +65,7 @@ def decoder_fields(hf: PreTrainedConfig, layer_types: tuple[str, ...] = ("full_a
         "num_key_value_heads": hf.num_key_value_heads or hf.num_attention_heads,
         "head_dim": getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
         "attention_dropout": hf.attention_dropout,
-        # The multimodal keys only where the family's class reads them (``interleaved_mrope``): a Qwen3-Next or Qwen3
-        # config carrying an mrope_section rotates text positions alone, and so must the Thinker.
-        "rope_parameters": {key: value for key, value in hf.rope_parameters.items() if key not in MROPE_KEYS},
+        "rope_parameters": reference_rope(hf, partial_rotary),
         "hidden_act": hf.hidden_act,
         "rms_norm_eps": hf.rms_norm_eps,
         "tie_word_embeddings": hf.tie_word_embeddings,
@@ -73,6 +74,38 @@ def decoder_fields(hf: PreTrainedConfig, layer_types: tuple[str, ...] = ("full_a
         "eos_token_id": hf.eos_token_id,
         "pad_token_id": hf.pad_token_id,
     }
+
+
+SCALED_WITH_ORIGINAL_CONTEXT = ("llama3", "yarn", "longrope")
+# The RoPE type whose initialiser reads partial_rotary_factor into a whole head's table (zero frequencies past it).
+WHOLE_HEAD_PARTIAL = ("proportional",)
+
+
+def reference_rope(hf: PreTrainedConfig, partial_rotary: bool) -> dict[str, Any]:
+    """``rope_parameters`` as the family's class runs them, which is not always as its config reads them:
+    - the multimodal keys go only where the class reads them (``interleaved_mrope``): a Qwen3-Next or Qwen3 config
+      carrying an mrope_section rotates text positions alone;
+    - a top-level ``original_max_position_embeddings`` (Phi-3's spelling) wins over the nested one for the scaled
+      types that read it: transformers' initialisers standardise the parameters again as they compute, and give it
+      that priority (``standardize_rope_params``);
+    - a class that does not read ``partial_rotary_factor`` (Llama, Qwen2, Qwen3 and their MoE) rotates the whole
+      head under the default type, whatever the config says; with a scaled type transformers sizes the table by it
+      and its forward then fails, so such a config is no model to convert: refused by key (but "proportional",
+      whose table spans the whole head, zero past the factor)."""
+    rope = {key: value for key, value in hf.rope_parameters.items() if key not in MROPE_KEYS}
+    rope_type = rope.get("rope_type", "default")
+    if rope_type in SCALED_WITH_ORIGINAL_CONTEXT and getattr(hf, "original_max_position_embeddings", None) is not None:
+        rope["original_max_position_embeddings"] = hf.original_max_position_embeddings
+    if not partial_rotary and rope_type not in WHOLE_HEAD_PARTIAL:
+        partial = rope.pop("partial_rotary_factor", None)
+        if partial is not None and partial != 1 and rope_type != "default":
+            raise ThinkerError(
+                f"the source config's rope_parameters set partial_rotary_factor={partial} with rope_type "
+                f"{rope_type!r}: transformers' {hf.model_type} class rotates the whole head but sizes a scaled RoPE's "
+                "tables by that factor, so it cannot run this config (its forward fails); remove "
+                "partial_rotary_factor, or set it to 1.0"
+            )
+    return rope
 
 
 def moe_fields(hf: PreTrainedConfig) -> dict[str, Any]:
@@ -333,6 +366,7 @@ def hf_family(
     moe: bool = False,
     decoder_config: Callable[[PreTrainedConfig], PreTrainedConfig] | None = None,
     layer_types: tuple[str, ...] = ("full_attention",),
+    partial_rotary: bool = False,
     layouts: Sequence[Mapping[str, str]] = ({},),
     dropped: tuple[str, ...] = (),
     dropped_prefixes: tuple[str, ...] = (),
@@ -357,6 +391,8 @@ def hf_family(
       (the config itself, or a vision-language config's ``text_config`` with the outer config's tie setting).
     - ``layer_types``: the kinds of layer (the config's ``layer_types``) the family converts; a checkpoint with
       others is refused. Full attention only, unless the family says more (``("full_attention", "linear_attention")``).
+    - ``partial_rotary``: the family's class rotates the first ``partial_rotary_factor`` of each head (Qwen3.5,
+      Qwen3-Next); others rotate the whole head whatever their config says (``reference_rope``).
     - ``layouts``: where the decoder's tensors sit in the checkpoint, as prefix renames from Thinker's names to the
       source's (``{"": "thinker."}``, ``{"model.": "model.language_model."}``); several layouts are alternatives and
       the engine uses the one present. ``dropped`` names tensors skipped on purpose (in Thinker's names, like the
@@ -377,7 +413,8 @@ def hf_family(
         declared = source.get("model_type")
         hf = load_hf_config(source, declared if declared in model_types else model_types[0])
         decoder = (decoder_config or text_decoder_config)(hf)
-        return decoder_fields(decoder, layer_types) | (moe_fields(decoder) if moe else {}) | fields(decoder)
+        common = decoder_fields(decoder, layer_types, partial_rotary)
+        return common | (moe_fields(decoder) if moe else {}) | fields(decoder)
 
     tensors = tuple(under(layout, entry) for layout in layouts for entry in (e for group in groups for e in group))
     return Family(

@@ -53,6 +53,7 @@ QWEN3_5 = hf_family(
     lambda hf: hybrid_fields(hf) | {"rope_parameters": interleaved_mrope(hf, REFERENCE_MROPE_SECTION)},
     name="qwen3_5",
     layer_types=HYBRID_LAYER_TYPES,
+    partial_rotary=True,
     layouts=({}, VISION_LANGUAGE_LAYOUT),
     dropped_prefixes=VISION_AND_MTP_PREFIXES,
     reference=reference_by_model_type({"qwen3_5": "Qwen3_5ForConditionalGeneration"}),

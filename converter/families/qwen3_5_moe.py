@@ -69,6 +69,7 @@ QWEN3_5_MOE = hf_family(
     ),
     name="qwen3_5_moe",
     layer_types=HYBRID_LAYER_TYPES,
+    partial_rotary=True,
     layouts=({}, VISION_LANGUAGE_LAYOUT),
     dropped_prefixes=VISION_AND_MTP_PREFIXES,
     reference=reference_by_model_type({"qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}),

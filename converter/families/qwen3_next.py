@@ -77,5 +77,6 @@ QWEN3_NEXT = hf_family(
     lambda hf: hybrid_fields(hf) | {"shared_expert_intermediate_size": hf.shared_expert_intermediate_size},
     moe=True,
     layer_types=HYBRID_LAYER_TYPES,
+    partial_rotary=True,
     dropped_prefixes=("mtp.",),
 )

@@ -12,7 +12,15 @@ import torch
 from convert_helpers import assert_same_logits, build_reference, save_unfused_experts
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import GPT2Config, LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
+from transformers import (
+    GPT2Config,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from thinker import ThinkerConfig, ThinkerForCausalLM
 
@@ -38,6 +46,67 @@ def test_qwen2_with_biases(save_reference, run_convert, tied):
     assert_verified(result, "qwen2")
     assert ThinkerConfig.from_pretrained(result.output).tie_word_embeddings is tied
     assert_same_logits(model, result.output)
+
+
+ROPE_AS_THE_CLASS_RUNS_IT = {
+    # Qwen3's class reads no partial_rotary_factor: under the default type it rotates the whole head
+    "partial factor the class ignores": (
+        Qwen3Config,
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+    ),
+    # the one type whose table reads the factor (zero frequencies past it), which the class then runs
+    "proportional": (
+        Qwen3Config,
+        {"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(ROPE_AS_THE_CLASS_RUNS_IT))
+def test_rope_as_the_class_runs_it(case, save_reference, run_convert):
+    """The RoPE transformers' class computes, which is not always what its config reads: these converted to another
+    model, which the gate caught without naming a key (``converter/families/common.py`` ``reference_rope``)."""
+    config_class, rope = ROPE_AS_THE_CLASS_RUNS_IT[case]
+    config = config_class(
+        **SMALL, intermediate_size=40, num_attention_heads=2, num_key_value_heads=1, head_dim=16, **rope
+    )
+    model, source = save_reference(config)
+    result = run_convert(source)
+    assert result.parity.passed, result.parity.table()
+    assert_same_logits(model, result.output)
+
+
+def test_a_top_level_original_context_wins_as_in_transformers(save_reference, run_convert):
+    """Phi-3's spelling: rope_scaling beside a top-level original_max_position_embeddings, which transformers' YaRN
+    prefers to the nested one as it computes (the Thinker took the nested one: another model)."""
+    import json
+
+    config = LlamaConfig(**SMALL, intermediate_size=40, num_attention_heads=2, num_key_value_heads=1)
+    _, source = save_reference(config)
+    written = json.loads((source / "config.json").read_text())
+    written.pop("rope_parameters")
+    written |= {"rope_theta": 1e4, "original_max_position_embeddings": 4}
+    written["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    (source / "config.json").write_text(json.dumps(written))
+    model = LlamaForCausalLM.from_pretrained(source).eval()
+    result = run_convert(source)
+    assert result.parity.passed, result.parity.table()
+    assert_same_logits(model, result.output)
+    assert ThinkerConfig.from_pretrained(result.output).rope_parameters["original_max_position_embeddings"] == 4
+
+
+def test_a_scaled_rope_transformers_cannot_run_is_refused_by_key(save_reference, tmp_path):
+    """YaRN and a partial_rotary_factor in Qwen3's config: transformers sizes the table by the factor and rotates
+    the whole head, so its forward fails (it was a traceback inside the gate)."""
+    from common.errors import ThinkerError
+    from converter.convert import convert
+
+    rope = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+    config = Qwen3Config(**SMALL, intermediate_size=40, num_attention_heads=2, head_dim=16, rope_parameters=rope)
+    _, source = save_reference(config)
+    with pytest.raises(ThinkerError, match="partial_rotary_factor=0.5 with rope_type 'yarn'"):
+        convert(source, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
 
 
 def test_qwen3_qk_norm_free_head_dim_and_rope_scaling(save_reference, run_convert):
