@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from common.eager import EAGER
 from common.errors import ThinkerError
 from common.parity_inputs import RELATIVE_TOLERANCE, fixed_prompts, left_padded
 from common.sizes import human_size, parse_size
@@ -77,7 +78,7 @@ def reference_from_pretrained(label: Path, folder: Path, **kwargs: Any) -> PreTr
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             folder,
-            attn_implementation="eager",
+            **EAGER,
             trust_remote_code=False,
             ignore_mismatched_sizes=True,
             output_loading_info=True,
@@ -102,7 +103,7 @@ def reference_from_pretrained(label: Path, folder: Path, **kwargs: Any) -> PreTr
 
 def load_converted(folder: Path, dtype: torch.dtype | None = None) -> ThinkerForCausalLM:
     try:
-        model = ThinkerForCausalLM.from_pretrained(folder, dtype=dtype or "auto", attn_implementation="eager")
+        model = ThinkerForCausalLM.from_pretrained(folder, dtype=dtype or "auto", **EAGER)
     except Exception as err:  # as for the reference: whatever the folder's files make transformers raise
         raise ThinkerError(f"{folder}: the converted model does not load ({err})") from None
     return model.eval()

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from common.eager import EAGER
 from common.errors import ThinkerError
 from common.sources import TensorSource
 
@@ -388,4 +389,4 @@ def empty_model(build: Callable[..., nn.Module], config: Any, dtype: torch.dtype
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):
-        return build(config, dtype=dtype, attn_implementation="eager", **kwargs).eval()
+        return build(config, dtype=dtype, **EAGER, **kwargs).eval()

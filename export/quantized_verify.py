@@ -36,6 +36,7 @@ import numpy as np
 import onnx
 import torch
 
+from common.eager import EAGER
 from common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
 from common.progress import progress_bar
 
@@ -166,7 +167,7 @@ def verify_quantized_export(
         if plan == STREAMED:
             bar.update()
             return verify_quantized_streamed(model_dir, onnx_path, dtype, bits, gate, threads, on_step=bar.update)
-        model = ThinkerForCausalLM.from_pretrained(model_dir, dtype=REFERENCE_DTYPE).eval()
+        model = ThinkerForCausalLM.from_pretrained(model_dir, dtype=REFERENCE_DTYPE, **EAGER).eval()
         bar.update()
         return verify_quantized(model, model_dir, onnx_path, bits, gate, threads, bar.update, graph_dtype=dtype)
 

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from common.dtypes import dtype_name
+from common.eager import EAGER
 from common.errors import ThinkerError
 from common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
 from common.progress import progress_bar
@@ -245,7 +246,7 @@ def pytorch_thinker(model_dir: Path, dtype: torch.dtype, plan: str) -> Iterator[
     from thinker import ThinkerForCausalLM
 
     if plan != STREAMED:
-        yield ThinkerForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        yield ThinkerForCausalLM.from_pretrained(model_dir, dtype=dtype, **EAGER).eval()
         return
     streamed = load_layered_converted(model_dir, dtype)
     try:

@@ -21,6 +21,7 @@ from typing import Any
 from huggingface_hub.errors import StrictDataclassError
 from transformers import CONFIG_MAPPING, PreTrainedConfig
 
+from common.eager import EAGER
 from common.errors import ThinkerError
 from thinker import ThinkerConfig
 
@@ -322,9 +323,7 @@ def reference_by_model_type(classes: Mapping[str, str]) -> ReferenceLoader:
         if model_type not in classes:
             return load_reference(folder, dtype)
         try:
-            model = getattr(transformers, classes[model_type]).from_pretrained(
-                folder, dtype=dtype, attn_implementation="eager"
-            )
+            model = getattr(transformers, classes[model_type]).from_pretrained(folder, dtype=dtype, **EAGER)
         except Exception as err:  # as parity.load_reference: whatever the folder makes transformers raise
             raise ThinkerError(f"{folder}: the reference {classes[model_type]} does not load ({err})") from None
         return model.eval()

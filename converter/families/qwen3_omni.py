@@ -28,6 +28,7 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
+from common.eager import EAGER
 from common.errors import ThinkerError
 
 from .common import (
@@ -81,7 +82,7 @@ def load_reference(source: Path, dtype: Any) -> Any:
     folder = source.parent if source.is_file() else source
     try:
         model = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(
-            folder, config=thinker_config(folder), dtype=dtype, attn_implementation="eager"
+            folder, config=thinker_config(folder), dtype=dtype, **EAGER
         )
     except (OSError, ValueError) as err:
         raise ThinkerError(f"{folder}: the Qwen3-Omni thinker does not load with transformers ({err})") from None

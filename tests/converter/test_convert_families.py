@@ -190,6 +190,21 @@ def test_a_moe_that_outputs_its_router_logits(save_reference, run_convert):
     assert step.aux_loss is not None  # the new token's router logits, against its own column of the mask
 
 
+def test_expert_rows_torch_grouped_mm_refuses_still_verify(save_reference, run_convert, tmp_path):
+    """Experts 12 wide in bfloat16 (24-byte rows): torch's CPU grouped_mm, transformers' default experts, refuses
+    strides that are not a multiple of 16 bytes. The gate and the export's verify run eager experts (common/eager.py)
+    and pass; they failed with a traceback."""
+    from export.exporter import export_model
+
+    model, source = save_reference(Qwen3MoeConfig(**QWEN3_MOE))
+    with pytest.raises(RuntimeError, match="multiple of 16 bytes"):  # what the default implementation does
+        with torch.no_grad():
+            model.to(torch.bfloat16)(torch.tensor([[3, 14, 15]]))
+    result = run_convert(source, dtype="bfloat16")
+    assert result.parity.passed, result.parity.table()
+    assert export_model(result.output, tmp_path / "onnx")["verify"]["passed"] is True
+
+
 def test_qwen3_moe_fused_layout_and_sparse_step(save_reference, run_convert):
     config = Qwen3MoeConfig(**QWEN3_MOE, decoder_sparse_step=2, norm_topk_prob=False)
     # transformers 5 writes its in-memory fused experts when asked not to restore the original layout.
