@@ -34,6 +34,7 @@ POSITIVE_SIZES = (
     "linear_value_head_dim",
     "linear_num_key_heads",
     "linear_num_value_heads",
+    "decoder_sparse_step",  # every step-th layer sparse: 0 divides by zero in transformers' class and the Thinker's
 )
 
 
@@ -67,6 +68,9 @@ def config_problem(config: Mapping[str, Any]) -> str | None:
 
         if activation not in ACT2FN:
             return f"hidden_act={activation!r} is not an activation transformers knows; known: {', '.join(ACT2FN)}"
+        learned = [name for name, _ in ACT2FN[activation].named_parameters()]
+        if learned:  # PReLU's slope, xIELU's alphas: tensors of their own in each MLP, which the Thinker's has not
+            return f"hidden_act={activation!r} learns parameters ({', '.join(learned)}), which no Thinker MLP holds"
     rope = config.get("rope_parameters")
     if isinstance(rope, Mapping):
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

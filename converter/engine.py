@@ -151,13 +151,13 @@ def translate_config(family: Family, source_config: Mapping[str, Any], dtype: to
     except _CONFIG_ERRORS as err:
         reason = f"no key {err}" if isinstance(err, KeyError) else " ".join(str(err).split())
         raise ThinkerError(f"the source {family.config_label} is not a valid {family.name} config: {reason}") from None
+    check_model_config(kwargs, f"the source {family.config_label}")  # before the config computes from them
     try:
         config = ThinkerConfig(**kwargs)
         config.validate_architecture()
     except (TypeError, ValueError, StrictDataclassError) as err:
         reason = " ".join(str(err).split())
         raise ThinkerError(f"{family.name} config does not translate to a valid Thinker config: {reason}") from None
-    check_model_config(config.to_dict(), f"the source {family.config_label}")
     config.architectures = ["ThinkerForCausalLM"]
     config.dtype = dtype
     return config
@@ -308,9 +308,12 @@ def check_float_sources(family: Family, steps: list[Step], source: TensorSource)
 
 
 def _dropped_names(family: Family, config: ThinkerConfig) -> set[str]:
-    dropped = expand_rules(
-        tuple(TensorRule((name,), ()) for name in family.dropped), config.num_hidden_layers, config.num_experts
-    )
+    rules = tuple(TensorRule((name,), ()) for name in family.dropped)
+    if config.num_experts and not config.shared_expert_intermediate_size:
+        # A shared expert 0 wide adds exactly 0 (its gate scales an empty product), yet Qwen2-MoE's class writes its
+        # empty projections and its gate: the Thinker, which has none, drops them.
+        rules += tuple(rule for rule in family.tensors if any(".shared_expert" in t for t in rule.targets))
+    dropped = expand_rules(rules, config.num_hidden_layers, config.num_experts)
     return {name for step in dropped for name in step.sources}
 
 

@@ -89,6 +89,7 @@ BAD_VALUES = {
     "no context": ({"max_position_embeddings": 0}, ["max_position_embeddings=0"]),
     "a context of 1e12": ({"max_position_embeddings": 10**12}, ["max_position_embeddings=1000000000000"]),
     "unknown activation": ({"hidden_act": "swishy"}, ["hidden_act='swishy'"]),
+    "an activation with weights": ({"hidden_act": "prelu"}, ["hidden_act='prelu' learns parameters (weight)"]),
     "unknown rope_type": (
         {"rope_parameters": {"rope_type": "spiral", "rope_theta": 10000.0}},
         ["rope_type='spiral'"],

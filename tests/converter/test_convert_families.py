@@ -205,6 +205,41 @@ def test_expert_rows_torch_grouped_mm_refuses_still_verify(save_reference, run_c
     assert export_model(result.output, tmp_path / "onnx")["verify"]["passed"] is True
 
 
+def test_a_shared_expert_zero_wide_is_dropped(save_reference, run_convert):
+    """Qwen2-MoE with shared_expert_intermediate_size 0: its class writes empty projections and a gate that add
+    exactly 0; the Thinker has no shared expert and converts the rest (it was refused as unmapped tensors)."""
+    config = Qwen2MoeConfig(
+        **SMALL,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=0,
+    )
+    model, source = save_reference(config)
+    result = run_convert(source)
+    assert_verified(result, "qwen2_moe")
+    assert ThinkerConfig.from_pretrained(result.output).shared_expert_intermediate_size == 0
+    assert_same_logits(model, result.output)
+
+
+def test_a_sparse_step_of_zero_is_refused_by_key(save_reference, tmp_path):
+    """decoder_sparse_step 0 divides by zero in transformers' class and the Thinker's (was a ZeroDivisionError)."""
+    import json
+
+    from common.errors import ThinkerError
+    from converter.convert import convert
+
+    _, source = save_reference(Qwen3MoeConfig(**QWEN3_MOE))
+    written = json.loads((source / "config.json").read_text()) | {"decoder_sparse_step": 0}
+    (source / "config.json").write_text(json.dumps(written))
+    with pytest.raises(ThinkerError, match="decoder_sparse_step=0 must be a whole number above 0"):
+        convert(source, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_qwen3_moe_fused_layout_and_sparse_step(save_reference, run_convert):
     config = Qwen3MoeConfig(**QWEN3_MOE, decoder_sparse_step=2, norm_topk_prob=False)
     # transformers 5 writes its in-memory fused experts when asked not to restore the original layout.

@@ -41,3 +41,22 @@ def test_the_default_path_fails_parity_and_installs_nothing(save_reference, tmp_
     assert line.startswith(f"error: {output}: does not match its reference") and "layer 1" in line, line
     assert "nothing written" in line
     assert not output.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".broken")]
+
+
+def test_a_reference_that_fails_on_the_prompts_is_named(save_reference, tmp_path, monkeypatch):
+    """transformers' class may accept a config it cannot run: its forward's error, inside the gate, was a traceback.
+    Now one line naming the class and what it raised, and nothing is installed."""
+    import transformers
+
+    _, source = save_reference(QWEN3)
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("The size of tensor a (16) must match the size of tensor b (8)")
+
+    monkeypatch.setattr(transformers.Qwen3ForCausalLM, "forward", broken)
+    output = tmp_path / "out"
+    result = CliRunner().invoke(main, ["convert", str(source), str(output)])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    line = result.stderr.strip().splitlines()[-1]
+    assert "transformers' Qwen3ForCausalLM fails on the parity prompts (RuntimeError: The size of tensor a" in line
+    assert "--no-verify" in line and not output.exists()
