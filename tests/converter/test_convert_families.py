@@ -127,15 +127,20 @@ def test_qwen3_qk_norm_free_head_dim_and_rope_scaling(save_reference, run_conver
     assert_same_logits(model, result.output)
 
 
+QWEN2_MOE = dict(
+    SMALL,
+    intermediate_size=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+)
+
+
 def test_qwen2_moe_shared_expert(save_reference, run_convert):
     config = Qwen2MoeConfig(
-        **SMALL,
-        intermediate_size=48,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
+        **QWEN2_MOE,
         shared_expert_intermediate_size=24,
         decoder_sparse_step=2,  # layer 1 sparse, layers 0 and 2 dense
     )
@@ -208,17 +213,7 @@ def test_expert_rows_torch_grouped_mm_refuses_still_verify(save_reference, run_c
 def test_a_shared_expert_zero_wide_is_dropped(save_reference, run_convert):
     """Qwen2-MoE with shared_expert_intermediate_size 0: its class writes empty projections and a gate that add
     exactly 0; the Thinker has no shared expert and converts the rest (it was refused as unmapped tensors)."""
-    config = Qwen2MoeConfig(
-        **SMALL,
-        intermediate_size=48,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=0,
-    )
-    model, source = save_reference(config)
+    model, source = save_reference(Qwen2MoeConfig(**QWEN2_MOE, shared_expert_intermediate_size=0))
     result = run_convert(source)
     assert_verified(result, "qwen2_moe")
     assert ThinkerConfig.from_pretrained(result.output).shared_expert_intermediate_size == 0
