@@ -139,7 +139,6 @@ def run_prompts(model: PreTrainedModel, prompts: list[list[int]], steps: int = G
     return first, torch.stack(tokens, dim=1).tolist()
 
 
-@torch.no_grad()
 def reference_run(reference: PreTrainedModel, prompts: list[list[int]]) -> tuple[Any, list]:
     """``run_prompts`` on transformers' own model, which may fail on a config its class accepts but cannot run (a
     scaled RoPE sized by a partial factor it does not apply): said so, not a traceback from inside transformers."""
@@ -156,6 +155,7 @@ def reference_run(reference: PreTrainedModel, prompts: list[list[int]]) -> tuple
         ) from None
 
 
+@torch.no_grad()
 def compare(reference: PreTrainedModel, converted: PreTrainedModel, prompts: list[list[int]]) -> DtypeParity:
     """Run both models (which must hold the same dtype) on the prompts and measure how far apart they are."""
     dtype = converted.dtype
