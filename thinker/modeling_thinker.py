@@ -472,7 +472,8 @@ class ThinkerExperts(nn.Module):
         for expert in top_k_index.unique().tolist():
             if expert >= self.num_experts:
                 continue
-            token_idx, slot = torch.where(top_k_index == expert)
+            # slot-major, as transformers' eager experts order the rows: the same matmuls, so the same bits
+            slot, token_idx = torch.where(top_k_index.T == expert)
             gate, up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert]).chunk(2, dim=-1)
             y = F.linear(self.act_fn(gate) * up, self.down_proj[expert])
             out.index_add_(0, token_idx, (y * top_k_weights[token_idx, slot, None]).to(out.dtype))
