@@ -611,11 +611,11 @@ class OnnxDecoder:
         # Refused before the first token rather than at the step that runs out (a streamer would have printed the
         # rest): the last new token is never fed back, so it takes no position.
         longest = int(attention_mask.sum(axis=1).max())
-        if self.context_length is not None and longest + max_new_tokens - 1 > self.context_length:
+        needed = max(longest, longest + max_new_tokens - 1)
+        if self.context_length is not None and needed > self.context_length:
             raise ThinkerError(
-                f"a prompt of {longest} tokens and {max_new_tokens} new ones need {longest + max_new_tokens - 1} "
-                f"positions, past this model's context of {self.context_length}; shorten the prompt or lower "
-                "max_new_tokens"
+                f"a prompt of {longest} tokens and {max_new_tokens} new ones need {needed} positions, past this "
+                f"model's context of {self.context_length}; shorten the prompt or lower max_new_tokens"
             )
         eos = set(np.atleast_1d(eos_token_id).tolist()) if eos_token_id is not None else set()
         pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)

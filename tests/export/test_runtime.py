@@ -221,6 +221,8 @@ def test_bad_inputs_are_refused_by_name(onnx_folder):
     streamer = type("Streamer", (), {"put": lambda self, value: streamed.append(value), "end": lambda self: None})()
     with pytest.raises(ThinkerError, match=f"need {context + 1} positions, past this model's context of {context}"):
         decoder.generate(np.full((1, context - 8), 3), max_new_tokens=10, streamer=streamer)
+    with pytest.raises(ThinkerError, match=f"need {context + 1} positions"):
+        decoder.generate(np.full((1, context + 1), 3), max_new_tokens=0, streamer=streamer)
     assert streamed == []  # refused before the prompt was streamed or a token chosen
     for threads in (2.5, 0, True):
         with pytest.raises(ThinkerError, match=re.escape(f"threads={threads!r}; expected a whole number")):
