@@ -44,6 +44,13 @@ from export.quantized_verify import experts_in_float  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results" / "qmoe_int8.json"
 NUMPY_TYPES = {torch.float32: np.float32, torch.float16: np.float16}
 ROWS = (1, 128)
+# the experts' weights' standard deviation, per provider. float16 (CUDA) rounds x + MoE(x) to x's scale, so its
+# experts are larger, for an MoE term a good part of x (or the error column would measure float16's resolution of x
+# alone); but the SwiGLU term grows with x squared and the chain has no norm between layers. At 0.1, as an H200 run
+# had it, x reached 1e12 by the fifth layer and the chain ended in NaN (routing NaN logits, so its times measured
+# something else too); 0.04 still grows fourfold over twelve layers; 0.03 keeps x at its size
+# (tests/test_bench_qmoe.py). Speed does not depend on the values.
+EXPERT_SCALE = {"cpu": 0.02, "cuda": 0.03}
 MOE_ATTRIBUTES = dict(
     k=0,
     activation_type="swiglu",
@@ -63,6 +70,20 @@ class Tensors:
     def weight(self, name: str, array: np.ndarray) -> str:
         self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
         return name
+
+
+def random_layers(count: int, experts: int, hidden: int, inner: int, scale: float) -> list[dict]:
+    """``count`` MoE layers of random weights (seed 0): a router scaled to unit logits, experts of ``scale``."""
+    rng = np.random.default_rng(0)
+    return [
+        {
+            "router": (rng.standard_normal((hidden, experts)) / np.sqrt(hidden)).astype(np.float32),
+            # fc1: gate and up interleaved
+            "fc1": (rng.standard_normal((experts, 2 * inner, hidden)) * scale).astype(np.float32),
+            "fc2": (rng.standard_normal((experts, hidden, inner)) * scale).astype(np.float32),
+        }
+        for _ in range(count)
+    ]
 
 
 def moe_chain(
@@ -124,19 +145,7 @@ def main() -> None:
     parser.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", type=Path, default=RESULTS.parent, help="the folder the results go to")
     args = parser.parse_args()
-    rng = np.random.default_rng(0)
-    e, h, i = args.experts, args.hidden, args.inner
-    # float16 (CUDA) rounds x + MoE(x) to x's scale: experts' weights large enough that the MoE term is too, or the
-    # error column would measure float16's resolution of x alone (speed does not depend on the values)
-    scale = 0.1 if args.provider == "cuda" else 0.02
-    layers = [
-        {
-            "router": (rng.standard_normal((h, e)) / np.sqrt(h)).astype(np.float32),
-            "fc1": (rng.standard_normal((e, 2 * i, h)) * scale).astype(np.float32),  # gate, up interleaved
-            "fc2": (rng.standard_normal((e, h, i)) * scale).astype(np.float32),
-        }
-        for _ in range(args.layers)
-    ]
+    layers = random_layers(args.layers, args.experts, args.hidden, args.inner, EXPERT_SCALE[args.provider])
     if args.provider == "cuda":
         cuda_layouts(args, layers)
         return

@@ -54,3 +54,17 @@ def test_quantized_chains_compute_the_float_chain(dtype):
     ]:
         error = np.abs(moe(spec, in_blocks) - reference).max() / np.abs(reference).max()
         assert error < bound, (spec, in_blocks, error)
+
+
+def test_the_cuda_chain_stays_within_float16():
+    """The CUDA mode's twelve layers of the default shapes (fewer experts, all routed: the same sums per row) keep x
+    near its own size; at the 0.1 it used to take, x passed float16's range by the fourth layer (an H200's run
+    reported NaN errors)."""
+    layers = bench_qmoe_int8.random_layers(12, 8, 1024, 128, bench_qmoe_int8.EXPERT_SCALE["cuda"])
+    x = np.random.default_rng(1).standard_normal((16, 1024)).astype(np.float32)
+    session = ort.InferenceSession(
+        bench_qmoe_int8.moe_chain(layers, 8, None, False).SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    out = session.run(None, {"x0": x})[0]
+    assert np.abs(out).max() < 1.5 * np.abs(x).max()
+    assert np.abs(out - x).max() > 0.1 * np.abs(x).max()  # and the MoE term is not lost in float16's rounding of x
