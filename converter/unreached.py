@@ -94,9 +94,15 @@ def experts_stage(layer: int) -> str:
 
 
 def decoder_layers(model: nn.Module) -> dict[int, nn.Module]:
-    """A model's decoder layers by index (``...layers.{i}``, whatever the prefix: ``model.``,
-    ``model.language_model.``)."""
-    found = {}
+    """A model's decoder layers by index: the ``layers`` list beside its input embeddings (``model.``,
+    ``model.language_model.``, a thinker's ``model.``). A model with towers has other ``layers`` lists (Qwen3-Omni's
+    audio encoder: ``audio_tower.layers.N``), so the first ``...layers.{i}`` found by name is not the decoder's."""
+    embeddings = model.get_input_embeddings()
+    for module in model.modules():
+        layers = getattr(module, "layers", None)
+        if isinstance(layers, nn.ModuleList) and any(child is embeddings for child in module.children()):
+            return dict(enumerate(layers))
+    found = {}  # no such pair: every ``...layers.{i}`` by name, the first of each index
     for name, module in model.named_modules():
         match = _LAYER.search(name)
         if match:

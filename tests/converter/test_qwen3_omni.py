@@ -72,6 +72,19 @@ def test_qwen3_omni_thinker_converts_with_parity(omni_source, tmp_path):
         torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
 
 
+def test_qwen3_omni_with_a_sparse_first_layer_passes_its_gate(tmp_path):
+    """As released (decoder_sparse_step 1: every layer MoE), layer 0's experts are probed in the thinker's decoder,
+    not in the audio encoder's layer 0, which came first by name and has none (the gate failed "layer 0: every
+    expert" on an exact conversion)."""
+    source = qwen3_omni.save(tmp_path / "source", decoder_sparse_step=1)
+    result = cli_convert(source, tmp_path / "out", "--verify")
+    assert result.exit_code == 0, result.output
+    parity = json.loads((tmp_path / "out" / "parity.json").read_text())
+    assert parity["passed"] and parity["mode"] == "whole-model", parity
+    probed = {stage["name"]: stage["max_abs_diff"] for stage in parity["results"][0]["unreached"]}
+    assert probed["layer 0: every expert"] == 0, probed
+
+
 def test_qwen3_omni_hub_config_spelling(omni_source, tmp_path):
     """The Hub's config.json spells RoPE the transformers-4 way (``rope_theta`` + ``rope_scaling`` with the mrope
     keys); it translates to the same interleaved mRoPE."""
