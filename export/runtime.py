@@ -432,9 +432,9 @@ class OnnxDecoder:
             "attention_mask": np.ascontiguousarray(state.attention_mask, dtype=np.int64),
         }
         if self.takes_positions:
-            positions = np.ascontiguousarray(self.graph_positions(position_ids), dtype=np.int64)
+            positions = self.graph_positions(position_ids)
             self._check_positions(positions, batch, steps)
-            feeds["position_ids"] = positions
+            feeds["position_ids"] = np.ascontiguousarray(positions, dtype=np.int64)
         if self.device == "cuda" or self.shared_kv:
             return self._forward_bound(feeds, state)
         outputs = self.session.run(self.output_names, {**feeds, **state.cache})
@@ -482,6 +482,16 @@ class OnnxDecoder:
     def _check_positions(self, positions: np.ndarray, batch: int, steps: int) -> None:
         if positions.shape[-2:] != (batch, steps):
             raise ThinkerError(f"position_ids of shape {positions.shape} for input_ids of shape ({batch}, {steps})")
+        # the graph reads RoPE from a table of positions 0 .. context - 1, where PyTorch computes any angle: a
+        # fraction would be truncated and a negative position (cumsum - 1 on a pad, without masked_fill) would read
+        # the table's end, or stop the fused graph's kernels
+        if not np.issubdtype(positions.dtype, np.integer):
+            raise ThinkerError(f"position_ids of dtype {positions.dtype}; positions are integers")
+        if int(positions.min()) < 0:
+            raise ThinkerError(
+                f"position_ids hold {int(positions.min())}; positions count from 0 (give a pad any position from 0, "
+                "as transformers' masked_fill(attention_mask == 0, 1) does: its mask hides it)"
+            )
         if self.context_length is not None and int(positions.max()) >= self.context_length:
             raise ThinkerError(
                 f"position {int(positions.max())} is past this model's context of {self.context_length} positions "

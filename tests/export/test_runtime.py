@@ -229,3 +229,8 @@ def test_bad_inputs_are_refused_by_name(onnx_folder):
             OnnxDecoder(onnx_folder("qwen3"), provider="cpu", threads=threads)
     with pytest.raises(ThinkerError, match=r"position_ids of shape \(1, 2\) for input_ids of shape \(1, 1\)"):
         decoder.forward(np.array([[1]]), np.array([[3, 4]]), state)
+    # positions the graph's RoPE table cannot take as PyTorch does: refused, not truncated or read from its end
+    with pytest.raises(ThinkerError, match=re.escape("position_ids hold -1; positions count from 0")):
+        decoder.forward(np.array([[1]]), np.array([[-1]]), state)
+    with pytest.raises(ThinkerError, match=re.escape("position_ids of dtype float64; positions are integers")):
+        decoder.forward(np.array([[1]]), np.array([[3.5]]), state)
