@@ -255,6 +255,7 @@ def _guard(model_dir, onnx_path, vocab_size, max_positions, min_agreement, threa
     result["agreement_before"] = agreement
     result["mean_kl_before"] = mean_kl(reference, shipped)
     moved: list[str] = []
+    moved_nodes: list[str] = []
     if agreement < min_agreement:
         # the ranking, the bisection's runs, and one with the moved units' 8-bit experts kept
         bar.total += 2 + math.ceil(math.log2(max(len(units), 1)))
@@ -291,6 +292,7 @@ def _guard(model_dir, onnx_path, vocab_size, max_positions, min_agreement, threa
                 levels, agreement = kept, with_int8_experts
         bar.total = bar.n  # the bisection may need fewer runs than its bound
         set_levels(model, levels)
+        moved_nodes = list(levels)  # a moved unit's experts may have stayed at int8 activations
         to_float = float_fallback_nodes(model, list(levels))
         experts_to_float = expert_fallback_nodes(model, list(levels))
         if to_float or experts_to_float:  # the same function as level 1 (export/float_fallback.py), measured again
@@ -308,7 +310,7 @@ def _guard(model_dir, onnx_path, vocab_size, max_positions, min_agreement, threa
         agreement=agreement,
         passed=agreement >= min_agreement,
         moved_to_level_1=moved,
-        nodes_moved=[name for unit in moved for name in units[unit]],
+        nodes_moved=moved_nodes,
         seconds=round(time.perf_counter() - started, 3),
     )
     return result

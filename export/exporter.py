@@ -13,7 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from pkgutil import resolve_name
 from typing import TYPE_CHECKING
@@ -67,12 +67,17 @@ class GraphFiles:
     data_bytes: int
 
 
-def routed_experts(config: ThinkerConfig, nodes_by_op: dict[str, int]) -> dict[str, str]:
+def routed_experts(config: ThinkerConfig, nodes_by_op: dict[str, int], guard: dict | None = None) -> dict[str, str]:
     """For a quantized MoE export, what its routed experts became (read off the graph's operators): onnxruntime's
-    QMoE, or the plain graph's int8-held experts dequantized as each step gathers them (its expert Loop, or a decode
-    step's picked experts at once; also Qwen2-MoE's unnormalised routing in the fused graph)."""
+    QMoE, the accuracy guard's float MoE fallbacks of some or all of them (``guard``: its report), or the plain
+    graph's int8-held experts dequantized as each step gathers them (its expert Loop, or a decode step's picked
+    experts at once; also Qwen2-MoE's unnormalised routing in the fused graph)."""
     if not config.num_experts:
         return {}
+    fallbacks = len((guard or {}).get("experts_to_float_moe", []))
+    if fallbacks:
+        kept = f"QMoE in {nodes_by_op['QMoE']} layers, " if nodes_by_op.get("QMoE") else ""
+        return {"routed_experts": f"{kept}float MoE in {fallbacks} (the accuracy guard's fallback)"}
     if nodes_by_op.get("QMoE"):
         return {"routed_experts": "QMoE"}
     if nodes_by_op.get("DequantizeLinear"):
@@ -81,6 +86,14 @@ def routed_experts(config: ThinkerConfig, nodes_by_op: dict[str, int]) -> dict[s
 
 
 FLOAT_EXPERTS = "float (too narrow: widths not whole blocks, or fewer than 16 outputs)"
+
+
+def counted(files: GraphFiles) -> GraphFiles:
+    """``files`` with the graph's figures read again from the files: the accuracy guard rewrites them (nodes at
+    another level, float fallbacks beside or instead of MatMulNBits and QMoE, a larger weights file)."""
+    ops = count_ops(onnx.load(str(files.model_path), load_external_data=False).graph)
+    data_bytes = (files.model_path.parent / DATA_FILE).stat().st_size
+    return replace(files, nodes=sum(ops.values()), nodes_by_op=dict(sorted(ops.items())), data_bytes=data_bytes)
 
 
 def head_quantized(model_path: Path) -> bool:
@@ -184,6 +197,7 @@ def export_model(
                 threads,
                 progress,
             )
+            files = counted(files)
         # after the guard, which may rewrite model.onnx
         genai_graph = write_genai_graph(files.model_path, graph_dtype)
         copy_side_files(model_dir, final)
@@ -206,7 +220,8 @@ def export_model(
             "graph": graph,
             "positions": positions,
             "logits": logits,
-            "quantize": quantize.describe(head_quantized(files.model_path)) | routed_experts(config, files.nodes_by_op)
+            "quantize": quantize.describe(head_quantized(files.model_path))
+            | routed_experts(config, files.nodes_by_op, guard)
             if quantize
             else None,
             "accuracy_guard": guard,

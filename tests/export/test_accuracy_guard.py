@@ -116,6 +116,12 @@ INT8 = QuantizeSpec(bits=8, block_size=16)  # accuracy level 4
 NO_GATE = QualityGate(min_top1=0.0, max_perplexity_increase=float("inf"))  # random weights: the graph checks alone
 
 
+def written_ops(folder: Path) -> dict[str, int]:
+    from export.exporter import count_ops
+
+    return dict(sorted(count_ops(onnx.load(folder / "model.onnx", load_external_data=False).graph).items()))
+
+
 def external_ranges(path: Path) -> tuple[dict[str, tuple[int, int]], int]:
     """Each external tensor's (offset, length) in the weights file, and the file's size."""
     model = onnx.load(path, load_external_data=False)
@@ -151,6 +157,7 @@ def test_int8_units_fall_back_to_float_matmuls_that_the_verify_reads(graph, thin
     assert not [n.name for n in in_layer if n.op_type == "MatMulNBits"]
     floats = [n for n in in_layer if n.op_type == "MatMul" and n.input[1].endswith(DEQUANTIZED)]
     assert len(floats) == len(guard["nodes_to_float_matmul"])
+    assert report["nodes_by_op"] == written_ops(tmp_path / "out"), report["nodes_by_op"]  # after the rewrite
     weights = {t.name: t for t in model.graph.initializer}
     assert all(weights[n.input[1]].data_type == onnx.TensorProto.FLOAT for n in floats)
     assert not [name for name in weights if name + DEQUANTIZED in weights]  # the packed 8-bit tensors are gone
@@ -284,6 +291,9 @@ def test_moved_int8_experts_become_float_moe_and_verify(thinker_variant, tmp_pat
     assert all(name.endswith(DEQUANTIZED) for name in (moved[0].input[2], moved[0].input[4]))
     assert not [name for name in weights if name + DEQUANTIZED in weights]  # the 8-bit stacks are gone
     assert not [p.name for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]
+    # the report describes the graph as written, after the guard's rewrite
+    assert report["nodes_by_op"] == written_ops(tmp_path / "out"), report["nodes_by_op"]
+    assert report["quantize"]["routed_experts"] == "QMoE in 1 layers, float MoE in 1 (the accuracy guard's fallback)"
 
 
 def test_the_float_experts_compute_what_the_float_path_computes(thinker_variant, tmp_path):
@@ -366,6 +376,8 @@ def test_a_moved_layer_keeps_its_int8_experts_where_they_do_not_cost(thinker_var
     assert guard["moved_to_level_1"] == ["layers.0"] and guard["passed"] is True, guard
     assert guard["agreement_with_int8_experts"] >= 0.9 and guard["experts_to_float_moe"] == [], guard
     assert guard["nodes_to_float_matmul"], guard  # its projections did fall back
+    assert not [name for name in guard["nodes_moved"] if "QMoE" in name], guard  # its experts did not move
+    assert report["nodes_by_op"] == written_ops(tmp_path / "out") and report["quantize"]["routed_experts"] == "QMoE"
     assert [n.op_type for n in onnx.load(tmp_path / "out" / "model.onnx", load_external_data=False).graph.node].count(
         "QMoE"
     ) == 2
