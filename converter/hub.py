@@ -276,11 +276,14 @@ def _resolve_repo(
         raise _not_cached(label, endpoint, cache_dir, offline, err.__cause__ or err) from None
     except HfHubHTTPError as err:
         raise _explain(err, repo_id, label, endpoint, cache_dir) from None
-    except _NETWORK_ERRORS as err:  # the connection dropped in the middle of a download
+    except (*_NETWORK_ERRORS, RecursionError) as err:  # the connection dropped in the middle of a download
+        # RecursionError: huggingface_hub retries a cut download by calling itself, with its count of retries
+        # reset by every chunk that arrives, so an endpoint that cuts each try after some bytes (a proxy that
+        # ignores Range) ends in the recursion limit rather than its own error
+        why = "cut on every try" if isinstance(err, RecursionError) else f"{type(err).__name__}: {_first_line(err)}"
         raise ThinkerError(
-            f"{label}: the connection to the Hub at {endpoint} dropped during the download "
-            f"({type(err).__name__}: {_first_line(err)}); what was fetched stays in the cache at {cache_dir}, and "
-            "running the command again goes on from there"
+            f"{label}: the connection to the Hub at {endpoint} dropped during the download ({why}); the files "
+            f"fetched whole stay in the cache at {cache_dir}, and running the command again fetches the rest"
         ) from None
     except OSError as err:  # a full disk, an unwritable cache, a size mismatch after download
         raise ThinkerError(
@@ -300,7 +303,10 @@ def _offline() -> bool:
 def _remote_listing(repo_id: str, revision: str, endpoint: str, token: str | bool | None) -> list[str]:
     """Every file name of the repo at ``revision``, from one model-info call (its ``siblings``)."""
     api = HfApi(endpoint=endpoint, token=token)
-    info = api.model_info(repo_id, revision=revision)
+    # huggingface_hub's client waits forever by default: an endpoint that takes the connection and never answers
+    # would hang the command, cached snapshot or not. Its metadata timeout (HF_HUB_ETAG_TIMEOUT, 10 s) ends the
+    # wait as "unreachable", which falls back to the cache.
+    info = api.model_info(repo_id, revision=revision, timeout=constants.HF_HUB_ETAG_TIMEOUT)
     if info.siblings is None:  # not expected from the Hub, but a mirror may leave it out
         return api.list_repo_files(repo_id, revision=revision)
     return [sibling.rfilename for sibling in info.siblings]
@@ -392,7 +398,10 @@ def _explain(err: HfHubHTTPError, repo_id: str, label: str, endpoint: str, cache
             f"or set HF_TOKEN if it is private{local_hint}"
         )
     if isinstance(err, RemoteEntryNotFoundError):
-        return ThinkerError(f"{label}: a listed file is missing on {endpoint} ({_first_line(err)}); retry later")
+        # huggingface_hub's first line is "404 Client Error."; the file is in the URL of a later one
+        url = re.search(r"for url: (\S+?)\.?$", str(err), re.MULTILINE)
+        missing = url.group(1).rsplit("/resolve/", 1)[-1].split("/", 1)[-1] if url else _first_line(err)
+        return ThinkerError(f"{label}: a listed file is missing on {endpoint} ({missing}); retry later")
     if status == 401:
         return ThinkerError(f"{label}: the Hub at {endpoint} refused the token (HTTP 401); set HF_TOKEN to a valid one")
     if status == 403:

@@ -20,6 +20,7 @@ import json
 import re
 import socket
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -69,6 +70,11 @@ class FakeHub:
         self._thread: threading.Thread | None = None
         # The connection drops before the body of every LFS file sent after this many whole ones (None: never).
         self.cut_downloads_after: int | None = None
+        # The API (the file listing) holds every request this many seconds before answering (None: at once), as a
+        # stalled endpoint or proxy does.
+        self.stall_api_seconds: float | None = None
+        # Files the listing names and the file endpoint answers 404 for (a repo changing under a download).
+        self.unserved: set[str] = set()
         self._whole_downloads = 0
 
     @property
@@ -147,6 +153,8 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             with hub._lock:
                 hub.requests.append(Request(self.command, path, self.headers.get("Authorization")))
             if match := _API_RE.match(path):
+                if hub.stall_api_seconds:
+                    time.sleep(hub.stall_api_seconds)
                 repo_id, rev = match["repo"], unquote(match["rev"])
                 if (found := self._find(repo_id, rev)) is not None:
                     repo, sha = found
@@ -187,7 +195,7 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             return False
 
         def _send_file(self, sha: str, files: dict[str, bytes], file_path: str, head: bool) -> None:
-            content = files.get(file_path)
+            content = None if file_path in hub.unserved else files.get(file_path)
             if content is None:
                 # The Hub names the commit even on a 404, so huggingface_hub can cache the file's absence.
                 self._send_error(404, "EntryNotFound", f"{file_path} does not exist", {"X-Repo-Commit": sha})

@@ -156,6 +156,26 @@ def test_unreachable_hub_falls_back_to_the_cache(fake_hub):
     assert "HF_ENDPOINT" in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_stalled_hub_times_out_to_the_cache(fake_hub, monkeypatch):
+    """An endpoint that takes the connection and never answers (a stalled proxy) ends the listing's wait after
+    HF_HUB_ETAG_TIMEOUT as an unreachable Hub: the cached snapshot is used, an uncached repo is one line. Without
+    the timeout huggingface_hub's client waits forever."""
+    fake_hub.add_repo(REPO, tiny_repo())
+    cached = resolve_source(REPO, progress=False)
+    monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 0.5)
+    fake_hub.stall_api_seconds = 30
+    assert resolve_source(REPO, progress=False) == cached
+    with pytest.raises(ThinkerError, match=r"cannot reach the Hub at .*acme/other@main \(\w*Timeout"):
+        resolve_source("acme/other", progress=False)
+
+
+def test_a_listed_file_the_hub_does_not_serve_is_named(fake_hub):
+    fake_hub.add_repo(REPO, tiny_repo())
+    fake_hub.unserved.add("tokenizer.json")
+    with pytest.raises(ThinkerError, match=r"acme/tiny@main: a listed file is missing on .* \(tokenizer\.json\)"):
+        resolve_source(REPO, progress=False)
+
+
 def test_a_download_cut_off_midway_is_one_line_and_resumes(fake_hub, qwen3_source, tmp_path):
     """The connection drops before the weights' body on every try: huggingface_hub retries (its warnings kept out of
     the user's terminal), then one line says what happened; what was fetched stays cached, and the next run, with the
@@ -164,13 +184,29 @@ def test_a_download_cut_off_midway_is_one_line_and_resumes(fake_hub, qwen3_sourc
     fake_hub.cut_downloads_after = 0
     output = tmp_path / "out"
     done = run_cli("convert", "tiny-org/tiny-qwen3", output, "--no-verify")
-    assert_process_error(done, "tiny-org/tiny-qwen3@main", "dropped during the download", "running the command again")
+    assert_process_error(done, "tiny-org/tiny-qwen3@main", "dropped during the download", "fetches the rest")
     assert "resume" not in done.stderr.lower()  # huggingface_hub's retry notices
     assert_nothing_written(output)
     # cut, retried, cut again: the error came after huggingface_hub's own tries
     assert len(fake_hub.file_requests("GET")) > 1
     fake_hub.cut_downloads_after = None
     assert (resolve_source("tiny-org/tiny-qwen3", progress=False) / "model.safetensors").is_file()
+
+
+def test_a_download_cut_on_every_try_past_the_recursion_limit_is_one_line(fake_hub, monkeypatch):
+    """huggingface_hub retries a cut download by calling itself and resets its count of retries with every chunk,
+    so an endpoint that cuts each try after some bytes (a proxy that ignores Range; about 500 tries over 9 minutes
+    in QA) ends in RecursionError: the same line as any dropped connection."""
+    import converter.hub as hub
+
+    fake_hub.add_repo(REPO, tiny_repo())
+
+    def recursing(*args, **kwargs):
+        raise RecursionError("maximum recursion depth exceeded in comparison")
+
+    monkeypatch.setattr(hub, "snapshot_download", recursing)
+    with pytest.raises(ThinkerError, match=r"acme/tiny@main: .* dropped during the download \(cut on every try\)"):
+        resolve_source(REPO, progress=False)
 
 
 def test_a_corrupt_cached_file_says_which_copy_to_delete(fake_hub, qwen3_source, tmp_path):
