@@ -11,6 +11,8 @@ from pathlib import Path
 
 import click
 
+from common.errors import ThinkerError
+
 DEFAULT_PROMPT = "The capital of France is"
 
 
@@ -22,6 +24,12 @@ def run_demo(workdir: Path, prompt: str, max_new_tokens: int, generate) -> None:
     from .exporter import export_model
 
     gguf = smollm2_gguf_path()
+    try:  # here, so that a folder the user cannot write to is named as the demo's option, not as an OUTPUT
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ThinkerError(
+            f"--workdir {workdir}: cannot create it ({err.strerror or err}); pass --workdir a folder you can write to"
+        ) from None
     thinker_dir, onnx_dir = workdir / "smollm2-135m-thinker", workdir / "smollm2-135m-onnx"
 
     _step(1, f"convert {gguf.name} -> {thinker_dir} (with the parity check)")

@@ -27,3 +27,12 @@ def test_the_demo_runs_the_whole_pipeline(tmp_path):
     assert "Paris" in answers[0]
     assert (tmp_path / "smollm2-135m-thinker" / "parity.json").is_file()
     assert (tmp_path / "smollm2-135m-onnx" / "model.onnx").is_file()
+
+
+def test_a_workdir_that_cannot_be_made_is_named_as_the_option(tmp_path):
+    """Before any step, in the demo's own terms (the convert step's message spoke of an OUTPUT the demo has not)."""
+    (tmp_path / "a-file").write_text("")
+    result = CliRunner().invoke(main, ["demo", "--workdir", str(tmp_path / "a-file" / "demo")])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert f"--workdir {tmp_path / 'a-file' / 'demo'}: cannot create it" in result.output, result.output
+    assert "[1/4]" not in result.output
