@@ -82,9 +82,10 @@ def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str 
     present of: safetensors, PyTorch ``.bin`` (a pickle, so only when no safetensors exist), GGUF (only if that is
     all there is, and only a single file, since GGUF repos usually hold one file per quantisation). Within a format,
     the ``model*`` / ``pytorch_model*`` files win over others (Mistral-style repos ship a ``consolidated.safetensors``
-    duplicate of the sharded weights). Next to them come the small side files: every top-level ``*.json`` (config,
-    generation config, shard index, tokenizer), ``*.txt`` (BPE merges, vocab), ``*.model`` (sentencepiece) and
-    ``*.tiktoken``.
+    duplicate of the sharded weights), and beside an index its shards win over a whole ``model.safetensors`` (or
+    ``pytorch_model.bin``), which the loader would not read. Next to them come the small side files: every
+    top-level ``*.json`` (config, generation config, shard index, tokenizer), ``*.txt`` (BPE merges, vocab),
+    ``*.model`` (sentencepiece) and ``*.tiktoken``.
     """
     top = sorted({name for name in repo_files if "/" not in name})
 
@@ -99,6 +100,12 @@ def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str 
         weights = [gguf_file]
     else:
         weights = ending(".safetensors", "model") or ending(".bin", "pytorch_model")
+        for single, index in (
+            ("model.safetensors", "model.safetensors.index.json"),
+            ("pytorch_model.bin", "pytorch_model.bin.index.json"),
+        ):
+            if index in top and single in weights and len(weights) > 1:
+                weights.remove(single)  # a whole copy beside the shards: the loader reads the shards the index names
     if not weights:
         if len(gguf) > 1:
             raise ThinkerError(f"{label} holds {len(gguf)} GGUF files; pick one with --gguf-file: {_ggufs_held(gguf)}")

@@ -279,6 +279,40 @@ def test_cached_file_leading_out_of_the_cache_is_refused(fake_hub, tmp_path):
             ],
         ),
         (["README.md", "qwen-q8_0.gguf"], ["qwen-q8_0.gguf"]),
+        (  # a whole copy beside the shards, which the loader does not read when an index is there
+            [
+                "config.json",
+                "model.safetensors",
+                "model-00001-of-00002.safetensors",
+                "model-00002-of-00002.safetensors",
+                "model.safetensors.index.json",
+            ],
+            [
+                "config.json",
+                "model-00001-of-00002.safetensors",
+                "model-00002-of-00002.safetensors",
+                "model.safetensors.index.json",
+            ],
+        ),
+        (  # an index naming the single file: it is the shard
+            ["config.json", "model.safetensors", "model.safetensors.index.json"],
+            ["config.json", "model.safetensors", "model.safetensors.index.json"],
+        ),
+        (
+            [
+                "config.json",
+                "pytorch_model.bin",
+                "pytorch_model-00001-of-00002.bin",
+                "pytorch_model-00002-of-00002.bin",
+                "pytorch_model.bin.index.json",
+            ],
+            [
+                "config.json",
+                "pytorch_model-00001-of-00002.bin",
+                "pytorch_model-00002-of-00002.bin",
+                "pytorch_model.bin.index.json",
+            ],
+        ),
     ],
 )
 def test_pick_conversion_files(files, expected):
