@@ -91,9 +91,11 @@ FLOAT_EXPERTS = "float (too narrow: widths not whole blocks, or fewer than 16 ou
 def counted(files: GraphFiles) -> GraphFiles:
     """``files`` with the graph's figures read again from the files: the accuracy guard rewrites them (nodes at
     another level, float fallbacks beside or instead of MatMulNBits and QMoE, a larger weights file)."""
-    ops = count_ops(onnx.load(str(files.model_path), load_external_data=False).graph)
-    data_bytes = (files.model_path.parent / DATA_FILE).stat().st_size
-    return replace(files, nodes=sum(ops.values()), nodes_by_op=dict(sorted(ops.items())), data_bytes=data_bytes)
+    graph = onnx.load(str(files.model_path), load_external_data=False).graph
+    ops = count_ops(graph)
+    # the tensors' own bytes, as WeightFile counts them (the file also holds each tensor's alignment padding)
+    lengths = (int(entry.value) for t in graph.initializer for entry in t.external_data if entry.key == "length")
+    return replace(files, nodes=sum(ops.values()), nodes_by_op=dict(sorted(ops.items())), data_bytes=sum(lengths))
 
 
 def head_quantized(model_path: Path) -> bool:
