@@ -47,9 +47,9 @@ ROWS = (1, 128)
 # the experts' weights' standard deviation, per provider. float16 (CUDA) rounds x + MoE(x) to x's scale, so its
 # experts are larger, for an MoE term a good part of x (or the error column would measure float16's resolution of x
 # alone); but the SwiGLU term grows with x squared and the chain has no norm between layers. At 0.1, as an H200 run
-# had it, x reached 1e12 by the fifth layer and the chain ended in NaN (routing NaN logits, so its times measured
-# something else too); 0.04 still grows fourfold over twelve layers; 0.03 keeps x at its size
-# (tests/test_bench_qmoe.py). Speed does not depend on the values.
+# had it, x left float16's range at the third layer (7e5), reached 1e12 at the fourth and ended in NaN (routing NaN
+# logits, so its times measured something else too); 0.04 still grows fourfold over twelve layers; 0.03 keeps x at
+# its size (tests/test_bench_qmoe.py). Speed does not depend on the values.
 EXPERT_SCALE = {"cpu": 0.02, "cuda": 0.03}
 MOE_ATTRIBUTES = dict(
     k=0,

@@ -58,7 +58,7 @@ def test_quantized_chains_compute_the_float_chain(dtype):
 
 def test_the_cuda_chain_stays_within_float16():
     """The CUDA mode's twelve layers of the default shapes (fewer experts, all routed: the same sums per row) keep x
-    near its own size; at the 0.1 it used to take, x passed float16's range by the fourth layer (an H200's run
+    near its own size; at the 0.1 it used to take, x left float16's range at the third layer (an H200's run
     reported NaN errors)."""
     layers = bench_qmoe_int8.random_layers(12, 8, 1024, 128, bench_qmoe_int8.EXPERT_SCALE["cuda"])
     x = np.random.default_rng(1).standard_normal((16, 1024)).astype(np.float32)
