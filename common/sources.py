@@ -87,6 +87,23 @@ def _read_index(index_path: Path, root: Path) -> dict[str, str]:
     return weight_map
 
 
+def check_index_holds(root: Path, index_name: str, file_of: dict[str, Path]) -> None:
+    """Each tensor the folder's shard index names lies in the shard it names: an index from another download
+    would otherwise send a tensor's readers to a shard that lacks it, and the tensor would look absent from the
+    checkpoint (an untied head "missing", say) when it is only misfiled."""
+    index_path = root / index_name
+    if not os.path.lexists(index_path):
+        return
+    for name, shard in _read_index(index_path, root).items():
+        found = file_of.get(name)
+        if found != root / PurePosixPath(shard.replace("\\", "/")):
+            where = f"it lies in {os.path.relpath(found, root)}" if found else "no shard it names holds it"
+            raise ThinkerError(
+                f"{index_path}: maps tensor {name!r} to {shard!r}, which does not hold it ({where}); the index and "
+                "the shards come from different downloads: re-download the checkpoint"
+            )
+
+
 def _shard_path(root: Path, index_path: Path, file_name: str) -> Path:
     """A shard named by an index, refused if the name would leave the checkpoint folder.
 
@@ -133,6 +150,7 @@ class SafetensorsSource(FolderSource):
 
     def __init__(self, root: Path, files: list[Path] | None = None) -> None:
         self.root = Path(root)
+        from_index = files is None
         if files is None:
             files = safetensors_files(self.root)
         self._stack = ExitStack()
@@ -157,6 +175,12 @@ class SafetensorsSource(FolderSource):
                 self._handles[name] = handle
             self._byte_ranges.update(_data_byte_ranges(path))
             self._descriptors[path] = self._stack.enter_context(path.open("rb")).fileno()
+        if from_index:
+            try:
+                check_index_holds(self.root, SAFETENSORS_INDEX, self._file_of)
+            except ThinkerError:
+                self.close()
+                raise
 
     def names(self) -> list[str]:
         return list(self._file_of)
@@ -258,6 +282,7 @@ class TorchBinSource(FolderSource):
 
     def __init__(self, root: Path, files: list[Path] | None = None) -> None:
         self.root = Path(root)
+        from_index = files is None
         if files is None:
             files = bin_files(self.root)
         self._tensors: dict[str, torch.Tensor] = {}
@@ -267,6 +292,8 @@ class TorchBinSource(FolderSource):
             for name, tensor in _flatten_state(state, path):
                 self._tensors[name] = tensor
                 self._file_of[name] = path
+        if from_index:
+            check_index_holds(self.root, BIN_INDEX, self._file_of)
 
     def names(self) -> list[str]:
         return list(self._tensors)

@@ -24,7 +24,7 @@ import torch
 from cli_helpers import assert_error, assert_nothing_written, assert_usage_error, edit_config, edit_tensors, thinker
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from common.errors import ThinkerError
 from common.sources import open_source
@@ -66,6 +66,16 @@ def index_naming_a_missing_shard(folder: Path) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
 
+def index_misfiling_a_tensor(folder: Path) -> None:
+    """Two shards and an index from another download: it names the first shard for the tensor the second holds."""
+    tensors = load_file(folder / "model.safetensors")
+    moved = next(iter(tensors))
+    save_file({moved: tensors.pop(moved)}, folder / "model-b.safetensors")
+    save_file(tensors, folder / "model.safetensors")
+    weight_map = {name: "model.safetensors" for name in [*tensors, moved]}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
 def drop(name: str) -> Callable[[dict[str, torch.Tensor]], None]:
     return lambda tensors: tensors.pop(name)
 
@@ -87,6 +97,11 @@ CONVERT_CASES = {
         index_naming_a_missing_shard,
         [],
         ["model.safetensors.index.json", "'model-00002-of-00002.safetensors', which is missing"],
+    ),
+    "index misfiles a tensor": (
+        index_misfiling_a_tensor,
+        [],
+        ["model.safetensors.index.json", "to 'model.safetensors', which does not hold it", "re-download"],
     ),
     "unknown architecture": (
         lambda folder: edit_config(folder, model_type="mamba", architectures=["MambaForCausalLM"]),

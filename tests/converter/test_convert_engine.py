@@ -469,6 +469,30 @@ def test_pytorch_bin_source(tmp_path, run_convert):
     assert_same_logits(model, result.output)
 
 
+def test_sharded_bin_source_and_an_index_that_misfiles_a_tensor(tmp_path, run_convert):
+    """Sharded ``.bin`` files are read through their index, and an index from another download (one tensor
+    named in the wrong shard) is refused by name, not taken for a checkpoint lacking that tensor."""
+    model = build_reference(Qwen2Config(**QWEN2))
+    source = tmp_path / "bins"
+    model.config.save_pretrained(source)
+    state = model.state_dict()
+    head = {"lm_head.weight": state.pop("lm_head.weight")}
+    torch.save(state, source / "pytorch_model-00001-of-00002.bin")
+    torch.save(head, source / "pytorch_model-00002-of-00002.bin")
+    weight_map = {name: "pytorch_model-00001-of-00002.bin" for name in state}
+    index = source / "pytorch_model.bin.index.json"
+    index.write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map | {"lm_head.weight": "pytorch_model-00002-of-00002.bin"}})
+    )
+    assert_same_logits(model, run_convert(source).output)
+
+    index.write_text(json.dumps({"weight_map": weight_map | {"lm_head.weight": "pytorch_model-00001-of-00002.bin"}}))
+    with pytest.raises(
+        ThinkerError, match="maps tensor 'lm_head.weight' to 'pytorch_model-00001-of-00002.bin', which does not hold it"
+    ):
+        run_convert(source, name="again")
+
+
 # --- throughput mechanics: values checked as bytes are read, one fsync per file ----------------------------------
 
 
