@@ -375,7 +375,13 @@ def genai_figure(figures: dict) -> str:
 
 @click.command("generate", context_settings=CONTEXT)
 @click.argument("folder", type=click.Path(path_type=Path))
-@click.option("--prompt", "-p", required=True, help="The text to continue (with --chat: the user's message).")
+@click.option(
+    "--prompt",
+    "-p",
+    required=True,
+    help="The text to continue (with --chat: the user's message); - reads it from stdin (the one newline that "
+    "ends it, as echo writes, dropped).",
+)
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option(
     "--chat",
@@ -415,6 +421,8 @@ def generate_command(
     if kind == "thinker":
         _check_thinker(folder)  # before the tokenizer, which reads config.json too and would take the blame
     tokenizer = _load_tokenizer(folder)
+    if prompt == "-":
+        prompt = _stdin_prompt()
     prompt_ids = _chat_ids(folder, tokenizer, prompt) if chat else tokenizer(prompt, return_tensors="np")["input_ids"]
     if prompt_ids.shape[1] == 0:
         raise ThinkerError("--prompt tokenizes to nothing; give some text")
@@ -443,6 +451,21 @@ def generate_command(
     elapsed = time.perf_counter() - started
     new = tokens[0, prompt_ids.shape[1] :]
     click.echo(f"{len(new)} tokens in {elapsed:.2f} s ({len(new) / elapsed:.1f} tokens/s) with {runtime}", err=True)
+
+
+def _stdin_prompt() -> str:
+    """``--prompt -``: the text on stdin, less the newline that ends it (a file's last line, echo's)."""
+    stream = click.get_text_stream("stdin")
+    if stream.isatty():
+        click.echo("reading the prompt from stdin; end it with Ctrl-D", err=True)
+    try:
+        text = stream.read()
+    except UnicodeDecodeError as err:
+        raise ThinkerError(f"--prompt -: stdin is not text in {stream.encoding} ({err.reason})") from None
+    text = text.removesuffix("\n").removesuffix("\r")
+    if not text:
+        raise ThinkerError("--prompt -: stdin gave no text; pipe the prompt in, or give it as --prompt TEXT")
+    return text
 
 
 @click.command("demo", context_settings=CONTEXT)

@@ -22,10 +22,12 @@ import onnx
 import pytest
 import torch
 from cli_helpers import assert_error, assert_nothing_written, assert_usage_error, edit_config, edit_tensors, thinker
+from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
+from common.cli import main
 from common.errors import ThinkerError
 from common.sources import open_source
 from converter.cli import convert_command
@@ -337,6 +339,18 @@ def test_an_unknown_provider(qwen3_onnx):
 
 
 # --- generate ----------------------------------------------------------------------------------------------------
+
+
+def test_prompt_from_stdin(qwen3_onnx):
+    """``--prompt -`` reads stdin, less its final newline: the same continuation as the text given inline."""
+    inline = CliRunner().invoke(main, ["generate", str(qwen3_onnx), "-p", "the cat sat", "-n", "4"])
+    piped = CliRunner().invoke(main, ["generate", str(qwen3_onnx), "-p", "-", "-n", "4"], input="the cat sat\n")
+    assert inline.exit_code == 0 and piped.exit_code == 0, piped.output
+    assert piped.stdout == inline.stdout and inline.stdout.strip()
+    assert_error(
+        CliRunner().invoke(main, ["generate", str(qwen3_onnx), "-p", "-"], input="\n"),
+        "--prompt -: stdin gave no text",
+    )
 
 
 def test_bad_prompts(qwen3_onnx, tmp_path):
