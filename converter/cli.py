@@ -93,7 +93,8 @@ VERIFY_HELP = """Compare a converted Thinker folder with its SOURCE, the source 
 Runs fixed prompts (a left-padded batch and 8-token greedy continuations) through both models, prints a table and
 writes CONVERTED/parity.json with, per dtype, max and mean |Δlogit|, top-1 agreement and greedy agreement. Fails
 (exit 1) when float32 logits differ by more than 1e-4 × max(1, logit scale) or a greedy continuation differs,
-naming the first layer whose hidden states diverge. SOURCE is given as to thinker-convert.
+naming the first layer whose hidden states diverge; a failing report goes to CONVERTED/parity.failed.json, and a
+parity.json already there is kept. SOURCE is given as to thinker-convert.
 
 When the two models do not fit in half the available memory (or in THINKER_VERIFY_MEMORY), or with
 --verify-by-layer, they run one layer at a time, each read from its own files: every layer of the Thinker runs on

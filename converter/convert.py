@@ -5,6 +5,7 @@ them, verify, and install OUTPUT atomically. The command line (``converter/cli.p
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import Counter
@@ -26,7 +27,7 @@ from .families import detect_family
 from .hub import resolve_source
 from .output import write_generation_config, write_thinker_config
 from .parity import parity_gate, parity_mode
-from .parity_report import BY_LAYER, ParityReport
+from .parity_report import BY_LAYER, FAILED_PARITY_FILE, PARITY_FILE, ParityReport
 from .spec import Family
 
 
@@ -156,8 +157,17 @@ def verify(
         )
     refuse_another_config(root, converted)
     mode, note = (BY_LAYER, "") if by_layer else parity_mode(folder_parameters(converted), memory_budget)
-    failure = f"{converted} does not match its reference {source}"
-    return parity_gate(root, converted, source_family(root), converted, failure, mode, note)
+    # A failing report goes beside parity.json, not over it: a mistaken SOURCE (another revision, another model)
+    # must not erase the record of the conversion that CONVERTED came from.
+    failure = f"{converted} does not match its reference {source}; the report is in {FAILED_PARITY_FILE}"
+    if (converted / PARITY_FILE).is_file():
+        failure += f", and {PARITY_FILE} is kept as it was"
+    report = parity_gate(
+        root, converted, source_family(root), converted, failure, mode, note, failed_into=FAILED_PARITY_FILE
+    )
+    with contextlib.suppress(FileNotFoundError):  # a failing report from before, now answered
+        (converted / FAILED_PARITY_FILE).unlink()
+    return report
 
 
 def refuse_another_config(root: Path, converted: Path) -> None:

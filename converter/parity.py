@@ -276,11 +276,13 @@ def parity_gate(
     mode: str = WHOLE_MODEL,
     mode_note: str = "",
     dtype: torch.dtype | None = None,
+    failed_into: str = PARITY_FILE,
 ) -> ParityReport:
-    """``check_parity``, its report written to ``into/parity.json``; ``ParityFailed(failure)`` when it fails."""
+    """``check_parity``, its report written to ``into/parity.json`` (a failing one to ``into/failed_into``);
+    ``ParityFailed(failure)`` when it fails."""
     report = check_parity(reference, converted, family, mode, dtype)
     report.mode_note = mode_note
-    write_report(report, into / PARITY_FILE)
+    write_report(report, into / (PARITY_FILE if report.passed else failed_into))
     if not report.passed:
         where = next((r.first_divergence for r in report.results if not r.passed and r.first_divergence), None)
         raise ParityFailed(f"{failure}; first divergence: {where}" if where else failure, report)

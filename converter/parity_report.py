@@ -15,6 +15,8 @@ from common.errors import ThinkerError
 from common.staging import DISK_FULL, outside_staging
 
 PARITY_FILE = "parity.json"
+# `thinker verify`'s failing report, written beside a folder's parity.json rather than over it (below)
+FAILED_PARITY_FILE = "parity.failed.json"
 GREEDY_TOKENS = 8
 HALF_TOP1_MIN = 0.9  # half precision: share of positions whose argmax must agree
 WHOLE_MODEL, BY_LAYER = "whole-model", "layer-by-layer"

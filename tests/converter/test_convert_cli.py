@@ -116,13 +116,22 @@ def test_verify_standalone_passes_then_names_the_broken_layer(source, tmp_path):
     assert "parity holds" in result.stdout and (converted / "parity.json").is_file()
 
     weights = load_file(converted / "model.safetensors")
-    weights["model.layers.1.mlp.down_proj.weight"] *= 1.5
+    original = dict(weights)
+    weights["model.layers.1.mlp.down_proj.weight"] = weights["model.layers.1.mlp.down_proj.weight"] * 1.5
     save_file(weights, converted / "model.safetensors", metadata={"format": "pt"})
     result = runner.invoke(verify_command, [str(source), str(converted)])
     assert result.exit_code == 1
     assert "FAIL (first divergence: layer 1)" in result.stdout
     assert "does not match its reference" in result.stderr
-    assert json.loads((converted / "parity.json").read_text())["passed"] is False
+    assert "the report is in parity.failed.json, and parity.json is kept as it was" in result.stderr
+    # the failing report beside the passing one, which stays the record of the check that passed
+    assert json.loads((converted / "parity.failed.json").read_text())["passed"] is False
+    assert json.loads((converted / "parity.json").read_text())["passed"] is True
+
+    save_file(original, converted / "model.safetensors", metadata={"format": "pt"})  # repaired: the record follows
+    assert runner.invoke(verify_command, [str(source), str(converted)]).exit_code == 0
+    assert json.loads((converted / "parity.json").read_text())["passed"] is True
+    assert not (converted / "parity.failed.json").exists()
 
 
 def test_hub_repo_id_through_a_local_endpoint(fake_hub, save_reference, tmp_path):
