@@ -49,6 +49,9 @@ QUANTIZED_OPS = ("MatMulNBits", "GatherBlockQuantized", "QMoE")
 # weight's dequantized values, named "<packed weight>" + DEQUANTIZED ("..._Q8_dequantized"), and a float MoE op over
 # a QMoE's two stacks so named, read back as the quantized weights they are.
 DEQUANTIZED = "_dequantized"
+# A fallback's weights are float, so its node records the grid they were dequantized from, for the per-row check
+# (the quantized verify): node metadata (ONNX IR >= 10), which onnxruntime ignores.
+GRID_BLOCK_SIZE, GRID_ASYMMETRIC = "thinker.quantized_block_size", "thinker.quantized_asymmetric"
 # The ops whose weight is read as the (K, N) array they multiply by (the transposed view of a Linear's).
 MATMUL_OPS = ("MatMulNBits", "MatMul")
 # The plain graph dequantizes these stacks (int8 values) as it gathers their experts, by graph name.
@@ -66,11 +69,26 @@ class QuantizedWeight:
     bits: int
     weight: np.ndarray | torch.Tensor  # a graph's (K, N) / (V, C) array; a Thinker parameter's (out, in) tensor
     # The quantization grid, for the per-row check: each output row's inputs in blocks of ``block_size`` (0: one
-    # block per row), None where the graph does not say (the guard's float fallbacks). A weight quantized in row
+    # block per row; a guard's float fallback: the grid its node records), None where the graph does not say. A weight quantized in row
     # ranges (the mixed head) gives each range's own instead, ``row_parts``: (start, stop, bits, block_size).
     block_size: int | None = None
     row_parts: tuple[tuple[int, int, int, int | None], ...] = ()
     asymmetric: bool = False  # with zero points (uint ones of asymmetric RTN, HQQ's float ones)
+
+
+def record_grid(node: onnx.NodeProto, block_size: int, asymmetric: bool) -> None:
+    """Writes on ``node`` the grid its float weights were dequantized from (``GRID_BLOCK_SIZE``: 0, one block per
+    row)."""
+    for key, value in ((GRID_BLOCK_SIZE, block_size), (GRID_ASYMMETRIC, int(asymmetric))):
+        node.metadata_props.add(key=key, value=str(value))
+
+
+def recorded_grid(node: onnx.NodeProto) -> tuple[int | None, bool]:
+    """(block size, asymmetric) as ``record_grid`` wrote them on ``node``; (None, False) where it did not (graphs
+    exported before it did)."""
+    props = {entry.key: entry.value for entry in node.metadata_props}
+    block = props.get(GRID_BLOCK_SIZE)
+    return (int(block) if block is not None else None), props.get(GRID_ASYMMETRIC) == "1"
 
 
 def attributes(node: onnx.NodeProto) -> dict:
@@ -217,11 +235,14 @@ def quantized_weight_readers(onnx_path: Path) -> dict[str, Callable[[], Quantize
         weight = dequantize_matmul_nbits(attrs, packed, scales, zero)
         return QuantizedWeight("MatMulNBits", attrs["bits"], weight, attrs["block_size"], asymmetric=zero is not None)
 
-    def float_weight(name: str, bits: int) -> QuantizedWeight:
-        return QuantizedWeight("MatMul", bits, array(name))
+    def float_weight(name: str, bits: int, node: onnx.NodeProto) -> QuantizedWeight:
+        block, asymmetric = recorded_grid(node)
+        return QuantizedWeight("MatMul", bits, array(name), block, asymmetric=asymmetric)
 
-    def float_stack(name: str, interleaved: bool, bits: int) -> QuantizedWeight:
-        return QuantizedWeight("MoE", bits, deinterleaved(array(name)) if interleaved else array(name))
+    def float_stack(name: str, interleaved: bool, bits: int, node: onnx.NodeProto) -> QuantizedWeight:
+        stack = deinterleaved(array(name)) if interleaved else array(name)
+        block, asymmetric = recorded_grid(node)
+        return QuantizedWeight("MoE", bits, stack, block, asymmetric=asymmetric)
 
     def plain_experts(values: str, scales: str) -> QuantizedWeight:
         values, scales = array(values), array(scales)  # (E, K, N) and (E, N) per row or (E, K / block, N)
@@ -244,7 +265,7 @@ def quantized_weight_readers(onnx_path: Path) -> dict[str, Callable[[], Quantize
         elif node.op_type == "MatMul" and node.input[1].endswith(DEQUANTIZED):
             packed = node.input[1].removesuffix(DEQUANTIZED)
             name = graph_weight_name(packed)
-            read_one = partial(float_weight, node.input[1], bits_of(packed))
+            read_one = partial(float_weight, node.input[1], bits_of(packed), node)
         elif node.op_type == "QMoE":  # two weights: FC1 (gate and up, interleaved under SwiGLU) and FC2
             for packed, scales, interleaved in (
                 (node.input[2], node.input[3], attrs.get("swiglu_fusion", 0) == 1),
@@ -263,7 +284,7 @@ def quantized_weight_readers(onnx_path: Path) -> dict[str, Callable[[], Quantize
         elif node.op_type == "MoE" and node.input[2].endswith(DEQUANTIZED):  # a QMoE the guard moved, in float
             for stack, interleaved in ((node.input[2], attrs.get("swiglu_fusion", 0) == 1), (node.input[4], False)):
                 packed = stack.removesuffix(DEQUANTIZED)
-                readers[graph_weight_name(packed)] = partial(float_stack, stack, interleaved, bits_of(packed))
+                readers[graph_weight_name(packed)] = partial(float_stack, stack, interleaved, bits_of(packed), node)
             continue
         elif node.op_type == "GatherBlockQuantized":
             zero = node.input[3] if len(node.input) > 3 else ""

@@ -46,7 +46,14 @@ from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
 from common.errors import ThinkerError
 
-from .dequantize import DEQUANTIZED, attributes, constant_reader, dequantize_matmul_nbits, dequantize_qmoe
+from .dequantize import (
+    DEQUANTIZED,
+    attributes,
+    constant_reader,
+    dequantize_matmul_nbits,
+    dequantize_qmoe,
+    record_grid,
+)
 from .graph_builder import WeightFile
 from .graph_walk import all_nodes
 
@@ -95,6 +102,7 @@ def float_experts(model: onnx.ModelProto, read: Callable[[str], np.ndarray], nam
                 a, read(p), read(s), interleaved=False
             )
         _as_float_moe(node, node.input[2] + DEQUANTIZED, node.input[5] + DEQUANTIZED)
+        record_grid(node, attrs.get("block_size", 0), asymmetric=False)  # QMoE's 8 bits are symmetric
     return added
 
 
@@ -166,6 +174,7 @@ def float_matmuls(model: onnx.ModelProto, read: Callable[[str], np.ndarray], nam
         bias = inputs[5] if len(inputs) > 5 else ""
         product = node.output[0] if not bias else f"{node.output[0]}/unbiased"
         nodes.append(helper.make_node("MatMul", [inputs[0], weight], [product], name=f"{node.name}/float"))
+        record_grid(nodes[-1], attrs["block_size"], asymmetric=bool(zero))
         if bias:
             nodes.append(helper.make_node("Add", [product, bias], [node.output[0]], name=f"{node.name}/bias"))
     del model.graph.node[:]

@@ -209,6 +209,31 @@ def test_the_verify_fails_a_float_fallback_with_the_wrong_weight(thinker_variant
     assert not (tmp_path / "out").exists()
 
 
+def test_the_verify_fails_one_wrong_row_of_a_float_fallback(thinker_variant, tmp_path, monkeypatch):
+    """A planted bug confined to one output row of a fallback (one row's scales 15 % off): the whole weight stays
+    within 8 bits' bound, so only the per-row check catches it, on the grid the fallback's node records."""
+    import export.float_fallback as float_fallback
+    from common.errors import ThinkerError
+    from export.exporter import export_model
+
+    real = float_fallback.dequantize_matmul_nbits
+
+    def one_row_off(*args):
+        weight = real(*args)  # (K, N): output row n is column n
+        weight[:, 3] *= 1.15
+        return weight
+
+    monkeypatch.setattr(float_fallback, "dequantize_matmul_nbits", one_row_off)
+    folder = with_outlier(thinker_variant("qwen3", head_dim=16), tmp_path / "outlier", PLANTED_LAYER)
+    with pytest.raises(
+        ThinkerError, match=rf"row 3 of quantized weight model\.layers\.{PLANTED_LAYER}\..* as round-to-nearest at int8"
+    ):
+        export_model(
+            folder, tmp_path / "out", graph="fused", quantize=INT8, verify=True, accuracy_guard=0.9, quality=NO_GATE
+        )
+    assert not (tmp_path / "out").exists()
+
+
 def test_cli_says_which_int8_projections_became_float(thinker_variant, tmp_path):
     folder = with_outlier(thinker_variant("qwen3", head_dim=16), tmp_path / "outlier", PLANTED_LAYER)
     args = ["export", str(folder), str(tmp_path / "out"), "--graph", "fused", "--quantize", "int8"]
@@ -266,7 +291,7 @@ def test_moved_int8_experts_become_float_moe_and_verify(thinker_variant, tmp_pat
     the kernel rounds them), the guard moves it alone and writes its QMoE as the float MoE op over the dequantized
     stacks, the other layer's QMoE stays; the quantized verify reads those stacks as the 8-bit experts they are and
     passes, and nothing of the guard's trial graphs is left in the folder."""
-    from export.dequantize import DEQUANTIZED
+    from export.dequantize import DEQUANTIZED, recorded_grid
     from export.exporter import export_model
 
     folder = with_expert_outlier(thinker_variant("qwen3_moe", head_dim=16), tmp_path / "outlier", layer=0)
@@ -290,10 +315,34 @@ def test_moved_int8_experts_become_float_moe_and_verify(thinker_variant, tmp_pat
     assert all(weights[name].data_type == onnx.TensorProto.FLOAT for name in (moved[0].input[2], moved[0].input[4]))
     assert all(name.endswith(DEQUANTIZED) for name in (moved[0].input[2], moved[0].input[4]))
     assert not [name for name in weights if name + DEQUANTIZED in weights]  # the 8-bit stacks are gone
+    assert recorded_grid(moved[0]) == (INT8.block_size, False)  # for the per-row check of its stacks
     assert not [p.name for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]
     # the report describes the graph as written, after the guard's rewrite
     assert report["nodes_by_op"] == written_ops(tmp_path / "out"), report["nodes_by_op"]
     assert report["quantize"]["routed_experts"] == "QMoE in 1 layers, float MoE in 1 (the accuracy guard's fallback)"
+
+
+def test_the_verify_fails_one_wrong_row_of_a_float_moe_fallback(thinker_variant, tmp_path, monkeypatch):
+    """A planted bug confined to one row of one expert of the guard's float MoE (its scales 15 % off): within 8
+    bits' bound for the whole stack, refused by the per-row check on the grid the node records."""
+    import export.float_fallback as float_fallback
+    from common.errors import ThinkerError
+    from export.exporter import export_model
+
+    real = float_fallback.dequantize_qmoe
+
+    def one_row_off(*args, **kwargs):
+        stack = real(*args, **kwargs)  # (E, N, K)
+        stack[1, 2] *= 1.15
+        return stack
+
+    monkeypatch.setattr(float_fallback, "dequantize_qmoe", one_row_off)
+    folder = with_expert_outlier(thinker_variant("qwen3_moe", head_dim=16), tmp_path / "outlier", layer=0)
+    with pytest.raises(ThinkerError, match=r"row \d+ of quantized weight model\.layers\.0\.mlp\.experts\..* at int8"):
+        export_model(
+            folder, tmp_path / "out", graph="fused", quantize=INT8, verify=True, accuracy_guard=0.9, quality=NO_GATE
+        )
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_float_experts_compute_what_the_float_path_computes(thinker_variant, tmp_path):
