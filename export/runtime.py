@@ -417,7 +417,8 @@ class OnnxDecoder:
     # --- one forward ----------------------------------------------------------------------------------------------
     def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, state: DecoderState) -> np.ndarray:
         """Runs the graph on new tokens; ``state.cache`` becomes the presents. Returns logits (B, T, V) float32.
-        ``position_ids`` (B, T), or (3, B, T) for a model with multimodal RoPE."""
+        ``position_ids`` (B, T), or (3, B, T) for a model with multimodal RoPE; a batch of 1 there stands for every
+        row (B > 1), as in transformers."""
         input_ids = self._checked_ids(input_ids)
         batch, steps = input_ids.shape
         self._check_mask(state.attention_mask, batch, steps)
@@ -433,6 +434,8 @@ class OnnxDecoder:
         }
         if self.takes_positions:
             positions = self.graph_positions(position_ids)
+            if positions.shape[-2] == 1 and batch > 1:  # one row of positions for every row, as transformers takes
+                positions = np.broadcast_to(positions, (*positions.shape[:-2], batch, positions.shape[-1]))
             self._check_positions(positions, batch, steps)
             feeds["position_ids"] = np.ascontiguousarray(positions, dtype=np.int64)
         if self.device == "cuda" or self.shared_kv:

@@ -187,6 +187,20 @@ def test_genai_graph_equals_the_padded_one_on_a_prompt_without_pads(family, onnx
     np.testing.assert_array_equal(genai.generate(prompt, max_new_tokens=8), padded.generate(prompt, max_new_tokens=8))
 
 
+def test_one_row_of_positions_stands_for_every_row(onnx_folder):
+    """``forward`` with (1, T) positions for a batch of 2 (a position_ids transformers broadcasts): each row's logits
+    as with the positions repeated per row."""
+    from export.runtime import DecoderState, OnnxDecoder
+
+    decoder = OnnxDecoder(onnx_folder("qwen3"), provider="cpu")
+    ids, mask = np.array([[3, 4, 5], [6, 7, 8]]), np.ones((2, 3), np.int64)
+    logits = {}
+    for rows in (1, 2):
+        state = DecoderState(mask, np.full(2, 3), decoder.empty_cache(2))
+        logits[rows] = decoder.forward(ids, np.tile(np.arange(3), (rows, 1)), state)
+    np.testing.assert_array_equal(logits[1], logits[2])
+
+
 def test_bad_inputs_are_refused_by_name(onnx_folder):
     """What onnxruntime would fail on deep inside the graph (a Gather out of range, mismatched shapes), or compute
     without a word (a negative id reads the table's last row, a mask of 0.5 casts to 0), is a ThinkerError saying
