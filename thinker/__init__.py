@@ -36,10 +36,13 @@ for _auto_class, _name in AUTO_CLASSES.items():
     getattr(transformers, _auto_class).register(ThinkerConfig, _model, exist_ok=True)
     _model.register_for_auto_class(_auto_class)
 
-# ThinkerForCausalLM.from_pretrained dispatches foreign checkpoints to the loader the converter registers. It is
-# attached here rather than written in modeling_thinker.py so that the copy shipped beside checkpoints as remote
-# code stays the model alone.
-accept_foreign_checkpoints(ThinkerForCausalLM)
+# from_pretrained dispatches foreign checkpoints to the loader the converter registers (the task heads refuse them).
+# It is attached here rather than written in modeling_thinker.py so that the copy shipped beside checkpoints as
+# remote code stays the model alone.
+accept_foreign_checkpoints(ThinkerForCausalLM, lambda model: model)
+accept_foreign_checkpoints(ThinkerModel, lambda model: model.model)
+for _head in (ThinkerForSequenceClassification, ThinkerForTokenClassification, ThinkerForQuestionAnswering):
+    accept_foreign_checkpoints(_head, None)
 
 __all__ = [
     "ThinkerConfig",

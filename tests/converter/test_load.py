@@ -18,7 +18,13 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 from common.errors import ThinkerError
 from common.parity_inputs import left_padded
 from converter.load import config_for, load_thinker
-from thinker import ThinkerForCausalLM
+from thinker import (
+    ThinkerForCausalLM,
+    ThinkerForQuestionAnswering,
+    ThinkerForSequenceClassification,
+    ThinkerForTokenClassification,
+    ThinkerModel,
+)
 
 ATOL = 1e-5
 REPO = Path(__file__).resolve().parents[2]
@@ -142,6 +148,28 @@ def test_thinker_from_pretrained_converts_a_foreign_folder_on_load(tmp_path):
     model.save_pretrained(tmp_path / "native")
     again = ThinkerForCausalLM.from_pretrained(tmp_path / "native")
     torch.testing.assert_close(logits(again), logits(model), atol=0, rtol=0)
+
+
+def test_the_decoder_and_the_heads_on_a_foreign_folder(tmp_path):
+    """``ThinkerModel.from_pretrained(<Qwen3-MoE folder>)`` converts on load as ``ThinkerForCausalLM`` does (its
+    hidden states those of transformers' Qwen3MoeModel; transformers alone would build a model without q/k norms or
+    experts, at random, with a warning); a task head, which no foreign checkpoint holds, is refused by name."""
+    config = Qwen3MoeConfig(
+        vocab_size=101, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    reference = build_reference(config, seed=3).eval()
+    folder = save_unfused_experts(reference, tmp_path / "qwen3_moe")
+    decoder = ThinkerModel.from_pretrained(folder, dtype=torch.float32)
+    assert type(decoder) is ThinkerModel and decoder.config.qk_norm
+    with torch.no_grad():
+        hidden = decoder(input_ids=IDS).last_hidden_state
+        torch.testing.assert_close(hidden, reference.model(input_ids=IDS).last_hidden_state, atol=ATOL, rtol=ATOL)
+    decoder, info = ThinkerModel.from_pretrained(folder, output_loading_info=True)
+    assert type(decoder) is ThinkerModel and not info["missing_keys"], info
+    for head in (ThinkerForSequenceClassification, ThinkerForTokenClassification, ThinkerForQuestionAnswering):
+        with pytest.raises(ValueError, match=f"loads Thinker checkpoints only .* then {head.__name__}.from_pretrained"):
+            head.from_pretrained(folder)
 
 
 def test_from_pretrained_on_a_foreign_folder_takes_transformers_loading_arguments(tmp_path):
