@@ -32,7 +32,7 @@ import unittest
 import pytest
 import torch
 from torch.testing import assert_close
-from transformers import CompileConfig, StaticCache
+from transformers import CompileConfig, GenerationConfig, StaticCache
 from transformers.models.auto import modeling_auto
 from transformers_suite import common_tests
 
@@ -248,6 +248,21 @@ class ThinkerGenerationChecks:
             again = model.generate(ids.flip(-1), **greedy, compile_config=compile_config, **{CACHE_ARG: cache})
         self.assertTrue(torch.equal(compiled, expected))
         self.assertTrue(torch.equal(again, model.generate(ids.flip(-1), **greedy)))
+
+    def test_continuous_batching_equals_generate(self):
+        """transformers' continuous batching (``generate_batch``: a paged KV cache, which the attention hands its
+        kwargs to fill) gives each prompt the tokens greedy ``generate`` gives it alone."""
+        if self.model_tester.kind == "hybrid":
+            self.skipTest("transformers' paged cache has no linear-attention layers (it refuses Qwen3.5 too)")
+        model = self._causal_lm()
+        prompts = [self._prompt(batch=1, length=length)[0] for length in (7, 3)]
+        config = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
+        batched = model.generate_batch(
+            inputs=[p.tolist() for p in prompts], generation_config=config, progress_bar=False
+        )
+        tokens = [batched[request].generated_tokens for request in sorted(batched)]
+        alone = [model.generate(p[None], generation_config=config)[0, len(p) :] for p in prompts]
+        self.assertEqual(tokens, [a.tolist() for a in alone])
 
     def test_custom_4d_attention_mask_packs_sequences(self):
         if self.model_tester.kind == "hybrid":

@@ -296,7 +296,8 @@ class ThinkerAttention(nn.Module):
         if position_embeddings is not None:
             q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
         if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)  # (B, n_kv, past + T, hs)
+            # kwargs: what a paged cache (continuous batching, `generate_batch`) reads and fills for the attention
+            k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)  # (B, n_kv, past + T, hs)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
