@@ -381,6 +381,24 @@ def test_layer_types_default_validation_and_edits():
         ThinkerForCausalLM(config)
 
 
+def test_from_pretrained_takes_the_first_layers(tmp_path):
+    """``from_pretrained(folder, num_hidden_layers=2)``, the usual way to load a model's first layers: the Thinker
+    builds them as the reference class does (the same logits), and its config, cut to them, saves and loads."""
+    reference, thinker = family_pair("qwen3_5_moe", "sdpa")
+    reference.save_pretrained(tmp_path / "reference")
+    thinker.save_pretrained(tmp_path / "thinker")
+    first = ThinkerForCausalLM.from_pretrained(
+        tmp_path / "thinker", num_hidden_layers=2, experts_implementation="eager"
+    )
+    assert len(first.model.layers) == 2 and first.config.layer_types == LAYER_TYPES[:2]
+    expected = type(reference).from_pretrained(tmp_path / "reference", num_hidden_layers=2)
+    ids = token_ids(length=9)
+    with torch.no_grad():
+        torch.testing.assert_close(first(ids).logits, expected(ids).logits, atol=1e-5, rtol=1e-5)
+    first.save_pretrained(tmp_path / "first")
+    assert ThinkerForCausalLM.from_pretrained(tmp_path / "first").config.num_hidden_layers == 2
+
+
 def test_init_weights_as_the_references():
     config = thinker_config_from(qwen3_5_moe_config(), **HYBRID_SWITCHES)
     model = ThinkerForCausalLM(config)

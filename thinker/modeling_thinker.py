@@ -635,11 +635,14 @@ class ThinkerModel(ThinkerPreTrainedModel):
             self.rotary_emb = ThinkerRotaryEmbedding(config)
         if config.audio_embed_size:
             self.audio_proj = nn.Linear(config.audio_embed_size, config.hidden_size)
-        if len(config.layer_types) != config.num_hidden_layers:
+        if len(config.layer_types) < config.num_hidden_layers:
             raise ValueError(
                 f"config.layer_types lists {len(config.layer_types)} layers but num_hidden_layers is "
                 f"{config.num_hidden_layers}: set layer_types for every layer"
             )
+        # from_pretrained(folder, num_hidden_layers=N) sets N after the config's checks, as transformers' classes
+        # take it: the first N layers, the list cut to them (so the config saves and loads again)
+        config.layer_types = config.layer_types[: config.num_hidden_layers]
         self.layers = nn.ModuleList([ThinkerDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.has_linear_attention = config.has_linear_attention
         self.norm = make_norm(config, config.hidden_size)
