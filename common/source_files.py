@@ -27,14 +27,24 @@ from .errors import ThinkerError
 _CACHE_REPO_FOLDER = re.compile(r"(models|datasets|spaces)--.+")
 
 
-def hub_cache_of(folder: Path) -> Path | None:
-    """The Hugging Face cache a folder lies in (the folder above ``models--owner--name``), or None."""
-    for form in {Path(os.path.abspath(folder)), Path(folder).resolve()}:
+def hub_caches_of(folder: Path) -> list[Path]:
+    """Where a folder in a Hugging Face cache may read its files from, resolved: the cache its path names (the folder
+    above ``models--owner--name``), and, where a symlink keeps that repo folder elsewhere (on a bigger disk, say), the
+    repo folder it really is, which holds the repo's ``blobs/``. Empty outside any cache."""
+    for form in (Path(os.path.abspath(folder)), Path(folder).resolve()):  # the path named, else where it leads
         parts = form.parts
         for index in range(len(parts) - 2, 0, -1):
             if parts[index] == "snapshots" and _CACHE_REPO_FOLDER.fullmatch(parts[index - 1]):
-                return Path(*parts[: index - 1]).resolve()
-    return None
+                repo = Path(*parts[:index])
+                cache, real_repo = repo.parent.resolve(), repo.resolve()
+                return [cache] if _inside(real_repo, cache) else [cache, real_repo]
+    return []
+
+
+def hub_cache_of(folder: Path) -> Path | None:
+    """The Hugging Face cache a folder's path names (``hub_caches_of``'s first), or None."""
+    caches = hub_caches_of(folder)
+    return caches[0] if caches else None
 
 
 def redownload(path: Path | str) -> str:
@@ -88,12 +98,10 @@ def checked_file(path: Path, folder: Path) -> Path:
     """``path`` (a file in ``folder``, possibly in a sub-folder), if it may be read; see the module's rules."""
     path, folder = Path(path), Path(folder)
     target = path.resolve()
-    allowed = [folder.resolve()]
-    cache = hub_cache_of(folder)
-    if cache is not None:
-        allowed.append(cache)
+    caches = hub_caches_of(folder)
+    allowed = [folder.resolve(), *caches]
     if not any(_inside(target, root) for root in allowed):
-        where = f"{folder}" + (f" and the Hugging Face cache {cache} holding it" if cache else "")
+        where = f"{folder}" + (f" and the Hugging Face cache {caches[0]} holding it" if caches else "")
         raise ThinkerError(
             f"{path}: a symlink to {target}, outside {where}; refusing to read it (a file from elsewhere would be "
             "copied into OUTPUT): put the file itself into the folder if it belongs to the model"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .errors import ThinkerError
 from .side_files import CONFIG_FILES, TOKENIZER_FILES
-from .source_files import hub_cache_of
+from .source_files import hub_caches_of
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +87,9 @@ def refuse_output_over_source(output: Path, source: Path, writes_into: bool = Fa
                     "conversion reads, or a folder among them); choose a folder outside it"
                 )
     if not writes_into:
-        cache = hub_cache_of(Path(source))
-        if cache is not None and any(out == cache or cache in out.parents for out in _forms(output)):
+        for cache in hub_caches_of(Path(source)):
+            if not any(out == cache or cache in out.parents for out in _forms(output)):
+                continue
             # The source's bytes are links into the cache's blobs/ (the repo's or the cache-wide store), outside
             # the snapshot folder: an OUTPUT there, replaced with --force, would delete them or another repo's.
             raise ThinkerError(

@@ -10,10 +10,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from cli_helpers import (
+    REPO,
     assert_error,
     assert_nothing_written,
     assert_process_error,
@@ -244,6 +247,35 @@ def test_the_hub_cache_layout_keeps_working(fake_hub, qwen3_source, tmp_path):
         result = thinker(command, snapshot, tmp_path / f"by-path-{command}", "--no-verify")
         assert result.exit_code == 0, result.output
     assert (tmp_path / "by-path-convert" / "tokenizer.json").is_file()
+
+
+def test_a_repo_folder_kept_elsewhere_by_a_symlink(fake_hub, qwen3_source, tmp_path):
+    """A cached repo folder moved to another disk and linked back (``models--owner--name`` a symlink): its snapshot
+    links lead into the moved folder's blobs/, which are the repo's own, so the folder path converts, whichever
+    order the process's hashing gives (the check once took either form of the path at random); OUTPUT inside the
+    moved repo folder is refused as inside the cache."""
+    fake_hub.add_repo("tiny-org/tiny-qwen3", qwen3_source)
+    assert thinker("convert", "tiny-org/tiny-qwen3", tmp_path / "first", "--no-verify").exit_code == 0
+    repo = fake_hub.cache / "models--tiny-org--tiny-qwen3"
+    moved = tmp_path / "big-disk" / repo.name
+    moved.parent.mkdir()
+    shutil.move(repo, moved)
+    repo.symlink_to(moved, target_is_directory=True)
+    (snapshot,) = (repo / "snapshots").iterdir()
+    result = thinker("convert", snapshot, tmp_path / "by-path", "--no-verify")
+    assert result.exit_code == 0, result.output
+    code = (
+        "import sys; from pathlib import Path; from common.source_files import checked_file\n"
+        "checked_file(Path(sys.argv[1]) / 'model.safetensors', Path(sys.argv[1]))"
+    )
+    for seed in range(4):  # the former check passed or failed by the set order of two paths, so by hash seed
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(snapshot)],
+            env={**os.environ, "PYTHONHASHSEED": str(seed)}, cwd=REPO, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    inside = moved / "out"
+    assert_error(thinker("convert", snapshot, inside, "--no-verify"), str(inside), "inside the Hugging Face cache")
 
 
 @pytest.mark.parametrize("command", ["convert", "export"])
