@@ -6,6 +6,7 @@ a finished one. Every command that writes a folder (``thinker-convert``, ``think
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
@@ -198,6 +199,22 @@ def outside_staging(path: Path) -> Path:
         if _STAGING.match(part):
             return Path(*path.parts[:index])
     return path
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """``text`` into ``path``, written beside it and renamed over it: a file updated in a finished folder (``thinker
+    verify``'s report, the model card's checks), which a kill or a full disk must leave as it was."""
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        partial.write_text(text, encoding="utf-8")
+        os.replace(partial, path)
+    except OSError as err:  # a full disk, a read-only folder: the update is lost, the folder stays as it was
+        with contextlib.suppress(OSError):  # never created, on a read-only file system
+            partial.unlink()
+        advice = "free some space" if err.errno in DISK_FULL else "make the folder writable"
+        raise ThinkerError(
+            f"{outside_staging(path.parent)}: cannot write {path.name} there ({err.strerror or err}); {advice}"
+        ) from None
 
 
 def _mib(size: int) -> str:

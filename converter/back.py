@@ -48,6 +48,7 @@ from .engine import (
     write_weights,
 )
 from .families import FAMILIES, family_by_name
+from .model_card import write_way_back_card
 from .output_dtype import kept_wider, resolve_dtype
 from .parity import parity_gate, parity_mode
 from .parity_report import BY_LAYER
@@ -180,6 +181,8 @@ def convert_back(
                 failure = f"{output}: does not match the Thinker folder; nothing written"
                 # at the written dtype: the float32 Thinker rounded as the way back rounded it
                 report = parity_gate(staging, source, None, staging, failure, mode, note, plan.dtype)
+            architecture = exported["architectures"][0]
+            files += write_way_back_card(staging, source, family.name, architecture, report, output.name)
     finally:
         tensor_source.close()
     return ConversionResult(

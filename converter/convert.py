@@ -25,6 +25,7 @@ from .config_compare import config_differences
 from .engine import plan_conversion, write_weights
 from .families import detect_family
 from .hub import resolve_source
+from .model_card import update_parity, write_thinker_card
 from .output import write_generation_config, write_thinker_config
 from .parity import parity_gate, parity_mode
 from .parity_report import BY_LAYER, FAILED_PARITY_FILE, PARITY_FILE, ParityReport
@@ -118,6 +119,11 @@ def convert(
             if verify:
                 failure = f"{output}: does not match its reference; nothing written"
                 report = parity_gate(root, staging, plan.family, staging, failure, mode, note)
+            skipped = plan.family.no_reference or "converted with --no-verify"
+            written_dtype = str(plan.dtype).removeprefix("torch.")
+            files += write_thinker_card(
+                staging, str(source), Path(root), plan.family.name, written_dtype, report, skipped, output.name
+            )
     finally:
         tensor_source.close()
     return ConversionResult(
@@ -165,6 +171,7 @@ def verify(
     report = parity_gate(
         root, converted, source_family(root), converted, failure, mode, note, failed_into=FAILED_PARITY_FILE
     )
+    update_parity(converted, report)
     with contextlib.suppress(FileNotFoundError):  # a failing report from before, now answered
         (converted / FAILED_PARITY_FILE).unlink()
     return report

@@ -38,6 +38,7 @@ from huggingface_hub.utils import filter_repo_objects, validate_repo_id
 from huggingface_hub.utils import tqdm as hf_tqdm
 
 from common.errors import ThinkerError
+from common.model_card import CARD_FILE, LICENSE_FILES
 
 try:  # huggingface_hub 2.x talks HTTP through httpx2, 1.x through httpx; both raise TransportError subclasses.
     import httpx2 as _httpx
@@ -85,7 +86,8 @@ def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str 
     duplicate of the sharded weights), and beside an index its shards win over a whole ``model.safetensors`` (or
     ``pytorch_model.bin``), which the loader would not read. Next to them come the small side files: every
     top-level ``*.json`` (config, generation config, shard index, tokenizer), ``*.txt`` (BPE merges, vocab),
-    ``*.model`` (sentencepiece) and ``*.tiktoken``.
+    ``*.model`` (sentencepiece) and ``*.tiktoken``, and the model card and license files (``README.md``,
+    ``LICENSE``), whose license travels with the weights into OUTPUT.
     """
     top = sorted({name for name in repo_files if "/" not in name})
 
@@ -115,7 +117,7 @@ def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str 
             f"{label} has no .safetensors, .bin or .gguf weights at its top level; check the repo id and revision, "
             "or download the files yourself and pass the folder"
         )
-    side_files = [name for name in top if name.endswith(_SIDE_FILE_SUFFIXES)]
+    side_files = [name for name in top if name.endswith(_SIDE_FILE_SUFFIXES) or name in (CARD_FILE, *LICENSE_FILES)]
     return sorted(set(weights) | set(side_files))
 
 

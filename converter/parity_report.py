@@ -5,14 +5,12 @@ guard both modes' reference loading shares.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from common.errors import ThinkerError
-from common.staging import DISK_FULL, outside_staging
+from common.staging import write_atomically
 
 PARITY_FILE = "parity.json"
 # `thinker verify`'s failing report, written beside a folder's parity.json rather than over it (below)
@@ -116,18 +114,7 @@ class ParityReport:
 
 def write_report(report: ParityReport, path: Path) -> None:
     """Written beside and renamed over: `thinker verify` updates a finished folder, which a kill must not damage."""
-    path = Path(path)
-    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    try:
-        partial.write_text(report.to_json())
-        os.replace(partial, path)
-    except OSError as err:  # a full disk, a read-only folder: the report is lost, the folder stays as it was
-        with contextlib.suppress(OSError):  # never created, on a read-only file system
-            partial.unlink()
-        advice = "free some space" if err.errno in DISK_FULL else "make the folder writable"
-        raise ThinkerError(
-            f"{outside_staging(path.parent)}: cannot write {path.name} there ({err.strerror or err}); {advice}"
-        ) from None
+    write_atomically(Path(path), report.to_json())
 
 
 def refuse_unknown_model_type(config_path: Path) -> None:

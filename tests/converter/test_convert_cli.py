@@ -154,3 +154,35 @@ def test_convert_from_python_takes_a_torch_dtype(qwen3_source, tmp_path):
     result = convert(qwen3_source, tmp_path / "out", dtype=torch.bfloat16, verify=False, progress=False)
     assert result.dtype == "bfloat16"
     assert load_thinker(qwen3_source, dtype=torch.float16).dtype == torch.float16
+
+
+def test_the_model_card_says_where_the_weights_came_from_and_what_was_checked(fake_hub, save_reference, tmp_path):
+    """The Thinker folder's README.md: huggingface_hub's card metadata (base_model the Hub repo, the source card's
+    license carried, the source's LICENSE file copied), and the parity figures of parity.json; a --no-verify
+    conversion's card says it was not checked, and a later passing `thinker verify` writes the figures into it."""
+    from huggingface_hub import ModelCard
+
+    _, folder = save_reference(QWEN3, name="hub-card")
+    (folder / "README.md").write_text("---\nlicense: apache-2.0\nlanguage:\n- en\n---\n# Tiny Qwen3\n")
+    (folder / "LICENSE").write_text("Apache License, Version 2.0")
+    fake_hub.add_repo("tiny-org/tiny-qwen3", folder)
+    output = tmp_path / "out"
+    assert CliRunner().invoke(convert_command, ["tiny-org/tiny-qwen3", str(output)]).exit_code == 0
+    card = ModelCard.load(output / "README.md")
+    assert card.data.base_model == "tiny-org/tiny-qwen3" and card.data.license == "apache-2.0"
+    assert card.data.library_name == "transformers" and card.data.language == ["en"]
+    assert set(card.data.tags) == {"thinker", "qwen3"}
+    assert (output / "LICENSE").read_text() == "Apache License, Version 2.0"
+    (result,) = json.loads((output / "parity.json").read_text())["results"]
+    figures = f"{result['max_abs_diff']:.3g} | {result['mean_abs_diff']:.3g} | {result['tolerance']:.2g}"
+    row = f"| float32 | {figures} | 100.0% | 2/2 | pass |"
+    assert row in card.text, card.text
+    assert 'from_pretrained("out"' in card.text and "[`tiny-org/tiny-qwen3`](https://huggingface.co/" in card.text
+
+    unchecked = tmp_path / "unchecked"
+    assert CliRunner().invoke(convert_command, ["tiny-org/tiny-qwen3", str(unchecked), "--no-verify"]).exit_code == 0
+    assert "Not checked: converted with --no-verify" in (unchecked / "README.md").read_text()
+    assert CliRunner().invoke(verify_command, ["tiny-org/tiny-qwen3", str(unchecked)]).exit_code == 0
+    text = (unchecked / "README.md").read_text()
+    assert "Not checked" not in text and row in text
+    assert ModelCard.load(unchecked / "README.md").data.license == "apache-2.0"  # the rest of the card as it was

@@ -25,14 +25,16 @@ def tiny_repo(hidden_size: int = 4) -> dict[str, bytes]:
         "config.json": json.dumps({"model_type": "qwen2", "hidden_size": hidden_size}).encode(),
         "model.safetensors": save({"w": np.arange(hidden_size, dtype=np.float32)}),
         "tokenizer.json": b'{"model": {"type": "BPE"}}',
-        "README.md": b"# tiny",
+        "README.md": b"---\nlicense: apache-2.0\n---\n# tiny",
+        "LICENSE": b"Apache License 2.0",
         "model.onnx": BIG,
         "pytorch_model.bin": BIG,  # a pickle: skipped because safetensors exist
         "original/consolidated.pth": BIG,
     }
 
 
-WANTED = {"config.json", "model.safetensors", "tokenizer.json"}
+# the card and the license too: the license travels with the weights into OUTPUT
+WANTED = {"config.json", "model.safetensors", "tokenizer.json", "README.md", "LICENSE"}
 
 
 def files_in(folder) -> set[str]:
@@ -278,7 +280,7 @@ def test_cached_file_leading_out_of_the_cache_is_refused(fake_hub, tmp_path):
                 "tokenizer.model",
             ],
         ),
-        (["README.md", "qwen-q8_0.gguf"], ["qwen-q8_0.gguf"]),
+        (["README.md", "qwen-q8_0.gguf"], ["README.md", "qwen-q8_0.gguf"]),
         (  # a whole copy beside the shards, which the loader does not read when an index is there
             [
                 "config.json",
@@ -328,7 +330,7 @@ def test_pick_conversion_files_refuses_ambiguous_or_missing_weights():
 
 def test_gguf_only_repo_downloads_its_single_file(fake_hub):
     fake_hub.add_repo("acme/tiny-gguf", {"README.md": b"#", "tiny-q8_0.gguf": b"GGUF" + bytes(60)})
-    assert files_in(resolve_source("acme/tiny-gguf", progress=False)) == {"tiny-q8_0.gguf"}
+    assert files_in(resolve_source("acme/tiny-gguf", progress=False)) == {"README.md", "tiny-q8_0.gguf"}
 
 
 GGUF_REPO = {
@@ -343,7 +345,7 @@ def test_gguf_file_picks_one_of_a_repos_quantisations(fake_hub):
     sha = fake_hub.add_repo("acme/tiny-gguf", GGUF_REPO)
     path = resolve_source("acme/tiny-gguf", gguf_file="tiny-Q8_0.gguf", progress=False)
     assert path.name == "tiny-Q8_0.gguf" and path.parent.name == sha and path.read_bytes() == GGUF_REPO[path.name]
-    assert files_in(path.parent) == {"tiny-Q8_0.gguf"}  # the other quantisations are not downloaded
+    assert files_in(path.parent) == {"README.md", "tiny-Q8_0.gguf"}  # the other quantisations are not downloaded
     with pytest.raises(ThinkerError, match=r"no GGUF file 'tiny-Q5.gguf'.*tiny-Q4_K_M.gguf, tiny-Q8_0.gguf"):
         resolve_source("acme/tiny-gguf", gguf_file="tiny-Q5.gguf", progress=False)
     with pytest.raises(ThinkerError, match="holds 3 GGUF files; pick one with --gguf-file: .*mmproj-F16.gguf"):

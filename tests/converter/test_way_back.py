@@ -15,6 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from convert_helpers import build_reference, save_unfused_experts
+from huggingface_hub import ModelCard
 from references import uomni
 from safetensors.torch import load_file
 from transformers import AutoConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
@@ -68,12 +69,20 @@ def test_qwen3_round_trip_is_bit_exact(tmp_path, tied: bool):
         tie_word_embeddings=tied,
     )
     build_reference(config).save_pretrained(tmp_path / "source")
+    (tmp_path / "source" / "README.md").write_text("---\nlicense: mit\n---\n# source\n")
+    (tmp_path / "source" / "LICENSE").write_text("MIT License")
     back = round_trip(tmp_path / "source", "qwen3", tmp_path)
     assert_bit_exact(tmp_path / "source", back)
     original, written = AutoConfig.from_pretrained(tmp_path / "source"), AutoConfig.from_pretrained(back)
     assert type(written) is Qwen3Config and written.architectures == ["Qwen3ForCausalLM"]
     for field in ("head_dim", "num_key_value_heads", "attention_bias", "tie_word_embeddings", "rope_parameters"):
         assert getattr(written, field) == getattr(original, field), field
+    # the license travels both ways, in the cards and as the file
+    card = ModelCard.load(back / "README.md")
+    assert (
+        card.data.license == "mit" and card.data.tags == ["qwen3"] and (back / "LICENSE").read_text() == "MIT License"
+    )
+    assert "as `Qwen3ForCausalLM`" in card.text and "| float32 |" in card.text
 
 
 def test_qwen3_moe_round_trip_restores_per_expert_tensors(tmp_path):

@@ -1,0 +1,100 @@
+"""The model card (``README.md``) of the folders the tools write, and the license that travels with the weights.
+
+A folder pushed to the Hub as it is should say what it is: huggingface_hub reads the card's YAML metadata (the
+library that loads it, the model it derives from, its license) for the repo page, its filters and its "base model"
+tree, and a reader wants to know where the weights came from and what was checked. So every output gets a card,
+written with huggingface_hub's ``ModelCard`` / ``ModelCardData``, and a copy of the source's license file: a
+conversion or an export is a copy of someone's weights, under their terms.
+
+What the source's own card says about its license and languages is carried over; what this tool measured (the parity
+check, the export's verify) goes in a section between markers, so that a later ``thinker verify`` can replace it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from .source_files import present, regular_file
+from .staging import write_atomically
+
+CARD_FILE = "README.md"
+LICENSE_FILES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "LICENCE", "COPYING")
+# Card metadata that describes the weights themselves, so it holds for a copy of them.
+CARRIED_METADATA = ("license", "license_name", "license_link", "language")
+_CHECK_START, _CHECK_END = "<!-- thinker: checks -->", "<!-- /thinker: checks -->"
+_CHECKS = re.compile(re.escape(_CHECK_START) + ".*?" + re.escape(_CHECK_END), re.DOTALL)
+_REPO_FOLDER = re.compile(r"models--(?P<owner>[^/]+?)--(?P<name>[^/]+)")
+_REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def card_metadata(folder: Path) -> dict[str, Any]:
+    """The metadata of ``folder``'s card that holds for a copy of its weights (license, languages), and its
+    ``base_model``; empty where it has no card or one huggingface_hub cannot read."""
+    from huggingface_hub import ModelCard
+
+    path = Path(folder) / CARD_FILE
+    if not present(path, Path(folder)):
+        return {}
+    try:
+        data = ModelCard.load(regular_file(path)).data.to_dict()
+    except Exception:  # a card is documentation: an unreadable one costs its metadata, not the conversion
+        return {}
+    return {key: data[key] for key in (*CARRIED_METADATA, "base_model") if data.get(key)}
+
+
+def hub_repo_of(source: str, root: Path) -> str | None:
+    """The Hub repo id the weights came from: SOURCE itself when it names one, else the repo whose cached snapshot
+    ``root`` is; None for a folder of one's own."""
+    if _REPO_ID.fullmatch(source) and not os.path.exists(source):
+        return source
+    for part in reversed(Path(os.path.abspath(root)).parts):
+        match = _REPO_FOLDER.fullmatch(part)
+        if match:
+            return f"{match['owner']}/{match['name']}"
+    return None
+
+
+def copy_license(source_folder: Path, folder: Path) -> list[str]:
+    """The source folder's license files, copied into ``folder``; their names."""
+    copied = []
+    for name in LICENSE_FILES:
+        path = Path(source_folder) / name
+        if present(path, Path(source_folder)):
+            (Path(folder) / name).write_bytes(regular_file(path).read_bytes())
+            copied.append(name)
+    return copied
+
+
+def write_card(folder: Path, metadata: dict[str, Any], body: str, checks: str) -> None:
+    """``folder/README.md``: ``metadata`` as the card's YAML header, then ``body``, then ``checks`` between the
+    markers ``replace_checks`` looks for."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    # a folder name that is not UTF-8 (bytes the file system allows) is shown with replacement characters
+    body = body.encode("utf-8", "replace").decode("utf-8")
+    data = ModelCardData(**{key: value for key, value in metadata.items() if value})
+    checks = f"{_CHECK_START}\n{checks.strip()}\n{_CHECK_END}"
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body.strip()}\n\n{checks}\n")
+    card.save(Path(folder) / CARD_FILE)
+
+
+def replace_checks(folder: Path, checks: str) -> bool:
+    """Puts ``checks`` in place of the checks section of ``folder``'s card, written beside and renamed over; False
+    (nothing written) where the folder has no card of this tool's."""
+    path = Path(folder) / CARD_FILE
+    if not path.is_file() or path.is_symlink():
+        return False
+    text = path.read_text(encoding="utf-8")
+    if not _CHECKS.search(text):
+        return False
+    updated = _CHECKS.sub(lambda _: f"{_CHECK_START}\n{checks.strip()}\n{_CHECK_END}", text, count=1)
+    write_atomically(path, updated)
+    return True
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])

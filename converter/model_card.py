@@ -1,0 +1,147 @@
+"""The Thinker folder's model card: where the weights came from, how to load them, and the parity check's figures.
+
+``common/model_card.py`` writes it; this module says what a conversion (and the way back) puts in it.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from common.model_card import card_metadata, copy_license, hub_repo_of, markdown_table, replace_checks, write_card
+
+from .parity_report import PARITY_FILE, ParityReport
+
+
+def tool_version() -> str:
+    try:
+        return version("thinker")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(source tree)"
+
+
+def source_line(source: str, root: Path) -> tuple[str, str | None]:
+    """(how the card names the source, its Hub repo id or None)."""
+    repo = hub_repo_of(source, root)
+    if repo is None:
+        return f"`{Path(source).name or source}` (a local checkpoint)", None
+    commit = Path(root).name if "snapshots" in Path(root).parts else None
+    at = f" at commit `{commit}`" if commit else ""
+    return f"[`{repo}`](https://huggingface.co/{repo}){at}", repo
+
+
+def parity_section(report: ParityReport | None, skipped: str) -> str:
+    """The checks section: the parity figures per dtype (and the worst stage, layer by layer), or why there are
+    none."""
+    if report is None:
+        verify = "`thinker verify SOURCE FOLDER` checks it and writes the figures here"
+        return f"## Parity\n\nNot checked: {skipped}. {verify}."
+    rows = []
+    for result in report.results:
+        greedy = "—" if result.greedy_identical is None else f"{result.greedy_identical}/{result.greedy_prompts}"
+        rows.append(
+            [
+                result.dtype,
+                f"{result.max_abs_diff:.3g}",
+                f"{result.mean_abs_diff:.3g}",
+                f"{result.tolerance:.2g}",
+                f"{result.top1_agreement:.1%}",
+                greedy,
+                "pass" if result.passed else f"FAIL ({result.first_divergence})",
+            ]
+        )
+    header = ["dtype", "max \\|Δlogit\\|", "mean \\|Δlogit\\|", "tolerance", "top-1", "greedy", "result"]
+    mode = "the two models side by side" if report.mode == "whole-model" else "one layer at a time"
+    lines = [
+        "## Parity",
+        "",
+        f"Checked against the source family's own transformers class, {mode}, on fixed prompts (a left-padded "
+        "batch and greedy continuations): the tolerance is 1e-4 × max(1, the logit scale) in float32. The figures "
+        f"in full, per stage where layer by layer, are in `{PARITY_FILE}`.",
+        "",
+        markdown_table(header, rows),
+    ]
+    return "\n".join(lines)
+
+
+def write_thinker_card(
+    folder: Path,
+    source: str,
+    root: Path,
+    family: str,
+    dtype: str,
+    report: ParityReport | None,
+    skipped: str = "converted with --no-verify",
+    name: str | None = None,
+) -> list[str]:
+    """README.md (and the source's license files) in the Thinker folder ``folder`` (to be installed as ``name``);
+    the names written."""
+    root = Path(root)
+    root = root.parent if root.is_file() else root  # a GGUF file: its folder holds the card and license
+    named, repo = source_line(source, root)
+    carried = card_metadata(root)
+    metadata = {
+        **{key: value for key, value in carried.items() if key != "base_model"},
+        "library_name": "transformers",
+        "pipeline_tag": "text-generation",
+        "base_model": repo,
+        "tags": ["thinker", family],
+    }
+    here = name or Path(folder).name
+    title = repo.split("/")[-1] if repo else here
+    body = f"""# {title} (Thinker)
+
+The weights of {named}, family `{family}`, converted by `thinker-convert` {tool_version()} into a Thinker folder
+({dtype}): one transformers `PreTrainedModel` for every Qwen-style architecture, with its modeling code beside the
+weights. The tokenizer and generation config are the source's.
+
+## Use
+
+```python
+import thinker  # registers the Thinker classes with transformers' Auto classes
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("{here}", dtype="auto")  # or trust_remote_code=True, no thinker
+tokenizer = AutoTokenizer.from_pretrained("{here}")
+```
+
+`thinker export {here} ONNX_FOLDER` writes it as an ONNX decoder for onnxruntime and onnxruntime-genai.
+"""
+    write_card(folder, metadata, body, parity_section(report, skipped))
+    return ["README.md", *copy_license(root, folder)]
+
+
+def write_way_back_card(
+    folder: Path, thinker_folder: Path, family: str, architecture: str, report: ParityReport | None, name: str
+) -> list[str]:
+    """README.md (and the license files) of a folder the way back wrote from ``thinker_folder``: the Thinker card's
+    license and base model carried on, the parity figures against the Thinker."""
+    carried = card_metadata(thinker_folder)
+    metadata = {**carried, "library_name": "transformers", "pipeline_tag": "text-generation", "tags": [family]}
+    base = carried.get("base_model")
+    origin = f" (the weights of [`{base}`](https://huggingface.co/{base}))" if base else ""
+    body = f"""# {name}
+
+Written back from the Thinker folder `{Path(thinker_folder).name}`{origin} by `thinker-convert --to {family}`
+{tool_version()}, in the layout of transformers' `{architecture}`: it loads with transformers alone.
+
+```python
+from transformers import AutoModelForCausalLM
+
+model = AutoModelForCausalLM.from_pretrained("{name}", dtype="auto")
+```
+"""
+    write_card(
+        folder,
+        metadata,
+        body,
+        parity_section(report, "written back with --no-verify").replace(
+            "the source family's own transformers class", f"the Thinker it was written from, as `{architecture}`"
+        ),
+    )
+    return ["README.md", *copy_license(thinker_folder, folder)]
+
+
+def update_parity(folder: Path, report: ParityReport) -> bool:
+    """``thinker verify``'s passing figures into the card's parity section, where the card is this tool's."""
+    return replace_checks(folder, parity_section(report, ""))
