@@ -69,8 +69,9 @@ class QuantizedWeight:
     bits: int
     weight: np.ndarray | torch.Tensor  # a graph's (K, N) / (V, C) array; a Thinker parameter's (out, in) tensor
     # The quantization grid, for the per-row check: each output row's inputs in blocks of ``block_size`` (0: one
-    # block per row; a guard's float fallback: the grid its node records), None where the graph does not say. A weight quantized in row
-    # ranges (the mixed head) gives each range's own instead, ``row_parts``: (start, stop, bits, block_size).
+    # block per row; a guard's float fallback: the grid its node records), None where the graph does not say. A
+    # weight quantized in row ranges (the mixed head) gives each range's own instead, ``row_parts``: (start, stop,
+    # bits, block_size).
     block_size: int | None = None
     row_parts: tuple[tuple[int, int, int, int | None], ...] = ()
     asymmetric: bool = False  # with zero points (uint ones of asymmetric RTN, HQQ's float ones)
