@@ -72,7 +72,9 @@ as 8GB, when set), otherwise one layer at a time, which needs the memory of one 
 
 OUTPUT receives model.safetensors (or model-0000i-of-0000N.safetensors shards with model.safetensors.index.json),
 config.json with the modeling code (loads with AutoModelForCausalLM after `import thinker`, or with
-trust_remote_code=True), generation_config.json, the tokenizer files, and parity.json when verified. It is written
+trust_remote_code=True), generation_config.json, the tokenizer files, parity.json when verified, and a model card
+(README.md: the base model, the source's license, which its LICENSE file copied beside it, and the parity figures).
+It is written
 into a hidden folder beside OUTPUT (.OUTPUT.partial-HOST-PID-XXXXXXXX) and renamed into place when complete; such a
 folder left by a killed run is removed by the next run into the same OUTPUT, and may be deleted by hand. With
 --force, the old OUTPUT is swapped for the new one in one step. Code shipped with a checkpoint (auto_map) is never

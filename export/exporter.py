@@ -38,6 +38,7 @@ from .genai_config import logits_note, make_genai_config, no_eos_note, search_op
 from .genai_graph import write_genai_graph
 from .graph_builder import GraphBuilder, WeightFile
 from .graph_walk import all_nodes
+from .model_card import write_onnx_card
 from .names import (
     DATA_FILE,
     DEFAULT_GRAPH,
@@ -232,7 +233,7 @@ def export_model(
             "nodes": files.nodes,
             "nodes_by_op": files.nodes_by_op,
             "parameters": files.parameters,
-            "sizes": {p.name: p.stat().st_size for p in sorted(final.iterdir())},
+            "sizes": {},  # once every file is written, below
             "export_seconds": round(time.perf_counter() - started, 3),
             "verify": None,
             "versions": versions(),
@@ -265,6 +266,8 @@ def export_model(
                 f"{what}: {report['verify']['failure']} ({dtype}, {graph} graph"
                 f"{', ' + quantize.label() if quantize else ''}); the export was not written"
             )
+        write_onnx_card(final, model_dir, report, output.name)
+        report["sizes"] = {p.name: p.stat().st_size for p in sorted(final.iterdir())}  # the card's too
         (final / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
         install(final, output.absolute(), force)  # atomic: OUTPUT is the old folder or the new one, never partial
     return report

@@ -17,6 +17,38 @@ def runner() -> CliRunner:
     return CliRunner()
 
 
+def test_the_onnx_folder_carries_a_model_card(runner, thinker_folder, tmp_path):
+    """README.md in the ONNX folder: the Thinker card's license and base model carried (and its LICENSE file), the
+    verify's figures as export_report.json has them; a quantized export's card gives its three checks."""
+    import shutil
+
+    from huggingface_hub import ModelCard
+
+    source = shutil.copytree(thinker_folder("qwen3"), tmp_path / "thinker")
+    (source / "README.md").write_text("---\nlicense: apache-2.0\nbase_model: tiny-org/tiny-qwen3\n---\n# card\n")
+    (source / "LICENSE").write_text("Apache License, Version 2.0")
+    output = tmp_path / "onnx"
+    assert runner.invoke(main, ["export", str(source), str(output)]).exit_code == 0
+    card = ModelCard.load(output / "README.md")
+    assert card.data.license == "apache-2.0" and card.data.base_model == "tiny-org/tiny-qwen3"
+    assert card.data.library_name == "onnxruntime-genai" and "onnx" in card.data.tags
+    assert (output / "LICENSE").read_text() == "Apache License, Version 2.0"
+    report = json.loads((output / "export_report.json").read_text())
+    verify = report["verify"]
+    assert f"| {verify['max_abs_diff']:.3g} | {verify['tolerance']:.3g} | 100.0% |" in card.text, card.text
+    assert report["sizes"]["README.md"] == (output / "README.md").stat().st_size
+    assert 'og.Model("onnx")' in card.text
+
+    quantized = tmp_path / "int8"
+    gate = ["--min-top1", "0", "--max-perplexity-increase", "100"]
+    assert runner.invoke(main, ["export", str(source), str(quantized), "--quantize", "int8", *gate]).exit_code == 0
+    card = ModelCard.load(quantized / "README.md")
+    assert card.data.base_model_relation == "quantized" and "weights int8 in blocks of 32 (rtn)" in card.text
+    graph = json.loads((quantized / "export_report.json").read_text())["verify"]["graph"]
+    assert f"max \\|Δlogit\\| {graph['max_abs_diff']:.3g}, tolerance {graph['tolerance']:.3g}" in card.text
+    assert "top-1 agreement" in card.text and "perplexity" in card.text
+
+
 def test_export_then_generate(runner, thinker_folder, tmp_path):
     source = thinker_folder("qwen3_moe")
     output = tmp_path / "onnx"

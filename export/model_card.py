@@ -1,0 +1,103 @@
+"""The ONNX folder's model card: what the graph is, how to run it, and what its verify measured.
+
+``common/model_card.py`` writes it; the Thinker folder's card gives the license, languages and base model it carries.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from common.model_card import card_metadata, copy_license, markdown_table, write_card
+
+
+def verify_section(report: dict) -> str:
+    """The checks section from ``export_report.json``'s ``verify``: the float graph against PyTorch, or the
+    quantized graph's three checks; or why there was none."""
+    figures = report.get("verify")
+    lines = ["## Verify", ""]
+    if not figures:
+        return "\n".join([*lines, "Not verified: exported with --no-verify."])
+    if figures.get("skipped"):
+        return "\n".join([*lines, f"Not verified: {figures['skipped']}."])
+    if "graph" in figures:  # quantized: the graph checked for what it is, and the rounding's cost apart
+        graph, cost, weights = figures["graph"], figures["cost"], figures["weights"]
+        rows = [
+            [
+                "the graph (float activations) against the PyTorch Thinker with the same dequantized weights",
+                f"max \\|Δlogit\\| {graph['max_abs_diff']:.3g}, tolerance {graph['tolerance']:.3g}",
+            ],
+            [
+                "each quantized weight against its float original",
+                f"worst relative error {weights['relative_error']:.3g} (limit {weights['limit']})",
+            ],
+        ]
+        if "skipped" not in cost:
+            rows.append(
+                [
+                    f"what quantization costs, over {cost['tokens']} tokens of English against the float model",
+                    f"top-1 agreement {cost['top1_agreement']:.1%}, perplexity {cost['perplexity_change']:+.1%}",
+                ]
+            )
+        lines.append(markdown_table(["check", "measured"], rows))
+    else:
+        rows = [
+            [
+                f"{figures['max_abs_diff']:.3g}",
+                f"{figures['tolerance']:.3g}",
+                f"{figures['top1_agreement']:.1%}",
+                str(figures["positions"]),
+                figures["provider"],
+            ]
+        ]
+        lines += [
+            "onnxruntime against the PyTorch Thinker in float32, prefill of a left-padded batch then decode steps:",
+            "",
+            markdown_table(["max \\|Δlogit\\|", "tolerance", "top-1", "positions", "provider"], rows),
+        ]
+    lines += ["", "The figures in full are in `export_report.json`."]
+    return "\n".join(lines)
+
+
+def write_onnx_card(folder: Path, thinker_folder: Path, report: dict, name: str) -> list[str]:
+    """README.md (and the Thinker folder's license files) in the ONNX folder ``folder``, to be installed as
+    ``name``; the names written."""
+    carried = card_metadata(thinker_folder)
+    quantized = report.get("quantize")
+    metadata = {
+        **carried,
+        "library_name": "onnxruntime-genai",
+        "pipeline_tag": "text-generation",
+        "base_model_relation": "quantized" if quantized and carried.get("base_model") else None,
+        "tags": ["onnx", "onnxruntime", "onnxruntime-genai", "thinker"],
+    }
+    base = carried.get("base_model")
+    origin = f" (the weights of [`{base}`](https://huggingface.co/{base}))" if base else ""
+    precision = report["dtype"]
+    if quantized:
+        precision += f", weights {quantized['weights']} in blocks of {quantized['block_size']} ({quantized['algo']})"
+    body = f"""# {name}
+
+The decoder of the Thinker folder `{Path(thinker_folder).name}`{origin}, exported by `thinker export` as ONNX
+({precision}, the {report["graph"]} graph) with its whole decoding state as inputs and outputs: `model.onnx` for
+onnxruntime on any padding, `genai_config.json` for onnxruntime-genai. The tokenizer is the model's.
+
+## Run
+
+```python
+import onnxruntime_genai as og
+
+model = og.Model("{name}")
+tokenizer = og.Tokenizer(model)
+params = og.GeneratorParams(model)
+params.set_search_options(max_length=64)
+generator = og.Generator(model, params)
+generator.append_tokens(tokenizer.encode("The capital of France is"))
+while not generator.is_done():
+    generator.generate_next_token()
+print(tokenizer.decode(generator.get_sequence(0)))
+```
+
+or `thinker generate {name} --prompt "The capital of France is"`, or `export.runtime.OnnxDecoder` in Python.
+"""
+    write_card(folder, metadata, body, verify_section(report))
+    return ["README.md", *copy_license(thinker_folder, folder)]
