@@ -13,6 +13,7 @@ onnxruntime inside the commands, so ``thinker --help`` and argument errors answe
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import signal
@@ -42,9 +43,14 @@ def reports_errors(command: Callable) -> Callable:
         try:
             with held_warnings(hold=not debug), sigterm_unwinds():
                 return command(*args, **kwargs)
-        except Terminated:
-            click.echo("Terminated.", err=True)  # as click says "Aborted!" for Ctrl-C
-            sys.exit(128 + signal.SIGTERM)
+        except Terminated as signalled:
+            click.echo(signalled.words, err=True)  # as click says "Aborted!" for Ctrl-C
+            sys.exit(128 + signalled.signum)
+        except OSError as err:  # what no check foresaw (a name too long, a file too large for the file system ...)
+            if debug:
+                raise
+            click.secho(f"error: {os_error_line(err)}", fg="red", err=True)
+            sys.exit(1)
         except ThinkerError as err:
             report = getattr(err, "report", None)  # a failed parity check carries its table: show what differed
             if report is not None:
@@ -58,28 +64,57 @@ def reports_errors(command: Callable) -> Callable:
     return debug_option(run)
 
 
+# What an OSError that reaches the command's end means for the user, by errno: the last resort after the checks
+# that name their own file and remedy.
+_OS_ERROR_ADVICE = {
+    errno.ENAMETOOLONG: "a name is longer than the file system takes (255 bytes a name): choose a shorter path",
+    errno.EFBIG: "a file is larger than the file system takes (FAT32: 4 GiB): write to another file system, or "
+    "convert with a smaller --max-shard-size",
+    errno.ELOOP: "a symlink there leads back to itself: fix or remove it",
+    errno.EACCES: "permission denied: make it readable (and its folder writable)",
+    errno.EPERM: "not permitted (an immutable or read-only file?): choose another path",
+    errno.EROFS: "the file system is read-only: choose another path",
+    errno.EBUSY: "in use or a mount point: choose another path",
+    errno.ENOENT: "it vanished during the run (deleted by another process?): run again",
+}
+
+
+def os_error_line(err: OSError) -> str:
+    """One line for an OSError: the file it names, what happened, and what to do."""
+    where = f"{err.filename}: " if err.filename else ""
+    advice = _OS_ERROR_ADVICE.get(err.errno)
+    return f"{where}{err.strerror or err}" + (f"; {advice}" if advice else "")
+
+
 class Terminated(BaseException):
-    """SIGTERM, raised where the command was: a BaseException, as KeyboardInterrupt is, so no ``except Exception``
-    swallows it on the way out."""
+    """SIGTERM or SIGHUP, raised where the command was: a BaseException, as KeyboardInterrupt is, so no ``except
+    Exception`` swallows it on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+        self.words = "Hung up." if signum == signal.SIGHUP else "Terminated."
 
 
 def _raise_terminated(signum: int, frame: object) -> None:
-    raise Terminated
+    raise Terminated(signum)
 
 
 @contextlib.contextmanager
 def sigterm_unwinds() -> Iterator[None]:
-    """SIGTERM (kill, timeout, docker stop, systemd) ends a command as Ctrl-C does, by unwinding: the staging folders'
-    cleanup runs. Python's default for it is to die on the spot, leaving a partial OUTPUT's staging folder behind.
-    Only the main thread can take signals; elsewhere (a library caller's thread) nothing changes."""
+    """SIGTERM (kill, timeout, docker stop, systemd) and SIGHUP end a command as Ctrl-C does, by unwinding: the
+    staging folders' cleanup runs. Python's default for them is to die on the spot, leaving a partial OUTPUT's staging
+    folder behind. Only the main thread can take signals; elsewhere (a library caller's thread) nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    # SIGHUP too: a closed terminal or a dropped ssh session, which otherwise leaves the staging folder behind
+    previous = {signum: signal.signal(signum, _raise_terminated) for signum in (signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 @contextlib.contextmanager

@@ -44,12 +44,19 @@ def refuse_existing_output(
     if (output.exists() or output.is_symlink()) and not force:
         when = f" {replaced_when}" if replaced_when else ""
         raise ThinkerError(f"{output} already exists; pass --force to replace it{when}")
+    if force and os.path.ismount(output):  # known before the work, which the replacement would then throw away
+        raise ThinkerError(
+            f"{Path(output).absolute()}: OUTPUT is a mount point, which cannot be replaced (--force swaps folders "
+            "by renaming them); write into a folder inside it"
+        )
 
 
 def _forms(path: Path) -> set[Path]:
     """A path as written (made absolute, ``..`` folded) and with its symlinks resolved: two spellings of one place
     must not slip past a comparison."""
-    return {Path(os.path.abspath(path)), Path(path).resolve()}
+    # os.path.realpath rather than Path.resolve, which raises on a symlink loop: such a path is refused later, by
+    # name, where it is used
+    return {Path(os.path.abspath(path)), Path(os.path.realpath(path))}
 
 
 def refuse_working_directory(output: Path) -> None:
@@ -113,7 +120,20 @@ def refuse_a_file(output: Path) -> None:
 # OUTPUT remove the leftovers of a killed one (its process is gone) without touching a run still in progress, here
 # or on another host sharing the folder.
 _STAGING = re.compile(r"^\.(?P<output>.+)\.partial-(?P<host>[A-Za-z0-9_-]+)-(?P<pid>\d+)-[0-9a-f]{8}$")
-_HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+
+
+def _host() -> str:
+    """Whose process ids a staging name's pid is: the host name, and on Linux the pid namespace (containers that share
+    the host's name and network, ``docker --network host``, each have their own, where a live run elsewhere has a pid
+    that looks dead here)."""
+    host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+    try:
+        return f"{host}_ns{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:  # not Linux
+        return host
+
+
+_HOST = _host()
 
 
 _NAME_MAX = 255  # bytes in one file name, on every file system Linux and macOS use
@@ -286,11 +306,17 @@ def install(staging: Path, output: Path, force: bool) -> None:
         return
     if not force:
         raise ThinkerError(f"{output} appeared during the run; pass --force to replace it")
-    if _exchange(staging, output):
-        return  # the old OUTPUT is at ``staging`` now and goes with it
-    # Not a staging name: were the run killed between the two renames, the old folder must survive the next run.
-    retired = output.with_name(f".{_label(output.name)}.{uuid.uuid4().hex[:8]}.old")
-    output.rename(retired)
+    try:
+        if _exchange(staging, output):
+            return  # the old OUTPUT is at ``staging`` now and goes with it
+        # Not a staging name: were the run killed between the two renames, the old folder must survive the next run.
+        retired = output.with_name(f".{_label(output.name)}.{uuid.uuid4().hex[:8]}.old")
+        output.rename(retired)
+    except OSError as err:  # a mount point (EBUSY), an immutable folder (EPERM): the old OUTPUT stays as it was
+        raise ThinkerError(
+            f"{output}: cannot replace it ({err.strerror or err}); the new folder was not installed: write to "
+            "another path, or into a folder inside this one"
+        ) from None
     staging.rename(output)
     _remove(retired)
 

@@ -207,11 +207,14 @@ convert_command(sys.argv[1:])
 """
 
 
-def test_sigterm_unwinds_like_ctrl_c(qwen3_source, tmp_path):
+@pytest.mark.parametrize("signum, words", [(signal.SIGTERM, "Terminated."), (signal.SIGHUP, "Hung up.")])
+def test_sigterm_and_sighup_unwind_like_ctrl_c(signum, words, qwen3_source, tmp_path):
+    """SIGTERM (kill, timeout, docker stop) and SIGHUP (a closed terminal, a dropped ssh session)."""
     output = tmp_path / "out"
-    command = [sys.executable, "-c", TERMINATED_MIDWAY, str(qwen3_source), str(output), "--no-verify"]
+    code = TERMINATED_MIDWAY.replace("signal.SIGTERM", f"signal.{signal.Signals(signum).name}")
+    command = [sys.executable, "-c", code, str(qwen3_source), str(output), "--no-verify"]
     result = subprocess.run([*command, "--max-shard-size", "20KB"], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 128 + signal.SIGTERM and result.stderr.strip() == "Terminated.", result.stderr
+    assert result.returncode == 128 + signum and result.stderr.strip() == words, result.stderr
     assert not output.exists() and leftovers(output) == []  # its staging folder removed on the way out
 
 
@@ -224,10 +227,14 @@ def test_only_the_staging_folders_of_dead_processes_are_removed(tmp_path):
     dead = tmp_path / f".out.partial-{HOST}-{_dead_pid()}-0123abcd"
     elsewhere = tmp_path / ".out.partial-another-host-1-0123abcd"  # its process may live, on that host
     other_output = tmp_path / f".other.partial-{HOST}-{_dead_pid()}-0123abcd"
-    for folder in (live, dead, elsewhere, other_output):
+    # the same host name in another pid namespace (a container on the host's network): its pids are not ours
+    another_namespace = tmp_path / f".out.partial-{HOST.rsplit('_ns', 1)[0]}_ns1-{_dead_pid()}-0123abcd"
+    for folder in (live, dead, elsewhere, other_output, another_namespace):
         folder.mkdir()
     assert remove_stale_staging(output) == [dead]
-    assert sorted(tmp_path.iterdir()) == sorted([live, elsewhere, other_output])
+    assert sorted(tmp_path.iterdir()) == sorted([live, elsewhere, other_output, another_namespace])
+    if Path("/proc/self/ns/pid").exists():
+        assert HOST.endswith(f"_ns{os.stat('/proc/self/ns/pid').st_ino}")
 
 
 def _dead_pid() -> int:

@@ -158,6 +158,37 @@ def test_a_250_character_output_name(qwen3_source, tmp_path):
     assert result.exit_code == 0, result.output
 
 
+@pytest.mark.parametrize("command", ["convert", "export", "generate"])
+def test_a_name_too_long_for_the_file_system(command, qwen3_source, tmp_path):
+    """A 256-byte name (as OUTPUT, or as the folder to generate with): one line naming it and saying what to do,
+    not the traceback of the OSError that the first look at it raises."""
+    long = tmp_path / ("x" * 256)
+    arguments = [long, "-p", "the cat"] if command == "generate" else [qwen3_source, long, "--no-verify"]
+    result = thinker(command, *arguments)
+    assert_error(result, "x" * 256, "File name too long; a name is longer than the file system takes")
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_an_output_that_cannot_be_replaced_is_named(qwen3_source, tmp_path, monkeypatch):
+    """--force onto an OUTPUT the swap cannot move (a mount point: EBUSY; an immutable folder: EPERM): one line
+    naming OUTPUT, the old folder as it was, no staging folder left."""
+    import errno
+
+    import common.staging as staging
+
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "mine.txt").write_text("kept")
+
+    def busy(first, second):
+        raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(second))
+
+    monkeypatch.setattr(staging, "_exchange", busy)
+    result = thinker("convert", qwen3_source, output, "--no-verify", "--force")
+    assert_error(result, str(output), "cannot replace it (Device or resource busy)", "write to another path")
+    assert sorted(os.listdir(output)) == ["mine.txt"] and sorted(os.listdir(tmp_path)) == ["out"]
+
+
 # --- symlinks (issue 16) -------------------------------------------------------------------------------------------
 
 
