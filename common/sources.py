@@ -163,6 +163,12 @@ class SafetensorsSource(FolderSource):
                 handle = self._stack.enter_context(safe_open(str(path), framework="pt"))
             except Exception as err:  # safetensors raises its own error types for bad headers
                 self.close()
+                try:
+                    os.fsencode(path).decode("utf-8")
+                except UnicodeDecodeError:  # safetensors takes UTF-8 paths only: the name is at fault, not the file
+                    raise ThinkerError(
+                        f"{path}: its path is not valid UTF-8, which safetensors cannot open; rename the folder"
+                    ) from None
                 raise ThinkerError(
                     f"{path}: not a readable safetensors file ({err}); the file is truncated or corrupt, "
                     f"{redownload(path)}"

@@ -169,6 +169,15 @@ def test_a_name_too_long_for_the_file_system(command, qwen3_source, tmp_path):
     assert sorted(os.listdir(tmp_path)) == []
 
 
+def test_a_source_path_that_is_not_utf8(qwen3_source, tmp_path):
+    """A folder name of bytes that are not UTF-8 (which Linux allows and safetensors cannot open) is named as the
+    path's fault, not taken for a corrupt file to download again."""
+    source = Path(os.fsdecode(os.fsencode(str(tmp_path)) + b"/src\xff"))
+    shutil.copytree(qwen3_source, source)
+    result = thinker("convert", source, tmp_path / "out", "--no-verify")
+    assert_error(result, "its path is not valid UTF-8, which safetensors cannot open; rename the folder")
+
+
 def test_an_output_that_cannot_be_replaced_is_named(qwen3_source, tmp_path, monkeypatch):
     """--force onto an OUTPUT the swap cannot move (a mount point: EBUSY; an immutable folder: EPERM): one line
     naming OUTPUT, the old folder as it was, no staging folder left."""
