@@ -50,7 +50,7 @@ from .hybrid_attention_graph import (
     zero_centered_scale,
 )
 from .linear_attention_graph import GatedDeltaNetDims, GatedDeltaNetGraph, PaddingMasks, emit_padding_masks
-from .names import LAST_POSITION_SCOPE, ROPE_TABLE
+from .names import LAST_POSITION_SCOPE, ROPE_TABLE, export_context
 from .weights import ThinkerWeights
 
 if TYPE_CHECKING:
@@ -669,7 +669,7 @@ ROPE_CHUNK = 1 << 14
 
 
 def rope_tables(config: ThinkerConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin over the whole context, (max_position_embeddings, rotary_dim / 2) each in ``dtype``, computed by
+    """cos and sin over the whole context, (``export_context``, rotary_dim / 2) each in ``dtype``, computed by
     the model's own ``ThinkerRotaryEmbedding`` (so every rope_type transformers knows is right, partial rotary
     included). The one source of the RoPE tables of both graphs: the half-split rotation repeats each frequency, so
     half a row is all either needs.
@@ -678,7 +678,7 @@ def rope_tables(config: ThinkerConfig, dtype: torch.dtype) -> tuple[torch.Tensor
     no more (the whole context in float32 at full width is what a long context cannot afford). The rope types whose
     frequencies depend on the context length are refused by ``check_exportable``, so chunks are independent."""
     rotary = ThinkerRotaryEmbedding(config)
-    total, width = config.max_position_embeddings, rotary.inv_freq.shape[0]
+    total, width = export_context(config.max_position_embeddings, config.rope_parameters)[0], rotary.inv_freq.shape[0]
     cos_table, sin_table = torch.empty(total, width, dtype=dtype), torch.empty(total, width, dtype=dtype)
     for start in range(0, total, ROPE_CHUNK):
         positions = torch.arange(start, min(start + ROPE_CHUNK, total))[None]
@@ -692,7 +692,8 @@ def rope_table_bytes(config: ThinkerConfig, dtype: torch.dtype) -> int:
     """What ``rope_tables`` holds: the RoPE tables a graph of this config stores."""
     if config.position_embedding_type != "rope":
         return 0
-    return 2 * config.max_position_embeddings * (rotary_dim(config) // 2) * dtype.itemsize
+    positions = export_context(config.max_position_embeddings, config.rope_parameters)[0]
+    return 2 * positions * (rotary_dim(config) // 2) * dtype.itemsize
 
 
 def rotary_dim(config: ThinkerConfig) -> int:

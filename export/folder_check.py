@@ -23,6 +23,7 @@ from converter.engine import describe_names, thinker_parameter_shapes
 from thinker.configuration_thinker import ThinkerConfig
 
 from .decoder_graph import not_exported, rope_table_bytes
+from .names import export_context
 
 HEAD = "lm_head.weight"
 # The sizes a tensor's shape follows, tried one by one to say which of them a wrong shape contradicts.
@@ -147,8 +148,9 @@ def _check_context(config: ThinkerConfig, config_path: Path, dtype: torch.dtype,
     from .verify import DECODE_STEPS
 
     positions = config.max_position_embeddings
+    context, covered_by = export_context(positions, config.rope_parameters)
     needed = max(PROMPT_LENGTHS) + DECODE_STEPS
-    if verify and positions < needed:
+    if verify and context < needed:
         raise ThinkerError(
             f"{config_path}: max_position_embeddings={positions} is fewer positions than --verify runs ({needed}: a "
             f"{max(PROMPT_LENGTHS)}-token prompt and {DECODE_STEPS} decode steps); correct it, or export with "
@@ -158,7 +160,8 @@ def _check_context(config: ThinkerConfig, config_path: Path, dtype: torch.dtype,
     available = psutil.virtual_memory().available
     if table > available:
         raise ThinkerError(
-            f"{config_path}: max_position_embeddings={positions} needs RoPE tables of {human_size(table)}, more "
-            f"than the {human_size(available)} of memory available; lower max_position_embeddings to the context "
-            "you will use, or export on a larger machine"
+            f"{config_path}: a context of {context} positions ({covered_by}) needs RoPE tables of "
+            f"{human_size(table)}, more than the {human_size(available)} of memory available; lower "
+            "max_position_embeddings (or the RoPE scaling's factor) to the context you will use, or export on a larger "
+            "machine"
         )

@@ -30,7 +30,7 @@ from common.errors import ThinkerError
 from thinker.configuration_thinker import ThinkerConfig
 
 from .decoder_graph import position_form
-from .names import MODEL_FILE
+from .names import MODEL_FILE, export_context
 
 
 def genai_model_type(config: ThinkerConfig, positions: str) -> str:
@@ -179,7 +179,7 @@ def make_genai_config(
             "bos_token_id": bos,
             "eos_token_id": eos if len(eos) > 1 else eos[0],
             "pad_token_id": pad,
-            "context_length": config.max_position_embeddings,
+            "context_length": export_context(config.max_position_embeddings, config.rope_parameters)[0],
             "vocab_size": config.vocab_size,
             "decoder": {
                 "filename": graph,
@@ -217,7 +217,7 @@ def make_genai_config(
             "length_penalty": 1.0,
             "diversity_penalty": 0.0,
             "min_length": 0,
-            "max_length": config.max_position_embeddings,
+            "max_length": export_context(config.max_position_embeddings, config.rope_parameters)[0],
             "early_stopping": True,
             "past_present_share_buffer": share_buffer,
         },

@@ -75,3 +75,21 @@ DEFAULT_ACCURACY_LEVEL = {"float32": 4, "float16": 0, "bfloat16": 0}
 # --accuracy-guard (export/accuracy_guard.py): the least teacher-forced top-1 agreement of an accuracy-level-4 graph
 # with the same weights at level 1, below which layers fall back to level 1.
 DEFAULT_MIN_AGREEMENT = 0.9
+
+
+# RoPE scalings that stretch the context a model was trained on (its ``original_max_position_embeddings``, or
+# max_position_embeddings where that is unset) by their ``factor``: transformers runs such a model past
+# max_position_embeddings (Qwen's YaRN setting keeps that at the trained 32768 and reaches factor 4 x 32768), so an
+# export's RoPE tables and context cover the stretched length, as vLLM's max model length does.
+CONTEXT_STRETCHING_ROPE_TYPES = ("yarn", "llama3")
+
+
+def export_context(max_position_embeddings: int, rope_parameters: dict | None) -> tuple[int, str]:
+    """The positions an export covers (its RoPE tables' rows), and what says so, for messages."""
+    rope = rope_parameters if isinstance(rope_parameters, dict) else {}
+    factor, trained = rope.get("factor"), rope.get("original_max_position_embeddings") or max_position_embeddings
+    if rope.get("rope_type") in CONTEXT_STRETCHING_ROPE_TYPES and isinstance(factor, (int, float)) and factor > 1:
+        stretched = int(factor * trained)
+        if stretched > max_position_embeddings:
+            return stretched, f"{rope['rope_type']}'s factor {factor:g} x {trained} trained positions"
+    return max_position_embeddings, "max_position_embeddings"

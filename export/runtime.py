@@ -43,7 +43,15 @@ from common.errors import ThinkerError
 from common.side_files import read_json
 
 from .graph_walk import all_nodes
-from .names import GENAI_CONFIG_FILE, GENAI_MODEL_FILE, LAST_POSITION_SCOPE, MODEL_FILE, PADDING_KEY, ROPE_TABLE
+from .names import (
+    GENAI_CONFIG_FILE,
+    GENAI_MODEL_FILE,
+    LAST_POSITION_SCOPE,
+    MODEL_FILE,
+    PADDING_KEY,
+    ROPE_TABLE,
+    export_context,
+)
 
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
@@ -76,6 +84,8 @@ def folder_context(folder: Path) -> tuple[int | None, str]:
     config = read_json(folder / "config.json")
     key = "max_position_embeddings"
     context = config.get(key) if isinstance(config, dict) else None
+    if isinstance(context, int) and not isinstance(context, bool):  # a RoPE scaling may stretch it (YaRN)
+        context, key = export_context(context, config.get("rope_parameters"))
     if context is None:
         genai = read_json(folder / GENAI_CONFIG_FILE)
         model = genai.get("model") if isinstance(genai, dict) else None

@@ -87,8 +87,9 @@ def alter(folder: Path, name: str, factor: float = 1.5) -> None:
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
 
 
-def stages(folder: Path) -> dict[str, dict]:
-    report = json.loads((folder / "parity.json").read_text())
+def stages(folder: Path, report_file: str = "parity.json") -> dict[str, dict]:
+    """The stages of ``folder``'s report: parity.json, or a failing ``thinker verify``'s parity.failed.json."""
+    report = json.loads((folder / report_file).read_text())
     assert report["mode"] == BY_LAYER
     return {stage["name"]: stage for stage in report["results"][0]["layers"]}
 
@@ -116,7 +117,7 @@ def test_verify_by_layer_names_the_altered_layer(config, altered, tmp_path):
     assert failed.exit_code == 1
     assert "FAIL (first divergence: layer 1)" in failed.stdout
     assert "does not match its reference" in failed.stderr
-    recorded = stages(converted)
+    recorded = stages(converted, "parity.failed.json")
     assert recorded["layer 0"]["passed"] and recorded["layer 0"]["max_abs_diff"] == 0
     assert not recorded["layer 1"]["passed"]
     assert recorded["layer 1"]["max_abs_diff"] > recorded["layer 1"]["tolerance"] > 0
@@ -204,7 +205,8 @@ def test_hybrid_layer_mode_agrees_and_names_an_altered_linear_attention_layer(na
     alter(result.output, "model.layers.2.linear_attn.out_proj.weight", 1.1)
     failed = cli(verify_command, source, result.output, "--verify-by-layer")
     assert failed.exit_code == 1 and "first divergence: layer 2" in failed.stdout, failed.output
-    assert stages(result.output)["layer 1"]["passed"] and stages(result.output)["layer 3"]["passed"]
+    recorded = stages(result.output, "parity.failed.json")
+    assert recorded["layer 1"]["passed"] and recorded["layer 3"]["passed"] and not recorded["layer 2"]["passed"]
 
 
 def test_layer_mode_catches_padding_leaking_into_the_recurrent_state(tmp_path, run_convert, monkeypatch):

@@ -179,6 +179,27 @@ def test_rope_scaling_comes_from_transformers(graph, tmp_path):
     assert figures["max_abs_diff"] <= 1e-3, figures
 
 
+def test_yarn_stretches_the_exported_context(tmp_path):
+    """Qwen's YaRN setting keeps max_position_embeddings at the trained length and stretches it by the factor, which
+    transformers runs: the export's RoPE tables, genai_config.json's context and OnnxDecoder's limit cover factor x
+    the trained positions, and decoding past max_position_embeddings matches PyTorch."""
+    import json
+
+    from thinker import ThinkerForCausalLM
+
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "rope_theta": 10000.0}
+    folder = save_thinker(tmp_path / "yarn", "qwen3", rope_parameters=rope, head_dim=16, max_position_embeddings=8)
+    export_model(folder, tmp_path / "onnx", verify=True, graph="fused")
+    genai = json.loads((tmp_path / "onnx" / "genai_config.json").read_text())
+    assert genai["model"]["context_length"] == 32 and genai["search"]["max_length"] == 32
+    decoder = OnnxDecoder(tmp_path / "onnx", provider="cpu")
+    assert decoder.context_length == 32
+    ids, mask = parity_batch(96)
+    assert ids.shape[1] + 6 > 8  # the prefill and decode steps run past max_position_embeddings
+    figures = compare_decoders(ThinkerForCausalLM.from_pretrained(folder).eval(), decoder, ids, mask)
+    assert figures["max_abs_diff"] <= 1e-4 * max(1.0, figures["logit_scale"]), figures
+
+
 @pytest.mark.parametrize("graph", ["plain", "fused"])
 def test_tied_head_with_bias(graph, tmp_path):
     """The tied head is a Gemm on the embedding matrix (stored once); a head bias rides along as its C input."""
