@@ -307,7 +307,7 @@ def test_verify_that_cannot_write_its_report(code, advice, qwen3_source, qwen3_t
     def cannot(*args, **kwargs):
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr("converter.parity_report.os.replace", cannot)
+    monkeypatch.setattr("common.staging.os.replace", cannot)
     assert_error(thinker("verify", qwen3_source, folder), f"{folder}: cannot write parity.json there", advice)
     assert sorted(path.name for path in folder.iterdir()) == before
     assert (folder / "parity.json").read_text() == "the report before"

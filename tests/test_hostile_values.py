@@ -336,7 +336,7 @@ def test_rope_tables_beyond_the_memory_available(qwen3_thinker, tmp_path, monkey
     result = thinker("export", folder, output, "--no-verify")
     assert_error(
         result,
-        "max_position_embeddings=2097152",
+        "a context of 2097152 positions (max_position_embeddings)",
         "RoPE tables of 64.0 MiB",
         "than the 32.0 MiB of memory available",
         "memory available",
