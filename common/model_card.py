@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .side_files import copy_files
 from .source_files import present, regular_file
 from .staging import write_atomically
 
@@ -58,14 +59,11 @@ def hub_repo_of(source: str, root: Path) -> str | None:
 
 
 def copy_license(source_folder: Path, folder: Path) -> list[str]:
-    """The source folder's license files, copied into ``folder``; their names."""
-    copied = []
-    for name in LICENSE_FILES:
-        path = Path(source_folder) / name
-        if present(path, Path(source_folder)):
-            (Path(folder) / name).write_bytes(regular_file(path).read_bytes())
-            copied.append(name)
-    return copied
+    """The source folder's license files, copied into ``folder`` (each checked as tokenizer files are); their
+    names."""
+    source_folder = Path(source_folder)
+    names = [name for name in LICENSE_FILES if present(source_folder / name, source_folder)]
+    return copy_files(names, source_folder, Path(folder))
 
 
 def write_card(folder: Path, metadata: dict[str, Any], body: str, checks: str) -> None:
