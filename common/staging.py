@@ -202,10 +202,14 @@ def disk_full(folder: Path, needed: int | None) -> ThinkerError:
     """The one message for a full disk, whether found before writing or by a write that failed."""
     folder = outside_staging(folder)
     try:
-        free = f"{_mib(free_bytes(folder))} free"
+        available = free_bytes(folder)
+        free = f"{_mib(available)} free"
     except OSError:
-        free = "free space unknown"
+        available, free = None, "free space unknown"
     need = f"needs about {_mib(needed)}" if needed else "needs more space"
+    if needed and available is not None and available >= needed:  # the estimate is the weights': the rest (the
+        # graph's proto, the tokenizer, the reports) did not fit, or another process filled the disk meanwhile
+        need = f"needs more than the {_mib(needed)} of its weights"
     return ThinkerError(
         f"the disk is full at {folder}: writing OUTPUT {need}, {free} there; free some space or put OUTPUT on "
         "another disk (nothing was written)"
