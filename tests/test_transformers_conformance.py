@@ -254,9 +254,11 @@ class ThinkerGenerationChecks:
         kwargs to fill) gives each prompt the tokens greedy ``generate`` gives it alone."""
         if self.model_tester.kind == "hybrid":
             self.skipTest("transformers' paged cache has no linear-attention layers (it refuses Qwen3.5 too)")
+        if self.model_tester.kind == "moe":
+            self.skipTest("the attention is the dense config's, which this test runs; the experts never see the cache")
         model = self._causal_lm()
         prompts = [self._prompt(batch=1, length=length)[0] for length in (7, 3)]
-        config = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
+        config = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0)
         batched = model.generate_batch(
             inputs=[p.tolist() for p in prompts], generation_config=config, progress_bar=False
         )
