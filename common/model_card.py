@@ -58,6 +58,12 @@ def hub_repo_of(source: str, root: Path) -> str | None:
     return None
 
 
+def weights_of(carried: dict[str, Any]) -> str:
+    """ " (the weights of [`owner/name`](link))" for a card whose carried metadata names its base model, else ""."""
+    base = carried.get("base_model")
+    return f" (the weights of [`{base}`](https://huggingface.co/{base}))" if base else ""
+
+
 def copy_license(source_folder: Path, folder: Path) -> list[str]:
     """The source folder's license files, copied into ``folder`` (each checked as tokenizer files are); their
     names."""

@@ -41,18 +41,12 @@ def hub_caches_of(folder: Path) -> list[Path]:
     return []
 
 
-def hub_cache_of(folder: Path) -> Path | None:
-    """The Hugging Face cache a folder's path names (``hub_caches_of``'s first), or None."""
-    caches = hub_caches_of(folder)
-    return caches[0] if caches else None
-
-
 def redownload(path: Path | str) -> str:
     """What to do about a truncated or corrupt source file. A Hub download is huggingface_hub's cached copy, which
     every later run takes again as it is: only once deleted (the blob its snapshot link points to) is it fetched
     afresh."""
     path = Path(path)
-    if hub_cache_of(path.parent) is not None:
+    if hub_caches_of(path.parent):
         return f"re-download it: delete the cached copy {path.resolve()} and run again, which fetches it afresh"
     return "re-download it"
 

@@ -95,13 +95,12 @@ def refuse_output_over_source(output: Path, source: Path, writes_into: bool = Fa
                     "conversion reads, or a folder among them); choose a folder outside it"
                 )
     if not writes_into:
-        for cache in hub_caches_of(Path(source)):
-            if not any(out == cache or cache in out.parents for out in _forms(output)):
-                continue
+        holding = [c for c in hub_caches_of(Path(source)) if any(o == c or c in o.parents for o in _forms(output))]
+        if holding:
             # The source's bytes are links into the cache's blobs/ (the repo's or the cache-wide store), outside
             # the snapshot folder: an OUTPUT there, replaced with --force, would delete them or another repo's.
             raise ThinkerError(
-                f"{shown}: OUTPUT lies inside the Hugging Face cache {cache} the source is read from, where "
+                f"{shown}: OUTPUT lies inside the Hugging Face cache {holding[0]} the source is read from, where "
                 "replacing it would delete cached files (a snapshot's blobs/); choose a folder outside the cache"
             )
         refuse_a_file(output)

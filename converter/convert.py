@@ -120,16 +120,15 @@ def convert(
                 failure = f"{output}: does not match its reference; nothing written"
                 report = parity_gate(root, staging, plan.family, staging, failure, mode, note)
             skipped = plan.family.no_reference or "converted with --no-verify"
-            written_dtype = str(plan.dtype).removeprefix("torch.")
             files += write_thinker_card(
-                staging, str(source), Path(root), plan.family.name, written_dtype, report, skipped, output.name
+                staging, str(source), Path(root), plan.family.name, dtype_name(plan.dtype), report, skipped, output.name
             )
     finally:
         tensor_source.close()
     return ConversionResult(
         output=output,
         family=plan.family.name,
-        dtype=str(plan.dtype).removeprefix("torch."),
+        dtype=dtype_name(plan.dtype),
         files=files,
         total_bytes=plan.total_bytes,
         seconds=time.perf_counter() - started,

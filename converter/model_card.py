@@ -8,7 +8,15 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from common.model_card import card_metadata, copy_license, hub_repo_of, markdown_table, replace_checks, write_card
+from common.model_card import (
+    card_metadata,
+    copy_license,
+    hub_repo_of,
+    markdown_table,
+    replace_checks,
+    weights_of,
+    write_card,
+)
 
 from .parity_report import PARITY_FILE, ParityReport
 
@@ -118,8 +126,7 @@ def write_way_back_card(
     license and base model carried on, the parity figures against the Thinker."""
     carried = card_metadata(thinker_folder)
     metadata = {**carried, "library_name": "transformers", "pipeline_tag": "text-generation", "tags": [family]}
-    base = carried.get("base_model")
-    origin = f" (the weights of [`{base}`](https://huggingface.co/{base}))" if base else ""
+    origin = weights_of(carried)
     body = f"""# {name}
 
 Written back from the Thinker folder `{Path(thinker_folder).name}`{origin} by `thinker-convert --to {family}`

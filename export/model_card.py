@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from common.model_card import card_metadata, copy_license, markdown_table, write_card
+from common.model_card import card_metadata, copy_license, markdown_table, weights_of, write_card
 
 
 def verify_section(report: dict) -> str:
@@ -70,8 +70,7 @@ def write_onnx_card(folder: Path, thinker_folder: Path, report: dict, name: str)
         "base_model_relation": "quantized" if quantized and carried.get("base_model") else None,
         "tags": ["onnx", "onnxruntime", "onnxruntime-genai", "thinker"],
     }
-    base = carried.get("base_model")
-    origin = f" (the weights of [`{base}`](https://huggingface.co/{base}))" if base else ""
+    origin = weights_of(carried)
     precision = report["dtype"]
     if quantized:
         precision += f", weights {quantized['weights']} in blocks of {quantized['block_size']} ({quantized['algo']})"
