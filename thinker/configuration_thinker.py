@@ -16,8 +16,11 @@ from transformers.modeling_rope_utils import RopeParameters
 
 POSITION_EMBEDDING_TYPES = ("rope", "learned")
 NORM_TYPES = ("rmsnorm", "layernorm")
-# Token mixers, per layer (transformers' names: its caches and mask builders dispatch on them).
-LAYER_TYPES = ("full_attention", "linear_attention")
+# Token mixers, per layer (transformers' names: its caches and mask builders dispatch on them). "indexed_attention"
+# is full attention restricted, per query, to the key blocks a QSA indexer picks (Qwen3.8's qwen4_exp).
+LAYER_TYPES = ("full_attention", "linear_attention", "indexed_attention")
+GATE_ACTIVATIONS = ("silu", "sigmoid")
+QSA_FIELDS = ("indexer_n_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
 MLP_LAYER_TYPES = ("dense", "sparse")
 
 # Parallel plans, one table per kind of module; ``ThinkerConfig.base_model_tp_plan`` / ``base_model_ep_plan`` keep
@@ -46,6 +49,15 @@ _EXPERTS_TP_PLAN = {
     "layers.*.mlp.experts.down_proj": "rowwise",
     "layers.*.mlp.experts": "moe_tp_experts",
 }
+# Qwen4-Exp's plan for its own modules: the indexer gathers its projection; the mixers' low-rank input projection is
+# split along its input; the n-gram tables (tens of GB each at full size) are split along their width.
+_INDEXER_TP_PLAN = {"layers.*.self_attn.indexer.index_qk_proj": "colwise_gather_output"}
+_HYPER_CONNECTIONS_TP_PLAN = {
+    "layers.*.attn_hyper_connection.input_mix_weight_down": "rowwise_split_input",
+    "layers.*.mlp_hyper_connection.input_mix_weight_down": "rowwise_split_input",
+    "hyper_connection_mixer.input_mix_weight_down": "rowwise_split_input",
+}
+_PLE_TP_PLAN = {"layers.*.ple.ple_embedding.ngram_embedding": "embedding_colwise"}
 # Expert parallelism (Qwen3-MoE's plan): whole experts per rank, tokens dispatched to them.
 _EXPERTS_EP_PLAN = {
     "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
@@ -134,6 +146,32 @@ class ThinkerConfig(PreTrainedConfig):
     linear_value_head_dim: int = 128
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32  # a multiple of linear_num_key_heads: each key head serves several
+    output_gate_type: str = "silu"  # the activation of the gate on Gated DeltaNet's output norm: silu or sigmoid
+
+    # --- Qwen3.8 (qwen4_exp): hyper-connections, a sparse-attention indexer, hashed n-gram embeddings -----------
+    # hc_count > 1: the residual stream is hc_count streams of hidden_size; each sub-layer reads a learned mix of
+    # them (in place of its input norm) and writes its output back into each with a learned weight; a last mix
+    # replaces the final norm. 1: the plain pre-norm residual.
+    hc_count: int = 1
+    hc_lowrank: int = 0  # rank of the mixers' input projection (down to it, then up to hc_count * hidden_size)
+    # "indexed_attention" layers: an indexer scores blocks of indexer_compress_ratio visible keys (mean-pooled) with
+    # indexer_n_heads query heads of indexer_head_dim, and each query attends to its best indexer_budget tokens'
+    # worth of blocks plus the unfinished block at its end.
+    indexer_n_heads: int | None = None
+    indexer_head_dim: int | None = None
+    indexer_budget: int | None = None
+    indexer_compress_ratio: int | None = None
+    # Per-layer embeddings (PLE) on the linear-attention layers listed (one-indexed, as Qwen numbers them): token
+    # 2..ngram_size-grams hashed into heads_per_ngram tables each, gated into every stream, plus a dilated conv.
+    ple_layer_ids: list[int] | None = None
+    ple_embed_dim: int | None = None  # None: hidden_size
+    ple_conv_kernel_size: int = 4
+    ngram_size: int = 3
+    heads_per_ngram: int = 8
+    ngram_vocab_size_base: int = 20_000_000  # each hash table's size is a distinct prime above this
+    make_ngram_vocab_size_divisible_by: int = 128
+    ngram_seed: int = 1234  # Qwen's ``seed``: the hash multipliers derive from it
+    split_ngram_parts: int = 1  # how many pieces a checkpoint stores each n-gram table in (the way back's layout)
 
     # --- mixture of experts -----------------------------------------------------------------------------------
     num_experts: int = 0  # 0: every layer dense
@@ -172,6 +210,9 @@ class ThinkerConfig(PreTrainedConfig):
             self.mlp_only_layers = []
         if self.layer_types is None:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
+        self.ple_layer_ids = sorted(set(self.ple_layer_ids or ()))
+        if self.ple_embed_dim is None:
+            self.ple_embed_dim = self.hidden_size
         # config.json files written before mlp_layer_types was derived carry it: fold it into the MoE fields.
         if (mlp_layer_types := kwargs.pop("mlp_layer_types", None)) is not None:
             self.mlp_layer_types = mlp_layer_types
@@ -208,6 +249,9 @@ class ThinkerConfig(PreTrainedConfig):
                 f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
                 f"linear_num_key_heads={self.linear_num_key_heads}"
             )
+        if self.output_gate_type not in GATE_ACTIVATIONS:
+            raise ValueError(f"output_gate_type={self.output_gate_type!r}; expected one of {GATE_ACTIVATIONS}")
+        self.validate_qwen4_exp()
         if self.norm_zero_centered and self.norm_type != "rmsnorm":
             raise ValueError("norm_zero_centered applies to RMSNorm weights; it needs norm_type='rmsnorm'")
         mrope_section = (self.rope_parameters or {}).get("mrope_section")
@@ -224,6 +268,59 @@ class ThinkerConfig(PreTrainedConfig):
                     "only interleaved multimodal RoPE (Qwen3-VL, Qwen3.5, Qwen3-Omni) is supported; "
                     "rope_parameters sets mrope_interleaved=False"
                 )
+
+    def validate_qwen4_exp(self) -> None:
+        """Hyper-connections, the indexer and PLE: the sizes each needs, checked as Qwen4ExpTextConfig checks them."""
+        if self.hc_count < 1 or (self.hc_count > 1 and self.hc_lowrank < 1):
+            raise ValueError(
+                f"hc_count={self.hc_count}, hc_lowrank={self.hc_lowrank}: hc_count is 1 (no hyper-connections) or "
+                "more, with hc_lowrank >= 1"
+            )
+        if (self.hc_count > 1 or self.ple_layer_ids) and self.norm_type != "rmsnorm":
+            raise ValueError("hyper-connections and PLE normalise with RMSNorm; they need norm_type='rmsnorm'")
+        if "indexed_attention" in self.layer_types:
+            missing = [name for name in QSA_FIELDS if not getattr(self, name)]
+            if missing:
+                raise ValueError(f"indexed_attention layers need {', '.join(missing)} (positive integers)")
+            if self.indexer_budget % self.indexer_compress_ratio:
+                raise ValueError(
+                    f"indexer_budget={self.indexer_budget} is not a multiple of "
+                    f"indexer_compress_ratio={self.indexer_compress_ratio}"
+                )
+            rotary = int(self.head_dim * (self.rope_parameters or {}).get("partial_rotary_factor", 1.0))
+            if rotary > self.indexer_head_dim:
+                raise ValueError(
+                    f"the indexer's heads ({self.indexer_head_dim}) are narrower than the rotary part of the "
+                    f"attention's ({rotary}), whose RoPE they take"
+                )
+        if self.ple_layer_ids:
+            heads = (self.ngram_size - 1) * self.heads_per_ngram
+            if heads < 1 or self.ple_embed_dim % heads:
+                raise ValueError(
+                    f"ple_embed_dim={self.ple_embed_dim} must split into the {heads} n-gram heads "
+                    "((ngram_size - 1) x heads_per_ngram)"
+                )
+            wrong = [i for i in self.ple_layer_ids if not 1 <= i <= self.num_hidden_layers]
+            wrong = wrong or [i for i in self.ple_layer_ids if self.layer_types[i - 1] != "linear_attention"]
+            if wrong:
+                raise ValueError(
+                    f"ple_layer_ids {wrong}: PLE layers are linear-attention layers, numbered from 1 to "
+                    f"num_hidden_layers={self.num_hidden_layers}"
+                )
+            if self.ngram_eos_token_id is None:
+                raise ValueError("PLE layers need eos_token_id: the n-gram hashes restart after it")
+
+    @property
+    def ngram_eos_token_id(self) -> int | None:
+        """The token that ends an n-gram context (the first eos id, as Qwen4-Exp takes it)."""
+        eos = self.eos_token_id
+        return (eos[0] if eos else None) if isinstance(eos, list) else eos
+
+    @property
+    def number_of_conv_states(self) -> int:
+        """Conv states per linear-attention cache layer, which transformers' caches read: with PLE, a PLE layer also
+        keeps its conv's window and its last n-gram context there (Qwen4-Exp's slots 1 and 2)."""
+        return 3 if self.ple_layer_ids else 1
 
     @property
     def mlp_layer_types(self) -> list[str]:
@@ -257,8 +354,14 @@ class ThinkerConfig(PreTrainedConfig):
         """The tensor-parallel plan of the modules this config's layers have (transformers reads it when a model is
         built, so the plan follows the config as it is then)."""
         plan = {}
-        if "full_attention" in self.layer_types:
+        if {"full_attention", "indexed_attention"} & set(self.layer_types):
             plan |= _FULL_ATTENTION_TP_PLAN | (_QK_NORM_TP_PLAN if self.qk_norm else {})
+        if self.has_indexed_attention:
+            plan |= _INDEXER_TP_PLAN
+        if self.hc_count > 1:
+            plan |= _HYPER_CONNECTIONS_TP_PLAN
+        if self.ple_layer_ids:
+            plan |= _PLE_TP_PLAN
         if self.has_linear_attention:
             plan |= _LINEAR_ATTENTION_TP_PLAN
         mlp_types = self.mlp_layer_types
@@ -282,6 +385,10 @@ class ThinkerConfig(PreTrainedConfig):
     @property
     def has_linear_attention(self) -> bool:
         return "linear_attention" in self.layer_types
+
+    @property
+    def has_indexed_attention(self) -> bool:
+        return "indexed_attention" in self.layer_types
 
 
 __all__ = ["ThinkerConfig"]

@@ -12,6 +12,10 @@ Features, each a config switch (see ``ThinkerConfig``):
   - hybrid token mixers per layer (``layer_types``): full attention or Gated DeltaNet linear attention (a causal
     depthwise conv, the gated delta rule over a recurrent state, a gated RMSNorm; Qwen3.5, Qwen3-Next), with
     transformers' own kernels (chunked prefill, one-step decode) and its linear-attention cache layers
+  - Qwen3.8's (qwen4_exp) additions: hyper-connections (several residual streams, mixed into each sub-layer's input
+    and written back with learned weights, in place of the layer norms), a sparse-attention indexer choosing, per
+    query, the blocks of keys an ``indexed_attention`` layer attends to, and per-layer embeddings of hashed token
+    n-grams (PLE) gated into the streams of some linear-attention layers
   - SwiGLU or plain GELU MLP, with or without bias
   - Mixture of Experts with Qwen's routing (softmax, top-k, optional renormalisation), fused 3-D expert weights
     (only the chosen experts run, eagerly or under ``torch.compile(fullgraph=True)``), transformers' experts
@@ -28,6 +32,7 @@ its own configuration module. (No ``from __future__ import annotations``: transf
 return annotations as classes, to know which outputs a head declares.)
 """
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -102,48 +107,56 @@ class ThinkerRMSNorm(nn.Module):
     Zero-centred: scale by ``1 + w`` in float32, then cast (Qwen3.5's, Qwen3-Next's and Gemma's order); the weight
     is kept as the checkpoint stores it, so conversions stay bit-exact both ways."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, zero_centered: bool = False) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, zero_centered: bool = False, group_size: int | None = None) -> None:
         super().__init__()
         self.zero_centered = zero_centered
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
         self.variance_epsilon = eps
+        self.group_size = group_size  # set: each group of this many channels normalised on its own (one per stream)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
         x = x.to(torch.float32)
+        if self.group_size is not None:
+            x = x.unflatten(-1, (-1, self.group_size))  # (..., groups, group_size)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        if self.group_size is not None:
+            x = x.flatten(-2)
         if self.zero_centered:
             return (x * (1.0 + self.weight.float())).to(input_dtype)
         return self.weight * x.to(input_dtype)
 
     def extra_repr(self) -> str:
         centred = ", zero_centered=True" if self.zero_centered else ""
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}{centred}"
+        grouped = f", group_size={self.group_size}" if self.group_size else ""
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}{centred}{grouped}"
 
 
 @use_kernel_forward_from_hub("RMSNormGated")  # the hub kernel transformers offers for Qwen3.5's gated norm
 class ThinkerRMSNormGated(nn.Module):
     """The Gated DeltaNet's output norm: RMSNorm in float32 with a plain weight (not zero-centred), then times
-    ``silu(gate)`` in float32; Qwen3NextRMSNormGated's order of operations."""
+    ``act(gate)`` in float32, ``act`` silu (Qwen3.5, Qwen3-Next) or sigmoid (a Qwen4-Exp setting);
+    Qwen3NextRMSNormGated's order of operations."""
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, activation: str = "silu") -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.variance_epsilon = eps
-        self.activation = "silu"
+        self.activation = activation
+        self.act_fn = ACT2FN[activation]
 
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype
         x = hidden_states.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         x = self.weight * x.to(input_dtype)
-        return (x * F.silu(gate.to(torch.float32))).to(input_dtype)
+        return (x * self.act_fn(gate.to(torch.float32))).to(input_dtype)
 
 
-def make_norm(config: ThinkerConfig, dim: int) -> nn.Module:
+def make_norm(config: ThinkerConfig, dim: int, group_size: int | None = None) -> nn.Module:
     if config.norm_type == "layernorm":
         return nn.LayerNorm(dim, eps=config.rms_norm_eps)
-    return ThinkerRMSNorm(dim, eps=config.rms_norm_eps, zero_centered=config.norm_zero_centered)
+    return ThinkerRMSNorm(dim, eps=config.rms_norm_eps, zero_centered=config.norm_zero_centered, group_size=group_size)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -214,12 +227,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary_pos_emb(q, k, cos, sin):
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, rot): broadcast over heads
-    rot = cos.shape[-1]  # < hs with partial_rotary_factor: the tail of each head passes through unrotated
-    if rot < q.shape[-1]:
-        (q, q_pass), (k, k_pass) = q.split([rot, q.shape[-1] - rot], -1), k.split([rot, k.shape[-1] - rot], -1)
-        q, k = apply_rotary_pos_emb(q, k, cos[:, 0], sin[:, 0])
-        return torch.cat((q, q_pass), -1), torch.cat((k, k_pass), -1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    return rotate(q, cos, sin), rotate(k, cos, sin)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first ``cos.shape[-1]`` channels of ``x`` (all of them but with partial_rotary_factor, or in the
+    indexer's wider heads); ``cos`` / ``sin`` broadcast against ``x``."""
+    rot = cos.shape[-1]  # the tail of each head past it passes through unrotated
+    if rot < x.shape[-1]:
+        x, x_pass = x.split([rot, x.shape[-1] - rot], -1)
+        return torch.cat((x * cos + rotate_half(x) * sin, x_pass), -1)
+    return x * cos + rotate_half(x) * sin
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -250,6 +268,75 @@ def eager_attention_forward(
     return out, weights
 
 
+class ThinkerQSAIndexer(nn.Module):
+    """Qwen4-Exp's QSA indexer: which key slots each query of an ``indexed_attention`` layer may attend to.
+
+    Per query, the visible slots (causal and padding mask) are cut, in order, into blocks of ``compress_ratio``; a
+    block's key is the mean of its raw index keys (float32), RMS-normed, rotated at its first slot's position; a
+    block scores ``sum over index heads of relu(q_h . k_block) / sqrt(head_dim)``; the best ``budget //
+    compress_ratio`` complete blocks are kept, with the slots of the unfinished last block. Raw keys (unnormed,
+    unrotated) are cached per slot; blocks are pooled afresh each step, as the reference pools them.
+    """
+
+    def __init__(self, config: ThinkerConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.head_dim = config.indexer_n_heads, config.indexer_head_dim
+        self.compress_ratio, self.budget = config.indexer_compress_ratio, config.indexer_budget
+        # the query heads' rows, then one key head's (Qwen4-Exp's single index key head)
+        self.index_qk_proj = nn.Linear(config.hidden_size, (self.num_heads + 1) * self.head_dim, bias=False)
+        self.q_layernorm = make_norm(config, self.head_dim)
+        self.k_layernorm = make_norm(config, self.head_dim)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # (B, S, C)
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],  # cos, sin of every slot: (B, T, rot)
+        attention_mask: torch.Tensor,  # (B, 1, S, T): bool (True = visible) or additive float
+        cache: Cache | None,
+    ) -> torch.Tensor:  # (B, 1, S, T) bool: the slots each query keeps
+        batch, seq, _ = hidden_states.shape
+        cos, sin = (table.expand(batch, -1, -1) for table in position_embeddings)  # one row may serve every row
+        q, raw_keys = self.index_qk_proj(hidden_states).split([self.num_heads * self.head_dim, self.head_dim], -1)
+        q = self.q_layernorm(q.view(batch, seq, self.num_heads, self.head_dim))  # (B, S, In, Id)
+        q = rotate(q, cos[:, -seq:, None], sin[:, -seq:, None])
+        if cache is not None:
+            raw_keys = cache.update_indexer(raw_keys, self.layer_idx)  # (B, T, Id)
+        visible = attention_mask[:, 0] if attention_mask.dtype == torch.bool else attention_mask[:, 0] == 0
+        selected = qsa_selection(q, raw_keys, visible, cos, sin, self.k_layernorm, self.compress_ratio, self.budget)
+        return selected[:, None]
+
+
+def qsa_selection(
+    query: torch.Tensor,  # (B, S, In, Id), normed and rotated
+    raw_keys: torch.Tensor,  # (B, T, Id)
+    visible: torch.Tensor,  # (B, S, T) bool
+    cos: torch.Tensor,  # (B, T, rot)
+    sin: torch.Tensor,
+    key_norm: nn.Module,
+    ratio: int,
+    budget: int,
+) -> torch.Tensor:  # (B, S, T) bool
+    """The slots each query keeps (``ThinkerQSAIndexer``), query by query as the reference computes them."""
+    batch, seq, heads, dim = query.shape
+    selected = torch.zeros_like(visible)
+    for b in range(batch):
+        for i in range(seq):
+            slots = visible[b, i].nonzero().flatten()  # ascending
+            complete = len(slots) // ratio
+            if complete:
+                blocks = slots[: complete * ratio].view(complete, ratio)
+                pooled = raw_keys[b, blocks.flatten()].view(complete, ratio, dim).float().mean(1).to(raw_keys.dtype)
+                starts = blocks[:, 0]
+                keys = rotate(key_norm(pooled).unsqueeze(1), cos[b, starts, None], sin[b, starts, None]).squeeze(1)
+                scores = torch.matmul(query[b, i].float(), keys.float().transpose(-1, -2)).transpose(-1, -2)
+                scores = torch.relu(scores).sum(-1) / dim**0.5  # (complete,)
+                chosen = scores.topk(min(budget // ratio, complete), dim=0).indices
+                selected[b, i, blocks[chosen].flatten()] = True
+            selected[b, i, slots[complete * ratio :]] = True
+    return selected
+
+
 class ThinkerAttention(nn.Module):
     def __init__(self, config: ThinkerConfig, layer_idx: int) -> None:
         super().__init__()
@@ -272,6 +359,8 @@ class ThinkerAttention(nn.Module):
             centred = config.norm_zero_centered
             self.q_norm = ThinkerRMSNorm(self.head_dim, eps=config.rms_norm_eps, zero_centered=centred)
             self.k_norm = ThinkerRMSNorm(self.head_dim, eps=config.rms_norm_eps, zero_centered=centred)
+        if config.layer_types[layer_idx] == "indexed_attention":
+            self.indexer = ThinkerQSAIndexer(config, layer_idx)
 
     def forward(
         self,
@@ -279,8 +368,11 @@ class ThinkerAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None,
         cache: Cache | None = None,
+        indexer_position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,  # every slot's cos, sin
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if hasattr(self, "indexer"):
+            attention_mask = self.indexed_mask(hidden_states, attention_mask, cache, indexer_position_embeddings)
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)  # (B, T, n, hs)
         if self.output_gate:
@@ -316,6 +408,25 @@ class ThinkerAttention(nn.Module):
         if self.output_gate:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out), weights
+
+    def indexed_mask(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: Cache | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """The causal mask narrowed to the slots the indexer keeps, in the mask's own form (bool for sdpa, additive
+        for eager: the dropped slots at the dtype's minimum, not -inf, as the reference masks them)."""
+        if not isinstance(attention_mask, torch.Tensor):
+            raise ValueError(
+                f"indexed_attention layers need a dense mask to narrow (sdpa or eager attention); "
+                f"attn_implementation={self.config._attn_implementation!r} gives {type(attention_mask).__name__}"
+            )
+        selected = self.indexer(hidden_states, position_embeddings, attention_mask, cache)  # (B, 1, S, T)
+        if attention_mask.dtype == torch.bool:
+            return attention_mask & selected
+        return attention_mask.masked_fill(~selected, torch.finfo(attention_mask.dtype).min)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -362,7 +473,7 @@ class ThinkerGatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         # log of the decay rate A; its range keeps log(A) finite (transformers' initialisation)
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads).uniform_(0.01, 16).log_())
-        self.norm = ThinkerRMSNormGated(self.head_v_dim, eps=config.rms_norm_eps)
+        self.norm = ThinkerRMSNormGated(self.head_v_dim, eps=config.rms_norm_eps, activation=config.output_gate_type)
         self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
 
     @force_accelerate_hooks("conv1d")  # its weight is read directly by the conv kernels, not through forward()
@@ -519,6 +630,208 @@ class ThinkerSparseMoeBlock(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Qwen4-Exp's residual streams and per-layer n-gram embeddings
+
+
+class ThinkerHyperConnection(nn.Module):
+    """Hyper-connections around one sub-layer: the residual is ``hc_count`` streams of ``hidden_size``.
+
+    The streams are RMS-normed each on its own; a sigmoid of a low-rank projection of them weighs each channel of
+    each stream, and their mean is the sub-layer's input (in place of a pre-norm). The sub-layer's output is added
+    to every stream, times ``2 sigmoid(.)`` of a per-stream weight. Without ``inject`` (the model's last one) only
+    the mixed input comes out, in place of the final norm.
+    """
+
+    def __init__(self, config: ThinkerConfig, inject: bool = True) -> None:
+        super().__init__()
+        self.streams, width = config.hc_count, config.hc_count * config.hidden_size
+        self.hc_norm = make_norm(config, width, group_size=config.hidden_size)
+        self.input_mix_weight_down = nn.Linear(width, config.hc_lowrank, bias=False)
+        self.input_mix_weight_up = nn.Linear(config.hc_lowrank, width, bias=False)
+        if inject:
+            self.block_inject_weight = nn.Linear(width, self.streams, bias=False)
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, T, n·C) streams -> the sub-layer's input (B, T, C) and the injection weights (B, T, n)."""
+        normed = self.hc_norm(streams)
+        mix = torch.sigmoid(self.input_mix_weight_up(F.silu(self.input_mix_weight_down(normed) / self.streams)))
+        mixed = (mix.unflatten(-1, (self.streams, -1)) * normed.unflatten(-1, (self.streams, -1))).mean(dim=-2)
+        if not hasattr(self, "block_inject_weight"):
+            return mixed, None
+        return mixed, 2 * torch.sigmoid(self.block_inject_weight(normed) / self.streams)
+
+    @staticmethod
+    def inject(streams: torch.Tensor, output: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each stream plus the sub-layer's output (B, T, C) times its weight (B, T, n)."""
+        return streams + (output.unsqueeze(-2) * weights.unsqueeze(-1)).flatten(-2)
+
+
+# The n-gram hash is part of a checkpoint's definition, as fixed as its weights: Qwen4-Exp derives each PLE table's
+# multipliers from SplitMix64 and its sizes from primes. Written out here rather than imported from transformers'
+# qwen4_exp module, whose helpers are private (and which transformers before 5.24 lacks, where the other families of
+# this file still load); tests/test_modeling_qwen4_exp.py holds the values equal to transformers'.
+_MASK64 = (1 << 64) - 1
+
+
+def splitmix64(value: int) -> int:
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (value ^ (value >> 31)) & _MASK64
+
+
+def ngram_multipliers(vocab_size: int, ngram_size: int, ple_index: int, seed: int) -> list[int]:
+    """One odd multiplier per n-gram position, below (2^63 - 1) / vocab_size so that id x multiplier fits int64."""
+    half_bound = max(1, ((1 << 63) - 1) // max(vocab_size, 1) // 2)
+    base = seed + 10007 * ple_index
+    draws = [splitmix64((base + 0x9E3779B97F4A7C15 * (i + 1)) & _MASK64) for i in range(ngram_size)]
+    return [2 * (draw % half_bound) + 1 for draw in draws]
+
+
+def is_prime(value: int) -> bool:
+    if value < 2 or value % 2 == 0:
+        return value == 2
+    return all(value % divisor for divisor in range(3, math.isqrt(value) + 1, 2))
+
+
+def primes_after(start: int, count: int) -> list[int]:
+    """The first ``count`` primes above ``start``."""
+    primes, value = [], start
+    while len(primes) < count:
+        value += 1
+        if is_prime(value):
+            primes.append(value)
+    return primes
+
+
+class ThinkerNGramEmbedding(nn.Module):
+    """Hashed token n-grams (2 .. ``ngram_size``), ``heads_per_ngram`` tables each, as Qwen4-Exp hashes them.
+
+    Every table of every PLE layer has a distinct prime size; their rows share one embedding. A position's n-gram is
+    its token and the ``n - 1`` before it, an eos before them cutting it short (the missing ones read as eos); the
+    last ``ngram_size - 1`` ids are cached (conv state slot 2 of the layer) for the next step.
+    """
+
+    multipliers: torch.Tensor
+    table_sizes: torch.Tensor
+    table_offsets: torch.Tensor
+
+    def __init__(self, config: ThinkerConfig, layer_idx: int, ple_index: int) -> None:
+        super().__init__()
+        self.layer_idx, self.ple_index = layer_idx, ple_index
+        self.ngram_size, self.heads_per_ngram = config.ngram_size, config.heads_per_ngram
+        self.context = config.ngram_size - 1
+        self.eos_token_id = config.ngram_eos_token_id
+        heads = self.context * self.heads_per_ngram
+        self.hash = (config.vocab_size, config.ngram_size, config.ngram_vocab_size_base, config.ngram_seed, heads)
+        # derived from the config, never read from a checkpoint (non-persistent; _init_weights derives them again
+        # for a model built on the meta device)
+        buffers = self.derived_buffers()
+        for name, values in buffers.items():
+            self.register_buffer(name, values, persistent=False)
+        divisor = config.make_ngram_vocab_size_divisible_by
+        rows = math.ceil(sum(buffers["table_sizes"].tolist()) / divisor) * divisor  # the tables' rows, padded
+        self.ngram_embedding = nn.Embedding(rows, config.ple_embed_dim // heads)
+
+    def derived_buffers(self) -> dict[str, torch.Tensor]:
+        vocab_size, ngram_size, size_base, seed, heads = self.hash
+        # the primes go on from one PLE layer to the next: every table of every layer has a size of its own
+        sizes = primes_after(size_base - 1, (self.ple_index + 1) * heads)[-heads:]
+        with torch.device("cpu"):  # real values even where the model is built on the meta device
+            return {
+                "multipliers": torch.tensor(ngram_multipliers(vocab_size, ngram_size, self.ple_index, seed)),
+                "table_sizes": torch.tensor(sizes),
+                "table_offsets": torch.tensor([sum(sizes[:i]) for i in range(heads)]),
+            }
+
+    def forward(self, input_ids: torch.Tensor, cache: Cache | None) -> torch.Tensor:  # (B, T) -> (B, T, P)
+        input_ids = input_ids.long()
+        cached = cache.get_conv_state(self.layer_idx, state_idx=2) if cache is not None else None
+        if cached is not None:
+            context = cached.clone()  # the cache's copy is overwritten just below
+        else:
+            context = input_ids.new_full((input_ids.shape[0], self.context), self.eos_token_id)
+        if cache is not None:
+            # a first chunk shorter than the context is padded with eos, not with the cache's zeros
+            to_cache = input_ids
+            if cached is None and input_ids.shape[1] < self.context:
+                to_cache = F.pad(input_ids, (self.context - input_ids.shape[1], 0), value=self.eos_token_id)
+            cache.update_conv_state(to_cache, self.layer_idx, state_idx=2, conv_kernel_size=self.context)
+        history = torch.cat([context, input_ids], dim=-1)  # (B, n-1 + T)
+        shifted = [self.shifted(history, shift) for shift in range(self.ngram_size)]
+        ids = []
+        for order in range(2, self.ngram_size + 1):
+            mixed = shifted[0] * self.multipliers[0]
+            for position in range(1, order):
+                mixed = torch.bitwise_xor(mixed, shifted[position] * self.multipliers[position])
+            heads = slice((order - 2) * self.heads_per_ngram, (order - 1) * self.heads_per_ngram)
+            ids.append(torch.remainder(mixed.unsqueeze(-1), self.table_sizes[heads]) + self.table_offsets[heads])
+        ids = torch.cat(ids, dim=-1)[:, -input_ids.shape[1] :]  # (B, T, heads)
+        return self.ngram_embedding(ids).flatten(-2)
+
+    def shifted(self, ids: torch.Tensor, shift: int) -> torch.Tensor:
+        """``ids`` moved ``shift`` positions right within each eos-delimited segment; eos where none is left."""
+        if shift == 0:
+            return ids
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        eos_at = torch.where(ids == self.eos_token_id, positions, -1)
+        last_eos_before = F.pad(torch.cummax(eos_at, dim=1).values[:, :-1], (1, 0), value=-1)
+        in_segment = positions - (last_eos_before + 1)  # position within its segment
+        source = positions - shift
+        moved = ids.gather(1, source.clamp_min(0).expand_as(ids))
+        keep = (in_segment >= shift) & (source >= 0)
+        return torch.where(keep, moved, ids.new_full((), self.eos_token_id))
+
+
+class ThinkerPLELayer(nn.Module):
+    """Per-layer embedding (Qwen4-Exp's PLE): the position's n-gram embedding, projected to one value and to a key
+    per stream; each stream's RMS-normed state gates the value by ``sigmoid(signed sqrt(key . state / sqrt(C)))``;
+    the gated values plus a SiLU dilated depthwise conv over their normed past (kernel ``ple_conv_kernel_size``,
+    dilation ``ngram_size``, its window cached in conv state slot 1) are added to the streams."""
+
+    def __init__(self, config: ThinkerConfig, layer_idx: int, ple_index: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.hidden_size, self.streams = config.hidden_size, config.hc_count
+        width = config.hc_count * config.hidden_size
+        self.ple_embedding = ThinkerNGramEmbedding(config, layer_idx, ple_index)
+        self.key_proj = nn.Linear(config.ple_embed_dim, width, bias=False)
+        self.value_proj = nn.Linear(config.ple_embed_dim, config.hidden_size, bias=False)
+        self.norm_key = make_norm(config, width, group_size=config.hidden_size)
+        self.norm_query = make_norm(config, width, group_size=config.hidden_size)
+        self.norm_conv = make_norm(config, width, group_size=config.hidden_size)
+        kernel, dilation = config.ple_conv_kernel_size, config.ngram_size
+        self.window = (kernel - 1) * dilation
+        self.conv1d = nn.Conv1d(width, width, kernel, groups=width, dilation=dilation, bias=False)
+
+    def forward(
+        self,
+        streams: torch.Tensor,  # (B, T, n·C)
+        input_ids: torch.Tensor,  # (B, T)
+        cache: Cache | None,
+        padding_mask: torch.Tensor | None,  # (B, T) or None
+    ) -> torch.Tensor:  # (B, T, n·C), to add to the streams
+        embeddings = self.ple_embedding(input_ids, cache)  # (B, T, P)
+        keys = self.norm_key(self.key_proj(embeddings)).unflatten(-1, (self.streams, -1))  # (B, T, n, C)
+        queries = self.norm_query(streams).unflatten(-1, (self.streams, -1))
+        gate = (keys * queries).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden_size)  # (B, T, n, 1)
+        gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+        gated = (torch.sigmoid(gate) * self.value_proj(embeddings).unsqueeze(-2)).flatten(-2)  # (B, T, n·C)
+        normed = self.norm_conv(gated)
+        gated = apply_mask_to_padding_states(gated, padding_mask)
+        normed = apply_mask_to_padding_states(normed, padding_mask)
+        return gated + self.short_conv(normed, cache)
+
+    def short_conv(self, x: torch.Tensor, cache: Cache | None) -> torch.Tensor:
+        seq = x.shape[1]
+        x = x.transpose(1, 2)  # (B, n·C, T)
+        if cache is not None:  # the cached window becomes the left context
+            x = cache.update_conv_state(x, self.layer_idx, state_idx=1, conv_kernel_size=self.window)
+        x = F.pad(x, (self.window, 0))[..., -(self.window + seq) :]  # dilation: transformers' conv kernels do not apply
+        return F.silu(self.conv1d(x)).transpose(1, 2)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # decoder layer and model
 
 
@@ -537,7 +850,10 @@ def split_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor | None,
 
 class ThinkerDecoderLayer(GradientCheckpointingLayer):
     """Pre-norm block: ``x + mixer(norm(x))``, then ``x + mlp(norm(x))``; the mixer is full attention
-    (``self_attn``) or Gated DeltaNet (``linear_attn``) as ``layer_types`` says."""
+    (``self_attn``, its keys narrowed by an indexer on ``indexed_attention`` layers) or Gated DeltaNet
+    (``linear_attn``) as ``layer_types`` says. With hyper-connections (``hc_count`` > 1) ``x`` is several streams,
+    mixed into each sub-layer's input in place of its norm and given its output back; on a PLE layer the n-gram
+    embedding is added to them first."""
 
     def __init__(self, config: ThinkerConfig, layer_idx: int) -> None:
         super().__init__()
@@ -548,35 +864,57 @@ class ThinkerDecoderLayer(GradientCheckpointingLayer):
             self.self_attn = ThinkerAttention(config, layer_idx)
         sparse = config.mlp_layer_types[layer_idx] == "sparse"
         self.mlp = ThinkerSparseMoeBlock(config) if sparse else ThinkerMLP(config)
-        self.input_layernorm = make_norm(config, config.hidden_size)
-        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        self.hyper_connections = config.hc_count > 1
+        if self.hyper_connections:
+            self.attn_hyper_connection = ThinkerHyperConnection(config)
+            self.mlp_hyper_connection = ThinkerHyperConnection(config)
+        else:
+            self.input_layernorm = make_norm(config, config.hidden_size)
+            self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        if layer_idx + 1 in config.ple_layer_ids:  # one-indexed, as Qwen4-Exp lists them
+            self.ple = ThinkerPLELayer(config, layer_idx, config.ple_layer_ids.index(layer_idx + 1))
 
     def forward(
         self,
-        hidden_states: torch.Tensor,
+        hidden_states: torch.Tensor,  # (B, T, C), or (B, T, n·C) with hyper-connections
         attention_mask: torch.Tensor | None = None,  # this layer type's mask (4-D additive, or 2-D padding)
         position_ids: torch.LongTensor | None = None,
         cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values: Cache | None = None,  # the name before transformers 5.24, which its checkpointing reads
+        ple_input_ids: torch.LongTensor | None = None,  # the token ids PLE layers hash
+        indexer_position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,  # every slot's, for indexers
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         cache = either_cache(cache, past_key_values)
-        residual = hidden_states
-        normed = self.input_layernorm(hidden_states)
+        if hasattr(self, "ple"):  # on linear-attention layers, whose mask is the 2-D padding mask
+            hidden_states = hidden_states + self.ple(hidden_states, ple_input_ids, cache, attention_mask)
+        mixer_input, weights = self.sublayer_input(hidden_states, "attn")
         if self.layer_type == "linear_attention":
-            hidden_states = self.linear_attn(normed, attention_mask, cache, **kwargs)
+            out = self.linear_attn(mixer_input, attention_mask, cache, **kwargs)
         else:
-            hidden_states, _ = self.self_attn(
-                normed,
+            out, _ = self.self_attn(
+                mixer_input,
                 position_embeddings=position_embeddings,
                 attention_mask=attention_mask,
                 cache=cache,
+                indexer_position_embeddings=indexer_position_embeddings,
                 **kwargs,
             )
-        hidden_states = residual + hidden_states
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        hidden_states = self.residual(hidden_states, out, weights)
+        mlp_input, weights = self.sublayer_input(hidden_states, "mlp")
+        return self.residual(hidden_states, self.mlp(mlp_input), weights)
+
+    def sublayer_input(self, hidden_states: torch.Tensor, which: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The attention's or the MLP's input: the pre-norm, or the hyper-connections' mix (and their weights)."""
+        if self.hyper_connections:
+            return getattr(self, f"{which}_hyper_connection")(hidden_states)
+        norm = self.input_layernorm if which == "attn" else self.post_attention_layernorm
+        return norm(hidden_states), None
+
+    def residual(self, hidden_states: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        return hidden_states + out if weights is None else ThinkerHyperConnection.inject(hidden_states, out, weights)
 
 
 class ThinkerPreTrainedModel(PreTrainedModel):
@@ -621,6 +959,11 @@ class ThinkerPreTrainedModel(PreTrainedModel):
             init.normal_(module.down_proj, mean=0.0, std=std)
         elif isinstance(module, ThinkerTopKRouter):
             init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, ThinkerNGramEmbedding):  # derived from the config (built on meta by from_pretrained)
+            for name, values in module.derived_buffers().items():
+                init.copy_(getattr(module, name), values)
+        elif isinstance(module, ThinkerPLELayer):
+            init.zeros_(module.conv1d.weight)  # as Qwen4-Exp starts it: the conv adds nothing until trained
 
 
 class ThinkerModel(ThinkerPreTrainedModel):
@@ -645,7 +988,10 @@ class ThinkerModel(ThinkerPreTrainedModel):
         config.layer_types = config.layer_types[: config.num_hidden_layers]
         self.layers = nn.ModuleList([ThinkerDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.has_linear_attention = config.has_linear_attention
-        self.norm = make_norm(config, config.hidden_size)
+        if config.hc_count > 1:  # the streams' last mix is the final hidden state: no final norm
+            self.hyper_connection_mixer = ThinkerHyperConnection(config, inject=False)
+        else:
+            self.norm = make_norm(config, config.hidden_size)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -668,12 +1014,21 @@ class ThinkerModel(ThinkerPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         past_key_values: Cache | None = None,  # the cache's name before transformers 5.24
+        ple_input_ids: torch.LongTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoeModelOutputWithPast:
+        r"""
+        ple_input_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            The token ids PLE layers hash (Qwen4-Exp), for a call with ``inputs_embeds``: an image placeholder's id
+            where the vision tower's embedding stands. Without them, the ids are found back from ``inputs_embeds``
+            rows that equal a row of the embedding table (and refused if some do not).
+        """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, C)
+        if self.config.ple_layer_ids and ple_input_ids is None:
+            ple_input_ids = input_ids if input_ids is not None else self.reverse_embedding(inputs_embeds)
         cache = either_cache(cache, past_key_values)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
@@ -698,15 +1053,27 @@ class ThinkerModel(ThinkerPreTrainedModel):
             masks = {"full_attention": create_causal_mask(**mask_kwargs)}
             if self.has_linear_attention:
                 masks["linear_attention"] = create_recurrent_attention_mask(**mask_kwargs)
+            if self.config.has_indexed_attention:  # always a dense mask, for the indexer to narrow
+                masks["indexed_attention"] = create_causal_mask(**mask_kwargs, allow_is_causal_skip=False)
+        if self.config.ple_layer_ids and masks.get("linear_attention") is not None:
+            # padding hashes as eos: it then starts no n-gram of the tokens after it
+            ple_input_ids = torch.where(masks["linear_attention"].bool(), ple_input_ids, self.config.ngram_eos_token_id)
 
         hidden_states = inputs_embeds
-        position_embeddings = None
+        position_embeddings = indexer_position_embeddings = None
         if self.config.position_embedding_type == "learned":
             if rope_positions.ndim == 3:
                 raise ValueError("multimodal (3, B, T) position_ids need rotary positions, not learned ones")
             hidden_states = hidden_states + self.embed_positions(rope_positions)
+        elif self.config.has_indexed_attention:
+            # the indexer rotates past blocks at their own positions: the tables of every slot, the last T this step's
+            history = self.position_history(rope_positions, hidden_states.shape[0], cache)
+            indexer_position_embeddings = self.rotary_emb(hidden_states, history)
+            position_embeddings = tuple(table[:, -hidden_states.shape[1] :] for table in indexer_position_embeddings)
         else:
             position_embeddings = self.rotary_emb(hidden_states, rope_positions)
+        if self.config.hc_count > 1:
+            hidden_states = hidden_states.repeat(1, 1, self.config.hc_count)  # (B, T, n·C): every stream starts equal
 
         for layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states = layer(
@@ -716,11 +1083,46 @@ class ThinkerModel(ThinkerPreTrainedModel):
                 use_cache=use_cache,
                 position_embeddings=position_embeddings,
                 **{CACHE_ARG: cache},  # the name transformers' gradient checkpointing looks for
+                ple_input_ids=ple_input_ids,
+                indexer_position_embeddings=indexer_position_embeddings,
                 **kwargs,
             )
-        return MoeModelOutputWithPast(
-            last_hidden_state=self.norm(hidden_states), **{CACHE_ARG: cache if use_cache else None}
-        )
+        if self.config.hc_count > 1:
+            hidden_states, _ = self.hyper_connection_mixer(hidden_states)
+        else:
+            hidden_states = self.norm(hidden_states)
+        return MoeModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_ARG: cache if use_cache else None})
+
+    def position_history(self, rope_positions: torch.Tensor, batch: int, cache: Cache | None) -> torch.Tensor:
+        """The RoPE positions of every slot, cached ones first: kept on the first indexed layer's cache (transformers'
+        DynamicIndexedLayer, whose crop, reorder and reset keep it in step), as Qwen4-Exp keeps them; one row per
+        batch row, so that beams reorder them."""
+        if rope_positions.ndim == 2 and self.rotary_emb.mrope_section is not None:
+            rope_positions = rope_positions[None].expand(3, -1, -1)  # one form to concatenate; the same tables
+        rope_positions = rope_positions.expand(*rope_positions.shape[:-2], batch, -1)
+        if cache is None:
+            return rope_positions
+        layer = cache.layers[self.config.layer_types.index("indexed_attention")]
+        if not hasattr(layer, "indexer_position_ids"):
+            raise ValueError(
+                "this model's indexed_attention layers keep their index keys and positions in the cache: build it "
+                "with DynamicCache(config=model.config)"
+            )
+        if layer.indexer_position_ids is not None:
+            rope_positions = torch.cat([layer.indexer_position_ids, rope_positions], dim=-1)
+        layer.indexer_position_ids = rope_positions
+        return rope_positions
+
+    def reverse_embedding(self, inputs_embeds: torch.Tensor) -> torch.LongTensor:
+        """The token ids whose embedding rows ``inputs_embeds`` are, for PLE when only embeddings are given."""
+        with torch.no_grad():
+            matches = (inputs_embeds[:, :, None, :] == self.embed_tokens.weight[None, None]).all(-1)  # (B, T, V)
+        if not bool(matches.any(-1).all()):
+            raise ValueError(
+                "PLE layers hash token ids, and some inputs_embeds rows are no row of the embedding table (image or "
+                "audio embeddings): pass ple_input_ids, the ids those positions stand for"
+            )
+        return matches.int().argmax(-1)
 
 
 @dataclass

@@ -1,0 +1,309 @@
+"""Qwen3.8 (``qwen4_exp``) as a Thinker configuration, against transformers' ``Qwen4ExpForCausalLM``.
+
+Hyper-connections, the QSA indexer on ``indexed_attention`` layers and PLE (hashed n-gram embeddings) are switches of
+the one model; the tiny reference of ``tests/references/qwen4_exp.py`` has all three, with every weight random.
+Configs are translated by the small function here, not by the converter, so these tests hold the model to the
+reference on their own (tests/converter/test_qwen4_exp_family.py holds the converter to it). The parameter names are
+Qwen4-Exp's, so the reference's state dict loads by name; its three PLE buffers (the hash multipliers and table
+sizes) are derived from the config, and held equal to transformers' here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from references.hybrid import left_pad, reference, token_ids
+from references.qwen4_exp import EOS, LAYER_TYPES, TEXT_SIZES, VOCAB, qwen4_exp_config
+from torch.testing import assert_close
+from transformers import DynamicCache, Qwen4ExpForCausalLM
+from transformers.cache_utils import DynamicIndexedLayer, LinearAttentionLayer
+from transformers.models.qwen4_exp import modeling_qwen4_exp as qwen4
+
+from thinker import ThinkerConfig, ThinkerForCausalLM
+from thinker.modeling_thinker import CACHE_ARG, ngram_multipliers, primes_after
+
+TOL = dict(atol=1e-4, rtol=0)  # max |Δlogit| in fp32
+ATTENTION = ["eager", "sdpa"]
+# The reference's buffers the Thinker derives from its config instead of loading.
+DERIVED_BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
+SAME_NAMES = (
+    "vocab_size hidden_size num_hidden_layers num_attention_heads num_key_value_heads head_dim max_position_embeddings "
+    "rms_norm_eps hidden_act attention_bias tie_word_embeddings layer_types linear_conv_kernel_dim linear_key_head_dim "
+    "linear_value_head_dim linear_num_key_heads linear_num_value_heads num_experts num_experts_per_tok "
+    "moe_intermediate_size shared_expert_intermediate_size norm_topk_prob hc_count hc_lowrank ple_layer_ids "
+    "ple_embed_dim ple_conv_kernel_size ngram_size heads_per_ngram ngram_vocab_size_base "
+    "make_ngram_vocab_size_divisible_by split_ngram_parts indexer_n_heads indexer_head_dim indexer_budget "
+    "indexer_compress_ratio eos_token_id pad_token_id"
+).split()
+
+
+def thinker_config_from(hf, **overrides) -> ThinkerConfig:
+    fields = {name: getattr(hf, name) for name in SAME_NAMES}
+    fields |= dict(
+        rope_parameters=dict(hf.rope_parameters),
+        ngram_seed=hf.seed,
+        output_gate_type=hf.output_gate_type or hf.hidden_act,
+        intermediate_size=hf.moe_intermediate_size,
+        # what Qwen4-Exp hard-codes: Qwen3.5's attention and norms
+        qk_norm=True,
+        attention_output_gate=True,
+        norm_zero_centered=True,
+    )
+    return ThinkerConfig(**(fields | overrides))
+
+
+def pair(attn: str = "sdpa", seed: int = 0, **overrides) -> tuple[Qwen4ExpForCausalLM, ThinkerForCausalLM]:
+    """(reference, thinker) with the same weights."""
+    ref = reference(Qwen4ExpForCausalLM, qwen4_exp_config(**overrides), attn, seed=seed)
+    config = thinker_config_from(ref.config)
+    thinker = ThinkerForCausalLM._from_config(config, attn_implementation=attn, experts_implementation="eager").eval()
+    state = {name: t for name, t in ref.state_dict().items() if not name.endswith(DERIVED_BUFFERS)}
+    thinker.load_state_dict(state, strict=True)  # every parameter by name, nothing left over
+    return ref, thinker
+
+
+def padded_batch_with_eos(length: int = 48) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two rows, the second left-padded by 7, each with an eos inside (where the n-grams restart)."""
+    ids = token_ids(batch=2, length=length, seed=5, high=VOCAB)
+    ids[ids == EOS] = 2
+    ids[0, 17], ids[1, 30] = EOS, EOS
+    return left_pad([ids[0], ids[1, 7:]])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the hash: the Thinker's own code against transformers' helpers
+
+
+@pytest.mark.parametrize(
+    ("vocab", "ngram", "index", "seed"), [(248320, 3, 0, 1234), (248320, 3, 2, 1234), (96, 4, 1, 7), (151936, 2, 5, 0)]
+)
+def test_ngram_multipliers_are_transformers(vocab, ngram, index, seed):
+    assert (
+        ngram_multipliers(vocab, ngram, index, seed)
+        == qwen4._build_layer_multipliers(vocab, ngram, index, seed).tolist()
+    )
+
+
+def test_table_sizes_are_transformers_primes():
+    # the defaults' first tables (base 20,000,000), and a small base past its first primes
+    assert primes_after(20_000_000 - 1, 3) == [qwen4._find_nth_prime_after(20_000_000 - 1, n) for n in (1, 2, 3)]
+    assert primes_after(1, 10) == [qwen4._find_nth_prime_after(1, n) for n in range(1, 11)]
+
+
+def test_derived_buffers_equal_the_references():
+    ref, thinker = pair()
+    theirs = ref.state_dict()
+    for layer in (0, 4):  # the two PLE layers: the second's primes continue from the first's
+        ours = thinker.model.layers[layer].ple.ple_embedding
+        prefix = f"model.layers.{layer}.ple.ple_embedding."
+        assert torch.equal(ours.multipliers, theirs[prefix + "layer_multipliers"])
+        assert torch.equal(ours.table_sizes, theirs[prefix + "ngram_heads_vocab_sizes"])
+        assert torch.equal(ours.table_offsets, theirs[prefix + "ngram_heads_offsets"])
+    assert not (
+        thinker.model.layers[0].ple.ple_embedding.table_sizes == thinker.model.layers[4].ple.ple_embedding.table_sizes
+    ).any()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# parity: logits, hidden states, routers, greedy continuations
+
+
+@pytest.mark.parametrize("attn", ATTENTION)
+def test_parity_with_reference_on_a_padded_batch(attn):
+    ref, thinker = pair(attn)
+    ids, mask = padded_batch_with_eos()
+    with torch.no_grad():
+        ours = thinker(ids, attention_mask=mask, output_hidden_states=True, output_router_logits=True, use_cache=False)
+        theirs = ref(ids, attention_mask=mask, output_hidden_states=True, output_router_logits=True, use_cache=False)
+    real = mask.bool()
+    assert_close(ours.logits[real], theirs.logits[real], **TOL)
+    assert float(theirs.logits.abs().max()) > 1.0  # a logit scale the tolerance means something against
+    for layer, (mine, other) in enumerate(zip(ours.hidden_states, theirs.hidden_states, strict=True)):
+        assert_close(mine[real], other[real], **TOL, msg=lambda m, layer=layer: f"hidden state {layer}: {m}")
+    assert len(ours.router_logits) == len(theirs.router_logits) == 5
+    for mine, other in zip(ours.router_logits, theirs.router_logits, strict=True):
+        assert_close(mine[real.flatten()], other[real.flatten()], **TOL)
+
+    greedy = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    prompt, prompt_mask = ids[:, :20], mask[:, :20]
+    assert torch.equal(
+        thinker.generate(prompt, attention_mask=prompt_mask, **greedy),
+        ref.generate(prompt, attention_mask=prompt_mask, **greedy),
+    )
+
+
+def test_a_row_in_a_padded_batch_equals_the_row_alone():
+    _, thinker = pair()
+    ids, mask = padded_batch_with_eos()
+    with torch.no_grad():
+        batch = thinker(ids, attention_mask=mask).logits
+        alone = thinker(ids[1:, 7:]).logits
+    assert_close(batch[1, 7:], alone[0], **TOL)
+
+
+def test_the_indexer_prunes_and_the_parity_check_sees_it():
+    """At 48 tokens the indexer keeps at most 11 of them per query; a Thinker whose indexer keeps every block (its
+    budget widened, all else equal) is another model, and the parity check says so."""
+    ref, thinker = pair()
+    ids = token_ids(batch=1, length=48, seed=6, high=VOCAB)
+    attention = thinker.model.layers[1].self_attn
+    seen = {}
+    attention.indexer.register_forward_hook(lambda module, args, out: seen.update(kept=out))
+    with torch.no_grad():
+        ours = thinker(ids).logits
+        theirs = ref(ids).logits
+    assert_close(ours, theirs, **TOL)
+    kept = seen["kept"][0, 0].sum(-1)  # per query
+    assert int(kept.max()) <= 8 + 3 and int(kept[-1]) < 48
+
+    attention.indexer.budget = 48
+    with torch.no_grad():
+        widened = thinker(ids).logits
+    assert (widened - theirs).abs().max() > 100 * TOL["atol"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# cache: conv and recurrent state, PLE windows and n-gram context, index keys and the position history
+
+
+def test_cache_layers_and_what_they_hold():
+    _, thinker = pair()
+    cache = DynamicCache(config=thinker.config)
+    assert [type(layer) for layer in cache.layers] == [
+        LinearAttentionLayer if kind == "linear_attention" else DynamicIndexedLayer for kind in LAYER_TYPES
+    ]
+    ids = token_ids(batch=2, length=9, seed=3, high=VOCAB)
+    with torch.no_grad():
+        thinker(ids, use_cache=True, **{CACHE_ARG: cache})
+    ple = cache.layers[0]
+    assert ple.number_of_states == 3
+    assert ple.conv_states[1].shape == (2, 3 * 32, (3 - 1) * 3)  # the PLE conv's window: (kernel - 1) x dilation
+    assert torch.equal(ple.conv_states[2], ids[:, -2:])  # the n-gram context: the last ngram_size - 1 ids
+    assert cache.layers[2].conv_states[1] is None  # not a PLE layer
+    indexed = cache.layers[1]
+    assert indexed.indexer_keys.shape == (2, 9, 12) and indexed.indexer_position_ids.shape == (3, 2, 9)
+    assert cache.layers[3].indexer_position_ids is None  # the history is kept once, on the first indexed layer
+    assert cache.get_seq_length() == 9
+
+
+@pytest.mark.parametrize("attn", ATTENTION)
+def test_prefill_then_decode_equals_the_reference(attn):
+    ref, thinker = pair(attn)
+    ids, mask = padded_batch_with_eos(length=44)
+    logits = {}
+    with torch.no_grad():
+        full = ref(ids, attention_mask=mask, use_cache=False).logits
+        for name, model in (("ours", thinker), ("theirs", ref)):
+            cache = DynamicCache(config=model.config)
+            steps = [model(ids[:, :30], attention_mask=mask[:, :30], use_cache=True, **{CACHE_ARG: cache}).logits]
+            for t in range(30, ids.shape[1]):
+                step = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], use_cache=True, **{CACHE_ARG: cache})
+                steps.append(step.logits)
+            logits[name] = torch.cat(steps, dim=1)
+    real = mask.bool()
+    assert_close(logits["ours"][real], logits["theirs"][real], **TOL)
+    assert_close(logits["ours"][real], full[real], **TOL)
+
+
+def test_chunked_prefill_and_a_first_chunk_shorter_than_the_context():
+    """Prefill in chunks (one of a single token, shorter than the n-gram context), then the rest: the cached PLE
+    windows, n-gram context and index keys carry across chunks as the whole prompt would."""
+    ref, thinker = pair()
+    ids = token_ids(batch=2, length=40, seed=7, high=VOCAB)
+    with torch.no_grad():
+        whole = ref(ids, use_cache=False).logits
+        cache = DynamicCache(config=thinker.config)
+        chunks = [
+            thinker(ids[:, a:b], use_cache=True, **{CACHE_ARG: cache}).logits for a, b in ((0, 1), (1, 23), (23, 40))
+        ]
+    assert_close(torch.cat(chunks, dim=1), whole, **TOL)
+
+
+def test_beam_search_equals_the_reference():
+    """Beams reorder the cache: the index keys and the position history move with their rows."""
+    ref, thinker = pair()
+    prompt = token_ids(batch=1, length=14, seed=8, high=VOCAB)
+    beams = dict(max_new_tokens=8, min_new_tokens=8, num_beams=3, do_sample=False)
+    assert torch.equal(thinker.generate(prompt, **beams), ref.generate(prompt, **beams))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# inputs_embeds and multimodal positions
+
+
+def test_inputs_embeds_find_their_ids_or_take_ple_input_ids():
+    ref, thinker = pair()
+    ids = token_ids(batch=2, length=20, seed=9, high=VOCAB)
+    embeds = thinker.model.embed_tokens(ids).detach()
+    with torch.no_grad():
+        by_ids = thinker(ids).logits
+        assert_close(thinker(inputs_embeds=embeds).logits, by_ids, **TOL)
+        assert_close(thinker(inputs_embeds=embeds, ple_input_ids=ids).logits, by_ids, **TOL)
+        # an image's embedding stands at a placeholder id: PLE hashes the id, the decoder reads the embedding
+        embeds[0, 5] = torch.randn(embeds.shape[-1])
+        ours = thinker(inputs_embeds=embeds, ple_input_ids=ids).logits
+        theirs = ref(inputs_embeds=embeds, ple_input_ids=ids).logits
+        assert_close(ours, theirs, **TOL)
+        with pytest.raises(ValueError, match="pass ple_input_ids"):
+            thinker(inputs_embeds=embeds)
+
+
+def test_multimodal_positions_equal_the_reference():
+    """(3, B, T) temporal / height / width positions (an image grid in the middle), and (4, B, T) with a text row:
+    the attention and the indexer's block keys both rotate by them."""
+    ref, thinker = pair()
+    ids = token_ids(batch=2, length=36, seed=10, high=VOCAB)
+    positions = torch.arange(36).expand(3, 2, 36).clone()
+    positions[1, :, 10:22] = 10 + torch.arange(12) // 4  # a 3 x 4 grid: rows, then columns
+    positions[2, :, 10:22] = 10 + torch.arange(12) % 4
+    positions[:, :, 22:] -= 8
+    with torch.no_grad():
+        for given in (positions, torch.cat([torch.arange(36).expand(1, 2, 36), positions])):
+            assert_close(thinker(ids, position_ids=given).logits, ref(ids, position_ids=given).logits, **TOL)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# loading and the config's checks
+
+
+def test_save_and_load_derive_the_hash_again(tmp_path):
+    """The hash buffers are not in the checkpoint: a model loaded on the meta device derives them again."""
+    _, thinker = pair()
+    thinker.save_pretrained(tmp_path)
+    loaded = ThinkerForCausalLM.from_pretrained(tmp_path).eval()
+    ids = token_ids(batch=2, length=30, seed=11, high=VOCAB)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, thinker(ids).logits)
+    assert not any("multipliers" in name or "table_" in name for name in loaded.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"indexer_budget": None}, "indexed_attention layers need indexer_budget"),
+        ({"indexer_budget": 6}, "not a multiple of indexer_compress_ratio"),
+        ({"indexer_head_dim": 4}, "narrower than the rotary part"),
+        ({"ple_layer_ids": [2]}, "PLE layers are linear-attention layers"),
+        ({"ple_layer_ids": [6]}, "PLE layers are linear-attention layers"),
+        ({"eos_token_id": None}, "PLE layers need eos_token_id"),
+        ({"heads_per_ngram": 3}, "must split into the 6 n-gram heads"),
+        ({"hc_lowrank": 0}, "hc_lowrank >= 1"),
+        ({"output_gate_type": "gelu"}, "output_gate_type='gelu'"),
+    ],
+)
+def test_config_refuses_what_no_model_builds(change, message):
+    fields = thinker_config_from(qwen4_exp_config()).to_dict() | change
+    with pytest.raises(Exception, match=message):
+        ThinkerConfig(**{k: v for k, v in fields.items() if k not in ("transformers_version", "model_type")})
+
+
+def test_an_attention_without_a_dense_mask_is_refused_by_name():
+    """flash attention passes no mask and flex a BlockMask: neither can be narrowed per query."""
+    _, thinker = pair()
+    attention, hidden = thinker.model.layers[1].self_attn, torch.zeros(1, 8, TEXT_SIZES["hidden_size"])
+    thinker.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="need a dense mask .*'flash_attention_2' gives NoneType"):
+        attention(hidden, position_embeddings=None, attention_mask=None)
+
+
+assert TEXT_SIZES["layer_types"] == LAYER_TYPES
