@@ -129,7 +129,7 @@ def plan_back(source: TensorSource, config: ThinkerConfig, family: Family, dtype
 def _select_steps(family: Family, config: ThinkerConfig, names: set[str]) -> list[Step]:
     """For each group of Thinker tensors the inverted table reads, the first alternative whose tensors are all here."""
     groups: dict[tuple[str, ...], list[Step]] = {}
-    for step in expand_rules(family.inverted_tensors(), config.num_hidden_layers, config.num_experts):
+    for step in expand_rules(family.inverted_tensors(), config):
         present = [name in names for name in step.sources]
         if any(present) and not all(present):
             absent = [n for n, ok in zip(step.sources, present, strict=True) if not ok]

@@ -44,6 +44,9 @@ Supported families:
                 causal-LM or vision-language layout)
   qwen3_next    Qwen3-Next (hybrid Gated DeltaNet, fused per-key-head
                 projections, MoE with shared expert)
+  qwen4_exp     Qwen3.8 (hyper-connections, a sparse-attention indexer,
+                hashed n-gram embeddings; causal-LM or vision-language
+                layout); not yet exported to ONNX
   llama         Llama-style (SmolLM, TinyLlama, ...)
   gpt2          GPT-2-style (PrimeGPT: LayerNorm, learned positions, GELU,
                 Conv1D)
@@ -171,7 +174,8 @@ gguf_file_option = click.option(
     "to_family",
     metavar="FAMILY",
     help="The way back: SOURCE is a Thinker folder, written out as FAMILY's own Hugging Face folder (qwen2, qwen3, "
-    "qwen2_moe, qwen3_moe, qwen3_5, qwen3_5_moe, qwen3_next, llama) through the family's table read backwards; a "
+    "qwen2_moe, qwen3_moe, qwen3_5, qwen3_5_moe, qwen3_next, qwen4_exp, llama) through the family's table read "
+    "backwards; a "
     "round trip is bit-exact. "
     "--verify (default on) compares it, loaded with its transformers class, with the Thinker.",
 )

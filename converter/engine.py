@@ -47,7 +47,7 @@ from .families import detect_family
 from .ops import Identity, Op
 from .output_dtype import kept_wider, resolve_dtype
 from .shards import ShardLayout, ShardWriter
-from .spec import EXPERT_INDEX, LAYER_INDEX, Family, TensorRule
+from .spec import LAYER_INDEX, LIST_INDICES, Family, TensorRule
 
 
 @dataclass(frozen=True)
@@ -94,28 +94,31 @@ def describe_names(names: list[str] | set[str], limit: int = 5) -> str:
 # --- templates ---------------------------------------------------------------------------------------------------
 
 
-def expand_names(templates: tuple[str, ...], layer: int | None, num_experts: int) -> tuple[str, ...]:
-    """Exact names for one layer: ``{layer}`` filled in, each ``{expert}`` template repeated for every expert."""
+def expand_names(templates: tuple[str, ...], layer: int | None, counts: Mapping[str, int]) -> tuple[str, ...]:
+    """Exact names for one layer: ``{layer}`` filled in, each template holding a list index (``{expert}``,
+    ``{part}``) repeated for every index, up to its count in ``counts``."""
     names: list[str] = []
     for template in templates:
         name = template if layer is None else template.replace(LAYER_INDEX, str(layer))
-        if EXPERT_INDEX in name:
-            names.extend(name.replace(EXPERT_INDEX, str(expert)) for expert in range(num_experts))
-        else:
+        index = next((index for index in LIST_INDICES if index in name), None)
+        if index is None:
             names.append(name)
+        else:
+            names.extend(name.replace(index, str(i)) for i in range(counts[index]))
     return tuple(names)
 
 
-def expand_rules(rules: tuple[TensorRule, ...], num_layers: int, num_experts: int) -> list[Step]:
+def expand_rules(rules: tuple[TensorRule, ...], config: ThinkerConfig) -> list[Step]:
     """Every rule for every layer it names, as exact names: a lookup table with no patterns left in it."""
+    counts = {index: getattr(config, field) for index, field in LIST_INDICES.items()}
     steps = []
     for entry in rules:
         per_layer = any(LAYER_INDEX in name for name in entry.sources + entry.targets)
-        for layer in range(num_layers) if per_layer else (None,):
+        for layer in range(config.num_hidden_layers) if per_layer else (None,):
             steps.append(
                 Step(
-                    expand_names(entry.sources, layer, num_experts),
-                    expand_names(entry.targets, layer, num_experts),
+                    expand_names(entry.sources, layer, counts),
+                    expand_names(entry.targets, layer, counts),
                     entry.op,
                 )
             )
@@ -257,7 +260,7 @@ def _select_steps(
 ) -> list[Step]:
     """The steps this model needs: for each group of targets it has, the first alternative whose sources exist."""
     alternatives: dict[tuple[str, ...], list[Step]] = {}
-    for step in expand_rules(family.tensors, config.num_hidden_layers, config.num_experts):
+    for step in expand_rules(family.tensors, config):
         present = [target in expected for target in step.targets]
         if not any(present):
             continue  # a rule for something this model does not have (biases, experts on a dense layer ...)
@@ -313,7 +316,7 @@ def _dropped_names(family: Family, config: ThinkerConfig) -> set[str]:
         # A shared expert 0 wide adds exactly 0 (its gate scales an empty product), yet Qwen2-MoE's class writes its
         # empty projections and its gate: the Thinker, which has none, drops them.
         rules += tuple(rule for rule in family.tensors if any(".shared_expert" in t for t in rule.targets))
-    dropped = expand_rules(rules, config.num_hidden_layers, config.num_experts)
+    dropped = expand_rules(rules, config)
     return {name for step in dropped for name in step.sources}
 
 

@@ -47,7 +47,9 @@ from .unreached import Probes
 
 EMBEDDINGS, HEAD = "embeddings", "final norm and head"
 # Where the Thinker's final norm and head sit (``ThinkerForCausalLM``), run on the reference's last hidden state.
-THINKER_FINAL_NORM, THINKER_HEAD = "model.norm", "lm_head"
+THINKER_HEAD = "lm_head"
+# the module that makes the last layer's output the head's input: the final norm, or the hyper-connections' last mix
+THINKER_FINAL_NORMS = ("model.norm", "model.hyper_connection_mixer")
 
 
 def check_parity_by_layer(
@@ -94,7 +96,7 @@ def load_layered_converted(folder: Path, dtype: torch.dtype) -> StreamedModel:
     except Exception as err:  # whatever the folder's config makes transformers raise
         raise ThinkerError(f"{folder}: the converted model does not build ({err})") from None
     source = open_source(folder)
-    return StreamedModel(model, lazy_tensors(source), close=source.close)
+    return StreamedModel(model, lazy_tensors(source), whole_modules=THINKER_FINAL_NORMS, close=source.close)
 
 
 def load_layered_reference(source: Path, dtype: torch.dtype, model_class: type | None = None) -> StreamedModel:
@@ -255,8 +257,8 @@ class _Replay:
                 # ``forward`` rather than the module call: the hooks that load and drop the unit must not run again.
                 args, kwargs = with_hidden(args, kwargs, self.trace.inputs[index].to(self.inputs[-1].dtype))
                 self.forced.append(hidden_output(unit.module.forward(*args, **kwargs)).detach().clone())
-        elif unit.name == THINKER_FINAL_NORM and self.trace.outputs:
-            self.normed = unit.module.forward(self.trace.outputs[-1])
+        elif unit.name in THINKER_FINAL_NORMS and self.trace.outputs:
+            self.normed = hidden_output(unit.module.forward(self.trace.outputs[-1]))
         elif unit.name == THINKER_HEAD and self.normed is not None:
             self.head = unit.module.forward(self.normed)
 

@@ -125,6 +125,45 @@ class Concatenate(Op):
 
 
 @dataclass(frozen=True)
+class JoinParts(Op):
+    """The pieces a checkpoint stores one tensor in (a ``{part}`` template: as many as the config's
+    ``split_ngram_parts``) joined along ``dim``, as transformers' ``Concatenate(num_shards_attribute=...)`` loads
+    Qwen4-Exp's n-gram tables."""
+
+    rearranges = True
+
+    dim: int = 0
+
+    def __call__(self, tensors, config):
+        return [torch.cat(list(tensors), dim=self.dim)]
+
+    def inverse(self) -> Op:
+        return ChunkParts(dim=self.dim)
+
+
+@dataclass(frozen=True)
+class ChunkParts(Op):
+    """One tensor cut along ``dim`` into the config's ``split_ngram_parts`` pieces as ``torch.chunk`` cuts it (the
+    first pieces the larger), which is how transformers' ``Chunk`` writes Qwen4-Exp's n-gram tables back."""
+
+    rearranges = True
+
+    dim: int = 0
+
+    def __call__(self, tensors, config):
+        tensor, parts = _one(self, tensors), config.split_ngram_parts
+        pieces = tensor.chunk(parts, dim=self.dim)
+        if len(pieces) != parts:
+            raise ValueError(
+                f"dimension {self.dim} of {tuple(tensor.shape)} cannot be cut into split_ngram_parts={parts} pieces"
+            )
+        return list(pieces)
+
+    def inverse(self) -> Op:
+        return JoinParts(dim=self.dim)
+
+
+@dataclass(frozen=True)
 class StackExperts(Op):
     """Per-expert 2-D tensors into one fused 3-D tensor: (E, ...) by stacking, then the ``parts`` joined on ``dim``.
 

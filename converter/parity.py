@@ -21,6 +21,7 @@ conversion is also run in its own dtype, against a looser tolerance. On failure,
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -193,7 +194,7 @@ def compare(reference: PreTrainedModel, converted: PreTrainedModel, prompts: lis
     unreached = next((stage.name for stage in result.unreached if not stage.passed), None)
     if not passed:
         result.first_divergence = first_divergence(
-            expected.hidden_states, actual.hidden_states, real, dtype, converted.model.norm
+            expected.hidden_states, actual.hidden_states, real, dtype, converted.model.final_hidden_state
         )
     elif unreached is not None:  # the prompts' logits agree; a row or an expert they never reach does not
         result.passed, result.first_divergence = False, unreached
@@ -205,11 +206,12 @@ def first_divergence(
     actual: tuple[torch.Tensor, ...],
     real: torch.Tensor,
     dtype: torch.dtype,
-    final_norm: torch.nn.Module,
+    final_norm: Callable[[torch.Tensor], torch.Tensor],
 ) -> str:
     """The first hidden state (embeddings, then each layer's output) that differs beyond tolerance.
 
-    The last layer's output is compared both as is and after the converted model's ``final_norm``: some reference
+    The last layer's output is compared both as is and after the converted model's ``final_norm`` (its final norm, or
+    the hyper-connections' last mix): some reference
     classes (GPT-2) report it normalised, others (Qwen, Llama) do not. When every hidden state agrees, the
     difference lies in the final norm or the head.
     """

@@ -104,11 +104,12 @@ class ParityReport:
             if r.unreached:
                 failing = [stage.name for stage in r.unreached if not stage.passed]
                 verdict = f"FAIL at {', '.join(failing[:3])}" if failing else "pass"
-                experts = len(r.unreached) - 1
-                rows.append(
-                    f"{r.dtype}: every embedding row{f' and the experts of {experts} layers' if experts else ''}, "
-                    f"beyond the prompts' reach, on inputs of their own: {verdict}"
-                )
+                parts = ["every embedding row"]
+                for what, suffix in (("the experts", ": every expert"), ("the n-gram tables", ": every n-gram row")):
+                    count = sum(stage.name.endswith(suffix) for stage in r.unreached)
+                    parts += [f"{what} of {count} layers"] if count else []
+                reached = ", ".join(parts[:-1]) + f" and {parts[-1]}" if len(parts) > 1 else parts[0]
+                rows.append(f"{r.dtype}: {reached}, beyond the prompts' reach, on inputs of their own: {verdict}")
         return "\n".join(rows)
 
 

@@ -2,10 +2,11 @@
 
 A family module (``converter/families/*.py``) builds one ``Family`` from these types and nothing else; the engine
 (``converter/engine.py``) is the only code that interprets them. Tensor names are templates: ``{layer}``
-(``LAYER_INDEX``) stands for a decoder layer index and ``{expert}`` (``EXPERT_INDEX``) for an expert index. A rule
-whose templates hold ``{layer}`` applies to every layer; a template holding ``{expert}`` stands for the list of that
-name for every expert, in expert order (so ``mlp.experts.{expert}.gate_proj.weight`` on the source side of a rule
-gathers all experts of the layer).
+(``LAYER_INDEX``) stands for a decoder layer index, ``{expert}`` (``EXPERT_INDEX``) for an expert index and ``{part}``
+(``PART_INDEX``) for the index of a piece a checkpoint stores one tensor in. A rule whose templates hold ``{layer}``
+applies to every layer; a template holding ``{expert}`` or ``{part}`` stands for the list of that name for every
+index, in order, as many as the Thinker config's field in ``LIST_INDICES`` says (so
+``mlp.experts.{expert}.gate_proj.weight`` on the source side of a rule gathers all experts of the layer).
 
 Which rules apply is decided by the target: the engine builds the Thinker model from the translated config on the
 meta device and keeps the rules whose targets it has (a q_proj bias rule is inert for a model without biases, an
@@ -24,6 +25,9 @@ from .ops import Identity, Op
 
 LAYER_INDEX = "{layer}"
 EXPERT_INDEX = "{expert}"
+PART_INDEX = "{part}"
+# Each list index, and the ThinkerConfig field that counts it.
+LIST_INDICES = {EXPERT_INDEX: "num_experts", PART_INDEX: "split_ngram_parts"}
 
 ConfigTranslator = Callable[[Mapping[str, Any]], dict[str, Any]]
 # (the config a source carries, its tensor names) -> a Hugging Face config dict: for formats that are not Hugging

@@ -93,7 +93,9 @@ def call_causal_lm(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, posi
 class StreamedModel:
     """``model`` (parameters on the meta device, buffers real) whose units are read from ``tensors`` as they run.
 
-    - ``layer_classes``: the decoder-layer classes (default: the model's ``_no_split_modules``).
+    - ``layer_classes``: the decoder-layer classes (default: the model's ``_no_split_modules``); ``whole_modules``:
+      the names of other modules loaded as one unit, all their tensors at once, though they own none directly (the
+      Thinker's hyper-connection mixer, which the layer-by-layer check runs whole).
     - ``load``: how a unit's tensors become its parameters; default ``transformers_loader`` for a
       ``PreTrainedModel``, else name for name.
     - ``compute_dtype``: the dtype units run in; a unit is loaded as the model was built (the checkpoint's dtype,
@@ -110,6 +112,7 @@ class StreamedModel:
         *,
         name: str | None = None,
         layer_classes: Sequence[type] | None = None,
+        whole_modules: Sequence[str] = (),
         load: Callable[[StreamedModel, Unit], None] | None = None,
         compute_dtype: torch.dtype | None = None,
         call: Caller = call_causal_lm,
@@ -129,7 +132,7 @@ class StreamedModel:
         if layer_classes is None:
             no_split = set(getattr(model, "_no_split_modules", None) or ())
             layer_classes = tuple(type(m) for m in model.modules() if type(m).__name__ in no_split)
-        self.units = find_units(model, tuple(layer_classes))
+        self.units = find_units(model, tuple(layer_classes), tuple(whole_modules))
         self._load = load or (transformers_loader if _is_pretrained(model) else plain_loader)
         assign_keys(self)
 
@@ -254,9 +257,10 @@ def _refuse_meta(unit: Unit, output: Any) -> None:
 # --- units -------------------------------------------------------------------------------------------------------
 
 
-def find_units(model: nn.Module, layer_classes: tuple[type, ...]) -> list[Unit]:
-    """The decoder layers (outermost instances of ``layer_classes``, all their tensors) and every other module owning
-    parameters directly (its own tensors only), in module order; together they own every parameter once."""
+def find_units(model: nn.Module, layer_classes: tuple[type, ...], whole_modules: tuple[str, ...] = ()) -> list[Unit]:
+    """The decoder layers (outermost instances of ``layer_classes``, all their tensors), the ``whole_modules`` (all
+    their tensors) and every other module owning parameters directly (its own tensors only), in module order;
+    together they own every parameter once."""
     units: list[Unit] = []
     inside_layer: list[str] = []
     persistent = _persistent_buffer_names(model)
@@ -264,11 +268,12 @@ def find_units(model: nn.Module, layer_classes: tuple[type, ...]) -> list[Unit]:
         if any(name.startswith(layer + ".") for layer in inside_layer):
             continue
         prefix = f"{name}." if name else ""
-        if layer_classes and isinstance(module, layer_classes):
+        is_layer = bool(layer_classes) and isinstance(module, layer_classes)
+        if is_layer or name in whole_modules:
             inside_layer.append(name)
             owned = [prefix + n for n, _ in module.named_parameters()]
             owned += [prefix + n for n, _ in module.named_buffers() if prefix + n in persistent]
-            units.append(Unit(name, module, owned, is_layer=True))
+            units.append(Unit(name, module, owned, is_layer=is_layer))
             continue
         owned = [prefix + n for n, _ in module.named_parameters(recurse=False)]
         owned += [prefix + n for n, _ in module.named_buffers(recurse=False) if prefix + n in persistent]

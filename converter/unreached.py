@@ -1,5 +1,5 @@
-"""The parts of a model the parity prompts cannot reach, compared directly: every row of the token embedding and
-every routed expert.
+"""The parts of a model the parity prompts cannot reach, compared directly: every row of the token embedding, every
+routed expert, and every row of the n-gram tables of Qwen4-Exp's PLE layers.
 
 The fixed prompts hold 11 token ids, so they read 11 rows of the embedding; and a router sends them to a few of a
 layer's experts (13 of 32 in a tiny Qwen3-MoE with top-1 routing; of 128 experts at top-8, most are never run). A
@@ -9,7 +9,10 @@ experts also run on inputs of their own, from a fixed seed:
 - the embedding: the whole table times a fixed (hidden, PROBE_COLUMNS) matrix, which differs wherever any row does;
 - each MoE layer's experts: EXPERT_ROWS random hidden states sent to every expert in turn (weight 1, one expert a
   token), through the experts module's own forward (transformers 5's ``experts(hidden, top_k_index,
-  top_k_weights)``, the Thinker's alike) or, for a list of expert modules, each expert called.
+  top_k_weights)``, the Thinker's alike) or, for a list of expert modules, each expert called;
+- each PLE layer's n-gram table (``ple.ple_embedding.ngram_embedding``, the same path in both models), as the
+  embedding: a prompt hashes to a few dozen of its rows, of hundreds of millions at full size, and its pieces are
+  joined by the conversion (one out of order would pass the logits).
 
 Each is a stage like the layer-by-layer check's (``LayerParity``), held to the same relative tolerance. ``Probes``
 collects both sides' figures and compares them: from whole models (``unreached_stages``), or unit by unit as the
@@ -89,8 +92,18 @@ def stage(name: str, expected: torch.Tensor | None, actual: torch.Tensor | None,
     )
 
 
+def ngram_table_probe(layer: nn.Module) -> torch.Tensor | None:
+    """A PLE layer's n-gram table through ``embedding_probe``; None for a layer without one."""
+    table = getattr(getattr(getattr(layer, "ple", None), "ple_embedding", None), "ngram_embedding", None)
+    return embedding_probe(table) if isinstance(table, nn.Embedding) else None
+
+
 def experts_stage(layer: int) -> str:
     return f"layer {layer}: every expert"
+
+
+def ngram_stage(layer: int) -> str:
+    return f"layer {layer}: every n-gram row"
 
 
 def decoder_layers(model: nn.Module) -> dict[int, nn.Module]:
@@ -113,28 +126,32 @@ def decoder_layers(model: nn.Module) -> dict[int, nn.Module]:
 @dataclass
 class Probes:
     """Each side's figures ("reference", "converted"): the embedding table's probe, and each decoder layer's experts
-    in the order of the layers (None for a dense one). Taken as the modules come: all at once from whole models
-    (``unreached_stages``), or while each unit is loaded (converter/layer_parity.py)."""
+    and n-gram table in the order of the layers (None where a layer has none). Taken as the modules come: all at
+    once from whole models (``unreached_stages``), or while each unit is loaded (converter/layer_parity.py)."""
 
     hidden_size: int
     vocab_size: int
     embeddings: dict[str, torch.Tensor] = field(default_factory=dict)
     experts: dict[str, list[torch.Tensor | None]] = field(default_factory=lambda: {"reference": [], "converted": []})
+    ngrams: dict[str, list[torch.Tensor | None]] = field(default_factory=lambda: {"reference": [], "converted": []})
 
     def take(self, side: str, module: nn.Module, is_layer: bool) -> None:
         if is_layer:
             self.experts[side].append(every_expert(module, self.hidden_size))
+            self.ngrams[side].append(ngram_table_probe(module))
         elif isinstance(module, nn.Embedding) and module.num_embeddings == self.vocab_size:
             self.embeddings.setdefault(side, embedding_probe(module))
 
     def stages(self, dtype: torch.dtype) -> list[LayerParity]:
-        """The embedding table, then each MoE layer's experts (a layer dense on both sides has none)."""
+        """The embedding table, then each MoE layer's experts (a layer dense on both sides has none), then each PLE
+        layer's n-gram table."""
         found = [stage(EMBEDDING_ROWS, self.embeddings.get("reference"), self.embeddings.get("converted"), dtype)]
-        theirs = self.experts["reference"]
-        for index, actual in enumerate(self.experts["converted"]):
-            expected = theirs[index] if index < len(theirs) else None
-            if actual is not None or expected is not None:
-                found.append(stage(experts_stage(index), expected, actual, dtype))
+        for probes, name in ((self.experts, experts_stage), (self.ngrams, ngram_stage)):
+            theirs = probes["reference"]
+            for index, actual in enumerate(probes["converted"]):
+                expected = theirs[index] if index < len(theirs) else None
+                if actual is not None or expected is not None:
+                    found.append(stage(name(index), expected, actual, dtype))
         return found
 
 

@@ -48,17 +48,33 @@ SIZE_KEYS = (
 def check_thinker_folder(model_dir: Path, config: ThinkerConfig, dtype: torch.dtype, verify: bool) -> None:
     """Refuse a folder whose weights do not fit its config.json, or a context the export cannot build or verify;
     the message names the tensor, the key and the file."""
+    check_exportable(config, model_dir / "config.json")
     check_thinker_weights(model_dir, config)
     _check_context(config, model_dir / "config.json", dtype, verify)
     if verify:
         check_decodable(config, model_dir / "config.json", "--verify cannot run it: export with --no-verify")
 
 
+def check_exportable(config: ThinkerConfig, config_path: Path) -> None:
+    """Refuse what the graphs do not build yet: Qwen3.8's (qwen4_exp) hyper-connections, indexer and PLE."""
+    features = [
+        ("hyper-connections (hc_count > 1)", config.hc_count > 1),
+        ("indexed_attention layers (the QSA indexer)", config.has_indexed_attention),
+        ("per-layer n-gram embeddings (ple_layer_ids)", bool(config.ple_layer_ids)),
+    ]
+    present = [name for name, present in features if present]
+    if present:
+        raise ThinkerError(
+            f"{config_path}: the ONNX export does not build Qwen3.8's (qwen4_exp) {', '.join(present)} yet; the "
+            "Thinker folder runs in transformers (thinker generate FOLDER, or AutoModelForCausalLM)"
+        )
+
+
 def check_decodable(config: ThinkerConfig, config_path: Path, consequence: str) -> None:
     """Refuse a model the PyTorch Thinker cannot decode: with no full-attention layer, transformers' caches (the
     Thinker's, and the reference classes') have no layer that counts the context, and any forward with a cache
     fails. The ONNX graph carries its own states and runs such a model."""
-    if config.layer_types and "full_attention" not in config.layer_types:
+    if config.layer_types and not {"full_attention", "indexed_attention"} & set(config.layer_types):
         raise ThinkerError(
             f"{config_path}: layer_types has no full_attention layer ({len(config.layer_types)} x "
             f"{config.layer_types[0]}), and transformers' caches, with which the PyTorch Thinker decodes, count the "

@@ -1087,11 +1087,15 @@ class ThinkerModel(ThinkerPreTrainedModel):
                 indexer_position_embeddings=indexer_position_embeddings,
                 **kwargs,
             )
+        return MoeModelOutputWithPast(
+            last_hidden_state=self.final_hidden_state(hidden_states), **{CACHE_ARG: cache if use_cache else None}
+        )
+
+    def final_hidden_state(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The last layer's output made the head's input: the final norm, or the hyper-connections' last mix."""
         if self.config.hc_count > 1:
-            hidden_states, _ = self.hyper_connection_mixer(hidden_states)
-        else:
-            hidden_states = self.norm(hidden_states)
-        return MoeModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_ARG: cache if use_cache else None})
+            return self.hyper_connection_mixer(hidden_states)[0]
+        return self.norm(hidden_states)
 
     def position_history(self, rope_positions: torch.Tensor, batch: int, cache: Cache | None) -> torch.Tensor:
         """The RoPE positions of every slot, cached ones first: kept on the first indexed layer's cache (transformers'

@@ -26,6 +26,7 @@ from .qwen3_5_moe import QWEN3_5_MOE
 from .qwen3_moe import QWEN3_MOE
 from .qwen3_next import QWEN3_NEXT
 from .qwen3_omni import QWEN3_OMNI
+from .qwen4_exp import QWEN4_EXP
 from .uomni import UOMNI
 
 FAMILIES: tuple[Family, ...] = (
@@ -37,6 +38,7 @@ FAMILIES: tuple[Family, ...] = (
     QWEN3_5,
     QWEN3_5_MOE,
     QWEN3_NEXT,
+    QWEN4_EXP,
     LLAMA,
     GPT2,
     *GGUF_FAMILIES,

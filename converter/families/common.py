@@ -131,12 +131,16 @@ def router_loss_fields(hf: PreTrainedConfig) -> dict[str, Any]:
 
 
 def hf_export_config(
-    model_type: str, architecture: str, renamed: Mapping[str, str] | None = None
+    model_type: str,
+    architecture: str,
+    renamed: Mapping[str, str] | None = None,
+    implied: Mapping[str, Any] | None = None,
 ) -> Callable[[ThinkerConfig], dict[str, Any]]:
     """The way back for a family whose config speaks Thinker's (Qwen's) field names: every Thinker field the family's
     config class declares is carried over under the same name (or the one ``renamed`` gives); the rest are implied
-    by the family. Whether the result really describes the same model is checked by the caller, which translates it
-    forward again and compares (``converter.back``)."""
+    by the family, and ``implied`` sets those of its config's fields that it fixes and the Thinker has no field for
+    (Qwen4-Exp's ``indexer_kv_heads``, always 1). Whether the result really describes the same model is checked by
+    the caller, which translates it forward again and compares (``converter.back``)."""
 
     def export(config: ThinkerConfig) -> dict[str, Any]:
         config_class = CONFIG_MAPPING[model_type]
@@ -144,7 +148,7 @@ def hf_export_config(
         accepted = {field.name for field in dataclasses.fields(config_class)} - housekeeping
         names = renamed or {}
         values = {names.get(key, key): value for key, value in config.to_dict().items()}
-        kwargs = {key: value for key, value in values.items() if key in accepted}
+        kwargs = {key: value for key, value in values.items() if key in accepted} | dict(implied or {})
         # The Qwen2, Qwen2-MoE and Qwen3-MoE config classes do not declare head_dim, yet their attention reads it
         # (getattr(config, "head_dim", hidden_size // num_attention_heads)), and Qwen3-30B-A3B's config.json sets
         # it: carried where it is not that quotient, as such a config.json writes it.
@@ -164,7 +168,7 @@ def refuse_layer_types(hf: PreTrainedConfig, allowed: tuple[str, ...] = ("full_a
     layer_types = getattr(hf, "layer_types", None) or []
     other = [index for index, kind in enumerate(layer_types) if kind not in allowed]
     if not other:
-        if layer_types and "full_attention" not in layer_types:
+        if layer_types and not {"full_attention", "indexed_attention"} & set(layer_types):
             # transformers' caches count the context on an attention layer (get_seq_length); with none, the reference
             # class, and the Thinker built on the same caches, can run no forward with a cache, hence no generate().
             raise ThinkerError(
@@ -373,6 +377,7 @@ def hf_family(
     layered_reference: LayeredReferenceLoader | None = None,
     way_back: bool = True,
     renamed_fields: Mapping[str, str] | None = None,
+    implied_fields: Mapping[str, Any] | None = None,
     layer_count_keys: tuple[str, ...] = ("num_hidden_layers",),
     expert_count_keys: tuple[str, ...] = ("num_experts", "num_local_experts"),
 ) -> Family:
@@ -400,7 +405,8 @@ def hf_family(
       ``layered_reference`` the same for parity layer by layer (``converter/layer_parity.py``), which otherwise
       builds the class ``AutoModelForCausalLM`` picks and reads the folder's tensors one layer at a time.
     - ``way_back``: a Thinker folder can be written back as this family (``--to``); ``renamed_fields`` names the
-      config fields the family spells differently from Thinker (``{"attention_bias": "qkv_bias"}``).
+      config fields the family spells differently from Thinker (``{"attention_bias": "qkv_bias"}``), and
+      ``implied_fields`` the values of fields its config has and the Thinker's has not (``hf_export_config``).
     - ``layer_count_keys`` / ``expert_count_keys``: the config keys (at any depth) holding layer and expert counts,
       bounded by the checkpoint's size before a config class builds anything from them (``Family``).
     """
@@ -429,7 +435,9 @@ def hf_family(
         head=renamed(layouts[0], "lm_head.weight"),
         reference=reference,
         layered_reference=layered_reference,
-        export_config=hf_export_config(model_types[0], architectures[0], renamed_fields) if way_back else None,
+        export_config=(
+            hf_export_config(model_types[0], architectures[0], renamed_fields, implied_fields) if way_back else None
+        ),
         layer_count_keys=layer_count_keys,
         expert_count_keys=expert_count_keys,
     )

@@ -1,0 +1,116 @@
+"""Qwen3.8 (``model_type: qwen4_exp_text`` / ``qwen4_exp``), as transformers' ``Qwen4ExpForCausalLM`` and
+``Qwen4ExpForConditionalGeneration`` (models/qwen4_exp, transformers 5.24) write them.
+
+Qwen3.5-MoE's hybrid decoder (Gated DeltaNet and gated attention, zero-centred norms, interleaved mRoPE, every layer
+sparse with a gated shared expert; routing renormalised by ``norm_topk_prob``), with three additions, each a Thinker
+switch of the same name:
+- hyper-connections (``hc_count`` streams, ``{attn,mlp}_hyper_connection`` per layer and a final
+  ``hyper_connection_mixer``) in place of the layer norms and the final norm;
+- the QSA indexer (``self_attn.indexer.*``) on the attention layers, which Qwen4-Exp calls ``indexed_attention``
+  (a config's ``full_attention`` entries are read so, as its config class reads them);
+- per-layer embeddings of hashed token n-grams (``ple.*``) on the linear-attention layers in ``ple_layer_ids``.
+
+Its defaults differ from Qwen3.5's: the whole head rotates unless ``partial_rotary_factor`` says otherwise, and the
+gated norm's activation is ``output_gate_type``, else ``hidden_act``.
+
+On disk, each n-gram table is ``split_ngram_parts`` pieces (``ngram_embedding.shard_{i}.weight``, transformers'
+layout: its loading joins them, its saving cuts them with ``torch.chunk``), joined here into the Thinker's one table
+(``ops.JoinParts``; the way back cuts it again); a table saved whole is copied. The tables' hash buffers
+(``layer_multipliers``, ``ngram_heads_vocab_sizes``, ``ngram_heads_offsets``) are dropped by name: the Thinker
+derives them from the config, and the parity gate, whose reference runs the stored ones, holds the two equal.
+Layouts, drops (vision tower, ``mtp.*``) and the way back (causal-LM layout, experts per expert, the tables in
+pieces) are those of ``qwen3_5_moe``.
+
+Sizes: at Qwen4-Exp's defaults a PLE layer's table has 320 million rows (41e9 weights); the converter streams
+tensor by tensor, so it needs the memory of one whole table.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PreTrainedConfig
+
+from ..ops import JoinParts
+from ..spec import rule
+from .common import (
+    ATTENTION,
+    ATTENTION_BIASES,
+    EMBEDDINGS_AND_HEAD,
+    GATED_DELTANET,
+    QK_NORMS,
+    ROUTED_EXPERTS,
+    ROUTER,
+    SHARED_EXPERT,
+    THINKER_LAYER,
+    VISION_AND_MTP_PREFIXES,
+    VISION_LANGUAGE_LAYOUT,
+    hf_family,
+    hybrid_fields,
+    interleaved_mrope,
+    layer_names,
+    layered_reference_by_model_type,
+    reference_by_model_type,
+    same_names,
+)
+from .qwen3_5 import REFERENCE_MROPE_SECTION
+from .qwen3_5_moe import every_layer_sparse
+
+LAYER_TYPES = ("linear_attention", "indexed_attention")
+_MIXER = ("hc_norm.weight", "input_mix_weight_down.weight", "input_mix_weight_up.weight")
+_INJECT = ("block_inject_weight.weight",)
+HYPER_CONNECTIONS = layer_names(
+    *(f"{sublayer}_hyper_connection.{part}" for sublayer in ("attn", "mlp") for part in _MIXER + _INJECT)
+) + same_names(*(f"model.hyper_connection_mixer.{part}" for part in _MIXER))
+INDEXER = layer_names(*(f"self_attn.indexer.{name}.weight" for name in ("index_qk_proj", "q_layernorm", "k_layernorm")))
+_NGRAM_TABLE = THINKER_LAYER + "ple.ple_embedding.ngram_embedding"
+PLE = layer_names(
+    *(f"ple.{name}.weight" for name in ("key_proj", "value_proj", "norm_key", "norm_query", "norm_conv", "conv1d"))
+) + (
+    rule(f"{_NGRAM_TABLE}.shard_{{part}}.weight", f"{_NGRAM_TABLE}.weight", JoinParts()),
+    *same_names(f"{_NGRAM_TABLE}.weight"),
+)
+# The hash's buffers, which transformers saves with the weights: derived from the config by the Thinker.
+HASH_BUFFERS = tuple(
+    f"{THINKER_LAYER}ple.ple_embedding.{name}"
+    for name in ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
+)
+
+
+def qwen4_exp_fields(hf: PreTrainedConfig) -> dict[str, Any]:
+    """What Qwen4-Exp adds to Qwen3.5-MoE's switches, field by field (the same names but ``seed``)."""
+    same = (
+        "hc_count hc_lowrank indexer_n_heads indexer_head_dim indexer_budget indexer_compress_ratio ple_layer_ids "
+        "ple_embed_dim ple_conv_kernel_size ngram_size heads_per_ngram ngram_vocab_size_base "
+        "make_ngram_vocab_size_divisible_by split_ngram_parts norm_topk_prob"
+    ).split()
+    return {name: getattr(hf, name) for name in same} | {
+        "ngram_seed": hf.seed,
+        "output_gate_type": hf.output_gate_type or hf.hidden_act,
+    }
+
+
+QWEN4_EXP = hf_family(
+    ("qwen4_exp_text", "qwen4_exp"),
+    ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration"),
+    "Qwen3.8 (hyper-connections, a sparse-attention indexer, hashed n-gram embeddings; causal-LM or vision-language "
+    "layout)",
+    (EMBEDDINGS_AND_HEAD, ATTENTION, ATTENTION_BIASES, QK_NORMS, GATED_DELTANET, ROUTER, SHARED_EXPERT)
+    + (ROUTED_EXPERTS, INDEXER, HYPER_CONNECTIONS, PLE),
+    lambda hf: (
+        hybrid_fields(hf)
+        | every_layer_sparse(hf)
+        | qwen4_exp_fields(hf)
+        | {"rope_parameters": interleaved_mrope(hf, REFERENCE_MROPE_SECTION)}
+    ),
+    name="qwen4_exp",
+    layer_types=LAYER_TYPES,
+    partial_rotary=True,
+    layouts=({}, VISION_LANGUAGE_LAYOUT),
+    dropped=HASH_BUFFERS,
+    dropped_prefixes=VISION_AND_MTP_PREFIXES,
+    reference=reference_by_model_type({"qwen4_exp": "Qwen4ExpForConditionalGeneration"}),
+    layered_reference=layered_reference_by_model_type({"qwen4_exp": "Qwen4ExpForConditionalGeneration"}),
+    renamed_fields={"ngram_seed": "seed"},
+    implied_fields={"indexer_kv_heads": 1},  # Qwen4-Exp's indexer has one key head; its config requires 1
+)

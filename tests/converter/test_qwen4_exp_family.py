@@ -1,0 +1,169 @@
+"""Qwen3.8 (``qwen4_exp``) through the converter: the tiny reference of ``tests/references/qwen4_exp.py`` saved by
+transformers' own classes in the causal-LM and the vision-language layouts (its n-gram tables in two pieces each,
+its hash buffers beside them, plus the ``mtp.*`` tensors a Hub checkpoint carries), converted by the command line
+with the parity gate on, and held to its reference class: logits, greedy tokens, a left-padded batch; the way back
+bit-exact; the gate failing on the n-gram pieces joined out of order and on hash buffers the config does not imply;
+parity layer by layer; the ONNX export refusing what it does not build, by name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from references.hybrid import left_pad, reference, token_ids
+from references.qwen4_exp import LAYER_TYPES, VOCAB, qwen4_exp_config, qwen4_exp_vl_config
+from safetensors.torch import load_file, save_file
+from torch.testing import assert_close
+from transformers import Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration
+
+from common.cli import main
+from converter.cli import convert_command, verify_command
+from converter.ops import JoinParts
+from thinker import ThinkerConfig, ThinkerForCausalLM
+
+TOL = dict(atol=1e-4, rtol=0)  # max |Δlogit| in float32
+GREEDY = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)
+TABLE = "model.layers.0.ple.ple_embedding.ngram_embedding"
+CASES = {"causal-lm": Qwen4ExpForCausalLM, "vision-language": Qwen4ExpForConditionalGeneration}
+
+
+def cli(command, *args):
+    return CliRunner().invoke(command, [str(arg) for arg in args], catch_exceptions=False)
+
+
+def safetensors_of(folder: Path) -> dict[str, torch.Tensor]:
+    return {name: t for path in sorted(folder.glob("*.safetensors")) for name, t in load_file(path).items()}
+
+
+def rewrite(folder: Path, edit) -> None:
+    """``edit(tensors)`` applied to the folder's one safetensors file."""
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def conversions(tmp_path_factory):
+    """Each layout's reference, saved as its users find it, and converted with --verify; once per module."""
+    done = {}
+
+    def get(layout: str):
+        if layout not in done:
+            root = tmp_path_factory.mktemp(layout)
+            config = qwen4_exp_config() if layout == "causal-lm" else qwen4_exp_vl_config()
+            model = reference(CASES[layout], config)
+            model.save_pretrained(root / "source")
+            if layout == "vision-language":
+                rewrite(root / "source", lambda t: t.update({"mtp.fc.weight": torch.ones(32, 64)}))
+            result = cli(convert_command, root / "source", root / "thinker", "--verify")
+            assert result.exit_code == 0, result.output
+            done[layout] = (model, root / "source", root / "thinker", result.output)
+        return done[layout]
+
+    return get
+
+
+@pytest.mark.parametrize("layout", list(CASES))
+def test_converts_with_the_parity_gate(conversions, layout):
+    model, source, thinker, output = conversions(layout)
+    prefix = "model.language_model." if layout == "vision-language" else "model."
+    stored = safetensors_of(source)
+    assert {f"{prefix}layers.0.ple.ple_embedding.ngram_embedding.shard_{i}.weight" for i in (0, 1)} <= set(stored)
+    assert f"{prefix}layers.0.ple.ple_embedding.layer_multipliers" in stored  # dropped: derived from the config
+
+    assert "(qwen4_exp)" in output and "the n-gram tables of 2 layers" in output
+    parity = json.loads((thinker / "parity.json").read_text())
+    fp32 = parity["results"][0]
+    assert parity["passed"] and parity["reference"] == type(model).__name__
+    assert fp32["max_abs_diff"] <= 1e-4 and fp32["greedy_identical"] == 2
+    assert {stage["name"] for stage in fp32["unreached"]} >= {"layer 0: every n-gram row", "layer 4: every n-gram row"}
+
+    config = ThinkerConfig.from_pretrained(thinker)
+    assert config.layer_types == LAYER_TYPES and config.hc_count == 3 and config.ple_layer_ids == [1, 5]
+    assert (config.indexer_budget, config.indexer_compress_ratio, config.split_ngram_parts) == (8, 4, 2)
+    assert config.norm_topk_prob and config.output_gate_type == "silu" and config.ngram_seed == 1234
+    names = set(safetensors_of(thinker))
+    assert TABLE + ".weight" in names and not any("shard_" in n or "multipliers" in n for n in names)
+    assert not any(n.startswith(("mtp.", "model.visual.", "model.language_model.")) for n in names)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("layout", list(CASES))
+def test_logits_greedy_tokens_and_left_padding(conversions, layout):
+    theirs, _, folder, _ = conversions(layout)
+    ours = ThinkerForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    rows = [token_ids(batch=1, length=n, seed=n, high=VOCAB)[0] for n in (44, 30)]  # past the indexer's budget
+    ids, mask = left_pad(rows)
+    real = mask.bool()
+    assert_close(ours(ids, attention_mask=mask).logits[real], theirs(ids, attention_mask=mask).logits[real], **TOL)
+    prompt = rows[1][None]
+    assert torch.equal(ours.generate(prompt, **GREEDY), theirs.generate(prompt, **GREEDY))
+
+
+def test_way_back_is_bit_exact(conversions, tmp_path):
+    """``--to qwen4_exp``: the causal-LM layout, the n-gram tables cut back into their pieces, every tensor of the
+    source bit for bit; transformers derives the hash buffers (not written) again on load."""
+    model, source, thinker, _ = conversions("causal-lm")
+    back = cli(convert_command, thinker, tmp_path / "back", "--to", "qwen4_exp", "--verify")
+    assert back.exit_code == 0, back.output
+    written = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert written["model_type"] == "qwen4_exp_text" and written["architectures"] == ["Qwen4ExpForCausalLM"]
+    assert written["indexer_kv_heads"] == 1 and written["seed"] == 1234
+    before = {n: t for n, t in safetensors_of(source).items() if not n.endswith(("multipliers", "sizes", "offsets"))}
+    after = safetensors_of(tmp_path / "back")
+    assert sorted(after) == sorted(before)
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor), name
+    same_kernels = dict(attn_implementation="eager", experts_implementation="eager")  # as references.hybrid builds it
+    again = Qwen4ExpForCausalLM.from_pretrained(tmp_path / "back", **same_kernels).eval()
+    ids = token_ids(batch=2, length=30, seed=4, high=VOCAB)
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
+
+
+@pytest.fixture
+def source_copy(conversions, tmp_path):
+    _, source, _, _ = conversions("causal-lm")
+    copy = tmp_path / "source"
+    copy.mkdir()
+    for path in source.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    return copy
+
+
+def test_gate_fails_on_table_pieces_joined_out_of_order(source_copy, tmp_path, monkeypatch):
+    """A planted converter bug: the pieces of each n-gram table joined last first. The direct comparison of every
+    n-gram row names the table (a prompt hashes to a few of its rows: at full size the logits alone could agree)."""
+    monkeypatch.setattr(JoinParts, "__call__", lambda self, tensors, config: [torch.cat(list(tensors)[::-1])])
+    result = cli(convert_command, source_copy, tmp_path / "out", "--verify")
+    assert result.exit_code != 0 and not (tmp_path / "out").exists()
+    assert "FAIL at layer 0: every n-gram row, layer 4: every n-gram row" in result.output, result.output
+
+
+def test_gate_fails_on_hash_buffers_the_config_does_not_imply(source_copy, tmp_path):
+    """transformers runs the hash buffers a checkpoint stores; the Thinker derives them. A checkpoint whose buffers
+    disagree with its config is another model: the gate says so."""
+    rewrite(source_copy, lambda t: t["model.layers.0.ple.ple_embedding.layer_multipliers"].add_(2))
+    result = cli(convert_command, source_copy, tmp_path / "out", "--verify")
+    assert result.exit_code != 0 and "FAIL" in result.output, result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_verify_by_layer(conversions):
+    _, source, thinker, _ = conversions("vision-language")
+    result = cli(verify_command, source, thinker, "--verify-by-layer")
+    assert result.exit_code == 0, result.output
+    assert "parity (layer-by-layer)" in result.output and "the n-gram tables of 2 layers" in result.output
+
+
+def test_onnx_export_refuses_by_name(conversions, tmp_path):
+    _, _, thinker, _ = conversions("causal-lm")
+    result = CliRunner().invoke(main, ["export", str(thinker), str(tmp_path / "onnx")])
+    assert result.exit_code != 0 and not (tmp_path / "onnx").exists()
+    message = result.output.strip().splitlines()[-1]
+    assert "does not build Qwen3.8's (qwen4_exp) hyper-connections" in message and "thinker generate" in message
