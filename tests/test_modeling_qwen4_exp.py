@@ -17,10 +17,11 @@ from references.qwen4_exp import EOS, LAYER_TYPES, TEXT_SIZES, VOCAB, qwen4_exp_
 from torch.testing import assert_close
 from transformers import DynamicCache, Qwen4ExpForCausalLM
 from transformers.cache_utils import DynamicIndexedLayer, LinearAttentionLayer
+from transformers.masking_utils import create_causal_mask
 from transformers.models.qwen4_exp import modeling_qwen4_exp as qwen4
 
 from thinker import ThinkerConfig, ThinkerForCausalLM
-from thinker.modeling_thinker import CACHE_ARG, ngram_multipliers, primes_after
+from thinker.modeling_thinker import CACHE_ARG, ThinkerQSAIndexer, ngram_multipliers, primes_after
 
 TOL = dict(atol=1e-4, rtol=0)  # max |Δlogit| in fp32
 ATTENTION = ["eager", "sdpa"]
@@ -160,6 +161,76 @@ def test_the_indexer_prunes_and_the_parity_check_sees_it():
     with torch.no_grad():
         widened = thinker(ids).logits
     assert (widened - theirs).abs().max() > 100 * TOL["atol"]
+
+
+def indexer_pair(heads: int, dtype: torch.dtype, seed: int):
+    """transformers' indexer and the Thinker's, the same random weights."""
+    hf = qwen4_exp_config(indexer_n_heads=heads)
+    theirs = qwen4.Qwen4ExpTextQSAIndexer(hf, 1)
+    ours = ThinkerQSAIndexer(thinker_config_from(hf), 1)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in theirs.named_parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * (0.3 if "norm" in name else 0.2))
+    ours.load_state_dict(theirs.state_dict())
+    return hf, theirs.to(dtype), ours.to(dtype)
+
+
+def indexer_mismatches(heads: int, dtype: torch.dtype, seeds: range, attn: str = "sdpa") -> tuple[int, int]:
+    """(queries whose kept slots differ from the reference's, queries compared): prefills of a left-padded batch of
+    3 rows, each of 64 to 95 tokens (the indexer prunes from 12 visible tokens on), under the causal mask transformers
+    builds (bool for sdpa, additive for eager), and under masks no causal model makes (random slots hidden), which
+    take the reference's steps."""
+    different = compared = 0
+    for seed in seeds:
+        hf, theirs, ours = indexer_pair(heads, dtype, seed)
+        hf._attn_implementation = attn
+        generator = torch.Generator().manual_seed(seed)
+        length = 64 + seed % 32
+        hidden = torch.randn(3, length, hf.hidden_size, generator=generator).to(dtype)
+        padding = torch.ones(3, length, dtype=torch.long)
+        padding[1, : seed % 7], padding[2, : 3 + seed % 11] = 0, 0
+        positions = (padding.cumsum(-1) - 1).clamp(min=0)
+        causal = create_causal_mask(
+            config=hf,
+            inputs_embeds=hidden,
+            attention_mask=padding,
+            cache=None,
+            position_ids=positions,
+            allow_is_causal_skip=False,
+        )
+        hidden_slots = torch.rand(causal.shape, generator=generator) < 0.2
+        holes = causal & ~hidden_slots if attn == "sdpa" else causal.masked_fill(hidden_slots, causal.min())
+        tables = qwen4.Qwen4ExpTextRotaryEmbedding(hf)(hidden, positions[None].expand(3, -1, -1))
+        for mask in (causal, holes):
+            with torch.no_grad():
+                expected, actual = theirs(hidden, tables, mask, None), ours(hidden, tables, mask, None)
+            different += int((expected != actual).any(-1).sum())
+            compared += expected.shape[0] * expected.shape[2]
+    return different, compared
+
+
+@pytest.mark.parametrize(
+    ("heads", "dtype", "attn"), [(1, torch.float32, "sdpa"), (3, torch.float32, "eager"), (2, torch.bfloat16, "sdpa")]
+)
+def test_the_indexer_keeps_the_slots_the_reference_keeps(heads, dtype, attn):
+    """Block for block, query for query: scored for all queries at once, but decided as the reference decides where
+    the scores leave room for doubt (one index head makes ties at zero common: relu)."""
+    different, compared = indexer_mismatches(heads, dtype, range(12), attn)
+    assert different == 0 and compared > 3000
+
+
+def test_the_indexer_check_fails_when_ties_are_not_settled_as_the_reference_settles_them(monkeypatch):
+    """A planted bug: every query's batched ranking taken as certain. With one index head, ties and near-ties then
+    pick other blocks than the reference in some queries, and the comparison above sees them."""
+    import thinker.modeling_thinker as modeling
+
+    real = modeling.best_blocks
+    monkeypatch.setattr(
+        modeling, "best_blocks", lambda *args: (real(*args)[0], torch.ones(args[2].shape[:2], dtype=torch.bool))
+    )
+    different, _ = indexer_mismatches(1, torch.float32, range(12))
+    assert different > 0
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -317,23 +317,105 @@ def qsa_selection(
     ratio: int,
     budget: int,
 ) -> torch.Tensor:  # (B, S, T) bool
-    """The slots each query keeps (``ThinkerQSAIndexer``), query by query as the reference computes them."""
+    """The slots each query keeps (``ThinkerQSAIndexer``), equal to the reference's choice, which it makes query by
+    query in a Python loop.
+
+    Where each query sees a prefix of what its row's widest-seeing query sees (causal masks with padding, with or
+    without a cache), the blocks are the row's: pooled once, scored for every query in one matmul. The reference's
+    own scores are not a function of the query and the block alone: its per-query matmul and sum over heads round
+    differently with the number of blocks a query sees. So a query's batched scores decide only where its best blocks
+    lie further from the others than twice a bound on either computation's rounding error, and then that set is the
+    reference's too; a query with ties (relu gives zeros) or near-ties is scored again exactly as the reference
+    scores it, and a query whose visible slots are no such prefix is run through the reference's steps.
+    """
     batch, seq, heads, dim = query.shape
+    keep = budget // ratio
+    counts = visible.sum(-1)  # (B, S): visible slots per query
+    widest = visible[torch.arange(batch, device=visible.device), counts.argmax(-1)]  # (B, T): the row's widest view
+    rank = widest.long().cumsum(-1) - 1  # each slot's place among the row's visible ones
+    prefix = (visible == (widest[:, None] & (rank[:, None] < counts[..., None]))).all(-1)  # (B, S)
+    blocks = int(counts.max()) // ratio
+    slots = torch.sort((~widest).to(torch.int8), dim=-1, stable=True).indices[:, : blocks * ratio]  # visible first
+    slots = slots.view(batch, blocks, ratio)  # (B, NB, r): each block's slots (past a row's blocks: unused)
+    # the reference's per-block steps: fp32 mean, cast back, norm, rotated at the block's first slot
+    pooled = raw_keys.gather(1, slots.flatten(1)[..., None].expand(-1, -1, dim)).view(batch, blocks, ratio, dim)
+    pooled = key_norm(pooled.float().mean(2).to(raw_keys.dtype))
+    starts = slots[..., 0, None].expand(-1, -1, cos.shape[-1])
+    keys = rotate(pooled, cos.gather(1, starts), sin.gather(1, starts)).float()  # (B, NB, Id)
+
+    seen = counts // ratio  # (B, S): complete blocks each query sees
+    kept_blocks = torch.arange(blocks, device=query.device) < seen[..., None]  # (B, S, NB)
+    certain = seen <= keep  # every block a query sees is kept: nothing to rank
+    if keep and not bool(certain.all()):
+        chunk = max(1, 2**24 // max(1, batch * heads * blocks))  # queries at a time: the scores' memory bounded
+        for start in range(0, seq, chunk):
+            part = slice(start, start + chunk)
+            best, sure = best_blocks(query[:, part], keys, kept_blocks[:, part], keep)
+            kept_blocks[:, part] = torch.where(certain[:, part, None], kept_blocks[:, part], best)
+            certain[:, part] |= sure
+    block_of_slot = (rank // ratio).clamp(0, max(blocks - 1, 0))
+    kept = kept_blocks.gather(2, block_of_slot[:, None].expand(-1, seq, -1)) if blocks else torch.zeros_like(visible)
+    tail = rank[:, None] >= (seen * ratio)[..., None]  # the unfinished last block's slots
+    selected = visible & (kept | tail)
+
+    for b, i in (prefix & ~certain).nonzero().tolist():  # ties or near-ties: scored as the reference scores them
+        scores = torch.matmul(query[b, i].float(), keys[b, : seen[b, i]].clone().T).T  # a fresh copy, as its own
+        chosen = (torch.relu(scores).sum(-1) / dim**0.5).topk(keep).indices
+        selected[b, i] = visible[b, i] & (tail[b, i] | torch.isin(block_of_slot[b], chosen))
+    for b, i in (~prefix).nonzero().tolist():  # any other mask: the reference's steps
+        selected[b, i] = reference_selection(
+            query[b, i], raw_keys[b], visible[b, i], cos[b], sin[b], key_norm, ratio, budget
+        )
+    return selected
+
+
+def best_blocks(
+    query: torch.Tensor,  # (B, S, In, Id)
+    keys: torch.Tensor,  # (B, NB, Id) float32
+    seen: torch.Tensor,  # (B, S, NB) bool: the blocks each query sees
+    keep: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (B, S, NB) the best blocks, (B, S) whether the reference's are the same
+    """Each query's ``keep`` best blocks by scores computed for all at once, and whether they are certainly the
+    reference's: exactly ``keep`` of them, further from every other block than twice the bound on the rounding
+    error of either computation (``|error| <= gamma sum_h |q_h|.|k| / sqrt(Id)`` whatever the order of the sums)."""
+    batch, seq, heads, dim = query.shape
+    q = query.float()
+    scores = torch.matmul(q.flatten(1, 2), keys.transpose(1, 2)).view(batch, seq, heads, -1)
+    scores = scores.relu().sum(2) / dim**0.5  # (B, S, NB)
+    # float32 products and sums; a matmul allowed to round its inputs (TF32, bfloat16) widens it
+    unit = 2.0**-24 + (2.0**-8 if torch.get_float32_matmul_precision() != "highest" else 0.0)
+    gamma = 2.2 * (dim + heads + 4) * unit  # both computations' error, and the bound's own rounding
+    bound = torch.matmul(q.abs().sum(2), keys.abs().transpose(1, 2)) * gamma / dim**0.5 + 2.0**-110
+    ranked = scores.masked_fill(~seen, -math.inf)
+    best = seen & (ranked >= ranked.topk(keep, dim=-1).values[..., -1:])
+    lowest_kept = torch.where(best, scores - bound, math.inf).amin(-1)
+    highest_dropped = torch.where(seen & ~best, scores + bound, -math.inf).amax(-1)
+    return best, (best.sum(-1) == keep) & (lowest_kept > highest_dropped)
+
+
+def reference_selection(
+    query: torch.Tensor,  # (In, Id)
+    raw_keys: torch.Tensor,  # (T, Id)
+    visible: torch.Tensor,  # (T,)
+    cos: torch.Tensor,  # (T, rot)
+    sin: torch.Tensor,
+    key_norm: nn.Module,
+    ratio: int,
+    budget: int,
+) -> torch.Tensor:  # (T,) bool
+    """One query's kept slots, step by step as Qwen4ExpTextQSAIndexer takes them."""
+    slots = visible.nonzero().flatten()  # ascending
+    complete = len(slots) // ratio
     selected = torch.zeros_like(visible)
-    for b in range(batch):
-        for i in range(seq):
-            slots = visible[b, i].nonzero().flatten()  # ascending
-            complete = len(slots) // ratio
-            if complete:
-                blocks = slots[: complete * ratio].view(complete, ratio)
-                pooled = raw_keys[b, blocks.flatten()].view(complete, ratio, dim).float().mean(1).to(raw_keys.dtype)
-                starts = blocks[:, 0]
-                keys = rotate(key_norm(pooled).unsqueeze(1), cos[b, starts, None], sin[b, starts, None]).squeeze(1)
-                scores = torch.matmul(query[b, i].float(), keys.float().transpose(-1, -2)).transpose(-1, -2)
-                scores = torch.relu(scores).sum(-1) / dim**0.5  # (complete,)
-                chosen = scores.topk(min(budget // ratio, complete), dim=0).indices
-                selected[b, i, blocks[chosen].flatten()] = True
-            selected[b, i, slots[complete * ratio :]] = True
+    if complete:
+        blocks = slots[: complete * ratio].view(complete, ratio)
+        pooled = raw_keys[blocks.flatten()].view(complete, ratio, -1).float().mean(1).to(raw_keys.dtype)
+        starts = blocks[:, 0]
+        keys = rotate(key_norm(pooled).unsqueeze(1), cos[starts, None], sin[starts, None]).squeeze(1)
+        scores = torch.matmul(query.float(), keys.float().transpose(-1, -2)).transpose(-1, -2)
+        scores = torch.relu(scores).sum(-1) / query.shape[-1] ** 0.5  # (complete,)
+        selected[blocks[scores.topk(min(budget // ratio, complete), dim=0).indices].flatten()] = True
+    selected[slots[complete * ratio :]] = True
     return selected
 
 
@@ -723,7 +805,7 @@ class ThinkerNGramEmbedding(nn.Module):
         self.context = config.ngram_size - 1
         self.eos_token_id = config.ngram_eos_token_id
         heads = self.context * self.heads_per_ngram
-        self.hash = (config.vocab_size, config.ngram_size, config.ngram_vocab_size_base, config.ngram_seed, heads)
+        self.hash_spec = (config.vocab_size, config.ngram_size, config.ngram_vocab_size_base, config.ngram_seed, heads)
         # derived from the config, never read from a checkpoint (non-persistent; _init_weights derives them again
         # for a model built on the meta device)
         buffers = self.derived_buffers()
@@ -734,7 +816,7 @@ class ThinkerNGramEmbedding(nn.Module):
         self.ngram_embedding = nn.Embedding(rows, config.ple_embed_dim // heads)
 
     def derived_buffers(self) -> dict[str, torch.Tensor]:
-        vocab_size, ngram_size, size_base, seed, heads = self.hash
+        vocab_size, ngram_size, size_base, seed, heads = self.hash_spec
         # the primes go on from one PLE layer to the next: every table of every layer has a size of its own
         sizes = primes_after(size_base - 1, (self.ple_index + 1) * heads)[-heads:]
         with torch.device("cpu"):  # real values even where the model is built on the meta device
