@@ -1,18 +1,22 @@
-"""Thinker against transformers' Qwen3ForCausalLM (or Qwen3_5ForCausalLM): the same random weights, fp32, the
-same attention backend.
+"""Thinker against transformers' Qwen3ForCausalLM (or Qwen3_5ForCausalLM, Qwen4ExpForCausalLM): the same random
+weights, fp32, the same attention backend.
 
 Times a prefill forward pass (batch 1 x PREFILL tokens), one decode step (a token on top of the prompt's cache)
 and a greedy ``generate`` of NEW tokens with the cache. ``--family qwen3`` runs a preset shaped like a real release
 (default: Qwen3-0.6B); ``--family qwen3_5`` a small random Qwen3.5-shaped hybrid (linear attention in three layers
-of four, output-gated full attention in the fourth, zero-centred norms, partial rotary; ``--hidden`` wide).
+of four, output-gated full attention in the fourth, zero-centred norms, partial rotary; ``--hidden`` wide);
+``--family qwen4_exp`` the same shape as Qwen3.8 (qwen4_exp): every layer MoE, four residual streams, the QSA indexer
+on the attention layers (a budget of 32 tokens in blocks of 4, so that it prunes a 128-token prompt) and PLE on two
+linear-attention layers.
 Repetitions alternate between the two models (and swap which goes first each round), so that drift in machine load
 falls on both; medians are reported, with the ratio Thinker time / reference time (the goal is at most 1.05).
 
     python bench/bench_model.py --threads 2 --reps 5       # from the repository root, with the package installed
     python bench/bench_model.py --layers 4 --reps 3        # a quicker, shallower run of the same shapes
     python bench/bench_model.py --family qwen3_5 --layers 8 --threads 1 --reps 9
+    python bench/bench_model.py --family qwen4_exp --layers 8 --threads 1 --reps 5
 
-Prints a table and writes JSON to bench/results/model.json (model_qwen3_5.json for the hybrid family).
+Prints a table and writes JSON to bench/results/model.json (model_FAMILY.json for the hybrid families).
 """
 
 from __future__ import annotations
@@ -30,7 +34,15 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen4ExpForCausalLM,
+    Qwen4ExpTextConfig,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages, when run as a script
 
@@ -43,10 +55,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", choices=("qwen3", "qwen3_5"), default="qwen3", help="the reference class")
+    parser.add_argument("--family", choices=("qwen3", "qwen3_5", "qwen4_exp"), default="qwen3", help="the reference")
     parser.add_argument("--preset", default="qwen3-0.6b", help="a dense Qwen3-shaped preset (see thinker.presets)")
     parser.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (quicker runs)")
-    parser.add_argument("--hidden", type=int, default=512, help="hidden size of the qwen3_5 family's model")
+    parser.add_argument("--hidden", type=int, default=512, help="hidden size of the hybrid families' models")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per model and task")
     parser.add_argument("--prefill", type=int, default=128, help="prompt length")
@@ -107,9 +119,49 @@ def qwen3_5_configs(args: argparse.Namespace) -> tuple[Qwen3_5TextConfig, Thinke
     return reference, thinker
 
 
+def qwen4_exp_configs(args: argparse.Namespace) -> tuple[Qwen4ExpTextConfig, ThinkerConfig]:
+    """A small Qwen3.8-shaped model (qwen3_5_configs' proportions, every layer MoE) with Qwen4-Exp's additions, and the
+    same model as a ThinkerConfig (the converter's own translation)."""
+    from converter.engine import translate_config
+    from converter.families.qwen4_exp import QWEN4_EXP
+
+    hidden, layers = args.hidden, args.layers or 8
+    base, _ = qwen3_5_configs(args)
+    fields = {
+        key: getattr(base, key)
+        for key in (
+            "vocab_size hidden_size num_hidden_layers num_attention_heads num_key_value_heads head_dim "
+            "max_position_embeddings linear_num_key_heads linear_num_value_heads linear_key_head_dim "
+            "linear_value_head_dim rope_parameters pad_token_id"
+        ).split()
+    }
+    reference = Qwen4ExpTextConfig(
+        **fields,
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=hidden,
+        shared_expert_intermediate_size=hidden,
+        hc_count=4,
+        hc_lowrank=hidden // 4,
+        ple_layer_ids=[1, layers - 1],
+        ple_embed_dim=hidden // 2,
+        heads_per_ngram=4,
+        ngram_vocab_size_base=20_000,
+        indexer_n_heads=4,
+        indexer_kv_heads=1,
+        indexer_head_dim=64,
+        indexer_budget=32,
+        indexer_compress_ratio=4,
+        eos_token_id=1,
+    )
+    return reference, translate_config(QWEN4_EXP, reference.to_dict(), torch.float32)
+
+
 def build_models(args: argparse.Namespace) -> dict[str, torch.nn.Module]:
     if args.family == "qwen3_5":
         reference_config, config = qwen3_5_configs(args)
+    elif args.family == "qwen4_exp":
+        reference_config, config = qwen4_exp_configs(args)
     else:
         config = load_preset(args.preset, **({"num_hidden_layers": args.layers} if args.layers else {}))
         config.eos_token_id = None  # every run generates exactly --new-tokens tokens
@@ -117,9 +169,13 @@ def build_models(args: argparse.Namespace) -> dict[str, torch.nn.Module]:
         reference_config = qwen3_config(config)
     qwen = AutoModelForCausalLM.from_config(reference_config, attn_implementation=args.attn).eval()
     thinker = AutoModelForCausalLM.from_config(config, attn_implementation=args.attn).eval()
-    assert isinstance(qwen, (Qwen3ForCausalLM, Qwen3_5ForCausalLM)) and isinstance(thinker, ThinkerForCausalLM)
-    # assign=True: the Thinker takes Qwen's tensors themselves, so both models share one copy of the weights.
-    thinker.load_state_dict(qwen.state_dict(), strict=True, assign=True)
+    assert isinstance(qwen, (Qwen3ForCausalLM, Qwen3_5ForCausalLM, Qwen4ExpForCausalLM))
+    assert isinstance(thinker, ThinkerForCausalLM)
+    # assign=True: the Thinker takes Qwen's tensors themselves, so both models share one copy of the weights (but
+    # Qwen4-Exp's hash buffers, which the Thinker derives from its config).
+    derived = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
+    weights = {name: tensor for name, tensor in qwen.state_dict().items() if not name.endswith(derived)}
+    thinker.load_state_dict(weights, strict=True, assign=True)
     thinker.tie_weights()
     for model in (qwen, thinker):
         model.generation_config.eos_token_id = None
@@ -209,7 +265,7 @@ def summarise(args: argparse.Namespace, models: dict, measured: dict) -> dict:
         rows["generate"][f"{name}_tokens_per_s"] = args.new_tokens / rows["generate"][f"{name}_median_s"]
     return {
         "family": reference,
-        "preset": args.preset if reference == "qwen3" else f"qwen3_5-shaped, hidden {args.hidden}",
+        "preset": args.preset if reference == "qwen3" else f"{reference}-shaped, hidden {args.hidden}",
         "num_hidden_layers": config.num_hidden_layers,
         "parameters": sum(p.numel() for p in models["thinker"].parameters()),
         "dtype": "float32",
