@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -44,7 +44,7 @@ from common.values import ValueScan, value_problem
 from thinker import ThinkerConfig, ThinkerForCausalLM
 
 from .families import detect_family
-from .ops import Identity, Op
+from .ops import Identity, JoinParts, Op
 from .output_dtype import kept_wider, resolve_dtype
 from .shards import ShardLayout, ShardWriter
 from .spec import LAYER_INDEX, LIST_INDICES, Family, TensorRule
@@ -464,7 +464,9 @@ def write_weights(
         writing = None
         for step in plan.steps:
             target = step.targets[0]
-            if copies_bytes(step, source, plan.dtype_of(target)):
+            if isinstance(step.op, JoinParts) and step.op.dim == 0:
+                jobs = piece_by_piece(step, source, plan, writer, buffer)
+            elif copies_bytes(step, source, plan.dtype_of(target)):
                 jobs = [partial(copy_checked, writer, source, step.sources[0], target, plan.dtype_of(target), buffer)]
             else:
                 jobs = (partial(writer.write, name, tensor) for name, tensor in convert_step(step, source, plan))
@@ -478,6 +480,24 @@ def write_weights(
         return writer.close()
 
 
+def piece_by_piece(
+    step: Step, source: TensorSource, plan: Plan, writer: ShardWriter, buffer: torch.Tensor
+) -> Iterator[Callable[[], int]]:
+    """The writes of a tensor joined from pieces along its first dimension (Qwen4-Exp's n-gram tables: tens of GB,
+    in hundreds of pieces), each piece put after the one before it in the target's slot: copied by the kernel where
+    it is stored in the output dtype, else read, checked and cast alone. The joined tensor is never in memory."""
+    target, dtype = step.targets[0], plan.dtype_of(step.targets[0])
+    for name in step.sources:
+        if hasattr(source, "byte_range") and source.dtype(name) == dtype:
+            yield partial(copy_checked, writer, source, name, target, dtype, buffer, part=True)
+        else:
+            scan = ValueScan()
+            tensor = source.load(name, scan=scan)
+            refuse_values(scan.problem(dtype), name, target)
+            yield partial(writer.write, target, tensor.to(dtype).contiguous(), part=True)
+            del tensor
+
+
 def copies_bytes(step: Step, source: TensorSource, dtype: torch.dtype) -> bool:
     """Whether a step writes its one source tensor's bytes unchanged."""
     return (
@@ -489,15 +509,21 @@ def copies_bytes(step: Step, source: TensorSource, dtype: torch.dtype) -> bool:
 
 
 def copy_checked(
-    writer: ShardWriter, source: TensorSource, name: str, target: str, dtype: torch.dtype, buffer: torch.Tensor
+    writer: ShardWriter,
+    source: TensorSource,
+    name: str,
+    target: str,
+    dtype: torch.dtype,
+    buffer: torch.Tensor,
+    part: bool = False,
 ) -> int:
-    """Copy a source tensor's bytes into its slot unchanged, refusing (``ThinkerError``) values the output dtype
-    cannot hold. The values are checked piece by piece as they are read into ``buffer``; the bytes are then copied
-    by the kernel from the file (still in the page cache): through this process's memory, as a pwrite of every
-    piece, the copy measured 2-2.6x slower. Returns the bytes written."""
+    """Copy a source tensor's bytes into its slot unchanged (``part``: into the next part of its slot), refusing
+    (``ThinkerError``) values the output dtype cannot hold. The values are checked piece by piece as they are read
+    into ``buffer``; the bytes are then copied by the kernel from the file (still in the page cache): through this
+    process's memory, as a pwrite of every piece, the copy measured 2-2.6x slower. Returns the bytes written."""
     scan = ValueScan()
     for piece in source.read_pieces(name, buffer):
         scan.update(piece.view(dtype))
     refuse_values(scan.problem(dtype), name, target)
     descriptor, begin, end = source.byte_range(name)
-    return writer.copy_range(target, descriptor, begin, end - begin)
+    return writer.copy_range(target, descriptor, begin, end - begin, part=part)

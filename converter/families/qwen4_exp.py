@@ -21,8 +21,9 @@ derives them from the config, and the parity gate, whose reference runs the stor
 Layouts, drops (vision tower, ``mtp.*``) and the way back (causal-LM layout, experts per expert, the tables in
 pieces) are those of ``qwen3_5_moe``.
 
-Sizes: at Qwen4-Exp's defaults a PLE layer's table has 320 million rows (41e9 weights); the converter streams
-tensor by tensor, so it needs the memory of one whole table.
+Sizes: at Qwen4-Exp's defaults a PLE layer's table has 320 million rows (41e9 weights, in 512 pieces); the engine
+writes each piece in its place in the output (``engine.piece_by_piece``), so a conversion holds one piece, never a
+whole table. Verifying still holds one (layer by layer, a PLE layer's unit includes its table).
 """
 
 from __future__ import annotations

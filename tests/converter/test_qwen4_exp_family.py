@@ -9,6 +9,7 @@ parity layer by layer; the ONNX export refusing what it does not build, by name.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from torch.testing import assert_close
 from transformers import Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration
 
 from common.cli import main
+from converter import engine
 from converter.cli import convert_command, verify_command
 from converter.ops import JoinParts
 from thinker import ThinkerConfig, ThinkerForCausalLM
@@ -137,12 +139,34 @@ def source_copy(conversions, tmp_path):
 
 
 def test_gate_fails_on_table_pieces_joined_out_of_order(source_copy, tmp_path, monkeypatch):
-    """A planted converter bug: the pieces of each n-gram table joined last first. The direct comparison of every
+    """A planted converter bug: the pieces of each n-gram table written last first. The direct comparison of every
     n-gram row names the table (a prompt hashes to a few of its rows: at full size the logits alone could agree)."""
-    monkeypatch.setattr(JoinParts, "__call__", lambda self, tensors, config: [torch.cat(list(tensors)[::-1])])
+    in_order = engine.piece_by_piece
+    monkeypatch.setattr(
+        engine, "piece_by_piece", lambda step, *args: in_order(replace(step, sources=step.sources[::-1]), *args)
+    )
     result = cli(convert_command, source_copy, tmp_path / "out", "--verify")
     assert result.exit_code != 0 and not (tmp_path / "out").exists()
     assert "FAIL at layer 0: every n-gram row, layer 4: every n-gram row" in result.output, result.output
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_tables_pieces_are_written_in_place_never_joined_in_memory(source_copy, tmp_path, monkeypatch, dtype):
+    """At full size a table is tens of GB in hundreds of pieces: each piece goes to its place in the output (copied
+    by the kernel in the source's dtype, else cast alone), so the joined table is never in memory. The join runs on
+    meta tensors only (the plan's shapes); run on real ones, it fails here."""
+    planned = JoinParts.__call__
+
+    def meta_only(self, tensors, config):
+        assert all(tensor.is_meta for tensor in tensors), "a table joined in memory"
+        return planned(self, tensors, config)
+
+    monkeypatch.setattr(JoinParts, "__call__", meta_only)
+    result = cli(convert_command, source_copy, tmp_path / "out", "--dtype", dtype, "--no-verify")
+    assert result.exit_code == 0, result.output
+    pieces = load_file(source_copy / "model.safetensors")
+    joined = torch.cat([pieces[f"{TABLE}.shard_{i}.weight"] for i in (0, 1)]).to(getattr(torch, dtype))
+    assert torch.equal(safetensors_of(tmp_path / "out")[TABLE + ".weight"], joined)
 
 
 def test_gate_fails_on_hash_buffers_the_config_does_not_imply(source_copy, tmp_path):
