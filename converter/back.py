@@ -25,6 +25,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub.errors import StrictDataclassError
+
 from common.config_values import check_model_config
 from common.dtypes import dtype_name
 from common.errors import ThinkerError
@@ -91,7 +93,11 @@ def export_config(family: Family, config: ThinkerConfig) -> dict[str, Any]:
         raise ThinkerError(
             f"a Thinker folder cannot be written back as {family.name}; --to accepts {', '.join(exportable_families())}"
         )
-    exported = family.export_config(config)
+    try:
+        exported = family.export_config(config)
+    except (TypeError, ValueError, StrictDataclassError) as err:  # the family's config class refuses the values
+        reason = " ".join(str(err).split())
+        raise ThinkerError(f"this Thinker model is not expressible as {family.name}: {reason}") from None
     try:
         translated = family.translate_config(exported)
     except ThinkerError as err:  # what the family refuses to convert, it cannot be written as either

@@ -9,6 +9,7 @@ import contextlib
 import math
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,7 @@ def convert(
     force: bool = False,
     progress: bool = True,
     memory_budget: int | None = None,
+    check_config: Callable[[ThinkerConfig, Path], None] | None = None,
     **hub_options: Any,
 ) -> ConversionResult:
     """Convert ``source`` (a folder, a weights file, or a Hub repo id) into a Thinker folder at ``output``.
@@ -82,8 +84,10 @@ def convert(
     models side by side when both fit ``memory_budget`` (bytes; default ``parity.memory_budget()``), else layer by
     layer; ``verify_by_layer`` asks for layer by layer whatever the size. A family without a transformers reference
     is not verified (a note says why), or refused when ``verify=True`` asks for it.
-    ``hub_options`` (``token``, ``cache_dir`` ...) go to ``hub.resolve_source``.
-    Raises ``ThinkerError`` (``ParityFailed`` when verification fails; nothing is installed then).
+    ``check_config(config, where)``, a caller's check of the translated config (``where``: the source's config
+    file), runs before anything is written. ``hub_options`` (``token``, ``cache_dir`` ...) go to
+    ``hub.resolve_source``. Raises ``ThinkerError`` (``ParityFailed`` when verification fails; nothing is installed
+    then).
     """
     started = time.perf_counter()
     if verify is False and verify_by_layer:
@@ -98,6 +102,8 @@ def convert(
     tensor_source = open_source(root)
     try:
         plan = plan_conversion(tensor_source, tensor_source.config(), dtype)
+        if check_config is not None:
+            check_config(plan.config, root / "config.json" if Path(root).is_dir() else Path(root))
         notes = []
         if plan.family.no_reference:
             if verify or verify_by_layer:  # asked for explicitly: refuse before writing anything
@@ -121,7 +127,15 @@ def convert(
                 report = parity_gate(root, staging, plan.family, staging, failure, mode, note)
             skipped = plan.family.no_reference or "converted with --no-verify"
             files += write_thinker_card(
-                staging, str(source), Path(root), plan.family.name, dtype_name(plan.dtype), report, skipped, output.name
+                staging,
+                str(source),
+                Path(root),
+                plan.family.name,
+                dtype_name(plan.dtype),
+                report,
+                skipped,
+                output.name,
+                not_exported=plan.config.qwen4_exp_features,
             )
     finally:
         tensor_source.close()

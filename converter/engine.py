@@ -187,6 +187,8 @@ def plan_conversion(
     steps = _select_steps(family, config, expected, set(names))
     check_float_sources(family, steps, source)
     _check_sources_used(family, config, steps, names)
+    if family.check_source is not None:
+        family.check_source(config, source)
     _check_targets_produced(family, steps, expected)
     planned_shapes(family, config, steps, source, expected)
 
@@ -338,8 +340,8 @@ def _check_sources_used(family: Family, config: ThinkerConfig, steps: list[Step]
     if unexpected:
         raise ThinkerError(
             f"the source checkpoint holds tensors that no {family.name} rule maps and none drops on purpose: "
-            f"{describe_names(unexpected)}; its {family.config_label} may not match the weights (layer or expert "
-            "counts, biases, tied head)"
+            f"{describe_names(unexpected)}; its {family.config_label} may not match the weights (layer, expert or "
+            "piece counts: num_hidden_layers, num_experts, split_ngram_parts; biases; tied head)"
         )
 
 

@@ -134,7 +134,7 @@ def compare_by_layer(
     batches = [left_padded(prompts)] if padded else [left_padded([prompt]) for prompt in prompts]
     stages: dict[str, _Stage] = {}
     expected_logits, actual_logits, counts = [], [], None
-    probes = Probes(converted.model.config.hidden_size, converted.model.config.vocab_size)
+    probes = Probes.of(converted.model.config)
     for batch, (ids, mask, positions) in enumerate(batches):
         real = mask.bool()
         trace = _Trace(probes if batch == 0 else None)  # the unreached parts, once: they take no prompt

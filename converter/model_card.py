@@ -72,6 +72,12 @@ def parity_section(report: ParityReport | None, skipped: str) -> str:
     return "\n".join(lines)
 
 
+def export_line(folder: str, not_exported: list[str] | None) -> str:
+    if not_exported:
+        return f"`thinker export` does not take this model yet: its {', '.join(not_exported)}."
+    return f"`thinker export {folder} ONNX_FOLDER` writes it as an ONNX decoder for onnxruntime and onnxruntime-genai."
+
+
 def write_thinker_card(
     folder: Path,
     source: str,
@@ -81,9 +87,10 @@ def write_thinker_card(
     report: ParityReport | None,
     skipped: str = "converted with --no-verify",
     name: str | None = None,
+    not_exported: list[str] | None = None,
 ) -> list[str]:
     """README.md (and the source's license files) in the Thinker folder ``folder`` (to be installed as ``name``);
-    the names written."""
+    the names written. ``not_exported``: what the model has that the ONNX export does not build yet."""
     root = Path(root)
     root = root.parent if root.is_file() else root  # a GGUF file: its folder holds the card and license
     named, repo = source_line(source, root)
@@ -113,7 +120,7 @@ model = AutoModelForCausalLM.from_pretrained("{here}", dtype="auto")  # or trust
 tokenizer = AutoTokenizer.from_pretrained("{here}")
 ```
 
-`thinker export {here} ONNX_FOLDER` writes it as an ONNX decoder for onnxruntime and onnxruntime-genai.
+{export_line(here, not_exported)}
 """
     write_card(folder, metadata, body, parity_section(report, skipped))
     return ["README.md", *copy_license(root, folder)]

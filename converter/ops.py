@@ -135,6 +135,10 @@ class JoinParts(Op):
     dim: int = 0
 
     def __call__(self, tensors, config):
+        other = [[size for i, size in enumerate(t.shape) if i != self.dim % t.dim()] for t in tensors]
+        if any(sizes != other[0] for sizes in other):
+            shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
+            raise ValueError(f"pieces of one tensor must match but along dimension {self.dim}: {shapes}")
         return [torch.cat(list(tensors), dim=self.dim)]
 
     def inverse(self) -> Op:

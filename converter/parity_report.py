@@ -105,7 +105,11 @@ class ParityReport:
                 failing = [stage.name for stage in r.unreached if not stage.passed]
                 verdict = f"FAIL at {', '.join(failing[:3])}" if failing else "pass"
                 parts = ["every embedding row"]
-                for what, suffix in (("the experts", ": every expert"), ("the n-gram tables", ": every n-gram row")):
+                for what, suffix in (
+                    ("the experts", ": every expert"),
+                    ("the n-gram tables", ": every n-gram row"),
+                    ("the indexers", ": the indexer's choice"),
+                ):
                     count = sum(stage.name.endswith(suffix) for stage in r.unreached)
                     parts += [f"{what} of {count} layers"] if count else []
                 reached = ", ".join(parts[:-1]) + f" and {parts[-1]}" if len(parts) > 1 else parts[0]

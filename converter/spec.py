@@ -40,6 +40,8 @@ ReferenceLoader = Callable[[Path, Any], Any]
 LayeredReferenceLoader = Callable[[Path, Any], Any]
 # Thinker config -> the source family's config.json dict: the way back (``thinker-convert THINKER OUT --to FAMILY``).
 ConfigExporter = Callable[[Any], dict[str, Any]]
+# (Thinker config, the source) -> None, or ThinkerError naming a stored tensor the table drops that disagrees with it.
+SourceCheck = Callable[[Any, Any], None]
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,8 @@ class Family:
       class; it says why, and verification is then skipped (or refused when asked for) with that message.
     - ``export_config``: the inverse of ``translate_config``, for families a Thinker folder can be written back to
       (``--to``); the tensors go back through ``inverted_tensors``.
+    - ``check_source``: for dropped tensors the Thinker derives from its config instead (Qwen4-Exp's hash buffers):
+      refuses, naming it, a stored one the translated config does not imply (the reference would run it).
     """
 
     name: str
@@ -128,6 +132,7 @@ class Family:
     layer_count_keys: tuple[str, ...] = ("num_hidden_layers",)
     expert_count_keys: tuple[str, ...] = ("num_experts", "num_local_experts")
     config_label: str = "config.json"
+    check_source: SourceCheck | None = None
 
     def recognises(self, config: Mapping[str, Any], tensor_names: Collection[str]) -> bool:
         declared = config.get(self.model_type_key) in self.model_types or any(

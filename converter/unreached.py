@@ -12,7 +12,11 @@ experts also run on inputs of their own, from a fixed seed:
   top_k_weights)``, the Thinker's alike) or, for a list of expert modules, each expert called;
 - each PLE layer's n-gram table (``ple.ple_embedding.ngram_embedding``, the same path in both models), as the
   embedding: a prompt hashes to a few dozen of its rows, of hundreds of millions at full size, and its pieces are
-  joined by the conversion (one out of order would pass the logits).
+  joined by the conversion (one out of order would pass the logits);
+- each indexed-attention layer's QSA indexer (``self_attn.indexer``, the same path and call in both models): it
+  keeps every token until more than its budget are visible, which the prompts never are, so its weights change no
+  logit of theirs. It runs on random hidden states as many tokens long as its budget plus eight blocks, under a
+  causal mask and random rotary tables, and the slots it keeps for each query are compared (any slot apart fails).
 
 Each is a stage like the layer-by-layer check's (``LayerParity``), held to the same relative tolerance. ``Probes``
 collects both sides' figures and compares them: from whole models (``unreached_stages``), or unit by unit as the
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from transformers import PreTrainedConfig
 
 from common.parity_inputs import RELATIVE_TOLERANCE
 
@@ -34,6 +39,7 @@ from .parity_report import LayerParity
 PROBE_COLUMNS = 8
 EXPERT_ROWS = 2
 PROBE_SEED = 0
+EXTRA_BLOCKS = 8  # the indexer's probe runs on its budget plus this many blocks of tokens
 EMBEDDING_ROWS = "every embedding row"
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)$")
 
@@ -98,12 +104,31 @@ def ngram_table_probe(layer: nn.Module) -> torch.Tensor | None:
     return embedding_probe(table) if isinstance(table, nn.Embedding) else None
 
 
+@torch.no_grad()
+def indexer_probe(layer: nn.Module, hidden_size: int, rotary_dim: int, tokens: int) -> torch.Tensor | None:
+    """The slots a layer's QSA indexer keeps, (tokens, tokens) as 0 / 1, on fixed random inputs of ``tokens``
+    positions; None for a layer without one."""
+    indexer = getattr(getattr(layer, "self_attn", None), "indexer", None)
+    if indexer is None or not tokens:
+        return None
+    dtype = next(indexer.parameters()).dtype
+    hidden = _random(tokens, hidden_size, dtype, PROBE_SEED + 2)[None]
+    angles = _random(tokens, rotary_dim, torch.float32, PROBE_SEED + 3)[None]
+    tables = (angles.cos().to(dtype), angles.sin().to(dtype))
+    causal = torch.ones(tokens, tokens, dtype=torch.bool).tril()[None, None]
+    return indexer(hidden, tables, causal, None)[0, 0].float()
+
+
 def experts_stage(layer: int) -> str:
     return f"layer {layer}: every expert"
 
 
 def ngram_stage(layer: int) -> str:
     return f"layer {layer}: every n-gram row"
+
+
+def indexer_stage(layer: int) -> str:
+    return f"layer {layer}: the indexer's choice"
 
 
 def decoder_layers(model: nn.Module) -> dict[int, nn.Module]:
@@ -131,22 +156,36 @@ class Probes:
 
     hidden_size: int
     vocab_size: int
+    rotary_dim: int = 0  # of the attention heads, whose tables the indexer takes
+    indexer_tokens: int = 0  # the indexer probe's length (0: no indexer)
     embeddings: dict[str, torch.Tensor] = field(default_factory=dict)
     experts: dict[str, list[torch.Tensor | None]] = field(default_factory=lambda: {"reference": [], "converted": []})
     ngrams: dict[str, list[torch.Tensor | None]] = field(default_factory=lambda: {"reference": [], "converted": []})
+    indexers: dict[str, list[torch.Tensor | None]] = field(default_factory=lambda: {"reference": [], "converted": []})
+
+    @classmethod
+    def of(cls, config: PreTrainedConfig) -> Probes:
+        """The probes a model of ``config`` needs (the converted model's: a Thinker's, or on the way back the family's,
+        which names the indexer's sizes alike)."""
+        budget, ratio = getattr(config, "indexer_budget", None), getattr(config, "indexer_compress_ratio", None)
+        tokens = budget + EXTRA_BLOCKS * ratio if budget and ratio else 0
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rotary = int(head_dim * (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0))
+        return cls(config.hidden_size, config.vocab_size, rotary, tokens)
 
     def take(self, side: str, module: nn.Module, is_layer: bool) -> None:
         if is_layer:
             self.experts[side].append(every_expert(module, self.hidden_size))
             self.ngrams[side].append(ngram_table_probe(module))
+            self.indexers[side].append(indexer_probe(module, self.hidden_size, self.rotary_dim, self.indexer_tokens))
         elif isinstance(module, nn.Embedding) and module.num_embeddings == self.vocab_size:
             self.embeddings.setdefault(side, embedding_probe(module))
 
     def stages(self, dtype: torch.dtype) -> list[LayerParity]:
-        """The embedding table, then each MoE layer's experts (a layer dense on both sides has none), then each PLE
-        layer's n-gram table."""
+        """The embedding table, then each MoE layer's experts (a layer dense on both sides has none), each PLE
+        layer's n-gram table and each indexed layer's indexer."""
         found = [stage(EMBEDDING_ROWS, self.embeddings.get("reference"), self.embeddings.get("converted"), dtype)]
-        for probes, name in ((self.experts, experts_stage), (self.ngrams, ngram_stage)):
+        for probes, name in ((self.experts, experts_stage), (self.ngrams, ngram_stage), (self.indexers, indexer_stage)):
             theirs = probes["reference"]
             for index, actual in enumerate(probes["converted"]):
                 expected = theirs[index] if index < len(theirs) else None
@@ -157,7 +196,7 @@ class Probes:
 
 def unreached_stages(reference: nn.Module, converted: nn.Module, dtype: torch.dtype) -> list[LayerParity]:
     """Whole models, in the same dtype: ``Probes.stages``."""
-    probes = Probes(converted.config.hidden_size, converted.config.vocab_size)
+    probes = Probes.of(converted.config)
     for side, model in (("reference", reference), ("converted", converted)):
         probes.take(side, model.get_input_embeddings(), is_layer=False)
         for _, layer in sorted(decoder_layers(model).items()):

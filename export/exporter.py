@@ -384,8 +384,10 @@ def thinker_folder(source: str | Path, staging: Path) -> Iterator[Path]:
         return
     from converter.convert import convert
 
+    from .folder_check import check_exportable
+
     converted = staging / "thinker"
-    convert(path, converted)
+    convert(path, converted, check_config=check_exportable)  # what the graphs do not build: refused before converting
     yield converted
 
 

@@ -42,6 +42,16 @@ SIZE_KEYS = (
     "linear_value_head_dim",
     "linear_num_key_heads",
     "linear_num_value_heads",
+    "hc_count",
+    "hc_lowrank",
+    "indexer_n_heads",
+    "indexer_head_dim",
+    "ple_embed_dim",
+    "ple_conv_kernel_size",
+    "ngram_size",
+    "heads_per_ngram",
+    "ngram_vocab_size_base",
+    "make_ngram_vocab_size_divisible_by",
 )
 
 
@@ -57,16 +67,11 @@ def check_thinker_folder(model_dir: Path, config: ThinkerConfig, dtype: torch.dt
 
 def check_exportable(config: ThinkerConfig, config_path: Path) -> None:
     """Refuse what the graphs do not build yet: Qwen3.8's (qwen4_exp) hyper-connections, indexer and PLE."""
-    features = [
-        ("hyper-connections (hc_count > 1)", config.hc_count > 1),
-        ("indexed_attention layers (the QSA indexer)", config.has_indexed_attention),
-        ("per-layer n-gram embeddings (ple_layer_ids)", bool(config.ple_layer_ids)),
-    ]
-    present = [name for name, present in features if present]
-    if present:
+    if config.qwen4_exp_features:
         raise ThinkerError(
-            f"{config_path}: the ONNX export does not build Qwen3.8's (qwen4_exp) {', '.join(present)} yet; the "
-            "Thinker folder runs in transformers (thinker generate FOLDER, or AutoModelForCausalLM)"
+            f"{config_path}: the ONNX export does not build Qwen3.8's (qwen4_exp) "
+            f"{', '.join(config.qwen4_exp_features)} yet; in "
+            "transformers the Thinker runs it (thinker generate on its folder, or AutoModelForCausalLM)"
         )
 
 

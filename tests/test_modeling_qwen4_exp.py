@@ -20,6 +20,7 @@ from transformers.cache_utils import DynamicIndexedLayer, LinearAttentionLayer
 from transformers.masking_utils import create_causal_mask
 from transformers.models.qwen4_exp import modeling_qwen4_exp as qwen4
 
+import thinker.modeling_thinker as modeling
 from thinker import ThinkerConfig, ThinkerForCausalLM
 from thinker.modeling_thinker import CACHE_ARG, ThinkerQSAIndexer, ngram_multipliers, primes_after
 
@@ -223,8 +224,6 @@ def test_the_indexer_keeps_the_slots_the_reference_keeps(heads, dtype, attn):
 def test_the_indexer_check_fails_when_ties_are_not_settled_as_the_reference_settles_them(monkeypatch):
     """A planted bug: every query's batched ranking taken as certain. With one index head, ties and near-ties then
     pick other blocks than the reference in some queries, and the comparison above sees them."""
-    import thinker.modeling_thinker as modeling
-
     real = modeling.best_blocks
     monkeypatch.setattr(
         modeling, "best_blocks", lambda *args: (real(*args)[0], torch.ones(args[2].shape[:2], dtype=torch.bool))
@@ -302,13 +301,15 @@ def test_beam_search_equals_the_reference():
 # inputs_embeds and multimodal positions
 
 
-def test_inputs_embeds_find_their_ids_or_take_ple_input_ids():
+def test_inputs_embeds_find_their_ids_or_take_ple_input_ids(monkeypatch):
     ref, thinker = pair()
     ids = token_ids(batch=2, length=20, seed=9, high=VOCAB)
     embeds = thinker.model.embed_tokens(ids).detach()
     with torch.no_grad():
         by_ids = thinker(ids).logits
         assert_close(thinker(inputs_embeds=embeds).logits, by_ids, **TOL)
+        monkeypatch.setattr(modeling, "REVERSE_EMBEDDING_ELEMENTS", 1)  # the table compared one row at a time
+        assert torch.equal(thinker.model.reverse_embedding(embeds), ids)
         assert_close(thinker(inputs_embeds=embeds, ple_input_ids=ids).logits, by_ids, **TOL)
         # an image's embedding stands at a placeholder id: PLE hashes the id, the decoder reads the embedding
         embeds[0, 5] = torch.randn(embeds.shape[-1])
@@ -346,6 +347,21 @@ def test_save_and_load_derive_the_hash_again(tmp_path):
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, thinker(ids).logits)
     assert not any("multipliers" in name or "table_" in name for name in loaded.state_dict())
+
+
+def test_a_resized_thinker_keeps_its_hash(tmp_path):
+    """The hash's multipliers are drawn for the vocabulary the model was made with (ngram_hash_vocab_size, fixed in
+    the config): resizing the embeddings, saving and loading again changes no logit of the old tokens' prompts."""
+    _, thinker = pair()
+    ids = token_ids(batch=2, length=30, seed=12, high=VOCAB)
+    thinker.resize_token_embeddings(VOCAB + 32)
+    with torch.no_grad():
+        before = thinker(ids).logits[..., :VOCAB]
+    thinker.save_pretrained(tmp_path)
+    loaded = ThinkerForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.ngram_hash_vocab_size == VOCAB and loaded.config.vocab_size == VOCAB + 32
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits[..., :VOCAB], before)
 
 
 @pytest.mark.parametrize(

@@ -171,6 +171,10 @@ class ThinkerConfig(PreTrainedConfig):
     ngram_vocab_size_base: int = 20_000_000  # each hash table's size is a distinct prime above this
     make_ngram_vocab_size_divisible_by: int = 128
     ngram_seed: int = 1234  # Qwen's ``seed``: the hash multipliers derive from it
+    # The vocabulary size the multipliers were drawn for (so that id x multiplier fits int64): Qwen4-Exp draws them
+    # from vocab_size as the model is built, and a checkpoint keeps them through a later resize of its embeddings.
+    # None: vocab_size, fixed to it as the config is made, so that a resized Thinker keeps its hash too.
+    ngram_hash_vocab_size: int | None = None
     split_ngram_parts: int = 1  # how many pieces a checkpoint stores each n-gram table in (the way back's layout)
 
     # --- mixture of experts -----------------------------------------------------------------------------------
@@ -213,6 +217,8 @@ class ThinkerConfig(PreTrainedConfig):
         self.ple_layer_ids = sorted(set(self.ple_layer_ids or ()))
         if self.ple_embed_dim is None:
             self.ple_embed_dim = self.hidden_size
+        if self.ple_layer_ids and self.ngram_hash_vocab_size is None:
+            self.ngram_hash_vocab_size = self.vocab_size
         # config.json files written before mlp_layer_types was derived carry it: fold it into the MoE fields.
         if (mlp_layer_types := kwargs.pop("mlp_layer_types", None)) is not None:
             self.mlp_layer_types = mlp_layer_types
@@ -315,6 +321,16 @@ class ThinkerConfig(PreTrainedConfig):
         """The token that ends an n-gram context (the first eos id, as Qwen4-Exp takes it)."""
         eos = self.eos_token_id
         return (eos[0] if eos else None) if isinstance(eos, list) else eos
+
+    @property
+    def qwen4_exp_features(self) -> list[str]:
+        """Which of Qwen3.8's (qwen4_exp) additions this model has, by name (what the ONNX export does not build)."""
+        features = [
+            ("hyper-connections (hc_count > 1)", self.hc_count > 1),
+            ("indexed_attention layers (the QSA indexer)", self.has_indexed_attention),
+            ("per-layer n-gram embeddings (ple_layer_ids)", bool(self.ple_layer_ids)),
+        ]
+        return [name for name, present in features if present]
 
     @property
     def number_of_conv_states(self) -> int:

@@ -753,6 +753,8 @@ class ThinkerHyperConnection(nn.Module):
 # qwen4_exp module, whose helpers are private (and which transformers before 5.24 lacks, where the other families of
 # this file still load); tests/test_modeling_qwen4_exp.py holds the values equal to transformers'.
 _MASK64 = (1 << 64) - 1
+# ThinkerModel.reverse_embedding compares inputs_embeds with so many table elements at a time, at the most.
+REVERSE_EMBEDDING_ELEMENTS = 2**26
 
 
 def splitmix64(value: int) -> int:
@@ -786,6 +788,21 @@ def primes_after(start: int, count: int) -> list[int]:
     return primes
 
 
+def ngram_hash_buffers(config: ThinkerConfig, ple_index: int) -> dict[str, torch.Tensor]:
+    """The hash of the ``ple_index``-th PLE layer: its multipliers, its tables' sizes (the primes go on from one PLE
+    layer to the next: every table of every layer has a size of its own) and their first rows in the shared
+    embedding; Qwen4-Exp's ``layer_multipliers``, ``ngram_heads_vocab_sizes``, ``ngram_heads_offsets``."""
+    heads = (config.ngram_size - 1) * config.heads_per_ngram
+    sizes = primes_after(config.ngram_vocab_size_base - 1, (ple_index + 1) * heads)[-heads:]
+    vocab = config.ngram_hash_vocab_size or config.vocab_size
+    with torch.device("cpu"):  # real values even where a model is built on the meta device
+        return {
+            "multipliers": torch.tensor(ngram_multipliers(vocab, config.ngram_size, ple_index, config.ngram_seed)),
+            "table_sizes": torch.tensor(sizes),
+            "table_offsets": torch.tensor([sum(sizes[:i]) for i in range(heads)]),
+        }
+
+
 class ThinkerNGramEmbedding(nn.Module):
     """Hashed token n-grams (2 .. ``ngram_size``), ``heads_per_ngram`` tables each, as Qwen4-Exp hashes them.
 
@@ -800,31 +817,18 @@ class ThinkerNGramEmbedding(nn.Module):
 
     def __init__(self, config: ThinkerConfig, layer_idx: int, ple_index: int) -> None:
         super().__init__()
-        self.layer_idx, self.ple_index = layer_idx, ple_index
+        self.config, self.layer_idx, self.ple_index = config, layer_idx, ple_index
         self.ngram_size, self.heads_per_ngram = config.ngram_size, config.heads_per_ngram
         self.context = config.ngram_size - 1
         self.eos_token_id = config.ngram_eos_token_id
-        heads = self.context * self.heads_per_ngram
-        self.hash_spec = (config.vocab_size, config.ngram_size, config.ngram_vocab_size_base, config.ngram_seed, heads)
         # derived from the config, never read from a checkpoint (non-persistent; _init_weights derives them again
         # for a model built on the meta device)
-        buffers = self.derived_buffers()
+        buffers = ngram_hash_buffers(config, ple_index)
         for name, values in buffers.items():
             self.register_buffer(name, values, persistent=False)
         divisor = config.make_ngram_vocab_size_divisible_by
         rows = math.ceil(sum(buffers["table_sizes"].tolist()) / divisor) * divisor  # the tables' rows, padded
-        self.ngram_embedding = nn.Embedding(rows, config.ple_embed_dim // heads)
-
-    def derived_buffers(self) -> dict[str, torch.Tensor]:
-        vocab_size, ngram_size, size_base, seed, heads = self.hash_spec
-        # the primes go on from one PLE layer to the next: every table of every layer has a size of its own
-        sizes = primes_after(size_base - 1, (self.ple_index + 1) * heads)[-heads:]
-        with torch.device("cpu"):  # real values even where the model is built on the meta device
-            return {
-                "multipliers": torch.tensor(ngram_multipliers(vocab_size, ngram_size, self.ple_index, seed)),
-                "table_sizes": torch.tensor(sizes),
-                "table_offsets": torch.tensor([sum(sizes[:i]) for i in range(heads)]),
-            }
+        self.ngram_embedding = nn.Embedding(rows, config.ple_embed_dim // len(buffers["table_sizes"]))
 
     def forward(self, input_ids: torch.Tensor, cache: Cache | None) -> torch.Tensor:  # (B, T) -> (B, T, P)
         input_ids = input_ids.long()
@@ -1042,7 +1046,7 @@ class ThinkerPreTrainedModel(PreTrainedModel):
         elif isinstance(module, ThinkerTopKRouter):
             init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, ThinkerNGramEmbedding):  # derived from the config (built on meta by from_pretrained)
-            for name, values in module.derived_buffers().items():
+            for name, values in ngram_hash_buffers(module.config, module.ple_index).items():
                 init.copy_(getattr(module, name), values)
         elif isinstance(module, ThinkerPLELayer):
             init.zeros_(module.conv1d.weight)  # as Qwen4-Exp starts it: the conv adds nothing until trained
@@ -1199,16 +1203,25 @@ class ThinkerModel(ThinkerPreTrainedModel):
         layer.indexer_position_ids = rope_positions
         return rope_positions
 
+    @torch.no_grad()
     def reverse_embedding(self, inputs_embeds: torch.Tensor) -> torch.LongTensor:
-        """The token ids whose embedding rows ``inputs_embeds`` are, for PLE when only embeddings are given."""
-        with torch.no_grad():
-            matches = (inputs_embeds[:, :, None, :] == self.embed_tokens.weight[None, None]).all(-1)  # (B, T, V)
-        if not bool(matches.any(-1).all()):
+        """The token ids whose embedding rows ``inputs_embeds`` are, for PLE when only embeddings are given. The
+        table is compared a slice at a time (Qwen4-Exp compares all of it with every position at once: for its
+        248k x 2048 table, half a gigabyte per token)."""
+        table = self.embed_tokens.weight
+        flat = inputs_embeds.reshape(-1, inputs_embeds.shape[-1])  # (N, C)
+        ids = torch.full(flat.shape[:1], -1, dtype=torch.long, device=flat.device)
+        rows = max(1, REVERSE_EMBEDDING_ELEMENTS // max(1, flat.numel()))  # table rows compared at a time
+        for start in range(0, table.shape[0], rows):
+            equal = (flat[:, None] == table[None, start : start + rows]).all(-1)  # (N, rows)
+            found = equal.any(-1) & (ids < 0)  # the first row that matches, as the table orders them
+            ids[found] = start + equal[found].int().argmax(-1)
+        if bool((ids < 0).any()):
             raise ValueError(
                 "PLE layers hash token ids, and some inputs_embeds rows are no row of the embedding table (image or "
                 "audio embeddings): pass ple_input_ids, the ids those positions stand for"
             )
-        return matches.int().argmax(-1)
+        return ids.view(inputs_embeds.shape[:-1])
 
 
 @dataclass

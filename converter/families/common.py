@@ -26,7 +26,7 @@ from common.errors import ThinkerError
 from thinker import ThinkerConfig
 
 from ..ops import StackExperts
-from ..spec import Family, LayeredReferenceLoader, ReferenceLoader, TensorRule, rule
+from ..spec import Family, LayeredReferenceLoader, ReferenceLoader, SourceCheck, TensorRule, rule
 
 
 def load_hf_config(source_config: Mapping[str, Any], model_type: str) -> PreTrainedConfig:
@@ -378,6 +378,7 @@ def hf_family(
     way_back: bool = True,
     renamed_fields: Mapping[str, str] | None = None,
     implied_fields: Mapping[str, Any] | None = None,
+    check_source: SourceCheck | None = None,
     layer_count_keys: tuple[str, ...] = ("num_hidden_layers",),
     expert_count_keys: tuple[str, ...] = ("num_experts", "num_local_experts"),
 ) -> Family:
@@ -407,6 +408,7 @@ def hf_family(
     - ``way_back``: a Thinker folder can be written back as this family (``--to``); ``renamed_fields`` names the
       config fields the family spells differently from Thinker (``{"attention_bias": "qkv_bias"}``), and
       ``implied_fields`` the values of fields its config has and the Thinker's has not (``hf_export_config``).
+    - ``check_source``: see ``Family``.
     - ``layer_count_keys`` / ``expert_count_keys``: the config keys (at any depth) holding layer and expert counts,
       bounded by the checkpoint's size before a config class builds anything from them (``Family``).
     """
@@ -435,6 +437,7 @@ def hf_family(
         head=renamed(layouts[0], "lm_head.weight"),
         reference=reference,
         layered_reference=layered_reference,
+        check_source=check_source,
         export_config=(
             hf_export_config(model_types[0], architectures[0], renamed_fields, implied_fields) if way_back else None
         ),

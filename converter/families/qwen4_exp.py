@@ -17,7 +17,11 @@ On disk, each n-gram table is ``split_ngram_parts`` pieces (``ngram_embedding.sh
 layout: its loading joins them, its saving cuts them with ``torch.chunk``), joined here into the Thinker's one table
 (``ops.JoinParts``; the way back cuts it again); a table saved whole is copied. The tables' hash buffers
 (``layer_multipliers``, ``ngram_heads_vocab_sizes``, ``ngram_heads_offsets``) are dropped by name: the Thinker
-derives them from the config, and the parity gate, whose reference runs the stored ones, holds the two equal.
+derives them from the config (``seed``, the primes above ``ngram_vocab_size_base``, and the vocabulary the
+multipliers were drawn for: ``vocab_size``, or ``ngram_hash_vocab_size`` where the config names it), and a stored one
+that differs (a vocabulary resized after the hash was drawn, which transformers' ``resize_token_embeddings`` allows,
+or an edited config) is refused by name before anything is written (``check_hash_buffers``), since the reference runs
+the stored ones.
 Layouts, drops (vision tower, ``mtp.*``) and the way back (causal-LM layout, experts per expert, the tables in
 pieces) are those of ``qwen3_5_moe``.
 
@@ -30,7 +34,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from transformers import PreTrainedConfig
+
+from common.errors import ThinkerError
+from common.sources import TensorSource
+from thinker import ThinkerConfig
+from thinker.modeling_thinker import ngram_hash_buffers
 
 from ..ops import JoinParts
 from ..spec import rule
@@ -52,6 +62,7 @@ from .common import (
     layer_names,
     layered_reference_by_model_type,
     reference_by_model_type,
+    renamed,
     same_names,
 )
 from .qwen3_5 import REFERENCE_MROPE_SECTION
@@ -71,11 +82,14 @@ PLE = layer_names(
     rule(f"{_NGRAM_TABLE}.shard_{{part}}.weight", f"{_NGRAM_TABLE}.weight", JoinParts()),
     *same_names(f"{_NGRAM_TABLE}.weight"),
 )
-# The hash's buffers, which transformers saves with the weights: derived from the config by the Thinker.
-HASH_BUFFERS = tuple(
-    f"{THINKER_LAYER}ple.ple_embedding.{name}"
-    for name in ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
-)
+# The hash's buffers, which transformers saves with the weights, by the Thinker's names for them: derived from the
+# config by the Thinker.
+HASH_BUFFERS = {
+    "multipliers": "layer_multipliers",
+    "table_sizes": "ngram_heads_vocab_sizes",
+    "table_offsets": "ngram_heads_offsets",
+}
+LAYOUTS = ({}, VISION_LANGUAGE_LAYOUT)
 
 
 def qwen4_exp_fields(hf: PreTrainedConfig) -> dict[str, Any]:
@@ -87,8 +101,31 @@ def qwen4_exp_fields(hf: PreTrainedConfig) -> dict[str, Any]:
     ).split()
     return {name: getattr(hf, name) for name in same} | {
         "ngram_seed": hf.seed,
+        "ngram_hash_vocab_size": getattr(hf, "ngram_hash_vocab_size", None) or hf.vocab_size,
         "output_gate_type": hf.output_gate_type or hf.hidden_act,
     }
+
+
+def check_hash_buffers(config: ThinkerConfig, source: TensorSource) -> None:
+    """Each stored hash buffer holds what the Thinker derives from the config (small integer tensors, read whole)."""
+    names = set(source.names())
+    for ple_index, layer in enumerate(config.ple_layer_ids):
+        for ours, theirs in HASH_BUFFERS.items():
+            expected = ngram_hash_buffers(config, ple_index)[ours]
+            prefix = f"model.layers.{layer - 1}.ple.ple_embedding."
+            for name in {renamed(layout, prefix + theirs) for layout in LAYOUTS} & names:
+                stored = source.load(name)
+                if stored.dtype in (torch.int64, torch.int32) and torch.equal(stored.long(), expected):
+                    continue
+                what = f"{str(stored.dtype).removeprefix('torch.')} {stored.tolist()}"
+                raise ThinkerError(
+                    f"{source.file_of(name)}: tensor {name!r} ({what}) is not the n-gram hash the config implies "
+                    f"(int64 {expected.tolist()}, from vocab_size / ngram_hash_vocab_size "
+                    f"{config.ngram_hash_vocab_size}, seed {config.ngram_seed}, ngram_vocab_size_base "
+                    f"{config.ngram_vocab_size_base}); the Thinker derives it, transformers runs the stored one. If "
+                    'the vocabulary was resized after the hash was drawn, add "ngram_hash_vocab_size": the size '
+                    "before, to config.json; otherwise the config or the tensor was edited"
+                )
 
 
 QWEN4_EXP = hf_family(
@@ -107,11 +144,12 @@ QWEN4_EXP = hf_family(
     name="qwen4_exp",
     layer_types=LAYER_TYPES,
     partial_rotary=True,
-    layouts=({}, VISION_LANGUAGE_LAYOUT),
-    dropped=HASH_BUFFERS,
+    layouts=LAYOUTS,
+    dropped=tuple(f"{THINKER_LAYER}ple.ple_embedding.{name}" for name in HASH_BUFFERS.values()),
     dropped_prefixes=VISION_AND_MTP_PREFIXES,
     reference=reference_by_model_type({"qwen4_exp": "Qwen4ExpForConditionalGeneration"}),
     layered_reference=layered_reference_by_model_type({"qwen4_exp": "Qwen4ExpForConditionalGeneration"}),
     renamed_fields={"ngram_seed": "seed"},
     implied_fields={"indexer_kv_heads": 1},  # Qwen4-Exp's indexer has one key head; its config requires 1
+    check_source=check_hash_buffers,
 )

@@ -89,6 +89,8 @@ def test_converts_with_the_parity_gate(conversions, layout):
     assert config.layer_types == LAYER_TYPES and config.hc_count == 3 and config.ple_layer_ids == [1, 5]
     assert (config.indexer_budget, config.indexer_compress_ratio, config.split_ngram_parts) == (8, 4, 2)
     assert config.norm_topk_prob and config.output_gate_type == "silu" and config.ngram_seed == 1234
+    card = (thinker / "README.md").read_text()
+    assert "`thinker export` does not take this model yet: its hyper-connections" in card and "ONNX_FOLDER" not in card
     names = set(safetensors_of(thinker))
     assert TABLE + ".weight" in names and not any("shard_" in n or "multipliers" in n for n in names)
     assert not any(n.startswith(("mtp.", "model.visual.", "model.language_model.")) for n in names)
@@ -169,13 +171,82 @@ def test_the_tables_pieces_are_written_in_place_never_joined_in_memory(source_co
     assert torch.equal(safetensors_of(tmp_path / "out")[TABLE + ".weight"], joined)
 
 
-def test_gate_fails_on_hash_buffers_the_config_does_not_imply(source_copy, tmp_path):
+def test_hash_buffers_the_config_does_not_imply_are_refused_by_name(source_copy, tmp_path):
     """transformers runs the hash buffers a checkpoint stores; the Thinker derives them. A checkpoint whose buffers
-    disagree with its config is another model: the gate says so."""
+    disagree with its config would be another model: refused before anything is written, naming the tensor."""
     rewrite(source_copy, lambda t: t["model.layers.0.ple.ple_embedding.layer_multipliers"].add_(2))
-    result = cli(convert_command, source_copy, tmp_path / "out", "--verify")
-    assert result.exit_code != 0 and "FAIL" in result.output, result.output
-    assert not (tmp_path / "out").exists()
+    result = cli(convert_command, source_copy, tmp_path / "out", "--no-verify")
+    assert result.exit_code == 1 and not (tmp_path / "out").exists()
+    assert "tensor 'model.layers.0.ple.ple_embedding.layer_multipliers'" in result.output, result.output
+    assert "is not the n-gram hash the config implies" in result.output
+
+
+def test_a_vocabulary_resized_after_the_hash_converts_once_the_config_says_so(tmp_path):
+    """transformers' resize_token_embeddings keeps the hash drawn for the old vocabulary: such a checkpoint is refused
+    by name until its config.json names that vocabulary (ngram_hash_vocab_size), then converts with parity, and the
+    Thinker keeps that hash through its own resizes (the field is in its config)."""
+    model = reference(Qwen4ExpForCausalLM, qwen4_exp_config())
+    model.resize_token_embeddings(VOCAB + 32)
+    model.save_pretrained(tmp_path / "resized")
+    refused = cli(convert_command, tmp_path / "resized", tmp_path / "out", "--verify")
+    assert refused.exit_code == 1 and '"ngram_hash_vocab_size": the size before' in refused.output, refused.output
+
+    config_path = tmp_path / "resized" / "config.json"
+    config_path.write_text(json.dumps(json.loads(config_path.read_text()) | {"ngram_hash_vocab_size": VOCAB}))
+    converted = cli(convert_command, tmp_path / "resized", tmp_path / "out", "--verify")
+    assert converted.exit_code == 0, converted.output
+    assert ThinkerConfig.from_pretrained(tmp_path / "out").ngram_hash_vocab_size == VOCAB
+
+
+@pytest.mark.parametrize("by_layer", [False, True], ids=["whole", "by-layer"])
+def test_gate_fails_on_an_indexer_that_chooses_other_blocks(conversions, tmp_path, by_layer):
+    """The parity prompts are shorter than the indexer's budget, so it keeps every token of theirs whatever its
+    weights: its own probe (its budget plus eight blocks of random tokens) sees its query and key rows exchanged (a
+    split of index_qk_proj read the wrong way round)."""
+    _, source, thinker, _ = conversions("causal-lm")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for path in thinker.iterdir():
+        (broken / path.name).write_bytes(path.read_bytes())
+    indexer = "model.layers.3.self_attn.indexer."
+
+    def exchange(tensors):  # one index head: the query's rows, then the key's, as many
+        tensors[indexer + "index_qk_proj.weight"] = tensors[indexer + "index_qk_proj.weight"].roll(12, dims=0)
+
+    rewrite(broken, exchange)
+    result = cli(verify_command, source, broken, *(["--verify-by-layer"] if by_layer else []))
+    assert result.exit_code != 0 and "FAIL at layer 3: the indexer's choice" in result.output, result.output
+
+
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        # one piece of another width: refused from the headers, naming the pieces
+        (
+            lambda t: t.update({f"{TABLE}.shard_1.weight": t[f"{TABLE}.shard_1.weight"][:, :-1].contiguous()}),
+            "pieces of one tensor must match but along dimension 0",
+        ),
+        # a piece more than split_ngram_parts says
+        (
+            lambda t: t.update({f"{TABLE}.shard_2.weight": t[f"{TABLE}.shard_1.weight"].clone()}),
+            "split_ngram_parts",
+        ),
+    ],
+    ids=["piece-width", "extra-piece"],
+)
+def test_table_pieces_that_do_not_fit_are_named(source_copy, tmp_path, edit, named):
+    rewrite(source_copy, edit)
+    result = cli(convert_command, source_copy, tmp_path / "out")
+    assert result.exit_code == 1 and not (tmp_path / "out").exists()
+    (line,) = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert named in line and "shard_" in line, line
+
+
+def test_way_back_refuses_a_model_of_another_family_in_one_line(qwen3_thinker, tmp_path):
+    result = CliRunner().invoke(convert_command, [str(qwen3_thinker), str(tmp_path / "back"), "--to", "qwen4_exp"])
+    assert result.exit_code == 1 and not (tmp_path / "back").exists() and result.exception.__class__ is SystemExit
+    (line,) = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert "not expressible as qwen4_exp" in line and "hc_count" in line, result.output
 
 
 def test_verify_by_layer(conversions):
@@ -185,9 +256,16 @@ def test_verify_by_layer(conversions):
     assert "parity (layer-by-layer)" in result.output and "the n-gram tables of 2 layers" in result.output
 
 
-def test_onnx_export_refuses_by_name(conversions, tmp_path):
-    _, _, thinker, _ = conversions("causal-lm")
-    result = CliRunner().invoke(main, ["export", str(thinker), str(tmp_path / "onnx")])
-    assert result.exit_code != 0 and not (tmp_path / "onnx").exists()
+@pytest.mark.parametrize("given", ["thinker", "source"])
+def test_onnx_export_refuses_by_name(conversions, tmp_path, monkeypatch, given):
+    """A Thinker folder, or a source, refused before anything is converted or written, naming its config."""
+    import converter.convert
+
+    _, source, thinker, _ = conversions("causal-lm")
+    folder = thinker if given == "thinker" else source
+    monkeypatch.setattr(converter.convert, "write_weights", None)  # a conversion begun would fail on it
+    result = CliRunner().invoke(main, ["export", str(folder), str(tmp_path / "onnx")])
+    assert result.exit_code == 1 and not (tmp_path / "onnx").exists()
     message = result.output.strip().splitlines()[-1]
-    assert "does not build Qwen3.8's (qwen4_exp) hyper-connections" in message and "thinker generate" in message
+    assert message.startswith(f"error: {folder / 'config.json'}: the ONNX export does not build Qwen3.8's"), message
+    assert "hyper-connections (hc_count > 1), indexed_attention layers" in message and "thinker generate" in message
