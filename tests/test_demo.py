@@ -12,8 +12,10 @@ from common.cli import main
 pytestmark = pytest.mark.slow
 
 
-def test_the_demo_runs_the_whole_pipeline(tmp_path):
-    result = CliRunner().invoke(main, ["demo", "--workdir", str(tmp_path), "--max-new-tokens", "4"])
+def test_the_demo_runs_the_whole_pipeline(smollm2_demo):
+    """``thinker demo --workdir WORKDIR --max-new-tokens 4``, run once per session by the ``smollm2_demo`` fixture
+    (tests/conftest.py), whose conversion and export the SmolLM2 tests of converter/ and export/ reuse."""
+    result, workdir = smollm2_demo.result, smollm2_demo.workdir
     assert result.exit_code == 0, result.output
     steps = ("[1/4] convert", "[2/4] generate with transformers", "[3/4] export", "[4/4] generate with onnxruntime")
     for step in steps:
@@ -25,8 +27,8 @@ def test_the_demo_runs_the_whole_pipeline(tmp_path):
     answers = [line for line in result.stdout.splitlines() if line.startswith("The capital of France is")]
     assert len(answers) == 2 and answers[0] == answers[1], result.stdout
     assert "Paris" in answers[0]
-    assert (tmp_path / "smollm2-135m-thinker" / "parity.json").is_file()
-    assert (tmp_path / "smollm2-135m-onnx" / "model.onnx").is_file()
+    assert (workdir / "smollm2-135m-thinker" / "parity.json").is_file()
+    assert (workdir / "smollm2-135m-onnx" / "model.onnx").is_file()
 
 
 def test_a_workdir_that_cannot_be_made_is_named_as_the_option(tmp_path):

