@@ -120,19 +120,19 @@ def make_tiny_thinker(kind: str, seed: int = 0, **overrides):
     return randomize_parameters(ThinkerForCausalLM(make_tiny_config(kind, **overrides)), seed).eval()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")  # a function, the same for every test: module fixtures may use it too
 def tiny_config():
     """``tiny_config(kind, **overrides) -> ThinkerConfig``; kind is "dense", "moe" or "learned" (see _TINY_KINDS)."""
     return make_tiny_config
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")  # a function, the same for every test: module fixtures may use it too
 def tiny_thinker():
     """``tiny_thinker(kind, seed=0, **overrides) -> ThinkerForCausalLM`` with randomised weights, in eval mode."""
     return make_tiny_thinker
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")  # a function, the same for every test: module fixtures may use it too
 def randomize():
     """``randomize(model, seed=0)``: see ``randomize_parameters``."""
     return randomize_parameters

@@ -492,27 +492,89 @@ def test_from_config_tiny_preset():
     assert type(AutoConfig.for_model(**fields)) is ThinkerConfig
 
 
+# Where the thinker package cannot be imported, a saved folder's own code loads it (trust_remote_code): the folders of
+# test_trust_remote_code_without_the_package (a causal LM) and test_task_heads_auto_classes_and_remote_code (a
+# sequence-classification head), loaded in one child process, each part on its own (its failure recorded, not ending
+# the other): most of a child's time is a fresh interpreter's imports, and both loaded their folder alike.
 REMOTE_CODE_CHILD = """
-import importlib.util, sys
+import importlib.util, json, sys, traceback
 import torch
 assert importlib.util.find_spec("thinker") is None, "the thinker package is importable: the test proves nothing"
-from transformers import AutoModelForCausalLM
-folder, ids_file, out_file = sys.argv[1:]
-model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
-assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
-with torch.no_grad():
-    torch.save(model(torch.load(ids_file)).logits, out_file)
-# A head other than the one saved loads from the same folder (its score layer new, as from a Qwen3 folder).
-from transformers import AutoModelForTokenClassification
-head = AutoModelForTokenClassification.from_pretrained(folder, trust_remote_code=True, num_labels=2)
-assert type(head).__name__ == "ThinkerForTokenClassification", type(head)
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
+ids_file, causal_folder, causal_out, heads_folder, heads_out = sys.argv[1:]
+ids = torch.load(ids_file)
+
+def causal():
+    model = AutoModelForCausalLM.from_pretrained(causal_folder, trust_remote_code=True)
+    assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
+    with torch.no_grad():
+        torch.save(model(ids).logits, causal_out)
+    # A head other than the one saved loads from the same folder (its score layer new, as from a Qwen3 folder).
+    head = AutoModelForTokenClassification.from_pretrained(causal_folder, trust_remote_code=True, num_labels=2)
+    assert type(head).__name__ == "ThinkerForTokenClassification", type(head)
+
+def heads():
+    model = AutoModelForSequenceClassification.from_pretrained(heads_folder, trust_remote_code=True)
+    with torch.no_grad():
+        torch.save(model(ids).logits, heads_out)
+
+failures = {}
+for name, part in (("causal", causal), ("heads", heads)):
+    try:
+        part()
+    except Exception:
+        failures[name] = traceback.format_exc()
+print(json.dumps(failures))
 """
 
 
-def test_trust_remote_code_without_the_package(tiny_thinker, tmp_path):
-    folder = tmp_path / "model"
-    model = tiny_thinker("moe")
-    model.save_pretrained(folder)
+@pytest.fixture(scope="module")
+def remote_code(tiny_thinker, tiny_config, randomize, tmp_path_factory) -> dict:
+    """The two saved models and the child's run: {"causal": (model, folder, logits file), "heads": (model, config,
+    folder, logits file), "ids": the input, "child": the CompletedProcess}. The folders are named apart, so that each
+    load imports its own copy of the folder's code (transformers names the module after the folder and its code's
+    hash)."""
+    from transformers import AutoModelForSequenceClassification
+
+    root = tmp_path_factory.mktemp("remote-code")
+    causal = tiny_thinker("moe")
+    causal.save_pretrained(root / "causal-model")
+    config = tiny_config("moe", num_labels=3)
+    heads = randomize(AutoModelForSequenceClassification.from_config(config)).eval()
+    heads.save_pretrained(root / "heads-model")
+    ids = token_ids(length=6)
+    torch.save(ids, root / "ids.pt")
+    # -S: no site module, hence no .pth files (an editable install of this repo is one); the site-packages folders
+    # come back through PYTHONPATH, which lacks the repository; cwd is elsewhere.
+    site_packages = [p for p in site.getsitepackages() if Path(p).is_dir() and Path(p).resolve() != REPO]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(site_packages), "HF_HOME": str(root / "hf-home")}
+    env["HF_HUB_OFFLINE"] = "1"
+    arguments = [root / "ids.pt", root / "causal-model", root / "causal.pt", root / "heads-model", root / "heads.pt"]
+    child = subprocess.run(
+        [sys.executable, "-S", "-c", REMOTE_CODE_CHILD, *map(str, arguments)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return {
+        "causal": (causal, root / "causal-model", root / "causal.pt"),
+        "heads": (heads, config, root / "heads-model", root / "heads.pt"),
+        "ids": ids,
+        "child": child,
+    }
+
+
+def child_part_passed(remote_code: dict, part: str) -> None:
+    child = remote_code["child"]
+    assert child.returncode == 0, child.stderr[-4000:]
+    failure = json.loads(child.stdout.strip().splitlines()[-1]).get(part)
+    assert failure is None, failure[-4000:]
+
+
+def test_trust_remote_code_without_the_package(remote_code):
+    model, folder, logits = remote_code["causal"]
     config = json.loads((folder / "config.json").read_text())
     assert config["auto_map"] == {
         "AutoConfig": "configuration_thinker.ThinkerConfig",
@@ -524,32 +586,9 @@ def test_trust_remote_code_without_the_package(tiny_thinker, tmp_path):
     }
     assert (folder / "modeling_thinker.py").is_file() and (folder / "configuration_thinker.py").is_file()
 
-    ids = token_ids(length=6)
-    torch.save(ids, tmp_path / "ids.pt")
-    # -S: no site module, hence no .pth files (an editable install of this repo is one); the site-packages folders
-    # come back through PYTHONPATH, which lacks the repository; cwd is elsewhere.
-    site_packages = [p for p in site.getsitepackages() if Path(p).is_dir() and Path(p).resolve() != REPO]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(site_packages), "HF_HOME": str(tmp_path / "hf-home")}
-    env["HF_HUB_OFFLINE"] = "1"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-S",
-            "-c",
-            REMOTE_CODE_CHILD,
-            str(folder),
-            str(tmp_path / "ids.pt"),
-            str(tmp_path / "out.pt"),
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    child_part_passed(remote_code, "causal")
     with torch.no_grad():
-        assert_close(torch.load(tmp_path / "out.pt"), model(ids).logits, atol=0, rtol=0)
+        assert_close(torch.load(logits), model(remote_code["ids"]).logits, atol=0, rtol=0)
 
 
 def test_device_map_auto(tiny_thinker, tmp_path):
@@ -638,39 +677,19 @@ def test_parallel_plans_name_only_parameters_the_model_has(tiny_config, kind):
     assert bool(model.ep_plan) == (kind == "moe")
 
 
-HEADS_CHILD = """
-import importlib.util, sys
-import torch
-assert importlib.util.find_spec("thinker") is None
-from transformers import AutoModelForSequenceClassification
-folder, ids_file, out_file = sys.argv[1:]
-model = AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=True)
-with torch.no_grad():
-    torch.save(model(torch.load(ids_file)).logits, out_file)
-"""
-
-
-def test_task_heads_auto_classes_and_remote_code(tiny_config, randomize, tmp_path):
-    from transformers import AutoModelForQuestionAnswering, AutoModelForSequenceClassification
+def test_task_heads_auto_classes_and_remote_code(remote_code):
+    """The sequence-classification head of ``remote_code``: ``AutoModelForSequenceClassification.from_config`` of a
+    Thinker config, saved and loaded by its own code in the child."""
+    from transformers import AutoModelForQuestionAnswering
 
     from thinker import ThinkerForQuestionAnswering, ThinkerForSequenceClassification
 
-    config = tiny_config("moe", num_labels=3)
-    model = randomize(AutoModelForSequenceClassification.from_config(config)).eval()
+    model, config, folder, logits = remote_code["heads"]
     assert isinstance(model, ThinkerForSequenceClassification)
     assert isinstance(AutoModelForQuestionAnswering.from_config(config), ThinkerForQuestionAnswering)
-    folder = tmp_path / "model"
-    model.save_pretrained(folder)
     auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
     assert auto_map["AutoModelForSequenceClassification"] == "modeling_thinker.ThinkerForSequenceClassification"
 
-    ids = token_ids(length=6)
-    torch.save(ids, tmp_path / "ids.pt")
-    site_packages = [p for p in site.getsitepackages() if Path(p).is_dir() and Path(p).resolve() != REPO]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(site_packages), "HF_HOME": str(tmp_path / "hf-home")}
-    env["HF_HUB_OFFLINE"] = "1"
-    command = [sys.executable, "-S", "-c", HEADS_CHILD, str(folder), str(tmp_path / "ids.pt"), str(tmp_path / "o.pt")]
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
+    child_part_passed(remote_code, "heads")
     with torch.no_grad():
-        assert_close(torch.load(tmp_path / "o.pt"), model(ids).logits, **TOL)
+        assert_close(torch.load(logits), model(remote_code["ids"]).logits, **TOL)
