@@ -11,8 +11,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -87,10 +89,27 @@ def run_cli(
     command = [sys.executable, "-m", "common.cli", *map(str, args)]
 
     def limit() -> None:
-        if address_space is not None:
-            resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+        resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
 
-    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout, preexec_fn=limit)
+    # No preexec_fn without a limit: Python code between fork and exec is unsafe where other threads run
+    # (``side_by_side``).
+    preexec = limit if address_space is not None else None
+    return subprocess.run(
+        command, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout, preexec_fn=preexec
+    )
+
+
+@contextlib.contextmanager
+def side_by_side(jobs: dict[Any, Callable[[], object]]) -> Iterator[dict[Any, Future]]:
+    """Starts ``jobs`` (name -> a function of no arguments that runs a real process and returns what it gives) in
+    threads, as many at once as the machine has cores (two at least); yields name -> Future, whose ``.result()``
+    waits for that job and returns (or raises) what it did; waits for them all on exit. For a module's processes
+    that do not depend on one another: most of a fresh interpreter's time goes to importing torch and transformers
+    on one core, so two side by side take about the time of one on a two-core machine. Each test still judges its
+    own process, with the same assertions. The jobs must not use ``preexec_fn`` (see ``run_cli``)."""
+    workers = max(1, min(len(jobs), max(2, os.cpu_count() or 2)))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        yield {name: pool.submit(job) for name, job in jobs.items()}
 
 
 def assert_process_error(done: subprocess.CompletedProcess, *fragments: str) -> str:

@@ -13,11 +13,14 @@ import os
 import signal
 import subprocess
 import sys
+from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from pkgutil import resolve_name
 
 import pytest
+from cli_helpers import side_by_side
 
 from common.sources import open_source
 from common.staging import _HOST as HOST
@@ -207,13 +210,30 @@ convert_command(sys.argv[1:])
 """
 
 
-@pytest.mark.parametrize("signum, words", [(signal.SIGTERM, "Terminated."), (signal.SIGHUP, "Hung up.")])
-def test_sigterm_and_sighup_unwind_like_ctrl_c(signum, words, qwen3_source, tmp_path):
-    """SIGTERM (kill, timeout, docker stop) and SIGHUP (a closed terminal, a dropped ssh session)."""
-    output = tmp_path / "out"
+SIGNALS = [(signal.SIGTERM, "Terminated."), (signal.SIGHUP, "Hung up.")]
+
+
+def terminated_midway(signum: int, source: Path, output: Path) -> subprocess.CompletedProcess:
     code = TERMINATED_MIDWAY.replace("signal.SIGTERM", f"signal.{signal.Signals(signum).name}")
-    command = [sys.executable, "-c", code, str(qwen3_source), str(output), "--no-verify"]
-    result = subprocess.run([*command, "--max-shard-size", "20KB"], capture_output=True, text=True, timeout=300)
+    command = [sys.executable, "-c", code, str(source), str(output), "--no-verify"]
+    return subprocess.run([*command, "--max-shard-size", "20KB"], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def signalled(qwen3_source, tmp_path_factory) -> dict[int, tuple[Future, Path]]:
+    """Both signals' processes, started at once (``cli_helpers.side_by_side``): each converts into an OUTPUT of its
+    own folder. Signal -> (the run, its OUTPUT)."""
+    outputs = {signum: tmp_path_factory.mktemp(signal.Signals(signum).name) / "out" for signum, _ in SIGNALS}
+    jobs = {signum: partial(terminated_midway, signum, qwen3_source, output) for signum, output in outputs.items()}
+    with side_by_side(jobs) as started:
+        yield {signum: (started[signum], outputs[signum]) for signum in jobs}
+
+
+@pytest.mark.parametrize("signum, words", SIGNALS)
+def test_sigterm_and_sighup_unwind_like_ctrl_c(signum, words, signalled):
+    """SIGTERM (kill, timeout, docker stop) and SIGHUP (a closed terminal, a dropped ssh session)."""
+    started, output = signalled[signum]
+    result = started.result()
     assert result.returncode == 128 + signum and result.stderr.strip() == words, result.stderr
     assert not output.exists() and leftovers(output) == []  # its staging folder removed on the way out
 

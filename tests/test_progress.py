@@ -1,5 +1,9 @@
 """Progress (issue 15): conversion, export, quantization and verification each show a bar on a terminal, and none
-when stderr is a file or a pipe; no blank lines either way. Run as real processes, stderr on a pseudo-terminal."""
+when stderr is a file or a pipe; no blank lines either way. Run as real processes, stderr on a pseudo-terminal.
+
+The module's five processes are independent of one another (each reads the session's qwen3 folders and writes a
+folder of its own), so the ``runs`` fixture starts them together (``cli_helpers.side_by_side``: two at a time on two
+cores); each test waits for its own processes and checks them as before."""
 
 from __future__ import annotations
 
@@ -10,9 +14,11 @@ import struct
 import subprocess
 import sys
 import termios
+from concurrent.futures import Future
+from functools import partial
 
 import pytest
-from cli_helpers import REPO
+from cli_helpers import REPO, side_by_side
 
 pytestmark = pytest.mark.slow
 
@@ -51,32 +57,52 @@ def assert_bars(text: str, *descriptions: str) -> None:
     assert all(line.strip() for line in lines), f"a blank line: {lines}"
 
 
-def test_export_and_verify_show_progress_on_a_terminal(qwen3_thinker, tmp_path):
-    status, shown = run_on_terminal("export", qwen3_thinker, tmp_path / "onnx", "--verify")
+def run_piped(*args: object) -> subprocess.CompletedProcess:
+    """``thinker ARGS`` with stdout and stderr on pipes."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    command = [sys.executable, "-m", "common.cli", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def runs(qwen3_source, qwen3_thinker, tmp_path_factory) -> dict[str, Future]:
+    """Every process of this module, started at once (``side_by_side``); a test's ``.result()`` waits for its
+    own (and raises what running it raised)."""
+    root = tmp_path_factory.mktemp("progress")
+    jobs = {
+        "export": partial(run_on_terminal, "export", qwen3_thinker, root / "onnx", "--verify"),
+        "quantize": partial(run_on_terminal, "export", qwen3_thinker, root / "int8", "--quantize", "int8", "--verify"),
+        "convert": partial(run_on_terminal, "convert", qwen3_source, root / "out", "--no-verify"),
+        "piped convert": partial(run_piped, "convert", qwen3_source, root / "piped-thinker", "--no-verify"),
+        "piped export": partial(
+            run_piped, "export", qwen3_thinker, root / "piped-onnx", "--verify", "--quantize", "int8"
+        ),
+    }
+    with side_by_side(jobs) as started:
+        yield started
+
+
+def test_export_and_verify_show_progress_on_a_terminal(runs):
+    status, shown = runs["export"].result()
     assert status == 0, shown
     assert_bars(shown, "exporting", "verifying")
 
 
-def test_quantization_shows_progress_on_a_terminal(qwen3_thinker, tmp_path):
-    status, shown = run_on_terminal("export", qwen3_thinker, tmp_path / "onnx", "--quantize", "int8", "--verify")
+def test_quantization_shows_progress_on_a_terminal(runs):
+    status, shown = runs["quantize"].result()
     assert status == 0, shown
     assert_bars(shown, "quantizing", "accuracy guard", "verifying")
 
 
-def test_conversion_shows_progress_on_a_terminal(qwen3_source, tmp_path):
-    status, shown = run_on_terminal("convert", qwen3_source, tmp_path / "out", "--no-verify")
+def test_conversion_shows_progress_on_a_terminal(runs):
+    status, shown = runs["convert"].result()
     assert status == 0, shown
     assert_bars(shown, "converting")
 
 
-def test_no_progress_when_stderr_is_not_a_terminal(qwen3_source, qwen3_thinker, tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    for args in (
-        ["convert", qwen3_source, tmp_path / "thinker", "--no-verify"],
-        ["export", qwen3_thinker, tmp_path / "onnx", "--verify", "--quantize", "int8"],
-    ):
-        command = [sys.executable, "-m", "common.cli", *map(str, args)]
-        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+def test_no_progress_when_stderr_is_not_a_terminal(runs):
+    for run in ("piped convert", "piped export"):
+        done = runs[run].result()
         assert done.returncode == 0, done.stderr
         assert "%|" not in done.stderr and "\r" not in done.stderr, done.stderr
         assert all(line.strip() for line in done.stderr.splitlines()), f"a blank line: {done.stderr!r}"

@@ -12,6 +12,8 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from cli_helpers import (
     assert_nothing_written,
     assert_process_error,
     run_cli,
+    side_by_side,
     thinker,
     thinker_meeting_pipes,
 )
@@ -361,20 +364,36 @@ def test_a_named_pipe_is_refused_not_read(name, source_copy, tmp_path):
 
 
 # safetensors opens a file in Rust without releasing the GIL: a run that opened a pipe as weights would stop this
-# process's every thread, the watchdog's too, so these two run the command in a real process.
-def test_a_named_pipe_as_weights_is_refused_not_read(source_copy, tmp_path):
-    source = source_copy()
+# process's every thread, the watchdog's too, so these two run the command in a real process; the two processes are
+# started at once (``cli_helpers.side_by_side``), each on folders of its own.
+@pytest.fixture(scope="module")
+def pipe_runs(qwen3_source, tmp_path_factory) -> dict[str, tuple[Future, Path, Path]]:
+    """Name -> (the run, the named pipe it was given, its OUTPUT)."""
+    weights = tmp_path_factory.mktemp("pipe-as-weights")
+    source = shutil.copytree(qwen3_source, weights / "source")
     (source / "model.safetensors").unlink()
     os.mkfifo(source / "model.safetensors")
-    output = tmp_path / "out"
-    done = run_cli("convert", source, output, "--no-verify", timeout=120)
-    assert_process_error(done, str(source / "model.safetensors"), "pipe")
+    given = tmp_path_factory.mktemp("pipe-as-source")
+    os.mkfifo(given / "model.safetensors")
+    runs = {
+        "as weights": (source / "model.safetensors", ["convert", source, weights / "out", "--no-verify"]),
+        "as source": (given / "model.safetensors", ["convert", given / "model.safetensors", given / "out"]),
+    }
+    jobs = {name: partial(run_cli, *args, timeout=120) for name, (_, args) in runs.items()}
+    with side_by_side(jobs) as started:
+        yield {name: (started[name], pipe, Path(args[2])) for name, (pipe, args) in runs.items()}
+
+
+def test_a_named_pipe_as_weights_is_refused_not_read(pipe_runs):
+    started, pipe, output = pipe_runs["as weights"]
+    done = started.result()
+    assert_process_error(done, str(pipe), "pipe")
     assert_nothing_written(output)
 
 
-def test_a_named_pipe_given_as_source_is_refused(tmp_path):
-    os.mkfifo(tmp_path / "model.safetensors")
-    done = run_cli("convert", tmp_path / "model.safetensors", tmp_path / "out", timeout=120)
+def test_a_named_pipe_given_as_source_is_refused(pipe_runs):
+    started, _, _ = pipe_runs["as source"]
+    done = started.result()
     assert_process_error(done, "model.safetensors", "pipe")
 
 

@@ -6,24 +6,53 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
+from cli_helpers import side_by_side
 
 from export.runtime import OnnxDecoder
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "variant_without_padding.py"
 
 
-def variant(source: Path, output: Path, *options: str) -> Path:
-    subprocess.run([sys.executable, str(SCRIPT), str(source), str(output), *options], check=True, capture_output=True)
-    return output
+def run_script(source: Path, output: Path, *options: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), str(source), str(output), *options], capture_output=True, text=True
+    )
 
 
-def test_the_variant_matches_the_export_without_padding_and_loses_the_bias(onnx_variant, tmp_path):
+@pytest.fixture(scope="module")
+def runs(onnx_variant, tmp_path_factory) -> dict[str, tuple[Future, Path]]:
+    """The module's three runs of the script, started at once (``cli_helpers.side_by_side``): each imports the
+    exporter (transformers, torch) in a fresh interpreter, and none reads what another writes. Name -> (the run, its
+    output folder)."""
+    root = tmp_path_factory.mktemp("variants")
+    outputs = {"nobias": root / "nobias", "nopos": root / "nopos", "refused": root / "refused"}
+    jobs = {
+        "nobias": partial(run_script, onnx_variant("qwen2"), outputs["nobias"]),
+        "nopos": partial(run_script, onnx_variant("qwen2"), outputs["nopos"], "--no-positions"),
+        # head_dim not a multiple of 16: a RotaryEmbedding op rotates by position_ids
+        "refused": partial(run_script, onnx_variant("qwen2", head_dim=24), outputs["refused"], "--no-positions"),
+    }
+    with side_by_side(jobs) as started:
+        yield {name: (started[name], outputs[name]) for name in jobs}
+
+
+def variant(run: tuple[Future, Path]) -> Path:
+    """The output folder of a run that must succeed."""
+    done = run[0].result()
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run[1]
+
+
+def test_the_variant_matches_the_export_without_padding_and_loses_the_bias(onnx_variant, runs):
     source = onnx_variant("qwen2")
-    stripped = variant(source, tmp_path / "nobias")
+    stripped = variant(runs["nobias"])
     ids = np.random.default_rng(0).integers(3, 90, size=(2, 7))
     full = np.ones_like(ids)
     exact, _ = OnnxDecoder(source, provider="cpu").prefill(ids, full)
@@ -38,9 +67,9 @@ def test_the_variant_matches_the_export_without_padding_and_loses_the_bias(onnx_
     assert np.abs(cut[1, -1] - exact[1, -1]).max() > 1e-3
 
 
-def test_no_positions_drops_the_input_and_the_nodes_that_fed_it(onnx_variant, tmp_path):
+def test_no_positions_drops_the_input_and_the_nodes_that_fed_it(onnx_variant, runs):
     source = onnx_variant("qwen2")
-    without_positions = variant(source, tmp_path / "nopos", "--no-positions")
+    without_positions = variant(runs["nopos"])
     before = onnx.load(source / "model.onnx", load_external_data=False).graph
     after = onnx.load(without_positions / "model.onnx", load_external_data=False).graph
     assert "position_ids" in {i.name for i in before.input}
@@ -50,11 +79,8 @@ def test_no_positions_drops_the_input_and_the_nodes_that_fed_it(onnx_variant, tm
     assert len(after.node) < len(before.node) - 10  # the mask and position nodes went with them
 
 
-def test_no_positions_refuses_a_graph_whose_rope_runs_outside_the_kernel(onnx_variant, tmp_path):
-    source = onnx_variant("qwen2", head_dim=24)  # not a multiple of 16: a RotaryEmbedding op rotates by position_ids
-    output = tmp_path / "nopos"
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), str(source), str(output), "--no-positions"], capture_output=True, text=True
-    )
+def test_no_positions_refuses_a_graph_whose_rope_runs_outside_the_kernel(runs):
+    started, output = runs["refused"]  # onnx_variant("qwen2", head_dim=24) with --no-positions
+    run = started.result()
     assert run.returncode != 0 and "RotaryEmbedding" in run.stderr and "--no-positions needs" in run.stderr
     assert not output.exists()  # refused before anything was written
