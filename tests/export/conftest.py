@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -59,12 +61,44 @@ def onnx_folder(tmp_path_factory, thinker_folder) -> Callable[..., Path]:
     return get
 
 
+# The genai venv's build (or probe), started when collection ends (pytest_collection_finish), by venv folder.
+_STARTED: dict[Path, Future] = {}
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Where the run holds a test that needs ``genai_python``, the venv's build starts now, in a thread, beside the
+    tests that run before the first of those: on a fresh machine (CI) it is a venv and a pip install, 15-20 s that
+    mostly wait on pip, which the first genai test used to wait for; where the venv exists, only its probe. It sees
+    the session's environment as it was before any test ran (``genai_venv``'s ``env``)."""
+    if session.config.option.collectonly or GENAI_VENV in _STARTED:
+        return
+    if any("genai_python" in getattr(item, "fixturenames", ()) for item in session.items):
+        _STARTED[GENAI_VENV] = in_thread(genai_venv, GENAI_VENV, GENAI_PACKAGES, dict(os.environ))
+
+
+def in_thread(function: Callable, *args) -> Future:
+    """``function(*args)`` in a daemon thread; the Future holds what it returns or raises (``pytest.fail``'s
+    exception too, re-raised by ``.result()`` in the test that waits for it)."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(function(*args))
+        except BaseException as err:  # handed to the waiting test as it was raised
+            future.set_exception(err)
+
+    threading.Thread(target=run, name=f"start {getattr(function, '__name__', function)}", daemon=True).start()
+    return future
+
+
 @pytest.fixture(scope="session")
 def genai_python() -> Path:
     """The Python of a virtual environment with onnxruntime-genai and the CPU onnxruntime it pulls in (which must
     not share an environment with onnxruntime-gpu). Built under ~/.cache on first use (THINKER_GENAI_VENV moves
-    it); a failure to build it fails the tests that need it, with pip's reason."""
-    return genai_venv(GENAI_VENV, GENAI_PACKAGES)
+    it), started when collection ends (``pytest_collection_finish``); a failure to build it fails the tests that
+    need it, with pip's reason."""
+    started = _STARTED.get(GENAI_VENV)
+    return started.result() if started is not None else genai_venv(GENAI_VENV, GENAI_PACKAGES)
 
 
 @pytest.fixture(scope="session")
@@ -73,22 +107,24 @@ def genai_cuda_python() -> Path:
     return genai_venv(GENAI_CUDA_VENV, GENAI_CUDA_PACKAGES)
 
 
-def genai_venv(venv: Path, packages: list[str]) -> Path:
+def genai_venv(venv: Path, packages: list[str], env: dict[str, str] | None = None) -> Path:
     """The venv's Python, built first where it has none. One that exists but fails the probe is rebuilt only at
     its default place: a venv named by THINKER_GENAI_VENV / THINKER_GENAI_CUDA_VENV is someone's own (the GPU
-    kit's, bench/gpu_kit.py), and fails the test instead of being cleared."""
+    kit's, bench/gpu_kit.py), and fails the test instead of being cleared. ``env``: the environment to read and run
+    in (default: the current one)."""
+    env = dict(os.environ) if env is None else env
     python = venv / "bin" / "python"
     probe = [str(python), "-c", "import onnxruntime_genai, onnxruntime; print(onnxruntime.get_available_providers())"]
-    named = str(venv) in {os.environ.get("THINKER_GENAI_VENV"), os.environ.get("THINKER_GENAI_CUDA_VENV")}
-    if not python.exists() or (not named and subprocess.run(probe, capture_output=True).returncode != 0):
+    named = str(venv) in {env.get("THINKER_GENAI_VENV"), env.get("THINKER_GENAI_CUDA_VENV")}
+    if not python.exists() or (not named and subprocess.run(probe, capture_output=True, env=env).returncode != 0):
         for command in (
             [sys.executable, "-m", "venv", "--clear", str(venv)],
             [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *packages],
         ):
-            done = subprocess.run(command, capture_output=True, text=True)
+            done = subprocess.run(command, capture_output=True, text=True, env=env)
             if done.returncode != 0:
                 pytest.fail(f"cannot build the onnxruntime-genai venv ({' '.join(command)}):\n{done.stderr[-2000:]}")
-    done = subprocess.run(probe, capture_output=True, text=True)
+    done = subprocess.run(probe, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         pytest.fail(f"onnxruntime-genai does not import in {venv}:\n{done.stderr[-2000:]}")
     return python
