@@ -126,7 +126,8 @@ class ShardWriter:
         """Put ``tensor``'s bytes at its slot; returns the number of bytes written. ``part``: the tensor is the next
         part of the slot's tensor along its first dimension (written in order, the slot complete with the last)."""
         slot = self.layout.slots[name]
-        if tensor.dtype != slot.dtype or tuple(tensor.shape[part:]) != slot.shape[part:]:
+        fits = tensor.shape[1:] == slot.shape[1:] if part else tuple(tensor.shape) == slot.shape  # a part: any rows
+        if tensor.dtype != slot.dtype or not fits:
             raise RuntimeError(f"{name}: {tensor.dtype} {tuple(tensor.shape)} does not fit its planned slot {slot}")
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         handle, start, _ = self._slot(name, len(data) if part else None)
