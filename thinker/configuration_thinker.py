@@ -284,7 +284,7 @@ class ThinkerConfig(PreTrainedConfig):
             )
         if (self.hc_count > 1 or self.ple_layer_ids) and self.norm_type != "rmsnorm":
             raise ValueError("hyper-connections and PLE normalise with RMSNorm; they need norm_type='rmsnorm'")
-        if "indexed_attention" in self.layer_types:
+        if self.has_indexed_attention:
             missing = [name for name in QSA_FIELDS if not getattr(self, name)]
             if missing:
                 raise ValueError(f"indexed_attention layers need {', '.join(missing)} (positive integers)")

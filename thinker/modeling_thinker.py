@@ -358,11 +358,8 @@ def qsa_selection(
     tail = rank[:, None] >= (seen * ratio)[..., None]  # the unfinished last block's slots
     selected = visible & (kept | tail)
 
-    for b, i in (prefix & ~certain).nonzero().tolist():  # ties or near-ties: scored as the reference scores them
-        scores = torch.matmul(query[b, i].float(), keys[b, : seen[b, i]].clone().T).T  # a fresh copy, as its own
-        chosen = (torch.relu(scores).sum(-1) / dim**0.5).topk(keep).indices
-        selected[b, i] = visible[b, i] & (tail[b, i] | torch.isin(block_of_slot[b], chosen))
-    for b, i in (~prefix).nonzero().tolist():  # any other mask: the reference's steps
+    # ties or near-ties, and masks of any other form: the reference's own steps, so its own roundings
+    for b, i in (~(prefix & certain)).nonzero().tolist():
         selected[b, i] = reference_selection(
             query[b, i], raw_keys[b], visible[b, i], cos[b], sin[b], key_norm, ratio, budget
         )
