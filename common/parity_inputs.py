@@ -28,6 +28,28 @@ PROMPT_SEED = 0
 RELATIVE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-2, torch.bfloat16: 5e-2}
 
 
+# Qwen3.8's indexers keep every slot until more than their budget are visible, which the fixed prompts never are: a
+# model with indexed_attention layers is also checked on prompts of its budget plus this many blocks (the converter's
+# unreached probes take as many, converter/unreached.py).
+INDEXER_EXTRA_BLOCKS = 8
+
+
+def indexer_batch(config) -> tuple[np.ndarray, np.ndarray]:
+    """Two prompts long enough for ``config``'s indexers (a ThinkerConfig's) to choose: its budget plus
+    INDEXER_EXTRA_BLOCKS blocks, and half that, so left-padded; each with an eos inside (where Qwen3.8's n-gram
+    contexts restart). Numpy arrays."""
+    longest = config.indexer_budget + INDEXER_EXTRA_BLOCKS * config.indexer_compress_ratio
+    eos = config.ngram_eos_token_id
+    rng = np.random.default_rng(PROMPT_SEED + 1)
+    drawn = rng.integers(0, config.vocab_size, size=(2, longest), dtype=np.int64)
+    prompts = [drawn[0].tolist(), drawn[1, longest // 2 :].tolist()]
+    if eos is not None:
+        for prompt in prompts:
+            prompt[len(prompt) // 3] = eos
+    ids, mask, _ = left_padded(prompts)
+    return ids.numpy(), mask.numpy()
+
+
 def fixed_prompts(vocab_size: int) -> list[list[int]]:
     """Token ids from a fixed seed: the same prompts for every run with the same vocabulary size. Drawn as one
     (prompts, longest) matrix, row i keeping its last ``PROMPT_LENGTHS[i]`` ids."""

@@ -135,7 +135,7 @@ def convert(
                 report,
                 skipped,
                 output.name,
-                not_exported=plan.config.qwen4_exp_features,
+                beyond_genai=plan.config.qwen4_exp_features,
             )
     finally:
         tensor_source.close()

@@ -72,9 +72,13 @@ def parity_section(report: ParityReport | None, skipped: str) -> str:
     return "\n".join(lines)
 
 
-def export_line(folder: str, not_exported: list[str] | None) -> str:
-    if not_exported:
-        return f"`thinker export` does not take this model yet: its {', '.join(not_exported)}."
+def export_line(folder: str, beyond_genai: list[str] | None) -> str:
+    if beyond_genai:
+        return (
+            f"`thinker export {folder} ONNX_FOLDER` writes it as an ONNX decoder for onnxruntime (`thinker generate`, "
+            f"`export.runtime.OnnxDecoder`); onnxruntime-genai has no model type for the state of its "
+            f"{', '.join(beyond_genai)}, so no genai_config.json is written."
+        )
     return f"`thinker export {folder} ONNX_FOLDER` writes it as an ONNX decoder for onnxruntime and onnxruntime-genai."
 
 
@@ -87,10 +91,10 @@ def write_thinker_card(
     report: ParityReport | None,
     skipped: str = "converted with --no-verify",
     name: str | None = None,
-    not_exported: list[str] | None = None,
+    beyond_genai: list[str] | None = None,
 ) -> list[str]:
     """README.md (and the source's license files) in the Thinker folder ``folder`` (to be installed as ``name``);
-    the names written. ``not_exported``: what the model has that the ONNX export does not build yet."""
+    the names written. ``beyond_genai``: what the model has whose state onnxruntime-genai cannot carry."""
     root = Path(root)
     root = root.parent if root.is_file() else root  # a GGUF file: its folder holds the card and license
     named, repo = source_line(source, root)
@@ -120,7 +124,7 @@ model = AutoModelForCausalLM.from_pretrained("{here}", dtype="auto")  # or trust
 tokenizer = AutoTokenizer.from_pretrained("{here}")
 ```
 
-{export_line(here, not_exported)}
+{export_line(here, beyond_genai)}
 """
     write_card(folder, metadata, body, parity_section(report, skipped))
     return ["README.md", *copy_license(root, folder)]

@@ -236,6 +236,10 @@ def export_command(
     [3, batch, seq]: text-only callers repeat their [batch, seq] positions three times, or export with
     --positions text for a [batch, seq] input. onnxruntime-genai's graph (model.genai.onnx) takes [batch, seq]
     whatever --positions says (genai 0.18 unmasks the pads of [3, batch, seq] models after the prompt).
+    Qwen3.8 (qwen4_exp) adds, per PLE layer i, past_key_values.{i}.ngram_context [batch, ngram_size - 1] (int64)
+    and .ple_conv_state; per indexed-attention layer i, past_key_values.{i}.index_keys [batch, 1, past, dim],
+    and on the first one .index_positions [batch, 3 or 1, past] (int64). onnxruntime-genai has no model type for
+    these states, so such a folder gets no genai_config.json: run it with `thinker generate`.
 
     \b
     --graph fused (the default) keeps these names and shapes; left-padded batches, and onnxruntime-genai's

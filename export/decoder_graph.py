@@ -44,13 +44,21 @@ from .hybrid_attention_graph import (
     emit_output_gate,
     emit_partial_rotary,
     emit_query_and_gate,
+    emit_rms_norm,
     emit_rotary_cos_sin,
-    emit_zero_centered_rms_norm,
     mrope_stream_selector,
-    zero_centered_scale,
+    rotary_dim,
 )
 from .linear_attention_graph import GatedDeltaNetDims, GatedDeltaNetGraph, PaddingMasks, emit_padding_masks
 from .names import LAST_POSITION_SCOPE, ROPE_TABLE, export_context
+from .qwen4_exp_graph import (
+    Qwen4ExpValues,
+    emit_final_mix,
+    emit_indexed_bias,
+    emit_step_values,
+    emit_stream_layer,
+    extra_state_values,
+)
 from .weights import ThinkerWeights
 
 if TYPE_CHECKING:
@@ -82,6 +90,7 @@ class StepContext:
     cos: str | None  # (B, 1, T, rotary_dim) in the model dtype, for RoPE
     sin: str | None
     linear_padding: PaddingMasks | None = None  # what the linear-attention layers read about padding
+    qwen4_exp: Qwen4ExpValues | None = None  # what Qwen3.8's PLE layers and indexers read (export/qwen4_exp_graph.py)
 
 
 def position_form(config: ThinkerConfig, positions: str | None) -> str:
@@ -178,6 +187,9 @@ class DecoderGraph:
                 with b.scope("text_positions"):  # (B, T) -> (3, B, T): the same rows on every stream
                     positions = b.op("Expand", b.op("Unsqueeze", positions, b.const([0])), b.const([3, 1, 1]))
             ctx = self.emit_step_context("input_ids", "attention_mask", positions)
+            if cfg.qwen4_exp_features:
+                with b.scope("qwen4_exp"):
+                    ctx.qwen4_exp = emit_step_values(self, "input_ids", "attention_mask", positions)
             if cfg.has_linear_attention:
                 with b.scope("linear_attn_mask"):
                     ctx.linear_padding = emit_padding_masks(
@@ -191,14 +203,23 @@ class DecoderGraph:
                     )
             with b.scope("embed"):
                 hidden = self.emit_embeddings("input_ids", positions)
+                if cfg.hc_count > 1:  # hyper-connections: hc_count streams, each starting as the embedding
+                    hidden = b.op("Tile", hidden, b.const([1, 1, cfg.hc_count]))  # (B, T, n·C)
             # The residual stream travels as (sum so far, the last block's output not yet added), so that a fused
             # graph can add and normalise in one node (SkipSimplifiedLayerNormalization).
             delta = None
             for i in range(cfg.num_hidden_layers):
                 with b.scope(f"layers.{i}"):
-                    hidden, delta = self.emit_layer(i, hidden, delta, ctx)
-            with b.scope("norm"):
-                _, hidden = self.emit_add_norm(hidden, delta, "model.norm")
+                    if cfg.hc_count > 1:
+                        hidden = emit_stream_layer(self, i, hidden, ctx)
+                    else:
+                        hidden, delta = self.emit_layer(i, hidden, delta, ctx)
+            if cfg.hc_count > 1:
+                with b.scope("hyper_connection_mixer"):
+                    hidden = emit_final_mix(self, hidden)
+            else:
+                with b.scope("norm"):
+                    _, hidden = self.emit_add_norm(hidden, delta, "model.norm")
         with b.scope("lm_head"):
             if self.last_logits_only:
                 with b.scope(LAST_POSITION_SCOPE):
@@ -236,6 +257,7 @@ class DecoderGraph:
             else:
                 values.append(value_info(f"{prefix}.{i}.key", self.onnx_dtype, kv_shape))
                 values.append(value_info(f"{prefix}.{i}.value", self.onnx_dtype, kv_shape))
+            values += extra_state_values(self.config, i, prefix, self.onnx_dtype, BATCH, kv_length)
         return values
 
     # --- small helpers ----------------------------------------------------------------------------------------
@@ -378,16 +400,9 @@ class DecoderGraph:
     def emit_rms_norm(self, x: str, weight_name: str) -> str:
         """``weight * (x32 * rsqrt(mean(x32²) + eps)).to(dtype)`` over the last axis, as ThinkerRMSNorm; zero-centred
         weights (``norm_zero_centered``) scale by the float32 ``1 + w`` before the cast instead."""
-        b = self.b
-        if self.config.norm_zero_centered:
-            scale = b.weight(weight_name, zero_centered_scale(self.weights.get(weight_name)))
-            return emit_zero_centered_rms_norm(b, x, scale, self.config.rms_norm_eps, self.dtype)
-        weight = self.weight(weight_name)
-        x32 = self.to_float(x)
-        variance = b.op("ReduceMean", b.op("Mul", x32, x32), b.const([-1]), keepdims=1)
-        eps = b.const(self.config.rms_norm_eps, torch.float32)
-        inv_rms = b.op("Reciprocal", b.op("Sqrt", b.op("Add", variance, eps)))
-        return b.op("Mul", weight, self.to_model_dtype(b.op("Mul", x32, inv_rms)))
+        cfg = self.config
+        weight = self.weights.get(weight_name)
+        return emit_rms_norm(self.b, x, weight_name, weight, cfg.rms_norm_eps, self.dtype, cfg.norm_zero_centered)
 
     # --- decoder layer ----------------------------------------------------------------------------------------
     def emit_layer(self, i: int, hidden: str, delta: str | None, ctx: StepContext) -> tuple[str, str]:
@@ -445,7 +460,11 @@ class DecoderGraph:
                 k = self.emit_rotary(k, ctx.cos, ctx.sin)
         b.op_to("Concat", [f"past_key_values.{i}.key", k], [f"present.{i}.key"], axis=2)  # (B, n_kv, S, hs)
         b.op_to("Concat", [f"past_key_values.{i}.value", v], [f"present.{i}.value"], axis=2)
-        out = self.emit_sdpa(q, f"present.{i}.key", f"present.{i}.value", ctx.attn_bias)  # (B, T, nh*hs)
+        bias = ctx.attn_bias
+        if cfg.layer_types[i] == "indexed_attention":  # the slots its indexer keeps, per query
+            lowest = b.const(torch.finfo(torch.float32).min, torch.float32)
+            bias = emit_indexed_bias(self, i, x, ctx, bias, 5, lowest)
+        out = self.emit_sdpa(q, f"present.{i}.key", f"present.{i}.value", bias)  # (B, T, nh*hs)
         if gate is not None:
             out = emit_output_gate(b, out, gate)
         return self.linear(out, f"{prefix}.o_proj", cfg.attention_output_bias)
@@ -694,11 +713,6 @@ def rope_table_bytes(config: ThinkerConfig, dtype: torch.dtype) -> int:
         return 0
     positions = export_context(config.max_position_embeddings, config.rope_parameters)[0]
     return 2 * positions * (rotary_dim(config) // 2) * dtype.itemsize
-
-
-def rotary_dim(config: ThinkerConfig) -> int:
-    """Channels of each head that RoPE rotates: the head, or its first part with ``partial_rotary_factor``."""
-    return 2 * ThinkerRotaryEmbedding(config).inv_freq.shape[0]
 
 
 def not_exported(config: ThinkerConfig) -> tuple[str, ...]:

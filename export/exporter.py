@@ -99,6 +99,16 @@ def counted(files: GraphFiles) -> GraphFiles:
     return replace(files, nodes=sum(ops.values()), nodes_by_op=dict(sorted(ops.items())), data_bytes=sum(lengths))
 
 
+def genai_note(config: ThinkerConfig) -> str | None:
+    """Why a Qwen3.8 export has no genai_config.json."""
+    if not config.qwen4_exp_features:
+        return None
+    return (
+        f"no genai_config.json: onnxruntime-genai has no model type that carries the state of Qwen3.8's "
+        f"{', '.join(config.qwen4_exp_features)}; run model.onnx with `thinker generate` or export.runtime.OnnxDecoder"
+    )
+
+
 def head_quantized(model_path: Path) -> bool:
     """Whether the written graph computes the head from quantized weights (MatMulNBits, or the guard's float
     fallback of them), read from its nodes."""
@@ -201,20 +211,21 @@ def export_model(
                 progress,
             )
             files = counted(files)
-        # after the guard, which may rewrite model.onnx
-        genai_graph = write_genai_graph(files.model_path, graph_dtype)
         copy_side_files(model_dir, final)
         generation_config = read_json(model_dir / "generation_config.json")
-        genai = make_genai_config(
-            config,
-            generation_config,
-            threads,
-            files.kv_in_place,
-            "text" if genai_graph and genai_graph.positions else positions,  # a genai graph's positions are (B, T)
-            graph=genai_graph.path.name if genai_graph else MODEL_FILE,
-            graph_positions=genai_graph.positions if genai_graph else True,
-        )
-        (final / GENAI_CONFIG_FILE).write_text(json.dumps(genai, indent=2) + "\n")
+        if not config.qwen4_exp_features:  # Qwen3.8's states are more than onnxruntime-genai carries: genai_note
+            # after the guard, which may rewrite model.onnx
+            genai_graph = write_genai_graph(files.model_path, graph_dtype)
+            genai = make_genai_config(
+                config,
+                generation_config,
+                threads,
+                files.kv_in_place,
+                "text" if genai_graph and genai_graph.positions else positions,  # a genai graph's positions: (B, T)
+                graph=genai_graph.path.name if genai_graph else MODEL_FILE,
+                graph_positions=genai_graph.positions if genai_graph else True,
+            )
+            (final / GENAI_CONFIG_FILE).write_text(json.dumps(genai, indent=2) + "\n")
         report = {
             "source": str(source),
             "revision": revision,
@@ -241,6 +252,7 @@ def export_model(
                 note
                 for note in (
                     no_eos_note(config, generation_config),
+                    genai_note(config),
                     logits_note(logits),
                     cuda_experts_note(config, dtype, quantize, files.nodes_by_op),
                     quantizer.narrow_note() if quantizer else None,

@@ -22,6 +22,7 @@ from common.sources import SafetensorsSource
 from converter.engine import describe_names, thinker_parameter_shapes
 from thinker.configuration_thinker import ThinkerConfig
 
+from .decoder_graph import check_exportable as graph_can_build
 from .decoder_graph import not_exported, rope_table_bytes
 from .names import export_context
 
@@ -66,13 +67,12 @@ def check_thinker_folder(model_dir: Path, config: ThinkerConfig, dtype: torch.dt
 
 
 def check_exportable(config: ThinkerConfig, config_path: Path) -> None:
-    """Refuse what the graphs do not build yet: Qwen3.8's (qwen4_exp) hyper-connections, indexer and PLE."""
-    if config.qwen4_exp_features:
-        raise ThinkerError(
-            f"{config_path}: the ONNX export does not build Qwen3.8's (qwen4_exp) "
-            f"{', '.join(config.qwen4_exp_features)} yet; in "
-            "transformers the Thinker runs it (thinker generate on its folder, or AutoModelForCausalLM)"
-        )
+    """Refuse what the graphs do not build (export/decoder_graph.py ``check_exportable``), naming the config: before
+    a byte is written, and for a SOURCE before it is converted."""
+    try:
+        graph_can_build(config)
+    except ThinkerError as err:
+        raise ThinkerError(f"{config_path}: {err}") from None
 
 
 def check_decodable(config: ThinkerConfig, config_path: Path, consequence: str) -> None:

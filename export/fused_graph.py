@@ -62,6 +62,7 @@ from .decoder_graph import MS_DOMAIN, DecoderGraph, StepContext, rope_tables, ro
 from .hybrid_attention_graph import emit_mrotary_embedding, emit_output_gate, emit_query_and_gate, zero_centered_scale
 from .linear_attention_graph import FusedGatedDeltaNetGraph
 from .names import ROPE_TABLE
+from .qwen4_exp_graph import emit_indexed_bias
 
 
 @dataclass
@@ -222,6 +223,9 @@ class FusedDecoderGraph(DecoderGraph):
         else:
             qkv_inputs = [qkv, "", ""]  # packed: GroupQueryAttention splits it
         in_kernel = self.rotary == "gqa"  # else q and k come rotated, or there is no RoPE
+        bias = ctx.padding_bias
+        if cfg.layer_types[i] == "indexed_attention":  # the slots its indexer keeps, per query
+            bias = emit_indexed_bias(self, i, x, ctx, bias, 4, self.scalar(torch.finfo(self.dtype).min))
         out = b.fresh("attention")
         b.op_to(
             "GroupQueryAttention",
@@ -232,7 +236,7 @@ class FusedDecoderGraph(DecoderGraph):
                 ctx.seqlens_k,
                 ctx.total_length,
                 *((ctx.cos_cache, ctx.sin_cache, ctx.rotation_positions) if in_kernel else ("", "", "")),
-                ctx.padding_bias,
+                bias,
             ],
             [out, f"present.{i}.key", f"present.{i}.value"],
             domain=MS_DOMAIN,

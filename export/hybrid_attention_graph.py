@@ -20,6 +20,9 @@ from __future__ import annotations
 import torch
 from onnx import TensorProto
 
+from thinker.configuration_thinker import ThinkerConfig
+from thinker.modeling_thinker import ThinkerRotaryEmbedding
+
 from .graph_builder import TORCH_TO_ONNX, GraphBuilder
 
 MS_DOMAIN = "com.microsoft"
@@ -54,7 +57,28 @@ def emit_zero_centered_rms_norm(b: GraphBuilder, x: str, scale: str, eps: float,
     return out if dtype == torch.float32 else b.op("Cast", out, to=TORCH_TO_ONNX[dtype])
 
 
-# --- rotary tables --------------------------------------------------------------------------------------------
+def emit_rms_norm(
+    b: GraphBuilder, x: str, name: str, weight: torch.Tensor, eps: float, dtype: torch.dtype, zero_centered: bool
+) -> str:
+    """``ThinkerRMSNorm`` over x's last axis, in float32: zero-centred, the float32 ``1 + w`` before the cast back
+    (``emit_zero_centered_rms_norm``); plain, the cast back and then ``w`` (Qwen3's and Llama's order). ``weight``
+    broadcasts against x as given (grouped norms pass it reshaped), stored as ``name``."""
+    if zero_centered:
+        return emit_zero_centered_rms_norm(b, x, b.weight(name, zero_centered_scale(weight)), eps, dtype)
+    x32 = x if dtype == torch.float32 else b.op("Cast", x, to=TensorProto.FLOAT)
+    variance = b.op("ReduceMean", b.op("Mul", x32, x32), b.const([-1]), keepdims=1)
+    inv_rms = b.op("Reciprocal", b.op("Sqrt", b.op("Add", variance, b.const(eps, torch.float32))))
+    normed = b.op("Mul", x32, inv_rms)
+    normed = normed if dtype == torch.float32 else b.op("Cast", normed, to=TORCH_TO_ONNX[dtype])
+    return b.op("Mul", b.weight(name, weight), normed)
+
+
+# --- rotary tables ---
+def rotary_dim(config: ThinkerConfig) -> int:
+    """Channels of each head that RoPE rotates: the head, or its first part with ``partial_rotary_factor``."""
+    return 2 * ThinkerRotaryEmbedding(config).inv_freq.shape[0]
+
+
 def rope_tables(
     inv_freq: torch.Tensor, attention_scaling: float, max_positions: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:

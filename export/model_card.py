@@ -9,6 +9,8 @@ from pathlib import Path
 
 from common.model_card import card_metadata, copy_license, markdown_table, weights_of, write_card
 
+from .names import GENAI_CONFIG_FILE
+
 
 def verify_section(report: dict) -> str:
     """The checks section from ``export_report.json``'s ``verify``: the float graph against PyTorch, or the
@@ -60,29 +62,43 @@ def verify_section(report: dict) -> str:
 
 def write_onnx_card(folder: Path, thinker_folder: Path, report: dict, name: str) -> list[str]:
     """README.md (and the Thinker folder's license files) in the ONNX folder ``folder``, to be installed as
-    ``name``; the names written."""
+    ``name``; the names written. Where no genai_config.json was written (a model whose state onnxruntime-genai has
+    no type for: the report's notes say why), the card runs it with onnxruntime alone."""
     carried = card_metadata(thinker_folder)
     quantized = report.get("quantize")
+    genai = (folder / GENAI_CONFIG_FILE).is_file()
+    runtimes = ["onnxruntime", "onnxruntime-genai"] if genai else ["onnxruntime"]
     metadata = {
         **carried,
-        "library_name": "onnxruntime-genai",
+        "library_name": runtimes[-1],
         "pipeline_tag": "text-generation",
         "base_model_relation": "quantized" if quantized and carried.get("base_model") else None,
-        "tags": ["onnx", "onnxruntime", "onnxruntime-genai", "thinker"],
+        "tags": ["onnx", *runtimes, "thinker"],
     }
     origin = weights_of(carried)
     precision = report["dtype"]
     if quantized:
         precision += f", weights {quantized['weights']} in blocks of {quantized['block_size']} ({quantized['algo']})"
+    files = (
+        "`genai_config.json` for onnxruntime-genai"
+        if genai
+        else "no `genai_config.json`: onnxruntime-genai has no model type for its state (`export_report.json`'s notes)"
+    )
     body = f"""# {name}
 
 The decoder of the Thinker folder `{Path(thinker_folder).name}`{origin}, exported by `thinker export` as ONNX
 ({precision}, the {report["graph"]} graph) with its whole decoding state as inputs and outputs: `model.onnx` for
-onnxruntime on any padding, `genai_config.json` for onnxruntime-genai. The tokenizer is the model's.
+onnxruntime on any padding, {files}. The tokenizer is the model's.
 
 ## Run
 
-```python
+{GENAI_RUN.format(name=name) if genai else ONNXRUNTIME_RUN.format(name=name)}
+"""
+    write_card(folder, metadata, body, verify_section(report))
+    return ["README.md", *copy_license(thinker_folder, folder)]
+
+
+GENAI_RUN = """```python
 import onnxruntime_genai as og
 
 model = og.Model("{name}")
@@ -96,7 +112,21 @@ while not generator.is_done():
 print(tokenizer.decode(generator.get_sequence(0)))
 ```
 
-or `thinker generate {name} --prompt "The capital of France is"`, or `export.runtime.OnnxDecoder` in Python.
-"""
-    write_card(folder, metadata, body, verify_section(report))
-    return ["README.md", *copy_license(thinker_folder, folder)]
+or `thinker generate {name} --prompt "The capital of France is"`, or `export.runtime.OnnxDecoder` in Python."""
+
+ONNXRUNTIME_RUN = """```bash
+thinker generate {name} --prompt "The capital of France is"
+```
+
+or in Python, with every state carried from step to step:
+
+```python
+from transformers import AutoTokenizer
+from export.runtime import OnnxDecoder
+
+tokenizer = AutoTokenizer.from_pretrained("{name}")
+decoder = OnnxDecoder("{name}")
+prompt = tokenizer("The capital of France is", return_tensors="np")
+tokens = decoder.generate(prompt["input_ids"], prompt["attention_mask"], max_new_tokens=32)
+print(tokenizer.decode(tokens[0]))
+```"""

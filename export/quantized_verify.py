@@ -459,8 +459,9 @@ def rounding_sensitivity(model: torch.nn.Module, input_ids: np.ndarray, attentio
     positions = torch.from_numpy(position_ids_from_mask(attention_mask))
     embeddings = model.get_input_embeddings()(ids)
     signs = torch.randint(0, 2, embeddings.shape, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    ple = {"ple_input_ids": ids} if model.config.ple_layer_ids else {}  # Qwen3.8's n-grams hash the ids themselves
     logits = [
-        model(inputs_embeds=e, attention_mask=mask, position_ids=positions).logits.float()
+        model(inputs_embeds=e, attention_mask=mask, position_ids=positions, **ple).logits.float()
         for e in (embeddings, embeddings * (1 + SENSITIVITY_PERTURBATION * signs.to(embeddings.dtype)))
     ]
     kept = mask.bool()

@@ -57,14 +57,21 @@ CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
 
 # onnxruntime's type strings for the cache dtypes, to the onnx element type (bfloat16 has no numpy dtype).
-_ORT_TYPES = {"tensor(float)": (1, np.float32), "tensor(float16)": (10, np.float16), "tensor(bfloat16)": (16, None)}
+_FLOAT_TYPES = {"tensor(float)": (1, np.float32), "tensor(float16)": (10, np.float16), "tensor(bfloat16)": (16, None)}
 # The KV types a CUDA buffer can share (grow through the host, as a numpy array): a bfloat16 cache keeps the copying
 # form (``OnnxDecoder._kv_to_share``, ``generation_graph``).
-CUDA_SHARED_KV_TYPES = frozenset(onnx_type for onnx_type, dtype in _ORT_TYPES.values() if dtype is not None)
+CUDA_SHARED_KV_TYPES = frozenset(onnx_type for onnx_type, dtype in _FLOAT_TYPES.values() if dtype is not None)
+# Qwen3.8's n-gram contexts and index positions are token ids and positions.
+_ORT_TYPES = {**_FLOAT_TYPES, "tensor(int64)": (7, np.int64)}
 # The kinds of carried state, in the order of a layer's inputs: KV grows along its sequence axis; the
-# linear-attention states keep their shape.
-STATE_KINDS = ("key", "value", "conv_state", "recurrent_state")
+# linear-attention states keep their shape. Qwen3.8 adds (export/qwen4_exp_graph.py) a PLE layer's n-gram context and
+# conv window, which keep their shape, and an indexed layer's raw index keys and positions, which grow as KV does.
+STATE_KINDS = (
+    "key", "value", "conv_state", "recurrent_state", "ngram_context", "ple_conv_state", "index_keys", "index_positions"
+)  # fmt: skip
 KV_KINDS = ("key", "value")
+# The kinds whose second axis (past the batch) is the past's length: zero-length in an empty cache.
+GROWING_KINDS = (*KV_KINDS, "index_keys", "index_positions")
 
 
 def physical_cores() -> int:
@@ -395,15 +402,15 @@ class OnnxDecoder:
     def _state_spec(self, value) -> tuple[list[int], int, type | None]:
         kind = value.name.rsplit(".", 1)[1]
         shape = list(value.shape[1:])
-        if kind in KV_KINDS:
+        if kind in GROWING_KINDS:
             shape[1] = 0  # past_seq = 0: an empty cache
         if not all(isinstance(dim, int) for dim in shape):
             raise ThinkerError(
-                f"{self.model_path}: input {value.name} has shape {value.shape}; every axis but the batch (and a KV "
-                "cache's sequence) must be fixed. Export the model again"
+                f"{self.model_path}: input {value.name} has shape {value.shape}; every axis but the batch (and a "
+                "growing cache's sequence) must be fixed. Export the model again"
             )
         if value.type not in _ORT_TYPES:
-            raise ThinkerError(f"{self.model_path}: input {value.name} is {value.type}; expected a float type")
+            raise ThinkerError(f"{self.model_path}: input {value.name} is {value.type}; expected a float type or int64")
         return (shape, *_ORT_TYPES[value.type])
 
     # --- the cache ------------------------------------------------------------------------------------------------
@@ -730,10 +737,10 @@ def _provider_label(providers: list[str]) -> str:
 
 
 def _device_zeros(shape: list[int], onnx_type: int) -> ort.OrtValue:
-    """A CUDA OrtValue of zeros (an empty KV cache allocates nothing). Zeros are all-zero bits in every float type,
-    so a host array of the same item size (bfloat16 has no numpy dtype) is copied in once."""
+    """A CUDA OrtValue of zeros (an empty KV cache allocates nothing). Zeros are all-zero bits in every float and
+    integer type, so a host array of the same item size (bfloat16 has no numpy dtype) is copied in once."""
     value = ort.OrtValue.ortvalue_from_shape_and_type(shape, onnx_type, "cuda", 0)
     if 0 not in shape:
-        bits = np.zeros(shape, np.float32 if onnx_type == 1 else np.uint16)
+        bits = np.zeros(shape, {1: np.float32, 7: np.int64}.get(onnx_type, np.uint16))  # float32, int64, half
         value.update_inplace(ort.OrtValue.ortvalue_from_numpy_with_onnx_type(bits, onnx_type))
     return value

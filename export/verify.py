@@ -25,6 +25,7 @@ process once the export is written.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -38,12 +39,13 @@ import torch
 from common.dtypes import dtype_name
 from common.eager import EAGER
 from common.errors import ThinkerError
-from common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
+from common.parity_inputs import RELATIVE_TOLERANCE, indexer_batch, parity_batch
 from common.progress import progress_bar
+from common.side_files import read_json
 from common.sizes import human_size
 from common.sources import SafetensorsSource
 from converter.parity import MEMORY_BUDGET_ENV, memory_budget
-from thinker.modeling_thinker import CACHE_ARG
+from thinker.modeling_thinker import CACHE_ARG, lowest_block_wins_ties
 
 from .names import GENAI_MODEL_FILE
 from .runtime import OnnxDecoder, cuda_usable, position_ids_from_mask
@@ -86,7 +88,6 @@ class Agreement:
         }
 
 
-@torch.no_grad()
 def compare_decoders(
     model: torch.nn.Module,
     decoder: OnnxDecoder,
@@ -95,13 +96,30 @@ def compare_decoders(
     steps: int = DECODE_STEPS,
     on_step: Callable[[], object] | None = None,
     right_padded_candidate: bool = False,
+    torch_ties: bool = False,
 ) -> dict:
     """Prefill + ``steps`` decode steps in PyTorch and onnxruntime; figures over every kept position (of a
     ``--logits last`` graph's prefill: each row's last kept position, all it gives). ``on_step`` is called after the
     prefill and after each decode step (a progress bar's ``update``). ``right_padded_candidate``: onnxruntime gets
     the rows padded on the right (onnxruntime-genai's layout, which its graph ``model.genai.onnx`` takes), PyTorch
     still the batch as given: each row's own result is the reference, as transformers defines it with left padding
-    (a right-padded PyTorch batch would carry a hybrid model's recurrence over the pads, as no runtime should)."""
+    (a right-padded PyTorch batch would carry a hybrid model's recurrence over the pads, as no runtime should).
+    Qwen3.8's indexers give exact ties to the earlier blocks, as ONNX's TopK does (``lowest_block_wins_ties``);
+    ``torch_ties``: torch.topk's choice instead, transformers'."""
+    ties = contextlib.nullcontext() if torch_ties else lowest_block_wins_ties()
+    with torch.no_grad(), ties:
+        return _compare_decoders(model, decoder, input_ids, attention_mask, steps, on_step, right_padded_candidate)
+
+
+def _compare_decoders(
+    model: torch.nn.Module,
+    decoder: OnnxDecoder,
+    input_ids: np.ndarray,
+    attention_mask: np.ndarray,
+    steps: int,
+    on_step: Callable[[], object] | None,
+    right_padded_candidate: bool,
+) -> dict:
     on_step = on_step or (lambda: None)
     agreement = Agreement()
     mask = torch.from_numpy(attention_mask)
@@ -165,6 +183,26 @@ def at_last_kept(logits: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
     numbered = attention_mask * np.arange(1, attention_mask.shape[1] + 1)
     last = numbered.max(axis=1) - 1
     return logits[np.arange(len(logits)), np.where(last < 0, attention_mask.shape[1] - 1, last)]
+
+
+def indexer_failures(figures: dict, dtype: torch.dtype) -> list[str]:
+    """The long prompts' verdict. float32 only: an indexer's choice is discrete, and where two of a query's blocks
+    score within a few parts in a thousand, the rounding of a half-precision network's hidden states picks the other
+    one, a logit difference no tolerance of the dtype covers, in transformers' own half-precision model as in the
+    graph. The graph's indexer is the same nodes in every dtype, so the float32 export's check is the one that proves
+    it; a half graph's figures are reported, marked so."""
+    tolerance = RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"])
+    if dtype != torch.float32:
+        figures["judged"] = False
+        figures["why"] = "a half-precision network may flip an indexer's near-tie; the float32 export is checked"
+        return []
+    figures["tolerance"] = tolerance
+    if figures["max_abs_diff"] <= tolerance:
+        return []
+    return [
+        f"on prompts long enough for the indexers to choose: max |Δlogit| {figures['max_abs_diff']:.3g} > "
+        f"tolerance {tolerance:.3g}"
+    ]
 
 
 def genai_graph_of(onnx_path: Path) -> Path | None:
@@ -273,7 +311,8 @@ def verify_export(
             "skipped": "onnxruntime's CPU execution provider has no bfloat16 kernels; verify where CUDA is available",
         }
     genai_path = genai_graph_of(onnx_path)
-    steps = 2 + DECODE_STEPS + (1 + DECODE_STEPS if genai_path else 0)
+    indexed = "indexed_attention" in (read_json(model_dir / "config.json").get("layer_types") or ())
+    steps = 2 + DECODE_STEPS + (1 + DECODE_STEPS if genai_path else 0) + (1 + DECODE_STEPS if indexed else 0)
     with progress_bar(steps, "verifying", unit="step", enabled=progress) as bar:
         with pytorch_thinker(model_dir, REFERENCE_DTYPE, plan) as model:
             bar.update()
@@ -281,6 +320,8 @@ def verify_export(
             decoder = OnnxDecoder(onnx_path, threads=threads)
             device = decoder.device
             figures = compare_decoders(model, decoder, *batch, on_step=bar.update)
+            if indexed:  # prompts on which the indexers choose (common/parity_inputs.py INDEXER_EXTRA_BLOCKS)
+                indexer_figures = compare_decoders(model, decoder, *indexer_batch(model.config), on_step=bar.update)
             del decoder  # one session at a time, as verify_plan counts them
             if genai_path:
                 genai = OnnxDecoder(genai_path, threads=threads)
@@ -295,6 +336,9 @@ def verify_export(
     failures = []
     if figures["max_abs_diff"] > result["tolerance"]:
         failures.append(f"max |Δlogit| {figures['max_abs_diff']:.3g} > tolerance {result['tolerance']:.3g}")
+    if indexed:
+        result["indexer_prompts"] = indexer_figures
+        failures += indexer_failures(indexer_figures, dtype)
     if genai_path:
         result["genai_graph"] = genai_figures
         failures += genai_graph_failures(genai_figures, result["tolerance"])

@@ -324,7 +324,8 @@ class ThinkerConfig(PreTrainedConfig):
 
     @property
     def qwen4_exp_features(self) -> list[str]:
-        """Which of Qwen3.8's (qwen4_exp) additions this model has, by name (what the ONNX export does not build)."""
+        """Which of Qwen3.8's (qwen4_exp) additions this model has, by name (whose state onnxruntime-genai has no
+        model type for: the ONNX export runs under onnxruntime alone)."""
         features = [
             ("hyper-connections (hc_count > 1)", self.hc_count > 1),
             ("indexed_attention layers (the QSA indexer)", self.has_indexed_attention),

@@ -33,7 +33,8 @@ return annotations as classes, to know which outputs a head declares.)
 """
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -307,6 +308,25 @@ class ThinkerQSAIndexer(nn.Module):
         return selected[:, None]
 
 
+# How an indexer picks among blocks of exactly equal scores (relu zeroes every head's product for several blocks):
+# "torch", torch.topk's choice, which transformers' Qwen4-Exp takes (on the CPU from four blocks on it follows no
+# fixed rule: four blocks scoring 0 keep blocks 2 and 3, five keep 2 and 4, torch 2.13); "lowest", the earlier
+# blocks, a rule any runtime can follow (ONNX's TopK's), which ``lowest_block_wins_ties`` sets for a comparison.
+_INDEX_TIES = {"rule": "torch"}
+
+
+@contextmanager
+def lowest_block_wins_ties() -> Iterator[None]:
+    """Within the block, an indexer's exact ties go to the earlier blocks, as ONNX's TopK breaks them (the ONNX
+    export's checks compare against the Thinker so): where transformers' choice among equal scores is
+    torch.topk's implementation, a runtime's is its own, and the model does not say which is right."""
+    previous, _INDEX_TIES["rule"] = _INDEX_TIES["rule"], "lowest"
+    try:
+        yield
+    finally:
+        _INDEX_TIES["rule"] = previous
+
+
 def qsa_selection(
     query: torch.Tensor,  # (B, S, In, Id), normed and rotated
     raw_keys: torch.Tensor,  # (B, T, Id)
@@ -411,7 +431,12 @@ def reference_selection(
         keys = rotate(key_norm(pooled).unsqueeze(1), cos[starts, None], sin[starts, None]).squeeze(1)
         scores = torch.matmul(query.float(), keys.float().transpose(-1, -2)).transpose(-1, -2)
         scores = torch.relu(scores).sum(-1) / query.shape[-1] ** 0.5  # (complete,)
-        selected[blocks[scores.topk(min(budget // ratio, complete), dim=0).indices].flatten()] = True
+        keep = min(budget // ratio, complete)
+        if _INDEX_TIES["rule"] == "lowest":  # the stable sort keeps equal scores in block order
+            best = torch.sort(scores, descending=True, stable=True).indices[:keep]
+        else:
+            best = scores.topk(keep, dim=0).indices
+        selected[blocks[best].flatten()] = True
     selected[slots[complete * ratio :]] = True
     return selected
 

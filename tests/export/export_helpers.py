@@ -113,6 +113,31 @@ FAMILIES.update(
     }
 )
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+# Qwen3.8 (qwen4_exp), as tests/references/qwen4_exp.py shapes it: Qwen3.5-MoE's layers around two indexed-attention
+# layers, three hyper-connection streams, PLE on the first and last layer (the first a sequence's first linear
+# layer, the last read by the head), a single index head (relu zeroes its score of a block often: exact ties, which
+# the checks break toward the earlier blocks, as ONNX's TopK does) with a budget of 8 slots in blocks of 4 that prunes
+# from 12 visible tokens on, an index head wider (12) than the 8 rotary channels.
+FAMILIES["qwen4_exp"] = dict(
+    HYBRID,
+    **HYBRID_MOE,
+    num_hidden_layers=5,
+    layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention", "linear_attention"],
+    rope_parameters=MROPE,
+    hc_count=3,
+    hc_lowrank=8,
+    ple_layer_ids=[1, 5],
+    ple_embed_dim=16,
+    ple_conv_kernel_size=3,
+    ngram_size=3,
+    heads_per_ngram=2,
+    ngram_vocab_size_base=100,
+    make_ngram_vocab_size_divisible_by=16,
+    indexer_n_heads=1,
+    indexer_head_dim=12,
+    indexer_budget=8,
+    indexer_compress_ratio=4,
+)
 
 WORDS = "the a cat dog sat on mat and ran to house big small red blue one two three is was it".split()
 

@@ -59,3 +59,23 @@ def test_unsupported_configs_are_refused(overrides, message, tmp_path):
     with pytest.raises(ThinkerError, match=message):
         export_model(folder, tmp_path / "onnx", verify=False)
     assert not (tmp_path / "onnx").exists() and [p.name for p in tmp_path.iterdir()] == ["thinker"]
+
+
+def test_a_source_the_graphs_cannot_build_is_refused_before_it_is_converted(tmp_path, monkeypatch):
+    """A Hugging Face Qwen3 folder with dynamic RoPE: `thinker export SOURCE` names its config.json and converts
+    nothing (a conversion begun would fail on the missing write_weights)."""
+    from click.testing import CliRunner
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import converter.convert
+    from common.cli import main
+
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    config = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_parameters=rope)  # fmt: skip
+    Qwen3ForCausalLM(config).save_pretrained(tmp_path / "source")
+    monkeypatch.setattr(converter.convert, "write_weights", None)
+    result = CliRunner().invoke(main, ["export", str(tmp_path / "source"), str(tmp_path / "onnx")])
+    assert result.exit_code == 1 and not (tmp_path / "onnx").exists(), result.output
+    message = result.output.strip().splitlines()[-1]
+    assert message.startswith(f"error: {tmp_path / 'source' / 'config.json'}: rope_parameters rope_type='dynamic'")

@@ -145,6 +145,25 @@ def test_cuda_float16_hybrid_long_prompt_parity(graph, thinker_variant, onnx_var
     assert figures["top1_agreement"] >= 0.9, figures
 
 
+@pytest.mark.parametrize("graph", ["plain", "fused"])
+def test_cuda_qwen4_exp_parity_and_states_on_the_device(graph, thinker_variant, onnx_variant, record_property):
+    """Qwen3.8 (hyper-connections, PLE, the indexer) in float32 on CUDA against the PyTorch Thinker, on prompts its
+    indexers prune: every state, the int64 n-gram contexts and index positions included, an OrtValue on the device."""
+    from common.parity_inputs import RELATIVE_TOLERANCE, indexer_batch
+    from thinker import ThinkerForCausalLM
+
+    model = ThinkerForCausalLM.from_pretrained(thinker_variant("qwen4_exp"), dtype=torch.float32).eval()
+    decoder = OnnxDecoder(onnx_variant("qwen4_exp", graph=graph, head_dim=None), provider="cuda")
+    batch = indexer_batch(model.config)
+    figures = compare_decoders(model, decoder, *batch, steps=6)
+    record_parity(record_property, figures)
+    assert figures["max_abs_diff"] <= RELATIVE_TOLERANCE[torch.float32] * max(1.0, figures["logit_scale"]), figures
+    _, state = decoder.prefill(*batch)
+    kinds = {n.rsplit(".", 1)[1] for n in state.cache}
+    assert {"ngram_context", "ple_conv_state", "index_keys", "index_positions"} <= kinds, kinds
+    assert all(isinstance(v, ort.OrtValue) and v.device_name().lower() == "cuda" for v in state.cache.values())
+
+
 GENAI_SCRIPT = Path(__file__).with_name("genai_greedy.py")
 
 
