@@ -41,9 +41,7 @@ from thinker.configuration_thinker import ThinkerConfig
 
 from .graph_builder import TORCH_TO_ONNX, GraphBuilder
 from .hybrid_attention_graph import emit_partial_rotary, emit_rms_norm, rotary_dim
-from .linear_attention_graph import MatMulEmitter
-
-INT64_MAX = 2**63 - 1  # Slice's "to the end"
+from .linear_attention_graph import INT64_MAX, MatMulEmitter
 
 
 @dataclass(frozen=True)

@@ -42,9 +42,8 @@ from thinker.modeling_thinker import ngram_hash_buffers
 
 from .graph_builder import TORCH_TO_ONNX, GraphBuilder
 from .hyper_connection_graph import emit_stream_norm
-from .linear_attention_graph import MatMulEmitter
+from .linear_attention_graph import INT64_MAX, MatMulEmitter
 
-INT64_MAX = 2**63 - 1  # Slice's "to the end"
 GATE_FLOOR = 1e-6  # ThinkerPLELayer's clamp under the gate's square root
 
 

@@ -32,11 +32,9 @@ from thinker.configuration_thinker import ThinkerConfig
 from .graph_builder import GraphBuilder, value_info
 from .hyper_connection_graph import emit_hyper_connection, emit_inject
 from .indexer_graph import emit_indexer_selection
-from .linear_attention_graph import PaddingMasks
+from .linear_attention_graph import INT64_MAX, PaddingMasks
 from .ple_graph import emit_ple
 from .weights import ThinkerWeights
-
-INT64_MAX = torch.iinfo(torch.int64).max
 
 
 class DecoderGraph(Protocol):

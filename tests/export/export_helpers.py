@@ -216,6 +216,24 @@ def assert_genai_equals_onnxruntime(genai_python: Path, folders: list[Path]) -> 
         assert sequence == expected[0].tolist(), folder
 
 
+def component_session(b, weights, name: str, inputs: list, outputs: list, folder: Path, threads: int | None = None):
+    """An onnxruntime CPU session of a graph that holds one emitter alone (``b``, its builder, streaming to
+    ``weights``), saved as ``folder/NAME.onnx`` and checked first."""
+    import onnxruntime as ort
+
+    from export.decoder_graph import make_model
+
+    weights.close()
+    path = folder / f"{name}.onnx"
+    onnx.save(make_model(b.make_graph(name, inputs, outputs), {}), str(path))
+    onnx.checker.check_model(str(path), full_check=True)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if threads:
+        options.intra_op_num_threads = threads
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
 def graph_nodes(model_path: Path) -> Iterator[onnx.NodeProto]:
     """Every node of an exported graph, those inside If / Loop / Scan bodies included."""
     from export.graph_walk import all_nodes

@@ -17,16 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import onnx
-import onnxruntime as ort
 import pytest
 import torch
+from export_helpers import component_session
 from onnx import TensorProto
 from seeded_weights import randomize_parameters
 from transformers import DynamicCache
 
 import export.indexer_graph as indexer_graph
-from export.decoder_graph import make_model, rotary_dim
+from export.decoder_graph import rotary_dim
 from export.graph_builder import TORCH_TO_ONNX, GraphBuilder, WeightFile, value_info
 from export.indexer_graph import emit_indexer_selection
 from thinker.configuration_thinker import ThinkerConfig
@@ -99,14 +98,7 @@ def indexer_session(config: ThinkerConfig, indexer: ThinkerQSAIndexer, dtype: to
         value_info("selected", TensorProto.BOOL, ["batch", "seq", "total"]),
         value_info("present_index_keys", onnx_dtype, ["batch", 1, "total", dim]),
     ]
-    weights.close()
-    path = folder / "indexer.onnx"
-    onnx.save(make_model(b.make_graph("indexer", inputs, outputs), {}), str(path))
-    onnx.checker.check_model(str(path), full_check=True)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.log_severity_level = 3
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return component_session(b, weights, "indexer", inputs, outputs, folder, threads=1)
 
 
 # --- the inputs -------------------------------------------------------------------------------------------------

@@ -10,16 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import onnx
-import onnxruntime as ort
 import pytest
 import torch
+from export_helpers import component_session
 from onnx import TensorProto
 from seeded_weights import randomize_parameters
 from transformers import DynamicCache
 from transformers.masking_utils import create_recurrent_attention_mask
 
-from export.decoder_graph import make_model
 from export.graph_builder import TORCH_TO_ONNX, GraphBuilder, WeightFile, value_info
 from export.ple_graph import emit_ple
 from thinker import ThinkerConfig, ThinkerForCausalLM
@@ -102,13 +100,7 @@ def export_ple(config: ThinkerConfig, model: ThinkerForCausalLM, dtype: torch.dt
         value_info("present_ngram", TensorProto.INT64, ngram),
         value_info("present_conv", model_dtype, conv),
     ]
-    weights.close()
-    path = folder / "ple.onnx"
-    onnx.save(make_model(b.make_graph("ple", inputs, outputs), {}), str(path))
-    onnx.checker.check_model(str(path), full_check=True)
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return component_session(b, weights, "ple", inputs, outputs, folder)
 
 
 def ngram_state_shape(config: ThinkerConfig, batch):
