@@ -340,7 +340,7 @@ def export_command(
         graph, cost = figures["graph"], figures["cost"]
         click.echo(
             f"verify: max |Δlogit| {graph['max_abs_diff']:.3g} (tolerance {graph['tolerance']:.3g}) against the model "
-            f"with the same dequantized weights{genai_figure(graph)}; worst weight "
+            f"with the same dequantized weights{genai_figure(graph)}{indexer_figure(graph)}; worst weight "
             f"{figures['weights']['relative_error']:.3g} (limit {figures['weights']['limit']}) off the float one"
         )
         if "skipped" in cost:
@@ -355,7 +355,7 @@ def export_command(
         click.echo(
             f"verify: max |Δlogit| {figures['max_abs_diff']:.3g} ({bound}), "
             f"top-1 agreement {figures['top1_agreement']:.1%} over {figures['positions']} positions "
-            f"on {figures['provider']}{genai_figure(figures)}"
+            f"on {figures['provider']}{genai_figure(figures)}{indexer_figure(figures)}"
         )
 
 
@@ -369,6 +369,15 @@ def fallback_words(guard: dict) -> str:
     if not parts:
         return ""
     return f"; their {' and '.join(parts)} ({human_size(guard['float_fallback_bytes'])}, faster than 8-bit at level 1)"
+
+
+def indexer_figure(figures: dict) -> str:
+    """The verify line's part for the prompts Qwen3.8's indexers prune, where the model has indexers."""
+    long = figures.get("indexer_prompts")
+    if not long:
+        return ""
+    verdict = f"tolerance {long['tolerance']:.3g}" if long.get("judged", True) else "not judged: half precision"
+    return f"; on prompts the indexers prune {long['max_abs_diff']:.3g} ({verdict})"
 
 
 def genai_figure(figures: dict) -> str:

@@ -55,6 +55,7 @@ from .qwen4_exp_graph import (
     Qwen4ExpValues,
     emit_final_mix,
     emit_indexed_bias,
+    emit_ple_addition,
     emit_step_values,
     emit_stream_layer,
     extra_state_values,
@@ -408,6 +409,9 @@ class DecoderGraph:
     def emit_layer(self, i: int, hidden: str, delta: str | None, ctx: StepContext) -> tuple[str, str]:
         """One decoder layer on the residual stream ``hidden + delta``; returns the new (hidden, delta)."""
         prefix = f"model.layers.{i}"
+        if i + 1 in self.config.ple_layer_ids:  # a Qwen3.8 PLE layer without hyper-connections adds to the residual
+            hidden = self.b.op("Add", hidden, delta) if delta is not None else hidden
+            hidden, delta = emit_ple_addition(self, i, hidden, ctx), None
         with self.b.scope("input_layernorm"):
             hidden, normed = self.emit_add_norm(hidden, delta, f"{prefix}.input_layernorm")
         if self.config.layer_types[i] == "linear_attention":
@@ -738,6 +742,12 @@ def check_exportable(config: ThinkerConfig) -> None:
         raise ThinkerError(
             f"linear_conv_kernel_dim={config.linear_conv_kernel_dim}: the graph carries the conv's last kernel - 1 "
             "inputs from step to step as its conv state, so it exports kernels of 2 or more"
+        )
+    if config.ple_layer_ids and config.ple_conv_kernel_size < 2:
+        raise ThinkerError(
+            f"ple_conv_kernel_size={config.ple_conv_kernel_size}: a PLE conv of kernel 1 keeps no window, which "
+            "transformers' cache cannot carry (Qwen4-Exp's update_conv_state fails on it) and the graph carries from "
+            "step to step, so it exports kernels of 2 or more"
         )
     if config.has_linear_attention and config.hidden_act not in LINEAR_ATTENTION_ACTIVATIONS:
         raise ThinkerError(

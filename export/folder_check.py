@@ -114,12 +114,11 @@ def check_thinker_weights(model_dir: Path, config: ThinkerConfig) -> None:
     missing = [name for name in expected if name not in found]
     extra = [name for name in found if name not in expected and not name.startswith(skipped)]
     if missing or extra:
-        parts = [f"lacks {describe_names(missing)}"] if missing else []
-        parts += [f"holds {describe_names(extra)}"] if extra else []
+        parts = [f"lacks {describe_names(missing)}, which the model of its config.json has"] if missing else []
+        parts += [f"holds {describe_names(extra)}, which the model of its config.json does not have"] if extra else []
         raise ThinkerError(
-            f"{model_dir}: the weights do not fit config.json: the folder {' and '.join(parts)}, "
-            "which the model of its config.json does not have (check num_hidden_layers, layer_types, "
-            "tie_word_embeddings and the MoE fields)"
+            f"{model_dir}: the weights do not fit config.json: the folder {' and '.join(parts)} (check "
+            "num_hidden_layers, layer_types, tie_word_embeddings and the MoE fields)"
         )
     wrong = [name for name, shape in expected.items() if found[name] != shape]
     if wrong:

@@ -33,6 +33,8 @@ def verify_section(report: dict) -> str:
                 f"worst relative error {weights['relative_error']:.3g} (limit {weights['limit']})",
             ],
         ]
+        if "indexer_prompts" in graph:
+            rows.append(["the same, on prompts the indexers prune", indexer_cell(graph["indexer_prompts"])])
         if "skipped" not in cost:
             rows.append(
                 [
@@ -56,8 +58,18 @@ def verify_section(report: dict) -> str:
             "",
             markdown_table(["max \\|Δlogit\\|", "tolerance", "top-1", "positions", "provider"], rows),
         ]
+        if "indexer_prompts" in figures:
+            long = indexer_cell(figures["indexer_prompts"])
+            lines += ["", f"On prompts long enough for the indexers to prune: {long}."]
     lines += ["", "The figures in full are in `export_report.json`."]
     return "\n".join(lines)
+
+
+def indexer_cell(figures: dict) -> str:
+    """Qwen3.8's long-prompt check, in words: its max |Δlogit| and tolerance, or why it was not judged."""
+    judged = figures.get("judged", True)
+    verdict = f"tolerance {figures['tolerance']:.3g}" if judged else f"not judged: {figures['why']}"
+    return f"max \\|Δlogit\\| {figures['max_abs_diff']:.3g}, {verdict}"
 
 
 def write_onnx_card(folder: Path, thinker_folder: Path, report: dict, name: str) -> list[str]:
@@ -84,11 +96,18 @@ def write_onnx_card(folder: Path, thinker_folder: Path, report: dict, name: str)
         if genai
         else "no `genai_config.json`: onnxruntime-genai has no model type for its state (`export_report.json`'s notes)"
     )
+    # a SOURCE converted on the way came through a temporary Thinker folder: the card names the source
+    decoder = (
+        f"`{report['source']}`, converted"
+        if report.get("converted")
+        else f"the Thinker folder `{Path(thinker_folder).name}`"
+    )
+    tokenizer = "The tokenizer is the model's." if any(folder.glob("tokenizer*")) else "The source had no tokenizer."
     body = f"""# {name}
 
-The decoder of the Thinker folder `{Path(thinker_folder).name}`{origin}, exported by `thinker export` as ONNX
-({precision}, the {report["graph"]} graph) with its whole decoding state as inputs and outputs: `model.onnx` for
-onnxruntime on any padding, {files}. The tokenizer is the model's.
+The decoder of {decoder}{origin}, exported by `thinker export` as ONNX ({precision}, the {report["graph"]} graph)
+with its whole decoding state as inputs and outputs: `model.onnx` for onnxruntime on any padding, {files}.
+{tokenizer}
 
 ## Run
 

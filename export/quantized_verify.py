@@ -37,7 +37,7 @@ import onnx
 import torch
 
 from common.eager import EAGER
-from common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
+from common.parity_inputs import RELATIVE_TOLERANCE, indexer_batch, parity_batch
 from common.progress import progress_bar
 
 from .accuracy_guard import LEVELLED_OPS, graph_variant
@@ -61,6 +61,7 @@ from .verify import (
     compare_decoders,
     genai_graph_failures,
     genai_graph_of,
+    indexer_failures,
 )
 
 # The graph check's tolerance floor on ill-conditioned inputs: SmolLM2's residual stream carries "massive
@@ -356,12 +357,16 @@ def graph_check(
 ) -> dict:
     """The graph with float activations against ``model`` (holding the graph's dequantized weights) over the
     parity batch, with the tolerance: the float graphs', or SENSITIVITY_MARGIN times the input's own rounding
-    sensitivity where that is larger."""
+    sensitivity where that is larger. A model with Qwen3.8 indexers also on prompts they prune
+    (``indexer_prompts``, judged as the float export's: export/verify.py ``indexer_failures``)."""
     dtype = graph_dtype or next(model.parameters()).dtype
     batch = parity_batch(model.config.vocab_size)
     with float_activation_copy(onnx_path) as exact_path:
         exact = OnnxDecoder(exact_path, provider="cpu", threads=threads)
         graph = compare_decoders(model, exact, *batch, on_step=on_step)
+        if model.config.has_indexed_attention:
+            graph["indexer_prompts"] = compare_decoders(model, exact, *indexer_batch(model.config))
+            graph["indexer_prompts"]["failures"] = indexer_failures(graph["indexer_prompts"], dtype)
         del exact  # one session of the graph at a time
     genai_path = genai_graph_of(onnx_path)
     if genai_path:  # onnxruntime-genai's graph over the same weights, on the rows padded on the right
@@ -432,6 +437,8 @@ def quantized_result(
         )
     if "genai_graph" in graph:
         failures += genai_graph_failures(graph["genai_graph"], graph["tolerance"])
+    if "indexer_prompts" in graph:
+        failures += graph["indexer_prompts"].pop("failures")
     if "skipped" in cost and gate.required:
         failures.append(
             f"the quantization cost, which --min-top1 / --max-perplexity-increase limit, was not measured: "

@@ -144,14 +144,7 @@ def emit_stream_layer(graph: DecoderGraph, i: int, streams: str, ctx: StepContex
     addition first on a PLE layer, then each sub-layer on its mix of the streams, its output injected back."""
     b, cfg = graph.b, graph.config
     prefix = f"model.layers.{i}"
-    if i + 1 in (cfg.ple_layer_ids or ()):
-        with b.scope("ple"):
-            state = [f"{kind}.{i}.{name}" for kind in ("past_key_values", "present") for name in PLE_STATE]
-            extra = emit_ple(
-                b, cfg, i, graph.dtype, graph.weights.get, graph.emit_matmul, streams, ctx.qwen4_exp.ple_ids,
-                ctx.linear_padding.keep, ctx.qwen4_exp.starts, *state,
-            )  # fmt: skip
-            streams = b.op("Add", streams, extra)
+    streams = emit_ple_addition(graph, i, streams, ctx)
     with b.scope("attn_hyper_connection"):
         mixed, weights = emit_hyper_connection(
             b, cfg, f"{prefix}.attn_hyper_connection", graph.weights.get, streams, graph.dtype
@@ -174,6 +167,21 @@ def emit_stream_layer(graph: DecoderGraph, i: int, streams: str, ctx: StepContex
 
 
 PLE_STATE = ("ngram_context", "ple_conv_state")
+
+
+def emit_ple_addition(graph: DecoderGraph, i: int, residual: str, ctx: StepContext) -> str:
+    """The residual (B, T, n·C) plus layer ``i``'s PLE addition where it is a PLE layer (the streams, or with
+    hc_count 1 the one residual stream), else the residual as it is."""
+    b, cfg = graph.b, graph.config
+    if i + 1 not in (cfg.ple_layer_ids or ()):
+        return residual
+    with b.scope("ple"):
+        state = [f"{kind}.{i}.{name}" for kind in ("past_key_values", "present") for name in PLE_STATE]
+        extra = emit_ple(
+            b, cfg, i, graph.dtype, graph.weights.get, graph.emit_matmul, residual, ctx.qwen4_exp.ple_ids,
+            ctx.linear_padding.keep, ctx.qwen4_exp.starts, *state,
+        )  # fmt: skip
+        return b.op("Add", residual, extra)
 
 
 def emit_final_mix(graph: DecoderGraph, streams: str) -> str:

@@ -933,6 +933,11 @@ class ThinkerPLELayer(nn.Module):
     def short_conv(self, x: torch.Tensor, cache: Cache | None) -> torch.Tensor:
         seq = x.shape[1]
         x = x.transpose(1, 2)  # (B, n·C, T)
+        if cache is not None and not self.window:
+            raise ValueError(
+                "ple_conv_kernel_size=1: the PLE conv keeps no window, which the cache cannot hold (as in "
+                "Qwen4-Exp, whose update_conv_state fails on it); run without a cache (use_cache=False)"
+            )
         if cache is not None:  # the cached window becomes the left context
             x = cache.update_conv_state(x, self.layer_idx, state_idx=1, conv_kernel_size=self.window)
         x = F.pad(x, (self.window, 0))[..., -(self.window + seq) :]  # dilation: transformers' conv kernels do not apply

@@ -270,3 +270,5 @@ def test_onnx_export_of_a_folder_and_of_a_source(conversions, tmp_path, given):
     verify = json.loads((tmp_path / "onnx" / "export_report.json").read_text())["verify"]
     assert verify["passed"] and verify["indexer_prompts"]["max_abs_diff"] <= verify["indexer_prompts"]["tolerance"]
     assert not (tmp_path / "onnx" / "genai_config.json").exists()
+    card = (tmp_path / "onnx" / "README.md").read_text()  # the source by name, not the folder converted on the way
+    assert (f"The decoder of `{source}`, converted" in card) == (given == "source"), card

@@ -137,6 +137,8 @@ def test_export_verifies_and_generates(folder, tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads((out / "export_report.json").read_text())
     assert report["verify"]["passed"] is True, report["verify"]
+    assert "on prompts the indexers prune" in result.output  # the verify line, and the card, name the long prompts
+    assert "On prompts long enough for the indexers to prune: max" in (out / "README.md").read_text()
     assert any(node.op_type == "GroupQueryAttention" for node in graph_nodes(out / "model.onnx"))
     # thinker generate carries every state: the ONNX folder's greedy text is the PyTorch Thinker's, ties to the
     # earlier blocks in both (the single index head ties often; with torch.topk's ties the first token differs)
@@ -146,6 +148,26 @@ def test_export_verifies_and_generates(folder, tmp_path):
         torch_run = CliRunner().invoke(main, ["generate", str(folder), *prompt])
     assert onnx_run.exit_code == 0 and torch_run.exit_code == 0, onnx_run.output + torch_run.output
     assert onnx_run.stdout == torch_run.stdout and onnx_run.stdout.strip(), (onnx_run.stdout, torch_run.stdout)
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_ple_without_hyper_connections(thinker_variant, onnx_variant, graph):
+    """hc_count 1 (one residual stream) with PLE layers: the PLE addition joins the plain residual before the norm,
+    in the layers that fuse the residual add into the norm too."""
+    folder = thinker_variant(FAMILY, hc_count=1)
+    decoder = OnnxDecoder(onnx_variant(FAMILY, graph=graph, head_dim=None, hc_count=1), provider="cpu")
+    figures = compare_decoders(load_thinker(folder), decoder, *long_left_padded(), steps=6)
+    assert figures["max_abs_diff"] <= bound(figures), figures
+
+
+def test_a_ple_conv_of_kernel_1_is_refused(thinker_variant, tmp_path):
+    """A kernel of 1 keeps no window, which neither transformers' cache nor the graph's state can carry: one line,
+    nothing written."""
+    folder = thinker_variant(FAMILY, ple_conv_kernel_size=1)
+    result = CliRunner().invoke(main, ["export", str(folder), str(tmp_path / "onnx"), "--no-verify"])
+    assert result.exit_code == 1 and not (tmp_path / "onnx").exists(), result.output
+    message = result.output.strip().splitlines()[-1]
+    assert message.startswith(f"error: {folder / 'config.json'}: ple_conv_kernel_size=1: a PLE conv of kernel 1")
 
 
 # --- planted bugs: --verify catches each ------------------------------------------------------------------------------
@@ -185,6 +207,20 @@ def test_verify_fails_on_a_planted_bug(thinker_variant, tmp_path, monkeypatch, p
     assert message.startswith("error: onnxruntime disagrees with PyTorch") and failure in message, message
     if planted == "emit_indexer_selection":
         assert message.count("max |Δlogit|") == 1, message  # the fixed prompts passed
+
+
+def test_quantized_verify_runs_the_long_prompts_too(thinker_variant, tmp_path, monkeypatch):
+    """Under --quantize the graph is held to the Thinker with its dequantized weights on the long prompts as well:
+    an indexer that never prunes fails there."""
+    import export.qwen4_exp_graph
+
+    monkeypatch.setattr(export.qwen4_exp_graph, "emit_indexer_selection", planted_bugs()["emit_indexer_selection"])
+    folder = thinker_variant(FAMILY, indexer_budget=16)
+    gate = ["--min-top1", "0", "--max-perplexity-increase", "100"]
+    result = CliRunner().invoke(main, ["export", str(folder), str(tmp_path / "onnx"), "--quantize", "int8", *gate])
+    assert result.exit_code == 1 and not (tmp_path / "onnx").exists(), result.output
+    message = result.output.strip().splitlines()[-1]
+    assert message.startswith("error: the quantized export fails its check") and "indexers to choose" in message
 
 
 # --- other dtypes and --quantize --------------------------------------------------------------------------------------
