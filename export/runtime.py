@@ -13,7 +13,9 @@ measured 1.1-1.4x more tokens/s than the copying form on Qwen3-0.6B (docs/gpu-se
 
 The cache is whatever ``past_key_values.*`` inputs the graph declares, discovered by name: ``.key`` / ``.value``
 (full attention: an empty past has a zero-length sequence axis) and, in hybrid models, ``.conv_state`` /
-``.recurrent_state`` (linear attention: zeros of the declared static shape and dtype start a sequence). Models
+``.recurrent_state`` (linear attention: zeros of the declared static shape and dtype start a sequence), and in
+Qwen3.8 ``.ngram_context`` / ``.ple_conv_state`` (zeros start) and ``.index_keys`` / ``.index_positions`` (empty, as
+KV). Models
 whose ``position_ids`` input is (3, B, T) (interleaved multimodal RoPE) get text positions repeated on the three
 streams, as transformers' text models do inside; ``forward`` also takes (3, B, T) positions as they are (an image
 prompt's, from the reference processor's ``get_rope_index``).
