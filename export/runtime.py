@@ -282,6 +282,7 @@ class DecoderState:
     attention_mask: np.ndarray  # (B, S) int64
     next_position: np.ndarray  # (B,) int64
     cache: dict[str, object] = field(default_factory=dict)  # past_key_values.* name -> np.ndarray or OrtValue
+    cached: int | None = None  # the slots the cache holds, which the mask must cover (None: taken from the mask)
 
 
 class OnnxDecoder:
@@ -457,11 +458,20 @@ class OnnxDecoder:
                 positions = np.broadcast_to(positions, (*positions.shape[:-2], batch, positions.shape[-1]))
             self._check_positions(positions, batch, steps)
             feeds["position_ids"] = np.ascontiguousarray(positions, dtype=np.int64)
+        if state.cached is not None and state.attention_mask.shape[1] != state.cached + steps:
+            raise ThinkerError(
+                f"attention_mask covers {state.attention_mask.shape[1]} slots, but the cache holds {state.cached} and "
+                f"{steps} new token(s) follow: it must cover {state.cached + steps} (a step's mask is the last one "
+                "with a column per new token appended)"
+            )
         if self.device == "cuda" or self.shared_kv:
-            return self._forward_bound(feeds, state)
-        outputs = self.session.run(self.output_names, {**feeds, **state.cache})
-        state.cache = dict(zip(self.past_names, outputs[1:], strict=True))
-        return outputs[0]
+            logits = self._forward_bound(feeds, state)
+        else:
+            outputs = self.session.run(self.output_names, {**feeds, **state.cache})
+            state.cache = dict(zip(self.past_names, outputs[1:], strict=True))
+            logits = outputs[0]
+        state.cached = state.attention_mask.shape[1]
+        return logits
 
     # What the graph would otherwise fail on deep inside onnxruntime (a Gather out of range, a broadcast of
     # mismatched shapes), or worse, compute without a word (a negative id reads the table's last row, a float mask
@@ -605,7 +615,7 @@ class OnnxDecoder:
             )
         positions = position_ids_from_mask(attention_mask)
         cache = self.empty_cache(input_ids.shape[0], slots=attention_mask.shape[1] + new_tokens)
-        state = DecoderState(attention_mask, positions[:, -1] + 1, cache)
+        state = DecoderState(attention_mask, positions[:, -1] + 1, cache, cached=0)
         return self.forward(input_ids, positions, state), state
 
     def decode_one_token(self, tokens: np.ndarray, state: DecoderState) -> np.ndarray:

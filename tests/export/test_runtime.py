@@ -12,7 +12,7 @@ import torch
 import export.runtime
 from common.errors import ThinkerError
 from export.names import GENAI_MODEL_FILE, MODEL_FILE
-from export.runtime import OnnxDecoder, generation_graph, physical_cores
+from export.runtime import DecoderState, OnnxDecoder, generation_graph, physical_cores
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gpt2"])
@@ -248,3 +248,10 @@ def test_bad_inputs_are_refused_by_name(onnx_folder):
         decoder.forward(np.array([[1]]), np.array([[-1]]), state)
     with pytest.raises(ThinkerError, match=re.escape("position_ids of dtype float64; positions are integers")):
         decoder.forward(np.array([[1]]), np.array([[3.5]]), state)
+    # a mask that does not cover the cache and the new tokens: refused, not run over the wrong slots
+    with pytest.raises(ThinkerError, match=re.escape("attention_mask covers 2 slots, but the cache holds 3")):
+        decoder.forward(
+            np.array([[1]]), np.array([[3]]), DecoderState(state.attention_mask[:, :2], None, state.cache, 3)
+        )
+    longer = decoder.decode_one_token(np.array([4]), state)  # the state itself still steps on
+    assert longer.shape == (1, vocab) and state.cached == 4
