@@ -191,12 +191,11 @@ def indexer_failures(figures: dict, dtype: torch.dtype) -> list[str]:
     one, a logit difference no tolerance of the dtype covers, in transformers' own half-precision model as in the
     graph. The graph's indexer is the same nodes in every dtype, so the float32 export's check is the one that proves
     it; a half graph's figures are reported, marked so."""
-    tolerance = RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"])
     if dtype != torch.float32:
         figures["judged"] = False
         figures["why"] = "a half-precision network may flip an indexer's near-tie; the float32 export is checked"
         return []
-    figures["tolerance"] = tolerance
+    figures["tolerance"] = tolerance = RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"])
     if figures["max_abs_diff"] <= tolerance:
         return []
     return [
