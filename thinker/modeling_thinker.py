@@ -317,9 +317,9 @@ _INDEX_TIES = {"rule": "torch"}
 
 @contextmanager
 def lowest_block_wins_ties() -> Iterator[None]:
-    """Within the block, an indexer's exact ties go to the earlier blocks, as ONNX's TopK breaks them (the ONNX
-    export's checks compare against the Thinker so): where transformers' choice among equal scores is
-    torch.topk's implementation, a runtime's is its own, and the model does not say which is right."""
+    """Inside the ``with`` statement, an indexer's exact ties between key blocks go to the earlier blocks, as ONNX's
+    TopK breaks them (the ONNX export's checks compare against the Thinker so): transformers' choice among equal
+    scores is torch.topk's implementation, a runtime's is its own, and the model does not say which is right."""
     previous, _INDEX_TIES["rule"] = _INDEX_TIES["rule"], "lowest"
     try:
         yield
