@@ -393,4 +393,19 @@ def test_an_attention_without_a_dense_mask_is_refused_by_name():
         attention(hidden, position_embeddings=None, attention_mask=None)
 
 
+def test_flex_and_flash_attention_are_refused_when_the_model_is_built(tmp_path):
+    """As transformers' Qwen4-Exp refuses them at load, not at the first forward; a model without indexers keeps them."""
+    _, thinker = pair()
+    thinker.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="'flex_attention': indexed_attention layers .* load with"):
+        ThinkerForCausalLM.from_pretrained(tmp_path, attn_implementation="flex_attention")
+    with pytest.raises(ValueError, match="'flash_attention_2': indexed_attention layers"):
+        thinker._flash_attn_can_dispatch(2, is_init_check=True)
+    with pytest.raises(ValueError, match="'flex_attention': indexed_attention layers"):
+        thinker.set_attn_implementation("flex_attention")
+    plain = ThinkerConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1)
+    assert ThinkerForCausalLM(plain)._flex_attn_can_dispatch(is_init_check=True)
+
+
 assert TEXT_SIZES["layer_types"] == LAYER_TYPES

@@ -1053,6 +1053,23 @@ class ThinkerPreTrainedModel(PreTrainedModel):
         # A recurrent state cannot be rolled back to a prefix, so generate() must refuse assisted decoding.
         self._is_stateful = config.has_linear_attention
 
+    # The indexer narrows a dense mask (``ThinkerAttention.indexed_mask``), which flash and flex attention do not
+    # take: refused when the model is built, as transformers' Qwen4-Exp refuses them, not at the first forward.
+    def _flash_attn_can_dispatch(self, flash_attn_version: int, is_init_check: bool = False) -> bool:
+        self._refuse_for_indexed_attention(f"flash_attention_{flash_attn_version}")
+        return super()._flash_attn_can_dispatch(flash_attn_version, is_init_check)
+
+    def _flex_attn_can_dispatch(self, is_init_check: bool = False) -> bool:
+        self._refuse_for_indexed_attention("flex_attention")
+        return super()._flex_attn_can_dispatch(is_init_check)
+
+    def _refuse_for_indexed_attention(self, implementation: str) -> None:
+        if self.config.has_indexed_attention:
+            raise ValueError(
+                f"attn_implementation={implementation!r}: indexed_attention layers (the QSA indexer) narrow a dense "
+                f"mask, which only sdpa and eager attention take; load with attn_implementation='sdpa' or 'eager'"
+            )
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         if self._auto_class is not None:  # registered: by ``import thinker``, or loaded as remote code
             name_every_auto_class(self.config, type(self).__module__)
