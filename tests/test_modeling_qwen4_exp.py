@@ -394,7 +394,7 @@ def test_an_attention_without_a_dense_mask_is_refused_by_name():
 
 
 def test_flex_and_flash_attention_are_refused_when_the_model_is_built(tmp_path):
-    """As transformers' Qwen4-Exp refuses them at load, not at the first forward; a model without indexers keeps them."""
+    """As transformers' Qwen4-Exp refuses them at load, not at the first forward; without indexers they are kept."""
     _, thinker = pair()
     thinker.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="'flex_attention': indexed_attention layers .* load with"):
