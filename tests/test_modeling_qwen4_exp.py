@@ -403,8 +403,14 @@ def test_flex_and_flash_attention_are_refused_when_the_model_is_built(tmp_path):
         thinker._flash_attn_can_dispatch(2, is_init_check=True)
     with pytest.raises(ValueError, match="'flex_attention': indexed_attention layers"):
         thinker.set_attn_implementation("flex_attention")
-    plain = ThinkerConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                          num_attention_heads=2, num_key_value_heads=1)
+    plain = ThinkerConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     assert ThinkerForCausalLM(plain)._flex_attn_can_dispatch(is_init_check=True)
 
 
