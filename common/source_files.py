@@ -15,6 +15,7 @@ be a symlink; what lies in it may not lead out of it.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import stat
@@ -48,7 +49,17 @@ def redownload(path: Path | str) -> str:
     path = Path(path)
     if hub_caches_of(path.parent):
         return f"re-download it: delete the cached copy {path.resolve()} and run again, which fetches it afresh"
+    if _written_by_thinker(path.parent):
+        return "convert its source again (thinker-convert wrote this folder)"
     return "re-download it"
+
+
+def _written_by_thinker(folder: Path) -> bool:
+    """Whether ``folder`` is a Thinker folder (its config.json's model_type), made locally rather than downloaded."""
+    try:
+        return json.loads((folder / "config.json").read_text()).get("model_type") == "thinker"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _inside(path: Path, folder: Path) -> bool:

@@ -77,7 +77,8 @@ from .names import (
     help="model.onnx's position_ids for a model with multimodal RoPE (Qwen3.5): multimodal, [3, batch, seq]; text, "
     "[batch, seq], repeated on the three streams inside (the same logits). onnxruntime-genai's graph "
     "(model.genai.onnx) takes [batch, seq] either way: the form under which onnxruntime-genai 0.18 gets batches of "
-    "unequal prompt lengths right. Other models take [batch, seq] only. [default: multimodal with multimodal RoPE]",
+    "unequal prompt lengths right. Other models take [batch, seq] only: text is what they are already, multimodal is "
+    "refused. [default: multimodal with multimodal RoPE]",
 )
 @click.option(
     "--logits",

@@ -438,7 +438,9 @@ def test_export_of_a_corrupt_thinker_folder(qwen3_thinker, tmp_path):
     folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
     truncate(folder)
     output = tmp_path / "onnx"
-    assert_error(thinker("export", folder, output, "--no-verify"), "model.safetensors", "truncated or corrupt")
+    # made locally by thinker-convert, so not downloaded again: converted again
+    advice = "truncated or corrupt, convert its source again (thinker-convert wrote this folder)"
+    assert_error(thinker("export", folder, output, "--no-verify"), "model.safetensors", advice)
     assert_nothing_written(output)
 
 

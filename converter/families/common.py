@@ -38,6 +38,28 @@ def load_hf_config(source_config: Mapping[str, Any], model_type: str) -> PreTrai
         raise ThinkerError(f"the source config.json is not a valid {model_type} config: {reason}") from None
 
 
+# The sub-configs, outermost first, that a text decoder sits in within a larger model's config (an omni model's
+# thinker_config, a vision-language model's text_config).
+DECODER_SUB_CONFIGS = ("thinker_config", "text_config")
+
+
+def refuse_missing_decoder_config(source: Mapping[str, Any], model_type: str) -> None:
+    """Refuse a larger model's config without the sub-config its text decoder is described in: transformers would
+    fill in its default sizes, and the error would then list every tensor as missing or misshapen."""
+    config_class, config, path = CONFIG_MAPPING[model_type], source, []
+    for key in DECODER_SUB_CONFIGS:
+        sub_class = getattr(config_class, "sub_configs", {}).get(key)
+        if sub_class is None:
+            continue
+        path.append(key)
+        if not isinstance(config.get(key), Mapping):
+            raise ThinkerError(
+                f"the source config.json (model_type {model_type!r}) has no {'.'.join(path)}, which holds its text "
+                f"decoder's sizes (transformers would take its defaults); restore it from the model's repository"
+            )
+        config_class, config = sub_class, config[key]
+
+
 def text_decoder_config(hf: PreTrainedConfig) -> PreTrainedConfig:
     """The text decoder's config: the config itself, or a vision-language config's ``text_config``, given the tie
     setting of the model that holds the head (transformers ties a vision-language model's head by the outer
@@ -418,7 +440,9 @@ def hf_family(
 
     def translate_config(source: Mapping[str, Any]) -> dict[str, Any]:
         declared = source.get("model_type")
-        hf = load_hf_config(source, declared if declared in model_types else model_types[0])
+        model_type = declared if declared in model_types else model_types[0]
+        refuse_missing_decoder_config(source, model_type)
+        hf = load_hf_config(source, model_type)
         decoder = (decoder_config or text_decoder_config)(hf)
         common = decoder_fields(decoder, layer_types, partial_rotary)
         return common | (moe_fields(decoder) if moe else {}) | fields(decoder)

@@ -523,6 +523,18 @@ def test_what_thinker_cannot_represent_is_refused_by_key(vl_source, tmp_path, te
     assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
 
 
+def test_a_vision_language_config_without_its_text_config_is_refused_by_key(vl_source, tmp_path):
+    """Without it transformers takes its default sizes, and every tensor would be reported missing or misshapen."""
+    source = edited_copy(vl_source, tmp_path / "source")
+    config = json.loads((source / "config.json").read_text())
+    del config["text_config"]
+    (source / "config.json").write_text(json.dumps(config))
+    result = cli(source, tmp_path / "out", "--no-verify")
+    assert result.exit_code == 1, result.output
+    assert "(model_type 'qwen3_5') has no text_config, which holds its text decoder's sizes" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
 def test_hub_config_spelling_of_qwen3_5(vl_source, tmp_path):
     """Hub config.json files of Qwen3.5 may name ``full_attention_interval`` instead of ``layer_types``, carry the
     vLLM keys ``attn_output_gate`` / ``mamba_ssm_dtype`` / ``mtp_num_hidden_layers`` and an ``mlp_only_layers`` the

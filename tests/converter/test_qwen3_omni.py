@@ -116,3 +116,18 @@ def test_qwen3_omni_refuses_unknown_tensors(omni_source, tmp_path):
     result = cli_convert(source, tmp_path / "out", "--no-verify")
     assert result.exit_code == 1 and "thinker.model.extra_proj.weight" in result.output
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("missing", [("thinker_config",), ("thinker_config", "text_config")], ids=".".join)
+def test_qwen3_omni_without_its_decoder_config_is_refused_by_key(missing, omni_source, tmp_path):
+    source = shutil.copytree(omni_source, tmp_path / "source")
+    config = json.loads((source / "config.json").read_text())
+    *outer, last = missing
+    section = config
+    for key in outer:
+        section = section[key]
+    del section[last]
+    (source / "config.json").write_text(json.dumps(config))
+    result = cli_convert(source, tmp_path / "out", "--no-verify")
+    assert result.exit_code == 1 and f"has no {'.'.join(missing)}, which holds" in result.output, result.output
+    assert not (tmp_path / "out").exists()
