@@ -65,7 +65,8 @@ With --to FAMILY the direction reverses: SOURCE is a Thinker folder, written bac
 
 Before any weight is read, the mapping is checked from the tensor headers: every source tensor must be mapped or
 dropped on purpose, every Thinker parameter produced once with the right shape, and the tie setting must match
-the tensors; otherwise nothing is written and the error names the tensors. Weights are then streamed one tensor
+the tensors (a tied checkpoint may also hold its head, if it equals the embedding: compared, then dropped);
+otherwise nothing is written and the error names the tensors. Weights are then streamed one tensor
 (or one layer's experts) at a time, so memory stays at the largest tensor, not the model.
 
 Every conversion is verified against the source family's own transformers class before OUTPUT is installed: the

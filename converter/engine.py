@@ -186,7 +186,8 @@ def plan_conversion(
     _check_tie(family, config, set(names))
     steps = _select_steps(family, config, expected, set(names))
     check_float_sources(family, steps, source)
-    _check_sources_used(family, config, steps, names)
+    duplicate_head = _duplicate_tied_head(family, config, steps, source)
+    _check_sources_used(family, config, steps, names, duplicate_head)
     if family.check_source is not None:
         family.check_source(config, source)
     _check_targets_produced(family, steps, expected)
@@ -194,7 +195,8 @@ def plan_conversion(
 
     steps = in_source_order(steps, names)
     shapes = {target: expected[target] for step in steps for target in step.targets}
-    dropped = sorted(set(names) & _dropped_names(family, config) | _dropped_by_prefix(family, names, config))
+    dropped = set(names) & _dropped_names(family, config) | _dropped_by_prefix(family, names, config)
+    dropped = sorted(dropped | duplicate_head)
     return Plan(family, config, steps, shapes, output_dtype, dropped, kept_wider(dtype, output_dtype, steps, source))
 
 
@@ -243,18 +245,39 @@ def _check_counts(family: Family, counts: Mapping[str, Any], bounds: Mapping[str
 def _check_tie(family: Family, config: ThinkerConfig, names: set[str]) -> None:
     if family.head is None:
         return
-    if config.tie_word_embeddings and family.head in names:
-        raise ThinkerError(
-            f"the config ties the output head to the embeddings (tie_word_embeddings=true), but the checkpoint also "
-            f"holds a separate {family.head}; set tie_word_embeddings to false in the source config.json if the "
-            "head is trained separately"
-        )
     if not config.tie_word_embeddings and family.head not in names:
         raise ThinkerError(
             f"the config has an untied output head (tie_word_embeddings=false), but the checkpoint holds no "
             f"{family.head}; set tie_word_embeddings to true in the source config.json if the head reuses the "
             "embeddings"
         )
+
+
+def _duplicate_tied_head(family: Family, config: ThinkerConfig, steps: list[Step], source: TensorSource) -> set[str]:
+    """The head a tied checkpoint also stores (fine-tunes and merges save one), dropped when it holds the embedding's
+    values, as transformers' class then ties it to the embedding; one with other values is refused, since a tie
+    would silently discard a head that was trained on its own. Compared piece by piece: never a table in memory."""
+    if family.head is None or not config.tie_word_embeddings or family.head not in source.names():
+        return set()
+    embedding = next((step for step in steps if "model.embed_tokens.weight" in step.targets), None)
+    if embedding is None or not _same_values(source, embedding.sources, family.head):
+        raise ThinkerError(
+            f"the config ties the output head to the embeddings (tie_word_embeddings=true), but the checkpoint also "
+            f"holds a separate {family.head} with other values; set tie_word_embeddings to false in the source "
+            "config.json if the head is trained separately"
+        )
+    return {family.head}
+
+
+def _same_values(source: TensorSource, embedding: tuple[str, ...], head: str) -> bool:
+    if len(embedding) != 1 or source.shape(embedding[0]) != source.shape(head):
+        return False
+    (name,) = embedding
+    if source.dtype(name) != source.dtype(head) or not hasattr(source, "read_pieces"):
+        return torch.equal(source.load(name), source.load(head).to(source.dtype(name)))
+    buffers = torch.empty(COPY_PIECE, dtype=torch.uint8), torch.empty(COPY_PIECE, dtype=torch.uint8)
+    pieces = zip(source.read_pieces(name, buffers[0]), source.read_pieces(head, buffers[1]), strict=True)
+    return all(torch.equal(a, b) for a, b in pieces)
 
 
 def _select_steps(
@@ -333,8 +356,10 @@ def _dropped_by_prefix(family: Family, names: list[str], config: ThinkerConfig) 
     return dropped
 
 
-def _check_sources_used(family: Family, config: ThinkerConfig, steps: list[Step], names: list[str]) -> None:
-    used = {name for step in steps for name in step.sources} | _dropped_names(family, config)
+def _check_sources_used(
+    family: Family, config: ThinkerConfig, steps: list[Step], names: list[str], dropped: set[str]
+) -> None:
+    used = {name for step in steps for name in step.sources} | _dropped_names(family, config) | dropped
     used |= _dropped_by_prefix(family, names, config)
     unexpected = [name for name in names if name not in used]
     if unexpected:

@@ -191,8 +191,23 @@ def test_config_that_does_not_describe_the_weights(qwen2_tensors):
 
 def test_tied_config_with_a_separate_head(qwen2_tensors):
     tensors, plan = qwen2_tensors
-    with pytest.raises(ThinkerError, match=r"tie_word_embeddings=true.*separate lm_head\.weight"):
+    with pytest.raises(ThinkerError, match=r"tie_word_embeddings=true.*separate lm_head\.weight with other values"):
         plan(tensors, tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("head_dtype", [torch.float32, torch.bfloat16], ids=["same-dtype", "other-dtype"])
+def test_tied_config_with_a_copy_of_the_embedding_as_head(qwen2_tensors, head_dtype):
+    """Fine-tunes and merges save the tied head as well: one equal to the embedding is dropped, as transformers ties
+    it; one value off is refused (bytes compared piece by piece, or values across dtypes)."""
+    tensors, plan = qwen2_tensors
+    embedding = tensors["model.embed_tokens.weight"].to(torch.bfloat16).float()  # exact in either dtype
+    copy = dict(tensors, **{"model.embed_tokens.weight": embedding, "lm_head.weight": embedding.to(head_dtype).clone()})
+    result = plan(copy, tie_word_embeddings=True)
+    assert result.dropped == ["lm_head.weight"] and "lm_head.weight" not in result.shapes
+    off = embedding.clone()
+    off[-1, -1] += 1
+    with pytest.raises(ThinkerError, match=r"separate lm_head\.weight with other values"):
+        plan(dict(copy, **{"lm_head.weight": off.to(head_dtype)}), tie_word_embeddings=True)
 
 
 def test_untied_config_without_a_head(qwen2_tensors):
