@@ -115,7 +115,10 @@ def _shard_path(root: Path, index_path: Path, file_name: str) -> Path:
         raise ThinkerError(f"{index_path}: shard name {file_name!r} points outside {root}; refusing to read it")
     path = root / name
     if not os.path.lexists(path):
-        raise ThinkerError(f"{index_path}: names shard {file_name!r}, which is missing from {root}")
+        raise ThinkerError(
+            f"{index_path}: names shard {file_name!r}, which is missing from {root}; the download is incomplete: "
+            f"{redownload(path)}"
+        )
     return checked_file(path, root)
 
 
@@ -273,12 +276,44 @@ def _data_byte_ranges(path: Path) -> dict[str, tuple[int, int]]:
     }
 
 
+# transformers' shard names, "model-00001-of-00003.safetensors": the set they belong to says how many there are.
+_NUMBERED_SHARD = re.compile(r"(?P<stem>.+)-(?P<number>\d{5})-of-(?P<count>\d{5})\.(?P<suffix>safetensors|bin)")
+
+
+def unindexed_shards(root: Path, index_name: str) -> list[str]:
+    """The numbered shards (``model-00001-of-00002.safetensors``) of a folder that lacks their index ``index_name``
+    (which transformers needs to load them), by name; empty where there is an index or no numbered shard."""
+    suffix = index_name.removesuffix(".index.json").rsplit(".", 1)[-1]
+    if os.path.lexists(root / index_name):
+        return []
+    found = (_NUMBERED_SHARD.fullmatch(path.name) for path in root.glob(f"*.{suffix}"))
+    return sorted(match[0] for match in found if match)
+
+
+def check_shard_set(root: Path, index_name: str) -> None:
+    """Refuse a folder of numbered shards without their index when one of the set is missing: the tensors it holds
+    would otherwise be reported as absent from the checkpoint, not as a file missing from the folder."""
+    present_names = unindexed_shards(root, index_name)
+    sets = {(m["stem"], m["count"], m["suffix"]) for m in map(_NUMBERED_SHARD.fullmatch, present_names)}
+    for stem, count, suffix in sorted(sets):
+        expected = [f"{stem}-{number:05d}-of-{count}.{suffix}" for number in range(1, int(count) + 1)]
+        missing = [name for name in expected if name not in present_names]
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise ThinkerError(
+                f"{root}: holds shards of a set of {int(count)} ({present_names[0]}, ...) but not {missing[0]}{more}, "
+                f"and no {index_name}; the download is incomplete: {redownload(root / missing[0])}"
+            )
+
+
 def safetensors_files(root: Path) -> list[Path]:
-    """The shards of a folder: those its index names (checked to exist), else every ``*.safetensors`` file."""
+    """The shards of a folder: those its index names (checked to exist), else every ``*.safetensors`` file (a
+    numbered set checked to be whole)."""
     index_path = root / SAFETENSORS_INDEX
     if os.path.lexists(index_path):
         names = sorted(set(_read_index(index_path, root).values()))
         return [_shard_path(root, index_path, name) for name in names]
+    check_shard_set(root, SAFETENSORS_INDEX)
     return [checked_file(path, root) for path in sorted(root.glob("*.safetensors"))]
 
 
@@ -380,6 +415,7 @@ def bin_files(root: Path) -> list[Path]:
     if os.path.lexists(index_path):
         names = sorted(set(_read_index(index_path, root).values()))
         return [_shard_path(root, index_path, name) for name in names]
+    check_shard_set(root, BIN_INDEX)
     return [checked_file(path, root) for path in sorted([*root.glob("*.bin"), *root.glob("*.pth"), *root.glob("*.pt")])]
 
 

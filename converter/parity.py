@@ -32,6 +32,7 @@ from common.eager import EAGER
 from common.errors import ThinkerError
 from common.parity_inputs import RELATIVE_TOLERANCE, fixed_prompts, left_padded
 from common.sizes import human_size, parse_size
+from common.sources import BIN_INDEX, SAFETENSORS_INDEX, unindexed_shards
 from thinker import ThinkerForCausalLM
 from thinker.modeling_thinker import CACHE_ARG
 
@@ -86,6 +87,13 @@ def reference_from_pretrained(label: Path, folder: Path, **kwargs: Any) -> PreTr
             **kwargs,
         )
     except Exception as err:  # transformers raises many types for a folder it cannot load; all are the folder's
+        for index_name in (SAFETENSORS_INDEX, BIN_INDEX):
+            if shards := unindexed_shards(Path(folder), index_name):
+                raise ThinkerError(
+                    f"{label}: its shards ({shards[0]}, ...) have no {index_name}, which transformers needs to load "
+                    f"them, so there is no reference to verify against; restore the index from the model's "
+                    "repository, or convert with --no-verify"
+                ) from None
         raise ThinkerError(
             f"{label}: the reference model does not load with transformers ({err}), so there is no reference to "
             "verify against; convert with --no-verify"

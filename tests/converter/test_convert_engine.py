@@ -580,3 +580,29 @@ def test_one_fsync_per_shard(save_reference, run_convert, monkeypatch):
     result = run_convert(source, verify=False, max_shard_size="20KB")
     shards = [name for name in result.files if name.endswith(".safetensors")]
     assert len(shards) > 3 and len(synced) == len(shards)
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "bin"])
+def test_numbered_shards_without_their_index(save_reference, run_convert, kind):
+    """Without its index the converter reads a whole set of shards (--no-verify), where transformers' reference
+    cannot: the gate's error says so; a set that lacks a member is refused by the file's name, not as missing
+    tensors."""
+    model, source = save_reference(Qwen2Config(**QWEN2, tie_word_embeddings=False), max_shard_size="20KB")
+    (source / "model.safetensors.index.json").unlink()
+    index = "model.safetensors.index.json"
+    if kind == "bin":  # transformers 5 writes safetensors only: the same shards as an older save's .bin files
+        index = "pytorch_model.bin.index.json"
+        for shard in source.glob("model-*.safetensors"):
+            torch.save(
+                load_file(shard),
+                source / shard.name.replace("model-", "pytorch_model-").replace(".safetensors", ".bin"),
+            )
+            shard.unlink()
+    shards = sorted(path.name for path in source.iterdir() if "-of-" in path.name)
+    assert len(shards) > 2
+    assert_same_logits(model, run_convert(source, "unverified", verify=False).output)
+    with pytest.raises(ThinkerError, match=rf"its shards \({shards[0]}, \.\.\.\) have no {index}, which transformers"):
+        run_convert(source, "verified")
+    (source / shards[1]).unlink()
+    with pytest.raises(ThinkerError, match=rf"of a set of {len(shards)} .* but not {shards[1]}, and no {index}"):
+        run_convert(source, "incomplete", verify=False)
