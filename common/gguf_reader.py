@@ -107,6 +107,9 @@ class GGUFSource:
         """A GGUF file carries its tokenizer as metadata; transformers rebuilds it, and it is saved as usual files."""
         from transformers import AutoTokenizer
 
+        if "tokenizer.ggml.model" not in self.metadata:  # transformers would say "stating tokenizer None"
+            log.warning("%s holds no tokenizer (no tokenizer.ggml.* metadata); the output has no tokenizer", self.path)
+            return []
         try:
             tokenizer = AutoTokenizer.from_pretrained(self.root, gguf_file=self.path.name, trust_remote_code=False)
         except Exception as err:  # tokenizer conversion has many failure modes; the weights are still good

@@ -443,8 +443,10 @@ def open_source(root: Path) -> TensorSource:
 
         return GGUFSource(ggufs[0])
     if len(ggufs) > 1:
+        shown = ", ".join(path.name for path in ggufs[:4]) + (f", ... ({len(ggufs)} in all)" if len(ggufs) > 4 else "")
         raise ThinkerError(
-            f"{root}: holds several .gguf files; pass the one to convert as SOURCE, or name it with --gguf-file"
+            f"{root}: holds several .gguf files ({shown}); pass the one to convert as SOURCE, or name it with "
+            "--gguf-file"
         )
     nested = sorted(path.relative_to(root).as_posix() for path in root.glob("*/**/*.gguf"))
     if nested:  # GGUF repos often keep each quantisation in a folder of its own

@@ -258,8 +258,11 @@ def work_folder(output: Path, needed: int | None = None) -> Iterator[Path]:
         staging.mkdir()
     except OSError as err:
         _remove_empty(created)
+        # Named where it failed: the folder that exists, which is OUTPUT's parent unless the run had to create that.
+        where = next((folder for folder in output.parents if folder.exists()), output.parent)
+        what = "OUTPUT there" if where == output.parent else f"{os.path.relpath(output, where)} in it"
         raise ThinkerError(
-            f"{output.parent}: cannot create OUTPUT there ({err.strerror or err}); choose a folder you can write to"
+            f"{where}: cannot create {what} ({err.strerror or err}); choose a folder you can write to"
         ) from None
     try:
         try:

@@ -199,8 +199,8 @@ def convert_command(
         from .back import convert_back
 
         if revision is not None or gguf_file is not None:
-            given = "--revision" if revision is not None else "--gguf-file"
-            raise ThinkerError(f"{given} applies to a Hub or GGUF SOURCE; --to takes a local Thinker folder")
+            given = "--revision picks a Hub revision" if revision is not None else "--gguf-file picks a GGUF file"
+            raise ThinkerError(f"{given} of SOURCE; --to takes a local Thinker folder, with neither")
         result = convert_back(
             source,
             output,

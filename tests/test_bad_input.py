@@ -242,6 +242,8 @@ def test_output_where_no_folder_can_be(qwen3_source, tmp_path):
     (tmp_path / "a-file").write_text("")
     result = thinker("convert", qwen3_source, tmp_path / "a-file" / "out", "--no-verify")
     assert_error(result, str(tmp_path / "a-file"), "cannot create OUTPUT there")
+    deeper = thinker("convert", qwen3_source, tmp_path / "a-file" / "deeper" / "out", "--no-verify")
+    assert_error(deeper, f"{tmp_path / 'a-file'}: cannot create deeper/out in it")
 
 
 @pytest.mark.parametrize("command", ["convert", "export"])

@@ -64,11 +64,19 @@ def detect_family(source_config: Mapping[str, Any], tensor_names: Collection[str
         raise ThinkerError(UNSUPPORTED_GGUF[model_type])
     # the names of this kind of source: config.json's model_types, or a GGUF's general.architecture values
     supported = sorted({name for family in FAMILIES if family.model_type_key == key for name in family.model_types})
+    if any(name.startswith("base_model.model.") for name in tensor_names):  # peft's save_pretrained of an adapter
+        raise ThinkerError(
+            "the source holds a PEFT adapter (tensor names under base_model.model., "
+            f"{sorted(tensor_names)[0]}), not a model: merge it into its base model first (peft's "
+            "PeftModel.from_pretrained(base, SOURCE).merge_and_unload().save_pretrained(FOLDER)) and convert FOLDER"
+        )
     if model_type in supported:
         raise ThinkerError(
             f"the source declares {key} {model_type!r}, but its tensor names match no known layout of it "
             f"(first tensors: {', '.join(sorted(tensor_names)[:3])})"
         )
+    if key == "general.architecture":  # a GGUF file: its metadata has no class names, and no config keys to match
+        raise ThinkerError(f"GGUF {key} {model_type!r} is not supported; supported: {', '.join(supported)}")
     by_keys = [f"{family.name} ({', '.join(family.config_keys)})" for family in FAMILIES if family.config_keys]
     raise ThinkerError(
         f"source {key} {model_type!r} (architectures {source_config.get('architectures')}) is not supported; "

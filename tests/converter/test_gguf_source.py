@@ -21,6 +21,7 @@ from transformers.initialization import no_init_weights
 from common.errors import ThinkerError
 from common.gguf_reader import GGUFSource
 from common.sources import open_source
+from converter.families import detect_family
 from converter.families.gguf import (
     GGUF_TENSOR_NAMES,
     ROPE_PERMUTED_ARCHITECTURES,
@@ -261,6 +262,24 @@ def test_synthetic_dtypes_and_values(tmp_path: Path) -> None:
     src.close()
 
 
+def test_a_gguf_without_a_tokenizer_says_so(tmp_path: Path, caplog) -> None:
+    """No tokenizer.ggml.model: no tokenizer files, and a warning that says why (not transformers' "tokenizer None")."""
+    _write_gguf(tmp_path / "tiny.gguf")
+    (tmp_path / "out").mkdir()
+    source = open_source(tmp_path)
+    with caplog.at_level("WARNING"):
+        assert source.save_tokenizer(tmp_path / "out") == []
+    assert "holds no tokenizer (no tokenizer.ggml.* metadata)" in caplog.text
+    source.close()
+
+
+def test_several_ggufs_in_a_folder_are_listed(tmp_path: Path) -> None:
+    for name in ("a-Q4_0.gguf", "b-F16.gguf"):
+        _write_gguf(tmp_path / name)
+    with pytest.raises(ThinkerError, match=r"several \.gguf files \(a-Q4_0\.gguf, b-F16\.gguf\); pass the one"):
+        open_source(tmp_path)
+
+
 def test_not_gguf_missing_and_empty_files(tmp_path: Path) -> None:
     text = tmp_path / "model.gguf"
     text.write_text("this is not a gguf file\n")
@@ -339,6 +358,15 @@ def test_rope_scaling() -> None:
     }
     with pytest.raises(ThinkerError, match="rope_freqs"):
         gguf_to_hf_config(_metadata("llama"), ["rope_freqs.weight"])
+
+
+def test_an_unsupported_gguf_is_named_as_a_gguf() -> None:
+    """A GGUF has no class names or config keys: the error names only its general.architecture and the supported."""
+    with pytest.raises(
+        ThinkerError, match=r"^GGUF general.architecture 'phi3' is not supported; supported: llama,"
+    ) as err:
+        detect_family({"general.architecture": "phi3"}, ["token_embd.weight"])
+    assert "architectures" not in str(err.value) and "uomni" not in str(err.value)
 
 
 def test_unsupported_architecture_and_missing_keys() -> None:

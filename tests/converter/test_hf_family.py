@@ -17,6 +17,7 @@ from transformers import Qwen3Config
 from common.errors import ThinkerError
 from common.sources import SafetensorsSource
 from converter.engine import plan_conversion, write_weights
+from converter.families import detect_family
 from converter.families.common import (
     ATTENTION,
     DENSE_MLP,
@@ -80,3 +81,9 @@ def test_a_tensor_outside_every_layout_and_prefix_is_refused(tmp_path):
     source = save(build_reference(CONFIG), tmp_path / "source", "vl", {"model.audio.proj.weight": torch.ones(2)})
     with pytest.raises(ThinkerError, match=r"no qwen3_layouts rule maps .*model\.audio\.proj\.weight"):
         plan_conversion(source, source.config(), family=FAMILY)
+
+
+def test_a_peft_adapter_is_named_as_one() -> None:
+    names = ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
+    with pytest.raises(ThinkerError, match=r"holds a PEFT adapter .*merge_and_unload\(\)"):
+        detect_family({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}, names)

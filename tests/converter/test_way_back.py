@@ -133,6 +133,10 @@ def test_way_back_refuses_what_the_family_cannot_express(tmp_path):
     not_thinker = cli(source, tmp_path / "back", "--to", "qwen3")
     assert not_thinker.exit_code == 1 and "Thinker folder" in not_thinker.output
 
+    for option, what in [("--revision", "a Hub revision"), ("--gguf-file", "a GGUF file")]:
+        picked = cli(tmp_path / "thinker", tmp_path / "back", "--to", "qwen2", option, "v1")
+        assert picked.exit_code == 1 and f"{option} picks {what} of SOURCE; --to takes a local" in picked.output
+
 
 def test_the_help_names_every_family_with_a_way_back():
     """``--help`` is written out (the CLI imports no converter for it); this holds it to the families' tables."""
