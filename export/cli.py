@@ -37,6 +37,11 @@ from .names import (
     POSITIONS,
 )
 
+# More threads than any machine has cores only costs memory: onnxruntime makes every one it is asked for (a
+# hundred thousand took 17 GB before the first token). The bound is generous, since --threads of `thinker export`
+# is written into genai_config.json for the machine that will run the model.
+MAX_THREADS = 1024
+
 
 @click.command("export", context_settings=CONTEXT)
 @click.argument("model_dir", metavar="MODEL_DIR")
@@ -189,7 +194,7 @@ from .names import (
 )
 @click.option(
     "--threads",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=MAX_THREADS),
     default=None,
     help="intra-op threads written into genai_config.json (when not given: 0, which onnxruntime-genai reads as "
     "one per physical core of the machine that runs the model) and used by --verify (when not given: this "
@@ -413,7 +418,7 @@ def genai_figure(figures: dict) -> str:
 )
 @click.option(
     "--threads",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=MAX_THREADS),
     default=None,
     help="CPU threads: onnxruntime's intra-op threads for an ONNX folder, torch's for a Thinker folder "
     "[default: each library's own, the physical cores].",

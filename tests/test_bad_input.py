@@ -340,6 +340,14 @@ def test_an_unknown_provider(qwen3_onnx):
     assert_usage_error(thinker("generate", qwen3_onnx, "-p", "the cat", "--provider", "tpu"), "'--provider'")
 
 
+@pytest.mark.parametrize("command", ["generate", "export"])
+def test_threads_beyond_any_machine_are_refused(command, qwen3_onnx, qwen3_thinker, tmp_path):
+    """onnxruntime makes every thread it is asked for: a hundred thousand took 17 GB before the first token."""
+    args = [qwen3_onnx, "-p", "the cat"] if command == "generate" else [qwen3_thinker, tmp_path / "out"]
+    assert_usage_error(thinker(command, *args, "--threads", "100000"), "'--threads'", "1<=x<=1024")
+    assert not (tmp_path / "out").exists()
+
+
 # --- generate ----------------------------------------------------------------------------------------------------
 
 
