@@ -49,6 +49,7 @@ from .names import (
     MODEL_FILE,
     POSITIONS,
     REPORT_FILE,
+    WEIGHTS_SIZE_KEY,
 )
 from .quantize import HEAD, QuantizeSpec, WeightQuantizer, cuda_experts_note
 from .verify import WHOLE, verify_export, verify_plan
@@ -211,6 +212,8 @@ def export_model(
                 progress,
             )
             files = counted(files)
+        # after the guard, which may rewrite the weights; the genai graph copies the stamp
+        stamp_weights_size(files.model_path)
         copy_side_files(model_dir, final)
         generation_config = read_json(model_dir / "generation_config.json")
         if not config.qwen4_exp_features:  # Qwen3.8's states are more than onnxruntime-genai carries: genai_note
@@ -340,6 +343,20 @@ def build_onnx(
         parameters=parameters,
         data_bytes=data.bytes_written,
     )
+
+
+def stamp_weights_size(model_path: Path) -> None:
+    """Record the weights file's size in the graph (``WEIGHTS_SIZE_KEY``), so that a graph beside another export's
+    weights is refused by name (``runtime.check_external_data``) instead of running over the wrong bytes."""
+    model = onnx.load(str(model_path), load_external_data=False)
+    size = (model_path.parent / DATA_FILE).stat().st_size
+    for prop in model.metadata_props:
+        if prop.key == WEIGHTS_SIZE_KEY:
+            prop.value = str(size)
+            break
+    else:
+        model.metadata_props.add(key=WEIGHTS_SIZE_KEY, value=str(size))
+    onnx.save_model(model, model_path)
 
 
 def check_paths(model_dir: Path) -> None:

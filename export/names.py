@@ -93,3 +93,8 @@ def export_context(max_position_embeddings: int, rope_parameters: dict | None) -
         if stretched > max_position_embeddings:
             return stretched, f"{rope['rope_type']}'s factor {factor:g} x {trained} trained positions"
     return max_position_embeddings, "max_position_embeddings"
+
+
+# model.onnx's metadata key for the size of the weights file it was exported with (export/exporter.py
+# ``stamp_weights_size``), which export/runtime.py checks: a graph beside another export's weights is refused.
+WEIGHTS_SIZE_KEY = "thinker.weights_bytes"

@@ -376,6 +376,13 @@ def test_bad_prompts(qwen3_onnx, tmp_path):
     assert_error(result, "the tokenizer gives token id 8 for --prompt, beyond the model's vocabulary of 8")
 
 
+def another_exports_weights(folder: Path) -> None:
+    """A weights file larger than the graph reads, as another export's beside this graph: it would run, over the
+    wrong bytes, had the export not stamped its weights file's size in the graph."""
+    with open(folder / "model.onnx.data", "ab") as data:
+        data.write(bytes(4096))
+
+
 @pytest.mark.parametrize(
     "damage, fragments",
     [
@@ -383,8 +390,9 @@ def test_bad_prompts(qwen3_onnx, tmp_path):
         (lambda f: (f / "model.onnx").write_bytes(b"\x08\x07\x12\xff"), ["model.onnx", "export it again"]),
         (lambda f: (f / "model.onnx.data").write_bytes(b"short"), ["model.onnx.data: 5 bytes", "is truncated"]),
         (lambda f: (f / "tokenizer.json").unlink(), ["no usable tokenizer"]),
+        (another_exports_weights, ["model.onnx.data", "bytes, but model.onnx was exported with", "another export"]),
     ],
-    ids=["no model.onnx.data", "corrupt model.onnx", "truncated model.onnx.data", "no tokenizer"],
+    ids=["no model.onnx.data", "corrupt model.onnx", "truncated model.onnx.data", "no tokenizer", "foreign weights"],
 )
 def test_generate_with_an_incomplete_onnx_folder(damage, fragments, qwen3_onnx, tmp_path):
     folder = shutil.copytree(qwen3_onnx, tmp_path / "onnx")
