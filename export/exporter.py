@@ -36,7 +36,7 @@ from .decoder_graph import IR_VERSION, OPSET, DecoderGraph, make_model, not_expo
 from .folder_check import check_thinker_folder
 from .genai_config import logits_note, make_genai_config, no_eos_note, search_options
 from .genai_graph import write_genai_graph
-from .graph_builder import GraphBuilder, WeightFile
+from .graph_builder import GraphBuilder, WeightFile, stamp_weights_size
 from .graph_walk import all_nodes
 from .model_card import write_onnx_card
 from .names import (
@@ -49,7 +49,6 @@ from .names import (
     MODEL_FILE,
     POSITIONS,
     REPORT_FILE,
-    WEIGHTS_SIZE_KEY,
 )
 from .quantize import HEAD, QuantizeSpec, WeightQuantizer, cuda_experts_note
 from .verify import WHOLE, verify_export, verify_plan
@@ -213,7 +212,7 @@ def export_model(
             )
             files = counted(files)
         # after the guard, which may rewrite the weights; the genai graph copies the stamp
-        stamp_weights_size(files.model_path)
+        stamp_graph_file(files.model_path)
         copy_side_files(model_dir, final)
         generation_config = read_json(model_dir / "generation_config.json")
         if not config.qwen4_exp_features:  # Qwen3.8's states are more than onnxruntime-genai carries: genai_note
@@ -345,17 +344,10 @@ def build_onnx(
     )
 
 
-def stamp_weights_size(model_path: Path) -> None:
-    """Record the weights file's size in the graph (``WEIGHTS_SIZE_KEY``), so that a graph beside another export's
-    weights is refused by name (``runtime.check_external_data``) instead of running over the wrong bytes."""
+def stamp_graph_file(model_path: Path) -> None:
+    """``graph_builder.stamp_weights_size`` on the graph file, once the weights are final."""
     model = onnx.load(str(model_path), load_external_data=False)
-    size = (model_path.parent / DATA_FILE).stat().st_size
-    for prop in model.metadata_props:
-        if prop.key == WEIGHTS_SIZE_KEY:
-            prop.value = str(size)
-            break
-    else:
-        model.metadata_props.add(key=WEIGHTS_SIZE_KEY, value=str(size))
+    stamp_weights_size(model, model_path.parent / DATA_FILE)
     onnx.save_model(model, model_path)
 
 

@@ -54,8 +54,9 @@ from .dequantize import (
     dequantize_qmoe,
     record_grid,
 )
-from .graph_builder import WeightFile
+from .graph_builder import WeightFile, stamp_weights_size
 from .graph_walk import all_nodes
+from .names import WEIGHTS_SIZE_KEY
 
 FLOAT_FALLBACK_BITS = 8
 # New weights by name, each made when it is written (one in memory at a time).
@@ -217,4 +218,6 @@ def _rewrite_weights(model, onnx_path: Path, kept, added: NewWeights) -> int:
         ) from err
     del model.graph.initializer[:]
     model.graph.initializer.extend(initializers)
+    if any(prop.key == WEIGHTS_SIZE_KEY for prop in model.metadata_props):
+        stamp_weights_size(model, data_path)
     return written
