@@ -91,6 +91,7 @@ def write_onnx_card(folder: Path, thinker_folder: Path, report: dict, name: str)
     precision = report["dtype"]
     if quantized:
         precision += f", weights {quantized['weights']} in blocks of {quantized['block_size']} ({quantized['algo']})"
+        precision += head_precision(quantized)
     files = (
         "`genai_config.json` for onnxruntime-genai"
         if genai
@@ -107,7 +108,7 @@ def write_onnx_card(folder: Path, thinker_folder: Path, report: dict, name: str)
 
 The decoder of {decoder}{origin}, exported by `thinker export` as ONNX ({precision}, the {report["graph"]} graph)
 with its whole decoding state as inputs and outputs: `model.onnx` for onnxruntime on any padding, {files}.
-{tokenizer}
+{LAST_LOGITS if report.get("logits") == "last" else ""}{tokenizer}
 
 ## Run
 
@@ -115,6 +116,18 @@ with its whole decoding state as inputs and outputs: `model.onnx` for onnxruntim
 """
     write_card(folder, metadata, body, verify_section(report))
     return ["README.md", *copy_license(thinker_folder, folder)]
+
+
+# --logits last: what a caller scoring a text must know before it reads the logits.
+LAST_LOGITS = "Its logits are each row's last position only, `[batch, 1, vocab]` (`--logits last`): for generation. "
+
+
+def head_precision(quantized: dict) -> str:
+    """The head's precision where it is not the weights' (``export_report.json``'s quantize entry)."""
+    head = quantized.get("head")
+    if head == "mixed":
+        return f", the head int8 for its first {quantized['head_int8_rows']} rows and {quantized['weights']} after"
+    return f", the head {head}" if head and head != quantized["weights"] else ""
 
 
 GENAI_RUN = """```python

@@ -47,6 +47,19 @@ def test_the_onnx_folder_carries_a_model_card(runner, thinker_folder, tmp_path):
     graph = json.loads((quantized / "export_report.json").read_text())["verify"]["graph"]
     assert f"max \\|Δlogit\\| {graph['max_abs_diff']:.3g}, tolerance {graph['tolerance']:.3g}" in card.text
     assert "top-1 agreement" in card.text and "perplexity" in card.text
+    assert "the head" not in card.text and "(`--logits last`)" not in card.text  # an int8 head, logits everywhere
+
+
+def test_the_card_names_the_head_and_last_position_logits(runner, thinker_folder, tmp_path):
+    options = ["--quantize", "int4", "--logits", "last", "--no-verify", "--accuracy-guard", "0"]
+    for head, says in [("mixed", "the head int8 for its first 8 rows and int4 after"), ("int8", "the head int8")]:
+        output = tmp_path / head
+        rows = ["--head-int8-rows", "8"] if head == "mixed" else []
+        args = ["export", str(thinker_folder("qwen3")), str(output), *options, "--quantize-head", head, *rows]
+        assert runner.invoke(main, args).exit_code == 0
+        card = (output / "README.md").read_text()
+        assert f"weights int4 in blocks of 32 (rtn), {says}, the fused graph)" in card, card
+        assert "logits are each row's last position only, `[batch, 1, vocab]` (`--logits last`)" in card
 
 
 def test_export_then_generate(runner, thinker_folder, tmp_path):
