@@ -243,6 +243,7 @@ def _check_counts(family: Family, counts: Mapping[str, Any], bounds: Mapping[str
 
 
 def _check_tie(family: Family, config: ThinkerConfig, names: set[str]) -> None:
+    """An untied config must come with its head (a tied one that also holds a head: ``_duplicate_tied_head``)."""
     if family.head is None:
         return
     if not config.tie_word_embeddings and family.head not in names:

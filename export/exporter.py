@@ -211,8 +211,6 @@ def export_model(
                 progress,
             )
             files = counted(files)
-        # after the guard, which may rewrite the weights; the genai graph copies the stamp
-        stamp_graph_file(files.model_path)
         copy_side_files(model_dir, final)
         generation_config = read_json(model_dir / "generation_config.json")
         if not config.qwen4_exp_features:  # Qwen3.8's states are more than onnxruntime-genai carries: genai_note
@@ -324,6 +322,7 @@ def build_onnx(
         weights.close()
     metadata = {"thinker.dtype": str(dtype).removeprefix("torch."), "thinker.source": str(model_dir)}
     model = make_model(graph, metadata, contrib_ops=contrib_ops)
+    stamp_weights_size(model, out_dir / DATA_FILE)  # restamped by the accuracy guard's fallback if it rewrites them
     model_path = out_dir / MODEL_FILE
     onnx.save_model(model, model_path)  # the proto alone: the weights are in DATA_FILE already
     if contrib_ops:
@@ -342,13 +341,6 @@ def build_onnx(
         parameters=parameters,
         data_bytes=data.bytes_written,
     )
-
-
-def stamp_graph_file(model_path: Path) -> None:
-    """``graph_builder.stamp_weights_size`` on the graph file, once the weights are final."""
-    model = onnx.load(str(model_path), load_external_data=False)
-    stamp_weights_size(model, model_path.parent / DATA_FILE)
-    onnx.save_model(model, model_path)
 
 
 def check_paths(model_dir: Path) -> None:
