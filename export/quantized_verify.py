@@ -58,10 +58,12 @@ from .verify import (
     REFERENCE_DTYPE,
     STREAMED,
     WHOLE,
+    beyond,
     compare_decoders,
     genai_graph_failures,
     genai_graph_of,
     indexer_failures,
+    judged_diff,
 )
 
 # The graph check's tolerance floor on ill-conditioned inputs: SmolLM2's residual stream carries "massive
@@ -363,7 +365,7 @@ def graph_check(
     batch = parity_batch(model.config.vocab_size)
     with float_activation_copy(onnx_path) as exact_path:
         exact = OnnxDecoder(exact_path, provider="cpu", threads=threads)
-        graph = compare_decoders(model, exact, *batch, on_step=on_step)
+        graph = compare_decoders(model, exact, *batch, on_step=on_step, half=dtype)
         if model.config.has_indexed_attention:
             graph["indexer_prompts"] = compare_decoders(model, exact, *indexer_batch(model.config))
             graph["indexer_prompts"]["failures"] = indexer_failures(graph["indexer_prompts"], dtype)
@@ -372,7 +374,7 @@ def graph_check(
     if genai_path:  # onnxruntime-genai's graph over the same weights, on the rows padded on the right
         with float_activation_copy(genai_path) as exact_path:
             exact = OnnxDecoder(exact_path, provider="cpu", threads=threads)
-            graph["genai_graph"] = compare_decoders(model, exact, *batch, right_padded_candidate=True)
+            graph["genai_graph"] = compare_decoders(model, exact, *batch, right_padded_candidate=True, half=dtype)
     graph["rounding_sensitivity"] = rounding_sensitivity(model, *batch)
     graph["tolerance"] = max(
         RELATIVE_TOLERANCE[dtype] * max(1.0, graph["logit_scale"]), SENSITIVITY_MARGIN * graph["rounding_sensitivity"]
@@ -430,11 +432,9 @@ def quantized_result(
             f"the tied embedding dequantizes to a table up to {weights.tied_difference:.3g} off the head's "
             "(it must gather the head's own quantized weights)"
         )
-    if graph["max_abs_diff"] > graph["tolerance"]:
-        failures.append(
-            f"max |Δlogit| {graph['max_abs_diff']:.3g} against the model with the same dequantized weights "
-            f"> tolerance {graph['tolerance']:.3g}"
-        )
+    if judged_diff(graph) > graph["tolerance"]:
+        against = " against the model with the same dequantized weights"
+        failures.append(beyond(graph, graph["tolerance"], against))
     if "genai_graph" in graph:
         failures += genai_graph_failures(graph["genai_graph"], graph["tolerance"])
     if "indexer_prompts" in graph:

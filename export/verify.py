@@ -47,6 +47,7 @@ from common.sources import SafetensorsSource
 from converter.parity import MEMORY_BUDGET_ENV, memory_budget
 from thinker.modeling_thinker import CACHE_ARG, lowest_block_wins_ties
 
+from .half_spread import HALF_PRECISIONS, HalfShadow, excused
 from .names import GENAI_MODEL_FILE
 from .runtime import OnnxDecoder, cuda_usable, position_ids_from_mask
 
@@ -66,11 +67,19 @@ class Agreement:
     positions: int = 0
     top1_equal: int = 0
     per_step: list[float] = field(default_factory=list)
+    half_spread: float | None = None  # the largest half-precision spread, where one is measured
+    beyond_spread: float = 0.0  # the largest difference not excused by its position's spread
 
-    def add(self, reference: np.ndarray, candidate: np.ndarray) -> None:
-        """Adds (N, V) logits of the same N positions."""
+    def add(self, reference: np.ndarray, candidate: np.ndarray, spread: np.ndarray | None = None) -> None:
+        """Adds (N, V) logits of the same N positions; ``spread``: (N,) the reference's own half-precision spread
+        at each (export/half_spread.py), which excuses a difference within HALF_SPREAD_MARGIN times it."""
         diff = np.abs(reference.astype(np.float64) - candidate.astype(np.float64))
         self.max_abs_diff = max(self.max_abs_diff, float(diff.max()))
+        held = diff.max(axis=-1)
+        if spread is not None:
+            self.half_spread = max(self.half_spread or 0.0, float(spread.max()))
+            held = held[~excused(held, spread)]
+        self.beyond_spread = max(self.beyond_spread, float(held.max(initial=0.0)))
         self.abs_diff_sum += float(diff.mean(axis=-1).sum())
         self.logit_scale = max(self.logit_scale, float(np.abs(reference).max()))
         self.positions += reference.shape[0]
@@ -78,7 +87,7 @@ class Agreement:
         self.per_step.append(float(diff.max()))
 
     def figures(self) -> dict:
-        return {
+        figures = {
             "max_abs_diff": self.max_abs_diff,
             "mean_abs_diff": self.abs_diff_sum / max(self.positions, 1),
             "logit_scale": self.logit_scale,
@@ -86,6 +95,24 @@ class Agreement:
             "positions": self.positions,
             "max_abs_diff_per_step": self.per_step,  # prefill first, then each decode step
         }
+        if self.half_spread is not None:
+            figures["half_precision_spread"] = self.half_spread
+            figures["max_abs_diff_beyond_spread"] = self.beyond_spread
+        return figures
+
+
+def judged_diff(figures: dict) -> float:
+    """What a check holds to its tolerance: the largest difference, less those a half-precision graph's positions
+    are excused by their own spread (export/half_spread.py)."""
+    return figures.get("max_abs_diff_beyond_spread", figures["max_abs_diff"])
+
+
+def beyond(figures: dict, tolerance: float, against: str = "") -> str:
+    """A failure's figure: "max |Δlogit| X{against} > tolerance T", saying where positions were left out."""
+    left_out = ""
+    if "max_abs_diff_beyond_spread" in figures:
+        left_out = " (leaving out positions within twice the reference's own half-precision rounding)"
+    return f"max |Δlogit| {judged_diff(figures):.3g}{against}{left_out} > tolerance {tolerance:.3g}"
 
 
 def compare_decoders(
@@ -97,6 +124,7 @@ def compare_decoders(
     on_step: Callable[[], object] | None = None,
     right_padded_candidate: bool = False,
     torch_ties: bool = False,
+    half: torch.dtype | None = None,
 ) -> dict:
     """Prefill + ``steps`` decode steps in PyTorch and onnxruntime; figures over every kept position (of a
     ``--logits last`` graph's prefill: each row's last kept position, all it gives). ``on_step`` is called after the
@@ -105,10 +133,14 @@ def compare_decoders(
     still the batch as given: each row's own result is the reference, as transformers defines it with left padding
     (a right-padded PyTorch batch would carry a hybrid model's recurrence over the pads, as no runtime should).
     Qwen3.8's indexers give exact ties to the earlier blocks, as ONNX's TopK does (``lowest_block_wins_ties``);
-    ``torch_ties``: torch.topk's choice instead, transformers'."""
+    ``torch_ties``: torch.topk's choice instead, transformers'. ``half``: a half-precision graph's dtype, in which
+    the reference also runs to measure each position's spread (export/half_spread.py)."""
     ties = contextlib.nullcontext() if torch_ties else lowest_block_wins_ties()
+    shadow = HalfShadow(model, half) if half in HALF_PRECISIONS else None
     with torch.no_grad(), ties:
-        return _compare_decoders(model, decoder, input_ids, attention_mask, steps, on_step, right_padded_candidate)
+        return _compare_decoders(
+            model, decoder, input_ids, attention_mask, steps, on_step, right_padded_candidate, shadow
+        )
 
 
 def _compare_decoders(
@@ -119,38 +151,39 @@ def _compare_decoders(
     steps: int,
     on_step: Callable[[], object] | None,
     right_padded_candidate: bool,
+    shadow: HalfShadow | None,
 ) -> dict:
     on_step = on_step or (lambda: None)
     agreement = Agreement()
     mask = torch.from_numpy(attention_mask)
     positions = torch.from_numpy(position_ids_from_mask(attention_mask))
-    out = model(input_ids=torch.from_numpy(input_ids), attention_mask=mask, position_ids=positions, use_cache=True)
+    inputs = {"input_ids": torch.from_numpy(input_ids), "attention_mask": mask, "position_ids": positions}
+    out = model(**inputs, use_cache=True)
     reference = out.logits.float().numpy()
+    spread = shadow.spread(out.logits, **inputs) if shadow else None  # (B, T)
     given = right_padded(input_ids, attention_mask) if right_padded_candidate else (input_ids, attention_mask)
     candidate, state = decoder.prefill(*given)
     if decoder.last_logits_only:
-        agreement.add(at_last_kept(reference, attention_mask), candidate[:, 0])
+        last_spread = None if spread is None else at_last_kept(spread, attention_mask)
+        agreement.add(at_last_kept(reference, attention_mask), candidate[:, 0], last_spread)
         if not right_padded_candidate:
             # Left padding puts every row's last token in the last slot; onnxruntime-genai pads on the right, where
             # only the mask tells a row's last token from its pads: the same rows padded so, prefill only.
-            add_right_padded_prefill(agreement, model, decoder, input_ids, attention_mask)
+            add_right_padded_prefill(agreement, model, decoder, input_ids, attention_mask, last_spread)
     else:  # the kept positions of each row, in order, whichever side its pads are
-        agreement.add(reference[attention_mask.astype(bool)], candidate[given[1].astype(bool)])
+        kept = attention_mask.astype(bool)
+        agreement.add(reference[kept], candidate[given[1].astype(bool)], None if spread is None else spread[kept])
     on_step()
 
     past, next_position = getattr(out, CACHE_ARG), positions[:, -1:] + 1
     token = reference[:, -1].argmax(-1)
     for _ in range(steps):
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        out = model(
-            input_ids=torch.from_numpy(token[:, None]),
-            attention_mask=mask,
-            position_ids=next_position,
-            use_cache=True,
-            **{CACHE_ARG: past},
-        )
+        step = {"input_ids": torch.from_numpy(token[:, None]), "attention_mask": mask, "position_ids": next_position}
+        out = model(**step, use_cache=True, **{CACHE_ARG: past})
         reference = out.logits[:, -1].float().numpy()
-        agreement.add(reference, decoder.decode_one_token(token, state))
+        spread = shadow.spread(out.logits[:, -1:], **step)[:, -1] if shadow else None
+        agreement.add(reference, decoder.decode_one_token(token, state), spread)
         past, next_position, token = getattr(out, CACHE_ARG), next_position + 1, reference.argmax(-1)
         on_step()
     return {"batch": int(input_ids.shape[0]), "decode_steps": steps, **agreement.figures()}
@@ -162,13 +195,15 @@ def add_right_padded_prefill(
     decoder: OnnxDecoder,
     input_ids: np.ndarray,
     attention_mask: np.ndarray,
+    spread: np.ndarray | None = None,
 ) -> None:
     """The left-padded batch's rows padded on the right instead, prefilled by both: each row's last real token's
-    logits (what a ``--logits last`` graph gives) into ``agreement``."""
+    logits (what a ``--logits last`` graph gives) into ``agreement``; ``spread``: the half-precision spread of those
+    tokens, measured on the left-padded rows."""
     ids, mask = right_padded(input_ids, attention_mask)
     positions = torch.from_numpy(position_ids_from_mask(mask))
     out = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), position_ids=positions)
-    agreement.add(at_last_kept(out.logits.float().numpy(), mask), decoder.prefill(ids, mask)[0][:, 0])
+    agreement.add(at_last_kept(out.logits.float().numpy(), mask), decoder.prefill(ids, mask)[0][:, 0], spread)
 
 
 def right_padded(input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -212,12 +247,9 @@ def genai_graph_of(onnx_path: Path) -> Path | None:
 
 def genai_graph_failures(figures: dict, tolerance: float) -> list[str]:
     """The failure of onnxruntime-genai's graph (checked on the batch's rows padded on the right), if any."""
-    if figures["max_abs_diff"] <= tolerance:
+    if judged_diff(figures) <= tolerance:
         return []
-    return [
-        f"{GENAI_MODEL_FILE} (onnxruntime-genai's graph, rows padded on the right): max |Δlogit| "
-        f"{figures['max_abs_diff']:.3g} > tolerance {tolerance:.3g}"
-    ]
+    return [f"{GENAI_MODEL_FILE} (onnxruntime-genai's graph, rows padded on the right): {beyond(figures, tolerance)}"]
 
 
 def verify_plan(
@@ -318,13 +350,15 @@ def verify_export(
             batch = parity_batch(model.config.vocab_size)
             decoder = OnnxDecoder(onnx_path, threads=threads)
             device = decoder.device
-            figures = compare_decoders(model, decoder, *batch, on_step=bar.update)
+            figures = compare_decoders(model, decoder, *batch, on_step=bar.update, half=dtype)
             if indexed:  # prompts on which the indexers choose (common/parity_inputs.py INDEXER_EXTRA_BLOCKS)
                 indexer_figures = compare_decoders(model, decoder, *indexer_batch(model.config), on_step=bar.update)
             del decoder  # one session at a time, as verify_plan counts them
             if genai_path:
                 genai = OnnxDecoder(genai_path, threads=threads)
-                genai_figures = compare_decoders(model, genai, *batch, on_step=bar.update, right_padded_candidate=True)
+                genai_figures = compare_decoders(
+                    model, genai, *batch, on_step=bar.update, right_padded_candidate=True, half=dtype
+                )
     held = ", read layer by layer as it runs" if plan == STREAMED else ""
     result = {
         "provider": device,
@@ -333,8 +367,8 @@ def verify_export(
     }
     result["tolerance"] = RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"])
     failures = []
-    if figures["max_abs_diff"] > result["tolerance"]:
-        failures.append(f"max |Δlogit| {figures['max_abs_diff']:.3g} > tolerance {result['tolerance']:.3g}")
+    if judged_diff(figures) > result["tolerance"]:
+        failures.append(beyond(figures, result["tolerance"]))
     if indexed:
         result["indexer_prompts"] = indexer_figures
         failures += indexer_failures(indexer_figures, dtype)
