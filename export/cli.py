@@ -457,6 +457,13 @@ def generate_command(
         raise ThinkerError("--prompt tokenizes to nothing; give some text")
     _check_prompt(folder, prompt_ids, max_new_tokens)
     eos, pad = _stop_tokens(folder)
+    if eos is None:
+        click.secho(
+            f"note: {folder} names no end-of-sequence token (no genai_config.json, and none in "
+            f"generation_config.json or config.json): generation stops only after --max-new-tokens {max_new_tokens}",
+            fg="yellow",
+            err=True,
+        )
     from transformers import TextStreamer
 
     # transformers' own streamer: prints each piece of text to stdout once it decodes to whole words

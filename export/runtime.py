@@ -464,7 +464,7 @@ class OnnxDecoder:
             positions = self.graph_positions(position_ids)
             if positions.shape[-2] == 1 and batch > 1:  # one row of positions for every row, as transformers takes
                 positions = np.broadcast_to(positions, (*positions.shape[:-2], batch, positions.shape[-1]))
-            self._check_positions(positions, batch, steps)
+            self._check_positions(positions, batch, steps, given=np.shape(position_ids))
             feeds["position_ids"] = np.ascontiguousarray(positions, dtype=np.int64)
         if state.cached is not None and state.attention_mask.shape[1] != state.cached + steps:
             raise ThinkerError(
@@ -519,9 +519,13 @@ class OnnxDecoder:
             raise ThinkerError(f"row {int(empty[0])} of attention_mask keeps no token; every row needs one at least")
         return input_ids.astype(np.int64), mask.astype(np.int64)
 
-    def _check_positions(self, positions: np.ndarray, batch: int, steps: int) -> None:
+    def _check_positions(self, positions: np.ndarray, batch: int, steps: int, given: tuple[int, ...]) -> None:
+        """``positions`` in the graph's form, from the caller's of shape ``given`` (the one an error quotes)."""
         if positions.shape[-2:] != (batch, steps):
-            raise ThinkerError(f"position_ids of shape {positions.shape} for input_ids of shape ({batch}, {steps})")
+            raise ThinkerError(
+                f"position_ids of shape {tuple(given)} for input_ids of shape ({batch}, {steps}); expected "
+                f"({batch}, {steps}) or, with multimodal RoPE, (3, {batch}, {steps})"
+            )
         # the graph reads RoPE from a table of positions 0 .. context - 1, where PyTorch computes any angle: a
         # fraction would be truncated and a negative position (cumsum - 1 on a pad, without masked_fill) would read
         # the table's end, or stop the fused graph's kernels

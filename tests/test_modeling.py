@@ -379,6 +379,31 @@ def test_exactly_one_of_input_ids_and_inputs_embeds(tiny_thinker):
         model()
 
 
+def test_inputs_of_disagreeing_shapes_are_refused_by_name(tiny_thinker):
+    """torch would fail deep inside with a broadcast error naming neither input, or, for an attention mask of the
+    wrong length beside a cache, give other logits without a word (as transformers' own Qwen models do)."""
+    model = tiny_thinker("dense")
+    ids = token_ids(batch=2, length=5)
+    embeds = model.get_input_embeddings()(ids)
+    with pytest.raises(
+        ValueError, match=r"inputs_embeds of shape \(2, 5, 16\); expected \(batch, seq, hidden_size 32\)"
+    ):
+        model(inputs_embeds=embeds[..., :16])
+    with pytest.raises(ValueError, match=r"position_ids of shape \(2, 7\) for inputs of batch 2 and length 5"):
+        model(ids, position_ids=torch.arange(7).expand(2, 7))
+    with pytest.raises(ValueError, match=r"multimodal ones are \(3, batch, seq\), also for a batch of 1"):
+        model(ids[:1], position_ids=torch.arange(5).expand(3, 5))  # the batch axis left out
+    with pytest.raises(ValueError, match=r"attention_mask of shape \(3, 5\); expected \(batch 2"):
+        model(ids, attention_mask=torch.ones(3, 5, dtype=torch.long))
+    with torch.no_grad():
+        past = model(ids, use_cache=True).past_key_values
+        with pytest.raises(ValueError, match=r"the 5 cached tokens \+ this call's 1\) = \(2, 6\)"):
+            model(ids[:, :1], attention_mask=torch.ones(2, 5, dtype=torch.long), past_key_values=past)
+        ok = model(ids[:, :1], attention_mask=torch.ones(2, 6, dtype=torch.long), past_key_values=past)
+    assert ok.logits.shape == (2, 1, model.config.vocab_size)
+    assert model(ids, position_ids=torch.arange(5)[None]).logits.shape[:2] == (2, 5)  # one row for every row
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_eager_equals_sdpa(tiny_config, randomize, kind):
     models = {

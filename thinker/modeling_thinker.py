@@ -961,6 +961,35 @@ def split_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor | None,
     raise ValueError(f"position_ids must be (B, T), (3, B, T) or (4, B, T); got {tuple(position_ids.shape)}")
 
 
+def check_input_shapes(
+    config: ThinkerConfig,
+    inputs_embeds: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor | dict | None,
+    past_seen: int,
+) -> None:
+    """Refuses, by name, inputs whose shapes disagree: torch would otherwise fail deep inside with a broadcast error
+    naming neither, or (an attention mask of the wrong length beside a cache) give other logits without a word."""
+    if inputs_embeds.ndim != 3 or inputs_embeds.shape[-1] != config.hidden_size:
+        raise ValueError(
+            f"inputs_embeds of shape {tuple(inputs_embeds.shape)}; expected (batch, seq, hidden_size "
+            f"{config.hidden_size})"
+        )
+    batch, seq = inputs_embeds.shape[:2]
+    if position_ids.ndim in (2, 3) and (position_ids.shape[-1] != seq or position_ids.shape[-2] not in (1, batch)):
+        multimodal = " (multimodal ones are (3, batch, seq), also for a batch of 1)" if position_ids.ndim == 2 else ""
+        raise ValueError(
+            f"position_ids of shape {tuple(position_ids.shape)} for inputs of batch {batch} and length {seq}; "
+            f"expected (batch, seq), (3, batch, seq) or (4, batch, seq){multimodal}"
+        )
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2:
+        if attention_mask.shape != (batch, past_seen + seq):
+            raise ValueError(
+                f"attention_mask of shape {tuple(attention_mask.shape)}; expected (batch {batch}, the {past_seen} "
+                f"cached tokens + this call's {seq}) = ({batch}, {past_seen + seq})"
+            )
+
+
 class ThinkerDecoderLayer(GradientCheckpointingLayer):
     """Pre-norm block: ``x + mixer(norm(x))``, then ``x + mlp(norm(x))``; the mixer is full attention
     (``self_attn``, its keys narrowed by an indexer on ``indexed_attention`` layers) or Gated DeltaNet
@@ -1167,9 +1196,10 @@ class ThinkerModel(ThinkerPreTrainedModel):
                 "this model's linear-attention layers keep conv and recurrent state in the cache: build it with "
                 "DynamicCache(config=model.config)"
             )
+        past_seen = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
-            past_seen = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen)[None]
+        check_input_shapes(self.config, inputs_embeds, position_ids, attention_mask, past_seen)
         text_positions, rope_positions = split_position_ids(position_ids)
 
         if not isinstance(masks := attention_mask, dict):  # generate() may have built them (compileable caches)

@@ -121,6 +121,25 @@ def test_generate_is_plain_greedy_on_both_paths(runner, thinker_folder, onnx_fol
     assert processed.tolist() != plain.tolist()
 
 
+def test_generate_says_when_the_folder_names_no_end_of_sequence_token(runner, onnx_folder, tmp_path):
+    """Without genai_config.json and with no eos id in generation_config.json or config.json, nothing can stop
+    the continuation early: a note says so, and it runs to --max-new-tokens."""
+    import shutil
+
+    folder = shutil.copytree(onnx_folder("qwen3"), tmp_path / "onnx")
+    prompt = ["--prompt", "the cat sat", "--max-new-tokens", "4"]
+    named = runner.invoke(main, ["generate", str(folder), *prompt])
+    assert named.exit_code == 0 and "names no end-of-sequence token" not in named.stderr, named.output
+    (folder / "genai_config.json").unlink()
+    for name in ("generation_config.json", "config.json"):
+        config = json.loads((folder / name).read_text())
+        config.pop("eos_token_id", None)
+        (folder / name).write_text(json.dumps(config))
+    unnamed = runner.invoke(main, ["generate", str(folder), *prompt])
+    assert unnamed.exit_code == 0, unnamed.output
+    assert "names no end-of-sequence token" in unnamed.stderr and "--max-new-tokens 4" in unnamed.stderr
+
+
 def test_export_logits_last_then_generate(runner, thinker_folder, tmp_path):
     """--logits last from the command line: the report and the graph say so, --verify passes, and `thinker generate`
     on it writes what transformers writes."""

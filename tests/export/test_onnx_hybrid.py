@@ -431,6 +431,9 @@ def test_four_row_positions_are_the_three_streams_and_other_forms_are_refused(on
     np.testing.assert_array_equal(four, three)
     with pytest.raises(ThinkerError, match=r"position_ids of shape \(5, 2, \d+\); multimodal positions are"):
         decoder.forward(ids, np.concatenate([text, text, positions]), DecoderState(mask, None, decoder.empty_cache(2)))
+    # the batch axis left out: the caller's (3, T) quoted, not the (3, 3, T) it was broadcast to for the graph
+    with pytest.raises(ThinkerError, match=rf"position_ids of shape \(3, {ids.shape[1]}\) for input_ids of shape"):
+        decoder.forward(ids, positions[:, 0], DecoderState(mask, None, decoder.empty_cache(2)))
 
 
 HOSTILE_EDITS = {
