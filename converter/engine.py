@@ -244,12 +244,13 @@ def _check_counts(family: Family, counts: Mapping[str, Any], bounds: Mapping[str
 
 def _check_tie(family: Family, config: ThinkerConfig, names: set[str]) -> None:
     """An untied config must come with its head (a tied one that also holds a head: ``_duplicate_tied_head``)."""
-    if family.head is None:
+    head = family.head_in(names)
+    if head is None:
         return
-    if not config.tie_word_embeddings and family.head not in names:
+    if not config.tie_word_embeddings and head not in names:
         raise ThinkerError(
             f"the config has an untied output head (tie_word_embeddings=false), but the checkpoint holds no "
-            f"{family.head}; set tie_word_embeddings to true in the source config.json if the head reuses the "
+            f"{head}; set tie_word_embeddings to true in the source config.json if the head reuses the "
             "embeddings"
         )
 
@@ -258,16 +259,17 @@ def _duplicate_tied_head(family: Family, config: ThinkerConfig, steps: list[Step
     """The head a tied checkpoint also stores (fine-tunes and merges save one), dropped when it holds the embedding's
     values, as transformers' class then ties it to the embedding; one with other values is refused, since a tie
     would silently discard a head that was trained on its own. Compared piece by piece: never a table in memory."""
-    if family.head is None or not config.tie_word_embeddings or family.head not in source.names():
+    head = family.head_in(source.names())
+    if head is None or not config.tie_word_embeddings or head not in source.names():
         return set()
     embedding = next((step for step in steps if "model.embed_tokens.weight" in step.targets), None)
-    if embedding is None or not _same_values(source, embedding.sources, family.head):
+    if embedding is None or not _same_values(source, embedding.sources, head):
         raise ThinkerError(
             f"the config ties the output head to the embeddings (tie_word_embeddings=true), but the checkpoint also "
-            f"holds a separate {family.head} with other values; set tie_word_embeddings to false in the source "
+            f"holds a separate {head} with other values; set tie_word_embeddings to false in the source "
             "config.json if the head is trained separately"
         )
-    return {family.head}
+    return {head}
 
 
 def _same_values(source: TensorSource, embedding: tuple[str, ...], head: str) -> bool:

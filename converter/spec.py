@@ -96,7 +96,8 @@ class Family:
       (a multimodal checkpoint's vision tower), whose layer counts the Thinker config does not know;
       ``dropped_extra_layers``: the layer prefix (``blk.{layer}.``) under which a source stores blocks past the
       decoder's ``num_hidden_layers`` that the model does not run (llama.cpp's multi-token-prediction block).
-    - ``head``: the source name of the output projection, checked against ``tie_word_embeddings``.
+    - ``head``: the source name of the output projection, checked against ``tie_word_embeddings``;
+      ``other_heads``: its names in the family's other layouts (``head_in`` picks the one present).
     - ``reference``: loads the parity reference from the source folder; None means transformers'
       ``AutoModelForCausalLM``. ``layered_reference``: the same reference for parity layer by layer, built on the
       meta device with its weights read one layer at a time (``converter.streamed``); None means the class
@@ -120,6 +121,7 @@ class Family:
     tensor_hints: tuple[str, ...] = ()
     dropped: tuple[str, ...] = ()
     head: str | None = "lm_head.weight"
+    other_heads: tuple[str, ...] = ()
     config_keys: tuple[str, ...] = ()
     dropped_prefixes: tuple[str, ...] = ()
     dropped_extra_layers: str | None = None
@@ -141,6 +143,10 @@ class Family:
         if not declared and self.config_keys and not config.get(self.model_type_key):
             declared = all(key in config for key in self.config_keys)
         return declared and (not self.tensor_hints or any(hint in tensor_names for hint in self.tensor_hints))
+
+    def head_in(self, tensor_names: Collection[str]) -> str | None:
+        """The head's name in the layout ``tensor_names`` are in (``head`` where none of them is present)."""
+        return next((name for name in (self.head, *self.other_heads) if name in tensor_names), self.head)
 
     def hf_config(self, config: Mapping[str, Any], tensor_names: Collection[str]) -> Mapping[str, Any]:
         """The source config as ``translate_config`` reads it."""

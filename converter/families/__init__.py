@@ -25,7 +25,7 @@ from .qwen3_5 import QWEN3_5
 from .qwen3_5_moe import QWEN3_5_MOE
 from .qwen3_moe import QWEN3_MOE
 from .qwen3_next import QWEN3_NEXT
-from .qwen3_omni import QWEN3_OMNI
+from .qwen3_omni import QWEN3_OMNI, QWEN3_OMNI_THINKER
 from .qwen4_exp import QWEN4_EXP
 from .uomni import UOMNI
 
@@ -35,6 +35,7 @@ FAMILIES: tuple[Family, ...] = (
     QWEN2_MOE,
     QWEN3_MOE,
     QWEN3_OMNI,
+    QWEN3_OMNI_THINKER,
     QWEN3_5,
     QWEN3_5_MOE,
     QWEN3_NEXT,

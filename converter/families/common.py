@@ -459,6 +459,7 @@ def hf_family(
         dropped=tuple(renamed(layout, entry) for layout in layouts for entry in dropped),
         dropped_prefixes=dropped_prefixes,
         head=renamed(layouts[0], "lm_head.weight"),
+        other_heads=tuple(renamed(layout, "lm_head.weight") for layout in layouts[1:]),
         reference=reference,
         layered_reference=layered_reference,
         check_source=check_source,

@@ -16,6 +16,12 @@ audio prompts exact (the audio tower's embeddings go into ``inputs_embeds``; aud
 and video prompts are not: Qwen3-Omni's text decoder also adds the vision tower's deepstack features to the hidden
 states of its first layers (``deepstack_visual_embeds``), an input the Thinker does not take.
 
+The thinker saved alone (``Qwen3OmniMoeThinkerForConditionalGeneration.save_pretrained``, ``model_type``
+``qwen3_omni_moe_thinker``: what a user who loaded just the thinker, the parity reference itself, writes back) holds
+the same decoder beside its own towers, with the ``thinker.`` prefix where the thinker was loaded from a full
+checkpoint (transformers reverses its load-time renaming on save) and without it where it was built alone: the same
+tensors, the second family here (``qwen3_omni_thinker``), whose config is the thinker config itself.
+
 The Qwen3-Omni design notes also name an ``audio_embed`` projection and a ``talker_head`` on the thinker; the
 released checkpoints have neither (their audio tower projects to the hidden size itself, and the talker is a separate
 model), so the Thinker's ``audio_proj`` / ``talker_head`` stay off.
@@ -44,8 +50,9 @@ from .common import (
     interleaved_mrope,
 )
 
-# Everything of the full model that is not the thinker's text decoder.
+# Everything of the full model that is not the thinker's text decoder; of the thinker saved alone, its towers.
 DROPPED_PREFIXES = ("thinker.audio_tower.", "thinker.visual.", "talker.", "code2wav.")
+THINKER_DROPPED_PREFIXES = ("audio_tower.", "visual.", "thinker.audio_tower.", "thinker.visual.")
 # Qwen3OmniMoeThinkerTextRotaryEmbedding's section when the config names none (models/qwen3_omni_moe).
 REFERENCE_MROPE_SECTION = [24, 20, 20]
 
@@ -63,16 +70,19 @@ def text_decoder_fields(text: PreTrainedConfig) -> dict[str, Any]:
 
 
 def thinker_config(folder: Path) -> PreTrainedConfig:
+    """The thinker's config: the full model's ``thinker_config``, or the config of a thinker saved alone."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(folder, trust_remote_code=False).thinker_config
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     except (OSError, ValueError) as err:
         raise ThinkerError(f"{folder}: the Qwen3-Omni config does not load with transformers ({err})") from None
+    return getattr(config, "thinker_config", config)
 
 
 def load_reference(source: Path, dtype: Any) -> Any:
-    """transformers' own thinker (``Qwen3OmniMoeThinkerForConditionalGeneration``) from the full checkpoint.
+    """transformers' own thinker (``Qwen3OmniMoeThinkerForConditionalGeneration``) from the full checkpoint or the
+    thinker saved alone.
 
     Only the thinker is built: its class strips the ``thinker.`` prefix on load and ignores the talker and code2wav
     tensors, so the reference costs the thinker's memory, not the whole model's.
@@ -90,8 +100,8 @@ def load_reference(source: Path, dtype: Any) -> Any:
 
 
 def load_layered_reference(source: Path, dtype: Any) -> Any:
-    """The same thinker built on the meta device, read one layer at a time from the full checkpoint (its class's
-    loading conversions strip ``thinker.``; the towers, talker and code2wav never run on text, so never load)."""
+    """The same thinker built on the meta device, read one layer at a time from the checkpoint (its class's loading
+    conversions strip ``thinker.``; the towers, talker and code2wav never run on text, so never load)."""
     from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
 
     from common.sources import open_source
@@ -115,6 +125,21 @@ QWEN3_OMNI = hf_family(
     decoder_config=text_decoder_config,
     layouts=({"": "thinker."},),
     dropped_prefixes=DROPPED_PREFIXES,
+    reference=load_reference,
+    layered_reference=load_layered_reference,
+    way_back=False,
+)
+
+QWEN3_OMNI_THINKER = hf_family(
+    "qwen3_omni_moe_thinker",
+    "Qwen3OmniMoeThinkerForConditionalGeneration",
+    "Qwen3-Omni-MoE thinker saved alone: its text decoder (audio and vision towers dropped)",
+    (EMBEDDINGS_AND_HEAD, LAYER_NORMS, ATTENTION, ATTENTION_BIASES, QK_NORMS, DENSE_MLP, ROUTER, ROUTED_EXPERTS),
+    text_decoder_fields,
+    name="qwen3_omni_thinker",
+    moe=True,
+    layouts=({}, {"": "thinker."}),
+    dropped_prefixes=THINKER_DROPPED_PREFIXES,
     reference=load_reference,
     layered_reference=load_layered_reference,
     way_back=False,

@@ -72,6 +72,39 @@ def test_qwen3_omni_thinker_converts_with_parity(omni_source, tmp_path):
         torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("loaded_from", ["full checkpoint", "its own build"])
+def test_the_thinker_saved_alone_converts_to_the_same_thinker(loaded_from, omni_source, tmp_path):
+    """``Qwen3OmniMoeThinkerForConditionalGeneration.save_pretrained`` (model_type qwen3_omni_moe_thinker: its
+    towers beside the decoder, no talker; the tensors ``thinker.``-prefixed when the thinker was loaded from a full
+    checkpoint, transformers reversing its renaming on save, and not when built alone) converts with parity, whole
+    and layer by layer, to the very tensors the full checkpoint converts to."""
+    from converter.cli import verify_command
+
+    alone = tmp_path / "thinker"
+    if loaded_from == "full checkpoint":
+        qwen3_omni.load_reference_thinker(omni_source).save_pretrained(alone)
+    else:
+        qwen3_omni.build().thinker.save_pretrained(alone)  # build() is seeded: the weights omni_source holds
+    assert json.loads((alone / "config.json").read_text())["model_type"] == "qwen3_omni_moe_thinker"
+    prefix = "thinker." if loaded_from == "full checkpoint" else ""
+    assert any(name.startswith(f"{prefix}audio_tower.") for name in tensor_names(alone))
+
+    result = cli_convert(alone, tmp_path / "out", "--verify")
+    assert result.exit_code == 0, result.output
+    assert "(qwen3_omni_thinker)" in result.output and "pass" in result.output
+    assert json.loads((tmp_path / "out" / "parity.json").read_text())["passed"]
+    by_layer = CliRunner().invoke(verify_command, [str(alone), str(tmp_path / "out"), "--verify-by-layer"])
+    assert by_layer.exit_code == 0 and "parity (layer-by-layer)" in by_layer.output, by_layer.output
+
+    assert cli_convert(omni_source, tmp_path / "full", "--no-verify").exit_code == 0
+    ours, full = load_file(tmp_path / "out" / "model.safetensors"), load_file(tmp_path / "full" / "model.safetensors")
+    assert ours.keys() == full.keys() and all(torch.equal(ours[name], full[name]) for name in ours)
+    assert (
+        ThinkerConfig.from_pretrained(tmp_path / "out").to_dict()
+        == ThinkerConfig.from_pretrained(tmp_path / "full").to_dict()
+    )
+
+
 def test_qwen3_omni_with_a_sparse_first_layer_passes_its_gate(tmp_path):
     """As released (decoder_sparse_step 1: every layer MoE), layer 0's experts are probed in the thinker's decoder,
     not in the audio encoder's layer 0, which came first by name and has none (the gate failed "layer 0: every
