@@ -16,6 +16,7 @@ from typing import Any
 
 from common.dtypes import dtype_name
 from common.errors import ThinkerError
+from common.gguf_reader import GGUFSource
 from common.side_files import read_json
 from common.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from common.sources import open_source
@@ -26,7 +27,7 @@ from .config_compare import config_differences
 from .engine import plan_conversion, write_weights
 from .families import detect_family
 from .hub import resolve_source
-from .model_card import update_parity, write_thinker_card
+from .model_card import gguf_card_metadata, update_parity, write_thinker_card
 from .output import write_generation_config, write_thinker_config
 from .parity import parity_gate, parity_mode
 from .parity_report import BY_LAYER, FAILED_PARITY_FILE, PARITY_FILE, ParityReport
@@ -136,6 +137,7 @@ def convert(
                 skipped,
                 output.name,
                 beyond_genai=plan.config.qwen4_exp_features,
+                recorded=gguf_card_metadata(tensor_source.metadata) if isinstance(tensor_source, GGUFSource) else {},
             )
     finally:
         tensor_source.close()

@@ -82,6 +82,16 @@ def export_line(folder: str, beyond_genai: list[str] | None) -> str:
     return f"`thinker export {folder} ONNX_FOLDER` writes it as an ONNX decoder for onnxruntime and onnxruntime-genai."
 
 
+# What a GGUF file's metadata says of its license and languages, as the card's fields.
+GGUF_CARD_FIELDS = {"general.license": "license", "general.languages": "language"}
+
+
+def gguf_card_metadata(metadata: dict) -> dict:
+    """The card fields a GGUF file's metadata (``GGUFSource.metadata``) records: a GGUF usually travels without the
+    model card that said them."""
+    return {field: metadata[key] for key, field in GGUF_CARD_FIELDS.items() if metadata.get(key)}
+
+
 def write_thinker_card(
     folder: Path,
     source: str,
@@ -92,13 +102,16 @@ def write_thinker_card(
     skipped: str = "converted with --no-verify",
     name: str | None = None,
     beyond_genai: list[str] | None = None,
+    recorded: dict | None = None,
 ) -> list[str]:
     """README.md (and the source's license files) in the Thinker folder ``folder`` (to be installed as ``name``);
-    the names written. ``beyond_genai``: what the model has whose state onnxruntime-genai cannot carry."""
+    the names written. ``beyond_genai``: what the model has whose state onnxruntime-genai cannot carry;
+    ``recorded``: card fields the weights file itself records (``gguf_card_metadata``), which the source folder's
+    own card overrides."""
     root = Path(root)
     root = root.parent if root.is_file() else root  # a GGUF file: its folder holds the card and license
     named, repo = source_line(source, root)
-    carried = card_metadata(root)
+    carried = {**(recorded or {}), **card_metadata(root)}
     metadata = {
         **{key: value for key, value in carried.items() if key != "base_model"},
         "library_name": "transformers",

@@ -31,6 +31,16 @@ def test_the_demo_runs_the_whole_pipeline(smollm2_demo):
     assert (workdir / "smollm2-135m-onnx" / "model.onnx").is_file()
 
 
+def test_the_gguf_license_and_languages_reach_both_cards(smollm2_demo):
+    """A GGUF travels without the model card that named its license: the file's own general.license and
+    general.languages go into the Thinker folder's card, and from there into the ONNX folder's."""
+    from huggingface_hub import ModelCard
+
+    for folder in (smollm2_demo.thinker, smollm2_demo.onnx):
+        data = ModelCard.load(folder / "README.md").data
+        assert (data.license, data.language) == ("apache-2.0", ["en"]), (folder, data)
+
+
 def test_a_workdir_that_cannot_be_made_is_named_as_the_option(tmp_path):
     """Before any step, in the demo's own terms (the convert step's message spoke of an OUTPUT the demo has not)."""
     (tmp_path / "a-file").write_text("")
