@@ -49,20 +49,33 @@ HALF_SPREAD_MARGIN = 2.0
 
 class HalfShadow:
     """``model`` (float32) run again in ``dtype`` beside the reference, step by step with its own cache: each call's
-    spread is how far its logits land from the reference's at each position."""
+    spread is how far its logits land from the reference's at each position.
+
+    The spreads are kept: a second pass over the same reference steps (``rewind``, then the same calls: the reference
+    is PyTorch on the same batch and its own greedy tokens, whichever graph it is compared with) reads them back
+    rather than running the half-precision model again, the slow part on a CPU without half-precision matmuls."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
         self.model, self.dtype, self.past = model, dtype, None
+        self.spreads: list[np.ndarray] = []
+        self.step = 0
+
+    def rewind(self) -> None:
+        self.step = 0
 
     @torch.no_grad()
     def spread(self, reference_logits: torch.Tensor, **inputs) -> np.ndarray:
         """(B, T): max over the vocabulary of |logits in ``dtype`` - ``reference_logits``| (B, T, V), the model fed
         ``inputs`` (as the reference was, less its cache) after this shadow's earlier calls."""
+        self.step += 1
+        if self.step <= len(self.spreads):
+            return self.spreads[self.step - 1]
         cache = {CACHE_ARG: self.past} if self.past is not None else {}
         with running_in(self.model, self.dtype):
             out = self.model(**inputs, use_cache=True, **cache)
         self.past = getattr(out, CACHE_ARG)
-        return (out.logits.float() - reference_logits.float()).abs().amax(-1).numpy()
+        self.spreads.append((out.logits.float() - reference_logits.float()).abs().amax(-1).numpy())
+        return self.spreads[-1]
 
 
 def excused(diff: np.ndarray, spread: np.ndarray) -> np.ndarray:

@@ -62,6 +62,7 @@ from .verify import (
     compare_decoders,
     genai_graph_failures,
     genai_graph_of,
+    half_shadow,
     indexer_failures,
     judged_diff,
 )
@@ -365,7 +366,8 @@ def graph_check(
     batch = parity_batch(model.config.vocab_size)
     with float_activation_copy(onnx_path) as exact_path:
         exact = OnnxDecoder(exact_path, provider="cpu", threads=threads)
-        graph = compare_decoders(model, exact, *batch, on_step=on_step, half=dtype)
+        shadow = half_shadow(model, dtype)
+        graph = compare_decoders(model, exact, *batch, on_step=on_step, shadow=shadow)
         if model.config.has_indexed_attention:
             graph["indexer_prompts"] = compare_decoders(model, exact, *indexer_batch(model.config))
             graph["indexer_prompts"]["failures"] = indexer_failures(graph["indexer_prompts"], dtype)
@@ -374,7 +376,7 @@ def graph_check(
     if genai_path:  # onnxruntime-genai's graph over the same weights, on the rows padded on the right
         with float_activation_copy(genai_path) as exact_path:
             exact = OnnxDecoder(exact_path, provider="cpu", threads=threads)
-            graph["genai_graph"] = compare_decoders(model, exact, *batch, right_padded_candidate=True, half=dtype)
+            graph["genai_graph"] = compare_decoders(model, exact, *batch, right_padded_candidate=True, shadow=shadow)
     graph["rounding_sensitivity"] = rounding_sensitivity(model, *batch)
     graph["tolerance"] = max(
         RELATIVE_TOLERANCE[dtype] * max(1.0, graph["logit_scale"]), SENSITIVITY_MARGIN * graph["rounding_sensitivity"]

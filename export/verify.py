@@ -101,6 +101,11 @@ class Agreement:
         return figures
 
 
+def half_shadow(model: torch.nn.Module, dtype: torch.dtype) -> HalfShadow | None:
+    """The shadow a ``dtype`` graph's comparisons share, or None for a float32 one."""
+    return HalfShadow(model, dtype) if dtype in HALF_PRECISIONS else None
+
+
 def judged_diff(figures: dict) -> float:
     """What a check holds to its tolerance: the largest difference, less those a half-precision graph's positions
     are excused by their own spread (export/half_spread.py)."""
@@ -124,7 +129,7 @@ def compare_decoders(
     on_step: Callable[[], object] | None = None,
     right_padded_candidate: bool = False,
     torch_ties: bool = False,
-    half: torch.dtype | None = None,
+    shadow: HalfShadow | None = None,
 ) -> dict:
     """Prefill + ``steps`` decode steps in PyTorch and onnxruntime; figures over every kept position (of a
     ``--logits last`` graph's prefill: each row's last kept position, all it gives). ``on_step`` is called after the
@@ -133,10 +138,11 @@ def compare_decoders(
     still the batch as given: each row's own result is the reference, as transformers defines it with left padding
     (a right-padded PyTorch batch would carry a hybrid model's recurrence over the pads, as no runtime should).
     Qwen3.8's indexers give exact ties to the earlier blocks, as ONNX's TopK does (``lowest_block_wins_ties``);
-    ``torch_ties``: torch.topk's choice instead, transformers'. ``half``: a half-precision graph's dtype, in which
-    the reference also runs to measure each position's spread (export/half_spread.py)."""
+    ``torch_ties``: torch.topk's choice instead, transformers'. ``shadow``: for a half-precision graph, the reference
+    run again in its dtype to measure each position's spread (``half_shadow``; export/half_spread.py)."""
     ties = contextlib.nullcontext() if torch_ties else lowest_block_wins_ties()
-    shadow = HalfShadow(model, half) if half in HALF_PRECISIONS else None
+    if shadow is not None:
+        shadow.rewind()  # the same reference steps as any earlier comparison: their spreads read back
     with torch.no_grad(), ties:
         return _compare_decoders(
             model, decoder, input_ids, attention_mask, steps, on_step, right_padded_candidate, shadow
@@ -350,14 +356,15 @@ def verify_export(
             batch = parity_batch(model.config.vocab_size)
             decoder = OnnxDecoder(onnx_path, threads=threads)
             device = decoder.device
-            figures = compare_decoders(model, decoder, *batch, on_step=bar.update, half=dtype)
+            shadow = half_shadow(model, dtype)
+            figures = compare_decoders(model, decoder, *batch, on_step=bar.update, shadow=shadow)
             if indexed:  # prompts on which the indexers choose (common/parity_inputs.py INDEXER_EXTRA_BLOCKS)
                 indexer_figures = compare_decoders(model, decoder, *indexer_batch(model.config), on_step=bar.update)
             del decoder  # one session at a time, as verify_plan counts them
             if genai_path:
                 genai = OnnxDecoder(genai_path, threads=threads)
                 genai_figures = compare_decoders(
-                    model, genai, *batch, on_step=bar.update, right_padded_candidate=True, half=dtype
+                    model, genai, *batch, on_step=bar.update, right_padded_candidate=True, shadow=shadow
                 )
     held = ", read layer by layer as it runs" if plan == STREAMED else ""
     result = {

@@ -91,3 +91,22 @@ def test_agreement_excuses_a_difference_only_within_its_own_positions_spread():
     float32 = Agreement()
     float32.add(reference, candidate)
     assert "max_abs_diff_beyond_spread" not in float32.figures() and judged_diff(float32.figures()) == 3.0
+
+
+def test_a_shared_shadow_reads_back_what_it_measured(thinker_variant, onnx_variant):
+    """model.onnx and model.genai.onnx are compared with the same reference steps: the second comparison reads the
+    half-precision spreads back (the half run costs most of a CPU check), the figures those of a shadow of its own."""
+    from export.runtime import OnnxDecoder
+    from export.verify import compare_decoders, half_shadow
+    from thinker import ThinkerForCausalLM
+
+    model = ThinkerForCausalLM.from_pretrained(thinker_variant("qwen3", head_dim=16), dtype=torch.float32, **EAGER)
+    decoder = OnnxDecoder(onnx_variant("qwen3", dtype="float16") / "model.onnx", provider="cpu")
+    batch = parity_batch(model.config.vocab_size)
+    shared = half_shadow(model.eval(), torch.float16)
+    first = compare_decoders(model, decoder, *batch, shadow=shared)
+    measured = len(shared.spreads)
+    again = compare_decoders(model, decoder, *batch, shadow=shared)
+    assert len(shared.spreads) == measured == 1 + first["decode_steps"]  # nothing run twice
+    assert again == first == compare_decoders(model, decoder, *batch, shadow=half_shadow(model, torch.float16))
+    assert first["half_precision_spread"] > 0 and half_shadow(model, torch.float32) is None
