@@ -26,12 +26,16 @@ from thinker import ThinkerConfig
 from .config_compare import config_differences
 from .engine import plan_conversion, write_weights
 from .families import detect_family
+from .folder_weights import check_thinker_weights
 from .hub import resolve_source
-from .model_card import gguf_card_metadata, update_parity, write_thinker_card
+from .model_card import gguf_card_metadata, tool_version, update_parity, write_thinker_card
 from .output import write_generation_config, write_thinker_config
 from .parity import parity_gate, parity_mode
 from .parity_report import BY_LAYER, FAILED_PARITY_FILE, PARITY_FILE, ParityReport
 from .spec import Family
+
+# The Thinker's modeling code a converted folder ships beside its weights (converter/output.py).
+SHIPPED_CODE = ("modeling_thinker.py", "configuration_thinker.py")
 
 
 @dataclass
@@ -169,6 +173,14 @@ def verify(
     converted = Path(converted)
     if not (converted / "config.json").is_file():
         raise ThinkerError(f"{converted}: not a converted model folder (no config.json)")
+    model_type = (read_json(converted / "config.json") or {}).get("model_type")
+    if model_type != ThinkerConfig.model_type:
+        raise ThinkerError(
+            f"{converted}: a {model_type or 'model_type-less'} checkpoint, not a Thinker folder; CONVERTED is what "
+            "thinker-convert wrote (`thinker verify SOURCE CONVERTED`)"
+        )
+    if not any(converted.glob("*.safetensors")):
+        raise ThinkerError(f"{converted}: a Thinker folder without its weights (no *.safetensors); convert it again")
     root = resolve_source(str(source), revision, gguf_file=gguf_file)
     refuse_output_over_source(converted, root, writes_into=True)  # parity.json goes into CONVERTED
     if (read_json(Path(root) / "config.json") or {}).get("model_type") == ThinkerConfig.model_type:
@@ -177,6 +189,8 @@ def verify(
             "`thinker verify SOURCE CONVERTED` (the checkpoint converted from, then the Thinker folder)"
         )
     refuse_another_config(root, converted)
+    check_thinker_weights(converted, ThinkerConfig.from_pretrained(converted))
+    refuse_other_code(converted)
     mode, note = (BY_LAYER, "") if by_layer else parity_mode(folder_parameters(converted), memory_budget)
     # A failing report goes beside parity.json, not over it: a mistaken SOURCE (another revision, another model)
     # must not erase the record of the conversion that CONVERTED came from.
@@ -190,6 +204,22 @@ def verify(
     with contextlib.suppress(FileNotFoundError):  # a failing report from before, now answered
         (converted / FAILED_PARITY_FILE).unlink()
     return report
+
+
+def refuse_other_code(converted: Path) -> None:
+    """The modeling code CONVERTED ships (what ``trust_remote_code=True`` runs) must be the installed Thinker's, which
+    the check runs: otherwise a pass would prove nothing about the code the folder is loaded with."""
+    import thinker
+
+    installed = Path(thinker.__file__).parent
+    for name in SHIPPED_CODE:
+        shipped = converted / name
+        if shipped.is_file() and shipped.read_bytes() != (installed / name).read_bytes():
+            raise ThinkerError(
+                f"{shipped}: not the installed Thinker's {name} (thinker {tool_version()}), which the check runs, so "
+                "it would prove nothing about the code trust_remote_code=True loads from the folder; convert the "
+                "source again with this Thinker (or copy its file in)"
+            )
 
 
 def refuse_another_config(root: Path, converted: Path) -> None:

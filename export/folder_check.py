@@ -14,46 +14,15 @@ from pathlib import Path
 
 import torch
 
-from common.dtypes import dtype_name
 from common.errors import ThinkerError
 from common.parity_inputs import PROMPT_LENGTHS
 from common.sizes import human_size
-from common.sources import SafetensorsSource
-from converter.engine import describe_names, thinker_parameter_shapes
+from converter.folder_weights import check_thinker_weights as check_weights_fit
 from thinker.configuration_thinker import ThinkerConfig
 
 from .decoder_graph import check_exportable as graph_can_build
 from .decoder_graph import not_exported, rope_table_bytes
 from .names import export_context
-
-HEAD = "lm_head.weight"
-# The sizes a tensor's shape follows, tried one by one to say which of them a wrong shape contradicts.
-SIZE_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "moe_intermediate_size",
-    "shared_expert_intermediate_size",
-    "num_experts",
-    "linear_conv_kernel_dim",
-    "linear_key_head_dim",
-    "linear_value_head_dim",
-    "linear_num_key_heads",
-    "linear_num_value_heads",
-    "hc_count",
-    "hc_lowrank",
-    "indexer_n_heads",
-    "indexer_head_dim",
-    "ple_embed_dim",
-    "ple_conv_kernel_size",
-    "ngram_size",
-    "heads_per_ngram",
-    "ngram_vocab_size_base",
-    "make_ngram_vocab_size_divisible_by",
-)
 
 
 def check_thinker_folder(model_dir: Path, config: ThinkerConfig, dtype: torch.dtype, verify: bool) -> None:
@@ -87,79 +56,6 @@ def check_decodable(config: ThinkerConfig, config_path: Path, consequence: str) 
         )
 
 
-def check_thinker_weights(model_dir: Path, config: ThinkerConfig) -> None:
-    """Refuse a folder whose safetensors headers do not fit the model of its config.json: a tensor missing, one too
-    many, of another shape or of an integer dtype, or a trained head under ``tie_word_embeddings``. transformers
-    would load such a folder with those weights freshly initialised (a warning at most), a model that runs and
-    computes nothing the user converted."""
-    config_path = model_dir / "config.json"
-    expected = thinker_parameter_shapes(config)
-    weights = SafetensorsSource(model_dir)
-    try:
-        found = {name: weights.shape(name) for name in weights.names()}
-        for name in found:
-            if not weights.dtype(name).is_floating_point:
-                raise ThinkerError(
-                    f"{weights.file_of(name)}: tensor {name!r} is stored as {dtype_name(weights.dtype(name))}, but the "
-                    "model's weights are floating point; the folder is corrupt: convert it again"
-                )
-    finally:
-        weights.close()
-    if config.tie_word_embeddings and HEAD in found:
-        raise ThinkerError(
-            f"{config_path}: tie_word_embeddings is true, but the folder holds its own trained {HEAD}, which a tied "
-            "export would drop for the embeddings; set tie_word_embeddings to false"
-        )
-    skipped = not_exported(config)
-    missing = [name for name in expected if name not in found]
-    extra = [name for name in found if name not in expected and not name.startswith(skipped)]
-    if missing or extra:
-        parts = [f"lacks {describe_names(missing)}, which the model of its config.json has"] if missing else []
-        parts += [f"holds {describe_names(extra)}, which the model of its config.json does not have"] if extra else []
-        raise ThinkerError(
-            f"{model_dir}: the weights do not fit config.json: the folder {' and '.join(parts)} (check "
-            "num_hidden_layers, layer_types, tie_word_embeddings and the MoE fields)"
-        )
-    wrong = [name for name, shape in expected.items() if found[name] != shape]
-    if wrong:
-        name = wrong[0]
-        keys = _keys_behind(config, name, found[name])
-        behind = " or ".join(f"{key}={getattr(config, key)}" for key in keys) if keys else "its sizes"
-        more = f" (and {len(wrong) - 1} more tensor(s))" if len(wrong) > 1 else ""
-        raise ThinkerError(
-            f"{config_path}: {behind} give{'s' if keys else ''} {name} the shape {expected[name]}, but the folder "
-            f"holds {tuple(found[name])}{more}; config.json does not describe these weights: correct it"
-        )
-
-
-def _keys_behind(config: ThinkerConfig, name: str, found: tuple[int, ...]) -> list[str]:
-    """The sizes of ``config`` on which the dimensions of ``name`` that disagree with ``found`` depend: each is
-    changed in turn (keeping the head counts divisible) and the model rebuilt on the meta device."""
-    expected = thinker_parameter_shapes(config)[name]
-    wrong_dims = {i for i, (a, b) in enumerate(zip(expected, found, strict=False)) if a != b}
-    keys = []
-    for key in SIZE_KEYS:
-        value = getattr(config, key, None)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            continue
-        if key in ("num_attention_heads", "linear_num_value_heads"):
-            changed = value * 2  # still a multiple of the key/value heads
-        elif key == "num_key_value_heads":
-            changed = 1 if value != 1 else config.num_attention_heads
-        elif key == "linear_num_key_heads":
-            changed = 1 if value != 1 else config.linear_num_value_heads
-        else:
-            changed = value + 2  # head_dim stays even, as RoPE needs
-        try:
-            shapes = thinker_parameter_shapes(ThinkerConfig(**{**config.to_dict(), key: changed}))
-        except Exception:  # a variant the config's own validation refuses says nothing about this key
-            continue
-        moved = {i for i, (a, b) in enumerate(zip(expected, shapes.get(name, expected), strict=False)) if a != b}
-        if moved & wrong_dims:
-            keys.append(key)
-    return keys
-
-
 def _check_context(config: ThinkerConfig, config_path: Path, dtype: torch.dtype, verify: bool) -> None:
     """The RoPE tables cover the whole context and must fit in memory; ``--verify`` runs a prompt and decode steps
     that need that many positions."""
@@ -185,3 +81,9 @@ def _check_context(config: ThinkerConfig, config_path: Path, dtype: torch.dtype,
             "max_position_embeddings (or the RoPE scaling's factor) to the context you will use, or export on a larger "
             "machine"
         )
+
+
+def check_thinker_weights(model_dir: Path, config: ThinkerConfig) -> None:
+    """``converter.folder_weights.check_thinker_weights``, the tensors the export leaves out (``not_exported``)
+    neither required nor refused."""
+    check_weights_fit(model_dir, config, not_exported(config))

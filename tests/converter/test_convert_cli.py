@@ -134,6 +134,42 @@ def test_verify_standalone_passes_then_names_the_broken_layer(source, tmp_path):
     assert not (converted / "parity.failed.json").exists()
 
 
+def test_verify_refuses_a_folder_it_would_not_prove(source, tmp_path):
+    """What the parity check cannot see is refused before it runs: a renamed tensor (transformers would load the
+    folder with that weight freshly initialised, a norm's ones equal to the source's, so the check passed), modeling
+    code other than the installed Thinker's (which the check runs, not the folder's), a folder without weights, a
+    Hugging Face checkpoint in CONVERTED's place."""
+    import shutil
+
+    runner = CliRunner()
+    converted = tmp_path / "out"
+    assert runner.invoke(convert_command, [str(source), str(converted), "--no-verify"]).exit_code == 0
+
+    def verify(folder: Path) -> str:
+        result = runner.invoke(verify_command, [str(source), str(folder)])
+        assert result.exit_code == 1 and not (folder / "parity.json").exists(), result.output
+        return result.stderr
+
+    renamed = shutil.copytree(converted, tmp_path / "renamed")
+    weights = load_file(renamed / "model.safetensors")
+    norm = "model.layers.0.input_layernorm.weight"
+    weights[f"{norm}_renamed"] = weights.pop(norm)
+    save_file(weights, renamed / "model.safetensors", metadata={"format": "pt"})
+    assert f"the folder lacks {norm}" in verify(renamed)
+
+    edited = shutil.copytree(converted, tmp_path / "edited")
+    (edited / "modeling_thinker.py").write_text((edited / "modeling_thinker.py").read_text() + "\n# edited\n")
+    assert "modeling_thinker.py: not the installed Thinker's modeling_thinker.py" in verify(edited)
+
+    empty = shutil.copytree(converted, tmp_path / "empty")
+    (empty / "model.safetensors").unlink()
+    assert "a Thinker folder without its weights (no *.safetensors); convert it again" in verify(empty)
+
+    assert "a qwen3 checkpoint, not a Thinker folder" in verify(source)
+
+    assert runner.invoke(verify_command, [str(source), str(converted)]).exit_code == 0  # the folder as written
+
+
 def test_hub_repo_id_through_a_local_endpoint(fake_hub, save_reference, tmp_path):
     _, folder = save_reference(QWEN3, name="hub-source")
     (folder / "tokenizer.json").write_text("{}")
