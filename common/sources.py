@@ -419,6 +419,11 @@ def bin_files(root: Path) -> list[Path]:
     return [checked_file(path, root) for path in sorted([*root.glob("*.bin"), *root.glob("*.pth"), *root.glob("*.pt")])]
 
 
+# Files beside a checkpoint's weights that a user may name as SOURCE by mistake (config.json, tokenizer.json,
+# tokenizer.model, README.md ...): never a PyTorch pickle.
+NOT_WEIGHTS_SUFFIXES = (".json", ".jinja", ".txt", ".md", ".model", ".py", ".yaml")
+
+
 def open_source(root: Path) -> TensorSource:
     """The source for a checkpoint folder (or a single weights file), preferring safetensors."""
     root = Path(root)
@@ -430,6 +435,10 @@ def open_source(root: Path) -> TensorSource:
             from .gguf_reader import GGUFSource
 
             return GGUFSource(root)
+        if root.suffix in NOT_WEIGHTS_SUFFIXES:  # a PyTorch pickle would be refused as holding other objects
+            raise ThinkerError(
+                f"{root}: a {root.suffix} file of the checkpoint, not its weights; give the folder that holds it"
+            )
         return TorchBinSource(root.parent, [root])
     if not root.is_dir():
         raise ThinkerError(f"{root}: no such file or folder")

@@ -188,6 +188,14 @@ def test_a_folder_without_a_checkpoint(make, tmp_path):
     assert_nothing_written(tmp_path / "out")
 
 
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json"])
+def test_a_file_beside_the_weights_named_as_source(name, qwen3_source, tmp_path):
+    """Not a false alarm about pickled objects (the file was read as a PyTorch checkpoint), but what it is."""
+    result = thinker("convert", qwen3_source / name, tmp_path / "out")
+    assert_error(result, f"{name}: a .json file of the checkpoint, not its weights; give the folder that holds it")
+    assert_nothing_written(tmp_path / "out")
+
+
 def test_a_path_that_does_not_exist(tmp_path):
     result = thinker("convert", tmp_path / "nowhere", tmp_path / "out")
     assert_error(result, "nowhere: no such folder, and not a Hub repo id")
