@@ -22,7 +22,9 @@ from .source_files import present, regular_file
 from .staging import write_atomically
 
 CARD_FILE = "README.md"
-LICENSE_FILES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "LICENCE", "COPYING")
+# The files that carry a model's terms with its weights; NOTICE too, which Apache-2.0 (section 4(d)) asks every
+# redistribution to include.
+LICENSE_FILES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "LICENCE", "COPYING", "NOTICE", "NOTICE.txt", "NOTICE.md")
 # Card metadata that describes the weights themselves, so it holds for a copy of them.
 CARRIED_METADATA = ("license", "license_name", "license_link", "language")
 _CHECK_START, _CHECK_END = "<!-- thinker: checks -->", "<!-- /thinker: checks -->"

@@ -38,6 +38,9 @@ Supported families:
   qwen3_moe     Qwen3-MoE (fused or per-expert tensors)
   qwen3_omni    Qwen3-Omni-MoE thinker text decoder (audio, vision, talker
                 and code2wav dropped)
+  qwen3_omni_thinker
+                Qwen3-Omni-MoE thinker saved alone: its text decoder (audio
+                and vision towers dropped)
   qwen3_5       Qwen3.5 / Qwen3.6 dense (hybrid Gated DeltaNet; causal-LM
                 or vision-language layout)
   qwen3_5_moe   Qwen3.5 / Qwen3.6 MoE (hybrid Gated DeltaNet, shared expert;

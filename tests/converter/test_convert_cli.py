@@ -201,6 +201,7 @@ def test_the_model_card_says_where_the_weights_came_from_and_what_was_checked(fa
     _, folder = save_reference(QWEN3, name="hub-card")
     (folder / "README.md").write_text("---\nlicense: apache-2.0\nlanguage:\n- en\n---\n# Tiny Qwen3\n")
     (folder / "LICENSE").write_text("Apache License, Version 2.0")
+    (folder / "NOTICE").write_text("Copyright the authors")  # Apache-2.0 4(d): it travels with the weights too
     fake_hub.add_repo("tiny-org/tiny-qwen3", folder)
     output = tmp_path / "out"
     assert CliRunner().invoke(convert_command, ["tiny-org/tiny-qwen3", str(output)]).exit_code == 0
@@ -209,6 +210,7 @@ def test_the_model_card_says_where_the_weights_came_from_and_what_was_checked(fa
     assert card.data.library_name == "transformers" and card.data.language == ["en"]
     assert set(card.data.tags) == {"thinker", "qwen3"}
     assert (output / "LICENSE").read_text() == "Apache License, Version 2.0"
+    assert (output / "NOTICE").read_text() == "Copyright the authors"
     (result,) = json.loads((output / "parity.json").read_text())["results"]
     figures = f"{result['max_abs_diff']:.3g} | {result['mean_abs_diff']:.3g} | {result['tolerance']:.2g}"
     row = f"| float32 | {figures} | 100.0% | 2/2 | pass |"
