@@ -40,7 +40,15 @@ from common.sources import open_source
 from thinker import ThinkerConfig, ThinkerForCausalLM
 
 from .output_dtype import resolve_dtype
-from .parity_report import BY_LAYER, HALF_TOP1_MIN, DtypeParity, LayerParity, ParityReport, refuse_unknown_model_type
+from .parity_report import (
+    BY_LAYER,
+    HALF_TOP1_MIN,
+    DtypeParity,
+    LayerParity,
+    ParityReport,
+    reference_overflows,
+    refuse_unknown_model_type,
+)
 from .spec import Family
 from .streamed import StreamedModel, Unit, empty_model, lazy_tensors
 from .unreached import Probes
@@ -155,6 +163,9 @@ def compare_by_layer(
 
     if counts is not None:
         return _layer_counts_differ(dtype, *counts)
+    overflowing = next((stage.name for stage in stages.values() if not stage.finite), None)
+    if overflowing is not None:
+        raise reference_overflows(reference.name, dtype, overflowing)
     ref_logits, logits = torch.cat(expected_logits), torch.cat(actual_logits)
     diff = (ref_logits - logits).abs()
     scale = ref_logits.abs().max().item()
@@ -277,11 +288,13 @@ class _Stage:
     count: int = 0
     scale: float = 0.0
     stream_max_abs_diff: float | None = None
+    finite: bool = True  # the reference's own output held no inf or NaN
 
     def add(
         self, expected: torch.Tensor, actual: torch.Tensor | None, real: torch.Tensor, own: torch.Tensor | None = None
     ) -> None:
         expected = expected[real].float()
+        self.finite = self.finite and bool(torch.isfinite(expected).all())
         self.scale = max(self.scale, expected.abs().max().item())
         if actual is None or actual.shape[:-1] != real.shape or actual.shape[-1] != expected.shape[-1]:
             self.max_abs_diff = float("inf")  # the converted model produced nothing comparable here

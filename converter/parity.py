@@ -45,6 +45,7 @@ from .parity_report import (
     DtypeParity,
     ParityFailed,
     ParityReport,
+    reference_overflows,
     refuse_unknown_model_type,
     write_report,
 )
@@ -171,6 +172,8 @@ def compare(reference: PreTrainedModel, converted: PreTrainedModel, prompts: lis
     (expected, ref_tokens), (actual, tokens) = reference_run(reference, prompts), run_prompts(converted, prompts)
     real = left_padded(prompts)[1].bool()
     ref_logits, logits = expected.logits[real].float(), actual.logits[real].float()  # (real tokens, vocab)
+    if not torch.isfinite(ref_logits).all():
+        raise reference_overflows(type(reference).__name__, dtype, first_nonfinite(expected.hidden_states, real))
     diff = (ref_logits - logits).abs()
     scale = ref_logits.abs().max().item()
     tolerance = RELATIVE_TOLERANCE[dtype] * max(1.0, scale)
@@ -207,6 +210,14 @@ def compare(reference: PreTrainedModel, converted: PreTrainedModel, prompts: lis
     elif unreached is not None:  # the prompts' logits agree; a row or an expert they never reach does not
         result.passed, result.first_divergence = False, unreached
     return result
+
+
+def first_nonfinite(hidden_states: tuple[torch.Tensor, ...], real: torch.Tensor) -> str:
+    """The first hidden state (embeddings, then each layer's output) holding inf or NaN, else the head."""
+    for index, hidden in enumerate(hidden_states):
+        if not torch.isfinite(hidden[real]).all():
+            return "the embeddings" if index == 0 else f"layer {index - 1}'s output"
+    return "the head"
 
 
 def first_divergence(

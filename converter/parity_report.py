@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from common.errors import ThinkerError
 from common.staging import write_atomically
@@ -137,3 +138,18 @@ def refuse_unknown_model_type(config_path: Path) -> None:
             "to compare with (code shipped with a checkpoint, its auto_map, is never run); correct model_type, or "
             "convert with --no-verify"
         )
+
+
+def reference_overflows(reference: str, dtype: Any, stage: str) -> ThinkerError:
+    """The error for a reference that computes inf or NaN from ``stage`` on: no difference to measure, and nothing
+    the conversion did (the converted model computes the same)."""
+    name = str(dtype).removeprefix("torch.")
+    advice = (
+        "convert with --dtype bfloat16 or float32"
+        if name != "float32"
+        else "the checkpoint's weights are broken: get it again"
+    )
+    return ThinkerError(
+        f"transformers' own {reference} computes inf or NaN in {name} on the parity prompts (from {stage} on), so "
+        f"there is no reference to compare with: the model overflows {name}; {advice}"
+    )

@@ -372,3 +372,30 @@ def test_layer_mode_peak_rss_is_bounded_by_four_layers(tmp_path):
     bound = measured["idle"] + 4 * measured["largest"]
     assert measured["peak"] <= bound, f"peak {measured['peak'] / 2**20:.0f} MiB > bound {bound / 2**20:.0f} MiB"
     assert 2 * 4 * layer > 4 * measured["largest"]  # the bound is below what two whole models would take
+
+
+@pytest.mark.parametrize("by_layer", [False, True], ids=["whole", "by layer"])
+def test_a_model_that_overflows_the_dtype_is_said_to(by_layer, tmp_path):
+    """Weights within float16's range whose activations are not (norm weights of 200, a wide MLP): transformers'
+    own class computes inf from the first layer on, so nothing is compared; not "does not match its reference" at
+    a layer whose every figure is NaN, but what happened and which dtype to convert to."""
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**TINY, num_hidden_layers=2, head_dim=8, tie_word_embeddings=False))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "layernorm" in name or name == "model.norm.weight":
+                parameter.fill_(200.0)
+            elif "mlp" in name:
+                parameter.normal_(0, 3.0)
+    model.save_pretrained(tmp_path / "source")
+    options = ["--dtype", "float16", *(["--verify-by-layer"] if by_layer else [])]
+    result = cli(convert_command, tmp_path / "source", tmp_path / "out", *options)
+    assert result.exit_code == 1, result.output
+    assert "transformers' own Qwen3ForCausalLM computes inf or NaN in float16 on the parity prompts (from layer 0" in (
+        result.stderr
+    )
+    assert "the model overflows float16; convert with --dtype bfloat16 or float32" in result.stderr
+    assert not (tmp_path / "out").exists()
+    assert cli(convert_command, tmp_path / "source", tmp_path / "bf16", "--dtype", "bfloat16").exit_code == 0
