@@ -69,6 +69,8 @@ def parity_section(report: ParityReport | None, skipped: str) -> str:
         "",
         markdown_table(header, rows),
     ]
+    if report.rounding_note:
+        lines += ["", report.rounding_note]
     return "\n".join(lines)
 
 
