@@ -41,6 +41,7 @@ Supported families:
   qwen3_omni_thinker
                 Qwen3-Omni-MoE thinker saved alone: its text decoder (audio
                 and vision towers dropped)
+  qwen3_vl      Qwen3-VL text decoder (vision tower dropped)
   qwen3_5       Qwen3.5 / Qwen3.6 dense (hybrid Gated DeltaNet; causal-LM
                 or vision-language layout)
   qwen3_5_moe   Qwen3.5 / Qwen3.6 MoE (hybrid Gated DeltaNet, shared expert;

@@ -26,6 +26,7 @@ from .qwen3_5_moe import QWEN3_5_MOE
 from .qwen3_moe import QWEN3_MOE
 from .qwen3_next import QWEN3_NEXT
 from .qwen3_omni import QWEN3_OMNI, QWEN3_OMNI_THINKER
+from .qwen3_vl import QWEN3_VL
 from .qwen4_exp import QWEN4_EXP
 from .uomni import UOMNI
 
@@ -36,6 +37,7 @@ FAMILIES: tuple[Family, ...] = (
     QWEN3_MOE,
     QWEN3_OMNI,
     QWEN3_OMNI_THINKER,
+    QWEN3_VL,
     QWEN3_5,
     QWEN3_5_MOE,
     QWEN3_NEXT,

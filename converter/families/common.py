@@ -93,9 +93,10 @@ def decoder_fields(
         "rms_norm_eps": hf.rms_norm_eps,
         "tie_word_embeddings": hf.tie_word_embeddings,
         "initializer_range": hf.initializer_range,
-        "bos_token_id": hf.bos_token_id,
-        "eos_token_id": hf.eos_token_id,
-        "pad_token_id": hf.pad_token_id,
+        # Qwen3-VL's text config class declares none of these (generation_config.json carries them)
+        "bos_token_id": getattr(hf, "bos_token_id", None),
+        "eos_token_id": getattr(hf, "eos_token_id", None),
+        "pad_token_id": getattr(hf, "pad_token_id", None),
     }
 
 

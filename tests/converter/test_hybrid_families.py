@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from references import qwen3_omni
+from references import qwen3_omni, qwen3_vl
 from references.hybrid import (
     LAYER_TYPES,
     capture_language_model_inputs,
@@ -391,6 +391,49 @@ def test_qwen3_omni_distinct_position_rows_through_the_converter(omni, rows):
     expected = theirs.lm_head(decoder)
     assert_close(ours(inputs_embeds=embeds, position_ids=positions).logits, expected, **TOL)
     assert (ours(inputs_embeds=embeds).logits - expected).abs().max() > 100 * TOL["atol"]
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    """A tiny Qwen3-VL checkpoint converted through the command line with its parity gate, and the reference."""
+    root = tmp_path_factory.mktemp("qwen3_vl")
+    source = qwen3_vl.save(root / "source")
+    result = cli(source, root / "thinker", "--verify")
+    assert result.exit_code == 0 and "(qwen3_vl)" in result.output, result.output
+    from transformers import Qwen3VLForConditionalGeneration
+
+    return load_thinker(root / "thinker"), Qwen3VLForConditionalGeneration.from_pretrained(source).eval(), root
+
+
+def test_qwen3_vl_converts_its_text_decoder(vl):
+    ours, _, root = vl
+    assert json.loads((root / "thinker" / "parity.json").read_text())["reference"] == "Qwen3VLForConditionalGeneration"
+    assert ours.config.qk_norm and not ours.config.tie_word_embeddings
+    assert (
+        ours.config.rope_parameters["mrope_section"] == [4, 2, 2] and ours.config.rope_parameters["mrope_interleaved"]
+    )
+    with safe_open(root / "thinker" / "model.safetensors", "pt") as handle:
+        assert not [name for name in handle.keys() if "visual" in name]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rows", [3, 4])
+def test_qwen3_vl_distinct_position_rows_through_the_converter(vl, rows):
+    """An image block's 3-D positions (and the 4-row form generate() hands on) with embeddings standing for the
+    vision tower's, without the deepstack features Qwen3-VL's image prompts also feed its first layers: the converted
+    Thinker gives the text decoder's logits, which the same embeddings at text positions do not."""
+    ours, theirs, _ = vl
+    positions = text_image_text_positions(batch=2)
+    if rows == 4:
+        positions = torch.cat([torch.arange(15).expand(1, 2, -1), positions])
+    embeds = torch.randn(2, 15, ours.config.hidden_size, generator=torch.Generator().manual_seed(7))
+    decoder = theirs.model.language_model(inputs_embeds=embeds, position_ids=positions).last_hidden_state
+    expected = theirs.lm_head(decoder)
+    actual = ours(inputs_embeds=embeds, position_ids=positions).logits
+    assert_close(actual, expected, **TOL)
+    # its weights are small (logits near 0.2): the positions' effect is judged against the conversion's difference
+    at_text_positions = (ours(inputs_embeds=embeds).logits - expected).abs().max()
+    assert at_text_positions > 1e-3 and at_text_positions > 1e3 * (actual - expected).abs().max()
 
 
 # ----------------------------------------------------------------------------------------------------------------
