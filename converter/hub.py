@@ -149,6 +149,8 @@ def resolve_source(
     take in it, of several (the path of that file is returned). These are the Hub arguments of transformers'
     ``from_pretrained``, with the same meaning. ``progress=False`` hides huggingface_hub's bars.
     """
+    if not str(source).strip():  # Path("") is the working directory, which the user did not name
+        raise ThinkerError("SOURCE is empty; give a model folder, a weights file or a Hub repo id")
     if gguf_file is not None:
         gguf_file, subfolder = _split_gguf_path(gguf_file, subfolder)
     local = Path(source).expanduser()
