@@ -173,6 +173,13 @@ def verify(
     converted = Path(converted)
     if not (converted / "config.json").is_file():
         raise ThinkerError(f"{converted}: not a converted model folder (no config.json)")
+    root = resolve_source(str(source), revision, gguf_file=gguf_file)
+    refuse_output_over_source(converted, root, writes_into=True)  # parity.json goes into CONVERTED
+    if (read_json(Path(root) / "config.json") or {}).get("model_type") == ThinkerConfig.model_type:
+        raise ThinkerError(
+            f"{source}: SOURCE is a Thinker folder, which has no reference to verify against; the order is "
+            "`thinker verify SOURCE CONVERTED` (the checkpoint converted from, then the Thinker folder)"
+        )
     model_type = (read_json(converted / "config.json") or {}).get("model_type")
     if model_type != ThinkerConfig.model_type:
         raise ThinkerError(
@@ -181,13 +188,6 @@ def verify(
         )
     if not any(converted.glob("*.safetensors")):
         raise ThinkerError(f"{converted}: a Thinker folder without its weights (no *.safetensors); convert it again")
-    root = resolve_source(str(source), revision, gguf_file=gguf_file)
-    refuse_output_over_source(converted, root, writes_into=True)  # parity.json goes into CONVERTED
-    if (read_json(Path(root) / "config.json") or {}).get("model_type") == ThinkerConfig.model_type:
-        raise ThinkerError(
-            f"{source}: SOURCE is a Thinker folder, which has no reference to verify against; the order is "
-            "`thinker verify SOURCE CONVERTED` (the checkpoint converted from, then the Thinker folder)"
-        )
     refuse_another_config(root, converted)
     check_thinker_weights(converted, ThinkerConfig.from_pretrained(converted))
     refuse_other_code(converted)

@@ -478,7 +478,7 @@ def test_verify_refuses_what_is_not_a_conversion(qwen3_source, qwen3_thinker, so
     assert_error(thinker("verify", qwen3_source, tmp_path / "empty"), "not a converted model folder")
     source = source_copy()
     edit_config(source, model_type="mamba", architectures=["MambaForCausalLM"])
-    assert_error(thinker("verify", source, qwen3_source), "model_type 'mamba'", "not supported")
+    assert_error(thinker("verify", source, qwen3_thinker), "model_type 'mamba'", "not supported")
     assert_usage_error(thinker("verify", qwen3_source, tmp_path / "nowhere"), "does not exist")
     edited = shutil.copytree(qwen3_thinker, tmp_path / "edited")
     edit_config(edited, max_position_embeddings=100000)  # beyond the fixed prompts' reach, still another model

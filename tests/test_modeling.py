@@ -393,8 +393,9 @@ def test_inputs_of_disagreeing_shapes_are_refused_by_name(tiny_thinker):
         model(ids, position_ids=torch.arange(7).expand(2, 7))
     with pytest.raises(ValueError, match=r"multimodal ones are \(3, batch, seq\), also for a batch of 1"):
         model(ids[:1], position_ids=torch.arange(5).expand(3, 5))  # the batch axis left out
-    with pytest.raises(ValueError, match=r"attention_mask of shape \(3, 5\); expected \(batch 2"):
-        model(ids, attention_mask=torch.ones(3, 5, dtype=torch.long))
+    for use_cache in (True, False):
+        with pytest.raises(ValueError, match=r"attention_mask of shape \(3, 5\); expected \(batch 2"):
+            model(ids, attention_mask=torch.ones(3, 5, dtype=torch.long), use_cache=use_cache)
     with torch.no_grad():
         past = model(ids, use_cache=True).past_key_values
         with pytest.raises(ValueError, match=r"the 5 cached tokens \+ this call's 1\) = \(2, 6\)"):

@@ -966,7 +966,7 @@ def check_input_shapes(
     inputs_embeds: torch.Tensor,
     position_ids: torch.Tensor,
     attention_mask: torch.Tensor | dict | None,
-    past_seen: int,
+    cache: Cache | None,
 ) -> None:
     """Refuses, by name, inputs whose shapes disagree: torch would otherwise fail deep inside with a broadcast error
     naming neither, or (an attention mask of the wrong length beside a cache) give other logits without a word."""
@@ -982,7 +982,10 @@ def check_input_shapes(
             f"position_ids of shape {tuple(position_ids.shape)} for inputs of batch {batch} and length {seq}; "
             f"expected (batch, seq), (3, batch, seq) or (4, batch, seq){multimodal}"
         )
-    if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2:
+    # a cache that counts what it holds (transformers' continuous batching's paged one does not, nor takes such masks)
+    counted = cache is None or hasattr(cache, "get_seq_length")
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 and counted:
+        past_seen = cache.get_seq_length() if cache is not None else 0
         if attention_mask.shape != (batch, past_seen + seq):
             raise ValueError(
                 f"attention_mask of shape {tuple(attention_mask.shape)}; expected (batch {batch}, the {past_seen} "
@@ -1196,10 +1199,10 @@ class ThinkerModel(ThinkerPreTrainedModel):
                 "this model's linear-attention layers keep conv and recurrent state in the cache: build it with "
                 "DynamicCache(config=model.config)"
             )
-        past_seen = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
+            past_seen = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen)[None]
-        check_input_shapes(self.config, inputs_embeds, position_ids, attention_mask, past_seen)
+        check_input_shapes(self.config, inputs_embeds, position_ids, attention_mask, cache)
         text_positions, rope_positions = split_position_ids(position_ids)
 
         if not isinstance(masks := attention_mask, dict):  # generate() may have built them (compileable caches)

@@ -180,7 +180,7 @@ def test_verify_refuses_a_folder_it_would_not_prove(source, tmp_path):
     (empty / "model.safetensors").unlink()
     assert "a Thinker folder without its weights (no *.safetensors); convert it again" in verify(empty)
 
-    assert "a qwen3 checkpoint, not a Thinker folder" in verify(source)
+    assert "a qwen3 checkpoint, not a Thinker folder" in verify(shutil.copytree(source, tmp_path / "a copy"))
 
     assert runner.invoke(verify_command, [str(source), str(converted)]).exit_code == 0  # the folder as written
 
