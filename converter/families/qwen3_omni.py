@@ -114,33 +114,34 @@ def load_layered_reference(source: Path, dtype: Any) -> Any:
     return StreamedModel(model, lazy_tensors(tensors), close=tensors.close)
 
 
+# What both layouts share: the thinker's text decoder, its transformers class as the reference, no way back (a
+# Thinker folder has no towers, without which neither layout is whole).
+DECODER = dict(
+    groups=(EMBEDDINGS_AND_HEAD, LAYER_NORMS, ATTENTION, ATTENTION_BIASES, QK_NORMS, DENSE_MLP, ROUTER, ROUTED_EXPERTS),
+    fields=text_decoder_fields,
+    moe=True,
+    reference=load_reference,
+    layered_reference=load_layered_reference,
+    way_back=False,
+)
+
 QWEN3_OMNI = hf_family(
     "qwen3_omni_moe",
     "Qwen3OmniMoeForConditionalGeneration",
     "Qwen3-Omni-MoE thinker text decoder (audio, vision, talker and code2wav dropped)",
-    (EMBEDDINGS_AND_HEAD, LAYER_NORMS, ATTENTION, ATTENTION_BIASES, QK_NORMS, DENSE_MLP, ROUTER, ROUTED_EXPERTS),
-    text_decoder_fields,
     name="qwen3_omni",
-    moe=True,
     decoder_config=text_decoder_config,
     layouts=({"": "thinker."},),
     dropped_prefixes=DROPPED_PREFIXES,
-    reference=load_reference,
-    layered_reference=load_layered_reference,
-    way_back=False,
+    **DECODER,
 )
 
 QWEN3_OMNI_THINKER = hf_family(
     "qwen3_omni_moe_thinker",
     "Qwen3OmniMoeThinkerForConditionalGeneration",
     "Qwen3-Omni-MoE thinker saved alone: its text decoder (audio and vision towers dropped)",
-    (EMBEDDINGS_AND_HEAD, LAYER_NORMS, ATTENTION, ATTENTION_BIASES, QK_NORMS, DENSE_MLP, ROUTER, ROUTED_EXPERTS),
-    text_decoder_fields,
     name="qwen3_omni_thinker",
-    moe=True,
     layouts=({}, {"": "thinker."}),
     dropped_prefixes=THINKER_DROPPED_PREFIXES,
-    reference=load_reference,
-    layered_reference=load_layered_reference,
-    way_back=False,
+    **DECODER,
 )

@@ -376,23 +376,6 @@ def test_qwen3_omni_audio_prompt_through_the_converter(omni):
     assert_close(ours(inputs_embeds=embeds, position_ids=positions).logits, expected, **TOL)
 
 
-@torch.no_grad()
-@pytest.mark.parametrize("rows", [3, 4])
-def test_qwen3_omni_distinct_position_rows_through_the_converter(omni, rows):
-    """3-D positions whose temporal/height/width rows differ (a vision block, without the deepstack features that
-    Qwen3-Omni's image and video prompts also feed its first layers): the converted Thinker gives the text decoder's
-    logits, which the same embeddings at plain text positions do not."""
-    ours, theirs = omni
-    positions = text_image_text_positions(batch=2)
-    if rows == 4:
-        positions = torch.cat([torch.arange(15).expand(1, 2, -1), positions])
-    embeds = torch.randn(2, 15, ours.config.hidden_size, generator=torch.Generator().manual_seed(7))
-    decoder = theirs.model.language_model(inputs_embeds=embeds, position_ids=positions).last_hidden_state
-    expected = theirs.lm_head(decoder)
-    assert_close(ours(inputs_embeds=embeds, position_ids=positions).logits, expected, **TOL)
-    assert (ours(inputs_embeds=embeds).logits - expected).abs().max() > 100 * TOL["atol"]
-
-
 @pytest.fixture(scope="module")
 def vl(tmp_path_factory):
     """A tiny Qwen3-VL checkpoint converted through the command line with its parity gate, and the reference."""
@@ -418,11 +401,13 @@ def test_qwen3_vl_converts_its_text_decoder(vl):
 
 @torch.no_grad()
 @pytest.mark.parametrize("rows", [3, 4])
-def test_qwen3_vl_distinct_position_rows_through_the_converter(vl, rows):
-    """An image block's 3-D positions (and the 4-row form generate() hands on) with embeddings standing for the
-    vision tower's, without the deepstack features Qwen3-VL's image prompts also feed its first layers: the converted
-    Thinker gives the text decoder's logits, which the same embeddings at text positions do not."""
-    ours, theirs, _ = vl
+@pytest.mark.parametrize("family", ["omni", "vl"])
+def test_distinct_position_rows_through_the_converter(family, rows, request):
+    """3-D positions whose temporal/height/width rows differ (an image block, and the 4-row form generate() hands
+    on), with embeddings standing for the vision tower's, without the deepstack features that Qwen3-Omni's and
+    Qwen3-VL's image prompts also feed their first layers: the converted Thinker gives the text decoder's logits,
+    which the same embeddings at text positions do not."""
+    ours, theirs = request.getfixturevalue(family)[:2]
     positions = text_image_text_positions(batch=2)
     if rows == 4:
         positions = torch.cat([torch.arange(15).expand(1, 2, -1), positions])
@@ -431,7 +416,8 @@ def test_qwen3_vl_distinct_position_rows_through_the_converter(vl, rows):
     expected = theirs.lm_head(decoder)
     actual = ours(inputs_embeds=embeds, position_ids=positions).logits
     assert_close(actual, expected, **TOL)
-    # its weights are small (logits near 0.2): the positions' effect is judged against the conversion's difference
+    # the tiny models' logits are small (Qwen3-VL's near 0.2): the positions' effect is judged against the
+    # conversion's own difference
     at_text_positions = (ours(inputs_embeds=embeds).logits - expected).abs().max()
     assert at_text_positions > 1e-3 and at_text_positions > 1e3 * (actual - expected).abs().max()
 
