@@ -27,7 +27,7 @@ from .config_compare import config_differences
 from .engine import plan_conversion, write_weights
 from .families import detect_family
 from .folder_weights import check_thinker_weights
-from .hub import resolve_source
+from .hub import refuse_empty_source, resolve_source
 from .model_card import gguf_card_metadata, tool_version, update_parity, write_thinker_card
 from .output import write_generation_config, write_thinker_config
 from .parity import parity_gate, parity_mode
@@ -95,6 +95,7 @@ def convert(
     then).
     """
     started = time.perf_counter()
+    refuse_empty_source(source)  # before OUTPUT is checked against it
     if verify is False and verify_by_layer:
         raise ThinkerError("--verify-by-layer asks for the check that --no-verify turns off; pass one of them")
     output = Path(output)

@@ -126,6 +126,13 @@ def _ggufs_held(names: list[str]) -> str:
     return f"the GGUF files there: {shown}" if names else "there are no GGUF files there"
 
 
+def refuse_empty_source(source: str | Path) -> None:
+    """``Path("")`` is the working directory, which a user who passed an empty SOURCE (an unset shell variable) did
+    not name: refused before anything reads or writes there."""
+    if not str(source).strip():
+        raise ThinkerError("SOURCE is empty; give a model folder, a weights file or a Hub repo id")
+
+
 def resolve_source(
     source: str,
     revision: str | None = None,
@@ -149,8 +156,7 @@ def resolve_source(
     take in it, of several (the path of that file is returned). These are the Hub arguments of transformers'
     ``from_pretrained``, with the same meaning. ``progress=False`` hides huggingface_hub's bars.
     """
-    if not str(source).strip():  # Path("") is the working directory, which the user did not name
-        raise ThinkerError("SOURCE is empty; give a model folder, a weights file or a Hub repo id")
+    refuse_empty_source(source)
     if gguf_file is not None:
         gguf_file, subfolder = _split_gguf_path(gguf_file, subfolder)
     local = Path(source).expanduser()

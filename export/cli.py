@@ -368,12 +368,13 @@ def export_command(
 
 
 def held_figure(figures: dict) -> str:
-    """The verify line's difference; for a half-precision graph with positions whose own rounding excuses them
-    (export/half_spread.py), also the largest of the rest, which the tolerance holds."""
+    """The verify line's difference; where a half-precision graph's positions beyond the tolerance were excused by
+    their own rounding (export/half_spread.py), how many, and the largest difference of the rest."""
     words = f"max |Δlogit| {figures['max_abs_diff']:.3g}"
-    rest = figures.get("max_abs_diff_beyond_spread")
-    if rest is not None and rest < figures["max_abs_diff"]:
-        words += f", {rest:.3g} outside the positions half precision cannot hold"
+    excused = figures.get("positions_excused")
+    if excused:
+        rest = figures["max_abs_diff_beyond_spread"]
+        words += f" at {excused} position(s) half precision cannot hold, {rest:.3g} elsewhere"
     return words
 
 

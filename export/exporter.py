@@ -29,6 +29,7 @@ from common.side_files import CONFIG_FILES, copy_files, read_json, tokenizer_fil
 from common.source_files import present
 from common.sources import SafetensorsSource
 from common.staging import install, refuse_existing_output, refuse_output_over_source, work_folder
+from converter.hub import refuse_empty_source
 from thinker.configuration_thinker import ThinkerConfig
 
 from .contrib_schemas import register_onnxruntime_schemas
@@ -157,6 +158,7 @@ def export_model(
     None for the model's own form (multimodal with multimodal RoPE); ``logits``: "all" or "last" (see LOGITS), None
     for ``DEFAULT_LOGITS``; ``gguf_file``: the GGUF file of a source (a Hub repo or a folder) that holds several,
     converted on the way; ``revision``: the branch, tag or commit of a Hub repo id ``source`` (default main)."""
+    refuse_empty_source(source)
     output = Path(output)
     if isinstance(dtype, torch.dtype):  # as transformers' dtype= takes it
         dtype = dtype_name(dtype)

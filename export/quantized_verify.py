@@ -58,13 +58,12 @@ from .verify import (
     REFERENCE_DTYPE,
     STREAMED,
     WHOLE,
-    beyond,
     compare_decoders,
     genai_graph_failures,
     genai_graph_of,
     half_shadow,
     indexer_failures,
-    judged_diff,
+    judge,
 )
 
 # The graph check's tolerance floor on ill-conditioned inputs: SmolLM2's residual stream carries "massive
@@ -434,9 +433,9 @@ def quantized_result(
             f"the tied embedding dequantizes to a table up to {weights.tied_difference:.3g} off the head's "
             "(it must gather the head's own quantized weights)"
         )
-    if judged_diff(graph) > graph["tolerance"]:
-        against = " against the model with the same dequantized weights"
-        failures.append(beyond(graph, graph["tolerance"], against))
+    graph_failure = judge(graph, graph["tolerance"], " against the model with the same dequantized weights")
+    if graph_failure:
+        failures.append(graph_failure)
     if "genai_graph" in graph:
         failures += genai_graph_failures(graph["genai_graph"], graph["tolerance"])
     if "indexer_prompts" in graph:

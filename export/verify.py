@@ -47,7 +47,7 @@ from common.sources import SafetensorsSource
 from converter.parity import MEMORY_BUDGET_ENV, memory_budget
 from thinker.modeling_thinker import CACHE_ARG, lowest_block_wins_ties
 
-from .half_spread import HALF_PRECISIONS, HalfShadow, excused
+from .half_spread import HALF_PRECISIONS, MAX_EXCUSED_SHARE, HalfShadow, excused
 from .names import GENAI_MODEL_FILE
 from .runtime import OnnxDecoder, cuda_usable, position_ids_from_mask
 
@@ -69,16 +69,24 @@ class Agreement:
     per_step: list[float] = field(default_factory=list)
     half_spread: float | None = None  # the largest half-precision spread, where one is measured
     beyond_spread: float = 0.0  # the largest difference not excused by its position's spread
+    excused_differences: list[float] = field(default_factory=list)  # those of the excused positions
+    nonfinite: int = 0  # positions whose candidate logits hold inf or NaN
 
     def add(self, reference: np.ndarray, candidate: np.ndarray, spread: np.ndarray | None = None) -> None:
         """Adds (N, V) logits of the same N positions; ``spread``: (N,) the reference's own half-precision spread
-        at each (export/half_spread.py), which excuses a difference within HALF_SPREAD_MARGIN times it."""
+        at each (export/half_spread.py), which excuses a difference within HALF_SPREAD_MARGIN times it. A position
+        whose candidate holds inf or NaN is counted apart (a NaN compares as no difference at all)."""
         diff = np.abs(reference.astype(np.float64) - candidate.astype(np.float64))
+        finite = np.isfinite(diff).all(axis=-1)
+        self.nonfinite += int((~finite).sum())
+        diff = np.where(finite[:, None], diff, 0.0)
         self.max_abs_diff = max(self.max_abs_diff, float(diff.max()))
         held = diff.max(axis=-1)
         if spread is not None:
-            self.half_spread = max(self.half_spread or 0.0, float(spread.max()))
-            held = held[~excused(held, spread)]
+            self.half_spread = max(self.half_spread or 0.0, float(np.nan_to_num(spread).max()))
+            kept = ~excused(held, spread)
+            self.excused_differences += held[~kept].tolist()
+            held = held[kept]
         self.beyond_spread = max(self.beyond_spread, float(held.max(initial=0.0)))
         self.abs_diff_sum += float(diff.mean(axis=-1).sum())
         self.logit_scale = max(self.logit_scale, float(np.abs(reference).max()))
@@ -98,6 +106,9 @@ class Agreement:
         if self.half_spread is not None:
             figures["half_precision_spread"] = self.half_spread
             figures["max_abs_diff_beyond_spread"] = self.beyond_spread
+            figures["excused_differences"] = self.excused_differences  # ``judge`` turns them into a count
+        if self.nonfinite:
+            figures["nonfinite_positions"] = self.nonfinite
         return figures
 
 
@@ -106,18 +117,35 @@ def half_shadow(model: torch.nn.Module, dtype: torch.dtype) -> HalfShadow | None
     return HalfShadow(model, dtype) if dtype in HALF_PRECISIONS else None
 
 
-def judged_diff(figures: dict) -> float:
-    """What a check holds to its tolerance: the largest difference, less those a half-precision graph's positions
-    are excused by their own spread (export/half_spread.py)."""
-    return figures.get("max_abs_diff_beyond_spread", figures["max_abs_diff"])
-
-
-def beyond(figures: dict, tolerance: float, against: str = "") -> str:
-    """A failure's figure: "max |Δlogit| X{against} > tolerance T", saying where positions were left out."""
+def judge(figures: dict, tolerance: float, against: str = "") -> str | None:
+    """The failure of a comparison's ``figures`` at ``tolerance``, or None; called once per comparison. Logits
+    holding inf or NaN fail. A half-precision graph's positions within twice PyTorch's own half-precision distance
+    from float32 are excused (export/half_spread.py), but only a few: where more than MAX_EXCUSED_SHARE of the
+    positions need it, the dtype cannot hold the model's logits and the check could not tell a graph bug from
+    rounding, so it fails saying so. Adds ``positions_excused``, those beyond the tolerance that were excused."""
+    if figures.get("nonfinite_positions"):
+        return (
+            f"onnxruntime's logits hold inf or NaN at {figures['nonfinite_positions']} of {figures['positions']} "
+            f"positions{against}: the graph overflows (export float32, or bfloat16 on CUDA, for a model whose "
+            "activations float16 cannot hold)"
+        )
+    excused = figures.pop("excused_differences", None)
+    if excused is not None:
+        figures["positions_excused"] = needed = sum(difference > tolerance for difference in excused)
+        if needed > MAX_EXCUSED_SHARE * figures["positions"]:
+            return (
+                f"{needed} of {figures['positions']} positions lie beyond the tolerance {tolerance:.3g}{against}, "
+                "where PyTorch's own half-precision run is as far from float32: half precision cannot hold this "
+                "model's logits, so the check cannot tell a graph bug from rounding; export float32 (or bfloat16 on "
+                "CUDA), or pass --no-verify"
+            )
+    held = figures.get("max_abs_diff_beyond_spread", figures["max_abs_diff"])
+    if held <= tolerance:
+        return None
     left_out = ""
-    if "max_abs_diff_beyond_spread" in figures:
+    if figures.get("positions_excused"):
         left_out = " (leaving out positions within twice the reference's own half-precision rounding)"
-    return f"max |Δlogit| {judged_diff(figures):.3g}{against}{left_out} > tolerance {tolerance:.3g}"
+    return f"max |Δlogit| {held:.3g}{against}{left_out} > tolerance {tolerance:.3g}"
 
 
 def compare_decoders(
@@ -237,12 +265,8 @@ def indexer_failures(figures: dict, dtype: torch.dtype) -> list[str]:
         figures["why"] = "a half-precision network may flip an indexer's near-tie; the float32 export is checked"
         return []
     figures["tolerance"] = tolerance = RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"])
-    if figures["max_abs_diff"] <= tolerance:
-        return []
-    return [
-        f"on prompts long enough for the indexers to choose: max |Δlogit| {figures['max_abs_diff']:.3g} > "
-        f"tolerance {tolerance:.3g}"
-    ]
+    failure = judge(figures, tolerance)
+    return [f"on prompts long enough for the indexers to choose: {failure}"] if failure else []
 
 
 def genai_graph_of(onnx_path: Path) -> Path | None:
@@ -253,9 +277,8 @@ def genai_graph_of(onnx_path: Path) -> Path | None:
 
 def genai_graph_failures(figures: dict, tolerance: float) -> list[str]:
     """The failure of onnxruntime-genai's graph (checked on the batch's rows padded on the right), if any."""
-    if judged_diff(figures) <= tolerance:
-        return []
-    return [f"{GENAI_MODEL_FILE} (onnxruntime-genai's graph, rows padded on the right): {beyond(figures, tolerance)}"]
+    failure = judge(figures, tolerance)
+    return [f"{GENAI_MODEL_FILE} (onnxruntime-genai's graph, rows padded on the right): {failure}"] if failure else []
 
 
 def verify_plan(
@@ -374,8 +397,9 @@ def verify_export(
     }
     result["tolerance"] = RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"])
     failures = []
-    if judged_diff(figures) > result["tolerance"]:
-        failures.append(beyond(figures, result["tolerance"]))
+    failure = judge(result, result["tolerance"])
+    if failure:
+        failures.append(failure)
     if indexed:
         result["indexer_prompts"] = indexer_figures
         failures += indexer_failures(indexer_figures, dtype)

@@ -196,12 +196,16 @@ def test_a_file_beside_the_weights_named_as_source(name, qwen3_source, tmp_path)
     assert_nothing_written(tmp_path / "out")
 
 
-def test_a_path_that_does_not_exist(tmp_path):
+def test_a_path_that_does_not_exist(tmp_path, monkeypatch):
     result = thinker("convert", tmp_path / "nowhere", tmp_path / "out")
     assert_error(result, "nowhere: no such folder, and not a Hub repo id")
-    empty = thinker("convert", "", tmp_path / "out")  # not the working directory
-    assert_error(empty, "SOURCE is empty; give a model folder, a weights file or a Hub repo id")
-    assert_nothing_written(tmp_path / "out")
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    for command in ("convert", "export"):  # not the working directory, also with OUTPUT inside it
+        for output in (tmp_path / "out", Path("out")):
+            empty = thinker(command, "", output)
+            assert_error(empty, "SOURCE is empty; give a model folder, a weights file or a Hub repo id")
+            assert_nothing_written(output)
 
 
 def test_converting_a_thinker_folder_says_what_it_is(qwen3_thinker, tmp_path):

@@ -10,9 +10,9 @@ import torch
 
 from common.eager import EAGER
 from common.parity_inputs import parity_batch
-from export.half_spread import HALF_SPREAD_MARGIN, HalfShadow, running_in
+from export.half_spread import HALF_SPREAD_MARGIN, MAX_EXCUSED_SHARE, HalfShadow, running_in
 from export.runtime import position_ids_from_mask
-from export.verify import Agreement, beyond, judged_diff
+from export.verify import Agreement, judge
 from thinker.modeling_thinker import CACHE_ARG
 
 
@@ -73,24 +73,71 @@ def test_half_shadow_follows_the_reference_through_its_cache(thinker_variant):
     np.testing.assert_allclose(spread, expected, rtol=0, atol=2e-3 * float(step.logits.abs().max()))
 
 
-def test_agreement_excuses_a_difference_only_within_its_own_positions_spread():
-    reference = np.zeros((3, 4), dtype=np.float32)
+def comparison(differences: list[float], spreads: list[float] | None, nan_rows: tuple[int, ...] = ()) -> dict:
+    """The figures of positions whose logits differ by ``differences`` (one channel each), at those spreads."""
+    reference = np.zeros((len(differences), 4), dtype=np.float32)
     candidate = reference.copy()
-    candidate[:, 0] = [3.0, 3.0, 0.5]  # each row's difference
+    candidate[:, 0] = differences
+    candidate[list(nan_rows), 1] = np.nan
     agreement = Agreement()
-    agreement.add(reference, candidate, spread=np.array([3.0 / HALF_SPREAD_MARGIN, 1.0, 0.0]))
-    figures = agreement.figures()
+    agreement.add(reference, candidate, None if spreads is None else np.array(spreads))
+    return agreement.figures()
+
+
+def test_a_difference_is_excused_only_within_its_own_positions_spread():
+    many = [0.5] * 18
+    figures = comparison([3.0, 3.0, *many], [3.0 / HALF_SPREAD_MARGIN, 1.0, *[0.0] * 18])
     assert figures["max_abs_diff"] == 3.0
-    assert figures["max_abs_diff_beyond_spread"] == 3.0  # the second row's 3.0 is more than twice its spread of 1
-    assert judged_diff(figures) == 3.0 and "leaving out positions" in beyond(figures, 1.0)
+    assert figures["max_abs_diff_beyond_spread"] == 3.0  # the second's 3.0 is more than twice its spread of 1
+    failure = judge(figures, 1.0)
+    assert failure == (
+        "max |Δlogit| 3 (leaving out positions within twice the reference's own half-precision rounding) > tolerance 1"
+    )
+    assert figures["positions_excused"] == 1 and "excused_differences" not in figures  # counted, not listed
 
-    excused = Agreement()
-    excused.add(reference, candidate, spread=np.array([1.5, 1.5, 0.0]))
-    assert excused.figures()["max_abs_diff_beyond_spread"] == 0.5  # both 3.0 within twice 1.5: the 0.5 is held
+    excused = comparison([3.0, 3.0, *many], [1.5, 1.5, *[0.0] * 18])
+    assert judge(excused, 1.0) is None and excused["positions_excused"] == 2  # 2 of 20: within the share
+    assert excused["max_abs_diff_beyond_spread"] == 0.5
 
-    float32 = Agreement()
-    float32.add(reference, candidate)
-    assert "max_abs_diff_beyond_spread" not in float32.figures() and judged_diff(float32.figures()) == 3.0
+    float32 = comparison([3.0, 0.5], None)
+    assert "max_abs_diff_beyond_spread" not in float32 and judge(float32, 1.0) == "max |Δlogit| 3 > tolerance 1"
+
+
+def test_excusing_most_positions_is_a_failure_that_says_why():
+    """Where half precision moves most positions beyond the tolerance, excusing them would excuse a graph bug too
+    (a helper's planted head scaled 1.5x passed that way): the check fails, saying the dtype cannot hold the model."""
+    figures = comparison([3.0] * 3 + [0.5] * 7, [2.0] * 3 + [0.0] * 7)
+    assert 3 > MAX_EXCUSED_SHARE * 10
+    failure = judge(figures, 1.0)
+    assert failure.startswith("3 of 10 positions lie beyond the tolerance 1, where PyTorch's own half-precision run")
+    assert "half precision cannot hold this model's logits" in failure and "--no-verify" in failure
+
+
+def test_logits_that_hold_nan_fail_whatever_they_are_compared_with():
+    """A NaN compares as no difference (max(x, nan) is x, nan > tolerance is False): a graph that computes NaN
+    passed verify with "max |Δlogit| 0" before the positions were counted apart."""
+    for spreads in (None, [0.0, 0.0, 0.0]):
+        figures = comparison([0.0, 0.0, 0.0], spreads, nan_rows=(1,))
+        assert figures["max_abs_diff"] == 0.0 and figures["nonfinite_positions"] == 1
+        assert judge(figures, 1.0).startswith("onnxruntime's logits hold inf or NaN at 1 of 3 positions")
+
+
+def test_verify_fails_a_graph_that_computes_nan(thinker_variant, onnx_variant, tmp_path):
+    """One weight of a float32 graph NaN: every logit after it NaN, which the check used to pass."""
+    import onnx
+    from onnx import numpy_helper
+
+    from export.verify import verify_export
+
+    model = onnx.load(onnx_variant("qwen3", graph="plain") / "model.onnx")  # tiny: every weight in the proto
+    weight = next(t for t in model.graph.initializer if "down_proj" in t.name)
+    values = numpy_helper.to_array(weight).copy()
+    values.flat[0] = np.nan
+    weight.CopyFrom(numpy_helper.from_array(values, weight.name))
+    (tmp_path / "nan").mkdir()
+    onnx.save_model(model, tmp_path / "nan" / "model.onnx")
+    report = verify_export(thinker_variant("qwen3", head_dim=16), tmp_path / "nan" / "model.onnx", torch.float32)
+    assert report["passed"] is False and "onnxruntime's logits hold inf or NaN" in report["failure"], report
 
 
 def test_a_shared_shadow_reads_back_what_it_measured(thinker_variant, onnx_variant):
