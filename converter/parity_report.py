@@ -81,9 +81,9 @@ class ParityReport:
         if half is None:
             return ""
         return (
-            f"Both models hold the weights rounded to {half}, as the folder stores them: the float32 row proves the "
-            f"mapping, the {half} row the model run in {half}; neither measures what rounding to {half} costs "
-            "against the source's own weights."
+            f"Both models hold the weights in {half}, as the folder stores them: the float32 row proves the mapping, "
+            f"the {half} row the model run in {half}; where the source's weights were wider, neither measures what "
+            f"rounding them to {half} costs."
         )
 
     def to_json(self) -> str:

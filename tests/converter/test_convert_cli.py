@@ -40,7 +40,7 @@ def test_convert_prints_the_parity_table(source, tmp_path):
     assert "parity (whole-model): ThinkerForCausalLM vs Qwen3ForCausalLM" in result.stdout
     assert "float32" in result.stdout and "pass" in result.stdout
     assert json.loads((tmp_path / "out" / "parity.json").read_text())["passed"] is True
-    assert "rounded to" not in result.stdout  # float32 to float32: nothing rounded
+    assert "as the folder stores them" not in result.stdout  # float32: the rows compare the weights as stored
 
 
 def test_a_half_precision_conversion_says_what_its_rows_compare(source, tmp_path):
@@ -51,7 +51,7 @@ def test_a_half_precision_conversion_says_what_its_rows_compare(source, tmp_path
     output = tmp_path / "out"
     result = CliRunner().invoke(convert_command, [str(source), str(output), "--dtype", "bfloat16"])
     assert result.exit_code == 0, result.output
-    note = "Both models hold the weights rounded to bfloat16, as the folder stores them: the float32 row proves"
+    note = "Both models hold the weights in bfloat16, as the folder stores them: the float32 row proves the mapping"
     assert note in result.stdout
     assert json.loads((output / "parity.json").read_text())["rounding_note"].startswith(note)
     assert note in ModelCard.load(output / "README.md").text
