@@ -130,8 +130,7 @@ class StreamedModel:
         # (export's quantized check puts in the graph's dequantized ones); they are dropped with the unit.
         self.after_load: Callable[[Unit], None] | None = None
         if layer_classes is None:
-            no_split = set(getattr(model, "_no_split_modules", None) or ())
-            layer_classes = tuple(type(m) for m in model.modules() if type(m).__name__ in no_split)
+            layer_classes = decoder_layer_classes(model)
         self.units = find_units(model, tuple(layer_classes), tuple(whole_modules))
         self._load = load or (transformers_loader if _is_pretrained(model) else plain_loader)
         assign_keys(self)
@@ -210,18 +209,12 @@ class StreamedModel:
 
     def get_tensor(self, name: str) -> torch.Tensor:
         """The model's parameter or buffer ``name`` as it is now (on the meta device when its unit is not loaded)."""
-        module, _, attr = name.rpartition(".")
-        return getattr(self.model.get_submodule(module), attr)
+        return get_tensor(self.model, name)
 
     def set_tensor(self, name: str, tensor: torch.Tensor) -> None:
         """Puts ``tensor`` in as parameter (wrapped, without gradient) or buffer ``name``: for loaders and
         ``after_load``; the unit's drop puts the meta tensor back."""
-        module, _, attr = name.rpartition(".")
-        owner = self.model.get_submodule(module)
-        if attr in owner._parameters:
-            owner._parameters[attr] = tensor if _is_param(tensor) else nn.Parameter(tensor, requires_grad=False)
-        else:
-            owner._buffers[attr] = tensor
+        set_tensor(self.model, name, tensor)
 
     # --- facts --------------------------------------------------------------------------------------------------
 
@@ -236,6 +229,30 @@ class StreamedModel:
     def close(self) -> None:
         if self._close is not None:
             self._close()
+
+
+def get_tensor(model: nn.Module, name: str) -> torch.Tensor:
+    """``model``'s parameter or buffer ``name``, by its full name."""
+    module, _, attr = name.rpartition(".")
+    return getattr(model.get_submodule(module), attr)
+
+
+def set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """``tensor`` put in as ``model``'s parameter (wrapped, without gradient) or buffer ``name``, in place of the
+    one there, which the caller may keep and put back."""
+    module, _, attr = name.rpartition(".")
+    owner = model.get_submodule(module)
+    if attr in owner._parameters:
+        owner._parameters[attr] = tensor if _is_param(tensor) else nn.Parameter(tensor, requires_grad=False)
+    else:
+        owner._buffers[attr] = tensor
+
+
+def decoder_layer_classes(model: nn.Module) -> tuple[type, ...]:
+    """The classes of ``model``'s decoder layers: those its ``_no_split_modules`` names (transformers' own
+    declaration of what must never be split)."""
+    no_split = set(getattr(model, "_no_split_modules", None) or ())
+    return tuple(type(m) for m in model.modules() if type(m).__name__ in no_split)
 
 
 def _is_param(tensor: torch.Tensor) -> bool:

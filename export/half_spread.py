@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from converter.layer_parity import THINKER_FINAL_NORMS
-from converter.streamed import Unit, find_units
+from converter.streamed import Unit, decoder_layer_classes, find_units, get_tensor, set_tensor
 from thinker.modeling_thinker import CACHE_ARG
 
 HALF_PRECISIONS = (torch.float16, torch.bfloat16)
@@ -92,20 +92,17 @@ def running_in(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
     """Within the block, each unit of ``model`` runs with its floating parameters and persistent buffers cast to
     ``dtype``. The hooks go around whatever loads the unit (``converter.streamed``'s, registered earlier): the cast
     after the load, the originals back before the drop."""
-    layer_classes = tuple(
-        type(m) for m in model.modules() if type(m).__name__ in set(getattr(model, "_no_split_modules", None) or ())
-    )
     handles, helds = [], []
-    for unit in find_units(model, layer_classes, THINKER_FINAL_NORMS):
+    for unit in find_units(model, decoder_layer_classes(model), THINKER_FINAL_NORMS):
         held: dict[str, torch.Tensor] = {}  # the unit's own tensors while it runs cast
         helds.append(held)
 
         def cast(module, args, kwargs, unit: Unit = unit, held: dict = held) -> None:
             for name in unit.tensors:
-                tensor = _get(model, name)
+                tensor = get_tensor(model, name)
                 if tensor.is_floating_point() and tensor.dtype != dtype:
                     held[name] = tensor
-                    _set(model, name, tensor.detach().to(dtype))
+                    set_tensor(model, name, tensor.detach().to(dtype))
             return None
 
         def restore(module, args, kwargs, output, held: dict = held) -> None:
@@ -124,19 +121,5 @@ def running_in(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
 
 def _put_back(model: nn.Module, held: dict[str, torch.Tensor]) -> None:
     for name, tensor in held.items():
-        _set(model, name, tensor)
+        set_tensor(model, name, tensor)
     held.clear()
-
-
-def _get(model: nn.Module, name: str) -> torch.Tensor:
-    module, _, attr = name.rpartition(".")
-    return getattr(model.get_submodule(module), attr)
-
-
-def _set(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    module, _, attr = name.rpartition(".")
-    owner = model.get_submodule(module)
-    if attr in owner._parameters:
-        owner._parameters[attr] = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, False)
-    else:
-        owner._buffers[attr] = tensor
