@@ -42,6 +42,8 @@ Supported families:
                 Qwen3-Omni-MoE thinker saved alone: its text decoder (audio
                 and vision towers dropped)
   qwen3_vl      Qwen3-VL text decoder (vision tower dropped)
+  qwen3_vl_moe  Qwen3-VL-MoE text decoder (vision tower dropped; experts
+                stored transposed)
   qwen3_5       Qwen3.5 / Qwen3.6 dense (hybrid Gated DeltaNet; causal-LM
                 or vision-language layout)
   qwen3_5_moe   Qwen3.5 / Qwen3.6 MoE (hybrid Gated DeltaNet, shared expert;

@@ -192,6 +192,29 @@ class StackExperts(Op):
 
 
 @dataclass(frozen=True)
+class ExpertsToThinkerLayout(Op):
+    """Fused 3-D experts stored transposed, (E, C, 2·I) for ``gate_up_proj`` and (E, I, C) for ``down_proj`` (as
+    Qwen3-VL-MoE's Hub checkpoints store them), into the Thinker's (E, 2·I, C) / (E, C, I); a tensor already in that
+    shape (transformers' ``save_pretrained`` writes it so) passes as it is. transformers' own loading decides the same
+    way, by the expected shape (its ``Transpose(check_dims=True)``), so both read a square expert alike."""
+
+    rearranges = True
+
+    projection: str = "gate_up_proj"  # or "down_proj"
+
+    def thinker_shape(self, config: ThinkerConfig) -> tuple[int, int, int]:
+        experts, hidden, inner = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        return (experts, 2 * inner, hidden) if self.projection == "gate_up_proj" else (experts, hidden, inner)
+
+    def __call__(self, tensors, config):
+        tensor = _one(self, tensors)
+        return [tensor if tuple(tensor.shape) == self.thinker_shape(config) else tensor.transpose(1, 2)]
+
+    def inverse(self) -> Op:
+        return Identity()  # written back in the Thinker's layout, as save_pretrained writes it
+
+
+@dataclass(frozen=True)
 class UnstackExperts(Op):
     """A fused 3-D expert tensor back into per-expert 2-D tensors, part-major (the inverse of ``StackExperts``)."""
 

@@ -26,7 +26,7 @@ from .qwen3_5_moe import QWEN3_5_MOE
 from .qwen3_moe import QWEN3_MOE
 from .qwen3_next import QWEN3_NEXT
 from .qwen3_omni import QWEN3_OMNI, QWEN3_OMNI_THINKER
-from .qwen3_vl import QWEN3_VL
+from .qwen3_vl import QWEN3_VL, QWEN3_VL_MOE
 from .qwen4_exp import QWEN4_EXP
 from .uomni import UOMNI
 
@@ -38,6 +38,7 @@ FAMILIES: tuple[Family, ...] = (
     QWEN3_OMNI,
     QWEN3_OMNI_THINKER,
     QWEN3_VL,
+    QWEN3_VL_MOE,
     QWEN3_5,
     QWEN3_5_MOE,
     QWEN3_NEXT,

@@ -399,6 +399,30 @@ def test_qwen3_vl_converts_its_text_decoder(vl):
         assert not [name for name in handle.keys() if "visual" in name]
 
 
+def test_qwen3_vl_moe_converts_from_either_expert_layout(tmp_path):
+    """Qwen3-VL-MoE's experts as the Hub stores them (transposed) and as save_pretrained writes them: both convert
+    with parity, whole and layer by layer, to the same tensors."""
+    from converter.cli import verify_command
+
+    converted = {}
+    for layout in ("hub", "saved"):
+        source = qwen3_vl.save(tmp_path / layout, moe=True, hub_layout=layout == "hub")
+        with safe_open(source / "model.safetensors", "pt") as handle:
+            shape = handle.get_slice("model.language_model.layers.0.mlp.experts.gate_up_proj").get_shape()
+        assert shape == ([4, 32, 48] if layout == "hub" else [4, 48, 32])
+        result = cli(source, tmp_path / f"{layout}-thinker", "--verify")
+        assert result.exit_code == 0 and "(qwen3_vl_moe)" in result.output, result.output
+        by_layer = CliRunner().invoke(
+            verify_command, [str(source), str(tmp_path / f"{layout}-thinker"), "--verify-by-layer"]
+        )
+        assert by_layer.exit_code == 0, by_layer.output
+        converted[layout] = load_file(tmp_path / f"{layout}-thinker" / "model.safetensors")
+    assert converted["hub"].keys() == converted["saved"].keys()
+    assert all(torch.equal(converted["hub"][name], converted["saved"][name]) for name in converted["hub"])
+    config = ThinkerConfig.from_pretrained(tmp_path / "hub-thinker")
+    assert config.norm_topk_prob and config.mlp_layer_types == ["sparse", "dense", "sparse"]
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("rows", [3, 4])
 @pytest.mark.parametrize("family", ["omni", "vl"])
