@@ -17,9 +17,9 @@ from typing import Any
 from common.dtypes import dtype_name
 from common.errors import ThinkerError
 from common.gguf_reader import GGUFSource
-from common.side_files import read_json
+from common.side_files import read_json, tokenizer_files
 from common.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
-from common.sources import open_source
+from common.sources import FolderSource, open_source
 from common.staging import refuse_existing_output, refuse_output_over_source, staged_output
 from thinker import ThinkerConfig
 
@@ -192,6 +192,7 @@ def verify(
     refuse_another_config(root, converted)
     check_thinker_weights(converted, ThinkerConfig.from_pretrained(converted))
     refuse_other_code(converted)
+    refuse_other_tokenizer(root, converted)
     mode, note = (BY_LAYER, "") if by_layer else parity_mode(folder_parameters(converted), memory_budget)
     # A failing report goes beside parity.json, not over it: a mistaken SOURCE (another revision, another model)
     # must not erase the record of the conversion that CONVERTED came from.
@@ -220,6 +221,28 @@ def refuse_other_code(converted: Path) -> None:
                 f"{shipped}: not the installed Thinker's {name} (thinker {tool_version()}), which the check runs, so "
                 "it would prove nothing about the code trust_remote_code=True loads from the folder; convert the "
                 "source again with this Thinker (or copy its file in)"
+            )
+
+
+def refuse_other_tokenizer(root: Path, converted: Path) -> None:
+    """CONVERTED's tokenizer files must be the ones the conversion copied from the source: the parity check feeds
+    token ids, never text, so a tokenizer edited or taken from another model would pass it and encode other ids. (A
+    GGUF's tokenizer is written from its metadata, not copied: nothing to compare byte for byte.)"""
+    tensor_source = open_source(root)
+    try:
+        copied = isinstance(tensor_source, FolderSource)
+    finally:
+        tensor_source.close()
+    if not copied:
+        return
+    for name in tokenizer_files(Path(root)):
+        ours = converted / name
+        if not ours.is_file():
+            raise ThinkerError(f"{converted}: lacks {name}, which its source has; convert it again (or copy it in)")
+        if ours.read_bytes() != (Path(root) / name).read_bytes():
+            raise ThinkerError(
+                f"{ours}: not the source's {name}; the parity check runs token ids, so it cannot vouch for another "
+                "tokenizer: convert the source again (or copy its file in)"
             )
 
 

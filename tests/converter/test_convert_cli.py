@@ -153,10 +153,12 @@ def test_verify_refuses_a_folder_it_would_not_prove(source, tmp_path):
     """What the parity check cannot see is refused before it runs: a renamed tensor (transformers would load the
     folder with that weight freshly initialised, a norm's ones equal to the source's, so the check passed), modeling
     code other than the installed Thinker's (which the check runs, not the folder's), a folder without weights, a
-    Hugging Face checkpoint in CONVERTED's place."""
+    Hugging Face checkpoint in CONVERTED's place, tokenizer files other than the source's."""
     import shutil
 
     runner = CliRunner()
+    source = shutil.copytree(source, tmp_path / "with-tokenizer")
+    (source / "tokenizer_config.json").write_text('{"model_max_length": 64}')
     converted = tmp_path / "out"
     assert runner.invoke(convert_command, [str(source), str(converted), "--no-verify"]).exit_code == 0
 
@@ -175,6 +177,12 @@ def test_verify_refuses_a_folder_it_would_not_prove(source, tmp_path):
     edited = shutil.copytree(converted, tmp_path / "edited")
     (edited / "modeling_thinker.py").write_text((edited / "modeling_thinker.py").read_text() + "\n# edited\n")
     assert "modeling_thinker.py: not the installed Thinker's modeling_thinker.py" in verify(edited)
+
+    retokenized = shutil.copytree(converted, tmp_path / "retokenized")  # the parity check feeds ids, not text
+    (retokenized / "tokenizer_config.json").write_text('{"model_max_length": 32}')
+    assert "tokenizer_config.json: not the source's tokenizer_config.json" in verify(retokenized)
+    (retokenized / "tokenizer_config.json").unlink()
+    assert "lacks tokenizer_config.json, which its source has" in verify(retokenized)
 
     empty = shutil.copytree(converted, tmp_path / "empty")
     (empty / "model.safetensors").unlink()
