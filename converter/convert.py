@@ -19,7 +19,7 @@ from common.errors import ThinkerError
 from common.gguf_reader import GGUFSource
 from common.side_files import read_json, tokenizer_files
 from common.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
-from common.sources import FolderSource, open_source
+from common.sources import FolderSource, TensorSource, open_source
 from common.staging import refuse_existing_output, refuse_output_over_source, staged_output
 from thinker import ThinkerConfig
 
@@ -189,10 +189,16 @@ def verify(
         )
     if not any(converted.glob("*.safetensors")):
         raise ThinkerError(f"{converted}: a Thinker folder without its weights (no *.safetensors); convert it again")
-    refuse_another_config(root, converted)
-    check_thinker_weights(converted, ThinkerConfig.from_pretrained(converted))
+    tensor_source = open_source(root)
+    try:
+        config = refuse_another_config(tensor_source, converted)
+        copies_tokenizer = isinstance(tensor_source, FolderSource)  # a GGUF's is written from its metadata
+    finally:
+        tensor_source.close()
+    check_thinker_weights(converted, config)
     refuse_other_code(converted)
-    refuse_other_tokenizer(root, converted)
+    if copies_tokenizer:
+        refuse_other_tokenizer(Path(root), converted)
     mode, note = (BY_LAYER, "") if by_layer else parity_mode(folder_parameters(converted), memory_budget)
     # A failing report goes beside parity.json, not over it: a mistaken SOURCE (another revision, another model)
     # must not erase the record of the conversion that CONVERTED came from.
@@ -225,35 +231,24 @@ def refuse_other_code(converted: Path) -> None:
 
 
 def refuse_other_tokenizer(root: Path, converted: Path) -> None:
-    """CONVERTED's tokenizer files must be the ones the conversion copied from the source: the parity check feeds
-    token ids, never text, so a tokenizer edited or taken from another model would pass it and encode other ids. (A
-    GGUF's tokenizer is written from its metadata, not copied: nothing to compare byte for byte.)"""
-    tensor_source = open_source(root)
-    try:
-        copied = isinstance(tensor_source, FolderSource)
-    finally:
-        tensor_source.close()
-    if not copied:
-        return
-    for name in tokenizer_files(Path(root)):
+    """CONVERTED's tokenizer files must be the ones the conversion copied from the source folder ``root``: the parity
+    check feeds token ids, never text, so a tokenizer edited or taken from another model would pass it and encode
+    other ids."""
+    for name in tokenizer_files(root):
         ours = converted / name
         if not ours.is_file():
             raise ThinkerError(f"{converted}: lacks {name}, which its source has; convert it again (or copy it in)")
-        if ours.read_bytes() != (Path(root) / name).read_bytes():
+        if ours.read_bytes() != (root / name).read_bytes():
             raise ThinkerError(
                 f"{ours}: not the source's {name}; the parity check runs token ids, so it cannot vouch for another "
                 "tokenizer: convert the source again (or copy its file in)"
             )
 
 
-def refuse_another_config(root: Path, converted: Path) -> None:
-    """CONVERTED's config.json must be the Thinker config its source translates to: a field the fixed parity
+def refuse_another_config(tensor_source: TensorSource, converted: Path) -> ThinkerConfig:
+    """CONVERTED's config.json, which must be the Thinker config its source translates to: a field the fixed parity
     prompts cannot reach (max_position_embeddings, RoPE scaling past their length) is still the model's."""
-    tensor_source = open_source(root)
-    try:
-        expected = plan_conversion(tensor_source, tensor_source.config()).config
-    finally:
-        tensor_source.close()
+    expected = plan_conversion(tensor_source, tensor_source.config()).config
     try:
         actual = ThinkerConfig.from_pretrained(converted)
     except Exception as err:  # transformers raises many types for a config it cannot read; all are the file's
@@ -264,6 +259,7 @@ def refuse_another_config(root: Path, converted: Path) -> None:
             f"{converted / 'config.json'} is not the config its source translates to: {', '.join(differ[:6])}"
             f"{' ...' if len(differ) > 6 else ''} (the source's value first); convert the source again"
         )
+    return actual
 
 
 def folder_parameters(folder: Path) -> int:
