@@ -26,7 +26,8 @@ import onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages, when run as a script
 
-from export.genai_graph import ATTENTION_BIAS, POSITION_IDS, prune_dead_nodes  # noqa: E402
+from export.genai_graph import ATTENTION_BIAS, POSITION_IDS  # noqa: E402
+from export.graph_walk import prune_dead_nodes  # noqa: E402
 
 
 def strip(model: onnx.ModelProto, positions: bool) -> int:

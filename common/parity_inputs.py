@@ -72,3 +72,37 @@ def parity_batch(vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     """The fixed prompts, left-padded, as numpy arrays for onnxruntime: (input_ids, attention_mask), both (2, 7)."""
     ids, mask, _ = left_padded(fixed_prompts(vocab_size))
     return ids.numpy(), mask.numpy()
+
+
+# The largest block of foreign embeddings ``foreign_block_prompt`` writes into a row: a 2 x 2 image grid.
+FOREIGN_BLOCK = 4
+
+
+def foreign_block_prompt(
+    token_embeddings: np.ndarray, attention_mask: np.ndarray, multimodal: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """A prompt as an omni or vision-language model's towers hand it to the text decoder: each row's token
+    embeddings (B, T, hidden) with a block of foreign vectors written over its kept slots 1, 2, ... (up to
+    FOREIGN_BLOCK, leaving the row's last slot a token), drawn from a fixed seed at the tokens' own scale. With
+    ``multimodal``, (3, B, T) positions as Qwen's ``get_rope_index`` numbers an image of rows x 2 patches: the block
+    at one temporal position, its height and width streams counting its rows and columns from there, and the text
+    after it resuming one past the block's largest position; else (B, T) positions counted from the mask. Returns
+    (inputs_embeds float32, position_ids int64); pads sit at position 0."""
+    embeds = np.array(token_embeddings, dtype=np.float32)
+    batch, width = attention_mask.shape
+    positions = np.zeros((3, batch, width), np.int64)
+    rng = np.random.default_rng(PROMPT_SEED + 2)
+    scale = float(embeds[attention_mask.astype(bool)].std())
+    for row in range(batch):
+        slots = np.flatnonzero(attention_mask[row])
+        size = 2 * (min(FOREIGN_BLOCK, len(slots) - 2) // 2)  # whole rows of two patches
+        block = slots[1 : 1 + size]
+        embeds[row, block] = rng.normal(0.0, scale, (len(block), embeds.shape[-1]))
+        grid = np.stack([np.zeros(size, np.int64), np.arange(size) // 2, np.arange(size) % 2])  # t, h, w
+        resume = 2 + int(grid.max()) if size else 1  # one past the block's largest position
+        positions[:, row, slots[0]] = 0
+        positions[:, row, block] = 1 + grid
+        positions[:, row, slots[1 + size :]] = resume + np.arange(len(slots) - 1 - size)
+    if not multimodal:
+        positions = np.maximum(np.cumsum(attention_mask, axis=-1) - 1, 0).astype(np.int64)
+    return embeds, positions

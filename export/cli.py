@@ -98,6 +98,16 @@ MAX_THREADS = 1024
     "`thinker generate` take either).",
 )
 @click.option(
+    "--inputs-embeds",
+    is_flag=True,
+    default=False,
+    help="Also write model.embeds.onnx, the decoder taking inputs_embeds [batch, seq, hidden] (float32) in place of "
+    "input_ids, for prompts that carry the embeddings of audio, image or video towers, and embed.onnx (input_ids -> "
+    "inputs_embeds) for their text tokens and the decode steps' tokens; both read model.onnx.data. OnnxDecoder "
+    "and `thinker generate` run them; --verify checks model.embeds.onnx on a prompt of token rows and foreign "
+    "vectors at multimodal positions. model.onnx and onnxruntime-genai's graph are unchanged.",
+)
+@click.option(
     "--quantize",
     type=click.Choice(list(BITS)),
     default=None,
@@ -211,6 +221,7 @@ def export_command(
     graph: str,
     positions: str | None,
     logits: str,
+    inputs_embeds: bool,
     quantize: str | None,
     block_size: str,
     algo: str,
@@ -235,7 +246,8 @@ def export_command(
     \b
     The graph's inputs: input_ids, attention_mask, position_ids, past_key_values.{i}.key/.value;
     its outputs: logits [batch, seq, vocab] ([batch, 1, vocab] with --logits last), present.{i}.key/.value
-    (KV as [batch, kv_heads, seq, head_dim]).
+    (KV as [batch, kv_heads, seq, head_dim]). --inputs-embeds adds model.embeds.onnx, which takes
+    inputs_embeds [batch, seq, hidden] (float32) in place of input_ids, and embed.onnx (input_ids -> inputs_embeds).
     Hybrid models (Qwen3.5, Qwen3-Next) carry, for each linear-attention layer i instead of KV,
     past_key_values.{i}.conv_state [batch, conv_dim, kernel - 1] (model dtype) and
     past_key_values.{i}.recurrent_state [batch, v_heads, k_dim, v_dim] (float32) -> present.{i}.*;
@@ -320,6 +332,7 @@ def export_command(
         accuracy_guard=accuracy_guard or None,
         positions=positions,
         logits=logits,
+        inputs_embeds=inputs_embeds,
         gguf_file=gguf_file,
         revision=revision,
     )

@@ -50,7 +50,7 @@ from .hybrid_attention_graph import (
     rotary_dim,
 )
 from .linear_attention_graph import GatedDeltaNetDims, GatedDeltaNetGraph, PaddingMasks, emit_padding_masks
-from .names import LAST_POSITION_SCOPE, ROPE_TABLE, export_context
+from .names import LAST_POSITION_SCOPE, ROPE_TABLE, TOKENS_SCOPE, export_context
 from .qwen4_exp_graph import (
     Qwen4ExpValues,
     emit_final_mix,
@@ -342,9 +342,12 @@ class DecoderGraph:
             # Tied and quantized: the head is quantized here, once, and the lookup dequantizes its rows
             # (export/quantize.py, ``emit_gather``), so the table is stored once, quantized.
             self.shared_head = quantizer.quantize(self.b, "lm_head.weight", self.weights.get("lm_head.weight").T)
-            hidden = quantizer.emit_gather(self.b, self.shared_head, input_ids)
-        else:
-            hidden = self.b.op("Gather", self.weight("model.embed_tokens.weight"), input_ids)  # (B, T, C)
+        # The token lookup alone in its scope: ``--inputs-embeds`` cuts the graph there (export/embeds_graph.py)
+        with self.b.scope(TOKENS_SCOPE):
+            if self.shared_head is not None:
+                hidden = quantizer.emit_gather(self.b, self.shared_head, input_ids)
+            else:
+                hidden = self.b.op("Gather", self.weight("model.embed_tokens.weight"), input_ids)  # (B, T, C)
         if self.config.position_embedding_type == "learned":
             positions = self.b.op("Gather", self.weight("model.embed_positions.weight"), position_ids)
             hidden = self.b.op("Add", hidden, positions)

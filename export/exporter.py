@@ -34,6 +34,7 @@ from thinker.configuration_thinker import ThinkerConfig
 
 from .contrib_schemas import register_onnxruntime_schemas
 from .decoder_graph import IR_VERSION, OPSET, DecoderGraph, make_model, not_exported, position_form
+from .embeds_graph import embeds_refusal, write_embeds_graphs
 from .folder_check import check_thinker_folder
 from .genai_config import logits_note, make_genai_config, no_eos_note, search_options
 from .genai_graph import write_genai_graph
@@ -44,6 +45,8 @@ from .names import (
     DATA_FILE,
     DEFAULT_GRAPH,
     DEFAULT_LOGITS,
+    EMBED_FILE,
+    EMBEDS_MODEL_FILE,
     GENAI_CONFIG_FILE,
     GRAPHS,
     LOGITS,
@@ -144,6 +147,7 @@ def export_model(
     accuracy_guard: float | None = None,
     positions: str | None = None,
     logits: str | None = None,
+    inputs_embeds: bool = False,
     gguf_file: str | None = None,
     revision: str | None = None,
 ) -> dict:
@@ -156,7 +160,8 @@ def export_model(
     agreement with the same graph at level 1 on a fixed paragraph, below which the most sensitive layers fall back
     to level 1 (export/accuracy_guard.py; None: no guard); ``positions``: "multimodal" or "text" (see POSITIONS),
     None for the model's own form (multimodal with multimodal RoPE); ``logits``: "all" or "last" (see LOGITS), None
-    for ``DEFAULT_LOGITS``; ``gguf_file``: the GGUF file of a source (a Hub repo or a folder) that holds several,
+    for ``DEFAULT_LOGITS``; ``inputs_embeds``: also write ``model.embeds.onnx`` and ``embed.onnx``
+    (export/embeds_graph.py); ``gguf_file``: the GGUF file of a source (a Hub repo or a folder) that holds several,
     converted on the way; ``revision``: the branch, tag or commit of a Hub repo id ``source`` (default main)."""
     refuse_empty_source(source)
     output = Path(output)
@@ -190,6 +195,8 @@ def export_model(
         check_paths(model_dir)
         config = load_config(model_dir)
         check_thinker_folder(model_dir, config, graph_dtype, verify)  # the structure, before a byte is written
+        if inputs_embeds and embeds_refusal(config):
+            raise ThinkerError(embeds_refusal(config))
         generation_file = model_dir / "generation_config.json"
         search_options(read_json(generation_file), generation_file)  # its sampling keys, checked before any work
         if quantize:  # known only now: whether a mixed head's int8 rows are the whole vocabulary (the quantizer
@@ -214,6 +221,8 @@ def export_model(
             )
             files = counted(files)
         copy_side_files(model_dir, final)
+        if inputs_embeds:  # after the guard, which may rewrite model.onnx and its weights
+            write_embeds_graphs(files.model_path, graph_dtype, config.hidden_size)
         generation_config = read_json(model_dir / "generation_config.json")
         if not config.qwen4_exp_features:  # Qwen3.8's states are more than onnxruntime-genai carries: genai_note
             # after the guard, which may rewrite model.onnx
@@ -236,6 +245,7 @@ def export_model(
             "graph": graph,
             "positions": positions,
             "logits": logits,
+            "inputs_embeds": {"model": EMBEDS_MODEL_FILE, "embed": EMBED_FILE} if inputs_embeds else None,
             "quantize": quantize.describe(head_quantized(files.model_path))
             | routed_experts(config, files.nodes_by_op, guard)
             if quantize

@@ -48,7 +48,7 @@ from onnx import TensorProto, helper
 
 from .decoder_graph import emit_last_position
 from .graph_builder import GraphBuilder
-from .graph_walk import all_nodes
+from .graph_walk import all_nodes, drop_unread_initializers, names_read, prune_dead_nodes
 from .names import GENAI_MODEL_FILE, LAST_POSITION_SCOPE, PADDING_KEY
 
 # GroupQueryAttention's inputs by position (onnxruntime's contrib schema, com.microsoft).
@@ -103,12 +103,8 @@ def right_padded_graph(model: onnx.ModelProto) -> onnx.ModelProto | None:
         while node.input and not node.input[-1]:
             node.input.pop()
     prune_dead_nodes(graph)
-    read = names_read(graph)
-    # the bias's own constants, read by nothing now: onnxruntime would warn about each at every load
-    kept = [tensor for tensor in graph.initializer if tensor.name in read]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    if "position_ids" not in read:
+    drop_unread_initializers(graph)  # the bias's own constants: onnxruntime would warn about each at every load
+    if "position_ids" not in names_read(graph):
         kept = [value for value in graph.input if value.name != "position_ids"]
         del graph.input[:]
         graph.input.extend(kept)
@@ -181,23 +177,6 @@ def emit_seqlens(graph: onnx.GraphProto) -> str:
     for index, node in enumerate(nodes):
         graph.node.insert(index, node)
     return names["seqlens"]
-
-
-def prune_dead_nodes(graph: onnx.GraphProto) -> None:
-    """Drops nodes none of whose outputs another node (or a subgraph of one: the hybrid graphs' If branches read
-    the outer scope) or the graph's outputs read, until none is left."""
-    while True:
-        read = names_read(graph) | {output.name for output in graph.output}
-        dead = [node for node in graph.node if not any(name in read for name in node.output if name)]
-        if not dead:
-            return
-        for node in dead:
-            graph.node.remove(node)
-
-
-def names_read(graph: onnx.GraphProto) -> set[str]:
-    """Every name the nodes of ``graph`` read, those of their subgraphs included."""
-    return {name for node in all_nodes(graph) for name in node.input}
 
 
 def select_last_position(graph: onnx.GraphProto, dtype: torch.dtype) -> None:

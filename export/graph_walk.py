@@ -1,4 +1,5 @@
-"""Every node of an ONNX graph, the bodies of its control-flow nodes (If branches, Loop and Scan bodies) included."""
+"""Walking and pruning an ONNX graph, the bodies of its control-flow nodes (If branches, Loop and Scan bodies)
+included: what the graphs cut from ``model.onnx`` share (export/genai_graph.py, export/embeds_graph.py)."""
 
 from __future__ import annotations
 
@@ -17,3 +18,28 @@ def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
             elif attribute.type == onnx.AttributeProto.GRAPHS:
                 for subgraph in attribute.graphs:
                     yield from all_nodes(subgraph)
+
+
+def names_read(graph: onnx.GraphProto) -> set[str]:
+    """Every name the nodes of ``graph`` read, those of their subgraphs included."""
+    return {name for node in all_nodes(graph) for name in node.input}
+
+
+def prune_dead_nodes(graph: onnx.GraphProto) -> None:
+    """Drops nodes none of whose outputs another node (or a subgraph of one: the hybrid graphs' If branches read
+    the outer scope) or the graph's outputs read, until none is left."""
+    while True:
+        read = names_read(graph) | {output.name for output in graph.output}
+        dead = [node for node in graph.node if not any(name in read for name in node.output if name)]
+        if not dead:
+            return
+        for node in dead:
+            graph.node.remove(node)
+
+
+def drop_unread_initializers(graph: onnx.GraphProto) -> None:
+    """Drops the initializers no node reads (onnxruntime warns about each at every load)."""
+    read = names_read(graph)
+    kept = [tensor for tensor in graph.initializer if tensor.name in read]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)

@@ -75,6 +75,8 @@ class HalfShadow:
         if self.step <= len(self.spreads):
             return self.spreads[self.step - 1]
         cache = {CACHE_ARG: self.past} if self.past is not None else {}
+        if "inputs_embeds" in inputs:  # the embeddings a half graph takes are cast to its dtype first thing
+            inputs = {**inputs, "inputs_embeds": inputs["inputs_embeds"].to(self.dtype)}
         with running_in(self.model, self.dtype):
             out = self.model(**inputs, use_cache=True, **cache)
         self.past = getattr(out, CACHE_ARG)

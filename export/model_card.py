@@ -9,7 +9,7 @@ from pathlib import Path
 
 from common.model_card import card_metadata, copy_license, markdown_table, weights_of, write_card
 
-from .names import GENAI_CONFIG_FILE
+from .names import EMBEDS_MODEL_FILE, GENAI_CONFIG_FILE
 
 
 def verify_section(report: dict) -> str:
@@ -35,6 +35,8 @@ def verify_section(report: dict) -> str:
         ]
         if "indexer_prompts" in graph:
             rows.append(["the same, on prompts the indexers prune", indexer_cell(graph["indexer_prompts"])])
+        if "embeds_graph" in graph:
+            rows.append([f"the same, `{EMBEDS_MODEL_FILE}` on a prompt with foreign embeddings", embeds_cell(graph)])
         if "skipped" not in cost:
             rows.append(
                 [
@@ -61,8 +63,18 @@ def verify_section(report: dict) -> str:
         if "indexer_prompts" in figures:
             long = indexer_cell(figures["indexer_prompts"])
             lines += ["", f"On prompts long enough for the indexers to prune: {long}."]
+        if "embeds_graph" in figures:
+            lines += ["", f"`{EMBEDS_MODEL_FILE}` on a prompt with foreign embeddings: {embeds_cell(figures)}."]
     lines += ["", "The figures in full are in `export_report.json`."]
     return "\n".join(lines)
+
+
+def embeds_cell(figures: dict) -> str:
+    """The ``--inputs-embeds`` graph's check: its max |Δlogit| (beyond half precision's spread, where one was
+    measured), at the tolerance of the check it belongs to."""
+    embeds = figures["embeds_graph"]
+    held = embeds.get("max_abs_diff_beyond_spread", embeds["max_abs_diff"])
+    return f"max \\|Δlogit\\| {held:.3g}, tolerance {figures['tolerance']:.3g}"
 
 
 def indexer_cell(figures: dict) -> str:
@@ -113,7 +125,7 @@ with its whole decoding state as inputs and outputs: `model.onnx` for onnxruntim
 ## Run
 
 {GENAI_RUN.format(name=name) if genai else ONNXRUNTIME_RUN.format(name=name)}
-"""
+{EMBEDS_RUN.format(name=name) if report.get("inputs_embeds") else ""}"""
     write_card(folder, metadata, body, verify_section(report))
     return ["README.md", *copy_license(thinker_folder, folder)]
 
@@ -162,3 +174,23 @@ prompt = tokenizer("The capital of France is", return_tensors="np")
 tokens = decoder.generate(prompt["input_ids"], prompt["attention_mask"], max_new_tokens=32)
 print(tokenizer.decode(tokens[0]))
 ```"""
+
+# --inputs-embeds: how a prompt with a tower's embeddings goes in.
+EMBEDS_RUN = """
+## Prompts with audio, image or video embeddings
+
+`model.embeds.onnx` is the same decoder taking `inputs_embeds` `[batch, seq, hidden]` (float32) in place of
+`input_ids`, and `embed.onnx` looks tokens up (`input_ids` -> `inputs_embeds`); both read `model.onnx.data`. Write a
+tower's embeddings into the placeholder slots of the prompt's token embeddings and pass the positions the reference
+processor gives (`get_rope_index`: `[3, batch, seq]` with multimodal RoPE); each row then continues one past its
+largest position:
+
+```python
+from export.runtime import OnnxDecoder
+
+decoder = OnnxDecoder("{name}/model.embeds.onnx")
+embeds = decoder.embed(input_ids)                # (batch, seq, hidden) float32
+embeds[image_slots] = image_embeddings           # the tower's output, as numpy float32
+new_tokens = decoder.generate(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids)
+```
+"""

@@ -10,6 +10,13 @@ DATA_FILE = "model.onnx.data"
 GENAI_MODEL_FILE = "model.genai.onnx"
 # Its metadata entry saying so ("right"), which OnnxDecoder reads to refuse a left-padded batch.
 PADDING_KEY = "thinker.padding"
+# --inputs-embeds (export/embeds_graph.py): the decoder taking ``inputs_embeds`` (float32 [B, T, hidden]) in place of
+# input_ids, and the token lookup it was cut from (input_ids -> inputs_embeds), both over model.onnx.data.
+EMBEDS_MODEL_FILE = "model.embeds.onnx"
+EMBED_FILE = "embed.onnx"
+INPUTS_EMBEDS = "inputs_embeds"
+# The scope of the decoder's token lookup (export/decoder_graph.py ``emit_embeddings``): /model/embed/<this>/.
+TOKENS_SCOPE = "tokens"
 REPORT_FILE = "export_report.json"
 # The RoPE cos table both graphs store, one row per position: an export's context where no config says it.
 ROPE_TABLE = "rotary_emb.cos_cache"

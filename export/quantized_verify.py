@@ -59,6 +59,8 @@ from .verify import (
     STREAMED,
     WHOLE,
     compare_decoders,
+    embeds_graph_failures,
+    embeds_graph_of,
     genai_graph_failures,
     genai_graph_of,
     half_shadow,
@@ -376,6 +378,12 @@ def graph_check(
         with float_activation_copy(genai_path) as exact_path:
             exact = OnnxDecoder(exact_path, provider="cpu", threads=threads)
             graph["genai_graph"] = compare_decoders(model, exact, *batch, right_padded_candidate=True, shadow=shadow)
+    embeds_path = embeds_graph_of(onnx_path)
+    if embeds_path:  # the --inputs-embeds graph, on a prompt with foreign embeddings
+        with float_activation_copy(embeds_path) as exact_path:
+            exact = OnnxDecoder(exact_path, provider="cpu", threads=threads)
+            shadow = half_shadow(model, dtype)
+            graph["embeds_graph"] = compare_decoders(model, exact, *batch, shadow=shadow, foreign_embeddings=True)
     graph["rounding_sensitivity"] = rounding_sensitivity(model, *batch)
     graph["tolerance"] = max(
         RELATIVE_TOLERANCE[dtype] * max(1.0, graph["logit_scale"]), SENSITIVITY_MARGIN * graph["rounding_sensitivity"]
@@ -438,6 +446,8 @@ def quantized_result(
         failures.append(graph_failure)
     if "genai_graph" in graph:
         failures += genai_graph_failures(graph["genai_graph"], graph["tolerance"])
+    if "embeds_graph" in graph:
+        failures += embeds_graph_failures(graph["embeds_graph"], graph["tolerance"])
     if "indexer_prompts" in graph:
         failures += graph["indexer_prompts"].pop("failures")
     if "skipped" in cost and gate.required:

@@ -46,8 +46,11 @@ from common.side_files import read_json
 
 from .graph_walk import all_nodes
 from .names import (
+    EMBED_FILE,
+    EMBEDS_MODEL_FILE,
     GENAI_CONFIG_FILE,
     GENAI_MODEL_FILE,
+    INPUTS_EMBEDS,
     LAST_POSITION_SCOPE,
     MODEL_FILE,
     PADDING_KEY,
@@ -350,31 +353,29 @@ class OnnxDecoder:
                 "session.model_external_initializers_file_folder_path", str(self.model_path.parent)
             )
             self.last_logits_only = False
-        try:
-            # onnxruntime prints an "EP Error" banner on stdout before retrying a failed load: the error below says it
-            with contextlib.redirect_stdout(io.StringIO()):
-                self.session = ort.InferenceSession(source, options, providers=providers)
-        except NotImplementedByOrt as err:  # a kernel the provider lacks: bfloat16 on CPU, typically
-            reason = str(err).splitlines()[0]
-            raise ThinkerError(
-                f"{self.model_path}: onnxruntime cannot run it on {_provider_label(providers)}: {reason}"
-            ) from None
-        except (OrtFail, InvalidArgument, InvalidProtobuf, InvalidGraph, NoSuchFile) as err:  # a damaged export
-            reason = " ".join(str(err).split())
-            raise ThinkerError(
-                f"{self.model_path}: onnxruntime cannot load it ({reason}); export the model again"
-            ) from None
-        except UnicodeDecodeError:  # onnxruntime's error quotes the damaged bytes, which Python cannot decode
-            raise ThinkerError(
-                f"{self.model_path}: onnxruntime cannot load it (the file is damaged); export the model again"
-            ) from None
+        self.session = _load_session(self.model_path, source, options, providers)
         self.device = "cuda" if CUDA in self.session.get_providers() else "cpu"
         if provider == "cuda" and self.device != "cuda":
             raise ThinkerError("onnxruntime could not start its CUDA execution provider here; use --provider cpu")
 
         inputs = {i.name: i for i in self.session.get_inputs()}
-        if "input_ids" not in inputs or not any(n.startswith("past_key_values.") for n in inputs):
+        takes_tokens = "input_ids" in inputs or INPUTS_EMBEDS in inputs
+        if not takes_tokens or not any(n.startswith("past_key_values.") for n in inputs):
             raise ThinkerError(f"{self.model_path}: not a decoder with a KV cache (no past_key_values.* inputs)")
+        # model.embeds.onnx (--inputs-embeds) takes embeddings; token ids go through embed.onnx beside it first
+        self.takes_embeds = INPUTS_EMBEDS in inputs
+        self.embed_session = None
+        if self.takes_embeds:
+            self.hidden_size = inputs[INPUTS_EMBEDS].shape[-1]
+            embed_path = self.model_path.with_name(EMBED_FILE)
+            if not embed_path.is_file():
+                raise ThinkerError(
+                    f"{self.model_path.parent}: {EMBED_FILE} missing beside {self.model_path.name}, which takes "
+                    f"{INPUTS_EMBEDS}: it embeds the prompt's text tokens and every decode step's; copy the whole "
+                    "folder, or export it again with --inputs-embeds"
+                )
+            check_external_data(embed_path)
+            self.embed_session = _load_session(embed_path, str(embed_path), session_options(threads), providers)
         self.past_names = sorted((n for n in inputs if n.startswith("past_key_values.")), key=self._state_order)
         self.present_names = [n.replace("past_key_values.", "present.", 1) for n in self.past_names]
         # name -> (shape with the batch axis left out, onnx element type, numpy dtype or None for bfloat16)
@@ -443,13 +444,21 @@ class OnnxDecoder:
         return cache
 
     # --- one forward ----------------------------------------------------------------------------------------------
-    def forward(self, input_ids: np.ndarray, position_ids: np.ndarray, state: DecoderState) -> np.ndarray:
+    def forward(
+        self,
+        input_ids: np.ndarray | None,
+        position_ids: np.ndarray,
+        state: DecoderState,
+        inputs_embeds: np.ndarray | None = None,
+    ) -> np.ndarray:
         """Runs the graph on new tokens; ``state.cache`` becomes the presents. Returns logits (B, T, V) float32.
         ``position_ids`` (B, T), or (3, B, T) for a model with multimodal RoPE; a batch of 1 there stands for every
-        row (B > 1), as in transformers."""
-        input_ids = self._checked_ids(input_ids)
-        batch, steps = input_ids.shape
-        self._check_mask(state.attention_mask, batch, steps)
+        row (B > 1), as in transformers. ``inputs_embeds`` (B, T, hidden), in place of ``input_ids``: the new
+        positions' embeddings, for a graph exported with ``--inputs-embeds`` (``model.embeds.onnx``)."""
+        tokens = self._token_feed(input_ids, inputs_embeds)
+        batch, steps = tokens.shape[:2]
+        what = f"{'input_ids' if inputs_embeds is None else 'inputs_embeds'} of shape {np.shape(tokens)}"
+        self._check_mask(state.attention_mask, batch, steps, what)
         if self.chunks_need_batch_1 and batch > 1 and steps > 1 and state.attention_mask.shape[1] > steps:
             raise ThinkerError(
                 f"{self.model_path}: {steps} new tokens after a non-empty cache at batch {batch}: this graph's "
@@ -457,14 +466,14 @@ class OnnxDecoder:
                 "rows one at a time, the tokens one at a time, or export with --graph plain"
             )
         feeds = {
-            "input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
+            INPUTS_EMBEDS if self.takes_embeds else "input_ids": tokens,
             "attention_mask": np.ascontiguousarray(state.attention_mask, dtype=np.int64),
         }
         if self.takes_positions:
             positions = self.graph_positions(position_ids)
             if positions.shape[-2] == 1 and batch > 1:  # one row of positions for every row, as transformers takes
                 positions = np.broadcast_to(positions, (*positions.shape[:-2], batch, positions.shape[-1]))
-            self._check_positions(positions, batch, steps, given=np.shape(position_ids))
+            self._check_positions(positions, batch, steps, np.shape(position_ids), what)
             feeds["position_ids"] = np.ascontiguousarray(positions, dtype=np.int64)
         if state.cached is not None and state.attention_mask.shape[1] != state.cached + steps:
             raise ThinkerError(
@@ -496,34 +505,79 @@ class OnnxDecoder:
             raise ThinkerError(f"token id {bad} is outside this model's vocabulary [0, {self.vocab_size})")
         return ids
 
-    def _check_mask(self, mask: np.ndarray, batch: int, steps: int) -> None:
-        if mask.ndim != 2 or mask.shape[0] != batch or mask.shape[1] < steps:
+    def embed(self, input_ids: np.ndarray) -> np.ndarray:
+        """(B, T, hidden) float32: the embeddings ``model.embeds.onnx`` takes for these token ids, looked up by
+        ``embed.onnx`` (the rows ``model.onnx`` would look up itself). A prompt with tower embeddings is these with the
+        towers' outputs written into its placeholder slots."""
+        if self.embed_session is None:
             raise ThinkerError(
-                f"attention_mask of shape {mask.shape} for input_ids of shape ({batch}, {steps}); expected (batch, "
-                "past + seq)"
+                f"{self.model_path}: takes input_ids; embed() is for a graph exported with --inputs-embeds "
+                f"({EMBEDS_MODEL_FILE})"
             )
+        ids = np.ascontiguousarray(self._checked_ids(input_ids), dtype=np.int64)
+        return self.embed_session.run([INPUTS_EMBEDS], {"input_ids": ids})[0]
 
-    def _checked_prompt(self, input_ids, attention_mask) -> tuple[np.ndarray, np.ndarray]:
-        """A prompt's ids and mask, as given (a decode step's mask is the prompt's with a column of ones appended)."""
-        input_ids = self._checked_ids(input_ids)
-        mask = np.asarray(attention_mask)
-        if mask.shape != input_ids.shape:
+    def _token_feed(self, input_ids, inputs_embeds) -> np.ndarray:
+        """What the graph takes for the new positions: token ids, or their embeddings."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ThinkerError("pass either input_ids or inputs_embeds, not both (nor neither)")
+        if inputs_embeds is None:
+            if self.takes_embeds:
+                return self.embed(input_ids)
+            return np.ascontiguousarray(self._checked_ids(input_ids), dtype=np.int64)
+        if not self.takes_embeds:
             raise ThinkerError(
-                f"attention_mask of shape {mask.shape} for input_ids of shape {input_ids.shape}; a prompt's "
-                "mask has the shape of its ids"
+                f"{self.model_path}: takes token ids; for inputs_embeds export with --inputs-embeds and open "
+                f"{EMBEDS_MODEL_FILE}"
+            )
+        embeds = np.asarray(inputs_embeds)
+        if embeds.ndim != 3 or 0 in embeds.shape[:2] or embeds.shape[2] != self.hidden_size:
+            raise ThinkerError(
+                f"inputs_embeds of shape {embeds.shape}; expected (batch, seq, {self.hidden_size}) with at least one "
+                "position a row"
+            )
+        if not np.issubdtype(embeds.dtype, np.floating):
+            raise ThinkerError(f"inputs_embeds of dtype {embeds.dtype}; embeddings are floats")
+        if not np.isfinite(embeds).all():
+            raise ThinkerError("inputs_embeds hold inf or NaN")
+        return np.ascontiguousarray(embeds, dtype=np.float32)
+
+    def _check_mask(self, mask: np.ndarray, batch: int, steps: int, what: str) -> None:
+        if mask.ndim != 2 or mask.shape[0] != batch or mask.shape[1] < steps:
+            raise ThinkerError(f"attention_mask of shape {mask.shape} for {what}; expected (batch, past + seq)")
+
+    def _checked_prompt(self, input_ids, attention_mask, inputs_embeds=None) -> tuple[np.ndarray, np.ndarray]:
+        """A prompt's ids (or None, given ``inputs_embeds``) and mask, as given (a decode step's mask is the
+        prompt's with a column of ones appended)."""
+        if inputs_embeds is not None:
+            if input_ids is not None:
+                raise ThinkerError("pass either input_ids or inputs_embeds, not both")
+            shape, what = np.shape(inputs_embeds)[:2], f"inputs_embeds of shape {np.shape(inputs_embeds)}"
+        else:
+            input_ids = self._checked_ids(input_ids)
+            shape, what = input_ids.shape, f"input_ids of shape {input_ids.shape}"
+        if attention_mask is None:
+            attention_mask = np.ones(shape, np.int64)
+        mask = np.asarray(attention_mask)
+        if mask.shape != shape:
+            raise ThinkerError(
+                f"attention_mask of shape {mask.shape} for {what}; a prompt's mask has one column per position"
             )
         if not ((mask == 0) | (mask == 1)).all():
             raise ThinkerError("attention_mask holds values other than 0 and 1 (1 keeps a token, 0 masks a pad)")
         empty = np.flatnonzero(~mask.any(axis=1))
         if empty.size:
             raise ThinkerError(f"row {int(empty[0])} of attention_mask keeps no token; every row needs one at least")
-        return input_ids.astype(np.int64), mask.astype(np.int64)
+        return (None if input_ids is None else input_ids.astype(np.int64)), mask.astype(np.int64)
 
-    def _check_positions(self, positions: np.ndarray, batch: int, steps: int, given: tuple[int, ...]) -> None:
-        """``positions`` in the graph's form, from the caller's of shape ``given`` (the one an error quotes)."""
+    def _check_positions(
+        self, positions: np.ndarray, batch: int, steps: int, given: tuple[int, ...], what: str
+    ) -> None:
+        """``positions`` in the graph's form, from the caller's of shape ``given`` (the one an error quotes), for
+        the new positions' ``what`` (their ids or embeddings, quoted)."""
         if positions.shape[-2:] != (batch, steps):
             raise ThinkerError(
-                f"position_ids of shape {tuple(given)} for input_ids of shape ({batch}, {steps}); expected "
+                f"position_ids of shape {tuple(given)} for {what}; expected "
                 f"({batch}, {steps}) or, with multimodal RoPE, (3, {batch}, {steps})"
             )
         # the graph reads RoPE from a table of positions 0 .. context - 1, where PyTorch computes any angle: a
@@ -614,21 +668,35 @@ class OnnxDecoder:
 
     # --- the verbs ------------------------------------------------------------------------------------------------
     def prefill(
-        self, input_ids: np.ndarray, attention_mask: np.ndarray, new_tokens: int = 0
+        self,
+        input_ids: np.ndarray | None,
+        attention_mask: np.ndarray | None,
+        new_tokens: int = 0,
+        inputs_embeds: np.ndarray | None = None,
+        position_ids: np.ndarray | None = None,
     ) -> tuple[np.ndarray, DecoderState]:
         """The prompt (left-padded when rows differ in length) through an empty cache. Logits (B, T, V), or (B, 1, V)
         from a ``--logits last`` graph: each row's last kept position. ``new_tokens``: how many tokens will follow,
-        which a shared KV buffer is sized for up front."""
-        input_ids, attention_mask = self._checked_prompt(input_ids, attention_mask)
+        which a shared KV buffer is sized for up front. ``inputs_embeds`` (B, T, hidden), in place of ``input_ids``:
+        the prompt's embeddings (``model.embeds.onnx``). ``position_ids``: the prompt's own, (3, B, T) for an image
+        or audio prompt of a multimodal-RoPE model (the reference processor's ``get_rope_index``); each row then
+        continues after its largest kept position, as transformers' ``rope_deltas`` do. Default: counted from the
+        mask."""
+        input_ids, attention_mask = self._checked_prompt(input_ids, attention_mask, inputs_embeds)
         if self.right_padding_only and (np.diff(attention_mask, axis=1) > 0).any():
             raise ThinkerError(
                 f"{self.model_path}: onnxruntime-genai's graph takes right-padded batches only, and a row of this "
                 f"one has pads before its tokens; run {MODEL_FILE}, which takes any padding"
             )
-        positions = position_ids_from_mask(attention_mask)
-        cache = self.empty_cache(input_ids.shape[0], slots=attention_mask.shape[1] + new_tokens)
-        state = DecoderState(attention_mask, positions[:, -1] + 1, cache, cached=0)
-        return self.forward(input_ids, positions, state), state
+        if position_ids is None:
+            positions = position_ids_from_mask(attention_mask)
+            next_position = positions[:, -1] + 1
+        else:
+            positions = np.asarray(position_ids)
+            next_position = next_positions(self.graph_positions(positions), attention_mask)
+        cache = self.empty_cache(attention_mask.shape[0], slots=attention_mask.shape[1] + new_tokens)
+        state = DecoderState(attention_mask, next_position, cache, cached=0)
+        return self.forward(input_ids, positions, state, inputs_embeds), state
 
     def decode_one_token(self, tokens: np.ndarray, state: DecoderState) -> np.ndarray:
         """One new token per row after the cache. Returns logits (B, V)."""
@@ -646,20 +714,22 @@ class OnnxDecoder:
 
     def generate(
         self,
-        input_ids: np.ndarray,
+        input_ids: np.ndarray | None = None,
         attention_mask: np.ndarray | None = None,
         max_new_tokens: int = 32,
         eos_token_id: int | list[int] | None = None,
         pad_token_id: int | None = None,
         streamer=None,
+        inputs_embeds: np.ndarray | None = None,
+        position_ids: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Greedy continuation; returns (B, T + n) tokens. Rows that reach EOS are padded from there on (as
+        """Greedy continuation; returns (B, T + n) tokens, or the (B, n) new ones for a prompt given as
+        ``inputs_embeds`` (as transformers' ``generate`` does). Rows that reach EOS are padded from there on (as
         transformers' ``generate`` does) and the loop stops when every row has. ``streamer``: one of transformers'
-        streamers (``TextStreamer``, ``TextIteratorStreamer``), fed as its ``generate`` feeds it: ``put`` the prompt,
-        then each step's new tokens as they come, then ``end``."""
-        if attention_mask is None:
-            attention_mask = np.ones(np.shape(input_ids), np.int64)
-        input_ids, attention_mask = self._checked_prompt(input_ids, attention_mask)
+        streamers (``TextStreamer``, ``TextIteratorStreamer``), fed as its ``generate`` feeds it: ``put`` the prompt
+        (its ids, when given), then each step's new tokens as they come, then ``end``. ``inputs_embeds`` and
+        ``position_ids``: as ``prefill`` takes them."""
+        input_ids, attention_mask = self._checked_prompt(input_ids, attention_mask, inputs_embeds)
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
             raise ThinkerError(f"max_new_tokens={max_new_tokens!r}; expected a whole number, 0 or more")
         # Refused before the first token rather than at the step that runs out (a streamer would have printed the
@@ -673,11 +743,11 @@ class OnnxDecoder:
             )
         eos = set(np.atleast_1d(eos_token_id).tolist()) if eos_token_id is not None else set()
         pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
-        if streamer is not None:
+        if streamer is not None and input_ids is not None:
             streamer.put(input_ids)
-        logits, state = self.prefill(input_ids, attention_mask, new_tokens=max_new_tokens)
+        logits, state = self.prefill(input_ids, attention_mask, max_new_tokens, inputs_embeds, position_ids)
         next_logits = last_kept_logits(logits, state.attention_mask)
-        done = np.zeros(input_ids.shape[0], dtype=bool)
+        done = np.zeros(attention_mask.shape[0], dtype=bool)
         new_tokens = []
         for step in range(max_new_tokens):
             token = np.where(done, pad, next_logits.argmax(-1)).astype(np.int64)
@@ -690,9 +760,8 @@ class OnnxDecoder:
             next_logits = self.decode_one_token(token, state)
         if streamer is not None:
             streamer.end()
-        if not new_tokens:
-            return input_ids
-        return np.concatenate([input_ids, np.stack(new_tokens, axis=1)], axis=1)
+        new = np.stack(new_tokens, axis=1) if new_tokens else np.zeros((attention_mask.shape[0], 0), np.int64)
+        return new if input_ids is None else np.concatenate([input_ids, new], axis=1)
 
 
 def shared_kv_names(graph: onnx.GraphProto) -> frozenset[str]:
@@ -751,9 +820,38 @@ def last_kept_logits(logits: np.ndarray, attention_mask: np.ndarray) -> np.ndarr
     return logits[np.arange(len(logits)), last]
 
 
+def next_positions(position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+    """(B,): the position each row's next token takes after a prompt at ``position_ids`` ((B, T), or (3, B, T);
+    a batch of 1 stands for every row): one past its largest kept position on any stream. A text prompt's last
+    position + 1; an image's grid may number fewer positions than its tokens, and the text after it continues
+    from there (transformers' ``rope_deltas``)."""
+    streams = position_ids if position_ids.ndim == 3 else position_ids[None]
+    kept = np.where(attention_mask.astype(bool)[None], streams, -1)
+    return (kept.max(axis=(0, 2)) + 1).astype(np.int64)
+
+
 def position_ids_from_mask(attention_mask: np.ndarray) -> np.ndarray:
     """Each kept slot's position counts the kept slots before it; pads get 0 (any valid row of the tables)."""
     return np.maximum(np.cumsum(attention_mask, axis=-1) - 1, 0).astype(np.int64)
+
+
+def _load_session(path: Path, source: str | bytes, options: ort.SessionOptions, providers: list[str]):
+    """An onnxruntime session over ``source`` (``path``'s graph, or a variant of it as bytes), its failures told by
+    the file's name."""
+    try:
+        # onnxruntime prints an "EP Error" banner on stdout before retrying a failed load: the error below says it
+        with contextlib.redirect_stdout(io.StringIO()):
+            return ort.InferenceSession(source, options, providers=providers)
+    except NotImplementedByOrt as err:  # a kernel the provider lacks: bfloat16 on CPU, typically
+        reason = str(err).splitlines()[0]
+        raise ThinkerError(f"{path}: onnxruntime cannot run it on {_provider_label(providers)}: {reason}") from None
+    except (OrtFail, InvalidArgument, InvalidProtobuf, InvalidGraph, NoSuchFile) as err:  # a damaged export
+        reason = " ".join(str(err).split())
+        raise ThinkerError(f"{path}: onnxruntime cannot load it ({reason}); export the model again") from None
+    except UnicodeDecodeError:  # onnxruntime's error quotes the damaged bytes, which Python cannot decode
+        raise ThinkerError(
+            f"{path}: onnxruntime cannot load it (the file is damaged); export the model again"
+        ) from None
 
 
 def _provider_label(providers: list[str]) -> str:

@@ -39,7 +39,7 @@ import torch
 from common.dtypes import dtype_name
 from common.eager import EAGER
 from common.errors import ThinkerError
-from common.parity_inputs import RELATIVE_TOLERANCE, indexer_batch, parity_batch
+from common.parity_inputs import RELATIVE_TOLERANCE, foreign_block_prompt, indexer_batch, parity_batch
 from common.progress import progress_bar
 from common.side_files import read_json
 from common.sizes import human_size
@@ -48,7 +48,7 @@ from converter.parity import MEMORY_BUDGET_ENV, memory_budget
 from thinker.modeling_thinker import CACHE_ARG, lowest_block_wins_ties
 
 from .half_spread import HALF_PRECISIONS, MAX_EXCUSED_SHARE, HalfShadow, excused
-from .names import GENAI_MODEL_FILE
+from .names import EMBED_FILE, EMBEDS_MODEL_FILE, GENAI_MODEL_FILE
 from .runtime import OnnxDecoder, cuda_usable, position_ids_from_mask
 
 DECODE_STEPS = 6
@@ -158,6 +158,7 @@ def compare_decoders(
     right_padded_candidate: bool = False,
     torch_ties: bool = False,
     shadow: HalfShadow | None = None,
+    foreign_embeddings: bool = False,
 ) -> dict:
     """Prefill + ``steps`` decode steps in PyTorch and onnxruntime; figures over every kept position (of a
     ``--logits last`` graph's prefill: each row's last kept position, all it gives). ``on_step`` is called after the
@@ -167,13 +168,24 @@ def compare_decoders(
     (a right-padded PyTorch batch would carry a hybrid model's recurrence over the pads, as no runtime should).
     Qwen3.8's indexers give exact ties to the earlier blocks, as ONNX's TopK does (``lowest_block_wins_ties``);
     ``torch_ties``: torch.topk's choice instead, transformers'. ``shadow``: for a half-precision graph, the reference
-    run again in its dtype to measure each position's spread (``half_shadow``; export/half_spread.py)."""
+    run again in its dtype to measure each position's spread (``half_shadow``; export/half_spread.py).
+    ``foreign_embeddings``: the prompt goes in as ``inputs_embeds`` (``decoder`` runs ``model.embeds.onnx``), its
+    token rows with a block of foreign vectors written over them, at an image's multimodal positions where the model
+    has multimodal RoPE (``foreign_block_prompt``); the decode steps' tokens then go through ``embed.onnx``."""
     ties = contextlib.nullcontext() if torch_ties else lowest_block_wins_ties()
     if shadow is not None:
         shadow.rewind()  # the same reference steps as any earlier comparison: their spreads read back
     with torch.no_grad(), ties:
         return _compare_decoders(
-            model, decoder, input_ids, attention_mask, steps, on_step, right_padded_candidate, shadow
+            model,
+            decoder,
+            input_ids,
+            attention_mask,
+            steps,
+            on_step,
+            right_padded_candidate,
+            shadow,
+            foreign_embeddings,
         )
 
 
@@ -186,17 +198,27 @@ def _compare_decoders(
     on_step: Callable[[], object] | None,
     right_padded_candidate: bool,
     shadow: HalfShadow | None,
+    foreign_embeddings: bool,
 ) -> dict:
     on_step = on_step or (lambda: None)
     agreement = Agreement()
     mask = torch.from_numpy(attention_mask)
-    positions = torch.from_numpy(position_ids_from_mask(attention_mask))
-    inputs = {"input_ids": torch.from_numpy(input_ids), "attention_mask": mask, "position_ids": positions}
+    if foreign_embeddings:
+        tokens = model.get_input_embeddings()(torch.from_numpy(input_ids)).float().numpy()
+        embeds, position_array = foreign_block_prompt(tokens, attention_mask, multimodal=decoder.position_rank == 3)
+        positions = torch.from_numpy(position_array)
+        inputs = {"inputs_embeds": torch.from_numpy(embeds), "attention_mask": mask, "position_ids": positions}
+    else:
+        positions = torch.from_numpy(position_ids_from_mask(attention_mask))
+        inputs = {"input_ids": torch.from_numpy(input_ids), "attention_mask": mask, "position_ids": positions}
     out = model(**inputs, use_cache=True)
     reference = out.logits.float().numpy()
     spread = shadow.spread(out.logits, **inputs) if shadow else None  # (B, T)
     given = right_padded(input_ids, attention_mask) if right_padded_candidate else (input_ids, attention_mask)
-    candidate, state = decoder.prefill(*given)
+    if foreign_embeddings:
+        candidate, state = decoder.prefill(None, attention_mask, inputs_embeds=embeds, position_ids=position_array)
+    else:
+        candidate, state = decoder.prefill(*given)
     if decoder.last_logits_only:
         last_spread = None if spread is None else at_last_kept(spread, attention_mask)
         agreement.add(at_last_kept(reference, attention_mask), candidate[:, 0], last_spread)
@@ -209,7 +231,9 @@ def _compare_decoders(
         agreement.add(reference[kept], candidate[given[1].astype(bool)], None if spread is None else spread[kept])
     on_step()
 
-    past, next_position = getattr(out, CACHE_ARG), positions[:, -1:] + 1
+    # each row resumes one past its largest position (pads sit at 0), on every stream: the reference's own
+    # reckoning, apart from the runtime's (``next_positions``)
+    past, next_position = getattr(out, CACHE_ARG), positions.reshape(-1, *mask.shape).amax(dim=(0, 2))[:, None] + 1
     token = reference[:, -1].argmax(-1)
     for _ in range(steps):
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
@@ -273,6 +297,19 @@ def genai_graph_of(onnx_path: Path) -> Path | None:
     """onnxruntime-genai's graph beside ``onnx_path``, where the export wrote one (export/genai_graph.py)."""
     path = onnx_path.with_name(GENAI_MODEL_FILE)
     return path if path.is_file() else None
+
+
+def embeds_graph_of(onnx_path: Path) -> Path | None:
+    """The ``--inputs-embeds`` graph beside ``onnx_path``, where the export wrote one (export/embeds_graph.py)."""
+    path = onnx_path.with_name(EMBEDS_MODEL_FILE)
+    return path if path.is_file() else None
+
+
+def embeds_graph_failures(figures: dict, tolerance: float) -> list[str]:
+    """The failure of the ``--inputs-embeds`` graph (checked on a prompt with foreign embeddings), if any."""
+    failure = judge(figures, tolerance)
+    what = f"{EMBEDS_MODEL_FILE} with {EMBED_FILE} (a prompt with foreign embeddings)"
+    return [f"{what}: {failure}"] if failure else []
 
 
 def genai_graph_failures(figures: dict, tolerance: float) -> list[str]:
@@ -370,9 +407,9 @@ def verify_export(
             "passed": None,
             "skipped": "onnxruntime's CPU execution provider has no bfloat16 kernels; verify where CUDA is available",
         }
-    genai_path = genai_graph_of(onnx_path)
+    genai_path, embeds_path = genai_graph_of(onnx_path), embeds_graph_of(onnx_path)
     indexed = "indexed_attention" in (read_json(model_dir / "config.json").get("layer_types") or ())
-    steps = 2 + DECODE_STEPS + (1 + DECODE_STEPS if genai_path else 0) + (1 + DECODE_STEPS if indexed else 0)
+    steps = 2 + DECODE_STEPS + sum(1 + DECODE_STEPS for extra in (genai_path, embeds_path, indexed) if extra)
     with progress_bar(steps, "verifying", unit="step", enabled=progress) as bar:
         with pytorch_thinker(model_dir, REFERENCE_DTYPE, plan) as model:
             bar.update()
@@ -388,6 +425,12 @@ def verify_export(
                 genai = OnnxDecoder(genai_path, threads=threads)
                 genai_figures = compare_decoders(
                     model, genai, *batch, on_step=bar.update, right_padded_candidate=True, shadow=shadow
+                )
+                del genai
+            if embeds_path:  # another prompt: its own half-precision spreads
+                embeds = OnnxDecoder(embeds_path, threads=threads)
+                embeds_figures = compare_decoders(
+                    model, embeds, *batch, on_step=bar.update, shadow=half_shadow(model, dtype), foreign_embeddings=True
                 )
     held = ", read layer by layer as it runs" if plan == STREAMED else ""
     result = {
@@ -406,6 +449,9 @@ def verify_export(
     if genai_path:
         result["genai_graph"] = genai_figures
         failures += genai_graph_failures(genai_figures, result["tolerance"])
+    if embeds_path:
+        result["embeds_graph"] = embeds_figures
+        failures += embeds_graph_failures(embeds_figures, result["tolerance"])
     result["passed"] = not failures
     result["failure"] = "; ".join(failures)
     if result["passed"]:

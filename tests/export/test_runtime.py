@@ -216,7 +216,7 @@ def test_bad_inputs_are_refused_by_name(onnx_folder):
         "token ids are integers": ([[3.0, 4.0]], [[1, 1]]),
         "expected (batch, seq)": ([3, 4], [1, 1]),
         "at least one token": (np.zeros((1, 0), np.int64), np.zeros((1, 0), np.int64)),
-        "a prompt's mask has the shape of its ids": ([[3, 4]], [[1, 1, 1]]),
+        "(1, 3) for input_ids of shape (1, 2); a prompt's mask has one column per position": ([[3, 4]], [[1, 1, 1]]),
         "values other than 0 and 1": ([[3, 4]], [[0.5, 1]]),
         "row 1 of attention_mask keeps no token": ([[3, 4], [5, 6]], [[1, 1], [0, 0]]),
         "past this model's context": (np.full((1, context + 1), 3), np.ones((1, context + 1), np.int64)),

@@ -1,0 +1,244 @@
+"""``--inputs-embeds``: ``model.embeds.onnx`` takes ``inputs_embeds`` in place of token ids and ``embed.onnx`` looks the
+tokens up, so the embeddings of audio, image and video towers reach the ONNX decoder at their multimodal positions.
+
+Held to: the PyTorch Thinker fed the same embeddings and positions (a block of foreign vectors over an image grid's
+(3, B, T) positions, each row then resuming past the block's largest position, as transformers' ``rope_deltas`` do);
+``model.onnx`` itself, bit for bit, on token prompts; the export's verify, which fails on a planted bug in either
+graph or in the runtime's next position; and the refusals, each by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from cli_helpers import thinker
+from onnx import helper
+
+from common.errors import ThinkerError
+from common.parity_inputs import RELATIVE_TOLERANCE, foreign_block_prompt, parity_batch
+from export import runtime
+from export.exporter import export_model
+from export.names import EMBED_FILE, EMBEDS_MODEL_FILE, GENAI_MODEL_FILE, INPUTS_EMBEDS
+from export.quantize import QuantizeSpec
+from export.runtime import OnnxDecoder
+from export.verify import verify_export
+from thinker import ThinkerForCausalLM
+from thinker.modeling_thinker import CACHE_ARG
+
+CASES = [
+    ("qwen3", "float32", "fused"),
+    ("qwen3", "float32", "plain"),
+    ("qwen3_moe", "float32", "fused"),
+    ("gpt2", "float32", "fused"),  # learned positions (added in the decoder, after the cut), a tied head
+    ("qwen3_5", "float32", "fused"),  # hybrid, interleaved multimodal RoPE: (3, B, T) positions
+    ("qwen3_5_moe", "float32", "plain"),
+    ("qwen3", "float16", "fused"),
+]
+
+
+@pytest.fixture(scope="module")
+def embeds_export(tmp_path_factory, thinker_folder):
+    """``embeds_export(family, dtype, graph, quantize=None)`` -> (Thinker folder, verified ONNX folder with
+    ``--inputs-embeds``), made once per module."""
+    root = tmp_path_factory.mktemp("inputs-embeds")
+    cache = {}
+
+    def get(family, dtype="float32", graph="fused", quantize=None):
+        key = (family, dtype, graph, quantize)
+        if key not in cache:
+            output = root / f"{family}-{dtype}-{graph}-{len(cache)}"
+            source = thinker_folder(family)
+            export_model(
+                source, output, dtype=dtype, graph=graph, quantize=quantize, inputs_embeds=True, progress=False
+            )
+            cache[key] = source, output
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize(("family", "dtype", "graph"), CASES)
+def test_verify_holds_the_embeds_graph_to_pytorch_on_foreign_embeddings(family, dtype, graph, embeds_export):
+    _, folder = embeds_export(family, dtype, graph)
+    report = json.loads((folder / "export_report.json").read_text())
+    assert report["inputs_embeds"] == {"model": EMBEDS_MODEL_FILE, "embed": EMBED_FILE}
+    verify = report["verify"]
+    figures = verify["embeds_graph"]
+    assert verify["passed"] and figures["positions"] == 11 + 2 * 6  # two rows' kept prompt slots, six steps each
+    assert figures.get("max_abs_diff_beyond_spread", figures["max_abs_diff"]) <= verify["tolerance"]
+    # model.onnx and onnxruntime-genai's graph stay as they were: token ids
+    for name in ("model.onnx", GENAI_MODEL_FILE):
+        if (folder / name).is_file():
+            inputs = [value.name for value in onnx.load(folder / name, load_external_data=False).graph.input]
+            assert "input_ids" in inputs and INPUTS_EMBEDS not in inputs
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gpt2"])
+def test_token_prompts_give_model_onnx_bit_for_bit(family, embeds_export):
+    source, folder = embeds_export(family)
+    ids_decoder = OnnxDecoder(folder, provider="cpu")
+    embeds_decoder = OnnxDecoder(folder / EMBEDS_MODEL_FILE, provider="cpu")
+    ids, mask = parity_batch(96)
+    np.testing.assert_array_equal(embeds_decoder.prefill(ids, mask)[0], ids_decoder.prefill(ids, mask)[0])
+    by_embeddings = embeds_decoder.generate(None, mask, max_new_tokens=6, inputs_embeds=embeds_decoder.embed(ids))
+    np.testing.assert_array_equal(by_embeddings, ids_decoder.generate(ids, mask, max_new_tokens=6)[:, ids.shape[1] :])
+    # embed.onnx holds the model's own table: the rows PyTorch looks up, exactly
+    model = ThinkerForCausalLM.from_pretrained(source, dtype=torch.float32)
+    with torch.no_grad():
+        rows = model.get_input_embeddings()(torch.from_numpy(ids)).numpy()
+    np.testing.assert_array_equal(embeds_decoder.embed(ids), rows)
+
+
+def torch_greedy(model, embeds, mask, positions, steps):
+    """Greedy tokens from the PyTorch Thinker prompted with ``inputs_embeds`` at ``positions`` (3, B, T), each row
+    resuming one past its largest position (transformers' ``rope_deltas``)."""
+    mask = torch.from_numpy(mask)
+    positions = torch.from_numpy(positions)
+    with torch.no_grad():
+        out = model(inputs_embeds=torch.from_numpy(embeds), attention_mask=mask, position_ids=positions, use_cache=True)
+        following = positions.amax(dim=(0, 2))[:, None] + 1
+        tokens = [out.logits[:, -1].argmax(-1)]
+        for _ in range(steps - 1):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = model(
+                input_ids=tokens[-1][:, None],
+                attention_mask=mask,
+                position_ids=following,
+                use_cache=True,
+                **{CACHE_ARG: getattr(out, CACHE_ARG)},
+            )
+            following = following + 1
+            tokens.append(out.logits[:, -1].argmax(-1))
+    return torch.stack(tokens, dim=1).numpy()
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_generate_from_an_image_prompt_is_pytorchs(family, embeds_export):
+    """An image block's grid positions number fewer positions than its tokens: generation resumes after the block's
+    largest position, not after the token count (which would rotate every later token wrongly)."""
+    source, folder = embeds_export(family, graph="plain" if family == "qwen3_5_moe" else "fused")
+    decoder = OnnxDecoder(folder / EMBEDS_MODEL_FILE, provider="cpu")
+    model = ThinkerForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    ids, mask = parity_batch(96)
+    embeds, positions = foreign_block_prompt(decoder.embed(ids), mask, multimodal=True)
+    assert positions[:, 0].max() + 1 < mask[0].sum()  # the long row's 2 x 2 grid numbers 2 positions for 4 tokens
+    got = decoder.generate(inputs_embeds=embeds, attention_mask=mask, position_ids=positions, max_new_tokens=8)
+    assert got.shape == (2, 8)  # the new tokens only, as transformers' generate returns them for inputs_embeds
+    np.testing.assert_array_equal(got, torch_greedy(model, embeds, mask, positions, 8))
+    # and the logits of the prompt, held to the float32 tolerance
+    logits, state = decoder.prefill(None, mask, inputs_embeds=embeds, position_ids=positions)
+    np.testing.assert_array_equal(state.next_position, positions.max(axis=(0, 2)) + 1)
+    with torch.no_grad():
+        reference = model(
+            inputs_embeds=torch.from_numpy(embeds),
+            attention_mask=torch.from_numpy(mask),
+            position_ids=torch.from_numpy(positions),
+        ).logits.numpy()
+    kept = mask.astype(bool)
+    tolerance = RELATIVE_TOLERANCE[torch.float32] * max(1.0, float(np.abs(reference).max()))
+    assert np.abs(logits[kept] - reference[kept]).max() <= tolerance
+
+
+def test_a_quantized_export_checks_its_embeds_graph_against_the_dequantized_model(embeds_export):
+    spec = QuantizeSpec.parse("int4", 16, "rtn", None, None, None, "float32", "quantized")
+    _, folder = embeds_export("gpt2", quantize=spec)  # tied: embed.onnx gathers the quantized head's own rows
+    graph = json.loads((folder / "export_report.json").read_text())["verify"]["graph"]
+    assert graph["embeds_graph"]["max_abs_diff"] <= graph["tolerance"]
+    ops = {node.op_type for node in onnx.load(folder / EMBED_FILE, load_external_data=False).graph.node}
+    assert "GatherBlockQuantized" in ops
+
+
+def _rewrite(path, edit):
+    model = onnx.load(path, load_external_data=False)
+    edit(model.graph)
+    onnx.save_model(model, path)
+
+
+def _scale_the_input(graph):
+    """Every reader of inputs_embeds reads it 1 % larger."""
+    for node in graph.node:
+        node.input[:] = ["/planted/scaled" if name == INPUTS_EMBEDS else name for name in node.input]
+    scale = helper.make_tensor("/planted/scale", onnx.TensorProto.FLOAT, [], [1.01])
+    graph.initializer.append(scale)
+    graph.node.insert(0, helper.make_node("Mul", [INPUTS_EMBEDS, "/planted/scale"], ["/planted/scaled"], "/planted"))
+
+
+def _next_row(graph):
+    """The lookup reads each token's next row."""
+    gather = next(node for node in graph.node if node.op_type == "Gather")
+    one = helper.make_tensor("/planted/one", onnx.TensorProto.INT64, [], [1])
+    graph.initializer.append(one)
+    graph.node.insert(0, helper.make_node("Add", ["input_ids", "/planted/one"], ["/planted/next"], "/planted"))
+    gather.input[1] = "/planted/next"
+
+
+def _positions_by_count(monkeypatch):
+    """The runtime resumes after the prompt's token count, not its largest position."""
+    monkeypatch.setattr(runtime, "next_positions", lambda positions, mask: mask.sum(axis=1))
+
+
+@pytest.mark.parametrize(
+    ("planted", "file"),
+    [(_scale_the_input, EMBEDS_MODEL_FILE), (_next_row, EMBED_FILE), (_positions_by_count, None)],
+)
+def test_verify_fails_on_a_planted_bug(planted, file, embeds_export, tmp_path, monkeypatch):
+    source, folder = embeds_export("qwen3_5")
+    copy = shutil.copytree(folder, tmp_path / "onnx")
+    if file is None:
+        planted(monkeypatch)
+    else:
+        _rewrite(copy / file, planted)
+    result = verify_export(source, copy / "model.onnx", torch.float32)
+    assert result["passed"] is False
+    assert (
+        f"{EMBEDS_MODEL_FILE} with {EMBED_FILE} (a prompt with foreign embeddings): max |Δlogit|" in result["failure"]
+    )
+    assert result["max_abs_diff"] <= result["tolerance"]  # model.onnx itself is sound
+    assert result["embeds_graph"]["max_abs_diff"] > 10 * result["tolerance"]
+
+
+def test_refusals_name_what_is_wrong(embeds_export, thinker_folder, tmp_path):
+    _, folder = embeds_export("qwen3")
+    ids_decoder = OnnxDecoder(folder, provider="cpu")
+    decoder = OnnxDecoder(folder / EMBEDS_MODEL_FILE, provider="cpu")
+    ids, mask = parity_batch(96)
+    embeds = decoder.embed(ids)
+    with pytest.raises(ThinkerError, match="takes token ids; for inputs_embeds export with --inputs-embeds"):
+        ids_decoder.prefill(None, mask, inputs_embeds=embeds)
+    with pytest.raises(ThinkerError, match="embed\\(\\) is for a graph exported with --inputs-embeds"):
+        ids_decoder.embed(ids)
+    with pytest.raises(ThinkerError, match="pass either input_ids or inputs_embeds, not both"):
+        decoder.prefill(ids, mask, inputs_embeds=embeds)
+    with pytest.raises(ThinkerError, match=r"inputs_embeds of shape \(2, 7, 5\); expected \(batch, seq, 32\)"):
+        decoder.prefill(None, mask, inputs_embeds=embeds[..., :5])
+    with pytest.raises(ThinkerError, match="inputs_embeds hold inf or NaN"):
+        decoder.prefill(None, mask, inputs_embeds=np.where(mask[..., None] == 1, embeds, np.nan))
+    with pytest.raises(ThinkerError, match=r"attention_mask of shape \(2, 6\) for inputs_embeds of shape \(2, 7, 32\)"):
+        decoder.prefill(None, mask[:, 1:], inputs_embeds=embeds)
+    # a folder copied without embed.onnx
+    partial = shutil.copytree(folder, tmp_path / "partial")
+    (partial / EMBED_FILE).unlink()
+    with pytest.raises(ThinkerError, match=f"{EMBED_FILE} missing beside {EMBEDS_MODEL_FILE}, which takes"):
+        OnnxDecoder(partial / EMBEDS_MODEL_FILE, provider="cpu")
+    # Qwen3.8's n-gram hash reads the token ids themselves: refused before anything is written
+    output = tmp_path / "qwen4"
+    result = thinker("export", thinker_folder("qwen4_exp"), output, "--inputs-embeds", "--no-verify")
+    assert result.exit_code == 1 and "Qwen3.8's n-gram embeddings hash the token ids" in result.output
+    assert not output.exists()
+
+
+def test_the_command_line_writes_both_graphs(thinker_folder, tmp_path):
+    output = tmp_path / "onnx"
+    result = thinker("export", thinker_folder("qwen3"), output, "--inputs-embeds")
+    assert result.exit_code == 0, result.output
+    card = (output / "README.md").read_text()
+    assert "## Prompts with audio, image or video embeddings" in card
+    assert f"`{EMBEDS_MODEL_FILE}` on a prompt with foreign embeddings: max \\|Δlogit\\|" in card
+    assert {EMBEDS_MODEL_FILE, EMBED_FILE} <= {path.name for path in output.iterdir()}
+    embed = onnx.load(output / EMBED_FILE, load_external_data=False).graph
+    assert [value.name for value in embed.input] == ["input_ids"] and embed.output[0].name == INPUTS_EMBEDS
+    assert "--inputs-embeds" in thinker("export", "--help").output
