@@ -583,8 +583,15 @@ class OnnxDecoder:
         # the graph reads RoPE from a table of positions 0 .. context - 1, where PyTorch computes any angle: a
         # fraction would be truncated and a negative position (cumsum - 1 on a pad, without masked_fill) would read
         # the table's end, or stop the fused graph's kernels
-        if not np.issubdtype(positions.dtype, np.integer):
-            raise ThinkerError(f"position_ids of dtype {positions.dtype}; positions are integers")
+        if not np.issubdtype(positions.dtype, np.number) or np.issubdtype(positions.dtype, np.complexfloating):
+            raise ThinkerError(f"position_ids of dtype {positions.dtype}; positions are whole numbers")
+        # whole numbers held as floats are taken: Qwen3-Omni's get_rope_index hands its positions as float32
+        if positions.dtype.kind == "f":
+            fraction = positions[~(np.isfinite(positions) & (positions == np.round(positions)))]
+            if fraction.size:
+                raise ThinkerError(
+                    f"position_ids hold {fraction.flat[0]}; the graph's RoPE tables hold whole positions only"
+                )
         if int(positions.min()) < 0:
             raise ThinkerError(
                 f"position_ids hold {int(positions.min())}; positions count from 0 (give a pad any position from 0, "

@@ -17,6 +17,7 @@ import pytest
 import torch
 from cli_helpers import thinker
 from onnx import helper
+from references import qwen3_omni
 
 from common.errors import ThinkerError
 from common.parity_inputs import RELATIVE_TOLERANCE, foreign_block_prompt, parity_batch
@@ -141,6 +142,43 @@ def test_generate_from_an_image_prompt_is_pytorchs(family, embeds_export):
     kept = mask.astype(bool)
     tolerance = RELATIVE_TOLERANCE[torch.float32] * max(1.0, float(np.abs(reference).max()))
     assert np.abs(logits[kept] - reference[kept]).max() <= tolerance
+
+
+@torch.no_grad()
+def test_an_audio_prompt_gives_the_qwen3_omni_thinkers_own_generation(tmp_path):
+    """The deployment an omni user has: the thinker of a tiny Qwen3-Omni checkpoint (transformers' classes) exported
+    from the checkpoint itself; its audio tower's output written into the prompt's audio placeholders of
+    ``embed.onnx``'s embeddings, at the thinker's own ``get_rope_index`` positions (float32 there, whole numbers).
+    ``model.embeds.onnx`` gives the logits and the greedy continuation of
+    ``Qwen3OmniMoeThinkerForConditionalGeneration`` run on the ids and the mel features."""
+    source = qwen3_omni.save(tmp_path / "source")
+    report = export_model(source, tmp_path / "onnx", inputs_embeds=True, progress=False)
+    assert report["verify"]["passed"] and report["converted"]
+    thinker_class = qwen3_omni.load_reference_thinker(source)
+    thinker_class.config.audio_token_id = AUDIO = 120  # a placeholder id inside the tiny vocabulary
+    text = torch.randint(0, 100, (1, 14), generator=torch.Generator().manual_seed(3))
+    ids = torch.cat([text[:, :4], torch.full((1, 17), AUDIO), text[:, 4:]], dim=1)  # 130 frames: 17 audio tokens
+    features = torch.randn(1, 16, 130, generator=torch.Generator().manual_seed(5))
+    audio = {"input_features": features, "feature_attention_mask": torch.ones(1, 130, dtype=torch.long)}
+    expected = thinker_class(input_ids=ids, attention_mask=torch.ones_like(ids), **audio).logits.numpy()
+    thinker_class.rope_deltas = None  # each call stands alone
+    continuation = thinker_class.generate(input_ids=ids, max_new_tokens=8, do_sample=False, **audio)
+
+    decoder = OnnxDecoder(tmp_path / "onnx" / EMBEDS_MODEL_FILE, provider="cpu")
+    embeds = decoder.embed(ids.numpy())
+    tower = thinker_class.get_audio_features(**audio).last_hidden_state
+    embeds[ids.numpy() == AUDIO] = tower.numpy()
+    positions, _ = thinker_class.get_rope_index(
+        ids, attention_mask=torch.ones_like(ids), audio_seqlens=torch.tensor([130])
+    )
+    mask = np.ones(ids.shape, np.int64)
+    logits, _ = decoder.prefill(None, mask, inputs_embeds=embeds, position_ids=positions.numpy())
+    tolerance = RELATIVE_TOLERANCE[torch.float32] * max(1.0, float(np.abs(expected).max()))
+    assert np.abs(logits - expected).max() <= tolerance
+    tokens = decoder.generate(
+        inputs_embeds=embeds, attention_mask=mask, position_ids=positions.numpy(), max_new_tokens=8
+    )
+    np.testing.assert_array_equal(tokens, continuation[:, ids.shape[1] :].numpy())
 
 
 def test_a_quantized_export_checks_its_embeds_graph_against_the_dequantized_model(embeds_export):

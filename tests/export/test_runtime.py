@@ -246,8 +246,13 @@ def test_bad_inputs_are_refused_by_name(onnx_folder):
     # positions the graph's RoPE table cannot take as PyTorch does: refused, not truncated or read from its end
     with pytest.raises(ThinkerError, match=re.escape("position_ids hold -1; positions count from 0")):
         decoder.forward(np.array([[1]]), np.array([[-1]]), state)
-    with pytest.raises(ThinkerError, match=re.escape("position_ids of dtype float64; positions are integers")):
+    with pytest.raises(ThinkerError, match=re.escape("position_ids hold 3.5; the graph's RoPE tables hold whole")):
         decoder.forward(np.array([[1]]), np.array([[3.5]]), state)
+    for bad in (np.nan, np.inf):  # neither whole nor a position
+        with pytest.raises(ThinkerError, match=f"position_ids hold {bad}"):
+            decoder.forward(np.array([[1]]), np.array([[bad]]), state)
+    with pytest.raises(ThinkerError, match=re.escape("position_ids of dtype <U1; positions are whole numbers")):
+        decoder.forward(np.array([[1]]), np.array([["3"]]), state)
     # a mask that does not cover the cache and the new tokens: refused, not run over the wrong slots
     with pytest.raises(ThinkerError, match=re.escape("attention_mask covers 2 slots, but the cache holds 3")):
         decoder.forward(
