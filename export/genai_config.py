@@ -53,8 +53,9 @@ def logits_note(logits: str) -> str | None:
 
 
 # onnxruntime-genai 0.18's multimodal position code (the qwen3_5 types) scans each prompt for these ids and wants image
-# grids for the spans they open. The exported decoder takes token ids only (images reach a model as embeddings, which
-# it has no input for), so no token opens a span: -1 matches none. Left unset they default to 0, which is also our
+# grids for the spans they open. The graph onnxruntime-genai runs takes token ids only (images reach a model as
+# embeddings, through --inputs-embeds' model.embeds.onnx, which genai does not run), so no token opens a span: -1
+# matches none. Left unset they default to 0, which is also our
 # pad id, and a left-padded batch then fails with "Not enough image_grid_thw data for image tokens" (measured).
 NO_VISION_TOKENS = {"image_token_id": -1, "video_token_id": -1, "vision_start_token_id": -1}
 

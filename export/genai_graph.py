@@ -29,7 +29,8 @@ A model with interleaved multimodal RoPE (Qwen3.5) gets this graph from either o
 ``--positions text`` builds its graphs: logits and states bit for bit those of three equal streams). onnxruntime-genai
 0.18 feeds (3, B, T) positions only under its Qwen3.5 model types, whose position code unmasks a right-padded row's
 pads from the first decode step (docs/hybrid-export.md 5.2), and (B, T) ones under its generic decoder, which keeps
-them masked. The decoder takes token ids only, so the positions it is ever fed are text positions: the (B, T) graph
+them masked. This graph takes token ids (prompts with images or audio go through ``--inputs-embeds``'
+``model.embeds.onnx``, export/embeds_graph.py), so the positions it is ever fed are text positions: the (B, T) graph
 loses nothing, and genai_config.json names the generic type. Batches of unequal prompt lengths are then right under
 onnxruntime-genai whatever ``--positions`` says.
 

@@ -44,7 +44,8 @@ DEFAULT_GRAPH = "fused"
 # --positions: the form of the graph's position_ids input for models with multimodal RoPE (mrope_section). "multimodal",
 # (3, B, T): temporal, height and width streams, as transformers' Qwen3.5 and the Hub's processors write them;
 # "text", (B, T): one stream, which the graph repeats on all three (bit for bit the multimodal graph fed three equal
-# rows; the ONNX decoder takes token ids only, so text positions are all it is ever fed). Text positions also give
+# rows; model.onnx takes token ids, so text positions are all it is ever fed: image prompts, whose streams differ, go
+# through --inputs-embeds' model.embeds.onnx, which takes model.onnx's form). Text positions also give
 # onnxruntime-genai 0.18 its (B, T) position code, whose attention mask keeps a right-padded batch's pads masked
 # (export/genai_config.py). Models without multimodal RoPE take (B, T) only.
 POSITIONS = ("multimodal", "text")
