@@ -13,6 +13,8 @@ IO contract (shared/DESIGN.md), P past and T new positions:
            on the three streams inside), past_key_values.{i}.key/.value [B, n_kv, P, hs]
            in the model dtype for each full-attention layer i
   outputs  logits [B, T, V] float32, present.{i}.key/.value [B, n_kv, P+T, hs] in the model dtype
+(``--inputs-embeds`` cuts a decoder taking inputs_embeds [B, T, hidden] float32 from this one at the token lookup,
+the ``embed/tokens`` scope: export/embeds_graph.py.)
 
 Hybrid models (Qwen3.5, Qwen3-Next) add, for each linear-attention (Gated DeltaNet) layer i, its carried state:
 past_key_values.{i}.conv_state [B, conv_dim, k - 1] in the model dtype and past_key_values.{i}.recurrent_state

@@ -18,7 +18,9 @@ Qwen3.8 ``.ngram_context`` / ``.ple_conv_state`` (zeros start) and ``.index_keys
 KV). Models
 whose ``position_ids`` input is (3, B, T) (interleaved multimodal RoPE) get text positions repeated on the three
 streams, as transformers' text models do inside; ``forward`` also takes (3, B, T) positions as they are (an image
-prompt's, from the reference processor's ``get_rope_index``).
+prompt's, from the reference processor's ``get_rope_index``). Opened on ``model.embeds.onnx`` (``--inputs-embeds``),
+it takes a prompt's ``inputs_embeds`` (the towers' embeddings among ``embed``'s token rows) and looks token ids up
+through ``embed.onnx`` beside it.
 """
 
 from __future__ import annotations
