@@ -38,7 +38,7 @@ import torch
 from onnx import TensorProto, helper
 
 from common.errors import ThinkerError
-from thinker.configuration_thinker import ThinkerConfig
+from thinker.configuration_thinker import ThinkerConfig, mrope_interleaved
 from thinker.modeling_thinker import ThinkerRotaryEmbedding
 
 from .graph_builder import TORCH_TO_ONNX, GraphBuilder, emitting_into, value_info
@@ -175,6 +175,7 @@ class DecoderGraph:
         self.head_dim = config.head_dim
         check_exportable(config)
         self.mrope_section = (config.rope_parameters or {}).get("mrope_section")
+        self.mrope_interleaved = mrope_interleaved(config.rope_parameters)
         self.multimodal_positions = position_form(config, positions) == "multimodal"
         self.linear_dims = GatedDeltaNetDims.from_config(config) if config.has_linear_attention else None
         # A quantized head that a tied embedding is gathered from (``emit_embeddings``), quantized there, emitted
@@ -332,7 +333,8 @@ class DecoderGraph:
         selector = None
         if self.mrope_section:
             selector = self.b.weight(
-                "rotary_emb.mrope_selector", mrope_stream_selector(self.mrope_section, cos.shape[1])
+                "rotary_emb.mrope_selector",
+                mrope_stream_selector(self.mrope_section, cos.shape[1], self.mrope_interleaved),
             )
         return emit_rotary_cos_sin(self.b, position_ids, cos_table, sin_table, self.dtype, selector)
 

@@ -216,7 +216,9 @@ class FusedDecoderGraph(DecoderGraph):
             elif self.rotary == "mrope":
                 section, dim = self.mrope_section, rotary_dim(cfg)
                 q, k = (
-                    emit_mrotary_embedding(b, t, ctx.position_ids, ctx.cos_cache, ctx.sin_cache, n, dim, section)
+                    emit_mrotary_embedding(
+                        b, t, ctx.position_ids, ctx.cos_cache, ctx.sin_cache, n, dim, section, self.mrope_interleaved
+                    )
                     for t, n in ((q, nh), (k, nkv))
                 )
             qkv_inputs = [q, k, v]

@@ -21,7 +21,7 @@ import torch
 from onnx import TensorProto
 
 from thinker.configuration_thinker import ThinkerConfig
-from thinker.modeling_thinker import ThinkerRotaryEmbedding
+from thinker.modeling_thinker import ThinkerRotaryEmbedding, mrope_streams
 
 from .graph_builder import TORCH_TO_ONNX, GraphBuilder
 
@@ -88,18 +88,16 @@ def rope_tables(
     return (freqs.cos() * attention_scaling).to(dtype), (freqs.sin() * attention_scaling).to(dtype)
 
 
-def mrope_stream_selector(mrope_section: list[int], half_rotary_dim: int) -> torch.Tensor:
+def mrope_stream_selector(mrope_section: list[int], half_rotary_dim: int, interleaved: bool = True) -> torch.Tensor:
     """(3, 1, 1, rotary_dim / 2) float32 one-hot: which of the temporal/height/width position streams each
-    frequency reads in the interleaved layout."""
+    frequency reads (the Thinker's ``mrope_streams``: interleaved, or in contiguous sections)."""
     if len(mrope_section) != 3 or sum(mrope_section) != half_rotary_dim:
         raise ValueError(
             f"mrope_section={mrope_section} must give 3 counts (temporal, height, width) summing to "
             f"rotary_dim / 2 = {half_rotary_dim}"
         )
-    stream = torch.zeros(half_rotary_dim, dtype=torch.int64)  # temporal unless overwritten
-    for row in (1, 2):
-        stream[row : 3 * mrope_section[row] : 3] = row
-    return torch.nn.functional.one_hot(stream, 3).T.float().reshape(3, 1, 1, half_rotary_dim)
+    streams = mrope_streams(mrope_section, interleaved)
+    return torch.nn.functional.one_hot(streams, 3).T.float().reshape(3, 1, 1, half_rotary_dim)
 
 
 def emit_rotary_cos_sin(
@@ -149,10 +147,11 @@ def emit_mrotary_embedding(
     num_heads: int,
     rotary_dim: int,
     mrope_section: list[int],
+    interleaved: bool = True,
 ) -> str:
-    """The fused form: onnxruntime's MRotaryEmbedding (interleaved layout) on x (B, T, H * hd) with (3, B, T)
-    positions and the (max_pos, rotary_dim / 2) tables of ``rope_tables``; rotates the first ``rotary_dim`` of each
-    head."""
+    """The fused form: onnxruntime's MRotaryEmbedding on x (B, T, H * hd) with (3, B, T) positions and the
+    (max_pos, rotary_dim / 2) tables of ``rope_tables``; rotates the first ``rotary_dim`` of each head. Its
+    ``mrope_layout`` 1 reads the interleaved sections, 0 the contiguous ones (Qwen2-VL's)."""
     return b.op(
         "MRotaryEmbedding",
         x,
@@ -161,7 +160,7 @@ def emit_mrotary_embedding(
         sin_table,
         domain=MS_DOMAIN,
         mrope_section=list(mrope_section),
-        mrope_layout=1,
+        mrope_layout=1 if interleaved else 0,
         num_heads=num_heads,
         rotary_embedding_dim=rotary_dim,
         interleaved=0,

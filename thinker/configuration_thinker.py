@@ -125,7 +125,9 @@ class ThinkerConfig(PreTrainedConfig):
     # --- positions --------------------------------------------------------------------------------------------
     position_embedding_type: str = "rope"  # "rope", or "learned" absolute positions (GPT-2 / PrimeGPT)
     # Any rope_type transformers' ROPE_INIT_FUNCTIONS knows, plus "partial_rotary_factor" (Qwen3.5: 0.25) and
-    # interleaved multimodal RoPE: "mrope_section" [t, h, w] frequencies, which (3, B, T) position_ids select.
+    # multimodal RoPE: "mrope_section" [t, h, w] frequencies, which (3, B, T) position_ids select, interleaved
+    # (Qwen3-VL, Qwen3.5, Qwen3-Omni) or, with "mrope_interleaved": False, in contiguous sections (Qwen2-VL,
+    # Qwen2.5-VL, Qwen2.5-Omni).
     rope_parameters: RopeParameters | dict | None = None
 
     # --- MLP and norms ----------------------------------------------------------------------------------------
@@ -269,11 +271,6 @@ class ThinkerConfig(PreTrainedConfig):
                     f"rope_parameters['mrope_section']={mrope_section} must give [t, h, w] frequency counts summing to "
                     f"the {rotary_pairs} rotary frequencies of a head"
                 )
-            if not self.rope_parameters.get("mrope_interleaved", self.rope_parameters.get("interleaved", True)):
-                raise ValueError(
-                    "only interleaved multimodal RoPE (Qwen3-VL, Qwen3.5, Qwen3-Omni) is supported; "
-                    "rope_parameters sets mrope_interleaved=False"
-                )
 
     def validate_qwen4_exp(self) -> None:
         """Hyper-connections, the indexer and PLE: the sizes each needs, checked as Qwen4ExpTextConfig checks them."""
@@ -409,3 +406,9 @@ class ThinkerConfig(PreTrainedConfig):
 
 
 __all__ = ["ThinkerConfig"]
+
+
+def mrope_interleaved(rope_parameters: dict | None) -> bool:
+    """Whether a multimodal RoPE interleaves its sections (the default) or lays them out one after another."""
+    rope = rope_parameters or {}
+    return bool(rope.get("mrope_interleaved", rope.get("interleaved", True)))

@@ -76,7 +76,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .configuration_thinker import ThinkerConfig
+from .configuration_thinker import ThinkerConfig, mrope_interleaved
 
 # transformers 5.24 renamed the cache, as an argument of forward() and the mask builders and as an output field, from
 # ``past_key_values`` to ``cache`` (the old name still works there, with a deprecation warning). The model passes and
@@ -164,13 +164,27 @@ def make_norm(config: ThinkerConfig, dim: int, group_size: int | None = None) ->
 # rotary position embedding
 
 
+def mrope_streams(mrope_section: list[int], interleaved: bool = True) -> torch.Tensor:
+    """(rotary_dim / 2,) int64: which position stream (0 temporal, 1 height, 2 width) each RoPE frequency reads under
+    multimodal RoPE with ``mrope_section`` [t, h, w] frequencies. Interleaved (Qwen3-VL, Qwen3.5, Qwen3-Omni):
+    frequency ``i`` reads height when ``i % 3 == 1`` and ``i < 3 * h``, width when ``i % 3 == 2`` and ``i < 3 * w``,
+    temporal otherwise (Qwen3VLTextRotaryEmbedding's layout). Not interleaved (Qwen2-VL, Qwen2.5-VL, Qwen2.5-Omni):
+    the first t frequencies temporal, the next h height, the last w width (Qwen2VLRotaryEmbedding's sections). The
+    ONNX export gathers its tables by the same streams."""
+    if interleaved:
+        streams = torch.zeros(sum(mrope_section), dtype=torch.int64)  # temporal unless overwritten
+        for row in (1, 2):
+            streams[row : 3 * mrope_section[row] : 3] = row
+        return streams
+    return torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))
+
+
 class ThinkerRotaryEmbedding(nn.Module):
     """cos/sin tables for the half-split rotation; frequencies come from transformers' RoPE initialisers.
 
-    Interleaved multimodal RoPE (``rope_parameters["mrope_section"]``): given (3, B, T) temporal/height/width
-    positions, frequency ``i`` takes the height position when ``i % 3 == 1`` and ``i < 3 * section[1]``, the width
-    position when ``i % 3 == 2`` and ``i < 3 * section[2]``, and the temporal position otherwise
-    (Qwen3VLTextRotaryEmbedding's layout). (B, T) positions are the text case, where all three coincide.
+    Multimodal RoPE (``rope_parameters["mrope_section"]``): given (3, B, T) temporal/height/width positions, each
+    frequency reads the stream ``mrope_streams`` gives it, in the interleaved layout or, with ``mrope_interleaved``
+    False, in contiguous sections. (B, T) positions are the text case, where all three coincide.
     """
 
     inv_freq: torch.Tensor
@@ -188,6 +202,7 @@ class ThinkerRotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
         self.mrope_section = config.rope_parameters.get("mrope_section")
+        self.mrope_interleaved = mrope_interleaved(config.rope_parameters)
 
     @staticmethod
     def compute_default_rope_parameters(config: ThinkerConfig, device=None, seq_len=None) -> tuple[torch.Tensor, float]:
@@ -204,21 +219,19 @@ class ThinkerRotaryEmbedding(nn.Module):
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.to(x.device, torch.float)  # ([3,] B, T, rot/2)
         if position_ids.ndim == 3:
-            freqs = self.interleave_sections(freqs)  # (B, T, rot/2)
+            freqs = self.select_sections(freqs)  # (B, T, rot/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, rot)
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
-    def interleave_sections(self, freqs: torch.Tensor) -> torch.Tensor:
+    def select_sections(self, freqs: torch.Tensor) -> torch.Tensor:
+        """(B, T, rot/2) from the (3, B, T, rot/2) frequencies of the three streams, each frequency its own stream's."""
         if self.mrope_section is None:
             raise ValueError(
                 "position_ids of shape (3, B, T) or (4, B, T) need multimodal RoPE; rope_parameters has no "
                 "mrope_section"
             )
-        thw = freqs[0].clone()  # temporal everywhere, then the height and width slots overwritten
-        for row in (1, 2):
-            slots = slice(row, 3 * self.mrope_section[row], 3)
-            thw[..., slots] = freqs[row, ..., slots]
-        return thw
+        streams = mrope_streams(self.mrope_section, self.mrope_interleaved).to(freqs.device)
+        return freqs.gather(0, streams.expand(1, *freqs.shape[1:]))[0]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

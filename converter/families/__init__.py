@@ -20,6 +20,7 @@ from .llama import LLAMA
 from .llms_from_scratch_qwen3 import LLMS_FROM_SCRATCH_QWEN3
 from .qwen2 import QWEN2
 from .qwen2_moe import QWEN2_MOE
+from .qwen2_vl import QWEN2_VL
 from .qwen3 import QWEN3
 from .qwen3_5 import QWEN3_5
 from .qwen3_5_moe import QWEN3_5_MOE
@@ -39,6 +40,7 @@ FAMILIES: tuple[Family, ...] = (
     QWEN3_OMNI_THINKER,
     QWEN3_VL,
     QWEN3_VL_MOE,
+    QWEN2_VL,
     QWEN3_5,
     QWEN3_5_MOE,
     QWEN3_NEXT,

@@ -107,7 +107,7 @@ WHOLE_HEAD_PARTIAL = ("proportional",)
 
 def reference_rope(hf: PreTrainedConfig, partial_rotary: bool) -> dict[str, Any]:
     """``rope_parameters`` as the family's class runs them, which is not always as its config reads them:
-    - the multimodal keys go only where the class reads them (``interleaved_mrope``): a Qwen3-Next or Qwen3 config
+    - the multimodal keys go only where the class reads them (``mrope_parameters``): a Qwen3-Next or Qwen3 config
       carrying an mrope_section rotates text positions alone;
     - a top-level ``original_max_position_embeddings`` (Phi-3's spelling) wins over the nested one for the scaled
       types that read it: transformers' initialisers standardise the parameters again as they compute, and give it
@@ -316,12 +316,13 @@ def hybrid_fields(hf: PreTrainedConfig) -> dict[str, Any]:
 MROPE_KEYS = ("mrope_section", "mrope_interleaved", "interleaved")
 
 
-def interleaved_mrope(hf: PreTrainedConfig, reference_section: list[int]) -> dict[str, Any]:
+def mrope_parameters(hf: PreTrainedConfig, reference_section: list[int], interleaved: bool = True) -> dict[str, Any]:
     """``rope_parameters`` with the multimodal-RoPE keys as the Thinker reads them, matching the reference text
-    models (Qwen3.5's, Qwen3-Omni's): they always interleave the sections (neither reads ``mrope_interleaved`` /
-    ``interleaved``) and use ``reference_section`` when the config names none. That fallback is kept only when it
-    covers the head's rotary frequencies; otherwise the config converts without one (exact on text, where the
-    sections coincide; the Thinker then refuses 3-D positions rather than guess)."""
+    models: each class lays its sections out one way whatever the config says (neither reads ``mrope_interleaved``
+    / ``interleaved``): ``interleaved`` for Qwen3.5's, Qwen3-VL's and Qwen3-Omni's, in contiguous sections for
+    Qwen2-VL's, Qwen2.5-VL's and Qwen2.5-Omni's; and uses ``reference_section`` when the config names none. That
+    fallback is kept only when it covers the head's rotary frequencies; otherwise the config converts without one
+    (exact on text, where the sections coincide; the Thinker then refuses 3-D positions rather than guess)."""
     rope = {key: value for key, value in hf.rope_parameters.items() if key not in MROPE_KEYS}
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     rotary_pairs = (int(head_dim * rope.get("partial_rotary_factor", 1.0)) + 1) // 2  # as ThinkerConfig counts them
@@ -330,7 +331,7 @@ def interleaved_mrope(hf: PreTrainedConfig, reference_section: list[int]) -> dic
         section = list(reference_section)
     if section is None:
         return rope
-    return rope | {"mrope_section": list(section), "mrope_interleaved": True}
+    return rope | {"mrope_section": list(section), "mrope_interleaved": interleaved}
 
 
 def reference_by_model_type(classes: Mapping[str, str]) -> ReferenceLoader:

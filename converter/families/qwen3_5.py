@@ -37,8 +37,8 @@ from .common import (
     VISION_LANGUAGE_LAYOUT,
     hf_family,
     hybrid_fields,
-    interleaved_mrope,
     layered_reference_by_model_type,
+    mrope_parameters,
     reference_by_model_type,
 )
 
@@ -50,7 +50,7 @@ QWEN3_5 = hf_family(
     ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
     "Qwen3.5 / Qwen3.6 dense (hybrid Gated DeltaNet; causal-LM or vision-language layout)",
     (EMBEDDINGS_AND_HEAD, LAYER_NORMS, ATTENTION, ATTENTION_BIASES, QK_NORMS, GATED_DELTANET, DENSE_MLP),
-    lambda hf: hybrid_fields(hf) | {"rope_parameters": interleaved_mrope(hf, REFERENCE_MROPE_SECTION)},
+    lambda hf: hybrid_fields(hf) | {"rope_parameters": mrope_parameters(hf, REFERENCE_MROPE_SECTION)},
     name="qwen3_5",
     layer_types=HYBRID_LAYER_TYPES,
     partial_rotary=True,

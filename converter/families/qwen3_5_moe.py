@@ -35,8 +35,8 @@ from .common import (
     VISION_LANGUAGE_LAYOUT,
     hf_family,
     hybrid_fields,
-    interleaved_mrope,
     layered_reference_by_model_type,
+    mrope_parameters,
     reference_by_model_type,
     router_loss_fields,
 )
@@ -65,7 +65,7 @@ QWEN3_5_MOE = hf_family(
     (EMBEDDINGS_AND_HEAD, LAYER_NORMS, ATTENTION, ATTENTION_BIASES, QK_NORMS, GATED_DELTANET)
     + (ROUTER, SHARED_EXPERT, ROUTED_EXPERTS),
     lambda hf: (
-        hybrid_fields(hf) | every_layer_sparse(hf) | {"rope_parameters": interleaved_mrope(hf, REFERENCE_MROPE_SECTION)}
+        hybrid_fields(hf) | every_layer_sparse(hf) | {"rope_parameters": mrope_parameters(hf, REFERENCE_MROPE_SECTION)}
     ),
     name="qwen3_5_moe",
     layer_types=HYBRID_LAYER_TYPES,

@@ -47,7 +47,7 @@ from .common import (
     ROUTED_EXPERTS,
     ROUTER,
     hf_family,
-    interleaved_mrope,
+    mrope_parameters,
 )
 
 # Everything of the full model that is not the thinker's text decoder; of the thinker saved alone, its towers.
@@ -65,7 +65,7 @@ def text_decoder_config(full: PreTrainedConfig) -> PreTrainedConfig:
 
 
 def text_decoder_fields(text: PreTrainedConfig) -> dict[str, Any]:
-    rope = interleaved_mrope(text, REFERENCE_MROPE_SECTION)
+    rope = mrope_parameters(text, REFERENCE_MROPE_SECTION)
     return {"qk_norm": True, "attention_bias": text.attention_bias, "rope_parameters": rope}
 
 

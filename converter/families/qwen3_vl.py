@@ -38,8 +38,8 @@ from .common import (
     THINKER_LAYER,
     VISION_LANGUAGE_LAYOUT,
     hf_family,
-    interleaved_mrope,
     layered_reference_by_model_type,
+    mrope_parameters,
     reference_by_model_type,
     text_decoder_config,
 )
@@ -64,7 +64,7 @@ def text_fields(hf: PreTrainedConfig) -> dict:
     return {
         "attention_bias": hf.attention_bias,
         "qk_norm": True,
-        "rope_parameters": interleaved_mrope(hf, REFERENCE_MROPE_SECTION),
+        "rope_parameters": mrope_parameters(hf, REFERENCE_MROPE_SECTION),
     }
 
 

@@ -58,9 +58,9 @@ from .common import (
     VISION_LANGUAGE_LAYOUT,
     hf_family,
     hybrid_fields,
-    interleaved_mrope,
     layer_names,
     layered_reference_by_model_type,
+    mrope_parameters,
     reference_by_model_type,
     renamed,
     same_names,
@@ -139,7 +139,7 @@ QWEN4_EXP = hf_family(
         hybrid_fields(hf)
         | every_layer_sparse(hf)
         | qwen4_exp_fields(hf)
-        | {"rope_parameters": interleaved_mrope(hf, REFERENCE_MROPE_SECTION)}
+        | {"rope_parameters": mrope_parameters(hf, REFERENCE_MROPE_SECTION)}
     ),
     name="qwen4_exp",
     layer_types=LAYER_TYPES,

@@ -17,7 +17,7 @@ import pytest
 import torch
 from cli_helpers import thinker
 from onnx import helper
-from references import qwen3_omni
+from references import qwen2_vl, qwen3_omni
 
 from common.errors import ThinkerError
 from common.parity_inputs import RELATIVE_TOLERANCE, foreign_block_prompt, parity_batch
@@ -179,6 +179,42 @@ def test_an_audio_prompt_gives_the_qwen3_omni_thinkers_own_generation(tmp_path):
         inputs_embeds=embeds, attention_mask=mask, position_ids=positions.numpy(), max_new_tokens=8
     )
     np.testing.assert_array_equal(tokens, continuation[:, ids.shape[1] :].numpy())
+
+
+@pytest.mark.parametrize(("kind", "graph"), [("qwen2_vl", "fused"), ("qwen2_5_vl", "fused"), ("qwen2_5_vl", "plain")])
+@torch.no_grad()
+def test_an_image_prompt_gives_the_vision_language_models_own_generation(kind, graph, tmp_path):
+    """Qwen2-VL / Qwen2.5-VL (multimodal RoPE in contiguous sections: MRotaryEmbedding's layout 0 in the fused graph)
+    exported from a tiny checkpoint of transformers' class: the embeddings and (3, B, T) positions its own forward
+    hands its text decoder for a left-padded batch of image prompts give, through ``model.embeds.onnx``, its logits
+    and the tokens of its own ``generate`` on the pixels."""
+    import transformers
+
+    source = qwen2_vl.save(tmp_path / "source", kind)
+    report = export_model(source, tmp_path / "onnx", graph=graph, inputs_embeds=True, progress=False)
+    assert report["verify"]["passed"]
+    model = getattr(transformers, f"{qwen2_vl.CLASSES[kind]}ForConditionalGeneration").from_pretrained(source).eval()
+    ids, mask = qwen2_vl.image_batch()
+    captured, expected = qwen2_vl.image_prompt(model, ids, mask)
+    embeds, positions = captured["inputs_embeds"].numpy(), captured["position_ids"].numpy()
+    continuation = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        mm_token_type_ids=(ids == qwen2_vl.IMAGE_TOKEN).int(),
+        max_new_tokens=8,
+        do_sample=False,
+        **qwen2_vl.image_inputs(model, len(ids)),
+    )[:, ids.shape[1] :]
+
+    decoder = OnnxDecoder(tmp_path / "onnx" / EMBEDS_MODEL_FILE, provider="cpu")
+    logits, _ = decoder.prefill(None, mask.numpy(), inputs_embeds=embeds, position_ids=positions)
+    kept = mask.numpy().astype(bool)
+    tolerance = RELATIVE_TOLERANCE[torch.float32] * max(1.0, float(expected.abs().max()))
+    assert np.abs(logits[kept] - expected.numpy()[kept]).max() <= tolerance
+    tokens = decoder.generate(
+        inputs_embeds=embeds, attention_mask=mask.numpy(), position_ids=positions, max_new_tokens=8
+    )
+    np.testing.assert_array_equal(tokens, continuation.numpy())
 
 
 def test_a_quantized_export_checks_its_embeds_graph_against_the_dequantized_model(embeds_export):
