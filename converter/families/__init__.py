@@ -19,6 +19,7 @@ from .gpt2 import GPT2
 from .llama import LLAMA
 from .llms_from_scratch_qwen3 import LLMS_FROM_SCRATCH_QWEN3
 from .qwen2 import QWEN2
+from .qwen2_5_omni import QWEN2_5_OMNI, QWEN2_5_OMNI_THINKER
 from .qwen2_moe import QWEN2_MOE
 from .qwen2_vl import QWEN2_VL
 from .qwen3 import QWEN3
@@ -41,6 +42,8 @@ FAMILIES: tuple[Family, ...] = (
     QWEN3_VL,
     QWEN3_VL_MOE,
     QWEN2_VL,
+    QWEN2_5_OMNI,
+    QWEN2_5_OMNI_THINKER,
     QWEN3_5,
     QWEN3_5_MOE,
     QWEN3_NEXT,

@@ -29,6 +29,7 @@ model), so the Thinker's ``audio_proj`` / ``talker_head`` stay off.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,42 +77,51 @@ def thinker_config(folder: Path) -> PreTrainedConfig:
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     except (OSError, ValueError) as err:
-        raise ThinkerError(f"{folder}: the Qwen3-Omni config does not load with transformers ({err})") from None
+        raise ThinkerError(f"{folder}: the omni model's config does not load with transformers ({err})") from None
     return getattr(config, "thinker_config", config)
 
 
-def load_reference(source: Path, dtype: Any) -> Any:
-    """transformers' own thinker (``Qwen3OmniMoeThinkerForConditionalGeneration``) from the full checkpoint or the
-    thinker saved alone.
+def thinker_reference(class_name: str) -> Callable[[Path, Any], Any]:
+    """A parity reference loader for an omni model's thinker: transformers' ``class_name`` (its thinker class) from
+    the full checkpoint or the thinker saved alone.
 
-    Only the thinker is built: its class strips the ``thinker.`` prefix on load and ignores the talker and code2wav
-    tensors, so the reference costs the thinker's memory, not the whole model's.
+    Only the thinker is built: its class strips the ``thinker.`` prefix on load and ignores the talker's and the
+    vocoder's tensors, so the reference costs the thinker's memory, not the whole model's.
     """
-    from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
 
-    folder = source.parent if source.is_file() else source
-    try:
-        model = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(
-            folder, config=thinker_config(folder), dtype=dtype, **EAGER
-        )
-    except (OSError, ValueError) as err:
-        raise ThinkerError(f"{folder}: the Qwen3-Omni thinker does not load with transformers ({err})") from None
-    return model.eval()
+    def load(source: Path, dtype: Any) -> Any:
+        import transformers
+
+        folder = source.parent if source.is_file() else source
+        try:
+            model = getattr(transformers, class_name).from_pretrained(
+                folder, config=thinker_config(folder), dtype=dtype, **EAGER
+            )
+        except (OSError, ValueError) as err:
+            raise ThinkerError(f"{folder}: the omni model's thinker does not load with transformers ({err})") from None
+        return model.eval()
+
+    return load
 
 
-def load_layered_reference(source: Path, dtype: Any) -> Any:
+def layered_thinker_reference(class_name: str) -> Callable[[Path, Any], Any]:
     """The same thinker built on the meta device, read one layer at a time from the checkpoint (its class's loading
-    conversions strip ``thinker.``; the towers, talker and code2wav never run on text, so never load)."""
-    from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
+    conversions strip ``thinker.``; the towers, talker and vocoder never run on text, so never load)."""
 
-    from common.sources import open_source
+    def load(source: Path, dtype: Any) -> Any:
+        import transformers
 
-    from ..streamed import StreamedModel, empty_model, lazy_tensors
+        from common.sources import open_source
 
-    folder = source.parent if source.is_file() else source
-    model = empty_model(Qwen3OmniMoeThinkerForConditionalGeneration._from_config, thinker_config(folder), dtype)
-    tensors = open_source(source)
-    return StreamedModel(model, lazy_tensors(tensors), close=tensors.close)
+        from ..streamed import StreamedModel, empty_model, lazy_tensors
+
+        folder = source.parent if source.is_file() else source
+        thinker_class = getattr(transformers, class_name)
+        model = empty_model(thinker_class._from_config, thinker_config(folder), dtype)
+        tensors = open_source(source)
+        return StreamedModel(model, lazy_tensors(tensors), close=tensors.close)
+
+    return load
 
 
 # What both layouts share: the thinker's text decoder, its transformers class as the reference, no way back (a
@@ -120,8 +130,8 @@ DECODER = dict(
     groups=(EMBEDDINGS_AND_HEAD, LAYER_NORMS, ATTENTION, ATTENTION_BIASES, QK_NORMS, DENSE_MLP, ROUTER, ROUTED_EXPERTS),
     fields=text_decoder_fields,
     moe=True,
-    reference=load_reference,
-    layered_reference=load_layered_reference,
+    reference=thinker_reference("Qwen3OmniMoeThinkerForConditionalGeneration"),
+    layered_reference=layered_thinker_reference("Qwen3OmniMoeThinkerForConditionalGeneration"),
     way_back=False,
 )
 
