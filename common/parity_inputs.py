@@ -87,10 +87,11 @@ def foreign_block_prompt(
     ``multimodal``, (3, B, T) positions as Qwen's ``get_rope_index`` numbers an image of rows x 2 patches: the block
     at one temporal position, its height and width streams counting its rows and columns from there, and the text
     after it resuming one past the block's largest position; else (B, T) positions counted from the mask. Returns
-    (inputs_embeds float32, position_ids int64); pads sit at position 0."""
+    (inputs_embeds float32, position_ids int64, the (B, T) bool mask of the foreign slots); pads sit at position 0."""
     embeds = np.array(token_embeddings, dtype=np.float32)
     batch, width = attention_mask.shape
     positions = np.zeros((3, batch, width), np.int64)
+    foreign = np.zeros((batch, width), bool)
     rng = np.random.default_rng(PROMPT_SEED + 2)
     scale = float(embeds[attention_mask.astype(bool)].std())
     for row in range(batch):
@@ -98,6 +99,7 @@ def foreign_block_prompt(
         size = 2 * (min(FOREIGN_BLOCK, len(slots) - 2) // 2)  # whole rows of two patches
         block = slots[1 : 1 + size]
         embeds[row, block] = rng.normal(0.0, scale, (len(block), embeds.shape[-1]))
+        foreign[row, block] = True
         grid = np.stack([np.zeros(size, np.int64), np.arange(size) // 2, np.arange(size) % 2])  # t, h, w
         resume = 2 + int(grid.max()) if size else 1  # one past the block's largest position
         positions[:, row, slots[0]] = 0
@@ -105,4 +107,4 @@ def foreign_block_prompt(
         positions[:, row, slots[1 + size :]] = resume + np.arange(len(slots) - 1 - size)
     if not multimodal:
         positions = np.maximum(np.cumsum(attention_mask, axis=-1) - 1, 0).astype(np.int64)
-    return embeds, positions
+    return embeds, positions, foreign

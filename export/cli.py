@@ -103,9 +103,10 @@ MAX_THREADS = 1024
     default=False,
     help="Also write model.embeds.onnx, the decoder taking inputs_embeds [batch, seq, hidden] (float32) in place of "
     "input_ids, for prompts that carry the embeddings of audio, image or video towers, and embed.onnx (input_ids -> "
-    "inputs_embeds) for their text tokens and the decode steps' tokens; both read model.onnx.data. OnnxDecoder "
-    "and `thinker generate` run them; --verify checks model.embeds.onnx on a prompt of token rows and foreign "
-    "vectors at multimodal positions. model.onnx and onnxruntime-genai's graph are unchanged.",
+    "inputs_embeds) for their text tokens and the decode steps' tokens; both read model.onnx.data. "
+    "export.runtime.OnnxDecoder runs them (`thinker generate` runs model.onnx); --verify checks model.embeds.onnx on "
+    "a prompt of token rows and foreign vectors at multimodal positions. model.onnx and onnxruntime-genai's graph are "
+    "unchanged.",
 )
 @click.option(
     "--quantize",
@@ -337,7 +338,7 @@ def export_command(
         revision=revision,
     )
     sizes = ", ".join(
-        f"{name} {human_size(size)}" for name, size in report["sizes"].items() if name.startswith("model")
+        f"{name} {human_size(size)}" for name, size in report["sizes"].items() if name.endswith((".onnx", ".data"))
     )
     click.echo(
         f"wrote {output} ({report['graph']} graph): {report['nodes']} nodes, {report['parameters']:,} parameters "
@@ -360,8 +361,8 @@ def export_command(
     elif figures and "graph" in figures:  # a quantized export
         graph, cost = figures["graph"], figures["cost"]
         click.echo(
-            f"verify: {held_figure(graph)} (tolerance {graph['tolerance']:.3g}) against the model "
-            f"with the same dequantized weights{genai_figure(graph)}{indexer_figure(graph)}; worst weight "
+            f"verify: {held_figure(graph)} (tolerance {graph['tolerance']:.3g}) against the model with the same "
+            f"dequantized weights{genai_figure(graph)}{embeds_figure(graph)}{indexer_figure(graph)}; worst weight "
             f"{figures['weights']['relative_error']:.3g} (limit {figures['weights']['limit']}) off the float one"
         )
         if "skipped" in cost:
@@ -376,7 +377,7 @@ def export_command(
         click.echo(
             f"verify: {held_figure(figures)} ({bound}), "
             f"top-1 agreement {figures['top1_agreement']:.1%} over {figures['positions']} positions "
-            f"on {figures['provider']}{genai_figure(figures)}{indexer_figure(figures)}"
+            f"on {figures['provider']}{genai_figure(figures)}{embeds_figure(figures)}{indexer_figure(figures)}"
         )
 
 
@@ -416,6 +417,15 @@ def genai_figure(figures: dict) -> str:
     """The verify line's part for onnxruntime-genai's graph, where the export wrote one."""
     genai = figures.get("genai_graph")
     return f"; model.genai.onnx on right-padded rows {genai['max_abs_diff']:.3g}" if genai else ""
+
+
+def embeds_figure(figures: dict) -> str:
+    """The verify line's part for the --inputs-embeds graph, where the export wrote one."""
+    embeds = figures.get("embeds_graph")
+    if not embeds:
+        return ""
+    held = embeds.get("max_abs_diff_beyond_spread", embeds["max_abs_diff"])
+    return f"; model.embeds.onnx with foreign embeddings {held:.3g}"
 
 
 @click.command("generate", context_settings=CONTEXT)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import uuid
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -47,6 +48,7 @@ from .names import (
     DEFAULT_LOGITS,
     EMBED_FILE,
     EMBEDS_MODEL_FILE,
+    EXPORT_ID_KEY,
     GENAI_CONFIG_FILE,
     GRAPHS,
     LOGITS,
@@ -332,7 +334,11 @@ def build_onnx(
         weights.progress.close()
         data.close()
         weights.close()
-    metadata = {"thinker.dtype": str(dtype).removeprefix("torch."), "thinker.source": str(model_dir)}
+    metadata = {
+        "thinker.dtype": str(dtype).removeprefix("torch."),
+        "thinker.source": str(model_dir),
+        EXPORT_ID_KEY: uuid.uuid4().hex,
+    }
     model = make_model(graph, metadata, contrib_ops=contrib_ops)
     stamp_weights_size(model, out_dir / DATA_FILE)  # restamped by the accuracy guard's fallback if it rewrites them
     model_path = out_dir / MODEL_FILE

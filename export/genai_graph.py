@@ -49,7 +49,7 @@ from onnx import TensorProto, helper
 
 from .decoder_graph import emit_last_position
 from .graph_builder import GraphBuilder
-from .graph_walk import all_nodes, drop_unread_initializers, names_read, prune_dead_nodes
+from .graph_walk import all_nodes, drop_unread_initializers, names_read, prune_dead_nodes, rotates
 from .names import GENAI_MODEL_FILE, LAST_POSITION_SCOPE, PADDING_KEY
 
 # GroupQueryAttention's inputs by position (onnxruntime's contrib schema, com.microsoft).
@@ -117,10 +117,6 @@ def padded_attention(node: onnx.NodeProto) -> bool:
     """A GroupQueryAttention that takes the padding as an attention bias."""
     bias = node.input[ATTENTION_BIAS] if len(node.input) > ATTENTION_BIAS else ""
     return node.op_type == "GroupQueryAttention" and bool(bias)
-
-
-def rotates(node: onnx.NodeProto) -> bool:
-    return any(a.name == "do_rotary" and a.i == 1 for a in node.attribute)
 
 
 def takes_positions(model: onnx.ModelProto) -> bool:

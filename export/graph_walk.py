@@ -43,3 +43,8 @@ def drop_unread_initializers(graph: onnx.GraphProto) -> None:
     kept = [tensor for tensor in graph.initializer if tensor.name in read]
     del graph.initializer[:]
     graph.initializer.extend(kept)
+
+
+def rotates(node: onnx.NodeProto) -> bool:
+    """A GroupQueryAttention that applies RoPE to q and k itself (``do_rotary``)."""
+    return any(attribute.name == "do_rotary" and attribute.i == 1 for attribute in node.attribute)

@@ -46,10 +46,11 @@ from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NotImp
 from common.errors import ThinkerError
 from common.side_files import read_json
 
-from .graph_walk import all_nodes
+from .graph_walk import all_nodes, rotates
 from .names import (
     EMBED_FILE,
     EMBEDS_MODEL_FILE,
+    EXPORT_ID_KEY,
     GENAI_CONFIG_FILE,
     GENAI_MODEL_FILE,
     INPUTS_EMBEDS,
@@ -345,6 +346,7 @@ class OnnxDecoder:
         # onnxruntime's GroupQueryAttention (the fused graph) takes several new tokens after a non-empty cache at
         # batch 1 only; ``forward`` refuses the other case by name rather than with the kernel's error.
         self.chunks_need_batch_1 = any(node.op_type == "GroupQueryAttention" for node in graph.node)
+        self.rotates_by_slot = any(node.op_type == "GroupQueryAttention" and rotates(node) for node in graph.node)
         use_cuda = provider == "cuda" or (provider == "auto" and cuda_usable())
         providers = [CUDA, CPU] if use_cuda else [CPU]
         options, source = session_options(threads), str(self.model_path)
@@ -378,6 +380,12 @@ class OnnxDecoder:
                 )
             check_external_data(embed_path)
             self.embed_session = _load_session(embed_path, str(embed_path), session_options(threads), providers)
+            ids = [s.get_modelmeta().custom_metadata_map.get(EXPORT_ID_KEY) for s in (self.session, self.embed_session)]
+            if ids[0] != ids[1]:
+                raise ThinkerError(
+                    f"{embed_path}: from another export than {self.model_path.name} beside it (its lookup may read "
+                    "other offsets of the weights file); copy the whole folder of one export"
+                )
         self.past_names = sorted((n for n in inputs if n.startswith("past_key_values.")), key=self._state_order)
         self.present_names = [n.replace("past_key_values.", "present.", 1) for n in self.past_names]
         # name -> (shape with the batch axis left out, onnx element type, numpy dtype or None for bfloat16)
@@ -701,11 +709,35 @@ class OnnxDecoder:
             positions = position_ids_from_mask(attention_mask)
             next_position = positions[:, -1] + 1
         else:
-            positions = np.asarray(position_ids)
-            next_position = next_positions(self.graph_positions(positions), attention_mask)
+            positions = self._prompt_positions(position_ids, attention_mask, input_ids, inputs_embeds)
+            next_position = next_positions(positions, attention_mask)
         cache = self.empty_cache(attention_mask.shape[0], slots=attention_mask.shape[1] + new_tokens)
         state = DecoderState(attention_mask, next_position, cache, cached=0)
         return self.forward(input_ids, positions, state, inputs_embeds), state
+
+    def _prompt_positions(self, position_ids, attention_mask, input_ids, inputs_embeds) -> np.ndarray:
+        """A prompt's own ``position_ids`` in the graph's form, checked against the prompt (before its next
+        positions are reckoned from them)."""
+        given = np.shape(position_ids)
+        positions = self.graph_positions(position_ids)
+        batch, steps = attention_mask.shape
+        if positions.ndim >= 2 and positions.shape[-2] == 1 and batch > 1:  # one row of positions for every row
+            positions = np.broadcast_to(positions, (*positions.shape[:-2], batch, positions.shape[-1]))
+        tokens = input_ids if inputs_embeds is None else inputs_embeds
+        what = f"{'input_ids' if inputs_embeds is None else 'inputs_embeds'} of shape {np.shape(tokens)}"
+        self._check_positions(positions, batch, steps, given, what)
+        if self.rotates_by_slot:
+            # GroupQueryAttention rotating q and k itself numbers a prompt's tokens by their slots from the row's
+            # first kept one (export/fused_graph.py): right for positions that count up one a token, not others
+            kept = attention_mask.astype(bool)
+            gaps = [np.diff(row[keep]) for row, keep in zip(positions, kept, strict=True)]
+            if any((gap != 1).any() for gap in gaps):
+                raise ThinkerError(
+                    f"{self.model_path}: position_ids that do not count up one a token, and this graph's "
+                    "GroupQueryAttention rotates a prompt by its slots (the fused graph of a model without "
+                    "multimodal RoPE); export with --graph plain for such positions"
+                )
+        return positions
 
     def decode_one_token(self, tokens: np.ndarray, state: DecoderState) -> np.ndarray:
         """One new token per row after the cache. Returns logits (B, V)."""
@@ -743,17 +775,22 @@ class OnnxDecoder:
             raise ThinkerError(f"max_new_tokens={max_new_tokens!r}; expected a whole number, 0 or more")
         # Refused before the first token rather than at the step that runs out (a streamer would have printed the
         # rest): the last new token is never fed back, so it takes no position.
-        longest = int(attention_mask.sum(axis=1).max())
-        needed = max(longest, longest + max_new_tokens - 1)
+        following = int(attention_mask.sum(axis=1).max())
+        prompt = f"a prompt of {following} tokens"
+        if position_ids is not None:  # the prompt's own positions, which may run ahead of its tokens (a video's)
+            positions = self._prompt_positions(position_ids, attention_mask, input_ids, inputs_embeds)
+            following = int(next_positions(positions, attention_mask).max())
+            prompt = f"a prompt at positions up to {following - 1}"
+        needed = max(following, following + max_new_tokens - 1)
         if self.context_length is not None and needed > self.context_length:
             raise ThinkerError(
-                f"a prompt of {longest} tokens and {max_new_tokens} new ones need {needed} positions, past this "
-                f"model's context of {self.context_length}; shorten the prompt or lower max_new_tokens"
+                f"{prompt} and {max_new_tokens} new tokens need {needed} positions, past this model's context of "
+                f"{self.context_length}; shorten the prompt or lower max_new_tokens"
             )
         eos = set(np.atleast_1d(eos_token_id).tolist()) if eos_token_id is not None else set()
         pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
-        if streamer is not None and input_ids is not None:
-            streamer.put(input_ids)
+        if streamer is not None:  # a prompt of embeddings streams as no tokens, as transformers' generate puts it
+            streamer.put(input_ids if input_ids is not None else np.zeros((attention_mask.shape[0], 0), np.int64))
         logits, state = self.prefill(input_ids, attention_mask, max_new_tokens, inputs_embeds, position_ids)
         next_logits = last_kept_logits(logits, state.attention_mask)
         done = np.zeros(attention_mask.shape[0], dtype=bool)

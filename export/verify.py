@@ -205,7 +205,7 @@ def _compare_decoders(
     mask = torch.from_numpy(attention_mask)
     if foreign_embeddings:
         tokens = model.get_input_embeddings()(torch.from_numpy(input_ids)).float().numpy()
-        embeds, position_array = foreign_block_prompt(tokens, attention_mask, multimodal=decoder.position_rank == 3)
+        embeds, position_array, foreign = foreign_block_prompt(tokens, attention_mask, decoder.position_rank == 3)
         positions = torch.from_numpy(position_array)
         inputs = {"inputs_embeds": torch.from_numpy(embeds), "attention_mask": mask, "position_ids": positions}
     else:
@@ -215,8 +215,9 @@ def _compare_decoders(
     reference = out.logits.float().numpy()
     spread = shadow.spread(out.logits, **inputs) if shadow else None  # (B, T)
     given = right_padded(input_ids, attention_mask) if right_padded_candidate else (input_ids, attention_mask)
-    if foreign_embeddings:
-        candidate, state = decoder.prefill(None, attention_mask, inputs_embeds=embeds, position_ids=position_array)
+    if foreign_embeddings:  # its token rows from embed.onnx, as a caller builds a prompt: a wrong lookup shows
+        rows = np.where(foreign[..., None], embeds, decoder.embed(input_ids))
+        candidate, state = decoder.prefill(None, attention_mask, inputs_embeds=rows, position_ids=position_array)
     else:
         candidate, state = decoder.prefill(*given)
     if decoder.last_logits_only:

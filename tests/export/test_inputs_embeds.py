@@ -125,7 +125,7 @@ def test_generate_from_an_image_prompt_is_pytorchs(family, embeds_export):
     decoder = OnnxDecoder(folder / EMBEDS_MODEL_FILE, provider="cpu")
     model = ThinkerForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     ids, mask = parity_batch(96)
-    embeds, positions = foreign_block_prompt(decoder.embed(ids), mask, multimodal=True)
+    embeds, positions, _ = foreign_block_prompt(decoder.embed(ids), mask, multimodal=True)
     assert positions[:, 0].max() + 1 < mask[0].sum()  # the long row's 2 x 2 grid numbers 2 positions for 4 tokens
     got = decoder.generate(inputs_embeds=embeds, attention_mask=mask, position_ids=positions, max_new_tokens=8)
     assert got.shape == (2, 8)  # the new tokens only, as transformers' generate returns them for inputs_embeds
@@ -250,6 +250,22 @@ def _next_row(graph):
     gather.input[1] = "/planted/next"
 
 
+def _next_row_in_prompts(graph):
+    """The lookup reads each token's next row when it looks up more than one token (a prompt), the right one for a
+    decode step's single token: only a prompt built from embed.onnx's rows shows it."""
+    gather = next(node for node in graph.node if node.op_type == "Gather")
+    nodes = [
+        helper.make_node("Shape", ["input_ids"], ["/planted/length"], "/planted/shape", start=1, end=2),
+        helper.make_node("Greater", ["/planted/length", "/planted/one"], ["/planted/many"], "/planted/greater"),
+        helper.make_node("Cast", ["/planted/many"], ["/planted/shift"], "/planted/cast", to=onnx.TensorProto.INT64),
+        helper.make_node("Add", ["input_ids", "/planted/shift"], ["/planted/next"], "/planted/add"),
+    ]
+    graph.initializer.append(helper.make_tensor("/planted/one", onnx.TensorProto.INT64, [1], [1]))
+    for index, node in enumerate(nodes):
+        graph.node.insert(index, node)
+    gather.input[1] = "/planted/next"
+
+
 def _positions_by_count(monkeypatch):
     """The runtime resumes after the prompt's token count, not its largest position."""
     monkeypatch.setattr(runtime, "next_positions", lambda positions, mask: mask.sum(axis=1))
@@ -257,7 +273,12 @@ def _positions_by_count(monkeypatch):
 
 @pytest.mark.parametrize(
     ("planted", "file"),
-    [(_scale_the_input, EMBEDS_MODEL_FILE), (_next_row, EMBED_FILE), (_positions_by_count, None)],
+    [
+        (_scale_the_input, EMBEDS_MODEL_FILE),
+        (_next_row, EMBED_FILE),
+        (_next_row_in_prompts, EMBED_FILE),
+        (_positions_by_count, None),
+    ],
 )
 def test_verify_fails_on_a_planted_bug(planted, file, embeds_export, tmp_path, monkeypatch):
     source, folder = embeds_export("qwen3_5")
@@ -293,6 +314,14 @@ def test_refusals_name_what_is_wrong(embeds_export, thinker_folder, tmp_path):
         decoder.prefill(None, mask, inputs_embeds=np.where(mask[..., None] == 1, embeds, np.nan))
     with pytest.raises(ThinkerError, match=r"attention_mask of shape \(2, 6\) for inputs_embeds of shape \(2, 7, 32\)"):
         decoder.prefill(None, mask[:, 1:], inputs_embeds=embeds)
+    with pytest.raises(ThinkerError, match=r"position_ids of shape \(2, 6\) for inputs_embeds of shape \(2, 7, 32\)"):
+        decoder.prefill(None, mask, inputs_embeds=embeds, position_ids=np.zeros((2, 6), np.int64))
+    # an embed.onnx from another export of the same model (the same weights file's size): refused by the export's id
+    other = embeds_export("qwen3", graph="plain")[1]
+    mixed = shutil.copytree(folder, tmp_path / "mixed")
+    shutil.copy(other / EMBED_FILE, mixed / EMBED_FILE)
+    with pytest.raises(ThinkerError, match=f"{EMBED_FILE}: from another export than {EMBEDS_MODEL_FILE} beside it"):
+        OnnxDecoder(mixed / EMBEDS_MODEL_FILE, provider="cpu")
     # a folder copied without embed.onnx
     partial = shutil.copytree(folder, tmp_path / "partial")
     (partial / EMBED_FILE).unlink()
@@ -305,10 +334,66 @@ def test_refusals_name_what_is_wrong(embeds_export, thinker_folder, tmp_path):
     assert not output.exists()
 
 
+def test_generate_from_embeddings_streams_and_checks_the_context_first(embeds_export):
+    """A streamer first gets the prompt as no tokens (transformers' generate puts an empty (B, 0) prompt for
+    inputs_embeds, and TextStreamer's skip_prompt drops that first put), then each new token; positions that run ahead
+    of the prompt's tokens are counted against the context before the first token."""
+    _, folder = embeds_export("qwen3_5")
+    decoder = OnnxDecoder(folder / EMBEDS_MODEL_FILE, provider="cpu")
+    ids, mask = parity_batch(96)
+    embeds, positions, _ = foreign_block_prompt(decoder.embed(ids), mask, multimodal=True)
+    streamed = []
+    streamer = type("Streamer", (), {"put": lambda self, value: streamed.append(value), "end": lambda self: None})()
+    tokens = decoder.generate(
+        inputs_embeds=embeds, attention_mask=mask, position_ids=positions, max_new_tokens=3, streamer=streamer
+    )
+    assert streamed[0].shape == (2, 0) and np.array_equal(np.stack(streamed[1:], axis=1), tokens)
+    context = decoder.context_length
+    ahead = positions + (context - 8)  # its largest position context - 4: the next one context - 3
+    streamed.clear()
+    with pytest.raises(ThinkerError, match=f"up to {context - 4} and 6 new tokens need {context + 2} positions, past"):
+        decoder.generate(
+            inputs_embeds=embeds, attention_mask=mask, position_ids=ahead, max_new_tokens=6, streamer=streamer
+        )
+    assert streamed == []
+
+
+def test_a_graph_rotating_by_slot_refuses_positions_that_skip(tmp_path):
+    """The fused graph of a model without multimodal RoPE, its head a multiple of 16: GroupQueryAttention rotates q
+    and k itself, numbering a prompt by its slots. Positions that count up one a token (from any start) give
+    PyTorch's logits; others are refused by name rather than rotated wrongly."""
+    from export_helpers import save_thinker
+
+    source = save_thinker(tmp_path / "qwen3", "qwen3", head_dim=16)
+    export_model(source, tmp_path / "onnx", inputs_embeds=True, verify=False, progress=False)
+    decoder = OnnxDecoder(tmp_path / "onnx" / EMBEDS_MODEL_FILE, provider="cpu")
+    assert decoder.rotates_by_slot
+    model = ThinkerForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    ids, mask = parity_batch(96)
+    embeds = decoder.embed(ids)
+    shifted = np.maximum(np.cumsum(mask, axis=1) - 1, 0) + 5
+    logits, _ = decoder.prefill(None, mask, inputs_embeds=embeds, position_ids=shifted)
+    with torch.no_grad():
+        reference = model(
+            inputs_embeds=torch.from_numpy(embeds),
+            attention_mask=torch.from_numpy(mask),
+            position_ids=torch.from_numpy(shifted),
+        ).logits.numpy()
+    kept = mask.astype(bool)
+    assert np.abs(logits[kept] - reference[kept]).max() <= 1e-4 * max(1.0, float(np.abs(reference).max()))
+    repeated = shifted.copy()
+    repeated[0, 3] = repeated[0, 2]
+    with pytest.raises(ThinkerError, match="position_ids that do not count up one a token"):
+        decoder.prefill(None, mask, inputs_embeds=embeds, position_ids=repeated)
+
+
 def test_the_command_line_writes_both_graphs(thinker_folder, tmp_path):
     output = tmp_path / "onnx"
     result = thinker("export", thinker_folder("qwen3"), output, "--inputs-embeds")
     assert result.exit_code == 0, result.output
+    wrote, verify_line = (line for line in result.output.splitlines() if line.startswith(("wrote", "verify:")))
+    assert f"{EMBED_FILE} " in wrote and f"{EMBEDS_MODEL_FILE} " in wrote
+    assert f"; {EMBEDS_MODEL_FILE} with foreign embeddings " in verify_line
     card = (output / "README.md").read_text()
     assert "## Prompts with audio, image or video embeddings" in card
     assert f"`{EMBEDS_MODEL_FILE}` on a prompt with foreign embeddings: max \\|Δlogit\\|" in card
