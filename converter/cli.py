@@ -44,6 +44,12 @@ Supported families:
   qwen3_vl      Qwen3-VL text decoder (vision tower dropped)
   qwen3_vl_moe  Qwen3-VL-MoE text decoder (vision tower dropped; experts
                 stored transposed)
+  qwen2_vl      Qwen2-VL / Qwen2.5-VL text decoder (vision tower dropped)
+  qwen2_5_omni  Qwen2.5-Omni thinker text decoder (audio, vision, talker
+                and token2wav dropped)
+  qwen2_5_omni_thinker
+                Qwen2.5-Omni thinker saved alone: its text decoder (audio and
+                vision towers dropped)
   qwen3_5       Qwen3.5 / Qwen3.6 dense (hybrid Gated DeltaNet; causal-LM
                 or vision-language layout)
   qwen3_5_moe   Qwen3.5 / Qwen3.6 MoE (hybrid Gated DeltaNet, shared expert;
