@@ -47,6 +47,7 @@ OURS = {
     "ours-plain": ["--graph", "plain"],
     "ours-fused": ["--graph", "fused"],
     "ours-fused-last": ["--graph", "fused", "--logits", "last"],
+    "ours-fused-embeds": ["--graph", "fused", "--inputs-embeds"],
     "ours-int4": ["--graph", "fused", "--quantize", "int4"],
     "ours-int4-h8": ["--graph", "fused", "--quantize", "int4", "--quantize-head", "int8"],
     "ours-int4-h4": ["--graph", "fused", "--quantize", "int4", "--quantize-head", "int4"],

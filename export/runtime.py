@@ -467,7 +467,8 @@ class OnnxDecoder:
         positions' embeddings, for a graph exported with ``--inputs-embeds`` (``model.embeds.onnx``)."""
         tokens = self._token_feed(input_ids, inputs_embeds)
         batch, steps = tokens.shape[:2]
-        what = f"{'input_ids' if inputs_embeds is None else 'inputs_embeds'} of shape {np.shape(tokens)}"
+        given = ("input_ids", input_ids) if inputs_embeds is None else ("inputs_embeds", inputs_embeds)
+        what = f"{given[0]} of shape {np.shape(given[1])}"  # as the caller gave it
         self._check_mask(state.attention_mask, batch, steps, what)
         if self.chunks_need_batch_1 and batch > 1 and steps > 1 and state.attention_mask.shape[1] > steps:
             raise ThinkerError(
