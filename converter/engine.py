@@ -249,9 +249,8 @@ def _check_tie(family: Family, config: ThinkerConfig, names: set[str]) -> None:
         return
     if not config.tie_word_embeddings and head not in names:
         raise ThinkerError(
-            f"the config has an untied output head (tie_word_embeddings=false), but the checkpoint holds no "
-            f"{head}; set tie_word_embeddings to true in the source config.json if the head reuses the "
-            "embeddings"
+            f"the config has an untied output head ({family.tie_key}=false), but the checkpoint holds no "
+            f"{head}; set {family.tie_key} to true in the source config.json if the head reuses the embeddings"
         )
 
 

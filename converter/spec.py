@@ -97,7 +97,8 @@ class Family:
       ``dropped_extra_layers``: the layer prefix (``blk.{layer}.``) under which a source stores blocks past the
       decoder's ``num_hidden_layers`` that the model does not run (llama.cpp's multi-token-prediction block).
     - ``head``: the source name of the output projection, checked against ``tie_word_embeddings``;
-      ``other_heads``: its names in the family's other layouts (``head_in`` picks the one present).
+      ``other_heads``: its names in the family's other layouts (``head_in`` picks the one present); ``tie_key``:
+      where the source config sets the tie transformers follows (an omni model's ``thinker_config``'s), for messages.
     - ``reference``: loads the parity reference from the source folder; None means transformers'
       ``AutoModelForCausalLM``. ``layered_reference``: the same reference for parity layer by layer, built on the
       meta device with its weights read one layer at a time (``converter.streamed``); None means the class
@@ -122,6 +123,7 @@ class Family:
     dropped: tuple[str, ...] = ()
     head: str | None = "lm_head.weight"
     other_heads: tuple[str, ...] = ()
+    tie_key: str = "tie_word_embeddings"
     config_keys: tuple[str, ...] = ()
     dropped_prefixes: tuple[str, ...] = ()
     dropped_extra_layers: str | None = None

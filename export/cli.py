@@ -424,8 +424,7 @@ def embeds_figure(figures: dict) -> str:
     embeds = figures.get("embeds_graph")
     if not embeds:
         return ""
-    held = embeds.get("max_abs_diff_beyond_spread", embeds["max_abs_diff"])
-    return f"; model.embeds.onnx with foreign embeddings {held:.3g}"
+    return f"; model.embeds.onnx with foreign embeddings {held_figure(embeds).removeprefix('max |Δlogit| ')}"
 
 
 @click.command("generate", context_settings=CONTEXT)

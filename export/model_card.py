@@ -183,7 +183,7 @@ EMBEDS_RUN = """
 `input_ids`, and `embed.onnx` looks tokens up (`input_ids` -> `inputs_embeds`); both read `model.onnx.data`. Write a
 tower's embeddings into the placeholder slots of the prompt's token embeddings and pass the positions the reference
 processor gives (`get_rope_index`: `[3, batch, seq]` with multimodal RoPE); each row then continues one past its
-largest position:
+last position on each stream, as transformers' `generate` does:
 
 ```python
 from export.runtime import OnnxDecoder

@@ -294,7 +294,7 @@ class DecoderState:
     mask's length are unused."""
 
     attention_mask: np.ndarray  # (B, S) int64
-    next_position: np.ndarray  # (B,) int64
+    next_position: np.ndarray  # (B,) int64, or (3, B): one per multimodal stream (``next_positions``)
     cache: dict[str, object] = field(default_factory=dict)  # past_key_values.* name -> np.ndarray or OrtValue
     cached: int | None = None  # the slots the cache holds, which the mask must cover (None: taken from the mask)
 
@@ -698,8 +698,8 @@ class OnnxDecoder:
         which a shared KV buffer is sized for up front. ``inputs_embeds`` (B, T, hidden), in place of ``input_ids``:
         the prompt's embeddings (``model.embeds.onnx``). ``position_ids``: the prompt's own, (3, B, T) for an image
         or audio prompt of a multimodal-RoPE model (the reference processor's ``get_rope_index``); each row then
-        continues after its largest kept position, as transformers' ``rope_deltas`` do. Default: counted from the
-        mask."""
+        continues one past its last kept position on each stream, as transformers' ``generate`` does
+        (``next_positions``). Default: counted from the mask."""
         input_ids, attention_mask = self._checked_prompt(input_ids, attention_mask, inputs_embeds)
         if self.right_padding_only and (np.diff(attention_mask, axis=1) > 0).any():
             raise ThinkerError(
@@ -750,7 +750,7 @@ class OnnxDecoder:
                 "takes one token per row"
             )
         state.attention_mask = np.concatenate([state.attention_mask, np.ones((batch, 1), np.int64)], axis=1)
-        logits = self.forward(tokens.reshape(batch, 1), state.next_position.reshape(batch, 1), state)
+        logits = self.forward(tokens.reshape(batch, 1), state.next_position[..., None], state)  # (B, 1) or (3, B, 1)
         state.next_position = state.next_position + 1
         return logits[:, -1]
 
@@ -868,13 +868,15 @@ def last_kept_logits(logits: np.ndarray, attention_mask: np.ndarray) -> np.ndarr
 
 
 def next_positions(position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-    """(B,): the position each row's next token takes after a prompt at ``position_ids`` ((B, T), or (3, B, T);
-    a batch of 1 stands for every row): one past its largest kept position on any stream. A text prompt's last
-    position + 1; an image's grid may number fewer positions than its tokens, and the text after it continues
-    from there (transformers' ``rope_deltas``)."""
-    streams = position_ids if position_ids.ndim == 3 else position_ids[None]
-    kept = np.where(attention_mask.astype(bool)[None], streams, -1)
-    return (kept.max(axis=(0, 2)) + 1).astype(np.int64)
+    """The positions each row's next token takes after a prompt at ``position_ids``: (B,) for (B, T) positions,
+    (3, B) for (3, B, T) ones (a batch of 1 stands for every row): on each stream, one past the position of the
+    row's last kept slot, as transformers' ``generate`` continues every stream of a multimodal prompt. A text
+    prompt's last position + 1; after an image, whose grid numbers fewer positions than its tokens, the text that
+    follows it carries on from the image's largest position, and so does generation after that text."""
+    last = attention_mask.shape[1] - 1 - np.argmax(attention_mask[:, ::-1], axis=1)  # (B,): the last kept slot
+    positions = np.broadcast_to(position_ids, (*position_ids.shape[:-2], *attention_mask.shape))
+    index = np.broadcast_to(last[:, None], (*positions.shape[:-1], 1))
+    return (np.take_along_axis(positions, index, axis=-1)[..., 0] + 1).astype(np.int64)
 
 
 def position_ids_from_mask(attention_mask: np.ndarray) -> np.ndarray:

@@ -232,9 +232,9 @@ def _compare_decoders(
         agreement.add(reference[kept], candidate[given[1].astype(bool)], None if spread is None else spread[kept])
     on_step()
 
-    # each row resumes one past its largest position (pads sit at 0), on every stream: the reference's own
-    # reckoning, apart from the runtime's (``next_positions``)
-    past, next_position = getattr(out, CACHE_ARG), positions.reshape(-1, *mask.shape).amax(dim=(0, 2))[:, None] + 1
+    # each stream resumes one past the last slot's position, as transformers' generate continues (the batch is
+    # left-padded: the last slot is each row's last token); the reference's own reckoning, apart from the runtime's
+    past, next_position = getattr(out, CACHE_ARG), positions[..., -1:] + 1
     token = reference[:, -1].argmax(-1)
     for _ in range(steps):
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)

@@ -263,6 +263,10 @@ class ThinkerConfig(PreTrainedConfig):
         if self.norm_zero_centered and self.norm_type != "rmsnorm":
             raise ValueError("norm_zero_centered applies to RMSNorm weights; it needs norm_type='rmsnorm'")
         mrope_section = (self.rope_parameters or {}).get("mrope_section")
+        for key in ("mrope_interleaved", "interleaved"):
+            value = (self.rope_parameters or {}).get(key)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"rope_parameters['{key}']={value!r}; expected true or false")
         if mrope_section is not None:
             # transformers' RoPE takes a frequency per even channel of the rotary part: an odd part of 5 has 3
             rotary_pairs = (int(self.head_dim * self.rope_parameters.get("partial_rotary_factor", 1.0)) + 1) // 2

@@ -43,10 +43,18 @@ def load_hf_config(source_config: Mapping[str, Any], model_type: str) -> PreTrai
 DECODER_SUB_CONFIGS = ("thinker_config", "text_config")
 
 
+# Config classes that read their text decoder's fields from the top level when the config has no text_config: the
+# form transformers 4.x saved Qwen2-VL and Qwen2.5-VL in, which their Hub releases keep (Qwen2VLConfig.__post_init__:
+# "Hub configs are saved as flat dicts").
+FLAT_TEXT_CONFIG_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+
 def refuse_missing_decoder_config(source: Mapping[str, Any], model_type: str) -> None:
     """Refuse a larger model's config without the sub-config its text decoder is described in: transformers would
     fill in its default sizes, and the error would then list every tensor as missing or misshapen."""
     config_class, config, path = CONFIG_MAPPING[model_type], source, []
+    if model_type in FLAT_TEXT_CONFIG_TYPES and "text_config" not in source and "hidden_size" in source:
+        return
     for key in DECODER_SUB_CONFIGS:
         sub_class = getattr(config_class, "sub_configs", {}).get(key)
         if sub_class is None:
@@ -323,7 +331,9 @@ def mrope_parameters(hf: PreTrainedConfig, reference_section: list[int], interle
     Qwen2-VL's, Qwen2.5-VL's and Qwen2.5-Omni's; and uses ``reference_section`` when the config names none. That
     fallback is kept only when it covers the head's rotary frequencies; otherwise the config converts without one
     (exact on text, where the sections coincide; the Thinker then refuses 3-D positions rather than guess)."""
-    rope = {key: value for key, value in hf.rope_parameters.items() if key not in MROPE_KEYS}
+    # "type": rope_type's old spelling ("mrope" in the Hub's Qwen2-VL configs), which transformers keeps beside it
+    legacy = ("type",) if "rope_type" in hf.rope_parameters else ()
+    rope = {key: value for key, value in hf.rope_parameters.items() if key not in MROPE_KEYS + legacy}
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     rotary_pairs = (int(head_dim * rope.get("partial_rotary_factor", 1.0)) + 1) // 2  # as ThinkerConfig counts them
     section = hf.rope_parameters.get("mrope_section")
@@ -405,6 +415,7 @@ def hf_family(
     check_source: SourceCheck | None = None,
     layer_count_keys: tuple[str, ...] = ("num_hidden_layers",),
     expert_count_keys: tuple[str, ...] = ("num_experts", "num_local_experts"),
+    tie_key: str = "tie_word_embeddings",
 ) -> Family:
     """A family whose checkpoints transformers writes (``config.json`` with ``model_type``), by what sets it apart.
 
@@ -435,6 +446,7 @@ def hf_family(
     - ``check_source``: see ``Family``.
     - ``layer_count_keys`` / ``expert_count_keys``: the config keys (at any depth) holding layer and expert counts,
       bounded by the checkpoint's size before a config class builds anything from them (``Family``).
+    - ``tie_key``: where the config sets the head's tie (``Family``).
     """
 
     model_types = (model_types,) if isinstance(model_types, str) else tuple(model_types)
@@ -470,6 +482,7 @@ def hf_family(
         ),
         layer_count_keys=layer_count_keys,
         expert_count_keys=expert_count_keys,
+        tie_key=tie_key,
     )
 
 

@@ -63,6 +63,7 @@ QWEN2_5_OMNI = hf_family(
     name="qwen2_5_omni",
     decoder_config=text_decoder_config,
     layouts=({"": "thinker."},),
+    tie_key="thinker_config.tie_word_embeddings",
     dropped_prefixes=DROPPED_PREFIXES,
     **DECODER,
 )

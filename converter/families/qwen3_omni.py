@@ -59,9 +59,14 @@ REFERENCE_MROPE_SECTION = [24, 20, 20]
 
 
 def text_decoder_config(full: PreTrainedConfig) -> PreTrainedConfig:
-    text = full.thinker_config.text_config
+    """The thinker's text config (Qwen3-Omni's, Qwen2.5-Omni's), with what the thinker config declares for it."""
+    thinker = full.thinker_config
+    text = thinker.text_config
     # The head's tying is declared on the thinker config; the text config class has no such field.
-    text.tie_word_embeddings = full.thinker_config.tie_word_embeddings
+    text.tie_word_embeddings = thinker.tie_word_embeddings
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # where a config names them on the thinker only
+        if getattr(text, key, None) is None and getattr(thinker, key, None) is not None:
+            setattr(text, key, getattr(thinker, key))
     return text
 
 
@@ -142,6 +147,7 @@ QWEN3_OMNI = hf_family(
     name="qwen3_omni",
     decoder_config=text_decoder_config,
     layouts=({"": "thinker."},),
+    tie_key="thinker_config.tie_word_embeddings",
     dropped_prefixes=DROPPED_PREFIXES,
     **DECODER,
 )

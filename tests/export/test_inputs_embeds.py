@@ -95,13 +95,13 @@ def test_token_prompts_give_model_onnx_bit_for_bit(family, embeds_export):
 
 
 def torch_greedy(model, embeds, mask, positions, steps):
-    """Greedy tokens from the PyTorch Thinker prompted with ``inputs_embeds`` at ``positions`` (3, B, T), each row
-    resuming one past its largest position (transformers' ``rope_deltas``)."""
+    """Greedy tokens from the PyTorch Thinker prompted with ``inputs_embeds`` at ``positions`` (3, B, T) of a
+    left-padded batch, each stream resuming one past its last slot's position (transformers' ``generate``)."""
     mask = torch.from_numpy(mask)
     positions = torch.from_numpy(positions)
     with torch.no_grad():
         out = model(inputs_embeds=torch.from_numpy(embeds), attention_mask=mask, position_ids=positions, use_cache=True)
-        following = positions.amax(dim=(0, 2))[:, None] + 1
+        following = positions[..., -1:] + 1
         tokens = [out.logits[:, -1].argmax(-1)]
         for _ in range(steps - 1):
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
@@ -119,8 +119,8 @@ def torch_greedy(model, embeds, mask, positions, steps):
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
 def test_generate_from_an_image_prompt_is_pytorchs(family, embeds_export):
-    """An image block's grid positions number fewer positions than its tokens: generation resumes after the block's
-    largest position, not after the token count (which would rotate every later token wrongly)."""
+    """An image block's grid numbers fewer positions than its tokens: generation resumes after the text that follows
+    it, one past its positions, not after the token count (which would rotate every later token wrongly)."""
     source, folder = embeds_export(family, graph="plain" if family == "qwen3_5_moe" else "fused")
     decoder = OnnxDecoder(folder / EMBEDS_MODEL_FILE, provider="cpu")
     model = ThinkerForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
@@ -132,7 +132,7 @@ def test_generate_from_an_image_prompt_is_pytorchs(family, embeds_export):
     np.testing.assert_array_equal(got, torch_greedy(model, embeds, mask, positions, 8))
     # and the logits of the prompt, held to the float32 tolerance
     logits, state = decoder.prefill(None, mask, inputs_embeds=embeds, position_ids=positions)
-    np.testing.assert_array_equal(state.next_position, positions.max(axis=(0, 2)) + 1)
+    np.testing.assert_array_equal(state.next_position, positions[..., -1] + 1)
     with torch.no_grad():
         reference = model(
             inputs_embeds=torch.from_numpy(embeds),
@@ -215,6 +215,29 @@ def test_an_image_prompt_gives_the_vision_language_models_own_generation(kind, g
         inputs_embeds=embeds, attention_mask=mask.numpy(), position_ids=positions, max_new_tokens=8
     )
     np.testing.assert_array_equal(tokens, continuation.numpy())
+
+
+@torch.no_grad()
+def test_a_video_prompt_continues_as_transformers_generate_does(tmp_path):
+    """A Qwen2.5-VL video (2 frames of 4 x 6 patches, 2 seconds a grid, 4 positions a second) numbers its frames 8
+    apart, past the text after it: each stream then continues from the prompt's last position, not its largest, as
+    transformers' ``generate`` does; the tokens are its own from the pixels."""
+    import transformers
+
+    source = qwen2_vl.save(tmp_path / "source", "qwen2_5_vl")
+    export_model(source, tmp_path / "onnx", inputs_embeds=True, progress=False)
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(source).eval()
+    ids, video = qwen2_vl.video_prompt(model)
+    mask = torch.ones_like(ids)
+    captured, _ = qwen2_vl.image_prompt(model, ids, mask, **video)
+    embeds, positions = captured["inputs_embeds"].numpy(), captured["position_ids"].numpy()
+    assert positions[:, 0, -1].max() < positions.max()  # the last position is not the largest
+    continuation = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, **video)
+    decoder = OnnxDecoder(tmp_path / "onnx" / EMBEDS_MODEL_FILE, provider="cpu")
+    tokens = decoder.generate(
+        inputs_embeds=embeds, attention_mask=mask.numpy(), position_ids=positions, max_new_tokens=8
+    )
+    np.testing.assert_array_equal(tokens, continuation[:, ids.shape[1] :].numpy())
 
 
 def test_a_quantized_export_checks_its_embeds_graph_against_the_dequantized_model(embeds_export):

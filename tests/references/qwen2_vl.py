@@ -53,7 +53,7 @@ VISION_CONFIGS = {
 }
 CLASSES = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL"}
 # Special ids inside the tiny vocabulary (the releases' are past 151000).
-IMAGE_TOKEN, VISION_START, VISION_END = 120, 121, 122
+IMAGE_TOKEN, VISION_START, VISION_END, VIDEO_TOKEN = 120, 121, 122, 123
 
 
 def build(kind: str, seed: int = 0):
@@ -108,15 +108,27 @@ def image_inputs(model, batch: int) -> dict[str, torch.Tensor]:
     return {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, 4, 6]] * batch)}
 
 
+def video_prompt(model) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One Qwen2.5-VL prompt holding a video of 2 frames of 4 x 6 patches (12 placeholders after the merge), 2 seconds
+    a grid, among text: (input_ids, the video inputs with their ``mm_token_type_ids``)."""
+    model.config.video_token_id = VIDEO_TOKEN
+    vision = model.config.vision_config
+    patch = 3 * vision.temporal_patch_size * vision.patch_size**2
+    ids = torch.tensor([[5, 9, 17, VISION_START, *[VIDEO_TOKEN] * 12, VISION_END, 21, 8]])
+    return ids, {
+        "pixel_values_videos": torch.randn(48, patch, generator=torch.Generator().manual_seed(3)),
+        "video_grid_thw": torch.tensor([[2, 4, 6]]),
+        "second_per_grid_ts": torch.tensor([2.0]),
+        "mm_token_type_ids": (ids == VIDEO_TOKEN).int() * 2,  # 2: video, as the processor marks it
+    }
+
+
 @torch.no_grad()
-def image_prompt(model, ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[dict, torch.Tensor]:
+def image_prompt(model, ids: torch.Tensor, attention_mask: torch.Tensor, **media) -> tuple[dict, torch.Tensor]:
     """``ids`` (B, T) holding one image of 4 x 6 patches per row (6 placeholders between vision start and end, after
-    the 2 x 2 merge) through ``model``: (what its text decoder received, the logits)."""
+    the 2 x 2 merge) through ``model``: (what its text decoder received, the logits). ``media``: other inputs in
+    place of the image (``video_prompt``'s)."""
     captured = capture_language_model_inputs(model)
-    logits = model(
-        input_ids=ids,
-        attention_mask=attention_mask,
-        mm_token_type_ids=(ids == IMAGE_TOKEN).int(),
-        **image_inputs(model, len(ids)),
-    ).logits
+    inputs = media or {"mm_token_type_ids": (ids == IMAGE_TOKEN).int(), **image_inputs(model, len(ids))}
+    logits = model(input_ids=ids, attention_mask=attention_mask, **inputs).logits
     return dict(captured), logits  # a copy: the hook stays, and later calls would overwrite it
