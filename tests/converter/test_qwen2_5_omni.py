@@ -6,13 +6,14 @@ gives the thinker's logits through the Thinker."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 from click.testing import CliRunner
 from references import qwen2_5_omni
 from references.hybrid import capture_language_model_inputs
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 
 from converter.cli import convert_command, verify_command
@@ -78,3 +79,30 @@ def test_an_audio_and_image_prompt_gives_the_thinkers_logits(omni):
     assert not torch.equal(positions[1], positions[2])
     ours = ThinkerForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     assert_close(ours(inputs_embeds=embeds, position_ids=positions).logits, expected, **TOL)
+
+
+def test_the_thinker_configs_own_settings_are_read(omni, tmp_path):
+    """What a config declares on thinker_config rather than its text_config: the special ids are taken from there,
+    and an untied head's absence names thinker_config's tie, the one transformers follows."""
+    source, _ = omni
+    config = json.loads((source / "config.json").read_text())
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        config["thinker_config"]["text_config"].pop(key, None)
+    config["thinker_config"].update(bos_token_id=2, eos_token_id=7, pad_token_id=3)
+    ids = tmp_path / "ids"
+    shutil.copytree(source, ids)
+    (ids / "config.json").write_text(json.dumps(config))
+    result = cli(convert_command, ids, tmp_path / "ids-thinker", "--no-verify")
+    assert result.exit_code == 0, result.output
+    converted = json.loads((tmp_path / "ids-thinker" / "config.json").read_text())
+    assert (converted["bos_token_id"], converted["eos_token_id"], converted["pad_token_id"]) == (2, 7, 3)
+
+    headless = tmp_path / "headless"
+    shutil.copytree(source, headless)
+    tensors = load_file(headless / "model.safetensors")
+    del tensors["thinker.lm_head.weight"]
+    save_file(tensors, headless / "model.safetensors", metadata={"format": "pt"})
+    result = CliRunner().invoke(convert_command, [str(headless), str(tmp_path / "out")])
+    assert result.exit_code == 1
+    assert "untied output head (thinker_config.tie_word_embeddings=false)" in result.output
+    assert "set thinker_config.tie_word_embeddings to true" in result.output

@@ -88,3 +88,31 @@ def test_an_image_prompt_gives_the_models_logits(kind, converted):
 def test_the_stream_layouts():
     assert mrope_streams([4, 2, 2], interleaved=False).tolist() == [0, 0, 0, 0, 1, 1, 2, 2]
     assert mrope_streams([4, 2, 2], interleaved=True).tolist() == [0, 1, 2, 0, 1, 2, 0, 0]
+
+
+def test_the_hubs_flat_config_converts(tmp_path):
+    """The Hub's Qwen2-VL / Qwen2.5-VL config.json as transformers 4.x saved it: the text decoder's fields at the top
+    level (no text_config), RoPE as ``rope_scaling: {"type": "mrope", ...}`` beside ``rope_theta``. transformers 5
+    reads it into its text_config, and so the conversion does, with parity."""
+    source = qwen2_vl.save(tmp_path / "source", "qwen2_vl")
+    config = json.loads((source / "config.json").read_text())
+    text = config.pop("text_config")
+    rope = text.pop("rope_parameters")
+    for key in ("layer_types", "model_type", "dtype"):
+        text.pop(key, None)
+    config.update(text, rope_theta=rope["rope_theta"], rope_scaling={"type": "mrope", "mrope_section": [4, 2, 2]})
+    (source / "config.json").write_text(json.dumps(config))
+    result = cli(convert_command, source, tmp_path / "thinker", "--verify")
+    assert result.exit_code == 0 and "(qwen2_vl)" in result.output, result.output
+    rope = json.loads((tmp_path / "thinker" / "config.json").read_text())["rope_parameters"]
+    assert rope == {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 2, 2], "mrope_interleaved": False}
+
+
+def test_mrope_interleaved_must_be_true_or_false():
+    from huggingface_hub.errors import StrictDataclassError
+
+    from thinker import ThinkerConfig
+
+    rope = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 1, 1], "mrope_interleaved": "false"}
+    with pytest.raises(StrictDataclassError, match="mrope_interleaved'\\]='false'; expected true or false"):
+        ThinkerConfig(hidden_size=32, num_attention_heads=4, rope_parameters=rope)
