@@ -4,10 +4,10 @@
 One ``--inputs-embeds`` export of the real SmolLM2-135M (bench/exports.py's ``ours-fused-embeds``, made here if
 missing; its ``model.onnx`` is the default fused export's) is loaded twice in one process: as ``model.onnx``, fed
 token ids, and as ``model.embeds.onnx``, fed the same ids (looked up through ``embed.onnx``, as a decode step is) or
-the prompt's embeddings themselves. The two take turns (rounds of a prefill and ``--steps`` decode steps each, the
-order swapped every round), batch 1, and their logits are compared (bit for bit is expected: the same nodes).
+the prompt's embeddings themselves. The three take turns (rounds of a prefill and ``--steps`` decode steps each,
+the order rotated every round), batch 1, and their logits are compared (bit for bit is expected: the same nodes).
 
-    python bench/bench_inputs_embeds.py                # ~2 minutes
+    python bench/bench_inputs_embeds.py                # ~4 minutes
     python bench/bench_inputs_embeds.py --report       # the table again, from the results file
 
 Writes bench/results/inputs_embeds.json and bench/results/README-inputs-embeds.md.
@@ -72,7 +72,8 @@ def measure(folder: Path, prompt_length: int, steps: int, rounds: int, threads: 
     decode = {form: [] for form in FORMS}
     last = {}
     for round_ in range(rounds):
-        for form in FORMS if round_ % 2 == 0 else FORMS[::-1]:
+        shift = round_ % len(FORMS)  # each form leads as often as the others: the first run of a round is quicker
+        for form in FORMS[shift:] + FORMS[:shift]:
             seconds, step_times, last[form] = runs[form]()
             prefill[form].append(seconds)
             decode[form].append(statistics.median(step_times))
@@ -108,7 +109,7 @@ def markdown(results: dict) -> str:
     return (
         f"Command: `{results['command']}`; SmolLM2-135M (real weights), fused float32 export with --inputs-embeds, "
         f"a {figures['prompt_tokens']}-token prompt then {results['steps']} decode steps, batch 1, "
-        f"{results['threads']} threads, {results['rounds']} rounds with the order swapped each; medians, ratios "
+        f"{results['threads']} threads, {results['rounds']} rounds with the order rotated each; medians, ratios "
         "with their 90 % bootstrap interval (bench/report.py); max |Δlogit|: the last step's logits against "
         "model.onnx's.\n\n"
         + report.table(header, rows)
@@ -119,7 +120,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     parser.add_argument("--steps", type=int, default=16, help="decode steps per round")
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--report", action="store_true", help="print the table of the results file and stop")
     parser.add_argument("--out", type=Path, default=RESULTS)
