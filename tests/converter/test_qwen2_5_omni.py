@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+from cli_helpers import thinker
 from click.testing import CliRunner
 from references import qwen2_5_omni
 from references.hybrid import capture_language_model_inputs
@@ -22,16 +23,12 @@ from thinker import ThinkerForCausalLM
 TOL = dict(atol=1e-4, rtol=0)  # max |Δlogit| in float32
 
 
-def cli(command, *args):
-    return CliRunner().invoke(command, [str(arg) for arg in args], catch_exceptions=False)
-
-
 @pytest.fixture(scope="module")
 def omni(tmp_path_factory):
     """(source, Thinker folder): the full checkpoint, converted through the command line with its parity gate."""
     root = tmp_path_factory.mktemp("qwen2_5_omni")
     source = qwen2_5_omni.save(root / "source")
-    result = cli(convert_command, source, root / "thinker", "--verify")
+    result = thinker(source, root / "thinker", "--verify", command=convert_command)
     assert result.exit_code == 0 and "(qwen2_5_omni)" in result.output, result.output
     return source, root / "thinker"
 
@@ -47,7 +44,7 @@ def test_the_full_checkpoint_converts_with_parity(omni):
     assert config["attention_bias"] and not config["attention_output_bias"]
     names = load_file(folder / "model.safetensors").keys()
     assert not [name for name in names if any(part in name for part in ("audio", "visual", "talker", "token2wav"))]
-    by_layer = cli(verify_command, source, folder, "--verify-by-layer")
+    by_layer = thinker(source, folder, "--verify-by-layer", command=verify_command)
     assert by_layer.exit_code == 0 and "parity (layer-by-layer)" in by_layer.output, by_layer.output
 
 
@@ -60,7 +57,7 @@ def test_the_thinker_saved_alone_converts_to_the_same_thinker(loaded_from, omni,
     else:
         qwen2_5_omni.build().thinker.save_pretrained(alone)  # build() is seeded: the weights the source holds
     assert json.loads((alone / "config.json").read_text())["model_type"] == "qwen2_5_omni_thinker"
-    result = cli(convert_command, alone, tmp_path / "out", "--verify")
+    result = thinker(alone, tmp_path / "out", "--verify", command=convert_command)
     assert result.exit_code == 0 and "(qwen2_5_omni_thinker)" in result.output, result.output
     ours, full = load_file(tmp_path / "out" / "model.safetensors"), load_file(folder / "model.safetensors")
     assert ours.keys() == full.keys() and all(torch.equal(ours[name], full[name]) for name in ours)
@@ -71,10 +68,10 @@ def test_an_audio_and_image_prompt_gives_the_thinkers_logits(omni):
     """Audio and image embeddings (no deepstack: nothing but ``inputs_embeds`` enters the decoder) at the thinker's
     own (3, B, T) positions, whose streams differ over the image, give its logits."""
     source, folder = omni
-    thinker = qwen2_5_omni.load_reference_thinker(source)
-    ids, inputs = qwen2_5_omni.audio_and_image_prompt(thinker)
-    captured = capture_language_model_inputs(thinker)
-    expected = thinker(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs).logits
+    reference = qwen2_5_omni.load_reference_thinker(source)
+    ids, inputs = qwen2_5_omni.audio_and_image_prompt(reference)
+    captured = capture_language_model_inputs(reference)
+    expected = reference(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs).logits
     embeds, positions = captured["inputs_embeds"], captured["position_ids"]
     assert not torch.equal(positions[1], positions[2])
     ours = ThinkerForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -92,7 +89,7 @@ def test_the_thinker_configs_own_settings_are_read(omni, tmp_path):
     ids = tmp_path / "ids"
     shutil.copytree(source, ids)
     (ids / "config.json").write_text(json.dumps(config))
-    result = cli(convert_command, ids, tmp_path / "ids-thinker", "--no-verify")
+    result = thinker(ids, tmp_path / "ids-thinker", "--no-verify", command=convert_command)
     assert result.exit_code == 0, result.output
     converted = json.loads((tmp_path / "ids-thinker" / "config.json").read_text())
     assert (converted["bos_token_id"], converted["eos_token_id"], converted["pad_token_id"]) == (2, 7, 3)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from click.testing import CliRunner
+from cli_helpers import thinker
 from references import qwen2_vl
 from safetensors.torch import load_file
 from torch.testing import assert_close
@@ -21,10 +21,6 @@ KINDS = ("qwen2_vl", "qwen2_5_vl")
 TOL = dict(atol=1e-4, rtol=0)  # max |Δlogit| in float32
 
 
-def cli(command, *args):
-    return CliRunner().invoke(command, [str(arg) for arg in args], catch_exceptions=False)
-
-
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """``converted(kind, memory_layout=False)`` -> (source folder, Thinker folder), converted with the parity gate."""
@@ -35,7 +31,7 @@ def converted(tmp_path_factory):
         key = (kind, memory_layout)
         if key not in cache:
             source = qwen2_vl.save(root / f"{kind}-{memory_layout}", kind, memory_layout=memory_layout)
-            result = cli(convert_command, source, root / f"{kind}-{memory_layout}-thinker", "--verify")
+            result = thinker(source, root / f"{kind}-{memory_layout}-thinker", "--verify", command=convert_command)
             assert result.exit_code == 0 and "(qwen2_vl)" in result.output, result.output
             cache[key] = source, root / f"{kind}-{memory_layout}-thinker"
         return cache[key]
@@ -54,7 +50,7 @@ def test_converts_from_either_layout_with_parity(kind, converted):
         assert config["rope_parameters"]["mrope_section"] == [4, 2, 2]
         assert config["rope_parameters"]["mrope_interleaved"] is False
         assert config["attention_bias"] and not config["attention_output_bias"]
-        by_layer = cli(verify_command, source, folder, "--verify-by-layer")
+        by_layer = thinker(source, folder, "--verify-by-layer", command=verify_command)
         assert by_layer.exit_code == 0, by_layer.output
         tensors[memory_layout] = load_file(folder / "model.safetensors")
     assert tensors[False].keys() == tensors[True].keys()
@@ -102,7 +98,7 @@ def test_the_hubs_flat_config_converts(tmp_path):
         text.pop(key, None)
     config.update(text, rope_theta=rope["rope_theta"], rope_scaling={"type": "mrope", "mrope_section": [4, 2, 2]})
     (source / "config.json").write_text(json.dumps(config))
-    result = cli(convert_command, source, tmp_path / "thinker", "--verify")
+    result = thinker(source, tmp_path / "thinker", "--verify", command=convert_command)
     assert result.exit_code == 0 and "(qwen2_vl)" in result.output, result.output
     rope = json.loads((tmp_path / "thinker" / "config.json").read_text())["rope_parameters"]
     assert rope == {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 2, 2], "mrope_interleaved": False}

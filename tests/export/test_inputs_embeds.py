@@ -94,6 +94,19 @@ def test_token_prompts_give_model_onnx_bit_for_bit(family, embeds_export):
     np.testing.assert_array_equal(embeds_decoder.embed(ids), rows)
 
 
+@torch.no_grad()
+def assert_pytorch_logits(model, logits, embeds, mask, positions) -> None:
+    """``logits`` at the kept positions are the PyTorch Thinker's on the same prompt, within the float32 tolerance."""
+    reference = model(
+        inputs_embeds=torch.from_numpy(embeds),
+        attention_mask=torch.from_numpy(mask),
+        position_ids=torch.from_numpy(positions),
+    ).logits.numpy()
+    kept = mask.astype(bool)
+    tolerance = RELATIVE_TOLERANCE[torch.float32] * max(1.0, float(np.abs(reference).max()))
+    assert np.abs(logits[kept] - reference[kept]).max() <= tolerance
+
+
 def torch_greedy(model, embeds, mask, positions, steps):
     """Greedy tokens from the PyTorch Thinker prompted with ``inputs_embeds`` at ``positions`` (3, B, T) of a
     left-padded batch, each stream resuming one past its last slot's position (transformers' ``generate``)."""
@@ -133,15 +146,7 @@ def test_generate_from_an_image_prompt_is_pytorchs(family, embeds_export):
     # and the logits of the prompt, held to the float32 tolerance
     logits, state = decoder.prefill(None, mask, inputs_embeds=embeds, position_ids=positions)
     np.testing.assert_array_equal(state.next_position, positions[..., -1] + 1)
-    with torch.no_grad():
-        reference = model(
-            inputs_embeds=torch.from_numpy(embeds),
-            attention_mask=torch.from_numpy(mask),
-            position_ids=torch.from_numpy(positions),
-        ).logits.numpy()
-    kept = mask.astype(bool)
-    tolerance = RELATIVE_TOLERANCE[torch.float32] * max(1.0, float(np.abs(reference).max()))
-    assert np.abs(logits[kept] - reference[kept]).max() <= tolerance
+    assert_pytorch_logits(model, logits, embeds, mask, positions)
 
 
 @torch.no_grad()
@@ -396,14 +401,7 @@ def test_a_graph_rotating_by_slot_refuses_positions_that_skip(tmp_path):
     embeds = decoder.embed(ids)
     shifted = np.maximum(np.cumsum(mask, axis=1) - 1, 0) + 5
     logits, _ = decoder.prefill(None, mask, inputs_embeds=embeds, position_ids=shifted)
-    with torch.no_grad():
-        reference = model(
-            inputs_embeds=torch.from_numpy(embeds),
-            attention_mask=torch.from_numpy(mask),
-            position_ids=torch.from_numpy(shifted),
-        ).logits.numpy()
-    kept = mask.astype(bool)
-    assert np.abs(logits[kept] - reference[kept]).max() <= 1e-4 * max(1.0, float(np.abs(reference).max()))
+    assert_pytorch_logits(model, logits, embeds, mask, shifted)
     repeated = shifted.copy()
     repeated[0, 3] = repeated[0, 2]
     with pytest.raises(ThinkerError, match="position_ids that do not count up one a token"):
