@@ -26,7 +26,7 @@ from export.exporter import export_model
 from export.names import EMBED_FILE, EMBEDS_MODEL_FILE, GENAI_MODEL_FILE, INPUTS_EMBEDS
 from export.quantize import QuantizeSpec
 from export.runtime import OnnxDecoder
-from export.verify import verify_export
+from export.verify import STREAMED, WHOLE, verify_export
 from thinker import ThinkerForCausalLM
 from thinker.modeling_thinker import CACHE_ARG
 
@@ -76,6 +76,18 @@ def test_verify_holds_the_embeds_graph_to_pytorch_on_foreign_embeddings(family, 
         if (folder / name).is_file():
             inputs = [value.name for value in onnx.load(folder / name, load_external_data=False).graph.input]
             assert "input_ids" in inputs and INPUTS_EMBEDS not in inputs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_check_reads_the_model_layer_by_layer_alike(dtype, embeds_export):
+    """The embeds graph's check with the PyTorch model streamed layer by layer (a model larger than the memory)
+    gives the figures of the whole model's."""
+    source, folder = embeds_export("qwen3_5", dtype=str(dtype).removeprefix("torch."))
+    whole, streamed = (
+        verify_export(source, folder / "model.onnx", dtype, plan=plan)["embeds_graph"] for plan in (WHOLE, STREAMED)
+    )
+    assert streamed["positions"] == whole["positions"] == 23
+    assert streamed["max_abs_diff"] == pytest.approx(whole["max_abs_diff"], abs=1e-6)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gpt2"])
