@@ -80,7 +80,7 @@ FOREIGN_BLOCK = 4
 
 def foreign_block_prompt(
     token_embeddings: np.ndarray, attention_mask: np.ndarray, multimodal: bool
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A prompt as an omni or vision-language model's towers hand it to the text decoder: each row's token
     embeddings (B, T, hidden) with a block of foreign vectors written over its kept slots 1, 2, ... (up to
     FOREIGN_BLOCK, leaving the row's last slot a token), drawn from a fixed seed at the tokens' own scale. With
@@ -96,7 +96,7 @@ def foreign_block_prompt(
     scale = float(embeds[attention_mask.astype(bool)].std())
     for row in range(batch):
         slots = np.flatnonzero(attention_mask[row])
-        size = 2 * (min(FOREIGN_BLOCK, len(slots) - 2) // 2)  # whole rows of two patches
+        size = 2 * (max(0, min(FOREIGN_BLOCK, len(slots) - 2)) // 2)  # whole rows of two patches; none in 1 or 2
         block = slots[1 : 1 + size]
         embeds[row, block] = rng.normal(0.0, scale, (len(block), embeds.shape[-1]))
         foreign[row, block] = True

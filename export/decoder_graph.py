@@ -9,7 +9,7 @@ subclasses ``DecoderGraph`` and overrides the emitters it replaces; weight-only 
 
 IO contract (shared/DESIGN.md), P past and T new positions:
   inputs   input_ids [B, T] int64, attention_mask [B, P+T] int64, position_ids [B, T] int64 ([3, B, T] with
-           interleaved multimodal RoPE: temporal, height, width; [B, T] there too under ``--positions text``, repeated
+           multimodal RoPE: temporal, height, width; [B, T] there too under ``--positions text``, repeated
            on the three streams inside), past_key_values.{i}.key/.value [B, n_kv, P, hs]
            in the model dtype for each full-attention layer i
   outputs  logits [B, T, V] float32, present.{i}.key/.value [B, n_kv, P+T, hs] in the model dtype
@@ -738,7 +738,7 @@ def not_exported(config: ThinkerConfig) -> tuple[str, ...]:
 def check_exportable(config: ThinkerConfig) -> None:
     """Refuses configs the graph cannot express, naming the field, before any byte is written. Supported beyond
     the dense families: linear-attention layers (Gated DeltaNet) with a SiLU conv, the attention output gate,
-    zero-centred RMSNorm, partial rotary and interleaved multimodal RoPE (``mrope_section``)."""
+    zero-centred RMSNorm, partial rotary and multimodal RoPE (``mrope_section``, interleaved or in sections)."""
     if config.hidden_act not in SUPPORTED_ACTIVATIONS:
         raise ThinkerError(
             f"hidden_act={config.hidden_act!r} has no ONNX export yet; supported: {', '.join(SUPPORTED_ACTIVATIONS)}"

@@ -62,6 +62,17 @@ def embeds_refusal(config: ThinkerConfig) -> str | None:
     return None
 
 
+def embeds_positions_note(config: ThinkerConfig, positions: str) -> str | None:
+    """What an ``--inputs-embeds`` export with ``--positions text`` of a multimodal-RoPE model cannot take."""
+    if positions != "text" or not (config.rope_parameters or {}).get("mrope_section"):
+        return None
+    return (
+        "model.embeds.onnx takes [batch, seq] text positions (--positions text): it serves prompts whose three "
+        "position streams are equal (text, audio), not image or video prompts; export with --positions multimodal "
+        "for those"
+    )
+
+
 def write_embeds_graphs(model_path: Path, dtype: torch.dtype, hidden_size: int) -> EmbedsGraphs:
     """Writes ``embed.onnx`` and ``model.embeds.onnx`` beside ``model_path`` (``model.onnx``, unchanged) and checks
     both; ``dtype``: the graph's."""

@@ -35,7 +35,7 @@ from thinker.configuration_thinker import ThinkerConfig
 
 from .contrib_schemas import register_onnxruntime_schemas
 from .decoder_graph import IR_VERSION, OPSET, DecoderGraph, make_model, not_exported, position_form
-from .embeds_graph import embeds_refusal, write_embeds_graphs
+from .embeds_graph import embeds_positions_note, embeds_refusal, write_embeds_graphs
 from .folder_check import check_thinker_folder
 from .genai_config import logits_note, make_genai_config, no_eos_note, search_options
 from .genai_graph import write_genai_graph
@@ -268,6 +268,7 @@ def export_model(
                     no_eos_note(config, generation_config),
                     genai_note(config),
                     logits_note(logits),
+                    embeds_positions_note(config, positions) if inputs_embeds else None,
                     cuda_experts_note(config, dtype, quantize, files.nodes_by_op),
                     quantizer.narrow_note() if quantizer else None,
                     float_experts_note(config, quantize, files.nodes_by_op),

@@ -45,7 +45,8 @@ Hybrid models (Qwen3.5, Qwen3-Next; docs/hybrid-export.md):
                      GatedRMSNorm (com.microsoft), the recurrence and its state in float32
   output gate        GroupQueryAttention has none: its output times sigmoid(gate) (Sigmoid, Mul) before o_proj
   partial RoPE       the RotaryEmbedding op with ``rotary_embedding_dim``, by ``position_ids``, as for whole heads
-  multimodal RoPE    MRotaryEmbedding (interleaved layout) on q and k with the (3, B, T) ``position_ids``, likewise
+  multimodal RoPE    MRotaryEmbedding (``mrope_layout`` 1 interleaved, 0 in sections) on q and k with the (3, B, T)
+                     ``position_ids``, likewise
   zero-centred norm  in float32 graphs the float32 scale ``1 + w`` folded into (Skip)SimplifiedLayerNormalization;
                      in half precision the plain graph's norm, because the reference multiplies by ``1 + w`` in
                      float32 before rounding, which the contrib norms (scale in the model dtype) cannot

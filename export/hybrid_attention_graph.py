@@ -5,9 +5,11 @@
   zero-centred norm   RMSNorm weights stored as offsets from one: (x32 * rsqrt(mean(x32²) + eps) * (1 + w32)),
                       cast to the model dtype after the scale (Qwen3_5RMSNorm), for q_norm / k_norm and the layers
   partial rotary      only the first ``rotary_dim`` of each head rotates (half-split), the rest passes through
-  interleaved mRoPE   position_ids (3, B, T): temporal, height and width positions. Frequency i reads the height
-                      position when i % 3 == 1 and i < 3 * section[1], the width position when i % 3 == 2 and
-                      i < 3 * section[2], the temporal one otherwise (Qwen3_5TextRotaryEmbedding's layout)
+  multimodal RoPE     position_ids (3, B, T): temporal, height and width positions, each frequency reading the one
+                      ``mrope_streams`` gives it: interleaved (frequency i reads the height position when i % 3 == 1
+                      and i < 3 * section[1], the width position when i % 3 == 2 and i < 3 * section[2], the temporal
+                      one otherwise: Qwen3_5TextRotaryEmbedding's layout), or in contiguous sections, t then h then w
+                      (Qwen2VLRotaryEmbedding's; ``mrope_interleaved: false``)
 
 cos/sin come from tables over every position, (max_pos, rotary_dim / 2), computed at export by torch from the
 model's own inverse frequencies: the plain graph gathers rows of them per stream and keeps each frequency's

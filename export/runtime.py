@@ -16,7 +16,7 @@ The cache is whatever ``past_key_values.*`` inputs the graph declares, discovere
 ``.recurrent_state`` (linear attention: zeros of the declared static shape and dtype start a sequence), and in
 Qwen3.8 ``.ngram_context`` / ``.ple_conv_state`` (zeros start) and ``.index_keys`` / ``.index_positions`` (empty, as
 KV). Models
-whose ``position_ids`` input is (3, B, T) (interleaved multimodal RoPE) get text positions repeated on the three
+whose ``position_ids`` input is (3, B, T) (multimodal RoPE) get text positions repeated on the three
 streams, as transformers' text models do inside; ``forward`` also takes (3, B, T) positions as they are (an image
 prompt's, from the reference processor's ``get_rope_index``). Opened on ``model.embeds.onnx`` (``--inputs-embeds``),
 it takes a prompt's ``inputs_embeds`` (the towers' embeddings among ``embed``'s token rows) and looks token ids up
@@ -536,11 +536,18 @@ class OnnxDecoder:
             if self.takes_embeds:
                 return self.embed(input_ids)
             return np.ascontiguousarray(self._checked_ids(input_ids), dtype=np.int64)
+        return self._checked_embeds(inputs_embeds)
+
+    def _checked_embeds(self, inputs_embeds) -> np.ndarray:
+        """``inputs_embeds`` as the graph takes them, float32 (B, T, hidden); a torch tensor (a tower's output, in
+        any float dtype, bfloat16 too, which numpy lacks) is taken as float32."""
         if not self.takes_embeds:
             raise ThinkerError(
                 f"{self.model_path}: takes token ids; for inputs_embeds export with --inputs-embeds and open "
                 f"{EMBEDS_MODEL_FILE}"
             )
+        if hasattr(inputs_embeds, "detach") and inputs_embeds.is_floating_point():  # torch, without importing it
+            inputs_embeds = inputs_embeds.detach().float().cpu().numpy()
         embeds = np.asarray(inputs_embeds)
         if embeds.ndim != 3 or 0 in embeds.shape[:2] or embeds.shape[2] != self.hidden_size:
             raise ThinkerError(
@@ -560,9 +567,10 @@ class OnnxDecoder:
     def _checked_prompt(self, input_ids, attention_mask, inputs_embeds=None) -> tuple[np.ndarray, np.ndarray]:
         """A prompt's ids (or None, given ``inputs_embeds``) and mask, as given (a decode step's mask is the
         prompt's with a column of ones appended)."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ThinkerError("pass either input_ids or inputs_embeds, not both (nor neither)")
         if inputs_embeds is not None:
-            if input_ids is not None:
-                raise ThinkerError("pass either input_ids or inputs_embeds, not both")
+            self._checked_embeds(inputs_embeds)  # before a streamer is given the prompt
             shape, what = np.shape(inputs_embeds)[:2], f"inputs_embeds of shape {np.shape(inputs_embeds)}"
         else:
             input_ids = self._checked_ids(input_ids)
@@ -699,7 +707,8 @@ class OnnxDecoder:
         the prompt's embeddings (``model.embeds.onnx``). ``position_ids``: the prompt's own, (3, B, T) for an image
         or audio prompt of a multimodal-RoPE model (the reference processor's ``get_rope_index``); each row then
         continues one past its last kept position on each stream, as transformers' ``generate`` does
-        (``next_positions``). Default: counted from the mask."""
+        (``next_positions``; the state's ``next_position`` is then (3, B) on a multimodal-RoPE graph, (B,) otherwise).
+        Default: counted from the mask."""
         input_ids, attention_mask = self._checked_prompt(input_ids, attention_mask, inputs_embeds)
         if self.right_padding_only and (np.diff(attention_mask, axis=1) > 0).any():
             raise ThinkerError(

@@ -6,7 +6,8 @@ Features, each a config switch (see ``ThinkerConfig``):
   - RMSNorm computed in float32 (Qwen3), with weights stored as offsets from one if zero-centred (Qwen3.5,
     Qwen3-Next), or LayerNorm with bias (GPT-2)
   - RoPE with every scaling type of transformers' ``ROPE_INIT_FUNCTIONS``, partial rotary, or learned absolute
-    positions; interleaved multimodal RoPE (Qwen3-VL, Qwen3.5, Qwen3-Omni) from ``(3|4, B, T)`` position_ids
+    positions; multimodal RoPE (interleaved: Qwen3-VL, Qwen3.5, Qwen3-Omni; in sections: Qwen2-VL, Qwen2.5-Omni)
+    from ``(3|4, B, T)`` position_ids
   - multi-head, grouped-query and multi-query attention; ``head_dim`` independent of ``hidden_size``
   - q/k/v and output biases (Qwen2, GPT-2), per-head q/k RMSNorm (Qwen3), a sigmoid output gate (Qwen3.5)
   - hybrid token mixers per layer (``layer_types``): full attention or Gated DeltaNet linear attention (a causal

@@ -33,7 +33,7 @@ from .common import (
     hf_family,
     mrope_parameters,
 )
-from .qwen3_omni import layered_thinker_reference, text_decoder_config, thinker_reference
+from .qwen3_omni import layered_thinker_reference, text_decoder_config, thinker_reference, thinker_text_config
 
 DROPPED_PREFIXES = ("thinker.audio_tower.", "thinker.visual.", "talker.", "token2wav.")
 THINKER_DROPPED_PREFIXES = ("audio_tower.", "visual.", "thinker.audio_tower.", "thinker.visual.")
@@ -72,6 +72,7 @@ QWEN2_5_OMNI_THINKER = hf_family(
     "qwen2_5_omni_thinker",
     THINKER_CLASS,
     "Qwen2.5-Omni thinker saved alone: its text decoder (audio and vision towers dropped)",
+    decoder_config=thinker_text_config,
     name="qwen2_5_omni_thinker",
     layouts=({}, {"": "thinker."}),
     dropped_prefixes=THINKER_DROPPED_PREFIXES,

@@ -59,8 +59,14 @@ REFERENCE_MROPE_SECTION = [24, 20, 20]
 
 
 def text_decoder_config(full: PreTrainedConfig) -> PreTrainedConfig:
-    """The thinker's text config (Qwen3-Omni's, Qwen2.5-Omni's), with what the thinker config declares for it."""
-    thinker = full.thinker_config
+    """The text config of an omni model's thinker (Qwen3-Omni's, Qwen2.5-Omni's), with what the thinker config
+    declares for it."""
+    return thinker_text_config(full.thinker_config)
+
+
+def thinker_text_config(thinker: PreTrainedConfig) -> PreTrainedConfig:
+    """A thinker config's text config (the thinker saved alone, or a full model's ``thinker_config``), with what the
+    thinker config declares for it: the head's tie, and the special ids where only the thinker config names them."""
     text = thinker.text_config
     # The head's tying is declared on the thinker config; the text config class has no such field.
     text.tie_word_embeddings = thinker.tie_word_embeddings
@@ -156,6 +162,7 @@ QWEN3_OMNI_THINKER = hf_family(
     "qwen3_omni_moe_thinker",
     "Qwen3OmniMoeThinkerForConditionalGeneration",
     "Qwen3-Omni-MoE thinker saved alone: its text decoder (audio and vision towers dropped)",
+    decoder_config=thinker_text_config,
     name="qwen3_omni_thinker",
     layouts=({}, {"": "thinker."}),
     dropped_prefixes=THINKER_DROPPED_PREFIXES,

@@ -94,6 +94,16 @@ def test_the_thinker_configs_own_settings_are_read(omni, tmp_path):
     converted = json.loads((tmp_path / "ids-thinker" / "config.json").read_text())
     assert (converted["bos_token_id"], converted["eos_token_id"], converted["pad_token_id"]) == (2, 7, 3)
 
+    # the thinker saved alone, its ids on its own (the thinker) config
+    alone = tmp_path / "alone"
+    qwen2_5_omni.load_reference_thinker(ids).save_pretrained(alone)
+    config = json.loads((alone / "config.json").read_text())
+    assert config["eos_token_id"] == 7 and config["text_config"].get("eos_token_id") is None
+    result = thinker(alone, tmp_path / "alone-thinker", "--no-verify", command=convert_command)
+    assert result.exit_code == 0 and "(qwen2_5_omni_thinker)" in result.output, result.output
+    converted = json.loads((tmp_path / "alone-thinker" / "config.json").read_text())
+    assert (converted["bos_token_id"], converted["eos_token_id"], converted["pad_token_id"]) == (2, 7, 3)
+
     headless = tmp_path / "headless"
     shutil.copytree(source, headless)
     tensors = load_file(headless / "model.safetensors")

@@ -9,6 +9,7 @@ graph or in the runtime's next position; and the refusals, each by name."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -336,6 +337,15 @@ def test_verify_fails_on_a_planted_bug(planted, file, embeds_export, tmp_path, m
     assert result["embeds_graph"]["max_abs_diff"] > 10 * result["tolerance"]
 
 
+def test_the_foreign_block_fits_rows_of_any_length():
+    """A row too short for a block keeps its tokens (one or two kept slots), a longer one gets up to FOREIGN_BLOCK."""
+    mask = np.array([[0, 0, 0, 0, 1], [0, 0, 0, 1, 1], [0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    tokens = np.ones((4, 5, 8), np.float32)
+    embeds, positions, foreign = foreign_block_prompt(tokens, mask, multimodal=True)
+    assert foreign.sum(axis=1).tolist() == [0, 0, 2, 2]
+    assert (embeds[~foreign] == 1).all() and positions.shape == (3, 4, 5)
+
+
 def test_refusals_name_what_is_wrong(embeds_export, thinker_folder, tmp_path):
     _, folder = embeds_export("qwen3")
     ids_decoder = OnnxDecoder(folder, provider="cpu")
@@ -348,6 +358,14 @@ def test_refusals_name_what_is_wrong(embeds_export, thinker_folder, tmp_path):
         ids_decoder.embed(ids)
     with pytest.raises(ThinkerError, match="pass either input_ids or inputs_embeds, not both"):
         decoder.prefill(ids, mask, inputs_embeds=embeds)
+    with pytest.raises(ThinkerError, match=re.escape("pass either input_ids or inputs_embeds, not both (nor neither)")):
+        decoder.generate(max_new_tokens=2)
+    # a tower's torch output in bfloat16 (no numpy dtype): taken as float32, as the same values in numpy
+    rounded = torch.from_numpy(embeds).bfloat16()
+    np.testing.assert_array_equal(
+        decoder.prefill(None, mask, inputs_embeds=rounded)[0],
+        decoder.prefill(None, mask, inputs_embeds=rounded.float().numpy())[0],
+    )
     with pytest.raises(ThinkerError, match=r"inputs_embeds of shape \(2, 7, 5\); expected \(batch, seq, 32\)"):
         decoder.prefill(None, mask, inputs_embeds=embeds[..., :5])
     with pytest.raises(ThinkerError, match="inputs_embeds hold inf or NaN"):
@@ -367,6 +385,9 @@ def test_refusals_name_what_is_wrong(embeds_export, thinker_folder, tmp_path):
     (partial / EMBED_FILE).unlink()
     with pytest.raises(ThinkerError, match=f"{EMBED_FILE} missing beside {EMBEDS_MODEL_FILE}, which takes"):
         OnnxDecoder(partial / EMBEDS_MODEL_FILE, provider="cpu")
+    # --positions text on a multimodal-RoPE model: the export says what its embeds graph cannot take
+    text = thinker("export", thinker_folder("qwen3_5"), tmp_path / "text", "--inputs-embeds", "--positions", "text")
+    assert text.exit_code == 0 and "not image or video prompts; export with --positions multimodal" in text.output
     # Qwen3.8's n-gram hash reads the token ids themselves: refused before anything is written
     output = tmp_path / "qwen4"
     result = thinker("export", thinker_folder("qwen4_exp"), output, "--inputs-embeds", "--no-verify")
@@ -388,6 +409,10 @@ def test_generate_from_embeddings_streams_and_checks_the_context_first(embeds_ex
         inputs_embeds=embeds, attention_mask=mask, position_ids=positions, max_new_tokens=3, streamer=streamer
     )
     assert streamed[0].shape == (2, 0) and np.array_equal(np.stack(streamed[1:], axis=1), tokens)
+    streamed.clear()  # embeddings the graph cannot take: refused before the streamer is given anything
+    with pytest.raises(ThinkerError, match="inputs_embeds of shape"):
+        decoder.generate(inputs_embeds=embeds[..., :5], attention_mask=mask, streamer=streamer)
+    assert streamed == []
     context = decoder.context_length
     ahead = positions + (context - 8)  # its largest position context - 4: the next one context - 3
     streamed.clear()
