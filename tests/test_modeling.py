@@ -719,3 +719,29 @@ def test_task_heads_auto_classes_and_remote_code(remote_code):
     child_part_passed(remote_code, "heads")
     with torch.no_grad():
         assert_close(torch.load(logits), model(remote_code["ids"]).logits, **TOL)
+
+
+def test_deepstack_inputs_are_refused_when_they_do_not_fit(tiny_thinker):
+    """Qwen3-VL's DeepStack inputs go together, a row of features per visual position, at most one list entry per
+    decoder layer: anything else is refused by name (rather than an indexing error, or nothing for extra entries)."""
+    model = tiny_thinker("dense")
+    embeds = torch.randn(1, 6, 32)
+    mask = torch.tensor([[False, True, True, False, False, False]])
+    features = [torch.randn(2, 32)]
+    with torch.no_grad():
+        base = model(inputs_embeds=embeds).logits
+        added = model(inputs_embeds=embeds, visual_pos_masks=mask, deepstack_visual_embeds=features).logits
+    assert torch.equal(added[:, :1], base[:, :1]) and not torch.equal(added[:, 1:], base[:, 1:])  # causal: after them
+    cases = {
+        "pass both or neither": dict(visual_pos_masks=mask),
+        r"deepstack_visual_embeds\[0\] of shape \(3, 32\); expected \(2, 32\)": dict(
+            visual_pos_masks=mask, deepstack_visual_embeds=[torch.randn(3, 32)]
+        ),
+        r"visual_pos_masks of shape \(1, 5\)": dict(visual_pos_masks=mask[:, :5], deepstack_visual_embeds=features),
+        "4 deepstack_visual_embeds for 3 decoder layers": dict(
+            visual_pos_masks=mask, deepstack_visual_embeds=features * 4
+        ),
+    }
+    for message, inputs in cases.items():
+        with pytest.raises(ValueError, match=message):
+            model(inputs_embeds=embeds, **inputs)

@@ -975,6 +975,52 @@ def split_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor | None,
     raise ValueError(f"position_ids must be (B, T), (3, B, T) or (4, B, T); got {tuple(position_ids.shape)}")
 
 
+# The inputs that carry a prompt's DeepStack features (``ThinkerModel.forward``): its positions only, so generation
+# passes them on the first forward alone (``ThinkerForCausalLM.prepare_inputs_for_generation``).
+DEEPSTACK_INPUTS = ("visual_pos_masks", "deepstack_visual_embeds")
+
+
+def check_deepstack(
+    config: ThinkerConfig,
+    inputs_embeds: torch.Tensor,
+    visual_pos_masks: torch.Tensor | None,
+    deepstack_visual_embeds: list[torch.Tensor] | None,
+) -> None:
+    """Refuses DeepStack inputs that do not fit the prompt by name, rather than with an indexing error (or, for a
+    list longer than the layers, without a word)."""
+    if (visual_pos_masks is None) != (deepstack_visual_embeds is None):
+        raise ValueError("visual_pos_masks and deepstack_visual_embeds go together: pass both or neither")
+    if deepstack_visual_embeds is None:
+        return
+    if config.hc_count > 1:
+        raise ValueError("deepstack_visual_embeds: this model's hidden states are hyper-connection streams")
+    if visual_pos_masks.shape != inputs_embeds.shape[:2]:
+        raise ValueError(
+            f"visual_pos_masks of shape {tuple(visual_pos_masks.shape)}; expected (batch, seq) = "
+            f"{tuple(inputs_embeds.shape[:2])}"
+        )
+    if len(deepstack_visual_embeds) > config.num_hidden_layers:
+        raise ValueError(
+            f"{len(deepstack_visual_embeds)} deepstack_visual_embeds for {config.num_hidden_layers} decoder layers"
+        )
+    visual, width = int(visual_pos_masks.sum()), inputs_embeds.shape[-1]
+    for index, features in enumerate(deepstack_visual_embeds):
+        if tuple(features.shape) != (visual, width):
+            raise ValueError(
+                f"deepstack_visual_embeds[{index}] of shape {tuple(features.shape)}; expected ({visual}, {width}): a "
+                "row for each of visual_pos_masks' positions"
+            )
+
+
+def add_at_positions(hidden_states: torch.Tensor, positions: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    """``hidden_states`` (B, T, C) with ``features`` (N, C) added at the N positions ``positions`` (B, T) marks, in
+    the hidden states' dtype, as Qwen3VLTextModel's ``_deepstack_process`` adds them."""
+    hidden_states = hidden_states.clone()
+    positions = positions.to(hidden_states.device).bool()
+    hidden_states[positions] = hidden_states[positions] + features.to(hidden_states.device, hidden_states.dtype)
+    return hidden_states
+
+
 def check_input_shapes(
     config: ThinkerConfig,
     inputs_embeds: torch.Tensor,
@@ -1191,6 +1237,8 @@ class ThinkerModel(ThinkerPreTrainedModel):
         use_cache: bool | None = None,
         past_key_values: Cache | None = None,  # the cache's name before transformers 5.24
         ple_input_ids: torch.LongTensor | None = None,
+        visual_pos_masks: torch.Tensor | None = None,
+        deepstack_visual_embeds: list[torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoeModelOutputWithPast:
         r"""
@@ -1198,6 +1246,11 @@ class ThinkerModel(ThinkerPreTrainedModel):
             The token ids PLE layers hash (Qwen4-Exp), for a call with ``inputs_embeds``: an image placeholder's id
             where the vision tower's embedding stands. Without them, the ids are found back from ``inputs_embeds``
             rows that equal a row of the embedding table (and refused if some do not).
+        visual_pos_masks (`torch.BoolTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            The image and video positions, where ``deepstack_visual_embeds`` go.
+        deepstack_visual_embeds (`list[torch.Tensor]`, each of shape `(visual positions, hidden_size)`, *optional*):
+            Qwen3-VL's and Qwen3-Omni's DeepStack: features of the vision tower's inner layers, the i-th added to the
+            hidden states at the visual positions after decoder layer i, as their text models take them.
         """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
@@ -1217,6 +1270,7 @@ class ThinkerModel(ThinkerPreTrainedModel):
             past_seen = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen)[None]
         check_input_shapes(self.config, inputs_embeds, position_ids, attention_mask, cache)
+        check_deepstack(self.config, inputs_embeds, visual_pos_masks, deepstack_visual_embeds)
         text_positions, rope_positions = split_position_ids(position_ids)
 
         if not isinstance(masks := attention_mask, dict):  # generate() may have built them (compileable caches)
@@ -1252,7 +1306,7 @@ class ThinkerModel(ThinkerPreTrainedModel):
         if self.config.hc_count > 1:
             hidden_states = hidden_states.repeat(1, 1, self.config.hc_count)  # (B, T, n·C): every stream starts equal
 
-        for layer in self.layers[: self.config.num_hidden_layers]:
+        for index, layer in enumerate(self.layers[: self.config.num_hidden_layers]):
             hidden_states = layer(
                 hidden_states,
                 attention_mask=masks[layer.layer_type],
@@ -1264,6 +1318,8 @@ class ThinkerModel(ThinkerPreTrainedModel):
                 indexer_position_embeddings=indexer_position_embeddings,
                 **kwargs,
             )
+            if deepstack_visual_embeds is not None and index < len(deepstack_visual_embeds):
+                hidden_states = add_at_positions(hidden_states, visual_pos_masks, deepstack_visual_embeds[index])
         return MoeModelOutputWithPast(
             last_hidden_state=self.final_hidden_state(hidden_states), **{CACHE_ARG: cache if use_cache else None}
         )
@@ -1339,6 +1395,33 @@ class ThinkerForCausalLM(ThinkerPreTrainedModel, GenerationMixin):
             self.talker_head = nn.Linear(config.hidden_size, config.talker_head_size, bias=False)
         self.post_init()
 
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        next_sequence_length: int | None = None,
+        cache: Cache | None = None,
+        attention_mask: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        is_first_iteration: bool | None = False,
+        **kwargs,
+    ) -> dict:
+        """As transformers prepares them (GenerationMixin's signature, which ``generate`` inspects), less the
+        prompt's DeepStack features after the first forward: they belong to the prompt's visual positions (Qwen3-VL's
+        model drops its pixels there alike)."""
+        model_inputs = super().prepare_inputs_for_generation(
+            input_ids,
+            next_sequence_length=next_sequence_length,
+            cache=cache,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            is_first_iteration=is_first_iteration,
+            **kwargs,
+        )
+        if not is_first_iteration:
+            for key in DEEPSTACK_INPUTS:
+                model_inputs.pop(key, None)
+        return model_inputs
+
     @takes_old_cache_name
     @can_return_tuple
     def forward(
@@ -1353,8 +1436,14 @@ class ThinkerForCausalLM(ThinkerPreTrainedModel, GenerationMixin):
         output_router_logits: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         past_key_values: Cache | None = None,  # the cache's name before transformers 5.24
+        visual_pos_masks: torch.Tensor | None = None,
+        deepstack_visual_embeds: list[torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> ThinkerCausalLMOutputWithPast:
+        r"""
+        visual_pos_masks, deepstack_visual_embeds: a Qwen3-VL or Qwen3-Omni prompt's DeepStack inputs
+            (``ThinkerModel``), named here so that ``generate`` takes them.
+        """
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits and self.config.num_experts > 0
         outputs: MoeModelOutputWithPast = self.model(
@@ -1365,6 +1454,8 @@ class ThinkerForCausalLM(ThinkerPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_router_logits=output_router_logits,
+            visual_pos_masks=visual_pos_masks,
+            deepstack_visual_embeds=deepstack_visual_embeds,
             **kwargs,
         )
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)  # (B, T', C)

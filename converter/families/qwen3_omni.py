@@ -13,8 +13,9 @@ RoPE is interleaved multimodal RoPE (``mrope_section``; the class always interle
 when the config names no section), kept in the Thinker config: given the thinker's ``inputs_embeds`` and its
 ``(3, B, T)`` temporal/height/width positions, the Thinker gives the text decoder's logits. That makes text and
 audio prompts exact (the audio tower's embeddings go into ``inputs_embeds``; audio positions are sequential). Image
-and video prompts are not: Qwen3-Omni's text decoder also adds the vision tower's deepstack features to the hidden
-states of its first layers (``deepstack_visual_embeds``), an input the Thinker does not take.
+and video prompts too: Qwen3-Omni's text decoder also adds the vision tower's DeepStack features to the hidden states
+of its first layers, which the Thinker takes as the text decoder does (``visual_pos_masks``,
+``deepstack_visual_embeds``; the ONNX graphs do not).
 
 The thinker saved alone (``Qwen3OmniMoeThinkerForConditionalGeneration.save_pretrained``, ``model_type``
 ``qwen3_omni_moe_thinker``: what a user who loaded just the thinker, the parity reference itself, writes back) holds

@@ -5,9 +5,9 @@ The decoder (``Qwen3VLTextModel``, at ``model.language_model.*``, the head at ``
 RMSNorm, a free ``head_dim``, GQA, SwiGLU, with interleaved multimodal RoPE (``mrope_section``, [24, 20, 20] when the
 config names none), kept in the Thinker config so that the ``(3, B, T)`` positions of its image and video prompts
 rotate as the reference's. The vision tower (``model.visual.*``) is dropped by prefix: its embeddings go into the
-Thinker's ``inputs_embeds``. Text prompts are exact; image and video prompts are not, as for Qwen3-Omni: the text
-decoder also adds the tower's deepstack features to the hidden states of its first layers
-(``deepstack_visual_embeds``), an input the Thinker does not take.
+Thinker's ``inputs_embeds``. Text, image and video prompts are exact: the text decoder also adds the tower's
+DeepStack features to the hidden states of its first layers, which the Thinker takes as it does
+(``visual_pos_masks``, ``deepstack_visual_embeds``; the ONNX graphs do not).
 
 Qwen3-VL-MoE (``qwen3_vl_moe``, ``Qwen3VLMoeForConditionalGeneration``) is the same decoder with Qwen3-MoE's sparse
 layers, but its Hub checkpoints store each layer's experts fused and transposed from transformers' in-memory layout

@@ -424,6 +424,43 @@ def test_qwen3_vl_moe_converts_from_either_expert_layout(tmp_path):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("family", ["omni", "vl"])
+def test_an_image_prompt_with_its_deepstack_features_gives_the_models_logits(family, request):
+    """Qwen3-VL's and Qwen3-Omni's image prompts through their own forward (pixels -> vision tower -> embeddings at
+    the placeholders, DeepStack features of the tower's inner layer added after the decoder's first layer, positions
+    from get_rope_index): given what the text decoder received, DeepStack included, the converted Thinker gives the
+    model's logits and, generating, its tokens; without the DeepStack features, other logits."""
+    ours, theirs = request.getfixturevalue(family)[:2]
+    config = theirs.config
+    for key, value in (("image_token_id", 120), ("vision_start_token_id", 121), ("vision_end_token_id", 122)):
+        setattr(config, key, value)  # placeholder ids inside the tiny vocabulary (the releases' are past 151000)
+    image = [121] + [120] * 6 + [122]
+    text = token_ids(batch=1, length=12, seed=4, high=100)[0]
+    ids = torch.cat([text[:5], torch.tensor(image), text[5:]])[None]
+    vision = config.vision_config
+    patch = 3 * vision.temporal_patch_size * vision.patch_size**2
+    pixels = torch.randn(24, patch, generator=torch.Generator().manual_seed(6))
+    image_inputs = {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, 4, 6]])}
+    if family == "vl":
+        image_inputs["mm_token_type_ids"] = (ids == 120).int()
+    captured = capture_language_model_inputs(theirs)
+    if hasattr(theirs, "rope_deltas"):
+        theirs.rope_deltas = None
+    theirs.model.rope_deltas = None
+    expected = theirs(input_ids=ids, attention_mask=torch.ones_like(ids), **image_inputs).logits
+    prompt = dict(captured)
+    assert len(prompt["deepstack_visual_embeds"]) == 1 and int(prompt["visual_pos_masks"].sum()) == 6
+    assert_close(ours(**prompt).logits, expected, **TOL)
+    without = {key: prompt[key] for key in ("inputs_embeds", "position_ids")}
+    assert (ours(**without).logits - expected).abs().max() > 100 * TOL["atol"]
+
+    theirs.model.rope_deltas = None
+    continuation = theirs.generate(input_ids=ids, max_new_tokens=6, do_sample=False, **image_inputs)[:, ids.shape[1] :]
+    generated = ours.generate(**prompt, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    assert torch.equal(generated[:, -6:], continuation)
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("rows", [3, 4])
 @pytest.mark.parametrize("family", ["omni", "vl"])
 def test_distinct_position_rows_through_the_converter(family, rows, request):

@@ -117,11 +117,15 @@ def left_pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def capture_language_model_inputs(model) -> dict:
     """Records the ``inputs_embeds`` and ``position_ids`` that ``model`` (a vision-language model whose text decoder
-    is ``model.model.language_model``) passes to its text decoder on each forward."""
+    is ``model.model.language_model``) passes to its text decoder on each forward, and Qwen3-VL's and Qwen3-Omni's
+    DeepStack inputs (``visual_pos_masks``, ``deepstack_visual_embeds``) where an image or video hands them on."""
     captured = {}
 
     def hook(module, args, kwargs):
         captured.update(inputs_embeds=kwargs["inputs_embeds"], position_ids=kwargs["position_ids"])
+        for key in ("visual_pos_masks", "deepstack_visual_embeds"):
+            if kwargs.get(key) is not None:
+                captured[key] = kwargs[key]
 
     model.model.language_model.register_forward_pre_hook(hook, with_kwargs=True)
     return captured
