@@ -108,3 +108,12 @@ def foreign_block_prompt(
     if not multimodal:
         positions = np.maximum(np.cumsum(attention_mask, axis=-1) - 1, 0).astype(np.int64)
     return embeds, positions, foreign
+
+
+def foreign_deepstack(foreign: np.ndarray, layers: int, hidden_size: int, scale: float) -> list[np.ndarray]:
+    """DeepStack features for ``foreign_block_prompt``'s foreign slots (``foreign``, (B, T) bool): for each of
+    ``layers`` layers, a (foreign slots, hidden_size) float32 block drawn from a fixed seed at ``scale``, in the form
+    Qwen3-VL's model hands its text decoder."""
+    rng = np.random.default_rng(PROMPT_SEED + 3)
+    slots = int(foreign.sum())
+    return [rng.normal(0.0, scale, (slots, hidden_size)).astype(np.float32) for _ in range(layers)]

@@ -105,8 +105,9 @@ MAX_THREADS = 1024
     "input_ids, for prompts that carry the embeddings of audio, image or video towers, and embed.onnx (input_ids -> "
     "inputs_embeds) for their text tokens and the decode steps' tokens; both read model.onnx.data. "
     "export.runtime.OnnxDecoder runs them (`thinker generate` runs model.onnx); --verify checks model.embeds.onnx on "
-    "a prompt of token rows and foreign vectors at multimodal positions. model.onnx and onnxruntime-genai's graph are "
-    "unchanged.",
+    "a prompt of token rows and foreign vectors at multimodal positions. Qwen3-VL and Qwen3-Omni graphs also take "
+    "deepstack_embeds [layers, batch, seq, hidden], their vision tower's DeepStack features. model.onnx and "
+    "onnxruntime-genai's graph are unchanged.",
 )
 @click.option(
     "--quantize",

@@ -52,7 +52,7 @@ from .hybrid_attention_graph import (
     rotary_dim,
 )
 from .linear_attention_graph import GatedDeltaNetDims, GatedDeltaNetGraph, PaddingMasks, emit_padding_masks
-from .names import LAST_POSITION_SCOPE, ROPE_TABLE, TOKENS_SCOPE, export_context
+from .names import DEEPSTACK_SCOPE, LAST_POSITION_SCOPE, ROPE_TABLE, TOKENS_SCOPE, export_context
 from .qwen4_exp_graph import (
     Qwen4ExpValues,
     emit_final_mix,
@@ -218,6 +218,11 @@ class DecoderGraph:
                         hidden = emit_stream_layer(self, i, hidden, ctx)
                     else:
                         hidden, delta = self.emit_layer(i, hidden, delta, ctx)
+                if i < cfg.deepstack_layers and cfg.hc_count == 1:
+                    # where --inputs-embeds adds the vision tower's DeepStack features (export/embeds_graph.py): the
+                    # running sum, the layer's last output (delta) still to come, so the sum of both takes them
+                    with b.scope(f"{DEEPSTACK_SCOPE}.{i}"):
+                        hidden = b.op("Identity", hidden)
             if cfg.hc_count > 1:
                 with b.scope("hyper_connection_mixer"):
                     hidden = emit_final_mix(self, hidden)

@@ -11,7 +11,10 @@ is written, as ``model.genai.onnx`` is):
                      a quantized tied table's GatherBlockQuantized too), so a prompt's text slots are the very rows
                      the decoder would have looked up.
   model.embeds.onnx  ``model.onnx`` with ``inputs_embeds`` [B, T, hidden] float32 in place of ``input_ids`` and the
-                     lookup taken out; every other input, output and state as ``model.onnx``'s.
+                     lookup taken out; every other input, output and state as ``model.onnx``'s. For Qwen3-VL and
+                     Qwen3-Omni (``deepstack_layers``) also ``deepstack_embeds`` [layers, B, T, hidden] float32: the
+                     vision tower's DeepStack features, row i added to the hidden states after layer i (zeros where
+                     no image or video is, and at every decode step), as their text decoders add them.
 
 ``inputs_embeds`` is float32 in every dtype, as the logits are: the towers' outputs go in as numpy float32 whatever
 dtype they ran in (numpy has no bfloat16), and a half graph casts them to its dtype first thing, the rounding
@@ -40,7 +43,7 @@ from thinker.configuration_thinker import ThinkerConfig
 
 from .graph_builder import TORCH_TO_ONNX
 from .graph_walk import all_nodes, drop_unread_initializers, prune_dead_nodes
-from .names import EMBED_FILE, EMBEDS_MODEL_FILE, INPUTS_EMBEDS, TOKENS_SCOPE
+from .names import DEEPSTACK_EMBEDS, DEEPSTACK_SCOPE, EMBED_FILE, EMBEDS_MODEL_FILE, INPUTS_EMBEDS, TOKENS_SCOPE
 
 LOOKUP_SCOPE = f"/model/embed/{TOKENS_SCOPE}/"
 CAST_IN = "/model/embed/inputs_embeds/Cast"  # a half graph's cast of the float32 input to its dtype
@@ -111,7 +114,12 @@ def write_embeds_graphs(model_path: Path, dtype: torch.dtype, hidden_size: int) 
             check_reads_shape_only(node)
         renamed = {lookup: source, "input_ids": INPUTS_EMBEDS}
         node.input[:] = [renamed.get(name, name) for name in node.input]
-    _set_values(graph.input, [embeds_type if value.name == "input_ids" else value for value in graph.input])
+    inputs = [embeds_type if value.name == "input_ids" else value for value in graph.input]
+    layers = add_deepstack(graph, dtype)
+    if layers:
+        deepstack = [layers, batch, seq, hidden_size]
+        inputs.insert(1, helper.make_tensor_value_info(DEEPSTACK_EMBEDS, TensorProto.FLOAT, deepstack))
+    _set_values(graph.input, inputs)
     prune_dead_nodes(graph)
     drop_unread_initializers(graph)
 
@@ -123,6 +131,36 @@ def write_embeds_graphs(model_path: Path, dtype: torch.dtype, hidden_size: int) 
         except onnx.checker.ValidationError as err:
             raise RuntimeError(f"{path.name} is invalid (a bug in the exporter): {err}") from err
     return paths
+
+
+def add_deepstack(graph: onnx.GraphProto, dtype: torch.dtype) -> int:
+    """Turns the DeepStack marks of ``graph`` (model.onnx's Identity after each of its first ``deepstack_layers``
+    layers, export/decoder_graph.py) into the adds of ``deepstack_embeds`` [layers, B, T, hidden]'s rows, in the
+    graph's dtype (transformers casts the features to the hidden states' dtype); returns the number of layers."""
+    marks = [node for node in graph.node if node.name.startswith(f"/model/{DEEPSTACK_SCOPE}.")]
+    if not marks:
+        return 0
+    features = DEEPSTACK_EMBEDS
+    added = []
+    if dtype != torch.float32:
+        features = f"/model/{DEEPSTACK_SCOPE}/Cast_output_0"
+        added.append(
+            helper.make_node(
+                "Cast", [DEEPSTACK_EMBEDS], [features], f"/model/{DEEPSTACK_SCOPE}/Cast", to=TORCH_TO_ONNX[dtype]
+            )
+        )
+    for index, mark in enumerate(marks):
+        if mark.name != f"/model/{DEEPSTACK_SCOPE}.{index}/Identity" or mark.op_type != "Identity":
+            raise RuntimeError(f"DeepStack mark {mark.name} ({mark.op_type}) out of order (a bug in the exporter)")
+        scope = mark.name.rsplit("/", 1)[0]
+        row = f"{scope}/row"
+        graph.initializer.append(helper.make_tensor(f"{scope}/index", TensorProto.INT64, [], [index]))
+        added.append(helper.make_node("Gather", [features, f"{scope}/index"], [row], f"{scope}/Gather", axis=0))
+        mark.op_type, mark.name = "Add", f"{scope}/Add"
+        mark.input.append(row)
+    for position, node in enumerate(added):  # first: they read only an input and constants
+        graph.node.insert(position, node)
+    return len(marks)
 
 
 def lookup_output(graph: onnx.GraphProto) -> str:

@@ -193,4 +193,7 @@ embeds = decoder.embed(input_ids)                # (batch, seq, hidden) float32
 embeds[image_slots] = image_embeddings           # the tower's output, as numpy float32
 new_tokens = decoder.generate(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids)
 ```
+
+Qwen3-VL and Qwen3-Omni images and videos also hand the text decoder DeepStack features: pass them as their model
+does, `visual_pos_masks=` and `deepstack_visual_embeds=`.
 """

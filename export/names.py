@@ -17,6 +17,11 @@ EMBED_FILE = "embed.onnx"
 INPUTS_EMBEDS = "inputs_embeds"
 # The scope of the decoder's token lookup (export/decoder_graph.py ``emit_embeddings``): /model/embed/<this>/.
 TOKENS_SCOPE = "tokens"
+# model.embeds.onnx's input for Qwen3-VL's and Qwen3-Omni's DeepStack features, [deepstack_layers, B, T, hidden]
+# float32 (zeros where no visual position is), and the scope of the marks model.onnx carries where they are added,
+# after each of its first deepstack_layers layers: /model/deepstack.<i>/ (an Identity onnxruntime removes).
+DEEPSTACK_EMBEDS = "deepstack_embeds"
+DEEPSTACK_SCOPE = "deepstack"
 REPORT_FILE = "export_report.json"
 # The RoPE cos table both graphs store, one row per position: an export's context where no config says it.
 ROPE_TABLE = "rotary_emb.cos_cache"

@@ -19,8 +19,8 @@ KV). Models
 whose ``position_ids`` input is (3, B, T) (multimodal RoPE) get text positions repeated on the three
 streams, as transformers' text models do inside; ``forward`` also takes (3, B, T) positions as they are (an image
 prompt's, from the reference processor's ``get_rope_index``). Opened on ``model.embeds.onnx`` (``--inputs-embeds``),
-it takes a prompt's ``inputs_embeds`` (the towers' embeddings among ``embed``'s token rows) and looks token ids up
-through ``embed.onnx`` beside it.
+it takes a prompt's ``inputs_embeds`` (the towers' embeddings among ``embed``'s token rows), and for Qwen3-VL and
+Qwen3-Omni their DeepStack features, and looks token ids up through ``embed.onnx`` beside it.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from common.side_files import read_json
 
 from .graph_walk import all_nodes, rotates
 from .names import (
+    DEEPSTACK_EMBEDS,
     EMBED_FILE,
     EMBEDS_MODEL_FILE,
     EXPORT_ID_KEY,
@@ -369,6 +370,8 @@ class OnnxDecoder:
         # model.embeds.onnx (--inputs-embeds) takes embeddings; token ids go through embed.onnx beside it first
         self.takes_embeds = INPUTS_EMBEDS in inputs
         self.embed_session = None
+        # Qwen3-VL / Qwen3-Omni: the layers whose hidden states take the vision tower's DeepStack features
+        self.deepstack_layers = inputs[DEEPSTACK_EMBEDS].shape[0] if DEEPSTACK_EMBEDS in inputs else 0
         if self.takes_embeds:
             self.hidden_size = inputs[INPUTS_EMBEDS].shape[-1]
             embed_path = self.model_path.with_name(EMBED_FILE)
@@ -460,11 +463,14 @@ class OnnxDecoder:
         position_ids: np.ndarray,
         state: DecoderState,
         inputs_embeds: np.ndarray | None = None,
+        deepstack_embeds: np.ndarray | None = None,
     ) -> np.ndarray:
         """Runs the graph on new tokens; ``state.cache`` becomes the presents. Returns logits (B, T, V) float32.
         ``position_ids`` (B, T), or (3, B, T) for a model with multimodal RoPE; a batch of 1 there stands for every
         row (B > 1), as in transformers. ``inputs_embeds`` (B, T, hidden), in place of ``input_ids``: the new
-        positions' embeddings, for a graph exported with ``--inputs-embeds`` (``model.embeds.onnx``)."""
+        positions' embeddings, for a graph exported with ``--inputs-embeds`` (``model.embeds.onnx``).
+        ``deepstack_embeds`` (layers, B, T, hidden): a Qwen3-VL or Qwen3-Omni graph's DeepStack features (zeros
+        when not given: ``deepstack_features`` builds them from transformers' form)."""
         tokens = self._token_feed(input_ids, inputs_embeds)
         batch, steps = tokens.shape[:2]
         given = ("input_ids", input_ids) if inputs_embeds is None else ("inputs_embeds", inputs_embeds)
@@ -480,6 +486,15 @@ class OnnxDecoder:
             INPUTS_EMBEDS if self.takes_embeds else "input_ids": tokens,
             "attention_mask": np.ascontiguousarray(state.attention_mask, dtype=np.int64),
         }
+        if self.deepstack_layers:
+            shape = (self.deepstack_layers, batch, steps, self.hidden_size)
+            if deepstack_embeds is None:
+                deepstack_embeds = np.zeros(shape, np.float32)
+            elif np.shape(deepstack_embeds) != shape:
+                raise ThinkerError(f"deepstack_embeds of shape {np.shape(deepstack_embeds)}; expected {shape}")
+            feeds[DEEPSTACK_EMBEDS] = np.ascontiguousarray(deepstack_embeds, dtype=np.float32)
+        elif deepstack_embeds is not None:
+            raise ThinkerError(f"{self.model_path}: takes no DeepStack features (a model without them)")
         if self.takes_positions:
             positions = self.graph_positions(position_ids)
             if positions.shape[-2] == 1 and batch > 1:  # one row of positions for every row, as transformers takes
@@ -546,9 +561,7 @@ class OnnxDecoder:
                 f"{self.model_path}: takes token ids; for inputs_embeds export with --inputs-embeds and open "
                 f"{EMBEDS_MODEL_FILE}"
             )
-        if hasattr(inputs_embeds, "detach") and inputs_embeds.is_floating_point():  # torch, without importing it
-            inputs_embeds = inputs_embeds.detach().float().cpu().numpy()
-        embeds = np.asarray(inputs_embeds)
+        embeds = np.asarray(as_numpy(inputs_embeds))
         if embeds.ndim != 3 or 0 in embeds.shape[:2] or embeds.shape[2] != self.hidden_size:
             raise ThinkerError(
                 f"inputs_embeds of shape {embeds.shape}; expected (batch, seq, {self.hidden_size}) with at least one "
@@ -559,6 +572,39 @@ class OnnxDecoder:
         if not np.isfinite(embeds).all():
             raise ThinkerError("inputs_embeds hold inf or NaN")
         return np.ascontiguousarray(embeds, dtype=np.float32)
+
+    def deepstack_features(
+        self, visual_pos_masks, deepstack_visual_embeds, shape: tuple[int, int]
+    ) -> np.ndarray | None:
+        """The (layers, B, T, hidden) ``deepstack_embeds`` the graph takes, from transformers' form: the i-th
+        (visual positions, hidden) features at the positions ``visual_pos_masks`` (B, T) marks, zeros elsewhere (and
+        for layers past the list). None where neither is given."""
+        if visual_pos_masks is None and deepstack_visual_embeds is None:
+            return None
+        if visual_pos_masks is None or deepstack_visual_embeds is None:
+            raise ThinkerError("visual_pos_masks and deepstack_visual_embeds go together: pass both or neither")
+        if not self.deepstack_layers:
+            raise ThinkerError(
+                f"{self.model_path}: takes no DeepStack features (a model without them, or not model.embeds.onnx)"
+            )
+        mask = np.asarray(as_numpy(visual_pos_masks)).astype(bool)
+        if mask.shape != tuple(shape):
+            raise ThinkerError(f"visual_pos_masks of shape {mask.shape}; expected (batch, seq) = {tuple(shape)}")
+        if len(deepstack_visual_embeds) > self.deepstack_layers:
+            raise ThinkerError(
+                f"{len(deepstack_visual_embeds)} deepstack_visual_embeds for a graph that adds them after its first "
+                f"{self.deepstack_layers} layer(s)"
+            )
+        dense = np.zeros((self.deepstack_layers, *shape, self.hidden_size), np.float32)
+        for index, features in enumerate(deepstack_visual_embeds):
+            features = np.asarray(as_numpy(features), dtype=np.float32)
+            if features.shape != (int(mask.sum()), self.hidden_size):
+                raise ThinkerError(
+                    f"deepstack_visual_embeds[{index}] of shape {features.shape}; expected ({int(mask.sum())}, "
+                    f"{self.hidden_size}): a row for each of visual_pos_masks' positions"
+                )
+            dense[index][mask] = features
+        return dense
 
     def _check_mask(self, mask: np.ndarray, batch: int, steps: int, what: str) -> None:
         if mask.ndim != 2 or mask.shape[0] != batch or mask.shape[1] < steps:
@@ -700,6 +746,8 @@ class OnnxDecoder:
         new_tokens: int = 0,
         inputs_embeds: np.ndarray | None = None,
         position_ids: np.ndarray | None = None,
+        visual_pos_masks: np.ndarray | None = None,
+        deepstack_visual_embeds: list | None = None,
     ) -> tuple[np.ndarray, DecoderState]:
         """The prompt (left-padded when rows differ in length) through an empty cache. Logits (B, T, V), or (B, 1, V)
         from a ``--logits last`` graph: each row's last kept position. ``new_tokens``: how many tokens will follow,
@@ -708,7 +756,9 @@ class OnnxDecoder:
         or audio prompt of a multimodal-RoPE model (the reference processor's ``get_rope_index``); each row then
         continues one past its last kept position on each stream, as transformers' ``generate`` does
         (``next_positions``; the state's ``next_position`` is then (3, B) on a multimodal-RoPE graph, (B,) otherwise).
-        Default: counted from the mask."""
+        Default: counted from the mask. ``visual_pos_masks`` (B, T) and ``deepstack_visual_embeds`` (a list of
+        (visual positions, hidden) features): a Qwen3-VL or Qwen3-Omni image prompt's DeepStack features, as its
+        model hands them to its text decoder."""
         input_ids, attention_mask = self._checked_prompt(input_ids, attention_mask, inputs_embeds)
         if self.right_padding_only and (np.diff(attention_mask, axis=1) > 0).any():
             raise ThinkerError(
@@ -723,7 +773,8 @@ class OnnxDecoder:
             next_position = next_positions(positions, attention_mask)
         cache = self.empty_cache(attention_mask.shape[0], slots=attention_mask.shape[1] + new_tokens)
         state = DecoderState(attention_mask, next_position, cache, cached=0)
-        return self.forward(input_ids, positions, state, inputs_embeds), state
+        deepstack = self.deepstack_features(visual_pos_masks, deepstack_visual_embeds, attention_mask.shape)
+        return self.forward(input_ids, positions, state, inputs_embeds, deepstack), state
 
     def _prompt_positions(self, position_ids, attention_mask, input_ids, inputs_embeds) -> np.ndarray:
         """A prompt's own ``position_ids`` in the graph's form, checked against the prompt (before its next
@@ -773,13 +824,15 @@ class OnnxDecoder:
         streamer=None,
         inputs_embeds: np.ndarray | None = None,
         position_ids: np.ndarray | None = None,
+        visual_pos_masks: np.ndarray | None = None,
+        deepstack_visual_embeds: list | None = None,
     ) -> np.ndarray:
         """Greedy continuation; returns (B, T + n) tokens, or the (B, n) new ones for a prompt given as
         ``inputs_embeds`` (as transformers' ``generate`` does). Rows that reach EOS are padded from there on (as
         transformers' ``generate`` does) and the loop stops when every row has. ``streamer``: one of transformers'
         streamers (``TextStreamer``, ``TextIteratorStreamer``), fed as its ``generate`` feeds it: ``put`` the prompt
-        (its ids, when given), then each step's new tokens as they come, then ``end``. ``inputs_embeds`` and
-        ``position_ids``: as ``prefill`` takes them."""
+        (its ids, when given), then each step's new tokens as they come, then ``end``. ``inputs_embeds``,
+        ``position_ids``, ``visual_pos_masks`` and ``deepstack_visual_embeds``: as ``prefill`` takes them."""
         input_ids, attention_mask = self._checked_prompt(input_ids, attention_mask, inputs_embeds)
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
             raise ThinkerError(f"max_new_tokens={max_new_tokens!r}; expected a whole number, 0 or more")
@@ -799,9 +852,13 @@ class OnnxDecoder:
             )
         eos = set(np.atleast_1d(eos_token_id).tolist()) if eos_token_id is not None else set()
         pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
+        self.deepstack_features(visual_pos_masks, deepstack_visual_embeds, attention_mask.shape)  # checked first too
         if streamer is not None:  # a prompt of embeddings streams as no tokens, as transformers' generate puts it
             streamer.put(input_ids if input_ids is not None else np.zeros((attention_mask.shape[0], 0), np.int64))
-        logits, state = self.prefill(input_ids, attention_mask, max_new_tokens, inputs_embeds, position_ids)
+        deepstack = {"visual_pos_masks": visual_pos_masks, "deepstack_visual_embeds": deepstack_visual_embeds}
+        logits, state = self.prefill(
+            input_ids, attention_mask, max_new_tokens, inputs_embeds, position_ids, **deepstack
+        )
         next_logits = last_kept_logits(logits, state.attention_mask)
         done = np.zeros(attention_mask.shape[0], dtype=bool)
         new_tokens = []
@@ -874,6 +931,15 @@ def last_kept_logits(logits: np.ndarray, attention_mask: np.ndarray) -> np.ndarr
         return logits[:, 0]
     last = attention_mask.shape[1] - 1 - np.argmax(attention_mask[:, ::-1], axis=1)
     return logits[np.arange(len(logits)), last]
+
+
+def as_numpy(value):
+    """A torch tensor (a tower's output, in any dtype, bfloat16 too, which numpy lacks: floats as float32) as numpy,
+    without importing torch; anything else as it is."""
+    if hasattr(value, "detach") and hasattr(value, "is_floating_point"):
+        value = value.detach().cpu()
+        return (value.float() if value.is_floating_point() else value).numpy()
+    return value
 
 
 def next_positions(position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:

@@ -39,7 +39,13 @@ import torch
 from common.dtypes import dtype_name
 from common.eager import EAGER
 from common.errors import ThinkerError
-from common.parity_inputs import RELATIVE_TOLERANCE, foreign_block_prompt, indexer_batch, parity_batch
+from common.parity_inputs import (
+    RELATIVE_TOLERANCE,
+    foreign_block_prompt,
+    foreign_deepstack,
+    indexer_batch,
+    parity_batch,
+)
 from common.progress import progress_bar
 from common.side_files import read_json
 from common.sizes import human_size
@@ -208,6 +214,12 @@ def _compare_decoders(
         embeds, position_array, foreign = foreign_block_prompt(tokens, attention_mask, decoder.position_rank == 3)
         positions = torch.from_numpy(position_array)
         inputs = {"inputs_embeds": torch.from_numpy(embeds), "attention_mask": mask, "position_ids": positions}
+        deepstack = {}
+        if decoder.deepstack_layers:  # Qwen3-VL's: features added at the foreign slots after the first layers
+            features = foreign_deepstack(foreign, decoder.deepstack_layers, embeds.shape[-1], float(embeds.std()))
+            deepstack = {"visual_pos_masks": foreign, "deepstack_visual_embeds": features}
+            inputs |= {"visual_pos_masks": torch.from_numpy(foreign)}
+            inputs |= {"deepstack_visual_embeds": [torch.from_numpy(f) for f in features]}
     else:
         positions = torch.from_numpy(position_ids_from_mask(attention_mask))
         inputs = {"input_ids": torch.from_numpy(input_ids), "attention_mask": mask, "position_ids": positions}
@@ -217,7 +229,9 @@ def _compare_decoders(
     given = right_padded(input_ids, attention_mask) if right_padded_candidate else (input_ids, attention_mask)
     if foreign_embeddings:  # its token rows from embed.onnx, as a caller builds a prompt: a wrong lookup shows
         rows = np.where(foreign[..., None], embeds, decoder.embed(input_ids))
-        candidate, state = decoder.prefill(None, attention_mask, inputs_embeds=rows, position_ids=position_array)
+        candidate, state = decoder.prefill(
+            None, attention_mask, inputs_embeds=rows, position_ids=position_array, **deepstack
+        )
     else:
         candidate, state = decoder.prefill(*given)
     if decoder.last_logits_only:

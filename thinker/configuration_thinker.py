@@ -195,6 +195,9 @@ class ThinkerConfig(PreTrainedConfig):
     lm_head_bias: bool = False  # μOmni's head is a plain nn.Linear with bias
     audio_embed_size: int | None = None  # set: a Linear(audio_embed_size -> hidden) projects `audio_embeds`
     talker_head_size: int | None = None  # set: a Linear(hidden -> talker_head_size) whose logits come out too
+    # Qwen3-VL / Qwen3-Omni: how many first decoder layers the vision tower's DeepStack features follow (its
+    # deepstack_visual_indexes); the PyTorch model takes as many as given, the ONNX embeds graph this many
+    deepstack_layers: int = 0
 
     # --- the rest ---------------------------------------------------------------------------------------------
     initializer_range: float = 0.02
@@ -262,6 +265,10 @@ class ThinkerConfig(PreTrainedConfig):
         self.validate_qwen4_exp()
         if self.norm_zero_centered and self.norm_type != "rmsnorm":
             raise ValueError("norm_zero_centered applies to RMSNorm weights; it needs norm_type='rmsnorm'")
+        if not 0 <= self.deepstack_layers <= self.num_hidden_layers:
+            raise ValueError(
+                f"deepstack_layers={self.deepstack_layers} must lie in [0, num_hidden_layers={self.num_hidden_layers}]"
+            )
         mrope_section = (self.rope_parameters or {}).get("mrope_section")
         for key in ("mrope_interleaved", "interleaved"):
             value = (self.rope_parameters or {}).get(key)

@@ -15,7 +15,8 @@ when the config names no section), kept in the Thinker config: given the thinker
 audio prompts exact (the audio tower's embeddings go into ``inputs_embeds``; audio positions are sequential). Image
 and video prompts too: Qwen3-Omni's text decoder also adds the vision tower's DeepStack features to the hidden states
 of its first layers, which the Thinker takes as the text decoder does (``visual_pos_masks``,
-``deepstack_visual_embeds``; the ONNX graphs do not).
+``deepstack_visual_embeds``; ``thinker export --inputs-embeds``' graph as ``deepstack_embeds``). The converted config
+records how many layers take them (``deepstack_layers``, the vision tower's ``deepstack_visual_indexes``).
 
 The thinker saved alone (``Qwen3OmniMoeThinkerForConditionalGeneration.save_pretrained``, ``model_type``
 ``qwen3_omni_moe_thinker``: what a user who loaded just the thinker, the parity reference itself, writes back) holds
@@ -51,6 +52,7 @@ from .common import (
     hf_family,
     mrope_parameters,
 )
+from .qwen3_vl import deepstack_layers
 
 # Everything of the full model that is not the thinker's text decoder; of the thinker saved alone, its towers.
 DROPPED_PREFIXES = ("thinker.audio_tower.", "thinker.visual.", "talker.", "code2wav.")
@@ -74,12 +76,18 @@ def thinker_text_config(thinker: PreTrainedConfig) -> PreTrainedConfig:
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # where a config names them on the thinker only
         if getattr(text, key, None) is None and getattr(thinker, key, None) is not None:
             setattr(text, key, getattr(thinker, key))
+    text.deepstack_layers = deepstack_layers(getattr(thinker, "vision_config", None))
     return text
 
 
 def text_decoder_fields(text: PreTrainedConfig) -> dict[str, Any]:
     rope = mrope_parameters(text, REFERENCE_MROPE_SECTION)
-    return {"qk_norm": True, "attention_bias": text.attention_bias, "rope_parameters": rope}
+    return {
+        "qk_norm": True,
+        "attention_bias": text.attention_bias,
+        "rope_parameters": rope,
+        "deepstack_layers": text.deepstack_layers,
+    }
 
 
 def thinker_config(folder: Path) -> PreTrainedConfig:

@@ -7,7 +7,8 @@ config names none), kept in the Thinker config so that the ``(3, B, T)`` positio
 rotate as the reference's. The vision tower (``model.visual.*``) is dropped by prefix: its embeddings go into the
 Thinker's ``inputs_embeds``. Text, image and video prompts are exact: the text decoder also adds the tower's
 DeepStack features to the hidden states of its first layers, which the Thinker takes as it does
-(``visual_pos_masks``, ``deepstack_visual_embeds``; the ONNX graphs do not).
+(``visual_pos_masks``, ``deepstack_visual_embeds``; ``thinker export --inputs-embeds``' graph as ``deepstack_embeds``);
+the converted config records how many layers take them (``deepstack_layers``).
 
 Qwen3-VL-MoE (``qwen3_vl_moe``, ``Qwen3VLMoeForConditionalGeneration``) is the same decoder with Qwen3-MoE's sparse
 layers, but its Hub checkpoints store each layer's experts fused and transposed from transformers' in-memory layout
@@ -65,12 +66,25 @@ def text_fields(hf: PreTrainedConfig) -> dict:
         "attention_bias": hf.attention_bias,
         "qk_norm": True,
         "rope_parameters": mrope_parameters(hf, REFERENCE_MROPE_SECTION),
+        "deepstack_layers": hf.deepstack_layers,
     }
+
+
+def vision_language_text_config(hf: PreTrainedConfig) -> PreTrainedConfig:
+    """The text config, with the number of layers its vision tower's DeepStack features follow."""
+    text = text_decoder_config(hf)
+    text.deepstack_layers = deepstack_layers(hf.vision_config)
+    return text
+
+
+def deepstack_layers(vision: PreTrainedConfig | None) -> int:
+    """How many first decoder layers take the DeepStack features of a vision tower (one per deepstack index)."""
+    return len(getattr(vision, "deepstack_visual_indexes", None) or ())
 
 
 def renormalising_text_config(hf: PreTrainedConfig) -> PreTrainedConfig:
     """The text config, with the renormalisation its router always does (Qwen3VLMoeTextTopKRouter) named."""
-    text = text_decoder_config(hf)
+    text = vision_language_text_config(hf)
     text.norm_topk_prob = True
     return text
 
@@ -91,6 +105,7 @@ QWEN3_VL = hf_family(
     (EMBEDDINGS_AND_HEAD, LAYER_NORMS, ATTENTION, ATTENTION_BIASES, QK_NORMS, DENSE_MLP),
     text_fields,
     name="qwen3_vl",
+    decoder_config=vision_language_text_config,
     **VISION_LANGUAGE,
 )
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from cli_helpers import thinker
 from onnx import helper
-from references import qwen2_vl, qwen3_omni
+from references import qwen2_vl, qwen3_omni, qwen3_vl
 
 from common.errors import ThinkerError
 from common.parity_inputs import RELATIVE_TOLERANCE, foreign_block_prompt, parity_batch
@@ -256,6 +256,75 @@ def test_a_video_prompt_continues_as_transformers_generate_does(tmp_path):
         inputs_embeds=embeds, attention_mask=mask.numpy(), position_ids=positions, max_new_tokens=8
     )
     np.testing.assert_array_equal(tokens, continuation[:, ids.shape[1] :].numpy())
+
+
+@torch.no_grad()
+def test_an_image_prompt_with_deepstack_gives_qwen3_vls_own_generation(tmp_path):
+    """Qwen3-VL adds its vision tower's DeepStack features to the hidden states after its first layer(s):
+    ``model.embeds.onnx`` takes them as ``deepstack_embeds`` (``OnnxDecoder`` builds it from transformers' form) and
+    gives the model's logits and the tokens of its own ``generate`` from the pixels; without them, other logits."""
+    import transformers
+    from references.hybrid import capture_language_model_inputs
+
+    source = qwen3_vl.save(tmp_path / "source")
+    report = export_model(source, tmp_path / "onnx", inputs_embeds=True, progress=False)
+    assert report["verify"]["passed"]
+    model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(source).eval()
+    for key, value in (("image_token_id", 120), ("vision_start_token_id", 121), ("vision_end_token_id", 122)):
+        setattr(model.config, key, value)  # placeholder ids inside the tiny vocabulary
+    ids = torch.tensor([[5, 9, 17, 33, 4, 121, *[120] * 6, 122, 21, 8, 7, 44]])
+    vision = model.config.vision_config
+    patch = 3 * vision.temporal_patch_size * vision.patch_size**2
+    pixels = torch.randn(24, patch, generator=torch.Generator().manual_seed(6))
+    image = {
+        "pixel_values": pixels,
+        "image_grid_thw": torch.tensor([[1, 4, 6]]),
+        "mm_token_type_ids": (ids == 120).int(),
+    }
+    captured = capture_language_model_inputs(model)
+    expected = model(input_ids=ids, attention_mask=torch.ones_like(ids), **image).logits.numpy()
+    prompt = dict(captured)
+    continuation = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, **image)[:, ids.shape[1] :]
+
+    decoder = OnnxDecoder(tmp_path / "onnx" / EMBEDS_MODEL_FILE, provider="cpu")
+    assert decoder.deepstack_layers == 1
+    mask = np.ones(ids.shape, np.int64)
+    given = dict(inputs_embeds=prompt["inputs_embeds"], position_ids=prompt["position_ids"].numpy())
+    deepstack = {key: prompt[key] for key in ("visual_pos_masks", "deepstack_visual_embeds")}
+    logits, _ = decoder.prefill(None, mask, **given, **deepstack)
+    tolerance = RELATIVE_TOLERANCE[torch.float32] * max(1.0, float(np.abs(expected).max()))
+    assert np.abs(logits - expected).max() <= tolerance
+    assert np.abs(decoder.prefill(None, mask, **given)[0] - expected).max() > 10 * tolerance
+    tokens = decoder.generate(attention_mask=mask, max_new_tokens=6, **given, **deepstack)
+    np.testing.assert_array_equal(tokens, continuation.numpy())
+
+
+def _deepstack_row_of_the_next_layer(graph):
+    """Layer 0's DeepStack add reads layer 1's features."""
+    index = next(tensor for tensor in graph.initializer if tensor.name == "/model/deepstack.0/index")
+    index.CopyFrom(helper.make_tensor(index.name, onnx.TensorProto.INT64, [], [1]))
+
+
+def _deepstack_dropped(graph):
+    """The DeepStack features never added: each add back to the Identity model.onnx has."""
+    for node in graph.node:
+        if node.name.startswith("/model/deepstack.") and node.op_type == "Add":
+            node.op_type = "Identity"
+            del node.input[1:]
+
+
+@pytest.mark.parametrize("planted", [_deepstack_row_of_the_next_layer, _deepstack_dropped])
+def test_verify_fails_on_a_planted_deepstack_bug(planted, tmp_path):
+    from export_helpers import save_thinker
+
+    source = save_thinker(tmp_path / "thinker", "qwen3_5", deepstack_layers=2)
+    export_model(source, tmp_path / "onnx", inputs_embeds=True, verify=False, progress=False)
+    sound = verify_export(source, tmp_path / "onnx" / "model.onnx", torch.float32)
+    assert sound["passed"] and sound["embeds_graph"]["max_abs_diff"] <= sound["tolerance"]
+    _rewrite(tmp_path / "onnx" / EMBEDS_MODEL_FILE, planted)
+    result = verify_export(source, tmp_path / "onnx" / "model.onnx", torch.float32)
+    assert result["passed"] is False and f"{EMBEDS_MODEL_FILE} with {EMBED_FILE}" in result["failure"]
+    assert result["embeds_graph"]["max_abs_diff"] > 10 * result["tolerance"]
 
 
 def test_a_quantized_export_checks_its_embeds_graph_against_the_dequantized_model(embeds_export):
