@@ -473,8 +473,7 @@ class OnnxDecoder:
         when not given: ``deepstack_features`` builds them from transformers' form)."""
         tokens = self._token_feed(input_ids, inputs_embeds)
         batch, steps = tokens.shape[:2]
-        given = ("input_ids", input_ids) if inputs_embeds is None else ("inputs_embeds", inputs_embeds)
-        what = f"{given[0]} of shape {np.shape(given[1])}"  # as the caller gave it
+        what = described(input_ids, inputs_embeds)
         self._check_mask(state.attention_mask, batch, steps, what)
         if self.chunks_need_batch_1 and batch > 1 and steps > 1 and state.attention_mask.shape[1] > steps:
             raise ThinkerError(
@@ -496,9 +495,7 @@ class OnnxDecoder:
         elif deepstack_embeds is not None:
             raise ThinkerError(f"{self.model_path}: takes no DeepStack features (a model without them)")
         if self.takes_positions:
-            positions = self.graph_positions(position_ids)
-            if positions.shape[-2] == 1 and batch > 1:  # one row of positions for every row, as transformers takes
-                positions = np.broadcast_to(positions, (*positions.shape[:-2], batch, positions.shape[-1]))
+            positions = for_every_row(self.graph_positions(position_ids), batch)
             self._check_positions(positions, batch, steps, np.shape(position_ids), what)
             feeds["position_ids"] = np.ascontiguousarray(positions, dtype=np.int64)
         if state.cached is not None and state.attention_mask.shape[1] != state.cached + steps:
@@ -616,17 +613,17 @@ class OnnxDecoder:
         if (input_ids is None) == (inputs_embeds is None):
             raise ThinkerError("pass either input_ids or inputs_embeds, not both (nor neither)")
         if inputs_embeds is not None:
-            self._checked_embeds(inputs_embeds)  # before a streamer is given the prompt
-            shape, what = np.shape(inputs_embeds)[:2], f"inputs_embeds of shape {np.shape(inputs_embeds)}"
+            shape = self._checked_embeds(inputs_embeds).shape[:2]
         else:
             input_ids = self._checked_ids(input_ids)
-            shape, what = input_ids.shape, f"input_ids of shape {input_ids.shape}"
+            shape = input_ids.shape
         if attention_mask is None:
             attention_mask = np.ones(shape, np.int64)
         mask = np.asarray(attention_mask)
         if mask.shape != shape:
             raise ThinkerError(
-                f"attention_mask of shape {mask.shape} for {what}; a prompt's mask has one column per position"
+                f"attention_mask of shape {mask.shape} for {described(input_ids, inputs_embeds)}; a prompt's mask "
+                "has one column per position"
             )
         if not ((mask == 0) | (mask == 1)).all():
             raise ThinkerError("attention_mask holds values other than 0 and 1 (1 keeps a token, 0 masks a pad)")
@@ -768,25 +765,32 @@ class OnnxDecoder:
         if position_ids is None:
             positions = position_ids_from_mask(attention_mask)
             next_position = positions[:, -1] + 1
+            following = int(attention_mask.sum(axis=1).max())
+            prompt = f"a prompt of {following} tokens"
         else:
             positions = self._prompt_positions(position_ids, attention_mask, input_ids, inputs_embeds)
             next_position = next_positions(positions, attention_mask)
+            following = int(next_position.max())  # its own positions may run ahead of its tokens (a video's)
+            prompt = f"a prompt at positions up to {following - 1}"
+        # Refused before the first token rather than at the step that runs out (``generate``'s streamer would have
+        # printed the rest): the last new token is never fed back, so it takes no position.
+        needed = max(following, following + new_tokens - 1)
+        if self.context_length is not None and needed > self.context_length:
+            raise ThinkerError(
+                f"{prompt} and {new_tokens} new tokens need {needed} positions, past this model's "
+                f"context of {self.context_length}; shorten the prompt or lower max_new_tokens"
+            )
+        deepstack = self.deepstack_features(visual_pos_masks, deepstack_visual_embeds, attention_mask.shape)
         cache = self.empty_cache(attention_mask.shape[0], slots=attention_mask.shape[1] + new_tokens)
         state = DecoderState(attention_mask, next_position, cache, cached=0)
-        deepstack = self.deepstack_features(visual_pos_masks, deepstack_visual_embeds, attention_mask.shape)
         return self.forward(input_ids, positions, state, inputs_embeds, deepstack), state
 
     def _prompt_positions(self, position_ids, attention_mask, input_ids, inputs_embeds) -> np.ndarray:
         """A prompt's own ``position_ids`` in the graph's form, checked against the prompt (before its next
         positions are reckoned from them)."""
-        given = np.shape(position_ids)
-        positions = self.graph_positions(position_ids)
         batch, steps = attention_mask.shape
-        if positions.ndim >= 2 and positions.shape[-2] == 1 and batch > 1:  # one row of positions for every row
-            positions = np.broadcast_to(positions, (*positions.shape[:-2], batch, positions.shape[-1]))
-        tokens = input_ids if inputs_embeds is None else inputs_embeds
-        what = f"{'input_ids' if inputs_embeds is None else 'inputs_embeds'} of shape {np.shape(tokens)}"
-        self._check_positions(positions, batch, steps, given, what)
+        positions = for_every_row(self.graph_positions(position_ids), batch)
+        self._check_positions(positions, batch, steps, np.shape(position_ids), described(input_ids, inputs_embeds))
         if self.rotates_by_slot:
             # GroupQueryAttention rotating q and k itself numbers a prompt's tokens by their slots from the row's
             # first kept one (export/fused_graph.py): right for positions that count up one a token, not others
@@ -833,34 +837,22 @@ class OnnxDecoder:
         streamers (``TextStreamer``, ``TextIteratorStreamer``), fed as its ``generate`` feeds it: ``put`` the prompt
         (its ids, when given), then each step's new tokens as they come, then ``end``. ``inputs_embeds``,
         ``position_ids``, ``visual_pos_masks`` and ``deepstack_visual_embeds``: as ``prefill`` takes them."""
-        input_ids, attention_mask = self._checked_prompt(input_ids, attention_mask, inputs_embeds)
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
             raise ThinkerError(f"max_new_tokens={max_new_tokens!r}; expected a whole number, 0 or more")
-        # Refused before the first token rather than at the step that runs out (a streamer would have printed the
-        # rest): the last new token is never fed back, so it takes no position.
-        following = int(attention_mask.sum(axis=1).max())
-        prompt = f"a prompt of {following} tokens"
-        if position_ids is not None:  # the prompt's own positions, which may run ahead of its tokens (a video's)
-            positions = self._prompt_positions(position_ids, attention_mask, input_ids, inputs_embeds)
-            following = int(next_positions(positions, attention_mask).max())
-            prompt = f"a prompt at positions up to {following - 1}"
-        needed = max(following, following + max_new_tokens - 1)
-        if self.context_length is not None and needed > self.context_length:
-            raise ThinkerError(
-                f"{prompt} and {max_new_tokens} new tokens need {needed} positions, past this model's context of "
-                f"{self.context_length}; shorten the prompt or lower max_new_tokens"
-            )
         eos = set(np.atleast_1d(eos_token_id).tolist()) if eos_token_id is not None else set()
         pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
-        self.deepstack_features(visual_pos_masks, deepstack_visual_embeds, attention_mask.shape)  # checked first too
-        if streamer is not None:  # a prompt of embeddings streams as no tokens, as transformers' generate puts it
-            streamer.put(input_ids if input_ids is not None else np.zeros((attention_mask.shape[0], 0), np.int64))
         deepstack = {"visual_pos_masks": visual_pos_masks, "deepstack_visual_embeds": deepstack_visual_embeds}
+        # the prefill checks the whole request (the context included) before the streamer is given anything
         logits, state = self.prefill(
             input_ids, attention_mask, max_new_tokens, inputs_embeds, position_ids, **deepstack
         )
+        batch = state.attention_mask.shape[0]
+        # a prompt of embeddings streams as no tokens, as transformers' generate puts it
+        prompt = np.zeros((batch, 0), np.int64) if input_ids is None else np.asarray(input_ids, np.int64)
+        if streamer is not None:
+            streamer.put(prompt)
         next_logits = last_kept_logits(logits, state.attention_mask)
-        done = np.zeros(attention_mask.shape[0], dtype=bool)
+        done = np.zeros(batch, dtype=bool)
         new_tokens = []
         for step in range(max_new_tokens):
             token = np.where(done, pad, next_logits.argmax(-1)).astype(np.int64)
@@ -873,8 +865,8 @@ class OnnxDecoder:
             next_logits = self.decode_one_token(token, state)
         if streamer is not None:
             streamer.end()
-        new = np.stack(new_tokens, axis=1) if new_tokens else np.zeros((attention_mask.shape[0], 0), np.int64)
-        return new if input_ids is None else np.concatenate([input_ids, new], axis=1)
+        new = np.stack(new_tokens, axis=1) if new_tokens else np.zeros((batch, 0), np.int64)
+        return new if input_ids is None else np.concatenate([prompt, new], axis=1)
 
 
 def shared_kv_names(graph: onnx.GraphProto) -> frozenset[str]:
@@ -931,6 +923,20 @@ def last_kept_logits(logits: np.ndarray, attention_mask: np.ndarray) -> np.ndarr
         return logits[:, 0]
     last = attention_mask.shape[1] - 1 - np.argmax(attention_mask[:, ::-1], axis=1)
     return logits[np.arange(len(logits)), last]
+
+
+def described(input_ids, inputs_embeds) -> str:
+    """The new positions as the caller gave them, for messages: their ids' shape or their embeddings'."""
+    if inputs_embeds is None:
+        return f"input_ids of shape {np.shape(input_ids)}"
+    return f"inputs_embeds of shape {np.shape(inputs_embeds)}"
+
+
+def for_every_row(positions: np.ndarray, batch: int) -> np.ndarray:
+    """``positions`` (..., B, T) with a batch of 1 standing for every row of ``batch``, as transformers takes them."""
+    if positions.ndim >= 2 and positions.shape[-2] == 1 and batch > 1:
+        return np.broadcast_to(positions, (*positions.shape[:-2], batch, positions.shape[-1]))
+    return positions
 
 
 def as_numpy(value):
