@@ -16,8 +16,9 @@ is written, as ``model.genai.onnx`` is):
                      vision tower's DeepStack features, row i added to the hidden states after layer i (zeros where
                      no image or video is, and at every decode step), as their text decoders add them.
 
-``inputs_embeds`` is float32 in every dtype, as the logits are: the towers' outputs go in as numpy float32 whatever
-dtype they ran in (numpy has no bfloat16), and a half graph casts them to its dtype first thing, the rounding
+``inputs_embeds`` is float32 in every dtype, as the logits are: the towers' outputs go in as float32 whatever dtype
+they ran in (numpy has no bfloat16; ``OnnxDecoder`` takes torch tensors of any float dtype), and a half graph casts
+them to its dtype first thing, the rounding
 transformers' own half-precision model applies to them. The token rows survive the round trip exactly (float32 holds
 every float16 and bfloat16 value).
 
@@ -32,7 +33,6 @@ reads the ids' values elsewhere (Qwen3.8's n-gram hash) cannot be cut, and ``thi
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
@@ -42,17 +42,11 @@ from onnx import TensorProto, helper
 from thinker.configuration_thinker import ThinkerConfig
 
 from .graph_builder import TORCH_TO_ONNX
-from .graph_walk import all_nodes, drop_unread_initializers, prune_dead_nodes
+from .graph_walk import all_nodes, drop_unread_initializers, prune_dead_nodes, save_checked
 from .names import DEEPSTACK_EMBEDS, DEEPSTACK_SCOPE, EMBED_FILE, EMBEDS_MODEL_FILE, INPUTS_EMBEDS, TOKENS_SCOPE
 
 LOOKUP_SCOPE = f"/model/embed/{TOKENS_SCOPE}/"
 CAST_IN = "/model/embed/inputs_embeds/Cast"  # a half graph's cast of the float32 input to its dtype
-
-
-@dataclass(frozen=True)
-class EmbedsGraphs:
-    model_path: Path  # model.embeds.onnx
-    embed_path: Path  # embed.onnx
 
 
 def embeds_refusal(config: ThinkerConfig) -> str | None:
@@ -76,7 +70,7 @@ def embeds_positions_note(config: ThinkerConfig, positions: str) -> str | None:
     )
 
 
-def write_embeds_graphs(model_path: Path, dtype: torch.dtype, hidden_size: int) -> EmbedsGraphs:
+def write_embeds_graphs(model_path: Path, dtype: torch.dtype, hidden_size: int) -> None:
     """Writes ``embed.onnx`` and ``model.embeds.onnx`` beside ``model_path`` (``model.onnx``, unchanged) and checks
     both; ``dtype``: the graph's."""
     model = onnx.load(str(model_path), load_external_data=False)
@@ -123,14 +117,8 @@ def write_embeds_graphs(model_path: Path, dtype: torch.dtype, hidden_size: int) 
     prune_dead_nodes(graph)
     drop_unread_initializers(graph)
 
-    paths = EmbedsGraphs(model_path.with_name(EMBEDS_MODEL_FILE), model_path.with_name(EMBED_FILE))
-    for proto, path in ((decoder, paths.model_path), (embed, paths.embed_path)):
-        onnx.save_model(proto, path)
-        try:
-            onnx.checker.check_model(str(path))  # on the path: the checker follows the external data
-        except onnx.checker.ValidationError as err:
-            raise RuntimeError(f"{path.name} is invalid (a bug in the exporter): {err}") from err
-    return paths
+    save_checked(decoder, model_path.with_name(EMBEDS_MODEL_FILE))
+    save_checked(embed, model_path.with_name(EMBED_FILE))
 
 
 def add_deepstack(graph: onnx.GraphProto, dtype: torch.dtype) -> int:

@@ -49,7 +49,7 @@ from onnx import TensorProto, helper
 
 from .decoder_graph import emit_last_position
 from .graph_builder import GraphBuilder
-from .graph_walk import all_nodes, drop_unread_initializers, names_read, prune_dead_nodes, rotates
+from .graph_walk import all_nodes, drop_unread_initializers, names_read, prune_dead_nodes, rotates, save_checked
 from .names import GENAI_MODEL_FILE, LAST_POSITION_SCOPE, PADDING_KEY
 
 # GroupQueryAttention's inputs by position (onnxruntime's contrib schema, com.microsoft).
@@ -80,11 +80,7 @@ def write_genai_graph(model_path: Path, dtype: torch.dtype) -> GenaiGraph | None
         return None
     select_last_position(genai.graph, dtype)
     path = model_path.with_name(GENAI_MODEL_FILE)
-    onnx.save_model(genai, path)
-    try:
-        onnx.checker.check_model(str(path))  # on the path: the checker follows the external data
-    except onnx.checker.ValidationError as err:
-        raise RuntimeError(f"{path.name} is invalid (a bug in the exporter): {err}") from err
+    save_checked(genai, path)
     return GenaiGraph(path, takes_positions(genai))
 
 

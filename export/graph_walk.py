@@ -4,6 +4,7 @@ included: what the graphs cut from ``model.onnx`` share (export/genai_graph.py, 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import onnx
 
@@ -48,3 +49,13 @@ def drop_unread_initializers(graph: onnx.GraphProto) -> None:
 def rotates(node: onnx.NodeProto) -> bool:
     """A GroupQueryAttention that applies RoPE to q and k itself (``do_rotary``)."""
     return any(attribute.name == "do_rotary" and attribute.i == 1 for attribute in node.attribute)
+
+
+def save_checked(model: onnx.ModelProto, path: Path) -> None:
+    """Writes a graph cut from ``model.onnx`` (its proto alone: the weights stay in the shared data file) and checks
+    it, on the path, so that the checker follows the external data."""
+    onnx.save_model(model, path)
+    try:
+        onnx.checker.check_model(str(path))
+    except onnx.checker.ValidationError as err:
+        raise RuntimeError(f"{path.name} is invalid (a bug in the exporter): {err}") from err

@@ -59,13 +59,12 @@ from .verify import (
     STREAMED,
     WHOLE,
     compare_decoders,
-    embeds_graph_failures,
     embeds_graph_of,
-    genai_graph_failures,
     genai_graph_of,
     half_shadow,
     indexer_failures,
     judge,
+    side_graph_failures,
 )
 
 # The graph check's tolerance floor on ill-conditioned inputs: SmolLM2's residual stream carries "massive
@@ -444,10 +443,7 @@ def quantized_result(
     graph_failure = judge(graph, graph["tolerance"], " against the model with the same dequantized weights")
     if graph_failure:
         failures.append(graph_failure)
-    if "genai_graph" in graph:
-        failures += genai_graph_failures(graph["genai_graph"], graph["tolerance"])
-    if "embeds_graph" in graph:
-        failures += embeds_graph_failures(graph["embeds_graph"], graph["tolerance"])
+    failures += side_graph_failures(graph, graph["tolerance"])
     if "indexer_prompts" in graph:
         failures += graph["indexer_prompts"].pop("failures")
     if "skipped" in cost and gate.required:

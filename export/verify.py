@@ -320,17 +320,21 @@ def embeds_graph_of(onnx_path: Path) -> Path | None:
     return path if path.is_file() else None
 
 
-def embeds_graph_failures(figures: dict, tolerance: float) -> list[str]:
-    """The failure of the ``--inputs-embeds`` graph (checked on a prompt with foreign embeddings), if any."""
-    failure = judge(figures, tolerance)
-    what = f"{EMBEDS_MODEL_FILE} with {EMBED_FILE} (a prompt with foreign embeddings)"
-    return [f"{what}: {failure}"] if failure else []
+# The graphs an export writes beside model.onnx, by their figures' key in the report, as a failure names them.
+SIDE_GRAPHS = {
+    "genai_graph": f"{GENAI_MODEL_FILE} (onnxruntime-genai's graph, rows padded on the right)",
+    "embeds_graph": f"{EMBEDS_MODEL_FILE} with {EMBED_FILE} (a prompt with foreign embeddings)",
+}
 
 
-def genai_graph_failures(figures: dict, tolerance: float) -> list[str]:
-    """The failure of onnxruntime-genai's graph (checked on the batch's rows padded on the right), if any."""
-    failure = judge(figures, tolerance)
-    return [f"{GENAI_MODEL_FILE} (onnxruntime-genai's graph, rows padded on the right): {failure}"] if failure else []
+def side_graph_failures(result: dict, tolerance: float) -> list[str]:
+    """The failures of the side graphs whose figures ``result`` holds, judged at model.onnx's ``tolerance``."""
+    failures = []
+    for key, what in SIDE_GRAPHS.items():
+        failure = judge(result[key], tolerance) if key in result else None
+        if failure:
+            failures.append(f"{what}: {failure}")
+    return failures
 
 
 def verify_plan(
@@ -463,10 +467,9 @@ def verify_export(
         failures += indexer_failures(indexer_figures, dtype)
     if genai_path:
         result["genai_graph"] = genai_figures
-        failures += genai_graph_failures(genai_figures, result["tolerance"])
     if embeds_path:
         result["embeds_graph"] = embeds_figures
-        failures += embeds_graph_failures(embeds_figures, result["tolerance"])
+    failures += side_graph_failures(result, result["tolerance"])
     result["passed"] = not failures
     result["failure"] = "; ".join(failures)
     if result["passed"]:
