@@ -39,7 +39,7 @@ from .embeds_graph import embeds_positions_note, embeds_refusal, write_embeds_gr
 from .folder_check import check_thinker_folder
 from .genai_config import logits_note, make_genai_config, no_eos_note, search_options
 from .genai_graph import write_genai_graph
-from .graph_builder import GraphBuilder, WeightFile, stamp_weights_size
+from .graph_builder import GraphBuilder, WeightFile
 from .graph_walk import all_nodes
 from .model_card import write_onnx_card
 from .names import (
@@ -59,6 +59,7 @@ from .names import (
 from .quantize import HEAD, QuantizeSpec, WeightQuantizer, cuda_experts_note
 from .verify import WHOLE, verify_export, verify_plan
 from .weights import ThinkerWeights
+from .weights_stamp import stamp_weights
 
 if TYPE_CHECKING:
     from .quantized_verify import QualityGate
@@ -341,7 +342,7 @@ def build_onnx(
         EXPORT_ID_KEY: uuid.uuid4().hex,
     }
     model = make_model(graph, metadata, contrib_ops=contrib_ops)
-    stamp_weights_size(model, out_dir / DATA_FILE)  # restamped by the accuracy guard's fallback if it rewrites them
+    stamp_weights(model, out_dir / DATA_FILE)  # restamped by the accuracy guard's fallback if it rewrites them
     model_path = out_dir / MODEL_FILE
     onnx.save_model(model, model_path)  # the proto alone: the weights are in DATA_FILE already
     if contrib_ops:

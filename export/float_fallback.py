@@ -54,9 +54,10 @@ from .dequantize import (
     dequantize_qmoe,
     record_grid,
 )
-from .graph_builder import WeightFile, stamp_weights_size
+from .graph_builder import WeightFile
 from .graph_walk import all_nodes
 from .names import WEIGHTS_SIZE_KEY
+from .weights_stamp import stamp_weights
 
 FLOAT_FALLBACK_BITS = 8
 # New weights by name, each made when it is written (one in memory at a time).
@@ -219,5 +220,5 @@ def _rewrite_weights(model, onnx_path: Path, kept, added: NewWeights) -> int:
     del model.graph.initializer[:]
     model.graph.initializer.extend(initializers)
     if any(prop.key == WEIGHTS_SIZE_KEY for prop in model.metadata_props):
-        stamp_weights_size(model, data_path)
+        stamp_weights(model, data_path)
     return written

@@ -17,7 +17,6 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
-from .names import WEIGHTS_SIZE_KEY
 
 # Page-aligned offsets let onnxruntime memory-map the weights instead of copying them.
 ALIGNMENT = 4096
@@ -184,15 +183,3 @@ def emitting_into(owner, builder: GraphBuilder) -> Iterator[None]:
 def value_info(name: str, elem_type: int, shape: Sequence[int | str | None] | None) -> onnx.ValueInfoProto:
     """A typed value; ``None`` in ``shape`` is an unnamed dynamic dimension, ``shape=None`` an unknown rank."""
     return helper.make_tensor_value_info(name, elem_type, None if shape is None else list(shape))
-
-
-def stamp_weights_size(model: onnx.ModelProto, data_path: Path) -> None:
-    """Record the size of the weights file ``data_path`` in ``model``'s metadata (``WEIGHTS_SIZE_KEY``), so that a
-    graph beside another export's weights is refused by name (``runtime.check_external_data``) instead of running
-    over the wrong bytes. Whoever rewrites the weights file stamps again."""
-    size = str(data_path.stat().st_size)
-    for prop in model.metadata_props:
-        if prop.key == WEIGHTS_SIZE_KEY:
-            prop.value = size
-            return
-    model.metadata_props.add(key=WEIGHTS_SIZE_KEY, value=size)

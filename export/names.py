@@ -108,9 +108,10 @@ def export_context(max_position_embeddings: int, rope_parameters: dict | None) -
     return max_position_embeddings, "max_position_embeddings"
 
 
-# model.onnx's metadata key for the size of the weights file it was exported with (export/exporter.py
-# ``stamp_weights_size``), which export/runtime.py checks: a graph beside another export's weights is refused.
+# model.onnx's metadata keys for the size and a sampled fingerprint of the weights file it was exported with
+# (export/weights_stamp.py), which export/runtime.py checks: a graph beside another export's weights is refused.
 WEIGHTS_SIZE_KEY = "thinker.weights_bytes"
+WEIGHTS_FINGERPRINT_KEY = "thinker.weights_fingerprint"
 
 # model.onnx's metadata key for a random id of the export, which the graphs cut from it carry too
 # (export/genai_graph.py, export/embeds_graph.py): OnnxDecoder refuses an embed.onnx beside a model.embeds.onnx of

@@ -59,9 +59,9 @@ from .names import (
     MODEL_FILE,
     PADDING_KEY,
     ROPE_TABLE,
-    WEIGHTS_SIZE_KEY,
     export_context,
 )
+from .weights_stamp import check_weights_stamp
 
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
@@ -241,15 +241,9 @@ def check_external_data(model_path: Path) -> onnx.ModelProto:
             f"{model_path.parent}: {', '.join(missing)} missing beside {model_path.name}; the ONNX folder is "
             "incomplete: copy the whole folder, or export it again"
         )
-    stamped = {prop.key: prop.value for prop in model.metadata_props}.get(WEIGHTS_SIZE_KEY)
     for name, end in ends.items():
+        check_weights_stamp(model, model_path, model_path.parent / name)
         size = (model_path.parent / name).stat().st_size
-        if stamped is not None and stamped.isdigit() and size != int(stamped):
-            raise ThinkerError(
-                f"{model_path.parent / name}: {size} bytes, but {model_path.name} was exported with a weights file of "
-                f"{stamped} bytes; the file is truncated or from another export: copy the whole folder again, or "
-                "export it again"
-            )
         if size < end:
             raise ThinkerError(
                 f"{model_path.parent / name}: {size} bytes, but {model_path.name} reads up to byte {end}; the file "

@@ -391,6 +391,13 @@ def test_bad_prompts(qwen3_onnx, tmp_path):
     assert_error(result, "the tokenizer gives token id 8 for --prompt, beyond the model's vocabulary of 8")
 
 
+def same_size_foreign_weights(folder: Path) -> None:
+    """Another export's weights of the same size (the same config, other weights): every byte differs, the size
+    stamp agrees, and only the fingerprint of the contents tells them apart."""
+    data = folder / "model.onnx.data"
+    data.write_bytes(bytes(byte ^ 0x5A for byte in data.read_bytes()))
+
+
 def another_exports_weights(folder: Path) -> None:
     """A weights file larger than the graph reads, as another export's beside this graph: it would run, over the
     wrong bytes, had the export not stamped its weights file's size in the graph."""
@@ -406,8 +413,16 @@ def another_exports_weights(folder: Path) -> None:
         (lambda f: (f / "model.onnx.data").write_bytes(b"short"), ["model.onnx.data: 5 bytes", "is truncated"]),
         (lambda f: (f / "tokenizer.json").unlink(), ["no usable tokenizer"]),
         (another_exports_weights, ["model.onnx.data", "bytes, but model.onnx was exported with", "another export"]),
+        (same_size_foreign_weights, ["model.onnx.data: not the weights model.onnx was exported with", "another"]),
     ],
-    ids=["no model.onnx.data", "corrupt model.onnx", "truncated model.onnx.data", "no tokenizer", "foreign weights"],
+    ids=[
+        "no model.onnx.data",
+        "corrupt model.onnx",
+        "truncated model.onnx.data",
+        "no tokenizer",
+        "foreign weights",
+        "foreign weights of the same size",
+    ],
 )
 def test_generate_with_an_incomplete_onnx_folder(damage, fragments, qwen3_onnx, tmp_path):
     folder = shutil.copytree(qwen3_onnx, tmp_path / "onnx")
