@@ -53,7 +53,7 @@ from .families import FAMILIES, family_by_name
 from .model_card import write_way_back_card
 from .output_dtype import kept_wider, resolve_dtype
 from .parity import parity_gate, parity_mode
-from .parity_report import BY_LAYER
+from .parity_report import BY_LAYER, PARITY_FILE
 from .spec import Family
 
 
@@ -186,7 +186,7 @@ def convert_back(
                 mode, note = (BY_LAYER, "") if verify_by_layer else parity_mode(plan.num_parameters, memory_budget)
                 failure = f"{output}: does not match the Thinker folder; nothing written"
                 # at the written dtype: the float32 Thinker rounded as the way back rounded it
-                report = parity_gate(staging, source, None, staging, failure, mode, note, plan.dtype)
+                report = parity_gate(staging, source, None, staging / PARITY_FILE, failure, mode, note, plan.dtype)
             architecture = exported["architectures"][0]
             files += write_way_back_card(staging, source, family.name, architecture, report, output.name)
     finally:

@@ -112,7 +112,8 @@ Runs fixed prompts (a left-padded batch and 8-token greedy continuations) throug
 writes CONVERTED/parity.json with, per dtype, max and mean |Δlogit|, top-1 agreement and greedy agreement. Fails
 (exit 1) when float32 logits differ by more than 1e-4 × max(1, logit scale) or a greedy continuation differs,
 naming the first layer whose hidden states diverge; a failing report goes to CONVERTED/parity.failed.json, and a
-parity.json already there is kept. SOURCE is given as to thinker-convert.
+parity.json already there is kept. With --report PATH the report goes to PATH alone and CONVERTED is only read (a
+read-only copy, a shared cache). SOURCE is given as to thinker-convert.
 
 When the two models do not fit in half the available memory (or in THINKER_VERIFY_MEMORY), or with
 --verify-by-layer, they run one layer at a time, each read from its own files: every layer of the Thinker runs on
@@ -124,6 +125,7 @@ top-1 token at every prompt position stands in for the greedy continuations ther
 Examples:
   thinker verify Qwen/Qwen3-0.6B ./qwen3-0.6b-thinker
   thinker verify Qwen/Qwen3-30B-A3B ./qwen3-moe --verify-by-layer
+  thinker verify Qwen/Qwen3-0.6B /mnt/models/qwen3-0.6b-thinker --report qwen3-parity.json
 """
 
 
@@ -250,17 +252,31 @@ def convert_command(
 @revision_option
 @gguf_file_option
 @click.option("--verify-by-layer", is_flag=True, help="Run the two models one layer at a time whatever their size.")
+@click.option(
+    "--report",
+    "report_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Write the report (passing or failing) to this new JSON file and nothing into CONVERTED: for a read-only "
+    "folder or a shared cache.",
+)
 @reports_errors
 def verify_command(
-    source: str, converted: Path, revision: str | None, gguf_file: str | None, verify_by_layer: bool
+    source: str,
+    converted: Path,
+    revision: str | None,
+    gguf_file: str | None,
+    verify_by_layer: bool,
+    report_path: Path | None,
 ) -> None:
     from .convert import verify
 
-    report = verify(source, converted, revision=revision, gguf_file=gguf_file, by_layer=verify_by_layer)
+    report = verify(
+        source, converted, revision=revision, gguf_file=gguf_file, by_layer=verify_by_layer, report_path=report_path
+    )
     if report.mode_note:
         click.secho(report.mode_note, fg="yellow", err=True)
     click.echo(report.table())
-    click.echo(f"parity holds; wrote {converted / 'parity.json'}")
+    click.echo(f"parity holds; wrote {report_path or converted / 'parity.json'}")
 
 
 __all__ = ["convert_command", "verify_command"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -130,7 +131,7 @@ def convert(
             files += tensor_source.save_tokenizer(staging)
             if verify:
                 failure = f"{output}: does not match its reference; nothing written"
-                report = parity_gate(root, staging, plan.family, staging, failure, mode, note)
+                report = parity_gate(root, staging, plan.family, staging / PARITY_FILE, failure, mode, note)
             skipped = plan.family.no_reference or "converted with --no-verify"
             files += write_thinker_card(
                 staging,
@@ -167,15 +168,21 @@ def verify(
     gguf_file: str | None = None,
     by_layer: bool = False,
     memory_budget: int | None = None,
+    report_path: str | Path | None = None,
 ) -> ParityReport:
-    """``thinker verify``: compare an existing Thinker folder with its source; writes ``parity.json`` into it.
+    """``thinker verify``: compare an existing Thinker folder with its source; writes ``parity.json`` into it, or
+    with ``report_path`` the report (passing or failing) there alone, leaving CONVERTED as it was (a read-only copy,
+    a shared cache).
 
     Whole models side by side when both fit ``memory_budget``, else (or with ``by_layer``) layer by layer."""
     converted = Path(converted)
     if not (converted / "config.json").is_file():
         raise ThinkerError(f"{converted}: not a converted model folder (no config.json)")
     root = resolve_source(str(source), revision, gguf_file=gguf_file)
-    refuse_output_over_source(converted, root, writes_into=True)  # parity.json goes into CONVERTED
+    report_path = None if report_path is None else Path(report_path)
+    if report_path is None:
+        refuse_output_over_source(converted, root, writes_into=True)  # parity.json goes into CONVERTED
+    refuse_unwritable_report(converted, report_path)
     if (read_json(Path(root) / "config.json") or {}).get("model_type") == ThinkerConfig.model_type:
         raise ThinkerError(
             f"{source}: SOURCE is a Thinker folder, which has no reference to verify against; the order is "
@@ -200,18 +207,47 @@ def verify(
     if copies_tokenizer:
         refuse_other_tokenizer(Path(root), converted)
     mode, note = (BY_LAYER, "") if by_layer else parity_mode(folder_parameters(converted), memory_budget)
+    if report_path is not None:
+        failure = f"{converted} does not match its reference {source}; the report is in {report_path}"
+        return parity_gate(root, converted, source_family(root), report_path, failure, mode, note)
     # A failing report goes beside parity.json, not over it: a mistaken SOURCE (another revision, another model)
     # must not erase the record of the conversion that CONVERTED came from.
     failure = f"{converted} does not match its reference {source}; the report is in {FAILED_PARITY_FILE}"
     if (converted / PARITY_FILE).is_file():
         failure += f", and {PARITY_FILE} is kept as it was"
     report = parity_gate(
-        root, converted, source_family(root), converted, failure, mode, note, failed_into=FAILED_PARITY_FILE
+        root,
+        converted,
+        source_family(root),
+        converted / PARITY_FILE,
+        failure,
+        mode,
+        note,
+        failed_path=converted / FAILED_PARITY_FILE,
     )
     update_parity(converted, report)
     with contextlib.suppress(FileNotFoundError):  # a failing report from before, now answered
         (converted / FAILED_PARITY_FILE).unlink()
     return report
+
+
+def refuse_unwritable_report(converted: Path, report_path: Path | None) -> None:
+    """Refuse, before minutes of checking, a report that could not be written at the end: into CONVERTED on a
+    read-only mount or in a shared cache, or to a ``--report`` path that exists or lies in no writable folder."""
+    if report_path is None:
+        if not os.access(converted, os.W_OK):
+            raise ThinkerError(
+                f"{converted}: not writable, and thinker verify writes its report ({PARITY_FILE}) there; give "
+                "--report PATH to write it elsewhere and leave the folder as it is"
+            )
+        return
+    if report_path.exists() or report_path.is_symlink():
+        raise ThinkerError(f"--report {report_path}: exists, and a report is never written over; name a new file")
+    folder = report_path.parent
+    if not folder.is_dir():
+        raise ThinkerError(f"--report {report_path}: {folder} is not a folder")
+    if not os.access(folder, os.W_OK):
+        raise ThinkerError(f"--report {report_path}: {folder} is not writable")
 
 
 def refuse_other_code(converted: Path) -> None:

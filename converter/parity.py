@@ -292,18 +292,18 @@ def parity_gate(
     reference: Path,
     converted: Path,
     family: Family | None,
-    into: Path,
+    report_path: Path,
     failure: str,
     mode: str = WHOLE_MODEL,
     mode_note: str = "",
     dtype: torch.dtype | None = None,
-    failed_into: str = PARITY_FILE,
+    failed_path: Path | None = None,
 ) -> ParityReport:
-    """``check_parity``, its report written to ``into/parity.json`` (a failing one to ``into/failed_into``);
+    """``check_parity``, its report written to ``report_path`` (a failing one to ``failed_path``, where given);
     ``ParityFailed(failure)`` when it fails."""
     report = check_parity(reference, converted, family, mode, dtype)
     report.mode_note = mode_note
-    write_report(report, into / (PARITY_FILE if report.passed else failed_into))
+    write_report(report, report_path if report.passed or failed_path is None else failed_path)
     if not report.passed:
         where = next((r.first_divergence for r in report.results if not r.passed and r.first_divergence), None)
         raise ParityFailed(f"{failure}; first divergence: {where}" if where else failure, report)

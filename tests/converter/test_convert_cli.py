@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -147,6 +149,57 @@ def test_verify_standalone_passes_then_names_the_broken_layer(source, tmp_path):
     assert runner.invoke(verify_command, [str(source), str(converted)]).exit_code == 0
     assert json.loads((converted / "parity.json").read_text())["passed"] is True
     assert not (converted / "parity.failed.json").exists()
+
+
+def folder_state(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {path.name: (path.read_bytes(), path.stat().st_mtime_ns) for path in sorted(folder.iterdir())}
+
+
+def test_verify_with_report_leaves_the_folder_as_it_was(source, tmp_path, monkeypatch):
+    """``--report PATH``: the report, passing or failing, goes to PATH alone and CONVERTED is only read; a folder
+    that is not writable, without it, is refused before the check runs, naming the option."""
+    import converter.convert
+
+    runner = CliRunner()
+    converted = tmp_path / "out"
+    assert runner.invoke(convert_command, [str(source), str(converted), "--no-verify"]).exit_code == 0
+    before = folder_state(converted)
+
+    result = runner.invoke(verify_command, [str(source), str(converted), "--report", str(tmp_path / "passed.json")])
+    assert result.exit_code == 0, result.output
+    assert f"parity holds; wrote {tmp_path / 'passed.json'}" in result.stdout
+    assert json.loads((tmp_path / "passed.json").read_text())["passed"] is True
+    assert folder_state(converted) == before
+
+    again = runner.invoke(verify_command, [str(source), str(converted), "--report", str(tmp_path / "passed.json")])
+    assert again.exit_code == 1 and "passed.json: exists, and a report is never written over" in again.stderr
+    nowhere = runner.invoke(verify_command, [str(source), str(converted), "--report", str(tmp_path / "no/r.json")])
+    assert nowhere.exit_code == 1 and f"{tmp_path / 'no'} is not a folder" in nowhere.stderr
+
+    broken = shutil.copytree(converted, tmp_path / "broken")
+    weights = load_file(broken / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"] *= 1.5
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    before = folder_state(broken)
+    result = runner.invoke(verify_command, [str(source), str(broken), "--report", str(tmp_path / "failed.json")])
+    assert result.exit_code == 1
+    assert f"the report is in {tmp_path / 'failed.json'}" in result.stderr
+    assert json.loads((tmp_path / "failed.json").read_text())["passed"] is False
+    assert folder_state(broken) == before
+
+    # Not writable (a read-only mount; as root the mode bits would not stop a write, so os.access says it here).
+    checked = []
+    monkeypatch.setattr(converter.convert, "parity_gate", lambda *args, **kwargs: checked.append(args))
+    access = os.access
+    monkeypatch.setattr(
+        converter.convert.os, "access", lambda path, mode: access(path, mode) and not (mode & os.W_OK and path == converted)
+    )
+    result = runner.invoke(verify_command, [str(source), str(converted)])
+    assert result.exit_code == 1 and not checked
+    assert result.stderr.strip() == (
+        f"error: {converted}: not writable, and thinker verify writes its report (parity.json) there; give --report "
+        "PATH to write it elsewhere and leave the folder as it is"
+    )
 
 
 def test_verify_refuses_a_folder_it_would_not_prove(source, tmp_path):
