@@ -40,7 +40,6 @@ from .parity_report import (
     BY_LAYER,
     GREEDY_TOKENS,
     HALF_TOP1_MIN,
-    PARITY_FILE,
     WHOLE_MODEL,
     DtypeParity,
     ParityFailed,

@@ -202,6 +202,7 @@ def export_model(
             raise ThinkerError(embeds_refusal(config))
         generation_file = model_dir / "generation_config.json"
         search_options(read_json(generation_file), generation_file)  # its sampling keys, checked before any work
+        whole_head_note = quantize.whole_head_note(config.vocab_size) if quantize else None
         if quantize:  # known only now: whether a mixed head's int8 rows are the whole vocabulary (the quantizer
             quantize = quantize.for_vocab(config.vocab_size)  # writes such a head whole either way: head_rows)
         plan = verify_plan(model_dir, graph_dtype, quantize is not None) if verify else None  # and the memory
@@ -272,6 +273,7 @@ def export_model(
                     embeds_positions_note(config, positions) if inputs_embeds else None,
                     cuda_experts_note(config, dtype, quantize, files.nodes_by_op),
                     quantizer.narrow_note() if quantizer else None,
+                    whole_head_note,
                     float_experts_note(config, quantize, files.nodes_by_op),
                 )
                 if note

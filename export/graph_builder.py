@@ -17,7 +17,6 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
-
 # Page-aligned offsets let onnxruntime memory-map the weights instead of copying them.
 ALIGNMENT = 4096
 

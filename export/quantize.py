@@ -179,6 +179,16 @@ class QuantizeSpec:
             return dataclasses.replace(self, head_int8_rows=0, head_bits=None if self.bits == 8 else 8)
         return self
 
+    def whole_head_note(self, vocab_size: int) -> str | None:
+        """Said where ``--head-int8-rows`` (given: not the default, which small vocabularies fill as a matter of
+        course) covers the whole vocabulary, which ``for_vocab`` turns into an int8 head."""
+        if self.head_int8_rows != DEFAULT_HEAD_INT8_ROWS and 0 < vocab_size <= self.head_int8_rows:
+            return (
+                f"--head-int8-rows {self.head_int8_rows} covers the whole vocabulary ({vocab_size} rows): the head is "
+                "int8 throughout, as with --quantize-head int8"
+            )
+        return None
+
     def head_rows(self, outputs: int) -> list[tuple[int, int, QuantizeSpec]]:
         """The head's row ranges ``(start, stop, spec)``: one, or a mixed head's int8 rows and then the rest."""
         whole = self.for_weight(HEAD)

@@ -192,7 +192,9 @@ def test_verify_with_report_leaves_the_folder_as_it_was(source, tmp_path, monkey
     monkeypatch.setattr(converter.convert, "parity_gate", lambda *args, **kwargs: checked.append(args))
     access = os.access
     monkeypatch.setattr(
-        converter.convert.os, "access", lambda path, mode: access(path, mode) and not (mode & os.W_OK and path == converted)
+        converter.convert.os,
+        "access",
+        lambda path, mode: access(path, mode) and not (mode & os.W_OK and path == converted),
     )
     result = runner.invoke(verify_command, [str(source), str(converted)])
     assert result.exit_code == 1 and not checked

@@ -61,6 +61,14 @@ def test_the_card_names_the_head_and_last_position_logits(runner, thinker_folder
         assert f"weights int4 in blocks of 32 (rtn), {says}, the fused graph)" in card, card
         assert "logits are each row's last position only, `[batch, 1, vocab]` (`--logits last`)" in card
 
+    whole = runner.invoke(main, [*args[:2], str(tmp_path / "whole"), *options, "--head-int8-rows", "1000"])
+    assert whole.exit_code == 0, whole.output
+    assert "--head-int8-rows 1000 covers the whole vocabulary" in whole.stderr
+    assert (
+        "weights int4 in blocks of 32 (rtn), the head int8, the fused graph)"
+        in (tmp_path / "whole/README.md").read_text()
+    )
+
 
 def test_export_then_generate(runner, thinker_folder, tmp_path):
     source = thinker_folder("qwen3_moe")
