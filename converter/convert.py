@@ -194,6 +194,12 @@ def verify(
             f"{converted}: a {model_type or 'model_type-less'} checkpoint, not a Thinker folder; CONVERTED is what "
             "thinker-convert wrote (`thinker verify SOURCE CONVERTED`)"
         )
+    if (converted / "model.onnx").is_file() and not any(converted.glob("*.safetensors")):
+        raise ThinkerError(
+            f"{converted}: an ONNX export, not a Thinker folder; thinker verify checks what thinker-convert wrote, "
+            "and an export is checked as it is written (thinker export's --verify, the default): export it again "
+            "to check it"
+        )
     if not any(converted.glob("*.safetensors")):
         raise ThinkerError(f"{converted}: a Thinker folder without its weights (no *.safetensors); convert it again")
     tensor_source = open_source(root)

@@ -46,6 +46,7 @@ from .names import (
     DATA_FILE,
     DEFAULT_GRAPH,
     DEFAULT_LOGITS,
+    DTYPE_KEY,
     EMBED_FILE,
     EMBEDS_MODEL_FILE,
     EXPORT_ID_KEY,
@@ -209,7 +210,9 @@ def export_model(
         positions = position_form(config, positions)
         final = staging / "onnx"
         graph_class = resolve_name(GRAPHS[graph])
-        files = build_onnx(model_dir, config, final, graph_dtype, graph_class, quantizer, progress, positions, logits)
+        files = build_onnx(
+            model_dir, config, final, graph_dtype, graph_class, quantizer, progress, positions, logits, str(source)
+        )
         guard = None
         if quantize and quantize.accuracy_level == 4 and accuracy_guard is not None:
             from .accuracy_guard import guard_accuracy_level
@@ -313,10 +316,12 @@ def build_onnx(
     progress: bool = False,
     positions: str | None = None,
     logits: str = "all",
+    source: str | None = None,
 ) -> GraphFiles:
     """Writes ``model.onnx`` and ``model.onnx.data`` into ``out_dir`` and checks them; ``progress``: a bar over
     the weights read (quantizing, when ``quantizer``, is most of the time); ``positions``: the form of position_ids
-    (``position_form``); ``logits``: "all" or "last" (LOGITS)."""
+    (``position_form``); ``logits``: "all" or "last" (LOGITS); ``source``: the model as the user named it, for the
+    metadata (``model_dir`` itself by default: a source converted on the way lies in a staging folder that goes)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     weights = ThinkerWeights(model_dir, dtype, config.tie_word_embeddings, not_exported(config))
     data = WeightFile(out_dir / DATA_FILE)
@@ -339,8 +344,8 @@ def build_onnx(
         data.close()
         weights.close()
     metadata = {
-        "thinker.dtype": str(dtype).removeprefix("torch."),
-        "thinker.source": str(model_dir),
+        DTYPE_KEY: str(dtype).removeprefix("torch."),
+        "thinker.source": source or str(model_dir),
         EXPORT_ID_KEY: uuid.uuid4().hex,
     }
     model = make_model(graph, metadata, contrib_ops=contrib_ops)

@@ -42,7 +42,8 @@ def fidelity_token_ids(model_dir: Path, vocab_size: int, max_positions: int) -> 
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     except Exception as err:  # no tokenizer files, or ones transformers cannot read
-        return None, f"no usable tokenizer in {model_dir} ({type(err).__name__})"
+        # not the folder's path: a source converted on the way lies in a staging folder gone by the time this is read
+        return None, f"no usable tokenizer in the model ({type(err).__name__})"
     ids = np.asarray(tokenizer(FIDELITY_TEXT)["input_ids"], dtype=np.int64)[:max_positions]
     if ids.max(initial=0) >= vocab_size:
         return None, "the tokenizer's ids exceed the model's vocabulary"

@@ -113,6 +113,9 @@ def export_context(max_position_embeddings: int, rope_parameters: dict | None) -
 WEIGHTS_SIZE_KEY = "thinker.weights_bytes"
 WEIGHTS_FINGERPRINT_KEY = "thinker.weights_fingerprint"
 
+# model.onnx's metadata key for the graph's float type ("float32", "float16", "bfloat16").
+DTYPE_KEY = "thinker.dtype"
+
 # model.onnx's metadata key for a random id of the export, which the graphs cut from it carry too
 # (export/genai_graph.py, export/embeds_graph.py): OnnxDecoder refuses an embed.onnx beside a model.embeds.onnx of
 # another export.

@@ -49,6 +49,7 @@ from common.side_files import read_json
 from .graph_walk import all_nodes, rotates
 from .names import (
     DEEPSTACK_EMBEDS,
+    DTYPE_KEY,
     EMBED_FILE,
     EMBEDS_MODEL_FILE,
     EXPORT_ID_KEY,
@@ -390,6 +391,10 @@ class OnnxDecoder:
         self.position_rank = len(inputs["position_ids"].shape) if "position_ids" in inputs else 2
         self.takes_positions = "position_ids" in inputs  # onnxruntime-genai's graph may rotate by slot instead
         metadata = self.session.get_modelmeta().custom_metadata_map
+        # the graph's float type (float32 before the stamp was written): a half graph casts its float32 inputs,
+        # so a larger value than its dtype holds would reach it as inf (``checked_floats``)
+        self.dtype = metadata.get(DTYPE_KEY, "float32")
+        self.largest_input = float(np.finfo(np.float16).max if self.dtype == "float16" else np.finfo(np.float32).max)
         self.right_padding_only = metadata.get(PADDING_KEY) == "right"  # model.genai.onnx (export/genai_graph.py)
         self.output_names = ["logits", *self.present_names]
         self.shared_kv = self._kv_to_share(graph, share_kv)
@@ -483,9 +488,11 @@ class OnnxDecoder:
             shape = (self.deepstack_layers, batch, steps, self.hidden_size)
             if deepstack_embeds is None:
                 deepstack_embeds = np.zeros(shape, np.float32)
-            elif np.shape(deepstack_embeds) != shape:
-                raise ThinkerError(f"deepstack_embeds of shape {np.shape(deepstack_embeds)}; expected {shape}")
-            feeds[DEEPSTACK_EMBEDS] = np.ascontiguousarray(deepstack_embeds, dtype=np.float32)
+            else:
+                deepstack_embeds = self.checked_floats(deepstack_embeds, "deepstack_embeds")
+                if deepstack_embeds.shape != shape:
+                    raise ThinkerError(f"deepstack_embeds of shape {deepstack_embeds.shape}; expected {shape}")
+            feeds[DEEPSTACK_EMBEDS] = deepstack_embeds
         elif deepstack_embeds is not None:
             raise ThinkerError(f"{self.model_path}: takes no DeepStack features (a model without them)")
         if self.takes_positions:
@@ -511,7 +518,7 @@ class OnnxDecoder:
     # mismatched shapes), or worse, compute without a word (a negative id reads the table's last row, a float mask
     # of 0.5 casts to 0): refused here by name.
     def _checked_ids(self, input_ids) -> np.ndarray:
-        ids = np.asarray(input_ids)
+        ids = np.asarray(as_numpy(input_ids))
         if ids.ndim != 2 or 0 in ids.shape:
             raise ThinkerError(f"input_ids of shape {ids.shape}; expected (batch, seq) with at least one token a row")
         if not np.issubdtype(ids.dtype, np.integer):
@@ -552,17 +559,38 @@ class OnnxDecoder:
                 f"{self.model_path}: takes token ids; for inputs_embeds export with --inputs-embeds and open "
                 f"{EMBEDS_MODEL_FILE}"
             )
-        embeds = np.asarray(as_numpy(inputs_embeds))
+        embeds = self.checked_floats(inputs_embeds, "inputs_embeds")
         if embeds.ndim != 3 or 0 in embeds.shape[:2] or embeds.shape[2] != self.hidden_size:
             raise ThinkerError(
                 f"inputs_embeds of shape {embeds.shape}; expected (batch, seq, {self.hidden_size}) with at least one "
                 "position a row"
             )
-        if not np.issubdtype(embeds.dtype, np.floating):
-            raise ThinkerError(f"inputs_embeds of dtype {embeds.dtype}; embeddings are floats")
-        if not np.isfinite(embeds).all():
-            raise ThinkerError("inputs_embeds hold inf or NaN")
-        return np.ascontiguousarray(embeds, dtype=np.float32)
+        return embeds
+
+    def checked_floats(self, value, name: str) -> np.ndarray:
+        """``value`` (numpy, a list, or a torch tensor of any float dtype: a tower's output) as the contiguous
+        float32 the graph takes, refused by ``name`` where it is not floats, or holds a value that is not finite in
+        float32 or beyond the graph's own dtype (a float16 graph casts its float32 inputs: a value past 65504 becomes
+        inf there, and inf times attention's zero weight is NaN, so even one in a masked pad turns its row's logits
+        to NaN)."""
+        try:
+            array = np.asarray(as_numpy(value))
+        except (TypeError, ValueError) as err:  # ragged lists, objects numpy cannot make an array of
+            raise ThinkerError(f"{name}: not an array of floats ({err})") from None
+        if not np.issubdtype(array.dtype, np.floating):
+            raise ThinkerError(f"{name} of dtype {array.dtype}; expected floats")
+        with np.errstate(over="ignore", invalid="ignore"):  # float64 past float32's range: inf, refused below
+            floats = np.ascontiguousarray(array, dtype=np.float32)
+            finite = np.isfinite(floats)
+            bad = np.argwhere(~finite | (np.abs(floats) > self.largest_input))
+        if bad.size:
+            where = tuple(int(i) for i in bad[0])
+            given = array[where]
+            if not np.isfinite(given):
+                raise ThinkerError(f"{name} hold inf or NaN (at {where})")
+            beyond = "float32's range" if not finite[where] else f"the {self.dtype} graph's {self.largest_input:g}"
+            raise ThinkerError(f"{name} hold {given} at {where}, beyond {beyond}")
+        return floats
 
     def deepstack_features(
         self, visual_pos_masks, deepstack_visual_embeds, shape: tuple[int, int]
@@ -578,9 +606,14 @@ class OnnxDecoder:
             raise ThinkerError(
                 f"{self.model_path}: takes no DeepStack features (a model without them, or not model.embeds.onnx)"
             )
-        mask = np.asarray(as_numpy(visual_pos_masks)).astype(bool)
+        mask = zeros_and_ones(visual_pos_masks, "visual_pos_masks", "1 marks a visual position").astype(bool)
         if mask.shape != tuple(shape):
             raise ThinkerError(f"visual_pos_masks of shape {mask.shape}; expected (batch, seq) = {tuple(shape)}")
+        if not isinstance(deepstack_visual_embeds, (list, tuple)):
+            raise ThinkerError(
+                f"deepstack_visual_embeds of type {type(deepstack_visual_embeds).__name__}; expected a list of "
+                "(visual positions, hidden) features, one per DeepStack layer, as transformers' vision tower returns"
+            )
         if len(deepstack_visual_embeds) > self.deepstack_layers:
             raise ThinkerError(
                 f"{len(deepstack_visual_embeds)} deepstack_visual_embeds for a graph that adds them after its first "
@@ -588,7 +621,7 @@ class OnnxDecoder:
             )
         dense = np.zeros((self.deepstack_layers, *shape, self.hidden_size), np.float32)
         for index, features in enumerate(deepstack_visual_embeds):
-            features = np.asarray(as_numpy(features), dtype=np.float32)
+            features = self.checked_floats(features, f"deepstack_visual_embeds[{index}]")
             if features.shape != (int(mask.sum()), self.hidden_size):
                 raise ThinkerError(
                     f"deepstack_visual_embeds[{index}] of shape {features.shape}; expected ({int(mask.sum())}, "
@@ -613,14 +646,12 @@ class OnnxDecoder:
             shape = input_ids.shape
         if attention_mask is None:
             attention_mask = np.ones(shape, np.int64)
-        mask = np.asarray(attention_mask)
+        mask = zeros_and_ones(attention_mask, "attention_mask", "1 keeps a token, 0 masks a pad")
         if mask.shape != shape:
             raise ThinkerError(
                 f"attention_mask of shape {mask.shape} for {described(input_ids, inputs_embeds)}; a prompt's mask "
                 "has one column per position"
             )
-        if not ((mask == 0) | (mask == 1)).all():
-            raise ThinkerError("attention_mask holds values other than 0 and 1 (1 keeps a token, 0 masks a pad)")
         empty = np.flatnonzero(~mask.any(axis=1))
         if empty.size:
             raise ThinkerError(f"row {int(empty[0])} of attention_mask keeps no token; every row needs one at least")
@@ -664,7 +695,7 @@ class OnnxDecoder:
         three multimodal streams; (4, B, T), a text row before the three streams, as its streams (the text row only
         orders the attention mask, which the graph takes as attention_mask); (3, B, T) ones whose streams are equal
         (text) taken as (B, T) by a graph of (B, T) positions."""
-        position_ids = np.asarray(position_ids)
+        position_ids = np.asarray(as_numpy(position_ids))  # a torch tensor in any dtype, on any device
         if position_ids.ndim == 3 and len(position_ids) == 4:
             position_ids = position_ids[1:]
         if position_ids.ndim == 3 and len(position_ids) != 3:
@@ -800,7 +831,7 @@ class OnnxDecoder:
 
     def decode_one_token(self, tokens: np.ndarray, state: DecoderState) -> np.ndarray:
         """One new token per row after the cache. Returns logits (B, V)."""
-        tokens = np.asarray(tokens)
+        tokens = np.asarray(as_numpy(tokens))
         batch = tokens.shape[0] if tokens.ndim else 0
         if tokens.size != batch or batch != state.attention_mask.shape[0]:
             raise ThinkerError(
@@ -842,7 +873,7 @@ class OnnxDecoder:
         )
         batch = state.attention_mask.shape[0]
         # a prompt of embeddings streams as no tokens, as transformers' generate puts it
-        prompt = np.zeros((batch, 0), np.int64) if input_ids is None else np.asarray(input_ids, np.int64)
+        prompt = np.zeros((batch, 0), np.int64) if input_ids is None else np.asarray(as_numpy(input_ids), np.int64)
         if streamer is not None:
             streamer.put(prompt)
         next_logits = last_kept_logits(logits, state.attention_mask)
@@ -940,6 +971,18 @@ def as_numpy(value):
         value = value.detach().cpu()
         return (value.float() if value.is_floating_point() else value).numpy()
     return value
+
+
+def zeros_and_ones(value, name: str, meaning: str) -> np.ndarray:
+    """A mask (numpy, a list, a torch tensor in any dtype) as numpy, refused by ``name`` unless every value is 0 or
+    1 (``meaning`` says what 1 is): a float 0.5 would be cast to 0, a 2 to true, without a word."""
+    try:
+        mask = np.asarray(as_numpy(value))
+    except (TypeError, ValueError) as err:
+        raise ThinkerError(f"{name}: not an array of 0 and 1 ({err})") from None
+    if mask.dtype.kind not in "biuf" or not ((mask == 0) | (mask == 1)).all():
+        raise ThinkerError(f"{name} holds values other than 0 and 1 ({meaning})")
+    return mask
 
 
 def next_positions(position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:

@@ -245,6 +245,10 @@ def test_verify_refuses_a_folder_it_would_not_prove(source, tmp_path):
 
     assert "a qwen3 checkpoint, not a Thinker folder" in verify(shutil.copytree(source, tmp_path / "a copy"))
 
+    exported = shutil.copytree(empty, tmp_path / "exported")  # an ONNX export's folder: the Thinker's config.json
+    (exported / "model.onnx").write_bytes(b"")
+    assert "an ONNX export, not a Thinker folder" in verify(exported)
+
     assert runner.invoke(verify_command, [str(source), str(converted)]).exit_code == 0  # the folder as written
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import onnx
 import pytest
 import torch
 from click.testing import CliRunner
@@ -185,6 +186,11 @@ def test_export_converts_a_source_on_the_way(runner, tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "onnx" / "export_report.json").read_text())
     assert report["converted"] is True and report["verify"]["passed"] is True
+    # the source as given, not the staging folder it was converted into (gone once the export is in place)
+    metadata = {
+        p.key: p.value for p in onnx.load(tmp_path / "onnx" / "model.onnx", load_external_data=False).metadata_props
+    }
+    assert metadata["thinker.source"] == str(tmp_path / "qwen3")
 
 
 def test_existing_output_is_refused_without_force(runner, thinker_folder, tmp_path):

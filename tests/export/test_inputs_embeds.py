@@ -464,6 +464,75 @@ def test_refusals_name_what_is_wrong(embeds_export, thinker_folder, tmp_path):
     assert not output.exists()
 
 
+def test_hostile_values_are_refused_by_name(embeds_export, tmp_path):
+    """Values the graph would turn to NaN logits without a word, and torch tensors in any dtype, in every argument
+    that takes numbers: refused by the argument's name, or taken as their numpy equals."""
+    from export_helpers import save_thinker
+
+    source = save_thinker(tmp_path / "thinker", "qwen3_5", deepstack_layers=1)
+    export_model(source, tmp_path / "onnx", inputs_embeds=True, verify=False, progress=False)
+    decoder = OnnxDecoder(tmp_path / "onnx" / EMBEDS_MODEL_FILE, provider="cpu")
+    ids, mask = parity_batch(96)
+    embeds = decoder.embed(ids)
+    visual = np.zeros(mask.shape, bool)
+    visual[:, -3:] = True
+    features = np.ones((int(visual.sum()), decoder.hidden_size), np.float32)
+    deepstack = {"visual_pos_masks": visual, "deepstack_visual_embeds": [features]}
+    positions = runtime.position_ids_from_mask(mask)
+
+    def refused(message, **arguments):
+        with pytest.raises(ThinkerError, match=message):
+            decoder.prefill(None, **{"attention_mask": mask, "inputs_embeds": embeds, **arguments})
+
+    refused(
+        r"deepstack_visual_embeds\[0\] hold inf or NaN",
+        visual_pos_masks=visual,
+        deepstack_visual_embeds=[features * np.nan],
+    )
+    refused(
+        "deepstack_visual_embeds of type float; expected a list", visual_pos_masks=visual, deepstack_visual_embeds=1.0
+    )
+    refused(
+        r"deepstack_visual_embeds\[0\] of dtype <U1; expected floats",
+        visual_pos_masks=visual,
+        deepstack_visual_embeds=[["x"]],
+    )
+    refused(
+        "visual_pos_masks holds values other than 0 and 1",
+        visual_pos_masks=visual * 0.5,
+        deepstack_visual_embeds=[features],
+    )
+    huge = embeds.astype(np.float64)
+    huge[0, 0, 0] = 1e39  # float64 past float32's range: inf once cast
+    refused(r"inputs_embeds hold 1e\+39 at \(0, 0, 0\), beyond float32's range", inputs_embeds=huge)
+    state = decoder.prefill(None, mask, inputs_embeds=embeds)[1]
+    with pytest.raises(ThinkerError, match="deepstack_embeds hold inf or NaN"):
+        step = np.full((1, 2, 1, decoder.hidden_size), np.inf, np.float32)
+        decoder.forward(None, positions[:, -1:] + 1, state, embeds[:, -1:], deepstack_embeds=step)
+
+    # torch tensors in any dtype, with grad or not: the same logits as their numpy values
+    expected = decoder.prefill(None, mask, inputs_embeds=embeds, position_ids=positions, **deepstack)[0]
+    as_torch = dict(
+        attention_mask=torch.from_numpy(mask).bfloat16(),
+        inputs_embeds=torch.from_numpy(embeds).requires_grad_(),
+        position_ids=torch.from_numpy(positions).float().requires_grad_(),
+        visual_pos_masks=torch.from_numpy(visual),
+        deepstack_visual_embeds=[torch.from_numpy(features).requires_grad_()],
+    )
+    np.testing.assert_array_equal(decoder.prefill(None, **as_torch)[0], expected)
+
+    # a float16 graph casts its float32 input: a value past 65504, even in a masked pad, would be inf there and NaN
+    # everywhere its row attends
+    half = OnnxDecoder(embeds_export("qwen3", "float16")[1] / EMBEDS_MODEL_FILE, provider="cpu")
+    padded = half.embed(ids)
+    row, slot = np.argwhere(mask == 0)[0]
+    padded[row, slot, 0] = 1e5
+    with pytest.raises(
+        ThinkerError, match=rf"inputs_embeds hold 100000.0 at \({row}, {slot}, 0\), beyond the float16 graph's 65504"
+    ):
+        half.prefill(None, mask, inputs_embeds=padded)
+
+
 def test_generate_from_embeddings_streams_and_checks_the_context_first(embeds_export):
     """A streamer first gets the prompt as no tokens (transformers' generate puts an empty (B, 0) prompt for
     inputs_embeds, and TextStreamer's skip_prompt drops that first put), then each new token; positions that run ahead
