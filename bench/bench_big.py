@@ -174,7 +174,7 @@ def measure(work: Path, layers: int, source_dtype: str, dtype: str) -> dict:
     print(f"  {conversion['seconds']:.0f} s, peak RSS {conversion['peak_rss_bytes'] / GIB:.2f} GiB", flush=True)
 
     print("verifying (thinker verify; layer by layer, as the whole models do not fit) ...", flush=True)
-    verify_command = [sys.executable, "-c", "from common.cli import main; main()", "verify"]
+    verify_command = [sys.executable, "-c", "from thinker_common.cli import main; main()", "verify"]
     verification = run_measured(verify_command + [str(source), str(converted)], env)
     print(f"  {verification['seconds']:.0f} s, peak RSS {verification['peak_rss_bytes'] / GIB:.2f} GiB", flush=True)
     parity = json.loads((converted / "parity.json").read_text()) if (converted / "parity.json").is_file() else None

@@ -85,7 +85,7 @@ def measure(work: Path, reps: int) -> dict:
     os.sync()
     outputs = {"ours": work / "ours", "transformers": work / "transformers"}
     python = sys.executable
-    thinker = [python, "-m", "common.cli"]  # the thinker command, as its console script runs it
+    thinker = [python, "-m", "thinker_common.cli"]  # the thinker command, as its console script runs it
     ours, theirs = str(outputs["ours"]), str(outputs["transformers"])
     commands = {
         "ours": [*thinker, "convert", str(source), ours, "--no-verify"],

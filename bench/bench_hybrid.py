@@ -241,7 +241,15 @@ def builder_copy() -> Path:
 
 def export_command(graph: str, folders: dict[str, Path], out: Path, threads: int, moe: bool) -> tuple[list[str], Path]:
     if graph in OURS:
-        command = [sys.executable, "-m", "common.cli", "export", str(folders["thinker"]), str(out), "--no-verify"]
+        command = [
+            sys.executable,
+            "-m",
+            "thinker_common.cli",
+            "export",
+            str(folders["thinker"]),
+            str(out),
+            "--no-verify",
+        ]
         return [*command, "--threads", str(threads), *OURS[graph]], REPO
     if graph.startswith("builder-"):
         builder = builder_copy()

@@ -111,8 +111,7 @@ def markdown(results: dict) -> str:
         f"a {figures['prompt_tokens']}-token prompt then {results['steps']} decode steps, batch 1, "
         f"{results['threads']} threads, {results['rounds']} rounds with the order rotated each; medians, ratios "
         "with their 90 % bootstrap interval (bench/report.py); max |Δlogit|: the last step's logits against "
-        "model.onnx's.\n\n"
-        + report.table(header, rows)
+        "model.onnx's.\n\n" + report.table(header, rows)
     )
 
 

@@ -68,7 +68,16 @@ def export_variant(name: str, model: models.BenchModel, fresh: bool) -> tuple[Pa
     out = exp.CACHE / "exports" / model.name / f"q-{name}"
     figures: dict = {"seconds": None, "peak_rss": None}
     if fresh or not out.exists():
-        command = [sys.executable, "-m", "common.cli", "export", str(model.thinker), str(out), "--no-verify", "--force"]
+        command = [
+            sys.executable,
+            "-m",
+            "thinker_common.cli",
+            "export",
+            str(model.thinker),
+            str(out),
+            "--no-verify",
+            "--force",
+        ]
         done = exp.timed([*command, "--graph", "fused", *VARIANTS[name]], cwd=exp.REPO)
         if done["returncode"] != 0:
             raise RuntimeError(f"export {name} failed: {done['stderr'][-2000:]}")

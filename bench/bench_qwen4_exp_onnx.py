@@ -3,9 +3,9 @@ streams, the QSA indexer on its attention layers with a budget of 32 tokens in b
 layers), fused and plain, against the PyTorch Thinker it came from.
 
 Parity: max |Δlogit| over prefill and 8 decode steps of a left-padded batch on which the indexers prune (the
-``--verify`` prompts of ``common/parity_inputs.py`` ``indexer_batch``), against 1e-4 x the logit scale: against the
-Thinker with exact ties between blocks given to the earlier ones (as ONNX's TopK gives them, and as ``--verify``
-compares), and against the Thinker as it is (torch.topk's choice among ties, transformers'). Speed: a
+``--verify`` prompts of ``thinker_common/parity_inputs.py`` ``indexer_batch``), against 1e-4 x the logit scale:
+against the Thinker with exact ties between blocks given to the earlier ones (as ONNX's TopK gives them, and as
+``--verify`` compares), and against the Thinker as it is (torch.topk's choice among ties, transformers'). Speed: a
 prefill of 1 x PREFILL tokens and one decode step after it, onnxruntime (CPU, ``OnnxDecoder``) and PyTorch taking
 turns within each repetition, the same threads; medians, and each runtime's time over PyTorch's. Export: wall time
 and the files' size.
@@ -32,11 +32,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import qwen4_exp_configs  # noqa: E402
 
-from common.parity_inputs import RELATIVE_TOLERANCE, indexer_batch  # noqa: E402
 from export.exporter import export_model  # noqa: E402
 from export.runtime import OnnxDecoder  # noqa: E402
 from export.verify import compare_decoders  # noqa: E402
 from thinker import ThinkerForCausalLM  # noqa: E402
+from thinker_common.parity_inputs import RELATIVE_TOLERANCE, indexer_batch  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GRAPHS = ("fused", "plain")

@@ -1,4 +1,4 @@
-"""How far float16 runs drift: the figures behind ``common.parity_inputs.RELATIVE_TOLERANCE[torch.float16]``.
+"""How far float16 runs drift: the figures behind ``thinker_common.parity_inputs.RELATIVE_TOLERANCE[torch.float16]``.
 
 Both parity checks compare max |Δlogit| relative to max(1, logit scale) on the same left-padded batch:
 
@@ -36,13 +36,13 @@ from transformers import (  # noqa: E402
     Qwen3MoeConfig,
 )
 
-from common.errors import ThinkerError  # noqa: E402
-from common.parity_inputs import RELATIVE_TOLERANCE, parity_batch  # noqa: E402
 from converter.convert import convert  # noqa: E402
 from export.exporter import export_model  # noqa: E402
 from export.runtime import OnnxDecoder  # noqa: E402
 from export.verify import REFERENCE_DTYPE, compare_decoders  # noqa: E402
 from thinker import ThinkerForCausalLM  # noqa: E402
+from thinker_common.errors import ThinkerError  # noqa: E402
+from thinker_common.parity_inputs import RELATIVE_TOLERANCE, parity_batch  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "tolerance.json"
 SMALL = {"vocab_size": 96, "hidden_size": 32, "num_hidden_layers": 3, "max_position_embeddings": 64}
@@ -130,7 +130,9 @@ def main() -> None:
         print(f"{row['model']:<22} {row['seed']:>4} " + " ".join(f"{row[check]:>13.2e}" for check in checks))
     worst = {check: max(row[check] for row in rows) for check in checks}
     print("worst: " + ", ".join(f"{check} {value:.2e}" for check, value in worst.items()))
-    print(f"tolerance (common/parity_inputs.py): {RELATIVE_TOLERANCE[torch.float16]:.0e} of max(1, logit scale)")
+    print(
+        f"tolerance (thinker_common/parity_inputs.py): {RELATIVE_TOLERANCE[torch.float16]:.0e} of max(1, logit scale)"
+    )
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({"rows": rows, "worst": worst}, indent=1) + "\n")
 

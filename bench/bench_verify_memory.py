@@ -39,7 +39,7 @@ import models  # noqa: E402
 from bench_convert import load_average, run_measured  # noqa: E402
 
 RESULTS = Path(__file__).with_name("results") / "verify_memory.json"
-EXPORT = [sys.executable, "-c", "from common.cli import main; main()", "export"]
+EXPORT = [sys.executable, "-c", "from thinker_common.cli import main; main()", "export"]
 
 
 def measure() -> dict:

@@ -100,7 +100,7 @@ def export_command(name: str, model: BenchModel, out: Path, threads: int) -> lis
         return [
             sys.executable,
             "-m",
-            "common.cli",
+            "thinker_common.cli",
             "export",
             str(model.thinker),
             str(out),

@@ -47,10 +47,10 @@ def qwen3_shaped(layers: int | None = None) -> BenchModel:
     """Qwen3-0.6B's shapes with random weights; ``layers`` < 28 keeps the first layers' shapes (a shorter run)."""
     import torch
 
-    from common.side_files import copy_files, tokenizer_files
     from converter.back import convert_back
     from thinker import ThinkerForCausalLM
     from thinker.presets import load_preset
+    from thinker_common.side_files import copy_files, tokenizer_files
 
     full_depth = load_preset("qwen3-0.6b").num_hidden_layers
     layers = layers or full_depth

@@ -25,11 +25,11 @@ sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "tests" / "export")] 
 import torch  # noqa: E402
 from export_helpers import save_thinker  # noqa: E402
 
-from common.parity_inputs import RELATIVE_TOLERANCE, parity_batch  # noqa: E402
 from export.exporter import export_model  # noqa: E402
 from export.runtime import OnnxDecoder  # noqa: E402
 from export.verify import compare_decoders  # noqa: E402
 from thinker import ThinkerForCausalLM  # noqa: E402
+from thinker_common.parity_inputs import RELATIVE_TOLERANCE, parity_batch  # noqa: E402
 
 
 def measure(folder: Path, export: Path, dtype: str, provider: str) -> dict:

@@ -27,15 +27,15 @@ from typing import Any
 
 from huggingface_hub.errors import StrictDataclassError
 
-from common.config_values import check_model_config
-from common.dtypes import dtype_name
-from common.errors import ThinkerError
-from common.side_files import copy_files, read_json
-from common.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
-from common.source_files import present
-from common.sources import TensorSource, open_source
-from common.staging import refuse_existing_output, staged_output
 from thinker import ThinkerConfig
+from thinker_common.config_values import check_model_config
+from thinker_common.dtypes import dtype_name
+from thinker_common.errors import ThinkerError
+from thinker_common.side_files import copy_files, read_json
+from thinker_common.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
+from thinker_common.source_files import present
+from thinker_common.sources import TensorSource, open_source
+from thinker_common.staging import refuse_existing_output, staged_output
 
 from .config_compare import config_differences
 from .convert import ConversionResult

@@ -1,8 +1,8 @@
 """``thinker-convert`` and ``thinker verify``: click commands over ``converter.convert``.
 
 ``convert_command`` is the ``thinker-convert`` console script and, under the name ``convert``, a command of the
-``thinker`` group (``common/cli.py``), with ``verify_command`` as ``verify``. A ``ThinkerError`` ends either command
-with one red line on stderr and exit code 1 (click's usage errors exit with 2); ``--debug`` shows the traceback
+``thinker`` group (``thinker_common/cli.py``), with ``verify_command`` as ``verify``. A ``ThinkerError`` ends either
+command with one red line on stderr and exit code 1 (click's usage errors exit with 2); ``--debug`` shows the traceback
 instead. The converter itself (torch, transformers) is imported inside the commands, so that ``--help`` and usage
 errors answer at once.
 """
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import click
 
-from common.cli import CONTEXT, reports_errors
-from common.dtypes import FLOAT_DTYPES
-from common.errors import ThinkerError
-from common.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
+from thinker_common.cli import CONTEXT, reports_errors
+from thinker_common.dtypes import FLOAT_DTYPES
+from thinker_common.errors import ThinkerError
+from thinker_common.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 
 CONVERT_HELP = """Convert SOURCE into a Thinker checkpoint folder at OUTPUT.
 

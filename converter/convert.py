@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.dtypes import dtype_name
-from common.errors import ThinkerError
-from common.gguf_reader import GGUFSource
-from common.side_files import read_json, tokenizer_files
-from common.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
-from common.sources import FolderSource, TensorSource, open_source
-from common.staging import refuse_existing_output, refuse_output_over_source, staged_output
 from thinker import ThinkerConfig
+from thinker_common.dtypes import dtype_name
+from thinker_common.errors import ThinkerError
+from thinker_common.gguf_reader import GGUFSource
+from thinker_common.side_files import read_json, tokenizer_files
+from thinker_common.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
+from thinker_common.sources import FolderSource, TensorSource, open_source
+from thinker_common.staging import refuse_existing_output, refuse_output_over_source, staged_output
 
 from .config_compare import config_differences
 from .engine import plan_conversion, write_weights

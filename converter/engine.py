@@ -35,13 +35,13 @@ from typing import Any
 import torch
 from huggingface_hub.errors import StrictDataclassError
 
-from common.config_values import check_model_config
-from common.dtypes import dtype_name
-from common.errors import ThinkerError
-from common.progress import progress_bar
-from common.sources import TensorSource
-from common.values import ValueScan, value_problem
 from thinker import ThinkerConfig, ThinkerForCausalLM
+from thinker_common.config_values import check_model_config
+from thinker_common.dtypes import dtype_name
+from thinker_common.errors import ThinkerError
+from thinker_common.progress import progress_bar
+from thinker_common.sources import TensorSource
+from thinker_common.values import ValueScan, value_problem
 
 from .families import detect_family
 from .ops import Identity, JoinParts, Op

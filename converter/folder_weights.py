@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from common.dtypes import dtype_name
-from common.errors import ThinkerError
-from common.sources import SafetensorsSource
 from thinker.configuration_thinker import ThinkerConfig
+from thinker_common.dtypes import dtype_name
+from thinker_common.errors import ThinkerError
+from thinker_common.sources import SafetensorsSource
 
 from .engine import describe_names, thinker_parameter_shapes
 

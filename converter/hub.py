@@ -37,8 +37,8 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import filter_repo_objects, validate_repo_id
 from huggingface_hub.utils import tqdm as hf_tqdm
 
-from common.errors import ThinkerError
-from common.model_card import CARD_FILE, LICENSE_FILES
+from thinker_common.errors import ThinkerError
+from thinker_common.model_card import CARD_FILE, LICENSE_FILES
 
 try:  # huggingface_hub 2.x talks HTTP through httpx2, 1.x through httpx; both raise TransportError subclasses.
     import httpx2 as _httpx

@@ -2,8 +2,8 @@
 its own files on disk (``converter/streamed.py``), so that a model of any size is verified in the memory of its
 largest layer.
 
-For each batch (the left-padded batch of ``common/parity_inputs.py``, as the whole-model check feeds; a reference
-written without an attention mask gets each prompt alone, unpadded):
+For each batch (the left-padded batch of ``thinker_common/parity_inputs.py``, as the whole-model check feeds; a
+reference written without an attention mask gets each prompt alone, unpadded):
 
 1. the reference runs through its own ``forward``, one unit at a time; the hidden states entering and leaving each
    decoder layer, and its logits, are kept (a few KB per layer);
@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from common.errors import ThinkerError
-from common.parity_inputs import RELATIVE_TOLERANCE, fixed_prompts, left_padded
-from common.sources import open_source
 from thinker import ThinkerConfig, ThinkerForCausalLM
+from thinker_common.errors import ThinkerError
+from thinker_common.parity_inputs import RELATIVE_TOLERANCE, fixed_prompts, left_padded
+from thinker_common.sources import open_source
 
 from .output_dtype import resolve_dtype
 from .parity_report import (

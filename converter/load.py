@@ -28,8 +28,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from common.sources import open_source
 from thinker import ThinkerConfig, ThinkerForCausalLM, foreign
+from thinker_common.sources import open_source
 
 from .engine import plan_conversion, stream_tensors
 from .hub import resolve_source

@@ -1,6 +1,6 @@
 """The Thinker folder's model card: where the weights came from, how to load them, and the parity check's figures.
 
-``common/model_card.py`` writes it; this module says what a conversion (and the way back) puts in it.
+``thinker_common/model_card.py`` writes it; this module says what a conversion (and the way back) puts in it.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from common.model_card import (
+from thinker_common.model_card import (
     card_metadata,
     copy_license,
     hub_repo_of,

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.errors import ThinkerError
 from thinker import ThinkerConfig
+from thinker_common.errors import ThinkerError
 
 SizesFn = Callable[[ThinkerConfig], Sequence[int]]
 

@@ -1,5 +1,5 @@
 """The Thinker folder around the weights: ``config.json`` with the modeling code as remote code, and the generation
-config. (Staging and installing OUTPUT atomically is ``common/staging.py``; the tokenizer comes from the source,
+config. (Staging and installing OUTPUT atomically is ``thinker_common/staging.py``; the tokenizer comes from the source,
 ``TensorSource.save_tokenizer``.)
 """
 
@@ -11,10 +11,10 @@ import torch
 from transformers import GenerationConfig
 from transformers.dynamic_module_utils import custom_object_save
 
-from common.errors import ThinkerError
-from common.source_files import present
 from thinker import ThinkerConfig, ThinkerForCausalLM
 from thinker.modeling_thinker import name_every_auto_class
+from thinker_common.errors import ThinkerError
+from thinker_common.source_files import present
 
 
 def write_thinker_config(folder: Path, config: ThinkerConfig) -> None:

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from common.dtypes import FLOAT_DTYPES, dtype_name, torch_dtype
-from common.errors import ThinkerError
-from common.sources import TensorSource
+from thinker_common.dtypes import FLOAT_DTYPES, dtype_name, torch_dtype
+from thinker_common.errors import ThinkerError
+from thinker_common.sources import TensorSource
 
 
 def resolve_dtype(requested: str | torch.dtype, declared: Any, source: TensorSource) -> torch.dtype:

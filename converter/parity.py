@@ -1,6 +1,6 @@
 """The parity gate: the converted Thinker against the source family's own transformers class, on fixed prompts.
 
-Both models see the same token ids: the left-padded batch of ``common/parity_inputs.py`` (explicit position ids,
+Both models see the same token ids: the left-padded batch of ``thinker_common/parity_inputs.py`` (explicit position ids,
 compared only at real tokens) for the logits, then 8 greedy tokens decoded from that batch, each model with its own
 KV cache.
 Figures per dtype: max and mean |Δlogit|, the logit scale, top-1 agreement, greedy agreement, the tolerance and the
@@ -28,13 +28,13 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from common.eager import EAGER
-from common.errors import ThinkerError
-from common.parity_inputs import RELATIVE_TOLERANCE, fixed_prompts, left_padded
-from common.sizes import human_size, parse_size
-from common.sources import BIN_INDEX, SAFETENSORS_INDEX, unindexed_shards
 from thinker import ThinkerForCausalLM
 from thinker.modeling_thinker import CACHE_ARG
+from thinker_common.eager import EAGER
+from thinker_common.errors import ThinkerError
+from thinker_common.parity_inputs import RELATIVE_TOLERANCE, fixed_prompts, left_padded
+from thinker_common.sizes import human_size, parse_size
+from thinker_common.sources import BIN_INDEX, SAFETENSORS_INDEX, unindexed_shards
 
 from .parity_report import (
     BY_LAYER,

@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.errors import ThinkerError
-from common.staging import write_atomically
+from thinker_common.errors import ThinkerError
+from thinker_common.staging import write_atomically
 
 PARITY_FILE = "parity.json"
 # `thinker verify`'s failing report, written beside a folder's parity.json rather than over it (below)

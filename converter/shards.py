@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from common.dtypes import safetensors_code
+from thinker_common.dtypes import safetensors_code
 
 SINGLE_FILE = "model.safetensors"
 # Tensors are written in pieces of this size, each handed to the disk as soon as it is in the page cache.

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from common.eager import EAGER
-from common.errors import ThinkerError
-from common.sources import TensorSource
+from thinker_common.eager import EAGER
+from thinker_common.errors import ThinkerError
+from thinker_common.sources import TensorSource
 
 
 class LazyTensor:
@@ -56,7 +56,7 @@ class LazyTensor:
 
 
 def lazy_tensors(source: TensorSource) -> dict[str, LazyTensor]:
-    """Every tensor of a source (``common.sources``), none read yet."""
+    """Every tensor of a source (``thinker_common.sources``), none read yet."""
     return {
         name: LazyTensor(lambda name=name: source.load(name), source.shape(name), source.dtype(name))
         for name in source.names()

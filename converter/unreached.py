@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedConfig
 
-from common.parity_inputs import RELATIVE_TOLERANCE
+from thinker_common.parity_inputs import RELATIVE_TOLERANCE
 
 from .parity_report import LayerParity
 

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from common.progress import progress_bar
+from thinker_common.progress import progress_bar
 
 from .dequantize import attributes, constant_reader, dequantize_matmul_nbits, dequantize_qmoe
 from .fidelity import fidelity_token_ids, mean_kl

@@ -1,5 +1,5 @@
 """``thinker export``, ``thinker generate`` and ``thinker demo``: the export's commands of the ``thinker`` group
-(``common/cli.py``).
+(``thinker_common/cli.py``).
 
 Only click and plain data are imported at module level; onnx, onnxruntime, torch and transformers are imported
 inside the commands, so that ``--help`` and usage errors answer at once.
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import click
 
-from common.cli import CONTEXT, reports_errors
-from common.dtypes import FLOAT_DTYPES
-from common.errors import ThinkerError
-from common.side_files import read_json, tokenizer_files
-from common.sizes import human_size
+from thinker_common.cli import CONTEXT, reports_errors
+from thinker_common.dtypes import FLOAT_DTYPES
+from thinker_common.errors import ThinkerError
+from thinker_common.side_files import read_json, tokenizer_files
+from thinker_common.sizes import human_size
 
 from .names import (
     ACCURACY_LEVELS,

@@ -37,9 +37,9 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
-from common.errors import ThinkerError
 from thinker.configuration_thinker import ThinkerConfig, mrope_interleaved
 from thinker.modeling_thinker import ThinkerRotaryEmbedding
+from thinker_common.errors import ThinkerError
 
 from .graph_builder import TORCH_TO_ONNX, GraphBuilder, emitting_into, value_info
 from .hybrid_attention_graph import (

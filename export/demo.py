@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from common.errors import ThinkerError
+from thinker_common.errors import ThinkerError
 
 DEFAULT_PROMPT = "The capital of France is"
 

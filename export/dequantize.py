@@ -36,7 +36,7 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from common.errors import ThinkerError
+from thinker_common.errors import ThinkerError
 
 # What the fused graph packs into one projection along the output axis (export/fused_graph.py writes these names),
 # to the Thinker parameters it concatenates, in order. gate|up: graphs exported before the MLP's two MatMuls.

@@ -22,16 +22,16 @@ from typing import TYPE_CHECKING
 import onnx
 import torch
 
-from common.config_values import check_model_config
-from common.dtypes import FLOAT_DTYPES, dtype_name, torch_dtype
-from common.errors import ThinkerError
-from common.progress import progress_bar
-from common.side_files import CONFIG_FILES, copy_files, read_json, tokenizer_files
-from common.source_files import present
-from common.sources import SafetensorsSource
-from common.staging import install, refuse_existing_output, refuse_output_over_source, work_folder
 from converter.hub import refuse_empty_source
 from thinker.configuration_thinker import ThinkerConfig
+from thinker_common.config_values import check_model_config
+from thinker_common.dtypes import FLOAT_DTYPES, dtype_name, torch_dtype
+from thinker_common.errors import ThinkerError
+from thinker_common.progress import progress_bar
+from thinker_common.side_files import CONFIG_FILES, copy_files, read_json, tokenizer_files
+from thinker_common.source_files import present
+from thinker_common.sources import SafetensorsSource
+from thinker_common.staging import install, refuse_existing_output, refuse_output_over_source, work_folder
 
 from .contrib_schemas import register_onnxruntime_schemas
 from .decoder_graph import IR_VERSION, OPSET, DecoderGraph, make_model, not_exported, position_form

@@ -44,7 +44,7 @@ import onnx
 from onnx import TensorProto, helper
 from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
-from common.errors import ThinkerError
+from thinker_common.errors import ThinkerError
 
 from .dequantize import (
     DEQUANTIZED,

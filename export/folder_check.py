@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from common.errors import ThinkerError
-from common.parity_inputs import PROMPT_LENGTHS
-from common.sizes import human_size
 from converter.folder_weights import check_thinker_weights as check_weights_fit
 from thinker.configuration_thinker import ThinkerConfig
+from thinker_common.errors import ThinkerError
+from thinker_common.parity_inputs import PROMPT_LENGTHS
+from thinker_common.sizes import human_size
 
 from .decoder_graph import check_exportable as graph_can_build
 from .decoder_graph import not_exported, rope_table_bytes

@@ -26,8 +26,8 @@ concatenates (OnnxDecoder) feeds a past of P slots and gets P + T back, as befor
 
 from __future__ import annotations
 
-from common.errors import ThinkerError
 from thinker.configuration_thinker import ThinkerConfig
+from thinker_common.errors import ThinkerError
 
 from .decoder_graph import position_form
 from .names import MODEL_FILE, export_context

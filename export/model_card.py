@@ -1,13 +1,14 @@
 """The ONNX folder's model card: what the graph is, how to run it, and what its verify measured.
 
-``common/model_card.py`` writes it; the Thinker folder's card gives the license, languages and base model it carries.
+``thinker_common/model_card.py`` writes it; the Thinker folder's card gives the license, languages and base model it
+carries.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from common.model_card import card_metadata, copy_license, markdown_table, weights_of, write_card
+from thinker_common.model_card import card_metadata, copy_license, markdown_table, weights_of, write_card
 
 from .names import EMBEDS_MODEL_FILE, GENAI_CONFIG_FILE
 

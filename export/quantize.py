@@ -62,7 +62,7 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from common.errors import ThinkerError
+from thinker_common.errors import ThinkerError
 
 from .dequantize import unpack_nibbles
 from .graph_builder import TORCH_TO_ONNX, GraphBuilder

@@ -36,9 +36,9 @@ import numpy as np
 import onnx
 import torch
 
-from common.eager import EAGER
-from common.parity_inputs import RELATIVE_TOLERANCE, indexer_batch, parity_batch
-from common.progress import progress_bar
+from thinker_common.eager import EAGER
+from thinker_common.parity_inputs import RELATIVE_TOLERANCE, indexer_batch, parity_batch
+from thinker_common.progress import progress_bar
 
 from .accuracy_guard import LEVELLED_OPS, graph_variant
 from .dequantize import (

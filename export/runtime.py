@@ -43,8 +43,8 @@ from onnxruntime.capi.onnxruntime_pybind11_state import Fail as OrtFail
 from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument, InvalidGraph, InvalidProtobuf, NoSuchFile
 from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NotImplementedByOrt
 
-from common.errors import ThinkerError
-from common.side_files import read_json
+from thinker_common.errors import ThinkerError
+from thinker_common.side_files import read_json
 
 from .graph_walk import all_nodes, rotates
 from .names import (

@@ -1,6 +1,6 @@
 """``thinker export --verify``: onnxruntime against the PyTorch Thinker, step by step.
 
-The left-padded batch of ``common/parity_inputs.py`` goes through prefill and then several single-token decode
+The left-padded batch of ``thinker_common/parity_inputs.py`` goes through prefill and then several single-token decode
 steps in both runtimes, each fed the same (PyTorch-greedy) tokens. Logits are compared at every kept position; pads
 carry no meaning in either runtime and are left out. The tolerance is relative to the logit scale, as in DESIGN.md,
 and the same as the converter's parity gate (``RELATIVE_TOLERANCE``).
@@ -36,22 +36,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.dtypes import dtype_name
-from common.eager import EAGER
-from common.errors import ThinkerError
-from common.parity_inputs import (
+from converter.parity import MEMORY_BUDGET_ENV, memory_budget
+from thinker.modeling_thinker import CACHE_ARG, lowest_block_wins_ties
+from thinker_common.dtypes import dtype_name
+from thinker_common.eager import EAGER
+from thinker_common.errors import ThinkerError
+from thinker_common.parity_inputs import (
     RELATIVE_TOLERANCE,
     foreign_block_prompt,
     foreign_deepstack,
     indexer_batch,
     parity_batch,
 )
-from common.progress import progress_bar
-from common.side_files import read_json
-from common.sizes import human_size
-from common.sources import SafetensorsSource
-from converter.parity import MEMORY_BUDGET_ENV, memory_budget
-from thinker.modeling_thinker import CACHE_ARG, lowest_block_wins_ties
+from thinker_common.progress import progress_bar
+from thinker_common.side_files import read_json
+from thinker_common.sizes import human_size
+from thinker_common.sources import SafetensorsSource
 
 from .half_spread import HALF_PRECISIONS, MAX_EXCUSED_SHARE, HalfShadow, excused
 from .names import EMBED_FILE, EMBEDS_MODEL_FILE, GENAI_MODEL_FILE
@@ -437,7 +437,7 @@ def verify_export(
             device = decoder.device
             shadow = half_shadow(model, dtype)
             figures = compare_decoders(model, decoder, *batch, on_step=bar.update, shadow=shadow)
-            if indexed:  # prompts on which the indexers choose (common/parity_inputs.py INDEXER_EXTRA_BLOCKS)
+            if indexed:  # prompts on which the indexers choose (thinker_common/parity_inputs.py INDEXER_EXTRA_BLOCKS)
                 indexer_figures = compare_decoders(model, decoder, *indexer_batch(model.config), on_step=bar.update)
             del decoder  # one session at a time, as verify_plan counts them
             if genai_path:

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from common.errors import ThinkerError
-from common.sources import SafetensorsSource, safetensors_files
-from common.values import value_problem
+from thinker_common.errors import ThinkerError
+from thinker_common.sources import SafetensorsSource, safetensors_files
+from thinker_common.values import value_problem
 
 
 class ThinkerWeights:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import onnx
 
-from common.errors import ThinkerError
+from thinker_common.errors import ThinkerError
 
 from .names import WEIGHTS_FINGERPRINT_KEY, WEIGHTS_SIZE_KEY
 

@@ -21,7 +21,7 @@ import torch
 from click.testing import CliRunner, Result
 from safetensors.torch import load_file, save_file
 
-from common.cli import main
+from thinker_common.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -86,7 +86,7 @@ def run_cli(
     """``thinker ARGS`` in a real process: for what must run within ``address_space`` bytes of memory, or must be
     seen as a user's shell sees it."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    command = [sys.executable, "-m", "common.cli", *map(str, args)]
+    command = [sys.executable, "-m", "thinker_common.cli", *map(str, args)]
 
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))

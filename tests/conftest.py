@@ -273,7 +273,7 @@ def smollm2_demo(tmp_path_factory) -> DemoRun:
     from click.testing import CliRunner
 
     import converter.convert as convert_module
-    from common.cli import main
+    from thinker_common.cli import main
 
     real_convert = convert_module.convert
     conversions = []

@@ -27,13 +27,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from common.cli import main
-from common.errors import ThinkerError
-from common.sources import open_source
 from converter.cli import convert_command
 from converter.convert import convert
 from converter.engine import plan_conversion, stream_tensors
 from export.runtime import cuda_usable
+from thinker_common.cli import main
+from thinker_common.errors import ThinkerError
+from thinker_common.sources import open_source
 
 # --- breaking a checkpoint ---------------------------------------------------------------------------------------
 
@@ -285,7 +285,7 @@ def test_disk_full_while_writing_weights(qwen3_source, tmp_path, monkeypatch):
 
 
 def test_disk_full_before_writing(qwen3_source, tmp_path, monkeypatch):
-    monkeypatch.setattr("common.staging.free_bytes", lambda folder: 1000)
+    monkeypatch.setattr("thinker_common.staging.free_bytes", lambda folder: 1000)
     output = tmp_path / "out"
     result = thinker("convert", qwen3_source, output, "--no-verify")
     assert_error(result, f"the disk is full at {tmp_path}", "needs about 0.1 MiB, 0.0 MiB free")
@@ -305,7 +305,7 @@ def test_disk_full_while_exporting(qwen3_thinker, tmp_path, monkeypatch):
 
 def test_a_disk_full_message_names_no_staging_folder(tmp_path):
     """An export converting on the way writes into its own staging folder; the message names where OUTPUT goes."""
-    from common.staging import outside_staging, staging_path
+    from thinker_common.staging import outside_staging, staging_path
 
     assert outside_staging(staging_path(tmp_path / "out") / "thinker" / "model.safetensors") == tmp_path
     assert outside_staging(tmp_path / "out") == tmp_path / "out"
@@ -324,7 +324,7 @@ def test_verify_that_cannot_write_its_report(code, advice, qwen3_source, qwen3_t
     def cannot(*args, **kwargs):
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr("common.staging.os.replace", cannot)
+    monkeypatch.setattr("thinker_common.staging.os.replace", cannot)
     assert_error(thinker("verify", qwen3_source, folder), f"{folder}: cannot write parity.json there", advice)
     assert sorted(path.name for path in folder.iterdir()) == before
     assert (folder / "parity.json").read_text() == "the report before"

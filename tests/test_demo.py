@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from common.cli import main
+from thinker_common.cli import main
 
 pytestmark = pytest.mark.slow
 

@@ -22,11 +22,11 @@ from pkgutil import resolve_name
 import pytest
 from cli_helpers import side_by_side
 
-from common.sources import open_source
-from common.staging import _HOST as HOST
-from common.staging import remove_stale_staging, staging_path
 from converter.convert import convert
 from export.exporter import export_model
+from thinker_common.sources import open_source
+from thinker_common.staging import _HOST as HOST
+from thinker_common.staging import remove_stale_staging, staging_path
 
 CONVERT = {"verify": False, "progress": False, "max_shard_size": "20KB"}  # several shards and an index
 EXPORT = {"verify": False}
@@ -104,7 +104,7 @@ CONVERT_POINTS = [
     KillPoint("converter.shards:ShardWriter", "_slot", call=2),  # the first shard half written
     KillPoint("converter.shards:ShardWriter", "_filled", call=9, after=True),  # some shards done, some not
     KillPoint("converter.convert", "write_thinker_config"),  # every weight written, no config yet
-    KillPoint("common.staging", "install"),  # everything written, not yet renamed
+    KillPoint("thinker_common.staging", "install"),  # everything written, not yet renamed
 ]
 
 
@@ -122,7 +122,7 @@ def test_a_killed_conversion_leaves_no_output_and_the_next_run_works(point, kill
 
 @pytest.mark.parametrize(
     "point",
-    [KillPoint("converter.shards:ShardWriter", "_slot", call=3), KillPoint("common.staging", "_exchange")],
+    [KillPoint("converter.shards:ShardWriter", "_slot", call=3), KillPoint("thinker_common.staging", "_exchange")],
     ids=str,
 )
 def test_a_killed_force_run_leaves_the_old_output_intact(point, killed, qwen3_source, tmp_path, digest):
@@ -142,7 +142,14 @@ def test_killed_just_after_the_swap_the_output_is_the_new_one(killed, qwen3_sour
     output = tmp_path / "out"
     output.mkdir()
     (output / "notes.txt").write_text("the previous conversion")
-    killed(KillPoint("common.staging", "_exchange", after=True), convert, qwen3_source, output, force=True, **CONVERT)
+    killed(
+        KillPoint("thinker_common.staging", "_exchange", after=True),
+        convert,
+        qwen3_source,
+        output,
+        force=True,
+        **CONVERT,
+    )
     assert_complete_conversion(output, qwen3_source)
     assert len(leftovers(output)) == 1  # the old folder, now under the staging name: the next run removes it
     remove_stale_staging(output.absolute())
@@ -185,7 +192,7 @@ def test_a_killed_export_with_force_leaves_the_old_output_intact(killed, qwen3_t
     point = KillPoint("export.graph_builder:WeightFile", "_append", call=2)
     killed(point, export_model, qwen3_thinker, output, force=True, **EXPORT)
     assert digest(output) == before
-    killed(KillPoint("common.staging", "_exchange"), export_model, qwen3_thinker, output, force=True, **EXPORT)
+    killed(KillPoint("thinker_common.staging", "_exchange"), export_model, qwen3_thinker, output, force=True, **EXPORT)
     assert digest(output) == before
 
     export_model(qwen3_thinker, output, force=True, **EXPORT)

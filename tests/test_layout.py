@@ -1,14 +1,15 @@
 """How the packages may import each other, checked: no import circle, data flowing one way, fast help.
 
-``thinker`` (the model, also shipped as remote code) imports nothing outside itself; ``common`` (what every command
-shares) nothing of the project; ``converter`` may import those two, ``export`` all three. The import graph is read
-from the sources (every ``import``, at module level or inside a function, since a lazy import closes a circle just
+``thinker`` (the model, also shipped as remote code) imports nothing outside itself; ``thinker_common`` (what every
+command shares) nothing of the project; ``converter`` may import those two, ``export`` all three. The import graph is
+read from the sources (every ``import``, at module level or inside a function, since a lazy import closes a circle just
 as well), so a new circle fails here whichever module a user happens to import first.
 """
 
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,13 +17,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("thinker", "common", "converter", "export")
+PACKAGES = ("thinker", "thinker_common", "converter", "export")
 # What each package may import from the project besides itself.
 ALLOWED = {
     "thinker": set(),
-    "common": set(),
-    "converter": {"common", "thinker"},
-    "export": {"common", "thinker", "converter"},
+    "thinker_common": set(),
+    "converter": {"thinker_common", "thinker"},
+    "export": {"thinker_common", "thinker", "converter"},
 }
 
 
@@ -97,7 +98,7 @@ def test_no_import_circle(import_graph):
 def test_the_graph_sees_lazy_imports(import_graph):
     # Guard against the checks above passing vacuously: the exporter converts a SOURCE on the way, lazily.
     assert "converter.convert" in import_graph["export.exporter"]
-    assert "common.errors" in import_graph["converter.convert"]
+    assert "thinker_common.errors" in import_graph["converter.convert"]
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:
@@ -106,10 +107,22 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 
 def test_import_thinker_imports_nothing_outside_itself():
     done = run_python(
-        "import sys, thinker\nprint(sorted({m.split('.')[0] for m in sys.modules} & {'common', 'converter', 'export'}))"
+        "import sys, thinker\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'thinker_common', 'converter', 'export'}))"
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_a_users_common_py_does_not_hide_the_shared_package(tmp_path):
+    """A script beside its own ``common.py`` (a usual name for one's helpers) imports the converter and the runtime:
+    the shared package is ``thinker_common``, which no such file shadows (it was ``common``, which one did)."""
+    (tmp_path / "common.py").write_text("HELPER = 1\n")
+    (tmp_path / "script.py").write_text("import common, converter.load, export.runtime\nprint(common.HELPER)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "1"
 
 
 HEAVY = ("torch", "transformers", "onnx", "onnxruntime")
@@ -118,15 +131,15 @@ HEAVY = ("torch", "transformers", "onnx", "onnxruntime")
 @pytest.mark.parametrize(
     "command",
     [
-        ("common.cli", "main", ["--help"]),
-        ("common.cli", "main", ["export", "--help"]),
-        ("common.cli", "main", ["convert", "--help"]),
-        ("common.cli", "main", ["generate", "--help"]),
-        ("common.cli", "main", ["export", "--dtype", "int8", "a", "b"]),  # a usage error: exit 2
+        ("thinker_common.cli", "main", ["--help"]),
+        ("thinker_common.cli", "main", ["export", "--help"]),
+        ("thinker_common.cli", "main", ["convert", "--help"]),
+        ("thinker_common.cli", "main", ["generate", "--help"]),
+        ("thinker_common.cli", "main", ["export", "--dtype", "int8", "a", "b"]),  # a usage error: exit 2
         ("converter.cli", "convert_command", ["--help"]),
         ("converter.cli", "convert_command", ["only-one-argument"]),
     ],
-    ids=lambda command: " ".join(["thinker" if command[0] == "common.cli" else "thinker-convert", *command[2]]),
+    ids=lambda command: " ".join(["thinker" if command[0] == "thinker_common.cli" else "thinker-convert", *command[2]]),
 )
 def test_help_and_usage_errors_import_no_heavy_library(command):
     """`--help` and click's argument errors answer without importing torch, transformers or onnxruntime."""

@@ -29,7 +29,7 @@ def run_on_terminal(*args: object) -> tuple[int, str]:
     # A new pseudo-terminal is 0 columns wide, which tqdm would fill with an empty bar: size it like a terminal.
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    command = [sys.executable, "-m", "common.cli", *map(str, args)]
+    command = [sys.executable, "-m", "thinker_common.cli", *map(str, args)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=slave, env=env)
     os.close(slave)
     shown = bytearray()
@@ -60,7 +60,7 @@ def assert_bars(text: str, *descriptions: str) -> None:
 def run_piped(*args: object) -> subprocess.CompletedProcess:
     """``thinker ARGS`` with stdout and stderr on pipes."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    command = [sys.executable, "-m", "common.cli", *map(str, args)]
+    command = [sys.executable, "-m", "thinker_common.cli", *map(str, args)]
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
 
 

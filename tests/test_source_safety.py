@@ -186,7 +186,7 @@ def test_an_output_that_cannot_be_replaced_is_named(qwen3_source, tmp_path, monk
     naming OUTPUT, the old folder as it was, no staging folder left."""
     import errno
 
-    import common.staging as staging
+    import thinker_common.staging as staging
 
     output = tmp_path / "out"
     output.mkdir()
@@ -308,7 +308,7 @@ def test_a_repo_folder_kept_elsewhere_by_a_symlink(fake_hub, qwen3_source, tmp_p
     result = thinker("convert", snapshot, tmp_path / "by-path", "--no-verify")
     assert result.exit_code == 0, result.output
     code = (
-        "import sys; from pathlib import Path; from common.source_files import checked_file\n"
+        "import sys; from pathlib import Path; from thinker_common.source_files import checked_file\n"
         "checked_file(Path(sys.argv[1]) / 'model.safetensors', Path(sys.argv[1]))"
     )
     for seed in range(4):  # the former check passed or failed by the set order of two paths, so by hash seed

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from common.errors import ThinkerError
 from thinker.configuration_thinker import ThinkerConfig
+from thinker_common.errors import ThinkerError
 
 from ..spec import Family
 from .gguf import GGUF_FAMILIES, UNSUPPORTED_GGUF

@@ -21,9 +21,9 @@ from typing import Any
 from huggingface_hub.errors import StrictDataclassError
 from transformers import CONFIG_MAPPING, PreTrainedConfig
 
-from common.eager import EAGER
-from common.errors import ThinkerError
 from thinker import ThinkerConfig
+from thinker_common.eager import EAGER
+from thinker_common.errors import ThinkerError
 
 from ..ops import StackExperts
 from ..spec import Family, LayeredReferenceLoader, ReferenceLoader, SourceCheck, TensorRule, rule

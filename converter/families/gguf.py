@@ -1,6 +1,6 @@
 """llama.cpp GGUF files of the llama, qwen2, qwen3, qwen2moe and qwen3moe architectures, and of the hybrid
-qwen35 and qwen35moe (Qwen3.5 / Qwen3.6, dense and MoE), read by ``common.gguf_reader.GGUFSource`` and dequantized on
-read: the format of llama.cpp's ``convert_hf_to_gguf.py``.
+qwen35 and qwen35moe (Qwen3.5 / Qwen3.6, dense and MoE), read by ``thinker_common.gguf_reader.GGUFSource`` and
+dequantized on read: the format of llama.cpp's ``convert_hf_to_gguf.py``.
 
 Everything GGUF means in Hugging Face terms is here, derived from the two libraries that already know it where they
 are right:
@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from common.errors import ThinkerError
-from common.gguf_reader import mapped_reader
+from thinker_common.errors import ThinkerError
+from thinker_common.gguf_reader import mapped_reader
 
 from ..ops import (
     AsRow,
@@ -516,7 +516,7 @@ def _rope_parameters(metadata: Mapping[str, Any], arch: str, names: set[str]) ->
 
 def _gguf_path(source: Path) -> Path:
     """The file itself, or the one ``.gguf`` file in the folder: a folder was opened as a GGUF source only because
-    it holds exactly one (common.sources.open_source)."""
+    it holds exactly one (thinker_common.sources.open_source)."""
     source = Path(source)
     return source if source.is_file() else next(source.glob("*.gguf"))
 

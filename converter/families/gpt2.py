@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from common.errors import ThinkerError
+from thinker_common.errors import ThinkerError
 
 from ..ops import Chain, Split, Transpose
 from ..spec import Family, TensorRule, rule

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from common.errors import ThinkerError
+from thinker_common.errors import ThinkerError
 
 from ..spec import Family, renames
 from .common import THINKER_LAYER

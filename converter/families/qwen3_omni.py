@@ -37,8 +37,8 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
-from common.eager import EAGER
-from common.errors import ThinkerError
+from thinker_common.eager import EAGER
+from thinker_common.errors import ThinkerError
 
 from .common import (
     ATTENTION,
@@ -131,7 +131,7 @@ def layered_thinker_reference(class_name: str) -> Callable[[Path, Any], Any]:
     def load(source: Path, dtype: Any) -> Any:
         import transformers
 
-        from common.sources import open_source
+        from thinker_common.sources import open_source
 
         from ..streamed import StreamedModel, empty_model, lazy_tensors
 

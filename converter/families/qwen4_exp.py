@@ -37,10 +37,10 @@ from typing import Any
 import torch
 from transformers import PreTrainedConfig
 
-from common.errors import ThinkerError
-from common.sources import TensorSource
 from thinker import ThinkerConfig
 from thinker.modeling_thinker import ngram_hash_buffers
+from thinker_common.errors import ThinkerError
+from thinker_common.sources import TensorSource
 
 from ..ops import JoinParts
 from ..spec import rule

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from common.errors import ThinkerError
+from thinker_common.errors import ThinkerError
 
 from ..ops import Chain, Each, Identity, InterleavedToHalfRope, Split
 from ..spec import Family, renames, rule

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
 import thinker  # noqa: F401  (registers the Auto classes)
-from common.parity_inputs import left_padded
 from thinker import ThinkerForCausalLM
+from thinker_common.parity_inputs import left_padded
 
 transformers_logging.set_verbosity_error()
 transformers_logging.disable_progress_bar()

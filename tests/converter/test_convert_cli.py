@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
-from common.errors import ThinkerError
 from converter.cli import CONVERT_HELP, convert_command, verify_command
+from thinker_common.errors import ThinkerError
 
 QWEN3 = Qwen3Config(
     vocab_size=64,

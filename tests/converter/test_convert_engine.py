@@ -22,9 +22,6 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from common.errors import ThinkerError
-from common.sizes import parse_size
-from common.sources import SafetensorsSource
 from converter.engine import plan_conversion, stream_tensors, write_weights
 from converter.ops import (
     AsRow,
@@ -40,6 +37,9 @@ from converter.ops import (
     UnstackExperts,
 )
 from thinker import ThinkerConfig
+from thinker_common.errors import ThinkerError
+from thinker_common.sizes import parse_size
+from thinker_common.sources import SafetensorsSource
 
 QWEN2 = dict(
     vocab_size=64,
@@ -515,8 +515,8 @@ def test_values_are_checked_piece_by_piece_as_they_are_read(tmp_path):
     """A tensor of several read pieces, with a bad value in its last element only: the pieces scanned as they
     arrive (``load(scan=...)`` and the unchanged-copy path's ``read_pieces``) still find it, and every byte read
     in pieces is the tensor's."""
-    from common.values import ValueScan
     from converter.engine import COPY_PIECE
+    from thinker_common.values import ValueScan
 
     values = torch.randn(3 * COPY_PIECE // 4 + 5)  # float32: 3 pieces and a partial one
     save_file({"w": values}, tmp_path / "model.safetensors")

@@ -98,8 +98,8 @@ def test_a_top_level_original_context_wins_as_in_transformers(save_reference, ru
 def test_a_scaled_rope_transformers_cannot_run_is_refused_by_key(save_reference, tmp_path):
     """YaRN and a partial_rotary_factor in Qwen3's config: transformers sizes the table by the factor and rotates
     the whole head, so its forward fails (it was a traceback inside the gate)."""
-    from common.errors import ThinkerError
     from converter.convert import convert
+    from thinker_common.errors import ThinkerError
 
     rope = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "partial_rotary_factor": 0.5}
     config = Qwen3Config(**SMALL, intermediate_size=40, num_attention_heads=2, head_dim=16, rope_parameters=rope)
@@ -197,8 +197,8 @@ def test_a_moe_that_outputs_its_router_logits(save_reference, run_convert):
 
 def test_expert_rows_torch_grouped_mm_refuses_still_verify(save_reference, run_convert, tmp_path):
     """Experts 12 wide in bfloat16 (24-byte rows): torch's CPU grouped_mm, transformers' default experts, refuses
-    strides that are not a multiple of 16 bytes. The gate and the export's verify run eager experts (common/eager.py)
-    and pass; they failed with a traceback."""
+    strides that are not a multiple of 16 bytes. The gate and the export's verify run eager experts
+    (thinker_common/eager.py) and pass; they failed with a traceback."""
     from export.exporter import export_model
 
     model, source = save_reference(Qwen3MoeConfig(**QWEN3_MOE))
@@ -224,8 +224,8 @@ def test_a_sparse_step_of_zero_is_refused_by_key(save_reference, tmp_path):
     """decoder_sparse_step 0 divides by zero in transformers' class and the Thinker's (was a ZeroDivisionError)."""
     import json
 
-    from common.errors import ThinkerError
     from converter.convert import convert
+    from thinker_common.errors import ThinkerError
 
     _, source = save_reference(Qwen3MoeConfig(**QWEN3_MOE))
     written = json.loads((source / "config.json").read_text()) | {"decoder_sparse_step": 0}

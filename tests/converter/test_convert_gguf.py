@@ -129,8 +129,8 @@ def test_config_agrees_with_transformers_gguf_loader(architecture, tmp_path):
     import numpy as np
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from common.gguf_reader import GGUFSource
     from converter.families.gguf import gguf_to_hf_config
+    from thinker_common.gguf_reader import GGUFSource
 
     model = build_reference(SYNTHETIC[architecture])
     path = write_gguf(model, tmp_path / f"tiny-{architecture}.gguf", architecture)
@@ -153,8 +153,8 @@ def test_config_agrees_with_transformers_gguf_loader(architecture, tmp_path):
 def test_moe_config_reads_the_experts(architecture, tmp_path):
     """The routing fields come from the file (the widths from keys transformers' table leaves out), and what
     llama.cpp's graph fixes from transformers' table of GGUF defaults: Qwen3-MoE renormalises its top-k weights."""
-    from common.gguf_reader import GGUFSource
     from converter.families.gguf import gguf_to_hf_config
+    from thinker_common.gguf_reader import GGUFSource
 
     config = SYNTHETIC[architecture]
     path = write_gguf(build_reference(config), tmp_path / f"tiny-{architecture}.gguf", architecture)
@@ -172,7 +172,7 @@ def test_moe_config_reads_the_experts(architecture, tmp_path):
     [("qwen3moe", "expert_feed_forward_length"), ("qwen2moe", "expert_shared_feed_forward_length")],
 )
 def test_moe_file_without_an_expert_width_is_refused_by_name(architecture, missing, tmp_path, run_convert):
-    from common.errors import ThinkerError
+    from thinker_common.errors import ThinkerError
 
     model = build_reference(SYNTHETIC[architecture])
     path = write_gguf(model, tmp_path / "broken.gguf", architecture, metadata={f"{architecture}.{missing}": None})
@@ -207,7 +207,7 @@ def test_quantized_moe_file_converts_with_parity(tmp_path, run_convert):
 def test_moe_metadata_disagreeing_with_the_expert_stacks_is_named(tmp_path, run_convert):
     """An expert count the stacked tensors do not hold: refused before a byte is read, naming the stacks and the
     GGUF metadata (not a config.json the user does not have)."""
-    from common.errors import ThinkerError
+    from thinker_common.errors import ThinkerError
 
     model = build_reference(SYNTHETIC["qwen3moe"])
     path = write_gguf(model, tmp_path / "m.gguf", "qwen3moe", metadata={"qwen3moe.expert_count": 3})

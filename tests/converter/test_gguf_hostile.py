@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from convert_helpers import build_reference, write_gguf
 from transformers import LlamaConfig, Qwen3Config
 
-from common.cli import main
+from thinker_common.cli import main
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, max_position_embeddings=64)
 LLAMA = LlamaConfig(**TINY, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)

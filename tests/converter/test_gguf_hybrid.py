@@ -24,9 +24,9 @@ from references.hybrid import left_pad, qwen3_5_config, qwen3_5_moe_config, refe
 from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 
 import converter.families
-from common.cli import main
 from converter.ops import Identity
 from thinker import ThinkerForCausalLM
+from thinker_common.cli import main
 
 MODELS = {
     "qwen35": (Qwen3_5ForCausalLM, qwen3_5_config),

@@ -18,9 +18,6 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.initialization import no_init_weights
 
-from common.errors import ThinkerError
-from common.gguf_reader import GGUFSource
-from common.sources import open_source
 from converter.families import detect_family
 from converter.families.gguf import (
     GGUF_TENSOR_NAMES,
@@ -33,6 +30,9 @@ from converter.families.gguf import (
 )
 from converter.ops import permute_llama_rope, unpermute_llama_rope
 from converter.spec import LAYER_INDEX
+from thinker_common.errors import ThinkerError
+from thinker_common.gguf_reader import GGUFSource
+from thinker_common.sources import open_source
 
 # "The capital of France is" under the SmolLM2 tokenizer, and " Paris": fixed here so that the test need not load
 # the tokenizer (another ~5 s).

@@ -14,8 +14,6 @@ from convert_helpers import assert_same_logits, build_reference
 from safetensors.torch import save_file
 from transformers import Qwen3Config
 
-from common.errors import ThinkerError
-from common.sources import SafetensorsSource
 from converter.engine import plan_conversion, write_weights
 from converter.families import detect_family
 from converter.families.common import (
@@ -28,6 +26,8 @@ from converter.families.common import (
     layer_names,
 )
 from converter.output import write_thinker_config
+from thinker_common.errors import ThinkerError
+from thinker_common.sources import SafetensorsSource
 
 EXTRA_GROUP = layer_names("self_attn.q_proj.bias")  # a group the model of this config lacks: inert
 

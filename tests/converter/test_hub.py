@@ -11,9 +11,9 @@ from cli_helpers import assert_error, assert_nothing_written, assert_process_err
 from huggingface_hub import constants
 from safetensors.numpy import save
 
-from common.errors import ThinkerError
-from common.sources import open_source
 from converter.hub import pick_conversion_files, resolve_source
+from thinker_common.errors import ThinkerError
+from thinker_common.sources import open_source
 
 REPO = "acme/tiny"
 BIG = b"\0" * 200_000  # stands for the multi-GB files a conversion must never fetch

@@ -40,8 +40,6 @@ from transformers import (
 )
 
 import thinker.modeling_thinker
-from common.parity_inputs import fixed_prompts
-from common.sources import open_source
 from converter import engine
 from converter.cli import convert_command, verify_command
 from converter.convert import source_family
@@ -49,6 +47,8 @@ from converter.layer_parity import compare_by_layer, load_layered_converted
 from converter.parity import MEMORY_BUDGET_ENV, check_parity
 from converter.parity_report import BY_LAYER, WHOLE_MODEL, ParityFailed
 from converter.streamed import StreamedModel, lazy_tensors
+from thinker_common.parity_inputs import fixed_prompts
+from thinker_common.sources import open_source
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2)

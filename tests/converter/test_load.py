@@ -15,8 +15,6 @@ from references import qwen3_omni, uomni
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
-from common.errors import ThinkerError
-from common.parity_inputs import left_padded
 from converter.load import config_for, load_thinker
 from thinker import (
     ThinkerForCausalLM,
@@ -25,6 +23,8 @@ from thinker import (
     ThinkerForTokenClassification,
     ThinkerModel,
 )
+from thinker_common.errors import ThinkerError
+from thinker_common.parity_inputs import left_padded
 
 ATOL = 1e-5
 REPO = Path(__file__).resolve().parents[2]

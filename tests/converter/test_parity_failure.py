@@ -7,7 +7,7 @@ from __future__ import annotations
 from click.testing import CliRunner
 from transformers import Qwen3Config
 
-from common.cli import main
+from thinker_common.cli import main
 
 QWEN3 = Qwen3Config(
     vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,

@@ -21,11 +21,11 @@ from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 from transformers import Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration
 
-from common.cli import main
 from converter import engine
 from converter.cli import convert_command, verify_command
 from converter.ops import JoinParts
 from thinker import ThinkerConfig, ThinkerForCausalLM
+from thinker_common.cli import main
 
 TOL = dict(atol=1e-4, rtol=0)  # max |Δlogit| in float32
 GREEDY = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)

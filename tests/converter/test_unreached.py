@@ -10,10 +10,10 @@ from convert_helpers import build_reference
 from safetensors.torch import load_file, save_file
 from transformers import Qwen2Config, Qwen3MoeConfig
 
-from common.parity_inputs import fixed_prompts
 from converter.parity import check_parity
 from converter.parity_report import BY_LAYER, WHOLE_MODEL
 from converter.unreached import EMBEDDING_ROWS, experts_stage
+from thinker_common.parity_inputs import fixed_prompts
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2)
 # Many experts, one per token: the 11 prompt tokens reach a few of each layer's 16.

@@ -20,9 +20,9 @@ import torch
 from click.testing import CliRunner
 from onnx import helper
 
-from common.cli import main
 from export.quantize import QuantizeSpec
 from export.quantized_verify import QualityGate
+from thinker_common.cli import main
 
 OUTLIER = 1000.0
 PLANTED_LAYER = 1
@@ -196,8 +196,8 @@ def test_the_verify_fails_a_float_fallback_with_the_wrong_weight(thinker_variant
     PyTorch on the weights read back from the graph, so it is the weight check, 8 bits' bound against the float
     weights, that refuses it, as it refuses a wrong MatMulNBits scale."""
     import export.float_fallback as float_fallback
-    from common.errors import ThinkerError
     from export.exporter import export_model
+    from thinker_common.errors import ThinkerError
 
     real = float_fallback.dequantize_matmul_nbits
     monkeypatch.setattr(float_fallback, "dequantize_matmul_nbits", lambda *args: real(*args) * 1.05)
@@ -213,8 +213,8 @@ def test_the_verify_fails_one_wrong_row_of_a_float_fallback(thinker_variant, tmp
     """A planted bug confined to one output row of a fallback (one row's scales 15 % off): the whole weight stays
     within 8 bits' bound, so only the per-row check catches it, on the grid the fallback's node records."""
     import export.float_fallback as float_fallback
-    from common.errors import ThinkerError
     from export.exporter import export_model
+    from thinker_common.errors import ThinkerError
 
     real = float_fallback.dequantize_matmul_nbits
 
@@ -248,8 +248,8 @@ def test_a_fallback_that_fails_midway_leaves_no_output(thinker_variant, tmp_path
     at the second weight) ends the export with an error naming the file and what to do, nothing at OUTPUT and no
     temporary file left."""
     import export.float_fallback as float_fallback
-    from common.errors import ThinkerError
     from export.exporter import export_model
+    from thinker_common.errors import ThinkerError
 
     real, calls = float_fallback.dequantize_matmul_nbits, []
 
@@ -326,8 +326,8 @@ def test_the_verify_fails_one_wrong_row_of_a_float_moe_fallback(thinker_variant,
     """A planted bug confined to one row of one expert of the guard's float MoE (its scales 15 % off): within 8
     bits' bound for the whole stack, refused by the per-row check on the grid the node records."""
     import export.float_fallback as float_fallback
-    from common.errors import ThinkerError
     from export.exporter import export_model
+    from thinker_common.errors import ThinkerError
 
     real = float_fallback.dequantize_qmoe
 
@@ -389,8 +389,8 @@ def test_the_verify_fails_float_experts_with_the_wrong_weights(thinker_variant, 
     """A planted bug: the moved experts' dequantized stacks 5 % too large (as a wrong scale would make them). The
     weight check refuses them, naming the stack."""
     import export.float_fallback as float_fallback
-    from common.errors import ThinkerError
     from export.exporter import export_model
+    from thinker_common.errors import ThinkerError
 
     real = float_fallback.dequantize_qmoe
     monkeypatch.setattr(float_fallback, "dequantize_qmoe", lambda *args, **kwargs: real(*args, **kwargs) * 1.05)

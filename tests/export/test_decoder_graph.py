@@ -12,14 +12,14 @@ import torch
 from export_helpers import make_config, save_thinker
 from safetensors.torch import load_file, save_file
 
-from common.errors import ThinkerError
-from common.parity_inputs import parity_batch
 from export.decoder_graph import picked_experts_max_tokens
 from export.exporter import export_model
 from export.graph_builder import ALIGNMENT
 from export.graph_walk import all_nodes
 from export.runtime import OnnxDecoder, position_ids_from_mask
 from export.verify import compare_decoders
+from thinker_common.errors import ThinkerError
+from thinker_common.parity_inputs import parity_batch
 
 
 def test_io_contract(onnx_folder):

@@ -9,8 +9,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from common.cli import main
-from common.errors import ThinkerError
+from thinker_common.cli import main
+from thinker_common.errors import ThinkerError
 
 
 @pytest.fixture

@@ -8,11 +8,11 @@ import pytest
 import torch
 from export_helpers import save_thinker
 
-from common.errors import ThinkerError
-from common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
 from export.exporter import export_model
 from export.runtime import OnnxDecoder
 from export.verify import compare_decoders
+from thinker_common.errors import ThinkerError
+from thinker_common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
 
 PARTIAL = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
 
@@ -68,7 +68,7 @@ def test_a_source_the_graphs_cannot_build_is_refused_before_it_is_converted(tmp_
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     import converter.convert
-    from common.cli import main
+    from thinker_common.cli import main
 
     rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     config = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

@@ -17,12 +17,12 @@ import torch
 from click.testing import CliRunner
 from export_helpers import HYBRID_FAMILIES
 
-from common.cli import main
-from common.errors import ThinkerError
-from common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
 from export import genai_graph
 from export.runtime import OnnxDecoder
 from export.verify import compare_decoders
+from thinker_common.cli import main
+from thinker_common.errors import ThinkerError
+from thinker_common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
 
 GENAI = "model.genai.onnx"
 

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from common.eager import EAGER
-from common.parity_inputs import parity_batch
 from export.half_spread import HALF_SPREAD_MARGIN, MAX_EXCUSED_SHARE, HalfShadow, running_in
 from export.runtime import position_ids_from_mask
 from export.verify import Agreement, judge
 from thinker.modeling_thinker import CACHE_ARG
+from thinker_common.eager import EAGER
+from thinker_common.parity_inputs import parity_batch
 
 
 def prefill(model) -> torch.Tensor:

@@ -20,8 +20,6 @@ from cli_helpers import thinker
 from onnx import helper
 from references import qwen2_vl, qwen3_omni, qwen3_vl
 
-from common.errors import ThinkerError
-from common.parity_inputs import RELATIVE_TOLERANCE, foreign_block_prompt, parity_batch
 from export import runtime
 from export.exporter import export_model
 from export.names import EMBED_FILE, EMBEDS_MODEL_FILE, GENAI_MODEL_FILE, INPUTS_EMBEDS
@@ -30,6 +28,8 @@ from export.runtime import OnnxDecoder
 from export.verify import STREAMED, WHOLE, verify_export
 from thinker import ThinkerForCausalLM
 from thinker.modeling_thinker import CACHE_ARG
+from thinker_common.errors import ThinkerError
+from thinker_common.parity_inputs import RELATIVE_TOLERANCE, foreign_block_prompt, parity_batch
 
 CASES = [
     ("qwen3", "float32", "fused"),

@@ -18,11 +18,11 @@ import pytest
 import torch
 from export_helpers import record_parity
 
-from common.parity_inputs import parity_batch
 from export.contrib_schemas import register_onnxruntime_schemas
 from export.exporter import count_ops
 from export.runtime import OnnxDecoder
 from export.verify import compare_decoders
+from thinker_common.parity_inputs import parity_batch
 
 FAMILIES = ["qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "gpt2", "uomni"]
 GENAI_SCRIPT = Path(__file__).with_name("genai_greedy.py")
@@ -155,7 +155,7 @@ def test_several_new_tokens_after_a_cache_need_batch_1(onnx_variant):
     """Chunked prefill: batch 1 equals the one-shot prefill; at batch 2 onnxruntime's kernel refuses (a limit the
     plain graph does not have; OnnxDecoder's prefill and decode steps and onnxruntime-genai never ask for it), and
     OnnxDecoder.forward says so by name before the kernel does."""
-    from common.errors import ThinkerError
+    from thinker_common.errors import ThinkerError
 
     decoder = OnnxDecoder(onnx_variant("qwen3"), provider="cpu")
     tokens = np.array([[3, 14, 15, 92, 65, 35, 89, 79]], dtype=np.int64)
@@ -420,7 +420,7 @@ def test_cuda_shared_kv_buffer(family, thinker_variant, onnx_variant, record_pro
     copying form by default, and asking it to share is refused by name."""
     import onnxruntime as ort
 
-    from common.errors import ThinkerError
+    from thinker_common.errors import ThinkerError
 
     model = load_thinker(thinker_variant(family, head_dim=16))
     folder = onnx_variant(family, "float16")

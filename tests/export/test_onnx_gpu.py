@@ -15,10 +15,10 @@ import pytest
 import torch
 from export_helpers import HYBRID_FAMILIES, record_parity
 
-from common.parity_inputs import parity_batch
 from export.exporter import export_model
 from export.runtime import OnnxDecoder
 from export.verify import compare_decoders
+from thinker_common.parity_inputs import parity_batch
 
 pytestmark = pytest.mark.gpu  # run, skipped (no GPU) or failed (a GPU CUDA cannot use): tests/conftest.py
 
@@ -72,9 +72,9 @@ def test_cuda_generate_runs_the_genai_graph(onnx_variant):
     the head) on CUDA within float16's tolerance, and the same first token."""
     from click.testing import CliRunner
 
-    from common.cli import main
-    from common.parity_inputs import RELATIVE_TOLERANCE
     from export.names import GENAI_MODEL_FILE
+    from thinker_common.cli import main
+    from thinker_common.parity_inputs import RELATIVE_TOLERANCE
 
     folder = onnx_variant("qwen3", "float16")
     result = CliRunner().invoke(
@@ -94,7 +94,7 @@ def test_cuda_plain_moe_decode_path_equals_its_expert_loop(onnx_variant):
     """The plain graph's two MoE paths on CUDA, float16: one-token steps gather their picked experts at once (a
     Gather of the expert stack and a batched MatMul), a 24-token step visits them in the Loop; each token's logits
     agree within float16's tolerance (the paths sum the experts in different orders)."""
-    from common.parity_inputs import RELATIVE_TOLERANCE
+    from thinker_common.parity_inputs import RELATIVE_TOLERANCE
 
     decoder = OnnxDecoder(onnx_variant("qwen3_moe", "float16", graph="plain"), provider="cuda")
     tokens = np.arange(24, dtype=np.int64)[:, None]  # 24 one-token rows
@@ -110,8 +110,8 @@ def test_cuda_plain_moe_decode_path_equals_its_expert_loop(onnx_variant):
 def test_cuda_float16_hybrid_parity(family, graph, thinker_variant, onnx_variant, record_property):
     """The float16 hybrid graph on CUDA (recurrence and recurrent state float32) against the float16 PyTorch model
     on CPU: the export's float16 tolerance, and every state an OrtValue on the device from step to step."""
-    from common.parity_inputs import RELATIVE_TOLERANCE
     from thinker import ThinkerForCausalLM
+    from thinker_common.parity_inputs import RELATIVE_TOLERANCE
 
     model = ThinkerForCausalLM.from_pretrained(thinker_variant(family), dtype=torch.float16).eval()
     decoder = OnnxDecoder(onnx_variant(family, "float16", graph=graph, head_dim=None), provider="cuda")
@@ -129,8 +129,8 @@ def test_cuda_float16_hybrid_long_prompt_parity(graph, thinker_variant, onnx_var
     """A 70-token row beside a 13-token one padded by 57 on CUDA: the plain graph's delta rule takes such a prompt
     in chunks (an If and a Scan over chunks, export/chunked_delta_rule.py), the fused graph as ever; both within the
     float16 tolerance of the float16 PyTorch model, prefill and 6 decode steps."""
-    from common.parity_inputs import RELATIVE_TOLERANCE
     from thinker import ThinkerForCausalLM
+    from thinker_common.parity_inputs import RELATIVE_TOLERANCE
 
     rng = np.random.default_rng(0)
     input_ids, attention_mask = np.zeros((2, 70), np.int64), np.zeros((2, 70), np.int64)
@@ -149,8 +149,8 @@ def test_cuda_float16_hybrid_long_prompt_parity(graph, thinker_variant, onnx_var
 def test_cuda_qwen4_exp_parity_and_states_on_the_device(graph, thinker_variant, onnx_variant, record_property):
     """Qwen3.8 (hyper-connections, PLE, the indexer) in float32 on CUDA against the PyTorch Thinker, on prompts its
     indexers prune: every state, the int64 n-gram contexts and index positions included, an OrtValue on the device."""
-    from common.parity_inputs import RELATIVE_TOLERANCE, indexer_batch
     from thinker import ThinkerForCausalLM
+    from thinker_common.parity_inputs import RELATIVE_TOLERANCE, indexer_batch
 
     model = ThinkerForCausalLM.from_pretrained(thinker_variant("qwen4_exp"), dtype=torch.float32).eval()
     decoder = OnnxDecoder(onnx_variant("qwen4_exp", graph=graph, head_dim=None), provider="cuda")
@@ -207,9 +207,9 @@ def test_cuda_quantized_experts_equal_the_cpu(
     the CPU's reference is level 0, with 8-bit blocks in float (``experts_in_float``), whose CPU kernel rounds
     activations to int8 at any level (against level 4 the H100 measured 0.74 at int4, what level 4 alone moves
     the CPU's logits on this random model)."""
-    from common.parity_inputs import RELATIVE_TOLERANCE
     from export.quantize import QuantizeSpec, WeightQuantizer
     from export.quantized_verify import experts_in_float
+    from thinker_common.parity_inputs import RELATIVE_TOLERANCE
 
     spec = QuantizeSpec(bits=bits, block_size=32, accuracy_level=0)
     widths = {"hidden_size": 64, "moe_intermediate_size": 64}

@@ -5,9 +5,9 @@ and multimodal RoPE, in the plain graph and the fused one, run by onnxruntime (C
 proves).
 
 Tolerances, as fractions of max(1, logit scale): float32 1e-4 (DESIGN.md); float16 the export's own float16
-tolerance (common/parity_inputs.py, 5e-2; measured here: see test_float16_parity). Quantized graphs: the plumbing is
-checked exactly (the PyTorch model holding onnxruntime's dequantized weights reproduces the graph to 1e-3) and
-``--verify`` passes on top-1 agreement, as for the dense families.
+tolerance (thinker_common/parity_inputs.py, 5e-2; measured here: see test_float16_parity). Quantized graphs: the
+plumbing is checked exactly (the PyTorch model holding onnxruntime's dequantized weights reproduces the graph to 1e-3)
+and ``--verify`` passes on top-1 agreement, as for the dense families.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from click.testing import CliRunner
 from export_helpers import HYBRID_FAMILIES, graph_nodes, save_thinker
 from test_onnx_quantized import attributes, dequantized_weights
 
-from common.cli import main
-from common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
 from export.dequantize import quantized_weights
 from export.linear_attention_graph import FusedGatedDeltaNetGraph, GatedDeltaNetGraph
 from export.quantize import QuantizeSpec, WeightQuantizer
 from export.runtime import DecoderState, OnnxDecoder, position_ids_from_mask
 from export.verify import compare_decoders
 from thinker.modeling_thinker import CACHE_ARG
+from thinker_common.cli import main
+from thinker_common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
 
 GRAPHS = ["plain", "fused"]
 VOCAB = 96
@@ -421,7 +421,7 @@ def test_image_prompt_positions_give_pytorch_logits(graph, thinker_variant, onnx
 def test_four_row_positions_are_the_three_streams_and_other_forms_are_refused(onnx_variant):
     """(4, B, T) positions, a text row before the three streams (a form the Thinker and Qwen3.5's classes take),
     give the three streams' logits; a leading axis of another size is refused by name before onnxruntime runs."""
-    from common.errors import ThinkerError
+    from thinker_common.errors import ThinkerError
 
     decoder = OnnxDecoder(hybrid_export(onnx_variant, "qwen3_5", "fused"), provider="cpu")
     ids, mask, positions = image_prompt_positions()
@@ -519,7 +519,7 @@ def test_text_positions_are_the_multimodal_graph_fed_three_equal_streams(graph, 
 def test_text_positions_take_equal_streams_and_refuse_distinct_ones(onnx_variant):
     """A text-positions graph takes (3, B, T) positions whose streams are equal (text numbered the multimodal way)
     and refuses an image prompt's, whose height and width streams it cannot read, naming the option that can."""
-    from common.errors import ThinkerError
+    from thinker_common.errors import ThinkerError
 
     decoder = OnnxDecoder(hybrid_export(onnx_variant, "qwen3_5", "fused", positions="text"), provider="cpu")
     ids, mask, positions = image_prompt_positions()

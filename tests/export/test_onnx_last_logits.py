@@ -16,13 +16,13 @@ import onnx
 import pytest
 import torch
 
-from common.errors import ThinkerError
-from common.parity_inputs import parity_batch
 from export.exporter import export_model
 from export.quantize import QuantizeSpec
 from export.quantized_verify import QualityGate
 from export.runtime import OnnxDecoder, all_positions_model
 from export.verify import at_last_kept, right_padded
+from thinker_common.errors import ThinkerError
+from thinker_common.parity_inputs import parity_batch
 
 GENAI_SCRIPT = Path(__file__).with_name("genai_greedy.py")
 CASES = [

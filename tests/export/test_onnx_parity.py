@@ -7,9 +7,9 @@ import onnx
 import pytest
 import torch
 
-from common.parity_inputs import parity_batch
 from export.runtime import OnnxDecoder, position_ids_from_mask
 from export.verify import compare_decoders
+from thinker_common.parity_inputs import parity_batch
 
 FAMILIES = ["qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "gpt2", "uomni"]
 

@@ -25,13 +25,13 @@ from click.testing import CliRunner
 from export_helpers import assert_genai_equals_onnxruntime
 from onnx import helper, numpy_helper
 
-from common.cli import main
-from common.parity_inputs import parity_batch
 from export.dequantize import quantized_weights
 from export.quantize import QuantizeSpec
 from export.quantized_verify import QualityGate
 from export.runtime import OnnxDecoder
 from export.verify import STREAMED, WHOLE, compare_decoders
+from thinker_common.cli import main
+from thinker_common.parity_inputs import parity_batch
 
 INT4_EXACT = QuantizeSpec(bits=4, block_size=16, accuracy_level=1)  # float32 activations: no activation rounding
 INT4 = QuantizeSpec(bits=4, block_size=16)

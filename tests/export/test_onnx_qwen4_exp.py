@@ -18,11 +18,11 @@ import torch
 from click.testing import CliRunner
 from export_helpers import graph_nodes
 
-from common.cli import main
-from common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
 from export.runtime import DecoderState, OnnxDecoder, position_ids_from_mask
 from export.verify import compare_decoders
 from thinker.modeling_thinker import lowest_block_wins_ties
+from thinker_common.cli import main
+from thinker_common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
 
 FAMILY = "qwen4_exp"
 GRAPHS = ["plain", "fused"]

@@ -25,12 +25,12 @@ from click.testing import CliRunner
 from export_helpers import assert_genai_equals_onnxruntime
 from onnx import helper, numpy_helper
 
-from common.cli import main
 from export.accuracy_guard import int8_blockwise
 from export.dequantize import DEQUANTIZED, attributes, constant_reader, dequantize_qmoe, quantized_weights
 from export.graph_walk import all_nodes
 from export.quantize import QuantizeSpec, WeightQuantizer
 from export.quantized_verify import QualityGate, experts_in_float, verify_quantized_export
+from thinker_common.cli import main
 
 INT4 = QuantizeSpec(bits=4, block_size=16)
 INT8 = QuantizeSpec(bits=8, block_size=16)

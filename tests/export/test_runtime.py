@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import export.runtime
-from common.errors import ThinkerError
 from export.names import GENAI_MODEL_FILE, MODEL_FILE
 from export.runtime import DecoderState, OnnxDecoder, generation_graph, physical_cores
+from thinker_common.errors import ThinkerError
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gpt2"])

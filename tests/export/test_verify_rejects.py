@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from common.cli import main
+from thinker_common.cli import main
 
 
 def export(folder: Path, output: Path, *options: str):

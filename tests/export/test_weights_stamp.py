@@ -6,9 +6,9 @@ from __future__ import annotations
 import onnx
 import pytest
 
-from common.errors import ThinkerError
 from export.names import WEIGHTS_FINGERPRINT_KEY, WEIGHTS_SIZE_KEY
 from export.weights_stamp import PAGE, SAMPLE_PAGES, check_weights_stamp, stamp_weights, weights_fingerprint
+from thinker_common.errors import ThinkerError
 
 
 def stamped_model(data_path):

@@ -186,5 +186,5 @@ def main() -> None:
 __all__ = ["CONTEXT", "main", "quiet_libraries", "reports_errors"]
 
 
-if __name__ == "__main__":  # python -m common.cli COMMAND ... (the benchmarks run it so)
+if __name__ == "__main__":  # python -m thinker_common.cli COMMAND ... (the benchmarks run it so)
     main()
