@@ -153,7 +153,8 @@ class ShardWriter:
                 copied = os.copy_file_range(source, handle.fileno(), count, offset + done, start + done)
             except (AttributeError, OSError) as err:
                 if isinstance(err, OSError) and err.errno not in _NO_KERNEL_COPY:
-                    raise
+                    # copy_file_range's error names no file: the shard's name (its folder is the staging one)
+                    raise OSError(err.errno, err.strerror, Path(handle.name).name) from err
                 copied = _copy_through_buffer(source, handle.fileno(), count, offset + done, start + done)
             if copied == 0:
                 raise RuntimeError(f"{name}: the source ended {length - done} bytes early")

@@ -45,6 +45,7 @@ from onnx import TensorProto, helper
 from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
 from thinker_common.errors import ThinkerError
+from thinker_common.staging import DISK_FULL, outside_staging
 
 from .dequantize import (
     DEQUANTIZED,
@@ -213,9 +214,11 @@ def _rewrite_weights(model, onnx_path: Path, kept, added: NewWeights) -> int:
             weights.close()
             os.replace(weights.path, data_path)
     except OSError as err:
+        if err.errno in DISK_FULL:
+            raise  # the staging folder's own report: the disk named where the user can see it, the space it has
         raise ThinkerError(
-            f"{data_path}: cannot rewrite the weights file with the accuracy guard's 8-bit fallbacks ({err}); "
-            "free disk space, or export with --accuracy-guard 0"
+            f"{outside_staging(data_path)}: cannot rewrite the weights file with the accuracy guard's 8-bit fallbacks "
+            f"({err.strerror or err}); export with --accuracy-guard 0"
         ) from err
     del model.graph.initializer[:]
     model.graph.initializer.extend(initializers)

@@ -52,6 +52,7 @@ from thinker_common.progress import progress_bar
 from thinker_common.side_files import read_json
 from thinker_common.sizes import human_size
 from thinker_common.sources import SafetensorsSource
+from thinker_common.staging import outside_staging
 
 from .half_spread import HALF_PRECISIONS, MAX_EXCUSED_SHARE, HalfShadow, excused
 from .names import EMBED_FILE, EMBEDS_MODEL_FILE, GENAI_MODEL_FILE
@@ -368,8 +369,10 @@ def verify_plan(
     if streamed <= budget:
         return STREAMED
     limit = f"{MEMORY_BUDGET_ENV} allows" if os.environ.get(MEMORY_BUDGET_ENV) else "of memory available"
+    # a source converted on the way lies in a staging folder, gone by the time the message is read
+    named = model_dir if outside_staging(model_dir) == model_dir else "the model converted from SOURCE"
     raise ThinkerError(
-        f"{model_dir}: --verify holds at least {held}, about {human_size(streamed)} with the graph in "
+        f"{named}: --verify holds at least {held}, about {human_size(streamed)} with the graph in "
         f"{dtype_name(dtype)}, more than the {human_size(budget)} {limit}; export with --no-verify (`thinker verify "
         "SOURCE FOLDER` proves the Thinker folder against its source layer by layer, at any size), or where more "
         "memory is free"

@@ -81,19 +81,27 @@ def assert_nothing_written(output: Path) -> None:
 
 
 def run_cli(
-    *args: object, cwd: Path | None = None, timeout: float = 240, address_space: int | None = None
+    *args: object,
+    cwd: Path | None = None,
+    timeout: float = 240,
+    address_space: int | None = None,
+    file_size: int | None = None,
 ) -> subprocess.CompletedProcess:
-    """``thinker ARGS`` in a real process: for what must run within ``address_space`` bytes of memory, or must be
-    seen as a user's shell sees it."""
+    """``thinker ARGS`` in a real process: for what must run within ``address_space`` bytes of memory, or write no
+    file larger than ``file_size`` bytes (RLIMIT_FSIZE, as a small file system's limit), or must be seen as a user's
+    shell sees it."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     command = [sys.executable, "-m", "thinker_common.cli", *map(str, args)]
 
     def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+        if address_space is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+        if file_size is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
 
     # No preexec_fn without a limit: Python code between fork and exec is unsafe where other threads run
     # (``side_by_side``).
-    preexec = limit if address_space is not None else None
+    preexec = limit if address_space is not None or file_size is not None else None
     return subprocess.run(
         command, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout, preexec_fn=preexec
     )

@@ -217,7 +217,7 @@ convert_command(sys.argv[1:])
 """
 
 
-SIGNALS = [(signal.SIGTERM, "Terminated."), (signal.SIGHUP, "Hung up.")]
+SIGNALS = [(signal.SIGINT, "Aborted!"), (signal.SIGTERM, "Terminated."), (signal.SIGHUP, "Hung up.")]
 
 
 def terminated_midway(signum: int, source: Path, output: Path) -> subprocess.CompletedProcess:
@@ -237,8 +237,10 @@ def signalled(qwen3_source, tmp_path_factory) -> dict[int, tuple[Future, Path]]:
 
 
 @pytest.mark.parametrize("signum, words", SIGNALS)
-def test_sigterm_and_sighup_unwind_like_ctrl_c(signum, words, signalled):
-    """SIGTERM (kill, timeout, docker stop) and SIGHUP (a closed terminal, a dropped ssh session)."""
+def test_signals_unwind_and_exit_with_the_shells_status(signum, words, signalled):
+    """SIGINT (Ctrl-C), SIGTERM (kill, timeout, docker stop) and SIGHUP (a closed terminal, a dropped ssh session):
+    the staging folder removed on the way out, exit 128 + the signal's number, as a shell reports a process it ended
+    (click's own exit for Ctrl-C is 1)."""
     started, output = signalled[signum]
     result = started.result()
     assert result.returncode == 128 + signum and result.stderr.strip() == words, result.stderr

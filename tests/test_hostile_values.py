@@ -148,7 +148,7 @@ def test_export_refuses_a_context_too_short_to_verify(qwen3_thinker, tmp_path):
     assert thinker("export", folder, output, "--no-verify").exit_code == 0  # a 2-position model exports as it is
 
 
-def test_export_refuses_a_verify_that_cannot_fit_in_memory(qwen3_thinker, tmp_path, monkeypatch):
+def test_export_refuses_a_verify_that_cannot_fit_in_memory(qwen3_thinker, qwen3_source, tmp_path, monkeypatch):
     """--verify holds at least the graph's session and one PyTorch layer (the whole model where it fits, else streamed
     layer by layer: tests/export/test_verify_rejects.py): where not even that fits, the export is refused before it
     starts (not killed once written), and --no-verify still exports. So is a quantized export's."""
@@ -172,6 +172,21 @@ def test_export_refuses_a_verify_that_cannot_fit_in_memory(qwen3_thinker, tmp_pa
     quantized = thinker("export", qwen3_thinker, tmp_path / "int8", "--verify", "--quantize", "int8")
     assert_error(quantized, "two sessions of the quantized graph and one PyTorch layer", "--no-verify")
     assert_nothing_written(tmp_path / "int8")
+    # a source converted on the way lies in a staging folder: the message names the model, not that folder
+    on_the_way = thinker("export", qwen3_source, tmp_path / "from-source", "--verify", "--quantize", "int8")
+    line = assert_error(on_the_way, "the model converted from SOURCE: --verify holds at least")
+    assert ".partial-" not in line
+    assert_nothing_written(tmp_path / "from-source")
+
+
+@pytest.mark.parametrize("name", ["HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT"])
+def test_a_hub_timeout_that_is_no_number_is_named(name, qwen3_source, tmp_path, monkeypatch):
+    """huggingface_hub parses these with int() when it is imported, in every command (a local source's too): a
+    ValueError's traceback, before."""
+    monkeypatch.setenv(name, "abc")
+    result = run_cli("convert", qwen3_source, tmp_path / "out", "--no-verify")
+    assert_process_error(result, f"{name}='abc' is not a whole number of seconds", "correct or unset it")
+    assert_nothing_written(tmp_path / "out")
 
 
 def test_a_huge_context_is_refused_in_bounded_memory(qwen3_thinker, tmp_path):

@@ -65,6 +65,57 @@ def test_export_never_replaces_the_thinker_folder(force, qwen3_thinker, tmp_path
 
 
 @pytest.fixture
+def bind_mounted(tmp_path):
+    """``(real, alias)``: a folder and a bind mount of it, one place reached by two paths that no comparison of
+    paths tells apart. Needs mount(2): skipped where it is not permitted (it is, as root, on this project's
+    machines)."""
+    real, alias = tmp_path / "real", tmp_path / "alias"
+    real.mkdir()
+    alias.mkdir()
+    mounted = subprocess.run(["mount", "--bind", str(real), str(alias)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"bind mounts are not permitted here ({mounted.stderr.strip()})")
+    try:
+        yield real, alias
+    finally:
+        subprocess.run(["umount", str(alias)], check=True)
+
+
+@pytest.mark.parametrize("command", ["convert", "export"])
+def test_output_through_a_bind_mount_of_the_source_is_refused(
+    command, bind_mounted, source_copy, qwen3_thinker, digest
+):
+    """The source's folder reached through a bind mount: with --force it used to be replaced, source and all."""
+    real, alias = bind_mounted
+    source = shutil.copytree(source_copy() if command == "convert" else qwen3_thinker, real / "source")
+    before = digest(real)
+    for output, says in [
+        (alias / "source", "is the source"),
+        (alias, "holds the source"),
+        (alias / "source/x", "lies inside"),
+    ]:
+        result = thinker(command, source, output, "--force", "--no-verify")
+        assert_error(result, str(output), says, "reached by another path", "choose")
+        assert digest(real) == before
+
+
+def test_another_path_to_the_same_place_is_refused_by_identity(source_copy, tmp_path, monkeypatch, digest):
+    """The same check without a mount: a second folder taken for the source's own place (as another case of its name
+    is on a case-insensitive disk), which only the (device, inode) identity can tell."""
+    from thinker_common import staging
+
+    source = source_copy()
+    alias = tmp_path / "ALIAS"
+    alias.mkdir()
+    identity = staging._identity
+    monkeypatch.setattr(staging, "_identity", lambda path: identity(source if Path(path) == alias else path))
+    before = digest(source)
+    result = thinker("convert", source, alias, "--force", "--no-verify")
+    assert_error(result, str(alias), "is the source", "reached by another path")
+    assert digest(source) == before and alias.is_dir()
+
+
+@pytest.fixture
 def weights_file_source(source_copy, tmp_path) -> Path:
     """A source given as one weights file: model.safetensors with its config.json and tokenizer beside it."""
     return source_copy() / "model.safetensors"
@@ -169,6 +220,16 @@ def test_a_name_too_long_for_the_file_system(command, qwen3_source, tmp_path):
     arguments = [long, "-p", "the cat"] if command == "generate" else [qwen3_source, long, "--no-verify"]
     result = thinker(command, *arguments)
     assert_error(result, "x" * 256, "File name too long; a name is longer than the file system takes")
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_file_larger_than_the_file_system_takes(qwen3_source, tmp_path):
+    """A shard past the file-size limit (RLIMIT_FSIZE here, as FAT32's 4 GiB): one line naming the shard and what to
+    do, nothing left."""
+    weights = sum(path.stat().st_size for path in qwen3_source.glob("*.safetensors"))
+    result = run_cli("convert", qwen3_source, tmp_path / "out", "--no-verify", file_size=weights // 2)
+    line = assert_process_error(result, "model.safetensors: File too large", "write to another file system")
+    assert "--max-shard-size" in line
     assert sorted(os.listdir(tmp_path)) == []
 
 

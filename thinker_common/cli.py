@@ -16,6 +16,7 @@ import contextlib
 import errno
 import functools
 import logging
+import os
 import signal
 import sys
 import threading
@@ -38,13 +39,17 @@ def reports_errors(command: Callable) -> Callable:
     @functools.wraps(command)
     def run(*args, debug: bool = False, **kwargs):
         logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s: %(message)s")
-        if not debug:
-            quiet_libraries()
         try:
+            refuse_bad_hub_settings()  # before huggingface_hub is imported, which parses them with int()
+            if not debug:
+                quiet_libraries()
             with held_warnings(hold=not debug), sigterm_unwinds():
                 return command(*args, **kwargs)
+        except KeyboardInterrupt:
+            click.echo("Aborted!", err=True)  # click's words, with the shell's status for a SIGINT (click exits 1)
+            sys.exit(128 + signal.SIGINT)
         except Terminated as signalled:
-            click.echo(signalled.words, err=True)  # as click says "Aborted!" for Ctrl-C
+            click.echo(signalled.words, err=True)
             sys.exit(128 + signalled.signum)
         except OSError as err:  # what no check foresaw (a name too long, a file too large for the file system ...)
             if debug:
@@ -64,12 +69,30 @@ def reports_errors(command: Callable) -> Callable:
     return debug_option(run)
 
 
+# huggingface_hub's settings it reads as whole numbers when it is imported: a bad value raised a ValueError there,
+# with a traceback, in every command (a local source's too).
+HUB_WHOLE_NUMBER_SETTINGS = ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT")
+
+
+def refuse_bad_hub_settings() -> None:
+    for name in HUB_WHOLE_NUMBER_SETTINGS:
+        value = os.environ.get(name)
+        if value:
+            try:
+                int(value)
+            except ValueError:
+                raise ThinkerError(
+                    f"{name}={value!r} is not a whole number of seconds, which huggingface_hub reads it as; "
+                    f"correct or unset it"
+                ) from None
+
+
 # What an OSError that reaches the command's end means for the user, by errno: the last resort after the checks
 # that name their own file and remedy.
 _OS_ERROR_ADVICE = {
     errno.ENAMETOOLONG: "a name is longer than the file system takes (255 bytes a name): choose a shorter path",
-    errno.EFBIG: "a file is larger than the file system takes (FAT32: 4 GiB): write to another file system, or "
-    "convert with a smaller --max-shard-size",
+    errno.EFBIG: "a file is larger than the file system (FAT32: 4 GiB) or the process's file-size limit takes: "
+    "write to another file system (thinker-convert: or with a smaller --max-shard-size)",
     errno.ELOOP: "a symlink there leads back to itself: fix or remove it",
     errno.EACCES: "permission denied: make it readable (and its folder writable)",
     errno.EPERM: "not permitted (an immutable or read-only file?): choose another path",

@@ -59,15 +59,38 @@ def _forms(path: Path) -> set[Path]:
     return {Path(os.path.abspath(path)), Path(os.path.realpath(path))}
 
 
+def _identity(path: Path) -> tuple[int, int] | None:
+    """The (device, inode) of what is at ``path``, or None where nothing is: it names one place however it is
+    reached, where the path forms above cannot (a bind mount of a folder, another case on a case-insensitive disk)."""
+    try:
+        info = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return info.st_dev, info.st_ino
+
+
+def _lineage(path: Path) -> list[tuple[int, int]]:
+    """The identities of ``path`` (first, where it exists) and of every folder above it."""
+    real = Path(os.path.realpath(path))
+    return [identity for identity in map(_identity, (real, *real.parents)) if identity is not None]
+
+
 def refuse_working_directory(output: Path) -> None:
     here = _forms(Path.cwd())
+    shown = Path(output).absolute()
     for form in _forms(output):
         if form in here or any(form in folder.parents for folder in here):
             holds = "" if form in here else ", or holds it"
             raise ThinkerError(
-                f"{Path(output).absolute()}: OUTPUT is the working directory{holds}; replacing OUTPUT would delete "
+                f"{shown}: OUTPUT is the working directory{holds}; replacing OUTPUT would delete "
                 "what you are working in: choose another folder"
             )
+    output_identity = _identity(output)
+    if output_identity is not None and output_identity in _lineage(Path.cwd()):
+        raise ThinkerError(
+            f"{shown}: OUTPUT is the working directory, or holds it, reached by another path (a bind mount, a "
+            "link, another case); replacing OUTPUT would delete what you are working in: choose another folder"
+        )
 
 
 def refuse_output_over_source(output: Path, source: Path, writes_into: bool = False) -> None:
@@ -94,6 +117,7 @@ def refuse_output_over_source(output: Path, source: Path, writes_into: bool = Fa
                     f"{shown}: {role} lies inside the source {src if folder_source else src.parent} (a file the "
                     "conversion reads, or a folder among them); choose a folder outside it"
                 )
+    refuse_same_place(output, source, writes_into)
     if not writes_into:
         holding = [c for c in hub_caches_of(Path(source)) if any(o == c or c in o.parents for o in _forms(output))]
         if holding:
@@ -104,6 +128,27 @@ def refuse_output_over_source(output: Path, source: Path, writes_into: bool = Fa
                 "replacing it would delete cached files (a snapshot's blobs/); choose a folder outside the cache"
             )
         refuse_a_file(output)
+
+
+def refuse_same_place(output: Path, source: Path, writes_into: bool) -> None:
+    """``refuse_output_over_source``'s checks by identity: OUTPUT reached by another path than the source's (a bind
+    mount, another case on a case-insensitive disk), which no comparison of paths sees, and which ``--force`` would
+    replace, source and all."""
+    shown, role = Path(output).absolute(), "CONVERTED" if writes_into else "OUTPUT"
+    another_path = "reached by another path (a bind mount, a link, another case)"
+    output_identity, source_lineage = _identity(output), _lineage(source)
+    source_identity = _identity(source)
+    if output_identity is not None and output_identity == source_identity:
+        raise ThinkerError(f"{shown}: {role} is the source {source} itself, {another_path}; choose another folder")
+    if output_identity is not None and output_identity in source_lineage and not writes_into:
+        raise ThinkerError(
+            f"{shown}: OUTPUT holds the source {source}, {another_path}, which replacing OUTPUT would delete; "
+            "choose another folder"
+        )
+    if Path(source).is_dir() and source_identity in _lineage(output):
+        raise ThinkerError(
+            f"{shown}: {role} lies inside the source {source}, {another_path}; choose a folder outside it"
+        )
 
 
 def refuse_a_file(output: Path) -> None:
