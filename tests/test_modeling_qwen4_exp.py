@@ -342,10 +342,11 @@ def test_save_and_load_derive_the_hash_again(tmp_path):
     """The hash buffers are not in the checkpoint: a model loaded on the meta device derives them again."""
     _, thinker = pair()
     thinker.save_pretrained(tmp_path)
-    loaded = ThinkerForCausalLM.from_pretrained(tmp_path).eval()
+    loaded = ThinkerForCausalLM.from_pretrained(tmp_path, experts_implementation="eager").eval()  # as pair() builds it
     ids = token_ids(batch=2, length=30, seed=11, high=VOCAB)
-    with torch.no_grad():
-        assert torch.equal(loaded(ids).logits, thinker(ids).logits)
+    assert_same_hash(loaded, thinker)
+    with torch.no_grad():  # a wrong hash reads other table rows: differences of the logits' own size
+        assert_close(loaded(ids).logits, thinker(ids).logits, **SAME_WEIGHTS)
     assert not any("multipliers" in name or "table_" in name for name in loaded.state_dict())
 
 
@@ -358,10 +359,25 @@ def test_a_resized_thinker_keeps_its_hash(tmp_path):
     with torch.no_grad():
         before = thinker(ids).logits[..., :VOCAB]
     thinker.save_pretrained(tmp_path)
-    loaded = ThinkerForCausalLM.from_pretrained(tmp_path).eval()
+    loaded = ThinkerForCausalLM.from_pretrained(tmp_path, experts_implementation="eager").eval()  # as pair() builds it
     assert loaded.config.ngram_hash_vocab_size == VOCAB and loaded.config.vocab_size == VOCAB + 32
+    assert_same_hash(loaded, thinker)
     with torch.no_grad():
-        assert torch.equal(loaded(ids).logits[..., :VOCAB], before)
+        assert_close(loaded(ids).logits[..., :VOCAB], before, **SAME_WEIGHTS)
+
+
+# The same weights, loaded from a file: bit for bit on some CPUs, within float32's rounding on others (a loaded tensor's
+# alignment can pick another kernel path: an AMD EPYC here, where the experts' matmuls differed by 6e-8).
+SAME_WEIGHTS = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def assert_same_hash(loaded: ThinkerForCausalLM, made: ThinkerForCausalLM) -> None:
+    """The derived hash buffers, which the checkpoint does not hold, equal to the last bit."""
+    derived = {name: buffer for name, buffer in made.named_buffers() if "multipliers" in name or "table_" in name}
+    assert derived
+    again = dict(loaded.named_buffers())
+    for name, buffer in derived.items():
+        assert torch.equal(again[name], buffer), name
 
 
 @pytest.mark.parametrize(

@@ -137,7 +137,7 @@ class Comparison:
     mismatches: int = 0
     differing: set[tuple[int, int]] = field(default_factory=set)  # (row, query slot) of the queries that differ
     pruned: int = 0  # queries whose kept slots are fewer than their visible ones
-    keys_equal: bool = True
+    keys_diff: float = 0.0  # the largest |Δ| of present_index_keys against the PyTorch cache's, relative to their scale
 
 
 def run_steps(session, indexer: ThinkerQSAIndexer, sequence: Sequence, steps: list[int], config) -> Comparison:
@@ -166,9 +166,16 @@ def run_steps(session, indexer: ThinkerQSAIndexer, sequence: Sequence, steps: li
         result.mismatches += int(differs.sum())
         result.differing |= {(row, past + i) for row, i in zip(*differs.any(-1).nonzero(), strict=True)}
         result.pruned += int((expected.sum(-1) < visible.sum(-1)).sum())
-        result.keys_equal &= np.array_equal(past_keys[:, 0], cache.layers[0].indexer_keys.numpy())
+        expected_keys = cache.layers[0].indexer_keys.numpy().astype(np.float64)
+        scale = max(1.0, float(np.abs(expected_keys).max()))
+        result.keys_diff = max(result.keys_diff, float(np.abs(past_keys[:, 0] - expected_keys).max()) / scale)
         past = end
     return result
+
+
+# The keys are a projection, a norm and a rotation: bit for bit on some CPUs, a few units in the last place apart on
+# others (onnxruntime's and PyTorch's kernels sum in different orders; an AMD EPYC here), relative to their scale.
+KEYS_TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3}
 
 
 @pytest.mark.parametrize("steps", [PREFILL_THEN_DECODE, list(CHUNKS)], ids=["prefill-decode", "chunked"])
@@ -179,7 +186,9 @@ def test_selection_matches_pytorch(tmp_path, steps):
     result = run_steps(indexer_session(config, indexer, torch.float32, tmp_path), indexer, sequence, steps, config)
     assert result.pruned > 0, "the budget never pruned: the comparison would not test the choice"
     assert result.mismatches == 0, f"{result.mismatches} of {result.slots} slots chosen differently"
-    assert result.keys_equal, "present_index_keys differ from the PyTorch cache's"
+    assert result.keys_diff <= KEYS_TOLERANCE[torch.float32], (
+        f"present_index_keys {result.keys_diff:.3g} from PyTorch's"
+    )
 
 
 def test_float16_graph(tmp_path):
@@ -190,7 +199,9 @@ def test_float16_graph(tmp_path):
     session = indexer_session(config, indexer, torch.float16, tmp_path)
     result = run_steps(session, indexer, sequence, PREFILL_THEN_DECODE, config)
     assert result.mismatches == 0, f"{result.mismatches} of {result.slots} slots chosen differently"
-    assert result.keys_equal, "present_index_keys differ from the PyTorch cache's"
+    assert result.keys_diff <= KEYS_TOLERANCE[torch.float16], (
+        f"present_index_keys {result.keys_diff:.3g} from PyTorch's"
+    )
 
 
 def test_planted_bug_is_caught(tmp_path, monkeypatch):

@@ -242,6 +242,8 @@ def test_moe_op_runs_only_the_routed_experts(tmp_path):
 
 def poison_expert(folder: Path, name: str, expert: int) -> None:
     """Overwrites expert ``expert`` of the float32 (E, ...) initializer ``name`` with NaN in model.onnx.data."""
+    from export.weights_stamp import stamp_weights
+
     graph = onnx.load(folder / "model.onnx", load_external_data=False).graph
     (tensor,) = [t for t in graph.initializer if t.name == name]
     where = {entry.key: entry.value for entry in tensor.external_data}
@@ -255,6 +257,11 @@ def poison_expert(folder: Path, name: str, expert: int) -> None:
     )
     data[expert] = np.nan
     data.flush()
+    # a planted change of the weights on purpose: stamped again, as the export stamps what it writes (a graph beside
+    # weights that differ from its stamp is refused: export/weights_stamp.py)
+    model = onnx.load(folder / "model.onnx", load_external_data=False)
+    stamp_weights(model, folder / where["location"])
+    onnx.save_model(model, folder / "model.onnx")
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gpt2"])
