@@ -247,6 +247,22 @@ def test_signals_unwind_and_exit_with_the_shells_status(signum, words, signalled
     assert not output.exists() and leftovers(output) == []  # its staging folder removed on the way out
 
 
+def test_a_closed_stdout_ends_quietly_after_the_work(qwen3_source, tmp_path):
+    """stdout's reader gone (`thinker-convert ... | head`, here a pipe closed before the run): the conversion is in
+    place, and the summary it could not print ends the run as SIGPIPE ends a shell tool (141), without the "error:
+    Broken pipe" that read as a failed run."""
+    output = tmp_path / "out"
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    command = [sys.executable, "-m", "thinker_common.cli", "convert", str(qwen3_source), str(output), "--no-verify"]
+    with open(write_end, "wb") as broken:
+        done = subprocess.run(command, stdout=broken, stderr=subprocess.PIPE, text=True, env=env, timeout=300)
+    assert done.returncode == 128 + signal.SIGPIPE, done.stderr
+    assert done.stderr == ""
+    assert (output / "config.json").is_file() and leftovers(output) == []
+
+
 # --- staging folders of other runs -------------------------------------------------------------------------------
 
 

@@ -51,6 +51,13 @@ def reports_errors(command: Callable) -> Callable:
         except Terminated as signalled:
             click.echo(signalled.words, err=True)
             sys.exit(128 + signalled.signum)
+        except BrokenPipeError:
+            # stdout's reader went away (`thinker generate ... | head`; the commands open no other pipe): stop
+            # quietly with the status a shell gives a process SIGPIPE ends, as shell tools do. What was written stays
+            # written: a conversion's OUTPUT is in place before its summary is printed.
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush would fail again
+            sys.exit(128 + signal.SIGPIPE)
         except OSError as err:  # what no check foresaw (a name too long, a file too large for the file system ...)
             if debug:
                 raise
