@@ -24,6 +24,7 @@ from cli_helpers import side_by_side
 
 from converter.convert import convert
 from export.exporter import export_model
+from thinker_common.errors import ThinkerError
 from thinker_common.sources import open_source
 from thinker_common.staging import _HOST as HOST
 from thinker_common.staging import remove_stale_staging, staging_path
@@ -261,6 +262,24 @@ def test_a_closed_stdout_ends_quietly_after_the_work(qwen3_source, tmp_path):
     assert done.returncode == 128 + signal.SIGPIPE, done.stderr
     assert done.stderr == ""
     assert (output / "config.json").is_file() and leftovers(output) == []
+
+
+def test_an_output_that_appears_during_the_run_is_never_replaced(tmp_path, monkeypatch):
+    """OUTPUT made by someone else after the run looked (here an empty folder, which a plain rename replaces without
+    a word): refused, the folder as it was, the run's own still at its staging name for the cleanup."""
+    from thinker_common import staging
+
+    output, work = tmp_path / "out", tmp_path / ".out.partial"
+    work.mkdir()
+    (work / "config.json").write_text("{}")
+    output.mkdir()
+    (tmp_path / "theirs.txt").write_text("mine")
+    looked = {output}  # the look before the rename sees nothing there, as it did an instant before
+    real_exists = Path.exists
+    monkeypatch.setattr(Path, "exists", lambda path: False if path in looked else real_exists(path))
+    with pytest.raises(ThinkerError, match="out appeared during the run; pass --force to replace it"):
+        staging.install(work, output, force=False)
+    assert list(output.iterdir()) == [] and (work / "config.json").is_file()
 
 
 # --- staging folders of other runs -------------------------------------------------------------------------------

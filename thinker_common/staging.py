@@ -353,8 +353,13 @@ def install(staging: Path, output: Path, force: bool) -> None:
     exchange is unavailable, OUTPUT is moved aside first: it is then absent (never partial) between two renames.
     """
     if not (output.exists() or output.is_symlink()):
-        staging.rename(output)
-        return
+        try:
+            # never over a folder that appeared since the look above (a plain rename replaces an empty one)
+            if not _renameat2(staging, output, _RENAME_NOREPLACE):
+                staging.rename(output)  # no renameat2 here: that window stays open
+            return
+        except FileExistsError:
+            pass  # it did appear: as below
     if not force:
         raise ThinkerError(f"{output} appeared during the run; pass --force to replace it")
     try:
@@ -372,16 +377,23 @@ def install(staging: Path, output: Path, force: bool) -> None:
     _remove(retired)
 
 
+_RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
 
 def _exchange(first: Path, second: Path) -> bool:
     """Swap two paths atomically; False where the platform or file system cannot."""
+    return _renameat2(first, second, _RENAME_EXCHANGE)
+
+
+def _renameat2(first: Path, second: Path, flags: int) -> bool:
+    """Linux ``renameat2(first, second, flags)``; False where the platform or file system cannot, an OSError (a
+    FileExistsError for RENAME_NOREPLACE onto something) where it fails."""
     renameat2 = getattr(_libc(), "renameat2", None)
     if renameat2 is None:
         return False
-    if renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE) == 0:
+    if renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), flags) == 0:
         return True
     code = ctypes.get_errno()
     if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):  # an old kernel, or a file system without it
