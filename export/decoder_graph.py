@@ -52,7 +52,7 @@ from .hybrid_attention_graph import (
     rotary_dim,
 )
 from .linear_attention_graph import GatedDeltaNetDims, GatedDeltaNetGraph, PaddingMasks, emit_padding_masks
-from .names import DEEPSTACK_SCOPE, LAST_POSITION_SCOPE, ROPE_TABLE, TOKENS_SCOPE, export_context
+from .names import DEEPSTACK_SCOPE, LAST_POSITION_SCOPE, ROPE_SIN_TABLE, ROPE_TABLE, TOKENS_SCOPE, export_context
 from .qwen4_exp_graph import (
     Qwen4ExpValues,
     emit_final_mix,
@@ -334,7 +334,7 @@ class DecoderGraph:
         weights; with multimodal RoPE each frequency keeps its own position stream of the (3, B, T) positions."""
         cos, sin = rope_tables(self.config, self.dtype)
         cos_table = self.b.weight(ROPE_TABLE, cos)
-        sin_table = self.b.weight("rotary_emb.sin_cache", sin)
+        sin_table = self.b.weight(ROPE_SIN_TABLE, sin)
         selector = None
         if self.mrope_section:
             selector = self.b.weight(

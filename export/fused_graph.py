@@ -62,7 +62,7 @@ from onnx import TensorProto
 from .decoder_graph import MS_DOMAIN, DecoderGraph, StepContext, rope_tables, rotary_dim
 from .hybrid_attention_graph import emit_mrotary_embedding, emit_output_gate, emit_query_and_gate, zero_centered_scale
 from .linear_attention_graph import FusedGatedDeltaNetGraph
-from .names import ROPE_TABLE
+from .names import ROPE_SIN_TABLE, ROPE_TABLE
 from .qwen4_exp_graph import emit_indexed_bias
 
 
@@ -155,7 +155,7 @@ class FusedDecoderGraph(DecoderGraph):
         """cos/sin over the whole context, (max_pos, rotary_dim / 2): the model's own tables (``rope_tables``), as
         GroupQueryAttention, RotaryEmbedding and MRotaryEmbedding take them."""
         cos, sin = rope_tables(self.config, self.dtype)
-        return self.b.weight(ROPE_TABLE, cos), self.b.weight("rotary_emb.sin_cache", sin)
+        return self.b.weight(ROPE_TABLE, cos), self.b.weight(ROPE_SIN_TABLE, sin)
 
     # --- norms ------------------------------------------------------------------------------------------------
     def emit_norm(self, x: str, prefix: str) -> str:

@@ -25,6 +25,7 @@ DEEPSTACK_SCOPE = "deepstack"
 REPORT_FILE = "export_report.json"
 # The RoPE cos table both graphs store, one row per position: an export's context where no config says it.
 ROPE_TABLE = "rotary_emb.cos_cache"
+ROPE_SIN_TABLE = "rotary_emb.sin_cache"
 GENAI_CONFIG_FILE = "genai_config.json"
 
 # --graph: "plain", standard ONNX operators only; "fused", onnxruntime's contrib operators (export/fused_graph.py).

@@ -180,12 +180,12 @@ class QuantizeSpec:
         return self
 
     def whole_head_note(self, vocab_size: int) -> str | None:
-        """Said where ``--head-int8-rows`` (given: not the default, which small vocabularies fill as a matter of
-        course) covers the whole vocabulary, which ``for_vocab`` turns into an int8 head."""
-        if self.head_int8_rows != DEFAULT_HEAD_INT8_ROWS and 0 < vocab_size <= self.head_int8_rows:
+        """Said where a mixed head's int8 rows (``--head-int8-rows``, given or the default) cover the whole
+        vocabulary, which ``for_vocab`` turns into an int8 head."""
+        if 0 < vocab_size <= self.head_int8_rows:
             return (
-                f"--head-int8-rows {self.head_int8_rows} covers the whole vocabulary ({vocab_size} rows): the head is "
-                "int8 throughout, as with --quantize-head int8"
+                f"the mixed head's {self.head_int8_rows} int8 rows (--head-int8-rows) cover the whole vocabulary "
+                f"({vocab_size} rows): the head is int8 throughout, as with --quantize-head int8"
             )
         return None
 

@@ -37,7 +37,7 @@ import onnx
 import torch
 
 from thinker_common.eager import EAGER
-from thinker_common.parity_inputs import RELATIVE_TOLERANCE, indexer_batch, parity_batch
+from thinker_common.parity_inputs import LONG_DECODE_STEPS, RELATIVE_TOLERANCE, indexer_batch, parity_batch
 from thinker_common.progress import progress_bar
 
 from .accuracy_guard import LEVELLED_OPS, graph_variant
@@ -52,18 +52,23 @@ from .dequantize import (
 )
 from .fidelity import fidelity_token_ids, prefill_logits, text_fidelity
 from .quantize import HEAD
+from .rope_check import rope_table_check
 from .runtime import OnnxDecoder
 from .verify import (
     DECODE_STEPS,
+    LONG_PASSES,
     REFERENCE_DTYPE,
     STREAMED,
     WHOLE,
     compare_decoders,
+    compare_long,
     embeds_graph_of,
     genai_graph_of,
     half_shadow,
     indexer_failures,
     judge,
+    long_prompt_failures,
+    long_prompts,
     side_graph_failures,
 )
 
@@ -167,7 +172,7 @@ def verify_quantized_export(
     ``progress``: a bar over loading, the cost, the weights and the graph's steps."""
     from thinker import ThinkerForCausalLM
 
-    with progress_bar(3 + DECODE_STEPS + 1, "verifying", unit="step", enabled=progress) as bar:
+    with progress_bar(3 + DECODE_STEPS + 1 + 1 + LONG_DECODE_STEPS, "verifying", unit="step", enabled=progress) as bar:
         if plan == STREAMED:
             bar.update()
             return verify_quantized_streamed(model_dir, onnx_path, dtype, bits, gate, threads, on_step=bar.update)
@@ -366,8 +371,10 @@ def graph_check(
     batch = parity_batch(model.config.vocab_size)
     with float_activation_copy(onnx_path) as exact_path:
         exact = OnnxDecoder(exact_path, provider="cpu", threads=threads)
-        shadow = half_shadow(model, dtype)
+        shadow, long_shadow = half_shadow(model, dtype), half_shadow(model, dtype)
         graph = compare_decoders(model, exact, *batch, on_step=on_step, shadow=shadow)
+        long_inputs = long_prompts(model, exact)
+        graph["long_prompts"] = compare_long(model, exact, long_inputs, on_step=on_step, shadow=long_shadow)
         if model.config.has_indexed_attention:
             graph["indexer_prompts"] = compare_decoders(model, exact, *indexer_batch(model.config))
             graph["indexer_prompts"]["failures"] = indexer_failures(graph["indexer_prompts"], dtype)
@@ -377,6 +384,9 @@ def graph_check(
         with float_activation_copy(genai_path) as exact_path:
             exact = OnnxDecoder(exact_path, provider="cpu", threads=threads)
             graph["genai_graph"] = compare_decoders(model, exact, *batch, right_padded_candidate=True, shadow=shadow)
+            graph["genai_graph_long_prompts"] = compare_long(
+                model, exact, long_inputs, right_padded_candidate=True, shadow=long_shadow
+            )
     embeds_path = embeds_graph_of(onnx_path)
     if embeds_path:  # the --inputs-embeds graph, on a prompt with foreign embeddings
         with float_activation_copy(embeds_path) as exact_path:
@@ -384,10 +394,25 @@ def graph_check(
             shadow = half_shadow(model, dtype)
             graph["embeds_graph"] = compare_decoders(model, exact, *batch, shadow=shadow, foreign_embeddings=True)
     graph["rounding_sensitivity"] = rounding_sensitivity(model, *batch)
-    graph["tolerance"] = max(
-        RELATIVE_TOLERANCE[dtype] * max(1.0, graph["logit_scale"]), SENSITIVITY_MARGIN * graph["rounding_sensitivity"]
-    )
+    graph["tolerance"] = graph_tolerance(graph, dtype)
+    long_sensitivity = rounding_sensitivity(model, *long_inputs)
+    for key in LONG_PASSES:
+        if key in graph:
+            graph[key]["rounding_sensitivity"] = long_sensitivity
+            graph[key]["tolerance"] = graph_tolerance(graph[key], dtype)
+    # judged here, where the model's config and the graph's dtype are known; quantized_result reports them
+    graph["long_failures"] = long_prompt_failures(graph, model.config, dtype)
+    graph["rope_tables"], graph["rope_failure"] = rope_table_check(onnx_path, model.config, dtype)
     return graph
+
+
+def graph_tolerance(figures: dict, dtype: torch.dtype) -> float:
+    """The float graphs' tolerance on ``figures``' logit scale, or SENSITIVITY_MARGIN times the input's own
+    rounding sensitivity where that is larger."""
+    return max(
+        RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"]),
+        SENSITIVITY_MARGIN * figures["rounding_sensitivity"],
+    )
 
 
 def quantized_result(
@@ -444,6 +469,10 @@ def quantized_result(
     if graph_failure:
         failures.append(graph_failure)
     failures += side_graph_failures(graph, graph["tolerance"])
+    failures += graph.pop("long_failures")
+    rope_failure = graph.pop("rope_failure")
+    if rope_failure:
+        failures.append(rope_failure)
     if "indexer_prompts" in graph:
         failures += graph["indexer_prompts"].pop("failures")
     if "skipped" in cost and gate.required:

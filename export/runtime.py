@@ -394,7 +394,8 @@ class OnnxDecoder:
         # the graph's float type (float32 before the stamp was written): a half graph casts its float32 inputs,
         # so a larger value than its dtype holds would reach it as inf (``checked_floats``)
         self.dtype = metadata.get(DTYPE_KEY, "float32")
-        self.largest_input = float(np.finfo(np.float16).max if self.dtype == "float16" else np.finfo(np.float32).max)
+        # the least float32 a float16 cast turns to inf (65504 is float16's largest; up to 65520 rounds down to it)
+        self.input_overflow = 65520.0 if self.dtype == "float16" else np.inf
         self.right_padding_only = metadata.get(PADDING_KEY) == "right"  # model.genai.onnx (export/genai_graph.py)
         self.output_names = ["logits", *self.present_names]
         self.shared_kv = self._kv_to_share(graph, share_kv)
@@ -577,18 +578,20 @@ class OnnxDecoder:
             array = np.asarray(as_numpy(value))
         except (TypeError, ValueError) as err:  # ragged lists, objects numpy cannot make an array of
             raise ThinkerError(f"{name}: not an array of floats ({err})") from None
+        if array.dtype.kind == "V" and "float" in array.dtype.name:  # ml_dtypes' bfloat16 (JAX's, onnxruntime's)
+            array = array.astype(np.float32)
         if not np.issubdtype(array.dtype, np.floating):
             raise ThinkerError(f"{name} of dtype {array.dtype}; expected floats")
         with np.errstate(over="ignore", invalid="ignore"):  # float64 past float32's range: inf, refused below
             floats = np.ascontiguousarray(array, dtype=np.float32)
             finite = np.isfinite(floats)
-            bad = np.argwhere(~finite | (np.abs(floats) > self.largest_input))
+            bad = np.argwhere(~finite | (np.abs(floats) >= self.input_overflow))
         if bad.size:
             where = tuple(int(i) for i in bad[0])
             given = array[where]
             if not np.isfinite(given):
                 raise ThinkerError(f"{name} hold inf or NaN (at {where})")
-            beyond = "float32's range" if not finite[where] else f"the {self.dtype} graph's {self.largest_input:g}"
+            beyond = "float32's range" if not finite[where] else f"the {self.dtype} graph's range (largest 65504)"
             raise ThinkerError(f"{name} hold {given} at {where}, beyond {beyond}")
         return floats
 
@@ -609,10 +612,11 @@ class OnnxDecoder:
         mask = zeros_and_ones(visual_pos_masks, "visual_pos_masks", "1 marks a visual position").astype(bool)
         if mask.shape != tuple(shape):
             raise ThinkerError(f"visual_pos_masks of shape {mask.shape}; expected (batch, seq) = {tuple(shape)}")
-        if not isinstance(deepstack_visual_embeds, (list, tuple)):
+        if isinstance(deepstack_visual_embeds, (str, bytes)) or not hasattr(deepstack_visual_embeds, "__len__"):
             raise ThinkerError(
                 f"deepstack_visual_embeds of type {type(deepstack_visual_embeds).__name__}; expected a list of "
-                "(visual positions, hidden) features, one per DeepStack layer, as transformers' vision tower returns"
+                "(visual positions, hidden) features, one per DeepStack layer, as transformers' vision tower returns "
+                "(or those stacked, (layers, visual positions, hidden))"
             )
         if len(deepstack_visual_embeds) > self.deepstack_layers:
             raise ThinkerError(
@@ -965,11 +969,12 @@ def for_every_row(positions: np.ndarray, batch: int) -> np.ndarray:
 
 
 def as_numpy(value):
-    """A torch tensor (a tower's output, in any dtype, bfloat16 too, which numpy lacks: floats as float32) as numpy,
-    without importing torch; anything else as it is."""
+    """A torch tensor (a tower's output, in any dtype, bfloat16 too, which numpy lacks: floats narrower than float32
+    as float32) as numpy, without importing torch; anything else as it is."""
     if hasattr(value, "detach") and hasattr(value, "is_floating_point"):
         value = value.detach().cpu()
-        return (value.float() if value.is_floating_point() else value).numpy()
+        # float64 stays float64, so that a value past float32's range is named as given, not as the inf it casts to
+        return (value.float() if value.is_floating_point() and value.dtype.itemsize < 4 else value).numpy()
     return value
 
 

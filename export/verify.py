@@ -42,10 +42,12 @@ from thinker_common.dtypes import dtype_name
 from thinker_common.eager import EAGER
 from thinker_common.errors import ThinkerError
 from thinker_common.parity_inputs import (
+    LONG_DECODE_STEPS,
     RELATIVE_TOLERANCE,
     foreign_block_prompt,
     foreign_deepstack,
     indexer_batch,
+    long_batch,
     parity_batch,
 )
 from thinker_common.progress import progress_bar
@@ -55,7 +57,8 @@ from thinker_common.sources import SafetensorsSource
 from thinker_common.staging import outside_staging
 
 from .half_spread import HALF_PRECISIONS, MAX_EXCUSED_SHARE, HalfShadow, excused
-from .names import EMBED_FILE, EMBEDS_MODEL_FILE, GENAI_MODEL_FILE
+from .names import EMBED_FILE, EMBEDS_MODEL_FILE, GENAI_MODEL_FILE, MODEL_FILE
+from .rope_check import rope_table_check
 from .runtime import OnnxDecoder, cuda_usable, position_ids_from_mask
 
 DECODE_STEPS = 6
@@ -294,6 +297,9 @@ def at_last_kept(logits: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
     return logits[np.arange(len(logits)), np.where(last < 0, attention_mask.shape[1] - 1, last)]
 
 
+HALF_INDEXER_TIES = "a half-precision network may flip an indexer's near-tie; the float32 export is checked"
+
+
 def indexer_failures(figures: dict, dtype: torch.dtype) -> list[str]:
     """The long prompts' verdict. float32 only: an indexer's choice is discrete, and where two of a query's blocks
     score within a few parts in a thousand, the rounding of a half-precision network's hidden states picks the other
@@ -301,8 +307,7 @@ def indexer_failures(figures: dict, dtype: torch.dtype) -> list[str]:
     graph. The graph's indexer is the same nodes in every dtype, so the float32 export's check is the one that proves
     it; a half graph's figures are reported, marked so."""
     if dtype != torch.float32:
-        figures["judged"] = False
-        figures["why"] = "a half-precision network may flip an indexer's near-tie; the float32 export is checked"
+        figures["judged"], figures["why"] = False, HALF_INDEXER_TIES
         return []
     figures["tolerance"] = tolerance = RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"])
     failure = judge(figures, tolerance)
@@ -335,6 +340,42 @@ def side_graph_failures(result: dict, tolerance: float) -> list[str]:
         failure = judge(result[key], tolerance) if key in result else None
         if failure:
             failures.append(f"{what}: {failure}")
+    return failures
+
+
+# The passes on the long prompts (parity_inputs.long_batch), by their figures' key in the report, as a failure
+# names them; each holds its own "tolerance", set by the check that ran it.
+LONG_PASSES = {
+    "long_prompts": MODEL_FILE,
+    "genai_graph_long_prompts": f"{GENAI_MODEL_FILE} (rows padded on the right)",
+}
+
+
+def long_prompts(model: torch.nn.Module, decoder: OnnxDecoder) -> tuple[np.ndarray, np.ndarray]:
+    """The long batch for ``model``, cut to the context both it and the graph hold."""
+    context = min(model.config.max_position_embeddings, decoder.context_length or model.config.max_position_embeddings)
+    return long_batch(model.config.vocab_size, context)
+
+
+def compare_long(model: torch.nn.Module, decoder: OnnxDecoder, batch: tuple[np.ndarray, np.ndarray], **options) -> dict:
+    """``compare_decoders`` on the long ``batch`` and LONG_DECODE_STEPS steps, the prompts' lengths in the figures."""
+    figures = compare_decoders(model, decoder, *batch, steps=LONG_DECODE_STEPS, **options)
+    return {"prompt_lengths": batch[1].sum(axis=1).tolist(), **figures}
+
+
+def long_prompt_failures(result: dict, config, dtype: torch.dtype) -> list[str]:
+    """The failures of the long passes whose figures ``result`` holds, each at its own tolerance. Qwen3.8's indexers
+    choose on them, so in half precision they are reported, not judged, as its indexer prompts are."""
+    failures = []
+    for key, what in LONG_PASSES.items():
+        figures = result.get(key)
+        if figures and config.has_indexed_attention and dtype != torch.float32:
+            figures["judged"], figures["why"] = False, HALF_INDEXER_TIES
+            continue
+        failure = judge(figures, figures["tolerance"]) if figures else None
+        if failure:
+            lengths = " and ".join(map(str, figures["prompt_lengths"]))
+            failures.append(f"{what} on prompts of {lengths} tokens, then {figures['decode_steps']} steps: {failure}")
     return failures
 
 
@@ -432,14 +473,18 @@ def verify_export(
     genai_path, embeds_path = genai_graph_of(onnx_path), embeds_graph_of(onnx_path)
     indexed = "indexed_attention" in (read_json(model_dir / "config.json").get("layer_types") or ())
     steps = 2 + DECODE_STEPS + sum(1 + DECODE_STEPS for extra in (genai_path, embeds_path, indexed) if extra)
+    steps += (1 + LONG_DECODE_STEPS) * (2 if genai_path else 1)
+    long = {}
     with progress_bar(steps, "verifying", unit="step", enabled=progress) as bar:
         with pytorch_thinker(model_dir, REFERENCE_DTYPE, plan) as model:
             bar.update()
             batch = parity_batch(model.config.vocab_size)
             decoder = OnnxDecoder(onnx_path, threads=threads)
             device = decoder.device
-            shadow = half_shadow(model, dtype)
+            shadow, long_shadow = half_shadow(model, dtype), half_shadow(model, dtype)
             figures = compare_decoders(model, decoder, *batch, on_step=bar.update, shadow=shadow)
+            long_inputs = long_prompts(model, decoder)
+            long["long_prompts"] = compare_long(model, decoder, long_inputs, on_step=bar.update, shadow=long_shadow)
             if indexed:  # prompts on which the indexers choose (thinker_common/parity_inputs.py INDEXER_EXTRA_BLOCKS)
                 indexer_figures = compare_decoders(model, decoder, *indexer_batch(model.config), on_step=bar.update)
             del decoder  # one session at a time, as verify_plan counts them
@@ -447,6 +492,9 @@ def verify_export(
                 genai = OnnxDecoder(genai_path, threads=threads)
                 genai_figures = compare_decoders(
                     model, genai, *batch, on_step=bar.update, right_padded_candidate=True, shadow=shadow
+                )
+                long["genai_graph_long_prompts"] = compare_long(
+                    model, genai, long_inputs, on_step=bar.update, right_padded_candidate=True, shadow=long_shadow
                 )
                 del genai
             if embeds_path:  # another prompt: its own half-precision spreads
@@ -473,6 +521,13 @@ def verify_export(
     if embeds_path:
         result["embeds_graph"] = embeds_figures
     failures += side_graph_failures(result, result["tolerance"])
+    for key, figures in long.items():
+        figures["tolerance"] = RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"])
+        result[key] = figures
+    failures += long_prompt_failures(result, model.config, dtype)
+    result["rope_tables"], rope_failure = rope_table_check(onnx_path, model.config, dtype)
+    if rope_failure:
+        failures.append(rope_failure)
     result["passed"] = not failures
     result["failure"] = "; ".join(failures)
     if result["passed"]:

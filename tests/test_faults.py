@@ -205,6 +205,7 @@ def test_a_killed_export_with_force_leaves_the_old_output_intact(killed, qwen3_t
 # second tensor is being written.
 TERMINATED_MIDWAY = """
 import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a pytest started with SIGINT ignored passes that on
 from converter import shards
 from converter.cli import convert_command
 original, calls = shards.ShardWriter._slot, []
@@ -253,15 +254,52 @@ def test_a_closed_stdout_ends_quietly_after_the_work(qwen3_source, tmp_path):
     place, and the summary it could not print ends the run as SIGPIPE ends a shell tool (141), without the "error:
     Broken pipe" that read as a failed run."""
     output = tmp_path / "out"
-    read_end, write_end = os.pipe()
-    os.close(read_end)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    command = [sys.executable, "-m", "thinker_common.cli", "convert", str(qwen3_source), str(output), "--no-verify"]
-    with open(write_end, "wb") as broken:
-        done = subprocess.run(command, stdout=broken, stderr=subprocess.PIPE, text=True, env=env, timeout=300)
+    done = closed_stdout_run("convert", qwen3_source, output, "--no-verify")
     assert done.returncode == 128 + signal.SIGPIPE, done.stderr
     assert done.stderr == ""
     assert (output / "config.json").is_file() and leftovers(output) == []
+
+
+def closed_stdout_run(*arguments: object) -> subprocess.CompletedProcess:
+    """``thinker ARGUMENTS`` with stdout a pipe whose reader is gone before the run starts."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    command = [sys.executable, "-m", "thinker_common.cli", *map(str, arguments)]
+    with open(write_end, "wb") as broken:
+        return subprocess.run(command, stdout=broken, stderr=subprocess.PIPE, text=True, env=env, timeout=300)
+
+
+def test_a_failure_with_stdout_closed_still_says_so(qwen3_source, tmp_path):
+    """A failing verify prints its table to stdout first: with stdout gone, the error line still reaches stderr,
+    exit 1 (the broken pipe was raised inside the failure's own report, and it used to end the run without a word)."""
+    from safetensors.torch import load_file, save_file
+
+    converted = tmp_path / "converted"
+    convert(qwen3_source, converted, **CONVERT | {"max_shard_size": "5GB"})
+    weights = load_file(converted / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"] *= 1.5
+    save_file(weights, converted / "model.safetensors", metadata={"format": "pt"})
+    done = closed_stdout_run("verify", qwen3_source, converted)
+    assert done.returncode == 1, done.stderr
+    assert "error: " in done.stderr and "does not match its reference" in done.stderr
+
+
+@pytest.mark.parametrize("reader", ["gone", "there"])
+def test_only_stdout_whose_reader_is_gone_counts_as_gone(reader):
+    """A broken pipe is a quiet exit only where it is stdout's (`| head`); any other is an error to report."""
+    code = "import sys; from thinker_common.cli import stdout_gone; print(stdout_gone(), file=sys.stderr)"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    if reader == "gone":
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        with open(write_end, "wb") as broken:
+            done = subprocess.run(
+                [sys.executable, "-c", code], stdout=broken, stderr=subprocess.PIPE, text=True, env=env
+            )
+    else:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.stderr.strip() == ("True" if reader == "gone" else "False")
 
 
 def test_an_output_that_appears_during_the_run_is_never_replaced(tmp_path, monkeypatch):

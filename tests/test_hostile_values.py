@@ -179,13 +179,14 @@ def test_export_refuses_a_verify_that_cannot_fit_in_memory(qwen3_thinker, qwen3_
     assert_nothing_written(tmp_path / "from-source")
 
 
+@pytest.mark.parametrize("value", ["abc", ""])
 @pytest.mark.parametrize("name", ["HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT"])
-def test_a_hub_timeout_that_is_no_number_is_named(name, qwen3_source, tmp_path, monkeypatch):
-    """huggingface_hub parses these with int() when it is imported, in every command (a local source's too): a
-    ValueError's traceback, before."""
-    monkeypatch.setenv(name, "abc")
+def test_a_hub_timeout_that_is_no_number_is_named(name, value, qwen3_source, tmp_path, monkeypatch):
+    """huggingface_hub parses these with int() when it is imported, in every command (a local source's too), set
+    but empty as well: a ValueError's traceback, before."""
+    monkeypatch.setenv(name, value)
     result = run_cli("convert", qwen3_source, tmp_path / "out", "--no-verify")
-    assert_process_error(result, f"{name}='abc' is not a whole number of seconds", "correct or unset it")
+    assert_process_error(result, f"{name}={value!r} is not a whole number of seconds", "correct or unset it")
     assert_nothing_written(tmp_path / "out")
 
 

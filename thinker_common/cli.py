@@ -17,6 +17,7 @@ import errno
 import functools
 import logging
 import os
+import select
 import signal
 import sys
 import threading
@@ -51,22 +52,23 @@ def reports_errors(command: Callable) -> Callable:
         except Terminated as signalled:
             click.echo(signalled.words, err=True)
             sys.exit(128 + signalled.signum)
-        except BrokenPipeError:
-            # stdout's reader went away (`thinker generate ... | head`; the commands open no other pipe): stop
-            # quietly with the status a shell gives a process SIGPIPE ends, as shell tools do. What was written stays
-            # written: a conversion's OUTPUT is in place before its summary is printed.
-            with contextlib.suppress(OSError, ValueError):
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush would fail again
-            sys.exit(128 + signal.SIGPIPE)
         except OSError as err:  # what no check foresaw (a name too long, a file too large for the file system ...)
             if debug:
                 raise
+            if isinstance(err, BrokenPipeError) and stdout_gone():
+                # stdout's reader went away (`thinker generate ... | head`): stop quietly with the status a shell
+                # gives a process SIGPIPE ends, as shell tools do. What was written stays written: a conversion's
+                # OUTPUT is in place before its summary is printed.
+                sys.exit(128 + signal.SIGPIPE)
             click.secho(f"error: {os_error_line(err)}", fg="red", err=True)
             sys.exit(1)
         except ThinkerError as err:
             report = getattr(err, "report", None)  # a failed parity check carries its table: show what differed
             if report is not None:
-                click.echo(report.table())
+                try:
+                    click.echo(report.table())
+                except BrokenPipeError:  # stdout gone (| head): the error line still goes out, on stderr
+                    stdout_gone()
             if debug:
                 raise
             message = " ".join(str(err).split())  # one line, even when it quotes a multi-line library message
@@ -74,6 +76,20 @@ def reports_errors(command: Callable) -> Callable:
             sys.exit(1)
 
     return debug_option(run)
+
+
+def stdout_gone() -> bool:
+    """Whether stdout is a pipe (or socket) whose reader has gone, then pointed at /dev/null so that the exit's own
+    flush does not fail again: told apart from a broken pipe of anything else, which is an error to report."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        gone = any(event & (select.POLLERR | select.POLLHUP) for _, event in poller.poll(0))
+        if gone:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return gone
+    except (OSError, ValueError, AttributeError):  # no fileno (a test's captured stream), no poll (Windows)
+        return False
 
 
 # huggingface_hub's settings it reads as whole numbers when it is imported: a bad value raised a ValueError there,
@@ -84,7 +100,7 @@ HUB_WHOLE_NUMBER_SETTINGS = ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT")
 def refuse_bad_hub_settings() -> None:
     for name in HUB_WHOLE_NUMBER_SETTINGS:
         value = os.environ.get(name)
-        if value:
+        if value is not None:  # set but empty fails int() too
             try:
                 int(value)
             except ValueError:

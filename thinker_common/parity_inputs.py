@@ -50,6 +50,24 @@ def indexer_batch(config) -> tuple[np.ndarray, np.ndarray]:
     return ids.numpy(), mask.numpy()
 
 
+# The fixed prompts reach position 12 and a cache of 13 slots: what only longer prompts exercise (a RoPE table's later
+# rows, an attention window, the plain hybrid graph's chunked delta rule from 64 tokens in chunks of 64, decode
+# steps far into the context) is checked on two more, left-padded, of these lengths (both past two chunks' start,
+# the first across a chunk boundary into a partial third), cut to the model's context, then LONG_DECODE_STEPS steps.
+LONG_PROMPT_LENGTHS = (141, 100)
+LONG_DECODE_STEPS = 3  # each a whole forward: a streamed check reads the model from disk once a step
+
+
+def long_batch(vocab_size: int, context: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two prompts of LONG_PROMPT_LENGTHS tokens from a fixed seed, shortened in proportion where ``context`` (the
+    model's positions) would not hold them and LONG_DECODE_STEPS more; left-padded numpy arrays."""
+    longest = max(1, min(LONG_PROMPT_LENGTHS[0], context - LONG_DECODE_STEPS))
+    lengths = [max(1, longest * length // LONG_PROMPT_LENGTHS[0]) for length in LONG_PROMPT_LENGTHS]
+    drawn = np.random.default_rng(PROMPT_SEED + 3).integers(0, vocab_size, size=(2, longest), dtype=np.int64)
+    ids, mask, _ = left_padded([row[longest - length :].tolist() for row, length in zip(drawn, lengths, strict=True)])
+    return ids.numpy(), mask.numpy()
+
+
 def fixed_prompts(vocab_size: int) -> list[list[int]]:
     """Token ids from a fixed seed: the same prompts for every run with the same vocabulary size. Drawn as one
     (prompts, longest) matrix, row i keeping its last ``PROMPT_LENGTHS[i]`` ids."""

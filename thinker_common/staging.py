@@ -351,6 +351,8 @@ def install(staging: Path, output: Path, force: bool) -> None:
     The replacement is one atomic exchange of the two names (Linux ``renameat2``), so OUTPUT is at every moment
     either the old folder or the new one; the old one, now at the staging name, is deleted with it. Where the
     exchange is unavailable, OUTPUT is moved aside first: it is then absent (never partial) between two renames.
+    A new OUTPUT is renamed into place with RENAME_NOREPLACE, so that a folder someone made there since the look
+    (a plain rename would replace an empty one) is refused, not replaced.
     """
     if not (output.exists() or output.is_symlink()):
         try:

@@ -64,7 +64,7 @@ def test_the_card_names_the_head_and_last_position_logits(runner, thinker_folder
 
     whole = runner.invoke(main, [*args[:2], str(tmp_path / "whole"), *options, "--head-int8-rows", "1000"])
     assert whole.exit_code == 0, whole.output
-    assert "--head-int8-rows 1000 covers the whole vocabulary" in whole.stderr
+    assert "the mixed head's 1000 int8 rows (--head-int8-rows) cover the whole vocabulary" in whole.stderr
     assert (
         "weights int4 in blocks of 32 (rtn), the head int8, the fused graph)"
         in (tmp_path / "whole/README.md").read_text()

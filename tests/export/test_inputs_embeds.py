@@ -505,6 +505,7 @@ def test_hostile_values_are_refused_by_name(embeds_export, tmp_path):
     huge = embeds.astype(np.float64)
     huge[0, 0, 0] = 1e39  # float64 past float32's range: inf once cast
     refused(r"inputs_embeds hold 1e\+39 at \(0, 0, 0\), beyond float32's range", inputs_embeds=huge)
+    refused(r"inputs_embeds hold 1e\+39 at \(0, 0, 0\), beyond float32's range", inputs_embeds=torch.from_numpy(huge))
     state = decoder.prefill(None, mask, inputs_embeds=embeds)[1]
     with pytest.raises(ThinkerError, match="deepstack_embeds hold inf or NaN"):
         step = np.full((1, 2, 1, decoder.hidden_size), np.inf, np.float32)
@@ -520,6 +521,19 @@ def test_hostile_values_are_refused_by_name(embeds_export, tmp_path):
         deepstack_visual_embeds=[torch.from_numpy(features).requires_grad_()],
     )
     np.testing.assert_array_equal(decoder.prefill(None, **as_torch)[0], expected)
+    # the DeepStack features stacked (layers, visual positions, hidden), and embeddings in ml_dtypes' bfloat16 (what
+    # JAX and onnxruntime hand back): taken as the list and as float32
+    import ml_dtypes
+
+    stacked = {**deepstack, "deepstack_visual_embeds": np.stack(deepstack["deepstack_visual_embeds"])}
+    as_ml_bfloat16 = embeds.astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(
+        decoder.prefill(None, mask, inputs_embeds=embeds, position_ids=positions, **stacked)[0], expected
+    )
+    np.testing.assert_array_equal(
+        decoder.prefill(None, mask, inputs_embeds=as_ml_bfloat16)[0],
+        decoder.prefill(None, mask, inputs_embeds=as_ml_bfloat16.astype(np.float32))[0],
+    )
 
     # a float16 graph casts its float32 input: a value past 65504, even in a masked pad, would be inf there and NaN
     # everywhere its row attends
@@ -527,10 +541,11 @@ def test_hostile_values_are_refused_by_name(embeds_export, tmp_path):
     padded = half.embed(ids)
     row, slot = np.argwhere(mask == 0)[0]
     padded[row, slot, 0] = 1e5
-    with pytest.raises(
-        ThinkerError, match=rf"inputs_embeds hold 100000.0 at \({row}, {slot}, 0\), beyond the float16 graph's 65504"
-    ):
+    beyond = rf"inputs_embeds hold 100000.0 at \({row}, {slot}, 0\), beyond the float16 graph's range \(largest 65504\)"
+    with pytest.raises(ThinkerError, match=beyond):
         half.prefill(None, mask, inputs_embeds=padded)
+    padded[row, slot, 0] = 65510.0  # rounds down to float16's 65504: a finite value, taken
+    assert np.isfinite(half.prefill(None, mask, inputs_embeds=padded)[0]).all()
 
 
 def test_generate_from_embeddings_streams_and_checks_the_context_first(embeds_export):

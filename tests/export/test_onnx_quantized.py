@@ -578,13 +578,12 @@ def test_a_mixed_head_over_the_whole_vocabulary_is_an_int8_head():
     assert "head_int8_rows" not in mixed.for_vocab(512).describe()
     assert mixed.for_vocab(512).head_rows(512) == mixed.head_rows(512)  # the same graph, now called what it is
     assert QuantizeSpec(bits=8).for_vocab(512) == QuantizeSpec(bits=8)
-    # Said where the rows were asked for, not where the default's 8192 fill a small vocabulary as a matter of course.
-    assert mixed.whole_head_note(512) is None
     assert QuantizeSpec(bits=4, head_int8_rows=100_000).whole_head_note(49152) == (
-        "--head-int8-rows 100000 covers the whole vocabulary (49152 rows): the head is int8 throughout, as with "
-        "--quantize-head int8"
+        "the mixed head's 100000 int8 rows (--head-int8-rows) cover the whole vocabulary (49152 rows): the head is "
+        "int8 throughout, as with --quantize-head int8"
     )
-    assert QuantizeSpec(bits=4, head_int8_rows=100_000).whole_head_note(200_000) is None
+    assert mixed.whole_head_note(8192) is not None and mixed.whole_head_note(8193) is None
+    assert QuantizeSpec(bits=8).whole_head_note(512) is None  # no mixed head
 
 
 def test_default_int4_export_of_smollm2_passes_its_own_verify(smollm2_exports, tmp_path):

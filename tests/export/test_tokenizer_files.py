@@ -1,10 +1,10 @@
 """Every tokenizer file travels: source -> ``thinker-convert`` -> Thinker folder -> ``thinker export`` -> ONNX folder.
 
 The converter and the exporter read one list of tokenizer files (``thinker_common/side_files.py``); before it was
-one list, the export dropped SentencePiece (``tokenizer.model``, ``spiece.model``), WordPiece (``vocab.txt``) and
-tiktoken
-(``*.tiktoken``) vocabularies. The SentencePiece model here is a real one, a ``ModelProto`` written with the protobuf
-schema transformers reads SentencePiece files with (the ``sentencepiece`` package itself is not installed).
+one list, the export dropped SentencePiece (``tokenizer.model``, ``spiece.model``), WordPiece (``vocab.txt``)
+and tiktoken (``*.tiktoken``) vocabularies. The SentencePiece model here is a real one, a ``ModelProto`` written
+with the protobuf schema transformers reads SentencePiece files with (the ``sentencepiece`` package itself is not
+installed).
 """
 
 from __future__ import annotations

@@ -1,0 +1,144 @@
+"""What only long prompts exercise, checked by ``--verify`` (export/verify.py ``long_prompts``, export/rope_check.py).
+
+The fixed parity prompts (7 and 4 tokens, then 6 steps) reach position 12 and a cache of 13 slots. Three bugs a QA
+sweep planted passed them while moving the logits thousands of times the tolerance on longer prompts: an attention
+window of 13 keys, the plain hybrid graph's chunked delta rule (from 64 tokens) scaled by 0.9, and the RoPE table
+wrong past the prompts' positions. Each is planted here into a sound export (which passes first), and fails, on the
+long prompts or on the tables; the short prompts' own figures stay within tolerance, so it is the new check that
+sees it. The models hold 256 positions, room for the long prompts (141 and 100 tokens) and their steps.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import helper, numpy_helper
+
+from export.exporter import export_model
+from export.names import GENAI_MODEL_FILE, MODEL_FILE, ROPE_TABLE
+from export.quantize import QuantizeSpec
+from export.quantized_verify import verify_quantized_export
+from export.verify import LONG_PASSES, verify_export
+from export.weights_stamp import stamp_weights
+from thinker_common.parity_inputs import LONG_DECODE_STEPS, LONG_PROMPT_LENGTHS
+
+CONTEXT = 256
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, thinker_variant):
+    """``exports(family, graph, quantize=None)`` -> (Thinker folder, its unverified export), made once."""
+    root, made = tmp_path_factory.mktemp("long-prompts"), {}
+
+    def get(family: str, graph: str, quantize: QuantizeSpec | None = None) -> tuple[Path, Path]:
+        key = (family, graph, quantize)
+        if key not in made:
+            shape = {"head_dim": 16} if family == "qwen3" else {}  # the fused kernels' smallest head
+            folder = thinker_variant(family, max_position_embeddings=CONTEXT, **shape)
+            output = root / f"{family}-{graph}-{len(made)}"
+            export_model(folder, output, graph=graph, quantize=quantize, verify=False, progress=False)
+            made[key] = folder, output
+        return made[key]
+
+    return get
+
+
+def planted_copy(export: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    return shutil.copytree(export, tmp_path / "planted")
+
+
+def rewrite(path: Path, edit) -> None:
+    model = onnx.load(path, load_external_data=False)
+    edit(model.graph)
+    onnx.save_model(model, path)
+
+
+def window_of_13(graph: onnx.GraphProto) -> None:
+    """Every GroupQueryAttention attends to its last 13 keys only: the short prompts' caches never hold more."""
+    for node in graph.node:
+        if node.op_type == "GroupQueryAttention":
+            node.attribute.append(helper.make_attribute("local_window_size", 13))
+
+
+def chunked_rule_scaled(graph: onnx.GraphProto) -> None:
+    """The delta rule's chunked branch (prompts of 64 tokens or more) scales its output by 0.9."""
+    for node in graph.node:
+        if node.op_type == "If" and node.name.endswith("/delta_rule/If"):
+            branch = next(attribute.g for attribute in node.attribute if attribute.name == "then_branch")
+            output = branch.output[0].name
+            for inner in branch.node:
+                inner.output[:] = [f"{name}_unscaled" if name == output else name for name in inner.output]
+            branch.initializer.append(numpy_helper.from_array(np.array(0.9, np.float32), f"{node.name}/planted"))
+            branch.node.append(helper.make_node("Mul", [f"{output}_unscaled", f"{node.name}/planted"], [output]))
+
+
+def assert_caught_by_the_long_prompts(result: dict, figures: dict, what: str) -> None:
+    lengths = " and ".join(map(str, LONG_PROMPT_LENGTHS))
+    assert result["passed"] is False, result
+    assert (
+        f"{what} on prompts of {lengths} tokens, then {LONG_DECODE_STEPS} steps: max |Δlogit|" in result["failure"]
+    ), result["failure"]
+    assert figures["max_abs_diff"] > 10 * figures["tolerance"], figures
+
+
+@pytest.mark.parametrize("planted_in", [MODEL_FILE, GENAI_MODEL_FILE])
+def test_an_attention_window_is_caught_on_the_long_prompts(planted_in, exports, tmp_path):
+    folder, export = exports("qwen3", "fused")
+    assert verify_export(folder, export / MODEL_FILE, torch.float32)["passed"]
+    planted = planted_copy(export, tmp_path)
+    rewrite(planted / planted_in, window_of_13)
+    result = verify_export(folder, planted / MODEL_FILE, torch.float32)
+    key = "long_prompts" if planted_in == MODEL_FILE else "genai_graph_long_prompts"
+    assert_caught_by_the_long_prompts(result, result[key], LONG_PASSES[key])
+    short = result if planted_in == MODEL_FILE else result["genai_graph"]
+    assert short["max_abs_diff"] <= result["tolerance"]  # the fixed prompts alone would have passed it
+
+
+def test_the_chunked_delta_rule_is_caught_on_the_long_prompts(exports, tmp_path):
+    folder, export = exports("qwen3_5", "plain")
+    assert verify_export(folder, export / MODEL_FILE, torch.float32)["passed"]
+    planted = planted_copy(export, tmp_path)
+    rewrite(planted / MODEL_FILE, chunked_rule_scaled)
+    result = verify_export(folder, planted / MODEL_FILE, torch.float32)
+    assert_caught_by_the_long_prompts(result, result["long_prompts"], LONG_PASSES["long_prompts"])
+    assert result["max_abs_diff"] <= result["tolerance"]
+
+
+def rope_rows_from(path: Path, first: int) -> None:
+    """The cos table's rows from ``first`` on at 0.9x: past every prompt the check runs, a wrong scaling there would
+    turn long conversations wrong. Written into the weights file and stamped again (the planted change is wanted)."""
+    model = onnx.load(path, load_external_data=False)
+    table = next(tensor for tensor in model.graph.initializer if tensor.name == ROPE_TABLE)
+    entry = {item.key: item.value for item in table.external_data}
+    rows = np.memmap(path.parent / entry["location"], np.float32, "r+", int(entry["offset"]), tuple(table.dims))
+    rows[first:] *= 0.9
+    rows.flush()
+    for graph_path in path.parent.glob("*.onnx"):  # every graph over these weights carries their stamp
+        graph = onnx.load(graph_path, load_external_data=False)
+        stamp_weights(graph, path.parent / entry["location"])
+        onnx.save_model(graph, graph_path)
+
+
+@pytest.mark.parametrize("quantize", [None, QuantizeSpec(bits=8, block_size=16)], ids=["float32", "int8"])
+def test_rope_rows_past_every_prompt_are_held_to_the_model(quantize, exports, tmp_path):
+    folder, export = exports("qwen3", "fused", quantize)
+
+    def verify(path: Path) -> dict:
+        if quantize is None:
+            return verify_export(folder, path, torch.float32)
+        return verify_quantized_export(folder, path, torch.float32, 8)
+
+    sound = verify(export / MODEL_FILE)
+    tables = sound["rope_tables"] if quantize is None else sound["graph"]["rope_tables"]
+    assert sound["passed"] and tables == {"rows": CONTEXT, "equal": True}, sound
+    planted = planted_copy(export, tmp_path)
+    rope_rows_from(planted / MODEL_FILE, 200)
+    result = verify(planted / MODEL_FILE)
+    assert result["passed"] is False
+    assert "rotary_emb.cos_cache differs from the model's rotary embedding from position 200 on" in result["failure"]
