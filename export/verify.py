@@ -63,6 +63,9 @@ from .runtime import OnnxDecoder, cuda_usable, position_ids_from_mask
 
 DECODE_STEPS = 6
 REFERENCE_DTYPE = torch.float32  # the PyTorch model's dtype, whatever the graph's (module docstring)
+# Positions whose logits Agreement.add compares at once (float64 differences: 16 x a 248k vocabulary = 32 MB).
+ADD_CHUNK = 16
+
 # How --verify holds the PyTorch model (verify_plan).
 WHOLE, STREAMED = "whole", "streamed"
 
@@ -85,24 +88,35 @@ class Agreement:
     def add(self, reference: np.ndarray, candidate: np.ndarray, spread: np.ndarray | None = None) -> None:
         """Adds (N, V) logits of the same N positions; ``spread``: (N,) the reference's own half-precision spread
         at each (export/half_spread.py), which excuses a difference within HALF_SPREAD_MARGIN times it. A position
-        whose candidate holds inf or NaN is counted apart (a NaN compares as no difference at all)."""
+        whose candidate holds inf or NaN is counted apart (a NaN compares as no difference at all). Taken
+        ADD_CHUNK positions at a time: a long prompt's float64 differences over a 150k vocabulary would otherwise
+        hold gigabytes."""
+        step_max = 0.0
+        for start in range(0, reference.shape[0], ADD_CHUNK):
+            part = slice(start, start + ADD_CHUNK)
+            step_max = max(
+                step_max, self._add(reference[part], candidate[part], None if spread is None else spread[part])
+            )
+        self.per_step.append(step_max)
+
+    def _add(self, reference: np.ndarray, candidate: np.ndarray, spread: np.ndarray | None) -> float:
         diff = np.abs(reference.astype(np.float64) - candidate.astype(np.float64))
         finite = np.isfinite(diff).all(axis=-1)
         self.nonfinite += int((~finite).sum())
-        diff = np.where(finite[:, None], diff, 0.0)
-        self.max_abs_diff = max(self.max_abs_diff, float(diff.max()))
-        held = diff.max(axis=-1)
+        diff[~finite] = 0.0
+        self.max_abs_diff = max(self.max_abs_diff, float(diff.max(initial=0.0)))
+        held = diff.max(axis=-1, initial=0.0)
         if spread is not None:
-            self.half_spread = max(self.half_spread or 0.0, float(np.nan_to_num(spread).max()))
+            self.half_spread = max(self.half_spread or 0.0, float(np.nan_to_num(spread).max(initial=0.0)))
             kept = ~excused(held, spread)
             self.excused_differences += held[~kept].tolist()
             held = held[kept]
         self.beyond_spread = max(self.beyond_spread, float(held.max(initial=0.0)))
-        self.abs_diff_sum += float(diff.mean(axis=-1).sum())
-        self.logit_scale = max(self.logit_scale, float(np.abs(reference).max()))
+        self.abs_diff_sum += float(diff.mean(axis=-1).sum()) if diff.size else 0.0
+        self.logit_scale = max(self.logit_scale, float(np.abs(reference).max(initial=0.0)))
         self.positions += reference.shape[0]
-        self.top1_equal += int((reference.argmax(-1) == candidate.argmax(-1)).sum())
-        self.per_step.append(float(diff.max()))
+        self.top1_equal += int((reference.argmax(-1) == candidate.argmax(-1)).sum()) if reference.size else 0
+        return float(diff.max(initial=0.0))
 
     def figures(self) -> dict:
         figures = {
