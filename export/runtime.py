@@ -571,9 +571,9 @@ class OnnxDecoder:
     def checked_floats(self, value, name: str) -> np.ndarray:
         """``value`` (numpy, a list, or a torch tensor of any float dtype: a tower's output) as the contiguous
         float32 the graph takes, refused by ``name`` where it is not floats, or holds a value that is not finite in
-        float32 or beyond the graph's own dtype (a float16 graph casts its float32 inputs: a value past 65504 becomes
-        inf there, and inf times attention's zero weight is NaN, so even one in a masked pad turns its row's logits
-        to NaN)."""
+        float32 or beyond the graph's own dtype (a float16 graph casts its float32 inputs: a value from 65520 on
+        becomes inf there, and inf times attention's zero weight is NaN, so even one in a masked pad turns its row's
+        logits to NaN)."""
         try:
             array = np.asarray(as_numpy(value))
         except (TypeError, ValueError) as err:  # ragged lists, objects numpy cannot make an array of

@@ -5,6 +5,11 @@ steps in both runtimes, each fed the same (PyTorch-greedy) tokens. Logits are co
 carry no meaning in either runtime and are left out. The tolerance is relative to the logit scale, as in DESIGN.md,
 and the same as the converter's parity gate (``RELATIVE_TOLERANCE``).
 
+That batch reaches position 12 and a cache of 13 slots, so two long prompts follow (``long_prompts``:
+``thinker_common/parity_inputs.py`` LONG_PROMPT_LENGTHS, cut to the context): an attention window, the plain hybrid
+graph's chunked delta rule and far positions are exercised there, each pass held at its own logit scale's tolerance.
+The RoPE tables the graph ships are compared with the model's rotary embedding at every row (export/rope_check.py).
+
 The reference is the PyTorch Thinker in float32 whatever the export's dtype: the exact model, against which a
 half-precision graph is held to its dtype's tolerance. A reference in the export's own half precision rounds
 differently from onnxruntime's kernels (its MoE routing and accumulation orders are PyTorch's CPU ones), so the two
