@@ -98,6 +98,7 @@ HUB_WHOLE_NUMBER_SETTINGS = ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT")
 
 
 def refuse_bad_hub_settings() -> None:
+    """Each of HUB_WHOLE_NUMBER_SETTINGS, where set, a whole number; else refused by name."""
     for name in HUB_WHOLE_NUMBER_SETTINGS:
         value = os.environ.get(name)
         if value is not None:  # set but empty fails int() too
@@ -106,7 +107,7 @@ def refuse_bad_hub_settings() -> None:
             except ValueError:
                 raise ThinkerError(
                     f"{name}={value!r} is not a whole number of seconds, which huggingface_hub reads it as; "
-                    f"correct or unset it"
+                    "correct or unset it"
                 ) from None
 
 
