@@ -41,6 +41,7 @@ from thinker_common.parity_inputs import LONG_DECODE_STEPS, RELATIVE_TOLERANCE, 
 from thinker_common.progress import progress_bar
 
 from .accuracy_guard import LEVELLED_OPS, graph_variant
+from .beyond_prompts import rope_table_check
 from .dequantize import (
     EMBEDDING,
     QuantizedWeight,
@@ -52,7 +53,6 @@ from .dequantize import (
 )
 from .fidelity import fidelity_token_ids, prefill_logits, text_fidelity
 from .quantize import HEAD
-from .rope_check import rope_table_check
 from .runtime import OnnxDecoder
 from .verify import (
     DECODE_STEPS,
@@ -70,6 +70,7 @@ from .verify import (
     long_prompt_failures,
     long_prompts,
     side_graph_failures,
+    window_failures,
 )
 
 # The graph check's tolerance floor on ill-conditioned inputs: SmolLM2's residual stream carries "massive
@@ -400,9 +401,11 @@ def graph_check(
         if key in graph:
             graph[key]["rounding_sensitivity"] = long_sensitivity
             graph[key]["tolerance"] = graph_tolerance(graph[key], dtype)
-    # judged here, where the model's config and the graph's dtype are known; quantized_result reports them
-    graph["long_failures"] = long_prompt_failures(graph, model.config, dtype)
-    graph["rope_tables"], graph["rope_failure"] = rope_table_check(onnx_path, model.config, dtype)
+    # judged here, where the model's config and the graph's dtype are known (with what lies beyond every prompt);
+    # quantized_result reports them
+    graph["beyond_batch_failures"] = long_prompt_failures(graph, model.config, dtype)
+    graph["rope_tables"], rope_failure = rope_table_check(onnx_path, model.config, dtype)
+    graph["beyond_batch_failures"] += ([rope_failure] if rope_failure else []) + window_failures(onnx_path)
     return graph
 
 
@@ -469,10 +472,7 @@ def quantized_result(
     if graph_failure:
         failures.append(graph_failure)
     failures += side_graph_failures(graph, graph["tolerance"])
-    failures += graph.pop("long_failures")
-    rope_failure = graph.pop("rope_failure")
-    if rope_failure:
-        failures.append(rope_failure)
+    failures += graph.pop("beyond_batch_failures")  # long prompts, RoPE tables, attention windows
     if "indexer_prompts" in graph:
         failures += graph["indexer_prompts"].pop("failures")
     if "skipped" in cost and gate.required:

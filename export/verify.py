@@ -8,7 +8,7 @@ and the same as the converter's parity gate (``RELATIVE_TOLERANCE``).
 That batch reaches position 12 and a cache of 13 slots, so two long prompts follow (``long_prompts``:
 ``thinker_common/parity_inputs.py`` LONG_PROMPT_LENGTHS, cut to the context): an attention window, the plain hybrid
 graph's chunked delta rule and far positions are exercised there, each pass held at its own logit scale's tolerance.
-The RoPE tables the graph ships are compared with the model's rotary embedding at every row (export/rope_check.py).
+The RoPE tables the graph ships are compared with the model's rotary embedding at every row (export/beyond_prompts.py).
 
 The reference is the PyTorch Thinker in float32 whatever the export's dtype: the exact model, against which a
 half-precision graph is held to its dtype's tolerance. A reference in the export's own half precision rounds
@@ -61,9 +61,9 @@ from thinker_common.sizes import human_size
 from thinker_common.sources import SafetensorsSource
 from thinker_common.staging import outside_staging
 
+from .beyond_prompts import attention_window_check, rope_table_check
 from .half_spread import HALF_PRECISIONS, MAX_EXCUSED_SHARE, HalfShadow, excused
 from .names import EMBED_FILE, EMBEDS_MODEL_FILE, GENAI_MODEL_FILE, MODEL_FILE
-from .rope_check import rope_table_check
 from .runtime import OnnxDecoder, cuda_usable, position_ids_from_mask
 
 DECODE_STEPS = 6
@@ -382,6 +382,12 @@ def compare_long(model: torch.nn.Module, decoder: OnnxDecoder, batch: tuple[np.n
     return {"prompt_lengths": batch[1].sum(axis=1).tolist(), **figures}
 
 
+def window_failures(onnx_path: Path) -> list[str]:
+    """An attention window in ``model.onnx`` or a graph cut from it (export/beyond_prompts.py)."""
+    graphs = [onnx_path, genai_graph_of(onnx_path), embeds_graph_of(onnx_path)]
+    return [failure for path in graphs if path for failure in [attention_window_check(path)] if failure]
+
+
 def long_prompt_failures(result: dict, config, dtype: torch.dtype) -> list[str]:
     """The failures of the long passes whose figures ``result`` holds, each at its own tolerance. Qwen3.8's indexers
     choose on them, so in half precision they are reported, not judged, as its indexer prompts are."""
@@ -545,8 +551,8 @@ def verify_export(
         result[key] = figures
     failures += long_prompt_failures(result, model.config, dtype)
     result["rope_tables"], rope_failure = rope_table_check(onnx_path, model.config, dtype)
-    if rope_failure:
-        failures.append(rope_failure)
+    failures += [rope_failure] if rope_failure else []
+    failures += window_failures(onnx_path)
     result["passed"] = not failures
     result["failure"] = "; ".join(failures)
     if result["passed"]:

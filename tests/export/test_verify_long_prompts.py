@@ -1,4 +1,4 @@
-"""What only long prompts exercise, checked by ``--verify`` (export/verify.py ``long_prompts``, export/rope_check.py).
+"""What only long prompts exercise, checked by ``--verify`` (export/verify.py, export/beyond_prompts.py).
 
 The fixed parity prompts (7 and 4 tokens, then 6 steps) reach position 12 and a cache of 13 slots. Three bugs a QA
 sweep planted passed them while moving the logits thousands of times the tolerance on longer prompts: an attention
@@ -61,9 +61,7 @@ def rewrite(path: Path, edit) -> None:
 
 def window_of_13(graph: onnx.GraphProto) -> None:
     """Every GroupQueryAttention attends to its last 13 keys only: the short prompts' caches never hold more."""
-    for node in graph.node:
-        if node.op_type == "GroupQueryAttention":
-            node.attribute.append(helper.make_attribute("local_window_size", 13))
+    window_of(13)(graph)
 
 
 def chunked_rule_scaled(graph: onnx.GraphProto) -> None:
@@ -142,3 +140,26 @@ def test_rope_rows_past_every_prompt_are_held_to_the_model(quantize, exports, tm
     result = verify(planted / MODEL_FILE)
     assert result["passed"] is False
     assert "rotary_emb.cos_cache differs from the model's rotary embedding from position 200 on" in result["failure"]
+
+
+def window_of(keys: int):
+    def plant(graph: onnx.GraphProto) -> None:
+        for node in graph.node:
+            if node.op_type == "GroupQueryAttention":
+                node.attribute.append(helper.make_attribute("local_window_size", keys))
+
+    return plant
+
+
+@pytest.mark.parametrize("planted_in", [MODEL_FILE, GENAI_MODEL_FILE])
+def test_a_window_wider_than_every_prompt_is_read_off_the_graph(planted_in, exports, tmp_path):
+    """A window of 200 keys passes the long prompts too (141 tokens and 3 steps): no Thinker attends through one,
+    so any GroupQueryAttention's local_window_size is a fault, read off the graph."""
+    folder, export = exports("qwen3", "fused")
+    planted = planted_copy(export, tmp_path)
+    rewrite(planted / planted_in, window_of(200))
+    result = verify_export(folder, planted / MODEL_FILE, torch.float32)
+    assert result["passed"] is False
+    assert result["long_prompts"]["max_abs_diff"] <= result["long_prompts"]["tolerance"]  # the prompts pass it
+    assert f"{planted_in}: /model/layers.0/" in result["failure"], result["failure"]
+    assert "attends to a window of its last 200 keys" in result["failure"]

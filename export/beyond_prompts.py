@@ -1,11 +1,15 @@
-"""The RoPE tables an export ships, held to the model's rotary embedding at every position.
+"""What an export ships that no prompt of ``--verify`` reaches, checked directly.
 
-The verify's prompts reach a few hundred positions at most; the tables hold the whole context (40,960 rows for
-Qwen3, 262,144 for Qwen3.5). A row past the prompts (a scaling applied to the wrong positions, a chunk written at the
-wrong offset) would pass any prompt and turn every long conversation wrong. So the shipped bytes of both tables are
-compared with ``rope_tables``, the model's own ``ThinkerRotaryEmbedding`` over the whole context in the graph's dtype
-(tests/export/test_rope_tables.py holds that to the embedding run at once): bit for bit, since both are the same
-computation in the same chunks, and any difference is a fault of what was written.
+The verify's prompts reach a few hundred positions at most; the graphs serve the whole context (40,960 positions for
+Qwen3, 262,144 for Qwen3.5). Two things decide what happens past the prompts and are read straight off the export:
+
+- The RoPE tables. A row past the prompts (a scaling applied to the wrong positions, a chunk written at the wrong
+  offset) would pass any prompt and turn every long conversation wrong. The shipped bytes of both tables are compared
+  with ``rope_tables``, the model's own ``ThinkerRotaryEmbedding`` over the whole context in the graph's dtype
+  (tests/export/test_rope_tables.py holds that to the embedding run at once): bit for bit, since both are the same
+  computation in the same chunks, and any difference is a fault of what was written.
+- GroupQueryAttention's ``local_window_size``. No Thinker attends through a sliding window (the converter refuses
+  sliding-window layers), so a window in any graph is a fault: one wider than the long prompts passes them.
 """
 
 from __future__ import annotations
@@ -57,3 +61,18 @@ def rope_table_check(onnx_path: Path, config: ThinkerConfig, dtype: torch.dtype)
             failures.append(f"{name} differs from the model's rotary embedding from position {first} on")
     figures["equal"] = not failures
     return figures, ("; ".join(failures) or None)
+
+
+def attention_window_check(onnx_path: Path) -> str | None:
+    """The failure where a GroupQueryAttention of the graph at ``onnx_path`` attends through a window, or None."""
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    for node in model.graph.node:
+        if node.op_type != "GroupQueryAttention":
+            continue
+        window = next((a.i for a in node.attribute if a.name == "local_window_size"), -1)
+        if window != -1:
+            return (
+                f"{onnx_path.name}: {node.name} attends to a window of its last {window} keys, where the model "
+                "attends to every key before it"
+            )
+    return None
