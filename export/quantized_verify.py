@@ -41,7 +41,6 @@ from thinker_common.parity_inputs import LONG_DECODE_STEPS, RELATIVE_TOLERANCE, 
 from thinker_common.progress import progress_bar
 
 from .accuracy_guard import LEVELLED_OPS, graph_variant
-from .beyond_prompts import rope_table_check
 from .dequantize import (
     EMBEDDING,
     QuantizedWeight,
@@ -70,7 +69,7 @@ from .verify import (
     long_prompt_failures,
     long_prompts,
     side_graph_failures,
-    window_failures,
+    unprompted_checks,
 )
 
 # The graph check's tolerance floor on ill-conditioned inputs: SmolLM2's residual stream carries "massive
@@ -403,9 +402,8 @@ def graph_check(
             graph[key]["tolerance"] = graph_tolerance(graph[key], dtype)
     # judged here, where the model's config and the graph's dtype are known (with what lies beyond every prompt);
     # quantized_result reports them
-    graph["beyond_batch_failures"] = long_prompt_failures(graph, model.config, dtype)
-    graph["rope_tables"], rope_failure = rope_table_check(onnx_path, model.config, dtype)
-    graph["beyond_batch_failures"] += ([rope_failure] if rope_failure else []) + window_failures(onnx_path)
+    graph["rope_tables"], unprompted = unprompted_checks(onnx_path, model.config, dtype)
+    graph["beyond_batch_failures"] = long_prompt_failures(graph, model.config, dtype) + unprompted
     return graph
 
 

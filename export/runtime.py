@@ -519,7 +519,7 @@ class OnnxDecoder:
     # mismatched shapes), or worse, compute without a word (a negative id reads the table's last row, a float mask
     # of 0.5 casts to 0): refused here by name.
     def _checked_ids(self, input_ids) -> np.ndarray:
-        ids = np.asarray(as_numpy(input_ids))
+        ids = as_numpy(input_ids)
         if ids.ndim != 2 or 0 in ids.shape:
             raise ThinkerError(f"input_ids of shape {ids.shape}; expected (batch, seq) with at least one token a row")
         if not np.issubdtype(ids.dtype, np.integer):
@@ -575,7 +575,7 @@ class OnnxDecoder:
         becomes inf there, and inf times attention's zero weight is NaN, so even one in a masked pad turns its row's
         logits to NaN)."""
         try:
-            array = np.asarray(as_numpy(value))
+            array = as_numpy(value)
         except (TypeError, ValueError) as err:  # ragged lists, objects numpy cannot make an array of
             raise ThinkerError(f"{name}: not an array of floats ({err})") from None
         if array.dtype.kind == "V" and "float" in array.dtype.name:  # ml_dtypes' bfloat16 (JAX's, onnxruntime's)
@@ -584,14 +584,13 @@ class OnnxDecoder:
             raise ThinkerError(f"{name} of dtype {array.dtype}; expected floats")
         with np.errstate(over="ignore", invalid="ignore"):  # float64 past float32's range: inf, refused below
             floats = np.ascontiguousarray(array, dtype=np.float32)
-            finite = np.isfinite(floats)
-            bad = np.argwhere(~finite | (np.abs(floats) >= self.input_overflow))
+            bad = np.argwhere(~(np.abs(floats) < self.input_overflow))  # NaN and inf fail the comparison too
         if bad.size:
             where = tuple(int(i) for i in bad[0])
             given = array[where]
             if not np.isfinite(given):
                 raise ThinkerError(f"{name} hold inf or NaN (at {where})")
-            beyond = "float32's range" if not finite[where] else f"the {self.dtype} graph's range (largest 65504)"
+            beyond = "float32's range" if np.isinf(floats[where]) else f"the {self.dtype} graph's range (largest 65504)"
             raise ThinkerError(f"{name} hold {given} at {where}, beyond {beyond}")
         return floats
 
@@ -638,13 +637,14 @@ class OnnxDecoder:
         if mask.ndim != 2 or mask.shape[0] != batch or mask.shape[1] < steps:
             raise ThinkerError(f"attention_mask of shape {mask.shape} for {what}; expected (batch, past + seq)")
 
-    def _checked_prompt(self, input_ids, attention_mask, inputs_embeds=None) -> tuple[np.ndarray, np.ndarray]:
-        """A prompt's ids (or None, given ``inputs_embeds``) and mask, as given (a decode step's mask is the
-        prompt's with a column of ones appended)."""
+    def _checked_prompt(self, input_ids, attention_mask, inputs_embeds=None) -> tuple:
+        """A prompt's ids and embeddings (one of them None) as the graph takes them, and its mask, as given (a decode
+        step's mask is the prompt's with a column of ones appended)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ThinkerError("pass either input_ids or inputs_embeds, not both (nor neither)")
         if inputs_embeds is not None:
-            shape = self._checked_embeds(inputs_embeds).shape[:2]
+            inputs_embeds = self._checked_embeds(inputs_embeds)  # once: a tower's CUDA tensor copied to the host once
+            shape = inputs_embeds.shape[:2]
         else:
             input_ids = self._checked_ids(input_ids)
             shape = input_ids.shape
@@ -659,7 +659,7 @@ class OnnxDecoder:
         empty = np.flatnonzero(~mask.any(axis=1))
         if empty.size:
             raise ThinkerError(f"row {int(empty[0])} of attention_mask keeps no token; every row needs one at least")
-        return (None if input_ids is None else input_ids.astype(np.int64)), mask.astype(np.int64)
+        return (None if input_ids is None else input_ids.astype(np.int64)), inputs_embeds, mask.astype(np.int64)
 
     def _check_positions(
         self, positions: np.ndarray, batch: int, steps: int, given: tuple[int, ...], what: str
@@ -699,7 +699,7 @@ class OnnxDecoder:
         three multimodal streams; (4, B, T), a text row before the three streams, as its streams (the text row only
         orders the attention mask, which the graph takes as attention_mask); (3, B, T) ones whose streams are equal
         (text) taken as (B, T) by a graph of (B, T) positions."""
-        position_ids = np.asarray(as_numpy(position_ids))  # a torch tensor in any dtype, on any device
+        position_ids = as_numpy(position_ids)  # a torch tensor in any dtype, on any device
         if position_ids.ndim == 3 and len(position_ids) == 4:
             position_ids = position_ids[1:]
         if position_ids.ndim == 3 and len(position_ids) != 3:
@@ -785,7 +785,7 @@ class OnnxDecoder:
         Default: counted from the mask. ``visual_pos_masks`` (B, T) and ``deepstack_visual_embeds`` (a list of
         (visual positions, hidden) features): a Qwen3-VL or Qwen3-Omni image prompt's DeepStack features, as its
         model hands them to its text decoder."""
-        input_ids, attention_mask = self._checked_prompt(input_ids, attention_mask, inputs_embeds)
+        input_ids, inputs_embeds, attention_mask = self._checked_prompt(input_ids, attention_mask, inputs_embeds)
         if self.right_padding_only and (np.diff(attention_mask, axis=1) > 0).any():
             raise ThinkerError(
                 f"{self.model_path}: onnxruntime-genai's graph takes right-padded batches only, and a row of this "
@@ -835,7 +835,7 @@ class OnnxDecoder:
 
     def decode_one_token(self, tokens: np.ndarray, state: DecoderState) -> np.ndarray:
         """One new token per row after the cache. Returns logits (B, V)."""
-        tokens = np.asarray(as_numpy(tokens))
+        tokens = as_numpy(tokens)
         batch = tokens.shape[0] if tokens.ndim else 0
         if tokens.size != batch or batch != state.attention_mask.shape[0]:
             raise ThinkerError(
@@ -877,7 +877,7 @@ class OnnxDecoder:
         )
         batch = state.attention_mask.shape[0]
         # a prompt of embeddings streams as no tokens, as transformers' generate puts it
-        prompt = np.zeros((batch, 0), np.int64) if input_ids is None else np.asarray(as_numpy(input_ids), np.int64)
+        prompt = np.zeros((batch, 0), np.int64) if input_ids is None else as_numpy(input_ids).astype(np.int64)
         if streamer is not None:
             streamer.put(prompt)
         next_logits = last_kept_logits(logits, state.attention_mask)
@@ -969,20 +969,20 @@ def for_every_row(positions: np.ndarray, batch: int) -> np.ndarray:
 
 
 def as_numpy(value):
-    """A torch tensor (a tower's output, in any dtype, bfloat16 too, which numpy lacks: floats narrower than float32
-    as float32) as numpy, without importing torch; anything else as it is."""
+    """``value`` as a numpy array: a torch tensor (a tower's output, in any dtype, bfloat16 too, which numpy lacks:
+    floats narrower than float32 as float32) without importing torch; anything else through ``np.asarray``."""
     if hasattr(value, "detach") and hasattr(value, "is_floating_point"):
         value = value.detach().cpu()
         # float64 stays float64, so that a value past float32's range is named as given, not as the inf it casts to
         return (value.float() if value.is_floating_point() and value.dtype.itemsize < 4 else value).numpy()
-    return value
+    return np.asarray(value)
 
 
 def zeros_and_ones(value, name: str, meaning: str) -> np.ndarray:
     """A mask (numpy, a list, a torch tensor in any dtype) as numpy, refused by ``name`` unless every value is 0 or
     1 (``meaning`` says what 1 is): a float 0.5 would be cast to 0, a 2 to true, without a word."""
     try:
-        mask = np.asarray(as_numpy(value))
+        mask = as_numpy(value)
     except (TypeError, ValueError) as err:
         raise ThinkerError(f"{name}: not an array of 0 and 1 ({err})") from None
     if mask.dtype.kind not in "biuf" or not ((mask == 0) | (mask == 1)).all():

@@ -109,19 +109,19 @@ class Agreement:
         finite = np.isfinite(diff).all(axis=-1)
         self.nonfinite += int((~finite).sum())
         diff[~finite] = 0.0
-        self.max_abs_diff = max(self.max_abs_diff, float(diff.max(initial=0.0)))
-        held = diff.max(axis=-1, initial=0.0)
+        self.max_abs_diff = max(self.max_abs_diff, float(diff.max()))
+        held = diff.max(axis=-1)
         if spread is not None:
-            self.half_spread = max(self.half_spread or 0.0, float(np.nan_to_num(spread).max(initial=0.0)))
+            self.half_spread = max(self.half_spread or 0.0, float(np.nan_to_num(spread).max()))
             kept = ~excused(held, spread)
             self.excused_differences += held[~kept].tolist()
             held = held[kept]
         self.beyond_spread = max(self.beyond_spread, float(held.max(initial=0.0)))
-        self.abs_diff_sum += float(diff.mean(axis=-1).sum()) if diff.size else 0.0
-        self.logit_scale = max(self.logit_scale, float(np.abs(reference).max(initial=0.0)))
+        self.abs_diff_sum += float(diff.mean(axis=-1).sum())
+        self.logit_scale = max(self.logit_scale, float(np.abs(reference).max()))
         self.positions += reference.shape[0]
-        self.top1_equal += int((reference.argmax(-1) == candidate.argmax(-1)).sum()) if reference.size else 0
-        return float(diff.max(initial=0.0))
+        self.top1_equal += int((reference.argmax(-1) == candidate.argmax(-1)).sum())
+        return float(diff.max())
 
     def figures(self) -> dict:
         figures = {
@@ -382,10 +382,13 @@ def compare_long(model: torch.nn.Module, decoder: OnnxDecoder, batch: tuple[np.n
     return {"prompt_lengths": batch[1].sum(axis=1).tolist(), **figures}
 
 
-def window_failures(onnx_path: Path) -> list[str]:
-    """An attention window in ``model.onnx`` or a graph cut from it (export/beyond_prompts.py)."""
+def unprompted_checks(onnx_path: Path, config, dtype: torch.dtype) -> tuple[dict, list[str]]:
+    """What no prompt reaches, read off the export (export/beyond_prompts.py): the RoPE tables' figures, and the
+    failures of those and of any attention window in ``model.onnx`` or a graph cut from it."""
+    tables, failure = rope_table_check(onnx_path, config, dtype)
     graphs = [onnx_path, genai_graph_of(onnx_path), embeds_graph_of(onnx_path)]
-    return [failure for path in graphs if path for failure in [attention_window_check(path)] if failure]
+    windows = [attention_window_check(path) for path in graphs if path]
+    return tables, [found for found in (failure, *windows) if found]
 
 
 def long_prompt_failures(result: dict, config, dtype: torch.dtype) -> list[str]:
@@ -550,9 +553,8 @@ def verify_export(
         figures["tolerance"] = RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"])
         result[key] = figures
     failures += long_prompt_failures(result, model.config, dtype)
-    result["rope_tables"], rope_failure = rope_table_check(onnx_path, model.config, dtype)
-    failures += [rope_failure] if rope_failure else []
-    failures += window_failures(onnx_path)
+    result["rope_tables"], unprompted = unprompted_checks(onnx_path, model.config, dtype)
+    failures += unprompted
     result["passed"] = not failures
     result["failure"] = "; ".join(failures)
     if result["passed"]:
