@@ -32,12 +32,13 @@ one unit in half precision beside the model as held, whole or streamed layer by 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
 import torch
 from torch import nn
+from transformers.cache_utils import Cache
 
 from converter.layer_parity import THINKER_FINAL_NORMS
 from converter.streamed import Unit, decoder_layer_classes, find_units, get_tensor, set_tensor
@@ -63,6 +64,13 @@ class HalfShadow:
         self.model, self.dtype, self.past = model, dtype, None
         self.spreads: list[np.ndarray] = []
         self.step = 0
+        self.replayed = False  # whether the last call read a kept spread back rather than run
+
+    def edit_cache(self, edit: Callable[[Cache], None]) -> None:
+        """``edit`` on the shadow's cache, as the caller edited the reference's between two calls; nothing while
+        replaying (``rewind``): the cache already holds the edit then."""
+        if not self.replayed:
+            edit(self.past)
 
     def rewind(self) -> None:
         self.step = 0
@@ -72,7 +80,8 @@ class HalfShadow:
         """(B, T): max over the vocabulary of |logits in ``dtype`` - ``reference_logits``| (B, T, V), the model fed
         ``inputs`` (as the reference was, less its cache) after this shadow's earlier calls."""
         self.step += 1
-        if self.step <= len(self.spreads):
+        self.replayed = self.step <= len(self.spreads)
+        if self.replayed:
             return self.spreads[self.step - 1]
         cache = {CACHE_ARG: self.past} if self.past is not None else {}
         if "inputs_embeds" in inputs:  # the embeddings a half graph takes are cast to its dtype first thing

@@ -55,12 +55,16 @@ from .quantize import HEAD
 from .runtime import OnnxDecoder
 from .verify import (
     DECODE_STEPS,
+    DEEP_PASSES,
     LONG_PASSES,
     REFERENCE_DTYPE,
     STREAMED,
     WHOLE,
     compare_decoders,
     compare_long,
+    deep_cache_failures,
+    deep_cache_pass,
+    deep_cache_steps,
     embeds_graph_of,
     genai_graph_of,
     half_shadow,
@@ -170,9 +174,11 @@ def verify_quantized_export(
     """``thinker export --verify`` of a quantized export: ``verify_quantized`` on the float Thinker of ``model_dir``
     loaded whole, or ``verify_quantized_streamed`` (``plan`` STREAMED, export/verify.py ``verify_plan``);
     ``progress``: a bar over loading, the cost, the weights and the graph's steps."""
-    from thinker import ThinkerForCausalLM
+    from thinker import ThinkerConfig, ThinkerForCausalLM
 
-    with progress_bar(3 + DECODE_STEPS + 1 + 1 + LONG_DECODE_STEPS, "verifying", unit="step", enabled=progress) as bar:
+    deep = deep_cache_steps(ThinkerConfig.from_pretrained(model_dir), dtype)
+    steps = 3 + DECODE_STEPS + 1 + 1 + LONG_DECODE_STEPS + deep
+    with progress_bar(steps, "verifying", unit="step", enabled=progress) as bar:
         if plan == STREAMED:
             bar.update()
             return verify_quantized_streamed(model_dir, onnx_path, dtype, bits, gate, threads, on_step=bar.update)
@@ -371,10 +377,11 @@ def graph_check(
     batch = parity_batch(model.config.vocab_size)
     with float_activation_copy(onnx_path) as exact_path:
         exact = OnnxDecoder(exact_path, provider="cpu", threads=threads)
-        shadow, long_shadow = half_shadow(model, dtype), half_shadow(model, dtype)
+        shadow, long_shadow, deep_shadow = (half_shadow(model, dtype) for _ in range(3))
         graph = compare_decoders(model, exact, *batch, on_step=on_step, shadow=shadow)
         long_inputs = long_prompts(model, exact)
         graph["long_prompts"] = compare_long(model, exact, long_inputs, on_step=on_step, shadow=long_shadow)
+        graph["deep_cache"] = deep_cache_pass(model, exact, dtype, on_step=on_step, shadow=deep_shadow)
         if model.config.has_indexed_attention:
             graph["indexer_prompts"] = compare_decoders(model, exact, *indexer_batch(model.config))
             graph["indexer_prompts"]["failures"] = indexer_failures(graph["indexer_prompts"], dtype)
@@ -387,6 +394,7 @@ def graph_check(
             graph["genai_graph_long_prompts"] = compare_long(
                 model, exact, long_inputs, right_padded_candidate=True, shadow=long_shadow
             )
+            graph["genai_graph_deep_cache"] = deep_cache_pass(model, exact, dtype, shadow=deep_shadow)
     embeds_path = embeds_graph_of(onnx_path)
     if embeds_path:  # the --inputs-embeds graph, on a prompt with foreign embeddings
         with float_activation_copy(embeds_path) as exact_path:
@@ -396,14 +404,17 @@ def graph_check(
     graph["rounding_sensitivity"] = rounding_sensitivity(model, *batch)
     graph["tolerance"] = graph_tolerance(graph, dtype)
     long_sensitivity = rounding_sensitivity(model, *long_inputs)
-    for key in LONG_PASSES:
-        if key in graph:
+    # the deep cache's steps at the long prompts' sensitivity: most of what they attend to is random slots, which no
+    # perturbation of a prompt's embeddings reaches
+    for key in [*LONG_PASSES, *DEEP_PASSES]:
+        if key in graph and "not_run" not in graph[key]:
             graph[key]["rounding_sensitivity"] = long_sensitivity
             graph[key]["tolerance"] = graph_tolerance(graph[key], dtype)
     # judged here, where the model's config and the graph's dtype are known (with what lies beyond every prompt);
     # quantized_result reports them
     graph["rope_tables"], unprompted = unprompted_checks(onnx_path, model.config, dtype)
-    graph["beyond_batch_failures"] = long_prompt_failures(graph, model.config, dtype) + unprompted
+    graph["beyond_batch_failures"] = long_prompt_failures(graph, model.config, dtype) + deep_cache_failures(graph)
+    graph["beyond_batch_failures"] += unprompted
     return graph
 
 

@@ -42,11 +42,13 @@ import numpy as np
 import torch
 
 from converter.parity import MEMORY_BUDGET_ENV, memory_budget
+from thinker.configuration_thinker import ThinkerConfig
 from thinker.modeling_thinker import CACHE_ARG, lowest_block_wins_ties
 from thinker_common.dtypes import dtype_name
 from thinker_common.eager import EAGER
 from thinker_common.errors import ThinkerError
 from thinker_common.parity_inputs import (
+    DEEP_DECODE_STEPS,
     LONG_DECODE_STEPS,
     RELATIVE_TOLERANCE,
     foreign_block_prompt,
@@ -62,6 +64,7 @@ from thinker_common.sources import SafetensorsSource
 from thinker_common.staging import outside_staging
 
 from .beyond_prompts import attention_window_check, rope_table_check
+from .deep_cache import compare_deep, deep_cache_bytes, not_run_reason
 from .half_spread import HALF_PRECISIONS, MAX_EXCUSED_SHARE, HalfShadow, excused
 from .names import EMBED_FILE, EMBEDS_MODEL_FILE, GENAI_MODEL_FILE, MODEL_FILE
 from .runtime import OnnxDecoder, cuda_usable, position_ids_from_mask
@@ -407,6 +410,43 @@ def long_prompt_failures(result: dict, config, dtype: torch.dtype) -> list[str]:
     return failures
 
 
+# The deep-cache passes (export/deep_cache.py), by their figures' key in the report, as a failure names them.
+DEEP_PASSES = {
+    "deep_cache": MODEL_FILE,
+    "genai_graph_deep_cache": f"{GENAI_MODEL_FILE} (onnxruntime-genai's graph)",
+}
+
+
+def deep_cache_pass(model: torch.nn.Module, decoder: OnnxDecoder, dtype: torch.dtype, **options) -> dict:
+    """The deep-cache pass's figures, or why it was not run (``not_run``); ``options``: ``compare_deep``'s."""
+    why = not_run_reason(model.config, dtype)
+    if why:
+        return {"not_run": why}
+    agreement = Agreement()
+    with torch.no_grad():
+        where = compare_deep(model, decoder, agreement.add, **options)
+    return {**where, **agreement.figures()}
+
+
+def deep_cache_steps(config, dtype: torch.dtype) -> int:
+    """A progress bar's steps for one deep-cache pass: its prompt and decode steps, where it runs."""
+    return 0 if not_run_reason(config, dtype) else 1 + DEEP_DECODE_STEPS
+
+
+def deep_cache_failures(result: dict) -> list[str]:
+    """The failures of the deep-cache passes whose figures ``result`` holds, each at its own tolerance."""
+    failures = []
+    for key, what in DEEP_PASSES.items():
+        figures = result.get(key)
+        failure = judge(figures, figures["tolerance"]) if figures and "not_run" not in figures else None
+        if failure:
+            first, last = figures["step_positions"]
+            failures.append(
+                f"{what} after a cache of {figures['cache_slots']} slots, at positions {first} to {last}: {failure}"
+            )
+    return failures
+
+
 def verify_plan(
     model_dir: Path, dtype: torch.dtype, quantized: bool = False, graph_bytes: int | None = None
 ) -> str | None:
@@ -424,13 +464,14 @@ def verify_plan(
     if dtype == torch.bfloat16 and not cuda_usable():
         return None
     model, largest_unit = model_bytes(model_dir, REFERENCE_DTYPE if quantized else dtype)
+    deep = deep_cache_bytes(ThinkerConfig.from_pretrained(model_dir), dtype)  # its random slots
     if quantized:
         graph = graph_bytes or 0
-        whole, streamed = 2 * graph + model + largest_unit, 2 * graph + 2 * largest_unit
+        whole, streamed = 2 * graph + model + largest_unit + deep, 2 * graph + 2 * largest_unit + deep
         held = "two sessions of the quantized graph and one PyTorch layer, float and dequantized"
     else:
         reference, reference_unit = model_bytes(model_dir, REFERENCE_DTYPE)
-        whole, streamed = model + reference, model + reference_unit
+        whole, streamed = model + reference + deep, model + reference_unit + deep
         held = "the graph and one PyTorch layer in float32"
     budget = memory_budget(share=1.0)
     if whole <= budget:
@@ -501,18 +542,20 @@ def verify_export(
     genai_path, embeds_path = genai_graph_of(onnx_path), embeds_graph_of(onnx_path)
     indexed = "indexed_attention" in (read_json(model_dir / "config.json").get("layer_types") or ())
     steps = 2 + DECODE_STEPS + sum(1 + DECODE_STEPS for extra in (genai_path, embeds_path, indexed) if extra)
-    steps += (1 + LONG_DECODE_STEPS) * (2 if genai_path else 1)
-    long = {}
+    config = ThinkerConfig.from_pretrained(model_dir)
+    steps += (1 + LONG_DECODE_STEPS + deep_cache_steps(config, dtype)) * (2 if genai_path else 1)
+    long, deep = {}, {}
     with progress_bar(steps, "verifying", unit="step", enabled=progress) as bar:
         with pytorch_thinker(model_dir, REFERENCE_DTYPE, plan) as model:
             bar.update()
             batch = parity_batch(model.config.vocab_size)
             decoder = OnnxDecoder(onnx_path, threads=threads)
             device = decoder.device
-            shadow, long_shadow = half_shadow(model, dtype), half_shadow(model, dtype)
+            shadow, long_shadow, deep_shadow = (half_shadow(model, dtype) for _ in range(3))
             figures = compare_decoders(model, decoder, *batch, on_step=bar.update, shadow=shadow)
             long_inputs = long_prompts(model, decoder)
             long["long_prompts"] = compare_long(model, decoder, long_inputs, on_step=bar.update, shadow=long_shadow)
+            deep["deep_cache"] = deep_cache_pass(model, decoder, dtype, on_step=bar.update, shadow=deep_shadow)
             if indexed:  # prompts on which the indexers choose (thinker_common/parity_inputs.py INDEXER_EXTRA_BLOCKS)
                 indexer_figures = compare_decoders(model, decoder, *indexer_batch(model.config), on_step=bar.update)
             del decoder  # one session at a time, as verify_plan counts them
@@ -523,6 +566,9 @@ def verify_export(
                 )
                 long["genai_graph_long_prompts"] = compare_long(
                     model, genai, long_inputs, on_step=bar.update, right_padded_candidate=True, shadow=long_shadow
+                )
+                deep["genai_graph_deep_cache"] = deep_cache_pass(
+                    model, genai, dtype, on_step=bar.update, shadow=deep_shadow
                 )
                 del genai
             if embeds_path:  # another prompt: its own half-precision spreads
@@ -553,6 +599,11 @@ def verify_export(
         figures["tolerance"] = RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"])
         result[key] = figures
     failures += long_prompt_failures(result, model.config, dtype)
+    for key, figures in deep.items():
+        if "not_run" not in figures:
+            figures["tolerance"] = RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"])
+        result[key] = figures
+    failures += deep_cache_failures(result)
     result["rope_tables"], unprompted = unprompted_checks(onnx_path, model.config, dtype)
     failures += unprompted
     result["passed"] = not failures

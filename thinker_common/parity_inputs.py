@@ -68,6 +68,21 @@ def long_batch(vocab_size: int, context: int) -> tuple[np.ndarray, np.ndarray]:
     return ids.numpy(), mask.numpy()
 
 
+# The long prompts reach a cache of about 150 slots; the graphs serve the whole context. A short prompt is then
+# checked behind a cache of up to DEEP_CACHE_SLOTS slots (export/deep_cache.py: random keys and values at the model's
+# own scale, written into both runtimes' caches), cut to the context, with DEEP_DECODE_STEPS decode steps at the
+# positions that follow: whatever attention does far into a cache (a window built into a mask, a length that
+# overflows) is compared there. 4096 slots cost a Qwen3-0.6B-shaped model 0.9 GB of float32 cache.
+DEEP_CACHE_SLOTS = 4096
+DEEP_PROMPT_LENGTH = 6
+DEEP_DECODE_STEPS = 2
+
+
+def deep_prompt(vocab_size: int) -> np.ndarray:
+    """The short prompt the deep-cache pass runs first: (1, DEEP_PROMPT_LENGTH) int64 ids from a fixed seed."""
+    return np.random.default_rng(PROMPT_SEED + 4).integers(0, vocab_size, size=(1, DEEP_PROMPT_LENGTH), dtype=np.int64)
+
+
 def fixed_prompts(vocab_size: int) -> list[list[int]]:
     """Token ids from a fixed seed: the same prompts for every run with the same vocabulary size. Drawn as one
     (prompts, longest) matrix, row i keeping its last ``PROMPT_LENGTHS[i]`` ids."""

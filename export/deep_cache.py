@@ -1,0 +1,162 @@
+"""``--verify``'s deep-cache pass: decode steps far into a cache, where no prompt the check can afford reaches.
+
+The parity batch and the long prompts reach a cache of about 150 slots; a graph serves the whole context (40,960
+positions for Qwen3, 262,144 for Qwen3.5). Prefilling thousands of tokens through the PyTorch model would cost
+minutes at any real size, so the pass builds the deep cache instead: a short prompt (``deep_prompt``) is prefilled
+by both runtimes, then the same block of random keys and values is written before its slots in every full-attention
+layer of both caches (up to ``DEEP_CACHE_SLOTS``, cut to the context), and DEEP_DECODE_STEPS tokens follow at the
+positions after the whole cache. Both runtimes attend over identical cached tensors (what they hold is data, whatever
+positions its keys were rotated at), so their logits must agree there as anywhere else; an attention window built
+into a mask, a cache length that overflows, a position computed in too narrow a type all show.
+
+The random slots are drawn at each layer's own key and value scale (the prompt's cached ones), so that attention
+spreads over them as over real keys rather than ignoring them. Linear-attention states keep the prompt's: they hold
+no slots. Qwen3.8's indexed layers keep more than KV (their index keys, compressed blocks, positions), which a block
+of random slots would not make consistent: the pass is not run for them, and says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from thinker.modeling_thinker import CACHE_ARG
+from thinker_common.parity_inputs import (
+    DEEP_CACHE_SLOTS,
+    DEEP_DECODE_STEPS,
+    DEEP_PROMPT_LENGTH,
+    PROMPT_SEED,
+    deep_prompt,
+)
+
+from .half_spread import HALF_PRECISIONS, HalfShadow
+from .runtime import OnnxDecoder
+
+NOT_RUN_INDEXED = (
+    "Qwen3.8's indexed layers keep index keys, compressed blocks and positions beside their KV, which random slots "
+    "would not make consistent; its indexer prompts reach past its budget instead"
+)
+NOT_RUN_BFLOAT16 = "a bfloat16 cache has no host array type to write the slots through"
+
+
+def deep_cache_slots(model_context: int, graph_context: int | None) -> int:
+    """The random slots before the prompt: DEEP_CACHE_SLOTS, cut so that the prompt and its steps stay inside the
+    context both the model and the graph hold."""
+    context = min(model_context, graph_context or model_context)
+    return max(0, min(DEEP_CACHE_SLOTS, context - DEEP_PROMPT_LENGTH - DEEP_DECODE_STEPS))
+
+
+def deep_cache_bytes(config, dtype: torch.dtype) -> int:
+    """What the pass holds beyond the check's models (a ThinkerConfig's): the random slots in the float32
+    reference's cache, in the graph's ``dtype`` twice (a step's pasts and presents), and a half-precision shadow's
+    cache (export/half_spread.py)."""
+    if not_run_reason(config, dtype):
+        return 0
+    slots = deep_cache_slots(config.max_position_embeddings, None)
+    values = config.layer_types.count("full_attention") * 2 * config.num_key_value_heads * slots * config.head_dim
+    shadow = dtype.itemsize if dtype in HALF_PRECISIONS else 0
+    return values * (torch.float32.itemsize + 2 * dtype.itemsize + shadow)
+
+
+def not_run_reason(config, dtype: torch.dtype) -> str | None:
+    """Why the pass does not run for a model of ``config`` exported in ``dtype``, or None where it runs."""
+    if config.has_indexed_attention:
+        return NOT_RUN_INDEXED
+    if dtype == torch.bfloat16:
+        return NOT_RUN_BFLOAT16
+    return None
+
+
+def compare_deep(
+    model: torch.nn.Module,
+    decoder: OnnxDecoder,
+    add: Callable[[np.ndarray, np.ndarray, np.ndarray | None], None],
+    on_step: Callable[[], object] | None = None,
+    shadow: HalfShadow | None = None,
+) -> dict:
+    """The pass (the module docstring), where ``not_run_reason`` gives none: ``add(reference, candidate, spread)``
+    takes each decode step's logits (an ``Agreement``'s ``add``). Returns where the steps ran: the cache's slots, the
+    random ones among them, and the steps' first and last positions."""
+    config = model.config
+    if shadow is not None:
+        shadow.rewind()  # the same reference steps as an earlier pass: their spreads read back
+    slots = deep_cache_slots(config.max_position_embeddings, decoder.context_length)
+    on_step = on_step or (lambda: None)
+    ids = deep_prompt(config.vocab_size)
+    mask = np.ones_like(ids)
+    inputs = {
+        "input_ids": torch.from_numpy(ids),
+        "attention_mask": torch.from_numpy(mask),
+        "position_ids": torch.arange(ids.shape[1])[None],
+    }
+    with torch.no_grad():
+        out = model(**inputs, use_cache=True)
+        if shadow is not None:
+            shadow.spread(out.logits, **inputs)
+        _, state = decoder.prefill(ids, mask, new_tokens=DEEP_DECODE_STEPS)
+        on_step()
+        reference_cache = getattr(out, CACHE_ARG)
+        written = write_random_slots(reference_cache, state.cache, decoder, slots)
+        if shadow is not None:  # its own cache, in its dtype: the same slots
+            shadow.edit_cache(lambda cache: write_slots(cache, written))
+        written = None  # held in the caches now: the block need not stay beside them
+        cached = slots + ids.shape[1]
+        state.attention_mask = np.ones((1, cached), np.int64)
+        state.cached = cached
+        state.next_position = np.full_like(state.next_position, cached)
+        token = out.logits[:, -1].float().numpy().argmax(-1)
+        mask_tensor, past = torch.ones(1, cached, dtype=torch.long), reference_cache
+        for position in range(cached, cached + DEEP_DECODE_STEPS):
+            mask_tensor = torch.cat([mask_tensor, torch.ones(1, 1, dtype=torch.long)], dim=1)
+            step = {
+                "input_ids": torch.from_numpy(token[:, None]),
+                "attention_mask": mask_tensor,
+                "position_ids": torch.tensor([[position]]),
+            }
+            out = model(**step, use_cache=True, **{CACHE_ARG: past})
+            reference = out.logits[:, -1].float().numpy()
+            spread = shadow.spread(out.logits[:, -1:], **step)[:, -1] if shadow is not None else None
+            add(reference, decoder.decode_one_token(token, state), spread)
+            past, token = getattr(out, CACHE_ARG), reference.argmax(-1)
+            on_step()
+    return {"cache_slots": cached, "random_slots": slots, "step_positions": [cached, cached + DEEP_DECODE_STEPS - 1]}
+
+
+def write_random_slots(cache: Cache, graph_cache: dict, decoder: OnnxDecoder, slots: int) -> dict[int, tuple]:
+    """Writes ``slots`` random keys and values before the cached ones of every full-attention layer of the
+    reference's ``cache`` and of the graph's (``past_key_values.{i}.key`` / ``.value``, in its dtype and on its
+    device); returns them by layer, float32, for a shadow's cache."""
+    rng = np.random.default_rng(PROMPT_SEED + 5)
+    written = {}
+    for index, layer in enumerate(cache.layers):
+        if not isinstance(layer, DynamicLayer) or layer.get_seq_length() == 0:
+            continue  # a linear-attention layer: no slots
+        block = []
+        for kind, cached in (("key", layer.keys), ("value", layer.values)):
+            scale = float(cached.float().std())
+            random = rng.normal(0.0, scale, (*cached.shape[:2], slots, cached.shape[3])).astype(np.float32)
+            block.append(torch.from_numpy(random))
+            name = f"past_key_values.{index}.{kind}"
+            held = graph_cache[name]
+            host = held if isinstance(held, np.ndarray) else held.numpy()
+            host = host[:, :, : cached.shape[2]]  # a shared buffer may hold unused slots past the prompt's
+            if host.shape[:2] + host.shape[3:] != cached.shape[:2] + cached.shape[3:]:
+                raise AssertionError(f"{name} is {host.shape} where the model caches {tuple(cached.shape)}")
+            joined = np.ascontiguousarray(np.concatenate([random.astype(host.dtype), host], axis=2))
+            on_device = decoder.device != "cpu"
+            graph_cache[name] = ort.OrtValue.ortvalue_from_numpy(joined, "cuda", 0) if on_device else joined
+        written[index] = tuple(block)
+    write_slots(cache, written)
+    return written
+
+
+def write_slots(cache: Cache, written: dict[int, tuple]) -> None:
+    """The ``written`` slots before the cached ones of ``cache``'s layers, in each layer's dtype."""
+    for index, (keys, values) in written.items():
+        layer = cache.layers[index]
+        layer.keys = torch.cat([keys.to(layer.keys.dtype), layer.keys], dim=2)
+        layer.values = torch.cat([values.to(layer.values.dtype), layer.values], dim=2)
