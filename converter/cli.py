@@ -58,7 +58,8 @@ Supported families:
                 projections, MoE with shared expert)
   qwen4_exp     Qwen3.8 (hyper-connections, a sparse-attention indexer,
                 hashed n-gram embeddings; causal-LM or vision-language
-                layout); not yet exported to ONNX
+                layout); exported to ONNX for onnxruntime (no
+                onnxruntime-genai type carries its state)
   llama         Llama-style (SmolLM, TinyLlama, ...)
   gpt2          GPT-2-style (PrimeGPT: LayerNorm, learned positions, GELU,
                 Conv1D)

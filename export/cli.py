@@ -428,14 +428,26 @@ def embeds_figure(figures: dict) -> str:
     return f"; model.embeds.onnx with foreign embeddings {held_figure(embeds).removeprefix('max |Δlogit| ')}"
 
 
+def one_prompt(given: tuple[str, ...]) -> str:
+    """The one --prompt of a run (click would otherwise keep the last of several without a word)."""
+    if len(given) > 1:
+        raise click.BadParameter(
+            f"given {len(given)} times; thinker generate continues one prompt a run (run it once per prompt)",
+            param_hint="'--prompt'",
+        )
+    return given[0]
+
+
 @click.command("generate", context_settings=CONTEXT)
 @click.argument("folder", type=click.Path(path_type=Path))
 @click.option(
     "--prompt",
     "-p",
     required=True,
+    multiple=True,  # so that a second one is refused rather than silently replacing the first (one_prompt)
+    callback=lambda context, option, given: one_prompt(given),
     help="The text to continue (with --chat: the user's message); - reads it from stdin (the one newline that "
-    "ends it, as echo writes, dropped).",
+    "ends it, as echo writes, dropped). One prompt a run.",
 )
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option(
@@ -470,6 +482,8 @@ def generate_command(
     compare: generation_config.json's sampling and penalties (repetition_penalty ...) are not applied; it stops at
     its eos ids.
     """
+    if folder.is_file():
+        raise ThinkerError(f"{folder}: a file; give the folder that holds it ({folder.parent})")
     if not folder.is_dir():
         raise ThinkerError(f"{folder}: no such folder")
     kind = _folder_kind(folder)

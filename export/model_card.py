@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from thinker_common.model_card import card_metadata, copy_license, markdown_table, weights_of, write_card
+from thinker_common.side_files import read_json
 
 from .names import EMBEDS_MODEL_FILE, GENAI_CONFIG_FILE
 
@@ -125,7 +126,7 @@ with its whole decoding state as inputs and outputs: `model.onnx` for onnxruntim
 
 ## Run
 
-{GENAI_RUN.format(name=name) if genai else ONNXRUNTIME_RUN.format(name=name)}
+{GENAI_RUN.format(name=name, max_length=genai_max_length(folder)) if genai else ONNXRUNTIME_RUN.format(name=name)}
 {EMBEDS_RUN.format(name=name) if report.get("inputs_embeds") else ""}"""
     write_card(folder, metadata, body, verify_section(report))
     return ["README.md", *copy_license(thinker_folder, folder)]
@@ -133,6 +134,17 @@ with its whole decoding state as inputs and outputs: `model.onnx` for onnxruntim
 
 # --logits last: what a caller scoring a text must know before it reads the logits.
 LAST_LOGITS = "Its logits are each row's last position only, `[batch, 1, vocab]` (`--logits last`): for generation. "
+
+
+# The card's onnxruntime-genai example runs to this many tokens, or the model's context where it is shorter
+# (onnxruntime-genai refuses a max_length past context_length).
+CARD_MAX_LENGTH = 64
+
+
+def genai_max_length(folder: Path) -> int:
+    """The card's max_length: CARD_MAX_LENGTH within the context genai_config.json gives."""
+    context = read_json(folder / GENAI_CONFIG_FILE).get("model", {}).get("context_length")
+    return min(CARD_MAX_LENGTH, context) if isinstance(context, int) and context > 0 else CARD_MAX_LENGTH
 
 
 def head_precision(quantized: dict) -> str:
@@ -149,7 +161,7 @@ import onnxruntime_genai as og
 model = og.Model("{name}")
 tokenizer = og.Tokenizer(model)
 params = og.GeneratorParams(model)
-params.set_search_options(max_length=64)
+params.set_search_options(max_length={max_length})
 generator = og.Generator(model, params)
 generator.append_tokens(tokenizer.encode("The capital of France is"))
 while not generator.is_done():

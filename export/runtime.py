@@ -471,9 +471,11 @@ class OnnxDecoder:
         positions' embeddings, for a graph exported with ``--inputs-embeds`` (``model.embeds.onnx``).
         ``deepstack_embeds`` (layers, B, T, hidden): a Qwen3-VL or Qwen3-Omni graph's DeepStack features (zeros
         when not given: ``deepstack_features`` builds them from transformers' form)."""
+        self._check_state(state)
         tokens = self._token_feed(input_ids, inputs_embeds)
         batch, steps = tokens.shape[:2]
         what = described(input_ids, inputs_embeds)
+        state.attention_mask = zeros_and_ones(state.attention_mask, "attention_mask", "1 keeps a slot, 0 masks a pad")
         self._check_mask(state.attention_mask, batch, steps, what)
         if self.chunks_need_batch_1 and batch > 1 and steps > 1 and state.attention_mask.shape[1] > steps:
             raise ThinkerError(
@@ -519,7 +521,13 @@ class OnnxDecoder:
     # mismatched shapes), or worse, compute without a word (a negative id reads the table's last row, a float mask
     # of 0.5 casts to 0): refused here by name.
     def _checked_ids(self, input_ids) -> np.ndarray:
-        ids = as_numpy(input_ids)
+        try:
+            ids = as_numpy(input_ids)
+        except (TypeError, ValueError):  # a list of rows of unequal length, say
+            raise ThinkerError(
+                "input_ids: not a (batch, seq) array of token ids; pad rows of unequal length on the left and mark "
+                "the pads with attention_mask"
+            ) from None
         if ids.ndim != 2 or 0 in ids.shape:
             raise ThinkerError(f"input_ids of shape {ids.shape}; expected (batch, seq) with at least one token a row")
         if not np.issubdtype(ids.dtype, np.integer):
@@ -632,6 +640,17 @@ class OnnxDecoder:
                 )
             dense[index][mask] = features
         return dense
+
+    def _check_state(self, state) -> None:
+        """Refuses a ``state`` that this decoder's ``prefill`` did not start (another model's, or none)."""
+        if not isinstance(state, DecoderState):
+            raise ThinkerError(f"state={state!r}; expected the DecoderState this decoder's prefill returned")
+        missing = [name for name in self.past_names if name not in state.cache]
+        if missing or len(state.cache) != len(self.past_names):
+            held = f"lacks {missing[0]}" if missing else f"holds {len(state.cache)} states, not {len(self.past_names)}"
+            raise ThinkerError(
+                f"state: its cache {held}: a state from another model's decoder; start one with this decoder's prefill"
+            )
 
     def _check_mask(self, mask: np.ndarray, batch: int, steps: int, what: str) -> None:
         if mask.ndim != 2 or mask.shape[0] != batch or mask.shape[1] < steps:
@@ -785,6 +804,7 @@ class OnnxDecoder:
         Default: counted from the mask. ``visual_pos_masks`` (B, T) and ``deepstack_visual_embeds`` (a list of
         (visual positions, hidden) features): a Qwen3-VL or Qwen3-Omni image prompt's DeepStack features, as its
         model hands them to its text decoder."""
+        new_tokens = whole_number(new_tokens, "new_tokens")
         input_ids, inputs_embeds, attention_mask = self._checked_prompt(input_ids, attention_mask, inputs_embeds)
         if self.right_padding_only and (np.diff(attention_mask, axis=1) > 0).any():
             raise ThinkerError(
@@ -835,6 +855,7 @@ class OnnxDecoder:
 
     def decode_one_token(self, tokens: np.ndarray, state: DecoderState) -> np.ndarray:
         """One new token per row after the cache. Returns logits (B, V)."""
+        self._check_state(state)
         tokens = as_numpy(tokens)
         batch = tokens.shape[0] if tokens.ndim else 0
         if tokens.size != batch or batch != state.attention_mask.shape[0]:
@@ -866,10 +887,9 @@ class OnnxDecoder:
         streamers (``TextStreamer``, ``TextIteratorStreamer``), fed as its ``generate`` feeds it: ``put`` the prompt
         (its ids, when given), then each step's new tokens as they come, then ``end``. ``inputs_embeds``,
         ``position_ids``, ``visual_pos_masks`` and ``deepstack_visual_embeds``: as ``prefill`` takes them."""
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
-            raise ThinkerError(f"max_new_tokens={max_new_tokens!r}; expected a whole number, 0 or more")
-        eos = set(np.atleast_1d(eos_token_id).tolist()) if eos_token_id is not None else set()
-        pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
+        max_new_tokens = whole_number(max_new_tokens, "max_new_tokens")
+        eos = set(token_ids(eos_token_id, "eos_token_id")) if eos_token_id is not None else set()
+        pad = token_ids(pad_token_id, "pad_token_id", one=True)[0] if pad_token_id is not None else min(eos, default=0)
         deepstack = {"visual_pos_masks": visual_pos_masks, "deepstack_visual_embeds": deepstack_visual_embeds}
         # the prefill checks the whole request (the context included) before the streamer is given anything
         logits, state = self.prefill(
@@ -976,6 +996,29 @@ def as_numpy(value):
         # float64 stays float64, so that a value past float32's range is named as given, not as the inf it casts to
         return (value.float() if value.is_floating_point() and value.dtype.itemsize < 4 else value).numpy()
     return np.asarray(value)
+
+
+def whole_number(value, name: str) -> int:
+    """``value`` as an int (a Python or numpy integer, 0 or more), refused by ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+        raise ThinkerError(f"{name}={value!r}; expected a whole number, 0 or more")
+    return int(value)
+
+
+def token_ids(value, name: str, one: bool = False) -> list[int]:
+    """A token id or a list of them (``one``: a single id) as ints, refused by ``name`` otherwise: a string or a
+    float would never equal a generated token, and generation would run past it without a word."""
+    try:
+        ids = as_numpy(value)
+    except (TypeError, ValueError):
+        ids = None
+    fits = (
+        ids is not None and ids.dtype.kind in "iu" and ids.size > 0 and (ids.ndim == 0 or (ids.ndim == 1 and not one))
+    )
+    if not fits or int(ids.min()) < 0:
+        expected = "a token id" if one else "a token id or a list of them"
+        raise ThinkerError(f"{name}={value!r}; expected {expected} (whole numbers, 0 or more)")
+    return [int(token) for token in np.atleast_1d(ids)]
 
 
 def zeros_and_ones(value, name: str, meaning: str) -> np.ndarray:

@@ -449,8 +449,15 @@ def test_a_damaged_model_onnx_is_an_error_naming_it(qwen3_onnx, tmp_path, capsys
     assert "EP Error" not in capsys.readouterr().out
 
 
+def test_generate_takes_one_prompt(qwen3_onnx):
+    """click keeps the last of a repeated option: the first prompt was dropped without a word."""
+    assert_usage_error(thinker("generate", qwen3_onnx, "-p", "the cat", "-p", "a dog"), "'--prompt'", "given 2 times")
+
+
 def test_generate_with_a_folder_that_is_no_model(tmp_path, qwen3_onnx):
     assert_error(thinker("generate", tmp_path / "nowhere", "-p", "the cat"), "nowhere: no such folder")
+    model = qwen3_onnx / "model.onnx"
+    assert_error(thinker("generate", model, "-p", "the cat"), f"{model}: a file; give the folder that holds it")
     folder = tmp_path / "tokenizer-only"
     folder.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json"):

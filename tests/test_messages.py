@@ -88,3 +88,21 @@ def test_generate_names_a_broken_config_of_an_onnx_folder(qwen3_onnx, tmp_path):
     edit_config(folder, num_key_value_heads=3)
     message = assert_error(thinker("generate", folder, "-p", "the cat"), f"{folder}/config.json")
     assert "tokenizer" not in message
+
+
+def test_errors_md_quotes_the_families_the_converter_takes():
+    """docs/errors.md quotes the unknown-architecture messages with their lists of families, as the converter says
+    them today (a family added without the doc's list was once missed there)."""
+    from pathlib import Path
+
+    import pytest
+
+    from converter.families import detect_family
+    from thinker_common.errors import ThinkerError
+
+    doc = (Path(__file__).parents[1] / "docs" / "errors.md").read_text()
+    for config in ({"model_type": "bert", "architectures": ["BertModel"]}, {"general.architecture": "bert"}):
+        with pytest.raises(ThinkerError) as refused:
+            detect_family(config, ["x.weight"])
+        supported = str(refused.value).split("; supported: ", 1)[1].split("; or,", 1)[0]
+        assert f"supported: {supported}" in doc, supported

@@ -192,6 +192,8 @@ def test_yarn_stretches_the_exported_context(tmp_path):
     export_model(folder, tmp_path / "onnx", verify=True, graph="fused")
     genai = json.loads((tmp_path / "onnx" / "genai_config.json").read_text())
     assert genai["model"]["context_length"] == 32 and genai["search"]["max_length"] == 32
+    # the card's onnxruntime-genai example within that context (genai refuses a max_length past it)
+    assert "set_search_options(max_length=32)" in (tmp_path / "onnx" / "README.md").read_text()
     decoder = OnnxDecoder(tmp_path / "onnx", provider="cpu")
     assert decoder.context_length == 32
     ids, mask = parity_batch(96)

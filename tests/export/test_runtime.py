@@ -231,6 +231,35 @@ def test_bad_inputs_are_refused_by_name(onnx_folder):
         decoder.generate([[5.7, 6.2]], max_new_tokens=2)
     with pytest.raises(ThinkerError, match=re.escape("max_new_tokens=-3; expected a whole number, 0 or more")):
         decoder.generate([[5, 6]], max_new_tokens=-3)
+    # from a QA sweep: each of these ended in numpy's or Python's own exception, or (eos as a string) generated past
+    # the eos without a word, since no token equals "2"
+    misuse = {
+        "input_ids: not a (batch, seq) array of token ids; pad rows of unequal length": lambda: decoder.generate(
+            [[5, 6], [7]], max_new_tokens=2
+        ),
+        "eos_token_id='2'; expected a token id or a list of them": lambda: decoder.generate(
+            [[5, 6]], max_new_tokens=2, eos_token_id="2"
+        ),
+        "eos_token_id=[[2]]; expected": lambda: decoder.generate([[5, 6]], max_new_tokens=2, eos_token_id=[[2]]),
+        "pad_token_id=[0, 1]; expected a token id (": lambda: decoder.generate([[5, 6]], pad_token_id=[0, 1]),
+        "new_tokens=-5; expected a whole number": lambda: decoder.prefill([[5, 6]], None, new_tokens=-5),
+        "new_tokens=2.5; expected a whole number": lambda: decoder.prefill([[5, 6]], None, new_tokens=2.5),
+        "state=None; expected the DecoderState this decoder's prefill returned": lambda: decoder.decode_one_token(
+            np.array([1]), None
+        ),
+        "state: its cache lacks past_key_values.0.key: a state from another model's decoder": lambda: (
+            decoder.decode_one_token(np.array([1]), DecoderState(np.ones((1, 3), np.int64), np.array([3])))
+        ),
+        "attention_mask holds values other than 0 and 1": lambda: decoder.forward(
+            np.array([[1]]), np.array([[3]]), DecoderState(np.array([[1, 0.5]]), np.array([3]), dict(state.cache))
+        ),
+    }
+    for fragment, call in misuse.items():
+        with pytest.raises(ThinkerError, match=re.escape(fragment)):
+            call()
+    # numpy's integers are whole numbers, and eos ids may come as numpy or torch values
+    as_given = decoder.generate([[5, 6]], max_new_tokens=np.int64(2), eos_token_id=torch.tensor([2]))
+    assert np.array_equal(as_given, decoder.generate([[5, 6]], max_new_tokens=2, eos_token_id=2))
     streamed = []
     streamer = type("Streamer", (), {"put": lambda self, value: streamed.append(value), "end": lambda self: None})()
     with pytest.raises(ThinkerError, match=f"need {context + 1} positions, past this model's context of {context}"):
