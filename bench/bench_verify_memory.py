@@ -46,17 +46,21 @@ def measure() -> dict:
     import torch
 
     from converter.parity import MEMORY_BUDGET_ENV
+    from export.deep_cache import deep_cache_bytes
     from export.verify import model_bytes
+    from thinker import ThinkerConfig
 
     model = models.qwen3_shaped()
     weights, largest_unit = model_bytes(model.thinker, torch.float32)
+    # the deep-cache pass's random slots (export/deep_cache.py), which verify_plan counts in either plan
+    deep = deep_cache_bytes(ThinkerConfig.from_pretrained(model.thinker), torch.float32)
     environment = {key: value for key, value in os.environ.items() if key != MEMORY_BUDGET_ENV}
     # the quality gate open: on random weights every distribution is near-flat, so top-1 agreement says nothing
     int4 = ["--quantize", "int4", "--min-top1", "0", "--max-perplexity-increase", "100"]
     runs = {
         "no-verify": (["--no-verify"], environment),
         "verify, whole": (["--verify"], environment),
-        "verify, streamed": (["--verify"], {**environment, MEMORY_BUDGET_ENV: str(weights + largest_unit)}),
+        "verify, streamed": (["--verify"], {**environment, MEMORY_BUDGET_ENV: str(weights + largest_unit + deep)}),
         "int4, no-verify": ([*int4[:2], "--no-verify"], environment),  # the quality limits are --verify's
         "int4, verify, whole": ([*int4, "--verify"], environment),
         # the budget of the streamed int4 check (two sessions of the graph, one layer float and dequantized) is set
@@ -66,7 +70,12 @@ def measure() -> dict:
     result = {
         "command": "python bench/bench_verify_memory.py",
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_average_before": load_average()},
-        "model": {"name": model.name, "weights_bytes": weights, "largest_unit_bytes": largest_unit},
+        "model": {
+            "name": model.name,
+            "weights_bytes": weights,
+            "largest_unit_bytes": largest_unit,
+            "deep_cache_bytes": deep,
+        },
         "runs": {},
     }
     int4_graph = 0  # set by the int4 no-verify run, before the streamed int4 run needs it
@@ -75,7 +84,7 @@ def measure() -> dict:
         for name, (options, env) in runs.items():
             output = work / name.replace(", ", "-")
             if env is None:
-                budget = 2 * int4_graph + 2 * largest_unit
+                budget = 2 * int4_graph + 2 * largest_unit + deep
                 env = {**environment, MEMORY_BUDGET_ENV: str(budget)}
             seconds, peak, _ = run_measured([*EXPORT, str(model.thinker), str(output), *options], env)
             report = json.loads((output / "export_report.json").read_text())
@@ -105,7 +114,8 @@ def report(result: dict) -> str:
     gib = 2**30
     lines = [
         f"Command: `{result['command']}`. {model['name']}: {model['weights_bytes'] / gib:.2f} GiB of float32 weights, "
-        f"largest streamed unit {model['largest_unit_bytes'] / gib:.2f} GiB; load average "
+        f"largest streamed unit {model['largest_unit_bytes'] / gib:.2f} GiB, the deep-cache pass's random slots "
+        f"{model.get('deep_cache_bytes', 0) / gib:.2f} GiB; load average "
         f"{result['machine']['load_average_before']:.1f} before, {result['machine']['load_average_after']:.1f} after.",
         "",
         "| `thinker export` | wall (s) | peak RSS (GiB) | peak RSS / weights | verify max abs Δlogit | top-1 |",
