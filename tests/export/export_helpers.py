@@ -247,3 +247,15 @@ def record_parity(record_property, figures: dict) -> None:
     for key in ("max_abs_diff", "logit_scale", "top1_agreement"):
         if key in figures:
             record_property(key, round(float(figures[key]), 6))
+
+
+def window_of(keys: int):
+    """A plant for an export's graph: every GroupQueryAttention attends to its last ``keys`` keys only (the
+    ``local_window_size`` no Thinker has)."""
+
+    def plant(graph: onnx.GraphProto) -> None:
+        for node in graph.node:
+            if node.op_type == "GroupQueryAttention":
+                node.attribute.append(onnx.helper.make_attribute("local_window_size", keys))
+
+    return plant

@@ -15,6 +15,7 @@ from pathlib import Path
 import onnx
 import pytest
 import torch
+from export_helpers import window_of
 from onnx import helper
 
 from export.deep_cache import NOT_RUN_INDEXED, deep_cache_bytes, deep_cache_slots, not_run_reason
@@ -70,15 +71,6 @@ def mask_window(keys: int):
     return plant
 
 
-def gqa_window(keys: int):
-    def plant(graph: onnx.GraphProto) -> None:
-        for node in graph.node:
-            if node.op_type == "GroupQueryAttention":
-                node.attribute.append(helper.make_attribute("local_window_size", keys))
-
-    return plant
-
-
 def planted(export: Path, tmp_path: Path, name: str, edit) -> Path:
     copy = shutil.copytree(export, tmp_path / "planted")
     model = onnx.load(copy / name, load_external_data=False)
@@ -130,7 +122,7 @@ def test_a_window_in_the_plain_mask_is_caught_behind_the_deep_cache(exports, tmp
 def test_a_window_in_genai_graph_fails_its_deep_pass_too(exports, tmp_path):
     """Read off the graph already (test_verify_long_prompts.py); its decode steps far into the cache see it."""
     folder, export = exports("qwen3", "fused")
-    bad = planted(export, tmp_path, GENAI_MODEL_FILE, gqa_window(WINDOW))
+    bad = planted(export, tmp_path, GENAI_MODEL_FILE, window_of(WINDOW))
     result = verify_export(folder, bad / MODEL_FILE, torch.float32)
     assert result["passed"] is False
     assert f"{DEEP_PASSES['genai_graph_deep_cache']} after a cache of" in result["failure"], result["failure"]

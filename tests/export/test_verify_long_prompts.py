@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from export_helpers import window_of
 from onnx import helper, numpy_helper
 
 from export.exporter import export_model
@@ -140,15 +141,6 @@ def test_rope_rows_past_every_prompt_are_held_to_the_model(quantize, exports, tm
     result = verify(planted / MODEL_FILE)
     assert result["passed"] is False
     assert "rotary_emb.cos_cache differs from the model's rotary embedding from position 200 on" in result["failure"]
-
-
-def window_of(keys: int):
-    def plant(graph: onnx.GraphProto) -> None:
-        for node in graph.node:
-            if node.op_type == "GroupQueryAttention":
-                node.attribute.append(helper.make_attribute("local_window_size", keys))
-
-    return plant
 
 
 @pytest.mark.parametrize("planted_in", [MODEL_FILE, GENAI_MODEL_FILE])
