@@ -52,13 +52,14 @@ def deep_cache_slots(model_context: int, graph_context: int | None) -> int:
 
 def deep_cache_bytes(config, dtype: torch.dtype) -> int:
     """What the pass holds beyond the check's models (a ThinkerConfig's): the random slots in the float32
-    reference's cache, in the graph's ``dtype`` twice (a step's pasts and presents), and a half-precision shadow's
-    cache (export/half_spread.py)."""
+    reference's cache, in the graph's ``dtype`` twice (a step's pasts and presents), and for a half-precision check
+    in its shadow's cache (export/half_spread.py) and in float32 to write them there."""
     if not_run_reason(config, dtype):
         return 0
     slots = deep_cache_slots(config.max_position_embeddings, None)
     values = config.layer_types.count("full_attention") * 2 * config.num_key_value_heads * slots * config.head_dim
-    shadow = dtype.itemsize if dtype in HALF_PRECISIONS else 0
+    # a half-precision check's shadow holds the slots in its dtype, and they are kept in float32 to write them there
+    shadow = dtype.itemsize + torch.float32.itemsize if dtype in HALF_PRECISIONS else 0
     return values * (torch.float32.itemsize + 2 * dtype.itemsize + shadow)
 
 
@@ -100,10 +101,10 @@ def compare_deep(
         _, state = decoder.prefill(ids, mask, new_tokens=DEEP_DECODE_STEPS)
         on_step()
         reference_cache = getattr(out, CACHE_ARG)
-        written = write_random_slots(reference_cache, state.cache, decoder, slots)
+        written = write_random_slots(reference_cache, state.cache, decoder, slots, keep=shadow is not None)
         if shadow is not None:  # its own cache, in its dtype: the same slots
             shadow.edit_cache(lambda cache: write_slots(cache, written))
-        written = None  # held in the caches now: the block need not stay beside them
+        written = None  # held in the caches now: the blocks need not stay beside them
         cached = slots + ids.shape[1]
         state.attention_mask = np.ones((1, cached), np.int64)
         state.cached = cached
@@ -126,10 +127,13 @@ def compare_deep(
     return {"cache_slots": cached, "random_slots": slots, "step_positions": [cached, cached + DEEP_DECODE_STEPS - 1]}
 
 
-def write_random_slots(cache: Cache, graph_cache: dict, decoder: OnnxDecoder, slots: int) -> dict[int, tuple]:
+def write_random_slots(
+    cache: Cache, graph_cache: dict, decoder: OnnxDecoder, slots: int, keep: bool = False
+) -> dict[int, tuple]:
     """Writes ``slots`` random keys and values before the cached ones of every full-attention layer of the
     reference's ``cache`` and of the graph's (``past_key_values.{i}.key`` / ``.value``, in its dtype and on its
-    device); returns them by layer, float32, for a shadow's cache."""
+    device), a layer at a time; with ``keep``, returns them by layer, float32, for a shadow's cache (else an empty
+    dict: held twice more, they would double the pass's memory)."""
     rng = np.random.default_rng(PROMPT_SEED + 5)
     written = {}
     for index, layer in enumerate(cache.layers):
@@ -149,8 +153,9 @@ def write_random_slots(cache: Cache, graph_cache: dict, decoder: OnnxDecoder, sl
             joined = np.ascontiguousarray(np.concatenate([random.astype(host.dtype), host], axis=2))
             on_device = decoder.device != "cpu"
             graph_cache[name] = ort.OrtValue.ortvalue_from_numpy(joined, "cuda", 0) if on_device else joined
-        written[index] = tuple(block)
-    write_slots(cache, written)
+        write_slots(cache, {index: block})
+        if keep:
+            written[index] = tuple(block)
     return written
 
 

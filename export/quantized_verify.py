@@ -54,20 +54,27 @@ from .fidelity import fidelity_token_ids, prefill_logits, text_fidelity
 from .quantize import HEAD
 from .runtime import OnnxDecoder
 from .verify import (
+    CONTINUATION_PASSES,
+    CONTINUATION_STEPS,
     DECODE_STEPS,
     DEEP_PASSES,
+    IMAGE_POSITIONS,
     LONG_PASSES,
     REFERENCE_DTYPE,
     STREAMED,
     WHOLE,
+    batch_failure,
     compare_decoders,
     compare_long,
+    continuation_failures,
+    continuation_pass,
     deep_cache_failures,
     deep_cache_pass,
     deep_cache_steps,
     embeds_graph_of,
     genai_graph_of,
     half_shadow,
+    image_position_failures,
     indexer_failures,
     judge,
     long_prompt_failures,
@@ -177,7 +184,7 @@ def verify_quantized_export(
     from thinker import ThinkerConfig, ThinkerForCausalLM
 
     deep = deep_cache_steps(ThinkerConfig.from_pretrained(model_dir), dtype)
-    steps = 3 + DECODE_STEPS + 1 + 1 + LONG_DECODE_STEPS + deep
+    steps = 3 + DECODE_STEPS + 1 + 1 + LONG_DECODE_STEPS + deep + CONTINUATION_STEPS
     with progress_bar(steps, "verifying", unit="step", enabled=progress) as bar:
         if plan == STREAMED:
             bar.update()
@@ -377,11 +384,15 @@ def graph_check(
     batch = parity_batch(model.config.vocab_size)
     with float_activation_copy(onnx_path) as exact_path:
         exact = OnnxDecoder(exact_path, provider="cpu", threads=threads)
-        shadow, long_shadow, deep_shadow = (half_shadow(model, dtype) for _ in range(3))
+        shadow, long_shadow, deep_shadow, continued_shadow = (half_shadow(model, dtype) for _ in range(4))
         graph = compare_decoders(model, exact, *batch, on_step=on_step, shadow=shadow)
         long_inputs = long_prompts(model, exact)
         graph["long_prompts"] = compare_long(model, exact, long_inputs, on_step=on_step, shadow=long_shadow)
         graph["deep_cache"] = deep_cache_pass(model, exact, dtype, on_step=on_step, shadow=deep_shadow)
+        graph["continuation"] = continuation_pass(model, exact, on_step=on_step, shadow=continued_shadow)
+        if exact.position_rank == 3:  # multimodal RoPE: the batch at an image's positions, whose streams differ
+            shadowed = half_shadow(model, dtype)
+            graph[IMAGE_POSITIONS] = compare_decoders(model, exact, *batch, shadow=shadowed, image_positions=True)
         if model.config.has_indexed_attention:
             graph["indexer_prompts"] = compare_decoders(model, exact, *indexer_batch(model.config))
             graph["indexer_prompts"]["failures"] = indexer_failures(graph["indexer_prompts"], dtype)
@@ -395,6 +406,7 @@ def graph_check(
                 model, exact, long_inputs, right_padded_candidate=True, shadow=long_shadow
             )
             graph["genai_graph_deep_cache"] = deep_cache_pass(model, exact, dtype, shadow=deep_shadow)
+            graph["genai_graph_continuation"] = continuation_pass(model, exact, shadow=continued_shadow)
     embeds_path = embeds_graph_of(onnx_path)
     if embeds_path:  # the --inputs-embeds graph, on a prompt with foreign embeddings
         with float_activation_copy(embeds_path) as exact_path:
@@ -404,9 +416,13 @@ def graph_check(
     graph["rounding_sensitivity"] = rounding_sensitivity(model, *batch)
     graph["tolerance"] = graph_tolerance(graph, dtype)
     long_sensitivity = rounding_sensitivity(model, *long_inputs)
-    # the deep cache's steps at the long prompts' sensitivity: most of what they attend to is random slots, which no
-    # perturbation of a prompt's embeddings reaches
-    for key in [*LONG_PASSES, *DEEP_PASSES]:
+    # the deep-cache and continuation passes at the long prompts' sensitivity (the deep cache's steps attend mostly
+    # to random slots, which no perturbation of a prompt's embeddings reaches; a continuation is a long prompt fed in
+    # two steps)
+    if IMAGE_POSITIONS in graph:  # the batch at other positions: the batch's own sensitivity
+        graph[IMAGE_POSITIONS]["rounding_sensitivity"] = graph["rounding_sensitivity"]
+        graph[IMAGE_POSITIONS]["tolerance"] = graph_tolerance(graph[IMAGE_POSITIONS], dtype)
+    for key in [*LONG_PASSES, *DEEP_PASSES, *CONTINUATION_PASSES]:
         if key in graph and "not_run" not in graph[key]:
             graph[key]["rounding_sensitivity"] = long_sensitivity
             graph[key]["tolerance"] = graph_tolerance(graph[key], dtype)
@@ -414,6 +430,7 @@ def graph_check(
     # quantized_result reports them
     graph["rope_tables"], unprompted = unprompted_checks(onnx_path, model.config, dtype)
     graph["beyond_batch_failures"] = long_prompt_failures(graph, model.config, dtype) + deep_cache_failures(graph)
+    graph["beyond_batch_failures"] += continuation_failures(graph) + image_position_failures(graph)
     graph["beyond_batch_failures"] += unprompted
     return graph
 
@@ -479,7 +496,7 @@ def quantized_result(
         )
     graph_failure = judge(graph, graph["tolerance"], " against the model with the same dequantized weights")
     if graph_failure:
-        failures.append(graph_failure)
+        failures.append(batch_failure(graph_failure))
     failures += side_graph_failures(graph, graph["tolerance"])
     failures += graph.pop("beyond_batch_failures")  # long prompts, RoPE tables, attention windows
     if "indexer_prompts" in graph:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import onnx
 import torch
 
 from converter.parity import MEMORY_BUDGET_ENV, memory_budget
@@ -48,11 +49,14 @@ from thinker_common.dtypes import dtype_name
 from thinker_common.eager import EAGER
 from thinker_common.errors import ThinkerError
 from thinker_common.parity_inputs import (
+    CONTINUATION_DECODE_STEPS,
     DEEP_DECODE_STEPS,
     LONG_DECODE_STEPS,
+    PROMPT_LENGTHS,
     RELATIVE_TOLERANCE,
     foreign_block_prompt,
     foreign_deepstack,
+    image_block_positions,
     indexer_batch,
     long_batch,
     parity_batch,
@@ -64,7 +68,9 @@ from thinker_common.sources import SafetensorsSource
 from thinker_common.staging import outside_staging
 
 from .beyond_prompts import attention_window_check, rope_table_check
+from .continuation import compare_continuation
 from .deep_cache import compare_deep, deep_cache_bytes, not_run_reason
+from .genai_graph import takes_stream_positions
 from .half_spread import HALF_PRECISIONS, MAX_EXCUSED_SHARE, HalfShadow, excused
 from .names import EMBED_FILE, EMBEDS_MODEL_FILE, GENAI_MODEL_FILE, MODEL_FILE
 from .runtime import OnnxDecoder, cuda_usable, position_ids_from_mask
@@ -191,6 +197,7 @@ def compare_decoders(
     torch_ties: bool = False,
     shadow: HalfShadow | None = None,
     foreign_embeddings: bool = False,
+    image_positions: bool = False,
 ) -> dict:
     """Prefill + ``steps`` decode steps in PyTorch and onnxruntime; figures over every kept position (of a
     ``--logits last`` graph's prefill: each row's last kept position, all it gives). ``on_step`` is called after the
@@ -203,7 +210,10 @@ def compare_decoders(
     run again in its dtype to measure each position's spread (``half_shadow``; export/half_spread.py).
     ``foreign_embeddings``: the prompt goes in as ``inputs_embeds`` (``decoder`` runs ``model.embeds.onnx``), its
     token rows with a block of foreign vectors written over them, at an image's multimodal positions where the model
-    has multimodal RoPE (``foreign_block_prompt``); the decode steps' tokens then go through ``embed.onnx``."""
+    has multimodal RoPE (``foreign_block_prompt``); the decode steps' tokens then go through ``embed.onnx``.
+    ``image_positions``: the token ids at the (3, B, T) positions of a prompt holding an image
+    (``image_block_positions``), for a graph with multimodal RoPE: its three streams then differ, as text positions
+    never make them."""
     ties = contextlib.nullcontext() if torch_ties else lowest_block_wins_ties()
     if shadow is not None:
         shadow.rewind()  # the same reference steps as any earlier comparison: their spreads read back
@@ -218,6 +228,7 @@ def compare_decoders(
             right_padded_candidate,
             shadow,
             foreign_embeddings,
+            image_positions,
         )
 
 
@@ -231,6 +242,7 @@ def _compare_decoders(
     right_padded_candidate: bool,
     shadow: HalfShadow | None,
     foreign_embeddings: bool,
+    image_positions: bool,
 ) -> dict:
     on_step = on_step or (lambda: None)
     agreement = Agreement()
@@ -247,7 +259,9 @@ def _compare_decoders(
             inputs |= {"visual_pos_masks": torch.from_numpy(foreign)}
             inputs |= {"deepstack_visual_embeds": [torch.from_numpy(f) for f in features]}
     else:
-        positions = torch.from_numpy(position_ids_from_mask(attention_mask))
+        position_array = image_block_positions(attention_mask)[0] if image_positions else None
+        text_positions = position_ids_from_mask(attention_mask)
+        positions = torch.from_numpy(text_positions if position_array is None else position_array)
         inputs = {"input_ids": torch.from_numpy(input_ids), "attention_mask": mask, "position_ids": positions}
     out = model(**inputs, use_cache=True)
     reference = out.logits.float().numpy()
@@ -259,7 +273,7 @@ def _compare_decoders(
             None, attention_mask, inputs_embeds=rows, position_ids=position_array, **deepstack
         )
     else:
-        candidate, state = decoder.prefill(*given)
+        candidate, state = decoder.prefill(*given, position_ids=position_array)
     if decoder.last_logits_only:
         last_spread = None if spread is None else at_last_kept(spread, attention_mask)
         agreement.add(at_last_kept(reference, attention_mask), candidate[:, 0], last_spread)
@@ -428,6 +442,57 @@ def deep_cache_pass(model: torch.nn.Module, decoder: OnnxDecoder, dtype: torch.d
     return {**where, **agreement.figures()}
 
 
+# The continuation passes (export/continuation.py), by their figures' key in the report, as a failure names them.
+CONTINUATION_PASSES = {
+    "continuation": MODEL_FILE,
+    "genai_graph_continuation": f"{GENAI_MODEL_FILE} (onnxruntime-genai's graph)",
+}
+CONTINUATION_STEPS = 2 + CONTINUATION_DECODE_STEPS  # a progress bar's: the prompt, the continuation, the steps
+
+
+def continuation_pass(model: torch.nn.Module, decoder: OnnxDecoder, **options) -> dict:
+    """The continuation pass's figures; ``options``: ``compare_continuation``'s."""
+    agreement = Agreement()
+    with torch.no_grad():
+        where = compare_continuation(model, decoder, agreement.add, **options)
+    return {**where, **agreement.figures()}
+
+
+def continuation_failures(result: dict) -> list[str]:
+    """The failures of the continuation passes whose figures ``result`` holds, each at its own tolerance."""
+    failures = []
+    for key, what in CONTINUATION_PASSES.items():
+        figures = result.get(key)
+        failure = judge(figures, figures["tolerance"]) if figures else None
+        if failure:
+            failures.append(
+                f"{what} on a prompt of {figures['prompt_length']} tokens continued by {figures['continued_by']} in "
+                f"one step, then {CONTINUATION_DECODE_STEPS} steps: {failure}"
+            )
+    return failures
+
+
+# The pass over the parity batch at an image's multimodal positions (``compare_decoders``' ``image_positions``), by
+# its figures' key in the report.
+IMAGE_POSITIONS = "image_positions"
+
+
+def image_position_failures(result: dict) -> list[str]:
+    """The failure of the image-positions pass, where ``result`` holds one beyond its own tolerance."""
+    figures = result.get(IMAGE_POSITIONS)
+    failure = judge(figures, figures["tolerance"]) if figures else None
+    if not failure:
+        return []
+    lengths = " and ".join(map(str, PROMPT_LENGTHS))
+    return [f"{MODEL_FILE} on prompts of {lengths} tokens at an image's multimodal positions: {failure}"]
+
+
+def batch_failure(failure: str) -> str:
+    """A failure on the parity batch, named as every other pass's is."""
+    lengths = " and ".join(map(str, PROMPT_LENGTHS))
+    return f"{MODEL_FILE} on prompts of {lengths} tokens, then {DECODE_STEPS} steps: {failure}"
+
+
 def deep_cache_steps(config, dtype: torch.dtype) -> int:
     """A progress bar's steps for one deep-cache pass: its prompt and decode steps, where it runs."""
     return 0 if not_run_reason(config, dtype) else 1 + DEEP_DECODE_STEPS
@@ -543,19 +608,26 @@ def verify_export(
     indexed = "indexed_attention" in (read_json(model_dir / "config.json").get("layer_types") or ())
     steps = 2 + DECODE_STEPS + sum(1 + DECODE_STEPS for extra in (genai_path, embeds_path, indexed) if extra)
     config = ThinkerConfig.from_pretrained(model_dir)
-    steps += (1 + LONG_DECODE_STEPS + deep_cache_steps(config, dtype)) * (2 if genai_path else 1)
-    long, deep = {}, {}
+    steps += (1 + LONG_DECODE_STEPS + CONTINUATION_STEPS + deep_cache_steps(config, dtype)) * (2 if genai_path else 1)
+    streams = takes_stream_positions(onnx.load(str(onnx_path), load_external_data=False))
+    steps += (1 + DECODE_STEPS) * streams
+    long, further = {}, {}  # the long prompts; the deep-cache and continuation passes
     with progress_bar(steps, "verifying", unit="step", enabled=progress) as bar:
         with pytorch_thinker(model_dir, REFERENCE_DTYPE, plan) as model:
             bar.update()
             batch = parity_batch(model.config.vocab_size)
             decoder = OnnxDecoder(onnx_path, threads=threads)
             device = decoder.device
-            shadow, long_shadow, deep_shadow = (half_shadow(model, dtype) for _ in range(3))
+            shadow, long_shadow, deep_shadow, continued_shadow = (half_shadow(model, dtype) for _ in range(4))
             figures = compare_decoders(model, decoder, *batch, on_step=bar.update, shadow=shadow)
             long_inputs = long_prompts(model, decoder)
             long["long_prompts"] = compare_long(model, decoder, long_inputs, on_step=bar.update, shadow=long_shadow)
-            deep["deep_cache"] = deep_cache_pass(model, decoder, dtype, on_step=bar.update, shadow=deep_shadow)
+            further["deep_cache"] = deep_cache_pass(model, decoder, dtype, on_step=bar.update, shadow=deep_shadow)
+            further["continuation"] = continuation_pass(model, decoder, on_step=bar.update, shadow=continued_shadow)
+            if streams:  # multimodal RoPE: the batch at an image's positions, whose three streams differ
+                further[IMAGE_POSITIONS] = compare_decoders(
+                    model, decoder, *batch, on_step=bar.update, shadow=half_shadow(model, dtype), image_positions=True
+                )
             if indexed:  # prompts on which the indexers choose (thinker_common/parity_inputs.py INDEXER_EXTRA_BLOCKS)
                 indexer_figures = compare_decoders(model, decoder, *indexer_batch(model.config), on_step=bar.update)
             del decoder  # one session at a time, as verify_plan counts them
@@ -567,8 +639,11 @@ def verify_export(
                 long["genai_graph_long_prompts"] = compare_long(
                     model, genai, long_inputs, on_step=bar.update, right_padded_candidate=True, shadow=long_shadow
                 )
-                deep["genai_graph_deep_cache"] = deep_cache_pass(
+                further["genai_graph_deep_cache"] = deep_cache_pass(
                     model, genai, dtype, on_step=bar.update, shadow=deep_shadow
+                )
+                further["genai_graph_continuation"] = continuation_pass(
+                    model, genai, on_step=bar.update, shadow=continued_shadow
                 )
                 del genai
             if embeds_path:  # another prompt: its own half-precision spreads
@@ -586,7 +661,7 @@ def verify_export(
     failures = []
     failure = judge(result, result["tolerance"])
     if failure:
-        failures.append(failure)
+        failures.append(batch_failure(failure))
     if indexed:
         result["indexer_prompts"] = indexer_figures
         failures += indexer_failures(indexer_figures, dtype)
@@ -599,11 +674,11 @@ def verify_export(
         figures["tolerance"] = RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"])
         result[key] = figures
     failures += long_prompt_failures(result, model.config, dtype)
-    for key, figures in deep.items():
+    for key, figures in further.items():
         if "not_run" not in figures:
             figures["tolerance"] = RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"])
         result[key] = figures
-    failures += deep_cache_failures(result)
+    failures += deep_cache_failures(result) + continuation_failures(result) + image_position_failures(result)
     result["rope_tables"], unprompted = unprompted_checks(onnx_path, model.config, dtype)
     failures += unprompted
     result["passed"] = not failures

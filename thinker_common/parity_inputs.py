@@ -83,6 +83,25 @@ def deep_prompt(vocab_size: int) -> np.ndarray:
     return np.random.default_rng(PROMPT_SEED + 4).integers(0, vocab_size, size=(1, DEEP_PROMPT_LENGTH), dtype=np.int64)
 
 
+# Every other pass prefills from an empty cache and then decodes one token a step. A caller may also feed several
+# tokens after a cache (a chat's next turn, a prompt in chunks), which takes other branches of the graphs (the plain
+# hybrid graph's chunked delta rule from a carried state, a mask over cached and new slots at once, the fused graph's
+# several tokens after a cache at batch 1): a prompt of CONTINUATION_LENGTHS[0] tokens, continued by
+# CONTINUATION_LENGTHS[1] in one step (past the delta rule's chunk of 64), then CONTINUATION_DECODE_STEPS steps, at
+# batch 1 (the fused graph's only batch for it) (export/continuation.py).
+CONTINUATION_LENGTHS = (10, 70)
+CONTINUATION_DECODE_STEPS = 2
+
+
+def continuation_prompt(vocab_size: int, context: int) -> tuple[np.ndarray, np.ndarray]:
+    """The prompt and its continuation, (1, n) int64 ids each from a fixed seed, the continuation cut so that both
+    and CONTINUATION_DECODE_STEPS more stay within ``context`` positions (a prompt of 1 at least)."""
+    first = max(1, min(CONTINUATION_LENGTHS[0], context // 4))
+    then = max(1, min(CONTINUATION_LENGTHS[1], context - first - CONTINUATION_DECODE_STEPS))
+    drawn = np.random.default_rng(PROMPT_SEED + 6).integers(0, vocab_size, size=(1, first + then), dtype=np.int64)
+    return drawn[:, :first], drawn[:, first:]
+
+
 def fixed_prompts(vocab_size: int) -> list[list[int]]:
     """Token ids from a fixed seed: the same prompts for every run with the same vocabulary size. Drawn as one
     (prompts, longest) matrix, row i keeping its last ``PROMPT_LENGTHS[i]`` ids."""
@@ -111,33 +130,43 @@ def parity_batch(vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
 FOREIGN_BLOCK = 4
 
 
-def foreign_block_prompt(
-    token_embeddings: np.ndarray, attention_mask: np.ndarray, multimodal: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A prompt as an omni or vision-language model's towers hand it to the text decoder: each row's token
-    embeddings (B, T, hidden) with a block of foreign vectors written over its kept slots 1, 2, ... (up to
-    FOREIGN_BLOCK, leaving the row's last slot a token), drawn from a fixed seed at the tokens' own scale. With
-    ``multimodal``, (3, B, T) positions as Qwen's ``get_rope_index`` numbers an image of rows x 2 patches: the block
-    at one temporal position, its height and width streams counting its rows and columns from there, and the text
-    after it resuming one past the block's largest position; else (B, T) positions counted from the mask. Returns
-    (inputs_embeds float32, position_ids int64, the (B, T) bool mask of the foreign slots); pads sit at position 0."""
-    embeds = np.array(token_embeddings, dtype=np.float32)
+def image_block_positions(attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(3, B, T) int64 positions as Qwen's ``get_rope_index`` numbers a prompt holding an image of rows x 2 patches in
+    each row's kept slots 1, 2, ... (up to FOREIGN_BLOCK, leaving the row's last slot a token): the block at one
+    temporal position, its height and width streams counting its rows and columns from there, and the text after it
+    resuming one past the block's largest position; pads at position 0. With the (B, T) bool mask of the block's
+    slots."""
     batch, width = attention_mask.shape
     positions = np.zeros((3, batch, width), np.int64)
     foreign = np.zeros((batch, width), bool)
-    rng = np.random.default_rng(PROMPT_SEED + 2)
-    scale = float(embeds[attention_mask.astype(bool)].std())
     for row in range(batch):
         slots = np.flatnonzero(attention_mask[row])
         size = 2 * (max(0, min(FOREIGN_BLOCK, len(slots) - 2)) // 2)  # whole rows of two patches; none in 1 or 2
         block = slots[1 : 1 + size]
-        embeds[row, block] = rng.normal(0.0, scale, (len(block), embeds.shape[-1]))
         foreign[row, block] = True
         grid = np.stack([np.zeros(size, np.int64), np.arange(size) // 2, np.arange(size) % 2])  # t, h, w
         resume = 2 + int(grid.max()) if size else 1  # one past the block's largest position
         positions[:, row, slots[0]] = 0
         positions[:, row, block] = 1 + grid
         positions[:, row, slots[1 + size :]] = resume + np.arange(len(slots) - 1 - size)
+    return positions, foreign
+
+
+def foreign_block_prompt(
+    token_embeddings: np.ndarray, attention_mask: np.ndarray, multimodal: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A prompt as an omni or vision-language model's towers hand it to the text decoder: each row's token
+    embeddings (B, T, hidden) with a block of foreign vectors written over the slots ``image_block_positions``
+    gives it, drawn from a fixed seed at the tokens' own scale. With ``multimodal``, those (3, B, T) positions; else
+    (B, T) positions counted from the mask. Returns (inputs_embeds float32, position_ids int64, the (B, T) bool mask
+    of the foreign slots); pads sit at position 0."""
+    embeds = np.array(token_embeddings, dtype=np.float32)
+    positions, foreign = image_block_positions(attention_mask)
+    rng = np.random.default_rng(PROMPT_SEED + 2)
+    scale = float(embeds[attention_mask.astype(bool)].std())
+    for row in range(attention_mask.shape[0]):
+        block = np.flatnonzero(foreign[row])
+        embeds[row, block] = rng.normal(0.0, scale, (len(block), embeds.shape[-1]))
     if not multimodal:
         positions = np.maximum(np.cumsum(attention_mask, axis=-1) - 1, 0).astype(np.int64)
     return embeds, positions, foreign

@@ -153,7 +153,7 @@ def test_where_the_pass_reaches_and_what_it_holds():
     )  # fmt: skip
     values = 2 * 2 * 2 * DEEP_CACHE_SLOTS * 32  # two full-attention layers' keys and values
     assert deep_cache_bytes(config, torch.float32) == values * (4 + 2 * 4)
-    assert deep_cache_bytes(config, torch.float16) == values * (4 + 2 * 2 + 2)
+    assert deep_cache_bytes(config, torch.float16) == values * (4 + 2 * 2 + 2 + 4)
     assert not_run_reason(config, torch.float32) is None
     assert deep_cache_bytes(config, torch.bfloat16) == 0 and not_run_reason(config, torch.bfloat16)
 

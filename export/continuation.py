@@ -1,0 +1,76 @@
+"""``--verify``'s continuation pass: several tokens fed in one step after a non-empty cache.
+
+Every other pass of the check prefills from an empty cache, then decodes one token a step. ``OnnxDecoder.forward``
+also takes several tokens after a cache (a chat's next turn, a long prompt fed in chunks), and that takes branches
+of the graphs nothing else runs: the plain hybrid graph's chunked delta rule starting from a carried state (from 64
+new tokens), an attention mask over cached and new slots at once, the fused graph's several tokens after a cache.
+A QA sweep planted a chunked rule that dropped the carried state and a causal mask dropped whenever the cache was
+non-empty (exact for every prefill and every one-token step): both moved logits by more than their scale and passed
+every other pass.
+
+So a prompt (``continuation_prompt``) is prefilled, continued by CONTINUATION_LENGTHS[1] tokens in one step, and
+decoded CONTINUATION_DECODE_STEPS steps more, by both runtimes, at batch 1 (the fused graph's GroupQueryAttention
+takes several tokens after a cache at batch 1 only). Every continued position is compared (a ``--logits last``
+graph's last one), and each decode step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from thinker.modeling_thinker import CACHE_ARG
+from thinker_common.parity_inputs import CONTINUATION_DECODE_STEPS, continuation_prompt
+
+from .half_spread import HalfShadow
+from .runtime import OnnxDecoder
+
+
+def compare_continuation(
+    model: torch.nn.Module,
+    decoder: OnnxDecoder,
+    add: Callable[[np.ndarray, np.ndarray, np.ndarray | None], None],
+    on_step: Callable[[], object] | None = None,
+    shadow: HalfShadow | None = None,
+) -> dict:
+    """The pass (the module docstring): ``add(reference, candidate, spread)`` takes the continued positions' logits,
+    then each decode step's (an ``Agreement``'s ``add``). Returns the prompt's and the continuation's lengths."""
+    on_step = on_step or (lambda: None)
+    if shadow is not None:
+        shadow.rewind()  # the same reference steps as an earlier pass: their spreads read back
+    context = min(model.config.max_position_embeddings, decoder.context_length or model.config.max_position_embeddings)
+    prompt, continued = continuation_prompt(model.config.vocab_size, context)
+    first, then = prompt.shape[1], continued.shape[1]
+
+    def reference_step(ids: np.ndarray, start: int, past) -> tuple[torch.Tensor, object, np.ndarray | None]:
+        inputs = {
+            "input_ids": torch.from_numpy(ids),
+            "attention_mask": torch.ones(1, start + ids.shape[1], dtype=torch.long),
+            "position_ids": torch.arange(start, start + ids.shape[1])[None],
+        }
+        out = model(**inputs, use_cache=True, **({CACHE_ARG: past} if past is not None else {}))
+        spread = shadow.spread(out.logits, **inputs) if shadow is not None else None
+        return out.logits.float(), getattr(out, CACHE_ARG), spread
+
+    with torch.no_grad():
+        _, past, _ = reference_step(prompt, 0, None)
+        _, state = decoder.prefill(prompt, np.ones_like(prompt), new_tokens=then + CONTINUATION_DECODE_STEPS)
+        on_step()
+        logits, past, spread = reference_step(continued, first, past)
+        state.attention_mask = np.ones((1, first + then), np.int64)
+        candidate = decoder.forward(continued, np.arange(first, first + then)[None], state)
+        state.next_position = state.next_position + then
+        if decoder.last_logits_only:  # each row's last position alone
+            logits, spread = logits[:, -1:], None if spread is None else spread[:, -1:]
+        add(logits[0].numpy(), candidate[0], None if spread is None else spread[0])
+        on_step()
+        token = logits[:, -1].numpy().argmax(-1)
+        for step in range(CONTINUATION_DECODE_STEPS):
+            logits, past, spread = reference_step(token[:, None], first + then + step, past)
+            reference = logits[:, -1].numpy()
+            add(reference, decoder.decode_one_token(token, state), None if spread is None else spread[:, -1])
+            token = reference.argmax(-1)
+            on_step()
+    return {"prompt_length": first, "continued_by": then}
