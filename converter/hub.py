@@ -19,6 +19,7 @@ import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from huggingface_hub import HfApi, constants, get_cached_repo_tree, snapshot_download
@@ -39,6 +40,8 @@ from huggingface_hub.utils import tqdm as hf_tqdm
 
 from thinker_common.errors import ThinkerError
 from thinker_common.model_card import CARD_FILE, LICENSE_FILES
+from thinker_common.side_files import CONFIG_FILES, TOKENIZER_FILES, TOKENIZER_PATTERNS, read_json
+from thinker_common.sources import BIN_INDEX, SAFETENSORS_INDEX, TRANSFORMERS_WEIGHTS
 
 try:  # huggingface_hub 2.x talks HTTP through httpx2, 1.x through httpx; both raise TransportError subclasses.
     import httpx2 as _httpx
@@ -52,7 +55,11 @@ _NETWORK_ERRORS: tuple[type[BaseException], ...] = (_httpx.TransportError, Conne
 # HTTP answers that are worth falling back to the cache for: the Hub is overloaded or down, not refusing us.
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 # Files that hold tokenizer vocabularies next to config.json (sentencepiece, tiktoken, BPE merges and vocab).
-_SIDE_FILE_SUFFIXES = (".json", ".txt", ".model", ".tiktoken")
+# The side files a conversion reads or carries: the configs, the shard indexes, the tokenizer's files (a chat
+# template in chat_template.jinja too), the card and the license. Nothing else: a repo's other JSON and text files
+# (trainer_state.json, training logs, eval results) can be large and are never read.
+_INDEXES = (SAFETENSORS_INDEX, BIN_INDEX)
+_SIDE_FILES = (*CONFIG_FILES, *_INDEXES, *TOKENIZER_FILES, CARD_FILE, *LICENSE_FILES)
 _COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
 _TRUE_VALUES = {"1", "ON", "YES", "TRUE"}
 
@@ -80,34 +87,42 @@ def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str 
 
     Only top-level files are taken: sub-folders hold alternative copies (``original/*.pth``, ``onnx/``, ``gguf/``)
     that can be many times the size of the checkpoint itself. Of the weights, one format is taken, the first
-    present of: safetensors, PyTorch ``.bin`` (a pickle, so only when no safetensors exist), GGUF (only if that is
-    all there is, and only a single file, since GGUF repos usually hold one file per quantisation). Within a format,
-    the ``model*`` / ``pytorch_model*`` files win over others (Mistral-style repos ship a ``consolidated.safetensors``
-    duplicate of the sharded weights), and beside an index its shards win over a whole ``model.safetensors`` (or
-    ``pytorch_model.bin``), which the loader would not read. Next to them come the small side files: every
-    top-level ``*.json`` (config, generation config, shard index, tokenizer), ``*.txt`` (BPE merges, vocab),
-    ``*.model`` (sentencepiece) and ``*.tiktoken``, and the model card and license files (``README.md``,
-    ``LICENSE``), whose license travels with the weights into OUTPUT.
+    present of: safetensors, PyTorch ``.bin`` (a pickle, so only when no safetensors exist, and only under
+    transformers' names: ``training_args.bin`` or llama.cpp's ``imatrix.bin`` are no checkpoint), GGUF (only if that
+    is all there is, and only a single file, since GGUF repos usually hold one file per quantisation). Within a
+    format, the files transformers names so (``thinker_common.sources.TRANSFORMERS_WEIGHTS``) win over others
+    (Mistral-style repos ship a ``consolidated.safetensors`` duplicate of the sharded weights, others dtype variants
+    such as ``model.fp16.safetensors``); beside an index its shards win over a whole ``model.safetensors`` (or
+    ``pytorch_model.bin``), which the loader would not read, and without one the whole file is read alone. Next to
+    them come the small side files a conversion reads or carries (``_SIDE_FILES``): the configs, the shard index,
+    the tokenizer's files and chat template, and the model card and license files (``README.md``, ``LICENSE``),
+    whose license travels with the weights into OUTPUT. (``_resolve_repo`` then keeps only the shards the index
+    names.)
     """
     top = sorted({name for name in repo_files if "/" not in name})
 
-    def ending(suffix: str, preferred_prefix: str) -> list[str]:
-        found = [name for name in top if name.endswith(suffix)]
-        return [name for name in found if name.startswith(preferred_prefix)] or found
+    def ending(suffix: str) -> list[str]:
+        return [name for name in top if name.endswith(suffix)]
 
-    gguf = ending(".gguf", "")
+    gguf = ending(".gguf")
     if gguf_file is not None:
         if gguf_file not in gguf:
             raise ThinkerError(f"{label} has no GGUF file {gguf_file!r} at its top level; {_ggufs_held(gguf)}")
         weights = [gguf_file]
     else:
-        weights = ending(".safetensors", "model") or ending(".bin", "pytorch_model")
+        safetensors = ending(".safetensors")
+        named = [name for name in safetensors if TRANSFORMERS_WEIGHTS.fullmatch(name)]
+        # a .bin named otherwise is no checkpoint (training_args.bin, imatrix.bin beside a GGUF)
+        bins = [name for name in ending(".bin") if TRANSFORMERS_WEIGHTS.fullmatch(name)]
+        weights = named or safetensors or bins
         for single, index in (
             ("model.safetensors", "model.safetensors.index.json"),
             ("pytorch_model.bin", "pytorch_model.bin.index.json"),
         ):
             if index in top and single in weights and len(weights) > 1:
                 weights.remove(single)  # a whole copy beside the shards: the loader reads the shards the index names
+            elif index not in top and single in weights:
+                weights = [single]  # without an index transformers reads the whole file alone (not a variant)
     if not weights:
         if len(gguf) > 1:
             raise ThinkerError(f"{label} holds {len(gguf)} GGUF files; pick one with --gguf-file: {_ggufs_held(gguf)}")
@@ -117,7 +132,7 @@ def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str 
             f"{label} has no .safetensors, .bin or .gguf weights at its top level; check the repo id and revision, "
             "or download the files yourself and pass the folder"
         )
-    side_files = [name for name in top if name.endswith(_SIDE_FILE_SUFFIXES) or name in (CARD_FILE, *LICENSE_FILES)]
+    side_files = [name for name in top if name in _SIDE_FILES or any(fnmatch(name, p) for p in TOKENIZER_PATTERNS)]
     return sorted(set(weights) | set(side_files))
 
 
@@ -258,8 +273,9 @@ def _resolve_repo(
         if files is None:
             raise _not_cached(label, endpoint, cache_dir, offline, unreachable)
 
+    index = None  # the shard index among the files picked, read first: the shards it names are the weights
+    prefix = f"{hub.subfolder}/" if hub.subfolder else ""
     if allow_patterns is None:
-        prefix = f"{hub.subfolder}/" if hub.subfolder else ""
         if hub.gguf_file is not None and prefix + hub.gguf_file not in files:
             # Named wherever the repo keeps them: GGUF repos often hold each quantisation in a folder of its own.
             held = sorted(name for name in files if name.endswith(".gguf"))
@@ -267,30 +283,44 @@ def _resolve_repo(
         inside = [name.removeprefix(prefix) for name in files if name.startswith(prefix)]
         picked = pick_conversion_files(inside, label, hub.gguf_file)
         allow_patterns = [glob.escape(prefix + name) for name in picked]
+        index = next((name for name in _INDEXES if name in picked), None)
     for name in filter_repo_objects(files, allow_patterns=allow_patterns):
         _check_file_name(name, label)
 
-    try:
-        folder = snapshot_download(
-            repo_id,
-            revision=revision,
-            allow_patterns=allow_patterns,
-            cache_dir=cache_dir,
-            endpoint=endpoint,
-            token=token,
-            force_download=hub.force_download,
-            # Files from the cache's listing: the Hub is off limits or out of reach, so do not try it again.
-            local_files_only=offline or unreachable is not None,
-            tqdm_class=None if progress else _NoProgress,
+    def download(patterns: list[str]) -> Path:
+        return Path(
+            snapshot_download(
+                repo_id,
+                revision=revision,
+                allow_patterns=patterns,
+                cache_dir=cache_dir,
+                endpoint=endpoint,
+                token=token,
+                force_download=hub.force_download,
+                # Files from the cache's listing: the Hub is off limits or out of reach, so do not try it again.
+                local_files_only=offline or unreachable is not None,
+                tqdm_class=None if progress else _NoProgress,
+            )
         )
+
+    try:
+        if index is not None:  # the index first: shards it does not name (an older set left beside) are not fetched
+            named = _indexed_shards(download([glob.escape(prefix + index)]) / prefix / index, inside, label)
+            shards = sorted(glob.escape(prefix + name) for name in named)
+            allow_patterns = [p for p in allow_patterns if not p.endswith(_WEIGHT_SUFFIXES)] + shards
+        folder = download(allow_patterns)
     except IncompleteSnapshotError as err:
         raise ThinkerError(
             f"{label}: the cached snapshot at {err.snapshot_path} is missing files and the Hub "
-            f"{'is off limits (HF_HUB_OFFLINE=1)' if offline else f'at {endpoint} cannot be reached'}; "
-            "run once online to complete it"
+            f"{'is off limits (HF_HUB_OFFLINE=1)' if offline else f'at {endpoint} cannot be reached'}"
+            f"{_reason(unreachable)}; run once online to complete it"
         ) from None
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as err:
-        raise _not_cached(label, endpoint, cache_dir, offline, err.__cause__ or err) from None
+        refused = _refusal_within(err)
+        if refused is not None:  # a file's download refused (a token without access, a proxy), not the network
+            raise _explain(refused, repo_id, label, endpoint, cache_dir) from None
+        # the Hub's own failure where the listing already met one (the files were then sought in the cache alone)
+        raise _not_cached(label, endpoint, cache_dir, offline, unreachable or err.__cause__ or err) from None
     except HfHubHTTPError as err:
         raise _explain(err, repo_id, label, endpoint, cache_dir) from None
     except (*_NETWORK_ERRORS, RecursionError) as err:  # the connection dropped in the middle of a download
@@ -306,9 +336,30 @@ def _resolve_repo(
         raise ThinkerError(
             f"{label}: download into {cache_dir} failed ({_first_line(err)}); fix that and retry"
         ) from None
-    snapshot = Path(folder)
+    snapshot = folder
     _check_snapshot(snapshot, cache_dir, repo_id, label)
     return snapshot
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def _indexed_shards(index_path: Path, listing: list[str], label: str) -> list[str]:
+    """The shard names a downloaded index maps tensors to, each checked to be in the repo's ``listing``: a name
+    it lacks is a broken upload, which no retry or re-download mends."""
+    weight_map = read_json(index_path)
+    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
+        raise ThinkerError(f"{label}: its {index_path.name} has no weight_map of tensor names to shard files")
+    named = sorted(set(weight_map.values()))
+    absent = [name for name in named if name not in listing]
+    if absent:
+        more = f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""
+        raise ThinkerError(
+            f"{label}: its {index_path.name} names shard {absent[0]!r}{more}, which the repo does not hold (an upload "
+            "left incomplete); try another revision (--revision), or ask the repo's owner to upload it"
+        )
+    return named
 
 
 def _offline() -> bool:
@@ -371,9 +422,26 @@ def _check_snapshot(snapshot: Path, cache_dir: Path, repo_id: str, label: str) -
                 )
 
 
+def _refusal_within(err: BaseException) -> HfHubHTTPError | None:
+    """The HTTP refusal (401, 403, 404) huggingface_hub wrapped as "not found locally", if that is what ``err``
+    holds: snapshot_download reports a file download's error so when the file is not cached either."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, HfHubHTTPError) and _status(err) in (401, 403, 404):
+            return err
+        err = err.__cause__ or err.__context__
+    return None
+
+
 def _status(err: HfHubHTTPError) -> int | None:
     response = getattr(err, "response", None)
     return getattr(response, "status_code", None)
+
+
+def _reason(err: BaseException | None) -> str:
+    """`` (Type: first line)`` of ``err``, said after what failed; nothing for None."""
+    return f" ({type(err).__name__}: {_first_line(err)})" if err is not None else ""
 
 
 def _first_line(err: BaseException) -> str:
@@ -389,7 +457,7 @@ def _not_cached(
         return ThinkerError(
             f"{label} is not in the cache at {cache_dir} and HF_HUB_OFFLINE=1; run once online or unset HF_HUB_OFFLINE"
         )
-    why = f" ({type(reason).__name__}: {_first_line(reason)})" if reason is not None else ""
+    why = _reason(reason)
     return ThinkerError(
         f"cannot reach the Hub at {endpoint} to fetch {label}{why}, and it is not in the cache at {cache_dir}; "
         "check the network, set HF_ENDPOINT to a reachable mirror, or run once online and then use HF_HUB_OFFLINE=1"

@@ -75,6 +75,10 @@ class FakeHub:
         self.stall_api_seconds: float | None = None
         # Files the listing names and the file endpoint answers 404 for (a repo changing under a download).
         self.unserved: set[str] = set()
+        # Files the file endpoint answers 403 for while the listing is answered (a proxy or mirror blocking them).
+        self.forbidden: set[str] = set()
+        # Whether the API answers every request 500 (an overloaded Hub) while the files stay served.
+        self.api_down = False
         self._whole_downloads = 0
 
     @property
@@ -155,6 +159,9 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             if match := _API_RE.match(path):
                 if hub.stall_api_seconds:
                     time.sleep(hub.stall_api_seconds)
+                if hub.api_down:
+                    self._send_error(500, None, "Internal Server Error")
+                    return
                 repo_id, rev = match["repo"], unquote(match["rev"])
                 if (found := self._find(repo_id, rev)) is not None:
                     repo, sha = found
@@ -195,6 +202,9 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             return False
 
         def _send_file(self, sha: str, files: dict[str, bytes], file_path: str, head: bool) -> None:
+            if file_path in hub.forbidden:
+                self._send_error(403, None, f"Access to {file_path} is forbidden")
+                return
             content = None if file_path in hub.unserved else files.get(file_path)
             if content is None:
                 # The Hub names the commit even on a 404, so huggingface_hub can cache the file's absence.

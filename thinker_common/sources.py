@@ -31,6 +31,21 @@ from .values import ValueScan
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
 
+# The names transformers' from_pretrained reads a checkpoint's weights under, without an index: a whole file, or
+# numbered shards. Other weight-like files beside them are dtype variants (model.fp16.safetensors, read only with
+# variant=), duplicates (Mistral's consolidated.safetensors) or no weights at all (a Trainer's training_args.bin,
+# llama.cpp's imatrix.bin), whose tensors would clash with the checkpoint's or refuse to load.
+TRANSFORMERS_WEIGHTS = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)")
+
+
+def transformers_weights(names: list[str], whole: str) -> list[str]:
+    """Of a folder's weight file ``names`` without an index, the ones transformers reads: ``whole``
+    (model.safetensors, pytorch_model.bin) alone where it is there, else its numbered shards, else (no file named
+    as transformers names them) every one."""
+    if whole in names:
+        return [whole]
+    return [name for name in names if TRANSFORMERS_WEIGHTS.fullmatch(name)] or names
+
 
 class TensorSource(Protocol):
     """What the engine needs of a checkpoint: names and shapes up front, bytes on demand, and its own config."""
@@ -314,7 +329,8 @@ def safetensors_files(root: Path) -> list[Path]:
         names = sorted(set(_read_index(index_path, root).values()))
         return [_shard_path(root, index_path, name) for name in names]
     check_shard_set(root, SAFETENSORS_INDEX)
-    return [checked_file(path, root) for path in sorted(root.glob("*.safetensors"))]
+    names = transformers_weights(sorted(path.name for path in root.glob("*.safetensors")), "model.safetensors")
+    return [checked_file(root / name, root) for name in names]
 
 
 class TorchBinSource(FolderSource):
@@ -416,7 +432,8 @@ def bin_files(root: Path) -> list[Path]:
         names = sorted(set(_read_index(index_path, root).values()))
         return [_shard_path(root, index_path, name) for name in names]
     check_shard_set(root, BIN_INDEX)
-    return [checked_file(path, root) for path in sorted([*root.glob("*.bin"), *root.glob("*.pth"), *root.glob("*.pt")])]
+    found = sorted(path.name for pattern in ("*.bin", "*.pth", "*.pt") for path in root.glob(pattern))
+    return [checked_file(root / name, root) for name in transformers_weights(found, "pytorch_model.bin")]
 
 
 # Files beside a checkpoint's weights that a user may name as SOURCE by mistake (config.json, tokenizer.json,

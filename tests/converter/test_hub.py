@@ -13,7 +13,7 @@ from safetensors.numpy import save
 
 from converter.hub import pick_conversion_files, resolve_source
 from thinker_common.errors import ThinkerError
-from thinker_common.sources import open_source
+from thinker_common.sources import SAFETENSORS_INDEX, open_source
 
 REPO = "acme/tiny"
 BIG = b"\0" * 200_000  # stands for the multi-GB files a conversion must never fetch
@@ -235,7 +235,8 @@ def test_local_paths_and_bad_sources(tmp_path):
 
 
 def test_file_names_cannot_escape_the_download_folder(fake_hub):
-    fake_hub.add_repo(REPO, {**tiny_repo(), "..\\escape.json": b"{}"})
+    weightless = {name: content for name, content in tiny_repo().items() if not name.endswith(".safetensors")}
+    fake_hub.add_repo(REPO, {**weightless, "..\\escape.safetensors": b"{}"})  # the only weights: picked
     with pytest.raises(ThinkerError, match="would escape the download folder"):
         resolve_source(REPO, progress=False)
     assert fake_hub.file_requests() == []
@@ -321,6 +322,78 @@ def test_pick_conversion_files(files, expected):
     assert pick_conversion_files(files, "r@main") == expected
 
 
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [  # from a QA sweep of Hub layouts
+        (  # a dtype variant beside the checkpoint: both were fetched, and their tensors clashed
+            ["config.json", "model.safetensors", "model.fp16.safetensors"],
+            ["config.json", "model.safetensors"],
+        ),
+        (  # numbered shards beside the whole file without an index: transformers reads the whole file
+            [
+                "config.json",
+                "model.safetensors",
+                "model-00001-of-00002.safetensors",
+                "model-00002-of-00002.safetensors",
+            ],
+            ["config.json", "model.safetensors"],
+        ),
+        (["README.md", "tiny-Q8_0.gguf", "imatrix.bin"], ["README.md", "tiny-Q8_0.gguf"]),  # the .bin is no checkpoint
+        (  # the side files a conversion reads or carries, a chat template too, and no training records
+            ["config.json", "model.safetensors", "chat_template.jinja", "trainer_state.json", "train_log.txt"],
+            ["chat_template.jinja", "config.json", "model.safetensors"],
+        ),
+    ],
+)
+def test_pick_conversion_files_as_transformers_reads_a_repo(files, expected):
+    assert pick_conversion_files(files, "r@main") == expected
+
+
+def test_the_shards_the_index_names_alone_are_fetched(fake_hub):
+    """The index first: a stale set of shards beside the current one is not downloaded, and an index naming a shard
+    the repo lacks (an upload left incomplete) is refused before any shard, as no retry would mend it."""
+    stale = {f"model-0000{i}-of-00003.safetensors": BIG for i in (1, 2, 3)}
+    current = {
+        "model-00001-of-00002.safetensors": save({"a": np.zeros(2, np.float32)}),
+        "model-00002-of-00002.safetensors": save({"b": np.zeros(2, np.float32)}),
+    }
+    index = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    config = json.dumps({"model_type": "qwen2"}).encode()
+    files = {"config.json": config, **stale, **current, SAFETENSORS_INDEX: json.dumps({"weight_map": index}).encode()}
+    fake_hub.add_repo(REPO, files)
+    path = resolve_source(REPO, progress=False)
+    assert files_in(path) == {"config.json", SAFETENSORS_INDEX, *current}
+    broken_index = {"weight_map": {**index, "c": "model-00003-of-00004.safetensors"}}
+    fake_hub.add_repo("acme/broken", {**files, SAFETENSORS_INDEX: json.dumps(broken_index).encode()})
+    with pytest.raises(ThinkerError, match="names shard 'model-00003-of-00004.safetensors', which the repo does not"):
+        resolve_source("acme/broken", progress=False)
+    assert not [r for r in fake_hub.file_requests() if "acme/broken" in r.path and r.path.endswith(".safetensors")]
+
+
+def test_a_file_refused_is_named_as_a_refusal_not_as_the_network(fake_hub):
+    """huggingface_hub wraps a file's 403 as "not found locally" when the file is not cached either: the message
+    said to check the network."""
+    fake_hub.add_repo(REPO, tiny_repo())
+    fake_hub.forbidden.add("model.safetensors")
+    with pytest.raises(ThinkerError, match=r"acme/tiny@main: the token has no access to acme/tiny \(HTTP 403\)"):
+        resolve_source(REPO, progress=False)
+
+
+def test_the_hubs_own_failure_is_the_reason_given(fake_hub, monkeypatch):
+    """With the API failing (500) the files are sought in the cache; where they are not, the 500 is the reason
+    given (huggingface_hub's own error there advises local_files_only)."""
+    fake_hub.add_repo(REPO, tiny_repo())
+    fake_hub.unserved.add("model.safetensors")  # a first attempt fails midway: the listing is cached, not the weights
+    with pytest.raises(ThinkerError, match="a listed file is missing"):
+        resolve_source(REPO, progress=False)
+    fake_hub.unserved.clear()
+    fake_hub.api_down = True
+    with pytest.raises(
+        ThinkerError, match=r"missing files and the Hub at .* cannot be reached \(HfHubHTTPError: .*500"
+    ):
+        resolve_source(REPO, progress=False)
+
+
 def test_pick_conversion_files_refuses_ambiguous_or_missing_weights():
     with pytest.raises(ThinkerError, match="2 GGUF files"):
         pick_conversion_files(["a-q4.gguf", "a-q8.gguf"], "acme/a@main")
@@ -381,3 +454,22 @@ def test_gguf_file_as_a_path_inside_the_source(fake_hub, tmp_path):
         resolve_source(str(tmp_path), gguf_file="typo.gguf")
     with pytest.raises(ThinkerError, match="no checkpoint at its top level; its folders hold Q4_K_M/tiny-Q4_K_M.gguf"):
         open_source(tmp_path)
+
+
+def test_a_local_folder_is_read_as_transformers_reads_it(tmp_path):
+    """A folder's weights without an index: the checkpoint transformers reads, not a dtype variant beside it (their
+    tensors clashed) or a Trainer's training_args.bin (a pickle of its arguments, which failed the whole folder)."""
+    import torch
+
+    variant = tmp_path / "variant"
+    variant.mkdir()
+    (variant / "config.json").write_text("{}")
+    (variant / "model.safetensors").write_bytes(save({"w": np.zeros(2, np.float32)}))
+    (variant / "model.fp16.safetensors").write_bytes(save({"w": np.zeros(2, np.float16)}))
+    assert open_source(variant).names() == ["w"]
+    trained = tmp_path / "trained"
+    trained.mkdir()
+    (trained / "config.json").write_text("{}")
+    torch.save({"w": torch.zeros(2)}, trained / "pytorch_model.bin")
+    torch.save({"learning_rate": 1e-4, "args": ThinkerError("a pickled object")}, trained / "training_args.bin")
+    assert open_source(trained).names() == ["w"]
