@@ -21,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from thinker.modeling_thinker import CACHE_ARG
+from thinker.modeling_thinker import CACHE_ARG, lowest_block_wins_ties
 from thinker_common.parity_inputs import CONTINUATION_DECODE_STEPS, continuation_prompt
 
 from .half_spread import HalfShadow
@@ -54,7 +54,8 @@ def compare_continuation(
         spread = shadow.spread(out.logits, **inputs) if shadow is not None else None
         return out.logits.float(), getattr(out, CACHE_ARG), spread
 
-    with torch.no_grad():
+    # Qwen3.8's indexers: exact ties to the earlier blocks, as ONNX's TopK breaks them (export/verify.py)
+    with torch.no_grad(), lowest_block_wins_ties():
         _, past, _ = reference_step(prompt, 0, None)
         _, state = decoder.prefill(prompt, np.ones_like(prompt), new_tokens=then + CONTINUATION_DECODE_STEPS)
         on_step()

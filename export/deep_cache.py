@@ -4,10 +4,11 @@ The parity batch and the long prompts reach a cache of about 150 slots; a graph 
 positions for Qwen3, 262,144 for Qwen3.5). Prefilling thousands of tokens through the PyTorch model would cost
 minutes at any real size, so the pass builds the deep cache instead: a short prompt (``deep_prompt``) is prefilled
 by both runtimes, then the same block of random keys and values is written before its slots in every full-attention
-layer of both caches (up to ``DEEP_CACHE_SLOTS``, cut to the context), and DEEP_DECODE_STEPS tokens follow at the
-positions after the whole cache. Both runtimes attend over identical cached tensors (what they hold is data, whatever
-positions its keys were rotated at), so their logits must agree there as anywhere else; an attention window built
-into a mask, a cache length that overflows, a position computed in too narrow a type all show.
+layer of both caches (up to ``DEEP_CACHE_SLOTS``, cut to the context and to what memory the check's models leave:
+``slots_within``), and DEEP_DECODE_STEPS tokens follow at the positions after the whole cache. Both runtimes attend
+over identical cached tensors (what they hold is data, whatever positions its keys were rotated at), so their logits
+must agree there as anywhere else; an attention window built into a mask, a cache length that overflows, a position
+computed in too narrow a type all show.
 
 The random slots are drawn at each layer's own key and value scale (the prompt's cached ones), so that attention
 spreads over them as over real keys rather than ignoring them. Linear-attention states keep the prompt's: they hold
@@ -43,24 +44,30 @@ NOT_RUN_INDEXED = (
 NOT_RUN_BFLOAT16 = "a bfloat16 cache has no host array type to write the slots through"
 
 
-def deep_cache_slots(model_context: int, graph_context: int | None) -> int:
-    """The random slots before the prompt: DEEP_CACHE_SLOTS, cut so that the prompt and its steps stay inside the
-    context both the model and the graph hold."""
+def deep_cache_slots(model_context: int, graph_context: int | None, most: int = DEEP_CACHE_SLOTS) -> int:
+    """The random slots before the prompt: ``most`` (DEEP_CACHE_SLOTS, or fewer where memory allows no more), cut so
+    that the prompt and its steps stay inside the context both the model and the graph hold."""
     context = min(model_context, graph_context or model_context)
-    return max(0, min(DEEP_CACHE_SLOTS, context - DEEP_PROMPT_LENGTH - DEEP_DECODE_STEPS))
+    return max(0, min(most, context - DEEP_PROMPT_LENGTH - DEEP_DECODE_STEPS))
 
 
-def deep_cache_bytes(config, dtype: torch.dtype) -> int:
-    """What the pass holds beyond the check's models (a ThinkerConfig's): the random slots in the float32
-    reference's cache, in the graph's ``dtype`` twice (a step's pasts and presents), and for a half-precision check
-    in its shadow's cache (export/half_spread.py) and in float32 to write them there."""
-    if not_run_reason(config, dtype):
-        return 0
-    slots = deep_cache_slots(config.max_position_embeddings, None)
-    values = config.layer_types.count("full_attention") * 2 * config.num_key_value_heads * slots * config.head_dim
-    # a half-precision check's shadow holds the slots in its dtype, and they are kept in float32 to write them there
+def deep_slot_bytes(config, dtype: torch.dtype) -> int:
+    """What one random slot costs the pass beyond the check's models (a ThinkerConfig's): its keys and values in the
+    float32 reference's cache, in the graph's ``dtype`` twice (a step's pasts and presents), and for a half-precision
+    check in its shadow's cache (export/half_spread.py) and in float32 to write them there; and a float32 copy more:
+    on the Qwen3-0.6B-shaped model (bench/bench_verify_memory.py) 4096 slots, 0.88 GiB a float32 copy, raised the
+    float32 check's peak by about 3.3 GiB, nearly four copies where the caches are three (a layer's random block
+    and concatenation while it is written, and the allocator's slack)."""
+    values = config.layer_types.count("full_attention") * 2 * config.num_key_value_heads * config.head_dim
     shadow = dtype.itemsize + torch.float32.itemsize if dtype in HALF_PRECISIONS else 0
-    return values * (torch.float32.itemsize + 2 * dtype.itemsize + shadow)
+    return values * (2 * torch.float32.itemsize + 2 * dtype.itemsize + shadow)
+
+
+def slots_within(budget: int, config, dtype: torch.dtype) -> int:
+    """The random slots ``budget`` bytes hold (the memory the check's models leave), DEEP_CACHE_SLOTS at most: the
+    pass goes as deep as memory allows, rather than have a check refused that fits without it."""
+    each = deep_slot_bytes(config, dtype)  # 0 without a full-attention layer: no slot to hold
+    return max(0, min(DEEP_CACHE_SLOTS, budget // each)) if each else DEEP_CACHE_SLOTS
 
 
 def not_run_reason(config, dtype: torch.dtype) -> str | None:
@@ -78,14 +85,16 @@ def compare_deep(
     add: Callable[[np.ndarray, np.ndarray, np.ndarray | None], None],
     on_step: Callable[[], object] | None = None,
     shadow: HalfShadow | None = None,
+    most_slots: int = DEEP_CACHE_SLOTS,
 ) -> dict:
-    """The pass (the module docstring), where ``not_run_reason`` gives none: ``add(reference, candidate, spread)``
+    """The pass (the module docstring), where ``not_run_reason`` gives none, with at most ``most_slots`` random
+    slots (``slots_within``): ``add(reference, candidate, spread)``
     takes each decode step's logits (an ``Agreement``'s ``add``). Returns where the steps ran: the cache's slots, the
     random ones among them, and the steps' first and last positions."""
     config = model.config
     if shadow is not None:
         shadow.rewind()  # the same reference steps as an earlier pass: their spreads read back
-    slots = deep_cache_slots(config.max_position_embeddings, decoder.context_length)
+    slots = deep_cache_slots(config.max_position_embeddings, decoder.context_length, most_slots)
     on_step = on_step or (lambda: None)
     ids = deep_prompt(config.vocab_size)
     mask = np.ones_like(ids)

@@ -37,7 +37,13 @@ import onnx
 import torch
 
 from thinker_common.eager import EAGER
-from thinker_common.parity_inputs import LONG_DECODE_STEPS, RELATIVE_TOLERANCE, indexer_batch, parity_batch
+from thinker_common.parity_inputs import (
+    DEEP_CACHE_SLOTS,
+    LONG_DECODE_STEPS,
+    RELATIVE_TOLERANCE,
+    indexer_batch,
+    parity_batch,
+)
 from thinker_common.progress import progress_bar
 
 from .accuracy_guard import LEVELLED_OPS, graph_variant
@@ -51,6 +57,7 @@ from .dequantize import (
     untie_head,
 )
 from .fidelity import fidelity_token_ids, prefill_logits, text_fidelity
+from .names import DATA_FILE
 from .quantize import HEAD
 from .runtime import OnnxDecoder
 from .verify import (
@@ -71,6 +78,7 @@ from .verify import (
     deep_cache_failures,
     deep_cache_pass,
     deep_cache_steps,
+    deep_slots,
     embeds_graph_of,
     genai_graph_of,
     half_shadow,
@@ -186,12 +194,18 @@ def verify_quantized_export(
     deep = deep_cache_steps(ThinkerConfig.from_pretrained(model_dir), dtype)
     steps = 3 + DECODE_STEPS + 1 + 1 + LONG_DECODE_STEPS + deep + CONTINUATION_STEPS
     with progress_bar(steps, "verifying", unit="step", enabled=progress) as bar:
+        graph_bytes = (onnx_path.parent / DATA_FILE).stat().st_size
+        most = deep_slots(model_dir, dtype, plan, quantized=True, graph_bytes=graph_bytes)  # as deep as memory allows
         if plan == STREAMED:
             bar.update()
-            return verify_quantized_streamed(model_dir, onnx_path, dtype, bits, gate, threads, on_step=bar.update)
+            return verify_quantized_streamed(
+                model_dir, onnx_path, dtype, bits, gate, threads, on_step=bar.update, deep_most=most
+            )
         model = ThinkerForCausalLM.from_pretrained(model_dir, dtype=REFERENCE_DTYPE, **EAGER).eval()
         bar.update()
-        return verify_quantized(model, model_dir, onnx_path, bits, gate, threads, bar.update, graph_dtype=dtype)
+        return verify_quantized(
+            model, model_dir, onnx_path, bits, gate, threads, bar.update, graph_dtype=dtype, deep_most=most
+        )
 
 
 def verify_quantized(
@@ -203,6 +217,7 @@ def verify_quantized(
     threads: int | None = None,
     on_step: Callable[[], object] | None = None,
     graph_dtype: torch.dtype | None = None,
+    deep_most: int = DEEP_CACHE_SLOTS,
 ) -> dict:
     """The three checks on the float ``model`` (changed in place: it ends up holding the dequantized weights);
     ``graph_dtype``: the graph's, which sets the graph check's tolerance (default: the model's).
@@ -224,7 +239,7 @@ def verify_quantized(
             with torch.no_grad():
                 parameter.copy_(quantized.weight)
     on_step()
-    graph = graph_check(model, onnx_path, threads, on_step, graph_dtype)
+    graph = graph_check(model, onnx_path, threads, on_step, graph_dtype, deep_most)
     reference = "PyTorch ThinkerForCausalLM with the graph's dequantized weights"
     return quantized_result(reference, shipped.device, cost, weights, graph, gate or QualityGate.default(bits))
 
@@ -237,6 +252,7 @@ def verify_quantized_streamed(
     gate: QualityGate | None = None,
     threads: int | None = None,
     on_step: Callable[[], object] | None = None,
+    deep_most: int = DEEP_CACHE_SLOTS,
 ) -> dict:
     """The same three checks with the float Thinker read from ``model_dir`` one layer at a time as it runs
     (``converter.streamed``), and each quantized weight read from the graph's weights file and dequantized when its
@@ -270,7 +286,7 @@ def verify_quantized_streamed(
         on_step()
         streamed.after_load = put_dequantized
         with streamed.streaming():
-            graph = graph_check(model, onnx_path, threads, on_step, dtype)
+            graph = graph_check(model, onnx_path, threads, on_step, dtype, deep_most)
     finally:
         streamed.close()
     reference = "PyTorch ThinkerForCausalLM with the graph's dequantized weights, read layer by layer as it runs"
@@ -375,6 +391,7 @@ def graph_check(
     threads: int | None,
     on_step: Callable[[], object],
     graph_dtype: torch.dtype | None = None,
+    deep_most: int = DEEP_CACHE_SLOTS,
 ) -> dict:
     """The graph with float activations against ``model`` (holding the graph's dequantized weights) over the
     parity batch, with the tolerance: the float graphs', or SENSITIVITY_MARGIN times the input's own rounding
@@ -388,7 +405,8 @@ def graph_check(
         graph = compare_decoders(model, exact, *batch, on_step=on_step, shadow=shadow)
         long_inputs = long_prompts(model, exact)
         graph["long_prompts"] = compare_long(model, exact, long_inputs, on_step=on_step, shadow=long_shadow)
-        graph["deep_cache"] = deep_cache_pass(model, exact, dtype, on_step=on_step, shadow=deep_shadow)
+        deep = {"most_slots": deep_most, "shadow": deep_shadow}
+        graph["deep_cache"] = deep_cache_pass(model, exact, dtype, on_step=on_step, **deep)
         graph["continuation"] = continuation_pass(model, exact, on_step=on_step, shadow=continued_shadow)
         if exact.position_rank == 3:  # multimodal RoPE: the batch at an image's positions, whose streams differ
             shadowed = half_shadow(model, dtype)
@@ -405,7 +423,7 @@ def graph_check(
             graph["genai_graph_long_prompts"] = compare_long(
                 model, exact, long_inputs, right_padded_candidate=True, shadow=long_shadow
             )
-            graph["genai_graph_deep_cache"] = deep_cache_pass(model, exact, dtype, shadow=deep_shadow)
+            graph["genai_graph_deep_cache"] = deep_cache_pass(model, exact, dtype, **deep)
             graph["genai_graph_continuation"] = continuation_pass(model, exact, shadow=continued_shadow)
     embeds_path = embeds_graph_of(onnx_path)
     if embeds_path:  # the --inputs-embeds graph, on a prompt with foreign embeddings
@@ -430,7 +448,8 @@ def graph_check(
     # quantized_result reports them
     graph["rope_tables"], unprompted = unprompted_checks(onnx_path, model.config, dtype)
     graph["beyond_batch_failures"] = long_prompt_failures(graph, model.config, dtype) + deep_cache_failures(graph)
-    graph["beyond_batch_failures"] += continuation_failures(graph) + image_position_failures(graph)
+    graph["beyond_batch_failures"] += continuation_failures(graph, model.config, dtype)
+    graph["beyond_batch_failures"] += image_position_failures(graph)
     graph["beyond_batch_failures"] += unprompted
     return graph
 

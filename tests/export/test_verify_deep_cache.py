@@ -18,7 +18,7 @@ import torch
 from export_helpers import window_of
 from onnx import helper
 
-from export.deep_cache import NOT_RUN_INDEXED, deep_cache_bytes, deep_cache_slots, not_run_reason
+from export.deep_cache import NOT_RUN_INDEXED, deep_cache_slots, deep_slot_bytes, not_run_reason, slots_within
 from export.exporter import export_model
 from export.names import GENAI_MODEL_FILE, MODEL_FILE
 from export.quantize import QuantizeSpec
@@ -146,16 +146,38 @@ def test_the_quantized_graph_check_runs_the_deep_pass(exports, tmp_path):
 def test_where_the_pass_reaches_and_what_it_holds():
     assert deep_cache_slots(40960, None) == DEEP_CACHE_SLOTS
     assert deep_cache_slots(40960, 512) == 512 - DEEP_PROMPT_LENGTH - DEEP_DECODE_STEPS  # the graph's tables
+    assert deep_cache_slots(40960, None, most=100) == 100  # as memory allows
     assert deep_cache_slots(4, None) == 0
     config = ThinkerConfig(
         num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2, num_key_value_heads=2,
         head_dim=32, max_position_embeddings=40960,
     )  # fmt: skip
-    values = 2 * 2 * 2 * DEEP_CACHE_SLOTS * 32  # two full-attention layers' keys and values
-    assert deep_cache_bytes(config, torch.float32) == values * (4 + 2 * 4)
-    assert deep_cache_bytes(config, torch.float16) == values * (4 + 2 * 2 + 2 + 4)
-    assert not_run_reason(config, torch.float32) is None
-    assert deep_cache_bytes(config, torch.bfloat16) == 0 and not_run_reason(config, torch.bfloat16)
+    values = 2 * 2 * 2 * 32  # a slot: two full-attention layers' keys and values
+    assert deep_slot_bytes(config, torch.float32) == values * (2 * 4 + 2 * 4)
+    assert deep_slot_bytes(config, torch.float16) == values * (2 * 4 + 2 * 2 + 2 + 4)
+    assert slots_within(100 * deep_slot_bytes(config, torch.float32), config, torch.float32) == 100
+    assert slots_within(10**15, config, torch.float32) == DEEP_CACHE_SLOTS
+    assert slots_within(-5, config, torch.float32) == 0
+    assert not_run_reason(config, torch.float32) is None and not_run_reason(config, torch.bfloat16)
+    linear = ThinkerConfig(num_hidden_layers=2, layer_types=["linear_attention"] * 2)  # no slot to hold
+    assert deep_slot_bytes(linear, torch.float32) == 0 and slots_within(0, linear, torch.float32) == DEEP_CACHE_SLOTS
+
+
+def test_the_pass_goes_as_deep_as_memory_allows(exports, monkeypatch):
+    """A budget that holds the check's models and 300 slots more: the pass runs 300 deep, rather than the check being
+    refused; one that holds no slot says so."""
+    from converter.parity import MEMORY_BUDGET_ENV
+    from export.verify import WHOLE, held_bytes
+
+    folder, export = exports("qwen3", "plain")
+    config = ThinkerConfig.from_pretrained(folder)
+    whole = held_bytes(folder, torch.float32)[0]
+    monkeypatch.setenv(MEMORY_BUDGET_ENV, str(whole + 300 * deep_slot_bytes(config, torch.float32)))
+    result = verify_export(folder, export / MODEL_FILE, torch.float32, plan=WHOLE)
+    assert result["passed"] and result["deep_cache"]["random_slots"] == 300, result["deep_cache"]
+    monkeypatch.setenv(MEMORY_BUDGET_ENV, str(whole))
+    result = verify_export(folder, export / MODEL_FILE, torch.float32, plan=WHOLE)
+    assert result["passed"] and "holds no slot" in result["deep_cache"]["not_run"]
 
 
 def test_qwen3_8_says_why_the_pass_does_not_run(thinker_variant):
