@@ -636,6 +636,7 @@ def verify_export(
     streams = takes_stream_positions(onnx.load(str(onnx_path), load_external_data=False))
     steps += (1 + DECODE_STEPS) * streams
     long, further = {}, {}  # the long prompts; the deep-cache and continuation passes
+    most_slots = deep_slots(model_dir, dtype, plan)  # before the models are loaded: the memory they will leave
     with progress_bar(steps, "verifying", unit="step", enabled=progress) as bar:
         with pytorch_thinker(model_dir, REFERENCE_DTYPE, plan) as model:
             bar.update()
@@ -646,7 +647,7 @@ def verify_export(
             figures = compare_decoders(model, decoder, *batch, on_step=bar.update, shadow=shadow)
             long_inputs = long_prompts(model, decoder)
             long["long_prompts"] = compare_long(model, decoder, long_inputs, on_step=bar.update, shadow=long_shadow)
-            deep = {"most_slots": deep_slots(model_dir, dtype, plan), "shadow": deep_shadow}
+            deep = {"most_slots": most_slots, "shadow": deep_shadow}
             further["deep_cache"] = deep_cache_pass(model, decoder, dtype, on_step=bar.update, **deep)
             further["continuation"] = continuation_pass(model, decoder, on_step=bar.update, shadow=continued_shadow)
             if streams:  # multimodal RoPE: the batch at an image's positions, whose three streams differ
