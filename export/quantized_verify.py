@@ -57,7 +57,6 @@ from .dequantize import (
     untie_head,
 )
 from .fidelity import fidelity_token_ids, prefill_logits, text_fidelity
-from .names import DATA_FILE
 from .quantize import HEAD
 from .runtime import OnnxDecoder
 from .verify import (
@@ -194,7 +193,7 @@ def verify_quantized_export(
     deep = deep_cache_steps(ThinkerConfig.from_pretrained(model_dir), dtype)
     steps = 3 + DECODE_STEPS + 1 + 1 + LONG_DECODE_STEPS + deep + CONTINUATION_STEPS
     with progress_bar(steps, "verifying", unit="step", enabled=progress) as bar:
-        graph_bytes = (onnx_path.parent / DATA_FILE).stat().st_size
+        graph_bytes = graph_file_bytes(onnx_path)
         most = deep_slots(model_dir, dtype, plan, quantized=True, graph_bytes=graph_bytes)  # as deep as memory allows
         if plan == STREAMED:
             bar.update()
@@ -206,6 +205,20 @@ def verify_quantized_export(
         return verify_quantized(
             model, model_dir, onnx_path, bits, gate, threads, bar.update, graph_dtype=dtype, deep_most=most
         )
+
+
+def graph_file_bytes(onnx_path: Path) -> int:
+    """The graph's bytes on disk: its proto and the weights files it names."""
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    external = onnx.TensorProto.EXTERNAL
+    named = {
+        entry.value
+        for tensor in model.graph.initializer
+        if tensor.data_location == external
+        for entry in tensor.external_data
+        if entry.key == "location"
+    }
+    return onnx_path.stat().st_size + sum((onnx_path.parent / name).stat().st_size for name in named)
 
 
 def verify_quantized(

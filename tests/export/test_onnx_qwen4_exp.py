@@ -195,7 +195,8 @@ def planted_bugs():
 )
 def test_verify_fails_on_a_planted_bug(thinker_variant, tmp_path, monkeypatch, planted, failure):
     """With a budget of 16 slots the fixed prompts (7 tokens and 6 steps) never reach an indexer's choice: an indexer
-    that keeps every slot passes them and fails on the long prompts alone (the indexers' and every model's).
+    that keeps every slot passes them and fails on the longer prompts alone (the indexers', every model's, and the
+    continuation's).
     Hyper-connections that inject at half weight fail at once. Nothing is written either way."""
     import export.qwen4_exp_graph
 
@@ -205,8 +206,10 @@ def test_verify_fails_on_a_planted_bug(thinker_variant, tmp_path, monkeypatch, p
     assert result.exit_code == 1 and not (tmp_path / "onnx").exists(), result.output
     message = result.output.strip().splitlines()[-1]
     assert message.startswith("error: onnxruntime disagrees with PyTorch") and failure in message, message
-    if planted == "emit_indexer_selection":  # the fixed prompts passed: only the long ones, the indexers' and all's
-        assert message.count("max |Δlogit|") == 2 and "model.onnx on prompts of" in message, message
+    if planted == "emit_indexer_selection":  # the fixed prompts passed: only the long ones, the indexers' and all's,
+        # and the continuation (80 tokens, past the budget)
+        assert message.count("max |Δlogit|") == 3 and "model.onnx on prompts of 7 and 4" not in message, message
+        assert "model.onnx on prompts of" in message and "continued by 70 in one step" in message, message
 
 
 def test_quantized_verify_runs_the_long_prompts_too(thinker_variant, tmp_path, monkeypatch):
