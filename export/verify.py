@@ -408,20 +408,35 @@ def unprompted_checks(onnx_path: Path, config, dtype: torch.dtype) -> tuple[dict
     return tables, [found for found in (failure, *windows) if found]
 
 
-def long_prompt_failures(result: dict, config, dtype: torch.dtype) -> list[str]:
-    """The failures of the long passes whose figures ``result`` holds, each at its own tolerance. Qwen3.8's indexers
-    choose on them, so in half precision they are reported, not judged, as its indexer prompts are."""
+def pass_failures(
+    result: dict, passes: dict[str, str], described: Callable[[dict], str], config=None, dtype=None
+) -> list[str]:
+    """The failures of ``passes`` (their figures' key -> the graph they ran) whose figures ``result`` holds, each at
+    its own tolerance, named "GRAPH DESCRIBED: failure" (``described(figures)``); a pass that did not run is left
+    out. With ``config`` and ``dtype``: Qwen3.8's indexers choose on these prompts, so in half precision they are
+    reported, not judged, as its indexer prompts are."""
     failures = []
-    for key, what in LONG_PASSES.items():
+    for key, what in passes.items():
         figures = result.get(key)
-        if figures and config.has_indexed_attention and dtype != torch.float32:
+        if not figures or "not_run" in figures:
+            continue
+        if config is not None and config.has_indexed_attention and dtype != torch.float32:
             figures["judged"], figures["why"] = False, HALF_INDEXER_TIES
             continue
-        failure = judge(figures, figures["tolerance"]) if figures else None
+        failure = judge(figures, figures["tolerance"])
         if failure:
-            lengths = " and ".join(map(str, figures["prompt_lengths"]))
-            failures.append(f"{what} on prompts of {lengths} tokens, then {figures['decode_steps']} steps: {failure}")
+            failures.append(f"{what} {described(figures)}: {failure}")
     return failures
+
+
+def long_prompt_failures(result: dict, config, dtype: torch.dtype) -> list[str]:
+    """The long passes' failures (``pass_failures``)."""
+
+    def described(figures: dict) -> str:
+        lengths = " and ".join(map(str, figures["prompt_lengths"]))
+        return f"on prompts of {lengths} tokens, then {figures['decode_steps']} steps"
+
+    return pass_failures(result, LONG_PASSES, described, config, dtype)
 
 
 # The deep-cache passes (export/deep_cache.py), by their figures' key in the report, as a failure names them.
@@ -461,21 +476,13 @@ def continuation_pass(model: torch.nn.Module, decoder: OnnxDecoder, **options) -
 
 
 def continuation_failures(result: dict, config, dtype: torch.dtype) -> list[str]:
-    """The failures of the continuation passes whose figures ``result`` holds, each at its own tolerance. Qwen3.8's
-    indexers choose on them, so in half precision they are reported, not judged, as its indexer prompts are."""
-    failures = []
-    for key, what in CONTINUATION_PASSES.items():
-        figures = result.get(key)
-        if figures and config.has_indexed_attention and dtype != torch.float32:
-            figures["judged"], figures["why"] = False, HALF_INDEXER_TIES
-            continue
-        failure = judge(figures, figures["tolerance"]) if figures else None
-        if failure:
-            failures.append(
-                f"{what} on a prompt of {figures['prompt_length']} tokens continued by {figures['continued_by']} in "
-                f"one step, then {CONTINUATION_DECODE_STEPS} steps: {failure}"
-            )
-    return failures
+    """The continuation passes' failures (``pass_failures``)."""
+
+    def described(figures: dict) -> str:
+        lengths = f"{figures['prompt_length']} tokens continued by {figures['continued_by']}"
+        return f"on a prompt of {lengths} in one step, then {CONTINUATION_DECODE_STEPS} steps"
+
+    return pass_failures(result, CONTINUATION_PASSES, described, config, dtype)
 
 
 # The pass over the parity batch at an image's multimodal positions (``compare_decoders``' ``image_positions``), by
@@ -508,17 +515,13 @@ def deep_cache_steps(config, dtype: torch.dtype) -> int:
 
 
 def deep_cache_failures(result: dict) -> list[str]:
-    """The failures of the deep-cache passes whose figures ``result`` holds, each at its own tolerance."""
-    failures = []
-    for key, what in DEEP_PASSES.items():
-        figures = result.get(key)
-        failure = judge(figures, figures["tolerance"]) if figures and "not_run" not in figures else None
-        if failure:
-            first, last = figures["step_positions"]
-            failures.append(
-                f"{what} after a cache of {figures['cache_slots']} slots, at positions {first} to {last}: {failure}"
-            )
-    return failures
+    """The deep-cache passes' failures (``pass_failures``)."""
+
+    def described(figures: dict) -> str:
+        first, last = figures["step_positions"]
+        return f"after a cache of {figures['cache_slots']} slots, at positions {first} to {last}"
+
+    return pass_failures(result, DEEP_PASSES, described)
 
 
 def verify_plan(
