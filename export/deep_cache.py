@@ -54,10 +54,10 @@ def deep_cache_slots(model_context: int, graph_context: int | None, most: int = 
 def deep_slot_bytes(config, dtype: torch.dtype) -> int:
     """What one random slot costs the pass beyond the check's models (a ThinkerConfig's): its keys and values in the
     float32 reference's cache, in the graph's ``dtype`` twice (a step's pasts and presents), and for a half-precision
-    check in its shadow's cache (export/half_spread.py) and in float32 to write them there; and a float32 copy more:
-    on the Qwen3-0.6B-shaped model (bench/bench_verify_memory.py) 4096 slots, 0.88 GiB a float32 copy, raised the
-    float32 check's peak by about 3.3 GiB, nearly four copies where the caches are three (a layer's random block
-    and concatenation while it is written, and the allocator's slack)."""
+    check in its shadow's cache (export/half_spread.py) and in float32 to write them there; and a float32 copy more
+    for the layer being written and the allocator's slack. On the Qwen3-0.6B-shaped model (bench/bench_verify_memory.py)
+    4096 slots, 0.88 GiB a float32 copy, raised the float32 check's peak by 2.55 GiB (with the continuation pass),
+    about three copies: the fourth counted is a margin."""
     values = config.layer_types.count("full_attention") * 2 * config.num_key_value_heads * config.head_dim
     shadow = dtype.itemsize + torch.float32.itemsize if dtype in HALF_PRECISIONS else 0
     return values * (2 * torch.float32.itemsize + 2 * dtype.itemsize + shadow)
@@ -88,9 +88,9 @@ def compare_deep(
     most_slots: int = DEEP_CACHE_SLOTS,
 ) -> dict:
     """The pass (the module docstring), where ``not_run_reason`` gives none, with at most ``most_slots`` random
-    slots (``slots_within``): ``add(reference, candidate, spread)``
-    takes each decode step's logits (an ``Agreement``'s ``add``). Returns where the steps ran: the cache's slots, the
-    random ones among them, and the steps' first and last positions."""
+    slots (``slots_within``): ``add(reference, candidate, spread)`` takes each decode step's logits (an
+    ``Agreement``'s ``add``). Returns where the steps ran: the cache's slots, the random ones among them, and the
+    steps' first and last positions."""
     config = model.config
     if shadow is not None:
         shadow.rewind()  # the same reference steps as an earlier pass: their spreads read back
