@@ -596,11 +596,13 @@ def test_index_shard_names_cannot_leave_the_checkpoint(shard, source_copy, tmp_p
 
 
 def test_hub_file_names_cannot_leave_the_cache(fake_hub, qwen3_source, tmp_path):
-    files = {path.name: path.read_bytes() for path in qwen3_source.iterdir()}
-    fake_hub.add_repo("tiny-org/escape", files | {"..\\escape.json": b"{}", "sub/../../escape.json": b"{}"})
+    # the only weights the repo lists are hostile names, so they are the ones a conversion would fetch
+    files = {path.name: path.read_bytes() for path in qwen3_source.iterdir() if path.suffix != ".safetensors"}
+    hostile = {"..\\escape.safetensors": b"{}", "sub/../../escape.safetensors": b"{}"}
+    fake_hub.add_repo("tiny-org/escape", files | hostile)
     result = thinker("convert", "tiny-org/escape", tmp_path / "out")
-    assert_error(result, "repo file name '..\\\\escape.json' would escape the download folder")
-    assert not list(tmp_path.rglob("*escape.json"))
+    assert_error(result, "repo file name '..\\\\escape.safetensors' would escape the download folder")
+    assert not list(tmp_path.rglob("*escape.safetensors"))
 
 
 def test_onnx_external_data_cannot_leave_the_folder(qwen3_onnx, tmp_path):
