@@ -15,6 +15,7 @@ Every failure the user can act on becomes a one-line ``ThinkerError`` naming the
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import re
 from collections.abc import Iterable
@@ -62,6 +63,7 @@ _INDEXES = (SAFETENSORS_INDEX, BIN_INDEX)
 _SIDE_FILES = (*CONFIG_FILES, *_INDEXES, *TOKENIZER_FILES, CARD_FILE, *LICENSE_FILES)
 _COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
 _TRUE_VALUES = {"1", "ON", "YES", "TRUE"}
+_log = logging.getLogger(__name__)
 
 
 class _NoProgress(hf_tqdm):
@@ -99,6 +101,7 @@ def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str 
     whose license travels with the weights into OUTPUT. (``_resolve_repo`` then keeps only the shards the index
     names.)
     """
+    repo_files = list(repo_files)
     top = sorted({name for name in repo_files if "/" not in name})
 
     def ending(suffix: str) -> list[str]:
@@ -128,17 +131,37 @@ def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str 
             raise ThinkerError(f"{label} holds {len(gguf)} GGUF files; pick one with --gguf-file: {_ggufs_held(gguf)}")
         weights = gguf
     if not weights:
-        raise ThinkerError(
-            f"{label} has no .safetensors, .bin or .gguf weights at its top level; check the repo id and revision, "
-            "or download the files yourself and pass the folder"
-        )
+        held = _nested(repo_files, label)
+        raise ThinkerError(f"{label} has no .safetensors, .bin or .gguf weights at its top level; {held}")
     side_files = [name for name in top if name in _SIDE_FILES or any(fnmatch(name, p) for p in TOKENIZER_PATTERNS)]
     return sorted(set(weights) | set(side_files))
 
 
+def _nested(repo_files: Iterable[str], label: str) -> str:
+    """What to do when a repo's weights are not at its top level: name the folders that hold some (GGUF repos keep
+    a quantisation per folder, others ``original/`` or a component's folder), or say to check the id."""
+    nested = sorted(name for name in repo_files if "/" in name and name.endswith((".safetensors", ".bin", ".gguf")))
+    ggufs = [name for name in nested if name.endswith(".gguf")]
+    if ggufs:
+        return f"its folders hold {_listed(ggufs)}: name one with --gguf-file"
+    folders = sorted({name.rpartition("/")[0] for name in nested})
+    if not folders:
+        return "check the repo id and revision, or download the files yourself and pass the folder"
+    shown = _listed([f"{folder}/" for folder in folders])
+    repo = label.rpartition("@")[0] or label
+    return (
+        f"its folders {shown} hold weights: download the one to convert (hf download {repo} --include "
+        f"'{folders[0]}/*' --local-dir DIR) and pass DIR/{folders[0]} as SOURCE"
+    )
+
+
 def _ggufs_held(names: list[str]) -> str:
-    shown = ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
-    return f"the GGUF files there: {shown}" if names else "there are no GGUF files there"
+    return f"the GGUF files there: {_listed(names)}" if names else "there are no GGUF files there"
+
+
+def _listed(names: list[str], most: int = 6) -> str:
+    """``names`` for a message: the first ``most``, then how many in all."""
+    return ", ".join(names[:most]) + (f", ... ({len(names)} in all)" if len(names) > most else "")
 
 
 def refuse_empty_source(source: str | Path) -> None:
@@ -338,6 +361,13 @@ def _resolve_repo(
         ) from None
     snapshot = folder
     _check_snapshot(snapshot, cache_dir, repo_id, label)
+    if unreachable is not None and not _COMMIT_HASH.fullmatch(revision):
+        # A branch or tag moves: what the cache holds may be older than what the Hub serves now.
+        _log.warning(
+            "%s: the Hub at %s cannot be reached%s; using the cached snapshot, commit %s, which may be older than "
+            "what %s names on the Hub now",
+            label, endpoint, _reason(unreachable), snapshot.name[:12], revision,
+        )  # fmt: skip
     return snapshot
 
 

@@ -480,6 +480,14 @@ def open_source(root: Path) -> TensorSource:
         raise ThinkerError(
             f"{root}: no checkpoint at its top level; its folders hold {shown}: name one with --gguf-file"
         )
+    folders = sorted({path.parent for path in root.glob("*/**/*.safetensors")})
+    if folders:  # a repo's checkpoint in a folder of its own (original/, a component's folder)
+        shown = ", ".join(str(folder) for folder in folders[:4]) + (
+            f", ... ({len(folders)} in all)" if len(folders) > 4 else ""
+        )
+        raise ThinkerError(
+            f"{root}: no checkpoint at its top level; its folders hold weights: pass one as SOURCE ({shown})"
+        )
     raise ThinkerError(
         f"{root}: no checkpoint here (no *.safetensors, pytorch_model*.bin, *.pth or *.gguf); "
         "point SOURCE at a model folder or a Hub repo id"

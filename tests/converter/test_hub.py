@@ -394,11 +394,55 @@ def test_the_hubs_own_failure_is_the_reason_given(fake_hub, monkeypatch):
         resolve_source(REPO, progress=False)
 
 
+def test_a_cached_branch_used_while_the_hub_fails_is_said_to_be_possibly_stale(fake_hub, caplog):
+    """With the API failing (500) a cached ``main`` is converted, as transformers would, but not in silence: the
+    branch may have moved on the Hub since. A commit hash cannot move, so it is used without a word."""
+    sha = fake_hub.add_repo(REPO, tiny_repo())
+    cached = resolve_source(REPO, progress=False)
+    assert resolve_source(REPO, revision=sha, progress=False) == cached
+    fake_hub.api_down = True
+    with caplog.at_level("WARNING", logger="converter.hub"):
+        assert resolve_source(REPO, progress=False) == cached
+    (record,) = caplog.records
+    assert record.getMessage().startswith(f"{REPO}@main: the Hub at {fake_hub.endpoint} cannot be reached (")
+    assert f"using the cached snapshot, commit {sha[:12]}, which may be older than what main names" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="converter.hub"):
+        assert resolve_source(REPO, revision=sha, progress=False) == cached
+    assert not caplog.records
+
+
 def test_pick_conversion_files_refuses_ambiguous_or_missing_weights():
     with pytest.raises(ThinkerError, match="2 GGUF files"):
         pick_conversion_files(["a-q4.gguf", "a-q8.gguf"], "acme/a@main")
-    with pytest.raises(ThinkerError, match="no .safetensors, .bin or .gguf weights"):
+    with pytest.raises(ThinkerError, match="no .safetensors, .bin or .gguf weights .*; check the repo id"):
         pick_conversion_files(["config.json", "original/model.pth"], "acme/a@main")
+
+
+def test_weights_held_only_in_folders_are_named():
+    """A repo whose weights sit only in folders is refused (only top-level files are taken), naming the folders
+    that hold them and how to convert one; GGUF folders by file, for --gguf-file. A listing given as a generator
+    (read twice) is named too."""
+    listing = ["config.json", "original/model.safetensors", "text/model-00001-of-00002.safetensors", "a/b/c.bin"]
+    with pytest.raises(ThinkerError) as err:
+        pick_conversion_files(iter(listing), "acme/a@v2")
+    assert str(err.value) == (
+        "acme/a@v2 has no .safetensors, .bin or .gguf weights at its top level; its folders a/b/, original/, text/ "
+        "hold weights: download the one to convert (hf download acme/a --include 'a/b/*' --local-dir DIR) and pass "
+        "DIR/a/b as SOURCE"
+    )
+    ggufs = ["README.md", "Q8_0/tiny-Q8_0.gguf", "Q4_K_M/tiny-Q4_K_M.gguf"]
+    with pytest.raises(ThinkerError, match=r"its folders hold Q4_K_M/tiny-Q4_K_M.gguf, Q8_0/tiny-Q8_0.gguf: name one "):
+        pick_conversion_files(ggufs, "acme/g@main")
+
+
+def test_a_local_folder_with_its_weights_in_a_folder_names_it(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "original").mkdir()
+    (tmp_path / "original" / "model.safetensors").write_bytes(save({"w": np.zeros(2, np.float32)}))
+    with pytest.raises(ThinkerError, match=r"no checkpoint at its top level; its folders hold weights: pass one as "):
+        open_source(tmp_path)
+    assert open_source(tmp_path / "original").names() == ["w"]
 
 
 def test_gguf_only_repo_downloads_its_single_file(fake_hub):
