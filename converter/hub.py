@@ -351,9 +351,12 @@ def _resolve_repo(
         # reset by every chunk that arrives, so an endpoint that cuts each try after some bytes (a proxy that
         # ignores Range) ends in the recursion limit rather than its own error
         why = "cut on every try" if isinstance(err, RecursionError) else f"{type(err).__name__}: {_first_line(err)}"
+        slow = ""
+        if isinstance(err, (_httpx.TimeoutException, TimeoutError)):  # no byte for HF_HUB_DOWNLOAD_TIMEOUT seconds
+            slow = f" (a slow link or mirror: raise HF_HUB_DOWNLOAD_TIMEOUT, now {constants.HF_HUB_DOWNLOAD_TIMEOUT} s)"
         raise ThinkerError(
             f"{label}: the connection to the Hub at {endpoint} dropped during the download ({why}); the files "
-            f"fetched whole stay in the cache at {cache_dir}, and running the command again fetches the rest"
+            f"fetched whole stay in the cache at {cache_dir}, and running the command again fetches the rest{slow}"
         ) from None
     except OSError as err:  # a full disk, an unwritable cache, a size mismatch after download
         raise ThinkerError(

@@ -79,6 +79,9 @@ class FakeHub:
         self.forbidden: set[str] = set()
         # Whether the API answers every request 500 (an overloaded Hub) while the files stay served.
         self.api_down = False
+        # LFS files' bodies are held this many seconds after their headers (None: sent at once), as a stalled link
+        # or mirror holds them.
+        self.stall_body_seconds: float | None = None
         self._whole_downloads = 0
 
     @property
@@ -248,6 +251,9 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             if not head and not cut:
+                if hub.stall_body_seconds and "X-Linked-Size" in headers:
+                    self.wfile.flush()
+                    time.sleep(hub.stall_body_seconds)
                 self.wfile.write(body)
             if cut:
                 self.wfile.flush()

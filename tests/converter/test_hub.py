@@ -171,6 +171,18 @@ def test_a_stalled_hub_times_out_to_the_cache(fake_hub, monkeypatch):
         resolve_source("acme/other", progress=False)
 
 
+def test_a_stalled_download_says_which_timeout_to_raise(fake_hub, monkeypatch):
+    """A download whose bytes stop coming for HF_HUB_DOWNLOAD_TIMEOUT seconds (a slow link or mirror) fails on
+    huggingface_hub's read timeout: the message says to raise that variable, and by how much it is set now."""
+    fake_hub.add_repo(REPO, tiny_repo())
+    monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", 0.2)
+    fake_hub.stall_body_seconds = 1
+    with pytest.raises(ThinkerError) as err:
+        resolve_source(REPO, progress=False)
+    assert "dropped during the download (" in str(err.value) and "Timeout" in str(err.value)
+    assert str(err.value).endswith("(a slow link or mirror: raise HF_HUB_DOWNLOAD_TIMEOUT, now 0.2 s)")
+
+
 def test_a_listed_file_the_hub_does_not_serve_is_named(fake_hub):
     fake_hub.add_repo(REPO, tiny_repo())
     fake_hub.unserved.add("tokenizer.json")
