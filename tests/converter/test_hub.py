@@ -416,8 +416,9 @@ def test_a_cached_branch_used_while_the_hub_fails_is_said_to_be_possibly_stale(f
     with caplog.at_level("WARNING", logger="converter.hub"):
         assert resolve_source(REPO, progress=False) == cached
     (record,) = caplog.records
-    assert record.getMessage().startswith(f"{REPO}@main: the Hub at {fake_hub.endpoint} cannot be reached (")
-    assert f"using the cached snapshot, commit {sha[:12]}, which may be older than what main names" in record.getMessage()
+    said = record.getMessage()
+    assert said.startswith(f"{REPO}@main: the Hub at {fake_hub.endpoint} cannot be reached (")
+    assert f"using the cached snapshot, commit {sha[:12]}, which may be older than what main names" in said
     caplog.clear()
     with caplog.at_level("WARNING", logger="converter.hub"):
         assert resolve_source(REPO, revision=sha, progress=False) == cached
