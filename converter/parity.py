@@ -317,7 +317,7 @@ def memory_budget(share: float = VERIFY_MEMORY_SHARE) -> int:
             return parse_size(configured.strip())
         except ThinkerError:
             raise ThinkerError(
-                f"{MEMORY_BUDGET_ENV}={configured!r} is not a size like 8GB, 500MB or a byte count"
+                f"{MEMORY_BUDGET_ENV}={configured!r} is not a size like 8GB, 8GiB, 8G, 500MB or a byte count"
             ) from None
     import psutil  # a dependency of accelerate, which transformers' loading uses
 

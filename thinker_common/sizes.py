@@ -10,14 +10,16 @@ from .errors import ThinkerError
 # most Hub checkpoints have (transformers 5 writes up to 50GB per file).
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 
-# Decimal units as transformers reads them ("5GB" = 5e9 bytes); binary ones ("5GiB") too.
+# Decimal units as transformers reads them ("5GB" = 5e9 bytes); binary ones ("5GiB") too, and the bare letters of
+# docker, ulimit and free ("8G", "8g"), which mean binary units there.
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _SIZE_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE_UNITS |= {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(text: str | int) -> int:
-    """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a plain byte count -> bytes."""
+    """``"5GB"``, ``"500MB"``, ``"2GiB"``, ``"8G"`` (binary) or a plain byte count -> bytes."""
     if isinstance(text, int) and not isinstance(text, bool):
         if text <= 0:
             raise ThinkerError(f"size {text!r} is not a size: a byte count is a whole number above 0")

@@ -333,6 +333,7 @@ def test_unchanged_tensors_are_copied_byte_for_byte(save_reference, run_convert,
 def test_parse_size():
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size("1024") == 1024
     assert parse_size(1024) == 1024  # Python callers pass byte counts
+    assert parse_size("8G") == parse_size("8g") == 8 * 2**30 and parse_size("512M") == 512 * 2**20  # docker's letters
     for bad in ("five gigs", "-5MB", 0, -5, 1.5, True, None):  # as the CLI refuses them, from Python too
         with pytest.raises(ThinkerError, match="not a size"):
             parse_size(bad)
