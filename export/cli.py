@@ -390,7 +390,17 @@ def held_figure(figures: dict) -> str:
     if excused:
         rest = figures["max_abs_diff_beyond_spread"]
         words += f" at {excused} position(s) half precision cannot hold, {rest:.3g} elsewhere"
+    followed = routes_followed(figures)
+    if followed:
+        words += f", the reference routing {followed} token(s) as the graph did at near ties"
     return words
+
+
+def routes_followed(figures: dict) -> int:
+    """How many MoE routing choices of a half-precision graph the reference took as the graph did, over every
+    comparison of the check (export/routing.py)."""
+    inner = sum(routes_followed(value) for value in figures.values() if isinstance(value, dict))
+    return figures.get("routes_followed", 0) + inner
 
 
 def fallback_words(guard: dict) -> str:

@@ -25,6 +25,7 @@ from thinker.modeling_thinker import CACHE_ARG, lowest_block_wins_ties
 from thinker_common.parity_inputs import CONTINUATION_DECODE_STEPS, continuation_prompt
 
 from .half_spread import HalfShadow
+from .routing import RouteFollower
 from .runtime import OnnxDecoder
 
 
@@ -44,24 +45,28 @@ def compare_continuation(
     prompt, continued = continuation_prompt(model.config.vocab_size, context)
     first, then = prompt.shape[1], continued.shape[1]
 
+    follower = RouteFollower.of(model, decoder)
+
     def reference_step(ids: np.ndarray, start: int, past) -> tuple[torch.Tensor, object, np.ndarray | None]:
+        """The reference's run of the tokens the graph has just run (its routing followed: export/routing.py)."""
         inputs = {
             "input_ids": torch.from_numpy(ids),
             "attention_mask": torch.ones(1, start + ids.shape[1], dtype=torch.long),
             "position_ids": torch.arange(start, start + ids.shape[1])[None],
         }
-        out = model(**inputs, use_cache=True, **({CACHE_ARG: past} if past is not None else {}))
+        with follower.reference(decoder.probed, np.ones_like(ids), np.ones_like(ids)):
+            out = model(**inputs, use_cache=True, **({CACHE_ARG: past} if past is not None else {}))
         spread = shadow.spread(out.logits, **inputs) if shadow is not None else None
         return out.logits.float(), getattr(out, CACHE_ARG), spread
 
     # Qwen3.8's indexers: exact ties to the earlier blocks, as ONNX's TopK breaks them (export/verify.py)
     with torch.no_grad(), lowest_block_wins_ties():
-        _, past, _ = reference_step(prompt, 0, None)
         _, state = decoder.prefill(prompt, np.ones_like(prompt), new_tokens=then + CONTINUATION_DECODE_STEPS)
+        _, past, _ = reference_step(prompt, 0, None)
         on_step()
-        logits, past, spread = reference_step(continued, first, past)
         state.attention_mask = np.ones((1, first + then), np.int64)
         candidate = decoder.forward(continued, np.arange(first, first + then)[None], state)
+        logits, past, spread = reference_step(continued, first, past)
         state.next_position = state.next_position + then
         if decoder.last_logits_only:  # each row's last position alone
             logits, spread = logits[:, -1:], None if spread is None else spread[:, -1:]
@@ -69,9 +74,10 @@ def compare_continuation(
         on_step()
         token = logits[:, -1].numpy().argmax(-1)
         for step in range(CONTINUATION_DECODE_STEPS):
+            candidate = decoder.decode_one_token(token, state)
             logits, past, spread = reference_step(token[:, None], first + then + step, past)
             reference = logits[:, -1].numpy()
-            add(reference, decoder.decode_one_token(token, state), None if spread is None else spread[:, -1])
+            add(reference, candidate, None if spread is None else spread[:, -1])
             token = reference.argmax(-1)
             on_step()
-    return {"prompt_length": first, "continued_by": then}
+    return {"prompt_length": first, "continued_by": then, **follower.figures()}

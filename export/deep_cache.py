@@ -35,6 +35,7 @@ from thinker_common.parity_inputs import (
 )
 
 from .half_spread import HALF_PRECISIONS, HalfShadow
+from .routing import RouteFollower
 from .runtime import OnnxDecoder
 
 NOT_RUN_INDEXED = (
@@ -103,11 +104,13 @@ def compare_deep(
         "attention_mask": torch.from_numpy(mask),
         "position_ids": torch.arange(ids.shape[1])[None],
     }
+    follower = RouteFollower.of(model, decoder)  # the graph runs first: export/routing.py
     with torch.no_grad():
-        out = model(**inputs, use_cache=True)
+        _, state = decoder.prefill(ids, mask, new_tokens=DEEP_DECODE_STEPS)
+        with follower.reference(decoder.probed, mask, mask):
+            out = model(**inputs, use_cache=True)
         if shadow is not None:
             shadow.spread(out.logits, **inputs)
-        _, state = decoder.prefill(ids, mask, new_tokens=DEEP_DECODE_STEPS)
         on_step()
         reference_cache = getattr(out, CACHE_ARG)
         written = write_random_slots(reference_cache, state.cache, decoder, slots, keep=shadow is not None)
@@ -127,13 +130,16 @@ def compare_deep(
                 "attention_mask": mask_tensor,
                 "position_ids": torch.tensor([[position]]),
             }
-            out = model(**step, use_cache=True, **{CACHE_ARG: past})
+            candidate = decoder.decode_one_token(token, state)
+            with follower.reference(decoder.probed, np.ones((1, 1)), np.ones((1, 1))):
+                out = model(**step, use_cache=True, **{CACHE_ARG: past})
             reference = out.logits[:, -1].float().numpy()
             spread = shadow.spread(out.logits[:, -1:], **step)[:, -1] if shadow is not None else None
-            add(reference, decoder.decode_one_token(token, state), spread)
+            add(reference, candidate, spread)
             past, token = getattr(out, CACHE_ARG), reference.argmax(-1)
             on_step()
-    return {"cache_slots": cached, "random_slots": slots, "step_positions": [cached, cached + DEEP_DECODE_STEPS - 1]}
+    steps = [cached, cached + DEEP_DECODE_STEPS - 1]
+    return {"cache_slots": cached, "random_slots": slots, "step_positions": steps, **follower.figures()}
 
 
 def write_random_slots(

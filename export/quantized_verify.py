@@ -58,6 +58,7 @@ from .dequantize import (
 )
 from .fidelity import fidelity_token_ids, prefill_logits, text_fidelity
 from .quantize import HEAD
+from .routing import checked_probes
 from .runtime import OnnxDecoder
 from .verify import (
     CONTINUATION_PASSES,
@@ -413,7 +414,7 @@ def graph_check(
     dtype = graph_dtype or next(model.parameters()).dtype
     batch = parity_batch(model.config.vocab_size)
     with float_activation_copy(onnx_path) as exact_path:
-        exact = OnnxDecoder(exact_path, provider="cpu", threads=threads)
+        exact = OnnxDecoder(exact_path, provider="cpu", threads=threads, probes=checked_probes(exact_path, dtype))
         shadow, long_shadow, deep_shadow, continued_shadow = (half_shadow(model, dtype) for _ in range(4))
         graph = compare_decoders(model, exact, *batch, on_step=on_step, shadow=shadow)
         long_inputs = long_prompts(model, exact)
@@ -431,7 +432,7 @@ def graph_check(
     genai_path = genai_graph_of(onnx_path)
     if genai_path:  # onnxruntime-genai's graph over the same weights, on the rows padded on the right
         with float_activation_copy(genai_path) as exact_path:
-            exact = OnnxDecoder(exact_path, provider="cpu", threads=threads)
+            exact = OnnxDecoder(exact_path, provider="cpu", threads=threads, probes=checked_probes(exact_path, dtype))
             graph["genai_graph"] = compare_decoders(model, exact, *batch, right_padded_candidate=True, shadow=shadow)
             graph["genai_graph_long_prompts"] = compare_long(
                 model, exact, long_inputs, right_padded_candidate=True, shadow=long_shadow
@@ -441,7 +442,7 @@ def graph_check(
     embeds_path = embeds_graph_of(onnx_path)
     if embeds_path:  # the --inputs-embeds graph, on a prompt with foreign embeddings
         with float_activation_copy(embeds_path) as exact_path:
-            exact = OnnxDecoder(exact_path, provider="cpu", threads=threads)
+            exact = OnnxDecoder(exact_path, provider="cpu", threads=threads, probes=checked_probes(exact_path, dtype))
             shadow = half_shadow(model, dtype)
             graph["embeds_graph"] = compare_decoders(model, exact, *batch, shadow=shadow, foreign_embeddings=True)
     graph["rounding_sensitivity"] = rounding_sensitivity(model, *batch)

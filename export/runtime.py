@@ -318,6 +318,7 @@ class OnnxDecoder:
         threads: int | None = None,
         all_positions: bool = False,
         share_kv: bool | None = None,
+        probes: dict[str, int] | None = None,
     ) -> None:
         path = Path(path)
         self.model_path = path / MODEL_FILE if path.is_dir() else path
@@ -346,13 +347,23 @@ class OnnxDecoder:
         use_cuda = provider == "cuda" or (provider == "auto" and cuda_usable())
         providers = [CUDA, CPU] if use_cuda else [CPU]
         options, source = session_options(threads), str(self.model_path)
+        variant = None  # the shipped graph's nodes with other outputs, loaded from bytes
         if all_positions and self.last_logits_only:
-            source = all_positions_model(model).SerializeToString()
+            variant, self.last_logits_only = all_positions_model(model), False
+        # intermediate values returned beside the logits after each forward, in ``probed`` (a check's window into
+        # the graph: export/routing.py reads a half-precision MoE graph's router logits so)
+        self.probe_names = sorted(probes or {})
+        self.probed: dict[str, np.ndarray] = {}
+        if self.probe_names:
+            variant = variant or onnx.ModelProto.FromString(model.SerializeToString())
+            outputs = [onnx.helper.make_tensor_value_info(name, probes[name], None) for name in self.probe_names]
+            variant.graph.output.extend(outputs)
+        if variant is not None:
+            source = variant.SerializeToString()
             # the weights file is found beside the model's path, which a model passed as bytes does not have
             options.add_session_config_entry(
                 "session.model_external_initializers_file_folder_path", str(self.model_path.parent)
             )
-            self.last_logits_only = False
         self.session = _load_session(self.model_path, source, options, providers)
         self.device = "cuda" if CUDA in self.session.get_providers() else "cpu"
         if provider == "cuda" and self.device != "cuda":
@@ -511,8 +522,10 @@ class OnnxDecoder:
         if self.device == "cuda" or self.shared_kv:
             logits = self._forward_bound(feeds, state)
         else:
-            outputs = self.session.run(self.output_names, {**feeds, **state.cache})
-            state.cache = dict(zip(self.past_names, outputs[1:], strict=True))
+            outputs = self.session.run(self.output_names + self.probe_names, {**feeds, **state.cache})
+            presents, probed = outputs[1 : len(self.output_names)], outputs[len(self.output_names) :]
+            state.cache = dict(zip(self.past_names, presents, strict=True))
+            self.probed = dict(zip(self.probe_names, probed, strict=True))
             logits = outputs[0]
         state.cached = state.attention_mask.shape[1]
         return logits
@@ -760,8 +773,12 @@ class OnnxDecoder:
                 binding.bind_ortvalue_output(present, value)
             else:
                 binding.bind_output(present, self.device, 0)  # onnxruntime allocates it there
+        for name in self.probe_names:
+            binding.bind_output(name, "cpu")
         self.session.run_with_iobinding(binding)
-        logits, *presents = binding.get_outputs()
+        logits, *outputs = binding.get_outputs()
+        presents, probed = outputs[: len(self.past_names)], outputs[len(self.past_names) :]
+        self.probed = {name: value.numpy() for name, value in zip(self.probe_names, probed, strict=True)}
         for past, value in zip(self.past_names, presents, strict=True):
             if past not in self.shared_kv:  # a shared buffer already holds its present
                 state.cache[past] = value.numpy() if self.device == "cpu" else value

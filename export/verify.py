@@ -73,6 +73,7 @@ from .deep_cache import compare_deep, not_run_reason, slots_within
 from .genai_graph import takes_stream_positions
 from .half_spread import HALF_PRECISIONS, MAX_EXCUSED_SHARE, HalfShadow, excused
 from .names import EMBED_FILE, EMBEDS_MODEL_FILE, GENAI_MODEL_FILE, MODEL_FILE
+from .routing import ROUTER_TOLERANCE, RouteFollower, checked_probes
 from .runtime import OnnxDecoder, cuda_usable, position_ids_from_mask
 
 DECODE_STEPS = 6
@@ -167,6 +168,14 @@ def judge(figures: dict, tolerance: float, against: str = "") -> str | None:
             f"positions{against}: the graph overflows (export float32, or bfloat16 on CUDA, for a model whose "
             "activations float16 cannot hold)"
         )
+    router = figures.get("router_max_abs_diff")
+    if router is not None:  # a half-precision MoE graph's routing, followed by the reference (export/routing.py)
+        figures["router_tolerance"] = limit = ROUTER_TOLERANCE
+        if router > limit:
+            return (
+                f"the graph's MoE routers' probabilities lie {router:.3g} from the reference's{against} > tolerance "
+                f"{limit:.3g} (a router computing other logits: its weight, its input or its layer)"
+            )
     excused = figures.pop("excused_differences", None)
     if excused is not None:
         figures["positions_excused"] = needed = sum(difference > tolerance for difference in excused)
@@ -263,9 +272,9 @@ def _compare_decoders(
         text_positions = position_ids_from_mask(attention_mask)
         positions = torch.from_numpy(text_positions if position_array is None else position_array)
         inputs = {"input_ids": torch.from_numpy(input_ids), "attention_mask": mask, "position_ids": positions}
-    out = model(**inputs, use_cache=True)
-    reference = out.logits.float().numpy()
-    spread = shadow.spread(out.logits, **inputs) if shadow else None  # (B, T)
+    # the graph runs first at each step: a half-precision MoE graph's routing is followed by the reference's run
+    # (export/routing.py)
+    follower = RouteFollower.of(model, decoder)
     given = right_padded(input_ids, attention_mask) if right_padded_candidate else (input_ids, attention_mask)
     if foreign_embeddings:  # its token rows from embed.onnx, as a caller builds a prompt: a wrong lookup shows
         rows = np.where(foreign[..., None], embeds, decoder.embed(input_ids))
@@ -274,13 +283,17 @@ def _compare_decoders(
         )
     else:
         candidate, state = decoder.prefill(*given, position_ids=position_array)
+    with follower.reference(decoder.probed, given[1], attention_mask):
+        out = model(**inputs, use_cache=True)
+    reference = out.logits.float().numpy()
+    spread = shadow.spread(out.logits, **inputs) if shadow else None  # (B, T)
     if decoder.last_logits_only:
         last_spread = None if spread is None else at_last_kept(spread, attention_mask)
         agreement.add(at_last_kept(reference, attention_mask), candidate[:, 0], last_spread)
         if not right_padded_candidate:
             # Left padding puts every row's last token in the last slot; onnxruntime-genai pads on the right, where
             # only the mask tells a row's last token from its pads: the same rows padded so, prefill only.
-            add_right_padded_prefill(agreement, model, decoder, input_ids, attention_mask, last_spread)
+            add_right_padded_prefill(agreement, model, decoder, input_ids, attention_mask, last_spread, follower)
     else:  # the kept positions of each row, in order, whichever side its pads are
         kept = attention_mask.astype(bool)
         agreement.add(reference[kept], candidate[given[1].astype(bool)], None if spread is None else spread[kept])
@@ -293,13 +306,15 @@ def _compare_decoders(
     for _ in range(steps):
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         step = {"input_ids": torch.from_numpy(token[:, None]), "attention_mask": mask, "position_ids": next_position}
-        out = model(**step, use_cache=True, **{CACHE_ARG: past})
+        candidate = decoder.decode_one_token(token, state)
+        with follower.reference(decoder.probed, *[np.ones_like(token[:, None])] * 2):
+            out = model(**step, use_cache=True, **{CACHE_ARG: past})
         reference = out.logits[:, -1].float().numpy()
         spread = shadow.spread(out.logits[:, -1:], **step)[:, -1] if shadow else None
-        agreement.add(reference, decoder.decode_one_token(token, state), spread)
+        agreement.add(reference, candidate, spread)
         past, next_position, token = getattr(out, CACHE_ARG), next_position + 1, reference.argmax(-1)
         on_step()
-    return {"batch": int(input_ids.shape[0]), "decode_steps": steps, **agreement.figures()}
+    return {"batch": int(input_ids.shape[0]), "decode_steps": steps, **agreement.figures(), **follower.figures()}
 
 
 def add_right_padded_prefill(
@@ -309,14 +324,17 @@ def add_right_padded_prefill(
     input_ids: np.ndarray,
     attention_mask: np.ndarray,
     spread: np.ndarray | None = None,
+    follower: RouteFollower | None = None,
 ) -> None:
     """The left-padded batch's rows padded on the right instead, prefilled by both: each row's last real token's
     logits (what a ``--logits last`` graph gives) into ``agreement``; ``spread``: the half-precision spread of those
-    tokens, measured on the left-padded rows."""
+    tokens, measured on the left-padded rows; ``follower``: the comparison's (export/routing.py)."""
     ids, mask = right_padded(input_ids, attention_mask)
     positions = torch.from_numpy(position_ids_from_mask(mask))
-    out = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), position_ids=positions)
-    agreement.add(at_last_kept(out.logits.float().numpy(), mask), decoder.prefill(ids, mask)[0][:, 0], spread)
+    candidate = decoder.prefill(ids, mask)[0][:, 0]
+    with (follower or RouteFollower.of(model, decoder)).reference(decoder.probed, mask, mask):
+        out = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), position_ids=positions)
+    agreement.add(at_last_kept(out.logits.float().numpy(), mask), candidate, spread)
 
 
 def right_padded(input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -644,7 +662,7 @@ def verify_export(
         with pytorch_thinker(model_dir, REFERENCE_DTYPE, plan) as model:
             bar.update()
             batch = parity_batch(model.config.vocab_size)
-            decoder = OnnxDecoder(onnx_path, threads=threads)
+            decoder = OnnxDecoder(onnx_path, threads=threads, probes=checked_probes(onnx_path, dtype))
             device = decoder.device
             shadow, long_shadow, deep_shadow, continued_shadow = (half_shadow(model, dtype) for _ in range(4))
             figures = compare_decoders(model, decoder, *batch, on_step=bar.update, shadow=shadow)
@@ -661,7 +679,7 @@ def verify_export(
                 indexer_figures = compare_decoders(model, decoder, *indexer_batch(model.config), on_step=bar.update)
             del decoder  # one session at a time, as verify_plan counts them
             if genai_path:
-                genai = OnnxDecoder(genai_path, threads=threads)
+                genai = OnnxDecoder(genai_path, threads=threads, probes=checked_probes(genai_path, dtype))
                 genai_figures = compare_decoders(
                     model, genai, *batch, on_step=bar.update, right_padded_candidate=True, shadow=shadow
                 )
@@ -674,7 +692,7 @@ def verify_export(
                 )
                 del genai
             if embeds_path:  # another prompt: its own half-precision spreads
-                embeds = OnnxDecoder(embeds_path, threads=threads)
+                embeds = OnnxDecoder(embeds_path, threads=threads, probes=checked_probes(embeds_path, dtype))
                 embeds_figures = compare_decoders(
                     model, embeds, *batch, on_step=bar.update, shadow=half_shadow(model, dtype), foreign_embeddings=True
                 )

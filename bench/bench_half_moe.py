@@ -1,0 +1,151 @@
+"""Half-precision MoE exports under ``--verify``, with and without the reference following the graph's routing.
+
+For each MoE family of the tests (tests/export/export_helpers.py: top 2 of 4 experts, random weights), each seed
+and each graph: ``thinker export --dtype float16`` with its default ``--verify``, first as it runs
+(export/routing.py: the reference takes the graph's experts where the two routers part), then with the reference
+routing on its own (as before that module), and once with a router bug planted (the first MoE layer's experts read
+backwards), which must fail. Records whether each passed, the worst pass (max |Δlogit| beyond the half-precision
+spread, against its tolerance), the choices followed and the router probabilities' largest difference.
+
+    python bench/bench_half_moe.py                 # five families, seeds 0-2, plain and fused
+    python bench/bench_half_moe.py --seeds 1 --families qwen3_next
+
+Writes bench/results/half_moe.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "tests" / "export")]  # the tests' model builders
+
+from export_helpers import FAMILIES, save_thinker  # noqa: E402
+
+import export.routing as routing  # noqa: E402
+from export.decoder_graph import DecoderGraph  # noqa: E402
+from export.exporter import export_model  # noqa: E402
+from thinker_common.errors import ThinkerError  # noqa: E402
+
+RESULTS = REPO / "bench" / "results" / "half_moe.json"
+MOE_FAMILIES = ("qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "qwen4_exp")
+
+
+@contextlib.contextmanager
+def routing_on_its_own():
+    """The reference routes by its own router, as before export/routing.py."""
+    original = routing.RouteFollower.of
+    routing.RouteFollower.of = classmethod(lambda cls, model, decoder: cls(model, {}))
+    try:
+        yield
+    finally:
+        routing.RouteFollower.of = original
+
+
+@contextlib.contextmanager
+def reversed_router(family: str):
+    """The first MoE layer's router weight with its experts' rows in reverse order."""
+    config = dict(FAMILIES[family])
+    sparse = [i for i in range(config.get("num_hidden_layers", 3)) if i not in config.get("mlp_only_layers", [])]
+    step = config.get("decoder_sparse_step", 1)
+    layer = next(i for i in sparse if (i + 1) % step == 0)
+    weight = DecoderGraph.weight
+
+    def reversed_rows(self, name: str, transpose: bool = False) -> str:
+        if name != f"model.layers.{layer}.mlp.gate.weight":
+            return weight(self, name, transpose)
+        tensor = self.weights.get(name).flip(0)
+        return self.b.weight(name, tensor.transpose(-1, -2) if transpose else tensor)
+
+    DecoderGraph.weight = reversed_rows
+    try:
+        yield
+    finally:
+        DecoderGraph.weight = weight
+
+
+def comparisons(report: dict, prefix: str = "") -> dict[str, dict]:
+    """Every comparison of a verify report (figures holding a logit scale), by its path in the report."""
+    found = {}
+    for key, value in report.items():
+        if isinstance(value, dict):
+            if "max_abs_diff" in value and "logit_scale" in value:
+                found[prefix + key] = value
+            found |= comparisons(value, prefix + key + ".")
+    return found
+
+
+def run(folder: Path, output: Path, graph: str) -> dict:
+    """One float16 export with its verify: passed, the failure, and the figures over its judged comparisons."""
+    try:
+        report = export_model(folder, output, dtype="float16", graph=graph, progress=False, force=True)["verify"]
+        failure = None
+    except ThinkerError as err:
+        report, failure = getattr(err, "report", None) or {}, str(err)
+    found = comparisons({"batch": report}) if report else {}
+    judged = {key: f for key, f in found.items() if f.get("judged", True) and "tolerance" in f}
+    worst = max(
+        judged.items(),
+        key=lambda kv: kv[1].get("max_abs_diff_beyond_spread", kv[1]["max_abs_diff"]) / kv[1]["tolerance"],
+        default=None,
+    )
+    row = {"passed": failure is None, "failure": failure}
+    if worst:
+        key, f = worst
+        row |= {
+            "worst_pass": key,
+            "worst_beyond_spread": f.get("max_abs_diff_beyond_spread", f["max_abs_diff"]),
+            "its_tolerance": f["tolerance"],
+        }
+    row["routes_followed"] = sum(f.get("routes_followed", 0) for f in found.values())
+    row["router_max_abs_diff"] = max((f.get("router_max_abs_diff", 0.0) for f in found.values()), default=0.0)
+    return row
+
+
+def verdict(row: dict | None) -> str:
+    return "" if row is None else ("pass" if row["passed"] else "FAIL")
+
+
+def print_table(rows: list[dict]) -> None:
+    columns = ("family", "seed", "graph", "followed", "own routing", "routes", "router dp", "router bug")
+    print("\n" + " ".join(f"{column:>12}" for column in columns))
+    for row in rows:
+        followed = row["followed"]
+        cells = (row["family"], row["seed"], row["graph"], verdict(followed), verdict(row["own_routing"]))
+        cells += (followed["routes_followed"], f"{followed['router_max_abs_diff']:.3f}", verdict(row.get("router_bug")))
+        print(" ".join(f"{cell:>12}" for cell in cells))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--families", default=",".join(MOE_FAMILIES))
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="half-moe-") as tmp:
+        root = Path(tmp)
+        for family in args.families.split(","):
+            for seed in range(args.seeds):
+                folder = save_thinker(root / f"{family}-{seed}", family, seed=seed)
+                for graph in ("plain", "fused"):
+                    out = root / f"{family}-{seed}-{graph}"
+                    row = {"family": family, "seed": seed, "graph": graph, "followed": run(folder, out, graph)}
+                    with routing_on_its_own():
+                        row["own_routing"] = run(folder, out, graph)
+                    if seed == 0:
+                        with reversed_router(family):
+                            row["router_bug"] = run(folder, out, graph)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    print_table(rows)
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""A half-precision MoE graph's routing, followed by the reference it is checked against where rounding explains it.
+
+An MoE layer picks each token's top-k experts: a discrete choice. Where two experts' router logits lie within a few
+parts in a thousand, a half-precision graph's rounding of the hidden state can pick the other one, and the logits of
+that token and of every later one (through the attention cache and a linear-attention layer's state) then part by
+far more than any half-precision tolerance, although the graph is sound. Measured on the tests' tiny Qwen3.5-MoE and
+Qwen3-Next (top 2 of 4 experts): float16 exports of both graphs failed ``--verify`` on the long prompts and the
+continuation pass (1.8 to 5.3 against tolerances near 0.4), each time after a token whose float32 router put its
+second and third experts 1.5e-4 apart in probability. PyTorch's own half-precision run (the spread of
+export/half_spread.py) need not flip the same tokens, so it cannot excuse them.
+
+So for a half-precision graph with MoE layers the check reads what the graph routes by (its routers' logits where
+an MoE op takes them, their Softmax where the graph's own TopK picks: ``router_probes``), returned beside the
+logits (``OnnxDecoder(probes=...)``: the same nodes, with more outputs), and runs the reference after the graph, step
+by step: at each layer and kept token where the graph's top-k experts are not the reference's, the reference takes
+the graph's experts, weighted by its own probabilities. The comparison is then between the same discrete paths, and
+what remains is rounding. It cannot hide a router bug: the graph's router probabilities are held within
+``ROUTER_TOLERANCE`` of the reference's (``router_max_abs_diff``), so a wrong router weight, input or layer fails
+there, and a choice is followed only where the two routers, that close, part on it; the graph's routing weights are
+not taken, so a bug in them, or a choice made wrong by a bug elsewhere, leaves its logits to fail as before. The
+count of followed choices is reported (``routes_followed``; ``thinker export`` says it on its verify line).
+
+A float32 graph is not followed: its routers lie within 1e-6 of the reference's, and its check is exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from torch.nn import functional as F
+
+from thinker.modeling_thinker import ThinkerTopKRouter
+
+from .runtime import OnnxDecoder
+
+_ROUTER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.weight")
+# How far a graph's router probabilities may lie from the reference's, at any expert of any token. A sound half-
+# precision graph's lie within 0.059 on the tests' tiny hybrid MoE models (float16, whose hidden states carry a few
+# per cent of rounding); a router reading its experts backwards lies 0.62 (tiny Qwen3-MoE) and 0.985 (Qwen3-Next)
+# away. Not the logits' relative tolerance: a router's probabilities are not the model's output, and the bound is
+# what a followed choice rests on (the module docstring).
+ROUTER_TOLERANCE = 0.2
+
+
+def router_probes(model: onnx.ModelProto) -> dict[int, tuple[str, int, bool]]:
+    """Layer index -> (name, element type, whether they are probabilities) of the values each MoE layer of
+    ``model``'s top-level graph picks its experts by: the router MatMul's output (over
+    ``model.layers.{i}.mlp.gate.weight``) where an MoE op takes it (the fused graph), the Softmax over it where the
+    graph's own TopK picks (the plain graph). Not the plain graph's MatMul output: onnxruntime's CPU provider computes
+    a float16 MatMul in float32 and drops the cast back to float16 when the Softmax's Cast to float32 follows, a
+    rounding a graph output would put back, so it is not what the TopK saw."""
+    types = {tensor.name: tensor.data_type for tensor in model.graph.initializer}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    probes = {}
+    for node in model.graph.node:
+        found = _ROUTER_WEIGHT.fullmatch(node.input[1]) if node.op_type == "MatMul" and len(node.input) > 1 else None
+        if not found or node.input[1] not in types:
+            continue
+        value, kind, probabilities = node.output[0], types[node.input[1]], False
+        while len(readers.get(value, ())) == 1 and readers[value][0].op_type in ("Cast", "Softmax"):
+            reader = readers[value][0]
+            value, probabilities = reader.output[0], probabilities or reader.op_type == "Softmax"
+            kind = onnx.TensorProto.FLOAT if reader.op_type == "Cast" else kind
+        probes[int(found.group(1))] = (value, kind, probabilities)
+    return probes
+
+
+def checked_probes(onnx_path: Path, dtype: torch.dtype) -> dict[str, int]:
+    """The outputs (name -> element type) a check of the ``dtype`` graph at ``onnx_path`` reads beside its logits
+    (``OnnxDecoder(probes=...)``): a half-precision graph's router logits, whose routing the reference follows
+    (module docstring); none for a float32 graph or one without MoE layers."""
+    if dtype == torch.float32:
+        return {}
+    probes = router_probes(onnx.load(str(onnx_path), load_external_data=False)).values()
+    return {name: kind for name, kind, _ in probes}
+
+
+class RouteFollower:
+    """Makes the reference route as the graph did (module docstring) in the reference runs it wraps, and keeps the
+    figures: how many choices were followed, and how far the graph's router logits lie from the reference's.
+
+    ``probes``: layer -> the graph output holding its router logits (``graph_router_probes``); none makes this a
+    no-op, for a float32 graph or a model without MoE layers."""
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, decoder: OnnxDecoder) -> RouteFollower:
+        """The follower of ``decoder``'s router probes (``checked_probes``), a no-op where it has none."""
+        if not decoder.probe_names:
+            return cls(model, {})
+        graph = onnx.load(str(decoder.model_path), load_external_data=False)
+        probed = set(decoder.probe_names)
+        probes = router_probes(graph).items()
+        return cls(model, {layer: (name, probs) for layer, (name, _, probs) in probes if name in probed})
+
+    def __init__(self, model: torch.nn.Module, probes: dict[int, tuple[str, bool]]) -> None:
+        self.probes = probes
+        self.layer_of = {}
+        for name, module in model.named_modules():
+            if isinstance(module, ThinkerTopKRouter):
+                self.layer_of[module] = int(re.search(r"layers\.(\d+)\.", name).group(1))
+        self.followed = 0
+        self.router_max_abs_diff = 0.0  # of the routers' probabilities, the graph's from the reference's
+
+    @contextlib.contextmanager
+    def reference(self, probed: dict[str, np.ndarray], graph_mask: np.ndarray, reference_mask: np.ndarray) -> Iterator:
+        """Within it, each MoE layer of the reference routes the kept tokens of ``reference_mask`` (B, T: this run's
+        new tokens) as the graph's run just before did (``probed``, the values it routed by, over the kept tokens of
+        ``graph_mask``: the same tokens in the same order, however each side pads its rows)."""
+        if not self.probes:
+            yield
+            return
+        graph_rows = graph_mask.reshape(-1).astype(bool)
+        kept = torch.from_numpy(reference_mask.reshape(-1).astype(bool))
+        routed_by = {}
+        for layer, (name, probabilities) in self.probes.items():
+            values = probed[name].reshape(-1, probed[name].shape[-1])[graph_rows].astype(np.float32)
+            routed_by[layer] = (torch.from_numpy(values), probabilities)
+        original = ThinkerTopKRouter.forward
+        follower = self
+
+        def forward(router: ThinkerTopKRouter, hidden_states: torch.Tensor):
+            layer = follower.layer_of.get(router)
+            if layer not in routed_by:  # a layer the graph does not probe
+                return original(router, hidden_states)
+            return follower.routed(router, hidden_states, *routed_by[layer], kept)
+
+        ThinkerTopKRouter.forward = forward
+        try:
+            yield
+        finally:
+            ThinkerTopKRouter.forward = original
+
+    def routed(
+        self,
+        router: ThinkerTopKRouter,
+        hidden_states: torch.Tensor,
+        graph_values: torch.Tensor,
+        probabilities: bool,
+        kept: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """ThinkerTopKRouter's forward, its kept tokens' experts those the graph picked by ``graph_values`` (kept
+        tokens, E: its router's probabilities, or its logits)."""
+        logits = F.linear(hidden_states, router.weight)  # (N, E)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float)
+        top_values, top_index = torch.topk(probs, router.top_k, dim=-1)
+        if kept.any():  # a step whose tokens are all pads routes nothing the graph's probe holds
+            graph_probs = graph_values if probabilities else F.softmax(graph_values, dim=-1)
+            self.router_max_abs_diff = max(self.router_max_abs_diff, float((graph_probs - probs[kept]).abs().max()))
+        # the graph's top k, equal values to the lower index, as ONNX's TopK breaks ties (softmax is monotonic: the
+        # logits order the probabilities as they do)
+        graph_index = torch.from_numpy(np.argsort(-graph_values.numpy(), axis=-1, kind="stable")[:, : router.top_k])
+        differs = (graph_index.sort(-1).values != top_index[kept].sort(-1).values).any(-1)
+        if differs.any():
+            self.followed += int(differs.sum())
+            rows = kept.nonzero()[:, 0][differs]
+            picked = graph_index[differs]
+            values = probs[rows].gather(-1, picked)
+            order = values.argsort(-1, descending=True)  # in the reference's own order of its probabilities
+            top_index[rows], top_values[rows] = picked.gather(-1, order), values.gather(-1, order)
+        if router.norm_topk_prob:
+            top_values = top_values / top_values.sum(dim=-1, keepdim=True)
+        return logits, top_values.to(logits.dtype), top_index
+
+    def figures(self) -> dict:
+        """The routing figures a comparison reports (none for a no-op follower)."""
+        if not self.probes:
+            return {}
+        return {"routes_followed": self.followed, "router_max_abs_diff": self.router_max_abs_diff}

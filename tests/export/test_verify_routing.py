@@ -1,0 +1,86 @@
+"""A half-precision MoE graph's routing, followed by the reference where the graph's own routers explain it
+(export/routing.py).
+
+The tests' tiny Qwen3-Next (top 2 of 4 experts, seed 0) routes a token of the long prompts on a near tie that its
+float16 graphs take the other way: before the reference followed the graph's routing, ``--verify`` refused both sound
+exports (1.84 against a tolerance of 0.42). Following it must not hide a router bug: the routers' values are held
+to the dtype's tolerance, so experts numbered backwards in one layer's router fail the check. A float32 graph's check
+is left as it was (no probes, nothing followed).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from click.testing import CliRunner
+
+from export.decoder_graph import DecoderGraph
+from export.routing import checked_probes, router_probes
+from export.runtime import OnnxDecoder
+from thinker_common.cli import main
+from thinker_common.parity_inputs import long_batch
+
+GRAPHS = ("plain", "fused")
+
+
+def reversed_router(monkeypatch, layer: int = 0) -> None:
+    """One MoE layer's router weight with its experts' rows in reverse order: every token routed to other experts."""
+    weight = DecoderGraph.weight
+
+    def reversed_rows(self, name: str, transpose: bool = False) -> str:
+        if name != f"model.layers.{layer}.mlp.gate.weight":
+            return weight(self, name, transpose)
+        tensor = self.weights.get(name).flip(0)
+        return self.b.weight(name, tensor.transpose(-1, -2) if transpose else tensor)
+
+    monkeypatch.setattr(DecoderGraph, "weight", reversed_rows)
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_a_float16_moe_export_routed_on_a_near_tie_verifies(graph, thinker_variant, tmp_path):
+    output = tmp_path / "onnx"
+    args = ["export", str(thinker_variant("qwen3_next")), str(output), "--dtype", "float16", "--graph", graph]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "token(s) as the graph did at near ties" in result.stdout, result.stdout
+    report = json.loads((output / "export_report.json").read_text())["verify"]
+    long = report["long_prompts"]
+    assert long["routes_followed"] >= 1 and long["router_max_abs_diff"] <= long["router_tolerance"], long
+    assert long["max_abs_diff_beyond_spread"] <= long["tolerance"], long
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_a_router_bug_fails_although_the_reference_follows_the_routing(graph, thinker_variant, tmp_path, monkeypatch):
+    reversed_router(monkeypatch)
+    output = tmp_path / "onnx"
+    args = ["export", str(thinker_variant("qwen3_next")), str(output), "--dtype", "float16", "--graph", graph]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1, result.output
+    assert "the graph's MoE routers' probabilities lie" in result.stderr and "the export was not written" in result.stderr
+    assert not output.exists()
+
+
+def test_probes_read_what_the_graph_routes_by_and_change_no_logit(onnx_variant):
+    """The plain graph's probe is the Softmax its TopK picks from (not the router MatMul's float16 output: the CPU
+    provider drops that rounding inside the graph), the fused graph's the logits its MoE op takes; a float32 check
+    reads none. The logits with probes are the logits without, bit for bit."""
+    plain, fused = (onnx_variant("qwen3_next", dtype="float16", graph=graph, head_dim=None) for graph in GRAPHS)
+    kinds = {}
+    for graph, folder in (("plain", plain), ("fused", fused)):
+        probes = router_probes(onnx.load(folder / "model.onnx", load_external_data=False))
+        kinds[graph] = {layer: probabilities for layer, (_, _, probabilities) in probes.items()}
+    assert kinds == {"plain": dict.fromkeys((0, 1, 3), True), "fused": dict.fromkeys((0, 1, 3), False)}
+    assert checked_probes(plain / "model.onnx", torch.float32) == {}
+    ids, mask = long_batch(96, 128)
+    for folder in (plain, fused):
+        probes = checked_probes(folder / "model.onnx", torch.float16)
+        bare, probed = OnnxDecoder(folder), OnnxDecoder(folder, probes=probes)
+        logits, state = probed.prefill(ids, mask)
+        np.testing.assert_array_equal(logits, bare.prefill(ids, mask)[0])
+        assert set(probed.probed) == set(probes) and all(v.shape[-1] == 4 for v in probed.probed.values())
+        step = probed.decode_one_token(logits[:, -1].argmax(-1), state)
+        assert step.shape == (2, 96) and all(v.reshape(-1, 4).shape[0] == 2 for v in probed.probed.values())
