@@ -54,7 +54,7 @@ def compare_continuation(
             "attention_mask": torch.ones(1, start + ids.shape[1], dtype=torch.long),
             "position_ids": torch.arange(start, start + ids.shape[1])[None],
         }
-        with follower.reference(decoder.probed, np.ones_like(ids), np.ones_like(ids)):
+        with follower.reference(decoder.probed):
             out = model(**inputs, use_cache=True, **({CACHE_ARG: past} if past is not None else {}))
         spread = shadow.spread(out.logits, **inputs) if shadow is not None else None
         return out.logits.float(), getattr(out, CACHE_ARG), spread

@@ -107,7 +107,7 @@ def compare_deep(
     follower = RouteFollower.of(model, decoder)  # the graph runs first: export/routing.py
     with torch.no_grad():
         _, state = decoder.prefill(ids, mask, new_tokens=DEEP_DECODE_STEPS)
-        with follower.reference(decoder.probed, mask, mask):
+        with follower.reference(decoder.probed):
             out = model(**inputs, use_cache=True)
         if shadow is not None:
             shadow.spread(out.logits, **inputs)
@@ -131,7 +131,7 @@ def compare_deep(
                 "position_ids": torch.tensor([[position]]),
             }
             candidate = decoder.decode_one_token(token, state)
-            with follower.reference(decoder.probed, np.ones((1, 1)), np.ones((1, 1))):
+            with follower.reference(decoder.probed):
                 out = model(**step, use_cache=True, **{CACHE_ARG: past})
             reference = out.logits[:, -1].float().numpy()
             spread = shadow.spread(out.logits[:, -1:], **step)[:, -1] if shadow is not None else None

@@ -111,19 +111,28 @@ class RouteFollower:
         self.router_max_abs_diff = 0.0  # of the routers' probabilities, the graph's from the reference's
 
     @contextlib.contextmanager
-    def reference(self, probed: dict[str, np.ndarray], graph_mask: np.ndarray, reference_mask: np.ndarray) -> Iterator:
+    def reference(
+        self,
+        probed: dict[str, np.ndarray],
+        graph_mask: np.ndarray | None = None,
+        reference_mask: np.ndarray | None = None,
+    ) -> Iterator:
         """Within it, each MoE layer of the reference routes the kept tokens of ``reference_mask`` (B, T: this run's
         new tokens) as the graph's run just before did (``probed``, the values it routed by, over the kept tokens of
-        ``graph_mask``: the same tokens in the same order, however each side pads its rows)."""
+        ``graph_mask``: the same tokens in the same order, however each side pads its rows). Without masks every new
+        token is kept, on both sides alike (a decode step, a batch of one)."""
         if not self.probes:
             yield
             return
-        graph_rows = graph_mask.reshape(-1).astype(bool)
-        kept = torch.from_numpy(reference_mask.reshape(-1).astype(bool))
         routed_by = {}
         for layer, (name, probabilities) in self.probes.items():
-            values = probed[name].reshape(-1, probed[name].shape[-1])[graph_rows].astype(np.float32)
+            values = probed[name].reshape(-1, probed[name].shape[-1]).astype(np.float32)
+            if graph_mask is not None:
+                values = values[graph_mask.reshape(-1).astype(bool)]
             routed_by[layer] = (torch.from_numpy(values), probabilities)
+        kept = torch.ones(len(values), dtype=torch.bool)
+        if reference_mask is not None:
+            kept = torch.from_numpy(reference_mask.reshape(-1).astype(bool))
         original = ThinkerTopKRouter.forward
         follower = self
 

@@ -307,7 +307,7 @@ def _compare_decoders(
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         step = {"input_ids": torch.from_numpy(token[:, None]), "attention_mask": mask, "position_ids": next_position}
         candidate = decoder.decode_one_token(token, state)
-        with follower.reference(decoder.probed, *[np.ones_like(token[:, None])] * 2):
+        with follower.reference(decoder.probed):
             out = model(**step, use_cache=True, **{CACHE_ARG: past})
         reference = out.logits[:, -1].float().numpy()
         spread = shadow.spread(out.logits[:, -1:], **step)[:, -1] if shadow else None

@@ -60,7 +60,8 @@ def test_a_router_bug_fails_although_the_reference_follows_the_routing(graph, th
     args = ["export", str(thinker_variant("qwen3_next")), str(output), "--dtype", "float16", "--graph", graph]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 1, result.output
-    assert "the graph's MoE routers' probabilities lie" in result.stderr and "the export was not written" in result.stderr
+    assert "the graph's MoE routers' probabilities lie" in result.stderr, result.stderr
+    assert "the export was not written" in result.stderr
     assert not output.exists()
 
 
