@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import onnx
@@ -259,3 +260,24 @@ def window_of(keys: int):
                 node.attribute.append(onnx.helper.make_attribute("local_window_size", keys))
 
     return plant
+
+
+@contextmanager
+def reversed_router(layer: int) -> Iterator[None]:
+    """A plant for an export: MoE layer ``layer``'s router weight with its experts' rows in reverse order, so that
+    every token is routed to other experts (by both graphs, which read the weight through ``DecoderGraph.weight``)."""
+    from export.decoder_graph import DecoderGraph
+
+    weight = DecoderGraph.weight
+
+    def reversed_rows(self, name: str, transpose: bool = False) -> str:
+        if name != f"model.layers.{layer}.mlp.gate.weight":
+            return weight(self, name, transpose)
+        tensor = self.weights.get(name).flip(0)
+        return self.b.weight(name, tensor.transpose(-1, -2) if transpose else tensor)
+
+    DecoderGraph.weight = reversed_rows
+    try:
+        yield
+    finally:
+        DecoderGraph.weight = weight

@@ -17,27 +17,14 @@ import onnx
 import pytest
 import torch
 from click.testing import CliRunner
+from export_helpers import reversed_router
 
-from export.decoder_graph import DecoderGraph
 from export.routing import checked_probes, router_probes
 from export.runtime import OnnxDecoder
 from thinker_common.cli import main
 from thinker_common.parity_inputs import long_batch
 
 GRAPHS = ("plain", "fused")
-
-
-def reversed_router(monkeypatch, layer: int = 0) -> None:
-    """One MoE layer's router weight with its experts' rows in reverse order: every token routed to other experts."""
-    weight = DecoderGraph.weight
-
-    def reversed_rows(self, name: str, transpose: bool = False) -> str:
-        if name != f"model.layers.{layer}.mlp.gate.weight":
-            return weight(self, name, transpose)
-        tensor = self.weights.get(name).flip(0)
-        return self.b.weight(name, tensor.transpose(-1, -2) if transpose else tensor)
-
-    monkeypatch.setattr(DecoderGraph, "weight", reversed_rows)
 
 
 @pytest.mark.parametrize("graph", GRAPHS)
@@ -54,11 +41,11 @@ def test_a_float16_moe_export_routed_on_a_near_tie_verifies(graph, thinker_varia
 
 
 @pytest.mark.parametrize("graph", GRAPHS)
-def test_a_router_bug_fails_although_the_reference_follows_the_routing(graph, thinker_variant, tmp_path, monkeypatch):
-    reversed_router(monkeypatch)
+def test_a_router_bug_fails_although_the_reference_follows_the_routing(graph, thinker_variant, tmp_path):
     output = tmp_path / "onnx"
     args = ["export", str(thinker_variant("qwen3_next")), str(output), "--dtype", "float16", "--graph", graph]
-    result = CliRunner().invoke(main, args)
+    with reversed_router(layer=0):
+        result = CliRunner().invoke(main, args)
     assert result.exit_code == 1, result.output
     assert "the graph's MoE routers' probabilities lie" in result.stderr, result.stderr
     assert "the export was not written" in result.stderr
