@@ -204,7 +204,9 @@ def verify(
         raise ThinkerError(f"{converted}: a Thinker folder without its weights (no *.safetensors); convert it again")
     tensor_source = open_source(root)
     try:
-        config = refuse_another_config(tensor_source, converted)
+        hub = not Path(str(source)).expanduser().exists()  # a Hub repo id: the revision is part of what it names
+        named = f"{source}@{revision or 'main'}" if hub else str(source)
+        config = refuse_another_config(tensor_source, converted, named)
         copies_tokenizer = isinstance(tensor_source, FolderSource)  # a GGUF's is written from its metadata
     finally:
         tensor_source.close()
@@ -287,9 +289,10 @@ def refuse_other_tokenizer(root: Path, converted: Path) -> None:
             )
 
 
-def refuse_another_config(tensor_source: TensorSource, converted: Path) -> ThinkerConfig:
-    """CONVERTED's config.json, which must be the Thinker config its source translates to: a field the fixed parity
-    prompts cannot reach (max_position_embeddings, RoPE scaling past their length) is still the model's."""
+def refuse_another_config(tensor_source: TensorSource, converted: Path, source: str = "its source") -> ThinkerConfig:
+    """CONVERTED's config.json, which must be the Thinker config its ``source`` (named so in the error; a Hub repo
+    with its revision, which may be the one that differs) translates to: a field the fixed parity prompts cannot
+    reach (max_position_embeddings, RoPE scaling past their length) is still the model's."""
     expected = plan_conversion(tensor_source, tensor_source.config()).config
     try:
         actual = ThinkerConfig.from_pretrained(converted)
@@ -298,8 +301,9 @@ def refuse_another_config(tensor_source: TensorSource, converted: Path) -> Think
     differ = config_differences(expected, actual)
     if differ:
         raise ThinkerError(
-            f"{converted / 'config.json'} is not the config its source translates to: {', '.join(differ[:6])}"
-            f"{' ...' if len(differ) > 6 else ''} (the source's value first); convert the source again"
+            f"{converted / 'config.json'} is not the config {source} translates to: {', '.join(differ[:6])}"
+            f"{' ...' if len(differ) > 6 else ''} (the source's value first); convert the source again, or check "
+            "that SOURCE (and --revision) name the checkpoint it was converted from"
         )
     return actual
 

@@ -510,7 +510,8 @@ def test_verify_refuses_what_is_not_a_conversion(qwen3_source, qwen3_thinker, so
     edit_config(edited, max_position_embeddings=100000)  # beyond the fixed prompts' reach, still another model
     assert_error(
         thinker("verify", qwen3_source, edited),
-        "config.json is not the config its source translates to: max_position_embeddings (64 -> 100000)",
+        f"config.json is not the config {qwen3_source} translates to: max_position_embeddings (64 -> 100000)",
+        "check that SOURCE (and --revision) name the checkpoint it was converted from",
     )
     swapped = thinker("verify", qwen3_thinker, qwen3_source)
     assert_error(swapped, f"{qwen3_thinker}: SOURCE is a Thinker folder", "order is `thinker verify SOURCE CONVERTED`")
@@ -525,6 +526,17 @@ def test_a_hub_id_while_offline_and_not_cached(fake_hub, monkeypatch, tmp_path):
     assert_error(result, "tiny-org/tiny-qwen3@main is not in the cache", "HF_HUB_OFFLINE=1; run once online")
     assert_nothing_written(tmp_path / "out")
     assert not fake_hub.requests
+
+
+def test_verify_against_another_revision_names_it(fake_hub, qwen3_thinker, source_copy):
+    """A Thinker folder checked against a Hub repo at another revision than it was converted from: the message
+    names the repo at that revision, which is what differs."""
+    fake_hub.add_repo("tiny-org/tiny-qwen3", source_copy("main"))
+    longer = source_copy("v2")
+    edit_config(longer, max_position_embeddings=128)
+    fake_hub.add_repo("tiny-org/tiny-qwen3", longer, revision="v2")
+    result = thinker("verify", "tiny-org/tiny-qwen3", qwen3_thinker, "--revision", "v2")
+    assert_error(result, "is not the config tiny-org/tiny-qwen3@v2 translates to: max_position_embeddings (128 -> 64)")
 
 
 def test_a_hub_id_that_does_not_exist(fake_hub, tmp_path):
