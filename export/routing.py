@@ -77,8 +77,8 @@ def router_probes(model: onnx.ModelProto) -> dict[int, tuple[str, int, bool]]:
 
 def checked_probes(onnx_path: Path, dtype: torch.dtype) -> dict[str, int]:
     """The outputs (name -> element type) a check of the ``dtype`` graph at ``onnx_path`` reads beside its logits
-    (``OnnxDecoder(probes=...)``): a half-precision graph's router logits, whose routing the reference follows
-    (module docstring); none for a float32 graph or one without MoE layers."""
+    (``OnnxDecoder(probes=...)``): what a half-precision graph's MoE layers route by (``router_probes``), whose
+    choices the reference follows (module docstring); none for a float32 graph or one without MoE layers."""
     if dtype == torch.float32:
         return {}
     probes = router_probes(onnx.load(str(onnx_path), load_external_data=False)).values()
@@ -87,10 +87,10 @@ def checked_probes(onnx_path: Path, dtype: torch.dtype) -> dict[str, int]:
 
 class RouteFollower:
     """Makes the reference route as the graph did (module docstring) in the reference runs it wraps, and keeps the
-    figures: how many choices were followed, and how far the graph's router logits lie from the reference's.
+    figures: how many choices were followed, and how far the graph's router probabilities lie from the reference's.
 
-    ``probes``: layer -> the graph output holding its router logits (``graph_router_probes``); none makes this a
-    no-op, for a float32 graph or a model without MoE layers."""
+    ``probes``: layer -> (the graph output it routes by, whether those are probabilities) (``router_probes``); none
+    makes this a no-op, for a float32 graph or a model without MoE layers."""
 
     @classmethod
     def of(cls, model: torch.nn.Module, decoder: OnnxDecoder) -> RouteFollower:
@@ -125,13 +125,13 @@ class RouteFollower:
         if not self.probes:
             yield
             return
-        routed_by = {}
+        routed_by, tokens = {}, 0
         for layer, (name, probabilities) in self.probes.items():
             values = probed[name].reshape(-1, probed[name].shape[-1]).astype(np.float32)
             if graph_mask is not None:
                 values = values[graph_mask.reshape(-1).astype(bool)]
-            routed_by[layer] = (torch.from_numpy(values), probabilities)
-        kept = torch.ones(len(values), dtype=torch.bool)
+            routed_by[layer], tokens = (torch.from_numpy(values), probabilities), len(values)
+        kept = torch.ones(tokens, dtype=torch.bool)
         if reference_mask is not None:
             kept = torch.from_numpy(reference_mask.reshape(-1).astype(bool))
         original = ThinkerTopKRouter.forward

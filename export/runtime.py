@@ -309,6 +309,9 @@ class OnnxDecoder:
     wherever it applies (on CUDA, float16 and float32 caches); True: the same, and a bfloat16 cache on CUDA is an
     error rather than the copying form; False: the copying form everywhere, the reference the tests hold the
     shared one to.
+    ``probes``: intermediate values of the graph (name -> ONNX element type) returned beside the logits, in
+    ``probed`` after each forward; the session runs the same nodes with those as outputs too (a check's window into
+    the graph: export/routing.py).
     """
 
     def __init__(
@@ -351,7 +354,7 @@ class OnnxDecoder:
         if all_positions and self.last_logits_only:
             variant, self.last_logits_only = all_positions_model(model), False
         # intermediate values returned beside the logits after each forward, in ``probed`` (a check's window into
-        # the graph: export/routing.py reads a half-precision MoE graph's router logits so)
+        # the graph: export/routing.py reads what a half-precision MoE graph routes by so)
         self.probe_names = sorted(probes or {})
         self.probed: dict[str, np.ndarray] = {}
         if self.probe_names:
