@@ -7,6 +7,10 @@ routing on its own (as before that module), and once with a router bug planted (
 backwards), which must fail. Records whether each passed, the worst pass (max |Δlogit| beyond the half-precision
 spread, against its tolerance), the choices followed and the router probabilities' largest difference.
 
+Then the check's resolution: a router bug small enough to pass as rounding, expert 0's router row scaled by 1.01
+and by 1.02 in every MoE layer of the tiny Qwen3-Next (seed 0), exported float16 (routing followed, and on its own)
+and float32, whose check is exact.
+
     python bench/bench_half_moe.py                 # five families, seeds 0-2, plain and fused
     python bench/bench_half_moe.py --seeds 1 --families qwen3_next
     python bench/bench_half_moe.py --report        # README's table, from bench/results/half_moe.json
@@ -30,11 +34,13 @@ sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "tests" / "export")] 
 from export_helpers import FAMILIES, reversed_router, save_thinker  # noqa: E402
 
 import export.routing as routing  # noqa: E402
+from export.decoder_graph import DecoderGraph  # noqa: E402
 from export.exporter import export_model  # noqa: E402
 from thinker_common.errors import ThinkerError  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "half_moe.json"
 MOE_FAMILIES = ("qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "qwen4_exp")
+RESOLUTION_FACTORS = (1.01, 1.02)
 
 
 @contextlib.contextmanager
@@ -55,6 +61,25 @@ def first_moe_layer(family: str) -> int:
     return next(i for i in range(config["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
 
 
+@contextlib.contextmanager
+def scaled_router_row(factor: float):
+    """Every MoE router's row of expert 0 times ``factor``: a router bug as small as rounding, ``factor`` near 1."""
+    weight = DecoderGraph.weight
+
+    def scaled(self, name: str, transpose: bool = False) -> str:
+        if not (name.startswith("model.layers.") and name.endswith(".mlp.gate.weight")):
+            return weight(self, name, transpose)
+        tensor = self.weights.get(name).clone()
+        tensor[0] *= factor
+        return self.b.weight(name, tensor.transpose(-1, -2) if transpose else tensor)
+
+    DecoderGraph.weight = scaled
+    try:
+        yield
+    finally:
+        DecoderGraph.weight = weight
+
+
 def comparisons(report: dict, prefix: str = "") -> dict[str, dict]:
     """Every comparison of a verify report (figures holding a logit scale), by its path in the report."""
     found = {}
@@ -66,10 +91,10 @@ def comparisons(report: dict, prefix: str = "") -> dict[str, dict]:
     return found
 
 
-def run(folder: Path, output: Path, graph: str) -> dict:
-    """One float16 export with its verify: passed, the failure, and the figures over its judged comparisons."""
+def run(folder: Path, output: Path, graph: str, dtype: str = "float16") -> dict:
+    """One export with its verify: passed, the failure, and the figures over its judged comparisons."""
     try:
-        report = export_model(folder, output, dtype="float16", graph=graph, progress=False, force=True)["verify"]
+        report = export_model(folder, output, dtype=dtype, graph=graph, progress=False, force=True)["verify"]
         failure = None
     except ThinkerError as err:
         report, failure = getattr(err, "report", None) or {}, str(err)
@@ -142,6 +167,31 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def resolution_markdown(rows: list[dict]) -> str:
+    """README's second table: the router row bugs, each export's verdict and its first failure's figure."""
+    lines = [
+        "| expert 0's router row | graph | float16, routing followed | float16, own routing | float32 |",
+        "|---|---|---|---|---|",
+    ]
+    for row in rows:
+        cells = [said(row[key]) for key in ("float16", "float16_own_routing", "float32")]
+        lines.append(f"| × {row['factor']} | {row['graph']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def said(run: dict) -> str:
+    """``passes``, or ``fails`` with the first figure its message gives against its tolerance."""
+    if run["passed"]:
+        return "passes"
+    found = re.search(
+        r"(max \|Δlogit\| [0-9.e-]+|probabilities lie [0-9.e-]+).*?> tolerance ([0-9.e-]+)", run["failure"]
+    )
+    if not found:
+        return "fails"
+    figure = found.group(1).replace("probabilities lie ", "router Δp ").replace("|", "\\|")  # a table cell's pipes
+    return f"fails ({figure} > {found.group(2)})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=3)
@@ -149,7 +199,8 @@ def main() -> None:
     parser.add_argument("--report", action="store_true", help="print README's table from the last run's file")
     args = parser.parse_args()
     if args.report:
-        print(markdown(json.loads(RESULTS.read_text())["rows"]))
+        results = json.loads(RESULTS.read_text())
+        print(markdown(results["rows"]) + "\n\n" + resolution_markdown(results["resolution"]))
         return
     rows = []
     with tempfile.TemporaryDirectory(prefix="half-moe-") as tmp:
@@ -167,10 +218,22 @@ def main() -> None:
                             row["router_bug"] = run(folder, out, graph)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
+        resolution = []
+        folder = save_thinker(root / "resolution", "qwen3_next", seed=0)
+        for factor in RESOLUTION_FACTORS:
+            for graph in ("plain", "fused"):
+                out, row = root / f"resolution-{graph}", {"factor": factor, "graph": graph}
+                with scaled_router_row(factor):
+                    row["float16"] = run(folder, out, graph)
+                    with routing_on_its_own():
+                        row["float16_own_routing"] = run(folder, out, graph)
+                    row["float32"] = run(folder, out, graph, dtype="float32")
+                resolution.append(row)
+                print(json.dumps(row), flush=True)
     print_table(rows)
-    print("\n" + markdown(rows))
+    print("\n" + markdown(rows) + "\n\n" + resolution_markdown(resolution))
     RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    RESULTS.write_text(json.dumps({"rows": rows, "resolution": resolution}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

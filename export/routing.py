@@ -14,11 +14,20 @@ an MoE op takes them, their Softmax where the graph's own TopK picks: ``router_p
 logits (``OnnxDecoder(probes=...)``: the same nodes, with more outputs), and runs the reference after the graph, step
 by step: at each layer and kept token where the graph's top-k experts are not the reference's, the reference takes
 the graph's experts, weighted by its own probabilities. The comparison is then between the same discrete paths, and
-what remains is rounding. It cannot hide a router bug: the graph's router probabilities are held within
-``ROUTER_TOLERANCE`` of the reference's (``router_max_abs_diff``), so a wrong router weight, input or layer fails
-there, and a choice is followed only where the two routers, that close, part on it; the graph's routing weights are
-not taken, so a bug in them, or a choice made wrong by a bug elsewhere, leaves its logits to fail as before. The
-count of followed choices is reported (``routes_followed``; ``thinker export`` says it on its verify line).
+what remains is rounding. The graph's router probabilities are held within ``ROUTER_TOLERANCE`` of the
+reference's (``router_max_abs_diff``), so a wrong router weight, input or layer fails there (0.62 to 0.985 for
+experts read backwards), and a choice is followed only where the two routers, that close, part on it; the graph's
+routing weights are not taken, so a bug in them, or a choice made wrong by a bug elsewhere, leaves its logits to fail
+as before (a QA run's plants: a temperature of 1.15, a bias of 0.04 on one expert's logit, renormalisation dropped,
+the MoE op's k off by one, another layer's router: each fails). The count of followed choices is reported
+(``routes_followed``; ``thinker export`` says it on its verify line).
+
+What a half-precision check cannot tell from rounding, it passes: a router bug within the dtype's own rounding of the
+routers. Expert 0's router row scaled by 1.01 (its logit moved by about 1 %) passes the tiny Qwen3-Next's plain
+float16 check with the routing followed; with the reference routing on its own it failed, but as the sound export
+fails too (bench/bench_half_moe.py). A QA run's bias of 0.025 on one expert's logit passed likewise. The float32
+export's check, exact, fails both (0.13 against a tolerance of 7.2e-4 for the first): the graph's nodes are the same
+in every dtype, so one float32 export proves them.
 
 A float32 graph is not followed: its routers lie within 1e-6 of the reference's, and its check is exact.
 """
