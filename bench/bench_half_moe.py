@@ -31,10 +31,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "tests" / "export")]  # the tests' model builders
 
-from export_helpers import FAMILIES, reversed_router, save_thinker  # noqa: E402
+from export_helpers import FAMILIES, reversed_router, router_weights_edited, save_thinker  # noqa: E402
 
 import export.routing as routing  # noqa: E402
-from export.decoder_graph import DecoderGraph  # noqa: E402
 from export.exporter import export_model  # noqa: E402
 from thinker_common.errors import ThinkerError  # noqa: E402
 
@@ -61,23 +60,14 @@ def first_moe_layer(family: str) -> int:
     return next(i for i in range(config["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
 
 
-@contextlib.contextmanager
 def scaled_router_row(factor: float):
     """Every MoE router's row of expert 0 times ``factor``: a router bug as small as rounding, ``factor`` near 1."""
-    weight = DecoderGraph.weight
 
-    def scaled(self, name: str, transpose: bool = False) -> str:
-        if not (name.startswith("model.layers.") and name.endswith(".mlp.gate.weight")):
-            return weight(self, name, transpose)
-        tensor = self.weights.get(name).clone()
-        tensor[0] *= factor
-        return self.b.weight(name, tensor.transpose(-1, -2) if transpose else tensor)
+    def scaled(layer: int, weight):
+        weight[0] *= factor
+        return weight
 
-    DecoderGraph.weight = scaled
-    try:
-        yield
-    finally:
-        DecoderGraph.weight = weight
+    return router_weights_edited(scaled)
 
 
 def comparisons(report: dict, prefix: str = "") -> dict[str, dict]:

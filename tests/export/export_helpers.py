@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import onnx
+import torch
 from seeded_weights import randomize_parameters
 
 # Three layers so that MoE configs mix sparse and dense layers; every size tiny, so that a test takes a second.
@@ -263,21 +265,28 @@ def window_of(keys: int):
 
 
 @contextmanager
-def reversed_router(layer: int) -> Iterator[None]:
-    """A plant for an export: MoE layer ``layer``'s router weight with its experts' rows in reverse order, so that
-    every token is routed to other experts (by both graphs, which read the weight through ``DecoderGraph.weight``)."""
+def router_weights_edited(edit: Callable[[int, torch.Tensor], torch.Tensor | None]) -> Iterator[None]:
+    """A plant for an export: each MoE layer's router weight (experts, hidden) written as ``edit(layer, weight)``
+    returns it (None: as it is), in both graphs, which read it through ``DecoderGraph.weight``."""
     from export.decoder_graph import DecoderGraph
 
     weight = DecoderGraph.weight
 
-    def reversed_rows(self, name: str, transpose: bool = False) -> str:
-        if name != f"model.layers.{layer}.mlp.gate.weight":
+    def edited(self, name: str, transpose: bool = False) -> str:
+        found = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.gate\.weight", name)
+        tensor = edit(int(found.group(1)), self.weights.get(name).clone()) if found else None
+        if tensor is None:
             return weight(self, name, transpose)
-        tensor = self.weights.get(name).flip(0)
         return self.b.weight(name, tensor.transpose(-1, -2) if transpose else tensor)
 
-    DecoderGraph.weight = reversed_rows
+    DecoderGraph.weight = edited
     try:
         yield
     finally:
         DecoderGraph.weight = weight
+
+
+def reversed_router(layer: int):
+    """A plant: MoE layer ``layer``'s router with its experts' rows in reverse order, so that every token is routed
+    to other experts."""
+    return router_weights_edited(lambda index, weight: weight.flip(0) if index == layer else None)
