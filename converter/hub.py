@@ -36,6 +36,7 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils import filter_repo_objects, validate_repo_id
 from huggingface_hub.utils import tqdm as hf_tqdm
 
@@ -280,9 +281,11 @@ def _resolve_repo(
     # (and huggingface_hub can then tell a complete cached snapshot from a partial one).
     files: list[str] | None = None
     unreachable: Exception | None = None
+    pinned = revision  # what the downloads ask for: the listing's commit once the Hub has named it
     if not offline:
         try:
-            files = _remote_listing(repo_id, revision, endpoint, token)
+            pinned, files = _remote_listing(repo_id, revision, endpoint, token)
+            _record_ref(cache_dir, repo_id, revision, pinned)
         except HfHubHTTPError as err:
             # A definite "no" from the Hub (missing repo or revision, gated, bad token) is reported, not papered
             # over with a stale cached copy; an overloaded or failing Hub falls back to the cache.
@@ -314,7 +317,7 @@ def _resolve_repo(
         return Path(
             snapshot_download(
                 repo_id,
-                revision=revision,
+                revision=pinned,
                 allow_patterns=patterns,
                 cache_dir=cache_dir,
                 endpoint=endpoint,
@@ -401,16 +404,42 @@ def _offline() -> bool:
     return constants.is_offline_mode() or now.upper() in _TRUE_VALUES
 
 
-def _remote_listing(repo_id: str, revision: str, endpoint: str, token: str | bool | None) -> list[str]:
-    """Every file name of the repo at ``revision``, from one model-info call (its ``siblings``)."""
+def _remote_listing(
+    repo_id: str, revision: str, endpoint: str, token: str | bool | None
+) -> tuple[str, list[str]]:
+    """The commit ``revision`` names now and every file name of the repo there, from one model-info call (its
+    ``sha`` and ``siblings``). Every download then asks for that commit: a branch pushed to between the listing,
+    the shard index and the shards cannot mix two commits, and huggingface_hub need not ask the Hub again."""
     api = HfApi(endpoint=endpoint, token=token)
     # huggingface_hub's client waits forever by default: an endpoint that takes the connection and never answers
     # would hang the command, cached snapshot or not. Its metadata timeout (HF_HUB_ETAG_TIMEOUT, 10 s) ends the
     # wait as "unreachable", which falls back to the cache.
     info = api.model_info(repo_id, revision=revision, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    commit = info.sha if info.sha and _COMMIT_HASH.fullmatch(info.sha) else revision  # a mirror may leave it out
     if info.siblings is None:  # not expected from the Hub, but a mirror may leave it out
-        return api.list_repo_files(repo_id, revision=revision)
-    return [sibling.rfilename for sibling in info.siblings]
+        return commit, api.list_repo_files(repo_id, revision=commit)
+    return commit, [sibling.rfilename for sibling in info.siblings]
+
+
+def _record_ref(cache_dir: Path, repo_id: str, revision: str, commit: str) -> None:
+    """Write ``refs/<revision>`` in the cache as huggingface_hub does, so that an offline run (or one that cannot
+    reach the Hub) finds this snapshot by its branch or tag name.
+
+    snapshot_download records the ref only when it resolves the branch itself, and here it is handed the commit.
+    ``HfApi.resolve_revision`` would record it but takes no timeout (a stalled endpoint would hang it), so the
+    ref is written here: one file holding the commit hash, replaced atomically."""
+    if revision == commit:
+        return
+    ref = cache_dir / repo_folder_name(repo_id=repo_id, repo_type="model") / "refs" / revision
+    try:
+        if ref.is_file() and ref.read_text() == commit:
+            return
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        partial = ref.with_name(f"{ref.name}.{os.getpid()}.tmp")
+        partial.write_text(commit)
+        os.replace(partial, ref)
+    except OSError as err:  # a read-only cache: the download itself will say so if it matters
+        _log.debug("could not record %s -> %s in the cache: %s", revision, commit, err)
 
 
 def _cached_listing(repo_id: str, revision: str, cache_dir: Path) -> list[str] | None:

@@ -21,7 +21,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -53,7 +53,11 @@ class _Repo:
     commits: dict[str, dict[str, bytes]] = field(default_factory=dict)  # commit sha -> {path: content}
 
     def commit(self, revision: str) -> str | None:
-        return self.refs.get(revision) or (revision if revision in self.commits else None)
+        if revision in self.refs or revision in self.commits:
+            return self.refs.get(revision) or revision
+        # The Hub takes an unambiguous prefix of a commit hash too, as git does (7 characters or more).
+        matches = [sha for sha in self.commits if len(revision) >= 7 and sha.startswith(revision)]
+        return matches[0] if len(matches) == 1 else None
 
 
 class FakeHub:
@@ -79,6 +83,9 @@ class FakeHub:
         self.forbidden: set[str] = set()
         # Whether the API answers every request 500 (an overloaded Hub) while the files stay served.
         self.api_down = False
+        # Run once, right after the next model-info answer (a push landing between a client's listing and its
+        # downloads).
+        self.after_next_info: Callable[[], None] | None = None
         # LFS files' bodies are held this many seconds after their headers (None: sent at once), as a stalled link
         # or mirror holds them.
         self.stall_body_seconds: float | None = None
@@ -170,6 +177,9 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                     repo, sha = found
                     if match["kind"] == "revision":
                         self._send_json(_model_info(repo_id, repo, sha), head)
+                        then, hub.after_next_info = hub.after_next_info, None
+                        if then is not None:
+                            then()
                     else:
                         self._send_json(_tree(repo.commits[sha], unquote(match["path"] or "")), head)
             elif match := _RESOLVE_RE.match(path):

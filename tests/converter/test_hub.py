@@ -141,10 +141,21 @@ def test_revision_picks_its_commit(fake_hub):
     main = fake_hub.add_repo(REPO, tiny_repo(hidden_size=4))
     tagged = fake_hub.add_repo(REPO, tiny_repo(hidden_size=8), revision="v2")
 
-    for revision, sha, size in [(None, main, 4), ("v2", tagged, 8), (main, main, 4)]:
+    for revision, sha, size in [(None, main, 4), ("v2", tagged, 8), (main, main, 4), (tagged[:7], tagged, 8)]:
         folder = resolve_source(REPO, revision=revision, progress=False)
         assert folder.name == sha
         assert json.loads((folder / "config.json").read_text())["hidden_size"] == size
+
+
+def test_a_short_commit_hash_is_taken_and_found_offline(fake_hub, monkeypatch):
+    """The Hub resolves a commit hash's prefix; the download asks for the whole hash it names, and the prefix is
+    recorded as a ref (as huggingface_hub records one), so the same --revision works offline."""
+    sha = fake_hub.add_repo(REPO, tiny_repo())
+    folder = resolve_source(REPO, revision=sha[:10], progress=False)
+    assert folder.name == sha
+    assert all(f"/resolve/{sha}/" in r.path for r in fake_hub.file_requests())
+    go_offline(monkeypatch)
+    assert resolve_source(REPO, revision=sha[:10], progress=False) == folder
 
 
 def test_unreachable_hub_falls_back_to_the_cache(fake_hub):
@@ -380,6 +391,36 @@ def test_the_shards_the_index_names_alone_are_fetched(fake_hub):
     with pytest.raises(ThinkerError, match="names shard 'model-00003-of-00004.safetensors', which the repo does not"):
         resolve_source("acme/broken", progress=False)
     assert not [r for r in fake_hub.file_requests() if "acme/broken" in r.path and r.path.endswith(".safetensors")]
+
+
+def test_a_push_during_the_download_does_not_mix_two_commits(fake_hub, monkeypatch):
+    """The listing names a commit and every download asks for that one: a push to the branch right after the
+    listing (new shard names, a new config) used to reach the index download, whose shards the listing lacked. The
+    branch's ref is recorded, so the snapshot is found offline by name; the next run online takes the push."""
+
+    def sharded(width: int, shards: int) -> dict[str, bytes]:
+        names = [f"model-{i:05d}-of-{shards:05d}.safetensors" for i in range(1, shards + 1)]
+        weights = {f"w{i}": np.full(width, i, np.float32) for i in range(shards)}
+        index = {"weight_map": {f"w{i}": name for i, name in enumerate(names)}}
+        return {
+            "config.json": json.dumps({"model_type": "qwen2", "hidden_size": width}).encode(),
+            SAFETENSORS_INDEX: json.dumps(index).encode(),
+            **{name: save({f"w{i}": weights[f"w{i}"]}) for i, name in enumerate(names)},
+        }
+
+    listed = fake_hub.add_repo(REPO, sharded(4, 2))
+    fake_hub.after_next_info = lambda: fake_hub.add_repo(REPO, sharded(8, 3))
+
+    folder = resolve_source(REPO, progress=False)
+    assert folder.name == listed
+    assert files_in(folder) == set(sharded(4, 2))
+    assert json.loads((folder / "config.json").read_text())["hidden_size"] == 4
+    assert all(f"/resolve/{listed}/" in r.path for r in fake_hub.file_requests())
+
+    with monkeypatch.context() as offline:
+        go_offline(offline)
+        assert resolve_source(REPO, progress=False) == folder
+    assert files_in(resolve_source(REPO, progress=False)) == set(sharded(8, 3))
 
 
 def test_a_file_refused_is_named_as_a_refusal_not_as_the_network(fake_hub):
