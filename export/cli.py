@@ -541,7 +541,7 @@ def generate_command(
 
 def _stdin_prompt() -> str:
     """``--prompt -``: the text on stdin, less the newline that ends it (a file's last line, echo's)."""
-    stream = click.get_text_stream("stdin")
+    stream = click.open_file("-")  # stdin as text, as click decodes it (its get_text_stream is deprecated in 8.5)
     if stream.isatty():
         click.echo("reading the prompt from stdin; end it with Ctrl-D", err=True)
     try:
