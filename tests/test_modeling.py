@@ -204,6 +204,20 @@ def test_qwen3_moe_parity(randomize, norm_topk_prob, experts_implementation):
         assert_close(mine, ref, **TOL)
     assert_close(ours.aux_loss, theirs.aux_loss, **TOL)
     assert_close(ours.loss, theirs.loss, **TOL)
+    # masks that are not a 2-D padding mask count every token, as no mask does: a 4-D one, and the masks by layer
+    # type generate() builds for a static cache (transformers' own classes fail on both)
+    length = ids.shape[1]
+    causal = torch.zeros(1, 1, length, length).masked_fill(torch.ones(length, length).triu(1).bool(), -torch.inf)
+    with torch.no_grad():
+        four_d = thinker(ids, attention_mask=causal, output_router_logits=True)
+    assert_close(four_d.aux_loss, ours.aux_loss, **TOL)
+    thinker.config.output_router_logits = True
+    try:
+        greedy = dict(max_new_tokens=3, do_sample=False)
+        static = thinker.generate(ids, cache_implementation="static", **greedy)
+        assert torch.equal(static, thinker.generate(ids, **greedy))
+    finally:
+        thinker.config.output_router_logits = False
 
 
 def gpt2_to_thinker(state: dict[str, torch.Tensor], config: GPT2Config) -> dict[str, torch.Tensor]:
@@ -719,6 +733,23 @@ def test_task_heads_auto_classes_and_remote_code(remote_code):
     child_part_passed(remote_code, "heads")
     with torch.no_grad():
         assert_close(torch.load(logits), model(remote_code["ids"]).logits, **TOL)
+
+
+def test_deepstack_features_are_repeated_with_their_rows_for_beams(tiny_thinker):
+    """Beams and num_return_sequences repeat each prompt row in place; the DeepStack features, a list of
+    (visual positions, hidden) tensors in the rows' order, are repeated with them: row i's copies carry row i's."""
+    model = tiny_thinker("dense")
+    mask = torch.tensor([[False, True, True, False], [True, True, True, False]])  # 2 and 3 visual positions
+    features = [torch.arange(5 * 4.0).reshape(5, 4), -torch.arange(5 * 4.0).reshape(5, 4)]
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    expanded_ids, kwargs = model._expand_inputs_for_generation(
+        3, input_ids=ids, visual_pos_masks=mask, deepstack_visual_embeds=features
+    )
+    assert torch.equal(expanded_ids, ids.repeat_interleave(3, dim=0))
+    assert torch.equal(kwargs["visual_pos_masks"], mask.repeat_interleave(3, dim=0))
+    for layer, expanded in zip(features, kwargs["deepstack_visual_embeds"], strict=True):
+        rows = [layer[:2]] * 3 + [layer[2:]] * 3
+        assert torch.equal(expanded, torch.cat(rows))
 
 
 def test_deepstack_inputs_are_refused_when_they_do_not_fit(tiny_thinker):

@@ -240,6 +240,31 @@ def test_left_padded_batch_equals_rows_alone(family, attn):
         assert torch.equal(generated[i], thinker.generate(row[None], **greedy)[0, len(row) :]), f"row {i}"
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_assisted_decoding_rolls_the_state_back_as_the_reference_does(family):
+    """Prompt-lookup decoding drafts tokens and crops the cache back to the last one accepted; a linear layer's
+    recurrent state can only go back through the states the cache recorded for it, which transformers >= 5.25 asks
+    a layer for (``get_recurrent_states_to_keep``); earlier releases refuse assisted decoding of hybrid models. Ours
+    does what the reference does, token for token or refusal for refusal. (Under 5.25.0 the reference's assisted
+    tokens part from its own plain greedy ones at the second token, which is not a near tie: transformers' rollback,
+    which ours follows, not a difference between the two.)"""
+    ref, thinker = family_pair(family, "sdpa")
+    repeated = token_ids(batch=1, length=12, seed=5)
+    ids = torch.cat([repeated, repeated[:, :7]], dim=1)  # a repeat, so the lookup drafts tokens to accept
+    greedy = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    assert torch.equal(thinker.generate(ids, **greedy), ref.generate(ids, **greedy))
+    assisted = {}
+    for name, model in (("ref", ref), ("ours", thinker)):
+        try:
+            assisted[name] = model.generate(ids, prompt_lookup_num_tokens=3, **greedy)
+        except ValueError as err:
+            assisted[name] = str(err).replace(type(model).__name__, "MODEL")
+    if isinstance(assisted["ref"], str):
+        assert assisted["ours"] == assisted["ref"]
+    else:
+        assert torch.equal(assisted["ours"], assisted["ref"])
+
+
 def test_static_cache_generate_equals_dynamic():
     """A compileable cache makes generate() build both masks itself (a dict by layer type), which the model takes."""
     ref, thinker = family_pair("qwen3_5", "sdpa")

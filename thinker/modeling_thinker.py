@@ -551,6 +551,23 @@ class ThinkerAttention(nn.Module):
 # linear attention: Gated DeltaNet
 
 
+def count_in_place_step(cache: Cache, layer_idx: int) -> None:
+    """Count a decode step whose conv state was updated in place. From transformers 5.25 a linear-attention cache
+    layer counts its own tokens (``get_seq_length``, which masks and positions read) from what ``update_conv_state``
+    is given, so a step that bypasses it must say so (``increase_count``); earlier releases count only the
+    attention layers, and have no such method."""
+    increase = getattr(cache, "increase_count", None)
+    if increase is not None:
+        increase(layer_idx, 0)
+
+
+def states_to_keep(cache: Cache | None, layer_idx: int) -> int:
+    """How many of a call's last recurrent states the cache records (transformers >= 5.25, while assisted decoding
+    records the past so that ``crop`` can roll a linear layer back); 0 otherwise."""
+    keep = getattr(cache, "get_recurrent_states_to_keep", None)
+    return (keep(layer_idx) or 0) if keep is not None else 0
+
+
 @use_kernelized_func(
     [torch_recurrent_gated_delta_rule, torch_chunk_gated_delta_rule, causal_conv1d_fn, causal_conv1d_update]
 )
@@ -614,6 +631,7 @@ class ThinkerGatedDeltaNet(nn.Module):
 
         weight = self.conv1d.weight.squeeze(1)  # (channels, kernel)
         if conv_state is not None and seq == 1 and not cache.is_recording_past(self.layer_idx):
+            count_in_place_step(cache, self.layer_idx)
             qkv = causal_conv1d_update(qkv, conv_state, weight, self.conv1d.bias, self.activation)  # state in place
         else:
             if cache is not None:  # prefill or a multi-token step: the cached inputs become the left context
@@ -629,21 +647,40 @@ class ThinkerGatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # log decay <= 0, in fp32
         one_step = recurrent_state is not None and seq == 1  # decode; prefill runs the chunked form
+        # Assisted decoding (transformers >= 5.25) keeps the states after each of the last few tokens, to roll the
+        # state back to the last draft token accepted: those tokens run one step at a time after the chunked rest.
+        stepped = 0 if one_step else min(states_to_keep(cache, self.layer_idx), seq)
         delta_rule = torch_recurrent_gated_delta_rule if one_step else torch_chunk_gated_delta_rule
-        out, last_state = delta_rule(
-            query,
-            key,
-            value,
-            g=g,
-            beta=beta,
-            initial_state=recurrent_state,
-            output_final_state=cache is not None,
-            use_qk_l2norm_in_kernel=True,
-            cu_seqlens=kwargs.pop("cu_seq_lens_q", None),
-            **kwargs,
-        )  # (B, T, nv, hv)
+        cu_seqlens = kwargs.pop("cu_seq_lens_q", None)
+        inputs = [query, key, value, g, beta]
+        outs, last_state, states = [], recurrent_state, []
+        if stepped < seq:
+            out, last_state = delta_rule(
+                *(x[:, : seq - stepped] for x in inputs[:3]),
+                g=g[:, : seq - stepped],
+                beta=beta[:, : seq - stepped],
+                initial_state=recurrent_state,
+                output_final_state=cache is not None,
+                use_qk_l2norm_in_kernel=True,
+                cu_seqlens=cu_seqlens,
+                **kwargs,
+            )  # (B, T, nv, hv)
+            outs.append(out)
+        for t in range(seq - stepped, seq):
+            out, last_state = torch_recurrent_gated_delta_rule(
+                *(x[:, t : t + 1] for x in inputs[:3]),
+                g=g[:, t : t + 1],
+                beta=beta[:, t : t + 1],
+                initial_state=last_state,
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+                **kwargs,
+            )
+            outs.append(out)
+            states.append(last_state)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if cache is not None:
-            cache.update_recurrent_state(last_state, self.layer_idx)
+            cache.update_recurrent_state(states or last_state, self.layer_idx)
 
         out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(out.reshape(batch, seq, -1))
@@ -1422,6 +1459,23 @@ class ThinkerForCausalLM(ThinkerPreTrainedModel, GenerationMixin):
                 model_inputs.pop(key, None)
         return model_inputs
 
+    def _expand_inputs_for_generation(
+        self, expand_size: int = 1, is_encoder_decoder: bool = False, input_ids=None, **model_kwargs
+    ) -> tuple[torch.LongTensor | None, dict]:
+        """As transformers expands them for beams and ``num_return_sequences`` (each row's tensors repeated in place),
+        and the DeepStack features with them: a list of (visual positions, hidden) tensors whose rows follow the
+        batch's rows in ``visual_pos_masks``, which the generic expansion leaves as they are."""
+        mask, features = model_kwargs.get("visual_pos_masks"), model_kwargs.get("deepstack_visual_embeds")
+        input_ids, model_kwargs = super()._expand_inputs_for_generation(
+            expand_size, is_encoder_decoder, input_ids, **model_kwargs
+        )
+        if expand_size > 1 and mask is not None and features is not None:
+            counts = mask.sum(-1).tolist()  # each row's visual positions
+            model_kwargs["deepstack_visual_embeds"] = [
+                torch.cat([part for part in layer.split(counts) for _ in range(expand_size)]) for layer in features
+            ]
+        return input_ids, model_kwargs
+
     @takes_old_cache_name
     @can_return_tuple
     def forward(
@@ -1469,9 +1523,11 @@ class ThinkerForCausalLM(ThinkerPreTrainedModel, GenerationMixin):
         if output_router_logits and outputs.router_logits:
             # The router saw the new tokens only: their columns of a 2-D mask (the whole mask, as transformers' own
             # classes pass it, fails on a step after a cache: one token's router logits against the context's mask).
-            mask = attention_mask
-            if mask is not None and mask.dim() == 2:
-                mask = mask[:, -outputs.last_hidden_state.shape[1] :]
+            # Only a 2-D padding mask says which tokens are real; a 4-D mask, or the masks by layer type that
+            # generate() builds for a static cache, are taken as every token counting (as with no mask).
+            mask = None
+            if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+                mask = attention_mask[:, -outputs.last_hidden_state.shape[1] :]
             aux_loss = load_balancing_loss_func(
                 outputs.router_logits, self.config.num_experts, self.config.num_experts_per_tok, mask
             )

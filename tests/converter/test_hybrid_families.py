@@ -458,6 +458,14 @@ def test_an_image_prompt_with_its_deepstack_features_gives_the_models_logits(fam
     continuation = theirs.generate(input_ids=ids, max_new_tokens=6, do_sample=False, **image_inputs)[:, ids.shape[1] :]
     generated = ours.generate(**prompt, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
     assert torch.equal(generated[:, -6:], continuation)
+    # beams and several samples: generate repeats each prompt's rows, DeepStack features included
+    for search in (dict(num_beams=2), dict(do_sample=True, num_return_sequences=2)):
+        theirs.model.rope_deltas = None
+        torch.manual_seed(0)
+        continuation = theirs.generate(input_ids=ids, max_new_tokens=4, **search, **image_inputs)[:, ids.shape[1] :]
+        torch.manual_seed(0)
+        generated = ours.generate(**prompt, attention_mask=torch.ones_like(ids), max_new_tokens=4, **search)
+        assert torch.equal(generated[:, -4:], continuation), search
 
 
 @torch.no_grad()
