@@ -651,30 +651,33 @@ class ThinkerGatedDeltaNet(nn.Module):
         # state back to the last draft token accepted: those tokens run one step at a time after the chunked rest.
         stepped = 0 if one_step else min(states_to_keep(cache, self.layer_idx), seq)
         delta_rule = torch_recurrent_gated_delta_rule if one_step else torch_chunk_gated_delta_rule
-        cu_seqlens = kwargs.pop("cu_seq_lens_q", None)
-        inputs = [query, key, value, g, beta]
+        chunked = seq - stepped
         outs, last_state, states = [], recurrent_state, []
-        if stepped < seq:
+        if chunked:
             out, last_state = delta_rule(
-                *(x[:, : seq - stepped] for x in inputs[:3]),
-                g=g[:, : seq - stepped],
-                beta=beta[:, : seq - stepped],
+                query[:, :chunked],
+                key[:, :chunked],
+                value[:, :chunked],
+                g=g[:, :chunked],
+                beta=beta[:, :chunked],
                 initial_state=recurrent_state,
                 output_final_state=cache is not None,
                 use_qk_l2norm_in_kernel=True,
-                cu_seqlens=cu_seqlens,
+                cu_seqlens=kwargs.pop("cu_seq_lens_q", None),
                 **kwargs,
             )  # (B, T, nv, hv)
             outs.append(out)
-        for t in range(seq - stepped, seq):
+        for t in range(chunked, seq):
+            step = slice(t, t + 1)
             out, last_state = torch_recurrent_gated_delta_rule(
-                *(x[:, t : t + 1] for x in inputs[:3]),
-                g=g[:, t : t + 1],
-                beta=beta[:, t : t + 1],
+                query[:, step],
+                key[:, step],
+                value[:, step],
+                g=g[:, step],
+                beta=beta[:, step],
                 initial_state=last_state,
                 output_final_state=True,
                 use_qk_l2norm_in_kernel=True,
-                **kwargs,
             )
             outs.append(out)
             states.append(last_state)
