@@ -1002,6 +1002,17 @@ class ThinkerPLELayer(nn.Module):
 # decoder layer and model
 
 
+def cached_length(cache: Cache | None, config: ThinkerConfig) -> int:
+    """The tokens before this call: what the first attention layer holds, which the masks span (transformers'
+    ``get_mask_sizes``). ``Cache.get_seq_length()`` reads layer 0, which on a hybrid model is a linear-attention
+    layer: transformers 5.24 looked past it to an attention layer, 5.25 counts that layer's own tokens; the two agree
+    but where a cache's attention layers were given context the linear ones were not (export/deep_cache.py)."""
+    if cache is None:
+        return 0
+    attention = [i for i, kind in enumerate(config.layer_types) if kind != "linear_attention"]
+    return cache.get_seq_length(attention[0]) if attention else cache.get_seq_length()
+
+
 def split_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(text positions for the causal mask, positions for RoPE), taking position_ids as Qwen3.5's and Qwen3-Omni's
     text models do: (B, T) text; (3, B, T) temporal/height/width, no separate text row (the mask then counts
@@ -1085,7 +1096,7 @@ def check_input_shapes(
     # a cache that counts what it holds (transformers' continuous batching's paged one does not, nor takes such masks)
     counted = cache is None or hasattr(cache, "get_seq_length")
     if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 and counted:
-        past_seen = cache.get_seq_length() if cache is not None else 0
+        past_seen = cached_length(cache, config)
         if attention_mask.shape != (batch, past_seen + seq):
             raise ValueError(
                 f"attention_mask of shape {tuple(attention_mask.shape)}; expected (batch {batch}, the {past_seen} "
@@ -1307,7 +1318,7 @@ class ThinkerModel(ThinkerPreTrainedModel):
                 "DynamicCache(config=model.config)"
             )
         if position_ids is None:
-            past_seen = cache.get_seq_length() if cache is not None else 0
+            past_seen = cached_length(cache, self.config)
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen)[None]
         check_input_shapes(self.config, inputs_embeds, position_ids, attention_mask, cache)
         check_deepstack(self.config, inputs_embeds, visual_pos_masks, deepstack_visual_embeds)
