@@ -404,9 +404,7 @@ def _offline() -> bool:
     return constants.is_offline_mode() or now.upper() in _TRUE_VALUES
 
 
-def _remote_listing(
-    repo_id: str, revision: str, endpoint: str, token: str | bool | None
-) -> tuple[str, list[str]]:
+def _remote_listing(repo_id: str, revision: str, endpoint: str, token: str | bool | None) -> tuple[str, list[str]]:
     """The commit ``revision`` names now and every file name of the repo there, from one model-info call (its
     ``sha`` and ``siblings``). Every download then asks for that commit: a branch pushed to between the listing,
     the shard index and the shards cannot mix two commits, and huggingface_hub need not ask the Hub again."""

@@ -99,6 +99,15 @@ BAD_VALUES = {
         {"rope_parameters": {"rope_type": "default", "rope_theta": -5.0}},
         ["rope_theta=-5.0"],
     ),
+    # found by a QA run: a factor of 0 made transformers' reference compute NaN, which was blamed on the weights
+    "a RoPE scaling factor of 0": (
+        {"rope_parameters": {"rope_type": "linear", "factor": 0.0, "rope_theta": 10000.0}},
+        ["rope_parameters.factor=0.0 must be a positive number"],
+    ),
+    "a RoPE scaling factor given as text": (
+        {"rope_parameters": {"rope_type": "dynamic", "factor": "2", "rope_theta": 10000.0}},
+        ["rope_parameters.factor='2'"],
+    ),
 }
 
 

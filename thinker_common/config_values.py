@@ -85,6 +85,12 @@ def config_problem(config: Mapping[str, Any]) -> str | None:
         theta = rope.get("rope_theta")
         if theta is not None and not (_real(theta) and math.isfinite(theta) and theta > 0):
             return f"rope_parameters.rope_theta={theta!r} must be a positive number such as 10000.0"
+        # the scaling types divide positions or frequencies by it: 0 gives inf and NaN, which the parity check
+        # would otherwise blame on the weights
+        factor = rope.get("factor")
+        scaled = rope_type != "default" and factor is not None
+        if scaled and not (_real(factor) and math.isfinite(factor) and factor > 0):
+            return f"rope_parameters.factor={factor!r} must be a positive number (the context's scaling, such as 4.0)"
     return None
 
 
