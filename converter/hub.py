@@ -295,7 +295,8 @@ def _resolve_repo(
         except _NETWORK_ERRORS as err:
             unreachable = err
     if files is None:
-        files = _cached_listing(repo_id, revision, cache_dir)
+        pinned = _cached_commit(repo_id, revision, cache_dir) or revision
+        files = _cached_listing(repo_id, pinned, cache_dir)
         if files is None:
             raise _not_cached(label, endpoint, cache_dir, offline, unreachable)
 
@@ -367,7 +368,7 @@ def _resolve_repo(
         ) from None
     snapshot = folder
     _check_snapshot(snapshot, cache_dir, repo_id, label)
-    if unreachable is not None and not _COMMIT_HASH.fullmatch(revision):
+    if unreachable is not None and not _COMMIT_HASH.fullmatch(pinned):
         # A branch or tag moves: what the cache holds may be older than what the Hub serves now.
         _log.warning(
             "%s: the Hub at %s cannot be reached%s; using the cached snapshot, commit %s, which may be older than "
@@ -438,6 +439,20 @@ def _record_ref(cache_dir: Path, repo_id: str, revision: str, commit: str) -> No
         os.replace(partial, ref)
     except OSError as err:  # a read-only cache: the download itself will say so if it matters
         _log.debug("could not record %s -> %s in the cache: %s", revision, commit, err)
+
+
+def _cached_commit(repo_id: str, revision: str, cache_dir: Path) -> str | None:
+    """The cached snapshot a commit hash's prefix names, without the Hub (which resolves prefixes online): the one
+    snapshot whose commit starts with ``revision``, unless a ref of that name exists (a branch or tag wins, as
+    online); None where none or several match."""
+    folder = cache_dir / repo_folder_name(repo_id=repo_id, repo_type="model")
+    if not re.fullmatch(r"[0-9a-f]{7,39}", revision) or (folder / "refs" / revision).is_file():
+        return None
+    try:
+        matches = [entry.name for entry in (folder / "snapshots").iterdir() if entry.name.startswith(revision)]
+    except OSError:
+        return None
+    return matches[0] if len(matches) == 1 else None
 
 
 def _cached_listing(repo_id: str, revision: str, cache_dir: Path) -> list[str] | None:

@@ -156,6 +156,10 @@ def test_a_short_commit_hash_is_taken_and_found_offline(fake_hub, monkeypatch):
     assert all(f"/resolve/{sha}/" in r.path for r in fake_hub.file_requests())
     go_offline(monkeypatch)
     assert resolve_source(REPO, revision=sha[:10], progress=False) == folder
+    # a prefix never used online: matched against the cached snapshots, as the Hub would match it
+    assert resolve_source(REPO, revision=sha[:8], progress=False) == folder
+    with pytest.raises(ThinkerError, match=f"{REPO}@0000000 is not in the cache"):
+        resolve_source(REPO, revision="0000000", progress=False)
 
 
 def test_unreachable_hub_falls_back_to_the_cache(fake_hub):
