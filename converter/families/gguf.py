@@ -343,6 +343,14 @@ def gguf_to_hf_config(metadata: Mapping[str, Any], tensor_names: Collection[str]
         config.setdefault("head_dim", metadata[dimensions])
         _check_values(config, {dimensions: "head_dim"})
     config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])  # llama.cpp's own default
+    rotated = metadata.get(f"{arch}.rope.dimension_count")
+    if rotated is not None and rotated != config["head_dim"]:
+        # llama.cpp then rotates the first n_rot channels of each head; these families' transformers classes rotate
+        # whole heads, so the conversion would compute other numbers than the file (and no reference could say so)
+        raise ThinkerError(
+            f"GGUF metadata {arch}.rope.dimension_count={rotated} rotates part of each head ({config['head_dim']} "
+            f"channels), which {arch} models in transformers do not; the file is not one this architecture writes"
+        )
     if "vocab_size" not in config:
         # Older files omit it; transformers then counts the tokenizer's tokens, and so do we.
         tokens = metadata.get("tokenizer.ggml.tokens")

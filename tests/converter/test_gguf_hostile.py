@@ -62,6 +62,17 @@ def test_metadata_no_model_can_have(metadata, key, tmp_path):
     assert not output.exists()
 
 
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_a_rotary_part_of_each_head_is_refused(architecture, tmp_path):
+    """``rope.dimension_count`` below the head size: llama.cpp rotates that many channels of each head, these
+    families' transformers classes the whole head. Refused by key, also under --no-verify, which converted it to a
+    model computing other numbers (found by a QA run)."""
+    path = tiny_gguf(tmp_path, {f"{architecture}.rope.dimension_count": 4}, architecture=architecture)
+    output = tmp_path / "out"
+    assert_error(convert(path, output, "--no-verify"), f"{architecture}.rope.dimension_count=4 rotates part of each")
+    assert not output.exists()
+
+
 def tensor_offset_position(path: Path, name: str) -> tuple[int, int]:
     """Where in the file the header stores ``name``'s data offset (a uint64), and that offset's value."""
     reader = gguf.GGUFReader(path)
