@@ -265,6 +265,19 @@ def test_assisted_decoding_rolls_the_state_back_as_the_reference_does(family):
         assert torch.equal(assisted["ours"], assisted["ref"])
 
 
+def test_flex_attention_is_refused_as_the_reference_refuses_it(tmp_path):
+    """transformers' Qwen3.5 offers no flex attention, so nothing could check ours (a QA run found it accepted, and
+    torch's inductor then failing on the CPU): refused at load, by name, as the reference refuses it."""
+    ref, thinker = family_pair("qwen3_5", "sdpa")
+    thinker.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="flex_attention"):
+        type(ref).from_pretrained(tmp_path, attn_implementation="flex_attention")
+    with pytest.raises(ValueError, match="'flex_attention': models with linear-attention layers .*'sdpa' or 'eager'"):
+        ThinkerForCausalLM.from_pretrained(tmp_path, attn_implementation="flex_attention")
+    with pytest.raises(ValueError, match="models with linear-attention layers"):
+        thinker.set_attn_implementation("flex_attention")
+
+
 def test_static_cache_generate_equals_dynamic():
     """A compileable cache makes generate() build both masks itself (a dict by layer type), which the model takes."""
     ref, thinker = family_pair("qwen3_5", "sdpa")

@@ -495,6 +495,14 @@ class ThinkerMoeTest(_ThinkerCommonTest, ExpertParallelTesterMixin, unittest.Tes
 class ThinkerHybridTest(_ThinkerCommonTest, unittest.TestCase):
     kind = "hybrid"
 
+    def test_flex_attention_with_grads(self):
+        # As transformers' Qwen3.5 and Qwen3-Next classes, which offer no flex attention, the hybrid Thinker refuses
+        # it (tests/test_modeling_hybrid.py): the common test's flex run is the refusal here.
+        config, _ = self.model_tester.prepare_config_and_inputs_for_common()
+        for model_class in self.all_model_classes:
+            with self.assertRaisesRegex(ValueError, "models with linear-attention layers"):
+                model_class(copy.deepcopy(config)).set_attn_implementation("flex_attention")
+
     def test_attention_outputs(self):
         # As Qwen3.5's and Qwen3-Next's testers count them: one attention map per full-attention layer only.
         config, inputs = self.model_tester.prepare_config_and_inputs_for_common()

@@ -1204,6 +1204,14 @@ class ThinkerPreTrainedModel(PreTrainedModel):
 
     def _flex_attn_can_dispatch(self, is_init_check: bool = False) -> bool:
         self._refuse_for_indexed_attention("flex_attention")
+        if self.config.has_linear_attention:
+            # As transformers' Qwen3.5 and Qwen3-Next classes, which offer no flex attention: there is no reference
+            # to check it against (and on the CPU torch's inductor fails to compile the hybrid model's masks).
+            raise ValueError(
+                "attn_implementation='flex_attention': models with linear-attention layers (Qwen3.5, Qwen3-Next) "
+                "take sdpa or eager attention, as transformers' own classes for them do; load with "
+                "attn_implementation='sdpa' or 'eager'"
+            )
         return super()._flex_attn_can_dispatch(is_init_check)
 
     def _refuse_for_indexed_attention(self, implementation: str) -> None:
