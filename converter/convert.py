@@ -30,7 +30,7 @@ from .families import detect_family
 from .folder_weights import check_thinker_weights
 from .hub import refuse_empty_source, resolve_source
 from .model_card import gguf_card_metadata, tool_version, update_parity, write_thinker_card
-from .output import write_generation_config, write_thinker_config
+from .output import generation_config_for, generation_differences, write_generation_config, write_thinker_config
 from .parity import parity_gate, parity_mode
 from .parity_report import BY_LAYER, FAILED_PARITY_FILE, PARITY_FILE, ParityReport
 from .spec import Family
@@ -207,6 +207,7 @@ def verify(
         hub = not Path(str(source)).expanduser().exists()  # a Hub repo id: the revision is part of what it names
         named = f"{source}@{revision or 'main'}" if hub else str(source)
         config = refuse_another_config(tensor_source, converted, named)
+        refuse_other_generation_config(Path(tensor_source.root), converted, config, named)
         copies_tokenizer = isinstance(tensor_source, FolderSource)  # a GGUF's is written from its metadata
     finally:
         tensor_source.close()
@@ -287,6 +288,28 @@ def refuse_other_tokenizer(root: Path, converted: Path) -> None:
                 f"{ours}: not the source's {name}; the parity check runs token ids, so it cannot vouch for another "
                 "tokenizer: convert the source again (or copy its file in)"
             )
+
+
+def refuse_other_generation_config(root: Path, converted: Path, config: ThinkerConfig, source: str) -> None:
+    """CONVERTED's generation_config.json must be what the conversion wrote from ``source``: its stop tokens and
+    sampling defaults are what ``generate()`` runs with, which the parity check (logits of fixed prompts) never
+    reads, so an edited eos id would pass it and generate past the end."""
+    from transformers import GenerationConfig
+
+    path = converted / "generation_config.json"
+    if not path.is_file():
+        raise ThinkerError(f"{converted}: lacks generation_config.json, which the conversion writes; convert it again")
+    try:
+        actual = GenerationConfig.from_pretrained(converted)
+    except (OSError, ValueError) as err:
+        raise ThinkerError(f"{path}: unreadable ({err})") from None
+    differ = generation_differences(generation_config_for(root, config), actual)
+    if differ:
+        raise ThinkerError(
+            f"{path} is not the generation config {source} gives: {', '.join(differ[:6])}"
+            f"{' ...' if len(differ) > 6 else ''} (the source's value first); convert the source again, or copy "
+            "its generation_config.json in"
+        )
 
 
 def refuse_another_config(tensor_source: TensorSource, converted: Path, source: str = "its source") -> ThinkerConfig:

@@ -32,11 +32,22 @@ def write_thinker_config(folder: Path, config: ThinkerConfig) -> None:
 
 def write_generation_config(folder: Path, source_root: Path, config: ThinkerConfig) -> None:
     """The source's ``generation_config.json`` when it has one (sampling defaults matter), else one from the ids."""
+    generation_config_for(source_root, config).save_pretrained(folder)
+
+
+def generation_config_for(source_root: Path, config: ThinkerConfig) -> GenerationConfig:
+    """What ``write_generation_config`` writes for the source at ``source_root`` (and ``thinker verify`` expects)."""
     if present(source_root / "generation_config.json", source_root):
         try:
-            generation = GenerationConfig.from_pretrained(source_root)
+            return GenerationConfig.from_pretrained(source_root)
         except (OSError, ValueError) as err:
             raise ThinkerError(f"{source_root / 'generation_config.json'}: unreadable ({err})") from None
-    else:
-        generation = GenerationConfig.from_model_config(config)
-    generation.save_pretrained(folder)
+    return GenerationConfig.from_model_config(config)
+
+
+def generation_differences(expected: GenerationConfig, actual: GenerationConfig) -> list[str]:
+    """``key (expected -> actual)`` for each generation setting the two disagree on (stop tokens, sampling
+    defaults), the version that wrote them aside."""
+    first, second = expected.to_dict(), actual.to_dict()
+    keys = sorted((first.keys() | second.keys()) - {"transformers_version"})
+    return [f"{key} ({first.get(key)!r} -> {second.get(key)!r})" for key in keys if first.get(key) != second.get(key)]

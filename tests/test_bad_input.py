@@ -515,6 +515,17 @@ def test_verify_refuses_what_is_not_a_conversion(qwen3_source, qwen3_thinker, so
     )
     swapped = thinker("verify", qwen3_thinker, qwen3_source)
     assert_error(swapped, f"{qwen3_thinker}: SOURCE is a Thinker folder", "order is `thinker verify SOURCE CONVERTED`")
+    # the stop token generate() runs with, which no parity prompt reads (found by a QA run: it passed)
+    stops = shutil.copytree(qwen3_thinker, tmp_path / "stops")
+    path = stops / "generation_config.json"
+    eos = json.loads(path.read_text())["eos_token_id"]
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"eos_token_id": 5}))
+    assert_error(
+        thinker("verify", qwen3_source, stops),
+        f"generation_config.json is not the generation config {qwen3_source} gives: eos_token_id ({eos!r} -> 5)",
+    )
+    path.unlink()
+    assert_error(thinker("verify", qwen3_source, stops), "lacks generation_config.json")
 
 
 # --- the Hub -----------------------------------------------------------------------------------------------------
