@@ -1,5 +1,6 @@
 """Shared pytest fixtures."""
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,51 @@ def pytest_runtest_setup(item):
         pytest.skip(reason)
     if verdict == "fail":
         pytest.fail(reason, pytrace=False)
+
+
+# transformers' common tests (tests/test_transformers_conformance.py) mark tests with these; its own conftest.py, which
+# registers them, is not in the sdist they come from.
+TRANSFORMERS_MARKS = (
+    "accelerate_tests",
+    "flash_attn_test",
+    "flash_attn_3_test",
+    "flash_attn_4_test",
+    "torch_compile_test",
+    "is_pipeline_test",
+    "is_tensor_parallel_test",
+    "is_expert_parallel_test",
+)
+
+
+def pytest_configure(config):
+    for mark in TRANSFORMERS_MARKS:
+        config.addinivalue_line("markers", f"{mark}: a transformers common-test mark")
+
+
+# --- two processes (pytest-xdist, the README's ``-n 2 --dist loadgroup``) ----------------------------------------
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under ``--dist loadgroup``, each test file runs whole in one worker, so its module and session fixtures are
+    built once there, not once per worker; the tests that read the real SmolLM2 demo (a minute to build) share one
+    group across their files. Without pytest-xdist nothing is marked."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        group = "smollm2-demo" if "smollm2_demo" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _share_the_cores_between_workers():
+    """Each xdist worker gets its share of the cores for torch's intra-op threads (torch would take them all in every
+    worker); onnxruntime sessions keep their own setting, which the tests choose where it matters."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    yield
 
 
 # --- fake Hugging Face Hub (tests/hub_server.py) -------------------------------------------------------------------

@@ -32,6 +32,7 @@ import types
 from pathlib import Path
 
 import transformers
+from filelock import FileLock
 
 PACKAGE = "transformers_common_tests"
 CACHE_ROOT = Path(os.environ.get("THINKER_TRANSFORMERS_TESTS_CACHE", Path.home() / ".cache/thinker-transformers-tests"))
@@ -129,10 +130,15 @@ _used_stand_ins: set[str] = set()
 def sdist_tests_folder(version: str = transformers.__version__) -> Path:
     """The ``tests`` folder of transformers' sdist for ``version``, downloaded with pip on first use."""
     target = CACHE_ROOT / version / "tests"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(target.parent / "download.lock"):  # xdist workers download it once between them
+        return _downloaded(version, target)
+
+
+def _downloaded(version: str, target: Path) -> Path:
     if (target / "test_modeling_common.py").is_file():
         _add_stand_in_files(target.parent)
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as staging:
         staging = Path(staging)
         command = [sys.executable, "-m", "pip", "download", f"transformers=={version}", "--no-deps"]

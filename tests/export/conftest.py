@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from export_helpers import save_thinker
+from filelock import FileLock
 
 GENAI_VENV = Path(os.environ.get("THINKER_GENAI_VENV", Path.home() / ".cache" / "thinker-test-genai-venv"))
 # The onnxruntime-genai versions the exported genai_config.json is written for: from 0.8 (where a config without an
@@ -113,6 +114,12 @@ def genai_venv(venv: Path, packages: list[str], env: dict[str, str] | None = Non
     kit's, bench/gpu_kit.py), and fails the test instead of being cleared. ``env``: the environment to read and run
     in (default: the current one)."""
     env = dict(os.environ) if env is None else env
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{venv}.lock"):  # xdist workers build it once between them, not over each other
+        return _built_venv(venv, packages, env)
+
+
+def _built_venv(venv: Path, packages: list[str], env: dict[str, str]) -> Path:
     python = venv / "bin" / "python"
     probe = [str(python), "-c", "import onnxruntime_genai, onnxruntime; print(onnxruntime.get_available_providers())"]
     named = str(venv) in {env.get("THINKER_GENAI_VENV"), env.get("THINKER_GENAI_CUDA_VENV")}
