@@ -31,7 +31,7 @@ from thinker import ThinkerConfig
 from thinker_common.config_values import check_model_config
 from thinker_common.dtypes import dtype_name
 from thinker_common.errors import ThinkerError
-from thinker_common.side_files import copy_files, read_json
+from thinker_common.side_files import copy_files, read_json, readable_tokenizer_files
 from thinker_common.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from thinker_common.source_files import present
 from thinker_common.sources import TensorSource, open_source
@@ -173,6 +173,7 @@ def convert_back(
     tensor_source = open_source(source)
     try:
         plan = plan_back(tensor_source, config, family, dtype)
+        readable_tokenizer_files(source)  # copied into OUTPUT as it is: a file cut short is refused before any work
         exported["dtype"] = str(plan.dtype).removeprefix("torch.")
         report = None
         with staged_output(output, force, needed=plan.total_bytes) as staging:

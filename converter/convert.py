@@ -19,7 +19,7 @@ from thinker import ThinkerConfig
 from thinker_common.dtypes import dtype_name
 from thinker_common.errors import ThinkerError
 from thinker_common.gguf_reader import GGUFSource
-from thinker_common.side_files import read_json, tokenizer_files
+from thinker_common.side_files import read_json, readable_tokenizer_files, tokenizer_files
 from thinker_common.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from thinker_common.sources import FolderSource, TensorSource, open_source
 from thinker_common.staging import refuse_existing_output, refuse_output_over_source, staged_output
@@ -109,6 +109,8 @@ def convert(
     tensor_source = open_source(root)
     try:
         plan = plan_conversion(tensor_source, tensor_source.config(), dtype)
+        if Path(root).is_dir():  # its tokenizer goes into OUTPUT as it is: a file cut short is refused before any work
+            readable_tokenizer_files(Path(root))
         if check_config is not None:
             check_config(plan.config, root / "config.json" if Path(root).is_dir() else Path(root))
         notes = []

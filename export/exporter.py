@@ -28,7 +28,7 @@ from thinker_common.config_values import check_model_config
 from thinker_common.dtypes import FLOAT_DTYPES, dtype_name, torch_dtype
 from thinker_common.errors import ThinkerError
 from thinker_common.progress import progress_bar
-from thinker_common.side_files import CONFIG_FILES, copy_files, read_json, tokenizer_files
+from thinker_common.side_files import CONFIG_FILES, copy_files, read_json, readable_tokenizer_files, tokenizer_files
 from thinker_common.source_files import present
 from thinker_common.sources import SafetensorsSource
 from thinker_common.staging import install, refuse_existing_output, refuse_output_over_source, work_folder
@@ -199,6 +199,7 @@ def export_model(
         check_paths(model_dir)
         config = load_config(model_dir)
         check_thinker_folder(model_dir, config, graph_dtype, verify)  # the structure, before a byte is written
+        readable_tokenizer_files(model_dir)  # and the tokenizer copied beside the graph
         if inputs_embeds and embeds_refusal(config):
             raise ThinkerError(embeds_refusal(config))
         generation_file = model_dir / "generation_config.json"

@@ -154,6 +154,26 @@ CONVERT_CASES = {
         [],
         ["config", "-5"],
     ),
+    "tokenizer.json cut short": (
+        lambda folder: cut_in_half(folder / "tokenizer.json"),
+        [],
+        ["tokenizer.json: not a readable tokenizer file (JSONDecodeError", "re-download it"],
+    ),
+    "tokenizer.json not a tokenizer": (
+        lambda folder: (folder / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Nonesuch"}}'),
+        [],
+        ["tokenizer.json: not a readable tokenizer file (Exception", "re-download it"],
+    ),
+    "tokenizer_config.json not JSON": (
+        lambda folder: (folder / "tokenizer_config.json").write_text('{"model_max_length": '),
+        [],
+        ["tokenizer_config.json: not a readable tokenizer file (JSONDecodeError"],
+    ),
+    "chat template that does not compile": (
+        lambda folder: (folder / "chat_template.jinja").write_text("{% for message in messages %}{{ message }}"),
+        [],
+        ["chat_template.jinja: not a readable tokenizer file (TemplateSyntaxError", "'endfor'"],
+    ),
     "a billion layers": (
         lambda folder: edit_config(folder, num_hidden_layers=10**9),
         [],
@@ -486,6 +506,19 @@ def test_export_of_a_broken_source_stops_at_the_conversion(source_copy, tmp_path
     edit_config(source, model_type="mamba", architectures=["MambaForCausalLM"])
     output = tmp_path / "onnx"
     assert_error(thinker("export", source, output, "--no-verify"), "model_type 'mamba'", "is not supported")
+    assert_nothing_written(output)
+
+
+def cut_in_half(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def test_export_refuses_a_tokenizer_cut_short(qwen3_thinker, tmp_path):
+    folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
+    cut_in_half(folder / "tokenizer.json")
+    output = tmp_path / "onnx"
+    advice = "convert its source again (thinker-convert wrote this folder)"
+    assert_error(thinker("export", folder, output, "--no-verify"), "tokenizer.json: not a readable tokenizer", advice)
     assert_nothing_written(output)
 
 

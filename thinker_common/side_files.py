@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ThinkerError
-from .source_files import checked_file, present, regular_file
+from .source_files import checked_file, present, redownload, regular_file
 
 # Files a tokenizer (or chat template) may live in, for every tokenizer type transformers ships: fast (tokenizer.json),
 # BPE (vocab.json + merges.txt), WordPiece (vocab.txt), SentencePiece (tokenizer.model / spiece.model).
@@ -43,6 +43,44 @@ def tokenizer_files(folder: Path) -> list[str]:
     for name in matches:
         checked_file(folder / name, folder)
     return names + matches
+
+
+# The tokenizer files whose text a reader can check cheaply: JSON, the fast tokenizer, the chat template.
+_JSON_TOKENIZER_FILES = frozenset(name for name in TOKENIZER_FILES if name.endswith(".json"))
+
+
+def readable_tokenizer_files(folder: Path) -> list[str]:
+    """``tokenizer_files(folder)``, each JSON one parsed, ``tokenizer.json`` built by ``tokenizers`` and the Jinja chat
+    template compiled, so that a file cut short in a download is refused by name when a folder is read, not carried
+    into an output whose ``generate`` then fails. (Binary SentencePiece models are copied as they are.)"""
+    names = tokenizer_files(folder)
+    for name in names:
+        path = folder / name
+        try:
+            if name in _JSON_TOKENIZER_FILES:
+                text = regular_file(path).read_text(encoding="utf-8")
+                json.loads(text)
+                if name == "tokenizer.json":
+                    from tokenizers import Tokenizer
+
+                    Tokenizer.from_str(text)
+            elif name == "chat_template.jinja" and (jinja := _jinja()) is not None:
+                jinja.Environment().parse(regular_file(path).read_text(encoding="utf-8"))
+        except ThinkerError:
+            raise
+        except Exception as err:  # json's (RecursionError too), UnicodeDecodeError, tokenizers' and jinja2's own
+            reason = " ".join(f"{err.__class__.__name__}: {err}".split())
+            raise ThinkerError(f"{path}: not a readable tokenizer file ({reason}); {redownload(path)}") from None
+    return names
+
+
+def _jinja():
+    """jinja2, which transformers' chat templates need (torch installs it); None where it is absent."""
+    try:
+        import jinja2
+    except ImportError:
+        return None
+    return jinja2
 
 
 def copy_files(names: list[str], source: Path, destination: Path) -> list[str]:

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
 from transformers import Qwen3Config
 
 from converter.cli import CONVERT_HELP, convert_command, verify_command
@@ -254,7 +256,7 @@ def test_verify_refuses_a_folder_it_would_not_prove(source, tmp_path):
 
 def test_hub_repo_id_through_a_local_endpoint(fake_hub, save_reference, tmp_path):
     _, folder = save_reference(QWEN3, name="hub-source")
-    (folder / "tokenizer.json").write_text("{}")
+    (folder / "tokenizer.json").write_text(Tokenizer(WordLevel({"[UNK]": 0}, unk_token="[UNK]")).to_str())
     fake_hub.add_repo("tiny-org/tiny-qwen3", folder)
     result = CliRunner().invoke(convert_command, ["tiny-org/tiny-qwen3", str(tmp_path / "out"), "--verify"])
     assert result.exit_code == 0, result.output

@@ -12,6 +12,8 @@ import pytest
 import torch
 from convert_helpers import assert_same_logits, build_reference, edit_config
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
 from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
@@ -402,8 +404,9 @@ def test_streaming_yields_each_parameter_once_in_source_order(save_reference):
 
 def test_output_folder_contents_and_remote_code(save_reference, run_convert, tmp_path):
     model, source = save_reference(Qwen2Config(**QWEN2, bos_token_id=1, eos_token_id=2))
-    for name in ("tokenizer.json", "tokenizer_config.json", "merges.txt"):
-        (source / name).write_text("{}" if name.endswith(".json") else "#version: 0.2\n")
+    (source / "tokenizer.json").write_text(Tokenizer(WordLevel({"[UNK]": 0}, unk_token="[UNK]")).to_str())
+    (source / "tokenizer_config.json").write_text("{}")
+    (source / "merges.txt").write_text("#version: 0.2\n")
     result = run_convert(source, verify=False)
     files = {path.name for path in result.output.iterdir()}
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "merges.txt"} <= files
