@@ -883,8 +883,13 @@ class OnnxDecoder:
                 f"tokens of shape {tokens.shape} for a batch of {state.attention_mask.shape[0]}; decode_one_token "
                 "takes one token per row"
             )
-        state.attention_mask = np.concatenate([state.attention_mask, np.ones((batch, 1), np.int64)], axis=1)
-        logits = self.forward(tokens.reshape(batch, 1), state.next_position[..., None], state)  # (B, 1) or (3, B, 1)
+        mask = state.attention_mask
+        state.attention_mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
+        try:
+            logits = self.forward(tokens.reshape(batch, 1), state.next_position[..., None], state)  # (B, 1) / (3, B, 1)
+        except BaseException:  # a refused token leaves the state as it was, so that the caller may go on from it
+            state.attention_mask = mask
+            raise
         state.next_position = state.next_position + 1
         return logits[:, -1]
 

@@ -289,3 +289,16 @@ def test_bad_inputs_are_refused_by_name(onnx_folder):
         )
     longer = decoder.decode_one_token(np.array([4]), state)  # the state itself still steps on
     assert longer.shape == (1, vocab) and state.cached == 4
+
+
+def test_a_refused_step_leaves_the_state_as_it_was(onnx_folder):
+    """From a QA sweep: each refused ``decode_one_token`` used to leave a mask column behind, so the next good token
+    was refused too ("attention_mask covers 5 slots, but the cache holds 3")."""
+    decoder = OnnxDecoder(onnx_folder("qwen3"), provider="cpu")
+    _, state = decoder.prefill([[3, 4, 5]], [[1, 1, 1]])
+    _, fresh = decoder.prefill([[3, 4, 5]], [[1, 1, 1]])
+    for bad in ([decoder.vocab_size], [-1], [2.5]):
+        with pytest.raises(ThinkerError):
+            decoder.decode_one_token(np.array(bad), state)
+        assert state.attention_mask.shape == (1, 3) and state.cached == 3
+    np.testing.assert_array_equal(decoder.decode_one_token(np.array([6]), state), decoder.decode_one_token([6], fresh))
