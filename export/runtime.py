@@ -97,22 +97,28 @@ def physical_cores() -> int:
 
 def folder_context(folder: Path) -> tuple[int | None, str]:
     """The positions a model folder's RoPE tables hold, and the key that says so: config.json's
-    max_position_embeddings, else genai_config.json's context_length (an ONNX folder without config.json), else
-    the rows of model.onnx's own tables (a folder with neither file); None where none gives a whole number above 0."""
+    max_position_embeddings, else genai_config.json's context_length (an ONNX folder without config.json); never
+    more than the rows of model.onnx's own tables, which also stand in where neither file gives a whole number above
+    0 (a config edited to a longer context would otherwise let a prompt run off the table inside onnxruntime).
+    None where nothing says."""
     config = read_json(folder / "config.json")
     key = "max_position_embeddings"
     context = config.get(key) if isinstance(config, dict) else None
-    if isinstance(context, int) and not isinstance(context, bool):  # a RoPE scaling may stretch it (YaRN)
+    if _whole(context):  # a RoPE scaling may stretch it (YaRN)
         context, key = export_context(context, config.get("rope_parameters"))
     if context is None:
         genai = read_json(folder / GENAI_CONFIG_FILE)
         model = genai.get("model") if isinstance(genai, dict) else None
         context = model.get("context_length") if isinstance(model, dict) else None
         key = f"context_length in {GENAI_CONFIG_FILE}"
-    if context is None and (folder / MODEL_FILE).is_file():
-        context, key = graph_context(folder / MODEL_FILE), f"the RoPE table rows of {MODEL_FILE}"
-    valid = isinstance(context, int) and not isinstance(context, bool) and context > 0
-    return (context if valid else None), key
+    rows = graph_context(folder / MODEL_FILE) if (folder / MODEL_FILE).is_file() else None
+    if rows is not None and not (_whole(context) and 0 < context <= rows):
+        context, key = rows, f"the RoPE table rows of {MODEL_FILE}"
+    return (context if _whole(context) and context > 0 else None), key
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def graph_context(model_path: Path) -> int | None:

@@ -347,6 +347,31 @@ def test_generate_checks_the_context_of_an_onnx_folder_without_either_config(qwe
     assert_error(result, "--prompt is 60 tokens", "needs 99 positions, beyond the model's 64", "RoPE table rows")
 
 
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"config.json": {"max_position_embeddings": 1000}},
+        {"config.json": None, "genai_config.json": {"model": {"context_length": 1000}}},
+        {"config.json": None, "genai_config.json": {"model": {"context_length": "x"}}},
+    ],
+    ids=["config-longer", "genai-longer", "genai-not-a-number"],
+)
+def test_a_config_claiming_more_context_than_the_graph_holds(edit, qwen3_onnx, tmp_path):
+    """From a QA sweep: a config edited to a longer context than the graph's RoPE table (64 rows) let generation run
+    off the table, into onnxruntime's RotaryEmbedding error with a traceback after 62 tokens."""
+    folder = shutil.copytree(qwen3_onnx, tmp_path / "onnx")
+    for name, change in edit.items():
+        if change is None:
+            (folder / name).unlink()
+            continue
+        config = json.loads((folder / name).read_text())
+        for key, value in change.items():
+            config[key] = config[key] | value if isinstance(value, dict) else value
+        (folder / name).write_text(json.dumps(config))
+    result = thinker("generate", folder, "-p", "the cat", "-n", "70")
+    assert_error(result, "needs 71 positions, beyond the model's 64", "RoPE table rows of model.onnx")
+
+
 def test_rope_tables_beyond_the_memory_available(qwen3_thinker, tmp_path, monkeypatch):
     """The tables hold a row per position; a context whose tables would not fit in memory is refused by key."""
     import collections
