@@ -68,7 +68,9 @@ def guard_token_ids(model_dir: Path, vocab_size: int, max_positions: int) -> tup
     ids, text = fidelity_token_ids(model_dir, vocab_size, length)
     if ids is not None and len(ids) > 1:
         return ids, text
-    return np.random.default_rng(0).integers(0, vocab_size, size=length, dtype=np.int64), "random ids (seed 0)"
+    reason = text if ids is None else "the paragraph is a single token"
+    random_ids = np.random.default_rng(0).integers(0, vocab_size, size=length, dtype=np.int64)
+    return random_ids, f"random ids (seed 0; {reason})"
 
 
 def matmul_units(model: onnx.ModelProto) -> dict[str, list[str]]:

@@ -282,6 +282,7 @@ def export_command(
     English paragraph (top-1 agreement, perplexity), failing below --min-top1 or above --max-perplexity-increase.
     """
     from .exporter import export_model
+    from .fidelity import FIDELITY_SOURCE
     from .quantize import QuantizeSpec
     from .quantized_verify import QualityGate
 
@@ -350,9 +351,10 @@ def export_command(
     guard = report.get("accuracy_guard")
     if guard:
         moved = guard["moved_to_level_1"]
+        text = "the paragraph" if guard["text"] == FIDELITY_SOURCE else guard["text"]  # or ids, without a tokenizer
         click.echo(
-            f"accuracy guard: int8 activations agree with float ones on {guard['agreement_before']:.1%} of the "
-            f"paragraph's next tokens (at least {guard['min_agreement']:.0%}): "
+            f"accuracy guard: int8 activations agree with float ones on {guard['agreement_before']:.1%} of the next "
+            f"tokens of {text} (at least {guard['min_agreement']:.0%}): "
             + (f"{', '.join(moved)} moved to level 1 ({guard['agreement']:.1%})" if moved else "nothing moved")
             + fallback_words(guard)
         )

@@ -98,6 +98,23 @@ def test_cli_runs_the_guard_by_default_and_turns_it_off(thinker_variant, tmp_pat
     assert json.loads((tmp_path / "off" / "export_report.json").read_text())["accuracy_guard"] is None
 
 
+def test_cli_says_what_the_guard_measured_on(thinker_variant, tmp_path):
+    """The paragraph through the model's tokenizer; without one, random ids, which the line used to call "the
+    paragraph" too (QA)."""
+    from thinker_common.side_files import tokenizer_files
+
+    folder = shutil.copytree(thinker_variant("qwen3", head_dim=16), tmp_path / "thinker")
+    args = ["--graph", "fused", "--quantize", "int4", "--block-size", "16", "--no-verify"]
+    said = CliRunner().invoke(main, ["export", str(folder), str(tmp_path / "with"), *args])
+    assert said.exit_code == 0 and "of the next tokens of the paragraph (at least 90%)" in said.output, said.output
+    for name in tokenizer_files(folder):
+        (folder / name).unlink()
+    said = CliRunner().invoke(main, ["export", str(folder), str(tmp_path / "without"), *args])
+    assert said.exit_code == 0, said.output
+    assert "of the next tokens of random ids (seed 0; no usable tokenizer in the model" in said.output, said.output
+    assert "paragraph" not in said.output
+
+
 def test_mean_kl_a_few_rows_at_a_time_is_the_whole_mean():
     from export.accuracy_guard import mean_kl
     from export.fidelity import log_softmax
