@@ -205,6 +205,11 @@ def export_model(
         generation_file = model_dir / "generation_config.json"
         search_options(read_json(generation_file), generation_file)  # its sampling keys, checked before any work
         whole_head_note = quantize.whole_head_note(config.vocab_size) if quantize else None
+        if quantize and quantize.float_embedding and not config.tie_word_embeddings:
+            raise ThinkerError(
+                f"--embedding float: {source}'s embedding is not tied to its head (tie_word_embeddings false), "
+                "so it stays float anyway; drop --embedding"
+            )
         if quantize:  # known only now: whether a mixed head's int8 rows are the whole vocabulary (the quantizer
             quantize = quantize.for_vocab(config.vocab_size)  # writes such a head whole either way: head_rows)
         plan = verify_plan(model_dir, graph_dtype, quantize is not None) if verify else None  # and the memory

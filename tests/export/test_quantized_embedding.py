@@ -9,6 +9,8 @@ fails an embedding that is not the head's.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -21,6 +23,7 @@ from export.dequantize import EMBEDDING, quantized_weights
 from export.quantize import QuantizeSpec
 from export.quantized_verify import QualityGate
 from export.verify import STREAMED, WHOLE
+from thinker_common.errors import ThinkerError
 
 INT4 = QuantizeSpec(bits=4, block_size=16)
 INT4_HEAD8 = QuantizeSpec(bits=4, block_size=16, head_bits=8)  # the CLI's int4 default: an int8 head
@@ -105,6 +108,17 @@ def test_float_embedding_where_it_cannot_be_shared(spec, onnx_variant):
     gathers = [n for n in model.graph.node if n.op_type == "Gather" and n.input[1] == "input_ids"]
     assert [n.input[0] for n in gathers] == [EMBEDDING]
     assert head_node(model).op_type == "MatMulNBits"
+
+
+def test_float_embedding_of_an_untied_model_is_refused(thinker_variant, tmp_path):
+    """An untied embedding stays float whatever --embedding says: given and unused, the option was silently ignored
+    (QA)."""
+    from export.exporter import export_model
+
+    folder = thinker_variant("qwen3", tie_word_embeddings=False)
+    with pytest.raises(ThinkerError, match=re.escape("is not tied to its head (tie_word_embeddings false)")):
+        export_model(folder, tmp_path / "out", quantize=INT8_FLOAT_EMBEDDING, verify=False)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("overrides", [TIED, PADDED], ids=["whole-blocks", "padded"])
