@@ -31,6 +31,7 @@ from .folder_weights import check_thinker_weights
 from .hub import refuse_empty_source, resolve_source
 from .model_card import gguf_card_metadata, tool_version, update_parity, write_thinker_card
 from .output import generation_config_for, generation_differences, write_generation_config, write_thinker_config
+from .output_dtype import resolve_dtype
 from .parity import parity_gate, parity_mode
 from .parity_report import BY_LAYER, FAILED_PARITY_FILE, PARITY_FILE, ParityReport
 from .spec import Family
@@ -214,6 +215,7 @@ def verify(
     finally:
         tensor_source.close()
     check_thinker_weights(converted, config)
+    refuse_other_dtype(converted, config)
     refuse_other_code(converted)
     if copies_tokenizer:
         refuse_other_tokenizer(Path(root), converted)
@@ -331,6 +333,24 @@ def refuse_another_config(tensor_source: TensorSource, converted: Path, source: 
             "that SOURCE (and --revision) name the checkpoint it was converted from"
         )
     return actual
+
+
+def refuse_other_dtype(converted: Path, config: ThinkerConfig) -> None:
+    """CONVERTED's config.json must name the dtype its weights are stored in (the one holding most of their bytes:
+    a conversion keeps a few tensors wider, ``kept_wider``). ``from_pretrained(dtype="auto")`` loads the folder in
+    the dtype the config names, which the parity check, loading each dtype it compares explicitly, never reads."""
+    weights = open_source(converted)
+    try:
+        stored = resolve_dtype("auto", None, weights)
+    finally:
+        weights.close()
+    declared = config.dtype if config.dtype is None or isinstance(config.dtype, str) else dtype_name(config.dtype)
+    if declared is not None and declared != dtype_name(stored):  # none: "auto" reads the weights themselves
+        raise ThinkerError(
+            f"{converted / 'config.json'}: dtype {declared!r}, but the folder's weights are stored in "
+            f"{dtype_name(stored)}, which from_pretrained(dtype='auto') would not load them as; set dtype to "
+            f"{dtype_name(stored)!r} (or convert the source again)"
+        )
 
 
 def folder_parameters(folder: Path) -> int:

@@ -546,6 +546,15 @@ def test_verify_refuses_what_is_not_a_conversion(qwen3_source, qwen3_thinker, so
         f"config.json is not the config {qwen3_source} translates to: max_position_embeddings (64 -> 100000)",
         "check that SOURCE (and --revision) name the checkpoint it was converted from",
     )
+    # the dtype from_pretrained(dtype="auto") loads in, which the parity check (each dtype loaded explicitly) never
+    # reads; a QA run found it passed, and the report then said the folder stored bfloat16
+    relabelled = shutil.copytree(qwen3_thinker, tmp_path / "relabelled")
+    edit_config(relabelled, dtype="bfloat16")
+    assert_error(
+        thinker("verify", qwen3_source, relabelled),
+        "config.json: dtype 'bfloat16', but the folder's weights are stored in float32",
+        "set dtype to 'float32'",
+    )
     swapped = thinker("verify", qwen3_thinker, qwen3_source)
     assert_error(swapped, f"{qwen3_thinker}: SOURCE is a Thinker folder", "order is `thinker verify SOURCE CONVERTED`")
     # the stop token generate() runs with, which no parity prompt reads (found by a QA run: it passed)
