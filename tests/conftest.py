@@ -45,7 +45,7 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"{mark}: a transformers common-test mark")
 
 
-# --- two processes (pytest-xdist, the README's ``-n 2 --dist loadgroup``) ----------------------------------------
+# --- workers (pytest-xdist, the README's ``-n auto --dist loadgroup``) ---------------------------------------------
 
 
 def pytest_collection_modifyitems(config, items):
