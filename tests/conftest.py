@@ -43,20 +43,51 @@ TRANSFORMERS_MARKS = (
 def pytest_configure(config):
     for mark in TRANSFORMERS_MARKS:
         config.addinivalue_line("markers", f"{mark}: a transformers common-test mark")
+    if config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadgroup":
+        # The controller queues groups in the workers' collection order (HEAVIEST_GROUPS_FIRST below) instead of
+        # sorting them by test count.
+        config.option.loadscopereorder = False
 
 
 # --- workers (pytest-xdist, the README's ``-n auto --dist loadgroup``) ---------------------------------------------
 
 
+# The groups that take longest, slowest first (one-process ``--durations``, 2026-12-02: ~210 s, then 84 s down to
+# 38 s; the other ~90 files take under 35 s each). Workers take groups in queue order, so starting these first and
+# letting the many small files fill in behind them keeps the two workers' finishing times close (longest-first, the
+# classic makespan heuristic). xdist's own order, by test count, started the SmolLM2 group (few tests, the longest)
+# near the end, where it alone could add minutes. A stale list costs time only, never a result.
+HEAVIEST_GROUPS_FIRST = (
+    "smollm2-demo",
+    "tests/export/test_inputs_embeds.py",
+    "tests/test_transformers_conformance.py",
+    "tests/test_faults.py",
+    "tests/export/test_verify_rejects.py",
+    "tests/export/test_onnx_qwen4_exp.py",
+    "tests/export/test_onnx_hybrid.py",
+    "tests/export/test_onnx_quantized.py",
+    "tests/test_progress.py",
+    "tests/converter/test_layer_parity.py",
+    "tests/export/test_quantized_embedding.py",
+)
+
+
+def _xdist_group(item) -> str:
+    return "smollm2-demo" if "smollm2_demo" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the marks into the node ids' "@group" suffix
 def pytest_collection_modifyitems(config, items):
     """Under ``--dist loadgroup``, each test file runs whole in one worker, so its module and session fixtures are
     built once there, not once per worker; the tests that read the real SmolLM2 demo (a minute to build) share one
-    group across their files. Without pytest-xdist nothing is marked."""
-    if not config.pluginmanager.hasplugin("xdist"):
+    group across their files. The heaviest groups are queued first. Only xdist's workers collect for the schedule
+    (the option is theirs); a plain run keeps its order and marks nothing."""
+    if not getattr(config.option, "loadgroup", False):
         return
     for item in items:
-        group = "smollm2-demo" if "smollm2_demo" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
+    rank = {group: i for i, group in enumerate(HEAVIEST_GROUPS_FIRST)}
+    items.sort(key=lambda item: rank.get(_xdist_group(item), len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="session", autouse=True)
