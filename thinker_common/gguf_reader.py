@@ -202,7 +202,22 @@ def _open_reader(path: Path) -> Any:
                 f"{int(tensor.data_offset) + int(tensor.n_bytes)}); re-download it"
             )
     _check_overlaps(path, reader)
+    _check_the_data_fills_the_file(path, reader, size)
     return reader
+
+
+def _check_the_data_fills_the_file(path: Path, reader: Any, size: int) -> None:
+    """The tensors' data runs to the end of the file (a writer pads each tensor to the alignment, so less than that
+    may follow the last). A header listing fewer tensors than were written parses, but the reader then takes the
+    leftover tensor records as the start of the data and every tensor's bytes from the wrong place: finite garbage
+    that both this converter and transformers' GGUF loading would read alike, so parity could not notice."""
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=int(reader.data_offset))
+    if size - end >= max(int(reader.alignment), 1):
+        raise ThinkerError(
+            f"{path}: {size - end} bytes follow the data of its {len(reader.tensors)} tensors (the last ends at byte "
+            f"{end} of {size}); its header does not describe the file, which is corrupt or crafted: "
+            f"{redownload(path)}"
+        )
 
 
 def _check_overlaps(path: Path, reader: Any) -> None:

@@ -9,6 +9,7 @@ and failure modes that the real file does not have.
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import gguf
@@ -310,6 +311,25 @@ def test_truncated_files(tmp_path: Path, gguf_path: Path) -> None:
         cut.write_bytes(data[:keep])
         with pytest.raises(ThinkerError, match=rf"cut{keep}\.gguf: .*(truncated|corrupt)"):
             GGUFSource(cut)
+
+
+def test_a_header_that_does_not_describe_the_whole_file(tmp_path: Path) -> None:
+    """From a QA sweep: a header counting one tensor fewer than the file holds parsed, and every tensor was read
+    from the wrong offset (the leftover record taken as data): finite garbage, converted with parity "pass", since
+    transformers' GGUF loading reads the same bytes. Bytes beyond the last tensor's data are refused."""
+    tiny = tmp_path / "tiny.gguf"
+    _write_gguf(tiny)
+    GGUFSource(tiny).close()  # the writer's own padding after the last tensor is fine
+    data = tiny.read_bytes()
+    (count,) = struct.unpack("<Q", data[8:16])
+    short = tmp_path / "short.gguf"
+    short.write_bytes(data[:8] + struct.pack("<Q", count - 1) + data[16:])
+    with pytest.raises(ThinkerError, match=r"short\.gguf: \d+ bytes follow the data of its 3 tensors .* corrupt"):
+        GGUFSource(short)
+    extra = tmp_path / "extra.gguf"
+    extra.write_bytes(data + bytes(64))
+    with pytest.raises(ThinkerError, match=r"extra\.gguf: 64 bytes follow the data of its 4 tensors"):
+        GGUFSource(extra)
 
 
 # --- config for the other architectures -------------------------------------------------------------------------
