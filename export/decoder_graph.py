@@ -52,7 +52,15 @@ from .hybrid_attention_graph import (
     rotary_dim,
 )
 from .linear_attention_graph import GatedDeltaNetDims, GatedDeltaNetGraph, PaddingMasks, emit_padding_masks
-from .names import DEEPSTACK_SCOPE, LAST_POSITION_SCOPE, ROPE_SIN_TABLE, ROPE_TABLE, TOKENS_SCOPE, export_context
+from .names import (
+    DEEPSTACK_SCOPE,
+    LAST_POSITION_SCOPE,
+    POSITION_TABLE,
+    ROPE_SIN_TABLE,
+    ROPE_TABLE,
+    TOKENS_SCOPE,
+    export_context,
+)
 from .qwen4_exp_graph import (
     Qwen4ExpValues,
     emit_final_mix,
@@ -358,7 +366,7 @@ class DecoderGraph:
             else:
                 hidden = self.b.op("Gather", self.weight("model.embed_tokens.weight"), input_ids)  # (B, T, C)
         if self.config.position_embedding_type == "learned":
-            positions = self.b.op("Gather", self.weight("model.embed_positions.weight"), position_ids)
+            positions = self.b.op("Gather", self.weight(POSITION_TABLE), position_ids)
             hidden = self.b.op("Add", hidden, positions)
         return hidden
 

@@ -26,6 +26,9 @@ REPORT_FILE = "export_report.json"
 # The RoPE cos table both graphs store, one row per position: an export's context where no config says it.
 ROPE_TABLE = "rotary_emb.cos_cache"
 ROPE_SIN_TABLE = "rotary_emb.sin_cache"
+# A learned-position model's table (GPT-2 layout, ``position_embedding_type="learned"``), under its Thinker weight's
+# name: one row per position, the graph's context as the RoPE table is for the others.
+POSITION_TABLE = "model.embed_positions.weight"
 GENAI_CONFIG_FILE = "genai_config.json"
 
 # --graph: "plain", standard ONNX operators only; "fused", onnxruntime's contrib operators (export/fused_graph.py).

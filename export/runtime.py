@@ -59,6 +59,7 @@ from .names import (
     LAST_POSITION_SCOPE,
     MODEL_FILE,
     PADDING_KEY,
+    POSITION_TABLE,
     ROPE_TABLE,
     export_context,
 )
@@ -96,11 +97,11 @@ def physical_cores() -> int:
 
 
 def folder_context(folder: Path) -> tuple[int | None, str]:
-    """The positions a model folder's RoPE tables hold, and the key that says so: config.json's
-    max_position_embeddings, else genai_config.json's context_length (an ONNX folder without config.json); never
-    more than the rows of model.onnx's own tables, which also stand in where neither file gives a whole number above
-    0 (a config edited to a longer context would otherwise let a prompt run off the table inside onnxruntime).
-    None where nothing says."""
+    """The positions a model folder's graph holds, and the key that says so: config.json's max_position_embeddings,
+    else genai_config.json's context_length (an ONNX folder without config.json); never more than the rows of
+    model.onnx's own position table (RoPE's, or a learned one), which also stand in where neither file gives a whole
+    number above 0 (a config edited to a longer context would otherwise let a prompt run off the table inside
+    onnxruntime). None where nothing says."""
     config = read_json(folder / "config.json")
     key = "max_position_embeddings"
     context = config.get(key) if isinstance(config, dict) else None
@@ -111,9 +112,9 @@ def folder_context(folder: Path) -> tuple[int | None, str]:
         model = genai.get("model") if isinstance(genai, dict) else None
         context = model.get("context_length") if isinstance(model, dict) else None
         key = f"context_length in {GENAI_CONFIG_FILE}"
-    rows = graph_context(folder / MODEL_FILE) if (folder / MODEL_FILE).is_file() else None
+    rows, table = graph_context(folder / MODEL_FILE) if (folder / MODEL_FILE).is_file() else (None, "")
     if rows is not None and not (_whole(context) and 0 < context <= rows):
-        context, key = rows, f"the RoPE table rows of {MODEL_FILE}"
+        context, key = rows, f"the {table} rows of {MODEL_FILE}"
     return (context if _whole(context) and context > 0 else None), key
 
 
@@ -121,15 +122,22 @@ def _whole(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def graph_context(model_path: Path) -> int | None:
-    """The rows of an export's RoPE table (both graphs store ``rotary_emb.cos_cache``, one row per position), read
-    from the graph alone: its weights stay on disk."""
+# The tables a graph holds one row per position in, by initializer name, and what a message calls them.
+POSITION_TABLES = {ROPE_TABLE: "RoPE table", POSITION_TABLE: "position table"}
+
+
+def graph_context(model_path: Path) -> tuple[int | None, str]:
+    """The rows of an export's position table (both graphs store RoPE's ``rotary_emb.cos_cache``, a learned-position
+    model its ``model.embed_positions.weight``), one row per position, and what the table is; read from the graph
+    alone: its weights stay on disk. (None, "") where the graph holds neither."""
     try:
         graph = onnx.load(str(model_path), load_external_data=False).graph
     except Exception:  # a damaged file: whoever loads it says so
-        return None
-    table = next((t for t in graph.initializer if t.name == ROPE_TABLE), None)
-    return int(table.dims[0]) if table is not None and table.dims else None
+        return None, ""
+    for tensor in graph.initializer:
+        if tensor.name in POSITION_TABLES and tensor.dims:
+            return int(tensor.dims[0]), POSITION_TABLES[tensor.name]
+    return None, ""
 
 
 def session_options(threads: int | None = None) -> ort.SessionOptions:
@@ -348,7 +356,7 @@ class OnnxDecoder:
         self.last_logits_only = [d.dim_value for d in logits.type.tensor_type.shape.dim][1:2] == [1]
         vocab = [d.dim_value for d in logits.type.tensor_type.shape.dim][2:3]
         self.vocab_size = vocab[0] if vocab and vocab[0] > 0 else None  # ids at or past it would fail in Gather
-        self.context_length = folder_context(self.model_path.parent)[0]  # the RoPE tables' rows, where known
+        self.context_length = folder_context(self.model_path.parent)[0]  # the position table's rows, where known
         # onnxruntime's GroupQueryAttention (the fused graph) takes several new tokens after a non-empty cache at
         # batch 1 only; ``forward`` refuses the other case by name rather than with the kernel's error.
         self.chunks_need_batch_1 = any(node.op_type == "GroupQueryAttention" for node in graph.node)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 
 import numpy as np
 import onnx
@@ -302,3 +304,20 @@ def test_a_refused_step_leaves_the_state_as_it_was(onnx_folder):
             decoder.decode_one_token(np.array(bad), state)
         assert state.attention_mask.shape == (1, 3) and state.cached == 3
     np.testing.assert_array_equal(decoder.decode_one_token(np.array([6]), state), decoder.decode_one_token([6], fresh))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen3"])
+def test_a_config_claiming_more_context_than_the_position_table(family, onnx_folder, tmp_path):
+    """From a QA sweep: a config edited to a longer context than the graph holds let a learned-position model (GPT-2
+    layout) generate past its position table, into onnxruntime's Gather error with a traceback; the bound read only
+    RoPE's table. Either table's rows bound the context, and the message names the table."""
+    folder = shutil.copytree(onnx_folder(family), tmp_path / family)
+    config = json.loads((folder / "config.json").read_text())
+    rows = config["max_position_embeddings"]
+    (folder / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 10 * rows}))
+    decoder = OnnxDecoder(folder, provider="cpu")
+    assert decoder.context_length == rows
+    with pytest.raises(ThinkerError, match=f"need {rows + 1} positions, past this model's context of {rows}"):
+        decoder.generate(np.full((1, rows - 8), 3), max_new_tokens=10)
+    table = "position table" if family == "gpt2" else "RoPE table"
+    assert export.runtime.folder_context(folder) == (rows, f"the {table} rows of {MODEL_FILE}")
