@@ -78,6 +78,15 @@ def index_misfiling_a_tensor(folder: Path) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
 
+def shards_sharing_a_tensor(folder: Path) -> None:
+    """Two shards that both hold one tensor (a shard of another download beside them), named by the index."""
+    tensors = load_file(folder / "model.safetensors")
+    shared = next(iter(tensors))
+    save_file({shared: tensors[shared]}, folder / "model-b.safetensors")
+    weight_map = {name: "model.safetensors" for name in tensors} | {shared: "model-b.safetensors"}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
 def drop(name: str) -> Callable[[dict[str, torch.Tensor]], None]:
     return lambda tensors: tensors.pop(name)
 
@@ -104,6 +113,11 @@ CONVERT_CASES = {
         index_misfiling_a_tensor,
         [],
         ["model.safetensors.index.json", "to 'model.safetensors', which does not hold it", "re-download"],
+    ),
+    "shards share a tensor": (
+        shards_sharing_a_tensor,
+        [],
+        ["in both model-b.safetensors and model.safetensors", "not all of one checkpoint", "re-download"],
     ),
     "unknown architecture": (
         lambda folder: edit_config(folder, model_type="mamba", architectures=["MambaForCausalLM"]),

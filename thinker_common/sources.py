@@ -194,7 +194,11 @@ class SafetensorsSource(FolderSource):
             for name in handle.keys():
                 if name in self._file_of:
                     self.close()
-                    raise ThinkerError(f"tensor {name!r} appears in both {self._file_of[name].name} and {path.name}")
+                    raise ThinkerError(
+                        f"{path.parent}: tensor {name!r} is in both {self._file_of[name].name} and {path.name}, so its "
+                        f"files are not all of one checkpoint (a shard of another download beside them?); "
+                        f"{redownload(path)}"
+                    )
                 self._file_of[name] = path
                 self._handles[name] = handle
             self._byte_ranges.update(_data_byte_ranges(path))
