@@ -45,6 +45,7 @@ from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NotImp
 
 from thinker_common.errors import ThinkerError
 from thinker_common.side_files import read_json
+from thinker_common.source_files import regular_file
 
 from .graph_walk import all_nodes, rotates
 from .names import (
@@ -250,13 +251,14 @@ def check_external_data(model_path: Path) -> onnx.ModelProto:
     outside = sorted(name for name in ends if Path(name).is_absolute() or ".." in Path(name).parts)
     if outside:
         raise ThinkerError(f"{model_path}: names weights outside its folder ({outside[0]}); refusing to read them")
-    missing = sorted(name for name in ends if not (model_path.parent / name).is_file())
+    missing = sorted(name for name in ends if not os.path.lexists(model_path.parent / name))
     if missing:
         raise ThinkerError(
             f"{model_path.parent}: {', '.join(missing)} missing beside {model_path.name}; the ONNX folder is "
             "incomplete: copy the whole folder, or export it again"
         )
     for name, end in ends.items():
+        regular_file(model_path.parent / name)  # a named pipe or a device in its place: says what it is instead
         check_weights_stamp(model, model_path, model_path.parent / name)
         size = (model_path.parent / name).stat().st_size
         if size < end:

@@ -448,6 +448,14 @@ def another_exports_weights(folder: Path) -> None:
         (lambda f: (f / "tokenizer.json").unlink(), ["no usable tokenizer"]),
         (another_exports_weights, ["model.onnx.data", "bytes, but model.onnx was exported with", "another export"]),
         (same_size_foreign_weights, ["model.onnx.data: not the weights model.onnx was exported with", "another"]),
+        (  # from a QA sweep: was "missing", as was a link to /dev/zero
+            lambda f: ((f / "model.onnx.data").unlink(), os.mkfifo(f / "model.onnx.data")),
+            ["model.onnx.data: a named pipe", "not a regular file"],
+        ),
+        (
+            lambda f: ((f / "model.onnx.data").unlink(), (f / "model.onnx.data").symlink_to(f / "gone")),
+            ["model.onnx.data: a broken symlink", "restore the file it points to"],
+        ),
     ],
     ids=[
         "no model.onnx.data",
@@ -456,6 +464,8 @@ def another_exports_weights(folder: Path) -> None:
         "no tokenizer",
         "foreign weights",
         "foreign weights of the same size",
+        "a named pipe for model.onnx.data",
+        "a broken link for model.onnx.data",
     ],
 )
 def test_generate_with_an_incomplete_onnx_folder(damage, fragments, qwen3_onnx, tmp_path):
