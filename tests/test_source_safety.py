@@ -480,3 +480,11 @@ def test_a_fifo_config_in_a_thinker_folder(qwen3_thinker, tmp_path):
     os.mkfifo(pipe)
     result = thinker_meeting_pipes("export", folder, tmp_path / "onnx", "--no-verify", pipes=[pipe])
     assert_error(result, "generation_config.json", "pipe")
+
+
+def test_a_path_too_long_whose_names_all_fit(qwen3_source, tmp_path):
+    """From a QA sweep: every name under 255 bytes, the whole path past Linux's 4096: the advice blamed a name."""
+    long = tmp_path.joinpath(*["d" * 200] * 22, "out")
+    result = thinker("convert", qwen3_source, long, "--no-verify")
+    assert_error(result, "File name too long; the whole path is longer than the system takes (4096 bytes)")
+    assert sorted(os.listdir(tmp_path)) == []

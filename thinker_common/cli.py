@@ -130,7 +130,14 @@ def os_error_line(err: OSError) -> str:
     """One line for an OSError: the file it names, what happened, and what to do."""
     where = f"{err.filename}: " if err.filename else ""
     advice = _OS_ERROR_ADVICE.get(err.errno)
+    if err.errno == errno.ENAMETOOLONG and err.filename and not _a_name_too_long(err.filename):
+        # every name fits: the whole path is what is too long (Linux's PATH_MAX, 4096 bytes)
+        advice = "the whole path is longer than the system takes (4096 bytes): choose a shorter path"
     return f"{where}{err.strerror or err}" + (f"; {advice}" if advice else "")
+
+
+def _a_name_too_long(path) -> bool:
+    return any(len(part) > 255 for part in os.fsencode(path).split(b"/"))
 
 
 class Terminated(BaseException):
