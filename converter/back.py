@@ -20,6 +20,7 @@ source -> Thinker -> source is bit-exact.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import Counter
 from pathlib import Path
@@ -96,7 +97,9 @@ def export_config(family: Family, config: ThinkerConfig) -> dict[str, Any]:
     try:
         exported = family.export_config(config)
     except (TypeError, ValueError, StrictDataclassError) as err:  # the family's config class refuses the values
-        reason = " ".join(str(err).split())
+        # a strict config class wraps its validator's words in its own ("Class validation error for validator
+        # 'validate_architecture': ValueError: ..."): the words are what the user needs
+        reason = re.sub(r"^Class validation error for validator '\w+': \w+: ", "", " ".join(str(err).split()))
         raise ThinkerError(f"this Thinker model is not expressible as {family.name}: {reason}") from None
     try:
         translated = family.translate_config(exported)
