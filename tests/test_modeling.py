@@ -413,8 +413,8 @@ def test_inputs_of_disagreeing_shapes_are_refused_by_name(tiny_thinker):
     with torch.no_grad():
         past = model(ids, use_cache=True).past_key_values
         with pytest.raises(ValueError, match=r"the 5 cached tokens \+ this call's 1\) = \(2, 6\)"):
-            model(ids[:, :1], attention_mask=torch.ones(2, 5, dtype=torch.long), past_key_values=past)
-        ok = model(ids[:, :1], attention_mask=torch.ones(2, 6, dtype=torch.long), past_key_values=past)
+            model(ids[:, :1], attention_mask=torch.ones(2, 5, dtype=torch.long), cache=past)
+        ok = model(ids[:, :1], attention_mask=torch.ones(2, 6, dtype=torch.long), cache=past)
     assert ok.logits.shape == (2, 1, model.config.vocab_size)
     assert model(ids, position_ids=torch.arange(5)[None]).logits.shape[:2] == (2, 5)  # one row for every row
 
