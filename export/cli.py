@@ -450,6 +450,13 @@ def one_prompt(given: tuple[str, ...]) -> str:
     return given[0]
 
 
+def max_new_tokens_option(default: int, help: str):
+    """``--max-new-tokens`` / ``-n``, as generate and demo both take it."""
+    return click.option(
+        "--max-new-tokens", "-n", type=click.IntRange(min=1), default=default, show_default=True, help=help
+    )
+
+
 @click.command("generate", context_settings=CONTEXT)
 @click.argument("folder", type=click.Path(path_type=Path))
 @click.option(
@@ -461,14 +468,10 @@ def one_prompt(given: tuple[str, ...]) -> str:
     help="The text to continue (with --chat: the user's message); - reads it from stdin (the one newline that "
     "ends it, as echo writes, dropped). One prompt a run.",
 )
-@click.option(
-    "--max-new-tokens",
-    "-n",
-    type=click.IntRange(min=1),
-    default=32,
-    show_default=True,
-    help="The most tokens to generate; it stops sooner at the model's end-of-sequence token (generation_config.json "
-    "or config.json). The prompt and these must fit the model's context.",
+@max_new_tokens_option(
+    32,
+    "The most tokens to generate; it stops sooner at the model's end-of-sequence token (generation_config.json or "
+    "config.json). The prompt and these must fit the model's context.",
 )
 @click.option(
     "--chat",
@@ -578,14 +581,7 @@ def _stdin_prompt() -> str:
     show_default=True,
     help="The text steps 2 and 4 continue, as it is (no chat template).",
 )
-@click.option(
-    "--max-new-tokens",
-    "-n",
-    type=click.IntRange(min=1),
-    default=12,
-    show_default=True,
-    help="The most tokens steps 2 and 4 generate (they stop sooner at the end-of-sequence token).",
-)
+@max_new_tokens_option(12, "The most tokens steps 2 and 4 generate (they stop sooner at the end-of-sequence token).")
 @reports_errors
 @click.pass_context
 def demo_command(ctx: click.Context, workdir: Path, prompt: str, max_new_tokens: int) -> None:
