@@ -125,6 +125,20 @@ def head_quantized(model_path: Path) -> bool:
     return HEAD in quantized_weight_readers(model_path)
 
 
+def refuse_nothing_quantized(
+    quantize: QuantizeSpec, nodes_by_op: dict[str, int], quantizer: WeightQuantizer, source: str | Path
+) -> None:
+    """``--quantize`` that quantized no weight (a --block-size wider than every projection's input) is refused: the
+    export would be the float graph under a quantized label, and its accuracy guard and verify would run for
+    nothing."""
+    from .dequantize import QUANTIZED_OPS
+
+    if any(nodes_by_op.get(op) for op in (*QUANTIZED_OPS, "DequantizeLinear")):  # the plain graph's int8 experts
+        return
+    why = quantizer.narrow_note() or "no projection of it has a quantizable shape"
+    raise ThinkerError(f"--quantize int{quantize.bits}: no weight of {source} would be quantized: {why}")
+
+
 def float_experts_note(config: ThinkerConfig, quantize: QuantizeSpec | None, nodes_by_op: dict[str, int]) -> str | None:
     """A quantized MoE export whose routed experts stayed float (most of an MoE's weights) says so on the console,
     not only in export_report.json."""
@@ -219,6 +233,11 @@ def export_model(
         files = build_onnx(
             model_dir, config, final, graph_dtype, graph_class, quantizer, progress, positions, logits, str(source)
         )
+        if quantize:
+            refuse_nothing_quantized(quantize, files.nodes_by_op, quantizer, source)
+            head_is_quantized = head_quantized(files.model_path)
+            if not head_is_quantized:  # the head stayed float (narrower than a block): it has no int8 rows either
+                whole_head_note = None
         guard = None
         if quantize and quantize.accuracy_level == 4 and accuracy_guard is not None:
             from .accuracy_guard import guard_accuracy_level
@@ -259,8 +278,7 @@ def export_model(
             "positions": positions,
             "logits": logits,
             "inputs_embeds": {"model": EMBEDS_MODEL_FILE, "embed": EMBED_FILE} if inputs_embeds else None,
-            "quantize": quantize.describe(head_quantized(files.model_path))
-            | routed_experts(config, files.nodes_by_op, guard)
+            "quantize": quantize.describe(head_is_quantized) | routed_experts(config, files.nodes_by_op, guard)
             if quantize
             else None,
             "accuracy_guard": guard,

@@ -300,17 +300,25 @@ def test_routed_experts_left_float_are_named_in_a_note(thinker_variant, tmp_path
 
 def test_projections_narrower_than_a_block_are_named_in_a_note(thinker_variant, tmp_path):
     """A block wider than a projection's input leaves it float (MatMulNBits quantizes whole blocks along the input):
-    the export says which, and what block size would take them; a block that fits leaves no note."""
+    the export says which, and what block size would take them; a block that fits leaves no note. A block wider than
+    every input would quantize nothing: refused, naming the widths (from a QA sweep: it exported the float graph
+    under a quantized label, and said its float head's int8 rows covered the vocabulary)."""
     folder = thinker_variant("qwen3", head_dim=16)
     hidden = json.loads((folder / "config.json").read_text())["hidden_size"]
     quantized = ["--no-verify", "--quantize", "int4", "--block-size"]
-    wide = CliRunner().invoke(main, ["export", str(folder), str(tmp_path / "wide"), *quantized, "256"])
-    assert wide.exit_code == 0, wide.output
+    wide = CliRunner().invoke(main, ["export", str(folder), str(tmp_path / "wide"), *quantized, "64"])
+    assert wide.exit_code == 0, wide.output  # o_proj's input (4 heads x 16) is one block; the rest stay float
     (note,) = [line for line in wide.stderr.splitlines() if "stay float" in line]
-    assert f"input width ({hidden}" in note and "--block-size 256" in note and "model.layers.0." in note, note
+    assert f"input width ({hidden}" in note and "--block-size 64" in note and "model.layers.0." in note, note
     report = json.loads((tmp_path / "wide" / "export_report.json").read_text())
     assert any("stay float" in n for n in report["notes"]), report["notes"]
+    assert not any("int8 rows" in n for n in report["notes"]), report["notes"]  # the head is float: no rows
     assert report["quantize"]["head"] == "float", report["quantize"]  # what the graph holds, not what was asked
+
+    wider = CliRunner().invoke(main, ["export", str(folder), str(tmp_path / "wider"), *quantized, "256"])
+    assert wider.exit_code == 1 and not (tmp_path / "wider").exists(), wider.output
+    (line,) = [line for line in wider.output.splitlines() if line.startswith("error:")]
+    assert "--quantize int4: no weight of" in line and "would be quantized" in line and "--block-size 256" in line
 
     fits = CliRunner().invoke(main, ["export", str(folder), str(tmp_path / "fits"), *quantized, "16"])
     assert fits.exit_code == 0 and "stay float" not in fits.output, fits.output
