@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from thinker import ThinkerConfig
 from thinker_common.dtypes import dtype_name
 from thinker_common.errors import ThinkerError
@@ -35,6 +37,7 @@ from .output_dtype import resolve_dtype
 from .parity import parity_gate, parity_mode
 from .parity_report import BY_LAYER, FAILED_PARITY_FILE, PARITY_FILE, ParityReport
 from .spec import Family
+from .weights_check import weights_verdict
 
 # The Thinker's modeling code a converted folder ships beside its weights (converter/output.py).
 SHIPPED_CODE = ("modeling_thinker.py", "configuration_thinker.py")
@@ -215,14 +218,19 @@ def verify(
     finally:
         tensor_source.close()
     check_thinker_weights(converted, config)
-    refuse_other_dtype(converted, config)
+    stored_dtype = refuse_other_dtype(converted, config)
     refuse_other_code(converted)
     if copies_tokenizer:
         refuse_other_tokenizer(Path(root), converted)
+    tensor_source = open_source(root)
+    try:  # every weight bit for bit: an edit too small for the parity tolerance is named by tensor and row
+        weights = weights_verdict(tensor_source, converted, stored_dtype, named)
+    finally:
+        tensor_source.close()
     mode, note = (BY_LAYER, "") if by_layer else parity_mode(folder_parameters(converted), memory_budget)
     if report_path is not None:
         failure = f"{converted} does not match its reference {source}; the report is in {report_path}"
-        return parity_gate(root, converted, source_family(root), report_path, failure, mode, note)
+        return parity_gate(root, converted, source_family(root), report_path, failure, mode, note, weights=weights)
     # A failing report goes beside parity.json, not over it: a mistaken SOURCE (another revision, another model)
     # must not erase the record of the conversion that CONVERTED came from.
     failure = f"{converted} does not match its reference {source}; the report is in {FAILED_PARITY_FILE}"
@@ -237,6 +245,7 @@ def verify(
         mode,
         note,
         failed_path=converted / FAILED_PARITY_FILE,
+        weights=weights,
     )
     update_parity(converted, report)
     with contextlib.suppress(FileNotFoundError):  # a failing report from before, now answered
@@ -335,7 +344,7 @@ def refuse_another_config(tensor_source: TensorSource, converted: Path, source: 
     return actual
 
 
-def refuse_other_dtype(converted: Path, config: ThinkerConfig) -> None:
+def refuse_other_dtype(converted: Path, config: ThinkerConfig) -> torch.dtype:
     """CONVERTED's config.json must name the dtype its weights are stored in (the one holding most of their bytes:
     a conversion keeps a few tensors wider, ``kept_wider``). ``from_pretrained(dtype="auto")`` loads the folder in
     the dtype the config names, which the parity check, loading each dtype it compares explicitly, never reads."""
@@ -351,6 +360,7 @@ def refuse_other_dtype(converted: Path, config: ThinkerConfig) -> None:
             f"{dtype_name(stored)}, which from_pretrained(dtype='auto') would not load them as; set dtype to "
             f"{dtype_name(stored)!r} (or convert the source again)"
         )
+    return stored
 
 
 def folder_parameters(folder: Path) -> int:

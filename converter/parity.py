@@ -40,6 +40,7 @@ from .parity_report import (
     BY_LAYER,
     GREEDY_TOKENS,
     HALF_TOP1_MIN,
+    IDENTICAL,
     WHOLE_MODEL,
     DtypeParity,
     ParityFailed,
@@ -297,15 +298,21 @@ def parity_gate(
     mode_note: str = "",
     dtype: torch.dtype | None = None,
     failed_path: Path | None = None,
+    weights: str | None = None,
 ) -> ParityReport:
     """``check_parity``, its report written to ``report_path`` (a failing one to ``failed_path``, where given);
-    ``ParityFailed(failure)`` when it fails."""
+    ``ParityFailed(failure)`` when it fails. ``weights``: the exact check's verdict (``thinker verify``), recorded in
+    the report and failing it unless IDENTICAL."""
     report = check_parity(reference, converted, family, mode, dtype)
     report.mode_note = mode_note
+    report.weights = weights
     write_report(report, report_path if report.passed or failed_path is None else failed_path)
     if not report.passed:
         where = next((r.first_divergence for r in report.results if not r.passed and r.first_divergence), None)
-        raise ParityFailed(f"{failure}; first divergence: {where}" if where else failure, report)
+        detail = f"; first divergence: {where}" if where else ""
+        if weights not in (None, IDENTICAL):
+            detail += f"; {weights}"
+        raise ParityFailed(failure + detail, report)
     return report
 
 

@@ -13,6 +13,8 @@ from typing import Any
 from thinker_common.errors import ThinkerError
 from thinker_common.staging import write_atomically
 
+IDENTICAL = "every tensor bit for bit what converting the source writes"
+
 PARITY_FILE = "parity.json"
 # `thinker verify`'s failing report, written beside a folder's parity.json rather than over it (below)
 FAILED_PARITY_FILE = "parity.failed.json"
@@ -69,10 +71,13 @@ class ParityReport:
     results: list[DtypeParity] = field(default_factory=list)
     mode: str = WHOLE_MODEL
     mode_note: str = ""  # why this mode, when it was not asked for
+    # ``thinker verify``'s exact check (converter/weights_check.py): IDENTICAL, or the first tensor and row that
+    # differ from what converting the source writes; None where it did not run (a conversion writes them itself)
+    weights: str | None = None
 
     @property
     def passed(self) -> bool:
-        return all(result.passed for result in self.results)
+        return all(result.passed for result in self.results) and self.weights in (None, IDENTICAL)
 
     @property
     def rounding_note(self) -> str:
@@ -129,6 +134,8 @@ class ParityReport:
                     parts += [f"{what} of {count} layers"] if count else []
                 reached = ", ".join(parts[:-1]) + f" and {parts[-1]}" if len(parts) > 1 else parts[0]
                 rows.append(f"{r.dtype}: {reached}, beyond the prompts' reach, on inputs of their own: {verdict}")
+        if self.weights is not None:
+            rows.append(f"weights: {self.weights}")
         if self.rounding_note:
             rows.append(self.rounding_note)
         return "\n".join(rows)

@@ -153,6 +153,27 @@ def test_verify_standalone_passes_then_names_the_broken_layer(source, tmp_path):
     assert not (converted / "parity.failed.json").exists()
 
 
+def test_verify_names_a_weight_edited_below_the_parity_tolerance(source, tmp_path):
+    """From a QA sweep at size: one row scaled by 1.001 moved the logits by a tenth of the tolerance and passed
+    ``thinker verify``. The exact check compares every tensor with what converting the source writes, bit for bit:
+    the row is named, the report fails with the logits passing, and parity.json stays the record it was."""
+    runner = CliRunner()
+    converted = tmp_path / "out"
+    assert runner.invoke(convert_command, [str(source), str(converted)]).exit_code == 0
+    name = "model.layers.1.mlp.down_proj.weight"
+    weights = load_file(converted / "model.safetensors")
+    weights[name][3] *= 1.001
+    save_file(weights, converted / "model.safetensors", metadata={"format": "pt"})
+    result = runner.invoke(verify_command, [str(source), str(converted)])
+    assert result.exit_code == 1, result.output
+    assert f"tensor {name!r} is not what converting {source} writes (row 3 of" in result.stderr, result.stderr
+    assert "FAIL" not in result.stdout and "weights: " in result.stdout  # the logits agree within the tolerance
+    failed = json.loads((converted / "parity.failed.json").read_text())
+    assert failed["passed"] is False and all(row["passed"] for row in failed["results"]), failed
+    assert "row 3 of" in failed["weights"]
+    assert json.loads((converted / "parity.json").read_text())["weights"] is None  # the conversion's own record
+
+
 def folder_state(folder: Path) -> dict[str, tuple[bytes, int]]:
     return {path.name: (path.read_bytes(), path.stat().st_mtime_ns) for path in sorted(folder.iterdir())}
 
