@@ -70,6 +70,25 @@ def conversions(tmp_path_factory):
     return get
 
 
+def test_verify_reads_the_tables_joined_from_pieces_bit_for_bit(conversions, tmp_path):
+    """``thinker verify``'s exact check over the n-gram tables the conversion joins from pieces, one piece at a time:
+    a sound folder passes; a value changed in a later piece is named by its row of the joined table."""
+    _, source, thinker, _ = conversions("causal-lm")
+    result = cli(verify_command, source, thinker, "--report", str(tmp_path / "sound.json"))
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "sound.json").read_text())["weights"].startswith("every tensor bit for bit")
+    edited = tmp_path / "edited"
+    edited.mkdir()
+    for path in thinker.iterdir():
+        (edited / path.name).write_bytes(path.read_bytes())
+    table = next(name for name in load_file(thinker / "model.safetensors") if "ngram_embedding" in name)
+    rows = load_file(thinker / "model.safetensors")[table].shape[0]
+    rewrite(edited, lambda tensors: tensors[table][rows - 1].mul_(1.001))
+    result = cli(verify_command, source, edited, "--report", str(tmp_path / "edited.json"))
+    assert result.exit_code == 1 and f"tensor {table!r} is not what converting" in result.output, result.output
+    assert f"(row {rows - 1} of" in result.output, result.output
+
+
 @pytest.mark.parametrize("layout", list(CASES))
 def test_converts_with_the_parity_gate(conversions, layout):
     model, source, thinker, output = conversions(layout)
