@@ -174,8 +174,9 @@ DEVICE_THREADS = 8
 
 def device_calls(manifest: dict, kit: Path) -> list[dict]:
     """The ``run`` calls of a GPU session, in order, for 15 minutes of device time: one per part; the last also
-    installs, then runs the tests and the probe while the bench's exports are made beside them (exports are mostly
-    CPU work, the tests' models are small); a last call times the runtimes on those exports."""
+    installs, then runs the tests, the probe, the half-precision reference and CUDA's QMoE layouts while the bench's
+    exports are made beside them (exports are mostly CPU work, the tests' models are small); a last call times the
+    runtimes on those exports."""
     folder = kit.relative_to(REPO).as_posix()
     calls = []
     for index, part in enumerate(manifest["parts"]):
@@ -185,7 +186,7 @@ def device_calls(manifest: dict, kit: Path) -> list[dict]:
             command += " && python3 bench/gpu_kit.py install && { "
             command += f"python3 bench/gpu_kit.py run bench --exports-only --threads {DEVICE_THREADS} >/dev/null & "
             command += "python3 bench/gpu_kit.py run tests; python3 bench/gpu_kit.py run probe; "
-            command += "python3 bench/gpu_kit.py run half; wait; }"
+            command += "python3 bench/gpu_kit.py run half; python3 bench/gpu_kit.py run qmoe; wait; }"
         calls.append({"carry": [f"{folder}/manifest.json", f"{folder}/{part['name']}"], "command": command})
     bench = f"python3 bench/gpu_kit.py run bench --reuse-exports --threads {DEVICE_THREADS} --reps 2"
     calls.append({"carry": [], "command": bench})

@@ -61,13 +61,16 @@ from .quantize import HEAD
 from .routing import checked_probes
 from .runtime import OnnxDecoder
 from .verify import (
+    AROUND,
     CONTINUATION_PASSES,
     CONTINUATION_STEPS,
     DECODE_STEPS,
     DEEP_PASSES,
     IMAGE_POSITIONS,
     LONG_PASSES,
+    PADDED_AROUND,
     REFERENCE_DTYPE,
+    RIGHT,
     STREAMED,
     WHOLE,
     batch_failure,
@@ -87,6 +90,7 @@ from .verify import (
     judge,
     long_prompt_failures,
     long_prompts,
+    padded_around_failures,
     side_graph_failures,
     unprompted_checks,
 )
@@ -192,7 +196,7 @@ def verify_quantized_export(
     from thinker import ThinkerConfig, ThinkerForCausalLM
 
     deep = deep_cache_steps(ThinkerConfig.from_pretrained(model_dir), dtype)
-    steps = 3 + DECODE_STEPS + 1 + 1 + LONG_DECODE_STEPS + deep + CONTINUATION_STEPS
+    steps = 3 + DECODE_STEPS + 1 + 1 + LONG_DECODE_STEPS + deep + CONTINUATION_STEPS + 1 + DECODE_STEPS  # padded around
     with progress_bar(steps, "verifying", unit="step", enabled=progress) as bar:
         graph_bytes = graph_file_bytes(onnx_path)
         most = deep_slots(model_dir, dtype, plan, quantized=True, graph_bytes=graph_bytes)  # as deep as memory allows
@@ -422,6 +426,9 @@ def graph_check(
         deep = {"most_slots": deep_most, "shadow": deep_shadow}
         graph["deep_cache"] = deep_cache_pass(model, exact, dtype, on_step=on_step, **deep)
         graph["continuation"] = continuation_pass(model, exact, on_step=on_step, shadow=continued_shadow)
+        graph[PADDED_AROUND] = compare_decoders(
+            model, exact, *batch, on_step=on_step, shadow=shadow, candidate_padding=AROUND
+        )
         if exact.position_rank == 3:  # multimodal RoPE: the batch at an image's positions, whose streams differ
             shadowed = half_shadow(model, dtype)
             graph[IMAGE_POSITIONS] = compare_decoders(model, exact, *batch, shadow=shadowed, image_positions=True)
@@ -433,9 +440,9 @@ def graph_check(
     if genai_path:  # onnxruntime-genai's graph over the same weights, on the rows padded on the right
         with float_activation_copy(genai_path) as exact_path:
             exact = OnnxDecoder(exact_path, provider="cpu", threads=threads, probes=checked_probes(exact_path, dtype))
-            graph["genai_graph"] = compare_decoders(model, exact, *batch, right_padded_candidate=True, shadow=shadow)
+            graph["genai_graph"] = compare_decoders(model, exact, *batch, candidate_padding=RIGHT, shadow=shadow)
             graph["genai_graph_long_prompts"] = compare_long(
-                model, exact, long_inputs, right_padded_candidate=True, shadow=long_shadow
+                model, exact, long_inputs, candidate_padding=RIGHT, shadow=long_shadow
             )
             graph["genai_graph_deep_cache"] = deep_cache_pass(model, exact, dtype, **deep)
             graph["genai_graph_continuation"] = continuation_pass(model, exact, shadow=continued_shadow)
@@ -451,9 +458,10 @@ def graph_check(
     # the deep-cache and continuation passes at the long prompts' sensitivity (the deep cache's steps attend mostly
     # to random slots, which no perturbation of a prompt's embeddings reaches; a continuation is a long prompt fed in
     # two steps)
-    if IMAGE_POSITIONS in graph:  # the batch at other positions: the batch's own sensitivity
-        graph[IMAGE_POSITIONS]["rounding_sensitivity"] = graph["rounding_sensitivity"]
-        graph[IMAGE_POSITIONS]["tolerance"] = graph_tolerance(graph[IMAGE_POSITIONS], dtype)
+    for key in (IMAGE_POSITIONS, PADDED_AROUND):  # the batch at other positions or padding: its own sensitivity
+        if key in graph:
+            graph[key]["rounding_sensitivity"] = graph["rounding_sensitivity"]
+            graph[key]["tolerance"] = graph_tolerance(graph[key], dtype)
     for key in [*LONG_PASSES, *DEEP_PASSES, *CONTINUATION_PASSES]:
         if key in graph and "not_run" not in graph[key]:
             graph[key]["rounding_sensitivity"] = long_sensitivity
@@ -463,7 +471,7 @@ def graph_check(
     graph["rope_tables"], unprompted = unprompted_checks(onnx_path, model.config, dtype)
     graph["beyond_batch_failures"] = long_prompt_failures(graph, model.config, dtype) + deep_cache_failures(graph)
     graph["beyond_batch_failures"] += continuation_failures(graph, model.config, dtype)
-    graph["beyond_batch_failures"] += image_position_failures(graph)
+    graph["beyond_batch_failures"] += image_position_failures(graph) + padded_around_failures(graph)
     graph["beyond_batch_failures"] += unprompted
     return graph
 

@@ -9,6 +9,8 @@ That batch reaches position 12 and a cache of 13 slots, so two long prompts foll
 ``thinker_common/parity_inputs.py`` LONG_PROMPT_LENGTHS, cut to the context): an attention window, the plain hybrid
 graph's chunked delta rule and far positions are exercised there, each pass held at its own logit scale's tolerance.
 The RoPE tables the graph ships are compared with the model's rotary embedding at every row (export/beyond_prompts.py).
+The batch's rows also go through ``model.onnx`` padded on both sides with their positions given (``PADDED_AROUND``):
+a graph or runtime right for left padding alone passes every left-padded pass.
 
 The reference is the PyTorch Thinker in float32 whatever the export's dtype: the exact model, against which a
 half-precision graph is held to its dtype's tolerance. A reference in the export's own half precision rounds
@@ -80,6 +82,9 @@ DECODE_STEPS = 6
 REFERENCE_DTYPE = torch.float32  # the PyTorch model's dtype, whatever the graph's (module docstring)
 # Positions whose logits Agreement.add compares at once (float64 differences: 16 x a 248k vocabulary = 32 MB).
 ADD_CHUNK = 16
+
+# compare_decoders' candidate_padding: the rows onnxruntime gets, from the (left-padded) batch given (CANDIDATE_ROWS)
+AS_GIVEN, RIGHT, AROUND = "as given", "right", "around"
 
 # How --verify holds the PyTorch model (verify_plan).
 WHOLE, STREAMED = "whole", "streamed"
@@ -202,7 +207,7 @@ def compare_decoders(
     attention_mask: np.ndarray,
     steps: int = DECODE_STEPS,
     on_step: Callable[[], object] | None = None,
-    right_padded_candidate: bool = False,
+    candidate_padding: str = AS_GIVEN,
     torch_ties: bool = False,
     shadow: HalfShadow | None = None,
     foreign_embeddings: bool = False,
@@ -210,9 +215,10 @@ def compare_decoders(
 ) -> dict:
     """Prefill + ``steps`` decode steps in PyTorch and onnxruntime; figures over every kept position (of a
     ``--logits last`` graph's prefill: each row's last kept position, all it gives). ``on_step`` is called after the
-    prefill and after each decode step (a progress bar's ``update``). ``right_padded_candidate``: onnxruntime gets
-    the rows padded on the right (onnxruntime-genai's layout, which its graph ``model.genai.onnx`` takes), PyTorch
-    still the batch as given: each row's own result is the reference, as transformers defines it with left padding
+    prefill and after each decode step (a progress bar's ``update``). ``candidate_padding``: onnxruntime gets the
+    rows as given (AS_GIVEN), padded on the right (RIGHT: onnxruntime-genai's layout, which its graph
+    ``model.genai.onnx`` takes), or on both sides with the positions passed (AROUND: ``padded_around``); PyTorch
+    always the batch as given: each row's own result is the reference, as transformers defines it with left padding
     (a right-padded PyTorch batch would carry a hybrid model's recurrence over the pads, as no runtime should).
     Qwen3.8's indexers give exact ties to the earlier blocks, as ONNX's TopK does (``lowest_block_wins_ties``);
     ``torch_ties``: torch.topk's choice instead, transformers'. ``shadow``: for a half-precision graph, the reference
@@ -234,7 +240,7 @@ def compare_decoders(
             attention_mask,
             steps,
             on_step,
-            right_padded_candidate,
+            candidate_padding,
             shadow,
             foreign_embeddings,
             image_positions,
@@ -248,7 +254,7 @@ def _compare_decoders(
     attention_mask: np.ndarray,
     steps: int,
     on_step: Callable[[], object] | None,
-    right_padded_candidate: bool,
+    candidate_padding: str,
     shadow: HalfShadow | None,
     foreign_embeddings: bool,
     image_positions: bool,
@@ -275,7 +281,11 @@ def _compare_decoders(
     # the graph runs first at each step: a half-precision MoE graph's routing is followed by the reference's run
     # (export/routing.py)
     follower = RouteFollower.of(model, decoder)
-    given = right_padded(input_ids, attention_mask) if right_padded_candidate else (input_ids, attention_mask)
+    given = CANDIDATE_ROWS[candidate_padding](input_ids, attention_mask)
+    if candidate_padding == AROUND:  # the caller's positions, which the runtime carries on into the decode steps
+        if position_array is not None:
+            raise ValueError("candidate_padding=AROUND takes the rows' text positions only")
+        position_array = position_ids_from_mask(given[1])
     if foreign_embeddings:  # its token rows from embed.onnx, as a caller builds a prompt: a wrong lookup shows
         rows = np.where(foreign[..., None], embeds, decoder.embed(input_ids))
         candidate, state = decoder.prefill(
@@ -290,7 +300,7 @@ def _compare_decoders(
     if decoder.last_logits_only:
         last_spread = None if spread is None else at_last_kept(spread, attention_mask)
         agreement.add(at_last_kept(reference, attention_mask), candidate[:, 0], last_spread)
-        if not right_padded_candidate:
+        if candidate_padding == AS_GIVEN:
             # Left padding puts every row's last token in the last slot; onnxruntime-genai pads on the right, where
             # only the mask tells a row's last token from its pads: the same rows padded so, prefill only.
             add_right_padded_prefill(agreement, model, decoder, input_ids, attention_mask, last_spread, follower)
@@ -341,6 +351,23 @@ def right_padded(input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.
     """The same rows with their kept slots moved to the front, in order: padded on the right instead."""
     order = np.argsort(1 - attention_mask, axis=1, kind="stable")
     return np.take_along_axis(input_ids, order, 1), np.take_along_axis(attention_mask, order, 1)
+
+
+def padded_around(input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The same rows with their kept slots moved to the middle, in order: half of each row's pads (rounded down)
+    before them, the rest after, as a batch assembled by a server may come. A graph that reads padding from one side
+    only (the last sum(mask) slots kept, a conv window or recurrent state taken from the last slots) fails here."""
+    ids, mask = right_padded(input_ids, attention_mask)
+    shifts = (attention_mask.shape[1] - attention_mask.sum(axis=1)) // 2
+    order = (np.arange(attention_mask.shape[1])[None, :] - shifts[:, None]) % attention_mask.shape[1]
+    return np.take_along_axis(ids, order, 1), np.take_along_axis(mask, order, 1)
+
+
+CANDIDATE_ROWS = {
+    AS_GIVEN: lambda input_ids, attention_mask: (input_ids, attention_mask),
+    RIGHT: right_padded,
+    AROUND: padded_around,
+}
 
 
 def at_last_kept(logits: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
@@ -518,6 +545,25 @@ def image_position_failures(result: dict) -> list[str]:
     return [f"{MODEL_FILE} on prompts of {lengths} tokens at an image's multimodal positions: {failure}"]
 
 
+# The pass over the parity batch's rows padded on both sides, their positions given (``compare_decoders``'
+# ``candidate_padding=AROUND``), by its figures' key in the report: the batch itself is padded on the left, and
+# model.onnx takes any padding (and is onnxruntime-genai's graph where the export wrote no model.genai.onnx).
+PADDED_AROUND = "padded_around"
+
+
+def padded_around_failures(result: dict) -> list[str]:
+    """The failure of the padded-around pass, where ``result`` holds one beyond its own tolerance."""
+    figures = result.get(PADDED_AROUND)
+    failure = judge(figures, figures["tolerance"]) if figures else None
+    if not failure:
+        return []
+    lengths = " and ".join(map(str, PROMPT_LENGTHS))
+    return [
+        f"{MODEL_FILE} on prompts of {lengths} tokens padded on both sides, their positions given, then "
+        f"{DECODE_STEPS} steps: {failure}"
+    ]
+
+
 def batch_failure(failure: str) -> str:
     """A failure on the parity batch, named as every other pass's is."""
     lengths = " and ".join(map(str, PROMPT_LENGTHS))
@@ -655,7 +701,7 @@ def verify_export(
     config = ThinkerConfig.from_pretrained(model_dir)
     steps += (1 + LONG_DECODE_STEPS + CONTINUATION_STEPS + deep_cache_steps(config, dtype)) * (2 if genai_path else 1)
     streams = takes_stream_positions(onnx.load(str(onnx_path), load_external_data=False))
-    steps += (1 + DECODE_STEPS) * streams
+    steps += (1 + DECODE_STEPS) * (1 + streams)  # the padded-around pass, and the image-positions one
     long, further = {}, {}  # the long prompts; the deep-cache and continuation passes
     most_slots = deep_slots(model_dir, dtype, plan)  # before the models are loaded: the memory they will leave
     with progress_bar(steps, "verifying", unit="step", enabled=progress) as bar:
@@ -671,6 +717,9 @@ def verify_export(
             deep = {"most_slots": most_slots, "shadow": deep_shadow}
             further["deep_cache"] = deep_cache_pass(model, decoder, dtype, on_step=bar.update, **deep)
             further["continuation"] = continuation_pass(model, decoder, on_step=bar.update, shadow=continued_shadow)
+            further[PADDED_AROUND] = compare_decoders(
+                model, decoder, *batch, on_step=bar.update, shadow=shadow, candidate_padding=AROUND
+            )
             if streams:  # multimodal RoPE: the batch at an image's positions, whose three streams differ
                 further[IMAGE_POSITIONS] = compare_decoders(
                     model, decoder, *batch, on_step=bar.update, shadow=half_shadow(model, dtype), image_positions=True
@@ -681,10 +730,10 @@ def verify_export(
             if genai_path:
                 genai = OnnxDecoder(genai_path, threads=threads, probes=checked_probes(genai_path, dtype))
                 genai_figures = compare_decoders(
-                    model, genai, *batch, on_step=bar.update, right_padded_candidate=True, shadow=shadow
+                    model, genai, *batch, on_step=bar.update, candidate_padding=RIGHT, shadow=shadow
                 )
                 long["genai_graph_long_prompts"] = compare_long(
-                    model, genai, long_inputs, on_step=bar.update, right_padded_candidate=True, shadow=long_shadow
+                    model, genai, long_inputs, on_step=bar.update, candidate_padding=RIGHT, shadow=long_shadow
                 )
                 further["genai_graph_deep_cache"] = deep_cache_pass(model, genai, dtype, on_step=bar.update, **deep)
                 further["genai_graph_continuation"] = continuation_pass(
@@ -724,7 +773,7 @@ def verify_export(
             figures["tolerance"] = RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"])
         result[key] = figures
     failures += deep_cache_failures(result) + continuation_failures(result, model.config, dtype)
-    failures += image_position_failures(result)
+    failures += image_position_failures(result) + padded_around_failures(result)
     result["rope_tables"], unprompted = unprompted_checks(onnx_path, model.config, dtype)
     failures += unprompted
     result["passed"] = not failures

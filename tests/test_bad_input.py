@@ -290,9 +290,9 @@ def test_an_existing_output_is_left_untouched(command, kind, qwen3_source, qwen3
 def test_output_where_no_folder_can_be(qwen3_source, tmp_path):
     (tmp_path / "a-file").write_text("")
     result = thinker("convert", qwen3_source, tmp_path / "a-file" / "out", "--no-verify")
-    assert_error(result, str(tmp_path / "a-file"), "cannot create OUTPUT there")
+    assert_error(result, f"{tmp_path / 'a-file'}: a file, not a folder, so out cannot be created in it")
     deeper = thinker("convert", qwen3_source, tmp_path / "a-file" / "deeper" / "out", "--no-verify")
-    assert_error(deeper, f"{tmp_path / 'a-file'}: cannot create deeper/out in it")
+    assert_error(deeper, f"{tmp_path / 'a-file'}: a file, not a folder, so deeper/out cannot be created in it")
 
 
 @pytest.mark.parametrize("command", ["convert", "export"])

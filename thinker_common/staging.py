@@ -306,6 +306,11 @@ def work_folder(output: Path, needed: int | None = None) -> Iterator[Path]:
         # Named where it failed: the folder that exists, which is OUTPUT's parent unless the run had to create that.
         where = next((folder for folder in output.parents if folder.exists()), output.parent)
         what = "OUTPUT there" if where == output.parent else f"{os.path.relpath(output, where)} in it"
+        if not where.is_dir():  # mkdir's "File exists" / "Not a directory" would not say which path is the file
+            raise ThinkerError(
+                f"{where}: a file, not a folder, so {os.path.relpath(output, where)} cannot be created in it; "
+                "choose an OUTPUT inside a folder"
+            ) from None
         raise ThinkerError(
             f"{where}: cannot create {what} ({err.strerror or err}); choose a folder you can write to"
         ) from None

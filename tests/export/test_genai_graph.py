@@ -19,7 +19,7 @@ from export_helpers import HYBRID_FAMILIES
 
 from export import genai_graph
 from export.runtime import OnnxDecoder
-from export.verify import compare_decoders
+from export.verify import RIGHT, compare_decoders
 from thinker_common.cli import main
 from thinker_common.errors import ThinkerError
 from thinker_common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
@@ -86,7 +86,7 @@ def test_the_genai_graph_gives_each_right_padded_row_its_own_result(family, thin
     model = load_thinker(thinker_variant(family, **({"head_dim": head_dim} if head_dim else {})))
     folder = onnx_variant(family, head_dim=head_dim)
     genai = OnnxDecoder(folder / GENAI, provider="cpu")
-    figures = compare_decoders(model, genai, *parity_batch(96), right_padded_candidate=True)
+    figures = compare_decoders(model, genai, *parity_batch(96), candidate_padding=RIGHT)
     assert figures["max_abs_diff"] <= RELATIVE_TOLERANCE[torch.float32] * max(1.0, figures["logit_scale"]), figures
     assert figures["top1_agreement"] == 1.0
 
@@ -115,7 +115,7 @@ def test_a_multimodal_rope_model_gets_a_genai_graph_with_text_positions(graph, t
 
     genai = OnnxDecoder(folder / GENAI, provider="cpu")
     model = load_thinker(thinker_variant("qwen3_5"))
-    figures = compare_decoders(model, genai, *parity_batch(96), right_padded_candidate=True)
+    figures = compare_decoders(model, genai, *parity_batch(96), candidate_padding=RIGHT)
     assert figures["max_abs_diff"] <= RELATIVE_TOLERANCE[torch.float32] * max(1.0, figures["logit_scale"]), figures
     ids, _ = parity_batch(96)
     whole = np.ones_like(ids)

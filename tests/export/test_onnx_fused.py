@@ -21,7 +21,7 @@ from export_helpers import record_parity
 from export.contrib_schemas import register_onnxruntime_schemas
 from export.exporter import count_ops
 from export.runtime import OnnxDecoder
-from export.verify import compare_decoders
+from export.verify import RIGHT, compare_decoders
 from thinker_common.parity_inputs import parity_batch
 
 FAMILIES = ["qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "gpt2", "uomni"]
@@ -394,7 +394,7 @@ def test_cuda_genai_graph_on_right_padded_rows(family, thinker_variant, onnx_var
     own result."""
     model = load_thinker(thinker_variant(family, head_dim=16))
     decoder = OnnxDecoder(onnx_variant(family, "float16") / "model.genai.onnx", provider="cuda")
-    figures = compare_decoders(model, decoder, *parity_batch(96), steps=6, right_padded_candidate=True)
+    figures = compare_decoders(model, decoder, *parity_batch(96), steps=6, candidate_padding=RIGHT)
     record_parity(record_property, figures)
     assert figures["top1_agreement"] >= 0.9, figures
     assert figures["max_abs_diff"] <= 2e-2 * max(1.0, figures["logit_scale"]), figures
