@@ -161,9 +161,9 @@ gguf_file_option = click.option(
     default="auto",
     show_default=True,
     help="Output dtype. auto keeps the dtype the source config declares (else the source tensors' dtype; GGUF "
-    "dequantizes to float32), and keeps tensors the source stores wider as they are (Qwen3.5's float32 A_log and "
-    "norms beside bfloat16 weights). A dtype named casts every tensor; float16 refuses tensors whose values exceed "
-    "±65504, naming them.",
+    "dequantizes to float32), and keeps tensors the source stores in a dtype it cannot hold as they are (Qwen3.5's "
+    "float32 A_log and norms beside bfloat16 weights; float16 beside bfloat16). A dtype named casts every tensor; "
+    "float16 refuses tensors whose values exceed ±65504, naming them.",
 )
 @click.option(
     "--max-shard-size",

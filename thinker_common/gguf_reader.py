@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -187,6 +188,7 @@ def _open_reader(path: Path) -> Any:
     try:
         reader = mapped_reader(path)
     except Exception as err:  # the reader signals a short or garbled file with assorted exception types
+        _refuse_what_a_download_cannot_mend(path, err)
         raise ThinkerError(
             f"{path}: not a readable GGUF file ({err.__class__.__name__}: {err}); it is truncated or corrupt, "
             f"{redownload(path)}"
@@ -204,6 +206,45 @@ def _open_reader(path: Path) -> Any:
     _check_overlaps(path, reader)
     _check_the_data_fills_the_file(path, reader, size)
     return reader
+
+
+# Quantization types llama.cpp wrote in 2024 and then removed (ARM layouts repacked at load time since): the gguf
+# package no longer knows their ids, so a file holding them reads as garbled to it.
+REMOVED_TYPES = {31: "Q4_0_4_4", 32: "Q4_0_4_8", 33: "Q4_0_8_8"}
+
+
+def _refuse_what_a_download_cannot_mend(path: Path, err: Exception) -> None:
+    """The reader's refusals of a sound file that it cannot read, each with what will help: another GGUF version, a
+    quantization type it does not know. (Any other failure is a damaged file: the caller says to re-download.)"""
+    from gguf import GGMLQuantizationType
+    from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
+
+    message = str(err)
+    if "version" in message and "cannot handle" in message:
+        version = message.split("version", 1)[1].split()[0]
+        supported = " and ".join(map(str, READER_SUPPORTED_VERSIONS))
+        advice = (
+            "upgrade the gguf package"
+            if version.isdigit() and int(version) > max(READER_SUPPORTED_VERSIONS)
+            else "convert the model again with a current llama.cpp"
+        )
+        raise ThinkerError(
+            f"{path}: GGUF version {version}, which the gguf package reads only in versions {supported}; {advice}"
+        ) from None
+    if "is not a valid GGMLQuantizationType" in message:
+        found = re.search(r"(\d+)\)? is not a valid", message)  # "np.uint32(31) is not a valid ..."
+        number = found.group(1) if found else "?"
+        kind = int(number) if found else None
+        if kind in REMOVED_TYPES:
+            raise ThinkerError(
+                f"{path}: tensors stored as {REMOVED_TYPES[kind]} (type {kind}), an ARM layout llama.cpp has removed; "
+                "use the repository's Q4_0 or Q8_0 file, or quantize the model again with llama-quantize"
+            ) from None
+        known = max(int(member) for member in GGMLQuantizationType)
+        raise ThinkerError(
+            f"{path}: a tensor stored as quantization type {number}, which the gguf package (types up to "
+            f"{known}) does not know; upgrade the gguf package or use a file with another quantization"
+        ) from None
 
 
 def _check_the_data_fills_the_file(path: Path, reader: Any, size: int) -> None:

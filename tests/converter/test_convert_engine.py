@@ -610,3 +610,29 @@ def test_numbered_shards_without_their_index(save_reference, run_convert, kind):
     (source / shards[1]).unlink()
     with pytest.raises(ThinkerError, match=rf"of a set of {len(shards)} .* but not {shards[1]}, and no {index}"):
         run_convert(source, "incomplete", verify=False)
+
+
+@pytest.mark.parametrize(
+    ("folder", "stored", "kept"),
+    [
+        (torch.bfloat16, {"a": torch.float32}, torch.float32),  # Qwen3.5's A_log beside bfloat16 weights
+        (torch.bfloat16, {"a": torch.float16}, torch.float16),  # a GGUF file's F16 beside BF16: bfloat16 rounds it
+        (torch.float16, {"a": torch.bfloat16}, torch.bfloat16),  # and float16 cannot hold bfloat16's range
+        (torch.bfloat16, {"a": torch.float16, "b": torch.bfloat16}, torch.float32),  # one step from both: neither
+        (torch.float32, {"a": torch.float16, "b": torch.bfloat16}, None),  # float32 holds both
+        (torch.bfloat16, {"a": torch.bfloat16}, None),
+    ],
+)
+def test_auto_keeps_every_tensor_the_folder_dtype_would_round(folder, stored, kept):
+    """From a QA sweep: a GGUF file's F16 tensors went into a bfloat16 folder rounded (by up to 0.002), since the
+    rule kept only tensors stored in more bytes; float16 and bfloat16 each hold values the other rounds."""
+    from converter.engine import Step
+    from converter.output_dtype import kept_wider
+
+    class Stored:
+        def dtype(self, name):
+            return stored[name]
+
+    step = Step(sources=tuple(stored), targets=("model.t",), op=None)
+    assert kept_wider("auto", folder, [step], Stored()) == ({} if kept is None else {"model.t": kept})
+    assert kept_wider("bfloat16", folder, [step], Stored()) == {}  # a dtype asked for casts all

@@ -332,6 +332,35 @@ def test_a_header_that_does_not_describe_the_whole_file(tmp_path: Path) -> None:
         GGUFSource(extra)
 
 
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ("version 1", r"v\.gguf: GGUF version 1, which the gguf package reads only in versions 2 and 3; convert the "),
+        ("version 4", r"v\.gguf: GGUF version 4, .*; upgrade the gguf package$"),
+        ("type 31", r"v\.gguf: tensors stored as Q4_0_4_4 \(type 31\), an ARM layout llama\.cpp has removed; use the"),
+        ("type 99", r"v\.gguf: a tensor stored as quantization type 99, which the gguf package .* upgrade the gguf"),
+    ],
+)
+def test_a_sound_file_the_reader_cannot_read_is_not_called_corrupt(edit: str, message: str, tmp_path: Path) -> None:
+    """From a QA sweep: a GGUF version other than 2 or 3, and a quantization type the gguf package does not know
+    (the ARM layouts llama.cpp removed), were "truncated or corrupt, re-download it", which a download cannot mend."""
+    tiny = tmp_path / "tiny.gguf"
+    _write_gguf(tiny)
+    data = bytearray(tiny.read_bytes())
+    field, value = edit.split()
+    if field == "version":
+        struct.pack_into("<I", data, 4, int(value))
+    else:  # the type of the tensor record after blk.0.attn_q.weight's name and its dimensions
+        end = data.index(b"blk.0.attn_q.weight") + len(b"blk.0.attn_q.weight")
+        (dims,) = struct.unpack_from("<I", data, end)
+        struct.pack_into("<I", data, end + 4 + 8 * dims, int(value))
+    edited = tmp_path / "v.gguf"
+    edited.write_bytes(bytes(data))
+    with pytest.raises(ThinkerError, match=message) as raised:
+        GGUFSource(edited)
+    assert "corrupt" not in str(raised.value) and "re-download" not in str(raised.value)
+
+
 # --- config for the other architectures -------------------------------------------------------------------------
 
 
