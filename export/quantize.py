@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -250,6 +251,19 @@ class SplitProjection:
 def split_piece_name(name: str, start: int, stop: int) -> str:
     """The graph name of rows [start, stop) of weight ``name`` in a ``SplitProjection``."""
     return f"{name}.rows_{start}_{stop}"
+
+
+SPLIT_PIECE = re.compile(r"\.rows_(\d+)_(\d+)")  # split_piece_name's suffix
+
+
+def split_rows(graph: onnx.GraphProto) -> set[int]:
+    """The rows at which a ``SplitProjection`` of ``graph`` starts a piece after its first (the mixed head's first
+    int4 row): where a tied embedding's lookup turns from one table to the other."""
+    return {
+        int(found.group(1))
+        for tensor in graph.initializer
+        if (found := SPLIT_PIECE.search(tensor.name)) and int(found.group(1)) > 0
+    }
 
 
 def column_wise_int8(stack: torch.Tensor, scale_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:

@@ -66,12 +66,14 @@ from .verify import (
     CONTINUATION_STEPS,
     DECODE_STEPS,
     DEEP_PASSES,
+    EDGE_DECODE_STEPS,
     IMAGE_POSITIONS,
     LONG_PASSES,
     PADDED_AROUND,
     REFERENCE_DTYPE,
     RIGHT,
     STREAMED,
+    VOCABULARY_EDGES,
     WHOLE,
     batch_failure,
     compare_decoders,
@@ -93,6 +95,8 @@ from .verify import (
     padded_around_failures,
     side_graph_failures,
     unprompted_checks,
+    vocabulary_edge_failures,
+    vocabulary_edges_pass,
 )
 
 # The graph check's tolerance floor on ill-conditioned inputs: SmolLM2's residual stream carries "massive
@@ -196,7 +200,8 @@ def verify_quantized_export(
     from thinker import ThinkerConfig, ThinkerForCausalLM
 
     deep = deep_cache_steps(ThinkerConfig.from_pretrained(model_dir), dtype)
-    steps = 3 + DECODE_STEPS + 1 + 1 + LONG_DECODE_STEPS + deep + CONTINUATION_STEPS + 1 + DECODE_STEPS  # padded around
+    steps = 3 + DECODE_STEPS + 1 + 1 + LONG_DECODE_STEPS + deep + CONTINUATION_STEPS
+    steps += 1 + DECODE_STEPS + 1 + EDGE_DECODE_STEPS  # the padded-around and vocabulary-edges passes
     with progress_bar(steps, "verifying", unit="step", enabled=progress) as bar:
         graph_bytes = graph_file_bytes(onnx_path)
         most = deep_slots(model_dir, dtype, plan, quantized=True, graph_bytes=graph_bytes)  # as deep as memory allows
@@ -429,6 +434,9 @@ def graph_check(
         graph[PADDED_AROUND] = compare_decoders(
             model, exact, *batch, on_step=on_step, shadow=shadow, candidate_padding=AROUND
         )
+        graph[VOCABULARY_EDGES] = vocabulary_edges_pass(
+            model, exact, onnx_path, on_step=on_step, shadow=half_shadow(model, dtype)
+        )
         if exact.position_rank == 3:  # multimodal RoPE: the batch at an image's positions, whose streams differ
             shadowed = half_shadow(model, dtype)
             graph[IMAGE_POSITIONS] = compare_decoders(model, exact, *batch, shadow=shadowed, image_positions=True)
@@ -458,7 +466,7 @@ def graph_check(
     # the deep-cache and continuation passes at the long prompts' sensitivity (the deep cache's steps attend mostly
     # to random slots, which no perturbation of a prompt's embeddings reaches; a continuation is a long prompt fed in
     # two steps)
-    for key in (IMAGE_POSITIONS, PADDED_AROUND):  # the batch at other positions or padding: its own sensitivity
+    for key in (IMAGE_POSITIONS, PADDED_AROUND, VOCABULARY_EDGES):  # the batch's sensitivity (the edges': close)
         if key in graph:
             graph[key]["rounding_sensitivity"] = graph["rounding_sensitivity"]
             graph[key]["tolerance"] = graph_tolerance(graph[key], dtype)
@@ -472,6 +480,7 @@ def graph_check(
     graph["beyond_batch_failures"] = long_prompt_failures(graph, model.config, dtype) + deep_cache_failures(graph)
     graph["beyond_batch_failures"] += continuation_failures(graph, model.config, dtype)
     graph["beyond_batch_failures"] += image_position_failures(graph) + padded_around_failures(graph)
+    graph["beyond_batch_failures"] += vocabulary_edge_failures(graph)
     graph["beyond_batch_failures"] += unprompted
     return graph
 

@@ -10,7 +10,8 @@ That batch reaches position 12 and a cache of 13 slots, so two long prompts foll
 graph's chunked delta rule and far positions are exercised there, each pass held at its own logit scale's tolerance.
 The RoPE tables the graph ships are compared with the model's rotary embedding at every row (export/beyond_prompts.py).
 The batch's rows also go through ``model.onnx`` padded on both sides with their positions given (``PADDED_AROUND``):
-a graph or runtime right for left padding alone passes every left-padded pass.
+a graph or runtime right for left padding alone passes every left-padded pass. And a prompt of the vocabulary's
+edge ids (``VOCABULARY_EDGES``), which random prompts almost never hold.
 
 The reference is the PyTorch Thinker in float32 whatever the export's dtype: the exact model, against which a
 half-precision graph is held to its dtype's tolerance. A reference in the export's own half precision rounds
@@ -62,6 +63,7 @@ from thinker_common.parity_inputs import (
     indexer_batch,
     long_batch,
     parity_batch,
+    vocabulary_edges,
 )
 from thinker_common.progress import progress_bar
 from thinker_common.side_files import read_json
@@ -564,6 +566,46 @@ def padded_around_failures(result: dict) -> list[str]:
     ]
 
 
+# The pass over a prompt of the vocabulary's edge ids (thinker_common/parity_inputs.py ``vocabulary_edges``), by
+# its figures' key in the report: a lookup that sends an id at an edge to the wrong row (the mixed head's tied
+# embedding gathering each id from its own table) is exact for every id away from it.
+VOCABULARY_EDGES = "vocabulary_edges"
+EDGE_DECODE_STEPS = 1
+
+
+def edges_prompt(model: torch.nn.Module, onnx_path: Path, decoder: OnnxDecoder) -> tuple[np.ndarray, np.ndarray]:
+    """The edge ids of ``model``'s vocabulary and of the splits of ``onnx_path``'s graph, cut to the context, as a
+    batch of one with its mask."""
+    from .quantize import split_rows
+
+    splits = split_rows(onnx.load(str(onnx_path), load_external_data=False).graph)
+    context = min(model.config.max_position_embeddings, decoder.context_length or model.config.max_position_embeddings)
+    ids = vocabulary_edges(model.config.vocab_size, splits)[:, : max(1, context - 1 - EDGE_DECODE_STEPS)]
+    return ids, np.ones_like(ids)
+
+
+def vocabulary_edge_failures(result: dict) -> list[str]:
+    """The failure of the vocabulary-edges pass, where ``result`` holds one beyond its own tolerance."""
+    figures = result.get(VOCABULARY_EDGES)
+    failure = judge(figures, figures["tolerance"]) if figures else None
+    if not failure:
+        return []
+    ids = figures["ids"]
+    return [
+        f"{MODEL_FILE} on a prompt of the vocabulary's edge ids ({', '.join(map(str, ids))}), then "
+        f"{EDGE_DECODE_STEPS} step: {failure}"
+    ]
+
+
+def vocabulary_edges_pass(
+    model: torch.nn.Module, decoder: OnnxDecoder, onnx_path: Path, on_step=None, shadow=None
+) -> dict:
+    """The vocabulary-edges pass's figures, the ids it ran among them."""
+    ids, mask = edges_prompt(model, onnx_path, decoder)
+    figures = compare_decoders(model, decoder, ids, mask, steps=EDGE_DECODE_STEPS, on_step=on_step, shadow=shadow)
+    return {"ids": ids[0].tolist(), **figures}
+
+
 def batch_failure(failure: str) -> str:
     """A failure on the parity batch, named as every other pass's is."""
     lengths = " and ".join(map(str, PROMPT_LENGTHS))
@@ -702,6 +744,7 @@ def verify_export(
     steps += (1 + LONG_DECODE_STEPS + CONTINUATION_STEPS + deep_cache_steps(config, dtype)) * (2 if genai_path else 1)
     streams = takes_stream_positions(onnx.load(str(onnx_path), load_external_data=False))
     steps += (1 + DECODE_STEPS) * (1 + streams)  # the padded-around pass, and the image-positions one
+    steps += 1 + EDGE_DECODE_STEPS
     long, further = {}, {}  # the long prompts; the deep-cache and continuation passes
     most_slots = deep_slots(model_dir, dtype, plan)  # before the models are loaded: the memory they will leave
     with progress_bar(steps, "verifying", unit="step", enabled=progress) as bar:
@@ -719,6 +762,9 @@ def verify_export(
             further["continuation"] = continuation_pass(model, decoder, on_step=bar.update, shadow=continued_shadow)
             further[PADDED_AROUND] = compare_decoders(
                 model, decoder, *batch, on_step=bar.update, shadow=shadow, candidate_padding=AROUND
+            )
+            further[VOCABULARY_EDGES] = vocabulary_edges_pass(
+                model, decoder, onnx_path, on_step=bar.update, shadow=half_shadow(model, dtype)
             )
             if streams:  # multimodal RoPE: the batch at an image's positions, whose three streams differ
                 further[IMAGE_POSITIONS] = compare_decoders(
@@ -773,7 +819,7 @@ def verify_export(
             figures["tolerance"] = RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"])
         result[key] = figures
     failures += deep_cache_failures(result) + continuation_failures(result, model.config, dtype)
-    failures += image_position_failures(result) + padded_around_failures(result)
+    failures += image_position_failures(result) + padded_around_failures(result) + vocabulary_edge_failures(result)
     result["rope_tables"], unprompted = unprompted_checks(onnx_path, model.config, dtype)
     failures += unprompted
     result["passed"] = not failures

@@ -83,6 +83,17 @@ def deep_prompt(vocab_size: int) -> np.ndarray:
     return np.random.default_rng(PROMPT_SEED + 4).integers(0, vocab_size, size=(1, DEEP_PROMPT_LENGTH), dtype=np.int64)
 
 
+def vocabulary_edges(vocab_size: int, splits: set[int] | frozenset[int] = frozenset()) -> np.ndarray:
+    """(1, n) int64 ids at the edges of the vocabulary a graph may treat apart, in ascending order: its first and last
+    ids, each side of every power of two from 256 (a table split at a round size), and each side of ``splits`` (the
+    rows where a graph's head turns from one precision to the other, export/quantize.py ``split_rows``). Random
+    prompts almost never reach them: one id in 8192 of a 150k vocabulary."""
+    edges = {0, 1, vocab_size - 2, vocab_size - 1}
+    edges |= {row + side for row in [2**k for k in range(8, vocab_size.bit_length())] for side in (-1, 0)}
+    edges |= {row + side for row in splits for side in (-1, 0)}
+    return np.array([sorted(edge for edge in edges if 0 <= edge < vocab_size)], np.int64)
+
+
 # Every other pass prefills from an empty cache and then decodes one token a step. A caller may also feed several
 # tokens after a cache (a chat's next turn, a prompt in chunks), which takes other branches of the graphs (the plain
 # hybrid graph's chunked delta rule from a carried state, a mask over cached and new slots at once, the fused graph's
