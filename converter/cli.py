@@ -151,6 +151,7 @@ gguf_file_option = click.option(
 
 
 @click.command("thinker-convert", help=CONVERT_HELP, context_settings=CONTEXT)
+@click.version_option(package_name="thinker", message="%(prog)s %(version)s")
 @click.argument("source")
 @click.argument("output", type=click.Path(path_type=Path))
 @revision_option

@@ -427,6 +427,9 @@ class OnnxDecoder:
         # the least float32 a float16 cast turns to inf (65504 is float16's largest; up to 65520 rounds down to it)
         self.input_overflow = 65520.0 if self.dtype == "float16" else np.inf
         self.right_padding_only = metadata.get(PADDING_KEY) == "right"  # model.genai.onnx (export/genai_graph.py)
+        # Qwen3.8's PLE states carry each row's last slots on (the n-gram context's ids, the dilated conv's taps):
+        # pads after a row's tokens would be carried as its last tokens
+        self.left_padding_only = any(name.endswith(LAST_SLOT_STATES) for name in inputs)
         self.output_names = ["logits", *self.present_names]
         self.shared_kv = self._kv_to_share(graph, share_kv)
 
@@ -847,6 +850,11 @@ class OnnxDecoder:
                 f"{self.model_path}: onnxruntime-genai's graph takes right-padded batches only, and a row of this "
                 f"one has pads before its tokens; run {MODEL_FILE}, which takes any padding"
             )
+        if self.left_padding_only and (np.diff(attention_mask, axis=1) < 0).any():
+            raise ThinkerError(
+                f"{self.model_path}: Qwen3.8's graph takes left-padded batches only (its PLE states carry each row's "
+                "last slots on), and a row of this one has pads after its tokens; pad the rows on the left"
+            )
         if position_ids is None:
             positions = position_ids_from_mask(attention_mask)
             next_position = positions[:, -1] + 1
@@ -1084,6 +1092,10 @@ def next_positions(position_ids: np.ndarray, attention_mask: np.ndarray) -> np.n
     positions = np.broadcast_to(position_ids, (*position_ids.shape[:-2], *attention_mask.shape))
     index = np.broadcast_to(last[:, None], (*positions.shape[:-1], 1))
     return (np.take_along_axis(positions, index, axis=-1)[..., 0] + 1).astype(np.int64)
+
+
+# The states whose graph reads each row's last slots (export/ple_graph.py), which pads after its tokens would be.
+LAST_SLOT_STATES = (".ngram_context", ".ple_conv_state")
 
 
 def position_ids_from_mask(attention_mask: np.ndarray) -> np.ndarray:

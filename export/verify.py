@@ -74,11 +74,12 @@ from thinker_common.staging import outside_staging
 from .beyond_prompts import attention_window_check, rope_table_check
 from .continuation import compare_continuation
 from .deep_cache import compare_deep, not_run_reason, slots_within
+from .genai_config_check import genai_config_failures
 from .genai_graph import takes_stream_positions
 from .half_spread import HALF_PRECISIONS, MAX_EXCUSED_SHARE, HalfShadow, excused
 from .names import EMBED_FILE, EMBEDS_MODEL_FILE, GENAI_MODEL_FILE, MODEL_FILE
 from .routing import ROUTER_TOLERANCE, RouteFollower, checked_probes
-from .runtime import OnnxDecoder, cuda_usable, position_ids_from_mask
+from .runtime import OnnxDecoder, cuda_usable, graph_context, position_ids_from_mask
 
 DECODE_STEPS = 6
 REFERENCE_DTYPE = torch.float32  # the PyTorch model's dtype, whatever the graph's (module docstring)
@@ -448,11 +449,13 @@ def compare_long(model: torch.nn.Module, decoder: OnnxDecoder, batch: tuple[np.n
 
 def unprompted_checks(onnx_path: Path, config, dtype: torch.dtype) -> tuple[dict, list[str]]:
     """What no prompt reaches, read off the export (export/beyond_prompts.py): the RoPE tables' figures, and the
-    failures of those and of any attention window in ``model.onnx`` or a graph cut from it."""
+    failures of those, of any attention window in ``model.onnx`` or a graph cut from it, and of genai_config.json
+    against the graph it names (export/genai_config_check.py)."""
     tables, failure = rope_table_check(onnx_path, config, dtype)
     graphs = [onnx_path, genai_graph_of(onnx_path), embeds_graph_of(onnx_path)]
     windows = [attention_window_check(path) for path in graphs if path]
-    return tables, [found for found in (failure, *windows) if found]
+    genai = genai_config_failures(onnx_path.parent, config, graph_context(onnx_path)[0])
+    return tables, [found for found in (failure, *windows, *genai) if found]
 
 
 def pass_failures(
@@ -553,10 +556,21 @@ def image_position_failures(result: dict) -> list[str]:
 PADDED_AROUND = "padded_around"
 
 
+LEFT_PADDING_ONLY = "Qwen3.8's graph takes left-padded rows only (its PLE states carry each row's last slots on)"
+
+
+def padded_around_pass(model: torch.nn.Module, decoder: OnnxDecoder, on_step=None, shadow=None) -> dict:
+    """The padded-around pass's figures, or why it was not run (``not_run``)."""
+    if decoder.left_padding_only:
+        return {"not_run": LEFT_PADDING_ONLY}
+    batch = parity_batch(model.config.vocab_size)
+    return compare_decoders(model, decoder, *batch, on_step=on_step, shadow=shadow, candidate_padding=AROUND)
+
+
 def padded_around_failures(result: dict) -> list[str]:
     """The failure of the padded-around pass, where ``result`` holds one beyond its own tolerance."""
     figures = result.get(PADDED_AROUND)
-    failure = judge(figures, figures["tolerance"]) if figures else None
+    failure = judge(figures, figures["tolerance"]) if figures and "not_run" not in figures else None
     if not failure:
         return []
     lengths = " and ".join(map(str, PROMPT_LENGTHS))
@@ -760,9 +774,7 @@ def verify_export(
             deep = {"most_slots": most_slots, "shadow": deep_shadow}
             further["deep_cache"] = deep_cache_pass(model, decoder, dtype, on_step=bar.update, **deep)
             further["continuation"] = continuation_pass(model, decoder, on_step=bar.update, shadow=continued_shadow)
-            further[PADDED_AROUND] = compare_decoders(
-                model, decoder, *batch, on_step=bar.update, shadow=shadow, candidate_padding=AROUND
-            )
+            further[PADDED_AROUND] = padded_around_pass(model, decoder, on_step=bar.update, shadow=shadow)
             further[VOCABULARY_EDGES] = vocabulary_edges_pass(
                 model, decoder, onnx_path, on_step=bar.update, shadow=half_shadow(model, dtype)
             )

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
+import pytest
 from cli_helpers import assert_error, edit_config, thinker
 
 
@@ -106,3 +109,29 @@ def test_errors_md_quotes_the_families_the_converter_takes():
             detect_family(config, ["x.weight"])
         supported = str(refused.value).split("; supported: ", 1)[1].split("; or,", 1)[0]
         assert f"supported: {supported}" in doc, supported
+
+
+@pytest.mark.parametrize("command", [["export", "SOURCE", "OUT"], ["generate", "FOLDER", "-p", "hi"]])
+def test_a_missing_onnxruntime_is_one_line(command, qwen3_onnx, tmp_path):
+    """From a QA run: with onnxruntime-gpu uninstalled (onnxruntime-genai's CPU onnxruntime swaps it out), export,
+    generate and demo ended in a 30-line traceback. The import's failure is one line that says what to install."""
+    args = [
+        {"SOURCE": str(tmp_path / "absent"), "OUT": str(tmp_path / "out"), "FOLDER": str(qwen3_onnx)}.get(a, a)
+        for a in command
+    ]
+    script = "import sys; sys.modules['onnxruntime'] = None\nfrom thinker_common.cli import main\nmain(sys.argv[1:])"
+    result = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip() == (
+        "error: onnxruntime is not installed; pip install onnxruntime-gpu (its CPU execution provider runs anywhere; "
+        "onnxruntime works too, without CUDA)"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_both_commands_say_their_version():
+    from importlib.metadata import version
+
+    for entry in ("thinker", "thinker-convert"):
+        result = subprocess.run([entry, "--version"], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0 and result.stdout == f"{entry} {version('thinker')}\n", result

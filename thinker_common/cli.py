@@ -34,6 +34,16 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 debug_option = click.option("--debug", is_flag=True, help="Show full tracebacks and debug logging on errors.")
 
 
+# The dependencies a user may have removed or replaced beside the tool (onnxruntime-genai's CPU onnxruntime swaps out
+# onnxruntime-gpu), by the module name an import fails on, and what puts them back.
+MISSING_PACKAGE_ADVICE = {
+    "onnxruntime": "pip install onnxruntime-gpu (its CPU execution provider runs anywhere; onnxruntime works too, "
+    "without CUDA)",
+    "onnx": "pip install onnx",
+    "gguf": "pip install gguf",
+}
+
+
 def reports_errors(command: Callable) -> Callable:
     """Decorate a click command's function (below its options): adds ``--debug``, reports ``ThinkerError``."""
 
@@ -61,6 +71,11 @@ def reports_errors(command: Callable) -> Callable:
                 # OUTPUT is in place before its summary is printed.
                 sys.exit(128 + signal.SIGPIPE)
             click.secho(f"error: {os_error_line(err)}", fg="red", err=True)
+            sys.exit(1)
+        except ModuleNotFoundError as err:  # a dependency uninstalled beside the tool (pip uninstall onnxruntime-gpu)
+            if debug or err.name not in MISSING_PACKAGE_ADVICE:
+                raise
+            click.secho(f"error: {err.name} is not installed; {MISSING_PACKAGE_ADVICE[err.name]}", fg="red", err=True)
             sys.exit(1)
         except ThinkerError as err:
             report = getattr(err, "report", None)  # a failed parity check carries its table: show what differed
@@ -224,6 +239,7 @@ class LazyGroup(click.Group):
 
 
 @click.group(cls=LazyGroup, lazy_commands=COMMANDS, context_settings=CONTEXT)
+@click.version_option(package_name="thinker", message="%(prog)s %(version)s")
 def main() -> None:
     """Thinker: Qwen-style checkpoints to a transformers model, and on to ONNX.
 
