@@ -79,3 +79,39 @@ def test_search_defaults_are_transformers_own():
 
     defaults = GenerationConfig()._get_default_generation_params()
     assert SEARCH_DEFAULTS == {key: defaults[key] for key in SEARCH_DEFAULTS}
+
+
+def test_verify_holds_genai_config_to_the_graph(thinker_variant, onnx_variant, tmp_path):
+    """From a QA sweep: genai_config.json is read by onnxruntime-genai alone, so an edited or miswritten one (a
+    context past the RoPE table, a wrong input name, a shared buffer on a graph that concatenates its cache) passed
+    every check. --verify reads it back against the graph it names; each edit is named by its key."""
+    import json
+    import shutil
+
+    import torch
+
+    from export.verify import verify_export
+
+    folder = thinker_variant("qwen3", head_dim=16)
+    plain = tmp_path / "plain"
+    shutil.copytree(onnx_variant("qwen3", graph="plain", head_dim=16), plain)
+    sound = json.loads((plain / "genai_config.json").read_text())
+    edits = {
+        "model.context_length 4096 is past the graph's": lambda c: c["model"].update(context_length=4096),
+        "model.decoder.inputs.past_key_names 'past.%d.key' names no input": lambda c: c["model"]["decoder"][
+            "inputs"
+        ].update(past_key_names="past.%d.key"),
+        "search.past_present_share_buffer is true, but model.onnx cannot write": lambda c: c["search"].update(
+            past_present_share_buffer=True
+        ),
+        "model.decoder.num_key_value_heads is 4, the model's num_key_value_heads 2": lambda c: c["model"][
+            "decoder"
+        ].update(num_key_value_heads=4),
+    }
+    for said, edit in edits.items():
+        config = json.loads(json.dumps(sound))
+        edit(config)
+        (plain / "genai_config.json").write_text(json.dumps(config))
+        result = verify_export(folder, plain / "model.onnx", torch.float32)
+        assert result["passed"] is False and f"genai_config.json: {said}" in result["failure"], result.get("failure")
+        assert result["max_abs_diff"] <= result["tolerance"]  # every prompt passes
