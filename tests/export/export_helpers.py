@@ -290,3 +290,16 @@ def reversed_router(layer: int):
     """A plant: MoE layer ``layer``'s router with its experts' rows in reverse order, so that every token is routed
     to other experts."""
     return router_weights_edited(lambda index, weight: weight.flip(0) if index == layer else None)
+
+
+def export_planted(folder: Path, output: Path, monkeypatch, plant: Callable | None = None, **options) -> Path:
+    """``model.onnx`` of ``folder`` exported to ``output`` without its check, with ``plant(monkeypatch)`` (a bug planted
+    in the exporter) applied for the export only; ``options``: ``export_model``'s."""
+    from export.exporter import export_model
+    from export.names import MODEL_FILE
+
+    with monkeypatch.context() as patched:
+        if plant:
+            plant(patched)
+        export_model(folder, output, verify=False, progress=False, **options)
+    return output / MODEL_FILE

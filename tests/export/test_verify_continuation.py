@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from export_helpers import export_planted
 from onnx import TensorProto
 
 import export.decoder_graph as decoder_graph
 import export.linear_attention_graph as linear_attention_graph
-from export.exporter import export_model
 from export.names import GENAI_MODEL_FILE, MODEL_FILE
 from export.quantize import QuantizeSpec
 from export.quantized_verify import QualityGate, verify_quantized_export
@@ -65,14 +65,6 @@ def sections_for_interleaved(monkeypatch) -> None:
     )
 
 
-def export(folder, output, monkeypatch, plant=None, **options):
-    with monkeypatch.context() as patched:
-        if plant:
-            plant(patched)
-        export_model(folder, output, verify=False, progress=False, **options)
-    return output / MODEL_FILE
-
-
 @pytest.mark.parametrize(
     "family, graph, plant, caught_in",
     [
@@ -82,7 +74,7 @@ def export(folder, output, monkeypatch, plant=None, **options):
 )
 def test_several_tokens_after_a_cache_are_checked(family, graph, plant, caught_in, folders, tmp_path, monkeypatch):
     folder = folders(family)
-    sound = verify_export(folder, export(folder, tmp_path / "sound", monkeypatch, graph=graph), torch.float32)
+    sound = verify_export(folder, export_planted(folder, tmp_path / "sound", monkeypatch, graph=graph), torch.float32)
     assert sound["passed"], sound
     first, then = CONTINUATION_LENGTHS
     for key in CONTINUATION_PASSES:
@@ -91,7 +83,9 @@ def test_several_tokens_after_a_cache_are_checked(family, graph, plant, caught_i
             # every continued position (onnxruntime-genai's graph gives the last alone), and each step
             continued = 1 if key.startswith("genai") else then
             assert sound[key]["positions"] == continued + CONTINUATION_DECODE_STEPS
-    result = verify_export(folder, export(folder, tmp_path / "bad", monkeypatch, plant, graph=graph), torch.float32)
+    result = verify_export(
+        folder, export_planted(folder, tmp_path / "bad", monkeypatch, plant, graph=graph), torch.float32
+    )
     assert result["passed"] is False
     for name in caught_in:
         said = f"{name}{'' if name == MODEL_FILE else ' (onnxruntime-genai' + chr(39) + 's graph)'}"
@@ -106,7 +100,9 @@ def test_several_tokens_after_a_cache_are_checked(family, graph, plant, caught_i
 
 def test_the_fused_graph_is_continued_at_batch_1(folders, tmp_path, monkeypatch):
     folder = folders("qwen3")
-    result = verify_export(folder, export(folder, tmp_path / "fused", monkeypatch, graph="fused"), torch.float32)
+    result = verify_export(
+        folder, export_planted(folder, tmp_path / "fused", monkeypatch, graph="fused"), torch.float32
+    )
     assert result["passed"], result
     assert result["continuation"]["continued_by"] == CONTINUATION_LENGTHS[1] and "genai_graph_continuation" in result
 
@@ -122,10 +118,10 @@ def test_multimodal_positions_whose_streams_differ_are_checked(quantize, folders
         return verify_quantized_export(folder, path, torch.float32, 8, QualityGate(0.0, 100.0))
 
     options = {"graph": "plain", "quantize": quantize}
-    sound = verify(export(folder, tmp_path / "sound", monkeypatch, **options))
+    sound = verify(export_planted(folder, tmp_path / "sound", monkeypatch, **options))
     assert sound["passed"], sound
     assert IMAGE_POSITIONS in (sound if quantize is None else sound["graph"])
-    result = verify(export(folder, tmp_path / "bad", monkeypatch, sections_for_interleaved, **options))
+    result = verify(export_planted(folder, tmp_path / "bad", monkeypatch, sections_for_interleaved, **options))
     assert result["passed"] is False
     assert (
         "model.onnx on prompts of 7 and 4 tokens at an image's multimodal positions: max |Δlogit|"

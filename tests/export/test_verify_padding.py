@@ -17,12 +17,11 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from export_helpers import export_planted
 
 import export.decoder_graph as decoder_graph
 import export.linear_attention_graph as linear_attention_graph
 import export.runtime as runtime
-from export.exporter import export_model
-from export.names import MODEL_FILE
 from export.quantize import QuantizeSpec
 from export.quantized_verify import QualityGate, verify_quantized_export
 from export.verify import PADDED_AROUND, padded_around, verify_export
@@ -84,14 +83,6 @@ def positions_one_too_far_after_pads(monkeypatch) -> None:
     monkeypatch.setattr(runtime, "next_positions", planted)
 
 
-def export(folder, output, monkeypatch, plant=None, **options):
-    with monkeypatch.context() as patched:
-        if plant:
-            plant(patched)
-        export_model(folder, output, verify=False, progress=False, **options)
-    return output / MODEL_FILE
-
-
 @pytest.mark.parametrize(
     "family, options, plant, in_the_graph",
     [
@@ -105,10 +96,10 @@ def test_a_graph_right_for_left_padding_only_fails(
     family, options, plant, in_the_graph, thinker_variant, tmp_path, monkeypatch
 ):
     folder = thinker_variant(family, **({"head_dim": 16} if family == "qwen3" else {}))
-    sound = verify_export(folder, export(folder, tmp_path / "sound", monkeypatch, **options), torch.float32)
+    sound = verify_export(folder, export_planted(folder, tmp_path / "sound", monkeypatch, **options), torch.float32)
     assert sound["passed"], sound
     assert sound[PADDED_AROUND]["positions"] == 7 + 4 + 2 * 6, sound[PADDED_AROUND]  # every kept position, each step
-    bad = export(folder, tmp_path / "bad", monkeypatch, plant if in_the_graph else None, **options)
+    bad = export_planted(folder, tmp_path / "bad", monkeypatch, plant if in_the_graph else None, **options)
     with monkeypatch.context() as patched:
         if not in_the_graph:
             plant(patched)
@@ -125,10 +116,10 @@ def test_a_quantized_graph_is_checked_padded_around(thinker_variant, tmp_path, m
     # the quality gate open: on random weights every distribution is near-flat, so its cost says nothing
     gate = QualityGate(0.0, 100.0)
     sound = verify_quantized_export(
-        folder, export(folder, tmp_path / "sound", monkeypatch, **options), torch.float32, 8, gate
+        folder, export_planted(folder, tmp_path / "sound", monkeypatch, **options), torch.float32, 8, gate
     )
     assert sound["passed"], sound
     assert sound["graph"][PADDED_AROUND]["max_abs_diff"] <= sound["graph"][PADDED_AROUND]["tolerance"]
-    bad = export(folder, tmp_path / "bad", monkeypatch, mask_from_the_left_only, **options)
+    bad = export_planted(folder, tmp_path / "bad", monkeypatch, mask_from_the_left_only, **options)
     result = verify_quantized_export(folder, bad, torch.float32, 8, gate)
     assert result["passed"] is False and FAILURE in result["failure"], result.get("failure")
