@@ -34,7 +34,7 @@ def genai_config_failures(folder: Path, config, context_rows: int | None) -> lis
     genai = read_json(folder / GENAI_CONFIG_FILE)
     if not genai:
         return []
-    named = f"{GENAI_CONFIG_FILE}"
+    named = GENAI_CONFIG_FILE
     model, search = genai.get("model", {}), genai.get("search", {})
     decoder = model.get("decoder", {})
     graph_path = folder / str(decoder.get("filename", ""))

@@ -568,16 +568,10 @@ def padded_around_pass(model: torch.nn.Module, decoder: OnnxDecoder, on_step=Non
 
 
 def padded_around_failures(result: dict) -> list[str]:
-    """The failure of the padded-around pass, where ``result`` holds one beyond its own tolerance."""
-    figures = result.get(PADDED_AROUND)
-    failure = judge(figures, figures["tolerance"]) if figures and "not_run" not in figures else None
-    if not failure:
-        return []
+    """The padded-around pass's failure (``pass_failures``)."""
     lengths = " and ".join(map(str, PROMPT_LENGTHS))
-    return [
-        f"{MODEL_FILE} on prompts of {lengths} tokens padded on both sides, their positions given, then "
-        f"{DECODE_STEPS} steps: {failure}"
-    ]
+    described = f"on prompts of {lengths} tokens padded on both sides, their positions given, then {DECODE_STEPS} steps"
+    return pass_failures(result, {PADDED_AROUND: MODEL_FILE}, lambda figures: described)
 
 
 # The pass over a prompt of the vocabulary's edge ids (thinker_common/parity_inputs.py ``vocabulary_edges``), by
@@ -599,16 +593,13 @@ def edges_prompt(model: torch.nn.Module, onnx_path: Path, decoder: OnnxDecoder) 
 
 
 def vocabulary_edge_failures(result: dict) -> list[str]:
-    """The failure of the vocabulary-edges pass, where ``result`` holds one beyond its own tolerance."""
-    figures = result.get(VOCABULARY_EDGES)
-    failure = judge(figures, figures["tolerance"]) if figures else None
-    if not failure:
-        return []
-    ids = figures["ids"]
-    return [
-        f"{MODEL_FILE} on a prompt of the vocabulary's edge ids ({', '.join(map(str, ids))}), then "
-        f"{EDGE_DECODE_STEPS} step: {failure}"
-    ]
+    """The vocabulary-edges pass's failure (``pass_failures``)."""
+
+    def described(figures: dict) -> str:
+        ids = ", ".join(map(str, figures["ids"]))
+        return f"on a prompt of the vocabulary's edge ids ({ids}), then {EDGE_DECODE_STEPS} step"
+
+    return pass_failures(result, {VOCABULARY_EDGES: MODEL_FILE}, described)
 
 
 def vocabulary_edges_pass(
