@@ -14,6 +14,7 @@ Every failure the user can act on becomes a one-line ``ThinkerError`` naming the
 
 from __future__ import annotations
 
+import difflib
 import glob
 import logging
 import os
@@ -298,7 +299,7 @@ def _resolve_repo(
         pinned = _cached_commit(repo_id, revision, cache_dir) or revision
         files = _cached_listing(repo_id, pinned, cache_dir)
         if files is None:
-            raise _not_cached(label, endpoint, cache_dir, offline, unreachable)
+            raise _not_cached(repo_id, label, endpoint, cache_dir, offline, unreachable)
 
     index = None  # the shard index among the files picked, read first: the shards it names are the weights
     prefix = f"{hub.subfolder}/" if hub.subfolder else ""
@@ -347,7 +348,7 @@ def _resolve_repo(
         if refused is not None:  # a file's download refused (a token without access, a proxy), not the network
             raise _explain(refused, repo_id, label, endpoint, cache_dir) from None
         # the Hub's own failure where the listing already met one (the files were then sought in the cache alone)
-        raise _not_cached(label, endpoint, cache_dir, offline, unreachable or err.__cause__ or err) from None
+        raise _not_cached(repo_id, label, endpoint, cache_dir, offline, unreachable or err.__cause__ or err) from None
     except HfHubHTTPError as err:
         raise _explain(err, repo_id, label, endpoint, cache_dir) from None
     except (*_NETWORK_ERRORS, RecursionError) as err:  # the connection dropped in the middle of a download
@@ -525,18 +526,34 @@ def _first_line(err: BaseException) -> str:
 
 
 def _not_cached(
-    label: str, endpoint: str, cache_dir: Path, offline: bool, reason: BaseException | None
+    repo_id: str, label: str, endpoint: str, cache_dir: Path, offline: bool, reason: BaseException | None
 ) -> ThinkerError:
     """Nothing usable in the cache, and the Hub is off limits (offline) or out of reach."""
     if offline:
         return ThinkerError(
-            f"{label} is not in the cache at {cache_dir} and HF_HUB_OFFLINE=1; run once online or unset HF_HUB_OFFLINE"
+            f"{label} is not in the cache at {cache_dir} and HF_HUB_OFFLINE=1; run once online or unset "
+            f"HF_HUB_OFFLINE{_not_local(repo_id)}"
         )
     why = _reason(reason)
     return ThinkerError(
         f"cannot reach the Hub at {endpoint} to fetch {label}{why}, and it is not in the cache at {cache_dir}; "
-        "check the network, set HF_ENDPOINT to a reachable mirror, or run once online and then use HF_HUB_OFFLINE=1"
+        "check the network, set HF_ENDPOINT to a reachable mirror, or run once online and then use "
+        f"HF_HUB_OFFLINE=1{_not_local(repo_id)}"
     )
+
+
+def _not_local(repo_id: str) -> str:
+    """What to add where a repo id found nothing on the Hub: that no local path of that name exists either, and the
+    entries here (or in the id's first folder) spelled closest to it, since SOURCE is more often a mistyped local
+    path ("qwen3-06b" for ./qwen3-0.6b) than a Hub id the user meant to try."""
+    parent, name = (Path(repo_id).parent, Path(repo_id).name) if "/" in repo_id else (Path("."), repo_id)
+    try:
+        entries = [entry.name for entry in parent.iterdir()] if parent.is_dir() else []
+    except OSError:
+        entries = []
+    close = difflib.get_close_matches(name, entries, n=2, cutoff=0.75)
+    shown = " or ".join(str(parent / entry) if "/" in repo_id else f"./{entry}" for entry in close)
+    return f"; no local path {repo_id!r} exists either" + (f" (did you mean {shown}?)" if close else "")
 
 
 def _explain(err: HfHubHTTPError, repo_id: str, label: str, endpoint: str, cache_dir: Path) -> ThinkerError:
@@ -552,10 +569,9 @@ def _explain(err: HfHubHTTPError, repo_id: str, label: str, endpoint: str, cache
             f"{endpoint}/{repo_id} and set HF_TOKEN to a token of that account"
         )
     if isinstance(err, RepositoryNotFoundError):
-        local_hint = f"; no local folder named {repo_id!r} exists either" if "/" in repo_id else ""
         return ThinkerError(
             f"{label}: repo not found on {endpoint} (or it is private and no valid token was sent); check the repo id, "
-            f"or set HF_TOKEN if it is private{local_hint}"
+            f"or set HF_TOKEN if it is private{_not_local(repo_id)}"
         )
     if isinstance(err, RemoteEntryNotFoundError):
         # huggingface_hub's first line is "404 Client Error."; the file is in the URL of a later one

@@ -110,6 +110,22 @@ def test_missing_repo(fake_hub):
     assert "HF_TOKEN" in str(err.value)
 
 
+@pytest.mark.parametrize("offline", [False, True], ids=["hub-answers-404", "offline"])
+def test_a_mistyped_local_path_is_named_with_the_folder_meant(fake_hub, monkeypatch, tmp_path, offline):
+    """A SOURCE that is no local path is tried as a Hub id; when the Hub (or the cache) has nothing either, the
+    message says no local path of that name exists and names the entries here spelled closest to it."""
+    (tmp_path / "qwen3-0.6b-thinker").mkdir()
+    (tmp_path / "unrelated").mkdir()
+    monkeypatch.chdir(tmp_path)
+    if offline:
+        go_offline(monkeypatch)
+    with pytest.raises(ThinkerError, match="no local path 'qwen3-06b-thinker' exists either") as err:
+        resolve_source("qwen3-06b-thinker", progress=False)
+    assert str(err.value).endswith("(did you mean ./qwen3-0.6b-thinker?)")
+    with pytest.raises(ThinkerError, match="no local path 'acme/nope' exists either$"):
+        resolve_source("acme/nope", progress=False)  # nothing spelled like it: no guess
+
+
 def test_missing_revision(fake_hub):
     fake_hub.add_repo(REPO, tiny_repo())
     with pytest.raises(ThinkerError, match="acme/tiny@v9: revision not found"):
