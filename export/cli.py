@@ -43,7 +43,48 @@ from .names import (
 MAX_THREADS = 1024
 
 
-@click.command("export", context_settings=CONTEXT)
+# The graph's interface, after the options in `thinker export --help`: what a caller wiring the graph needs, which a
+# user looking for an option should not have to scroll past.
+GRAPH_REFERENCE = """\
+\b
+The graph's inputs: input_ids, attention_mask, position_ids, past_key_values.{i}.key/.value;
+its outputs: logits [batch, seq, vocab] ([batch, 1, vocab] with --logits last), present.{i}.key/.value
+(KV as [batch, kv_heads, seq, head_dim]). --inputs-embeds adds model.embeds.onnx, which takes
+inputs_embeds [batch, seq, hidden] (float32) in place of input_ids, and embed.onnx (input_ids -> inputs_embeds).
+Hybrid models (Qwen3.5, Qwen3-Next) carry, for each linear-attention layer i instead of KV,
+past_key_values.{i}.conv_state [batch, conv_dim, kernel - 1] (model dtype) and
+past_key_values.{i}.recurrent_state [batch, v_heads, k_dim, v_dim] (float32) -> present.{i}.*;
+zeros start a sequence; a position the attention mask hides leaves both states untouched, so batches
+padded on either side give each row its own result. With multimodal RoPE (mrope_section) position_ids is
+[3, batch, seq]: text-only callers repeat their [batch, seq] positions three times, or export with
+--positions text for a [batch, seq] input. onnxruntime-genai's graph (model.genai.onnx) takes [batch, seq]
+whatever --positions says (genai 0.18 unmasks the pads of [3, batch, seq] models after the prompt).
+Qwen3.8 (qwen4_exp) adds, per PLE layer i, past_key_values.{i}.ngram_context [batch, ngram_size - 1] (int64)
+and .ple_conv_state; per indexed-attention layer i, past_key_values.{i}.index_keys [batch, 1, past, dim],
+and on the first one .index_positions [batch, 3 or 1, past] (int64). onnxruntime-genai has no model type for
+these states, so such a folder gets no genai_config.json: run it with `thinker generate`.
+
+\b
+--graph fused (the default) keeps these names and shapes; left-padded batches, and onnxruntime-genai's
+right-padded ones, give each row its own tokens. Its RoPE (inside GroupQueryAttention) numbers a prompt's
+tokens by cache slot and later tokens by position_ids, shifted by the row's first unmasked slot: exact for
+the contiguous positions text callers feed; multimodal RoPE rotates by position_ids, as the plain graph.
+A step with several new tokens after a non-empty cache needs batch 1 (prefill and one-token decode steps, all
+that onnxruntime-genai and `thinker generate` run, are unaffected).
+genai_config.json lets onnxruntime-genai update one KV buffer in place (past_present_share_buffer), and
+names model.genai.onnx: the same graph over the same weights file, for the right-padded batches
+onnxruntime-genai makes, without the padding bias that slows GroupQueryAttention on CUDA (model.onnx keeps
+it and takes any padding; --verify checks both).
+
+\b
+--quantize int4|int8 works with either graph. --verify then checks the graph against the PyTorch model holding
+the same dequantized weights (at the float tolerance, MatMulNBits' activations in float), each quantized
+weight against its float original, and reports what quantization costs against the float model on a fixed
+English paragraph (top-1 agreement, perplexity), failing below --min-top1 or above --max-perplexity-increase.
+"""
+
+
+@click.command("export", context_settings=CONTEXT, epilog=GRAPH_REFERENCE)
 @click.argument("model_dir", metavar="MODEL_DIR")
 @click.argument("output", type=click.Path(path_type=Path))
 @click.option(
@@ -246,40 +287,16 @@ def export_command(
     tokenizer, and export_report.json (sizes, node count, parity figures). OUTPUT is written atomically.
 
     \b
-    The graph's inputs: input_ids, attention_mask, position_ids, past_key_values.{i}.key/.value;
-    its outputs: logits [batch, seq, vocab] ([batch, 1, vocab] with --logits last), present.{i}.key/.value
-    (KV as [batch, kv_heads, seq, head_dim]). --inputs-embeds adds model.embeds.onnx, which takes
-    inputs_embeds [batch, seq, hidden] (float32) in place of input_ids, and embed.onnx (input_ids -> inputs_embeds).
-    Hybrid models (Qwen3.5, Qwen3-Next) carry, for each linear-attention layer i instead of KV,
-    past_key_values.{i}.conv_state [batch, conv_dim, kernel - 1] (model dtype) and
-    past_key_values.{i}.recurrent_state [batch, v_heads, k_dim, v_dim] (float32) -> present.{i}.*;
-    zeros start a sequence; a position the attention mask hides leaves both states untouched, so batches
-    padded on either side give each row its own result. With multimodal RoPE (mrope_section) position_ids is
-    [3, batch, seq]: text-only callers repeat their [batch, seq] positions three times, or export with
-    --positions text for a [batch, seq] input. onnxruntime-genai's graph (model.genai.onnx) takes [batch, seq]
-    whatever --positions says (genai 0.18 unmasks the pads of [3, batch, seq] models after the prompt).
-    Qwen3.8 (qwen4_exp) adds, per PLE layer i, past_key_values.{i}.ngram_context [batch, ngram_size - 1] (int64)
-    and .ple_conv_state; per indexed-attention layer i, past_key_values.{i}.index_keys [batch, 1, past, dim],
-    and on the first one .index_positions [batch, 3 or 1, past] (int64). onnxruntime-genai has no model type for
-    these states, so such a folder gets no genai_config.json: run it with `thinker generate`.
+    Examples:
+      thinker export ./qwen3-0.6b-thinker ./qwen3-0.6b-onnx
+      thinker export Qwen/Qwen3-0.6B ./qwen3-0.6b-onnx                   # convert on the way, then export
+      thinker export ./qwen3-0.6b-thinker ./qwen3-int4 --quantize int4   # weight-only int4, CPU-fast layout
+      thinker export ./qwen3-0.6b-thinker ./qwen3-fp16 --dtype float16   # for onnxruntime's CUDA provider
+      thinker export ./qwen3.5-0.8b-thinker ./qwen3.5-onnx --positions text --logits last
+      thinker export ./qwen3-omni-thinker ./omni-onnx --inputs-embeds   # prompts with audio/image/video embeddings
+      thinker generate ./qwen3-0.6b-onnx --prompt "The capital of France is"
 
-    \b
-    --graph fused (the default) keeps these names and shapes; left-padded batches, and onnxruntime-genai's
-    right-padded ones, give each row its own tokens. Its RoPE (inside GroupQueryAttention) numbers a prompt's
-    tokens by cache slot and later tokens by position_ids, shifted by the row's first unmasked slot: exact for
-    the contiguous positions text callers feed; multimodal RoPE rotates by position_ids, as the plain graph.
-    A step with several new tokens after a non-empty cache needs batch 1 (prefill and one-token decode steps, all
-    that onnxruntime-genai and `thinker generate` run, are unaffected).
-    genai_config.json lets onnxruntime-genai update one KV buffer in place (past_present_share_buffer), and
-    names model.genai.onnx: the same graph over the same weights file, for the right-padded batches
-    onnxruntime-genai makes, without the padding bias that slows GroupQueryAttention on CUDA (model.onnx keeps
-    it and takes any padding; --verify checks both).
-
-    \b
-    --quantize int4|int8 works with either graph. --verify then checks the graph against the PyTorch model holding
-    the same dequantized weights (at the float tolerance, MatMulNBits' activations in float), each quantized
-    weight against its float original, and reports what quantization costs against the float model on a fixed
-    English paragraph (top-1 agreement, perplexity), failing below --min-top1 or above --max-perplexity-increase.
+    The graph's inputs and outputs, and how each graph reads them, follow the options.
     """
     from .exporter import export_model
     from .fidelity import FIDELITY_SOURCE

@@ -269,6 +269,9 @@ def test_help_teaches(runner):
     for option in ("--dtype", "--verify / --no-verify", "--force", "--threads", "--debug", "past_key_values"):
         assert option in export_help
     assert "[default: fused]" in " ".join(export_help.split())  # one default graph, for every model
+    # Examples on the first screen; the graph's interface, which a caller wiring it reads once, after the options.
+    assert export_help.index("Examples:") < export_help.index("Options:") < export_help.index("past_key_values")
+    assert "thinker export ./qwen3-0.6b-thinker ./qwen3-int4 --quantize int4" in export_help
 
 
 def test_export_model_from_python_takes_a_torch_dtype_and_refuses_what_the_cli_would(thinker_folder, tmp_path):
