@@ -29,6 +29,8 @@ SOURCE is one of:
   - a Hugging Face Hub repo id such as Qwen/Qwen3-0.6B, downloaded into
     the standard cache (only the files a conversion needs); HF_TOKEN,
     HF_ENDPOINT and HF_HUB_OFFLINE are honoured
+Float weights, or a fine-grained FP8 release (Qwen/Qwen3-8B-FP8: FP8
+weights with a scale per block), dequantized as transformers does.
 
 \b
 Supported families:

@@ -20,6 +20,7 @@ import torch
 from thinker import ThinkerConfig
 from thinker_common.dtypes import dtype_name
 from thinker_common.errors import ThinkerError
+from thinker_common.fp8_source import DequantizedFP8Source
 from thinker_common.gguf_reader import GGUFSource
 from thinker_common.side_files import read_json, readable_tokenizer_files, tokenizer_files
 from thinker_common.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
@@ -118,6 +119,8 @@ def convert(
         if check_config is not None:
             check_config(plan.config, root / "config.json" if Path(root).is_dir() else Path(root))
         notes = []
+        if isinstance(tensor_source, DequantizedFP8Source):
+            notes.append(tensor_source.summary(dtype_name(plan.dtype)))
         if plan.family.no_reference:
             if verify or verify_by_layer:  # asked for explicitly: refuse before writing anything
                 family = plan.family

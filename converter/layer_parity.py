@@ -50,7 +50,7 @@ from .parity_report import (
     refuse_unknown_model_type,
 )
 from .spec import Family
-from .streamed import StreamedModel, Unit, empty_model, lazy_tensors
+from .streamed import StreamedModel, Unit, empty_model, fp8_reference_quantizer, lazy_tensors
 from .unreached import Probes
 
 EMBEDDINGS, HEAD = "embeddings", "final norm and head"
@@ -125,8 +125,11 @@ def load_layered_reference(source: Path, dtype: torch.dtype, model_class: type |
             model = empty_model(model_class._from_config, config, dtype)
     except Exception as err:  # transformers raises many types for a folder it cannot build; all are the folder's
         raise ThinkerError(f"{folder}: the reference model does not build with transformers ({err})") from None
-    tensors = open_source(source)
-    return StreamedModel(model, lazy_tensors(tensors), close=tensors.close)
+    # As stored: an FP8 checkpoint's weights reach the reference through transformers' own dequantizing loader.
+    tensors = open_source(source, dequantize=False)
+    quantization = getattr(config, "quantization_config", None)
+    quantizer = None if quantization is None else fp8_reference_quantizer(quantization)
+    return StreamedModel(model, lazy_tensors(tensors), close=tensors.close, hf_quantizer=quantizer)
 
 
 # --- comparison --------------------------------------------------------------------------------------------------

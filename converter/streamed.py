@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from thinker_common.dtypes import safetensors_code
 from thinker_common.eager import EAGER
 from thinker_common.errors import ThinkerError
 from thinker_common.sources import TensorSource
@@ -49,6 +50,10 @@ class LazyTensor:
 
     def get_shape(self) -> list[int]:
         return list(self.shape)
+
+    def get_dtype(self) -> str:
+        """The safetensors code of its dtype, as a safetensors slice answers (transformers' quantizers ask)."""
+        return safetensors_code(self.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -103,6 +108,8 @@ class StreamedModel:
       rounded values in either dtype.
     - ``call``: how a batch is fed (``call_causal_lm``); ``takes_padding``: whether the model takes an attention
       mask at all (reference implementations written without one are fed one unpadded prompt at a time).
+    - ``hf_quantizer``: the transformers quantizer ``from_pretrained`` would load a quantized checkpoint with (an
+      FP8 one, dequantizing: ``fp8_reference_quantizer``); its weight conversions join the model's.
     """
 
     def __init__(
@@ -118,8 +125,10 @@ class StreamedModel:
         call: Caller = call_causal_lm,
         takes_padding: bool = True,
         close: Callable[[], None] | None = None,
+        hf_quantizer: Any = None,
     ) -> None:
         self.model = model.eval()
+        self.hf_quantizer = hf_quantizer
         self.tensors = tensors
         self.name = name or type(model).__name__
         self.compute_dtype = compute_dtype
@@ -330,7 +339,7 @@ def checkpoint_targets(streamed: StreamedModel) -> dict[str, str]:
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
     model = streamed.model
-    mapping = _conversion_mapping(model)
+    mapping = _conversion_mapping(model, streamed.hf_quantizer)
     renamings = [entry for entry in mapping if isinstance(entry, WeightRenaming)]
     converters = [entry for entry in mapping if isinstance(entry, WeightConverter)]
     meta = model.state_dict(keep_vars=True)
@@ -346,11 +355,22 @@ def checkpoint_targets(streamed: StreamedModel) -> dict[str, str]:
     return targets
 
 
-def _conversion_mapping(model: nn.Module) -> list:
-    """The weight conversions ``from_pretrained`` applies for this model (no user key mapping, no quantizer)."""
+def _conversion_mapping(model: nn.Module, hf_quantizer: Any = None) -> list:
+    """The weight conversions ``from_pretrained`` applies for this model (no user key mapping), with those of the
+    quantizer it would load the checkpoint with, if any."""
     from transformers.conversion_mapping import get_model_conversion_mapping
 
-    return get_model_conversion_mapping(model, None, None)
+    return get_model_conversion_mapping(model, None, hf_quantizer)
+
+
+def fp8_reference_quantizer(quantization_config: Any) -> Any:
+    """The quantizer ``from_pretrained`` loads a fine-grained FP8 checkpoint with on a machine without an FP8 GPU:
+    transformers' own, dequantizing each weight to the model's dtype as it is loaded."""
+    from transformers.quantizers import AutoHfQuantizer
+
+    quantizer = AutoHfQuantizer.from_config(quantization_config, pre_quantized=True)
+    quantizer.quantization_config.dequantize = True
+    return quantizer
 
 
 # --- loaders -----------------------------------------------------------------------------------------------------
@@ -365,7 +385,10 @@ def transformers_loader(streamed: StreamedModel, unit: Unit) -> None:
     model = streamed.model
     dtype = _built_dtype(model)
     config = LoadStateDictConfig(
-        dtype=dtype, dtype_plan=model._get_dtype_plan(dtype), weight_mapping=_conversion_mapping(model)
+        dtype=dtype,
+        dtype_plan=model._get_dtype_plan(dtype),
+        weight_mapping=_conversion_mapping(model, streamed.hf_quantizer),
+        hf_quantizer=streamed.hf_quantizer,
     )
     bars = transformers_logging.is_progress_bar_enabled()
     transformers_logging.disable_progress_bar()  # one "Loading weights" bar per unit otherwise

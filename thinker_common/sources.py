@@ -24,7 +24,8 @@ from safetensors import safe_open
 
 from .dtypes import SAFETENSORS_DTYPES, torch_dtype
 from .errors import ThinkerError
-from .side_files import copy_files, read_json, tokenizer_files
+from .folder_source import FolderSource
+from .fp8_source import DequantizedFP8Source, fp8_quantization, loaded_dtype
 from .source_files import checked_file, present, redownload, regular_file
 from .values import ValueScan
 
@@ -135,25 +136,6 @@ def _shard_path(root: Path, index_path: Path, file_name: str) -> Path:
             f"{redownload(path)}"
         )
     return checked_file(path, root)
-
-
-class FolderSource:
-    """A checkpoint folder in Hugging Face's layout: ``config.json`` and the tokenizer files beside the weights."""
-
-    root: Path
-
-    def config(self) -> dict[str, Any]:
-        path = self.root / "config.json"
-        if not present(path, self.root):
-            raise ThinkerError(f"{self.root}: no config.json beside the weights; it says which model they belong to")
-        config = read_json(path)
-        if not isinstance(config, dict):
-            raise ThinkerError(f"{path}: expected a JSON object")
-        return config
-
-    def save_tokenizer(self, folder: Path) -> list[str]:
-        """The folder's tokenizer files, copied (none is fine: weights-only checkpoints)."""
-        return copy_files(tokenizer_files(self.root), self.root, folder)
 
 
 class SafetensorsSource(FolderSource):
@@ -445,9 +427,31 @@ def bin_files(root: Path) -> list[Path]:
 NOT_WEIGHTS_SUFFIXES = (".json", ".jinja", ".txt", ".md", ".model", ".py", ".yaml")
 
 
-def open_source(root: Path) -> TensorSource:
-    """The source for a checkpoint folder (or a single weights file), preferring safetensors."""
-    root = Path(root)
+def open_source(root: Path, dequantize: bool = True) -> TensorSource:
+    """The source for a checkpoint folder (or a single weights file), preferring safetensors. A checkpoint its
+    config.json declares fine-grained FP8 is read as the float model it stands for (``fp8_source``), unless
+    ``dequantize=False`` (the parity reference, which dequantizes through transformers' own code)."""
+    source = _open_source(Path(root))
+    if not dequantize or not isinstance(source, FolderSource):
+        return source
+    try:
+        return dequantized_if_fp8(source)
+    except ThinkerError:
+        source.close()
+        raise
+
+
+def dequantized_if_fp8(source: FolderSource) -> TensorSource:
+    """``source`` itself, or, where its config.json declares FP8 quantization, the float model it stands for."""
+    path = source.root / "config.json"
+    if not present(path, source.root):
+        return source  # refused, naming the missing config, where the config is read
+    config = source.config()
+    block = fp8_quantization(config, path)
+    return source if block is None else DequantizedFP8Source(source, block, loaded_dtype(config))
+
+
+def _open_source(root: Path) -> TensorSource:
     if os.path.lexists(root) and not root.is_dir():
         regular_file(root)  # SOURCE named on the command line: a symlink is the user's choice, a pipe is not a file
         if root.suffix == ".safetensors":

@@ -1,0 +1,281 @@
+"""Fine-grained FP8 checkpoints (Qwen's ``-FP8`` releases): converted as the float model transformers dequantizes
+them to, held to that model by the parity gate in both modes, and refused by name where they cannot be read.
+
+The checkpoints are tiny transformers models of each family, their projections quantized here to FP8 with a scale
+per block, laid out as Qwen's releases are (``X.weight`` in float8_e4m3fn beside ``X.weight_scale_inv``, and
+``quantization_config`` in config.json); the reference is ``from_pretrained`` of that folder, which on a CPU
+dequantizes through transformers' own FP8 code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import assert_error, assert_nothing_written, thinker
+from convert_helpers import build_reference, save_unfused_experts
+from references.hybrid import qwen3_5_config
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+
+from converter.convert import convert, verify
+from converter.parity_report import ParityFailed
+from thinker import ThinkerConfig
+from thinker_common.errors import ThinkerError
+from thinker_common.fp8_source import DequantizedFP8Source
+from thinker_common.sources import open_source
+
+BLOCK = [32, 32]
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+QWEN3 = Qwen3Config(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
+QWEN3_MOE = Qwen3MoeConfig(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    max_position_embeddings=64,
+)
+
+QWEN3_5_SIZES = dict(hidden_size=64, intermediate_size=96, linear_key_head_dim=16)
+
+
+def quantize_block(weight: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 values and per-block scales (the block's largest magnitude over FP8's largest), partial blocks included."""
+    rows, columns = weight.shape
+    grid = (math.ceil(rows / block[0]), math.ceil(columns / block[1]))
+    scales = torch.empty(grid)
+    values = torch.empty_like(weight)
+    for i in range(grid[0]):
+        for j in range(grid[1]):
+            cut = (slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1]))
+            scales[i, j] = weight[cut].abs().max().clamp(min=1e-12) / FP8_MAX
+            values[cut] = weight[cut] / scales[i, j]
+    return values.to(torch.float8_e4m3fn), scales
+
+
+def to_fp8(folder: Path, block: list[int] = BLOCK, scale_dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Rewrite a float checkpoint in place as an FP8 one: every 2-D projection quantized, the rest in bfloat16."""
+    tensors = load_file(folder / "model.safetensors")
+    written = {}
+    for name, tensor in tensors.items():
+        if tensor.dim() == 2 and name.endswith("proj.weight") or ".in_proj_" in name:
+            written[name], scales = quantize_block(tensor.float(), block)
+            written[name + "_scale_inv"] = scales.to(scale_dtype)
+        else:
+            written[name] = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+    save_file(written, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    config["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": block,
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def fp8_checkpoint(tmp_path: Path, family: str) -> Path:
+    if family == "qwen3_moe":  # the Hub's per-expert layout, each expert's projections quantized on their own
+        folder = save_unfused_experts(build_reference(QWEN3_MOE), tmp_path / family)
+    else:
+        # Qwen3.5's dimensions whole multiples of the block: transformers refuses a partial one
+        config = QWEN3 if family == "qwen3" else qwen3_5_config(**QWEN3_5_SIZES)
+        build_reference(config).save_pretrained(tmp_path / family)
+        folder = tmp_path / family
+    return to_fp8(folder)
+
+
+def transformers_weights(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).state_dict()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen3_5"])
+@pytest.mark.parametrize("by_layer", [False, True], ids=["whole-model", "layer-by-layer"])
+def test_an_fp8_checkpoint_converts_to_the_model_transformers_dequantizes(tmp_path, family, by_layer):
+    source = fp8_checkpoint(tmp_path, family)
+    result = convert(source, tmp_path / "out", verify=True, verify_by_layer=by_layer, progress=False)
+    assert result.parity is not None and result.parity.passed, result.parity.table()
+    assert result.parity.results[0].max_abs_diff == 0  # the same products, rounded once to bfloat16 on both sides
+    assert result.dtype == "bfloat16"  # the dtype transformers loads it in: its config's
+    assert any("FP8" in note for note in result.notes)
+    written = json.loads((result.output / "config.json").read_text())
+    assert "quantization_config" not in written  # the folder holds float weights
+    assert ThinkerConfig.from_pretrained(result.output).dtype == torch.bfloat16
+
+
+def test_float32_conversion_keeps_each_product_exact(tmp_path):
+    """--dtype float32: the products unrounded, as transformers' float32 load holds them, bit for bit."""
+    source = fp8_checkpoint(tmp_path, "qwen3")
+    result = convert(source, tmp_path / "out", dtype="float32", verify=True, progress=False)
+    assert result.parity.passed and result.parity.results[0].max_abs_diff == 0
+    expected = transformers_weights(source, torch.float32)
+    written = load_file(result.output / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert written[name].dtype == torch.float32 and torch.equal(written[name], expected[name])
+    assert not torch.equal(written[name], written[name].to(torch.bfloat16).float())  # not rounded on the way
+
+
+def test_the_gate_fails_a_wrong_dequantization(tmp_path, monkeypatch):
+    """A planted bug: each weight's blocks scaled by the transposed grid (a row block read as a column block). The
+    reference dequantizes through transformers' code, so both modes of the gate see it; nothing is installed."""
+    source = fp8_checkpoint(tmp_path, "qwen3")
+    original = DequantizedFP8Source.dequantized
+
+    def transposed(self, name):
+        scale_name = name + "_scale_inv"
+        scales = self.inner.load(scale_name).to(torch.float32)
+        if scales.shape[0] != scales.shape[1]:
+            return original(self, name)
+        weight = self.inner.load(name).to(torch.float32)
+        spread = scales.mT.repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)
+        return weight * spread[: weight.shape[0], : weight.shape[1]]
+
+    monkeypatch.setattr(DequantizedFP8Source, "dequantized", transposed)
+    for by_layer in (False, True):
+        with pytest.raises(ParityFailed):
+            convert(source, tmp_path / f"out{by_layer}", verify=True, verify_by_layer=by_layer, progress=False)
+        assert_nothing_written(tmp_path / f"out{by_layer}")
+
+
+def test_thinker_verify_holds_an_fp8_conversion_bit_for_bit(tmp_path):
+    source = fp8_checkpoint(tmp_path, "qwen3")
+    converted = convert(source, tmp_path / "out", verify=False, progress=False).output
+    assert verify(source, converted).passed
+    # An edit too small for the logits' tolerance is still named: the weights are compared to the bit.
+    tensors = load_file(converted / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors[name].view(torch.int16)[3, 5] += 1  # the next bfloat16 value
+    save_file(tensors, converted / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ParityFailed, match=name):
+        verify(source, converted)
+
+
+def test_partial_blocks_take_the_scale_of_the_block_they_start(tmp_path):
+    """The format's blocks: a dimension not a multiple of the block ends in a partial block with a scale of its own
+    (40 rows in blocks of 32: rows 32-39 share one scale), which transformers' grid-derived blocks would not give."""
+    weight = torch.randn(40, 72)
+    values, scales = quantize_block(weight, BLOCK)
+    folder = tmp_path / "partial"
+    folder.mkdir()
+    save_file({"w.weight": values, "w.weight_scale_inv": scales}, folder / "model.safetensors")
+    quantization = {"quant_method": "fp8", "weight_block_size": BLOCK}
+    (folder / "config.json").write_text(json.dumps({"dtype": "bfloat16", "quantization_config": quantization}))
+    source = open_source(folder)
+    try:
+        assert source.names() == ["w.weight"] and source.dtype("w.weight") == torch.bfloat16
+        loaded = source.load("w.weight")
+    finally:
+        source.close()
+    expected = values.float().clone()
+    for row in range(40):
+        for column in range(72):
+            expected[row, column] *= scales[row // 32, column // 32]
+    assert loaded.dtype == torch.float32 and torch.equal(loaded, expected)
+    torch.testing.assert_close(loaded, weight, rtol=0.07, atol=0)  # FP8's 3 mantissa bits: within 1/16
+
+
+def test_scales_of_another_grid_are_refused_by_name(tmp_path):
+    source = fp8_checkpoint(tmp_path, "qwen3")
+    tensors = load_file(source / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight_scale_inv"
+    tensors[name] = tensors[name][:, :1].contiguous()
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    assert_error(
+        thinker("convert", source, tmp_path / "out"),
+        f"{name!r} holds (3, 1) scales for 'model.layers.0.mlp.up_proj.weight' of shape (96, 64)",
+        "(3, 2), one per 32x32 block",
+    )
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_an_fp8_config_over_float_weights_is_refused(tmp_path):
+    build_reference(QWEN3).save_pretrained(tmp_path / "source")
+    config = json.loads((tmp_path / "source" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": BLOCK}
+    (tmp_path / "source" / "config.json").write_text(json.dumps(config))
+    assert_error(
+        thinker("convert", tmp_path / "source", tmp_path / "out"),
+        "config.json declares FP8 quantization, but no tensor is stored in FP8",
+    )
+
+
+def test_an_fp8_weight_without_its_scale_is_refused_by_name(tmp_path):
+    source = fp8_checkpoint(tmp_path, "qwen3")
+    tensors = load_file(source / "model.safetensors")
+    del tensors["model.layers.1.self_attn.o_proj.weight_scale_inv"]
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    assert_error(
+        thinker("convert", source, tmp_path / "out"),
+        "'model.layers.1.self_attn.o_proj.weight' is stored in FP8 with no",
+        "re-download it",
+    )
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq", "bitsandbytes", "compressed-tensors"])
+def test_other_quantizations_are_refused_by_method(tmp_path, method):
+    """A quantized release this converter cannot read is named by its method, with what to convert instead, not
+    reported as tensors no rule maps."""
+    build_reference(QWEN3).save_pretrained(tmp_path / "source")
+    config = json.loads((tmp_path / "source" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "bits": 4}
+    (tmp_path / "source" / "config.json").write_text(json.dumps(config))
+    assert_error(
+        thinker("convert", tmp_path / "source", tmp_path / "out"),
+        f"config.json: the checkpoint is quantized with {method!r}",
+        "convert the model's float (or -FP8) release instead",
+    )
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_the_reference_side_reads_the_checkpoint_as_stored(tmp_path):
+    """``dequantize=False`` (the layer-by-layer reference, which dequantizes through transformers) sees the FP8
+    tensors and their scales; the converter's view sees the float model only."""
+    source = fp8_checkpoint(tmp_path, "qwen3")
+    stored, floats = open_source(source, dequantize=False), open_source(source)
+    try:
+        name = "model.layers.0.self_attn.k_proj.weight"
+        assert stored.dtype(name) == torch.float8_e4m3fn and name + "_scale_inv" in stored.names()
+        assert floats.dtype(name) == torch.bfloat16 and name + "_scale_inv" not in floats.names()
+    finally:
+        stored.close()
+        floats.close()
+    with pytest.raises(ThinkerError, match="weight_block_size is 'x'"):
+        config = json.loads((source / "config.json").read_text())
+        config["quantization_config"]["weight_block_size"] = "x"
+        (source / "config.json").write_text(json.dumps(config))
+        open_source(source)
+
+
+@torch.no_grad()
+def test_from_pretrained_converts_an_fp8_checkpoint_on_load(tmp_path):
+    """``ThinkerForCausalLM.from_pretrained`` of an FP8 folder (``converter.load``) reads it through the same view."""
+    import converter.load  # noqa: F401  (registers the family tables with from_pretrained)
+    from thinker import ThinkerForCausalLM
+
+    source = fp8_checkpoint(tmp_path, "qwen3")
+    ids = torch.tensor([[5, 17, 3, 29, 11]])
+    converted = ThinkerForCausalLM.from_pretrained(source)
+    reference = AutoModelForCausalLM.from_pretrained(source)
+    assert converted.dtype == torch.bfloat16 and getattr(converted.config, "quantization_config", None) is None
+    assert torch.equal(converted(ids).logits, reference(ids).logits)
