@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from results_io import write_result
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_convert import MemorySampler, load_average  # noqa: E402
 
@@ -295,7 +297,7 @@ def main() -> None:
         if not args.keep:
             shutil.rmtree(args.work, ignore_errors=True)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULTS, json.dumps(result, indent=2) + "\n")
     print(report(result))
     print(f"wrote {RESULTS.relative_to(REPO)}")
 

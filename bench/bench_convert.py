@@ -38,6 +38,8 @@ import threading
 import time
 from pathlib import Path
 
+from results_io import positive_int, write_result
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "convert.json"
 COMMAND = "python bench/bench_convert.py"
@@ -337,7 +339,7 @@ def report(result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=Path("/tmp/thinker-bench"), help="scratch folder (deleted)")
-    parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions of each measurement")
+    parser.add_argument("--reps", type=positive_int, default=3, help="interleaved repetitions of each measurement")
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder")
     parser.add_argument("--report", action="store_true", help="print the README table from the results file")
     args = parser.parse_args()
@@ -351,7 +353,7 @@ def main() -> None:
         if not args.keep:
             shutil.rmtree(args.work, ignore_errors=True)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULTS, json.dumps(result, indent=2) + "\n")
     print(report(result))
     print(f"wrote {RESULTS.relative_to(REPO)}")
 

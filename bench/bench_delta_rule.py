@@ -29,8 +29,10 @@ import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper
+from results_io import positive_int, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
+
 
 from export.chunked_delta_rule import DeltaRuleInputs  # noqa: E402
 from export.decoder_graph import IR_VERSION, OPSET  # noqa: E402
@@ -97,7 +99,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="1,16,32,48,64,96,128,256,512")
-    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--reps", type=positive_int, default=15)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gap", type=float, default=0.1, help="seconds of pause before each timed call")
     args = parser.parse_args()
@@ -139,7 +141,7 @@ def main() -> None:
         "rows": rows,
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "delta_rule.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_result((RESULTS / "delta_rule.json"), json.dumps(results, indent=2) + "\n")
     lines = [
         f"Command: `{results['command']}`; one layer at Qwen3.5-0.8B's sizes, batch 1, {args.threads} threads, medians"
         f" of {args.reps} interleaved calls; the graph switches to chunks from {CHUNKED_FROM} tokens.",
@@ -153,7 +155,7 @@ def main() -> None:
             f"| {row['tokens']} | {ms['tokens']:.2f} | {ms['chunks']:.2f} | {row['chunks_over_tokens']:.3f}"
             f" | {row['max_abs_difference']:.1e} |"
         )
-    (RESULTS / "README-delta-rule.md").write_text("\n".join(lines) + "\n")
+    write_result((RESULTS / "README-delta-rule.md"), "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

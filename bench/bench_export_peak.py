@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from results_io import positive_int, write_result
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
 
@@ -56,7 +58,7 @@ def markdown(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default="int8,int8-acc1,int4,int4-noguard")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=positive_int, default=3)
     args = parser.parse_args()
     names = args.variants.split(",")
     if unknown := sorted(set(names) - set(VARIANTS)):
@@ -84,8 +86,8 @@ def main() -> None:
         "seconds": round(time.perf_counter() - started, 1),
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "export_peak.json").write_text(json.dumps(results, indent=2) + "\n")
-    (RESULTS / "README-export-peak.md").write_text(markdown(results))
+    write_result((RESULTS / "export_peak.json"), json.dumps(results, indent=2) + "\n")
+    write_result((RESULTS / "README-export-peak.md"), markdown(results))
     print(markdown(results))
 
 

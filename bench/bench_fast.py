@@ -18,7 +18,7 @@ graph in the same runtime. Then: decode tokens/s against context length (the plo
 of the quantized graphs over an English paragraph.
 
     python bench/bench_fast.py                       # everything (about an hour on 2 cores)
-    python bench/bench_fast.py --models smollm2 --reps 1 --no-sweep   # a quick look
+    python bench/bench_fast.py --models smollm2 --reps 1 --no-sweep --tag quick   # a quick look (fast-quick.json)
 
 Writes bench/results/fast.json, bench/results/README-figures.md and bench/results/decode_vs_context.png.
 """
@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from results_io import names_from, positive_int, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -174,10 +175,15 @@ def run_model(model: models.BenchModel, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="smollm2,qwen3", help="comma-separated: smollm2, qwen3")
+    parser.add_argument(
+        "--models",
+        type=names_from(("smollm2", "qwen3")),
+        default="smollm2,qwen3",
+        help="comma-separated: smollm2, qwen3",
+    )
     parser.add_argument("--qwen-layers", type=int, default=28, help="Qwen3-0.6B has 28; fewer for a shorter run")
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads of every runtime")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=positive_int, default=3)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--batches", default="1,8")
@@ -211,7 +217,7 @@ def main() -> None:
         "models": {},
     }
     chosen = {"smollm2": models.smollm2, "qwen3": lambda: models.qwen3_shaped(args.qwen_layers)}
-    for key in args.models.split(","):
+    for key in args.models:
         model = chosen[key]()
         results["models"][model.name] = run_model(model, args)
         results["bandwidth_samples"].append(read_bandwidth(args.threads)["bytes_per_s"])
@@ -232,8 +238,8 @@ def finish(results: dict) -> None:
 def write(results: dict) -> None:
     RESULTS.mkdir(exist_ok=True)
     suffix = f"-{results['settings']['tag']}" if results["settings"]["tag"] else ""
-    (RESULTS / f"fast{suffix}.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-    (RESULTS / f"README-figures{suffix}.md").write_text(figures_markdown(results))
+    write_result((RESULTS / f"fast{suffix}.json"), json.dumps(results, indent=2, default=str) + "\n")
+    write_result((RESULTS / f"README-figures{suffix}.md"), figures_markdown(results))
     from plot import plot_decode_vs_context
 
     plot_decode_vs_context(results, RESULTS / f"decode_vs_context{suffix}.png")
@@ -297,7 +303,8 @@ NOTES = """### How these were measured
 ```bash
 pip install matplotlib
 python bench/bench_fast.py                 # builds the peers' environments and the models on first use
-python bench/bench_fast.py --models smollm2 --reps 1 --no-sweep   # a quick look (a few minutes)
+python bench/bench_fast.py --models smollm2 --reps 1 --no-sweep --tag quick   # a quick look (a few minutes;
+                                                                            # the tag keeps README's files)
 ```
 """
 

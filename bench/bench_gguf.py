@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from results_io import positive_int, write_result
+
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
@@ -153,7 +155,7 @@ def report(results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--reps", type=positive_int, default=2)
     parser.add_argument("--work", type=Path, default=Path("/tmp/thinker-bench-gguf"))
     parser.add_argument("--keep", action="store_true", help="keep the work folder (the GGUF file is reused)")
     parser.add_argument("--report", action="store_true", help="print the README table from the saved results")
@@ -164,7 +166,7 @@ def main() -> None:
     started = time.time()
     results = measure(args.work, args.reps)
     results["wall_seconds"] = round(time.time() - started, 1)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    write_result(RESULTS, json.dumps(results, indent=2) + "\n")
     print(report(results))
     if not args.keep:
         shutil.rmtree(args.work, ignore_errors=True)

@@ -41,6 +41,8 @@ import sys
 import time
 from pathlib import Path
 
+from results_io import positive_int, writable_folder, write_result
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
 
@@ -247,14 +249,14 @@ def main() -> None:
     parser.add_argument("--provider", choices=["cuda", "cpu"], default="cuda", help="cpu: the rehearsal")
     parser.add_argument("--layers", type=int, help="Qwen3-0.6B has 28; fewer for a shorter run")
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads of CPU work")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=positive_int, default=3)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false")
     parser.add_argument("--reuse-exports", action="store_true", help="keep cached exports (and their timings)")
     parser.add_argument("--exports-only", action="store_true", help="export, then stop (a later --reuse-exports)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="where the results go (the device's $OUT)")
+    parser.add_argument("--out", type=writable_folder, default=RESULTS, help="where the results go (the device's $OUT)")
     parser.add_argument(
         "--exports", help="comma-separated: only these exports, and the runtimes that run them (a short device call)"
     )
@@ -300,8 +302,8 @@ def main() -> None:
         add_limits(results)
         results["seconds"] = round(time.perf_counter() - started, 1)
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"{tag}.json").write_text(json.dumps(results, indent=2) + "\n")
-        (args.out / f"README-{tag}.md").write_text(markdown(results) + "\n")
+        write_result((args.out / f"{tag}.json"), json.dumps(results, indent=2) + "\n")
+        write_result((args.out / f"README-{tag}.md"), markdown(results) + "\n")
 
     measure(runtimes_for(args.provider, args.cuda_graph and args.provider == "cuda"), folders, args, save)
     print(markdown(results))

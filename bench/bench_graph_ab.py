@@ -54,6 +54,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from results_io import positive_int, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -193,7 +194,9 @@ def timed_prefills(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folders", nargs="*", type=Path, help="exports of one model; the first is the reference")
-    parser.add_argument("--reps", type=int, default=6, help="fresh processes, the load order rotated each time")
+    parser.add_argument(
+        "--reps", type=positive_int, default=6, help="fresh processes, the load order rotated each time"
+    )
     parser.add_argument("--steps", type=int, default=120, help="decode rounds per repetition")
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--restart", type=int, default=48, help="a new prefill every this many rounds")
@@ -248,7 +251,7 @@ def main() -> None:
     result = {"command": " ".join(sys.argv), "settings": vars(args) | {"folders": folders}, "reps": reps}
     result["rows"] = summary(reps, folders)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"graph_ab_{args.tag}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    write_result((RESULTS / f"graph_ab_{args.tag}.json"), json.dumps(result, indent=2, default=str) + "\n")
     print(report_table(result["rows"]))
 
 

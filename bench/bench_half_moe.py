@@ -28,6 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from results_io import write_result
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "tests" / "export")]  # the tests' model builders
 
@@ -223,7 +225,7 @@ def main() -> None:
     print_table(rows)
     print("\n" + markdown(rows) + "\n\n" + resolution_markdown(resolution))
     RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"rows": rows, "resolution": resolution}, indent=1) + "\n")
+    write_result(RESULTS, json.dumps({"rows": rows, "resolution": resolution}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -60,6 +60,8 @@ import sys
 import time
 from pathlib import Path
 
+from results_io import names_from, positive_int, write_result
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
 
@@ -462,11 +464,13 @@ def markdown(results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="dense,moe", help="comma-separated: dense, moe")
+    parser.add_argument(
+        "--models", type=names_from(tuple(MODELS)), default="dense,moe", help="comma-separated: dense, moe"
+    )
     parser.add_argument(
         "--runtimes", default="genai", help="comma-separated: genai (onnxruntime-genai), ort-states (onnxruntime)"
     )
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=positive_int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=33, help="new tokens; decode is timed over the last new - 1")
@@ -492,7 +496,7 @@ def main() -> None:
         "new": args.new,
         "reps": args.reps,
     }
-    models = [run_model(key, args) | settings for key in args.models.split(",")]
+    models = [run_model(key, args) | settings for key in args.models]
     results = settings | {
         "precision": args.precision,
         "cpu_count": os.cpu_count(),
@@ -501,7 +505,7 @@ def main() -> None:
     }
     if not args.smoke:
         RESULTS.mkdir(exist_ok=True)
-        results_file(args.precision).write_text(json.dumps(results, indent=2) + "\n")
+        write_result(results_file(args.precision), json.dumps(results, indent=2) + "\n")
     print(markdown(results))
 
 

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from results_io import writable_folder, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -122,7 +123,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--report", action="store_true", help="print the table of the results file and stop")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=writable_folder, default=RESULTS)
     args = parser.parse_args()
     out_json = args.out / "inputs_embeds.json"
     if args.report:
@@ -140,8 +141,8 @@ def main() -> None:
         "smollm2-135m": measure(export.folder, args.prompt, args.steps, args.rounds, args.threads),
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    out_json.write_text(json.dumps(results, indent=2) + "\n")
-    (args.out / "README-inputs-embeds.md").write_text(markdown(results) + "\n")
+    write_result(out_json, json.dumps(results, indent=2) + "\n")
+    write_result((args.out / "README-inputs-embeds.md"), markdown(results) + "\n")
     print(markdown(results))
 
 

@@ -25,6 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from results_io import positive_int, write_result
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
 
@@ -49,7 +51,7 @@ def speed(builder: Path, ours: Path, batch: int, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reps", type=int, default=6)
+    parser.add_argument("--reps", type=positive_int, default=6)
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
     model = models.smollm2()
@@ -67,7 +69,7 @@ def main() -> None:
         "speed": {f"batch{batch}": speed(builder.folder, ours, batch, args) for batch in BATCHES},
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "int8.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_result((RESULTS / "int8.json"), json.dumps(result, indent=2) + "\n")
     print(markdown(result))
 
 

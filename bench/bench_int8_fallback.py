@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
+from results_io import positive_int
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 
@@ -60,7 +61,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--reps", type=positive_int, default=9)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     weights = [

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import torch
+from results_io import positive_int, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
 
@@ -110,7 +111,7 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--decode", type=int, default=16, help="one-token steps per repetition")
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--reps", type=positive_int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="default: the physical cores")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
@@ -157,7 +158,7 @@ def main() -> None:
             f"{m['decode']:>16.3f}{m['decode'] / fused['decode']:>9.2f}"
         )
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "medians_ms": medians}))
+        write_result(args.json, json.dumps({"args": vars(args) | {"json": str(args.json)}, "medians_ms": medians}))
 
 
 if __name__ == "__main__":

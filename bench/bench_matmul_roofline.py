@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
+from results_io import positive_int, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -100,7 +101,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", default="smollm2-135m,qwen3-0.6b")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--reps", type=positive_int, default=20)
     args = parser.parse_args()
 
     bandwidth = read_bandwidth(args.threads)["bytes_per_s"]
@@ -127,7 +128,7 @@ def main() -> None:
     text = table(header, rows)
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (bench/bandwidth.py), {args.threads} threads\n\n{text}")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "matmul_roofline.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_result((RESULTS / "matmul_roofline.json"), json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from results_io import positive_int, result_file, write_result
 from transformers import (
     AutoModelForCausalLM,
     Qwen3_5ForCausalLM,
@@ -45,6 +46,7 @@ from transformers import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages, when run as a script
+
 
 from thinker import ThinkerConfig, ThinkerForCausalLM  # noqa: E402
 from thinker.modeling_thinker import CACHE_ARG  # noqa: E402
@@ -60,11 +62,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (quicker runs)")
     parser.add_argument("--hidden", type=int, default=512, help="hidden size of the hybrid families' models")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    parser.add_argument("--reps", type=int, default=5, help="timed repetitions per model and task")
+    parser.add_argument("--reps", type=positive_int, default=5, help="timed repetitions per model and task")
     parser.add_argument("--prefill", type=int, default=128, help="prompt length")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated greedily")
     parser.add_argument("--attn", default="sdpa", help="attention implementation of both models")
-    parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--output", type=result_file, default=None)
     args = parser.parse_args()
     if args.output is None:
         args.output = RESULTS / ("model.json" if args.family == "qwen3" else f"model_{args.family}.json")
@@ -318,7 +320,7 @@ def main() -> None:
     report = summarise(args, models, run(args, models))
     print_table(report)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    write_result(args.output, json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.output}")
 
 

@@ -28,8 +28,10 @@ from pathlib import Path
 import numpy as np
 import onnxruntime
 import torch
+from results_io import positive_int, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages, when run as a script
+
 
 from export.exporter import export_model  # noqa: E402
 from export.names import DEFAULT_GRAPH, GRAPHS  # noqa: E402
@@ -58,7 +60,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="default: physical cores")
     parser.add_argument("--prefill", type=int, default=64)
     parser.add_argument("--new", type=int, default=32)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=positive_int, default=3)
     parser.add_argument("--no-torch", action="store_true", help="skip the transformers comparison")
     args = parser.parse_args()
 
@@ -117,7 +119,7 @@ def main() -> None:
         print(f"{key:<{width}}  {value}")
     out = Path(__file__).with_name("results")
     out.mkdir(exist_ok=True)
-    (out / "onnx.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_result((out / "onnx.json"), json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import onnx
 import onnxruntime as ort
 import torch
 from onnx import helper, numpy_helper
+from results_io import positive_int, writable_folder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -134,7 +135,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--inner", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--reps", type=positive_int, default=15)
     parser.add_argument(
         "--gap",
         type=float,
@@ -143,7 +144,7 @@ def main() -> None:
         "keep spinning after its run, slowing the next session's)",
     )
     parser.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--out", type=Path, default=RESULTS.parent, help="the folder the results go to")
+    parser.add_argument("--out", type=writable_folder, default=RESULTS.parent, help="the folder the results go to")
     args = parser.parse_args()
     layers = random_layers(args.layers, args.experts, args.hidden, args.inner, EXPERT_SCALE[args.provider])
     if args.provider == "cuda":

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from results_io import write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -256,8 +257,8 @@ def main() -> None:
         "rows": rows,
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "quant_methods.json").write_text(json.dumps(result, indent=2) + "\n")
-    (RESULTS / "README-quant-methods.md").write_text(report(result))
+    write_result((RESULTS / "quant_methods.json"), json.dumps(result, indent=2) + "\n")
+    write_result((RESULTS / "README-quant-methods.md"), report(result))
     print(report(result))
 
 

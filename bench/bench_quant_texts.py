@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from results_io import write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -70,7 +71,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.report:
         result = json.loads((RESULTS / "quant_texts.json").read_text())
-        (RESULTS / "README-quant-texts.md").write_text(markdown(result) + "\n")
+        write_result((RESULTS / "README-quant-texts.md"), markdown(result) + "\n")
         print(markdown(result))
         return
     import torch
@@ -96,8 +97,8 @@ def main() -> None:
         "graphs": {name: judged(reference, ids, folder) for name, folder in folders.items()},
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "quant_texts.json").write_text(json.dumps(result, indent=2) + "\n")
-    (RESULTS / "README-quant-texts.md").write_text(markdown(result) + "\n")
+    write_result((RESULTS / "quant_texts.json"), json.dumps(result, indent=2) + "\n")
+    write_result((RESULTS / "README-quant-texts.md"), markdown(result) + "\n")
     print(markdown(result))
 
 

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from results_io import positive_int, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -220,7 +221,7 @@ def main() -> None:
     parser.add_argument("--speed-variants", default="int4,int4-h8,int4-h4,int4-asym,int4-b64,int4-b64-h4,int8")
     parser.add_argument("--runtimes", default="ort,genai")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=positive_int, default=3)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--fresh", action="store_true", help="export again even where a cached export exists")
@@ -255,8 +256,8 @@ def main() -> None:
     results["speed_minutes"] = round((time.time() - started_at) / 60, 1)
     results["load_after"] = round(os.getloadavg()[0], 2)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "quantize.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-    (RESULTS / "README-quantize.md").write_text(markdown(results))
+    write_result((RESULTS / "quantize.json"), json.dumps(results, indent=2, default=str) + "\n")
+    write_result((RESULTS / "README-quantize.md"), markdown(results))
     print(markdown(results))
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from results_io import positive_int, result_file, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import qwen4_exp_configs  # noqa: E402
@@ -48,9 +49,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2, help="torch's threads and onnxruntime's intra-op threads")
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=positive_int, default=5)
     parser.add_argument("--prefill", type=int, default=128, help="prompt length of the timed prefill")
-    parser.add_argument("--output", type=Path, default=RESULTS / "qwen4_exp_onnx.json")
+    parser.add_argument("--output", type=result_file, default=RESULTS / "qwen4_exp_onnx.json")
     args = parser.parse_args()
     args.new_tokens, args.attn, args.preset = 0, "sdpa", None  # what qwen4_exp_configs reads besides
     return args
@@ -107,7 +108,7 @@ def main() -> None:
                 | {"max_abs_diff_torch_ties": torch_ties["max_abs_diff"]},
             }
         report["speed"] = time_runtimes(args, model, decoders)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    write_result(args.output, json.dumps(report, indent=2) + "\n")
     print_table(report)
 
 

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from results_io import names_from, writable_folder, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -125,9 +126,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="decode steps per round")
     parser.add_argument("--rounds", type=int, default=6, help="rounds per context, the forms' order swapped each")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--models", default="smollm2-135m,qwen3-0.6b")
+    parser.add_argument("--models", type=names_from(("smollm2-135m", "qwen3-0.6b")), default="smollm2-135m,qwen3-0.6b")
     parser.add_argument("--report", action="store_true", help="print the table of the results file and stop")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=writable_folder, default=RESULTS)
     args = parser.parse_args()
     out_json = args.out / "shared_cache.json"
     if args.report:
@@ -141,7 +142,7 @@ def main() -> None:
         "rounds": args.rounds,
         "models": {},
     }
-    for name in args.models.split(","):
+    for name in args.models:
         model = makers[name]()
         export = exp.run_export("ours-fused", model, args.threads, fresh=False)
         if export.error:
@@ -150,8 +151,8 @@ def main() -> None:
         contexts = [int(c) for c in args.contexts.split(",")]
         results["models"][name] = measure(export.folder, contexts, args.steps, args.rounds, args.threads)
         args.out.mkdir(parents=True, exist_ok=True)
-        out_json.write_text(json.dumps(results, indent=2) + "\n")
-        (args.out / "README-shared-cache.md").write_text(markdown(results) + "\n")
+        write_result(out_json, json.dumps(results, indent=2) + "\n")
+        write_result((args.out / "README-shared-cache.md"), markdown(results) + "\n")
     print(markdown(results))
 
 

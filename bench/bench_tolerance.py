@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from results_io import write_result
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages, when run as a script
 
 import torch  # noqa: E402
@@ -134,7 +136,7 @@ def main() -> None:
         f"tolerance (thinker_common/parity_inputs.py): {RELATIVE_TOLERANCE[torch.float16]:.0e} of max(1, logit scale)"
     )
     RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"rows": rows, "worst": worst}, indent=1) + "\n")
+    write_result(RESULTS, json.dumps({"rows": rows, "worst": worst}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

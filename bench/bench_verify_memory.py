@@ -33,6 +33,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from results_io import write_result
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
 
@@ -135,7 +137,7 @@ def main() -> None:
     parser.add_argument("--report", action="store_true", help="print the README table from the last run")
     args = parser.parse_args()
     if not args.report:
-        RESULTS.write_text(json.dumps(measure(), indent=2) + "\n")
+        write_result(RESULTS, json.dumps(measure(), indent=2) + "\n")
     print(report(json.loads(RESULTS.read_text())))
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+from results_io import write_result
 
 
 def time_layouts(
@@ -78,5 +79,5 @@ def report_layouts(results: dict, baseline: str, title: str, path: Path, setting
         "machine": platform.processor() or platform.machine(),
         "results": results,
     }
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    write_result(path, json.dumps(record, indent=2) + "\n")
     print(f"wrote {path}")

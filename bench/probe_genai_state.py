@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+from results_io import result_file, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 
@@ -225,7 +226,7 @@ RESULTS = Path(__file__).with_name("results") / "probe_genai_state.json"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=RESULTS, help="the JSON file the figures are written to")
+    parser.add_argument("--out", type=result_file, default=RESULTS, help="the JSON file the figures are written to")
     args = parser.parse_args()
     python = python_of("genai")
     versions = package_versions("genai")
@@ -245,7 +246,7 @@ def main() -> None:
     labels = [label for label, _, _ in CASES + RIGHT_PADDED_CASES]
     record = {"command": " ".join(sys.argv), "versions": versions, "probes": dict(zip(labels, results, strict=True))}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    write_result(args.out, json.dumps(record, indent=2) + "\n")
     print(f"written to {args.out}")
 
 

@@ -19,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from results_io import writable_folder, write_result
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "tests" / "export")]  # the tests' model builders
 
@@ -58,7 +60,7 @@ def main() -> None:
     parser.add_argument("--provider", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--dtypes", default="bfloat16,float16")
     parser.add_argument("--families", default="qwen3,qwen3_moe,qwen2")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--out", type=writable_folder, default=REPO / "bench" / "results")
     args = parser.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -70,7 +72,7 @@ def main() -> None:
                 results[f"{family} {dtype}"] = row = measure(folder, export, dtype, args.provider)
                 print(f"{family} {dtype}: " + json.dumps(row), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"half-reference-{args.provider}.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_result((args.out / f"half-reference-{args.provider}.json"), json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
+from results_io import result_file, write_result
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 
 from peer_envs import python_of  # noqa: E402
@@ -96,7 +98,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=17)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--nodes", action="store_true", help="time per node instead of per operator type")
-    parser.add_argument("--out", type=Path, help="also write the times (microseconds per run) to this JSON file")
+    parser.add_argument("--out", type=result_file, help="also write the times (microseconds per run) to this JSON file")
     args = parser.parse_args()
     results = {}
     for folder in args.folders:
@@ -111,7 +113,7 @@ def main() -> None:
         print(table(f"{folder} decode", decode, steps))
     if args.out:
         settings = {"prompt": args.prompt, "new": args.new, "threads": args.threads, "command": " ".join(sys.argv)}
-        args.out.write_text(json.dumps({"settings": settings, "folders": results}, indent=2) + "\n")
+        write_result(args.out, json.dumps({"settings": settings, "folders": results}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
