@@ -36,6 +36,7 @@ from .names import (
     MODEL_FILE,
     POSITIONS,
 )
+from .stop_tokens import folder_stop_tokens
 
 # More threads than any machine has cores only costs memory: onnxruntime makes every one it is asked for (a
 # hundred thousand took 17 GB before the first token). The bound is generous, since --threads of `thinker export`
@@ -536,7 +537,7 @@ def generate_command(
     if prompt_ids.shape[1] == 0:
         raise ThinkerError("--prompt tokenizes to nothing; give some text")
     _check_prompt(folder, prompt_ids, max_new_tokens)
-    eos, pad = _stop_tokens(folder)
+    eos, pad = folder_stop_tokens(folder)
     if eos is None:
         click.secho(
             f"note: {folder} names no end-of-sequence token (no genai_config.json, and none in "
@@ -737,25 +738,6 @@ def _check_prompt(folder: Path, prompt_ids, max_new_tokens: int) -> None:
             f"--prompt is {length} tokens, and with --max-new-tokens {max_new_tokens} that needs {needed} positions, "
             f"beyond the model's {context} ({context_key}); shorten the prompt or lower --max-new-tokens"
         )
-
-
-def _stop_tokens(folder: Path) -> tuple[list[int] | None, int | None]:
-    """eos and pad ids: genai_config.json in an ONNX folder, else generation_config.json, else config.json."""
-    genai = read_json(folder / GENAI_CONFIG_FILE)
-    if genai:
-        try:
-            eos, pad = genai["model"]["eos_token_id"], genai["model"]["pad_token_id"]
-        except (KeyError, TypeError):
-            raise ThinkerError(
-                f"{folder / GENAI_CONFIG_FILE}: no model.eos_token_id or pad_token_id; export again"
-            ) from None
-        return (eos if isinstance(eos, list) else [eos]), pad
-    for name in ("generation_config.json", "config.json"):
-        config = read_json(folder / name) or {}
-        if config.get("eos_token_id") is not None:
-            eos = config["eos_token_id"]
-            return (eos if isinstance(eos, list) else [eos]), config.get("pad_token_id")
-    return None, None
 
 
 def _load_transformers(folder: Path, threads: int | None, provider: str = "auto"):

@@ -64,6 +64,7 @@ from .names import (
     ROPE_TABLE,
     export_context,
 )
+from .stop_tokens import model_stop_tokens
 from .weights_stamp import check_weights_stamp
 
 CUDA = "CUDAExecutionProvider"
@@ -932,12 +933,19 @@ class OnnxDecoder:
     ) -> np.ndarray:
         """Greedy continuation; returns (B, T + n) tokens, or the (B, n) new ones for a prompt given as
         ``inputs_embeds`` (as transformers' ``generate`` does). Rows that reach EOS are padded from there on (as
-        transformers' ``generate`` does) and the loop stops when every row has. ``streamer``: one of transformers'
-        streamers (``TextStreamer``, ``TextIteratorStreamer``), fed as its ``generate`` feeds it: ``put`` the prompt
-        (its ids, when given), then each step's new tokens as they come, then ``end``. ``inputs_embeds``,
-        ``position_ids``, ``visual_pos_masks`` and ``deepstack_visual_embeds``: as ``prefill`` takes them."""
+        transformers' ``generate`` does) and the loop stops when every row has. ``eos_token_id`` and
+        ``pad_token_id`` default to the model folder's own (generation_config.json, else config.json), as
+        transformers' ``generate`` takes its model's generation config; ``eos_token_id=[]`` stops at none.
+        ``streamer``: one of transformers' streamers (``TextStreamer``, ``TextIteratorStreamer``), fed as its
+        ``generate`` feeds it: ``put`` the prompt (its ids, when given), then each step's new tokens as they come,
+        then ``end``. ``inputs_embeds``, ``position_ids``, ``visual_pos_masks`` and ``deepstack_visual_embeds``: as
+        ``prefill`` takes them."""
         max_new_tokens = whole_number(max_new_tokens, "max_new_tokens")
-        eos = set(token_ids(eos_token_id, "eos_token_id")) if eos_token_id is not None else set()
+        if eos_token_id is None:
+            eos_token_id, folder_pad = model_stop_tokens(self.model_path.parent)
+            pad_token_id = folder_pad if pad_token_id is None else pad_token_id
+        stops_nowhere = isinstance(eos_token_id, list | tuple) and not eos_token_id
+        eos = set() if eos_token_id is None or stops_nowhere else set(token_ids(eos_token_id, "eos_token_id"))
         pad = token_ids(pad_token_id, "pad_token_id", one=True)[0] if pad_token_id is not None else min(eos, default=0)
         deepstack = {"visual_pos_masks": visual_pos_masks, "deepstack_visual_embeds": deepstack_visual_embeds}
         # the prefill checks the whole request (the context included) before the streamer is given anything

@@ -30,7 +30,7 @@ from thinker_common.sources import open_source
 
 BLOCK = [32, 32]
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
-QWEN3 = Qwen3Config(
+SIZES = dict(
     vocab_size=97,
     hidden_size=64,
     intermediate_size=96,
@@ -39,22 +39,9 @@ QWEN3 = Qwen3Config(
     num_key_value_heads=2,
     head_dim=16,
     max_position_embeddings=64,
-    tie_word_embeddings=False,
 )
-QWEN3_MOE = Qwen3MoeConfig(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    max_position_embeddings=64,
-)
-
+QWEN3 = Qwen3Config(**SIZES, tie_word_embeddings=False)
+QWEN3_MOE = Qwen3MoeConfig(**SIZES, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 QWEN3_5_SIZES = dict(hidden_size=64, intermediate_size=96, linear_key_head_dim=16)
 
 

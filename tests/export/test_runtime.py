@@ -47,14 +47,17 @@ def test_generate_gives_each_row_its_own_tokens_however_padded(family, graph, on
     folder = onnx_folder(family) if graph == "plain" else onnx_variant(family, head_dim=None)
     decoder = OnnxDecoder(folder, provider="cpu")
     rows = [[5, 6, 40, 41], [7, 8, 9, 10, 11, 12, 13]]
-    alone = [decoder.generate(np.array([row]), max_new_tokens=6)[0, len(row) :].tolist() for row in rows]
+    # eos_token_id=[]: every row runs its 6 tokens, so rows compare whole whichever stops first
+    alone = [
+        decoder.generate(np.array([row]), max_new_tokens=6, eos_token_id=[])[0, len(row) :].tolist() for row in rows
+    ]
     width = max(map(len, rows))
     for side in ("left", "right"):
         pads = [[0] * (width - len(row)) for row in rows]
         ids = np.array([pad + row if side == "left" else row + pad for row, pad in zip(rows, pads, strict=True)])
         mask = (np.arange(width) < np.array([[len(row)] for row in rows])).astype(np.int64)
         mask = mask[:, ::-1] if side == "left" else mask
-        assert decoder.generate(ids, mask, max_new_tokens=6)[:, width:].tolist() == alone, side
+        assert decoder.generate(ids, mask, max_new_tokens=6, eos_token_id=[])[:, width:].tolist() == alone, side
 
 
 def test_generate_stops_rows_at_eos(onnx_folder):
@@ -65,6 +68,26 @@ def test_generate_stops_rows_at_eos(onnx_folder):
     stopped = decoder.generate(prompt, max_new_tokens=6, eos_token_id=[eos])
     first = int(np.argmax(free[0, 3:] == eos))  # eos may already appear as the first new token
     np.testing.assert_array_equal(stopped[0], free[0, : 3 + first + 1])
+
+
+def test_generate_stops_at_the_folders_own_eos_by_default(onnx_folder, tmp_path):
+    """As transformers' ``generate`` takes its model's generation config: without ``eos_token_id``, the folder's
+    (generation_config.json's) eos and pad ids; ``eos_token_id=[]`` stops at none."""
+    folder = tmp_path / "onnx"
+    shutil.copytree(onnx_folder("qwen2"), folder)
+    prompt = np.array([[5, 9, 17]], dtype=np.int64)
+    free = OnnxDecoder(folder, provider="cpu").generate(prompt, max_new_tokens=6, eos_token_id=[])
+    eos = int(free[0, 4])
+    config = json.loads((folder / "generation_config.json").read_text())
+    config["eos_token_id"], config["pad_token_id"] = eos, 3
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    decoder = OnnxDecoder(folder, provider="cpu")
+    first = int(np.argmax(free[0, 3:] == eos))
+    np.testing.assert_array_equal(decoder.generate(prompt, max_new_tokens=6), free[:, : 3 + first + 1])
+    np.testing.assert_array_equal(decoder.generate(prompt, max_new_tokens=6, eos_token_id=[]), free)
+    batch = decoder.generate(np.array([[5, 9, 17], [6, 9, 17]]), max_new_tokens=6)
+    row = batch[0, 3:].tolist()
+    assert row[: first + 1] == free[0, 3 : 3 + first + 1].tolist() and set(row[first + 1 :]) <= {3}  # padded
 
 
 def test_generate_feeds_a_streamer_as_each_token_is_chosen(onnx_folder):
