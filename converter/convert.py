@@ -119,14 +119,15 @@ def convert(
         if check_config is not None:
             check_config(plan.config, root / "config.json" if Path(root).is_dir() else Path(root))
         notes = []
+        no_reference = plan.family.no_reference
         if isinstance(tensor_source, DequantizedFP8Source):
             notes.append(tensor_source.summary(dtype_name(plan.dtype)))
-        if plan.family.no_reference:
+            no_reference = no_reference or tensor_source.no_reference()
+        if no_reference:
             if verify or verify_by_layer:  # asked for explicitly: refuse before writing anything
-                family = plan.family
-                raise ThinkerError(f"--verify: cannot verify a {family.name} conversion: {family.no_reference}")
+                raise ThinkerError(f"--verify: cannot verify a {plan.family.name} conversion: {no_reference}")
             if verify is None:
-                notes.append(f"verification skipped: {plan.family.no_reference}")
+                notes.append(f"verification skipped: {no_reference}")
             verify = False
         verify = verify is not False
         mode, note = BY_LAYER, ""
@@ -141,7 +142,7 @@ def convert(
             if verify:
                 failure = f"{output}: does not match its reference; nothing written"
                 report = parity_gate(root, staging, plan.family, staging / PARITY_FILE, failure, mode, note)
-            skipped = plan.family.no_reference or "converted with --no-verify"
+            skipped = no_reference or "converted with --no-verify"
             files += write_thinker_card(
                 staging,
                 str(source),
@@ -215,6 +216,8 @@ def verify(
     try:
         hub = not Path(str(source)).expanduser().exists()  # a Hub repo id: the revision is part of what it names
         named = f"{source}@{revision or 'main'}" if hub else str(source)
+        if isinstance(tensor_source, DequantizedFP8Source) and tensor_source.no_reference():
+            raise ThinkerError(f"{source}: {tensor_source.no_reference()}")
         config = refuse_another_config(tensor_source, converted, named)
         refuse_other_generation_config(Path(tensor_source.root), converted, config, named)
         copies_tokenizer = isinstance(tensor_source, FolderSource)  # a GGUF's is written from its metadata

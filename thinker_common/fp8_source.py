@@ -37,10 +37,15 @@ ACTIVATION_SCALE_SUFFIXES = (".activation_scale", ".input_scale")
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+# transformers' FineGrainedFP8Config default, which a quantization_config without the key gets.
+DEFAULT_BLOCK = (128, 128)
+FROM_GRID = (0, 0)  # weight_block_size null: each weight's block from its scale grid, as transformers derives it
+
+
 def fp8_quantization(config: dict[str, Any], where: Path) -> tuple[int, int] | None:
-    """The FP8 block (rows, columns) a checkpoint's ``quantization_config`` declares; ``(0, 0)`` for one scale per
-    tensor; None when it declares no quantization. Any other quantization is refused by name: its weights are not
-    floats this converter can read."""
+    """The FP8 block (rows, columns) a checkpoint's ``quantization_config`` declares (``DEFAULT_BLOCK`` where it
+    names none, ``FROM_GRID`` where it says null); None when it declares no quantization. Any other quantization is
+    refused by name: its weights are not floats this converter can read."""
     quantization = config.get("quantization_config")
     if quantization is None:
         return None
@@ -51,10 +56,13 @@ def fp8_quantization(config: dict[str, Any], where: Path) -> tuple[int, int] | N
             "does not read; it reads float checkpoints and fine-grained FP8 ones: convert the model's float (or "
             "-FP8) release instead"
         )
-    block = quantization.get("weight_block_size")
+    if "weight_block_size" not in quantization:
+        return DEFAULT_BLOCK
+    block = quantization["weight_block_size"]
     if block is None:
-        return (0, 0)
-    if not (isinstance(block, list | tuple) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        return FROM_GRID
+    # type() rather than isinstance(): a JSON true is a Python bool, which isinstance takes for an int
+    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
         raise ThinkerError(
             f"{where}: quantization_config.weight_block_size is {block!r}; the FP8 layout takes two positive "
             "integers (rows, columns), such as [128, 128]"
@@ -124,9 +132,25 @@ class DequantizedFP8Source(FolderSource):
             scan.update(values)
         return values
 
+    def no_reference(self) -> str | None:
+        """Why transformers gives no reference for this checkpoint, if it does not: its dequantizing load leaves FP8
+        experts stored as one 3-D tensor (FP8Experts' own parameters, ``mlp.experts.gate_up_proj``) as FP8 values,
+        their scales unread (transformers 5.24), so a gate against it would fail a sound conversion."""
+        stacked = sorted(name for name in self._scale_of if len(self.inner.shape(name)) > 2)
+        if not stacked:
+            return None
+        more = f" and {len(stacked) - 1} more" if len(stacked) > 1 else ""
+        return (
+            f"transformers' dequantizing load leaves FP8 experts stored as 3-D tensors ({stacked[0]}{more}) "
+            "undequantized, so it gives no reference to verify against"
+        )
+
     def summary(self, output_dtype: str) -> str:
         """What the conversion did with the FP8 weights, for the user."""
-        block = "one scale per tensor" if self.block == (0, 0) else f"scales per {self.block[0]}x{self.block[1]} block"
+        if self.block == FROM_GRID:
+            block = "blocks from each scale grid"
+        else:
+            block = f"scales per {self.block[0]}x{self.block[1]} block"
         return (
             f"{len(self._scale_of)} FP8 weights ({block}) dequantized to {output_dtype}, as transformers loads them "
             "without an FP8 GPU"
@@ -136,14 +160,16 @@ class DequantizedFP8Source(FolderSource):
         """``name``'s FP8 values times its blocks' scales, in float32 (each product exact)."""
         weight = self.inner.load(name).to(torch.float32)
         scale_name = self._scale_of[name]
-        scales = self.inner.load(scale_name).to(torch.float32)
-        if self.block == (0, 0) or weight.dim() < 2:  # one scale for the whole tensor
+        scales = self._scales(scale_name)
+        if scales.numel() == 1 or weight.dim() < 2:  # one scale for the whole tensor
             if scales.numel() != 1:
-                raise self._grid_error(name, scale_name, scales, "one scale (no weight_block_size)")
+                raise self._grid_error(name, scale_name, scales, "one scale, for a tensor of fewer than 2 dimensions")
             return weight * scales.reshape(())
-        (rows, columns), (block_rows, block_columns) = weight.shape[-2:], self.block
-        grid = (math.ceil(rows / block_rows), math.ceil(columns / block_columns))
+        rows, columns = weight.shape[-2:]
         leading = tuple(weight.shape[:-2])  # experts stored as one 3-D tensor: a grid per expert
+        from_grid = self.block == FROM_GRID
+        block_rows, block_columns = self._block_from(name, scale_name, scales) if from_grid else self.block
+        grid = (math.ceil(rows / block_rows), math.ceil(columns / block_columns))
         if tuple(scales.shape) != (*leading, *grid):
             expected = f"{(*leading, *grid)}, one per {block_rows}x{block_columns} block"
             raise self._grid_error(name, scale_name, scales, expected)
@@ -153,6 +179,28 @@ class DequantizedFP8Source(FolderSource):
         # A partial last block: each scale repeated over its block, then cut to what is left of the dimension.
         spread = scales.repeat_interleave(block_rows, dim=-2)[..., :rows, :]
         return weight * spread.repeat_interleave(block_columns, dim=-1)[..., :columns]
+
+    def _scales(self, scale_name: str) -> torch.Tensor:
+        """A weight's scales in float32, refused by name where one is NaN or infinite (every weight of its block
+        would be). Scales stored as bytes are E8M0 exponents (``scale_fmt: "ue8m0"``, MXFP8 releases): 2 ** (byte -
+        127), as transformers reads them."""
+        stored = self.inner.load(scale_name)
+        scales = (stored.to(torch.float32) - 127.0).exp2() if stored.dtype == torch.uint8 else stored.to(torch.float32)
+        if not torch.isfinite(scales).all():
+            raise ThinkerError(
+                f"{self.inner.file_of(scale_name)}: {scale_name!r} holds NaN or infinite scales, which would make "
+                "every weight of their blocks so; the checkpoint is corrupt: re-download it"
+            )
+        return scales
+
+    def _block_from(self, name: str, scale_name: str, scales: torch.Tensor) -> tuple[int, int]:
+        """The block a scale grid implies where the config names none (weight_block_size null): each dimension
+        divided by the grid's, as transformers derives it; a grid that does not divide it is refused."""
+        rows, columns = self.inner.shape(name)[-2:]
+        grid_rows, grid_columns = scales.shape[-2:] if scales.dim() >= 2 else (0, 0)
+        if not grid_rows or not grid_columns or rows % grid_rows or columns % grid_columns:
+            raise self._grid_error(name, scale_name, scales, "a grid that divides the weight (no weight_block_size)")
+        return rows // grid_rows, columns // grid_columns
 
     def _grid_error(self, name: str, scale_name: str, scales: torch.Tensor, expected: str) -> ThinkerError:
         return ThinkerError(

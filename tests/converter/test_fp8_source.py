@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 from cli_helpers import assert_error, assert_nothing_written, thinker
 from convert_helpers import build_reference, save_unfused_experts
 from references.hybrid import qwen3_5_config
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
@@ -45,8 +47,11 @@ QWEN3_MOE = Qwen3MoeConfig(**SIZES, num_experts=4, num_experts_per_tok=2, moe_in
 QWEN3_5_SIZES = dict(hidden_size=64, intermediate_size=96, linear_key_head_dim=16)
 
 
-def quantize_block(weight: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 values and per-block scales (the block's largest magnitude over FP8's largest), partial blocks included."""
+def quantize_block(
+    weight: torch.Tensor, block: list[int], powers_of_two: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 values and per-block scales (the block's largest magnitude over FP8's largest; ``powers_of_two``: rounded
+    up to one, as E8M0 scales are), partial blocks included."""
     rows, columns = weight.shape
     grid = (math.ceil(rows / block[0]), math.ceil(columns / block[1]))
     scales = torch.empty(grid)
@@ -54,35 +59,56 @@ def quantize_block(weight: torch.Tensor, block: list[int]) -> tuple[torch.Tensor
     for i in range(grid[0]):
         for j in range(grid[1]):
             cut = (slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1]))
-            scales[i, j] = weight[cut].abs().max().clamp(min=1e-12) / FP8_MAX
+            scale = weight[cut].abs().max().clamp(min=1e-12) / FP8_MAX
+            scales[i, j] = scale.log2().ceil().exp2() if powers_of_two else scale
             values[cut] = weight[cut] / scales[i, j]
     return values.to(torch.float8_e4m3fn), scales
 
 
-def to_fp8(folder: Path, block: list[int] = BLOCK, scale_dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Rewrite a float checkpoint in place as an FP8 one: every 2-D projection quantized, the rest in bfloat16."""
+def quantized(name: str, tensor: torch.Tensor) -> bool:
+    """The tensors Qwen's FP8 releases quantize: the projections (and experts stored as one 3-D tensor)."""
+    return (
+        tensor.dim() == 2
+        and name.endswith("proj.weight")
+        or ".in_proj_" in name
+        or name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+    )
+
+
+def to_fp8(
+    folder: Path,
+    block: list[int] = BLOCK,
+    scale_dtype: torch.dtype = torch.bfloat16,
+    declared: object = BLOCK,
+    e8m0: bool = False,
+) -> Path:
+    """Rewrite a float checkpoint in place as an FP8 one: each projection quantized (a 3-D one expert by expert),
+    the rest in bfloat16. ``declared``: the config's weight_block_size (``...``: the key left out); ``e8m0``: scales
+    stored as bytes holding exponents, as MXFP8 releases (``scale_fmt: "ue8m0"``) store them."""
     tensors = load_file(folder / "model.safetensors")
     written = {}
     for name, tensor in tensors.items():
-        if tensor.dim() == 2 and name.endswith("proj.weight") or ".in_proj_" in name:
-            written[name], scales = quantize_block(tensor.float(), block)
-            written[name + "_scale_inv"] = scales.to(scale_dtype)
-        else:
+        if not quantized(name, tensor):
             written[name] = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+            continue
+        pieces = [quantize_block(matrix, block, e8m0) for matrix in tensor.float().reshape(-1, *tensor.shape[-2:])]
+        written[name] = torch.stack([values for values, _ in pieces]).reshape(tensor.shape)
+        scales = torch.stack([scales for _, scales in pieces]).reshape(*tensor.shape[:-2], *pieces[0][1].shape)
+        written[name + "_scale_inv"] = (scales.log2() + 127).to(torch.uint8) if e8m0 else scales.to(scale_dtype)
     save_file(written, folder / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((folder / "config.json").read_text())
     config["dtype"] = "bfloat16"
-    config["quantization_config"] = {
-        "activation_scheme": "dynamic",
-        "fmt": "e4m3",
-        "quant_method": "fp8",
-        "weight_block_size": block,
-    }
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8"}
+    if declared is not ...:
+        config["quantization_config"]["weight_block_size"] = declared
+    if e8m0:
+        config["quantization_config"]["scale_fmt"] = "ue8m0"
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
 
 
-def fp8_checkpoint(tmp_path: Path, family: str) -> Path:
+def fp8_checkpoint(tmp_path: Path, family: str, **layout) -> Path:
+    """A tiny ``family`` checkpoint as an FP8 release (``layout``: ``to_fp8``'s options)."""
     if family == "qwen3_moe":  # the Hub's per-expert layout, each expert's projections quantized on their own
         folder = save_unfused_experts(build_reference(QWEN3_MOE), tmp_path / family)
     else:
@@ -90,7 +116,7 @@ def fp8_checkpoint(tmp_path: Path, family: str) -> Path:
         config = QWEN3 if family == "qwen3" else qwen3_5_config(**QWEN3_5_SIZES)
         build_reference(config).save_pretrained(tmp_path / family)
         folder = tmp_path / family
-    return to_fp8(folder)
+    return to_fp8(folder, **layout)
 
 
 def transformers_weights(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -143,6 +169,54 @@ def test_the_gate_fails_a_wrong_dequantization(tmp_path, monkeypatch):
         with pytest.raises(ParityFailed):
             convert(source, tmp_path / f"out{by_layer}", verify=True, verify_by_layer=by_layer, progress=False)
         assert_nothing_written(tmp_path / f"out{by_layer}")
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"block": [128, 128], "declared": ...},  # no weight_block_size: transformers' default, 128x128
+        {"declared": None},  # null: each weight's block from its scale grid, as transformers derives it
+        {"e8m0": True},  # scales as E8M0 exponent bytes (scale_fmt ue8m0)
+        {"scale_dtype": torch.float32},
+    ],
+    ids=["block-size-absent", "block-size-null", "e8m0-scales", "float32-scales"],
+)
+def test_every_scale_layout_transformers_reads_converts_exactly(tmp_path, layout):
+    """The quantization_config and scale spellings of FP8 releases, each held to transformers' own dequantization
+    (a wide Qwen3, so that 128x128 blocks are more than one per weight)."""
+    wide = Qwen3Config(**{**SIZES, "hidden_size": 256, "intermediate_size": 384, "head_dim": 64})
+    build_reference(wide).save_pretrained(tmp_path / "source")
+    source = to_fp8(tmp_path / "source", **layout)
+    with safe_open(source / "model.safetensors", "pt") as stored:
+        scales = stored.get_tensor("model.layers.0.mlp.up_proj.weight_scale_inv")
+    assert scales.numel() > 1 and (scales.dtype == torch.uint8) == bool(layout.get("e8m0"))
+    result = convert(source, tmp_path / "out", verify=True, progress=False)
+    assert result.parity.passed and result.parity.results[0].max_abs_diff == 0, result.parity.table()
+
+
+def test_experts_stored_as_one_fp8_tensor_convert_but_are_not_verified_against_transformers(tmp_path):
+    """FP8 experts stored as 3-D tensors (``mlp.experts.gate_up_proj`` beside its ``_scale_inv``, as
+    ``save_pretrained(save_original_format=False)`` writes them): transformers' dequantizing load leaves them FP8
+    values, so it gives no reference; the conversion says so (a check asked for is refused) and writes what the same
+    experts stored one by one convert to, which transformers does verify."""
+    model = build_reference(QWEN3_MOE)
+    model.save_pretrained(tmp_path / "stacked", save_original_format=False)
+    stacked = to_fp8(tmp_path / "stacked")
+    per_expert = to_fp8(save_unfused_experts(model, tmp_path / "per-expert"))
+    with safe_open(stacked / "model.safetensors", "pt") as stored:
+        assert stored.get_tensor("model.layers.0.mlp.experts.gate_up_proj").dtype == torch.float8_e4m3fn
+    with pytest.raises(ThinkerError, match="leaves FP8 experts stored as 3-D tensors"):
+        convert(stacked, tmp_path / "asked", verify=True, progress=False)
+    assert_nothing_written(tmp_path / "asked")
+    result = convert(stacked, tmp_path / "out", progress=False)
+    assert result.parity is None and any("verification skipped" in note for note in result.notes)
+    checked = convert(per_expert, tmp_path / "checked", verify=True, progress=False)
+    assert checked.parity.passed
+    written, expected = load_file(result.output / "model.safetensors"), load_file(checked.output / "model.safetensors")
+    assert written.keys() == expected.keys()
+    assert all(torch.equal(written[name], expected[name]) for name in expected)
+    with pytest.raises(ThinkerError, match="gives no reference to verify against"):
+        verify(stacked, result.output)
 
 
 def test_thinker_verify_holds_an_fp8_conversion_bit_for_bit(tmp_path):
@@ -207,6 +281,16 @@ def test_an_fp8_config_over_float_weights_is_refused(tmp_path):
     )
 
 
+def test_a_nan_scale_is_named_not_blamed_on_its_weight(tmp_path):
+    source = fp8_checkpoint(tmp_path, "qwen3")
+    tensors = load_file(source / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight_scale_inv"
+    tensors[name][1, 0] = float("nan")
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    assert_error(thinker("convert", source, tmp_path / "out"), f"{name!r} holds NaN or infinite scales")
+    assert_nothing_written(tmp_path / "out")
+
+
 def test_an_fp8_weight_without_its_scale_is_refused_by_name(tmp_path):
     source = fp8_checkpoint(tmp_path, "qwen3")
     tensors = load_file(source / "model.safetensors")
@@ -247,11 +331,12 @@ def test_the_reference_side_reads_the_checkpoint_as_stored(tmp_path):
     finally:
         stored.close()
         floats.close()
-    with pytest.raises(ThinkerError, match="weight_block_size is 'x'"):
+    for wrong in ("x", [32], [0, 32], [True, 32]):
         config = json.loads((source / "config.json").read_text())
-        config["quantization_config"]["weight_block_size"] = "x"
+        config["quantization_config"]["weight_block_size"] = wrong
         (source / "config.json").write_text(json.dumps(config))
-        open_source(source)
+        with pytest.raises(ThinkerError, match=re.escape(f"weight_block_size is {wrong!r}; the FP8 layout takes two")):
+            open_source(source)
 
 
 @torch.no_grad()
