@@ -213,7 +213,12 @@ def main() -> None:
         "machine": {"processor": platform.processor() or platform.machine(), "threads": args.threads},
         "settings": {k: v for k, v in vars(args).items()},
         "bandwidth": bandwidth,
-        "versions": {env: package_versions(env) for env in ("genai", "builder", "optimum")},
+        # a peer's environment is built on first use: not for an export left out
+        "versions": {
+            env: package_versions(env)
+            for env in ("genai", "builder", "optimum")
+            if env != "optimum" or "optimum-fp32" not in args.skip_exports
+        },
         "models": {},
     }
     chosen = {"smollm2": models.smollm2, "qwen3": lambda: models.qwen3_shaped(args.qwen_layers)}
