@@ -311,7 +311,15 @@ def export_model(
 
             plan = verify_plan(model_dir, graph_dtype, quantized=True, graph_bytes=files.data_bytes)
             report["verify"] = verify_quantized_export(
-                model_dir, files.model_path, graph_dtype, quantize.bits, quality, threads, progress, plan or WHOLE
+                model_dir,
+                files.model_path,
+                graph_dtype,
+                quantize.bits,
+                quality,
+                threads,
+                progress,
+                plan or WHOLE,
+                asked=quantize,
             )
         elif verify:
             report["verify"] = verify_export(

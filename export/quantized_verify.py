@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +57,8 @@ from .dequantize import (
     untie_head,
 )
 from .fidelity import fidelity_token_ids, prefill_logits, text_fidelity
-from .quantize import HEAD
+from .quantize import HEAD, QuantizeSpec
+from .quantized_layout import Layout, layout_failures
 from .routing import checked_probes
 from .runtime import OnnxDecoder
 from .verify import (
@@ -193,10 +194,12 @@ def verify_quantized_export(
     threads: int | None = None,
     progress: bool = False,
     plan: str = WHOLE,
+    asked: QuantizeSpec | None = None,
 ) -> dict:
     """``thinker export --verify`` of a quantized export: ``verify_quantized`` on the float Thinker of ``model_dir``
     loaded whole, or ``verify_quantized_streamed`` (``plan`` STREAMED, export/verify.py ``verify_plan``);
-    ``progress``: a bar over loading, the cost, the weights and the graph's steps."""
+    ``progress``: a bar over loading, the cost, the weights and the graph's steps; ``asked``: the spec the export
+    was asked for, whose layout the graph's weights are held to."""
     from thinker import ThinkerConfig, ThinkerForCausalLM
 
     deep = deep_cache_steps(ThinkerConfig.from_pretrained(model_dir), dtype)
@@ -208,12 +211,12 @@ def verify_quantized_export(
         if plan == STREAMED:
             bar.update()
             return verify_quantized_streamed(
-                model_dir, onnx_path, dtype, bits, gate, threads, on_step=bar.update, deep_most=most
+                model_dir, onnx_path, dtype, bits, gate, threads, on_step=bar.update, deep_most=most, asked=asked
             )
         model = ThinkerForCausalLM.from_pretrained(model_dir, dtype=REFERENCE_DTYPE, **EAGER).eval()
         bar.update()
         return verify_quantized(
-            model, model_dir, onnx_path, bits, gate, threads, bar.update, graph_dtype=dtype, deep_most=most
+            model, model_dir, onnx_path, bits, gate, threads, bar.update, graph_dtype=dtype, deep_most=most, asked=asked
         )
 
 
@@ -241,6 +244,7 @@ def verify_quantized(
     on_step: Callable[[], object] | None = None,
     graph_dtype: torch.dtype | None = None,
     deep_most: int = DEEP_CACHE_SLOTS,
+    asked: QuantizeSpec | None = None,
 ) -> dict:
     """The three checks on the float ``model`` (changed in place: it ends up holding the dequantized weights);
     ``graph_dtype``: the graph's, which sets the graph check's tolerance (default: the model's).
@@ -264,7 +268,7 @@ def verify_quantized(
     on_step()
     graph = graph_check(model, onnx_path, threads, on_step, graph_dtype, deep_most)
     reference = "PyTorch ThinkerForCausalLM with the graph's dequantized weights"
-    return quantized_result(reference, shipped.device, cost, weights, graph, gate or QualityGate.default(bits))
+    return quantized_result(reference, shipped.device, cost, weights, graph, gate or QualityGate.default(bits), asked)
 
 
 def verify_quantized_streamed(
@@ -276,6 +280,7 @@ def verify_quantized_streamed(
     threads: int | None = None,
     on_step: Callable[[], object] | None = None,
     deep_most: int = DEEP_CACHE_SLOTS,
+    asked: QuantizeSpec | None = None,
 ) -> dict:
     """The same three checks with the float Thinker read from ``model_dir`` one layer at a time as it runs
     (``converter.streamed``), and each quantized weight read from the graph's weights file and dequantized when its
@@ -313,7 +318,7 @@ def verify_quantized_streamed(
     finally:
         streamed.close()
     reference = "PyTorch ThinkerForCausalLM with the graph's dequantized weights, read layer by layer as it runs"
-    return quantized_result(reference, shipped.device, cost, weights, graph, gate or QualityGate.default(bits))
+    return quantized_result(reference, shipped.device, cost, weights, graph, gate or QualityGate.default(bits), asked)
 
 
 @dataclass
@@ -328,6 +333,7 @@ class WeightFigures:
     tied_difference: float | None
     # the row furthest beyond its own rounding error: (ratio, parameter, row, bits, block size)
     worst_row: tuple[float, str, int, int, int] | None = None
+    layouts: dict[str, Layout] = field(default_factory=dict)  # how each weight is stored (export/quantized_layout.py)
 
     @classmethod
     def for_graph(cls, readers: dict[str, Callable[[], QuantizedWeight]], model: torch.nn.Module) -> WeightFigures:
@@ -347,6 +353,7 @@ class WeightFigures:
             if row is not None and (self.worst_row is None or row[0] > self.worst_row[0]):
                 self.worst_row = (row[0], name, *row[1:])
         self.bits[name] = quantized.bits
+        self.layouts[name] = Layout.of(quantized)
         if name == EMBEDDING:
             self.embedding = quantized.op_type
 
@@ -493,10 +500,16 @@ def graph_tolerance(figures: dict, dtype: torch.dtype) -> float:
 
 
 def quantized_result(
-    reference: str, provider: str, cost: dict, weights: WeightFigures, graph: dict, gate: QualityGate
+    reference: str,
+    provider: str,
+    cost: dict,
+    weights: WeightFigures,
+    graph: dict,
+    gate: QualityGate,
+    asked: QuantizeSpec | None = None,
 ) -> dict:
     """The report's figures from the three checks; ``passed`` False with ``failure`` naming every check that
-    failed."""
+    failed. ``asked``: the layout the export asked for, which each weight's stored one is held to."""
     errors, bits = weights.errors, weights.bits
     # Each weight against its own bit width's limit (an int8 head under an int4 body), the worst by that margin.
     margins = {name: error / WEIGHT_ERROR[bits[name]] for name, error in errors.items()}
@@ -527,7 +540,7 @@ def quantized_result(
         }
     result["graph"] = graph
 
-    failures = []
+    failures = layout_failures(weights.layouts, asked) if asked is not None else []
     if worst and margins[worst] > 1:
         limit = result["weights"]["limit"]
         failures.append(f"quantized weight {worst} is {errors[worst]:.3g} off the float one (> {limit})")

@@ -690,3 +690,67 @@ def test_hqq_is_quantized_whole(monkeypatch):
     )
     quantizer.quantize(Weights(), "x.weight", torch.randn(64, 48))
     assert len(calls) == 1 and calls[0][1].shape == (64, 48)
+
+
+def _one_projection_at(bits: int, algo: str | None = None):
+    """A plant: the quantizer writes layer 0's o_proj at ``bits`` (and ``algo``), whatever the spec says."""
+    import dataclasses
+
+    from export.quantize import QuantizeSpec as Spec
+
+    original = Spec.for_weight
+
+    def for_weight(self, name):
+        spec = original(self, name)
+        if "layers.0.self_attn.o_proj" not in name:
+            return spec
+        return dataclasses.replace(spec, bits=bits, algo=algo or spec.algo)
+
+    return lambda patched: patched.setattr(Spec, "for_weight", for_weight)
+
+
+def _mixed_head_written_whole(patched):
+    """A plant: a mixed head written at the body's bits throughout, its int8 rows forgotten."""
+    from export.quantize import HEAD
+    from export.quantize import QuantizeSpec as Spec
+
+    patched.setattr(Spec, "head_rows", lambda self, outputs: [(0, outputs, self.for_weight(HEAD))])
+
+
+@pytest.mark.parametrize(
+    ("spec", "plant", "said"),
+    [
+        (INT4, _one_projection_at(8), "o_proj.weight is stored int8, blocks of 16, symmetric, where int4 rtn"),
+        (
+            QuantizeSpec(bits=4, block_size=16, algo="rtn-asym"),
+            _one_projection_at(4, "rtn"),
+            "o_proj.weight is stored int4, blocks of 16, symmetric, where int4 rtn-asym, block 16 asks for int4, "
+            "blocks of 16, with zero points",
+        ),
+        (
+            QuantizeSpec(bits=4, block_size=16, head_int8_rows=40),
+            _mixed_head_written_whole,
+            "lm_head.weight is stored int4, blocks of 16, symmetric, where int4 rtn, block 16, mixed head (int8 for "
+            "its first 40 rows) asks for rows 0-39 int8, blocks of 16; rows 40-",
+        ),
+    ],
+    ids=["a projection at int8 under int4", "rtn-asym without zero points", "a mixed head's int8 rows at int4"],
+)
+def test_verify_holds_each_weight_to_the_layout_asked_for(
+    spec, plant, said, thinker_variant, onnx_variant, tmp_path, monkeypatch
+):
+    """A graph written at another layout than the one asked for is sound as a graph (the graph check runs the model
+    on its own dequantized weights, and an int8 weight passes the cost gate the more easily): only the layout check
+    against the spec sees it. The sound export meets it."""
+    from export_helpers import export_planted
+
+    from export.quantized_verify import verify_quantized_export
+
+    model_dir = thinker_variant("qwen3", head_dim=16)
+    sound = onnx_variant("qwen3", graph="fused", quantize=spec) / "model.onnx"
+    assert verify_quantized_export(model_dir, sound, torch.float32, spec.bits, NO_GATE, asked=spec)["passed"]
+    bad = export_planted(model_dir, tmp_path / "bad", monkeypatch, plant, graph="fused", quantize=spec)
+    unchecked = verify_quantized_export(model_dir, bad, torch.float32, spec.bits, NO_GATE)
+    assert unchecked["passed"] is True, unchecked  # without the spec nothing else fails
+    checked = verify_quantized_export(model_dir, bad, torch.float32, spec.bits, NO_GATE, asked=spec)
+    assert checked["passed"] is False and said in checked["failure"], checked["failure"]
