@@ -80,8 +80,9 @@ it and takes any padding; --verify checks both).
 \b
 --quantize int4|int8 works with either graph. --verify then checks the graph against the PyTorch model holding
 the same dequantized weights (at the float tolerance, MatMulNBits' activations in float), each quantized
-weight against its float original and its layout against the one asked for, and reports what quantization costs against the float model on a fixed
-English paragraph (top-1 agreement, perplexity), failing below --min-top1 or above --max-perplexity-increase.
+weight against its float original and its layout against the one asked for, and reports what quantization
+costs against the float model on a fixed English paragraph (top-1 agreement, perplexity), failing below
+--min-top1 or above --max-perplexity-increase.
 """
 
 
