@@ -33,7 +33,13 @@ from .families import detect_family
 from .folder_weights import check_thinker_weights
 from .hub import refuse_empty_source, resolve_source
 from .model_card import gguf_card_metadata, tool_version, update_parity, write_thinker_card
-from .output import generation_config_for, generation_differences, write_generation_config, write_thinker_config
+from .output import (
+    generation_config_for,
+    generation_differences,
+    tokens_past_vocabulary_note,
+    write_generation_config,
+    write_thinker_config,
+)
 from .output_dtype import resolve_dtype
 from .parity import parity_gate, parity_mode
 from .parity_report import BY_LAYER, FAILED_PARITY_FILE, PARITY_FILE, ParityReport
@@ -119,6 +125,9 @@ def convert(
         if check_config is not None:
             check_config(plan.config, root / "config.json" if Path(root).is_dir() else Path(root))
         notes = []
+        generation = generation_config_for(Path(tensor_source.root), plan.config)
+        if past_vocabulary := tokens_past_vocabulary_note(generation, plan.config):
+            notes.append(past_vocabulary)
         no_reference = plan.family.no_reference
         if isinstance(tensor_source, DequantizedFP8Source):
             notes.append(tensor_source.summary(dtype_name(plan.dtype)))

@@ -51,3 +51,23 @@ def generation_differences(expected: GenerationConfig, actual: GenerationConfig)
     first, second = expected.to_dict(), actual.to_dict()
     keys = sorted((first.keys() | second.keys()) - {"transformers_version"})
     return [f"{key} ({first.get(key)!r} -> {second.get(key)!r})" for key in keys if first.get(key) != second.get(key)]
+
+
+def tokens_past_vocabulary_note(generation: GenerationConfig, config: ThinkerConfig) -> str | None:
+    """A note where the special ids the folder's generation config names lie outside the vocabulary: no model of it
+    ever produces such an id, so generation never stops at an eos there (and a bos or pad there fails the embedding
+    lookup when fed). The conversion is as exact either way; the configs are the source's."""
+    past = []
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        value = getattr(generation, key, None)
+        ids = value if isinstance(value, list) else [value]
+        wrong = [token for token in ids if isinstance(token, int) and not 0 <= token < config.vocab_size]
+        if wrong:
+            past.append(f"{key} {wrong[0] if len(wrong) == 1 else wrong}")
+    if not past:
+        return None
+    return (
+        f"the source's {' and '.join(past)} lie{'s' * (len(past) == 1)} outside its vocabulary of "
+        f"{config.vocab_size} ids, so the model never produces it (an eos there never stops generation; a bos or "
+        "pad there fails when fed); set the right ids in OUTPUT's generation_config.json and config.json"
+    )

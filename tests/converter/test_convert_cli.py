@@ -47,6 +47,19 @@ def test_convert_prints_the_parity_table(source, tmp_path):
     assert "as the folder stores them" not in result.stdout  # float32: the rows compare the weights as stored
 
 
+def test_an_eos_id_outside_the_vocabulary_is_said(save_reference, tmp_path):
+    """A stop id no model of the vocabulary can produce converts (the configs are the source's) with a note, since
+    generation would never stop at it; ids inside the vocabulary get none."""
+    fine = CliRunner().invoke(convert_command, [str(save_reference(QWEN3, "fine")[1]), str(tmp_path / "fine-out")])
+    assert fine.exit_code == 0 and "outside its vocabulary" not in fine.stderr, fine.output
+    config = Qwen3Config(**{**QWEN3.to_dict(), "eos_token_id": [3, 64], "bos_token_id": 1})
+    result = CliRunner().invoke(convert_command, [str(save_reference(config, "past")[1]), str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert "the source's eos_token_id 64 lies outside its vocabulary of 64 ids, so the model never produces it" in (
+        " ".join(result.stderr.split())
+    )
+
+
 def test_a_half_precision_conversion_says_what_its_rows_compare(source, tmp_path):
     """Both sides hold the weights rounded to the folder's dtype, so a float32 row at 0 proves the mapping, not a
     lossless cast: the table, parity.json and the card say so."""
