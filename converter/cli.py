@@ -24,8 +24,8 @@ CONVERT_HELP = """Convert SOURCE into a Thinker checkpoint folder at OUTPUT.
 SOURCE is one of:
   - a local folder: config.json with *.safetensors (sharded or not)
     or pytorch_model*.bin / *.pt / *.pth weights
-  - one weights file: .safetensors or .bin (config.json beside it),
-    or a llama.cpp .gguf
+  - one weights file: .safetensors, .bin, .pt or .pth (config.json beside
+    it), or a llama.cpp .gguf
   - a Hugging Face Hub repo id such as Qwen/Qwen3-0.6B, downloaded into
     the standard cache (only the files a conversion needs); HF_TOKEN,
     HF_ENDPOINT and HF_HUB_OFFLINE are honoured

@@ -66,8 +66,9 @@ def tokens_past_vocabulary_note(generation: GenerationConfig, config: ThinkerCon
             past.append(f"{key} {wrong[0] if len(wrong) == 1 else wrong}")
     if not past:
         return None
+    one = len(past) == 1 and not past[0].endswith("]")  # a single id: "is ... it"
     return (
-        f"the source's {' and '.join(past)} lie{'s' * (len(past) == 1)} outside its vocabulary of "
-        f"{config.vocab_size} ids, so the model never produces it (an eos there never stops generation; a bos or "
-        "pad there fails when fed); set the right ids in OUTPUT's generation_config.json and config.json"
+        f"the source's {' and '.join(past)} {'is' if one else 'are'} outside its vocabulary of {config.vocab_size} "
+        f"ids, where the model never produces {'it' if one else 'them'} (an eos there never stops generation; a bos "
+        "or pad there fails when fed); set the right ids in OUTPUT's generation_config.json and config.json"
     )

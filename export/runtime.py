@@ -918,6 +918,21 @@ class OnnxDecoder:
         state.next_position = state.next_position + 1
         return logits[:, -1]
 
+    def _stop_tokens(self, eos_token_id, pad_token_id) -> tuple[set[int], int]:
+        """``generate``'s eos ids and pad id: those given, else the folder's (``model_stop_tokens``); the pad, where
+        none is named, the first eos id, as transformers' ``generate`` pads (0 without one)."""
+        folder_eos, folder_pad, where = model_stop_tokens(self.model_path.parent)
+        named = {"eos_token_id": "eos_token_id", "pad_token_id": "pad_token_id"}
+        if eos_token_id is None:
+            eos_token_id, named["eos_token_id"] = folder_eos, f"{where}: eos_token_id"
+        if pad_token_id is None:
+            pad_token_id, named["pad_token_id"] = folder_pad, f"{where}: pad_token_id"
+        stops_nowhere = eos_token_id is None or (isinstance(eos_token_id, list | tuple) and not eos_token_id)
+        eos = [] if stops_nowhere else token_ids(eos_token_id, named["eos_token_id"])
+        if pad_token_id is None:
+            return set(eos), eos[0] if eos else 0
+        return set(eos), token_ids(pad_token_id, named["pad_token_id"], one=True)[0]
+
     def generate(
         self,
         input_ids: np.ndarray | None = None,
@@ -941,12 +956,7 @@ class OnnxDecoder:
         then ``end``. ``inputs_embeds``, ``position_ids``, ``visual_pos_masks`` and ``deepstack_visual_embeds``: as
         ``prefill`` takes them."""
         max_new_tokens = whole_number(max_new_tokens, "max_new_tokens")
-        if eos_token_id is None:
-            eos_token_id, folder_pad = model_stop_tokens(self.model_path.parent)
-            pad_token_id = folder_pad if pad_token_id is None else pad_token_id
-        stops_nowhere = isinstance(eos_token_id, list | tuple) and not eos_token_id
-        eos = set() if eos_token_id is None or stops_nowhere else set(token_ids(eos_token_id, "eos_token_id"))
-        pad = token_ids(pad_token_id, "pad_token_id", one=True)[0] if pad_token_id is not None else min(eos, default=0)
+        eos, pad = self._stop_tokens(eos_token_id, pad_token_id)
         deepstack = {"visual_pos_masks": visual_pos_masks, "deepstack_visual_embeds": deepstack_visual_embeds}
         # the prefill checks the whole request (the context included) before the streamer is given anything
         logits, state = self.prefill(

@@ -13,8 +13,8 @@ from .names import GENAI_CONFIG_FILE
 
 
 def folder_stop_tokens(folder: Path) -> tuple[list[int] | None, int | None]:
-    """eos ids and pad id of a model folder: genai_config.json in an ONNX folder, else generation_config.json, else
-    config.json (the eos ids ``None`` where none names them)."""
+    """eos ids and pad id of a model folder: genai_config.json in an ONNX folder, else as transformers takes them
+    (``model_stop_tokens``); the eos ids ``None`` where none are named."""
     genai = read_json(folder / GENAI_CONFIG_FILE)
     if genai:
         try:
@@ -24,16 +24,26 @@ def folder_stop_tokens(folder: Path) -> tuple[list[int] | None, int | None]:
                 f"{folder / GENAI_CONFIG_FILE}: no model.eos_token_id or pad_token_id; export again"
             ) from None
         return (eos if isinstance(eos, list) else [eos]), pad
-    return model_stop_tokens(folder)
+    eos, pad, _ = model_stop_tokens(folder)
+    return eos, pad
 
 
-def model_stop_tokens(folder: Path) -> tuple[list[int] | None, int | None]:
-    """eos ids and pad id as transformers' ``generate`` takes them for the model in ``folder``: its
-    generation_config.json, else its config.json (not genai_config.json, whose eos is the pad id where the model
-    names none, since onnxruntime-genai needs one)."""
+def model_stop_tokens(folder: Path) -> tuple[list[int] | None, int | None, Path | None]:
+    """eos ids, pad id, and the file that names them, as transformers' ``generate`` takes them for the model in
+    ``folder``: its generation_config.json whole where there is one (a null or absent eos there stops nowhere,
+    whatever config.json says: transformers reads config.json only when there is no generation_config.json), else
+    its config.json. Not genai_config.json, whose eos is the pad id where the model names none, since
+    onnxruntime-genai needs one."""
     for name in ("generation_config.json", "config.json"):
-        config = read_json(folder / name) or {}
-        if config.get("eos_token_id") is not None:
-            eos = config["eos_token_id"]
-            return (eos if isinstance(eos, list) else [eos]), config.get("pad_token_id")
-    return None, None
+        config = read_json(folder / name)
+        if config is None:
+            continue
+        if not isinstance(config, dict):
+            raise ThinkerError(f"{folder / name}: expected a JSON object")
+        eos = config.get("eos_token_id")
+        return (
+            (None if eos is None else eos if isinstance(eos, list) else [eos]),
+            config.get("pad_token_id"),
+            folder / name,
+        )
+    return None, None, None

@@ -55,7 +55,7 @@ def test_an_eos_id_outside_the_vocabulary_is_said(save_reference, tmp_path):
     config = Qwen3Config(**{**QWEN3.to_dict(), "eos_token_id": [3, 64], "bos_token_id": 1})
     result = CliRunner().invoke(convert_command, [str(save_reference(config, "past")[1]), str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
-    assert "the source's eos_token_id 64 lies outside its vocabulary of 64 ids, so the model never produces it" in (
+    assert "the source's eos_token_id 64 is outside its vocabulary of 64 ids, where the model never produces it" in (
         " ".join(result.stderr.split())
     )
 

@@ -88,6 +88,25 @@ def test_generate_stops_at_the_folders_own_eos_by_default(onnx_folder, tmp_path)
     batch = decoder.generate(np.array([[5, 9, 17], [6, 9, 17]]), max_new_tokens=6)
     row = batch[0, 3:].tolist()
     assert row[: first + 1] == free[0, 3 : 3 + first + 1].tolist() and set(row[first + 1 :]) <= {3}  # padded
+    # an eos given keeps the folder's pad, as transformers' generate keeps its generation config's
+    explicit = decoder.generate(np.array([[5, 9, 17], [6, 9, 17]]), max_new_tokens=6, eos_token_id=eos)
+    np.testing.assert_array_equal(explicit, batch)
+    # no pad named: rows that stop are padded with the first eos id, as transformers pads (not the smallest)
+    config.pop("pad_token_id")
+    config["eos_token_id"] = [eos, eos - 1 if eos else eos + 1]
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    unpadded = decoder.generate(np.array([[5, 9, 17], [6, 9, 17]]), max_new_tokens=6)
+    assert set(unpadded[0, 3 + first + 1 :].tolist()) <= {eos}
+    # generation_config.json is taken whole: its null eos stops nowhere, whatever config.json names
+    config["eos_token_id"] = None
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    model_config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**model_config, "eos_token_id": eos}))
+    np.testing.assert_array_equal(decoder.generate(prompt, max_new_tokens=6), free)
+    config["eos_token_id"] = [eos, -1]
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    with pytest.raises(ThinkerError, match=r"generation_config.json: eos_token_id=\[\d+, -1\]; expected"):
+        decoder.generate(prompt, max_new_tokens=6)
 
 
 def test_generate_feeds_a_streamer_as_each_token_is_chosen(onnx_folder):
