@@ -37,7 +37,6 @@ from .output import (
     generation_config_for,
     generation_differences,
     tokens_past_vocabulary_note,
-    write_generation_config,
     write_thinker_config,
 )
 from .output_dtype import resolve_dtype
@@ -146,7 +145,7 @@ def convert(
         with staged_output(output, force, needed=plan.total_bytes) as staging:
             files = write_weights(plan, tensor_source, staging, shard_bytes, progress)
             write_thinker_config(staging, plan.config)
-            write_generation_config(staging, Path(tensor_source.root), plan.config)
+            generation.save_pretrained(staging)  # the source's generation config, read above for its note
             files += tensor_source.save_tokenizer(staging)
             if verify:
                 failure = f"{output}: does not match its reference; nothing written"
@@ -225,8 +224,8 @@ def verify(
     try:
         hub = not Path(str(source)).expanduser().exists()  # a Hub repo id: the revision is part of what it names
         named = f"{source}@{revision or 'main'}" if hub else str(source)
-        if isinstance(tensor_source, DequantizedFP8Source) and tensor_source.no_reference():
-            raise ThinkerError(f"{source}: {tensor_source.no_reference()}")
+        if isinstance(tensor_source, DequantizedFP8Source) and (why := tensor_source.no_reference()):
+            raise ThinkerError(f"{source}: {why}")
         config = refuse_another_config(tensor_source, converted, named)
         refuse_other_generation_config(Path(tensor_source.root), converted, config, named)
         copies_tokenizer = isinstance(tensor_source, FolderSource)  # a GGUF's is written from its metadata

@@ -30,13 +30,10 @@ def write_thinker_config(folder: Path, config: ThinkerConfig) -> None:
     config.save_pretrained(folder)  # AutoConfig -> ThinkerConfig, and config.json itself
 
 
-def write_generation_config(folder: Path, source_root: Path, config: ThinkerConfig) -> None:
-    """The source's ``generation_config.json`` when it has one (sampling defaults matter), else one from the ids."""
-    generation_config_for(source_root, config).save_pretrained(folder)
-
-
 def generation_config_for(source_root: Path, config: ThinkerConfig) -> GenerationConfig:
-    """What ``write_generation_config`` writes for the source at ``source_root`` (and ``thinker verify`` expects)."""
+    """The generation config a conversion writes for the source at ``source_root`` (and ``thinker verify``
+    expects): the source's ``generation_config.json`` when it has one (sampling defaults matter), else one from the
+    ids."""
     if present(source_root / "generation_config.json", source_root):
         try:
             return GenerationConfig.from_pretrained(source_root)

@@ -922,16 +922,15 @@ class OnnxDecoder:
         """``generate``'s eos ids and pad id: those given, else the folder's (``model_stop_tokens``); the pad, where
         none is named, the first eos id, as transformers' ``generate`` pads (0 without one)."""
         folder_eos, folder_pad, where = model_stop_tokens(self.model_path.parent)
-        named = {"eos_token_id": "eos_token_id", "pad_token_id": "pad_token_id"}
-        if eos_token_id is None:
-            eos_token_id, named["eos_token_id"] = folder_eos, f"{where}: eos_token_id"
-        if pad_token_id is None:
-            pad_token_id, named["pad_token_id"] = folder_pad, f"{where}: pad_token_id"
+        eos_name = "eos_token_id" if eos_token_id is not None else f"{where}: eos_token_id"  # named by its file
+        pad_name = "pad_token_id" if pad_token_id is not None else f"{where}: pad_token_id"
+        eos_token_id = folder_eos if eos_token_id is None else eos_token_id
+        pad_token_id = folder_pad if pad_token_id is None else pad_token_id
         stops_nowhere = eos_token_id is None or (isinstance(eos_token_id, list | tuple) and not eos_token_id)
-        eos = [] if stops_nowhere else token_ids(eos_token_id, named["eos_token_id"])
+        eos = [] if stops_nowhere else token_ids(eos_token_id, eos_name)
         if pad_token_id is None:
             return set(eos), eos[0] if eos else 0
-        return set(eos), token_ids(pad_token_id, named["pad_token_id"], one=True)[0]
+        return set(eos), token_ids(pad_token_id, pad_name, one=True)[0]
 
     def generate(
         self,
