@@ -310,7 +310,8 @@ def find_units(model: nn.Module, layer_classes: tuple[type, ...], whole_modules:
 
 def _persistent_buffer_names(model: nn.Module) -> set[str]:
     """Buffers saved with the weights (non-persistent ones, RoPE tables, are computed by the model itself)."""
-    return {name for name in model.state_dict(keep_vars=True) if name not in dict(model.named_parameters())}
+    parameters = {name for name, _ in model.named_parameters()}  # once: per name it made this quadratic
+    return {name for name in model.state_dict(keep_vars=True) if name not in parameters}
 
 
 def assign_keys(streamed: StreamedModel) -> None:

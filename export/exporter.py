@@ -58,6 +58,7 @@ from .names import (
     REPORT_FILE,
 )
 from .quantize import HEAD, QuantizeSpec, WeightQuantizer, cuda_experts_note
+from .quantized_size import expected_graph_bytes
 from .verify import WHOLE, verify_export, verify_plan
 from .weights import ThinkerWeights
 from .weights_stamp import stamp_weights
@@ -226,7 +227,14 @@ def export_model(
             )
         if quantize:  # known only now: whether a mixed head's int8 rows are the whole vocabulary (the quantizer
             quantize = quantize.for_vocab(config.vocab_size)  # writes such a head whole either way: head_rows)
-        plan = verify_plan(model_dir, graph_dtype, quantize is not None) if verify else None  # and the memory
+        if verify and quantize:  # the memory, the graph's two sessions counted at the layout's size
+            standard_experts = graph == "plain" or not config.norm_topk_prob  # int8-held (export/quantize.py)
+            expected = expected_graph_bytes(model_dir, config, graph_dtype, quantize, standard_experts)
+            plan = verify_plan(model_dir, graph_dtype, quantized=True, graph_bytes=expected)
+        elif verify:
+            plan = verify_plan(model_dir, graph_dtype)
+        else:
+            plan = None
         positions = position_form(config, positions)
         final = staging / "onnx"
         graph_class = resolve_name(GRAPHS[graph])

@@ -647,8 +647,9 @@ def verify_plan(
     float32 (``REFERENCE_DTYPE``). A quantized export's holds two sessions of its graph (``graph_bytes``: as
     shipped, and with float activations) and the float32 model, whose weights it replaces by the dequantized ones
     one at a time; or, streamed, one layer in both forms.
-    Before a quantized graph is written its size is unknown: with ``graph_bytes`` 0 the call refuses only what
-    cannot fit whatever the graph's size, and the exporter asks again once it knows."""
+    Before a quantized graph is written the exporter passes the size its layout will have (an upper bound,
+    export/quantized_size.py), so that a budget too small is refused before the quantization and the size named is
+    the one needed; it asks again with the size written, which the accuracy guard's float fallbacks can raise."""
     if dtype == torch.bfloat16 and not cuda_usable():
         return None
     whole, streamed, held = held_bytes(model_dir, dtype, quantized, graph_bytes)
@@ -661,7 +662,7 @@ def verify_plan(
     # a source converted on the way lies in a staging folder, gone by the time the message is read
     named = model_dir if outside_staging(model_dir) == model_dir else "the model converted from SOURCE"
     raise ThinkerError(
-        f"{named}: --verify holds at least {held}, about {human_size(streamed)} with the graph in "
+        f"{named}: --verify holds at least {held}, {human_size(streamed, round_up=True)} with the graph in "
         f"{dtype_name(dtype)}, more than the {human_size(budget)} {limit}; export with --no-verify (`thinker verify "
         "SOURCE FOLDER` proves the Thinker folder against its source layer by layer, at any size), or where more "
         "memory is free"

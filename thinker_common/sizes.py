@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from .errors import ThinkerError
@@ -35,10 +36,14 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
-def human_size(size: float) -> str:
+def human_size(size: float, round_up: bool = False) -> str:
     """Bytes as a person reads them, in binary units with one decimal (``1.5 GiB``, ``10.0 KiB``): the unit follows
-    the size, so a small budget does not print as ``0.0 GiB``."""
+    the size, so a small budget does not print as ``0.0 GiB``. ``round_up``: a need a user may copy into a setting,
+    never below the bytes it stands for."""
     units, power = ("B", "KiB", "MiB", "GiB"), 0
     while abs(size) >= 1024 and power < len(units) - 1:
         size, power = size / 1024, power + 1
+    digits = 0 if power == 0 else 1
+    if round_up:
+        size = math.ceil(size * 10**digits) / 10**digits
     return f"{size:.0f} B" if power == 0 else f"{size:.1f} {units[power]}"
