@@ -21,7 +21,7 @@ from thinker import ThinkerConfig
 from thinker_common.dtypes import dtype_name
 from thinker_common.errors import ThinkerError
 from thinker_common.fp8_source import DequantizedFP8Source
-from thinker_common.gguf_reader import GGUFSource
+from thinker_common.gguf_reader import GGUFSource, gguf_read_once
 from thinker_common.side_files import read_json, readable_tokenizer_files, tokenizer_files
 from thinker_common.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from thinker_common.sources import FolderSource, TensorSource, open_source
@@ -79,6 +79,7 @@ def source_family(root: Path) -> Family:
         tensor_source.close()
 
 
+@gguf_read_once()  # a GGUF file's header parsed once, not once for each of transformers' readings of it
 def convert(
     source: str | Path,
     output: str | Path,
@@ -178,6 +179,7 @@ def convert(
     )
 
 
+@gguf_read_once()
 def verify(
     source: str | Path,
     converted: str | Path,

@@ -8,6 +8,8 @@ the llama q/k row permutation), so the permutation is undone by the engine and c
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from convert_helpers import assert_same_logits, build_reference, write_gguf
@@ -217,3 +219,37 @@ def test_moe_metadata_disagreeing_with_the_expert_stacks_is_named(tmp_path, run_
     assert "blk.0.ffn_gate_exps.weight (+1): (4, 48, 32), expected (3, 48, 32)" in message
     assert message.endswith("the GGUF metadata does not describe these weights")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("by_layer", [False, True], ids=["whole", "by-layer"])
+def test_a_gguf_file_is_parsed_once_per_conversion_and_check(by_layer, tmp_path, run_convert, monkeypatch):
+    """The conversion reads the file for its tensors and the parity gate's reference reads it through transformers
+    for the config, the tokenizer and the weights (or layer by layer): one parse of the header serves them all
+    (thinker_common/gguf_reader.py ``gguf_read_once``; a parse of a real vocabulary takes seconds), and so does one
+    for ``thinker verify``. A file changed between two conversions is parsed afresh, and the readers are gguf's own
+    again outside them."""
+    import gguf
+    from gguf.gguf_reader import GGUFReader
+
+    from converter.convert import verify
+
+    parsed = []
+    real_init = GGUFReader.__init__
+
+    def counted(self, path, *args, **kwargs):
+        parsed.append(str(path))
+        real_init(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(GGUFReader, "__init__", counted)
+    model = build_reference(SYNTHETIC["qwen2"])
+    (tmp_path / "gguf").mkdir()
+    path = write_gguf(model, tmp_path / "gguf" / "tiny.gguf", "qwen2")
+    result = run_convert(path, verify_by_layer=by_layer)
+    assert result.parity.passed and len(parsed) == 1, parsed
+    verify(path, result.output, by_layer=by_layer)
+    assert len(parsed) == 2, parsed
+    assert gguf.GGUFReader is GGUFReader and not isinstance(gguf.get_tensor_name_map, functools._lru_cache_wrapper)
+
+    write_gguf(build_reference(SYNTHETIC["qwen2"], seed=1), path, "qwen2")  # the same path, other bytes
+    run_convert(path, name="again", verify_by_layer=by_layer)
+    assert len(parsed) == 3, parsed
