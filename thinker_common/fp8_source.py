@@ -182,14 +182,19 @@ class DequantizedFP8Source(FolderSource):
 
     def _scales(self, scale_name: str) -> torch.Tensor:
         """A weight's scales in float32, refused by name where one is NaN or infinite (every weight of its block
-        would be). Scales stored as bytes are E8M0 exponents (``scale_fmt: "ue8m0"``, MXFP8 releases): 2 ** (byte -
-        127), as transformers reads them."""
+        would be) or negative. Scales stored as bytes are E8M0 exponents (``scale_fmt: "ue8m0"``, MXFP8 releases):
+        2 ** (byte - 127), as transformers reads them."""
         stored = self.inner.load(scale_name)
         scales = (stored.to(torch.float32) - 127.0).exp2() if stored.dtype == torch.uint8 else stored.to(torch.float32)
         if not torch.isfinite(scales).all():
             raise ThinkerError(
                 f"{self.inner.file_of(scale_name)}: {scale_name!r} holds NaN or infinite scales, which would make "
                 "every weight of their blocks so; the checkpoint is corrupt: re-download it"
+            )
+        if (scales < 0).any():  # a block's largest magnitude over FP8's: zero for a block of zeros, never below
+            raise ThinkerError(
+                f"{self.inner.file_of(scale_name)}: {scale_name!r} holds negative scales, which no FP8 quantizer "
+                "writes (they would flip their blocks' signs); the checkpoint is corrupt: re-download it"
             )
         return scales
 

@@ -281,14 +281,19 @@ def test_an_fp8_config_over_float_weights_is_refused(tmp_path):
     )
 
 
-def test_a_nan_scale_is_named_not_blamed_on_its_weight(tmp_path):
+@pytest.mark.parametrize(("value", "said"), [(float("nan"), "NaN or infinite"), (-0.01, "negative")])
+def test_a_corrupt_scale_is_named_not_blamed_on_its_weight(value, said, tmp_path):
+    """A NaN or negative scale is refused by name; a zero one (a block of zeros) converts."""
     source = fp8_checkpoint(tmp_path, "qwen3")
     tensors = load_file(source / "model.safetensors")
     name = "model.layers.0.mlp.up_proj.weight_scale_inv"
-    tensors[name][1, 0] = float("nan")
+    tensors[name][1, 0] = value
     save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
-    assert_error(thinker("convert", source, tmp_path / "out"), f"{name!r} holds NaN or infinite scales")
+    assert_error(thinker("convert", source, tmp_path / "out"), f"{name!r} holds {said} scales")
     assert_nothing_written(tmp_path / "out")
+    tensors[name][1, 0] = 0.0
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    assert thinker("convert", source, tmp_path / "out", "--no-verify").exit_code == 0
 
 
 def test_an_fp8_weight_without_its_scale_is_refused_by_name(tmp_path):
