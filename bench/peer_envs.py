@@ -3,9 +3,12 @@
 genai     onnxruntime-genai with the CPU onnxruntime it pulls in (the same one the tests use; it must not share an
           environment with onnxruntime-gpu)
 builder   onnxruntime-genai's model builder: onnxruntime-genai + torch + transformers (the builder reads the HF
-          folder with transformers); THINKER_BUILDER_VENV points at an existing one
+          folder with transformers)
 optimum   Optimum's ONNX exporter: optimum-onnx, which needs transformers < 4.58
-mobius    mobius-onnx 0.1.0's exporter (``mobius build``); THINKER_MOBIUS_VENV points at an existing one
+mobius    mobius-onnx 0.1.0's exporter (``mobius build``)
+
+THINKER_GENAI_VENV, THINKER_BUILDER_VENV and THINKER_MOBIUS_VENV move an environment: one that exists there is used
+as it is (never rebuilt), and where there is none it is built there, as at its default place.
 """
 
 from __future__ import annotations
