@@ -29,6 +29,7 @@ from .quantize import HEAD, QuantizeSpec, WeightQuantizer
 FLOAT32_BYTES = 4
 EMBEDDING = "model.embed_tokens.weight"
 PROJECTION = "proj"  # in the module name of every projection the graphs write through MatMulNBits when it fits
+CONV = ".conv1d."  # linear attention's and PLE's kernels, whose taps a half graph keeps in float32
 FLOAT_MODULES = (".indexer.",)  # projections a graph keeps float under --quantize (export/qwen4_exp_graph.py)
 EXPERT_STACKS = (".experts.gate_up_proj", ".experts.down_proj")  # (E, N, K) stacks: QMoE, or int8 in the plain graph
 
@@ -38,7 +39,8 @@ def expected_graph_bytes(
 ) -> int:
     """An upper bound on the tensor bytes of the ``dtype`` graph of ``model_dir`` under ``spec``, as
     export/exporter.py's ``GraphFiles.data_bytes`` counts them: every projection the quantizer takes in its packed
-    layout, everything else in ``dtype`` (vectors in float32 where ``dtype`` is narrower), and the RoPE tables.
+    layout, everything else in ``dtype`` (vectors and conv kernels in float32 where ``dtype`` is narrower: some
+    stay so, and counting all of them so keeps this a bound), and the RoPE tables.
     ``standard_experts``: the plain graph (or Qwen2-MoE's routing in the fused one), whose expert stacks hold a byte
     a weight at either width (export/quantize.py ``standard_experts``)."""
     quantizer = WeightQuantizer(spec, dtype)
@@ -52,6 +54,7 @@ def expected_graph_bytes(
         total += 3 * rotary_dim(config) // 2 * FLOAT32_BYTES
     if HEAD not in shapes and EMBEDDING in shapes:  # tied: the head is the embedding's table, quantized once
         shapes[HEAD] = shapes[EMBEDDING]
+    quantized_experts = experts_quantized(shapes, quantizer)
     for name, shape in shapes.items():
         if name == EMBEDDING:
             shared = config.tie_word_embeddings and quantizer.shares_embedding(shape[::-1])
@@ -62,13 +65,24 @@ def expected_graph_bytes(
             )
         elif is_projection(name, shape) and quantizer.applies_to_shape(shape[::-1], name):
             total += projection_bytes(shape[0], shape[1], spec.for_weight(name), dtype)
-        elif name.endswith(EXPERT_STACKS) and len(shape) == 3 and quantizer.applies_to_experts(shape[1], shape[2]):
+        elif name.endswith(EXPERT_STACKS) and name.rpartition(".")[0] in quantized_experts:
             experts, rows, in_features = shape
             bits = 8 if standard_experts else spec.bits
             total += experts * projection_bytes(rows, in_features, QuantizeSpec(bits, spec.block_size), dtype)
-        else:  # a vector (norms, gates' biases) may stay float32 in a half graph
-            total += math.prod(shape) * (max(dtype.itemsize, FLOAT32_BYTES) if len(shape) == 1 else dtype.itemsize)
+        else:  # in dtype; vectors (norms, gates' biases) and conv kernels may stay float32 in a half graph
+            kept_float32 = len(shape) == 1 or CONV in name
+            total += math.prod(shape) * (max(dtype.itemsize, FLOAT32_BYTES) if kept_float32 else dtype.itemsize)
     return total
+
+
+def experts_quantized(shapes: dict[str, tuple[int, ...]], quantizer: WeightQuantizer) -> set[str]:
+    """The expert modules (``model.layers.N.mlp.experts``) whose stacks the graphs quantize: a layer's are
+    quantized together or not at all, as both graphs decide (``applies_to_experts`` of every stack)."""
+    stacks: dict[str, list[bool]] = {}
+    for name, shape in shapes.items():
+        if name.endswith(EXPERT_STACKS) and len(shape) == 3:
+            stacks.setdefault(name.rpartition(".")[0], []).append(quantizer.applies_to_experts(shape[1], shape[2]))
+    return {module for module, quantized in stacks.items() if all(quantized)}
 
 
 def is_projection(name: str, shape: tuple[int, ...]) -> bool:
