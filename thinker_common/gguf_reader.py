@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import mmap
 import os
 import re
 import threading
@@ -169,7 +170,28 @@ def mapped_reader(path: Path) -> Any:
     with _shared_lock:
         if identity not in _shared:
             _shared[identity] = _new_mapped_reader(path)
+        else:  # as a reader of its own would start: with none of the file resident
+            drop_resident_pages(_shared[identity])
         return _shared[identity]
+
+
+def drop_resident_pages(reader: Any) -> None:
+    """Unmaps the pages of the file that ``reader`` (a ``mapped_reader``) has read, as closing it would: a shared
+    reader outlives its users, and what they read would otherwise stay in the resident set until the block ends
+    (0.75 GiB for a Qwen3.5-0.8B Q8_0 file, beside the models a check holds). The pages stay in the page cache, so
+    reading them again costs no disk read; on systems without ``madvise`` nothing is dropped."""
+    mapped = getattr(reader, "_mmap", None)
+    if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+        mapped.madvise(mmap.MADV_DONTNEED)
+
+
+def release_pages(path: Path) -> None:
+    """``drop_resident_pages`` of the reader ``gguf_read_once`` shares for ``path``, once a user is done reading it."""
+    if _shared is not None:
+        with _shared_lock:
+            reader = _shared.get(_file_identity(path))
+        if reader is not None:
+            drop_resident_pages(reader)
 
 
 # The readers ``gguf_read_once`` shares, by file identity; None outside it.
@@ -223,6 +245,7 @@ def _new_mapped_reader(path: Path) -> Any:
         @data.setter
         def data(self, value: np.ndarray) -> None:  # GGUFReader.__init__ assigns its np.memmap here
             self._mapped = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+            self._mmap = getattr(value, "_mmap", None)  # the mapping itself (``drop_resident_pages``)
 
     return MappedReader(path)
 

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from thinker_common.errors import ThinkerError
-from thinker_common.gguf_reader import mapped_reader
+from thinker_common.gguf_reader import mapped_reader, release_pages
 
 from ..ops import (
     AsRow,
@@ -574,9 +574,11 @@ def load_reference(source: Path, dtype: Any) -> Any:
 
     quiet = partial(tqdm, disable=not transformers_logging.is_progress_bar_enabled())
     with mock.patch.object(gguf_loading, "tqdm", quiet):
-        return reference_from_pretrained(
+        reference = reference_from_pretrained(
             path, path.parent, gguf_file=path.name, config=reference_config(path), dtype=dtype
         )
+    release_pages(path)  # its reader read every tensor, and is shared (gguf_read_once): done with them
+    return reference
 
 
 def load_layered_reference(source: Path, dtype: Any) -> Any:

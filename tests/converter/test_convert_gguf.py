@@ -9,6 +9,7 @@ the llama q/k row permutation), so the permutation is undone by the engine and c
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -253,3 +254,31 @@ def test_a_gguf_file_is_parsed_once_per_conversion_and_check(by_layer, tmp_path,
     write_gguf(build_reference(SYNTHETIC["qwen2"], seed=1), path, "qwen2")  # the same path, other bytes
     run_convert(path, name="again", verify_by_layer=by_layer)
     assert len(parsed) == 3, parsed
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads the mapping's resident size from /proc")
+def test_a_shared_reader_handed_out_again_holds_none_of_the_file_resident(tmp_path):
+    """A reader shared by ``gguf_read_once`` outlives its users: what one read must not stay resident for the
+    rest of a check (as it would not with a reader of its own, unmapped when dropped)."""
+    import numpy as np
+
+    from thinker_common.gguf_reader import gguf_read_once, mapped_reader
+
+    path = write_gguf(build_reference(Qwen3Config(**{**TINY, "vocab_size": 4096})), tmp_path / "t.gguf", "qwen3")
+
+    def resident_kib() -> int:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+        starts = [i for i, line in enumerate(lines) if line.endswith(str(path))]
+        return sum(
+            int(line.split()[1])
+            for start in starts
+            for line in lines[start + 1 : start + 25]
+            if line.startswith("Rss:")
+        )
+
+    with gguf_read_once():
+        reader = mapped_reader(path)
+        assert sum(float(np.asarray(t.data, dtype=np.float32).sum()) for t in reader.tensors) != 0
+        read = resident_kib()
+        assert mapped_reader(path) is reader
+        assert read > 4 * resident_kib() and read * 1024 > path.stat().st_size / 2, (read, resident_kib())
