@@ -156,6 +156,13 @@ class DecoderGraph:
 
     contrib_ops = False  # True where the graph uses onnxruntime's com.microsoft operators
     kv_in_place = False  # True where every layer's cache can also be one buffer bound as past and present
+
+    @staticmethod
+    def standard_experts(config: ThinkerConfig) -> bool:
+        """Whether quantized routed experts are held in standard types (export/quantize.py ``standard_experts``)
+        rather than as QMoE's: always in this graph."""
+        return True
+
     linear_attention_graph: type[GatedDeltaNetGraph] = GatedDeltaNetGraph  # the Gated DeltaNet emitter
 
     def __init__(

@@ -227,8 +227,9 @@ def export_model(
             )
         if quantize:  # known only now: whether a mixed head's int8 rows are the whole vocabulary (the quantizer
             quantize = quantize.for_vocab(config.vocab_size)  # writes such a head whole either way: head_rows)
+        graph_class = resolve_name(GRAPHS[graph])
         if verify and quantize:  # the memory, the graph's two sessions counted at the layout's size
-            standard_experts = graph == "plain" or not config.norm_topk_prob  # int8-held (export/quantize.py)
+            standard_experts = graph_class.standard_experts(config)
             expected = expected_graph_bytes(model_dir, config, graph_dtype, quantize, standard_experts)
             plan = verify_plan(model_dir, graph_dtype, quantized=True, graph_bytes=expected)
         elif verify:
@@ -237,7 +238,6 @@ def export_model(
             plan = None
         positions = position_form(config, positions)
         final = staging / "onnx"
-        graph_class = resolve_name(GRAPHS[graph])
         files = build_onnx(
             model_dir, config, final, graph_dtype, graph_class, quantizer, progress, positions, logits, str(source)
         )

@@ -59,6 +59,8 @@ from dataclasses import dataclass
 import torch
 from onnx import TensorProto
 
+from thinker.configuration_thinker import ThinkerConfig
+
 from .decoder_graph import MS_DOMAIN, DecoderGraph, StepContext, rope_tables, rotary_dim
 from .hybrid_attention_graph import emit_mrotary_embedding, emit_output_gate, emit_query_and_gate, zero_centered_scale
 from .linear_attention_graph import FusedGatedDeltaNetGraph
@@ -81,6 +83,14 @@ class FusedStepContext(StepContext):
 
 class FusedDecoderGraph(DecoderGraph):
     contrib_ops = True
+
+    @staticmethod
+    def standard_experts(config: ThinkerConfig) -> bool:
+        """Where top-k weights are not renormalised (Qwen2-MoE's raw softmax weights): onnxruntime 1.31's CPU QMoE
+        renormalises them whatever normalize_routing_weights says (measured: the same output at 0 and 1; the float
+        MoE op honours it), so such experts take the plain graph's Loop over the same quantized experts."""
+        return not config.norm_topk_prob
+
     linear_attention_graph = FusedGatedDeltaNetGraph
 
     def __init__(self, *args, **kwargs) -> None:
@@ -328,10 +338,7 @@ class FusedDecoderGraph(DecoderGraph):
         )
         quantizer = self.quantizer
         if quantizer and all(quantizer.applies_to_experts(*w.shape[1:]) for w in (gate_up, down)):
-            if not cfg.norm_topk_prob:
-                # onnxruntime 1.31's CPU QMoE renormalises the top-k weights whatever normalize_routing_weights
-                # says (measured: the same output at 0 and 1; the float MoE op honours it), which is wrong for
-                # Qwen2-MoE's raw softmax weights: the plain graph's Loop over the same quantized experts instead.
+            if self.standard_experts(cfg):
                 return super().emit_routed_experts(flat, prefix)
             in_blocks = quantizer.experts_in_blocks(hidden, down.shape[2])
             fc1 = quantizer.quantize_experts(b, gate_up_name, interleaved, in_blocks)

@@ -4,12 +4,14 @@ memory plan refuses a budget too small before the quantization, naming the budge
 from __future__ import annotations
 
 import re
+from pkgutil import resolve_name
 
 import onnx
 import pytest
 import torch
 
 from export.exporter import export_model
+from export.names import GRAPHS
 from export.quantize import QuantizeSpec
 from export.quantized_size import expected_graph_bytes
 from thinker.configuration_thinker import ThinkerConfig
@@ -54,7 +56,7 @@ def test_the_expected_size_bounds_the_graph_written(family, graph, dtype, spec, 
     output = tmp_path / "onnx"
     export_model(folder, output, dtype, verify=False, graph=graph, quantize=spec, progress=False, accuracy_guard=0)
     written = written_bytes(output / "model.onnx")
-    standard_experts = graph == "plain" or not config.norm_topk_prob
+    standard_experts = resolve_name(GRAPHS[graph]).standard_experts(config)
     expected = expected_graph_bytes(folder, config, getattr(torch, dtype), spec, standard_experts)
     assert written <= expected <= 1.05 * written, (written, expected)
 
