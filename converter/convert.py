@@ -30,7 +30,7 @@ from thinker_common.staging import refuse_existing_output, refuse_output_over_so
 from .config_compare import config_differences
 from .engine import plan_conversion, write_weights
 from .families import detect_family
-from .folder_weights import check_thinker_weights
+from .folder_weights import check_thinker_weights, refuse_weightless
 from .hub import refuse_empty_source, resolve_source
 from .model_card import gguf_card_metadata, tool_version, update_parity, write_thinker_card
 from .output import (
@@ -220,8 +220,7 @@ def verify(
             "and an export is checked as it is written (thinker export's --verify, the default): export it again "
             "to check it"
         )
-    if not any(converted.glob("*.safetensors")):
-        raise ThinkerError(f"{converted}: a Thinker folder without its weights (no *.safetensors); convert it again")
+    refuse_weightless(converted)
     tensor_source = open_source(root)
     try:
         hub = not Path(str(source)).expanduser().exists()  # a Hub repo id: the revision is part of what it names

@@ -48,12 +48,20 @@ SIZE_KEYS = (
 )
 
 
+def refuse_weightless(model_dir: Path) -> None:
+    """A folder without a single safetensors file lost its weights (or never had them): said so, rather than listed
+    tensor by tensor as if config.json described other weights."""
+    if not any(model_dir.glob("*.safetensors")):
+        raise ThinkerError(f"{model_dir}: a Thinker folder without its weights (no *.safetensors); convert it again")
+
+
 def check_thinker_weights(model_dir: Path, config: ThinkerConfig, skipped: tuple[str, ...] = ()) -> None:
     """Refuse a folder whose safetensors headers do not fit the model of its config.json: a tensor missing, one too
     many, of another shape or of an integer dtype, or a trained head under ``tie_word_embeddings``. transformers
     would load such a folder with those weights freshly initialised (a warning at most), a model that runs and
     computes nothing the user converted. ``skipped``: name prefixes of tensors the caller does not use (the
     exporter's ``not_exported``), which may be present or not."""
+    refuse_weightless(model_dir)
     config_path = model_dir / "config.json"
     expected = thinker_parameter_shapes(config)
     weights = SafetensorsSource(model_dir)

@@ -35,6 +35,7 @@ from .names import (
     LOGITS,
     MODEL_FILE,
     POSITIONS,
+    export_files,
 )
 from .stop_tokens import folder_stop_tokens
 
@@ -646,6 +647,12 @@ def _folder_kind(folder: Path) -> str:
     refused with what it is instead."""
     if os.path.lexists(folder / MODEL_FILE):
         return "onnx"
+    left = export_files(folder)  # an export that lost model.onnx: its config.json would pass for a Thinker folder's
+    if left:
+        raise ThinkerError(
+            f"{folder}: {MODEL_FILE} missing beside {', '.join(left)}; the ONNX folder is incomplete: copy the whole "
+            "folder, or export it again"
+        )
     config = read_json(folder / "config.json")
     if config is None:
         raise ThinkerError(

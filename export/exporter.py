@@ -56,6 +56,7 @@ from .names import (
     MODEL_FILE,
     POSITIONS,
     REPORT_FILE,
+    export_files,
 )
 from .quantize import HEAD, QuantizeSpec, WeightQuantizer, cuda_experts_note
 from .quantized_size import expected_graph_bytes
@@ -411,7 +412,8 @@ def build_onnx(
 
 
 def check_paths(model_dir: Path) -> None:
-    if (model_dir / MODEL_FILE).is_file():
+    written = export_files(model_dir)
+    if MODEL_FILE in written or (written and not any(model_dir.glob("*.safetensors"))):
         raise ThinkerError(f"{model_dir} is an ONNX export already; export the Thinker folder it came from")
 
 

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 # onnxruntime-genai's graph: the fused model.onnx rewired for right-padded batches, over the same data file
@@ -99,6 +102,13 @@ DEFAULT_MIN_AGREEMENT = 0.9
 # max_position_embeddings (Qwen's YaRN setting keeps that at the trained 32768 and reaches factor 4 x 32768), so an
 # export's RoPE tables and context cover the stretched length, as vLLM's max model length does.
 CONTEXT_STRETCHING_ROPE_TYPES = ("yarn", "llama3")
+
+
+def export_files(folder: Path) -> list[str]:
+    """The files only ``thinker export`` writes that ``folder`` holds: an export's folder also holds a Thinker
+    config.json, so one that lost its model.onnx is told apart from a Thinker folder by these."""
+    names = (MODEL_FILE, DATA_FILE, GENAI_MODEL_FILE, EMBEDS_MODEL_FILE, GENAI_CONFIG_FILE)
+    return [name for name in names if os.path.lexists(folder / name)]
 
 
 def export_context(max_position_embeddings: int, rope_parameters: dict | None) -> tuple[int, str]:

@@ -443,6 +443,10 @@ def another_exports_weights(folder: Path) -> None:
     "damage, fragments",
     [
         (lambda f: (f / "model.onnx.data").unlink(), ["model.onnx.data missing beside model.onnx", "incomplete"]),
+        (  # from a QA run: taken for a Thinker folder (its config.json) and refused as weights config.json lacks
+            lambda f: (f / "model.onnx").unlink(),
+            ["model.onnx missing beside model.onnx.data", "genai_config.json", "the ONNX folder is incomplete"],
+        ),
         (lambda f: (f / "model.onnx").write_bytes(b"\x08\x07\x12\xff"), ["model.onnx", "export it again"]),
         (lambda f: (f / "model.onnx.data").write_bytes(b"short"), ["model.onnx.data: 5 bytes", "is truncated"]),
         (lambda f: (f / "tokenizer.json").unlink(), ["no usable tokenizer"]),
@@ -459,6 +463,7 @@ def another_exports_weights(folder: Path) -> None:
     ],
     ids=[
         "no model.onnx.data",
+        "no model.onnx",
         "corrupt model.onnx",
         "truncated model.onnx.data",
         "no tokenizer",
@@ -543,6 +548,22 @@ def test_export_refuses_a_tokenizer_cut_short(qwen3_thinker, tmp_path):
     output = tmp_path / "onnx"
     advice = "convert its source again (thinker-convert wrote this folder)"
     assert_error(thinker("export", folder, output, "--no-verify"), "tokenizer.json: not a readable tokenizer", advice)
+    assert_nothing_written(output)
+
+
+def test_a_thinker_folder_without_its_weights(qwen3_thinker, qwen3_onnx, tmp_path):
+    """From a QA run: both commands listed every tensor as lacking and sent the user to config.json's sizes."""
+    folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
+    for weights in folder.glob("*.safetensors"):
+        weights.unlink()
+    weightless = [str(folder), "a Thinker folder without its weights (no *.safetensors); convert it again"]
+    assert_error(thinker("generate", folder, "--prompt", "the cat"), *weightless)
+    output = tmp_path / "onnx"
+    assert_error(thinker("export", folder, output, "--no-verify"), *weightless)
+    assert_nothing_written(output)
+    export = shutil.copytree(qwen3_onnx, tmp_path / "export")
+    (export / "model.onnx").unlink()  # what is left is still an export's, not a Thinker folder
+    assert_error(thinker("export", export, output, "--no-verify"), "is an ONNX export already")
     assert_nothing_written(output)
 
 
