@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from thinker_common.errors import ThinkerError
-from thinker_common.gguf_reader import mapped_reader, release_pages
+from thinker_common.gguf_reader import dequantized, mapped_reader, release_pages
 
 from ..ops import (
     AsRow,
@@ -584,8 +584,9 @@ def load_reference(source: Path, dtype: Any) -> Any:
 def load_layered_reference(source: Path, dtype: Any) -> Any:
     """The same reference for parity layer by layer: the class transformers' GGUF loading builds, on the meta device,
     each tensor dequantized and processed when its layer runs by the very steps of the loop in transformers'
-    ``load_gguf_checkpoint`` (``gguf.dequantize``, the architecture's ``TENSOR_PROCESSORS`` entry, the name map of
-    ``get_gguf_hf_weights_map``), which otherwise reads the whole file into memory first.
+    ``load_gguf_checkpoint`` (``gguf.dequantize``, bit for bit: ``dequantized``; the architecture's
+    ``TENSOR_PROCESSORS`` entry; the name map of ``get_gguf_hf_weights_map``), which otherwise reads the whole file
+    into memory first.
 
     The GGUF tensors that make one Hugging Face tensor are read together: one, or for a MoE layer's experts the
     stacked gate and up tensors that the Qwen-MoE processor merges into gate_up_proj (it writes them into the
@@ -594,7 +595,6 @@ def load_layered_reference(source: Path, dtype: Any) -> Any:
     read stay mapped (page cache, counted in the resident set) until the check ends.
     """
     import torch
-    from gguf import dequantize
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
@@ -636,7 +636,7 @@ def load_layered_reference(source: Path, dtype: Any) -> Any:
     def read(hf_name: str, members: list[Any]) -> torch.Tensor:
         parsed: dict[str, dict[str, torch.Tensor]] = {"tensors": {}}
         for tensor in members:
-            weights = dequantize(tensor.data, tensor.tensor_type)
+            weights = dequantized(tensor.data, tensor.tensor_type).numpy()
             processed = processor.process(
                 weights=weights, name=tensor.name, tensor_key_mapping=names, parsed_parameters=parsed
             )
@@ -664,14 +664,14 @@ def load_layered_reference(source: Path, dtype: Any) -> Any:
 
 def _mapped_reference_tensors(path: Path, reader: Any, architecture: str, model: Any) -> dict[str, Any]:
     """The reference's tensors of a file transformers reads through its newer GGUF loading (the hybrid
-    architectures), each made when its layer runs by that loading's own steps: ``gguf.dequantize``, then the
-    conversion mapping transformers keeps for the architecture (``get_gguf_conversion_mapping``: its renamings and
-    the one converter that matches, whose operations run in order on the tensors that make one parameter).
+    architectures), each made when its layer runs by that loading's own steps: its dequantizers (``dequantized``),
+    then the conversion mapping transformers keeps for the architecture (``get_gguf_conversion_mapping``: its
+    renamings and the one converter that matches, whose operations run in order on the tensors that make one
+    parameter).
 
     Tensors the mapping names outside the model (the multi-token-prediction block, renamed ``mtp.``) are left out,
     as transformers' loading leaves them."""
     import torch
-    from gguf import dequantize
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
     from transformers.integrations.gguf.utils import get_gguf_conversion_mapping
 
@@ -691,10 +691,7 @@ def _mapped_reference_tensors(path: Path, reader: Any, architecture: str, model:
             groups.setdefault(hf_name, []).append((tensor, pattern))
 
     def read(hf_name: str, members: list[tuple[Any, str | None]]) -> torch.Tensor:
-        inputs = {
-            pattern or tensor.name: [torch.from_numpy(np.copy(dequantize(tensor.data, tensor.tensor_type)))]
-            for tensor, pattern in members
-        }
+        inputs = {pattern or tensor.name: [dequantized(tensor.data, tensor.tensor_type)] for tensor, pattern in members}
         converter = by_pattern.get(members[0][1]) if members[0][1] is not None else None
         if converter is None:
             (result,) = next(iter(inputs.values()))
