@@ -32,7 +32,7 @@ from converter.families.gguf import (
 from converter.ops import permute_llama_rope, unpermute_llama_rope
 from converter.spec import LAYER_INDEX
 from thinker_common.errors import ThinkerError
-from thinker_common.gguf_reader import GGUFSource
+from thinker_common.gguf_reader import GGUFSource, gguf_read_once
 from thinker_common.sources import open_source
 
 # "The capital of France is" under the SmolLM2 tokenizer, and " Paris": fixed here so that the test need not load
@@ -66,7 +66,10 @@ def test_smollm2_is_installed() -> None:
 
 @pytest.fixture(scope="module")
 def reference(gguf_path: Path) -> LlamaForCausalLM:
-    model = LlamaForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    # One parse of the file, as the converter's own checks load it (gguf_read_once): transformers' GGUF loading
+    # would parse it for the config and again for the weights, and build gguf's name table per module (~25 s).
+    with gguf_read_once():
+        model = LlamaForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
     return model.eval()
 
 
