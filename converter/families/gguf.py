@@ -31,9 +31,11 @@ from __future__ import annotations
 import importlib.util
 import math
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 
@@ -566,19 +568,44 @@ def load_reference(source: Path, dtype: Any) -> Any:
     # transformers' GGUF loader draws its own tqdm bar, past the switch that turns its bars off (as the commands do):
     # it follows that switch here too.
     from functools import partial
-    from unittest import mock
 
     from tqdm.auto import tqdm
     from transformers import modeling_gguf_pytorch_utils as gguf_loading
     from transformers.utils import logging as transformers_logging
 
     quiet = partial(tqdm, disable=not transformers_logging.is_progress_bar_enabled())
-    with mock.patch.object(gguf_loading, "tqdm", quiet):
+    with mock.patch.object(gguf_loading, "tqdm", quiet), _dequantizing_in_float32():
         reference = reference_from_pretrained(
             path, path.parent, gguf_file=path.name, config=reference_config(path), dtype=dtype
         )
     release_pages(path)  # its reader read every tensor, and is shared (gguf_read_once): done with them
     return reference
+
+
+@contextmanager
+def _dequantizing_in_float32() -> Iterator[None]:
+    """transformers' newer GGUF loading (the hybrid architectures) dequantizes blocks straight into the model's dtype
+    (its ``Dequantize`` op, first in each tensor's chain): for a bfloat16 model each Q8_0 block's scale is rounded to
+    bfloat16 before the multiply, and the product rounded again, where llama.cpp dequantizes in float32. A quarter
+    of a tiny model's embedding then differs from transformers' own float32 loading cast to bfloat16, which is what
+    the converter writes and what the layer-by-layer reference holds: the whole-model check failed a correct
+    bfloat16 conversion (found by a QA run). Within the block the op dequantizes in float32, and the ``Cast`` that
+    ends every chain rounds once to the dtype, as its documentation intends (transforms before it keep their
+    precision). A float32 load is unchanged."""
+    import torch
+
+    try:
+        from transformers.integrations.gguf.gguf_conversion_mapping import Dequantize
+    except ImportError:  # no newer loading: nothing dequantizes in the model's dtype
+        yield
+        return
+    made = Dequantize.__init__
+
+    def in_float32(self: Any, ggml_types: dict[str, int], dtype: Any) -> None:
+        made(self, ggml_types, torch.float32)
+
+    with mock.patch.object(Dequantize, "__init__", in_float32):
+        yield
 
 
 def load_layered_reference(source: Path, dtype: Any) -> Any:

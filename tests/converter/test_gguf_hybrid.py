@@ -230,6 +230,21 @@ def test_a_bfloat16_gguf_converts_to_bfloat16_exactly(tmp_path):
     assert [row["dtype"] for row in rows] == ["float32", "bfloat16"] and all(row["max_abs_diff"] == 0 for row in rows)
 
 
+@pytest.mark.parametrize("verify", ["--verify", "--verify-by-layer"])
+def test_a_quantized_hybrid_gguf_converts_to_bfloat16_exactly(verify, tmp_path):
+    """Q8_0 blocks to bfloat16: the converter dequantizes in float32 and rounds once, as llama.cpp dequantizes and
+    as transformers' float32 loading cast to bfloat16 holds. transformers' bfloat16 loading rounds each block's
+    scale first (its dequantization runs in the dtype), which made the whole-model reference another model and
+    failed this conversion (from a QA run; by layer it passed); its reference now dequantizes in float32 and casts
+    once, so both checks agree with the conversion to the last bit."""
+    _, path = gguf_file(tmp_path, "qwen35", quantization="Q8_0")
+    output = tmp_path / "out"
+    result = convert(path, output, "--dtype", "bfloat16", verify)
+    assert result.exit_code == 0, result.output
+    rows = json.loads((output / "parity.json").read_text())["results"]
+    assert [row["dtype"] for row in rows] == ["float32", "bfloat16"] and all(row["max_abs_diff"] == 0 for row in rows)
+
+
 def test_without_transformers_gguf_loading_of_qwen35_says_so(tmp_path, monkeypatch):
     """transformers before 5.24 cannot load these files, so there is no reference: one line says what to install."""
     import transformers.integrations.gguf
