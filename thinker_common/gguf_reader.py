@@ -163,11 +163,8 @@ def dequantized(data: np.ndarray, kind: Any) -> torch.Tensor:
     checks refuse anyway: tests/converter/test_gguf_dequantize.py holds each type to that). Every other type, the
     unquantized ones included, goes through gguf's own ``dequantize``."""
     from gguf import quants
+    from transformers.integrations.gguf.dequant import GGML_BLOCK, dequantize  # transformers >= 5.23
 
-    try:
-        from transformers.integrations.gguf.dequant import GGML_BLOCK, dequantize
-    except ImportError:  # a transformers without it: gguf's reference, which its older GGUF loading runs
-        GGML_BLOCK = {}
     if kind not in GGML_BLOCK:
         values = quants.dequantize(data, kind)
         return torch.from_numpy(values if values.flags.writeable else values.copy())  # not a view of the map

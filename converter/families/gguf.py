@@ -593,12 +593,8 @@ def _dequantizing_in_float32() -> Iterator[None]:
     ends every chain rounds once to the dtype, as its documentation intends (transforms before it keep their
     precision). A float32 load is unchanged."""
     import torch
+    from transformers.integrations.gguf.gguf_conversion_mapping import Dequantize  # transformers >= 5.23
 
-    try:
-        from transformers.integrations.gguf.gguf_conversion_mapping import Dequantize
-    except ImportError:  # no newer loading: nothing dequantizes in the model's dtype
-        yield
-        return
     made = Dequantize.__init__
 
     def in_float32(self: Any, ggml_types: dict[str, int], dtype: Any) -> None:
