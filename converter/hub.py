@@ -44,7 +44,7 @@ from huggingface_hub.utils import tqdm as hf_tqdm
 from thinker_common.errors import ThinkerError
 from thinker_common.model_card import CARD_FILE, LICENSE_FILES
 from thinker_common.side_files import CONFIG_FILES, TOKENIZER_FILES, TOKENIZER_PATTERNS, read_json
-from thinker_common.sources import BIN_INDEX, SAFETENSORS_INDEX, TRANSFORMERS_WEIGHTS
+from thinker_common.sources import BIN_INDEX, SAFETENSORS_INDEX, TRANSFORMERS_WEIGHTS, WHOLE_BIN, WHOLE_SAFETENSORS
 
 try:  # huggingface_hub 2.x talks HTTP through httpx2, 1.x through httpx; both raise TransportError subclasses.
     import httpx2 as _httpx
@@ -96,8 +96,8 @@ def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str 
     is all there is, and only a single file, since GGUF repos usually hold one file per quantisation). Within a
     format, the files transformers names so (``thinker_common.sources.TRANSFORMERS_WEIGHTS``) win over others
     (Mistral-style repos ship a ``consolidated.safetensors`` duplicate of the sharded weights, others dtype variants
-    such as ``model.fp16.safetensors``); beside an index its shards win over a whole ``model.safetensors`` (or
-    ``pytorch_model.bin``), which the loader would not read, and without one the whole file is read alone. Next to
+    such as ``model.fp16.safetensors``); a whole ``model.safetensors`` (or ``pytorch_model.bin``) is read alone,
+    as transformers reads it before an index and shards beside it (that index is not fetched). Next to
     them come the small side files a conversion reads or carries (``_SIDE_FILES``): the configs, the shard index,
     the tokenizer's files and chat template, and the model card and license files (``README.md``, ``LICENSE``),
     whose license travels with the weights into OUTPUT. (``_resolve_repo`` then keeps only the shards the index
@@ -110,6 +110,7 @@ def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str 
         return [name for name in top if name.endswith(suffix)]
 
     gguf = ending(".gguf")
+    unread: set[str] = set()  # an index beside the whole file transformers reads instead
     if gguf_file is not None:
         if gguf_file not in gguf:
             raise ThinkerError(f"{label} has no GGUF file {gguf_file!r} at its top level; {_ggufs_held(gguf)}")
@@ -120,14 +121,10 @@ def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str 
         # a .bin named otherwise is no checkpoint (training_args.bin, imatrix.bin beside a GGUF)
         bins = [name for name in ending(".bin") if TRANSFORMERS_WEIGHTS.fullmatch(name)]
         weights = named or safetensors or bins
-        for single, index in (
-            ("model.safetensors", "model.safetensors.index.json"),
-            ("pytorch_model.bin", "pytorch_model.bin.index.json"),
-        ):
-            if index in top and single in weights and len(weights) > 1:
-                weights.remove(single)  # a whole copy beside the shards: the loader reads the shards the index names
-            elif index not in top and single in weights:
-                weights = [single]  # without an index transformers reads the whole file alone (not a variant)
+        for whole, index in ((WHOLE_SAFETENSORS, SAFETENSORS_INDEX), (WHOLE_BIN, BIN_INDEX)):
+            if whole in weights:  # transformers reads the whole file alone, before an index and shards beside it
+                weights = [whole]
+                unread.add(index)
     if not weights:
         if len(gguf) > 1:
             raise ThinkerError(f"{label} holds {len(gguf)} GGUF files; pick one with --gguf-file: {_ggufs_held(gguf)}")
@@ -136,6 +133,7 @@ def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str 
         held = _nested(repo_files, label)
         raise ThinkerError(f"{label} has no .safetensors, .bin or .gguf weights at its top level; {held}")
     side_files = [name for name in top if name in _SIDE_FILES or any(fnmatch(name, p) for p in TOKENIZER_PATTERNS)]
+    side_files = [name for name in side_files if name not in unread]
     return sorted(set(weights) | set(side_files))
 
 

@@ -143,6 +143,13 @@ def edit_config(folder: Path, drop: tuple[str, ...] = (), **changes) -> None:
     (folder / "config.json").write_text(json.dumps(config))
 
 
+def as_shard(folder: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's model.safetensors renamed to a shard, model-a.safetensors, and its tensors: transformers (and
+    the converter) read a whole model.safetensors before any index beside it, so an index only counts without one."""
+    (folder / "model.safetensors").rename(folder / "model-a.safetensors")
+    return load_file(folder / "model-a.safetensors")
+
+
 def edit_tensors(folder: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> None:
     tensors = load_file(folder / "model.safetensors")
     change(tensors)

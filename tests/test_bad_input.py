@@ -21,7 +21,15 @@ from pathlib import Path
 import onnx
 import pytest
 import torch
-from cli_helpers import assert_error, assert_nothing_written, assert_usage_error, edit_config, edit_tensors, thinker
+from cli_helpers import (
+    as_shard,
+    assert_error,
+    assert_nothing_written,
+    assert_usage_error,
+    edit_config,
+    edit_tensors,
+    thinker,
+)
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -63,27 +71,27 @@ def huge_header_length(folder: Path) -> None:
 
 
 def index_naming_a_missing_shard(folder: Path) -> None:
-    names = list(load_file(folder / "model.safetensors"))
-    weight_map = {name: "model.safetensors" for name in names[1:]} | {names[0]: "model-00002-of-00002.safetensors"}
+    names = list(as_shard(folder))
+    weight_map = {name: "model-a.safetensors" for name in names[1:]} | {names[0]: "model-00002-of-00002.safetensors"}
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
 
 def index_misfiling_a_tensor(folder: Path) -> None:
     """Two shards and an index from another download: it names the first shard for the tensor the second holds."""
-    tensors = load_file(folder / "model.safetensors")
+    tensors = as_shard(folder)
     moved = next(iter(tensors))
     save_file({moved: tensors.pop(moved)}, folder / "model-b.safetensors")
-    save_file(tensors, folder / "model.safetensors")
-    weight_map = {name: "model.safetensors" for name in [*tensors, moved]}
+    save_file(tensors, folder / "model-a.safetensors")
+    weight_map = {name: "model-a.safetensors" for name in [*tensors, moved]}
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
 
 def shards_sharing_a_tensor(folder: Path) -> None:
     """Two shards that both hold one tensor (a shard of another download beside them), named by the index."""
-    tensors = load_file(folder / "model.safetensors")
+    tensors = as_shard(folder)
     shared = next(iter(tensors))
     save_file({shared: tensors[shared]}, folder / "model-b.safetensors")
-    weight_map = {name: "model.safetensors" for name in tensors} | {shared: "model-b.safetensors"}
+    weight_map = {name: "model-a.safetensors" for name in tensors} | {shared: "model-b.safetensors"}
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
 
@@ -112,12 +120,12 @@ CONVERT_CASES = {
     "index misfiles a tensor": (
         index_misfiling_a_tensor,
         [],
-        ["model.safetensors.index.json", "to 'model.safetensors', which does not hold it", "re-download"],
+        ["model.safetensors.index.json", "to 'model-a.safetensors', which does not hold it", "re-download"],
     ),
     "shards share a tensor": (
         shards_sharing_a_tensor,
         [],
-        ["in both model-b.safetensors and model.safetensors", "not all of one checkpoint", "re-download"],
+        ["in both model-a.safetensors and model-b.safetensors", "not all of one checkpoint", "re-download"],
     ),
     "unknown architecture": (
         lambda folder: edit_config(folder, model_type="mamba", architectures=["MambaForCausalLM"]),
@@ -700,6 +708,7 @@ def test_no_remote_code_from_a_source(source_copy, tmp_path):
 @pytest.mark.parametrize("shard", ["../outside.safetensors", "/tmp/outside.safetensors", "sub/../../x.safetensors"])
 def test_index_shard_names_cannot_leave_the_checkpoint(shard, source_copy, tmp_path):
     source = source_copy()
+    as_shard(source)
     (source / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {EMBED: shard}}))
     result = thinker("convert", source, tmp_path / "out")
     assert_error(result, "model.safetensors.index.json", f"shard name {shard!r} points outside", "refusing")
@@ -843,3 +852,24 @@ def test_fuzz_the_command_line(data, qwen3_source):
             return
         assert_error(result)
         assert_nothing_written(Path(folder) / "out")
+
+
+@pytest.mark.parametrize("check", [[], ["--verify-by-layer"]])
+def test_a_whole_file_beside_an_index_is_what_converts(check, source_copy, tmp_path):
+    """A folder holding model.safetensors and, beside it, an index with shards of other weights (a whole copy
+    uploaded beside an older sharded set): transformers loads model.safetensors, before any index, so the converter
+    converts that file and its check vouches for it. Reading the shards instead converts other weights, and the
+    check, against transformers' model, fails."""
+    source = source_copy()
+    tensors = load_file(source / "model.safetensors")
+    stale = {name: tensor + 1 for name, tensor in tensors.items()}
+    names = list(stale)
+    save_file({name: stale[name] for name in names[:3]}, source / "model-00001-of-00002.safetensors")
+    save_file({name: stale[name] for name in names[3:]}, source / "model-00002-of-00002.safetensors")
+    weight_map = {name: f"model-0000{1 if i < 3 else 2}-of-00002.safetensors" for i, name in enumerate(names)}
+    (source / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    output = tmp_path / "out"
+    result = thinker("convert", source, output, *check)
+    assert result.exit_code == 0, result.output
+    converted = load_file(output / "model.safetensors")
+    assert torch.equal(converted[EMBED], tensors[EMBED])

@@ -31,6 +31,10 @@ from .values import ValueScan
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
+# The whole-checkpoint files, which transformers' from_pretrained loads before an index beside them (a folder can
+# hold both: a whole copy uploaded beside the shards), so the index and its shards then go unread.
+WHOLE_SAFETENSORS = "model.safetensors"
+WHOLE_BIN = "pytorch_model.bin"
 
 # The names transformers' from_pretrained reads a checkpoint's weights under, without an index: a whole file, or
 # numbered shards. Other weight-like files beside them are dtype variants (model.fp16.safetensors, read only with
@@ -108,7 +112,8 @@ def check_index_holds(root: Path, index_name: str, file_of: dict[str, Path]) -> 
     would otherwise send a tensor's readers to a shard that lacks it, and the tensor would look absent from the
     checkpoint (an untied head "missing", say) when it is only misfiled."""
     index_path = root / index_name
-    if not os.path.lexists(index_path):
+    whole = WHOLE_SAFETENSORS if index_name == SAFETENSORS_INDEX else WHOLE_BIN
+    if not os.path.lexists(index_path) or os.path.lexists(root / whole):  # the index goes unread
         return
     for name, shard in _read_index(index_path, root).items():
         found = file_of.get(name)
@@ -308,14 +313,17 @@ def check_shard_set(root: Path, index_name: str) -> None:
 
 
 def safetensors_files(root: Path) -> list[Path]:
-    """The shards of a folder: those its index names (checked to exist), else every ``*.safetensors`` file (a
-    numbered set checked to be whole)."""
+    """The files of a folder that transformers loads: ``model.safetensors`` where it is there (transformers reads
+    it before any index beside it), else the shards the index names (checked to exist), else every
+    ``*.safetensors`` file (a numbered set checked to be whole)."""
+    if os.path.lexists(root / WHOLE_SAFETENSORS):
+        return [checked_file(root / WHOLE_SAFETENSORS, root)]
     index_path = root / SAFETENSORS_INDEX
     if os.path.lexists(index_path):
         names = sorted(set(_read_index(index_path, root).values()))
         return [_shard_path(root, index_path, name) for name in names]
     check_shard_set(root, SAFETENSORS_INDEX)
-    names = transformers_weights(sorted(path.name for path in root.glob("*.safetensors")), "model.safetensors")
+    names = transformers_weights(sorted(path.name for path in root.glob("*.safetensors")), WHOLE_SAFETENSORS)
     return [checked_file(root / name, root) for name in names]
 
 
@@ -413,13 +421,16 @@ def _flatten_state(state: object, path: Path) -> Iterator[tuple[str, torch.Tenso
 
 
 def bin_files(root: Path) -> list[Path]:
+    """As ``safetensors_files``, for PyTorch pickles: ``pytorch_model.bin`` before any index beside it."""
+    if os.path.lexists(root / WHOLE_BIN):
+        return [checked_file(root / WHOLE_BIN, root)]
     index_path = root / BIN_INDEX
     if os.path.lexists(index_path):
         names = sorted(set(_read_index(index_path, root).values()))
         return [_shard_path(root, index_path, name) for name in names]
     check_shard_set(root, BIN_INDEX)
     found = sorted(path.name for pattern in ("*.bin", "*.pth", "*.pt") for path in root.glob(pattern))
-    return [checked_file(root / name, root) for name in transformers_weights(found, "pytorch_model.bin")]
+    return [checked_file(root / name, root) for name in transformers_weights(found, WHOLE_BIN)]
 
 
 # Files beside a checkpoint's weights that a user may name as SOURCE by mistake (config.json, tokenizer.json,

@@ -325,7 +325,7 @@ def test_cached_file_leading_out_of_the_cache_is_refused(fake_hub, tmp_path):
             ],
         ),
         (["README.md", "qwen-q8_0.gguf"], ["README.md", "qwen-q8_0.gguf"]),
-        (  # a whole copy beside the shards, which the loader does not read when an index is there
+        (  # a whole copy beside the shards: transformers reads it, before the index, and so does the converter
             [
                 "config.json",
                 "model.safetensors",
@@ -333,16 +333,11 @@ def test_cached_file_leading_out_of_the_cache_is_refused(fake_hub, tmp_path):
                 "model-00002-of-00002.safetensors",
                 "model.safetensors.index.json",
             ],
-            [
-                "config.json",
-                "model-00001-of-00002.safetensors",
-                "model-00002-of-00002.safetensors",
-                "model.safetensors.index.json",
-            ],
+            ["config.json", "model.safetensors"],
         ),
-        (  # an index naming the single file: it is the shard
+        (  # an index naming the single file: the file is read whole, as transformers reads it
             ["config.json", "model.safetensors", "model.safetensors.index.json"],
-            ["config.json", "model.safetensors", "model.safetensors.index.json"],
+            ["config.json", "model.safetensors"],
         ),
         (
             [
@@ -352,12 +347,7 @@ def test_cached_file_leading_out_of_the_cache_is_refused(fake_hub, tmp_path):
                 "pytorch_model-00002-of-00002.bin",
                 "pytorch_model.bin.index.json",
             ],
-            [
-                "config.json",
-                "pytorch_model-00001-of-00002.bin",
-                "pytorch_model-00002-of-00002.bin",
-                "pytorch_model.bin.index.json",
-            ],
+            ["config.json", "pytorch_model.bin"],
         ),
     ],
 )
