@@ -50,7 +50,10 @@ PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x
 # the versions this machine runs so that the figures come from the code the suite tests. Installed with --no-deps:
 # everything they need beyond these the image has (torch, numpy, onnx, tokenizers, huggingface_hub, ...).
 # regex: transformers 5.23 asks for a release newer than the image may hold (its version is not listed there).
+# huggingface_hub: transformers 5.25 asks for >= 2.4 (the image holds 1.33), which brings httpx2, httpcore2 and
+# truststore (new names the image lacks), click >= 8.4.2 and hf-xet >= 1.6 (the image's versions are not listed).
 PACKAGES = ["onnxruntime-gpu", "transformers", "regex", "onnx-ir", "gguf", "parameterized"]
+PACKAGES += ["huggingface_hub", "httpx2", "httpcore2", "truststore", "click", "hf-xet"]
 GENAI_CUDA = ("onnxruntime-genai-cuda", "onnxruntime-genai")  # the CUDA build, at the CPU build's version here
 # The files that hold tests marked gpu (tests/test_gpu_kit.py keeps the list whole). Named rather than collected
 # from tests/: collecting the transformers conformance suite fetches transformers' tests, which the device cannot.
@@ -248,6 +251,9 @@ def nvidia_library_dirs() -> list[str]:
 WRAPPER = """#!/bin/sh
 # The GPU kit's Python (bench/gpu_kit.py install): the image's interpreter, the kit's packages first.
 export PYTHONPATH="{path}${{PYTHONPATH:+:$PYTHONPATH}}"
+# transformers >= 5.25 kernelizes every model it loads unless told not to, and refuses to load one where the
+# image's own "kernels" package is not a version it takes; the device has no Hub to fetch kernels from anyway.
+export USE_HUB_KERNELS=NO
 {libraries}exec {python} "$@"
 """
 

@@ -17,15 +17,16 @@ in one MatMul, and a block a query does not see whole is masked out of its TopK.
 query sees slots a later one does not, is outside this graph; the PyTorch Thinker runs such queries one by one.)
 Rows with different left padding have their blocks start at their own first kept slot.
 
-Ties: ONNX's TopK keeps the lower block index among equal scores. The PyTorch Thinker takes ``torch.topk``'s choice
-(``reference_selection``), which on the CPU is std::nth_element's, or std::partial_sort's once k * 64 <= blocks
-(measured, torch 2.13): an insertion sort, so the lower index too, where a query sees at most three complete blocks;
-beyond, a choice that moves with the values of every block (four blocks scoring 0 keep blocks 2 and 3, five keep 2
-and 4), which no fixed rule reproduces. Scores tie exactly where relu zeroes every head's product for several
-blocks; such a tie decides the choice only where fewer than ``keep`` of a query's blocks score above zero, and only
-there may the graph and PyTorch keep different blocks, of equal scores (tests/export/test_indexer_graph.py shows one).
-The model does not say which is right; the export's checks compare against the Thinker under
-``lowest_block_wins_ties``, whose rule is this graph's.
+Ties: the graph keeps the lower block index among blocks scoring 0 (``_emit_untied``: each gets a key of its own, as
+ONNX does not say which of equal values TopK keeps, and providers differ). The PyTorch Thinker takes
+``torch.topk``'s choice (``reference_selection``), which on the CPU is std::nth_element's, or std::partial_sort's
+once k * 64 <= blocks (measured, torch 2.13): an insertion sort, so the lower index too, where a query sees at most
+three complete blocks; beyond, a choice that moves with the values of every block (four blocks scoring 0 keep blocks
+2 and 3, five keep 2 and 4), which no fixed rule reproduces. Scores tie exactly where relu zeroes every head's
+product for several blocks; such a tie decides the choice only where fewer than ``keep`` of a query's blocks score
+above zero, and only there may the graph and PyTorch keep different blocks, of equal scores
+(tests/export/test_indexer_graph.py shows one). The model does not say which is right; the export's checks compare
+against the Thinker under ``lowest_block_wins_ties``, whose rule is this graph's.
 """
 
 from __future__ import annotations
@@ -175,6 +176,18 @@ def _emit_scores(b: GraphBuilder, q: str, keys: str, count: str, heads: int, dim
     return b.op("Div", summed, b.const(math.sqrt(dim), torch.float32))
 
 
+def _emit_untied(b: GraphBuilder, scores: str, block: str) -> str:
+    """(B, S, NB) float32: ``scores`` with each block scoring 0 given -(1 + its index) instead, below every positive
+    score and below each earlier block's, so that TopK keeps the lower indices among them on every provider.
+
+    ONNX leaves open which of equal values TopK keeps: onnxruntime's CPU provider keeps the lower index, its CUDA one
+    another (an H200 kept other blocks, and Qwen3.8's logits moved by 0.5; bench/results/gpu-tests-h200-session7.xml).
+    Relu makes zero scores common (the module docstring); positive ones tie only by coincidence of rounding, and keep
+    their values. float32 holds -(1 + index) exactly below 2^24 blocks."""
+    behind = b.op("Neg", b.op("Add", b.op("Cast", block, to=TensorProto.FLOAT), b.const(1.0, torch.float32)))
+    return b.op("Where", b.op("Greater", scores, b.const(0.0, torch.float32)), scores, behind)
+
+
 def _emit_best_blocks(b: GraphBuilder, scores: str, seen: str, count: str, keep: int) -> str:
     """(B, S, NB + 1) bool: the ``keep`` best of the blocks each query sees whole (``seen`` (B, S) of them, the
     first ones), or all of them when fewer; the last column, no block's, is false (the unfinished block's slots
@@ -182,9 +195,9 @@ def _emit_best_blocks(b: GraphBuilder, scores: str, seen: str, count: str, keep:
     block = b.op("Range", b.const(0), b.op("Squeeze", count, b.const([0])), b.const(1))  # (NB,)
     seen = b.op("Unsqueeze", seen, b.const([-1]))  # (B, S, 1)
     sees = b.op("Less", block, seen)  # (B, S, NB)
-    ranked = b.op("Where", sees, scores, b.const(-math.inf, torch.float32))
+    ranked = b.op("Where", sees, _emit_untied(b, scores, block), b.const(-math.inf, torch.float32))
     k = b.op("Min", count, b.const([keep]))  # TopK's k must not exceed NB
-    _, best = b.op("TopK", ranked, k, axis=-1, largest=1, sorted=1, outputs=2)  # (B, S, k): lower index on ties
+    _, best = b.op("TopK", ranked, k, axis=-1, largest=1, sorted=1, outputs=2)  # (B, S, k)
     picked = b.op("Less", best, seen)  # a query that sees fewer than k blocks has picked unseen ones too
     shape = b.op("Concat", b.op("Shape", scores, start=0, end=2), b.op("Add", count, b.const([1])), axis=0)
     nothing = b.op("ConstantOfShape", shape, value=helper.make_tensor("value", TensorProto.BOOL, [1], [False]))

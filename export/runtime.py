@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnx import TensorProto
 from onnxruntime.capi.onnxruntime_pybind11_state import Fail as OrtFail
 from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument, InvalidGraph, InvalidProtobuf, NoSuchFile
 from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NotImplementedByOrt
@@ -374,10 +375,14 @@ class OnnxDecoder:
         # the graph: export/routing.py reads what a half-precision MoE graph routes by so)
         self.probe_names = sorted(probes or {})
         self.probed: dict[str, np.ndarray] = {}
+        self._probe_outputs = [probe_output(name, probes[name]) for name in self.probe_names]
         if self.probe_names:
             variant = variant or onnx.ModelProto.FromString(model.SerializeToString())
-            outputs = [onnx.helper.make_tensor_value_info(name, probes[name], None) for name in self.probe_names]
-            variant.graph.output.extend(outputs)
+            for name, output in zip(self.probe_names, self._probe_outputs, strict=True):
+                if output != name:
+                    variant.graph.node.append(onnx.helper.make_node("Cast", [name], [output], to=TensorProto.FLOAT))
+                kind = probes[name] if output == name else TensorProto.FLOAT
+                variant.graph.output.append(onnx.helper.make_tensor_value_info(output, kind, None))
         if variant is not None:
             source = variant.SerializeToString()
             # the weights file is found beside the model's path, which a model passed as bytes does not have
@@ -545,7 +550,7 @@ class OnnxDecoder:
         if self.device == "cuda" or self.shared_kv:
             logits = self._forward_bound(feeds, state)
         else:
-            outputs = self.session.run(self.output_names + self.probe_names, {**feeds, **state.cache})
+            outputs = self.session.run(self.output_names + self._probe_outputs, {**feeds, **state.cache})
             presents, probed = outputs[1 : len(self.output_names)], outputs[len(self.output_names) :]
             state.cache = dict(zip(self.past_names, presents, strict=True))
             self.probed = dict(zip(self.probe_names, probed, strict=True))
@@ -796,7 +801,7 @@ class OnnxDecoder:
                 binding.bind_ortvalue_output(present, value)
             else:
                 binding.bind_output(present, self.device, 0)  # onnxruntime allocates it there
-        for name in self.probe_names:
+        for name in self._probe_outputs:
             binding.bind_output(name, "cpu")
         self.session.run_with_iobinding(binding)
         logits, *outputs = binding.get_outputs()
@@ -982,6 +987,12 @@ class OnnxDecoder:
             streamer.end()
         new = np.stack(new_tokens, axis=1) if new_tokens else np.zeros((batch, 0), np.int64)
         return new if input_ids is None else np.concatenate([prompt, new], axis=1)
+
+
+def probe_output(name: str, kind: int) -> str:
+    """The graph output that returns the probe ``name`` of element type ``kind``: itself, or for bfloat16 a float32
+    copy (exact), as numpy has no bfloat16 for ``session.run`` or ``OrtValue.numpy()`` to hand back."""
+    return f"{name}/float32" if kind == TensorProto.BFLOAT16 else name
 
 
 def shared_kv_names(graph: onnx.GraphProto) -> frozenset[str]:

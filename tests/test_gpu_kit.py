@@ -137,3 +137,18 @@ def test_the_device_runs_every_file_with_gpu_tests():
         if "mark.gpu" in path.read_text() and path.name != Path(__file__).name
     }
     assert marked == set(gpu_kit.GPU_TEST_FILES)
+
+
+def test_the_kits_python_turns_hub_kernels_off(tmp_path):
+    """transformers >= 5.25 kernelizes every model it loads by default and refuses to load one where the image's own
+    ``kernels`` package is of another version (every CUDA test failed so on an H200): the kit's Python says no."""
+    import os
+    import subprocess
+
+    python = tmp_path / "python"
+    python.write_text(gpu_kit.WRAPPER.format(path=tmp_path, libraries="", python=sys.executable))
+    python.chmod(0o755)
+    env = {key: value for key, value in os.environ.items() if key != "USE_HUB_KERNELS"}
+    probe = "import os; print(os.environ.get('USE_HUB_KERNELS'))"
+    done = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, env=env, check=True)
+    assert done.stdout.strip() == "NO"

@@ -70,11 +70,13 @@ def seeded_indexer(config: ThinkerConfig, seed: int = 0) -> ThinkerQSAIndexer:
 
 
 # --- the graph --------------------------------------------------------------------------------------------------
-def indexer_session(config: ThinkerConfig, indexer: ThinkerQSAIndexer, dtype: torch.dtype, folder: Path):
+def indexer_session(
+    config: ThinkerConfig, indexer: ThinkerQSAIndexer, dtype: torch.dtype, folder: Path, builder=GraphBuilder
+):
     """An onnxruntime CPU session of a graph holding the emitter alone: inputs hidden, cos, sin, visible,
     past_index_keys; outputs selected and present_index_keys."""
     weights = WeightFile(folder / "indexer.onnx.data")
-    b = GraphBuilder(weights)
+    b = builder(weights)
     state = {f"{PREFIX}.{name}": tensor.detach().to(dtype) for name, tensor in indexer.state_dict().items()}
 
     def matmul(x: str, name: str, weight: torch.Tensor) -> str:
@@ -271,3 +273,33 @@ def test_ties_are_the_only_difference(tmp_path):
     # with the Thinker's ties to the earlier blocks (what the export's checks compare against), none differs
     with lowest_block_wins_ties():
         assert not run_steps(session, indexer, sequence, PREFILL_THEN_DECODE, config).differing
+
+
+class HigherIndexOnTies(GraphBuilder):
+    """A builder whose TopK keeps the higher index among equal values, as a provider may: ONNX leaves the choice
+    open, onnxruntime's CPU keeps the lower index and its CUDA provider did not (an H200,
+    bench/results/gpu-tests-h200-session7.xml). Its TopK runs over the reversed axis, the indices mapped back."""
+
+    def op(self, op_type: str, *inputs: str, outputs: int = 1, **attrs):
+        if op_type != "TopK" or not attrs.get("largest", 1):
+            return super().op(op_type, *inputs, outputs=outputs, **attrs)
+        values, k = inputs
+        last = super().op("Sub", super().op("Shape", values, start=-1), super().const([1]))
+        ends, back = super().const([-INT64_MAX - 1]), super().const([-1])
+        flipped = super().op("Slice", values, back, ends, back, back)
+        top, index = super().op("TopK", flipped, k, outputs=2, **attrs)
+        return top, super().op("Sub", last, index)
+
+
+def test_the_choice_rests_on_no_tie_topk_breaks(tmp_path):
+    """Blocks scoring 0 tie (TIED_SEED has queries whose choice such a tie decides, among four blocks): a TopK that
+    keeps the higher index among equal values chooses as the CPU's, the lower-index rule the Thinker's checks take
+    (``lowest_block_wins_ties``), so the graph's choice is the same on every provider."""
+    config = indexer_config()
+    indexer = seeded_indexer(config)
+    sequence = padded_sequence(config, sum(PREFILL_THEN_DECODE), torch.float32, seed=TIED_SEED)
+    session = indexer_session(config, indexer, torch.float32, tmp_path, builder=HigherIndexOnTies)
+    with lowest_block_wins_ties():
+        result = run_steps(session, indexer, sequence, PREFILL_THEN_DECODE, config)
+    assert result.pruned > 0
+    assert not result.differing, result.differing

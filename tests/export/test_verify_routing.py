@@ -11,6 +11,7 @@ is left as it was (no probes, nothing followed).
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import onnx
@@ -72,3 +73,22 @@ def test_probes_read_what_the_graph_routes_by_and_change_no_logit(onnx_variant):
         assert set(probed.probed) == set(probes) and all(v.shape[-1] == 4 for v in probed.probed.values())
         step = probed.decode_one_token(logits[:, -1].argmax(-1), state)
         assert step.shape == (2, 96) and all(v.reshape(-1, 4).shape[0] == 2 for v in probed.probed.values())
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_a_bfloat16_probe_comes_back_as_float32(graph, onnx_variant, tmp_path):
+    """A bfloat16 graph's router probes (a CUDA check's: the CPU provider runs no bfloat16 MoE) come back as float32,
+    exactly: numpy has no bfloat16, and reading one failed the bfloat16 export's verify on an H200 (bench/results/
+    gpu-tests-h200-session7.xml). Here a float16 graph's probe rounded to bfloat16 in the graph stands for one (the
+    fused graph's probes run through IO binding, the plain graph's through session.run)."""
+    folder = shutil.copytree(onnx_variant("qwen3_next", dtype="float16", graph=graph, head_dim=None), tmp_path / "g")
+    model = onnx.load(folder / "model.onnx", load_external_data=False)
+    name, kind = sorted(checked_probes(folder / "model.onnx", torch.float16).items())[0]
+    model.graph.node.append(onnx.helper.make_node("Cast", [name], ["probe.bf16"], to=onnx.TensorProto.BFLOAT16))
+    onnx.save(model, folder / "model.onnx")
+    decoder = OnnxDecoder(folder, probes={name: kind, "probe.bf16": onnx.TensorProto.BFLOAT16})
+    decoder.prefill(*long_batch(96, 128))
+    half, rounded = decoder.probed[name], decoder.probed["probe.bf16"]
+    assert rounded.dtype == np.float32
+    expected = torch.from_numpy(half).to(torch.bfloat16).float().numpy()
+    np.testing.assert_array_equal(rounded, expected)
