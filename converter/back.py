@@ -39,7 +39,7 @@ from thinker_common.sources import TensorSource, open_source
 from thinker_common.staging import refuse_existing_output, staged_output
 
 from .config_compare import config_differences
-from .convert import ConversionResult
+from .convert import ConversionResult, refuse_contrary_checks
 from .engine import (
     Plan,
     Step,
@@ -167,6 +167,7 @@ def convert_back(
     the whole models when both fit ``memory_budget``, else (or with ``verify_by_layer``) one layer at a time.
     """
     started = time.perf_counter()
+    refuse_contrary_checks(verify, verify_by_layer)
     source, output = Path(source), Path(output)
     family = way_back_family(family_name)
     shard_bytes = parse_size(max_shard_size)
@@ -186,7 +187,7 @@ def convert_back(
             if present(source / "generation_config.json", source):  # sampling defaults of the source release
                 files += copy_files(["generation_config.json"], source, staging)
             files += tensor_source.save_tokenizer(staging)
-            if verify is not False or verify_by_layer:
+            if verify is not False:
                 mode, note = (BY_LAYER, "") if verify_by_layer else parity_mode(plan.num_parameters, memory_budget)
                 failure = f"{output}: does not match the Thinker folder; nothing written"
                 # at the written dtype: the float32 Thinker rounded as the way back rounded it

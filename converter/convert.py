@@ -79,6 +79,12 @@ def source_family(root: Path) -> Family:
         tensor_source.close()
 
 
+def refuse_contrary_checks(verify: bool | None, verify_by_layer: bool) -> None:
+    """``--no-verify`` with ``--verify-by-layer``: one turns the check off, the other asks for it by layer."""
+    if verify is False and verify_by_layer:
+        raise ThinkerError("--verify-by-layer asks for the check that --no-verify turns off; pass one of them")
+
+
 @gguf_read_once()  # a GGUF file's header parsed once, not once for each of transformers' readings of it
 def convert(
     source: str | Path,
@@ -108,8 +114,7 @@ def convert(
     """
     started = time.perf_counter()
     refuse_empty_source(source)  # before OUTPUT is checked against it
-    if verify is False and verify_by_layer:
-        raise ThinkerError("--verify-by-layer asks for the check that --no-verify turns off; pass one of them")
+    refuse_contrary_checks(verify, verify_by_layer)
     output = Path(output)
     shard_bytes = parse_size(max_shard_size)
     # before any download; a local SOURCE first (a GGUF picked in a folder is checked once it is resolved)

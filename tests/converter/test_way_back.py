@@ -137,6 +137,10 @@ def test_way_back_refuses_what_the_family_cannot_express(tmp_path):
         picked = cli(tmp_path / "thinker", tmp_path / "back", "--to", "qwen2", option, "v1")
         assert picked.exit_code == 1 and f"{option} picks {what} of SOURCE; --to takes a local" in picked.output
 
+    both = cli(tmp_path / "thinker", tmp_path / "back", "--to", "qwen2", "--no-verify", "--verify-by-layer")
+    assert both.exit_code == 1 and "--verify-by-layer asks for the check that --no-verify turns off" in both.output
+    assert not (tmp_path / "back").exists()
+
 
 def test_the_help_names_every_family_with_a_way_back():
     """``--help`` is written out (the CLI imports no converter for it); this holds it to the families' tables."""
