@@ -8,6 +8,8 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+import torch
+
 from thinker_common.model_card import (
     card_metadata,
     copy_license,
@@ -17,6 +19,7 @@ from thinker_common.model_card import (
     weights_of,
     write_card,
 )
+from thinker_common.parity_inputs import RELATIVE_TOLERANCE
 
 from .parity_report import PARITY_FILE, ParityReport
 
@@ -59,13 +62,19 @@ def parity_section(report: ParityReport | None, skipped: str) -> str:
             ]
         )
     header = ["dtype", "max \\|Δlogit\\|", "mean \\|Δlogit\\|", "tolerance", "top-1", "greedy", "result"]
-    mode = "the two models side by side" if report.mode == "whole-model" else "one layer at a time"
+    if report.mode == "whole-model":
+        mode, prompts = "the two models side by side", "a left-padded batch and greedy continuations"
+        scale = "the logit scale"
+    else:  # no continuation: a token needs the whole model's logits, which a layer at a time never holds at once
+        mode, prompts = "one layer at a time", "a left-padded batch; no greedy continuations, layer by layer"
+        scale = "the scale of each stage's output"
     lines = [
         "## Parity",
         "",
-        f"Checked against the source family's own transformers class, {mode}, on fixed prompts (a left-padded "
-        "batch and greedy continuations): the tolerance is 1e-4 × max(1, the logit scale) in float32. The figures "
-        f"in full, per stage where layer by layer, are in `{PARITY_FILE}`.",
+        f"Checked against the source family's own transformers class, {mode}, on fixed prompts ({prompts}): the "
+        f"tolerance is {RELATIVE_TOLERANCE[torch.float32]:g} × max(1, {scale}) in float32 and "
+        f"{RELATIVE_TOLERANCE[torch.bfloat16]:g} × in bfloat16 and float16. The figures in full, per stage where "
+        f"layer by layer, are in `{PARITY_FILE}`.",
         "",
         markdown_table(header, rows),
     ]

@@ -33,7 +33,10 @@ def parse_size(text: str | int) -> int:
         raise ThinkerError(f"size {text!r} is not a size like 5GB, 500MB, 2GiB or a byte count")
     if float(match.group(1)) <= 0:
         raise ThinkerError(f"size {text!r}: a size must be above 0")
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size < 1:  # "0.5" or "0.1B": above 0, yet no whole byte, which a shard or budget of 0 bytes would take
+        raise ThinkerError(f"size {text!r} is less than one byte; give a size of at least 1 byte (5GB, 500MB, 1024)")
+    return size
 
 
 def human_size(size: float, round_up: bool = False) -> str:

@@ -68,7 +68,10 @@ def test_a_half_precision_conversion_says_what_its_rows_compare(source, tmp_path
     output = tmp_path / "out"
     result = CliRunner().invoke(convert_command, [str(source), str(output), "--dtype", "bfloat16"])
     assert result.exit_code == 0, result.output
-    note = "Both models hold the weights in bfloat16, as the folder stores them: the float32 row proves the mapping"
+    note = (
+        "Both models hold the weights as the folder stores them, in bfloat16 (any it keeps wider, as kept): the "
+        "float32 row proves the mapping"
+    )
     assert note in result.stdout
     assert json.loads((output / "parity.json").read_text())["rounding_note"].startswith(note)
     assert note in ModelCard.load(output / "README.md").text

@@ -341,6 +341,10 @@ def test_parse_size():
             parse_size(bad)
     with pytest.raises(ThinkerError, match="'0': a size must be above 0"):
         parse_size("0")
+    for fraction in ("0.5", "0.1B", "0.9"):  # above 0, but no whole byte: as good as 0
+        with pytest.raises(ThinkerError, match=f"size '{fraction}' is less than one byte"):
+            parse_size(fraction)
+    assert parse_size("0.5KB") == 500 and parse_size("1.5GiB") == 3 * 2**29
 
 
 class TrackedSource:

@@ -44,6 +44,7 @@ from converter import engine
 from converter.cli import convert_command, verify_command
 from converter.convert import source_family
 from converter.layer_parity import compare_by_layer, load_layered_converted
+from converter.model_card import parity_section
 from converter.parity import MEMORY_BUDGET_ENV, check_parity
 from converter.parity_report import BY_LAYER, WHOLE_MODEL, ParityFailed
 from converter.streamed import StreamedModel, lazy_tensors
@@ -175,6 +176,11 @@ def test_layer_mode_agrees_with_whole_model_mode(config, dtype, tmp_path, run_co
         assert layered.max_abs_diff <= complete.tolerance and complete.max_abs_diff <= complete.tolerance
         assert len(layered.layers) == config.num_hidden_layers + 2  # embeddings, every layer, final norm and head
         assert layered.greedy_identical is None and complete.greedy_identical == complete.greedy_prompts
+    # the model card says what each mode ran: layer by layer, no continuation (its greedy column reads "—")
+    assert "and greedy continuations" in parity_section(whole, "") and "0.0001 × max(1, the logit" in parity_section(
+        whole, ""
+    )
+    assert "no greedy continuations, layer by layer" in parity_section(by_layer, "")
 
 
 # --- hybrid linear attention: the 2-D padding mask and the recurrent state come from each model's own forward ------
