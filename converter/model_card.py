@@ -21,7 +21,7 @@ from thinker_common.model_card import (
 )
 from thinker_common.parity_inputs import RELATIVE_TOLERANCE
 
-from .parity_report import PARITY_FILE, ParityReport
+from .parity_report import GREEDY_TOKENS, HALF_TOP1_MIN, PARITY_FILE, ParityReport
 
 
 def tool_version() -> str:
@@ -41,12 +41,16 @@ def source_line(source: str, root: Path) -> tuple[str, str | None]:
     return f"[`{repo}`](https://huggingface.co/{repo}){at}", repo
 
 
-def parity_section(report: ParityReport | None, skipped: str) -> str:
-    """The checks section: the parity figures per dtype (and the worst stage, layer by layer), or why there are
-    none."""
+def parity_section(
+    report: ParityReport | None,
+    skipped: str,
+    against: str = "the source family's own transformers class",
+    advice: str = "`thinker verify SOURCE FOLDER` checks it and writes the figures here",
+) -> str:
+    """The checks section: what was checked ``against`` and what passing took, the parity figures per dtype (and
+    the worst stage, layer by layer), or why there are none and how to check (``advice``)."""
     if report is None:
-        verify = "`thinker verify SOURCE FOLDER` checks it and writes the figures here"
-        return f"## Parity\n\nNot checked: {skipped}. {verify}."
+        return f"## Parity\n\nNot checked: {skipped}. {advice}."
     rows = []
     for result in report.results:
         greedy = "—" if result.greedy_identical is None else f"{result.greedy_identical}/{result.greedy_prompts}"
@@ -62,25 +66,32 @@ def parity_section(report: ParityReport | None, skipped: str) -> str:
             ]
         )
     header = ["dtype", "max \\|Δlogit\\|", "mean \\|Δlogit\\|", "tolerance", "top-1", "greedy", "result"]
-    if report.mode == "whole-model":
-        mode, prompts = "the two models side by side", "a left-padded batch and greedy continuations"
-        scale = "the logit scale"
-    else:  # no continuation: a token needs the whole model's logits, which a layer at a time never holds at once
-        mode, prompts = "one layer at a time", "a left-padded batch; no greedy continuations, layer by layer"
-        scale = "the scale of each stage's output"
-    lines = [
-        "## Parity",
-        "",
-        f"Checked against the source family's own transformers class, {mode}, on fixed prompts ({prompts}): the "
-        f"tolerance is {RELATIVE_TOLERANCE[torch.float32]:g} × max(1, {scale}) in float32 and "
-        f"{RELATIVE_TOLERANCE[torch.bfloat16]:g} × in bfloat16 and float16. The figures in full, per stage where "
-        f"layer by layer, are in `{PARITY_FILE}`.",
-        "",
-        markdown_table(header, rows),
-    ]
+    lines = ["## Parity", "", parity_criteria(report, against), "", markdown_table(header, rows)]
     if report.rounding_note:
         lines += ["", report.rounding_note]
     return "\n".join(lines)
+
+
+def parity_criteria(report: ParityReport, against: str) -> str:
+    """What the check ran and what passing took, for the dtypes ``report`` holds: the gate's own rules
+    (converter/parity.py, converter/layer_parity.py)."""
+    whole = report.mode == "whole-model"
+    if whole:
+        ran = "the two models side by side, on fixed prompts (a left-padded batch and greedy continuations)"
+        exact = f"every greedy continuation ({GREEDY_TOKENS} tokens) identical"
+    else:  # no continuation: a token needs the whole model's logits, which a layer at a time never holds at once
+        ran = "one layer at a time, on fixed prompts (a left-padded batch; no greedy continuations, layer by layer)"
+        exact = "the top-1 token identical at every position"
+    rules = []
+    for dtype in dict.fromkeys(result.dtype for result in report.results):
+        bound = f"max |Δlogit| ≤ {RELATIVE_TOLERANCE[getattr(torch, dtype)]:g} × max(1, the logit scale)"
+        needs = exact if dtype == "float32" else f"top-1 agreement ≥ {HALF_TOP1_MIN:.0%}"
+        rules.append(f"in {dtype}, {bound} and {needs}")
+    stages = "" if whole else ", and each stage within the same factor × max(1, the reference's output of it)"
+    return (
+        f"Checked against {against}, {ran}. Passing takes, {'; '.join(rules)}{stages}. The figures in full"
+        f"{'' if whole else ', per stage'} are in `{PARITY_FILE}`."
+    )
 
 
 def export_line(folder: str, beyond_genai: list[str] | None) -> str:
@@ -177,8 +188,12 @@ model = AutoModelForCausalLM.from_pretrained("{name}", dtype="auto")
         folder,
         metadata,
         body,
-        parity_section(report, "written back with --no-verify").replace(
-            "the source family's own transformers class", f"the Thinker it was written from, as `{architecture}`"
+        parity_section(
+            report,
+            "written back with --no-verify",
+            against=f"the Thinker it was written from, this folder loaded as transformers' `{architecture}`",
+            advice=f"`thinker convert {Path(thinker_folder).name} OUTPUT --to {family}` without --no-verify checks "
+            "what it writes",
         ),
     )
     return ["README.md", *copy_license(thinker_folder, folder)]

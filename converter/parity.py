@@ -322,10 +322,8 @@ def memory_budget(share: float = VERIFY_MEMORY_SHARE) -> int:
     if configured:
         try:
             return parse_size(configured.strip())
-        except ThinkerError:
-            raise ThinkerError(
-                f"{MEMORY_BUDGET_ENV}={configured!r} is not a size like 8GB, 8GiB, 8G, 500MB or a byte count"
-            ) from None
+        except ThinkerError as err:  # parse_size's reason, the variable named
+            raise ThinkerError(f"{MEMORY_BUDGET_ENV}={configured!r}: {err}") from None
     import psutil  # a dependency of accelerate, which transformers' loading uses
 
     return int(share * psutil.virtual_memory().available)

@@ -97,7 +97,7 @@ class ParityReport:
         data["passed"] = self.passed
         if self.rounding_note:
             data["rounding_note"] = self.rounding_note
-        data["greedy_tokens"] = GREEDY_TOKENS
+        data["greedy_tokens"] = GREEDY_TOKENS if self.mode == WHOLE_MODEL else None  # layer by layer: none run
         return json.dumps(data, indent=2) + "\n"
 
     def table(self) -> str:

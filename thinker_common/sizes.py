@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from fractions import Fraction
 
 from .errors import ThinkerError
 
@@ -31,9 +32,10 @@ def parse_size(text: str | int) -> int:
     unit = match.group(2).upper() if match else None
     if match is None or unit not in _SIZE_UNITS:
         raise ThinkerError(f"size {text!r} is not a size like 5GB, 500MB, 2GiB or a byte count")
-    if float(match.group(1)) <= 0:
+    number = Fraction(match.group(1))  # exact: a float would lose a long byte count, or overflow to infinity
+    if number <= 0:
         raise ThinkerError(f"size {text!r}: a size must be above 0")
-    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    size = int(number * _SIZE_UNITS[unit])
     if size < 1:  # "0.5" or "0.1B": above 0, yet no whole byte, which a shard or budget of 0 bytes would take
         raise ThinkerError(f"size {text!r} is less than one byte; give a size of at least 1 byte (5GB, 500MB, 1024)")
     return size

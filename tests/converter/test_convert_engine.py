@@ -345,6 +345,8 @@ def test_parse_size():
         with pytest.raises(ThinkerError, match=f"size '{fraction}' is less than one byte"):
             parse_size(fraction)
     assert parse_size("0.5KB") == 500 and parse_size("1.5GiB") == 3 * 2**29
+    # exact, however long: no float to round a byte count or overflow to infinity
+    assert parse_size("9007199254740993") == 2**53 + 1 and parse_size("1" + "0" * 400) == 10**400
 
 
 class TrackedSource:

@@ -176,11 +176,13 @@ def test_layer_mode_agrees_with_whole_model_mode(config, dtype, tmp_path, run_co
         assert layered.max_abs_diff <= complete.tolerance and complete.max_abs_diff <= complete.tolerance
         assert len(layered.layers) == config.num_hidden_layers + 2  # embeddings, every layer, final norm and head
         assert layered.greedy_identical is None and complete.greedy_identical == complete.greedy_prompts
-    # the model card says what each mode ran: layer by layer, no continuation (its greedy column reads "—")
-    assert "and greedy continuations" in parity_section(whole, "") and "0.0001 × max(1, the logit" in parity_section(
-        whole, ""
-    )
-    assert "no greedy continuations, layer by layer" in parity_section(by_layer, "")
+    # the model card and parity.json say what each mode ran: layer by layer, no continuation ("—" in the table)
+    card, layered_card = parity_section(whole, ""), parity_section(by_layer, "")
+    assert "and greedy continuations" in card and "every greedy continuation (8 tokens) identical" in card
+    assert "no greedy continuations, layer by layer" in layered_card and "each stage within" in layered_card
+    rule = "max |Δlogit| ≤ 0.0001 × max(1, the logit scale)" if dtype == "float32" else "top-1 agreement ≥ 90%"
+    assert rule in card and rule in layered_card
+    assert json.loads(whole.to_json())["greedy_tokens"] == 8 and json.loads(by_layer.to_json())["greedy_tokens"] is None
 
 
 # --- hybrid linear attention: the 2-D padding mask and the recurrent state come from each model's own forward ------
@@ -244,6 +246,9 @@ def test_convert_switches_to_layer_mode_when_the_budget_is_too_small(tmp_path, m
     monkeypatch.setenv(MEMORY_BUDGET_ENV, "lots")
     refused = cli(convert_command, source, tmp_path / "refused")
     assert refused.exit_code == 1 and f"{MEMORY_BUDGET_ENV}='lots'" in refused.stderr
+    monkeypatch.setenv(MEMORY_BUDGET_ENV, "0.5")  # a byte count, refused for its own reason
+    refused = cli(convert_command, source, tmp_path / "refused")
+    assert refused.exit_code == 1 and f"{MEMORY_BUDGET_ENV}='0.5': size '0.5' is less than one byte" in refused.stderr
 
 
 def test_budget_as_a_parameter(tmp_path, run_convert):

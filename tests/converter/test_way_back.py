@@ -54,6 +54,9 @@ def round_trip(source: Path, family: str, tmp_path: Path, verify_back: bool = Tr
     assert (tmp_path / "back" / "parity.json").is_file() is verify_back
     if verify_back:
         assert json.loads((tmp_path / "back" / "parity.json").read_text())["passed"]
+    else:  # the card says how to check it: the way back again, with its check (thinker verify takes sources)
+        advice = f"`thinker convert thinker OUTPUT --to {family}` without --no-verify checks what it writes"
+        assert advice in (tmp_path / "back" / "README.md").read_text()
     return tmp_path / "back"
 
 
@@ -82,7 +85,8 @@ def test_qwen3_round_trip_is_bit_exact(tmp_path, tied: bool):
     assert (
         card.data.license == "mit" and card.data.tags == ["qwen3"] and (back / "LICENSE").read_text() == "MIT License"
     )
-    assert "as `Qwen3ForCausalLM`" in card.text and "| float32 |" in card.text
+    checked = "Checked against the Thinker it was written from, this folder loaded as transformers' `Qwen3ForCausalLM`"
+    assert checked in card.text and "| float32 |" in card.text
 
 
 def test_qwen3_moe_round_trip_restores_per_expert_tensors(tmp_path):
