@@ -120,7 +120,10 @@ def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str 
         named = [name for name in safetensors if TRANSFORMERS_WEIGHTS.fullmatch(name)]
         # a .bin named otherwise is no checkpoint (training_args.bin, imatrix.bin beside a GGUF)
         bins = [name for name in ending(".bin") if TRANSFORMERS_WEIGHTS.fullmatch(name)]
-        weights = named or safetensors or bins
+        if WHOLE_SAFETENSORS not in top and SAFETENSORS_INDEX not in top and {WHOLE_BIN, BIN_INDEX} & set(top):
+            weights = bins  # transformers loads pytorch_model.bin (or its index) before other safetensors names
+        else:
+            weights = named or safetensors or bins
         for whole, index in ((WHOLE_SAFETENSORS, SAFETENSORS_INDEX), (WHOLE_BIN, BIN_INDEX)):
             if whole in weights:  # transformers reads the whole file alone, before an index and shards beside it
                 weights = [whole]

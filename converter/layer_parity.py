@@ -37,7 +37,13 @@ import torch
 from thinker import ThinkerConfig, ThinkerForCausalLM
 from thinker_common.errors import ThinkerError
 from thinker_common.parity_inputs import RELATIVE_TOLERANCE, fixed_prompts, left_padded
-from thinker_common.sources import open_source
+from thinker_common.sources import (
+    BIN_INDEX,
+    SAFETENSORS_INDEX,
+    open_source,
+    transformers_weights_format,
+    unindexed_shards,
+)
 
 from .output_dtype import resolve_dtype
 from .parity_report import (
@@ -116,6 +122,8 @@ def load_layered_reference(source: Path, dtype: torch.dtype, model_class: type |
     source = Path(source)
     folder = source.parent if source.is_file() else source
     refuse_unknown_model_type(folder / "config.json")
+    if source.is_dir():
+        refuse_unloadable(source, str(source))
     try:
         # transformers' own class for the family, never code shipped with the checkpoint (a config's auto_map).
         config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
@@ -130,6 +138,26 @@ def load_layered_reference(source: Path, dtype: torch.dtype, model_class: type |
     quantization = getattr(config, "quantization_config", None)
     quantizer = None if quantization is None else fp8_reference_quantizer(quantization)
     return StreamedModel(model, lazy_tensors(tensors), close=tensors.close, hf_quantizer=quantizer)
+
+
+def refuse_unloadable(folder: Path, label: str) -> None:
+    """Refuse a folder in which transformers' from_pretrained finds no weights under the names it looks for
+    (``transformers_weights_format``): the whole-model check cannot load it, and the layer check, which reads the
+    files the converter reads, must not vouch for a checkpoint transformers never runs."""
+    if transformers_weights_format(folder) is not None:
+        return
+    for index_name in (SAFETENSORS_INDEX, BIN_INDEX):
+        if shards := unindexed_shards(folder, index_name):
+            raise ThinkerError(
+                f"{label}: its shards ({shards[0]}, ...) have no {index_name}, which transformers needs to load them, "
+                "so there is no reference to verify against; restore the index from the model's repository, or "
+                "convert with --no-verify"
+            )
+    raise ThinkerError(
+        f"{label}: transformers finds none of model.safetensors, pytorch_model.bin or their indexes here, so it "
+        "cannot load this checkpoint and there is no reference to verify against; give its weights one of those "
+        "names, or convert with --no-verify"
+    )
 
 
 # --- comparison --------------------------------------------------------------------------------------------------

@@ -34,8 +34,8 @@ from thinker_common.eager import EAGER
 from thinker_common.errors import ThinkerError
 from thinker_common.parity_inputs import RELATIVE_TOLERANCE, fixed_prompts, left_padded
 from thinker_common.sizes import human_size, parse_size
-from thinker_common.sources import BIN_INDEX, SAFETENSORS_INDEX, unindexed_shards
 
+from .layer_parity import refuse_unloadable
 from .parity_report import (
     BY_LAYER,
     GREEDY_TOKENS,
@@ -88,13 +88,8 @@ def reference_from_pretrained(label: Path, folder: Path, **kwargs: Any) -> PreTr
             **kwargs,
         )
     except Exception as err:  # transformers raises many types for a folder it cannot load; all are the folder's
-        for index_name in (SAFETENSORS_INDEX, BIN_INDEX):
-            if shards := unindexed_shards(Path(folder), index_name):
-                raise ThinkerError(
-                    f"{label}: its shards ({shards[0]}, ...) have no {index_name}, which transformers needs to load "
-                    f"them, so there is no reference to verify against; restore the index from the model's "
-                    "repository, or convert with --no-verify"
-                ) from None
+        if Path(folder).is_dir():
+            refuse_unloadable(Path(folder), label)  # the reason by name, where it is the weights' names
         raise ThinkerError(
             f"{label}: the reference model does not load with transformers ({err}), so there is no reference to "
             "verify against; convert with --no-verify"

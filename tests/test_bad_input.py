@@ -873,3 +873,58 @@ def test_a_whole_file_beside_an_index_is_what_converts(check, source_copy, tmp_p
     assert result.exit_code == 0, result.output
     converted = load_file(output / "model.safetensors")
     assert torch.equal(converted[EMBED], tensors[EMBED])
+
+
+@pytest.mark.parametrize("beside", ["model.fp16.safetensors", "consolidated.safetensors", "unindexed shards"])
+@pytest.mark.parametrize("check", [[], ["--verify-by-layer"]])
+def test_a_pytorch_model_bin_beside_other_safetensors_is_what_converts(beside, check, source_copy, tmp_path):
+    """pytorch_model.bin beside safetensors files transformers does not read (a variant, a consolidated copy,
+    numbered shards without their index): transformers loads the .bin, so the converter converts it. Reading the
+    safetensors converted other weights, which the layer check (reading the same files) vouched for."""
+    source = source_copy()
+    tensors = load_file(source / "model.safetensors")
+    torch.save(tensors, source / "pytorch_model.bin")
+    (source / "model.safetensors").unlink()
+    stale = {name: tensor + 1 for name, tensor in tensors.items()}
+    if beside == "unindexed shards":
+        names = list(stale)
+        save_file({name: stale[name] for name in names[:3]}, source / "model-00001-of-00002.safetensors")
+        save_file({name: stale[name] for name in names[3:]}, source / "model-00002-of-00002.safetensors")
+    else:
+        save_file(stale, source / beside)
+    output = tmp_path / "out"
+    result = thinker("convert", source, output, *check)
+    assert result.exit_code == 0, result.output
+    assert torch.equal(load_file(output / "model.safetensors")[EMBED], tensors[EMBED])
+
+
+@pytest.mark.parametrize("layout", ["lone variant", "unindexed shards"])
+def test_the_layer_check_refuses_what_transformers_cannot_load(layout, source_copy, tmp_path):
+    """A folder whose weights transformers finds under none of its names: the whole-model check has no reference,
+    and the layer check, which reads the converter's own files, must not stand in for one."""
+    source = source_copy()
+    tensors = as_shard(source)
+    (source / "model-a.safetensors").unlink()
+    if layout == "lone variant":
+        save_file(tensors, source / "model.fp16.safetensors")
+        expected = "transformers finds none of model.safetensors, pytorch_model.bin or their indexes here"
+    else:
+        names = list(tensors)
+        save_file({name: tensors[name] for name in names[:3]}, source / "model-00001-of-00002.safetensors")
+        save_file({name: tensors[name] for name in names[3:]}, source / "model-00002-of-00002.safetensors")
+        expected = "have no model.safetensors.index.json, which transformers needs to load them"
+    for check in ([], ["--verify-by-layer"]):
+        output = tmp_path / f"out{len(check)}"
+        assert_error(thinker("convert", source, output, *check), expected, "no reference to verify against")
+        assert_nothing_written(output)
+    assert thinker("convert", source, tmp_path / "unchecked", "--no-verify").exit_code == 0
+
+
+def test_a_config_naming_its_weights_file_is_refused(source_copy, tmp_path):
+    """transformers 5 loads the file a config's transformers_weights names instead of model.safetensors; the
+    converter reads only the standard names, so it says so rather than convert the other file."""
+    source = source_copy()
+    edit_config(source, transformers_weights="other.safetensors")
+    output = tmp_path / "out"
+    assert_error(thinker("convert", source, output), "names its weights file 'other.safetensors'", "rename the file")
+    assert_nothing_written(output)

@@ -537,8 +537,9 @@ def test_from_config_tiny_preset():
 # sequence-classification head), loaded in one child process, each part on its own (its failure recorded, not ending
 # the other): most of a child's time is a fresh interpreter's imports, and both loaded their folder alike.
 REMOTE_CODE_CHILD = """
-import importlib.util, json, sys, traceback
+import importlib.util, json, os, sys, traceback
 import torch
+torch.set_num_threads(int(os.environ["THINKER_TEST_TORCH_THREADS"]))  # the parent's: the same sums, bit for bit
 assert importlib.util.find_spec("thinker") is None, "the thinker package is importable: the test proves nothing"
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
 ids_file, causal_folder, causal_out, heads_folder, heads_out = sys.argv[1:]
@@ -589,6 +590,9 @@ def remote_code(tiny_thinker, tiny_config, randomize, tmp_path_factory) -> dict:
     site_packages = [p for p in site.getsitepackages() if Path(p).is_dir() and Path(p).resolve() != REPO]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(site_packages), "HF_HOME": str(root / "hf-home")}
     env["HF_HUB_OFFLINE"] = "1"
+    # torch's thread count decides how a matmul splits its sums: the child's logits are compared bit for bit with
+    # the parent's, whose threads an xdist worker shares out (tests/conftest.py)
+    env["THINKER_TEST_TORCH_THREADS"] = str(torch.get_num_threads())
     arguments = [root / "ids.pt", root / "causal-model", root / "causal.pt", root / "heads-model", root / "heads.pt"]
     child = subprocess.run(
         [sys.executable, "-S", "-c", REMOTE_CODE_CHILD, *map(str, arguments)],

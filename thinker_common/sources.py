@@ -26,6 +26,7 @@ from .dtypes import SAFETENSORS_DTYPES, torch_dtype
 from .errors import ThinkerError
 from .folder_source import FolderSource
 from .fp8_source import DequantizedFP8Source, fp8_quantization, loaded_dtype
+from .side_files import read_json
 from .source_files import checked_file, present, redownload, regular_file
 from .values import ValueScan
 
@@ -35,6 +36,7 @@ BIN_INDEX = "pytorch_model.bin.index.json"
 # hold both: a whole copy uploaded beside the shards), so the index and its shards then go unread.
 WHOLE_SAFETENSORS = "model.safetensors"
 WHOLE_BIN = "pytorch_model.bin"
+EXPLICIT_WEIGHTS = "transformers_weights"  # a config key naming the weights file transformers loads instead
 
 # The names transformers' from_pretrained reads a checkpoint's weights under, without an index: a whole file, or
 # numbered shards. Other weight-like files beside them are dtype variants (model.fp16.safetensors, read only with
@@ -420,6 +422,34 @@ def _flatten_state(state: object, path: Path) -> Iterator[tuple[str, torch.Tenso
             yield name, value
 
 
+def transformers_weights_format(root: Path) -> str | None:
+    """``"safetensors"`` or ``"bin"``: the format of the weights transformers' from_pretrained loads from the folder
+    ``root``, found as it looks, in its order (model.safetensors, its index, pytorch_model.bin, its index); None where
+    none of those names is there. A variant or a consolidated copy beside a pytorch_model.bin goes unread by
+    transformers, so by the converter too; without any of those names (numbered shards without their index, a lone
+    variant) the converter still reads what there is, which transformers cannot load, so no check of it can run
+    (``converter.parity``)."""
+    looked_for = [(WHOLE_SAFETENSORS, "safetensors"), (SAFETENSORS_INDEX, "safetensors")]
+    looked_for += [(WHOLE_BIN, "bin"), (BIN_INDEX, "bin")]
+    return next((kind for name, kind in looked_for if os.path.lexists(root / name)), None)
+
+
+def refuse_explicit_weights(root: Path) -> None:
+    """Refuse a folder whose config.json names its weights file (``transformers_weights``): transformers 5 loads that
+    file rather than model.safetensors or its index, and the converter reads only those names."""
+    path = root / "config.json"
+    if not os.path.isfile(path):
+        return
+    config = read_json(path)
+    named = config.get(EXPLICIT_WEIGHTS) if isinstance(config, dict) else None
+    if named is not None:
+        raise ThinkerError(
+            f"{path}: names its weights file {named!r} ({EXPLICIT_WEIGHTS}), which transformers loads instead of "
+            f"{WHOLE_SAFETENSORS} or {SAFETENSORS_INDEX}; the converter reads only those names: rename the file (or "
+            f"its index) to one of them and remove {EXPLICIT_WEIGHTS} from the config"
+        )
+
+
 def bin_files(root: Path) -> list[Path]:
     """As ``safetensors_files``, for PyTorch pickles: ``pytorch_model.bin`` before any index beside it."""
     if os.path.lexists(root / WHOLE_BIN):
@@ -478,9 +508,11 @@ def _open_source(root: Path) -> TensorSource:
         return TorchBinSource(root.parent, [root])
     if not root.is_dir():
         raise ThinkerError(f"{root}: no such file or folder")
-    if safetensors_files(root):
+    refuse_explicit_weights(root)
+    loaded = transformers_weights_format(root)
+    if loaded == "safetensors" or (loaded is None and safetensors_files(root)):
         return SafetensorsSource(root)
-    if bin_files(root):
+    if loaded == "bin" or bin_files(root):
         return TorchBinSource(root)
     ggufs = [checked_file(path, root) for path in sorted(root.glob("*.gguf"))]
     if len(ggufs) == 1:

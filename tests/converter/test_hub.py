@@ -278,7 +278,7 @@ def test_local_paths_and_bad_sources(tmp_path):
 
 
 def test_file_names_cannot_escape_the_download_folder(fake_hub):
-    weightless = {name: content for name, content in tiny_repo().items() if not name.endswith(".safetensors")}
+    weightless = {name: content for name, content in tiny_repo().items() if not name.endswith((".safetensors", ".bin"))}
     fake_hub.add_repo(REPO, {**weightless, "..\\escape.safetensors": b"{}"})  # the only weights: picked
     with pytest.raises(ThinkerError, match="would escape the download folder"):
         resolve_source(REPO, progress=False)
@@ -325,6 +325,19 @@ def test_cached_file_leading_out_of_the_cache_is_refused(fake_hub, tmp_path):
             ],
         ),
         (["README.md", "qwen-q8_0.gguf"], ["README.md", "qwen-q8_0.gguf"]),
+        (  # a variant or a copy beside pytorch_model.bin: transformers loads the .bin, before those names
+            ["config.json", "consolidated.safetensors", "model.fp16.safetensors", "pytorch_model.bin"],
+            ["config.json", "pytorch_model.bin"],
+        ),
+        (  # numbered shards without their index beside a bin index and its shards: the indexed .bin set
+            [
+                "config.json",
+                "model-00001-of-00002.safetensors",
+                "pytorch_model-00001-of-00001.bin",
+                "pytorch_model.bin.index.json",
+            ],
+            ["config.json", "pytorch_model-00001-of-00001.bin", "pytorch_model.bin.index.json"],
+        ),
         (  # a whole copy beside the shards: transformers reads it, before the index, and so does the converter
             [
                 "config.json",
