@@ -91,8 +91,10 @@ def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str 
 
     Only top-level files are taken: sub-folders hold alternative copies (``original/*.pth``, ``onnx/``, ``gguf/``)
     that can be many times the size of the checkpoint itself. Of the weights, one format is taken, the first
-    present of: safetensors, PyTorch ``.bin`` (a pickle, so only when no safetensors exist, and only under
-    transformers' names: ``training_args.bin`` or llama.cpp's ``imatrix.bin`` are no checkpoint), GGUF (only if that
+    present of: safetensors, PyTorch ``.bin`` (a pickle, so only when no safetensors exist, or where transformers
+    loads it first: ``pytorch_model.bin`` or its index beside safetensors of other names than ``model.safetensors``
+    and its index; and only under transformers' names: ``training_args.bin`` or llama.cpp's ``imatrix.bin`` are no
+    checkpoint), GGUF (only if that
     is all there is, and only a single file, since GGUF repos usually hold one file per quantisation). Within a
     format, the files transformers names so (``thinker_common.sources.TRANSFORMERS_WEIGHTS``) win over others
     (Mistral-style repos ship a ``consolidated.safetensors`` duplicate of the sharded weights, others dtype variants
