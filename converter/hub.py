@@ -62,6 +62,7 @@ _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 # template in chat_template.jinja too), the card and the license. Nothing else: a repo's other JSON and text files
 # (trainer_state.json, training logs, eval results) can be large and are never read.
 _INDEXES = (SAFETENSORS_INDEX, BIN_INDEX)
+_INDEX_OF = {".safetensors": SAFETENSORS_INDEX, ".bin": BIN_INDEX}  # a weights file's suffix -> its format's index
 _SIDE_FILES = (*CONFIG_FILES, *_INDEXES, *TOKENIZER_FILES, CARD_FILE, *LICENSE_FILES)
 _COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
 _TRUE_VALUES = {"1", "ON", "YES", "TRUE"}
@@ -138,7 +139,10 @@ def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str 
         held = _nested(repo_files, label)
         raise ThinkerError(f"{label} has no .safetensors, .bin or .gguf weights at its top level; {held}")
     side_files = [name for name in top if name in _SIDE_FILES or any(fnmatch(name, p) for p in TOKENIZER_PATTERNS)]
-    side_files = [name for name in side_files if name not in unread]
+    # the one index read: the taken format's, unless its whole file is taken (another format's would send
+    # _resolve_repo to shards transformers does not load)
+    read = {index for suffix, index in _INDEX_OF.items() if any(name.endswith(suffix) for name in weights)}
+    side_files = [name for name in side_files if name not in _INDEXES or name in read - unread]
     return sorted(set(weights) | set(side_files))
 
 

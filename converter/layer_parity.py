@@ -40,7 +40,9 @@ from thinker_common.parity_inputs import RELATIVE_TOLERANCE, fixed_prompts, left
 from thinker_common.sources import (
     BIN_INDEX,
     SAFETENSORS_INDEX,
+    bin_files,
     open_source,
+    safetensors_files,
     transformers_weights_format,
     unindexed_shards,
 )
@@ -124,6 +126,7 @@ def load_layered_reference(source: Path, dtype: torch.dtype, model_class: type |
     refuse_unknown_model_type(folder / "config.json")
     if source.is_dir():
         refuse_unloadable(source, str(source))
+    refuse_other_weights_file(source)
     try:
         # transformers' own class for the family, never code shipped with the checkpoint (a config's auto_map).
         config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
@@ -158,6 +161,23 @@ def refuse_unloadable(folder: Path, label: str) -> None:
         "cannot load this checkpoint and there is no reference to verify against; give its weights one of those "
         "names, or convert with --no-verify"
     )
+
+
+def refuse_other_weights_file(source: Path) -> None:
+    """Refuse a weights file given as SOURCE that is not what transformers loads from its folder: the reference is
+    transformers' load of the folder, so the check would compare the Thinker with other weights (and layer by layer,
+    reading the file, vouch for weights transformers never runs there). A folder SOURCE, or the file transformers
+    loads, passes."""
+    if not source.is_file():
+        return
+    folder = source.parent
+    refuse_unloadable(folder, str(folder))
+    loaded = safetensors_files(folder) if transformers_weights_format(folder) == "safetensors" else bin_files(folder)
+    if source.resolve() not in {path.resolve() for path in loaded}:
+        raise ThinkerError(
+            f"{source}: transformers loads {', '.join(path.name for path in loaded)} from {folder}, not this file, "
+            "so the check has no reference of its weights; give the folder as SOURCE, or convert with --no-verify"
+        )
 
 
 # --- comparison --------------------------------------------------------------------------------------------------

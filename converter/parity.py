@@ -35,7 +35,7 @@ from thinker_common.errors import ThinkerError
 from thinker_common.parity_inputs import RELATIVE_TOLERANCE, fixed_prompts, left_padded
 from thinker_common.sizes import human_size, parse_size
 
-from .layer_parity import refuse_unloadable
+from .layer_parity import refuse_other_weights_file, refuse_unloadable
 from .parity_report import (
     BY_LAYER,
     GREEDY_TOKENS,
@@ -64,6 +64,7 @@ MEMORY_BUDGET_ENV = "THINKER_VERIFY_MEMORY"
 def load_reference(source: Path, dtype: torch.dtype) -> PreTrainedModel:
     """The source family's own transformers class, from the source folder (or a weights file in it) as given."""
     source = Path(source)
+    refuse_other_weights_file(source)
     if source.is_file():
         source = source.parent
     refuse_unknown_model_type(source / "config.json")

@@ -928,3 +928,23 @@ def test_a_config_naming_its_weights_file_is_refused(source_copy, tmp_path):
     output = tmp_path / "out"
     assert_error(thinker("convert", source, output), "names its weights file 'other.safetensors'", "rename the file")
     assert_nothing_written(output)
+
+
+@pytest.mark.parametrize("check", [[], ["--verify-by-layer"]])
+def test_a_weights_file_transformers_does_not_load_is_refused_as_source(check, source_copy, tmp_path):
+    """SOURCE naming one weights file: the check's reference is transformers' load of its folder, so a file other
+    than the one transformers loads there has none (the whole-model check compared other weights and failed; the
+    layer check, reading the file, passed weights transformers never runs). The file it loads converts."""
+    source = source_copy()
+    tensors = load_file(source / "model.safetensors")
+    torch.save({name: tensor + 1 for name, tensor in tensors.items()}, source / "pytorch_model.bin")
+    output = tmp_path / "out"
+    refused = thinker("convert", source / "pytorch_model.bin", output, *check)
+    assert_error(refused, "pytorch_model.bin: transformers loads model.safetensors from", "give the folder as SOURCE")
+    assert_nothing_written(output)
+    assert thinker("convert", source / "model.safetensors", output, *check).exit_code == 0
+
+    variant = source_copy("variant")
+    (variant / "model.safetensors").rename(variant / "model.fp16.safetensors")
+    refused = thinker("convert", variant / "model.fp16.safetensors", tmp_path / "out2", *check)
+    assert_error(refused, "transformers finds none of model.safetensors, pytorch_model.bin or their indexes")

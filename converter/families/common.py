@@ -351,8 +351,10 @@ def reference_by_model_type(classes: Mapping[str, str]) -> ReferenceLoader:
     def load(source: Path, dtype: Any) -> Any:
         import transformers
 
+        from ..layer_parity import refuse_other_weights_file
         from ..parity import load_reference
 
+        refuse_other_weights_file(source)
         folder = source.parent if source.is_file() else source
         try:
             model_type = json.loads((folder / "config.json").read_text()).get("model_type")

@@ -325,6 +325,16 @@ def test_cached_file_leading_out_of_the_cache_is_refused(fake_hub, tmp_path):
             ],
         ),
         (["README.md", "qwen-q8_0.gguf"], ["README.md", "qwen-q8_0.gguf"]),
+        (  # the whole safetensors file beside a bin index and its shards: the file alone, no index to follow
+            [
+                "config.json",
+                "model.safetensors",
+                "pytorch_model-00001-of-00001.bin",
+                "pytorch_model.bin",
+                "pytorch_model.bin.index.json",
+            ],
+            ["config.json", "model.safetensors"],
+        ),
         (  # a variant or a copy beside pytorch_model.bin: transformers loads the .bin, before those names
             ["config.json", "consolidated.safetensors", "model.fp16.safetensors", "pytorch_model.bin"],
             ["config.json", "pytorch_model.bin"],
