@@ -89,8 +89,8 @@ def reference_from_pretrained(label: Path, folder: Path, **kwargs: Any) -> PreTr
             **kwargs,
         )
     except Exception as err:  # transformers raises many types for a folder it cannot load; all are the folder's
-        if Path(folder).is_dir():
-            refuse_unloadable(Path(folder), label)  # the reason by name, where it is the weights' names
+        if "gguf_file" not in kwargs:  # a folder's weights: the reason by name, where it is their names
+            refuse_unloadable(Path(folder), label)
         raise ThinkerError(
             f"{label}: the reference model does not load with transformers ({err}), so there is no reference to "
             "verify against; convert with --no-verify"

@@ -86,8 +86,8 @@ class ParityReport:
         if half is None:
             return ""
         return (
-            f"Both models hold the weights as the folder stores them, in {half} (any it keeps wider, as kept): the "
-            "float32 row proves the mapping, "
+            f"Both models hold the weights as the folder stores them, in {half} (or wider, where it stores a tensor "
+            "wider): the float32 row proves the mapping, "
             f"the {half} row the model run in {half}; where the source's weights were wider, neither measures what "
             f"rounding them to {half} costs."
         )

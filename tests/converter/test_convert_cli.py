@@ -69,8 +69,8 @@ def test_a_half_precision_conversion_says_what_its_rows_compare(source, tmp_path
     result = CliRunner().invoke(convert_command, [str(source), str(output), "--dtype", "bfloat16"])
     assert result.exit_code == 0, result.output
     note = (
-        "Both models hold the weights as the folder stores them, in bfloat16 (any it keeps wider, as kept): the "
-        "float32 row proves the mapping"
+        "Both models hold the weights as the folder stores them, in bfloat16 (or wider, where it stores a tensor "
+        "wider): the float32 row proves the mapping"
     )
     assert note in result.stdout
     assert json.loads((output / "parity.json").read_text())["rounding_note"].startswith(note)
