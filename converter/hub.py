@@ -464,11 +464,22 @@ def _cached_commit(repo_id: str, revision: str, cache_dir: Path) -> str | None:
 
 
 def _cached_listing(repo_id: str, revision: str, cache_dir: Path) -> list[str] | None:
-    """The file names huggingface_hub cached with an earlier download of ``revision``; None if there is none."""
+    """The file names huggingface_hub cached with an earlier download of ``revision``, else the files its cached
+    snapshot holds (a cache filled file by file, as transformers' from_pretrained fills it, keeps no listing: its
+    snapshot holds what that load read); None if there is neither."""
     try:
         return [entry.path for entry in get_cached_repo_tree(repo_id, revision=revision, cache_dir=cache_dir)]
     except (CachedRepoTreeNotFoundError, OSError, ValueError):
+        pass
+    folder = cache_dir / repo_folder_name(repo_id=repo_id, repo_type="model")
+    try:
+        commit = revision if _COMMIT_HASH.fullmatch(revision) else (folder / "refs" / revision).read_text().strip()
+    except (OSError, ValueError):
         return None
+    snapshot = folder / "snapshots" / commit
+    if not _COMMIT_HASH.fullmatch(commit) or not snapshot.is_dir():
+        return None
+    return sorted(str(path.relative_to(snapshot).as_posix()) for path in snapshot.rglob("*") if not path.is_dir())
 
 
 def _check_file_name(name: str, label: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -78,6 +79,21 @@ def test_offline_resolves_from_the_cache_alone(fake_hub, monkeypatch):
 
     assert resolve_source(REPO, progress=False) == online
     assert files_in(online) == WANTED
+
+
+def test_offline_resolves_a_cache_filled_file_by_file(fake_hub, monkeypatch):
+    """A cache filled as transformers' from_pretrained fills it, one hf_hub_download per file, keeps no listing of
+    the repo: offline, its snapshot's own files stand for one (what that load read), rather than "not in the cache"."""
+    from huggingface_hub import hf_hub_download
+
+    fake_hub.add_repo(REPO, tiny_repo())
+    for name in ("config.json", "model.safetensors"):
+        snapshot = Path(hf_hub_download(REPO, name, cache_dir=fake_hub.cache)).parent
+    fake_hub.stop()
+    go_offline(monkeypatch)
+
+    assert resolve_source(REPO, progress=False) == snapshot
+    assert files_in(snapshot) == {"config.json", "model.safetensors"}
 
 
 @pytest.mark.parametrize("how", ["env", "constant"])
