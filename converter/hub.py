@@ -44,7 +44,14 @@ from huggingface_hub.utils import tqdm as hf_tqdm
 from thinker_common.errors import ThinkerError
 from thinker_common.model_card import CARD_FILE, LICENSE_FILES
 from thinker_common.side_files import CONFIG_FILES, TOKENIZER_FILES, TOKENIZER_PATTERNS, read_json
-from thinker_common.sources import BIN_INDEX, SAFETENSORS_INDEX, TRANSFORMERS_WEIGHTS, WHOLE_BIN, WHOLE_SAFETENSORS
+from thinker_common.sources import (
+    BIN_INDEX,
+    LOAD_ORDER,
+    SAFETENSORS_INDEX,
+    TRANSFORMERS_WEIGHTS,
+    WHOLE_BIN,
+    WHOLE_SAFETENSORS,
+)
 
 try:  # huggingface_hub 2.x talks HTTP through httpx2, 1.x through httpx; both raise TransportError subclasses.
     import httpx2 as _httpx
@@ -62,7 +69,6 @@ _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 # template in chat_template.jinja too), the card and the license. Nothing else: a repo's other JSON and text files
 # (trainer_state.json, training logs, eval results) can be large and are never read.
 _INDEXES = (SAFETENSORS_INDEX, BIN_INDEX)
-_INDEX_OF = {".safetensors": SAFETENSORS_INDEX, ".bin": BIN_INDEX}  # a weights file's suffix -> its format's index
 _SIDE_FILES = (*CONFIG_FILES, *_INDEXES, *TOKENIZER_FILES, CARD_FILE, *LICENSE_FILES)
 _COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
 _TRUE_VALUES = {"1", "ON", "YES", "TRUE"}
@@ -113,7 +119,6 @@ def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str 
         return [name for name in top if name.endswith(suffix)]
 
     gguf = ending(".gguf")
-    unread: set[str] = set()  # an index beside the whole file transformers reads instead
     if gguf_file is not None:
         if gguf_file not in gguf:
             raise ThinkerError(f"{label} has no GGUF file {gguf_file!r} at its top level; {_ggufs_held(gguf)}")
@@ -127,10 +132,9 @@ def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str 
             weights = bins  # transformers loads pytorch_model.bin (or its index) before other safetensors names
         else:
             weights = named or safetensors or bins
-        for whole, index in ((WHOLE_SAFETENSORS, SAFETENSORS_INDEX), (WHOLE_BIN, BIN_INDEX)):
+        for whole, _ in LOAD_ORDER:
             if whole in weights:  # transformers reads the whole file alone, before an index and shards beside it
                 weights = [whole]
-                unread.add(index)
     if not weights:
         if len(gguf) > 1:
             raise ThinkerError(f"{label} holds {len(gguf)} GGUF files; pick one with --gguf-file: {_ggufs_held(gguf)}")
@@ -141,9 +145,14 @@ def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str 
     side_files = [name for name in top if name in _SIDE_FILES or any(fnmatch(name, p) for p in TOKENIZER_PATTERNS)]
     # the one index read: the taken format's, unless its whole file is taken (another format's would send
     # _resolve_repo to shards transformers does not load)
-    read = {index for suffix, index in _INDEX_OF.items() if any(name.endswith(suffix) for name in weights)}
-    side_files = [name for name in side_files if name not in _INDEXES or name in read - unread]
+    read = {index for whole, index in LOAD_ORDER if whole not in weights and any(_of_format(n, whole) for n in weights)}
+    side_files = [name for name in side_files if name not in _INDEXES or name in read]
     return sorted(set(weights) | set(side_files))
+
+
+def _of_format(name: str, whole: str) -> bool:
+    """Whether the weights file ``name`` is of the format whose whole file is ``whole`` (by its suffix)."""
+    return name.endswith(Path(whole).suffix)
 
 
 def _nested(repo_files: Iterable[str], label: str) -> str:

@@ -36,6 +36,8 @@ BIN_INDEX = "pytorch_model.bin.index.json"
 # hold both: a whole copy uploaded beside the shards), so the index and its shards then go unread.
 WHOLE_SAFETENSORS = "model.safetensors"
 WHOLE_BIN = "pytorch_model.bin"
+# Each format's (whole file, index), in the order transformers' from_pretrained looks for them.
+LOAD_ORDER = ((WHOLE_SAFETENSORS, SAFETENSORS_INDEX), (WHOLE_BIN, BIN_INDEX))
 EXPLICIT_WEIGHTS = "transformers_weights"  # a config key naming the weights file transformers loads instead
 
 # The names transformers' from_pretrained reads a checkpoint's weights under, without an index: a whole file, or
@@ -114,7 +116,7 @@ def check_index_holds(root: Path, index_name: str, file_of: dict[str, Path]) -> 
     would otherwise send a tensor's readers to a shard that lacks it, and the tensor would look absent from the
     checkpoint (an untied head "missing", say) when it is only misfiled."""
     index_path = root / index_name
-    whole = WHOLE_SAFETENSORS if index_name == SAFETENSORS_INDEX else WHOLE_BIN
+    whole = next(whole for whole, index in LOAD_ORDER if index == index_name)
     if not os.path.lexists(index_path) or os.path.lexists(root / whole):  # the index goes unread
         return
     for name, shard in _read_index(index_path, root).items():
@@ -429,9 +431,10 @@ def transformers_weights_format(root: Path) -> str | None:
     transformers, so by the converter too; without any of those names (numbered shards without their index, a lone
     variant) the converter still reads what there is, which transformers cannot load, so no check of it can run
     (``converter.parity``)."""
-    looked_for = [(WHOLE_SAFETENSORS, "safetensors"), (SAFETENSORS_INDEX, "safetensors")]
-    looked_for += [(WHOLE_BIN, "bin"), (BIN_INDEX, "bin")]
-    return next((kind for name, kind in looked_for if os.path.lexists(root / name)), None)
+    for names, kind in zip(LOAD_ORDER, ("safetensors", "bin"), strict=True):
+        if any(os.path.lexists(root / name) for name in names):
+            return kind
+    return None
 
 
 def refuse_explicit_weights(root: Path) -> None:
