@@ -177,22 +177,23 @@ DEVICE_THREADS = 8
 
 def device_calls(manifest: dict, kit: Path) -> list[dict]:
     """The ``run`` calls of a GPU session, in order, for 15 minutes of device time: one per part; the last also
-    installs, then runs the tests, the probe, the half-precision reference and CUDA's QMoE layouts while the bench's
-    exports are made beside them (exports are mostly CPU work, the tests' models are small); a last call times the
-    runtimes on those exports."""
+    installs, then runs the tests while the bench's exports are made beside them (exports are mostly CPU work, the
+    tests' models are small); then the bench's two groups, float and int4, each in a call of its own (about 145 and
+    75 s on an H200 at these repetitions). ``run probe``, ``run half`` and ``run qmoe`` are one-off measurements whose
+    results are in bench/results; a session that needs them again adds them to the last part's call."""
     folder = kit.relative_to(REPO).as_posix()
     calls = []
     for index, part in enumerate(manifest["parts"]):
         command = "python3 bench/gpu_kit.py receive"
         if index == len(manifest["parts"]) - 1:
-            # the tests run even where the probe or the exports fail, none of them where the install did
+            # the tests run even where the exports fail, none of them where the install did
             command += " && python3 bench/gpu_kit.py install && { "
             command += f"python3 bench/gpu_kit.py run bench --exports-only --threads {DEVICE_THREADS} >/dev/null & "
-            command += "python3 bench/gpu_kit.py run tests; python3 bench/gpu_kit.py run probe; "
-            command += "python3 bench/gpu_kit.py run half; python3 bench/gpu_kit.py run qmoe; wait; }"
+            command += "python3 bench/gpu_kit.py run tests; wait; }"
         calls.append({"carry": [f"{folder}/manifest.json", f"{folder}/{part['name']}"], "command": command})
-    bench = f"python3 bench/gpu_kit.py run bench --reuse-exports --threads {DEVICE_THREADS} --reps 2"
-    calls.append({"carry": [], "command": bench})
+    bench = f"python3 bench/gpu_kit.py run bench --reuse-exports --threads {DEVICE_THREADS}"
+    for group, reps in (("ours-fp16,builder-fp16-cuda", 4), ("ours-int4-fp16,builder-int4-cuda", 3)):
+        calls.append({"carry": [], "command": f"{bench} --reps {reps} --exports {group}"})
     return calls
 
 

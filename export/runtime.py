@@ -70,6 +70,12 @@ from .weights_stamp import check_weights_stamp
 
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
+# onnxruntime's CUDA provider runs float32 MatMul and Gemm in TF32 unless told not to (use_tf32 defaults to 1: 10
+# bits of mantissa), where PyTorch's CUDA matmuls keep float32's 23 (torch.backends.cuda.matmul.allow_tf32 is off by
+# default). A float32 graph is exported for float32's precision, which parity and --verify hold it to, and TF32's
+# rounding also flips near-ties in discrete choices (Qwen3.8's indexer picked other blocks: 0.5 off the reference on
+# the H200), so our sessions keep full float32. Half-precision graphs are unaffected (TF32 is a float32 mode).
+CUDA_PROVIDER = (CUDA, {"use_tf32": "0"})
 
 # onnxruntime's type strings for the cache dtypes, to the onnx element type (bfloat16 has no numpy dtype).
 _FLOAT_TYPES = {"tensor(float)": (1, np.float32), "tensor(float16)": (10, np.float16), "tensor(bfloat16)": (16, None)}
@@ -366,7 +372,7 @@ class OnnxDecoder:
         self.chunks_need_batch_1 = any(node.op_type == "GroupQueryAttention" for node in graph.node)
         self.rotates_by_slot = any(node.op_type == "GroupQueryAttention" and rotates(node) for node in graph.node)
         use_cuda = provider == "cuda" or (provider == "auto" and cuda_usable())
-        providers = [CUDA, CPU] if use_cuda else [CPU]
+        providers = [CUDA_PROVIDER, CPU] if use_cuda else [CPU]
         options, source = session_options(threads), str(self.model_path)
         variant = None  # the shipped graph's nodes with other outputs, loaded from bytes
         if all_positions and self.last_logits_only:
@@ -1131,7 +1137,7 @@ def position_ids_from_mask(attention_mask: np.ndarray) -> np.ndarray:
     return np.maximum(np.cumsum(attention_mask, axis=-1) - 1, 0).astype(np.int64)
 
 
-def _load_session(path: Path, source: str | bytes, options: ort.SessionOptions, providers: list[str]):
+def _load_session(path: Path, source: str | bytes, options: ort.SessionOptions, providers: list):
     """An onnxruntime session over ``source`` (``path``'s graph, or a variant of it as bytes), its failures told by
     the file's name."""
     try:
@@ -1150,8 +1156,8 @@ def _load_session(path: Path, source: str | bytes, options: ort.SessionOptions, 
         ) from None
 
 
-def _provider_label(providers: list[str]) -> str:
-    return "CUDA" if CUDA in providers else "CPU (export float16 or float32 for CPU)"
+def _provider_label(providers: list) -> str:
+    return "CUDA" if CUDA_PROVIDER in providers else "CPU (export float16 or float32 for CPU)"
 
 
 def _device_zeros(shape: list[int], onnx_type: int) -> ort.OrtValue:

@@ -117,7 +117,12 @@ def test_the_plan_carries_the_manifest_and_one_part_per_call(kit_sources, tmp_pa
     last = part_calls[-1]["command"]
     assert "install && {" in last and "run tests" in last and "--exports-only" in last and last.endswith("wait; }")
     assert last.index("install") < last.index("--exports-only") < last.index("run tests")
-    assert len(calls) == len(part_calls) + 1 and "--reuse-exports" in calls[-1]["command"]
+    bench_calls = calls[len(part_calls) :]
+    assert len(bench_calls) == 2 and all("--reuse-exports" in call["command"] for call in bench_calls)
+    assert [call["command"].split("--exports ")[1] for call in bench_calls] == [
+        "ours-fp16,builder-fp16-cuda",
+        "ours-int4-fp16,builder-int4-cuda",
+    ]
 
 
 def test_pack_refuses_a_tokenizer_folder_without_its_files(kit_sources, tmp_path):
