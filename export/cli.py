@@ -542,8 +542,8 @@ def generate_command(
     eos, pad = folder_stop_tokens(folder)
     if eos is None:
         click.secho(
-            f"note: {folder} names no end-of-sequence token (no genai_config.json, and none in "
-            f"generation_config.json or config.json): generation stops only after --max-new-tokens {max_new_tokens}",
+            f"note: {folder} names no end-of-sequence token (none in generation_config.json or config.json): "
+            f"generation stops only after --max-new-tokens {max_new_tokens}",
             fg="yellow",
             err=True,
         )

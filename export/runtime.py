@@ -348,7 +348,10 @@ class OnnxDecoder:
         probes: dict[str, int] | None = None,
     ) -> None:
         path = Path(path)
-        self.model_path = path / MODEL_FILE if path.is_dir() else path
+        # a folder named like the model (a copy gone wrong) is said to be one, not searched for a model.onnx inside
+        self.model_path = path / MODEL_FILE if path.is_dir() and path.suffix != ".onnx" else path
+        if self.model_path.is_dir():
+            raise ThinkerError(f"{self.model_path}: a folder where the ONNX model file should be; export it again")
         if not self.model_path.is_file():
             raise ThinkerError(f"{self.model_path}: no such ONNX model; export one with `thinker export`")
         if provider not in ("auto", "cuda", "cpu"):
@@ -442,6 +445,8 @@ class OnnxDecoder:
         # Qwen3.8's PLE states carry each row's last slots on (the n-gram context's ids, the dilated conv's taps):
         # pads after a row's tokens would be carried as its last tokens
         self.left_padding_only = any(name.endswith(LAST_SLOT_STATES) for name in inputs)
+        # linear-attention layers take no pad between a row's tokens (``refuse_pads_between_tokens``)
+        self.pads_outside_tokens = any(name.endswith(".conv_state") for name in inputs)
         self.output_names = ["logits", *self.present_names]
         self.shared_kv = self._kv_to_share(graph, share_kv)
 
@@ -522,6 +527,8 @@ class OnnxDecoder:
         what = described(input_ids, inputs_embeds)
         state.attention_mask = zeros_and_ones(state.attention_mask, "attention_mask", "1 keeps a slot, 0 masks a pad")
         self._check_mask(state.attention_mask, batch, steps, what)
+        if self.pads_outside_tokens:
+            refuse_pads_between_tokens(state.attention_mask[:, -steps:])
         if self.chunks_need_batch_1 and batch > 1 and steps > 1 and state.attention_mask.shape[1] > steps:
             raise ThinkerError(
                 f"{self.model_path}: {steps} new tokens after a non-empty cache at batch {batch}: this graph's "
@@ -941,7 +948,13 @@ class OnnxDecoder:
         eos = [] if stops_nowhere else token_ids(eos_token_id, eos_name)
         if pad_token_id is None:
             return set(eos), eos[0] if eos else 0
-        return set(eos), token_ids(pad_token_id, pad_name, one=True)[0]
+        pad = token_ids(pad_token_id, pad_name, one=True)[0]
+        if self.vocab_size is not None and pad >= self.vocab_size:  # fed to the graph once a row stops: said first
+            raise ThinkerError(
+                f"{pad_name}={pad} is outside this model's vocabulary [0, {self.vocab_size}): a row that stops is "
+                "padded with it and fed to the model; give a token id of the vocabulary"
+            )
+        return set(eos), pad
 
     def generate(
         self,
@@ -1130,6 +1143,22 @@ def next_positions(position_ids: np.ndarray, attention_mask: np.ndarray) -> np.n
 
 # The states whose graph reads each row's last slots (export/ple_graph.py), which pads after its tokens would be.
 LAST_SLOT_STATES = (".ngram_context", ".ple_conv_state")
+
+
+def refuse_pads_between_tokens(new_slots: np.ndarray) -> None:
+    """Refuses a pad between kept slots of one forward's new slots (B, T) of a linear-attention graph: the graph and
+    transformers' layers (which the Thinker follows) carry their conv window and recurrent state through such a
+    slot differently, and neither as the row without it, so the logits part by several (3.4 on a Qwen3.5, 5.9 on a
+    Qwen3-Next; found by a QA run). Pads before a row's tokens (left padding), after them (right padding) and whole
+    masked steps agree with the row run alone (tests/export/test_onnx_hybrid.py)."""
+    kept = np.cumsum(new_slots, axis=1)
+    holes = np.flatnonzero(((new_slots == 0) & (kept > 0) & (kept < kept[:, -1:])).any(axis=1))
+    if holes.size:
+        raise ThinkerError(
+            f"row {int(holes[0])} of attention_mask masks a slot between its new tokens, and this model's "
+            "linear-attention layers take pads before or after a row's tokens only; pad the rows on the left or on "
+            "the right"
+        )
 
 
 def position_ids_from_mask(attention_mask: np.ndarray) -> np.ndarray:

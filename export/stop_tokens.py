@@ -13,9 +13,13 @@ from .names import GENAI_CONFIG_FILE
 
 
 def folder_stop_tokens(folder: Path) -> tuple[list[int] | None, int | None]:
-    """eos ids and pad id of a model folder: genai_config.json in an ONNX folder, else as transformers takes them
-    (``model_stop_tokens``); the eos ids ``None`` where none are named."""
-    genai = read_json(folder / GENAI_CONFIG_FILE)
+    """eos ids and pad id of a model folder, as transformers takes them (``model_stop_tokens``), which our ONNX
+    folders carry too; genai_config.json's only in a folder with neither generation_config.json nor config.json (an
+    ONNX folder from another exporter). Not before them: where the model names no eos, ours writes the pad id there
+    for onnxruntime-genai, which needs one, and a continuation would stop at the first pad token the model chose.
+    The eos ids ``None`` where none are named."""
+    eos, pad, where = model_stop_tokens(folder)
+    genai = read_json(folder / GENAI_CONFIG_FILE) if where is None else None
     if genai:
         try:
             eos, pad = genai["model"]["eos_token_id"], genai["model"]["pad_token_id"]
@@ -24,7 +28,6 @@ def folder_stop_tokens(folder: Path) -> tuple[list[int] | None, int | None]:
                 f"{folder / GENAI_CONFIG_FILE}: no model.eos_token_id or pad_token_id; export again"
             ) from None
         return (eos if isinstance(eos, list) else [eos]), pad
-    eos, pad, _ = model_stop_tokens(folder)
     return eos, pad
 
 

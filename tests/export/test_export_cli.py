@@ -131,15 +131,25 @@ def test_generate_is_plain_greedy_on_both_paths(runner, thinker_folder, onnx_fol
 
 
 def test_generate_says_when_the_folder_names_no_end_of_sequence_token(runner, onnx_folder, tmp_path):
-    """Without genai_config.json and with no eos id in generation_config.json or config.json, nothing can stop
-    the continuation early: a note says so, and it runs to --max-new-tokens."""
+    """With no eos id in generation_config.json or config.json, nothing stops the continuation early, as in
+    transformers: a note says so, and it runs to --max-new-tokens. genai_config.json's eos is not taken in their
+    place: where the model names none, the export writes the pad id there for onnxruntime-genai (which needs one),
+    and the ONNX folder stopped at the first pad token where the Thinker folder ran on (found by a QA run)."""
     import shutil
 
     folder = shutil.copytree(onnx_folder("qwen3"), tmp_path / "onnx")
     prompt = ["--prompt", "the cat sat", "--max-new-tokens", "4"]
     named = runner.invoke(main, ["generate", str(folder), *prompt])
     assert named.exit_code == 0 and "names no end-of-sequence token" not in named.stderr, named.output
-    (folder / "genai_config.json").unlink()
+    from transformers import AutoTokenizer
+
+    from export.runtime import OnnxDecoder
+
+    ids = AutoTokenizer.from_pretrained(folder)("the cat sat", return_tensors="np").input_ids
+    first = int(OnnxDecoder(folder).generate(ids, max_new_tokens=1, eos_token_id=[])[0, -1])
+    genai = json.loads((folder / "genai_config.json").read_text())
+    genai["model"]["eos_token_id"] = genai["model"]["pad_token_id"] = first  # as a model without eos exports
+    (folder / "genai_config.json").write_text(json.dumps(genai))
     for name in ("generation_config.json", "config.json"):
         config = json.loads((folder / name).read_text())
         config.pop("eos_token_id", None)
@@ -147,6 +157,7 @@ def test_generate_says_when_the_folder_names_no_end_of_sequence_token(runner, on
     unnamed = runner.invoke(main, ["generate", str(folder), *prompt])
     assert unnamed.exit_code == 0, unnamed.output
     assert "names no end-of-sequence token" in unnamed.stderr and "--max-new-tokens 4" in unnamed.stderr
+    assert "4 tokens in" in unnamed.stderr, unnamed.stderr
 
 
 def test_export_logits_last_then_generate(runner, thinker_folder, tmp_path):

@@ -32,6 +32,7 @@ from export.runtime import DecoderState, OnnxDecoder, position_ids_from_mask
 from export.verify import compare_decoders
 from thinker.modeling_thinker import CACHE_ARG
 from thinker_common.cli import main
+from thinker_common.errors import ThinkerError
 from thinker_common.parity_inputs import RELATIVE_TOLERANCE, parity_batch
 
 GRAPHS = ["plain", "fused"]
@@ -173,6 +174,25 @@ def test_right_padded_rows_and_masked_steps_give_each_row_its_own_result(family,
         np.testing.assert_allclose(prompt_logits[row, kept[row]], alone_prompt, atol=1e-5 * scale, rtol=0)
         for s, expected in zip(steps, alone_steps, strict=True):
             np.testing.assert_allclose(step_logits[s][row], expected, atol=1e-5 * scale, rtol=0, err_msg=f"step {s}")
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_a_pad_between_a_rows_tokens_is_refused(graph, onnx_variant, onnx_folder):
+    """A 0 between a row's kept slots: the graph and transformers' layers carry the linear-attention states through
+    it differently (several logits apart, found by a QA run), so OnnxDecoder refuses it by row, in a prompt and in
+    a chunk after one; an attention-only model takes it (its mask hides the slot exactly), and so does a row padded
+    on both sides."""
+    decoder = OnnxDecoder(hybrid_export(onnx_variant, "qwen3_5", graph), provider="cpu")
+    ids = np.array([[9, 5, 6, 7, 8, 10], [11, 11, 11, 12, 13, 14]])
+    hole = np.array([[1, 1, 1, 1, 1, 1], [1, 1, 0, 1, 1, 1]])
+    with pytest.raises(ThinkerError, match=re.escape("row 1 of attention_mask masks a slot between its new tokens")):
+        decoder.prefill(ids, hole)
+    _, state = decoder.prefill(ids[:1, :3], np.ones((1, 3), np.int64))
+    state.attention_mask = np.concatenate([state.attention_mask, np.array([[1, 0, 1]])], axis=1)
+    with pytest.raises(ThinkerError, match="masks a slot between its new tokens"):
+        decoder.forward(ids[:1, 3:], np.array([[3, 4, 4]]), state)
+    decoder.prefill(ids, np.array([[1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 0]]))  # pads on both sides: taken
+    OnnxDecoder(onnx_folder("qwen3"), provider="cpu").prefill(ids, hole)
 
 
 @pytest.mark.parametrize("graph", GRAPHS)
@@ -421,8 +441,6 @@ def test_image_prompt_positions_give_pytorch_logits(graph, thinker_variant, onnx
 def test_four_row_positions_are_the_three_streams_and_other_forms_are_refused(onnx_variant):
     """(4, B, T) positions, a text row before the three streams (a form the Thinker and Qwen3.5's classes take),
     give the three streams' logits; a leading axis of another size is refused by name before onnxruntime runs."""
-    from thinker_common.errors import ThinkerError
-
     decoder = OnnxDecoder(hybrid_export(onnx_variant, "qwen3_5", "fused"), provider="cpu")
     ids, mask, positions = image_prompt_positions()
     text = np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 1)[None]

@@ -192,6 +192,11 @@ def test_cuda_sessions_keep_full_float32(monkeypatch, onnx_folder):
 def test_missing_model_is_a_thinker_error(tmp_path):
     with pytest.raises(ThinkerError, match="no such ONNX model"):
         OnnxDecoder(tmp_path)
+    # a folder in the model file's place, given as the folder or as the file (it read .../model.onnx/model.onnx)
+    (tmp_path / MODEL_FILE).mkdir()
+    for given in (tmp_path, tmp_path / MODEL_FILE):
+        with pytest.raises(ThinkerError, match=re.escape(f"{tmp_path / MODEL_FILE}: a folder where the ONNX model")):
+            OnnxDecoder(given)
 
 
 @pytest.mark.parametrize(
@@ -304,6 +309,10 @@ def test_bad_inputs_are_refused_by_name(onnx_folder):
         ),
         "eos_token_id=[[2]]; expected": lambda: decoder.generate([[5, 6]], max_new_tokens=2, eos_token_id=[[2]]),
         "pad_token_id=[0, 1]; expected a token id (": lambda: decoder.generate([[5, 6]], pad_token_id=[0, 1]),
+        # refused before the first token: it failed when a row first stopped, naming no pad, a streamer mid-text
+        "pad_token_id=500 is outside this model's vocabulary [0, 96)": lambda: decoder.generate(
+            [[5, 6]], max_new_tokens=2, pad_token_id=500
+        ),
         "new_tokens=-5; expected a whole number": lambda: decoder.prefill([[5, 6]], None, new_tokens=-5),
         "new_tokens=2.5; expected a whole number": lambda: decoder.prefill([[5, 6]], None, new_tokens=2.5),
         "state=None; expected the DecoderState this decoder's prefill returned": lambda: decoder.decode_one_token(
