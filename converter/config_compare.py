@@ -11,6 +11,9 @@ from thinker import ThinkerConfig
 
 # Runtime switches that do not change the model, left out of the comparison.
 RUNTIME_FIELDS = {"use_cache", "output_router_logits"}
+# config.json keys that record how and where a config was written rather than the model, left out of a saved
+# config's comparison; its dtype has a check of its own (converter/convert.py ``refuse_other_dtype``).
+WRITING_KEYS = {"transformers_version", "_name_or_path", "dtype", "torch_dtype"}
 
 
 def config_differences(expected: ThinkerConfig, actual: ThinkerConfig) -> list[str]:
@@ -20,4 +23,18 @@ def config_differences(expected: ThinkerConfig, actual: ThinkerConfig) -> list[s
         f"{name} ({first.get(name)!r} -> {second.get(name)!r})"
         for name in ThinkerConfig.__annotations__
         if name not in RUNTIME_FIELDS and first.get(name) != second.get(name)
+    ]
+
+
+def saved_config_differences(expected: ThinkerConfig, actual: ThinkerConfig) -> list[str]:
+    """``config_differences``, then the keys of a saved config.json beyond ThinkerConfig's fields: ``architectures``
+    and ``auto_map`` (the classes transformers' Auto API builds from the folder) and any key written in by hand, but
+    not ``WRITING_KEYS``. ``expected`` as a conversion writes and reads it back (its ``auto_map`` filled in)."""
+    first, second = expected.to_dict(), actual.to_dict()
+    compared = set(ThinkerConfig.__annotations__) | RUNTIME_FIELDS | WRITING_KEYS
+    others = [name for name in dict.fromkeys([*first, *second]) if name not in compared]
+    return config_differences(expected, actual) + [
+        f"{name} ({first.get(name)!r} -> {second.get(name)!r})"
+        for name in others
+        if first.get(name) != second.get(name)
     ]

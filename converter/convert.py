@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -24,10 +25,10 @@ from thinker_common.fp8_source import DequantizedFP8Source
 from thinker_common.gguf_reader import GGUFSource, gguf_read_once
 from thinker_common.side_files import read_json, readable_tokenizer_files, tokenizer_files
 from thinker_common.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
-from thinker_common.sources import FolderSource, TensorSource, open_source
+from thinker_common.sources import TensorSource, open_source
 from thinker_common.staging import refuse_existing_output, refuse_output_over_source, staged_output
 
-from .config_compare import config_differences
+from .config_compare import saved_config_differences
 from .engine import plan_conversion, write_weights
 from .families import detect_family
 from .folder_weights import check_thinker_weights, refuse_weightless
@@ -60,14 +61,19 @@ class ConversionResult:
     parity: ParityReport | None = None
     notes: list[str] = field(default_factory=list)  # e.g. why verification was skipped
     kept: dict[str, str] = field(default_factory=dict)  # tensor -> the wider dtype --dtype auto kept it in
+    tensors: int = 0  # how many the folder holds
 
     def weights(self) -> str:
-        """``12.3 MiB of bfloat16 weights (72 tensors kept in float32, as the source stores them)``."""
+        """``12.3 MiB of bfloat16 weights (72 tensors kept in float32, as the source stores them)``; where every
+        tensor is kept (float32 weights under a config declaring bfloat16), ``0.1 MiB of float32 weights, as the
+        source stores them (config.json's dtype: bfloat16, as the source's)``."""
         kept = Counter(self.kept.values())
+        size = f"{self.total_bytes / 2**20:.1f} MiB"
+        if len(kept) == 1 and len(self.kept) == self.tensors:
+            declared = f"config.json's dtype: {self.dtype}, as the source's"
+            return f"{size} of {next(iter(kept))} weights, as the source stores them ({declared})"
         note = ", ".join(f"{count} tensor{'s' * (count > 1)} kept in {dtype}" for dtype, count in sorted(kept.items()))
-        return f"{self.total_bytes / 2**20:.1f} MiB of {self.dtype} weights" + (
-            f" ({note}, as the source stores them)" if note else ""
-        )
+        return f"{size} of {self.dtype} weights" + (f" ({note}, as the source stores them)" if note else "")
 
 
 def source_family(root: Path) -> Family:
@@ -181,6 +187,7 @@ def convert(
         parity=report,
         notes=notes,
         kept={name: dtype_name(dtype) for name, dtype in plan.kept.items()},
+        tensors=len(plan.shapes),
     )
 
 
@@ -234,16 +241,14 @@ def verify(
             raise ThinkerError(f"{source}: {why}")
         config = refuse_another_config(tensor_source, converted, named)
         refuse_other_generation_config(Path(tensor_source.root), converted, config, named)
-        copies_tokenizer = isinstance(tensor_source, FolderSource)  # a GGUF's is written from its metadata
     finally:
         tensor_source.close()
     check_thinker_weights(converted, config)
-    stored_dtype = refuse_other_dtype(converted, config)
     refuse_other_code(converted)
-    if copies_tokenizer:
-        refuse_other_tokenizer(Path(root), converted)
     tensor_source = open_source(root)
     try:  # every weight bit for bit: an edit too small for the parity tolerance is named by tensor and row
+        refuse_other_tokenizer(tensor_source, converted)
+        stored_dtype = refuse_other_dtype(converted, config, tensor_source)
         weights = weights_verdict(tensor_source, converted, stored_dtype, named)
     finally:
         tensor_source.close()
@@ -308,19 +313,32 @@ def refuse_other_code(converted: Path) -> None:
             )
 
 
-def refuse_other_tokenizer(root: Path, converted: Path) -> None:
-    """CONVERTED's tokenizer files must be the ones the conversion copied from the source folder ``root``: the parity
-    check feeds token ids, never text, so a tokenizer edited or taken from another model would pass it and encode
-    other ids."""
-    for name in tokenizer_files(root):
-        ours = converted / name
-        if not ours.is_file():
-            raise ThinkerError(f"{converted}: lacks {name}, which its source has; convert it again (or copy it in)")
-        if ours.read_bytes() != (root / name).read_bytes():
-            raise ThinkerError(
-                f"{ours}: not the source's {name}; the parity check runs token ids, so it cannot vouch for another "
-                "tokenizer: convert the source again (or copy its file in)"
-            )
+def refuse_other_tokenizer(tensor_source: TensorSource, converted: Path) -> None:
+    """CONVERTED's tokenizer files must be the ones the conversion writes from ``tensor_source``: a folder's copied,
+    a GGUF's rebuilt from its metadata by transformers (byte for byte the same on each run). The parity check feeds
+    token ids, never text, so a tokenizer edited or taken from another model would pass it and encode other ids;
+    a file the source does not give (a chat template added beside its tokenizer) is refused too, unless the source
+    gives no tokenizer at all (then the folder's is its owner's, as with any weights-only checkpoint)."""
+    with tempfile.TemporaryDirectory(prefix="thinker-tokenizer-") as scratch:
+        written = Path(scratch)
+        expected = tensor_source.save_tokenizer(written)
+        for name in expected:
+            ours = converted / name
+            if not ours.is_file():
+                raise ThinkerError(
+                    f"{converted}: lacks {name}, which its source gives; convert it again (or copy it in)"
+                )
+            if ours.read_bytes() != (written / name).read_bytes():
+                raise ThinkerError(
+                    f"{ours}: not the source's {name}; the parity check runs token ids, so it cannot vouch for another "
+                    "tokenizer: convert the source again (or copy its file in)"
+                )
+    extra = sorted(set(tokenizer_files(converted)) - set(expected)) if expected else []
+    if extra:
+        raise ThinkerError(
+            f"{converted / extra[0]}: a tokenizer file its source does not give; the parity check runs token ids, so "
+            "it cannot vouch for it: remove it, or convert the source again"
+        )
 
 
 def refuse_other_generation_config(root: Path, converted: Path, config: ThinkerConfig, source: str) -> None:
@@ -349,12 +367,14 @@ def refuse_another_config(tensor_source: TensorSource, converted: Path, source: 
     """CONVERTED's config.json, which must be the Thinker config its ``source`` (named so in the error; a Hub repo
     with its revision, which may be the one that differs) translates to: a field the fixed parity prompts cannot
     reach (max_position_embeddings, RoPE scaling past their length) is still the model's."""
-    expected = plan_conversion(tensor_source, tensor_source.config()).config
+    with tempfile.TemporaryDirectory(prefix="thinker-config-") as scratch:  # as a conversion writes it, auto_map too
+        write_thinker_config(Path(scratch), plan_conversion(tensor_source, tensor_source.config()).config)
+        expected = ThinkerConfig.from_pretrained(scratch)
     try:
         actual = ThinkerConfig.from_pretrained(converted)
     except Exception as err:  # transformers raises many types for a config it cannot read; all are the file's
         raise ThinkerError(f"{converted / 'config.json'}: not a Thinker config ({err})") from None
-    differ = config_differences(expected, actual)
+    differ = saved_config_differences(expected, actual)
     if differ:
         raise ThinkerError(
             f"{converted / 'config.json'} is not the config {source} translates to: {', '.join(differ[:6])}"
@@ -364,23 +384,29 @@ def refuse_another_config(tensor_source: TensorSource, converted: Path, source: 
     return actual
 
 
-def refuse_other_dtype(converted: Path, config: ThinkerConfig) -> torch.dtype:
-    """CONVERTED's config.json must name the dtype its weights are stored in (the one holding most of their bytes:
-    a conversion keeps a few tensors wider, ``kept_wider``). ``from_pretrained(dtype="auto")`` loads the folder in
-    the dtype the config names, which the parity check, loading each dtype it compares explicitly, never reads."""
+def refuse_other_dtype(converted: Path, config: ThinkerConfig, source: TensorSource) -> torch.dtype:
+    """CONVERTED's config.json must name the dtype its weights are stored in (the one holding most of their bytes),
+    or the one an ``auto`` conversion of ``source`` writes: that keeps every tensor the source stores wider as it is
+    (``kept_wider``), which may be all of them (float32 weights under a config declaring bfloat16, as DeepSpeed's
+    zero_to_fp32 leaves them). ``from_pretrained(dtype="auto")`` loads the folder in the dtype the config names,
+    which the parity check, loading each dtype it compares explicitly, never reads; ``weights_verdict`` then holds
+    every tensor to the dtype and bytes the conversion writes."""
     weights = open_source(converted)
     try:
         stored = resolve_dtype("auto", None, weights)
     finally:
         weights.close()
     declared = config.dtype if config.dtype is None or isinstance(config.dtype, str) else dtype_name(config.dtype)
-    if declared is not None and declared != dtype_name(stored):  # none: "auto" reads the weights themselves
+    if declared is None or declared == dtype_name(stored):  # none: "auto" reads the weights themselves
+        return stored
+    auto = plan_conversion(source, source.config(), "auto").dtype
+    if declared != dtype_name(auto):
         raise ThinkerError(
             f"{converted / 'config.json'}: dtype {declared!r}, but the folder's weights are stored in "
             f"{dtype_name(stored)}, which from_pretrained(dtype='auto') would not load them as; set dtype to "
             f"{dtype_name(stored)!r} (or convert the source again)"
         )
-    return stored
+    return auto
 
 
 def folder_parameters(folder: Path) -> int:

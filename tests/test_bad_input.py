@@ -599,6 +599,14 @@ def test_verify_refuses_what_is_not_a_conversion(qwen3_source, qwen3_thinker, so
         f"config.json is not the config {qwen3_source} translates to: max_position_embeddings (64 -> 100000)",
         "check that SOURCE (and --revision) name the checkpoint it was converted from",
     )
+    # keys beyond the model's fields: which class the Auto API and pipelines build, a key added by hand (a QA run
+    # found both passed)
+    relabelled = shutil.copytree(qwen3_thinker, tmp_path / "architectures")
+    edit_config(relabelled, architectures=["ThinkerForSequenceClassification"], foo_bar=1)
+    assert_error(
+        thinker("verify", qwen3_source, relabelled),
+        "architectures (['ThinkerForCausalLM'] -> ['ThinkerForSequenceClassification']), foo_bar (None -> 1)",
+    )
     # the dtype from_pretrained(dtype="auto") loads in, which the parity check (each dtype loaded explicitly) never
     # reads; a QA run found it passed, and the report then said the folder stored bfloat16
     relabelled = shutil.copytree(qwen3_thinker, tmp_path / "relabelled")
@@ -621,6 +629,24 @@ def test_verify_refuses_what_is_not_a_conversion(qwen3_source, qwen3_thinker, so
     )
     path.unlink()
     assert_error(thinker("verify", qwen3_source, stops), "lacks generation_config.json")
+
+
+def test_verify_takes_what_an_auto_conversion_writes(source_copy, tmp_path):
+    """float32 weights under a config declaring bfloat16 (what DeepSpeed's zero_to_fp32 leaves): the conversion
+    keeps every tensor as stored and the config's dtype, as the source loads, and its own verify refused that folder
+    (found by a QA run: its dtype rule took the dtype holding most bytes). A relabelled dtype is still refused."""
+    source = source_copy()
+    edit_config(source, dtype="bfloat16")
+    output = tmp_path / "thinker"
+    converted = thinker("convert", source, output)
+    assert converted.exit_code == 0, converted.output
+    assert json.loads((output / "config.json").read_text())["dtype"] == "bfloat16"
+    # said so, where it said "of bfloat16 weights (25 tensors kept in float32 ...)" with no bfloat16 weight at all
+    assert "of float32 weights, as the source stores them (config.json's dtype: bfloat16" in converted.output
+    verified = thinker("verify", source, output)
+    assert verified.exit_code == 0 and "parity holds" in verified.output, verified.output
+    edit_config(output, dtype="float16")
+    assert_error(thinker("verify", source, output), "config.json: dtype 'float16', but the folder's weights")
 
 
 # --- the Hub -----------------------------------------------------------------------------------------------------

@@ -276,7 +276,10 @@ def test_verify_refuses_a_folder_it_would_not_prove(source, tmp_path):
     (retokenized / "tokenizer_config.json").write_text('{"model_max_length": 32}')
     assert "tokenizer_config.json: not the source's tokenizer_config.json" in verify(retokenized)
     (retokenized / "tokenizer_config.json").unlink()
-    assert "lacks tokenizer_config.json, which its source has" in verify(retokenized)
+    assert "lacks tokenizer_config.json, which its source gives" in verify(retokenized)
+    templated = shutil.copytree(converted, tmp_path / "templated")  # a file beside the source's (found by a QA run)
+    (templated / "chat_template.jinja").write_text("{{ messages }}")
+    assert "chat_template.jinja: a tokenizer file its source does not give" in verify(templated)
 
     empty = shutil.copytree(converted, tmp_path / "empty")
     (empty / "model.safetensors").unlink()

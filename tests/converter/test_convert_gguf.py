@@ -125,6 +125,35 @@ def test_smollm2_answers_in_plain_text(smollm2):
     assert "Paris" in text, text
 
 
+@pytest.mark.slow
+def test_verify_holds_a_gguf_conversions_tokenizer_to_its_metadata(smollm2, tmp_path):
+    """A GGUF carries its tokenizer as metadata, which the conversion rebuilds as transformers' files: verify
+    rebuilds them again (byte for byte the same) and refuses a folder whose tokenizer differs. It compared a folder
+    source's files only, so two vocabulary ids swapped in a GGUF conversion's tokenizer.json passed (a QA run)."""
+    import json
+    import shutil
+
+    from converter.convert import refuse_other_tokenizer
+    from thinker_common.errors import ThinkerError
+    from thinker_common.gguf_reader import GGUFSource
+
+    source = GGUFSource(smollm2_gguf_path())
+    try:
+        refuse_other_tokenizer(source, smollm2.output)  # the conversion's own files
+        swapped = tmp_path / "swapped"
+        swapped.mkdir()
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            shutil.copy(smollm2.output / name, swapped / name)
+        tokenizer = json.loads((swapped / "tokenizer.json").read_text())
+        vocab = tokenizer["model"]["vocab"]
+        vocab["Ġcapital"], vocab["ĠFrance"] = vocab["ĠFrance"], vocab["Ġcapital"]
+        (swapped / "tokenizer.json").write_text(json.dumps(tokenizer))
+        with pytest.raises(ThinkerError, match="tokenizer.json: not the source's tokenizer.json"):
+            refuse_other_tokenizer(source, swapped)
+    finally:
+        source.close()
+
+
 @pytest.mark.parametrize("architecture", sorted(SYNTHETIC))
 def test_config_agrees_with_transformers_gguf_loader(architecture, tmp_path):
     """``gguf_to_hf_config`` reads the metadata keys transformers' own tables name (``load_gguf_checkpoint`` with
