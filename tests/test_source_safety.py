@@ -201,6 +201,46 @@ def test_output_is_never_the_working_directory(command, output, qwen3_source, qw
     assert (work / "notes.txt").read_text() == "mine" and sorted(os.listdir(work)) == ["notes.txt"]
 
 
+@pytest.mark.parametrize("command", ["convert", "export"])
+def test_force_replaces_model_folders_only(command, qwen3_source, qwen3_thinker, tmp_path, digest):
+    """--force deletes the folder it replaces. A QA run gave the home folder as OUTPUT (the working directory is
+    refused above, that folder was not it) and lost every program installed there. A folder holding folders or
+    hidden entries, or no config, is refused by name, nothing touched; an earlier output is replaced."""
+    source = qwen3_source if command == "convert" else qwen3_thinker
+    home = tmp_path / "home"
+    (home / ".cache").mkdir(parents=True)
+    (home / ".bashrc").write_text("mine")
+    (home / "config.json").write_text("{}")
+    documents = tmp_path / "documents"
+    documents.mkdir()
+    (documents / "notes.md").write_text("mine")
+    before = digest(tmp_path)
+    for folder, held in ((home, "holds .bashrc, .cache"), (documents, "holds no config.json")):
+        result = thinker(command, source, folder, "--force", "--no-verify")
+        assert_error(result, f"{folder}: not a model folder ({held})", "choose another OUTPUT")
+    assert digest(tmp_path) == before and (home / ".cache").is_dir()
+    earlier = tmp_path / "earlier"
+    assert thinker(command, source, earlier, "--no-verify").exit_code == 0
+    replaced = thinker(command, source, earlier, "--no-verify", "--force")
+    assert replaced.exit_code == 0, replaced.output
+
+
+def test_force_looks_again_before_it_replaces(tmp_path):
+    """What OUTPUT holds is checked again at the swap, after the work: a folder that took other contents meanwhile
+    is refused there, both folders as they were."""
+    from thinker_common.errors import ThinkerError
+    from thinker_common.staging import install
+
+    staging, output = tmp_path / ".staging", tmp_path / "out"
+    staging.mkdir()
+    (staging / "config.json").write_text("{}")
+    (output / "projects").mkdir(parents=True)
+    (output / "config.json").write_text("{}")
+    with pytest.raises(ThinkerError, match=r"out: not a model folder \(holds projects\)"):
+        install(staging, output, force=True)
+    assert sorted(os.listdir(output)) == ["config.json", "projects"] and (staging / "config.json").is_file()
+
+
 def test_a_250_character_output_name(qwen3_source, tmp_path):
     """The staging folder's name must stay within the file system's 255 bytes although OUTPUT's nearly fills them."""
     output = tmp_path / ("o" * 250)
@@ -251,6 +291,7 @@ def test_an_output_that_cannot_be_replaced_is_named(qwen3_source, tmp_path, monk
 
     output = tmp_path / "out"
     output.mkdir()
+    (output / "config.json").write_text("{}")  # a model folder, which --force may replace
     (output / "mine.txt").write_text("kept")
 
     def busy(first, second):
@@ -259,7 +300,7 @@ def test_an_output_that_cannot_be_replaced_is_named(qwen3_source, tmp_path, monk
     monkeypatch.setattr(staging, "_exchange", busy)
     result = thinker("convert", qwen3_source, output, "--no-verify", "--force")
     assert_error(result, str(output), "cannot replace it (Device or resource busy)", "write to another path")
-    assert sorted(os.listdir(output)) == ["mine.txt"] and sorted(os.listdir(tmp_path)) == ["out"]
+    assert sorted(os.listdir(output)) == ["config.json", "mine.txt"] and sorted(os.listdir(tmp_path)) == ["out"]
 
 
 # --- symlinks (issue 16) -------------------------------------------------------------------------------------------

@@ -49,6 +49,33 @@ def refuse_existing_output(
             f"{Path(output).absolute()}: OUTPUT is a mount point, which cannot be replaced (--force swaps folders "
             "by renaming them); write into a folder inside it"
         )
+    if force:
+        refuse_replacing_another_folder(output)
+
+
+# The files that make a folder a model folder, one of ours (a Thinker folder, an ONNX export, the way back's) or
+# another tool's: what --force is for replacing.
+MODEL_FOLDER_FILES = ("config.json", "genai_config.json")
+
+
+def refuse_replacing_another_folder(output: Path) -> None:
+    """``--force`` deletes the folder it replaces, so it replaces only an empty folder or a model folder: one that
+    holds a config file (``MODEL_FOLDER_FILES``) and nothing but plain files. A folder holding folders, hidden
+    entries or links, or no config (a home folder, a project, a folder of documents) is refused by name, however
+    OUTPUT was typed: a QA run replaced the home folder, and every program installed in it, with an export."""
+    if output.is_symlink() or not output.is_dir():
+        return  # a link is replaced as a link (its target stays); a file is refused elsewhere (``refuse_a_file``)
+    with os.scandir(output) as scan:
+        entries = list(scan)
+    if not entries:
+        return
+    others = sorted(e.name for e in entries if e.name.startswith(".") or not e.is_file(follow_symlinks=False))
+    if others or not any(e.name in MODEL_FOLDER_FILES for e in entries):
+        held = f"holds {', '.join(others[:3])}{' ...' if len(others) > 3 else ''}" if others else "holds no config.json"
+        raise ThinkerError(
+            f"{Path(output).absolute()}: not a model folder ({held}), and --force deletes the folder it replaces: "
+            "it replaces an earlier output or another model folder only; choose another OUTPUT, or empty this one"
+        )
 
 
 def _forms(path: Path) -> set[Path]:
@@ -369,6 +396,7 @@ def install(staging: Path, output: Path, force: bool) -> None:
             pass  # it did appear: as below
     if not force:
         raise ThinkerError(f"{output} appeared during the run; pass --force to replace it")
+    refuse_replacing_another_folder(output)  # again: it may have changed, or appeared, since the look before the work
     try:
         if _exchange(staging, output):
             return  # the old OUTPUT is at ``staging`` now and goes with it
