@@ -129,6 +129,7 @@ def test_a_killed_conversion_leaves_no_output_and_the_next_run_works(point, kill
 def test_a_killed_force_run_leaves_the_old_output_intact(point, killed, qwen3_source, tmp_path, digest):
     output = tmp_path / "out"
     output.mkdir()
+    (output / "config.json").write_text("{}")  # a model folder, which --force may replace
     (output / "notes.txt").write_text("the previous conversion")
     before = digest(output)
     killed(point, convert, qwen3_source, output, force=True, **CONVERT)
@@ -142,6 +143,7 @@ def test_a_killed_force_run_leaves_the_old_output_intact(point, killed, qwen3_so
 def test_killed_just_after_the_swap_the_output_is_the_new_one(killed, qwen3_source, tmp_path):
     output = tmp_path / "out"
     output.mkdir()
+    (output / "config.json").write_text("{}")  # a model folder, which --force may replace
     (output / "notes.txt").write_text("the previous conversion")
     killed(
         KillPoint("thinker_common.staging", "_exchange", after=True),

@@ -49,18 +49,16 @@ def refuse_existing_output(
             f"{Path(output).absolute()}: OUTPUT is a mount point, which cannot be replaced (--force swaps folders "
             "by renaming them); write into a folder inside it"
         )
-    if force:
-        refuse_replacing_another_folder(output)
 
 
 # The files that make a folder a model folder, one of ours (a Thinker folder, an ONNX export, the way back's) or
 # another tool's: what --force is for replacing.
-MODEL_FOLDER_FILES = ("config.json", "genai_config.json")
+MODEL_FOLDER_FILES = ("config.json", "genai_config.json", "model.safetensors", "model.onnx")
 
 
 def refuse_replacing_another_folder(output: Path) -> None:
     """``--force`` deletes the folder it replaces, so it replaces only an empty folder or a model folder: one that
-    holds a config file (``MODEL_FOLDER_FILES``) and nothing but plain files. A folder holding folders, hidden
+    holds a config or model file (``MODEL_FOLDER_FILES``) and nothing but plain files. A folder holding folders, hidden
     entries or links, or no config (a home folder, a project, a folder of documents) is refused by name, however
     OUTPUT was typed: a QA run replaced the home folder, and every program installed in it, with an export."""
     if output.is_symlink() or not output.is_dir():
@@ -71,7 +69,7 @@ def refuse_replacing_another_folder(output: Path) -> None:
         return
     others = sorted(e.name for e in entries if e.name.startswith(".") or not e.is_file(follow_symlinks=False))
     if others or not any(e.name in MODEL_FOLDER_FILES for e in entries):
-        held = f"holds {', '.join(others[:3])}{' ...' if len(others) > 3 else ''}" if others else "holds no config.json"
+        held = f"holds {', '.join(others[:3])}{' ...' if len(others) > 3 else ''}" if others else "no config.json"
         raise ThinkerError(
             f"{Path(output).absolute()}: not a model folder ({held}), and --force deletes the folder it replaces: "
             "it replaces an earlier output or another model folder only; choose another OUTPUT, or empty this one"
@@ -322,6 +320,9 @@ def work_folder(output: Path, needed: int | None = None) -> Iterator[Path]:
     removed at the end. ``needed``, the bytes the run will write, is checked against the free space first; a write
     that fails for lack of space, there or later, becomes a ``ThinkerError`` saying so."""
     output = output.absolute()
+    # an existing OUTPUT (which only --force lets a run reach) is looked at before the work, after the checks against
+    # the source, whose messages say more, and again when it is replaced (``install``)
+    refuse_replacing_another_folder(output)
     created = [folder for folder in [output.parent, *output.parent.parents] if not folder.exists()]  # deepest first
     try:
         output.parent.mkdir(parents=True, exist_ok=True)

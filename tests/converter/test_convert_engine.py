@@ -452,9 +452,10 @@ def test_existing_output_is_untouched_without_force(save_reference, run_convert,
     existing = tmp_path / "out"
     existing.mkdir()
     (existing / "keep.txt").write_text("mine")
+    (existing / "config.json").write_text("{}")  # a model folder, which --force may replace
     with pytest.raises(ThinkerError, match="already exists; pass --force"):
         run_convert(source)
-    assert [p.name for p in existing.iterdir()] == ["keep.txt"]
+    assert sorted(p.name for p in existing.iterdir()) == ["config.json", "keep.txt"]
 
     result = run_convert(source, force=True, verify=False)
     assert not (result.output / "keep.txt").exists() and (result.output / "model.safetensors").is_file()
@@ -469,6 +470,7 @@ def test_failed_conversion_leaves_an_existing_output_in_place(qwen2_tensors, run
     save_file(tensors, source / "model.safetensors")
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
+    (tmp_path / "out" / "config.json").write_text("{}")  # a model folder, which --force may replace
     with pytest.raises(ThinkerError, match="NaN or Inf"):
         run_convert(source, force=True)
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
