@@ -187,7 +187,11 @@ gguf_file_option = click.option(
     is_flag=True,
     help="Verify one layer at a time whatever the model's size: the memory of one layer, not of two models.",
 )
-@click.option("--force", is_flag=True, help="Replace an existing OUTPUT, only once the new one is complete.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace an existing OUTPUT, only once the new one is complete, and only a model folder (an earlier output).",
+)
 @click.option(
     "--to",
     "to_family",

@@ -238,7 +238,11 @@ costs against the float model on a fixed English paragraph (top-1 agreement, per
     help="--quantize --verify: the most the perplexity on that paragraph may rise over the float model's, as a "
     "fraction (0.35: 35%) [default: 0.05 for int8, 0.35 for int4].",
 )
-@click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace an existing OUTPUT, only once the new one is complete, and only a model folder (an earlier export).",
+)
 @click.option(
     "--revision",
     metavar="REV",
