@@ -215,7 +215,7 @@ def test_force_replaces_model_folders_only(command, qwen3_source, qwen3_thinker,
     documents.mkdir()
     (documents / "notes.md").write_text("mine")
     before = digest(tmp_path)
-    for folder, held in ((home, "holds .bashrc, .cache"), (documents, "no config.json")):
+    for folder, held in ((home, "holds .bashrc, .cache"), (documents, "no config or model file")):
         result = thinker(command, source, folder, "--force", "--no-verify")
         assert_error(result, f"{folder}: not a model folder ({held})", "choose another OUTPUT")
     assert digest(tmp_path) == before and (home / ".cache").is_dir()

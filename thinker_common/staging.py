@@ -69,7 +69,8 @@ def refuse_replacing_another_folder(output: Path) -> None:
         return
     others = sorted(e.name for e in entries if e.name.startswith(".") or not e.is_file(follow_symlinks=False))
     if others or not any(e.name in MODEL_FOLDER_FILES for e in entries):
-        held = f"holds {', '.join(others[:3])}{' ...' if len(others) > 3 else ''}" if others else "no config.json"
+        listed = f"{', '.join(others[:3])}{' ...' if len(others) > 3 else ''}"
+        held = f"holds {listed}" if others else "no config or model file"
         raise ThinkerError(
             f"{Path(output).absolute()}: not a model folder ({held}), and --force deletes the folder it replaces: "
             "it replaces an earlier output or another model folder only; choose another OUTPUT, or empty this one"
