@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from thinker_common.model_card import card_metadata, copy_license, markdown_table, weights_of, write_card
-from thinker_common.side_files import read_json
+from thinker_common.side_files import read_json, tokenizer_files
 
 from .names import EMBEDS_MODEL_FILE, GENAI_CONFIG_FILE
 
@@ -117,7 +117,14 @@ def write_onnx_card(folder: Path, thinker_folder: Path, report: dict, name: str)
         if report.get("converted")
         else f"the Thinker folder `{Path(thinker_folder).name}`"
     )
-    tokenizer = "The tokenizer is the model's." if any(folder.glob("tokenizer*")) else "The source had no tokenizer."
+    has_tokenizer = bool(tokenizer_files(folder))
+    tokenizer = "The tokenizer is the model's." if has_tokenizer else "The source had no tokenizer."
+    if not has_tokenizer:  # text examples would fail: token ids (the report's notes say so too)
+        run = TOKEN_IDS_RUN.format(name=name, genai=TOKEN_IDS_GENAI if genai else "")
+    elif genai:
+        run = GENAI_RUN.format(name=name, max_length=genai_max_length(folder))
+    else:
+        run = ONNXRUNTIME_RUN.format(name=name)
     body = f"""# {name}
 
 The decoder of {decoder}{origin}, exported by `thinker export` as ONNX ({precision}, the {report["graph"]} graph)
@@ -126,7 +133,7 @@ with its whole decoding state as inputs and outputs: `model.onnx` for onnxruntim
 
 ## Run
 
-{GENAI_RUN.format(name=name, max_length=genai_max_length(folder)) if genai else ONNXRUNTIME_RUN.format(name=name)}
+{run}
 {EMBEDS_RUN.format(name=name) if report.get("inputs_embeds") else ""}"""
     write_card(folder, metadata, body, verify_section(report))
     return ["README.md", *copy_license(thinker_folder, folder)]
@@ -187,6 +194,22 @@ prompt = tokenizer("The capital of France is", return_tensors="np")
 tokens = decoder.generate(prompt["input_ids"], prompt["attention_mask"], max_new_tokens=32)
 print(tokenizer.decode(tokens[0]))
 ```"""
+
+# A folder without a tokenizer (the Thinker folder had none): prompts as token ids.
+TOKEN_IDS_RUN = """The folder has no tokenizer, so it runs on token ids; copy the model's tokenizer files into it for
+text prompts (`thinker generate`, onnxruntime-genai's `og.Tokenizer`).
+
+```python
+from export.runtime import OnnxDecoder
+
+decoder = OnnxDecoder("{name}")
+tokens = decoder.generate([[1, 2, 3]], max_new_tokens=32)  # the prompt's ids, then up to 32 new ones
+```
+{genai}"""
+
+TOKEN_IDS_GENAI = """
+With onnxruntime-genai, `generator.append_tokens([[1, 2, 3]])` takes the ids in the same way.
+"""
 
 # --inputs-embeds: how a prompt with a tower's embeddings goes in.
 EMBEDS_RUN = """

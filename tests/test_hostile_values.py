@@ -109,6 +109,11 @@ BAD_VALUES = {
         {"rope_parameters": {"rope_type": "linear", "factor": 0.0, "rope_theta": 10000.0}},
         ["rope_parameters.factor=0.0 must be a positive number"],
     ),
+    # found by a QA run: building the model stopped inside torch ("Padding_idx must be within num_embeddings")
+    "a pad id past the vocabulary": (
+        {"pad_token_id": 5000},
+        ["pad_token_id=5000 must be a token id of the vocabulary"],
+    ),
     "a RoPE scaling factor given as text": (
         {"rope_parameters": {"rope_type": "dynamic", "factor": "2", "rope_theta": 10000.0}},
         ["rope_parameters.factor='2'"],

@@ -53,6 +53,11 @@ def config_problem(config: Mapping[str, Any]) -> str | None:
         value = config.get(key)
         if value is not None and not (_whole(value) and value > 0):
             return f"{key}={value!r} must be a whole number above 0"
+    # the embedding's padding row (torch's Embedding takes -vocab_size to vocab_size - 1): past it, building the
+    # model failed inside torch with "Padding_idx must be within num_embeddings" (found by a QA run)
+    pad, vocab = config.get("pad_token_id"), config.get("vocab_size")
+    if pad is not None and not (_whole(pad) and (vocab is None or -vocab <= pad < vocab)):
+        return f"pad_token_id={pad!r} must be a token id of the vocabulary (a whole number below vocab_size={vocab})"
     positions = config.get("max_position_embeddings")
     if _whole(positions) and positions > MAX_POSITIONS:
         return (

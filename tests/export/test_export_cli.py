@@ -51,6 +51,30 @@ def test_the_onnx_folder_carries_a_model_card(runner, thinker_folder, tmp_path):
     assert "the head" not in card.text and "(`--logits last`)" not in card.text  # an int8 head, logits everywhere
 
 
+def test_a_folder_without_a_tokenizer_is_said_to_run_on_token_ids(runner, thinker_folder, tmp_path):
+    """A Thinker folder without a tokenizer (a weights-only checkpoint's) exported without a word, and its card
+    showed text prompts that fail (found by a QA run): a note on the console and in the report, and the card's
+    example runs on token ids, as written."""
+    import shutil
+
+    from export.runtime import OnnxDecoder
+    from thinker_common.side_files import tokenizer_files
+
+    source = shutil.copytree(thinker_folder("qwen3"), tmp_path / "thinker")
+    for name in tokenizer_files(source):
+        (source / name).unlink()
+    output = tmp_path / "onnx"
+    result = runner.invoke(main, ["export", str(source), str(output), "--no-verify"])
+    assert result.exit_code == 0, result.output
+    assert "has no tokenizer, so neither has this one: it runs on token ids" in result.stderr, result.stderr
+    notes = json.loads((output / "export_report.json").read_text())["notes"]
+    assert any("runs on token ids" in note for note in notes), notes
+    card = (output / "README.md").read_text()
+    assert "tokenizer.encode" not in card and "--prompt" not in card and "runs on token ids" in card, card
+    assert "decoder.generate([[1, 2, 3]], max_new_tokens=32)" in card
+    assert OnnxDecoder(output).generate([[1, 2, 3]], max_new_tokens=4).shape == (1, 7)
+
+
 def test_the_card_names_the_head_and_last_position_logits(runner, thinker_folder, tmp_path):
     options = ["--quantize", "int4", "--logits", "last", "--no-verify", "--accuracy-guard", "0"]
     for head, says in [("mixed", "the head int8 for its first 8 rows and int4 after"), ("int8", "the head int8")]:
