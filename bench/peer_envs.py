@@ -67,11 +67,21 @@ def python_of(name: str) -> Path:
 
 
 def package_versions(name: str) -> dict[str, str]:
-    """Versions of the packages that matter for the figures, as installed in environment ``name``."""
-    wanted = ["onnxruntime", "onnxruntime-genai", "optimum", "optimum-onnx", "mobius-onnx", "transformers", "torch"]
+    """Versions of the packages that matter for the figures, as installed in environment ``name``: each the first
+    on its ``sys.path``, the one its import takes. (Every distribution on the path, the last one winning, recorded the
+    GPU image's own transformers 5.17 where the GPU kit's 5.25, first on the path, ran; a CPU onnxruntime the image
+    holds beside the kit's onnxruntime-gpu is still listed, under its own name.)"""
+    wanted = ["onnxruntime", "onnxruntime-gpu", "onnxruntime-genai", "onnxruntime-genai-cuda", "optimum"]
+    wanted += ["optimum-onnx", "mobius-onnx", "transformers", "torch"]
     code = (
-        "import importlib.metadata as m, json, sys; names = set(sys.argv[1:]); "
-        "print(json.dumps({d.metadata['Name']: d.version for d in m.distributions() if d.metadata['Name'] in names}))"
+        "import importlib.metadata as m, json, sys\n"
+        "found = {}\n"
+        "for name in sys.argv[1:]:\n"
+        "    try:\n"
+        "        found[name] = m.version(name)\n"
+        "    except m.PackageNotFoundError:\n"
+        "        pass\n"
+        "print(json.dumps(found))"
     )
     done = subprocess.run([str(python_of(name)), "-c", code, *wanted], capture_output=True, text=True)
     return json.loads(done.stdout) if done.returncode == 0 else {}

@@ -79,7 +79,7 @@ def _xdist_group(item) -> str:
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the marks into the node ids' "@group" suffix
 def pytest_collection_modifyitems(config, items):
     """Under ``--dist loadgroup``, each test file runs whole in one worker, so its module and session fixtures are
-    built once there, not once per worker; the tests that read the real SmolLM2 demo (a minute to build) share one
+    built once there, not once per worker; the tests that read the real SmolLM2 demo (minutes to build) share one
     group across their files. The heaviest groups are queued first. Only xdist's workers collect for the schedule
     (the option is theirs); a plain run keeps its order and marks nothing."""
     if not getattr(config.option, "loadgroup", False):
