@@ -147,8 +147,9 @@ gguf_file_option = click.option(
     "--gguf-file",
     metavar="NAME",
     help="The GGUF file of SOURCE (a Hub repo or a folder holding several, one per quantisation) to read, by name "
-    "or by its path inside SOURCE (Q4_K_M/model-Q4_K_M.gguf), converted or verified against: only that file is "
-    "downloaded (as transformers' from_pretrained(..., gguf_file=NAME)).",
+    "or by its path inside SOURCE (Q4_K_M/model-Q4_K_M.gguf), converted or verified against: of a Hub repo only "
+    "that file is downloaded, with the generation config, model card and license files beside it (transformers' "
+    "from_pretrained(..., gguf_file=NAME) reads the generation config too).",
 )
 
 

@@ -70,6 +70,9 @@ _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 # (trainer_state.json, training logs, eval results) can be large and are never read.
 _INDEXES = (SAFETENSORS_INDEX, BIN_INDEX)
 _SIDE_FILES = (*CONFIG_FILES, *_INDEXES, *TOKENIZER_FILES, CARD_FILE, *LICENSE_FILES)
+# Beside a GGUF, whose config and tokenizer are its metadata: only the files its conversion reads or carries (the
+# generation config, as transformers' from_pretrained(..., gguf_file=) reads it, and the card's license).
+_GGUF_SIDE_FILES = ("generation_config.json", CARD_FILE, *LICENSE_FILES)
 _COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
 _TRUE_VALUES = {"1", "ON", "YES", "TRUE"}
 _log = logging.getLogger(__name__)
@@ -136,13 +139,17 @@ def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str 
             if whole in weights:  # transformers reads the whole file alone, before an index and shards beside it
                 weights = [whole]
     if not weights:
-        if len(gguf) > 1:
-            raise ThinkerError(f"{label} holds {len(gguf)} GGUF files; pick one with --gguf-file: {_ggufs_held(gguf)}")
+        if len(gguf) > 1:  # every GGUF of the repo listed, a quantisation's folder's too
+            held = sorted(name for name in repo_files if name.endswith(".gguf"))
+            raise ThinkerError(f"{label} holds {len(held)} GGUF files; pick one with --gguf-file: {_ggufs_held(held)}")
         weights = gguf
     if not weights:
         held = _nested(repo_files, label)
         raise ThinkerError(f"{label} has no .safetensors, .bin or .gguf weights at its top level; {held}")
-    side_files = [name for name in top if name in _SIDE_FILES or any(fnmatch(name, p) for p in TOKENIZER_PATTERNS)]
+    if all(name.endswith(".gguf") for name in weights):
+        side_files = [name for name in top if name in _GGUF_SIDE_FILES]
+    else:
+        side_files = [n for n in top if n in _SIDE_FILES or any(fnmatch(n, p) for p in TOKENIZER_PATTERNS)]
     # the one index read: the taken format's, unless its whole file is taken (another format's would send
     # _resolve_repo to shards transformers does not load)
     read = {index for whole, index in LOAD_ORDER if whole not in weights and any(_of_format(n, whole) for n in weights)}
@@ -311,9 +318,10 @@ def _resolve_repo(
             unreachable = err
         except _NETWORK_ERRORS as err:
             unreachable = err
+    listed = True  # False: the names are a cached snapshot's, which may hold only some of the repo's files
     if files is None:
         pinned = _cached_commit(repo_id, revision, cache_dir) or revision
-        files = _cached_listing(repo_id, pinned, cache_dir)
+        files, listed = _cached_listing(repo_id, pinned, cache_dir)
         if files is None:
             raise _not_cached(repo_id, label, endpoint, cache_dir, offline, unreachable)
 
@@ -326,6 +334,14 @@ def _resolve_repo(
             raise ThinkerError(f"{label} has no GGUF file {prefix + hub.gguf_file!r}; {_ggufs_held(held)}")
         inside = [name.removeprefix(prefix) for name in files if name.startswith(prefix)]
         picked = pick_conversion_files(inside, label, hub.gguf_file)
+        gguf = next((name for name in picked if name.endswith(".gguf")), None)
+        if gguf is not None and hub.gguf_file is None and not listed:
+            # Online, a repo of several GGUF files is refused until one is named; a snapshot cached file by file
+            # cannot tell, and converting the one it holds would pick the quantisation by what was downloaded.
+            raise ThinkerError(
+                f"{label}: the cache holds {gguf} but no listing of the repo's files (filled file by file), so "
+                f"whether the repo holds other GGUF files is unknown offline; name it: --gguf-file {gguf}"
+            )
         allow_patterns = [glob.escape(prefix + name) for name in picked]
         index = next((name for name in _INDEXES if name in picked), None)
     for name in filter_repo_objects(files, allow_patterns=allow_patterns):
@@ -472,23 +488,24 @@ def _cached_commit(repo_id: str, revision: str, cache_dir: Path) -> str | None:
     return matches[0] if len(matches) == 1 else None
 
 
-def _cached_listing(repo_id: str, revision: str, cache_dir: Path) -> list[str] | None:
-    """The file names huggingface_hub cached with an earlier download of ``revision``, else the files its cached
-    snapshot holds (a cache filled file by file, as transformers' from_pretrained fills it, keeps no listing: its
-    snapshot holds what that load read); None if there is neither."""
+def _cached_listing(repo_id: str, revision: str, cache_dir: Path) -> tuple[list[str] | None, bool]:
+    """The file names huggingface_hub cached with an earlier download of ``revision`` (and True: the repo's whole
+    listing), else the files its cached snapshot holds (and False: a cache filled file by file, as transformers'
+    from_pretrained fills it, keeps no listing, and its snapshot holds what that load read); None if neither."""
     try:
-        return [entry.path for entry in get_cached_repo_tree(repo_id, revision=revision, cache_dir=cache_dir)]
+        return [entry.path for entry in get_cached_repo_tree(repo_id, revision=revision, cache_dir=cache_dir)], True
     except (CachedRepoTreeNotFoundError, OSError, ValueError):
         pass
     folder = cache_dir / repo_folder_name(repo_id=repo_id, repo_type="model")
     try:
         commit = revision if _COMMIT_HASH.fullmatch(revision) else (folder / "refs" / revision).read_text().strip()
     except (OSError, ValueError):
-        return None
+        return None, False
     snapshot = folder / "snapshots" / commit
     if not _COMMIT_HASH.fullmatch(commit) or not snapshot.is_dir():
-        return None
-    return sorted(str(path.relative_to(snapshot).as_posix()) for path in snapshot.rglob("*") if not path.is_dir())
+        return None, False
+    held = sorted(str(path.relative_to(snapshot).as_posix()) for path in snapshot.rglob("*") if not path.is_dir())
+    return held, False
 
 
 def _check_file_name(name: str, label: str) -> None:

@@ -96,6 +96,22 @@ def test_offline_resolves_a_cache_filled_file_by_file(fake_hub, monkeypatch):
     assert files_in(snapshot) == {"config.json", "model.safetensors"}
 
 
+def test_offline_a_gguf_cached_file_by_file_is_named_first(fake_hub, monkeypatch):
+    """A GGUF repo of several quantisations, one of them cached file by file (hf_hub_download, as transformers'
+    from_pretrained(..., gguf_file=) caches it): online the repo is refused until one is named, and offline the
+    snapshot cannot tell whether others exist, so it is refused too, naming the file to pass (found by a QA run:
+    the cached one was converted without a word); with --gguf-file it resolves."""
+    from huggingface_hub import hf_hub_download
+
+    fake_hub.add_repo("acme/tiny-gguf", GGUF_REPO)
+    cached = Path(hf_hub_download("acme/tiny-gguf", "tiny-Q8_0.gguf", cache_dir=fake_hub.cache))
+    fake_hub.stop()
+    go_offline(monkeypatch)
+    with pytest.raises(ThinkerError, match="no listing of the repo's files .*--gguf-file tiny-Q8_0.gguf"):
+        resolve_source("acme/tiny-gguf", progress=False)
+    assert resolve_source("acme/tiny-gguf", gguf_file="tiny-Q8_0.gguf", progress=False) == cached
+
+
 @pytest.mark.parametrize("how", ["env", "constant"])
 def test_offline_and_not_cached(fake_hub, monkeypatch, how):
     fake_hub.add_repo(REPO, tiny_repo())
@@ -341,6 +357,10 @@ def test_cached_file_leading_out_of_the_cache_is_refused(fake_hub, tmp_path):
             ],
         ),
         (["README.md", "qwen-q8_0.gguf"], ["README.md", "qwen-q8_0.gguf"]),
+        (  # beside a GGUF (config and tokenizer in its metadata) only what its conversion reads or carries
+            ["LICENSE", "README.md", "config.json", "generation_config.json", "qwen-q8_0.gguf", "tokenizer.json"],
+            ["LICENSE", "README.md", "generation_config.json", "qwen-q8_0.gguf"],
+        ),
         (  # the whole safetensors file beside a bin index and its shards: the file alone, no index to follow
             [
                 "config.json",
@@ -518,6 +538,9 @@ def test_a_cached_branch_used_while_the_hub_fails_is_said_to_be_possibly_stale(f
 def test_pick_conversion_files_refuses_ambiguous_or_missing_weights():
     with pytest.raises(ThinkerError, match="2 GGUF files"):
         pick_conversion_files(["a-q4.gguf", "a-q8.gguf"], "acme/a@main")
+    # every GGUF of the repo counted and listed, a quantisation's folder's too (it said 2 of 3, a QA run found)
+    with pytest.raises(ThinkerError, match="3 GGUF files; pick one with --gguf-file: .*Q4_0/a-q4_0.gguf"):
+        pick_conversion_files(["a-q4.gguf", "a-q8.gguf", "Q4_0/a-q4_0.gguf"], "acme/a@main")
     with pytest.raises(ThinkerError, match="no .safetensors, .bin or .gguf weights .*; check the repo id"):
         pick_conversion_files(["config.json", "original/model.pth"], "acme/a@main")
 
