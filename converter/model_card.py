@@ -155,9 +155,12 @@ weights. The tokenizer and generation config are the source's.
 import thinker  # registers the Thinker classes with transformers' Auto classes
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-model = AutoModelForCausalLM.from_pretrained("{here}", dtype="auto")  # or trust_remote_code=True, no thinker
+model = AutoModelForCausalLM.from_pretrained("{here}", dtype="auto")
 tokenizer = AutoTokenizer.from_pretrained("{here}")
 ```
+
+Without Thinker installed, the folder's own modeling code runs: drop the import and pass `trust_remote_code=True` to
+both calls (the tokenizer reads the same config, and asks otherwise).
 
 {export_line(here, beyond_genai)}
 """

@@ -117,6 +117,8 @@ def write_onnx_card(folder: Path, thinker_folder: Path, report: dict, name: str)
         if report.get("converted")
         else f"the Thinker folder `{Path(thinker_folder).name}`"
     )
+    config = read_json(Path(thinker_folder) / "config.json") or {}
+    embeds = embeds_run(name, report, config) if report.get("inputs_embeds") else ""
     has_tokenizer = bool(tokenizer_files(folder))
     tokenizer = "The tokenizer is the model's." if has_tokenizer else "The source had no tokenizer."
     if not has_tokenizer:  # text examples would fail: token ids (the report's notes say so too)
@@ -134,9 +136,18 @@ with its whole decoding state as inputs and outputs: `model.onnx` for onnxruntim
 ## Run
 
 {run}
-{EMBEDS_RUN.format(name=name) if report.get("inputs_embeds") else ""}"""
+{embeds}"""
     write_card(folder, metadata, body, verify_section(report))
     return ["README.md", *copy_license(thinker_folder, folder)]
+
+
+def embeds_run(name: str, report: dict, config: dict) -> str:
+    """The card's ``--inputs-embeds`` section: text positions said where the export took them, DeepStack only for a
+    model that takes its features (a QA run found both told to exports that refuse them)."""
+    multimodal = bool((config.get("rope_parameters") or {}).get("mrope_section"))  # (3, B, T) positions possible
+    positions = TEXT_POSITIONS if multimodal and report.get("positions") == "text" else ""
+    deepstack = DEEPSTACK_RUN if config.get("deepstack_layers") else ""
+    return EMBEDS_RUN.format(name=name, positions=positions, deepstack=deepstack)
 
 
 # --logits last: what a caller scoring a text must know before it reads the logits.
@@ -219,7 +230,7 @@ EMBEDS_RUN = """
 `input_ids`, and `embed.onnx` looks tokens up (`input_ids` -> `inputs_embeds`); both read `model.onnx.data`. Write a
 tower's embeddings into the placeholder slots of the prompt's token embeddings and pass the positions the reference
 processor gives (`get_rope_index`: `[3, batch, seq]` with multimodal RoPE); each row then continues one past its
-last position on each stream, as transformers' `generate` does:
+last position on each stream, as transformers' `generate` does.{positions}
 
 ```python
 from export.runtime import OnnxDecoder
@@ -230,6 +241,15 @@ embeds[image_slots] = image_embeddings           # the tower's output, as numpy 
 new_tokens = decoder.generate(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids)
 ```
 
+{deepstack}"""
+
+# --positions text with --inputs-embeds on a multimodal-RoPE model: (B, T) positions, the three streams equal.
+TEXT_POSITIONS = """ This export takes text positions (`--positions text`): prompts whose three position
+streams are equal, text and audio; an image or video prompt's distinct streams are refused (export with `--positions
+multimodal` for those)."""
+
+# A model whose text decoder takes a vision tower's DeepStack features (Qwen3-VL, Qwen3-Omni).
+DEEPSTACK_RUN = """
 Qwen3-VL and Qwen3-Omni images and videos also hand the text decoder DeepStack features: pass them as their model
 does, `visual_pos_masks=` and `deepstack_visual_embeds=`.
 """

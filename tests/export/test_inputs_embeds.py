@@ -319,6 +319,7 @@ def test_verify_fails_on_a_planted_deepstack_bug(planted, tmp_path):
 
     source = save_thinker(tmp_path / "thinker", "qwen3_5", deepstack_layers=2)
     export_model(source, tmp_path / "onnx", inputs_embeds=True, verify=False, progress=False)
+    assert "`visual_pos_masks=` and `deepstack_visual_embeds=`" in (tmp_path / "onnx" / "README.md").read_text()
     sound = verify_export(source, tmp_path / "onnx" / "model.onnx", torch.float32)
     assert sound["passed"] and sound["embeds_graph"]["max_abs_diff"] <= sound["tolerance"]
     _rewrite(tmp_path / "onnx" / EMBEDS_MODEL_FILE, planted)
@@ -607,8 +608,20 @@ def test_the_command_line_writes_both_graphs(thinker_folder, tmp_path):
     assert f"; {EMBEDS_MODEL_FILE} with foreign embeddings " in verify_line
     card = (output / "README.md").read_text()
     assert "## Prompts with audio, image or video embeddings" in card
+    assert "DeepStack" not in card and "--positions text" not in card  # neither is this model's (a QA run)
     assert f"`{EMBEDS_MODEL_FILE}` on a prompt with foreign embeddings: max \\|Δlogit\\|" in card
     assert {EMBEDS_MODEL_FILE, EMBED_FILE} <= {path.name for path in output.iterdir()}
     embed = onnx.load(output / EMBED_FILE, load_external_data=False).graph
     assert [value.name for value in embed.input] == ["input_ids"] and embed.output[0].name == INPUTS_EMBEDS
     assert "--inputs-embeds" in thinker("export", "--help").output
+
+
+def test_a_text_positions_card_says_which_prompts_it_takes(tmp_path):
+    """--positions text with --inputs-embeds: the graph refuses an image prompt's distinct streams, so its card says
+    so where it showed image prompts with get_rope_index's positions (found by a QA run)."""
+    from export_helpers import save_thinker
+
+    source = save_thinker(tmp_path / "thinker", "qwen3_5")
+    export_model(source, tmp_path / "onnx", inputs_embeds=True, positions="text", verify=False, progress=False)
+    card = (tmp_path / "onnx" / "README.md").read_text()
+    assert "This export takes text positions (`--positions text`)" in card and "DeepStack" not in card
