@@ -261,7 +261,7 @@ def export_model(
                 progress,
             )
             files = counted(files)
-        tokenizer = copy_side_files(model_dir, final)[1]
+        tokenizer = copy_side_files(model_dir, final)
         if inputs_embeds:  # after the guard, which may rewrite model.onnx and its weights
             write_embeds_graphs(files.model_path, graph_dtype, config.hidden_size)
         generation_config = read_json(model_dir / "generation_config.json")
@@ -474,18 +474,18 @@ def thinker_folder(source: str | Path, staging: Path) -> Iterator[Path]:
     yield converted
 
 
-def copy_side_files(model_dir: Path, out_dir: Path) -> tuple[list[str], list[str]]:
+def copy_side_files(model_dir: Path, out_dir: Path) -> list[str]:
     """Beside the graph: the model's own configs, and the tokenizer (for `thinker generate` and onnxruntime-genai),
-    every file of it the Thinker folder has; the names of each, copied. config.json goes without its ``auto_map``:
-    the modeling code it names is the PyTorch model's, which an ONNX folder does not carry, and a stale map makes
-    transformers ask whether to run code that is not there (AutoTokenizer on the folder did)."""
-    configs = copy_files([name for name in CONFIG_FILES if present(model_dir / name, model_dir)], model_dir, out_dir)
+    every file of it the Thinker folder has; the tokenizer's names, copied. config.json goes without its
+    ``auto_map``: the modeling code it names is the PyTorch model's, which an ONNX folder does not carry, and a stale
+    map makes transformers ask whether to run code that is not there (AutoTokenizer on the folder did)."""
+    copy_files([name for name in CONFIG_FILES if present(model_dir / name, model_dir)], model_dir, out_dir)
     tokenizer = copy_files(tokenizer_files(model_dir), model_dir, out_dir)
     config_path = out_dir / "config.json"
     config = read_json(config_path) if config_path.is_file() else None
     if isinstance(config, dict) and config.pop("auto_map", None) is not None:
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return configs, tokenizer
+    return tokenizer
 
 
 # Said on the console and in the report where the Thinker folder had no tokenizer (a weights-only checkpoint): the
