@@ -18,6 +18,7 @@ device's) and SmolLM2's tokenizer files, cut into parts that each fit one call b
     python3 bench/gpu_kit.py run profile  # there: bench/profile_genai.py --provider cuda (where a step's time goes)
     python3 bench/gpu_kit.py run half     # there: bench/probe_half_reference.py (half-precision verify's reference)
     python3 bench/gpu_kit.py run qmoe     # there: bench/bench_qmoe_int8.py --provider cuda (CUDA's QMoE layouts)
+    python3 bench/gpu_kit.py run tf32     # there: bench/probe_genai_tf32.py (does genai take use_tf32 = 0?)
 
 A part that is missing or differs from the manifest stops ``install`` with its name: the calls that carry it are
 made again, nothing else.
@@ -318,6 +319,8 @@ def run(what: str, out: Path, options: list[str]) -> int:
     elif what == "profile":  # where a decode step's time goes on CUDA, per op type (options: folders, --batch)
         command = [python, "bench/profile_genai.py", "--provider", "cuda", "--json", str(out / "profile.json")]
         command += options
+    elif what == "tf32":  # whether onnxruntime-genai hands onnxruntime's use_tf32 option on
+        command = [python, "bench/probe_genai_tf32.py", "--provider", "cuda", "--out", str(out), *options]
     elif what == "qmoe":  # CUDA's QMoE by expert layout, timed (float16 exports keep 8 bits a scale per row)
         command = [python, "bench/bench_qmoe_int8.py", "--provider", "cuda", "--out", str(out), *options]
     elif what == "probe":  # which linear-attention contrib operators CUDA runs (docs/hybrid-export.md 1.2)
@@ -341,7 +344,7 @@ def main() -> None:
     verbs.add_parser("receive", help="there: keep the carried part under /tmp/gpukit")
     verbs.add_parser("install", help="there: check, unpack and install the kit (/tmp/thinker-venv/bin/python)")
     running = verbs.add_parser("run", help="there: the GPU tests, a probe, a profile or bench_gpu.py, into $OUT")
-    running.add_argument("what", choices=["probe", "tests", "bench", "profile", "half", "qmoe"])
+    running.add_argument("what", choices=["probe", "tests", "bench", "profile", "half", "qmoe", "tf32"])
     running.add_argument("options", nargs=argparse.REMAINDER, help="the options of pytest or of the script run")
     args = parser.parse_args()
     try:
