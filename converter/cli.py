@@ -52,6 +52,7 @@ Supported families:
   qwen2_5_omni_thinker
                 Qwen2.5-Omni thinker saved alone: its text decoder (audio and
                 vision towers dropped)
+  qwen3_asr     Qwen3-ASR text decoder (audio tower dropped)
   qwen3_5       Qwen3.5 / Qwen3.6 dense (hybrid Gated DeltaNet; causal-LM
                 or vision-language layout)
   qwen3_5_moe   Qwen3.5 / Qwen3.6 MoE (hybrid Gated DeltaNet, shared expert;

@@ -25,6 +25,7 @@ from .qwen2_vl import QWEN2_VL
 from .qwen3 import QWEN3
 from .qwen3_5 import QWEN3_5
 from .qwen3_5_moe import QWEN3_5_MOE
+from .qwen3_asr import QWEN3_ASR
 from .qwen3_moe import QWEN3_MOE
 from .qwen3_next import QWEN3_NEXT
 from .qwen3_omni import QWEN3_OMNI, QWEN3_OMNI_THINKER
@@ -44,6 +45,7 @@ FAMILIES: tuple[Family, ...] = (
     QWEN2_VL,
     QWEN2_5_OMNI,
     QWEN2_5_OMNI_THINKER,
+    QWEN3_ASR,
     QWEN3_5,
     QWEN3_5_MOE,
     QWEN3_NEXT,

@@ -18,7 +18,7 @@ import pytest
 import torch
 from cli_helpers import thinker
 from onnx import helper
-from references import qwen2_vl, qwen3_omni, qwen3_vl
+from references import qwen2_vl, qwen3_asr, qwen3_omni, qwen3_vl
 
 from export import runtime
 from export.exporter import export_model
@@ -197,6 +197,31 @@ def test_an_audio_prompt_gives_the_qwen3_omni_thinkers_own_generation(tmp_path):
         inputs_embeds=embeds, attention_mask=mask, position_ids=positions.numpy(), max_new_tokens=8
     )
     np.testing.assert_array_equal(tokens, continuation[:, ids.shape[1] :].numpy())
+
+
+@torch.no_grad()
+def test_an_audio_prompt_gives_qwen3_asrs_own_transcript(tmp_path):
+    """A speech model's deployment: the decoder of a tiny Qwen3-ASR checkpoint (transformers' class) exported from the
+    checkpoint itself, its audio tower's projected frames written into the prompt's audio placeholders of
+    ``embed.onnx``'s embeddings (one-dimensional positions: none passed). ``model.embeds.onnx`` gives the logits and
+    the greedy transcript of ``Qwen3ASRForConditionalGeneration`` run on the ids and the mel features."""
+    source = qwen3_asr.save(tmp_path / "source")
+    report = export_model(source, tmp_path / "onnx", inputs_embeds=True, progress=False)
+    assert report["verify"]["passed"] and report["converted"]
+    reference = qwen3_asr.load_reference(source)
+    ids, audio = qwen3_asr.audio_prompt(reference)
+    expected = reference(input_ids=ids, attention_mask=torch.ones_like(ids), **audio).logits.numpy()
+    transcript = reference.generate(input_ids=ids, max_new_tokens=8, do_sample=False, **audio)[:, ids.shape[1] :]
+
+    decoder = OnnxDecoder(tmp_path / "onnx" / EMBEDS_MODEL_FILE, provider="cpu")
+    embeds = decoder.embed(ids.numpy())
+    embeds[ids.numpy() == qwen3_asr.AUDIO_TOKEN] = reference.get_audio_features(**audio).pooler_output.numpy()
+    mask = np.ones(ids.shape, np.int64)
+    logits, _ = decoder.prefill(None, mask, inputs_embeds=embeds)
+    tolerance = RELATIVE_TOLERANCE[torch.float32] * max(1.0, float(np.abs(expected).max()))
+    assert np.abs(logits - expected).max() <= tolerance
+    tokens = decoder.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=8)
+    np.testing.assert_array_equal(tokens, transcript.numpy())
 
 
 @pytest.mark.parametrize(("kind", "graph"), [("qwen2_vl", "fused"), ("qwen2_5_vl", "fused"), ("qwen2_5_vl", "plain")])
