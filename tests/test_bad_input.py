@@ -58,6 +58,15 @@ def truncate(folder: Path) -> None:
     path.write_bytes(path.read_bytes()[:-100])
 
 
+def truncate_as_bin(folder: Path) -> None:
+    """The checkpoint as a pytorch_model.bin (torch.save's zip format) that lost its last 100 bytes."""
+    tensors = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    torch.save(tensors, folder / "pytorch_model.bin")
+    path = folder / "pytorch_model.bin"
+    path.write_bytes(path.read_bytes()[:-100])
+
+
 def garble_header(folder: Path) -> None:
     path = folder / "model.safetensors"
     data = bytearray(path.read_bytes())
@@ -110,6 +119,7 @@ DOWN = "model.layers.1.mlp.down_proj.weight"
 # case -> (how to break the source copy, options, fragments the error line must hold)
 CONVERT_CASES = {
     "truncated safetensors": (truncate, [], ["model.safetensors", "truncated or corrupt, re-download it"]),
+    "truncated pytorch_model.bin": (truncate_as_bin, [], ["pytorch_model.bin", "truncated or corrupt", "re-download"]),
     "corrupt header": (garble_header, [], ["model.safetensors", "truncated or corrupt"]),
     "huge header length": (huge_header_length, [], ["model.safetensors", "truncated or corrupt"]),
     "index names a missing shard": (

@@ -108,8 +108,9 @@ def checked_file(path: Path, folder: Path) -> Path:
     if not any(_inside(target, root) for root in allowed):
         where = f"{folder}" + (f" and the Hugging Face cache {caches[0]} holding it" if caches else "")
         raise ThinkerError(
-            f"{path}: a symlink to {target}, outside {where}; refusing to read it (a file from elsewhere would be "
-            "copied into OUTPUT): put the file itself into the folder if it belongs to the model"
+            f"{path}: a symlink to {target}, outside {where}; refusing to read it (what a file from elsewhere holds "
+            "would be written into OUTPUT, converted or copied): put the file itself into the folder if it belongs to "
+            "the model"
         )
     return regular_file(path)
 

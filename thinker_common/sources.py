@@ -14,6 +14,7 @@ import os
 import pickle
 import re
 import warnings
+import zipfile
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path, PurePosixPath
@@ -403,11 +404,27 @@ def _load_weights_only(path: Path) -> Any:
             "(weights_only loading); get a safetensors copy of this checkpoint"
         ) from None
     except Exception as err:
+        if _truncated_zip(path):
+            raise ThinkerError(
+                f"{path}: the file is truncated or corrupt (a zip checkpoint without the directory a zip ends with); "
+                "re-download it"
+            ) from None
         reason = " ".join(str(err).split())[:200]
         raise ThinkerError(
             f"{path}: not a loadable weights-only PyTorch state dict ({err.__class__.__name__}: {reason}); "
             "convert it to safetensors or re-download it"
         ) from None
+
+
+def _truncated_zip(path: Path) -> bool:
+    """A zip checkpoint (torch.save's format since 1.6) whose end is missing: torch's own error for it is the
+    mmap's or the zip reader's ("Invalid argument", "failed finding central directory"), which says nothing of the
+    cause a user can act on."""
+    try:
+        with open(path, "rb") as file:
+            return file.read(4) == b"PK\x03\x04" and not zipfile.is_zipfile(path)
+    except OSError:
+        return False
 
 
 def _flatten_state(state: object, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
