@@ -29,11 +29,11 @@ from thinker_common.sources import TensorSource, open_source
 from thinker_common.staging import refuse_existing_output, refuse_output_over_source, staged_output
 
 from .config_compare import saved_config_differences
-from .engine import plan_conversion, write_weights
+from .engine import left_out, plan_conversion, write_weights
 from .families import detect_family
 from .folder_weights import check_thinker_weights, refuse_weightless
 from .hub import refuse_empty_source, resolve_source
-from .model_card import gguf_card_metadata, tool_version, update_parity, write_thinker_card
+from .model_card import gguf_card_metadata, left_out_parts, tool_version, update_parity, write_thinker_card
 from .output import (
     generation_config_for,
     generation_differences,
@@ -136,6 +136,9 @@ def convert(
         if check_config is not None:
             check_config(plan.config, root / "config.json" if Path(root).is_dir() else Path(root))
         notes = []
+        if left := left_out(plan):
+            beside = "the source's parts beside its text decoder, README.md says more"
+            notes.append(f"left out ({beside}): {left_out_parts(left)}")
         generation = generation_config_for(Path(tensor_source.root), plan.config)
         if past_vocabulary := tokens_past_vocabulary_note(generation, plan.config):
             notes.append(past_vocabulary)
@@ -174,6 +177,7 @@ def convert(
                 output.name,
                 beyond_genai=plan.config.qwen4_exp_features,
                 recorded=gguf_card_metadata(tensor_source.metadata) if isinstance(tensor_source, GGUFSource) else {},
+                left=left,
             )
     finally:
         tensor_source.close()

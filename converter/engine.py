@@ -337,6 +337,16 @@ def check_float_sources(family: Family, steps: list[Step], source: TensorSource)
                 )
 
 
+def left_out(plan: Plan) -> dict[str, int]:
+    """The source's parts beside its text decoder that this conversion leaves out: each of the family's
+    ``dropped_prefixes`` the checkpoint holds tensors under (a vision or audio tower, a talker, ``mtp.``), with
+    their count, in the family's order."""
+    prefixes = plan.family.dropped_prefixes
+    held = [name for name in plan.dropped if name.startswith(prefixes)]
+    counts = Counter(next(prefix for prefix in prefixes if name.startswith(prefix)) for name in held)
+    return {prefix: counts[prefix] for prefix in prefixes if counts[prefix]}
+
+
 def _dropped_names(family: Family, config: ThinkerConfig) -> set[str]:
     rules = tuple(TensorRule((name,), ()) for name in family.dropped)
     if config.num_experts and not config.shared_expert_intermediate_size:

@@ -104,6 +104,39 @@ def export_line(folder: str, beyond_genai: list[str] | None) -> str:
     return f"`thinker export {folder} ONNX_FOLDER` writes it as an ONNX decoder for onnxruntime and onnxruntime-genai."
 
 
+# The multi-token-prediction block Qwen3.5 and Qwen3-Next checkpoints carry: a speculative-decoding head, not a tower
+# whose output the decoder takes.
+MTP_PREFIX = "mtp."
+
+
+def left_out_parts(left: dict[str, int], quote: str = "") -> str:
+    """``model.visual.* (12 tensors), mtp.* (3 tensors)``: what ``engine.left_out`` found, as a note lists it
+    (``quote="`"``: as the card does)."""
+    return ", ".join(f"{quote}{prefix}*{quote} ({count} tensor{'s' * (count > 1)})" for prefix, count in left.items())
+
+
+def left_out_section(left: dict[str, int]) -> str:
+    """The card's word on the source's parts a conversion leaves out (``engine.left_out``), and how a prompt that
+    needs a tower reaches the decoder without it; empty where nothing was left out."""
+    if not left:
+        return ""
+    parts = left_out_parts(left, quote="`")
+    text = f"## Left out\n\nThis folder is the source's text decoder; these parts of the source are not in it: {parts}."
+    if any(prefix != MTP_PREFIX for prefix in left):
+        text += (
+            " For a prompt with audio, images or video, run the towers with the source's own transformers class and "
+            "pass the embeddings they give, at the placeholder tokens, as `inputs_embeds` (with the `position_ids` "
+            "its processor computes where the model has multimodal RoPE); `thinker export --inputs-embeds` writes "
+            "the ONNX graph that takes them."
+        )
+    if MTP_PREFIX in left:
+        text += (
+            " `mtp.*` is the multi-token-prediction block, for speculative decoding, which the source's own "
+            "causal-LM class does not run either."
+        )
+    return text + "\n"
+
+
 # What a GGUF file's metadata says of its license and languages, as the card's fields.
 GGUF_CARD_FIELDS = {"general.license": "license", "general.languages": "language"}
 
@@ -125,11 +158,12 @@ def write_thinker_card(
     name: str | None = None,
     beyond_genai: list[str] | None = None,
     recorded: dict | None = None,
+    left: dict[str, int] | None = None,
 ) -> list[str]:
     """README.md (and the source's license files) in the Thinker folder ``folder`` (to be installed as ``name``);
     the names written. ``beyond_genai``: what the model has whose state onnxruntime-genai cannot carry;
     ``recorded``: card fields the weights file itself records (``gguf_card_metadata``), which the source folder's
-    own card overrides."""
+    own card overrides; ``left``: the source's parts left out (``engine.left_out``)."""
     root = Path(root)
     root = root.parent if root.is_file() else root  # a GGUF file: its folder holds the card and license
     named, repo = source_line(source, root)
@@ -163,7 +197,7 @@ Without Thinker installed, the folder's own modeling code runs: drop the import 
 both calls (the tokenizer reads the same config, and asks otherwise).
 
 {export_line(here, beyond_genai)}
-"""
+""" + (f"\n{section}" if (section := left_out_section(left or {})) else "")
     write_card(folder, metadata, body, parity_section(report, skipped))
     return ["README.md", *copy_license(root, folder)]
 

@@ -28,6 +28,10 @@ def asr(tmp_path_factory):
     source = qwen3_asr.save(root / "source")
     result = thinker(source, root / "thinker", "--verify", command=convert_command)
     assert result.exit_code == 0 and "(qwen3_asr)" in result.output, result.output
+    # what was left out, said on the way and in the card
+    assert "left out (" in result.output and "model.multi_modal_projector.* (4 tensors)" in result.output
+    card = (root / "thinker" / "README.md").read_text()
+    assert "## Left out" in card and "`model.audio_tower.*`" in card and "as `inputs_embeds`" in card
     return source, root / "thinker"
 
 
