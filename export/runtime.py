@@ -1033,8 +1033,10 @@ def shared_kv_names(graph: onnx.GraphProto) -> frozenset[str]:
 
 def all_positions_model(model: onnx.ModelProto) -> onnx.ModelProto:
     """A ``--logits last`` graph with its selection of the last position left out: the head reads every position
-    and ``logits`` is (B, T, V), as from ``--logits all``; every other node is the shipped graph's. The weights stay
-    where the model's external data says (load the result with its folder named, as ``OnnxDecoder`` does)."""
+    and ``logits`` is (B, T, V), as from ``--logits all``; every other node is the shipped graph's. A graph output
+    naming the selection's result (a probe of the head's input, as the accuracy guard adds) becomes the head's input
+    at every position too. The weights stay where the model's external data says (load the result with its folder
+    named, as ``OnnxDecoder`` does)."""
     prefix = f"/lm_head/{LAST_POSITION_SCOPE}/"
     selection = [node for node in model.graph.node if node.name.startswith(prefix)]
     picks = [node for node in selection if node.op_type == "GatherND"]
@@ -1054,6 +1056,8 @@ def all_positions_model(model: onnx.ModelProto) -> onnx.ModelProto:
         copy = full.graph.node.add()
         copy.CopyFrom(node)
         copy.input[:] = [hidden if name == picked else name for name in node.input]
+    if any(output.name == picked for output in model.graph.output):
+        full.graph.node.add().CopyFrom(onnx.helper.make_node("Identity", [hidden], [picked], name="/lm_head/probed"))
     positions = full.graph.output[0].type.tensor_type.shape.dim[1]
     positions.Clear()
     positions.dim_param = "sequence_length"

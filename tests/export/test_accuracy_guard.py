@@ -57,12 +57,15 @@ def levels_by_layer(path: Path) -> dict[str, set[int]]:
     return {unit: {by_node[name] for name in names} for unit, names in matmul_units(model).items()}
 
 
-@pytest.mark.parametrize("graph", ["plain", "fused"])
-def test_guard_moves_the_layer_whose_activations_int8_ruins(graph, thinker_variant, tmp_path):
+@pytest.mark.parametrize(("graph", "logits"), [("plain", "all"), ("fused", "all"), ("fused", "last")])
+def test_guard_moves_the_layer_whose_activations_int8_ruins(graph, logits, thinker_variant, tmp_path):
+    """``--logits last`` too: the guard measures the head's input at every position, as from ``--logits all``."""
     from export.exporter import export_model
 
     folder = with_outlier(thinker_variant("qwen3", head_dim=16), tmp_path / "outlier", PLANTED_LAYER)
-    report = export_model(folder, tmp_path / "out", graph=graph, quantize=SPEC, verify=False, accuracy_guard=0.9)
+    report = export_model(
+        folder, tmp_path / "out", graph=graph, logits=logits, quantize=SPEC, verify=False, accuracy_guard=0.9
+    )
     guard = report["accuracy_guard"]
     assert guard["agreement_before"] < 0.9, guard
     assert guard["moved_to_level_1"] == [f"layers.{PLANTED_LAYER}"], guard
