@@ -430,17 +430,26 @@ def _hybrid_hf_config(metadata: Mapping[str, Any], names: set[str], arch: str) -
             "run `pip install 'transformers>=5.24,<5.25'`"
         )
 
-    eps = f"{arch}.attention.layer_norm_rms_epsilon"
-    for name in (*(f"{arch}.{key}" for key in (*_HYBRID_SIZE_KEYS, *_HYBRID_MLP_SIZE_KEYS[arch])), eps):
+    eps, base = f"{arch}.attention.layer_norm_rms_epsilon", f"{arch}.rope.freq_base"
+    for name in (*(f"{arch}.{key}" for key in (*_HYBRID_SIZE_KEYS, *_HYBRID_MLP_SIZE_KEYS[arch])), eps, base):
         if name not in metadata:
             raise ThinkerError(f"GGUF metadata lacks {name!r}, which a {arch} model needs; the file is incomplete")
         value = metadata[name]
-        if name != eps and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        if name not in (eps, base) and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
             raise ThinkerError(
                 f"GGUF metadata {name!r} is {value!r}; a model needs a whole number above 0 there: the file is corrupt"
             )
     _check_values({"rms_norm_eps": metadata[eps]}, {eps: "rms_norm_eps"})
     theta = _rope_parameters(metadata, arch, names)["rope_theta"]  # checks the base, refuses scaling keys it cannot map
+    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        # transformers' GGUF loading replaces the whole rope_parameters with the scaling's, losing the multimodal
+        # sections and the partial rotary: no reference to check a conversion against (so none is written).
+        raise ThinkerError(
+            f"GGUF metadata '{arch}.rope.scaling.type' is {scaling!r}: RoPE scaling on a {arch} file is not supported "
+            "(transformers' GGUF loading of it drops the multimodal RoPE sections and the partial rotary, so there "
+            "is no reference to verify against); convert the Hugging Face checkpoint instead"
+        )
     tokens = metadata.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens:
         raise ThinkerError(f"GGUF metadata has no tokenizer.ggml.tokens, which sets a {arch} model's vocabulary size")

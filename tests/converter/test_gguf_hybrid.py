@@ -147,7 +147,13 @@ def test_a_planted_mistake_fails_the_gate(verify, tmp_path, norms_left_centred):
 
 @pytest.mark.parametrize(
     "key",
-    ["qwen35.ssm.conv_kernel", "qwen35.feed_forward_length", "qwen35.rope.dimension_sections", "tokenizer.ggml.tokens"],
+    [
+        "qwen35.ssm.conv_kernel",
+        "qwen35.feed_forward_length",
+        "qwen35.rope.dimension_sections",
+        "qwen35.rope.freq_base",  # transformers' reading takes it as given (a KeyError without this check)
+        "tokenizer.ggml.tokens",
+    ],
 )
 def test_a_missing_key_is_named(key, tmp_path):
     _, path = gguf_file(tmp_path, "qwen35", metadata={key: None})
@@ -159,6 +165,16 @@ def test_a_missing_key_is_named(key, tmp_path):
 def test_an_impossible_value_is_named(tmp_path):
     _, path = gguf_file(tmp_path, "qwen35", metadata={"qwen35.ssm.group_count": 0})
     assert_error(convert(path, tmp_path / "out", "--no-verify"), "'qwen35.ssm.group_count'", "corrupt")
+
+
+def test_rope_scaling_is_refused_by_its_key(tmp_path):
+    """transformers' GGUF loading of a qwen35 file with RoPE scaling loses its multimodal sections and partial rotary:
+    with no reference, the conversion is refused by key, with --no-verify too, rather than written unscaled."""
+    scaling = {"qwen35.rope.scaling.type": "yarn", "qwen35.rope.scaling.factor": 4.0}
+    _, path = gguf_file(tmp_path, "qwen35", metadata=scaling)
+    for check in ("--verify", "--no-verify"):
+        assert_error(convert(path, tmp_path / "out", check), "'qwen35.rope.scaling.type' is 'yarn'", "Hugging Face")
+        assert not (tmp_path / "out").exists()
 
 
 def test_a_decay_rate_no_a_log_makes_is_named(tmp_path):
