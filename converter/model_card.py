@@ -36,7 +36,10 @@ def source_line(source: str, root: Path) -> tuple[str, str | None]:
     repo = hub_repo_of(source, root)
     if repo is None:
         return f"`{Path(source).name or source}` (a local checkpoint)", None
-    commit = Path(root).name if "snapshots" in Path(root).parts else None
+    # the folder after the cache's snapshots/: the commit, where a file in a sub-folder (a GGUF repo's Q8/) is read
+    parts = Path(root).parts
+    marks = [index for index, part in enumerate(parts[:-1]) if part == "snapshots"]
+    commit = parts[marks[-1] + 1] if marks else None
     at = f" at commit `{commit}`" if commit else ""
     return f"[`{repo}`](https://huggingface.co/{repo}){at}", repo
 

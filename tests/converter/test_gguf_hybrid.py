@@ -208,14 +208,17 @@ def test_one_quantisation_of_a_hub_gguf_repo(fake_hub, tmp_path):
     """A Hub GGUF repo holds one file per quantisation: ``--gguf-file`` converts (and verifies) the one named."""
     _, q8 = gguf_file(tmp_path, "qwen35", quantization="Q8_0")
     model, f32 = gguf_file(tmp_path, "qwen35moe")
-    fake_hub.add_repo("acme/tiny-qwen3.5-GGUF", {"tiny-Q8_0.gguf": q8.read_bytes(), "tiny-F32.gguf": f32.read_bytes()})
+    files = {"Q8/tiny-Q8_0.gguf": q8.read_bytes(), "F32/tiny-F32.gguf": f32.read_bytes()}  # a folder each
+    commit = fake_hub.add_repo("acme/tiny-qwen3.5-GGUF", files)
     output = tmp_path / "out"
-    result = convert("acme/tiny-qwen3.5-GGUF", output, "--gguf-file", "tiny-F32.gguf")
+    result = convert("acme/tiny-qwen3.5-GGUF", output, "--gguf-file", "F32/tiny-F32.gguf")
     assert result.exit_code == 0, result.output
     assert "(gguf-qwen35moe)" in result.output
     assert_gives_the_models_logits(model, output)
+    # the card names the snapshot's commit, not the folder the file sits in
+    assert f"at commit `{commit}`" in (output / "README.md").read_text()
     verified = CliRunner().invoke(
-        main, ["verify", "acme/tiny-qwen3.5-GGUF", str(output), "--gguf-file", "tiny-F32.gguf"]
+        main, ["verify", "acme/tiny-qwen3.5-GGUF", str(output), "--gguf-file", "F32/tiny-F32.gguf"]
     )
     assert verified.exit_code == 0 and "parity holds" in verified.output, verified.output
 
