@@ -148,6 +148,11 @@ def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str 
         raise ThinkerError(f"{label} has no .safetensors, .bin or .gguf weights at its top level; {held}")
     if all(name.endswith(".gguf") for name in weights):
         side_files = [name for name in top if name in _GGUF_SIDE_FILES]
+    elif "config.json" not in top:  # known from the listing: refused before gigabytes of weights come down
+        raise ThinkerError(
+            f"{label} has no config.json at its top level, which says which model its weights ({_listed(weights)}) "
+            "belong to; check the repo id and revision (a GGUF repo needs none: its file's metadata is the config)"
+        )
     else:
         side_files = [n for n in top if n in _SIDE_FILES or any(fnmatch(n, p) for p in TOKENIZER_PATTERNS)]
     # the one index read: the taken format's, unless its whole file is taken (another format's would send

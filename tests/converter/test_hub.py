@@ -543,6 +543,9 @@ def test_pick_conversion_files_refuses_ambiguous_or_missing_weights():
         pick_conversion_files(["a-q4.gguf", "a-q8.gguf", "Q4_0/a-q4_0.gguf"], "acme/a@main")
     with pytest.raises(ThinkerError, match="no .safetensors, .bin or .gguf weights .*; check the repo id"):
         pick_conversion_files(["config.json", "original/model.pth"], "acme/a@main")
+    # no config.json: refused from the listing, before the weights are downloaded (they were, a QA run found)
+    with pytest.raises(ThinkerError, match=r"acme/a@main has no config.json .*\(model.safetensors\) belong to"):
+        pick_conversion_files(["model.safetensors", "tokenizer.json"], "acme/a@main")
 
 
 def test_weights_held_only_in_folders_are_named():
