@@ -140,6 +140,12 @@ def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str 
                 weights = [whole]
     if not weights:
         if len(gguf) > 1:  # every GGUF of the repo listed, a quantisation's folder's too
+            from thinker_common.gguf_reader import merge_advice, split_shards
+
+            if first := split_shards(gguf):
+                raise ThinkerError(
+                    f"{label} holds a GGUF split into {len(gguf)} files; download them and {merge_advice(first)}"
+                )
             held = sorted(name for name in repo_files if name.endswith(".gguf"))
             raise ThinkerError(f"{label} holds {len(held)} GGUF files; pick one with --gguf-file: {_ggufs_held(held)}")
         weights = gguf

@@ -283,6 +283,42 @@ def _new_mapped_reader(path: Path) -> Any:
     return MappedReader(path)
 
 
+# llama.cpp's gguf-split names its shards NAME-00001-of-00003.gguf and records split.count / split.no in each.
+_SPLIT_SHARD = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def merge_advice(first_shard: str) -> str:
+    """What to do with a GGUF split into several files: transformers, the parity reference, reads one file."""
+    return (
+        f"merge the shards first with llama.cpp's `llama-gguf-split --merge {first_shard} merged.gguf` and convert "
+        "merged.gguf (transformers, the parity reference, reads a GGUF from one file)"
+    )
+
+
+def split_shards(names: list[str]) -> str | None:
+    """Where ``names`` (file names) are the shards of one split GGUF and nothing else: the first shard's name."""
+    found = [_SPLIT_SHARD.match(Path(name).name) for name in names]
+    if not names or not all(found):
+        return None
+    stems = {(match["stem"], match["count"]) for match in found}
+    if len(stems) != 1:
+        return None
+    (stem, count), folder = next(iter(stems)), Path(names[0]).parent
+    return (folder / f"{stem}-00001-of-{count}.gguf").as_posix()
+
+
+def _refuse_a_shard(path: Path, reader: Any) -> None:
+    """One shard of a split GGUF holds some of the tensors only: named as such (split.count), not as a file
+    missing tensors."""
+    count = _field_value(reader.fields["split.count"]) if "split.count" in reader.fields else 1
+    if isinstance(count, int) and count > 1:
+        number = _field_value(reader.fields["split.no"]) + 1 if "split.no" in reader.fields else "one"
+        first = _SPLIT_SHARD.sub(lambda m: f"{m['stem']}-00001-of-{m['count']}.gguf", path.name)
+        raise ThinkerError(
+            f"{path}: shard {number} of a GGUF split into {count} files (split.count); {merge_advice(first)}"
+        )
+
+
 def _open_reader(path: Path) -> Any:
     """A ``GGUFReader`` for ``path``, with every way a file can be unreadable turned into one ``ThinkerError``."""
     if os.path.lexists(path):
@@ -314,6 +350,7 @@ def _open_reader(path: Path) -> Any:
                 f"{int(tensor.data_offset) + int(tensor.n_bytes)}); re-download it"
             )
     _check_overlaps(path, reader)
+    _refuse_a_shard(path, reader)
     _check_the_data_fills_the_file(path, reader, size)
     return reader
 

@@ -177,6 +177,30 @@ def test_rope_scaling_is_refused_by_its_key(tmp_path):
         assert not (tmp_path / "out").exists()
 
 
+def test_a_split_gguf_says_to_merge_its_shards(tmp_path, monkeypatch):
+    """llama.cpp's gguf-split writes NAME-00001-of-00003.gguf ... (``split.count`` in each): the folder, a shard and
+    a Hub repo of them each say so and how to merge them, where they said to pick one file, or that a shard lacked
+    tensors."""
+    from converter.hub import pick_conversion_files
+    from thinker_common.errors import ThinkerError
+
+    class SplitWriter(gguf.GGUFWriter):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, split_max_tensors=20, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFWriter", SplitWriter)
+    gguf_file(tmp_path, "qwen35")
+    shards = sorted(path.name for path in (tmp_path / "gguf").iterdir())
+    assert shards == [f"tiny-qwen35-0000{n}-of-00003.gguf" for n in (1, 2, 3)]
+    merge = "llama-gguf-split --merge tiny-qwen35-00001-of-00003.gguf merged.gguf"
+    assert_error(convert(tmp_path / "gguf", tmp_path / "out", "--no-verify"), "a GGUF split into 3 files", merge)
+    second = tmp_path / "gguf" / shards[1]
+    assert_error(convert(second, tmp_path / "out", "--no-verify"), "shard 2 of a GGUF split into 3 files", merge)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ThinkerError, match="a GGUF split into 3 files; download them and merge"):
+        pick_conversion_files(shards, "acme/tiny@main")
+
+
 def test_a_decay_rate_no_a_log_makes_is_named(tmp_path):
     """``ssm_a`` holds ``-exp(A_log)``, always negative: a positive value has no ``A_log`` (its log is NaN)."""
     _, path = gguf_file(tmp_path, "qwen35")
