@@ -94,6 +94,18 @@ def checked_probes(onnx_path: Path, dtype: torch.dtype) -> dict[str, int]:
     return {name: kind for name, kind, _ in probes}
 
 
+def graph_top_k(values: np.ndarray, k: int, probabilities: bool) -> np.ndarray:
+    """The ``k`` experts (N, k) a graph picks by ``values`` (N, E), ties broken as the op that picks breaks them: the
+    graph's own TopK over probabilities (``probabilities``) as ONNX's TopK does, to the lower index; an MoE or QMoE op
+    over the logits it takes as onnxruntime's CPU kernels do, to the higher index (measured by
+    tests/export/test_verify_routing.py: a float16 row whose second and third experts' logits round to one value
+    routes to the later expert). Softmax is monotonic: logits order the experts as the probabilities do."""
+    if probabilities:
+        return np.argsort(-values, axis=-1, kind="stable")[:, :k]
+    last = values.shape[-1] - 1
+    return last - np.argsort(-values[:, ::-1], axis=-1, kind="stable")[:, :k]
+
+
 class RouteFollower:
     """Makes the reference route as the graph did (module docstring) in the reference runs it wraps, and keeps the
     figures: how many choices were followed, and how far the graph's router probabilities lie from the reference's.
@@ -174,9 +186,7 @@ class RouteFollower:
         if kept.any():  # a step whose tokens are all pads routes nothing the graph's probe holds
             graph_probs = graph_values if probabilities else F.softmax(graph_values, dim=-1)
             self.router_max_abs_diff = max(self.router_max_abs_diff, float((graph_probs - probs[kept]).abs().max()))
-        # the graph's top k, equal values to the lower index, as ONNX's TopK breaks ties (softmax is monotonic: the
-        # logits order the probabilities as they do)
-        graph_index = torch.from_numpy(np.argsort(-graph_values.numpy(), axis=-1, kind="stable")[:, : router.top_k])
+        graph_index = torch.from_numpy(graph_top_k(graph_values.numpy(), router.top_k, probabilities))
         differs = (graph_index.sort(-1).values != top_index[kept].sort(-1).values).any(-1)
         if differs.any():
             self.followed += int(differs.sum())

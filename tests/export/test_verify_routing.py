@@ -15,12 +15,14 @@ import shutil
 
 import numpy as np
 import onnx
+import onnxruntime
 import pytest
 import torch
 from click.testing import CliRunner
 from export_helpers import reversed_router
 
-from export.routing import checked_probes, router_probes
+from export.quantize import QuantizeSpec
+from export.routing import checked_probes, graph_top_k, router_probes
 from export.runtime import OnnxDecoder
 from thinker_common.cli import main
 from thinker_common.parity_inputs import long_batch
@@ -92,3 +94,65 @@ def test_a_bfloat16_probe_comes_back_as_float32(graph, onnx_variant, tmp_path):
     assert rounded.dtype == np.float32
     expected = torch.from_numpy(half).to(torch.bfloat16).float().numpy()
     np.testing.assert_array_equal(rounded, expected)
+
+
+def isolated_moe(folder, layer: int = 0):
+    """Layer ``layer``'s MoE / QMoE node of ``folder``'s model.onnx alone in a session, with its weights: (session,
+    its activation input's name, its router-logits input's name)."""
+    from onnx import helper
+
+    model = onnx.load(folder / "model.onnx")
+    node = next(n for n in model.graph.node if n.op_type in ("MoE", "QMoE") and f"/layers.{layer}/" in n.name)
+    weights = [i for i in model.graph.initializer if i.name in node.input]
+    x, logits = node.input[:2]
+    half = onnx.TensorProto.FLOAT16
+    graph = helper.make_graph(
+        [node],
+        "one_moe",
+        [helper.make_tensor_value_info(x, half, ["T", "C"]), helper.make_tensor_value_info(logits, half, ["T", "E"])],
+        [helper.make_tensor_value_info(node.output[0], half, ["T", "C"])],
+        weights,
+    )
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    session = onnxruntime.InferenceSession(
+        helper.make_model(graph, opset_imports=opsets, ir_version=10).SerializeToString(),
+        providers=["CPUExecutionProvider"],
+    )
+    return session, x, logits
+
+
+@pytest.mark.parametrize("quantize", [None, QuantizeSpec(bits=4, block_size=16)], ids=["MoE", "QMoE"])
+def test_the_moe_ops_break_ties_as_the_follower_reads_them(quantize, onnx_variant):
+    """onnxruntime's CPU MoE and QMoE pick the later of two experts whose router logits are equal (a float16 row
+    rounds near ties to equal values), where ONNX's TopK picks the earlier: the follower reads each op as it picks.
+    Read as TopK, a QA run's float16 Qwen3-MoE export with int4 experts failed its own --verify (1.43 against 0.19 on
+    onnxruntime-genai's graph): its reference followed the other expert."""
+    folder = onnx_variant("qwen3_moe", dtype="float16", quantize=quantize, head_dim=16)
+    session, x_name, logits_name = isolated_moe(folder)
+    probed = OnnxDecoder(folder, probes=dict.fromkeys((x_name, logits_name), onnx.TensorProto.FLOAT16))
+    probed.prefill(*long_batch(96, 8))
+    x = probed.probed[x_name].reshape(-1, probed.probed[x_name].shape[-1])[:1]  # a real token's input
+    count = probed.probed[logits_name].shape[-1]  # experts
+
+    def run(logits: list[float]) -> np.ndarray:
+        return session.run(None, {x_name: x, logits_name: np.array([logits], np.float16)})[0].astype(np.float32)
+
+    tied = [0.5, 1.0, 0.2, 0.5] + [0.0] * (count - 4)  # experts 0 and 3 tie for the second place
+    earlier, later = list(tied), list(tied)
+    earlier[0] += 0.01
+    later[3] += 0.01
+    assert np.abs(run(tied) - run(later)).max() < 1e-2 < np.abs(run(tied) - run(earlier)).max()
+    picked = graph_top_k(np.array([tied], np.float32), 2, probabilities=False)
+    assert sorted(picked[0].tolist()) == [1, 3]
+    assert sorted(graph_top_k(np.array([tied], np.float32), 2, probabilities=True)[0].tolist()) == [0, 1]
+
+
+def test_a_float16_export_with_int4_experts_verifies_on_genai_rows(thinker_variant, tmp_path):
+    """The QA run's export: float16, int4 experts in blocks of 16 (QMoE). A prompt of the parity batch, alone on
+    onnxruntime-genai's right-padded rows, routes a token on an exact float16 tie; the check now follows it."""
+    output = tmp_path / "onnx"
+    args = ["export", str(thinker_variant("qwen3_moe", head_dim=16)), str(output), "--dtype", "float16"]
+    result = CliRunner().invoke(main, [*args, "--quantize", "int4", "--block-size", "16"])
+    assert result.exit_code == 0, result.output
+    graph = json.loads((output / "export_report.json").read_text())["verify"]["graph"]
+    assert graph["genai_graph"]["max_abs_diff"] <= graph["tolerance"], graph["genai_graph"]
