@@ -20,3 +20,15 @@ def randomize_parameters(model: torch.nn.Module, seed: int = 0) -> torch.nn.Modu
             else:
                 param.copy_(1.0 + 0.1 * noise)
     return model
+
+
+def draw_weights(model: torch.nn.Module, seed: int = 0, scale: float = 0.2, keep=lambda name: True) -> torch.nn.Module:
+    """Every parameter whose name ``keep`` takes drawn from N(0, scale²), a norm's (a name holding "norm") around one:
+    the references' larger weights, under which a tiny model's attention and RoPE matter and its greedy tokens vary."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if keep(name):
+                noise = torch.randn(parameter.shape, generator=generator) * scale
+                parameter.copy_(1.0 + noise if "norm" in name else noise)
+    return model

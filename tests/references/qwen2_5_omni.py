@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from seeded_weights import draw_weights
 
 TEXT_CONFIG = {
     "vocab_size": 256,
@@ -108,12 +109,7 @@ def build(seed: int = 0):
         thinker_config=THINKER_CONFIG, talker_config=TALKER_CONFIG, token2wav_config=TOKEN2WAV_CONFIG
     )
     model = Qwen2_5OmniForConditionalGeneration(config).eval()
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.thinker.named_parameters():
-            if name.startswith(("model.", "lm_head.")):
-                noise = torch.randn(parameter.shape, generator=generator) * 0.2
-                parameter.copy_(1.0 + noise if "norm" in name else noise)
+    draw_weights(model.thinker, seed, keep=lambda name: name.startswith(("model.", "lm_head.")))
     return model
 
 

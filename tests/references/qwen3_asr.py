@@ -3,15 +3,16 @@ audio tower, projector, Qwen3 text decoder, tied head), the parity reference for
 
 ``save_pretrained`` writes the Hub's ``-hf`` layout: ``model.language_model.*`` (the decoder), ``model.audio_tower.*``,
 ``model.multi_modal_projector.*``, and no ``lm_head.weight`` (tied to the embedding). The decoder is Qwen3 (qk-norm,
-GQA 4:2, head 16); its weights are drawn at 0.2 (norms around one), as in the other references, so that attention and
-RoPE matter. The special ids, and the end-of-sequence and pad ids the outer config holds (the text config has none),
-sit inside the tiny vocabulary."""
+GQA 4:2, head 16); its weights are drawn at 0.2 (norms around one), as in the other references, so that attention
+and RoPE matter. The special ids, and the end-of-sequence and pad ids the outer config holds (the text config has
+none), sit inside the tiny vocabulary."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+from seeded_weights import draw_weights
 
 TEXT_CONFIG = {
     "vocab_size": 256,
@@ -39,9 +40,11 @@ AUDIO_CONFIG = {
 AUDIO_TOKEN, TIMESTAMP_TOKEN = 200, 201
 EOS, PAD = [250, 251], 251
 MEL_FRAMES = 200  # two chunks of the audio tower
+# the seed whose greedy transcript of the audio prompt varies (8 tokens, 6 distinct; seed 0's repeats one token)
+SEED = 4
 
 
-def build(seed: int = 0):
+def build(seed: int = SEED):
     from transformers import Qwen3ASRConfig, Qwen3ASRForConditionalGeneration
 
     torch.manual_seed(seed)
@@ -54,15 +57,11 @@ def build(seed: int = 0):
         pad_token_id=PAD,
     )
     model = Qwen3ASRForConditionalGeneration(config).eval()
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.model.language_model.named_parameters():
-            noise = torch.randn(parameter.shape, generator=generator) * 0.2
-            parameter.copy_(1.0 + noise if "norm" in name else noise)
+    draw_weights(model.model.language_model, seed)
     return model
 
 
-def save(folder: str | Path, seed: int = 0) -> Path:
+def save(folder: str | Path, seed: int = SEED) -> Path:
     build(seed).save_pretrained(folder)
     return Path(folder)
 
