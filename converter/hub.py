@@ -248,10 +248,29 @@ def resolve_source(
             f"{source}: no such folder ({first} exists here, {source} does not); check the path (a Hub repo id "
             f"spelled like a local path is not tried while {first} exists)"
         )
+    _refuse_a_file_for_a_folder(cache_dir)
     hub = _HubOptions(token, cache_dir, local_files_only, force_download, (subfolder or "").strip("/"), gguf_file)
     label = f"{source}@{revision or constants.DEFAULT_REVISION}"
     snapshot = _resolve_repo(source, revision or constants.DEFAULT_REVISION, allow_patterns, hub, progress)
     return _gguf_in(_in_subfolder(snapshot, hub.subfolder, label), gguf_file, label)
+
+
+def _refuse_a_file_for_a_folder(cache_dir: str | Path | None) -> None:
+    """huggingface_hub keeps its token and cache in folders (``HF_HOME``, ``HF_HUB_CACHE``, ``cache_dir``): one that
+    is a file, or lies under one, is named with the variable that set it, where huggingface_hub's own error names
+    only a path inside it ("HF_HOME/token: Not a directory")."""
+    places = {"HF_HOME": os.environ.get("HF_HOME"), "HF_HUB_CACHE": os.environ.get("HF_HUB_CACHE")}
+    places["cache_dir"] = str(cache_dir) if cache_dir is not None else None
+    for name, value in places.items():
+        if not value:
+            continue
+        path = Path(value).expanduser()
+        existing = next((p for p in (path, *path.parents) if p.exists()), None)
+        if existing is not None and not existing.is_dir():
+            raise ThinkerError(
+                f"{name}={value}: {existing} is a file, where huggingface_hub keeps its token and downloads in a "
+                f"folder; point {name} at a folder (or unset it)"
+            )
 
 
 def _split_gguf_path(gguf_file: str, subfolder: str | None) -> tuple[str, str | None]:

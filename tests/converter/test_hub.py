@@ -646,3 +646,18 @@ def test_a_local_folder_is_read_as_transformers_reads_it(tmp_path):
     torch.save({"w": torch.zeros(2)}, trained / "pytorch_model.bin")
     torch.save({"learning_rate": 1e-4, "args": ThinkerError("a pickled object")}, trained / "training_args.bin")
     assert open_source(trained).names() == ["w"]
+
+
+@pytest.mark.parametrize("where", ["HF_HOME", "HF_HUB_CACHE", "cache_dir"])
+def test_a_file_where_huggingface_hub_wants_a_folder_is_named_by_its_variable(where, monkeypatch, tmp_path):
+    """HF_HOME set to a file (or a path under one) failed as "HF_HOME/token: Not a directory", naming neither the
+    variable nor the file (a QA run)."""
+    (tmp_path / "a-file").write_text("")
+    value = str(tmp_path / "a-file" / "hub")
+    options = {}
+    if where == "cache_dir":
+        options["cache_dir"] = value
+    else:
+        monkeypatch.setenv(where, value)
+    with pytest.raises(ThinkerError, match=rf"^{where}=.*a-file is a file, .*point {where} at a folder"):
+        resolve_source("acme/a", **options)
