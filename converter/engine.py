@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
@@ -337,14 +337,41 @@ def check_float_sources(family: Family, steps: list[Step], source: TensorSource)
                 )
 
 
-def left_out(plan: Plan) -> dict[str, int]:
-    """The source's parts beside its text decoder that this conversion leaves out: each of the family's
-    ``dropped_prefixes`` the checkpoint holds tensors under (a vision or audio tower, a talker, ``mtp.``), with
-    their count, in the family's order."""
+# The prefix of the multi-token-prediction block Qwen3.5 and Qwen3-Next checkpoints carry: a speculative-decoding
+# head, not a tower whose output the decoder takes.
+MTP_PREFIX = "mtp."
+
+
+class LeftOut(NamedTuple):
+    """A part of the source a conversion leaves out: its tensors' prefix, how many, whether it is the
+    multi-token-prediction block (else a tower, a projector, a talker: what feeds or follows the decoder)."""
+
+    prefix: str
+    count: int
+    mtp: bool
+
+
+def left_out(plan: Plan) -> list[LeftOut]:
+    """The source's parts beside its text decoder that this conversion leaves out, in the family's order: each of its
+    ``dropped_prefixes`` the checkpoint holds tensors under (a vision or audio tower, a talker, ``mtp.``), and each
+    block past the decoder's layers it drops by index (a GGUF's multi-token-prediction block, ``blk.N.``)."""
     prefixes = plan.family.dropped_prefixes
     held = [name for name in plan.dropped if name.startswith(prefixes)]
     counts = Counter(next(prefix for prefix in prefixes if name.startswith(prefix)) for name in held)
-    return {prefix: counts[prefix] for prefix in prefixes if counts[prefix]}
+    parts = [LeftOut(prefix, counts[prefix], prefix == MTP_PREFIX) for prefix in prefixes if counts[prefix]]
+    if layer := _extra_layer(plan.family):
+        blocks = Counter(match[0] for name in plan.dropped if (match := layer.match(name)))
+        parts += [LeftOut(prefix, count, True) for prefix, count in sorted(blocks.items())]
+    return parts
+
+
+def _extra_layer(family: Family) -> re.Pattern | None:
+    """The family's ``dropped_extra_layers`` as a pattern: its match is a block's prefix (``blk.4.``), group 1 its
+    index."""
+    if not family.dropped_extra_layers:
+        return None
+    before, _, after = family.dropped_extra_layers.partition(LAYER_INDEX)
+    return re.compile(re.escape(before) + r"(\d+)" + re.escape(after))
 
 
 def _dropped_names(family: Family, config: ThinkerConfig) -> set[str]:
@@ -359,9 +386,7 @@ def _dropped_names(family: Family, config: ThinkerConfig) -> set[str]:
 
 def _dropped_by_prefix(family: Family, names: list[str], config: ThinkerConfig) -> set[str]:
     dropped = {name for name in names if family.dropped_prefixes and name.startswith(family.dropped_prefixes)}
-    if family.dropped_extra_layers:
-        before, _, after = family.dropped_extra_layers.partition(LAYER_INDEX)
-        layer = re.compile(re.escape(before) + r"(\d+)" + re.escape(after))
+    if layer := _extra_layer(family):
         dropped |= {
             name for name in names if (match := layer.match(name)) and int(match[1]) >= config.num_hidden_layers
         }

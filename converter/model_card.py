@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from thinker_common.model_card import (
 from thinker_common.parity_inputs import RELATIVE_TOLERANCE
 
 from .parity_report import GREEDY_TOKENS, HALF_TOP1_MIN, PARITY_FILE, ParityReport
+
+if TYPE_CHECKING:
+    from .engine import LeftOut
 
 
 def tool_version() -> str:
@@ -107,35 +111,30 @@ def export_line(folder: str, beyond_genai: list[str] | None) -> str:
     return f"`thinker export {folder} ONNX_FOLDER` writes it as an ONNX decoder for onnxruntime and onnxruntime-genai."
 
 
-# The multi-token-prediction block Qwen3.5 and Qwen3-Next checkpoints carry: a speculative-decoding head, not a tower
-# whose output the decoder takes.
-MTP_PREFIX = "mtp."
-
-
-def left_out_parts(left: dict[str, int], quote: str = "") -> str:
+def left_out_parts(left: list[LeftOut], quote: str = "") -> str:
     """``model.visual.* (12 tensors), mtp.* (3 tensors)``: what ``engine.left_out`` found, as a note lists it
     (``quote="`"``: as the card does)."""
-    return ", ".join(f"{quote}{prefix}*{quote} ({count} tensor{'s' * (count > 1)})" for prefix, count in left.items())
+    return ", ".join(f"{quote}{part.prefix}*{quote} ({part.count} tensor{'s' * (part.count > 1)})" for part in left)
 
 
-def left_out_section(left: dict[str, int]) -> str:
+def left_out_section(left: list[LeftOut]) -> str:
     """The card's word on the source's parts a conversion leaves out (``engine.left_out``), and how a prompt that
     needs a tower reaches the decoder without it; empty where nothing was left out."""
     if not left:
         return ""
     parts = left_out_parts(left, quote="`")
     text = f"## Left out\n\nThis folder is the source's text decoder; these parts of the source are not in it: {parts}."
-    if any(prefix != MTP_PREFIX for prefix in left):
+    if not all(part.mtp for part in left):
         text += (
             " For a prompt with audio, images or video, run the towers with the source's own transformers class and "
             "pass the embeddings they give, at the placeholder tokens, as `inputs_embeds` (with the `position_ids` "
             "its processor computes where the model has multimodal RoPE); `thinker export --inputs-embeds` writes "
             "the ONNX graph that takes them."
         )
-    if MTP_PREFIX in left:
+    if blocks := [f"`{part.prefix}*`" for part in left if part.mtp]:
         text += (
-            " `mtp.*` is the multi-token-prediction block, for speculative decoding, which the source's own "
-            "causal-LM class does not run either."
+            f" {', '.join(blocks)} {'is' if len(blocks) == 1 else 'are'} the multi-token-prediction block, for "
+            "speculative decoding, which the source's own causal-LM class does not run either."
         )
     return text + "\n"
 
@@ -161,7 +160,7 @@ def write_thinker_card(
     name: str | None = None,
     beyond_genai: list[str] | None = None,
     recorded: dict | None = None,
-    left: dict[str, int] | None = None,
+    left: list[LeftOut] | None = None,
 ) -> list[str]:
     """README.md (and the source's license files) in the Thinker folder ``folder`` (to be installed as ``name``);
     the names written. ``beyond_genai``: what the model has whose state onnxruntime-genai cannot carry;
@@ -200,7 +199,7 @@ Without Thinker installed, the folder's own modeling code runs: drop the import 
 both calls (the tokenizer reads the same config, and asks otherwise).
 
 {export_line(here, beyond_genai)}
-""" + (f"\n{section}" if (section := left_out_section(left or {})) else "")
+""" + (f"\n{section}" if (section := left_out_section(left or [])) else "")
     write_card(folder, metadata, body, parity_section(report, skipped))
     return ["README.md", *copy_license(root, folder)]
 

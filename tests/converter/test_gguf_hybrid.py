@@ -95,6 +95,9 @@ def test_hybrid_gguf_converts_to_the_model_it_was_written_from(architecture, ver
     config = json.loads((output / "config.json").read_text())
     assert config["layer_types"] == model.config.layer_types and config["num_hidden_layers"] == 4  # MTP block dropped
     assert config["rope_parameters"]["mrope_section"] == [2, 1, 1] and config["norm_zero_centered"]
+    # and said to be: llama.cpp's block past the decoder's layers, as a Hugging Face checkpoint's mtp.*
+    assert "left out (" in result.output and "blk.4.* (" in result.output
+    assert "`blk.4.*` is the multi-token-prediction block" in (output / "README.md").read_text()
 
 
 @pytest.mark.parametrize("verify", ["--verify", "--verify-by-layer"])

@@ -14,7 +14,7 @@ from convert_helpers import assert_same_logits, build_reference
 from safetensors.torch import save_file
 from transformers import Qwen3Config
 
-from converter.engine import left_out, plan_conversion, write_weights
+from converter.engine import LeftOut, left_out, plan_conversion, write_weights
 from converter.families import detect_family
 from converter.families.common import (
     ATTENTION,
@@ -72,7 +72,8 @@ def test_each_layout_converts_exactly(layout, tmp_path):
         name for name in source.names() if name.startswith(prefix)
     }
     assert plan.dropped == (sorted(extra) if layout == "vl" else [])
-    assert left_out(plan) == ({"model.visual.": 1, "mtp.": 1} if layout == "vl" else {})
+    expected = [LeftOut("model.visual.", 1, mtp=False), LeftOut("mtp.", 1, mtp=True)]
+    assert left_out(plan) == (expected if layout == "vl" else [])
     (tmp_path / "out").mkdir()
     write_weights(plan, source, tmp_path / "out", max_shard_size=10**9, progress=False)
     write_thinker_config(tmp_path / "out", plan.config)
@@ -80,12 +81,12 @@ def test_each_layout_converts_exactly(layout, tmp_path):
 
 
 def test_the_card_says_what_was_left_out_and_how_a_tower_reaches_the_decoder():
-    both = left_out_section({"model.visual.": 12, "mtp.": 1})
+    both = left_out_section([LeftOut("model.visual.", 12, mtp=False), LeftOut("mtp.", 1, mtp=True)])
     assert "`model.visual.*` (12 tensors), `mtp.*` (1 tensor)" in both
-    assert "as `inputs_embeds`" in both and "multi-token-prediction block" in both
-    only_mtp = left_out_section({"mtp.": 3})
-    assert "multi-token-prediction block" in only_mtp and "inputs_embeds" not in only_mtp
-    assert left_out_section({}) == ""
+    assert "as `inputs_embeds`" in both and "`mtp.*` is the multi-token-prediction block" in both
+    only_mtp = left_out_section([LeftOut("blk.4.", 3, mtp=True)])
+    assert "`blk.4.*` is the multi-token-prediction block" in only_mtp and "inputs_embeds" not in only_mtp
+    assert left_out_section([]) == ""
 
 
 def test_a_tensor_outside_every_layout_and_prefix_is_refused(tmp_path):
