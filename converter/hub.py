@@ -41,7 +41,7 @@ from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils import filter_repo_objects, validate_repo_id
 from huggingface_hub.utils import tqdm as hf_tqdm
 
-from thinker_common.errors import ThinkerError
+from thinker_common.errors import ADAPTER_CONFIG, ThinkerError, peft_adapter_error
 from thinker_common.model_card import CARD_FILE, LICENSE_FILES
 from thinker_common.side_files import CONFIG_FILES, TOKENIZER_FILES, TOKENIZER_PATTERNS, read_json
 from thinker_common.sources import (
@@ -155,6 +155,8 @@ def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str 
     if all(name.endswith(".gguf") for name in weights):
         side_files = [name for name in top if name in _GGUF_SIDE_FILES]
     elif "config.json" not in top:  # known from the listing: refused before gigabytes of weights come down
+        if ADAPTER_CONFIG in top:
+            raise peft_adapter_error(f"{label} holds {ADAPTER_CONFIG} and no config.json")
         raise ThinkerError(
             f"{label} has no config.json at its top level, which says which model its weights ({_listed(weights)}) "
             "belong to; check the repo id and revision (a GGUF repo needs none: its file's metadata is the config)"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .errors import ThinkerError
+from .errors import ADAPTER_CONFIG, ThinkerError, peft_adapter_error
 from .side_files import copy_files, read_json, tokenizer_files
 from .source_files import present
 
@@ -19,6 +19,8 @@ class FolderSource:
     def config(self) -> dict[str, Any]:
         path = self.root / "config.json"
         if not present(path, self.root):
+            if (self.root / ADAPTER_CONFIG).is_file():  # peft's save_pretrained writes no config.json
+                raise peft_adapter_error(f"{self.root / ADAPTER_CONFIG}, no config.json")
             raise ThinkerError(f"{self.root}: no config.json beside the weights; it says which model they belong to")
         config = read_json(path)
         if not isinstance(config, dict):

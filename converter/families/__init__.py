@@ -11,7 +11,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from thinker.configuration_thinker import ThinkerConfig
-from thinker_common.errors import ThinkerError
+from thinker_common.errors import ThinkerError, peft_adapter_error
 
 from ..spec import Family
 from .gguf import GGUF_FAMILIES, UNSUPPORTED_GGUF
@@ -76,11 +76,7 @@ def detect_family(source_config: Mapping[str, Any], tensor_names: Collection[str
     # the names of this kind of source: config.json's model_types, or a GGUF's general.architecture values
     supported = sorted({name for family in FAMILIES if family.model_type_key == key for name in family.model_types})
     if any(name.startswith("base_model.model.") for name in tensor_names):  # peft's save_pretrained of an adapter
-        raise ThinkerError(
-            "the source holds a PEFT adapter (tensor names under base_model.model., "
-            f"{sorted(tensor_names)[0]}), not a model: merge it into its base model first (peft's "
-            "PeftModel.from_pretrained(base, SOURCE).merge_and_unload().save_pretrained(FOLDER)) and convert FOLDER"
-        )
+        raise peft_adapter_error(f"tensor names under base_model.model., {sorted(tensor_names)[0]}")
     if model_type in supported:
         raise ThinkerError(
             f"the source declares {key} {model_type!r}, but its tensor names match no known layout of it "

@@ -89,6 +89,24 @@ def test_the_card_says_what_was_left_out_and_how_a_tower_reaches_the_decoder():
     assert left_out_section([]) == ""
 
 
+def test_a_peft_adapter_folder_or_repo_is_named_as_one(tmp_path):
+    """As peft's save_pretrained writes it: adapter_config.json and adapter weights, no config.json. It was told it
+    had no config.json (locally), or to check the repo id (on the Hub), a QA run found."""
+    from converter.convert import convert
+    from converter.hub import pick_conversion_files
+
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    lora = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(4, 8)}
+    save_file(lora, tmp_path / "adapter" / "adapter_model.safetensors")
+    with pytest.raises(ThinkerError, match=r"holds a PEFT adapter \(.*adapter_config.json, no config.json\).*merge"):
+        convert(tmp_path / "adapter", tmp_path / "out", verify=False, progress=False)
+    assert not (tmp_path / "out").exists()
+    listing = ["adapter_config.json", "adapter_model.safetensors", "README.md"]
+    with pytest.raises(ThinkerError, match=r"PEFT adapter \(acme/lora@main holds adapter_config.json"):
+        pick_conversion_files(listing, "acme/lora@main")
+
+
 def test_a_tensor_outside_every_layout_and_prefix_is_refused(tmp_path):
     source = save(build_reference(CONFIG), tmp_path / "source", "vl", {"model.audio.proj.weight": torch.ones(2)})
     with pytest.raises(ThinkerError, match=r"no qwen3_layouts rule maps .*model\.audio\.proj\.weight"):
