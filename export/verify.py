@@ -303,9 +303,10 @@ def _compare_decoders(
     if decoder.last_logits_only:
         last_spread = None if spread is None else at_last_kept(spread, attention_mask)
         agreement.add(at_last_kept(reference, attention_mask), candidate[:, 0], last_spread)
-        if candidate_padding == AS_GIVEN:
+        if candidate_padding == AS_GIVEN and not decoder.left_padding_only:
             # Left padding puts every row's last token in the last slot; onnxruntime-genai pads on the right, where
-            # only the mask tells a row's last token from its pads: the same rows padded so, prefill only.
+            # only the mask tells a row's last token from its pads: the same rows padded so, prefill only (not for a
+            # graph that refuses them, Qwen3.8's: LEFT_PADDING_ONLY).
             add_right_padded_prefill(agreement, model, decoder, input_ids, attention_mask, last_spread, follower)
     else:  # the kept positions of each row, in order, whichever side its pads are
         kept = attention_mask.astype(bool)
