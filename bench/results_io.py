@@ -42,7 +42,11 @@ def names_from(choices) -> Callable[[str], list[str]]:
 def writable_folder(path: Path) -> Path:
     """``path`` if it is an existing folder this process may write in; else a one-line ``SystemExit`` naming it,
     at the start of a run, not after it (a missing folder is not created: a mistyped path would scatter results)."""
+    if not str(path).strip():  # Path("") is the working directory, which an unset shell variable did not name
+        raise SystemExit("error: an empty path for the results; name a folder")
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise SystemExit(f"error: {path}: a file, not a folder for the results; name a folder")
     if not path.is_dir():
         raise SystemExit(f"error: {path}: no such folder for the results; create it or name another")
     if not os.access(path, os.W_OK):

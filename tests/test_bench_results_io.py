@@ -35,6 +35,15 @@ def test_a_result_folder_that_is_not_there_is_refused_not_created(tmp_path):
     assert results_io.result_file(str(tmp_path / "x.json")) == tmp_path / "x.json"
 
 
+def test_a_file_or_an_empty_path_is_no_result_folder(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SystemExit, match="a-file: a file, not a folder for the results"):
+        results_io.writable_folder(tmp_path / "a-file")
+    with pytest.raises(SystemExit, match="an empty path for the results"):  # not the working directory
+        results_io.writable_folder("")
+    assert results_io.writable_folder(tmp_path) == tmp_path
+
+
 def test_a_write_that_fails_leaves_the_previous_figures(tmp_path, monkeypatch):
     published = tmp_path / "fast.json"
     published.write_text('{"old": 1}\n')
