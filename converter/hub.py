@@ -42,6 +42,7 @@ from huggingface_hub.utils import filter_repo_objects, validate_repo_id
 from huggingface_hub.utils import tqdm as hf_tqdm
 
 from thinker_common.errors import ADAPTER_CONFIG, ThinkerError, peft_adapter_error
+from thinker_common.gguf_reader import is_split_shard, split_gguf
 from thinker_common.model_card import CARD_FILE, LICENSE_FILES
 from thinker_common.side_files import CONFIG_FILES, TOKENIZER_FILES, TOKENIZER_PATTERNS, read_json
 from thinker_common.sources import (
@@ -122,6 +123,10 @@ def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str 
         return [name for name in top if name.endswith(suffix)]
 
     gguf = ending(".gguf")
+    every_gguf = sorted(name for name in repo_files if name.endswith(".gguf"))
+    if gguf_file is not None and is_split_shard(gguf_file):  # refused before the shard is downloaded
+        beside = [name for name in every_gguf if Path(name).parent == Path(gguf_file).parent]
+        raise ThinkerError(f"{label} holds {split_gguf(beside or [gguf_file])} (download them all to merge them)")
     if gguf_file is not None:
         if gguf_file not in gguf:
             raise ThinkerError(f"{label} has no GGUF file {gguf_file!r} at its top level; {_ggufs_held(gguf)}")
@@ -138,15 +143,11 @@ def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str 
         for whole, _ in LOAD_ORDER:
             if whole in weights:  # transformers reads the whole file alone, before an index and shards beside it
                 weights = [whole]
+    if not weights and (split := split_gguf(gguf or every_gguf)):  # the shards of a split GGUF, here or in a folder
+        raise ThinkerError(f"{label} holds {split} (download them all to merge them)")
     if not weights:
         if len(gguf) > 1:  # every GGUF of the repo listed, a quantisation's folder's too
-            from thinker_common.gguf_reader import merge_advice, split_shards
-
-            if first := split_shards(gguf):
-                raise ThinkerError(
-                    f"{label} holds a GGUF split into {len(gguf)} files; download them and {merge_advice(first)}"
-                )
-            held = sorted(name for name in repo_files if name.endswith(".gguf"))
+            held = every_gguf
             raise ThinkerError(f"{label} holds {len(held)} GGUF files; pick one with --gguf-file: {_ggufs_held(held)}")
         weights = gguf
     if not weights:

@@ -295,16 +295,26 @@ def merge_advice(first_shard: str) -> str:
     )
 
 
-def split_shards(names: list[str]) -> str | None:
-    """Where ``names`` (file names) are the shards of one split GGUF and nothing else: the first shard's name."""
-    found = [_SPLIT_SHARD.match(Path(name).name) for name in names]
-    if not names or not all(found):
+def is_split_shard(name: str) -> bool:
+    """Whether ``name`` is named as a shard of a split GGUF (``NAME-00002-of-00003.gguf``)."""
+    return _SPLIT_SHARD.match(Path(name).name) is not None
+
+
+def split_gguf(names: list[str]) -> str | None:
+    """Where ``names`` (the ``.gguf`` files of a folder or a repo, paths in it) are the shards of one split GGUF (a
+    multimodal projector ``mmproj*.gguf`` beside them aside): what to say of them, the shards missing and how to
+    merge them; else None."""
+    shards = [(Path(name), match) for name in names if (match := _SPLIT_SHARD.match(Path(name).name))]
+    others = [name for name in names if not is_split_shard(name) and not Path(name).name.startswith("mmproj")]
+    sets = {(path.parent.as_posix(), match["stem"], match["count"]) for path, match in shards}
+    if not shards or others or len(sets) != 1:
         return None
-    stems = {(match["stem"], match["count"]) for match in found}
-    if len(stems) != 1:
-        return None
-    (stem, count), folder = next(iter(stems)), Path(names[0]).parent
-    return (folder / f"{stem}-00001-of-{count}.gguf").as_posix()
+    folder, stem, count = next(iter(sets))
+    shard = f"{'' if folder == '.' else folder + '/'}{stem}-{{:05d}}-of-{count}.gguf"
+    held = {int(match["no"]) for _, match in shards}
+    missing = [shard.format(n) for n in range(1, int(count) + 1) if n not in held]
+    absent = f", {len(missing)} of them not here ({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''})"
+    return f"a GGUF split into {int(count)} files{absent if missing else ''}; {merge_advice(shard.format(1))}"
 
 
 def _refuse_a_shard(path: Path, reader: Any) -> None:

@@ -540,10 +540,10 @@ def _open_source(root: Path) -> TensorSource:
 
         return GGUFSource(ggufs[0])
     if len(ggufs) > 1:
-        from .gguf_reader import merge_advice, split_shards
+        from .gguf_reader import split_gguf
 
-        if first := split_shards([path.name for path in ggufs]):
-            raise ThinkerError(f"{root}: holds a GGUF split into {len(ggufs)} files; {merge_advice(first)}")
+        if split := split_gguf([path.name for path in ggufs]):
+            raise ThinkerError(f"{root}: holds {split}")
         shown = ", ".join(path.name for path in ggufs[:4]) + (f", ... ({len(ggufs)} in all)" if len(ggufs) > 4 else "")
         raise ThinkerError(
             f"{root}: holds several .gguf files ({shown}); pass the one to convert as SOURCE, or name it with "

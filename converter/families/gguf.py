@@ -440,7 +440,6 @@ def _hybrid_hf_config(metadata: Mapping[str, Any], names: set[str], arch: str) -
                 f"GGUF metadata {name!r} is {value!r}; a model needs a whole number above 0 there: the file is corrupt"
             )
     _check_values({"rms_norm_eps": metadata[eps]}, {eps: "rms_norm_eps"})
-    theta = _rope_parameters(metadata, arch, names)["rope_theta"]  # checks the base, refuses scaling keys it cannot map
     scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
     if scaling != "none":
         # transformers' GGUF loading replaces the whole rope_parameters with the scaling's, losing the multimodal
@@ -450,6 +449,7 @@ def _hybrid_hf_config(metadata: Mapping[str, Any], names: set[str], arch: str) -
             "(transformers' GGUF loading of it drops the multimodal RoPE sections and the partial rotary, so there "
             "is no reference to verify against); convert the Hugging Face checkpoint instead"
         )
+    theta = _rope_parameters(metadata, arch, names)["rope_theta"]  # checks the base
     tokens = metadata.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens:
         raise ThinkerError(f"GGUF metadata has no tokenizer.ggml.tokens, which sets a {arch} model's vocabulary size")

@@ -200,8 +200,16 @@ def test_a_split_gguf_says_to_merge_its_shards(tmp_path, monkeypatch):
     second = tmp_path / "gguf" / shards[1]
     assert_error(convert(second, tmp_path / "out", "--no-verify"), "shard 2 of a GGUF split into 3 files", merge)
     assert not (tmp_path / "out").exists()
-    with pytest.raises(ThinkerError, match="a GGUF split into 3 files; download them and merge"):
-        pick_conversion_files(shards, "acme/tiny@main")
+    # a shard short: counted from the names, the missing one named
+    (tmp_path / "gguf" / shards[0]).unlink()
+    result = convert(tmp_path / "gguf", tmp_path / "out", "--no-verify")
+    assert_error(result, "a GGUF split into 3 files, 1 of them not here (tiny-qwen35-00001-of-00003.gguf)", merge)
+    # a Hub repo's, at its top or in a quantisation's folder, or one shard named: before any download
+    for listing in (shards, [*(f"Q8_0/{shard}" for shard in shards), "README.md"]):
+        with pytest.raises(ThinkerError, match="holds a GGUF split into 3 files; merge the shards first"):
+            pick_conversion_files(listing, "acme/tiny@main")
+    with pytest.raises(ThinkerError, match=r"split into 3 files.*--merge tiny-qwen35-00001-of-00003.gguf"):
+        pick_conversion_files([*shards, "mmproj-F16.gguf"], "acme/tiny@main", shards[1])
 
 
 def test_a_decay_rate_no_a_log_makes_is_named(tmp_path):
