@@ -14,6 +14,7 @@ from thinker.configuration_thinker import ThinkerConfig
 from thinker_common.errors import ThinkerError, peft_adapter_error
 
 from ..spec import Family
+from .common import refuse_missing_decoder_config
 from .gguf import GGUF_FAMILIES, UNSUPPORTED_GGUF
 from .gpt2 import GPT2
 from .llama import LLAMA
@@ -78,6 +79,8 @@ def detect_family(source_config: Mapping[str, Any], tensor_names: Collection[str
     if any(name.startswith("base_model.model.") for name in tensor_names):  # peft's save_pretrained of an adapter
         raise peft_adapter_error(f"tensor names under base_model.model., {sorted(tensor_names)[0]}")
     if model_type in supported:
+        if key == "model_type":  # another release's layout (a thinker_config where a text_config is read) says so
+            refuse_missing_decoder_config(source_config, model_type)
         raise ThinkerError(
             f"the source declares {key} {model_type!r}, but its tensor names match no known layout of it "
             f"(first tensors: {', '.join(sorted(tensor_names)[:3])})"

@@ -60,6 +60,14 @@ def refuse_missing_decoder_config(source: Mapping[str, Any], model_type: str) ->
         if sub_class is None:
             continue
         path.append(key)
+        other = next((k for k in DECODER_SUB_CONFIGS if k != key and isinstance(config.get(k), Mapping)), None)
+        if not isinstance(config.get(key), Mapping) and other:  # another release's layout under the same model_type
+            raise ThinkerError(
+                f"the source config.json (model_type {model_type!r}) holds a {other} where transformers' "
+                f"{config_class.__name__} reads a {'.'.join(path)}: a layout transformers does not load (another "
+                "release of the model, such as the one its Hugging Face conversion was made from); convert the "
+                "release transformers loads"
+            )
         if not isinstance(config.get(key), Mapping):
             raise ThinkerError(
                 f"the source config.json (model_type {model_type!r}) has no {'.'.join(path)}, which holds its text "

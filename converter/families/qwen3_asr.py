@@ -9,9 +9,9 @@ prompt is exact (``tests/converter/test_qwen3_asr.py``). The end-of-sequence and
 (the text config has none) and are carried into the Thinker's.
 
 Parity reference: ``Qwen3ASRForConditionalGeneration`` on text, loaded from the source folder. No way back: a
-Thinker folder has no audio tower, without which the folder would be incomplete. The original (non ``-hf``)
-releases, a ``thinker.*`` layout with a ``thinker_config``, are the format transformers converts from, not one it
-loads; convert them with transformers' own script first.
+Thinker folder has no audio tower, without which the folder would be incomplete. Only the layout transformers loads
+(the ``-hf`` releases) is read: a config with a ``thinker_config`` in place of its ``text_config`` is refused by
+name (``common.refuse_missing_decoder_config``).
 """
 
 from __future__ import annotations

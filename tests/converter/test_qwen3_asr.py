@@ -12,7 +12,7 @@ import torch
 from cli_helpers import thinker
 from references import qwen3_asr
 from references.hybrid import capture_language_model_inputs
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 
 from converter.cli import convert_command, verify_command
@@ -55,6 +55,27 @@ def test_there_is_no_way_back(asr, tmp_path):
     refused = thinker(folder, tmp_path / "back", "--to", "qwen3_asr", command=convert_command)
     assert refused.exit_code == 1 and "cannot be written back as qwen3_asr" in refused.output
     assert not (tmp_path / "back").exists()
+
+
+def test_another_releases_layout_is_refused_by_name(asr, tmp_path):
+    """A config with a ``thinker_config`` where transformers' class reads a ``text_config`` (and ``thinker.*``
+    tensors): not a layout transformers loads, said so, where it was told its tensor names matched no layout."""
+    source, _ = asr
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.loads((source / "config.json").read_text())
+    config["thinker_config"] = {"text_config": config.pop("text_config"), "audio_config": config.pop("audio_config")}
+    (other / "config.json").write_text(json.dumps(config))
+    tensors = {
+        name.replace("model.", "thinker.", 1): value for name, value in load_file(source / "model.safetensors").items()
+    }
+    save_file(tensors, other / "model.safetensors", metadata={"format": "pt"})
+    refused = thinker(other, tmp_path / "out", "--no-verify", command=convert_command)
+    assert (
+        refused.exit_code == 1
+        and "holds a thinker_config where transformers' Qwen3ASRConfig reads a text_config" in refused.output
+    )
+    assert not (tmp_path / "out").exists()
 
 
 @torch.no_grad()
