@@ -107,11 +107,17 @@ def export_config(family: Family, config: ThinkerConfig) -> dict[str, Any]:
         raise ThinkerError(f"this Thinker model is not expressible as {family.name}: {err}") from None
     differ = config_differences(config, ThinkerConfig(**translated))
     if differ:
+        # a dense model to a family of routed experts: that is the reason, whichever field shows it first
+        dense = "it is dense (no routed experts); " if not config.num_experts and _routes_experts(family) else ""
         raise ThinkerError(
-            f"this Thinker model is not expressible as {family.name}: the {family.name} config would change "
+            f"this Thinker model is not expressible as {family.name}: {dense}the {family.name} config would change "
             f"{', '.join(differ[:6])}{' ...' if len(differ) > 6 else ''}"
         )
     return exported
+
+
+def _routes_experts(family: Family) -> bool:
+    return any(".mlp.experts." in target for rule in family.tensors for target in rule.targets)
 
 
 def plan_back(source: TensorSource, config: ThinkerConfig, family: Family, dtype: str = "auto") -> Plan:

@@ -275,6 +275,11 @@ def test_multimodal_rope_goes_only_where_the_class_reads_it(conversions, tmp_pat
     )
     assert "not expressible as qwen3: the config has linear_attention layers" in dense.output, dense.output
     assert "which qwen3 models do not have; theirs are full_attention layers" in dense.output
+    moe = CliRunner().invoke(
+        convert_command, [str(conversions("qwen3_5").output), str(tmp_path / "x"), "--to", "qwen3_5_moe"]
+    )  # the reason first, then the field it shows in (a QA run found only norm_topk_prob named)
+    assert "not expressible as qwen3_5_moe: it is dense (no routed experts); the qwen3_5_moe config" in moe.output
+    assert not (tmp_path / "x").exists()
 
 
 def test_mixed_dtypes_keep_the_wider_tensors(tmp_path):
