@@ -42,7 +42,7 @@ from huggingface_hub.utils import filter_repo_objects, validate_repo_id
 from huggingface_hub.utils import tqdm as hf_tqdm
 
 from thinker_common.errors import ADAPTER_CONFIG, ThinkerError, peft_adapter_error
-from thinker_common.gguf_reader import is_split_shard, split_gguf
+from thinker_common.gguf_split import is_split_shard, split_gguf
 from thinker_common.model_card import CARD_FILE, LICENSE_FILES
 from thinker_common.side_files import CONFIG_FILES, TOKENIZER_FILES, TOKENIZER_PATTERNS, read_json
 from thinker_common.sources import (
@@ -147,8 +147,8 @@ def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str 
         raise ThinkerError(f"{label} holds {split} (download them all to merge them)")
     if not weights:
         if len(gguf) > 1:  # every GGUF of the repo listed, a quantisation's folder's too
-            held = every_gguf
-            raise ThinkerError(f"{label} holds {len(held)} GGUF files; pick one with --gguf-file: {_ggufs_held(held)}")
+            held = f"pick one with --gguf-file: {_ggufs_held(every_gguf)}"
+            raise ThinkerError(f"{label} holds {len(every_gguf)} GGUF files; {held}")
         weights = gguf
     if not weights:
         held = _nested(repo_files, label)

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from .errors import ThinkerError
+from .gguf_split import SPLIT_SHARD, merge_advice
 from .source_files import redownload, regular_file
 from .values import ValueScan
 
@@ -283,47 +284,13 @@ def _new_mapped_reader(path: Path) -> Any:
     return MappedReader(path)
 
 
-# llama.cpp's gguf-split names its shards NAME-00001-of-00003.gguf and records split.count / split.no in each.
-_SPLIT_SHARD = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
-
-
-def merge_advice(first_shard: str) -> str:
-    """What to do with a GGUF split into several files: transformers, the parity reference, reads one file."""
-    return (
-        f"merge the shards first with llama.cpp's `llama-gguf-split --merge {first_shard} merged.gguf` and convert "
-        "merged.gguf (transformers, the parity reference, reads a GGUF from one file)"
-    )
-
-
-def is_split_shard(name: str) -> bool:
-    """Whether ``name`` is named as a shard of a split GGUF (``NAME-00002-of-00003.gguf``)."""
-    return _SPLIT_SHARD.match(Path(name).name) is not None
-
-
-def split_gguf(names: list[str]) -> str | None:
-    """Where ``names`` (the ``.gguf`` files of a folder or a repo, paths in it) are the shards of one split GGUF (a
-    multimodal projector ``mmproj*.gguf`` beside them aside): what to say of them, the shards missing and how to
-    merge them; else None."""
-    shards = [(Path(name), match) for name in names if (match := _SPLIT_SHARD.match(Path(name).name))]
-    others = [name for name in names if not is_split_shard(name) and not Path(name).name.startswith("mmproj")]
-    sets = {(path.parent.as_posix(), match["stem"], match["count"]) for path, match in shards}
-    if not shards or others or len(sets) != 1:
-        return None
-    folder, stem, count = next(iter(sets))
-    shard = f"{'' if folder == '.' else folder + '/'}{stem}-{{:05d}}-of-{count}.gguf"
-    held = {int(match["no"]) for _, match in shards}
-    missing = [shard.format(n) for n in range(1, int(count) + 1) if n not in held]
-    absent = f", {len(missing)} of them not here ({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''})"
-    return f"a GGUF split into {int(count)} files{absent if missing else ''}; {merge_advice(shard.format(1))}"
-
-
 def _refuse_a_shard(path: Path, reader: Any) -> None:
     """One shard of a split GGUF holds some of the tensors only: named as such (split.count), not as a file
     missing tensors."""
     count = _field_value(reader.fields["split.count"]) if "split.count" in reader.fields else 1
     if isinstance(count, int) and count > 1:
         number = _field_value(reader.fields["split.no"]) + 1 if "split.no" in reader.fields else "one"
-        first = _SPLIT_SHARD.sub(lambda m: f"{m['stem']}-00001-of-{m['count']}.gguf", path.name)
+        first = SPLIT_SHARD.sub(lambda m: f"{m['stem']}-00001-of-{m['count']}.gguf", path.name)
         raise ThinkerError(
             f"{path}: shard {number} of a GGUF split into {count} files (split.count); {merge_advice(first)}"
         )

@@ -540,7 +540,7 @@ def _open_source(root: Path) -> TensorSource:
 
         return GGUFSource(ggufs[0])
     if len(ggufs) > 1:
-        from .gguf_reader import split_gguf
+        from .gguf_split import split_gguf
 
         if split := split_gguf([path.name for path in ggufs]):
             raise ThinkerError(f"{root}: holds {split}")
