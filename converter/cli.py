@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from thinker_common.cli import CONTEXT, reports_errors
+from thinker_common.cli import CONTEXT, console_script, reports_errors
 from thinker_common.dtypes import FLOAT_DTYPES
 from thinker_common.errors import ThinkerError
 from thinker_common.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
@@ -289,4 +289,6 @@ def verify_command(
     click.echo(f"parity holds; wrote {report_path or converted / 'parity.json'}")
 
 
-__all__ = ["convert_command", "verify_command"]
+thinker_convert = console_script(convert_command)  # the `thinker-convert` console script (pyproject.toml)
+
+__all__ = ["convert_command", "thinker_convert", "verify_command"]

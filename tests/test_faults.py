@@ -251,6 +251,34 @@ def test_signals_unwind_and_exit_with_the_shells_status(signum, words, signalled
     assert not output.exists() and leftovers(output) == []  # its staging folder removed on the way out
 
 
+# The console script's run, then a Ctrl-C while the interpreter shuts down: an exit hook (as torch's) that says when
+# it has started, then waits.
+INTERRUPTED_AT_EXIT = """
+import atexit, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a pytest started with SIGINT ignored passes that on
+def late():
+    print("exiting", flush=True)
+    time.sleep(3)
+atexit.register(late)
+from converter.cli import thinker_convert
+sys.argv = ["thinker-convert", "--version"]
+thinker_convert()
+"""
+
+
+def test_a_ctrl_c_after_the_run_is_ignored():
+    """Once the command has run, its status decided, Ctrl-C no longer reaches the interpreter's exit hooks: it printed
+    a traceback from torch's (a QA run's Ctrl-C half a second after a conversion's summary), or gave a conversion
+    already in place SIGINT's status."""
+    code = [sys.executable, "-c", INTERRUPTED_AT_EXIT]
+    process = subprocess.Popen(code, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout.readline().startswith("thinker-convert ")  # --version's line
+    assert process.stdout.readline() == "exiting\n"
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 0 and "KeyboardInterrupt" not in err and "Traceback" not in err, err
+
+
 def test_a_closed_stdout_ends_quietly_after_the_work(qwen3_source, tmp_path):
     """stdout's reader gone (`thinker-convert ... | head`, here a pipe closed before the run): the conversion is in
     place, and the summary it could not print ends the run as SIGPIPE ends a shell tool (141), without the "error:

@@ -253,8 +253,25 @@ def main() -> None:
     """
 
 
-__all__ = ["CONTEXT", "main", "quiet_libraries", "reports_errors"]
+def console_script(command: click.Command) -> Callable[[], None]:
+    """``command`` as a console script: click's standalone run, after which, the run over and its status decided,
+    Ctrl-C is ignored. One arriving while the interpreter shuts down printed a traceback from torch's atexit hook, or
+    gave a conversion already in place SIGINT's status, a QA run found."""
+
+    def run() -> None:
+        try:
+            command.main()
+        finally:
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    return run
+
+
+thinker = console_script(main)  # the `thinker` console script (pyproject.toml)
+
+__all__ = ["CONTEXT", "console_script", "main", "quiet_libraries", "reports_errors", "thinker"]
 
 
 if __name__ == "__main__":  # python -m thinker_common.cli COMMAND ... (the benchmarks run it so)
-    main()
+    thinker()
