@@ -53,7 +53,7 @@ from .engine import (
 from .families import FAMILIES, family_by_name
 from .model_card import write_way_back_card
 from .output_dtype import kept_wider, resolve_dtype
-from .parity import parity_gate, parity_mode
+from .parity import parity_gate, parity_mode, refuse_bad_memory_setting
 from .parity_report import BY_LAYER, PARITY_FILE
 from .spec import Family
 
@@ -174,6 +174,8 @@ def convert_back(
     """
     started = time.perf_counter()
     refuse_contrary_checks(verify, verify_by_layer)
+    if verify is not False:
+        refuse_bad_memory_setting()
     source, output = Path(source), Path(output)
     family = way_back_family(family_name)
     shard_bytes = parse_size(max_shard_size)

@@ -41,7 +41,7 @@ from .output import (
     write_thinker_config,
 )
 from .output_dtype import resolve_dtype
-from .parity import parity_gate, parity_mode
+from .parity import parity_gate, parity_mode, refuse_bad_memory_setting
 from .parity_report import BY_LAYER, FAILED_PARITY_FILE, PARITY_FILE, ParityReport
 from .spec import Family
 from .weights_check import weights_verdict
@@ -121,6 +121,8 @@ def convert(
     started = time.perf_counter()
     refuse_empty_source(source)  # before OUTPUT is checked against it
     refuse_contrary_checks(verify, verify_by_layer)
+    if verify is not False:
+        refuse_bad_memory_setting()
     output = Path(output)
     shard_bytes = parse_size(max_shard_size)
     # before any download; a local SOURCE first (a GGUF picked in a folder is checked once it is resolved)
@@ -212,6 +214,7 @@ def verify(
 
     Whole models side by side when both fit ``memory_budget``, else (or with ``by_layer``) layer by layer."""
     converted = Path(converted)
+    refuse_bad_memory_setting()
     if not (converted / "config.json").is_file():
         raise ThinkerError(f"{converted}: not a converted model folder (no config.json)")
     root = resolve_source(str(source), revision, gguf_file=gguf_file)

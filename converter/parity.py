@@ -325,6 +325,13 @@ def memory_budget(share: float = VERIFY_MEMORY_SHARE) -> int:
     return int(share * psutil.virtual_memory().available)
 
 
+def refuse_bad_memory_setting() -> None:
+    """``THINKER_VERIFY_MEMORY`` read before any work, whichever mode the check takes: a check asked for layer by
+    layer never read it, so a mistyped value passed unseen (a QA run)."""
+    if os.environ.get(MEMORY_BUDGET_ENV):
+        memory_budget()
+
+
 def parity_mode(num_parameters: int, budget: int | None = None) -> tuple[str, str]:
     """(mode, note): whole-model when both models in float32 fit the budget (default ``memory_budget()``), else
     layer by layer, with a note saying why."""

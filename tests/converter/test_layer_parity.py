@@ -249,6 +249,13 @@ def test_convert_switches_to_layer_mode_when_the_budget_is_too_small(tmp_path, m
     monkeypatch.setenv(MEMORY_BUDGET_ENV, "0.5")  # a byte count, refused for its own reason
     refused = cli(convert_command, source, tmp_path / "refused")
     assert refused.exit_code == 1 and f"{MEMORY_BUDGET_ENV}='0.5': size '0.5' is less than one byte" in refused.stderr
+    # read whatever mode the check takes: layer by layer, asked for, never read it (a QA run); --no-verify does not
+    monkeypatch.setenv(MEMORY_BUDGET_ENV, "lots")
+    for command, args in [(convert_command, ("--verify-by-layer",)), (verify_command, ("--verify-by-layer",))]:
+        target = tmp_path / ("refused" if command is convert_command else "small")
+        refused = cli(command, source, target, *args)
+        assert refused.exit_code == 1 and f"{MEMORY_BUDGET_ENV}='lots': size 'lots' is not a size" in refused.stderr
+    assert cli(convert_command, source, tmp_path / "unchecked", "--no-verify").exit_code == 0
 
 
 def test_budget_as_a_parameter(tmp_path, run_convert):
