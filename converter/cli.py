@@ -256,6 +256,13 @@ def convert_command(
     click.echo(f"converted {source} ({result.family}) -> {result.output}: {result.weights()}, {result.seconds:.1f} s")
 
 
+def named_file(value: str | None) -> Path | None:
+    """An option's file path; an empty one is refused, where Path("") would be the working directory."""
+    if value is not None and not value.strip():
+        raise click.BadParameter("an empty path; name a new JSON file")
+    return None if value is None else Path(value)
+
+
 @click.command("verify", help=VERIFY_HELP, context_settings=CONTEXT)
 @click.argument("source")
 @click.argument("converted", type=click.Path(path_type=Path, exists=True, file_okay=False))
@@ -265,7 +272,8 @@ def convert_command(
 @click.option(
     "--report",
     "report_path",
-    type=click.Path(path_type=Path, dir_okay=False),
+    type=click.Path(dir_okay=False),
+    callback=lambda ctx, param, value: named_file(value),
     help="Write the report (passing or failing) to this new JSON file and nothing into CONVERTED: for a read-only "
     "folder or a shared cache.",
 )

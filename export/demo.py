@@ -12,6 +12,8 @@ from pathlib import Path
 import click
 
 from thinker_common.errors import ThinkerError
+from thinker_common.gguf_reader import GGUFSource, gguf_read_once
+from thinker_common.staging import not_a_model_folder
 
 DEFAULT_PROMPT = "The capital of France is"
 
@@ -23,6 +25,8 @@ def run_demo(workdir: Path, prompt: str, max_new_tokens: int, generate) -> None:
 
     from .exporter import export_model
 
+    if not prompt.strip():
+        raise ThinkerError("--prompt is empty; give the text the demo continues, or leave --prompt out")
     gguf = smollm2_gguf_path()
     try:  # here, so that a folder the user cannot write to is named as the demo's option, not as an OUTPUT
         workdir.mkdir(parents=True, exist_ok=True)
@@ -31,15 +35,30 @@ def run_demo(workdir: Path, prompt: str, max_new_tokens: int, generate) -> None:
             f"--workdir {workdir}: cannot create it ({err.strerror or err}); pass --workdir a folder you can write to"
         ) from None
     thinker_dir, onnx_dir = workdir / "smollm2-135m-thinker", workdir / "smollm2-135m-onnx"
+    for folder in (thinker_dir, onnx_dir):  # the demo's own two folders, which it replaces: nothing else of the user's
+        if held := not_a_model_folder(folder):
+            raise ThinkerError(
+                f"--workdir {workdir}: {folder.name} there is not one of the demo's folders ({held}), which a run "
+                "replaces; pass another --workdir"
+            )
 
-    _step(1, f"convert {gguf.name} -> {thinker_dir} (with the parity check)")
-    # The demo owns these two folders: a rerun replaces them, each only once its new copy is complete.
-    result = convert(gguf, thinker_dir, verify=True, force=True)
+    with gguf_read_once():  # the file parsed once: for its context here, then by the conversion
+        source = GGUFSource(gguf)
+        context = source.metadata_value("llama.context_length")
+        source.close()
+        if isinstance(context, int) and max_new_tokens >= context:  # before the minute of work (the prompt's own
+            # tokens are counted in step 2)
+            raise ThinkerError(
+                f"-n {max_new_tokens}: SmolLM2's context holds {context} tokens, the prompt's among them; "
+                f"ask for at most {context - 1}"
+            )
+        _step(1, f"convert {gguf.name} -> {thinker_dir} (with the parity check)")
+        # The demo owns these two folders: a rerun replaces them, each only once its new copy is complete.
+        result = convert(gguf, thinker_dir, verify=True, force=True)
     click.echo(result.parity.table())
 
     _step(2, f"generate with transformers from {thinker_dir}")
-    click.echo(f"{prompt}", nl=False)
-    generate(thinker_dir, prompt, max_new_tokens)
+    _continue(prompt, thinker_dir, max_new_tokens, generate)
 
     _step(3, f"export {thinker_dir} -> {onnx_dir} (ONNX with KV cache, checked against PyTorch)")
     report = export_model(thinker_dir, onnx_dir, dtype="float32", verify=True, force=True)
@@ -50,8 +69,17 @@ def run_demo(workdir: Path, prompt: str, max_new_tokens: int, generate) -> None:
     )
 
     _step(4, f"generate with onnxruntime from {onnx_dir}")
-    click.echo(f"{prompt}", nl=False)
-    generate(onnx_dir, prompt, max_new_tokens)
+    _continue(prompt, onnx_dir, max_new_tokens, generate)
+
+
+def _continue(prompt: str, folder: Path, max_new_tokens: int, generate) -> None:
+    """The prompt echoed, then its continuation on the same line; a refusal on a line of its own."""
+    click.echo(prompt, nl=False)
+    try:
+        generate(folder, prompt, max_new_tokens)
+    except ThinkerError:
+        click.echo()
+        raise
 
 
 def _step(number: int, text: str) -> None:

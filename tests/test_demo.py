@@ -4,6 +4,8 @@ onnxruntime's check, and run twice), but CI runs it: it is what a new user runs 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from click.testing import CliRunner
 
@@ -48,3 +50,32 @@ def test_a_workdir_that_cannot_be_made_is_named_as_the_option(tmp_path):
     assert result.exit_code == 1 and "Traceback" not in result.output, result.output
     assert f"--workdir {tmp_path / 'a-file' / 'demo'}: cannot create it" in result.output, result.output
     assert "[1/4]" not in result.output
+
+
+def test_what_the_demo_would_refuse_late_it_refuses_first(tmp_path):
+    """An empty prompt, a continuation past SmolLM2's context, a folder of the user's where the demo writes one: each
+    refused before the conversion (they came after a minute of it), and no error runs into the echoed prompt."""
+    (tmp_path / "mine" / "smollm2-135m-onnx").mkdir(parents=True)
+    (tmp_path / "mine" / "smollm2-135m-onnx" / "notes.txt").write_text("mine")
+    cases = [
+        (["--prompt", ""], tmp_path / "empty", "--prompt is empty"),
+        (["-n", "100000"], tmp_path / "long", "-n 100000: SmolLM2's context holds 8192 tokens"),
+        ([], tmp_path / "mine", "smollm2-135m-onnx there is not one of the demo's folders (no config or model file)"),
+    ]
+    for options, workdir, says in cases:
+        result = CliRunner().invoke(main, ["demo", "--workdir", str(workdir), *options])
+        assert result.exit_code == 1 and says in result.output and "[1/4]" not in result.output, result.output
+        assert not (workdir / "smollm2-135m-thinker").exists()
+    assert (tmp_path / "mine" / "smollm2-135m-onnx" / "notes.txt").read_text() == "mine"
+
+
+def test_a_refused_continuation_starts_its_own_line(capsys):
+    from export.demo import _continue
+    from thinker_common.errors import ThinkerError
+
+    def refuses(folder, prompt, tokens):
+        raise ThinkerError("--prompt is 5 tokens ...")
+
+    with pytest.raises(ThinkerError):
+        _continue("The capital of France is", Path("x"), 3, refuses)
+    assert capsys.readouterr().out == "The capital of France is\n"

@@ -140,6 +140,13 @@ class GGUFSource:
             raise ThinkerError(f"{self.path}: the source is closed")
         return {key: _field_value(field) for key, field in self._reader.fields.items() if not key.startswith("GGUF.")}
 
+    def metadata_value(self, key: str, default: Any = None) -> Any:
+        """One metadata value, without ``metadata``'s decoding of every field (the vocabulary's strings)."""
+        if self._reader is None:
+            raise ThinkerError(f"{self.path}: the source is closed")
+        field = self._reader.fields.get(key)
+        return default if field is None else _field_value(field)
+
     def _tensor(self, name: str) -> Any:
         try:
             return self._tensors[name]

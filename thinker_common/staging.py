@@ -56,21 +56,28 @@ def refuse_existing_output(
 MODEL_FOLDER_FILES = ("config.json", "genai_config.json", "model.safetensors", "model.onnx")
 
 
+def not_a_model_folder(output: Path) -> str | None:
+    """Why the folder ``output`` is no model folder ``--force`` may replace ("holds .git, src", "no config or model
+    file"), or None: it is one, empty, absent, a link (replaced as a link, its target staying) or a file (refused
+    elsewhere, ``refuse_a_file``)."""
+    if output.is_symlink() or not output.is_dir():
+        return None
+    with os.scandir(output) as scan:
+        entries = list(scan)
+    if not entries:
+        return None
+    others = sorted(e.name for e in entries if e.name.startswith(".") or not e.is_file(follow_symlinks=False))
+    if others:
+        return f"holds {', '.join(others[:3])}{' ...' if len(others) > 3 else ''}"
+    return None if any(e.name in MODEL_FOLDER_FILES for e in entries) else "no config or model file"
+
+
 def refuse_replacing_another_folder(output: Path) -> None:
     """``--force`` deletes the folder it replaces, so it replaces only an empty folder or a model folder: one that
     holds a config or model file (``MODEL_FOLDER_FILES``) and nothing but plain files. A folder holding folders, hidden
     entries or links, or no config (a home folder, a project, a folder of documents) is refused by name, however
     OUTPUT was typed: a QA run replaced the home folder, and every program installed in it, with an export."""
-    if output.is_symlink() or not output.is_dir():
-        return  # a link is replaced as a link (its target stays); a file is refused elsewhere (``refuse_a_file``)
-    with os.scandir(output) as scan:
-        entries = list(scan)
-    if not entries:
-        return
-    others = sorted(e.name for e in entries if e.name.startswith(".") or not e.is_file(follow_symlinks=False))
-    if others or not any(e.name in MODEL_FOLDER_FILES for e in entries):
-        listed = f"{', '.join(others[:3])}{' ...' if len(others) > 3 else ''}"
-        held = f"holds {listed}" if others else "no config or model file"
+    if held := not_a_model_folder(output):
         raise ThinkerError(
             f"{Path(output).absolute()}: not a model folder ({held}), and --force deletes the folder it replaces: "
             "it replaces an earlier output or another model folder only; choose another OUTPUT, or empty this one"

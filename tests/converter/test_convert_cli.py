@@ -212,6 +212,8 @@ def test_verify_with_report_leaves_the_folder_as_it_was(source, tmp_path, monkey
 
     again = runner.invoke(verify_command, [str(source), str(converted), "--report", str(tmp_path / "passed.json")])
     assert again.exit_code == 1 and "passed.json: exists, and a report is never written over" in again.stderr
+    empty = runner.invoke(verify_command, [str(source), str(converted), "--report", ""])  # not the working directory
+    assert empty.exit_code == 2 and "'--report': an empty path; name a new JSON file" in empty.stderr
     nowhere = runner.invoke(verify_command, [str(source), str(converted), "--report", str(tmp_path / "no/r.json")])
     assert nowhere.exit_code == 1 and f"{tmp_path / 'no'} is not a folder" in nowhere.stderr
 
