@@ -256,8 +256,9 @@ def convert_command(
     click.echo(f"converted {source} ({result.family}) -> {result.output}: {result.weights()}, {result.seconds:.1f} s")
 
 
-def named_file(value: str | None) -> Path | None:
-    """An option's file path; an empty one is refused, where Path("") would be the working directory."""
+def named_file(ctx: click.Context, param: click.Parameter, value: str | None) -> Path | None:
+    """An option's file path (a click callback); an empty one is refused, where Path("") would be the working
+    directory."""
     if value is not None and not value.strip():
         raise click.BadParameter("an empty path; name a new JSON file")
     return None if value is None else Path(value)
@@ -273,7 +274,7 @@ def named_file(value: str | None) -> Path | None:
     "--report",
     "report_path",
     type=click.Path(dir_okay=False),
-    callback=lambda ctx, param, value: named_file(value),
+    callback=named_file,
     help="Write the report (passing or failing) to this new JSON file and nothing into CONVERTED: for a read-only "
     "folder or a shared cache.",
 )

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .errors import ThinkerError
-from .gguf_split import SPLIT_SHARD, merge_advice
+from .gguf_split import first_shard, merge_advice
 from .source_files import redownload, regular_file
 from .values import ValueScan
 
@@ -144,8 +144,7 @@ class GGUFSource:
         """One metadata value, without ``metadata``'s decoding of every field (the vocabulary's strings)."""
         if self._reader is None:
             raise ThinkerError(f"{self.path}: the source is closed")
-        field = self._reader.fields.get(key)
-        return default if field is None else _field_value(field)
+        return _field(self._reader, key, default)
 
     def _tensor(self, name: str) -> Any:
         try:
@@ -291,15 +290,21 @@ def _new_mapped_reader(path: Path) -> Any:
     return MappedReader(path)
 
 
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else _field_value(field)
+
+
 def _refuse_a_shard(path: Path, reader: Any) -> None:
     """One shard of a split GGUF holds some of the tensors only: named as such (split.count), not as a file
     missing tensors."""
-    count = _field_value(reader.fields["split.count"]) if "split.count" in reader.fields else 1
+    count = _field(reader, "split.count", 1)
     if isinstance(count, int) and count > 1:
-        number = _field_value(reader.fields["split.no"]) + 1 if "split.no" in reader.fields else "one"
-        first = SPLIT_SHARD.sub(lambda m: f"{m['stem']}-00001-of-{m['count']}.gguf", path.name)
+        number = _field(reader, "split.no", "one")
+        number = number + 1 if isinstance(number, int) else number
         raise ThinkerError(
-            f"{path}: shard {number} of a GGUF split into {count} files (split.count); {merge_advice(first)}"
+            f"{path}: shard {number} of a GGUF split into {count} files (split.count); "
+            f"{merge_advice(first_shard(path.name))}"
         )
 
 

@@ -19,6 +19,11 @@ def merge_advice(first_shard: str) -> str:
     )
 
 
+def first_shard(name: str) -> str:
+    """The first shard's name of the split ``name`` is a shard of (``name`` itself if it is none)."""
+    return SPLIT_SHARD.sub(lambda match: f"{match['stem']}-00001-of-{match['count']}.gguf", name)
+
+
 def is_split_shard(name: str) -> bool:
     """Whether ``name`` is named as a shard of a split GGUF (``NAME-00002-of-00003.gguf``)."""
     return SPLIT_SHARD.match(Path(name).name) is not None
