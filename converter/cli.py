@@ -192,7 +192,8 @@ gguf_file_option = click.option(
 @click.option(
     "--force",
     is_flag=True,
-    help="Replace an existing OUTPUT, only once the new one is complete, and only a model folder (an earlier output).",
+    help="Replace an existing OUTPUT, only once the new one is complete, and only an earlier output of "
+    "thinker (known by its model card): never another model's folder, which may be a source.",
 )
 @click.option(
     "--to",

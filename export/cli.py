@@ -241,7 +241,8 @@ costs against the float model on a fixed English paragraph (top-1 agreement, per
 @click.option(
     "--force",
     is_flag=True,
-    help="Replace an existing OUTPUT, only once the new one is complete, and only a model folder (an earlier export).",
+    help="Replace an existing OUTPUT, only once the new one is complete, and only an earlier output of "
+    "thinker (known by its model card): never another model's folder.",
 )
 @click.option(
     "--revision",

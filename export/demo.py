@@ -13,7 +13,7 @@ import click
 
 from thinker_common.errors import ThinkerError
 from thinker_common.gguf_reader import GGUFSource, gguf_read_once
-from thinker_common.staging import not_a_model_folder, refuse_output_over_source
+from thinker_common.staging import not_an_earlier_output, refuse_output_over_source
 
 DEFAULT_PROMPT = "The capital of France is"
 
@@ -37,7 +37,7 @@ def run_demo(workdir: Path, prompt: str, max_new_tokens: int, generate) -> None:
     thinker_dir, onnx_dir = workdir / "smollm2-135m-thinker", workdir / "smollm2-135m-onnx"
     for folder in (thinker_dir, onnx_dir):  # the demo's own two folders, which it replaces: nothing else of the user's
         refuse_output_over_source(folder, gguf)  # first: a folder holding the source is named as such
-        if held := not_a_model_folder(folder):
+        if held := not_an_earlier_output(folder):
             raise ThinkerError(
                 f"--workdir {workdir}: {folder.name} there is not one of the demo's folders ({held}), which a run "
                 "replaces; pass another --workdir"

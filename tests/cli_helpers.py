@@ -26,6 +26,20 @@ from thinker_common.cli import main
 REPO = Path(__file__).resolve().parents[1]
 
 
+def earlier_output(folder: Path, *files: str) -> Path:
+    """``folder`` made to stand for an earlier output of a thinker command, which ``--force`` may replace: a
+    ``config.json``, the model card every output gets (``model_card.write_card``, its checks marker) and ``files``
+    (plain files, "mine" in each)."""
+    from thinker_common.model_card import write_card
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text("{}")
+    write_card(folder, {}, "# an earlier output", "no checks")
+    for name in files:
+        (folder / name).write_text("mine")
+    return folder
+
+
 def thinker(*args: object, command=main) -> Result:
     return CliRunner().invoke(command, [str(arg) for arg in args])
 

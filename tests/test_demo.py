@@ -60,7 +60,11 @@ def test_what_the_demo_would_refuse_late_it_refuses_first(tmp_path):
     cases = [
         (["--prompt", ""], tmp_path / "empty", "--prompt is empty"),
         (["-n", "100000"], tmp_path / "long", "-n 100000: SmolLM2's context holds 8192 tokens"),
-        ([], tmp_path / "mine", "smollm2-135m-onnx there is not one of the demo's folders (no config or model file)"),
+        (
+            [],
+            tmp_path / "mine",
+            "smollm2-135m-onnx there is not one of the demo's folders (no README.md model card of thinker's)",
+        ),
     ]
     for options, workdir, says in cases:
         result = CliRunner().invoke(main, ["demo", "--workdir", str(workdir), *options])

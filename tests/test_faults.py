@@ -20,7 +20,7 @@ from pathlib import Path
 from pkgutil import resolve_name
 
 import pytest
-from cli_helpers import side_by_side
+from cli_helpers import earlier_output, side_by_side
 
 from converter.convert import convert
 from export.exporter import export_model
@@ -127,9 +127,7 @@ def test_a_killed_conversion_leaves_no_output_and_the_next_run_works(point, kill
     ids=str,
 )
 def test_a_killed_force_run_leaves_the_old_output_intact(point, killed, qwen3_source, tmp_path, digest):
-    output = tmp_path / "out"
-    output.mkdir()
-    (output / "config.json").write_text("{}")  # a model folder, which --force may replace
+    output = earlier_output(tmp_path / "out")  # which --force may replace
     (output / "notes.txt").write_text("the previous conversion")
     before = digest(output)
     killed(point, convert, qwen3_source, output, force=True, **CONVERT)
@@ -141,9 +139,7 @@ def test_a_killed_force_run_leaves_the_old_output_intact(point, killed, qwen3_so
 
 
 def test_killed_just_after_the_swap_the_output_is_the_new_one(killed, qwen3_source, tmp_path):
-    output = tmp_path / "out"
-    output.mkdir()
-    (output / "config.json").write_text("{}")  # a model folder, which --force may replace
+    output = earlier_output(tmp_path / "out")  # which --force may replace
     (output / "notes.txt").write_text("the previous conversion")
     killed(
         KillPoint("thinker_common.staging", "_exchange", after=True),
@@ -188,8 +184,7 @@ def test_a_killed_export_that_converts_on_the_way(killed, qwen3_source, tmp_path
 
 
 def test_a_killed_export_with_force_leaves_the_old_output_intact(killed, qwen3_thinker, qwen3_onnx, tmp_path, digest):
-    output = tmp_path / "onnx"
-    output.mkdir()
+    output = earlier_output(tmp_path / "onnx")  # which --force may replace
     (output / "model.onnx").write_bytes(b"the previous export")
     before = digest(output)
     point = KillPoint("export.graph_builder:WeightFile", "_append", call=2)

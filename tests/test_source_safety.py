@@ -22,6 +22,7 @@ from cli_helpers import (
     assert_error,
     assert_nothing_written,
     assert_process_error,
+    earlier_output,
     run_cli,
     side_by_side,
     thinker,
@@ -202,10 +203,12 @@ def test_output_is_never_the_working_directory(command, output, qwen3_source, qw
 
 
 @pytest.mark.parametrize("command", ["convert", "export"])
-def test_force_replaces_model_folders_only(command, qwen3_source, qwen3_thinker, tmp_path, digest):
-    """--force deletes the folder it replaces. A QA run gave the home folder as OUTPUT (the working directory is
-    refused above, that folder was not it) and lost every program installed there. A folder holding folders or
-    hidden entries, or no config, is refused by name, nothing touched; an earlier output is replaced."""
+def test_force_replaces_earlier_outputs_only(command, qwen3_source, qwen3_thinker, tmp_path, digest):
+    """--force deletes the folder it replaces, so it replaces only an empty folder or one a thinker command wrote
+    (known by its model card). A QA run gave the home folder as OUTPUT (the working directory is refused above, that
+    folder was not it) and lost every program installed there; a typo could as well name another checkpoint, the
+    only copy of someone's fine-tuned weights. Each is refused by name, nothing touched; an earlier output is
+    replaced, and so is an earlier output of the other command."""
     source = qwen3_source if command == "convert" else qwen3_thinker
     home = tmp_path / "home"
     (home / ".cache").mkdir(parents=True)
@@ -214,15 +217,32 @@ def test_force_replaces_model_folders_only(command, qwen3_source, qwen3_thinker,
     documents = tmp_path / "documents"
     documents.mkdir()
     (documents / "notes.md").write_text("mine")
+    checkpoint = tmp_path / "fine-tuned"
+    shutil.copytree(qwen3_source, checkpoint)
+    (checkpoint / "README.md").write_text("---\nlicense: apache-2.0\n---\n# my fine-tune\n")
+    saved = tmp_path / "saved"  # save_pretrained writes no card
+    shutil.copytree(qwen3_thinker, saved, ignore=shutil.ignore_patterns("README.md"))
+    linked = tmp_path / "linked"  # a thinker card, but reached through a link: not a folder of plain files
+    linked.mkdir()
+    (linked / "README.md").symlink_to(qwen3_thinker / "README.md")
     before = digest(tmp_path)
-    for folder, held in ((home, "holds .bashrc, .cache"), (documents, "no config or model file")):
+    for folder, held in (
+        (home, "holds .bashrc, .cache"),
+        (documents, "no README.md model card of thinker's"),
+        (checkpoint, "its README.md is not a thinker model card"),
+        (saved, "no README.md model card of thinker's"),
+        (linked, "holds README.md"),
+    ):
         result = thinker(command, source, folder, "--force", "--no-verify")
-        assert_error(result, f"{folder}: not a model folder ({held})", "choose another OUTPUT")
+        assert_error(result, f"{folder}: not an earlier output of thinker ({held})", "choose another OUTPUT")
     assert digest(tmp_path) == before and (home / ".cache").is_dir()
     earlier = tmp_path / "earlier"
     assert thinker(command, source, earlier, "--no-verify").exit_code == 0
     replaced = thinker(command, source, earlier, "--no-verify", "--force")
     assert replaced.exit_code == 0, replaced.output
+    other = "export" if command == "convert" else "convert"
+    other_source = qwen3_thinker if other == "export" else qwen3_source
+    assert thinker(other, other_source, earlier, "--no-verify", "--force").exit_code == 0  # the other command's too
 
 
 def test_force_looks_again_before_it_replaces(tmp_path):
@@ -236,7 +256,7 @@ def test_force_looks_again_before_it_replaces(tmp_path):
     (staging / "config.json").write_text("{}")
     (output / "projects").mkdir(parents=True)
     (output / "config.json").write_text("{}")
-    with pytest.raises(ThinkerError, match=r"out: not a model folder \(holds projects\)"):
+    with pytest.raises(ThinkerError, match=r"out: not an earlier output of thinker \(holds projects\)"):
         install(staging, output, force=True)
     assert sorted(os.listdir(output)) == ["config.json", "projects"] and (staging / "config.json").is_file()
 
@@ -289,9 +309,7 @@ def test_an_output_that_cannot_be_replaced_is_named(qwen3_source, tmp_path, monk
 
     import thinker_common.staging as staging
 
-    output = tmp_path / "out"
-    output.mkdir()
-    (output / "config.json").write_text("{}")  # a model folder, which --force may replace
+    output = earlier_output(tmp_path / "out")  # which --force may replace
     (output / "mine.txt").write_text("kept")
 
     def busy(first, second):
@@ -300,7 +318,9 @@ def test_an_output_that_cannot_be_replaced_is_named(qwen3_source, tmp_path, monk
     monkeypatch.setattr(staging, "_exchange", busy)
     result = thinker("convert", qwen3_source, output, "--no-verify", "--force")
     assert_error(result, str(output), "cannot replace it (Device or resource busy)", "write to another path")
-    assert sorted(os.listdir(output)) == ["config.json", "mine.txt"] and sorted(os.listdir(tmp_path)) == ["out"]
+    assert sorted(os.listdir(output)) == ["README.md", "config.json", "mine.txt"] and sorted(os.listdir(tmp_path)) == [
+        "out"
+    ]
 
 
 # --- symlinks (issue 16) -------------------------------------------------------------------------------------------

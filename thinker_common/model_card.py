@@ -17,18 +17,17 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .card_format import CARD_FILE, CHECK_END, CHECK_START
 from .side_files import copy_files
 from .source_files import present, regular_file
 from .staging import write_atomically
 
-CARD_FILE = "README.md"
 # The files that carry a model's terms with its weights; NOTICE too, which Apache-2.0 (section 4(d)) asks every
 # redistribution to include.
 LICENSE_FILES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "LICENCE", "COPYING", "NOTICE", "NOTICE.txt", "NOTICE.md")
 # Card metadata that describes the weights themselves, so it holds for a copy of them.
 CARRIED_METADATA = ("license", "license_name", "license_link", "language")
-_CHECK_START, _CHECK_END = "<!-- thinker: checks -->", "<!-- /thinker: checks -->"
-_CHECKS = re.compile(re.escape(_CHECK_START) + ".*?" + re.escape(_CHECK_END), re.DOTALL)
+_CHECKS = re.compile(re.escape(CHECK_START) + ".*?" + re.escape(CHECK_END), re.DOTALL)
 _REPO_FOLDER = re.compile(r"models--(?P<owner>[^/]+?)--(?P<name>[^/]+)")
 _REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
@@ -82,7 +81,7 @@ def write_card(folder: Path, metadata: dict[str, Any], body: str, checks: str) -
     # a folder name that is not UTF-8 (bytes the file system allows) is shown with replacement characters
     body = body.encode("utf-8", "replace").decode("utf-8")
     data = ModelCardData(**{key: value for key, value in metadata.items() if value})
-    checks = f"{_CHECK_START}\n{checks.strip()}\n{_CHECK_END}"
+    checks = f"{CHECK_START}\n{checks.strip()}\n{CHECK_END}"
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body.strip()}\n\n{checks}\n")
     card.save(Path(folder) / CARD_FILE)
 
@@ -96,7 +95,7 @@ def replace_checks(folder: Path, checks: str) -> bool:
     text = path.read_text(encoding="utf-8")
     if not _CHECKS.search(text):
         return False
-    updated = _CHECKS.sub(lambda _: f"{_CHECK_START}\n{checks.strip()}\n{_CHECK_END}", text, count=1)
+    updated = _CHECKS.sub(lambda _: f"{CHECK_START}\n{checks.strip()}\n{CHECK_END}", text, count=1)
     write_atomically(path, updated)
     return True
 

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from .card_format import CARD_FILE, written_by_thinker
 from .errors import ThinkerError
 from .side_files import CONFIG_FILES, TOKENIZER_FILES
 from .source_files import hub_caches_of
@@ -51,15 +52,10 @@ def refuse_existing_output(
         )
 
 
-# The files that make a folder a model folder, one of ours (a Thinker folder, an ONNX export, the way back's) or
-# another tool's: what --force is for replacing.
-MODEL_FOLDER_FILES = ("config.json", "genai_config.json", "model.safetensors", "model.onnx")
-
-
-def not_a_model_folder(output: Path) -> str | None:
-    """Why the folder ``output`` is no model folder ``--force`` may replace ("holds .git, src", "no config or model
-    file"), or None: it is one, empty, absent, a link (replaced as a link, its target staying) or a file (refused
-    elsewhere, ``refuse_a_file``)."""
+def not_an_earlier_output(output: Path) -> str | None:
+    """Why ``--force`` may not replace the folder ``output`` ("holds .git, src", "no README.md ..."), or None: it is
+    a folder a thinker command wrote (``card_format.written_by_thinker``) holding nothing but plain files, an empty
+    folder, absent, a link (replaced as a link, its target staying) or a file (refused elsewhere, ``refuse_a_file``)."""
     if output.is_symlink() or not output.is_dir():
         return None
     with os.scandir(output) as scan:
@@ -69,18 +65,23 @@ def not_a_model_folder(output: Path) -> str | None:
     others = sorted(e.name for e in entries if e.name.startswith(".") or not e.is_file(follow_symlinks=False))
     if others:
         return f"holds {', '.join(others[:3])}{' ...' if len(others) > 3 else ''}"
-    return None if any(e.name in MODEL_FOLDER_FILES for e in entries) else "no config or model file"
+    if written_by_thinker(output):
+        return None
+    if any(e.name == CARD_FILE for e in entries):
+        return f"its {CARD_FILE} is not a thinker model card"
+    return f"no {CARD_FILE} model card of thinker's"
 
 
 def refuse_replacing_another_folder(output: Path) -> None:
-    """``--force`` deletes the folder it replaces, so it replaces only an empty folder or a model folder: one that
-    holds a config or model file (``MODEL_FOLDER_FILES``) and nothing but plain files. A folder holding folders, hidden
-    entries or links, or no config (a home folder, a project, a folder of documents) is refused by name, however
-    OUTPUT was typed: a QA run replaced the home folder, and every program installed in it, with an export."""
-    if held := not_a_model_folder(output):
+    """``--force`` deletes the folder it replaces, so it replaces only an empty folder or an earlier output: one a
+    thinker command wrote, known by its model card, holding nothing but plain files. Anything else is refused by
+    name, however OUTPUT was typed: a home or project folder (a QA run replaced the home folder, and every program
+    installed in it, with an export), and above all another model's folder, which may be the only copy of a source
+    checkpoint or a fine-tuned model."""
+    if held := not_an_earlier_output(output):
         raise ThinkerError(
-            f"{Path(output).absolute()}: not a model folder ({held}), and --force deletes the folder it replaces: "
-            "it replaces an earlier output or another model folder only; choose another OUTPUT, or empty this one"
+            f"{Path(output).absolute()}: not an earlier output of thinker ({held}), and --force deletes the folder "
+            "it replaces: choose another OUTPUT, or delete or empty this folder yourself if it is to go"
         )
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import earlier_output
 from convert_helpers import assert_same_logits, build_reference, edit_config
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
@@ -449,13 +450,10 @@ def test_output_folder_contents_and_remote_code(save_reference, run_convert, tmp
 
 def test_existing_output_is_untouched_without_force(save_reference, run_convert, tmp_path):
     _, source = save_reference(Qwen2Config(**QWEN2))
-    existing = tmp_path / "out"
-    existing.mkdir()
-    (existing / "keep.txt").write_text("mine")
-    (existing / "config.json").write_text("{}")  # a model folder, which --force may replace
+    existing = earlier_output(tmp_path / "out", "keep.txt")  # which --force may replace
     with pytest.raises(ThinkerError, match="already exists; pass --force"):
         run_convert(source)
-    assert sorted(p.name for p in existing.iterdir()) == ["config.json", "keep.txt"]
+    assert sorted(p.name for p in existing.iterdir()) == ["README.md", "config.json", "keep.txt"]
 
     result = run_convert(source, force=True, verify=False)
     assert not (result.output / "keep.txt").exists() and (result.output / "model.safetensors").is_file()
@@ -468,9 +466,7 @@ def test_failed_conversion_leaves_an_existing_output_in_place(qwen2_tensors, run
     source = tmp_path / "broken"
     build_reference(Qwen2Config(**QWEN2, tie_word_embeddings=False)).config.save_pretrained(source)
     save_file(tensors, source / "model.safetensors")
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "keep.txt").write_text("mine")
-    (tmp_path / "out" / "config.json").write_text("{}")  # a model folder, which --force may replace
+    earlier_output(tmp_path / "out", "keep.txt")  # which --force may replace
     with pytest.raises(ThinkerError, match="NaN or Inf"):
         run_convert(source, force=True)
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"

@@ -7,6 +7,7 @@ import json
 import onnx
 import pytest
 import torch
+from cli_helpers import earlier_output
 from click.testing import CliRunner
 
 from thinker_common.cli import main
@@ -237,8 +238,8 @@ def test_existing_output_is_refused_without_force(runner, thinker_folder, tmp_pa
     assert result.stderr.strip().splitlines() == [f"error: {output} already exists; pass --force to replace it"]
     assert [p.name for p in output.iterdir()] == ["keep.txt"]
 
-    # --force replaces model folders only (tests/test_source_safety.py): with a config beside it, this is one
-    (output / "config.json").write_text("{}")
+    # --force replaces earlier outputs only (tests/test_source_safety.py): with a thinker card beside it, this is one
+    earlier_output(output)
     result = runner.invoke(main, ["export", str(thinker_folder("qwen2")), str(output), "--no-verify", "--force"])
     assert result.exit_code == 0, result.output
     assert (output / "model.onnx").is_file() and not (output / "keep.txt").exists()
