@@ -440,12 +440,14 @@ def _hybrid_hf_config(metadata: Mapping[str, Any], names: set[str], arch: str) -
                 f"GGUF metadata {name!r} is {value!r}; a model needs a whole number above 0 there: the file is corrupt"
             )
     _check_values({"rms_norm_eps": metadata[eps]}, {eps: "rms_norm_eps"})
-    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
+    scaling, factor, _ = _rope_scaling(metadata, arch)
     if scaling != "none":
         # transformers' GGUF loading replaces the whole rope_parameters with the scaling's, losing the multimodal
         # sections and the partial rotary: no reference to check a conversion against (so none is written).
+        typed = f"{arch}.rope.scaling.type" in metadata
+        named = f"'{arch}.rope.scaling.type' is {scaling!r}" if typed else f"RoPE scaling factor {factor!r}{_IMPLIED}"
         raise ThinkerError(
-            f"GGUF metadata '{arch}.rope.scaling.type' is {scaling!r}: RoPE scaling on a {arch} file is not supported "
+            f"GGUF metadata {named}: RoPE scaling on a {arch} file is not supported "
             "(transformers' GGUF loading of it drops the multimodal RoPE sections and the partial rotary, so there "
             "is no reference to verify against); convert the Hugging Face checkpoint instead"
         )
@@ -495,6 +497,24 @@ def _check_values(config: Mapping[str, Any], keys: Mapping[str, str]) -> None:
             )
 
 
+_IMPLIED = " with no 'rope.scaling.type', which llama.cpp reads as linear scaling"
+
+
+def _rope_scaling(metadata: Mapping[str, Any], arch: str) -> tuple[str, Any, str | None]:
+    """The file's RoPE scaling type, factor and the factor's key, as llama.cpp reads them (``load_hparams``): a
+    factor with no ``rope.scaling.type`` is linear scaling, and the factor may sit under the older
+    ``rope.scale_linear`` key; no factor, or one of 0 or 1, scales nothing. A file that gives a factor alone is
+    scaled in llama.cpp, so it is scaled here: written unscaled, its Thinker would differ from the model llama.cpp
+    runs at every position."""
+    key = next((k for k in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear") if k in metadata), None)
+    factor = metadata[key] if key else None
+    scaling = metadata.get(f"{arch}.rope.scaling.type")
+    if scaling is None:
+        number = isinstance(factor, int | float) and not isinstance(factor, bool)
+        scaling = "none" if factor is None or number and factor in (0, 1) else "linear"
+    return scaling, factor, key
+
+
 def _rope_parameters(metadata: Mapping[str, Any], arch: str, names: set[str]) -> dict[str, Any]:
     base = metadata.get(f"{arch}.rope.freq_base", _DEFAULT_ROPE_THETA)
     if not (isinstance(base, int | float) and not isinstance(base, bool) and math.isfinite(base) and base > 0):
@@ -511,13 +531,16 @@ def _rope_parameters(metadata: Mapping[str, Any], arch: str, names: set[str]) ->
             "GGUF file carries rope_freqs.weight (Llama 3.1-style RoPE scaling), whose parameters GGUF does not "
             "record; convert the original Hugging Face checkpoint instead"
         )
-    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
+    scaling, factor, key = _rope_scaling(metadata, arch)
     if scaling == "none":
         return params
-    factor = metadata.get(f"{arch}.rope.scaling.factor")
     if scaling not in ("linear", "yarn") or factor is None:
         raise ThinkerError(
             f"GGUF RoPE scaling {scaling!r} (factor {factor}) is not supported; supported: none, linear, yarn"
+        )
+    if not (isinstance(factor, int | float) and not isinstance(factor, bool) and math.isfinite(factor) and factor > 0):
+        raise ThinkerError(
+            f"GGUF metadata {key!r} is {factor!r}; RoPE scaling needs a positive number there: the file is corrupt"
         )
     params.update(rope_type=scaling, factor=_float32_repr(factor))
     if scaling == "yarn":

@@ -9,6 +9,7 @@ the llama q/k row permutation), so the permutation is undone by the engine and c
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 import pytest
@@ -67,27 +68,41 @@ def test_synthetic_gguf(architecture, tmp_path, run_convert):
     assert_same_logits(model, result.output)
 
 
-SCALED = {  # RoPE scaling as llama.cpp's converter records it, and the Hugging Face parameters it stands for
-    "qwen2": ({"type": "yarn", "factor": 4.0, "original_context_length": 16}, {"original_max_position_embeddings": 16}),
-    "llama": ({"type": "linear", "factor": 4.0}, {}),
+SCALED = {  # RoPE scaling as a GGUF records it: (architecture, its keys, the Hugging Face parameters they stand for)
+    "qwen2 yarn": (
+        "qwen2",
+        {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 16},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    ),
+    "llama linear": (
+        "llama",
+        {"rope.scaling.type": "linear", "rope.scaling.factor": 4.0},
+        {"rope_type": "linear", "factor": 4.0},
+    ),
+    # llama.cpp reads a factor with no type as linear (llama_model::load_hparams: rope_scaling("linear") unless the
+    # key says otherwise), and the factor under the older rope.scale_linear key too: such files were written unscaled
+    "llama factor alone": ("llama", {"rope.scaling.factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),
+    "llama scale_linear": ("llama", {"rope.scale_linear": 2.0}, {"rope_type": "linear", "factor": 2.0}),
 }
 
 
-@pytest.mark.parametrize("architecture", sorted(SCALED))
-def test_rope_scaled_gguf_passes_its_gate(architecture, tmp_path, run_convert):
+@pytest.mark.parametrize("case", sorted(SCALED))
+def test_rope_scaled_gguf_passes_its_gate(case, tmp_path, run_convert):
     """transformers' GGUF loading reads RoPE scaling for gpt-oss alone, so the gate's reference rotated unscaled and
-    every scaled file failed it: the reference now takes the file's scaling, and both equal the scaled original."""
-    scaling, extra = SCALED[architecture]
+    every scaled file failed it: the reference now takes the file's scaling, read as llama.cpp reads it, and both
+    equal the scaled original."""
+    architecture, keys, rope = SCALED[case]
     config = SYNTHETIC[architecture]
-    rope = {"rope_type": scaling["type"], "rope_theta": 10000.0, "factor": scaling["factor"], **extra}
-    model = build_reference(type(config)(**(config.to_dict() | {"rope_parameters": rope})))
+    model = build_reference(type(config)(**(config.to_dict() | {"rope_parameters": {**rope, "rope_theta": 10000.0}})))
     folder = tmp_path / "gguf"
     folder.mkdir()
-    metadata = {f"{architecture}.rope.scaling.{key}": value for key, value in scaling.items()}
+    metadata = {f"{architecture}.{key}": value for key, value in keys.items()}
     path = write_gguf(model, folder / f"scaled-{architecture}.gguf", architecture, metadata=metadata)
     result = run_convert(path)
     assert result.parity.passed, result.parity.table()
     assert_same_logits(model, result.output)
+    written = json.loads((result.output / "config.json").read_text())["rope_parameters"]
+    assert {key: written[key] for key in rope} == rope, written
 
 
 @pytest.fixture(scope="module")

@@ -178,6 +178,12 @@ def test_rope_scaling_is_refused_by_its_key(tmp_path):
     for check in ("--verify", "--no-verify"):
         assert_error(convert(path, tmp_path / "out", check), "'qwen35.rope.scaling.type' is 'yarn'", "Hugging Face")
         assert not (tmp_path / "out").exists()
+    # a factor alone is linear scaling to llama.cpp, refused as such
+    (tmp_path / "factor").mkdir()
+    _, path = gguf_file(tmp_path / "factor", "qwen35", metadata={"qwen35.rope.scaling.factor": 4.0})
+    message = "RoPE scaling factor 4.0 with no 'rope.scaling.type', which llama.cpp reads as linear scaling"
+    assert_error(convert(path, tmp_path / "out", "--no-verify"), message, "Hugging Face")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_split_gguf_says_to_merge_its_shards(tmp_path, monkeypatch):

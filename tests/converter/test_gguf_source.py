@@ -410,6 +410,13 @@ def test_rope_scaling() -> None:
     }
     with pytest.raises(ThinkerError, match="rope_freqs"):
         gguf_to_hf_config(_metadata("llama"), ["rope_freqs.weight"])
+    # llama.cpp's reading: a factor without a type is linear; a factor of 1 or 0 (or none) scales nothing
+    for factor in (1.0, 0.0):
+        unscaled = gguf_to_hf_config(_metadata("llama", **{"llama.rope.scaling.factor": factor}), [])
+        assert unscaled["rope_parameters"] == {"rope_type": "default", "rope_theta": 1000000.0}
+    for key, value in (("llama.rope.scaling.factor", "4"), ("llama.rope.scale_linear", -2.0)):
+        with pytest.raises(ThinkerError, match=f"'{key}' is {value!r}; RoPE scaling needs a positive number"):
+            gguf_to_hf_config(_metadata("llama", **{key: value}), [])
 
 
 def test_an_unsupported_gguf_is_named_as_a_gguf() -> None:
