@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from thinker import ThinkerConfig
+from thinker_common.card_format import stamp_written
 from thinker_common.dtypes import dtype_name
 from thinker_common.errors import ThinkerError
 from thinker_common.fp8_source import DequantizedFP8Source
@@ -26,7 +27,12 @@ from thinker_common.gguf_reader import GGUFSource, gguf_read_once
 from thinker_common.side_files import read_json, readable_tokenizer_files, tokenizer_files
 from thinker_common.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from thinker_common.sources import TensorSource, open_source
-from thinker_common.staging import refuse_existing_output, refuse_output_over_source, staged_output
+from thinker_common.staging import (
+    not_an_earlier_output,
+    refuse_existing_output,
+    refuse_output_over_source,
+    staged_output,
+)
 
 from .config_compare import saved_config_differences
 from .engine import left_out, plan_conversion, write_weights
@@ -221,7 +227,7 @@ def verify(
     report_path = None if report_path is None else Path(report_path)
     if report_path is None:
         refuse_output_over_source(converted, root, writes_into=True)  # parity.json goes into CONVERTED
-    refuse_unwritable_report(converted, report_path)
+    refuse_unwritable_report(converted, report_path, Path(root))
     if (read_json(Path(root) / "config.json") or {}).get("model_type") == ThinkerConfig.model_type:
         raise ThinkerError(
             f"{source}: SOURCE is a Thinker folder, which has no reference to verify against; the order is "
@@ -268,35 +274,57 @@ def verify(
     failure = f"{converted} does not match its reference {source}; the report is in {FAILED_PARITY_FILE}"
     if (converted / PARITY_FILE).is_file():
         failure += f", and {PARITY_FILE} is kept as it was"
-    report = parity_gate(
-        root,
-        converted,
-        source_family(root),
-        converted / PARITY_FILE,
-        failure,
-        mode,
-        note,
-        failed_path=converted / FAILED_PARITY_FILE,
-        weights=weights,
-    )
-    update_parity(converted, report)
-    with contextlib.suppress(FileNotFoundError):  # a failing report from before, now answered
-        (converted / FAILED_PARITY_FILE).unlink()
+    # The reports written here are thinker's own: a folder unchanged since it was written stays so for --force
+    # (card_format), one a user changed (a fine-tune saved into it) stays changed.
+    unchanged = not not_an_earlier_output(converted)
+    try:
+        report = parity_gate(
+            root,
+            converted,
+            source_family(root),
+            converted / PARITY_FILE,
+            failure,
+            mode,
+            note,
+            failed_path=converted / FAILED_PARITY_FILE,
+            weights=weights,
+        )
+        update_parity(converted, report)
+        with contextlib.suppress(FileNotFoundError):  # a failing report from before, now answered
+            (converted / FAILED_PARITY_FILE).unlink()
+    finally:
+        if unchanged:
+            stamp_written(converted)
     return report
 
 
-def refuse_unwritable_report(converted: Path, report_path: Path | None) -> None:
+def refuse_unwritable_report(converted: Path, report_path: Path | None, source: Path) -> None:
     """Refuse, before minutes of checking, a report that could not be written at the end: into CONVERTED on a
-    read-only mount or in a shared cache, or to a ``--report`` path that exists or lies in no writable folder."""
+    read-only mount or in a shared cache, or to a ``--report`` path that exists or lies in no writable folder; and
+    a ``--report`` inside SOURCE or CONVERTED, which it leaves as they are (a report named chat_template.jinja in a
+    source folder became the template the next conversion copied)."""
     if report_path is None:
         if not os.access(converted, os.W_OK):
             raise ThinkerError(
                 f"{converted}: not writable, and thinker verify writes its report ({PARITY_FILE}) there; give "
                 "--report PATH to write it elsewhere and leave the folder as it is"
             )
+        for name in (PARITY_FILE, FAILED_PARITY_FILE):  # written by a rename at the end, which a folder refuses
+            if (converted / name).is_dir() and not (converted / name).is_symlink():
+                raise ThinkerError(
+                    f"{converted / name}: a folder, where thinker verify writes its report; move it out of the "
+                    "way, or give --report PATH to write the report elsewhere"
+                )
         return
     if report_path.exists() or report_path.is_symlink():
         raise ThinkerError(f"--report {report_path}: exists, and a report is never written over; name a new file")
+    refuse_output_over_source(report_path, source, role="--report")
+    inside = Path(os.path.realpath(report_path.parent))
+    if inside == Path(os.path.realpath(converted)) or Path(os.path.realpath(converted)) in inside.parents:
+        raise ThinkerError(
+            f"--report {report_path}: inside CONVERTED {converted}, which --report leaves as it is; name a file "
+            "outside it (or leave --report out to write parity.json into it)"
+        )
     folder = report_path.parent
     if not folder.is_dir():
         raise ThinkerError(f"--report {report_path}: {folder} is not a folder")

@@ -76,7 +76,7 @@ that onnxruntime-genai and `thinker generate` run, are unaffected).
 genai_config.json lets onnxruntime-genai update one KV buffer in place (past_present_share_buffer), and
 names model.genai.onnx: the same graph over the same weights file, for the right-padded batches
 onnxruntime-genai makes, without the padding bias that slows GroupQueryAttention on CUDA (model.onnx keeps
-it and takes any padding; --verify checks both).
+it and takes left and right padding; a pad between a row's tokens takes --graph plain; --verify checks both).
 
 \b
 --quantize int4|int8 works with either graph. --verify then checks the graph against the PyTorch model holding

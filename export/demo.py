@@ -36,7 +36,7 @@ def run_demo(workdir: Path, prompt: str, max_new_tokens: int, generate) -> None:
         ) from None
     thinker_dir, onnx_dir = workdir / "smollm2-135m-thinker", workdir / "smollm2-135m-onnx"
     for folder in (thinker_dir, onnx_dir):  # the demo's own two folders, which it replaces: nothing else of the user's
-        refuse_output_over_source(folder, gguf)  # first: a folder holding the source is named as such
+        refuse_output_over_source(folder, gguf, a_file=False)  # first: a folder holding the source is named so
         if held := not_an_earlier_output(folder):
             raise ThinkerError(
                 f"--workdir {workdir}: {folder.name} there is not one of the demo's folders ({held}), which a run "

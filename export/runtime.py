@@ -291,7 +291,7 @@ def generation_graph(folder: Path, provider: str, share_kv: bool | None = None) 
     On the CPU, under this runtime, the genai graph prefills 1.20x faster (the head on one position) but decodes
     at 0.990x (0.979-1.004) of ``model.onnx`` (SmolLM2, bench/bench_graph_ab.py,
     ``graph_ab_smollm2-ort-genai-graph-*.json``): past about 128 new tokens that loses more than the prefill gains,
-    so the graph that takes any padding, and scores every position, stays."""
+    so the graph that takes left and right padding, and scores every position, stays."""
     genai_graph = folder / GENAI_MODEL_FILE
     on_cuda = provider == "cuda" or (provider == "auto" and cuda_usable())
     if not on_cuda or share_kv is False or not genai_graph.is_file():
@@ -527,8 +527,8 @@ class OnnxDecoder:
         what = described(input_ids, inputs_embeds)
         state.attention_mask = zeros_and_ones(state.attention_mask, "attention_mask", "1 keeps a slot, 0 masks a pad")
         self._check_mask(state.attention_mask, batch, steps, what)
-        if self.pads_outside_tokens:
-            refuse_pads_between_tokens(state.attention_mask[:, -steps:])
+        if self.pads_outside_tokens or self.rotates_by_slot:
+            refuse_pads_between_tokens(state.attention_mask[:, -steps:], linear_attention=self.pads_outside_tokens)
         if self.chunks_need_batch_1 and batch > 1 and steps > 1 and state.attention_mask.shape[1] > steps:
             raise ThinkerError(
                 f"{self.model_path}: {steps} new tokens after a non-empty cache at batch {batch}: this graph's "
@@ -867,7 +867,7 @@ class OnnxDecoder:
         if self.right_padding_only and (np.diff(attention_mask, axis=1) > 0).any():
             raise ThinkerError(
                 f"{self.model_path}: onnxruntime-genai's graph takes right-padded batches only, and a row of this "
-                f"one has pads before its tokens; run {MODEL_FILE}, which takes any padding"
+                f"one has pads before its tokens; run {MODEL_FILE}, which takes them"
             )
         if self.left_padding_only and (np.diff(attention_mask, axis=1) < 0).any():
             raise ThinkerError(
@@ -1149,20 +1149,30 @@ def next_positions(position_ids: np.ndarray, attention_mask: np.ndarray) -> np.n
 LAST_SLOT_STATES = (".ngram_context", ".ple_conv_state")
 
 
-def refuse_pads_between_tokens(new_slots: np.ndarray) -> None:
-    """Refuses a pad between kept slots of one forward's new slots (B, T) of a linear-attention graph: the graph and
-    transformers' layers (which the Thinker follows) carry their conv window and recurrent state through such a
-    slot differently, and neither as the row without it, so the logits part by several (3.4 on a Qwen3.5, 5.9 on a
-    Qwen3-Next; found by a QA run). Pads before a row's tokens (left padding), after them (right padding) and whole
-    masked steps agree with the row run alone (tests/export/test_onnx_hybrid.py)."""
+def refuse_pads_between_tokens(new_slots: np.ndarray, linear_attention: bool) -> None:
+    """Refuses a pad between kept slots of one forward's new slots (B, T), where the graph cannot give the row's own
+    result. ``linear_attention``: the graph and transformers' layers (which the Thinker follows) carry their conv
+    window and recurrent state through such a slot differently, and neither as the row without it, so the logits
+    part by several (3.4 on a Qwen3.5, 5.9 on a Qwen3-Next; found by a QA run). Else a fused graph whose
+    GroupQueryAttention rotates a prompt's tokens by their slots (``rotates_by_slot``): every token after the pad
+    is rotated a position too far (2.5 apart on SmolLM2, silently; found by a QA run). Pads before a row's tokens
+    (left padding), after them (right padding) and whole masked steps agree with the row run alone
+    (tests/export/test_onnx_hybrid.py, test_onnx_fused.py)."""
     kept = np.cumsum(new_slots, axis=1)
     holes = np.flatnonzero(((new_slots == 0) & (kept > 0) & (kept < kept[:, -1:])).any(axis=1))
-    if holes.size:
+    if not holes.size:
+        return
+    row = int(holes[0])
+    if linear_attention:
         raise ThinkerError(
-            f"row {int(holes[0])} of attention_mask masks a slot between its new tokens, and this model's "
-            "linear-attention layers take pads before or after a row's tokens only; pad the rows on the left or on "
-            "the right"
+            f"row {row} of attention_mask masks a slot between its new tokens, and this model's linear-attention "
+            "layers take pads before or after a row's tokens only; pad the rows on the left or on the right"
         )
+    raise ThinkerError(
+        f"row {row} of attention_mask masks a slot between its new tokens, and this graph's GroupQueryAttention "
+        "rotates a prompt's tokens by their slots (the fused graph), which would count the pad; pad the rows on "
+        "the left or on the right, or export with --graph plain, which takes such masks"
+    )
 
 
 def position_ids_from_mask(attention_mask: np.ndarray) -> np.ndarray:

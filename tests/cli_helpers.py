@@ -26,17 +26,20 @@ from thinker_common.cli import main
 REPO = Path(__file__).resolve().parents[1]
 
 
-def earlier_output(folder: Path, *files: str) -> Path:
+def earlier_output(folder: Path, files: dict[str, str | bytes] | None = None) -> Path:
     """``folder`` made to stand for an earlier output of a thinker command, which ``--force`` may replace: a
-    ``config.json``, the model card every output gets (``model_card.write_card``, its checks marker) and ``files``
-    (plain files, "mine" in each)."""
+    ``config.json``, ``files`` (name: contents) and the model card every output gets (``model_card.write_card``,
+    its checks marker), touched last as every command touches it (``card_format.stamp_written``)."""
+    from thinker_common.card_format import stamp_written
     from thinker_common.model_card import write_card
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text("{}")
+    for name, contents in (files or {}).items():
+        path = folder / name
+        path.write_bytes(contents) if isinstance(contents, bytes) else path.write_text(contents)
     write_card(folder, {}, "# an earlier output", "no checks")
-    for name in files:
-        (folder / name).write_text("mine")
+    stamp_written(folder)
     return folder
 
 

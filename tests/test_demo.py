@@ -57,6 +57,8 @@ def test_what_the_demo_would_refuse_late_it_refuses_first(tmp_path):
     refused before the conversion (they came after a minute of it), and no error runs into the echoed prompt."""
     (tmp_path / "mine" / "smollm2-135m-onnx").mkdir(parents=True)
     (tmp_path / "mine" / "smollm2-135m-onnx" / "notes.txt").write_text("mine")
+    (tmp_path / "a-file").mkdir()
+    (tmp_path / "a-file" / "smollm2-135m-onnx").write_text("mine")  # it spoke of OUTPUT and --force, neither given
     cases = [
         (["--prompt", ""], tmp_path / "empty", "--prompt is empty"),
         (["-n", "100000"], tmp_path / "long", "-n 100000: SmolLM2's context holds 8192 tokens"),
@@ -65,12 +67,14 @@ def test_what_the_demo_would_refuse_late_it_refuses_first(tmp_path):
             tmp_path / "mine",
             "smollm2-135m-onnx there is not one of the demo's folders (no README.md model card of thinker's)",
         ),
+        ([], tmp_path / "a-file", "smollm2-135m-onnx there is not one of the demo's folders (a file)"),
     ]
     for options, workdir, says in cases:
         result = CliRunner().invoke(main, ["demo", "--workdir", str(workdir), *options])
         assert result.exit_code == 1 and says in result.output and "[1/4]" not in result.output, result.output
         assert not (workdir / "smollm2-135m-thinker").exists()
     assert (tmp_path / "mine" / "smollm2-135m-onnx" / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "a-file" / "smollm2-135m-onnx").read_text() == "mine"
 
 
 def test_a_refused_continuation_starts_its_own_line(capsys):

@@ -127,8 +127,7 @@ def test_a_killed_conversion_leaves_no_output_and_the_next_run_works(point, kill
     ids=str,
 )
 def test_a_killed_force_run_leaves_the_old_output_intact(point, killed, qwen3_source, tmp_path, digest):
-    output = earlier_output(tmp_path / "out")  # which --force may replace
-    (output / "notes.txt").write_text("the previous conversion")
+    output = earlier_output(tmp_path / "out", {"notes.txt": "the previous conversion"})  # which --force may replace
     before = digest(output)
     killed(point, convert, qwen3_source, output, force=True, **CONVERT)
     assert digest(output) == before
@@ -139,8 +138,7 @@ def test_a_killed_force_run_leaves_the_old_output_intact(point, killed, qwen3_so
 
 
 def test_killed_just_after_the_swap_the_output_is_the_new_one(killed, qwen3_source, tmp_path):
-    output = earlier_output(tmp_path / "out")  # which --force may replace
-    (output / "notes.txt").write_text("the previous conversion")
+    output = earlier_output(tmp_path / "out", {"notes.txt": "the previous conversion"})  # which --force may replace
     killed(
         KillPoint("thinker_common.staging", "_exchange", after=True),
         convert,
@@ -184,8 +182,7 @@ def test_a_killed_export_that_converts_on_the_way(killed, qwen3_source, tmp_path
 
 
 def test_a_killed_export_with_force_leaves_the_old_output_intact(killed, qwen3_thinker, qwen3_onnx, tmp_path, digest):
-    output = earlier_output(tmp_path / "onnx")  # which --force may replace
-    (output / "model.onnx").write_bytes(b"the previous export")
+    output = earlier_output(tmp_path / "onnx", {"model.onnx": b"the previous export"})  # which --force may replace
     before = digest(output)
     point = KillPoint("export.graph_builder:WeightFile", "_append", call=2)
     killed(point, export_model, qwen3_thinker, output, force=True, **EXPORT)

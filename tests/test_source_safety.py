@@ -245,6 +245,85 @@ def test_force_replaces_earlier_outputs_only(command, qwen3_source, qwen3_thinke
     assert thinker(other, other_source, earlier, "--no-verify", "--force").exit_code == 0  # the other command's too
 
 
+def test_force_keeps_what_was_saved_into_an_earlier_output(qwen3_source, tmp_path, digest):
+    """An earlier output someone wrote into since (a fine-tune saved in place with save_pretrained, which keeps the
+    card; a note added) is theirs now: --force refuses it by the changed file (a QA run lost such a fine-tune).
+    thinker's own later writes, ``thinker verify``'s report and card, keep an unchanged folder replaceable."""
+    import torch
+
+    from thinker import ThinkerForCausalLM
+
+    tuned = tmp_path / "tuned"
+    assert thinker("convert", qwen3_source, tuned, "--no-verify").exit_code == 0
+    model = ThinkerForCausalLM.from_pretrained(tuned)
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.01)
+    model.save_pretrained(tuned)
+    noted = tmp_path / "noted"
+    assert thinker("convert", qwen3_source, noted, "--no-verify").exit_code == 0
+    (noted / "notes.md").write_text("mine")
+    before = digest(tmp_path)
+    for folder, changed in ((tuned, "model.safetensors"), (noted, "(notes.md changed")):
+        result = thinker("convert", qwen3_source, folder, "--no-verify", "--force")
+        assert_error(result, f"{folder}: not an earlier output of thinker (", changed, "changed after thinker wrote")
+    assert digest(tmp_path) == before
+
+    verified = tmp_path / "verified"
+    assert thinker("convert", qwen3_source, verified, "--no-verify").exit_code == 0
+    assert thinker("verify", qwen3_source, verified).exit_code == 0  # writes parity.json and the card's checks
+    assert (verified / "parity.json").is_file()
+    replaced = thinker("convert", qwen3_source, verified, "--no-verify", "--force")
+    assert replaced.exit_code == 0, replaced.output
+
+
+def test_force_refuses_a_link_and_a_name_ending_in_dotdot(qwen3_source, qwen3_thinker, tmp_path, digest):
+    """OUTPUT a link to an earlier output: --force would have put the new folder in the link's place and left the
+    old output where the link led, silently. OUTPUT ending in '..' was found out only after the whole run, with a
+    message about a folder the run had made itself. Both refused before any work, nothing touched."""
+    real = tmp_path / "real"
+    assert thinker("convert", qwen3_source, real, "--no-verify").exit_code == 0
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    before = digest(tmp_path)
+    result = thinker("convert", qwen3_source, f"{link}/", "--no-verify", "--force")
+    assert_error(result, f"{link}: not an earlier output of thinker (a link to {real}, which --force would replace")
+    result = thinker("export", qwen3_thinker, tmp_path / "new" / "..", "--no-verify")
+    assert_error(result, "OUTPUT ends in '..'; name the folder itself", str(tmp_path))
+    assert digest(tmp_path) == before and link.is_symlink() and not (tmp_path / "new").exists()
+
+
+def test_verify_report_never_lands_in_source_or_converted(qwen3_source, tmp_path, digest):
+    """``--report`` named a file inside SOURCE (a report as its chat_template.jinja, which the next conversion copied)
+    or inside CONVERTED, which it promises to leave as it is; and a folder where parity.json goes was found out after
+    the whole check. Each refused before the check, nothing written."""
+    source = tmp_path / "source"
+    shutil.copytree(qwen3_source, source)
+    converted = tmp_path / "converted"
+    assert thinker("convert", source, converted, "--no-verify").exit_code == 0
+    before = digest(tmp_path)
+    for report, fragment in (
+        (source / "chat_template.jinja", "--report lies inside the source"),
+        (converted / "report.json", "inside CONVERTED"),
+    ):
+        assert_error(thinker("verify", source, converted, "--report", report), fragment)
+    assert digest(tmp_path) == before
+    (converted / "parity.json").mkdir()
+    assert_error(thinker("verify", source, converted), "parity.json: a folder, where thinker verify writes")
+
+
+def test_verify_keeps_a_card_that_is_not_utf8(qwen3_source, tmp_path):
+    """A card edited in another encoding made ``thinker verify`` stop with a UnicodeDecodeError after it had
+    rewritten parity.json: the checks section is replaced, every other byte kept."""
+    converted = tmp_path / "converted"
+    assert thinker("convert", qwen3_source, converted, "--no-verify").exit_code == 0
+    card = converted / "README.md"
+    card.write_bytes(card.read_bytes() + b"\nCaf\xe9 notes (latin-1)\n")
+    result = thinker("verify", qwen3_source, converted)
+    assert result.exit_code == 0, result.output
+    text = card.read_bytes()
+    assert text.endswith(b"Caf\xe9 notes (latin-1)\n") and b"converted with --no-verify" not in text
+
+
 def test_force_looks_again_before_it_replaces(tmp_path):
     """What OUTPUT holds is checked again at the swap, after the work: a folder that took other contents meanwhile
     is refused there, both folders as they were."""
@@ -309,8 +388,7 @@ def test_an_output_that_cannot_be_replaced_is_named(qwen3_source, tmp_path, monk
 
     import thinker_common.staging as staging
 
-    output = earlier_output(tmp_path / "out")  # which --force may replace
-    (output / "mine.txt").write_text("kept")
+    output = earlier_output(tmp_path / "out", {"mine.txt": "kept"})  # which --force may replace
 
     def busy(first, second):
         raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(second))

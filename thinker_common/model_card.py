@@ -92,7 +92,8 @@ def replace_checks(folder: Path, checks: str) -> bool:
     path = Path(folder) / CARD_FILE
     if not path.is_file() or path.is_symlink():
         return False
-    text = path.read_text(encoding="utf-8")
+    # bytes that are not UTF-8 (a card edited in another encoding) are carried through as they are, not refused
+    text = path.read_bytes().decode("utf-8", "surrogateescape")
     if not _CHECKS.search(text):
         return False
     updated = _CHECKS.sub(lambda _: f"{CHECK_START}\n{checks.strip()}\n{CHECK_END}", text, count=1)

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .card_format import CARD_FILE, written_by_thinker
+from .card_format import CARD_FILE, changed_after_writing, stamp_written, written_by_thinker
 from .errors import ThinkerError
 from .side_files import CONFIG_FILES, TOKENIZER_FILES
 from .source_files import hub_caches_of
@@ -37,6 +37,10 @@ def refuse_existing_output(
     OUTPUT is never the working directory or a folder holding it (``--force .`` would empty it). A local ``source``
     path is checked first (``refuse_output_over_source``): an OUTPUT that is the source is told so, not sent to
     --force, which would only be refused next."""
+    if Path(output).name == "..":  # "out/new/..": what it names is known only once "new" exists, made by the run
+        raise ThinkerError(
+            f"{output}: OUTPUT ends in '..'; name the folder itself ({os.path.normpath(Path(output).absolute())})"
+        )
     refuse_working_directory(output)
     if source is not None and Path(source).expanduser().exists():
         refuse_output_over_source(output, Path(source).expanduser())
@@ -53,23 +57,32 @@ def refuse_existing_output(
 
 
 def not_an_earlier_output(output: Path) -> str | None:
-    """Why ``--force`` may not replace the folder ``output`` ("holds .git, src", "no README.md ..."), or None: it is
-    a folder a thinker command wrote (``card_format.written_by_thinker``) holding nothing but plain files, an empty
-    folder, absent, a link (replaced as a link, its target staying) or a file (refused elsewhere, ``refuse_a_file``)."""
-    if output.is_symlink() or not output.is_dir():
+    """Why ``--force`` may not replace the folder ``output`` ("holds .git, src", "no README.md ...", "model.safetensors
+    changed after ..."), or None: it is a folder a thinker command wrote (``card_format``), holding nothing but plain
+    files and none changed since, an empty folder or absent. A link is refused: --force would replace the link, and
+    the folder it leads to, the one meant, would keep the old output; so is a file."""
+    if output.is_symlink():
+        return f"a link to {os.readlink(output)}, which --force would replace, not the folder it leads to"
+    if not output.exists():
         return None
+    if not output.is_dir():
+        return "a file"
     with os.scandir(output) as scan:
-        entries = list(scan)
+        # a report a killed ``thinker verify`` left half-written (``write_atomically``) is thinker's, not the user's
+        entries = [entry for entry in scan if not _stale_partial(entry.name)]
     if not entries:
         return None
     others = sorted(e.name for e in entries if e.name.startswith(".") or not e.is_file(follow_symlinks=False))
     if others:
         return f"holds {', '.join(others[:3])}{' ...' if len(others) > 3 else ''}"
-    if written_by_thinker(output):
-        return None
-    if any(e.name == CARD_FILE for e in entries):
-        return f"its {CARD_FILE} is not a thinker model card"
-    return f"no {CARD_FILE} model card of thinker's"
+    if not written_by_thinker(output):
+        if any(e.name == CARD_FILE for e in entries):
+            return f"its {CARD_FILE} is not a thinker model card"
+        return f"no {CARD_FILE} model card of thinker's"
+    if changed := changed_after_writing(output, [e.name for e in entries]):
+        named = ", ".join(changed[:3]) + (" ..." if len(changed) > 3 else "")
+        return f"{named} changed after thinker wrote the folder: a model saved into it, a file added"
+    return None
 
 
 def refuse_replacing_another_folder(output: Path) -> None:
@@ -127,14 +140,17 @@ def refuse_working_directory(output: Path) -> None:
         )
 
 
-def refuse_output_over_source(output: Path, source: Path, writes_into: bool = False) -> None:
+def refuse_output_over_source(
+    output: Path, source: Path, writes_into: bool = False, role: str | None = None, a_file: bool = True
+) -> None:
     """OUTPUT is replaced as a whole (``--force``), so it must not be the source (a folder, or one weights file),
     nor hold it, nor lie inside a source folder; beside a single source file, it must not be one of the files read
     with it (its config.json, its tokenizer); and it is a folder, never a file. ``writes_into``: OUTPUT is an
     existing folder written into (``thinker verify``'s parity.json, its CONVERTED argument), so only being, or lying
-    inside, the source is refused."""
+    inside, the source is refused. ``role``: what the messages call OUTPUT (``--report``, a new file); ``a_file``
+    False leaves a file at OUTPUT to the caller's own words."""
     shown = Path(output).absolute()
-    role = "CONVERTED" if writes_into else "OUTPUT"
+    role = role or ("CONVERTED" if writes_into else "OUTPUT")
     folder_source = Path(source).is_dir()
     for out in _forms(output):
         for src in _forms(source):
@@ -158,10 +174,11 @@ def refuse_output_over_source(output: Path, source: Path, writes_into: bool = Fa
             # The source's bytes are links into the cache's blobs/ (the repo's or the cache-wide store), outside
             # the snapshot folder: an OUTPUT there, replaced with --force, would delete them or another repo's.
             raise ThinkerError(
-                f"{shown}: OUTPUT lies inside the Hugging Face cache {holding[0]} the source is read from, where "
+                f"{shown}: {role} lies inside the Hugging Face cache {holding[0]} the source is read from, where "
                 "replacing it would delete cached files (a snapshot's blobs/); choose a folder outside the cache"
             )
-        refuse_a_file(output)
+        if a_file:
+            refuse_a_file(output)
 
 
 def refuse_same_place(output: Path, source: Path, writes_into: bool) -> None:
@@ -303,12 +320,21 @@ def outside_staging(path: Path) -> Path:
     return path
 
 
+_PARTIAL = re.compile(r"^\..+\.partial-(?P<pid>\d+)$")  # write_atomically's file beside the one it replaces
+
+
+def _stale_partial(name: str) -> bool:
+    """``name`` is a file ``write_atomically`` left behind here, its process gone."""
+    match = _PARTIAL.match(name)
+    return bool(match) and not _alive(int(match["pid"]))
+
+
 def write_atomically(path: Path, text: str) -> None:
     """``text`` into ``path``, written beside it and renamed over it: a file updated in a finished folder (``thinker
     verify``'s report, the model card's checks), which a kill or a full disk must leave as it was."""
     partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
     try:
-        partial.write_text(text, encoding="utf-8")
+        partial.write_text(text, encoding="utf-8", errors="surrogateescape")  # a card's bytes kept as read
         os.replace(partial, path)
     except OSError as err:  # a full disk, a read-only folder: the update is lost, the folder stays as it was
         with contextlib.suppress(OSError):  # never created, on a read-only file system
@@ -396,6 +422,7 @@ def install(staging: Path, output: Path, force: bool) -> None:
     A new OUTPUT is renamed into place with RENAME_NOREPLACE, so that a folder someone made there since the look
     (a plain rename would replace an empty one) is refused, not replaced.
     """
+    stamp_written(staging)  # the card last: what --force later takes as unchanged since (card_format)
     if not (output.exists() or output.is_symlink()):
         try:
             # never over a folder that appeared since the look above (a plain rename replaces an empty one)

@@ -450,7 +450,7 @@ def test_output_folder_contents_and_remote_code(save_reference, run_convert, tmp
 
 def test_existing_output_is_untouched_without_force(save_reference, run_convert, tmp_path):
     _, source = save_reference(Qwen2Config(**QWEN2))
-    existing = earlier_output(tmp_path / "out", "keep.txt")  # which --force may replace
+    existing = earlier_output(tmp_path / "out", {"keep.txt": "mine"})  # which --force may replace
     with pytest.raises(ThinkerError, match="already exists; pass --force"):
         run_convert(source)
     assert sorted(p.name for p in existing.iterdir()) == ["README.md", "config.json", "keep.txt"]
@@ -466,7 +466,7 @@ def test_failed_conversion_leaves_an_existing_output_in_place(qwen2_tensors, run
     source = tmp_path / "broken"
     build_reference(Qwen2Config(**QWEN2, tie_word_embeddings=False)).config.save_pretrained(source)
     save_file(tensors, source / "model.safetensors")
-    earlier_output(tmp_path / "out", "keep.txt")  # which --force may replace
+    earlier_output(tmp_path / "out", {"keep.txt": "mine"})  # which --force may replace
     with pytest.raises(ThinkerError, match="NaN or Inf"):
         run_convert(source, force=True)
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"

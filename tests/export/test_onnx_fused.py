@@ -151,6 +151,30 @@ def test_left_padded_rows_equal_rows_alone(family, onnx_variant):
             )
 
 
+def test_a_pad_between_a_prompts_tokens(onnx_variant):
+    """A mask with a pad between a row's tokens: the plain graph (positions from the mask) gives the row without the
+    pad; the fused graph's GroupQueryAttention numbers a prompt's tokens by slot, so every token after the pad was
+    rotated a position too far, silently (2.5 apart on SmolLM2; a QA run). OnnxDecoder refuses it by row, with or
+    without positions given, and still takes a pad after the tokens."""
+    from thinker_common.errors import ThinkerError
+
+    tokens = np.array([[3, 14, 15, 92, 65, 35]], dtype=np.int64)
+    holed = np.array([[1, 1, 0, 1, 1, 1]], dtype=np.int64)
+    plain = OnnxDecoder(onnx_variant("qwen3", graph="plain"), provider="cpu")
+    alone, _ = plain.prefill(tokens[:, holed[0] == 1], np.ones((1, 5), np.int64))
+    with_pad, _ = plain.prefill(tokens, holed)
+    np.testing.assert_allclose(with_pad[0, holed[0] == 1], alone[0], atol=1e-4)
+
+    fused = OnnxDecoder(onnx_variant("qwen3"), provider="cpu")
+    message = "row 0 of attention_mask masks a slot between its new tokens, and this graph's GroupQueryAttention"
+    with pytest.raises(ThinkerError, match=message):
+        fused.prefill(tokens, holed)
+    with pytest.raises(ThinkerError, match=message):
+        fused.prefill(tokens, holed, position_ids=np.maximum(np.cumsum(holed, axis=1) - 1, 0))
+    right, _ = fused.prefill(tokens, np.array([[1, 1, 1, 1, 1, 0]]))
+    np.testing.assert_allclose(right[0, :5], fused.prefill(tokens[:, :5], np.ones((1, 5), np.int64))[0][0], atol=1e-4)
+
+
 def test_several_new_tokens_after_a_cache_need_batch_1(onnx_variant):
     """Chunked prefill: batch 1 equals the one-shot prefill; at batch 2 onnxruntime's kernel refuses (a limit the
     plain graph does not have; OnnxDecoder's prefill and decode steps and onnxruntime-genai never ask for it), and
