@@ -130,7 +130,8 @@ def write_onnx_card(folder: Path, thinker_folder: Path, report: dict, name: str)
     body = f"""# {name}
 
 The decoder of {decoder}{origin}, exported by `thinker export` as ONNX ({precision}, the {report["graph"]} graph)
-with its whole decoding state as inputs and outputs: `model.onnx` for onnxruntime on left- or right-padded batches, {files}.
+with its whole decoding state as inputs and outputs: `model.onnx` for onnxruntime on left- or right-padded batches,
+{files}.
 {LAST_LOGITS if report.get("logits") == "last" else ""}{tokenizer}
 
 ## Run

@@ -185,6 +185,25 @@ def test_generate_says_when_the_folder_names_no_end_of_sequence_token(runner, on
     assert "4 tokens in" in unnamed.stderr, unnamed.stderr
 
 
+@pytest.mark.parametrize("kind", ["thinker", "onnx"])
+def test_generate_names_a_stop_token_file_that_is_no_id(kind, runner, thinker_folder, onnx_folder, tmp_path):
+    """A generation_config.json whose eos_token_id is a string gave a Thinker folder a transformers traceback
+    (GenerationConfig's own check), and an ONNX folder a line that did not say which file (a QA run): one line
+    naming the file and the key, for both."""
+    import shutil
+
+    folder = shutil.copytree(thinker_folder("qwen3") if kind == "thinker" else onnx_folder("qwen3"), tmp_path / kind)
+    for key, value in (("eos_token_id", "x"), ("pad_token_id", [0, 1])):
+        config = json.loads((folder / "generation_config.json").read_text()) | {key: value}
+        (folder / "generation_config.json").write_text(json.dumps(config))
+        result = runner.invoke(main, ["generate", str(folder), "--prompt", "the cat", "-n", "2"])
+        assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+        lines = result.stderr.strip().splitlines()
+        assert lines[-1].startswith(f"error: {folder / 'generation_config.json'}: {key}={value!r}; expected"), lines
+        config[key] = 2  # a sound id again, for the next key
+        (folder / "generation_config.json").write_text(json.dumps(config))
+
+
 def test_export_logits_last_then_generate(runner, thinker_folder, tmp_path):
     """--logits last from the command line: the report and the graph say so, --verify passes, and `thinker generate`
     on it writes what transformers writes."""
