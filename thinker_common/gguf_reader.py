@@ -120,6 +120,17 @@ class GGUFSource:
         except Exception as err:  # tokenizer conversion has many failure modes; the weights are still good
             log.warning("the tokenizer in %s could not be converted (%s); the output has no tokenizer", self.path, err)
             return []
+        rows = self.shape("token_embd.weight")[0] if "token_embd.weight" in self.names() else None
+        if rows is not None and len(tokenizer) > rows:  # llama.cpp's files have one row per token
+            log.warning(
+                "the tokenizer in %s holds %d tokens, but its embedding (token_embd.weight) %d rows: ids from %d on "
+                "fail the embedding lookup when fed; the file is inconsistent (convert the model again with "
+                "llama.cpp)",
+                self.path,
+                len(tokenizer),
+                rows,
+                rows,
+            )
         before = set(os.listdir(folder))
         tokenizer.save_pretrained(folder)
         return sorted(set(os.listdir(folder)) - before)

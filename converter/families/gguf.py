@@ -380,6 +380,9 @@ def gguf_to_hf_config(metadata: Mapping[str, Any], tensor_names: Collection[str]
         config |= GGUF_CONFIG_DEFAULTS_MAPPING.get(hf_model_type(arch), {})
         config |= {"decoder_sparse_step": 1, "mlp_only_layers": []}
     for key, field in _token_id_keys().items():
+        # an id the file does not name stays unnamed: left out, the config class would fill in its own default
+        # (LlamaConfig's bos 1 and eos 2), ids the file's vocabulary may give other tokens (a QA run)
+        config[field] = None
         if key in metadata:
             value = metadata[key]
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
@@ -500,6 +503,31 @@ def _check_values(config: Mapping[str, Any], keys: Mapping[str, str]) -> None:
 _IMPLIED = " with no 'rope.scaling.type', which llama.cpp reads as linear scaling"
 
 
+# llama.cpp's RoPE scaling keys that no Hugging Face rope_parameters field carries here, each at the value that
+# changes nothing (llama_model::load_hparams' defaults): set otherwise, they scale the rotated q and k (attn_factor,
+# in every RoPE) or YaRN's magnitude, which a conversion would drop and its check, given the same parameters, miss.
+_NEUTRAL_SCALING = {"attn_factor": 1.0, "yarn_attn_factor": 1.0, "yarn_log_multiplier": 0.0, "yarn_ext_factor": -1.0}
+# the keys read (``_rope_scaling``, ``_rope_parameters``), and the flag that only records a fine-tune
+_READ_SCALING = {"type", "factor", "original_context_length", "yarn_beta_fast", "yarn_beta_slow", "finetuned"}
+
+
+def _refuse_untranslated_scaling(metadata: Mapping[str, Any], arch: str) -> None:
+    """Refuses, by key, a RoPE scaling value the conversion would drop (``_NEUTRAL_SCALING``), or a scaling key it
+    does not know (a QA run read these keys as ignored)."""
+    prefix = f"{arch}.rope.scaling."
+    for key, value in metadata.items():
+        if not key.startswith(prefix) or key[len(prefix) :] in _READ_SCALING:
+            continue
+        neutral = _NEUTRAL_SCALING.get(key[len(prefix) :])
+        if neutral is not None and isinstance(value, int | float) and not isinstance(value, bool) and value == neutral:
+            continue
+        raise ThinkerError(
+            f"GGUF metadata {key!r} is {value!r}: RoPE scaling that no Hugging Face config of this family carries "
+            f"(a conversion would drop it, and change every position's rotation); convert the Hugging Face "
+            "checkpoint instead"
+        )
+
+
 def _rope_scaling(metadata: Mapping[str, Any], arch: str) -> tuple[str, Any, str | None]:
     """The file's RoPE scaling type, factor and the factor's key, as llama.cpp reads them (``load_hparams``): a
     factor with no ``rope.scaling.type`` is linear scaling, and the factor may sit under the older
@@ -524,6 +552,7 @@ def _rope_parameters(metadata: Mapping[str, Any], arch: str, names: set[str]) ->
         )
     theta = _float32_repr(base)
     params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    _refuse_untranslated_scaling(metadata, arch)
     if "rope_freqs.weight" in names:
         # Llama 3.1-style scaling is stored only as precomputed per-dimension factors; the parameters HF needs
         # (factor, low/high_freq_factor) are not in the file, and ignoring the factors changes every output.

@@ -66,6 +66,32 @@ def test_synthetic_gguf(architecture, tmp_path, run_convert):
     assert result.family == f"gguf-{architecture}" and result.dtype == "float32"
     assert result.parity.passed, result.parity.table()
     assert_same_logits(model, result.output)
+    # the file names no special token: none is invented (a llama file took LlamaConfig's bos 1 and eos 2: a QA run)
+    for name in ("config.json", "generation_config.json"):
+        written = json.loads((result.output / name).read_text())
+        assert [written.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")] == [None] * 3, name
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_said(tmp_path, run_convert, caplog):
+    """A file whose vocabulary lists more tokens than its embedding has rows converted without a word, and its
+    tokenizer then gives ids the model cannot embed (a QA run): a warning names both counts."""
+    model = build_reference(SYNTHETIC["llama"])
+    tokens = ["<unk>", "<s>", "</s>", "a", "b", "ab", *(f"t{i}" for i in range(64))]  # 70 tokens, 64 rows
+    vocabulary = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [3, 3, 3] + [1] * (len(tokens) - 3),
+        "tokenizer.ggml.merges": ["a b"],
+        "tokenizer.ggml.eos_token_id": 2,
+    }
+    folder = tmp_path / "gguf"
+    folder.mkdir()
+    path = write_gguf(model, folder / "tiny.gguf", "llama", metadata=vocabulary)
+    with caplog.at_level("WARNING"):
+        result = run_convert(path, verify=False)
+    assert "tokens, but its embedding (token_embd.weight) 64 rows: ids from 64 on fail" in caplog.text
+    assert json.loads((result.output / "config.json").read_text())["eos_token_id"] == 2
 
 
 SCALED = {  # RoPE scaling as a GGUF records it: (architecture, its keys, the Hugging Face parameters they stand for)

@@ -391,7 +391,7 @@ def test_qwen2_and_qwen3_configs() -> None:
     assert qwen2["vocab_size"] == 151936  # from the token list, as transformers does when vocab_size is absent
     assert qwen2["head_dim"] == 64 and qwen2["rms_norm_eps"] == 1e-06
     assert qwen2["rope_parameters"] == {"rope_type": "default", "rope_theta": 1000000.0}
-    assert qwen2["tie_word_embeddings"] is True and "attention_bias" not in qwen2 and "bos_token_id" not in qwen2
+    assert qwen2["tie_word_embeddings"] is True and "attention_bias" not in qwen2 and qwen2["bos_token_id"] is None
     assert (qwen2["eos_token_id"], qwen2["pad_token_id"]) == (151645, 151643)
 
     # Qwen3-0.6B: head_dim 128 although hidden / heads is 64; only attention.key_length says so.
@@ -414,6 +414,13 @@ def test_rope_scaling() -> None:
     for factor in (1.0, 0.0):
         unscaled = gguf_to_hf_config(_metadata("llama", **{"llama.rope.scaling.factor": factor}), [])
         assert unscaled["rope_parameters"] == {"rope_type": "default", "rope_theta": 1000000.0}
+    # llama.cpp's scaling keys no Hugging Face field carries: at their neutral value read as nothing, else refused by
+    # key (dropped, they changed every rotation where the check, given the same parameters, saw nothing)
+    neutral = {"llama.rope.scaling.attn_factor": 1.0, "llama.rope.scaling.finetuned": True}
+    assert gguf_to_hf_config(_metadata("llama", **neutral), [])["rope_parameters"]["rope_type"] == "default"
+    for key, value in (("llama.rope.scaling.attn_factor", 0.8), ("llama.rope.scaling.yarn_log_multiplier", 0.1)):
+        with pytest.raises(ThinkerError, match=f"'{key}' is {value}: RoPE scaling that no Hugging Face config"):
+            gguf_to_hf_config(_metadata("llama", **{key: value}), [])
     for key, value in (("llama.rope.scaling.factor", "4"), ("llama.rope.scale_linear", -2.0)):
         with pytest.raises(ThinkerError, match=f"'{key}' is {value!r}; RoPE scaling needs a positive number"):
             gguf_to_hf_config(_metadata("llama", **{key: value}), [])
