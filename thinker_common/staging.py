@@ -81,7 +81,10 @@ def not_an_earlier_output(output: Path) -> str | None:
         return f"no {CARD_FILE} model card of thinker's"
     if changed := changed_after_writing(output, [e.name for e in entries]):
         named = ", ".join(changed[:3]) + (" ..." if len(changed) > 3 else "")
-        return f"{named} changed after thinker wrote the folder: a model saved into it, a file added"
+        return (
+            f"{named} changed after thinker wrote the folder: a model saved into it, a file added, or the folder "
+            "copied, which renews every file's change time"
+        )
     return None
 
 
