@@ -340,7 +340,12 @@ def refuse_other_code(converted: Path) -> None:
     installed = Path(thinker.__file__).parent
     for name in SHIPPED_CODE:
         shipped = converted / name
-        if shipped.is_file() and shipped.read_bytes() != (installed / name).read_bytes():
+        if not shipped.is_file():  # where thinker is not installed the folder does not load (a QA run's pass)
+            raise ThinkerError(
+                f"{converted}: lacks {name}, which trust_remote_code=True loads where thinker is not installed; "
+                "convert the source again (or copy the installed Thinker's file in)"
+            )
+        if shipped.read_bytes() != (installed / name).read_bytes():
             raise ThinkerError(
                 f"{shipped}: not the installed Thinker's {name} (thinker {tool_version()}), which the check runs, so "
                 "it would prove nothing about the code trust_remote_code=True loads from the folder; convert the "

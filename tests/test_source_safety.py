@@ -262,11 +262,25 @@ def test_force_keeps_what_was_saved_into_an_earlier_output(qwen3_source, tmp_pat
     noted = tmp_path / "noted"
     assert thinker("convert", qwen3_source, noted, "--no-verify").exit_code == 0
     (noted / "notes.md").write_text("mine")
+    # neither a note on the card (its own change time moves past the fine-tune's), nor thinker verify, which passes
+    # a folder with a note added and rewrites the card's checks, hides the change (both found by a QA run)
+    with (tuned / "README.md").open("a") as card:
+        card.write("Fine-tuned on my data.\n")
+    (tuned / "README.md").chmod(0o600)
+    assert thinker("verify", qwen3_source, noted).exit_code == 0
     before = digest(tmp_path)
-    for folder, changed in ((tuned, "model.safetensors"), (noted, "(notes.md changed")):
+    for folder, changed in ((tuned, "model.safetensors"), (noted, "notes.md")):
         result = thinker("convert", qwen3_source, folder, "--no-verify", "--force")
         assert_error(result, f"{folder}: not an earlier output of thinker (", changed, "changed after thinker wrote")
     assert digest(tmp_path) == before
+    # a killed verify's half-written report is thinker's; a folder named like one is not
+    stale = tmp_path / "stale"
+    assert thinker("convert", qwen3_source, stale, "--no-verify").exit_code == 0
+    (stale / ".parity.json.partial-999999").write_text("{")
+    assert thinker("convert", qwen3_source, stale, "--no-verify", "--force").exit_code == 0
+    (stale / ".notes.partial-999999").mkdir()
+    result = thinker("convert", qwen3_source, stale, "--no-verify", "--force")
+    assert_error(result, f"{stale}: not an earlier output of thinker (holds .notes.partial-999999)")
 
     verified = tmp_path / "verified"
     assert thinker("convert", qwen3_source, verified, "--no-verify").exit_code == 0

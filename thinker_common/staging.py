@@ -69,7 +69,7 @@ def not_an_earlier_output(output: Path) -> str | None:
         return "a file"
     with os.scandir(output) as scan:
         # a report a killed ``thinker verify`` left half-written (``write_atomically``) is thinker's, not the user's
-        entries = [entry for entry in scan if not _stale_partial(entry.name)]
+        entries = [entry for entry in scan if not _stale_partial(entry)]
     if not entries:
         return None
     others = sorted(e.name for e in entries if e.name.startswith(".") or not e.is_file(follow_symlinks=False))
@@ -79,7 +79,10 @@ def not_an_earlier_output(output: Path) -> str | None:
         if any(e.name == CARD_FILE for e in entries):
             return f"its {CARD_FILE} is not a thinker model card"
         return f"no {CARD_FILE} model card of thinker's"
-    if changed := changed_after_writing(output, [e.name for e in entries]):
+    changed = changed_after_writing(output, [e.name for e in entries])
+    if changed is None:
+        return f"its {CARD_FILE} records no time thinker wrote the folder (an earlier thinker's output, or edited)"
+    if changed:
         named = ", ".join(changed[:3]) + (" ..." if len(changed) > 3 else "")
         return (
             f"{named} changed after thinker wrote the folder: a model saved into it, a file added, or the folder "
@@ -323,13 +326,15 @@ def outside_staging(path: Path) -> Path:
     return path
 
 
-_PARTIAL = re.compile(r"^\..+\.partial-(?P<pid>\d+)$")  # write_atomically's file beside the one it replaces
+# the files ``write_atomically`` (and ``card_format.stamp_written``) write beside the one they replace in a finished
+# folder: the card, and thinker verify's reports (converter/parity_report.py's names)
+_PARTIAL = re.compile(r"^\.(README\.md|parity\.json|parity\.failed\.json)\.partial-(?P<pid>\d+)$")
 
 
-def _stale_partial(name: str) -> bool:
-    """``name`` is a file ``write_atomically`` left behind here, its process gone."""
-    match = _PARTIAL.match(name)
-    return bool(match) and not _alive(int(match["pid"]))
+def _stale_partial(entry: os.DirEntry) -> bool:
+    """``entry`` is a file ``write_atomically`` left behind here, its process gone (killed mid-write)."""
+    match = _PARTIAL.match(entry.name)
+    return bool(match) and entry.is_file(follow_symlinks=False) and not _alive(int(match["pid"]))
 
 
 def write_atomically(path: Path, text: str) -> None:

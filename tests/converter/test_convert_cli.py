@@ -273,6 +273,8 @@ def test_verify_refuses_a_folder_it_would_not_prove(source, tmp_path):
     edited = shutil.copytree(converted, tmp_path / "edited")
     (edited / "modeling_thinker.py").write_text((edited / "modeling_thinker.py").read_text() + "\n# edited\n")
     assert "modeling_thinker.py: not the installed Thinker's modeling_thinker.py" in verify(edited)
+    (edited / "modeling_thinker.py").unlink()  # a pass before: the folder then loads only where thinker is installed
+    assert "lacks modeling_thinker.py, which trust_remote_code=True loads" in verify(edited)
 
     retokenized = shutil.copytree(converted, tmp_path / "retokenized")  # the parity check feeds ids, not text
     (retokenized / "tokenizer_config.json").write_text('{"model_max_length": 32}')
