@@ -37,11 +37,11 @@ def refuse_existing_output(
     OUTPUT is never the working directory or a folder holding it (``--force .`` would empty it). A local ``source``
     path is checked first (``refuse_output_over_source``): an OUTPUT that is the source is told so, not sent to
     --force, which would only be refused next."""
+    refuse_working_directory(output)  # first: ".." that holds it is told so
     if Path(output).name == "..":  # "out/new/..": what it names is known only once "new" exists, made by the run
         raise ThinkerError(
             f"{output}: OUTPUT ends in '..'; name the folder itself ({os.path.normpath(Path(output).absolute())})"
         )
-    refuse_working_directory(output)
     if source is not None and Path(source).expanduser().exists():
         refuse_output_over_source(output, Path(source).expanduser())
     if not force:
