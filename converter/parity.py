@@ -203,6 +203,8 @@ def compare(reference: PreTrainedModel, converted: PreTrainedModel, prompts: lis
         result.first_divergence = first_divergence(
             expected.hidden_states, actual.hidden_states, real, dtype, converted.model.final_hidden_state
         )
+        if result.first_divergence == f"layer {len(expected.hidden_states) - 2}":
+            result.first_divergence = last_layer_or_final_norm(reference, converted, prompts, real, dtype)
     elif unreached is not None:  # the prompts' logits agree; a row or an expert they never reach does not
         result.passed, result.first_divergence = False, unreached
     return result
@@ -226,9 +228,9 @@ def first_divergence(
     """The first hidden state (embeddings, then each layer's output) that differs beyond tolerance.
 
     The last layer's output is compared both as is and after the converted model's ``final_norm`` (its final norm, or
-    the hyper-connections' last mix): some reference
-    classes (GPT-2) report it normalised, others (Qwen, Llama) do not. When every hidden state agrees, the
-    difference lies in the final norm or the head.
+    the hyper-connections' last mix): transformers' classes report it normalised (GPT-2, and in transformers 5
+    Qwen and Llama too), a class of its own may not. When every hidden state agrees, the difference lies in the
+    final norm or the head; where the last disagrees, ``last_layer_or_final_norm`` tells which.
     """
     if len(expected) != len(actual):
         return f"hidden-state count ({len(expected)} reference, {len(actual)} converted): the layer counts differ"
@@ -244,6 +246,37 @@ def first_divergence(
     if not (agree(expected[-1], actual[-1]) or agree(expected[-1], final_norm(actual[-1]))):
         return f"layer {last}"
     return "the final norm or the head (every layer's output agrees)"
+
+
+@torch.no_grad()
+def last_layer_or_final_norm(
+    reference: PreTrainedModel, converted: PreTrainedModel, prompts: list[list[int]], real: torch.Tensor, dtype
+) -> str:
+    """Where ``first_divergence`` found the last hidden state apart: the last layer, or the final norm after it.
+    transformers reports the last hidden state with the final norm applied (Qwen, Llama), so a wrong final norm
+    looked like a wrong last layer (a QA run); the last decoder layer's own output, taken by a hook on each side,
+    tells the two apart."""
+    from .unreached import decoder_layers
+
+    ids, mask, positions = left_padded(prompts)
+    layers = [decoder_layers(model) for model in (reference, converted)]
+    last = len(layers[1]) - 1
+    if not all(layers) or len(layers[0]) != len(layers[1]):
+        return f"layer {last}"
+    outputs: list[torch.Tensor] = []
+    for model, stack in zip((reference, converted), layers, strict=True):
+        hook = stack[max(stack)].register_forward_hook(
+            lambda _module, _inputs, out: outputs.append((out[0] if isinstance(out, tuple) else out)[real].float())
+        )
+        try:
+            model(input_ids=ids, attention_mask=mask, position_ids=positions)
+        finally:
+            hook.remove()
+    ref, conv = outputs[0], outputs[-1]
+    tolerance = RELATIVE_TOLERANCE[dtype] * max(1.0, ref.abs().max().item())
+    if ref.shape == conv.shape and (ref - conv).abs().max().item() <= tolerance:
+        return "the final norm or the head (every layer's output agrees)"
+    return f"layer {last}"
 
 
 def check_parity(

@@ -4,6 +4,7 @@ ends in exit 1, the parity table naming the first diverging layer, an error line
 
 from __future__ import annotations
 
+import pytest
 from click.testing import CliRunner
 from transformers import Qwen3Config
 
@@ -14,6 +15,31 @@ QWEN3 = Qwen3Config(
     num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
 )  # fmt: skip
 PLANTED = "model.layers.1.mlp.down_proj.weight"
+
+
+@pytest.mark.parametrize(
+    "planted, named",
+    [
+        ("model.layers.2.mlp.down_proj.weight", "layer 2"),
+        # transformers reports the last hidden state after the final norm, so a wrong norm was named "layer 2"
+        # (a QA run); the last layer's own output, taken by a hook, tells them apart
+        ("model.norm.weight", "the final norm or the head (every layer's output agrees)"),
+    ],
+)
+def test_the_last_layer_and_the_final_norm_are_told_apart(planted, named, save_reference, tmp_path, monkeypatch):
+    import converter.engine as engine
+
+    _, source = save_reference(QWEN3)
+    original = engine.finish_tensor
+
+    def finish_tensor(tensor, target, *args, **kwargs):
+        finished = original(tensor, target, *args, **kwargs)
+        return finished * 1.5 if target == planted else finished
+
+    monkeypatch.setattr(engine, "finish_tensor", finish_tensor)
+    monkeypatch.setattr(engine, "copies_bytes", lambda *_: False)
+    result = CliRunner().invoke(main, ["convert", str(source), str(tmp_path / "broken")])
+    assert result.exit_code == 1 and f"FAIL (first divergence: {named})" in result.stdout, result.output
 
 
 def test_the_default_path_fails_parity_and_installs_nothing(save_reference, tmp_path, monkeypatch):
