@@ -984,3 +984,19 @@ def test_a_weights_file_transformers_does_not_load_is_refused_as_source(check, s
     (variant / "model.safetensors").rename(variant / "model.fp16.safetensors")
     refused = thinker("convert", variant / "model.fp16.safetensors", tmp_path / "out2", *check)
     assert_error(refused, "transformers finds none of model.safetensors, pytorch_model.bin or their indexes")
+
+
+@pytest.mark.parametrize("command", ["convert", "export"])
+def test_one_shard_as_source_is_named_as_a_shard(command, qwen3_source, tmp_path):
+    """SOURCE naming one shard of a checkpoint whose index lies beside it was refused as an incomplete checkpoint,
+    the tensors the other shards hold listed as missing (a QA run): it is named as one of the index's shards."""
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(qwen3_source).save_pretrained(sharded, max_shard_size="20KB")
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    output = tmp_path / "out"
+    refused = thinker(command, shards[1], output, "--no-verify")
+    assert_error(refused, f"{shards[1]}: one of the {len(shards)} shards model.safetensors.index.json names")
+    assert_nothing_written(output)

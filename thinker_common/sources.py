@@ -512,9 +512,26 @@ def dequantized_if_fp8(source: FolderSource) -> TensorSource:
     return source if block is None else DequantizedFP8Source(source, block, loaded_dtype(config))
 
 
+def refuse_one_shard(path: Path) -> None:
+    """A weights file that an index beside it names as one of several shards is a part of a checkpoint: refused as
+    such, where its tensors alone were refused as an incomplete checkpoint (a QA run)."""
+    for index in sorted(path.parent.glob("*.index.json")):
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        except (OSError, ValueError, AttributeError):
+            continue  # not an index of weights: refused, or ignored, where it is read
+        shards = set(weight_map.values()) if isinstance(weight_map, dict) else set()
+        if path.name in shards and len(shards) > 1:
+            raise ThinkerError(
+                f"{path}: one of the {len(shards)} shards {index.name} names; give the folder that holds them "
+                f"({path.parent}) as SOURCE"
+            )
+
+
 def _open_source(root: Path) -> TensorSource:
     if os.path.lexists(root) and not root.is_dir():
         regular_file(root)  # SOURCE named on the command line: a symlink is the user's choice, a pipe is not a file
+        refuse_one_shard(root)
         if root.suffix == ".safetensors":
             return SafetensorsSource(root.parent, [root])
         if root.suffix == ".gguf":
