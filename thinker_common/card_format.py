@@ -28,6 +28,12 @@ _LARGEST_CARD = 1 << 20
 _STAMP = re.compile(rb"<!-- thinker: files written, change time (\d+) ns -->")
 
 
+def stamp_line(change_time_ns: int = 0) -> str:
+    """The card's record of thinker's last write; 19 digits (nanoseconds since 1970 until the year 2286), so that
+    recording the time keeps the card's size, which export_report.json has counted."""
+    return f"<!-- thinker: files written, change time {change_time_ns:019d} ns -->"
+
+
 def _card(folder: Path, limit: int = _LARGEST_CARD) -> bytes | None:
     """The card's bytes (its first ``limit``; -1: all) where ``folder`` holds a plain ``README.md`` (no link), else
     None."""
@@ -64,7 +70,7 @@ def stamp_written(folder: Path) -> None:
         return
     card = _card(folder, limit=-1) or b""  # whole: it is written back
     newest = max((entry.stat(follow_symlinks=False).st_ctime_ns for entry in _files(folder)), default=0)
-    line = f"<!-- thinker: files written, change time {newest} ns -->".encode()
+    line = stamp_line(newest).encode()
     updated = _STAMP.sub(line, card, count=1) if _STAMP.search(card) else card.rstrip(b"\n") + b"\n\n" + line + b"\n"
     # written beside and renamed over, as staging.write_atomically does (staging imports this module)
     partial = Path(folder) / f".{CARD_FILE}.partial-{os.getpid()}"
