@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from thinker import ThinkerConfig
-from thinker_common.card_format import stamp_written
+from thinker_common.card_format import read_record, restamp_after_verify
 from thinker_common.dtypes import dtype_name
 from thinker_common.errors import ThinkerError
 from thinker_common.fp8_source import DequantizedFP8Source
@@ -275,8 +275,9 @@ def verify(
     if (converted / PARITY_FILE).is_file():
         failure += f", and {PARITY_FILE} is kept as it was"
     # The reports written here are thinker's own: a folder unchanged since it was written stays so for --force
-    # (card_format), one a user changed (a fine-tune saved into it) stays changed.
-    unchanged = not not_an_earlier_output(converted)
+    # (card_format), one a user changed (a fine-tune saved into it), before or while this runs, stays changed.
+    real = Path(os.path.realpath(converted))  # CONVERTED given as a link is the folder it leads to
+    before = read_record(real) if not_an_earlier_output(real) is None else None
     try:
         report = parity_gate(
             root,
@@ -293,8 +294,8 @@ def verify(
         with contextlib.suppress(FileNotFoundError):  # a failing report from before, now answered
             (converted / FAILED_PARITY_FILE).unlink()
     finally:
-        if unchanged:
-            stamp_written(converted)
+        if before is not None:
+            restamp_after_verify(real, before)
     return report
 
 

@@ -290,6 +290,52 @@ def test_force_keeps_what_was_saved_into_an_earlier_output(qwen3_source, tmp_pat
     assert replaced.exit_code == 0, replaced.output
 
 
+def test_force_sees_a_card_note_a_file_added_in_the_same_tick_and_a_change_during_verify(
+    qwen3_source, tmp_path, monkeypatch
+):
+    """Ways a QA run found past a change-time check alone: a note added to the card (deleted without a word); a file
+    added in the tick thinker finished on a file system of whole seconds (no later time, but a name thinker did not
+    write); a file saved into the folder while ``thinker verify`` ran (then recorded as thinker's). And a folder
+    verified through a link stays replaceable."""
+    import converter.convert as convert_module
+    from thinker_common.card_format import Record, _write_record, read_record
+    from thinker_common.staging import not_an_earlier_output
+
+    def output(name: str) -> Path:
+        folder = tmp_path / name
+        assert thinker("convert", qwen3_source, folder, "--no-verify").exit_code == 0
+        assert not_an_earlier_output(folder) is None
+        return folder
+
+    noted = output("noted")
+    with (noted / "README.md").open("a") as card:
+        card.write("\n## My evaluation notes\n")
+    assert "its README.md was edited after thinker wrote it" in not_an_earlier_output(noted)
+
+    same_tick = output("same-tick")
+    (same_tick / "train_args.json").write_text("{}")
+    record = read_record(same_tick)  # as on a file system of whole seconds: the new file no later than the record
+    _write_record(same_tick, Record(os.stat(same_tick / "train_args.json").st_ctime_ns, record.files, record.card))
+    assert "files added or removed after thinker wrote the folder" in not_an_earlier_output(same_tick)
+
+    raced = output("raced")
+    gate = convert_module.parity_gate
+
+    def saving_meanwhile(*args, **kwargs):
+        (raced / "notes.txt").write_text("mine")  # another terminal, while the check runs
+        return gate(*args, **kwargs)
+
+    monkeypatch.setattr(convert_module, "parity_gate", saving_meanwhile)
+    assert thinker("verify", qwen3_source, raced).exit_code == 0
+    monkeypatch.setattr(convert_module, "parity_gate", gate)
+    assert "notes.txt changed after thinker wrote the folder" in not_an_earlier_output(raced)
+
+    linked = output("linked")
+    (tmp_path / "latest").symlink_to(linked, target_is_directory=True)
+    assert thinker("verify", qwen3_source, tmp_path / "latest").exit_code == 0
+    assert (linked / "parity.json").is_file() and not_an_earlier_output(linked) is None
+
+
 def test_force_refuses_a_link_and_a_name_ending_in_dotdot(qwen3_source, qwen3_thinker, tmp_path, digest):
     """OUTPUT a link to an earlier output: --force would have put the new folder in the link's place and left the
     old output where the link led, silently. OUTPUT ending in '..' was found out only after the whole run, with a

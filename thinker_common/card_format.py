@@ -2,36 +2,54 @@
 
 Every output (a Thinker folder, an ONNX export, the way back's folder) gets a ``README.md`` whose measured checks sit
 between two markers (``model_card.write_card``), so that a later ``thinker verify`` can replace them. The same markers
-tell ``--force`` that a folder is an earlier output it may replace (``staging.refuse_replacing_another_folder``):
-a source checkpoint, a fine-tuned model saved by transformers or another tool's export has no such card.
+tell ``--force`` that a folder is an earlier output it may replace (``staging.not_an_earlier_output``): a source
+checkpoint, a fine-tuned model saved by transformers or another tool's export has no such card.
 
 A card alone does not say the folder is still only what thinker wrote: a fine-tune saved into it with
-``save_pretrained`` keeps the card. So every command that writes into a folder records in its card, last, the
-newest change time (``st_ctime``) of the other files (``stamp_written``): the kernel sets a file's change time on
-every write, rename into place, link or permission change, and no tool can set it back, so a file whose change time
-is later than the recorded one was changed by someone else (``changed_after_writing``). The time is the card's text,
-not the card's own change time: an edit of the card (a note on the fine-tune saved beside it) would move that past
-every earlier change. A copy of the folder gives every file a new change time: refused too, as is safe.
+``save_pretrained`` keeps the card. So once a command has written a folder, its card records (``stamp_written``):
+- the newest change time (``st_ctime``) of the other files: the kernel sets a file's change time on every write,
+  rename into place, link or permission change, and no tool can set it back, so a file whose change time is later
+  was changed by someone else;
+- a digest of the files' names: a file added on a file system whose times count whole seconds, in the second
+  thinker finished, has no later time, but a name the record does not hold;
+- a digest of the card's own text outside its checks section: a note a user added to the card is theirs.
+The record is the card's text, not the card's own change time, which an edit of the card would move past every
+earlier change. A copy of the folder gives every file a new change time: refused too, as is safe. ``thinker
+verify`` writes its reports into a finished folder and records them (``restamp_after_verify``) only where nothing
+else changed before or while it ran.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 CARD_FILE = "README.md"
 CHECK_START, CHECK_END = "<!-- thinker: checks -->", "<!-- /thinker: checks -->"
+# thinker verify's reports, written into a finished folder (converter/parity_report.py's names)
+REPORT_FILES = ("parity.json", "parity.failed.json")
 # A card is a few KiB; a README.md larger than this is someone's document, and is not read through to find out.
 _LARGEST_CARD = 1 << 20
-_STAMP = re.compile(rb"<!-- thinker: files written, change time (\d+) ns -->")
+_RECORD = re.compile(rb"<!-- thinker: written (\d{19}) ns, files ([0-9a-f]{16}), card ([0-9a-f]{16}) -->\n?")
+_CHECKS = re.compile(re.escape(CHECK_START.encode()) + rb".*?" + re.escape(CHECK_END.encode()), re.DOTALL)
 
 
-def stamp_line(change_time_ns: int = 0) -> str:
-    """The card's record of thinker's last write; 19 digits (nanoseconds since 1970 until the year 2286), so that
-    recording the time keeps the card's size, which export_report.json has counted."""
-    return f"<!-- thinker: files written, change time {change_time_ns:019d} ns -->"
+@dataclass(frozen=True)
+class Record:
+    """A card's record of thinker's last write: the newest change time then, the digests of the names and the card."""
+
+    time_ns: int = 0
+    files: str = "0" * 16
+    card: str = "0" * 16
+
+    def line(self) -> str:
+        # fixed width (19 digits: nanoseconds until the year 2286), so that recording it keeps the card's size,
+        # which export_report.json has counted
+        return f"<!-- thinker: written {self.time_ns:019d} ns, files {self.files}, card {self.card} -->"
 
 
 def _card(folder: Path, limit: int = _LARGEST_CARD) -> bytes | None:
@@ -57,35 +75,73 @@ def written_by_thinker(folder: Path) -> bool:
     return card is not None and CHECK_START.encode() in card
 
 
-def _files(folder: Path) -> list[os.DirEntry]:
-    """The plain files of ``folder`` but its card."""
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _names_digest(names: list[str]) -> str:
+    """The digest of a folder's file names, its card and thinker verify's reports aside."""
+    kept = sorted(name for name in names if name != CARD_FILE and name not in REPORT_FILES)
+    return _digest("\n".join(kept).encode("utf-8", "surrogateescape"))
+
+
+def _card_digest(card: bytes) -> str:
+    """The digest of the card's text but its checks section (``thinker verify`` rewrites it) and the record."""
+    return _digest(_RECORD.sub(b"", _CHECKS.sub(b"", card)))
+
+
+def _files(folder: Path) -> dict[str, os.stat_result]:
+    """The plain files of ``folder`` but its card, and what each is."""
     with os.scandir(folder) as scan:
-        return [entry for entry in scan if entry.name != CARD_FILE and entry.is_file(follow_symlinks=False)]
+        entries = [entry for entry in scan if entry.name != CARD_FILE and entry.is_file(follow_symlinks=False)]
+    return {entry.name: entry.stat(follow_symlinks=False) for entry in entries}
 
 
-def stamp_written(folder: Path) -> None:
-    """Record in ``folder``'s card the newest change time of its other files, after the last one this tool wrote
-    there. A folder without a card of this tool's is left alone."""
-    if not written_by_thinker(folder):
-        return
+def read_record(folder: Path) -> Record | None:
+    """The record in ``folder``'s card, or None (no card of this tool's, an earlier thinker's, or the line edited)."""
+    match = _RECORD.search(_card(folder) or b"")
+    return None if match is None else Record(int(match[1]), match[2].decode(), match[3].decode())
+
+
+def _write_record(folder: Path, record: Record) -> None:
     card = _card(folder, limit=-1) or b""  # whole: it is written back
-    newest = max((entry.stat(follow_symlinks=False).st_ctime_ns for entry in _files(folder)), default=0)
-    line = stamp_line(newest).encode()
-    updated = _STAMP.sub(line, card, count=1) if _STAMP.search(card) else card.rstrip(b"\n") + b"\n\n" + line + b"\n"
+    line = record.line().encode()
+    updated = _RECORD.sub(line + b"\n", card, count=1) if _RECORD.search(card) else card + b"\n" + line + b"\n"
     # written beside and renamed over, as staging.write_atomically does (staging imports this module)
     partial = Path(folder) / f".{CARD_FILE}.partial-{os.getpid()}"
     partial.write_bytes(updated)
     os.replace(partial, Path(folder) / CARD_FILE)
 
 
-def changed_after_writing(folder: Path, names: list[str]) -> list[str] | None:
-    """Those of ``names`` (files in ``folder``, whose card is this tool's) changed after this tool last wrote the
-    folder, the largest first (the weights of a model saved into it before its config); None where the card records
-    no time (a card edited, or an output of an earlier thinker)."""
-    match = _STAMP.search(_card(folder) or b"")
-    if match is None:
-        return None
-    written = int(match[1])
+def stamp_written(folder: Path) -> None:
+    """Record in ``folder``'s card what this tool wrote there, once the folder is complete (``Record``). A folder
+    without a card of this tool's is left alone."""
+    if not written_by_thinker(folder):
+        return
+    files = _files(folder)
+    newest = max((info.st_ctime_ns for info in files.values()), default=0)
+    _write_record(folder, Record(newest, _names_digest(list(files)), _card_digest(_card(folder, limit=-1) or b"")))
+
+
+def restamp_after_verify(folder: Path, before: Record) -> None:
+    """After ``thinker verify`` wrote its reports into ``folder``, whose card recorded ``before`` as it started (an
+    unchanged earlier output): record the reports as thinker's, unless anything else changed before or while it ran
+    (a file added, a file or the card's text changed), which stays a change."""
+    files = _files(folder)
+    card = _card(folder, limit=-1) or b""
+    others_changed = any(info.st_ctime_ns > before.time_ns for name, info in files.items() if name not in REPORT_FILES)
+    if others_changed or _names_digest(list(files)) != before.files or _card_digest(card) != before.card:
+        return
+    reports = [info.st_ctime_ns for name, info in files.items() if name in REPORT_FILES]
+    _write_record(folder, Record(max([before.time_ns, *reports]), before.files, before.card))
+
+
+def changes_since_written(folder: Path, names: list[str]) -> str | None:
+    """What changed in ``folder`` (whose card is this tool's; ``names``: its entries) since this tool last wrote it,
+    as a reason --force gives for keeping it, or None."""
+    record = read_record(folder)
+    if record is None:
+        return f"its {CARD_FILE} records no write of thinker's (an earlier thinker's output, or the card edited)"
     changed = []
     for name in names:
         if name == CARD_FILE:
@@ -94,6 +150,17 @@ def changed_after_writing(folder: Path, names: list[str]) -> list[str] | None:
             info = os.stat(Path(folder) / name, follow_symlinks=False)
         except FileNotFoundError:  # gone since the listing: nothing of the user's to keep
             continue
-        if info.st_ctime_ns > written:
+        if info.st_ctime_ns > record.time_ns:
             changed.append((-info.st_size, name))
-    return [name for _, name in sorted(changed)]
+    if changed:  # the largest first: the weights of a model saved into it before its config
+        named = [name for _, name in sorted(changed)]
+        shown = ", ".join(named[:3]) + (" ..." if len(named) > 3 else "")
+        return (
+            f"{shown} changed after thinker wrote the folder: a model saved into it, a file added, or the folder "
+            "copied, which renews every file's change time"
+        )
+    if _card_digest(_card(folder, limit=-1) or b"") != record.card:
+        return f"its {CARD_FILE} was edited after thinker wrote it (a note of the user's, which --force would delete)"
+    if _names_digest(names) != record.files:
+        return "files added or removed after thinker wrote the folder (within the second it finished)"
+    return None

@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .card_format import CARD_FILE, CHECK_END, CHECK_START, stamp_line
+from .card_format import CARD_FILE, CHECK_END, CHECK_START, Record
 from .side_files import copy_files
 from .source_files import present, regular_file
 from .staging import write_atomically
@@ -83,7 +83,7 @@ def write_card(folder: Path, metadata: dict[str, Any], body: str, checks: str) -
     data = ModelCardData(**{key: value for key, value in metadata.items() if value})
     checks = f"{CHECK_START}\n{checks.strip()}\n{CHECK_END}"
     # the record of thinker's last write in its place, filled in once the folder is complete (stamp_written)
-    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body.strip()}\n\n{checks}\n\n{stamp_line()}\n")
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body.strip()}\n\n{checks}\n\n{Record().line()}\n")
     card.save(Path(folder) / CARD_FILE)
 
 

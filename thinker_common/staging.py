@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .card_format import CARD_FILE, changed_after_writing, stamp_written, written_by_thinker
+from .card_format import CARD_FILE, changes_since_written, stamp_written, written_by_thinker
 from .errors import ThinkerError
 from .side_files import CONFIG_FILES, TOKENIZER_FILES
 from .source_files import hub_caches_of
@@ -79,16 +79,7 @@ def not_an_earlier_output(output: Path) -> str | None:
         if any(e.name == CARD_FILE for e in entries):
             return f"its {CARD_FILE} is not a thinker model card"
         return f"no {CARD_FILE} model card of thinker's"
-    changed = changed_after_writing(output, [e.name for e in entries])
-    if changed is None:
-        return f"its {CARD_FILE} records no time thinker wrote the folder (an earlier thinker's output, or edited)"
-    if changed:
-        named = ", ".join(changed[:3]) + (" ..." if len(changed) > 3 else "")
-        return (
-            f"{named} changed after thinker wrote the folder: a model saved into it, a file added, or the folder "
-            "copied, which renews every file's change time"
-        )
-    return None
+    return changes_since_written(output, [e.name for e in entries])
 
 
 def refuse_replacing_another_folder(output: Path) -> None:
