@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from thinker import ThinkerConfig
-from thinker_common.card_format import read_record, restamp_after_verify
+from thinker_common.card_format import card_text, read_record, restamp_after_verify
 from thinker_common.dtypes import dtype_name
 from thinker_common.errors import ThinkerError
 from thinker_common.fp8_source import DequantizedFP8Source
@@ -278,6 +278,7 @@ def verify(
     # (card_format), one a user changed (a fine-tune saved into it), before or while this runs, stays changed.
     real = Path(os.path.realpath(converted))  # CONVERTED given as a link is the folder it leads to
     before = read_record(real) if not_an_earlier_output(real) is None else None
+    card_before = card_text(real)
     try:
         report = parity_gate(
             root,
@@ -295,7 +296,7 @@ def verify(
             (converted / FAILED_PARITY_FILE).unlink()
     finally:
         if before is not None:
-            restamp_after_verify(real, before)
+            restamp_after_verify(real, before, card_before)
     return report
 
 

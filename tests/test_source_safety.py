@@ -311,6 +311,14 @@ def test_force_sees_a_card_note_a_file_added_in_the_same_tick_and_a_change_durin
     with (noted / "README.md").open("a") as card:
         card.write("\n## My evaluation notes\n")
     assert "its README.md was edited after thinker wrote it" in not_an_earlier_output(noted)
+    under_the_table = output("under-the-table")  # inside the checks section, where a note under the table lands
+    card = (under_the_table / "README.md").read_text()
+    end = "<!-- /thinker: checks -->"
+    (under_the_table / "README.md").write_text(card.replace(end, f"Approved.\n{end}"))
+    assert "its README.md was edited after thinker wrote it" in not_an_earlier_output(under_the_table)
+    left = output("left")  # a killed verify's half-written report is thinker's: a verify after it records its own
+    (left / ".parity.json.partial-999999").write_text("{")
+    assert thinker("verify", qwen3_source, left).exit_code == 0 and not_an_earlier_output(left) is None
 
     same_tick = output("same-tick")
     (same_tick / "train_args.json").write_text("{}")

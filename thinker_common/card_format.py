@@ -28,6 +28,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from .processes import alive
+
 CARD_FILE = "README.md"
 CHECK_START, CHECK_END = "<!-- thinker: checks -->", "<!-- /thinker: checks -->"
 # thinker verify's reports, written into a finished folder (converter/parity_report.py's names)
@@ -86,14 +88,40 @@ def _names_digest(names: list[str]) -> str:
 
 
 def _card_digest(card: bytes) -> str:
-    """The digest of the card's text but its checks section (``thinker verify`` rewrites it) and the record."""
-    return _digest(_RECORD.sub(b"", _CHECKS.sub(b"", card)))
+    """The digest of the card's text but the record (a note typed into the checks section, under the parity table
+    where it shows, is the user's too: a QA run)."""
+    return _digest(_RECORD.sub(b"", card))
+
+
+def _outside_checks(card: bytes) -> bytes:
+    """The card's text but its checks section (``thinker verify`` rewrites it) and the record."""
+    return _RECORD.sub(b"", _CHECKS.sub(b"", card))
+
+
+def card_text(folder: Path) -> bytes:
+    """``folder``'s card, whole (empty where it has none)."""
+    return _card(folder, limit=-1) or b""
+
+
+# the files written beside the one they replace in a finished folder (staging.write_atomically, ``_write_record``):
+# the card, and thinker verify's reports
+_PARTIAL = re.compile(r"^\.(README\.md|parity\.json|parity\.failed\.json)\.partial-(?P<pid>\d+)$")
+
+
+def stale_partial(entry: os.DirEntry) -> bool:
+    """``entry`` is a file thinker left half-written in a finished folder, its process gone (killed mid-write)."""
+    match = _PARTIAL.match(entry.name)
+    return bool(match) and entry.is_file(follow_symlinks=False) and not alive(int(match["pid"]))
 
 
 def _files(folder: Path) -> dict[str, os.stat_result]:
-    """The plain files of ``folder`` but its card, and what each is."""
+    """The plain files of ``folder`` but its card and thinker's stale half-written files, and what each is."""
     with os.scandir(folder) as scan:
-        entries = [entry for entry in scan if entry.name != CARD_FILE and entry.is_file(follow_symlinks=False)]
+        entries = [
+            entry
+            for entry in scan
+            if entry.name != CARD_FILE and entry.is_file(follow_symlinks=False) and not stale_partial(entry)
+        ]
     return {entry.name: entry.stat(follow_symlinks=False) for entry in entries}
 
 
@@ -104,13 +132,17 @@ def read_record(folder: Path) -> Record | None:
 
 
 def _write_record(folder: Path, record: Record) -> None:
-    card = _card(folder, limit=-1) or b""  # whole: it is written back
+    card = card_text(folder)  # whole: it is written back
     line = record.line().encode()
     updated = _RECORD.sub(line + b"\n", card, count=1) if _RECORD.search(card) else card + b"\n" + line + b"\n"
     # written beside and renamed over, as staging.write_atomically does (staging imports this module)
     partial = Path(folder) / f".{CARD_FILE}.partial-{os.getpid()}"
-    partial.write_bytes(updated)
-    os.replace(partial, Path(folder) / CARD_FILE)
+    try:
+        partial.write_bytes(updated)
+        os.replace(partial, Path(folder) / CARD_FILE)
+    except OSError:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def stamp_written(folder: Path) -> None:
@@ -120,20 +152,25 @@ def stamp_written(folder: Path) -> None:
         return
     files = _files(folder)
     newest = max((info.st_ctime_ns for info in files.values()), default=0)
-    _write_record(folder, Record(newest, _names_digest(list(files)), _card_digest(_card(folder, limit=-1) or b"")))
+    _write_record(folder, Record(newest, _names_digest(list(files)), _card_digest(card_text(folder))))
 
 
-def restamp_after_verify(folder: Path, before: Record) -> None:
-    """After ``thinker verify`` wrote its reports into ``folder``, whose card recorded ``before`` as it started (an
-    unchanged earlier output): record the reports as thinker's, unless anything else changed before or while it ran
-    (a file added, a file or the card's text changed), which stays a change."""
+def restamp_after_verify(folder: Path, before: Record, card_before: bytes) -> None:
+    """After ``thinker verify`` wrote its reports (and the card's checks section) into ``folder``, whose card was
+    ``card_before`` with ``before`` recorded as it started (an unchanged earlier output): record them as thinker's,
+    unless anything else changed while it ran (a file added or changed, the card's text outside its checks), which
+    stays a change."""
     files = _files(folder)
-    card = _card(folder, limit=-1) or b""
+    card = card_text(folder)
     others_changed = any(info.st_ctime_ns > before.time_ns for name, info in files.items() if name not in REPORT_FILES)
-    if others_changed or _names_digest(list(files)) != before.files or _card_digest(card) != before.card:
+    if (
+        others_changed
+        or _names_digest(list(files)) != before.files
+        or _outside_checks(card) != _outside_checks(card_before)
+    ):
         return
     reports = [info.st_ctime_ns for name, info in files.items() if name in REPORT_FILES]
-    _write_record(folder, Record(max([before.time_ns, *reports]), before.files, before.card))
+    _write_record(folder, Record(max([before.time_ns, *reports]), before.files, _card_digest(card)))
 
 
 def changes_since_written(folder: Path, names: list[str]) -> str | None:
@@ -159,7 +196,7 @@ def changes_since_written(folder: Path, names: list[str]) -> str | None:
             f"{shown} changed after thinker wrote the folder: a model saved into it, a file added, or the folder "
             "copied, which renews every file's change time"
         )
-    if _card_digest(_card(folder, limit=-1) or b"") != record.card:
+    if _card_digest(card_text(folder)) != record.card:
         return f"its {CARD_FILE} was edited after thinker wrote it (a note of the user's, which --force would delete)"
     if _names_digest(names) != record.files:
         return "files added or removed after thinker wrote the folder (within the second it finished)"

@@ -21,8 +21,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .card_format import CARD_FILE, changes_since_written, stamp_written, written_by_thinker
+from .card_format import CARD_FILE, changes_since_written, stale_partial, stamp_written, written_by_thinker
 from .errors import ThinkerError
+from .processes import alive
 from .side_files import CONFIG_FILES, TOKENIZER_FILES
 from .source_files import hub_caches_of
 
@@ -69,7 +70,7 @@ def not_an_earlier_output(output: Path) -> str | None:
         return "a file"
     with os.scandir(output) as scan:
         # a report a killed ``thinker verify`` left half-written (``write_atomically``) is thinker's, not the user's
-        entries = [entry for entry in scan if not _stale_partial(entry)]
+        entries = [entry for entry in scan if not stale_partial(entry)]
     if not entries:
         return None
     others = sorted(e.name for e in entries if e.name.startswith(".") or not e.is_file(follow_symlinks=False))
@@ -258,22 +259,12 @@ def remove_stale_staging(output: Path) -> list[Path]:
     label = _label(output.name)
     for path in siblings:
         match = _STAGING.match(path.name)
-        if match and match["output"] == label and match["host"] == _HOST and not _alive(int(match["pid"])):
+        if match and match["output"] == label and match["host"] == _HOST and not alive(int(match["pid"])):
             _remove(path)
             removed.append(path)
     if removed:
         log.info("removed %d leftover staging folder(s) of interrupted runs beside %s", len(removed), output)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def _remove(path: Path) -> None:
@@ -315,17 +306,6 @@ def outside_staging(path: Path) -> Path:
         if _STAGING.match(part):
             return Path(*path.parts[:index])
     return path
-
-
-# the files ``write_atomically`` (and ``card_format.stamp_written``) write beside the one they replace in a finished
-# folder: the card, and thinker verify's reports (converter/parity_report.py's names)
-_PARTIAL = re.compile(r"^\.(README\.md|parity\.json|parity\.failed\.json)\.partial-(?P<pid>\d+)$")
-
-
-def _stale_partial(entry: os.DirEntry) -> bool:
-    """``entry`` is a file ``write_atomically`` left behind here, its process gone (killed mid-write)."""
-    match = _PARTIAL.match(entry.name)
-    return bool(match) and entry.is_file(follow_symlinks=False) and not _alive(int(match["pid"]))
 
 
 def write_atomically(path: Path, text: str) -> None:
