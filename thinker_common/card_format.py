@@ -12,11 +12,11 @@ A card alone does not say the folder is still only what thinker wrote: a fine-tu
   was changed by someone else;
 - a digest of the files' names: a file added on a file system whose times count whole seconds, in the second
   thinker finished, has no later time, but a name the record does not hold;
-- a digest of the card's own text outside its checks section: a note a user added to the card is theirs.
+- a digest of the card's own text: a note a user added to the card is theirs.
 The record is the card's text, not the card's own change time, which an edit of the card would move past every
 earlier change. A copy of the folder gives every file a new change time: refused too, as is safe. ``thinker
-verify`` writes its reports into a finished folder and records them (``restamp_after_verify``) only where nothing
-else changed before or while it ran.
+verify`` writes its reports and the card's checks section into a finished folder and records them
+(``restamp_after_verify``) only where nothing else changed before or while it ran.
 """
 
 from __future__ import annotations
