@@ -296,7 +296,8 @@ def verify(
             (converted / FAILED_PARITY_FILE).unlink()
     finally:
         if before is not None:
-            restamp_after_verify(real, before, card_before)
+            with contextlib.suppress(OSError):  # unrecorded (a full disk), the reports count as a change: safe
+                restamp_after_verify(real, before, card_before)
     return report
 
 
