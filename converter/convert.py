@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from thinker import ThinkerConfig
-from thinker_common.card_format import card_text, read_record, restamp_after_verify
+from thinker_common.card_format import CARD_FILE, card_after_verify, card_text, read_record
 from thinker_common.dtypes import dtype_name
 from thinker_common.errors import ThinkerError
 from thinker_common.fp8_source import DequantizedFP8Source
@@ -32,6 +32,7 @@ from thinker_common.staging import (
     refuse_existing_output,
     refuse_output_over_source,
     staged_output,
+    write_atomically,
 )
 
 from .config_compare import saved_config_differences
@@ -296,8 +297,10 @@ def verify(
             (converted / FAILED_PARITY_FILE).unlink()
     finally:
         if before is not None:
-            with contextlib.suppress(OSError):  # unrecorded (a full disk), the reports count as a change: safe
-                restamp_after_verify(real, before, card_before)
+            card = card_after_verify(real, before, card_before)
+            with contextlib.suppress(ThinkerError):  # unrecorded (a full disk), the reports count as a change: safe
+                if card is not None:
+                    write_atomically(real / CARD_FILE, card)
     return report
 
 

@@ -29,8 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 def earlier_output(folder: Path, files: dict[str, str | bytes] | None = None) -> Path:
     """``folder`` made to stand for an earlier output of a thinker command, which ``--force`` may replace: a
     ``config.json``, ``files`` (name: contents) and the model card every output gets (``model_card.write_card``,
-    its checks marker), touched last as every command touches it (``card_format.stamp_written``)."""
-    from thinker_common.card_format import stamp_written
+    its checks marker), recording thinker's write last as every command does (``card_format.stamped_card``)."""
+    from thinker_common.card_format import CARD_FILE, stamped_card
     from thinker_common.model_card import write_card
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -39,7 +39,7 @@ def earlier_output(folder: Path, files: dict[str, str | bytes] | None = None) ->
         path = folder / name
         path.write_bytes(contents) if isinstance(contents, bytes) else path.write_text(contents)
     write_card(folder, {}, "# an earlier output", "no checks")
-    stamp_written(folder)
+    (folder / CARD_FILE).write_text(stamped_card(folder), errors="surrogateescape")
     return folder
 
 

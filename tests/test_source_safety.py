@@ -298,7 +298,7 @@ def test_force_sees_a_card_note_a_file_added_in_the_same_tick_and_a_change_durin
     write); a file saved into the folder while ``thinker verify`` ran (then recorded as thinker's). And a folder
     verified through a link stays replaceable."""
     import converter.convert as convert_module
-    from thinker_common.card_format import Record, _write_record, read_record
+    from thinker_common.card_format import Record, card_text, read_record, with_record
     from thinker_common.staging import not_an_earlier_output
 
     def output(name: str) -> Path:
@@ -323,7 +323,8 @@ def test_force_sees_a_card_note_a_file_added_in_the_same_tick_and_a_change_durin
     same_tick = output("same-tick")
     (same_tick / "train_args.json").write_text("{}")
     record = read_record(same_tick)  # as on a file system of whole seconds: the new file no later than the record
-    _write_record(same_tick, Record(os.stat(same_tick / "train_args.json").st_ctime_ns, record.files, record.card))
+    tick = Record(os.stat(same_tick / "train_args.json").st_ctime_ns, record.files, record.card)
+    (same_tick / "README.md").write_text(with_record(card_text(same_tick), tick))
     assert "files added or removed after thinker wrote the folder" in not_an_earlier_output(same_tick)
 
     raced = output("raced")

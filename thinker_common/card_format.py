@@ -6,7 +6,7 @@ tell ``--force`` that a folder is an earlier output it may replace (``staging.no
 checkpoint, a fine-tuned model saved by transformers or another tool's export has no such card.
 
 A card alone does not say the folder is still only what thinker wrote: a fine-tune saved into it with
-``save_pretrained`` keeps the card. So once a command has written a folder, its card records (``stamp_written``):
+``save_pretrained`` keeps the card. So once a command has written a folder, its card records (``stamped_card``):
 - the newest change time (``st_ctime``) of the other files: the kernel sets a file's change time on every write,
   rename into place, link or permission change, and no tool can set it back, so a file whose change time is later
   was changed by someone else;
@@ -16,7 +16,7 @@ A card alone does not say the folder is still only what thinker wrote: a fine-tu
 The record is the card's text, not the card's own change time, which an edit of the card would move past every
 earlier change. A copy of the folder gives every file a new change time: refused too, as is safe. ``thinker
 verify`` writes its reports and the card's checks section into a finished folder and records them
-(``restamp_after_verify``) only where nothing else changed before or while it ran.
+(``card_after_verify``) only where nothing else changed before or while it ran.
 """
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ def card_text(folder: Path) -> bytes:
     return _card(folder, limit=-1) or b""
 
 
-# the files written beside the one they replace in a finished folder (staging.write_atomically, ``_write_record``):
-# the card, and thinker verify's reports
+# the files staging.write_atomically writes beside the one they replace in a finished folder: the card, and thinker
+# verify's reports
 _PARTIAL = re.compile(r"^\.(README\.md|parity\.json|parity\.failed\.json)\.partial-(?P<pid>\d+)$")
 
 
@@ -131,35 +131,30 @@ def read_record(folder: Path) -> Record | None:
     return None if match is None else Record(int(match[1]), match[2].decode(), match[3].decode())
 
 
-def _write_record(folder: Path, record: Record) -> None:
-    card = card_text(folder)  # whole: it is written back
+def with_record(card: bytes, record: Record) -> str:
+    """``card`` with ``record`` in place of the one it holds (or added), as text for ``staging.write_atomically``:
+    bytes that are not UTF-8 (a card edited in another encoding) carried through as they are."""
     line = record.line().encode()
     updated = _RECORD.sub(line + b"\n", card, count=1) if _RECORD.search(card) else card + b"\n" + line + b"\n"
-    # written beside and renamed over, as staging.write_atomically does (staging imports this module)
-    partial = Path(folder) / f".{CARD_FILE}.partial-{os.getpid()}"
-    try:
-        partial.write_bytes(updated)
-        os.replace(partial, Path(folder) / CARD_FILE)
-    except OSError:
-        partial.unlink(missing_ok=True)
-        raise
+    return updated.decode("utf-8", "surrogateescape")
 
 
-def stamp_written(folder: Path) -> None:
-    """Record in ``folder``'s card what this tool wrote there, once the folder is complete (``Record``). A folder
-    without a card of this tool's is left alone."""
+def stamped_card(folder: Path) -> str | None:
+    """``folder``'s card recording what this tool wrote there (``Record``), to be written once the folder is
+    complete; None for a folder without a card of this tool's, which is left alone."""
     if not written_by_thinker(folder):
-        return
+        return None
     files = _files(folder)
     newest = max((info.st_ctime_ns for info in files.values()), default=0)
-    _write_record(folder, Record(newest, _names_digest(list(files)), _card_digest(card_text(folder))))
+    card = card_text(folder)
+    return with_record(card, Record(newest, _names_digest(list(files)), _card_digest(card)))
 
 
-def restamp_after_verify(folder: Path, before: Record, card_before: bytes) -> None:
+def card_after_verify(folder: Path, before: Record, card_before: bytes) -> str | None:
     """After ``thinker verify`` wrote its reports (and the card's checks section) into ``folder``, whose card was
-    ``card_before`` with ``before`` recorded as it started (an unchanged earlier output): record them as thinker's,
-    unless anything else changed while it ran (a file added or changed, the card's text outside its checks), which
-    stays a change."""
+    ``card_before`` with ``before`` recorded as it started (an unchanged earlier output): the card recording them as
+    thinker's; None where anything else changed while it ran (a file added or changed, the card's text outside its
+    checks), which stays a change."""
     files = _files(folder)
     card = card_text(folder)
     others_changed = any(info.st_ctime_ns > before.time_ns for name, info in files.items() if name not in REPORT_FILES)
@@ -168,9 +163,9 @@ def restamp_after_verify(folder: Path, before: Record, card_before: bytes) -> No
         or _names_digest(list(files)) != before.files
         or _outside_checks(card) != _outside_checks(card_before)
     ):
-        return
+        return None
     reports = [info.st_ctime_ns for name, info in files.items() if name in REPORT_FILES]
-    _write_record(folder, Record(max([before.time_ns, *reports]), before.files, _card_digest(card)))
+    return with_record(card, Record(max([before.time_ns, *reports]), before.files, _card_digest(card)))
 
 
 def changes_since_written(folder: Path, names: list[str]) -> str | None:

@@ -82,7 +82,7 @@ def write_card(folder: Path, metadata: dict[str, Any], body: str, checks: str) -
     body = body.encode("utf-8", "replace").decode("utf-8")
     data = ModelCardData(**{key: value for key, value in metadata.items() if value})
     checks = f"{CHECK_START}\n{checks.strip()}\n{CHECK_END}"
-    # the record of thinker's last write in its place, filled in once the folder is complete (stamp_written)
+    # the record of thinker's last write in its place, filled in once the folder is complete (card_format.stamped_card)
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body.strip()}\n\n{checks}\n\n{Record().line()}\n")
     card.save(Path(folder) / CARD_FILE)
 

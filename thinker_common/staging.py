@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .card_format import CARD_FILE, changes_since_written, stale_partial, stamp_written, written_by_thinker
+from .card_format import CARD_FILE, changes_since_written, stale_partial, stamped_card, written_by_thinker
 from .errors import ThinkerError
 from .processes import alive
 from .side_files import CONFIG_FILES, TOKENIZER_FILES
@@ -401,7 +401,8 @@ def install(staging: Path, output: Path, force: bool) -> None:
     A new OUTPUT is renamed into place with RENAME_NOREPLACE, so that a folder someone made there since the look
     (a plain rename would replace an empty one) is refused, not replaced.
     """
-    stamp_written(staging)  # the card last: what --force later takes as unchanged since (card_format)
+    if (card := stamped_card(staging)) is not None:  # last: what --force later takes as unchanged since (card_format)
+        write_atomically(staging / CARD_FILE, card)
     if not (output.exists() or output.is_symlink()):
         try:
             # never over a folder that appeared since the look above (a plain rename replaces an empty one)
