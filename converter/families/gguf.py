@@ -523,7 +523,7 @@ def _refuse_untranslated_scaling(metadata: Mapping[str, Any], arch: str) -> None
             continue
         raise ThinkerError(
             f"GGUF metadata {key!r} is {value!r}: RoPE scaling that no Hugging Face config of this family carries "
-            f"(a conversion would drop it, and change every position's rotation); convert the Hugging Face "
+            "(a conversion would drop it, and change every position's rotation); convert the Hugging Face "
             "checkpoint instead"
         )
 
