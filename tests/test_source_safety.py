@@ -319,6 +319,8 @@ def test_force_sees_a_card_note_a_file_added_in_the_same_tick_and_a_change_durin
     left = output("left")  # a killed verify's half-written report is thinker's: a verify after it records its own
     (left / ".parity.json.partial-999999").write_text("{")
     assert thinker("verify", qwen3_source, left).exit_code == 0 and not_an_earlier_output(left) is None
+    (left / "parity.json").write_text("{}")  # as a verify killed before it recorded its report leaves it
+    assert not_an_earlier_output(left) is None  # thinker's own report, never the user's: not a change
 
     same_tick = output("same-tick")
     (same_tick / "train_args.json").write_text("{}")

@@ -16,7 +16,8 @@ A card alone does not say the folder is still only what thinker wrote: a fine-tu
 The record is the card's text, not the card's own change time, which an edit of the card would move past every
 earlier change. A copy of the folder gives every file a new change time: refused too, as is safe. ``thinker
 verify`` writes its reports and the card's checks section into a finished folder and records them
-(``card_after_verify``) only where nothing else changed before or while it ran.
+(``card_after_verify``) only where nothing else changed before or while it ran; its reports, never a user's file,
+count as thinker's whatever their time (a verify killed before recording them left them newer).
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def changes_since_written(folder: Path, names: list[str]) -> str | None:
         return f"its {CARD_FILE} records no write of thinker's (an earlier thinker's output, or the card edited)"
     changed = []
     for name in names:
-        if name == CARD_FILE:
+        if name == CARD_FILE or name in REPORT_FILES:  # thinker verify's, newer where a killed verify left them
             continue
         try:
             info = os.stat(Path(folder) / name, follow_symlinks=False)
