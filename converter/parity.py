@@ -218,6 +218,12 @@ def first_nonfinite(hidden_states: tuple[torch.Tensor, ...], real: torch.Tensor)
     return "the head"
 
 
+def states_agree(ref: torch.Tensor, conv: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Two hidden states (float32, the real positions) within the dtype's tolerance, relative to the reference's
+    scale."""
+    return (ref - conv).abs().max().item() <= RELATIVE_TOLERANCE[dtype] * max(1.0, ref.abs().max().item())
+
+
 def first_divergence(
     expected: tuple[torch.Tensor, ...],
     actual: tuple[torch.Tensor, ...],
@@ -236,8 +242,7 @@ def first_divergence(
         return f"hidden-state count ({len(expected)} reference, {len(actual)} converted): the layer counts differ"
 
     def agree(ref: torch.Tensor, conv: torch.Tensor) -> bool:
-        ref, conv = ref[real].float(), conv[real].float()
-        return (ref - conv).abs().max().item() <= RELATIVE_TOLERANCE[dtype] * max(1.0, ref.abs().max().item())
+        return states_agree(ref[real].float(), conv[real].float(), dtype)
 
     for index, (ref, conv) in enumerate(zip(expected[:-1], actual[:-1], strict=True)):
         if not agree(ref, conv):
@@ -273,8 +278,7 @@ def last_layer_or_final_norm(
         finally:
             hook.remove()
     ref, conv = outputs[0], outputs[-1]
-    tolerance = RELATIVE_TOLERANCE[dtype] * max(1.0, ref.abs().max().item())
-    if ref.shape == conv.shape and (ref - conv).abs().max().item() <= tolerance:
+    if ref.shape == conv.shape and states_agree(ref, conv, dtype):
         return "the final norm or the head (every layer's output agrees)"
     return f"layer {last}"
 

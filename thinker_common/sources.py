@@ -517,10 +517,9 @@ def refuse_one_shard(path: Path) -> None:
     such, where its tensors alone were refused as an incomplete checkpoint (a QA run)."""
     for index in sorted(path.parent.glob("*.index.json")):
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
-        except (OSError, ValueError, AttributeError):
-            continue  # not an index of weights: refused, or ignored, where it is read
-        shards = set(weight_map.values()) if isinstance(weight_map, dict) else set()
+            shards = set(_read_index(index, path.parent).values())
+        except ThinkerError:
+            continue  # not a sound index of weights: refused, or ignored, where it is read
         if path.name in shards and len(shards) > 1:
             raise ThinkerError(
                 f"{path}: one of the {len(shards)} shards {index.name} names; give the folder that holds them "
