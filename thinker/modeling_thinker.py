@@ -1209,8 +1209,8 @@ class ThinkerPreTrainedModel(PreTrainedModel):
             # to check it against (and on the CPU torch's inductor fails to compile the hybrid model's masks).
             raise ValueError(
                 "attn_implementation='flex_attention': models with linear-attention layers (Qwen3.5, Qwen3-Next) "
-                "take sdpa or eager attention, as transformers' own classes for them do; load with "
-                "attn_implementation='sdpa' or 'eager'"
+                "take sdpa, eager or flash attention, not flex, as transformers' own classes for them do; load with "
+                "attn_implementation='sdpa' (the default), 'eager' or a flash attention"
             )
         return super()._flex_attn_can_dispatch(is_init_check)
 

@@ -122,18 +122,37 @@ class GGUFSource:
             return []
         rows = self.shape("token_embd.weight")[0] if "token_embd.weight" in self.names() else None
         if rows is not None and len(tokenizer) > rows:  # llama.cpp's files have one row per token
+            self._warn_unembeddable(tokenizer, rows)
+        before = set(os.listdir(folder))
+        tokenizer.save_pretrained(folder)
+        return sorted(set(os.listdir(folder)) - before)
+
+    def _warn_unembeddable(self, tokenizer: Any, rows: int) -> None:
+        """Ids the tokenizer can give that the embedding has no row for, told apart by where they come from: the
+        file listing more tokens than rows (it is inconsistent), or transformers' conversion adding its tokenizer
+        class's default special tokens (GPT-2's ``<|endoftext|>``) that the file's vocabulary lacks."""
+        listed = len(self.metadata.get("tokenizer.ggml.tokens") or ())
+        if listed > rows:
             log.warning(
                 "the tokenizer in %s holds %d tokens, but its embedding (token_embd.weight) %d rows: ids from %d on "
                 "fail the embedding lookup when fed; the file is inconsistent (convert the model again with "
                 "llama.cpp)",
                 self.path,
-                len(tokenizer),
+                listed,
                 rows,
                 rows,
             )
-        before = set(os.listdir(folder))
-        tokenizer.save_pretrained(folder)
-        return sorted(set(os.listdir(folder)) - before)
+            return
+        added = {index: str(token) for index, token in tokenizer.added_tokens_decoder.items() if index >= rows}
+        log.warning(
+            "transformers' conversion of the tokenizer in %s added %s beyond the file's %d tokens (its tokenizer "
+            "class's defaults), which the embedding (token_embd.weight, %d rows) has no row for: the output's "
+            "tokenizer.json keeps them as transformers' own loading of the file does; do not feed them to the model",
+            self.path,
+            ", ".join(f"{token!r} (id {index})" for index, token in sorted(added.items())) or "tokens",
+            listed,
+            rows,
+        )
 
     def close(self) -> None:
         # The memory map is released once nothing refers to it; the tensors handed out by ``load`` are copies.
@@ -315,7 +334,7 @@ def _refuse_a_shard(path: Path, reader: Any) -> None:
         number = number + 1 if isinstance(number, int) else number
         raise ThinkerError(
             f"{path}: shard {number} of a GGUF split into {count} files (split.count); "
-            f"{merge_advice(first_shard(path.name))}"
+            f"{merge_advice(str(path.with_name(first_shard(path.name))))}"
         )
 
 

@@ -558,7 +558,7 @@ def _open_source(root: Path) -> TensorSource:
     if len(ggufs) > 1:
         from .gguf_split import split_gguf
 
-        if split := split_gguf([path.name for path in ggufs]):
+        if split := split_gguf([str(path) for path in ggufs]):  # the shards' paths: the merge advice runs as given
             raise ThinkerError(f"{root}: holds {split}")
         shown = ", ".join(path.name for path in ggufs[:4]) + (f", ... ({len(ggufs)} in all)" if len(ggufs) > 4 else "")
         raise ThinkerError(

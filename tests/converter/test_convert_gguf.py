@@ -92,6 +92,15 @@ def test_a_tokenizer_larger_than_the_embedding_is_said(tmp_path, run_convert, ca
         result = run_convert(path, verify=False)
     assert "tokens, but its embedding (token_embd.weight) 64 rows: ids from 64 on fail" in caplog.text
     assert json.loads((result.output / "config.json").read_text())["eos_token_id"] == 2
+    # a file with one token per row, whose GPT-2 vocabulary lacks <|endoftext|>: transformers' conversion appends it
+    # (its tokenizer class's default); the file is not blamed for it (a QA run: "convert the model again")
+    caplog.clear()
+    exact = {**vocabulary, "tokenizer.ggml.tokens": tokens[:64], "tokenizer.ggml.token_type": [3, 3, 3] + [1] * 61}
+    path = write_gguf(model, folder / "exact.gguf", "llama", metadata=exact)
+    with caplog.at_level("WARNING"):
+        run_convert(path, "exact", verify=False)
+    assert "added '<|endoftext|>' (id 64) beyond the file's 64 tokens" in caplog.text
+    assert "the file is inconsistent" not in caplog.text
 
 
 SCALED = {  # RoPE scaling as a GGUF records it: (architecture, its keys, the Hugging Face parameters they stand for)

@@ -201,7 +201,8 @@ def test_a_split_gguf_says_to_merge_its_shards(tmp_path, monkeypatch):
     gguf_file(tmp_path, "qwen35")
     shards = sorted(path.name for path in (tmp_path / "gguf").iterdir())
     assert shards == [f"tiny-qwen35-0000{n}-of-00003.gguf" for n in (1, 2, 3)]
-    merge = "llama-gguf-split --merge tiny-qwen35-00001-of-00003.gguf merged.gguf"
+    # the first shard by the path the user gave, so the advice runs as printed from where they are
+    merge = f"llama-gguf-split --merge {tmp_path / 'gguf' / shards[0]} merged.gguf"
     assert_error(convert(tmp_path / "gguf", tmp_path / "out", "--no-verify"), "a GGUF split into 3 files", merge)
     second = tmp_path / "gguf" / shards[1]
     assert_error(convert(second, tmp_path / "out", "--no-verify"), "shard 2 of a GGUF split into 3 files", merge)
@@ -209,7 +210,7 @@ def test_a_split_gguf_says_to_merge_its_shards(tmp_path, monkeypatch):
     # a shard short: counted from the names, the missing one named
     (tmp_path / "gguf" / shards[0]).unlink()
     result = convert(tmp_path / "gguf", tmp_path / "out", "--no-verify")
-    assert_error(result, "a GGUF split into 3 files, 1 of them not here (tiny-qwen35-00001-of-00003.gguf)", merge)
+    assert_error(result, f"a GGUF split into 3 files, 1 of them not here ({tmp_path / 'gguf' / shards[0]})", merge)
     # a Hub repo's, at its top or in a quantisation's folder, or one shard named: before any download
     for listing in (shards, [*(f"Q8_0/{shard}" for shard in shards), "README.md"]):
         with pytest.raises(ThinkerError, match="holds a GGUF split into 3 files; merge the shards first"):
