@@ -317,16 +317,39 @@ def check_shard_set(root: Path, index_name: str) -> None:
             )
 
 
+def indexed_shards(root: Path, index_name: str) -> list[Path]:
+    """The shards the folder's index names (checked to exist), refused where a numbered shard of the same set lies
+    beside them unnamed: transformers would load the folder without that shard's tensors (an untied head then
+    initialised at random), and the converter would report them as absent from the checkpoint, not the index as
+    damaged."""
+    index_path = root / index_name
+    names = sorted(set(_read_index(index_path, root).values()))
+    paths = [_shard_path(root, index_path, name) for name in names]
+    named = [match for name in names if (match := _NUMBERED_SHARD.fullmatch(name))]
+    for stem, count, suffix in sorted({(m["stem"], m["count"], m["suffix"]) for m in named}):
+        unnamed = [
+            shard
+            for number in range(1, int(count) + 1)
+            if (shard := f"{stem}-{number:05d}-of-{count}.{suffix}") not in names and os.path.lexists(root / shard)
+        ]
+        if unnamed:
+            more = f" and {len(unnamed) - 1} more" if len(unnamed) > 1 else ""
+            raise ThinkerError(
+                f"{index_path}: names no tensor in {unnamed[0]}{more}, a shard of its own set beside it; the index "
+                f"is damaged or from another download, so the tensors in that shard would go unread: "
+                f"{redownload(index_path)}"
+            )
+    return paths
+
+
 def safetensors_files(root: Path) -> list[Path]:
     """The files of a folder that transformers loads: ``model.safetensors`` where it is there (transformers reads
     it before any index beside it), else the shards the index names (checked to exist), else every
     ``*.safetensors`` file (a numbered set checked to be whole)."""
     if os.path.lexists(root / WHOLE_SAFETENSORS):
         return [checked_file(root / WHOLE_SAFETENSORS, root)]
-    index_path = root / SAFETENSORS_INDEX
-    if os.path.lexists(index_path):
-        names = sorted(set(_read_index(index_path, root).values()))
-        return [_shard_path(root, index_path, name) for name in names]
+    if os.path.lexists(root / SAFETENSORS_INDEX):
+        return indexed_shards(root, SAFETENSORS_INDEX)
     check_shard_set(root, SAFETENSORS_INDEX)
     names = transformers_weights(sorted(path.name for path in root.glob("*.safetensors")), WHOLE_SAFETENSORS)
     return [checked_file(root / name, root) for name in names]
@@ -474,10 +497,8 @@ def bin_files(root: Path) -> list[Path]:
     """As ``safetensors_files``, for PyTorch pickles: ``pytorch_model.bin`` before any index beside it."""
     if os.path.lexists(root / WHOLE_BIN):
         return [checked_file(root / WHOLE_BIN, root)]
-    index_path = root / BIN_INDEX
-    if os.path.lexists(index_path):
-        names = sorted(set(_read_index(index_path, root).values()))
-        return [_shard_path(root, index_path, name) for name in names]
+    if os.path.lexists(root / BIN_INDEX):
+        return indexed_shards(root, BIN_INDEX)
     check_shard_set(root, BIN_INDEX)
     found = sorted(path.name for pattern in ("*.bin", "*.pth", "*.pt") for path in root.glob(pattern))
     return [checked_file(root / name, root) for name in transformers_weights(found, WHOLE_BIN)]

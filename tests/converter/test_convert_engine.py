@@ -499,20 +499,30 @@ def test_sharded_bin_source_and_an_index_that_misfiles_a_tensor(tmp_path, run_co
     source = tmp_path / "bins"
     model.config.save_pretrained(source)
     state = model.state_dict()
-    head = {"lm_head.weight": state.pop("lm_head.weight")}
+    last = {name: state.pop(name) for name in ("model.norm.weight", "lm_head.weight")}
     torch.save(state, source / "pytorch_model-00001-of-00002.bin")
-    torch.save(head, source / "pytorch_model-00002-of-00002.bin")
+    torch.save(last, source / "pytorch_model-00002-of-00002.bin")
     weight_map = {name: "pytorch_model-00001-of-00002.bin" for name in state}
+    norm = {"model.norm.weight": "pytorch_model-00002-of-00002.bin"}
     index = source / "pytorch_model.bin.index.json"
     index.write_text(
-        json.dumps({"metadata": {}, "weight_map": weight_map | {"lm_head.weight": "pytorch_model-00002-of-00002.bin"}})
+        json.dumps(
+            {"metadata": {}, "weight_map": weight_map | norm | {"lm_head.weight": "pytorch_model-00002-of-00002.bin"}}
+        )
     )
     assert_same_logits(model, run_convert(source).output)
 
-    index.write_text(json.dumps({"weight_map": weight_map | {"lm_head.weight": "pytorch_model-00001-of-00002.bin"}}))
+    misfiled = weight_map | norm | {"lm_head.weight": "pytorch_model-00001-of-00002.bin"}
+    index.write_text(json.dumps({"weight_map": misfiled}))
     with pytest.raises(
         ThinkerError, match="maps tensor 'lm_head.weight' to 'pytorch_model-00001-of-00002.bin', which does not hold it"
     ):
+        run_convert(source, name="again")
+
+    # an index that leaves the last shard out, that shard beside it unnamed: the index named as damaged, not the
+    # config told to tie the head (which would make it a copy of the embedding: a QA run)
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ThinkerError, match="names no tensor in pytorch_model-00002-of-00002.bin, a shard of its own"):
         run_convert(source, name="again")
 
 
