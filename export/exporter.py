@@ -465,6 +465,8 @@ def thinker_folder(source: str | Path, staging: Path) -> Iterator[Path]:
     if is_thinker_folder(path):
         yield path
         return
+    if path.is_file() and is_thinker_folder(path.parent):  # its weights file: converting it would find a Thinker
+        raise ThinkerError(f"{path}: a file of the Thinker folder {path.parent}; give the folder itself as MODEL_DIR")
     from converter.convert import convert
 
     from .folder_check import check_exportable

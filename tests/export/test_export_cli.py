@@ -275,6 +275,18 @@ def test_errors_are_one_line_unless_debug(runner, tmp_path):
     assert debug.exit_code == 1 and debug.exception is not None  # the exception itself, for its traceback
 
 
+def test_export_given_a_file_of_a_thinker_folder_asks_for_the_folder(runner, thinker_folder, tmp_path):
+    """Its weights file was taken for a source to convert, and the converter's refusal sent the user back to
+    `thinker export` (a QA run)."""
+    folder = thinker_folder("qwen2")
+    for name in ("model.safetensors", "config.json"):
+        result = runner.invoke(main, ["export", str(folder / name), str(tmp_path / "out"), "--no-verify"])
+        assert result.exit_code == 1
+        expected = f"error: {folder / name}: a file of the Thinker folder {folder}; give the folder itself as MODEL_DIR"
+        assert result.stderr.strip().splitlines() == [expected]
+        assert not (tmp_path / "out").exists()
+
+
 def test_generate_refuses_a_folder_without_a_model(runner, thinker_folder, tmp_path):
     (tmp_path / "tokenizer-only").mkdir()
     thinker_tokenizer = thinker_folder("qwen2")
