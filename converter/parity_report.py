@@ -128,6 +128,7 @@ class ParityReport:
                 parts = ["every embedding row"]
                 for what, suffix in (
                     ("the experts", ": every expert"),
+                    ("the routers", ": every router row"),
                     ("the n-gram tables", ": every n-gram row"),
                     ("the indexers", ": the indexer's choice"),
                 ):

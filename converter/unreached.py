@@ -1,5 +1,5 @@
 """The parts of a model the parity prompts cannot reach, compared directly: every row of the token embedding, every
-routed expert, and every row of the n-gram tables of Qwen4-Exp's PLE layers.
+routed expert and its router row, and every row of the n-gram tables of Qwen4-Exp's PLE layers.
 
 The fixed prompts hold 11 token ids, so they read 11 rows of the embedding; and a router sends them to a few of a
 layer's experts (13 of 32 in a tiny Qwen3-MoE with top-1 routing; of 128 experts at top-8, most are never run). A
@@ -10,6 +10,9 @@ experts also run on inputs of their own, from a fixed seed:
 - each MoE layer's experts: EXPERT_ROWS random hidden states sent to every expert in turn (weight 1, one expert a
   token), through the experts module's own forward (transformers 5's ``experts(hidden, top_k_index,
   top_k_weights)``, the Thinker's alike) or, for a list of expert modules, each expert called;
+- each MoE layer's router (``mlp.gate``): its logits for every expert on PROBE_COLUMNS random hidden states. The
+  row of an expert no prompt token is routed to changes no logit of theirs either (two such rows swapped would send
+  a later token to the wrong expert: a QA run), and the experts' probe does not route;
 - each PLE layer's n-gram table (``ple.ple_embedding.ngram_embedding``, the same path in both models), as the
   embedding: a prompt hashes to a few dozen of its rows, of hundreds of millions at full size, and its pieces are
   joined by the conversion (one out of order would pass the logits);
@@ -78,6 +81,18 @@ def every_expert(layer: nn.Module, hidden_size: int) -> torch.Tensor | None:
     return experts(hidden.repeat(count, 1), index, torch.ones(index.shape, dtype=dtype))
 
 
+@torch.no_grad()
+def every_router_row(layer: nn.Module, hidden_size: int) -> torch.Tensor | None:
+    """A MoE layer's router logits, (PROBE_COLUMNS, experts), on fixed random hidden states; None for a dense layer.
+    transformers 5's routers return ``(logits, weights, indices)``, a plain ``nn.Linear`` router its logits."""
+    gate = getattr(getattr(layer, "mlp", None), "gate", None)
+    if experts_of(layer) is None or not isinstance(gate, nn.Module):
+        return None
+    hidden = _random(PROBE_COLUMNS, hidden_size, next(gate.parameters()).dtype, PROBE_SEED + 4)
+    logits = gate(hidden)
+    return logits[0] if isinstance(logits, tuple) else logits
+
+
 def stage(name: str, expected: torch.Tensor | None, actual: torch.Tensor | None, dtype: torch.dtype) -> LayerParity:
     """``expected`` against ``actual`` at ``RELATIVE_TOLERANCE[dtype]`` of the expected's scale; a missing or
     differently shaped side fails."""
@@ -123,6 +138,10 @@ def experts_stage(layer: int) -> str:
     return f"layer {layer}: every expert"
 
 
+def router_stage(layer: int) -> str:
+    return f"layer {layer}: every router row"
+
+
 def ngram_stage(layer: int) -> str:
     return f"layer {layer}: every n-gram row"
 
@@ -160,6 +179,7 @@ class Probes:
     indexer_tokens: int = 0  # the indexer probe's length (0: no indexer)
     embeddings: dict[str, torch.Tensor] = field(default_factory=dict)
     experts: dict[str, list[torch.Tensor | None]] = field(default_factory=lambda: {"reference": [], "converted": []})
+    routers: dict[str, list[torch.Tensor | None]] = field(default_factory=lambda: {"reference": [], "converted": []})
     ngrams: dict[str, list[torch.Tensor | None]] = field(default_factory=lambda: {"reference": [], "converted": []})
     indexers: dict[str, list[torch.Tensor | None]] = field(default_factory=lambda: {"reference": [], "converted": []})
 
@@ -176,16 +196,23 @@ class Probes:
     def take(self, side: str, module: nn.Module, is_layer: bool) -> None:
         if is_layer:
             self.experts[side].append(every_expert(module, self.hidden_size))
+            self.routers[side].append(every_router_row(module, self.hidden_size))
             self.ngrams[side].append(ngram_table_probe(module))
             self.indexers[side].append(indexer_probe(module, self.hidden_size, self.rotary_dim, self.indexer_tokens))
         elif isinstance(module, nn.Embedding) and module.num_embeddings == self.vocab_size:
             self.embeddings.setdefault(side, embedding_probe(module))
 
     def stages(self, dtype: torch.dtype) -> list[LayerParity]:
-        """The embedding table, then each MoE layer's experts (a layer dense on both sides has none), each PLE
-        layer's n-gram table and each indexed layer's indexer."""
+        """The embedding table, then each MoE layer's experts and router (a layer dense on both sides has none),
+        each PLE layer's n-gram table and each indexed layer's indexer."""
         found = [stage(EMBEDDING_ROWS, self.embeddings.get("reference"), self.embeddings.get("converted"), dtype)]
-        for probes, name in ((self.experts, experts_stage), (self.ngrams, ngram_stage), (self.indexers, indexer_stage)):
+        kinds = (
+            (self.experts, experts_stage),
+            (self.routers, router_stage),
+            (self.ngrams, ngram_stage),
+            (self.indexers, indexer_stage),
+        )
+        for probes, name in kinds:
             theirs = probes["reference"]
             for index, actual in enumerate(probes["converted"]):
                 expected = theirs[index] if index < len(theirs) else None
