@@ -133,6 +133,8 @@ def _count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+SAMPLING_ONLY = ("temperature", "top_k", "top_p")  # what greedy search leaves unread
+
 SEARCH_VALID = {
     "do_sample": lambda v: isinstance(v, bool),
     "temperature": lambda v: _number(v) and v > 0,
@@ -146,9 +148,13 @@ SEARCH_VALID = {
 def search_options(generation_config: dict | None, path: object = "generation_config.json") -> dict:
     """genai_config.json's sampling keys from the folder's generation_config.json, as transformers' generate() uses
     them (a Qwen3 release samples at temperature 0.6, top_p 0.95, top_k 20, as its card asks); a value
-    onnxruntime-genai cannot take is refused by key."""
+    onnxruntime-genai cannot take is refused by key, where generate() reads it (sampling keys when it samples)."""
     given = generation_config if isinstance(generation_config, dict) else {}
     options = {key: default if given.get(key) is None else given[key] for key, default in SEARCH_DEFAULTS.items()}
+    if options["do_sample"] is False:
+        # generate() builds no sampling warper for greedy search, so it runs a file with temperature 0 or top_k -1
+        # there (with a warning that they "may be ignored"); onnxruntime-genai gets the defaults in their place
+        options |= {key: SEARCH_DEFAULTS[key] for key in SAMPLING_ONLY}
     for key, value in options.items():
         if not SEARCH_VALID[key](value):
             raise ThinkerError(

@@ -143,18 +143,39 @@ def test_export_refuses_config_values_no_model_has(case, qwen3_thinker, tmp_path
 
 
 @pytest.mark.parametrize(
-    ("key", "value"), [("top_p", 2.0), ("temperature", 0), ("do_sample", "yes"), ("top_k", -1), ("top_k", 2.5)]
+    ("key", "value"),
+    [
+        ("top_p", 2.0),
+        ("temperature", 0),
+        ("do_sample", "yes"),
+        ("top_k", -1),
+        ("top_k", 2.5),
+        ("repetition_penalty", 0),
+    ],
 )
 def test_export_refuses_sampling_values_generate_cannot_take(key, value, qwen3_thinker, tmp_path):
     """generation_config.json's sampling keys go into genai_config.json's search (export/genai_config.py), where
-    onnxruntime-genai would fail on them at load time: refused by key before the export starts."""
+    onnxruntime-genai would fail on them at load time: refused by key before the export starts, where generate()
+    reads them. Greedy search reads no temperature, top_k or top_p, and generate() runs a file that sets them to
+    anything (a QA run: temperature 0 was refused): the defaults go in their place."""
     folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
     path = folder / "generation_config.json"
-    path.write_text(json.dumps(json.loads(path.read_text()) | {key: value}))
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"do_sample": True, key: value}))
     output = tmp_path / "onnx"
     result = thinker("export", folder, output, "--no-verify")
     assert_error(result, str(path), f"{key}={value!r} is not a value generate() takes")
     assert_nothing_written(output)
+
+    if key == "do_sample":
+        return
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"do_sample": False}))
+    result = thinker("export", folder, output, "--no-verify")
+    if key == "repetition_penalty":  # greedy search reads it too
+        assert_error(result, str(path), f"{key}={value!r} is not a value generate() takes")
+    else:
+        assert result.exit_code == 0, result.output
+        search = json.loads((output / "genai_config.json").read_text())["search"]
+        assert search["do_sample"] is False and search[key] == {"temperature": 1.0, "top_k": 50, "top_p": 1.0}[key]
 
 
 def test_export_refuses_a_context_too_short_to_verify(qwen3_thinker, tmp_path):

@@ -64,24 +64,31 @@ def greedy_turns(folder: str, turns: list[list[int]], between: int, max_new_toke
     comes, and does not run it then either: its state lacks that token. ``rewind``, the ways round it that README
     gives: "generated", ``rewind_to`` where the generated tokens begin and append them again in front of the turn
     (``rewind_to`` the last token alone is refused where past and present KV are separate buffers: "greater than the
-    current length"); "start", ``rewind_to(0)`` and append the whole conversation (hybrid models, whose recurrent
-    state genai rewinds to 0 only); "" appends the turn as it is. An error is returned as text."""
+    current length"); "snapshot", the same with ``snapshot_state()`` taken after each turn is appended (a hybrid
+    model's recurrent state rewinds only to a snapshot's length, else to 0); "start", ``rewind_to(0)`` and append the
+    whole conversation; "" appends the turn as it is. An error is returned as text."""
     model = load(folder)
     params = og.GeneratorParams(model)
     params.set_search_options(do_sample=False, max_length=sum(map(len, turns)) + between + max_new_tokens + 1)
     generator = og.Generator(model, params)
+
+    def append(tokens: list[int]) -> None:
+        generator.append_tokens(tokens)
+        if rewind == "snapshot":
+            generator.snapshot_state()
+
     try:
-        generator.append_tokens(turns[0])
+        append(turns[0])
         for turn in turns[1:]:
             generated_from = len(generator.get_sequence(0))
             for _ in range(between):
                 generator.generate_next_token()
             if rewind:
-                start = generated_from if rewind == "generated" else 0
+                start = 0 if rewind == "start" else generated_from
                 before = [int(t) for t in generator.get_sequence(0)][start:]
                 generator.rewind_to(start)
                 turn = before + turn
-            generator.append_tokens(turn)
+            append(turn)
         for _ in range(max_new_tokens):
             generator.generate_next_token()
     except Exception as err:  # onnxruntime-genai's own error, as the test reports it

@@ -67,19 +67,20 @@ def test_a_second_turn_under_genai_needs_a_rewind(
     state without the last generated token (genai has not run it, and does not then), so its tokens go wrong or genai
     fails on the KV shapes, as on the builder's graphs (measured beside ours on a tiny Qwen3). ``rewind_to`` where the
     generated tokens begin and appending them in front of the turn gives transformers' tokens over the whole
-    conversation; a hybrid model, whose recurrent state genai rewinds to 0 only, takes the whole conversation again.
+    conversation; a hybrid model, whose recurrent state genai rewinds only to a length it took a snapshot at
+    (``snapshot_state()``) or to 0, does the same after a snapshot, or takes the whole conversation again.
     This pins both: should a later onnxruntime-genai run the token, the first assertion fails and README changes."""
     folders = {
-        "qwen2 plain": (onnx_folder("qwen2"), thinker_folder("qwen2"), "generated"),
-        "qwen3 plain": (onnx_folder("qwen3"), thinker_folder("qwen3"), "generated"),
-        "qwen3 fused": (onnx_variant("qwen3", head_dim=None), thinker_variant("qwen3"), "generated"),
-        "qwen3_5 fused": (onnx_variant("qwen3_5", head_dim=None), thinker_variant("qwen3_5"), "start"),
+        "qwen2 plain": (onnx_folder("qwen2"), thinker_folder("qwen2"), ("generated",)),
+        "qwen3 plain": (onnx_folder("qwen3"), thinker_folder("qwen3"), ("generated",)),
+        "qwen3 fused": (onnx_variant("qwen3", head_dim=None), thinker_variant("qwen3"), ("generated",)),
+        "qwen3_5 fused": (onnx_variant("qwen3_5", head_dim=None), thinker_variant("qwen3_5"), ("snapshot", "start")),
     }
     turns = {"turns": [FIRST_TURN, SECOND_TURN], "between": BETWEEN, "max_new_tokens": 5}
     cases = [
         {"folder": str(onnx), "rewind": rewind} | turns
-        for onnx, _, way_round in folders.values()
-        for rewind in ("", way_round)
+        for onnx, _, ways_round in folders.values()
+        for rewind in ("", *ways_round)
     ]
     done = subprocess.run(
         [str(genai_python), str(SCRIPT)], input=json.dumps(cases), capture_output=True, text=True, timeout=300
@@ -88,7 +89,7 @@ def test_a_second_turn_under_genai_needs_a_rewind(
     results = iter(json.loads(done.stdout))
     from thinker import ThinkerForCausalLM
 
-    for name, (_, folder, _) in folders.items():
+    for name, (_, folder, ways_round) in folders.items():
         model = ThinkerForCausalLM.from_pretrained(folder).eval()
         with torch.no_grad():
             first = model.generate(
@@ -97,9 +98,11 @@ def test_a_second_turn_under_genai_needs_a_rewind(
             second = torch.cat([first, torch.tensor([SECOND_TURN])], dim=1)
             expected = model.generate(second, max_new_tokens=5, do_sample=False, eos_token_id=None)[0].tolist()
         assert 2 not in expected[len(FIRST_TURN) :], f"{name}: eos comes up, where genai would stop; pick other turns"
-        appended, rewound = next(results), next(results)
+        appended = next(results)
         assert appended != expected, f"{name}: onnxruntime-genai now runs the last generated token; update README"
-        assert rewound == expected, f"{name}: genai {rewound} != transformers {expected}"
+        for way_round in ways_round:
+            rewound = next(results)
+            assert rewound == expected, f"{name}, {way_round}: genai {rewound} != transformers {expected}"
 
 
 HYBRID_PROMPTS = [[5, 9, 17, 33, 4, 21, 8, 7], [11, 12, 13, 14, 15, 16, 17, 18]]  # no pad id (0): genai masks it
