@@ -242,6 +242,9 @@ def resolve_source(
             raise ThinkerError(f"{source}: a revision ({revision!r}) only applies to Hub repo ids, not local paths")
         return _gguf_in(_in_subfolder(local, subfolder, source), gguf_file, source)
     if not is_repo_id(source):
+        repo, at, rev = source.rpartition("@")
+        if at and rev and is_repo_id(repo):  # the form this tool's own messages name a revision in
+            raise ThinkerError(f"{source}: give the revision as an option: {repo} --revision {rev}")
         raise ThinkerError(f"{source}: no such folder, and not a Hub repo id ('name' or 'owner/name'); check the path")
     first = Path(source.split("/")[0]).expanduser()
     if "/" in source and (first.exists() or first.is_symlink()):

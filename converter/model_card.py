@@ -167,8 +167,13 @@ def write_thinker_card(
     ``recorded``: card fields the weights file itself records (``gguf_card_metadata``), which the source folder's
     own card overrides; ``left``: the source's parts left out (``engine.left_out``)."""
     root = Path(root)
-    root = root.parent if root.is_file() else root  # a GGUF file: its folder holds the card and license
+    gguf = root if root.is_file() else None
+    root = root.parent if gguf else root  # a GGUF file: its folder holds the card and license
     named, repo = source_line(source, root)
+    if gguf and repo:  # a repo of several quantisations: which one (--gguf-file) the weights are
+        parts = gguf.parts
+        marks = [index for index, part in enumerate(parts[:-1]) if part == "snapshots"]
+        named += f", the file `{'/'.join(parts[marks[-1] + 2 :]) if marks else gguf.name}`"
     carried = {**(recorded or {}), **card_metadata(root)}
     metadata = {
         **{key: value for key, value in carried.items() if key != "base_model"},

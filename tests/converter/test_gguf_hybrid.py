@@ -257,8 +257,8 @@ def test_one_quantisation_of_a_hub_gguf_repo(fake_hub, tmp_path):
     assert result.exit_code == 0, result.output
     assert "(gguf-qwen35moe)" in result.output
     assert_gives_the_models_logits(model, output)
-    # the card names the snapshot's commit, not the folder the file sits in
-    assert f"at commit `{commit}`" in (output / "README.md").read_text()
+    # the card names the snapshot's commit, not the folder the file sits in, and which of the files it converted
+    assert f"at commit `{commit}`, the file `F32/tiny-F32.gguf`, family" in (output / "README.md").read_text()
     verified = CliRunner().invoke(
         main, ["verify", "acme/tiny-qwen3.5-GGUF", str(output), "--gguf-file", "F32/tiny-F32.gguf"]
     )

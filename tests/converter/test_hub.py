@@ -307,6 +307,9 @@ def test_local_paths_and_bad_sources(tmp_path):
         resolve_source(str(tmp_path / "missing" / "model"))
     with pytest.raises(ThinkerError, match="only applies to Hub repo ids"):
         resolve_source(str(tmp_path), revision="main")
+    # the form the tool's own messages name a revision in (acme/tiny@v2: revision not found ...)
+    with pytest.raises(ThinkerError, match="^acme/tiny@v2: give the revision as an option: acme/tiny --revision v2$"):
+        resolve_source("acme/tiny@v2")
 
 
 def test_file_names_cannot_escape_the_download_folder(fake_hub):
