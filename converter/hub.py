@@ -406,8 +406,12 @@ def _resolve_repo(
             allow_patterns = [p for p in allow_patterns if not p.endswith(_WEIGHT_SUFFIXES)] + shards
         folder = download(allow_patterns)
     except IncompleteSnapshotError as err:
+        snapshot = Path(err.snapshot_path)
+        wanted = filter_repo_objects(files, allow_patterns=allow_patterns)
+        missing = [name for name in wanted if not os.path.lexists(snapshot / name)]
+        shown = f" ({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''})" if missing else ""
         raise ThinkerError(
-            f"{label}: the cached snapshot at {err.snapshot_path} is missing files and the Hub "
+            f"{label}: the cached snapshot at {err.snapshot_path} is missing files{shown} and the Hub "
             f"{'is off limits (HF_HUB_OFFLINE=1)' if offline else f'at {endpoint} cannot be reached'}"
             f"{_reason(unreachable)}; run once online to complete it"
         ) from None
