@@ -15,6 +15,7 @@ from thinker_common.model_card import (
     card_metadata,
     copy_license,
     hub_repo_of,
+    in_hub_snapshot,
     markdown_table,
     replace_checks,
     weights_of,
@@ -40,10 +41,7 @@ def source_line(source: str, root: Path) -> tuple[str, str | None]:
     repo = hub_repo_of(source, root)
     if repo is None:
         return f"`{Path(source).name or source}` (a local checkpoint)", None
-    # the folder after the cache's snapshots/: the commit, where a file in a sub-folder (a GGUF repo's Q8/) is read
-    parts = Path(root).parts
-    marks = [index for index, part in enumerate(parts[:-1]) if part == "snapshots"]
-    commit = parts[marks[-1] + 1] if marks else None
+    commit, _ = in_hub_snapshot(root)
     at = f" at commit `{commit}`" if commit else ""
     return f"[`{repo}`](https://huggingface.co/{repo}){at}", repo
 
@@ -171,9 +169,7 @@ def write_thinker_card(
     root = root.parent if gguf else root  # a GGUF file: its folder holds the card and license
     named, repo = source_line(source, root)
     if gguf and repo:  # a repo of several quantisations: which one (--gguf-file) the weights are
-        parts = gguf.parts
-        marks = [index for index, part in enumerate(parts[:-1]) if part == "snapshots"]
-        named += f", the file `{'/'.join(parts[marks[-1] + 2 :]) if marks else gguf.name}`"
+        named += f", the file `{in_hub_snapshot(gguf)[1]}`"
     carried = {**(recorded or {}), **card_metadata(root)}
     metadata = {
         **{key: value for key, value in carried.items() if key != "base_model"},

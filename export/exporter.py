@@ -27,6 +27,7 @@ from thinker.configuration_thinker import ThinkerConfig
 from thinker_common.config_values import check_model_config
 from thinker_common.dtypes import FLOAT_DTYPES, dtype_name, torch_dtype
 from thinker_common.errors import ThinkerError
+from thinker_common.model_card import in_hub_snapshot
 from thinker_common.progress import progress_bar
 from thinker_common.side_files import CONFIG_FILES, copy_files, read_json, readable_tokenizer_files, tokenizer_files
 from thinker_common.source_files import present
@@ -282,6 +283,7 @@ def export_model(
             "source": str(source),
             "revision": revision,
             "converted": model_dir != location,  # True: SOURCE went through thinker-convert first
+            "commit": in_hub_snapshot(location)[0],  # a Hub repo's: the snapshot converted (None: a local source)
             "dtype": dtype,
             "graph": graph,
             "positions": positions,

@@ -112,8 +112,9 @@ def write_onnx_card(folder: Path, thinker_folder: Path, report: dict, name: str)
         else "no `genai_config.json`: onnxruntime-genai has no model type for its state (`export_report.json`'s notes)"
     )
     # a SOURCE converted on the way came through a temporary Thinker folder: the card names the source
+    at = f" at commit `{report['commit']}`" if report.get("commit") else ""
     decoder = (
-        f"`{report['source']}`, converted"
+        f"`{report['source']}`{at}, converted"
         if report.get("converted")
         else f"the Thinker folder `{Path(thinker_folder).name}`"
     )

@@ -32,7 +32,13 @@ def test_export_takes_a_revision_of_a_hub_source(fake_hub, qwen3_source, tmp_pat
     v2_sha = fake_hub.add_repo("tiny-org/tiny-qwen3", edited, revision="v2")
     result = thinker("export", "tiny-org/tiny-qwen3", tmp_path / "onnx", "--revision", "v2", "--no-verify")
     assert result.exit_code == 0, result.output
-    assert json.loads((tmp_path / "onnx" / "export_report.json").read_text())["revision"] == "v2"
+    report = json.loads((tmp_path / "onnx" / "export_report.json").read_text())
+    assert report["revision"] == "v2" and report["commit"] == v2_sha
+    # the card names the commit exported, as thinker-convert's does (it read as if main were: a QA run)
+    assert (
+        f"The decoder of `tiny-org/tiny-qwen3` at commit `{v2_sha}`, converted"
+        in (tmp_path / "onnx" / "README.md").read_text()
+    )
     fetched = {request.path.split("/")[4] for request in fake_hub.file_requests()}
     assert fetched == {v2_sha} and main_sha not in fetched
     local = thinker("export", qwen3_source, tmp_path / "local", "--revision", "v2", "--no-verify")

@@ -59,6 +59,17 @@ def hub_repo_of(source: str, root: Path) -> str | None:
     return None
 
 
+def in_hub_snapshot(path: Path) -> tuple[str | None, str]:
+    """(the commit of the Hub cache snapshot ``path`` lies in, ``path`` within that snapshot); (None, its name) for
+    a path outside the cache. The snapshot's folder after ``snapshots/`` is the commit, where a file in a sub-folder
+    (a GGUF repo's ``Q8/``) is read."""
+    parts = Path(path).parts
+    marks = [index for index, part in enumerate(parts[:-1]) if part == "snapshots"]
+    if not marks:
+        return None, Path(path).name
+    return parts[marks[-1] + 1], "/".join(parts[marks[-1] + 2 :])
+
+
 def weights_of(carried: dict[str, Any]) -> str:
     """ " (the weights of [`owner/name`](link))" for a card whose carried metadata names its base model, else ""."""
     base = carried.get("base_model")
