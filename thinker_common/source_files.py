@@ -48,10 +48,32 @@ def redownload(path: Path | str) -> str:
     afresh."""
     path = Path(path)
     if hub_caches_of(path.parent):
+        if _matches_its_checksum(path.resolve()):
+            return (
+                "its cached copy is whole (its sha256 is the one the Hub gave for it), so the file in the repo is "
+                "itself broken: try another revision (--revision), or tell the repo's owner"
+            )
         return f"re-download it: delete the cached copy {path.resolve()} and run again, which fetches it afresh"
     if _written_by_thinker(path.parent):
         return "convert its source again (thinker-convert wrote this folder)"
     return "re-download it"
+
+
+def _matches_its_checksum(blob: Path) -> bool:
+    """Whether a cached blob holds what the Hub sent: huggingface_hub names a large (LFS) file's blob by the sha256
+    the Hub gave for it. Read only where the file already failed, so the hash costs nothing on the way that works."""
+    import hashlib
+
+    if not re.fullmatch(r"[0-9a-f]{64}", blob.name):  # a git-stored file's blob is named by its git hash
+        return False
+    digest = hashlib.sha256()
+    try:
+        with blob.open("rb") as file:
+            while piece := file.read(1 << 24):
+                digest.update(piece)
+    except OSError:
+        return False
+    return digest.hexdigest() == blob.name
 
 
 def _written_by_thinker(folder: Path) -> bool:

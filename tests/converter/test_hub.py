@@ -301,6 +301,15 @@ def test_a_corrupt_cached_file_says_which_copy_to_delete(fake_hub, qwen3_source,
     result = thinker("convert", "tiny-org/tiny-qwen3", tmp_path / "out", "--no-verify")
     assert result.exit_code == 0, result.output
 
+    # a file broken in the repo itself downloads whole, its sha256 the Hub's: deleting it would fetch it broken again
+    broken = {path.name: path.read_bytes() for path in qwen3_source.iterdir() if path.is_file()}
+    broken["model.safetensors"] = broken["model.safetensors"][:100]
+    fake_hub.add_repo("tiny-org/broken", broken)
+    weights = resolve_source("tiny-org/broken", progress=False) / "model.safetensors"
+    message = assert_error(thinker("convert", "tiny-org/broken", tmp_path / "out2", "--no-verify"), str(weights))
+    assert "its cached copy is whole" in message and "the file in the repo is itself broken" in message
+    assert "delete the cached copy" not in message
+
 
 def test_local_paths_and_bad_sources(tmp_path):
     assert resolve_source(str(tmp_path)) == tmp_path
