@@ -187,6 +187,7 @@ def convert(
                 beyond_genai=plan.config.qwen4_exp_features,
                 recorded=gguf_card_metadata(tensor_source.metadata) if isinstance(tensor_source, GGUFSource) else {},
                 left=left,
+                deepstack=bool(plan.config.deepstack_layers),
             )
     finally:
         tensor_source.close()

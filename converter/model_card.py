@@ -115,9 +115,11 @@ def left_out_parts(left: list[LeftOut], quote: str = "") -> str:
     return ", ".join(f"{quote}{part.prefix}*{quote} ({part.count} tensor{'s' * (part.count > 1)})" for part in left)
 
 
-def left_out_section(left: list[LeftOut]) -> str:
+def left_out_section(left: list[LeftOut], deepstack: bool = False) -> str:
     """The card's word on the source's parts a conversion leaves out (``engine.left_out``), and how a prompt that
-    needs a tower reaches the decoder without it; empty where nothing was left out."""
+    needs a tower reaches the decoder without it (``deepstack``: with the vision tower's DeepStack features, which
+    the decoder adds into its first layers: without them an image prompt's logits differ); empty where nothing was
+    left out."""
     if not left:
         return ""
     parts = left_out_parts(left, quote="`")
@@ -126,8 +128,14 @@ def left_out_section(left: list[LeftOut]) -> str:
         text += (
             " For a prompt with audio, images or video, run the towers with the source's own transformers class and "
             "pass the embeddings they give, at the placeholder tokens, as `inputs_embeds` (with the `position_ids` "
-            "its processor computes where the model has multimodal RoPE); `thinker export --inputs-embeds` writes "
-            "the ONNX graph that takes them."
+            "its processor computes where the model has multimodal RoPE)"
+            + (
+                ", and an image or video's DeepStack features as the source model hands them to its text decoder, "
+                "`visual_pos_masks=` and `deepstack_visual_embeds=`"
+                if deepstack
+                else ""
+            )
+            + "; `thinker export --inputs-embeds` writes the ONNX graph that takes them."
         )
     if blocks := [f"`{part.prefix}*`" for part in left if part.mtp]:
         text += (
@@ -159,6 +167,7 @@ def write_thinker_card(
     beyond_genai: list[str] | None = None,
     recorded: dict | None = None,
     left: list[LeftOut] | None = None,
+    deepstack: bool = False,
 ) -> list[str]:
     """README.md (and the source's license files) in the Thinker folder ``folder`` (to be installed as ``name``);
     the names written. ``beyond_genai``: what the model has whose state onnxruntime-genai cannot carry;
@@ -200,7 +209,7 @@ Without Thinker installed, the folder's own modeling code runs: drop the import 
 both calls (the tokenizer reads the same config, and asks otherwise).
 
 {export_line(here, beyond_genai)}
-""" + (f"\n{section}" if (section := left_out_section(left or [])) else "")
+""" + (f"\n{section}" if (section := left_out_section(left or [], deepstack)) else "")
     write_card(folder, metadata, body, parity_section(report, skipped))
     return ["README.md", *copy_license(root, folder)]
 

@@ -844,8 +844,8 @@ class OnnxDecoder:
     # --- the verbs ------------------------------------------------------------------------------------------------
     def prefill(
         self,
-        input_ids: np.ndarray | None,
-        attention_mask: np.ndarray | None,
+        input_ids: np.ndarray | None = None,
+        attention_mask: np.ndarray | None = None,
         new_tokens: int = 0,
         inputs_embeds: np.ndarray | None = None,
         position_ids: np.ndarray | None = None,

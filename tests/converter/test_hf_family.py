@@ -87,6 +87,9 @@ def test_the_card_says_what_was_left_out_and_how_a_tower_reaches_the_decoder():
     only_mtp = left_out_section([LeftOut("blk.4.", 3, mtp=True)])
     assert "`blk.4.*` is the multi-token-prediction block" in only_mtp and "inputs_embeds" not in only_mtp
     assert left_out_section([]) == ""
+    assert "deepstack_visual_embeds" not in both
+    deepstack = left_out_section([LeftOut("model.visual.", 12, mtp=False)], deepstack=True)
+    assert "DeepStack features" in deepstack and "`visual_pos_masks=` and `deepstack_visual_embeds=`" in deepstack
 
 
 def test_a_peft_adapter_folder_or_repo_is_named_as_one(tmp_path):

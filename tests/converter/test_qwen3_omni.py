@@ -58,6 +58,9 @@ def test_qwen3_omni_thinker_converts_with_parity(omni_source, tmp_path):
     # the interleaved mRoPE kept (tests/converter/test_hybrid_families.py gives it 3-D positions)
     assert config.rope_parameters == MROPE
     assert config.audio_embed_size is None and config.talker_head_size is None
+    # the card says how an image reaches the decoder: its DeepStack features too (without them its logits differ)
+    assert config.deepstack_layers == 1
+    assert "`visual_pos_masks=` and `deepstack_visual_embeds=`" in (tmp_path / "out" / "README.md").read_text()
 
     names = tensor_names(tmp_path / "out")
     assert not [n for n in names if "audio" in n or "visual" in n or "talker" in n or "code2wav" in n]

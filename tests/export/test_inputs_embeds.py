@@ -217,7 +217,7 @@ def test_an_audio_prompt_gives_qwen3_asrs_own_transcript(tmp_path):
     embeds = decoder.embed(ids.numpy())
     embeds[ids.numpy() == qwen3_asr.AUDIO_TOKEN] = reference.get_audio_features(**audio).pooler_output.numpy()
     mask = np.ones(ids.shape, np.int64)
-    logits, _ = decoder.prefill(None, mask, inputs_embeds=embeds)
+    logits, _ = decoder.prefill(inputs_embeds=embeds, attention_mask=mask)  # by keyword, as README shows it
     tolerance = RELATIVE_TOLERANCE[torch.float32] * max(1.0, float(np.abs(expected).max()))
     assert np.abs(logits - expected).max() <= tolerance
     tokens = decoder.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=8)
