@@ -7,6 +7,7 @@ inside the commands, so that ``--help`` and usage errors answer at once.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -43,6 +44,20 @@ from .stop_tokens import folder_stop_tokens
 # hundred thousand took 17 GB before the first token). The bound is generous, since --threads of `thinker export`
 # is written into genai_config.json for the machine that will run the model.
 MAX_THREADS = 1024
+
+
+class FiniteRange(click.FloatRange):
+    """click's FloatRange, which lets ``nan`` through (every comparison with it is false: a gate of ``nan`` never
+    fails, and export_report.json gets a value strict JSON has no word for); ``inf`` too, which means "no limit":
+    give 0 or 1 for that."""
+
+    name = "finite float range"
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
 
 
 # The graph's interface, after the options in `thinker export --help`: what a caller wiring the graph needs, which a
@@ -215,7 +230,7 @@ costs against the float model on a fixed English paragraph (top-1 agreement, per
 )
 @click.option(
     "--accuracy-guard",
-    type=click.FloatRange(0.0, 1.0),
+    type=FiniteRange(0.0, 1.0),
     default=DEFAULT_MIN_AGREEMENT,
     show_default=True,
     help="--quantize at --accuracy-level 4: the least top-1 agreement of the int8-activation graph with the same "
@@ -226,14 +241,14 @@ costs against the float model on a fixed English paragraph (top-1 agreement, per
 )
 @click.option(
     "--min-top1",
-    type=click.FloatRange(0.0, 1.0),
+    type=FiniteRange(0.0, 1.0),
     default=None,
     help="--quantize --verify: the least top-1 agreement with the float model on a fixed English paragraph "
     "[default: 0.9 for int8, 0.55 for int4].",
 )
 @click.option(
     "--max-perplexity-increase",
-    type=click.FloatRange(min=0.0),
+    type=FiniteRange(min=0.0),
     default=None,
     help="--quantize --verify: the most the perplexity on that paragraph may rise over the float model's, as a "
     "fraction (0.35: 35%) [default: 0.05 for int8, 0.35 for int4].",

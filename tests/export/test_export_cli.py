@@ -371,6 +371,26 @@ def test_an_explicit_verify_of_a_bfloat16_export_fails_where_it_cannot_run(runne
     assert default.exit_code == 0, default.output
 
 
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("--min-top1", "nan"),
+        ("--max-perplexity-increase", "nan"),
+        ("--max-perplexity-increase", "inf"),
+        ("--accuracy-guard", "nan"),
+    ],
+)
+def test_quality_limits_are_finite_numbers(option, value, runner, thinker_folder, tmp_path):
+    """click's FloatRange takes nan, with which every comparison is false: the quality gate never failed, and
+    export_report.json held NaN, which strict JSON refuses (a QA run)."""
+    args = ["export", str(thinker_folder("qwen3")), str(tmp_path / "out"), "--quantize", "int4", option, value]
+    result = runner.invoke(main, args)
+    assert result.exit_code == 2 and f"Invalid value for '{option}': '{value}' is not a finite number." in (
+        result.stderr
+    ), result.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_quality_limits_given_by_name_need_the_cost_measured(runner, thinker_folder, tmp_path):
     """The quantization cost runs a paragraph through the folder's tokenizer. Without one it is not measured: with
     the default limits the export says so and passes; with --min-top1 given, the limit cannot be held, so it fails."""

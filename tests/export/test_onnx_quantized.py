@@ -553,6 +553,34 @@ def test_each_row_is_held_to_its_own_rounding(spec, bug, thinker_variant, onnx_v
     assert broken["weights"]["relative_error"] <= broken["weights"]["limit"], broken["weights"]  # hidden there
 
 
+def test_one_block_in_a_long_row_is_held_to_its_own_rounding(thinker_variant, onnx_variant, tmp_path):
+    """One block's scale doubled where a row holds 512 blocks (down_proj over an intermediate size of 8192, blocks of
+    16): the row's error moves by 1.1x, inside the row limit, and passed (a QA run); the block is 15x its own
+    rounding and fails by itself."""
+    from export.quantized_verify import BLOCK_ROUNDING_LIMIT, ROW_ROUNDING_LIMIT, verify_quantized_export
+
+    spec = QuantizeSpec(bits=4, block_size=16, head_bits=4)
+    model_dir = thinker_variant("qwen3", head_dim=16, intermediate_size=8192, num_hidden_layers=1)
+    folder = onnx_variant("qwen3", graph="fused", quantize=spec, intermediate_size=8192, num_hidden_layers=1)
+    sound = verify_quantized_export(model_dir, folder / "model.onnx", torch.float32, 4, NO_GATE)
+    assert sound["passed"] is True, sound
+    assert sound["weights"]["worst_block"]["error_over_rounding"] == pytest.approx(1.0, abs=1e-4), sound["weights"]
+
+    def double_one_block(model: onnx.ModelProto) -> None:
+        scales, values = scales_of(model, lambda name: "down_proj" in name)
+        values[5, 100] *= 2
+        rewrite(scales, values)
+
+    broken = verify_quantized_export(model_dir, planted(folder, tmp_path / "bug", double_one_block), torch.float32, 4)
+    weights = broken["weights"]
+    assert weights["worst_row"]["error_over_rounding"] <= ROW_ROUNDING_LIMIT, weights  # the row alone hides it
+    assert weights["worst_block"]["error_over_rounding"] > 5 * BLOCK_ROUNDING_LIMIT, weights
+    assert (
+        broken["passed"] is False
+        and "a block of row 5 of quantized weight model.layers.0.mlp.down_proj" in (broken["failure"])
+    ), broken
+
+
 def test_a_float16_quantized_export_is_judged_against_the_float32_model(thinker_variant, onnx_variant):
     """As --verify's help says, for every --dtype: the cost against the float32 model, the graph's own dtype
     setting only the graph check's tolerance."""
