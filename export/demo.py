@@ -28,35 +28,19 @@ def run_demo(workdir: Path, prompt: str, max_new_tokens: int, generate) -> None:
     if not prompt.strip():
         raise ThinkerError("--prompt is empty; give the text the demo continues, or leave --prompt out")
     gguf = smollm2_gguf_path()
-    try:  # here, so that a folder the user cannot write to is named as the demo's option, not as an OUTPUT
-        workdir.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ThinkerError(
-            f"--workdir {workdir}: cannot create it ({err.strerror or err}); pass --workdir a folder you can write to"
-        ) from None
-    thinker_dir, onnx_dir = workdir / "smollm2-135m-thinker", workdir / "smollm2-135m-onnx"
-    for folder in (thinker_dir, onnx_dir):  # the demo's own two folders, which it replaces: nothing else of the user's
-        refuse_output_over_source(folder, gguf, a_file=False)  # first: a folder holding the source is named so
-        if held := not_an_earlier_output(folder):
-            raise ThinkerError(
-                f"--workdir {workdir}: {folder.name} there is not one of the demo's folders ({held}), which a run "
-                "replaces; pass another --workdir"
-            )
-
     with gguf_read_once():  # the file parsed once: for its context here, then by the conversion
         source = GGUFSource(gguf)
         context = source.metadata_value("llama.context_length")
         source.close()
-        if isinstance(context, int) and max_new_tokens >= context:  # before the minute of work (the prompt's own
-            # tokens are counted in step 2)
-            raise ThinkerError(
-                f"-n {max_new_tokens}: SmolLM2's context holds {context} tokens, the prompt's among them; "
-                f"ask for at most {context - 1}"
-            )
+        if isinstance(context, int):  # before the minute of work, and before anything is written
+            _check_context(gguf, prompt, max_new_tokens, context)
+        _prepare(workdir, gguf)
+        thinker_dir = workdir / "smollm2-135m-thinker"
         _step(1, f"convert {gguf.name} -> {thinker_dir} (with the parity check)")
         # The demo owns these two folders: a rerun replaces them, each only once its new copy is complete.
         result = convert(gguf, thinker_dir, verify=True, force=True)
     click.echo(result.parity.table())
+    onnx_dir = workdir / "smollm2-135m-onnx"
 
     _step(2, f"generate with transformers from {thinker_dir}")
     _continue(prompt, thinker_dir, max_new_tokens, generate)
@@ -71,6 +55,40 @@ def run_demo(workdir: Path, prompt: str, max_new_tokens: int, generate) -> None:
 
     _step(4, f"generate with onnxruntime from {onnx_dir}")
     _continue(prompt, onnx_dir, max_new_tokens, generate)
+
+
+def _check_context(gguf: Path, prompt: str, max_new_tokens: int, context: int) -> None:
+    """Refuse a prompt and ``-n`` past SmolLM2's context, as step 2 would after the conversion. A byte-level BPE
+    token holds at least one byte, so the prompt is tokenized (the tokenizer built from the GGUF: seconds) only
+    where its bytes could reach the limit."""
+    if len(prompt.encode("utf-8")) + 1 + max_new_tokens - 1 <= context:  # at most a token a byte, and a bos
+        return
+    from transformers import AutoTokenizer
+
+    length = len(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)(prompt)["input_ids"])
+    if length + max_new_tokens - 1 > context:  # the last new token is never fed back (as export/cli.py counts)
+        raise ThinkerError(
+            f"--prompt is {length} tokens, and with -n {max_new_tokens} that needs {length + max_new_tokens - 1} "
+            f"positions, beyond SmolLM2's context of {context}; ask for at most -n {context - length + 1}"
+        )
+
+
+def _prepare(workdir: Path, gguf: Path) -> None:
+    """The work folder, made; its two folders refused where they are not the demo's own."""
+    try:  # here, so that a folder the user cannot write to is named as the demo's option, not as an OUTPUT
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ThinkerError(
+            f"--workdir {workdir}: cannot create it ({err.strerror or err}); pass --workdir a folder you can write to"
+        ) from None
+    for folder in (workdir / "smollm2-135m-thinker", workdir / "smollm2-135m-onnx"):  # the demo's own two folders,
+        # which it replaces: nothing else of the user's
+        refuse_output_over_source(folder, gguf, a_file=False)  # first: a folder holding the source is named so
+        if held := not_an_earlier_output(folder):
+            raise ThinkerError(
+                f"--workdir {workdir}: {folder.name} there is not one of the demo's folders ({held}), which a run "
+                "replaces; pass another --workdir"
+            )
 
 
 def _continue(prompt: str, folder: Path, max_new_tokens: int, generate) -> None:

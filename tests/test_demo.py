@@ -61,7 +61,14 @@ def test_what_the_demo_would_refuse_late_it_refuses_first(tmp_path):
     (tmp_path / "a-file" / "smollm2-135m-onnx").write_text("mine")  # it spoke of OUTPUT and --force, neither given
     cases = [
         (["--prompt", ""], tmp_path / "empty", "--prompt is empty"),
-        (["-n", "100000"], tmp_path / "long", "-n 100000: SmolLM2's context holds 8192 tokens"),
+        (["-n", "100000"], tmp_path / "long", "and with -n 100000 that needs 100004 positions"),
+        # the limit it names is the prompt's own (it said 8191 whatever the prompt, and 8191 then failed in step 2)
+        (
+            ["-n", "8189"],
+            tmp_path / "edge",
+            "--prompt is 5 tokens, and with -n 8189 that needs 8193 positions, beyond "
+            "SmolLM2's context of 8192; ask for at most -n 8188",
+        ),
         (
             [],
             tmp_path / "mine",
@@ -73,6 +80,8 @@ def test_what_the_demo_would_refuse_late_it_refuses_first(tmp_path):
         result = CliRunner().invoke(main, ["demo", "--workdir", str(workdir), *options])
         assert result.exit_code == 1 and says in result.output and "[1/4]" not in result.output, result.output
         assert not (workdir / "smollm2-135m-thinker").exists()
+        if workdir.name in ("empty", "long", "edge"):  # refused before the work folder is made (it was left empty)
+            assert not workdir.exists()
     assert (tmp_path / "mine" / "smollm2-135m-onnx" / "notes.txt").read_text() == "mine"
     assert (tmp_path / "a-file" / "smollm2-135m-onnx").read_text() == "mine"
 
