@@ -408,7 +408,7 @@ def _resolve_repo(
     except IncompleteSnapshotError as err:
         snapshot = Path(err.snapshot_path)
         wanted = filter_repo_objects(files, allow_patterns=allow_patterns)
-        missing = [name for name in wanted if not os.path.lexists(snapshot / name)]
+        missing = [name for name in wanted if not os.path.isfile(snapshot / name)]  # a link to a deleted blob too
         shown = f" ({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''})" if missing else ""
         raise ThinkerError(
             f"{label}: the cached snapshot at {err.snapshot_path} is missing files{shown} and the Hub "

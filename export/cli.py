@@ -48,8 +48,8 @@ MAX_THREADS = 1024
 
 class FiniteRange(click.FloatRange):
     """click's FloatRange, which lets ``nan`` through (every comparison with it is false: a gate of ``nan`` never
-    fails, and export_report.json gets a value strict JSON has no word for); ``inf`` too, which means "no limit":
-    give 0 or 1 for that."""
+    fails, and export_report.json gets a value strict JSON has no word for); ``inf`` too: no limit is
+    ``--min-top1 0``, or a large ``--max-perplexity-increase``."""
 
     name = "finite float range"
 

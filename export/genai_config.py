@@ -153,8 +153,9 @@ def search_options(generation_config: dict | None, path: object = "generation_co
     options = {key: default if given.get(key) is None else given[key] for key, default in SEARCH_DEFAULTS.items()}
     if options["do_sample"] is False:
         # generate() builds no sampling warper for greedy search, so it runs a file with temperature 0 or top_k -1
-        # there (with a warning that they "may be ignored"); onnxruntime-genai gets the defaults in their place
-        options |= {key: SEARCH_DEFAULTS[key] for key in SAMPLING_ONLY}
+        # there (with a warning that they "may be ignored"); onnxruntime-genai gets the defaults in their place.
+        # Valid ones stay: a caller who turns sampling on (set_search_options) samples as generate() would.
+        options |= {key: SEARCH_DEFAULTS[key] for key in SAMPLING_ONLY if not SEARCH_VALID[key](options[key])}
     for key, value in options.items():
         if not SEARCH_VALID[key](value):
             raise ThinkerError(

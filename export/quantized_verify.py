@@ -369,10 +369,12 @@ class WeightFigures:
             self.embedding = quantized.op_type
 
 
-def nearest_rounding_error(rows: torch.Tensor, bits: int, block_size: int, asymmetric: bool) -> torch.Tensor:
+def nearest_rounding_error(
+    rows: torch.Tensor, bits: int, block_size: int, asymmetric: bool, scale_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Per row of ``rows`` (R, K), float: the norm of the error round-to-nearest makes on it (``block_rounding_error``
     over the row's blocks)."""
-    return block_rounding_error(rows, bits, block_size, asymmetric).norm(dim=-1)
+    return block_rounding_error(rows, bits, block_size, asymmetric, scale_dtype).norm(dim=-1)
 
 
 def in_blocks(rows: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -381,24 +383,33 @@ def in_blocks(rows: torch.Tensor, block_size: int) -> torch.Tensor:
     return torch.nn.functional.pad(rows, (0, -rows.shape[-1] % block)).reshape(rows.shape[0], -1, block)
 
 
-def block_rounding_error(rows: torch.Tensor, bits: int, block_size: int, asymmetric: bool) -> torch.Tensor:
+def block_rounding_error(
+    rows: torch.Tensor, bits: int, block_size: int, asymmetric: bool, scale_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Per block of ``rows`` (R, K), float, (R, blocks): the norm of the error round-to-nearest makes on it at
     ``bits``, in blocks of ``block_size`` along K, as onnxruntime's blockwise quantizer rounds (MLAS: symmetric,
     the block's value of largest magnitude at -2^(bits-1) steps; asymmetric, the block's range widened to hold 0
     over 2^bits - 1 steps, an integer zero point; C's roundf, ties away from 0). ``block_size`` 0: one scale per
-    row, the largest magnitude at 2^(bits-1) - 1 steps (export/quantize.py ``column_wise_int8``)."""
+    row, the largest magnitude at 2^(bits-1) - 1 steps (export/quantize.py ``column_wise_int8``). The scale is the
+    one stored, in ``scale_dtype`` (the graph's), and the values are rounded at it, as MLAS does: a float16 graph's
+    scale of a block of small weights is subnormal, its rounding then larger than the values' (a review: modelled
+    in float32, a sound graph's blocks measured 1.3-5x)."""
+
+    def stored(scale: torch.Tensor) -> torch.Tensor:
+        return scale.to(scale_dtype).float()
+
     blocks = in_blocks(rows, block_size)
     top, middle = 2**bits - 1, 2 ** (bits - 1)
     low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
     lowest = 0
     if not block_size:
-        scale, zero, lowest = torch.maximum(-low, high) / (middle - 1), middle, 1
+        scale, zero, lowest = stored(torch.maximum(-low, high) / (middle - 1)), middle, 1
     elif asymmetric:
         low, high = low.clamp(max=0), high.clamp(min=0)
-        scale = (high - low) / top
+        scale = stored((high - low) / top)
         zero = _round(-low / torch.where(scale > 0, scale, 1)).clamp(0, top)
     else:
-        scale, zero = torch.where(high.abs() > low.abs(), high, low) / -middle, middle
+        scale, zero = stored(torch.where(high.abs() > low.abs(), high, low) / -middle), middle
     scale = torch.where(scale != 0, scale, torch.ones_like(scale))
     q = _round(blocks / scale + zero).clamp(lowest, top)
     return ((q - zero) * scale - blocks).norm(dim=-1)
@@ -417,8 +428,9 @@ def worst_row_rounding(
     say its grid. Rows are the output rows (a table's rows; experts' rows, expert after expert). ``by="block"``:
     the block furthest from its own rounding error, its row named: one block's wrong scale in a row of hundreds of
     blocks moves the row's error by little (a QA run: a doubled scale, 1.1x on a row of 512 blocks)."""
-    weight = torch.as_tensor(quantized.weight).float()
-    reference = reference.detach().float()
+    weight = torch.as_tensor(quantized.weight)
+    scale_dtype = weight.dtype if weight.dtype in (torch.float16, torch.bfloat16) else torch.float32  # the scales'
+    weight, reference = weight.float(), reference.detach().float()
     weight, reference = weight.reshape(-1, weight.shape[-1]), reference.reshape(-1, reference.shape[-1])
     if quantized.row_parts:
         parts = quantized.row_parts
@@ -431,7 +443,7 @@ def worst_row_rounding(
         if block is None:
             continue
         rows, error = reference[start:stop], weight[start:stop] - reference[start:stop]
-        rounding = block_rounding_error(rows, bits, block, quantized.asymmetric)
+        rounding = block_rounding_error(rows, bits, block, quantized.asymmetric, scale_dtype)
         size, difference = in_blocks(rows, block).norm(dim=-1), in_blocks(error, block).norm(dim=-1)
         if by == "row":
             rounding, size, difference = (part.norm(dim=-1, keepdim=True) for part in (rounding, size, difference))

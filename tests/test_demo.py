@@ -63,6 +63,7 @@ def test_what_the_demo_would_refuse_late_it_refuses_first(tmp_path):
         (["--prompt", ""], tmp_path / "empty", "--prompt is empty"),
         (["-n", "100000"], tmp_path / "long", "and with -n 100000 that needs 100004 positions"),
         # the limit it names is the prompt's own (it said 8191 whatever the prompt, and 8191 then failed in step 2)
+        (["--prompt", "the " * 9000, "-n", "1"], tmp_path / "huge", "shorten the prompt to at most 8192 tokens"),
         (
             ["-n", "8189"],
             tmp_path / "edge",
@@ -80,7 +81,12 @@ def test_what_the_demo_would_refuse_late_it_refuses_first(tmp_path):
         result = CliRunner().invoke(main, ["demo", "--workdir", str(workdir), *options])
         assert result.exit_code == 1 and says in result.output and "[1/4]" not in result.output, result.output
         assert not (workdir / "smollm2-135m-thinker").exists()
-        if workdir.name in ("empty", "long", "edge"):  # refused before the work folder is made (it was left empty)
+        if workdir.name in (
+            "empty",
+            "long",
+            "huge",
+            "edge",
+        ):  # refused before the work folder is made (it was left empty)
             assert not workdir.exists()
     assert (tmp_path / "mine" / "smollm2-135m-onnx" / "notes.txt").read_text() == "mine"
     assert (tmp_path / "a-file" / "smollm2-135m-onnx").read_text() == "mine"

@@ -5,6 +5,7 @@ transformers, the parity reference, reads a GGUF from one file."""
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 # llama.cpp's gguf-split names its shards NAME-00001-of-00003.gguf and records split.count / split.no in each.
@@ -14,8 +15,8 @@ SPLIT_SHARD = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf
 def merge_advice(first_shard: str) -> str:
     """What to do with a GGUF split into several files: transformers, the parity reference, reads one file."""
     return (
-        f"merge the shards first with llama.cpp's `llama-gguf-split --merge {first_shard} merged.gguf` and convert "
-        "merged.gguf (transformers, the parity reference, reads a GGUF from one file)"
+        f"merge the shards first with llama.cpp's `llama-gguf-split --merge {shlex.quote(first_shard)} merged.gguf` "
+        "and convert merged.gguf (transformers, the parity reference, reads a GGUF from one file)"
     )
 
 

@@ -64,7 +64,11 @@ def in_hub_snapshot(path: Path) -> tuple[str | None, str]:
     a path outside the cache. The snapshot's folder after ``snapshots/`` is the commit, where a file in a sub-folder
     (a GGUF repo's ``Q8/``) is read."""
     parts = Path(path).parts
-    marks = [index for index, part in enumerate(parts[:-1]) if part == "snapshots"]
+    marks = [
+        index
+        for index, part in enumerate(parts[:-1])
+        if part == "snapshots" and index and _REPO_FOLDER.fullmatch(parts[index - 1])  # models--owner--name/
+    ]
     if not marks:
         return None, Path(path).name
     return parts[marks[-1] + 1], "/".join(parts[marks[-1] + 2 :])

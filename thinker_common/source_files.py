@@ -50,8 +50,9 @@ def redownload(path: Path | str) -> str:
     if hub_caches_of(path.parent):
         if _matches_its_checksum(path.resolve()):
             return (
-                "its cached copy is whole (its sha256 is the one the Hub gave for it), so the file in the repo is "
-                "itself broken: try another revision (--revision), or tell the repo's owner"
+                "its cached copy is what the repo holds (its sha256 is the one the Hub gave for it), so deleting it "
+                "would fetch the same bytes: the file in the repo is itself damaged, or in a form newer than the "
+                "installed libraries read (upgrade them), or try another revision (--revision)"
             )
         return f"re-download it: delete the cached copy {path.resolve()} and run again, which fetches it afresh"
     if _written_by_thinker(path.parent):

@@ -28,7 +28,7 @@ from .errors import ThinkerError
 from .folder_source import FolderSource
 from .fp8_source import DequantizedFP8Source, fp8_quantization, loaded_dtype
 from .side_files import read_json
-from .source_files import checked_file, present, redownload, regular_file
+from .source_files import checked_file, hub_caches_of, present, redownload, regular_file
 from .values import ValueScan
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -334,10 +334,16 @@ def indexed_shards(root: Path, index_name: str) -> list[Path]:
         ]
         if unnamed:
             more = f" and {len(unnamed) - 1} more" if len(unnamed) > 1 else ""
+            # a Hub snapshot holds one commit's files: its index is the repo's own there
+            advice = (
+                "the repo's index leaves it out at this commit: try another revision (--revision), or tell the "
+                "repo's owner"
+                if hub_caches_of(root)
+                else f"the index is damaged or from another download: {redownload(index_path)}"
+            )
             raise ThinkerError(
-                f"{index_path}: names no tensor in {unnamed[0]}{more}, a shard of its own set beside it; the index "
-                f"is damaged or from another download, so the tensors in that shard would go unread: "
-                f"{redownload(index_path)}"
+                f"{index_path}: names no tensor in {unnamed[0]}{more}, a shard of its own set beside it, so the "
+                f"tensors in that shard would go unread; {advice}"
             )
     return paths
 

@@ -307,8 +307,20 @@ def test_a_corrupt_cached_file_says_which_copy_to_delete(fake_hub, qwen3_source,
     fake_hub.add_repo("tiny-org/broken", broken)
     weights = resolve_source("tiny-org/broken", progress=False) / "model.safetensors"
     message = assert_error(thinker("convert", "tiny-org/broken", tmp_path / "out2", "--no-verify"), str(weights))
-    assert "its cached copy is whole" in message and "the file in the repo is itself broken" in message
+    assert "its cached copy is what the repo holds" in message and "the file in the repo is itself damaged" in message
     assert "delete the cached copy" not in message
+
+
+def test_a_snapshot_is_read_as_the_hub_caches_only(tmp_path):
+    """A local folder named snapshots/ is not the Hub's cache: its sub-folder is no commit (an export of
+    /data/snapshots/my-model recorded the commit "my-model": a review)."""
+    from thinker_common.model_card import in_hub_snapshot
+
+    commit = "9f230a7f5c62ad4ca871291a636eeabd0ac2f0ba"
+    cached = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / commit / "Q8" / "tiny-Q8_0.gguf"
+    assert in_hub_snapshot(cached) == (commit, "Q8/tiny-Q8_0.gguf")
+    assert in_hub_snapshot(tmp_path / "data" / "snapshots" / "my-model") == (None, "my-model")
+    assert in_hub_snapshot(tmp_path / "snapshots" / "2024-06" / "my-model") == (None, "my-model")
 
 
 def test_local_paths_and_bad_sources(tmp_path):
@@ -526,7 +538,8 @@ def test_the_hubs_own_failure_is_the_reason_given(fake_hub, monkeypatch):
     fake_hub.unserved.clear()
     fake_hub.api_down = True
     with pytest.raises(
-        ThinkerError, match=r"missing files and the Hub at .* cannot be reached \(HfHubHTTPError: .*500"
+        ThinkerError,
+        match=r"missing files \(model.safetensors\) and the Hub at .* cannot be reached \(HfHubHTTPError: .*500",
     ):
         resolve_source(REPO, progress=False)
 

@@ -115,3 +115,16 @@ def test_verify_holds_genai_config_to_the_graph(thinker_variant, onnx_variant, t
         result = verify_export(folder, plain / "model.onnx", torch.float32)
         assert result["passed"] is False and f"genai_config.json: {said}" in result["failure"], result.get("failure")
         assert result["max_abs_diff"] <= result["tolerance"]  # every prompt passes
+
+
+def test_greedy_search_keeps_valid_sampling_values_and_drops_what_it_never_reads():
+    """generate() runs a greedy generation_config.json whatever its temperature, top_k and top_p (it builds no
+    sampling warper): a value onnxruntime-genai cannot take gets the default in its place, where it refused the
+    export (a QA run); a valid one stays, so a caller who turns sampling on samples as generate() would."""
+    from export.genai_config import search_options
+
+    kept = search_options({"do_sample": False, "temperature": 0.7, "top_p": 0.8, "top_k": 20})
+    assert (kept["temperature"], kept["top_p"], kept["top_k"]) == (0.7, 0.8, 20)
+    dropped = search_options({"temperature": 0.0, "top_p": 0.0, "top_k": -1})
+    assert (dropped["temperature"], dropped["top_p"], dropped["top_k"]) == (1.0, 1.0, 50)
+    assert dropped["do_sample"] is False

@@ -581,6 +581,26 @@ def test_one_block_in_a_long_row_is_held_to_its_own_rounding(thinker_variant, on
     ), broken
 
 
+@pytest.mark.parametrize("magnitude", [1e-2, 1e-3, 1e-4])
+def test_a_float16_scale_is_rounded_as_onnxruntime_stores_it(magnitude):
+    """onnxruntime's blockwise quantizer rounds the values at the float32 scale and stores the scale as float16,
+    which for a block of small weights is subnormal: its rounding outweighs the values' (a review measured 1.3-5x a
+    block of a sound graph). The model of the rounding stores the scale alike, and meets onnxruntime's exactly."""
+    from onnxruntime.capi._pybind_state import quantize_matmul_8bits
+
+    from export.quantized_verify import block_rounding_error, in_blocks
+
+    k, n, block = 64, 64, 32
+    weight = ((np.random.default_rng(0).random((k, n)) * 2 - 1) * magnitude).astype(np.float16)
+    packed, scales = np.zeros((n, k // block, block), np.uint8), np.zeros(n * k // block, np.float16)
+    quantize_matmul_8bits(packed, weight, scales, np.zeros(n * k // block, np.uint8), block, n, k, True)
+    dequantized = (packed.astype(np.float32) - 128) * scales.astype(np.float32).reshape(n, k // block, 1)
+    rows = torch.from_numpy(weight.T.astype(np.float32))
+    error = in_blocks(torch.from_numpy(dequantized.reshape(n, k)) - rows, block).norm(dim=-1)
+    rounding = block_rounding_error(rows, 8, block, asymmetric=False, scale_dtype=torch.float16)
+    torch.testing.assert_close(error, rounding, rtol=1e-5, atol=1e-12)
+
+
 def test_a_float16_quantized_export_is_judged_against_the_float32_model(thinker_variant, onnx_variant):
     """As --verify's help says, for every --dtype: the cost against the float32 model, the graph's own dtype
     setting only the graph check's tolerance."""
