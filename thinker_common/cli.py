@@ -84,6 +84,8 @@ def reports_errors(command: Callable) -> Callable:
                     click.echo(report.table())
                 except BrokenPipeError:  # stdout gone (| head): the error line still goes out, on stderr
                     stdout_gone()
+                if getattr(report, "mode_note", ""):  # why layer by layer, as a passing check says it
+                    click.secho(report.mode_note, fg="yellow", err=True)
             if debug:
                 raise
             message = " ".join(str(err).split())  # one line, even when it quotes a multi-line library message

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -237,6 +238,12 @@ def test_convert_switches_to_layer_mode_when_the_budget_is_too_small(tmp_path, m
     assert result.exit_code == 0, result.output
     assert "verifying layer by layer" in result.stderr and MEMORY_BUDGET_ENV in result.stderr
     assert json.loads((tmp_path / "small" / "parity.json").read_text())["mode"] == BY_LAYER
+    # a failing check says why it ran layer by layer too (it said so only on passing: a QA run)
+    bad = shutil.copytree(tmp_path / "small", tmp_path / "bad")
+    alter(bad, "model.layers.1.mlp.down_proj.weight", 1.1)
+    failed = cli(verify_command, source, bad)
+    assert failed.exit_code == 1 and "first divergence: layer 1" in failed.stdout, failed.output
+    assert "verifying layer by layer" in failed.stderr and MEMORY_BUDGET_ENV in failed.stderr, failed.output
 
     monkeypatch.setenv(MEMORY_BUDGET_ENV, "100GB")
     result = cli(convert_command, source, tmp_path / "large")
