@@ -122,7 +122,7 @@ WEIGHT_ERROR = {4: 0.2, 8: 0.02}
 # A whole-tensor error hides a fault confined to a few rows (one block's zero point, one expert of 128, the int8 rows
 # of a mixed head under an int4 body's limit) or a small one (a layer's scales 15 % off), so each output row is also
 # held to the error that onnxruntime's round-to-nearest makes on that very row of the float weight, at the row's own
-# bits, blocks and symmetry (``nearest_rounding_error`` reproduces it). Measured: exactly 1.000x on every row of the
+# bits, blocks and symmetry (``block_rounding_error`` reproduces it). Measured: exactly 1.000x on every row of the
 # real SmolLM2-135M's int4, int8 and asymmetric exports and of the tiny test models' (dense, QMoE, the plain graph's
 # experts, hybrid, mixed heads); HQQ at most 0.66x; float16 graphs 1.03x (their scales rounded to float16). Planted:
 # a layer's scales 15 % off 2.5x, one int8 head row's scale 15 % off 38x, one 4-bit zero point off by 4 10x.
@@ -357,24 +357,15 @@ class WeightFigures:
         """Parameter ``name``'s dequantized weight against its float one (the first time it is seen)."""
         if name not in self.errors:  # a streamed check loads each layer once per forward pass
             self.errors[name] = relative_error(name, quantized.weight, float_weight)
-            row = worst_row_rounding(quantized, float_weight)
-            if row is not None and (self.worst_row is None or row[0] > self.worst_row[0]):
+            worst = worst_rounding(quantized, float_weight) or {}
+            if (row := worst.get("row")) and (self.worst_row is None or row[0] > self.worst_row[0]):
                 self.worst_row = (row[0], name, *row[1:])
-            block = worst_row_rounding(quantized, float_weight, by="block")
-            if block is not None and (self.worst_block is None or block[0] > self.worst_block[0]):
+            if (block := worst.get("block")) and (self.worst_block is None or block[0] > self.worst_block[0]):
                 self.worst_block = (block[0], name, *block[1:])
         self.bits[name] = quantized.bits
         self.layouts[name] = Layout.of(quantized)
         if name == EMBEDDING:
             self.embedding = quantized.op_type
-
-
-def nearest_rounding_error(
-    rows: torch.Tensor, bits: int, block_size: int, asymmetric: bool, scale_dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """Per row of ``rows`` (R, K), float: the norm of the error round-to-nearest makes on it (``block_rounding_error``
-    over the row's blocks)."""
-    return block_rounding_error(rows, bits, block_size, asymmetric, scale_dtype).norm(dim=-1)
 
 
 def in_blocks(rows: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -420,13 +411,13 @@ def _round(values: torch.Tensor) -> torch.Tensor:
     return values.sign() * (values.abs() + 0.5).floor()
 
 
-def worst_row_rounding(
-    quantized: QuantizedWeight, reference: torch.Tensor, by: str = "row"
-) -> tuple[float, int, int, int] | None:
-    """The row of a dequantized parameter furthest from its float one, as a multiple of the error round-to-nearest
-    makes on that row (``nearest_rounding_error``): (ratio, row, bits, block size); None where the graph does not
-    say its grid. Rows are the output rows (a table's rows; experts' rows, expert after expert). ``by="block"``:
-    the block furthest from its own rounding error, its row named: one block's wrong scale in a row of hundreds of
+def worst_rounding(
+    quantized: QuantizedWeight, reference: torch.Tensor
+) -> dict[str, tuple[float, int, int, int]] | None:
+    """The row, and the block, of a dequantized parameter furthest from its float one, each as a multiple of the
+    error round-to-nearest makes on it (``block_rounding_error``): {"row": (ratio, row, bits, block size), "block":
+    the same, the block's row named}; None where the graph does not say its grid. Rows are the output rows (a
+    table's rows; experts' rows, expert after expert). Blocks too: one block's wrong scale in a row of hundreds of
     blocks moves the row's error by little (a QA run: a doubled scale, 1.1x on a row of 512 blocks)."""
     weight = torch.as_tensor(quantized.weight)
     scale_dtype = weight.dtype if weight.dtype in (torch.float16, torch.bfloat16) else torch.float32  # the scales'
@@ -438,21 +429,24 @@ def worst_row_rounding(
         parts = ((0, weight.shape[0], quantized.bits, quantized.block_size),)
     else:
         return None
-    worst = None
+    worst: dict[str, tuple[float, int, int, int]] = {}
     for start, stop, bits, block in parts:
         if block is None:
             continue
         rows, error = reference[start:stop], weight[start:stop] - reference[start:stop]
-        rounding = block_rounding_error(rows, bits, block, quantized.asymmetric, scale_dtype)
-        size, difference = in_blocks(rows, block).norm(dim=-1), in_blocks(error, block).norm(dim=-1)
-        if by == "row":
-            rounding, size, difference = (part.norm(dim=-1, keepdim=True) for part in (rounding, size, difference))
-        # A row already on the grid rounds to itself; a float16 graph still rounds its scales (2^-11 relative)
-        ratios = difference / torch.maximum(rounding, (2.0**-10 * size).clamp_min(1e-30))
-        row = int(ratios.amax(dim=-1).argmax())
-        if worst is None or ratios[row].max() > worst[0]:
-            worst = (float(ratios[row].max()), start + row, bits, block)
-    return worst
+        by_block = (  # (R, blocks) each: the rounding error, the values' size, the graph's error
+            block_rounding_error(rows, bits, block, quantized.asymmetric, scale_dtype),
+            in_blocks(rows, block).norm(dim=-1),
+            in_blocks(error, block).norm(dim=-1),
+        )
+        by_row = tuple(part.norm(dim=-1, keepdim=True) for part in by_block)
+        for unit, (rounding, size, difference) in (("row", by_row), ("block", by_block)):
+            # A row already on the grid rounds to itself; a float16 graph still rounds its scales (2^-11 relative)
+            ratios = difference / torch.maximum(rounding, (2.0**-10 * size).clamp_min(1e-30))
+            row = int(ratios.amax(dim=-1).argmax())
+            if unit not in worst or ratios[row].max() > worst[unit][0]:
+                worst[unit] = (float(ratios[row].max()), start + row, bits, block)
+    return worst or None
 
 
 def graph_check(
