@@ -10,7 +10,9 @@ What differs from the forward direction is only how the rules are chosen:
 - the inverted table is expanded for this config's layers and experts; a rule applies when the Thinker checkpoint
   holds its tensors, and where the forward table had alternative layouts (per-expert or fused experts) the first,
   the Hub's layout, is written;
-- every Thinker tensor must be consumed exactly once and every output name produced once.
+- every Thinker tensor must be consumed exactly once and every output name produced once;
+- tensors the family's class saves that the Thinker derives from its config (``Family.derived_back``: Qwen4-Exp's
+  hash buffers) are written from the config.
 
 The result is an ``engine.Plan`` like a forward one: the engine checks its shapes on meta tensors, streams it with
 its background writer and value checks, in the Thinker folder's dtype unless asked otherwise, so that a round trip
@@ -52,6 +54,7 @@ from .engine import (
 )
 from .families import FAMILIES, family_by_name
 from .model_card import write_way_back_card
+from .ops import FromConfig
 from .output_dtype import kept_wider, resolve_dtype
 from .parity import parity_gate, parity_mode, refuse_bad_memory_setting
 from .parity_report import BY_LAYER, PARITY_FILE
@@ -135,10 +138,13 @@ def plan_back(source: TensorSource, config: ThinkerConfig, family: Family, dtype
     twice = [name for counts in (consumed, produced) for name, count in counts.items() if count > 1]
     if twice:
         raise ThinkerError(f"the inverted {family.name} table uses or produces {describe_names(twice)} twice")
-    steps = in_source_order(steps, source.names())
+    derived = family.derived_back(config) if family.derived_back is not None else {}
+    steps = in_source_order(steps, source.names()) + [Step((), (name,), FromConfig(t)) for name, t in derived.items()]
     shapes = planned_shapes(family, config, steps, source)
     output_dtype = resolve_dtype(dtype, config.dtype, source)
-    return Plan(family, config, steps, shapes, output_dtype, kept=kept_wider(dtype, output_dtype, steps, source))
+    kept = kept_wider(dtype, output_dtype, steps, source)
+    own_dtypes = {name: tensor.dtype for name, tensor in derived.items()}
+    return Plan(family, config, steps, shapes, output_dtype, kept=kept, derived=own_dtypes)
 
 
 def _select_steps(family: Family, config: ThinkerConfig, names: set[str]) -> list[Step]:

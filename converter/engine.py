@@ -71,9 +71,11 @@ class Plan:
     dtype: torch.dtype  # the folder's: of every output tensor but those in ``kept``
     dropped: list[str] = field(default_factory=list)  # source tensors skipped on purpose
     kept: dict[str, torch.dtype] = field(default_factory=dict)  # output tensor -> the wider dtype its source stores
+    derived: dict[str, torch.dtype] = field(default_factory=dict)  # output tensor -> its own (integer) dtype, for
+    # tensors derived from the config (``ops.FromConfig``), which no cast may touch
 
     def dtype_of(self, target: str) -> torch.dtype:
-        return self.kept.get(target, self.dtype)
+        return self.derived.get(target) or self.kept.get(target, self.dtype)
 
     @property
     def num_parameters(self) -> int:
@@ -480,7 +482,8 @@ def convert_step(step: Step, source: TensorSource, plan: Plan) -> Iterator[tuple
     del inputs
     for index, target in enumerate(step.targets):
         tensor, outputs[index] = outputs[index], None  # hand over our reference: freed once written
-        yield target, finish_tensor(tensor, target, step.sources, plan.dtype_of(target), checked=scan_sources)
+        checked = scan_sources or not step.sources  # a tensor derived from the config holds integers, not read ones
+        yield target, finish_tensor(tensor, target, step.sources, plan.dtype_of(target), checked=checked)
         del tensor
 
 

@@ -302,6 +302,23 @@ class Squeeze(Op):
         return Unsqueeze(self.dim, self.ndim)
 
 
+@dataclass(frozen=True, eq=False)
+class FromConfig(Op):
+    """A tensor the Thinker derives from its config and so does not store, written for a family whose class saves
+    it (Qwen4-Exp's hash buffers, ``Family.derived_back``): no inputs, the values given. The way back only: the
+    forward direction drops such a tensor (``Family.dropped``), so there is nothing to invert."""
+
+    values: torch.Tensor
+
+    def __call__(self, tensors, config):
+        if tensors:
+            raise ValueError(f"FromConfig takes no tensors, got {len(tensors)}")
+        return [self.values.clone()]
+
+    def inverse(self) -> Op:
+        raise TypeError("a tensor derived from the config has no inverse: the forward direction drops it")
+
+
 # --- values llama.cpp stores transformed -----------------------------------------------------------------------------
 #
 # Computed in float32 and cast back, as transformers' GGUF loading computes them (its ``SubtractOne`` and

@@ -42,6 +42,8 @@ LayeredReferenceLoader = Callable[[Path, Any], Any]
 ConfigExporter = Callable[[Any], dict[str, Any]]
 # (Thinker config, the source) -> None, or ThinkerError naming a stored tensor the table drops that disagrees with it.
 SourceCheck = Callable[[Any, Any], None]
+# Thinker config -> {source name: tensor}: tensors the family's class saves that the Thinker derives from its config.
+DerivedTensors = Callable[[Any], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,8 @@ class Family:
       (``--to``); the tensors go back through ``inverted_tensors``.
     - ``check_source``: for dropped tensors the Thinker derives from its config instead (Qwen4-Exp's hash buffers):
       refuses, naming it, a stored one the translated config does not imply (the reference would run it).
+      ``derived_back``: the same tensors for the way back, by the names the way back writes them under, so that the
+      written folder holds every tensor the family's class saves (else transformers' load report calls them missing).
     """
 
     name: str
@@ -137,6 +141,7 @@ class Family:
     expert_count_keys: tuple[str, ...] = ("num_experts", "num_local_experts")
     config_label: str = "config.json"
     check_source: SourceCheck | None = None
+    derived_back: DerivedTensors | None = None
 
     def recognises(self, config: Mapping[str, Any], tensor_names: Collection[str]) -> bool:
         declared = config.get(self.model_type_key) in self.model_types or any(

@@ -26,7 +26,7 @@ from thinker_common.eager import EAGER
 from thinker_common.errors import ThinkerError
 
 from ..ops import StackExperts
-from ..spec import Family, LayeredReferenceLoader, ReferenceLoader, SourceCheck, TensorRule, rule
+from ..spec import DerivedTensors, Family, LayeredReferenceLoader, ReferenceLoader, SourceCheck, TensorRule, rule
 
 
 def load_hf_config(source_config: Mapping[str, Any], model_type: str) -> PreTrainedConfig:
@@ -423,6 +423,7 @@ def hf_family(
     renamed_fields: Mapping[str, str] | None = None,
     implied_fields: Mapping[str, Any] | None = None,
     check_source: SourceCheck | None = None,
+    derived_back: DerivedTensors | None = None,
     layer_count_keys: tuple[str, ...] = ("num_hidden_layers",),
     expert_count_keys: tuple[str, ...] = ("num_experts", "num_local_experts"),
     tie_key: str = "tie_word_embeddings",
@@ -453,7 +454,7 @@ def hf_family(
     - ``way_back``: a Thinker folder can be written back as this family (``--to``); ``renamed_fields`` names the
       config fields the family spells differently from Thinker (``{"attention_bias": "qkv_bias"}``), and
       ``implied_fields`` the values of fields its config has and the Thinker's has not (``hf_export_config``).
-    - ``check_source``: see ``Family``.
+    - ``check_source``, ``derived_back``: see ``Family``.
     - ``layer_count_keys`` / ``expert_count_keys``: the config keys (at any depth) holding layer and expert counts,
       bounded by the checkpoint's size before a config class builds anything from them (``Family``).
     - ``tie_key``: where the config sets the head's tie (``Family``).
@@ -487,6 +488,7 @@ def hf_family(
         reference=reference,
         layered_reference=layered_reference,
         check_source=check_source,
+        derived_back=derived_back,
         export_config=(
             hf_export_config(model_types[0], architectures[0], renamed_fields, implied_fields) if way_back else None
         ),

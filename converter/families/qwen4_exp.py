@@ -21,7 +21,7 @@ derives them from the config (``seed``, the primes above ``ngram_vocab_size_base
 multipliers were drawn for: ``vocab_size``, or ``ngram_hash_vocab_size`` where the config names it), and a stored one
 that differs (a vocabulary resized after the hash was drawn, which transformers' ``resize_token_embeddings`` allows,
 or an edited config) is refused by name before anything is written (``check_hash_buffers``), since the reference runs
-the stored ones.
+the stored ones. The way back writes them again, derived (``hash_buffers_back``), as transformers saves them.
 Layouts, drops (vision tower, ``mtp.*``) and the way back (causal-LM layout, experts per expert, the tables in
 pieces) are those of ``qwen3_5_moe``.
 
@@ -106,14 +106,28 @@ def qwen4_exp_fields(hf: PreTrainedConfig) -> dict[str, Any]:
     }
 
 
+def hash_buffer_prefix(layer: int) -> str:
+    """Where the source keeps a PLE layer's hash buffers (``ple_layer_ids`` count layers from 1), in Thinker's
+    names (the causal-LM layout)."""
+    return f"model.layers.{layer - 1}.ple.ple_embedding."
+
+
+def hash_buffers_back(config: ThinkerConfig) -> dict[str, torch.Tensor]:
+    """The hash buffers transformers saves with the weights, for the way back: derived, as the Thinker derives them."""
+    return {
+        hash_buffer_prefix(layer) + theirs: ngram_hash_buffers(config, ple_index)[ours]
+        for ple_index, layer in enumerate(config.ple_layer_ids)
+        for ours, theirs in HASH_BUFFERS.items()
+    }
+
+
 def check_hash_buffers(config: ThinkerConfig, source: TensorSource) -> None:
     """Each stored hash buffer holds what the Thinker derives from the config (small integer tensors, read whole)."""
     names = set(source.names())
     for ple_index, layer in enumerate(config.ple_layer_ids):
         for ours, theirs in HASH_BUFFERS.items():
             expected = ngram_hash_buffers(config, ple_index)[ours]
-            prefix = f"model.layers.{layer - 1}.ple.ple_embedding."
-            for name in {renamed(layout, prefix + theirs) for layout in LAYOUTS} & names:
+            for name in {renamed(layout, hash_buffer_prefix(layer) + theirs) for layout in LAYOUTS} & names:
                 stored = source.load(name)
                 if stored.dtype in (torch.int64, torch.int32) and torch.equal(stored.long(), expected):
                     continue
@@ -152,4 +166,5 @@ QWEN4_EXP = hf_family(
     renamed_fields={"ngram_seed": "seed"},
     implied_fields={"indexer_kv_heads": 1},  # Qwen4-Exp's indexer has one key head; its config requires 1
     check_source=check_hash_buffers,
+    derived_back=hash_buffers_back,
 )

@@ -23,6 +23,7 @@ from transformers import Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration
 
 from converter import engine
 from converter.cli import convert_command, verify_command
+from converter.families import qwen4_exp as qwen4_exp_family
 from converter.ops import JoinParts
 from thinker import ThinkerConfig, ThinkerForCausalLM
 from thinker_common.cli import main
@@ -131,23 +132,41 @@ def test_logits_greedy_tokens_and_left_padding(conversions, layout):
 
 def test_way_back_is_bit_exact(conversions, tmp_path):
     """``--to qwen4_exp``: the causal-LM layout, the n-gram tables cut back into their pieces, every tensor of the
-    source bit for bit; transformers derives the hash buffers (not written) again on load."""
+    source bit for bit, the hash buffers (which the Thinker does not store) written again from the config, so that
+    transformers loads the folder with nothing missing."""
     model, source, thinker, _ = conversions("causal-lm")
     back = cli(convert_command, thinker, tmp_path / "back", "--to", "qwen4_exp", "--verify")
     assert back.exit_code == 0, back.output
     written = json.loads((tmp_path / "back" / "config.json").read_text())
     assert written["model_type"] == "qwen4_exp_text" and written["architectures"] == ["Qwen4ExpForCausalLM"]
     assert written["indexer_kv_heads"] == 1 and written["seed"] == 1234
-    before = {n: t for n, t in safetensors_of(source).items() if not n.endswith(("multipliers", "sizes", "offsets"))}
-    after = safetensors_of(tmp_path / "back")
+    before, after = safetensors_of(source), safetensors_of(tmp_path / "back")
     assert sorted(after) == sorted(before)
+    assert any(name.endswith("layer_multipliers") for name in after)
     for name, tensor in before.items():
-        assert torch.equal(after[name], tensor), name
+        assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
     same_kernels = dict(attn_implementation="eager", experts_implementation="eager")  # as references.hybrid builds it
-    again = Qwen4ExpForCausalLM.from_pretrained(tmp_path / "back", **same_kernels).eval()
+    again, report = Qwen4ExpForCausalLM.from_pretrained(tmp_path / "back", output_loading_info=True, **same_kernels)
+    assert not any(report.values()), report  # nothing missing, unexpected or mismatched
+    again.eval()
     ids = token_ids(batch=2, length=30, seed=4, high=VOCAB)
     with torch.no_grad():
         assert torch.equal(again(ids).logits, model(ids).logits)
+
+
+def test_way_back_gate_fails_on_hash_buffers_derived_wrong(conversions, tmp_path, monkeypatch):
+    """A planted bug in the way back's derived hash buffers (another seed's multipliers): transformers runs the
+    written ones, so the gate fails and nothing is written."""
+    _, _, thinker, _ = conversions("causal-lm")
+    derived = qwen4_exp_family.ngram_hash_buffers
+    monkeypatch.setattr(
+        qwen4_exp_family,
+        "ngram_hash_buffers",
+        lambda config, index: derived(replace(config, ngram_seed=config.ngram_seed + 1), index),
+    )
+    back = cli(convert_command, thinker, tmp_path / "back", "--to", "qwen4_exp", "--verify")
+    assert back.exit_code == 1 and "does not match the Thinker folder" in back.output, back.output
+    assert not (tmp_path / "back").exists()
 
 
 @pytest.fixture
