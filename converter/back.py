@@ -12,7 +12,7 @@ What differs from the forward direction is only how the rules are chosen:
   the Hub's layout, is written;
 - every Thinker tensor must be consumed exactly once and every output name produced once;
 - tensors the family's class saves that the Thinker derives from its config (``Family.derived_back``: Qwen4-Exp's
-  hash buffers) are written from the config.
+  hash buffers; a shared expert 0 wide, ``empty_shared_expert``) are written from the config.
 
 The result is an ``engine.Plan`` like a forward one: the engine checks its shapes on meta tensors, streams it with
 its background writer and value checks, in the Thinker folder's dtype unless asked otherwise, so that a round trip
@@ -28,6 +28,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import torch
 from huggingface_hub.errors import StrictDataclassError
 
 from thinker import ThinkerConfig
@@ -138,13 +139,43 @@ def plan_back(source: TensorSource, config: ThinkerConfig, family: Family, dtype
     twice = [name for counts in (consumed, produced) for name, count in counts.items() if count > 1]
     if twice:
         raise ThinkerError(f"the inverted {family.name} table uses or produces {describe_names(twice)} twice")
-    derived = family.derived_back(config) if family.derived_back is not None else {}
+    derived = empty_shared_expert(family, config) | (family.derived_back(config) if family.derived_back else {})
     steps = in_source_order(steps, source.names()) + [Step((), (name,), FromConfig(t)) for name, t in derived.items()]
     shapes = planned_shapes(family, config, steps, source)
     output_dtype = resolve_dtype(dtype, config.dtype, source)
     kept = kept_wider(dtype, output_dtype, steps, source)
-    own_dtypes = {name: tensor.dtype for name, tensor in derived.items()}
+    # integer tensors keep their dtype; float ones (an empty shared expert's) take the folder's
+    own_dtypes = {name: tensor.dtype for name, tensor in derived.items() if not tensor.is_floating_point()}
     return Plan(family, config, steps, shapes, output_dtype, kept=kept, derived=own_dtypes)
+
+
+# A shared expert's tensors by their Thinker names within a layer, and their shapes at a width of 0.
+_EMPTY_SHARED_EXPERT = {
+    "mlp.shared_expert.gate_proj.weight": lambda hidden: (0, hidden),
+    "mlp.shared_expert.up_proj.weight": lambda hidden: (0, hidden),
+    "mlp.shared_expert.down_proj.weight": lambda hidden: (hidden, 0),
+    "mlp.shared_expert_gate.weight": lambda hidden: (1, hidden),
+}
+
+
+def empty_shared_expert(family: Family, config: ThinkerConfig) -> dict[str, torch.Tensor]:
+    """A shared expert 0 wide (``shared_expert_intermediate_size: 0``) adds exactly 0, so the Thinker has none and
+    the forward direction drops its tensors (``engine._dropped_names``); the family's class builds them all the same
+    (Qwen2-MoE's, Qwen3-Next's), so the way back writes them, by the family's names: the projections empty, the gate
+    zeros (the source's gate values scaled an empty product and are not kept). Nothing for a family without one."""
+    if not config.num_experts or config.shared_expert_intermediate_size:
+        return {}
+    wanted = {
+        f"model.layers.{layer}.{name}": torch.zeros(shape(config.hidden_size))
+        for layer, kind in enumerate(config.mlp_layer_types)
+        if kind == "sparse"
+        for name, shape in _EMPTY_SHARED_EXPERT.items()
+    }
+    written = {}
+    for step in expand_rules(family.inverted_tensors(), config):
+        if step.sources[0] in wanted:  # by the first layout the table lists, as ``_select_steps`` picks
+            written.setdefault(step.sources[0], (step.targets[0], wanted[step.sources[0]]))
+    return dict(written.values())
 
 
 def _select_steps(family: Family, config: ThinkerConfig, names: set[str]) -> list[Step]:

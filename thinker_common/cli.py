@@ -212,6 +212,9 @@ def quiet_libraries() -> None:
     transformers_logging.set_verbosity_error()
     transformers_logging.disable_progress_bar()
     hub_logging.set_verbosity_error()
+    # torch's word on an empty Linear, with its site-packages path: a Qwen2-MoE class builds its shared expert 0 wide
+    # when the config says so, which is the model, not a problem
+    warnings.filterwarnings("ignore", message="Initializing zero-element tensors is a no-op", category=UserWarning)
 
 
 # The commands of `thinker`, in the order of a session, and the click command object each one is.

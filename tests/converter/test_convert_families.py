@@ -220,6 +220,31 @@ def test_a_shared_expert_zero_wide_is_dropped(save_reference, run_convert):
     assert_same_logits(model, result.output)
 
 
+def test_a_shared_expert_zero_wide_is_written_back_empty(save_reference, run_convert, tmp_path):
+    """The way back writes the empty projections and the gate again (zeros: the source's gate values scaled an empty
+    product), so that transformers loads the folder with nothing missing; every other tensor bit for bit. torch's
+    warning about the reference's empty Linear is not shown to the user."""
+    from cli_helpers import run_cli
+    from safetensors.torch import load_file
+    from transformers import Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(**QWEN2_MOE, shared_expert_intermediate_size=0, mlp_only_layers=[0])
+    model, source = save_reference(config)
+    thinker = run_convert(source).output
+    done = run_cli("convert", thinker, tmp_path / "back", "--to", "qwen2_moe")  # a fresh process: every warning shows
+    assert done.returncode == 0, done.stderr
+    assert "zero-element" not in done.stderr  # torch's warning on the reference's empty Linear is no news
+    before, after = load_file(source / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(after) == sorted(before)
+    for name, tensor in before.items():
+        expected = torch.zeros_like(tensor) if name.endswith("shared_expert_gate.weight") else tensor
+        assert torch.equal(after[name], expected), name
+    assert "model.layers.0.mlp.shared_expert_gate.weight" not in after  # a dense layer (mlp_only_layers) has none
+    again, report = Qwen2MoeForCausalLM.from_pretrained(tmp_path / "back", output_loading_info=True)
+    assert not any(report.values()), report
+    assert_same_logits(again.eval(), thinker)
+
+
 def test_a_sparse_step_of_zero_is_refused_by_key(save_reference, tmp_path):
     """decoder_sparse_step 0 divides by zero in transformers' class and the Thinker's (was a ZeroDivisionError)."""
     import json
