@@ -166,6 +166,24 @@ def search_options(generation_config: dict | None, path: object = "generation_co
     return options
 
 
+def search_max_length(generation_config: dict | None, context: int, path: object = "generation_config.json") -> int:
+    """The total length onnxruntime-genai stops at (and sizes its KV buffer for) by default: generation_config.json's
+    ``max_length`` where it names one, as ``generate()`` stops there (Llama 3's releases: 4096 of 8192), within the
+    context; else the context. A ``max_new_tokens`` beside it is what ``generate()`` follows instead, a length past
+    each prompt, which genai_config.json cannot say: the context then. A caller's ``set_search_options(max_length=N)``
+    takes any length up to the context either way."""
+    given = generation_config if isinstance(generation_config, dict) else {}
+    length = given.get("max_length")
+    if length is None or given.get("max_new_tokens") is not None:
+        return context
+    if not _count(length) or length == 0:
+        raise ThinkerError(
+            f"{path}: max_length={length!r} is not a length generate() takes (a whole number above 0); correct it "
+            "in the Thinker folder (or remove it) and export again"
+        )
+    return min(length, context)
+
+
 def make_genai_config(
     config: ThinkerConfig,
     generation_config: dict | None,
@@ -181,13 +199,14 @@ def make_genai_config(
     one: export/genai_graph.py), ``graph_positions``: whether that graph takes position_ids."""
     bos, eos, pad = special_token_ids(config, generation_config)
     layers = config.num_hidden_layers
+    context = export_context(config.max_position_embeddings, config.rope_parameters)[0]
     genai = {
         "model": {
             "type": genai_model_type(config, position_form(config, positions)),
             "bos_token_id": bos,
             "eos_token_id": eos if len(eos) > 1 else eos[0],
             "pad_token_id": pad,
-            "context_length": export_context(config.max_position_embeddings, config.rope_parameters)[0],
+            "context_length": context,
             "vocab_size": config.vocab_size,
             "decoder": {
                 "filename": graph,
@@ -225,7 +244,7 @@ def make_genai_config(
             "length_penalty": 1.0,
             "diversity_penalty": 0.0,
             "min_length": 0,
-            "max_length": export_context(config.max_position_embeddings, config.rope_parameters)[0],
+            "max_length": search_max_length(generation_config, context),
             "early_stopping": True,
             "past_present_share_buffer": share_buffer,
         },

@@ -128,3 +128,23 @@ def test_greedy_search_keeps_valid_sampling_values_and_drops_what_it_never_reads
     dropped = search_options({"temperature": 0.0, "top_p": 0.0, "top_k": -1})
     assert (dropped["temperature"], dropped["top_p"], dropped["top_k"]) == (1.0, 1.0, 50)
     assert dropped["do_sample"] is False
+
+
+def test_max_length_follows_generation_config_within_the_context():
+    """generate() stops at generation_config.json's max_length (Llama 3's releases: 4096 of 8192 positions), so
+    onnxruntime-genai does too by default (it wrote the context, a QA run found); within the context; not where a
+    max_new_tokens, which generate() follows instead, names a length past each prompt genai_config.json cannot say."""
+    import pytest
+
+    from export.genai_config import search_max_length
+    from thinker_common.errors import ThinkerError
+
+    config = make_config("qwen3")
+    context = make_genai_config(config, None)["model"]["context_length"]
+    assert make_genai_config(config, None)["search"]["max_length"] == context
+    assert make_genai_config(config, {"max_length": context - 24})["search"]["max_length"] == context - 24
+    assert make_genai_config(config, {"max_length": context + 1})["search"]["max_length"] == context
+    assert make_genai_config(config, {"max_length": 40, "max_new_tokens": 8})["search"]["max_length"] == context
+    for wrong in (0, -1, 2.5, "40", True):
+        with pytest.raises(ThinkerError, match=r"generation_config.json: max_length=.* whole number above 0"):
+            search_max_length({"max_length": wrong}, context)
