@@ -296,8 +296,10 @@ def test_an_existing_output_is_left_untouched(command, kind, qwen3_source, qwen3
         output.write_text("precious")
     before = digest(output)
     source = qwen3_source if command == "convert" else qwen3_thinker
-    if kind == "folder":
-        assert_error(thinker(command, source, output, "--no-verify"), str(output), "already exists; pass --force")
+    if kind == "folder":  # not thinker's: --force does not take it, so without --force it is not sent there either
+        for force in ([], ["--force"]):
+            result = thinker(command, source, output, "--no-verify", *force)
+            assert_error(result, str(output), "not an earlier output of thinker", "choose another OUTPUT")
     else:  # a file at OUTPUT is more likely a mistyped path than an old output: --force does not take it either
         for force in ([], ["--force"]):
             result = thinker(command, source, output, "--no-verify", *force)

@@ -48,6 +48,7 @@ def refuse_existing_output(
     if not force:
         refuse_a_file(output)  # with --force, after the checks against the source, whose messages say more
     if (output.exists() or output.is_symlink()) and not force:
+        refuse_replacing_another_folder(output)  # what --force would refuse is told so, not sent to --force
         when = f" {replaced_when}" if replaced_when else ""
         raise ThinkerError(f"{output} already exists; pass --force to replace it{when}")
     if force and os.path.ismount(output):  # known before the work, which the replacement would then throw away

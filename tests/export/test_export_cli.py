@@ -253,12 +253,15 @@ def test_existing_output_is_refused_without_force(runner, thinker_folder, tmp_pa
     output.mkdir()
     (output / "keep.txt").write_text("mine")
     result = runner.invoke(main, ["export", str(thinker_folder("qwen2")), str(output), "--no-verify"])
-    assert result.exit_code == 1
-    assert result.stderr.strip().splitlines() == [f"error: {output} already exists; pass --force to replace it"]
+    assert result.exit_code == 1  # not an earlier output: --force would not take it, so it is not offered
+    assert "not an earlier output of thinker" in result.stderr and "--force deletes" in result.stderr, result.stderr
     assert [p.name for p in output.iterdir()] == ["keep.txt"]
 
     # --force replaces earlier outputs only (tests/test_source_safety.py): with a thinker card beside it, this is one
     earlier_output(output)
+    result = runner.invoke(main, ["export", str(thinker_folder("qwen2")), str(output), "--no-verify"])
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines() == [f"error: {output} already exists; pass --force to replace it"]
     result = runner.invoke(main, ["export", str(thinker_folder("qwen2")), str(output), "--no-verify", "--force"])
     assert result.exit_code == 0, result.output
     assert (output / "model.onnx").is_file() and not (output / "keep.txt").exists()
