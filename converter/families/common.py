@@ -174,12 +174,15 @@ def hf_export_config(
     architecture: str,
     renamed: Mapping[str, str] | None = None,
     implied: Mapping[str, Any] | None = None,
+    undeclared: Callable[[ThinkerConfig], dict[str, Any]] | None = None,
 ) -> Callable[[ThinkerConfig], dict[str, Any]]:
     """The way back for a family whose config speaks Thinker's (Qwen's) field names: every Thinker field the family's
     config class declares is carried over under the same name (or the one ``renamed`` gives); the rest are implied
     by the family, and ``implied`` sets those of its config's fields that it fixes and the Thinker has no field for
-    (Qwen4-Exp's ``indexer_kv_heads``, always 1). Whether the result really describes the same model is checked by
-    the caller, which translates it forward again and compares (``converter.back``)."""
+    (Qwen4-Exp's ``indexer_kv_heads``, always 1). ``undeclared`` gives keys the config class does not declare but
+    keeps, as ``config.json`` may hold them, for this config (Qwen4-Exp's ``ngram_hash_vocab_size``). Whether the
+    result really describes the same model is checked by the caller, which translates it forward again and compares
+    (``converter.back``)."""
 
     def export(config: ThinkerConfig) -> dict[str, Any]:
         config_class = CONFIG_MAPPING[model_type]
@@ -196,7 +199,8 @@ def hf_export_config(
         hf = config_class(**kwargs)
         hf.architectures = [architecture]
         hf.dtype = config.dtype
-        return hf.to_diff_dict()  # what save_pretrained writes: no defaults the source never had (id2label ...)
+        # what save_pretrained writes: no defaults the source never had (id2label ...)
+        return hf.to_diff_dict() | (undeclared(config) if undeclared else {})
 
     return export
 
@@ -422,6 +426,7 @@ def hf_family(
     way_back: bool = True,
     renamed_fields: Mapping[str, str] | None = None,
     implied_fields: Mapping[str, Any] | None = None,
+    undeclared_fields: Callable[[ThinkerConfig], dict[str, Any]] | None = None,
     check_source: SourceCheck | None = None,
     derived_back: DerivedTensors | None = None,
     layer_count_keys: tuple[str, ...] = ("num_hidden_layers",),
@@ -453,7 +458,8 @@ def hf_family(
       builds the class ``AutoModelForCausalLM`` picks and reads the folder's tensors one layer at a time.
     - ``way_back``: a Thinker folder can be written back as this family (``--to``); ``renamed_fields`` names the
       config fields the family spells differently from Thinker (``{"attention_bias": "qkv_bias"}``), and
-      ``implied_fields`` the values of fields its config has and the Thinker's has not (``hf_export_config``).
+      ``implied_fields`` the values of fields its config has and the Thinker's has not, ``undeclared_fields`` the
+      keys its config class does not declare that this config needs (``hf_export_config``).
     - ``check_source``, ``derived_back``: see ``Family``.
     - ``layer_count_keys`` / ``expert_count_keys``: the config keys (at any depth) holding layer and expert counts,
       bounded by the checkpoint's size before a config class builds anything from them (``Family``).
@@ -490,7 +496,9 @@ def hf_family(
         check_source=check_source,
         derived_back=derived_back,
         export_config=(
-            hf_export_config(model_types[0], architectures[0], renamed_fields, implied_fields) if way_back else None
+            hf_export_config(model_types[0], architectures[0], renamed_fields, implied_fields, undeclared_fields)
+            if way_back
+            else None
         ),
         layer_count_keys=layer_count_keys,
         expert_count_keys=expert_count_keys,

@@ -106,6 +106,14 @@ def qwen4_exp_fields(hf: PreTrainedConfig) -> dict[str, Any]:
     }
 
 
+def hash_vocabulary(config: ThinkerConfig) -> dict[str, Any]:
+    """The way back's ``ngram_hash_vocab_size``, which Qwen4-Exp's config class does not declare: written where the
+    hash was drawn for another vocabulary than the model's (one resized since), as the source's config.json held it."""
+    if config.ngram_hash_vocab_size in (None, config.vocab_size):
+        return {}
+    return {"ngram_hash_vocab_size": config.ngram_hash_vocab_size}
+
+
 def hash_buffer_prefix(layer: int) -> str:
     """Where the source keeps a PLE layer's hash buffers (``ple_layer_ids`` count layers from 1), in Thinker's
     names (the causal-LM layout)."""
@@ -165,6 +173,7 @@ QWEN4_EXP = hf_family(
     layered_reference=layered_reference_by_model_type({"qwen4_exp": "Qwen4ExpForConditionalGeneration"}),
     renamed_fields={"ngram_seed": "seed"},
     implied_fields={"indexer_kv_heads": 1},  # Qwen4-Exp's indexer has one key head; its config requires 1
+    undeclared_fields=hash_vocabulary,
     check_source=check_hash_buffers,
     derived_back=hash_buffers_back,
 )

@@ -223,7 +223,8 @@ def test_hash_buffers_the_config_does_not_imply_are_refused_by_name(source_copy,
 def test_a_vocabulary_resized_after_the_hash_converts_once_the_config_says_so(tmp_path):
     """transformers' resize_token_embeddings keeps the hash drawn for the old vocabulary: such a checkpoint is refused
     by name until its config.json names that vocabulary (ngram_hash_vocab_size), then converts with parity, and the
-    Thinker keeps that hash through its own resizes (the field is in its config)."""
+    Thinker keeps that hash through its own resizes (the field is in its config); the way back writes the folder
+    the source was, the field and the stored hash included (it refused such a Thinker as inexpressible)."""
     model = reference(Qwen4ExpForCausalLM, qwen4_exp_config())
     model.resize_token_embeddings(VOCAB + 32)
     model.save_pretrained(tmp_path / "resized")
@@ -235,6 +236,13 @@ def test_a_vocabulary_resized_after_the_hash_converts_once_the_config_says_so(tm
     converted = cli(convert_command, tmp_path / "resized", tmp_path / "out", "--verify")
     assert converted.exit_code == 0, converted.output
     assert ThinkerConfig.from_pretrained(tmp_path / "out").ngram_hash_vocab_size == VOCAB
+
+    back = cli(convert_command, tmp_path / "out", tmp_path / "back", "--to", "qwen4_exp", "--verify")
+    assert back.exit_code == 0, back.output
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["ngram_hash_vocab_size"] == VOCAB
+    before, after = safetensors_of(tmp_path / "resized"), safetensors_of(tmp_path / "back")
+    assert sorted(after) == sorted(before)
+    assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
 
 
 @pytest.mark.parametrize("by_layer", [False, True], ids=["whole", "by-layer"])
