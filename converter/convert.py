@@ -170,7 +170,13 @@ def convert(
             files = write_weights(plan, tensor_source, staging, shard_bytes, progress)
             write_thinker_config(staging, plan.config)
             generation.save_pretrained(staging)  # the source's generation config, read above for its note
-            files += tensor_source.save_tokenizer(staging)
+            tokenizer = tensor_source.save_tokenizer(staging)
+            files += tokenizer
+            if not tokenizer and not isinstance(tensor_source, GGUFSource):  # a GGUF reader says why itself
+                notes.append(
+                    f"the source has no tokenizer files, so neither has {output.name}: it takes token ids; copy the "
+                    "model's tokenizer files into it for text"
+                )
             if verify:
                 failure = f"{output}: does not match its reference; nothing written"
                 report = parity_gate(root, staging, plan.family, staging / PARITY_FILE, failure, mode, note)
@@ -188,6 +194,7 @@ def convert(
                 recorded=gguf_card_metadata(tensor_source.metadata) if isinstance(tensor_source, GGUFSource) else {},
                 left=left,
                 deepstack=bool(plan.config.deepstack_layers),
+                tokenizer=bool(tokenizer),
             )
     finally:
         tensor_source.close()

@@ -168,11 +168,13 @@ def write_thinker_card(
     recorded: dict | None = None,
     left: list[LeftOut] | None = None,
     deepstack: bool = False,
+    tokenizer: bool = True,
 ) -> list[str]:
     """README.md (and the source's license files) in the Thinker folder ``folder`` (to be installed as ``name``);
     the names written. ``beyond_genai``: what the model has whose state onnxruntime-genai cannot carry;
     ``recorded``: card fields the weights file itself records (``gguf_card_metadata``), which the source folder's
-    own card overrides; ``left``: the source's parts left out (``engine.left_out``)."""
+    own card overrides; ``left``: the source's parts left out (``engine.left_out``); ``tokenizer``: whether the
+    folder has the source's tokenizer (a weights-only checkpoint has none, and the card then shows no use of one)."""
     root = Path(root)
     gguf = root if root.is_file() else None
     root = root.parent if gguf else root  # a GGUF file: its folder holds the card and license
@@ -189,24 +191,34 @@ def write_thinker_card(
     }
     here = name or Path(folder).name
     title = repo.split("/")[-1] if repo else here
+    if tokenizer:
+        side_files = "The tokenizer and generation config are the source's."
+        tokenizer_import, tokenizer_line = ", AutoTokenizer", f'\ntokenizer = AutoTokenizer.from_pretrained("{here}")'
+        calls = "both calls (the tokenizer reads the same config, and asks otherwise)"
+    else:
+        side_files = (
+            "The generation config is the source's; the source carries no tokenizer, so neither does this folder: "
+            "the model takes token ids, and text once the model's tokenizer files are copied in."
+        )
+        tokenizer_import = tokenizer_line = ""
+        calls = "the call"
     body = f"""# {title} (Thinker)
 
 The weights of {named}, family `{family}`, converted by `thinker-convert` {tool_version()} into a Thinker folder
 ({dtype}): one transformers `PreTrainedModel` for every Qwen-style architecture, with its modeling code beside the
-weights. The tokenizer and generation config are the source's.
+weights. {side_files}
 
 ## Use
 
 ```python
 import thinker  # registers the Thinker classes with transformers' Auto classes
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM{tokenizer_import}
 
-model = AutoModelForCausalLM.from_pretrained("{here}", dtype="auto")
-tokenizer = AutoTokenizer.from_pretrained("{here}")
+model = AutoModelForCausalLM.from_pretrained("{here}", dtype="auto"){tokenizer_line}
 ```
 
 Without Thinker installed, the folder's own modeling code runs: drop the import and pass `trust_remote_code=True` to
-both calls (the tokenizer reads the same config, and asks otherwise).
+{calls}.
 
 {export_line(here, beyond_genai)}
 """ + (f"\n{section}" if (section := left_out_section(left or [], deepstack)) else "")

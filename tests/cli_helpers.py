@@ -171,3 +171,22 @@ def edit_tensors(folder: Path, change: Callable[[dict[str, torch.Tensor]], None]
     tensors = load_file(folder / "model.safetensors")
     change(tensors)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+_WORDS = "the a cat dog sat on mat and ran to house big small red blue one two three is was it".split()
+
+
+def save_word_tokenizer(folder, vocab_size: int = 64):
+    """A whitespace word-level tokenizer with one token per id (pad 0, bos 1, eos 2, unk 3, words, w<id> fillers)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = ["[PAD]", "[BOS]", "[EOS]", "[UNK]", *_WORDS]
+    tokens += [f"w{i}" for i in range(len(tokens), vocab_size)]
+    backend = Tokenizer(models.WordLevel({token: i for i, token in enumerate(tokens)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]", unk_token="[UNK]"
+    )
+    tokenizer.save_pretrained(folder)

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_helpers import save_word_tokenizer
 from seeded_weights import randomize_parameters
 
 # --- GPU tests ------------------------------------------------------------------------------------------------------
@@ -227,24 +228,6 @@ def tiny_thinker_dirs(tmp_path_factory):
 
 
 # --- bad input and faults (tests/test_bad_input.py, tests/test_faults.py) -------------------------------------------
-
-_WORDS = "the a cat dog sat on mat and ran to house big small red blue one two three is was it".split()
-
-
-def save_word_tokenizer(folder, vocab_size: int = 64):
-    """A whitespace word-level tokenizer with one token per id (pad 0, bos 1, eos 2, unk 3, words, w<id> fillers)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tokens = ["[PAD]", "[BOS]", "[EOS]", "[UNK]", *_WORDS]
-    tokens += [f"w{i}" for i in range(len(tokens), vocab_size)]
-    backend = Tokenizer(models.WordLevel({token: i for i, token in enumerate(tokens)}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]", unk_token="[UNK]"
-    )
-    tokenizer.save_pretrained(folder)
 
 
 @pytest.fixture(scope="session")

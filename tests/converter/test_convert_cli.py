@@ -352,3 +352,28 @@ def test_the_model_card_says_where_the_weights_came_from_and_what_was_checked(fa
     text = (unchecked / "README.md").read_text()
     assert "Not checked" not in text and row in text
     assert ModelCard.load(unchecked / "README.md").data.license == "apache-2.0"  # the rest of the card as it was
+
+
+@pytest.mark.parametrize("with_tokenizer", [True, False], ids=["tokenizer", "weights-only"])
+def test_the_cards_usage_snippet_runs_as_written(with_tokenizer, save_reference, tmp_path, monkeypatch):
+    """The card's Python snippet, run from the folder holding the conversion: with the source's tokenizer it loads
+    both; a weights-only source's card shows no tokenizer (it showed AutoTokenizer, which then failed, a QA run
+    found) and says so."""
+    from cli_helpers import save_word_tokenizer
+
+    _, source = save_reference(QWEN3, name="source")
+    if with_tokenizer:
+        save_word_tokenizer(source, QWEN3.vocab_size)
+    result = CliRunner().invoke(convert_command, [str(source), str(tmp_path / "out"), "--no-verify"])
+    assert result.exit_code == 0, result.output
+    assert ("the source has no tokenizer files, so neither has out" in result.output) is not with_tokenizer
+    card = (tmp_path / "out" / "README.md").read_text()
+    (snippet,) = re.findall(r"```python\n(.*?)```", card, flags=re.DOTALL)
+    assert ("AutoTokenizer" in snippet) is with_tokenizer
+    assert ("carries no tokenizer" in card) is not with_tokenizer
+    monkeypatch.chdir(tmp_path)
+    names: dict = {}
+    exec(snippet, names)  # the card's own words
+    assert names["model"].config.model_type == "thinker"
+    if with_tokenizer:
+        assert names["tokenizer"]("the cat").input_ids
