@@ -61,9 +61,9 @@ class WeightFile:
 
     def _append(self, name: str, data_type: int, dims: list[int], data: np.ndarray) -> TensorProto:
         pad = -self._file.tell() % ALIGNMENT
-        self._file.write(b"\0" * pad)
+        self._write(b"\0" * pad)
         offset = self._file.tell()
-        self._file.write(data)  # straight from the tensor's memory
+        self._write(data)  # straight from the tensor's memory
         proto = TensorProto(name=name, data_type=data_type, dims=dims)
         proto.data_location = TensorProto.EXTERNAL
         for key, value in (("location", self.path.name), ("offset", offset), ("length", data.nbytes)):
@@ -72,8 +72,17 @@ class WeightFile:
         self.count += 1
         return proto
 
+    def _write(self, data: bytes | np.ndarray) -> None:
+        try:
+            self._file.write(data)
+        except OSError as err:  # a write's error names no file (a full disk, a file-size limit): the file's name
+            raise OSError(err.errno, err.strerror, self.path.name) from err
+
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()  # writes what the buffer still holds
+        except OSError as err:
+            raise OSError(err.errno, err.strerror, self.path.name) from err
 
 
 class GraphBuilder:

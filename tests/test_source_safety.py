@@ -443,6 +443,15 @@ def test_a_file_larger_than_the_file_system_takes(qwen3_source, tmp_path):
     assert sorted(os.listdir(tmp_path)) == []
 
 
+def test_an_export_larger_than_the_file_system_takes(qwen3_thinker, tmp_path):
+    """The same for ``thinker export``: its weights file is named (a write's error names no file; it said only
+    "File too large")."""
+    weights = sum(path.stat().st_size for path in qwen3_thinker.glob("*.safetensors"))
+    result = run_cli("export", qwen3_thinker, tmp_path / "out", "--no-verify", file_size=weights // 2)
+    assert_process_error(result, "model.onnx.data: File too large", "write to another file system")
+    assert sorted(os.listdir(tmp_path)) == []
+
+
 def test_a_source_path_that_is_not_utf8(qwen3_source, tmp_path):
     """A folder name of bytes that are not UTF-8 (which Linux allows and safetensors cannot open) is named as the
     path's fault, not taken for a corrupt file to download again."""
