@@ -34,6 +34,7 @@ from thinker_common.eager import EAGER
 from thinker_common.errors import ThinkerError
 from thinker_common.parity_inputs import RELATIVE_TOLERANCE, fixed_prompts, left_padded
 from thinker_common.sizes import human_size, parse_size
+from thinker_common.sources import open_source
 
 from .layer_parity import refuse_other_weights_file, refuse_unloadable
 from .parity_report import (
@@ -91,6 +92,8 @@ def reference_from_pretrained(label: Path, folder: Path, **kwargs: Any) -> PreTr
     except Exception as err:  # transformers raises many types for a folder it cannot load; all are the folder's
         if "gguf_file" not in kwargs:  # a folder's weights: the reason by name, where it is their names
             refuse_unloadable(Path(folder), label)
+            # or a file cut short or damaged since the converter read it: named by the converter's own reader
+            open_source(Path(folder)).close()
         raise ThinkerError(
             f"{label}: the reference model does not load with transformers ({err}), so there is no reference to "
             "verify against; convert with --no-verify"

@@ -707,3 +707,23 @@ def test_a_path_too_long_whose_names_all_fit(qwen3_source, tmp_path):
     result = thinker("convert", qwen3_source, long, "--no-verify")
     assert_error(result, "File name too long; the whole path is longer than the system takes (4096 bytes)")
     assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_source_cut_short_during_the_run_is_named_as_such(source_copy, tmp_path, monkeypatch):
+    """A source file truncated after the converter read it and before the reference loads it (a re-download racing
+    the run): the file is named as cut short, to download again; it was "the reference model does not load with
+    transformers ... convert with --no-verify", advice a rerun then refused anyway."""
+    from converter import convert
+
+    source = source_copy()
+    checked = convert.parity_gate
+
+    def cut_first(*args, **kwargs):
+        weights = source / "model.safetensors"
+        os.truncate(weights, weights.stat().st_size // 2)
+        return checked(*args, **kwargs)
+
+    monkeypatch.setattr(convert, "parity_gate", cut_first)
+    result = thinker("convert", source, tmp_path / "out")
+    assert_error(result, f"{source / 'model.safetensors'}: not a readable safetensors file", "truncated", "re-download")
+    assert_nothing_written(tmp_path / "out")
