@@ -38,7 +38,7 @@ from .contrib_schemas import register_onnxruntime_schemas
 from .decoder_graph import IR_VERSION, OPSET, DecoderGraph, make_model, not_exported, position_form
 from .embeds_graph import embeds_positions_note, embeds_refusal, write_embeds_graphs
 from .folder_check import check_thinker_folder
-from .genai_config import logits_note, make_genai_config, no_eos_note, search_max_length, search_options
+from .genai_config import check_search, logits_note, make_genai_config, no_eos_note
 from .genai_graph import write_genai_graph
 from .graph_builder import GraphBuilder, WeightFile
 from .graph_walk import all_nodes
@@ -57,7 +57,6 @@ from .names import (
     MODEL_FILE,
     POSITIONS,
     REPORT_FILE,
-    export_context,
     export_files,
 )
 from .quantize import HEAD, QuantizeSpec, WeightQuantizer, cuda_experts_note
@@ -220,12 +219,7 @@ def export_model(
         readable_tokenizer_files(model_dir)  # and the tokenizer copied beside the graph
         if inputs_embeds and embeds_refusal(config):
             raise ThinkerError(embeds_refusal(config))
-        generation_file = model_dir / "generation_config.json"
-        generation = read_json(generation_file)  # its sampling keys and max_length, checked before any work
-        search_options(generation, generation_file)
-        search_max_length(
-            generation, export_context(config.max_position_embeddings, config.rope_parameters)[0], generation_file
-        )
+        check_search(model_dir / "generation_config.json", config)  # its sampling keys and max_length
         whole_head_note = quantize.whole_head_note(config.vocab_size) if quantize else None
         if quantize and quantize.float_embedding and not config.tie_word_embeddings:
             raise ThinkerError(
@@ -478,8 +472,12 @@ def thinker_folder(source: str | Path, staging: Path) -> Iterator[Path]:
 
     from .folder_check import check_exportable
 
+    def check_source(config: ThinkerConfig, config_path: Path) -> None:  # refused before converting, by the source's
+        check_exportable(config, config_path)  # what the graphs do not build
+        check_search(config_path.parent / "generation_config.json", config, "the source")  # names: a file it has
+
     converted = staging / "thinker"
-    convert(path, converted, check_config=check_exportable)  # what the graphs do not build: refused before converting
+    convert(path, converted, check_config=check_source)
     yield converted
 
 

@@ -26,8 +26,11 @@ concatenates (OnnxDecoder) feeds a past of P slots and gets P + T back, as befor
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from thinker.configuration_thinker import ThinkerConfig
 from thinker_common.errors import ThinkerError
+from thinker_common.side_files import read_json
 
 from .decoder_graph import position_form
 from .names import MODEL_FILE, export_context
@@ -145,7 +148,23 @@ SEARCH_VALID = {
 }
 
 
-def search_options(generation_config: dict | None, path: object = "generation_config.json") -> dict:
+def check_search(path: Path, config: ThinkerConfig, where: str = "the Thinker folder") -> None:
+    """The generation_config.json at ``path`` as genai_config.json will take its search keys (``search_options``,
+    ``search_max_length``), refused by key before any work: a Thinker folder's, or (``where``: "the source") that of
+    a source the export converts first, before it is converted, so that the message names a file the user has.
+    Nothing to check where no genai_config.json is written (Qwen3.8's states are more than genai carries)."""
+    if config.qwen4_exp_features:
+        return
+    generation = read_json(path)
+    search_options(generation, path, where)
+    search_max_length(
+        generation, export_context(config.max_position_embeddings, config.rope_parameters)[0], path, where
+    )
+
+
+def search_options(
+    generation_config: dict | None, path: object = "generation_config.json", where: str = "the Thinker folder"
+) -> dict:
     """genai_config.json's sampling keys from the folder's generation_config.json, as transformers' generate() uses
     them (a Qwen3 release samples at temperature 0.6, top_p 0.95, top_k 20, as its card asks); a value
     onnxruntime-genai cannot take is refused by key, where generate() reads it (sampling keys when it samples)."""
@@ -161,12 +180,17 @@ def search_options(generation_config: dict | None, path: object = "generation_co
             raise ThinkerError(
                 f"{path}: {key}={value!r} is not a value generate() takes (do_sample true or false; "
                 "temperature and repetition_penalty above 0; top_p in (0, 1]; top_k and no_repeat_ngram_size whole "
-                "numbers, 0 or more); correct it in the Thinker folder and export again"
+                f"numbers, 0 or more); correct it in {where} and export again"
             )
     return options
 
 
-def search_max_length(generation_config: dict | None, context: int, path: object = "generation_config.json") -> int:
+def search_max_length(
+    generation_config: dict | None,
+    context: int,
+    path: object = "generation_config.json",
+    where: str = "the Thinker folder",
+) -> int:
     """The total length onnxruntime-genai stops at (and sizes its KV buffer for) by default: generation_config.json's
     ``max_length`` where it names one, as ``generate()`` stops there (Llama 3's releases: 4096 of 8192), within the
     context; else the context. A ``max_new_tokens`` beside it is what ``generate()`` follows instead, a length past
@@ -179,7 +203,7 @@ def search_max_length(generation_config: dict | None, context: int, path: object
     if not _count(length) or length == 0:
         raise ThinkerError(
             f"{path}: max_length={length!r} is not a length generate() takes (a whole number above 0); correct it "
-            "in the Thinker folder (or remove it) and export again"
+            f"in {where} (or remove it) and export again"
         )
     return min(length, context)
 

@@ -178,6 +178,24 @@ def test_export_refuses_sampling_values_generate_cannot_take(key, value, qwen3_t
         assert search["do_sample"] is False and search[key] == {"temperature": 1.0, "top_k": 50, "top_p": 1.0}[key]
 
 
+@pytest.mark.parametrize(("key", "value"), [("max_length", 0), ("temperature", -1.0)])
+def test_export_of_a_source_names_the_sources_generation_config(key, value, source_copy, tmp_path, monkeypatch):
+    """A source the export converts first: its generation_config.json is named, to be corrected in the source, before
+    it is converted (the copy in the run's staging folder was named, deleted with it, after the conversion ran)."""
+    from converter import convert
+
+    source = source_copy()
+    path = source / "generation_config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"do_sample": True, key: value}))
+    converted = []
+    monkeypatch.setattr(convert, "write_weights", lambda *args, **kwargs: converted.append(1))
+    output = tmp_path / "onnx"
+    result = thinker("export", source, output, "--no-verify")
+    assert_error(result, f"{path}: {key}={value!r} is not a", "correct it in the source")
+    assert not converted
+    assert_nothing_written(output)
+
+
 def test_export_refuses_a_context_too_short_to_verify(qwen3_thinker, tmp_path):
     folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
     edit_config(folder, max_position_embeddings=2)

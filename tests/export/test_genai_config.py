@@ -148,3 +148,19 @@ def test_max_length_follows_generation_config_within_the_context():
     for wrong in (0, -1, 2.5, "40", True):
         with pytest.raises(ThinkerError, match=r"generation_config.json: max_length=.* whole number above 0"):
             search_max_length({"max_length": wrong}, context)
+
+
+def test_no_search_keys_are_checked_where_no_genai_config_is_written(tmp_path):
+    """Qwen3.8's export writes no genai_config.json, so its generation_config.json's search keys are not refused."""
+    import json
+
+    import pytest
+
+    from export.genai_config import check_search
+    from thinker_common.errors import ThinkerError
+
+    path = tmp_path / "generation_config.json"
+    path.write_text(json.dumps({"max_length": 0}))
+    check_search(path, make_config("qwen4_exp"))
+    with pytest.raises(ThinkerError, match="max_length=0"):
+        check_search(path, make_config("qwen3"))
