@@ -481,6 +481,19 @@ def test_an_output_that_cannot_be_replaced_is_named(qwen3_source, tmp_path, monk
     ]
 
 
+@pytest.mark.parametrize("force", [["--force"], []], ids=["force", "no-force"])
+def test_an_output_that_is_a_mount_point_is_refused_as_such(force, qwen3_source, tmp_path, monkeypatch):
+    """An empty folder that is a mount point: the same line with or without --force (without it, "pass --force"
+    only led to this refusal), before any work."""
+    output = tmp_path / "out"
+    output.mkdir()
+    mount = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == output or mount(path))
+    result = thinker("convert", qwen3_source, output, "--no-verify", *force)
+    assert_error(result, f"{output}: OUTPUT is a mount point, which cannot be replaced", "write into a folder inside")
+    assert sorted(os.listdir(tmp_path)) == ["out"] and not os.listdir(output)
+
+
 # --- symlinks (issue 16) -------------------------------------------------------------------------------------------
 
 

@@ -47,15 +47,15 @@ def refuse_existing_output(
         refuse_output_over_source(output, Path(source).expanduser())
     if not force:
         refuse_a_file(output)  # with --force, after the checks against the source, whose messages say more
-    if (output.exists() or output.is_symlink()) and not force:
-        refuse_replacing_another_folder(output)  # what --force would refuse is told so, not sent to --force
-        when = f" {replaced_when}" if replaced_when else ""
-        raise ThinkerError(f"{output} already exists; pass --force to replace it{when}")
-    if force and os.path.ismount(output):  # known before the work, which the replacement would then throw away
+    if os.path.ismount(output):  # known before the work, which the replacement would then throw away; --force or not
         raise ThinkerError(
             f"{Path(output).absolute()}: OUTPUT is a mount point, which cannot be replaced (--force swaps folders "
             "by renaming them); write into a folder inside it"
         )
+    if (output.exists() or output.is_symlink()) and not force:
+        refuse_replacing_another_folder(output)  # what --force would refuse is told so, not sent to --force
+        when = f" {replaced_when}" if replaced_when else ""
+        raise ThinkerError(f"{output} already exists; pass --force to replace it{when}")
 
 
 def not_an_earlier_output(output: Path) -> str | None:
