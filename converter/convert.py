@@ -24,7 +24,13 @@ from thinker_common.dtypes import dtype_name
 from thinker_common.errors import ThinkerError
 from thinker_common.fp8_source import DequantizedFP8Source
 from thinker_common.gguf_reader import GGUFSource, gguf_read_once
-from thinker_common.side_files import read_json, readable_tokenizer_files, tokenizer_files
+from thinker_common.side_files import (
+    VOCABULARY_FILES,
+    has_vocabulary,
+    read_json,
+    readable_tokenizer_files,
+    tokenizer_files,
+)
 from thinker_common.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from thinker_common.sources import TensorSource, open_source
 from thinker_common.staging import (
@@ -172,10 +178,10 @@ def convert(
             generation.save_pretrained(staging)  # the source's generation config, read above for its note
             tokenizer = tensor_source.save_tokenizer(staging)
             files += tokenizer
-            if not tokenizer and not isinstance(tensor_source, GGUFSource):  # a GGUF reader says why itself
+            if not has_vocabulary(tokenizer) and not isinstance(tensor_source, GGUFSource):  # GGUF's says why
                 notes.append(
-                    f"the source has no tokenizer files, so neither has {output.name}: it takes token ids; copy the "
-                    "model's tokenizer files into it for text"
+                    f"the source has no tokenizer (no {', '.join(VOCABULARY_FILES)}), so neither has {output.name}: "
+                    "it takes token ids; copy the model's tokenizer files into it for text"
                 )
             if verify:
                 failure = f"{output}: does not match its reference; nothing written"
@@ -194,7 +200,7 @@ def convert(
                 recorded=gguf_card_metadata(tensor_source.metadata) if isinstance(tensor_source, GGUFSource) else {},
                 left=left,
                 deepstack=bool(plan.config.deepstack_layers),
-                tokenizer=bool(tokenizer),
+                tokenizer=has_vocabulary(tokenizer),
             )
     finally:
         tensor_source.close()

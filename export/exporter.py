@@ -29,7 +29,14 @@ from thinker_common.dtypes import FLOAT_DTYPES, dtype_name, torch_dtype
 from thinker_common.errors import ThinkerError
 from thinker_common.model_card import in_hub_snapshot
 from thinker_common.progress import progress_bar
-from thinker_common.side_files import CONFIG_FILES, copy_files, read_json, readable_tokenizer_files, tokenizer_files
+from thinker_common.side_files import (
+    CONFIG_FILES,
+    copy_files,
+    has_vocabulary,
+    read_json,
+    readable_tokenizer_files,
+    tokenizer_files,
+)
 from thinker_common.source_files import present
 from thinker_common.sources import SafetensorsSource
 from thinker_common.staging import install, refuse_existing_output, refuse_output_over_source, work_folder
@@ -305,7 +312,7 @@ def export_model(
                 note
                 for note in (
                     no_eos_note(config, generation_config),
-                    None if tokenizer else NO_TOKENIZER_NOTE,
+                    None if has_vocabulary(tokenizer) else NO_TOKENIZER_NOTE,
                     genai_note(config),
                     logits_note(logits),
                     embeds_positions_note(config, positions) if inputs_embeds else None,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from thinker_common.model_card import card_metadata, copy_license, markdown_table, weights_of, write_card
-from thinker_common.side_files import read_json, tokenizer_files
+from thinker_common.side_files import has_vocabulary, read_json, tokenizer_files
 
 from .names import EMBEDS_MODEL_FILE, GENAI_CONFIG_FILE
 
@@ -120,7 +120,7 @@ def write_onnx_card(folder: Path, thinker_folder: Path, report: dict, name: str)
     )
     config = read_json(Path(thinker_folder) / "config.json") or {}
     embeds = embeds_run(name, report, config) if report.get("inputs_embeds") else ""
-    has_tokenizer = bool(tokenizer_files(folder))
+    has_tokenizer = has_vocabulary(tokenizer_files(folder))
     tokenizer = "The tokenizer is the model's." if has_tokenizer else "The source had no tokenizer."
     if not has_tokenizer:  # text examples would fail: token ids (the report's notes say so too)
         run = TOKEN_IDS_RUN.format(name=name, genai=TOKEN_IDS_GENAI if genai else "")

@@ -30,9 +30,17 @@ TOKENIZER_FILES = (
     "chat_template.json",
 )
 TOKENIZER_PATTERNS = ("*.tiktoken",)  # tiktoken vocabularies are named after their encoding (cl100k_base.tiktoken)
+# The files among those that hold a vocabulary: without one, the others (a chat template, a tokenizer_config.json, the
+# special tokens) are no tokenizer AutoTokenizer can build.
+VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model")
 
 # The model's own configs, which a Thinker folder carries beside its weights.
 CONFIG_FILES = ("config.json", "generation_config.json")
+
+
+def has_vocabulary(names: list[str]) -> bool:
+    """Whether tokenizer files of these names (``tokenizer_files``) make a tokenizer: one holds a vocabulary."""
+    return any(name in VOCABULARY_FILES or name.endswith(".tiktoken") for name in names)
 
 
 def tokenizer_files(folder: Path) -> list[str]:

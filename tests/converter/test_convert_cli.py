@@ -354,19 +354,22 @@ def test_the_model_card_says_where_the_weights_came_from_and_what_was_checked(fa
     assert ModelCard.load(unchecked / "README.md").data.license == "apache-2.0"  # the rest of the card as it was
 
 
-@pytest.mark.parametrize("with_tokenizer", [True, False], ids=["tokenizer", "weights-only"])
-def test_the_cards_usage_snippet_runs_as_written(with_tokenizer, save_reference, tmp_path, monkeypatch):
+@pytest.mark.parametrize("tokenizer", ["tokenizer", "weights-only", "template-only"])
+def test_the_cards_usage_snippet_runs_as_written(tokenizer, save_reference, tmp_path, monkeypatch):
     """The card's Python snippet, run from the folder holding the conversion: with the source's tokenizer it loads
     both; a weights-only source's card shows no tokenizer (it showed AutoTokenizer, which then failed, a QA run
-    found) and says so."""
+    found) and says so, as does one whose tokenizer files hold no vocabulary (a chat template alone)."""
     from cli_helpers import save_word_tokenizer
 
     _, source = save_reference(QWEN3, name="source")
+    with_tokenizer = tokenizer == "tokenizer"
     if with_tokenizer:
         save_word_tokenizer(source, QWEN3.vocab_size)
+    elif tokenizer == "template-only":
+        (source / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
     result = CliRunner().invoke(convert_command, [str(source), str(tmp_path / "out"), "--no-verify"])
     assert result.exit_code == 0, result.output
-    assert ("the source has no tokenizer files, so neither has out" in result.output) is not with_tokenizer
+    assert ("the source has no tokenizer (no tokenizer.json, " in result.output) is not with_tokenizer
     card = (tmp_path / "out" / "README.md").read_text()
     (snippet,) = re.findall(r"```python\n(.*?)```", card, flags=re.DOTALL)
     assert ("AutoTokenizer" in snippet) is with_tokenizer

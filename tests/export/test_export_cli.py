@@ -52,10 +52,11 @@ def test_the_onnx_folder_carries_a_model_card(runner, thinker_folder, tmp_path):
     assert "the head" not in card.text and "(`--logits last`)" not in card.text  # an int8 head, logits everywhere
 
 
-def test_a_folder_without_a_tokenizer_is_said_to_run_on_token_ids(runner, thinker_folder, tmp_path):
-    """A Thinker folder without a tokenizer (a weights-only checkpoint's) exported without a word, and its card
-    showed text prompts that fail (found by a QA run): a note on the console and in the report, and the card's
-    example runs on token ids, as written."""
+@pytest.mark.parametrize("left", [(), ("chat_template.jinja",)], ids=["none", "a template alone"])
+def test_a_folder_without_a_tokenizer_is_said_to_run_on_token_ids(left, runner, thinker_folder, tmp_path):
+    """A Thinker folder without a tokenizer (a weights-only checkpoint's; or tokenizer files without a vocabulary,
+    a chat template alone) exported without a word, and its card showed text prompts that fail (found by a QA run):
+    a note on the console and in the report, and the card's example runs on token ids, as written."""
     import shutil
 
     from export.runtime import OnnxDecoder
@@ -64,6 +65,8 @@ def test_a_folder_without_a_tokenizer_is_said_to_run_on_token_ids(runner, thinke
     source = shutil.copytree(thinker_folder("qwen3"), tmp_path / "thinker")
     for name in tokenizer_files(source):
         (source / name).unlink()
+    for name in left:
+        (source / name).write_text("{{ messages[0]['content'] }}")
     output = tmp_path / "onnx"
     result = runner.invoke(main, ["export", str(source), str(output), "--no-verify"])
     assert result.exit_code == 0, result.output
