@@ -149,10 +149,13 @@ def refuse_nothing_quantized(
     raise ThinkerError(f"--quantize int{quantize.bits}: no weight of {source} would be quantized: {why}")
 
 
-def float_experts_note(config: ThinkerConfig, quantize: QuantizeSpec | None, nodes_by_op: dict[str, int]) -> str | None:
-    """A quantized MoE export whose routed experts stayed float (most of an MoE's weights) says so on the console,
-    not only in export_report.json."""
-    if quantize is None or routed_experts(config, nodes_by_op).get("routed_experts") != FLOAT_EXPERTS:
+def float_experts_note(
+    config: ThinkerConfig, quantize: QuantizeSpec | None, nodes_by_op: dict[str, int], guard: dict | None = None
+) -> str | None:
+    """A quantized MoE export whose routed experts stayed float (most of an MoE's weights) for their widths says so
+    on the console, not only in export_report.json. Experts the accuracy guard moved to float (``guard``: its
+    report) are its own line's to say: their widths fit."""
+    if quantize is None or routed_experts(config, nodes_by_op, guard).get("routed_experts") != FLOAT_EXPERTS:
         return None
     return (
         f"the routed experts stay float: their widths (hidden_size={config.hidden_size}, moe_intermediate_size="
@@ -319,7 +322,7 @@ def export_model(
                     cuda_experts_note(config, dtype, quantize, files.nodes_by_op),
                     quantizer.narrow_note() if quantizer else None,
                     whole_head_note,
-                    float_experts_note(config, quantize, files.nodes_by_op),
+                    float_experts_note(config, quantize, files.nodes_by_op, guard),
                 )
                 if note
             ],

@@ -466,3 +466,18 @@ def test_a_moved_layer_keeps_its_int8_experts_where_they_do_not_cost(thinker_var
         "QMoE"
     ) == 2
     assert report["verify"]["passed"] is True, report["verify"]
+
+
+def test_experts_the_guard_moved_are_not_said_too_narrow():
+    """Every expert layer moved to float by the guard leaves no QMoE: the note that blames the widths (and advises a
+    smaller --block-size) was shown, though the widths fit; the guard's own line says why (a QA run)."""
+    from export_helpers import make_config
+
+    from export.exporter import float_experts_note
+    from export.quantize import QuantizeSpec
+
+    config = make_config("qwen3_moe")
+    moved = {"experts_to_float_moe": ["/model/layers.0/moe/QMoE", "/model/layers.1/moe/QMoE"]}
+    nodes_by_op = {"MoE": 2, "MatMulNBits": 8}
+    assert float_experts_note(config, QuantizeSpec(bits=8), nodes_by_op, moved) is None
+    assert "not whole blocks of --block-size" in float_experts_note(config, QuantizeSpec(bits=8), nodes_by_op, None)
