@@ -67,11 +67,15 @@ def _check_context(gguf: Path, prompt: str, max_new_tokens: int, context: int) -
 
     length = len(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)(prompt)["input_ids"])
     if length + max_new_tokens - 1 > context:  # the last new token is never fed back (as export/cli.py counts)
-        room = context - length + 1
+        room = context - length + 1  # the most -n this prompt leaves room for
+        fits = context - max_new_tokens + 1  # the longest prompt this -n leaves room for
+        if room >= 1:
+            advice = f"ask for at most -n {room}"
+        else:  # the prompt alone is too long: shortened to what this -n leaves (it said the context, still too long)
+            advice = f"shorten the prompt to at most {fits} tokens" + (" or lower -n" if max_new_tokens > 1 else "")
         raise ThinkerError(
             f"--prompt is {length} tokens, and with -n {max_new_tokens} that needs {length + max_new_tokens - 1} "
-            f"positions, beyond SmolLM2's context of {context}; "
-            + (f"ask for at most -n {room}" if room >= 1 else f"shorten the prompt to at most {context} tokens")
+            f"positions, beyond SmolLM2's context of {context}; {advice}"
         )
 
 

@@ -64,6 +64,8 @@ def test_what_the_demo_would_refuse_late_it_refuses_first(tmp_path):
         (["-n", "100000"], tmp_path / "long", "and with -n 100000 that needs 100004 positions"),
         # the limit it names is the prompt's own (it said 8191 whatever the prompt, and 8191 then failed in step 2)
         (["--prompt", "the " * 9000, "-n", "1"], tmp_path / "huge", "shorten the prompt to at most 8192 tokens"),
+        # with more new tokens, the prompt that fits them (it said 8192 whatever -n, and 8192 tokens then failed)
+        (["--prompt", "the " * 9000, "-n", "12"], tmp_path / "huge12", "shorten the prompt to at most 8181 tokens or"),
         (
             ["-n", "8189"],
             tmp_path / "edge",
