@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .errors import ThinkerError
-from .gguf_split import first_shard, merge_advice
+from .gguf_split import is_split_shard, merge_advice, shard_name
 from .source_files import redownload, regular_file
 from .values import ValueScan
 
@@ -332,10 +332,19 @@ def _refuse_a_shard(path: Path, reader: Any) -> None:
     if isinstance(count, int) and count > 1:
         number = _field(reader, "split.no", "one")
         number = number + 1 if isinstance(number, int) else number
-        raise ThinkerError(
-            f"{path}: shard {number} of a GGUF split into {count} files (split.count); "
-            f"{merge_advice(str(path.with_name(first_shard(path.name))))}"
-        )
+        if not is_split_shard(path.name):  # llama-gguf-split --merge finds the other shards by their names
+            first = f"NAME-00001-of-{count:05d}.gguf"
+            advice = (
+                f"llama.cpp's `llama-gguf-split --merge` finds a split's shards by their names, which this one has "
+                f"lost: name the {count} shards NAME-00001-of-{count:05d}.gguf, NAME-00002-... in order, then "
+                + merge_advice(first).replace("merge the shards first with", "merge them with", 1)
+            )
+        else:  # the shards not beside it named: the merge needs them all
+            shards = [path.with_name(shard_name(path.name, n)) for n in range(1, count + 1)]
+            missing = [shard.name for shard in shards if not shard.exists()]
+            absent = f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} not beside it: fetch them, then "
+            advice = (absent if missing else "") + merge_advice(str(shards[0]))
+        raise ThinkerError(f"{path}: shard {number} of a GGUF split into {count} files (split.count); {advice}")
 
 
 def _open_reader(path: Path) -> Any:

@@ -20,9 +20,9 @@ def merge_advice(first_shard: str) -> str:
     )
 
 
-def first_shard(name: str) -> str:
-    """The first shard's name of the split ``name`` is a shard of (``name`` itself if it is none)."""
-    return SPLIT_SHARD.sub(lambda match: f"{match['stem']}-00001-of-{match['count']}.gguf", name)
+def shard_name(name: str, number: int) -> str:
+    """The ``number``-th shard's name of the split ``name`` is a shard of (``name`` itself if it is none)."""
+    return SPLIT_SHARD.sub(lambda match: f"{match['stem']}-{number:05d}-of-{match['count']}.gguf", name)
 
 
 def is_split_shard(name: str) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import gguf
 import pytest
@@ -211,6 +212,12 @@ def test_a_split_gguf_says_to_merge_its_shards(tmp_path, monkeypatch):
     (tmp_path / "gguf" / shards[0]).unlink()
     result = convert(tmp_path / "gguf", tmp_path / "out", "--no-verify")
     assert_error(result, f"a GGUF split into 3 files, 1 of them not here ({tmp_path / 'gguf' / shards[0]})", merge)
+    result = convert(second, tmp_path / "out", "--no-verify")  # a shard given: the one missing named too
+    assert_error(result, f"split into 3 files (split.count); {shards[0]} not beside it: fetch them, then", merge)
+    # a shard renamed: llama-gguf-split finds the others by the names, so the advice is to give them back first
+    renamed = shutil.copy(second, tmp_path / "whole.gguf")
+    result = convert(renamed, tmp_path / "out", "--no-verify")
+    assert_error(result, "shard 2 of a GGUF split into 3 files", "which this one has lost", "NAME-00001-of-00003.gguf")
     # a Hub repo's, at its top or in a quantisation's folder, or one shard named: before any download
     for listing in (shards, [*(f"Q8_0/{shard}" for shard in shards), "README.md"]):
         with pytest.raises(ThinkerError, match="holds a GGUF split into 3 files; merge the shards first"):
