@@ -98,6 +98,10 @@ def source_family(root: Path) -> Family:
         tensor_source.close()
 
 
+# How the converter's refusals of a source it has no reference for end: what to do to convert it anyway.
+NO_VERIFY = "convert with --no-verify"
+
+
 def refuse_contrary_checks(verify: bool | None, verify_by_layer: bool) -> None:
     """``--no-verify`` with ``--verify-by-layer``: one turns the check off, the other asks for it by layer."""
     if verify is False and verify_by_layer:
@@ -234,6 +238,25 @@ def verify(
     a shared cache).
 
     Whole models side by side when both fit ``memory_budget``, else (or with ``by_layer``) layer by layer."""
+    try:
+        return _verify(source, converted, revision, gguf_file, by_layer, memory_budget, report_path)
+    except ThinkerError as err:
+        # the conversion's word where transformers gives no reference is advice for a conversion; here the folder
+        # exists (made with --no-verify, as that advice said), and there is nothing to check it against
+        if NO_VERIFY not in str(err):
+            raise
+        raise ThinkerError(str(err).replace(NO_VERIFY, f"leave {converted} unverified")) from None
+
+
+def _verify(
+    source: str | Path,
+    converted: str | Path,
+    revision: str | None,
+    gguf_file: str | None,
+    by_layer: bool,
+    memory_budget: int | None,
+    report_path: str | Path | None,
+) -> ParityReport:
     converted = Path(converted)
     refuse_bad_memory_setting()
     if not (converted / "config.json").is_file():

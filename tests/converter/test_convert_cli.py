@@ -380,3 +380,22 @@ def test_the_cards_usage_snippet_runs_as_written(tokenizer, save_reference, tmp_
     assert names["model"].config.model_type == "thinker"
     if with_tokenizer:
         assert names["tokenizer"]("the cat").input_ids
+
+
+def test_verify_without_a_reference_does_not_advise_converting(save_reference, run_convert, tmp_path, monkeypatch):
+    """Where transformers cannot load the reference, the conversion's advice is to convert with --no-verify; thinker
+    verify, on a folder already so converted, says the folder stays unverified (it repeated the conversion's words,
+    a QA run found, on a GGUF of F64 tensors)."""
+    from converter import parity
+
+    _, source = save_reference(QWEN3, name="source")
+    converted = run_convert(source, verify=False).output
+
+    def unloadable(*args, **kwargs):
+        raise NotImplementedError("Dequantization for F64 is not yet implemented")
+
+    monkeypatch.setattr(parity.AutoModelForCausalLM, "from_pretrained", unloadable)
+    result = CliRunner().invoke(verify_command, [str(source), str(converted)])
+    assert result.exit_code == 1, result.output
+    assert "the reference model does not load with transformers" in result.output, result.output
+    assert f"leave {converted} unverified" in result.output and "--no-verify" not in result.output, result.output
