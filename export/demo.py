@@ -8,6 +8,7 @@ exports the ONNX decoder (parity-checked against PyTorch) and answers the same p
 from __future__ import annotations
 
 from pathlib import Path
+from shlex import quote
 
 import click
 
@@ -36,7 +37,7 @@ def run_demo(workdir: Path, prompt: str, max_new_tokens: int, generate) -> None:
             _check_context(gguf, prompt, max_new_tokens, context)
         _prepare(workdir, gguf)
         thinker_dir = workdir / "smollm2-135m-thinker"
-        _step(1, f"convert {gguf.name} -> {thinker_dir} (with the parity check)")
+        _step(1, f"convert {gguf} -> {thinker_dir} (with the parity check)")
         # The demo owns these two folders: a rerun replaces them, each only once its new copy is complete.
         result = convert(gguf, thinker_dir, verify=True, force=True)
     click.echo(result.parity.table())
@@ -55,6 +56,19 @@ def run_demo(workdir: Path, prompt: str, max_new_tokens: int, generate) -> None:
 
     _step(4, f"generate with onnxruntime from {onnx_dir}")
     _continue(prompt, onnx_dir, max_new_tokens, generate)
+    click.secho(next_steps(gguf, thinker_dir, onnx_dir), err=True)
+
+
+def next_steps(gguf: Path, thinker_dir: Path, onnx_dir: Path) -> str:
+    """Where the two folders are and what to run on them next, as commands that run as printed."""
+    return f"""
+Done.
+  Thinker folder (transformers):                {thinker_dir}
+  ONNX folder (onnxruntime, onnxruntime-genai): {onnx_dir}
+Next:
+  thinker generate {quote(str(onnx_dir))} --chat -p "What is the capital of France?"
+  thinker verify {quote(str(gguf))} {quote(str(thinker_dir))}
+  in Python, after `import thinker`: AutoModelForCausalLM.from_pretrained({str(thinker_dir)!r})"""
 
 
 def _check_context(gguf: Path, prompt: str, max_new_tokens: int, context: int) -> None:

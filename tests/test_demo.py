@@ -33,6 +33,24 @@ def test_the_demo_runs_the_whole_pipeline(smollm2_demo):
     assert (workdir / "smollm2-135m-onnx" / "model.onnx").is_file()
 
 
+def test_the_demo_ends_with_what_to_run_next(smollm2_demo):
+    """Its last lines name both folders and the commands to run on them, as they run: the generate command runs as
+    printed; the verify command names the GGUF by its whole path (step 1 named the file alone, which verify cannot
+    find, a QA run found)."""
+    import shlex
+
+    from converter.families.gguf import smollm2_gguf_path
+
+    result, workdir = smollm2_demo.result, smollm2_demo.workdir
+    tail = result.stderr[result.stderr.index("\nDone.") :]
+    assert str(workdir / "smollm2-135m-thinker") in tail and str(workdir / "smollm2-135m-onnx") in tail
+    commands = [line.strip() for line in tail.splitlines() if line.strip().startswith("thinker ")]
+    generate, verify = (shlex.split(command)[1:] for command in commands)
+    assert verify == ["verify", str(smollm2_gguf_path()), str(workdir / "smollm2-135m-thinker")]
+    answered = CliRunner().invoke(main, [*generate, "-n", "8"])
+    assert answered.exit_code == 0 and "Paris" in answered.stdout, answered.output
+
+
 def test_the_gguf_license_and_languages_reach_both_cards(smollm2_demo):
     """A GGUF travels without the model card that named its license: the file's own general.license and
     general.languages go into the Thinker folder's card, and from there into the ONNX folder's."""
