@@ -31,6 +31,11 @@ class ParityFailed(ThinkerError):
         self.report = report
 
 
+# The stages that compare positions beyond the prompts' (converter/unreached.py ``position_stages``).
+CONTEXT_STAGE = "the context (max_position_embeddings)"
+ROTARY_STAGE = "the rotary tables across the context"
+
+
 @dataclass
 class LayerParity:
     """One stage of the layer-by-layer check: the converted model's stage run on the reference's input to it."""
@@ -134,6 +139,8 @@ class ParityReport:
                 ):
                     count = sum(stage.name.endswith(suffix) for stage in r.unreached)
                     parts += [f"{what} of {count} layers"] if count else []
+                names = {stage.name for stage in r.unreached}
+                parts += [what for name, what in POSITIONS_SAID if name in names]
                 reached = ", ".join(parts[:-1]) + f" and {parts[-1]}" if len(parts) > 1 else parts[0]
                 rows.append(f"{r.dtype}: {reached}, beyond the prompts' reach, on inputs of their own: {verdict}")
         if self.weights is not None:
@@ -141,6 +148,9 @@ class ParityReport:
         if self.rounding_note:
             rows.append(self.rounding_note)
         return "\n".join(rows)
+
+
+POSITIONS_SAID = ((CONTEXT_STAGE, "the context"), (ROTARY_STAGE, "the rotary tables across it"))
 
 
 def write_report(report: ParityReport, path: Path) -> None:

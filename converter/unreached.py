@@ -19,7 +19,13 @@ experts also run on inputs of their own, from a fixed seed:
 - each indexed-attention layer's QSA indexer (``self_attn.indexer``, the same path and call in both models): it
   keeps every token until more than its budget are visible, which the prompts never are, so its weights change no
   logit of theirs. It runs on random hidden states as many tokens long as its budget plus eight blocks, under a
-  causal mask and random rotary tables, and the slots it keeps for each query are compared (any slot apart fails).
+  causal mask and random rotary tables, and the slots it keeps for each query are compared (any slot apart fails);
+- the positions: the prompts hold a few dozen, where the config's RoPE scaling (dynamic NTK, LongRoPE's long
+  factors, YaRN past the trained length) and its context length act only far beyond them, and their positions are
+  text ones, where a multimodal model's sections and their layout (Qwen3.5's interleaved mRoPE) act only on an
+  image's. So the context (``max_position_embeddings``) is held equal, and both rotary embeddings' cos / sin tables
+  are compared at positions across the whole context and past it, as (3, B, T) positions where the model takes them
+  (``position_stages``: a config translation that passes every weight check, a QA run found).
 
 Each is a stage like the layer-by-layer check's (``LayerParity``), held to the same relative tolerance. ``Probes``
 collects both sides' figures and compares them: from whole models (``unreached_stages``), or unit by unit as the
@@ -28,6 +34,7 @@ layer-by-layer check loads them.
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass, field
 
@@ -37,7 +44,7 @@ from transformers import PreTrainedConfig
 
 from thinker_common.parity_inputs import RELATIVE_TOLERANCE
 
-from .parity_report import LayerParity
+from .parity_report import CONTEXT_STAGE, ROTARY_STAGE, LayerParity
 
 PROBE_COLUMNS = 8
 EXPERT_ROWS = 2
@@ -150,15 +157,24 @@ def indexer_stage(layer: int) -> str:
     return f"layer {layer}: the indexer's choice"
 
 
-def decoder_layers(model: nn.Module) -> dict[int, nn.Module]:
-    """A model's decoder layers by index: the ``layers`` list beside its input embeddings (``model.``,
-    ``model.language_model.``, a thinker's ``model.``). A model with towers has other ``layers`` lists (Qwen3-Omni's
-    audio encoder: ``audio_tower.layers.N``), so the first ``...layers.{i}`` found by name is not the decoder's."""
+def decoder_module(model: nn.Module) -> nn.Module | None:
+    """The module holding a model's decoder layers beside its input embeddings (``model``, ``model.language_model``,
+    a thinker's ``model``), or None where none does."""
     embeddings = model.get_input_embeddings()
     for module in model.modules():
         layers = getattr(module, "layers", None)
         if isinstance(layers, nn.ModuleList) and any(child is embeddings for child in module.children()):
-            return dict(enumerate(layers))
+            return module
+    return None
+
+
+def decoder_layers(model: nn.Module) -> dict[int, nn.Module]:
+    """A model's decoder layers by index: the ``layers`` list beside its input embeddings (``model.``,
+    ``model.language_model.``, a thinker's ``model.``). A model with towers has other ``layers`` lists (Qwen3-Omni's
+    audio encoder: ``audio_tower.layers.N``), so the first ``...layers.{i}`` found by name is not the decoder's."""
+    decoder = decoder_module(model)
+    if decoder is not None:
+        return dict(enumerate(decoder.layers))
     found = {}  # no such pair: every ``...layers.{i}`` by name, the first of each index
     for name, module in model.named_modules():
         match = _LAYER.search(name)
@@ -222,10 +238,66 @@ class Probes:
 
 
 def unreached_stages(reference: nn.Module, converted: nn.Module, dtype: torch.dtype) -> list[LayerParity]:
-    """Whole models, in the same dtype: ``Probes.stages``."""
+    """Whole models, in the same dtype: ``Probes.stages``, then ``position_stages``."""
     probes = Probes.of(converted.config)
     for side, model in (("reference", reference), ("converted", converted)):
         probes.take(side, model.get_input_embeddings(), is_layer=False)
         for _, layer in sorted(decoder_layers(model).items()):
             probes.take(side, layer, is_layer=True)
-    return probes.stages(dtype)
+    return probes.stages(dtype) + position_stages(reference, converted, dtype)
+
+
+PROBED_POSITIONS = 8  # positions probed at the context's start, middle and end, and as many past it
+
+
+def text_config(model: nn.Module) -> PreTrainedConfig | None:
+    """The decoder's config (a vision-language or omni config's ``text_config``), or None for a model without one."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+@torch.no_grad()
+def rotary_probe(rotary: nn.Module, context: int, sections: list[int] | None) -> torch.Tensor:
+    """A rotary embedding's cos and sin at positions across ``context`` (its start, middle and end), then again with
+    as many past it, where dynamic NTK and LongRoPE rescale; (3, 1, T) positions, each stream its own, where the
+    model has multimodal ``sections``. Run on a copy: those types rewrite the module's frequencies as they go."""
+    rotary = copy.deepcopy(rotary)
+    span = range(PROBED_POSITIONS)
+    within = sorted({*span, *(context // 2 + i for i in span), *(context - 1 - i for i in span)})
+    tables = []
+    for positions in (within, [*within, *(2 * context - 1 - i for i in span)]):
+        ids = torch.tensor(positions)[None]
+        if sections:
+            ids = torch.stack([ids, ids // 2, ids // 3])  # temporal, height, width: three different streams
+        cos, sin = rotary(torch.zeros(1), ids)
+        if cos.ndim == 4:  # Qwen2-VL's form: a table per stream, its sections picked in the attention (as there)
+            cos, sin = (_pick_sections(table, sections) for table in (cos, sin))
+        tables += [cos.flatten(), sin.flatten()]
+    return torch.cat(tables)
+
+
+def _pick_sections(table: torch.Tensor, sections: list[int]) -> torch.Tensor:
+    """(3, B, T, dim) to (B, T, dim): each section of the rotary dims from its stream, as Qwen2-VL's
+    ``apply_multimodal_rotary_pos_emb`` takes them (the sections twice over: both halves of the head)."""
+    pieces = table.split(list(sections) * 2, dim=-1)
+    return torch.cat([piece[index % 3] for index, piece in enumerate(pieces)], dim=-1)
+
+
+def position_stages(reference: nn.Module, converted: nn.Module, dtype: torch.dtype) -> list[LayerParity]:
+    """The context held equal, and both rotary embeddings compared across it (``rotary_probe``), at the relative
+    tolerance of the dtype the models run in (their frequencies are held so); nothing where a side has no config or
+    no rotary embedding (learned positions, a reference written without transformers)."""
+    theirs, ours = text_config(reference), text_config(converted)
+    context = getattr(theirs, "max_position_embeddings", None)
+    if not isinstance(context, int) or ours is None:
+        return []
+    differ = float(abs(context - ours.max_position_embeddings))
+    stages = [LayerParity(CONTEXT_STAGE, differ, differ, float(context), 0.0, passed=differ == 0)]
+    rotaries = [getattr(decoder_module(model), "rotary_emb", None) for model in (reference, converted)]
+    if all(isinstance(rotary, nn.Module) for rotary in rotaries):
+        sections = (ours.rope_parameters or {}).get("mrope_section")
+        expected, actual = (rotary_probe(rotary, context, sections) for rotary in rotaries)
+        stages.append(stage(ROTARY_STAGE, expected, actual, dtype))
+    return stages

@@ -12,7 +12,7 @@ from transformers import Qwen2Config, Qwen3MoeConfig
 
 from converter import parity
 from converter.parity import check_parity
-from converter.parity_report import BY_LAYER, WHOLE_MODEL
+from converter.parity_report import BY_LAYER, CONTEXT_STAGE, ROTARY_STAGE, WHOLE_MODEL
 from converter.unreached import EMBEDDING_ROWS, experts_stage, router_stage
 from thinker_common.parity_inputs import fixed_prompts
 
@@ -100,3 +100,60 @@ def test_router_rows_no_prompt_picks(mode, save_reference, run_convert, monkeypa
         fp32 = check_parity(source, converted, mode=mode).results[0]
         assert not fp32.passed and fp32.greedy_identical < fp32.greedy_prompts
         assert fp32.first_divergence == parity.GREEDY_ONLY
+
+
+def edit_config(folder, **changes) -> None:
+    """A planted config translation bug: the converted folder's config.json as a wrong rule would have written it."""
+    import json
+
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in changes.items():
+        config[key] = {**config[key], **value} if key == "rope_parameters" else value
+    path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("mode", [WHOLE_MODEL, BY_LAYER])
+@pytest.mark.parametrize(
+    ("rope", "change", "stage"),
+    [
+        # dynamic NTK rescales past the context only, which the prompts never reach: a factor translated wrong
+        ({"rope_type": "dynamic", "factor": 2.0}, {"rope_parameters": {"factor": 8.0}}, ROTARY_STAGE),
+        # the context itself: no logit of the model's moves, but an export's context_length does
+        ({"rope_type": "default"}, {"max_position_embeddings": 128}, CONTEXT_STAGE),
+    ],
+    ids=["dynamic-factor", "context"],
+)
+def test_a_position_translation_the_prompts_never_reach(mode, rope, change, stage, save_reference, run_convert):
+    """A config translated wrong where only long sequences see it (a QA run: a dynamic factor, a longrope long
+    factor, the context): the prompts' logits are exact; the rotary tables across the context, or the context
+    itself, fail it by name."""
+    config = Qwen2Config(
+        **TINY, num_hidden_layers=2, max_position_embeddings=64, rope_parameters={**rope, "rope_theta": 1e4}
+    )
+    _, source = save_reference(config)
+    converted = run_convert(source, verify=False).output
+    passing = check_parity(source, converted, mode=mode)
+    assert passing.passed and "the context and the rotary tables across it" in passing.table(), passing.table()
+    edit_config(converted, **change)
+
+    report = check_parity(source, converted, mode=mode)
+    fp32 = report.results[0]
+    assert fp32.max_abs_diff <= fp32.tolerance and fp32.top1_agreement == 1.0  # the prompts see nothing
+    assert not report.passed and fp32.first_divergence == stage, report.table()
+
+
+@pytest.mark.parametrize("mode", [WHOLE_MODEL, BY_LAYER])
+def test_multimodal_positions_the_prompts_never_give(mode, save_reference, run_convert):
+    """Qwen3.5's mRoPE with its interleaved layout translated as contiguous sections: text positions (all three
+    streams equal) cannot tell them apart, an image's can (2.8 logits apart on a tiny model, a QA run): the rotary
+    tables on (3, B, T) positions fail it."""
+    from references.hybrid import qwen3_5_config
+
+    _, source = save_reference(qwen3_5_config())
+    converted = run_convert(source, verify=False).output
+    assert check_parity(source, converted, mode=mode).passed
+    edit_config(converted, rope_parameters={"mrope_interleaved": False})
+
+    report = check_parity(source, converted, mode=mode)
+    assert not report.passed and report.results[0].first_divergence == ROTARY_STAGE, report.table()
