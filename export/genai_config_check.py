@@ -18,6 +18,17 @@ from thinker_common.side_files import read_json
 from .names import GENAI_CONFIG_FILE
 from .runtime import shared_kv_names
 
+# Each state onnxruntime-genai feeds back, by its keys in model.decoder: the input it reads the past from and the
+# output it takes the present from, which must be the graph's present of that same past (``OnnxDecoder`` pairs them
+# by name, past_key_values.N.X -> present.N.X, as the verify's own decoding runs them). Two present names swapped
+# (keys for values) name graph outputs all the same, and genai would feed a layer's values back as its keys.
+STATE_PAIRS = {
+    "past_key_names": "present_key_names",
+    "past_value_names": "present_value_names",
+    "past_conv_names": "present_conv_names",
+    "past_recurrent_names": "present_recurrent_names",
+}
+
 # the decoder's sizes onnxruntime-genai allocates the cache by, and the config's attribute each must equal
 SIZES = {
     "head_size": "head_dim",
@@ -49,6 +60,16 @@ def genai_config_failures(folder: Path, config, context_rows: int | None) -> lis
             if not any((name % layer if layer is not None else name) in present for layer in layers):
                 failures.append(
                     f"{named}: model.decoder.{section}.{key} {name!r} names no {section[:-1]} of {graph_path.name}"
+                )
+    inputs, outputs = decoder.get("inputs", {}), decoder.get("outputs", {})
+    for past_key, present_key in STATE_PAIRS.items():
+        past, present = inputs.get(past_key), outputs.get(present_key)
+        if isinstance(past, str) and isinstance(present, str):
+            expected = past.replace("past_key_values.", "present.", 1)
+            if present != expected:
+                failures.append(
+                    f"{named}: model.decoder.outputs.{present_key} is {present!r}, where the graph's present of "
+                    f"inputs.{past_key} {past!r} is {expected!r}"
                 )
     for key, attribute in SIZES.items():
         if key in decoder and decoder[key] != getattr(config, attribute):
