@@ -43,6 +43,16 @@ def unrouted_expert(source, layer: int, besides: set[int] = frozenset()) -> int:
     return next(expert for expert in range(MOE.num_experts) if expert not in routed | besides)
 
 
+def only_the_probe_fails(source, converted, mode: str, stage: str):
+    """The gate's verdict on ``converted``: the prompts' logits exact, and ``stage`` the first divergence named.
+    Returns the float32 row."""
+    report = check_parity(source, converted, mode=mode)
+    fp32 = report.results[0]
+    assert fp32.max_abs_diff <= fp32.tolerance and fp32.top1_agreement == 1.0  # the prompts see nothing
+    assert not report.passed and fp32.first_divergence == stage, report.table()
+    return fp32
+
+
 @pytest.mark.parametrize("mode", [WHOLE_MODEL, BY_LAYER])
 def test_an_embedding_row_no_prompt_reads(mode, save_reference, run_convert):
     _, source = save_reference(Qwen2Config(**TINY, num_hidden_layers=2, tie_word_embeddings=False))
@@ -51,10 +61,7 @@ def test_an_embedding_row_no_prompt_reads(mode, save_reference, run_convert):
     assert check_parity(source, converted, mode=mode).passed
     changed(converted, "model.embed_tokens.weight", lambda table: table[unread].add_(0.5))
 
-    report = check_parity(source, converted, mode=mode)
-    fp32 = report.results[0]
-    assert fp32.max_abs_diff <= fp32.tolerance and fp32.top1_agreement == 1.0  # the prompts see nothing
-    assert not report.passed and fp32.first_divergence == EMBEDDING_ROWS, report.table()
+    only_the_probe_fails(source, converted, mode, EMBEDDING_ROWS)
 
 
 @pytest.mark.parametrize("mode", [WHOLE_MODEL, BY_LAYER])
@@ -65,10 +72,7 @@ def test_an_expert_no_prompt_is_routed_to(mode, save_reference, run_convert):
     assert check_parity(source, converted, mode=mode).passed
     changed(converted, "model.layers.1.mlp.experts.down_proj", lambda stack: stack[expert].mul_(3))
 
-    report = check_parity(source, converted, mode=mode)
-    fp32 = report.results[0]
-    assert fp32.max_abs_diff <= fp32.tolerance and fp32.top1_agreement == 1.0  # the prompts see nothing
-    assert not report.passed and fp32.first_divergence == experts_stage(1), report.table()
+    fp32 = only_the_probe_fails(source, converted, mode, experts_stage(1))
     failed = [stage.name for stage in fp32.unreached if not stage.passed]
     assert failed == [experts_stage(1)], fp32.unreached
 
@@ -90,10 +94,7 @@ def test_router_rows_no_prompt_picks(mode, save_reference, run_convert, monkeypa
 
     changed(converted, "model.layers.1.mlp.gate.weight", swap)
 
-    report = check_parity(source, converted, mode=mode)
-    fp32 = report.results[0]
-    assert fp32.max_abs_diff <= fp32.tolerance and fp32.top1_agreement == 1.0  # the prompts see nothing
-    assert not report.passed and fp32.first_divergence == router_stage(1), report.table()
+    fp32 = only_the_probe_fails(source, converted, mode, router_stage(1))
     assert [stage.name for stage in fp32.unreached if not stage.passed] == [router_stage(1)], fp32.unreached
     if mode == WHOLE_MODEL:  # without the probes, the greedy continuation that parts is named, not the head
         monkeypatch.setattr(parity, "unreached_stages", lambda *args: [])
@@ -137,10 +138,7 @@ def test_a_position_translation_the_prompts_never_reach(mode, rope, change, stag
     assert passing.passed and "the context and the rotary tables across it" in passing.table(), passing.table()
     edit_config(converted, **change)
 
-    report = check_parity(source, converted, mode=mode)
-    fp32 = report.results[0]
-    assert fp32.max_abs_diff <= fp32.tolerance and fp32.top1_agreement == 1.0  # the prompts see nothing
-    assert not report.passed and fp32.first_divergence == stage, report.table()
+    only_the_probe_fails(source, converted, mode, stage)
 
 
 @pytest.mark.parametrize("mode", [WHOLE_MODEL, BY_LAYER])
