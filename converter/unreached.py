@@ -258,16 +258,26 @@ def text_config(model: nn.Module) -> PreTrainedConfig | None:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-@torch.no_grad()
-def rotary_probe(rotary: nn.Module, context: int, sections: list[int] | None) -> torch.Tensor:
-    """A rotary embedding's cos and sin at positions across ``context`` (its start, middle and end), then again with
-    as many past it, where dynamic NTK and LongRoPE rescale; (3, 1, T) positions, each stream its own, where the
-    model has multimodal ``sections``. Run on a copy: those types rewrite the module's frequencies as they go."""
-    rotary = copy.deepcopy(rotary)
+def _spread(length: int) -> list[int]:
+    """PROBED_POSITIONS positions at each of the start, the middle and the end of ``length``."""
     span = range(PROBED_POSITIONS)
-    within = sorted({*span, *(context // 2 + i for i in span), *(context - 1 - i for i in span)})
+    return sorted({*span, *(length // 2 + i for i in span), *(length - 1 - i for i in span)})
+
+
+@torch.no_grad()
+def rotary_probe(rotary: nn.Module, context: int, trained: int, sections: list[int] | None) -> torch.Tensor:
+    """A rotary embedding's cos and sin at positions across the ``trained`` length alone (where it is shorter than
+    the context: LongRoPE takes its short factors for a sequence within it, its long ones past it), across
+    ``context`` (its start, middle and end), then again with as many past it, where dynamic NTK rescales; (3, 1, T)
+    positions, each stream its own, where the model has multimodal ``sections``. Each call's longest position picks
+    the frequencies of the whole call, as it does in a forward. Run on a copy: those types rewrite the module's
+    frequencies as they go."""
+    rotary = copy.deepcopy(rotary)
+    within = _spread(context)
+    calls = [_spread(trained)] if trained < context else []
+    calls += [within, [*within, *(2 * context - 1 - i for i in range(PROBED_POSITIONS))]]
     tables = []
-    for positions in (within, [*within, *(2 * context - 1 - i for i in span)]):
+    for positions in calls:
         ids = torch.tensor(positions)[None]
         if sections:
             ids = torch.stack([ids, ids // 2, ids // 3])  # temporal, height, width: three different streams
@@ -297,7 +307,8 @@ def position_stages(reference: nn.Module, converted: nn.Module, dtype: torch.dty
     stages = [LayerParity(CONTEXT_STAGE, differ, differ, float(context), 0.0, passed=differ == 0)]
     rotaries = [getattr(decoder_module(model), "rotary_emb", None) for model in (reference, converted)]
     if all(isinstance(rotary, nn.Module) for rotary in rotaries):
-        sections = (ours.rope_parameters or {}).get("mrope_section")
-        expected, actual = (rotary_probe(rotary, context, sections) for rotary in rotaries)
+        rope = ours.rope_parameters or {}
+        trained = rope.get("original_max_position_embeddings") or context
+        expected, actual = (rotary_probe(rotary, context, trained, rope.get("mrope_section")) for rotary in rotaries)
         stages.append(stage(ROTARY_STAGE, expected, actual, dtype))
     return stages

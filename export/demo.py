@@ -85,8 +85,10 @@ def _check_context(gguf: Path, prompt: str, max_new_tokens: int, context: int) -
         fits = context - max_new_tokens + 1  # the longest prompt this -n leaves room for
         if room >= 1:
             advice = f"ask for at most -n {room}"
-        else:  # the prompt alone is too long: shortened to what this -n leaves (it said the context, still too long)
+        elif fits >= 1:  # the prompt alone is too long: shortened to what this -n leaves (it said the context)
             advice = f"shorten the prompt to at most {fits} tokens" + (" or lower -n" if max_new_tokens > 1 else "")
+        else:  # -n alone is past the context
+            advice = f"lower -n to at most {context} and shorten the prompt to fit beside it"
         raise ThinkerError(
             f"--prompt is {length} tokens, and with -n {max_new_tokens} that needs {length + max_new_tokens - 1} "
             f"positions, beyond SmolLM2's context of {context}; {advice}"

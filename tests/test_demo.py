@@ -84,6 +84,8 @@ def test_what_the_demo_would_refuse_late_it_refuses_first(tmp_path):
         (["--prompt", "the " * 9000, "-n", "1"], tmp_path / "huge", "shorten the prompt to at most 8192 tokens"),
         # with more new tokens, the prompt that fits them (it said 8192 whatever -n, and 8192 tokens then failed)
         (["--prompt", "the " * 9000, "-n", "12"], tmp_path / "huge12", "shorten the prompt to at most 8181 tokens or"),
+        # -n alone past the context: no prompt length fits it (it advised a negative one)
+        (["--prompt", "the " * 9000, "-n", "9000"], tmp_path / "huge9000", "lower -n to at most 8192 and shorten"),
         (
             ["-n", "8189"],
             tmp_path / "edge",

@@ -155,3 +155,24 @@ def test_multimodal_positions_the_prompts_never_give(mode, save_reference, run_c
 
     report = check_parity(source, converted, mode=mode)
     assert not report.passed and report.results[0].first_divergence == ROTARY_STAGE, report.table()
+
+
+@pytest.mark.parametrize("mode", [WHOLE_MODEL, BY_LAYER])
+def test_longrope_short_factors_are_compared_within_the_trained_length(mode, save_reference, run_convert):
+    """LongRoPE takes its short factors for a sequence within original_max_position_embeddings and its long ones past
+    it, by the call's longest position: probed only with positions past it, a short factor translated wrong passed
+    (0.46 logits apart at position 2047 of a Llama, a reviewer found). The rotary tables within the trained length
+    are compared on their own."""
+    rope = {"rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 32}
+    rope |= {"short_factor": [1.0] * 4, "long_factor": [1.0, 1.5, 2.0, 2.5]}
+    _, source = save_reference(
+        Qwen2Config(**TINY, num_hidden_layers=2, max_position_embeddings=256, rope_parameters=rope)
+    )
+    converted = run_convert(source, verify=False).output
+    assert check_parity(source, converted, mode=mode).passed
+    edit_config(converted, rope_parameters={"short_factor": [1.0, 1.0, 1.0, 1.5]})
+
+    report = check_parity(source, converted, mode=mode)
+    assert not report.passed and ROTARY_STAGE in [
+        stage.name for stage in report.results[0].unreached if not stage.passed
+    ]
