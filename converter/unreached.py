@@ -24,8 +24,8 @@ experts also run on inputs of their own, from a fixed seed:
   factors, YaRN past the trained length) and its context length act only far beyond them, and their positions are
   text ones, where a multimodal model's sections and their layout (Qwen3.5's interleaved mRoPE) act only on an
   image's. So the context (``max_position_embeddings``) is held equal, and both rotary embeddings' cos / sin tables
-  are compared at positions across the whole context and past it, as (3, B, T) positions where the model takes them
-  (``position_stages``: a config translation that passes every weight check, a QA run found).
+  are compared at positions across the trained length, the whole context and past it, as (3, B, T) positions where
+  the model takes them (``position_stages``: a config translation that passes every weight check, a QA run found).
 
 Each is a stage like the layer-by-layer check's (``LayerParity``), held to the same relative tolerance. ``Probes``
 collects both sides' figures and compares them: from whole models (``unreached_stages``), or unit by unit as the
@@ -303,11 +303,12 @@ def position_stages(reference: nn.Module, converted: nn.Module, dtype: torch.dty
     context = getattr(theirs, "max_position_embeddings", None)
     if not isinstance(context, int) or ours is None:
         return []
-    differ = float(abs(context - ours.max_position_embeddings))
+    own = getattr(ours, "max_position_embeddings", None)
+    differ = float(abs(context - own)) if isinstance(own, int) else float("inf")
     stages = [LayerParity(CONTEXT_STAGE, differ, differ, float(context), 0.0, passed=differ == 0)]
     rotaries = [getattr(decoder_module(model), "rotary_emb", None) for model in (reference, converted)]
     if all(isinstance(rotary, nn.Module) for rotary in rotaries):
-        rope = ours.rope_parameters or {}
+        rope = getattr(ours, "rope_parameters", None) or {}
         trained = rope.get("original_max_position_embeddings") or context
         expected, actual = (rotary_probe(rotary, context, trained, rope.get("mrope_section")) for rotary in rotaries)
         stages.append(stage(ROTARY_STAGE, expected, actual, dtype))
