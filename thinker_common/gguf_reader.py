@@ -21,6 +21,7 @@ import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -339,11 +340,11 @@ def _refuse_a_shard(path: Path, reader: Any) -> None:
                 f"lost: name the {count} shards NAME-00001-of-{count:05d}.gguf, NAME-00002-... in order, then "
                 + merge_advice(first).replace("merge the shards first with", "merge them with", 1)
             )
-        else:  # the shards not beside it named: the merge needs them all
-            shards = [path.with_name(shard_name(path.name, n)) for n in range(1, count + 1)]
-            missing = [shard.name for shard in shards if not shard.exists()]
+        else:  # the shards not beside it named (the first four: a damaged count may be huge): the merge needs all
+            names = (shard_name(path.name, n) for n in range(1, count + 1))
+            missing = list(islice((name for name in names if not path.with_name(name).exists()), 4))
             absent = f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} not beside it: fetch them, then "
-            advice = (absent if missing else "") + merge_advice(str(shards[0]))
+            advice = (absent if missing else "") + merge_advice(str(path.with_name(shard_name(path.name, 1))))
         raise ThinkerError(f"{path}: shard {number} of a GGUF split into {count} files (split.count); {advice}")
 
 
