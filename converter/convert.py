@@ -167,7 +167,8 @@ def convert(
             no_reference = no_reference or tensor_source.no_reference()
         if no_reference:
             if verify or verify_by_layer:  # asked for explicitly: refuse before writing anything
-                raise ThinkerError(f"--verify: cannot verify a {plan.family.name} conversion: {no_reference}")
+                flag = "--verify-by-layer" if verify_by_layer else "--verify"
+                raise ThinkerError(f"{flag}: cannot verify a {plan.family.name} conversion: {no_reference}")
             if verify is None:
                 notes.append(f"verification skipped: {no_reference}")
             verify = False

@@ -194,6 +194,7 @@ def compare_by_layer(
     stages: dict[str, _Stage] = {}
     expected_logits, actual_logits, counts = [], [], None
     probes = Probes.of(converted.model.config)
+    probes.watch_positions(reference.model, converted.model)
     for batch, (ids, mask, positions) in enumerate(batches):
         real = mask.bool()
         trace = _Trace(probes if batch == 0 else None)  # the unreached parts, once: they take no prompt

@@ -32,6 +32,7 @@ class ParityFailed(ThinkerError):
 
 
 # The stages that compare positions beyond the prompts' (converter/unreached.py ``position_stages``).
+POSITION_ROWS = "every position-embedding row"
 CONTEXT_STAGE = "the context (max_position_embeddings)"
 ROTARY_STAGE = "the rotary tables across the context"
 
@@ -130,7 +131,8 @@ class ParityReport:
             if r.unreached:
                 failing = [stage.name for stage in r.unreached if not stage.passed]
                 verdict = f"FAIL at {', '.join(failing[:3])}" if failing else "pass"
-                parts = ["every embedding row"]
+                names = {stage.name for stage in r.unreached}
+                parts = ["every embedding row"] + [POSITION_ROWS] * (POSITION_ROWS in names)
                 for what, suffix in (
                     ("the experts", ": every expert"),
                     ("the routers", ": every router row"),
@@ -139,7 +141,6 @@ class ParityReport:
                 ):
                     count = sum(stage.name.endswith(suffix) for stage in r.unreached)
                     parts += [f"{what} of {count} layers"] if count else []
-                names = {stage.name for stage in r.unreached}
                 parts += [what for name, what in POSITIONS_SAID if name in names]
                 reached = ", ".join(parts[:-1]) + f" and {parts[-1]}" if len(parts) > 1 else parts[0]
                 rows.append(f"{r.dtype}: {reached}, beyond the prompts' reach, on inputs of their own: {verdict}")

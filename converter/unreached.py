@@ -7,6 +7,7 @@ conversion that garbles a row or an expert nobody routes to would pass the logit
 experts also run on inputs of their own, from a fixed seed:
 
 - the embedding: the whole table times a fixed (hidden, PROBE_COLUMNS) matrix, which differs wherever any row does;
+  so is a learned position table (GPT-2's), whose rows past the prompts' positions no prompt reads;
 - each MoE layer's experts: EXPERT_ROWS random hidden states sent to every expert in turn (weight 1, one expert a
   token), through the experts module's own forward (transformers 5's ``experts(hidden, top_k_index,
   top_k_weights)``, the Thinker's alike) or, for a list of expert modules, each expert called;
@@ -44,7 +45,7 @@ from transformers import PreTrainedConfig
 
 from thinker_common.parity_inputs import RELATIVE_TOLERANCE
 
-from .parity_report import CONTEXT_STAGE, ROTARY_STAGE, LayerParity
+from .parity_report import CONTEXT_STAGE, POSITION_ROWS, ROTARY_STAGE, LayerParity
 
 PROBE_COLUMNS = 8
 EXPERT_ROWS = 2
@@ -198,6 +199,12 @@ class Probes:
     routers: dict[str, list[torch.Tensor | None]] = field(default_factory=lambda: {"reference": [], "converted": []})
     ngrams: dict[str, list[torch.Tensor | None]] = field(default_factory=lambda: {"reference": [], "converted": []})
     indexers: dict[str, list[torch.Tensor | None]] = field(default_factory=lambda: {"reference": [], "converted": []})
+    position_tables: set[int] = field(default_factory=set)  # the ids of both models' learned position tables
+    positions: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def watch_positions(self, *models: nn.Module) -> None:
+        """Take the learned position tables of these models (``position_table``) as they come by."""
+        self.position_tables |= {id(table) for model in models if (table := position_table(model)) is not None}
 
     @classmethod
     def of(cls, config: PreTrainedConfig) -> Probes:
@@ -215,6 +222,8 @@ class Probes:
             self.routers[side].append(every_router_row(module, self.hidden_size))
             self.ngrams[side].append(ngram_table_probe(module))
             self.indexers[side].append(indexer_probe(module, self.hidden_size, self.rotary_dim, self.indexer_tokens))
+        elif id(module) in self.position_tables:
+            self.positions.setdefault(side, embedding_probe(module))
         elif isinstance(module, nn.Embedding) and module.num_embeddings == self.vocab_size:
             self.embeddings.setdefault(side, embedding_probe(module))
 
@@ -222,6 +231,8 @@ class Probes:
         """The embedding table, then each MoE layer's experts and router (a layer dense on both sides has none),
         each PLE layer's n-gram table and each indexed layer's indexer."""
         found = [stage(EMBEDDING_ROWS, self.embeddings.get("reference"), self.embeddings.get("converted"), dtype)]
+        if self.positions:  # a learned position table: its rows past the prompts' few dozen positions
+            found.append(stage(POSITION_ROWS, self.positions.get("reference"), self.positions.get("converted"), dtype))
         kinds = (
             (self.experts, experts_stage),
             (self.routers, router_stage),
@@ -240,8 +251,11 @@ class Probes:
 def unreached_stages(reference: nn.Module, converted: nn.Module, dtype: torch.dtype) -> list[LayerParity]:
     """Whole models, in the same dtype: ``Probes.stages``, then ``position_stages``."""
     probes = Probes.of(converted.config)
+    probes.watch_positions(reference, converted)
     for side, model in (("reference", reference), ("converted", converted)):
         probes.take(side, model.get_input_embeddings(), is_layer=False)
+        if (table := position_table(model)) is not None:
+            probes.take(side, table, is_layer=False)
         for _, layer in sorted(decoder_layers(model).items()):
             probes.take(side, layer, is_layer=True)
     return probes.stages(dtype) + position_stages(reference, converted, dtype)
@@ -256,6 +270,28 @@ def text_config(model: nn.Module) -> PreTrainedConfig | None:
     if config is None:
         return None
     return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def position_table(model: nn.Module) -> nn.Embedding | None:
+    """A learned position table (GPT-2's ``wpe``, the Thinker's ``embed_positions``): the embedding beside the token
+    embedding with as many rows as the context; None for a model whose positions are rotary, or one written without
+    transformers (no config, no ``get_input_embeddings``)."""
+    context = getattr(text_config(model), "max_position_embeddings", None)
+    if not isinstance(context, int) or not hasattr(model, "get_input_embeddings"):
+        return None
+    embeddings = model.get_input_embeddings()
+    for parent in model.modules():
+        children = list(parent.children())
+        if any(child is embeddings for child in children):
+            return next(
+                (
+                    child
+                    for child in children
+                    if child is not embeddings and isinstance(child, nn.Embedding) and child.num_embeddings == context
+                ),
+                None,
+            )
+    return None
 
 
 def _spread(length: int) -> list[int]:

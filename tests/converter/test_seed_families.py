@@ -38,6 +38,16 @@ def converted_logits(folder: Path, ids: torch.Tensor = IDS) -> torch.Tensor:
 # --- μOmni ThinkerLM ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("flag", ["--verify", "--verify-by-layer"])
+def test_a_check_asked_for_without_a_reference_is_refused_by_its_flag(tmp_path, flag: str):
+    """μOmni has no transformers class: a check asked for is refused before anything is written, naming the flag
+    given (it said --verify to a --verify-by-layer, a QA run found)."""
+    source = uomni.save_checkpoint(uomni.randomize_(uomni.ThinkerLM(uomni.tiny_config())).eval(), tmp_path / "uomni")
+    result = cli_convert(source, tmp_path / "out", flag)
+    assert result.exit_code == 1 and f"{flag}: cannot verify a uomni conversion" in result.output, result.output
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("gqa", [False, True], ids=["fused-qkv", "gqa"])
 def test_uomni_converts_with_parity(tmp_path, gqa: bool):
     reference = uomni.randomize_(uomni.ThinkerLM(uomni.tiny_config(gqa=gqa))).eval()

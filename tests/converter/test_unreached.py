@@ -176,3 +176,21 @@ def test_longrope_short_factors_are_compared_within_the_trained_length(mode, sav
     assert not report.passed and ROTARY_STAGE in [
         stage.name for stage in report.results[0].unreached if not stage.passed
     ]
+
+
+@pytest.mark.parametrize("mode", [WHOLE_MODEL, BY_LAYER])
+def test_a_learned_position_row_no_prompt_reaches(mode, save_reference, run_convert):
+    """GPT-2's learned position table: the prompts read its first few dozen rows, and a later row garbled passed the
+    gate in both modes (2.9 logits apart at that position, a QA run). Its whole table is compared as the token
+    embedding's is."""
+    from transformers import GPT2Config
+
+    from converter.parity_report import POSITION_ROWS
+
+    _, source = save_reference(GPT2Config(vocab_size=96, n_embd=24, n_layer=2, n_head=3, n_positions=64))
+    converted = run_convert(source, verify=False).output
+    passing = check_parity(source, converted, mode=mode)
+    assert passing.passed and "every position-embedding row" in passing.table(), passing.table()
+    changed(converted, "model.embed_positions.weight", lambda table: table[63].zero_())
+
+    only_the_probe_fails(source, converted, mode, POSITION_ROWS)
