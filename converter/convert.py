@@ -55,7 +55,7 @@ from .output import (
 )
 from .output_dtype import resolve_dtype
 from .parity import parity_gate, parity_mode, refuse_bad_memory_setting
-from .parity_report import BY_LAYER, FAILED_PARITY_FILE, PARITY_FILE, ParityReport
+from .parity_report import BY_LAYER, FAILED_PARITY_FILE, PARITY_FILE, NoReference, ParityReport
 from .spec import Family
 from .weights_check import weights_verdict
 
@@ -96,10 +96,6 @@ def source_family(root: Path) -> Family:
         return detect_family(tensor_source.config(), set(tensor_source.names()))
     finally:
         tensor_source.close()
-
-
-# How the converter's refusals of a source it has no reference for end: what to do to convert it anyway.
-NO_VERIFY = "convert with --no-verify"
 
 
 def refuse_contrary_checks(verify: bool | None, verify_by_layer: bool) -> None:
@@ -241,12 +237,10 @@ def verify(
     Whole models side by side when both fit ``memory_budget``, else (or with ``by_layer``) layer by layer."""
     try:
         return _verify(source, converted, revision, gguf_file, by_layer, memory_budget, report_path)
-    except ThinkerError as err:
-        # the conversion's word where transformers gives no reference is advice for a conversion; here the folder
-        # exists (made with --no-verify, as that advice said), and there is nothing to check it against
-        if NO_VERIFY not in str(err):
-            raise
-        raise ThinkerError(str(err).replace(NO_VERIFY, f"leave {converted} unverified")) from None
+    except NoReference as err:
+        # the conversion's advice where transformers gives no reference is for a conversion; here the folder exists
+        # (made with --no-verify, as that advice said), and there is nothing to check it against
+        raise err.instead(f"leave {converted} unverified") from None
 
 
 def _verify(

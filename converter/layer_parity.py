@@ -51,8 +51,10 @@ from .output_dtype import resolve_dtype
 from .parity_report import (
     BY_LAYER,
     HALF_TOP1_MIN,
+    NO_VERIFY,
     DtypeParity,
     LayerParity,
+    NoReference,
     ParityReport,
     reference_overflows,
     refuse_unknown_model_type,
@@ -151,15 +153,15 @@ def refuse_unloadable(folder: Path, label: str) -> None:
         return
     for index_name in (SAFETENSORS_INDEX, BIN_INDEX):
         if shards := unindexed_shards(folder, index_name):
-            raise ThinkerError(
+            raise NoReference(
                 f"{label}: its shards ({shards[0]}, ...) have no {index_name}, which transformers needs to load them, "
                 "so there is no reference to verify against; restore the index from the model's repository, or "
-                "convert with --no-verify"
+                f"{NO_VERIFY}"
             )
-    raise ThinkerError(
+    raise NoReference(
         f"{label}: transformers finds none of model.safetensors, pytorch_model.bin or their indexes here, so it "
         "cannot load this checkpoint and there is no reference to verify against; give its weights one of those "
-        "names, or convert with --no-verify"
+        f"names, or {NO_VERIFY}"
     )
 
 
@@ -174,9 +176,9 @@ def refuse_other_weights_file(source: Path) -> None:
     refuse_unloadable(folder, str(folder))
     loaded = safetensors_files(folder) if transformers_weights_format(folder) == "safetensors" else bin_files(folder)
     if source.resolve() not in {path.resolve() for path in loaded}:
-        raise ThinkerError(
+        raise NoReference(
             f"{source}: transformers loads {', '.join(path.name for path in loaded)} from {folder}, not this file, "
-            "so the check has no reference of its weights; give the folder as SOURCE, or convert with --no-verify"
+            f"so the check has no reference of its weights; give the folder as SOURCE, or {NO_VERIFY}"
         )
 
 

@@ -42,8 +42,10 @@ from .parity_report import (
     GREEDY_TOKENS,
     HALF_TOP1_MIN,
     IDENTICAL,
+    NO_VERIFY,
     WHOLE_MODEL,
     DtypeParity,
+    NoReference,
     ParityFailed,
     ParityReport,
     reference_overflows,
@@ -94,18 +96,18 @@ def reference_from_pretrained(label: Path, folder: Path, **kwargs: Any) -> PreTr
             refuse_unloadable(Path(folder), label)
             # or a file cut short or damaged since the converter read it: named by the converter's own reader
             open_source(Path(folder)).close()
-        raise ThinkerError(
+        raise NoReference(
             f"{label}: the reference model does not load with transformers ({err}), so there is no reference to "
-            "verify against; convert with --no-verify"
+            f"verify against; {NO_VERIFY}"
         ) from None
     mismatched = sorted(info.get("mismatched_keys") or [])
     if mismatched:
         name, stored, built = mismatched[0]
         more = f" and {len(mismatched) - 1} more" if len(mismatched) > 1 else ""
-        raise ThinkerError(
+        raise NoReference(
             f"{label}: transformers builds {type(model).__name__} from it with tensors of other shapes than it holds "
             f"({name}: {tuple(stored)} in the checkpoint, {tuple(built)} in transformers' model{more}), so there is "
-            "no reference to verify against; convert with --no-verify"
+            f"no reference to verify against; {NO_VERIFY}"
         )
     return model.eval()
 
@@ -157,9 +159,9 @@ def reference_run(reference: PreTrainedModel, prompts: list[list[int]]) -> tuple
         raise
     except Exception as err:  # whatever transformers' forward raises: it is the reference's, not the conversion's
         reason = " ".join(str(err).split())[:300]
-        raise ThinkerError(
+        raise NoReference(
             f"transformers' {type(reference).__name__} fails on the parity prompts ({type(err).__name__}: {reason}), "
-            "so there is no reference to verify against: its class cannot run this config; convert with --no-verify "
+            f"so there is no reference to verify against: its class cannot run this config; {NO_VERIFY} "
             "if the model is meant as it is"
         ) from None
 

@@ -31,6 +31,19 @@ class ParityFailed(ThinkerError):
         self.report = report
 
 
+# What to do where transformers gives no reference for a source: convert it unchecked.
+NO_VERIFY = "convert with --no-verify"
+
+
+class NoReference(ThinkerError):
+    """Raised where there is no reference to check a conversion against; its words end in what to do, NO_VERIFY,
+    which ``thinker verify`` of a folder already so converted says otherwise (``instead``)."""
+
+    def instead(self, advice: str) -> ThinkerError:
+        """The same words, with ``advice`` in place of NO_VERIFY."""
+        return ThinkerError(str(self).replace(NO_VERIFY, advice))
+
+
 # The stages that compare positions beyond the prompts' (converter/unreached.py ``position_stages``).
 POSITION_ROWS = "every position-embedding row"
 CONTEXT_STAGE = "the context (max_position_embeddings)"
@@ -169,10 +182,10 @@ def refuse_unknown_model_type(config_path: Path) -> None:
     except (OSError, ValueError, AttributeError):
         return  # transformers reports an unreadable config itself
     if isinstance(model_type, str) and model_type not in CONFIG_MAPPING:
-        raise ThinkerError(
+        raise NoReference(
             f"{config_path}: model_type {model_type!r} is not one transformers knows, so --verify has no reference "
             "to compare with (code shipped with a checkpoint, its auto_map, is never run); correct model_type, or "
-            "convert with --no-verify"
+            f"{NO_VERIFY}"
         )
 
 

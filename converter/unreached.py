@@ -158,15 +158,18 @@ def indexer_stage(layer: int) -> str:
     return f"layer {layer}: the indexer's choice"
 
 
+def embeddings_parent(model: nn.Module) -> nn.Module | None:
+    """The module whose child the model's input embeddings are (``model``, ``model.language_model``, GPT-2's
+    ``transformer``), or None."""
+    embeddings = model.get_input_embeddings()
+    return next((module for module in model.modules() if any(c is embeddings for c in module.children())), None)
+
+
 def decoder_module(model: nn.Module) -> nn.Module | None:
     """The module holding a model's decoder layers beside its input embeddings (``model``, ``model.language_model``,
     a thinker's ``model``), or None where none does."""
-    embeddings = model.get_input_embeddings()
-    for module in model.modules():
-        layers = getattr(module, "layers", None)
-        if isinstance(layers, nn.ModuleList) and any(child is embeddings for child in module.children()):
-            return module
-    return None
+    parent = embeddings_parent(model)
+    return parent if isinstance(getattr(parent, "layers", None), nn.ModuleList) else None
 
 
 def decoder_layers(model: nn.Module) -> dict[int, nn.Module]:
@@ -279,19 +282,12 @@ def position_table(model: nn.Module) -> nn.Embedding | None:
     context = getattr(text_config(model), "max_position_embeddings", None)
     if not isinstance(context, int) or not hasattr(model, "get_input_embeddings"):
         return None
-    embeddings = model.get_input_embeddings()
-    for parent in model.modules():
-        children = list(parent.children())
-        if any(child is embeddings for child in children):
-            return next(
-                (
-                    child
-                    for child in children
-                    if child is not embeddings and isinstance(child, nn.Embedding) and child.num_embeddings == context
-                ),
-                None,
-            )
-    return None
+    embeddings, parent = model.get_input_embeddings(), embeddings_parent(model)
+    siblings = parent.children() if parent is not None else ()
+    return next(
+        (c for c in siblings if c is not embeddings and isinstance(c, nn.Embedding) and c.num_embeddings == context),
+        None,
+    )
 
 
 def _spread(length: int) -> list[int]:
