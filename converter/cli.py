@@ -114,16 +114,18 @@ VERIFY_HELP = """Compare a converted Thinker folder with its SOURCE, the source 
 
 Runs fixed prompts (a left-padded batch and 8-token greedy continuations) through both models, prints a table and
 writes CONVERTED/parity.json with, per dtype, max and mean |Δlogit|, top-1 agreement and greedy agreement. Fails
-(exit 1) when float32 logits differ by more than 1e-4 × max(1, logit scale) or a greedy continuation differs,
-naming the first layer whose hidden states diverge; a failing report goes to CONVERTED/parity.failed.json, and a
+(exit 1) when float32 logits (the prompts', and each decode step's while both continuations have taken the same
+tokens) differ by more than 1e-4 × max(1, logit scale) or a greedy continuation differs; a float16 or bfloat16
+folder is also run in its own dtype, both models alike, and fails beyond 5e-3 (float16) or 2e-2 (bfloat16) × max(1,
+logit scale) or below 90 % top-1 agreement. A failure names the first layer whose hidden states diverge; a failing report goes to CONVERTED/parity.failed.json, and a
 parity.json already there is kept. With --report PATH the report goes to PATH alone and CONVERTED is only read (a
 read-only copy, a shared cache). SOURCE is given as to thinker-convert.
 
 When the two models do not fit in half the available memory (or in THINKER_VERIFY_MEMORY), or with
 --verify-by-layer, they run one layer at a time, each read from its own files: every layer of the Thinker runs on
-the reference's input to that layer, parity.json records each layer's max and mean |Δ| against a tolerance of
-1e-4 (float32) × max(1, the reference layer's largest output), and a failure names the first layer beyond it. The
-top-1 token at every prompt position stands in for the greedy continuations there.
+the reference's input to that layer, parity.json records each layer's max and mean |Δ| against the dtype's
+tolerance (1e-4 in float32) × max(1, the reference layer's largest output), and a failure names the first layer
+beyond it. The top-1 token at every prompt position stands in for the greedy continuations there.
 
 \b
 Examples:

@@ -15,7 +15,7 @@ reference written without an attention mask gets each prompt alone, unpadded):
    ``stream_max_abs_diff``).
 
 Stages: ``embeddings`` (the hidden states entering layer 0), ``layer i`` for every decoder layer, ``final norm and
-head``. A stage's tolerance is ``RELATIVE_TOLERANCE[dtype] × max(1, max |reference's output of that stage|)`` over
+head``. A stage's tolerance is ``GATE_TOLERANCE[dtype] × max(1, max |reference's output of that stage|)`` over
 real tokens: scaled by the reference's own activations alone, so a converted model gone wrong never widens it. The
 verdict: every stage within its tolerance, the end-to-end logits within theirs (the whole-model rule), and the top-1
 token identical at every real position in float32 (at least 90 % in half precision). Greedy continuations are not
@@ -36,7 +36,7 @@ import torch
 
 from thinker import ThinkerConfig, ThinkerForCausalLM
 from thinker_common.errors import ThinkerError
-from thinker_common.parity_inputs import RELATIVE_TOLERANCE, fixed_prompts, left_padded
+from thinker_common.parity_inputs import GATE_TOLERANCE, fixed_prompts, left_padded
 from thinker_common.sources import (
     BIN_INDEX,
     SAFETENSORS_INDEX,
@@ -190,7 +190,7 @@ def compare_by_layer(
     reference: StreamedModel, converted: StreamedModel, prompts: list[list[int]], dtype: torch.dtype
 ) -> DtypeParity:
     """Both models over the prompts, stage by stage on the reference's hidden states; see the module docstring."""
-    relative = RELATIVE_TOLERANCE[dtype]
+    relative = GATE_TOLERANCE[dtype]
     padded = reference.takes_padding and converted.takes_padding
     batches = [left_padded(prompts)] if padded else [left_padded([prompt]) for prompt in prompts]
     stages: dict[str, _Stage] = {}

@@ -21,7 +21,7 @@ from thinker_common.model_card import (
     weights_of,
     write_card,
 )
-from thinker_common.parity_inputs import RELATIVE_TOLERANCE
+from thinker_common.parity_inputs import GATE_TOLERANCE
 
 from .parity_report import GREEDY_TOKENS, HALF_TOP1_MIN, PARITY_FILE, ParityReport
 
@@ -89,7 +89,8 @@ def parity_criteria(report: ParityReport, against: str) -> str:
         exact = "the top-1 token identical at every position"
     rules = []
     for dtype in dict.fromkeys(result.dtype for result in report.results):
-        bound = f"max |Δlogit| ≤ {RELATIVE_TOLERANCE[getattr(torch, dtype)]:g} × max(1, the logit scale)"
+        bound = f"max |Δlogit| ≤ {GATE_TOLERANCE[getattr(torch, dtype)]:g} × max(1, the logit scale)"
+        bound += " (the prompts' and each decode step's alike)" if whole else ""
         needs = exact if dtype == "float32" else f"top-1 agreement ≥ {HALF_TOP1_MIN:.0%}"
         rules.append(f"in {dtype}, {bound} and {needs}")
     stages = "" if whole else ", and each stage within the same factor × max(1, the reference's output of it)"

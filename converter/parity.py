@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -32,7 +32,7 @@ from thinker import ThinkerForCausalLM
 from thinker.modeling_thinker import CACHE_ARG
 from thinker_common.eager import EAGER
 from thinker_common.errors import ThinkerError
-from thinker_common.parity_inputs import RELATIVE_TOLERANCE, fixed_prompts, left_padded
+from thinker_common.parity_inputs import GATE_TOLERANCE, fixed_prompts, left_padded
 from thinker_common.sizes import human_size, parse_size
 from thinker_common.sources import open_source
 
@@ -123,8 +123,17 @@ def load_converted(folder: Path, dtype: torch.dtype | None = None) -> ThinkerFor
 # --- comparison --------------------------------------------------------------------------------------------------
 
 
+class Run(NamedTuple):
+    """What ``run_prompts`` gives: the batch's output (with hidden states), each row's greedy tokens, and the logits
+    of each decode step, (B, steps - 1, vocab) in float32: step j's after feeding each row's token j."""
+
+    output: Any
+    tokens: list[list[int]]
+    step_logits: torch.Tensor
+
+
 @torch.no_grad()
-def run_prompts(model: PreTrainedModel, prompts: list[list[int]], steps: int = GREEDY_TOKENS) -> tuple[Any, list]:
+def run_prompts(model: PreTrainedModel, prompts: list[list[int]], steps: int = GREEDY_TOKENS) -> Run:
     """The left-padded batch through ``model`` (output with hidden states), then ``steps`` greedy tokens per prompt.
 
     Decoding goes on from the same batch with the model's own KV cache, one token per step for every row; a model
@@ -134,7 +143,7 @@ def run_prompts(model: PreTrainedModel, prompts: list[list[int]], steps: int = G
     first = output = model(
         input_ids=ids, attention_mask=mask, position_ids=positions, output_hidden_states=True, use_cache=True
     )
-    tokens = [output.logits[:, -1].argmax(-1)]  # (B,) per step
+    tokens, step_logits = [output.logits[:, -1].argmax(-1)], []  # (B,) per step
     while len(tokens) < steps:
         step = tokens[-1][:, None]  # (B, 1)
         mask = torch.cat([mask, torch.ones_like(step)], dim=1)
@@ -146,11 +155,22 @@ def run_prompts(model: PreTrainedModel, prompts: list[list[int]], steps: int = G
         else:
             ids, positions = torch.cat([ids, step], dim=1), torch.cat([positions, positions[:, -1:] + 1], dim=1)
             output = model(input_ids=ids, attention_mask=mask, position_ids=positions)
-        tokens.append(output.logits[:, -1].argmax(-1))
-    return first, torch.stack(tokens, dim=1).tolist()
+        step_logits.append(output.logits[:, -1].float())
+        tokens.append(step_logits[-1].argmax(-1))
+    logits = torch.stack(step_logits, dim=1) if step_logits else torch.zeros(len(prompts), 0, 0)
+    return Run(first, torch.stack(tokens, dim=1).tolist(), logits)
 
 
-def reference_run(reference: PreTrainedModel, prompts: list[list[int]]) -> tuple[Any, list]:
+def decode_steps_alike(expected: Run, actual: Run) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two runs' decode-step logits, (compared steps, vocab), at each row's steps up to where the greedy
+    continuations part: there both models were fed the same tokens, so the logits must agree as the prompts' do
+    (a cache or a recurrent state carried wrong shows only there; a greedy token need not flip for it)."""
+    same = (torch.tensor(expected.tokens) == torch.tensor(actual.tokens)).int().cumprod(dim=1).bool()
+    alike = same[:, : expected.step_logits.shape[1]]  # step j follows tokens 0..j
+    return expected.step_logits[alike], actual.step_logits[alike]
+
+
+def reference_run(reference: PreTrainedModel, prompts: list[list[int]]) -> Run:
     """``run_prompts`` on transformers' own model, which may fail on a config its class accepts but cannot run (a
     scaled RoPE sized by a partial factor it does not apply): said so, not a traceback from inside transformers."""
     try:
@@ -170,15 +190,23 @@ def reference_run(reference: PreTrainedModel, prompts: list[list[int]]) -> tuple
 def compare(reference: PreTrainedModel, converted: PreTrainedModel, prompts: list[list[int]]) -> DtypeParity:
     """Run both models (which must hold the same dtype) on the prompts and measure how far apart they are."""
     dtype = converted.dtype
-    (expected, ref_tokens), (actual, tokens) = reference_run(reference, prompts), run_prompts(converted, prompts)
+    expected_run, actual_run = reference_run(reference, prompts), run_prompts(converted, prompts)
+    (expected, ref_tokens), (actual, tokens) = expected_run[:2], actual_run[:2]
     real = left_padded(prompts)[1].bool()
     ref_logits, logits = expected.logits[real].float(), actual.logits[real].float()  # (real tokens, vocab)
     if not torch.isfinite(ref_logits).all():
         raise reference_overflows(type(reference).__name__, dtype, first_nonfinite(expected.hidden_states, real))
-    diff = (ref_logits - logits).abs()
-    scale = ref_logits.abs().max().item()
-    tolerance = RELATIVE_TOLERANCE[dtype] * max(1.0, scale)
+    ref_steps, steps = decode_steps_alike(expected_run, actual_run)
+    if not torch.isfinite(ref_steps).all():
+        raise reference_overflows(type(reference).__name__, dtype, "a decode step")
+    diff, step_diff = (ref_logits - logits).abs(), (ref_steps - steps).abs()
+    scale = ref_logits.abs().max().item()  # the prompts', as layer by layer (which runs no decode step)
+    tolerance = GATE_TOLERANCE[dtype] * max(1.0, scale)
     top1 = (ref_logits.argmax(-1) == logits.argmax(-1)).float().mean().item()
+    decode_max = step_diff.max().item() if step_diff.numel() else 0.0
+    decode_scale = ref_steps.abs().max().item() if ref_steps.numel() else 0.0
+    decode_tolerance = GATE_TOLERANCE[dtype] * max(1.0, scale, decode_scale)
+    decode_agrees = decode_max <= decode_tolerance  # NaN (a non-finite step of the converted model's) does not
 
     identical = sum(ref == conv for ref, conv in zip(ref_tokens, tokens, strict=True))
     token_agreement = sum(
@@ -187,9 +215,9 @@ def compare(reference: PreTrainedModel, converted: PreTrainedModel, prompts: lis
 
     max_diff = diff.max().item()
     if dtype == torch.float32:
-        passed = max_diff <= tolerance and identical == len(prompts)
+        passed = max_diff <= tolerance and decode_agrees and identical == len(prompts)
     else:
-        passed = max_diff <= tolerance and top1 >= HALF_TOP1_MIN
+        passed = max_diff <= tolerance and decode_agrees and top1 >= HALF_TOP1_MIN
     result = DtypeParity(
         dtype=str(dtype).removeprefix("torch."),
         max_abs_diff=max_diff,
@@ -201,10 +229,14 @@ def compare(reference: PreTrainedModel, converted: PreTrainedModel, prompts: lis
         greedy_prompts=len(prompts),
         greedy_token_agreement=token_agreement,
         passed=passed,
+        decode_max_abs_diff=decode_max,
+        decode_tolerance=decode_tolerance,
+        decode_steps=len(steps),
     )
     result.unreached = unreached_stages(reference, converted, dtype)
     unreached = next((stage.name for stage in result.unreached if not stage.passed), None)
-    if not passed and dtype == torch.float32 and max_diff <= tolerance:  # the prompts' logits agree, a continuation not
+    if not passed and max_diff <= tolerance and (dtype == torch.float32 or top1 >= HALF_TOP1_MIN):
+        # the prompts' logits agree, a decode step's or a continuation not
         result.first_divergence = unreached or GREEDY_ONLY
     elif not passed:
         result.first_divergence = first_divergence(
@@ -221,8 +253,8 @@ def compare(reference: PreTrainedModel, converted: PreTrainedModel, prompts: lis
 # a decode step, meets a part of the model they do not reach (the probes of converter/unreached.py find the known
 # ones by name), or the decode path itself differs.
 GREEDY_ONLY = (
-    "a greedy continuation (the prompts' logits agree; a decode step on a generated token differs: a part the "
-    "prompts do not reach, or the cache)"
+    "the decode steps (the prompts' logits agree; a decode step on a generated token differs: a part the prompts "
+    "do not reach, or the cache)"
 )
 
 
@@ -237,7 +269,7 @@ def first_nonfinite(hidden_states: tuple[torch.Tensor, ...], real: torch.Tensor)
 def states_agree(ref: torch.Tensor, conv: torch.Tensor, dtype: torch.dtype) -> bool:
     """Two hidden states (float32, the real positions) within the dtype's tolerance, relative to the reference's
     scale."""
-    return (ref - conv).abs().max().item() <= RELATIVE_TOLERANCE[dtype] * max(1.0, ref.abs().max().item())
+    return (ref - conv).abs().max().item() <= GATE_TOLERANCE[dtype] * max(1.0, ref.abs().max().item())
 
 
 def first_divergence(

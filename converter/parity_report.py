@@ -76,6 +76,12 @@ class DtypeParity:
     greedy_token_agreement: float | None
     passed: bool
     first_divergence: str | None = None
+    # whole-model only (None layer by layer): the greedy decode steps' logits, at each row's steps before the two
+    # continuations part (both models fed the same tokens), held to the same relative tolerance as the prompts', of
+    # the larger of the two scales
+    decode_max_abs_diff: float | None = None
+    decode_tolerance: float | None = None
+    decode_steps: int | None = None  # how many (row, step) logits that compares
     layers: list[LayerParity] = field(default_factory=list)  # layer by layer only
     # what the prompts cannot reach, compared on inputs of its own: the embedding table, every expert
     # (converter/unreached.py)
@@ -130,6 +136,13 @@ class ParityReport:
                 f"{r.dtype:<9} {r.max_abs_diff:>11.3g} {r.mean_abs_diff:>12.3g} {r.tolerance:>9.2g} "
                 f"{r.top1_agreement:>6.1%} {greedy:^7}  {verdict}"
             )
+        for r in self.results:
+            if r.decode_steps is not None:
+                rows.append(
+                    f"{r.dtype}: decode steps: max|Δlogit| {r.decode_max_abs_diff:.3g} (tolerance "
+                    f"{r.decode_tolerance:.2g}) over the {r.decode_steps} steps both models took on the same tokens "
+                    f"(of {r.greedy_prompts} × {GREEDY_TOKENS - 1})"
+                )
         for r in self.results:
             if r.layers:
                 worst = max(r.layers, key=lambda layer: layer.max_abs_diff / layer.tolerance)

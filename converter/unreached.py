@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedConfig
 
-from thinker_common.parity_inputs import RELATIVE_TOLERANCE
+from thinker_common.parity_inputs import GATE_TOLERANCE
 
 from .parity_report import CONTEXT_STAGE, POSITION_ROWS, ROTARY_STAGE, LayerParity
 
@@ -102,7 +102,7 @@ def every_router_row(layer: nn.Module, hidden_size: int) -> torch.Tensor | None:
 
 
 def stage(name: str, expected: torch.Tensor | None, actual: torch.Tensor | None, dtype: torch.dtype) -> LayerParity:
-    """``expected`` against ``actual`` at ``RELATIVE_TOLERANCE[dtype]`` of the expected's scale; a missing or
+    """``expected`` against ``actual`` at ``GATE_TOLERANCE[dtype]`` of the expected's scale; a missing or
     differently shaped side fails."""
     if expected is None or actual is None or expected.shape != actual.shape:
         nan, inf = float("nan"), float("inf")
@@ -110,7 +110,7 @@ def stage(name: str, expected: torch.Tensor | None, actual: torch.Tensor | None,
     expected, actual = expected.float(), actual.float()
     diff = (expected - actual).abs()
     scale = expected.abs().max().item()
-    tolerance = RELATIVE_TOLERANCE[dtype] * max(1.0, scale)
+    tolerance = GATE_TOLERANCE[dtype] * max(1.0, scale)
     return LayerParity(
         name=name,
         max_abs_diff=diff.max().item(),

@@ -580,6 +580,19 @@ def test_positions_option_in_the_report_genai_config_and_errors(thinker_variant,
     assert "Traceback" not in refused.output
 
 
+def test_a_plain_graphs_genai_model_takes_left_padding(onnx_variant):
+    """README: OnnxDecoder refuses a left-padded batch on a fused graph's model.genai.onnx (no padding bias), but a
+    plain graph's, rewired only to take text positions, numbers them by the mask: each row's last logits are
+    model.onnx's (a QA run read README's refusal as covering every model.genai.onnx)."""
+    folder = hybrid_export(onnx_variant, "qwen3_5", "plain")
+    genai, whole = OnnxDecoder(folder / "model.genai.onnx", provider="cpu"), OnnxDecoder(folder, provider="cpu")
+    assert not genai.right_padding_only
+    ids, mask = left_padded((7, 3))
+    last, _ = genai.prefill(ids, mask)
+    every, _ = whole.prefill(ids, mask)
+    np.testing.assert_allclose(last[:, -1], every[:, -1], rtol=0, atol=1e-5)
+
+
 # --- half precision -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("graph", GRAPHS)
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
