@@ -97,3 +97,18 @@ def test_a_half_precision_bug_fails_the_bfloat16_run(mode, save_reference, run_c
     scale = max(1.0, half.logit_scale)
     assert GATE_TOLERANCE[torch.bfloat16] * scale < half.max_abs_diff <= RELATIVE_TOLERANCE[torch.bfloat16] * scale
     assert not half.passed and not report.passed, report.table()
+
+
+def test_verify_help_states_the_gates_own_tolerances():
+    """``thinker verify --help`` writes the half-precision bounds out (its module does not import torch, for a fast
+    --help): they are the table's."""
+    from converter.cli import VERIFY_HELP
+
+    def written(value: float) -> str:  # 5e-3, as the help writes it
+        mantissa, exponent = f"{value:.0e}".split("e")
+        return f"{mantissa}e{int(exponent)}"
+
+    words = " ".join(VERIFY_HELP.split())
+    assert f"more than {written(GATE_TOLERANCE[torch.float32])} × max(1, logit scale)" in words
+    for dtype in (torch.float16, torch.bfloat16):
+        assert f"{written(GATE_TOLERANCE[dtype])} ({str(dtype).removeprefix('torch.')})" in words, words
