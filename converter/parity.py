@@ -12,9 +12,11 @@ whatever the model's size and adds each layer's max and mean |Δ| to the report.
 is half the memory available, or ``THINKER_VERIFY_MEMORY`` (a size such as ``8GB``) when set.
 
 The float32 run always happens and is strict: max |Δlogit| <= 1e-4 × max(1, logit scale) and identical greedy
-continuations. The reference is loaded in the converted folder's dtype and then widened, so that both sides hold
-the same rounded weights and a bfloat16 conversion is still held to float32 exactness. A half-precision
-conversion is also run in its own dtype, against a looser tolerance. On failure, the first hidden state (output of
+continuations, and each decode step's logits held alike while both continuations have taken the same tokens (a
+cache or a recurrent state carried wrong need not flip a token). The reference is loaded in the converted folder's
+dtype and then widened, so that both sides hold the same rounded weights and a bfloat16 conversion is still held to
+float32 exactness. A half-precision conversion is also run in its own dtype, both models alike, against that dtype's
+``GATE_TOLERANCE`` and 90 % top-1 agreement. On failure, the first hidden state (output of
 ``embeddings`` or ``layer i``) that diverges beyond the same relative tolerance is named.
 """
 
@@ -190,13 +192,13 @@ def reference_run(reference: PreTrainedModel, prompts: list[list[int]]) -> Run:
 def compare(reference: PreTrainedModel, converted: PreTrainedModel, prompts: list[list[int]]) -> DtypeParity:
     """Run both models (which must hold the same dtype) on the prompts and measure how far apart they are."""
     dtype = converted.dtype
-    expected_run, actual_run = reference_run(reference, prompts), run_prompts(converted, prompts)
-    (expected, ref_tokens), (actual, tokens) = expected_run[:2], actual_run[:2]
+    theirs, ours = reference_run(reference, prompts), run_prompts(converted, prompts)
+    expected, ref_tokens, actual, tokens = theirs.output, theirs.tokens, ours.output, ours.tokens
     real = left_padded(prompts)[1].bool()
     ref_logits, logits = expected.logits[real].float(), actual.logits[real].float()  # (real tokens, vocab)
     if not torch.isfinite(ref_logits).all():
         raise reference_overflows(type(reference).__name__, dtype, first_nonfinite(expected.hidden_states, real))
-    ref_steps, steps = decode_steps_alike(expected_run, actual_run)
+    ref_steps, steps = decode_steps_alike(theirs, ours)
     if not torch.isfinite(ref_steps).all():
         raise reference_overflows(type(reference).__name__, dtype, "a decode step")
     diff, step_diff = (ref_logits - logits).abs(), (ref_steps - steps).abs()
