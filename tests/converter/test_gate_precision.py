@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from references.hybrid import qwen3_5_config, qwen3_5_moe_config
-from transformers import Qwen3MoeConfig
 
 import thinker.modeling_thinker as modeling
 from converter import parity
@@ -61,21 +60,6 @@ def router_softmax_in_half(monkeypatch) -> None:
         return logits, top_values, top_index
 
     monkeypatch.setattr(modeling.ThinkerTopKRouter, "forward", forward)
-
-
-MOE = Qwen3MoeConfig(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    moe_intermediate_size=16,
-    num_experts=4,
-    num_experts_per_tok=2,
-    norm_topk_prob=True,  # the renormalisation is where a softmax's lost bits show
-)
 
 
 @pytest.mark.parametrize("mode", [WHOLE_MODEL, BY_LAYER])
