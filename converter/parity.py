@@ -237,9 +237,13 @@ def compare(reference: PreTrainedModel, converted: PreTrainedModel, prompts: lis
     )
     result.unreached = unreached_stages(reference, converted, dtype)
     unreached = next((stage.name for stage in result.unreached if not stage.passed), None)
-    if not passed and max_diff <= tolerance and (dtype == torch.float32 or top1 >= HALF_TOP1_MIN):
-        # the prompts' logits agree, a decode step's or a continuation not
-        result.first_divergence = unreached or GREEDY_ONLY
+    if not passed and max_diff <= tolerance:  # the prompts' logits agree: say what does not
+        if not decode_agrees:
+            result.first_divergence = unreached or GREEDY_ONLY
+        elif dtype == torch.float32 and identical < len(prompts):
+            result.first_divergence = unreached or NEAR_TIE
+        else:
+            result.first_divergence = TOP1_BELOW.format(top1=top1, floor=HALF_TOP1_MIN)
     elif not passed:
         result.first_divergence = first_divergence(
             expected.hidden_states, actual.hidden_states, real, dtype, converted.model.final_hidden_state
@@ -251,12 +255,21 @@ def compare(reference: PreTrainedModel, converted: PreTrainedModel, prompts: lis
     return result
 
 
-# Where the prompts' logits agree and a greedy continuation does not: a token the prompts do not hold, fed back in
-# a decode step, meets a part of the model they do not reach (the probes of converter/unreached.py find the known
-# ones by name), or the decode path itself differs.
+# Where the prompts' logits agree and a decode step's do not: a token the prompts do not hold, fed back in a decode
+# step, meets a part of the model they do not reach (the probes of converter/unreached.py find the known ones by
+# name), or the decode path itself differs (a cache or a recurrent state carried wrong).
 GREEDY_ONLY = (
     "the decode steps (the prompts' logits agree; a decode step on a generated token differs: a part the prompts "
     "do not reach, or the cache)"
+)
+# Where every logit compared agrees and a greedy token still parts: two near-equal logits taken the other way.
+NEAR_TIE = (
+    "a greedy continuation (every logit compared lies within the tolerance, but a token parts: a near tie taken the "
+    "other way, float32 needing the same tokens)"
+)
+# Half precision: the logits within the tolerance, the top-1 tokens apart at too many positions.
+TOP1_BELOW = (
+    "top-1 agreement ({top1:.1%} of the prompts' positions, below {floor:.0%}; the logits within the tolerance)"
 )
 
 

@@ -3,7 +3,8 @@
 The left-padded batch of ``thinker_common/parity_inputs.py`` goes through prefill and then several single-token decode
 steps in both runtimes, each fed the same (PyTorch-greedy) tokens. Logits are compared at every kept position; pads
 carry no meaning in either runtime and are left out. The tolerance is relative to the logit scale, as in DESIGN.md,
-and the same as the converter's parity gate (``RELATIVE_TOLERANCE``).
+(``RELATIVE_TOLERANCE``: the converter's gate's in float32; in half precision the gate, two PyTorch models in one
+dtype, holds its own tighter ``GATE_TOLERANCE``).
 
 That batch reaches position 12 and a cache of 13 slots, so two long prompts follow (``long_prompts``:
 ``thinker_common/parity_inputs.py`` LONG_PROMPT_LENGTHS, cut to the context): an attention window, the plain hybrid

@@ -4,8 +4,9 @@ transformers class, ``converter/parity.py``) and ``thinker export --verify`` (on
 
 The inputs are a left-padded batch of random token ids from a fixed seed: two prompts of unequal length, so that the
 shorter row is padded on the left and every implementation must mask and number positions per row. The tolerance is
-on max |Δlogit| relative to the logit scale, ``RELATIVE_TOLERANCE[dtype] * max(1, max |logit|)``, per dtype the
-compared models run in.
+on max |Δlogit| relative to the logit scale, ``TOLERANCE[dtype] * max(1, max |logit|)``, per dtype the compared
+models run in: ``GATE_TOLERANCE`` for the converter's gate, ``RELATIVE_TOLERANCE`` for the export's check (the same
+in float32; the export's looser in half precision, where it holds a graph to the float32 model).
 """
 
 from __future__ import annotations
