@@ -49,6 +49,7 @@ from .genai_config import check_search, logits_note, make_genai_config, no_eos_n
 from .genai_graph import write_genai_graph
 from .graph_builder import GraphBuilder, WeightFile
 from .graph_walk import all_nodes
+from .leading_tokens import leading_special_ids, prefix_note
 from .model_card import write_onnx_card
 from .names import (
     DATA_FILE,
@@ -275,6 +276,7 @@ def export_model(
         if inputs_embeds:  # after the guard, which may rewrite model.onnx and its weights
             write_embeds_graphs(files.model_path, graph_dtype, config.hidden_size)
         generation_config = read_json(model_dir / "generation_config.json")
+        prefix: list[int] = []  # what onnxruntime-genai's tokenizer leaves out of a prompt (export/leading_tokens.py)
         if not config.qwen4_exp_features:  # Qwen3.8's states are more than onnxruntime-genai carries: genai_note
             # after the guard, which may rewrite model.onnx
             genai_graph = write_genai_graph(files.model_path, graph_dtype)
@@ -288,6 +290,7 @@ def export_model(
                 graph_positions=genai_graph.positions if genai_graph else True,
             )
             (final / GENAI_CONFIG_FILE).write_text(json.dumps(genai, indent=2) + "\n")
+            prefix = leading_special_ids(model_dir) if has_vocabulary(tokenizer) else []  # the files copied over
         report = {
             "source": str(source),
             "revision": revision,
@@ -311,10 +314,13 @@ def export_model(
             "export_seconds": round(time.perf_counter() - started, 3),
             "verify": None,
             "versions": versions(),
+            # the ids transformers' tokenizer puts in front of a prompt, which onnxruntime-genai's leaves out
+            "genai_prompt_prefix": prefix,
             "notes": [
                 note
                 for note in (
                     no_eos_note(config, generation_config),
+                    prefix_note(prefix),
                     None if has_vocabulary(tokenizer) else NO_TOKENIZER_NOTE,
                     genai_note(config),
                     logits_note(logits),

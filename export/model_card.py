@@ -125,7 +125,9 @@ def write_onnx_card(folder: Path, thinker_folder: Path, report: dict, name: str)
     if not has_tokenizer:  # text examples would fail: token ids (the report's notes say so too)
         run = TOKEN_IDS_RUN.format(name=name, genai=TOKEN_IDS_GENAI if genai else "")
     elif genai:
-        run = GENAI_RUN.format(name=name, max_length=genai_max_length(folder))
+        prefix = report.get("genai_prompt_prefix") or []
+        append = GENAI_APPEND_PREFIX.format(count=len(prefix), prefix=prefix) if prefix else GENAI_APPEND
+        run = GENAI_RUN.format(name=name, max_length=genai_max_length(folder), append=append)
     else:
         run = ONNXRUNTIME_RUN.format(name=name)
     body = f"""# {name}
@@ -183,7 +185,7 @@ tokenizer = og.Tokenizer(model)
 params = og.GeneratorParams(model)
 params.set_search_options(max_length={max_length})
 generator = og.Generator(model, params)
-generator.append_tokens(tokenizer.encode("The capital of France is"))
+{append}
 while not generator.is_done():
     generator.generate_next_token()
 print(tokenizer.decode(generator.get_sequence(0)))
@@ -207,6 +209,14 @@ prompt = tokenizer("The capital of France is", return_tensors="np")
 tokens = decoder.generate(prompt["input_ids"], prompt["attention_mask"], max_new_tokens=32)
 print(tokenizer.decode(tokens[0]))
 ```"""
+
+GENAI_APPEND = """generator.append_tokens(tokenizer.encode("The capital of France is"))"""
+# A tokenizer whose prompts begin with special tokens (a BOS), which onnxruntime-genai 0.18's leaves out
+# (export/leading_tokens.py): put back where its ids lack them.
+GENAI_APPEND_PREFIX = """ids = list(tokenizer.encode("The capital of France is"))
+if ids[:{count}] != {prefix}:  # onnxruntime-genai 0.18 leaves out the BOS transformers' tokenizer puts first
+    ids = {prefix} + ids
+generator.append_tokens(ids)"""
 
 # A folder without a tokenizer (the Thinker folder had none): prompts as token ids.
 TOKEN_IDS_RUN = """The folder has no tokenizer, so it runs on token ids; copy the model's tokenizer files into it for

@@ -303,3 +303,22 @@ def export_planted(folder: Path, output: Path, monkeypatch, plant: Callable | No
             plant(patched)
         export_model(folder, output, verify=False, progress=False, **options)
     return output / MODEL_FILE
+
+
+def save_bos_tokenizer(folder: Path):
+    """A byte-level BPE tokenizer (what onnxruntime-genai's tokenizer reads; it refuses a word-level one) that puts
+    its BOS, ``<s>`` = 1, in front of every text, as Llama's and a BOS-adding GGUF's do: transformers 5 writes the
+    BOS into tokenizer.json's post-processor. Trained on a fixed text, so the same every run; returns it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=alphabet)
+    backend.train_from_iterator(["The capital of France is Paris. " * 20, "hello world " * 10], trainer)
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    tokenizer.save_pretrained(folder)
+    return tokenizer

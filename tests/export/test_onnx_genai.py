@@ -188,3 +188,37 @@ def test_genai_right_padded_hybrid_batch_equals_rows_alone(family, positions, ri
     for graph in GRAPHS:
         rows = right_padded_genai_rows[family, positions, graph]
         assert up_to_eos(rows) == up_to_eos(alone), f"{family} {graph}: genai {rows} != transformers row by row {alone}"
+
+
+def test_the_cards_run_puts_back_the_bos_genai_leaves_out(genai_python, tmp_path):
+    """A tokenizer that puts its BOS in front of every prompt (Llama's): onnxruntime-genai 0.18's og.Tokenizer leaves
+    it out (a QA run), so the export names it (export_report.json, a note) and the card's Run snippet puts it back:
+    run as written, it feeds genai transformers' ids. Pins genai's side too: should a later genai add the BOS, the
+    first assertion fails and the README's line changes."""
+    from click.testing import CliRunner
+    from export_helpers import save_bos_tokenizer, save_thinker
+
+    from thinker_common.cli import main
+
+    folder = tmp_path / "thinker"
+    tokenizer = save_bos_tokenizer(folder)
+    save_thinker(folder, "qwen3", tokenizer=False, vocab_size=len(tokenizer))
+    expected = tokenizer("The capital of France is")["input_ids"]
+    assert expected[0] == 1
+    out = tmp_path / "onnx"
+    result = CliRunner().invoke(main, ["export", str(folder), str(out), "--no-verify"])
+    assert result.exit_code == 0, result.output
+    assert "puts [1] (its BOS) in front of every prompt" in result.output
+    assert json.loads((out / "export_report.json").read_text())["genai_prompt_prefix"] == [1]
+
+    card = (out / "README.md").read_text()
+    run = card.split("```python\n", 1)[1].split("```", 1)[0]
+    probe = "\nprint('GENAI', [int(t) for t in tokenizer.encode('The capital of France is')])"
+    probe += "\nprint('SEQUENCE', [int(t) for t in generator.get_sequence(0)])\n"
+    done = subprocess.run(
+        [str(genai_python), "-c", run + probe], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith(("GENAI", "SEQUENCE")))
+    assert json.loads(lines["GENAI"]) == expected[1:]  # genai 0.18: no BOS
+    assert json.loads(lines["SEQUENCE"])[: len(expected)] == expected  # the card's Run: transformers' prompt

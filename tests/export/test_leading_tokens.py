@@ -1,0 +1,32 @@
+"""export/leading_tokens.py: the ids transformers' tokenizer puts in front of a prompt, which the export names for
+onnxruntime-genai (whose 0.18 tokenizer leaves them out: tests/export/test_onnx_genai.py runs it)."""
+
+from __future__ import annotations
+
+from export_helpers import make_tokenizer, save_bos_tokenizer
+
+from export.leading_tokens import leading_special_ids
+from export.model_card import GENAI_APPEND
+
+
+def test_a_bos_adding_tokenizer_gives_its_bos(tmp_path):
+    save_bos_tokenizer(tmp_path)
+    assert leading_special_ids(tmp_path) == [1]
+
+
+def test_a_tokenizer_without_one_gives_none(tmp_path):
+    make_tokenizer().save_pretrained(tmp_path)  # has a bos_token, puts it nowhere (as Qwen's)
+    assert leading_special_ids(tmp_path) == []
+    assert leading_special_ids(tmp_path / "no such folder") == []
+
+
+def test_the_card_puts_it_back_only_where_there_is_one(thinker_variant, tmp_path):
+    from click.testing import CliRunner
+
+    from thinker_common.cli import main
+
+    out = tmp_path / "onnx"
+    result = CliRunner().invoke(main, ["export", str(thinker_variant("qwen3")), str(out), "--no-verify"])
+    assert result.exit_code == 0, result.output
+    card = (out / "README.md").read_text()
+    assert GENAI_APPEND in card and "leaves out the BOS" not in card and "its BOS" not in result.output
