@@ -26,8 +26,10 @@ def leading_special_ids(folder: Path) -> list[int]:
         own, full = (tokenizer(PROBE, add_special_tokens=special)["input_ids"] for special in (False, True))
     except Exception:  # whatever a folder's tokenizer files make transformers raise: the prefix is unknown, not wrong
         return []
-    cut = len(full) - len(own)
-    return [int(i) for i in full[:cut]] if cut > 0 and list(full[cut:]) == list(own) else []
+    full, own = [int(i) for i in full], [int(i) for i in own]
+    # the text's own ids as one run inside the whole: what comes before it (an EOS after it is not the prompt's start)
+    start = next((at for at in range(len(full) - len(own) + 1) if full[at : at + len(own)] == own), 0)
+    return full[:start]
 
 
 def prefix_note(prefix: list[int]) -> str | None:
@@ -35,6 +37,6 @@ def prefix_note(prefix: list[int]) -> str | None:
     if not prefix:
         return None
     return (
-        f"transformers' tokenizer puts {prefix} (its BOS) in front of every prompt; onnxruntime-genai 0.18's "
+        f"transformers' tokenizer puts {prefix} in front of every prompt (a BOS); onnxruntime-genai 0.18's "
         "og.Tokenizer leaves it out: put it back in front of the ids it encodes (README.md's Run does)"
     )

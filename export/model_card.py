@@ -214,7 +214,7 @@ GENAI_APPEND = """generator.append_tokens(tokenizer.encode("The capital of Franc
 # A tokenizer whose prompts begin with special tokens (a BOS), which onnxruntime-genai 0.18's leaves out
 # (export/leading_tokens.py): put back where its ids lack them.
 GENAI_APPEND_PREFIX = """ids = list(tokenizer.encode("The capital of France is"))
-if ids[:{count}] != {prefix}:  # onnxruntime-genai 0.18 leaves out the BOS transformers' tokenizer puts first
+if ids[:{count}] != {prefix}:  # what transformers' tokenizer puts first (a BOS): onnxruntime-genai 0.18 leaves it out
     ids = {prefix} + ids
 generator.append_tokens(ids)"""
 

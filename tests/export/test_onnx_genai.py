@@ -208,7 +208,7 @@ def test_the_cards_run_puts_back_the_bos_genai_leaves_out(genai_python, tmp_path
     out = tmp_path / "onnx"
     result = CliRunner().invoke(main, ["export", str(folder), str(out), "--no-verify"])
     assert result.exit_code == 0, result.output
-    assert "puts [1] (its BOS) in front of every prompt" in result.output
+    assert "puts [1] in front of every prompt (a BOS)" in result.output
     assert json.loads((out / "export_report.json").read_text())["genai_prompt_prefix"] == [1]
 
     card = (out / "README.md").read_text()
