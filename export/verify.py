@@ -2,8 +2,8 @@
 
 The left-padded batch of ``thinker_common/parity_inputs.py`` goes through prefill and then several single-token decode
 steps in both runtimes, each fed the same (PyTorch-greedy) tokens. Logits are compared at every kept position; pads
-carry no meaning in either runtime and are left out. The tolerance is relative to the logit scale, as in DESIGN.md,
-(``RELATIVE_TOLERANCE``: the converter's gate's in float32; in half precision the gate, two PyTorch models in one
+carry no meaning in either runtime and are left out. The tolerance is relative to the logit scale, as in DESIGN.md:
+``RELATIVE_TOLERANCE``, the converter's gate's in float32 (in half precision the gate, two PyTorch models in one
 dtype, holds its own tighter ``GATE_TOLERANCE``).
 
 That batch reaches position 12 and a cache of 13 slots, so two long prompts follow (``long_prompts``:
