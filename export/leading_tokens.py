@@ -3,10 +3,11 @@
 
 transformers 5 saves a tokenizer with its BOS in tokenizer.json's post-processor and no ``add_bos_token`` in
 tokenizer_config.json. onnxruntime-genai 0.18's tokenizer (the onnxruntime-extensions it carries) encodes such a
-folder without the BOS, and does so with ``add_bos_token: true`` written in too, under four tokenizer classes (a QA run;
-later onnxruntime-extensions read the post-processor). A prompt without the BOS the model was trained with is another
-prompt, so the export names the ids to put back: ``export_report.json``'s ``genai_prompt_prefix``, its notes, and the
-card's Run snippet, which puts them in front where genai's ids lack them (a genai that adds them is left alone).
+folder without the BOS, and does so with ``add_bos_token: true`` written in too, under six tokenizer classes
+(measured here and in a QA run; later onnxruntime-extensions read the post-processor). A prompt without the BOS the
+model was trained with is another prompt, so the export names the ids to put back: ``export_report.json``'s
+``genai_prompt_prefix``, its notes, and the card's Run snippet, which puts them in front where genai's ids lack them
+(a genai that adds them is left alone).
 """
 
 from __future__ import annotations
