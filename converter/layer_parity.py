@@ -61,7 +61,7 @@ from .parity_report import (
 )
 from .spec import Family
 from .streamed import StreamedModel, Unit, empty_model, fp8_reference_quantizer, lazy_tensors
-from .unreached import Probes, position_stages
+from .unreached import Probes, deepstack_stage, position_stages
 
 EMBEDDINGS, HEAD = "embeddings", "final norm and head"
 # Where the Thinker's final norm and head sit (``ThinkerForCausalLM``), run on the reference's last hidden state.
@@ -228,7 +228,11 @@ def compare_by_layer(
     layers = [stage.result(relative) for stage in stages.values()]
     max_diff = diff.max().item()
     top1_needed = 1.0 if dtype == torch.float32 else HALF_TOP1_MIN
-    unreached = probes.stages(dtype) + position_stages(reference.model, converted.model, dtype)
+    unreached = [
+        *probes.stages(dtype),
+        *position_stages(reference.model, converted.model, dtype),
+        *deepstack_stage(reference.model, converted.model),
+    ]
     passed = all(layer.passed for layer in [*layers, *unreached]) and max_diff <= tolerance and top1 >= top1_needed
     failing = next((layer.name for layer in [*layers, *unreached] if not layer.passed), None)
     if not passed and failing is None:

@@ -48,6 +48,9 @@ class NoReference(ThinkerError):
 POSITION_ROWS = "every position-embedding row"
 CONTEXT_STAGE = "the context (max_position_embeddings)"
 ROTARY_STAGE = "the rotary tables across the context"
+# A vision-language model's DeepStack: how many first decoder layers take the vision tower's features (text prompts
+# take none, so only the count is compared: converter/unreached.py ``deepstack_stage``).
+DEEPSTACK_STAGE = "the DeepStack layers (deepstack_layers)"
 
 
 @dataclass
@@ -177,7 +180,11 @@ class ParityReport:
         return "\n".join(rows)
 
 
-POSITIONS_SAID = ((CONTEXT_STAGE, "the context"), (ROTARY_STAGE, "the rotary tables across it"))
+POSITIONS_SAID = (
+    (CONTEXT_STAGE, "the context"),
+    (ROTARY_STAGE, "the rotary tables across it"),
+    (DEEPSTACK_STAGE, "the DeepStack layers"),
+)
 
 
 def write_report(report: ParityReport, path: Path) -> None:

@@ -26,7 +26,9 @@ experts also run on inputs of their own, from a fixed seed:
   text ones, where a multimodal model's sections and their layout (Qwen3.5's interleaved mRoPE) act only on an
   image's. So the context (``max_position_embeddings``) is held equal, and both rotary embeddings' cos / sin tables
   are compared at positions across the trained length, the whole context and past it, as (3, B, T) positions where
-  the model takes them (``position_stages``: a config translation that passes every weight check, a QA run found).
+  the model takes them (``position_stages``: a config translation that passes every weight check, a QA run found);
+- a vision-language model's DeepStack layer count (``deepstack_stage``): text prompts take no DeepStack features, so
+  a count translated wrong passes them, and an export with ``--inputs-embeds`` takes as many feature inputs as it says.
 
 Each is a stage like the layer-by-layer check's (``LayerParity``), held to the same relative tolerance. ``Probes``
 collects both sides' figures and compares them: from whole models (``unreached_stages``), or unit by unit as the
@@ -45,7 +47,7 @@ from transformers import PreTrainedConfig
 
 from thinker_common.parity_inputs import GATE_TOLERANCE
 
-from .parity_report import CONTEXT_STAGE, POSITION_ROWS, ROTARY_STAGE, LayerParity
+from .parity_report import CONTEXT_STAGE, DEEPSTACK_STAGE, POSITION_ROWS, ROTARY_STAGE, LayerParity
 
 PROBE_COLUMNS = 8
 EXPERT_ROWS = 2
@@ -252,7 +254,7 @@ class Probes:
 
 
 def unreached_stages(reference: nn.Module, converted: nn.Module, dtype: torch.dtype) -> list[LayerParity]:
-    """Whole models, in the same dtype: ``Probes.stages``, then ``position_stages``."""
+    """Whole models, in the same dtype: ``Probes.stages``, then ``position_stages`` and ``deepstack_stage``."""
     probes = Probes.of(converted.config)
     probes.watch_positions(reference, converted)
     for side, model in (("reference", reference), ("converted", converted)):
@@ -261,7 +263,7 @@ def unreached_stages(reference: nn.Module, converted: nn.Module, dtype: torch.dt
             probes.take(side, table, is_layer=False)
         for _, layer in sorted(decoder_layers(model).items()):
             probes.take(side, layer, is_layer=True)
-    return probes.stages(dtype) + position_stages(reference, converted, dtype)
+    return probes.stages(dtype) + position_stages(reference, converted, dtype) + deepstack_stage(reference, converted)
 
 
 PROBED_POSITIONS = 8  # positions probed at the context's start, middle and end, and as many past it
@@ -345,3 +347,24 @@ def position_stages(reference: nn.Module, converted: nn.Module, dtype: torch.dty
         expected, actual = (rotary_probe(rotary, context, trained, rope.get("mrope_section")) for rotary in rotaries)
         stages.append(stage(ROTARY_STAGE, expected, actual, dtype))
     return stages
+
+
+def deepstack_layers(model: nn.Module) -> int:
+    """How many first decoder layers take a vision tower's DeepStack features: a Thinker's ``deepstack_layers``, or
+    the vision config's ``deepstack_visual_indexes`` of a Qwen3-VL / Qwen3-Omni model (0 for anything else)."""
+    layers = getattr(text_config(model), "deepstack_layers", None)
+    if isinstance(layers, int):
+        return layers
+    vision = getattr(getattr(model, "config", None), "vision_config", None)
+    return len(getattr(vision, "deepstack_visual_indexes", None) or ())
+
+
+def deepstack_stage(reference: nn.Module, converted: nn.Module) -> list[LayerParity]:
+    """The DeepStack layer count held equal, where either model has one: text prompts take no DeepStack features,
+    so a count translated wrong passes every logit, and an exported graph (``--inputs-embeds``) takes as many
+    feature inputs as it says."""
+    theirs, ours = deepstack_layers(reference), deepstack_layers(converted)
+    if not theirs and not ours:
+        return []
+    differ = float(abs(theirs - ours))
+    return [LayerParity(DEEPSTACK_STAGE, differ, differ, float(theirs), 0.0, passed=differ == 0)]

@@ -404,6 +404,29 @@ def test_qwen3_vl_converts_its_text_decoder(vl):
         assert not [name for name in handle.keys() if "visual" in name]
 
 
+@pytest.mark.parametrize("mode", ["whole-model", "layer-by-layer"])
+def test_a_deepstack_count_translated_wrong_fails_the_gate(vl, mode, tmp_path):
+    """Text prompts take no DeepStack features, so a converted config naming more (or fewer) DeepStack layers than
+    the vision tower's deepstack_visual_indexes passed every logit, and an --inputs-embeds export would take that
+    many feature inputs; the gate holds the count equal, both modes."""
+    from converter.convert import source_family
+    from converter.parity_report import DEEPSTACK_STAGE
+
+    _, _, root = vl
+    family = source_family(root / "source")
+    sound = check_parity(root / "source", root / "thinker", family, mode)
+    assert sound.passed and DEEPSTACK_STAGE in [stage.name for stage in sound.results[0].unreached]
+    wrong = tmp_path / "thinker"
+    shutil.copytree(root / "thinker", wrong)
+    config = json.loads((wrong / "config.json").read_text())
+    assert config["deepstack_layers"] == 1
+    (wrong / "config.json").write_text(json.dumps({**config, "deepstack_layers": 2}))
+    report = check_parity(root / "source", wrong, family, mode)
+    fp32 = report.results[0]
+    assert fp32.max_abs_diff <= fp32.tolerance and fp32.top1_agreement == 1.0  # the prompts see nothing
+    assert not report.passed and fp32.first_divergence == DEEPSTACK_STAGE, report.table()
+
+
 def test_qwen3_vl_moe_converts_from_either_expert_layout(tmp_path):
     """Qwen3-VL-MoE's experts as the Hub stores them (transposed) and as save_pretrained writes them: both convert
     with parity, whole and layer by layer, to the same tensors."""
