@@ -106,10 +106,13 @@ def export_config(family: Family, config: ThinkerConfig) -> dict[str, Any]:
         reason = re.sub(r"^Class validation error for validator '\w+': \w+: ", "", " ".join(str(err).split()))
         raise ThinkerError(f"this Thinker model is not expressible as {family.name}: {reason}") from None
     try:
-        translated = family.translate_config(exported)
+        translated = ThinkerConfig(**family.translate_config(exported))
     except ThinkerError as err:  # what the family refuses to convert, it cannot be written as either
         raise ThinkerError(f"this Thinker model is not expressible as {family.name}: {err}") from None
-    differ = config_differences(config, ThinkerConfig(**translated))
+    except (TypeError, ValueError, StrictDataclassError) as err:  # a Thinker config the translation cannot make
+        reason = re.sub(r"^Class validation error for validator '\w+': \w+: ", "", " ".join(str(err).split()))
+        raise ThinkerError(f"this Thinker model is not expressible as {family.name}: {reason}") from None
+    differ = config_differences(config, translated)
     if differ:
         # a dense model to a family of routed experts: that is the reason, whichever field shows it first
         dense = "it is dense (no routed experts); " if not config.num_experts and _routes_experts(family) else ""

@@ -351,12 +351,14 @@ def position_stages(reference: nn.Module, converted: nn.Module, dtype: torch.dty
 
 def deepstack_layers(model: nn.Module) -> int:
     """How many first decoder layers take a vision tower's DeepStack features: a Thinker's ``deepstack_layers``, or
-    the vision config's ``deepstack_visual_indexes`` of a Qwen3-VL / Qwen3-Omni model (0 for anything else)."""
+    as many as a Qwen3-VL / Qwen3-Omni vision tower has mergers for them (``deepstack_merger_list``, one per
+    ``deepstack_visual_indexes``), 0 for a model without: the modules the model runs, not the config key, which a
+    Qwen3.5 config may carry unread (a review)."""
     layers = getattr(text_config(model), "deepstack_layers", None)
     if isinstance(layers, int):
         return layers
-    vision = getattr(getattr(model, "config", None), "vision_config", None)
-    return len(getattr(vision, "deepstack_visual_indexes", None) or ())
+    mergers = (getattr(module, "deepstack_merger_list", None) for module in model.modules())
+    return next((len(found) for found in mergers if isinstance(found, nn.ModuleList)), 0)
 
 
 def deepstack_stage(reference: nn.Module, converted: nn.Module) -> list[LayerParity]:

@@ -427,6 +427,20 @@ def test_a_deepstack_count_translated_wrong_fails_the_gate(vl, mode, tmp_path):
     assert not report.passed and fp32.first_divergence == DEEPSTACK_STAGE, report.table()
 
 
+def test_a_deepstack_key_a_model_does_not_read_is_not_its_count(tmp_path):
+    """A Qwen3.5 vision config carrying ``deepstack_visual_indexes`` (a key Qwen3.5's classes never read: its tower
+    has no DeepStack mergers): the gate counts the mergers the reference runs, not the key, so a sound conversion
+    passes (a review: it failed on the key's count against the Thinker's 0)."""
+    source = tmp_path / "source"
+    reference(Qwen3_5ForConditionalGeneration, qwen3_5_vl_config()).save_pretrained(source)
+    config = json.loads((source / "config.json").read_text())
+    config["vision_config"]["deepstack_visual_indexes"] = [0]
+    (source / "config.json").write_text(json.dumps(config))
+    result = cli(source, tmp_path / "thinker", "--verify")
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "thinker" / "config.json").read_text())["deepstack_layers"] == 0
+
+
 def test_qwen3_vl_moe_converts_from_either_expert_layout(tmp_path):
     """Qwen3-VL-MoE's experts as the Hub stores them (transposed) and as save_pretrained writes them: both convert
     with parity, whole and layer by layer, to the same tensors."""

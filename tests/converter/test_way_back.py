@@ -116,6 +116,21 @@ def test_qwen2_bfloat16_round_trip_is_bit_exact(tmp_path):
     assert next(iter(safetensors_of(back).values())).dtype == torch.bfloat16
 
 
+def test_way_back_refuses_a_config_its_translation_cannot_make_in_one_line(tmp_path):
+    """A Qwen3-VL-MoE Thinker (full rotary, mRoPE sections [4, 2, 2]) written as Qwen3.5-MoE, whose config makes
+    partial rotary: the translated config fails ThinkerConfig's own validation, which reached the user as a
+    traceback (a review); it is the same one-line refusal as any other, and nothing is written."""
+    from references import qwen3_vl
+
+    source = qwen3_vl.save(tmp_path / "source", moe=True)
+    assert cli(source, tmp_path / "thinker", "--no-verify").exit_code == 0
+
+    refused = cli(tmp_path / "thinker", tmp_path / "back", "--to", "qwen3_5_moe")  # an exception would propagate
+    assert refused.exit_code == 1
+    assert "not expressible as qwen3_5_moe: rope_parameters['mrope_section']=[4, 2, 2]" in refused.output
+    assert "Traceback" not in refused.output and not (tmp_path / "back").exists()
+
+
 def test_way_back_refuses_what_the_family_cannot_express(tmp_path):
     """A μOmni Thinker has a head bias and no qk-norm: as Qwen3 it would be another model, so nothing is written."""
     source = uomni.save_checkpoint(uomni.ThinkerLM(uomni.tiny_config()), tmp_path / "uomni")
