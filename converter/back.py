@@ -100,16 +100,12 @@ def export_config(family: Family, config: ThinkerConfig) -> dict[str, Any]:
         )
     try:
         exported = family.export_config(config)
-    except (TypeError, ValueError, StrictDataclassError) as err:  # the family's config class refuses the values
-        # a strict config class wraps its validator's words in its own ("Class validation error for validator
-        # 'validate_architecture': ValueError: ..."): the words are what the user needs
-        reason = re.sub(r"^Class validation error for validator '\w+': \w+: ", "", " ".join(str(err).split()))
-        raise ThinkerError(f"this Thinker model is not expressible as {family.name}: {reason}") from None
-    try:
         translated = ThinkerConfig(**family.translate_config(exported))
-    except ThinkerError as err:  # what the family refuses to convert, it cannot be written as either
-        raise ThinkerError(f"this Thinker model is not expressible as {family.name}: {err}") from None
-    except (TypeError, ValueError, StrictDataclassError) as err:  # a Thinker config the translation cannot make
+    except (ThinkerError, TypeError, ValueError, StrictDataclassError) as err:
+        # the family's config class refuses the values, the family refuses to convert them back, or the Thinker
+        # config they translate to refuses itself; a strict config class wraps its validator's words in its own
+        # ("Class validation error for validator 'validate_architecture': ValueError: ..."): the words are what the
+        # user needs
         reason = re.sub(r"^Class validation error for validator '\w+': \w+: ", "", " ".join(str(err).split()))
         raise ThinkerError(f"this Thinker model is not expressible as {family.name}: {reason}") from None
     differ = config_differences(config, translated)

@@ -337,9 +337,7 @@ def position_stages(reference: nn.Module, converted: nn.Module, dtype: torch.dty
     context = getattr(theirs, "max_position_embeddings", None)
     if not isinstance(context, int) or ours is None:
         return []
-    own = getattr(ours, "max_position_embeddings", None)
-    differ = float(abs(context - own)) if isinstance(own, int) else float("inf")
-    stages = [LayerParity(CONTEXT_STAGE, differ, differ, float(context), 0.0, passed=differ == 0)]
+    stages = [held_equal(CONTEXT_STAGE, context, getattr(ours, "max_position_embeddings", None))]
     rotaries = [getattr(decoder_module(model), "rotary_emb", None) for model in (reference, converted)]
     if all(isinstance(rotary, nn.Module) for rotary in rotaries):
         rope = getattr(ours, "rope_parameters", None) or {}
@@ -366,7 +364,11 @@ def deepstack_stage(reference: nn.Module, converted: nn.Module) -> list[LayerPar
     so a count translated wrong passes every logit, and an exported graph (``--inputs-embeds``) takes as many
     feature inputs as it says."""
     theirs, ours = deepstack_layers(reference), deepstack_layers(converted)
-    if not theirs and not ours:
-        return []
-    differ = float(abs(theirs - ours))
-    return [LayerParity(DEEPSTACK_STAGE, differ, differ, float(theirs), 0.0, passed=differ == 0)]
+    return [held_equal(DEEPSTACK_STAGE, theirs, ours)] if theirs or ours else []
+
+
+def held_equal(name: str, expected: int, actual: int | None) -> LayerParity:
+    """A count of the config the prompts cannot show (the context, DeepStack's layers) as a stage: how far apart,
+    at a tolerance of 0; a count the converted model lacks is infinitely far."""
+    differ = float(abs(expected - actual)) if isinstance(actual, int) else float("inf")
+    return LayerParity(name, differ, differ, float(expected), 0.0, passed=differ == 0)
