@@ -134,7 +134,8 @@ costs against the float model on a fixed English paragraph (top-1 agreement, per
     "CausalConvWithState, GatedRMSNorm), the faster graph under onnxruntime-genai and onnxruntime alike, and exact "
     "for every model (what the contrib operators cannot take, e.g. a head_dim that is not a multiple of 8, it builds "
     "from standard operators); onnxruntime (and onnxruntime-genai) only. plain: standard ONNX operators only, for "
-    "any runtime. See below for how the fused graph reads position_ids.",
+    "any runtime, but for --quantize's MatMulNBits (onnxruntime's, with either graph). See below for how the fused "
+    "graph reads position_ids.",
 )
 @click.option(
     "--positions",
