@@ -122,8 +122,6 @@ def converter_figure(source: Path, output: Path, dtype: str) -> tuple[float, Pat
         report = err.report
     half = next(result for result in report.results if result.dtype == dtype)
     prompts = half.max_abs_diff / max(1.0, half.logit_scale)
-    if half.decode_tolerance is None:  # layer by layer (the memory budget's choice): no decode step runs
-        return prompts, output
     steps = half.decode_max_abs_diff / (half.decode_tolerance / GATE_TOLERANCE[getattr(torch, dtype)])  # its scale
     return max(prompts, steps), output
 

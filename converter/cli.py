@@ -126,8 +126,9 @@ When the two models do not fit in half the available memory (or in THINKER_VERIF
 --verify-by-layer, they run one layer at a time, each read from its own files: every layer of the Thinker runs on
 the reference's input to that layer, parity.json records each layer's max and mean |Δ| against the dtype's
 tolerance (1e-4 in float32) × max(1, the reference layer's largest output), and a failure names the first layer
-beyond it. The top-1 token at every prompt position stands in for the greedy continuations there, and no decode
-step runs (a cache or a recurrent state is checked whole-model only).
+beyond it. The top-1 token at every prompt position stands in for the greedy continuations there, and 2 decode
+steps run after the prompts (both models fed the reference's greedy token, each step reading both models once
+more), their logits held to the same tolerance: a cache or a recurrent state carried wrong fails either way.
 
 \b
 Examples:

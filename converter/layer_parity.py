@@ -18,9 +18,12 @@ Stages: ``embeddings`` (the hidden states entering layer 0), ``layer i`` for eve
 head``. A stage's tolerance is ``GATE_TOLERANCE[dtype] × max(1, max |reference's output of that stage|)`` over
 real tokens: scaled by the reference's own activations alone, so a converted model gone wrong never widens it. The
 verdict: every stage within its tolerance, the end-to-end logits within theirs (the whole-model rule), and the top-1
-token identical at every real position in float32 (at least 90 % in half precision). Greedy continuations are not
-run here: each generated token would read both models from disk again; the top-1 check at every position of the
-prompts stands in for them. A failure names the first stage beyond its tolerance.
+token identical at every real position in float32 (at least 90 % in half precision), and LAYER_DECODE_STEPS decode
+steps after the prompts, each row of both models fed the reference's greedy token (so every step compares), their
+logits within the whole-model check's decode tolerance. Greedy continuations are not run here: each generated token
+reads both models from disk again; the top-1 check at every position of the prompts stands in for them, and the
+decode steps check the cache and recurrent states the prompts and a step wrote (a decode path broken with every
+stage exact passed before: a QA run). A failure names the first stage beyond its tolerance, else the decode steps.
 
 As in the whole-model check, the float32 run loads both models in the converted folder's dtype and widens them (one
 unit at a time), and a half-precision conversion is also run in its own dtype; each run reads both models once.
@@ -50,7 +53,9 @@ from thinker_common.sources import (
 from .output_dtype import resolve_dtype
 from .parity_report import (
     BY_LAYER,
+    GREEDY_ONLY,
     HALF_TOP1_MIN,
+    LAYER_DECODE_STEPS,
     NO_VERIFY,
     DtypeParity,
     LayerParity,
@@ -64,6 +69,7 @@ from .streamed import StreamedModel, Unit, empty_model, fp8_reference_quantizer,
 from .unreached import Probes, deepstack_stage, position_stages
 
 EMBEDDINGS, HEAD = "embeddings", "final norm and head"
+
 # Where the Thinker's final norm and head sit (``ThinkerForCausalLM``), run on the reference's last hidden state.
 THINKER_HEAD = "lm_head"
 # the module that makes the last layer's output the head's input: the final norm, or the hyper-connections' last mix
@@ -197,17 +203,22 @@ def compare_by_layer(
     expected_logits, actual_logits, counts = [], [], None
     probes = Probes.of(converted.model.config)
     probes.watch_positions(reference.model, converted.model)
+    expected_steps, actual_steps = [], []
     for batch, (ids, mask, positions) in enumerate(batches):
         real = mask.bool()
         trace = _Trace(probes if batch == 0 else None)  # the unreached parts, once: they take no prompt
         with reference.streaming(trace.record_reference):
-            expected = reference(ids, mask, positions)
+            expected, reference_cache = prompt_pass(reference, ids, mask, positions)
         replay = _Replay(trace, probes if batch == 0 else None)
         with converted.streaming(replay.observe):
-            actual = converted(ids, mask, positions)
+            actual, converted_cache = prompt_pass(converted, ids, mask, positions)
         if len(trace.inputs) != len(replay.inputs):
             counts = (len(trace.inputs), len(replay.inputs))
             break
+        caches = [reference_cache, converted_cache]
+        reference_steps, converted_steps = forced_decode(reference, converted, (ids, mask, positions), expected, caches)
+        expected_steps.append(reference_steps)
+        actual_steps.append(converted_steps)
         _stage(stages, EMBEDDINGS).add(trace.inputs[0], replay.inputs[0], real)
         for index, (ref_out, forced, own) in enumerate(zip(trace.outputs, replay.forced, replay.outputs, strict=True)):
             _stage(stages, f"layer {index}").add(ref_out, forced, real, own)
@@ -228,15 +239,26 @@ def compare_by_layer(
     layers = [stage.result(relative) for stage in stages.values()]
     max_diff = diff.max().item()
     top1_needed = 1.0 if dtype == torch.float32 else HALF_TOP1_MIN
+    ref_steps, steps = torch.cat(expected_steps), torch.cat(actual_steps)
+    if not torch.isfinite(ref_steps).all():
+        raise reference_overflows(reference.name, dtype, "a decode step")
+    decode_max = (ref_steps - steps).abs().max().item()
+    decode_tolerance = relative * max(1.0, scale, ref_steps.abs().max().item())  # as the whole-model check's
+    decode_agrees = decode_max <= decode_tolerance  # NaN (a non-finite step of the converted model's) does not
     unreached = [
         *probes.stages(dtype),
         *position_stages(reference.model, converted.model, dtype),
         *deepstack_stage(reference.model, converted.model),
     ]
-    passed = all(layer.passed for layer in [*layers, *unreached]) and max_diff <= tolerance and top1 >= top1_needed
+    prompts_pass = all(layer.passed for layer in layers) and max_diff <= tolerance and top1 >= top1_needed
+    passed = prompts_pass and decode_agrees and all(layer.passed for layer in unreached)
     failing = next((layer.name for layer in [*layers, *unreached] if not layer.passed), None)
     if not passed and failing is None:
-        failing = "the logits (every stage agrees on the reference's inputs; the differences add up across layers)"
+        failing = (
+            GREEDY_ONLY
+            if prompts_pass
+            else "the logits (every stage agrees on the reference's inputs; the differences add up across layers)"
+        )
     return DtypeParity(
         dtype=str(dtype).removeprefix("torch."),
         max_abs_diff=max_diff,
@@ -249,9 +271,49 @@ def compare_by_layer(
         greedy_token_agreement=None,
         passed=passed,
         first_divergence=failing,
+        decode_max_abs_diff=decode_max,
+        decode_tolerance=decode_tolerance,
+        decode_steps=steps.shape[0] * steps.shape[1],
         layers=layers,
         unreached=unreached,
     )
+
+
+def prompt_pass(model: StreamedModel, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor):
+    """(logits, the model's cache after the batch, or None for a model fed without one)."""
+    if model.cached_call is None:
+        return model(ids, mask, positions), None
+    return model.run_cached(ids, mask, positions)
+
+
+@torch.no_grad()
+def forced_decode(
+    reference: StreamedModel,
+    converted: StreamedModel,
+    batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    expected: torch.Tensor,
+    caches: list,
+    steps: int = LAYER_DECODE_STEPS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``steps`` decode steps of both models after ``batch`` (ids, mask, positions), each row fed the reference's
+    greedy token (both models the same one, so every step compares): the reference's and the converted model's
+    logits, each (B, steps, vocab) in float32. ``expected``: the reference's logits over the batch; ``caches``: each
+    model's cache after it, None for a model without one (it takes the whole sequence again each step)."""
+    ids, mask, positions = batch
+    token = expected[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+    taken: list[list[torch.Tensor]] = [[], []]
+    for _ in range(steps):
+        ids, mask = torch.cat([ids, token], dim=1), torch.cat([mask, torch.ones_like(token)], dim=1)
+        positions = torch.cat([positions, positions[:, -1:] + 1], dim=1)
+        for side, model in enumerate((reference, converted)):
+            with model.streaming():
+                if caches[side] is None:
+                    logits = model(ids, mask, positions)
+                else:
+                    logits, caches[side] = model.run_cached(token, mask, positions[:, -1:], caches[side])
+            taken[side].append(logits[:, -1].float())
+        token = taken[0][-1].argmax(-1, keepdim=True)
+    return torch.stack(taken[0], dim=1), torch.stack(taken[1], dim=1)
 
 
 def _layer_counts_differ(dtype: torch.dtype, reference: int, converted: int) -> DtypeParity:
@@ -279,6 +341,13 @@ def hidden_input(args: tuple, kwargs: dict) -> torch.Tensor:
 def hidden_output(output: Any) -> torch.Tensor:
     """A decoder layer's output hidden states (transformers 5 layers return the tensor; older ones a tuple)."""
     return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def without_cache(kwargs: dict) -> dict:
+    """A Thinker decoder layer's keyword arguments without its cache: run again on the reference's hidden states, it
+    must not write them into the cache its own pass keeps for the decode steps (an empty cache and none are the
+    same function for a prompt)."""
+    return {**kwargs, **{name: None for name in ("cache", "past_key_values") if name in kwargs}, "use_cache": False}
 
 
 def with_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple, dict]:
@@ -324,7 +393,8 @@ class _Replay:
             self.outputs.append(hidden_output(output).detach().clone())
             if index < len(self.trace.inputs):
                 # ``forward`` rather than the module call: the hooks that load and drop the unit must not run again.
-                args, kwargs = with_hidden(args, kwargs, self.trace.inputs[index].to(self.inputs[-1].dtype))
+                hidden = self.trace.inputs[index].to(self.inputs[-1].dtype)
+                args, kwargs = with_hidden(args, without_cache(kwargs), hidden)
                 self.forced.append(hidden_output(unit.module.forward(*args, **kwargs)).detach().clone())
         elif unit.name in THINKER_FINAL_NORMS and self.trace.outputs:
             self.normed = hidden_output(unit.module.forward(self.trace.outputs[-1]))

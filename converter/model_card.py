@@ -23,7 +23,7 @@ from thinker_common.model_card import (
 )
 from thinker_common.parity_inputs import GATE_TOLERANCE
 
-from .parity_report import GREEDY_TOKENS, HALF_TOP1_MIN, PARITY_FILE, ParityReport
+from .parity_report import GREEDY_TOKENS, HALF_TOP1_MIN, LAYER_DECODE_STEPS, PARITY_FILE, ParityReport
 
 if TYPE_CHECKING:
     from .engine import LeftOut
@@ -84,13 +84,16 @@ def parity_criteria(report: ParityReport, against: str) -> str:
     if whole:
         ran = "the two models side by side, on fixed prompts (a left-padded batch and greedy continuations)"
         exact = f"every greedy continuation ({GREEDY_TOKENS} tokens) identical"
-    else:  # no continuation: a token needs the whole model's logits, which a layer at a time never holds at once
-        ran = "one layer at a time, on fixed prompts (a left-padded batch; no greedy continuations, layer by layer)"
+    else:  # no continuation: each generated token would read both models again
+        ran = (
+            "one layer at a time, on fixed prompts (a left-padded batch; no greedy continuations, layer by layer, but "
+            f"{LAYER_DECODE_STEPS} decode steps, both models fed the reference's greedy token)"
+        )
         exact = "the top-1 token identical at every position"
     rules = []
     for dtype in dict.fromkeys(result.dtype for result in report.results):
         bound = f"max |Δlogit| ≤ {GATE_TOLERANCE[getattr(torch, dtype)]:g} × max(1, the logit scale)"
-        bound += " (the prompts' and each decode step's alike)" if whole else ""
+        bound += " (the prompts' and each decode step's alike)"
         needs = exact if dtype == "float32" else f"top-1 agreement ≥ {HALF_TOP1_MIN:.0%}"
         rules.append(f"in {dtype}, {bound} and {needs}")
     stages = "" if whole else ", and each stage within the same factor × max(1, the reference's output of it)"

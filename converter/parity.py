@@ -41,6 +41,7 @@ from thinker_common.sources import open_source
 from .layer_parity import refuse_other_weights_file, refuse_unloadable
 from .parity_report import (
     BY_LAYER,
+    GREEDY_ONLY,
     GREEDY_TOKENS,
     HALF_TOP1_MIN,
     IDENTICAL,
@@ -202,7 +203,7 @@ def compare(reference: PreTrainedModel, converted: PreTrainedModel, prompts: lis
     if not torch.isfinite(ref_steps).all():
         raise reference_overflows(type(reference).__name__, dtype, "a decode step")
     diff, step_diff = (ref_logits - logits).abs(), (ref_steps - steps).abs()
-    scale = ref_logits.abs().max().item()  # the prompts', as layer by layer (which runs no decode step)
+    scale = ref_logits.abs().max().item()  # the prompts', as layer by layer
     tolerance = GATE_TOLERANCE[dtype] * max(1.0, scale)
     top1 = (ref_logits.argmax(-1) == logits.argmax(-1)).float().mean().item()
     decode_max = step_diff.max().item() if step_diff.numel() else 0.0
@@ -255,13 +256,6 @@ def compare(reference: PreTrainedModel, converted: PreTrainedModel, prompts: lis
     return result
 
 
-# Where the prompts' logits agree and a decode step's do not: a token the prompts do not hold, fed back in a decode
-# step, meets a part of the model they do not reach (the probes of converter/unreached.py find the known ones by
-# name), or the decode path itself differs (a cache or a recurrent state carried wrong).
-GREEDY_ONLY = (
-    "the decode steps (the prompts' logits agree; a decode step on a generated token differs: a part the prompts "
-    "do not reach, or the cache)"
-)
 # Where every logit compared agrees and a greedy token still parts: two near-equal logits taken the other way.
 NEAR_TIE = (
     "a greedy continuation (every logit compared lies within the tolerance, but a token parts: a near tie taken the "

@@ -19,8 +19,19 @@ PARITY_FILE = "parity.json"
 # `thinker verify`'s failing report, written beside a folder's parity.json rather than over it (below)
 FAILED_PARITY_FILE = "parity.failed.json"
 GREEDY_TOKENS = 8
+# Layer by layer each decode step reads both models from disk again (the whole-model check holds them in memory and
+# runs GREEDY_TOKENS), so it runs two: the first reads back the cache and recurrent state the prompts wrote, the
+# second what a decode step wrote.
+LAYER_DECODE_STEPS = 2
 HALF_TOP1_MIN = 0.9  # half precision: share of positions whose argmax must agree
 WHOLE_MODEL, BY_LAYER = "whole-model", "layer-by-layer"
+# Where the prompts' logits agree and a decode step's do not: a token the prompts do not hold, fed back in a decode
+# step, meets a part of the model they do not reach (the probes of converter/unreached.py find the known ones by
+# name), or the decode path itself differs (a cache or a recurrent state carried wrong). Either mode.
+GREEDY_ONLY = (
+    "the decode steps (the prompts' logits agree; a decode step on a generated token differs: a part the prompts "
+    "do not reach, or the cache)"
+)
 
 
 class ParityFailed(ThinkerError):
@@ -79,9 +90,9 @@ class DtypeParity:
     greedy_token_agreement: float | None
     passed: bool
     first_divergence: str | None = None
-    # whole-model only (None layer by layer): the greedy decode steps' logits, at each row's steps before the two
-    # continuations part (both models fed the same tokens), held to the same relative tolerance as the prompts', of
-    # the larger of the two scales
+    # the decode steps' logits, held to the same relative tolerance as the prompts', of the larger of the two scales:
+    # whole-model at each row's greedy steps before the two continuations part (both models fed the same tokens);
+    # layer by layer at LAYER_DECODE_STEPS steps, both models fed the reference's greedy token
     decode_max_abs_diff: float | None = None
     decode_tolerance: float | None = None
     decode_steps: int | None = None  # how many (row, step) logits that compares
@@ -141,10 +152,15 @@ class ParityReport:
             )
         for r in self.results:
             if r.decode_steps is not None:
+                took = (
+                    f"the {r.decode_steps} steps both models took on the same tokens (of {r.greedy_prompts} × "
+                    f"{GREEDY_TOKENS - 1})"
+                    if r.greedy_prompts is not None
+                    else f"{r.decode_steps} steps after the prompts, both models fed the reference's greedy token"
+                )
                 rows.append(
                     f"{r.dtype}: decode steps: max|Δlogit| {r.decode_max_abs_diff:.3g} (tolerance "
-                    f"{r.decode_tolerance:.2g}) over the {r.decode_steps} steps both models took on the same tokens "
-                    f"(of {r.greedy_prompts} × {GREEDY_TOKENS - 1})"
+                    f"{r.decode_tolerance:.2g}) over {took}"
                 )
         for r in self.results:
             if r.layers:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from thinker.modeling_thinker import CACHE_ARG
 from thinker_common.dtypes import safetensors_code
 from thinker_common.eager import EAGER
 from thinker_common.errors import ThinkerError
@@ -90,9 +91,26 @@ Observer = Callable[[Unit, tuple, dict, Any], None]
 Caller = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+# (model, input_ids, attention_mask, position_ids, cache or None) -> (logits, cache): a pass that keeps the model's own
+# cache, for decode steps after a prompt.
+CachedCaller = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, Any], tuple[torch.Tensor, Any]]
+
+
 def call_causal_lm(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """A transformers causal LM on a (left-padded) batch; one pass, no cache."""
     return model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+
+
+def call_causal_lm_cached(
+    model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any
+) -> tuple[torch.Tensor, Any]:
+    """A transformers causal LM on a batch, with its own cache (``None`` starts one, as generate() does): (logits,
+    the cache to pass with the next tokens). The cache argument's name is the installed transformers' (``cache``
+    from 5.24, ``past_key_values`` before: the Thinker's CACHE_ARG), and ``cache`` is passed only once there is one,
+    so a family class of either era starts its own."""
+    given = {CACHE_ARG: cache} if cache is not None else {}
+    output = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **given)
+    return output.logits, getattr(output, CACHE_ARG)
 
 
 class StreamedModel:
@@ -107,7 +125,9 @@ class StreamedModel:
       as ``from_pretrained`` would hold it) and then widened, one tensor at a time, so the weights are the same
       rounded values in either dtype.
     - ``call``: how a batch is fed (``call_causal_lm``); ``takes_padding``: whether the model takes an attention
-      mask at all (reference implementations written without one are fed one unpadded prompt at a time).
+      mask at all (reference implementations written without one are fed one unpadded prompt at a time);
+      ``cached_call``: how a batch is fed keeping the model's cache (``call_causal_lm_cached`` where ``call`` is the
+      default; None for a model fed some other way, which then takes a whole sequence again for each new token).
     - ``hf_quantizer``: the transformers quantizer ``from_pretrained`` would load a quantized checkpoint with (an
       FP8 one, dequantizing: ``fp8_reference_quantizer``); its weight conversions join the model's.
     """
@@ -123,6 +143,7 @@ class StreamedModel:
         load: Callable[[StreamedModel, Unit], None] | None = None,
         compute_dtype: torch.dtype | None = None,
         call: Caller = call_causal_lm,
+        cached_call: CachedCaller | None = None,
         takes_padding: bool = True,
         close: Callable[[], None] | None = None,
         hf_quantizer: Any = None,
@@ -133,6 +154,7 @@ class StreamedModel:
         self.name = name or type(model).__name__
         self.compute_dtype = compute_dtype
         self.call = call
+        self.cached_call = cached_call or (call_causal_lm_cached if call is call_causal_lm else None)
         self.takes_padding = takes_padding
         self._close = close
         # Called with each unit once its tensors are in place, before it runs: a caller may put other weights in
@@ -149,6 +171,13 @@ class StreamedModel:
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.call(self.model, ids, mask, positions)
+
+    @torch.no_grad()
+    def run_cached(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any = None
+    ) -> tuple[torch.Tensor, Any]:
+        """(logits, cache) by ``cached_call``, which the model must have."""
+        return self.cached_call(self.model, ids, mask, positions, cache)
 
     @contextmanager
     def streaming(self, observe: Observer | None = None) -> Iterator[StreamedModel]:

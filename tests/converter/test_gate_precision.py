@@ -16,7 +16,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 import thinker.modeling_thinker as modeling
 from converter import parity
 from converter.parity import check_parity
-from converter.parity_report import BY_LAYER, WHOLE_MODEL
+from converter.parity_report import BY_LAYER, GREEDY_ONLY, LAYER_DECODE_STEPS, WHOLE_MODEL
 from thinker import ThinkerForCausalLM
 from thinker_common.parity_inputs import GATE_TOLERANCE, RELATIVE_TOLERANCE
 
@@ -33,21 +33,44 @@ def state_through_bfloat16(monkeypatch) -> None:
     monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", rounded)
 
 
-def test_a_state_carried_wrong_fails_the_decode_steps(save_reference, run_convert, monkeypatch):
-    """float32: 4e-3 of the logit scale apart at the decode steps, the greedy tokens the same; it passed before."""
+@pytest.mark.parametrize("mode", [WHOLE_MODEL, BY_LAYER])
+def test_a_state_carried_wrong_fails_the_decode_steps(mode, save_reference, run_convert, monkeypatch):
+    """float32: 4e-3 of the logit scale apart at the decode steps, the greedy tokens the same; it passed before,
+    and layer by layer (which ran no decode step) every stage agreed."""
     _, source = save_reference(qwen3_5_config(), seed=1)
     converted = run_convert(source, verify=False).output
-    sound = check_parity(source, converted).results[0]
-    assert sound.passed and sound.decode_steps == 2 * (parity.GREEDY_TOKENS - 1)
+    sound = check_parity(source, converted, mode=mode).results[0]
+    steps = parity.GREEDY_TOKENS - 1 if mode == WHOLE_MODEL else LAYER_DECODE_STEPS
+    assert sound.passed and sound.decode_steps == 2 * steps
     assert sound.decode_max_abs_diff <= 1e-6 * sound.logit_scale, sound  # transformers' own functions: exact
 
     state_through_bfloat16(monkeypatch)
-    report = check_parity(source, converted)
+    report = check_parity(source, converted, mode=mode)
     fp32 = report.results[0]
-    assert fp32.max_abs_diff <= fp32.tolerance and fp32.greedy_identical == fp32.greedy_prompts  # what passed
+    assert fp32.max_abs_diff <= fp32.tolerance and fp32.top1_agreement == 1  # what passed
+    assert all(stage.passed for stage in fp32.layers)
     assert fp32.decode_max_abs_diff > fp32.tolerance and not report.passed
-    assert fp32.first_divergence == parity.GREEDY_ONLY
+    assert fp32.first_divergence == GREEDY_ONLY
     assert "decode steps: max|Δlogit|" in report.table()
+
+
+def test_a_decode_path_wrong_fails_layer_by_layer(save_reference, run_convert, monkeypatch):
+    """The one-step delta rule (decode) without its q/k L2 norm, the chunked one (prompts) with it (a QA run's
+    mutation): every stage on the prompts agrees exactly, the decode steps are 7 logits apart. Layer by layer ran no
+    decode step, and passed it."""
+    _, source = save_reference(qwen3_5_config(), seed=1)
+    converted = run_convert(source, verify=False).output
+    one_step = modeling.torch_recurrent_gated_delta_rule
+    monkeypatch.setattr(
+        modeling,
+        "torch_recurrent_gated_delta_rule",
+        lambda *args, **kwargs: one_step(*args, **{**kwargs, "use_qk_l2norm_in_kernel": False}),
+    )
+    report = check_parity(source, converted, mode=BY_LAYER)
+    fp32 = report.results[0]
+    assert all(stage.passed and stage.max_abs_diff == 0 for stage in fp32.layers), fp32.layers
+    assert not report.passed and fp32.first_divergence == GREEDY_ONLY
+    assert fp32.decode_max_abs_diff > 100 * fp32.decode_tolerance
 
 
 def router_softmax_in_half(monkeypatch) -> None:
