@@ -374,6 +374,10 @@ class OnnxDecoder:
         # batch 1 only; ``forward`` refuses the other case by name rather than with the kernel's error.
         self.chunks_need_batch_1 = any(node.op_type == "GroupQueryAttention" for node in graph.node)
         self.rotates_by_slot = any(node.op_type == "GroupQueryAttention" and rotates(node) for node in graph.node)
+        # onnxruntime's MRotaryEmbedding takes at most its table's rows of new tokens in one run, whatever their
+        # positions (an image's stay low); GroupQueryAttention rotating by slot reads a row per slot of the mask. Both
+        # refused by name (``refuse_slots_past_table``), where the plain graph, which reads a row per position, runs.
+        self.steps_within_table = any(node.op_type == "MRotaryEmbedding" for node in graph.node)
         use_cuda = provider == "cuda" or (provider == "auto" and cuda_usable())
         providers = [CUDA_PROVIDER, CPU] if use_cuda else [CPU]
         options, source = session_options(threads), str(self.model_path)
@@ -535,6 +539,7 @@ class OnnxDecoder:
                 "GroupQueryAttention (--graph fused) takes several tokens after a cache at batch 1 only; feed the "
                 "rows one at a time, the tokens one at a time, or export with --graph plain"
             )
+        self.refuse_slots_past_table(state.attention_mask.shape[1], steps)
         feeds = {
             INPUTS_EMBEDS if self.takes_embeds else "input_ids": tokens,
             "attention_mask": np.ascontiguousarray(state.attention_mask, dtype=np.int64),
@@ -892,10 +897,32 @@ class OnnxDecoder:
                 f"{prompt} and {new_tokens} new tokens need {needed} positions, past this model's "
                 f"context of {self.context_length}; shorten the prompt or lower max_new_tokens"
             )
+        self.refuse_slots_past_table(attention_mask.shape[1] + max(0, new_tokens - 1), attention_mask.shape[1])
         deepstack = self.deepstack_features(visual_pos_masks, deepstack_visual_embeds, attention_mask.shape)
         cache = self.empty_cache(attention_mask.shape[0], slots=attention_mask.shape[1] + new_tokens)
         state = DecoderState(attention_mask, next_position, cache, cached=0)
         return self.forward(input_ids, positions, state, inputs_embeds, deepstack), state
+
+    def refuse_slots_past_table(self, slots: int, steps: int) -> None:
+        """Where the fused graph's kernels read their RoPE table by slot or by step (``rotates_by_slot``,
+        ``steps_within_table``), ``slots`` mask columns (pads included) or ``steps`` new tokens in one run past its
+        rows are refused here, before onnxruntime stops on them, though every position fits (a QA run: a prompt
+        padded past the context, an image prompt longer than the table)."""
+        rows = self.context_length
+        if rows is None:
+            return
+        if self.rotates_by_slot and slots > rows:
+            raise ThinkerError(
+                f"{self.model_path}: {slots} slots of attention_mask (pads included) with the new tokens, past the "
+                f"{rows} rows of this graph's RoPE table, which its GroupQueryAttention reads one per slot (--graph "
+                "fused): trim the batch's padding, or export with --graph plain, which reads one per position"
+            )
+        if self.steps_within_table and steps > rows:
+            raise ThinkerError(
+                f"{self.model_path}: {steps} new tokens in one run, past the {rows} rows of this graph's RoPE table, "
+                "which its MRotaryEmbedding takes at most at once (--graph fused), whatever their positions; export "
+                "with --graph plain, which reads one row per position"
+            )
 
     def _prompt_positions(self, position_ids, attention_mask, input_ids, inputs_embeds) -> np.ndarray:
         """A prompt's own ``position_ids`` in the graph's form, checked against the prompt (before its next

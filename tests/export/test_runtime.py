@@ -390,3 +390,35 @@ def test_a_config_claiming_more_context_than_the_position_table(family, onnx_fol
         decoder.generate(np.full((1, rows - 8), 3), max_new_tokens=10)
     table = "position table" if family == "gpt2" else "RoPE table"
     assert export.runtime.folder_context(folder) == (rows, f"the {table} rows of {MODEL_FILE}")
+
+
+def test_slots_past_the_fused_graphs_rope_table_are_refused_by_name(onnx_variant):
+    """From a QA run: the fused graph's GroupQueryAttention (its RoPE inside) reads its table one row per slot of the
+    mask, and its MRotaryEmbedding takes at most the table's rows of new tokens in one run, so a prompt padded past
+    the context with every position within it, or an image prompt longer than the table at low positions, stopped
+    inside onnxruntime with a RuntimeError (and ``generate`` after printing tokens). Refused by name before any
+    token; the plain graph, which reads a row per position, runs both."""
+    pads, tokens = 10, 60  # 70 slots, positions 0 .. 59, a context of 64
+    ids = np.full((1, pads + tokens), 3)
+    mask = np.concatenate([np.zeros((1, pads), np.int64), np.ones((1, tokens), np.int64)], axis=1)
+    fused = OnnxDecoder(onnx_variant("qwen3"), provider="cpu")
+    assert fused.rotates_by_slot and fused.context_length == 64
+    with pytest.raises(ThinkerError, match="70 slots of attention_mask .* past the 64 rows of this graph's RoPE"):
+        fused.prefill(ids, mask)
+    short = np.array([[0] * 4 + [1] * 56])  # 6 new tokens after 60 slots need 65 (the last is not fed back)
+    with pytest.raises(ThinkerError, match="65 slots"):  # before the first token
+        fused.generate(ids[:, :60], short, max_new_tokens=6)
+    assert fused.generate(ids[:, :60], short, max_new_tokens=5).shape == (1, 65)
+    plain = OnnxDecoder(onnx_variant("qwen3", graph="plain"), provider="cpu")
+    assert plain.prefill(ids, mask)[0].shape[:2] == (1, pads + tokens)
+
+    # Qwen3.5's interleaved mRoPE, a context of 128: 130 tokens whose positions stay under 11 (an image's block)
+    streams = np.concatenate([np.arange(3), np.full(120, 3), np.arange(4, 11)])
+    positions = np.broadcast_to(streams, (3, 1, len(streams)))
+    ids = np.full((1, len(streams)), 3)
+    fused = OnnxDecoder(onnx_variant("qwen3_5", head_dim=None), provider="cpu")
+    assert fused.steps_within_table and fused.context_length == 128
+    with pytest.raises(ThinkerError, match="130 new tokens in one run, past the 128 rows .* MRotaryEmbedding"):
+        fused.prefill(ids, position_ids=positions)
+    plain = OnnxDecoder(onnx_variant("qwen3_5", graph="plain", head_dim=None), provider="cpu")
+    assert plain.prefill(ids, position_ids=positions)[0].shape[:2] == (1, len(streams))
