@@ -69,6 +69,7 @@ from .names import (
 )
 from .quantize import HEAD, QuantizeSpec, WeightQuantizer, cuda_experts_note
 from .quantized_size import expected_graph_bytes
+from .runtime import ORT_RUN_ERRORS
 from .verify import WHOLE, verify_export, verify_plan
 from .weights import ThinkerWeights
 from .weights_stamp import stamp_weights
@@ -333,25 +334,33 @@ def export_model(
                 if note
             ],
         }
-        if verify and quantize:
-            from .quantized_verify import verify_quantized_export
+        try:
+            if verify and quantize:
+                from .quantized_verify import verify_quantized_export
 
-            plan = verify_plan(model_dir, graph_dtype, quantized=True, graph_bytes=files.data_bytes)
-            report["verify"] = verify_quantized_export(
-                model_dir,
-                files.model_path,
-                graph_dtype,
-                quantize.bits,
-                quality,
-                threads,
-                progress,
-                plan or WHOLE,
-                asked=quantize,
-            )
-        elif verify:
-            report["verify"] = verify_export(
-                model_dir, files.model_path, graph_dtype, threads=threads, progress=progress, plan=plan or WHOLE
-            )
+                plan = verify_plan(model_dir, graph_dtype, quantized=True, graph_bytes=files.data_bytes)
+                report["verify"] = verify_quantized_export(
+                    model_dir,
+                    files.model_path,
+                    graph_dtype,
+                    quantize.bits,
+                    quality,
+                    threads,
+                    progress,
+                    plan or WHOLE,
+                    asked=quantize,
+                )
+            elif verify:
+                report["verify"] = verify_export(
+                    model_dir, files.model_path, graph_dtype, threads=threads, progress=progress, plan=plan or WHOLE
+                )
+        except ORT_RUN_ERRORS as err:  # the graph loaded, and a kernel refused what it computes: the exporter's bug
+            reason = " ".join(str(err).split())[:400]
+            raise ThinkerError(
+                f"onnxruntime fails running the exported graph in its check ({type(err).__name__}: {reason}) "
+                f"({dtype}, {graph} graph{', ' + quantize.label() if quantize else ''}); the export was not written: "
+                "an exporter bug, please report it with the model's config.json"
+            ) from None
         if verify and report["verify"].get("passed") is False:
             what = "the quantized export fails its check" if quantize else "onnxruntime disagrees with PyTorch"
             raise ThinkerError(

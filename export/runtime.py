@@ -40,8 +40,15 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto
+from onnxruntime.capi.onnxruntime_pybind11_state import (
+    EPFail,
+    InvalidArgument,
+    InvalidGraph,
+    InvalidProtobuf,
+    NoSuchFile,
+    RuntimeException,
+)
 from onnxruntime.capi.onnxruntime_pybind11_state import Fail as OrtFail
-from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument, InvalidGraph, InvalidProtobuf, NoSuchFile
 from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NotImplementedByOrt
 
 from thinker_common.errors import ThinkerError
@@ -1205,6 +1212,10 @@ def refuse_pads_between_tokens(new_slots: np.ndarray, linear_attention: bool) ->
 def position_ids_from_mask(attention_mask: np.ndarray) -> np.ndarray:
     """Each kept slot's position counts the kept slots before it; pads get 0 (any valid row of the tables)."""
     return np.maximum(np.cumsum(attention_mask, axis=-1) - 1, 0).astype(np.int64)
+
+
+# What onnxruntime raises when a loaded graph fails to run (a kernel's check on its inputs, an index out of range).
+ORT_RUN_ERRORS = (OrtFail, InvalidArgument, RuntimeException, EPFail, NotImplementedByOrt)
 
 
 def _load_session(path: Path, source: str | bytes, options: ort.SessionOptions, providers: list):
