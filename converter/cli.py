@@ -112,7 +112,8 @@ Examples:
 
 VERIFY_HELP = """Compare a converted Thinker folder with its SOURCE, the source family's own transformers class.
 
-Runs fixed prompts (a left-padded batch and 8-token greedy continuations) through both models, prints a table and
+Runs fixed prompts (a left-padded batch of 7, 4, 141 and 100 tokens, the long ones cut to fit the context, and
+8-token greedy continuations) through both models, prints a table and
 writes CONVERTED/parity.json with, per dtype, max and mean |Δlogit|, top-1 agreement and greedy agreement. Fails
 (exit 1) when float32 logits (the prompts', and each decode step's while both continuations have taken the same
 tokens) differ by more than 1e-4 × max(1, logit scale) or a greedy continuation differs; a float16 or bfloat16

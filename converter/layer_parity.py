@@ -39,7 +39,7 @@ import torch
 
 from thinker import ThinkerConfig, ThinkerForCausalLM
 from thinker_common.errors import ThinkerError
-from thinker_common.parity_inputs import GATE_TOLERANCE, fixed_prompts, left_padded
+from thinker_common.parity_inputs import GATE_TOLERANCE, gate_prompts, left_padded
 from thinker_common.sources import (
     BIN_INDEX,
     SAFETENSORS_INDEX,
@@ -54,6 +54,7 @@ from .output_dtype import resolve_dtype
 from .parity_report import (
     BY_LAYER,
     GREEDY_ONLY,
+    GREEDY_TOKENS,
     HALF_TOP1_MIN,
     LAYER_DECODE_STEPS,
     NO_VERIFY,
@@ -83,7 +84,9 @@ def check_parity_by_layer(
     plus the converted dtype if it is a half-precision one (``dtype`` in its place where given: ``check_parity``)."""
     stored = dtype or converted_dtype(converted)
     loader = family.layered_reference if family is not None and family.layered_reference else load_layered_reference
-    prompts = fixed_prompts(ThinkerConfig.from_pretrained(converted).vocab_size)
+    config = ThinkerConfig.from_pretrained(converted)
+    # the whole-model check's prompts, room left for its greedy tokens: both modes compare the same batch
+    prompts = gate_prompts(config.vocab_size, config.max_position_embeddings, GREEDY_TOKENS)
     results, names = [], ("", "")
     for dtype in (torch.float32, *([stored] if stored != torch.float32 else [])):
         reference = loader(source, stored)
@@ -209,19 +212,16 @@ def compare_by_layer(
         trace = _Trace(probes if batch == 0 else None)  # the unreached parts, once: they take no prompt
         with reference.streaming(trace.record_reference):
             expected, reference_cache = prompt_pass(reference, ids, mask, positions)
-        replay = _Replay(trace, probes if batch == 0 else None)
+        replay = _Replay(trace, stages, real, probes if batch == 0 else None)
         with converted.streaming(replay.observe):
             actual, converted_cache = prompt_pass(converted, ids, mask, positions)
-        if len(trace.inputs) != len(replay.inputs):
-            counts = (len(trace.inputs), len(replay.inputs))
+        if len(trace.inputs) != replay.layers:
+            counts = (len(trace.inputs), replay.layers)
             break
         caches = [reference_cache, converted_cache]
         reference_steps, converted_steps = forced_decode(reference, converted, (ids, mask, positions), expected, caches)
         expected_steps.append(reference_steps)
         actual_steps.append(converted_steps)
-        _stage(stages, EMBEDDINGS).add(trace.inputs[0], replay.inputs[0], real)
-        for index, (ref_out, forced, own) in enumerate(zip(trace.outputs, replay.forced, replay.outputs, strict=True)):
-            _stage(stages, f"layer {index}").add(ref_out, forced, real, own)
         _stage(stages, HEAD).add(expected, replay.head, real, actual)
         expected_logits.append(expected[real].float())
         actual_logits.append(actual[real].float())
@@ -374,13 +374,15 @@ class _Trace:
 
 @dataclass
 class _Replay:
-    """The Thinker's own hidden states, and each of its stages run again on the reference's input to that stage."""
+    """The Thinker's own hidden states, and each of its layers run again on the reference's input to that layer,
+    compared as each layer runs into ``stages`` at the ``real`` tokens (nothing kept per layer: the reference's trace
+    is the only copy of the batch's hidden states held for every layer)."""
 
     trace: _Trace
+    stages: dict[str, _Stage]
+    real: torch.Tensor
     probes: Probes | None = None
-    inputs: list[torch.Tensor] = field(default_factory=list)
-    outputs: list[torch.Tensor] = field(default_factory=list)
-    forced: list[torch.Tensor] = field(default_factory=list)  # layer i on the reference's input to layer i
+    layers: int = 0  # how many of the Thinker's decoder layers ran
     normed: torch.Tensor | None = None
     head: torch.Tensor | None = None  # final norm and head on the reference's last hidden state
 
@@ -388,14 +390,16 @@ class _Replay:
         if self.probes is not None:
             self.probes.take("converted", unit.module, unit.is_layer)
         if unit.is_layer:
-            index = len(self.inputs)
-            self.inputs.append(hidden_input(args, kwargs).detach().clone())
-            self.outputs.append(hidden_output(output).detach().clone())
+            index, own = self.layers, hidden_output(output)
+            self.layers += 1
+            if index == 0 and self.trace.inputs:
+                _stage(self.stages, EMBEDDINGS).add(self.trace.inputs[0], hidden_input(args, kwargs), self.real)
             if index < len(self.trace.inputs):
                 # ``forward`` rather than the module call: the hooks that load and drop the unit must not run again.
-                hidden = self.trace.inputs[index].to(self.inputs[-1].dtype)
+                hidden = self.trace.inputs[index].to(own.dtype)
                 args, kwargs = with_hidden(args, without_cache(kwargs), hidden)
-                self.forced.append(hidden_output(unit.module.forward(*args, **kwargs)).detach().clone())
+                forced = hidden_output(unit.module.forward(*args, **kwargs))
+                _stage(self.stages, f"layer {index}").add(self.trace.outputs[index], forced, self.real, own)
         elif unit.name in THINKER_FINAL_NORMS and self.trace.outputs:
             self.normed = hidden_output(unit.module.forward(self.trace.outputs[-1]))
         elif unit.name == THINKER_HEAD and self.normed is not None:

@@ -82,11 +82,15 @@ def parity_criteria(report: ParityReport, against: str) -> str:
     (converter/parity.py, converter/layer_parity.py)."""
     whole = report.mode == "whole-model"
     if whole:
-        ran = "the two models side by side, on fixed prompts (a left-padded batch and greedy continuations)"
+        ran = (
+            "the two models side by side, on fixed prompts (a left-padded batch, short and long, and greedy "
+            "continuations)"
+        )
         exact = f"every greedy continuation ({GREEDY_TOKENS} tokens) identical"
     else:  # no continuation: each generated token would read both models again
         ran = (
-            "one layer at a time, on fixed prompts (a left-padded batch; no greedy continuations, layer by layer, but "
+            "one layer at a time, on fixed prompts (a left-padded batch, short and long; no greedy continuations, "
+            "layer by layer, but "
             f"{LAYER_DECODE_STEPS} decode steps, both models fed the reference's greedy token)"
         )
         exact = "the top-1 token identical at every position"

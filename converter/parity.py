@@ -1,8 +1,8 @@
 """The parity gate: the converted Thinker against the source family's own transformers class, on fixed prompts.
 
-Both models see the same token ids: the left-padded batch of ``thinker_common/parity_inputs.py`` (explicit position ids,
-compared only at real tokens) for the logits, then 8 greedy tokens decoded from that batch, each model with its own
-KV cache.
+Both models see the same token ids: the left-padded batch of ``thinker_common/parity_inputs.py`` ``gate_prompts``
+(the fixed short prompts and the long ones, explicit position ids, compared only at real tokens) for the logits, then
+8 greedy tokens decoded from that batch, each model with its own KV cache.
 Figures per dtype: max and mean |Δlogit|, the logit scale, top-1 agreement, greedy agreement, the tolerance and the
 verdict.
 
@@ -34,7 +34,7 @@ from thinker import ThinkerForCausalLM
 from thinker.modeling_thinker import CACHE_ARG
 from thinker_common.eager import EAGER
 from thinker_common.errors import ThinkerError
-from thinker_common.parity_inputs import GATE_TOLERANCE, fixed_prompts, left_padded
+from thinker_common.parity_inputs import GATE_TOLERANCE, gate_prompts, left_padded
 from thinker_common.sizes import human_size, parse_size
 from thinker_common.sources import open_source
 
@@ -368,7 +368,7 @@ def check_parity(
     # Logits are compared, not the router's load-balancing loss, which a source's config may ask for (fine-tuned
     # MoE checkpoints do) and which transformers' MoE classes fail to compute on a decode step after a cache.
     reference.config.output_router_logits = False
-    prompts = fixed_prompts(model.config.vocab_size)
+    prompts = gate_prompts(model.config.vocab_size, model.config.max_position_embeddings, GREEDY_TOKENS)
     report = ParityReport(reference=type(reference).__name__, converted=type(model).__name__, prompts=prompts)
     if dtype != torch.float32:
         report.results.append(compare(reference, model, prompts))

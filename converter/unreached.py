@@ -1,8 +1,8 @@
 """The parts of a model the parity prompts cannot reach, compared directly: every row of the token embedding, every
 routed expert and its router row, and every row of the n-gram tables of Qwen4-Exp's PLE layers.
 
-The fixed prompts hold 11 token ids, so they read 11 rows of the embedding; and a router sends them to a few of a
-layer's experts (13 of 32 in a tiny Qwen3-MoE with top-1 routing; of 128 experts at top-8, most are never run). A
+The fixed prompts hold 252 token ids (``gate_prompts``), so they read at most 252 rows of a 150k embedding; and a
+router sends them to some of a layer's experts (of 128 at top-8 in a MoE layer, few tokens reach the rarer ones). A
 conversion that garbles a row or an expert nobody routes to would pass the logits. So both models' embeddings and
 experts also run on inputs of their own, from a fixed seed:
 

@@ -71,13 +71,18 @@ LONG_PROMPT_LENGTHS = (141, 100)
 LONG_DECODE_STEPS = 3  # each a whole forward: a streamed check reads the model from disk once a step
 
 
-def long_batch(vocab_size: int, context: int) -> tuple[np.ndarray, np.ndarray]:
+def long_prompts(vocab_size: int, context: int, reserve: int = LONG_DECODE_STEPS) -> list[list[int]]:
     """Two prompts of LONG_PROMPT_LENGTHS tokens from a fixed seed, shortened in proportion where ``context`` (the
-    model's positions) would not hold them and LONG_DECODE_STEPS more; left-padded numpy arrays."""
-    longest = max(1, min(LONG_PROMPT_LENGTHS[0], context - LONG_DECODE_STEPS))
+    model's positions) would not hold them and ``reserve`` more tokens."""
+    longest = max(1, min(LONG_PROMPT_LENGTHS[0], context - reserve))
     lengths = [max(1, longest * length // LONG_PROMPT_LENGTHS[0]) for length in LONG_PROMPT_LENGTHS]
     drawn = np.random.default_rng(PROMPT_SEED + 3).integers(0, vocab_size, size=(2, longest), dtype=np.int64)
-    ids, mask, _ = left_padded([row[longest - length :].tolist() for row, length in zip(drawn, lengths, strict=True)])
+    return [row[longest - length :].tolist() for row, length in zip(drawn, lengths, strict=True)]
+
+
+def long_batch(vocab_size: int, context: int) -> tuple[np.ndarray, np.ndarray]:
+    """``long_prompts`` with room for LONG_DECODE_STEPS more tokens, as left-padded numpy arrays."""
+    ids, mask, _ = left_padded(long_prompts(vocab_size, context))
     return ids.numpy(), mask.numpy()
 
 
@@ -133,6 +138,16 @@ def fixed_prompts(vocab_size: int) -> list[list[int]]:
     width = max(PROMPT_LENGTHS)
     drawn = rng.integers(0, vocab_size, size=(len(PROMPT_LENGTHS), width), dtype=np.int64)
     return [drawn[row, width - length :].tolist() for row, length in enumerate(PROMPT_LENGTHS)]
+
+
+def gate_prompts(vocab_size: int, context: int | None, reserve: int) -> list[list[int]]:
+    """The converter's gate's prompts, one left-padded batch: the fixed prompts and the long ones, cut so that they
+    and ``reserve`` tokens more fit ``context`` (whole where it is unknown). Half precision's rounding bugs grow with
+    a prompt's length: a Gated DeltaNet decay, a gated norm or a router's softmax kept in float16 where the reference
+    widens it measured 2e-3 to 5e-3 of the logit scale on the fixed prompts, under float16's 1e-2, and 9e-2 to 0.29
+    on long ones (a QA run); so does what a chunked delta rule carries from one chunk of 64 to the next."""
+    context = context if context else LONG_PROMPT_LENGTHS[0] + reserve
+    return fixed_prompts(vocab_size) + long_prompts(vocab_size, context, reserve)
 
 
 def left_padded(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
