@@ -780,3 +780,28 @@ def test_deepstack_inputs_are_refused_when_they_do_not_fit(tiny_thinker):
     for message, inputs in cases.items():
         with pytest.raises(ValueError, match=message):
             model(inputs_embeds=embeds, **inputs)
+
+
+def norm_epsilons(model: torch.nn.Module) -> dict[str, float]:
+    """Every norm module's epsilon by its name: RMSNorms (``variance_epsilon``) and LayerNorms (``eps``)."""
+    found = {}
+    for name, module in model.named_modules():
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        if isinstance(eps, float):
+            found[name] = eps
+    return found
+
+
+@pytest.mark.parametrize(
+    "preset", ["qwen2.5-0.5b", "qwen3-0.6b", "qwen3-30b-a3b", "qwen3.5-0.8b", "qwen3-next-80b-a3b-instruct"]
+)
+@pytest.mark.parametrize("norm_type", ["rmsnorm", "layernorm"])
+def test_every_norm_takes_the_configs_epsilon(preset, norm_type):
+    """A QA run's mutations: the q/k norms, or the final norm, built without ``eps=config.rms_norm_eps`` (so at the
+    default 1e-6) moved a real model's logits by 1e-6 to 3e-5 of their scale, under every tolerance, and no test
+    saw it: the tiny configs all use the default. An epsilon no default has is found on every norm or on none."""
+    config = load_preset(preset, num_hidden_layers=4, hidden_size=64, intermediate_size=64, vocab_size=128)
+    config.rms_norm_eps, config.norm_type = 3e-5, norm_type
+    with torch.device("meta"):
+        found = norm_epsilons(ThinkerForCausalLM(config))
+    assert found and set(found.values()) == {3e-5}, {name: eps for name, eps in found.items() if eps != 3e-5}

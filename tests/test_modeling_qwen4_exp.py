@@ -431,3 +431,12 @@ def test_flex_and_flash_attention_are_refused_when_the_model_is_built(tmp_path):
 
 
 assert TEXT_SIZES["layer_types"] == LAYER_TYPES
+
+
+def test_every_norm_takes_the_configs_epsilon():
+    """The hyper-connections' and PLE's norms too (tests/test_modeling.py has the other layer types)."""
+    from test_modeling import norm_epsilons
+
+    with torch.device("meta"):
+        found = norm_epsilons(ThinkerForCausalLM(thinker_config_from(qwen4_exp_config(), rms_norm_eps=3e-5)))
+    assert found and set(found.values()) == {3e-5}, {name: eps for name, eps in found.items() if eps != 3e-5}
