@@ -62,6 +62,7 @@ from .parity_report import (
     LayerParity,
     NoReference,
     ParityReport,
+    reference_fails,
     reference_overflows,
     refuse_unknown_model_type,
 )
@@ -210,8 +211,13 @@ def compare_by_layer(
     for batch, (ids, mask, positions) in enumerate(batches):
         real = mask.bool()
         trace = _Trace(probes if batch == 0 else None)  # the unreached parts, once: they take no prompt
-        with reference.streaming(trace.record_reference):
-            expected, reference_cache = prompt_pass(reference, ids, mask, positions)
+        try:
+            with reference.streaming(trace.record_reference):
+                expected, reference_cache = prompt_pass(reference, ids, mask, positions)
+        except ThinkerError:
+            raise
+        except Exception as err:  # whatever transformers' forward raises, as the whole-model check says it
+            raise reference_fails(reference.name, err) from None
         replay = _Replay(trace, stages, real, probes if batch == 0 else None)
         with converted.streaming(replay.observe):
             actual, converted_cache = prompt_pass(converted, ids, mask, positions)

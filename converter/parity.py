@@ -51,11 +51,13 @@ from .parity_report import (
     NoReference,
     ParityFailed,
     ParityReport,
+    reference_fails,
     reference_overflows,
     refuse_unknown_model_type,
     write_report,
 )
 from .spec import Family
+from .streamed import without_router_loss
 from .unreached import unreached_stages
 
 # The whole-model check runs when both models in float32 (8 bytes per parameter) fit in the memory budget: this
@@ -181,12 +183,7 @@ def reference_run(reference: PreTrainedModel, prompts: list[list[int]]) -> Run:
     except ThinkerError:
         raise
     except Exception as err:  # whatever transformers' forward raises: it is the reference's, not the conversion's
-        reason = " ".join(str(err).split())[:300]
-        raise NoReference(
-            f"transformers' {type(reference).__name__} fails on the parity prompts ({type(err).__name__}: {reason}), "
-            f"so there is no reference to verify against: its class cannot run this config; {NO_VERIFY} "
-            "if the model is meant as it is"
-        ) from None
+        raise reference_fails(type(reference).__name__, err) from None
 
 
 @torch.no_grad()
@@ -365,9 +362,8 @@ def check_parity(
     dtype = model.dtype
     loader = family.reference if family is not None and family.reference is not None else load_reference
     reference = loader(Path(source), dtype)
-    # Logits are compared, not the router's load-balancing loss, which a source's config may ask for (fine-tuned
-    # MoE checkpoints do) and which transformers' MoE classes fail to compute on a decode step after a cache.
-    reference.config.output_router_logits = False
+    without_router_loss(reference)
+    without_router_loss(model)
     prompts = gate_prompts(model.config.vocab_size, model.config.max_position_embeddings, GREEDY_TOKENS)
     report = ParityReport(reference=type(reference).__name__, converted=type(model).__name__, prompts=prompts)
     if dtype != torch.float32:

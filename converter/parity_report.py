@@ -225,6 +225,17 @@ def refuse_unknown_model_type(config_path: Path) -> None:
         )
 
 
+def reference_fails(reference: str, err: Exception) -> NoReference:
+    """The error for transformers' own class failing on the parity prompts, which may happen on a config it accepts
+    but cannot run (a scaled RoPE sized by a partial factor it does not apply): it is the reference's, not the
+    conversion's, and said so, not a traceback from inside transformers."""
+    reason = " ".join(str(err).split())[:300]
+    return NoReference(
+        f"transformers' {reference} fails on the parity prompts ({type(err).__name__}: {reason}), so there is no "
+        f"reference to verify against: its class cannot run this config; {NO_VERIFY} if the model is meant as it is"
+    )
+
+
 def reference_overflows(reference: str, dtype: Any, stage: str) -> ThinkerError:
     """The error for a reference that computes inf or NaN from ``stage`` on: no difference to measure, and nothing
     the conversion did (the converted model computes the same)."""

@@ -96,6 +96,16 @@ Caller = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.T
 CachedCaller = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, Any], tuple[torch.Tensor, Any]]
 
 
+def without_router_loss(model: nn.Module) -> None:
+    """Logits are compared, not the router's load-balancing loss, which a source's config may ask for (fine-tuned
+    MoE checkpoints keep ``output_router_logits``) and which transformers' MoE classes fail to compute on a batch
+    with pads (the layer check) or a decode step after a cache: switched off on every config a module reads."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "output_router_logits", False):
+            config.output_router_logits = False
+
+
 def call_causal_lm(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """A transformers causal LM on a (left-padded) batch; one pass, no cache."""
     return model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
@@ -149,6 +159,7 @@ class StreamedModel:
         hf_quantizer: Any = None,
     ) -> None:
         self.model = model.eval()
+        without_router_loss(model)
         self.hf_quantizer = hf_quantizer
         self.tensors = tensors
         self.name = name or type(model).__name__

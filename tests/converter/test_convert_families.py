@@ -22,6 +22,8 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from converter.parity import check_parity
+from converter.parity_report import BY_LAYER
 from thinker import ThinkerConfig, ThinkerForCausalLM
 
 # Awkward on purpose: GQA, odd vocabularies, head_dim unrelated to hidden_size where the family allows it.
@@ -180,10 +182,12 @@ def test_qwen3_moe_per_expert_layout(tmp_path, run_convert, norm_topk_prob):
 
 def test_a_moe_that_outputs_its_router_logits(save_reference, run_convert):
     """A fine-tuned checkpoint's config may ask for the router's load-balancing loss (output_router_logits): the
-    gate's decode steps do not trip over it, and the Thinker adds the same loss to a labelled forward."""
+    gate's decode steps do not trip over it, whole-model or layer by layer (whose padded batch transformers' class
+    failed on with a traceback: a review), and the Thinker adds the same loss to a labelled forward."""
     model, source = save_reference(Qwen3MoeConfig(**QWEN3_MOE, output_router_logits=True, router_aux_loss_coef=0.05))
     result = run_convert(source)
     assert_verified(result, "qwen3_moe")
+    assert check_parity(source, result.output, mode=BY_LAYER).passed
     converted = ThinkerForCausalLM.from_pretrained(result.output).eval()
     assert converted.config.output_router_logits is True
     ids = torch.tensor([[3, 14, 15, 9, 26, 5]])

@@ -69,9 +69,11 @@ def test_the_default_path_fails_parity_and_installs_nothing(save_reference, tmp_
     assert not output.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".broken")]
 
 
-def test_a_reference_that_fails_on_the_prompts_is_named(save_reference, tmp_path, monkeypatch):
-    """transformers' class may accept a config it cannot run: its forward's error, inside the gate, was a traceback.
-    Now one line naming the class and what it raised, and nothing is installed."""
+@pytest.mark.parametrize("options", [[], ["--verify-by-layer"]], ids=["whole-model", "layer-by-layer"])
+def test_a_reference_that_fails_on_the_prompts_is_named(options, save_reference, tmp_path, monkeypatch):
+    """transformers' class may accept a config it cannot run: its forward's error, inside the gate, was a traceback
+    (in either mode: a review found the layer check's). Now one line naming the class and what it raised, and
+    nothing is installed."""
     import transformers
 
     _, source = save_reference(QWEN3)
@@ -81,8 +83,8 @@ def test_a_reference_that_fails_on_the_prompts_is_named(save_reference, tmp_path
 
     monkeypatch.setattr(transformers.Qwen3ForCausalLM, "forward", broken)
     output = tmp_path / "out"
-    result = CliRunner().invoke(main, ["convert", str(source), str(output)])
-    assert result.exit_code == 1 and "Traceback" not in result.output
+    result = CliRunner().invoke(main, ["convert", str(source), str(output), *options])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     line = result.stderr.strip().splitlines()[-1]
     assert "transformers' Qwen3ForCausalLM fails on the parity prompts (RuntimeError: The size of tensor a" in line
     assert "--no-verify" in line and not output.exists()
