@@ -26,7 +26,10 @@ decode steps check the cache and recurrent states the prompts and a step wrote (
 stage exact passed before: a QA run). A failure names the first stage beyond its tolerance, else the decode steps.
 
 As in the whole-model check, the float32 run loads both models in the converted folder's dtype and widens them (one
-unit at a time), and a half-precision conversion is also run in its own dtype; each run reads both models once.
+unit at a time), and a half-precision conversion is also run in its own dtype; each run reads both models once for
+the prompts and once for each decode step (for a reference fed without a mask, once per prompt each). Memory: the
+largest unit of one model at a time, the reference's hidden states entering and leaving every layer for the
+batch's slots (4 x 141 at most: 4.6 MB a layer at a width of 1024 in float32), and both models' caches for them.
 """
 
 from __future__ import annotations

@@ -156,7 +156,8 @@ class ParityReport:
                     f"the {r.decode_steps} steps both models took on the same tokens (of {r.greedy_prompts} × "
                     f"{GREEDY_TOKENS - 1})"
                     if r.greedy_prompts is not None
-                    else f"{r.decode_steps} steps after the prompts, both models fed the reference's greedy token"
+                    else f"{r.decode_steps // LAYER_DECODE_STEPS} rows × {LAYER_DECODE_STEPS} steps after the prompts, "
+                    "both models fed the reference's greedy token"
                 )
                 rows.append(
                     f"{r.dtype}: decode steps: max|Δlogit| {r.decode_max_abs_diff:.3g} (tolerance "

@@ -144,8 +144,9 @@ def gate_prompts(vocab_size: int, context: int | None, reserve: int) -> list[lis
     """The converter's gate's prompts, one left-padded batch: the fixed prompts and the long ones, cut so that they
     and ``reserve`` tokens more fit ``context`` (whole where it is unknown). Half precision's rounding bugs grow with
     a prompt's length: a Gated DeltaNet decay, a gated norm or a router's softmax kept in float16 where the reference
-    widens it measured 2e-3 to 5e-3 of the logit scale on the fixed prompts, under float16's 1e-2, and 9e-2 to 0.29
-    on long ones (a QA run); so does what a chunked delta rule carries from one chunk of 64 to the next."""
+    widens it measured 2e-3 to 5e-3 of the logit scale on the fixed prompts, under float16's 1e-2, and 1.4e-2 to
+    4.4e-2 with the long ones beside them (a QA run's mutations, tests/converter/test_gate_precision.py); so does what
+    a chunked delta rule carries from one chunk of 64 to the next."""
     context = context if context else LONG_PROMPT_LENGTHS[0] + reserve
     return fixed_prompts(vocab_size) + long_prompts(vocab_size, context, reserve)
 

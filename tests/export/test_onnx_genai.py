@@ -54,14 +54,13 @@ def test_genai_greedy_equals_transformers(genai_python, thinker_folder, onnx_fol
     for (family, dtype), sequence in zip(CASES, sequences, strict=True):
         expected = transformers_greedy(thinker_folder(family), getattr(torch, dtype))
         # Both stop at the model's eos (id 2) when it comes up, but genai's sequence leaves it out where
-        # transformers' keeps it: compared up to it. A row that stops early, or runs on past it, still differs.
-        got, want = before_eos(sequence), before_eos(expected)
-        assert got == want, f"{family} {dtype}: genai {sequence} != transformers {expected}"
+        # transformers' keeps it (its last token then): a genai run that stops early, or runs on past it, differs.
+        assert sequence == without_final_eos(expected), f"{family} {dtype}: genai {sequence} != transformers {expected}"
 
 
-def before_eos(sequence: list[int], eos: int = 2) -> list[int]:
-    """The tokens of ``sequence`` before its first generated eos (the prompt holds none)."""
-    return sequence[: sequence.index(eos, len(PROMPT))] if eos in sequence[len(PROMPT) :] else sequence
+def without_final_eos(sequence: list[int], eos: int = 2) -> list[int]:
+    """transformers' greedy sequence without the eos it stopped at, where it stopped at one (the prompt holds none)."""
+    return sequence[:-1] if eos in sequence[len(PROMPT) :] else sequence
 
 
 FIRST_TURN, SECOND_TURN, BETWEEN = [11, 12, 13, 14, 15, 16, 17, 18], [7, 30, 12], 4  # no eos (2) comes up
