@@ -354,12 +354,12 @@ def export_model(
                 report["verify"] = verify_export(
                     model_dir, files.model_path, graph_dtype, threads=threads, progress=progress, plan=plan or WHOLE
                 )
-        except ORT_RUN_ERRORS as err:  # the graph loaded, and a kernel refused what it computes: the exporter's bug
+        except ORT_RUN_ERRORS as err:  # the graph loaded, and onnxruntime failed running it
             reason = " ".join(str(err).split())[:400]
             raise ThinkerError(
                 f"onnxruntime fails running the exported graph in its check ({type(err).__name__}: {reason}) "
                 f"({dtype}, {graph} graph{', ' + quantize.label() if quantize else ''}); the export was not written: "
-                "an exporter bug, please report it with the model's config.json"
+                f"{run_failure_advice(reason)}"
             ) from None
         if verify and report["verify"].get("passed") is False:
             what = "the quantized export fails its check" if quantize else "onnxruntime disagrees with PyTorch"
@@ -372,6 +372,17 @@ def export_model(
         (final / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
         install(final, output.absolute(), force)  # atomic: OUTPUT is the old folder or the new one, never partial
     return report
+
+
+def run_failure_advice(reason: str) -> str:
+    """What to do about onnxruntime failing to run a graph that loaded: out of memory (its allocator's words on the
+    CPU and CUDA), the machine's to mend; else a kernel refused what the graph gave it, the exporter's bug."""
+    if any(words in reason.lower() for words in ("failed to allocate", "bad_alloc", "out of memory")):
+        return (
+            "onnxruntime ran out of memory; free some, set THINKER_VERIFY_MEMORY to plan the check for less, or pass "
+            "--no-verify"
+        )
+    return "an exporter bug, please report it with the model's config.json"
 
 
 def build_onnx(

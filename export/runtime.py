@@ -150,6 +150,11 @@ def graph_context(model_path: Path) -> tuple[int | None, str]:
         graph = onnx.load(str(model_path), load_external_data=False).graph
     except Exception:  # a damaged file: whoever loads it says so
         return None, ""
+    return table_rows(graph)
+
+
+def table_rows(graph: onnx.GraphProto) -> tuple[int | None, str]:
+    """``graph_context`` of a loaded graph."""
     for tensor in graph.initializer:
         if tensor.name in POSITION_TABLES and tensor.dims:
             return int(tensor.dims[0]), POSITION_TABLES[tensor.name]
@@ -385,6 +390,7 @@ class OnnxDecoder:
         # positions (an image's stay low); GroupQueryAttention rotating by slot reads a row per slot of the mask. Both
         # refused by name (``refuse_slots_past_table``), where the plain graph, which reads a row per position, runs.
         self.steps_within_table = any(node.op_type == "MRotaryEmbedding" for node in graph.node)
+        self.rope_rows = table_rows(graph)[0]  # what those kernels read; the context may be set shorter
         use_cuda = provider == "cuda" or (provider == "auto" and cuda_usable())
         providers = [CUDA_PROVIDER, CPU] if use_cuda else [CPU]
         options, source = session_options(threads), str(self.model_path)
@@ -915,7 +921,7 @@ class OnnxDecoder:
         ``steps_within_table``), ``slots`` mask columns (pads included) or ``steps`` new tokens in one run past its
         rows are refused here, before onnxruntime stops on them, though every position fits (a QA run: a prompt
         padded past the context, an image prompt longer than the table)."""
-        rows = self.context_length
+        rows = self.rope_rows
         if rows is None:
             return
         if self.rotates_by_slot and slots > rows:

@@ -392,7 +392,7 @@ def test_a_config_claiming_more_context_than_the_position_table(family, onnx_fol
     assert export.runtime.folder_context(folder) == (rows, f"the {table} rows of {MODEL_FILE}")
 
 
-def test_slots_past_the_fused_graphs_rope_table_are_refused_by_name(onnx_variant):
+def test_slots_past_the_fused_graphs_rope_table_are_refused_by_name(onnx_variant, tmp_path):
     """From a QA run: the fused graph's GroupQueryAttention (its RoPE inside) reads its table one row per slot of the
     mask, and its MRotaryEmbedding takes at most the table's rows of new tokens in one run, so a prompt padded past
     the context with every position within it, or an image prompt longer than the table at low positions, stopped
@@ -411,6 +411,13 @@ def test_slots_past_the_fused_graphs_rope_table_are_refused_by_name(onnx_variant
     assert fused.generate(ids[:, :60], short, max_new_tokens=5).shape == (1, 65)
     plain = OnnxDecoder(onnx_variant("qwen3", graph="plain"), provider="cpu")
     assert plain.prefill(ids, mask)[0].shape[:2] == (1, pads + tokens)
+    # the table's rows bound the slots, not a context set shorter (a review): 50 slots, positions under 40, of 48
+    shorter = shutil.copytree(onnx_variant("qwen3"), tmp_path / "shorter")
+    config = json.loads((shorter / "config.json").read_text())
+    (shorter / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 48}))
+    decoder = OnnxDecoder(shorter, provider="cpu")
+    padded = np.array([[0] * 10 + [1] * 40])
+    assert decoder.context_length == 48 and decoder.prefill(ids[:, :50], padded)[0].shape[:2] == (1, 50)
 
     # Qwen3.5's interleaved mRoPE, a context of 128: 130 tokens whose positions stay under 11 (an image's block)
     streams = np.concatenate([np.arange(3), np.full(120, 3), np.arange(4, 11)])
