@@ -34,6 +34,8 @@ batch's slots (4 x 141 at most: 4.6 MB a layer at a width of 1024 in float32), a
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,6 +69,7 @@ from .parity_report import (
     ParityReport,
     reference_fails,
     reference_overflows,
+    refuse_short_context,
     refuse_unknown_model_type,
 )
 from .spec import Family
@@ -90,6 +93,7 @@ def check_parity_by_layer(
     loader = family.layered_reference if family is not None and family.layered_reference else load_layered_reference
     config = ThinkerConfig.from_pretrained(converted)
     # the whole-model check's prompts, room left for its greedy tokens: both modes compare the same batch
+    refuse_short_context(config.max_position_embeddings)
     prompts = gate_prompts(config.vocab_size, config.max_position_embeddings, GREEDY_TOKENS)
     results, names = [], ("", "")
     for dtype in (torch.float32, *([stored] if stored != torch.float32 else [])):
@@ -214,13 +218,8 @@ def compare_by_layer(
     for batch, (ids, mask, positions) in enumerate(batches):
         real = mask.bool()
         trace = _Trace(probes if batch == 0 else None)  # the unreached parts, once: they take no prompt
-        try:
-            with reference.streaming(trace.record_reference):
-                expected, reference_cache = prompt_pass(reference, ids, mask, positions)
-        except ThinkerError:
-            raise
-        except Exception as err:  # whatever transformers' forward raises, as the whole-model check says it
-            raise reference_fails(reference.name, err) from None
+        with said_of(reference), reference.streaming(trace.record_reference):
+            expected, reference_cache = prompt_pass(reference, ids, mask, positions)
         replay = _Replay(trace, stages, real, probes if batch == 0 else None)
         with converted.streaming(replay.observe):
             actual, converted_cache = prompt_pass(converted, ids, mask, positions)
@@ -288,6 +287,18 @@ def compare_by_layer(
     )
 
 
+@contextmanager
+def said_of(reference: StreamedModel) -> Iterator[None]:
+    """Whatever transformers' forward raises on the parity batch, said in one line as the whole-model check says it:
+    the reference's failure, not the conversion's."""
+    try:
+        yield
+    except ThinkerError:
+        raise
+    except Exception as err:
+        raise reference_fails(reference.name, err) from None
+
+
 def prompt_pass(model: StreamedModel, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor):
     """(logits, the model's cache after the batch, or None for a model fed without one)."""
     if model.cached_call is None:
@@ -315,7 +326,7 @@ def forced_decode(
         ids, mask = torch.cat([ids, token], dim=1), torch.cat([mask, torch.ones_like(token)], dim=1)
         positions = torch.cat([positions, positions[:, -1:] + 1], dim=1)
         for side, model in enumerate((reference, converted)):
-            with model.streaming():
+            with said_of(reference) if side == 0 else nullcontext(), model.streaming():
                 if caches[side] is None:
                     logits = model(ids, mask, positions)
                 else:

@@ -53,6 +53,7 @@ from .parity_report import (
     ParityReport,
     reference_fails,
     reference_overflows,
+    refuse_short_context,
     refuse_unknown_model_type,
     write_report,
 )
@@ -364,6 +365,7 @@ def check_parity(
     reference = loader(Path(source), dtype)
     without_router_loss(reference)
     without_router_loss(model)
+    refuse_short_context(model.config.max_position_embeddings)
     prompts = gate_prompts(model.config.vocab_size, model.config.max_position_embeddings, GREEDY_TOKENS)
     report = ParityReport(reference=type(reference).__name__, converted=type(model).__name__, prompts=prompts)
     if dtype != torch.float32:

@@ -226,6 +226,16 @@ def refuse_unknown_model_type(config_path: Path) -> None:
         )
 
 
+def refuse_short_context(context: int | None) -> None:
+    """The gate's prompts cut to one id still need GREEDY_TOKENS positions with their greedy tokens: a model whose
+    context holds fewer (a toy GPT-2's ``n_positions``) is refused by name, where its class failed past its table."""
+    if context is not None and context < GREEDY_TOKENS:
+        raise NoReference(
+            f"a context of {context} positions (max_position_embeddings) cannot hold the parity check's prompt and its "
+            f"{GREEDY_TOKENS} greedy tokens, so there is nothing to verify it on; {NO_VERIFY}"
+        )
+
+
 def reference_fails(reference: str, err: Exception) -> NoReference:
     """The error for transformers' own class failing on the parity prompts, which may happen on a config it accepts
     but cannot run (a scaled RoPE sized by a partial factor it does not apply): it is the reference's, not the

@@ -141,14 +141,16 @@ def fixed_prompts(vocab_size: int) -> list[list[int]]:
 
 
 def gate_prompts(vocab_size: int, context: int | None, reserve: int) -> list[list[int]]:
-    """The converter's gate's prompts, one left-padded batch: the fixed prompts and the long ones, cut so that they
-    and ``reserve`` tokens more fit ``context`` (whole where it is unknown). Half precision's rounding bugs grow with
+    """The converter's gate's prompts, one left-padded batch: the fixed prompts and the long ones, each cut so that it
+    and ``reserve`` tokens more fit ``context`` (whole where it is unknown; a context under ``reserve`` leaves one
+    id, which the caller refuses to run). Half precision's rounding bugs grow with
     a prompt's length: a Gated DeltaNet decay, a gated norm or a router's softmax kept in float16 where the reference
     widens it measured 2e-3 to 5e-3 of the logit scale on the fixed prompts, under float16's 1e-2, and 1.4e-2 to
     4.4e-2 with the long ones beside them (a QA run's mutations, tests/converter/test_gate_precision.py); so does what
     a chunked delta rule carries from one chunk of 64 to the next."""
     context = context if context else LONG_PROMPT_LENGTHS[0] + reserve
-    return fixed_prompts(vocab_size) + long_prompts(vocab_size, context, reserve)
+    room = max(1, context - reserve)  # a short context cuts the fixed prompts too, each keeping its last ids
+    return [prompt[-room:] for prompt in fixed_prompts(vocab_size)] + long_prompts(vocab_size, context, reserve)
 
 
 def left_padded(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

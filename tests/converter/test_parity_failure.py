@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from click.testing import CliRunner
-from transformers import Qwen3Config
+from transformers import GPT2Config, Qwen3Config
 
 from thinker_common.cli import main
 
@@ -87,4 +87,27 @@ def test_a_reference_that_fails_on_the_prompts_is_named(options, save_reference,
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     line = result.stderr.strip().splitlines()[-1]
     assert "transformers' Qwen3ForCausalLM fails on the parity prompts (RuntimeError: The size of tensor a" in line
+    assert "--no-verify" in line and not output.exists()
+
+
+@pytest.mark.parametrize("options", [[], ["--verify-by-layer"]], ids=["whole-model", "layer-by-layer"])
+@pytest.mark.parametrize("context", [8, 12])
+def test_a_short_context_cuts_every_prompt(context, options, save_reference, tmp_path):
+    """A sound GPT-2 with n_positions 12 failed the whole-model gate as if transformers' class could not run it,
+    and with 8 the layer check showed a traceback (its decode steps past the position table): the fixed prompts
+    were not cut to the context, the long ones were (a QA run). Every prompt is now cut so that it and the greedy
+    tokens fit; both modes pass."""
+    _, source = save_reference(GPT2Config(vocab_size=67, n_embd=32, n_layer=2, n_head=4, n_positions=context))
+    result = CliRunner().invoke(main, ["convert", str(source), str(tmp_path / "out"), *options])
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("options", [[], ["--verify-by-layer"]], ids=["whole-model", "layer-by-layer"])
+def test_a_context_shorter_than_the_greedy_tokens_is_refused_by_name(options, save_reference, tmp_path):
+    _, source = save_reference(GPT2Config(vocab_size=67, n_embd=32, n_layer=2, n_head=4, n_positions=6))
+    output = tmp_path / "out"
+    result = CliRunner().invoke(main, ["convert", str(source), str(output), *options])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    line = result.stderr.strip().splitlines()[-1]
+    assert "a context of 6 positions (max_position_embeddings) cannot hold the parity check's prompt" in line, line
     assert "--no-verify" in line and not output.exists()
