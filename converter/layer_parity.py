@@ -77,7 +77,6 @@ from .streamed import StreamedModel, Unit, empty_model, fp8_reference_quantizer,
 from .unreached import Probes, deepstack_stage, position_stages
 
 EMBEDDINGS, HEAD = "embeddings", "final norm and head"
-
 # Where the Thinker's final norm and head sit (``ThinkerForCausalLM``), run on the reference's last hidden state.
 THINKER_HEAD = "lm_head"
 # the module that makes the last layer's output the head's input: the final norm, or the hyper-connections' last mix
