@@ -28,8 +28,9 @@ stage exact passed before: a QA run). A failure names the first stage beyond its
 As in the whole-model check, the float32 run loads both models in the converted folder's dtype and widens them (one
 unit at a time), and a half-precision conversion is also run in its own dtype; each run reads both models once for
 the prompts and once for each decode step (for a reference fed without a mask, once per prompt each). Memory: the
-largest unit of one model at a time, the reference's hidden states entering and leaving every layer for the
-batch's slots (4 x 141 at most: 4.6 MB a layer at a width of 1024 in float32), and both models' caches for them.
+largest unit of one model at a time, the reference's hidden states leaving every layer for the batch's slots (and
+entering it, where they are not the layer before's output: 4 x 141 slots at most, 2.3 MB a layer at a width of 1024
+in float32), both models' caches for them, and their logits at the real positions.
 """
 
 from __future__ import annotations
@@ -217,28 +218,33 @@ def compare_by_layer(
     for batch, (ids, mask, positions) in enumerate(batches):
         real = mask.bool()
         trace = _Trace(probes if batch == 0 else None)  # the unreached parts, once: they take no prompt
+        # Only the real positions' logits are kept, each pass's whole (batch, slots, vocabulary) dropped as soon as
+        # it is read: for a 152k vocabulary the batch's are 0.34 GB in float32, its real positions' under half.
         with said_of(reference), reference.streaming(trace.record_reference):
             expected, reference_cache = prompt_pass(reference, ids, mask, positions)
+        first = expected[:, -1].argmax(-1, keepdim=True)  # each row's greedy token after its prompt
+        expected = expected[real].float()
         replay = _Replay(trace, stages, real, probes if batch == 0 else None)
         with converted.streaming(replay.observe):
             actual, converted_cache = prompt_pass(converted, ids, mask, positions)
+        actual = actual[real].float()
         if len(trace.inputs) != replay.layers:
             counts = (len(trace.inputs), replay.layers)
             break
         caches = [reference_cache, converted_cache]
-        reference_steps, converted_steps = forced_decode(reference, converted, (ids, mask, positions), expected, caches)
+        reference_steps, converted_steps = forced_decode(reference, converted, (ids, mask, positions), first, caches)
         expected_steps.append(reference_steps)
         actual_steps.append(converted_steps)
-        _stage(stages, HEAD).add(expected, replay.head, real, actual)
-        expected_logits.append(expected[real].float())
-        actual_logits.append(actual[real].float())
+        _stage(stages, HEAD).add(expected, replay.head, None, actual)
+        expected_logits.append(expected)
+        actual_logits.append(actual)
 
     if counts is not None:
         return _layer_counts_differ(dtype, *counts)
     overflowing = next((stage.name for stage in stages.values() if not stage.finite), None)
     if overflowing is not None:
         raise reference_overflows(reference.name, dtype, overflowing)
-    ref_logits, logits = torch.cat(expected_logits), torch.cat(actual_logits)
+    ref_logits, logits = joined(expected_logits), joined(actual_logits)
     diff = (ref_logits - logits).abs()
     scale = ref_logits.abs().max().item()
     tolerance = relative * max(1.0, scale)
@@ -310,16 +316,16 @@ def forced_decode(
     reference: StreamedModel,
     converted: StreamedModel,
     batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    expected: torch.Tensor,
+    token: torch.Tensor,
     caches: list,
     steps: int = LAYER_DECODE_STEPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``steps`` decode steps of both models after ``batch`` (ids, mask, positions), each row fed the reference's
     greedy token (both models the same one, so every step compares): the reference's and the converted model's
-    logits, each (B, steps, vocab) in float32. ``expected``: the reference's logits over the batch; ``caches``: each
-    model's cache after it, None for a model without one (it takes the whole sequence again each step)."""
+    logits, each (B, steps, vocab) in float32. ``token``: (B, 1), the reference's greedy token after the batch;
+    ``caches``: each model's cache after it, None for a model without one (it takes the whole sequence again each
+    step)."""
     ids, mask, positions = batch
-    token = expected[:, -1].argmax(-1, keepdim=True)  # (B, 1)
     taken: list[list[torch.Tensor]] = [[], []]
     for _ in range(steps):
         ids, mask = torch.cat([ids, token], dim=1), torch.cat([mask, torch.ones_like(token)], dim=1)
@@ -333,6 +339,11 @@ def forced_decode(
             taken[side].append(logits[:, -1].float())
         token = taken[0][-1].argmax(-1, keepdim=True)
     return torch.stack(taken[0], dim=1), torch.stack(taken[1], dim=1)
+
+
+def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The batches' rows as one tensor, without a copy where there is one batch."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _layer_counts_differ(dtype: torch.dtype, reference: int, converted: int) -> DtypeParity:
@@ -387,7 +398,12 @@ class _Trace:
         if self.probes is not None:
             self.probes.take("reference", unit.module, unit.is_layer)
         if unit.is_layer:
-            self.inputs.append(hidden_input(args, kwargs).detach().clone())
+            entering = hidden_input(args, kwargs).detach()
+            # a layer's input is most often the layer before's output, which is kept once (half the trace's memory)
+            if self.outputs and torch.equal(entering, self.outputs[-1]):
+                self.inputs.append(self.outputs[-1])
+            else:
+                self.inputs.append(entering.clone())
             self.outputs.append(hidden_output(output).detach().clone())
 
 
@@ -403,7 +419,7 @@ class _Replay:
     probes: Probes | None = None
     layers: int = 0  # how many of the Thinker's decoder layers ran
     normed: torch.Tensor | None = None
-    head: torch.Tensor | None = None  # final norm and head on the reference's last hidden state
+    head: torch.Tensor | None = None  # final norm and head on the reference's last hidden state, real positions
 
     def observe(self, unit: Unit, args: tuple, kwargs: dict, output: Any) -> None:
         if self.probes is not None:
@@ -422,7 +438,7 @@ class _Replay:
         elif unit.name in THINKER_FINAL_NORMS and self.trace.outputs:
             self.normed = hidden_output(unit.module.forward(self.trace.outputs[-1]))
         elif unit.name == THINKER_HEAD and self.normed is not None:
-            self.head = unit.module.forward(self.normed)
+            self.head = unit.module.forward(self.normed[self.real]).float()  # the real positions' alone
 
 
 def _stage(stages: dict[str, _Stage], name: str) -> _Stage:
@@ -442,20 +458,31 @@ class _Stage:
     finite: bool = True  # the reference's own output held no inf or NaN
 
     def add(
-        self, expected: torch.Tensor, actual: torch.Tensor | None, real: torch.Tensor, own: torch.Tensor | None = None
+        self,
+        expected: torch.Tensor,
+        actual: torch.Tensor | None,
+        real: torch.Tensor | None,
+        own: torch.Tensor | None = None,
     ) -> None:
-        expected = expected[real].float()
+        """(batch, slots, width) outputs compared at the ``real`` slots, or, with ``real`` None, (rows, width) ones
+        already taken there."""
+
+        def rows(tensor: torch.Tensor) -> torch.Tensor:
+            return (tensor if real is None else tensor[real]).float()
+
+        expected = rows(expected)
         self.finite = self.finite and bool(torch.isfinite(expected).all())
         self.scale = max(self.scale, expected.abs().max().item())
-        if actual is None or actual.shape[:-1] != real.shape or actual.shape[-1] != expected.shape[-1]:
+        wanted = expected.shape if real is None else (*real.shape, expected.shape[-1])
+        if actual is None or actual.shape != wanted:
             self.max_abs_diff = float("inf")  # the converted model produced nothing comparable here
             return
-        diff = (expected - actual[real].float()).abs()
+        diff = (expected - rows(actual)).abs()
         self.max_abs_diff = max(self.max_abs_diff, diff.max().item())
         self.total += diff.sum().item()
         self.count += diff.numel()
         if own is not None:
-            stream = (expected - own[real].float()).abs().max().item()
+            stream = (expected - rows(own)).abs().max().item()
             self.stream_max_abs_diff = max(self.stream_max_abs_diff or 0.0, stream)
 
     def result(self, relative: float) -> LayerParity:
