@@ -74,7 +74,14 @@ from .parity_report import (
     refuse_unknown_model_type,
 )
 from .spec import Family
-from .streamed import StreamedModel, Unit, empty_model, fp8_reference_quantizer, lazy_tensors
+from .streamed import (
+    StreamedModel,
+    Unit,
+    empty_model,
+    fixed_malloc_thresholds,
+    fp8_reference_quantizer,
+    lazy_tensors,
+)
 from .unreached import Probes, deepstack_stage, position_stages
 
 EMBEDDINGS, HEAD = "embeddings", "final norm and head"
@@ -89,6 +96,7 @@ def check_parity_by_layer(
 ) -> ParityReport:
     """Compare ``converted`` with the reference of ``family`` loaded from ``source``, one layer at a time: float32,
     plus the converted dtype if it is a half-precision one (``dtype`` in its place where given: ``check_parity``)."""
+    fixed_malloc_thresholds()
     stored = dtype or converted_dtype(converted)
     loader = family.layered_reference if family is not None and family.layered_reference else load_layered_reference
     config = ThinkerConfig.from_pretrained(converted)

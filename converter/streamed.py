@@ -23,6 +23,7 @@ when it is needed.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -94,6 +95,21 @@ Caller = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.T
 # (model, input_ids, attention_mask, position_ids, cache or None) -> (logits, cache): a pass that keeps the model's own
 # cache, for decode steps after a prompt.
 CachedCaller = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, Any], tuple[torch.Tensor, Any]]
+
+
+def fixed_malloc_thresholds() -> None:
+    """glibc's malloc raises its mmap threshold (up to 32 MB) each time a block above it is freed, as a unit's
+    tensors are, and serves every smaller block from its heap from then on, which keeps what is freed: a streamed
+    check's resident set grew past the memory of a layer by the activations of every pass (bench/bench_big.py, a
+    2-layer Qwen3-30B-A3B-shaped check: 4.99 GB peak; 3.59 GB with the thresholds fixed at 128 KB, glibc's default,
+    which also stops that growth). Elsewhere (no glibc) nothing is done."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    trim_threshold, mmap_threshold = -1, -3  # glibc's M_TRIM_THRESHOLD, M_MMAP_THRESHOLD
+    for option in (trim_threshold, mmap_threshold):
+        mallopt(option, 128 * 1024)
 
 
 def without_router_loss(model: nn.Module) -> None:
