@@ -49,7 +49,7 @@ from converter.model_card import parity_section
 from converter.parity import MEMORY_BUDGET_ENV, check_parity
 from converter.parity_report import BY_LAYER, WHOLE_MODEL, ParityFailed
 from converter.streamed import StreamedModel, lazy_tensors
-from thinker_common.parity_inputs import LONG_PROMPT_LENGTHS, PROMPT_LENGTHS, fixed_prompts
+from thinker_common.parity_inputs import fixed_prompts
 from thinker_common.sources import open_source
 
 REPO = Path(__file__).resolve().parents[2]
@@ -368,9 +368,8 @@ RSS_PROBE = textwrap.dedent(
 @pytest.mark.slow
 def test_layer_mode_peak_rss_is_bounded_by_four_layers(tmp_path):
     """Four float32 layers of 64 MB (256 MB a model): both models side by side would need 8 layers' bytes; layer by
-    layer the peak stays within the idle process + 4 x the largest layer + the activations of the gate's batch
-    (sixteen float32 vectors of the widest width, the MLP's, for each of its slots: the prompts' hidden states kept
-    for every layer, a layer's intermediate products, attention's scores)."""
+    layer the peak stays within the idle process + 4 x the largest layer, the gate's batch of 564 slots included
+    (671 MiB against 653 before the check fixed glibc's malloc thresholds, converter/streamed.py; 573 with them)."""
     config = Qwen3Config(
         vocab_size=256,
         hidden_size=1024,
@@ -396,11 +395,9 @@ def test_layer_mode_peak_rss_is_bounded_by_four_layers(tmp_path):
     print(measured)
     layer = 4 * (4 * 1024 * 1024 + 3 * 1024 * 4096)
     assert measured["passed"] and measured["largest"] >= layer
-    slots = len(PROMPT_LENGTHS + LONG_PROMPT_LENGTHS) * LONG_PROMPT_LENGTHS[0]  # one left-padded batch
-    activations = 16 * slots * config.intermediate_size * 4
-    bound = measured["idle"] + 4 * measured["largest"] + activations
+    bound = measured["idle"] + 4 * measured["largest"]
     assert measured["peak"] <= bound, f"peak {measured['peak'] / 2**20:.0f} MiB > bound {bound / 2**20:.0f} MiB"
-    assert 2 * 4 * layer > 4 * measured["largest"] + activations  # below what two whole models would take
+    assert 2 * 4 * layer > 4 * measured["largest"]  # the bound is below what two whole models would take
 
 
 @pytest.mark.parametrize("by_layer", [False, True], ids=["whole", "by layer"])
