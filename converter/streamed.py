@@ -101,7 +101,7 @@ def fixed_malloc_thresholds() -> None:
     """glibc's malloc raises its mmap threshold (up to 32 MB) each time a block above it is freed, as a unit's
     tensors are, and serves every smaller block from its heap from then on, which keeps what is freed: a streamed
     check's resident set grew past the memory of a layer by the activations of every pass (bench/bench_big.py, a
-    2-layer Qwen3-30B-A3B-shaped check: 4.99 GB peak; 3.59 GB with the thresholds fixed at 128 KB, glibc's default,
+    2-layer Qwen3-30B-A3B-shaped check: 4.99 GiB peak; 3.59 GiB with the thresholds fixed at 128 KB, glibc's default,
     which also stops that growth). Elsewhere (no glibc) nothing is done."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
