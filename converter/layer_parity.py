@@ -228,7 +228,7 @@ def compare_by_layer(
         trace = _Trace(probes if batch == 0 else None)  # the unreached parts, once: they take no prompt
         # Only the real positions' logits are kept, each pass's whole (batch, slots, vocabulary) dropped as soon as
         # it is read: for a 152k vocabulary the batch's are 0.34 GB in float32, its real positions' under half.
-        with said_of(reference), reference.streaming(trace.record_reference):
+        with said_of(reference.name), reference.streaming(trace.record_reference):
             expected, reference_cache = prompt_pass(reference, ids, mask, positions)
         first = expected[:, -1].argmax(-1, keepdim=True)  # each row's greedy token after its prompt
         expected = expected[real].float()
@@ -301,15 +301,15 @@ def compare_by_layer(
 
 
 @contextmanager
-def said_of(reference: StreamedModel) -> Iterator[None]:
-    """Whatever transformers' forward raises on the parity batch, said in one line as the whole-model check says it:
-    the reference's failure, not the conversion's."""
+def said_of(reference: str) -> Iterator[None]:
+    """Whatever transformers' ``reference`` class raises on the parity batch, said in one line: the reference's
+    failure, not the conversion's (both modes)."""
     try:
         yield
     except ThinkerError:
         raise
-    except Exception as err:
-        raise reference_fails(reference.name, err) from None
+    except Exception as err:  # whatever transformers' forward raises
+        raise reference_fails(reference, err) from None
 
 
 def prompt_pass(model: StreamedModel, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor):
@@ -339,7 +339,7 @@ def forced_decode(
         ids, mask = torch.cat([ids, token], dim=1), torch.cat([mask, torch.ones_like(token)], dim=1)
         positions = torch.cat([positions, positions[:, -1:] + 1], dim=1)
         for side, model in enumerate((reference, converted)):
-            with said_of(reference) if side == 0 else nullcontext(), model.streaming():
+            with said_of(reference.name) if side == 0 else nullcontext(), model.streaming():
                 if caches[side] is None:
                     logits = model(ids, mask, positions)
                 else:

@@ -38,7 +38,7 @@ from thinker_common.parity_inputs import GATE_TOLERANCE, gate_prompts, left_padd
 from thinker_common.sizes import human_size, parse_size
 from thinker_common.sources import open_source
 
-from .layer_parity import refuse_other_weights_file, refuse_unloadable
+from .layer_parity import refuse_other_weights_file, refuse_unloadable, said_of
 from .parity_report import (
     BY_LAYER,
     GREEDY_ONLY,
@@ -51,7 +51,6 @@ from .parity_report import (
     NoReference,
     ParityFailed,
     ParityReport,
-    reference_fails,
     reference_overflows,
     refuse_short_context,
     refuse_unknown_model_type,
@@ -179,12 +178,8 @@ def decode_steps_alike(expected: Run, actual: Run) -> tuple[torch.Tensor, torch.
 def reference_run(reference: PreTrainedModel, prompts: list[list[int]]) -> Run:
     """``run_prompts`` on transformers' own model, which may fail on a config its class accepts but cannot run (a
     scaled RoPE sized by a partial factor it does not apply): said so, not a traceback from inside transformers."""
-    try:
+    with said_of(type(reference).__name__):
         return run_prompts(reference, prompts)
-    except ThinkerError:
-        raise
-    except Exception as err:  # whatever transformers' forward raises: it is the reference's, not the conversion's
-        raise reference_fails(type(reference).__name__, err) from None
 
 
 @torch.no_grad()
