@@ -232,7 +232,9 @@ def convert_back(
                 files += copy_files(["generation_config.json"], source, staging)
             files += tensor_source.save_tokenizer(staging)
             if verify is not False:
-                mode, note = (BY_LAYER, "") if verify_by_layer else parity_mode(plan.num_parameters, memory_budget)
+                mode, note = (
+                    (BY_LAYER, "") if verify_by_layer else parity_mode(plan.num_parameters, plan.config, memory_budget)
+                )
                 failure = f"{output}: does not match the Thinker folder; nothing written"
                 # at the written dtype: the float32 Thinker rounded as the way back rounded it
                 report = parity_gate(staging, source, None, staging / PARITY_FILE, failure, mode, note, plan.dtype)

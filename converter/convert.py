@@ -171,7 +171,7 @@ def convert(
         verify = verify is not False
         mode, note = BY_LAYER, ""
         if verify and not verify_by_layer:
-            mode, note = parity_mode(plan.num_parameters, memory_budget)
+            mode, note = parity_mode(plan.num_parameters, plan.config, memory_budget)
         report = None
         with staged_output(output, force, needed=plan.total_bytes) as staging:
             files = write_weights(plan, tensor_source, staging, shard_bytes, progress)
@@ -298,7 +298,7 @@ def _verify(
         weights = weights_verdict(tensor_source, converted, stored_dtype, named)
     finally:
         tensor_source.close()
-    mode, note = (BY_LAYER, "") if by_layer else parity_mode(folder_parameters(converted), memory_budget)
+    mode, note = (BY_LAYER, "") if by_layer else parity_mode(folder_parameters(converted), config, memory_budget)
     if report_path is not None:
         failure = f"{converted} does not match its reference {source}; the report is in {report_path}"
         return parity_gate(root, converted, source_family(root), report_path, failure, mode, note, weights=weights)

@@ -60,7 +60,8 @@ from .spec import Family
 from .streamed import without_router_loss
 from .unreached import unreached_stages
 
-# The whole-model check runs when both models in float32 (8 bytes per parameter) fit in the memory budget: this
+# The whole-model check runs when both models in float32 (8 bytes per parameter) and the prompts' logits (3 x 564 x
+# vocabulary x 4 bytes, ``whole_model_bytes``) fit in the memory budget: this
 # share of the memory currently available, unless the environment variable sets the budget.
 VERIFY_MEMORY_SHARE = 0.5
 MEMORY_BUDGET_ENV = "THINKER_VERIFY_MEMORY"
@@ -129,10 +130,12 @@ def load_converted(folder: Path, dtype: torch.dtype | None = None) -> ThinkerFor
 
 
 class Run(NamedTuple):
-    """What ``run_prompts`` gives: the batch's output (with hidden states), each row's greedy tokens, and the logits
-    of each decode step, (B, steps - 1, vocab) in float32: step j's after feeding each row's token j."""
+    """What ``run_prompts`` gives: the real positions' logits, (real tokens, vocab) in float32, the batch's hidden
+    states, each row's greedy tokens, and the logits of each decode step, (B, steps - 1, vocab) in float32: step j's
+    after feeding each row's token j."""
 
-    output: Any
+    logits: torch.Tensor
+    hidden_states: tuple[torch.Tensor, ...]
     tokens: list[list[int]]
     step_logits: torch.Tensor
 
@@ -142,17 +145,20 @@ def run_prompts(model: PreTrainedModel, prompts: list[list[int]], steps: int = G
     """The left-padded batch through ``model`` (output with hidden states), then ``steps`` greedy tokens per prompt.
 
     Decoding goes on from the same batch with the model's own KV cache, one token per step for every row; a model
-    that returns no cache recomputes the whole sequence each step.
+    that returns no cache recomputes the whole sequence each step. Only the real positions' logits are kept: the
+    whole batch's, at a 152k vocabulary, are 0.3 GB a copy (``whole_model_bytes`` counts what is left).
     """
     ids, mask, positions = left_padded(prompts)
-    first = output = model(
+    output = model(
         input_ids=ids, attention_mask=mask, position_ids=positions, output_hidden_states=True, use_cache=True
     )
+    logits, hidden_states, cache = output.logits[mask.bool()].float(), output.hidden_states, getattr(output, CACHE_ARG)
     tokens, step_logits = [output.logits[:, -1].argmax(-1)], []  # (B,) per step
+    del output  # the whole batch's logits
     while len(tokens) < steps:
         step = tokens[-1][:, None]  # (B, 1)
         mask = torch.cat([mask, torch.ones_like(step)], dim=1)
-        if (cache := getattr(output, CACHE_ARG)) is not None:
+        if cache is not None:
             positions = positions[:, -1:] + 1
             output = model(
                 input_ids=step, attention_mask=mask, position_ids=positions, use_cache=True, **{CACHE_ARG: cache}
@@ -160,10 +166,11 @@ def run_prompts(model: PreTrainedModel, prompts: list[list[int]], steps: int = G
         else:
             ids, positions = torch.cat([ids, step], dim=1), torch.cat([positions, positions[:, -1:] + 1], dim=1)
             output = model(input_ids=ids, attention_mask=mask, position_ids=positions)
+        cache = getattr(output, CACHE_ARG)
         step_logits.append(output.logits[:, -1].float())
         tokens.append(step_logits[-1].argmax(-1))
-    logits = torch.stack(step_logits, dim=1) if step_logits else torch.zeros(len(prompts), 0, 0)
-    return Run(first, torch.stack(tokens, dim=1).tolist(), logits)
+    stacked = torch.stack(step_logits, dim=1) if step_logits else torch.zeros(len(prompts), 0, 0)
+    return Run(logits, hidden_states, torch.stack(tokens, dim=1).tolist(), stacked)
 
 
 def decode_steps_alike(expected: Run, actual: Run) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,15 +194,15 @@ def compare(reference: PreTrainedModel, converted: PreTrainedModel, prompts: lis
     """Run both models (which must hold the same dtype) on the prompts and measure how far apart they are."""
     dtype = converted.dtype
     theirs, ours = reference_run(reference, prompts), run_prompts(converted, prompts)
-    expected, ref_tokens, actual, tokens = theirs.output, theirs.tokens, ours.output, ours.tokens
+    ref_tokens, tokens = theirs.tokens, ours.tokens
     real = left_padded(prompts)[1].bool()
-    ref_logits, logits = expected.logits[real].float(), actual.logits[real].float()  # (real tokens, vocab)
+    ref_logits, logits = theirs.logits, ours.logits  # (real tokens, vocab)
     if not torch.isfinite(ref_logits).all():
-        raise reference_overflows(type(reference).__name__, dtype, first_nonfinite(expected.hidden_states, real))
+        raise reference_overflows(type(reference).__name__, dtype, first_nonfinite(theirs.hidden_states, real))
     ref_steps, steps = decode_steps_alike(theirs, ours)
     if not torch.isfinite(ref_steps).all():
         raise reference_overflows(type(reference).__name__, dtype, "a decode step")
-    diff, step_diff = (ref_logits - logits).abs(), (ref_steps - steps).abs()
+    diff, step_diff = (ref_logits - logits).abs_(), (ref_steps - steps).abs_()  # in place: 0.15 GB at 152k
     scale = ref_logits.abs().max().item()  # the prompts', as layer by layer
     tolerance = GATE_TOLERANCE[dtype] * max(1.0, scale)
     top1 = (ref_logits.argmax(-1) == logits.argmax(-1)).float().mean().item()
@@ -240,9 +247,9 @@ def compare(reference: PreTrainedModel, converted: PreTrainedModel, prompts: lis
             result.first_divergence = TOP1_BELOW.format(top1=top1, floor=HALF_TOP1_MIN)
     elif not passed:
         result.first_divergence = first_divergence(
-            expected.hidden_states, actual.hidden_states, real, dtype, converted.model.final_hidden_state
+            theirs.hidden_states, ours.hidden_states, real, dtype, converted.model.final_hidden_state
         )
-        if result.first_divergence == f"layer {len(expected.hidden_states) - 2}":
+        if result.first_divergence == f"layer {len(theirs.hidden_states) - 2}":
             result.first_divergence = last_layer_or_final_norm(reference, converted, prompts, real, dtype)
     elif unreached is not None:  # the prompts' logits agree; a row or an expert they never reach does not
         result.passed, result.first_divergence = False, unreached
@@ -419,10 +426,21 @@ def refuse_bad_memory_setting() -> None:
         memory_budget()
 
 
-def parity_mode(num_parameters: int, budget: int | None = None) -> tuple[str, str]:
-    """(mode, note): whole-model when both models in float32 fit the budget (default ``memory_budget()``), else
-    layer by layer, with a note saying why."""
-    needed = 8 * num_parameters
+def whole_model_bytes(num_parameters: int, config: Any) -> int:
+    """What the whole-model check holds at its peak: both models in float32, each one's hidden states over the gate's
+    batch, and the logits. Those are the batch's whole (B, T, vocab) block while the model's forward returns it, next
+    to both models' real positions: measured at 2.1 blocks (a 152k vocabulary, 0.34 GB a block, is 0.7 GB above
+    the weights); three are counted, for room."""
+    prompts = gate_prompts(config.vocab_size, config.max_position_embeddings, GREEDY_TOKENS)
+    slots = len(prompts) * max(map(len, prompts))
+    hidden_states = 2 * (config.num_hidden_layers + 1) * slots * config.hidden_size * 4
+    return 8 * num_parameters + hidden_states + 3 * slots * config.vocab_size * 4
+
+
+def parity_mode(num_parameters: int, config: Any, budget: int | None = None) -> tuple[str, str]:
+    """(mode, note): whole-model when its check (``whole_model_bytes``, both models in float32 and the prompts'
+    activations) fits the budget (default ``memory_budget()``), else layer by layer, with a note saying why."""
+    needed = whole_model_bytes(num_parameters, config)
     if budget is not None:
         source = "as given"
     elif os.environ.get(MEMORY_BUDGET_ENV):
@@ -433,6 +451,6 @@ def parity_mode(num_parameters: int, budget: int | None = None) -> tuple[str, st
     if needed <= budget:
         return WHOLE_MODEL, ""
     return BY_LAYER, (
-        f"verifying layer by layer: the reference and converted models need ~{human_size(needed)} in float32, "
-        f"more than the {human_size(budget)} budget ({source})"
+        f"verifying layer by layer: the whole-model check (the reference and converted models in float32, and the "
+        f"prompts' logits) needs ~{human_size(needed)}, more than the {human_size(budget)} budget ({source})"
     )

@@ -400,6 +400,58 @@ def test_layer_mode_peak_rss_is_bounded_by_four_layers(tmp_path):
     assert 2 * 4 * layer > 4 * measured["largest"]  # the bound is below what two whole models would take
 
 
+WHOLE_RSS_PROBE = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+
+    from converter.convert import folder_parameters
+    from converter.parity import check_parity, whole_model_bytes
+    from thinker import ThinkerConfig
+
+    def status(field):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+
+    source, converted = Path(sys.argv[1]), Path(sys.argv[2])
+    config = ThinkerConfig.from_pretrained(converted)
+    parameters = folder_parameters(converted)
+    Path("/proc/self/clear_refs").write_text("5")  # the peak so far (imports) is forgotten: VmHWM := VmRSS
+    idle = status("VmRSS")
+    report = check_parity(source, converted)
+    estimate = whole_model_bytes(parameters, config)
+    print(json.dumps({"idle": idle, "peak": status("VmHWM"), "estimate": estimate, "weights": 8 * parameters,
+                      "passed": report.passed}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_whole_model_peak_rss_is_within_what_the_mode_choice_counts(tmp_path):
+    """The whole-model check is chosen when ``whole_model_bytes`` fits the budget, so its peak must stay within it.
+    At a 152k vocabulary (Qwen's) the gate's batch of logits outweighs a small model: 1.4 GiB above the idle
+    process, where both models in float32 were the whole count (75 MiB), before the count took the logits in and
+    the check kept only the real positions' (0.75 GiB since)."""
+    config = Qwen3Config(**{**TINY, "vocab_size": 151936}, num_hidden_layers=2, head_dim=8, tie_word_embeddings=True)
+    source = save_source(config, tmp_path / "source")
+    assert cli(convert_command, source, tmp_path / "out", "--no-verify").exit_code == 0
+    env = dict(os.environ, PYTHONPATH=str(REPO), TQDM_DISABLE="1")
+    done = subprocess.run(
+        [sys.executable, "-c", WHOLE_RSS_PROBE, str(source), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    print({key: value / 2**20 if key != "passed" else value for key, value in measured.items()})
+    used = measured["peak"] - measured["idle"]
+    assert measured["passed"] and used > 4 * measured["weights"]  # the logits, not the weights, are the peak
+    assert used <= measured["estimate"], f"peak {used / 2**20:.0f} MiB > {measured['estimate'] / 2**20:.0f} MiB"
+
+
 @pytest.mark.parametrize("by_layer", [False, True], ids=["whole", "by layer"])
 def test_a_model_that_overflows_the_dtype_is_said_to(by_layer, tmp_path):
     """Weights within float16's range whose activations are not (norm weights of 200, a wide MLP): transformers'
