@@ -96,6 +96,8 @@ def test_verify_holds_genai_config_to_the_graph(thinker_variant, onnx_variant, t
     plain = tmp_path / "plain"
     shutil.copytree(onnx_variant("qwen3", graph="plain", head_dim=16), plain)
     sound = json.loads((plain / "genai_config.json").read_text())
+    result = verify_export(folder, plain / "model.onnx", torch.float32)  # as written (head_dim 16 != 32 / 4)
+    assert result["passed"] is True, result.get("failure")
     edits = {
         "model.context_length 4096 is past the graph's": lambda c: c["model"].update(context_length=4096),
         "model.decoder.inputs.past_key_names 'past.%d.key' names no input": lambda c: c["model"]["decoder"][

@@ -40,6 +40,29 @@ def test_generate_equals_transformers_greedy(family, thinker_folder, onnx_folder
     np.testing.assert_array_equal(tokens, expected)
 
 
+def test_a_model_past_ten_layers_pairs_each_present_with_its_past(thinker_variant, onnx_variant):
+    """Ten layers or more: ``present.10.key`` sorts between ``present.1.key`` and ``present.2.key``, so a present
+    paired with its past by sorted name, not by layer, would feed layer 10's cache back to layer 2 (a QA run's
+    mutation, which every test model of up to 10 layers let pass: the prefill exact, every decode step off)."""
+    from thinker import ThinkerForCausalLM
+
+    input_ids, attention_mask = np.array([[0, 5, 9, 17], [4, 8, 15, 16]]), np.array([[0, 1, 1, 1], [1, 1, 1, 1]])
+    model = ThinkerForCausalLM.from_pretrained(thinker_variant("qwen3", num_hidden_layers=12)).eval()
+    with torch.no_grad():
+        expected = model.generate(
+            torch.from_numpy(input_ids),
+            attention_mask=torch.from_numpy(attention_mask),
+            max_new_tokens=6,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        ).numpy()
+    for graph in ("plain", "fused"):
+        decoder = OnnxDecoder(onnx_variant("qwen3", graph=graph, head_dim=None, num_hidden_layers=12), provider="cpu")
+        tokens = decoder.generate(input_ids, attention_mask, max_new_tokens=6, eos_token_id=[])
+        np.testing.assert_array_equal(tokens, expected, err_msg=graph)
+
+
 @pytest.mark.parametrize(("family", "graph"), [("qwen3", "plain"), ("qwen3", "fused"), ("qwen3_5", "fused")])
 def test_generate_gives_each_row_its_own_tokens_however_padded(family, graph, onnx_folder, onnx_variant):
     """``model.onnx`` takes any padding, so a batch padded on either side continues each row as that row alone:
@@ -58,6 +81,13 @@ def test_generate_gives_each_row_its_own_tokens_however_padded(family, graph, on
         mask = (np.arange(width) < np.array([[len(row)] for row in rows])).astype(np.int64)
         mask = mask[:, ::-1] if side == "left" else mask
         assert decoder.generate(ids, mask, max_new_tokens=6, eos_token_id=[])[:, width:].tolist() == alone, side
+        # the prompt's own positions, as transformers numbers a padded batch (pads at 1), three rows for a
+        # multimodal-RoPE model: each row goes on from its last real token's position, not its last slot's
+        positions = np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 1)
+        if family == "qwen3_5":
+            positions = np.broadcast_to(positions, (3, *positions.shape)).copy()
+        given = decoder.generate(ids, mask, max_new_tokens=6, eos_token_id=[], position_ids=positions)
+        assert given[:, width:].tolist() == alone, f"{side}, positions given"
 
 
 def test_generate_stops_rows_at_eos(onnx_folder):
@@ -91,6 +121,12 @@ def test_generate_stops_at_the_folders_own_eos_by_default(onnx_folder, tmp_path)
     # an eos given keeps the folder's pad, as transformers' generate keeps its generation config's
     explicit = decoder.generate(np.array([[5, 9, 17], [6, 9, 17]]), max_new_tokens=6, eos_token_id=eos)
     np.testing.assert_array_equal(explicit, batch)
+    # a list stops at any of its ids, the first named or not (Qwen3's [151645, 151643]; a QA run's mutation kept
+    # the first alone)
+    unused = next(token for token in range(100) if token not in free[0].tolist())
+    config["eos_token_id"] = [unused, eos]
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    np.testing.assert_array_equal(decoder.generate(prompt, max_new_tokens=6), free[:, : 3 + first + 1])
     # no pad named: rows that stop are padded with the first eos id, as transformers pads (not the smallest)
     config.pop("pad_token_id")
     config["eos_token_id"] = [eos, eos - 1 if eos else eos + 1]
