@@ -41,6 +41,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3Omni
 
 from converter.families.qwen3_next import FUSED_PROJECTIONS
 from thinker import ThinkerConfig, ThinkerForCausalLM
+from thinker.configuration_thinker import mrope_interleaved
 from thinker.modeling_thinker import CACHE_ARG, ThinkerRMSNorm
 
 TOL = dict(atol=1e-4, rtol=0)  # max |Δlogit| in fp32
@@ -191,17 +192,32 @@ def test_cache_holds_kv_and_recurrent_state():
 @pytest.mark.parametrize("attn", ATTENTION)
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
 def test_prefill_then_decode_equals_full_forward(family, attn):
+    """The prompt in two parts (a chunked prefill: the second, 22 tokens, runs the chunked delta rule from the
+    cached state and the conv over the cached window; a mutation run found either dropped passed every test but
+    assisted decoding's), then one token at a time; together the reference's logits over the whole sequence. The
+    parts split at a multiple of the delta rule's 64-token chunks, where the whole sequence's chunks split too."""
     ref, thinker = family_pair(family, attn)
     ids = token_ids(batch=2, length=156, seed=3)
-    prompt, steps = ids[:, :150], ids[:, 150:]
+    first, second, steps = ids[:, :128], ids[:, 128:150], ids[:, 150:]
     with torch.no_grad():
         full = ref(ids, use_cache=False).logits
         cache = DynamicCache(config=thinker.config)
-        logits = [thinker(prompt, use_cache=True, **{CACHE_ARG: cache}).logits]
+        logits = [thinker(part, use_cache=True, **{CACHE_ARG: cache}).logits for part in (first, second)]
         for step in steps.T:  # one token at a time: the one-step delta rule and the conv-state update
             logits.append(thinker(step[:, None], use_cache=True, **{CACHE_ARG: cache}).logits)
     assert cache.get_seq_length() == 156
     assert_close(torch.cat(logits, dim=1), full, **TOL)
+
+
+def test_multimodal_rope_interleaves_unless_told_not_to():
+    """transformers' Qwen3-VL, Qwen3.5 and Qwen3-Omni classes interleave their sections whatever the config says, so a
+    config naming ``mrope_section`` alone is interleaved (a mutation defaulting to contiguous sections passed every
+    test: their configs all name the key)."""
+    rope = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 2, 2]}
+    config = ThinkerConfig(hidden_size=32, num_attention_heads=2, head_dim=16, rope_parameters=rope)
+    assert mrope_interleaved(config.rope_parameters)
+    assert not mrope_interleaved({**rope, "mrope_interleaved": False})
+    assert ThinkerForCausalLM(config).model.rotary_emb.mrope_interleaved is True
 
 
 def test_cache_without_linear_layers_is_refused():
