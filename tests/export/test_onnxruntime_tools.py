@@ -1,0 +1,123 @@
+"""onnxruntime's own tools, run on an export as users run them on any ONNX model: shape inference, the ORT format,
+the transformers optimizer, float16 conversion and the quantizers. Each tool's output must load in onnxruntime and
+give the export's logits: exactly where the tool only annotates or re-encodes the graph, within the tool's own
+rounding where it changes the arithmetic. README, "In onnxruntime's own tools", lists these and the two that fail
+on onnxruntime's side."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from export_helpers import graph_nodes
+
+from export.names import MODEL_FILE
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def prefill_feeds(session: ort.InferenceSession, batch: int = 2, length: int = 6) -> dict[str, np.ndarray]:
+    """A left-padded prompt through an empty cache, for whatever inputs the graph takes."""
+    mask = np.ones((batch, length), np.int64)
+    mask[1, :2] = 0
+    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+    feeds = {}
+    for value in session.get_inputs():
+        if value.name == "input_ids":
+            feeds[value.name] = np.random.default_rng(0).integers(4, 90, (batch, length))
+        elif value.name == "attention_mask":
+            feeds[value.name] = mask
+        elif value.name == "position_ids":
+            feeds[value.name] = positions
+        else:  # an empty cache: (batch, kv heads, 0, head size)
+            dtype = {"tensor(float)": np.float32, "tensor(float16)": np.float16}[value.type]
+            feeds[value.name] = np.zeros((batch, value.shape[1], 0, value.shape[3]), dtype)
+    return feeds
+
+
+def run(path: Path) -> np.ndarray:
+    """The logits at the prompt's real tokens, (real tokens, vocab): a pad's are whatever a graph makes of them."""
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feeds = prefill_feeds(session)
+    return session.run(["logits"], feeds)[0][feeds["attention_mask"] == 1].astype(np.float32)
+
+
+def relative(logits: np.ndarray, expected: np.ndarray) -> float:
+    return float(np.abs(logits - expected).max() / np.abs(expected).max())
+
+
+def save(model: onnx.ModelProto, path: Path) -> Path:
+    onnx.save(model, str(path), save_as_external_data=True, location=path.name + ".data")
+    return path
+
+
+@pytest.fixture(params=["plain", "fused"])
+def export(request, onnx_folder, onnx_variant) -> Path:
+    """A float32 Qwen3 export, ``--graph plain`` or the fused default."""
+    return (onnx_folder("qwen3") if request.param == "plain" else onnx_variant("qwen3")) / MODEL_FILE
+
+
+def test_symbolic_shape_inference(export, tmp_path):
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    # auto_merge: the cache's length is named past_sequence_length + sequence_length where the graph concatenates
+    # it and total_sequence_length at the mask, which this tool merges only when asked (its own CLI's --auto_merge)
+    inferred = SymbolicShapeInference.infer_shapes(onnx.load(str(export)), auto_merge=True)
+    assert relative(run(save(inferred, tmp_path / "inferred.onnx")), run(export)) == 0
+
+
+def test_ort_format(export, tmp_path):
+    converted = tmp_path / "ort"
+    command = [sys.executable, "-m", "onnxruntime.tools.convert_onnx_models_to_ort", str(export)]
+    subprocess.run([*command, "--output_dir", str(converted)], check=True, capture_output=True)
+    assert relative(run(converted / "model.ort"), run(export)) == 0
+
+
+def test_transformers_optimizer_on_the_fused_graph(onnx_variant, tmp_path):
+    """The fused graph already holds what the optimizer fuses; on the plain graph the optimizer stops inside
+    onnxruntime (its fusion_simplified_layernorm indexes a NodeProto in the branch for x * x; README)."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    export = onnx_variant("qwen3") / MODEL_FILE
+    optimized = optimize_model(str(export), model_type="gpt2", num_heads=0, hidden_size=0, opt_level=0)
+    path = tmp_path / "optimized.onnx"
+    optimized.save_model_to_file(str(path), use_external_data_format=True)
+    assert relative(run(path), run(export)) < 1e-6
+
+
+def test_float16_conversion(export, tmp_path):
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    half = convert_float_to_float16(onnx.load(str(export)), keep_io_types=True)
+    logits, expected = run(save(half, tmp_path / "half.onnx")), run(export)
+    assert relative(logits, expected) < 1e-2  # measured 1.6e-3 (plain) and 2.2e-3 (fused)
+    assert (logits.argmax(-1) == expected.argmax(-1)).mean() >= 0.9
+
+
+def test_dynamic_int8_quantization_of_the_plain_graph(onnx_folder, tmp_path):
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    export = onnx_folder("qwen3") / MODEL_FILE
+    quantized = tmp_path / "int8.onnx"
+    quantize_dynamic(str(export), str(quantized), weight_type=QuantType.QInt8, use_external_data_format=True)
+    assert any(node.op_type == "DynamicQuantizeLinear" for node in graph_nodes(quantized))
+    assert relative(run(quantized), run(export)) < 0.2  # measured 4.9e-2: int8 weights and activations
+
+
+def test_matmul_nbits_quantizer(export, tmp_path):
+    """What ``--quantize int4`` runs for the projections, run by hand on a float export (without the head and
+    embedding layouts, the accuracy guard and the check that ``--quantize`` adds)."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    quantizer = MatMulNBitsQuantizer(onnx.load(str(export)), block_size=32, is_symmetric=True)
+    quantizer.process()
+    path = tmp_path / "int4.onnx"
+    quantizer.model.save_model_to_file(str(path), use_external_data_format=True)
+    assert any(node.op_type == "MatMulNBits" for node in graph_nodes(path))
+    logits = run(path)
+    assert np.isfinite(logits).all() and relative(logits, run(export)) < 0.5  # random weights at 4 bits: 0.32, 0.28
