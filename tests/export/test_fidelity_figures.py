@@ -1,0 +1,50 @@
+"""What a quantized export's cost is measured as (export/fidelity.py, export/quantized_verify.py): top-1 agreement and
+the perplexity change over the next-token predictions of a text, the shipped graph's against the float model's.
+Both are figures the quality gate (``--min-top1``, ``--max-perplexity-increase``) judges, so each is pinned here on
+numbers worked out by hand, its direction included (a mutation run found the cost measured backwards passed
+every other test: a graph costing +40 % would read -29 % and pass the gate)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import export.quantized_verify
+from export.fidelity import text_fidelity
+from export.quantized_verify import quantization_cost
+
+
+def test_top1_and_perplexity_count_the_predictions_that_have_a_target():
+    """Three tokens, so two predictions: position 2's logits predict nothing and never count."""
+    ids = np.array([0, 1, 2])
+    reference = np.log(np.array([[0.1, 0.8, 0.1], [0.1, 0.1, 0.8], [0.8, 0.1, 0.1]]))
+    candidate = np.log(np.array([[0.1, 0.6, 0.3], [0.3, 0.2, 0.5], [0.1, 0.1, 0.8]]))  # the last argmax differs
+    figures = text_fidelity(reference, candidate, ids)
+    assert figures["tokens"] == 3 and figures["top1_agreement"] == 1.0
+    assert figures["perplexity_reference"] == pytest.approx(1 / 0.8)
+    assert figures["perplexity"] == pytest.approx(1 / np.sqrt(0.6 * 0.5))
+    assert figures["perplexity_change"] == pytest.approx(0.8 / np.sqrt(0.6 * 0.5) - 1)  # +46 %: worse is positive
+    candidate[0] = np.log([0.5, 0.4, 0.1])
+    assert text_fidelity(reference, candidate, ids)["top1_agreement"] == 0.5
+
+
+def test_the_cost_is_the_shipped_graphs_against_the_float_model(thinker_folder, monkeypatch):
+    """``quantization_cost`` with a graph that gives every target token less than the float model does: a cost,
+    so a positive perplexity change, whichever model it is."""
+    from thinker import ThinkerForCausalLM
+
+    folder = thinker_folder("qwen3")
+    model = ThinkerForCausalLM.from_pretrained(folder).eval()
+
+    def worse_at_the_targets(decoder, ids):
+        with torch.no_grad():
+            logits = model(input_ids=torch.from_numpy(np.asarray(ids))[None]).logits[0].float().numpy()
+        logits[np.arange(len(ids) - 1), ids[1:]] -= 1.0
+        return logits
+
+    monkeypatch.setattr(export.quantized_verify, "prefill_logits", worse_at_the_targets)
+    with torch.no_grad():
+        cost = quantization_cost(model, folder, decoder=None)
+    assert cost["tokens"] > 8, cost
+    assert cost["perplexity"] > cost["perplexity_reference"] and cost["perplexity_change"] > 0.1, cost
