@@ -360,3 +360,19 @@ def test_int8_experts_at_float_activations_keep_a_scale_per_row(thinker_variant,
     assert sound["passed"] is True and sound["graph"]["max_abs_diff"] <= 1e-4, sound
     one_expert = planted(folder, tmp_path / "routing", route_to_one_expert)
     assert verify_quantized_export(model_dir, one_expert, torch.float32, 8, NO_GATE)["passed"] is False
+
+
+@pytest.mark.parametrize("scale_dtype", [np.float16, np.float32])
+def test_per_row_int8_experts_round_against_the_scale_they_store(scale_dtype):
+    """Each weight is the nearest step of the scale the graph holds, so the kernel reads exactly the rounding the
+    verify judges: a float16 scale rounds before the weights are divided by it (a mutation dividing by the unrounded
+    float32 scale put 0.8 % of a tiny model's expert weights one step off and passed verify and tests)."""
+    from export.quantize import column_wise_int8
+
+    stack = torch.randn(3, 16, 64, generator=torch.Generator().manual_seed(0)) * 0.05
+    packed, scales = column_wise_int8(stack, scale_dtype)
+    assert packed.dtype == np.uint8 and scales.dtype == scale_dtype and scales.shape == (3, 16)
+    stored = scales.astype(np.float32)[..., None]
+    nearest = np.clip(np.round(stack.numpy() / stored), -127, 127)
+    np.testing.assert_array_equal(packed.astype(np.int64) - 128, nearest)
+    assert (np.abs(packed.astype(np.int64) - 128).max(-1) == 127).all()  # each row's largest weight takes the end
