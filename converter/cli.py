@@ -188,8 +188,8 @@ gguf_file_option = click.option(
     default=None,
     help="Check parity against the source family's transformers class and write parity.json (see `thinker "
     "verify`); on by default: the whole models when both fit in half the available memory (8 bytes per parameter "
-    "in float32, and the prompts' logits: 1 GB at a 152k vocabulary), layer by layer otherwise. A failed check "
-    "writes nothing and exits 1.",
+    "in float32, and the prompts' logits and hidden states: 1 GB at a 152k vocabulary), layer by layer otherwise. "
+    "A failed check writes nothing and exits 1.",
 )
 @click.option(
     "--verify-by-layer",

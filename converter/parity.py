@@ -6,7 +6,8 @@ Both models see the same token ids: the left-padded batch of ``thinker_common/pa
 Figures per dtype: max and mean |Δlogit|, the logit scale, top-1 agreement, greedy agreement, the tolerance and the
 verdict.
 
-Two modes, the same figures: the whole models side by side (``whole-model``), when both fit the memory budget, or
+Two modes, the same figures: the whole models side by side (``whole-model``), when both and their activations on the
+prompts fit the memory budget (``whole_model_bytes``), or
 one layer at a time (``layer-by-layer``, ``converter/layer_parity.py``), which needs the memory of one layer
 whatever the model's size and adds each layer's max and mean |Δ| to the report. ``parity_mode`` picks; the budget
 is half the memory available, or ``THINKER_VERIFY_MEMORY`` (a size such as ``8GB``) when set.
@@ -30,7 +31,7 @@ from typing import Any, NamedTuple
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from thinker import ThinkerForCausalLM
+from thinker import ThinkerConfig, ThinkerForCausalLM
 from thinker.modeling_thinker import CACHE_ARG
 from thinker_common.eager import EAGER
 from thinker_common.errors import ThinkerError
@@ -60,8 +61,8 @@ from .spec import Family
 from .streamed import without_router_loss
 from .unreached import unreached_stages
 
-# The whole-model check runs when both models in float32 (8 bytes per parameter) and the prompts' logits (3 x 564 x
-# vocabulary x 4 bytes, ``whole_model_bytes``) fit in the memory budget: this
+# The whole-model check runs when both models in float32 (8 bytes per parameter) and the prompts' logits and hidden
+# states (``whole_model_bytes``) fit in the memory budget: this
 # share of the memory currently available, unless the environment variable sets the budget.
 VERIFY_MEMORY_SHARE = 0.5
 MEMORY_BUDGET_ENV = "THINKER_VERIFY_MEMORY"
@@ -142,7 +143,7 @@ class Run(NamedTuple):
 
 @torch.no_grad()
 def run_prompts(model: PreTrainedModel, prompts: list[list[int]], steps: int = GREEDY_TOKENS) -> Run:
-    """The left-padded batch through ``model`` (output with hidden states), then ``steps`` greedy tokens per prompt.
+    """The left-padded batch through ``model`` (its hidden states kept), then ``steps`` greedy tokens per prompt.
 
     Decoding goes on from the same batch with the model's own KV cache, one token per step for every row; a model
     that returns no cache recomputes the whole sequence each step. Only the real positions' logits are kept: the
@@ -426,18 +427,20 @@ def refuse_bad_memory_setting() -> None:
         memory_budget()
 
 
-def whole_model_bytes(num_parameters: int, config: Any) -> int:
+def whole_model_bytes(num_parameters: int, config: ThinkerConfig) -> int:
     """What the whole-model check holds at its peak: both models in float32, each one's hidden states over the gate's
     batch, and the logits. Those are the batch's whole (B, T, vocab) block while the model's forward returns it, next
     to both models' real positions: measured at 2.1 blocks (a 152k vocabulary, 0.34 GB a block, is 0.7 GB above
-    the weights); three are counted, for room."""
+    the weights); three are counted, for room. ``num_parameters``: the decoder's; a vision-language or omni source's
+    reference class also builds its encoders, whose weights are not counted here (the other half of the memory
+    covers them)."""
     prompts = gate_prompts(config.vocab_size, config.max_position_embeddings, GREEDY_TOKENS)
     slots = len(prompts) * max(map(len, prompts))
     hidden_states = 2 * (config.num_hidden_layers + 1) * slots * config.hidden_size * 4
     return 8 * num_parameters + hidden_states + 3 * slots * config.vocab_size * 4
 
 
-def parity_mode(num_parameters: int, config: Any, budget: int | None = None) -> tuple[str, str]:
+def parity_mode(num_parameters: int, config: ThinkerConfig, budget: int | None = None) -> tuple[str, str]:
     """(mode, note): whole-model when its check (``whole_model_bytes``, both models in float32 and the prompts'
     activations) fits the budget (default ``memory_budget()``), else layer by layer, with a note saying why."""
     needed = whole_model_bytes(num_parameters, config)
@@ -452,5 +455,6 @@ def parity_mode(num_parameters: int, config: Any, budget: int | None = None) -> 
         return WHOLE_MODEL, ""
     return BY_LAYER, (
         f"verifying layer by layer: the whole-model check (the reference and converted models in float32, and the "
-        f"prompts' logits) needs ~{human_size(needed)}, more than the {human_size(budget)} budget ({source})"
+        f"prompts' logits and hidden states) needs ~{human_size(needed)}, more than the {human_size(budget)} budget "
+        f"({source})"
     )

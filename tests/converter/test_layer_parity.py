@@ -46,7 +46,7 @@ from converter.cli import convert_command, verify_command
 from converter.convert import source_family
 from converter.layer_parity import compare_by_layer, load_layered_converted
 from converter.model_card import parity_section
-from converter.parity import MEMORY_BUDGET_ENV, check_parity
+from converter.parity import MEMORY_BUDGET_ENV, check_parity, parity_mode, whole_model_bytes
 from converter.parity_report import BY_LAYER, WHOLE_MODEL, ParityFailed
 from converter.streamed import StreamedModel, lazy_tensors
 from thinker_common.parity_inputs import fixed_prompts
@@ -271,6 +271,17 @@ def test_budget_as_a_parameter(tmp_path, run_convert):
     assert run_convert(source, "large", memory_budget=10**12).parity.mode == WHOLE_MODEL
 
 
+def test_the_mode_counts_the_prompts_logits():
+    """At a 152k vocabulary the gate's logits outweigh a small model's weights: a budget that holds both models in
+    float32 twice over but not the logits takes the layer check."""
+    from thinker import ThinkerConfig
+
+    config = ThinkerConfig(**{**TINY, "vocab_size": 151936}, num_hidden_layers=2, head_dim=8)
+    parameters = 5_000_000
+    assert parity_mode(parameters, config, budget=2 * 8 * parameters)[0] == BY_LAYER
+    assert parity_mode(parameters, config, budget=whole_model_bytes(parameters, config))[0] == WHOLE_MODEL
+
+
 def test_failed_layer_check_installs_nothing(tmp_path, run_convert, monkeypatch):
     """A converter that miswrites one tensor (simulated here) is caught layer by layer, and OUTPUT never appears."""
     source = save_source(QWEN3_MOE, tmp_path / "source")
@@ -431,8 +442,8 @@ WHOLE_RSS_PROBE = textwrap.dedent(
 def test_whole_model_peak_rss_is_within_what_the_mode_choice_counts(tmp_path):
     """The whole-model check is chosen when ``whole_model_bytes`` fits the budget, so its peak must stay within it.
     At a 152k vocabulary (Qwen's) the gate's batch of logits outweighs a small model: 1.4 GiB above the idle
-    process, where both models in float32 were the whole count (75 MiB), before the count took the logits in and
-    the check kept only the real positions' (0.75 GiB since)."""
+    process, where both models in float32 were the whole count (37 MiB), before the count took the logits in and
+    the check kept only the real positions' (0.71 GiB since)."""
     config = Qwen3Config(**{**TINY, "vocab_size": 151936}, num_hidden_layers=2, head_dim=8, tie_word_embeddings=True)
     source = save_source(config, tmp_path / "source")
     assert cli(convert_command, source, tmp_path / "out", "--no-verify").exit_code == 0

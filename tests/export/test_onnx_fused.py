@@ -216,8 +216,11 @@ def test_one_kv_buffer_bound_as_past_and_present(onnx_variant):
     np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-6)
     key = shared.past_names[0]
     assert state.cache[key].shape[2] == input_ids.shape[1]  # no room yet: the first step doubles it
-    _, sized = shared.prefill(input_ids, attention_mask, new_tokens=5)  # as generate sizes it: no step grows it
+    sized_logits, sized = shared.prefill(input_ids, attention_mask, new_tokens=5)  # as generate sizes it
     assert all(sized.cache[name].shape[2] == input_ids.shape[1] + 5 for name in shared.shared_kv)
+    held = dict(sized.cache)
+    shared.decode_one_token(sized_logits[:, -1].argmax(-1), sized)  # a step with room: written in place
+    assert all(sized.cache[name] is held[name] for name in shared.shared_kv)
     token = expected[:, -1].argmax(-1)
     for step in range(3):
         before = state.cache[key]
