@@ -352,28 +352,46 @@ def test_references_without_a_transformers_class_run_layer_by_layer(family, tmp_
 
 # --- memory ------------------------------------------------------------------------------------------------------
 
-RSS_PROBE = textwrap.dedent(
+# What both memory probes run first: /proc's figures, and the two folders from the command line.
+PROBE_PRELUDE = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
-
-    from converter.convert import source_family
-    from converter.layer_parity import check_parity_by_layer, converted_dtype, load_layered_converted
 
     def status(field):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
 
+    def forget_the_peak():  # the peak so far (imports, loading) is forgotten: VmHWM := VmRSS
+        Path("/proc/self/clear_refs").write_text("5")
+        return status("VmRSS")
+
     source, converted = Path(sys.argv[1]), Path(sys.argv[2])
+    """
+)
+
+RSS_PROBE = PROBE_PRELUDE + textwrap.dedent(
+    """
+    from converter.convert import source_family
+    from converter.layer_parity import check_parity_by_layer, converted_dtype, load_layered_converted
+
     family = source_family(source)
     largest = load_layered_converted(converted, converted_dtype(converted)).largest_unit_bytes()
-    Path("/proc/self/clear_refs").write_text("5")  # the peak so far (imports) is forgotten: VmHWM := VmRSS
-    idle = status("VmRSS")
+    idle = forget_the_peak()
     report = check_parity_by_layer(source, converted, family)
     print(json.dumps({"idle": idle, "peak": status("VmHWM"), "largest": largest, "passed": report.passed}))
     """
 )
+
+
+def run_probe(probe: str, source: Path, converted: Path) -> dict:
+    """``probe`` in a fresh process (its peak resident set its own), what it prints as JSON."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), TQDM_DISABLE="1")
+    command = [sys.executable, "-c", probe, str(source), str(converted)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
@@ -393,16 +411,7 @@ def test_layer_mode_peak_rss_is_bounded_by_four_layers(tmp_path):
     )
     source = save_source(config, tmp_path / "source")
     assert cli(convert_command, source, tmp_path / "out", "--no-verify").exit_code == 0
-    env = dict(os.environ, PYTHONPATH=str(REPO), TQDM_DISABLE="1")
-    done = subprocess.run(
-        [sys.executable, "-c", RSS_PROBE, str(source), str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    measured = run_probe(RSS_PROBE, source, tmp_path / "out")
     print(measured)
     layer = 4 * (4 * 1024 * 1024 + 3 * 1024 * 4096)
     assert measured["passed"] and measured["largest"] >= layer
@@ -411,25 +420,15 @@ def test_layer_mode_peak_rss_is_bounded_by_four_layers(tmp_path):
     assert 2 * 4 * layer > 4 * measured["largest"]  # the bound is below what two whole models would take
 
 
-WHOLE_RSS_PROBE = textwrap.dedent(
+WHOLE_RSS_PROBE = PROBE_PRELUDE + textwrap.dedent(
     """
-    import json, sys
-    from pathlib import Path
-
     from converter.convert import folder_parameters
     from converter.parity import check_parity, whole_model_bytes
     from thinker import ThinkerConfig
 
-    def status(field):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-
-    source, converted = Path(sys.argv[1]), Path(sys.argv[2])
     config = ThinkerConfig.from_pretrained(converted)
     parameters = folder_parameters(converted)
-    Path("/proc/self/clear_refs").write_text("5")  # the peak so far (imports) is forgotten: VmHWM := VmRSS
-    idle = status("VmRSS")
+    idle = forget_the_peak()
     report = check_parity(source, converted)
     estimate = whole_model_bytes(parameters, config)
     print(json.dumps({"idle": idle, "peak": status("VmHWM"), "estimate": estimate, "weights": 8 * parameters,
@@ -447,16 +446,7 @@ def test_whole_model_peak_rss_is_within_what_the_mode_choice_counts(tmp_path):
     config = Qwen3Config(**{**TINY, "vocab_size": 151936}, num_hidden_layers=2, head_dim=8, tie_word_embeddings=True)
     source = save_source(config, tmp_path / "source")
     assert cli(convert_command, source, tmp_path / "out", "--no-verify").exit_code == 0
-    env = dict(os.environ, PYTHONPATH=str(REPO), TQDM_DISABLE="1")
-    done = subprocess.run(
-        [sys.executable, "-c", WHOLE_RSS_PROBE, str(source), str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    measured = run_probe(WHOLE_RSS_PROBE, source, tmp_path / "out")
     print({key: value / 2**20 if key != "passed" else value for key, value in measured.items()})
     used = measured["peak"] - measured["idle"]
     assert measured["passed"] and used > 4 * measured["weights"]  # the logits, not the weights, are the peak

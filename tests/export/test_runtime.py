@@ -17,24 +17,29 @@ from export.runtime import DecoderState, OnnxDecoder, generation_graph, physical
 from thinker_common.errors import ThinkerError
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gpt2"])
-def test_generate_equals_transformers_greedy(family, thinker_folder, onnx_folder):
-    """A left-padded batch of two, 8 new tokens: the same tokens as transformers' generate (eos never stops it
-    early here: the ids come from an untrained model, so the test uses an eos outside the vocabulary)."""
+def transformers_greedy(folder, input_ids: np.ndarray, attention_mask: np.ndarray, new_tokens: int) -> np.ndarray:
+    """transformers' greedy ``generate`` on the Thinker folder, every row running all ``new_tokens``."""
     from thinker import ThinkerForCausalLM
 
-    input_ids = np.array([[0, 0, 5, 9, 17], [4, 8, 15, 16, 23]], dtype=np.int64)
-    attention_mask = np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=np.int64)
-    model = ThinkerForCausalLM.from_pretrained(thinker_folder(family)).eval()
+    model = ThinkerForCausalLM.from_pretrained(folder).eval()
     with torch.no_grad():
-        expected = model.generate(
+        return model.generate(
             torch.from_numpy(input_ids),
             attention_mask=torch.from_numpy(attention_mask),
-            max_new_tokens=8,
+            max_new_tokens=new_tokens,
             do_sample=False,
             eos_token_id=None,
             pad_token_id=0,
         ).numpy()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gpt2"])
+def test_generate_equals_transformers_greedy(family, thinker_folder, onnx_folder):
+    """A left-padded batch of two, 8 new tokens: the same tokens as transformers' generate (eos never stops it
+    early here: the ids come from an untrained model, so the test uses an eos outside the vocabulary)."""
+    input_ids = np.array([[0, 0, 5, 9, 17], [4, 8, 15, 16, 23]], dtype=np.int64)
+    attention_mask = np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=np.int64)
+    expected = transformers_greedy(thinker_folder(family), input_ids, attention_mask, 8)
     decoder = OnnxDecoder(onnx_folder(family), provider="cpu")
     tokens = decoder.generate(input_ids, attention_mask, max_new_tokens=8)
     np.testing.assert_array_equal(tokens, expected)
@@ -44,19 +49,8 @@ def test_a_model_past_ten_layers_pairs_each_present_with_its_past(thinker_varian
     """Ten layers or more: ``present.10.key`` sorts between ``present.1.key`` and ``present.2.key``, so a present
     paired with its past by sorted name, not by layer, would feed layer 10's cache back to layer 2 (a QA run's
     mutation, which every test model of up to 10 layers let pass: the prefill exact, every decode step off)."""
-    from thinker import ThinkerForCausalLM
-
     input_ids, attention_mask = np.array([[0, 5, 9, 17], [4, 8, 15, 16]]), np.array([[0, 1, 1, 1], [1, 1, 1, 1]])
-    model = ThinkerForCausalLM.from_pretrained(thinker_variant("qwen3", num_hidden_layers=12)).eval()
-    with torch.no_grad():
-        expected = model.generate(
-            torch.from_numpy(input_ids),
-            attention_mask=torch.from_numpy(attention_mask),
-            max_new_tokens=6,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        ).numpy()
+    expected = transformers_greedy(thinker_variant("qwen3", num_hidden_layers=12), input_ids, attention_mask, 6)
     for graph in ("plain", "fused"):
         decoder = OnnxDecoder(onnx_variant("qwen3", graph=graph, head_dim=None, num_hidden_layers=12), provider="cpu")
         tokens = decoder.generate(input_ids, attention_mask, max_new_tokens=6, eos_token_id=[])
