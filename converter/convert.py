@@ -171,7 +171,8 @@ def convert(
         verify = verify is not False
         mode, note = BY_LAYER, ""
         if verify and not verify_by_layer:
-            mode, note = parity_mode(plan.num_parameters, plan.config, memory_budget)
+            beside = max(0, tensor_parameters(tensor_source) - plan.num_parameters)  # towers the reference builds
+            mode, note = parity_mode(plan.num_parameters, plan.config, memory_budget, beside)
         report = None
         with staged_output(output, force, needed=plan.total_bytes) as staging:
             files = write_weights(plan, tensor_source, staging, shard_bytes, progress)
@@ -296,9 +297,11 @@ def _verify(
         refuse_other_tokenizer(tensor_source, converted)
         stored_dtype = refuse_other_dtype(converted, config, tensor_source)
         weights = weights_verdict(tensor_source, converted, stored_dtype, named)
+        parameters = folder_parameters(converted)
+        beside = max(0, tensor_parameters(tensor_source) - parameters)  # towers the reference builds
     finally:
         tensor_source.close()
-    mode, note = (BY_LAYER, "") if by_layer else parity_mode(folder_parameters(converted), config, memory_budget)
+    mode, note = (BY_LAYER, "") if by_layer else parity_mode(parameters, config, memory_budget, beside)
     if report_path is not None:
         failure = f"{converted} does not match its reference {source}; the report is in {report_path}"
         return parity_gate(root, converted, source_family(root), report_path, failure, mode, note, weights=weights)
@@ -491,6 +494,11 @@ def folder_parameters(folder: Path) -> int:
     """How many parameters a model folder's weights hold, from the tensor headers."""
     tensor_source = open_source(folder)
     try:
-        return sum(math.prod(tensor_source.shape(name)) for name in tensor_source.names())
+        return tensor_parameters(tensor_source)
     finally:
         tensor_source.close()
+
+
+def tensor_parameters(tensor_source: TensorSource) -> int:
+    """How many values a source's tensors hold, from their headers."""
+    return sum(math.prod(tensor_source.shape(name)) for name in tensor_source.names())

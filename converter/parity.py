@@ -427,23 +427,26 @@ def refuse_bad_memory_setting() -> None:
         memory_budget()
 
 
-def whole_model_bytes(num_parameters: int, config: ThinkerConfig) -> int:
+def whole_model_bytes(num_parameters: int, config: ThinkerConfig, reference_only: int = 0) -> int:
     """What the whole-model check holds at its peak: both models in float32, each one's hidden states over the gate's
     batch, and the logits. Those are the batch's whole (B, T, vocab) block while the model's forward returns it, next
     to both models' real positions: measured at 2.1 blocks (a 152k vocabulary, 0.34 GB a block, is 0.7 GB above
-    the weights); three are counted, for room. ``num_parameters``: the decoder's; a vision-language or omni source's
-    reference class also builds its encoders, whose weights are not counted here (the other half of the memory
-    covers them)."""
+    the weights); three are counted, for room. ``num_parameters``: the decoder's; ``reference_only``: the source's
+    parameters beside it (a vision-language or omni source's encoders, which its reference class also builds, once
+    in float32; a talker or a multi-token-prediction block it does not build is counted all the same, erring on the
+    layer check's side)."""
     prompts = gate_prompts(config.vocab_size, config.max_position_embeddings, GREEDY_TOKENS)
     slots = len(prompts) * max(map(len, prompts))
     hidden_states = 2 * (config.num_hidden_layers + 1) * slots * config.hidden_size * 4
-    return 8 * num_parameters + hidden_states + 3 * slots * config.vocab_size * 4
+    return 8 * num_parameters + 4 * reference_only + hidden_states + 3 * slots * config.vocab_size * 4
 
 
-def parity_mode(num_parameters: int, config: ThinkerConfig, budget: int | None = None) -> tuple[str, str]:
+def parity_mode(
+    num_parameters: int, config: ThinkerConfig, budget: int | None = None, reference_only: int = 0
+) -> tuple[str, str]:
     """(mode, note): whole-model when its check (``whole_model_bytes``, both models in float32 and the prompts'
     activations) fits the budget (default ``memory_budget()``), else layer by layer, with a note saying why."""
-    needed = whole_model_bytes(num_parameters, config)
+    needed = whole_model_bytes(num_parameters, config, reference_only)
     if budget is not None:
         source = "as given"
     elif os.environ.get(MEMORY_BUDGET_ENV):

@@ -112,3 +112,22 @@ def test_mrope_interleaved_must_be_true_or_false():
     rope = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 1, 1], "mrope_interleaved": "false"}
     with pytest.raises(StrictDataclassError, match="mrope_interleaved'\\]='false'; expected true or false"):
         ThinkerConfig(hidden_size=32, num_attention_heads=4, rope_parameters=rope)
+
+
+def test_the_mode_counts_the_vision_tower_the_reference_builds(tmp_path, run_convert):
+    """transformers' class for the check is the whole vision-language model, its vision tower in float32 beside the
+    two decoders: a budget that holds the decoders and their activations but not the tower takes the layer check."""
+    from converter.convert import tensor_parameters
+    from converter.engine import plan_conversion
+    from converter.parity import whole_model_bytes
+    from converter.parity_report import BY_LAYER
+    from thinker_common.sources import open_source
+
+    source = qwen2_vl.save(tmp_path / "source", "qwen2_vl")
+    tensors = open_source(source)
+    plan = plan_conversion(tensors, tensors.config(), torch.float32)
+    beside = tensor_parameters(tensors) - plan.num_parameters
+    tensors.close()
+    assert beside > 0  # the vision tower's
+    budget = whole_model_bytes(plan.num_parameters, plan.config) + 2 * beside
+    assert run_convert(source, memory_budget=budget).parity.mode == BY_LAYER
