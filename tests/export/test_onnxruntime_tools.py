@@ -119,9 +119,8 @@ def test_matmul_nbits_quantizer(float_export, tmp_path):
     quantizer.model.save_model_to_file(str(path), use_external_data_format=True)
     assert any(node.op_type == "MatMulNBits" for node in graph_nodes(path))
     logits = run(path)
-    assert (
-        np.isfinite(logits).all() and relative(logits, run(float_export)) < 0.5
-    )  # random weights at 4 bits: 0.32, 0.28
+    assert np.isfinite(logits).all()
+    assert relative(logits, run(float_export)) < 0.5  # random weights at 4 bits: 0.32 (plain), 0.28 (fused)
 
 
 # Two tools that fail on onnxruntime's side (README, "In onnxruntime's own tools"): pinned, so that the README is
