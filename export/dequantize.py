@@ -75,6 +75,8 @@ class QuantizedWeight:
     block_size: int | None = None
     row_parts: tuple[tuple[int, int, int, int | None], ...] = ()
     asymmetric: bool = False  # with zero points (uint ones of asymmetric RTN, HQQ's float ones)
+    # MatMulNBits' accuracy level (its activations' compute type): the distinct levels of its parts; () elsewhere
+    accuracy_levels: tuple[int, ...] = ()
 
 
 def record_grid(node: onnx.NodeProto, block_size: int, asymmetric: bool) -> None:
@@ -234,7 +236,11 @@ def quantized_weight_readers(onnx_path: Path) -> dict[str, Callable[[], Quantize
     def matmul_nbits(attrs: dict, inputs: list[str]) -> QuantizedWeight:
         packed, scales, zero = (array(name) for name in [*inputs, ""][:3])
         weight = dequantize_matmul_nbits(attrs, packed, scales, zero)
-        return QuantizedWeight("MatMulNBits", attrs["bits"], weight, attrs["block_size"], asymmetric=zero is not None)
+        level = (attrs.get("accuracy_level", 0),)  # the attribute's default in onnxruntime's schema
+        asymmetric = zero is not None
+        return QuantizedWeight(
+            "MatMulNBits", attrs["bits"], weight, attrs["block_size"], asymmetric=asymmetric, accuracy_levels=level
+        )
 
     def float_weight(name: str, bits: int, node: onnx.NodeProto) -> QuantizedWeight:
         block, asymmetric = recorded_grid(node)
@@ -336,7 +342,10 @@ def _joined(name: str, ranges: list[tuple[int, int, Callable[[], QuantizedWeight
         (start, stop, part.bits, part.block_size) for (start, stop, _), part in zip(ranges, parts, strict=True)
     )
     bits = min(part.bits for part in parts)
-    return QuantizedWeight(parts[0].op_type, bits, weight, row_parts=grid, asymmetric=parts[0].asymmetric)
+    levels = tuple(sorted({level for part in parts for level in part.accuracy_levels}))
+    return QuantizedWeight(
+        parts[0].op_type, bits, weight, row_parts=grid, asymmetric=parts[0].asymmetric, accuracy_levels=levels
+    )
 
 
 def constant_reader(graph: onnx.GraphProto, base_dir: Path | str = "") -> Callable[[str], np.ndarray | None]:

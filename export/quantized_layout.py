@@ -5,13 +5,16 @@ graph stores: a projection written at int8 under ``--quantize int4``, asymmetric
 points, a mixed head's int8 rows written at int4, each passes it (and an int8 weight passes the quantization cost's
 gate the more easily). Here each MatMulNBits weight's stored layout (bits, block size, zero points; a head's row
 ranges) is held to the one ``QuantizeSpec`` names, computed from the spec's own fields rather than through the
-quantizer's code that wrote it. Experts (QMoE, and the plain graph's gathered experts) and the guard's float
-fallbacks are left out: their layouts follow the kernels' constraints, not the spec alone (export/quantize.py).
+quantizer's code that wrote it, and so is its accuracy level (int8 activations written where float ones were asked
+for passed every other check, a QA run's mutation); level 1 is also allowed where level 4 was asked, the accuracy
+guard's fallback (export/accuracy_guard.py). Experts (QMoE, and the plain graph's gathered experts) and the guard's
+float fallbacks are left out: their layouts follow the kernels' constraints, not the spec alone
+(export/quantize.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .dequantize import QuantizedWeight
 from .quantize import HEAD, QuantizeSpec
@@ -27,11 +30,13 @@ class Layout:
     op_type: str
     rows: tuple[RowRange, ...]
     asymmetric: bool
+    accuracy_levels: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, quantized: QuantizedWeight) -> Layout:
         whole = ((0, int(quantized.weight.shape[0]), quantized.bits, quantized.block_size),)
-        return cls(quantized.op_type, tuple(quantized.row_parts) or whole, quantized.asymmetric)
+        rows = tuple(quantized.row_parts) or whole
+        return cls(quantized.op_type, rows, quantized.asymmetric, quantized.accuracy_levels)
 
     def describe(self) -> str:
         ranges = [
@@ -55,6 +60,12 @@ def asked_layout(name: str, stored: Layout, asked: QuantizeSpec) -> Layout:
     return Layout(stored.op_type, ((0, rows, 8 if split else asked.head_bits, block),), False)
 
 
+def allowed_levels(asked: QuantizeSpec) -> set[int]:
+    """The accuracy levels a MatMulNBits of an export asked for ``asked`` may run at: the one asked, and level 1
+    where that is 4 (a unit the accuracy guard moved back to float activations)."""
+    return {asked.accuracy_level, 1} if asked.accuracy_level == 4 else {asked.accuracy_level}
+
+
 def layout_failures(layouts: dict[str, Layout], asked: QuantizeSpec) -> list[str]:
     """One failure for each MatMulNBits weight stored otherwise than ``asked`` says (the first three named)."""
     wrong = []
@@ -62,7 +73,12 @@ def layout_failures(layouts: dict[str, Layout], asked: QuantizeSpec) -> list[str
         if stored.op_type != "MatMulNBits":
             continue
         expected = asked_layout(name, stored, asked)
-        if stored != expected:
+        if replace(stored, accuracy_levels=()) != expected:
             wrong.append(f"{name} is stored {stored.describe()}, where {asked.label()} asks for {expected.describe()}")
+        elif levels := set(stored.accuracy_levels) - allowed_levels(asked):
+            wrong.append(
+                f"{name} runs at accuracy level {min(levels)}, where {asked.label()} asks for level "
+                f"{asked.accuracy_level}"
+            )
     more = f" (and {len(wrong) - 3} more weights)" if len(wrong) > 3 else ""
     return [f"quantized weight {text}" for text in wrong[:3]] + ([more.strip(" ()")] if more else [])

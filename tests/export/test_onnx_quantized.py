@@ -740,8 +740,9 @@ def test_hqq_is_quantized_whole(monkeypatch):
     assert len(calls) == 1 and calls[0][1].shape == (64, 48)
 
 
-def _one_projection_at(bits: int, algo: str | None = None):
-    """A plant: the quantizer writes layer 0's o_proj at ``bits`` (and ``algo``), whatever the spec says."""
+def _one_projection_at(bits: int, algo: str | None = None, accuracy_level: int | None = None):
+    """A plant: the quantizer writes layer 0's o_proj at ``bits`` (and ``algo``, ``accuracy_level``), whatever the
+    spec says."""
     import dataclasses
 
     from export.quantize import QuantizeSpec as Spec
@@ -752,7 +753,8 @@ def _one_projection_at(bits: int, algo: str | None = None):
         spec = original(self, name)
         if "layers.0.self_attn.o_proj" not in name:
             return spec
-        return dataclasses.replace(spec, bits=bits, algo=algo or spec.algo)
+        level = spec.accuracy_level if accuracy_level is None else accuracy_level
+        return dataclasses.replace(spec, bits=bits, algo=algo or spec.algo, accuracy_level=level)
 
     return lambda patched: patched.setattr(Spec, "for_weight", for_weight)
 
@@ -781,8 +783,18 @@ def _mixed_head_written_whole(patched):
             "lm_head.weight is stored int4, blocks of 16, symmetric, where int4 rtn, block 16, mixed head (int8 for "
             "its first 40 rows) asks for rows 0-39 int8, blocks of 16; rows 40-",
         ),
+        (
+            QuantizeSpec(bits=4, block_size=16, accuracy_level=1),
+            _one_projection_at(4, accuracy_level=4),
+            "o_proj.weight runs at accuracy level 4, where int4 rtn, block 16 asks for level 1",
+        ),
     ],
-    ids=["a projection at int8 under int4", "rtn-asym without zero points", "a mixed head's int8 rows at int4"],
+    ids=[
+        "a projection at int8 under int4",
+        "rtn-asym without zero points",
+        "a mixed head's int8 rows at int4",
+        "int8 activations where float ones were asked",
+    ],
 )
 def test_verify_holds_each_weight_to_the_layout_asked_for(
     spec, plant, said, thinker_variant, onnx_variant, tmp_path, monkeypatch
