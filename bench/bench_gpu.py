@@ -268,7 +268,7 @@ def main() -> None:
         if unknown := sorted(set(names) - set(EXPORTS[args.provider])):
             parser.error(f"--exports: {', '.join(unknown)} not among {', '.join(EXPORTS[args.provider])}")
     if args.provider == "cuda":
-        from export.runtime import cuda_absence, cuda_usable
+        from export.providers import cuda_absence, cuda_usable
 
         if not cuda_usable():
             parser.exit(2, f"bench_gpu.py: no CUDA here ({cuda_absence()}); --provider cpu rehearses on the CPU\n")

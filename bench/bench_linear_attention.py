@@ -38,7 +38,7 @@ from export.linear_attention_graph import (  # noqa: E402
     GatedDeltaNetDims,
     GatedDeltaNetGraph,
 )
-from export.runtime import physical_cores  # noqa: E402
+from export.providers import physical_cores  # noqa: E402
 
 FORMS = {"plain": GatedDeltaNetGraph, "fused": FusedGatedDeltaNetGraph}
 

@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from export.exporter import export_model  # noqa: E402
 from export.names import DEFAULT_GRAPH, GRAPHS  # noqa: E402
-from export.runtime import OnnxDecoder, physical_cores  # noqa: E402
+from export.providers import physical_cores  # noqa: E402
+from export.runtime import OnnxDecoder  # noqa: E402
 from thinker import ThinkerForCausalLM  # noqa: E402
 from thinker.presets import load_preset  # noqa: E402
 

@@ -285,7 +285,7 @@ def install(stash: Path, environment_dir: Path) -> None:
     libraries = f'export LD_LIBRARY_PATH="{folders}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"\n' if folders else ""
     python.write_text(WRAPPER.format(path=f"{site}:{REPO}", libraries=libraries, python=sys.executable))
     python.chmod(0o755)
-    probe = "from export.runtime import cuda_usable, cuda_absence; print(cuda_usable() or cuda_absence())"
+    probe = "from export.providers import cuda_usable, cuda_absence; print(cuda_usable() or cuda_absence())"
     done = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, env=device_environment())
     print(f"CUDA session: {done.stdout.strip() or done.stderr.strip()[-800:]}")
     if done.stdout.strip() != "True":

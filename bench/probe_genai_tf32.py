@@ -1,7 +1,7 @@
 """Whether onnxruntime-genai hands onnxruntime's CUDA option ``use_tf32`` on (docs/gpu-session.md, the plan's item 5).
 
 onnxruntime's CUDA provider runs float32 MatMul in TF32 unless ``use_tf32`` is 0, which ``OnnxDecoder`` sets
-(export/runtime.py ``CUDA_PROVIDER``); an onnxruntime-genai user sets it with
+(export/providers.py ``CUDA_PROVIDER``); an onnxruntime-genai user sets it with
 ``config.set_provider_option("cuda", "use_tf32", "0")``, if genai passes it through. This runs one float32 export
 (Qwen3-0.6B's shapes, the first ``--layers`` layers, random weights) on a prompt under onnxruntime-genai, with the
 provider's default and with the option at 0, and compares each run's last-position logits with onnxruntime's CPU

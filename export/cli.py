@@ -356,7 +356,7 @@ def export_command(
             if _given_on_the_command_line(parameter):
                 raise ThinkerError(f"--{parameter.replace('_', '-')} needs --quantize")
     if dtype == "bfloat16" and verify and _given_on_the_command_line("verify"):
-        from .runtime import cuda_usable
+        from .providers import cuda_usable
 
         if not cuda_usable():  # by default the check is skipped with a note; asked for, it must not be
             raise ThinkerError(
@@ -573,7 +573,8 @@ def generate_command(
     # transformers' own streamer: prints each piece of text to stdout once it decodes to whole words
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     if kind == "onnx":
-        from .runtime import OnnxDecoder, cuda_absence, cuda_usable, generation_graph
+        from .providers import cuda_absence, cuda_usable
+        from .runtime import OnnxDecoder, generation_graph
 
         if provider == "cuda" and not cuda_usable():  # said in the command's terms (OnnxDecoder's are the API's)
             raise ThinkerError(f"--provider cuda: CUDA asked for where none is ({cuda_absence()}); use --provider cpu")
@@ -748,7 +749,7 @@ def _check_prompt(folder: Path, prompt_ids, max_new_tokens: int) -> None:
     """Refuse what the model cannot take, which would otherwise fail deep inside onnxruntime or torch: token ids
     beyond its vocabulary (a tokenizer from another model) and more positions than it has. The sizes come from
     config.json, or from genai_config.json in an ONNX folder without one."""
-    from .runtime import folder_context
+    from .onnx_folder import folder_context
 
     config = read_json(folder / "config.json") or {}
     genai = read_json(folder / GENAI_CONFIG_FILE) or {}

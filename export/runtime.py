@@ -25,14 +25,7 @@ Qwen3-Omni their DeepStack features, and looks token ids up through ``embed.onnx
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import io
-import os
-import shutil
-import subprocess
 from collections import Counter
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,17 +36,12 @@ from onnx import TensorProto
 from onnxruntime.capi.onnxruntime_pybind11_state import (
     EPFail,
     InvalidArgument,
-    InvalidGraph,
-    InvalidProtobuf,
-    NoSuchFile,
     RuntimeException,
 )
 from onnxruntime.capi.onnxruntime_pybind11_state import Fail as OrtFail
 from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NotImplementedByOrt
 
 from thinker_common.errors import ThinkerError
-from thinker_common.side_files import read_json
-from thinker_common.source_files import regular_file
 
 from .graph_walk import all_nodes, rotates
 from .names import (
@@ -62,27 +50,15 @@ from .names import (
     EMBED_FILE,
     EMBEDS_MODEL_FILE,
     EXPORT_ID_KEY,
-    GENAI_CONFIG_FILE,
     GENAI_MODEL_FILE,
     INPUTS_EMBEDS,
     LAST_POSITION_SCOPE,
     MODEL_FILE,
     PADDING_KEY,
-    POSITION_TABLE,
-    ROPE_TABLE,
-    export_context,
 )
+from .onnx_folder import check_external_data, folder_context, table_rows
+from .providers import CUDA, cuda_absence, cuda_usable, execution_providers, load_session, session_options
 from .stop_tokens import model_stop_tokens
-from .weights_stamp import check_weights_stamp
-
-CUDA = "CUDAExecutionProvider"
-CPU = "CPUExecutionProvider"
-# onnxruntime's CUDA provider runs float32 MatMul and Gemm in TF32 unless told not to (use_tf32 defaults to 1: 10
-# bits of mantissa), where PyTorch's CUDA matmuls keep float32's 23 (torch.backends.cuda.matmul.allow_tf32 is off by
-# default). A float32 graph is exported for float32's precision, which parity and --verify hold it to, and TF32's
-# rounding also flips near-ties in discrete choices (Qwen3.8's indexer picked other blocks: 0.5 off the reference on
-# the H200), so our sessions keep full float32. Half-precision graphs are unaffected (TF32 is a float32 mode).
-CUDA_PROVIDER = (CUDA, {"use_tf32": "0"})
 
 # onnxruntime's type strings for the cache dtypes, to the onnx element type (bfloat16 has no numpy dtype).
 _FLOAT_TYPES = {"tensor(float)": (1, np.float32), "tensor(float16)": (10, np.float16), "tensor(bfloat16)": (16, None)}
@@ -100,193 +76,6 @@ STATE_KINDS = (
 KV_KINDS = ("key", "value")
 # The kinds whose second axis (past the batch) is the past's length: zero-length in an empty cache.
 GROWING_KINDS = (*KV_KINDS, "index_keys", "index_positions")
-
-
-def physical_cores() -> int:
-    """Physical cores (hyper-threads share a core's matrix units, so more threads than cores slow matmuls down)."""
-    try:
-        import psutil
-
-        return psutil.cpu_count(logical=False) or os.cpu_count() or 1
-    except ImportError:
-        return os.cpu_count() or 1
-
-
-def folder_context(folder: Path) -> tuple[int | None, str]:
-    """The positions a model folder's graph holds, and the key that says so: config.json's max_position_embeddings,
-    else genai_config.json's context_length (an ONNX folder without config.json); never more than the rows of
-    model.onnx's own position table (RoPE's, or a learned one), which also stand in where neither file gives a whole
-    number above 0 (a config edited to a longer context would otherwise let a prompt run off the table inside
-    onnxruntime). None where nothing says."""
-    config = read_json(folder / "config.json")
-    key = "max_position_embeddings"
-    context = config.get(key) if isinstance(config, dict) else None
-    if _whole(context):  # a RoPE scaling may stretch it (YaRN)
-        context, key = export_context(context, config.get("rope_parameters"))
-    if context is None:
-        genai = read_json(folder / GENAI_CONFIG_FILE)
-        model = genai.get("model") if isinstance(genai, dict) else None
-        context = model.get("context_length") if isinstance(model, dict) else None
-        key = f"context_length in {GENAI_CONFIG_FILE}"
-    rows, table = graph_context(folder / MODEL_FILE) if (folder / MODEL_FILE).is_file() else (None, "")
-    if rows is not None and not (_whole(context) and 0 < context <= rows):
-        context, key = rows, f"the {table} rows of {MODEL_FILE}"
-    return (context if _whole(context) and context > 0 else None), key
-
-
-def _whole(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-# The tables a graph holds one row per position in, by initializer name, and what a message calls them.
-POSITION_TABLES = {ROPE_TABLE: "RoPE table", POSITION_TABLE: "position table"}
-
-
-def graph_context(model_path: Path) -> tuple[int | None, str]:
-    """The rows of an export's position table (both graphs store RoPE's ``rotary_emb.cos_cache``, a learned-position
-    model its ``model.embed_positions.weight``), one row per position, and what the table is; read from the graph
-    alone: its weights stay on disk. (None, "") where the graph holds neither."""
-    try:
-        graph = onnx.load(str(model_path), load_external_data=False).graph
-    except Exception:  # a damaged file: whoever loads it says so
-        return None, ""
-    return table_rows(graph)
-
-
-def table_rows(graph: onnx.GraphProto) -> tuple[int | None, str]:
-    """``graph_context`` of a loaded graph."""
-    for tensor in graph.initializer:
-        if tensor.name in POSITION_TABLES and tensor.dims:
-            return int(tensor.dims[0]), POSITION_TABLES[tensor.name]
-    return None, ""
-
-
-def session_options(threads: int | None = None) -> ort.SessionOptions:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads or physical_cores()
-    options.log_severity_level = 3  # errors only: the CPU fallback warnings are expected and noisy
-    return options
-
-
-@functools.cache
-def cuda_usable() -> bool:
-    """Whether a CUDA session really runs here. The provider list names CUDA wherever onnxruntime-gpu is
-    installed, with or without a GPU and its libraries, and a session then falls back to CPU, so a one-node
-    model is run. Asked once per process."""
-    if CUDA not in ort.get_available_providers():
-        return False
-    from onnx import TensorProto, helper
-
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
-    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "probe", [x], [y])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
-    ort.set_default_logger_severity(4)  # a missing libcublas is the answer here, not an error to print
-    try:
-        session = ort.InferenceSession(model.SerializeToString(), session_options(1), providers=[CUDA])
-        session.run(None, {"x": np.ones(1, np.float32)})
-        return CUDA in session.get_providers()
-    except Exception:
-        return False
-    finally:
-        ort.set_default_logger_severity(2)  # onnxruntime's default: warnings
-
-
-def cuda_absence() -> str:
-    """Why ``cuda_usable`` said no, for the error message."""
-    if CUDA not in ort.get_available_providers():
-        return "this onnxruntime has no CUDA execution provider; install onnxruntime-gpu"
-    gpu = visible_gpu()
-    if gpu is None:
-        return "onnxruntime's CUDA execution provider does not start: there is no GPU here"
-    return (
-        f"onnxruntime's CUDA execution provider does not start although a GPU is here ({gpu}): its CUDA libraries "
-        "are missing or do not match"
-    )
-
-
-def visible_gpu(
-    environ: Mapping[str, str] = os.environ,
-    devices: Path = Path("/dev"),
-    nvidia_smi: Callable[[], str | None] | None = None,
-) -> str | None:
-    """The NVIDIA GPU this process is meant to use, described (``/dev/nvidia0``, ``GPU 0: NVIDIA H100 ...``), or
-    None. Independent of onnxruntime, so that a GPU whose CUDA provider does not load is told from no GPU at all.
-    ``CUDA_VISIBLE_DEVICES`` set empty (or to -1) hides every GPU on purpose; otherwise a device node or
-    ``nvidia-smi -L`` shows one. The probes are parameters so that the decision can be tested without a GPU."""
-    hidden = environ.get("CUDA_VISIBLE_DEVICES")
-    if hidden is not None and hidden.strip() in ("", "-1", "NoDevFiles"):
-        return None
-    nodes = sorted(path for path in devices.glob("nvidia[0-9]*") if path.name[6:].isdigit())
-    if nodes:
-        return str(nodes[0])
-    return (nvidia_smi or _nvidia_smi_first_gpu)()
-
-
-def _nvidia_smi_first_gpu() -> str | None:
-    command = shutil.which("nvidia-smi")
-    if command is None:
-        return None
-    try:
-        done = subprocess.run([command, "-L"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return next((line.strip() for line in done.stdout.splitlines() if line.startswith("GPU ")), None)
-
-
-def gpu_test_verdict(usable: bool, gpu: str | None, why: str) -> tuple[str, str]:
-    """What a GPU test does here: ("run", ""), ("skip", reason) where there is no GPU, or ("fail", reason) where a
-    GPU is visible but CUDA sessions do not run: a machine set up wrongly must not pass its GPU tests by skipping
-    them. ``usable``: ``cuda_usable()``; ``gpu``: ``visible_gpu()``; ``why``: ``cuda_absence()``."""
-    if usable:
-        return "run", ""
-    if gpu is None:
-        return "skip", "no GPU here (no /dev/nvidia*, nvidia-smi lists none, or CUDA_VISIBLE_DEVICES hides them)"
-    return "fail", f"a GPU is visible ({gpu}) but CUDA sessions do not run: {why}"
-
-
-def check_external_data(model_path: Path) -> onnx.ModelProto:
-    """Every external weights file the graph names must lie beside it; a partial copy of an export is a common
-    mistake, and onnxruntime's own error for it does not say which file is missing. Returns the graph, without its
-    weights."""
-    try:
-        model = onnx.load(str(model_path), load_external_data=False)
-    except Exception as err:  # protobuf's DecodeError and friends, for a truncated or foreign file
-        raise ThinkerError(f"{model_path}: not a readable ONNX model ({type(err).__name__}); export it again") from None
-    if not model.graph.node:  # an empty file parses as an empty model
-        empty = "the file is empty" if model_path.stat().st_size == 0 else "it holds no graph"
-        raise ThinkerError(f"{model_path}: not a readable ONNX model ({empty}); export it again")
-    ends: dict[str, int] = {}  # external file -> the end of the last byte range the graph reads from it
-    for tensor in model.graph.initializer:
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            entry = {item.key: item.value for item in tensor.external_data}
-            location = entry.get("location", "")
-            try:
-                if not isinstance(location, str):  # protobuf hands back bytes that are not UTF-8 as bytes
-                    raise ValueError(location)
-                end = int(entry.get("offset", 0)) + int(entry.get("length", 0))
-            except ValueError:
-                raise ThinkerError(f"{model_path}: tensor {tensor.name!r} has malformed external data") from None
-            ends[location] = max(ends.get(location, 0), end)
-    outside = sorted(name for name in ends if Path(name).is_absolute() or ".." in Path(name).parts)
-    if outside:
-        raise ThinkerError(f"{model_path}: names weights outside its folder ({outside[0]}); refusing to read them")
-    missing = sorted(name for name in ends if not os.path.lexists(model_path.parent / name))
-    if missing:
-        raise ThinkerError(
-            f"{model_path.parent}: {', '.join(missing)} missing beside {model_path.name}; the ONNX folder is "
-            "incomplete: copy the whole folder, or export it again"
-        )
-    for name, end in ends.items():
-        regular_file(model_path.parent / name)  # a named pipe or a device in its place: says what it is instead
-        check_weights_stamp(model, model_path, model_path.parent / name)
-        size = (model_path.parent / name).stat().st_size
-        if size < end:
-            raise ThinkerError(
-                f"{model_path.parent / name}: {size} bytes, but {model_path.name} reads up to byte {end}; the file "
-                "is truncated: copy the whole folder again, or export it again"
-            )
-    return model
 
 
 def generation_graph(folder: Path, provider: str, share_kv: bool | None = None) -> Path:
@@ -392,7 +181,7 @@ class OnnxDecoder:
         self.steps_within_table = any(node.op_type == "MRotaryEmbedding" for node in graph.node)
         self.rope_rows = table_rows(graph)[0]  # what those kernels read; the context may be set shorter
         use_cuda = provider == "cuda" or (provider == "auto" and cuda_usable())
-        providers = [CUDA_PROVIDER, CPU] if use_cuda else [CPU]
+        providers = execution_providers(use_cuda)
         options, source = session_options(threads), str(self.model_path)
         variant = None  # the shipped graph's nodes with other outputs, loaded from bytes
         if all_positions and self.last_logits_only:
@@ -415,7 +204,7 @@ class OnnxDecoder:
             options.add_session_config_entry(
                 "session.model_external_initializers_file_folder_path", str(self.model_path.parent)
             )
-        self.session = _load_session(self.model_path, source, options, providers)
+        self.session = load_session(self.model_path, source, options, providers)
         self.device = "cuda" if CUDA in self.session.get_providers() else "cpu"
         if provider == "cuda" and self.device != "cuda":
             raise ThinkerError("onnxruntime could not start its CUDA execution provider here; use --provider cpu")
@@ -439,7 +228,7 @@ class OnnxDecoder:
                     "folder, or export it again with --inputs-embeds"
                 )
             check_external_data(embed_path)
-            self.embed_session = _load_session(embed_path, str(embed_path), session_options(threads), providers)
+            self.embed_session = load_session(embed_path, str(embed_path), session_options(threads), providers)
             ids = [s.get_modelmeta().custom_metadata_map.get(EXPORT_ID_KEY) for s in (self.session, self.embed_session)]
             if ids[0] != ids[1]:
                 raise ThinkerError(
@@ -1222,29 +1011,6 @@ def position_ids_from_mask(attention_mask: np.ndarray) -> np.ndarray:
 
 # What onnxruntime raises when a loaded graph fails to run (a kernel's check on its inputs, an index out of range).
 ORT_RUN_ERRORS = (OrtFail, InvalidArgument, RuntimeException, EPFail, NotImplementedByOrt)
-
-
-def _load_session(path: Path, source: str | bytes, options: ort.SessionOptions, providers: list):
-    """An onnxruntime session over ``source`` (``path``'s graph, or a variant of it as bytes), its failures told by
-    the file's name."""
-    try:
-        # onnxruntime prints an "EP Error" banner on stdout before retrying a failed load: the error below says it
-        with contextlib.redirect_stdout(io.StringIO()):
-            return ort.InferenceSession(source, options, providers=providers)
-    except NotImplementedByOrt as err:  # a kernel the provider lacks: bfloat16 on CPU, typically
-        reason = str(err).splitlines()[0]
-        raise ThinkerError(f"{path}: onnxruntime cannot run it on {_provider_label(providers)}: {reason}") from None
-    except (OrtFail, InvalidArgument, InvalidProtobuf, InvalidGraph, NoSuchFile) as err:  # a damaged export
-        reason = " ".join(str(err).split())
-        raise ThinkerError(f"{path}: onnxruntime cannot load it ({reason}); export the model again") from None
-    except UnicodeDecodeError:  # onnxruntime's error quotes the damaged bytes, which Python cannot decode
-        raise ThinkerError(
-            f"{path}: onnxruntime cannot load it (the file is damaged); export the model again"
-        ) from None
-
-
-def _provider_label(providers: list) -> str:
-    return "CUDA" if CUDA_PROVIDER in providers else "CPU (export float16 or float32 for CPU)"
 
 
 def _device_zeros(shape: list[int], onnx_type: int) -> ort.OrtValue:

@@ -79,8 +79,10 @@ from .genai_config_check import genai_config_failures
 from .genai_graph import takes_stream_positions
 from .half_spread import HALF_PRECISIONS, MAX_EXCUSED_SHARE, HalfShadow, excused
 from .names import EMBED_FILE, EMBEDS_MODEL_FILE, GENAI_MODEL_FILE, MODEL_FILE
+from .onnx_folder import graph_context
+from .providers import cuda_usable
 from .routing import ROUTER_TOLERANCE, RouteFollower, checked_probes
-from .runtime import OnnxDecoder, cuda_usable, graph_context, position_ids_from_mask
+from .runtime import OnnxDecoder, position_ids_from_mask
 
 DECODE_STEPS = 6
 REFERENCE_DTYPE = torch.float32  # the PyTorch model's dtype, whatever the graph's (module docstring)

@@ -17,7 +17,7 @@ def pytest_runtest_setup(item):
     but onnxruntime's CUDA provider does not load: a machine set up wrongly must not pass by skipping them."""
     if item.get_closest_marker("gpu") is None:
         return
-    from export.runtime import cuda_absence, cuda_usable, gpu_test_verdict, visible_gpu
+    from export.providers import cuda_absence, cuda_usable, gpu_test_verdict, visible_gpu
 
     usable = cuda_usable()
     verdict, reason = gpu_test_verdict(usable, None if usable else visible_gpu(), "" if usable else cuda_absence())

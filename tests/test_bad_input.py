@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from converter.cli import convert_command
 from converter.convert import convert
 from converter.engine import plan_conversion, stream_tensors
-from export.runtime import cuda_usable
+from export.providers import cuda_usable
 from thinker_common.cli import main
 from thinker_common.errors import ThinkerError
 from thinker_common.sources import open_source

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from export.runtime import gpu_test_verdict, visible_gpu
+from export.providers import gpu_test_verdict, visible_gpu
 
 
 @pytest.fixture
@@ -75,9 +75,9 @@ def test_the_gpu_marker_runs_skips_or_fails(usable, gpu, expected, monkeypatch):
     conftest = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(conftest)
 
-    monkeypatch.setattr("export.runtime.cuda_usable", lambda: usable)
-    monkeypatch.setattr("export.runtime.visible_gpu", lambda: gpu)
-    monkeypatch.setattr("export.runtime.cuda_absence", lambda: "its CUDA libraries are missing")
+    monkeypatch.setattr("export.providers.cuda_usable", lambda: usable)
+    monkeypatch.setattr("export.providers.visible_gpu", lambda: gpu)
+    monkeypatch.setattr("export.providers.cuda_absence", lambda: "its CUDA libraries are missing")
     conftest.pytest_runtest_setup(_Item(gpu=False))  # unmarked tests are never touched
     if expected is None:
         conftest.pytest_runtest_setup(_Item(gpu=True))

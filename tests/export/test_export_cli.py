@@ -365,7 +365,7 @@ def test_export_model_from_python_takes_a_torch_dtype_and_refuses_what_the_cli_w
 def test_an_explicit_verify_of_a_bfloat16_export_fails_where_it_cannot_run(runner, thinker_folder, tmp_path):
     """By default a bfloat16 export on the CPU is written with a note that it was not checked (onnxruntime's CPU
     provider has no bfloat16 kernels); --verify asked for by name is refused instead, before anything is written."""
-    from export.runtime import cuda_usable
+    from export.providers import cuda_usable
 
     if cuda_usable():
         pytest.skip("CUDA is usable here: a bfloat16 export is verified on it")

@@ -54,6 +54,9 @@ def test_the_model_type_follows_the_position_form():
     assert make_genai_config(config, None)["model"]["type"] == "qwen3_5_text"
     assert make_genai_config(config, None, positions="multimodal")["model"]["type"] == "qwen3_5_text"
     assert make_genai_config(config, None, positions="text")["model"]["type"] == "qwen3"
+    moe = make_config("qwen3_5_moe")  # 0.18's own name for the MoE's text model, not the dense one's
+    assert make_genai_config(moe, None)["model"]["type"] == "qwen3_5_moe_text"
+    assert make_genai_config(moe, None, positions="text")["model"]["type"] == "qwen3"
 
 
 def test_search_follows_generation_config_as_transformers_does():

@@ -15,7 +15,7 @@ import pytest
 import torch
 from export_helpers import HYBRID_FAMILIES, record_parity
 
-import export.runtime
+import export.providers
 from export.exporter import export_model
 from export.runtime import OnnxDecoder
 from export.verify import compare_decoders
@@ -47,7 +47,7 @@ def test_io_binding_keeps_the_cache_on_the_device(onnx_folder):
     for _ in range(3):
         assert all(isinstance(v, ort.OrtValue) and v.device_name().lower() == "cuda" for v in cuda_state.cache.values())
         cuda_logits, cpu_logits = cuda.decode_one_token(token, cuda_state), cpu.decode_one_token(token, cpu_state)
-        # float32 on both (OnnxDecoder turns CUDA's TF32 off: export/runtime.py CUDA_PROVIDER)
+        # float32 on both (OnnxDecoder turns CUDA's TF32 off: export/providers.py CUDA_PROVIDER)
         np.testing.assert_allclose(cuda_logits, cpu_logits, rtol=0, atol=1e-4 * max(1.0, np.abs(cpu_logits).max()))
         token = cpu_logits.argmax(-1)
     assert cuda_state.cache["past_key_values.0.key"].shape()[2] == input_ids.shape[1] + 3
@@ -164,7 +164,7 @@ def test_cuda_qwen4_exp_parity_and_states_on_the_device(
     batch = indexer_batch(model.config)
     figures = compare_decoders(model, decoder, *batch, steps=6)
     record_parity(record_property, figures)
-    monkeypatch.setattr(export.runtime, "CUDA_PROVIDER", (export.runtime.CUDA, {"use_tf32": "1"}))
+    monkeypatch.setattr(export.providers, "CUDA_PROVIDER", (export.providers.CUDA, {"use_tf32": "1"}))
     with_tf32 = compare_decoders(model, OnnxDecoder(folder, provider="cuda"), *batch, steps=6)
     record_property("tf32_max_abs_diff", f"{with_tf32['max_abs_diff']:.6g}")
     assert figures["max_abs_diff"] <= RELATIVE_TOLERANCE[torch.float32] * max(1.0, figures["logit_scale"]), figures

@@ -632,7 +632,7 @@ def test_bfloat16_exports_and_says_why_it_is_not_verified_on_cpu(graph, thinker_
     """onnxruntime's CPU provider has no bfloat16 kernels: the export is written and checked by onnx, the recurrent
     state stays float32, and --verify reports that it needs CUDA rather than passing."""
     from export.exporter import export_model
-    from export.runtime import cuda_usable
+    from export.providers import cuda_usable
 
     if cuda_usable():
         pytest.skip("CUDA is usable here: test_onnx_gpu.py verifies bfloat16")

@@ -11,9 +11,11 @@ import onnx
 import pytest
 import torch
 
+import export.onnx_folder
 import export.runtime
 from export.names import GENAI_MODEL_FILE, MODEL_FILE
-from export.runtime import DecoderState, OnnxDecoder, generation_graph, physical_cores
+from export.providers import physical_cores
+from export.runtime import DecoderState, OnnxDecoder, generation_graph
 from thinker_common.errors import ThinkerError
 
 
@@ -419,7 +421,7 @@ def test_a_config_claiming_more_context_than_the_position_table(family, onnx_fol
     with pytest.raises(ThinkerError, match=f"need {rows + 1} positions, past this model's context of {rows}"):
         decoder.generate(np.full((1, rows - 8), 3), max_new_tokens=10)
     table = "position table" if family == "gpt2" else "RoPE table"
-    assert export.runtime.folder_context(folder) == (rows, f"the {table} rows of {MODEL_FILE}")
+    assert export.onnx_folder.folder_context(folder) == (rows, f"the {table} rows of {MODEL_FILE}")
 
 
 def test_slots_past_the_fused_graphs_rope_table_are_refused_by_name(onnx_variant, tmp_path):
