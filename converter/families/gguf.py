@@ -609,15 +609,44 @@ def reference_config(path: Path) -> Any:
         value = read_field(reader, f"{architecture}.{key}")
         if value:
             setattr(config, field, int(value[0]))
-    # transformers reads a GGUF's RoPE scaling for gpt-oss alone, so its model of a linear- or YaRN-scaled file
-    # rotates unscaled, unlike llama.cpp and the Thinker (``_rope_parameters``): given the file's scaling, as read
-    # for the Thinker, the reference is the model the file describes.
-    rope_keys = [key for key in reader.fields if key.startswith(f"{architecture}.rope.")]
-    rope = {key: values[0] for key in rope_keys if (values := read_field(reader, key))}
-    parameters = _rope_parameters(rope, architecture, set())
-    if parameters["rope_type"] != "default":
-        config.rope_parameters = parameters
+    # transformers' GGUF config for llama never sets attention_bias, so its model of a file with q/k/v biases drops
+    # them (the converter's reads the flag off the tensors, as here: a correct conversion failed the gate, a QA run).
+    if hasattr(config, "attention_bias") and any(t.name.endswith(".attn_q.bias") for t in reader.tensors):
+        config.attention_bias = True
+    scaling = _reference_rope_scaling(reader, architecture)
+    if scaling:
+        config.rope_parameters = {**config.rope_parameters, **scaling}
     return config
+
+
+def _reference_rope_scaling(reader: Any, architecture: str) -> dict[str, Any]:
+    """The RoPE scaling llama.cpp applies to the file (``llama_model::load_hparams``), as transformers' parameters,
+    for the reference: transformers reads a GGUF's scaling for gpt-oss alone, so its model of a linear- or
+    YaRN-scaled file would rotate unscaled. Read here afresh by gguf's own key names, not through the converter's
+    ``_rope_parameters``: sharing that reading put any slip in it (YaRN's betas swapped, the original context
+    dropped) on both sides of the gate, which passed it (a mutation run). Empty where nothing is scaled."""
+    from gguf.constants import Keys
+    from transformers.modeling_gguf_pytorch_utils import read_field
+
+    def value(key: str) -> Any:
+        found = read_field(reader, key.format(arch=architecture))
+        return found[0] if found else None
+
+    factor = value(Keys.Rope.SCALING_FACTOR)
+    factor = value("{arch}.rope.scale_linear") if factor is None else factor  # llama.cpp's older key
+    kind = value(Keys.Rope.SCALING_TYPE) or ("linear" if factor not in (None, 0, 1) else "none")
+    if kind == "none":
+        return {}
+    scaling = {"rope_type": kind, "factor": float(factor)}
+    if kind == "yarn":
+        for key, field, cast in (
+            (Keys.Rope.SCALING_ORIG_CTX_LEN, "original_max_position_embeddings", int),
+            (Keys.Rope.SCALING_YARN_BETA_FAST, "beta_fast", float),
+            (Keys.Rope.SCALING_YARN_BETA_SLOW, "beta_slow", float),
+        ):
+            if value(key) is not None:
+                scaling[field] = cast(value(key))
+    return scaling
 
 
 def load_reference(source: Path, dtype: Any) -> Any:

@@ -19,6 +19,7 @@ from transformers import AutoTokenizer, LlamaConfig, Qwen2Config, Qwen2MoeConfig
 
 from converter.families.gguf import smollm2_gguf_path
 from thinker import ThinkerForCausalLM
+from thinker_common.errors import ThinkerError
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, max_position_embeddings=64)
 SYNTHETIC = {
@@ -106,8 +107,20 @@ def test_a_tokenizer_larger_than_the_embedding_is_said(tmp_path, run_convert, ca
 SCALED = {  # RoPE scaling as a GGUF records it: (architecture, its keys, the Hugging Face parameters they stand for)
     "qwen2 yarn": (
         "qwen2",
-        {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 16},
-        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+        {
+            "rope.scaling.type": "yarn",
+            "rope.scaling.factor": 8.0,
+            "rope.scaling.original_context_length": 16,
+            "rope.scaling.yarn_beta_fast": 16.0,  # not transformers' defaults (32, 1): each must be read, and apart
+            "rope.scaling.yarn_beta_slow": 2.0,
+        },
+        {
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 16,
+            "beta_fast": 16.0,
+            "beta_slow": 2.0,
+        },
     ),
     "llama linear": (
         "llama",
@@ -119,6 +132,17 @@ SCALED = {  # RoPE scaling as a GGUF records it: (architecture, its keys, the Hu
     "llama factor alone": ("llama", {"rope.scaling.factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),
     "llama scale_linear": ("llama", {"rope.scale_linear": 2.0}, {"rope_type": "linear", "factor": 2.0}),
 }
+# Heads wide enough for YaRN's betas to matter (at the tiny configs' 8 dimensions a head, every frequency falls on one
+# side of both correction bounds, and swapping the betas changes nothing): swapped here, 6.9 on a logit scale of 5.9.
+SCALED_SHAPES = {"qwen2 yarn": {"hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1}}
+
+
+def scaled_model(case: str):
+    """The original model of a ``SCALED`` case, the Hugging Face parameters its file stands for."""
+    architecture, _, rope = SCALED[case]
+    config = SYNTHETIC[architecture].to_dict() | SCALED_SHAPES.get(case, {})
+    config["rope_parameters"] = {**rope, "rope_theta": 10000.0}
+    return build_reference(type(SYNTHETIC[architecture])(**config))
 
 
 @pytest.mark.parametrize("case", sorted(SCALED))
@@ -127,8 +151,7 @@ def test_rope_scaled_gguf_passes_its_gate(case, tmp_path, run_convert):
     every scaled file failed it: the reference now takes the file's scaling, read as llama.cpp reads it, and both
     equal the scaled original."""
     architecture, keys, rope = SCALED[case]
-    config = SYNTHETIC[architecture]
-    model = build_reference(type(config)(**(config.to_dict() | {"rope_parameters": {**rope, "rope_theta": 10000.0}})))
+    model = scaled_model(case)
     folder = tmp_path / "gguf"
     folder.mkdir()
     metadata = {f"{architecture}.{key}": value for key, value in keys.items()}
@@ -138,6 +161,41 @@ def test_rope_scaled_gguf_passes_its_gate(case, tmp_path, run_convert):
     assert_same_logits(model, result.output)
     written = json.loads((result.output / "config.json").read_text())["rope_parameters"]
     assert {key: written[key] for key in rope} == rope, written
+
+
+def test_the_gates_reference_reads_the_rope_scaling_on_its_own(tmp_path, run_convert, monkeypatch):
+    """The reference takes a scaled file's RoPE parameters from the file itself, not from the converter's reading: a
+    slip there (YaRN's betas swapped) landed on both sides of the gate, which passed a Thinker 1.3 of its logit scale
+    off the file's model (a mutation run). With the slip planted in the converter's reading, the gate fails."""
+    from converter.families import gguf
+
+    read = gguf._rope_parameters
+
+    def betas_swapped(*args):
+        parameters = read(*args)
+        if "beta_fast" in parameters:
+            parameters["beta_fast"], parameters["beta_slow"] = parameters["beta_slow"], parameters["beta_fast"]
+        return parameters
+
+    architecture, keys, _ = SCALED["qwen2 yarn"]
+    model = scaled_model("qwen2 yarn")
+    (tmp_path / "gguf").mkdir()
+    metadata = {f"{architecture}.{key}": value for key, value in keys.items()}
+    path = write_gguf(model, tmp_path / "gguf" / "yarn.gguf", architecture, metadata=metadata)
+    monkeypatch.setattr(gguf, "_rope_parameters", betas_swapped)
+    with pytest.raises(ThinkerError, match="does not match its reference"):
+        run_convert(path)
+
+
+def test_a_llama_file_with_attention_biases_passes_its_gate(tmp_path, run_convert):
+    """transformers' GGUF config for llama never sets attention_bias, so the gate's reference dropped a file's q/k/v
+    biases and refused an exact conversion (a QA run): the reference takes the flag off the file's tensors."""
+    config = SYNTHETIC["llama"]
+    model = build_reference(type(config)(**(config.to_dict() | {"attention_bias": True})))
+    (tmp_path / "gguf").mkdir()
+    result = run_convert(write_gguf(model, tmp_path / "gguf" / "biased.gguf", "llama"))
+    assert result.parity.passed, result.parity.table()
+    assert_same_logits(model, result.output)
 
 
 @pytest.fixture(scope="module")
