@@ -40,7 +40,7 @@ from unittest import mock
 import numpy as np
 
 from thinker_common.errors import ThinkerError
-from thinker_common.gguf_reader import dequantized, mapped_reader, release_pages
+from thinker_common.gguf_reader import DEQUANTIZE_PIECE, mapped_reader, release_pages
 
 from ..ops import (
     AsRow,
@@ -697,7 +697,7 @@ def _dequantizing_in_float32() -> Iterator[None]:
 def load_layered_reference(source: Path, dtype: Any) -> Any:
     """The same reference for parity layer by layer: the class transformers' GGUF loading builds, on the meta device,
     each tensor dequantized and processed when its layer runs by the very steps of the loop in transformers'
-    ``load_gguf_checkpoint`` (``gguf.dequantize``, bit for bit: ``dequantized``; the architecture's
+    ``load_gguf_checkpoint`` (``gguf.dequantize``: ``reference_values``; the architecture's
     ``TENSOR_PROCESSORS`` entry; the name map of ``get_gguf_hf_weights_map``), which otherwise reads the whole file
     into memory first.
 
@@ -749,7 +749,7 @@ def load_layered_reference(source: Path, dtype: Any) -> Any:
     def read(hf_name: str, members: list[Any]) -> torch.Tensor:
         parsed: dict[str, dict[str, torch.Tensor]] = {"tensors": {}}
         for tensor in members:
-            weights = dequantized(tensor.data, tensor.tensor_type).numpy()
+            weights = reference_values(tensor, newer_loading=False).numpy()
             processed = processor.process(
                 weights=weights, name=tensor.name, tensor_key_mapping=names, parsed_parameters=parsed
             )
@@ -775,9 +775,44 @@ def load_layered_reference(source: Path, dtype: Any) -> Any:
     return StreamedModel(model, tensors)
 
 
+def reference_values(tensor: Any, newer_loading: bool) -> Any:
+    """A GGUF tensor's float32 values as transformers' own GGUF loading makes them, for the layer-by-layer reference:
+    gguf's ``dequantize`` (the loop of ``load_gguf_checkpoint``, the older architectures), or for the architectures
+    its newer loading reads, the ``dequantize_blocks`` its ``Dequantize`` op runs (in float32:
+    ``_dequantizing_in_float32``). A few rows at a time (about ``DEQUANTIZE_PIECE`` values), so that a piece's
+    temporaries stay small, as the converter's; but not through the converter's own ``dequantized``, which the gate
+    checks: sharing it put a slip there (each tensor's last block dropped) on both sides, and the check by layer
+    passed it (a mutation run)."""
+    import torch
+    from gguf import quants
+    from transformers.integrations.gguf.dequant import GGML_BLOCK
+    from transformers.integrations.gguf.kernels import dequantize_blocks
+
+    data = np.asarray(tensor.data)
+    kind = int(tensor.tensor_type)
+    rows = data.reshape(-1, data.shape[-1]) if data.ndim else data.reshape(1, 1)
+    if newer_loading and kind in GGML_BLOCK:
+        per_block, block_bytes = GGML_BLOCK[kind]
+        width = data.shape[-1] // block_bytes * per_block
+        shape = (*data.shape[:-1], width)
+    else:
+        width = int(quants.dequantize(rows[:1], kind).shape[-1])
+        shape = (*data.shape[:-1], width) if data.ndim else ()
+    values = torch.empty(rows.shape[0], width, dtype=torch.float32)
+    step = max(1, DEQUANTIZE_PIECE // max(1, width))
+    for first in range(0, rows.shape[0], step):
+        piece = rows[first : first + step]
+        if newer_loading and kind in GGML_BLOCK:
+            made = dequantize_blocks(torch.from_numpy(piece.copy()), kind, len(piece), width, torch.float32)
+        else:
+            made = torch.from_numpy(np.array(quants.dequantize(piece, kind), dtype=np.float32))
+        values[first : first + len(piece)] = made.reshape(len(piece), width)
+    return values.reshape(shape)
+
+
 def _mapped_reference_tensors(path: Path, reader: Any, architecture: str, model: Any) -> dict[str, Any]:
     """The reference's tensors of a file transformers reads through its newer GGUF loading (the hybrid
-    architectures), each made when its layer runs by that loading's own steps: its dequantizers (``dequantized``),
+    architectures), each made when its layer runs by that loading's own steps: its dequantizers (``reference_values``),
     then the conversion mapping transformers keeps for the architecture (``get_gguf_conversion_mapping``: its
     renamings and the one converter that matches, whose operations run in order on the tensors that make one
     parameter).
@@ -804,7 +839,7 @@ def _mapped_reference_tensors(path: Path, reader: Any, architecture: str, model:
             groups.setdefault(hf_name, []).append((tensor, pattern))
 
     def read(hf_name: str, members: list[tuple[Any, str | None]]) -> torch.Tensor:
-        inputs = {pattern or tensor.name: [dequantized(tensor.data, tensor.tensor_type)] for tensor, pattern in members}
+        inputs = {pattern or tensor.name: [reference_values(tensor, newer_loading=True)] for tensor, pattern in members}
         converter = by_pattern.get(members[0][1]) if members[0][1] is not None else None
         if converter is None:
             (result,) = next(iter(inputs.values()))

@@ -22,10 +22,12 @@ import sys
 import textwrap
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 from click.testing import CliRunner
 from convert_helpers import build_reference, save_unfused_experts, write_gguf
+from hybrid_gguf import write_hybrid_gguf
 from references import hybrid, uomni
 from references import llms_from_scratch_qwen3 as scratch
 from safetensors.torch import load_file, save_file
@@ -49,6 +51,7 @@ from converter.model_card import parity_section
 from converter.parity import MEMORY_BUDGET_ENV, check_parity, parity_mode, whole_model_bytes
 from converter.parity_report import BY_LAYER, WHOLE_MODEL, ParityFailed
 from converter.streamed import StreamedModel, lazy_tensors
+from thinker_common.errors import ThinkerError
 from thinker_common.parity_inputs import fixed_prompts
 from thinker_common.sources import open_source
 
@@ -154,6 +157,34 @@ def test_verify_by_layer_names_the_altered_layer_of_a_gguf_source(config, archit
     alter(converted, altered, 1.1)
     failed = cli(verify_command, path, converted, "--verify-by-layer")
     assert failed.exit_code == 1 and "first divergence: layer 1" in failed.stdout
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen35"])
+def test_the_layer_references_blocks_are_not_the_converters(architecture, tmp_path, run_convert, monkeypatch):
+    """The layer-by-layer reference dequantizes a GGUF file's blocks with the functions transformers' own loading
+    runs (gguf's for llama, its own for Qwen3.5), not with the converter's ``dequantized``: sharing it, a slip there
+    (every tensor's last block dropped) passed the check by layer, 1.25 of the logit scale off (a mutation run). With
+    a slip planted in the converter's reading (every value 1 % large, as from a block scale misread), the check
+    fails."""
+    import converter.families.gguf
+    import thinker_common.gguf_reader as gguf_reader
+
+    (tmp_path / "gguf").mkdir()
+    if architecture == "llama":
+        path = write_gguf(build_reference(LLAMA), tmp_path / "gguf" / "q8.gguf", "llama", quantization="Q8_0")
+    else:
+        model = hybrid.reference(Qwen3_5ForCausalLM, hybrid.qwen3_5_config())
+        path = write_hybrid_gguf(model, tmp_path / "gguf" / "q8.gguf", quantization="Q8_0")
+    assert run_convert(path, "exact", verify_by_layer=True).parity.passed
+    read = gguf_reader.dequantized
+
+    def scale_misread(data, kind):  # alike on whatever piece of a tensor it is called; the file's blocks are Q8_0
+        return read(data, kind) * (1.01 if kind == gguf.GGMLQuantizationType.Q8_0 else 1.0)
+
+    monkeypatch.setattr(gguf_reader, "dequantized", scale_misread)
+    monkeypatch.setattr(converter.families.gguf, "dequantized", scale_misread, raising=False)
+    with pytest.raises(ThinkerError, match="does not match its reference"):
+        run_convert(path, "slipped", verify_by_layer=True)
 
 
 # --- layer mode agrees with the whole-model check ----------------------------------------------------------------
