@@ -74,8 +74,13 @@ def test_qwen3_round_trip_is_bit_exact(tmp_path, tied: bool):
     build_reference(config).save_pretrained(tmp_path / "source")
     (tmp_path / "source" / "README.md").write_text("---\nlicense: mit\n---\n# source\n")
     (tmp_path / "source" / "LICENSE").write_text("MIT License")
+    # a release's sampling defaults and its list of end tokens, which transformers' generate() reads from this file
+    sampling = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "eos_token_id": [5, 6]}
+    (tmp_path / "source" / "generation_config.json").write_text(json.dumps(sampling))
     back = round_trip(tmp_path / "source", "qwen3", tmp_path)
     assert_bit_exact(tmp_path / "source", back)
+    written_sampling = json.loads((back / "generation_config.json").read_text())
+    assert {key: written_sampling.get(key) for key in sampling} == sampling, written_sampling
     original, written = AutoConfig.from_pretrained(tmp_path / "source"), AutoConfig.from_pretrained(back)
     assert type(written) is Qwen3Config and written.architectures == ["Qwen3ForCausalLM"]
     for field in ("head_dim", "num_key_value_heads", "attention_bias", "tie_word_embeddings", "rope_parameters"):
