@@ -53,6 +53,7 @@ from ..ops import (
     TiledToGroupedValueHeads,
     Unsqueeze,
 )
+from ..parity_report import NO_VERIFY, NoReference
 from ..spec import LAYER_INDEX, Family, TensorRule, rule
 from .common import THINKER_LAYER, VISION_LANGUAGE_LAYOUT
 from .llama import LLAMA
@@ -749,7 +750,7 @@ def load_layered_reference(source: Path, dtype: Any) -> Any:
     def read(hf_name: str, members: list[Any]) -> torch.Tensor:
         parsed: dict[str, dict[str, torch.Tensor]] = {"tensors": {}}
         for tensor in members:
-            weights = reference_values(tensor, newer_loading=False).numpy()
+            weights = reference_values(tensor, newer_loading=False, path=path).numpy()
             processed = processor.process(
                 weights=weights, name=tensor.name, tensor_key_mapping=names, parsed_parameters=parsed
             )
@@ -775,23 +776,36 @@ def load_layered_reference(source: Path, dtype: Any) -> Any:
     return StreamedModel(model, tensors)
 
 
-def reference_values(tensor: Any, newer_loading: bool) -> Any:
-    """A GGUF tensor's float32 values as transformers' own GGUF loading makes them, for the layer-by-layer reference:
-    gguf's ``dequantize`` (the loop of ``load_gguf_checkpoint``, the older architectures), or for the architectures
-    its newer loading reads, the ``dequantize_blocks`` its ``Dequantize`` op runs (in float32:
-    ``_dequantizing_in_float32``). A few rows at a time (about ``DEQUANTIZE_PIECE`` values), so that a piece's
-    temporaries stay small, as the converter's; but not through the converter's own ``dequantized``, which the gate
-    checks: sharing it put a slip there (each tensor's last block dropped) on both sides, and the check by layer
-    passed it (a mutation run)."""
+def reference_values(tensor: Any, newer_loading: bool, path: Path) -> Any:
+    """A GGUF tensor's values as transformers' own GGUF loading makes them, for the layer-by-layer reference: gguf's
+    ``dequantize`` to float32 (the loop of ``load_gguf_checkpoint``, the older architectures), or for the
+    architectures its newer loading reads, the ``dequantize_blocks`` its ``Dequantize`` op runs (in float32:
+    ``_dequantizing_in_float32``), a float16 or bfloat16 tensor kept in the file's dtype as that loading keeps it
+    (its transforms then round in that dtype: Qwen3.5's ``A_log``), and any other type refused as that loading
+    refuses it. A few rows at a time (about ``DEQUANTIZE_PIECE`` values), so that a piece's temporaries stay small,
+    as the converter's; but not through the converter's own ``dequantized``, which the gate checks: sharing it put a
+    slip there (each tensor's last block dropped) on both sides, and the check by layer passed it (a mutation
+    run)."""
     import torch
-    from gguf import quants
+    from gguf import GGMLQuantizationType, quants
     from transformers.integrations.gguf.dequant import GGML_BLOCK
     from transformers.integrations.gguf.kernels import dequantize_blocks
 
     data = np.asarray(tensor.data)
     kind = int(tensor.tensor_type)
+    blocks = newer_loading and kind in GGML_BLOCK
+    if newer_loading and not blocks:
+        if kind == GGMLQuantizationType.BF16:  # the reader's raw bytes, two to a value
+            return torch.from_numpy(np.array(data, copy=True).view(np.int16)).view(torch.bfloat16)
+        if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            return torch.from_numpy(np.array(data, copy=True))
+        raise NoReference(  # as the whole model's load says it
+            f"{path}: the reference model does not load with transformers (tensor {tensor.name!r} is stored as "
+            f"{GGMLQuantizationType(kind).name}, which its GGUF loading of this architecture does not read), so there "
+            f"is no reference to verify against; {NO_VERIFY}"
+        )
     rows = data.reshape(-1, data.shape[-1]) if data.ndim else data.reshape(1, 1)
-    if newer_loading and kind in GGML_BLOCK:
+    if blocks:
         per_block, block_bytes = GGML_BLOCK[kind]
         width = data.shape[-1] // block_bytes * per_block
         shape = (*data.shape[:-1], width)
@@ -802,7 +816,7 @@ def reference_values(tensor: Any, newer_loading: bool) -> Any:
     step = max(1, DEQUANTIZE_PIECE // max(1, width))
     for first in range(0, rows.shape[0], step):
         piece = rows[first : first + step]
-        if newer_loading and kind in GGML_BLOCK:
+        if blocks:
             made = dequantize_blocks(torch.from_numpy(piece.copy()), kind, len(piece), width, torch.float32)
         else:
             made = torch.from_numpy(np.array(quants.dequantize(piece, kind), dtype=np.float32))
@@ -839,7 +853,10 @@ def _mapped_reference_tensors(path: Path, reader: Any, architecture: str, model:
             groups.setdefault(hf_name, []).append((tensor, pattern))
 
     def read(hf_name: str, members: list[tuple[Any, str | None]]) -> torch.Tensor:
-        inputs = {pattern or tensor.name: [reference_values(tensor, newer_loading=True)] for tensor, pattern in members}
+        inputs = {
+            pattern or tensor.name: [reference_values(tensor, newer_loading=True, path=path)]
+            for tensor, pattern in members
+        }
         converter = by_pattern.get(members[0][1]) if members[0][1] is not None else None
         if converter is None:
             (result,) = next(iter(inputs.values()))

@@ -299,6 +299,34 @@ def test_a_bfloat16_gguf_converts_to_bfloat16_exactly(tmp_path):
 
 
 @pytest.mark.parametrize("verify", ["--verify", "--verify-by-layer"])
+def test_a_file_of_bfloat16_vectors_is_its_own_reference_both_ways(verify, tmp_path, monkeypatch):
+    """Every tensor bfloat16, the decay rates (ssm_a) too, converted to float32: transformers' loading keeps such a
+    tensor in bfloat16 and takes A_log = log(-a) there, rounded, and the check by layer must read it so; it read
+    the values in float32 and refused an exact conversion, 0.067 against a tolerance of 8.2e-4 (a review)."""
+    import hybrid_gguf
+
+    def all_bfloat16(writer, name, tensor, quantization=None):
+        kind = gguf.GGMLQuantizationType.BF16
+        writer.add_tensor(name, gguf.quants.quantize(tensor.float().numpy(), kind), raw_dtype=kind)
+
+    monkeypatch.setattr(hybrid_gguf, "add_gguf_tensor", all_bfloat16)
+    _, path = gguf_file(tmp_path, "qwen35")
+    result = convert(path, tmp_path / "out", "--dtype", "float32", verify)
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads((tmp_path / "out" / "parity.json").read_text())["results"]
+    assert row["max_abs_diff"] == 0, row
+
+
+@pytest.mark.parametrize("verify", ["--verify", "--verify-by-layer"])
+def test_a_block_type_transformers_does_not_read_has_no_reference_either_way(verify, tmp_path):
+    """Q5_0, which transformers' GGUF loading of Qwen3.5 does not read: there is no reference, whichever way the
+    check runs (by layer it read the blocks with gguf's own functions and passed, a review)."""
+    _, path = gguf_file(tmp_path, "qwen35", quantization="Q5_0")
+    assert_error(convert(path, tmp_path / "out", verify), "the reference model does not load with transformers")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("verify", ["--verify", "--verify-by-layer"])
 def test_a_quantized_hybrid_gguf_converts_to_bfloat16_exactly(verify, tmp_path):
     """Q8_0 blocks to bfloat16: the converter dequantizes in float32 and rounds once, as llama.cpp dequantizes and
     as transformers' float32 loading cast to bfloat16 holds. transformers' bfloat16 loading rounds each block's
