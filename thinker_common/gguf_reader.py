@@ -124,6 +124,11 @@ class GGUFSource:
         rows = self.shape("token_embd.weight")[0] if "token_embd.weight" in self.names() else None
         if rows is not None and len(tokenizer) > rows:  # llama.cpp's files have one row per token
             self._warn_unembeddable(tokenizer, rows)
+        # How transformers loaded the file, not the tokenizer: it writes these into tokenizer_config.json, so the
+        # output followed HF_HUB_OFFLINE, and `thinker verify`, which rebuilds the files, refused a folder converted
+        # with it set and checked without (found by a benchmark run).
+        for key in LOADING_KEYS:
+            tokenizer.init_kwargs.pop(key, None)
         before = set(os.listdir(folder))
         tokenizer.save_pretrained(folder)
         return sorted(set(os.listdir(folder)) - before)
@@ -189,6 +194,8 @@ class GGUFSource:
 # measured, their temporaries staying in the processor's cache (a 134M-value Q8_0 tensor on two cores: 0.22-0.31 s,
 # against 0.31-0.34 s in pieces of 16 MiB and 0.55 s whole).
 DEQUANTIZE_PIECE = 1 << 20
+# The keys of a tokenizer's init_kwargs that record how transformers loaded it (``save_tokenizer``).
+LOADING_KEYS = ("local_files_only", "is_local")
 
 
 def dequantized(data: np.ndarray, kind: Any) -> torch.Tensor:

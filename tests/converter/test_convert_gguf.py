@@ -104,6 +104,40 @@ def test_a_tokenizer_larger_than_the_embedding_is_said(tmp_path, run_convert, ca
     assert "the file is inconsistent" not in caplog.text
 
 
+def test_a_gguf_tokenizer_is_the_same_files_offline_or_not(tmp_path, run_convert, monkeypatch):
+    """transformers writes how it loaded a tokenizer (local_files_only, is_local) into tokenizer_config.json, so a
+    GGUF conversion's files followed HF_HUB_OFFLINE, and `thinker verify` of a folder converted offline refused it
+    online ("not the source's tokenizer_config.json", a benchmark run): the files are the tokenizer's alone."""
+    from huggingface_hub import constants
+
+    from converter.convert import refuse_other_tokenizer
+    from thinker_common.gguf_reader import GGUFSource
+
+    tokens = ["<unk>", "<s>", "</s>", "a", "b", "ab", *(f"t{i}" for i in range(58))]  # one per embedding row
+    vocabulary = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [3, 3, 3] + [1] * (len(tokens) - 3),
+        "tokenizer.ggml.merges": ["a b"],
+        "tokenizer.ggml.eos_token_id": 2,
+    }
+    (tmp_path / "gguf").mkdir()
+    path = write_gguf(build_reference(SYNTHETIC["llama"]), tmp_path / "gguf" / "tiny.gguf", "llama", vocabulary)
+    written = {}
+    for offline in (True, False):
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+        output = run_convert(path, f"offline-{offline}", verify=False).output
+        written[offline] = (output / "tokenizer_config.json").read_bytes()
+    assert written[True] == written[False]
+    assert not {"local_files_only", "is_local"} & set(json.loads(written[True])), written[True]
+    source = GGUFSource(path)
+    try:
+        refuse_other_tokenizer(source, tmp_path / "offline-True")  # checked online
+    finally:
+        source.close()
+
+
 SCALED = {  # RoPE scaling as a GGUF records it: (architecture, its keys, the Hugging Face parameters they stand for)
     "qwen2 yarn": (
         "qwen2",
