@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
@@ -172,13 +173,15 @@ def test_verify_standalone_passes_then_names_the_broken_layer(source, tmp_path):
 def test_verify_names_a_weight_edited_below_the_parity_tolerance(source, tmp_path):
     """From a QA sweep at size: one row scaled by 1.0001 moved the logits by a tenth of the tolerance and passed
     ``thinker verify``. The exact check compares every tensor with what converting the source writes, bit for bit:
-    the row is named, the report fails with the logits passing, and parity.json stays the record it was."""
+    the row is named, the report fails with the logits passing, and parity.json stays the record it was. The edit is
+    one value moved by one float32 step, which no cast to a narrower dtype keeps (a check comparing bytes after
+    such a cast passed a whole row scaled by 1.0001, a mutation run)."""
     runner = CliRunner()
     converted = tmp_path / "out"
     assert runner.invoke(convert_command, [str(source), str(converted)]).exit_code == 0
     name = "model.layers.1.mlp.down_proj.weight"
     weights = load_file(converted / "model.safetensors")
-    weights[name][3] *= 1.0001
+    weights[name][3, 0] = torch.nextafter(weights[name][3, 0], torch.tensor(float("inf")))
     save_file(weights, converted / "model.safetensors", metadata={"format": "pt"})
     result = runner.invoke(verify_command, [str(source), str(converted)])
     assert result.exit_code == 1, result.output
