@@ -196,12 +196,20 @@ def test_export_of_a_source_names_the_sources_generation_config(key, value, sour
     assert_nothing_written(output)
 
 
-def test_export_refuses_a_context_too_short_to_verify(qwen3_thinker, tmp_path):
+@pytest.mark.parametrize("short_by", ["most", "one"])
+def test_export_refuses_a_context_too_short_to_verify(short_by, qwen3_thinker, tmp_path):
+    """Refused before any work, naming config.json; one position short too, where an off-by-one let the export run
+    into the runtime's own refusal, which tells the user to shorten a prompt they never gave (a mutation run)."""
+    from export.verify import DECODE_STEPS
+    from thinker_common.parity_inputs import PROMPT_LENGTHS
+
+    positions = 2 if short_by == "most" else max(PROMPT_LENGTHS) + DECODE_STEPS - 1
     folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
-    edit_config(folder, max_position_embeddings=2)
+    edit_config(folder, max_position_embeddings=positions)
     output = tmp_path / "onnx"
     result = thinker("export", folder, output, "--verify")
-    assert_error(result, "max_position_embeddings=2", "fewer positions than --verify runs", "--no-verify")
+    said = f"max_position_embeddings={positions}"
+    assert_error(result, "config.json", said, "fewer positions than --verify runs", "--no-verify")
     assert_nothing_written(output)
     assert thinker("export", folder, output, "--no-verify").exit_code == 0  # a 2-position model exports as it is
 

@@ -101,8 +101,13 @@ def test_verify_holds_genai_config_to_the_graph(thinker_variant, onnx_variant, t
     sound = json.loads((plain / "genai_config.json").read_text())
     result = verify_export(folder, plain / "model.onnx", torch.float32)  # as written (head_dim 16 != 32 / 4)
     assert result["passed"] is True, result.get("failure")
+    from export.onnx_folder import graph_context
+
+    past_the_table = graph_context(plain / "model.onnx")[0] + 1  # one position past: the boundary itself
     edits = {
-        "model.context_length 4096 is past the graph's": lambda c: c["model"].update(context_length=4096),
+        f"model.context_length {past_the_table} is past the graph's": lambda c: c["model"].update(
+            context_length=past_the_table
+        ),
         "model.decoder.inputs.past_key_names 'past.%d.key' names no input": lambda c: c["model"]["decoder"][
             "inputs"
         ].update(past_key_names="past.%d.key"),
@@ -124,6 +129,20 @@ def test_verify_holds_genai_config_to_the_graph(thinker_variant, onnx_variant, t
         result = verify_export(folder, plain / "model.onnx", torch.float32)
         assert result["passed"] is False and f"genai_config.json: {said}" in result["failure"], result.get("failure")
         assert result["max_abs_diff"] <= result["tolerance"]  # every prompt passes
+    # a hybrid's linear-attention state names swapped: both still name outputs of the graph (a mutation run)
+    folder = thinker_variant("qwen3_5")
+    hybrid = tmp_path / "hybrid"
+    shutil.copytree(onnx_variant("qwen3_5", graph="plain", head_dim=None), hybrid)
+    config = json.loads((hybrid / "genai_config.json").read_text())
+    outputs = config["model"]["decoder"]["outputs"]
+    outputs["present_conv_names"], outputs["present_recurrent_names"] = (
+        outputs["present_recurrent_names"],
+        outputs["present_conv_names"],
+    )
+    (hybrid / "genai_config.json").write_text(json.dumps(config))
+    result = verify_export(folder, hybrid / "model.onnx", torch.float32)
+    said = "model.decoder.outputs.present_conv_names is 'present.%d.recurrent_state', where the graph's present of"
+    assert result["passed"] is False and f"genai_config.json: {said}" in result["failure"], result.get("failure")
 
 
 def test_greedy_search_keeps_valid_sampling_values_and_drops_what_it_never_reads():
