@@ -73,12 +73,15 @@ def test_synthetic_gguf(architecture, tmp_path, run_convert):
         assert [written.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")] == [None] * 3, name
 
 
-def test_a_tokenizer_larger_than_the_embedding_is_said(tmp_path, run_convert, caplog):
-    """A file whose vocabulary lists more tokens than its embedding has rows converted without a word, and its
-    tokenizer then gives ids the model cannot embed (a QA run): a warning names both counts."""
-    model = build_reference(SYNTHETIC["llama"])
-    tokens = ["<unk>", "<s>", "</s>", "a", "b", "ab", *(f"t{i}" for i in range(64))]  # 70 tokens, 64 rows
-    vocabulary = {
+def byte_pair_tokens(words: int) -> list[str]:
+    """Three special tokens, one merge's pieces and ``words`` tokens more: a GPT-2-style vocabulary of ``words + 6``."""
+    return ["<unk>", "<s>", "</s>", "a", "b", "ab", *(f"t{i}" for i in range(words))]
+
+
+def byte_pair_vocabulary(tokens: list[str]) -> dict[str, object]:
+    """A GGUF file's tokenizer metadata for ``tokens`` (the first three special, one merge, eos 2), as llama.cpp
+    writes a GPT-2-style tokenizer."""
+    return {
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "default",
         "tokenizer.ggml.tokens": tokens,
@@ -86,6 +89,14 @@ def test_a_tokenizer_larger_than_the_embedding_is_said(tmp_path, run_convert, ca
         "tokenizer.ggml.merges": ["a b"],
         "tokenizer.ggml.eos_token_id": 2,
     }
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_said(tmp_path, run_convert, caplog):
+    """A file whose vocabulary lists more tokens than its embedding has rows converted without a word, and its
+    tokenizer then gives ids the model cannot embed (a QA run): a warning names both counts."""
+    model = build_reference(SYNTHETIC["llama"])
+    tokens = byte_pair_tokens(64)  # 70 tokens, 64 rows
+    vocabulary = byte_pair_vocabulary(tokens)
     folder = tmp_path / "gguf"
     folder.mkdir()
     path = write_gguf(model, folder / "tiny.gguf", "llama", metadata=vocabulary)
@@ -113,15 +124,7 @@ def test_a_gguf_tokenizer_is_the_same_files_offline_or_not(tmp_path, run_convert
     from converter.convert import refuse_other_tokenizer
     from thinker_common.gguf_reader import GGUFSource
 
-    tokens = ["<unk>", "<s>", "</s>", "a", "b", "ab", *(f"t{i}" for i in range(58))]  # one per embedding row
-    vocabulary = {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "default",
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": [3, 3, 3] + [1] * (len(tokens) - 3),
-        "tokenizer.ggml.merges": ["a b"],
-        "tokenizer.ggml.eos_token_id": 2,
-    }
+    vocabulary = byte_pair_vocabulary(byte_pair_tokens(58))  # one token per embedding row
     (tmp_path / "gguf").mkdir()
     path = write_gguf(build_reference(SYNTHETIC["llama"]), tmp_path / "gguf" / "tiny.gguf", "llama", vocabulary)
     written = {}
