@@ -693,6 +693,11 @@ def test_config_json_with_mlp_layer_types_still_loads(tiny_config, tmp_path):
     config = AutoConfig.from_pretrained(tmp_path)
     assert config.mlp_layer_types == ["dense", "dense", "sparse"]
     assert (config.decoder_sparse_step, config.mlp_only_layers) == (1, [0, 1])
+    # beside a sparse step the list does not follow, the list wins: the step is reset, not left to thin it out
+    # (left at 2, it silently made a listed sparse layer dense, a mutation run)
+    stepped = {**saved, "mlp_layer_types": ["sparse", "sparse", "dense"], "decoder_sparse_step": 2}
+    (tmp_path / "config.json").write_text(json.dumps(stepped))
+    assert AutoConfig.from_pretrained(tmp_path).mlp_layer_types == ["sparse", "sparse", "dense"]
     # one that agrees with the MoE fields changes nothing
     same = ThinkerConfig(**{**saved, "mlp_layer_types": ["sparse", "dense", "sparse"]})
     assert same.to_dict() == ThinkerConfig(**saved).to_dict()

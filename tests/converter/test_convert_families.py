@@ -40,13 +40,18 @@ def assert_verified(result, family: str) -> None:
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_qwen2_with_biases(save_reference, run_convert, tied):
+    # special ids apart, and a dropout: no logit shows them, so the gate cannot (each read from another key passed
+    # it, a mutation run)
+    fields = {"bos_token_id": 3, "eos_token_id": 5, "pad_token_id": 7, "attention_dropout": 0.1}
     config = Qwen2Config(
-        **SMALL, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied
+        **SMALL, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied, **fields
     )
     model, source = save_reference(config)
     result = run_convert(source)
     assert_verified(result, "qwen2")
-    assert ThinkerConfig.from_pretrained(result.output).tie_word_embeddings is tied
+    written = ThinkerConfig.from_pretrained(result.output)
+    assert written.tie_word_embeddings is tied
+    assert {key: getattr(written, key) for key in fields} == fields
     assert_same_logits(model, result.output)
 
 
