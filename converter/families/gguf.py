@@ -562,9 +562,9 @@ def _rope_parameters(metadata: Mapping[str, Any], arch: str, names: set[str]) ->
             "record; convert the original Hugging Face checkpoint instead"
         )
     scaling, factor, key = _rope_scaling(metadata, arch)
-    if scaling == "none":
+    if scaling == "none" or factor is None:  # a type without a factor: llama.cpp reads 0, and rotates unscaled
         return params
-    if scaling not in ("linear", "yarn") or factor is None:
+    if scaling not in ("linear", "yarn"):
         raise ThinkerError(
             f"GGUF RoPE scaling {scaling!r} (factor {factor}) is not supported; supported: none, linear, yarn"
         )
@@ -636,7 +636,7 @@ def _reference_rope_scaling(reader: Any, architecture: str) -> dict[str, Any]:
     factor = value(Keys.Rope.SCALING_FACTOR)
     factor = value("{arch}.rope.scale_linear") if factor is None else factor  # llama.cpp's older key
     kind = value(Keys.Rope.SCALING_TYPE) or ("linear" if factor not in (None, 0, 1) else "none")
-    if kind == "none":
+    if kind == "none" or factor is None:  # no factor: llama.cpp reads 0 and rotates unscaled
         return {}
     scaling = {"rope_type": kind, "factor": float(factor)}
     if kind == "yarn":
@@ -758,10 +758,7 @@ def load_layered_reference(source: Path, dtype: Any) -> Any:
                 parsed["tensors"][hf_name] = torch.from_numpy(np.copy(processed.weights))
         result = parsed["tensors"][hf_name]
         if tuple(result.shape) != built.get(hf_name, tuple(result.shape)):
-            raise ThinkerError(
-                f"{path}: {', '.join(tensor.name for tensor in members)} make {hf_name} of shape "
-                f"{tuple(result.shape)} in transformers' GGUF loading, where its model holds {built[hf_name]}"
-            )
+            raise other_shapes(path, model, hf_name, tuple(result.shape), built[hf_name])
         return result
 
     # Declared with the shapes transformers' model holds; ``read`` checks what the tensors really make.
@@ -774,6 +771,17 @@ def load_layered_reference(source: Path, dtype: Any) -> Any:
         for hf_name, members in groups.items()
     }
     return StreamedModel(model, tensors)
+
+
+def other_shapes(path: Path, model: Any, name: str, made: tuple, holds: tuple) -> NoReference:
+    """The layer check's reference made a tensor of another shape than transformers' model holds: said as the
+    whole-model check's load says it (``parity.reference_from_pretrained``), where it named the GGUF tensors alone,
+    without advice, as if the file were at fault (a QA run)."""
+    return NoReference(
+        f"{path}: transformers builds {type(model).__name__} from it with tensors of other shapes than it holds "
+        f"({name}: {made} in the checkpoint, {holds} in transformers' model), so there is no reference to verify "
+        f"against; {NO_VERIFY}"
+    )
 
 
 def reference_values(tensor: Any, newer_loading: bool, path: Path) -> Any:
@@ -804,13 +812,23 @@ def reference_values(tensor: Any, newer_loading: bool, path: Path) -> Any:
             f"{GGMLQuantizationType(kind).name}, which its GGUF loading of this architecture does not read), so there "
             f"is no reference to verify against; {NO_VERIFY}"
         )
+
+    def gguf_values(piece: np.ndarray) -> np.ndarray:
+        try:  # given the type itself: gguf's own refusal reads its name
+            return quants.dequantize(piece, GGMLQuantizationType(kind))
+        except NotImplementedError as err:  # as the whole model's load says it
+            raise NoReference(
+                f"{path}: the reference model does not load with transformers ({err}), so there is no reference to "
+                f"verify against; {NO_VERIFY}"
+            ) from None
+
     rows = data.reshape(-1, data.shape[-1]) if data.ndim else data.reshape(1, 1)
     if blocks:
         per_block, block_bytes = GGML_BLOCK[kind]
         width = data.shape[-1] // block_bytes * per_block
         shape = (*data.shape[:-1], width)
     else:
-        width = int(quants.dequantize(rows[:1], kind).shape[-1])
+        width = int(gguf_values(rows[:1]).shape[-1])
         shape = (*data.shape[:-1], width) if data.ndim else ()
     values = torch.empty(rows.shape[0], width, dtype=torch.float32)
     step = max(1, DEQUANTIZE_PIECE // max(1, width))
@@ -819,7 +837,7 @@ def reference_values(tensor: Any, newer_loading: bool, path: Path) -> Any:
         if blocks:
             made = dequantize_blocks(torch.from_numpy(piece.copy()), kind, len(piece), width, torch.float32)
         else:
-            made = torch.from_numpy(np.array(quants.dequantize(piece, kind), dtype=np.float32))
+            made = torch.from_numpy(np.array(gguf_values(piece), dtype=np.float32))
         values[first : first + len(piece)] = made.reshape(len(piece), width)
     return values.reshape(shape)
 
@@ -868,10 +886,7 @@ def _mapped_reference_tensors(path: Path, reader: Any, architecture: str, model:
                 inputs = {hf_name: [next(iter(outputs.values()))]}
             (result,) = inputs[hf_name]
         if tuple(result.shape) != built[hf_name]:
-            raise ThinkerError(
-                f"{path}: {', '.join(tensor.name for tensor, _ in members)} make {hf_name} of shape "
-                f"{tuple(result.shape)} in transformers' GGUF loading, where its model holds {built[hf_name]}"
-            )
+            raise other_shapes(path, model, hf_name, tuple(result.shape), built[hf_name])
         return result.float()
 
     return {

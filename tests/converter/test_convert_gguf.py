@@ -168,6 +168,9 @@ SCALED = {  # RoPE scaling as a GGUF records it: (architecture, its keys, the Hu
     # key says otherwise), and the factor under the older rope.scale_linear key too: such files were written unscaled
     "llama factor alone": ("llama", {"rope.scaling.factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),
     "llama scale_linear": ("llama", {"rope.scale_linear": 2.0}, {"rope_type": "linear", "factor": 2.0}),
+    # a type without a factor: llama.cpp reads the factor as 0 and rotates unscaled (it was refused as "'yarn' is not
+    # supported; supported: none, linear, yarn", a QA run)
+    "llama type without a factor": ("llama", {"rope.scaling.type": "yarn"}, {"rope_type": "default"}),
 }
 # Heads wide enough for YaRN's betas to matter (at the tiny configs' 8 dimensions a head, every frequency falls on one
 # side of both correction bounds, and swapping the betas changes nothing): swapped here, 6.9 on a logit scale of 5.9.
