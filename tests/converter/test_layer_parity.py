@@ -109,7 +109,9 @@ def stages(folder: Path, report_file: str = "parity.json") -> dict[str, dict]:
 )
 def test_verify_by_layer_names_the_altered_layer(config, altered, tmp_path):
     source, converted = save_source(config, tmp_path / "source"), tmp_path / "out"
-    assert cli(convert_command, source, converted, "--no-verify").exit_code == 0
+    # the conversion's own check runs layer by layer when asked (the flag dropped passed every check, a mutation run)
+    assert cli(convert_command, source, converted, "--verify-by-layer").exit_code == 0
+    assert json.loads((converted / "parity.json").read_text())["mode"] == "layer-by-layer"
 
     passed = cli(verify_command, source, converted, "--verify-by-layer")
     assert passed.exit_code == 0, passed.output

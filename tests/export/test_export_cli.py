@@ -412,3 +412,33 @@ def test_quality_limits_given_by_name_need_the_cost_measured(runner, thinker_fol
     limited = runner.invoke(main, ["export", str(folder), str(tmp_path / "limited"), *quantized, "--min-top1", "0"])
     assert limited.exit_code == 1 and "was not measured" in limited.stderr, limited.output
     assert not (tmp_path / "limited").exists()
+
+
+def test_each_option_reaches_what_it_controls(runner, thinker_folder, tmp_path):
+    """An option read and not passed on leaves a sound export of another kind, which its own checks pass, since they
+    hold the export to what it was told (a mutation run: --graph, --dtype and --accuracy-guard each dropped at the
+    command line, the head's bits, the embedding and the mixed head's rows in the spec, all exit 0)."""
+    from export.quantize import QuantizeSpec
+
+    folder = thinker_folder("qwen3")
+    plain = tmp_path / "plain"
+    result = runner.invoke(
+        main, ["export", str(folder), str(plain), "--graph", "plain", "--dtype", "float16", "--no-verify"]
+    )
+    assert result.exit_code == 0, result.output
+    model = onnx.load(plain / "model.onnx", load_external_data=False)
+    assert not [node.op_type for node in model.graph.node if node.domain == "com.microsoft"]  # standard ops alone
+    kinds = {tensor.data_type for tensor in model.graph.initializer if len(tensor.dims) == 2}
+    assert kinds == {onnx.TensorProto.FLOAT16}, kinds
+
+    guarded = tmp_path / "guarded"
+    options = ["--quantize", "int4", "--accuracy-guard", "1.0", "--no-verify"]
+    result = runner.invoke(main, ["export", str(folder), str(guarded), *options])
+    assert result.exit_code == 0, result.output
+    report = json.loads((guarded / "export_report.json").read_text())
+    assert report["accuracy_guard"]["min_agreement"] == 1.0
+
+    head = QuantizeSpec.parse("int4", head="int8", embedding="float")
+    assert (head.bits, head.head_bits, head.head_int8_rows, head.float_embedding) == (4, 8, 0, True)
+    mixed = QuantizeSpec.parse("int4", head_int8_rows=32, block_size=64)
+    assert (mixed.head_bits, mixed.head_int8_rows, mixed.float_embedding, mixed.block_size) == (None, 32, False, 64)
