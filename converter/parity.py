@@ -46,13 +46,13 @@ from .parity_report import (
     GREEDY_TOKENS,
     HALF_TOP1_MIN,
     IDENTICAL,
-    NO_VERIFY,
     WHOLE_MODEL,
     DtypeParity,
-    NoReference,
     ParityFailed,
     ParityReport,
+    reference_of_other_shapes,
     reference_overflows,
+    reference_unloadable,
     refuse_short_context,
     refuse_unknown_model_type,
     write_report,
@@ -103,19 +103,12 @@ def reference_from_pretrained(label: Path, folder: Path, **kwargs: Any) -> PreTr
             refuse_unloadable(Path(folder), label)
             # or a file cut short or damaged since the converter read it: named by the converter's own reader
             open_source(Path(folder)).close()
-        raise NoReference(
-            f"{label}: the reference model does not load with transformers ({err}), so there is no reference to "
-            f"verify against; {NO_VERIFY}"
-        ) from None
+        raise reference_unloadable(label, str(err)) from None
     mismatched = sorted(info.get("mismatched_keys") or [])
     if mismatched:
         name, stored, built = mismatched[0]
         more = f" and {len(mismatched) - 1} more" if len(mismatched) > 1 else ""
-        raise NoReference(
-            f"{label}: transformers builds {type(model).__name__} from it with tensors of other shapes than it holds "
-            f"({name}: {tuple(stored)} in the checkpoint, {tuple(built)} in transformers' model{more}), so there is "
-            f"no reference to verify against; {NO_VERIFY}"
-        )
+        raise reference_of_other_shapes(label, type(model).__name__, name, tuple(stored), tuple(built), more)
     return model.eval()
 
 

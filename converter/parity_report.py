@@ -55,6 +55,27 @@ class NoReference(ThinkerError):
         return ThinkerError(str(self).replace(NO_VERIFY, advice))
 
 
+def reference_unloadable(label: object, reason: str) -> NoReference:
+    """transformers cannot load the reference of ``label`` (a source), for ``reason``: said alike by the whole
+    model's load and the layer check's."""
+    return NoReference(
+        f"{label}: the reference model does not load with transformers ({reason}), so there is no reference to "
+        f"verify against; {NO_VERIFY}"
+    )
+
+
+def reference_of_other_shapes(
+    label: object, built_class: str, name: str, stored: tuple, built: tuple, more: str = ""
+) -> NoReference:
+    """transformers builds ``built_class`` from ``label`` with tensors of other shapes than it holds (``name``, the
+    first, as stored and as built; ``more``: how many more): said alike by both checks."""
+    return NoReference(
+        f"{label}: transformers builds {built_class} from it with tensors of other shapes than it holds "
+        f"({name}: {stored} in the checkpoint, {built} in transformers' model{more}), so there is no reference to "
+        f"verify against; {NO_VERIFY}"
+    )
+
+
 # The stages that compare positions beyond the prompts' (converter/unreached.py ``position_stages``).
 POSITION_ROWS = "every position-embedding row"
 CONTEXT_STAGE = "the context (max_position_embeddings)"

@@ -422,17 +422,16 @@ def test_layer_types_default_validation_and_edits():
         ThinkerConfig(num_hidden_layers=1, layer_types=["mamba2"])
     with pytest.raises(StrictDataclassError, match="linear_num_value_heads=3"):
         ThinkerConfig(num_hidden_layers=1, layer_types=["linear_attention"], linear_num_value_heads=3)
-    with pytest.raises(
-        StrictDataclassError, match="linear_num_value_heads=3"
-    ):  # more than the key heads, not a multiple
+    # more value heads than key heads, and not a multiple of them
+    with pytest.raises(StrictDataclassError, match="linear_num_value_heads=3"):
         ThinkerConfig(
             num_hidden_layers=1, layer_types=["linear_attention"], linear_num_key_heads=2, linear_num_value_heads=3
         )
     # three sections that must sum to the head's 8 rotary frequencies: fewer, more, or not three (each loosening of
     # the check to one side passed the cases of the other, and the model then failed inside torch: a mutation run)
     for section in ([1, 1], [2, 2, 2], [3, 3, 3]):
+        rope = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": section}
         with pytest.raises(StrictDataclassError, match="mrope_section"):
-            rope = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": section}
             ThinkerConfig(head_dim=16, rope_parameters=rope)
     with pytest.raises(StrictDataclassError, match="num_experts_per_tok=5 must lie in 1..4"):
         ThinkerConfig(num_experts=4, num_experts_per_tok=5)

@@ -53,7 +53,7 @@ from ..ops import (
     TiledToGroupedValueHeads,
     Unsqueeze,
 )
-from ..parity_report import NO_VERIFY, NoReference
+from ..parity_report import reference_of_other_shapes, reference_unloadable
 from ..spec import LAYER_INDEX, Family, TensorRule, rule
 from .common import THINKER_LAYER, VISION_LANGUAGE_LAYOUT
 from .llama import LLAMA
@@ -758,7 +758,7 @@ def load_layered_reference(source: Path, dtype: Any) -> Any:
                 parsed["tensors"][hf_name] = torch.from_numpy(np.copy(processed.weights))
         result = parsed["tensors"][hf_name]
         if tuple(result.shape) != built.get(hf_name, tuple(result.shape)):
-            raise other_shapes(path, model, hf_name, tuple(result.shape), built[hf_name])
+            raise reference_of_other_shapes(path, type(model).__name__, hf_name, tuple(result.shape), built[hf_name])
         return result
 
     # Declared with the shapes transformers' model holds; ``read`` checks what the tensors really make.
@@ -771,17 +771,6 @@ def load_layered_reference(source: Path, dtype: Any) -> Any:
         for hf_name, members in groups.items()
     }
     return StreamedModel(model, tensors)
-
-
-def other_shapes(path: Path, model: Any, name: str, made: tuple, holds: tuple) -> NoReference:
-    """The layer check's reference made a tensor of another shape than transformers' model holds: said as the
-    whole-model check's load says it (``parity.reference_from_pretrained``), where it named the GGUF tensors alone,
-    without advice, as if the file were at fault (a QA run)."""
-    return NoReference(
-        f"{path}: transformers builds {type(model).__name__} from it with tensors of other shapes than it holds "
-        f"({name}: {made} in the checkpoint, {holds} in transformers' model), so there is no reference to verify "
-        f"against; {NO_VERIFY}"
-    )
 
 
 def reference_values(tensor: Any, newer_loading: bool, path: Path) -> Any:
@@ -807,20 +796,17 @@ def reference_values(tensor: Any, newer_loading: bool, path: Path) -> Any:
             return torch.from_numpy(np.array(data, copy=True).view(np.int16)).view(torch.bfloat16)
         if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             return torch.from_numpy(np.array(data, copy=True))
-        raise NoReference(  # as the whole model's load says it
-            f"{path}: the reference model does not load with transformers (tensor {tensor.name!r} is stored as "
-            f"{GGMLQuantizationType(kind).name}, which its GGUF loading of this architecture does not read), so there "
-            f"is no reference to verify against; {NO_VERIFY}"
+        raise reference_unloadable(  # as the whole model's load says it
+            path,
+            f"tensor {tensor.name!r} is stored as {GGMLQuantizationType(kind).name}, which its GGUF loading of this "
+            "architecture does not read",
         )
 
     def gguf_values(piece: np.ndarray) -> np.ndarray:
         try:  # given the type itself: gguf's own refusal reads its name
             return quants.dequantize(piece, GGMLQuantizationType(kind))
         except NotImplementedError as err:  # as the whole model's load says it
-            raise NoReference(
-                f"{path}: the reference model does not load with transformers ({err}), so there is no reference to "
-                f"verify against; {NO_VERIFY}"
-            ) from None
+            raise reference_unloadable(path, str(err)) from None
 
     rows = data.reshape(-1, data.shape[-1]) if data.ndim else data.reshape(1, 1)
     if blocks:
@@ -886,7 +872,7 @@ def _mapped_reference_tensors(path: Path, reader: Any, architecture: str, model:
                 inputs = {hf_name: [next(iter(outputs.values()))]}
             (result,) = inputs[hf_name]
         if tuple(result.shape) != built[hf_name]:
-            raise other_shapes(path, model, hf_name, tuple(result.shape), built[hf_name])
+            raise reference_of_other_shapes(path, type(model).__name__, hf_name, tuple(result.shape), built[hf_name])
         return result.float()
 
     return {

@@ -184,6 +184,7 @@ def test_the_layer_references_blocks_are_not_the_converters(architecture, tmp_pa
         return read(data, kind) * (1.01 if kind == gguf.GGMLQuantizationType.Q8_0 else 1.0)
 
     monkeypatch.setattr(gguf_reader, "dequantized", scale_misread)
+    # and where the reference once took it by name, so that a reference sharing the reading again fails this test
     monkeypatch.setattr(converter.families.gguf, "dequantized", scale_misread, raising=False)
     with pytest.raises(ThinkerError, match="does not match its reference"):
         run_convert(path, "slipped", verify_by_layer=True)
