@@ -74,6 +74,7 @@ from .parity_report import (
     refuse_unknown_model_type,
 )
 from .spec import Family
+from .special_tokens import special_id_differences
 from .streamed import (
     StreamedModel,
     Unit,
@@ -103,7 +104,7 @@ def check_parity_by_layer(
     # the whole-model check's prompts, room left for its greedy tokens: both modes compare the same batch
     refuse_short_context(config.max_position_embeddings)
     prompts = gate_prompts(config.vocab_size, config.max_position_embeddings, GREEDY_TOKENS)
-    results, names = [], ("", "")
+    results, names, special = [], ("", ""), []
     for dtype in (torch.float32, *([stored] if stored != torch.float32 else [])):
         reference = loader(source, stored)
         try:
@@ -113,11 +114,19 @@ def check_parity_by_layer(
                     model.compute_dtype = dtype if dtype != stored else None
                 results.append(compare_by_layer(reference, thinker, prompts, dtype))
                 names = (reference.name, thinker.name)
+                special = special_id_differences(getattr(reference.model, "config", None), config)
             finally:
                 thinker.close()
         finally:
             reference.close()
-    return ParityReport(reference=names[0], converted=names[1], prompts=prompts, results=results, mode=BY_LAYER)
+    return ParityReport(
+        reference=names[0],
+        converted=names[1],
+        prompts=prompts,
+        results=results,
+        mode=BY_LAYER,
+        special_tokens=special,
+    )
 
 
 # --- loading -----------------------------------------------------------------------------------------------------

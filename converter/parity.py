@@ -58,6 +58,7 @@ from .parity_report import (
     write_report,
 )
 from .spec import Family
+from .special_tokens import special_id_differences
 from .streamed import without_router_loss
 from .unreached import unreached_stages
 
@@ -363,7 +364,12 @@ def check_parity(
     without_router_loss(model)
     refuse_short_context(model.config.max_position_embeddings)
     prompts = gate_prompts(model.config.vocab_size, model.config.max_position_embeddings, GREEDY_TOKENS)
-    report = ParityReport(reference=type(reference).__name__, converted=type(model).__name__, prompts=prompts)
+    report = ParityReport(
+        reference=type(reference).__name__,
+        converted=type(model).__name__,
+        prompts=prompts,
+        special_tokens=special_id_differences(getattr(reference, "config", None), model.config),
+    )
     if dtype != torch.float32:
         report.results.append(compare(reference, model, prompts))
     # Widened in place: the same rounded weights on both sides, compared in float32. ``.to`` rather than ``.float``,
@@ -396,6 +402,8 @@ def parity_gate(
         detail = f"; first divergence: {where}" if where else ""
         if weights not in (None, IDENTICAL):
             detail += f"; {weights}"
+        if report.special_tokens:
+            detail += f"; special token ids not the reference's: {', '.join(report.special_tokens)}"
         raise ParityFailed(failure + detail, report)
     return report
 

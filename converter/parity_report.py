@@ -134,10 +134,17 @@ class ParityReport:
     # ``thinker verify``'s exact check (converter/weights_check.py): IDENTICAL, or the first tensor and row that
     # differ from what converting the source writes; None where it did not run (a conversion writes them itself)
     weights: str | None = None
+    # the bos/eos/pad ids that differ from the reference's, ``key (reference -> converted)``
+    # (converter/special_tokens.py): no logit shows them
+    special_tokens: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
-        return all(result.passed for result in self.results) and self.weights in (None, IDENTICAL)
+        return (
+            all(result.passed for result in self.results)
+            and self.weights in (None, IDENTICAL)
+            and not self.special_tokens
+        )
 
     @property
     def rounding_note(self) -> str:
@@ -213,6 +220,8 @@ class ParityReport:
                 rows.append(f"{r.dtype}: {reached}, beyond the prompts' reach, on inputs of their own: {verdict}")
         if self.weights is not None:
             rows.append(f"weights: {self.weights}")
+        if self.special_tokens:
+            rows.append(f"special tokens: FAIL, not the reference's: {', '.join(self.special_tokens)}")
         if self.rounding_note:
             rows.append(self.rounding_note)
         return "\n".join(rows)

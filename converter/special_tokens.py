@@ -1,0 +1,46 @@
+"""The special-token ids of a converted model against its reference's: what no logit shows.
+
+A conversion that reads the source's eos id from the bos key, or drops its pad id, computes every logit exactly and
+passes the parity gate; it then stops generation at the wrong token. ``thinker verify`` cannot see such a slip
+either, since it translates the source again with the same code. The reference's ids here come from transformers'
+own reading of the source (its config class for a folder, its GGUF tables for a file), never from the converter's,
+so the parity gate compares them beside the logits (a mutation run).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import GenerationConfig
+
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def special_ids(config: Any) -> dict[str, Any]:
+    """bos, eos and pad ids as transformers' ``generate`` takes them from a model config when no
+    generation_config.json says otherwise (``GenerationConfig.from_model_config``: the config's own, else its text
+    decoder's); an eos as a list."""
+    generation = GenerationConfig.from_model_config(config)
+    ids = {key: getattr(generation, key, None) for key in SPECIAL_IDS}
+    eos = ids["eos_token_id"]
+    ids["eos_token_id"] = eos if eos is None or isinstance(eos, list) else [eos]
+    return ids
+
+
+def special_id_differences(reference_config: Any, converted_config: Any) -> list[str]:
+    """``key (reference -> converted)`` for each id the reference's config names and the converted one names
+    otherwise. Not compared: an id the reference leaves unset (some references are a sub-model whose ids live on the
+    checkpoint's outer config, which the family reads: ``qwen3_asr``), nor one the converted model leaves unset
+    where the reference holds only its config class's default (a llama GGUF file without ``tokenizer.ggml``
+    ids: transformers' LlamaConfig says bos 1, eos 2, which the file never did)."""
+    if reference_config is None:  # a reference outside transformers (a from-scratch implementation) names none
+        return []
+    expected, actual = special_ids(reference_config), special_ids(converted_config)
+    defaults = special_ids(type(reference_config)())
+    return [
+        f"{key} ({expected[key]!r} -> {actual[key]!r})"
+        for key in SPECIAL_IDS
+        if expected[key] is not None
+        and expected[key] != actual[key]
+        and not (actual[key] is None and expected[key] == defaults[key])
+    ]
