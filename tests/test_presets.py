@@ -158,3 +158,21 @@ def test_source_checkout_fallback(monkeypatch):
 
     monkeypatch.setattr(presets.resources, "files", not_installed)
     assert list_presets() == sorted(path.stem for path in CONFIGS.glob("*.json"))
+
+
+def test_the_smollm2_preset_is_the_real_file():
+    """configs/smollm2-135m.json against the one released model here, the SmolLM2 GGUF the demo converts: every
+    field the file carries is the preset's. Not its initializer_range (0.0417 in the release's config.json), a
+    training setting no GGUF file records."""
+    from converter.engine import plan_conversion
+    from converter.families.gguf import smollm2_gguf_path
+    from thinker_common.sources import open_source
+
+    source = open_source(smollm2_gguf_path())
+    try:
+        config = plan_conversion(source, source.config()).config
+    finally:
+        source.close()
+    preset = load_preset("smollm2-135m")
+    differ = [field for field in ThinkerConfig.__annotations__ if getattr(config, field) != getattr(preset, field)]
+    assert differ == ["initializer_range"]
