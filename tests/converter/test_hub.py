@@ -26,6 +26,7 @@ def tiny_repo(hidden_size: int = 4) -> dict[str, bytes]:
         "config.json": json.dumps({"model_type": "qwen2", "hidden_size": hidden_size}).encode(),
         "model.safetensors": save({"w": np.arange(hidden_size, dtype=np.float32)}),
         "tokenizer.json": b'{"model": {"type": "BPE"}}',
+        "generation_config.json": b'{"temperature": 0.37, "top_k": 7}',  # sampling defaults a conversion keeps
         "README.md": b"---\nlicense: apache-2.0\n---\n# tiny",
         "LICENSE": b"Apache License 2.0",
         "model.onnx": BIG,
@@ -35,7 +36,7 @@ def tiny_repo(hidden_size: int = 4) -> dict[str, bytes]:
 
 
 # the card and the license too: the license travels with the weights into OUTPUT
-WANTED = {"config.json", "model.safetensors", "tokenizer.json", "README.md", "LICENSE"}
+WANTED = {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json", "README.md", "LICENSE"}
 
 
 def files_in(folder) -> set[str]:
@@ -185,7 +186,29 @@ def test_token_is_sent(fake_hub, monkeypatch, how):
         folder = resolve_source(REPO, token=fake_hub.TOKEN, progress=False)
 
     assert files_in(folder) == WANTED
-    assert {r.authorization for r in fake_hub.file_requests()} == {f"Bearer {fake_hub.TOKEN}"}
+    # every request, the listing's too: a private repo's listing asked without it is "not found" (a mutation run)
+    assert {r.authorization for r in fake_hub.requests} == {f"Bearer {fake_hub.TOKEN}"}
+
+
+def test_the_endpoint_is_read_when_resolving(fake_hub, monkeypatch):
+    """HF_ENDPOINT set after huggingface_hub was imported is the one asked (its constants keep the value at import):
+    the fixture's endpoint in the environment alone, the constants pointing at a closed port."""
+    fake_hub.add_repo(REPO, tiny_repo())
+    closed = "http://127.0.0.1:9"
+    monkeypatch.setattr(constants, "ENDPOINT", closed)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", closed + "/{repo_id}/resolve/{revision}/{filename}")
+    assert files_in(resolve_source(REPO, progress=False)) == WANTED
+
+
+def test_a_local_folder_named_like_a_repo_id_is_read_where_it_is(fake_hub, tmp_path, monkeypatch):
+    """A relative path spelled as a repo id (acme/tiny) or a one-word name is the folder there when it exists, as
+    transformers' from_pretrained takes it; the Hub is not asked."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("acme/tiny", "tinyq"):
+        (tmp_path / name).mkdir(parents=True)
+        (tmp_path / name / "config.json").write_text("{}")
+        assert resolve_source(name, progress=False) == Path(name)
+    assert fake_hub.requests == []
 
 
 def test_revision_picks_its_commit(fake_hub):
@@ -211,6 +234,13 @@ def test_a_short_commit_hash_is_taken_and_found_offline(fake_hub, monkeypatch):
     assert resolve_source(REPO, revision=sha[:8], progress=False) == folder
     with pytest.raises(ThinkerError, match=f"{REPO}@0000000 is not in the cache"):
         resolve_source(REPO, revision="0000000", progress=False)
+    # the ref recorded whole, no temporary file of its writing left beside it
+    assert [ref.name for ref in (folder.parent.parent / "refs").iterdir()] == [sha[:10]]
+    # two cached snapshots the prefix matches: neither is taken for it
+    twin = folder.parent / (sha[:8] + "f" * 32)
+    twin.mkdir()
+    with pytest.raises(ThinkerError, match=f"{REPO}@{sha[:8]} is not in the cache"):
+        resolve_source(REPO, revision=sha[:8], progress=False)
 
 
 def test_unreachable_hub_falls_back_to_the_cache(fake_hub):

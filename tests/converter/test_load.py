@@ -218,6 +218,19 @@ def test_from_pretrained_passes_every_hub_argument_to_the_hub(fake_hub, save_ref
     torch.testing.assert_close(logits(again), logits(model), atol=0, rtol=0)
 
 
+def test_config_for_reads_the_revision_asked(fake_hub, save_reference):
+    """``config_for`` pairs with ``from_pretrained(config=...)``: the config of another revision than the weights'
+    would build another model around them."""
+    for name, layers, revision in (("one", 1, "main"), ("two", 2, "v2")):
+        config = Qwen3Config(
+            vocab_size=101, hidden_size=32, num_hidden_layers=layers, intermediate_size=40, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8,
+        )  # fmt: skip
+        fake_hub.add_repo("acme/q3", save_reference(config, name=name)[1], revision=revision)
+    assert config_for("acme/q3").num_hidden_layers == 1
+    assert config_for("acme/q3", revision="v2").num_hidden_layers == 2
+
+
 def test_a_foreign_checkpoint_needs_the_converter_registered(save_reference, tmp_path):
     """``import thinker`` alone does not import the converter; a foreign checkpoint is then refused with an error
     saying what to import, rather than loaded with random weights."""
