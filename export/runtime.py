@@ -623,7 +623,13 @@ class OnnxDecoder:
                 binding.bind_output(present, self.device, 0)  # onnxruntime allocates it there
         for name in self._probe_outputs:
             binding.bind_output(name, "cpu")
-        self.session.run_with_iobinding(binding)
+        try:
+            self.session.run_with_iobinding(binding)
+        except RuntimeError as err:
+            # run() raises onnxruntime's own types (ORT_RUN_ERRORS), which the export's check reports in one line;
+            # a bound run's failure comes as a bare RuntimeError ("Error in execution: ..."), and a graph failing
+            # there showed a traceback (a mutation run)
+            raise OrtFail(str(err)) from None
         logits, *outputs = binding.get_outputs()
         presents, probed = outputs[: len(self.past_names)], outputs[len(self.past_names) :]
         self.probed = {name: value.numpy() for name, value in zip(self.probe_names, probed, strict=True)}

@@ -461,3 +461,18 @@ def test_slots_past_the_fused_graphs_rope_table_are_refused_by_name(onnx_variant
         fused.prefill(ids, position_ids=positions)
     plain = OnnxDecoder(onnx_variant("qwen3_5", graph="plain", head_dim=None), provider="cpu")
     assert plain.prefill(ids, position_ids=positions)[0].shape[:2] == (1, len(streams))
+
+
+def test_a_bound_runs_failure_is_onnxruntimes_own(onnx_variant):
+    """A run through IO binding (the fused graph's shared KV, on either device) fails with a bare RuntimeError where
+    ``run`` raises onnxruntime's own types, which the export's check turns into one line naming the export: a graph
+    broken there showed a traceback (a mutation run). A cache of the wrong width makes onnxruntime fail it."""
+    from export.runtime import ORT_RUN_ERRORS
+
+    decoder = OnnxDecoder(onnx_variant("qwen3"), provider="cpu")
+    _, state = decoder.prefill([[3, 4, 5]], [[1, 1, 1]])
+    assert decoder.shared_kv  # the bound path
+    past = decoder.past_names[0]
+    state.cache[past] = np.concatenate([state.cache[past]] * 2, axis=1)  # twice the key-value heads
+    with pytest.raises(ORT_RUN_ERRORS, match="Error in execution"):
+        decoder.decode_one_token(np.array([6]), state)
