@@ -33,7 +33,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import onnx
 import torch
 
@@ -41,7 +40,6 @@ from thinker_common.eager import EAGER
 from thinker_common.parity_inputs import (
     DEEP_CACHE_SLOTS,
     LONG_DECODE_STEPS,
-    RELATIVE_TOLERANCE,
     indexer_batch,
     parity_batch,
 )
@@ -87,6 +85,7 @@ from .verify import (
     deep_slots,
     embeds_graph_of,
     genai_graph_of,
+    graph_tolerance,
     half_shadow,
     image_position_failures,
     indexer_failures,
@@ -95,24 +94,12 @@ from .verify import (
     long_prompts,
     padded_around_failures,
     padded_around_pass,
+    rounding_sensitivity,
     side_graph_failures,
     unprompted_checks,
     vocabulary_edge_failures,
     vocabulary_edges_pass,
 )
-
-# The graph check's tolerance floor on ill-conditioned inputs: SmolLM2's residual stream carries "massive
-# activations" (values near 23,000 after layer 11) from which the logits come out by cancellation, so at some
-# positions any two float32 implementations part far beyond 1e-4 x the logit scale. Measured on its default int4
-# export with the tied embedding quantized (the parity batch's second row, second token): PyTorch float32 5.8e-4
-# off float64, onnxruntime's float MatMul graph 4.7e-3, its MatMulNBits (float activations) 1.8e-2, against a
-# tolerance of 3.6e-3; the same position moves 1.0e-2 when the input embeddings move by 2^-20 (8 float32 ulps),
-# ~50x more than the other positions. So the reference's own sensitivity is measured that way (6.4e-3 over the
-# batch there, onnxruntime 3.2x that) and the tolerance is at least SENSITIVITY_MARGIN times it (2.5x room above
-# that 3.2x): on well-conditioned inputs (the tiny test models, where planted graph bugs land 10x beyond the
-# tolerance) it stays the float graphs' 1e-4 x the logit scale.
-SENSITIVITY_PERTURBATION = 2.0**-20
-SENSITIVITY_MARGIN = 8.0
 
 # Relative RMS error of a correctly quantized weight, with room: symmetric RTN over blocks of 32 measures ~0.1 at
 # 4 bits and ~0.006 at 8 (one rounding step is 1/8 and 1/128 of the block's largest magnitude); a scale off by 10 %
@@ -524,15 +511,6 @@ def graph_check(
     return graph
 
 
-def graph_tolerance(figures: dict, dtype: torch.dtype) -> float:
-    """The float graphs' tolerance on ``figures``' logit scale, or SENSITIVITY_MARGIN times the input's own
-    rounding sensitivity where that is larger."""
-    return max(
-        RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"]),
-        SENSITIVITY_MARGIN * figures["rounding_sensitivity"],
-    )
-
-
 def quantized_result(
     reference: str,
     provider: str,
@@ -622,26 +600,6 @@ def quantized_result(
     if failures:
         result["failure"] = "; ".join(failures)
     return result
-
-
-@torch.no_grad()
-def rounding_sensitivity(model: torch.nn.Module, input_ids: np.ndarray, attention_mask: np.ndarray) -> float:
-    """max |Δlogit| over the kept positions of the PyTorch prefill of the parity batch when its input embeddings
-    are scaled by 1 ± SENSITIVITY_PERTURBATION (signs from a fixed seed): how far a few float32 roundings move the
-    logits on this input, which bounds how far two sound float32 implementations may part on it."""
-    from .runtime import position_ids_from_mask
-
-    ids, mask = torch.from_numpy(input_ids), torch.from_numpy(attention_mask)
-    positions = torch.from_numpy(position_ids_from_mask(attention_mask))
-    embeddings = model.get_input_embeddings()(ids)
-    signs = torch.randint(0, 2, embeddings.shape, generator=torch.Generator().manual_seed(0)) * 2 - 1
-    ple = {"ple_input_ids": ids} if model.config.ple_layer_ids else {}  # Qwen3.8's n-grams hash the ids themselves
-    logits = [
-        model(inputs_embeds=e, attention_mask=mask, position_ids=positions, **ple).logits.float()
-        for e in (embeddings, embeddings * (1 + SENSITIVITY_PERTURBATION * signs.to(embeddings.dtype)))
-    ]
-    kept = mask.bool()
-    return float((logits[1] - logits[0]).abs()[kept].max())
 
 
 def tied_table_difference(dequantized: dict, model: torch.nn.Module) -> float | None:
