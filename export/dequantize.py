@@ -75,6 +75,7 @@ class QuantizedWeight:
     block_size: int | None = None
     row_parts: tuple[tuple[int, int, int, int | None], ...] = ()
     asymmetric: bool = False  # with zero points (uint ones of asymmetric RTN, HQQ's float ones)
+    float_zero_points: bool = False  # HQQ's: a MatMulNBits whose zero points are in the scales' float type
     # MatMulNBits' accuracy level (its activations' compute type): the distinct levels of its parts; () elsewhere
     accuracy_levels: tuple[int, ...] = ()
 
@@ -237,9 +238,14 @@ def quantized_weight_readers(onnx_path: Path) -> dict[str, Callable[[], Quantize
         packed, scales, zero = (array(name) for name in [*inputs, ""][:3])
         weight = dequantize_matmul_nbits(attrs, packed, scales, zero)
         level = (attrs.get("accuracy_level", 0),)  # the attribute's default in onnxruntime's schema
-        asymmetric = zero is not None
         return QuantizedWeight(
-            "MatMulNBits", attrs["bits"], weight, attrs["block_size"], asymmetric=asymmetric, accuracy_levels=level
+            "MatMulNBits",
+            attrs["bits"],
+            weight,
+            attrs["block_size"],
+            asymmetric=zero is not None,
+            float_zero_points=zero is not None and zero.dtype != np.uint8,
+            accuracy_levels=level,
         )
 
     def float_weight(name: str, bits: int, node: onnx.NodeProto) -> QuantizedWeight:
@@ -344,7 +350,13 @@ def _joined(name: str, ranges: list[tuple[int, int, Callable[[], QuantizedWeight
     bits = min(part.bits for part in parts)
     levels = tuple(sorted({level for part in parts for level in part.accuracy_levels}))
     return QuantizedWeight(
-        parts[0].op_type, bits, weight, row_parts=grid, asymmetric=parts[0].asymmetric, accuracy_levels=levels
+        parts[0].op_type,
+        bits,
+        weight,
+        row_parts=grid,
+        asymmetric=parts[0].asymmetric,
+        float_zero_points=parts[0].float_zero_points,
+        accuracy_levels=levels,
     )
 
 

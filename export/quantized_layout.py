@@ -25,25 +25,31 @@ RowRange = tuple[int, int, int, int | None]
 
 @dataclass(frozen=True)
 class Layout:
-    """How one weight is stored: its op, its row ranges' bits and block sizes, and whether it has zero points."""
+    """How one weight is stored: its op, its row ranges' bits and block sizes, and whether it has zero points, and
+    in which type: HQQ's are float, asymmetric RTN's integers, so an export asked for one and quantized by the
+    other (a mutation run: --algo hqq silently ran RTN) is told apart."""
 
     op_type: str
     rows: tuple[RowRange, ...]
     asymmetric: bool
     accuracy_levels: tuple[int, ...] = ()
+    float_zero_points: bool = False
 
     @classmethod
     def of(cls, quantized: QuantizedWeight) -> Layout:
         whole = ((0, int(quantized.weight.shape[0]), quantized.bits, quantized.block_size),)
         rows = tuple(quantized.row_parts) or whole
-        return cls(quantized.op_type, rows, quantized.asymmetric, quantized.accuracy_levels)
+        return cls(
+            quantized.op_type, rows, quantized.asymmetric, quantized.accuracy_levels, quantized.float_zero_points
+        )
 
     def describe(self) -> str:
         ranges = [
             (f"rows {start}-{stop - 1} " if len(self.rows) > 1 else "") + f"int{bits}, blocks of {block}"
             for start, stop, bits, block in self.rows
         ]
-        return "; ".join(ranges) + (", with zero points" if self.asymmetric else ", symmetric")
+        zero = ", with float zero points (HQQ's)" if self.float_zero_points else ", with integer zero points"
+        return "; ".join(ranges) + (zero if self.asymmetric else ", symmetric")
 
 
 def asked_layout(name: str, stored: Layout, asked: QuantizeSpec) -> Layout:
@@ -53,7 +59,9 @@ def asked_layout(name: str, stored: Layout, asked: QuantizeSpec) -> Layout:
     rows = stored.rows[-1][1]
     block = asked.block_size
     if name != HEAD or not (asked.head_bits or asked.head_int8_rows):
-        return Layout(stored.op_type, ((0, rows, asked.bits, block),), asked.algo != "rtn")
+        return Layout(
+            stored.op_type, ((0, rows, asked.bits, block),), asked.algo != "rtn", float_zero_points=asked.algo == "hqq"
+        )
     split = asked.head_int8_rows
     if 0 < split < rows:
         return Layout(stored.op_type, ((0, split, 8, block), (split, rows, asked.bits, block)), False)

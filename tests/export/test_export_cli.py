@@ -432,11 +432,15 @@ def test_each_option_reaches_what_it_controls(runner, thinker_folder, tmp_path):
     assert kinds == {onnx.TensorProto.FLOAT16}, kinds
 
     guarded = tmp_path / "guarded"
-    options = ["--quantize", "int4", "--accuracy-guard", "1.0", "--no-verify"]
+    options = ["--quantize", "int4", "--algo", "rtn-asym", "--accuracy-guard", "1.0", "--no-verify"]
     result = runner.invoke(main, ["export", str(folder), str(guarded), *options])
     assert result.exit_code == 0, result.output
     report = json.loads((guarded / "export_report.json").read_text())
     assert report["accuracy_guard"]["min_agreement"] == 1.0
+    # the algorithm asked for, and said as it is (rtn-asym read as rtn, or called symmetric, passed: a mutation run)
+    assert (report["quantize"]["algo"], report["quantize"]["symmetric"]) == ("rtn-asym", False)
+    zero_points = [node for node in onnx.load(guarded / "model.onnx").graph.node if node.op_type == "MatMulNBits"]
+    assert all(len(node.input) > 3 and node.input[3] for node in zero_points if "lm_head" not in node.name)
 
     head = QuantizeSpec.parse("int4", head="int8", embedding="float")
     assert (head.bits, head.head_bits, head.head_int8_rows, head.float_embedding) == (4, 8, 0, True)

@@ -627,6 +627,29 @@ def test_quality_gate_fails_an_export_that_costs_too_much(thinker_variant, tmp_p
     assert not (tmp_path / "out").exists()
 
 
+def test_the_quality_gate_holds_each_limit_as_given(thinker_variant, tmp_path):
+    """Each limit as the user wrote it: a fraction, compared unrounded, and reported as applied (the perplexity
+    limit read as a percentage, top-1 rounded to two digits, and the report's limit the default's each passed the
+    tool and the tests: a mutation run)."""
+    from export.quantized_verify import QualityGate
+
+    gate = QualityGate(min_top1=0.59, max_perplexity_increase=0.1)
+    assert gate.failure({"top1_agreement": 0.587, "perplexity_change": 0.0}) == (
+        "top-1 agreement with the float model 58.7% < 59%"
+    )
+    assert gate.failure({"top1_agreement": 0.9, "perplexity_change": 0.163}) == (
+        "perplexity +16.3% against the float model > +10%"
+    )
+    assert gate.failure({"top1_agreement": 0.59, "perplexity_change": 0.1}) is None  # each limit itself passes
+
+    args = ["export", str(thinker_variant("qwen3", head_dim=16)), str(tmp_path / "out"), "--graph", "fused"]
+    limits = ["--min-top1", "0.01", "--max-perplexity-increase", "7.5"]
+    result = CliRunner().invoke(main, [*args, "--quantize", "int4", "--block-size", "16", *limits])
+    assert result.exit_code == 0, result.output
+    cost = json.loads((tmp_path / "out" / "export_report.json").read_text())["verify"]["cost"]
+    assert (cost["min_top1_agreement"], cost["max_perplexity_increase"]) == (0.01, 7.5), cost
+
+
 def test_a_mixed_head_over_the_whole_vocabulary_is_an_int8_head():
     mixed = QuantizeSpec(bits=4, head_int8_rows=8192)
     assert mixed.for_vocab(49152) is mixed
@@ -775,7 +798,14 @@ def _mixed_head_written_whole(patched):
             QuantizeSpec(bits=4, block_size=16, algo="rtn-asym"),
             _one_projection_at(4, "rtn"),
             "o_proj.weight is stored int4, blocks of 16, symmetric, where int4 rtn-asym, block 16 asks for int4, "
-            "blocks of 16, with zero points",
+            "blocks of 16, with integer zero points",
+        ),
+        # HQQ's zero points are float, RTN's integers: an --algo hqq that ran asymmetric RTN passed (a mutation run)
+        (
+            QuantizeSpec(bits=4, block_size=16, algo="hqq"),
+            _one_projection_at(4, "rtn-asym"),
+            "o_proj.weight is stored int4, blocks of 16, with integer zero points, where int4 hqq, block 16 asks for "
+            "int4, blocks of 16, with float zero points (HQQ's)",
         ),
         (
             QuantizeSpec(bits=4, block_size=16, head_int8_rows=40),
@@ -792,6 +822,7 @@ def _mixed_head_written_whole(patched):
     ids=[
         "a projection at int8 under int4",
         "rtn-asym without zero points",
+        "hqq quantized by asymmetric rtn",
         "a mixed head's int8 rows at int4",
         "int8 activations where float ones were asked",
     ],
