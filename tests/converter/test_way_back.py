@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from cli_helpers import save_word_tokenizer
 from convert_helpers import build_reference, save_unfused_experts
 from huggingface_hub import ModelCard
 from references import uomni
@@ -72,6 +73,7 @@ def test_qwen3_round_trip_is_bit_exact(tmp_path, tied: bool):
         tie_word_embeddings=tied,
     )
     build_reference(config).save_pretrained(tmp_path / "source")
+    save_word_tokenizer(tmp_path / "source", SMALL["vocab_size"])
     (tmp_path / "source" / "README.md").write_text("---\nlicense: mit\n---\n# source\n")
     (tmp_path / "source" / "LICENSE").write_text("MIT License")
     # a release's sampling defaults and its list of end tokens, which transformers' generate() reads from this file
@@ -79,6 +81,12 @@ def test_qwen3_round_trip_is_bit_exact(tmp_path, tied: bool):
     (tmp_path / "source" / "generation_config.json").write_text(json.dumps(sampling))
     back = round_trip(tmp_path / "source", "qwen3", tmp_path)
     assert_bit_exact(tmp_path / "source", back)
+    # the tokenizer comes back as the source's files (a way back writing none passed its check: a mutation run)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert json.loads((back / name).read_text()) == json.loads((tmp_path / "source" / name).read_text()), name
+    # config.json holds the source's keys, not every default its class has (id2label, return_dict ...)
+    source_keys = set(json.loads((tmp_path / "source" / "config.json").read_text()))
+    assert set(json.loads((back / "config.json").read_text())) <= source_keys | {"transformers_version"}
     written_sampling = json.loads((back / "generation_config.json").read_text())
     assert {key: written_sampling.get(key) for key in sampling} == sampling, written_sampling
     original, written = AutoConfig.from_pretrained(tmp_path / "source"), AutoConfig.from_pretrained(back)
@@ -185,4 +193,7 @@ def test_way_back_to_a_narrower_dtype_verifies(tmp_path, mode):
     assert back.exit_code == 0, back.output
     report = json.loads((tmp_path / "back" / "parity.json").read_text())
     assert report["passed"] and [r["dtype"] for r in report["results"]] == ["float32", "bfloat16"], report
+    # the mode asked for (--verify-by-layer dropped on the way back ran whole-model: a mutation run)
+    assert report["mode"] == ("layer-by-layer" if mode == "--verify-by-layer" else "whole-model")
     assert next(iter(safetensors_of(tmp_path / "back").values())).dtype == torch.bfloat16
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["dtype"] == "bfloat16"  # loads as written
