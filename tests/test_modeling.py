@@ -391,6 +391,9 @@ def test_exactly_one_of_input_ids_and_inputs_embeds(tiny_thinker):
         model(ids, inputs_embeds=model.get_input_embeddings()(ids))
     with pytest.raises(ValueError, match="exactly one"):
         model()
+    # ids handed over as embeddings (integers) ran without a word (a QA run)
+    with pytest.raises(ValueError, match=r"inputs_embeds of dtype torch.int64; expected floating-point embeddings"):
+        model(inputs_embeds=torch.ones(1, 3, model.config.hidden_size, dtype=torch.long))
 
 
 def test_inputs_of_disagreeing_shapes_are_refused_by_name(tiny_thinker):
@@ -781,10 +784,17 @@ def test_deepstack_inputs_are_refused_when_they_do_not_fit(tiny_thinker):
         "4 deepstack_visual_embeds for 3 decoder layers": dict(
             visual_pos_masks=mask, deepstack_visual_embeds=features * 4
         ),
+        # a mask of counts: the features were blamed for its sum (a QA run); 0/1 integers are a mask
+        "visual_pos_masks holds values other than 0 and 1": dict(
+            visual_pos_masks=torch.tensor([[0, 2, 2, 0, 0, 0]]), deepstack_visual_embeds=features
+        ),
     }
     for message, inputs in cases.items():
         with pytest.raises(ValueError, match=message):
             model(inputs_embeds=embeds, **inputs)
+    with torch.no_grad():
+        as_integers = model(inputs_embeds=embeds, visual_pos_masks=mask.long(), deepstack_visual_embeds=features)
+    assert torch.equal(as_integers.logits, added)
 
 
 def norm_epsilons(model: torch.nn.Module) -> dict[str, float]:

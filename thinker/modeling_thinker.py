@@ -1054,6 +1054,9 @@ def check_deepstack(
         raise ValueError(
             f"{len(deepstack_visual_embeds)} deepstack_visual_embeds for {config.num_hidden_layers} decoder layers"
         )
+    # a mask marks positions: any other value was counted by its size, and the features blamed for it (a QA run)
+    if visual_pos_masks.dtype != torch.bool and not bool(((visual_pos_masks == 0) | (visual_pos_masks == 1)).all()):
+        raise ValueError("visual_pos_masks holds values other than 0 and 1 (False and True)")
     visual, width = int(visual_pos_masks.sum()), inputs_embeds.shape[-1]
     for index, features in enumerate(deepstack_visual_embeds):
         if tuple(features.shape) != (visual, width):
@@ -1086,6 +1089,10 @@ def check_input_shapes(
             f"inputs_embeds of shape {tuple(inputs_embeds.shape)}; expected (batch, seq, hidden_size "
             f"{config.hidden_size})"
         )
+    # integer embeddings ran through the model without a word (a QA run); a float type other than the model's is
+    # left to torch, which names it, and to autocast, which takes it
+    if not inputs_embeds.is_floating_point():
+        raise ValueError(f"inputs_embeds of dtype {inputs_embeds.dtype}; expected floating-point embeddings")
     batch, seq = inputs_embeds.shape[:2]
     if position_ids.ndim in (2, 3) and (position_ids.shape[-1] != seq or position_ids.shape[-2] not in (1, batch)):
         multimodal = " (multimodal ones are (3, batch, seq), also for a batch of 1)" if position_ids.ndim == 2 else ""

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from cli_helpers import save_word_tokenizer
+from click.testing import CliRunner
 from convert_helpers import build_reference, save_unfused_experts
 from huggingface_hub import ModelCard
 from references import uomni
