@@ -74,7 +74,7 @@ from .parity_report import (
     refuse_unknown_model_type,
 )
 from .spec import Family
-from .special_tokens import special_id_differences
+from .special_tokens import source_named_ids, special_id_differences
 from .streamed import (
     StreamedModel,
     Unit,
@@ -114,7 +114,9 @@ def check_parity_by_layer(
                     model.compute_dtype = dtype if dtype != stored else None
                 results.append(compare_by_layer(reference, thinker, prompts, dtype))
                 names = (reference.name, thinker.name)
-                special = special_id_differences(getattr(reference.model, "config", None), config)
+                special = special_id_differences(
+                    getattr(reference.model, "config", None), config, source_named_ids(source)
+                )
             finally:
                 thinker.close()
         finally:

@@ -58,7 +58,7 @@ from .parity_report import (
     write_report,
 )
 from .spec import Family
-from .special_tokens import special_id_differences
+from .special_tokens import source_named_ids, special_id_differences
 from .streamed import without_router_loss
 from .unreached import unreached_stages
 
@@ -368,7 +368,9 @@ def check_parity(
         reference=type(reference).__name__,
         converted=type(model).__name__,
         prompts=prompts,
-        special_tokens=special_id_differences(getattr(reference, "config", None), model.config),
+        special_tokens=special_id_differences(
+            getattr(reference, "config", None), model.config, source_named_ids(source)
+        ),
     )
     if dtype != torch.float32:
         report.results.append(compare(reference, model, prompts))

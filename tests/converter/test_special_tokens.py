@@ -48,3 +48,18 @@ def test_a_gguf_files_ids_are_read_by_transformers_for_the_gate(tmp_path, run_co
     with pytest.raises(ParityFailed, match=r"special token ids not the reference's: bos_token_id \(3 -> 5\), "):
         run_convert(path, "swapped")
     assert not (tmp_path / "swapped").exists()
+
+
+@pytest.mark.parametrize("mode", [WHOLE_MODEL, BY_LAYER])
+def test_an_id_the_source_names_is_compared_even_at_its_classs_default(mode, save_reference, run_convert):
+    """A llama folder naming bos 1 and eos 2, LlamaConfig's own defaults (Llama 2's and the real SmolLM2's ids):
+    a conversion that drops them is refused. The rule that spares a reference id held only as the class default
+    spared these too (a review)."""
+    _, source = save_reference(LlamaConfig(**SMALL, num_attention_heads=4, num_key_value_heads=2))
+    assert {
+        key: json.loads((source / "config.json").read_text()).get(key) for key in ("bos_token_id", "eos_token_id")
+    } == {"bos_token_id": 1, "eos_token_id": 2}
+    converted = run_convert(source, verify=False).output
+    edit_config(converted, bos_token_id=None, eos_token_id=None)
+    report = check_parity(source, converted, mode=mode)
+    assert report.special_tokens == ["bos_token_id (1 -> None)", "eos_token_id ([2] -> None)"], report.special_tokens
