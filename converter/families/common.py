@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from huggingface_hub.errors import StrictDataclassError
-from transformers import CONFIG_MAPPING, PreTrainedConfig
+from transformers import CONFIG_MAPPING, GenerationConfig, PreTrainedConfig
 
 from thinker import ThinkerConfig
 from thinker_common.eager import EAGER
@@ -79,10 +79,24 @@ def refuse_missing_decoder_config(source: Mapping[str, Any], model_type: str) ->
 def text_decoder_config(hf: PreTrainedConfig) -> PreTrainedConfig:
     """The text decoder's config: the config itself, or a vision-language config's ``text_config``, given the tie
     setting of the model that holds the head (transformers ties a vision-language model's head by the outer
-    config's ``tie_word_embeddings``, which is independent of its text config's)."""
+    config's ``tie_word_embeddings``, which is independent of its text config's) and its special ids
+    (``with_generation_ids``)."""
     text = hf.get_text_config(decoder=True)
     if text is not hf:
         text.tie_word_embeddings = hf.tie_word_embeddings
+        with_generation_ids(text, hf)
+    return text
+
+
+def with_generation_ids(text: PreTrainedConfig, outer: PreTrainedConfig) -> PreTrainedConfig:
+    """``text`` with the bos, eos and pad ids transformers' ``generate`` takes for the model of ``outer``: the outer
+    config's where it names them, else its text decoder's (``GenerationConfig.from_model_config``). The text
+    config's alone dropped an eos a release names on the outer config, and one named on both and differing
+    converted to another stop than the source model's (a review)."""
+    generation = GenerationConfig.from_model_config(outer)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(generation, key, None)
+        setattr(text, key, list(value) if isinstance(value, tuple) else value)
     return text
 
 

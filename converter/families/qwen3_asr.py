@@ -16,8 +16,6 @@ name (``common.refuse_missing_decoder_config``).
 
 from __future__ import annotations
 
-from transformers import PreTrainedConfig
-
 from .common import (
     ATTENTION,
     ATTENTION_BIASES,
@@ -29,23 +27,10 @@ from .common import (
     hf_family,
     layered_reference_by_model_type,
     reference_by_model_type,
-    text_decoder_config,
 )
 
 REFERENCE_CLASSES = {"qwen3_asr": "Qwen3ASRForConditionalGeneration"}
 AUDIO_PREFIXES = ("model.audio_tower.", "model.multi_modal_projector.")
-OUTER_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-
-def speech_text_config(hf: PreTrainedConfig) -> PreTrainedConfig:
-    """The text config, with the special ids the outer config holds where the text config has none (its generate
-    stops on the outer config's ``eos_token_id``)."""
-    text = text_decoder_config(hf)
-    for key in OUTER_TOKEN_IDS:
-        outer = getattr(hf, key, None)
-        if getattr(text, key, None) is None and outer is not None:
-            setattr(text, key, list(outer) if isinstance(outer, tuple) else outer)
-    return text
 
 
 QWEN3_ASR = hf_family(
@@ -54,7 +39,6 @@ QWEN3_ASR = hf_family(
     "Qwen3-ASR text decoder (audio tower dropped)",
     (EMBEDDINGS_AND_HEAD, LAYER_NORMS, ATTENTION, ATTENTION_BIASES, QK_NORMS, DENSE_MLP),
     lambda hf: {"attention_bias": hf.attention_bias, "qk_norm": True},
-    decoder_config=speech_text_config,
     layouts=(VISION_LANGUAGE_LAYOUT,),
     dropped_prefixes=AUDIO_PREFIXES,
     reference=reference_by_model_type(REFERENCE_CLASSES),

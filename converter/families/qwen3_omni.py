@@ -51,6 +51,7 @@ from .common import (
     ROUTER,
     hf_family,
     mrope_parameters,
+    with_generation_ids,
 )
 from .qwen3_vl import deepstack_layers
 
@@ -69,13 +70,11 @@ def text_decoder_config(full: PreTrainedConfig) -> PreTrainedConfig:
 
 def thinker_text_config(thinker: PreTrainedConfig) -> PreTrainedConfig:
     """A thinker config's text config (the thinker saved alone, or a full model's ``thinker_config``), with what the
-    thinker config declares for it: the head's tie, and the special ids where only the thinker config names them."""
+    thinker config declares for it: the head's tie, and the special ids as the thinker's generate takes them."""
     text = thinker.text_config
     # The head's tying is declared on the thinker config; the text config class has no such field.
     text.tie_word_embeddings = thinker.tie_word_embeddings
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # where a config names them on the thinker only
-        if getattr(text, key, None) is None and getattr(thinker, key, None) is not None:
-            setattr(text, key, getattr(thinker, key))
+    with_generation_ids(text, thinker)  # the thinker config's where it names them, as its generate takes them
     text.deepstack_layers = deepstack_layers(getattr(thinker, "vision_config", None))
     return text
 

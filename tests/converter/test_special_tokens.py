@@ -63,3 +63,26 @@ def test_an_id_the_source_names_is_compared_even_at_its_classs_default(mode, sav
     edit_config(converted, bos_token_id=None, eos_token_id=None)
     report = check_parity(source, converted, mode=mode)
     assert report.special_tokens == ["bos_token_id (1 -> None)", "eos_token_id ([2] -> None)"], report.special_tokens
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [{"outer": {"eos_token_id": 9}}, {"outer": {"eos_token_id": 9}, "text": {"eos_token_id": 7, "bos_token_id": 6}}],
+    ids=["on the outer config alone", "on both, differing"],
+)
+def test_a_vision_language_models_ids_are_the_ones_its_generate_takes(ids, tmp_path, run_convert):
+    """transformers' generate takes a Qwen3-VL model's ids from its outer config where that names them, else from
+    its text config (``GenerationConfig.from_model_config``). The converter read the text config's alone: an eos on
+    the outer config alone was dropped, and the gate refused the conversion (a review)."""
+    from references import qwen3_vl
+
+    source = qwen3_vl.save(tmp_path / "source")
+    config = json.loads((source / "config.json").read_text())
+    config |= ids["outer"]
+    config["text_config"] |= ids.get("text", {})
+    (source / "config.json").write_text(json.dumps(config))
+    written = json.loads((run_convert(source).output / "config.json").read_text())
+    assert written["eos_token_id"] == 9  # the outer config's, as generate stops
+    assert written["bos_token_id"] == ids.get("text", {}).get(
+        "bos_token_id"
+    )  # the text config's where it alone names it
