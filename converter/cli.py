@@ -118,7 +118,9 @@ writes CONVERTED/parity.json with, per dtype, max and mean |Δlogit|, top-1 agre
 (exit 1) when float32 logits (the prompts', and each decode step's while both continuations have taken the same
 tokens) differ by more than 1e-4 × max(1, logit scale) or a greedy continuation differs; a float16 or bfloat16
 folder is also run in its own dtype, both models alike, and fails beyond 1e-2 (float16) or 2e-2 (bfloat16) × max(1,
-logit scale) or below 90 % top-1 agreement. A failure names the first layer whose hidden states diverge; a failing
+logit scale) or below 90 % top-1 agreement. It also fails where a tensor is not, bit for bit, what converting SOURCE
+writes, or a bos, eos or pad id is not the one transformers reads from SOURCE (no logit shows them). A failure names
+the first layer whose hidden states diverge; a failing
 report goes to CONVERTED/parity.failed.json, and a parity.json already there is kept. With --report PATH the report
 goes to PATH alone and CONVERTED is only read (a read-only copy, a shared cache). SOURCE is given as to
 thinker-convert.

@@ -318,6 +318,9 @@ def test_inputs_embeds_find_their_ids_or_take_ple_input_ids(monkeypatch):
         assert_close(ours, theirs, **TOL)
         with pytest.raises(ValueError, match="pass ple_input_ids"):
             thinker(inputs_embeds=embeds)
+        # integers are no embeddings, before any lookup of them (a review: the PLE refusal answered first)
+        with pytest.raises(ValueError, match="inputs_embeds of dtype torch.int64; expected floating-point"):
+            thinker(inputs_embeds=embeds.long())
 
 
 def test_multimodal_positions_equal_the_reference():

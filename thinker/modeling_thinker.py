@@ -1089,10 +1089,6 @@ def check_input_shapes(
             f"inputs_embeds of shape {tuple(inputs_embeds.shape)}; expected (batch, seq, hidden_size "
             f"{config.hidden_size})"
         )
-    # integer embeddings ran through the model without a word (a QA run); a float type other than the model's is
-    # left to torch, which names it, and to autocast, which takes it
-    if not inputs_embeds.is_floating_point():
-        raise ValueError(f"inputs_embeds of dtype {inputs_embeds.dtype}; expected floating-point embeddings")
     batch, seq = inputs_embeds.shape[:2]
     if position_ids.ndim in (2, 3) and (position_ids.shape[-1] != seq or position_ids.shape[-2] not in (1, batch)):
         multimodal = " (multimodal ones are (3, batch, seq), also for a batch of 1)" if position_ids.ndim == 2 else ""
@@ -1322,6 +1318,10 @@ class ThinkerModel(ThinkerPreTrainedModel):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, C)
+        elif not inputs_embeds.is_floating_point():
+            # integer embeddings ran through the model without a word (a QA run), or met the PLE lookup's refusal
+            # first; a float type other than the model's is left to torch, which names it, and to autocast
+            raise ValueError(f"inputs_embeds of dtype {inputs_embeds.dtype}; expected floating-point embeddings")
         if self.config.ple_layer_ids and ple_input_ids is None:
             ple_input_ids = input_ids if input_ids is not None else self.reverse_embedding(inputs_embeds)
         cache = either_cache(cache, past_key_values)

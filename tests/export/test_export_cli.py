@@ -439,8 +439,9 @@ def test_each_option_reaches_what_it_controls(runner, thinker_folder, tmp_path):
     assert report["accuracy_guard"]["min_agreement"] == 1.0
     # the algorithm asked for, and said as it is (rtn-asym read as rtn, or called symmetric, passed: a mutation run)
     assert (report["quantize"]["algo"], report["quantize"]["symmetric"]) == ("rtn-asym", False)
-    zero_points = [node for node in onnx.load(guarded / "model.onnx").graph.node if node.op_type == "MatMulNBits"]
-    assert all(len(node.input) > 3 and node.input[3] for node in zero_points if "lm_head" not in node.name)
+    body = [node for node in onnx.load(guarded / "model.onnx").graph.node if node.op_type == "MatMulNBits"]
+    body = [node for node in body if "lm_head" not in node.name]
+    assert body and all(len(node.input) > 3 and node.input[3] for node in body)  # each with its zero points
 
     head = QuantizeSpec.parse("int4", head="int8", embedding="float")
     assert (head.bits, head.head_bits, head.head_int8_rows, head.float_embedding) == (4, 8, 0, True)
