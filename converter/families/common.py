@@ -27,6 +27,7 @@ from thinker_common.errors import ThinkerError
 
 from ..ops import StackExperts
 from ..spec import DerivedTensors, Family, LayeredReferenceLoader, ReferenceLoader, SourceCheck, TensorRule, rule
+from ..special_tokens import SPECIAL_IDS
 
 
 def load_hf_config(source_config: Mapping[str, Any], model_type: str) -> PreTrainedConfig:
@@ -94,7 +95,7 @@ def with_generation_ids(text: PreTrainedConfig, outer: PreTrainedConfig) -> PreT
     config's alone dropped an eos a release names on the outer config, and one named on both and differing
     converted to another stop than the source model's (a review)."""
     generation = GenerationConfig.from_model_config(outer)
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+    for key in SPECIAL_IDS:
         value = getattr(generation, key, None)
         setattr(text, key, list(value) if isinstance(value, tuple) else value)
     return text

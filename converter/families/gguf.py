@@ -55,6 +55,7 @@ from ..ops import (
 )
 from ..parity_report import reference_of_other_shapes, reference_unloadable
 from ..spec import LAYER_INDEX, Family, TensorRule, rule
+from ..special_tokens import SPECIAL_IDS
 from .common import THINKER_LAYER, VISION_LANGUAGE_LAYOUT
 from .llama import LLAMA
 from .qwen2 import QWEN2
@@ -308,9 +309,7 @@ def _token_id_keys() -> dict[str, str]:
     from transformers.modeling_gguf_pytorch_utils import GGUF_TO_TRANSFORMERS_MAPPING
 
     fields = GGUF_TO_TRANSFORMERS_MAPPING["tokenizer"]["tokenizer"].items()
-    return {
-        f"tokenizer.{key}": field for key, field in fields if field in ("bos_token_id", "eos_token_id", "pad_token_id")
-    }
+    return {f"tokenizer.{key}": field for key, field in fields if field in SPECIAL_IDS}
 
 
 def gguf_to_hf_config(metadata: Mapping[str, Any], tensor_names: Collection[str]) -> dict[str, Any]:
