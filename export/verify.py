@@ -5,9 +5,9 @@ steps in both runtimes, each fed the same (PyTorch-greedy) tokens. Logits are co
 carry no meaning in either runtime and are left out. The tolerance is relative to the logit scale, as in DESIGN.md:
 ``RELATIVE_TOLERANCE``, the converter's gate's in float32 (in half precision the gate, two PyTorch models in one
 dtype, holds its own tighter ``GATE_TOLERANCE``), or, for the batch and the long prompts, ``SENSITIVITY_MARGIN`` times
-those prompts' own rounding sensitivity where that is larger (``rounding_sensitivity``: how far 8 float32 ulps on
-their input embeddings move the PyTorch logits; on an ill-conditioned model any two sound float32 implementations
-part further than the logit scale says).
+those prompts' own rounding sensitivity where that is larger, up to ``SENSITIVITY_CAP`` times the scale's
+(``rounding_sensitivity``: how far 8 float32 ulps on their input embeddings move the PyTorch logits; on an
+ill-conditioned model any two sound float32 implementations part further than the logit scale says).
 
 That batch reaches position 12 and a cache of 13 slots, so two long prompts follow (``long_prompts``:
 ``thinker_common/parity_inputs.py`` LONG_PROMPT_LENGTHS, cut to the context): an attention window, the plain hybrid
@@ -105,6 +105,14 @@ ADD_CHUNK = 16
 # tolerance) it stays the float graphs' 1e-4 x the logit scale.
 SENSITIVITY_PERTURBATION = 2.0**-20
 SENSITIVITY_MARGIN = 8.0
+# A float export's check widens the logit scale's tolerance by at most this factor (``float_export_tolerance``). The
+# sound tiny random Qwen3.5-VL needs 1.27x on its long prompts (1.05e-3 against 8.3e-4 fused, 1.12e-3 plain), where
+# 8 x its sensitivity is 36x: there a float16 round trip of the plain graph's chunked delta-rule state (2.2e-3, 2.65x)
+# passed, and the intra-chunk decay's (1.3e-2) passed the long prompts (a mutation run). SmolLM2 and the tiny test
+# models' sensitivities stay under the scale's tolerance, which they keep. (A quantized export's graph check keeps
+# the whole 8x: on SmolLM2's int4 export its MatMulNBits part from PyTorch 5x beyond the scale's tolerance, 1.8e-2
+# against 3.6e-3.)
+SENSITIVITY_CAP = 2.0
 
 # compare_decoders' candidate_padding: the rows onnxruntime gets, from the (left-padded) batch given (CANDIDATE_ROWS)
 AS_GIVEN, RIGHT, AROUND = "as given", "right", "around"
@@ -777,6 +785,13 @@ def graph_tolerance(figures: dict, dtype: torch.dtype) -> float:
     )
 
 
+def float_export_tolerance(figures: dict, dtype: torch.dtype) -> float:
+    """``graph_tolerance``, at most SENSITIVITY_CAP times the logit scale's: a float export's check."""
+    return min(
+        graph_tolerance(figures, dtype), SENSITIVITY_CAP * RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"])
+    )
+
+
 def verify_export(
     model_dir: Path,
     onnx_path: Path,
@@ -859,7 +874,7 @@ def verify_export(
     # tiny random Qwen3.5-VL, sound, parted 1.05e-3 from PyTorch on the long prompts against 1e-4 x the logit scale,
     # 8.3e-4, where 8 float32 ulps on their input embeddings move the logits by 3.7e-3 (a QA run)
     result["rounding_sensitivity"] = sensitivity["batch"]
-    result["tolerance"] = graph_tolerance(result, dtype)
+    result["tolerance"] = float_export_tolerance(result, dtype)
     failures = []
     failure = judge(result, result["tolerance"])
     if failure:
@@ -874,7 +889,7 @@ def verify_export(
     failures += side_graph_failures(result, result["tolerance"])
     for key, figures in long.items():
         figures["rounding_sensitivity"] = sensitivity["long"]
-        figures["tolerance"] = graph_tolerance(figures, dtype)
+        figures["tolerance"] = float_export_tolerance(figures, dtype)
         result[key] = figures
     failures += long_prompt_failures(result, model.config, dtype)
     for key, figures in further.items():
@@ -884,7 +899,7 @@ def verify_export(
             # the logit scale's tolerance (a deep-cache bug passed at the long prompts' 48x wider one: a review)
             if key in (PADDED_AROUND, IMAGE_POSITIONS):
                 figures["rounding_sensitivity"] = sensitivity["batch"]
-            figures["tolerance"] = graph_tolerance(figures, dtype)
+            figures["tolerance"] = float_export_tolerance(figures, dtype)
         result[key] = figures
     failures += deep_cache_failures(result) + continuation_failures(result, model.config, dtype)
     failures += image_position_failures(result) + padded_around_failures(result) + vocabulary_edge_failures(result)
