@@ -61,8 +61,8 @@ def _names(config: Any, key: str) -> bool:
 
 def special_id_differences(reference_config: Any, converted_config: Any, named: set[str]) -> list[str]:
     """``key (reference -> converted)`` for each id the reference's config names and the converted one names
-    otherwise. Not compared: an id the reference leaves unset (some references are a sub-model whose ids live on the
-    checkpoint's outer config, which the family reads: ``qwen3_asr``), nor one the converted model leaves unset where
+    otherwise. Not compared: an id the reference leaves unset (whatever the converted model names, it stops no
+    generation the reference would), nor one the converted model leaves unset where
     the source's files (``named``: ``source_named_ids``) do not name it either: the reference then holds its config
     class's default (a llama GGUF file without ``tokenizer.ggml`` ids: transformers' LlamaConfig says bos 1, eos 2,
     which the file never did). An id the source names that happens to be that default is compared all the same (the
