@@ -101,7 +101,10 @@ def test_an_attention_window_is_caught_on_the_long_prompts(planted_in, exports, 
 
 def test_the_chunked_delta_rule_is_caught_on_the_long_prompts(exports, tmp_path):
     folder, export = exports("qwen3_5", "plain")
-    assert verify_export(folder, export / MODEL_FILE, torch.float32)["passed"]
+    sound = verify_export(folder, export / MODEL_FILE, torch.float32)
+    assert sound["passed"]
+    # within the logit scale's tolerance everywhere: no rounding sensitivity measured (two prefills each)
+    assert not any("rounding_sensitivity" in figures for figures in (sound, sound["long_prompts"]))
     planted = planted_copy(export, tmp_path)
     rewrite(planted / MODEL_FILE, chunked_rule_scaled)
     result = verify_export(folder, planted / MODEL_FILE, torch.float32)
