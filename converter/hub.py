@@ -517,7 +517,7 @@ def _record_ref(cache_dir: Path, repo_id: str, revision: str, commit: str) -> No
 def _cached_commit(repo_id: str, revision: str, cache_dir: Path) -> str | None:
     """The cached snapshot a commit hash's prefix names, without the Hub (which resolves prefixes online): the one
     snapshot whose commit starts with ``revision``, unless a ref of that name exists (a branch or tag wins, as
-    online); None where none or several match."""
+    online); None where none matches, and refused, naming them, where several do (the Hub would refuse it too)."""
     folder = cache_dir / repo_folder_name(repo_id=repo_id, repo_type="model")
     if not re.fullmatch(r"[0-9a-f]{7,39}", revision) or (folder / "refs" / revision).is_file():
         return None
@@ -525,7 +525,12 @@ def _cached_commit(repo_id: str, revision: str, cache_dir: Path) -> str | None:
         matches = [entry.name for entry in (folder / "snapshots").iterdir() if entry.name.startswith(revision)]
     except OSError:
         return None
-    return matches[0] if len(matches) == 1 else None
+    if len(matches) > 1:
+        shown = ", ".join(sorted(match[:12] for match in matches))
+        raise ThinkerError(
+            f"{repo_id}@{revision} matches {len(matches)} cached commits ({shown}); give more of the commit hash"
+        )
+    return matches[0] if matches else None
 
 
 def _cached_listing(repo_id: str, revision: str, cache_dir: Path) -> tuple[list[str] | None, bool]:

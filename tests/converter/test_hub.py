@@ -236,10 +236,10 @@ def test_a_short_commit_hash_is_taken_and_found_offline(fake_hub, monkeypatch):
         resolve_source(REPO, revision="0000000", progress=False)
     # the ref recorded whole, no temporary file of its writing left beside it
     assert [ref.name for ref in (folder.parent.parent / "refs").iterdir()] == [sha[:10]]
-    # two cached snapshots the prefix matches: neither is taken for it
+    # two cached snapshots the prefix matches: neither is taken for it, and the message says why
     twin = folder.parent / (sha[:8] + "f" * 32)
     twin.mkdir()
-    with pytest.raises(ThinkerError, match=f"{REPO}@{sha[:8]} is not in the cache"):
+    with pytest.raises(ThinkerError, match=f"^{REPO}@{sha[:8]} matches 2 cached commits .*; give more of the commit"):
         resolve_source(REPO, revision=sha[:8], progress=False)
 
 
