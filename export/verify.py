@@ -757,10 +757,13 @@ def pytorch_thinker(model_dir: Path, dtype: torch.dtype, plan: str) -> Iterator[
 
 
 @torch.no_grad()
-def rounding_sensitivity(model: torch.nn.Module, input_ids: np.ndarray, attention_mask: np.ndarray) -> float:
+def rounding_sensitivity(
+    model: torch.nn.Module, input_ids: np.ndarray, attention_mask: np.ndarray, last_only: bool = False
+) -> float:
     """max |Δlogit| over the kept positions of the PyTorch prefill of the prompts given when their input embeddings
     are scaled by 1 ± SENSITIVITY_PERTURBATION (signs from a fixed seed): how far a few float32 roundings move the
-    logits on this input, which bounds how far two sound float32 implementations may part on it."""
+    logits on this input, which bounds how far two sound float32 implementations may part on it. ``last_only``: at
+    each row's last kept position alone, all a ``--logits last`` graph is compared at."""
     from .runtime import position_ids_from_mask
 
     ids, mask = torch.from_numpy(input_ids), torch.from_numpy(attention_mask)
@@ -773,6 +776,8 @@ def rounding_sensitivity(model: torch.nn.Module, input_ids: np.ndarray, attentio
         for e in (embeddings, embeddings * (1 + SENSITIVITY_PERTURBATION * signs.to(embeddings.dtype)))
     ]
     kept = mask.bool()
+    if last_only:
+        kept &= mask.cumsum(-1) == mask.sum(-1, keepdim=True)
     return float((logits[1] - logits[0]).abs()[kept].max())
 
 
@@ -837,7 +842,7 @@ def verify_export(
             bar.update()
             batch = parity_batch(model.config.vocab_size)
             decoder = OnnxDecoder(onnx_path, threads=threads, probes=checked_probes(onnx_path, dtype))
-            device = decoder.device
+            device, last_only = decoder.device, decoder.last_logits_only
             shadow, long_shadow, deep_shadow, continued_shadow = (half_shadow(model, dtype) for _ in range(4))
             figures = compare_decoders(model, decoder, *batch, on_step=bar.update, shadow=shadow)
             long_inputs = long_prompts(model, decoder)
@@ -879,7 +884,7 @@ def verify_export(
             batch_passes = [figures, further[PADDED_AROUND], further.get(IMAGE_POSITIONS)]
             batch_passes += [genai_figures if genai_path else None, embeds_figures if embeds_path else None]
             sensitivity = {
-                name: rounding_sensitivity(model, *inputs) if beyond_scale(dtype, *passes) else None
+                name: rounding_sensitivity(model, *inputs, last_only) if beyond_scale(dtype, *passes) else None
                 for name, inputs, passes in (("batch", batch, batch_passes), ("long", long_inputs, long.values()))
             }
             bar.update(2)

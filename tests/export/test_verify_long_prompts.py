@@ -208,3 +208,17 @@ def test_an_ill_conditioned_model_is_held_to_its_own_rounding(tmp_path):
     rewrite(planted / MODEL_FILE, chunk_state_through_float16)
     result = verify_export(folder, planted / MODEL_FILE, torch.float32)
     assert result["passed"] is False and LONG_PASSES["long_prompts"] in result["failure"], result
+
+
+def test_the_rounding_sensitivity_of_a_last_logits_graph_is_its_last_positions(exports):
+    """A ``--logits last`` graph is compared at each row's last token alone, so its allowance is measured there: the
+    maximum over every position gave it a wider one than the positions it is held at (a review)."""
+    from export.verify import rounding_sensitivity
+    from thinker import ThinkerForCausalLM
+
+    folder, _ = exports("qwen3", "fused")
+    model = ThinkerForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = np.array([[0, 0, 5, 6, 7, 8], [3, 4, 5, 6, 7, 9]])
+    mask = np.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    every, last = rounding_sensitivity(model, ids, mask), rounding_sensitivity(model, ids, mask, last_only=True)
+    assert 0 < last < every
