@@ -224,3 +224,24 @@ def test_last_position_forms_pick_each_rows_last_kept_position(dtype):
             None, {"input_ids": np.zeros((4, steps), np.int64), "attention_mask": mask, "hidden": hidden}
         )
         np.testing.assert_array_equal(actual[:, 0], at_last_kept(hidden, mask[:, -steps:]))  # verify's rule
+
+
+@pytest.mark.parametrize("logits", ["last", "all"])
+def test_verify_measures_a_last_logits_graphs_sensitivity_where_it_compares(
+    logits, thinker_variant, onnx_variant, monkeypatch
+):
+    """Where a pass parts beyond the logit scale's tolerance (forced here), the rounding sensitivity is measured at
+    the positions the graph is compared at: each row's last one for ``--logits last``, every kept one else."""
+    import export.verify as verify
+
+    folder, export = (
+        thinker_variant("qwen3", head_dim=16),
+        onnx_variant("qwen3", graph="plain", head_dim=16, logits=logits),
+    )
+    asked = []
+    monkeypatch.setattr(verify, "beyond_scale", lambda dtype, *passes: True)
+    monkeypatch.setattr(
+        verify, "rounding_sensitivity", lambda model, ids, mask, last_only=False: asked.append(last_only) or 0.0
+    )
+    verify.verify_export(folder, export / "model.onnx", torch.float32)
+    assert asked == [logits == "last"] * 2  # the batch's measure and the long prompts'
