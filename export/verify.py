@@ -422,7 +422,7 @@ def indexer_failures(figures: dict, dtype: torch.dtype) -> list[str]:
     if dtype != torch.float32:
         figures["judged"], figures["why"] = False, HALF_INDEXER_TIES
         return []
-    figures["tolerance"] = tolerance = RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"])
+    figures["tolerance"] = tolerance = scale_tolerance(figures, dtype)
     failure = judge(figures, tolerance)
     return [f"on prompts long enough for the indexers to choose: {failure}"] if failure else []
 
@@ -783,28 +783,26 @@ def rounding_sensitivity(
     return float((logits[1] - logits[0]).abs()[kept].max())
 
 
+def scale_tolerance(figures: dict, dtype: torch.dtype) -> float:
+    """The tolerance of ``figures``' logit scale alone: ``RELATIVE_TOLERANCE`` × max(1, the scale)."""
+    return RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"])
+
+
 def graph_tolerance(figures: dict, dtype: torch.dtype) -> float:
     """The float graphs' tolerance on ``figures``' logit scale, or SENSITIVITY_MARGIN times the input's own
     rounding sensitivity where that is larger (where ``figures`` records one)."""
-    return max(
-        RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"]),
-        SENSITIVITY_MARGIN * figures.get("rounding_sensitivity", 0.0),
-    )
+    return max(scale_tolerance(figures, dtype), SENSITIVITY_MARGIN * figures.get("rounding_sensitivity", 0.0))
 
 
 def float_export_tolerance(figures: dict, dtype: torch.dtype) -> float:
     """``graph_tolerance``, at most SENSITIVITY_CAP times the logit scale's: a float export's check."""
-    return min(
-        graph_tolerance(figures, dtype), SENSITIVITY_CAP * RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"])
-    )
+    return min(graph_tolerance(figures, dtype), SENSITIVITY_CAP * scale_tolerance(figures, dtype))
 
 
 def beyond_scale(dtype: torch.dtype, *passes: dict | None) -> bool:
     """Whether any of ``passes`` (None: not run) parts beyond the logit scale's tolerance."""
     return any(
-        figures
-        and "not_run" not in figures
-        and figures["max_abs_diff"] > RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"])
+        figures and "not_run" not in figures and figures["max_abs_diff"] > scale_tolerance(figures, dtype)
         for figures in passes
     )
 
@@ -914,8 +912,8 @@ def verify_export(
         result["embeds_graph"] = embeds_figures
     # onnxruntime-genai's graph runs the batch's rows; the embeds graph a prompt of its own, with foreign embeddings
     # no measure here perturbs, at the scale's tolerance (a review)
-    fixed = RELATIVE_TOLERANCE[dtype] * max(1.0, result["logit_scale"])
-    failures += side_graph_failures(result, {"genai_graph": result["tolerance"], "embeds_graph": fixed})
+    held = {"genai_graph": result["tolerance"], "embeds_graph": scale_tolerance(result, dtype)}
+    failures += side_graph_failures(result, held)
     for key, figures in long.items():
         figures |= sensitivity_recorded(sensitivity["long"])
         figures["tolerance"] = float_export_tolerance(figures, dtype)
