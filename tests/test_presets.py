@@ -176,3 +176,12 @@ def test_the_smollm2_preset_is_the_real_file():
     preset = load_preset("smollm2-135m")
     differ = [field for field in ThinkerConfig.__annotations__ if getattr(config, field) != getattr(preset, field)]
     assert differ == ["initializer_range"]
+
+
+def test_the_configs_defaults_are_the_tiny_thinker_but_for_its_head_bias():
+    """ThinkerConfig's docstring promises μOmni's Thinker as its defaults: a changed default fails here, not in a
+    model that silently grew another shape."""
+    tiny, default = load_preset("thinker_tiny").to_dict(), ThinkerConfig().to_dict()
+    differing = {key for key in tiny.keys() | default.keys() if tiny.get(key) != default.get(key)}
+    assert differing == {"lm_head_bias"}
+    assert tiny["lm_head_bias"] and not default["lm_head_bias"]

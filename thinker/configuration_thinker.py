@@ -77,7 +77,8 @@ def _mlp_tp_plan(prefix: str, gated: bool) -> dict[str, str]:
 class ThinkerConfig(PreTrainedConfig):
     r"""
     Configuration of a [`ThinkerModel`]. The defaults are the μOmni Thinker of ``configs/thinker_tiny.json``
-    (vocab 5000, 4 layers, d_model 256, 4 heads, d_ff 1024, SwiGLU, RoPE θ=10000, context 512).
+    (vocab 5000, 4 layers, d_model 256, 4 heads, d_ff 1024, SwiGLU, RoPE θ=10000, context 512), but for its head's
+    bias: ``lm_head_bias`` defaults to False, as every other family's head has none.
 
     Defaults filled in ``__post_init__``: ``num_key_value_heads`` defaults to the head count (MHA), ``head_dim`` to
     ``hidden_size // num_attention_heads``, ``moe_intermediate_size`` to ``intermediate_size``,

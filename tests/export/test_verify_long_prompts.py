@@ -177,28 +177,33 @@ def chunk_state_through_float16(graph: onnx.GraphProto) -> None:
             inner.node.insert(1, helper.make_node("Cast", [f"{state}/half"], [f"{state}/rounded"], to=1))
 
 
-def test_an_ill_conditioned_model_is_held_to_its_own_rounding(tmp_path):
-    """A tiny random Qwen3.5-VL, sound, whose long prompts part from PyTorch by more than 1e-4 x the logit scale
-    (1.12e-3 against 8.3e-4, plain graph: a QA run; there PyTorch's own float32 is 9.1e-4 off float64, onnxruntime's
-    4.5e-4): 8 float32 ulps on those prompts' input embeddings move its logits by 3.7e-3, and the check widens the
-    scale's tolerance by that response, to at most SENSITIVITY_CAP (2x). Refused before ("onnxruntime disagrees with
-    PyTorch"). Capped, as 8x the response (36x the scale's tolerance) passed the chunked delta rule's state rounded
-    to float16 (2.2e-3: a mutation run), which fails here. The passes on prompts of their own keep 1e-4 x the logit
-    scale: at the long prompts' allowance a planted deep-cache bug (keys x 1.01 past 300 slots, 2.3e-2 off) passed (a
-    review)."""
+def test_an_ill_conditioned_model_is_held_to_its_own_rounding(tmp_path, monkeypatch):
+    """A tiny random Qwen3.5-VL, sound, whose long prompts part from PyTorch by more than 1e-4 x the logit scale on
+    some CPUs (1.12e-3 against 8.3e-4, plain graph, on an AVX2 machine: a QA run; there PyTorch's own float32 is
+    9.1e-4 off float64, onnxruntime's 4.5e-4) and not on others (4.9e-4 with AVX-512): 8 float32 ulps on those
+    prompts' input embeddings move its logits by 3.7e-3, and the check widens the scale's tolerance by that
+    response, to at most SENSITIVITY_CAP (2x). Refused before ("onnxruntime disagrees with PyTorch"). Capped, as 8x
+    the response (36x the scale's tolerance) passed the chunked delta rule's state rounded to float16 (2.2e-3: a
+    mutation run), which fails here. The passes on prompts of their own keep 1e-4 x the logit scale: at the long
+    prompts' allowance a planted deep-cache bug (keys x 1.01 past 300 slots, 2.3e-2 off) passed (a review).
+
+    The check measures the response only where a pass parts beyond the scale's tolerance, which depends on the
+    CPU's rounding; here it is measured on every CPU, so that the same allowance is held wherever the suite runs."""
     from references import hybrid
     from transformers import Qwen3_5ForConditionalGeneration
 
     from converter.convert import convert
+    from export import verify
     from export.verify import SENSITIVITY_CAP
 
+    monkeypatch.setattr(verify, "beyond_scale", lambda dtype, *passes: True)
     source = tmp_path / "source"
     hybrid.reference(Qwen3_5ForConditionalGeneration, hybrid.qwen3_5_vl_config()).save_pretrained(source)
     folder = convert(source, tmp_path / "thinker", verify=False, progress=False).output
     report = export_model(folder, tmp_path / "onnx", graph="plain", progress=False)["verify"]
     long = report["long_prompts"]
     fixed = 1e-4 * max(1.0, long["logit_scale"])
-    assert report["passed"] and long["max_abs_diff"] > fixed, long
+    assert report["passed"] and long["max_abs_diff"] <= long["tolerance"], long
     assert 8 * long["rounding_sensitivity"] > SENSITIVITY_CAP * fixed == pytest.approx(long["tolerance"])
     for key in ("deep_cache", "continuation", "image_positions"):  # inputs of their own
         assert "rounding_sensitivity" not in report[key], key
@@ -210,15 +215,32 @@ def test_an_ill_conditioned_model_is_held_to_its_own_rounding(tmp_path):
     assert result["passed"] is False and LONG_PASSES["long_prompts"] in result["failure"], result
 
 
-def test_the_rounding_sensitivity_of_a_last_logits_graph_is_its_last_positions(exports):
-    """A ``--logits last`` graph is compared at each row's last token alone, so its allowance is measured there: the
-    maximum over every position gave it a wider one than the positions it is held at (a review)."""
-    from export.verify import rounding_sensitivity
-    from thinker import ThinkerForCausalLM
+class PositionWeightedModel(torch.nn.Module):
+    """Logits = each position's input embedding times a weight of its own: the response to a perturbation of the
+    embeddings is that weight, exactly, whatever the CPU's rounding."""
 
-    folder, _ = exports("qwen3", "fused")
-    model = ThinkerForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    def __init__(self, weights: list[float]) -> None:
+        super().__init__()
+        self.config = type("Config", (), {"ple_layer_ids": []})()
+        self.embed = torch.nn.Embedding(16, 4)
+        self.weights = torch.tensor(weights).view(1, -1, 1)
+
+    def get_input_embeddings(self) -> torch.nn.Embedding:
+        return self.embed
+
+    def forward(self, inputs_embeds, attention_mask, position_ids):
+        return type("Output", (), {"logits": inputs_embeds * self.weights})()
+
+
+def test_the_rounding_sensitivity_of_a_last_logits_graph_is_its_last_positions():
+    """A ``--logits last`` graph is compared at each row's last token alone, so its allowance is measured there: the
+    maximum over every position gave it a wider one than the positions it is held at (a review). Position 2 responds
+    128 times more than the others; it is kept in both rows and last in neither."""
+    from export.verify import rounding_sensitivity
+
+    model = PositionWeightedModel([1.0, 1.0, 128.0, 1.0, 1.0, 1.0])
+    torch.nn.init.constant_(model.embed.weight, 1.0)
     ids = np.array([[0, 0, 5, 6, 7, 8], [3, 4, 5, 6, 7, 9]])
     mask = np.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     every, last = rounding_sensitivity(model, ids, mask), rounding_sensitivity(model, ids, mask, last_only=True)
-    assert 0 < last < every
+    assert every == 128 * last and last > 0  # powers of two: exact
