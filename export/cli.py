@@ -118,7 +118,8 @@ costs against the float model on a fixed English paragraph (top-1 agreement, per
     show_default=True,
     help="Compare onnxruntime with the PyTorch model (in float32, the exact model, for every --dtype) over "
     "prefill + 6 decode steps on a left-padded batch; fail beyond the dtype's tolerance (a half-precision graph: "
-    "leaving out the positions within twice PyTorch's own half-precision distance from float32 there). The "
+    "leaving out the positions within twice PyTorch's own half-precision distance from float32 there, or its "
+    "response to inputs rounded once more at that precision). The "
     "PyTorch model is "
     "held whole beside the graph where both fit in the memory available (or THINKER_VERIFY_MEMORY, e.g. 8GB), "
     "else read layer by layer as it runs; a quantized export's check holds the float model and its dequantized "

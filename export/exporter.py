@@ -28,6 +28,7 @@ from thinker_common.config_values import check_model_config
 from thinker_common.dtypes import FLOAT_DTYPES, dtype_name, torch_dtype
 from thinker_common.errors import ThinkerError
 from thinker_common.model_card import in_hub_snapshot
+from thinker_common.parity_inputs import RELATIVE_TOLERANCE
 from thinker_common.progress import progress_bar
 from thinker_common.side_files import (
     CONFIG_FILES,
@@ -362,16 +363,29 @@ def export_model(
                 f"{run_failure_advice(reason)}"
             ) from None
         if verify and report["verify"].get("passed") is False:
+            failure = report["verify"]["failure"]
             what = "the quantized export fails its check" if quantize else "onnxruntime disagrees with PyTorch"
             raise ThinkerError(
-                f"{what}: {report['verify']['failure']} ({dtype}, {graph} graph"
-                f"{', ' + quantize.label() if quantize else ''}); the export was not written"
+                f"{what}: {failure} ({dtype}, {graph} graph{', ' + quantize.label() if quantize else ''}); the "
+                f"export was not written{half_failure_advice(graph_dtype, failure)}"
             )
         write_onnx_card(final, model_dir, report, output.name)
         report["sizes"] = {p.name: p.stat().st_size for p in sorted(final.iterdir())}  # the card's too
         (final / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
         install(final, output.absolute(), force)  # atomic: OUTPUT is the old folder or the new one, never partial
     return report
+
+
+def half_failure_advice(dtype: torch.dtype, failure: str) -> str:
+    """What a user can do about a half-precision graph's refusal, where the failure does not say it already: the
+    float32 export's far tighter check tells a graph bug from rounding; --no-verify writes this one."""
+    if dtype not in (torch.float16, torch.bfloat16) or "--no-verify" in failure:
+        return ""
+    tighter = RELATIVE_TOLERANCE[dtype] / RELATIVE_TOLERANCE[torch.float32]
+    return (
+        f": a float32 export of the same model is checked {tighter:.0f}x tighter and tells a graph bug from rounding; "
+        "--no-verify writes this one unchecked"
+    )
 
 
 def run_failure_advice(reason: str) -> str:

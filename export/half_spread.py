@@ -21,6 +21,18 @@ GroupQueryAttention's scale 20 % off puts the decode steps 1.6-3.4 from float32 
 that. A single tolerance floor over the batch (twice the largest spread, 8.8 there) would have let that bug pass
 but for one position.
 
+One half-precision run is one sample of the roundings a sound graph may make, and at a badly conditioned position
+it can land near float32 by chance where another sound rounding lands far off. Measured on a tiny random Qwen3.5-VL
+exported in float16: at two of the continuation pass's 72 positions, where one head of layer 0's delta rule comes
+out of a near-total cancellation (RMS 1.6e-5 against 1e-3 to 1e-2 elsewhere) into a gated RMSNorm that multiplies
+it by about 1/sqrt(eps), onnxruntime landed 0.55 and 0.56 from float32 (tolerance 0.38) and PyTorch's float16 run
+0.08 and 0.06, while that run with its float16 embeddings moved by one ulp landed up to 1.16 off, and so was refused
+by the check in 9 of 11 such tries (a QA run). So a position's spread is also its response to one half-precision
+rounding of its inputs: the float32 model run again on input embeddings scaled by 1 ± the dtype's unit roundoff
+(signs from a fixed seed), its own cache beside the half run's, |Δlogit| from the reference. That response is 1.01
+and 1.06 at those two positions and a median 0.056 elsewhere, so the well-conditioned positions, where a graph bug
+shows, keep small spreads. The float32 run costs about as much as the reference's.
+
 Why not check against PyTorch's half-precision run directly: its MoE routing and accumulation order are PyTorch's
 CPU ones, which can sit further from onnxruntime's than either from float32 (export/verify.py). Here it only
 measures how much rounding each position invites.
@@ -45,6 +57,9 @@ from converter.streamed import Unit, decoder_layer_classes, find_units, get_tens
 from thinker.modeling_thinker import CACHE_ARG
 
 HALF_PRECISIONS = (torch.float16, torch.bfloat16)
+# The largest relative error of one rounding to each half dtype (half its machine epsilon): float16 keeps 10
+# fraction bits, bfloat16 7.
+UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 HALF_SPREAD_MARGIN = 2.0
 # At most this share of a comparison's positions may be excused beyond the tolerance: on SmolLM2's float16 int4
 # export, 1 position of 23. Where half precision moves most positions that far (a model whose every position carries
@@ -53,44 +68,74 @@ MAX_EXCUSED_SHARE = 0.1
 
 
 class HalfShadow:
-    """``model`` (float32) run again in ``dtype`` beside the reference, step by step with its own cache: each call's
-    spread is how far its logits land from the reference's at each position.
+    """``model`` (float32) run again beside the reference, step by step with its own caches, twice: in ``dtype``, and
+    in float32 on input embeddings rounded once more at ``dtype``'s unit roundoff. Each call's spread is, at each
+    position, the further of the two from the reference's logits.
 
     The spreads are kept: a second pass over the same reference steps (``rewind``, then the same calls: the reference
     is PyTorch on the same batch and its own greedy tokens, whichever graph it is compared with) reads them back
-    rather than running the half-precision model again, the slow part on a CPU without half-precision matmuls."""
+    rather than running the model again, the half-precision run being the slow part on a CPU without half-precision
+    matmuls."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
-        self.model, self.dtype, self.past = model, dtype, None
+        self.model, self.dtype = model, dtype
+        self.past, self.perturbed_past = None, None  # the half run's cache, the perturbed float32 run's
         self.spreads: list[np.ndarray] = []
         self.step = 0
         self.replayed = False  # whether the last call read a kept spread back rather than run
 
     def edit_cache(self, edit: Callable[[Cache], None]) -> None:
-        """``edit`` on the shadow's cache, as the caller edited the reference's between two calls; nothing while
-        replaying (``rewind``): the cache already holds the edit then."""
+        """``edit`` on the shadow's caches, as the caller edited the reference's between two calls; nothing while
+        replaying (``rewind``): the caches already hold the edit then."""
         if not self.replayed:
             edit(self.past)
+            edit(self.perturbed_past)
 
     def rewind(self) -> None:
         self.step = 0
 
     @torch.no_grad()
     def spread(self, reference_logits: torch.Tensor, **inputs) -> np.ndarray:
-        """(B, T): max over the vocabulary of |logits in ``dtype`` - ``reference_logits``| (B, T, V), the model fed
-        ``inputs`` (as the reference was, less its cache) after this shadow's earlier calls."""
+        """(B, T): max over the vocabulary of |logits - ``reference_logits``| (B, T, V), the further of the half run
+        and the perturbed float32 run, each fed ``inputs`` (as the reference was, less its cache) after this
+        shadow's earlier calls."""
         self.step += 1
         self.replayed = self.step <= len(self.spreads)
         if self.replayed:
             return self.spreads[self.step - 1]
-        cache = {CACHE_ARG: self.past} if self.past is not None else {}
+        reference = reference_logits.float()
+        half_inputs = inputs
         if "inputs_embeds" in inputs:  # the embeddings a half graph takes are cast to its dtype first thing
-            inputs = {**inputs, "inputs_embeds": inputs["inputs_embeds"].to(self.dtype)}
+            half_inputs = {**inputs, "inputs_embeds": inputs["inputs_embeds"].to(self.dtype)}
         with running_in(self.model, self.dtype):
-            out = self.model(**inputs, use_cache=True, **cache)
-        self.past = getattr(out, CACHE_ARG)
-        self.spreads.append((out.logits.float() - reference_logits.float()).abs().amax(-1).numpy())
+            half = self.model(**half_inputs, use_cache=True, **cached(self.past))
+        self.past = getattr(half, CACHE_ARG)
+        moved = self.perturbed_inputs(inputs, self.step)
+        perturbed = self.model(**moved, use_cache=True, **cached(self.perturbed_past))
+        self.perturbed_past = getattr(perturbed, CACHE_ARG)
+        distances = [(out.logits.float() - reference).abs().amax(-1) for out in (half, perturbed)]
+        self.spreads.append(torch.maximum(*distances).numpy())
         return self.spreads[-1]
+
+    def perturbed_inputs(self, inputs: dict, seed: int) -> dict:
+        """``inputs`` with their input embeddings (looked up from ``input_ids`` where given those) each scaled by
+        1 ± the dtype's unit roundoff, the signs drawn from ``seed`` (each call's own: its step)."""
+        inputs = dict(inputs)
+        ids = inputs.pop("input_ids", None)
+        if ids is not None:
+            inputs["inputs_embeds"] = self.model.get_input_embeddings()(ids)
+            if self.model.config.ple_layer_ids:  # Qwen3.8's n-grams hash the ids themselves
+                inputs["ple_input_ids"] = ids
+        embeds = inputs["inputs_embeds"].float()
+        generator = torch.Generator().manual_seed(seed)
+        signs = torch.randint(0, 2, embeds.shape, generator=generator).to(embeds.dtype) * 2 - 1
+        inputs["inputs_embeds"] = embeds * (1 + UNIT_ROUNDOFF[self.dtype] * signs)
+        return inputs
+
+
+def cached(past: Cache | None) -> dict:
+    """The cache argument of a call that continues ``past`` (none for a first call)."""
+    return {CACHE_ARG: past} if past is not None else {}
 
 
 def excused(diff: np.ndarray, spread: np.ndarray) -> np.ndarray:

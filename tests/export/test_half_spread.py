@@ -1,6 +1,7 @@
 """A half-precision graph's check excuses a position only within twice the reference's own half-precision rounding
 there (export/half_spread.py): the reference run in half precision is exactly the model loaded in half precision,
-whole or streamed, and leaves the float32 model as it was; the excuse covers those positions and no others."""
+whole or streamed, and leaves the float32 model as it was; its float32 run on inputs rounded once more follows its
+own cache; the excuse covers those positions and no others."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from export.half_spread import HALF_SPREAD_MARGIN, MAX_EXCUSED_SHARE, HalfShadow, running_in
+from export import half_spread
+from export.half_spread import HALF_SPREAD_MARGIN, MAX_EXCUSED_SHARE, UNIT_ROUNDOFF, HalfShadow, running_in
 from export.runtime import position_ids_from_mask
 from export.verify import Agreement, judge
 from thinker.modeling_thinker import CACHE_ARG
@@ -71,6 +73,84 @@ def test_half_shadow_follows_the_reference_through_its_cache(thinker_variant):
         whole = half(input_ids=ids).logits[:, -1:]
     expected = (whole.float() - step.logits.float()).abs().amax(-1).numpy()
     np.testing.assert_allclose(spread, expected, rtol=0, atol=2e-3 * float(step.logits.abs().max()))
+
+
+def test_the_perturbed_run_follows_the_reference_through_its_cache(thinker_variant, monkeypatch):
+    """The second half of a position's spread: the float32 model on input embeddings each moved by the dtype's unit
+    roundoff, continued through its own cache. With the half run made exact (cast to nothing), the spread at a
+    decode step is that run's, the same as the whole sequence's perturbed embeddings run at once."""
+    from contextlib import nullcontext
+
+    from thinker import ThinkerForCausalLM
+
+    monkeypatch.setattr(half_spread, "running_in", lambda model, dtype: nullcontext())
+    model = ThinkerForCausalLM.from_pretrained(thinker_variant("qwen3"), dtype=torch.float32, **EAGER).eval()
+    ids = torch.tensor([[3, 5, 7, 11]])
+    shadow = HalfShadow(model, torch.float16)
+    with torch.no_grad():
+        out = model(input_ids=ids[:, :3], use_cache=True)
+        prefill_spread = shadow.spread(out.logits, input_ids=ids[:, :3])
+        step = model(input_ids=ids[:, 3:], use_cache=True, **{CACHE_ARG: getattr(out, CACHE_ARG)})
+        spread = shadow.spread(step.logits, input_ids=ids[:, 3:])
+        parts = ({"input_ids": ids[:, :3]}, {"input_ids": ids[:, 3:]})  # each call's embeddings, its step the seed
+        moved = [shadow.perturbed_inputs(part, seed)["inputs_embeds"] for seed, part in enumerate(parts, start=1)]
+        whole = model(inputs_embeds=torch.cat(moved, dim=1)).logits[:, -1:]
+    embeddings = model.get_input_embeddings()(ids)
+    relative = (torch.cat(moved, dim=1) / embeddings - 1).abs()
+    assert torch.allclose(relative, torch.full_like(relative, UNIT_ROUNDOFF[torch.float16]), rtol=1e-3)
+    assert prefill_spread.shape == (1, 3) and prefill_spread.min() > 0
+    expected = (whole - step.logits).abs().amax(-1).numpy()
+    np.testing.assert_allclose(spread, expected, rtol=1e-4, atol=1e-6)
+    edited = []  # the deep-cache pass's slots go into both runs' caches, as into the reference's
+    shadow.edit_cache(edited.append)
+    assert edited == [shadow.past, shadow.perturbed_past] and shadow.past is not shadow.perturbed_past
+
+
+def test_a_sound_float16_export_of_an_ill_conditioned_model_passes_and_a_bug_in_it_fails(tmp_path):
+    """The tiny random Qwen3.5-VL in float16: at two continuation positions layer 0's delta rule cancels to almost
+    nothing before a norm that multiplies it by about 1/sqrt(eps), and the sound graph lands 0.55 off float32 there
+    (tolerance 0.38) where PyTorch's one float16 run lands 0.08: refused before the perturbed run joined the spread
+    (on an AVX-512 CPU; another CPU's roundings may keep it within the tolerance anyway). One full-attention layer's
+    output projection 3 % off still fails on that pass, beyond the spreads."""
+    import onnx
+    from onnx import helper, numpy_helper
+    from references import hybrid
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from converter.convert import convert
+    from export.exporter import export_model
+    from export.verify import verify_export
+
+    source = tmp_path / "source"
+    hybrid.reference(Qwen3_5ForConditionalGeneration, hybrid.qwen3_5_vl_config()).save_pretrained(source)
+    folder = convert(source, tmp_path / "thinker", verify=False, progress=False).output
+    report = export_model(folder, tmp_path / "onnx", graph="plain", dtype="float16", progress=False)["verify"]
+    assert report["passed"], report["failure"]
+
+    path = tmp_path / "onnx" / "model.onnx"
+    graph = onnx.load(path, load_external_data=False)
+    weight = "model.layers.3.self_attn.o_proj.weight"
+    graph.graph.initializer.append(numpy_helper.from_array(np.array(1.03, np.float16), f"{weight}/planted"))
+    for node in graph.graph.node:
+        node.input[:] = [f"{weight}/scaled" if name == weight else name for name in node.input]
+    graph.graph.node.insert(0, helper.make_node("Mul", [weight, f"{weight}/planted"], [f"{weight}/scaled"]))
+    onnx.save_model(graph, path)
+    result = verify_export(folder, path, torch.float16)
+    assert result["passed"] is False and "a prompt of 10 tokens continued by 70" in result["failure"], result
+
+
+def test_a_half_precision_refusal_says_what_to_do():
+    """Where the failure gives no advice, the refusal of a half-precision graph says how to tell a bug from rounding
+    (a float32 export) and how to write it anyway; a float32 graph's, and a failure that already advises, add none."""
+    from export.exporter import half_failure_advice
+
+    advice = half_failure_advice(torch.float16, "max |Δlogit| 0.552 > tolerance 0.379")
+    assert advice == (
+        ": a float32 export of the same model is checked 500x tighter and tells a graph bug from rounding; "
+        "--no-verify writes this one unchecked"
+    )
+    assert half_failure_advice(torch.float32, "max |Δlogit| 1e-3 > tolerance 1e-4") == ""
+    assert half_failure_advice(torch.float16, "... export float32 (or bfloat16 on CUDA), or pass --no-verify") == ""
 
 
 def comparison(differences: list[float], spreads: list[float] | None, nan_rows: tuple[int, ...] = ()) -> dict:
