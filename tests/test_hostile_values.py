@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 
 EMBED = "model.embed_tokens.weight"
 DOWN = "model.layers.1.mlp.down_proj.weight"
+GATE = "model.layers.0.mlp.gate_proj.weight"
 
 # --- shard indexes (issue 15, 16) ----------------------------------------------------------------------------------
 
@@ -285,6 +286,17 @@ def test_export_refuses_a_config_that_does_not_describe_the_weights(key, verify,
     edit_config(folder, **changes)
     output = tmp_path / "onnx"
     assert_error(thinker("export", folder, output, verify), "config.json", *fragments, "the folder holds")
+    assert_nothing_written(output)
+
+
+def test_a_wrong_size_is_blamed_on_its_key_alone(qwen3_thinker, tmp_path):
+    """intermediate_size moves only the MLP's inner dimension: hidden_size, which gives the same tensors their other
+    (agreeing) dimension, is not named beside it, which sent the user to a key that is right (a mutation run)."""
+    folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
+    edit_config(folder, intermediate_size=40)
+    output = tmp_path / "onnx"
+    expected = f"config.json: intermediate_size=40 gives {GATE} the shape (40, 32), but the folder holds (48, 32)"
+    assert_error(thinker("export", folder, output, "--no-verify"), expected)
     assert_nothing_written(output)
 
 

@@ -19,6 +19,7 @@ from tokenizers.models import WordLevel
 from transformers import Qwen3Config
 
 from converter.cli import CONVERT_HELP, convert_command, verify_command
+from converter.parity_report import IDENTICAL
 from thinker_common.errors import ThinkerError
 
 QWEN3 = Qwen3Config(
@@ -46,6 +47,22 @@ def test_convert_prints_the_parity_table(source, tmp_path):
     assert "float32" in result.stdout and "pass" in result.stdout
     assert json.loads((tmp_path / "out" / "parity.json").read_text())["passed"] is True
     assert "as the folder stores them" not in result.stdout  # float32: the rows compare the weights as stored
+
+
+def test_the_cards_parity_table_shows_each_figure_in_its_column():
+    """The card's row puts max |Δlogit| before mean |Δlogit|, as its header does: swapped, the smaller mean passed
+    for the max (tiny float32 conversions give 0 for both, so the figures here are planted and distinct)."""
+    from converter.model_card import parity_section
+    from converter.parity_report import DtypeParity, ParityReport
+
+    result = DtypeParity("float32", 3e-5, 1e-6, 10.0, 1e-3, 1.0, 4, 4, 1.0, passed=True)
+    card = parity_section(ParityReport("Qwen3ForCausalLM", "ThinkerForCausalLM", [[1, 2]], [result]), "")
+    lines = card.splitlines()
+    header = next(line for line in lines if line.startswith("| dtype"))
+    row = next(line for line in lines if line.startswith("| float32"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert header.startswith(r"| dtype | max \|Δlogit\| | mean \|Δlogit\| | tolerance |"), header
+    assert cells[:4] == ["float32", "3e-05", "1e-06", "0.001"], cells
 
 
 def test_an_eos_id_outside_the_vocabulary_is_said(save_reference, tmp_path):
@@ -191,6 +208,18 @@ def test_verify_names_a_weight_edited_below_the_parity_tolerance(source, tmp_pat
     assert failed["passed"] is False and all(row["passed"] for row in failed["results"]), failed
     assert "row 3 of" in failed["weights"]
     assert json.loads((converted / "parity.json").read_text())["weights"] is None  # the conversion's own record
+
+
+def test_verify_takes_a_folder_converted_to_a_narrower_dtype(source, tmp_path):
+    """``--dtype bfloat16`` from a float32 source: the exact check compares the folder with converting the source at
+    the dtype the folder stores, not at auto's float32, so a correct folder passes with its weights identical."""
+    runner = CliRunner()
+    converted = tmp_path / "out"
+    arguments = [str(source), str(converted), "--dtype", "bfloat16", "--no-verify"]
+    assert runner.invoke(convert_command, arguments).exit_code == 0
+    result = runner.invoke(verify_command, [str(source), str(converted)])
+    assert result.exit_code == 0, result.output
+    assert json.loads((converted / "parity.json").read_text())["weights"] == IDENTICAL
 
 
 def folder_state(folder: Path) -> dict[str, tuple[bytes, int]]:

@@ -39,6 +39,7 @@ from converter.ops import (
     Transpose,
     UnstackExperts,
 )
+from converter.shards import ShardLayout
 from thinker import ThinkerConfig
 from thinker_common.errors import ThinkerError
 from thinker_common.sizes import parse_size
@@ -303,6 +304,29 @@ def test_sharded_source_and_sharded_output(save_reference, run_convert):
     assert index["metadata"]["total_size"] == result.total_bytes
     assert result.parity.passed
     assert_same_logits(model, result.output)
+
+
+def test_a_shard_filled_exactly_to_the_limit_is_not_split():
+    """transformers' rule: a new shard starts only when the next tensor would go past max_shard_size, so two 4 KiB
+    tensors fill an 8 KiB shard exactly, and one byte less splits them."""
+    tensors = [("a", (1024,), torch.float32), ("b", (1024,), torch.float32)]
+    assert ShardLayout(tensors, 8192).num_shards == 1
+    split = ShardLayout(tensors, 8191)
+    assert split.num_shards == 2 and [slot.shard for slot in split.slots.values()] == [0, 1]
+
+
+@pytest.mark.parametrize("max_shard_size", ["5GB", "16KB"], ids=["one file", "shards"])
+def test_written_headers_are_padded_and_one_file_has_no_index(save_reference, run_convert, max_shard_size):
+    """Each header's length is a multiple of 8, so the data starts 8-byte aligned (safetensors' rule, which readers
+    that map the file rely on); a single model.safetensors has no index beside it, as transformers writes it."""
+    _, source = save_reference(Qwen2Config(**QWEN2))
+    output = run_convert(source, verify=False, max_shard_size=max_shard_size).output
+    shards = sorted(output.glob("*.safetensors"))
+    assert (len(shards) == 1) == (max_shard_size == "5GB")
+    assert (output / "model.safetensors.index.json").is_file() == (len(shards) > 1)
+    for shard in shards:
+        with shard.open("rb") as handle:
+            assert int.from_bytes(handle.read(8), "little") % 8 == 0, shard.name
 
 
 @pytest.mark.parametrize("kernel_copy", ["copy_file_range", "refused"])

@@ -254,6 +254,25 @@ def test_a_shared_expert_zero_wide_is_written_back_empty(save_reference, run_con
     assert_same_logits(again.eval(), thinker)
 
 
+def test_a_shared_expert_zero_wide_is_written_back_in_the_folders_dtype(save_reference, run_convert, tmp_path):
+    """The way back of a bfloat16 Thinker derives the empty shared expert and its zero gate: they take the folder's
+    dtype like every tensor beside them, not float32 (a float32 tensor in a bfloat16 folder is not the source)."""
+    from click.testing import CliRunner
+
+    from converter.cli import convert_command
+
+    model, source = save_reference(Qwen2MoeConfig(**QWEN2_MOE, shared_expert_intermediate_size=0))
+    model.to(torch.bfloat16).save_pretrained(source)
+    thinker = run_convert(source, verify=False).output
+    arguments = [str(thinker), str(tmp_path / "back"), "--to", "qwen2_moe", "--no-verify"]
+    done = CliRunner().invoke(convert_command, arguments, catch_exceptions=False)
+    assert done.exit_code == 0, done.output
+    with safe_open(tmp_path / "back" / "model.safetensors", "pt") as written:
+        dtypes = {name: written.get_slice(name).get_dtype() for name in written.keys()}
+    assert "model.layers.1.mlp.shared_expert.up_proj.weight" in dtypes
+    assert {name: dtype for name, dtype in dtypes.items() if dtype != "BF16"} == {}
+
+
 def test_a_sparse_step_of_zero_is_refused_by_key(save_reference, tmp_path):
     """decoder_sparse_step 0 divides by zero in transformers' class and the Thinker's (was a ZeroDivisionError)."""
     import json

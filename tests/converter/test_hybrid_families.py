@@ -408,11 +408,13 @@ def test_qwen3_vl_converts_its_text_decoder(vl):
         assert not [name for name in handle.keys() if "visual" in name]
 
 
+@pytest.mark.parametrize("count", [2, 0], ids=["more", "none"])
 @pytest.mark.parametrize("mode", ["whole-model", "layer-by-layer"])
-def test_a_deepstack_count_translated_wrong_fails_the_gate(vl, mode, tmp_path):
+def test_a_deepstack_count_translated_wrong_fails_the_gate(vl, mode, count, tmp_path):
     """Text prompts take no DeepStack features, so a converted config naming more (or fewer) DeepStack layers than
     the vision tower's deepstack_visual_indexes passed every logit, and an --inputs-embeds export would take that
-    many feature inputs; the gate holds the count equal, both modes."""
+    many feature inputs; the gate holds the count equal, both modes. A count translated to 0 (DeepStack dropped)
+    fails too: a stage only where both models had one passed it (a mutation run)."""
     from converter.convert import source_family
     from converter.parity_report import DEEPSTACK_STAGE
 
@@ -424,7 +426,7 @@ def test_a_deepstack_count_translated_wrong_fails_the_gate(vl, mode, tmp_path):
     shutil.copytree(root / "thinker", wrong)
     config = json.loads((wrong / "config.json").read_text())
     assert config["deepstack_layers"] == 1
-    (wrong / "config.json").write_text(json.dumps({**config, "deepstack_layers": 2}))
+    (wrong / "config.json").write_text(json.dumps({**config, "deepstack_layers": count}))
     report = check_parity(root / "source", wrong, family, mode)
     fp32 = report.results[0]
     assert fp32.max_abs_diff <= fp32.tolerance and fp32.top1_agreement == 1.0  # the prompts see nothing

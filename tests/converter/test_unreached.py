@@ -13,7 +13,7 @@ from transformers import Qwen2Config, Qwen3MoeConfig
 from converter import parity
 from converter.parity import check_parity
 from converter.parity_report import BY_LAYER, CONTEXT_STAGE, ROTARY_STAGE, WHOLE_MODEL
-from converter.unreached import EMBEDDING_ROWS, experts_stage, router_stage
+from converter.unreached import EMBEDDING_ROWS, Probes, experts_stage, router_stage
 from thinker_common.parity_inputs import gate_prompts
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2)
@@ -57,6 +57,17 @@ def only_the_probe_fails(source, converted, mode: str, stage: str):
     assert fp32.max_abs_diff <= fp32.tolerance and fp32.top1_agreement == 1.0  # the prompts see nothing
     assert not report.passed and fp32.first_divergence == stage, report.table()
     return fp32
+
+
+@pytest.mark.parametrize("side", ["reference", "converted"])
+def test_experts_on_one_side_only_fail_their_stage(side):
+    """A layer with routed experts in one model and none in the other (a conversion that dropped them, or made
+    them up) is a failing stage, not a layer skipped as dense on both sides."""
+    probes = Probes(hidden_size=4, vocab_size=8)
+    other = "converted" if side == "reference" else "reference"
+    probes.experts[side], probes.experts[other] = [torch.ones(4, 4)], [None]
+    found = {stage.name: stage.passed for stage in probes.stages(torch.float32)}
+    assert found.get(experts_stage(0)) is False, found  # present and failing
 
 
 @pytest.mark.parametrize("mode", [WHOLE_MODEL, BY_LAYER])

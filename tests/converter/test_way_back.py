@@ -9,11 +9,13 @@ and compares every tensor of the result with the original file: same names, dtyp
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import save_word_tokenizer
+from cli_helpers import edit_tensors, save_word_tokenizer
 from click.testing import CliRunner
 from convert_helpers import build_reference, save_unfused_experts
 from huggingface_hub import ModelCard
@@ -197,3 +199,40 @@ def test_way_back_to_a_narrower_dtype_verifies(tmp_path, mode):
     assert report["mode"] == ("layer-by-layer" if mode == "--verify-by-layer" else "whole-model")
     assert next(iter(safetensors_of(tmp_path / "back").values())).dtype == torch.bfloat16
     assert json.loads((tmp_path / "back" / "config.json").read_text())["dtype"] == "bfloat16"  # loads as written
+
+
+def test_way_back_refuses_a_tensor_the_family_has_no_place_for(qwen3_thinker, tmp_path):
+    """A Thinker folder holding one tensor more than its model (an adapter left in): the way back would drop it
+    silently, and its check passes (no forward reads the tensor), so it is refused by name and nothing is written."""
+    folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
+    edit_tensors(folder, lambda tensors: tensors.update({"model.layers.0.mlp.extra.weight": torch.ones(4, 32)}))
+    refused = cli(folder, tmp_path / "back", "--to", "qwen3", "--no-verify")
+    assert refused.exit_code == 1, refused.output
+    expected = "holds model.layers.0.mlp.extra.weight (1 in all), which a qwen3 model has no place for"
+    assert expected in " ".join(refused.output.split())
+    assert not (tmp_path / "back").exists()
+
+
+def test_way_back_card_names_the_output_folder(qwen3_thinker, tmp_path):
+    """The card's title and its ``from_pretrained`` line name OUTPUT, the folder the user gets, not the hidden
+    staging folder it was written in, which is gone after the install."""
+    assert cli(qwen3_thinker, tmp_path / "my-qwen3", "--to", "qwen3", "--no-verify").exit_code == 0
+    card = (tmp_path / "my-qwen3" / "README.md").read_text()
+    assert "# my-qwen3" in card.splitlines()
+    assert re.findall(r'from_pretrained\("([^"]*)"', card) == ["my-qwen3"], card
+
+
+def test_way_back_to_an_existing_output_is_refused_before_any_work(qwen3_thinker, tmp_path, monkeypatch):
+    """An earlier way back at OUTPUT without --force: refused at once with the advice to pass --force, not after
+    writing and checking the whole folder, where the install found it "appeared during the run"."""
+    from converter import back
+
+    output = tmp_path / "back"
+    assert cli(qwen3_thinker, output, "--to", "qwen3", "--no-verify").exit_code == 0
+    before = (output / "model.safetensors").read_bytes()
+    monkeypatch.setattr(back, "write_weights", lambda *args, **kwargs: pytest.fail("the way back did its work"))
+    refused = cli(qwen3_thinker, output, "--to", "qwen3", "--no-verify")
+    assert refused.exit_code == 1
+    message = f"{output} already exists; pass --force to replace it once the new conversion is complete"
+    assert message in " ".join(refused.output.split()) and "appeared during the run" not in refused.output
+    assert (output / "model.safetensors").read_bytes() == before

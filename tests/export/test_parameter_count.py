@@ -34,10 +34,13 @@ def test_every_export_counts_the_model_once(family, thinker_variant, tmp_path):
     assert set(counts.values()) == {expected}, counts
 
 
-def test_the_converter_counts_the_same(qwen3_source, tmp_path):
+@pytest.mark.parametrize(("dtype", "itemsize"), [("float32", 4), ("bfloat16", 2)])
+def test_the_converter_counts_the_same(dtype, itemsize, qwen3_source, tmp_path):
+    """The index counts parameters, not bytes over four: a bfloat16 folder holds as many in half the bytes."""
     from converter.convert import convert
 
-    result = convert(qwen3_source, tmp_path / "out", verify=False, progress=False, max_shard_size="20KB")
+    options = {"verify": False, "progress": False, "max_shard_size": "20KB", "dtype": dtype}
+    result = convert(qwen3_source, tmp_path / "out", **options)
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert index["metadata"]["total_parameters"] == torch_count(tmp_path / "out")
-    assert result.total_bytes == 4 * torch_count(tmp_path / "out")
+    assert result.total_bytes == itemsize * torch_count(tmp_path / "out")
