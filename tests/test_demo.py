@@ -114,6 +114,32 @@ def test_what_the_demo_would_refuse_late_it_refuses_first(tmp_path):
     assert (tmp_path / "a-file" / "smollm2-135m-onnx").read_text() == "mine"
 
 
+def test_a_continuation_that_exactly_fits_the_context_is_not_refused():
+    """The other side of the refusal at -n 8189 above: the last new token is never fed back, so 5 prompt tokens and
+    -n 8188 need 8192 positions, SmolLM2's whole context, and run (a mutation run refused them)."""
+    from converter.families.gguf import smollm2_gguf_path
+    from export.demo import _check_context
+
+    _check_context(smollm2_gguf_path(), "The capital of France is", 8188, 8192)
+
+
+def test_the_next_steps_run_as_printed_from_a_workdir_with_a_space(tmp_path):
+    """The generate command names the ONNX folder quoted, so a --workdir with a space in it is one argument to the
+    shell, as the verify command's paths are (a mutation run printed it bare)."""
+    import shlex
+
+    from export.demo import next_steps
+
+    thinker_dir, onnx_dir = tmp_path / "my work" / "thinker", tmp_path / "my work" / "onnx"
+    text = next_steps(Path("/models/smollm2.gguf"), thinker_dir, onnx_dir)
+    commands = [shlex.split(line) for line in text.splitlines() if line.strip().startswith("thinker ")]
+    assert [args[:3] for args in commands] == [
+        ["thinker", "generate", str(onnx_dir)],
+        ["thinker", "verify", "/models/smollm2.gguf"],
+    ], text
+    assert commands[1][3] == str(thinker_dir)
+
+
 def test_a_refused_continuation_starts_its_own_line(capsys):
     from export.demo import _continue
     from thinker_common.errors import ThinkerError

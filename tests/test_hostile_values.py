@@ -215,6 +215,20 @@ def test_export_refuses_a_context_too_short_to_verify(short_by, qwen3_thinker, t
     assert thinker("export", folder, output, "--no-verify").exit_code == 0  # a 2-position model exports as it is
 
 
+def test_export_verifies_a_context_exactly_as_long_as_the_verify(qwen3_thinker, tmp_path):
+    """The other side of the refusal above: a context of exactly the positions --verify runs (its longest prompt and
+    decode steps) is exported and verified, not refused (a mutation run refused it)."""
+    from export.verify import DECODE_STEPS
+    from thinker_common.parity_inputs import PROMPT_LENGTHS
+
+    folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
+    edit_config(folder, max_position_embeddings=max(PROMPT_LENGTHS) + DECODE_STEPS)
+    output = tmp_path / "onnx"
+    result = thinker("export", folder, output, "--verify")
+    assert result.exit_code == 0, result.output
+    assert json.loads((output / "export_report.json").read_text())["verify"]["passed"] is True
+
+
 def test_export_refuses_a_verify_that_cannot_fit_in_memory(qwen3_thinker, qwen3_source, tmp_path, monkeypatch):
     """--verify holds at least the graph's session and one PyTorch layer (the whole model where it fits, else streamed
     layer by layer: tests/export/test_verify_rejects.py): where not even that fits, the export is refused before it

@@ -52,6 +52,45 @@ def test_the_onnx_folder_carries_a_model_card(runner, thinker_folder, tmp_path):
     assert "the head" not in card.text and "(`--logits last`)" not in card.text  # an int8 head, logits everywhere
 
 
+def test_a_quantized_card_is_related_to_a_base_model_only_where_it_names_one(thinker_folder, tmp_path):
+    """The Hub reads base_model_relation only beside a base_model: a quantized export of a model whose card names
+    none gets neither (a mutation run wrote the relation alone); the card that names one is the test above's."""
+    import shutil
+
+    from huggingface_hub import ModelCard
+
+    from export.model_card import write_onnx_card
+
+    source = shutil.copytree(thinker_folder("qwen3"), tmp_path / "thinker")
+    (source / "README.md").write_text("---\nlicense: apache-2.0\n---\n# card\n")
+    report = {"dtype": "float32", "graph": "fused", "quantize": {"weights": "int4", "block_size": 32, "algo": "rtn"}}
+    output = tmp_path / "onnx"
+    output.mkdir()
+    write_onnx_card(output, source, report, "tiny-onnx")
+    data = ModelCard.load(output / "README.md").data.to_dict()
+    assert (
+        data["license"] == "apache-2.0" and "weights int4 in blocks of 32 (rtn)" in (output / "README.md").read_text()
+    )
+    assert "base_model" not in data and "base_model_relation" not in data, data
+
+
+def test_the_card_gives_the_perplexity_change_with_its_sign():
+    """A quantized export's cost, as export_report.json has it (a fraction): a perplexity that rose reads +3.4%, one
+    that fell -1.2% (a mutation run printed the rise as a fall)."""
+    from export.model_card import verify_section
+
+    def cost_line(change: float) -> str:
+        figures = {
+            "graph": {"max_abs_diff": 0.01, "tolerance": 0.05},
+            "weights": {"relative_error": 0.01, "limit": 0.1},
+            "cost": {"tokens": 100, "top1_agreement": 0.95, "perplexity_change": change},
+        }
+        return verify_section({"verify": figures})
+
+    assert "top-1 agreement 95.0%, perplexity +3.4%" in cost_line(0.034), cost_line(0.034)
+    assert "top-1 agreement 95.0%, perplexity -1.2%" in cost_line(-0.012), cost_line(-0.012)
+
+
 @pytest.mark.parametrize("left", [(), ("chat_template.jinja",)], ids=["none", "a template alone"])
 def test_a_folder_without_a_tokenizer_is_said_to_run_on_token_ids(left, runner, thinker_folder, tmp_path):
     """A Thinker folder without a tokenizer (a weights-only checkpoint's; or tokenizer files without a vocabulary,

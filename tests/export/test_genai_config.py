@@ -38,6 +38,17 @@ def test_a_model_without_eos_stops_at_its_pad_id():
     assert "no eos_token_id" in no_eos_note(config, None) and "token 0" in no_eos_note(config, None)
 
 
+def test_an_eos_outside_the_vocabulary_is_no_eos_and_the_report_says_so():
+    """An eos past the vocabulary is none to onnxruntime-genai, so genai_config.json stops at the pad id as for a
+    missing one; the report's note must say so here too, not only for an eos left unset (a mutation run)."""
+    from export.genai_config import no_eos_note
+
+    config = make_config("qwen3", eos_token_id=5000, pad_token_id=0, bos_token_id=1)  # vocab_size 96
+    assert make_genai_config(config, None)["model"]["eos_token_id"] == 0
+    note = no_eos_note(config, None)
+    assert note and "within its vocabulary (5000)" in note and "token 0" in note, note
+
+
 def test_special_ids_outside_the_vocabulary_are_not_written():
     config = make_config("qwen3", eos_token_id=[5000, 2], pad_token_id=-1, bos_token_id=None)
     genai = make_genai_config(config, None)["model"]
@@ -45,6 +56,19 @@ def test_special_ids_outside_the_vocabulary_are_not_written():
     config = make_config("qwen3", eos_token_id=None, pad_token_id=None, bos_token_id=None)
     genai = make_genai_config(config, None)["model"]
     assert all(0 <= genai[key] < config.vocab_size for key in ("eos_token_id", "pad_token_id", "bos_token_id"))
+
+
+def test_a_missing_bos_is_the_eos_and_a_boolean_is_no_id():
+    """No bos named: genai_config.json writes the eos, Qwen's convention and ``special_token_ids``' own rule, not the
+    pad id. A boolean in generation_config.json (``true`` is an int to Python) is no token id: it falls back as a
+    missing one would, and is never written as ``true`` (a mutation run found neither held)."""
+    import json
+
+    config = make_config("qwen3", eos_token_id=2, pad_token_id=0, bos_token_id=None)
+    genai = make_genai_config(config, None)["model"]
+    assert (genai["bos_token_id"], genai["eos_token_id"], genai["pad_token_id"]) == (2, 2, 0)
+    genai = make_genai_config(config, {"bos_token_id": True})["model"]
+    assert json.dumps(genai["bos_token_id"]) == "2", genai["bos_token_id"]
 
 
 def test_the_model_type_follows_the_position_form():
@@ -104,6 +128,8 @@ def test_verify_holds_genai_config_to_the_graph(thinker_variant, onnx_variant, t
     from export.onnx_folder import graph_context
 
     past_the_table = graph_context(plain / "model.onnx")[0] + 1  # one position past: the boundary itself
+    layers = sound["model"]["decoder"]["num_hidden_layers"]
+    vocab, context = sound["model"]["vocab_size"], sound["model"]["context_length"]
     edits = {
         f"model.context_length {past_the_table} is past the graph's": lambda c: c["model"].update(
             context_length=past_the_table
@@ -121,6 +147,21 @@ def test_verify_holds_genai_config_to_the_graph(thinker_variant, onnx_variant, t
         "model.decoder.outputs.present_key_names is 'present.%d.value', where the graph's present of": lambda c: c[
             "model"
         ]["decoder"]["outputs"].update(present_key_names="present.%d.value", present_value_names="present.%d.key"),
+        # each of the rest went unchecked in a mutation run: an output genai reads, the sizes it allocates by, the
+        # longest search within the context, and a graph file that is not there (a traceback, not this line)
+        "model.decoder.outputs.logits 'logit' names no output of model.onnx": lambda c: c["model"]["decoder"][
+            "outputs"
+        ].update(logits="logit"),
+        f"model.decoder.num_hidden_layers is {layers + 2}, the model's num_hidden_layers {layers}": lambda c: c[
+            "model"
+        ]["decoder"].update(num_hidden_layers=layers + 2),
+        f"model.vocab_size is {vocab // 2}, the model's {vocab}": lambda c: c["model"].update(vocab_size=vocab // 2),
+        f"search.max_length {context + 1} is past model.context_length {context}": lambda c: c["search"].update(
+            max_length=context + 1
+        ),
+        "model.decoder.filename 'gone.onnx' is not a graph in the folder": lambda c: c["model"]["decoder"].update(
+            filename="gone.onnx"
+        ),
     }
     for said, edit in edits.items():
         config = json.loads(json.dumps(sound))

@@ -641,6 +641,21 @@ def test_the_command_line_writes_both_graphs(thinker_folder, tmp_path):
     assert "--inputs-embeds" in thinker("export", "--help").output
 
 
+def test_the_card_gives_the_embeds_figure_the_verify_judged():
+    """In half precision the embeds graph is held to the tolerance beyond the spread half precision excuses, so the
+    card gives that figure beside the tolerance, in both the float and the quantized check's table; the raw max,
+    past the tolerance, read as a failed check that had passed (a mutation run)."""
+    from export.model_card import verify_section
+
+    embeds = {"embeds_graph": {"max_abs_diff": 0.5, "max_abs_diff_beyond_spread": 0.02}}
+    plain = {"max_abs_diff": 0.01, "tolerance": 0.05, "top1_agreement": 1.0, "positions": 40, "provider": "cpu"}
+    graph = {"max_abs_diff": 0.01, "tolerance": 0.05, **embeds}
+    quantized = {"graph": graph, "weights": {"relative_error": 0.01, "limit": 0.1}, "cost": {"skipped": "--no-cost"}}
+    for figures in ({**plain, **embeds}, quantized):
+        (line,) = [line for line in verify_section({"verify": figures}).splitlines() if "foreign embeddings" in line]
+        assert "max \\|Δlogit\\| 0.02, tolerance 0.05" in line, line
+
+
 def test_a_text_positions_card_says_which_prompts_it_takes(tmp_path):
     """--positions text with --inputs-embeds: the graph refuses an image prompt's distinct streams, so its card says
     so where it showed image prompts with get_rope_index's positions (found by a QA run)."""

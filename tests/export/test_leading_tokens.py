@@ -34,8 +34,11 @@ def test_a_tokenizer_without_one_gives_none(tmp_path):
 
 
 def test_the_card_puts_it_back_only_where_there_is_one(thinker_variant, tmp_path):
+    import json
+
     from click.testing import CliRunner
 
+    from export.model_card import write_onnx_card
     from thinker_common.cli import main
 
     out = tmp_path / "onnx"
@@ -43,3 +46,9 @@ def test_the_card_puts_it_back_only_where_there_is_one(thinker_variant, tmp_path
     assert result.exit_code == 0, result.output
     card = (out / "README.md").read_text()
     assert GENAI_APPEND in card and "leaves it out" not in card and "(a BOS)" not in result.output
+    # a prefix of two tokens is compared whole: compared as ids[:1], which never equals two ids, a prompt that
+    # already began [1, 7] got them twice (a mutation run)
+    report = json.loads((out / "export_report.json").read_text()) | {"genai_prompt_prefix": [1, 7]}
+    write_onnx_card(out, thinker_variant("qwen3"), report, "tiny-onnx")
+    card = (out / "README.md").read_text()
+    assert "if ids[:2] != [1, 7]:" in card and "ids = [1, 7] + ids" in card and GENAI_APPEND not in card, card
