@@ -194,8 +194,8 @@ def half_shadow(model: torch.nn.Module, dtype: torch.dtype) -> HalfShadow | None
 
 def judge(figures: dict, tolerance: float, against: str = "") -> str | None:
     """The failure of a comparison's ``figures`` at ``tolerance``, or None; called once per comparison. Logits
-    holding inf or NaN fail. A half-precision graph's positions within twice PyTorch's own half-precision distance
-    from float32 are excused (export/half_spread.py), but only a few: where more than MAX_EXCUSED_SHARE of the
+    holding inf or NaN fail. A half-precision graph's positions within twice the reference's own half-precision
+    spread there are excused (export/half_spread.py), but only a few: where more than MAX_EXCUSED_SHARE of the
     positions need it, the dtype cannot hold the model's logits and the check could not tell a graph bug from
     rounding, so it fails saying so. Adds ``positions_excused``, those beyond the tolerance that were excused."""
     if figures.get("nonfinite_positions"):
@@ -218,7 +218,7 @@ def judge(figures: dict, tolerance: float, against: str = "") -> str | None:
         if needed > MAX_EXCUSED_SHARE * figures["positions"]:
             return (
                 f"{needed} of {figures['positions']} positions lie beyond the tolerance {tolerance:.3g}{against}, "
-                "where PyTorch's own half-precision run is as far from float32: half precision cannot hold this "
+                "where half precision moves the reference as far from float32: half precision cannot hold this "
                 "model's logits, so the check cannot tell a graph bug from rounding; export float32 (or bfloat16 on "
                 "CUDA), or pass --no-verify"
             )

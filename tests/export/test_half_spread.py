@@ -151,6 +151,12 @@ def test_a_half_precision_refusal_says_what_to_do():
     )
     assert half_failure_advice(torch.float32, "max |Δlogit| 1e-3 > tolerance 1e-4") == ""
     assert half_failure_advice(torch.float16, "... export float32 (or bfloat16 on CUDA), or pass --no-verify") == ""
+    for other in (  # a cost a float32 export pays too, an overflow, a router: no logits beyond a tolerance
+        "top-1 agreement with the float model 71.4% < 100%",
+        "onnxruntime's logits hold inf or NaN at 3 of 14 positions: the graph overflows",
+        "the graph's MoE routers' probabilities lie 0.5 from the reference's > tolerance 0.2",
+    ):
+        assert half_failure_advice(torch.float16, other) == "", other
 
 
 def comparison(differences: list[float], spreads: list[float] | None, nan_rows: tuple[int, ...] = ()) -> dict:
@@ -189,7 +195,7 @@ def test_excusing_most_positions_is_a_failure_that_says_why():
     figures = comparison([3.0] * 3 + [0.5] * 7, [2.0] * 3 + [0.0] * 7)
     assert 3 > MAX_EXCUSED_SHARE * 10
     failure = judge(figures, 1.0)
-    assert failure.startswith("3 of 10 positions lie beyond the tolerance 1, where PyTorch's own half-precision run")
+    assert failure.startswith("3 of 10 positions lie beyond the tolerance 1, where half precision moves the reference")
     assert "half precision cannot hold this model's logits" in failure and "--no-verify" in failure
 
 
