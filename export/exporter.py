@@ -50,6 +50,7 @@ from .genai_config import check_search, logits_note, make_genai_config, no_eos_n
 from .genai_graph import write_genai_graph
 from .graph_builder import GraphBuilder, WeightFile
 from .graph_walk import all_nodes
+from .half_spread import HALF_PRECISIONS
 from .leading_tokens import leading_special_ids, prefix_note
 from .model_card import write_onnx_card
 from .names import (
@@ -381,7 +382,7 @@ def half_failure_advice(dtype: torch.dtype, failure: str) -> str:
     (``max |Δlogit|`` in the failure, which does not advise already): the float32 export's far tighter check tells a
     graph bug from rounding; --no-verify writes this one. Not for the other failures (a quantization cost a float32
     export pays too, an overflow, a router), where that advice would be wrong."""
-    if dtype not in (torch.float16, torch.bfloat16) or "max |Δlogit|" not in failure or "--no-verify" in failure:
+    if dtype not in HALF_PRECISIONS or "max |Δlogit|" not in failure or "--no-verify" in failure:
         return ""
     tighter = RELATIVE_TOLERANCE[dtype] / RELATIVE_TOLERANCE[torch.float32]
     return (
