@@ -56,7 +56,7 @@ def compare_continuation(
         }
         with follower.reference(decoder.probed):
             out = model(**inputs, use_cache=True, **({CACHE_ARG: past} if past is not None else {}))
-        spread = shadow.spread(out.logits, **inputs) if shadow is not None else None
+            spread = follower.spread(shadow, out.logits, **inputs)
         return out.logits.float(), getattr(out, CACHE_ARG), spread
 
     # Qwen3.8's indexers: exact ties to the earlier blocks, as ONNX's TopK breaks them (export/verify.py)

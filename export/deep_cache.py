@@ -110,8 +110,7 @@ def compare_deep(
         _, state = decoder.prefill(ids, mask, new_tokens=DEEP_DECODE_STEPS)
         with follower.reference(decoder.probed):
             out = model(**inputs, use_cache=True)
-        if shadow is not None:
-            shadow.spread(out.logits, **inputs)
+            follower.spread(shadow, out.logits, **inputs)
         on_step()
         reference_cache = getattr(out, CACHE_ARG)
         written = write_random_slots(reference_cache, state.cache, decoder, slots, keep=shadow is not None)
@@ -134,8 +133,9 @@ def compare_deep(
             candidate = decoder.decode_one_token(token, state)
             with follower.reference(decoder.probed):
                 out = model(**step, use_cache=True, **{CACHE_ARG: past})
+                spread = follower.spread(shadow, out.logits[:, -1:], **step)
             reference = out.logits[:, -1].float().numpy()
-            spread = shadow.spread(out.logits[:, -1:], **step)[:, -1] if shadow is not None else None
+            spread = None if spread is None else spread[:, -1]
             add(reference, candidate, spread)
             past, token = getattr(out, CACHE_ARG), reference.argmax(-1)
             on_step()

@@ -14,7 +14,9 @@ an MoE op takes them, their Softmax where the graph's own TopK picks: ``router_p
 logits (``OnnxDecoder(probes=...)``: the same nodes, with more outputs), and runs the reference after the graph, step
 by step: at each layer and kept token where the graph's top-k experts are not the reference's, the reference takes
 the graph's experts, weighted by its own probabilities. The comparison is then between the same discrete paths, and
-what remains is rounding. The graph's router probabilities are held within ``ROUTER_TOLERANCE`` of the
+what remains is rounding. The half-precision spread's runs (export/half_spread.py) take the same experts
+(``RouteFollower.spread``), so that a spread, too, measures rounding along the graph's path and not a choice of its
+own. The graph's router probabilities are held within ``ROUTER_TOLERANCE`` of the
 reference's (``router_max_abs_diff``), so a wrong router weight, input or layer fails there (0.62 to 0.985 for
 experts read backwards), and a choice is followed only where the two routers, that close, part on it; the graph's
 routing weights are not taken, so a bug in them, or a choice made wrong by a bug elsewhere, leaves its logits to fail
@@ -38,6 +40,7 @@ import contextlib
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -47,6 +50,9 @@ from torch.nn import functional as F
 from thinker.modeling_thinker import ThinkerTopKRouter
 
 from .runtime import OnnxDecoder
+
+if TYPE_CHECKING:
+    from .half_spread import HalfShadow
 
 _ROUTER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.weight")
 # How far a graph's router probabilities may lie from the reference's, at any expert of any token. Measured by
@@ -131,6 +137,7 @@ class RouteFollower:
                 self.layer_of[module] = int(re.search(r"layers\.(\d+)\.", name).group(1))
         self.followed = 0
         self.router_max_abs_diff = 0.0  # of the routers' probabilities, the graph's from the reference's
+        self.recording = True  # False while a shadow run takes the routes: the figures are the reference's
 
     @contextlib.contextmanager
     def reference(
@@ -183,13 +190,13 @@ class RouteFollower:
         logits = F.linear(hidden_states, router.weight)  # (N, E)
         probs = F.softmax(logits, dim=-1, dtype=torch.float)
         top_values, top_index = torch.topk(probs, router.top_k, dim=-1)
-        if kept.any():  # a step whose tokens are all pads routes nothing the graph's probe holds
+        if kept.any() and self.recording:  # a step whose tokens are all pads routes nothing the graph's probe holds
             graph_probs = graph_values if probabilities else F.softmax(graph_values, dim=-1)
             self.router_max_abs_diff = max(self.router_max_abs_diff, float((graph_probs - probs[kept]).abs().max()))
         graph_index = torch.from_numpy(graph_top_k(graph_values.numpy(), router.top_k, probabilities))
         differs = (graph_index.sort(-1).values != top_index[kept].sort(-1).values).any(-1)
         if differs.any():
-            self.followed += int(differs.sum())
+            self.followed += int(differs.sum()) if self.recording else 0
             rows = kept.nonzero()[:, 0][differs]
             picked = graph_index[differs]
             values = probs[rows].gather(-1, picked)
@@ -198,6 +205,21 @@ class RouteFollower:
         if router.norm_topk_prob:
             top_values = top_values / top_values.sum(dim=-1, keepdim=True)
         return logits, top_values.to(logits.dtype), top_index
+
+    def spread(self, shadow: HalfShadow | None, reference_logits: torch.Tensor, **inputs) -> np.ndarray | None:
+        """Within ``reference``: ``shadow``'s spread of the step the reference has just run (None without a shadow),
+        its runs taking the graph's experts as the reference did, unrecorded. Routed on their own, a near tie one of
+        them took the other way widened every later position's spread, and a bug that moved the graph's routing
+        moved the reference away from them and so widened its own allowance (o_proj x 1.1 in the tiny Qwen3-MoE's
+        float16 graph: 6 of 110 long-prompt positions excused, at a spread of 2.1 where the sound graph's was 1.0
+        from a flip of the shadows' own: a review)."""
+        if shadow is None:
+            return None
+        self.recording = False
+        try:
+            return shadow.spread(reference_logits, **inputs)
+        finally:
+            self.recording = True
 
     def figures(self) -> dict:
         """The routing figures a comparison reports (none for a no-op follower)."""

@@ -326,8 +326,8 @@ def _compare_decoders(
         candidate, state = decoder.prefill(*given, position_ids=position_array)
     with follower.reference(decoder.probed, given[1], attention_mask):
         out = model(**inputs, use_cache=True)
+        spread = follower.spread(shadow, out.logits, **inputs)  # (B, T)
     reference = out.logits.float().numpy()
-    spread = shadow.spread(out.logits, **inputs) if shadow else None  # (B, T)
     if decoder.last_logits_only:
         last_spread = None if spread is None else at_last_kept(spread, attention_mask)
         agreement.add(at_last_kept(reference, attention_mask), candidate[:, 0], last_spread)
@@ -351,8 +351,9 @@ def _compare_decoders(
         candidate = decoder.decode_one_token(token, state)
         with follower.reference(decoder.probed):
             out = model(**step, use_cache=True, **{CACHE_ARG: past})
+            spread = follower.spread(shadow, out.logits[:, -1:], **step)
         reference = out.logits[:, -1].float().numpy()
-        spread = shadow.spread(out.logits[:, -1:], **step)[:, -1] if shadow else None
+        spread = None if spread is None else spread[:, -1]
         agreement.add(reference, candidate, spread)
         past, next_position, token = getattr(out, CACHE_ARG), next_position + 1, reference.argmax(-1)
         on_step()

@@ -156,3 +156,31 @@ def test_a_float16_export_with_int4_experts_verifies_on_genai_rows(thinker_varia
     assert result.exit_code == 0, result.output
     graph = json.loads((output / "export_report.json").read_text())["verify"]["graph"]
     assert graph["genai_graph"]["max_abs_diff"] <= graph["tolerance"], graph["genai_graph"]
+
+
+def test_a_bug_that_moves_the_routing_does_not_widen_its_own_allowance(thinker_variant, onnx_variant, tmp_path):
+    """The shadow runs that measure each position's half-precision spread (export/half_spread.py) take the graph's
+    experts as the reference does. Routed on their own, a bug that moved the graph's routing moved the reference
+    away from them and so widened its own allowance: o_proj x 1.1 in the tiny Qwen3-MoE's float16 graph put the long
+    prompts' spread at 2.1 and excused 6 of their 110 positions; the sound graph's was 1.0, itself a near tie a
+    shadow run took the other way (a review). Now both are 0.012, and nothing is excused."""
+    from conftest import FUSED_HEAD_DIM
+    from onnx import helper, numpy_helper
+
+    from export.verify import verify_export
+
+    folder = thinker_variant("qwen3_moe", head_dim=FUSED_HEAD_DIM)
+    export = shutil.copytree(onnx_variant("qwen3_moe", dtype="float16", graph="plain"), tmp_path / "onnx")
+    sound = verify_export(folder, export / "model.onnx", torch.float16)["long_prompts"]
+    graph = onnx.load(export / "model.onnx", load_external_data=False)
+    weight = "model.layers.0.self_attn.o_proj.weight"
+    graph.graph.initializer.append(numpy_helper.from_array(np.array(1.1, np.float16), f"{weight}/planted"))
+    for node in graph.graph.node:
+        node.input[:] = [f"{weight}/scaled" if name == weight else name for name in node.input]
+    graph.graph.node.insert(0, helper.make_node("Mul", [weight, f"{weight}/planted"], [f"{weight}/scaled"]))
+    onnx.save_model(graph, export / "model.onnx")
+    planted = verify_export(folder, export / "model.onnx", torch.float16)
+    long = planted["long_prompts"]
+    assert planted["passed"] is False
+    assert long["positions_excused"] == 0 and long["half_precision_spread"] < 4 * sound["half_precision_spread"], long
+    assert sound["routes_followed"] == 0, sound  # the shadows' runs take routes, but the figures are the reference's
