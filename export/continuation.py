@@ -24,7 +24,7 @@ import torch
 from thinker.modeling_thinker import CACHE_ARG, lowest_block_wins_ties
 from thinker_common.parity_inputs import CONTINUATION_DECODE_STEPS, continuation_prompt
 
-from .half_spread import HalfShadow
+from .half_spread import HalfShadow, cached
 from .routing import RouteFollower
 from .runtime import OnnxDecoder
 
@@ -55,7 +55,7 @@ def compare_continuation(
             "position_ids": torch.arange(start, start + ids.shape[1])[None],
         }
         with follower.reference(decoder.probed):
-            out = model(**inputs, use_cache=True, **({CACHE_ARG: past} if past is not None else {}))
+            out = model(**inputs, use_cache=True, **cached(past))
             spread = follower.spread(shadow, out.logits, **inputs)
         return out.logits.float(), getattr(out, CACHE_ARG), spread
 

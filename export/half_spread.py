@@ -126,11 +126,15 @@ class HalfShadow:
             inputs["inputs_embeds"] = self.model.get_input_embeddings()(ids)
             if self.model.config.ple_layer_ids:  # Qwen3.8's n-grams hash the ids themselves
                 inputs["ple_input_ids"] = ids
-        embeds = inputs["inputs_embeds"].float()
-        generator = torch.Generator().manual_seed(seed)
-        signs = torch.randint(0, 2, embeds.shape, generator=generator).to(embeds.dtype) * 2 - 1
-        inputs["inputs_embeds"] = embeds * (1 + UNIT_ROUNDOFF[self.dtype] * signs)
+        inputs["inputs_embeds"] = scaled_at_random(inputs["inputs_embeds"].float(), UNIT_ROUNDOFF[self.dtype], seed)
         return inputs
+
+
+def scaled_at_random(embeddings: torch.Tensor, relative: float, seed: int) -> torch.Tensor:
+    """``embeddings`` each scaled by 1 + ``relative`` or 1 - ``relative``, the signs drawn from ``seed``: a rounding's
+    worth of change at every entry, the same for the same seed."""
+    signs = torch.randint(0, 2, embeddings.shape, generator=torch.Generator().manual_seed(seed)) * 2 - 1
+    return embeddings * (1 + relative * signs.to(embeddings.dtype))
 
 
 def cached(past: Cache | None) -> dict:

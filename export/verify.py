@@ -80,7 +80,7 @@ from .continuation import compare_continuation
 from .deep_cache import compare_deep, not_run_reason, slots_within
 from .genai_config_check import genai_config_failures
 from .genai_graph import takes_stream_positions
-from .half_spread import HALF_PRECISIONS, MAX_EXCUSED_SHARE, HalfShadow, excused
+from .half_spread import HALF_PRECISIONS, MAX_EXCUSED_SHARE, HalfShadow, excused, scaled_at_random
 from .names import EMBED_FILE, EMBEDS_MODEL_FILE, GENAI_MODEL_FILE, MODEL_FILE
 from .onnx_folder import graph_context
 from .providers import cuda_usable
@@ -772,11 +772,10 @@ def rounding_sensitivity(
     ids, mask = torch.from_numpy(input_ids), torch.from_numpy(attention_mask)
     positions = torch.from_numpy(position_ids_from_mask(attention_mask))
     embeddings = model.get_input_embeddings()(ids)
-    signs = torch.randint(0, 2, embeddings.shape, generator=torch.Generator().manual_seed(0)) * 2 - 1
     ple = {"ple_input_ids": ids} if model.config.ple_layer_ids else {}  # Qwen3.8's n-grams hash the ids themselves
     logits = [
         model(inputs_embeds=e, attention_mask=mask, position_ids=positions, **ple).logits.float()
-        for e in (embeddings, embeddings * (1 + SENSITIVITY_PERTURBATION * signs.to(embeddings.dtype)))
+        for e in (embeddings, scaled_at_random(embeddings, SENSITIVITY_PERTURBATION, seed=0))
     ]
     kept = mask.bool()
     if last_only:
