@@ -143,14 +143,15 @@ def converted_dtype(folder: Path) -> torch.dtype:
         source.close()
 
 
-def load_layered_converted(folder: Path, dtype: torch.dtype) -> StreamedModel:
-    """The converted Thinker folder, built on the meta device in ``dtype``, its weights read unit by unit."""
+def load_layered_converted(folder: Path, dtype: torch.dtype, rounded_to: torch.dtype | None = None) -> StreamedModel:
+    """The converted Thinker folder, built on the meta device in ``dtype``, its weights read unit by unit (each
+    floating-point one rounded to ``rounded_to`` first, where given: as an export in that dtype holds it)."""
     try:
         model = empty_model(ThinkerForCausalLM._from_config, ThinkerConfig.from_pretrained(folder), dtype)
     except Exception as err:  # whatever the folder's config makes transformers raise
         raise ThinkerError(f"{folder}: the converted model does not build ({err})") from None
     source = open_source(folder)
-    return StreamedModel(model, lazy_tensors(source), whole_modules=THINKER_FINAL_NORMS, close=source.close)
+    return StreamedModel(model, lazy_tensors(source, rounded_to), whole_modules=THINKER_FINAL_NORMS, close=source.close)
 
 
 def load_layered_reference(source: Path, dtype: torch.dtype, model_class: type | None = None) -> StreamedModel:

@@ -62,10 +62,18 @@ class LazyTensor:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def lazy_tensors(source: TensorSource) -> dict[str, LazyTensor]:
-    """Every tensor of a source (``thinker_common.sources``), none read yet."""
+def lazy_tensors(source: TensorSource, rounded_to: torch.dtype | None = None) -> dict[str, LazyTensor]:
+    """Every tensor of a source (``thinker_common.sources``), none read yet; ``rounded_to``: each floating-point
+    one rounded to that dtype as it is read, and handed back in its own."""
+
+    def read(name: str) -> torch.Tensor:
+        tensor = source.load(name)
+        if rounded_to is None or not tensor.is_floating_point():
+            return tensor
+        return tensor.to(rounded_to).to(tensor.dtype)
+
     return {
-        name: LazyTensor(lambda name=name: source.load(name), source.shape(name), source.dtype(name))
+        name: LazyTensor(lambda name=name: read(name), source.shape(name), source.dtype(name))
         for name in source.names()
     }
 

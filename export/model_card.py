@@ -67,6 +67,8 @@ def verify_section(report: dict) -> str:
             lines += ["", f"On prompts long enough for the indexers to prune: {long}."]
         if "embeds_graph" in figures:
             lines += ["", f"`{EMBEDS_MODEL_FILE}` on a prompt with foreign embeddings: {embeds_cell(figures)}."]
+        if "widened" in figures:  # a bfloat16 export checked where no CUDA runs
+            lines += ["", f"{figures['widened'][0].upper()}{figures['widened'][1:]}."]
     lines += ["", "The figures in full are in `export_report.json`."]
     return "\n".join(lines)
 

@@ -502,7 +502,7 @@ def graph_check(
             graph[key]["tolerance"] = graph_tolerance(graph[key], dtype)
     # judged here, where the model's config and the graph's dtype are known (with what lies beyond every prompt);
     # quantized_result reports them
-    graph["rope_tables"], unprompted = unprompted_checks(onnx_path, model.config, dtype)
+    graph["rope_tables"], unprompted = unprompted_checks(onnx_path, dtype, model.config)
     graph["beyond_batch_failures"] = long_prompt_failures(graph, model.config, dtype) + deep_cache_failures(graph)
     graph["beyond_batch_failures"] += continuation_failures(graph, model.config, dtype)
     graph["beyond_batch_failures"] += image_position_failures(graph) + padded_around_failures(graph)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -73,19 +74,21 @@ from thinker_common.progress import progress_bar
 from thinker_common.side_files import read_json
 from thinker_common.sizes import human_size
 from thinker_common.sources import SafetensorsSource
-from thinker_common.staging import outside_staging
+from thinker_common.staging import free_bytes, outside_staging
 
 from .beyond_prompts import attention_window_check, rope_table_check
 from .continuation import compare_continuation
+from .decoder_graph import rope_tables
 from .deep_cache import compare_deep, not_run_reason, slots_within
 from .genai_config_check import genai_config_failures
 from .genai_graph import takes_stream_positions
 from .half_spread import HALF_PRECISIONS, MAX_EXCUSED_SHARE, HalfShadow, excused, scaled_at_random
-from .names import EMBED_FILE, EMBEDS_MODEL_FILE, GENAI_MODEL_FILE, MODEL_FILE
+from .names import EMBED_FILE, EMBEDS_MODEL_FILE, GENAI_MODEL_FILE, MODEL_FILE, ROPE_SIN_TABLE, ROPE_TABLE
 from .onnx_folder import graph_context
 from .providers import cuda_usable
 from .routing import ROUTER_TOLERANCE, RouteFollower, checked_probes
 from .runtime import OnnxDecoder, position_ids_from_mask
+from .widened import WIDENED, widened_folder
 
 DECODE_STEPS = 6
 REFERENCE_DTYPE = torch.float32  # the PyTorch model's dtype, whatever the graph's (module docstring)
@@ -113,6 +116,15 @@ SENSITIVITY_MARGIN = 8.0
 # the whole 8x: on SmolLM2's int4 export its MatMulNBits part from PyTorch 5x beyond the scale's tolerance, 1.8e-2
 # against 3.6e-3.)
 SENSITIVITY_CAP = 2.0
+
+# A bfloat16 export checked widened to float32 (``verify_widened``) is held to one bfloat16 ulp of the logit scale,
+# 13x tighter than its own check on CUDA (RELATIVE_TOLERANCE). Widened, it runs the reference's arithmetic with the
+# reference's weights, and parts from it only by the scalars the graph writes in its own dtype, each rounded by up to
+# 2^-9: GELU's coefficients (sqrt(2/pi) is 0.796875 in bfloat16), an attention scale, an epsilon. Every tiny family
+# and SmolLM2, fused and plain: GPT-2's GELU the furthest, 5.2e-4 x the scale; SmolLM2, whose scalars bfloat16 holds,
+# 6e-6 (`python bench/bench_widened.py`, bench/results/widened.json).
+WIDENED_BFLOAT16 = "bfloat16, widened to float32"
+TOLERANCES: dict[torch.dtype | str, float] = {**RELATIVE_TOLERANCE, WIDENED_BFLOAT16: 2.0**-8}
 
 # compare_decoders' candidate_padding: the rows onnxruntime gets, from the (left-padded) batch given (CANDIDATE_ROWS)
 AS_GIVEN, RIGHT, AROUND = "as given", "right", "around"
@@ -414,13 +426,13 @@ def at_last_kept(logits: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
 HALF_INDEXER_TIES = "a half-precision network may flip an indexer's near-tie; the float32 export is checked"
 
 
-def indexer_failures(figures: dict, dtype: torch.dtype) -> list[str]:
+def indexer_failures(figures: dict, dtype: torch.dtype | str) -> list[str]:
     """The long prompts' verdict. float32 only: an indexer's choice is discrete, and where two of a query's blocks
     score within a few parts in a thousand, the rounding of a half-precision network's hidden states picks the other
     one, a logit difference no tolerance of the dtype covers, in transformers' own half-precision model as in the
     graph. The graph's indexer is the same nodes in every dtype, so the float32 export's check is the one that proves
-    it; a half graph's figures are reported, marked so."""
-    if dtype != torch.float32:
+    it; a half graph's figures are reported, marked so. (``dtype``: as ``scale_tolerance`` takes it.)"""
+    if dtype in HALF_PRECISIONS:
         figures["judged"], figures["why"] = False, HALF_INDEXER_TIES
         return []
     figures["tolerance"] = tolerance = scale_tolerance(figures, dtype)
@@ -479,7 +491,7 @@ def compare_long(model: torch.nn.Module, decoder: OnnxDecoder, batch: tuple[np.n
     return {"prompt_lengths": batch[1].sum(axis=1).tolist(), **figures}
 
 
-def unprompted_checks(onnx_path: Path, config, dtype: torch.dtype) -> tuple[dict, list[str]]:
+def unprompted_checks(onnx_path: Path, dtype: torch.dtype, config) -> tuple[dict, list[str]]:
     """What no prompt reaches, read off the export (export/beyond_prompts.py): the RoPE tables' figures, and the
     failures of those, of any attention window in ``model.onnx`` or a graph cut from it, and of genai_config.json
     against the graph it names (export/genai_config_check.py)."""
@@ -667,11 +679,10 @@ def deep_cache_failures(result: dict) -> list[str]:
     return pass_failures(result, DEEP_PASSES, described)
 
 
-def verify_plan(
-    model_dir: Path, dtype: torch.dtype, quantized: bool = False, graph_bytes: int | None = None
-) -> str | None:
+def verify_plan(model_dir: Path, dtype: torch.dtype, quantized: bool = False, graph_bytes: int | None = None) -> str:
     """How ``--verify`` will hold the PyTorch model: WHOLE when it fits whole beside what the check runs, else
-    STREAMED (one layer at a time); None where verification is skipped (bfloat16 on the CPU). Raises, naming the
+    STREAMED (one layer at a time); a bfloat16 graph where no CUDA runs is checked widened to float32
+    (``verify_widened``), and counted so. Raises, naming the
     sizes and what to do, when neither fits. The budget is all the memory available, or ``THINKER_VERIFY_MEMORY``
     (unlike the converter's check, nothing cheaper waits behind this one).
 
@@ -683,7 +694,7 @@ def verify_plan(
     export/quantized_size.py), so that a budget too small is refused before the quantization and the size named is
     the one needed; it asks again with the size written, which the accuracy guard's float fallbacks can raise."""
     if dtype == torch.bfloat16 and not cuda_usable():
-        return None
+        dtype = torch.float32  # the graph widened to float32 is what runs (verify_widened)
     whole, streamed, held = held_bytes(model_dir, dtype, quantized, graph_bytes)
     budget = memory_budget(share=1.0)
     if whole <= budget:
@@ -742,16 +753,25 @@ def model_bytes(model_dir: Path, dtype: torch.dtype) -> tuple[int, int]:
 
 
 @contextmanager
-def pytorch_thinker(model_dir: Path, dtype: torch.dtype, plan: str) -> Iterator[torch.nn.Module]:
+def pytorch_thinker(
+    model_dir: Path, dtype: torch.dtype, plan: str, rounded_to: torch.dtype | None = None
+) -> Iterator[torch.nn.Module]:
     """The PyTorch Thinker of ``model_dir`` for the check: loaded whole (WHOLE), or built on the meta device with
-    each layer read from the folder as it runs (STREAMED)."""
+    each layer read from the folder as it runs (STREAMED). ``rounded_to``: the folder's weights rounded to that dtype
+    first, as an export in it holds them (export/weights.py), then run in ``dtype`` (``verify_widened``)."""
     from converter.layer_parity import load_layered_converted
     from thinker import ThinkerForCausalLM
 
     if plan != STREAMED:
-        yield ThinkerForCausalLM.from_pretrained(model_dir, dtype=dtype, **EAGER).eval()
+        model = ThinkerForCausalLM.from_pretrained(model_dir, dtype=dtype, **EAGER).eval()
+        if rounded_to is not None:
+            stored = set(SafetensorsSource(model_dir).names())  # ThinkerWeights rounds every one the graph reads
+            for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+                if name in stored and tensor.is_floating_point():
+                    tensor.data = tensor.data.to(rounded_to).to(dtype)
+        yield model
         return
-    streamed = load_layered_converted(model_dir, dtype)
+    streamed = load_layered_converted(model_dir, dtype, rounded_to)
     try:
         with streamed.streaming():
             yield streamed.model
@@ -783,23 +803,24 @@ def rounding_sensitivity(
     return float((logits[1] - logits[0]).abs()[kept].max())
 
 
-def scale_tolerance(figures: dict, dtype: torch.dtype) -> float:
-    """The tolerance of ``figures``' logit scale alone: ``RELATIVE_TOLERANCE`` × max(1, the scale)."""
-    return RELATIVE_TOLERANCE[dtype] * max(1.0, figures["logit_scale"])
+def scale_tolerance(figures: dict, dtype: torch.dtype | str) -> float:
+    """The tolerance of ``figures``' logit scale alone: ``TOLERANCES`` × max(1, the scale), for a graph of
+    ``dtype`` or one widened to float32 (WIDENED_BFLOAT16)."""
+    return TOLERANCES[dtype] * max(1.0, figures["logit_scale"])
 
 
-def graph_tolerance(figures: dict, dtype: torch.dtype) -> float:
+def graph_tolerance(figures: dict, dtype: torch.dtype | str) -> float:
     """The float graphs' tolerance on ``figures``' logit scale, or SENSITIVITY_MARGIN times the input's own
     rounding sensitivity where that is larger (where ``figures`` records one)."""
     return max(scale_tolerance(figures, dtype), SENSITIVITY_MARGIN * figures.get("rounding_sensitivity", 0.0))
 
 
-def float_export_tolerance(figures: dict, dtype: torch.dtype) -> float:
+def float_export_tolerance(figures: dict, dtype: torch.dtype | str) -> float:
     """``graph_tolerance``, at most SENSITIVITY_CAP times the logit scale's: a float export's check."""
     return min(graph_tolerance(figures, dtype), SENSITIVITY_CAP * scale_tolerance(figures, dtype))
 
 
-def beyond_scale(dtype: torch.dtype, *passes: dict | None) -> bool:
+def beyond_scale(dtype: torch.dtype | str, *passes: dict | None) -> bool:
     """Whether any of ``passes`` (None: not run) parts beyond the logit scale's tolerance."""
     return any(
         figures and "not_run" not in figures and figures["max_abs_diff"] > scale_tolerance(figures, dtype)
@@ -818,15 +839,15 @@ def verify_export(
     threads: int | None = None,
     progress: bool = False,
     plan: str = WHOLE,
+    shipped: tuple[Path, torch.dtype] | None = None,
 ) -> dict:
     """The figures for the export report; ``passed`` is False beyond tolerance (``failure`` says how), None when it
     could not run. ``progress``: a bar over loading both models, the prefill and the decode steps; ``plan``: WHOLE
-    or STREAMED (``verify_plan``). (A quantized export has its own checks: export/quantized_verify.py.)"""
+    or STREAMED (``verify_plan``); ``shipped``: (the graph as exported, its dtype) where ``onnx_path`` is a float32
+    copy of it (``verify_widened``). (A quantized export has its own checks: export/quantized_verify.py.)"""
     if dtype == torch.bfloat16 and not cuda_usable():
-        return {
-            "passed": None,
-            "skipped": "onnxruntime's CPU execution provider has no bfloat16 kernels; verify where CUDA is available",
-        }
+        return verify_widened(model_dir, onnx_path, threads, progress, plan)
+    held_as = WIDENED_BFLOAT16 if shipped else dtype  # the tolerance's key
     genai_path, embeds_path = genai_graph_of(onnx_path), embeds_graph_of(onnx_path)
     indexed = "indexed_attention" in (read_json(model_dir / "config.json").get("layer_types") or ())
     steps = 2 + DECODE_STEPS + sum(1 + DECODE_STEPS for extra in (genai_path, embeds_path, indexed) if extra)
@@ -838,7 +859,7 @@ def verify_export(
     long, further = {}, {}  # the long prompts; the deep-cache and continuation passes
     most_slots = deep_slots(model_dir, dtype, plan)  # before the models are loaded: the memory they will leave
     with progress_bar(steps, "verifying", unit="step", enabled=progress) as bar:
-        with pytorch_thinker(model_dir, REFERENCE_DTYPE, plan) as model:
+        with pytorch_thinker(model_dir, REFERENCE_DTYPE, plan, shipped and shipped[1]) as model:
             bar.update()
             batch = parity_batch(model.config.vocab_size)
             decoder = OnnxDecoder(onnx_path, threads=threads, probes=checked_probes(onnx_path, dtype))
@@ -883,11 +904,13 @@ def verify_export(
             # change: each measure costs two prefills, for a streamed model two more reads of every layer.
             batch_passes = [figures, further[PADDED_AROUND], genai_figures if genai_path else None]
             sensitivity = {
-                name: rounding_sensitivity(model, *inputs, last_only) if beyond_scale(dtype, *passes) else None
+                name: rounding_sensitivity(model, *inputs, last_only) if beyond_scale(held_as, *passes) else None
                 for name, inputs, passes in (("batch", batch, batch_passes), ("long", long_inputs, long.values()))
             }
             bar.update(2)
     held = ", read layer by layer as it runs" if plan == STREAMED else ""
+    if shipped:
+        held = f", its weights rounded to {dtype_name(shipped[1])} as the export's{held}"
     result = {
         "provider": device,
         "reference": f"PyTorch ThinkerForCausalLM, {dtype_name(REFERENCE_DTYPE)}, CPU{held}",
@@ -898,25 +921,25 @@ def verify_export(
     # 1e-4 x the logit scale, 8.3e-4, where 8 float32 ulps on their input embeddings move the logits by 3.7e-3 (a QA
     # run)
     result |= sensitivity_recorded(sensitivity["batch"])
-    result["tolerance"] = float_export_tolerance(result, dtype)
+    result["tolerance"] = float_export_tolerance(result, held_as)
     failures = []
     failure = judge(result, result["tolerance"])
     if failure:
         failures.append(batch_failure(failure))
     if indexed:
         result["indexer_prompts"] = indexer_figures
-        failures += indexer_failures(indexer_figures, dtype)
+        failures += indexer_failures(indexer_figures, held_as)
     if genai_path:
         result["genai_graph"] = genai_figures
     if embeds_path:
         result["embeds_graph"] = embeds_figures
     # onnxruntime-genai's graph runs the batch's rows; the embeds graph a prompt of its own, with foreign embeddings
     # no measure here perturbs, at the scale's tolerance (a review)
-    held = {"genai_graph": result["tolerance"], "embeds_graph": scale_tolerance(result, dtype)}
+    held = {"genai_graph": result["tolerance"], "embeds_graph": scale_tolerance(result, held_as)}
     failures += side_graph_failures(result, held)
     for key, figures in long.items():
         figures |= sensitivity_recorded(sensitivity["long"])
-        figures["tolerance"] = float_export_tolerance(figures, dtype)
+        figures["tolerance"] = float_export_tolerance(figures, held_as)
         result[key] = figures
     failures += long_prompt_failures(result, model.config, dtype)
     for key, figures in further.items():
@@ -927,14 +950,51 @@ def verify_export(
             # review)
             if key == PADDED_AROUND:
                 figures |= sensitivity_recorded(sensitivity["batch"])
-            figures["tolerance"] = float_export_tolerance(figures, dtype)
+            figures["tolerance"] = float_export_tolerance(figures, held_as)
         result[key] = figures
     failures += deep_cache_failures(result) + continuation_failures(result, model.config, dtype)
     failures += image_position_failures(result) + padded_around_failures(result) + vocabulary_edge_failures(result)
-    result["rope_tables"], unprompted = unprompted_checks(onnx_path, model.config, dtype)
+    result["rope_tables"], unprompted = unprompted_checks(*(shipped or (onnx_path, dtype)), model.config)
     failures += unprompted
     result["passed"] = not failures
     result["failure"] = "; ".join(failures)
     if result["passed"]:
         del result["failure"]
     return result
+
+
+def verify_widened(model_dir: Path, onnx_path: Path, threads: int | None, progress: bool, plan: str) -> dict:
+    """``verify_export`` of a bfloat16 export where no CUDA runs (onnxruntime's CPU provider has no bfloat16
+    kernels): its graphs widened to float32 (export/widened.py), the RoPE tables they rotate by float32 ones, are
+    checked as a float32 export is, against the PyTorch Thinker in float32 holding the same bfloat16 weights, to one
+    bfloat16 ulp of the logit scale (``TOLERANCES``); the shipped tables, the attention windows and genai_config.json
+    are read off the export as shipped. The copy is written beside the export's folder (twice its weights' bytes) and
+    removed after."""
+    folder = onnx_path.parent
+    needed = 2 * sum(path.stat().st_size for path in folder.iterdir() if path.is_file())
+    free = free_bytes(folder.parent)
+    if needed > free:
+        raise ThinkerError(
+            f"{outside_staging(folder.parent)}: --verify of a bfloat16 export without CUDA runs a float32 copy of it, "
+            f"{human_size(needed, round_up=True)}, and {human_size(free)} is free; export with --no-verify, or where "
+            "more disk is free or CUDA runs"
+        )
+    # The RoPE tables in float32: the shipped ones are compared bit for bit with the model's (``rope_table_check``),
+    # and the fused graph rotates a left-padded row by its slots, not its positions, which is exact but for the
+    # rounding of the tables' rows (2.3e-3 x the logit scale on a tiny Qwen3 with bfloat16 rows)
+    config = ThinkerConfig.from_pretrained(model_dir)
+    rotary = config.position_embedding_type == "rope"
+    tables = rope_tables(config, REFERENCE_DTYPE) if rotary else ()
+    replaced = {name: table.numpy() for name, table in zip((ROPE_TABLE, ROPE_SIN_TABLE), tables, strict=False)}
+    with tempfile.TemporaryDirectory(prefix=".widened-", dir=folder.parent) as scratch:
+        widened_folder(folder, Path(scratch), replaced)
+        result = verify_export(
+            model_dir,
+            Path(scratch) / onnx_path.name,
+            REFERENCE_DTYPE,
+            threads,
+            progress,
+            plan,
+            (onnx_path, torch.bfloat16),
+        )
+    return {**result, "widened": WIDENED}

@@ -401,21 +401,6 @@ def test_export_model_from_python_takes_a_torch_dtype_and_refuses_what_the_cli_w
     assert not (tmp_path / "never").exists()
 
 
-def test_an_explicit_verify_of_a_bfloat16_export_fails_where_it_cannot_run(runner, thinker_folder, tmp_path):
-    """By default a bfloat16 export on the CPU is written with a note that it was not checked (onnxruntime's CPU
-    provider has no bfloat16 kernels); --verify asked for by name is refused instead, before anything is written."""
-    from export.providers import cuda_usable
-
-    if cuda_usable():
-        pytest.skip("CUDA is usable here: a bfloat16 export is verified on it")
-    folder = thinker_folder("qwen3")
-    asked = runner.invoke(main, ["export", str(folder), str(tmp_path / "asked"), "--dtype", "bfloat16", "--verify"])
-    assert asked.exit_code == 1 and "--verify" in asked.stderr and "no bfloat16 kernels" in asked.stderr, asked.output
-    assert not (tmp_path / "asked").exists()
-    default = runner.invoke(main, ["export", str(folder), str(tmp_path / "default"), "--dtype", "bfloat16"])
-    assert default.exit_code == 0, default.output
-
-
 @pytest.mark.parametrize(
     ("option", "value"),
     [

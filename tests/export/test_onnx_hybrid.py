@@ -628,16 +628,18 @@ def test_an_odd_rotary_part_exports_with_its_multimodal_sections(graph, tmp_path
 
 
 @pytest.mark.parametrize("graph", GRAPHS)
-def test_bfloat16_exports_and_says_why_it_is_not_verified_on_cpu(graph, thinker_variant, tmp_path):
-    """onnxruntime's CPU provider has no bfloat16 kernels: the export is written and checked by onnx, the recurrent
-    state stays float32, and --verify reports that it needs CUDA rather than passing."""
+def test_bfloat16_exports_keep_the_recurrent_state_float32_and_are_verified_widened_on_cpu(
+    graph, thinker_variant, tmp_path
+):
+    """onnxruntime's CPU provider has no bfloat16 kernels: the export is written, the recurrent state stays float32,
+    and --verify checks it widened to float32 (tests/export/test_verify_widened.py)."""
     from export.exporter import export_model
     from export.providers import cuda_usable
 
     if cuda_usable():
         pytest.skip("CUDA is usable here: test_onnx_gpu.py verifies bfloat16")
     report = export_model(thinker_variant("qwen3_5_moe"), tmp_path / "bf16", dtype="bfloat16", graph=graph)
-    assert report["verify"]["passed"] is None and "bfloat16" in report["verify"]["skipped"]
+    assert report["verify"]["passed"] is True and "widened to float32" in report["verify"]["widened"]
     graph_inputs = {
         i.name: i.type.tensor_type.elem_type
         for i in onnx.load(tmp_path / "bf16" / "model.onnx", load_external_data=False).graph.input
