@@ -79,6 +79,16 @@ def assert_same_logits(reference: PreTrainedModel, converted_folder: Path, atol=
     torch.testing.assert_close(converted(**inputs).logits[real], expected, atol=atol, rtol=rtol)
 
 
+def class_mrope_streams(rotary: torch.nn.Module) -> torch.Tensor:
+    """Which position stream (0 temporal, 1 height, 2 width) each RoPE frequency reads in one of transformers'
+    multimodal rotary embeddings (``Qwen2VLRotaryEmbedding``, ``Qwen3VLTextRotaryEmbedding`` ...): its own
+    ``recomposition_frequencies`` run on frequencies holding their stream's number. Comparable with
+    ``thinker.modeling_thinker.mrope_streams``."""
+    pairs = rotary.inv_freq.numel()
+    streams = torch.arange(3.0).view(3, 1, 1, 1).expand(3, 1, 1, pairs).clone()
+    return rotary.recomposition_frequencies(streams)[0, 0, :pairs].long()
+
+
 def edit_config(folder: Path, **changes) -> None:
     path = folder / "config.json"
     config = json.loads(path.read_text())

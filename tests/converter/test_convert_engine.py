@@ -36,6 +36,7 @@ from converter.ops import (
     InterleavedToHalfRope,
     Split,
     StackExperts,
+    TiledToGroupedValueHeads,
     Transpose,
     UnstackExperts,
 )
@@ -102,6 +103,28 @@ def test_interleaved_rope_rows_become_half_split():
     config = ThinkerConfig(hidden_size=4, num_attention_heads=1)
     (half,) = InterleavedToHalfRope("num_attention_heads")([torch.arange(4.0)], config)
     assert half.tolist() == [0.0, 2.0, 1.0, 3.0]
+
+
+@pytest.mark.parametrize("per_head", [1, 2], ids=["a-row-per-head", "rows-per-head"])
+def test_value_heads_tiled_by_llama_cpp_come_back_grouped(per_head):
+    """llama.cpp tiles a Gated DeltaNet layer's value heads (v0k0 v0k1 v1k0 v1k1 v2k0 v2k1: tiled position j·K + g
+    holds v{j}k{g}) where transformers groups them by key head (v0k0 v1k0 v2k0 v0k1 ...: grouped position g·r + j).
+    With 2 key heads and 3 value heads each the map is not its own inverse, as it is with 2 and 2 (the GGUF tests'
+    ratio), so only this ratio tells the map from its inverse; the inverse gives the tiled order back."""
+    config = ThinkerConfig(
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=6,
+        linear_value_head_dim=per_head,
+    )
+    grouped_of_tiled = [0, 3, 1, 4, 2, 5]  # v0k0 v0k1 v1k0 v1k1 v2k0 v2k1, numbered in grouped order
+    tiled = torch.tensor([float(head * per_head + row) for head in grouped_of_tiled for row in range(per_head)])
+    op = TiledToGroupedValueHeads(elements=per_head > 1)
+    (grouped,) = op([tiled], config)
+    assert grouped.tolist() == [float(i) for i in range(6 * per_head)]
+    (back,) = op.inverse()([grouped], config)
+    assert back.tolist() == tiled.tolist()
 
 
 INVERTIBLE_SOURCES = {
@@ -212,6 +235,25 @@ def test_tied_config_with_a_copy_of_the_embedding_as_head(qwen2_tensors, head_dt
     off[-1, -1] += 1
     with pytest.raises(ThinkerError, match=r"separate lm_head\.weight with other values"):
         plan(dict(copy, **{"lm_head.weight": off.to(head_dtype)}), tie_word_embeddings=True)
+
+
+def test_a_tied_head_that_differs_beyond_the_first_piece_is_refused(qwen2_tensors, monkeypatch):
+    """The head is compared with the embedding ``COPY_PIECE`` bytes at a time: every piece must agree, not only the
+    first. With the pieces made small the tiny table spans many; a head one value off in its last row only is
+    still refused, and an equal one still dropped."""
+    import converter.engine as engine
+
+    monkeypatch.setattr(engine, "COPY_PIECE", 256)
+    tensors, plan = qwen2_tensors
+    embedding = tensors["model.embed_tokens.weight"]
+    assert embedding.numel() * embedding.element_size() >= 8 * engine.COPY_PIECE  # many pieces
+    assert plan(dict(tensors, **{"lm_head.weight": embedding.clone()}), tie_word_embeddings=True).dropped == [
+        "lm_head.weight"
+    ]
+    off = embedding.clone()
+    off[-1, -1] += 1
+    with pytest.raises(ThinkerError, match=r"separate lm_head\.weight with other values"):
+        plan(dict(tensors, **{"lm_head.weight": off}), tie_word_embeddings=True)
 
 
 def test_untied_config_without_a_head(qwen2_tensors):

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from convert_helpers import class_mrope_streams
 from references import qwen3_omni, qwen3_vl
 from references.hybrid import (
     LAYER_TYPES,
@@ -50,10 +51,14 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDel
 
 import thinker.modeling_thinker
 from converter.cli import convert_command
+from converter.engine import translate_config
+from converter.families import qwen3_omni as qwen3_omni_family
+from converter.families import qwen3_vl as qwen3_vl_family
 from converter.families.qwen3_next import ba_groups, qkvz_groups
 from converter.ops import JoinHeadGroups, SplitHeadGroups
 from converter.parity import check_parity
 from thinker import ThinkerConfig, ThinkerForCausalLM
+from thinker.modeling_thinker import mrope_streams
 
 TOL = dict(atol=1e-4, rtol=0)  # max |Δlogit| in float32
 GREEDY = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)
@@ -358,6 +363,38 @@ def test_qwen3_omni_keeps_its_mrope(omni):
     ours, _ = omni
     assert ours.config.rope_parameters["mrope_section"] == qwen3_omni.TEXT_CONFIG["rope_parameters"]["mrope_section"]
     assert ours.config.rope_parameters["mrope_interleaved"] and "interleaved" not in ours.config.rope_parameters
+
+
+def _qwen3_omni_without_section():
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerTextRotaryEmbedding
+
+    hf = qwen3_omni.tiny_config(head_dim=128, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    return qwen3_omni_family.QWEN3_OMNI, hf, hf.thinker_config.text_config, Qwen3OmniMoeThinkerTextRotaryEmbedding
+
+
+def _qwen3_vl_without_section():
+    from transformers import Qwen3VLConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+    text = qwen3_vl.TEXT_CONFIG | {"head_dim": 128, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+    hf = Qwen3VLConfig(text_config=text, vision_config=qwen3_vl.VISION_CONFIG)
+    return qwen3_vl_family.QWEN3_VL, hf, hf.text_config, Qwen3VLTextRotaryEmbedding
+
+
+@pytest.mark.parametrize("make", [_qwen3_omni_without_section, _qwen3_vl_without_section], ids=["omni", "vl"])
+def test_without_mrope_section_a_head_of_128_takes_the_classs_fallback(make):
+    """A config.json that names no mrope_section (older Qwen3-Omni / Qwen3-VL configs), on the releases' head of 128:
+    the text model's rotary embedding falls back to a section of its own ([24, 20, 20], interleaved), read here from
+    the class itself. The translated config gives every frequency the position stream the class gives it, so image,
+    video and audio prompts (3-D positions) rotate as the reference's."""
+    family, hf, text, rotary_class = make()
+    assert "mrope_section" not in text.rope_parameters
+    rotary = rotary_class(text)
+    assert rotary.inv_freq.numel() == 64
+
+    ours = translate_config(family, hf.to_dict(), torch.float32).rope_parameters
+    assert ours["mrope_section"] == rotary.mrope_section and ours["mrope_interleaved"] is True
+    assert torch.equal(mrope_streams(ours["mrope_section"], ours["mrope_interleaved"]), class_mrope_streams(rotary))
 
 
 @torch.no_grad()

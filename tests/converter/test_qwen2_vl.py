@@ -4,18 +4,23 @@ the Thinker. Tiny checkpoints built with transformers' own classes (``tests/refe
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
 import torch
 from cli_helpers import thinker
+from convert_helpers import class_mrope_streams
 from references import qwen2_vl
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 
 from converter.cli import convert_command, verify_command
+from converter.engine import plan_conversion, translate_config
+from converter.families.qwen2_vl import QWEN2_VL
 from thinker import ThinkerForCausalLM
 from thinker.modeling_thinker import mrope_streams
+from thinker_common.sources import SafetensorsSource
 
 KINDS = ("qwen2_vl", "qwen2_5_vl")
 TOL = dict(atol=1e-4, rtol=0)  # max |Δlogit| in float32
@@ -102,6 +107,64 @@ def test_the_hubs_flat_config_converts(tmp_path):
     assert result.exit_code == 0 and "(qwen2_vl)" in result.output, result.output
     rope = json.loads((tmp_path / "thinker" / "config.json").read_text())["rope_parameters"]
     assert rope == {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 2, 2], "mrope_interleaved": False}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_without_mrope_section_a_head_of_128_takes_the_classs_fallback(kind):
+    """A config.json that names no mrope_section, on the releases' head of 128: the class falls back to a section
+    of its own (``Qwen2VLRotaryEmbedding``: [16, 24, 24], in contiguous sections), read here from the class itself.
+    The translated config gives every frequency the position stream the class gives it."""
+    import transformers
+
+    rope = {"rope_type": "default", "rope_theta": 1e6}  # no mrope_section
+    text = qwen2_vl.TEXT_CONFIG | {
+        "hidden_size": 256,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "rope_parameters": rope,
+    }
+    hf = getattr(transformers, f"{qwen2_vl.CLASSES[kind]}Config")(
+        text_config=text, vision_config=qwen2_vl.VISION_CONFIGS[kind]
+    )
+    assert "mrope_section" not in hf.text_config.rope_parameters
+    modeling = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+    rotary = getattr(modeling, f"{qwen2_vl.CLASSES[kind]}RotaryEmbedding")(hf.text_config)
+    assert rotary.inv_freq.numel() == 64
+
+    ours = translate_config(QWEN2_VL, hf.to_dict(), torch.float32).rope_parameters
+    assert ours["mrope_section"] == rotary.mrope_section and ours["mrope_interleaved"] is False
+    assert torch.equal(mrope_streams(ours["mrope_section"], ours["mrope_interleaved"]), class_mrope_streams(rotary))
+
+
+def test_without_mrope_section_a_head_the_fallback_does_not_fit_converts(tmp_path):
+    """The class's fallback section [16, 24, 24] has 64 frequencies, a head of 128's; this head of 16 has 8, so the
+    fallback cannot be what the class runs on 3-D positions. Such a config.json still converts, without a section
+    (exact on text, where every section reads the same position), rather than being refused for a section it
+    never named."""
+    source = qwen2_vl.save(tmp_path / "source", "qwen2_vl")
+    config = json.loads((source / "config.json").read_text())
+    del config["text_config"]["rope_parameters"]["mrope_section"]
+    (source / "config.json").write_text(json.dumps(config))
+    plan = plan_conversion(SafetensorsSource(source), config)
+    assert plan.family.name == "qwen2_vl"
+    assert "mrope_section" not in plan.config.rope_parameters and "mrope_interleaved" not in plan.config.rope_parameters
+
+
+@pytest.mark.parametrize("memory_layout", [False, True], ids=["hub-layout", "memory-layout"])
+def test_rotary_buffers_older_transformers_saved_are_dropped(memory_layout, tmp_path):
+    """Checkpoints saved by older transformers hold each attention's ``rotary_emb.inv_freq``, a buffer the model
+    computes from its config: they convert, those buffers dropped on purpose and listed as such."""
+    source = qwen2_vl.save(tmp_path / "source", "qwen2_vl", memory_layout=memory_layout)
+    path = source / "model.safetensors"
+    tensors = load_file(path)
+    buffers = [
+        name.replace("q_proj.weight", "rotary_emb.inv_freq") for name in tensors if name.endswith("q_proj.weight")
+    ]
+    assert len(buffers) == qwen2_vl.TEXT_CONFIG["num_hidden_layers"]
+    inv_freq = 1.0 / 1e4 ** (torch.arange(0, 16, 2).float() / 16)
+    save_file(tensors | {name: inv_freq.clone() for name in buffers}, path, metadata={"format": "pt"})
+    plan = plan_conversion(SafetensorsSource(source), json.loads((source / "config.json").read_text()))
+    assert set(buffers) <= set(plan.dropped) and not set(buffers) & set(plan.shapes)
 
 
 def test_mrope_interleaved_must_be_true_or_false():

@@ -10,7 +10,10 @@ of ``get_rope_index`` (atol 1e-5 in float32).
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -167,3 +170,51 @@ def test_qwen3_omni_without_its_decoder_config_is_refused_by_key(missing, omni_s
     result = cli_convert(source, tmp_path / "out", "--no-verify")
     assert result.exit_code == 1 and f"has no {'.'.join(missing)}, which holds" in result.output, result.output
     assert not (tmp_path / "out").exists()
+
+
+# Plans the folder argv[1] in a process whose address space is capped a little above what its imports took: a
+# config that makes transformers build a list per layer runs out of it at once (MemoryError) instead of taking the
+# machine's memory. Prints the refusal.
+PLAN_WITH_CAPPED_MEMORY = """
+import json, resource, sys
+from pathlib import Path
+from converter.engine import plan_conversion
+from thinker_common.errors import ThinkerError
+from thinker_common.sources import SafetensorsSource
+
+folder = Path(sys.argv[1])
+source = SafetensorsSource(folder)
+config = json.loads((folder / "config.json").read_text())
+with open("/proc/self/statm") as statm:
+    used = int(statm.read().split()[0]) * resource.getpagesize()
+_, hard = resource.getrlimit(resource.RLIMIT_AS)
+cap = used + (1 << 30)
+resource.setrlimit(resource.RLIMIT_AS, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard))
+try:
+    plan_conversion(source, config)
+except ThinkerError as err:
+    print(err)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="caps the child's memory by its /proc size")
+def test_a_billion_layers_in_the_nested_decoder_config_is_refused_at_once(omni_source, tmp_path):
+    """Qwen3-Omni keeps its decoder's counts under thinker_config.text_config: a billion layers there is refused by
+    key against the checkpoint's tensor count, in one line, before transformers' config class builds a list per
+    layer from it (which takes all memory, then hangs). Planned in a child process with its memory capped and its
+    time bounded, so that a regression fails here rather than taking the machine."""
+    source = shutil.copytree(omni_source, tmp_path / "source")
+    config = json.loads((source / "config.json").read_text())
+    config["thinker_config"]["text_config"]["num_hidden_layers"] = 10**9
+    (source / "config.json").write_text(json.dumps(config))
+    done = subprocess.run(
+        [sys.executable, "-c", PLAN_WITH_CAPPED_MEMORY, str(source)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    (line,) = done.stdout.strip().splitlines()
+    assert "num_hidden_layers=1000000000" in line and "holds only" in line, line
+    assert "does not describe these qwen3_omni weights" in line, line

@@ -245,6 +245,19 @@ def test_a_vocabulary_resized_after_the_hash_converts_once_the_config_says_so(tm
     assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
 
 
+@pytest.mark.parametrize("output_gate_type", ["sigmoid", None], ids=["sigmoid", "unset"])
+def test_the_gated_norms_activation_is_output_gate_type_else_hidden_act(output_gate_type):
+    """The Gated DeltaNet's gated norm runs ``output_gate_type``, and ``hidden_act`` only where that is unset: read
+    here from transformers' own layer. A config naming sigmoid beside hidden_act silu translates to sigmoid."""
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextGatedDeltaNet
+
+    hf = qwen4_exp_config(output_gate_type=output_gate_type, hidden_act="silu")
+    expected = Qwen4ExpTextGatedDeltaNet(hf, LAYER_TYPES.index("linear_attention")).norm.activation
+    assert expected == (output_gate_type or "silu")
+    config = engine.translate_config(qwen4_exp_family.QWEN4_EXP, hf.to_dict(), torch.float32)
+    assert config.output_gate_type == expected
+
+
 @pytest.mark.parametrize("by_layer", [False, True], ids=["whole", "by-layer"])
 def test_gate_fails_on_an_indexer_that_chooses_other_blocks(conversions, tmp_path, by_layer):
     """The parity prompts are shorter than the indexer's budget, so it keeps every token of theirs whatever its

@@ -97,6 +97,36 @@ def test_uomni_refuses_verify_and_moe(tmp_path):
     assert moe.exit_code == 1 and "use_moe" in moe.output
 
 
+def test_uomni_config_without_context_or_theta_takes_the_seeds_defaults(tmp_path):
+    """ThinkerLM reads ctx_len and rope_theta with defaults, seed 000's values (``UOmniConfig``'s: 512 and 10000.0);
+    a config.json that omits them converts to those."""
+    defaults = uomni.UOmniConfig()
+    assert (defaults.ctx_len, defaults.rope_theta) == (512, 10000.0)
+    reference = uomni.ThinkerLM(uomni.tiny_config())
+    source = uomni.save_checkpoint(reference, tmp_path / "uomni")
+    config = json.loads((source / "config.json").read_text())
+    assert config["ctx_len"] != defaults.ctx_len  # the tiny config's own, so that its absence shows
+    del config["ctx_len"], config["rope_theta"]
+    (source / "config.json").write_text(json.dumps(config))
+
+    result = cli_convert(source, tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    converted = ThinkerConfig.from_pretrained(tmp_path / "out")
+    assert converted.max_position_embeddings == defaults.ctx_len
+    assert converted.rope_parameters["rope_theta"] == defaults.rope_theta
+
+
+def test_uomni_without_swiglu_is_refused_by_key(tmp_path):
+    """Only the SwiGLU MLP is modelled (the seeds fix no other's weights): use_swiglu=false is refused by its key
+    before anything is written, not converted as if it were SwiGLU."""
+    source = uomni.save_checkpoint(uomni.ThinkerLM(uomni.tiny_config()), tmp_path / "uomni")
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps(config | {"use_swiglu": False}))
+    result = cli_convert(source, tmp_path / "out")
+    assert result.exit_code == 1 and "use_swiglu" in result.output, result.output
+    assert not (tmp_path / "out").exists()
+
+
 # --- LLMs-from-scratch Qwen3 -------------------------------------------------------------------------------------
 
 
