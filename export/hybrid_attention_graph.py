@@ -81,15 +81,6 @@ def rotary_dim(config: ThinkerConfig) -> int:
     return 2 * ThinkerRotaryEmbedding(config).inv_freq.shape[0]
 
 
-def rope_tables(
-    inv_freq: torch.Tensor, attention_scaling: float, max_positions: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of ``position * inv_freq`` for every position, (max_positions, rotary_dim / 2), computed as the
-    reference rotary embeddings compute them (float32 product, cos/sin, scaling, then the model dtype)."""
-    freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq.float()[None, :]
-    return (freqs.cos() * attention_scaling).to(dtype), (freqs.sin() * attention_scaling).to(dtype)
-
-
 def mrope_stream_selector(mrope_section: list[int], half_rotary_dim: int, interleaved: bool = True) -> torch.Tensor:
     """(3, 1, 1, rotary_dim / 2) float32 one-hot: which of the temporal/height/width position streams each
     frequency reads (the Thinker's ``mrope_streams``: interleaved, or in contiguous sections)."""

@@ -32,7 +32,6 @@ from export.hybrid_attention_graph import (
     emit_rotary_cos_sin,
     emit_zero_centered_rms_norm,
     mrope_stream_selector,
-    rope_tables,
     zero_centered_scale,
 )
 from export.layer_models import PAST_STATES, PRESENT_STATES, write_gated_deltanet_model
@@ -308,6 +307,15 @@ def vision_language_positions() -> torch.Tensor:
     after = 8 + torch.arange(3)
     row = torch.cat([text.expand(3, -1), image, after.expand(3, -1)], dim=1)  # (3, 14)
     return torch.stack([row, row + 490], dim=1)  # (3, 2, 14)
+
+
+def rope_tables(
+    inv_freq: torch.Tensor, attention_scaling: float, max_positions: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of ``position * inv_freq`` for every position, (max_positions, rotary_dim / 2), computed as the
+    reference rotary embeddings compute them (float32 product, cos/sin, scaling, then the model dtype)."""
+    freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq.float()[None, :]
+    return (freqs.cos() * attention_scaling).to(dtype), (freqs.sin() * attention_scaling).to(dtype)
 
 
 @pytest.mark.parametrize("form", ["plain", "fused"])

@@ -80,6 +80,27 @@ def test_float32_parity(family, graph, thinker_variant, onnx_variant):
 
 
 @pytest.mark.parametrize("graph", GRAPHS)
+def test_the_presents_are_the_pytorch_thinkers_cache(graph, thinker_variant, onnx_variant):
+    """Each full-attention layer's present key and value are the keys and values the PyTorch Thinker caches, with
+    partial rotary (8 of 32 channels rotated) in their layout: the rotated channels first. The rotated part written
+    after the passing one gives the same scores, so the same logits, in every pass that keeps its own cache (a
+    mutation run): a cache handed to another runtime, or the other graph, would not be this one."""
+    model = load_thinker(thinker_variant("qwen3_5"))
+    decoder = OnnxDecoder(hybrid_export(onnx_variant, "qwen3_5", graph), provider="cpu")
+    ids = np.array([[5, 9, 13, 7, 21, 3, 11]])
+    _, state = decoder.prefill(ids, np.ones_like(ids))
+    with torch.no_grad():
+        cache = model(torch.from_numpy(ids), use_cache=True).past_key_values
+    attention = [i for i, kind in enumerate(model.config.layer_types) if kind == "full_attention"]
+    assert attention and model.config.rope_parameters["partial_rotary_factor"] < 1
+    for i in attention:
+        for ours, theirs in (("key", cache.layers[i].keys), ("value", cache.layers[i].values)):
+            np.testing.assert_allclose(
+                np.asarray(state.cache[f"past_key_values.{i}.{ours}"]), theirs.numpy(), atol=1e-4, rtol=0
+            )
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
 def test_long_left_padded_prefill_gives_each_row_its_own_result(family, graph, thinker_variant, onnx_variant):
     """A 70-token row (past transformers' 64-token chunk of the delta rule) beside a 13-token one padded by 57:
