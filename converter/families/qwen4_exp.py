@@ -130,14 +130,17 @@ def hash_buffers_back(config: ThinkerConfig) -> dict[str, torch.Tensor]:
 
 
 def check_hash_buffers(config: ThinkerConfig, source: TensorSource) -> None:
-    """Each stored hash buffer holds what the Thinker derives from the config (small integer tensors, read whole)."""
+    """Each stored hash buffer holds what the Thinker derives from the config (small integer tensors, read whole).
+    Its values are compared, not its dtype: transformers loads a float buffer into its int64 one, so a float32 copy of
+    small integers is the same model; one that rounded a large multiplier (past 2^24) is not, and is refused."""
     names = set(source.names())
     for ple_index, layer in enumerate(config.ple_layer_ids):
         for ours, theirs in HASH_BUFFERS.items():
             expected = ngram_hash_buffers(config, ple_index)[ours]
             for name in {renamed(layout, hash_buffer_prefix(layer) + theirs) for layout in LAYOUTS} & names:
                 stored = source.load(name)
-                if stored.dtype in (torch.int64, torch.int32) and torch.equal(stored.long(), expected):
+                whole = stored.dtype != torch.bool and not (stored.is_floating_point() and stored.frac().any())
+                if whole and stored.shape == expected.shape and torch.equal(stored.long(), expected):
                     continue
                 what = f"{str(stored.dtype).removeprefix('torch.')} {stored.tolist()}"
                 raise ThinkerError(

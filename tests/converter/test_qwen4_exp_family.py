@@ -220,6 +220,29 @@ def test_hash_buffers_the_config_does_not_imply_are_refused_by_name(source_copy,
     assert "is not the n-gram hash the config implies" in result.output
 
 
+def test_a_hash_buffer_stored_as_floats_is_judged_by_its_values(source_copy, tmp_path):
+    """transformers loads a float hash buffer into its int64 one: table sizes saved as float32 (small integers,
+    exact) are the same model and convert, with parity; multipliers saved as float32 (past 2^24, rounded) are
+    another, refused by name (the dtype was refused, with a message calling equal values different: a mutation
+    run)."""
+    sizes, multipliers = (
+        f"model.layers.0.ple.ple_embedding.{name}" for name in ("ngram_heads_vocab_sizes", "layer_multipliers")
+    )
+
+    def as_float(name):
+        def edit(tensors):
+            tensors[name] = tensors[name].float()
+
+        return edit
+
+    rewrite(source_copy, as_float(sizes))
+    converted = cli(convert_command, source_copy, tmp_path / "out", "--verify")
+    assert converted.exit_code == 0, converted.output
+    rewrite(source_copy, as_float(multipliers))
+    refused = cli(convert_command, source_copy, tmp_path / "refused", "--no-verify")
+    assert refused.exit_code == 1 and f"tensor {multipliers!r} (float32" in refused.output, refused.output
+
+
 def test_a_vocabulary_resized_after_the_hash_converts_once_the_config_says_so(tmp_path):
     """transformers' resize_token_embeddings keeps the hash drawn for the old vocabulary: such a checkpoint is refused
     by name until its config.json names that vocabulary (ngram_hash_vocab_size), then converts with parity, and the
