@@ -514,8 +514,10 @@ class DecoderGraph:
         q = b.op("Reshape", q, b.const([0, nkv, groups, -1, hs]))  # (B, n_kv, g, T, hs)
         # Transpose right before MatMul, so that onnxruntime folds it into the product (FusedMatMul, transB).
         k_t = b.op("Transpose", b.op("Unsqueeze", k, b.const([2])), perm=[0, 1, 2, 4, 3])  # (B, n_kv, 1, hs, S)
-        scores = b.op("Mul", b.op("MatMul", q, k_t), self.scalar(hs**-0.5))  # (B, n_kv, g, T, S)
-        scores = b.op("Add", self.to_float(scores), attn_bias)
+        # scaled in float32: 1/sqrt(hs) is no half-precision number for most head sizes (PyTorch scales at float32
+        # precision in a half-precision model too)
+        scores = b.op("Mul", self.to_float(b.op("MatMul", q, k_t)), b.const(hs**-0.5, torch.float32))
+        scores = b.op("Add", scores, attn_bias)  # (B, n_kv, g, T, S)
         probs = self.to_model_dtype(b.op("Softmax", scores, axis=-1))
         out = b.op("MatMul", probs, b.op("Unsqueeze", v, b.const([2])))  # (B, n_kv, g, T, hs)
         out = b.op("Reshape", out, b.const([0, nh, -1, hs]))  # (B, nh, T, hs)
@@ -524,22 +526,33 @@ class DecoderGraph:
 
     # --- feed-forward -----------------------------------------------------------------------------------------
     def emit_activation(self, x: str, b: GraphBuilder | None = None) -> str:
-        """``hidden_act`` as transformers' ACT2FN computes it; ``b`` is the builder to write into (a Loop body)."""
+        """``hidden_act`` as transformers' ACT2FN computes it; ``b`` is the builder to write into (a Loop body).
+        The GELUs in float32 whatever the model dtype, rounded once: their coefficients are not half-precision
+        numbers (sqrt(2/pi) is 0.796875 in bfloat16, 0.13 % off), and PyTorch applies them at float32 precision
+        in a half-precision model too."""
         b, act = b or self.b, self.config.hidden_act
         if act in ("silu", "swish"):
             return b.op("Mul", x, b.op("Sigmoid", x))
         if act == "relu":
             return b.op("Relu", x)
+        half = self.dtype != torch.float32
+        x = b.op("Cast", x, to=TensorProto.FLOAT) if half else x
+
+        def scalar(value: float) -> str:
+            return b.const(value, torch.float32)
+
         if act == "quick_gelu":
-            return b.op("Mul", x, b.op("Sigmoid", b.op("Mul", x, self.scalar(1.702))))
-        half_x = b.op("Mul", x, self.scalar(0.5))
-        if act == "gelu":  # exact: 0.5 x (1 + erf(x / sqrt 2))
-            inner = b.op("Erf", b.op("Mul", x, self.scalar(1 / math.sqrt(2))))
-        else:  # the tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x³)))
-            cube = b.op("Mul", b.op("Mul", x, x), x)
-            inner = b.op("Add", x, b.op("Mul", cube, self.scalar(0.044715)))
-            inner = b.op("Tanh", b.op("Mul", inner, self.scalar(math.sqrt(2 / math.pi))))
-        return b.op("Mul", half_x, b.op("Add", inner, self.scalar(1.0)))
+            out = b.op("Mul", x, b.op("Sigmoid", b.op("Mul", x, scalar(1.702))))
+        else:
+            half_x = b.op("Mul", x, scalar(0.5))
+            if act == "gelu":  # exact: 0.5 x (1 + erf(x / sqrt 2))
+                inner = b.op("Erf", b.op("Mul", x, scalar(1 / math.sqrt(2))))
+            else:  # the tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x³)))
+                cube = b.op("Mul", b.op("Mul", x, x), x)
+                inner = b.op("Add", x, b.op("Mul", cube, scalar(0.044715)))
+                inner = b.op("Tanh", b.op("Mul", inner, scalar(math.sqrt(2 / math.pi))))
+            out = b.op("Mul", half_x, b.op("Add", inner, scalar(1.0)))
+        return b.op("Cast", out, to=self.onnx_dtype) if half else out
 
     def emit_mlp(self, x: str, prefix: str) -> str:
         bias = self.config.mlp_bias
