@@ -4,9 +4,10 @@ tolerance for it (``TOLERANCES[WIDENED_BFLOAT16]``, one bfloat16 ulp of the logi
 Where no CUDA runs, ``thinker export --dtype bfloat16`` checks its graphs widened to float32 (export/widened.py)
 against the PyTorch Thinker holding the same bfloat16 weights. Widened, a sound graph runs the reference's arithmetic
 on the reference's weights and parts from it only by the scalars it writes in bfloat16 (an attention scale, GELU's
-coefficients). For every family of the tests (tests/export/export_helpers.py, one seed, head_dim 16 where the family
-takes it, so that the fused graph rotates inside GroupQueryAttention) and the real SmolLM2-135M, fused and plain
-graphs: each export's default ``--verify``, its furthest pass relative to max(1, logit scale), and its wall time.
+coefficients). For every family of the tests (tests/export/export_helpers.py, one seed, its own config, and again
+with head_dim 16 where the family takes it, so that the fused graph rotates inside GroupQueryAttention) and the real
+SmolLM2-135M, fused and plain graphs: each export's default ``--verify``, its furthest pass relative to max(1, logit
+scale), and its wall time.
 
     python bench/bench_widened.py                  # every family and SmolLM2 (about 10 minutes on 2 cores)
     python bench/bench_widened.py --no-smollm2 --families qwen3,gpt2
@@ -98,13 +99,14 @@ def main() -> None:
         root = Path(tmp)
         models = []
         for family in args.families:
-            overrides = {"head_dim": 16} if family in HEAD_DIM_16 else {}
-            models.append((family, save_thinker(root / family, family, **overrides)))
+            models.append((family, save_thinker(root / family, family)))
+            if family in HEAD_DIM_16:
+                models.append((f"{family}, head_dim 16", save_thinker(root / f"{family}-16", family, head_dim=16)))
         if not args.no_smollm2:
             models.append(("smollm2-135m", smollm2().thinker))
         for name, folder in models:
             for graph in ("fused", "plain"):
-                row = measured(name, folder, root / f"{name}-{graph}", graph)
+                row = measured(name, folder, root / f"{folder.name}-{graph}", graph)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     print("\n" + markdown(rows))
