@@ -9,16 +9,29 @@ from pathlib import Path
 import onnx
 
 
+def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    """The bodies ``node`` holds (an If's branches, a Loop's or a Scan's body)."""
+    for attribute in node.attribute:
+        if attribute.type == onnx.AttributeProto.GRAPH:
+            yield attribute.g
+        elif attribute.type == onnx.AttributeProto.GRAPHS:
+            yield from attribute.graphs
+
+
 def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
     """The nodes of ``graph`` in order, each followed by the nodes of its subgraphs (depth first)."""
     for node in graph.node:
         yield node
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                yield from all_nodes(attribute.g)
-            elif attribute.type == onnx.AttributeProto.GRAPHS:
-                for subgraph in attribute.graphs:
-                    yield from all_nodes(subgraph)
+        for body in subgraphs(node):
+            yield from all_nodes(body)
+
+
+def all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """``graph`` and the bodies of its control-flow nodes, depth first."""
+    yield graph
+    for node in graph.node:
+        for body in subgraphs(node):
+            yield from all_graphs(body)
 
 
 def names_read(graph: onnx.GraphProto) -> set[str]:

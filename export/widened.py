@@ -23,6 +23,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
+from .graph_walk import all_graphs
 from .weights_stamp import stamp_weights
 
 # Where a graph's external tensors start in the rewritten file: aligned for onnxruntime's memory mapping, as
@@ -53,18 +54,6 @@ def widened_folder(folder: Path, into: Path, replaced: dict[str, np.ndarray] | N
     for path in sorted(folder.iterdir()):
         if path.is_file() and not (into / path.name).exists():
             shutil.copyfile(path, into / path.name)
-
-
-def all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
-    """``graph`` and the bodies of its control-flow nodes (If branches, Loop and Scan bodies), depth first."""
-    yield graph
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                yield from all_graphs(attribute.g)
-            elif attribute.type == onnx.AttributeProto.GRAPHS:
-                for subgraph in attribute.graphs:
-                    yield from all_graphs(subgraph)
 
 
 class Span(NamedTuple):

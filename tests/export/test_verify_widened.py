@@ -99,9 +99,9 @@ def test_the_widened_copy_holds_the_exports_weights_and_no_bfloat16(family, head
     a value's type, a cast's target or a constant; every weight the export's own value exactly, from the weights
     file or inline (the padding bias's constants), but the tables named for replacement; the copy opens in
     onnxruntime, its weights' stamp written anew."""
-    from export.graph_walk import all_nodes
+    from export.graph_walk import all_graphs, all_nodes
     from export.runtime import OnnxDecoder
-    from export.widened import all_graphs, widened_folder
+    from export.widened import widened_folder
 
     shipped = onnx_variant(family, "bfloat16", head_dim=head_dim)
     table = onnx.load(shipped / "model.onnx", load_external_data=False).graph.initializer
