@@ -21,7 +21,8 @@ The reference is the PyTorch Thinker in float32 whatever the export's dtype: the
 half-precision graph is held to its dtype's tolerance. A reference in the export's own half precision rounds
 differently from onnxruntime's kernels (its MoE routing and accumulation orders are PyTorch's CPU ones), so the two
 can sit further apart than either from float32: measured on an H200, a bfloat16 Qwen3-MoE graph was 0.066 from
-float32 (tolerance 0.158) but 0.55 from PyTorch's bfloat16 (bench/results/gpu-half-reference.txt).
+float32 (tolerance 0.158) but 0.55 from PyTorch's bfloat16 (bench/results/gpu-half-reference.txt). Where no CUDA runs,
+a bfloat16 export is checked widened to float32 against the reference holding its rounded weights (``verify_widened``).
 
 Where the export also wrote onnxruntime-genai's graph (``model.genai.onnx``, export/genai_graph.py), that graph is
 checked the same way after ``model.onnx``, one session at a time, on the batch's rows padded on the right (the only
@@ -682,9 +683,9 @@ def deep_cache_failures(result: dict) -> list[str]:
 def verify_plan(model_dir: Path, dtype: torch.dtype, quantized: bool = False, graph_bytes: int | None = None) -> str:
     """How ``--verify`` will hold the PyTorch model: WHOLE when it fits whole beside what the check runs, else
     STREAMED (one layer at a time); a bfloat16 graph where no CUDA runs is checked widened to float32
-    (``verify_widened``), and counted so. Raises, naming the
-    sizes and what to do, when neither fits. The budget is all the memory available, or ``THINKER_VERIFY_MEMORY``
-    (unlike the converter's check, nothing cheaper waits behind this one).
+    (``verify_widened``), and counted so. Raises, naming the sizes and what to do, when neither fits. The budget is
+    all the memory available, or ``THINKER_VERIFY_MEMORY`` (unlike the converter's check, nothing cheaper waits
+    behind this one).
 
     A float export's check holds the graph's session (about the model's bytes in ``dtype``) and the PyTorch model in
     float32 (``REFERENCE_DTYPE``). A quantized export's holds two sessions of its graph (``graph_bytes``: as
@@ -765,7 +766,9 @@ def pytorch_thinker(
     if plan != STREAMED:
         model = ThinkerForCausalLM.from_pretrained(model_dir, dtype=dtype, **EAGER).eval()
         if rounded_to is not None:
-            stored = set(SafetensorsSource(model_dir).names())  # ThinkerWeights rounds every one the graph reads
+            weights = SafetensorsSource(model_dir)
+            stored = set(weights.names())  # ThinkerWeights rounds every one the graph reads (export/weights.py)
+            weights.close()
             for name, tensor in (*model.named_parameters(), *model.named_buffers()):
                 if name in stored and tensor.is_floating_point():
                     tensor.data = tensor.data.to(rounded_to).to(dtype)

@@ -3,11 +3,11 @@ for ``--verify`` (export/verify.py ``verify_widened``).
 
 The copy is the same graphs, node for node, with every bfloat16 in them made float32: the weights (each bfloat16
 value is a float32 value, so they are the export's weights exactly), the casts to bfloat16, the constants, the
-cache inputs and outputs. It runs the export's structure and weights in float32 arithmetic, so it is held to a
-float32 export's tolerance against the PyTorch Thinker holding the same rounded weights: a bug in the structure or
-the weights shows 500 times smaller than the bfloat16 graph's own check on CUDA would see it. What it does not run
-is the bfloat16 arithmetic itself, the rounding of activations between ops, which only CUDA runs (a cast to
-bfloat16 where the graph should keep float32 is invisible here), as the report says.
+cache inputs and outputs. It runs the export's structure and weights in float32 arithmetic, against the PyTorch
+Thinker holding the same rounded weights, to one bfloat16 ulp of the logit scale: a bug in the structure or the
+weights shows 13 times smaller than the bfloat16 graph's own check on CUDA would see it. What it does not run is the
+bfloat16 arithmetic itself, the rounding of activations between ops, which only CUDA runs (a cast to bfloat16 where
+the graph should keep float32 is invisible here), as the report says.
 
 The weights file is rewritten one tensor at a time, so the copy needs no more memory than its largest tensor.
 """
