@@ -118,6 +118,126 @@ def test_cli_says_what_the_guard_measured_on(thinker_variant, tmp_path):
     assert "paragraph" not in said.output
 
 
+@pytest.fixture(scope="module")
+def outlier_int4(thinker_variant, tmp_path_factory) -> tuple[Path, Path]:
+    """The model with the planted outlier and its int4 export at level 4, no guard run: the guard's figures are
+    recomputed on it, and each guard run works on a copy."""
+    from export.exporter import export_model
+
+    root = tmp_path_factory.mktemp("outlier-int4")
+    folder = with_outlier(thinker_variant("qwen3", head_dim=16), root / "outlier", PLANTED_LAYER)
+    export_model(folder, root / "out", graph="fused", quantize=SPEC, verify=False, accuracy_guard=None)
+    return folder, root / "out"
+
+
+def guard_on_copy(folder: Path, export: Path, copy: Path, min_agreement: float) -> dict:
+    from export.accuracy_guard import guard_accuracy_level
+    from thinker import ThinkerConfig
+
+    config = ThinkerConfig.from_pretrained(folder)
+    shutil.copytree(export, copy)
+    return guard_accuracy_level(
+        folder, copy / "model.onnx", config.vocab_size, config.max_position_embeddings, min_agreement, 1, False
+    )
+
+
+def guard_inputs(folder: Path, export: Path) -> tuple[onnx.ModelProto, list[str], np.ndarray]:
+    """The export's graph, its levelled nodes, and the ids the guard runs."""
+    from export.accuracy_guard import guard_token_ids, matmul_units
+    from thinker import ThinkerConfig
+
+    config = ThinkerConfig.from_pretrained(folder)
+    model = onnx.load(export / "model.onnx", load_external_data=False)
+    ids, _ = guard_token_ids(folder, config.vocab_size, config.max_position_embeddings)
+    return model, [name for names in matmul_units(model).values() for name in names], ids
+
+
+def test_the_guard_report_says_what_it_measured(outlier_int4, tmp_path):
+    """The report's figures against their recomputation from the two prefills: tokens is every id, agreement_before
+    the share of every position (the last one's prediction too) where the shipped graph picks level 1's token,
+    mean_kl_before KL(level 1 || shipped), the reference first. At a threshold equal to that agreement, the graph
+    meets it ("at least"): nothing moves and the guard passes (mutation runs: each figure computed otherwise, and the
+    threshold compared strictly, passed every test)."""
+    from export.accuracy_guard import prefill
+    from export.fidelity import log_softmax
+
+    folder, export = outlier_int4
+    model, nodes, ids = guard_inputs(folder, export)
+    reference = prefill(model, export / "model.onnx", dict.fromkeys(nodes, 1), ids, threads=1)
+    shipped = prefill(model, export / "model.onnx", {}, ids, threads=1)
+    agreement = float(np.mean(reference.argmax(-1) == shipped.argmax(-1)))
+    assert 0 < agreement < 0.9 and reference.shape[0] == len(ids)
+    log_p, log_q = log_softmax(reference), log_softmax(shipped)
+    kl = float((np.exp(log_p) * (log_p - log_q)).sum(-1).mean())
+    backwards = float((np.exp(log_q) * (log_q - log_p)).sum(-1).mean())
+    assert abs(kl - backwards) > 1e-3 * kl  # the direction shows
+    report = guard_on_copy(folder, export, tmp_path / "guarded", min_agreement=agreement)
+    assert report["tokens"] == len(ids), report
+    assert report["agreement_before"] == agreement, report
+    assert report["mean_kl_before"] == pytest.approx(kl, rel=1e-9), (report, kl, backwards)
+    assert report["moved_to_level_1"] == [] and report["passed"] is True and report["agreement"] == agreement, report
+
+
+def test_the_guard_moves_no_more_units_than_meet_the_threshold(outlier_int4, tmp_path):
+    """--accuracy-guard 1.0 where moving the planted layer alone gives 100 % agreement: the bisection keeps the
+    prefix that meets the threshold exactly, that layer alone (a mutation that asked more than the threshold moved
+    every unit and passed every test)."""
+    folder, export = outlier_int4
+    report = guard_on_copy(folder, export, tmp_path / "guarded", min_agreement=1.0)
+    assert report["agreement_before"] < 1.0, report
+    assert report["moved_to_level_1"] == [f"layers.{PLANTED_LAYER}"], report
+    assert report["agreement_by_units_moved"][1] == 1.0 and report["passed"] is True, report
+    assert report["agreement"] == 1.0, report
+
+
+def test_the_ranking_rounds_activations_per_block(outlier_int4):
+    """unit_activation_rounding_error, the ranking's figure, against its recomputation: each of the planted layer's
+    MatMulNBits inputs probed at level 1, rounded per block of the node's block_size along K (as level 4 rounds
+    them; not per row: a mutation rounding per K passed every test), times its dequantized weight; the layer's worst
+    node."""
+    from export.accuracy_guard import (
+        activation_rounding_errors,
+        graph_variant,
+        int8_blockwise,
+        matmul_units,
+        relative_difference,
+    )
+    from export.dequantize import attributes, constant_reader, dequantize_matmul_nbits
+    from export.runtime import OnnxDecoder, position_ids_from_mask
+
+    folder, export = outlier_int4
+    path = export / "model.onnx"
+    model, _, ids = guard_inputs(folder, export)
+    unit = f"layers.{PLANTED_LAYER}"
+    names = matmul_units(model)[unit]
+    got = activation_rounding_errors(model, path, {unit: names}, ids, 1)[unit]
+    nodes = [n for n in model.graph.node if n.name in names]
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    inputs = sorted({n.input[0] for n in nodes})
+    probe.graph.output.extend(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) for name in inputs)
+    everything = {n.name: 1 for n in probe.graph.node if n.op_type == "MatMulNBits"}
+    with graph_variant(probe, path, everything) as variant:
+        decoder = OnnxDecoder(variant, provider="cpu", threads=1, all_positions=True)
+        mask = np.ones_like(ids)[None]
+        feeds = {
+            "input_ids": ids[None],
+            "attention_mask": mask,
+            "position_ids": decoder.graph_positions(position_ids_from_mask(mask)),
+            **decoder.empty_cache(1),
+        }
+        activations = dict(zip(inputs, decoder.session.run(inputs, feeds), strict=True))
+    read = constant_reader(model.graph, base_dir=export)
+    errors = []
+    for node in nodes:
+        attrs = attributes(node)
+        assert attrs["K"] > attrs["block_size"]  # more than one block a row: the block matters
+        weight = dequantize_matmul_nbits(attrs, read(node.input[1]), read(node.input[2])).astype(np.float32)
+        a = activations[node.input[0]].reshape(-1, attrs["K"]).astype(np.float32)
+        errors.append(relative_difference(int8_blockwise(a, attrs["block_size"]) @ weight, a @ weight))
+    assert got == pytest.approx(max(errors), rel=1e-5)
+
+
 def test_mean_kl_a_few_rows_at_a_time_is_the_whole_mean():
     from export.accuracy_guard import mean_kl
     from export.fidelity import log_softmax
@@ -134,6 +254,7 @@ def test_mean_kl_a_few_rows_at_a_time_is_the_whole_mean():
 # --- the 8-bit fallback: a float32 MatMul over the dequantized weight (export/float_fallback.py) ---------------------
 
 INT8 = QuantizeSpec(bits=8, block_size=16)  # accuracy level 4
+INT8_ASYM = QuantizeSpec(bits=8, block_size=16, algo="rtn-asym")  # with zero points
 NO_GATE = QualityGate(min_top1=0.0, max_perplexity_increase=float("inf"))  # random weights: the graph checks alone
 
 
@@ -187,13 +308,19 @@ def test_int8_units_fall_back_to_float_matmuls_that_the_verify_reads(graph, thin
     assert set(levels_by_layer(path).pop("layers.0")) == {4}
 
 
-def test_the_float_fallback_computes_what_level_1_computes(thinker_variant, tmp_path):
+@pytest.mark.parametrize("spec", [INT8, INT8_ASYM], ids=["rtn", "rtn-asym"])
+def test_the_float_fallback_computes_what_level_1_computes(spec, thinker_variant, tmp_path):
+    """Asymmetric RTN too: each fallback dequantizes with its zero points, and records an asymmetric grid for the
+    verify's per-row check (a mutation run dropped the zero points, and another recorded every grid symmetric: no
+    test exported ``--algo rtn-asym`` with a fallback, and both passed); the rewritten graph passes the verify."""
     from export.accuracy_guard import matmul_units, prefill
+    from export.dequantize import DEQUANTIZED, recorded_grid
     from export.exporter import export_model
     from export.float_fallback import float_fallback_nodes, replace_with_fallbacks
+    from export.quantized_verify import verify_quantized_export
 
     folder = thinker_variant("qwen3", head_dim=16)
-    export_model(folder, tmp_path / "out", graph="fused", quantize=INT8, verify=False, accuracy_guard=None)
+    export_model(folder, tmp_path / "out", graph="fused", quantize=spec, verify=False, accuracy_guard=None)
     shutil.copytree(tmp_path / "out", tmp_path / "float")
     level_4 = onnx.load(tmp_path / "out" / "model.onnx", load_external_data=False)
     names = [name for names in matmul_units(level_4).values() for name in names]
@@ -210,6 +337,30 @@ def test_the_float_fallback_computes_what_level_1_computes(thinker_variant, tmp_
     assert sorted(p.name for p in (tmp_path / "float").iterdir()) == sorted(
         p.name for p in (tmp_path / "out").iterdir()
     )
+    floats = [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1].endswith(DEQUANTIZED)]
+    assert len(floats) == len(names)
+    assert {recorded_grid(n) for n in floats} == {(spec.block_size, spec.algo == "rtn-asym")}
+    alone = tmp_path / "alone"  # the graph and its weights: the folder's genai graph still reads the old weights file
+    alone.mkdir()
+    for name in ("model.onnx", "model.onnx.data"):
+        shutil.copy(tmp_path / "float" / name, alone / name)
+    verified = verify_quantized_export(folder, alone / "model.onnx", torch.float32, 8, NO_GATE, asked=spec)
+    assert verified["passed"] is True, verified.get("failure")
+    assert verified["weights"]["worst_row"]["error_over_rounding"] == pytest.approx(1.0, abs=1e-4), verified["weights"]
+
+
+def test_a_half_precision_graph_keeps_its_moved_8_bit_projections_at_level_1(onnx_variant):
+    """A float16 graph's moved 8-bit MatMulNBits stay MatMulNBits at level 1: a float MatMul over its dequantized
+    weight would run in half precision, not level 1's function (a mutation run that let float16 scales fall back
+    passed every test)."""
+    from export.accuracy_guard import matmul_units
+    from export.float_fallback import float_fallback_nodes
+
+    model = onnx.load(onnx_variant("qwen3", "float16", quantize=INT8) / "model.onnx", load_external_data=False)
+    names = [name for names in matmul_units(model).values() for name in names]
+    assert names and float_fallback_nodes(model, names) == []
+    float32 = onnx.load(onnx_variant("qwen3", quantize=INT8) / "model.onnx", load_external_data=False)
+    assert sorted(float_fallback_nodes(float32, names)) == sorted(names)  # the same nodes in a float32 graph
 
 
 def test_the_verify_fails_a_float_fallback_with_the_wrong_weight(thinker_variant, tmp_path, monkeypatch):
@@ -317,6 +468,22 @@ def with_expert_outlier(folder: Path, out: Path, layer: int, channel: int = 3) -
         block.post_attention_layernorm.weight[channel] *= OUTLIER
         block.mlp.experts.gate_up_proj[:, :, channel] /= OUTLIER
         block.mlp.gate.weight[:, channel] /= OUTLIER
+    model.save_pretrained(out)
+    return out
+
+
+def with_attention_outlier(folder: Path, out: Path, layer: int, channel: int = 3) -> Path:
+    """A copy of the Thinker ``folder`` whose layer ``layer`` has an outlier channel into its attention alone (q, k
+    and v), the float function unchanged."""
+    from thinker import ThinkerForCausalLM
+
+    shutil.copytree(folder, out)
+    model = ThinkerForCausalLM.from_pretrained(folder).eval()
+    block = model.model.layers[layer]
+    with torch.no_grad():
+        block.input_layernorm.weight[channel] *= OUTLIER
+        for projection in (block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj):
+            projection.weight[:, channel] /= OUTLIER
     model.save_pretrained(out)
     return out
 
@@ -441,18 +608,8 @@ def test_a_moved_layer_keeps_its_int8_experts_where_they_do_not_cost(thinker_var
     """An outlier into layer 0's attention alone: the guard moves layer 0, then finds that layer meets the threshold
     with its experts still at int8 activations (one more run), so its QMoE stays and no float stacks are written."""
     from export.exporter import export_model
-    from thinker import ThinkerForCausalLM
 
-    source = thinker_variant("qwen3_moe", head_dim=16)
-    folder = tmp_path / "outlier"
-    shutil.copytree(source, folder)
-    model = ThinkerForCausalLM.from_pretrained(source).eval()
-    block = model.model.layers[0]
-    with torch.no_grad():
-        block.input_layernorm.weight[3] *= OUTLIER
-        for projection in (block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj):
-            projection.weight[:, 3] /= OUTLIER
-    model.save_pretrained(folder)
+    folder = with_attention_outlier(thinker_variant("qwen3_moe", head_dim=16), tmp_path / "outlier", layer=0)
     report = export_model(
         folder, tmp_path / "out", graph="fused", quantize=INT8, verify=True, accuracy_guard=0.9, quality=NO_GATE
     )
@@ -466,6 +623,43 @@ def test_a_moved_layer_keeps_its_int8_experts_where_they_do_not_cost(thinker_var
         "QMoE"
     ) == 2
     assert report["verify"]["passed"] is True, report["verify"]
+
+
+def test_int8_experts_stay_where_they_meet_the_threshold_exactly(thinker_variant, tmp_path):
+    """--accuracy-guard 1.0 where the moved layers reach 100 % agreement with their experts kept at int8 activations:
+    that meets the threshold ("at least"), so their QMoE stay (a mutation that asked more than the threshold wrote
+    the float MoE at 4x the experts' bytes and passed every test)."""
+    from export.exporter import export_model
+
+    folder = with_attention_outlier(thinker_variant("qwen3_moe", head_dim=16), tmp_path / "outlier", layer=0)
+    report = export_model(folder, tmp_path / "out", graph="fused", quantize=INT8, verify=False, accuracy_guard=1.0)
+    guard = report["accuracy_guard"]
+    assert "layers.0" in guard["moved_to_level_1"] and guard["agreement_with_int8_experts"] == 1.0, guard
+    assert guard["experts_to_float_moe"] == [] and guard["passed"] is True, guard
+    ops = [n.op_type for n in onnx.load(tmp_path / "out" / "model.onnx", load_external_data=False).graph.node]
+    assert ops.count("QMoE") == 2 and "MoE" not in ops
+
+
+def test_moved_int8_experts_with_a_scale_per_row_stay_qmoe(thinker_variant, tmp_path):
+    """Expert widths that are not whole blocks (24 against blocks of 16) give 8-bit experts a scale per row, whose
+    kernel computes in float at every level: an outlier into layer 0's attention has the guard move that layer, and
+    its QMoE stays, with nothing to dequantize in blocks (a mutation run that took them for the float MoE's, which
+    the guard's trial graphs dequantize in blocks, passed every test)."""
+    from export.exporter import export_model
+    from export.float_fallback import expert_fallback_nodes
+
+    source = thinker_variant("qwen3_moe", head_dim=16, moe_intermediate_size=24)
+    folder = with_attention_outlier(source, tmp_path / "outlier", layer=0)
+    report = export_model(folder, tmp_path / "out", graph="fused", quantize=INT8, verify=False, accuracy_guard=0.9)
+    guard = report["accuracy_guard"]
+    assert guard["agreement_before"] < 0.9 and guard["moved_to_level_1"] == ["layers.0"], guard
+    assert guard["passed"] is True and guard["experts_to_float_moe"] == [], guard
+    assert "agreement_with_int8_experts" not in guard, guard  # nothing of theirs to keep at int8 or not
+    model = onnx.load(tmp_path / "out" / "model.onnx", load_external_data=False)
+    qmoe = [n for n in model.graph.node if n.op_type == "QMoE"]
+    assert len(qmoe) == 2 and not [n for n in model.graph.node if n.op_type == "MoE"]
+    assert not [n.name for n in qmoe if any(a.name == "block_size" for a in n.attribute)]  # a scale per row
+    assert expert_fallback_nodes(model, [n.name for n in qmoe]) == []
 
 
 def test_experts_the_guard_moved_are_not_said_too_narrow():

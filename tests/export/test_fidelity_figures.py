@@ -48,3 +48,19 @@ def test_the_cost_is_the_shipped_graphs_against_the_float_model(thinker_folder, 
         cost = quantization_cost(model, folder, decoder=None)
     assert cost["tokens"] > 8, cost
     assert cost["perplexity"] > cost["perplexity_reference"] and cost["perplexity_change"] > 0.1, cost
+
+
+def test_ids_beyond_the_vocabulary_are_no_text(thinker_variant):
+    """A tokenizer whose ids reach the model's vocabulary size or beyond (the largest id equal to it is already out
+    of range) gives no ids and says why, so the guard falls back to random ids and the verify skips the cost rather
+    than feed an id the embedding lacks (mutations letting either through passed every test)."""
+    from export.fidelity import fidelity_token_ids
+
+    folder = thinker_variant("qwen3")
+    ids, source = fidelity_token_ids(folder, 10**6, 4096)
+    assert ids is not None and len(ids) > 1, source
+    top = int(ids.max())
+    assert fidelity_token_ids(folder, top + 1, 4096)[0] is not None  # the largest id just inside
+    for vocab_size in (top, top // 2):
+        got, why = fidelity_token_ids(folder, vocab_size, 4096)
+        assert got is None and why == "the tokenizer's ids exceed the model's vocabulary", (vocab_size, why)

@@ -845,3 +845,70 @@ def test_verify_holds_each_weight_to_the_layout_asked_for(
     assert unchecked["passed"] is True, unchecked  # without the spec nothing else fails
     checked = verify_quantized_export(model_dir, bad, torch.float32, spec.bits, NO_GATE, asked=spec)
     assert checked["passed"] is False and said in checked["failure"], checked["failure"]
+
+
+def test_a_wrong_row_of_a_mixed_heads_int4_part_is_named_by_its_row_in_the_head(
+    thinker_variant, onnx_variant, tmp_path
+):
+    """A mixed head (int8 rows 0-39, int4 after) whose int4 part's first row has scales 3x too large: the per-row
+    check names it as row 40 of the head, the row a reader finds in lm_head.weight, not row 0 of the part (a
+    mutation naming rows within their part passed every test)."""
+    from export.quantized_verify import verify_quantized_export
+
+    spec = QuantizeSpec(bits=4, block_size=16, head_int8_rows=40)
+    model_dir = thinker_variant("qwen3", head_dim=16)
+    folder = onnx_variant("qwen3", graph="fused", quantize=spec)
+
+    def scale_first_int4_row(model: onnx.ModelProto) -> None:
+        node = next(n for n in model.graph.node if n.op_type == "MatMulNBits" and ".rows_40_" in n.input[1])
+        scales, values = scales_of(model, lambda name: name == node.input[1])
+        values.reshape(attributes(node)["N"], -1)[0] *= 3.0
+        rewrite(scales, values)
+
+    broken = verify_quantized_export(
+        model_dir, planted(folder, tmp_path / "bug", scale_first_int4_row), torch.float32, 4, NO_GATE
+    )
+    assert broken["passed"] is False and broken["weights"]["worst_row"]["row"] == 40, broken["weights"]
+    assert "row 40 of quantized weight lm_head.weight" in broken["failure"], broken["failure"]
+
+
+def test_the_worst_error_by_bits_is_the_largest_of_those_bits(thinker_variant, onnx_variant):
+    """max_relative_error_by_bits["int4"] of an all-int4 export (an int4 head) is its worst weight's error, the
+    report's relative_error (a mutation taking the smallest passed every test)."""
+    from export.quantized_verify import verify_quantized_export
+
+    spec = QuantizeSpec(bits=4, block_size=16, head_bits=4, head_int8_rows=0)
+    folder = onnx_variant("qwen3", graph="fused", quantize=spec)
+    report = verify_quantized_export(thinker_variant("qwen3", head_dim=16), folder / "model.onnx", torch.float32, 4)
+    weights = report["weights"]
+    assert list(weights["max_relative_error_by_bits"]) == ["int4"], weights
+    assert weights["max_relative_error_by_bits"]["int4"] == weights["relative_error"] > 0, weights
+
+
+def test_the_layout_check_allows_level_1_only_where_level_4_was_asked():
+    """Level 1 is the accuracy guard's fallback from level 4 and nothing else: a weight at level 1 where level 0 or
+    2 was asked (a float16 export's level 0, say) is named (a mutation allowing level 1 everywhere passed every
+    test); where level 4 was asked, it is not."""
+    from export.dequantize import QuantizedWeight
+    from export.quantized_layout import Layout, layout_failures
+
+    name = "model.layers.0.self_attn.o_proj.weight"
+    stored = Layout.of(QuantizedWeight("MatMulNBits", 4, np.zeros((64, 32)), 16, accuracy_levels=(1,)))
+    for asked_level in (0, 2):
+        asked = QuantizeSpec(bits=4, block_size=16, accuracy_level=asked_level)
+        failures = layout_failures({name: stored}, asked)
+        assert len(failures) == 1 and f"{name} runs at accuracy level 1, where" in failures[0], failures
+        assert f"asks for level {asked_level}" in failures[0], failures
+    assert layout_failures({name: stored}, QuantizeSpec(bits=4, block_size=16, accuracy_level=4)) == []
+
+
+def test_the_layout_check_names_three_wrong_weights_and_counts_the_rest():
+    """Five weights at int8 where int4 was asked: the first three named, then how many more."""
+    from export.dequantize import QuantizedWeight
+    from export.quantized_layout import Layout, layout_failures
+
+    stored = Layout.of(QuantizedWeight("MatMulNBits", 8, np.zeros((64, 32)), 16, accuracy_levels=(4,)))
+    weights = {f"model.layers.{i}.mlp.down_proj.weight": stored for i in range(5)}
+    failures = layout_failures(weights, QuantizeSpec(bits=4, block_size=16))
+    assert len(failures) == 4 and failures[-1] == "and 2 more weights", failures
+    assert [f.split(" ")[2] for f in failures[:3]] == list(weights)[:3], failures

@@ -349,3 +349,13 @@ def test_verify_fails_a_wrong_mixed_head(bug, thinker_variant, onnx_variant, tmp
         edges = broken["graph"]["vocabulary_edges"]
         assert {39, 40} <= set(edges["ids"]) and "vocabulary's edge ids (0, 1, 39, 40," in broken["failure"], broken
         assert edges["max_abs_diff"] > 100 * edges["tolerance"], edges
+
+
+@pytest.mark.parametrize("spec", [INT4_ASYM, INT8_ASYM], ids=["int4-asym", "int8-asym"])
+def test_a_tied_asymmetric_table_reads_back_asymmetric(spec, onnx_variant):
+    """A tied rtn-asym export gathers its embedding over the head's zero points: the table reads back asymmetric,
+    or the verify's per-row check would hold it to a symmetric grid's rounding (a mutation reading every gathered
+    table symmetric passed every test); the head it shares reads the same."""
+    weights = quantized_weights(onnx_variant("qwen3", quantize=spec, **TIED) / "model.onnx")
+    assert weights[EMBEDDING].op_type == "GatherBlockQuantized" and weights[EMBEDDING].asymmetric is True
+    assert weights["lm_head.weight"].asymmetric is True
