@@ -70,3 +70,22 @@ def test_slicing_leaves_4_bit_nodes_other_levels_and_inline_weights_alone(int8_e
     assert split_wide_matmuls(inline, slice_bytes=1) == []
     count = len([n for n in model.graph.node if n.op_type == "MatMulNBits"])
     assert len(split_wide_matmuls(model, slice_bytes=1)) == count  # and at level 1, 8-bit, external: all of them
+
+
+def test_each_slice_holds_at_most_its_bytes_in_float32(int8_export):
+    """The memory bound the guard's sessions rely on: every slice's weight, dequantized to float32 (4 bytes a value),
+    fits ``slice_bytes`` (a mutation counting one byte a value made the slices 4x wider, and their buffers with
+    them, and passed every test); slices of at most that many rows cover every row once."""
+    from export import accuracy_guard
+    from export.row_slices import split_wide_matmuls
+
+    model = onnx.load(int8_export, load_external_data=False)
+    accuracy_guard.set_levels(model, {n.name: 1 for n in model.graph.node if n.op_type == "MatMulNBits"})
+    head = next(n for n in model.graph.node if n.name == "/lm_head/MatMulNBits")
+    attrs = {a.name: helper.get_attribute_value(a) for a in head.attribute}
+    slice_bytes = 7 * 4 * attrs["K"]
+    assert "/lm_head/MatMulNBits" in split_wide_matmuls(model, slice_bytes=slice_bytes)
+    slices = [n for n in model.graph.node if n.name.startswith("/lm_head/MatMulNBits.rows")]
+    widths = [next(helper.get_attribute_value(a) for a in n.attribute if a.name == "N") for n in slices]
+    assert max(widths) * 4 * attrs["K"] <= slice_bytes and max(widths) == 7, widths
+    assert sum(widths) == attrs["N"], widths
