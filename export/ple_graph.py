@@ -162,9 +162,14 @@ def _emit_gated_values(
     queries = b.op("Reshape", streams, per_stream)
     queries = emit_stream_norm(b, config, queries, f"{prefix}.norm_query.weight", dtype, get)
     score = b.op("ReduceSum", b.op("Mul", keys, queries), b.const([-1]), keepdims=1)  # (B, T, n, 1)
-    score = b.op("Div", score, b.const(math.sqrt(config.hidden_size), dtype))
-    magnitude = b.op("Sqrt", b.op("Max", b.op("Abs", score), b.const(GATE_FLOOR, dtype)))
+    # The gate in float32 whatever the model dtype, rounded once: sqrt(C) and the floor are no half-precision
+    # numbers (sqrt(32) is 5.65625 in bfloat16), and PyTorch applies them at float32 precision there too.
+    half = dtype != torch.float32
+    score = b.op("Cast", score, to=TensorProto.FLOAT) if half else score
+    score = b.op("Div", score, b.const(math.sqrt(config.hidden_size), torch.float32))
+    magnitude = b.op("Sqrt", b.op("Max", b.op("Abs", score), b.const(GATE_FLOOR, torch.float32)))
     gate = b.op("Sigmoid", b.op("Mul", magnitude, b.op("Sign", score)))
+    gate = b.op("Cast", gate, to=TORCH_TO_ONNX[dtype]) if half else gate
     value = b.op("Unsqueeze", linear(embeddings, "value_proj"), b.const([-2]))  # (B, T, 1, C)
     return b.op("Mul", gate, value)
 
