@@ -42,15 +42,15 @@ def relative(figures: dict) -> float:
 
 @pytest.mark.parametrize(
     ("family", "overrides", "graph"),
-    [("qwen3", {"head_dim": 16}, "fused"), ("qwen3", {}, "plain"), ("gpt2", {}, "plain")],
-    ids=["qwen3-fused", "qwen3-plain-head-12", "gpt2-plain"],
+    [("qwen3", {"head_dim": 16}, "fused"), ("qwen3", {}, "plain"), ("gpt2", {}, "plain"), ("qwen4_exp", {}, "fused")],
+    ids=["qwen3-fused", "qwen3-plain-head-12", "gpt2-plain", "qwen3.8-fused"],
 )
 def test_a_bfloat16_export_is_verified_widened_on_the_cpu(family, overrides, graph, thinker_variant, tmp_path):
     """--verify, asked for by name or by default, runs: the report, the command's output and the card say how. The
-    graph is matched to float32's rounding, 1e-4 of the logit scale where the check allows 2^-8: widened, it runs
+    graph is matched to float32's rounding, 2e-5 of the logit scale where the check allows 2^-8: widened, it runs
     the reference's arithmetic on the reference's weights, and applies in float32 the scalars bfloat16 does not
-    hold (a head of 12's attention scale, GPT-2's GELU coefficients: rounded to bfloat16, they parted it from the
-    reference by up to 5.2e-4 of the scale)."""
+    hold (a head of 12's attention scale, GPT-2's GELU coefficients, Qwen3.8's gate: rounded to bfloat16, they
+    parted it from the reference by 1.9e-3, 5.2e-4 and 9.9e-5 of the scale)."""
     folder = thinker_variant(family, **overrides)
     result = export(folder, tmp_path / "onnx", "--verify", "--graph", graph)
     assert result.exit_code == 0, result.output
@@ -63,9 +63,10 @@ def test_a_bfloat16_export_is_verified_widened_on_the_cpu(family, overrides, gra
     )
     assert figures["tolerance"] == pytest.approx(2.0**-8 * max(1.0, figures["logit_scale"]))
     passes = [figures] + [v for v in figures.values() if isinstance(v, dict) and "max_abs_diff" in v]
-    assert len(passes) >= 6 and max(relative(p) for p in passes) <= 1e-4, [relative(p) for p in passes]
-    assert figures["deep_cache"]["cache_slots"] > 0  # a float32 cache takes the deep-cache pass (a bfloat16 one not)
-    tables = figures["rope_tables"]
+    assert len(passes) >= 6 and max(relative(p) for p in passes) <= 2e-5, [relative(p) for p in passes]
+    assert family == "qwen4_exp" or figures["deep_cache"]["cache_slots"] > 0  # a float32 cache takes it, not bfloat16
+    tables = figures["rope_tables"]  # Qwen3.8's indexer pass is judged too: it chooses in float32 arithmetic
+    assert family != "qwen4_exp" or figures["indexer_prompts"]["tolerance"] > 0
     assert tables == {"rows": 0} if family == "gpt2" else tables["equal"] is True  # GPT-2: learned positions
     assert "widened to float32" in (tmp_path / "onnx" / "README.md").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["onnx"]  # the copy removed, nothing else left
