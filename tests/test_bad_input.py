@@ -206,6 +206,11 @@ CONVERT_CASES = {
         [],
         ["chat_template.jinja: not a readable tokenizer file (TemplateSyntaxError", "'endfor'"],
     ),
+    "the last shard of a set missing, no index": (
+        lambda folder: (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors"),
+        [],
+        ["holds shards of a set of 2", "but not model-00002-of-00002.safetensors", "the download is incomplete"],
+    ),
     "a billion layers": (
         lambda folder: edit_config(folder, num_hidden_layers=10**9),
         [],
@@ -313,6 +318,23 @@ def test_output_where_no_folder_can_be(qwen3_source, tmp_path):
     assert_error(result, f"{tmp_path / 'a-file'}: a file, not a folder, so out cannot be created in it")
     deeper = thinker("convert", qwen3_source, tmp_path / "a-file" / "deeper" / "out", "--no-verify")
     assert_error(deeper, f"{tmp_path / 'a-file'}: a file, not a folder, so deeper/out cannot be created in it")
+
+
+@pytest.mark.parametrize("force", [False, True], ids=["plain", "force"])
+def test_a_file_at_output_is_named_a_file_before_any_download(force, tmp_path, monkeypatch):
+    """A Hub id as SOURCE is no local path, so no check against the source runs before the download: the look at
+    OUTPUT alone must still call a file there a file (a mistyped path), not "not an earlier output of thinker", and
+    with --force too, before the download (after it, the file was refused all the same: gigabytes for nothing)."""
+    import converter.convert
+
+    def download(*args, **kwargs):
+        raise AssertionError("the download started")
+
+    monkeypatch.setattr(converter.convert, "resolve_source", download)
+    (tmp_path / "out").write_text("notes")
+    with pytest.raises(ThinkerError, match="out is a file, and OUTPUT is a folder: choose another path"):
+        converter.convert.convert("Qwen/Qwen3-0.6B", tmp_path / "out", force=force, verify=False, progress=False)
+    assert (tmp_path / "out").read_text() == "notes"
 
 
 @pytest.mark.parametrize("command", ["convert", "export"])
@@ -986,6 +1008,19 @@ def test_a_weights_file_transformers_does_not_load_is_refused_as_source(check, s
     (variant / "model.safetensors").rename(variant / "model.fp16.safetensors")
     refused = thinker("convert", variant / "model.fp16.safetensors", tmp_path / "out2", *check)
     assert_error(refused, "transformers finds none of model.safetensors, pytorch_model.bin or their indexes")
+
+
+def test_the_only_shard_an_index_names_converts_as_source(source_copy, tmp_path):
+    """A checkpoint saved as a set of one shard with its index: that shard named as SOURCE is the whole model, so it
+    converts; only a part of several is refused as one shard (below)."""
+    source = source_copy()
+    shard = source / "model-00001-of-00001.safetensors"
+    (source / "model.safetensors").rename(shard)
+    weight_map = dict.fromkeys(load_file(shard), shard.name)
+    (source / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    result = thinker("convert", shard, tmp_path / "out", "--no-verify")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "out" / "model.safetensors").is_file()
 
 
 @pytest.mark.parametrize("command", ["convert", "export"])

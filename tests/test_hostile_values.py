@@ -122,6 +122,33 @@ BAD_VALUES = {
 }
 
 
+@pytest.mark.parametrize(
+    ("config", "refused"),
+    [
+        ({"vocab_size": 100, "pad_token_id": 100}, "pad_token_id=100 must be a token id"),  # one past the last row
+        ({"vocab_size": 100, "pad_token_id": 99}, None),
+        ({"vocab_size": 100, "pad_token_id": -100}, None),  # torch's Embedding takes -vocab_size too
+        ({"rms_norm_eps": 1.0}, "rms_norm_eps=1.0 must be a small positive number"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}}, "rope_parameters.rope_theta=0 must be a"),
+        ({"hidden_size": 0}, "hidden_size=0 must be a whole number above 0"),
+        ({"max_position_embeddings": 2**24}, None),
+        ({"max_position_embeddings": 2**24 + 1}, "max_position_embeddings=16777217 is beyond any model's context"),
+        # the factor of the default RoPE is read by no scaling: left alone, as transformers leaves it
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "factor": 0}}, None),
+    ],
+)
+def test_config_limits_hold_at_their_edges(config, refused):
+    """Each rule of ``config_values`` at its boundary, where an off-by-one would let through what fails later inside
+    torch (a pad row one past the embedding) or divide by zero (a RoPE theta of 0), or refuse a usable value."""
+    from thinker_common.config_values import config_problem
+
+    problem = config_problem(config)
+    if refused is None:
+        assert problem is None
+    else:
+        assert problem is not None and problem.startswith(refused), problem
+
+
 @pytest.mark.parametrize("case", BAD_VALUES)
 def test_convert_refuses_config_values_no_model_has(case, source_copy, tmp_path):
     changes, fragments = BAD_VALUES[case]

@@ -130,6 +130,20 @@ def test_output_never_replaces_a_file_the_source_reads(name, weights_file_source
     assert digest(tmp_path) == before
 
 
+@pytest.mark.parametrize("name", ["vocab.json", "chat_template.jinja"])
+def test_output_never_takes_the_name_of_a_side_file_the_source_lacks(name, weights_file_source, tmp_path, digest):
+    """Beside a single weights file, OUTPUT may not be named as any file read with it, even one not there yet: a
+    folder called vocab.json beside the weights would make that source unreadable to every later run (its tokenizer
+    files are read by those names), so the refusal says OUTPUT lies in the source, not that it is merely a file."""
+    output = weights_file_source.parent / name
+    assert not output.exists()
+    before = digest(tmp_path)
+    for force in ([], ["--force"]):
+        result = thinker("convert", weights_file_source, output, "--no-verify", *force)
+        assert_error(result, str(output), "lies inside the source", "choose a folder outside it")
+    assert digest(tmp_path) == before
+
+
 def test_output_beside_a_weights_file_is_fine(weights_file_source):
     """A new folder beside a single source file (the usual place for a converted GGUF) harms nothing."""
     output = weights_file_source.parent / "converted"

@@ -43,10 +43,13 @@ def refuse_existing_output(
         raise ThinkerError(
             f"{output}: OUTPUT ends in '..'; name the folder itself ({os.path.normpath(Path(output).absolute())})"
         )
-    if source is not None and Path(source).expanduser().exists():
+    local = source is not None and Path(source).expanduser().exists()
+    if local:
         refuse_output_over_source(output, Path(source).expanduser())
-    if not force:
-        refuse_a_file(output)  # with --force, after the checks against the source, whose messages say more
+    if not force or (source is not None and not local):
+        # with --force, after the checks against the source, whose messages say more; but before a Hub source's
+        # download, after which a file at OUTPUT would only be refused (a mutation run: gigabytes fetched for nothing)
+        refuse_a_file(output)
     if os.path.ismount(output):  # known before the work, which the replacement would then throw away; --force or not
         raise ThinkerError(
             f"{Path(output).absolute()}: OUTPUT is a mount point, which cannot be replaced (--force swaps folders "

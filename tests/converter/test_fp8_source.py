@@ -344,6 +344,25 @@ def test_the_reference_side_reads_the_checkpoint_as_stored(tmp_path):
             open_source(source)
 
 
+def test_activation_scales_of_a_static_scheme_are_left_out(tmp_path):
+    """A static activation scheme stores a per-tensor input scale beside each quantized weight (``X.input_scale``,
+    ``X.activation_scale``), used only by FP8 matmul kernels: the float model has none, as transformers' dequantizing
+    load drops them, so the conversion reads past them rather than stopping at tensors no rule maps."""
+    source = fp8_checkpoint(tmp_path, "qwen3")
+    tensors = load_file(source / "model.safetensors")
+    extra = ["model.layers.0.mlp.up_proj.input_scale", "model.layers.1.self_attn.q_proj.activation_scale"]
+    for name in extra:
+        tensors[name] = torch.tensor([0.5])
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    floats = open_source(source)
+    try:
+        assert not set(extra) & set(floats.names())
+    finally:
+        floats.close()
+    result = thinker("convert", source, tmp_path / "out", "--no-verify")
+    assert result.exit_code == 0, result.output
+
+
 @torch.no_grad()
 def test_from_pretrained_converts_an_fp8_checkpoint_on_load(tmp_path):
     """``ThinkerForCausalLM.from_pretrained`` of an FP8 folder (``converter.load``) reads it through the same view."""

@@ -226,6 +226,20 @@ def test_a_split_gguf_says_to_merge_its_shards(tmp_path, monkeypatch):
         pick_conversion_files([*shards, "mmproj-F16.gguf"], "acme/tiny@main", shards[1])
 
 
+def test_a_split_gguf_names_each_shard_not_here():
+    """The shards missing are counted from the names, the last of the set as the first (a download cut short loses
+    the end of a set), and a long list of them is cut after three."""
+    from thinker_common.gguf_split import split_gguf
+
+    said = split_gguf(["q8/x-00001-of-00003.gguf", "q8/x-00002-of-00003.gguf"])
+    assert said.startswith("a GGUF split into 3 files, 1 of them not here (q8/x-00003-of-00003.gguf); merge"), said
+    said = split_gguf(["x-00002-of-00006.gguf", "mmproj-F16.gguf"])
+    assert said.startswith(
+        "a GGUF split into 6 files, 5 of them not here (x-00001-of-00006.gguf, x-00003-of-00006.gguf, "
+        "x-00004-of-00006.gguf ...); merge"
+    ), said
+
+
 def test_a_decay_rate_no_a_log_makes_is_named(tmp_path):
     """``ssm_a`` holds ``-exp(A_log)``, always negative: a positive value has no ``A_log`` (its log is NaN)."""
     _, path = gguf_file(tmp_path, "qwen35")

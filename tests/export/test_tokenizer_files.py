@@ -74,3 +74,13 @@ def test_export_keeps_every_tokenizer_file(tmp_path: Path):
             assert (folder / name).read_bytes() == (source / name).read_bytes(), f"{folder.name}/{name}"
     parsed = import_protobuf().ModelProto.FromString((tmp_path / "onnx" / "tokenizer.model").read_bytes())
     assert [piece.piece for piece in parsed.pieces][3:] == ["\u2581" + word for word in WORDS]
+
+
+def test_a_tiktoken_vocabulary_alone_is_a_tokenizer():
+    """A folder whose one vocabulary is a ``*.tiktoken`` file has a tokenizer: its conversion must not be told "the
+    source has no tokenizer", nor its model card say it takes token ids; a chat template and a tokenizer_config.json
+    without a vocabulary are none."""
+    from thinker_common.side_files import has_vocabulary
+
+    assert has_vocabulary(["tokenizer_config.json", "cl100k_base.tiktoken"])
+    assert not has_vocabulary(["tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"])
