@@ -754,3 +754,18 @@ def test_a_source_cut_short_during_the_run_is_named_as_such(source_copy, tmp_pat
     result = thinker("convert", source, tmp_path / "out")
     assert_error(result, f"{source / 'model.safetensors'}: not a readable safetensors file", "truncated", "re-download")
     assert_nothing_written(tmp_path / "out")
+
+
+def test_force_without_an_atomic_exchange_leaves_only_the_new_output(qwen3_source, tmp_path, monkeypatch):
+    """Where renameat2 is missing (another OS, an old kernel, a file system without it), --force moves the old
+    OUTPUT aside, renames the new one into place, then removes the old: OUTPUT is the new conversion and nothing
+    else is left beside it (a mutation that kept the moved-aside folder passed every test)."""
+    import thinker_common.staging as staging
+
+    output = earlier_output(tmp_path / "out", {"mine.txt": "replaced"})
+    monkeypatch.setattr(staging, "_exchange", lambda first, second: False)
+    monkeypatch.setattr(staging, "_renameat2", lambda first, second, flags: False)
+    result = thinker("convert", qwen3_source, output, "--no-verify", "--force")
+    assert result.exit_code == 0, result.output
+    assert "mine.txt" not in os.listdir(output) and (output / "model.safetensors").is_file()
+    assert sorted(os.listdir(tmp_path)) == ["out"]
