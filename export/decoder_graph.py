@@ -296,10 +296,10 @@ class DecoderGraph:
         return self.b.const(value, self.dtype)
 
     def to_float(self, x: str) -> str:
-        return x if self.dtype == torch.float32 else self.b.op("Cast", x, to=TensorProto.FLOAT)
+        return self.b.to_float32(x, self.dtype)
 
     def to_model_dtype(self, x: str) -> str:
-        return x if self.dtype == torch.float32 else self.b.op("Cast", x, to=self.onnx_dtype)
+        return self.b.to_dtype(x, self.dtype)
 
     def linear(self, x: str, prefix: str, bias: bool) -> str:
         y = self.emit_matmul(x, f"{prefix}.weight", self.weights.get(f"{prefix}.weight").T)
@@ -535,8 +535,7 @@ class DecoderGraph:
             return b.op("Mul", x, b.op("Sigmoid", x))
         if act == "relu":
             return b.op("Relu", x)
-        half = self.dtype != torch.float32
-        x = b.op("Cast", x, to=TensorProto.FLOAT) if half else x
+        x = b.to_float32(x, self.dtype)
 
         def scalar(value: float) -> str:
             return b.const(value, torch.float32)
@@ -552,7 +551,7 @@ class DecoderGraph:
                 inner = b.op("Add", x, b.op("Mul", cube, scalar(0.044715)))
                 inner = b.op("Tanh", b.op("Mul", inner, scalar(math.sqrt(2 / math.pi))))
             out = b.op("Mul", half_x, b.op("Add", inner, scalar(1.0)))
-        return b.op("Cast", out, to=self.onnx_dtype) if half else out
+        return b.to_dtype(out, self.dtype)
 
     def emit_mlp(self, x: str, prefix: str) -> str:
         bias = self.config.mlp_bias

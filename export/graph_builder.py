@@ -137,6 +137,15 @@ class GraphBuilder:
         """A node whose outputs have given names (graph outputs such as ``present.0.key``)."""
         self.nodes.append(helper.make_node(op_type, list(inputs), list(outputs), name=self._unique(op_type), **attrs))
 
+    def to_float32(self, x: str, dtype: torch.dtype) -> str:
+        """``x``, held in ``dtype``, as float32, where a half-precision graph computes a step at float32
+        precision as PyTorch does (norms, softmax, recurrences): no node in a float32 graph."""
+        return x if dtype == torch.float32 else self.op("Cast", x, to=TensorProto.FLOAT)
+
+    def to_dtype(self, x: str, dtype: torch.dtype) -> str:
+        """A float32 ``x`` rounded once to ``dtype``, the inverse of ``to_float32``."""
+        return x if dtype == torch.float32 else self.op("Cast", x, to=TORCH_TO_ONNX[dtype])
+
     # --- data -------------------------------------------------------------------------------------------------
     def weight(self, name: str, tensor: torch.Tensor | np.ndarray) -> str:
         """A model weight: streamed to the external-data file once, referenced by name. Naming it again (the two

@@ -20,12 +20,11 @@ Text-only callers pass the same position three times, (B, T) -> (3, B, T), as tr
 from __future__ import annotations
 
 import torch
-from onnx import TensorProto
 
 from thinker.configuration_thinker import ThinkerConfig
 from thinker.modeling_thinker import ThinkerRotaryEmbedding, mrope_streams
 
-from .graph_builder import TORCH_TO_ONNX, GraphBuilder
+from .graph_builder import GraphBuilder
 
 MS_DOMAIN = "com.microsoft"
 
@@ -52,11 +51,11 @@ def zero_centered_scale(weight: torch.Tensor) -> torch.Tensor:
 def emit_zero_centered_rms_norm(b: GraphBuilder, x: str, scale: str, eps: float, dtype: torch.dtype) -> str:
     """(x32 * rsqrt(mean(x32²) + eps) * scale).to(dtype) over the last axis; ``scale`` is the float32 ``1 + w``
     (``zero_centered_scale``). Unlike Llama-style norms the scale multiplies before the cast back."""
-    x32 = x if dtype == torch.float32 else b.op("Cast", x, to=TensorProto.FLOAT)
+    x32 = b.to_float32(x, dtype)
     variance = b.op("ReduceMean", b.op("Mul", x32, x32), b.const([-1]), keepdims=1)
     inv_rms = b.op("Reciprocal", b.op("Sqrt", b.op("Add", variance, b.const(eps, torch.float32))))
     out = b.op("Mul", b.op("Mul", x32, inv_rms), scale)
-    return out if dtype == torch.float32 else b.op("Cast", out, to=TORCH_TO_ONNX[dtype])
+    return b.to_dtype(out, dtype)
 
 
 def emit_rms_norm(
@@ -67,11 +66,11 @@ def emit_rms_norm(
     broadcasts against x as given (grouped norms pass it reshaped), stored as ``name``."""
     if zero_centered:
         return emit_zero_centered_rms_norm(b, x, b.weight(name, zero_centered_scale(weight)), eps, dtype)
-    x32 = x if dtype == torch.float32 else b.op("Cast", x, to=TensorProto.FLOAT)
+    x32 = b.to_float32(x, dtype)
     variance = b.op("ReduceMean", b.op("Mul", x32, x32), b.const([-1]), keepdims=1)
     inv_rms = b.op("Reciprocal", b.op("Sqrt", b.op("Add", variance, b.const(eps, torch.float32))))
     normed = b.op("Mul", x32, inv_rms)
-    normed = normed if dtype == torch.float32 else b.op("Cast", normed, to=TORCH_TO_ONNX[dtype])
+    normed = b.to_dtype(normed, dtype)
     return b.op("Mul", b.weight(name, weight), normed)
 
 
@@ -109,9 +108,9 @@ def emit_rotary_cos_sin(
         rows = b.op("Gather", table, position_ids)  # ([3,] B, T, rotary_dim / 2)
         if selector is not None:
             # Each frequency keeps one stream's value: x * 1 + 0 + 0 in float32 is exact.
-            rows32 = rows if dtype == torch.float32 else b.op("Cast", rows, to=TensorProto.FLOAT)
+            rows32 = b.to_float32(rows, dtype)
             rows = b.op("ReduceSum", b.op("Mul", rows32, selector), b.const([0]), keepdims=0)  # (B, T, rot/2)
-            rows = rows if dtype == torch.float32 else b.op("Cast", rows, to=TORCH_TO_ONNX[dtype])
+            rows = b.to_dtype(rows, dtype)
         both = b.op("Concat", rows, rows, axis=-1)  # the half-split rotation repeats each frequency
         halves.append(b.op("Unsqueeze", both, b.const([1])))  # (B, 1, T, rotary_dim)
     return halves[0], halves[1]

@@ -40,7 +40,7 @@ from onnx import TensorProto, helper
 
 from thinker.configuration_thinker import ThinkerConfig
 
-from .graph_builder import TORCH_TO_ONNX, GraphBuilder
+from .graph_builder import GraphBuilder
 from .hybrid_attention_graph import emit_partial_rotary, emit_rms_norm, rotary_dim
 from .linear_attention_graph import INT64_MAX, MatMulEmitter
 
@@ -150,14 +150,14 @@ def _emit_block_keys(
     """(B, NB, Id) float32: each block's key as ``qsa_selection`` pools it: the float32 mean of its raw keys (B, T,
     Id), cast back, k_layernorm, rotated at the block's first slot."""
     members = b.op("GatherND", raw_keys, b.op("Unsqueeze", blocks.slots, b.const([-1])), batch_dims=1)  # (B, NB, r, Id)
-    members = members if dtype == torch.float32 else b.op("Cast", members, to=TensorProto.FLOAT)
+    members = b.to_float32(members, dtype)
     pooled = b.op("ReduceMean", members, b.const([2]), keepdims=0)  # (B, NB, Id) float32
-    pooled = pooled if dtype == torch.float32 else b.op("Cast", pooled, to=TORCH_TO_ONNX[dtype])
+    pooled = b.to_dtype(pooled, dtype)
     pooled = _emit_norm(b, config, pooled, norm_name, get, dtype)
     starts = _emit_block_starts(b, blocks.slots)  # (B, NB, 1)
     block_tables = [b.op("GatherND", table, starts, batch_dims=1) for table in (cos, sin)]  # (B, NB, rot)
     keys = emit_partial_rotary(b, pooled, *block_tables, rotary, config.indexer_head_dim)
-    return keys if dtype == torch.float32 else b.op("Cast", keys, to=TensorProto.FLOAT)
+    return b.to_float32(keys, dtype)
 
 
 def _emit_block_starts(b: GraphBuilder, block_slots: str) -> str:
@@ -167,7 +167,7 @@ def _emit_block_starts(b: GraphBuilder, block_slots: str) -> str:
 
 def _emit_scores(b: GraphBuilder, q: str, keys: str, count: str, heads: int, dim: int, dtype: torch.dtype) -> str:
     """(B, S, NB) float32: sum over heads of relu(q_h . k_block) / sqrt(Id), every query and head in one MatMul."""
-    q32 = q if dtype == torch.float32 else b.op("Cast", q, to=TensorProto.FLOAT)
+    q32 = b.to_float32(q, dtype)
     rows = b.op("Reshape", q32, b.const([0, -1, dim]))  # (B, S In, Id)
     products = b.op("MatMul", rows, b.op("Transpose", keys, perm=[0, 2, 1]))  # (B, S In, NB)
     per_head = b.op("Concat", b.op("Shape", q, start=0, end=3), count, axis=0)  # (B, S, In, NB); NB may be 0

@@ -191,10 +191,10 @@ class GatedDeltaNetGraph:
 
     # --- small helpers ----------------------------------------------------------------------------------------
     def to_float(self, x: str) -> str:
-        return x if self.dtype == torch.float32 else self.b.op("Cast", x, to=TensorProto.FLOAT)
+        return self.b.to_float32(x, self.dtype)
 
     def to_model_dtype(self, x: str) -> str:
-        return x if self.dtype == torch.float32 else self.b.op("Cast", x, to=self.onnx_dtype)
+        return self.b.to_dtype(x, self.dtype)
 
     def linear(self, x: str, name: str) -> str:
         return self.matmul(x, f"{name}.weight", self.weight(f"{name}.weight").T)

@@ -35,12 +35,11 @@ import math
 from collections.abc import Callable
 
 import torch
-from onnx import TensorProto
 
 from thinker.configuration_thinker import ThinkerConfig
 from thinker.modeling_thinker import ngram_hash_buffers
 
-from .graph_builder import TORCH_TO_ONNX, GraphBuilder
+from .graph_builder import GraphBuilder
 from .hyper_connection_graph import emit_stream_norm
 from .linear_attention_graph import INT64_MAX, MatMulEmitter
 
@@ -164,12 +163,11 @@ def _emit_gated_values(
     score = b.op("ReduceSum", b.op("Mul", keys, queries), b.const([-1]), keepdims=1)  # (B, T, n, 1)
     # The gate in float32 whatever the model dtype, rounded once: sqrt(C) and the floor are no half-precision
     # numbers (sqrt(32) is 5.65625 in bfloat16), and PyTorch applies them at float32 precision there too.
-    half = dtype != torch.float32
-    score = b.op("Cast", score, to=TensorProto.FLOAT) if half else score
+    score = b.to_float32(score, dtype)
     score = b.op("Div", score, b.const(math.sqrt(config.hidden_size), torch.float32))
     magnitude = b.op("Sqrt", b.op("Max", b.op("Abs", score), b.const(GATE_FLOOR, torch.float32)))
     gate = b.op("Sigmoid", b.op("Mul", magnitude, b.op("Sign", score)))
-    gate = b.op("Cast", gate, to=TORCH_TO_ONNX[dtype]) if half else gate
+    gate = b.to_dtype(gate, dtype)
     value = b.op("Unsqueeze", linear(embeddings, "value_proj"), b.const([-2]))  # (B, T, 1, C)
     return b.op("Mul", gate, value)
 
@@ -196,7 +194,7 @@ def _emit_dilated_conv(
     time_major = b.op("Concat", b.op("Transpose", past, perm=[0, 2, 1]), normed, axis=1)  # (B, span + T, n * C)
     carried = b.op("Slice", time_major, b.const([-span]), b.const([INT64_MAX]), b.const([1]))
     b.op_to("Transpose", [carried], [present], perm=[0, 2, 1])
-    window = _to_float(b, time_major, dtype)
+    window = b.to_float32(time_major, dtype)
     taps = get(weight_name).detach().to(torch.float32)[:, 0, :]  # (n * C, k): nn.Conv1d's (n * C, 1, k)
     conv = None
     for j in range(kernel):  # the window has span + T columns: tap j reads j n .. j n + T - 1
@@ -206,13 +204,5 @@ def _emit_dilated_conv(
         column = b.weight(f"{weight_name}.tap{j}", taps[:, j].contiguous())
         term = b.op("Mul", shifted, column)
         conv = term if conv is None else b.op("Add", conv, term)
-    conv = _to_float(b, _to_dtype(b, conv, dtype), dtype)
-    return _to_dtype(b, b.op("Mul", conv, b.op("Sigmoid", conv)), dtype)
-
-
-def _to_float(b: GraphBuilder, x: str, dtype: torch.dtype) -> str:
-    return x if dtype == torch.float32 else b.op("Cast", x, to=TensorProto.FLOAT)
-
-
-def _to_dtype(b: GraphBuilder, x: str, dtype: torch.dtype) -> str:
-    return x if dtype == torch.float32 else b.op("Cast", x, to=TORCH_TO_ONNX[dtype])
+    conv = b.to_float32(b.to_dtype(conv, dtype), dtype)
+    return b.to_dtype(b.op("Mul", conv, b.op("Sigmoid", conv)), dtype)
