@@ -195,7 +195,7 @@ def speed_table(results: dict) -> str:
     rows = []
     for runtime in results["runtimes"]:
         failed = "failed: " + runtime["error"].splitlines()[-1][:120] if "error" in runtime else None
-        peer = runtimes.get(runtime["builder_peer"] or "")
+        peer = runtimes.get(runtime.get("builder_peer") or "")  # the first run's failed rows have none
         row = [runtime["label"]]
         for batch in results["batches"]:
             figures, key = runtime.get(f"batch{batch}"), f"batch{batch}"

@@ -5,6 +5,7 @@ workers are stand-ins that answer at once; no timing is asserted."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -87,6 +88,15 @@ def test_a_runtime_that_dies_at_batch_8_keeps_its_batch_1_figures(stand_in_worke
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert cells[1] == "630.0"  # batch 1 decode, kept
     assert cells[4].startswith("failed: batch_size must be 1")  # batch 8, with the kernel's own words
+
+
+def test_the_first_runs_file_renders_again():
+    """``--report`` on bench/results/gpu-run1.json, whose failed rows predate ``builder_peer``, prints every row."""
+    results = json.loads((Path(__file__).resolve().parent.parent / "bench/results/gpu-run1.json").read_text())
+    assert any("builder_peer" not in runtime for runtime in results["runtimes"])  # what this test is about
+    rows = [line for line in bench_gpu.speed_table(results).splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) == 1 + len(results["runtimes"])
+    assert sum("failed: RuntimeError" in row for row in rows) == 2
 
 
 def kernel_event(name: str, op: str, provider: str, ts: int) -> dict:
