@@ -42,7 +42,7 @@ from huggingface_hub.utils import filter_repo_objects, validate_repo_id
 from huggingface_hub.utils import tqdm as hf_tqdm
 
 from thinker_common.errors import ADAPTER_CONFIG, ThinkerError, peft_adapter_error
-from thinker_common.gguf_split import is_split_shard, split_gguf
+from thinker_common.gguf_split import is_split_shard, shard_name, split_gguf
 from thinker_common.model_card import CARD_FILE, LICENSE_FILES
 from thinker_common.side_files import CONFIG_FILES, TOKENIZER_FILES, TOKENIZER_PATTERNS, read_json
 from thinker_common.sources import (
@@ -124,9 +124,10 @@ def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str 
 
     gguf = ending(".gguf")
     every_gguf = sorted(name for name in repo_files if name.endswith(".gguf"))
-    if gguf_file is not None and is_split_shard(gguf_file):  # refused before the shard is downloaded
-        beside = [name for name in every_gguf if Path(name).parent == Path(gguf_file).parent]
-        raise ThinkerError(f"{label} holds {split_gguf(beside or [gguf_file])} (download them all to merge them)")
+    if gguf_file in every_gguf and is_split_shard(gguf_file):  # refused before the shard is downloaded
+        # its own set's shards only: a repo may hold several split quantisations side by side
+        beside = [name for name in every_gguf if shard_name(name, 1) == shard_name(gguf_file, 1)]
+        raise ThinkerError(f"{label} holds {split_gguf(beside)} (download them all to merge them)")
     if gguf_file is not None:
         if gguf_file not in gguf:
             raise ThinkerError(f"{label} has no GGUF file {gguf_file!r} at its top level; {_ggufs_held(gguf)}")
