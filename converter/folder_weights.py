@@ -80,8 +80,12 @@ def check_thinker_weights(model_dir: Path, config: ThinkerConfig, skipped: tuple
             f"{config_path}: tie_word_embeddings is true, but the folder holds its own trained {HEAD}, which a tied "
             "export would drop for the embeddings; set tie_word_embeddings to false"
         )
-    missing = [name for name in expected if name not in found]
-    extra = [name for name in found if name not in expected and not (skipped and name.startswith(skipped))]
+
+    def used(name: str) -> bool:
+        return not (skipped and name.startswith(skipped))
+
+    missing = [name for name in expected if name not in found and used(name)]
+    extra = [name for name in found if name not in expected and used(name)]
     if missing or extra:
         parts = [f"lacks {describe_names(missing)}, which the model of its config.json has"] if missing else []
         parts += [f"holds {describe_names(extra)}, which the model of its config.json does not have"] if extra else []
@@ -89,7 +93,7 @@ def check_thinker_weights(model_dir: Path, config: ThinkerConfig, skipped: tuple
             f"{model_dir}: the weights do not fit config.json: the folder {' and '.join(parts)} (check "
             "num_hidden_layers, layer_types, tie_word_embeddings and the MoE fields)"
         )
-    wrong = [name for name, shape in expected.items() if found[name] != shape]
+    wrong = [name for name, shape in expected.items() if used(name) and found[name] != shape]
     if wrong:
         name = wrong[0]
         keys = _keys_behind(config, name, found[name])
