@@ -1,7 +1,8 @@
 """The graph variants' helpers held to what their docstrings promise, where the end-to-end checks pass either way:
 the half-precision spread's perturbation (export/half_spread.py), the deep-cache pass's random slots in every cache it
 edits (export/deep_cache.py), the ``--inputs-embeds`` cut's guard (export/embeds_graph.py), and ``model.genai.onnx``'s
-stamps, those of the ``model.onnx`` it is cut from (export/genai_graph.py)."""
+stamps, those of the ``model.onnx`` it is cut from (export/genai_graph.py); then Qwen3.8's perturbed run (its token ids
+beside the moved embeddings) and the DeepStack adds in a half-precision graph."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 from onnx import helper
@@ -142,3 +144,74 @@ def test_the_genai_graph_keeps_model_onnx_stamps(onnx_variant):
     assert genai == {**fused, PADDING_KEY: "right"}
     decoder = OnnxDecoder(folder / GENAI_MODEL_FILE, provider="cpu")
     assert (decoder.dtype, decoder.input_overflow, decoder.right_padding_only) == ("float16", 65520.0, True)
+
+
+def test_qwen3_8s_perturbed_run_hashes_the_ids_its_embeddings_were_looked_up_from(thinker_variant):
+    """Qwen3.8's n-gram layers hash the token ids: moved embeddings are no row of the table to read them back from,
+    so the perturbed run is given the ids beside them, and its spread is that of the same tokens, not a refusal."""
+    from thinker import ThinkerForCausalLM
+
+    model = ThinkerForCausalLM.from_pretrained(thinker_variant("qwen4_exp"), dtype=torch.float32, **EAGER).eval()
+    assert model.config.ple_layer_ids
+    ids = torch.tensor([[3, 5, 7, 11]])
+    shadow = HalfShadow(model, torch.float16)
+    moved = shadow.perturbed_inputs({"input_ids": ids}, seed=1)
+    torch.testing.assert_close(moved["ple_input_ids"], ids, rtol=0, atol=0)
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+        spread = shadow.spread(reference, input_ids=ids)
+        perturbed = model(**moved).logits
+    assert spread.shape == (1, 4)
+    assert (spread >= (perturbed - reference).abs().amax(-1).numpy() - 1e-6).all()  # the further of the two runs
+    assert 0 < float(spread.max()) < 0.05 * float(reference.abs().max())  # one rounding's worth, not a bug's
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_deepstack_rows_are_added_after_their_layers_in_the_graphs_dtype(dtype):
+    """add_deepstack turns each layer's mark into the add of deepstack_embeds' row for that layer (float32 in every
+    dtype, as inputs_embeds is), cast to the graph's dtype first, as transformers casts the features to the hidden
+    states'."""
+    from export.decoder_graph import make_model
+    from export.embeds_graph import add_deepstack
+    from export.graph_builder import TORCH_TO_ONNX
+    from export.names import DEEPSTACK_EMBEDS
+
+    half = TORCH_TO_ONNX[dtype]
+    nodes = [helper.make_node("Identity", ["hidden"], ["/model/deepstack.0/out"], "/model/deepstack.0/Identity")]
+    nodes.append(helper.make_node("Mul", ["/model/deepstack.0/out", "two"], ["mid"], "/model/layers.1/Mul"))
+    nodes.append(helper.make_node("Identity", ["mid"], ["out"], "/model/deepstack.1/Identity"))
+    graph = helper.make_graph(
+        nodes,
+        "deepstack",
+        [helper.make_tensor_value_info(name, half, [1, 3, 4]) for name in ("hidden",)]
+        + [helper.make_tensor_value_info(DEEPSTACK_EMBEDS, onnx.TensorProto.FLOAT, [2, 1, 3, 4])],
+        [helper.make_tensor_value_info("out", half, [1, 3, 4])],
+        [helper.make_tensor("two", half, [], [2.0])],
+    )
+    assert add_deepstack(graph, dtype) == 2
+    session = ort.InferenceSession(make_model(graph, {}).SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    np_dtype = np.float16 if dtype == torch.float16 else np.float32
+    hidden = rng.normal(size=(1, 3, 4)).astype(np_dtype)
+    features = rng.normal(size=(2, 1, 3, 4)).astype(np.float32)
+    (out,) = session.run(None, {"hidden": hidden, DEEPSTACK_EMBEDS: features})
+    rows = features.astype(np_dtype)
+    assert out.dtype == np_dtype
+    np.testing.assert_allclose(out, (hidden + rows[0]) * 2 + rows[1], rtol=1e-3 if dtype == torch.float16 else 1e-6)
+
+
+@pytest.mark.parametrize(("beyond", "positions", "passes"), [(2, 20, True), (2, 10, False), (1, 10, True)])
+def test_at_most_a_tenth_of_the_positions_are_excused(beyond, positions, passes):
+    """One position in ten beyond the tolerance may be excused by its spread; two in ten fail the check, saying so."""
+    from export.verify import Agreement, judge
+
+    reference = np.zeros((positions, 4), dtype=np.float32)
+    candidate = reference.copy()
+    candidate[:beyond, 0] = 3.0  # beyond the tolerance 1, within twice the spread of 2
+    agreement = Agreement()
+    agreement.add(reference, candidate, np.array([2.0] * beyond + [0.0] * (positions - beyond)))
+    failure = judge(agreement.figures(), 1.0)
+    if passes:
+        assert failure is None
+    else:
+        assert failure.startswith(f"{beyond} of {positions} positions lie beyond the tolerance 1"), failure
