@@ -105,6 +105,10 @@ def test_token_prompts_give_model_onnx_bit_for_bit(family, embeds_export):
     with torch.no_grad():
         rows = model.get_input_embeddings()(torch.from_numpy(ids)).numpy()
     np.testing.assert_array_equal(embeds_decoder.embed(ids), rows)
+    # and nothing else: its weights are the lookup's alone, none of the decoder's it was cut from
+    embed = onnx.load(folder / EMBED_FILE, load_external_data=False).graph
+    read = {name for node in embed.node for name in node.input}
+    assert {tensor.name for tensor in embed.initializer} <= read
 
 
 @torch.no_grad()
