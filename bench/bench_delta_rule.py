@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper
-from results_io import positive_int, write_result
+from results_io import command_line, positive_int, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
 
@@ -133,7 +133,7 @@ def main() -> None:
                 f"{length:4d} tokens: {medians}, ratio {rows[-1]['chunks_over_tokens']:.3f}, max |Δ| {difference:.2e}"
             )
     results = {
-        "command": " ".join(["python bench/bench_delta_rule.py", *sys.argv[1:]]),
+        "command": command_line(),
         "machine": platform.processor() or platform.machine(),
         "threads": args.threads,
         "reps": args.reps,

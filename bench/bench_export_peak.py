@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from results_io import positive_int, write_result
+from results_io import command_line, positive_int, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -78,7 +78,7 @@ def main() -> None:
         row["seconds_median"] = statistics.median(row["seconds"])
         row["peak_rss_median"] = statistics.median(row["peak_rss"])
     results = {
-        "command": " ".join(["python bench/bench_export_peak.py", *sys.argv[1:]]),
+        "command": command_line(),
         "machine": platform.processor() or platform.machine(),
         "reps": args.reps,
         "float32_model_bytes": exp.folder_bytes(float32.folder),

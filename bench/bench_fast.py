@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from results_io import names_from, positive_int, write_result
+from results_io import command_line, names_from, positive_int, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -209,7 +209,7 @@ def main() -> None:
     print(f"read bandwidth {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s", file=sys.stderr)
     results = {
         "bandwidth_samples": [bandwidth["bytes_per_s"]],
-        "command": "python bench/bench_fast.py " + " ".join(sys.argv[1:]),
+        "command": command_line(),
         "machine": {"processor": platform.processor() or platform.machine(), "threads": args.threads},
         "settings": {k: v for k, v in vars(args).items()},
         "bandwidth": bandwidth,

@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from results_io import positive_int, write_result
+from results_io import command_line, positive_int, write_result
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -164,7 +164,7 @@ def main() -> None:
         print(report(json.loads(RESULTS.read_text())))
         return
     started = time.time()
-    results = measure(args.work, args.reps)
+    results = {"command": command_line()} | measure(args.work, args.reps)
     results["wall_seconds"] = round(time.time() - started, 1)
     write_result(RESULTS, json.dumps(results, indent=2) + "\n")
     print(report(results))

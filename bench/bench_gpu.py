@@ -41,7 +41,7 @@ import sys
 import time
 from pathlib import Path
 
-from results_io import positive_int, writable_folder, write_result
+from results_io import command_line, positive_int, writable_folder, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -281,7 +281,7 @@ def main() -> None:
     folders = {name: e.folder for name, e in exports.items() if not e.error}
     folders["hf"] = model.hf
     results = {
-        "command": "python bench/bench_gpu.py " + " ".join(sys.argv[1:]),
+        "command": command_line(),
         "provider": args.provider,
         "device": device_name(args.provider),
         "layers": model.layers,

@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from results_io import write_result
+from results_io import command_line, write_result
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "tests" / "export")]  # the tests' model builders
@@ -225,7 +225,8 @@ def main() -> None:
     print_table(rows)
     print("\n" + markdown(rows) + "\n\n" + resolution_markdown(resolution))
     RESULTS.parent.mkdir(exist_ok=True)
-    write_result(RESULTS, json.dumps({"rows": rows, "resolution": resolution}, indent=1) + "\n")
+    results = {"command": command_line(), "rows": rows, "resolution": resolution}
+    write_result(RESULTS, json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ import sys
 import time
 from pathlib import Path
 
-from results_io import names_from, positive_int, write_result
+from results_io import command_line, names_from, positive_int, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -490,7 +490,7 @@ def main() -> None:
         return
     args.runtimes = args.runtimes.split(",")
     settings = {
-        "command": "python bench/bench_hybrid.py " + " ".join(sys.argv[1:]),
+        "command": command_line(),
         "threads": args.threads,
         "prompt": args.prompt,
         "new": args.new,

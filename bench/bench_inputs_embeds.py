@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from results_io import writable_folder, write_result
+from results_io import command_line, writable_folder, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -134,7 +134,7 @@ def main() -> None:
     if export.error:
         raise SystemExit(f"the export failed: {export.error}")
     results = {
-        "command": " ".join(["python bench/bench_inputs_embeds.py", *sys.argv[1:]]),
+        "command": command_line(),
         "threads": args.threads,
         "steps": args.steps,
         "rounds": args.rounds,

@@ -25,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from results_io import positive_int, write_result
+from results_io import command_line, positive_int, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -62,7 +62,7 @@ def main() -> None:
     float_embedding, _ = export_variant("int8-femb", model, fresh=True)
     folders = {"ours-int8": ours, "builder-int8": builder.folder, FLOAT_EMBEDDING: float_embedding}
     result = {
-        "command": "python bench/bench_int8.py " + " ".join(sys.argv[1:]),
+        "command": command_line(),
         "model": model.name,
         "fidelity": fidelity(model, folders),
         "model_bytes": {name: exp.folder_bytes(folder) for name, folder in folders.items()},

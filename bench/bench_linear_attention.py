@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import torch
-from results_io import positive_int, write_result
+from results_io import command_line, positive_int, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
 
@@ -158,7 +158,8 @@ def main() -> None:
             f"{m['decode']:>16.3f}{m['decode'] / fused['decode']:>9.2f}"
         )
     if args.json:
-        write_result(args.json, json.dumps({"args": vars(args) | {"json": str(args.json)}, "medians_ms": medians}))
+        settings = vars(args) | {"json": str(args.json)}
+        write_result(args.json, json.dumps({"command": command_line(), "args": settings, "medians_ms": medians}))
 
 
 if __name__ == "__main__":

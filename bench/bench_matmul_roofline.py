@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
-from results_io import positive_int, write_result
+from results_io import command_line, positive_int, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -105,7 +105,7 @@ def main() -> None:
     args = parser.parse_args()
 
     bandwidth = read_bandwidth(args.threads)["bytes_per_s"]
-    rows, results = [], {"command": "python bench/bench_matmul_roofline.py " + " ".join(sys.argv[1:])}
+    rows, results = [], {"command": command_line()}
     results.update(threads=args.threads, read_bandwidth=bandwidth, models={})
     for preset in args.presets.split(","):
         shapes, layers, head = projection_shapes(preset)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from results_io import positive_int, result_file, write_result
+from results_io import command_line, positive_int, result_file, write_result
 from transformers import (
     AutoModelForCausalLM,
     Qwen3_5ForCausalLM,
@@ -317,7 +317,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     models = build_models(args)
-    report = summarise(args, models, run(args, models))
+    report = {"command": command_line()} | summarise(args, models, run(args, models))
     print_table(report)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     write_result(args.output, json.dumps(report, indent=2) + "\n")

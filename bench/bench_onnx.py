@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime
 import torch
-from results_io import positive_int, write_result
+from results_io import command_line, positive_int, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages, when run as a script
 
@@ -93,6 +93,7 @@ def main() -> None:
         # eos_token_id=[]: every run decodes all args.new tokens, as min_new_tokens makes transformers' below do
         total = median_time(lambda: decoder.generate(prompt, mask, max_new_tokens=args.new, eos_token_id=[]), args.reps)
         results = {
+            "command": command_line(),
             "preset": args.preset,
             "overrides": overrides,
             "dtype": args.dtype,

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from results_io import write_result
+from results_io import command_line, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -249,6 +249,7 @@ def main() -> None:
         rows.append({"body": body, "head": head, "texts": measures, "seconds": round(time.perf_counter() - started, 1)})
         print(f"{body} / {head}: {json.dumps(measures)}", flush=True)
     result = {
+        "command": command_line(),
         "model": str(folder),
         "tokens": {name: len(ids) for name, ids in texts.items()},
         "block_size": BLOCK,

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from results_io import write_result
+from results_io import command_line, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -92,7 +92,7 @@ def main() -> None:
     with torch.no_grad():
         reference = {name: float_model(input_ids=torch.tensor(t)[None]).logits[0].numpy() for name, t in ids.items()}
     result = {
-        "command": "python bench/bench_quant_texts.py " + " ".join(sys.argv[1:]),
+        "command": command_line(),
         "model": model.name,
         "graphs": {name: judged(reference, ids, folder) for name, folder in folders.items()},
     }

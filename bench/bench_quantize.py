@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from results_io import positive_int, write_result
+from results_io import command_line, positive_int, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -243,7 +243,7 @@ def main() -> None:
         "accuracy_guard": {},
     }
     results = {
-        "command": "python bench/bench_quantize.py " + " ".join(sys.argv[1:]),
+        "command": command_line(),
         "machine": {"processor": platform.processor() or platform.machine(), "threads": args.threads},
         "settings": vars(args),
         "load_before": round(load_before, 2),

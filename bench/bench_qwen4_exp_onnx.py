@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from results_io import positive_int, result_file, write_result
+from results_io import command_line, positive_int, result_file, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import qwen4_exp_configs  # noqa: E402
@@ -78,7 +78,7 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     report = {
-        "command": "python bench/bench_qwen4_exp_onnx.py " + " ".join(sys.argv[1:]),
+        "command": command_line(),
         "machine": platform.processor() or platform.machine(),
         "threads": args.threads,
         "layers": args.layers,

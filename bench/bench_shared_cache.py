@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from results_io import names_from, writable_folder, write_result
+from results_io import command_line, names_from, writable_folder, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -136,7 +136,7 @@ def main() -> None:
         return
     makers = {"smollm2-135m": models.smollm2, "qwen3-0.6b": models.qwen3_shaped}
     results = {
-        "command": " ".join(["python bench/bench_shared_cache.py", *sys.argv[1:]]),
+        "command": command_line(),
         "threads": args.threads,
         "steps": args.steps,
         "rounds": args.rounds,

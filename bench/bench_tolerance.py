@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from results_io import write_result
+from results_io import command_line, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages, when run as a script
 
@@ -186,7 +186,7 @@ def main() -> None:
         f"export float16 {RELATIVE_TOLERANCE[torch.float16]:.0e}"
     )
     RESULTS.parent.mkdir(exist_ok=True)
-    write_result(RESULTS, json.dumps({"rows": rows, "worst": worst}, indent=1) + "\n")
+    write_result(RESULTS, json.dumps({"command": command_line(), "rows": rows, "worst": worst}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from results_io import names_from, write_result
+from results_io import command_line, names_from, write_result
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "tests" / "export")]  # the tests' model builders
@@ -115,7 +115,7 @@ def main() -> None:
         f"\nfurthest: {worst['model']} {worst['graph']}, {worst['worst_relative']:.2e} of the logit scale, at "
         f"{worst['worst_pass']}; tolerance {rows[0]['tolerance_relative']:.2e}"
     )
-    write_result(RESULTS, json.dumps({"rows": rows}, indent=1) + "\n")
+    write_result(RESULTS, json.dumps({"command": command_line(), "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from results_io import positive_int, writable_folder, write_result
+from results_io import command_line, positive_int, writable_folder, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -90,7 +90,7 @@ def main() -> None:
         for setting, logits in json.loads(done.stdout).items()
     }
     result = {
-        "command": "python bench/probe_genai_tf32.py " + " ".join(sys.argv[1:]),
+        "command": command_line(),
         "provider": args.provider,
         "model": f"qwen3-0.6b shapes, first {args.layers} layers, random weights, float32, fused graph",
         "prompt_tokens": args.prompt,

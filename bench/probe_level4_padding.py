@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from results_io import writable_folder, write_result
+from results_io import command_line, writable_folder, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -139,7 +139,7 @@ def main() -> None:
     model = smollm2()
     tokenizer = AutoTokenizer.from_pretrained(model.thinker)
     short, long = tokenizer(SHORT)["input_ids"], tokenizer(LONG)["input_ids"]
-    result = {"prompts": {"short": SHORT, "long": LONG}, "graphs": {}}
+    result = {"command": command_line(), "prompts": {"short": SHORT, "long": LONG}, "graphs": {}}
     with tempfile.TemporaryDirectory(prefix="level4-padding-") as root:
         for name, folder in export_all(model.thinker, Path(root)).items():
             quantized = name.startswith("int4")

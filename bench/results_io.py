@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -73,3 +75,9 @@ def write_result(path: Path, text: str) -> None:
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
+
+
+def command_line() -> str:
+    """How this run was started, as README writes its commands (``python bench/SCRIPT ARGS``), for the result file
+    to record beside its figures; each argument quoted where a shell needs it."""
+    return shlex.join(["python", f"bench/{Path(sys.argv[0]).name}", *sys.argv[1:]])
