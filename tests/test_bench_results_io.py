@@ -78,3 +78,10 @@ def test_benchmarks_refuse_bad_arguments_in_one_line(script, arguments, message)
     )
     assert done.returncode == 2, done.stderr
     assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_recorded_command_is_the_one_readme_writes(monkeypatch):
+    """Whatever path the script was started by, ``python bench/SCRIPT`` and its arguments, quoted so that the line
+    runs again as recorded."""
+    monkeypatch.setattr(sys, "argv", [str(BENCH / "bench_widened.py"), "--models", "qwen3,gpt2", "--tag", "a b"])
+    assert results_io.command_line() == "python bench/bench_widened.py --models qwen3,gpt2 --tag 'a b'"
