@@ -35,6 +35,7 @@ in float32), both models' caches for them, and their logits at the real position
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -465,6 +466,12 @@ def _stage(stages: dict[str, _Stage], name: str) -> _Stage:
     return stages.setdefault(name, _Stage(name))
 
 
+def _worst(held: float, new: float) -> float:
+    """The larger difference, NaN (a converted layer gone NaN) kept whichever comes first: Python's ``max(0.0, nan)``
+    is 0.0, which would pass the stage."""
+    return math.nan if math.isnan(held) or math.isnan(new) else max(held, new)
+
+
 @dataclass
 class _Stage:
     """One stage's differences over every batch, at real tokens only."""
@@ -498,12 +505,12 @@ class _Stage:
             self.max_abs_diff = float("inf")  # the converted model produced nothing comparable here
             return
         diff = (expected - rows(actual)).abs()
-        self.max_abs_diff = max(self.max_abs_diff, diff.max().item())
+        self.max_abs_diff = _worst(self.max_abs_diff, diff.max().item())
         self.total += diff.sum().item()
         self.count += diff.numel()
         if own is not None:
             stream = (expected - rows(own)).abs().max().item()
-            self.stream_max_abs_diff = max(self.stream_max_abs_diff or 0.0, stream)
+            self.stream_max_abs_diff = _worst(self.stream_max_abs_diff or 0.0, stream)
 
     def result(self, relative: float) -> LayerParity:
         tolerance = relative * max(1.0, self.scale)
