@@ -72,6 +72,11 @@ STATE_NAMES = {
 }
 
 
+def _is_token(value, vocab_size: int) -> bool:
+    """Whether a config's id names a token of the vocabulary (JSON's true is a Python int, and no token)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
+
+
 def special_token_ids(config: ThinkerConfig, generation_config: dict | None) -> tuple[int, list[int], int]:
     """bos, eos (a list: chat models end turns with more than one) and pad ids, generation_config.json first, each
     a token of the vocabulary.
@@ -81,14 +86,13 @@ def special_token_ids(config: ThinkerConfig, generation_config: dict | None) -> 
     whose configs name no eos therefore gets its pad id written as eos, explicitly (the same stop every version
     makes of a missing key; ``no_eos_note`` says so in the export report)."""
     generation_config = generation_config or {}
-    vocab = range(config.vocab_size)
 
     def pick(key: str):
         value = generation_config.get(key)
         return value if value is not None else getattr(config, key, None)
 
     def token(value) -> int | None:
-        return value if isinstance(value, int) and not isinstance(value, bool) and value in vocab else None
+        return value if _is_token(value, config.vocab_size) else None
 
     eos = pick("eos_token_id")
     eos_ids = [i for i in (eos if isinstance(eos, list | tuple) else [eos]) if token(i) is not None]
@@ -105,7 +109,7 @@ def no_eos_note(config: ThinkerConfig, generation_config: dict | None) -> str | 
     eos = (generation_config or {}).get("eos_token_id")
     eos = eos if eos is not None else config.eos_token_id
     listed = eos if isinstance(eos, list | tuple) else [eos]
-    if any(isinstance(i, int) and 0 <= i < config.vocab_size for i in listed):
+    if any(_is_token(i, config.vocab_size) for i in listed):
         return None
     _, (stop,), _ = special_token_ids(config, generation_config)
     return (
