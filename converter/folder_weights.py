@@ -60,7 +60,8 @@ def check_thinker_weights(model_dir: Path, config: ThinkerConfig, skipped: tuple
     many, of another shape or of an integer dtype, or a trained head under ``tie_word_embeddings``. transformers
     would load such a folder with those weights freshly initialised (a warning at most), a model that runs and
     computes nothing the user converted. ``skipped``: name prefixes of tensors the caller does not use (the
-    exporter's ``not_exported``), which may be present or not."""
+    exporter's ``not_exported``), which may be missing; present, they are held to their shapes as every tensor is
+    (the export's verify loads them with transformers, which refuses a mismatched size)."""
     refuse_weightless(model_dir)
     config_path = model_dir / "config.json"
     expected = thinker_parameter_shapes(config)
@@ -93,7 +94,7 @@ def check_thinker_weights(model_dir: Path, config: ThinkerConfig, skipped: tuple
             f"{model_dir}: the weights do not fit config.json: the folder {' and '.join(parts)} (check "
             "num_hidden_layers, layer_types, tie_word_embeddings and the MoE fields)"
         )
-    wrong = [name for name, shape in expected.items() if used(name) and found[name] != shape]
+    wrong = [name for name, shape in expected.items() if name in found and found[name] != shape]
     if wrong:
         name = wrong[0]
         keys = _keys_behind(config, name, found[name])

@@ -6,6 +6,7 @@ guard both modes' reference loading shares.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -193,7 +194,8 @@ class ParityReport:
                 )
         for r in self.results:
             if r.layers:
-                worst = max(r.layers, key=lambda layer: layer.max_abs_diff / layer.tolerance)
+                # a NaN difference ranks first (max() never picks a NaN key after a number)
+                worst = max(r.layers, key=lambda layer: _ranked(layer.max_abs_diff / layer.tolerance))
                 where = (
                     "every stage identical (max|Δ| 0)"
                     if worst.max_abs_diff == 0
@@ -290,3 +292,8 @@ def reference_overflows(reference: str, dtype: Any, stage: str) -> ThinkerError:
         f"transformers' own {reference} computes inf or NaN in {name} on the parity prompts (from {stage} on), so "
         f"there is no reference to compare with: the model overflows {name}; {advice}"
     )
+
+
+def _ranked(ratio: float) -> float:
+    """A stage's difference over its tolerance for ranking, a NaN (a stage gone NaN) above every number."""
+    return math.inf if math.isnan(ratio) else ratio

@@ -84,6 +84,6 @@ def _check_context(config: ThinkerConfig, config_path: Path, dtype: torch.dtype,
 
 
 def check_thinker_weights(model_dir: Path, config: ThinkerConfig) -> None:
-    """``converter.folder_weights.check_thinker_weights``, the tensors the export leaves out (``not_exported``)
-    neither required nor refused."""
+    """``converter.folder_weights.check_thinker_weights``, the tensors the export leaves out (``not_exported``) not
+    required, but held to their shapes where present."""
     check_weights_fit(model_dir, config, not_exported(config))

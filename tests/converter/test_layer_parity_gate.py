@@ -204,11 +204,16 @@ def test_a_layer_gone_nan_is_named(folders, tmp_path):
     ``max(0.0, nan)`` had kept 0.0 and blamed the logits."""
     source, converted = folders
     broken = altered_copy(converted, tmp_path / "nan", {ALTERED: float("nan")})
-    fp32 = check_parity(source, broken, mode=BY_LAYER).results[0]
+    report = check_parity(source, broken, mode=BY_LAYER)
+    fp32 = report.results[0]
     stages = {stage.name: stage for stage in fp32.layers}
     assert not fp32.passed
     assert not stages["layer 1"].passed and fp32.first_divergence == "layer 1"
     assert math.isnan(stages["layer 1"].max_abs_diff) and stages["layer 0"].passed
+    # the table's worst stage is that one too, not "every stage identical"
+    assert "stages compared on the reference's inputs; largest max|Δ| against its tolerance at layer 1: nan" in (
+        report.table()
+    ), report.table()
 
 
 def test_an_unreached_stage_is_held_at_its_largest_difference_and_the_references_scale():

@@ -188,6 +188,10 @@ def test_the_parts_the_export_leaves_out_may_be_missing(tmp_path):
     save_file(kept, weights)
     result = thinker("export", folder, tmp_path / "onnx", "--no-verify")
     assert result.exit_code == 0, result.output
+    # present, they are held to their shapes (the export's verify loads them with transformers)
+    save_file(kept | {"talker_head.weight": torch.zeros(41, tensors["talker_head.weight"].shape[1])}, weights)
+    with pytest.raises(ThinkerError, match=r"give[s]? talker_head\.weight the shape \(40, 32\), but the folder holds"):
+        check_thinker_weights(folder, ThinkerConfig.from_pretrained(folder))
     save_file({name: t for name, t in kept.items() if name != "model.norm.weight"}, weights)
     with pytest.raises(ThinkerError, match=r"the folder lacks model\.norm\.weight \(1 in all\)"):
         check_thinker_weights(folder, ThinkerConfig.from_pretrained(folder))
