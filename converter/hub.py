@@ -369,6 +369,8 @@ def _resolve_repo(
             # Named wherever the repo keeps them: GGUF repos often hold each quantisation in a folder of its own.
             held = sorted(name for name in files if name.endswith(".gguf"))
             raise ThinkerError(f"{label} has no GGUF file {prefix + hub.gguf_file!r}; {_ggufs_held(held)}")
+        if hub.gguf_file is not None and is_split_shard(hub.gguf_file):
+            pick_conversion_files(files, label, prefix + hub.gguf_file)  # refused, its shards named by repo path
         inside = [name.removeprefix(prefix) for name in files if name.startswith(prefix)]
         picked = pick_conversion_files(inside, label, hub.gguf_file)
         gguf = next((name for name in picked if name.endswith(".gguf")), None)

@@ -167,6 +167,22 @@ def test_a_shard_named_in_a_repo_of_two_split_ggufs_is_told_to_merge_its_own_set
     assert str(raised.value).startswith("acme/tiny@main has no GGUF file 'c-00001-of-00002.gguf'"), raised.value
 
 
+@pytest.mark.parametrize(
+    ("gguf_file", "subfolder"), [("Q8/m-00002-of-00002.gguf", None), ("m-00001-of-00002.gguf", "Q8")]
+)
+def test_a_shard_in_a_quantisations_folder_is_merged_by_its_path_in_the_repo(fake_hub, gguf_file, subfolder):
+    """Two quantisations' split GGUFs of the same name, each in its folder: the advice names the folder of the one
+    asked for (``--gguf-file Q8/...`` or ``--subfolder Q8``), before any download."""
+    from converter.hub import resolve_source
+
+    shards = [f"{folder}/m-0000{n}-of-00002.gguf" for folder in ("Q4", "Q8") for n in (1, 2)]
+    fake_hub.add_repo("acme/tiny", {name: b"GGUF" for name in ["README.md", *shards]})
+    with pytest.raises(ThinkerError) as raised:
+        resolve_source("acme/tiny", gguf_file=gguf_file, subfolder=subfolder, progress=False)
+    assert "llama-gguf-split --merge Q8/m-00001-of-00002.gguf merged.gguf" in str(raised.value), raised.value
+    assert not fake_hub.file_requests()
+
+
 # --- converter/special_tokens.py -------------------------------------------------------------------------------------
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, max_position_embeddings=128)
