@@ -54,7 +54,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from results_io import positive_int, write_result
+from results_io import command_line, positive_int, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -248,7 +248,7 @@ def main() -> None:
         reps.append({"order": order, "step_s": figures})
         print(f"repetition {rep + 1}: " + ", ".join(f"{Path(f).name} {1e3 * figures[f]:.1f} ms" for f in order))
 
-    result = {"command": " ".join(sys.argv), "settings": vars(args) | {"folders": folders}, "reps": reps}
+    result = {"command": command_line(), "settings": vars(args) | {"folders": folders}, "reps": reps}
     result["rows"] = summary(reps, folders)
     RESULTS.mkdir(exist_ok=True)
     write_result((RESULTS / f"graph_ab_{args.tag}.json"), json.dumps(result, indent=2, default=str) + "\n")

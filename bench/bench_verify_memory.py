@@ -33,7 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from results_io import write_result
+from results_io import command_line, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -67,7 +67,7 @@ def measure() -> dict:
         "int4, verify, streamed": ([*int4, "--verify"], None),
     }
     result = {
-        "command": "python bench/bench_verify_memory.py",
+        "command": command_line(),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_average_before": load_average()},
         "model": {
             "name": model.name,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
-from results_io import write_result
+from results_io import command_line, write_result
 
 
 def time_layouts(
@@ -74,6 +74,7 @@ def report_layouts(results: dict, baseline: str, title: str, path: Path, setting
         print(f"| {name} | {times} | {ratio} | {by_rows[rows[0]]['relative_error']:.1e} |")
     path.parent.mkdir(exist_ok=True)
     record = {
+        "command": command_line(),
         **settings,
         "onnxruntime": ort.__version__,
         "machine": platform.processor() or platform.machine(),

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
-from results_io import result_file, write_result
+from results_io import command_line, result_file, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 
@@ -244,7 +244,7 @@ def main() -> None:
     for (label, _, _), result in zip(CASES + RIGHT_PADDED_CASES, results, strict=True):
         print(f"{label:<58} {result if isinstance(result, str) else '  '.join(map(str, result))}")
     labels = [label for label, _, _ in CASES + RIGHT_PADDED_CASES]
-    record = {"command": " ".join(sys.argv), "versions": versions, "probes": dict(zip(labels, results, strict=True))}
+    record = {"command": command_line(), "versions": versions, "probes": dict(zip(labels, results, strict=True))}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_result(args.out, json.dumps(record, indent=2) + "\n")
     print(f"written to {args.out}")

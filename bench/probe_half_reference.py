@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from results_io import writable_folder, write_result
+from results_io import command_line, writable_folder, write_result
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "tests" / "export")]  # the tests' model builders
@@ -72,7 +72,10 @@ def main() -> None:
                 results[f"{family} {dtype}"] = row = measure(folder, export, dtype, args.provider)
                 print(f"{family} {dtype}: " + json.dumps(row), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    write_result((args.out / f"half-reference-{args.provider}.json"), json.dumps(results, indent=2) + "\n")
+    write_result(
+        (args.out / f"half-reference-{args.provider}.json"),
+        json.dumps({"command": command_line(), "results": results}, indent=2) + "\n",
+    )
 
 
 if __name__ == "__main__":

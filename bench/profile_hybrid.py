@@ -19,7 +19,7 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from results_io import result_file, write_result
+from results_io import command_line, result_file, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 
@@ -112,7 +112,7 @@ def main() -> None:
         print(table(f"{folder} prefill {args.prompt}", prefill, 1))
         print(table(f"{folder} decode", decode, steps))
     if args.out:
-        settings = {"prompt": args.prompt, "new": args.new, "threads": args.threads, "command": " ".join(sys.argv)}
+        settings = {"prompt": args.prompt, "new": args.new, "threads": args.threads, "command": command_line()}
         write_result(args.out, json.dumps({"settings": settings, "folders": results}, indent=2) + "\n")
 
 
