@@ -26,6 +26,16 @@ transformers_logging.disable_progress_bar()
 FP32_ATOL = 1e-5
 FP32_RTOL = 1e-5
 PROMPTS = [[5, 17, 3, 29, 11, 2, 40, 8], [7, 1, 33, 12], [19, 4, 26]]
+# A tiny Qwen2-shaped config's sizes, shared by the tests that need a small dense source.
+QWEN2 = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 
 def randomize_(model: PreTrainedModel, seed: int, std: float = 0.2) -> PreTrainedModel:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import earlier_output
-from convert_helpers import assert_same_logits, build_reference, edit_config
+from convert_helpers import QWEN2, assert_same_logits, build_reference, edit_config
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
@@ -45,17 +45,6 @@ from thinker import ThinkerConfig
 from thinker_common.errors import ThinkerError
 from thinker_common.sizes import parse_size
 from thinker_common.sources import SafetensorsSource
-
-QWEN2 = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
-
 
 # --- operations --------------------------------------------------------------------------------------------------
 

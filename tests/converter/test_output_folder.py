@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from convert_helpers import QWEN2
 from safetensors import safe_open
 from transformers import GenerationConfig, Qwen2Config
 
@@ -37,17 +38,6 @@ from thinker_common.parity_inputs import (
 from thinker_common.progress import progress_bar
 from thinker_common.sizes import DEFAULT_MAX_SHARD_SIZE, human_size, parse_size
 from thinker_common.values import FLOAT16_MAX, value_problem
-
-QWEN2 = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
-
 
 # --- shards and their index --------------------------------------------------------------------------------------
 
