@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from convert_helpers import QWEN2
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
@@ -22,16 +23,7 @@ from converter.cli import CONVERT_HELP, convert_command, verify_command
 from converter.parity_report import IDENTICAL
 from thinker_common.errors import ThinkerError
 
-QWEN3 = Qwen3Config(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=64,
-)
+QWEN3 = Qwen3Config(**QWEN2, head_dim=8)
 REPO = Path(__file__).resolve().parents[2]
 
 
