@@ -24,6 +24,7 @@ kernels; float16 scales give float16 weights after one more rounding, which is a
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import warnings
 from collections.abc import Callable, Mapping
@@ -422,12 +423,14 @@ def thinker_names(name: str, parameters: Mapping[str, torch.Tensor]) -> list[str
 
 
 def relative_error(name: str, weight: torch.Tensor, reference: torch.Tensor) -> float:
-    """||weight - reference|| / ||reference|| for dequantized parameter ``name``; shapes must agree."""
+    """||weight - reference|| / ||reference|| for dequantized parameter ``name``; shapes must agree. A weight
+    holding NaN (a NaN scale) is infinitely far: NaN would lose every ``>`` comparison that ranks and judges it."""
     reference = reference.detach().float()
     if tuple(reference.shape) != tuple(weight.shape):
         shapes = f"{tuple(weight.shape)}, the model's {tuple(reference.shape)}"
         raise RuntimeError(f"quantized {name} has shape {shapes} (a bug in the exporter)")
-    return float((weight.float() - reference).norm() / reference.norm().clamp_min(1e-30))
+    error = float((weight.float() - reference).norm() / reference.norm().clamp_min(1e-30))
+    return math.inf if math.isnan(error) else error
 
 
 @torch.no_grad()

@@ -27,6 +27,7 @@ Judging a quantized graph only by how often it agrees with the float model canno
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -166,6 +167,8 @@ class QualityGate:
     def failure(self, cost: dict) -> str | None:
         if cost["top1_agreement"] < self.min_top1:
             return f"top-1 agreement with the float model {cost['top1_agreement']:.1%} < {_percent(self.min_top1)}"
+        if math.isnan(cost["perplexity_change"]):  # NaN logits: no limit holds it (nan > limit is False)
+            return "perplexity against the float model is NaN: the quantized model's logits hold NaN"
         if cost["perplexity_change"] > self.max_perplexity_increase:
             return (
                 f"perplexity {cost['perplexity_change']:+.1%} against the float model > "
@@ -430,6 +433,7 @@ def worst_rounding(
         for unit, (rounding, size, difference) in (("row", by_row), ("block", by_block)):
             # A row already on the grid rounds to itself; a float16 graph still rounds its scales (2^-11 relative)
             ratios = difference / torch.maximum(rounding, (2.0**-10 * size).clamp_min(1e-30))
+            ratios = ratios.nan_to_num(nan=math.inf)  # a NaN (a NaN scale) is the worst, not never the worst
             row = int(ratios.amax(dim=-1).argmax())
             if unit not in worst or ratios[row].max() > worst[unit][0]:
                 worst[unit] = (float(ratios[row].max()), start + row, bits, block)

@@ -581,6 +581,25 @@ def test_one_block_in_a_long_row_is_held_to_its_own_rounding(thinker_variant, on
     ), broken
 
 
+def test_a_nan_scale_is_named_as_the_worst_weight_and_row(thinker_variant, onnx_variant, tmp_path):
+    """One NaN scale in o_proj: the weight check names that weight and row (a NaN had lost every ``>`` that ranks
+    them, so another weight was reported worst and the failure was left to the graph check's overflow advice)."""
+    from export.quantized_verify import verify_quantized_export
+
+    def nan_scale(model: onnx.ModelProto) -> None:
+        scales, values = scales_of(model, lambda name: "o_proj" in name)
+        values.reshape(-1)[0] = np.nan
+        rewrite(scales, values)
+
+    model_dir = thinker_variant("qwen3", head_dim=16)
+    folder = onnx_variant("qwen3", graph="fused", quantize=INT4)
+    broken = verify_quantized_export(model_dir, planted(folder, tmp_path / "nan", nan_scale), torch.float32, 4, NO_GATE)
+    weights, o_proj = broken["weights"], "model.layers.0.self_attn.o_proj.weight"
+    assert weights["worst"] == o_proj and weights["relative_error"] == float("inf"), weights
+    assert weights["worst_row"]["weight"] == o_proj and weights["worst_row"]["row"] == 0, weights
+    assert broken["passed"] is False and f"quantized weight {o_proj} is inf off the float one" in broken["failure"]
+
+
 @pytest.mark.parametrize("magnitude", [1e-2, 1e-3, 1e-4])
 def test_a_float16_scale_is_rounded_as_onnxruntime_stores_it(magnitude):
     """onnxruntime's blockwise quantizer rounds the values at the float32 scale and stores the scale as float16,
@@ -641,6 +660,9 @@ def test_the_quality_gate_holds_each_limit_as_given(thinker_variant, tmp_path):
         "perplexity +16.3% against the float model > +10%"
     )
     assert gate.failure({"top1_agreement": 0.59, "perplexity_change": 0.1}) is None  # each limit itself passes
+    for limit in (0.1, float("inf")):  # NaN logits (one is enough) pass no limit: nan > limit is False
+        said = QualityGate(0.0, limit).failure({"top1_agreement": 0.974, "perplexity_change": float("nan")})
+        assert said == "perplexity against the float model is NaN: the quantized model's logits hold NaN", said
 
     args = ["export", str(thinker_variant("qwen3", head_dim=16)), str(tmp_path / "out"), "--graph", "fused"]
     limits = ["--min-top1", "0.01", "--max-perplexity-increase", "7.5"]
