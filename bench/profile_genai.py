@@ -29,6 +29,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from results_io import command_line, write_result
+
 VOCAB_CAP = 49152
 WARM_STEPS = 2  # the warm-up's forwards: its prompt's and one decode step's
 
@@ -188,16 +190,9 @@ def main() -> None:
                 + ", ".join(f"{n} ({op})" for n, op in figures["cpu_nodes"].items())
             )
     if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "settings": vars(args) | {"folders": [str(f) for f in args.folders], "json": str(args.json)},
-                    "results": results,
-                },
-                indent=2,
-            )
-            + "\n"
-        )
+        settings = vars(args) | {"folders": [str(f) for f in args.folders], "json": str(args.json)}
+        record = {"command": command_line(), "settings": settings, "results": results}
+        write_result(args.json, json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -58,8 +58,7 @@ def tokens_past_vocabulary_note(generation: GenerationConfig, config: ThinkerCon
     for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
         value = getattr(generation, key, None)
         ids = value if isinstance(value, list) else [value]
-        # JSON's true is a Python int, and no token id
-        wrong = [t for t in ids if isinstance(t, bool) or isinstance(t, int) and not 0 <= t < config.vocab_size]
+        wrong = [token for token in ids if isinstance(token, int) and not 0 <= token < config.vocab_size]
         if wrong:
             past.append(f"{key} {wrong[0] if len(wrong) == 1 else wrong}")
     if not past:

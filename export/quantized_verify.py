@@ -167,8 +167,8 @@ class QualityGate:
     def failure(self, cost: dict) -> str | None:
         if cost["top1_agreement"] < self.min_top1:
             return f"top-1 agreement with the float model {cost['top1_agreement']:.1%} < {_percent(self.min_top1)}"
-        if math.isnan(cost["perplexity_change"]):  # NaN logits: no limit holds it (nan > limit is False)
-            return "perplexity against the float model is NaN: the quantized model's logits hold NaN"
+        if math.isnan(cost["perplexity_change"]):  # no limit holds it: nan > limit is False
+            return "perplexity against the float model is NaN: logits that hold inf or NaN"
         if cost["perplexity_change"] > self.max_perplexity_increase:
             return (
                 f"perplexity {cost['perplexity_change']:+.1%} against the float model > "
@@ -433,7 +433,7 @@ def worst_rounding(
         for unit, (rounding, size, difference) in (("row", by_row), ("block", by_block)):
             # A row already on the grid rounds to itself; a float16 graph still rounds its scales (2^-11 relative)
             ratios = difference / torch.maximum(rounding, (2.0**-10 * size).clamp_min(1e-30))
-            ratios = ratios.nan_to_num(nan=math.inf)  # a NaN (a NaN scale) is the worst, not never the worst
+            ratios = ratios.nan_to_num(nan=math.inf, posinf=math.inf)  # a NaN scale the worst, not never the worst
             row = int(ratios.amax(dim=-1).argmax())
             if unit not in worst or ratios[row].max() > worst[unit][0]:
                 worst[unit] = (float(ratios[row].max()), start + row, bits, block)
@@ -568,16 +568,12 @@ def quantized_result(
         ratio, name, row, row_bits, block = weights.worst_row
         blocks = f"blocks of {block}" if block else "one block per row"
         failures.append(
-            f"row {row} of quantized weight {name} is {ratio:.3g}x as far from the float row as round-to-nearest "
-            f"at int{row_bits}, {blocks}, takes it (> {ROW_ROUNDING_LIMIT}): a wrong scale or zero point"
+            _rounding_failure(f"row {row}", "row", name, ratio, f"int{row_bits}, {blocks}", ROW_ROUNDING_LIMIT)
         )
     elif weights.worst_block is not None and weights.worst_block[0] > BLOCK_ROUNDING_LIMIT:
         ratio, name, row, row_bits, block = weights.worst_block
-        failures.append(
-            f"a block of row {row} of quantized weight {name} is {ratio:.3g}x as far from the float block as "
-            f"round-to-nearest at int{row_bits}, blocks of {block}, takes it (> {BLOCK_ROUNDING_LIMIT}): a wrong "
-            "scale or zero point"
-        )
+        where, grid = f"a block of row {row}", f"int{row_bits}, blocks of {block}"
+        failures.append(_rounding_failure(where, "block", name, ratio, grid, BLOCK_ROUNDING_LIMIT))
     if weights.tied_difference:
         failures.append(
             f"the tied embedding dequantizes to a table up to {weights.tied_difference:.3g} off the head's "
@@ -598,12 +594,25 @@ def quantized_result(
     if "skipped" not in cost:
         cost.update(min_top1_agreement=gate.min_top1, max_perplexity_increase=gate.max_perplexity_increase)
         cost_failure = gate.failure(cost)
-        if cost_failure:
+        if cost_failure and math.isnan(cost["perplexity_change"]):  # no limit the user sets passes it
+            failures.append(cost_failure)
+        elif cost_failure:
             failures.append(f"{cost_failure} (set the limits with --min-top1 / --max-perplexity-increase)")
     result["passed"] = not failures
     if failures:
         result["failure"] = "; ".join(failures)
     return result
+
+
+def _rounding_failure(where: str, unit: str, name: str, ratio: float, grid: str, limit: float) -> str:
+    """A row's or block's dequantized values against round-to-nearest's on the same grid, ``ratio`` times as far
+    from the float ones (inf: they hold inf or NaN)."""
+    if not math.isfinite(ratio):
+        return f"{where} of quantized weight {name} dequantizes to inf or NaN: a wrong scale or zero point"
+    return (
+        f"{where} of quantized weight {name} is {ratio:.3g}x as far from the float {unit} as round-to-nearest at "
+        f"{grid}, takes it (> {limit}): a wrong scale or zero point"
+    )
 
 
 def tied_table_difference(dequantized: dict, model: torch.nn.Module) -> float | None:

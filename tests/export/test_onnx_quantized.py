@@ -598,6 +598,9 @@ def test_a_nan_scale_is_named_as_the_worst_weight_and_row(thinker_variant, onnx_
     assert weights["worst"] == o_proj and weights["relative_error"] == float("inf"), weights
     assert weights["worst_row"]["weight"] == o_proj and weights["worst_row"]["row"] == 0, weights
     assert broken["passed"] is False and f"quantized weight {o_proj} is inf off the float one" in broken["failure"]
+    assert f"row 0 of quantized weight {o_proj} dequantizes to inf or NaN: a wrong scale" in broken["failure"]
+    assert "logits that hold inf or NaN;" in broken["failure"] + ";"  # no limit the user sets would pass it
+    assert "set the limits" not in broken["failure"]
 
 
 @pytest.mark.parametrize("magnitude", [1e-2, 1e-3, 1e-4])
@@ -662,7 +665,7 @@ def test_the_quality_gate_holds_each_limit_as_given(thinker_variant, tmp_path):
     assert gate.failure({"top1_agreement": 0.59, "perplexity_change": 0.1}) is None  # each limit itself passes
     for limit in (0.1, float("inf")):  # NaN logits (one is enough) pass no limit: nan > limit is False
         said = QualityGate(0.0, limit).failure({"top1_agreement": 0.974, "perplexity_change": float("nan")})
-        assert said == "perplexity against the float model is NaN: the quantized model's logits hold NaN", said
+        assert said == "perplexity against the float model is NaN: logits that hold inf or NaN", said
 
     args = ["export", str(thinker_variant("qwen3", head_dim=16)), str(tmp_path / "out"), "--graph", "fused"]
     limits = ["--min-top1", "0.01", "--max-perplexity-increase", "7.5"]
