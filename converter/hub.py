@@ -96,9 +96,13 @@ def is_repo_id(source: str) -> bool:
     return True
 
 
-def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str | None = None) -> list[str]:
+def pick_conversion_files(
+    repo_files: Iterable[str], label: str, gguf_file: str | None = None, folder: str = ""
+) -> list[str]:
     """The files of a repo that a conversion reads, chosen from its file listing; ``label`` names it in errors.
     ``gguf_file`` names the one GGUF file to take, of the several a GGUF repo holds (one per quantisation).
+    ``folder`` is where ``repo_files`` lie in the repo (``Q8/`` for ``--subfolder Q8``): the shards of a split GGUF
+    are named by their path in the repo, as its other quantisations' folders may hold shards of the same names.
 
     Only top-level files are taken: sub-folders hold alternative copies (``original/*.pth``, ``onnx/``, ``gguf/``)
     that can be many times the size of the checkpoint itself. Of the weights, one format is taken, the first
@@ -127,7 +131,9 @@ def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str 
     if gguf_file in every_gguf and is_split_shard(gguf_file):  # refused before the shard is downloaded
         # its own set's shards only: a repo may hold several split quantisations side by side
         beside = [name for name in every_gguf if shard_name(name, 1) == shard_name(gguf_file, 1)]
-        raise ThinkerError(f"{label} holds {split_gguf(beside)} (download them all to merge them)")
+        raise ThinkerError(
+            f"{label} holds {split_gguf([folder + name for name in beside])} (download them all to merge them)"
+        )
     if gguf_file is not None:
         if gguf_file not in gguf:
             raise ThinkerError(f"{label} has no GGUF file {gguf_file!r} at its top level; {_ggufs_held(gguf)}")
@@ -144,7 +150,7 @@ def pick_conversion_files(repo_files: Iterable[str], label: str, gguf_file: str 
         for whole, _ in LOAD_ORDER:
             if whole in weights:  # transformers reads the whole file alone, before an index and shards beside it
                 weights = [whole]
-    if not weights and (split := split_gguf(gguf or every_gguf)):  # the shards of a split GGUF, here or in a folder
+    if not weights and (split := split_gguf([folder + name for name in gguf or every_gguf])):  # here or in a folder
         raise ThinkerError(f"{label} holds {split} (download them all to merge them)")
     if not weights:
         if len(gguf) > 1:  # every GGUF of the repo listed, a quantisation's folder's too
@@ -369,10 +375,8 @@ def _resolve_repo(
             # Named wherever the repo keeps them: GGUF repos often hold each quantisation in a folder of its own.
             held = sorted(name for name in files if name.endswith(".gguf"))
             raise ThinkerError(f"{label} has no GGUF file {prefix + hub.gguf_file!r}; {_ggufs_held(held)}")
-        if hub.gguf_file is not None and is_split_shard(hub.gguf_file):
-            pick_conversion_files(files, label, prefix + hub.gguf_file)  # refused, its shards named by repo path
         inside = [name.removeprefix(prefix) for name in files if name.startswith(prefix)]
-        picked = pick_conversion_files(inside, label, hub.gguf_file)
+        picked = pick_conversion_files(inside, label, hub.gguf_file, prefix)
         gguf = next((name for name in picked if name.endswith(".gguf")), None)
         if gguf is not None and hub.gguf_file is None and not listed:
             # Online, a repo of several GGUF files is refused until one is named; a snapshot cached file by file

@@ -168,11 +168,12 @@ def test_a_shard_named_in_a_repo_of_two_split_ggufs_is_told_to_merge_its_own_set
 
 
 @pytest.mark.parametrize(
-    ("gguf_file", "subfolder"), [("Q8/m-00002-of-00002.gguf", None), ("m-00001-of-00002.gguf", "Q8")]
+    ("gguf_file", "subfolder"),
+    [("Q8/m-00002-of-00002.gguf", None), ("m-00001-of-00002.gguf", "Q8"), (None, "Q8")],
 )
 def test_a_shard_in_a_quantisations_folder_is_merged_by_its_path_in_the_repo(fake_hub, gguf_file, subfolder):
     """Two quantisations' split GGUFs of the same name, each in its folder: the advice names the folder of the one
-    asked for (``--gguf-file Q8/...`` or ``--subfolder Q8``), before any download."""
+    asked for (``--gguf-file Q8/...``, or ``--subfolder Q8`` with or without the shard named), before any download."""
     from converter.hub import resolve_source
 
     shards = [f"{folder}/m-0000{n}-of-00002.gguf" for folder in ("Q4", "Q8") for n in (1, 2)]
