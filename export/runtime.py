@@ -728,8 +728,8 @@ class OnnxDecoder:
         if self.steps_within_table and steps > rows:
             raise ThinkerError(
                 f"{self.model_path}: {steps} new tokens in one run, past the {rows} rows of this graph's RoPE table, "
-                "which its MRotaryEmbedding takes at most at once (--graph fused), whatever their positions; export "
-                "with --graph plain, which reads one row per position"
+                "which its MRotaryEmbedding takes at most at once (--graph fused), whatever their positions, pads "
+                "included: trim the batch's padding, or export with --graph plain, which reads one row per position"
             )
 
     def _prompt_positions(self, position_ids, attention_mask, input_ids, inputs_embeds) -> np.ndarray:

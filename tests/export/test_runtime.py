@@ -459,6 +459,10 @@ def test_slots_past_the_fused_graphs_rope_table_are_refused_by_name(onnx_variant
     assert fused.steps_within_table and fused.context_length == 128
     with pytest.raises(ThinkerError, match="130 new tokens in one run, past the 128 rows .* MRotaryEmbedding"):
         fused.prefill(ids, position_ids=positions)
+    # pads count as new tokens (a QA run: 6 columns of padding on every row, 128 tokens): the advice says so
+    padded = np.concatenate([np.zeros((1, 6), np.int64), np.ones((1, 128), np.int64)], axis=1)
+    with pytest.raises(ThinkerError, match="134 new tokens .* pads included: trim the batch's padding, or export"):
+        fused.prefill(np.full((1, 134), 3), padded)
     plain = OnnxDecoder(onnx_variant("qwen3_5", graph="plain", head_dim=None), provider="cpu")
     assert plain.prefill(ids, position_ids=positions)[0].shape[:2] == (1, len(streams))
 
