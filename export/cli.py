@@ -558,7 +558,7 @@ def generate_command(
         raise ThinkerError("--prompt tokenizes to nothing; give some text")
     _check_prompt(folder, prompt_ids, max_new_tokens)
     eos, pad = folder_stop_tokens(folder)
-    if eos is None:
+    if not eos:  # none named, or an empty list: neither stops anything
         click.secho(
             f"note: {folder} names no end-of-sequence token (none in generation_config.json or config.json): "
             f"generation stops only after --max-new-tokens {max_new_tokens}",

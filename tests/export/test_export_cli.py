@@ -225,6 +225,12 @@ def test_generate_says_when_the_folder_names_no_end_of_sequence_token(runner, on
     assert unnamed.exit_code == 0, unnamed.output
     assert "names no end-of-sequence token" in unnamed.stderr and "--max-new-tokens 4" in unnamed.stderr
     assert "4 tokens in" in unnamed.stderr, unnamed.stderr
+    # an empty list stops nowhere too, and says so (a mutation run: the note was kept for an absent key)
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps(config | {"eos_token_id": []}))
+    empty = runner.invoke(main, ["generate", str(folder), *prompt])
+    assert empty.exit_code == 0 and "names no end-of-sequence token" in empty.stderr, empty.output
+    assert "4 tokens in" in empty.stderr, empty.stderr
 
 
 @pytest.mark.parametrize("kind", ["thinker", "onnx"])
