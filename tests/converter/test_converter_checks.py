@@ -218,3 +218,22 @@ def test_a_gguf_file_without_token_ids_is_not_held_to_the_class_defaults(tmp_pat
     assert source_named_ids(path) == set()
     written = json.loads((run_convert(path).output / "config.json").read_text())
     assert written.get("bos_token_id") is None and written.get("eos_token_id") is None
+
+
+# --- thinker_common/eager.py -----------------------------------------------------------------------------------------
+
+
+def test_an_expert_width_torchs_grouped_kernel_refuses_converts_and_verifies(save_reference, run_convert):
+    """Expert rows of 12 bfloat16 values (24 bytes) are no multiple of 16 bytes, which torch's CPU grouped_mm
+    refuses ("strides should be multiple of 16 bytes"): the gate runs the reference's experts eagerly, so a sound
+    model passes (a mutation run: without the eager experts the reference itself failed)."""
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=12, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=128,
+    )  # fmt: skip
+    _, source = save_reference(config, dtype=torch.bfloat16)
+    result = run_convert(source, dtype="bfloat16")
+    assert result.parity is not None and result.parity.passed, result.parity
