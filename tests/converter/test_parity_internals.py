@@ -173,6 +173,24 @@ def test_a_reference_computing_inf_is_named_at_its_head(pair):
     assert "computes inf or NaN in float32 on the parity prompts (from the head on)" in str(raised.value)
 
 
+def test_a_reference_overflowing_only_in_a_decode_step_is_named_so(pair, monkeypatch):
+    """The prompts' logits finite, one decode step's not: the reference overflows there, which is no difference
+    the conversion made (a mutation run: without the check the gate failed the conversion on its decode steps)."""
+    reference, converted, _, _ = pair
+    real_run = parity.reference_run
+
+    def overflowing(model, prompts):
+        run = real_run(model, prompts)
+        steps = run.step_logits.clone()
+        steps[0, 1, 0] = float("inf")
+        return run._replace(step_logits=steps)
+
+    monkeypatch.setattr(parity, "reference_run", overflowing)
+    with pytest.raises(ThinkerError) as raised:
+        compare(reference, converted, fixed_prompts(QWEN3.vocab_size))
+    assert "computes inf or NaN in float32 on the parity prompts (from a decode step on)" in str(raised.value)
+
+
 # --- where it diverges ---------------------------------------------------------------------------------------------
 
 
