@@ -134,6 +134,20 @@ def test_parity_with_reference_on_a_padded_batch(attn):
     )
 
 
+def test_a_sigmoid_output_gate_equals_the_references():
+    """Qwen4-Exp's gated norm of the linear-attention output takes output_gate_type (silu, as hidden_act, unless
+    set): a sigmoid one (a mutation run: the norm's activation fixed at silu passed every test on the default)."""
+    ref, thinker = pair(output_gate_type="sigmoid")
+    assert thinker.config.output_gate_type == "sigmoid"
+    ids, mask = padded_batch_with_eos()
+    with torch.no_grad():
+        ours, theirs = (model(ids, attention_mask=mask, use_cache=False).logits for model in (thinker, ref))
+        silu = pair(output_gate_type="silu")[1](ids, attention_mask=mask, use_cache=False).logits
+    real = mask.bool()
+    assert_close(ours[real], theirs[real], **TOL)
+    assert float((silu[real] - theirs[real]).abs().max()) > 100 * TOL["atol"]  # the gate shapes the logits
+
+
 def test_a_row_in_a_padded_batch_equals_the_row_alone():
     _, thinker = pair()
     ids, mask = padded_batch_with_eos()
