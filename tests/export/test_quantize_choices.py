@@ -1,0 +1,134 @@
+"""The choices export/quantize.py makes one weight at a time, held directly (a mutation run planted each of these
+and every other test passed): which weights are quantized and how (the head under HQQ, a projection of exactly
+MIN_OUTPUTS outputs, per-row int8 experts' accuracy level, an all-zero expert row), what the user is told (the
+narrow-projection advice, the spec's label) and what is refused (a mixed head of no int8 rows); and a tokenizer
+folder transformers cannot read giving no prefix (export/leading_tokens.py) rather than a traceback, and any
+attention window but -1 named as a fault (export/beyond_prompts.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from export_helpers import make_tokenizer
+from onnx import TensorProto, helper
+
+from export.beyond_prompts import attention_window_check
+from export.graph_builder import GraphBuilder, WeightFile
+from export.leading_tokens import leading_special_ids
+from export.quantize import HEAD, MIN_OUTPUTS, QuantizeSpec, WeightQuantizer, column_wise_int8
+from thinker_common.errors import ThinkerError
+
+
+def builder(tmp_path, name: str = "model.onnx.data") -> GraphBuilder:
+    return GraphBuilder(WeightFile(tmp_path / name))
+
+
+def seeded(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+
+
+def test_a_mixed_head_of_no_int8_rows_is_refused():
+    """``--head-int8-rows 0`` would be an int4 head labelled mixed: refused, naming the option."""
+    with pytest.raises(ThinkerError) as refused:
+        QuantizeSpec.parse("int4", head_int8_rows=0)
+    assert str(refused.value) == "--head-int8-rows 0: a mixed head needs at least one int8 row"
+    assert QuantizeSpec.parse("int4", head_int8_rows=1).head_int8_rows == 1
+
+
+def test_an_int8_head_under_hqq_is_symmetric_rtn(tmp_path):
+    """HQQ quantizes to int4 only (its float zero points: onnxruntime's CPU reads them for 2 and 4 bits): an int8 head
+    under an HQQ body is rtn, a scale a block and no zero point, while the body keeps HQQ's float zero points."""
+    quantizer = WeightQuantizer(QuantizeSpec(bits=4, block_size=16, algo="hqq", head_bits=8), torch.float32)
+    b = builder(tmp_path)
+    head = quantizer.quantize(b, HEAD, seeded(32, 48))
+    assert head.attributes["bits"] == 8 and head.attributes["block_size"] == 16
+    assert [name for name in head.inputs if name] == ["lm_head.weight_Q8", "lm_head.weight_scales"]
+    assert head.float_zero_points is False
+    body = quantizer.quantize(b, "model.layers.0.mlp.down_proj.weight", seeded(32, 48))
+    assert body.attributes["bits"] == 4 and body.float_zero_points is True
+
+
+@pytest.mark.parametrize(
+    ("shape", "quantized"),
+    [((32, MIN_OUTPUTS), True), ((32, MIN_OUTPUTS - 1), False), ((31, MIN_OUTPUTS), False), ((32, 64), True)],
+    ids=["16-outputs", "15-outputs", "narrower-than-a-block", "wide"],
+)
+def test_a_projection_of_min_outputs_outputs_is_quantized(shape, quantized):
+    """(in, out): quantized from MIN_OUTPUTS outputs and one whole block of inputs (blocks of 32) on."""
+    assert WeightQuantizer(QuantizeSpec(block_size=32), torch.float32).applies_to_shape(shape) is quantized
+
+
+@pytest.mark.parametrize(
+    ("width", "block", "advice"), [(48, 64, 32), (32, 64, 32), (16, 32, 16), (100, 128, 64)], ids=str
+)
+def test_the_narrow_note_advises_a_block_size_that_fits(width, block, advice):
+    """The advice is the largest block size no wider than the narrowest input left float: with it, they quantize."""
+    quantizer = WeightQuantizer(QuantizeSpec(block_size=block), torch.float32)
+    assert not quantizer.applies(torch.zeros(width, 64), "model.layers.0.mlp.down_proj.weight")
+    note = quantizer.narrow_note()
+    assert note == (
+        f"1 projection(s) stay float: their input width ({width}) is under --block-size {block} "
+        f"(model.layers.0.mlp.down_proj.weight); export with --block-size {advice} or less to quantize them"
+    )
+    assert WeightQuantizer(QuantizeSpec(block_size=advice), torch.float32).applies(torch.zeros(width, 64))
+
+
+def test_an_all_zero_expert_row_stays_zero():
+    """A row of zeros (a pruned expert's) has no largest weight to scale by: its scale is 1 and its weights the zero
+    point, 128, so it dequantizes to zeros, not NaN."""
+    stack = seeded(2, 4, 32) * 0.05
+    stack[1, 2] = 0
+    packed, scales = column_wise_int8(stack, np.float32)
+    assert np.isfinite(scales).all() and scales[1, 2] == 1.0
+    assert (packed[1, 2] == 128).all()
+    assert ((packed.astype(np.float32) - 128) * scales[..., None])[1, 2].tolist() == [0.0] * 32
+
+
+@pytest.mark.parametrize(
+    ("in_blocks", "block_size", "level"), [(False, 0, 0), (True, 16, 4)], ids=["per-row", "blocks"]
+)
+def test_int8_experts_run_at_level_4_only_in_blocks(in_blocks, block_size, level, tmp_path):
+    """QMoE's accuracy level is the spec's (4) where the 8-bit experts go in blocks; with a scale per row the kernel
+    computes in float, and the node says level 0."""
+    quantizer = WeightQuantizer(QuantizeSpec(bits=8, block_size=16, accuracy_level=4), torch.float32)
+    experts = quantizer.quantize_experts(
+        builder(tmp_path), "model.layers.0.mlp.experts.down_proj", seeded(2, 16, 32), in_blocks
+    )
+    assert (experts.bits, experts.block_size, experts.accuracy_level) == (8, block_size, level)
+
+
+@pytest.mark.parametrize(
+    ("spec", "label"),
+    [
+        (QuantizeSpec(), "int4 rtn, block 32"),
+        (QuantizeSpec(head_bits=8), "int4 rtn, block 32, int8 head"),
+        (QuantizeSpec(bits=8, block_size=64, head_bits=4), "int8 rtn, block 64, int4 head"),
+        (QuantizeSpec(head_int8_rows=8192), "int4 rtn, block 32, mixed head (int8 for its first 8192 rows)"),
+        (QuantizeSpec(block_size=16, algo="rtn-asym"), "int4 rtn-asym, block 16"),
+    ],
+)
+def test_the_label_names_the_heads_precision(spec, label):
+    """What a refused verify and the layout check name as the layout asked for."""
+    assert spec.label() == label
+
+
+def test_a_tokenizer_transformers_cannot_read_gives_no_prefix(tmp_path):
+    """Tokenizer files that make transformers raise (here a JSONDecodeError, no OSError) leave the prefix unknown:
+    [] and the export goes on, not a traceback."""
+    make_tokenizer().save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    assert leading_special_ids(tmp_path) == []
+
+
+@pytest.mark.parametrize("window", [0, -2])
+def test_any_window_but_none_is_a_fault(window, tmp_path):
+    """-1 is GroupQueryAttention's "no window": any other value set (0 included) is a window no Thinker has."""
+    node = helper.make_node("GroupQueryAttention", ["q"], ["out"], name="gqa", local_window_size=window)
+    graph = helper.make_graph([node], "window", [], [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)])
+    onnx.save(helper.make_model(graph), str(tmp_path / "model.onnx"))
+    assert attention_window_check(tmp_path / "model.onnx") == (
+        f"model.onnx: gqa attends to a window of its last {window} keys, where the model attends to every key before it"
+    )
