@@ -240,11 +240,12 @@ class ThinkerConfig(PreTrainedConfig):
         ZeroDivisionError they named no key); each where it is used: the sparse step with experts, the linear
         attention's key heads with linear-attention layers."""
         divisors = {"num_attention_heads": True, "num_key_value_heads": self.num_key_value_heads is not None}
-        divisors |= {"decoder_sparse_step": self.num_experts > 0}
+        divisors |= {"decoder_sparse_step": self.num_experts != 0}
         divisors |= {"linear_num_key_heads": "linear_attention" in (self.layer_types or ())}
         for name, used in divisors.items():
-            if used and getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be 1 or more")
+            value = getattr(self, name)
+            if used and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"{name}={value!r} must be a whole number, 1 or more")
 
     def validate_architecture(self):
         """Checks the switches that have a closed set of values (called by ``validate``)."""
