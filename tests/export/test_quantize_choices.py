@@ -7,6 +7,8 @@ attention window but -1 named as a fault (export/beyond_prompts.py)."""
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import onnx
 import pytest
@@ -17,7 +19,14 @@ from onnx import TensorProto, helper
 from export.beyond_prompts import attention_window_check
 from export.graph_builder import GraphBuilder, WeightFile
 from export.leading_tokens import leading_special_ids
-from export.quantize import HEAD, MIN_OUTPUTS, QuantizeSpec, WeightQuantizer, column_wise_int8
+from export.quantize import (
+    HEAD,
+    MIN_OUTPUTS,
+    QuantizeSpec,
+    WeightQuantizer,
+    column_wise_int8,
+    cuda_experts_note,
+)
 from thinker_common.errors import ThinkerError
 
 
@@ -132,3 +141,46 @@ def test_any_window_but_none_is_a_fault(window, tmp_path):
     assert attention_window_check(tmp_path / "model.onnx") == (
         f"model.onnx: gqa attends to a window of its last {window} keys, where the model attends to every key before it"
     )
+
+
+# --- mutquant2: the rest of the mutation run (each test names the change it catches) --------------------------------
+
+
+def test_a_head_left_float_reports_no_int8_rows():
+    """export_report.json's quantize entry of a mixed spec whose graph kept the head float: head "float" and no
+    ``head_int8_rows`` (rows of a head that is not quantized)."""
+    spec = QuantizeSpec(head_int8_rows=40)
+    assert spec.describe(head_quantized=True)["head_int8_rows"] == 40
+    described = spec.describe(head_quantized=False)
+    assert described["head"] == "float" and "head_int8_rows" not in described
+
+
+def test_a_projection_exactly_one_block_wide_is_quantized_without_a_note():
+    """An input width equal to the block size is one whole block: quantized, and not named in the narrow note."""
+    quantizer = WeightQuantizer(QuantizeSpec(block_size=32), torch.float32)
+    assert quantizer.applies(torch.zeros(32, 64), "model.layers.0.mlp.down_proj.weight")
+    assert quantizer.narrow_note() is None
+
+
+@pytest.mark.parametrize(("bits", "quantized"), [(8, True), (4, False)])
+def test_int8_experts_need_no_whole_blocks(bits, quantized):
+    """48 inputs under blocks of 32: 4-bit QMoE reads no padding, so the stack stays float; 8-bit experts go a scale
+    per row (``column_wise_int8``) and are quantized."""
+    quantizer = WeightQuantizer(QuantizeSpec(bits=bits, block_size=32), torch.float32)
+    assert quantizer.applies_to_experts(64, 48) is quantized
+    assert quantizer.applies_to_experts(64, 64) is True
+
+
+@pytest.mark.parametrize(("bits", "noted"), [(4, True), (8, False)])
+def test_the_cuda_block_note_is_for_int4_experts_only(bits, noted):
+    """Blocks of 16 are outside CUDA's QMoE blocks, but a float16 graph's 8-bit experts go a scale per row: no note
+    for them; 4-bit ones are named, with the block size to export with."""
+    config = types.SimpleNamespace(hidden_size=64, moe_intermediate_size=64)
+    note = cuda_experts_note(config, "float16", QuantizeSpec(bits=bits, block_size=16), {"QMoE": 2})
+    if noted:
+        assert note == (
+            "the routed experts' QMoE runs on the CPU but not on CUDA, whose kernel takes widths that are multiples of "
+            "64 and blocks of 32, 64, 128 (--block-size 16): export with --block-size 32 for CUDA"
+        )
+    else:
+        assert note is None
