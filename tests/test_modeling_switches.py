@@ -7,6 +7,9 @@ leave open (a mutation run of thinker/modeling_thinker.py found each change belo
 - epsilons no tiny reference sets: the gated norm of the Gated DeltaNet with an epsilon large enough to matter.
 - the load-balancing loss of a step after a cache, whose router saw only the new tokens.
 - the padding row of the embedding, which takes no gradient (transformers' ``padding_idx``).
+- a step after the cache with no position_ids; a step while the cache records recurrent states (assisted decoding).
+- a fresh MoE model's routers, drawn as the reference draws them.
+- multimodal position_ids with no cache, whose text row (or its absence) decides the mask.
 
 References are transformers' own classes with every weight seeded (``randomize_parameters``), weights copied by name.
 """
@@ -15,10 +18,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from references.hybrid import qwen3_5_config, reference, token_ids
+from references.hybrid import qwen3_5_config, reference, text_image_text_positions, token_ids
 from seeded_weights import randomize_parameters
 from torch.testing import assert_close
 from transformers import (
+    DynamicCache,
     Qwen3_5ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
@@ -228,3 +232,89 @@ def test_interleaved_mrope_tables_equal_qwen3_vls_at_its_real_sections():
     x = torch.zeros(1, dtype=torch.float32)
     for mine, ref in zip(ours(x, positions), theirs(x, positions), strict=True):
         assert_close(mine, ref, atol=0, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a step after the cache without position_ids; a step while the cache records states (assisted decoding)
+
+
+def test_a_step_after_the_cache_without_position_ids_counts_from_the_cache():
+    """A prompt through a cache, then one token with no ``position_ids``: its position is the cache's length (as
+    Qwen3's own step takes it), not 0 (which moves these logits by far more than the tolerance)."""
+    ref, thinker = qwen3_pair("sdpa")
+    ids = token_ids(length=9)
+    steps = {}
+    with torch.no_grad():
+        for name, model in (("ref", ref), ("ours", thinker)):
+            cache = DynamicCache(config=model.config)
+            model(ids[:, :8], use_cache=True, **{CACHE_ARG: cache})
+            steps[name] = model(ids[:, 8:], use_cache=True, **{CACHE_ARG: cache}).logits
+        full = thinker(ids).logits[:, 8:]
+    assert_close(steps["ours"], steps["ref"], **TOL)
+    assert_close(steps["ours"], full, **TOL)
+
+
+def test_a_step_that_records_recurrent_states_equals_the_references_and_rolls_back():
+    """Assisted decoding runs the drafted tokens through a cache that records the last recurrent states
+    (``activate_past_recording``), each of those tokens one recurrent step after the one before it, then crops back
+    to the last token accepted. Ours gives Qwen3.5's logits for the step and for the step after the crop (a step that
+    starts from the cached state instead of the previous token's, or that skips the l2 norm of q/k, moves them by
+    more than 1)."""
+    ref, thinker = qwen3_5_pair("sdpa")
+    ids = token_ids(length=14)
+    out = {}
+    with torch.no_grad():
+        for name, model in (("ref", ref), ("ours", thinker)):
+            cache = DynamicCache(config=model.config)
+            model(ids[:, :8], use_cache=True, **{CACHE_ARG: cache})
+            cache.activate_past_recording(recurrent_states_to_keep=3)
+            step = model(ids[:, 8:13], use_cache=True, **{CACHE_ARG: cache}).logits
+            cache.crop(-2)  # the last two tokens rejected
+            out[name] = step, model(ids[:, 11:12], use_cache=True, **{CACHE_ARG: cache}).logits
+        full = thinker(ids[:, :13]).logits
+    assert_close(out["ours"][0], out["ref"][0], **TOL)
+    assert_close(out["ours"][1], out["ref"][1], **TOL)
+    assert_close(out["ours"][0], full[:, 8:13], **TOL)
+    assert_close(out["ours"][1], full[:, 11:12], **TOL)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a model built from a config (training from scratch) starts as the reference does
+
+
+def test_a_fresh_moe_models_router_starts_random_as_the_references():
+    """``ThinkerForCausalLM(config)`` draws its routers from normal(0, initializer_range), as Qwen3-MoE's
+    ``_init_weights`` does: a router left at zero ties every expert, so top-k routes every token alike. The sample
+    std of 32 x 4 draws is compared with initializer_range within 25%, for ours and the reference alike."""
+    config = Qwen3MoeConfig(**SIZES, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    ref = Qwen3MoeForCausalLM(config)
+    torch.manual_seed(0)
+    thinker = ThinkerForCausalLM(translated(config, qk_norm=True))
+    std = config.initializer_range
+    for model in (ref, thinker):
+        sparse = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+        assert len(sparse) == 3
+        for block in sparse:
+            assert abs(block.gate.weight.std().item() - std) < 0.25 * std
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# multimodal positions with no cache: which row the mask reads
+
+
+@pytest.mark.parametrize("rows", [3, 4])
+def test_multimodal_positions_without_a_cache_mask_as_the_references(rows):
+    """``use_cache=False`` and no attention_mask (a training batch): transformers reads the text positions for packed
+    sequences, a step other than +1 starting a new one. (3, B, T) positions have no text row (the mask is plain
+    causal); (4, B, T) ones carry it first. The temporal row of an image block repeats a position, so a mask read from
+    it would cut the sequence there: the logits would move by far more than the tolerance."""
+    ref, thinker = qwen3_5_pair("sdpa")
+    positions = text_image_text_positions(batch=2)  # (3, B, 15): t/h/w rows that differ inside the image block
+    if rows == 4:
+        positions = torch.cat([torch.arange(15).expand(1, 2, -1), positions])
+    ids = token_ids(length=15)
+    with torch.no_grad():
+        ours = thinker(ids, position_ids=positions, use_cache=False).logits
+        theirs = ref(ids, position_ids=positions, use_cache=False).logits
+    assert_close(ours, theirs, **TOL)
