@@ -560,7 +560,8 @@ def generate_command(
     eos, pad = folder_stop_tokens(folder)
     if not eos:  # none named, or an empty list: neither stops anything
         click.secho(
-            f"note: {folder} names no end-of-sequence token (none in generation_config.json or config.json): "
+            f"note: {folder} names no end-of-sequence token (in generation_config.json, or config.json where there "
+            "is none): "
             f"generation stops only after --max-new-tokens {max_new_tokens}",
             fg="yellow",
             err=True,

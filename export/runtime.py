@@ -341,7 +341,7 @@ class OnnxDecoder:
                 "GroupQueryAttention (--graph fused) takes several tokens after a cache at batch 1 only; feed the "
                 "rows one at a time, the tokens one at a time, or export with --graph plain"
             )
-        self.refuse_slots_past_table(state.attention_mask.shape[1], steps)
+        self.refuse_slots_past_table(state.attention_mask.shape[1], steps, not state.attention_mask[:, -steps:].all())
         feeds = {
             INPUTS_EMBEDS if self.takes_embeds else "input_ids": tokens,
             "attention_mask": np.ascontiguousarray(state.attention_mask, dtype=np.int64),
@@ -705,17 +705,19 @@ class OnnxDecoder:
                 f"{prompt} and {new_tokens} new tokens need {needed} positions, past this model's "
                 f"context of {self.context_length}; shorten the prompt or lower max_new_tokens"
             )
-        self.refuse_slots_past_table(attention_mask.shape[1] + max(0, new_tokens - 1), attention_mask.shape[1])
+        slots = attention_mask.shape[1] + max(0, new_tokens - 1)
+        self.refuse_slots_past_table(slots, attention_mask.shape[1], not attention_mask.all())
         deepstack = self.deepstack_features(visual_pos_masks, deepstack_visual_embeds, attention_mask.shape)
         cache = self.empty_cache(attention_mask.shape[0], slots=attention_mask.shape[1] + new_tokens)
         state = DecoderState(attention_mask, next_position, cache, cached=0)
         return self.forward(input_ids, positions, state, inputs_embeds, deepstack), state
 
-    def refuse_slots_past_table(self, slots: int, steps: int) -> None:
+    def refuse_slots_past_table(self, slots: int, steps: int, padded: bool) -> None:
         """Where the fused graph's kernels read their RoPE table by slot or by step (``rotates_by_slot``,
         ``steps_within_table``), ``slots`` mask columns (pads included) or ``steps`` new tokens in one run past its
         rows are refused here, before onnxruntime stops on them, though every position fits (a QA run: a prompt
-        padded past the context, an image prompt longer than the table)."""
+        padded past the context, an image prompt longer than the table). ``padded``: the new tokens' columns hold
+        pads, whose trimming the advice names only then."""
         rows = self.rope_rows
         if rows is None:
             return
@@ -726,10 +728,11 @@ class OnnxDecoder:
                 "fused): trim the batch's padding, or export with --graph plain, which reads one per position"
             )
         if self.steps_within_table and steps > rows:
+            trim = ", pads included: trim the batch's padding, or" if padded else ";"
             raise ThinkerError(
                 f"{self.model_path}: {steps} new tokens in one run, past the {rows} rows of this graph's RoPE table, "
-                "which its MRotaryEmbedding takes at most at once (--graph fused), whatever their positions, pads "
-                "included: trim the batch's padding, or export with --graph plain, which reads one row per position"
+                "which its MRotaryEmbedding takes at most at once (--graph fused), whatever their positions"
+                f"{trim} export with --graph plain, which reads one row per position"
             )
 
     def _prompt_positions(self, position_ids, attention_mask, input_ids, inputs_embeds) -> np.ndarray:

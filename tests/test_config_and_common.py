@@ -389,6 +389,9 @@ def test_negative_indexer_sizes_are_refused_by_name(field):
     range', 'negative dimension')."""
     with pytest.raises(StrictDataclassError, match=f"need {field}=-[0-9]+ as positive integers"):
         ThinkerConfig(**{**QSA, field: -QSA[field]})
+    for wrong in ("8", True):  # a TypeError, or a size of 1
+        with pytest.raises(StrictDataclassError, match=f"need {field}={wrong!r} as positive integers"):
+            ThinkerConfig(**{**QSA, field: wrong})
 
 
 @pytest.mark.parametrize(
@@ -413,7 +416,7 @@ def test_a_zero_divisor_is_refused_by_name(fields, shown):
 
 
 def test_a_divisor_no_layer_uses_is_not_refused():
-    """The sparse step without experts and the linear attention's key heads without its layers divide nothing: a
-    config.json carrying them at 0 still loads."""
+    """The sparse step without experts and the linear attention's key heads without its layers divide nothing: the
+    Python API still builds such a config (the CLIs hold every size in config.json to 1 or more, config_values)."""
     config = ThinkerConfig(decoder_sparse_step=0, linear_num_key_heads=0)
     assert config.mlp_layer_types == ["dense"] * config.num_hidden_layers

@@ -243,8 +243,7 @@ class ThinkerConfig(PreTrainedConfig):
         divisors |= {"decoder_sparse_step": self.num_experts != 0}
         divisors |= {"linear_num_key_heads": "linear_attention" in (self.layer_types or ())}
         for name, used in divisors.items():
-            value = getattr(self, name)
-            if used and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            if used and not is_whole(value := getattr(self, name), 1):
                 raise ValueError(f"{name}={value!r} must be a whole number, 1 or more")
 
     def validate_architecture(self):
@@ -307,7 +306,7 @@ class ThinkerConfig(PreTrainedConfig):
         if (self.hc_count > 1 or self.ple_layer_ids) and self.norm_type != "rmsnorm":
             raise ValueError("hyper-connections and PLE normalise with RMSNorm; they need norm_type='rmsnorm'")
         if self.has_indexed_attention:
-            missing = [f"{name}={getattr(self, name)}" for name in QSA_FIELDS if not (getattr(self, name) or 0) > 0]
+            missing = [f"{name}={getattr(self, name)!r}" for name in QSA_FIELDS if not is_whole(getattr(self, name), 1)]
             if missing:
                 raise ValueError(f"indexed_attention layers need {', '.join(missing)} as positive integers")
             if self.indexer_budget % self.indexer_compress_ratio:
@@ -431,6 +430,11 @@ class ThinkerConfig(PreTrainedConfig):
 
 
 __all__ = ["ThinkerConfig"]
+
+
+def is_whole(value, least: int) -> bool:
+    """Whether a config value is a whole number of at least ``least`` (JSON's true is a Python int, and no size)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 def mrope_interleaved(rope_parameters: dict | None) -> bool:

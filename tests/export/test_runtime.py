@@ -457,8 +457,11 @@ def test_slots_past_the_fused_graphs_rope_table_are_refused_by_name(onnx_variant
     ids = np.full((1, len(streams)), 3)
     fused = OnnxDecoder(onnx_variant("qwen3_5", head_dim=None), provider="cpu")
     assert fused.steps_within_table and fused.context_length == 128
-    with pytest.raises(ThinkerError, match="130 new tokens in one run, past the 128 rows .* MRotaryEmbedding"):
+    with pytest.raises(
+        ThinkerError, match="130 new tokens in one run, past the 128 rows .* MRotaryEmbedding"
+    ) as raised:
         fused.prefill(ids, position_ids=positions)
+    assert "padding" not in str(raised.value) and "positions; export with --graph plain" in str(raised.value)
     # pads count as new tokens (a QA run: 6 columns of padding on every row, 128 tokens): the advice says so
     padded = np.concatenate([np.zeros((1, 6), np.int64), np.ones((1, 128), np.int64)], axis=1)
     with pytest.raises(ThinkerError, match="134 new tokens .* pads included: trim the batch's padding, or export"):
