@@ -20,6 +20,8 @@ import pytest
 import torch
 from references.hybrid import qwen3_5_config, reference, text_image_text_positions, token_ids
 from seeded_weights import randomize_parameters
+from test_modeling import REF_SIZES
+from test_modeling_hybrid import TRANSLATED_FIELDS
 from torch.testing import assert_close
 from transformers import (
     DynamicCache,
@@ -35,36 +37,8 @@ from thinker import ThinkerConfig, ThinkerForCausalLM
 from thinker.modeling_thinker import CACHE_ARG
 
 TOL = dict(atol=1e-4, rtol=0)  # fp32 logits, as tests/test_modeling_hybrid.py
-SIZES = dict(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
-FIELDS = (
-    *SIZES,
-    "head_dim",
-    "rms_norm_eps",
-    "rope_parameters",
-    "hidden_act",
-    "tie_word_embeddings",
-    "attention_bias",
-    "pad_token_id",
-    "layer_types",
-    "linear_conv_kernel_dim",
-    "linear_key_head_dim",
-    "linear_value_head_dim",
-    "linear_num_key_heads",
-    "linear_num_value_heads",
-    "num_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "norm_topk_prob",
-    "mlp_only_layers",
-)
+SIZES = REF_SIZES
+FIELDS = (*TRANSLATED_FIELDS, "rope_parameters", "pad_token_id")
 
 
 def translated(reference_config, **switches) -> ThinkerConfig:
