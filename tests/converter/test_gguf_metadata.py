@@ -217,3 +217,26 @@ def test_a_shard_of_a_gguf_split_in_two_is_refused_as_one(tmp_path):
         ThinkerError, match=r"shard 1 of a GGUF split into 2 files \(split.count\); x-00002-of-00002.gguf not beside"
     ):
         GGUFSource(path)
+
+
+def test_tensors_sharing_one_byte_overlap():
+    """The last byte of one tensor's data the first of the next's: refused, naming both and the byte; tensors that
+    only touch, or are empty, are not."""
+    from types import SimpleNamespace
+
+    from thinker_common.gguf_reader import _check_overlaps
+
+    def reader(*extents):
+        tensors = [SimpleNamespace(name=name, data_offset=start, n_bytes=size) for name, start, size in extents]
+        return SimpleNamespace(tensors=tensors)
+
+    _check_overlaps(Path("m.gguf"), reader(("a", 0, 32), ("b", 32, 32), ("empty", 40, 0)))
+    with pytest.raises(ThinkerError, match=r"'a' and 'b' overlap \(both hold bytes 31 to 31 of the file\)"):
+        _check_overlaps(Path("m.gguf"), reader(("b", 31, 32), ("a", 0, 32)))
+
+
+def test_a_name_that_only_begins_like_a_shard_is_no_shard():
+    from thinker_common.gguf_split import is_split_shard
+
+    assert is_split_shard("q8/m-00001-of-00002.gguf")
+    assert not is_split_shard("m-00001-of-00002.gguf.part") and not is_split_shard("m-1-of-2.gguf")
