@@ -561,8 +561,7 @@ def generate_command(
     if not eos:  # none named, or an empty list: neither stops anything
         click.secho(
             f"note: {folder} names no end-of-sequence token (in generation_config.json, or config.json where there "
-            "is none): "
-            f"generation stops only after --max-new-tokens {max_new_tokens}",
+            f"is none): generation stops only after --max-new-tokens {max_new_tokens}",
             fg="yellow",
             err=True,
         )

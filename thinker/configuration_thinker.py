@@ -208,7 +208,7 @@ class ThinkerConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self, **kwargs):
-        self.refuse_zero_divisors()
+        self.refuse_unusable_divisors()
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -235,10 +235,10 @@ class ThinkerConfig(PreTrainedConfig):
         if self.position_embedding_type == "learned":
             self.rope_parameters = None
 
-    def refuse_zero_divisors(self) -> None:
-        """The head counts and the sparse step the defaults and the checks divide by, refused by name below 1 (as a
-        ZeroDivisionError they named no key); each where it is used: the sparse step with experts, the linear
-        attention's key heads with linear-attention layers."""
+    def refuse_unusable_divisors(self) -> None:
+        """The head counts and the sparse step the defaults and the checks divide by, refused by name unless whole
+        numbers of 1 or more (a ZeroDivisionError or TypeError named no key); each where it is used: the sparse step
+        with experts, the linear attention's key heads with linear-attention layers."""
         divisors = {"num_attention_heads": True, "num_key_value_heads": self.num_key_value_heads is not None}
         divisors |= {"decoder_sparse_step": self.num_experts != 0}
         divisors |= {"linear_num_key_heads": "linear_attention" in (self.layer_types or ())}
@@ -306,9 +306,9 @@ class ThinkerConfig(PreTrainedConfig):
         if (self.hc_count > 1 or self.ple_layer_ids) and self.norm_type != "rmsnorm":
             raise ValueError("hyper-connections and PLE normalise with RMSNorm; they need norm_type='rmsnorm'")
         if self.has_indexed_attention:
-            missing = [f"{name}={getattr(self, name)!r}" for name in QSA_FIELDS if not is_whole(getattr(self, name), 1)]
-            if missing:
-                raise ValueError(f"indexed_attention layers need {', '.join(missing)} as positive integers")
+            wrong = [f"{name}={getattr(self, name)!r}" for name in QSA_FIELDS if not is_whole(getattr(self, name), 1)]
+            if wrong:
+                raise ValueError(f"indexed_attention layers need {', '.join(wrong)} as positive integers")
             if self.indexer_budget % self.indexer_compress_ratio:
                 raise ValueError(
                     f"indexer_budget={self.indexer_budget} is not a multiple of "
