@@ -230,9 +230,8 @@ def test_an_expert_width_torchs_grouped_kernel_refuses_converts_and_verifies(sav
     from transformers import Qwen3MoeConfig
 
     config = Qwen3MoeConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=12, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=128,
+        **SMALL, moe_intermediate_size=12, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+        num_experts_per_tok=2,
     )  # fmt: skip
     _, source = save_reference(config, dtype=torch.bfloat16)
     result = run_convert(source, dtype="bfloat16")
