@@ -379,8 +379,11 @@ def work_folder(output: Path, needed: int | None = None) -> Iterator[Path]:
 
 
 def _remove_empty(folders: list[Path]) -> None:
-    """Remove the folders this run created for OUTPUT's parent, deepest first, while they are empty."""
+    """Remove the folders this run created for OUTPUT's parent, deepest first, while they are empty. Those it never
+    got to make (a name too long, a parent it could not write in) are passed over, not taken as a folder in use."""
     for folder in folders:
+        if not os.path.lexists(folder):
+            continue
         try:
             folder.rmdir()
         except OSError:
