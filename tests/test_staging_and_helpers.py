@@ -119,6 +119,37 @@ def test_a_name_too_long_below_a_new_folder_leaves_no_folder(qwen3_source, tmp_p
     assert sorted(os.listdir(tmp_path)) == []
 
 
+def test_a_folder_reached_through_dotdot_is_not_taken_for_one_the_run_made(qwen3_source, tmp_path):
+    """OUTPUT new/../old/LONG/out, where old/ exists (empty) and new/ does not: the refusal removes new/, which the
+    run made, and leaves old/, which it only passed through (a review found old/ removed and new/ left)."""
+    (tmp_path / "old").mkdir()
+    output = tmp_path / "new" / ".." / "old" / ("x" * 256) / "out"
+    result = thinker("convert", qwen3_source, output, "--no-verify")
+    assert_error(result, "File name too long")
+    assert sorted(os.listdir(tmp_path)) == ["old"]
+
+
+def test_a_parent_removed_by_another_runs_refusal_is_made_again(qwen3_source, tmp_path, monkeypatch):
+    """Two runs into one new folder, the other refused: its clean-up removes the empty folder this run had found
+    made, just before this run's staging folder goes in. The folder is made again and the conversion completes."""
+    from thinker_common import staging
+
+    output = tmp_path / "new" / "out"
+    looks = []
+
+    def taken_away(out):
+        looks.append(out)
+        if len(looks) == 1:
+            out.parent.rmdir()  # as the other run's _remove_empty would
+        return remove_stale_staging(out)
+
+    remove_stale_staging = staging.remove_stale_staging
+    monkeypatch.setattr(staging, "remove_stale_staging", taken_away)
+    result = thinker("convert", qwen3_source, output, "--no-verify")
+    assert result.exit_code == 0, result.output
+    assert len(looks) == 2 and (output / "model.safetensors").is_file() and os.listdir(tmp_path) == ["new"]
+
+
 def test_a_file_system_without_renameat2_still_installs_and_replaces(qwen3_source, tmp_path, monkeypatch):
     """renameat2 present in the C library but refused by the file system (EINVAL, as on some network and FUSE file
     systems): the plain renames take over, for a new OUTPUT and for --force, leaving only OUTPUT."""

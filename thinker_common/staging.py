@@ -341,12 +341,18 @@ def work_folder(output: Path, needed: int | None = None) -> Iterator[Path]:
     # an existing OUTPUT (which only --force lets a run reach) is looked at before the work, after the checks against
     # the source, whose messages say more, and again when it is replaced (``install``)
     refuse_replacing_another_folder(output)
-    created = [folder for folder in [output.parent, *output.parent.parents] if not folder.exists()]  # deepest first
+    created: list[Path] = []  # OUTPUT's parents this run made, deepest first
     try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_staging(output)
-        staging = staging_path(output)
-        staging.mkdir()
+        for attempt in range(3):
+            try:
+                make_parents(output.parent, created)
+                remove_stale_staging(output)
+                staging = staging_path(output)
+                staging.mkdir()
+                break
+            except FileNotFoundError:  # a parent gone since it was made: another run's refusal took it, empty
+                if attempt == 2:
+                    raise
     except OSError as err:
         _remove_empty(created)
         # Named where it failed: the folder that exists, which is OUTPUT's parent unless the run had to create that.
@@ -378,14 +384,27 @@ def work_folder(output: Path, needed: int | None = None) -> Iterator[Path]:
         _remove(staging)
 
 
-def _remove_empty(folders: list[Path]) -> None:
-    """Remove the folders this run created for OUTPUT's parent, deepest first, while they are empty. Those it never
-    got to make (a name too long, a parent it could not write in) are passed over, not taken as a folder in use."""
-    for folder in folders:
-        if not os.path.lexists(folder):
+def make_parents(folder: Path, made: list[Path]) -> None:
+    """Make ``folder`` and its missing parents, outermost first, putting each this call made at the front of
+    ``made`` as it goes (so that a failure part way still knows them). Only what ``mkdir`` itself made is recorded:
+    a folder that existed, or a path that reaches one through ``..`` (``new/../old``), is never taken for the run's,
+    to be removed when the run fails."""
+    for path in [*reversed(folder.parents), folder]:
+        try:
+            path.mkdir()
+        except FileExistsError:
             continue
+        made.insert(0, path)
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders this run made for OUTPUT's parent (``make_parents``), deepest first, while they are
+    empty: one holding anything, another run's output or staging folder included, stays, and so do those above."""
+    for folder in folders:
         try:
             folder.rmdir()
+        except FileNotFoundError:
+            continue  # removed already
         except OSError:
             return
 
