@@ -158,7 +158,7 @@ def pick_conversion_files(
             raise ThinkerError(f"{label} holds {len(every_gguf)} GGUF files; {held}")
         weights = gguf
     if not weights:
-        held = _nested(repo_files, label)
+        held = _nested(repo_files, label, folder)
         raise ThinkerError(f"{label} has no .safetensors, .bin or .gguf weights at its top level; {held}")
     if all(name.endswith(".gguf") for name in weights):
         side_files = [name for name in top if name in _GGUF_SIDE_FILES]
@@ -183,22 +183,31 @@ def _of_format(name: str, whole: str) -> bool:
     return name.endswith(Path(whole).suffix)
 
 
-def _nested(repo_files: Iterable[str], label: str) -> str:
+def _nested(repo_files: Iterable[str], label: str, folder: str = "") -> str:
     """What to do when a repo's weights are not at its top level: name the folders that hold some (GGUF repos keep
-    a quantisation per folder, others ``original/`` or a component's folder), or say to check the id."""
+    a quantisation per folder, others ``original/`` or a component's folder), or say to check the id. ``folder``:
+    where ``repo_files`` lie in the repo (``--subfolder``), so that the download advice names the repo's paths."""
     nested = sorted(name for name in repo_files if "/" in name and name.endswith((".safetensors", ".bin", ".gguf")))
     ggufs = [name for name in nested if name.endswith(".gguf")]
     if ggufs:
         return f"its folders hold {_listed(ggufs)}: name one with --gguf-file"
-    folders = sorted({name.rpartition("/")[0] for name in nested})
+    folders = sorted({folder + name.rpartition("/")[0] for name in nested})
     if not folders:
         return "check the repo id and revision, or download the files yourself and pass the folder"
-    shown = _listed([f"{folder}/" for folder in folders])
+    shown = _listed([f"{name}/" for name in folders])
     repo = label.rpartition("@")[0] or label
     return (
         f"its folders {shown} hold weights: download the one to convert (hf download {repo} --include "
         f"'{folders[0]}/*' --local-dir DIR) and pass DIR/{folders[0]} as SOURCE"
     )
+
+
+def _folders_held(files: list[str], listed: bool) -> str:
+    """The advice for a ``--subfolder`` the repo's listing lacks: its top-level folders, named to choose from."""
+    folders = sorted({name.partition("/")[0] for name in files if "/" in name})
+    where = "its folders" if listed else "the cached snapshot's folders (which may hold only some of the repo's)"
+    held = f"{where}: {_listed([f'{folder}/' for folder in folders])}" if folders else f"{where}: none"
+    return f"check the subfolder name ({held})"
 
 
 def _ggufs_held(names: list[str]) -> str:
@@ -376,6 +385,8 @@ def _resolve_repo(
             held = sorted(name for name in files if name.endswith(".gguf"))
             raise ThinkerError(f"{label} has no GGUF file {prefix + hub.gguf_file!r}; {_ggufs_held(held)}")
         inside = [name.removeprefix(prefix) for name in files if name.startswith(prefix)]
+        if not inside:  # named here: else the empty listing reads as a repo without weights
+            raise ThinkerError(f"{label}: no subfolder {hub.subfolder!r} in the repo; {_folders_held(files, listed)}")
         picked = pick_conversion_files(inside, label, hub.gguf_file, prefix)
         gguf = next((name for name in picked if name.endswith(".gguf")), None)
         if gguf is not None and hub.gguf_file is None and not listed:
@@ -483,6 +494,19 @@ def _offline() -> bool:
     """HF_HUB_OFFLINE as huggingface_hub read it at import, or as the environment says now."""
     now = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
     return constants.is_offline_mode() or now.upper() in _TRUE_VALUES
+
+
+def _offline_switch() -> tuple[str, str]:
+    """What keeps the Hub unasked, and how to lift it: a variable set now, one huggingface_hub read at import (and
+    keeps, though it has been unset since), or else ``local_files_only``."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        value = os.environ.get(name) or ""
+        if value.upper() in _TRUE_VALUES:
+            return f"{name}={value}", f"unset {name}"
+    if constants.is_offline_mode():
+        imported = "HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) was set when huggingface_hub was imported"
+        return imported, "start Python again without it"
+    return "local_files_only=True", "pass local_files_only=False"
 
 
 def _remote_listing(repo_id: str, revision: str, endpoint: str, token: str | bool | None) -> tuple[str, list[str]]:
@@ -626,9 +650,9 @@ def _not_cached(
 ) -> ThinkerError:
     """Nothing usable in the cache, and the Hub is off limits (offline) or out of reach."""
     if offline:
+        switch, undo = _offline_switch()
         return ThinkerError(
-            f"{label} is not in the cache at {cache_dir} and HF_HUB_OFFLINE=1; run once online or unset "
-            f"HF_HUB_OFFLINE{_not_local(repo_id)}"
+            f"{label} is not in the cache at {cache_dir} and {switch}; run once online or {undo}{_not_local(repo_id)}"
         )
     why = _reason(reason)
     return ThinkerError(

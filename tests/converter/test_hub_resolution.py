@@ -1,0 +1,221 @@
+"""How ``converter.hub.resolve_source`` turns SOURCE, ``subfolder``, ``gguf_file`` and the offline switches into the
+files it reads, against the fake Hub (tests/hub_server.py, fixture ``fake_hub``): cases a mutation run found
+untested (tests/converter/test_hub.py holds the rest)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import save
+
+from converter.hub import resolve_source
+from thinker_common.errors import ThinkerError
+
+REPO = "acme/tiny"
+
+
+def checkpoint(hidden_size: int = 4) -> dict[str, bytes]:
+    return {
+        "config.json": json.dumps({"model_type": "qwen2", "hidden_size": hidden_size}).encode(),
+        "model.safetensors": save({"w": np.arange(hidden_size, dtype=np.float32)}),
+    }
+
+
+def files_in(folder) -> set[str]:
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("subfolder", ["weights", "weights/", "/weights/"])
+def test_a_subfolder_is_found_however_its_slashes_are_written(fake_hub, subfolder):
+    """``subfolder="weights/"`` (as a shell completes a folder name) names the same folder of the repo as
+    ``"weights"``: its files alone are fetched, and the folder returned is that one in the snapshot."""
+    sha = fake_hub.add_repo(REPO, {"README.md": b"# top", **{f"weights/{k}": v for k, v in checkpoint().items()}})
+    folder = resolve_source(REPO, subfolder=subfolder, progress=False)
+    assert folder.name == "weights" and folder.parent.name == sha
+    assert files_in(folder.parent) == {"weights/config.json", "weights/model.safetensors"}
+
+
+def test_a_gguf_files_folder_lies_under_the_subfolder(fake_hub):
+    """``--gguf-file Q8_0/x.gguf`` with ``subfolder="quant"`` is the repo's quant/Q8_0/x.gguf, not Q8_0/quant/x.gguf
+    (both exist here, of different sizes, so the one taken is told apart by its bytes)."""
+    meant, other = b"GGUF" + bytes(60), b"GGUF" + bytes(70)
+    fake_hub.add_repo(REPO, {"quant/Q8_0/tiny-Q8_0.gguf": meant, "Q8_0/quant/tiny-Q8_0.gguf": other})
+    path = resolve_source(REPO, subfolder="quant", gguf_file="Q8_0/tiny-Q8_0.gguf", progress=False)
+    assert path.parent.parent.name == "quant" and path.read_bytes() == meant
+    assert files_in(path.parents[2]) == {"quant/Q8_0/tiny-Q8_0.gguf"}
+
+
+def test_a_local_folder_without_the_subfolder_named_is_refused(tmp_path):
+    """A local SOURCE with a subfolder it lacks is refused by name, not returned as a path that does not exist."""
+    (tmp_path / "weights").mkdir()
+    assert resolve_source(str(tmp_path), subfolder="weights") == tmp_path / "weights"
+    with pytest.raises(ThinkerError) as err:
+        resolve_source(str(tmp_path), subfolder="weigths")
+    assert str(err.value) == f"{tmp_path}: no subfolder 'weigths' in {tmp_path}; check the subfolder name"
+
+
+def test_a_rate_limited_hub_falls_back_to_the_cache(fake_hub, caplog):
+    """HTTP 429 (too many requests) is the Hub overloaded, not refusing: a cached snapshot is used, as for a 500, and
+    the warning says the branch may have moved."""
+    fake_hub.add_repo(REPO, checkpoint())
+    cached = resolve_source(REPO, progress=False)
+    handler = fake_hub._server.RequestHandlerClass
+    send_error = handler._send_error
+
+    def rate_limited(self, status, code, message, extra=None):  # the API's 500 (api_down) sent as 429
+        send_error(self, 429 if status == 500 else status, code, "Too Many Requests" if status == 500 else message)
+
+    handler._send_error = rate_limited
+    try:
+        fake_hub.api_down = True
+        with caplog.at_level("WARNING", logger="converter.hub"):
+            assert resolve_source(REPO, progress=False) == cached
+    finally:
+        handler._send_error = send_error
+    (record,) = caplog.records
+    assert "cannot be reached (HfHubHTTPError: 429" in record.getMessage()
+
+
+def test_transformers_offline_set_after_import_keeps_the_hub_unasked(fake_hub, monkeypatch):
+    """TRANSFORMERS_OFFLINE=1, which huggingface_hub reads as HF_HUB_OFFLINE, set after import: the cached snapshot
+    is used without a request, and an uncached repo is refused as not in the cache, the Hub never asked."""
+    fake_hub.add_repo(REPO, checkpoint())
+    cached = resolve_source(REPO, progress=False)
+    asked = len(fake_hub.requests)
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    assert resolve_source(REPO, progress=False) == cached
+    with pytest.raises(ThinkerError, match=r"^acme/other@main is not in the cache at "):
+        resolve_source("acme/other", progress=False)
+    assert len(fake_hub.requests) == asked
+
+
+def test_a_short_mistyped_local_path_is_named_with_the_folder_meant(fake_hub, monkeypatch, tmp_path):
+    """The example of converter.hub._not_local itself: "qwen3-06b" for ./qwen3-0.6b (one character left out of ten)
+    is named as the folder meant, once the Hub has answered that no such repo exists; "qwen-0.6b" too."""
+    (tmp_path / "qwen3-0.6b").mkdir()
+    (tmp_path / "unrelated").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for typo in ("qwen3-06b", "qwen-0.6b"):
+        with pytest.raises(ThinkerError) as err:
+            resolve_source(typo, progress=False)
+        assert str(err.value).endswith(f"; no local path {typo!r} exists either (did you mean ./qwen3-0.6b?)")
+
+
+def test_an_index_leaving_out_a_shard_beside_it_in_a_local_folder_is_said_to_be_damaged(tmp_path):
+    """A local folder's index that names shard 1 of 2 while shard 2 lies beside it: the index is damaged or from
+    another download (re-download it), not "try another revision", the advice for a Hub snapshot's own index."""
+    from thinker_common.sources import SAFETENSORS_INDEX, open_source
+
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    (tmp_path / shards[0]).write_bytes(save({"a": np.zeros(2, np.float32)}))
+    (tmp_path / shards[1]).write_bytes(save({"b": np.zeros(2, np.float32)}))
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / SAFETENSORS_INDEX).write_text(json.dumps({"weight_map": {"a": shards[0]}}))
+    with pytest.raises(ThinkerError) as err:
+        open_source(tmp_path)
+    assert str(err.value) == (
+        f"{tmp_path / SAFETENSORS_INDEX}: names no tensor in {shards[1]}, a shard of its own set beside it, so the "
+        "tensors in that shard would go unread; the index is damaged or from another download: re-download it"
+    )
+
+
+def test_one_shard_of_two_given_as_source_is_refused_naming_the_folder(tmp_path):
+    """SOURCE naming model-00001-of-00002.safetensors, which the index beside it names as one of 2 shards: refused as
+    a part of a checkpoint, naming the folder to give instead (not read alone as if it were the whole model)."""
+    from thinker_common.sources import SAFETENSORS_INDEX, open_source
+
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    (tmp_path / shards[0]).write_bytes(save({"a": np.zeros(2, np.float32)}))
+    (tmp_path / shards[1]).write_bytes(save({"b": np.zeros(2, np.float32)}))
+    (tmp_path / SAFETENSORS_INDEX).write_text(json.dumps({"weight_map": {"a": shards[0], "b": shards[1]}}))
+    with pytest.raises(ThinkerError) as err:
+        open_source(tmp_path / shards[0])
+    assert str(err.value) == (
+        f"{tmp_path / shards[0]}: one of the 2 shards {SAFETENSORS_INDEX} names; give the folder that holds them "
+        f"({tmp_path}) as SOURCE"
+    )
+
+
+def test_a_tokenizer_model_given_as_source_is_named_as_no_weights(tmp_path):
+    """tokenizer.model (sentencepiece) given as SOURCE by mistake: said to be a file of the checkpoint, not its
+    weights, rather than tried as a PyTorch pickle and refused as an unloadable state dict."""
+    from thinker_common.sources import open_source
+
+    (tmp_path / "tokenizer.model").write_bytes(b"\x0a\x05hello")
+    with pytest.raises(ThinkerError) as err:
+        open_source(tmp_path / "tokenizer.model")
+    assert str(err.value) == (
+        f"{tmp_path / 'tokenizer.model'}: a .model file of the checkpoint, not its weights; give the folder that "
+        "holds it"
+    )
+
+
+def test_a_symlink_to_a_cached_snapshot_reads_its_files_from_the_cache(fake_hub, tmp_path):
+    """A link to a Hub snapshot (ln -s ~/.cache/huggingface/hub/models--acme--tiny/snapshots/SHA ./tiny) given as
+    SOURCE: the snapshot's files link into the cache's blobs/, which the cache the link leads to vouches for."""
+    from thinker_common.sources import open_source
+
+    fake_hub.add_repo(REPO, checkpoint())
+    link = tmp_path / "tiny"
+    link.symlink_to(resolve_source(REPO, progress=False), target_is_directory=True)
+    source = open_source(link)
+    try:
+        assert source.names() == ["w"]
+        np.testing.assert_array_equal(source.load("w").numpy(), np.arange(4, dtype=np.float32))
+    finally:
+        source.close()
+
+
+@pytest.mark.parametrize(
+    ("model_type", "expected"),
+    [("thinker", "convert its source again (thinker-convert wrote this folder)"), ("qwen2", "re-download it")],
+)
+def test_a_truncated_file_in_a_folder_thinker_wrote_says_to_convert_again(tmp_path, model_type, expected):
+    """Weights cut short in a folder thinker-convert wrote (its config.json's model_type "thinker") were made here,
+    not downloaded: the advice is to convert the source again; in a downloaded folder, to re-download it."""
+    from thinker_common.sources import open_source
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    whole = save({"w": np.zeros(64, np.float32)})
+    (tmp_path / "model.safetensors").write_bytes(whole[: len(whole) - 100])
+    with pytest.raises(ThinkerError, match="the file is truncated or corrupt") as err:
+        open_source(tmp_path)
+    assert str(err.value).endswith(f"the file is truncated or corrupt, {expected}"), err.value
+
+
+# --- product bugs the mutation run met: refusals whose advice does not fit what the user gave ---------------------
+
+
+def test_a_hub_subfolder_that_does_not_exist_is_named(fake_hub):
+    """Locally a missing subfolder is named ("no subfolder 'weigths'"); on the Hub the refusal spoke of the repo's
+    top level and advised checking the repo id and revision, never naming the subfolder mistyped."""
+    fake_hub.add_repo(REPO, {f"weights/{k}": v for k, v in checkpoint().items()})
+    with pytest.raises(ThinkerError) as err:
+        resolve_source(REPO, subfolder="weigths", progress=False)
+    assert "subfolder 'weigths'" in str(err.value)
+    assert not fake_hub.file_requests()
+
+
+def test_weights_one_folder_below_the_subfolder_are_named_by_their_path_in_the_repo(fake_hub):
+    """subfolder="weights" whose weights lie in weights/original/: the advice printed `hf download ... --include
+    'original/*'`, which matches nothing in the repo (its files are under weights/original/)."""
+    files = checkpoint()
+    fake_hub.add_repo(REPO, {"weights/config.json": files["config.json"], "weights/original/model.safetensors": b"x"})
+    with pytest.raises(ThinkerError) as err:
+        resolve_source(REPO, subfolder="weights", progress=False)
+    assert "--include 'weights/original/*'" in str(err.value)
+
+
+@pytest.mark.parametrize("how", ["local_files_only", "TRANSFORMERS_OFFLINE"])
+def test_offline_not_by_hf_hub_offline_is_not_told_to_unset_it(fake_hub, monkeypatch, how):
+    """HF_HUB_OFFLINE is unset here: the refusal said "and HF_HUB_OFFLINE=1; ... or unset HF_HUB_OFFLINE", advice
+    that changes nothing; it should name what made the run offline."""
+    options = {"local_files_only": True} if how == "local_files_only" else {}
+    if how == "TRANSFORMERS_OFFLINE":
+        monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    with pytest.raises(ThinkerError) as err:
+        resolve_source("acme/other", progress=False, **options)
+    assert "unset HF_HUB_OFFLINE" not in str(err.value) and how in str(err.value)
+    assert not fake_hub.requests
