@@ -101,8 +101,9 @@ def pick_conversion_files(
 ) -> list[str]:
     """The files of a repo that a conversion reads, chosen from its file listing; ``label`` names it in errors.
     ``gguf_file`` names the one GGUF file to take, of the several a GGUF repo holds (one per quantisation).
-    ``folder`` is where ``repo_files`` lie in the repo (``Q8/`` for ``--subfolder Q8``): the shards of a split GGUF
-    are named by their path in the repo, as its other quantisations' folders may hold shards of the same names.
+    ``folder`` is where ``repo_files`` lie in the repo (``Q8/`` for ``subfolder="Q8"`` or ``--gguf-file
+    Q8/NAME.gguf``): the shards of a split GGUF are named by their path in the repo, as its other quantisations'
+    folders may hold shards of the same names.
 
     Only top-level files are taken: sub-folders hold alternative copies (``original/*.pth``, ``onnx/``, ``gguf/``)
     that can be many times the size of the checkpoint itself. Of the weights, one format is taken, the first
@@ -186,7 +187,7 @@ def _of_format(name: str, whole: str) -> bool:
 def _nested(repo_files: Iterable[str], label: str, folder: str = "") -> str:
     """What to do when a repo's weights are not at its top level: name the folders that hold some (GGUF repos keep
     a quantisation per folder, others ``original/`` or a component's folder), or say to check the id. ``folder``:
-    where ``repo_files`` lie in the repo (``--subfolder``), so that the download advice names the repo's paths."""
+    where ``repo_files`` lie in the repo (a ``subfolder``), so that the download advice names the repo's paths."""
     nested = sorted(name for name in repo_files if "/" in name and name.endswith((".safetensors", ".bin", ".gguf")))
     ggufs = [name for name in nested if name.endswith(".gguf")]
     if ggufs:
@@ -202,12 +203,10 @@ def _nested(repo_files: Iterable[str], label: str, folder: str = "") -> str:
     )
 
 
-def _folders_held(files: list[str], listed: bool) -> str:
-    """The advice for a ``--subfolder`` the repo's listing lacks: its top-level folders, named to choose from."""
+def _folders_held(files: list[str]) -> str:
+    """The advice for a ``subfolder`` the repo's listing lacks: its top-level folders, named to choose from."""
     folders = sorted({name.partition("/")[0] for name in files if "/" in name})
-    where = "its folders" if listed else "the cached snapshot's folders (which may hold only some of the repo's)"
-    held = f"{where}: {_listed([f'{folder}/' for folder in folders])}" if folders else f"{where}: none"
-    return f"check the subfolder name ({held})"
+    return f"check the subfolder name (its folders: {_listed([f'{folder}/' for folder in folders]) or 'none'})"
 
 
 def _ggufs_held(names: list[str]) -> str:
@@ -375,7 +374,7 @@ def _resolve_repo(
         pinned = _cached_commit(repo_id, revision, cache_dir) or revision
         files, listed = _cached_listing(repo_id, pinned, cache_dir)
         if files is None:
-            raise _not_cached(repo_id, label, endpoint, cache_dir, offline, unreachable)
+            raise _not_cached(repo_id, label, endpoint, cache_dir, offline, hub.local_files_only, unreachable)
 
     index = None  # the shard index among the files picked, read first: the shards it names are the weights
     prefix = f"{hub.subfolder}/" if hub.subfolder else ""
@@ -385,8 +384,14 @@ def _resolve_repo(
             held = sorted(name for name in files if name.endswith(".gguf"))
             raise ThinkerError(f"{label} has no GGUF file {prefix + hub.gguf_file!r}; {_ggufs_held(held)}")
         inside = [name.removeprefix(prefix) for name in files if name.startswith(prefix)]
-        if not inside:  # named here: else the empty listing reads as a repo without weights
-            raise ThinkerError(f"{label}: no subfolder {hub.subfolder!r} in the repo; {_folders_held(files, listed)}")
+        if not inside and listed:  # named here: else the empty listing reads as a repo without weights
+            raise ThinkerError(f"{label}: no subfolder {hub.subfolder!r} in the repo; {_folders_held(files)}")
+        if not inside:
+            closed = _hub_closed(offline, hub.local_files_only, endpoint, unreachable)
+            raise ThinkerError(
+                f"{label}: no subfolder {hub.subfolder!r} in the cached snapshot, which was filled file by file and "
+                f"may lack folders the repo holds, and {closed}; run once online to fetch it"
+            )
         picked = pick_conversion_files(inside, label, hub.gguf_file, prefix)
         gguf = next((name for name in picked if name.endswith(".gguf")), None)
         if gguf is not None and hub.gguf_file is None and not listed:
@@ -429,16 +434,16 @@ def _resolve_repo(
         missing = [name for name in wanted if not os.path.isfile(snapshot / name)]  # a link to a deleted blob too
         shown = f" ({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''})" if missing else ""
         raise ThinkerError(
-            f"{label}: the cached snapshot at {err.snapshot_path} is missing files{shown} and the Hub "
-            f"{'is off limits (HF_HUB_OFFLINE=1)' if offline else f'at {endpoint} cannot be reached'}"
-            f"{_reason(unreachable)}; run once online to complete it"
+            f"{label}: the cached snapshot at {err.snapshot_path} is missing files{shown} and "
+            f"{_hub_closed(offline, hub.local_files_only, endpoint, unreachable)}; run once online to complete it"
         ) from None
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as err:
         refused = _refusal_within(err)
         if refused is not None:  # a file's download refused (a token without access, a proxy), not the network
             raise _explain(refused, repo_id, label, endpoint, cache_dir) from None
         # the Hub's own failure where the listing already met one (the files were then sought in the cache alone)
-        raise _not_cached(repo_id, label, endpoint, cache_dir, offline, unreachable or err.__cause__ or err) from None
+        why = unreachable or err.__cause__ or err
+        raise _not_cached(repo_id, label, endpoint, cache_dir, offline, hub.local_files_only, why) from None
     except HfHubHTTPError as err:
         raise _explain(err, repo_id, label, endpoint, cache_dir) from None
     except (*_NETWORK_ERRORS, RecursionError) as err:  # the connection dropped in the middle of a download
@@ -496,17 +501,31 @@ def _offline() -> bool:
     return constants.is_offline_mode() or now.upper() in _TRUE_VALUES
 
 
-def _offline_switch() -> tuple[str, str]:
-    """What keeps the Hub unasked, and how to lift it: a variable set now, one huggingface_hub read at import (and
-    keeps, though it has been unset since), or else ``local_files_only``."""
-    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        value = os.environ.get(name) or ""
-        if value.upper() in _TRUE_VALUES:
-            return f"{name}={value}", f"unset {name}"
-    if constants.is_offline_mode():
-        imported = "HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) was set when huggingface_hub was imported"
-        return imported, "start Python again without it"
-    return "local_files_only=True", "pass local_files_only=False"
+def _offline_switches(local_files_only: bool) -> tuple[str, str]:
+    """What keeps the Hub unasked, and how to lift it, naming every switch that does, so that one round of advice
+    is enough: the variables as huggingface_hub reads them (HF_HUB_OFFLINE when set, to any value, else
+    TRANSFORMERS_OFFLINE), one it read at import and keeps though unset since, and ``local_files_only``."""
+    hub_value = os.environ.get("HF_HUB_OFFLINE") or ""
+    named = [f"HF_HUB_OFFLINE={hub_value}"] if hub_value.upper() in _TRUE_VALUES else []
+    transformers_value = os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    if transformers_value.upper() in _TRUE_VALUES and (not hub_value or named):  # read once HF_HUB_OFFLINE is gone
+        named.append(f"TRANSFORMERS_OFFLINE={transformers_value}")
+    said = list(named)
+    undo = [f"unset {' and '.join(name.partition('=')[0] for name in named)}"] if named else []
+    if not named and constants.is_offline_mode():
+        said.append("HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) was set when huggingface_hub was imported")
+        undo.append("start Python again without it")
+    if local_files_only:
+        said.append("local_files_only=True")
+        undo.append("pass local_files_only=False")
+    return " and ".join(said), " and ".join(undo)
+
+
+def _hub_closed(offline: bool, local_files_only: bool, endpoint: str, unreachable: BaseException | None) -> str:
+    """Why the Hub was not asked: the switches that keep it off limits, or the failure that left it out of reach."""
+    if offline:
+        return f"the Hub is off limits ({_offline_switches(local_files_only)[0]})"
+    return f"the Hub at {endpoint} cannot be reached{_reason(unreachable)}"
 
 
 def _remote_listing(repo_id: str, revision: str, endpoint: str, token: str | bool | None) -> tuple[str, list[str]]:
@@ -646,11 +665,17 @@ def _first_line(err: BaseException) -> str:
 
 
 def _not_cached(
-    repo_id: str, label: str, endpoint: str, cache_dir: Path, offline: bool, reason: BaseException | None
+    repo_id: str,
+    label: str,
+    endpoint: str,
+    cache_dir: Path,
+    offline: bool,
+    local_files_only: bool,
+    reason: BaseException | None,
 ) -> ThinkerError:
     """Nothing usable in the cache, and the Hub is off limits (offline) or out of reach."""
     if offline:
-        switch, undo = _offline_switch()
+        switch, undo = _offline_switches(local_files_only)
         return ThinkerError(
             f"{label} is not in the cache at {cache_dir} and {switch}; run once online or {undo}{_not_local(repo_id)}"
         )

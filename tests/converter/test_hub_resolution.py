@@ -185,7 +185,7 @@ def test_a_truncated_file_in_a_folder_thinker_wrote_says_to_convert_again(tmp_pa
     assert str(err.value).endswith(f"the file is truncated or corrupt, {expected}"), err.value
 
 
-# --- product bugs the mutation run met: refusals whose advice does not fit what the user gave ---------------------
+# --- refusals whose advice fits what the user gave (a mutation run and a review found each wrong) ---------------
 
 
 def test_a_hub_subfolder_that_does_not_exist_is_named(fake_hub):
@@ -208,14 +208,78 @@ def test_weights_one_folder_below_the_subfolder_are_named_by_their_path_in_the_r
     assert "--include 'weights/original/*'" in str(err.value)
 
 
-@pytest.mark.parametrize("how", ["local_files_only", "TRANSFORMERS_OFFLINE"])
-def test_offline_not_by_hf_hub_offline_is_not_told_to_unset_it(fake_hub, monkeypatch, how):
-    """HF_HUB_OFFLINE is unset here: the refusal said "and HF_HUB_OFFLINE=1; ... or unset HF_HUB_OFFLINE", advice
-    that changes nothing; it should name what made the run offline."""
-    options = {"local_files_only": True} if how == "local_files_only" else {}
-    if how == "TRANSFORMERS_OFFLINE":
-        monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+@pytest.mark.parametrize(
+    ("environment", "local_files_only", "said"),
+    [
+        ({"TRANSFORMERS_OFFLINE": "1"}, False, "TRANSFORMERS_OFFLINE=1; run once online or unset TRANSFORMERS_OFFLINE"),
+        ({}, True, "local_files_only=True; run once online or pass local_files_only=False"),
+        (
+            {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+            False,
+            "HF_HUB_OFFLINE=1 and TRANSFORMERS_OFFLINE=1; run once online or unset HF_HUB_OFFLINE and "
+            "TRANSFORMERS_OFFLINE",
+        ),
+        # HF_HUB_OFFLINE=0 outweighs TRANSFORMERS_OFFLINE=1 in huggingface_hub: local_files_only alone keeps it off
+        (
+            {"HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "1"},
+            True,
+            "local_files_only=True; run once online or pass local_files_only=False",
+        ),
+        (
+            {"HF_HUB_OFFLINE": "true"},
+            True,
+            "HF_HUB_OFFLINE=true and local_files_only=True; run once online or unset HF_HUB_OFFLINE and pass "
+            "local_files_only=False",
+        ),
+    ],
+    ids=["transformers", "local-files-only", "both-variables", "hub-0-outweighs", "variable-and-argument"],
+)
+def test_offline_advice_names_every_switch_that_keeps_the_hub_unasked(
+    fake_hub, monkeypatch, environment, local_files_only, said
+):
+    """The refusal once said "and HF_HUB_OFFLINE=1; ... or unset HF_HUB_OFFLINE" whatever made the run offline:
+    advice that changed nothing where HF_HUB_OFFLINE was unset, and had to be followed twice where two switches
+    were on. Each switch is named, as huggingface_hub weighs them, with its undoing."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
     with pytest.raises(ThinkerError) as err:
-        resolve_source("acme/other", progress=False, **options)
-    assert "unset HF_HUB_OFFLINE" not in str(err.value) and how in str(err.value)
+        resolve_source("acme/other", progress=False, local_files_only=local_files_only)
+    assert f"acme/other@main is not in the cache at {fake_hub.cache} and {said}; no local path" in str(err.value)
     assert not fake_hub.requests
+
+
+def test_a_subfolder_missing_from_a_snapshot_cached_file_by_file_is_not_said_missing_from_the_repo(
+    fake_hub, monkeypatch
+):
+    """Offline, with the cache filled file by file (as from_pretrained fills it: no listing of the repo), a folder
+    the cache lacks may well be in the repo: the refusal says the cache lacks it and to run once online, not to
+    check the name."""
+    from huggingface_hub import hf_hub_download
+
+    fake_hub.add_repo(REPO, {**checkpoint(), **{f"other/{k}": v for k, v in checkpoint().items()}})
+    for name in ("config.json", "model.safetensors"):
+        hf_hub_download(REPO, name, cache_dir=fake_hub.cache)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ThinkerError) as err:
+        resolve_source(REPO, subfolder="other", progress=False)
+    assert str(err.value) == (
+        f"{REPO}@main: no subfolder 'other' in the cached snapshot, which was filled file by file and may lack "
+        "folders the repo holds, and the Hub is off limits (HF_HUB_OFFLINE=1); run once online to fetch it"
+    )
+
+
+def test_an_incomplete_snapshot_names_the_switch_that_keeps_the_hub_off_limits(fake_hub, monkeypatch):
+    """A cached snapshot missing a file, offline by TRANSFORMERS_OFFLINE: the message named HF_HUB_OFFLINE=1,
+    which was unset."""
+    fake_hub.add_repo(REPO, checkpoint())
+    folder = resolve_source(REPO, progress=False)
+    (folder / "model.safetensors").unlink()
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    with pytest.raises(ThinkerError) as err:
+        resolve_source(REPO, progress=False)
+    assert "is missing files (model.safetensors) and the Hub is off limits (TRANSFORMERS_OFFLINE=1); run" in str(
+        err.value
+    )
