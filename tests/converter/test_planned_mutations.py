@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 from convert_helpers import build_reference
 from safetensors.torch import load_file, save_file
 from test_gate_precision import DENSE, near_ties
@@ -19,6 +20,7 @@ from converter.parity import check_parity, first_nonfinite
 from converter.unreached import EMBEDDING_ROWS
 from export.providers import CPU, CUDA_PROVIDER, provider_label
 from export.runtime import OnnxDecoder, whole_number
+from thinker_common.cli import main
 from thinker_common.errors import ThinkerError
 from thinker_common.parity_inputs import gate_prompts
 
@@ -121,3 +123,25 @@ def test_a_state_holding_more_caches_than_the_graph_reads_is_refused(qwen3_onnx)
     state.cache["past_key_values.99.key"] = next(iter(state.cache.values()))
     with pytest.raises(ThinkerError, match=f"its cache holds {held + 1} states, not {held}: a state from another"):
         decoder.decode_one_token(logits.argmax(-1), state)
+
+
+# --- export/exporter.py -----------------------------------------------------------------------------------------------
+
+
+def test_force_never_replaces_the_folder_holding_the_gguf_it_exports(tmp_path):
+    """``thinker export FOLDER FOLDER --gguf-file NAME --force``: the source is the one GGUF file, which the
+    OUTPUT-versus-source check before the work does not see (it is given no source where a GGUF file is named), so
+    the exporter's own check after resolving the file must refuse an OUTPUT that holds it; the mutation dropped that
+    check (E18)."""
+    from cli_helpers import assert_error, earlier_output
+    from test_gguf_hybrid import gguf_file
+
+    _, made = gguf_file(tmp_path, "qwen35")
+    # the GGUF kept in an earlier output of thinker, which --force may otherwise replace: only this check keeps it
+    folder = earlier_output(tmp_path / "earlier", {made.name: made.read_bytes()})
+    path = folder / made.name
+    before = {item.name: item.read_bytes() for item in folder.iterdir()}
+    args = ["export", str(folder), str(folder), "--gguf-file", path.name, "--no-verify", "--force"]
+    result = CliRunner().invoke(main, args)
+    assert_error(result, "OUTPUT holds the source", path.name)
+    assert {item.name: item.read_bytes() for item in folder.iterdir()} == before
