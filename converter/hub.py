@@ -199,7 +199,7 @@ def _nested(repo_files: Iterable[str], label: str, folder: str = "") -> str:
     repo = label.rpartition("@")[0] or label
     return (
         f"its folders {shown} hold weights: download the one to convert (hf download {repo} --include "
-        f"'{folders[0]}/*' --local-dir DIR) and pass DIR/{folders[0]} as SOURCE"
+        f"'{glob.escape(folders[0])}/*' --local-dir DIR) and pass DIR/{folders[0]} as SOURCE"
     )
 
 

@@ -208,6 +208,22 @@ def test_weights_one_folder_below_the_subfolder_are_named_by_their_path_in_the_r
     assert "--include 'weights/original/*'" in str(err.value)
 
 
+def test_the_download_advice_matches_a_folder_whose_name_holds_glob_characters(fake_hub):
+    """hf download's --include is a glob (huggingface_hub's filter_repo_objects): a folder named w[1] is written
+    escaped in the advice, or the pattern reads [1] as a class of characters and matches nothing in the repo."""
+    import re
+
+    from huggingface_hub.utils import filter_repo_objects
+
+    listing = ["config.json", "w[1]/original/model.safetensors"]
+    fake_hub.add_repo(REPO, {"config.json": checkpoint()["config.json"], listing[1]: b"x"})
+    with pytest.raises(ThinkerError) as err:
+        resolve_source(REPO, progress=False)
+    (pattern,) = re.findall(r"--include '([^']+)'", str(err.value))
+    assert list(filter_repo_objects(listing, allow_patterns=[pattern])) == [listing[1]]
+    assert "pass DIR/w[1]/original as SOURCE" in str(err.value)
+
+
 @pytest.mark.parametrize(
     ("environment", "local_files_only", "said"),
     [
