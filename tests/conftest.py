@@ -1,6 +1,7 @@
 """Shared pytest fixtures."""
 
 import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -348,3 +349,20 @@ def smollm2_demo(tmp_path_factory) -> DemoRun:
         patch.setattr(convert_module, "convert", recorded)
         result = CliRunner().invoke(main, ["demo", "--workdir", str(workdir), "--max-new-tokens", "4"])
     return DemoRun(result, workdir, conversions)
+
+
+@pytest.fixture
+def bind_mounted(tmp_path):
+    """``(real, alias)``: a folder and a bind mount of it, one place reached by two paths that no comparison of
+    paths tells apart. Needs mount(2): skipped where it is not permitted (it is, as root, on this project's
+    machines)."""
+    real, alias = tmp_path / "real", tmp_path / "alias"
+    real.mkdir()
+    alias.mkdir()
+    mounted = subprocess.run(["mount", "--bind", str(real), str(alias)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"bind mounts are not permitted here ({mounted.stderr.strip()})")
+    try:
+        yield real, alias
+    finally:
+        subprocess.run(["umount", str(alias)], check=True)

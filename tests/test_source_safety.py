@@ -65,23 +65,6 @@ def test_export_never_replaces_the_thinker_folder(force, qwen3_thinker, tmp_path
     assert digest(folder) == before
 
 
-@pytest.fixture
-def bind_mounted(tmp_path):
-    """``(real, alias)``: a folder and a bind mount of it, one place reached by two paths that no comparison of
-    paths tells apart. Needs mount(2): skipped where it is not permitted (it is, as root, on this project's
-    machines)."""
-    real, alias = tmp_path / "real", tmp_path / "alias"
-    real.mkdir()
-    alias.mkdir()
-    mounted = subprocess.run(["mount", "--bind", str(real), str(alias)], capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"bind mounts are not permitted here ({mounted.stderr.strip()})")
-    try:
-        yield real, alias
-    finally:
-        subprocess.run(["umount", str(alias)], check=True)
-
-
 @pytest.mark.parametrize("command", ["convert", "export"])
 def test_output_through_a_bind_mount_of_the_source_is_refused(
     command, bind_mounted, source_copy, qwen3_thinker, digest

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 
 import pytest
 from cli_helpers import assert_error, thinker
@@ -40,22 +39,6 @@ def test_output_holding_the_working_directory_is_named_by_path(qwen3_source, tmp
     )
     assert "another path" not in line
     assert sorted(os.listdir(tmp_path / "work")) == ["here"]
-
-
-@pytest.fixture
-def bind_mounted(tmp_path):
-    """``(real, alias)``: a folder and a bind mount of it (as in test_source_safety); skipped where mount(2) is not
-    permitted."""
-    real, alias = tmp_path / "real", tmp_path / "alias"
-    real.mkdir()
-    alias.mkdir()
-    mounted = subprocess.run(["mount", "--bind", str(real), str(alias)], capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"bind mounts are not permitted here ({mounted.stderr.strip()})")
-    try:
-        yield real, alias
-    finally:
-        subprocess.run(["umount", str(alias)], check=True)
 
 
 def test_the_working_directory_reached_through_a_bind_mount_is_refused(bind_mounted, qwen3_source, monkeypatch):
