@@ -25,6 +25,7 @@ Qwen3-Omni their DeepStack features, and looks token ids up through ``embed.onnx
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,7 @@ from onnxruntime.capi.onnxruntime_pybind11_state import Fail as OrtFail
 from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NotImplementedByOrt
 
 from thinker_common.errors import ThinkerError
+from thinker_common.source_files import regular_file
 
 from .graph_walk import all_nodes, rotates
 from .names import (
@@ -153,8 +155,9 @@ class OnnxDecoder:
         self.model_path = path / MODEL_FILE if path.is_dir() and path.suffix != ".onnx" else path
         if self.model_path.is_dir():
             raise ThinkerError(f"{self.model_path}: a folder where the ONNX model file should be; export it again")
-        if not self.model_path.is_file():
+        if not os.path.lexists(self.model_path):
             raise ThinkerError(f"{self.model_path}: no such ONNX model; export one with `thinker export`")
+        regular_file(self.model_path)  # a broken link, a pipe or a device is named as what it is, not as missing
         if provider not in ("auto", "cuda", "cpu"):
             raise ThinkerError(f"provider={provider!r}; expected auto, cuda or cpu")
         if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
