@@ -33,6 +33,7 @@ from thinker_common.sources import open_source
 
 from .engine import plan_conversion, stream_tensors
 from .hub import resolve_source
+from .output_dtype import resolve_dtype
 
 
 def config_for(source: str | Path, *, revision: str | None = None, dtype: str = "auto", **hub: Any) -> ThinkerConfig:
@@ -44,7 +45,10 @@ def config_for(source: str | Path, *, revision: str | None = None, dtype: str = 
     try:
         source_config = tensor_source.config()
         if source_config.get("model_type") == ThinkerConfig.model_type:
-            return ThinkerConfig.from_pretrained(root)
+            config = ThinkerConfig.from_pretrained(root)
+            if dtype != "auto":  # as load_thinker loads the folder: in the dtype asked for
+                config.dtype = resolve_dtype(dtype, None, tensor_source)
+            return config
         return plan_conversion(tensor_source, source_config, dtype).config
     finally:
         tensor_source.close()
