@@ -46,8 +46,8 @@ def config_for(source: str | Path, *, revision: str | None = None, dtype: str = 
         source_config = tensor_source.config()
         if source_config.get("model_type") == ThinkerConfig.model_type:
             config = ThinkerConfig.from_pretrained(root)
-            if dtype != "auto":  # as load_thinker loads the folder: in the dtype asked for
-                config.dtype = resolve_dtype(dtype, None, tensor_source)
+            if (asked := folder_dtype(dtype, tensor_source)) != "auto":  # as load_thinker loads the folder
+                config.dtype = asked
             return config
         return plan_conversion(tensor_source, source_config, dtype).config
     finally:
@@ -81,7 +81,9 @@ def load_thinker(
     try:
         source_config = tensor_source.config()
         native = source_config.get("model_type") == ThinkerConfig.model_type
-        if not native:
+        if native:
+            dtype = folder_dtype(dtype, tensor_source)
+        else:
             plan = plan_conversion(tensor_source, source_config, dtype)
             state = dict(stream_tensors(plan, tensor_source))
     finally:
@@ -90,6 +92,12 @@ def load_thinker(
         return in_eval_mode(ThinkerForCausalLM.from_pretrained(root, **({"dtype": dtype} | from_pretrained_kwargs)))
     kwargs = {"dtype": plan.dtype} | from_pretrained_kwargs
     return in_eval_mode(ThinkerForCausalLM.from_pretrained(None, config=plan.config, state_dict=state, **kwargs))
+
+
+def folder_dtype(dtype: Any, tensor_source: Any) -> Any:
+    """The dtype a Thinker folder is loaded in: ``auto`` (its own), or one a converted source could be given, checked
+    as the conversion checks it, so that a folder and a source take and refuse the same values."""
+    return dtype if dtype == "auto" else resolve_dtype(dtype, None, tensor_source)
 
 
 def in_eval_mode(loaded: Any) -> Any:

@@ -89,13 +89,16 @@ def test_config_for_a_thinker_folder_is_its_own_config(float32_source, tmp_path)
 
 def test_config_for_a_thinker_folder_takes_the_dtype_asked_as_load_thinker_does(float32_source, tmp_path):
     """A Thinker folder's config in the dtype asked for, the dtype ``load_thinker`` loads the same folder in; a dtype
-    no folder may hold refused by name."""
+    no folder may hold refused by name by both, as for a source to convert."""
     load_thinker(float32_source).save_pretrained(tmp_path / "thinker")
     assert config_for(tmp_path / "thinker").dtype == torch.float32
     asked = config_for(tmp_path / "thinker", dtype="bfloat16")
     assert asked.dtype == torch.bfloat16 == load_thinker(tmp_path / "thinker", dtype="bfloat16").dtype
-    with pytest.raises(ThinkerError, match="--dtype 'int8' is not one of auto, "):
-        config_for(tmp_path / "thinker", dtype="int8")
+    for refused in ("int8", "float64", torch.float64, None):  # as a source's conversion refuses them
+        with pytest.raises(ThinkerError, match=r"--dtype .* is not one of auto, float32, bfloat16, float16"):
+            config_for(tmp_path / "thinker", dtype=refused)
+        with pytest.raises(ThinkerError, match=r"--dtype .* is not one of auto, float32, bfloat16, float16"):
+            load_thinker(tmp_path / "thinker", dtype=refused)
 
 
 # --- FP8 checkpoints (thinker_common/fp8_source.py) ----------------------------------------------------------------
