@@ -8,7 +8,7 @@ import json
 import shutil
 
 import pytest
-from cli_helpers import assert_error, assert_nothing_written, thinker
+from cli_helpers import assert_error, assert_nothing_written, thinker, thinker_meeting_pipes
 from click.testing import CliRunner
 
 from export.cli import embeds_figure, fallback_words, genai_figure, held_figure, indexer_figure, routes_followed
@@ -203,12 +203,13 @@ def test_generate_runs_to_its_default_of_32_new_tokens(onnx_folder, tmp_path):
     assert "\n32 tokens in " in result.stderr, result.stderr
 
 
-def test_demo_passes_its_documented_defaults(monkeypatch):
+def test_demo_passes_its_documented_defaults(monkeypatch, tmp_path):
     """`thinker demo` continues "The capital of France is" by 12 tokens under ./thinker-demo (README), as given."""
     from pathlib import Path
 
     import export.demo
 
+    monkeypatch.chdir(tmp_path)  # should the stand-in miss, the real demo writes into tmp_path, not the checkout
     given = []
     monkeypatch.setattr(export.demo, "run_demo", lambda *args: given.append(args[:3]))
     result = CliRunner().invoke(main, ["demo"])
@@ -253,8 +254,9 @@ def test_a_broken_link_for_model_onnx_is_named_as_the_model(onnx_folder, tmp_pat
 
 
 def test_a_model_onnx_that_is_no_file_is_named_for_what_it_is(onnx_folder, tmp_path):
-    """OnnxDecoder on a model.onnx that is a link to nothing, or a named pipe (which reading would wait on forever):
-    said to be that, not "no such ONNX model" (the advice to export one, where the user has one to restore)."""
+    """OnnxDecoder (and so `thinker generate`) on a model.onnx that is a link to nothing, or a named pipe (which
+    reading would wait on forever): said to be that, not "no such ONNX model" (the advice to export one, where the
+    user has one to restore)."""
     import os
 
     from export.runtime import OnnxDecoder
@@ -270,9 +272,9 @@ def test_a_model_onnx_that_is_no_file_is_named_for_what_it_is(onnx_folder, tmp_p
         f"{model}: a broken symlink (to {folder / 'gone.onnx'}); restore the file it points to, or delete it"
     )
     model.unlink()
-    os.mkfifo(model)
-    with pytest.raises(ThinkerError, match=r"model\.onnx: a named pipe \(reading it would wait forever\)"):
-        OnnxDecoder(folder)
+    os.mkfifo(model)  # in a thread that releases the pipe, so that a check gone wrong fails rather than hangs
+    run = thinker_meeting_pipes("generate", folder, "--prompt", "the cat", pipes=[model], timeout=60)
+    assert_error(run, f"{model}: a named pipe (reading it would wait forever), not a regular file")
     model.unlink()
     with pytest.raises(ThinkerError) as missing:
         OnnxDecoder(folder)
