@@ -114,13 +114,19 @@ def test_kept_wider_keeps_float16_in_a_bfloat16_folder_as_float16(tmp_path):
         source.close()
 
 
+def bfloat16_copy(source: Path, folder: Path) -> Path:
+    """A copy of ``source`` whose config.json declares bfloat16 (its tensors as they were: the caller casts them)."""
+    folder = shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    (folder / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    return folder
+
+
 def test_auto_keeps_a_float16_tensor_of_a_bfloat16_source_as_float16(qwen3_source, tmp_path):
     """End to end: a source declaring bfloat16 with one norm stored in float16 converts to a bfloat16 folder holding
     that norm in float16, bit for bit (not rounded to bfloat16, not widened to float32)."""
-    source = shutil.copytree(qwen3_source, tmp_path / "source")
-    config = json.loads((source / "config.json").read_text())
-    config.pop("torch_dtype", None)
-    (source / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    source = bfloat16_copy(qwen3_source, tmp_path / "source")
     edit_tensors(
         source,
         lambda tensors: tensors.update(
@@ -198,10 +204,7 @@ def test_verify_names_the_expert_of_a_changed_fused_expert_weight(tmp_path):
 def test_verify_takes_a_folder_cast_to_the_dtype_auto_keeps_some_tensors_wider_than(qwen3_source, tmp_path):
     """A bfloat16 source with its norms stored in float32: ``auto`` keeps the norms float32, ``--dtype bfloat16``
     casts them too. The folder of the latter is what converting the source writes, so the exact check passes it."""
-    source = shutil.copytree(qwen3_source, tmp_path / "source")
-    config = json.loads((source / "config.json").read_text())
-    config.pop("torch_dtype", None)
-    (source / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    source = bfloat16_copy(qwen3_source, tmp_path / "source")
     edit_tensors(
         source,
         lambda tensors: tensors.update(
