@@ -18,9 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from convert_helpers import build_reference
 from safetensors.torch import save_file
-from transformers import Qwen3Config
 
 from converter.hub import pick_conversion_files
 from converter.load import config_for, load_thinker
@@ -29,18 +27,6 @@ from thinker_common.errors import ThinkerError
 from thinker_common.fp8_source import DEFAULT_BLOCK, fp8_quantization
 from thinker_common.parity_inputs import indexer_batch
 from thinker_common.sources import open_source
-
-QWEN3 = Qwen3Config(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    num_hidden_layers=2,
-    max_position_embeddings=64,
-)
-
 
 # --- which files of a Hub repo a conversion reads (converter/hub.py) -----------------------------------------------
 
@@ -68,29 +54,22 @@ def test_a_gguf_file_named_by_its_path_in_a_folder_is_not_taken_as_a_top_level_o
 # --- config_for (converter/load.py) --------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def float32_source(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("leftovers") / "qwen3"
-    build_reference(QWEN3).save_pretrained(folder)
-    return folder
+def test_config_for_writes_the_dtype_asked(qwen3_source):
+    assert config_for(qwen3_source).dtype == torch.float32
+    assert config_for(qwen3_source, dtype="bfloat16").dtype == torch.bfloat16
 
 
-def test_config_for_writes_the_dtype_asked(float32_source):
-    assert config_for(float32_source).dtype == torch.float32
-    assert config_for(float32_source, dtype="bfloat16").dtype == torch.bfloat16
-
-
-def test_config_for_a_thinker_folder_is_its_own_config(float32_source, tmp_path):
-    load_thinker(float32_source).save_pretrained(tmp_path / "thinker")
+def test_config_for_a_thinker_folder_is_its_own_config(qwen3_source, tmp_path):
+    load_thinker(qwen3_source).save_pretrained(tmp_path / "thinker")
     config = config_for(tmp_path / "thinker")
     assert isinstance(config, ThinkerConfig)
     assert config.to_dict() == ThinkerConfig.from_pretrained(tmp_path / "thinker").to_dict()
 
 
-def test_config_for_a_thinker_folder_takes_the_dtype_asked_as_load_thinker_does(float32_source, tmp_path):
+def test_config_for_a_thinker_folder_takes_the_dtype_asked_as_load_thinker_does(qwen3_source, tmp_path):
     """A Thinker folder's config in the dtype asked for, the dtype ``load_thinker`` loads the same folder in; a dtype
     no folder may hold refused by name by both, as for a source to convert."""
-    load_thinker(float32_source).save_pretrained(tmp_path / "thinker")
+    load_thinker(qwen3_source).save_pretrained(tmp_path / "thinker")
     assert config_for(tmp_path / "thinker").dtype == torch.float32
     asked = config_for(tmp_path / "thinker", dtype="bfloat16")
     assert asked.dtype == torch.bfloat16 == load_thinker(tmp_path / "thinker", dtype="bfloat16").dtype
