@@ -12,7 +12,7 @@ import onnx
 
 from thinker_common.errors import ThinkerError
 from thinker_common.side_files import read_json
-from thinker_common.source_files import regular_file
+from thinker_common.source_files import ONNX_FILES, regular_file
 
 from .names import GENAI_CONFIG_FILE, MODEL_FILE, POSITION_TABLE, ROPE_TABLE, export_context
 from .weights_stamp import check_weights_stamp
@@ -100,7 +100,7 @@ def check_external_data(model_path: Path) -> onnx.ModelProto:
             "incomplete: copy the whole folder, or export it again"
         )
     for name, end in ends.items():
-        regular_file(model_path.parent / name)  # a named pipe or a device in its place: says what it is instead
+        regular_file(model_path.parent / name, ONNX_FILES)  # a pipe or a device in its place: says what it is
         check_weights_stamp(model, model_path, model_path.parent / name)
         size = (model_path.parent / name).stat().st_size
         if size < end:

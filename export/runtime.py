@@ -43,7 +43,7 @@ from onnxruntime.capi.onnxruntime_pybind11_state import Fail as OrtFail
 from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NotImplementedByOrt
 
 from thinker_common.errors import ThinkerError
-from thinker_common.source_files import regular_file
+from thinker_common.source_files import ONNX_FILES, regular_file
 
 from .graph_walk import all_nodes, rotates
 from .names import (
@@ -157,7 +157,7 @@ class OnnxDecoder:
             raise ThinkerError(f"{self.model_path}: a folder where the ONNX model file should be; export it again")
         if not os.path.lexists(self.model_path):
             raise ThinkerError(f"{self.model_path}: no such ONNX model; export one with `thinker export`")
-        regular_file(self.model_path)  # a broken link, a pipe or a device is named as what it is, not as missing
+        regular_file(self.model_path, ONNX_FILES)  # a broken link, a pipe or a device: said, not called missing
         if provider not in ("auto", "cuda", "cpu"):
             raise ThinkerError(f"provider={provider!r}; expected auto, cuda or cpu")
         if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):

@@ -496,7 +496,7 @@ def another_exports_weights(folder: Path) -> None:
         (same_size_foreign_weights, ["model.onnx.data: not the weights model.onnx was exported with", "another"]),
         (  # from a QA sweep: was "missing", as was a link to /dev/zero
             lambda f: ((f / "model.onnx.data").unlink(), os.mkfifo(f / "model.onnx.data")),
-            ["model.onnx.data: a named pipe", "not a regular file"],
+            ["model.onnx.data: a named pipe", "not a regular file; an ONNX folder's model and weights are plain files"],
         ),
         (
             lambda f: ((f / "model.onnx.data").unlink(), (f / "model.onnx.data").symlink_to(f / "gone")),

@@ -101,8 +101,16 @@ def _kind(mode: int) -> str:
     return "not a file"
 
 
-def regular_file(path: Path) -> Path:
-    """``path`` if it is (or links to) a regular file; else a ``ThinkerError`` saying what it is instead."""
+# What to do about a file that is not a plain one, by what it belongs to (the default: a checkpoint folder).
+CHECKPOINT_FILES = (
+    "a checkpoint's weights, config and tokenizer are plain files: replace it with the file it stands for"
+)
+ONNX_FILES = "an ONNX folder's model and weights are plain files: copy the whole folder again, or export it again"
+
+
+def regular_file(path: Path, advice: str = CHECKPOINT_FILES) -> Path:
+    """``path`` if it is (or links to) a regular file; else a ``ThinkerError`` saying what it is instead, and
+    ``advice``."""
     path = Path(path)
     try:
         mode = path.stat().st_mode  # follows symlinks
@@ -115,10 +123,7 @@ def regular_file(path: Path) -> Path:
     except OSError as err:
         raise ThinkerError(f"{path}: cannot be read ({err.strerror or err})") from None
     if not stat.S_ISREG(mode):
-        raise ThinkerError(
-            f"{path}: {_kind(mode)}, not a regular file; a checkpoint's weights, config and tokenizer are plain "
-            "files: replace it with the file it stands for"
-        )
+        raise ThinkerError(f"{path}: {_kind(mode)}, not a regular file; {advice}")
     return path
 
 

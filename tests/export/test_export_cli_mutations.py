@@ -274,7 +274,11 @@ def test_a_model_onnx_that_is_no_file_is_named_for_what_it_is(onnx_folder, tmp_p
     model.unlink()
     os.mkfifo(model)  # in a thread that releases the pipe, so that a check gone wrong fails rather than hangs
     run = thinker_meeting_pipes("generate", folder, "--prompt", "the cat", pipes=[model], timeout=60)
-    assert_error(run, f"{model}: a named pipe (reading it would wait forever), not a regular file")
+    assert_error(
+        run,
+        f"{model}: a named pipe (reading it would wait forever), not a regular file; an ONNX folder's model and "
+        "weights are plain files: copy the whole folder again, or export it again",
+    )
     model.unlink()
     with pytest.raises(ThinkerError) as missing:
         OnnxDecoder(folder)
