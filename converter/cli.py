@@ -152,6 +152,13 @@ def _shard_size(ctx: click.Context, param: click.Parameter, value: str) -> str:
 revision_option = click.option(
     "--revision", metavar="REV", help="Hub branch, tag or commit of a repo-id SOURCE (default: main)."
 )
+subfolder_option = click.option(
+    "--subfolder",
+    metavar="PATH",
+    help="The checkpoint's folder inside SOURCE (a Hub repo or a local folder), as transformers' "
+    "from_pretrained(..., subfolder=PATH): of a Hub repo only that folder's files are downloaded, with the repo's "
+    "card and license from its top.",
+)
 gguf_file_option = click.option(
     "--gguf-file",
     metavar="NAME",
@@ -167,6 +174,7 @@ gguf_file_option = click.option(
 @click.argument("source")
 @click.argument("output", type=click.Path(path_type=Path))
 @revision_option
+@subfolder_option
 @gguf_file_option
 @click.option(
     "--dtype",
@@ -219,6 +227,7 @@ def convert_command(
     source: str,
     output: Path,
     revision: str | None,
+    subfolder: str | None,
     gguf_file: str | None,
     dtype: str,
     max_shard_size: str,
@@ -232,9 +241,13 @@ def convert_command(
     if to_family is not None:
         from .back import convert_back
 
-        if revision is not None or gguf_file is not None:
-            given = "--revision picks a Hub revision" if revision is not None else "--gguf-file picks a GGUF file"
-            raise ThinkerError(f"{given} of SOURCE; --to takes a local Thinker folder, with neither")
+        given = {
+            "--revision picks a Hub revision": revision,
+            "--subfolder picks a folder": subfolder,
+            "--gguf-file picks a GGUF file": gguf_file,
+        }
+        if named := next((words for words, value in given.items() if value is not None), None):
+            raise ThinkerError(f"{named} of SOURCE; --to takes a local Thinker folder, with none of these")
         result = convert_back(
             source,
             output,
@@ -250,6 +263,7 @@ def convert_command(
             source,
             output,
             revision=revision,
+            subfolder=subfolder,
             gguf_file=gguf_file,
             dtype=dtype,
             max_shard_size=max_shard_size,
@@ -278,6 +292,7 @@ def named_file(ctx: click.Context, param: click.Parameter, value: str | None) ->
 @click.argument("source")
 @click.argument("converted", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @revision_option
+@subfolder_option
 @gguf_file_option
 @click.option("--verify-by-layer", is_flag=True, help="Run the two models one layer at a time whatever their size.")
 @click.option(
@@ -293,6 +308,7 @@ def verify_command(
     source: str,
     converted: Path,
     revision: str | None,
+    subfolder: str | None,
     gguf_file: str | None,
     verify_by_layer: bool,
     report_path: Path | None,
@@ -300,7 +316,13 @@ def verify_command(
     from .convert import verify
 
     report = verify(
-        source, converted, revision=revision, gguf_file=gguf_file, by_layer=verify_by_layer, report_path=report_path
+        source,
+        converted,
+        revision=revision,
+        subfolder=subfolder,
+        gguf_file=gguf_file,
+        by_layer=verify_by_layer,
+        report_path=report_path,
     )
     if report.mode_note:
         click.secho(report.mode_note, fg="yellow", err=True)

@@ -139,7 +139,7 @@ def convert(
     output = Path(output)
     shard_bytes = parse_size(max_shard_size)
     # before any download; a local SOURCE first (a GGUF picked in a folder is checked once it is resolved)
-    local = None if hub_options.get("gguf_file") else source
+    local = None if hub_options.get("gguf_file") else Path(source).expanduser() / (hub_options.get("subfolder") or "")
     refuse_existing_output(output, force, "once the new conversion is complete", local)
     root = resolve_source(str(source), revision, progress=progress, **hub_options)
     refuse_output_over_source(output, root)
@@ -226,6 +226,7 @@ def verify(
     converted: str | Path,
     *,
     revision: str | None = None,
+    subfolder: str | None = None,
     gguf_file: str | None = None,
     by_layer: bool = False,
     memory_budget: int | None = None,
@@ -235,9 +236,11 @@ def verify(
     with ``report_path`` the report (passing or failing) there alone, leaving CONVERTED as it was (a read-only copy,
     a shared cache).
 
-    Whole models side by side when both fit ``memory_budget``, else (or with ``by_layer``) layer by layer."""
+    Whole models side by side when both fit ``memory_budget``, else (or with ``by_layer``) layer by layer.
+    ``revision``, ``subfolder`` and ``gguf_file`` locate SOURCE as they do for ``convert``."""
     try:
-        return _verify(source, converted, revision, gguf_file, by_layer, memory_budget, report_path)
+        located = {"revision": revision, "subfolder": subfolder, "gguf_file": gguf_file}
+        return _verify(source, converted, located, by_layer, memory_budget, report_path)
     except NoReference as err:
         # the conversion's advice where transformers gives no reference is for a conversion; here the folder exists
         # (made with --no-verify, as that advice said), and there is nothing to check it against
@@ -247,8 +250,7 @@ def verify(
 def _verify(
     source: str | Path,
     converted: str | Path,
-    revision: str | None,
-    gguf_file: str | None,
+    located: dict[str, str | None],
     by_layer: bool,
     memory_budget: int | None,
     report_path: str | Path | None,
@@ -257,7 +259,8 @@ def _verify(
     refuse_bad_memory_setting()
     if not (converted / "config.json").is_file():
         raise ThinkerError(f"{converted}: not a converted model folder (no config.json)")
-    root = resolve_source(str(source), revision, gguf_file=gguf_file)
+    revision = located["revision"]
+    root = resolve_source(str(source), revision, subfolder=located["subfolder"], gguf_file=located["gguf_file"])
     report_path = None if report_path is None else Path(report_path)
     if report_path is None:
         refuse_output_over_source(converted, root, writes_into=True)  # parity.json goes into CONVERTED
@@ -284,6 +287,8 @@ def _verify(
     try:
         hub = not Path(str(source)).expanduser().exists()  # a Hub repo id: the revision is part of what it names
         named = f"{source}@{revision or 'main'}" if hub else str(source)
+        if located["subfolder"]:  # and the folder, a checkpoint of its own
+            named += f" (its folder {located['subfolder'].strip('/')})"
         if isinstance(tensor_source, DequantizedFP8Source) and (why := tensor_source.no_reference()):
             raise ThinkerError(f"{source}: {why}")
         config = refuse_another_config(tensor_source, converted, named)
@@ -460,7 +465,7 @@ def refuse_another_config(tensor_source: TensorSource, converted: Path, source: 
         raise ThinkerError(
             f"{converted / 'config.json'} is not the config {source} translates to: {', '.join(differ[:6])}"
             f"{' ...' if len(differ) > 6 else ''} (the source's value first); convert the source again, or check "
-            "that SOURCE (and --revision) name the checkpoint it was converted from"
+            "that SOURCE (and --revision, --subfolder) name the checkpoint it was converted from"
         )
     return actual
 

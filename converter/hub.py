@@ -19,6 +19,7 @@ import glob
 import logging
 import os
 import re
+import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass
 from fnmatch import fnmatch
@@ -123,6 +124,7 @@ def pick_conversion_files(
     """
     repo_files = list(repo_files)
     top = sorted({name for name in repo_files if "/" not in name})
+    level = f"in its folder {folder}" if folder else "at its top level"  # where it was looked for (--subfolder)
 
     def ending(suffix: str) -> list[str]:
         return [name for name in top if name.endswith(suffix)]
@@ -137,7 +139,7 @@ def pick_conversion_files(
         )
     if gguf_file is not None:
         if gguf_file not in gguf:
-            raise ThinkerError(f"{label} has no GGUF file {gguf_file!r} at its top level; {_ggufs_held(gguf)}")
+            raise ThinkerError(f"{label} has no GGUF file {gguf_file!r} {level}; {_ggufs_held(gguf)}")
         weights = [gguf_file]
     else:
         safetensors = ending(".safetensors")
@@ -160,14 +162,14 @@ def pick_conversion_files(
         weights = gguf
     if not weights:
         held = _nested(repo_files, label, folder)
-        raise ThinkerError(f"{label} has no .safetensors, .bin or .gguf weights at its top level; {held}")
+        raise ThinkerError(f"{label} has no .safetensors, .bin or .gguf weights {level}; {held}")
     if all(name.endswith(".gguf") for name in weights):
         side_files = [name for name in top if name in _GGUF_SIDE_FILES]
     elif "config.json" not in top:  # known from the listing: refused before gigabytes of weights come down
         if ADAPTER_CONFIG in top:
             raise peft_adapter_error(f"{label} holds {ADAPTER_CONFIG} and no config.json")
         raise ThinkerError(
-            f"{label} has no config.json at its top level, which says which model its weights ({_listed(weights)}) "
+            f"{label} has no config.json {level}, which says which model its weights ({_listed(weights)}) "
             "belong to; check the repo id and revision (a GGUF repo needs none: its file's metadata is the config)"
         )
     else:
@@ -196,11 +198,7 @@ def _nested(repo_files: Iterable[str], label: str, folder: str = "") -> str:
     if not folders:
         return "check the repo id and revision, or download the files yourself and pass the folder"
     shown = _listed([f"{name}/" for name in folders])
-    repo = label.rpartition("@")[0] or label
-    return (
-        f"its folders {shown} hold weights: download the one to convert (hf download {repo} --include "
-        f"'{glob.escape(folders[0])}/*' --local-dir DIR) and pass DIR/{folders[0]} as SOURCE"
-    )
+    return f"its folders {shown} hold weights: name the one to convert with --subfolder {shlex.quote(folders[0])}"
 
 
 def _folders_held(files: list[str]) -> str:
@@ -402,6 +400,8 @@ def _resolve_repo(
                 f"whether the repo holds other GGUF files is unknown offline; name it: --gguf-file {gguf}"
             )
         allow_patterns = [glob.escape(prefix + name) for name in picked]
+        if prefix:  # a folder of the repo: the card and license at the repo's top cover it (its own, if any, win)
+            allow_patterns += [glob.escape(name) for name in files if name in (CARD_FILE, *LICENSE_FILES)]
         index = next((name for name in _INDEXES if name in picked), None)
     for name in filter_repo_objects(files, allow_patterns=allow_patterns):
         _check_file_name(name, label)

@@ -5,16 +5,21 @@
 
 from __future__ import annotations
 
+import os
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from thinker_common.card_format import CARD_FILE
 from thinker_common.model_card import (
+    LICENSE_FILES,
     card_metadata,
     copy_license,
+    covering_folder,
     hub_repo_of,
+    hub_snapshot,
     in_hub_snapshot,
     markdown_table,
     replace_checks,
@@ -36,14 +41,30 @@ def tool_version() -> str:
         return "(source tree)"
 
 
-def source_line(source: str, root: Path) -> tuple[str, str | None]:
-    """(how the card names the source, its Hub repo id or None)."""
-    repo = hub_repo_of(source, root)
+def source_top(source: str, resolved: Path) -> Path | None:
+    """The folder SOURCE names, of which ``resolved`` (the checkpoint's folder or GGUF file) is a part or the whole:
+    the Hub snapshot, or the local folder."""
+    local = Path(source).expanduser()
+    return hub_snapshot(resolved) or (local if local.is_dir() else None)
+
+
+def source_line(source: str, resolved: Path) -> tuple[str, str | None]:
+    """(how the card names the source, its Hub repo id or None). ``resolved`` is what SOURCE led to: where it is a
+    part of the folder or repo SOURCE names (``--subfolder``, ``--gguf-file``), the card names that part too."""
+    resolved = Path(resolved)
+    top = source_top(source, resolved)
+    inside = Path(os.path.relpath(resolved, top)).as_posix() if top is not None else "."
+    part = "" if inside in (".", "") or inside.startswith("..") else f", the {_kind(resolved)} `{inside}`"
+    repo = hub_repo_of(source, resolved)
     if repo is None:
-        return f"`{Path(source).name or source}` (a local checkpoint)", None
-    commit, _ = in_hub_snapshot(root)
+        return f"`{Path(source).name or source}`{part} (a local checkpoint)", None
+    commit, _ = in_hub_snapshot(resolved)
     at = f" at commit `{commit}`" if commit else ""
-    return f"[`{repo}`](https://huggingface.co/{repo}){at}", repo
+    return f"[`{repo}`](https://huggingface.co/{repo}){at}{part}", repo
+
+
+def _kind(path: Path) -> str:
+    return "file" if path.is_file() else "folder"
 
 
 def parity_section(
@@ -184,12 +205,10 @@ def write_thinker_card(
     own card overrides; ``left``: the source's parts left out (``engine.left_out``); ``tokenizer``: whether the
     folder has the source's tokenizer (a weights-only checkpoint has none, and the card then shows no use of one)."""
     root = Path(root)
-    gguf = root if root.is_file() else None
-    root = root.parent if gguf else root  # a GGUF file: its folder holds the card and license
-    named, repo = source_line(source, root)
-    if gguf and repo:  # a repo of several quantisations: which one (--gguf-file) the weights are
-        named += f", the file `{in_hub_snapshot(gguf)[1]}`"
-    carried = {**(recorded or {}), **card_metadata(root)}
+    named, repo = source_line(source, root)  # with the folder or file of the repo the weights are (a part of it)
+    top = source_top(source, root)
+    root = root.parent if root.is_file() else root  # a GGUF file: its folder holds the card and license
+    carried = {**(recorded or {}), **card_metadata(covering_folder(root, top, (CARD_FILE,)))}
     metadata = {
         **{key: value for key, value in carried.items() if key != "base_model"},
         "library_name": "transformers",
@@ -231,7 +250,7 @@ Without Thinker installed, the folder's own modeling code runs: drop the import 
 {export_line(here, beyond_genai)}
 """ + (f"\n{section}" if (section := left_out_section(left or [], deepstack)) else "")
     write_card(folder, metadata, body, parity_section(report, skipped))
-    return ["README.md", *copy_license(root, folder)]
+    return ["README.md", *copy_license(covering_folder(root, top, LICENSE_FILES), folder)]
 
 
 def write_way_back_card(

@@ -269,6 +269,12 @@ costs against the float model on a fixed English paragraph (top-1 agreement, per
     help="Hub branch, tag or commit of a repo-id MODEL_DIR, converted on the way (default: main).",
 )
 @click.option(
+    "--subfolder",
+    metavar="PATH",
+    help="The checkpoint's folder inside MODEL_DIR (a Hub repo or a local folder) to export, as `thinker convert "
+    "--subfolder`: a Thinker folder there is exported as it is, any other checkpoint converted on the way.",
+)
+@click.option(
     "--gguf-file",
     metavar="NAME",
     help="The GGUF file of MODEL_DIR (a Hub repo or a folder holding several, one per quantisation) to convert on "
@@ -304,6 +310,7 @@ def export_command(
     max_perplexity_increase: float | None,
     force: bool,
     revision: str | None,
+    subfolder: str | None,
     gguf_file: str | None,
     threads: int | None,
 ) -> None:
@@ -374,6 +381,7 @@ def export_command(
         inputs_embeds=inputs_embeds,
         gguf_file=gguf_file,
         revision=revision,
+        subfolder=subfolder,
     )
     sizes = ", ".join(
         f"{name} {human_size(size)}" for name, size in report["sizes"].items() if name.endswith((".onnx", ".data"))

@@ -185,6 +185,7 @@ def export_model(
     inputs_embeds: bool = False,
     gguf_file: str | None = None,
     revision: str | None = None,
+    subfolder: str | None = None,
 ) -> dict:
     """Exports ``source`` to the folder ``output`` and returns the export report (also written there).
 
@@ -197,7 +198,9 @@ def export_model(
     None for the model's own form (multimodal with multimodal RoPE); ``logits``: "all" or "last" (see LOGITS), None
     for ``DEFAULT_LOGITS``; ``inputs_embeds``: also write ``model.embeds.onnx`` and ``embed.onnx``
     (export/embeds_graph.py); ``gguf_file``: the GGUF file of a source (a Hub repo or a folder) that holds several,
-    converted on the way; ``revision``: the branch, tag or commit of a Hub repo id ``source`` (default main)."""
+    converted on the way; ``revision``: the branch, tag or commit of a Hub repo id ``source`` (default main);
+    ``subfolder``: the checkpoint's folder inside ``source`` (a Hub repo or a local folder), as transformers'
+    ``from_pretrained(..., subfolder=)``."""
     refuse_empty_source(source)
     output = Path(output)
     if isinstance(dtype, torch.dtype):  # as transformers' dtype= takes it
@@ -221,8 +224,9 @@ def export_model(
     logits = logits or DEFAULT_LOGITS
     graph_dtype = torch_dtype(dtype)
     quantizer = WeightQuantizer(quantize, graph_dtype) if quantize else None
-    refuse_existing_output(output, force, source=source if gguf_file is None else None)
-    location = local_source(source, gguf_file, revision)
+    local = Path(source).expanduser() / (subfolder or "")  # checked before a download; a GGUF once it is picked
+    refuse_existing_output(output, force, source=local if gguf_file is None else None)
+    location = local_source(source, gguf_file, revision, subfolder)
     refuse_output_over_source(output, location)
     started = time.perf_counter()
     needed = None if quantize else weights_size(location, graph_dtype)  # quantized: smaller, by how much varies
@@ -297,6 +301,7 @@ def export_model(
         report = {
             "source": str(source),
             "revision": revision,
+            "subfolder": (subfolder or "").strip("/") or None,
             "converted": model_dir != location,  # True: SOURCE went through thinker-convert first
             "commit": in_hub_snapshot(location)[0],  # a Hub repo's: the snapshot converted (None: a local source)
             "dtype": dtype,
@@ -472,16 +477,18 @@ def check_paths(model_dir: Path) -> None:
         raise ThinkerError(f"{model_dir} is an ONNX export already; export the Thinker folder it came from")
 
 
-def local_source(source: str | Path, gguf_file: str | None = None, revision: str | None = None) -> Path:
+def local_source(
+    source: str | Path, gguf_file: str | None = None, revision: str | None = None, subfolder: str | None = None
+) -> Path:
     """SOURCE as a local path: the path itself, or for a Hub repo id the snapshot the converter downloads it to (at
-    ``revision``; so that OUTPUT is checked against the files it is made from before any work); with ``gguf_file``,
-    that file in either."""
+    ``revision``; so that OUTPUT is checked against the files it is made from before any work); with ``subfolder``,
+    its folder; with ``gguf_file``, that file in either."""
     path = Path(source).expanduser()
-    if (path.exists() or path.is_symlink()) and gguf_file is None and revision is None:
+    if (path.exists() or path.is_symlink()) and gguf_file is None and revision is None and not subfolder:
         return path
     from converter.hub import resolve_source
 
-    return resolve_source(str(source), revision, gguf_file=gguf_file)
+    return resolve_source(str(source), revision, subfolder=subfolder, gguf_file=gguf_file)
 
 
 # --- the model folder ---------------------------------------------------------------------------------------------

@@ -113,6 +113,7 @@ def write_onnx_card(folder: Path, thinker_folder: Path, report: dict, name: str)
     )
     # a SOURCE converted on the way came through a temporary Thinker folder: the card names the source
     at = f" at commit `{report['commit']}`" if report.get("commit") else ""
+    at += f", the folder `{report['subfolder']}`" if report.get("subfolder") else ""
     decoder = (
         f"`{report['source']}`{at}, converted"
         if report.get("converted")

@@ -631,7 +631,7 @@ def test_verify_refuses_what_is_not_a_conversion(qwen3_source, qwen3_thinker, so
     assert_error(
         thinker("verify", qwen3_source, edited),
         f"config.json is not the config {qwen3_source} translates to: max_position_embeddings (64 -> 100000)",
-        "check that SOURCE (and --revision) name the checkpoint it was converted from",
+        "check that SOURCE (and --revision, --subfolder) name the checkpoint it was converted from",
     )
     # keys beyond the model's fields: which class the Auto API and pipelines build, a key added by hand (a QA run
     # found both passed)

@@ -59,19 +59,44 @@ def hub_repo_of(source: str, root: Path) -> str | None:
     return None
 
 
-def in_hub_snapshot(path: Path) -> tuple[str | None, str]:
-    """(the commit of the Hub cache snapshot ``path`` lies in, ``path`` within that snapshot); (None, its name) for
-    a path outside the cache. The snapshot's folder after ``snapshots/`` is the commit, where a file in a sub-folder
-    (a GGUF repo's ``Q8/``) is read."""
-    parts = Path(path).parts
+def _snapshot_mark(parts: tuple[str, ...]) -> int | None:
+    """The index of ``snapshots`` in a path's parts within a Hub cache (``models--owner--name/snapshots/COMMIT``)."""
     marks = [
         index
         for index, part in enumerate(parts[:-1])
         if part == "snapshots" and index and _REPO_FOLDER.fullmatch(parts[index - 1])  # models--owner--name/
     ]
-    if not marks:
+    return marks[-1] if marks else None
+
+
+def in_hub_snapshot(path: Path) -> tuple[str | None, str]:
+    """(the commit of the Hub cache snapshot ``path`` lies in, ``path`` within that snapshot); (None, its name) for
+    a path outside the cache. The snapshot's folder after ``snapshots/`` is the commit, where a file in a sub-folder
+    (a GGUF repo's ``Q8/``) is read."""
+    parts = Path(path).parts
+    mark = _snapshot_mark(parts)
+    if mark is None:
         return None, Path(path).name
-    return parts[marks[-1] + 1], "/".join(parts[marks[-1] + 2 :])
+    return parts[mark + 1], "/".join(parts[mark + 2 :])
+
+
+def hub_snapshot(path: Path) -> Path | None:
+    """The Hub cache snapshot (``.../snapshots/COMMIT``) that ``path`` lies in, or is; None outside the cache."""
+    parts = Path(path).parts
+    mark = _snapshot_mark(parts)
+    return None if mark is None else Path(*parts[: mark + 2])
+
+
+def covering_folder(folder: Path, top: Path | None, names: tuple[str, ...]) -> Path:
+    """``folder`` where it holds one of ``names`` (a card, a license), else ``top``, the folder SOURCE names, where
+    ``folder`` lies inside it: a checkpoint in a folder of a repo (``--subfolder``, a GGUF quantisation's folder)
+    is covered by the card and license at the repo's top, as the Hub shows them for every file of the repo."""
+    folder = Path(folder)
+    if top is None or any(present(folder / name, folder) for name in names):
+        return folder
+    top = Path(top)
+    inside = os.path.abspath(folder).startswith(os.path.join(os.path.abspath(top), ""))
+    return top if inside else folder
 
 
 def weights_of(carried: dict[str, Any]) -> str:

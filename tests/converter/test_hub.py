@@ -618,8 +618,7 @@ def test_weights_held_only_in_folders_are_named():
         pick_conversion_files(iter(listing), "acme/a@v2")
     assert str(err.value) == (
         "acme/a@v2 has no .safetensors, .bin or .gguf weights at its top level; its folders a/b/, original/, text/ "
-        "hold weights: download the one to convert (hf download acme/a --include 'a/b/*' --local-dir DIR) and pass "
-        "DIR/a/b as SOURCE"
+        "hold weights: name the one to convert with --subfolder a/b"
     )
     ggufs = ["README.md", "Q8_0/tiny-Q8_0.gguf", "Q4_K_M/tiny-Q4_K_M.gguf"]
     with pytest.raises(ThinkerError, match=r"its folders hold Q4_K_M/tiny-Q4_K_M.gguf, Q8_0/tiny-Q8_0.gguf: name one "):
@@ -678,7 +677,7 @@ def test_gguf_file_as_a_path_inside_the_source(fake_hub, tmp_path):
     fake_hub.add_repo("acme/gguf-folders", in_folders)
     path = resolve_source("acme/gguf-folders", gguf_file="Q8_0/tiny-Q8_0.gguf", progress=False)
     assert path.name == "tiny-Q8_0.gguf" and path.read_bytes() == GGUF_REPO["tiny-Q8_0.gguf"]
-    assert files_in(path.parent.parent) == {"Q8_0/tiny-Q8_0.gguf"}  # nothing else downloaded
+    assert files_in(path.parent.parent) == {"README.md", "Q8_0/tiny-Q8_0.gguf"}  # and the repo's card alone
     with pytest.raises(ThinkerError, match="no GGUF file 'Q5/tiny-Q5.gguf'; the GGUF files there: Q4_K_M/tiny-Q4_K_M"):
         resolve_source("acme/gguf-folders", gguf_file="Q5/tiny-Q5.gguf", progress=False)
     (tmp_path / "Q4_K_M").mkdir()

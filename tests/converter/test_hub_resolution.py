@@ -30,11 +30,17 @@ def files_in(folder) -> set[str]:
 @pytest.mark.parametrize("subfolder", ["weights", "weights/", "/weights/"])
 def test_a_subfolder_is_found_however_its_slashes_are_written(fake_hub, subfolder):
     """``subfolder="weights/"`` (as a shell completes a folder name) names the same folder of the repo as
-    ``"weights"``: its files alone are fetched, and the folder returned is that one in the snapshot."""
-    sha = fake_hub.add_repo(REPO, {"README.md": b"# top", **{f"weights/{k}": v for k, v in checkpoint().items()}})
+    ``"weights"``: its files alone are fetched (and the repo's card, which covers them), and the folder returned is
+    that one in the snapshot."""
+    files = {
+        "README.md": b"# top",
+        "other/model.safetensors": b"x",
+        **{f"weights/{k}": v for k, v in checkpoint().items()},
+    }
+    sha = fake_hub.add_repo(REPO, files)
     folder = resolve_source(REPO, subfolder=subfolder, progress=False)
     assert folder.name == "weights" and folder.parent.name == sha
-    assert files_in(folder.parent) == {"weights/config.json", "weights/model.safetensors"}
+    assert files_in(folder.parent) == {"README.md", "weights/config.json", "weights/model.safetensors"}
 
 
 def test_a_gguf_files_folder_lies_under_the_subfolder(fake_hub):
@@ -199,29 +205,33 @@ def test_a_hub_subfolder_that_does_not_exist_is_named(fake_hub):
 
 
 def test_weights_one_folder_below_the_subfolder_are_named_by_their_path_in_the_repo(fake_hub):
-    """subfolder="weights" whose weights lie in weights/original/: the advice printed `hf download ... --include
-    'original/*'`, which matches nothing in the repo (its files are under weights/original/)."""
+    """subfolder="weights" whose weights lie in weights/original/: the advice once printed `hf download ...
+    --include 'original/*'`, which matches nothing in the repo (its files are under weights/original/); the
+    --subfolder it names is the repo's path."""
     files = checkpoint()
     fake_hub.add_repo(REPO, {"weights/config.json": files["config.json"], "weights/original/model.safetensors": b"x"})
     with pytest.raises(ThinkerError) as err:
         resolve_source(REPO, subfolder="weights", progress=False)
-    assert "--include 'weights/original/*'" in str(err.value)
+    assert "in its folder weights/; its folders weights/original/ hold weights" in str(err.value)
+    assert str(err.value).endswith("name the one to convert with --subfolder weights/original")
 
 
-def test_the_download_advice_matches_a_folder_whose_name_holds_glob_characters(fake_hub):
-    """hf download's --include is a glob (huggingface_hub's filter_repo_objects): a folder named w[1] is written
-    escaped in the advice, or the pattern reads [1] as a class of characters and matches nothing in the repo."""
-    import re
+def test_the_subfolder_advice_followed_as_written_finds_the_checkpoint(fake_hub):
+    """A repo whose checkpoint lies only in a folder is refused with the --subfolder to name; that option, read as
+    the shell reads it (a folder named w[1] is quoted), finds the checkpoint, and fetches its files and the repo's
+    card alone."""
+    import shlex
 
-    from huggingface_hub.utils import filter_repo_objects
-
-    listing = ["config.json", "w[1]/original/model.safetensors"]
-    fake_hub.add_repo(REPO, {"config.json": checkpoint()["config.json"], listing[1]: b"x"})
+    files = {f"w[1]/original/{name}": content for name, content in checkpoint().items()}
+    sha = fake_hub.add_repo(REPO, {"README.md": b"# top", "other.txt": b"x", **files})
     with pytest.raises(ThinkerError) as err:
         resolve_source(REPO, progress=False)
-    (pattern,) = re.findall(r"--include '([^']+)'", str(err.value))
-    assert list(filter_repo_objects(listing, allow_patterns=[pattern])) == [listing[1]]
-    assert "pass DIR/w[1]/original as SOURCE" in str(err.value)
+    advice = str(err.value).rpartition("name the one to convert with ")[2]
+    option, subfolder = shlex.split(advice)
+    assert (option, subfolder) == ("--subfolder", "w[1]/original")
+    folder = resolve_source(REPO, subfolder=subfolder, progress=False)
+    assert folder.parent.parent.name == sha
+    assert files_in(folder.parent.parent) == {"README.md", *files}
 
 
 @pytest.mark.parametrize(

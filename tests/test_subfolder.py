@@ -1,0 +1,96 @@
+"""``--subfolder``: a checkpoint kept in a folder of a Hub repo or of a local folder, as transformers'
+``from_pretrained(..., subfolder=)`` reads it, converted, verified and exported from the command line; the card names
+the folder, and carries the repo's card and license from its top, which cover the folder."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from cli_helpers import assert_error, thinker
+
+REPO = "tiny-org/omni-parts"
+TOP_CARD = b"---\nlicense: apache-2.0\nlanguage:\n- en\n---\n# The whole model\n"
+TOP_LICENSE = b"Apache License 2.0 (the repo's)\n"
+
+
+def repo_with_a_folder(source, folder: str = "text") -> dict[str, bytes]:
+    """A repo holding its card and license at the top, and the checkpoint ``source`` in ``folder``."""
+    files = {f"{folder}/{path.name}": path.read_bytes() for path in source.iterdir() if path.is_file()}
+    return {"README.md": TOP_CARD, "LICENSE": TOP_LICENSE, "vision/model.safetensors": b"not fetched", **files}
+
+
+def fetched(fake_hub) -> set[str]:
+    """The repo paths of the files downloaded, whatever the commit named in the URL."""
+    return {request.path.split("/resolve/", 1)[1].split("/", 1)[1] for request in fake_hub.file_requests()}
+
+
+def test_convert_and_verify_take_a_hub_subfolder(fake_hub, qwen3_source, tmp_path):
+    """Without --subfolder the repo is refused with the option to name; with it, only that folder's files and the
+    repo's card and license come down, parity holds, and the card names the folder and carries the top's license;
+    `thinker verify` finds the same checkpoint with the same option."""
+    sha = fake_hub.add_repo(REPO, repo_with_a_folder(qwen3_source))
+    output = tmp_path / "thinker"
+    refused = thinker("convert", REPO, output)
+    assert_error(refused, f"{REPO}@main has no .safetensors, .bin or .gguf weights at its top level")
+    assert refused.output.rstrip().endswith("name the one to convert with --subfolder text")
+    assert not fake_hub.file_requests() and not output.exists()
+
+    result = thinker("convert", REPO, output, "--subfolder", "text/")
+    assert result.exit_code == 0, result.output
+    assert fetched(fake_hub) == {"README.md", "LICENSE", *(f"text/{p.name}" for p in qwen3_source.iterdir())}
+    card = (output / "README.md").read_text()
+    assert f"The weights of [`{REPO}`](https://huggingface.co/{REPO}) at commit `{sha}`, the folder `text`, " in card
+    assert "license: apache-2.0" in card and f"base_model: {REPO}" in card
+    assert (output / "LICENSE").read_bytes() == TOP_LICENSE
+    assert json.loads((output / "parity.json").read_text())["passed"] is True
+
+    report = tmp_path / "verify.json"
+    assert thinker("verify", REPO, output, "--subfolder", "text", "--report", report).exit_code == 0
+    assert json.loads(report.read_text())["passed"] is True
+    other = thinker("verify", REPO, output, "--subfolder", "txt", "--report", tmp_path / "other.json")
+    assert_error(other, f"{REPO}@main: no subfolder 'txt' in the repo; check the subfolder name (its folders: ")
+
+
+def test_export_converts_a_hub_subfolder_on_the_way(fake_hub, qwen3_source, tmp_path):
+    """`thinker export REPO OUT --subfolder text`: the report records the folder, and the card names it."""
+    sha = fake_hub.add_repo(REPO, repo_with_a_folder(qwen3_source))
+    output = tmp_path / "onnx"
+    result = thinker("export", REPO, output, "--subfolder", "text", "--no-verify")
+    assert result.exit_code == 0, result.output
+    report = json.loads((output / "export_report.json").read_text())
+    assert (report["source"], report["subfolder"], report["commit"], report["converted"]) == (REPO, "text", sha, True)
+    card = (output / "README.md").read_text()
+    assert f"The decoder of `{REPO}` at commit `{sha}`, the folder `text`, converted" in card
+    assert "license: apache-2.0" in card and (output / "LICENSE").read_bytes() == TOP_LICENSE
+
+
+def test_a_local_subfolder_is_named_and_its_own_license_wins(qwen3_source, tmp_path):
+    """A local folder with --subfolder: the card names the folder within SOURCE; a license file in the folder
+    itself is the one carried (it is the checkpoint's own), the top's card still lends its metadata."""
+    repo = tmp_path / "repo"
+    shutil.copytree(qwen3_source, repo / "parts" / "text")
+    (repo / "README.md").write_bytes(TOP_CARD)
+    (repo / "LICENSE").write_bytes(TOP_LICENSE)
+    (repo / "parts" / "text" / "LICENSE").write_bytes(b"the folder's own terms\n")
+    output = tmp_path / "thinker"
+    result = thinker("convert", repo, output, "--subfolder", "parts/text", "--no-verify")
+    assert result.exit_code == 0, result.output
+    card = (output / "README.md").read_text()
+    assert "The weights of `repo`, the folder `parts/text` (a local checkpoint), family `qwen3`" in card, card
+    assert "license: apache-2.0" in card
+    assert (output / "LICENSE").read_bytes() == b"the folder's own terms\n"
+    missing = thinker("convert", repo, tmp_path / "other", "--subfolder", "parts/txt")
+    assert_error(missing, f"{repo}: no subfolder 'parts/txt' in {repo}; check the subfolder name")
+
+
+@pytest.mark.parametrize(
+    ("option", "words"),
+    [("--subfolder", "--subfolder picks a folder"), ("--revision", "--revision picks a Hub revision")],
+)
+def test_the_way_back_takes_no_hub_options(qwen3_thinker, tmp_path, option, words):
+    """--to writes a local Thinker folder back: an option that locates a Hub checkpoint is refused, not ignored."""
+    result = thinker("convert", qwen3_thinker, tmp_path / "back", "--to", "qwen3", option, "x")
+    assert_error(result, f"{words} of SOURCE; --to takes a local Thinker folder, with none of these")
+    assert not (tmp_path / "back").exists()
