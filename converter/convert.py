@@ -45,7 +45,7 @@ from .config_compare import saved_config_differences
 from .engine import left_out, plan_conversion, write_weights
 from .families import detect_family
 from .folder_weights import check_thinker_weights, refuse_weightless
-from .hub import refuse_empty_source, resolve_source
+from .hub import local_checkpoint, refuse_empty_source, resolve_source
 from .model_card import gguf_card_metadata, left_out_parts, tool_version, update_parity, write_thinker_card
 from .output import (
     generation_config_for,
@@ -118,6 +118,7 @@ def convert(
     progress: bool = True,
     memory_budget: int | None = None,
     check_config: Callable[[ThinkerConfig, Path], None] | None = None,
+    card_top: Path | None = None,
     **hub_options: Any,
 ) -> ConversionResult:
     """Convert ``source`` (a folder, a weights file, or a Hub repo id) into a Thinker folder at ``output``.
@@ -127,7 +128,9 @@ def convert(
     layer; ``verify_by_layer`` asks for layer by layer whatever the size. A family without a transformers reference
     is not verified (a note says why), or refused when ``verify=True`` asks for it.
     ``check_config(config, where)``, a caller's check of the translated config (``where``: the source's config
-    file), runs before anything is written. ``hub_options`` (``token``, ``cache_dir`` ...) go to
+    file), runs before anything is written. ``card_top``: the folder whose card and license cover ``source`` where
+    it is a part of one (``thinker export --subfolder`` converting the part it resolved; by default the folder
+    ``source`` names). ``hub_options`` (``token``, ``cache_dir`` ...) go to
     ``hub.resolve_source``. Raises ``ThinkerError`` (``ParityFailed`` when verification fails; nothing is installed
     then).
     """
@@ -139,7 +142,7 @@ def convert(
     output = Path(output)
     shard_bytes = parse_size(max_shard_size)
     # before any download; a local SOURCE first (a GGUF picked in a folder is checked once it is resolved)
-    local = None if hub_options.get("gguf_file") else Path(source).expanduser() / (hub_options.get("subfolder") or "")
+    local = None if hub_options.get("gguf_file") else local_checkpoint(source, hub_options.get("subfolder"))
     refuse_existing_output(output, force, "once the new conversion is complete", local)
     root = resolve_source(str(source), revision, progress=progress, **hub_options)
     refuse_output_over_source(output, root)
@@ -203,6 +206,7 @@ def convert(
                 left=left,
                 deepstack=bool(plan.config.deepstack_layers),
                 tokenizer=has_vocabulary(tokenizer),
+                top=card_top,
             )
     finally:
         tensor_source.close()

@@ -247,6 +247,7 @@ def resolve_source(
     ``from_pretrained``, with the same meaning. ``progress=False`` hides huggingface_hub's bars.
     """
     refuse_empty_source(source)
+    subfolder = asked_in = normal_subfolder(subfolder)  # asked_in: --subfolder, before --gguf-file's folder joins it
     if gguf_file is not None:
         gguf_file, subfolder = _split_gguf_path(gguf_file, subfolder)
     local = Path(source).expanduser()
@@ -268,7 +269,7 @@ def resolve_source(
             f"spelled like a local path is not tried while {first} exists)"
         )
     _refuse_a_file_for_a_folder(cache_dir)
-    hub = _HubOptions(token, cache_dir, local_files_only, force_download, (subfolder or "").strip("/"), gguf_file)
+    hub = _HubOptions(token, cache_dir, local_files_only, force_download, subfolder or "", gguf_file, asked_in)
     label = f"{source}@{revision or constants.DEFAULT_REVISION}"
     snapshot = _resolve_repo(source, revision or constants.DEFAULT_REVISION, allow_patterns, hub, progress)
     return _gguf_in(_in_subfolder(snapshot, hub.subfolder, label), gguf_file, label)
@@ -290,6 +291,26 @@ def _refuse_a_file_for_a_folder(cache_dir: str | Path | None) -> None:
                 f"{name}={value}: {existing} is a file, where huggingface_hub keeps its token and downloads in a "
                 f"folder; point {name} at a folder (or unset it)"
             )
+
+
+def normal_subfolder(subfolder: str | None) -> str:
+    """``subfolder`` as a path inside SOURCE, the same for every spelling of it (``text/``, ``/text``, ``./text``,
+    ``a//text``: ``text``, ``a/text``; ``/`` or ``""``: SOURCE itself, ``""``). A ``..`` is refused: the folder is
+    one of SOURCE's, as on the Hub, whose paths have no way out of the repo."""
+    parts = [part for part in (subfolder or "").split("/") if part not in ("", ".")]
+    if ".." in parts:
+        raise ThinkerError(
+            f"--subfolder {subfolder!r}: a folder inside SOURCE, named by its path there (text, or parts/text), "
+            "without '..'; to convert a folder elsewhere, give that folder as SOURCE"
+        )
+    return "/".join(parts)
+
+
+def local_checkpoint(source: str | Path, subfolder: str | None) -> str | Path:
+    """Where SOURCE's checkpoint lies when SOURCE is a local folder (its ``subfolder``), for the checks of OUTPUT
+    made before any work; SOURCE itself otherwise (a Hub repo id names no local path, whatever its subfolder)."""
+    path = Path(source).expanduser()
+    return path / normal_subfolder(subfolder) if subfolder and path.is_dir() else source
 
 
 def _split_gguf_path(gguf_file: str, subfolder: str | None) -> tuple[str, str | None]:
@@ -316,11 +337,14 @@ class _HubOptions:
     force_download: bool
     subfolder: str
     gguf_file: str | None = None
+    asked_in: str = ""  # the subfolder the user named; ``subfolder`` adds the folder of a --gguf-file path to it
 
 
 def _in_subfolder(folder: Path, subfolder: str | None, label: str) -> Path:
     if not subfolder:
         return folder
+    if not folder.is_dir():
+        raise ThinkerError(f"{label}: --subfolder picks a folder in a folder or a Hub repo; SOURCE is already a file")
     path = folder / subfolder
     if not path.exists():
         raise ThinkerError(f"{label}: no subfolder {subfolder!r} in {folder}; check the subfolder name")
@@ -378,9 +402,13 @@ def _resolve_repo(
     prefix = f"{hub.subfolder}/" if hub.subfolder else ""
     if allow_patterns is None:
         if hub.gguf_file is not None and prefix + hub.gguf_file not in files:
-            # Named wherever the repo keeps them: GGUF repos often hold each quantisation in a folder of its own.
-            held = sorted(name for name in files if name.endswith(".gguf"))
-            raise ThinkerError(f"{label} has no GGUF file {prefix + hub.gguf_file!r}; {_ggufs_held(held)}")
+            # Named wherever the repo (or the subfolder) keeps them, by the path --gguf-file takes: GGUF repos often
+            # hold each quantisation in a folder of its own.
+            base = f"{hub.asked_in}/" if hub.asked_in else ""
+            held = sorted(name.removeprefix(base) for name in files if name.startswith(base) and name.endswith(".gguf"))
+            asked = (prefix + hub.gguf_file).removeprefix(base)
+            where = f"{asked!r} in its folder {base}" if base else repr(asked)
+            raise ThinkerError(f"{label} has no GGUF file {where}; {_ggufs_held(held)}")
         inside = [name.removeprefix(prefix) for name in files if name.startswith(prefix)]
         if not inside and listed:  # named here: else the empty listing reads as a repo without weights
             raise ThinkerError(f"{label}: no subfolder {hub.subfolder!r} in the repo; {_folders_held(files)}")
@@ -401,7 +429,11 @@ def _resolve_repo(
             )
         allow_patterns = [glob.escape(prefix + name) for name in picked]
         if prefix:  # a folder of the repo: the card and license at the repo's top cover it (its own, if any, win)
-            allow_patterns += [glob.escape(name) for name in files if name in (CARD_FILE, *LICENSE_FILES)]
+            covering = [name for name in files if name in (CARD_FILE, *LICENSE_FILES)]
+            if offline or unreachable is not None:  # the cache alone: taken where it holds them, never asked for
+                snapshot = cache_dir / repo_folder_name(repo_id=repo_id, repo_type="model") / "snapshots" / pinned
+                covering = [name for name in covering if (snapshot / name).is_file()]
+            allow_patterns += [glob.escape(name) for name in covering]
         index = next((name for name in _INDEXES if name in picked), None)
     for name in filter_repo_objects(files, allow_patterns=allow_patterns):
         _check_file_name(name, label)

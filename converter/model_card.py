@@ -12,17 +12,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from thinker_common.card_format import CARD_FILE
 from thinker_common.model_card import (
-    LICENSE_FILES,
     card_metadata,
     copy_license,
-    covering_folder,
     hub_repo_of,
     hub_snapshot,
     in_hub_snapshot,
     markdown_table,
     replace_checks,
+    source_card,
     weights_of,
     write_card,
 )
@@ -198,17 +196,20 @@ def write_thinker_card(
     left: list[LeftOut] | None = None,
     deepstack: bool = False,
     tokenizer: bool = True,
+    top: Path | None = None,
 ) -> list[str]:
     """README.md (and the source's license files) in the Thinker folder ``folder`` (to be installed as ``name``);
     the names written. ``beyond_genai``: what the model has whose state onnxruntime-genai cannot carry;
     ``recorded``: card fields the weights file itself records (``gguf_card_metadata``), which the source folder's
     own card overrides; ``left``: the source's parts left out (``engine.left_out``); ``tokenizer``: whether the
-    folder has the source's tokenizer (a weights-only checkpoint has none, and the card then shows no use of one)."""
+    folder has the source's tokenizer (a weights-only checkpoint has none, and the card then shows no use of one);
+    ``top``: the folder whose card and license cover the source (default: the folder SOURCE names)."""
     root = Path(root)
     named, repo = source_line(source, root)  # with the folder or file of the repo the weights are (a part of it)
-    top = source_top(source, root)
+    top = top or source_top(source, root)
     root = root.parent if root.is_file() else root  # a GGUF file: its folder holds the card and license
-    carried = {**(recorded or {}), **card_metadata(covering_folder(root, top, (CARD_FILE,)))}
+    card, license_folder = source_card(root, top)
+    carried = {**(recorded or {}), **card}
     metadata = {
         **{key: value for key, value in carried.items() if key != "base_model"},
         "library_name": "transformers",
@@ -250,7 +251,7 @@ Without Thinker installed, the folder's own modeling code runs: drop the import 
 {export_line(here, beyond_genai)}
 """ + (f"\n{section}" if (section := left_out_section(left or [], deepstack)) else "")
     write_card(folder, metadata, body, parity_section(report, skipped))
-    return ["README.md", *copy_license(covering_folder(root, top, LICENSE_FILES), folder)]
+    return ["README.md", *copy_license(license_folder, folder)]
 
 
 def write_way_back_card(

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 import onnx
 import torch
 
-from converter.hub import refuse_empty_source
+from converter.hub import local_checkpoint, normal_subfolder, refuse_empty_source
+from converter.model_card import source_top
 from thinker.configuration_thinker import ThinkerConfig
 from thinker_common.config_values import check_model_config
 from thinker_common.dtypes import FLOAT_DTYPES, dtype_name, torch_dtype
@@ -224,13 +225,15 @@ def export_model(
     logits = logits or DEFAULT_LOGITS
     graph_dtype = torch_dtype(dtype)
     quantizer = WeightQuantizer(quantize, graph_dtype) if quantize else None
-    local = Path(source).expanduser() / (subfolder or "")  # checked before a download; a GGUF once it is picked
-    refuse_existing_output(output, force, source=local if gguf_file is None else None)
+    subfolder = normal_subfolder(subfolder) or None  # as the report and the card name it
+    # checked before a download; a GGUF once it is picked
+    refuse_existing_output(output, force, source=local_checkpoint(source, subfolder) if gguf_file is None else None)
     location = local_source(source, gguf_file, revision, subfolder)
     refuse_output_over_source(output, location)
+    top = source_top(str(source), location)  # whose card and license cover a part of SOURCE (--subfolder)
     started = time.perf_counter()
     needed = None if quantize else weights_size(location, graph_dtype)  # quantized: smaller, by how much varies
-    with work_folder(output, needed) as staging, thinker_folder(location, staging) as model_dir:
+    with work_folder(output, needed) as staging, thinker_folder(location, staging, top) as model_dir:
         check_paths(model_dir)
         config = load_config(model_dir)
         check_thinker_folder(model_dir, config, graph_dtype, verify)  # the structure, before a byte is written
@@ -301,7 +304,8 @@ def export_model(
         report = {
             "source": str(source),
             "revision": revision,
-            "subfolder": (subfolder or "").strip("/") or None,
+            "subfolder": subfolder,
+            "gguf_file": gguf_file,
             "converted": model_dir != location,  # True: SOURCE went through thinker-convert first
             "commit": in_hub_snapshot(location)[0],  # a Hub repo's: the snapshot converted (None: a local source)
             "dtype": dtype,
@@ -375,7 +379,7 @@ def export_model(
                 f"{what}: {failure} ({dtype}, {graph} graph{', ' + quantize.label() if quantize else ''}); the "
                 f"export was not written{half_failure_advice(graph_dtype, failure)}"
             )
-        write_onnx_card(final, model_dir, report, output.name)
+        write_onnx_card(final, model_dir, report, output.name, top if model_dir == location else None)
         report["sizes"] = {p.name: p.stat().st_size for p in sorted(final.iterdir())}  # the card's too
         (final / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
         install(final, output.absolute(), force)  # atomic: OUTPUT is the old folder or the new one, never partial
@@ -519,9 +523,10 @@ def is_thinker_folder(path: Path) -> bool:
 
 
 @contextmanager
-def thinker_folder(source: str | Path, staging: Path) -> Iterator[Path]:
+def thinker_folder(source: str | Path, staging: Path, top: Path | None = None) -> Iterator[Path]:
     """``source`` itself when it is a Thinker folder, else a Thinker folder converted from it into ``staging``
-    (a Hub repo id or any checkpoint thinker-convert reads; the converter checks its own parity when it fits)."""
+    (a Hub repo id or any checkpoint thinker-convert reads; the converter checks its own parity when it fits).
+    ``top``: the folder SOURCE names where ``source`` is a part of it, whose card and license cover it."""
     path = Path(source)
     if is_thinker_folder(path):
         yield path
@@ -537,7 +542,7 @@ def thinker_folder(source: str | Path, staging: Path) -> Iterator[Path]:
         check_search(config_path.parent / "generation_config.json", config, "the source")  # names: a file it has
 
     converted = staging / "thinker"
-    convert(path, converted, check_config=check_source)
+    convert(path, converted, check_config=check_source, card_top=top)
     yield converted
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from thinker_common.model_card import card_metadata, copy_license, markdown_table, weights_of, write_card
+from thinker_common.model_card import copy_license, markdown_table, source_card, weights_of, write_card
 from thinker_common.side_files import has_vocabulary, read_json, tokenizer_files
 
 from .names import EMBEDS_MODEL_FILE, GENAI_CONFIG_FILE
@@ -86,11 +86,12 @@ def indexer_cell(figures: dict) -> str:
     return f"max \\|Δlogit\\| {figures['max_abs_diff']:.3g}, {verdict}"
 
 
-def write_onnx_card(folder: Path, thinker_folder: Path, report: dict, name: str) -> list[str]:
+def write_onnx_card(folder: Path, thinker_folder: Path, report: dict, name: str, top: Path | None = None) -> list[str]:
     """README.md (and the Thinker folder's license files) in the ONNX folder ``folder``, to be installed as
     ``name``; the names written. Where no genai_config.json was written (a model whose state onnxruntime-genai has
-    no type for: the report's notes say why), the card runs it with onnxruntime alone."""
-    carried = card_metadata(thinker_folder)
+    no type for: the report's notes say why), the card runs it with onnxruntime alone. ``top``: the folder SOURCE
+    names, where the Thinker folder is a part of it (``--subfolder``), whose card and license cover it."""
+    carried, license_folder = source_card(thinker_folder, top)
     quantized = report.get("quantize")
     genai = (folder / GENAI_CONFIG_FILE).is_file()
     runtimes = ["onnxruntime", "onnxruntime-genai"] if genai else ["onnxruntime"]
@@ -113,12 +114,14 @@ def write_onnx_card(folder: Path, thinker_folder: Path, report: dict, name: str)
     )
     # a SOURCE converted on the way came through a temporary Thinker folder: the card names the source
     at = f" at commit `{report['commit']}`" if report.get("commit") else ""
-    at += f", the folder `{report['subfolder']}`" if report.get("subfolder") else ""
-    decoder = (
-        f"`{report['source']}`{at}, converted"
-        if report.get("converted")
-        else f"the Thinker folder `{Path(thinker_folder).name}`"
-    )
+    within = "/".join(filter(None, [report.get("subfolder"), report.get("gguf_file")]))  # the part of SOURCE read
+    at += f", the {'file' if report.get('gguf_file') else 'folder'} `{within}`" if within else ""
+    if report.get("converted"):
+        decoder = f"`{report['source']}`{at}, converted"
+    elif report.get("commit"):  # a Thinker folder on the Hub, as it is
+        decoder = f"the Thinker folder `{report['source']}`{at}"
+    else:
+        decoder = f"the Thinker folder `{Path(thinker_folder).name}`"
     config = read_json(Path(thinker_folder) / "config.json") or {}
     embeds = embeds_run(name, report, config) if report.get("inputs_embeds") else ""
     has_tokenizer = has_vocabulary(tokenizer_files(folder))
@@ -143,7 +146,7 @@ with its whole decoding state as inputs and outputs: `model.onnx` for onnxruntim
 {run}
 {embeds}"""
     write_card(folder, metadata, body, verify_section(report))
-    return ["README.md", *copy_license(thinker_folder, folder)]
+    return ["README.md", *copy_license(license_folder, folder)]
 
 
 def embeds_run(name: str, report: dict, config: dict) -> str:

@@ -87,16 +87,27 @@ def hub_snapshot(path: Path) -> Path | None:
     return None if mark is None else Path(*parts[: mark + 2])
 
 
-def covering_folder(folder: Path, top: Path | None, names: tuple[str, ...]) -> Path:
-    """``folder`` where it holds one of ``names`` (a card, a license), else ``top``, the folder SOURCE names, where
-    ``folder`` lies inside it: a checkpoint in a folder of a repo (``--subfolder``, a GGUF quantisation's folder)
-    is covered by the card and license at the repo's top, as the Hub shows them for every file of the repo."""
+# The card keys that state the license, which must agree with the license file carried beside them.
+_LICENSE_METADATA = ("license", "license_name", "license_link")
+
+
+def source_card(folder: Path, top: Path | None) -> tuple[dict[str, Any], Path]:
+    """(the card metadata a copy of ``folder``'s weights carries, the folder whose license files go with it). A
+    checkpoint in a folder of a repo (``--subfolder``, a GGUF quantisation's folder) is covered by the card and license
+    at the repo's top, ``top`` (the folder SOURCE names), as the Hub shows them for every file of the repo: the
+    folder's own card adds to the top's and wins where both say something, and its own license file wins over the
+    top's. The license metadata goes with the license file carried: the folder's own file without its own card's
+    word on it leaves the top's word out (it describes another file)."""
     folder = Path(folder)
-    if top is None or any(present(folder / name, folder) for name in names):
-        return folder
-    top = Path(top)
-    inside = os.path.abspath(folder).startswith(os.path.join(os.path.abspath(top), ""))
-    return top if inside else folder
+    inside = top is not None and os.path.abspath(folder).startswith(os.path.join(os.path.abspath(top), ""))
+    if not inside:
+        return card_metadata(folder), folder
+    own = card_metadata(folder)
+    covering = card_metadata(Path(top))
+    own_license = any(present(folder / name, folder) for name in LICENSE_FILES)
+    if own_license and not any(key in own for key in _LICENSE_METADATA):
+        covering = {key: value for key, value in covering.items() if key not in _LICENSE_METADATA}
+    return {**covering, **own}, folder if own_license else Path(top)
 
 
 def weights_of(carried: dict[str, Any]) -> str:

@@ -309,3 +309,21 @@ def test_an_incomplete_snapshot_names_the_switch_that_keeps_the_hub_off_limits(f
     assert "is missing files (model.safetensors) and the Hub is off limits (TRANSFORMERS_OFFLINE=1); run" in str(
         err.value
     )
+
+
+def test_a_gguf_file_the_subfolder_lacks_is_named_by_the_path_gguf_file_takes(fake_hub):
+    """With --subfolder, a --gguf-file the folder lacks listed the repo's GGUF files by their repo paths (outside the
+    folder too), and given so, with the subfolder kept, it was refused again (`sub/sub/Q8/...`, a review): the files
+    are listed as --gguf-file takes them beside that --subfolder, and the advice followed finds the file."""
+    fake_hub.add_repo(REPO, {"sub/Q8/x-Q8.gguf": b"x", "sub/Q4/x-Q4.gguf": b"y", "other/z.gguf": b"z"})
+    with pytest.raises(ThinkerError) as err:
+        resolve_source(REPO, subfolder="sub", gguf_file="x-Q8.gguf", progress=False)
+    assert str(err.value) == (
+        f"{REPO}@main has no GGUF file 'x-Q8.gguf' in its folder sub/; the GGUF files there: Q4/x-Q4.gguf, Q8/x-Q8.gguf"
+    )
+    assert resolve_source(REPO, subfolder="sub", gguf_file="Q8/x-Q8.gguf", progress=False).read_bytes() == b"x"
+    with pytest.raises(ThinkerError) as err:  # without --subfolder: every GGUF file, by its path in the repo
+        resolve_source(REPO, gguf_file="Q8/x-Q8.gguf", progress=False)
+    assert str(err.value).endswith(
+        "has no GGUF file 'Q8/x-Q8.gguf'; the GGUF files there: other/z.gguf, sub/Q4/x-Q4.gguf, sub/Q8/x-Q8.gguf"
+    )
