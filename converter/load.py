@@ -19,8 +19,12 @@ need operations transformers has no counterpart for (``Each``, the interleaved-t
 qkv) and because the engine's completeness checks are the point: an unmapped tensor is an error, not a warning.
 
 Only ``config_for`` needs no weights: the translated ``ThinkerConfig`` of a source. For families that already use
-Thinker's names (Qwen2, Qwen3, Llama, Qwen3-MoE with fused experts) it is enough to load the source with plain
-transformers: ``AutoModelForCausalLM.from_pretrained(folder, config=config_for(folder))`` builds the Thinker.
+Thinker's names (Qwen2, Qwen3, Llama) it is enough to load the source with plain transformers:
+``AutoModelForCausalLM.from_pretrained(folder, config=config_for(folder))`` builds the Thinker. Not for Qwen3-MoE as
+released and as transformers' ``save_pretrained`` writes it, one tensor per expert (``mlp.experts.0.gate_proj``):
+the Thinker's fused experts would be left at random, with only transformers' load report to say so (an audit
+measured logits 1.0 apart). ``load_thinker`` reads every layout; the shortcut holds only for experts already fused
+(``mlp.experts.gate_up_proj``, ``save_pretrained(save_original_format=False)``).
 """
 
 from __future__ import annotations
