@@ -552,7 +552,7 @@ def generate_command(
     if folder.is_file():
         raise ThinkerError(f"{folder}: a file; give the folder that holds it ({folder.parent})")
     if not folder.is_dir():
-        raise ThinkerError(f"{folder}: no such folder")
+        raise ThinkerError(f"{folder}: no such folder{_hub_hint(str(folder))}")
     kind = _folder_kind(folder)
     if kind == "thinker":
         _check_thinker(folder)  # before the tokenizer, which reads config.json too and would take the blame
@@ -665,6 +665,18 @@ def _given_on_the_command_line(parameter: str) -> bool:
     from click.core import ParameterSource
 
     return click.get_current_context().get_parameter_source(parameter) == ParameterSource.COMMANDLINE
+
+
+def _hub_hint(name: str) -> str:
+    """For a FOLDER shaped like a Hub repo id (``owner/name``, its owner no folder here): generate runs a folder on
+    this machine, so say how to fetch one; else nothing (a mistyped local path is just that)."""
+    from converter.hub import is_repo_id
+
+    owner = name.partition("/")[0]
+    if name.count("/") != 1 or os.path.lexists(owner) or not is_repo_id(name):
+        return ""
+    download = f"hf download {name} --local-dir DIR"
+    return f"; generate runs a folder on this machine: for a Hub repo, download it ({download}) and pass DIR"
 
 
 def _folder_kind(folder: Path) -> str:

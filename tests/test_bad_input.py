@@ -545,8 +545,17 @@ def test_generate_takes_one_prompt(qwen3_onnx):
     assert_usage_error(thinker("generate", qwen3_onnx, "-p", "the cat", "-p", "a dog"), "'--prompt'", "given 2 times")
 
 
-def test_generate_with_a_folder_that_is_no_model(tmp_path, qwen3_onnx):
-    assert_error(thinker("generate", tmp_path / "nowhere", "-p", "the cat"), "nowhere: no such folder")
+def test_generate_with_a_folder_that_is_no_model(tmp_path, qwen3_onnx, monkeypatch):
+    message = assert_error(thinker("generate", tmp_path / "nowhere", "-p", "the cat"), "nowhere: no such folder")
+    assert message.endswith("nowhere: no such folder")  # a local path: no word of the Hub
+    monkeypatch.chdir(tmp_path)  # a Hub repo id, whose owner is no folder here: how to fetch it (generate runs folders)
+    assert_error(
+        thinker("generate", "acme/model-onnx", "-p", "the cat"),
+        "acme/model-onnx: no such folder; generate runs a folder on this machine: for a Hub repo, download it (hf "
+        "download acme/model-onnx --local-dir DIR) and pass DIR",
+    )
+    (tmp_path / "acme").mkdir()  # now a mistyped local path
+    assert assert_error(thinker("generate", "acme/model-onnx", "-p", "x"), "no such folder").endswith("no such folder")
     model = qwen3_onnx / "model.onnx"
     assert_error(thinker("generate", model, "-p", "the cat"), f"{model}: a file; give the folder that holds it")
     folder = tmp_path / "tokenizer-only"
