@@ -73,8 +73,12 @@ def test_all_positions_model_needs_the_selection(onnx_variant):
 @pytest.mark.parametrize(
     ("logits", "planted_in", "message"),
     [
-        ("last", "export.decoder_graph", r"max \|Δlogit\|"),
-        ("all", "export.genai_graph", r"model.genai.onnx \(onnxruntime-genai's graph, rows padded on the right\)"),
+        ("last", "export.decoder_graph.emit_last_position", r"max \|Δlogit\|"),
+        (
+            "all",
+            "export.genai_graph.emit_right_padded_last",
+            r"model.genai.onnx \(onnxruntime-genai's graph, rows padded on the right\)",
+        ),
     ],
     ids=["model.onnx", "model.genai.onnx"],
 )
@@ -87,10 +91,10 @@ def test_verify_fails_on_a_selection_that_takes_the_last_slot(
     folder = thinker_variant("qwen3", head_dim=16)
     assert export_model(folder, tmp_path / "ok", logits=logits, progress=False)["verify"]["passed"]
 
-    def last_slot(b, hidden, input_ids, attention_mask, dtype):
+    def last_slot(b, hidden, *_):
         return b.op("Gather", hidden, b.const([-1]), axis=1)
 
-    monkeypatch.setattr(f"{planted_in}.emit_last_position", last_slot)
+    monkeypatch.setattr(planted_in, last_slot)
     monkeypatch.setattr(
         "export.runtime.all_positions_model", lambda model: pytest.fail("not needed by a float export's verify")
     )
@@ -224,6 +228,62 @@ def test_last_position_forms_pick_each_rows_last_kept_position(dtype):
             None, {"input_ids": np.zeros((4, steps), np.int64), "attention_mask": mask, "hidden": hidden}
         )
         np.testing.assert_array_equal(actual[:, 0], at_last_kept(hidden, mask[:, -steps:]))  # verify's rule
+
+
+def test_the_genai_selection_picks_each_right_padded_rows_last_kept_position():
+    """``emit_right_padded_last``, the genai graph's selection: a step's new slots kept then padded, as
+    onnxruntime-genai batches them (a right-padded prompt, a full one, one that keeps nothing: its last slot, after
+    two cached slots; a decode step's one slot, behind pads inside the cache), picks what verify's rule picks, in
+    two int64 operators fewer than the general form's (ReduceSum for Range, Add, Squeeze, Mul, ReduceMax), all of
+    them operators CUDA runs on int64. A left-padded row, which the genai graph is not for, is not its case."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from export.genai_graph import emit_right_padded_last
+    from export.graph_builder import GraphBuilder
+    from export.verify import at_last_kept
+
+    b = GraphBuilder(None)
+    picked = emit_right_padded_last(b, "hidden", "input_ids", "attention_mask")
+    ops = [node.op_type for node in b.nodes if node.op_type != "Constant"]
+    assert set(ops) <= CUDA_INT64_OPS | {"ReduceSum"} and "Range" not in ops and "ReduceMax" not in ops, ops
+    b.op_to("Identity", [picked], ["picked"])
+    graph = b.make_graph(
+        "selection",
+        [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["B", "T"]),
+            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["B", "S"]),
+            helper.make_tensor_value_info("hidden", TensorProto.FLOAT16, ["B", "T", 3]),
+        ],
+        [helper.make_tensor_value_info("picked", TensorProto.FLOAT16, ["B", 1, 3])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    cases = [
+        (np.array([[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0]]), 5),
+        (np.array([[1, 1, 1, 0, 0, 1], [1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 1]]), 1),
+    ]
+    for mask, steps in cases:
+        hidden = np.arange(len(mask) * steps * 3).reshape(len(mask), steps, 3).astype(np.float16)
+        (actual,) = session.run(
+            None, {"input_ids": np.zeros((len(mask), steps), np.int64), "attention_mask": mask, "hidden": hidden}
+        )
+        np.testing.assert_array_equal(actual[:, 0], at_last_kept(hidden, mask[:, -steps:]))  # verify's rule
+
+
+def selection_ops(path) -> list[str]:
+    graph = onnx.load(path, load_external_data=False).graph
+    prefix = "/lm_head/last_position/"
+    return sorted(node.op_type for node in graph.node if node.name.startswith(prefix) and node.op_type != "Constant")
+
+
+def test_each_genai_graph_selects_by_the_padding_it_takes(onnx_variant):
+    """The fused graph's genai model, rewired for right padding alone, selects by its cheaper rule; a plain graph's
+    (Qwen3.5's, rewired only to take text positions), which takes left padding too, keeps the general one."""
+    fused = onnx_variant("qwen3", dtype="float16") / "model.genai.onnx"
+    assert selection_ops(fused) == ["GatherND", "Neg", "ReduceSum", "Shape", "Slice", "Sub", "Unsqueeze"]
+    plain = onnx_variant("qwen3_5", graph="plain", head_dim=None) / "model.genai.onnx"
+    assert "ArgMax" in selection_ops(plain) and "ReduceSum" not in selection_ops(plain)
 
 
 @pytest.mark.parametrize("logits", ["last", "all"])
