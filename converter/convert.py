@@ -45,7 +45,7 @@ from .config_compare import saved_config_differences
 from .engine import left_out, plan_conversion, write_weights
 from .families import detect_family
 from .folder_weights import check_thinker_weights, refuse_weightless
-from .hub import local_checkpoint, refuse_empty_source, resolve_source
+from .hub import local_checkpoint, normal_subfolder, refuse_empty_source, resolve_source
 from .model_card import gguf_card_metadata, left_out_parts, tool_version, update_parity, write_thinker_card
 from .output import (
     generation_config_for,
@@ -291,8 +291,8 @@ def _verify(
     try:
         hub = not Path(str(source)).expanduser().exists()  # a Hub repo id: the revision is part of what it names
         named = f"{source}@{revision or 'main'}" if hub else str(source)
-        if located["subfolder"]:  # and the folder, a checkpoint of its own
-            named += f" (its folder {located['subfolder'].strip('/')})"
+        if folder := normal_subfolder(located["subfolder"]):  # and the folder, a checkpoint of its own
+            named += f" (its folder {folder})"
         if isinstance(tensor_source, DequantizedFP8Source) and (why := tensor_source.no_reference()):
             raise ThinkerError(f"{source}: {why}")
         config = refuse_another_config(tensor_source, converted, named)
