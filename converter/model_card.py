@@ -122,7 +122,7 @@ def parity_criteria(report: ParityReport, against: str) -> str:
     stages = "" if whole else ", and each stage within the same factor × max(1, the reference's output of it)"
     return (
         f"Checked against {against}, {ran}. Passing takes, {'; '.join(rules)}{stages}. The figures in full"
-        f"{'' if whole else ', per stage'} are in `{PARITY_FILE}`."
+        f"{'' if whole else ', per stage,'} are in `{PARITY_FILE}`."
     )
 
 
