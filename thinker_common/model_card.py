@@ -99,10 +99,9 @@ def source_card(folder: Path, top: Path | None) -> tuple[dict[str, Any], Path]:
     top's. The license metadata goes with the license file carried: the folder's own file without its own card's
     word on it leaves the top's word out (it describes another file)."""
     folder = Path(folder)
-    inside = top is not None and os.path.abspath(folder).startswith(os.path.join(os.path.abspath(top), ""))
-    if not inside:
-        return card_metadata(folder), folder
     own = card_metadata(folder)
+    if top is None or not os.path.abspath(folder).startswith(os.path.join(os.path.abspath(top), "")):
+        return own, folder  # SOURCE itself, or a folder of no repo: its own card and license alone
     covering = card_metadata(Path(top))
     own_license = any(present(folder / name, folder) for name in LICENSE_FILES)
     if own_license and not any(key in own for key in _LICENSE_METADATA):
