@@ -152,20 +152,29 @@ def test_export_carries_the_repos_license_for_a_thinker_folder_in_a_subfolder(fa
     assert "license: apache-2.0" in card and (output / "LICENSE").read_bytes() == TOP_LICENSE
 
 
-def test_offline_the_tops_card_and_license_are_taken_where_cached(fake_hub, qwen3_source, tmp_path, monkeypatch):
+@pytest.mark.parametrize("top_cached", [False, True], ids=["folder-alone", "with-the-top"])
+def test_offline_the_tops_card_and_license_are_taken_where_cached(
+    fake_hub, qwen3_source, tmp_path, monkeypatch, top_cached
+):
     """A cache filled with the folder alone (`hf download REPO --include 'text/*'`, which caches the repo's listing)
     converts offline: the top's card and license are taken where the cache holds them, never asked for."""
     from huggingface_hub import constants, snapshot_download
 
     fake_hub.add_repo(REPO, repo_with_a_folder(qwen3_source))
-    snapshot_download(REPO, allow_patterns=["text/*"], cache_dir=fake_hub.cache)
+    top = ["README.md", "LICENSE"] if top_cached else []
+    snapshot_download(REPO, allow_patterns=["text/*", *top], cache_dir=fake_hub.cache)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     asked = len(fake_hub.requests)
     output = tmp_path / "thinker"
     result = thinker("convert", REPO, output, "--subfolder", "text", "--no-verify")
     assert result.exit_code == 0, result.output
-    assert len(fake_hub.requests) == asked and not (output / "LICENSE").exists()
+    assert len(fake_hub.requests) == asked
+    header = (output / "README.md").read_text().partition("\n---\n")[0]
+    if top_cached:
+        assert (output / "LICENSE").read_bytes() == TOP_LICENSE and "license: apache-2.0" in header
+    else:
+        assert not (output / "LICENSE").exists() and "license" not in header
 
 
 @pytest.mark.parametrize(

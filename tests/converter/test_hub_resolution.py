@@ -227,6 +227,7 @@ def test_the_subfolder_advice_followed_as_written_finds_the_checkpoint(fake_hub)
     with pytest.raises(ThinkerError) as err:
         resolve_source(REPO, progress=False)
     advice = str(err.value).rpartition("name the one to convert with ")[2]
+    assert advice == "--subfolder 'w[1]/original'"  # quoted: unquoted, a shell globs it (zsh: "no matches found")
     option, subfolder = shlex.split(advice)
     assert (option, subfolder) == ("--subfolder", "w[1]/original")
     folder = resolve_source(REPO, subfolder=subfolder, progress=False)

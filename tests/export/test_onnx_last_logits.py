@@ -87,7 +87,8 @@ def test_verify_fails_on_a_selection_that_takes_the_last_slot(
 ):
     """The builder's prune_lm_head takes the last slot: right for left-padded prompts and decode steps, a pad's
     logits for a right-padded row. Verify's left-padded batch cannot see it; its right-padded prefill does, in a
-    --logits last model.onnx and in the genai graph every fused export writes (which selects the same way)."""
+    --logits last model.onnx and in the genai graph every fused export writes (its own, cheaper
+    selection for right padding, ``emit_right_padded_last``)."""
     folder = thinker_variant("qwen3", head_dim=16)
     assert export_model(folder, tmp_path / "ok", logits=logits, progress=False)["verify"]["passed"]
 
@@ -187,23 +188,15 @@ CUDA_INT64_OPS = {
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
-def test_last_position_forms_pick_each_rows_last_kept_position(dtype):
-    """``emit_last_position`` alone: a left-padded row, a right-padded one, a full one and one that keeps nothing
-    (its last slot), after two cached slots; then a decode step (one new slot). Both forms (float32: ArgMax; half:
-    int64 operators CUDA runs) pick the same rows."""
+def assert_picks_as_verify(b, picked: str, dtype: torch.dtype, cases) -> None:
+    """Runs the selection ``b`` built (its result ``picked``) on each ``(mask, steps)`` case, hidden states numbered
+    so that every slot differs, and holds each row's pick to verify's rule (``at_last_kept``)."""
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    from export.decoder_graph import emit_last_position
-    from export.graph_builder import TORCH_TO_ONNX, GraphBuilder
+    from export.graph_builder import TORCH_TO_ONNX
     from export.verify import at_last_kept
 
-    b = GraphBuilder(None)
-    picked = emit_last_position(b, "hidden", "input_ids", "attention_mask", dtype)
-    ops = {node.op_type for node in b.nodes}
-    assert ("ArgMax" in ops) == (dtype == torch.float32)
-    assert dtype == torch.float32 or ops <= CUDA_INT64_OPS, ops
     b.op_to("Identity", [picked], ["picked"])
     element = TORCH_TO_ONNX[dtype]
     graph = b.make_graph(
@@ -218,16 +211,32 @@ def test_last_position_forms_pick_each_rows_last_kept_position(dtype):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     numpy_type = np.float32 if dtype == torch.float32 else np.float16
+    for mask, steps in cases:
+        hidden = np.arange(len(mask) * steps * 3).reshape(len(mask), steps, 3).astype(numpy_type)
+        (actual,) = session.run(
+            None, {"input_ids": np.zeros((len(mask), steps), np.int64), "attention_mask": mask, "hidden": hidden}
+        )
+        np.testing.assert_array_equal(actual[:, 0], at_last_kept(hidden, mask[:, -steps:]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+def test_last_position_forms_pick_each_rows_last_kept_position(dtype):
+    """``emit_last_position`` alone: a left-padded row, a right-padded one, a full one and one that keeps nothing
+    (its last slot), after two cached slots; then a decode step (one new slot). Both forms (float32: ArgMax; half:
+    int64 operators CUDA runs) pick the same rows."""
+    from export.decoder_graph import emit_last_position
+    from export.graph_builder import GraphBuilder
+
+    b = GraphBuilder(None)
+    picked = emit_last_position(b, "hidden", "input_ids", "attention_mask", dtype)
+    ops = {node.op_type for node in b.nodes}
+    assert ("ArgMax" in ops) == (dtype == torch.float32)
+    assert dtype == torch.float32 or ops <= CUDA_INT64_OPS, ops
     cases = [
         (np.array([[1, 1, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0, 0]]), 5),
         (np.array([[1, 1, 1, 0, 0, 1], [1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 1]]), 1),
     ]
-    for mask, steps in cases:
-        hidden = np.arange(4 * steps * 3).reshape(4, steps, 3).astype(numpy_type)
-        (actual,) = session.run(
-            None, {"input_ids": np.zeros((4, steps), np.int64), "attention_mask": mask, "hidden": hidden}
-        )
-        np.testing.assert_array_equal(actual[:, 0], at_last_kept(hidden, mask[:, -steps:]))  # verify's rule
+    assert_picks_as_verify(b, picked, dtype, cases)
 
 
 def test_the_genai_selection_picks_each_right_padded_rows_last_kept_position():
@@ -236,39 +245,18 @@ def test_the_genai_selection_picks_each_right_padded_rows_last_kept_position():
     two cached slots; a decode step's one slot, behind pads inside the cache), picks what verify's rule picks, in
     two int64 operators fewer than the general form's (ReduceSum for Range, Add, Squeeze, Mul, ReduceMax), all of
     them operators CUDA runs on int64. A left-padded row, which the genai graph is not for, is not its case."""
-    import onnxruntime as ort
-    from onnx import TensorProto, helper
-
     from export.genai_graph import emit_right_padded_last
     from export.graph_builder import GraphBuilder
-    from export.verify import at_last_kept
 
     b = GraphBuilder(None)
     picked = emit_right_padded_last(b, "hidden", "input_ids", "attention_mask")
     ops = [node.op_type for node in b.nodes if node.op_type != "Constant"]
     assert set(ops) <= CUDA_INT64_OPS | {"ReduceSum"} and "Range" not in ops and "ReduceMax" not in ops, ops
-    b.op_to("Identity", [picked], ["picked"])
-    graph = b.make_graph(
-        "selection",
-        [
-            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["B", "T"]),
-            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["B", "S"]),
-            helper.make_tensor_value_info("hidden", TensorProto.FLOAT16, ["B", "T", 3]),
-        ],
-        [helper.make_tensor_value_info("picked", TensorProto.FLOAT16, ["B", 1, 3])],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     cases = [
         (np.array([[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0]]), 5),
         (np.array([[1, 1, 1, 0, 0, 1], [1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 1]]), 1),
     ]
-    for mask, steps in cases:
-        hidden = np.arange(len(mask) * steps * 3).reshape(len(mask), steps, 3).astype(np.float16)
-        (actual,) = session.run(
-            None, {"input_ids": np.zeros((len(mask), steps), np.int64), "attention_mask": mask, "hidden": hidden}
-        )
-        np.testing.assert_array_equal(actual[:, 0], at_last_kept(hidden, mask[:, -steps:]))  # verify's rule
+    assert_picks_as_verify(b, picked, torch.float16, cases)
 
 
 def selection_ops(path) -> list[str]:
