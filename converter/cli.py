@@ -106,6 +106,7 @@ Examples:
   thinker-convert ./qwen2-folder ./out --dtype bfloat16 --max-shard-size 2GB
   thinker-convert ./SmolLM2-135M-Instruct.Q4_1.gguf ./smollm2 --force
   thinker-convert unsloth/Qwen3.5-0.8B-GGUF ./qwen3.5-0.8b --gguf-file Qwen3.5-0.8B-Q8_0.gguf
+  thinker-convert acme/model-parts ./text --subfolder text
   thinker-convert Qwen/Qwen3-30B-A3B ./qwen3-moe --verify-by-layer
   thinker-convert ./qwen3-0.6b-thinker ./qwen3-0.6b-again --to qwen3
 """
