@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import onnx
 import torch
 
-from converter.hub import local_checkpoint, normal_subfolder, refuse_empty_source
+from converter.hub import local_checkpoint, normal_subfolder, refuse_empty_source, resolve_source
 from converter.model_card import source_top
 from thinker.configuration_thinker import ThinkerConfig
 from thinker_common.config_values import check_model_config
@@ -490,8 +490,6 @@ def local_source(
     path = Path(source).expanduser()
     if (path.exists() or path.is_symlink()) and gguf_file is None and revision is None and not subfolder:
         return path
-    from converter.hub import resolve_source
-
     return resolve_source(str(source), revision, subfolder=subfolder, gguf_file=gguf_file)
 
 
