@@ -142,3 +142,46 @@ def test_float16_conversion_of_a_fused_hybrid_graph_does_not_load(onnx_variant, 
     half = save(convert_float_to_float16(onnx.load(str(exported)), keep_io_types=True), tmp_path / "half.onnx")
     with pytest.raises(Exception, match=r"dt_bias\) of operator \(LinearAttentionGate\)"):
         ort.InferenceSession(str(half), providers=["CPUExecutionProvider"])
+
+
+def test_symbolic_shape_inference_stops_inside_onnxruntime_after_a_reduce_max(onnx_variant):
+    """The hybrid graphs reduce the mask with ReduceMax, whose axes are an input from opset 18 on; onnxruntime
+    1.31's SymbolicShapeInference cannot follow such a node (a two-node graph of ReduceMax and Unsqueeze stops it the
+    same way), so it stops on every Qwen3.5 export, plain or fused (an audit)."""
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    axes = numpy_helper.from_array(np.array([1], np.int64), "axes")
+    nodes = [helper.make_node("ReduceMax", ["x", "axes"], ["m"]), helper.make_node("Unsqueeze", ["m", "axes"], ["y"])]
+    x = helper.make_tensor_value_info("x", TensorProto.INT64, ["b", "t"])
+    y = helper.make_tensor_value_info("y", TensorProto.INT64, None)
+    graph = helper.make_graph(nodes, "g", [x], [y], [axes])
+    alone = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    for model in (alone, onnx.load(str(onnx_variant("qwen3_5", graph="plain", head_dim=None) / MODEL_FILE))):
+        with pytest.raises(TypeError, match="'NoneType' has no len") as raised:
+            SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+        assert raised.traceback[-1].path.name == "symbolic_shape_infer.py"
+
+
+def test_symbolic_shape_inference_has_no_rule_for_a_tied_heads_fused_matmul(onnx_variant):
+    """A tied head reads the embedding table itself through onnxruntime's FusedMatMul (transB), for which
+    SymbolicShapeInference has no rule: it leaves the logits without a shape and stops (an audit, on SmolLM2)."""
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    exported = onnx_variant("qwen3", tie_word_embeddings=True) / MODEL_FILE
+    assert "FusedMatMul" in {node.op_type for node in onnx.load(str(exported), load_external_data=False).graph.node}
+    with pytest.raises(Exception, match="Incomplete symbolic shape inference"):
+        SymbolicShapeInference.infer_shapes(onnx.load(str(exported)), auto_merge=True)
+
+
+def test_a_saved_optimized_float16_hybrid_graph_does_not_load(onnx_variant, tmp_path):
+    """onnxruntime saves the optimized graph of a float16 fused Qwen3.5 export (``optimized_model_filepath``), but
+    refuses to load it: its CPU kernels' float16 fallback gives the casts it inserts in both branches of the
+    linear-attention If one name (an audit). The export itself loads and runs."""
+    exported = onnx_variant("qwen3_5", dtype="float16", head_dim=None) / MODEL_FILE
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    options.add_session_config_entry("session.optimized_model_external_initializers_file_name", "optimized.onnx.data")
+    ort.InferenceSession(str(exported), options, providers=["CPUExecutionProvider"])
+    with pytest.raises(Exception, match="single static assignment"):
+        ort.InferenceSession(str(tmp_path / "optimized.onnx"), providers=["CPUExecutionProvider"])
