@@ -180,10 +180,10 @@ def emit_right_padded_last(b: GraphBuilder, hidden: str, input_ids: str, attenti
     their count less one, and -1 (GatherND's last slot) for a row that keeps none. Every decode step runs it: a
     ReduceSum and a Sub where ``emit_last_position``, which also takes left padding (``--logits last``'s
     ``model.onnx``), numbers the slots and takes the largest (Range, Add, Squeeze, Mul, ReduceMax on CUDA: about
-    0.05 ms of an H200's 5 ms SmolLM2 step at batch 1, `profile-genai-cuda-h200-b1.json`). Its operators are those
-    CUDA runs on int64 (the graph's seqlens_k is a ReduceSum of the same mask). Only for a graph rewired for right
-    padding (``right_padded_graph``), already wrong for a left-padded batch (its seqlens_k: the module docstring), so
-    the narrower rule costs no contract there."""
+    0.05 ms of an H200's 5 ms Qwen3-0.6B-shaped step at batch 1, `profile-genai-cuda-h200-b1.json`). Its operators
+    are those CUDA runs on int64 (the graph's seqlens_k is a ReduceSum of the same mask). Only for a graph rewired
+    for right padding (``right_padded_graph``), already wrong for a left-padded batch (its seqlens_k: the module
+    docstring), so the narrower rule costs no contract there."""
     seq = b.op("Shape", input_ids, start=1, end=2)  # (1,): T
     new = b.op("Slice", attention_mask, b.op("Neg", seq), b.const([torch.iinfo(torch.int64).max]), b.const([1]))
     index = b.op("Sub", b.op("ReduceSum", new, b.const([1]), keepdims=1), b.const(1))  # (B, 1)
