@@ -1,8 +1,8 @@
 """A measurement-only copy of an export whose ``model.genai.onnx`` picks the last position by the general rule.
 
 A fused export's ``model.genai.onnx`` takes right padding alone, and picks each row's last kept position as the count
-of the step's kept new slots less one (``export/genai_graph.py`` ``emit_right_padded_last``). ``--logits last``'s
-``model.onnx`` takes left padding too, and picks by the general rule (``export/decoder_graph.py``
+of the step's kept new slots less one (``export/decoder_graph.py`` ``emit_last_position(right_padded=True)``).
+``--logits last``'s ``model.onnx`` takes left padding too, and picks by the general rule (``export/decoder_graph.py``
 ``emit_last_position``: ArgMax in a float32 graph, the kept slots numbered and the largest taken in a half one). This
 writes OUT with ``model.genai.onnx`` selecting by the general rule, every other file copied, for
 bench/bench_graph_ab.py to time the two rules against each other:
@@ -42,7 +42,7 @@ def main() -> None:
     cache = next(i for i in inputs if i.name.startswith("past_key_values."))  # in the graph's dtype (logits: float32)
     dtype = next(t for t, e in TORCH_TO_ONNX.items() if e == cache.type.tensor_type.elem_type)
     register_onnxruntime_schemas()  # the checker reads the contrib operators' schemas
-    genai_graph.emit_right_padded_last = lambda b, hidden, ids, mask: emit_last_position(b, hidden, ids, mask, dtype)
+    genai_graph.emit_last_position = lambda *args, right_padded: emit_last_position(*args)  # the general rule always
     genai_graph.write_genai_graph(args.out / MODEL_FILE, dtype)
     print(f"wrote {args.out} ({GENAI_MODEL_FILE} selecting by the general rule, {dtype})")
 

@@ -128,7 +128,9 @@ class RoutedStep:
     down: str | StandardExperts
 
 
-def emit_last_position(b: GraphBuilder, hidden: str, input_ids: str, attention_mask: str, dtype: torch.dtype) -> str:
+def emit_last_position(
+    b: GraphBuilder, hidden: str, input_ids: str, attention_mask: str, dtype: torch.dtype, right_padded: bool = False
+) -> str:
     """(B, 1, C): each row's hidden state at its last kept new position, the one a next token is sampled from.
     That is the last slot for a left-padded prompt and every decode step, and the last real token of a right-padded
     one (onnxruntime-genai pads a batch of unequal prompts on the right); a row that keeps no new position (no
@@ -139,10 +141,19 @@ def emit_last_position(b: GraphBuilder, hidden: str, input_ids: str, attention_m
     float32 graph (the CPU's): ArgMax with ``select_last_index``, six nodes (an earlier 13-node form cost 0.8 % of a
     SmolLM2 step under onnxruntime-genai, this one nothing measurable). A half graph (CUDA's, whose ArgMax takes no
     int64: onnxruntime's operator table) numbers the kept positions and takes the largest, in int64 operators CUDA
-    runs, so that no node falls back to the CPU (a copy each way per step, and no CUDA graph capture)."""
+    runs, so that no node falls back to the CPU (a copy each way per step, and no CUDA graph capture).
+
+    ``right_padded``: the graph takes right padding alone (onnxruntime-genai's batches: a step's new slots kept,
+    then padded; a decode step's one slot), so the last kept one is their count less one, -1 (GatherND's last slot)
+    for a row that keeps none: a ReduceSum and a Sub, for either dtype, where the half form's Range, Add, Squeeze,
+    Mul and ReduceMax took about 0.05 ms of an H200's 5 ms Qwen3-0.6B-shaped step at batch 1
+    (`profile-genai-cuda-h200-b1.json`); int64 operators CUDA runs (the genai graph's seqlens_k is a ReduceSum of
+    the same mask). Wrong for a left-padded row, which such a graph is not for."""
     seq = b.op("Shape", input_ids, start=1, end=2)  # (1,): T
     new = b.op("Slice", attention_mask, b.op("Neg", seq), b.const([torch.iinfo(torch.int64).max]), b.const([1]))
-    if dtype == torch.float32:
+    if right_padded:
+        index = b.op("Sub", b.op("ReduceSum", new, b.const([1]), keepdims=1), b.const(1))  # (B, 1)
+    elif dtype == torch.float32:
         index = b.op("ArgMax", new, axis=1, keepdims=1, select_last_index=1)  # (B, 1): the last 1, else the last slot
     else:
         numbers = b.op("Range", b.const(1), b.op("Add", b.op("Squeeze", seq, b.const([0])), b.const(1)), b.const(1))

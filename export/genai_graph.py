@@ -21,9 +21,9 @@ a left-padded batch, which only the fused ``model.onnx`` takes; ``genai_config.j
 onnxruntime-genai samples from each row's last kept position and reads no other logits (a static 1 on the logits'
 position axis tells it so, from 0.12.2 on), so this graph also puts only that position through the head, as
 ``--logits last`` does (by the cheaper rule of right padding where the graph takes no other padding:
-``emit_right_padded_last``): ``model.onnx`` keeps every position, the contract for scoring a text. A prompt's head
-then costs one row instead of its length, and its logits are (B, 1, V) rather than (B, T, V) (a 4096-token Qwen3
-prompt's float32 logits are 2.5 GB).
+``emit_last_position(..., right_padded=True)``): ``model.onnx`` keeps every position, the contract for scoring a
+text. A prompt's head then costs one row instead of its length, and its logits are (B, 1, V) rather than (B, T, V)
+(a 4096-token Qwen3 prompt's float32 logits are 2.5 GB).
 
 A model with interleaved multimodal RoPE (Qwen3.5) gets this graph from either of its graphs, fused or plain, taking
 (B, T) positions where ``model.onnx`` takes (3, B, T), repeated on the three streams first thing (as
@@ -174,28 +174,12 @@ def emit_seqlens(graph: onnx.GraphProto) -> str:
     return names["seqlens"]
 
 
-def emit_right_padded_last(b: GraphBuilder, hidden: str, input_ids: str, attention_mask: str) -> str:
-    """(B, 1, C): each row's hidden state at its last kept new position, for the batches onnxruntime-genai makes:
-    a step's new slots kept, then padded (a right-padded prompt; a decode step's one slot), so the last kept one is
-    their count less one, and -1 (GatherND's last slot) for a row that keeps none. Every decode step runs it: a
-    ReduceSum and a Sub where ``emit_last_position``, which also takes left padding (``--logits last``'s
-    ``model.onnx``), numbers the slots and takes the largest (Range, Add, Squeeze, Mul, ReduceMax on CUDA: about
-    0.05 ms of an H200's 5 ms Qwen3-0.6B-shaped step at batch 1, `profile-genai-cuda-h200-b1.json`). Its operators
-    are those CUDA runs on int64 (the graph's seqlens_k is a ReduceSum of the same mask). Only for a graph rewired
-    for right padding (``right_padded_graph``), already wrong for a left-padded batch (its seqlens_k: the module
-    docstring), so the narrower rule costs no contract there."""
-    seq = b.op("Shape", input_ids, start=1, end=2)  # (1,): T
-    new = b.op("Slice", attention_mask, b.op("Neg", seq), b.const([torch.iinfo(torch.int64).max]), b.const([1]))
-    index = b.op("Sub", b.op("ReduceSum", new, b.const([1]), keepdims=1), b.const(1))  # (B, 1)
-    return b.op("Unsqueeze", b.op("GatherND", hidden, index, batch_dims=1), b.const([1]))
-
-
 def select_last_position(graph: onnx.GraphProto, dtype: torch.dtype, right_padded: bool) -> None:
     """Puts each row's last kept position alone through the head (the module docstring), unless the graph does
     already (``--logits last``): the selection's nodes go before the head's, which read the picked (B, 1, C) rows in
     place of the final hidden states, and ``logits`` becomes (B, 1, V). ``right_padded``: the graph takes right
-    padding alone (``right_padded_graph``), so the cheaper rule for it picks (``emit_right_padded_last``); else the
-    general one, which a plain graph's genai model needs for the left padding it takes (``emit_last_position``)."""
+    padding alone (``right_padded_graph``), so the cheaper rule for it picks; else the general one, which a plain
+    graph's genai model needs for the left padding it takes (``emit_last_position``)."""
     (logits,) = (value for value in graph.output if value.name == "logits")
     positions = logits.type.tensor_type.shape.dim[1]
     if positions.HasField("dim_value") and positions.dim_value == 1:
@@ -211,10 +195,7 @@ def select_last_position(graph: onnx.GraphProto, dtype: torch.dtype, right_padde
     (hidden,) = outer
     b = GraphBuilder(None, consts=LAST_CONSTS)
     with b.scope(HEAD_SCOPE.strip("/")), b.scope(LAST_POSITION_SCOPE):
-        if right_padded:
-            picked = emit_right_padded_last(b, hidden, "input_ids", "attention_mask")
-        else:
-            picked = emit_last_position(b, hidden, "input_ids", "attention_mask", dtype)
+        picked = emit_last_position(b, hidden, "input_ids", "attention_mask", dtype, right_padded=right_padded)
     for node in head:
         node.input[:] = [picked if name == hidden else name for name in node.input]
     first = next(index for index, node in enumerate(graph.node) if node.name.startswith(HEAD_SCOPE))

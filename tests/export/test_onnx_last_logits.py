@@ -76,7 +76,7 @@ def test_all_positions_model_needs_the_selection(onnx_variant):
         ("last", "export.decoder_graph.emit_last_position", r"max \|Δlogit\|"),
         (
             "all",
-            "export.genai_graph.emit_right_padded_last",
+            "export.genai_graph.emit_last_position",
             r"model.genai.onnx \(onnxruntime-genai's graph, rows padded on the right\)",
         ),
     ],
@@ -88,11 +88,11 @@ def test_verify_fails_on_a_selection_that_takes_the_last_slot(
     """The builder's prune_lm_head takes the last slot: right for left-padded prompts and decode steps, a pad's
     logits for a right-padded row. Verify's left-padded batch cannot see it; its right-padded prefill does, in a
     --logits last model.onnx and in the genai graph every fused export writes (its own, cheaper
-    selection for right padding, ``emit_right_padded_last``)."""
+    selection for right padding, ``emit_last_position(..., right_padded=True)``)."""
     folder = thinker_variant("qwen3", head_dim=16)
     assert export_model(folder, tmp_path / "ok", logits=logits, progress=False)["verify"]["passed"]
 
-    def last_slot(b, hidden, *_):
+    def last_slot(b, hidden, *_, **__):
         return b.op("Gather", hidden, b.const([-1]), axis=1)
 
     monkeypatch.setattr(planted_in, last_slot)
@@ -240,16 +240,17 @@ def test_last_position_forms_pick_each_rows_last_kept_position(dtype):
 
 
 def test_the_genai_selection_picks_each_right_padded_rows_last_kept_position():
-    """``emit_right_padded_last``, the genai graph's selection: a step's new slots kept then padded, as
-    onnxruntime-genai batches them (a right-padded prompt, a full one, one that keeps nothing: its last slot, after
-    two cached slots; a decode step's one slot, behind pads inside the cache), picks what verify's rule picks, in
-    two int64 operators fewer than the general form's (ReduceSum for Range, Add, Squeeze, Mul, ReduceMax), all of
-    them operators CUDA runs on int64. A left-padded row, which the genai graph is not for, is not its case."""
-    from export.genai_graph import emit_right_padded_last
+    """``emit_last_position(..., right_padded=True)``, the genai graph's selection: a step's new slots kept then
+    padded, as onnxruntime-genai batches them (a right-padded prompt, a full one, one that keeps nothing: its last
+    slot, after two cached slots; a decode step's one slot, behind pads inside the cache), picks what verify's rule
+    picks, in two int64 operators fewer than the general form's (ReduceSum for Range, Add, Squeeze, Mul, ReduceMax),
+    all of them operators CUDA runs on int64. A left-padded row, which the genai graph is not for, is not its
+    case."""
+    from export.decoder_graph import emit_last_position
     from export.graph_builder import GraphBuilder
 
     b = GraphBuilder(None)
-    picked = emit_right_padded_last(b, "hidden", "input_ids", "attention_mask")
+    picked = emit_last_position(b, "hidden", "input_ids", "attention_mask", torch.float16, right_padded=True)
     ops = [node.op_type for node in b.nodes if node.op_type != "Constant"]
     assert set(ops) <= CUDA_INT64_OPS | {"ReduceSum"} and "Range" not in ops and "ReduceMax" not in ops, ops
     cases = [
