@@ -43,8 +43,11 @@ from workers import Runtime, interleave_fresh, summary  # noqa: E402
 RESULTS = Path(__file__).with_name("results")
 # name -> `thinker export` options (on top of --graph fused); the flips check pairs each with "+acc1" of itself.
 VARIANTS = {
-    # the defaults: RTN, block 32, accuracy level 4, the mixed head (int8 for the first 8192 rows), the guard at 0.9
+    # the defaults: activation-aware scales (export/awq.py), RTN, block 32, accuracy level 4, the mixed head (int8
+    # for the first 8192 rows), the guard at 0.9; every rtn variant below scales too unless it says --no-awq
     "int4": ["--quantize", "int4"],
+    "int4-rtn": ["--quantize", "int4", "--no-awq"],  # the default before activation-aware scales
+    "int4-h4-rtn": ["--quantize", "int4", "--quantize-head", "int4", "--no-awq"],  # the builder's int4, as ours
     "int4-noguard": ["--quantize", "int4", "--accuracy-guard", "0"],  # what the accuracy guard costs an export
     "int4-acc1": ["--quantize", "int4", "--accuracy-level", "1"],
     "int4-h8": ["--quantize", "int4", "--quantize-head", "int8"],
@@ -57,6 +60,7 @@ VARIANTS = {
     "int4-hqq-h4": ["--quantize", "int4", "--algo", "hqq", "--quantize-head", "int4"],
     "int8": ["--quantize", "int8"],
     "int8-acc1": ["--quantize", "int8", "--accuracy-level", "1"],
+    "int8-awq": ["--quantize", "int8", "--awq"],
     "int8-femb": ["--quantize", "int8", "--embedding", "float"],  # the builder's int8 layout: a float table
     "int4-femb": ["--quantize", "int4", "--embedding", "float"],
 }
@@ -218,7 +222,7 @@ def optional(value, spec: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--speed-variants", default="int4,int4-h8,int4-h4,int4-asym,int4-b64,int4-b64-h4,int8")
+    parser.add_argument("--speed-variants", default="int4,int4-rtn,int4-h8,int4-h4,int4-asym,int4-b64,int4-b64-h4,int8")
     parser.add_argument("--runtimes", default="ort,genai")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=positive_int, default=3)

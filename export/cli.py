@@ -198,6 +198,15 @@ costs against the float model on a fixed English paragraph (top-1 agreement, per
     "points on every call: slow on CPU).",
 )
 @click.option(
+    "--awq/--no-awq",
+    default=None,
+    help="--quantize --algo rtn: activation-aware scales before rounding (AWQ): each projection's input channels "
+    "scaled by how large the model's own activations run there, searched per layer on text the model writes itself "
+    "and folded into the norms and projections before them, so the graph's ops, bytes and speed are plain rtn's. "
+    "On SmolLM2 at int4 it lifts top-1 agreement with the float model from 68% to 82%. Holds the float32 model "
+    "whole while it runs. [default: on for int4, off for int8]",
+)
+@click.option(
     "--quantize-head",
     type=click.Choice(list(HEAD_PRECISIONS)),
     default=None,
@@ -301,6 +310,7 @@ def export_command(
     quantize: str | None,
     block_size: str,
     algo: str,
+    awq: bool | None,
     quantize_head: str | None,
     head_int8_rows: int | None,
     embedding: str,
@@ -341,7 +351,7 @@ def export_command(
     if quantize:
         level = None if accuracy_level is None else int(accuracy_level)
         spec = QuantizeSpec.parse(
-            quantize, int(block_size), algo, level, quantize_head, head_int8_rows, dtype, embedding
+            quantize, int(block_size), algo, level, quantize_head, head_int8_rows, dtype, embedding, awq
         )
         default = QualityGate.default(spec.bits)
         gate = QualityGate(
@@ -364,7 +374,8 @@ def export_command(
         # Options of a quantized export only: given without --quantize, each would be silently ignored.
         for parameter in QUANTIZE_ONLY:
             if _given_on_the_command_line(parameter):
-                raise ThinkerError(f"--{parameter.replace('_', '-')} needs --quantize")
+                option = "--no-awq" if parameter == "awq" and awq is False else f"--{parameter.replace('_', '-')}"
+                raise ThinkerError(f"{option} needs --quantize")
     report = export_model(
         model_dir,
         output,
@@ -401,6 +412,14 @@ def export_command(
             f"tokens of {text} (at least {guard['min_agreement']:.0%}): "
             + (f"{', '.join(moved)} moved to level 1 ({guard['agreement']:.1%})" if moved else "nothing moved")
             + fallback_words(guard)
+        )
+    scales = (report.get("quantize") or {}).get("activation_scales")
+    if scales and "groups" in scales:  # a skip is among the notes
+        click.echo(
+            f"activation-aware scales: {scales['groups']} groups of projections scaled for rounding on "
+            f"{scales['calibration_tokens']} tokens the model wrote (median alpha {scales['alpha_median']}, median "
+            f"output error {scales['error_vs_rtn_median']:.0%} of plain rtn's); the float model's logits moved by "
+            f"{scales['logit_difference']:.2g}"
         )
     figures = report["verify"]
     if figures and "graph" in figures:  # a quantized export
@@ -650,6 +669,7 @@ def demo_command(ctx: click.Context, workdir: Path, prompt: str, max_new_tokens:
 QUANTIZE_ONLY = (
     "block_size",
     "algo",
+    "awq",
     "accuracy_level",
     "accuracy_guard",
     "quantize_head",

@@ -39,6 +39,7 @@ from thinker_common.side_files import (
     readable_tokenizer_files,
     tokenizer_files,
 )
+from thinker_common.sizes import human_size
 from thinker_common.source_files import present
 from thinker_common.sources import SafetensorsSource
 from thinker_common.staging import install, refuse_existing_output, refuse_output_over_source, work_folder
@@ -260,8 +261,13 @@ def export_model(
             plan = None
         positions = position_form(config, positions)
         final = staging / "onnx"
+        # The weights the graph holds: the folder's, or the same model scaled for rounding (export/awq.py), which
+        # the checks then hold the graph to; the tokenizer, card and report still come from the folder itself.
+        weights_dir, awq = model_dir, None
+        if quantize and quantize.awq:
+            weights_dir, awq = scaled_for_rounding(model_dir, staging / "awq", quantize, progress)
         files = build_onnx(
-            model_dir, config, final, graph_dtype, graph_class, quantizer, progress, positions, logits, str(source)
+            weights_dir, config, final, graph_dtype, graph_class, quantizer, progress, positions, logits, str(source)
         )
         if quantize:
             refuse_nothing_quantized(quantize, files.nodes_by_op, quantizer, source)
@@ -273,7 +279,7 @@ def export_model(
             from .accuracy_guard import guard_accuracy_level
 
             guard = guard_accuracy_level(
-                model_dir,
+                weights_dir,
                 files.model_path,
                 config.vocab_size,
                 config.max_position_embeddings,
@@ -313,7 +319,10 @@ def export_model(
             "positions": positions,
             "logits": logits,
             "inputs_embeds": {"model": EMBEDS_MODEL_FILE, "embed": EMBED_FILE} if inputs_embeds else None,
-            "quantize": quantize.describe(head_is_quantized) | routed_experts(config, files.nodes_by_op, guard)
+            "quantize": quantize.describe(head_is_quantized)
+            | routed_experts(config, files.nodes_by_op, guard)
+            | ({"activation_scales": awq} if awq else {})
+            | ({"awq": False} if awq and "skipped" in awq else {})
             if quantize
             else None,
             "accuracy_guard": guard,
@@ -341,6 +350,7 @@ def export_model(
                     quantizer.narrow_note() if quantizer else None,
                     whole_head_note,
                     float_experts_note(config, quantize, files.nodes_by_op, guard),
+                    awq.get("skipped") if awq else None,
                 )
                 if note
             ],
@@ -351,7 +361,7 @@ def export_model(
 
                 plan = verify_plan(model_dir, graph_dtype, quantized=True, graph_bytes=files.data_bytes)
                 report["verify"] = verify_quantized_export(
-                    model_dir,
+                    weights_dir,
                     files.model_path,
                     graph_dtype,
                     quantize.bits,
@@ -384,6 +394,28 @@ def export_model(
         (final / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
         install(final, output.absolute(), force)  # atomic: OUTPUT is the old folder or the new one, never partial
     return report
+
+
+def scaled_for_rounding(
+    model_dir: Path, output: Path, quantize: QuantizeSpec, progress: bool
+) -> tuple[Path, dict | None]:
+    """``model_dir``'s Thinker scaled for rounding (export/awq.py) in ``output``, and its figures for the report;
+    ``model_dir`` itself and the reason in ``skipped`` where it cannot be (the float32 model does not fit in memory
+    whole), or no figures where no layer of the model has a group to scale."""
+    from converter.parity import memory_budget
+
+    from .awq import MEMORY_FACTOR, scale_for_rounding
+
+    needed = weights_size(model_dir, torch.float32) or 0
+    budget = memory_budget(share=1.0)
+    if needed * MEMORY_FACTOR > budget:
+        return model_dir, {
+            "skipped": f"activation-aware scales (--awq) skipped: they run the float32 model whole "
+            f"({human_size(needed)}), and {human_size(budget)} of memory is available; the weights are plain "
+            "round-to-nearest (--no-awq to say so)"
+        }
+    scaled = scale_for_rounding(model_dir, output, quantize.bits, quantize.block_size, progress)
+    return (scaled.folder, scaled.report) if scaled else (model_dir, None)
 
 
 def half_failure_advice(dtype: torch.dtype, failure: str) -> str:

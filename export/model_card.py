@@ -105,7 +105,8 @@ def write_onnx_card(folder: Path, thinker_folder: Path, report: dict, name: str,
     origin = weights_of(carried)
     precision = report["dtype"]
     if quantized:
-        precision += f", weights {quantized['weights']} in blocks of {quantized['block_size']} ({quantized['algo']})"
+        algo = quantized["algo"] + (", activation-aware scales" if quantized.get("awq") else "")
+        precision += f", weights {quantized['weights']} in blocks of {quantized['block_size']} ({algo})"
         precision += head_precision(quantized)
     files = (
         "`genai_config.json` for onnxruntime-genai"

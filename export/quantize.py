@@ -83,6 +83,11 @@ if TYPE_CHECKING:
 
 # The head's precision when --quantize-head is not given: mixed under int4 (see the module docstring), int8 under int8.
 DEFAULT_HEAD = {"int4": "mixed"}
+# Where --awq is on when not given (export/awq.py): int4 round-to-nearest in a float32 graph. At int8 rounding costs
+# little to begin with; a float16 graph of SmolLM2 scaled so failed its own check (after a cache of 4102 slots half
+# precision moved the reference's logits beyond the tolerance), so CUDA's float16 takes it when asked (README,
+# "Quantized exports").
+DEFAULT_AWQ = {("int4", "rtn", "float32")}
 MIN_OUTPUTS = 16  # below this a projection (the shared-expert gate, (C, 1)) is not worth a quantized kernel
 HEAD = "lm_head.weight"
 # Projections left in float whatever their size, by name suffix (see the module docstring).
@@ -103,7 +108,9 @@ class QuantizeSpec:
     onnxruntime's fastest CPU kernels and its model builder's CPU default); ``head_bits`` the head's bits when
     they differ from the body's (rtn); ``head_int8_rows`` a mixed head's rows at 8 bits (the first ones), the rest at
     ``bits`` (rtn); ``float_embedding`` a tied embedding kept as the float table beside the quantized head instead of
-    gathered from the head's tensors (the builder's int8 layout)."""
+    gathered from the head's tensors (the builder's int8 layout); ``awq`` activation-aware scales before rounding
+    (export/awq.py; rtn only). The fields are the layout as given; ``parse`` applies the CLI's defaults (the
+    mixed head and activation-aware scales at int4)."""
 
     bits: int = 4
     block_size: int = 32
@@ -112,6 +119,14 @@ class QuantizeSpec:
     head_bits: int | None = None
     head_int8_rows: int = 0
     float_embedding: bool = False
+    awq: bool = False
+
+    def __post_init__(self) -> None:
+        if self.awq and self.algo != "rtn":
+            raise ThinkerError(
+                f"--awq searches scales for symmetric round-to-nearest (--algo rtn), and --algo {self.algo} fits "
+                "its own; drop --awq"
+            )
 
     @classmethod
     def parse(
@@ -124,11 +139,13 @@ class QuantizeSpec:
         head_int8_rows: int | None = None,
         dtype: str = "float32",
         embedding: str = "quantized",
+        awq: bool | None = None,
     ) -> QuantizeSpec:
         """From the CLI's words: ``quantize`` int4 / int8, ``head`` int4 / int8 / mixed (None: DEFAULT_HEAD's
         choice), ``head_int8_rows`` a mixed head's int8 rows (None: ``DEFAULT_HEAD_INT8_ROWS``),
         ``accuracy_level`` None: the graph ``dtype``'s (``DEFAULT_ACCURACY_LEVEL``), ``embedding`` a tied
-        embedding's table, quantized (gathered from the head's) or float."""
+        embedding's table, quantized (gathered from the head's) or float, ``awq`` None: on at int4 rtn in
+        float32 (``DEFAULT_AWQ``), where it lifts SmolLM2's top-1 agreement most (README, "Quantized exports")."""
         if accuracy_level is None:
             accuracy_level = DEFAULT_ACCURACY_LEVEL.get(dtype, 0)
         if quantize not in BITS:
@@ -163,6 +180,7 @@ class QuantizeSpec:
             head_bits=None if mixed or head == quantize else BITS[head],
             head_int8_rows=rows if mixed else 0,
             float_embedding=embedding == "float",
+            awq=awq if awq is not None else (quantize, algo, dtype) in DEFAULT_AWQ,
         )
 
     def for_weight(self, name: str) -> QuantizeSpec:
@@ -212,6 +230,7 @@ class QuantizeSpec:
             "block_size": self.block_size,
             "algo": self.algo,
             "symmetric": self.algo == "rtn",
+            "awq": self.awq,
             "accuracy_level": self.accuracy_level,
         }
 
@@ -219,7 +238,8 @@ class QuantizeSpec:
         head = f", int{self.head_bits} head" if self.head_bits else ""
         if self.head_int8_rows:
             head = f", mixed head (int8 for its first {self.head_int8_rows} rows)"
-        return f"int{self.bits} {self.algo}, block {self.block_size}{head}"
+        algo = f"{self.algo} with activation-aware scales" if self.awq else self.algo
+        return f"int{self.bits} {algo}, block {self.block_size}{head}"
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ from .dequantize import (
 from .fidelity import fidelity_token_ids, prefill_logits, text_fidelity
 from .quantize import HEAD, QuantizeSpec
 from .quantized_layout import Layout, layout_failures
+from .rounding import in_blocks, rtn_dequantized
 from .routing import checked_probes
 from .runtime import OnnxDecoder
 from .verify import (
@@ -358,47 +359,14 @@ class WeightFigures:
             self.embedding = quantized.op_type
 
 
-def in_blocks(rows: torch.Tensor, block_size: int) -> torch.Tensor:
-    """(R, K) as (R, blocks, block size), the last block padded with zeros; ``block_size`` 0: one block a row."""
-    block = block_size or rows.shape[-1]
-    return torch.nn.functional.pad(rows, (0, -rows.shape[-1] % block)).reshape(rows.shape[0], -1, block)
-
-
 def block_rounding_error(
     rows: torch.Tensor, bits: int, block_size: int, asymmetric: bool, scale_dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """Per block of ``rows`` (R, K), float, (R, blocks): the norm of the error round-to-nearest makes on it at
-    ``bits``, in blocks of ``block_size`` along K, as onnxruntime's blockwise quantizer rounds (MLAS: symmetric,
-    the block's value of largest magnitude at -2^(bits-1) steps; asymmetric, the block's range widened to hold 0
-    over 2^bits - 1 steps, an integer zero point; C's roundf, ties away from 0). ``block_size`` 0: one scale per
-    row, the largest magnitude at 2^(bits-1) - 1 steps (export/quantize.py ``column_wise_int8``). The scale is the
-    one stored, in ``scale_dtype`` (the graph's), and the values are rounded at it, as MLAS does: a float16 graph's
-    scale of a block of small weights is subnormal, its rounding then larger than the values' (a review: modelled
-    in float32, a sound graph's blocks measured 1.3-5x)."""
-
-    def stored(scale: torch.Tensor) -> torch.Tensor:
-        return scale.to(scale_dtype).float()
-
-    blocks = in_blocks(rows, block_size)
-    top, middle = 2**bits - 1, 2 ** (bits - 1)
-    low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
-    lowest = 0
-    if not block_size:
-        scale, zero, lowest = stored(torch.maximum(-low, high) / (middle - 1)), middle, 1
-    elif asymmetric:
-        low, high = low.clamp(max=0), high.clamp(min=0)
-        scale = stored((high - low) / top)
-        zero = _round(-low / torch.where(scale > 0, scale, 1)).clamp(0, top)
-    else:
-        scale, zero = stored(torch.where(high.abs() > low.abs(), high, low) / -middle), middle
-    scale = torch.where(scale != 0, scale, torch.ones_like(scale))
-    q = _round(blocks / scale + zero).clamp(lowest, top)
-    return ((q - zero) * scale - blocks).norm(dim=-1)
-
-
-def _round(values: torch.Tensor) -> torch.Tensor:
-    """C's roundf: halves away from zero (torch.round takes them to even)."""
-    return values.sign() * (values.abs() + 0.5).floor()
+    """Per block of ``rows`` (R, K), float, (R, blocks): the norm of the error round-to-nearest makes on it
+    (export/rounding.py ``rtn_dequantized``, onnxruntime's rounding at ``bits``, ``block_size``, symmetry and
+    ``scale_dtype``)."""
+    dequantized = rtn_dequantized(rows, bits, block_size, asymmetric, scale_dtype)
+    return (dequantized - in_blocks(rows, block_size)).norm(dim=-1)
 
 
 def worst_rounding(

@@ -126,14 +126,15 @@ def test_the_card_names_the_head_and_last_position_logits(runner, thinker_folder
         args = ["export", str(thinker_folder("qwen3")), str(output), *options, "--quantize-head", head, *rows]
         assert runner.invoke(main, args).exit_code == 0
         card = (output / "README.md").read_text()
-        assert f"weights int4 in blocks of 32 (rtn), {says}, the fused graph)" in card, card
+        # the CLI's int4 scales for rounding first (export/awq.py), and the card says so
+        assert f"weights int4 in blocks of 32 (rtn, activation-aware scales), {says}, the fused graph)" in card, card
         assert "logits are each row's last position only, `[batch, 1, vocab]` (`--logits last`)" in card
 
     whole = runner.invoke(main, [*args[:2], str(tmp_path / "whole"), *options, "--head-int8-rows", "1000"])
     assert whole.exit_code == 0, whole.output
     assert "the mixed head's 1000 int8 rows (--head-int8-rows) cover the whole vocabulary" in whole.stderr
     assert (
-        "weights int4 in blocks of 32 (rtn), the head int8, the fused graph)"
+        "weights int4 in blocks of 32 (rtn, activation-aware scales), the head int8, the fused graph)"
         in (tmp_path / "whole/README.md").read_text()
     )
 

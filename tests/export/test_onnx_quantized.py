@@ -174,6 +174,7 @@ def test_cli_quantizes_and_verifies(thinker_variant, tmp_path):
         "block_size": 16,
         "algo": "rtn",
         "symmetric": True,
+        "awq": False,
         "accuracy_level": 4,
     }
     verify = report["verify"]
@@ -645,7 +646,8 @@ def test_quality_gate_fails_an_export_that_costs_too_much(thinker_variant, tmp_p
     args = ["export", str(thinker_variant("qwen3", head_dim=16)), str(tmp_path / "out"), "--graph", "fused"]
     result = CliRunner().invoke(main, [*args, "--quantize", "int4", "--block-size", "16", "--min-top1", "1.0"])
     assert result.exit_code == 1 and "--min-top1" in result.stderr and "top-1 agreement" in result.stderr, result.output
-    assert "int4 rtn, block 16, int8 head)" in result.stderr, result.output  # 8192 "mixed" rows cover its vocabulary
+    # 8192 "mixed" rows cover its vocabulary; the CLI's int4 scales for rounding first (export/awq.py)
+    assert "int4 rtn with activation-aware scales, block 16, int8 head)" in result.stderr, result.output
     assert not (tmp_path / "out").exists()
 
 
