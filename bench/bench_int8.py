@@ -3,17 +3,18 @@
     python bench/bench_int8.py [--reps 6] [--steps 40]
 
 bench_quantize.py judges every quantized layout against the builder's int4; this puts ``thinker export --quantize
-int8`` (its defaults: symmetric RTN in blocks of 32, accuracy level 4, the int8 head that the tied embedding is
-gathered from, the accuracy guard) beside ``builder -p int8 -e cpu`` (its own defaults) on both axes:
+int8`` (its defaults: activation-aware scales, symmetric RTN in blocks of 32, accuracy level 4, the int8 head that
+the tied embedding is gathered from, the accuracy guard) beside ``builder -p int8 -e cpu`` (its own defaults) on
+both axes:
   fidelity  export/fidelity.py's paragraph, teacher forced, against the float PyTorch model (what ``--verify``
             reports as the cost: top-1 agreement, perplexity change), and how many tokens of a 64-token greedy
             continuation equal the float model's (bench_quantize.py's measures);
   speed     decode steps in one onnxruntime-genai process, the two folders taking turns, every repetition a fresh
             process with the load order rotated (bench_graph_ab.py --runtime genai --own-tokens), batch 1 and 8.
 The exports are each tool's own under ~/.cache/thinker-bench (bench/exports.py; ours made afresh each run). A third
-row, fidelity and size only, is ours with ``--embedding float`` (the float table beside the int8 head instead of the
-gather from it: the one way the two int8 folders differ in their bytes), which answers where their fidelity
-differs. Writes bench/results/int8.json (the speed repetitions in graph_ab_smollm2-genai-int8-b1.json
+row, fidelity and size only, is ours with ``--embedding float --no-awq`` (plain RTN and the float table beside the
+int8 head instead of the gather from it: the builder's function), which answers where the fidelity differs. Writes
+bench/results/int8.json (the speed repetitions in graph_ab_smollm2-genai-int8-b1.json
 / -b8.json).
 """
 
@@ -36,7 +37,7 @@ from bench_quantize import export_variant, fidelity  # noqa: E402
 
 RESULTS = Path(__file__).with_name("results")
 BATCHES = (1, 8)
-FLOAT_EMBEDDING = "ours-int8 --embedding float"
+FLOAT_EMBEDDING = "ours-int8 --embedding float --no-awq"
 
 
 def speed(builder: Path, ours: Path, batch: int, args) -> dict:
@@ -59,7 +60,7 @@ def main() -> None:
     if builder.error:
         raise SystemExit(f"the builder's int8 export failed: {builder.error}")
     ours, _ = export_variant("int8", model, fresh=True)  # today's code (the builder's export is cached)
-    float_embedding, _ = export_variant("int8-femb", model, fresh=True)
+    float_embedding, _ = export_variant("int8-femb-rtn", model, fresh=True)
     folders = {"ours-int8": ours, "builder-int8": builder.folder, FLOAT_EMBEDDING: float_embedding}
     result = {
         "command": command_line(),

@@ -11,9 +11,9 @@ the next-token distributions per text, and top-1 over the two texts pooled (721 
 Folders: ``thinker export --quantize int4`` (the default: activation-aware scales, the mixed head) and its
 ``--quantize-head int4`` / ``int8`` variants, the default and the int4 head again in plain RTN (``--no-awq``; the
 int4 head's is the builder's function) (bench_quantize.py's, made afresh unless ``--reuse-exports``), the
-builder's ``-p int4 -e cpu``; the same for int8 (ours, ours with ``--awq``, and ``-p int8``); and the int4 and int8
-defaults again with ``--embedding float`` (the tied embedding looked up in the float table instead of gathered
-from the quantized head), which is how the builder's int8 differs from ours.
+builder's ``-p int4 -e cpu``; the same for int8 (ours, ours with ``--no-awq``, and ``-p int8``); and the int4 default
+and int8 in plain RTN again with ``--embedding float`` (the tied embedding looked up in the float table instead of
+gathered from the quantized head), which is how the builder's int8 differs from ours without the scales.
 
     python bench/bench_quant_texts.py [--reuse-exports]
 
@@ -40,7 +40,7 @@ from bench_quantize import export_variant  # noqa: E402
 
 RESULTS = Path(__file__).with_name("results")
 # bench_quantize.py's variants: the defaults, their heads, plain RTN (--no-awq) beside activation-aware scales
-OURS = ("int4", "int4-rtn", "int4-h4", "int4-h4-rtn", "int4-h8", "int4-femb", "int8", "int8-awq", "int8-femb")
+OURS = ("int4", "int4-rtn", "int4-h4", "int4-h4-rtn", "int4-h8", "int4-femb", "int8", "int8-rtn", "int8-femb-rtn")
 BUILDERS = ("builder-int4", "builder-int8")
 
 

@@ -44,7 +44,8 @@ RESULTS = Path(__file__).with_name("results")
 # name -> `thinker export` options (on top of --graph fused); the flips check pairs each with "+acc1" of itself.
 VARIANTS = {
     # the defaults: activation-aware scales (export/awq.py), RTN, block 32, accuracy level 4, the mixed head (int8
-    # for the first 8192 rows), the guard at 0.9; every rtn variant below scales too unless it says --no-awq
+    # for the first 8192 rows), the guard at 0.9; every rtn variant below scales too unless it says --no-awq, and the
+    # "-rtn" ones are the defaults before the scales
     "int4": ["--quantize", "int4"],
     "int4-rtn": ["--quantize", "int4", "--no-awq"],  # the default before activation-aware scales
     "int4-h4-rtn": ["--quantize", "int4", "--quantize-head", "int4", "--no-awq"],  # the builder's int4, as ours
@@ -59,9 +60,10 @@ VARIANTS = {
     "int4-hqq": ["--quantize", "int4", "--algo", "hqq"],
     "int4-hqq-h4": ["--quantize", "int4", "--algo", "hqq", "--quantize-head", "int4"],
     "int8": ["--quantize", "int8"],
+    "int8-rtn": ["--quantize", "int8", "--no-awq"],
     "int8-acc1": ["--quantize", "int8", "--accuracy-level", "1"],
-    "int8-awq": ["--quantize", "int8", "--awq"],
-    "int8-femb": ["--quantize", "int8", "--embedding", "float"],  # the builder's int8 layout: a float table
+    # the builder's int8 function: plain RTN, the float table
+    "int8-femb-rtn": ["--quantize", "int8", "--embedding", "float", "--no-awq"],
     "int4-femb": ["--quantize", "int4", "--embedding", "float"],
 }
 FLIP_PAIRS = {"int4": "int4-acc1", "int8": "int8-acc1"}
@@ -222,7 +224,9 @@ def optional(value, spec: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--speed-variants", default="int4,int4-rtn,int4-h8,int4-h4,int4-asym,int4-b64,int4-b64-h4,int8")
+    parser.add_argument(
+        "--speed-variants", default="int4,int4-rtn,int4-h8,int4-h4,int4-asym,int4-b64,int4-b64-h4,int8,int8-rtn"
+    )
     parser.add_argument("--runtimes", default="ort,genai")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=positive_int, default=3)

@@ -233,7 +233,9 @@ def export_model(
     refuse_output_over_source(output, location)
     top = source_top(str(source), location)  # whose card and license cover a part of SOURCE (--subfolder)
     started = time.perf_counter()
-    needed = None if quantize else weights_size(location, graph_dtype)  # quantized: smaller, by how much varies
+    # quantized: smaller, by how much varies; but activation-aware scales stage the model scaled, in float32
+    needed = weights_size(location, torch.float32) if quantize and quantize.awq else None
+    needed = needed if quantize else weights_size(location, graph_dtype)
     with work_folder(output, needed) as staging, thinker_folder(location, staging, top) as model_dir:
         check_paths(model_dir)
         config = load_config(model_dir)
@@ -265,7 +267,7 @@ def export_model(
         # the checks then hold the graph to; the tokenizer, card and report still come from the folder itself.
         weights_dir, awq = model_dir, None
         if quantize and quantize.awq:
-            weights_dir, awq = scaled_for_rounding(model_dir, staging / "awq", quantize, progress)
+            weights_dir, awq = scaled_for_rounding(model_dir, staging / "awq", quantize, graph_dtype, progress)
         files = build_onnx(
             weights_dir, config, final, graph_dtype, graph_class, quantizer, progress, positions, logits, str(source)
         )
@@ -397,11 +399,11 @@ def export_model(
 
 
 def scaled_for_rounding(
-    model_dir: Path, output: Path, quantize: QuantizeSpec, progress: bool
+    model_dir: Path, output: Path, quantize: QuantizeSpec, graph_dtype: torch.dtype, progress: bool
 ) -> tuple[Path, dict | None]:
     """``model_dir``'s Thinker scaled for rounding (export/awq.py) in ``output``, and its figures for the report;
-    ``model_dir`` itself and the reason in ``skipped`` where it cannot be (the float32 model does not fit in memory
-    whole), or no figures where no layer of the model has a group to scale."""
+    ``model_dir`` itself and the reason in ``skipped`` where it cannot be: the float32 model does not fit in memory
+    whole, or no projections of the model read an input whose scale folds away."""
     from converter.parity import memory_budget
 
     from .awq import MEMORY_FACTOR, scale_for_rounding
@@ -412,10 +414,18 @@ def scaled_for_rounding(
         return model_dir, {
             "skipped": f"activation-aware scales (--awq) skipped: they run the float32 model whole "
             f"({human_size(needed)}), and {human_size(budget)} of memory is available; the weights are plain "
-            "round-to-nearest (--no-awq to say so)"
+            "round-to-nearest (--no-awq asks for that without this note)"
         }
-    scaled = scale_for_rounding(model_dir, output, quantize.bits, quantize.block_size, progress)
-    return (scaled.folder, scaled.report) if scaled else (model_dir, None)
+    scaled = scale_for_rounding(
+        model_dir, output, quantize.bits, quantize.block_size, progress, graph_dtype=graph_dtype
+    )
+    if scaled is None:
+        return model_dir, {
+            "skipped": "activation-aware scales (--awq) skipped: no projection of this model reads an input whose "
+            "scale folds away (export/awq.py: Gated DeltaNet, routed experts, indexers, hyper-connections and "
+            "per-layer embeddings keep plain rounding); the weights are plain round-to-nearest"
+        }
+    return scaled.folder, scaled.report
 
 
 def half_failure_advice(dtype: torch.dtype, failure: str) -> str:

@@ -83,11 +83,11 @@ if TYPE_CHECKING:
 
 # The head's precision when --quantize-head is not given: mixed under int4 (see the module docstring), int8 under int8.
 DEFAULT_HEAD = {"int4": "mixed"}
-# Where --awq is on when not given (export/awq.py): int4 round-to-nearest in a float32 graph. At int8 rounding costs
-# little to begin with; a float16 graph of SmolLM2 scaled so failed its own check (after a cache of 4102 slots half
-# precision moved the reference's logits beyond the tolerance), so CUDA's float16 takes it when asked (README,
-# "Quantized exports").
-DEFAULT_AWQ = {("int4", "rtn", "float32")}
+# Where --awq is on when not given (export/awq.py): round-to-nearest in a float32 graph, int4 and int8 (on SmolLM2 it
+# halves the mean KL from the float model at both). A float16 graph of SmolLM2 scaled so failed its own check (after
+# a cache of 4102 slots half precision moved the reference's logits beyond the tolerance), so CUDA's float16 takes
+# the scales when asked (README, "Quantized exports").
+DEFAULT_AWQ = {("int4", "rtn", "float32"), ("int8", "rtn", "float32")}
 MIN_OUTPUTS = 16  # below this a projection (the shared-expert gate, (C, 1)) is not worth a quantized kernel
 HEAD = "lm_head.weight"
 # Projections left in float whatever their size, by name suffix (see the module docstring).
@@ -110,7 +110,7 @@ class QuantizeSpec:
     ``bits`` (rtn); ``float_embedding`` a tied embedding kept as the float table beside the quantized head instead of
     gathered from the head's tensors (the builder's int8 layout); ``awq`` activation-aware scales before rounding
     (export/awq.py; rtn only). The fields are the layout as given; ``parse`` applies the CLI's defaults (the
-    mixed head and activation-aware scales at int4)."""
+    mixed head at int4, activation-aware scales in float32 graphs)."""
 
     bits: int = 4
     block_size: int = 32
@@ -144,8 +144,8 @@ class QuantizeSpec:
         """From the CLI's words: ``quantize`` int4 / int8, ``head`` int4 / int8 / mixed (None: DEFAULT_HEAD's
         choice), ``head_int8_rows`` a mixed head's int8 rows (None: ``DEFAULT_HEAD_INT8_ROWS``),
         ``accuracy_level`` None: the graph ``dtype``'s (``DEFAULT_ACCURACY_LEVEL``), ``embedding`` a tied
-        embedding's table, quantized (gathered from the head's) or float, ``awq`` None: on at int4 rtn in
-        float32 (``DEFAULT_AWQ``), where it lifts SmolLM2's top-1 agreement most (README, "Quantized exports")."""
+        embedding's table, quantized (gathered from the head's) or float, ``awq`` None: on for rtn in a
+        float32 graph (``DEFAULT_AWQ``; README, "Quantized exports")."""
         if accuracy_level is None:
             accuracy_level = DEFAULT_ACCURACY_LEVEL.get(dtype, 0)
         if quantize not in BITS:

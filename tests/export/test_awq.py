@@ -93,7 +93,8 @@ def test_the_search_finds_the_channel_the_activations_make_matter():
     projection = torch.nn.Linear(32, 24, bias=False)
     with torch.no_grad():
         projection.weight.copy_(weight)
-    group = awq.ScaleGroup("g", [projection], fold=lambda s: None, inputs=[inputs])
+    group = awq.ScaleGroup("g", [projection], fold=lambda s: None)
+    group.record(inputs)
     s, alpha, error, plain = awq.best_scale(group, bits=4, block_size=16)
     assert alpha > 0
     assert error < 0.5 * plain
@@ -178,15 +179,16 @@ def test_awq_where_it_cannot_apply_is_refused_in_one_line(thinker_folder, tmp_pa
     assert not (tmp_path / "out").exists()
 
 
-def test_the_cli_default_is_on_for_int4_rtn_in_float32_only():
+def test_the_cli_default_is_on_for_rtn_in_float32_graphs():
     """The CLI's default (``parse``); a QuantizeSpec built by hand is the layout as given, plain RTN unless asked."""
     assert QuantizeSpec.parse("int4").awq
-    assert not QuantizeSpec.parse("int8").awq
+    assert QuantizeSpec.parse("int8").awq
+    assert not QuantizeSpec.parse("int8", dtype="float16").awq
     assert not QuantizeSpec.parse("int4", dtype="float16").awq
     assert QuantizeSpec.parse("int4", dtype="float16", awq=True).awq
     assert not QuantizeSpec.parse("int4", algo="rtn-asym").awq
     assert not QuantizeSpec.parse("int4", awq=False).awq
-    assert QuantizeSpec.parse("int8", awq=True).awq
+    assert QuantizeSpec.parse("int8", dtype="float16", awq=True).awq
     assert not QuantizeSpec(bits=4).awq
     assert QuantizeSpec.parse("int4").describe()["awq"] is True
     assert "activation-aware" in QuantizeSpec.parse("int4").label()
@@ -209,3 +211,86 @@ def test_the_outlier_the_guard_moves_under_rtn_is_taken_in_by_the_scales(thinker
     assert guards["rtn"]["moved_to_level_1"] == [f"layers.{PLANTED_LAYER}"], guards
     assert guards["awq"]["moved_to_level_1"] == [], guards
     assert guards["awq"]["agreement_before"] > guards["rtn"]["agreement_before"], guards
+
+
+def test_a_model_with_nothing_to_scale_says_so(thinker_folder, tmp_path):
+    """Qwen3.8's layers keep plain rounding throughout (EXPECTED_GROUPS): the export says the scales were skipped
+    and why, rather than report scales it never applied."""
+    args = [str(thinker_folder("qwen4_exp")), str(tmp_path / "out"), "--quantize", "int4", "--block-size", "16"]
+    result = run_export(*args, "--no-verify")
+    assert result.exit_code == 0, result.output
+    assert "no projection of this model reads an input whose scale folds away" in result.output
+    report = json.loads((tmp_path / "out" / "export_report.json").read_text())
+    assert report["quantize"]["awq"] is False
+
+
+def edited_copy(folder: Path, out: Path, edit) -> Path:
+    """A copy of the Thinker ``folder`` whose weights ``edit`` changed in place (a dict of tensors)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, out)
+    weights = load_file(out / "model.safetensors")
+    edit(weights)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def test_a_folder_with_an_infinite_weight_is_refused_by_name_before_calibration(thinker_folder, tmp_path):
+    """The calibration samples from the model, which an Inf weight makes fail inside torch (a review: a traceback
+    from torch.multinomial); the folder's values are checked first, as the export checks them without the scales."""
+
+    def plant(weights):
+        weights["model.layers.1.mlp.up_proj.weight"][3, 5] = float("inf")
+
+    folder = edited_copy(thinker_folder("qwen3"), tmp_path / "inf", plant)
+    result = CliRunner().invoke(main, ["export", str(folder), str(tmp_path / "out"), "--quantize", "int4"])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert (
+        f"{folder / 'model.safetensors'}: tensor 'model.layers.1.mlp.up_proj.weight' holds NaN or Inf values; "
+        "the folder is corrupt"
+    ) in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def zero_channel_folder(folder: Path, out: Path) -> Path:
+    """An input_layernorm channel of weight 0 in every layer: q/k/v read a channel that is always 0."""
+
+    def plant(weights):
+        for layer in range(3):
+            weights[f"model.layers.{layer}.input_layernorm.weight"][5] = 0.0
+
+    return edited_copy(folder, out, plant)
+
+
+def test_a_channel_always_zero_leaves_the_other_scales_in_range(thinker_folder, tmp_path):
+    """Centred on the log scale, one input channel at 0 pushed every other channel's scale to 1e4-1e5 and the
+    q/k/v weights past float16's range (a review); the magnitudes the scales follow span at most MAGNITUDE_RANGE,
+    so the float16 export of such a model goes through."""
+    folder = zero_channel_folder(thinker_folder("qwen3"), tmp_path / "zero")
+    model = load(folder)
+    groups = awq.scale_groups(model)
+    with torch.no_grad():
+        hooks = [g.projections[0].register_forward_pre_hook(lambda m, a, g=g: g.record(a[0])) for g in groups]
+        model(torch.arange(3, 43)[None])
+        for hook in hooks:
+            hook.remove()
+    s, alpha, _, _ = awq.best_scale(groups[0], bits=4, block_size=16)
+    assert float(s.max() / s.min()) <= awq.MAGNITUDE_RANGE**alpha * (1 + 1e-9)
+    args = [str(folder), str(tmp_path / "out"), "--dtype", "float16", "--quantize", "int4", "--block-size", "16"]
+    result = run_export(*args, "--awq", "--no-verify")  # the values are checked as the graph is written
+    assert result.exit_code == 0, result.output
+
+
+def test_scales_beyond_float16_are_refused_as_the_scales_doing(thinker_folder, tmp_path, monkeypatch):
+    """Planted: no bound on the magnitudes, so the zero channel takes the q/k/v weights past float16's range. The
+    refusal names the scales and --no-awq, not the folder's own weights (which are fine) nor a staging file."""
+    monkeypatch.setattr(awq, "MAGNITUDE_RANGE", 1e300)
+    folder = zero_channel_folder(thinker_folder("qwen3"), tmp_path / "zero")
+    args = [str(folder), str(tmp_path / "out"), "--dtype", "float16", "--quantize", "int4", "--block-size", "16"]
+    result = CliRunner().invoke(main, ["export", *args, "--awq"])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert "the activation-aware scales take tensor 'model.layers." in result.output, result.output
+    assert "beyond float16's ±65504; export with --no-awq" in result.output, result.output
+    assert ".partial" not in result.output and not (tmp_path / "out").exists()

@@ -168,13 +168,15 @@ def test_cli_quantizes_and_verifies(thinker_variant, tmp_path):
     result = CliRunner().invoke(main, [*args, "--quantize", "int8", "--block-size", "16"])
     assert result.exit_code == 0, result.output
     report = json.loads((output / "export_report.json").read_text())
+    # the CLI's int8 scales for rounding first (export/awq.py, tests/export/test_awq.py): 12 groups of this model
+    assert report["quantize"].pop("activation_scales")["groups"] == 12
     assert report["quantize"] == {
         "weights": "int8",
         "head": "int8",
         "block_size": 16,
         "algo": "rtn",
         "symmetric": True,
-        "awq": False,
+        "awq": True,
         "accuracy_level": 4,
     }
     verify = report["verify"]
