@@ -19,6 +19,14 @@ from export_helpers import graph_nodes
 from export.names import MODEL_FILE
 
 
+@pytest.fixture(autouse=True)
+def in_a_scratch_folder(tmp_path, monkeypatch) -> None:
+    """onnxruntime's tools write scratch files into the working directory (SymbolicShapeInference's
+    sym_shape_infer_temp.onnx, external data under a random name): run each test in its own folder, so that none is
+    left in the repository (one was committed once)."""
+    monkeypatch.chdir(tmp_path)
+
+
 def prefill_feeds(session: ort.InferenceSession, batch: int = 2, length: int = 6) -> dict[str, np.ndarray]:
     """A left-padded prompt through an empty cache, for whatever inputs the graph takes."""
     mask = np.ones((batch, length), np.int64)
