@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
 import torch
 
 
@@ -32,3 +36,15 @@ def draw_weights(model: torch.nn.Module, seed: int = 0, scale: float = 0.2, keep
                 noise = torch.randn(parameter.shape, generator=generator) * scale
                 parameter.copy_(1.0 + noise if "norm" in name else noise)
     return model
+
+
+def rewritten_copy(source: Path, folder: Path, change: Callable[[dict[str, torch.Tensor]], object]) -> Path:
+    """A copy of the checkpoint folder ``source`` at ``folder`` whose model.safetensors ``change`` edited in place
+    (a dict of its tensors, by name)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, folder)
+    weights = load_file(folder / "model.safetensors")
+    change(weights)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder

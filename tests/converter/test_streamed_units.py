@@ -14,13 +14,13 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from convert_helpers import build_reference
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+from seeded_weights import rewritten_copy
 from torch import nn
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
@@ -172,14 +172,6 @@ def test_a_unit_loaded_twice_is_dropped_whole(source):
 # --- refusals ------------------------------------------------------------------------------------------------------
 
 
-def rewritten(source: Path, folder: Path, change) -> Path:
-    shutil.copytree(source, folder)
-    weights = load_file(folder / "model.safetensors")
-    change(weights)
-    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
-    return folder
-
-
 def run_refused(folder: Path) -> tuple[str, StreamedModel]:
     streamed = load_layered_reference(folder, torch.float32)
     with pytest.raises(ThinkerError) as refused:
@@ -189,7 +181,7 @@ def run_refused(folder: Path) -> tuple[str, StreamedModel]:
 
 
 def test_a_missing_tensor_is_refused_by_name(source, tmp_path):
-    folder = rewritten(source, tmp_path / "missing", lambda weights: weights.pop(ALTERED))
+    folder = rewritten_copy(source, tmp_path / "missing", lambda weights: weights.pop(ALTERED))
     message, streamed = run_refused(folder)
     assert message == (
         f"Qwen3ForCausalLM: no checkpoint tensor loads {ALTERED}; the checkpoint does not hold the whole model"
@@ -201,7 +193,7 @@ def test_a_tensor_of_another_shape_is_refused_by_name(source, tmp_path):
     def cut(weights):
         weights[ALTERED] = weights[ALTERED][:, :40].contiguous()
 
-    message, streamed = run_refused(rewritten(source, tmp_path / "cut", cut))
+    message, streamed = run_refused(rewritten_copy(source, tmp_path / "cut", cut))
     assert message == (
         f"Qwen3ForCausalLM: the checkpoint's tensors do not load: {ALTERED}: shape (32, 40), expected (32, 48)"
     )

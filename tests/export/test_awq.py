@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from seeded_weights import rewritten_copy
 
 from export import awq
 from export.quantize import QuantizeSpec
@@ -51,9 +52,17 @@ def test_the_groups_scaled_are_the_ones_whose_scales_fold_away(thinker_folder, f
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_5", "qwen3_moe", "gpt2"])
-def test_the_scaled_model_computes_the_float_function(thinker_folder, tmp_path, family):
+def test_the_scaled_model_computes_the_float_function(thinker_folder, tmp_path, monkeypatch, family):
     """Biases (Qwen2's v_proj), zero-centred norms and the output gate (Qwen3.5), grouped query heads: each fold
-    cancels its scale, and the weights did change (a search that kept alpha 0 everywhere would pass trivially)."""
+    cancels its scale, and the weights did change (a search that kept alpha 0 everywhere would pass trivially). The
+    report's figures are the search's: the median alpha and the median of each group's error over plain RTN's."""
+    searched, search = [], awq.best_scale
+
+    def recorded(group, bits, block_size):
+        searched.append(search(group, bits, block_size))
+        return searched[-1]
+
+    monkeypatch.setattr(awq, "best_scale", recorded)
     folder = thinker_folder(family)
     scaled = awq.scale_for_rounding(folder, tmp_path / "scaled", bits=4, block_size=16)
     original, rescaled = load(folder), load(scaled.folder)
@@ -68,7 +77,12 @@ def test_the_scaled_model_computes_the_float_function(thinker_folder, tmp_path, 
         if not torch.equal(parameter, original.get_parameter(name))
     ]
     assert changed, "no weight was scaled"
-    assert scaled.report["groups"] == len(awq.scale_groups(original))
+    assert scaled.report["groups"] == len(awq.scale_groups(original)) == len(searched)
+    alphas = sorted(alpha for _, alpha, _, _ in searched)
+    gains = sorted(error / plain for _, _, error, plain in searched)
+    assert scaled.report["alpha_median"] == alphas[len(alphas) // 2]
+    assert scaled.report["error_vs_rtn_median"] == round(gains[len(gains) // 2], 4)
+    assert all(0 < gain <= 1 for gain in gains), gains  # alpha 0 is plain RTN: no group ends with more error
     assert scaled.report["logit_difference"] <= RELATIVE_TOLERANCE[torch.float32] * scale
     # every file but the weights comes along: the tokenizer the export copies, the generation config
     assert {path.name for path in folder.iterdir()} <= {path.name for path in scaled.folder.iterdir()}
@@ -76,10 +90,17 @@ def test_the_scaled_model_computes_the_float_function(thinker_folder, tmp_path, 
 
 def test_a_scale_that_does_not_cancel_is_refused_before_anything_is_written(thinker_folder, tmp_path, monkeypatch):
     """Planted: the norms keep their weights, so the inputs of q/k/v and gate/up are not divided back."""
+    folder = thinker_folder("qwen3")
     monkeypatch.setattr(awq, "divide_norm", lambda norm, s: None)
-    with pytest.raises(ThinkerError, match=r"changed the float model's logits by .* --no-awq"):
-        awq.scale_for_rounding(thinker_folder("qwen3"), tmp_path / "scaled", bits=4, block_size=16)
+    with pytest.raises(ThinkerError, match=r"changed the float model's logits by .* --no-awq") as refused:
+        awq.scale_for_rounding(folder, tmp_path / "scaled", bits=4, block_size=16)
     assert not (tmp_path / "scaled").exists()
+    # the limit is the float32 export's own: RELATIVE_TOLERANCE x max(1, max |logit|) on the first calibration text
+    model = load(folder)
+    with torch.no_grad():
+        logits = model(awq.calibration_ids(model, folder)[0][None]).logits
+    limit = RELATIVE_TOLERANCE[torch.float32] * max(1.0, float(logits.abs().max()))
+    assert f"(limit {limit:.3g}) on its calibration text" in str(refused.value), str(refused.value)
 
 
 def test_the_search_finds_the_channel_the_activations_make_matter():
@@ -102,17 +123,24 @@ def test_the_search_finds_the_channel_the_activations_make_matter():
 
 
 def test_calibration_is_seeded_and_leaves_the_callers_random_state(thinker_folder):
+    from transformers import AutoTokenizer
+
     folder = thinker_folder("qwen3")
     model = load(folder)
     torch.manual_seed(123)
     state = torch.get_rng_state()
     first = awq.calibration_ids(model, folder)
     assert torch.equal(torch.get_rng_state(), state)
+    torch.manual_seed(456)  # the caller's state does not reach the sampling
     second = awq.calibration_ids(model, folder)
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
-    # the tiny models' context is 64: the prompts are written on to it, never past it
-    assert max(len(ids) for ids in first) == 64
-    assert len(first) == len(awq.CALIBRATION_PROMPTS)
+    # the tiny models' context is 64: the longest prompt is written on to it, never past it, and each text is its
+    # prompt's ids and the same number of tokens written after them (no padding)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompts = [tokenizer(prompt)["input_ids"] for prompt in awq.CALIBRATION_PROMPTS]
+    written = 64 - max(len(prompt) for prompt in prompts)
+    assert [len(ids) for ids in first] == [len(prompt) + written for prompt in prompts]
+    assert all(ids[: len(prompt)].tolist() == prompt for ids, prompt in zip(first, prompts, strict=True))
 
 
 def run_export(*args: str):
@@ -133,10 +161,18 @@ def test_the_export_verifies_the_scaled_weights_and_says_what_it_did(thinker_fol
     folder = thinker_folder("qwen3")
     result = run_export(str(folder), str(tmp_path / "awq"), "--quantize", "int4", "--block-size", "16")
     assert result.exit_code == 0, result.output
-    assert "activation-aware scales: 12 groups" in result.output
     report = json.loads((tmp_path / "awq" / "export_report.json").read_text())
     assert report["quantize"]["awq"] is True
-    assert report["quantize"]["activation_scales"]["groups"] == 12
+    scales = report["quantize"]["activation_scales"]
+    assert scales["groups"] == 12
+    model = load(folder)
+    assert scales["calibration_tokens"] == sum(len(ids) for ids in awq.calibration_ids(model, folder))
+    assert (
+        f"activation-aware scales: 12 groups of projections scaled for rounding on {scales['calibration_tokens']} "
+        f"tokens the model wrote (median alpha {scales['alpha_median']}, median output error "
+        f"{scales['error_vs_rtn_median']:.0%} of plain rtn's); the float model's logits moved by "
+        f"{scales['logit_difference']:.2g}"
+    ) in result.output, result.output
     assert report["verify"]["passed"] is True
     assert report["verify"]["graph"]["max_abs_diff"] <= report["verify"]["graph"]["tolerance"]
 
@@ -157,10 +193,13 @@ def test_a_model_too_big_for_memory_is_quantized_plain_and_says_so(thinker_folde
         str(thinker_folder("qwen3")), str(tmp_path / "out"), "--quantize", "int4", "--block-size", "16", "--no-verify"
     )
     assert result.exit_code == 0, result.output
-    assert "activation-aware scales (--awq) skipped" in result.output
     report = json.loads((tmp_path / "out" / "export_report.json").read_text())
     assert report["quantize"]["awq"] is False
-    assert "skipped" in report["quantize"]["activation_scales"]
+    skipped = report["quantize"]["activation_scales"]["skipped"]
+    assert skipped.startswith("activation-aware scales (--awq) skipped: they run the float32 model whole ("), skipped
+    assert skipped.endswith("the weights are plain round-to-nearest (--no-awq asks for that without this note)")
+    assert f"note: {skipped}" in result.output and skipped in report["notes"]
+    assert "activation-aware scales: " not in result.output
 
 
 @pytest.mark.parametrize(
@@ -219,22 +258,14 @@ def test_a_model_with_nothing_to_scale_says_so(thinker_folder, tmp_path):
     args = [str(thinker_folder("qwen4_exp")), str(tmp_path / "out"), "--quantize", "int4", "--block-size", "16"]
     result = run_export(*args, "--no-verify")
     assert result.exit_code == 0, result.output
-    assert "no projection of this model reads an input whose scale folds away" in result.output
     report = json.loads((tmp_path / "out" / "export_report.json").read_text())
     assert report["quantize"]["awq"] is False
-
-
-def edited_copy(folder: Path, out: Path, edit) -> Path:
-    """A copy of the Thinker ``folder`` whose weights ``edit`` changed in place (a dict of tensors)."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(folder, out)
-    weights = load_file(out / "model.safetensors")
-    edit(weights)
-    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
-    return out
+    skipped = report["quantize"]["activation_scales"]["skipped"]
+    assert skipped.startswith(
+        "activation-aware scales (--awq) skipped: no projection of this model reads an input whose scale folds away"
+    ), skipped
+    assert f"note: {skipped}" in result.output and skipped in report["notes"]
+    assert "activation-aware scales: " not in result.output
 
 
 def test_a_folder_with_an_infinite_weight_is_refused_by_name_before_calibration(thinker_folder, tmp_path):
@@ -244,7 +275,7 @@ def test_a_folder_with_an_infinite_weight_is_refused_by_name_before_calibration(
     def plant(weights):
         weights["model.layers.1.mlp.up_proj.weight"][3, 5] = float("inf")
 
-    folder = edited_copy(thinker_folder("qwen3"), tmp_path / "inf", plant)
+    folder = rewritten_copy(thinker_folder("qwen3"), tmp_path / "inf", plant)
     result = CliRunner().invoke(main, ["export", str(folder), str(tmp_path / "out"), "--quantize", "int4"])
     assert result.exit_code == 1 and "Traceback" not in result.output, result.output
     assert (
@@ -261,7 +292,7 @@ def zero_channel_folder(folder: Path, out: Path) -> Path:
         for layer in range(3):
             weights[f"model.layers.{layer}.input_layernorm.weight"][5] = 0.0
 
-    return edited_copy(folder, out, plant)
+    return rewritten_copy(folder, out, plant)
 
 
 def test_a_channel_always_zero_leaves_the_other_scales_in_range(thinker_folder, tmp_path):
@@ -294,3 +325,47 @@ def test_scales_beyond_float16_are_refused_as_the_scales_doing(thinker_folder, t
     assert "the activation-aware scales take tensor 'model.layers." in result.output, result.output
     assert "beyond float16's ±65504; export with --no-awq" in result.output, result.output
     assert ".partial" not in result.output and not (tmp_path / "out").exists()
+
+
+def test_the_search_measures_plain_rtn_at_alpha_0_and_never_ends_above_it():
+    """alpha 0 is in the grid and is plain RTN: ``plain`` is the squared output error of the weight rounded as it
+    stands, and the alpha kept never has more error than that (ALPHAS without 0 gave plain = inf, a gain of 0)."""
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(64, 32, generator=generator) * torch.linspace(0.5, 2.0, 32)
+    weight = torch.randn(24, 32, generator=generator)
+    projection = torch.nn.Linear(32, 24, bias=False)
+    with torch.no_grad():
+        projection.weight.copy_(weight)
+    group = awq.ScaleGroup("g", [projection], fold=lambda s: None)
+    group.record(inputs)
+    s, alpha, error, plain = awq.best_scale(group, bits=4, block_size=16)
+    expected = float(((inputs @ awq.rounded(weight, 4, 16).T - inputs @ weight.T).double() ** 2).sum())
+    assert plain == pytest.approx(expected, rel=1e-9)
+    assert 0.0 in awq.ALPHAS
+    assert error <= plain
+    assert s.shape == (32,) and alpha in awq.ALPHAS
+
+
+def test_a_group_keeps_the_search_rows_it_is_told_over_every_call():
+    """``keep`` indexes the whole calibration (every sequence, in order): the rows held are exactly those, while the
+    mean magnitude counts every row."""
+    inputs = torch.randn(3, 40, 8, generator=torch.Generator().manual_seed(2))
+    keep = torch.tensor([0, 7, 39, 40, 41, 79, 100, 119])
+    group = awq.ScaleGroup("g", [torch.nn.Linear(8, 4)], fold=lambda s: None, keep=keep)
+    for sequence in inputs:
+        group.record(sequence[None])  # (1, T, C), as the pre-hook sees a sequence
+    every = inputs.reshape(-1, 8)
+    assert group.seen == 120
+    assert torch.equal(torch.cat(group.rows), every[keep])
+    torch.testing.assert_close(group.magnitude_sum, every.abs().sum(0, dtype=torch.float64), rtol=1e-12, atol=0)
+
+
+def test_the_key_value_heads_query_heads_share_one_scale_their_mean(thinker_folder):
+    """o_proj's scales are folded into v_proj's rows, one per key-value channel: the query heads that read a
+    key-value head get the mean of their scales (tiny qwen3: 4 query heads of 12 channels over 2 key-value heads)."""
+    model = load(thinker_folder("qwen3"))
+    group = next(group for group in awq.scale_groups(model) if group.name == "model.layers.0.self_attn.o_proj")
+    s = torch.arange(48, dtype=torch.float64)
+    heads = [s[12 * head : 12 * (head + 1)] for head in range(4)]
+    first, second = (heads[0] + heads[1]) / 2, (heads[2] + heads[3]) / 2
+    assert torch.equal(group.shared(s), torch.cat([first, first, second, second]))
