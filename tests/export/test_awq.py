@@ -103,6 +103,16 @@ def test_a_scale_that_does_not_cancel_is_refused_before_anything_is_written(thin
     assert f"(limit {limit:.3g}) on its calibration text" in str(refused.value), str(refused.value)
 
 
+def one_projection_group(inputs: torch.Tensor, weight: torch.Tensor) -> awq.ScaleGroup:
+    """A group of one bias-free projection holding ``weight`` (out, in), its calibration ``inputs`` recorded."""
+    projection = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    with torch.no_grad():
+        projection.weight.copy_(weight)
+    group = awq.ScaleGroup("g", [projection], fold=lambda s: None)
+    group.record(inputs)
+    return group
+
+
 def test_the_search_finds_the_channel_the_activations_make_matter():
     """A channel 30x larger in the input than the rest, its weights 30x smaller (the same products): plain RTN
     rounds those weights against their blocks' larger ones and loses most of them, and the search scales them up."""
@@ -111,12 +121,7 @@ def test_the_search_finds_the_channel_the_activations_make_matter():
     inputs[:, 5] *= 30
     weight = torch.randn(24, 32, generator=generator)
     weight[:, 5] /= 30
-    projection = torch.nn.Linear(32, 24, bias=False)
-    with torch.no_grad():
-        projection.weight.copy_(weight)
-    group = awq.ScaleGroup("g", [projection], fold=lambda s: None)
-    group.record(inputs)
-    s, alpha, error, plain = awq.best_scale(group, bits=4, block_size=16)
+    s, alpha, error, plain = awq.best_scale(one_projection_group(inputs, weight), bits=4, block_size=16)
     assert alpha > 0
     assert error < 0.5 * plain
     assert s[5] == s.max()
@@ -333,12 +338,7 @@ def test_the_search_measures_plain_rtn_at_alpha_0_and_never_ends_above_it():
     generator = torch.Generator().manual_seed(1)
     inputs = torch.randn(64, 32, generator=generator) * torch.linspace(0.5, 2.0, 32)
     weight = torch.randn(24, 32, generator=generator)
-    projection = torch.nn.Linear(32, 24, bias=False)
-    with torch.no_grad():
-        projection.weight.copy_(weight)
-    group = awq.ScaleGroup("g", [projection], fold=lambda s: None)
-    group.record(inputs)
-    s, alpha, error, plain = awq.best_scale(group, bits=4, block_size=16)
+    s, alpha, error, plain = awq.best_scale(one_projection_group(inputs, weight), bits=4, block_size=16)
     expected = float(((inputs @ awq.rounded(weight, 4, 16).T - inputs @ weight.T).double() ** 2).sum())
     assert plain == pytest.approx(expected, rel=1e-9)
     assert 0.0 in awq.ALPHAS
