@@ -64,7 +64,7 @@ CALIBRATION_SEED = 0
 # 0.137 on the two benchmark texts, against 0.148 / 0.132, in one-off exports while choosing).
 ALPHAS = tuple(step / 10 for step in range(11))
 SEARCH_ROWS = 256
-SHARD_BYTES = 5 * 2**30  # the staged folder's shards, as transformers' save_pretrained cuts them
+SHARD_BYTES = 5 * 2**30  # the staged copy is read back by the export alone: any shard size does
 MAGNITUDE_RANGE = 1e4  # the widest ratio of two channels' mean input magnitudes the scales follow
 # The float32 model, its logits on the calibration text and every group's recorded inputs, against its weights' bytes.
 MEMORY_FACTOR = 1.5
