@@ -231,8 +231,8 @@ costs against the float model on a fixed English paragraph (top-1 agreement, per
     show_default=True,
     help="--quantize, a tied embedding: quantized, gathered from the quantized head's own tensors (the table stored "
     "once); float, the table in the graph's float type beside the quantized head (its bytes more in the files, no "
-    "speed either way: a step reads one row). On SmolLM2 at int8 the float table gives the builder's int8 "
-    "fidelity to the digit (perplexity +0.5% against +1.1%, 267 against 154 MB); at int4 it changes nothing "
+    "speed either way: a step reads one row). On SmolLM2 at int8 with --no-awq the float table gives the builder's "
+    "int8 fidelity to the digit (perplexity +0.5% against +1.1%, 267 against 154 MB); at int4 it changes nothing "
     "measurable.",
 )
 @click.option(
