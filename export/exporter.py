@@ -233,9 +233,12 @@ def export_model(
     refuse_output_over_source(output, location)
     top = source_top(str(source), location)  # whose card and license cover a part of SOURCE (--subfolder)
     started = time.perf_counter()
-    # quantized: smaller, by how much varies; but activation-aware scales stage the model scaled, in float32
-    needed = weights_size(location, torch.float32) if quantize and quantize.awq else None
-    needed = needed if quantize else weights_size(location, graph_dtype)
+    if not quantize:
+        needed = weights_size(location, graph_dtype)
+    elif quantize.awq:  # the scaled model staged in float32 (the graph itself is smaller)
+        needed = weights_size(location, torch.float32)
+    else:  # smaller than the float weights, by how much varies
+        needed = None
     with work_folder(output, needed) as staging, thinker_folder(location, staging, top) as model_dir:
         check_paths(model_dir)
         config = load_config(model_dir)
@@ -268,6 +271,8 @@ def export_model(
         weights_dir, awq = model_dir, None
         if quantize and quantize.awq:
             weights_dir, awq = scaled_for_rounding(model_dir, staging / "awq", quantize, graph_dtype, progress)
+            if "skipped" in awq:  # the report, the card and any refusal then name plain rounding
+                quantize = replace(quantize, awq=False)
         files = build_onnx(
             weights_dir, config, final, graph_dtype, graph_class, quantizer, progress, positions, logits, str(source)
         )
@@ -324,7 +329,6 @@ def export_model(
             "quantize": quantize.describe(head_is_quantized)
             | routed_experts(config, files.nodes_by_op, guard)
             | ({"activation_scales": awq} if awq else {})
-            | ({"awq": False} if awq and "skipped" in awq else {})
             if quantize
             else None,
             "accuracy_guard": guard,
@@ -400,7 +404,7 @@ def export_model(
 
 def scaled_for_rounding(
     model_dir: Path, output: Path, quantize: QuantizeSpec, graph_dtype: torch.dtype, progress: bool
-) -> tuple[Path, dict | None]:
+) -> tuple[Path, dict]:
     """``model_dir``'s Thinker scaled for rounding (export/awq.py) in ``output``, and its figures for the report;
     ``model_dir`` itself and the reason in ``skipped`` where it cannot be: the float32 model does not fit in memory
     whole, or no projections of the model read an input whose scale folds away."""
