@@ -144,11 +144,14 @@ def converted_dtype(folder: Path) -> torch.dtype:
         source.close()
 
 
-def load_layered_converted(folder: Path, dtype: torch.dtype, rounded_to: torch.dtype | None = None) -> StreamedModel:
+def load_layered_converted(
+    folder: Path, dtype: torch.dtype, rounded_to: torch.dtype | None = None, attention: str = "eager"
+) -> StreamedModel:
     """The converted Thinker folder, built on the meta device in ``dtype``, its weights read unit by unit (each
-    floating-point one rounded to ``rounded_to`` first, where given: as an export in that dtype holds it)."""
+    floating-point one rounded to ``rounded_to`` first, where given: as an export in that dtype holds it);
+    ``attention``: its attention implementation (``empty_model``)."""
     try:
-        model = empty_model(ThinkerForCausalLM._from_config, ThinkerConfig.from_pretrained(folder), dtype)
+        model = empty_model(ThinkerForCausalLM._from_config, ThinkerConfig.from_pretrained(folder), dtype, attention)
     except Exception as err:  # whatever the folder's config makes transformers raise
         raise ThinkerError(f"{folder}: the converted model does not build ({err})") from None
     source = open_source(folder)

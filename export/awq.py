@@ -14,22 +14,22 @@ that input, so the exported graph has the same ops and bytes as plain RTN:
   the MLP's input          gate_proj, up_proj         post_attention_layernorm's weight
   the MLP's product        down_proj                  up_proj's rows (act(gate) * up is linear in up)
 
-In float the scaled model computes the same function, to float32 rounding, which is checked on the first calibration
-sequence before anything is written (``EQUIVALENCE_TOLERANCE``: a scale folded into the wrong place fails there). A
-group whose input comes from anything else keeps s = 1, plain RTN: Gated DeltaNet layers, routed experts, an
-ungated MLP, hyper-connections, per-layer embeddings, an attention with an indexer, a norm with grouped channels.
+In float the scaled model computes the same function, to float32 rounding, which is checked on the calibration
+text before the export reads the scaled weights (``EQUIVALENCE_TOLERANCE``: a scale folded into the wrong place fails
+there). A group whose input comes from anything else keeps s = 1, plain RTN: Gated DeltaNet layers, routed experts,
+an ungated MLP, hyper-connections, per-layer embeddings, an attention with an indexer, a norm with grouped channels.
 The head keeps s = 1 too (a tied head would need the embedding divided back).
 
-Calibration needs no dataset: the float model writes its own text, seeded sampling from ``CALIBRATION_PROMPTS``
-(seeded token ids where the folder has no tokenizer), and one forward pass over it records each group's input. Per
-group the alpha of ``ALPHAS`` whose scales give the least squared error of the group's outputs, over ``SEARCH_ROWS``
-of those inputs with the weights rounded as onnxruntime's RTN rounds them (export/rounding.py, at the export's bits
-and block), is kept; alpha 0 is plain RTN, so no group ends with more error on those rows than without. The model
-must fit in memory whole, in float32; where it does not, the export quantizes with plain RTN and says so.
+Calibration needs no dataset: export/calibration_text.py's passages, through the model's own tokenizer (seeded token
+ids where the folder has none), run through the model once, a part at a time (``Scaling``, over
+converter/streamed.py): the memory held is the largest part's (a decoder layer, the embeddings or the head) in
+float32, at any model size. Each group records its input; per group the alpha of ``ALPHAS`` whose scales give the
+least squared error of the group's outputs, over ``SEARCH_ROWS`` of those inputs with the weights rounded as
+onnxruntime's RTN rounds them (export/rounding.py, at the export's bits and block), is kept (searched coarse to
+fine, ``best_scale``); alpha 0 is plain RTN, so no group ends with more error on those rows than without.
 
 On the real SmolLM2-135M (README, "Quantized exports") this lifts top-1 agreement with the float model over the two
-benchmark texts from 69.6 % to 80.6 % at int4 and from 95.4 % to 96.9 % at int8, and halves the mean KL divergence
-at both, with the same bytes and speed.
+benchmark texts, and lowers the mean KL divergence at int4 and int8, with the same bytes and speed.
 """
 
 from __future__ import annotations
@@ -37,15 +37,17 @@ from __future__ import annotations
 import math
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from converter.layer_parity import THINKER_FINAL_NORMS, THINKER_HEAD, load_layered_converted
+from converter.streamed import trim_freed_memory
 from thinker_common.errors import ThinkerError
 from thinker_common.parity_inputs import RELATIVE_TOLERANCE
 from thinker_common.progress import progress_bar
@@ -53,12 +55,11 @@ from thinker_common.side_files import has_vocabulary, tokenizer_files
 from thinker_common.sources import SafetensorsSource
 from thinker_common.values import value_problem
 
+from .calibration_text import CALIBRATION_SOURCE, CALIBRATION_TEXT
 from .rounding import rtn_dequantized
 
-# Short starts in a few registers (prose, a date, code, a story); the model writes the rest.
-CALIBRATION_PROMPTS = ("The", "In 1887,", "def main():", "Once upon a time")
-CALIBRATION_NEW_TOKENS = 128  # per prompt: 512 tokens written, about 516 calibration rows per group
-CALIBRATION_SEED = 0
+CALIBRATION_SEED = 0  # the search rows' sample, and the ids of a folder without a tokenizer
+UNTOKENIZED_TOKENS = 512
 # alpha from 0 (plain RTN) to 1, and the calibration rows each group's error is measured over (a seeded sample): on
 # SmolLM2 at int4, AWQ's own grid of 21 over 512 rows took twice the time for the same fidelity (mean KL 0.150 /
 # 0.137 on the two benchmark texts, against 0.148 / 0.132, in one-off exports while choosing).
@@ -66,8 +67,10 @@ ALPHAS = tuple(step / 10 for step in range(11))
 SEARCH_ROWS = 256
 SHARD_BYTES = 5 * 2**30  # the staged copy is read back by the export alone: any shard size does
 MAGNITUDE_RANGE = 1e4  # the widest ratio of two channels' mean input magnitudes the scales follow
-# The float32 model, its logits on the calibration text and every group's recorded inputs, against its weights' bytes.
+# What the weights held at once (held_bytes) take beside them: a layer's activations over the calibration, its
+# groups' recorded rows, the search's rounded copies.
 MEMORY_FACTOR = 1.5
+LOGIT_ROWS = 64  # positions of the logits compared at a time
 EQUIVALENCE_TOLERANCE = RELATIVE_TOLERANCE[torch.float32]  # x max(1, max |logit|): the float32 export's own bar
 # The attention's children whose inputs are what AWQ scales: anything else reading the attention's input (an
 # indexer) would be left reading the divided input, so such layers keep s = 1.
@@ -84,6 +87,7 @@ class ScaleGroup:
     name: str
     projections: list[nn.Linear]
     fold: Callable[[torch.Tensor], None]
+    layer: int = 0  # the decoder layer it belongs to
     shared: Callable[[torch.Tensor], torch.Tensor] | None = None
     keep: torch.Tensor | None = None
     seen: int = 0
@@ -149,7 +153,7 @@ def scale_groups(model: nn.Module) -> list[ScaleGroup]:
             q, k, v, o = attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj
             if foldable_norm(layer.input_layernorm):
                 fold = partial(divide_norm, layer.input_layernorm)
-                groups.append(ScaleGroup(f"{prefix}.self_attn.q_proj|k_proj|v_proj", [q, k, v], fold))
+                groups.append(ScaleGroup(f"{prefix}.self_attn.q_proj|k_proj|v_proj", [q, k, v], fold, index))
             heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
             head_dim = o.in_features // heads
             if v.out_features == kv_heads * head_dim:
@@ -162,73 +166,46 @@ def scale_groups(model: nn.Module) -> list[ScaleGroup]:
                 def fold(s: torch.Tensor, v: nn.Linear = v, shape: tuple[int, int, int] = shape) -> None:
                     divide_rows(v, s.reshape(shape)[:, 0].reshape(-1))
 
-                groups.append(ScaleGroup(f"{prefix}.self_attn.o_proj", [o], fold, shared))
+                groups.append(ScaleGroup(f"{prefix}.self_attn.o_proj", [o], fold, index, shared))
         mlp = layer.mlp
         if isinstance(mlp, ThinkerMLP) and mlp.gated:
             if foldable_norm(layer.post_attention_layernorm):
                 fold = partial(divide_norm, layer.post_attention_layernorm)
-                groups.append(ScaleGroup(f"{prefix}.mlp.gate_proj|up_proj", [mlp.gate_proj, mlp.up_proj], fold))
-            groups.append(ScaleGroup(f"{prefix}.mlp.down_proj", [mlp.down_proj], partial(divide_rows, mlp.up_proj)))
+                groups.append(ScaleGroup(f"{prefix}.mlp.gate_proj|up_proj", [mlp.gate_proj, mlp.up_proj], fold, index))
+            down = ScaleGroup(f"{prefix}.mlp.down_proj", [mlp.down_proj], partial(divide_rows, mlp.up_proj), index)
+            groups.append(down)
     return groups
 
 
-def calibration_ids(model: nn.Module, model_dir: Path, progress: bool = False) -> list[torch.Tensor]:
-    """Text the float ``model`` writes itself (``progress``: a bar over its steps): seeded sampling of
-    ``CALIBRATION_NEW_TOKENS`` (fewer where the context is shorter) after each of
-    ``CALIBRATION_PROMPTS`` (or, without a tokenizer, after seeded token ids), each a 1-D tensor of ids."""
-    config = model.config
+def calibration_ids(model_dir: Path, config) -> tuple[torch.Tensor, str]:
+    """The calibration's token ids, (windows, T), and where they come from: CALIBRATION_TEXT through the folder's
+    tokenizer, or seeded ids where it has none that fits the model; one row, or where the text is longer than the
+    model's context, as many whole windows of the context as it fills (a model of short context still calibrates on
+    the whole text)."""
+    ids = None
     if has_vocabulary(tokenizer_files(model_dir)):
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        starts = [torch.tensor(tokenizer(prompt)["input_ids"]) for prompt in CALIBRATION_PROMPTS]
-    else:
+        ids = torch.tensor(AutoTokenizer.from_pretrained(model_dir)(CALIBRATION_TEXT)["input_ids"])
+        source = CALIBRATION_SOURCE
+    if ids is None or not len(ids) or int(ids.max()) >= config.vocab_size:
         generator = torch.Generator().manual_seed(CALIBRATION_SEED)
-        starts = [torch.randint(config.vocab_size, (2,), generator=generator) for _ in CALIBRATION_PROMPTS]
-    eos = config.eos_token_id if config.eos_token_id is not None else []
-    width = max(len(start) for start in starts)
-    new_tokens = max(1, min(CALIBRATION_NEW_TOKENS, config.max_position_embeddings - width))  # within the context
-    sampling = GenerationConfig(
-        do_sample=True,
-        temperature=0.9,
-        top_p=0.95,
-        top_k=0,
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,  # an end-of-text token would cut the calibration short
-        eos_token_id=eos,
-        pad_token_id=config.pad_token_id if config.pad_token_id is not None else 0,
-    )
-    # One batch, left-padded (generate's layout for a decoder), sampled in ``new_tokens`` steps.
-    batch = torch.full((len(starts), width), sampling.pad_token_id)
-    mask = torch.zeros((len(starts), width), dtype=torch.long)
-    for row, start in enumerate(starts):
-        batch[row, width - len(start) :], mask[row, width - len(start) :] = start, 1
-    with (
-        torch.random.fork_rng(devices=[]),  # the caller's random state is left as it was
-        progress_bar(new_tokens, "calibrating on the model's own text", unit="token", enabled=progress) as bar,
-    ):
-        torch.manual_seed(CALIBRATION_SEED)
-        steps = LogitsProcessorList([CountSteps(bar)])
-        written = model.generate(batch, attention_mask=mask, generation_config=sampling, logits_processor=steps)
-    return [row[width - len(start) :] for row, start in zip(written, starts, strict=True)]
-
-
-class CountSteps(LogitsProcessor):
-    """Moves a progress bar by one each generation step, the scores untouched."""
-
-    def __init__(self, bar) -> None:
-        self.bar = bar
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        self.bar.update()
-        return scores
+        ids = torch.randint(config.vocab_size, (UNTOKENIZED_TOKENS,), generator=generator)
+        source = "seeded token ids (the folder has no tokenizer that fits the model)"
+    width = min(len(ids), config.max_position_embeddings)
+    return ids[: len(ids) // width * width].reshape(-1, width), source
 
 
 def best_scale(group: ScaleGroup, bits: int, block_size: int) -> tuple[torch.Tensor, float, float, float]:
     """The group's scales (in, float64), its alpha, and the squared output error over the search rows with them and
     with plain RTN (alpha 0). The inputs are not rounded as accuracy level 4 rounds them: searched so, SmolLM2's
     int4 and int8 exports came out no closer to the float model (one-off exports while choosing: mean KL 0.149 /
-    0.131 and 0.002 / 0.002 on the two benchmark texts, as without)."""
+    0.131 and 0.002 / 0.002 on the two benchmark texts, as without).
+
+    Coarse to fine: every other alpha of ``ALPHAS``, then the two beside the best of those; 7 or 8 alphas measured
+    of 11, the search's time cut by a third. On SmolLM2 the error is not always unimodal in alpha (32 of its 240
+    groups at int4 and int8), but this kept the best alpha of the whole grid in 239 of them; the other (int8,
+    layer 23's o_proj) ended with 1.6 % more error in that group than the grid's best."""
     inputs = torch.cat(group.rows)
     magnitude = group.magnitude_sum / group.seen
     # A channel that is (nearly) always 0 would, centred below, push every other scale up by orders of magnitude:
@@ -236,24 +213,33 @@ def best_scale(group: ScaleGroup, bits: int, block_size: int) -> tuple[torch.Ten
     magnitude = magnitude.clamp_min(float(magnitude.max()) / MAGNITUDE_RANGE).clamp_min(1e-30)
     weights = [projection.weight.detach() for projection in group.projections]  # float32, as the search's products
     exact = [inputs @ weight.T for weight in weights]
-    best = (math.inf, torch.ones_like(magnitude), 0.0)  # where no alpha gives a finite error: plain RTN
-    plain = math.inf
-    for alpha in ALPHAS:
+
+    def scales_of(alpha: float) -> torch.Tensor:
         s = magnitude**alpha
         if group.shared is not None:
             s = group.shared(s)
-        s = s / (s.max() * s.min()).sqrt()  # centred on 1 in log scale: neither the weights nor the inputs drift
-        scales = s.float()
-        divided = inputs / scales
-        error = sum(
-            float(((divided @ rounded(weight * scales, bits, block_size).T - reference).double() ** 2).sum())
-            for weight, reference in zip(weights, exact, strict=True)
-        )
-        if alpha == 0:
-            plain = error
-        if error < best[0]:
-            best = (error, s, alpha)
-    return best[1], best[2], best[0], plain
+        return s / (s.max() * s.min()).sqrt()  # centred on 1 in log scale: neither the weights nor the inputs drift
+
+    def error_of(alpha: float) -> float:
+        scales = scales_of(alpha).float()
+        divided, error = inputs / scales, 0.0
+        for weight, reference in zip(weights, exact, strict=True):
+            difference = torch.addmm(reference, divided, rounded(weight * scales, bits, block_size).T, beta=-1)
+            error += float(difference.square_().sum(dtype=torch.float64))
+        return error
+
+    def least(errors: dict[int, float]) -> int:
+        """The alpha (its index) of least finite error, the smaller on a tie; plain RTN where none is finite."""
+        finite = [index for index, error in errors.items() if math.isfinite(error)]
+        return min(finite, key=lambda index: (errors[index], index), default=0)
+
+    errors = {index: error_of(ALPHAS[index]) for index in range(0, len(ALPHAS), 2)}
+    coarse = least(errors)
+    for index in (coarse - 1, coarse + 1):
+        if 0 <= index < len(ALPHAS):
+            errors[index] = error_of(ALPHAS[index])
+    best = least(errors)
+    return scales_of(ALPHAS[best]), ALPHAS[best], errors[best], errors[0]
 
 
 def rounded(weight: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
@@ -273,114 +259,207 @@ def scale_for_rounding(
     """Writes ``model_dir``'s Thinker, its groups scaled for rounding at ``bits`` in blocks of ``block_size``, to
     ``output`` (a Thinker folder: float32 weights, every other file of ``model_dir`` copied); returns it with its
     figures, or None where no group of the model folds (nothing to scale). A weight the scales take beyond what
-    ``graph_dtype`` holds is refused here, by name, rather than blamed on the folder's own weights later."""
-    from thinker import ThinkerForCausalLM
+    ``graph_dtype`` holds is refused here, by name, rather than blamed on the folder's own weights later; so is a
+    fold that changes the model's function, and ``output`` is then removed."""
+    from converter.shards import ShardLayout, ShardWriter
 
     started = time.perf_counter()
-    # transformers' default attention (sdpa): the scaled model is checked against itself, not against a reference
-    model = ThinkerForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    refuse_values(model, model_dir, torch.float32, "the folder is corrupt")  # before calibration samples from it
-    groups = scale_groups(model)
-    if not groups:
-        return None
-    with torch.no_grad():
-        ids = calibration_ids(model, model_dir, progress)
-        rows = sum(len(sequence) for sequence in ids)
-        if rows > SEARCH_ROWS:  # a seeded sample of the rows, the same for every group
-            generator = torch.Generator().manual_seed(CALIBRATION_SEED)
-            keep = torch.randperm(rows, generator=generator)[:SEARCH_ROWS].sort().values
+    # sdpa, transformers' default: the scaled model is compared with the float one, not with a reference, and over
+    # the calibration's ~600 positions eager attention took 40 % of the forward passes
+    streamed = load_layered_converted(model_dir, torch.float32, attention="sdpa")
+    try:
+        groups = scale_groups(streamed.model)
+        if not groups:
+            return None
+        ids, calibration = calibration_ids(model_dir, streamed.model.config)
+        if ids.numel() > SEARCH_ROWS:  # a seeded sample of the rows, the same for every group
+            keep = torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(CALIBRATION_SEED))[:SEARCH_ROWS]
             for group in groups:
-                group.keep = keep
-        hooks = [
-            group.projections[0].register_forward_pre_hook(lambda module, args, group=group: group.record(args[0]))
-            for group in groups
-        ]
+                group.keep = keep.sort().values
+        source = SafetensorsSource(model_dir)  # the staged copy's plan, and the files refusals name
+        output.mkdir(parents=True)
         try:
-            # Every sequence feeds the search; the first one's logits are kept for the check below (a fold is per
-            # channel and linear, so one sequence shows a wrong one, and the others' logits would cost memory).
-            reference = model(ids[0][None]).logits[0]
-            for sequence in ids[1:]:
-                model.model(sequence[None])  # the decoder alone: the head has no group
+            planned = [(name, source.shape(name), staged_dtype(source.dtype(name))) for name in source.names()]
+            layers = len(streamed.layers)
+            with (
+                ShardWriter(output, ShardLayout(planned, SHARD_BYTES)) as writer,
+                progress_bar(layers, "activation-aware scales", unit="layer", enabled=progress) as bar,
+                torch.no_grad(),
+            ):
+                scaling = Scaling(streamed, source, writer, groups, bits, block_size, graph_dtype, bar)
+                with scaling.recording(), streamed.streaming(scaling.observe):
+                    streamed.model(input_ids=ids, use_cache=False)
+                scaling.write_unread()
+                writer.close()
+            limit = EQUIVALENCE_TOLERANCE * max(1.0, scaling.logit_scale)
+            if not scaling.logit_difference <= limit:
+                raise ThinkerError(
+                    f"the activation-aware scales changed the float model's logits by {scaling.logit_difference:.3g} "
+                    f"(limit {limit:.3g}) on its calibration text: a scale was folded where it does not cancel; "
+                    "export with --no-awq, and report this model's config"
+                )
+            for path in sorted(model_dir.iterdir()):  # config.json, the tokenizer, generation config, card, code
+                if path.is_file() and not is_weights_file(path.name):
+                    shutil.copyfile(path, output / path.name)
+        except BaseException:
+            shutil.rmtree(output, ignore_errors=True)  # a half-written scaled copy is never read
+            raise
         finally:
-            for hook in hooks:
-                hook.remove()
-        alphas, gains = [], []
-        with progress_bar(len(groups), "activation-aware scales", unit="group", enabled=progress) as bar:
-            for group in groups:
-                s, alpha, error, plain = best_scale(group, bits, block_size)
-                group.fold(s)
-                for projection in group.projections:
-                    projection.weight.copy_(projection.weight.double() * s)
-                group.release()
-                alphas.append(alpha)
-                gains.append(error / plain if plain > 0 else 1.0)
-                bar.update()
-        after = model(ids[0][None]).logits[0]
-        difference, scale = float((after - reference).abs().max()), float(reference.abs().max())
-        del after, reference
-    limit = EQUIVALENCE_TOLERANCE * max(1.0, scale)
-    if not difference <= limit:
-        raise ThinkerError(
-            f"the activation-aware scales changed the float model's logits by {difference:.3g} (limit {limit:.3g}) "
-            "on its calibration text: a scale was folded where it does not cancel; export with --no-awq, and "
-            "report this model's config"
-        )
-    if graph_dtype == torch.float16:
-        refuse_values(model, None, graph_dtype, "export with --no-awq")
-    output.mkdir(parents=True)
-    write_scaled(model, model_dir, output)
-    written = {path.name for path in output.iterdir()}
-    for path in sorted(model_dir.iterdir()):  # the tokenizer, generation config, card, license, code
-        if path.is_file() and path.name not in written and not is_weights_file(path.name):
-            shutil.copyfile(path, output / path.name)
-    tokens = sum(len(sequence) for sequence in ids)
+            source.close()
+    finally:
+        streamed.close()
     report = {
         "groups": len(groups),
-        "calibration_tokens": tokens,
-        "alpha_median": sorted(alphas)[len(alphas) // 2],
-        "error_vs_rtn_median": round(sorted(gains)[len(gains) // 2], 4),  # squared output error against alpha 0
-        "logit_difference": difference,
+        "calibration": calibration,
+        "calibration_tokens": ids.numel(),
+        "alpha_median": sorted(scaling.alphas)[len(scaling.alphas) // 2],
+        "error_vs_rtn_median": round(sorted(scaling.gains)[len(scaling.gains) // 2], 4),  # error against alpha 0
+        "logit_difference": scaling.logit_difference,
         "seconds": round(time.perf_counter() - started, 1),
     }
     return ScaledModel(output, report)
 
 
-def write_scaled(model: nn.Module, model_dir: Path, output: Path) -> None:
-    """The scaled model as a Thinker folder: config.json, and in float32 the tensors ``model_dir`` stores, under
-    their names, written one at a time (converter/shards.py: ``save_pretrained`` would hold every tensor's bytes
-    at once, the model's size again at the export's peak)."""
-    from converter.shards import ShardLayout, ShardWriter
+class Scaling:
+    """The search, the folds and the staged copy, as the calibration runs through ``streamed`` (converter/streamed.py:
+    a model built without weights, each unit (a decoder layer, the embeddings, the final norm, the head) read from
+    the folder just before it runs and let go just after), so that the memory held is one unit's, at any size.
 
-    source = SafetensorsSource(model_dir)
+    Each unit's tensors are checked for NaN and Inf as they arrive (``check_values``). While a layer runs, its groups
+    record their inputs; after it (``observe``), each group's scales are searched, folded and applied, the scaled
+    layer runs too, on the scaled model's own hidden states (``scaled``), and the layer is written to the staged copy.
+    The float model's hidden states go on to the next layer, so every group's inputs are the float model's, as the
+    search needs; the scaled model's go on beside them through the final norm and the head, whose logits are compared
+    with the float model's (``logit_difference``, ``logit_scale``): a fold that does not cancel shows wherever it is."""
+
+    def __init__(
+        self,
+        streamed,
+        source: SafetensorsSource,
+        writer,
+        groups: list[ScaleGroup],
+        bits: int,
+        block_size: int,
+        graph_dtype: torch.dtype,
+        bar,
+    ) -> None:
+        self.streamed, self.source, self.writer, self.bar = streamed, source, writer, bar
+        self.bits, self.block_size, self.graph_dtype = bits, block_size, graph_dtype
+        self.groups: dict[str, list[ScaleGroup]] = {}
+        for group in groups:
+            self.groups.setdefault(f"model.layers.{group.layer}", []).append(group)
+        self.scaled: torch.Tensor | None = None
+        self.logit_difference = self.logit_scale = 0.0
+        self.alphas: list[float] = []
+        self.gains: list[float] = []
+        self.written: set[str] = set()
+        self.listening = True
+        streamed.after_load = self.check_values
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        """Each group records its first projection's input while the float layer runs (not the scaled one's)."""
+        hooks = [
+            group.projections[0].register_forward_pre_hook(partial(self.record, group))
+            for groups in self.groups.values()
+            for group in groups
+        ]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def record(self, group: ScaleGroup, module: nn.Module, args: tuple) -> None:
+        if self.listening:
+            group.record(args[0])
+
+    def check_values(self, unit) -> None:
+        """Refuses a unit's NaN or Inf, naming the tensor and its file, before anything runs on it."""
+        for name in unit.tensors:
+            problem = value_problem(self.streamed.get_tensor(name), torch.float32)
+            if problem:
+                where = self.source.file_of(name) if name in self.source.names() else self.source.root
+                raise ThinkerError(f"{where}: tensor {name!r} {problem}; the folder is corrupt")
+
+    def observe(self, unit, args: tuple, kwargs: dict, output) -> None:
+        """After ``unit`` ran in float, while its weights are loaded: scales a layer, or takes the scaled model's
+        hidden states through the final norm and the head; then writes the unit's tensors."""
+        if unit.is_layer:
+            self.scale_layer(unit, args, kwargs)
+        elif unit.name in THINKER_FINAL_NORMS:
+            final = unit.module.forward(self.scaled)  # forward: not this unit's hooks again
+            self.scaled = final[0] if isinstance(final, tuple) else final  # the mixer's: (hidden, weights)
+        elif unit.name == THINKER_HEAD:
+            self.compare_logits(unit.module, output)
+        for name in unit.tensors:
+            if name in self.source.names():
+                self.write(name, self.streamed.get_tensor(name))
+
+    def scale_layer(self, unit, args: tuple, kwargs: dict) -> None:
+        if self.scaled is None:  # the first layer's input, the embeddings: the same in both models
+            self.scaled = args[0]
+        too_wide = self.beyond_graph_dtype(unit.tensors)  # before the scales: the folder's own, the export's to refuse
+        for group in self.groups.get(unit.name, []):
+            s, alpha, error, plain = best_scale(group, self.bits, self.block_size)
+            group.fold(s)
+            for projection in group.projections:
+                projection.weight.copy_(projection.weight.double() * s)
+            group.release()
+            self.alphas.append(alpha)
+            self.gains.append(error / plain if plain > 0 else 1.0)
+        for name in sorted(self.beyond_graph_dtype(unit.tensors) - too_wide):
+            values = value_problem(self.streamed.get_tensor(name), self.graph_dtype).removeprefix("holds ")
+            raise ThinkerError(f"the activation-aware scales take tensor {name!r} to {values}; export with --no-awq")
+        self.listening = False
+        try:
+            self.scaled = unit.module.forward(self.scaled, *args[1:], **kwargs)  # forward: not this unit's hooks
+        finally:
+            self.listening = True
+        trim_freed_memory()  # the layer before's weights and this one's search, freed inside the heap
+        self.bar.update()
+
+    def compare_logits(self, head: nn.Module, reference: torch.Tensor) -> None:
+        """The scaled model's logits against the float model's, a block of positions at a time (the whole (T,
+        vocabulary) logits of the scaled model beside the float model's would double the memory they take)."""
+        for start in range(0, reference.shape[1], LOGIT_ROWS):
+            expected = reference[:, start : start + LOGIT_ROWS]
+            logits = head.forward(self.scaled[:, start : start + LOGIT_ROWS])
+            self.logit_difference = max(self.logit_difference, float((logits - expected).abs().max()))
+            self.logit_scale = max(self.logit_scale, float(expected.abs().max()))
+
+    def write_unread(self) -> None:
+        """The folder's tensors no unit ran with (an audio projection, names the model does not have), unchanged."""
+        for name in self.source.names():
+            if name not in self.written:
+                tensor = self.source.load(name)
+                self.write(name, tensor.to(staged_dtype(tensor.dtype)))
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        self.writer.write(name, tensor.detach())
+        self.written.add(name)
+
+    def beyond_graph_dtype(self, names: list[str]) -> set[str]:
+        """The tensors of ``names`` that hold values the graph's dtype cannot (float16's range); none in float32."""
+        if self.graph_dtype != torch.float16:
+            return set()
+        return {name for name in names if value_problem(self.streamed.get_tensor(name), self.graph_dtype)}
+
+
+def staged_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The staged copy's dtype of a tensor stored in ``dtype``: float32 for floating point (the search's and the
+    export's), any other kept."""
+    return torch.float32 if dtype.is_floating_point else dtype
+
+
+def held_bytes(model_dir: Path) -> int:
+    """The most bytes of weights the scales hold at once: the largest unit's (converter/streamed.py), in float32."""
+    streamed = load_layered_converted(model_dir, torch.float32)
     try:
-        names = source.names()
+        sizes = [sum(math.prod(streamed.tensors[key].shape) for key in unit.keys) for unit in streamed.units]
     finally:
-        source.close()
-    held = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
-    tensors = {name: held[name].detach() for name in names}
-    layout = ShardLayout([(name, tuple(t.shape), t.dtype) for name, t in tensors.items()], SHARD_BYTES)
-    with ShardWriter(output, layout) as writer:
-        for name, tensor in tensors.items():
-            writer.write(name, tensor)
-        writer.close()
-    model.config.save_pretrained(output)
-
-
-def refuse_values(model: nn.Module, model_dir: Path | None, dtype: torch.dtype, advice: str) -> None:
-    """Raises, naming the tensor (and its file in ``model_dir``; None: as scaled), where a parameter holds NaN or
-    Inf, or values ``dtype`` cannot hold."""
-    for name, parameter in model.named_parameters():
-        problem = value_problem(parameter.detach(), dtype)
-        if problem:
-            if model_dir is None:
-                values = problem.removeprefix("holds ")
-                raise ThinkerError(f"the activation-aware scales take tensor {name!r} to {values}; {advice}")
-            source = SafetensorsSource(model_dir)
-            try:
-                stored = source.file_of(name) if name in source.names() else model_dir
-            finally:
-                source.close()
-            raise ThinkerError(f"{stored}: tensor {name!r} {problem}; {advice}")
+        streamed.close()
+    return 4 * max(sizes, default=0)
 
 
 def is_weights_file(name: str) -> bool:

@@ -344,6 +344,7 @@ def export_command(
 
     The graph's inputs and outputs, and how each graph reads them, follow the options.
     """
+    from .calibration_text import CALIBRATION_SOURCE
     from .exporter import export_model
     from .fidelity import FIDELITY_SOURCE
     from .quantize import QuantizeSpec
@@ -417,9 +418,10 @@ def export_command(
         )
     scales = (report.get("quantize") or {}).get("activation_scales")
     if scales and "groups" in scales:  # a skip is among the notes
+        text = "calibration text" if scales["calibration"] == CALIBRATION_SOURCE else "seeded token ids"
         click.echo(
             f"activation-aware scales: {scales['groups']} groups of projections scaled for rounding on "
-            f"{scales['calibration_tokens']} tokens the model wrote (median alpha {scales['alpha_median']}, median "
+            f"{scales['calibration_tokens']} tokens of {text} (median alpha {scales['alpha_median']}, median "
             f"output error {scales['error_vs_rtn_median']:.0%} of plain rtn's); the float model's logits moved by "
             f"{scales['logit_difference']:.2g}"
         )

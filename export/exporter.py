@@ -406,19 +406,21 @@ def scaled_for_rounding(
     model_dir: Path, output: Path, quantize: QuantizeSpec, graph_dtype: torch.dtype, progress: bool
 ) -> tuple[Path, dict]:
     """``model_dir``'s Thinker scaled for rounding (export/awq.py) in ``output``, and its figures for the report;
-    ``model_dir`` itself and the reason in ``skipped`` where it cannot be: the float32 model does not fit in memory
-    whole, or no projections of the model read an input whose scale folds away."""
+    ``model_dir`` itself and the reason in ``skipped`` where it cannot be: the largest part of the model the scales
+    hold at once (a decoder layer, the embeddings or the head, in float32) does not fit in memory, or no projection
+    of the model reads an input whose scale folds away."""
     from converter.parity import memory_budget
 
-    from .awq import MEMORY_FACTOR, scale_for_rounding
+    from .awq import MEMORY_FACTOR, held_bytes, scale_for_rounding
 
-    needed = weights_size(model_dir, torch.float32) or 0
+    needed = held_bytes(model_dir)
     budget = memory_budget(share=1.0)
     if needed * MEMORY_FACTOR > budget:
         return model_dir, {
-            "skipped": f"activation-aware scales (--awq) skipped: they run the float32 model whole "
-            f"({human_size(needed)}), and {human_size(budget)} of memory is available; the weights are plain "
-            "round-to-nearest (--no-awq asks for that without this note)"
+            "skipped": f"activation-aware scales (--awq) skipped: they read the model a part at a time, and its "
+            f"largest part (a decoder layer, the embeddings or the head) takes {human_size(needed)} in float32, with "
+            f"{human_size(budget)} of memory available; the weights are plain round-to-nearest (--no-awq asks for "
+            "that without this note)"
         }
     scaled = scale_for_rounding(
         model_dir, output, quantize.bits, quantize.block_size, progress, graph_dtype=graph_dtype
