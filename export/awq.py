@@ -34,6 +34,7 @@ benchmark texts, and lowers the mean KL divergence at int4 and int8, with the sa
 
 from __future__ import annotations
 
+import gc
 import math
 import shutil
 import time
@@ -261,64 +262,74 @@ def scale_for_rounding(
     figures, or None where no group of the model folds (nothing to scale). A weight the scales take beyond what
     ``graph_dtype`` holds is refused here, by name, rather than blamed on the folder's own weights later; so is a
     fold that changes the model's function, and ``output`` is then removed."""
-    from converter.shards import ShardLayout, ShardWriter
-
     started = time.perf_counter()
     # sdpa, transformers' default: the scaled model is compared with the float one, not with a reference, and over
     # the calibration's ~600 positions eager attention took 40 % of the forward passes
     streamed = load_layered_converted(model_dir, torch.float32, attention="sdpa")
     try:
-        groups = scale_groups(streamed.model)
-        if not groups:
-            return None
-        ids, calibration = calibration_ids(model_dir, streamed.model.config)
-        if ids.numel() > SEARCH_ROWS:  # a seeded sample of the rows, the same for every group
-            keep = torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(CALIBRATION_SEED))[:SEARCH_ROWS]
-            for group in groups:
-                group.keep = keep.sort().values
-        source = SafetensorsSource(model_dir)  # the staged copy's plan, and the files refusals name
-        output.mkdir(parents=True)
-        try:
-            planned = [(name, source.shape(name), staged_dtype(source.dtype(name))) for name in source.names()]
-            layers = len(streamed.layers)
-            with (
-                ShardWriter(output, ShardLayout(planned, SHARD_BYTES)) as writer,
-                progress_bar(layers, "activation-aware scales", unit="layer", enabled=progress) as bar,
-                torch.no_grad(),
-            ):
-                scaling = Scaling(streamed, source, writer, groups, bits, block_size, graph_dtype, bar)
-                with scaling.recording(), streamed.streaming(scaling.observe):
-                    final = streamed.model.model(input_ids=ids, use_cache=False).last_hidden_state  # the decoder
-                    scaling.compare_logits(final)
-                scaling.write_unread()
-                writer.close()
-            limit = EQUIVALENCE_TOLERANCE * max(1.0, scaling.logit_scale)
-            if not scaling.logit_difference <= limit:
-                raise ThinkerError(
-                    f"the activation-aware scales changed the float model's logits by {scaling.logit_difference:.3g} "
-                    f"(limit {limit:.3g}) on its calibration text: a scale was folded where it does not cancel; "
-                    "export with --no-awq, and report this model's config"
-                )
-            for path in sorted(model_dir.iterdir()):  # config.json, the tokenizer, generation config, card, code
-                if path.is_file() and not is_weights_file(path.name):
-                    shutil.copyfile(path, output / path.name)
-        except BaseException:
-            shutil.rmtree(output, ignore_errors=True)  # a half-written scaled copy is never read
-            raise
-        finally:
-            source.close()
+        report = write_scaled_copy(streamed, model_dir, output, bits, block_size, progress, graph_dtype)
     finally:
         streamed.close()
-    report = {
+        del streamed
+        gc.collect()  # the model built without weights holds reference cycles; the export's own peak comes next
+        trim_freed_memory()
+    if report is None:
+        return None
+    return ScaledModel(output, report | {"seconds": round(time.perf_counter() - started, 1)})
+
+
+def write_scaled_copy(
+    streamed, model_dir: Path, output: Path, bits: int, block_size: int, progress: bool, graph_dtype: torch.dtype
+) -> dict | None:
+    """``scale_for_rounding``'s work on ``streamed``, ``model_dir`` read a unit at a time: the figures, or None."""
+    from converter.shards import ShardLayout, ShardWriter
+
+    groups = scale_groups(streamed.model)
+    if not groups:
+        return None
+    ids, calibration = calibration_ids(model_dir, streamed.model.config)
+    if ids.numel() > SEARCH_ROWS:  # a seeded sample of the rows, the same for every group
+        keep = torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(CALIBRATION_SEED))[:SEARCH_ROWS]
+        for group in groups:
+            group.keep = keep.sort().values
+    source = SafetensorsSource(model_dir)  # the staged copy's plan, and the files refusals name
+    output.mkdir(parents=True)
+    try:
+        planned = [(name, source.shape(name), staged_dtype(source.dtype(name))) for name in source.names()]
+        with (
+            ShardWriter(output, ShardLayout(planned, SHARD_BYTES)) as writer,
+            progress_bar(len(streamed.layers), "activation-aware scales", unit="layer", enabled=progress) as bar,
+            torch.no_grad(),
+        ):
+            scaling = Scaling(streamed, source, writer, groups, bits, block_size, graph_dtype, bar)
+            with scaling.recording(), streamed.streaming(scaling.observe):
+                final = streamed.model.model(input_ids=ids, use_cache=False).last_hidden_state  # the decoder
+                scaling.compare_logits(final)
+            scaling.write_unread()
+            writer.close()
+        limit = EQUIVALENCE_TOLERANCE * max(1.0, scaling.logit_scale)
+        if not scaling.logit_difference <= limit:
+            raise ThinkerError(
+                f"the activation-aware scales changed the float model's logits by {scaling.logit_difference:.3g} "
+                f"(limit {limit:.3g}) on its calibration text: a scale was folded where it does not cancel; "
+                "export with --no-awq, and report this model's config"
+            )
+        for path in sorted(model_dir.iterdir()):  # config.json, the tokenizer, generation config, card, code
+            if path.is_file() and not is_weights_file(path.name):
+                shutil.copyfile(path, output / path.name)
+    except BaseException:
+        shutil.rmtree(output, ignore_errors=True)  # a half-written scaled copy is never read
+        raise
+    finally:
+        source.close()
+    return {
         "groups": len(groups),
         "calibration": calibration,
         "calibration_tokens": ids.numel(),
         "alpha_median": sorted(scaling.alphas)[len(scaling.alphas) // 2],
         "error_vs_rtn_median": round(sorted(scaling.gains)[len(scaling.gains) // 2], 4),  # error against alpha 0
         "logit_difference": scaling.logit_difference,
-        "seconds": round(time.perf_counter() - started, 1),
     }
-    return ScaledModel(output, report)
 
 
 class Scaling:
@@ -460,13 +471,19 @@ def staged_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def held_bytes(model_dir: Path) -> int:
-    """The most bytes of weights the scales hold at once: the largest unit's (converter/streamed.py), in float32."""
-    streamed = load_layered_converted(model_dir, torch.float32)
+    """The most bytes of weights the scales hold at once, in float32: the largest unit's (converter/streamed.py:
+    a decoder layer, or a module outside the layers, the embeddings or an untied head), counted from the folder's
+    tensor names and shapes without building the model."""
+    source = SafetensorsSource(model_dir)
     try:
-        sizes = [sum(math.prod(streamed.tensors[key].shape) for key in unit.keys) for unit in streamed.units]
+        units: dict[str, int] = {}
+        for name in source.names():
+            parts = name.split(".")
+            unit = ".".join(parts[:3]) if name.startswith("model.layers.") else name.rpartition(".")[0]
+            units[unit] = units.get(unit, 0) + math.prod(source.shape(name))
     finally:
-        streamed.close()
-    return 4 * max(sizes, default=0)
+        source.close()
+    return 4 * max(units.values(), default=0)
 
 
 def is_weights_file(name: str) -> bool:
