@@ -4,13 +4,14 @@ which input channels are rounded more finely.
 Four short passages in the registers a chat model meets (a piece of history, code with its explanation, a
 conversation, numbers and a recipe), written for this project, so no licence attaches to them and no dataset is
 downloaded. They are not the texts the quantized exports are judged on (export/fidelity.py's paragraph and the
-benchmark's second text), so the figures README reports are not measured on the calibration itself. About 600
-tokens with SmolLM2's tokenizer; one forward pass reads them all.
+benchmark's second text), so the figures README reports are not measured on the calibration itself. 602 tokens
+with SmolLM2's tokenizer, joined into one text; one forward pass reads them all.
 
 The model writing its own text (seeded sampling, the first version) needs the whole model in memory and 11 s of
 generation on SmolLM2, and calibrated no better: over four seeds its int4 exports' top-1 agreement on the two
-benchmark texts, pooled, spread from 78.7 % to 81.3 %, and this text's gave 78.8 %, with mean KL divergence
-0.154 / 0.133 against 0.148-0.157 / 0.133-0.137 (one-off exports while choosing).
+benchmark texts, pooled, spread from 78.7 % to 81.3 % with mean KL divergence 0.148-0.157 / 0.133-0.137 (one-off
+exports while choosing); these passages gave 78.8 % and 0.154 / 0.133 fed as four sequences, and 82.2 % and
+0.140 / 0.135 joined as here (bench/results/quant_texts.json).
 """
 
 from __future__ import annotations
