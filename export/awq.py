@@ -364,6 +364,7 @@ class Scaling:
         self.logit_difference = self.logit_scale = 0.0
         self.alphas: list[float] = []
         self.gains: list[float] = []
+        self.names = set(source.names())  # once: per tensor, source.names() builds a list of them all
         self.written: set[str] = set()
         self.listening = True
         streamed.after_load = self.check_values
@@ -391,7 +392,7 @@ class Scaling:
         for name in unit.tensors:
             problem = value_problem(self.streamed.get_tensor(name), torch.float32)
             if problem:
-                where = self.source.file_of(name) if name in self.source.names() else self.source.root
+                where = self.source.file_of(name) if name in self.names else self.source.root
                 raise ThinkerError(f"{where}: tensor {name!r} {problem}; the folder is corrupt")
 
     def observe(self, unit, args: tuple, kwargs: dict, output) -> None:
@@ -403,7 +404,7 @@ class Scaling:
             final = unit.module.forward(self.scaled)  # forward: not this unit's hooks again
             self.scaled = final[0] if isinstance(final, tuple) else final  # the mixer's: (hidden, weights)
         for name in unit.tensors:
-            if name in self.source.names():
+            if name in self.names:
                 self.write(name, self.streamed.get_tensor(name))
 
     def scale_layer(self, unit, args: tuple, kwargs: dict) -> None:
