@@ -441,8 +441,9 @@ class Scaling:
             for start in range(0, final.shape[1], LOGIT_ROWS):
                 expected = unit.module.forward(final[:, start : start + LOGIT_ROWS])
                 logits = unit.module.forward(self.scaled[:, start : start + LOGIT_ROWS])
-                self.logit_difference = max(self.logit_difference, float((logits - expected).abs().max()))
-                self.logit_scale = max(self.logit_scale, float(expected.abs().max()))
+                # NaN kept once seen (Python's max(0.0, nan) is 0.0): a fold that overflows must fail the check
+                self.logit_difference = nan_max(self.logit_difference, float((logits - expected).abs().max()))
+                self.logit_scale = nan_max(self.logit_scale, float(expected.abs().max()))
             self.observe(unit, (), {}, None)  # an untied head's weight into the staged copy
         finally:
             self.streamed.drop_unit(unit)
@@ -463,6 +464,11 @@ class Scaling:
         if self.graph_dtype != torch.float16:
             return set()
         return {name for name in names if value_problem(self.streamed.get_tensor(name), self.graph_dtype)}
+
+
+def nan_max(a: float, b: float) -> float:
+    """The larger of two figures, NaN where either is."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
 def staged_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -152,9 +152,11 @@ def test_the_calibration_is_the_text_through_the_models_tokenizer_cut_to_its_con
     first, source = awq.calibration_ids(bare, config)
     assert source.startswith("seeded token ids") and first.shape == (awq.UNTOKENIZED_TOKENS // 64, 64)
     assert torch.equal(first, awq.calibration_ids(bare, config)[0])
-    config.vocab_size = 10  # a tokenizer whose ids this model has not: the text's would index past its embeddings
+    config.vocab_size = max(expected)  # the text's largest id one past this model's: it would index past the table
     narrow, source = awq.calibration_ids(folder, config)
-    assert source.startswith("seeded token ids") and int(narrow.max()) < 10
+    assert source.startswith("seeded token ids") and int(narrow.max()) < config.vocab_size
+    config.vocab_size = max(expected) + 1  # every id the model's
+    assert awq.calibration_ids(folder, config)[1] == CALIBRATION_SOURCE
 
 
 def test_the_scales_hold_one_part_of_the_model_at_a_time(thinker_folder, tmp_path, monkeypatch):
@@ -471,3 +473,88 @@ def test_tensors_the_text_never_reaches_are_staged_unchanged(tmp_path):
     assert unread, sorted(original)
     for name in unread:
         assert torch.equal(staged[name], original[name].float()), name
+
+
+def first_fold_planted(monkeypatch, plant) -> None:
+    """``plant(norm, s)`` in place of the first norm fold the scales make (layer 0's q/k/v group), the others real."""
+    calls, divide = [], awq.divide_norm
+
+    def planted(norm, s):
+        calls.append(norm)
+        return plant(norm, s) if len(calls) == 1 else divide(norm, s)
+
+    monkeypatch.setattr(awq, "divide_norm", planted)
+
+
+@pytest.mark.parametrize(
+    ("plant", "words"),
+    [
+        (lambda norm, s: None, r"changed the float model's logits by \d"),  # layer 0's input norm left undivided
+        (lambda norm, s: norm.weight.fill_(float("nan")), "changed the float model's logits by nan"),  # an overflow
+    ],
+)
+def test_a_fold_wrong_in_the_first_layer_alone_is_refused(thinker_folder, tmp_path, monkeypatch, plant, words):
+    """The scaled model's own hidden states carry a wrong fold of layer 0 to the logits (fed the float model's at
+    each layer instead, only the last layer's fold would count); a NaN there is refused too, not taken for 0."""
+    first_fold_planted(monkeypatch, plant)
+    with pytest.raises(ThinkerError, match=words):
+        awq.scale_for_rounding(thinker_folder("qwen3"), tmp_path / "scaled", bits=4, block_size=16)
+    assert not (tmp_path / "scaled").exists()
+
+
+def test_the_folders_own_weight_beyond_float16_is_not_blamed_on_the_scales(thinker_folder, tmp_path):
+    """A k_norm weight of 1e5 in the folder, which no scale touches: the scales go through (the export refuses the
+    folder's value itself, --no-awq or not), rather than advise --no-awq for a value that is not theirs."""
+
+    def plant(weights):
+        weights["model.layers.0.self_attn.k_norm.weight"][0] = 1e5
+
+    folder = rewritten_copy(thinker_folder("qwen3"), tmp_path / "wide", plant)
+    scaled = awq.scale_for_rounding(folder, tmp_path / "scaled", 4, 16, graph_dtype=torch.float16)
+    assert scaled is not None and scaled.report["groups"] == 12
+
+
+def test_the_memory_the_scales_need_is_their_largest_unit_in_float32(thinker_folder, tmp_path, monkeypatch):
+    """held_bytes: the largest decoder layer's (or embedding's, or untied head's) tensors at 4 bytes each, counted
+    independently here; the export scales where MEMORY_FACTOR times that fits the memory budget, and not below."""
+    from safetensors.torch import load_file
+
+    folder = thinker_folder("qwen3")
+    tensors = load_file(folder / "model.safetensors")
+    layers = [sum(t.numel() for n, t in tensors.items() if n.startswith(f"model.layers.{i}.")) for i in range(3)]
+    others = [t.numel() for n, t in tensors.items() if not n.startswith("model.layers.")]
+    held = 4 * max(*layers, *others)
+    assert awq.held_bytes(folder) == held
+    for factor, scaled in ((awq.MEMORY_FACTOR * 0.8, False), (awq.MEMORY_FACTOR * 1.1, True)):
+        monkeypatch.setenv("THINKER_VERIFY_MEMORY", str(int(held * factor)))
+        out = tmp_path / f"x{factor}"
+        result = run_export(str(folder), str(out), "--quantize", "int4", "--block-size", "16", "--no-verify")
+        assert result.exit_code == 0, result.output
+        assert json.loads((out / "export_report.json").read_text())["quantize"]["awq"] is scaled, factor
+
+
+def test_the_search_rows_are_the_seeded_sample_of_every_window(thinker_folder, tmp_path, monkeypatch):
+    """SEARCH_ROWS rows drawn (seeded) from the whole calibration, the later windows too, not its first rows."""
+    kept, search = [], awq.best_scale
+
+    def recorded(group, bits, block_size):
+        kept.append(group.keep)
+        return search(group, bits, block_size)
+
+    monkeypatch.setattr(awq, "best_scale", recorded)
+    folder = thinker_folder("qwen3")
+    awq.scale_for_rounding(folder, tmp_path / "scaled", bits=4, block_size=16)
+    rows = awq.calibration_ids(folder, load(folder).config)[0].numel()
+    expected = torch.randperm(rows, generator=torch.Generator().manual_seed(awq.CALIBRATION_SEED))[: awq.SEARCH_ROWS]
+    assert rows > awq.SEARCH_ROWS and int(expected.max()) >= rows - 64  # reaching the last window of 64
+    assert all(torch.equal(keep, expected.sort().values) for keep in kept) and len(kept) == 12
+
+
+def test_alphas_of_equal_error_keep_the_smallest():
+    """Every channel of the same mean magnitude: every alpha gives the same scales (1) and error, and the search
+    reports alpha 0, plain RTN, not another alpha that changed nothing."""
+    generator = torch.Generator().manual_seed(3)
+    inputs = torch.randint(0, 2, (64, 32), generator=generator).float() * 2 - 1  # every |x| = 1
+    weight = torch.randn(24, 32, generator=generator)
+    s, alpha, error, plain = awq.best_scale(one_projection_group(inputs, weight), bits=4, block_size=16)
+    assert alpha == 0.0 and error == plain and torch.equal(s, torch.ones_like(s))
