@@ -161,9 +161,9 @@ class QualityGate:
         # perplexity (96.9 % and +1.1 % with --no-awq); int4 with its default mixed head 85.0 % and +13.4 %, with an
         # int8 head 86.3 % and +5.4 %, with an int4 head 72.6 % and +17.5 %; with --no-awq the mixed head 67.7 % and
         # +20.6 %, an int4 head 59.3 % and +28.4 % (onnxruntime-genai's builder int4: the same); blocks of 128 fail
-        # (79.6 %, +42.3 %), and blocks of 64 with an int4 head pass by a hair (67.3 %, +34.7 %). SmolLM2's float weights are a
-        # dequantized 4-bit GGUF whose grid a re-quantization does not match, so int4 costs more there than on a
-        # model trained in float; the gate leaves room for that and for an int4 head.
+        # (79.6 %, +42.3 %), and blocks of 64 with an int4 head pass by a hair (67.3 %, +34.7 %). SmolLM2's float
+        # weights are a dequantized 4-bit GGUF whose grid a re-quantization does not match, so int4 costs more there
+        # than on a model trained in float; the gate leaves room for that and for an int4 head.
         return cls(0.9, 0.05) if bits >= 8 else cls(0.55, 0.35)
 
     def failure(self, cost: dict) -> str | None:
