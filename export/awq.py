@@ -34,7 +34,6 @@ benchmark texts, and lowers the mean KL divergence at int4 and int8, with the sa
 
 from __future__ import annotations
 
-import gc
 import math
 import shutil
 import time
@@ -270,9 +269,6 @@ def scale_for_rounding(
         report = write_scaled_copy(streamed, model_dir, output, bits, block_size, progress, graph_dtype)
     finally:
         streamed.close()
-        del streamed
-        gc.collect()  # the model built without weights holds reference cycles; the export's own peak comes next
-        trim_freed_memory()
     if report is None:
         return None
     return ScaledModel(output, report | {"seconds": round(time.perf_counter() - started, 1)})
