@@ -58,6 +58,19 @@ from thinker_common.values import value_problem
 from .calibration_text import CALIBRATION_SOURCE, CALIBRATION_TEXT
 from .rounding import rtn_dequantized
 
+
+def search_dtype() -> torch.dtype:
+    """bfloat16 where the CPU multiplies it natively (oneDNN's AVX512-BF16 or AMX kernels; on this project's machine
+    the search's products 2.5-3x faster than in float32), float32 elsewhere, where bfloat16 products are emulated.
+    What is multiplied is the rounding's error, and the figure compared is the sum of thousands of squared outputs:
+    bfloat16's 8-bit mantissa moves it by far less than the alphas' errors differ (``best_scale``)."""
+    try:
+        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # private, so asked with a fallback
+    except (AttributeError, RuntimeError):
+        native = False
+    return torch.bfloat16 if native else torch.float32
+
+
 CALIBRATION_SEED = 0  # the search rows' sample, and the ids of a folder without a tokenizer
 UNTOKENIZED_TOKENS = 512
 # alpha from 0 (plain RTN) to 1, and the calibration rows each group's error is measured over (a seeded sample): on
@@ -65,11 +78,16 @@ UNTOKENIZED_TOKENS = 512
 # 0.137 on the two benchmark texts, against 0.148 / 0.132, in one-off exports while choosing).
 ALPHAS = tuple(step / 10 for step in range(11))
 SEARCH_ROWS = 256
+SEARCH_DTYPE = search_dtype()
 SHARD_BYTES = 5 * 2**30  # the staged copy is read back by the export alone: any shard size does
 MAGNITUDE_RANGE = 1e4  # the widest ratio of two channels' mean input magnitudes the scales follow
 # What the weights held at once (held_bytes) take beside them: a layer's activations over the calibration, its
 # groups' recorded rows, the search's rounded copies.
 MEMORY_FACTOR = 1.5
+# The positions whose logits the equivalence check compares, a seeded sample of the calibration's (the first of the
+# search rows' draw): a fold that does not cancel moves every position's logits, and the head over all ~600 of them,
+# in both models, took 0.8 s of SmolLM2's scales.
+CHECKED_POSITIONS = 64
 LOGIT_ROWS = 64  # positions of the logits compared at a time
 EQUIVALENCE_TOLERANCE = RELATIVE_TOLERANCE[torch.float32]  # x max(1, max |logit|): the float32 export's own bar
 # The attention's children whose inputs are what AWQ scales: anything else reading the attention's input (an
@@ -211,8 +229,7 @@ def best_scale(group: ScaleGroup, bits: int, block_size: int) -> tuple[torch.Ten
     # A channel that is (nearly) always 0 would, centred below, push every other scale up by orders of magnitude:
     # the scales span at most MAGNITUDE_RANGE ** alpha (AutoAWQ clamps them too).
     magnitude = magnitude.clamp_min(float(magnitude.max()) / MAGNITUDE_RANGE).clamp_min(1e-30)
-    weights = [projection.weight.detach() for projection in group.projections]  # float32, as the search's products
-    exact = [inputs @ weight.T for weight in weights]
+    weights = [projection.weight.detach() for projection in group.projections]  # float32, as onnxruntime rounds
 
     def scales_of(alpha: float) -> torch.Tensor:
         s = magnitude**alpha
@@ -221,11 +238,15 @@ def best_scale(group: ScaleGroup, bits: int, block_size: int) -> tuple[torch.Ten
         return s / (s.max() * s.min()).sqrt()  # centred on 1 in log scale: neither the weights nor the inputs drift
 
     def error_of(alpha: float) -> float:
+        # (x / s) Q(W s)^T - x W^T is (x / s) (Q(W s) - W s)^T: the rounding's own error through the inputs, one
+        # product, in SEARCH_DTYPE, without the exact outputs beside it
         scales = scales_of(alpha).float()
-        divided, error = inputs / scales, 0.0
-        for weight, reference in zip(weights, exact, strict=True):
-            difference = torch.addmm(reference, divided, rounded(weight * scales, bits, block_size).T, beta=-1)
-            error += float(difference.square_().sum(dtype=torch.float64))
+        divided, error = (inputs / scales).to(SEARCH_DTYPE), 0.0
+        for weight in weights:
+            scaled = weight * scales
+            rounding = rounded(scaled, bits, block_size).sub_(scaled)
+            outputs = (divided @ rounding.to(SEARCH_DTYPE).T).float()
+            error += float(outputs.square_().sum(dtype=torch.float64))
         return error
 
     def least(errors: dict[int, float]) -> int:
@@ -284,10 +305,9 @@ def write_scaled_copy(
     if not groups:
         return None
     ids, calibration = calibration_ids(model_dir, streamed.model.config)
-    if ids.numel() > SEARCH_ROWS:  # a seeded sample of the rows, the same for every group
-        keep = torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(CALIBRATION_SEED))[:SEARCH_ROWS]
+    if ids.numel() > SEARCH_ROWS:  # the same rows for every group
         for group in groups:
-            group.keep = keep.sort().values
+            group.keep = seeded_rows(ids.numel(), SEARCH_ROWS)
     source = SafetensorsSource(model_dir)  # the staged copy's plan, and the files refusals name
     output.mkdir(parents=True)
     try:
@@ -300,7 +320,7 @@ def write_scaled_copy(
             scaling = Scaling(streamed, source, writer, groups, bits, block_size, graph_dtype, bar)
             with scaling.recording(), streamed.streaming(scaling.observe):
                 final = streamed.model.model(input_ids=ids, use_cache=False).last_hidden_state  # the decoder
-                scaling.compare_logits(final)
+                scaling.compare_logits(final, seeded_rows(ids.numel(), CHECKED_POSITIONS))
             scaling.write_unread()
             writer.close()
         limit = EQUIVALENCE_TOLERANCE * max(1.0, scaling.logit_scale)
@@ -426,17 +446,19 @@ class Scaling:
         trim_freed_memory()  # the layer before's weights and this one's search, freed inside the heap
         self.bar.update()
 
-    def compare_logits(self, final: torch.Tensor) -> None:
-        """The scaled model's logits against the float model's (from ``final``, its last hidden state), the head
-        loaded as a unit of its own and the logits of both made a block of positions at a time: the decoder runs
-        without its head, since the whole (windows, T, vocabulary) block of logits beside the head would outgrow a
-        unit (0.37 GB for a vocabulary of 152k)."""
+    def compare_logits(self, final: torch.Tensor, positions: torch.Tensor) -> None:
+        """The scaled model's logits against the float model's (from ``final``, its last hidden state) at
+        ``positions`` (indices over every window's, in order), the head loaded as a unit of its own and the logits
+        of both made a block of positions at a time: the decoder runs without its head, since the whole (windows,
+        T, vocabulary) block of logits beside the head would outgrow a unit (0.37 GB for a vocabulary of 152k)."""
         (unit,) = [unit for unit in self.streamed.units if unit.name == THINKER_HEAD]
+        float_states = final.reshape(-1, final.shape[-1])[positions]
+        scaled_states = self.scaled.reshape(-1, self.scaled.shape[-1])[positions]
         self.streamed.load_unit(unit)
         try:
-            for start in range(0, final.shape[1], LOGIT_ROWS):
-                expected = unit.module.forward(final[:, start : start + LOGIT_ROWS])
-                logits = unit.module.forward(self.scaled[:, start : start + LOGIT_ROWS])
+            for start in range(0, len(positions), LOGIT_ROWS):
+                expected = unit.module.forward(float_states[start : start + LOGIT_ROWS])
+                logits = unit.module.forward(scaled_states[start : start + LOGIT_ROWS])
                 # NaN kept once seen (Python's max(0.0, nan) is 0.0): a fold that overflows must fail the check
                 self.logit_difference = nan_max(self.logit_difference, float((logits - expected).abs().max()))
                 self.logit_scale = nan_max(self.logit_scale, float(expected.abs().max()))
@@ -460,6 +482,13 @@ class Scaling:
         if self.graph_dtype != torch.float16:
             return set()
         return {name for name in names if value_problem(self.streamed.get_tensor(name), self.graph_dtype)}
+
+
+def seeded_rows(total: int, count: int) -> torch.Tensor:
+    """``count`` of ``total`` row indices, in order: a sample drawn with CALIBRATION_SEED (every row where
+    ``total`` is at most ``count``). Two counts draw from one permutation, so the smaller sample is in the larger."""
+    drawn = torch.randperm(total, generator=torch.Generator().manual_seed(CALIBRATION_SEED))[:count]
+    return drawn.sort().values
 
 
 def nan_max(a: float, b: float) -> float:

@@ -251,6 +251,48 @@ def test_mean_kl_a_few_rows_at_a_time_is_the_whole_mean():
     assert mean_kl(reference, reference) == pytest.approx(0.0, abs=1e-12)
 
 
+def test_set_aside_logits_read_back_as_written_and_leave_no_file(tmp_path):
+    """The reference's logits wait in an unnamed file while the shipped graph runs: each slice of positions reads
+    back bit for bit (the last one short, one past the end empty), the KL over them is the in-memory one, and the
+    folder (the export's staging) holds nothing, during or after."""
+    from export.accuracy_guard import SetAside, mean_kl
+
+    rng = np.random.default_rng(0)
+    logits, candidate = rng.normal(size=(37, 500)).astype(np.float32), rng.normal(size=(37, 500)).astype(np.float32)
+    aside = SetAside(logits, tmp_path)
+    try:
+        assert len(aside) == 37 and np.array_equal(aside.top1, logits.argmax(-1))
+        for rows in (slice(0, 16), slice(16, 32), slice(32, 48), slice(5, 6), slice(3, None), slice(40, 50)):
+            assert np.array_equal(aside[rows], logits[rows]), rows
+        assert mean_kl(aside, candidate, rows=5) == pytest.approx(mean_kl(logits, candidate), rel=1e-12)
+        assert not list(tmp_path.iterdir())
+    finally:
+        aside.close()
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_guards_sessions_run_without_onnxruntimes_arena(outlier_int4, tmp_path, monkeypatch):
+    """Each of the guard's sessions (the two prefills, the ranking's, the bisection's) is made with onnxruntime's
+    CPU arena off: the arena keeps its largest run's buffers in powers of two, and the guard's prefills are the
+    quantized export's peak (bench/results/README-export-peak.md). The switch reaches onnxruntime's options."""
+    import export.accuracy_guard as guard
+    from export.providers import session_options
+
+    made = []
+
+    class Recorded(guard.OnnxDecoder):
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs.get("memory_arena", True))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(guard, "OnnxDecoder", Recorded)
+    folder, export = outlier_int4
+    report = guard_on_copy(folder, export, tmp_path / "guarded", min_agreement=1.0)
+    assert report["moved_to_level_1"] and len(made) > 3 and not any(made), (made, report)
+    assert session_options(1, memory_arena=False).enable_cpu_mem_arena is False
+    assert session_options(1).enable_cpu_mem_arena is True
+
+
 # --- the 8-bit fallback: a float32 MatMul over the dequantized weight (export/float_fallback.py) ---------------------
 
 INT8 = QuantizeSpec(bits=8, block_size=16)  # accuracy level 4
