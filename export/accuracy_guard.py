@@ -24,10 +24,14 @@ which rewrites the weights file; the trial graphs dequantize those in the graph)
 moved units meeting the threshold with their 8-bit experts kept at int8 activations (the float stacks cost 4x
 their bytes); the graph as written is measured once more.
 
-Cost: two sessions and prefills of ~230 tokens when the graph passes (SmolLM2-135M: 2-3 s, and 151 MB of peak RSS
-at int4, 151 at int8, bench/results/README-export-peak.md); when it falls back, one more for the ranking and one
-per bisection step (log2 of the units). The float-activation sessions run wide 8-bit MatMulNBits as row slices
-(export/row_slices.py), or onnxruntime would dequantize a whole 8-bit head at once.
+Cost: two sessions and prefills of ~230 tokens when the graph passes (SmolLM2-135M: 2-3 s); when it falls back, one
+more for the ranking and one per bisection step (log2 of the units). The guard's prefills are the peak of a quantized
+export (bench/results/README-export-peak.md), so its sessions run without onnxruntime's CPU arena (which keeps its
+largest run's buffers, in powers of two), the reference's logits wait in a file while the shipped graph runs
+(``SetAside``), and the float-activation sessions run wide 8-bit MatMulNBits as row slices (export/row_slices.py), or
+onnxruntime would dequantize a whole 8-bit head at once. In one-off runs on SmolLM2's int4 export (no result file),
+the arena was 36 MiB of its peak (812 against 776 MiB without the activation-aware scales), and with both the
+guard's own peak fell from 859 to 745 MiB with them.
 """
 
 from __future__ import annotations

@@ -15,9 +15,10 @@ that input, so the exported graph has the same ops and bytes as plain RTN:
   the MLP's product        down_proj                  up_proj's rows (act(gate) * up is linear in up)
 
 In float the scaled model computes the same function, to float32 rounding, which is checked on the calibration
-text before the export reads the scaled weights (``EQUIVALENCE_TOLERANCE``: a scale folded into the wrong place fails
-there). A group whose input comes from anything else keeps s = 1, plain RTN: Gated DeltaNet layers, routed experts,
-an ungated MLP, hyper-connections, per-layer embeddings, an attention with an indexer, a norm with grouped channels.
+text (the logits at ``CHECKED_POSITIONS`` of its positions) before the export reads the scaled weights
+(``EQUIVALENCE_TOLERANCE``: a scale folded into the wrong place fails there). A group whose input comes from
+anything else keeps s = 1, plain RTN: Gated DeltaNet layers, routed experts, an ungated MLP, hyper-connections,
+per-layer embeddings, an attention with an indexer, a norm with grouped channels.
 The head keeps s = 1 too (a tied head would need the embedding divided back).
 
 Calibration needs no dataset: export/calibration_text.py's passages, through the model's own tokenizer (seeded token
@@ -26,7 +27,8 @@ converter/streamed.py): the memory held is the largest part's (a decoder layer, 
 float32, at any model size. Each group records its input; per group the alpha of ``ALPHAS`` whose scales give the
 least squared error of the group's outputs, over ``SEARCH_ROWS`` of those inputs with the weights rounded as
 onnxruntime's RTN rounds them (export/rounding.py, at the export's bits and block), is kept (searched coarse to
-fine, ``best_scale``); alpha 0 is plain RTN, so no group ends with more error on those rows than without.
+fine, ``best_scale``, the products in bfloat16 where the CPU has them, ``search_dtype``); alpha 0 is plain RTN, so no
+group ends with more error on those rows than without.
 
 On the real SmolLM2-135M (README, "Quantized exports") this lifts top-1 agreement with the float model over the two
 benchmark texts, and lowers the mean KL divergence at int4 and int8, with the same bytes and speed.
