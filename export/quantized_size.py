@@ -1,6 +1,6 @@
 """What a quantized graph's weights file will hold, before it is written.
 
-``--verify`` of a quantized export holds two sessions of the graph (export/verify.py ``verify_plan``), so its
+``--verify`` of a quantized export holds sessions of the graph (export/verify.py ``verify_plan`` counts two), so its
 memory plan needs the graph's size. Measured only once the graph is written, a budget refused then would have
 cost the whole quantization first, and the size a first refusal quoted (without the graph) would be refused again
 once granted. So the plan starts from this estimate: an upper bound on the bytes of the graph the layout asked for

@@ -250,9 +250,7 @@ def verify_quantized(
     Returns the report's figures; ``passed`` False with ``failure`` naming every check that failed. ``on_step``:
     called after the cost, the weights and each step of the graph check (a progress bar's ``update``)."""
     on_step = on_step or (lambda: None)
-    # every position of the paragraph, also from a --logits last graph (whose selection the parity check below covers)
-    shipped = OnnxDecoder(onnx_path, provider="cpu", threads=threads, all_positions=True)
-    cost = quantization_cost(model, model_dir, shipped)  # before the weights change
+    cost = quantization_cost(model, model_dir, shipped_session(onnx_path, threads))  # before the weights change
     on_step()
 
     readers = quantized_weight_readers(onnx_path)
@@ -267,7 +265,7 @@ def verify_quantized(
     on_step()
     graph = graph_check(model, onnx_path, threads, on_step, graph_dtype, deep_most)
     reference = "PyTorch ThinkerForCausalLM with the graph's dequantized weights"
-    return quantized_result(reference, shipped.device, cost, weights, graph, gate or QualityGate.default(bits), asked)
+    return quantized_result(reference, "cpu", cost, weights, graph, gate or QualityGate.default(bits), asked)
 
 
 def verify_quantized_streamed(
@@ -283,17 +281,16 @@ def verify_quantized_streamed(
 ) -> dict:
     """The same three checks with the float Thinker read from ``model_dir`` one layer at a time as it runs
     (``converter.streamed``), and each quantized weight read from the graph's weights file and dequantized when its
-    layer loads, in place of the float one: the memory of the graph's two sessions and one layer, for a model of
-    any size. The figures are ``verify_quantized``'s."""
+    layer loads, in place of the float one: the memory of a session of the graph at a time and one layer, for a
+    model of any size. The figures are ``verify_quantized``'s."""
     from converter.layer_parity import load_layered_converted
 
     on_step = on_step or (lambda: None)
     streamed = load_layered_converted(model_dir, REFERENCE_DTYPE)
     model = streamed.model
     try:
-        shipped = OnnxDecoder(onnx_path, provider="cpu", threads=threads, all_positions=True)
         with streamed.streaming():
-            cost = quantization_cost(model, model_dir, shipped)
+            cost = quantization_cost(model, model_dir, shipped_session(onnx_path, threads))
         on_step()
 
         readers = quantized_weight_readers(onnx_path)
@@ -317,7 +314,7 @@ def verify_quantized_streamed(
     finally:
         streamed.close()
     reference = "PyTorch ThinkerForCausalLM with the graph's dequantized weights, read layer by layer as it runs"
-    return quantized_result(reference, shipped.device, cost, weights, graph, gate or QualityGate.default(bits), asked)
+    return quantized_result(reference, "cpu", cost, weights, graph, gate or QualityGate.default(bits), asked)
 
 
 @dataclass
@@ -593,6 +590,14 @@ def tied_table_difference(dequantized: dict, model: torch.nn.Module) -> float | 
     if embedding.shape != head.shape:
         return float("inf")
     return float((embedding - head).abs().max())
+
+
+def shipped_session(onnx_path: Path, threads: int | None) -> OnnxDecoder:
+    """The graph as shipped, for the cost's one prefill (every position of the paragraph, also from a --logits last
+    graph, whose selection the graph check covers): on the CPU, where the cost is measured, without onnxruntime's
+    arena, and let go once the cost is taken, before the graph check's sessions (it held its weights and its largest
+    run's buffers beside theirs, to the end of the verify)."""
+    return OnnxDecoder(onnx_path, provider="cpu", threads=threads, all_positions=True, memory_arena=False)
 
 
 @torch.no_grad()

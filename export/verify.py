@@ -689,9 +689,10 @@ def verify_plan(model_dir: Path, dtype: torch.dtype, quantized: bool = False, gr
     behind this one).
 
     A float export's check holds the graph's session (about the model's bytes in ``dtype``) and the PyTorch model in
-    float32 (``REFERENCE_DTYPE``). A quantized export's holds two sessions of its graph (``graph_bytes``: as
-    shipped, and with float activations) and the float32 model, whose weights it replaces by the dequantized ones
-    one at a time; or, streamed, one layer in both forms.
+    float32 (``REFERENCE_DTYPE``). A quantized export's holds a session of its graph at a time (as shipped, for the
+    quantization's cost, then with float activations), still counted as two (``graph_bytes`` each), as when both were
+    held together (the plan errs on the side of memory), and the float32 model, whose weights it replaces by
+    the dequantized ones one at a time; or, streamed, one layer in both forms.
     Before a quantized graph is written the exporter passes the size its layout will have (an upper bound,
     export/quantized_size.py), so that a budget too small is refused before the quantization and the size named is
     the one needed; it asks again with the size written, which the accuracy guard's float fallbacks can raise."""
