@@ -412,6 +412,31 @@ def test_the_search_measures_plain_rtn_at_alpha_0_and_never_ends_above_it(monkey
     assert error == pytest.approx(float(((kept - exact) ** 2).sum()), rel=tolerance)
 
 
+@pytest.mark.parametrize("native, expected", [(True, torch.bfloat16), (False, torch.float32)])
+def test_the_search_multiplies_in_bfloat16_only_where_the_cpu_has_it(monkeypatch, native, expected):
+    """Where oneDNN has no native bfloat16 its products are emulated, slower than float32's: float32 there."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native, raising=False)
+    assert awq.search_dtype() == expected
+
+
+def test_a_groups_error_is_the_sum_of_its_projections(monkeypatch):
+    """q/k/v and gate/up share one input and one alpha: the error the alpha is chosen by is all their outputs'."""
+    monkeypatch.setattr(awq, "SEARCH_DTYPE", torch.float32)
+    generator = torch.Generator().manual_seed(5)
+    inputs = torch.randn(64, 32, generator=generator) * torch.linspace(0.5, 2.0, 32)
+    first, second = torch.randn(24, 32, generator=generator), torch.randn(16, 32, generator=generator) * 0.01
+    group = one_projection_group(inputs, first)
+    group.projections.append(torch.nn.Linear(32, 16, bias=False))
+    with torch.no_grad():
+        group.projections[1].weight.copy_(second)
+
+    def rounding_error(weight: torch.Tensor) -> float:
+        return float(((inputs.double() @ (awq.rounded(weight, 4, 16).double() - weight.double()).T) ** 2).sum())
+
+    plain = awq.best_scale(group, bits=4, block_size=16)[3]
+    assert plain == pytest.approx(rounding_error(first) + rounding_error(second), rel=1e-5)
+
+
 def test_the_search_in_bfloat16_keeps_float32s_alphas():
     """bfloat16's products (where the CPU has them, ``search_dtype``) keep the alpha float32's search keeps, on
     groups whose inputs have a few large channels, as AWQ's do (on SmolLM2 every one of 240 groups, int4 and int8),
