@@ -26,12 +26,11 @@ their bytes); the graph as written is measured once more.
 
 Cost: two sessions and prefills of ~230 tokens when the graph passes (SmolLM2-135M: 2-3 s); when it falls back, one
 more for the ranking and one per bisection step (log2 of the units). The guard's prefills are the peak of a quantized
-export (bench/results/README-export-peak.md), so its sessions run without onnxruntime's CPU arena (which keeps its
-largest run's buffers, in powers of two), the reference's logits wait in a file while the shipped graph runs
-(``SetAside``), and the float-activation sessions run wide 8-bit MatMulNBits as row slices (export/row_slices.py), or
-onnxruntime would dequantize a whole 8-bit head at once. In one-off runs on SmolLM2's int4 export (no result file),
-the arena was 36 MiB of its peak (812 against 776 MiB without the activation-aware scales), and with both the
-guard's own peak fell from 859 to 745 MiB with them.
+export (bench/results/README-export-peak.md), so the reference's logits wait in a file while the shipped graph runs
+(``SetAside``: in one-off runs on SmolLM2's int4 export with ``--no-awq``, the guard's own peak fell from 810 to 713
+MiB; turning onnxruntime's CPU arena off as well cost 21 MiB more, not less), and the float-activation sessions run
+wide 8-bit MatMulNBits as row slices (export/row_slices.py), or onnxruntime would dequantize a whole 8-bit head at
+once.
 """
 
 from __future__ import annotations
@@ -133,7 +132,7 @@ def prefill(model: onnx.ModelProto, onnx_path: Path, levels: dict[str, int], ids
     (``graph_variant``): every unit moved is the guard's reference."""
     float_experts = expert_fallback_nodes(model, [name for name, level in levels.items() if level == FALLBACK_LEVEL])
     with graph_variant(model, onnx_path, levels, split_wide=True, float_experts=float_experts) as path:
-        decoder = OnnxDecoder(path, provider="cpu", threads=threads, all_positions=True, memory_arena=False)
+        decoder = OnnxDecoder(path, provider="cpu", threads=threads, all_positions=True)
         return decoder.prefill(ids[None], np.ones_like(ids)[None])[0][0]
 
 
@@ -156,7 +155,7 @@ def activation_rounding_errors(
     float_experts = expert_fallback_nodes(model, list(levelled))
     levels = dict.fromkeys(levelled, FALLBACK_LEVEL)
     with graph_variant(probe, onnx_path, levels, split_wide=True, float_experts=float_experts) as path:
-        decoder = OnnxDecoder(path, provider="cpu", threads=threads, all_positions=True, memory_arena=False)
+        decoder = OnnxDecoder(path, provider="cpu", threads=threads, all_positions=True)
         mask = np.ones_like(ids)[None]
         feeds = {
             "input_ids": ids[None],

@@ -44,13 +44,9 @@ def physical_cores() -> int:
         return os.cpu_count() or 1
 
 
-def session_options(threads: int | None = None, memory_arena: bool = True) -> ort.SessionOptions:
-    """``memory_arena`` False: the CPU provider's allocations go to the heap and back rather than to onnxruntime's
-    arena, which grows in powers of two and keeps what it took until the session ends; for a check's single
-    prefill, where the arena's reuse saves nothing (the accuracy guard's prefill on SmolLM2: 52 MB less)."""
+def session_options(threads: int | None = None) -> ort.SessionOptions:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads or physical_cores()
-    options.enable_cpu_mem_arena = memory_arena
     options.log_severity_level = 3  # errors only: the CPU fallback warnings are expected and noisy
     return options
 

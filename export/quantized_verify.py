@@ -594,10 +594,10 @@ def tied_table_difference(dequantized: dict, model: torch.nn.Module) -> float | 
 
 def shipped_session(onnx_path: Path, threads: int | None) -> OnnxDecoder:
     """The graph as shipped, for the cost's one prefill (every position of the paragraph, also from a --logits last
-    graph, whose selection the graph check covers): on the CPU, where the cost is measured, without onnxruntime's
-    arena, and let go once the cost is taken, before the graph check's sessions (it held its weights and its largest
-    run's buffers beside theirs, to the end of the verify)."""
-    return OnnxDecoder(onnx_path, provider="cpu", threads=threads, all_positions=True, memory_arena=False)
+    graph, whose selection the graph check covers), on the CPU, where the cost is measured; let go once the cost is
+    taken, before the graph check's sessions (it held its weights and its largest run's buffers beside theirs, to the
+    end of the verify)."""
+    return OnnxDecoder(onnx_path, provider="cpu", threads=threads, all_positions=True)
 
 
 @torch.no_grad()

@@ -139,8 +139,6 @@ class OnnxDecoder:
     ``probes``: intermediate values of the graph (name -> ONNX element type) returned beside the logits, in
     ``probed`` after each forward; the session runs the same nodes with those as outputs too (a check's window into
     the graph: export/routing.py).
-    ``memory_arena``: False for a session that runs a prompt or two and ends (the export's checks): onnxruntime's CPU
-    arena would keep its largest run's buffers, in powers of two, as long as the session (``session_options``).
     """
 
     def __init__(
@@ -151,7 +149,6 @@ class OnnxDecoder:
         all_positions: bool = False,
         share_kv: bool | None = None,
         probes: dict[str, int] | None = None,
-        memory_arena: bool = True,
     ) -> None:
         path = Path(path)
         # a folder named like the model (a copy gone wrong) is said to be one, not searched for a model.onnx inside
@@ -188,7 +185,7 @@ class OnnxDecoder:
         self.rope_rows = table_rows(graph)[0]  # what those kernels read; the context may be set shorter
         use_cuda = provider == "cuda" or (provider == "auto" and cuda_usable())
         providers = execution_providers(use_cuda)
-        options, source = session_options(threads, memory_arena), str(self.model_path)
+        options, source = session_options(threads), str(self.model_path)
         variant = None  # the shipped graph's nodes with other outputs, loaded from bytes
         if all_positions and self.last_logits_only:
             variant, self.last_logits_only = all_positions_model(model), False
@@ -234,9 +231,7 @@ class OnnxDecoder:
                     "folder, or export it again with --inputs-embeds"
                 )
             check_external_data(embed_path)
-            self.embed_session = load_session(
-                embed_path, str(embed_path), session_options(threads, memory_arena), providers
-            )
+            self.embed_session = load_session(embed_path, str(embed_path), session_options(threads), providers)
             ids = [s.get_modelmeta().custom_metadata_map.get(EXPORT_ID_KEY) for s in (self.session, self.embed_session)]
             if ids[0] != ids[1]:
                 raise ThinkerError(

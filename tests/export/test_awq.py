@@ -412,10 +412,16 @@ def test_the_search_measures_plain_rtn_at_alpha_0_and_never_ends_above_it(monkey
     assert error == pytest.approx(float(((kept - exact) ** 2).sum()), rel=tolerance)
 
 
-@pytest.mark.parametrize("native, expected", [(True, torch.bfloat16), (False, torch.float32)])
-def test_the_search_multiplies_in_bfloat16_only_where_the_cpu_has_it(monkeypatch, native, expected):
-    """Where oneDNN has no native bfloat16 its products are emulated, slower than float32's: float32 there."""
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native, raising=False)
+@pytest.mark.parametrize(
+    "avx512_bf16, amx, expected",
+    [(True, False, torch.bfloat16), (False, True, torch.bfloat16), (False, False, torch.float32)],
+)
+def test_the_search_multiplies_in_bfloat16_only_where_the_cpu_has_it(monkeypatch, avx512_bf16, amx, expected):
+    """Where the CPU has no bfloat16 products oneDNN emulates them, slower than float32's (AVX-512 without BF16,
+    which oneDNN's own ``_is_mkldnn_bf16_supported`` counts as support): float32 there."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
     assert awq.search_dtype() == expected
 
 
