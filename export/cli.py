@@ -205,7 +205,7 @@ costs against the float model on a fixed English paragraph (top-1 agreement, per
     "searched per layer as the text runs through the model a layer at a time, and folded into the norms and "
     "projections before them, so the graph's ops, bytes and speed are plain rtn's. On SmolLM2 it lifts top-1 "
     "agreement with the float model from 70% to 82% at int4 and from 95% to 97% at int8 (both texts of README, "
-    "Quantized exports), for about 7 s more export; it holds one layer of the float32 model at a time. "
+    "Quantized exports), for 7-10 s more export; it holds one layer of the float32 model at a time. "
     "[default: on for float32 graphs, off for float16]",
 )
 @click.option(

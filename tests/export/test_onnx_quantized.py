@@ -533,7 +533,7 @@ def test_quantized_verify_catches_planted_bugs(spec, plan, thinker_variant, onnx
 def test_quantized_verify_holds_one_session_of_the_graph_at_a_time(plan, thinker_variant, onnx_variant, monkeypatch):
     """The cost's session of the graph as shipped (one prefill) is let go before the graph check opens its own,
     whole or streamed: it held its weights and its largest run's buffers to the end of the verify (a default int4
-    export of SmolLM2 peaked 0.34 GB higher, one-off runs)."""
+    export of SmolLM2 peaked 0.33 GiB higher, one-off runs)."""
     import gc
     import weakref
 
