@@ -312,8 +312,9 @@ def write_scaled_copy(
         return None
     ids, calibration = calibration_ids(model_dir, streamed.model.config)
     if ids.numel() > SEARCH_ROWS:  # the same rows for every group
+        keep = seeded_rows(ids.numel(), SEARCH_ROWS)
         for group in groups:
-            group.keep = seeded_rows(ids.numel(), SEARCH_ROWS)
+            group.keep = keep
     source = SafetensorsSource(model_dir)  # the staged copy's plan, and the files refusals name
     output.mkdir(parents=True)
     try:
