@@ -88,6 +88,54 @@ def test_random_slots_go_before_every_full_attention_layers_cache_at_its_scale(f
             assert 0.8 < ratio < 1.25, (i, kind, ratio)  # the layer's own scale, not a fixed one
 
 
+def test_random_slots_keep_a_shared_buffers_room_for_the_steps(thinker_variant):
+    """A shared KV buffer holds the prompt's slots and then room for the steps that follow (zeros): the slots go
+    before the prompt's and the room stays after them, so the first step writes in place rather than growing (and
+    copying) the whole deep cache."""
+    model, cache = reference_cache(thinker_variant("qwen3"))
+    slots, room = 50, 6
+    graph_cache = {}
+    for i, layer in enumerate(cache.layers):
+        for kind, tensor in (("key", layer.keys), ("value", layer.values)):
+            buffer = np.zeros((*tensor.shape[:2], DEEP_PROMPT_LENGTH + room, tensor.shape[3]), np.float32)
+            buffer[:, :, :DEEP_PROMPT_LENGTH] = tensor.numpy()
+            graph_cache[f"past_key_values.{i}.{kind}"] = buffer
+    prompt = {name: buffer[:, :, :DEEP_PROMPT_LENGTH].copy() for name, buffer in graph_cache.items()}
+    write_random_slots(cache, graph_cache, SimpleNamespace(device="cpu"), slots)
+    for name, buffer in graph_cache.items():
+        i, kind = int(name.split(".")[1]), name.rpartition(".")[2]
+        reference = getattr(cache.layers[i], f"{kind}s").numpy()
+        assert buffer.shape[2] == slots + DEEP_PROMPT_LENGTH + room, name
+        np.testing.assert_array_equal(buffer[:, :, : slots + DEEP_PROMPT_LENGTH], reference)
+        np.testing.assert_array_equal(buffer[:, :, slots : slots + DEEP_PROMPT_LENGTH], prompt[name])
+        assert not buffer[:, :, slots + DEEP_PROMPT_LENGTH :].any(), name
+
+
+def test_the_deep_pass_never_grows_a_shared_kv_buffer(thinker_variant, onnx_variant, monkeypatch):
+    """The fused graph's KV buffers, shared by each step's past and present, are sized once by the prefill and
+    keep that room past the random slots: no step of the pass copies the deep cache into a larger buffer."""
+    from thinker import ThinkerForCausalLM
+
+    model = ThinkerForCausalLM.from_pretrained(thinker_variant("qwen3", head_dim=16), dtype=torch.float32, **EAGER)
+    decoder = OnnxDecoder(onnx_variant("qwen3", head_dim=16) / "model.onnx", provider="cpu")
+    assert decoder.shared_kv
+    grown = []
+    reserve = OnnxDecoder._reserve_kv
+
+    def recording(self, state):
+        before = {name: state.cache[name] for name in self.shared_kv}
+        reserve(self, state)
+        grown.extend(name for name in self.shared_kv if state.cache[name] is not before[name])
+
+    monkeypatch.setattr(OnnxDecoder, "_reserve_kv", recording)
+    steps = []
+    figures = compare_deep(model.eval(), decoder, lambda *step: steps.append(step), most_slots=40)
+    assert figures["random_slots"] == 40 and len(steps) == DEEP_DECODE_STEPS
+    assert grown == []
+    for reference, candidate, _ in steps:
+        assert float(np.abs(reference - candidate).max()) <= 1e-4 * max(1.0, float(np.abs(reference).max()))
+
+
 def test_the_deep_pass_writes_its_slots_into_the_half_shadows_caches(thinker_variant, onnx_variant):
     """A float16 check's shadow runs its half and its perturbed steps behind the same random slots as the reference:
     both its caches hold the deep cache and the steps, so its spreads there are those of the same attention."""
