@@ -25,6 +25,7 @@ from thinker.modeling_thinker import CACHE_ARG, lowest_block_wins_ties
 from thinker_common.parity_inputs import CONTINUATION_DECODE_STEPS, continuation_prompt
 
 from .half_spread import HalfShadow, cached
+from .reference_replay import ReferenceReplay, replay_of, run_key
 from .routing import RouteFollower
 from .runtime import OnnxDecoder
 
@@ -35,9 +36,12 @@ def compare_continuation(
     add: Callable[[np.ndarray, np.ndarray, np.ndarray | None], None],
     on_step: Callable[[], object] | None = None,
     shadow: HalfShadow | None = None,
+    replay: ReferenceReplay | None = None,
 ) -> dict:
     """The pass (the module docstring): ``add(reference, candidate, spread)`` takes the continued positions' logits,
-    then each decode step's (an ``Agreement``'s ``add``). Returns the prompt's and the continuation's lengths."""
+    then each decode step's (an ``Agreement``'s ``add``). Returns the prompt's and the continuation's lengths.
+    ``replay``: the reference's runs recorded by an earlier pass on the same prompt, read back rather than run
+    again (export/reference_replay.py)."""
     on_step = on_step or (lambda: None)
     if shadow is not None:
         shadow.rewind()  # the same reference steps as an earlier pass: their spreads read back
@@ -46,9 +50,14 @@ def compare_continuation(
     first, then = prompt.shape[1], continued.shape[1]
 
     follower = RouteFollower.of(model, decoder)
+    replay, follows, past = replay_of(replay), bool(follower.probes), None
 
-    def reference_step(ids: np.ndarray, start: int, past) -> tuple[torch.Tensor, object, np.ndarray | None]:
-        """The reference's run of the tokens the graph has just run (its routing followed: export/routing.py)."""
+    def reference_step(ids: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The reference's run of the tokens the graph has just run (its routing followed: export/routing.py), on
+        the cache of the runs before it."""
+        nonlocal past
+        if past is None and start:  # read back so far: the cache it would continue was never made
+            raise AssertionError("the continuation pass's reference runs were recorded in part")
         inputs = {
             "input_ids": torch.from_numpy(ids),
             "attention_mask": torch.ones(1, start + ids.shape[1], dtype=torch.long),
@@ -57,26 +66,32 @@ def compare_continuation(
         with follower.reference(decoder.probed):
             out = model(**inputs, use_cache=True, **cached(past))
             spread = follower.spread(shadow, out.logits, **inputs)
-        return out.logits.float(), getattr(out, CACHE_ARG), spread
+        past = getattr(out, CACHE_ARG)
+        return out.logits.float().numpy(), spread
 
     # Qwen3.8's indexers: exact ties to the earlier blocks, as ONNX's TopK breaks them (export/verify.py)
     with torch.no_grad(), lowest_block_wins_ties():
         _, state = decoder.prefill(prompt, np.ones_like(prompt), new_tokens=then + CONTINUATION_DECODE_STEPS)
-        _, past, _ = reference_step(prompt, 0, None)
+        key = run_key("", "continuation", prompt, shadow is None)
+        if follows or not replay.holds(run_key(key, continued)):  # the prompt's cache, for the runs after it
+            reference_step(prompt, 0)
         on_step()
         state.attention_mask = np.ones((1, first + then), np.int64)
         candidate = decoder.forward(continued, np.arange(first, first + then)[None], state)
-        logits, past, spread = reference_step(continued, first, past)
+        key = run_key(key, continued)
+        logits, spread = replay.run(key, follows, lambda: reference_step(continued, first))
         state.next_position = state.next_position + then
         if decoder.last_logits_only:  # each row's last position alone
             logits, spread = logits[:, -1:], None if spread is None else spread[:, -1:]
-        add(logits[0].numpy(), candidate[0], None if spread is None else spread[0])
+        add(logits[0], candidate[0], None if spread is None else spread[0])
         on_step()
-        token = logits[:, -1].numpy().argmax(-1)
+        token = logits[:, -1].argmax(-1)
         for step in range(CONTINUATION_DECODE_STEPS):
             candidate = decoder.decode_one_token(token, state)
-            logits, past, spread = reference_step(token[:, None], first + then + step, past)
-            reference = logits[:, -1].numpy()
+            key = run_key(key, token)
+            ids, start = token[:, None], first + then + step
+            logits, spread = replay.run(key, follows, lambda ids=ids, start=start: reference_step(ids, start))
+            reference = logits[:, -1]
             add(reference, candidate, None if spread is None else spread[:, -1])
             token = reference.argmax(-1)
             on_step()

@@ -35,6 +35,7 @@ from thinker_common.parity_inputs import (
 )
 
 from .half_spread import HALF_PRECISIONS, HalfShadow
+from .reference_replay import ReferenceReplay, replay_of, run_key
 from .routing import RouteFollower
 from .runtime import OnnxDecoder
 
@@ -88,11 +89,13 @@ def compare_deep(
     on_step: Callable[[], object] | None = None,
     shadow: HalfShadow | None = None,
     most_slots: int = DEEP_CACHE_SLOTS,
+    replay: ReferenceReplay | None = None,
 ) -> dict:
     """The pass (the module docstring), where ``not_run_reason`` gives none, with at most ``most_slots`` random
     slots (``slots_within``): ``add(reference, candidate, spread)`` takes each decode step's logits (an
     ``Agreement``'s ``add``). Returns where the steps ran: the cache's slots, the random ones among them, and the
-    steps' first and last positions."""
+    steps' first and last positions. ``replay``: where an earlier pass recorded the reference's steps on the same
+    slots (export/reference_replay.py), they are read back, and the random slots go into the graph's cache alone."""
     config = model.config
     if shadow is not None:
         shadow.rewind()  # the same reference steps as an earlier pass: their spreads read back
@@ -106,23 +109,35 @@ def compare_deep(
         "position_ids": torch.arange(ids.shape[1])[None],
     }
     follower = RouteFollower.of(model, decoder)  # the graph runs first: export/routing.py
+    replay, follows = replay_of(replay), bool(follower.probes)
     with torch.no_grad():
         _, state = decoder.prefill(ids, mask, new_tokens=DEEP_DECODE_STEPS)
-        with follower.reference(decoder.probed):
+        with follower.reference(decoder.probed):  # the prompt's cache: the random slots' scales, the first token
             out = model(**inputs, use_cache=True)
             follower.spread(shadow, out.logits, **inputs)
         on_step()
+        key = run_key("", "deep cache", inputs, slots, shadow is None)
+        cached = slots + ids.shape[1]
+        token = out.logits[:, -1].float().numpy().argmax(-1)
+        mask_tensor = torch.ones(1, cached, dtype=torch.long)
+        first_step = {
+            "input_ids": torch.from_numpy(token[:, None]),
+            "attention_mask": torch.cat([mask_tensor, torch.ones(1, 1, dtype=torch.long)], dim=1),
+            "position_ids": torch.tensor([[cached]]),
+        }
+        replayed = not follows and replay.holds(run_key(key, first_step))
         reference_cache = getattr(out, CACHE_ARG)
-        written = write_random_slots(reference_cache, state.cache, decoder, slots, keep=shadow is not None)
-        if shadow is not None:  # its own cache, in its dtype: the same slots
+        out = None
+        keep = shadow is not None and not replayed
+        written = write_random_slots(reference_cache, state.cache, decoder, slots, keep, into_reference=not replayed)
+        if keep:  # its own cache, in its dtype: the same slots
             shadow.edit_cache(lambda cache: write_slots(cache, written))
         written = None  # held in the caches now: the blocks need not stay beside them
-        cached = slots + ids.shape[1]
+        past = None if replayed else reference_cache
+        reference_cache = None
         state.attention_mask = np.ones((1, cached), np.int64)
         state.cached = cached
         state.next_position = np.full_like(state.next_position, cached)
-        token = out.logits[:, -1].float().numpy().argmax(-1)
-        mask_tensor, past = torch.ones(1, cached, dtype=torch.long), reference_cache
         for position in range(cached, cached + DEEP_DECODE_STEPS):
             mask_tensor = torch.cat([mask_tensor, torch.ones(1, 1, dtype=torch.long)], dim=1)
             step = {
@@ -131,25 +146,39 @@ def compare_deep(
                 "position_ids": torch.tensor([[position]]),
             }
             candidate = decoder.decode_one_token(token, state)
-            with follower.reference(decoder.probed):
-                out = model(**step, use_cache=True, **{CACHE_ARG: past})
-                spread = follower.spread(shadow, out.logits[:, -1:], **step)
-            reference = out.logits[:, -1].float().numpy()
-            spread = None if spread is None else spread[:, -1]
+
+            def step_reference(step: dict = step) -> tuple[np.ndarray, np.ndarray | None]:
+                nonlocal past
+                if past is None:  # read back so far: the cache it would continue was never made
+                    raise AssertionError("the deep-cache pass's reference steps were recorded in part")
+                with follower.reference(decoder.probed):
+                    out = model(**step, use_cache=True, **{CACHE_ARG: past})
+                    spread = follower.spread(shadow, out.logits[:, -1:], **step)
+                past = getattr(out, CACHE_ARG)
+                return out.logits[:, -1].float().numpy(), None if spread is None else spread[:, -1]
+
+            key = run_key(key, step)
+            reference, spread = replay.run(key, follows, step_reference)
             add(reference, candidate, spread)
-            past, token = getattr(out, CACHE_ARG), reference.argmax(-1)
+            token = reference.argmax(-1)
             on_step()
     steps = [cached, cached + DEEP_DECODE_STEPS - 1]
     return {"cache_slots": cached, "random_slots": slots, "step_positions": steps, **follower.figures()}
 
 
 def write_random_slots(
-    cache: Cache, graph_cache: dict, decoder: OnnxDecoder, slots: int, keep: bool = False
+    cache: Cache,
+    graph_cache: dict,
+    decoder: OnnxDecoder,
+    slots: int,
+    keep: bool = False,
+    into_reference: bool = True,
 ) -> dict[int, tuple]:
     """Writes ``slots`` random keys and values before the cached ones of every full-attention layer of the
     reference's ``cache`` and of the graph's (``past_key_values.{i}.key`` / ``.value``, in its dtype and on its
     device), a layer at a time; with ``keep``, returns them by layer, float32, for a shadow's cache (else an empty
-    dict: held twice more, they would double the pass's memory).
+    dict: held twice more, they would double the pass's memory). ``into_reference`` False: the graph's cache alone
+    (the reference's steps read back, export/reference_replay.py), ``cache`` giving the slots' scales.
 
     The slots are drawn by torch in float32 (2.5x faster than numpy's float64 normals and a cast, on the
     Qwen3-0.6B-shaped model's 235 M of them), and the graph's array is written once, with a shared buffer's room for
@@ -175,7 +204,8 @@ def write_random_slots(
             joined[:, :, slots:] = host
             on_device = decoder.device != "cpu"
             graph_cache[name] = ort.OrtValue.ortvalue_from_numpy(joined, "cuda", 0) if on_device else joined
-        write_slots(cache, {index: block})
+        if into_reference:
+            write_slots(cache, {index: block})
         if keep:
             written[index] = tuple(block)
     return written

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,6 +59,7 @@ from .dequantize import (
 from .fidelity import fidelity_token_ids, prefill_logits, text_fidelity
 from .quantize import HEAD, QuantizeSpec
 from .quantized_layout import Layout, layout_failures
+from .reference_replay import ReferenceReplay
 from .rounding import in_blocks, rtn_dequantized
 from .routing import checked_probes
 from .runtime import OnnxDecoder
@@ -419,17 +420,32 @@ def graph_check(
     sensitivity where that is larger. A model with Qwen3.8 indexers also on prompts they prune
     (``indexer_prompts``, judged as the float export's: export/verify.py ``indexer_failures``)."""
     dtype = graph_dtype or next(model.parameters()).dtype
+    with closing(ReferenceReplay(onnx_path.parent)) as replay:  # the second graph's passes read back
+        return _graph_check(model, onnx_path, threads, on_step, dtype, deep_most, replay)
+
+
+def _graph_check(
+    model: torch.nn.Module,
+    onnx_path: Path,
+    threads: int | None,
+    on_step: Callable[[], object],
+    dtype: torch.dtype,
+    deep_most: int,
+    replay: ReferenceReplay,
+) -> dict:
+    """``graph_check``'s passes, the reference's runs recorded in ``replay`` (export/reference_replay.py)."""
     batch = parity_batch(model.config.vocab_size)
     with float_activation_copy(onnx_path) as exact_path:
         exact = OnnxDecoder(exact_path, provider="cpu", threads=threads, probes=checked_probes(exact_path, dtype))
         shadow, long_shadow, deep_shadow, continued_shadow = (half_shadow(model, dtype) for _ in range(4))
-        graph = compare_decoders(model, exact, *batch, on_step=on_step, shadow=shadow)
+        graph = compare_decoders(model, exact, *batch, on_step=on_step, shadow=shadow, replay=replay)
         long_inputs = long_prompts(model, exact)
-        graph["long_prompts"] = compare_long(model, exact, long_inputs, on_step=on_step, shadow=long_shadow)
-        deep = {"most_slots": deep_most, "shadow": deep_shadow}
+        options = {"on_step": on_step, "replay": replay}
+        graph["long_prompts"] = compare_long(model, exact, long_inputs, shadow=long_shadow, **options)
+        deep = {"most_slots": deep_most, "shadow": deep_shadow, "replay": replay}
         graph["deep_cache"] = deep_cache_pass(model, exact, dtype, on_step=on_step, **deep)
-        graph["continuation"] = continuation_pass(model, exact, on_step=on_step, shadow=continued_shadow)
-        graph[PADDED_AROUND] = padded_around_pass(model, exact, on_step=on_step, shadow=shadow)
+        graph["continuation"] = continuation_pass(model, exact, shadow=continued_shadow, **options)
+        graph[PADDED_AROUND] = padded_around_pass(model, exact, shadow=shadow, **options)
         graph[VOCABULARY_EDGES] = vocabulary_edges_pass(
             model, exact, onnx_path, on_step=on_step, shadow=half_shadow(model, dtype)
         )
@@ -444,12 +460,11 @@ def graph_check(
     if genai_path:  # onnxruntime-genai's graph over the same weights, on the rows padded on the right
         with float_activation_copy(genai_path) as exact_path:
             exact = OnnxDecoder(exact_path, provider="cpu", threads=threads, probes=checked_probes(exact_path, dtype))
-            graph["genai_graph"] = compare_decoders(model, exact, *batch, candidate_padding=RIGHT, shadow=shadow)
-            graph["genai_graph_long_prompts"] = compare_long(
-                model, exact, long_inputs, candidate_padding=RIGHT, shadow=long_shadow
-            )
+            options = {"candidate_padding": RIGHT, "replay": replay}
+            graph["genai_graph"] = compare_decoders(model, exact, *batch, shadow=shadow, **options)
+            graph["genai_graph_long_prompts"] = compare_long(model, exact, long_inputs, shadow=long_shadow, **options)
             graph["genai_graph_deep_cache"] = deep_cache_pass(model, exact, dtype, **deep)
-            graph["genai_graph_continuation"] = continuation_pass(model, exact, shadow=continued_shadow)
+            graph["genai_graph_continuation"] = continuation_pass(model, exact, shadow=continued_shadow, replay=replay)
     embeds_path = embeds_graph_of(onnx_path)
     if embeds_path:  # the --inputs-embeds graph, on a prompt with foreign embeddings
         with float_activation_copy(embeds_path) as exact_path:

@@ -87,6 +87,7 @@ from .half_spread import HALF_PRECISIONS, MAX_EXCUSED_SHARE, HalfShadow, excused
 from .names import EMBED_FILE, EMBEDS_MODEL_FILE, GENAI_MODEL_FILE, MODEL_FILE, ROPE_SIN_TABLE, ROPE_TABLE
 from .onnx_folder import graph_context
 from .providers import cuda_usable
+from .reference_replay import ReferenceReplay, replay_of, run_key
 from .routing import ROUTER_TOLERANCE, RouteFollower, checked_probes
 from .runtime import OnnxDecoder, position_ids_from_mask
 from .widened import WIDENED, widened_folder
@@ -257,6 +258,7 @@ def compare_decoders(
     shadow: HalfShadow | None = None,
     foreign_embeddings: bool = False,
     image_positions: bool = False,
+    replay: ReferenceReplay | None = None,
 ) -> dict:
     """Prefill + ``steps`` decode steps in PyTorch and onnxruntime; figures over every kept position (of a
     ``--logits last`` graph's prefill: each row's last kept position, all it gives). ``on_step`` is called after the
@@ -273,7 +275,8 @@ def compare_decoders(
     has multimodal RoPE (``foreign_block_prompt``); the decode steps' tokens then go through ``embed.onnx``.
     ``image_positions``: the token ids at the (3, B, T) positions of a prompt holding an image
     (``image_block_positions``), for a graph with multimodal RoPE: its three streams then differ, as text positions
-    never make them."""
+    never make them. ``replay``: the reference's runs recorded by an earlier comparison of the same inputs, read back
+    rather than run again (export/reference_replay.py)."""
     ties = contextlib.nullcontext() if torch_ties else lowest_block_wins_ties()
     if shadow is not None:
         shadow.rewind()  # the same reference steps as any earlier comparison: their spreads read back
@@ -289,6 +292,7 @@ def compare_decoders(
             shadow,
             foreign_embeddings,
             image_positions,
+            replay_of(replay),
         )
 
 
@@ -303,6 +307,7 @@ def _compare_decoders(
     shadow: HalfShadow | None,
     foreign_embeddings: bool,
     image_positions: bool,
+    replay: ReferenceReplay,
 ) -> dict:
     on_step = on_step or (lambda: None)
     agreement = Agreement()
@@ -338,10 +343,17 @@ def _compare_decoders(
         )
     else:
         candidate, state = decoder.prefill(*given, position_ids=position_array)
-    with follower.reference(decoder.probed, given[1], attention_mask):
-        out = model(**inputs, use_cache=True)
-        spread = follower.spread(shadow, out.logits, **inputs)  # (B, T)
-    reference = out.logits.float().numpy()
+    follows, reference_past = bool(follower.probes), []
+
+    def prefill_reference() -> tuple[np.ndarray, np.ndarray | None]:
+        with follower.reference(decoder.probed, given[1], attention_mask):
+            out = model(**inputs, use_cache=True)
+            spread = follower.spread(shadow, out.logits, **inputs)  # (B, T)
+        reference_past.append(getattr(out, CACHE_ARG))
+        return out.logits.float().numpy(), spread
+
+    key = run_key("", inputs, shadow is None)
+    reference, spread = replay.run(key, follows, prefill_reference)
     if decoder.last_logits_only:
         last_spread = None if spread is None else at_last_kept(spread, attention_mask)
         agreement.add(at_last_kept(reference, attention_mask), candidate[:, 0], last_spread)
@@ -349,7 +361,9 @@ def _compare_decoders(
             # Left padding puts every row's last token in the last slot; onnxruntime-genai pads on the right, where
             # only the mask tells a row's last token from its pads: the same rows padded so, prefill only (not for a
             # graph that refuses them, Qwen3.8's: LEFT_PADDING_ONLY).
-            add_right_padded_prefill(agreement, model, decoder, input_ids, attention_mask, last_spread, follower)
+            add_right_padded_prefill(
+                agreement, model, decoder, input_ids, attention_mask, last_spread, follower, replay
+            )
     else:  # the kept positions of each row, in order, whichever side its pads are
         kept = attention_mask.astype(bool)
         agreement.add(reference[kept], candidate[given[1].astype(bool)], None if spread is None else spread[kept])
@@ -357,19 +371,26 @@ def _compare_decoders(
 
     # each stream resumes one past the last slot's position, as transformers' generate continues (the batch is
     # left-padded: the last slot is each row's last token); the reference's own reckoning, apart from the runtime's
-    past, next_position = getattr(out, CACHE_ARG), positions[..., -1:] + 1
+    next_position = positions[..., -1:] + 1
     token = reference[:, -1].argmax(-1)
     for _ in range(steps):
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         step = {"input_ids": torch.from_numpy(token[:, None]), "attention_mask": mask, "position_ids": next_position}
         candidate = decoder.decode_one_token(token, state)
-        with follower.reference(decoder.probed):
-            out = model(**step, use_cache=True, **{CACHE_ARG: past})
-            spread = follower.spread(shadow, out.logits[:, -1:], **step)
-        reference = out.logits[:, -1].float().numpy()
-        spread = None if spread is None else spread[:, -1]
+
+        def step_reference(step: dict = step) -> tuple[np.ndarray, np.ndarray | None]:
+            if not reference_past:  # read back so far: the cache it would continue was never made
+                raise AssertionError("the reference's runs of this comparison were recorded in part")
+            with follower.reference(decoder.probed):
+                out = model(**step, use_cache=True, **{CACHE_ARG: reference_past[-1]})
+                spread = follower.spread(shadow, out.logits[:, -1:], **step)
+            reference_past[-1] = getattr(out, CACHE_ARG)
+            return out.logits[:, -1].float().numpy(), None if spread is None else spread[:, -1]
+
+        key = run_key(key, step)
+        reference, spread = replay.run(key, follows, step_reference)
         agreement.add(reference, candidate, spread)
-        past, next_position, token = getattr(out, CACHE_ARG), next_position + 1, reference.argmax(-1)
+        next_position, token = next_position + 1, reference.argmax(-1)
         on_step()
     return {"batch": int(input_ids.shape[0]), "decode_steps": steps, **agreement.figures(), **follower.figures()}
 
@@ -382,16 +403,27 @@ def add_right_padded_prefill(
     attention_mask: np.ndarray,
     spread: np.ndarray | None = None,
     follower: RouteFollower | None = None,
+    replay: ReferenceReplay | None = None,
 ) -> None:
     """The left-padded batch's rows padded on the right instead, prefilled by both: each row's last real token's
     logits (what a ``--logits last`` graph gives) into ``agreement``; ``spread``: the half-precision spread of those
-    tokens, measured on the left-padded rows; ``follower``: the comparison's (export/routing.py)."""
+    tokens, measured on the left-padded rows; ``follower`` and ``replay``: the comparison's (export/routing.py,
+    export/reference_replay.py)."""
     ids, mask = right_padded(input_ids, attention_mask)
-    positions = torch.from_numpy(position_ids_from_mask(mask))
+    inputs = {
+        "input_ids": torch.from_numpy(ids),
+        "attention_mask": torch.from_numpy(mask),
+        "position_ids": torch.from_numpy(position_ids_from_mask(mask)),
+    }
     candidate = decoder.prefill(ids, mask)[0][:, 0]
-    with (follower or RouteFollower.of(model, decoder)).reference(decoder.probed, mask, mask):
-        out = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), position_ids=positions)
-    agreement.add(at_last_kept(out.logits.float().numpy(), mask), candidate, spread)
+    follower = follower or RouteFollower.of(model, decoder)
+
+    def reference() -> tuple[np.ndarray, None]:
+        with follower.reference(decoder.probed, mask, mask):
+            return at_last_kept(model(**inputs).logits.float().numpy(), mask), None
+
+    logits, _ = replay_of(replay).run(run_key("", inputs, "last kept"), bool(follower.probes), reference)
+    agreement.add(logits, candidate, spread)
 
 
 def right_padded(input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -605,12 +637,14 @@ PADDED_AROUND = "padded_around"
 LEFT_PADDING_ONLY = "Qwen3.8's graph takes left-padded rows only (its PLE states carry each row's last slots on)"
 
 
-def padded_around_pass(model: torch.nn.Module, decoder: OnnxDecoder, on_step=None, shadow=None) -> dict:
-    """The padded-around pass's figures, or why it was not run (``not_run``)."""
+def padded_around_pass(model: torch.nn.Module, decoder: OnnxDecoder, on_step=None, shadow=None, replay=None) -> dict:
+    """The padded-around pass's figures, or why it was not run (``not_run``); ``replay``: the parity batch's
+    comparison's (the reference runs the batch as given, whatever padding the graph gets)."""
     if decoder.left_padding_only:
         return {"not_run": LEFT_PADDING_ONLY}
     batch = parity_batch(model.config.vocab_size)
-    return compare_decoders(model, decoder, *batch, on_step=on_step, shadow=shadow, candidate_padding=AROUND)
+    options = {"on_step": on_step, "shadow": shadow, "replay": replay}
+    return compare_decoders(model, decoder, *batch, candidate_padding=AROUND, **options)
 
 
 def padded_around_failures(result: dict) -> list[str]:
@@ -863,56 +897,59 @@ def verify_export(
     steps += 1 + EDGE_DECODE_STEPS + 2  # the edges' pass, and the two prompts' rounding sensitivities
     long, further = {}, {}  # the long prompts; the deep-cache and continuation passes
     most_slots = deep_slots(model_dir, dtype, plan)  # before the models are loaded: the memory they will leave
-    with progress_bar(steps, "verifying", unit="step", enabled=progress) as bar:
-        with pytorch_thinker(model_dir, REFERENCE_DTYPE, plan, shipped and shipped[1]) as model:
-            bar.update()
-            batch = parity_batch(model.config.vocab_size)
-            decoder = OnnxDecoder(onnx_path, threads=threads, probes=checked_probes(onnx_path, dtype))
-            device, last_only = decoder.device, decoder.last_logits_only
-            shadow, long_shadow, deep_shadow, continued_shadow = (half_shadow(model, dtype) for _ in range(4))
-            figures = compare_decoders(model, decoder, *batch, on_step=bar.update, shadow=shadow)
-            long_inputs = long_prompts(model, decoder)
-            long["long_prompts"] = compare_long(model, decoder, long_inputs, on_step=bar.update, shadow=long_shadow)
-            deep = {"most_slots": most_slots, "shadow": deep_shadow}
-            further["deep_cache"] = deep_cache_pass(model, decoder, dtype, on_step=bar.update, **deep)
-            further["continuation"] = continuation_pass(model, decoder, on_step=bar.update, shadow=continued_shadow)
-            further[PADDED_AROUND] = padded_around_pass(model, decoder, on_step=bar.update, shadow=shadow)
-            further[VOCABULARY_EDGES] = vocabulary_edges_pass(
-                model, decoder, onnx_path, on_step=bar.update, shadow=half_shadow(model, dtype)
+    with (
+        progress_bar(steps, "verifying", unit="step", enabled=progress) as bar,
+        pytorch_thinker(model_dir, REFERENCE_DTYPE, plan, shipped and shipped[1]) as model,
+        contextlib.closing(ReferenceReplay(onnx_path.parent)) as replay,  # the second graph's passes read back
+    ):
+        bar.update()
+        batch = parity_batch(model.config.vocab_size)
+        decoder = OnnxDecoder(onnx_path, threads=threads, probes=checked_probes(onnx_path, dtype))
+        device, last_only = decoder.device, decoder.last_logits_only
+        shadow, long_shadow, deep_shadow, continued_shadow = (half_shadow(model, dtype) for _ in range(4))
+        figures = compare_decoders(model, decoder, *batch, on_step=bar.update, shadow=shadow, replay=replay)
+        long_inputs = long_prompts(model, decoder)
+        options = {"on_step": bar.update, "shadow": long_shadow, "replay": replay}
+        long["long_prompts"] = compare_long(model, decoder, long_inputs, **options)
+        deep = {"most_slots": most_slots, "shadow": deep_shadow, "replay": replay}
+        further["deep_cache"] = deep_cache_pass(model, decoder, dtype, on_step=bar.update, **deep)
+        options = {"on_step": bar.update, "shadow": continued_shadow, "replay": replay}
+        further["continuation"] = continuation_pass(model, decoder, **options)
+        options = {"on_step": bar.update, "shadow": shadow, "replay": replay}
+        further[PADDED_AROUND] = padded_around_pass(model, decoder, **options)
+        further[VOCABULARY_EDGES] = vocabulary_edges_pass(
+            model, decoder, onnx_path, on_step=bar.update, shadow=half_shadow(model, dtype)
+        )
+        if streams:  # multimodal RoPE: the batch at an image's positions, whose three streams differ
+            further[IMAGE_POSITIONS] = compare_decoders(
+                model, decoder, *batch, on_step=bar.update, shadow=half_shadow(model, dtype), image_positions=True
             )
-            if streams:  # multimodal RoPE: the batch at an image's positions, whose three streams differ
-                further[IMAGE_POSITIONS] = compare_decoders(
-                    model, decoder, *batch, on_step=bar.update, shadow=half_shadow(model, dtype), image_positions=True
-                )
-            if indexed:  # prompts on which the indexers choose (thinker_common/parity_inputs.py INDEXER_EXTRA_BLOCKS)
-                indexer_figures = compare_decoders(model, decoder, *indexer_batch(model.config), on_step=bar.update)
-            del decoder  # one session at a time, as verify_plan counts them
-            if genai_path:
-                genai = OnnxDecoder(genai_path, threads=threads, probes=checked_probes(genai_path, dtype))
-                genai_figures = compare_decoders(
-                    model, genai, *batch, on_step=bar.update, candidate_padding=RIGHT, shadow=shadow
-                )
-                long["genai_graph_long_prompts"] = compare_long(
-                    model, genai, long_inputs, on_step=bar.update, candidate_padding=RIGHT, shadow=long_shadow
-                )
-                further["genai_graph_deep_cache"] = deep_cache_pass(model, genai, dtype, on_step=bar.update, **deep)
-                further["genai_graph_continuation"] = continuation_pass(
-                    model, genai, on_step=bar.update, shadow=continued_shadow
-                )
-                del genai
-            if embeds_path:  # another prompt: its own half-precision spreads
-                embeds = OnnxDecoder(embeds_path, threads=threads, probes=checked_probes(embeds_path, dtype))
-                embeds_figures = compare_decoders(
-                    model, embeds, *batch, on_step=bar.update, shadow=half_shadow(model, dtype), foreign_embeddings=True
-                )
-            # Measured only where a pass parts beyond the logit scale's tolerance, which is all the allowance can
-            # change: each measure costs two prefills, for a streamed model two more reads of every layer.
-            batch_passes = [figures, further[PADDED_AROUND], genai_figures if genai_path else None]
-            sensitivity = {
-                name: rounding_sensitivity(model, *inputs, last_only) if beyond_scale(held_as, *passes) else None
-                for name, inputs, passes in (("batch", batch, batch_passes), ("long", long_inputs, long.values()))
-            }
-            bar.update(2)
+        if indexed:  # prompts on which the indexers choose (thinker_common/parity_inputs.py INDEXER_EXTRA_BLOCKS)
+            indexer_figures = compare_decoders(model, decoder, *indexer_batch(model.config), on_step=bar.update)
+        del decoder  # one session at a time, as verify_plan counts them
+        if genai_path:
+            genai = OnnxDecoder(genai_path, threads=threads, probes=checked_probes(genai_path, dtype))
+            options = {"on_step": bar.update, "candidate_padding": RIGHT, "replay": replay}
+            genai_figures = compare_decoders(model, genai, *batch, shadow=shadow, **options)
+            long["genai_graph_long_prompts"] = compare_long(model, genai, long_inputs, shadow=long_shadow, **options)
+            further["genai_graph_deep_cache"] = deep_cache_pass(model, genai, dtype, on_step=bar.update, **deep)
+            further["genai_graph_continuation"] = continuation_pass(
+                model, genai, on_step=bar.update, shadow=continued_shadow, replay=replay
+            )
+            del genai
+        if embeds_path:  # another prompt: its own half-precision spreads
+            embeds = OnnxDecoder(embeds_path, threads=threads, probes=checked_probes(embeds_path, dtype))
+            embeds_figures = compare_decoders(
+                model, embeds, *batch, on_step=bar.update, shadow=half_shadow(model, dtype), foreign_embeddings=True
+            )
+        # Measured only where a pass parts beyond the logit scale's tolerance, which is all the allowance can
+        # change: each measure costs two prefills, for a streamed model two more reads of every layer.
+        batch_passes = [figures, further[PADDED_AROUND], genai_figures if genai_path else None]
+        sensitivity = {
+            name: rounding_sensitivity(model, *inputs, last_only) if beyond_scale(held_as, *passes) else None
+            for name, inputs, passes in (("batch", batch, batch_passes), ("long", long_inputs, long.values()))
+        }
+        bar.update(2)
     held = ", read layer by layer as it runs" if plan == STREAMED else ""
     if shipped:
         held = f", its weights rounded to {dtype_name(shipped[1])} as the export's{held}"

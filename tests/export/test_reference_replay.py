@@ -1,0 +1,117 @@
+"""The reference's runs kept for the check's next graph (export/reference_replay.py): a run is read back only under
+the digest of everything that decides it, bit for bit, never where the reference follows the graph's routing, and
+the whole check's figures are those of running the reference every time, with fewer runs of the PyTorch model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from export.names import GENAI_MODEL_FILE, MODEL_FILE
+from export.reference_replay import ReferenceReplay, run_key
+from export.runtime import OnnxDecoder
+from export.verify import compare_decoders, verify_export
+from thinker import ThinkerForCausalLM
+from thinker_common.eager import EAGER
+from thinker_common.parity_inputs import parity_batch
+
+
+def test_a_runs_key_tells_apart_every_input_that_decides_it():
+    ids = np.arange(6, dtype=np.int64).reshape(2, 3)
+    key = run_key("", {"input_ids": ids, "attention_mask": np.ones_like(ids)}, True)
+    assert key == run_key("", {"input_ids": ids.copy(), "attention_mask": np.ones_like(ids)}, True)
+    assert key == run_key("", {"input_ids": torch.from_numpy(ids), "attention_mask": np.ones_like(ids)}, True)
+    others = [
+        run_key("", {"input_ids": ids.astype(np.int32), "attention_mask": np.ones_like(ids)}, True),  # dtype
+        run_key("", {"input_ids": ids.reshape(3, 2), "attention_mask": np.ones_like(ids)}, True),  # shape
+        run_key("", {"input_ids": ids + 1, "attention_mask": np.ones_like(ids)}, True),  # values
+        run_key("", {"input_ids": ids, "attention_mask": np.ones_like(ids)}, False),  # the spread's presence
+        run_key(key, {"input_ids": ids, "attention_mask": np.ones_like(ids)}, True),  # the run it continues
+        run_key("", {"input_ids": ids, "mask": np.ones_like(ids)}, True),  # the names
+        run_key("", {"input_ids": ids, "attention_mask": [np.ones_like(ids)]}, True),  # the nesting
+    ]
+    assert len({key, *others}) == 1 + len(others)
+    # a tensor's repr elides its middle values: a key reads the bytes, so two long rows differing there differ
+    long = torch.zeros(1, 5000, dtype=torch.long)
+    moved = long.clone()
+    moved[0, 2500] = 1
+    assert repr(long) == repr(moved) and run_key("", long) != run_key("", moved)
+
+
+def test_a_run_is_read_back_bit_for_bit_from_an_unnamed_file_in_the_folder(tmp_path):
+    replay, made = ReferenceReplay(tmp_path), []
+    rng = np.random.default_rng(0)
+    runs = {
+        "with spread": (rng.standard_normal((2, 7, 50)).astype(np.float32), rng.random((2, 7)).astype(np.float32)),
+        "without": (rng.standard_normal((1, 50)).astype(np.float32), None),
+    }
+
+    def make(key):
+        made.append(key)
+        return runs[key]
+
+    for key in runs:
+        replay.run(key, False, lambda key=key: make(key))
+    assert list(tmp_path.iterdir()) == []  # unnamed: nothing to leave behind
+    for key, (logits, spread) in reversed(runs.items()):  # any order
+        read, read_spread = replay.run(key, False, lambda: pytest.fail("made again"))
+        np.testing.assert_array_equal(read, logits)
+        assert read.dtype == logits.dtype
+        if spread is None:
+            assert read_spread is None
+        else:
+            np.testing.assert_array_equal(read_spread, spread)
+    assert made == list(runs) and replay.replayed == 2
+    replay.close()
+    assert not replay.holds("without")
+
+
+def test_a_run_that_follows_the_graph_is_made_every_time_and_never_kept(tmp_path):
+    """The reference routed as the graph did depends on that graph: another graph's comparison must route anew."""
+    replay, made = ReferenceReplay(tmp_path), []
+    logits = np.ones((1, 4), np.float32)
+    for _ in range(2):
+        replay.run("routed", True, lambda: made.append(1) or (logits, None))
+    assert len(made) == 2 and not replay.holds("routed") and replay.replayed == 0
+
+
+def test_steps_recorded_in_part_are_refused_rather_than_run_without_their_cache(
+    thinker_variant, onnx_variant, tmp_path
+):
+    """A comparison whose prefill is read back has no cache to run a step from: a step the replay lacks fails loudly
+    instead of running the model on an empty cache."""
+    model = ThinkerForCausalLM.from_pretrained(thinker_variant("qwen3", head_dim=16), dtype=torch.float32, **EAGER)
+    decoder = OnnxDecoder(onnx_variant("qwen3", head_dim=16) / MODEL_FILE, provider="cpu")
+    batch = parity_batch(model.config.vocab_size)
+    replay = ReferenceReplay(tmp_path)
+    first = compare_decoders(model.eval(), decoder, *batch, steps=1, replay=replay)
+    again = compare_decoders(model, decoder, *batch, steps=1, replay=replay)
+    assert again == first and replay.replayed == 2  # the prefill and the step
+    with pytest.raises(AssertionError, match="recorded in part"):
+        compare_decoders(model, decoder, *batch, steps=2, replay=replay)
+
+
+def test_the_check_reads_the_second_graphs_reference_back_with_the_same_figures(
+    thinker_variant, onnx_variant, monkeypatch
+):
+    """The whole float32 check, model.onnx then model.genai.onnx: the report is the one made by running the
+    reference for every comparison, with far fewer runs of the PyTorch model (the genai graph's passes and the
+    padded-around pass read back; the deep pass still prefills its prompt for its slots' scales)."""
+    folder = thinker_variant("qwen3", head_dim=16)
+    export = onnx_variant("qwen3", head_dim=16)
+    assert (export / GENAI_MODEL_FILE).exists()
+    forward, runs = ThinkerForCausalLM.forward, []
+
+    def counted(self, *args, **kwargs):
+        runs.append(1)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(ThinkerForCausalLM, "forward", counted)
+    replayed = verify_export(folder, export / MODEL_FILE, torch.float32)
+    with_replay = len(runs)
+    runs.clear()
+    monkeypatch.setattr(ReferenceReplay, "run", lambda self, key, follows, make: make())
+    every_time = verify_export(folder, export / MODEL_FILE, torch.float32)
+    assert replayed["passed"] and replayed == every_time
+    assert with_replay < 0.5 * len(runs), (with_replay, len(runs))
