@@ -146,6 +146,31 @@ def test_the_sensitivity_is_measured_only_for_passes_beyond_the_scales_tolerance
     assert beyond_scale(torch.float32, None, within, beyond)
 
 
+def test_the_quantized_check_measures_each_sensitivity_only_where_it_can_change_the_verdict():
+    """The graph check of a quantized export measures the batch's and the long prompts' rounding sensitivity (two
+    reference prefills each) only where a pass judged at it parts beyond the logit scale's tolerance; a side graph
+    is judged at the batch's tolerance, so beyond the batch's scale it needs the batch's measure, whatever its own."""
+    from export.quantized_verify import ON_BATCH, ON_LONG_PROMPTS, sensitivities_needed
+
+    within = {"max_abs_diff": 1e-3, "logit_scale": 30.0}  # the float32 scale's tolerance: 1e-4 x 30 = 3e-3
+    beyond = {"max_abs_diff": 5e-3, "logit_scale": 30.0}
+    sound = {**within, "long_prompts": within, "deep_cache": {"not_run": "no memory left"}, "padded_around": within}
+    assert sensitivities_needed(sound, torch.float32) == (False, False)
+    assert sensitivities_needed({**sound, **beyond}, torch.float32) == (True, False)  # the batch itself
+    for key in ON_BATCH:
+        assert sensitivities_needed({**sound, key: beyond}, torch.float32) == (True, False), key
+    for key in ON_LONG_PROMPTS:
+        assert sensitivities_needed({**sound, key: beyond}, torch.float32) == (False, True), key
+    assert sensitivities_needed({**sound, "deep_cache": {"not_run": "indexed", **beyond}}, torch.float32) == (
+        False,
+        False,
+    )
+    side = {"max_abs_diff": 5e-3, "logit_scale": 80.0}  # within its own scale's 8e-3, beyond the batch's 3e-3
+    for key in ("genai_graph", "embeds_graph"):
+        assert sensitivities_needed({**sound, key: side}, torch.float32) == (True, False), key
+        assert sensitivities_needed({**sound, key: {**side, "max_abs_diff": 2e-3}}, torch.float32) == (False, False)
+
+
 def test_a_half_precision_long_pass_is_judged_unless_indexers_choose_on_it():
     """Only Qwen3.8's indexers excuse a half-precision pass on the long prompts from the verdict."""
 
