@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from results_io import write_result
+from results_io import machine_name, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_convert import MemorySampler, load_average  # noqa: E402
@@ -193,6 +193,7 @@ def measure(work: Path, layers: int, source_dtype: str, dtype: str) -> dict:
         + (f" --dtype {dtype}" if dtype != "bfloat16" else ""),
         "machine": {
             "platform": platform.platform(),
+            "cpu": machine_name(),
             "cpus": os.cpu_count(),
             "memory_bytes": psutil.virtual_memory().total,
             "load_average_before": load_before,

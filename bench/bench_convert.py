@@ -38,7 +38,7 @@ import threading
 import time
 from pathlib import Path
 
-from results_io import positive_int, write_result
+from results_io import machine_name, positive_int, write_result
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "convert.json"
@@ -240,6 +240,7 @@ def measure(work: Path, reps: int) -> dict:
     return {
         "machine": {
             "platform": platform.platform(),
+            "cpu": machine_name(),
             "cpus": os.cpu_count(),
             "load_average_before": load_before,
             "load_average_after": load_average(),

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -29,7 +28,7 @@ import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper
-from results_io import command_line, positive_int, write_result
+from results_io import command_line, machine_name, positive_int, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
 
@@ -134,7 +133,7 @@ def main() -> None:
             )
     results = {
         "command": command_line(),
-        "machine": platform.processor() or platform.machine(),
+        "machine": machine_name(),
         "threads": args.threads,
         "reps": args.reps,
         "chunked_from": CHUNKED_FROM,

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from results_io import command_line, positive_int, write_result
+from results_io import command_line, machine_name, positive_int, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -99,7 +98,7 @@ def main() -> None:
         row["peak_rss_median"] = statistics.median(row["peak_rss"])
     results = {
         "command": command_line(),
-        "machine": platform.processor() or platform.machine(),
+        "machine": machine_name(),
         "reps": args.reps,
         "float32_model_bytes": exp.folder_bytes(float32.folder),
         "variants": rows,

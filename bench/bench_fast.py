@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from results_io import command_line, names_from, positive_int, write_result
+from results_io import command_line, machine_name, names_from, positive_int, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -210,7 +209,7 @@ def main() -> None:
     results = {
         "bandwidth_samples": [bandwidth["bytes_per_s"]],
         "command": command_line(),
-        "machine": {"processor": platform.processor() or platform.machine(), "threads": args.threads},
+        "machine": {"processor": machine_name(), "threads": args.threads},
         "settings": {k: v for k, v in vars(args).items()},
         "bandwidth": bandwidth,
         # a peer's environment is built on first use: not for an export left out

@@ -36,12 +36,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 
-from results_io import command_line, positive_int, writable_folder, write_result
+from results_io import command_line, machine_name, positive_int, writable_folder, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -134,7 +133,7 @@ def device_name(provider: str) -> str:
         import torch
 
         return torch.cuda.get_device_name(0)
-    return platform.processor() or platform.machine()
+    return machine_name()
 
 
 def export_all(model: models.BenchModel, names: list[str], threads: int, fresh: bool) -> dict[str, exp.Export]:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from results_io import command_line, positive_int, result_file, write_result
+from results_io import command_line, machine_name, positive_int, result_file, write_result
 from transformers import (
     AutoModelForCausalLM,
     Qwen3_5ForCausalLM,
@@ -283,6 +283,7 @@ def summarise(args: argparse.Namespace, models: dict, measured: dict) -> dict:
         "machine": {
             "cpu_count": os.cpu_count(),
             "platform": platform.platform(),
+            "cpu": machine_name(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "load_average": os.getloadavg(),

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime
 import torch
-from results_io import command_line, positive_int, write_result
+from results_io import command_line, machine_name, positive_int, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages, when run as a script
 
@@ -116,7 +115,7 @@ def main() -> None:
             results["torch_decode_tokens_per_s"] = round((args.new - 1) / max(torch_total - torch_prefill, 1e-9), 1)
 
     results["versions"] = {"onnxruntime": onnxruntime.__version__, "torch": torch.__version__}
-    results["machine"] = platform.processor() or platform.machine()
+    results["machine"] = machine_name()
     width = max(map(len, results))
     for key, value in results.items():
         print(f"{key:<{width}}  {value}")

@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from results_io import command_line, positive_int, write_result
+from results_io import command_line, machine_name, positive_int, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -252,7 +251,7 @@ def main() -> None:
     }
     results = {
         "command": command_line(),
-        "machine": {"processor": platform.processor() or platform.machine(), "threads": args.threads},
+        "machine": {"processor": machine_name(), "threads": args.threads},
         "settings": vars(args),
         "load_before": round(load_before, 2),
         "exports": exports,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from results_io import command_line, positive_int, result_file, write_result
+from results_io import command_line, machine_name, positive_int, result_file, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import qwen4_exp_configs  # noqa: E402
@@ -79,7 +78,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     report = {
         "command": command_line(),
-        "machine": platform.processor() or platform.machine(),
+        "machine": machine_name(),
         "threads": args.threads,
         "layers": args.layers,
         "hidden": args.hidden,

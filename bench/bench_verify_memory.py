@@ -33,7 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from results_io import command_line, write_result
+from results_io import command_line, machine_name, write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench modules, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages
@@ -68,7 +68,12 @@ def measure() -> dict:
     }
     result = {
         "command": command_line(),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_average_before": load_average()},
+        "machine": {
+            "platform": platform.platform(),
+            "cpu": machine_name(),
+            "cpus": os.cpu_count(),
+            "load_average_before": load_average(),
+        },
         "model": {
             "name": model.name,
             "weights_bytes": weights,

@@ -11,7 +11,6 @@ bench_graph_ab.py); the median time per layout.
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
-from results_io import command_line, write_result
+from results_io import command_line, machine_name, write_result
 
 
 def time_layouts(
@@ -77,7 +76,7 @@ def report_layouts(results: dict, baseline: str, title: str, path: Path, setting
         "command": command_line(),
         **settings,
         "onnxruntime": ort.__version__,
-        "machine": platform.processor() or platform.machine(),
+        "machine": machine_name(),
         "results": results,
     }
     write_result(path, json.dumps(record, indent=2) + "\n")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import shlex
 import sys
 from collections.abc import Callable
@@ -81,3 +82,15 @@ def command_line() -> str:
     """How this run was started, as README writes its commands (``python bench/SCRIPT ARGS``), for the result file
     to record beside its figures; each argument quoted where a shell needs it."""
     return shlex.join(["python", f"bench/{Path(sys.argv[0]).name}", *sys.argv[1:]])
+
+
+def machine_name() -> str:
+    """The CPU a result was measured on: /proc/cpuinfo's model name where Linux gives one (timings and even the
+    quantized exports' judged fidelity move with it: MLAS picks its kernels by CPU), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
