@@ -158,10 +158,10 @@ class MemorySampler:
             time.sleep(self.interval)
 
 
-def run_measured(command: list[str], env: dict[str, str]) -> tuple[float, dict[str, int], str]:
-    """(wall seconds, sampled memory peaks, stdout) of one child process."""
+def run_measured(command: list[str], env: dict[str, str], cwd: Path | None = None) -> tuple[float, dict[str, int], str]:
+    """(wall seconds, sampled memory peaks, stdout) of one child process, run in ``cwd`` (default: this one's)."""
     started = time.perf_counter()
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with MemorySampler(process.pid) as sampler:
         output, errors = process.communicate()
     seconds = time.perf_counter() - started

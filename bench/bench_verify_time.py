@@ -51,7 +51,8 @@ if bits:
 else:
     from export.verify import verify_export
     result = graph = verify_export(model_dir, onnx_path, torch.float32)
-print(json.dumps({"passed": result["passed"], "failure": result.get("failure"),
+import export.verify
+print(json.dumps({"code": export.verify.__file__, "passed": result["passed"], "failure": result.get("failure"),
                   "max_abs_diff": graph["max_abs_diff"], "tolerance": graph["tolerance"]}))
 """
 CASES = {  # name -> (model, export options, bits)
@@ -108,8 +109,12 @@ def measure(before: str, reps: int, cases: list[str]) -> dict:
                 for side in order:
                     env = base | {"PYTHONPATH": str(code[side])}
                     command = [sys.executable, "-c", CHECK, str(model.thinker), str(output / "model.onnx"), str(bits)]
-                    seconds, peak, printed = run_measured(command, env)
+                    # run outside both trees: ``python -c`` puts its working directory before PYTHONPATH, which
+                    # ran this checkout's code on both sides from the repository's root
+                    seconds, peak, printed = run_measured(command, env, cwd=work)
                     verdict = json.loads(printed.strip().splitlines()[-1])
+                    if verdict.pop("code") != str(code[side] / "export" / "verify.py"):
+                        raise SystemExit(f"the {side} side ran {verdict} rather than {code[side]}'s code")
                     runs[side].append({"seconds": round(seconds, 2), "peak_rss_bytes": peak["VmHWM"], **verdict})
                     print(name, side, json.dumps(runs[side][-1]), flush=True)
             shutil.rmtree(output)
