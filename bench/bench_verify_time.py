@@ -159,8 +159,8 @@ def report(result: dict) -> str:
         "after / before",
         "peak before (GiB)",
         "peak after (GiB)",
-        "same verdict and max |Δlogit|",
-        "max |Δlogit| / tolerance",
+        "same verdict and max abs Δlogit",
+        "max abs Δlogit / tolerance",
     ]
     intro = (
         f"Command: `{result['command']}`. Before: {result['before'][:7]}; after: {result['after'][:7]}; "

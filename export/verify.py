@@ -292,7 +292,7 @@ def compare_decoders(
             shadow,
             foreign_embeddings,
             image_positions,
-            replay_of(replay),
+            replay_of(None if torch_ties else replay),  # a run's key holds no tie rule: transformers' runs apart
         )
 
 
