@@ -437,18 +437,19 @@ def _graph_check(
     replay: ReferenceReplay,
 ) -> dict:
     """``graph_check``'s passes, the reference's runs recorded in ``replay`` (export/reference_replay.py)."""
-    batch = parity_batch(model.config.vocab_size)
+    batch, genai_path = parity_batch(model.config.vocab_size), genai_graph_of(onnx_path)
     with float_activation_copy(onnx_path) as exact_path:
         exact = OnnxDecoder(exact_path, provider="cpu", threads=threads, probes=checked_probes(exact_path, dtype))
         shadow, long_shadow, deep_shadow, continued_shadow = (half_shadow(model, dtype) for _ in range(4))
         graph = compare_decoders(model, exact, *batch, on_step=on_step, shadow=shadow, replay=replay)
         long_inputs = long_prompts(model, exact)
-        options = {"on_step": on_step, "replay": replay}
+        again = replay if genai_path else None  # what model.genai.onnx's passes alone read back: kept for them only
+        options = {"on_step": on_step, "replay": again}
         graph["long_prompts"] = compare_long(model, exact, long_inputs, shadow=long_shadow, **options)
-        deep = {"most_slots": deep_most, "shadow": deep_shadow, "replay": replay}
+        deep = {"most_slots": deep_most, "shadow": deep_shadow, "replay": again}
         graph["deep_cache"] = deep_cache_pass(model, exact, dtype, on_step=on_step, **deep)
         graph["continuation"] = continuation_pass(model, exact, shadow=continued_shadow, **options)
-        graph[PADDED_AROUND] = padded_around_pass(model, exact, shadow=shadow, **options)
+        graph[PADDED_AROUND] = padded_around_pass(model, exact, shadow=shadow, on_step=on_step, replay=replay)
         graph[VOCABULARY_EDGES] = vocabulary_edges_pass(
             model, exact, onnx_path, on_step=on_step, shadow=half_shadow(model, dtype)
         )
@@ -459,7 +460,6 @@ def _graph_check(
             graph["indexer_prompts"] = compare_decoders(model, exact, *indexer_batch(model.config))
             graph["indexer_prompts"]["failures"] = indexer_failures(graph["indexer_prompts"], dtype)
         del exact  # one session of the graph at a time
-    genai_path = genai_graph_of(onnx_path)
     if genai_path:  # onnxruntime-genai's graph over the same weights, on the rows padded on the right
         with float_activation_copy(genai_path) as exact_path:
             exact = OnnxDecoder(exact_path, provider="cpu", threads=threads, probes=checked_probes(exact_path, dtype))

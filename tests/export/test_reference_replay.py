@@ -11,7 +11,7 @@ import torch
 from export.names import GENAI_MODEL_FILE, MODEL_FILE
 from export.reference_replay import ReferenceReplay, run_key
 from export.runtime import OnnxDecoder
-from export.verify import compare_decoders, verify_export
+from export.verify import DECODE_STEPS, compare_decoders, verify_export
 from thinker import ThinkerForCausalLM
 from thinker_common.eager import EAGER
 from thinker_common.parity_inputs import parity_batch
@@ -92,14 +92,16 @@ def test_steps_recorded_in_part_are_refused_rather_than_run_without_their_cache(
         compare_decoders(model, decoder, *batch, steps=2, replay=replay)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_the_check_reads_the_second_graphs_reference_back_with_the_same_figures(
-    thinker_variant, onnx_variant, monkeypatch
+    dtype, thinker_variant, onnx_variant, monkeypatch
 ):
-    """The whole float32 check, model.onnx then model.genai.onnx: the report is the one made by running the
-    reference for every comparison, with far fewer runs of the PyTorch model (the genai graph's passes and the
-    padded-around pass read back; the deep pass still prefills its prompt for its slots' scales)."""
+    """The whole check, model.onnx then model.genai.onnx: the report is the one made by running the reference for
+    every comparison, with far fewer runs of the PyTorch model (the genai graph's passes and the padded-around pass
+    read back; the deep pass still prefills its prompt for its slots' scales); in float16 the half-precision
+    spreads read back with the logits."""
     folder = thinker_variant("qwen3", head_dim=16)
-    export = onnx_variant("qwen3", head_dim=16)
+    export = onnx_variant("qwen3", head_dim=16, dtype=dtype)
     assert (export / GENAI_MODEL_FILE).exists()
     forward, runs = ThinkerForCausalLM.forward, []
 
@@ -107,11 +109,55 @@ def test_the_check_reads_the_second_graphs_reference_back_with_the_same_figures(
         runs.append(1)
         return forward(self, *args, **kwargs)
 
+    read, reads = ReferenceReplay._read, []
+
+    def reading(self, key):
+        reads.append(key)
+        return read(self, key)
+
     monkeypatch.setattr(ThinkerForCausalLM, "forward", counted)
-    replayed = verify_export(folder, export / MODEL_FILE, torch.float32)
+    monkeypatch.setattr(ReferenceReplay, "_read", reading)
+    replayed = verify_export(folder, export / MODEL_FILE, getattr(torch, dtype))
     with_replay = len(runs)
     runs.clear()
     monkeypatch.setattr(ReferenceReplay, "run", lambda self, key, follows, make: make())
-    every_time = verify_export(folder, export / MODEL_FILE, torch.float32)
+    every_time = verify_export(folder, export / MODEL_FILE, getattr(torch, dtype))
     assert replayed["passed"] and replayed == every_time
-    assert with_replay < 0.5 * len(runs), (with_replay, len(runs))
+    # each run read back is one run of the model fewer, and one more: the continuation's prompt, whose cache only
+    # the runs read back would have continued (a float16 check's shadows run once either way: their own read-back)
+    assert len(runs) - with_replay == len(reads) + 1 and len(reads) >= 20, (with_replay, len(runs), len(reads))
+    if dtype == "float32":
+        assert with_replay < 0.5 * len(runs), (with_replay, len(runs))
+
+
+def test_without_a_second_graph_only_the_batchs_runs_are_kept(thinker_variant, onnx_variant, monkeypatch):
+    """The plain graph ships no model.genai.onnx: the runs kept are the parity batch's alone, which the padded-around
+    pass reads back; the long prompts', the deep cache's and the continuation's would be written for nothing (171 MB
+    of long-prompt logits at Qwen3's vocabulary)."""
+    folder = thinker_variant("qwen3")
+    export = onnx_variant("qwen3", graph="plain", head_dim=None)
+    assert not (export / GENAI_MODEL_FILE).exists()
+    write, kept, read = ReferenceReplay._write, [], []
+    run = ReferenceReplay.run
+
+    def writing(self, key, logits, spread):
+        kept.append(logits.shape)
+        write(self, key, logits, spread)
+
+    def running(self, key, follows, make):
+        held = self.holds(key)
+        result = run(self, key, follows, make)
+        read.append(held)
+        return result
+
+    monkeypatch.setattr(ReferenceReplay, "_write", writing)
+    monkeypatch.setattr(ReferenceReplay, "run", running)
+    assert verify_export(folder, export / MODEL_FILE, torch.float32)["passed"]
+    assert len(kept) == 1 + DECODE_STEPS and kept[0][:2] == parity_batch(folder_vocabulary(folder))[0].shape
+    assert sum(read) == 1 + DECODE_STEPS  # every one of them read back by the padded-around pass
+
+
+def folder_vocabulary(folder) -> int:
+    import json
+
+    return json.loads((folder / "config.json").read_text())["vocab_size"]

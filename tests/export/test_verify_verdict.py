@@ -171,6 +171,40 @@ def test_the_quantized_check_measures_each_sensitivity_only_where_it_can_change_
         assert sensitivities_needed({**sound, key: {**side, "max_abs_diff": 2e-3}}, torch.float32) == (False, False)
 
 
+@pytest.mark.parametrize("parting", ["compare_long", "padded_around_pass"])
+def test_the_quantized_check_measures_the_sensitivity_of_the_prompts_a_parting_pass_ran(
+    parting, thinker_variant, onnx_variant, monkeypatch
+):
+    """In the whole check: where only a long-prompt pass parts beyond the scale's tolerance, the long prompts' rounding
+    sensitivity alone is measured and widens their passes' tolerance; where only a pass on the batch's prompts does,
+    the batch's alone, for the batch's passes (a review swapped the two and every other test passed)."""
+    import export.quantized_verify as quantized_verify
+    from export.quantize import QuantizeSpec
+
+    folder = thinker_variant("qwen3", head_dim=16)
+    path = onnx_variant("qwen3", quantize=QuantizeSpec(bits=4, block_size=16)) / "model.onnx"
+    original, measured = getattr(quantized_verify, parting), []
+
+    def parts(*args, **kwargs):
+        figures = original(*args, **kwargs)
+        return figures | {"max_abs_diff": 10 * 1e-4 * max(1.0, figures["logit_scale"])}
+
+    def sensitivity(model, ids, mask, last_only=False):
+        measured.append(ids.shape[1])
+        return 1.0
+
+    monkeypatch.setattr(quantized_verify, parting, parts)
+    monkeypatch.setattr(quantized_verify, "rounding_sensitivity", sensitivity)
+    gate = quantized_verify.QualityGate(min_top1=0.0, max_perplexity_increase=1e9)
+    graph = quantized_verify.verify_quantized_export(folder, path, torch.float32, 4, gate)["graph"]
+    long_prompts = parting == "compare_long"
+    assert len(measured) == 1 and (measured[0] > 20) == long_prompts, measured  # the long batch: 141 slots
+    measured_on, left = ("long_prompts", "padded_around") if long_prompts else ("padded_around", "long_prompts")
+    assert graph[measured_on]["rounding_sensitivity"] == 1.0 and graph[measured_on]["tolerance"] == 8.0
+    assert "rounding_sensitivity" not in graph[left] and graph[left]["tolerance"] < 1.0
+    assert ("rounding_sensitivity" in graph) == (not long_prompts)
+
+
 def test_a_half_precision_long_pass_is_judged_unless_indexers_choose_on_it():
     """Only Qwen3.8's indexers excuse a half-precision pass on the long prompts from the verdict."""
 
