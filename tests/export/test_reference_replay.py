@@ -8,10 +8,18 @@ import numpy as np
 import pytest
 import torch
 
+from export.continuation import compare_continuation
 from export.names import GENAI_MODEL_FILE, MODEL_FILE
 from export.reference_replay import ReferenceReplay, run_key
 from export.runtime import OnnxDecoder
-from export.verify import DECODE_STEPS, compare_decoders, verify_export
+from export.verify import (
+    DECODE_STEPS,
+    compare_decoders,
+    continuation_pass,
+    deep_cache_pass,
+    half_shadow,
+    verify_export,
+)
 from thinker import ThinkerForCausalLM
 from thinker_common.eager import EAGER
 from thinker_common.parity_inputs import parity_batch
@@ -161,3 +169,106 @@ def folder_vocabulary(folder) -> int:
     import json
 
     return json.loads((folder / "config.json").read_text())["vocab_size"]
+
+
+# --- keys that must keep runs apart within one check (a mutation run's survivors) ---------------------------------
+REPEATED = 7
+
+
+def tiny_pair(thinker_variant, onnx_variant, dtype: str = "float32"):
+    model = ThinkerForCausalLM.from_pretrained(thinker_variant("qwen3", head_dim=16), dtype=torch.float32, **EAGER)
+    decoder = OnnxDecoder(onnx_variant("qwen3", dtype=dtype, head_dim=16) / MODEL_FILE, provider="cpu")
+    return model.eval(), decoder
+
+
+def repeating(model):
+    """Every greedy choice the same token (the other logits still move with the position): a repeated token, as real
+    models give, whose steps' inputs differ only by the runs before them."""
+
+    def hook(module, args, out):
+        return out.index_add(-1, torch.tensor([REPEATED]), torch.full((*out.shape[:-1], 1), 100.0, dtype=out.dtype))
+
+    return model.lm_head.register_forward_hook(hook)
+
+
+def continuation_references(model, decoder, replay, shadow=None) -> list:
+    seen = []
+    add = lambda reference, candidate, spread: seen.append((np.array(reference), spread))  # noqa: E731
+    compare_continuation(model, decoder, add, shadow=shadow, replay=replay)
+    return seen
+
+
+def test_a_repeated_token_never_reads_back_an_earlier_step(thinker_variant, onnx_variant, tmp_path):
+    """Two steps feeding the same token differ only by the cache before them: each step's key holds the runs it
+    continues, so the first comparison reads nothing back and its logits are the model's own."""
+    model, decoder = tiny_pair(thinker_variant, onnx_variant)
+    with repeating(model):
+        replay = ReferenceReplay(tmp_path)
+        recorded = continuation_references(model, decoder, replay)
+        assert replay.replayed == 0
+        batch = parity_batch(model.config.vocab_size)
+        first = compare_decoders(model, decoder, *batch, steps=3, replay=replay)
+        assert replay.replayed == 0 and first == compare_decoders(model, decoder, *batch, steps=3)
+        made = continuation_references(model, decoder, None)
+    for (kept, _), (fresh, _) in zip(recorded, made, strict=True):
+        np.testing.assert_array_equal(kept, fresh)
+
+
+def test_two_prompts_with_the_same_steps_keep_their_own_runs(thinker_variant, onnx_variant, tmp_path):
+    model, decoder = tiny_pair(thinker_variant, onnx_variant)
+    ids, mask = parity_batch(model.config.vocab_size)
+    other = np.where(mask.astype(bool), (ids + 1) % model.config.vocab_size, ids)
+    with repeating(model):
+        replay = ReferenceReplay(tmp_path)
+        compare_decoders(model, decoder, ids, mask, steps=2, replay=replay)
+        second = compare_decoders(model, decoder, other, mask, steps=2, replay=replay)
+        assert replay.replayed == 0 and second == compare_decoders(model, decoder, other, mask, steps=2)
+
+
+def test_a_torch_ties_comparison_reads_nothing_back(thinker_variant, onnx_variant, tmp_path):
+    model, decoder = tiny_pair(thinker_variant, onnx_variant)
+    batch, replay = parity_batch(model.config.vocab_size), ReferenceReplay(tmp_path)
+    compare_decoders(model, decoder, *batch, steps=1, replay=replay)
+    compare_decoders(model, decoder, *batch, steps=1, replay=replay, torch_ties=True)
+    assert replay.replayed == 0
+
+
+def test_a_run_with_a_spread_is_never_read_back_for_one_without(thinker_variant, onnx_variant, tmp_path):
+    """A float16 check's comparisons carry the half run's spreads: a run recorded without a shadow is another run."""
+    model, decoder = tiny_pair(thinker_variant, onnx_variant, "float16")
+    batch, replay = parity_batch(model.config.vocab_size), ReferenceReplay(tmp_path)
+    compare_decoders(model, decoder, *batch, steps=1, replay=replay)
+    shadowed = compare_decoders(
+        model, decoder, *batch, steps=1, replay=replay, shadow=half_shadow(model, torch.float16)
+    )
+    assert shadowed == compare_decoders(model, decoder, *batch, steps=1, shadow=half_shadow(model, torch.float16))
+    replay = ReferenceReplay(tmp_path)
+    continuation_references(model, decoder, replay)
+    spreads = [
+        spread for _, spread in continuation_references(model, decoder, replay, half_shadow(model, torch.float16))
+    ]
+    assert spreads and all(spread is not None for spread in spreads)
+
+
+def test_a_run_written_after_a_read_leaves_every_run_whole(tmp_path):
+    replay = ReferenceReplay(tmp_path)
+    runs = {key: (np.full((2, 3), index, np.float32), None) for index, key in enumerate("abc")}
+    for key in ("a", "b", "a", "c"):
+        replay.run(key, False, lambda key=key: runs[key])
+    for key in "abc":
+        np.testing.assert_array_equal(replay.run(key, False, lambda: pytest.fail("made again"))[0], runs[key][0])
+
+
+def test_a_routed_graphs_deep_and_continuation_runs_are_never_kept(thinker_variant, onnx_variant, tmp_path):
+    """A float16 MoE graph's reference follows its routing: its deep-cache and continuation runs depend on that
+    graph, and none is kept for another."""
+    from export.routing import checked_probes
+
+    path = onnx_variant("qwen3_next", dtype="float16", head_dim=None) / MODEL_FILE
+    model = ThinkerForCausalLM.from_pretrained(thinker_variant("qwen3_next"), dtype=torch.float32, **EAGER).eval()
+    decoder = OnnxDecoder(path, provider="cpu", probes=checked_probes(path, torch.float16))
+    assert decoder.probe_names
+    replay = ReferenceReplay(tmp_path)
+    deep_cache_pass(model, decoder, torch.float16, most_slots=64, replay=replay)
+    continuation_pass(model, decoder, replay=replay)
+    assert replay.offsets == {}
