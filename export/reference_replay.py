@@ -59,9 +59,10 @@ def _update(digest, part) -> None:
 
 
 class ReferenceReplay:
-    """The runs recorded so far, by ``run_key``; ``folder``: where their file goes (the export's)."""
+    """The runs recorded so far, by ``run_key``; ``folder``: where their file goes (the export's), None to record
+    nothing (a comparison made on its own: every run made)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path | None) -> None:
         self.folder = folder
         self.file = None
         self.offsets: dict[str, tuple[int, bool]] = {}  # key -> (offset in the file, whether a spread follows)
@@ -70,7 +71,7 @@ class ReferenceReplay:
     def run(self, key: str, follows_graph: bool, make: Callable[[], Run]) -> Run:
         """The run of ``key``: read back where it was recorded and the reference takes nothing from the graph
         (``follows_graph`` False), else made by ``make()`` (and recorded, where it does not follow the graph)."""
-        if follows_graph:
+        if follows_graph or self.folder is None:
             return make()
         if key in self.offsets:
             self.replayed += 1
@@ -105,15 +106,5 @@ class ReferenceReplay:
 
 
 def replay_of(replay: ReferenceReplay | None) -> ReferenceReplay:
-    """``replay``, or one that records nothing anyone reads back (a comparison made on its own)."""
-    return replay if replay is not None else NoReplay()
-
-
-class NoReplay(ReferenceReplay):
-    """Every run made, none recorded."""
-
-    def __init__(self) -> None:
-        super().__init__(Path("."))
-
-    def run(self, key: str, follows_graph: bool, make: Callable[[], Run]) -> Run:
-        return make()
+    """``replay``, or one that records nothing (a comparison made on its own)."""
+    return replay if replay is not None else ReferenceReplay(None)
