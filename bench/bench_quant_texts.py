@@ -8,7 +8,8 @@ graphs themselves (onnxruntime, each folder's model.onnx, the accuracy level it 
 teacher forced, against the float PyTorch Thinker: top-1 agreement, perplexity change and the mean KL divergence of
 the next-token distributions per text, and top-1 over the two texts pooled (721 predictions).
 
-Folders: ``thinker export --quantize int4`` (the default: activation-aware scales, the mixed head) and its
+Folders: ``thinker export --quantize int4`` (the default: activation-aware scales, blocks of 64 for the projections
+they cover, the mixed head), the same in blocks of 32 throughout (``--block-size 32``, the default before), its
 ``--quantize-head int4`` / ``int8`` variants, the default and the int4 head again in plain RTN (``--no-awq``; the
 int4 head's is the builder's function) (bench_quantize.py's, made afresh unless ``--reuse-exports``), the
 builder's ``-p int4 -e cpu``; the same for int8 (ours, ours with ``--no-awq``, and ``-p int8``); and the int4 default
@@ -40,7 +41,10 @@ from bench_quantize import export_variant  # noqa: E402
 
 RESULTS = Path(__file__).with_name("results")
 # bench_quantize.py's variants: the defaults, their heads, plain RTN (--no-awq) beside activation-aware scales
-OURS = ("int4", "int4-rtn", "int4-h4", "int4-h4-rtn", "int4-h8", "int4-femb", "int8", "int8-rtn", "int8-femb-rtn")
+OURS = (
+    *("int4", "int4-b32", "int4-rtn", "int4-h4", "int4-h4-rtn", "int4-h8", "int4-femb"),
+    *("int8", "int8-rtn", "int8-femb-rtn"),
+)
 BUILDERS = ("builder-int4", "builder-int8")
 
 

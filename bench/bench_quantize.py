@@ -42,10 +42,12 @@ from workers import Runtime, interleave_fresh, summary  # noqa: E402
 RESULTS = Path(__file__).with_name("results")
 # name -> `thinker export` options (on top of --graph fused); the flips check pairs each with "+acc1" of itself.
 VARIANTS = {
-    # the defaults: activation-aware scales (export/awq.py), RTN, block 32, accuracy level 4, the mixed head (int8
-    # for the first 8192 rows), the guard at 0.9; every rtn variant below scales too unless it says --no-awq, and the
-    # "-rtn" ones are the defaults before the scales
+    # the defaults: activation-aware scales (export/awq.py), RTN in blocks of 64 for the projections the scales cover
+    # and of 32 for the rest (at int4; int8: 32), accuracy level 4, the mixed head (int8 for the first 8192 rows), the
+    # guard at 0.9; every rtn variant below scales too unless it says --no-awq, and the "-rtn" ones are the defaults
+    # before the scales
     "int4": ["--quantize", "int4"],
+    "int4-b32": ["--quantize", "int4", "--block-size", "32"],  # the default before its scaled projections' blocks of 64
     "int4-rtn": ["--quantize", "int4", "--no-awq"],  # the default before activation-aware scales
     "int4-h4-rtn": ["--quantize", "int4", "--quantize-head", "int4", "--no-awq"],  # the builder's int4, as ours
     "int4-noguard": ["--quantize", "int4", "--accuracy-guard", "0"],  # what the accuracy guard costs an export
@@ -224,7 +226,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument(
-        "--speed-variants", default="int4,int4-rtn,int4-h8,int4-h4,int4-asym,int4-b64,int4-b64-h4,int8,int8-rtn"
+        "--speed-variants",
+        default="int4,int4-b32,int4-rtn,int4-h8,int4-h4,int4-asym,int4-b64,int4-b64-h4,int8,int8-rtn",
     )
     parser.add_argument("--runtimes", default="ort,genai")
     parser.add_argument("--threads", type=int, default=2)

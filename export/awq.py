@@ -117,6 +117,7 @@ class ScaleGroup:
     seen: int = 0
     magnitude_sum: torch.Tensor | None = None
     rows: list[torch.Tensor] = field(default_factory=list)
+    weights: tuple[str, ...] = ()  # the projections' weights, as the Thinker folder names them (scale_groups)
 
     def record(self, inputs: torch.Tensor) -> None:
         inputs = inputs.reshape(-1, inputs.shape[-1]).float()
@@ -135,10 +136,12 @@ class ScaleGroup:
 
 @dataclass
 class ScaledModel:
-    """What ``scale_for_rounding`` did: the folder written and the figures export_report.json records."""
+    """What ``scale_for_rounding`` did: the folder written, the figures export_report.json records, and the
+    weights whose scales were searched for rounding in blocks of its ``coarse_block_size`` (``coarse``)."""
 
     folder: Path
     report: dict
+    coarse: frozenset[str] = frozenset()
 
 
 def foldable_norm(norm: nn.Module) -> bool:
@@ -198,6 +201,9 @@ def scale_groups(model: nn.Module) -> list[ScaleGroup]:
                 groups.append(ScaleGroup(f"{prefix}.mlp.gate_proj|up_proj", [mlp.gate_proj, mlp.up_proj], fold, index))
             down = ScaleGroup(f"{prefix}.mlp.down_proj", [mlp.down_proj], partial(divide_rows, mlp.up_proj), index)
             groups.append(down)
+    module_names = {id(module): name for name, module in model.named_modules()}
+    for group in groups:
+        group.weights = tuple(f"{module_names[id(p)]}.weight" for p in group.projections)
     return groups
 
 
@@ -282,10 +288,13 @@ def scale_for_rounding(
     block_size: int,
     progress: bool = False,
     graph_dtype: torch.dtype = torch.float32,
+    coarse_block_size: int | None = None,
 ) -> ScaledModel | None:
     """Writes ``model_dir``'s Thinker, its groups scaled for rounding at ``bits`` in blocks of ``block_size``, to
     ``output`` (a Thinker folder: float32 weights, every other file of ``model_dir`` copied); returns it with its
-    figures, or None where no group of the model folds (nothing to scale). A weight the scales take beyond what
+    figures, or None where no group of the model folds (nothing to scale). ``coarse_block_size``: the groups whose
+    inputs are whole blocks of it are scaled for rounding in those blocks instead (``ScaledModel.coarse`` names their
+    weights; export/quantize.py ``SCALED_INT4_BLOCK_SIZE`` says why). A weight the scales take beyond what
     ``graph_dtype`` holds is refused here, by name, rather than blamed on the folder's own weights later; so is a
     fold that changes the model's function, and ``output`` is then removed."""
     started = time.perf_counter()
@@ -293,18 +302,27 @@ def scale_for_rounding(
     # the calibration's ~600 positions eager attention took 40 % of the forward passes
     streamed = load_layered_converted(model_dir, torch.float32, attention="sdpa")
     try:
-        report = write_scaled_copy(streamed, model_dir, output, bits, block_size, progress, graph_dtype)
+        blocks = (block_size, coarse_block_size)
+        done = write_scaled_copy(streamed, model_dir, output, bits, blocks, progress, graph_dtype)
     finally:
         streamed.close()
-    if report is None:
+    if done is None:
         return None
-    return ScaledModel(output, report | {"seconds": round(time.perf_counter() - started, 1)})
+    report, coarse = done
+    return ScaledModel(output, report | {"seconds": round(time.perf_counter() - started, 1)}, coarse)
 
 
 def write_scaled_copy(
-    streamed, model_dir: Path, output: Path, bits: int, block_size: int, progress: bool, graph_dtype: torch.dtype
-) -> dict | None:
-    """``scale_for_rounding``'s work on ``streamed``, ``model_dir`` read a unit at a time: the figures, or None."""
+    streamed,
+    model_dir: Path,
+    output: Path,
+    bits: int,
+    blocks: tuple[int, int | None],
+    progress: bool,
+    graph_dtype: torch.dtype,
+) -> tuple[dict, frozenset[str]] | None:
+    """``scale_for_rounding``'s work on ``streamed``, ``model_dir`` read a unit at a time: the figures and the
+    weights scaled for the coarse block (``blocks``: the block size and the coarse one, or None), or None."""
     from converter.shards import ShardLayout, ShardWriter
 
     groups = scale_groups(streamed.model)
@@ -324,7 +342,7 @@ def write_scaled_copy(
             progress_bar(len(streamed.layers), "activation-aware scales", unit="layer", enabled=progress) as bar,
             torch.no_grad(),
         ):
-            scaling = Scaling(streamed, source, writer, groups, bits, block_size, graph_dtype, bar)
+            scaling = Scaling(streamed, source, writer, groups, bits, blocks, graph_dtype, bar)
             with scaling.recording(), streamed.streaming(scaling.observe):
                 final = streamed.model.model(input_ids=ids, use_cache=False).last_hidden_state  # the decoder
                 scaling.compare_logits(final, seeded_rows(ids.numel(), CHECKED_POSITIONS))
@@ -345,7 +363,7 @@ def write_scaled_copy(
         raise
     finally:
         source.close()
-    return {
+    figures = {
         "groups": len(groups),
         "calibration": calibration,
         "calibration_tokens": ids.numel(),
@@ -353,6 +371,7 @@ def write_scaled_copy(
         "error_vs_rtn_median": round(sorted(scaling.gains)[len(scaling.gains) // 2], 4),  # error against alpha 0
         "logit_difference": scaling.logit_difference,
     }
+    return figures, frozenset(scaling.coarse)
 
 
 class Scaling:
@@ -374,12 +393,14 @@ class Scaling:
         writer,
         groups: list[ScaleGroup],
         bits: int,
-        block_size: int,
+        blocks: tuple[int, int | None],
         graph_dtype: torch.dtype,
         bar,
     ) -> None:
         self.streamed, self.source, self.writer, self.bar = streamed, source, writer, bar
-        self.bits, self.block_size, self.graph_dtype = bits, block_size, graph_dtype
+        self.bits, self.graph_dtype = bits, graph_dtype
+        self.block_size, self.coarse_block_size = blocks
+        self.coarse: set[str] = set()  # the weights scaled for rounding in blocks of coarse_block_size
         self.groups: dict[str, list[ScaleGroup]] = {}
         for group in groups:
             self.groups.setdefault(f"model.layers.{group.layer}", []).append(group)
@@ -435,7 +456,10 @@ class Scaling:
             self.scaled = args[0]
         too_wide = self.beyond_graph_dtype(unit.tensors)  # before the scales: the folder's own, the export's to refuse
         for group in self.groups.get(unit.name, []):
-            s, alpha, error, plain = best_scale(group, self.bits, self.block_size)
+            block = self.block_of(group)
+            if block != self.block_size:
+                self.coarse.update(group.weights)
+            s, alpha, error, plain = best_scale(group, self.bits, block)
             group.fold(s)
             for projection in group.projections:
                 projection.weight.copy_(projection.weight.double() * s)
@@ -452,6 +476,14 @@ class Scaling:
             self.listening = True
         trim_freed_memory()  # the layer before's weights and this one's search, freed inside the heap
         self.bar.update()
+
+    def block_of(self, group: ScaleGroup) -> int:
+        """The block ``group``'s projections are rounded in: the coarse one where their inputs are whole blocks of
+        it (none narrower than it, which the quantizer would leave float, and none padded), else the block size."""
+        coarse = self.coarse_block_size
+        if coarse and all(p.in_features % coarse == 0 for p in group.projections):
+            return coarse
+        return self.block_size
 
     def compare_logits(self, final: torch.Tensor, positions: torch.Tensor) -> None:
         """The scaled model's logits against the float model's (from ``final``, its last hidden state) at

@@ -182,9 +182,10 @@ costs against the float model on a fixed English paragraph (top-1 agreement, per
 @click.option(
     "--block-size",
     type=click.Choice([str(b) for b in BLOCK_SIZES]),
-    default="32",
-    show_default=True,
-    help="--quantize: weights per scale (and zero point) along the input axis.",
+    default=None,
+    help="--quantize: weights per scale (and zero point) along the input axis, for every weight. [default: 32; "
+    "under int4 with --awq's scales, 64 for the projections the scales cover (10 % fewer bytes for them, and "
+    "faster decode), 32 for the head and the rest]",
 )
 @click.option(
     "--algo",
@@ -312,7 +313,7 @@ def export_command(
     logits: str,
     inputs_embeds: bool,
     quantize: str | None,
-    block_size: str,
+    block_size: str | None,
     algo: str,
     awq: bool | None,
     quantize_head: str | None,
@@ -356,7 +357,15 @@ def export_command(
     if quantize:
         level = None if accuracy_level is None else int(accuracy_level)
         spec = QuantizeSpec.parse(
-            quantize, int(block_size), algo, level, quantize_head, head_int8_rows, dtype, embedding, awq
+            quantize,
+            int(block_size) if block_size else None,
+            algo,
+            level,
+            quantize_head,
+            head_int8_rows,
+            dtype,
+            embedding,
+            awq,
         )
         default = QualityGate.default(spec.bits)
         gate = QualityGate(

@@ -270,9 +270,11 @@ def export_model(
         # the checks then hold the graph to; the tokenizer, card and report still come from the folder itself.
         weights_dir, awq = model_dir, None
         if quantize and quantize.awq:
-            weights_dir, awq = scaled_for_rounding(model_dir, staging / "awq", quantize, graph_dtype, progress)
+            weights_dir, awq, coarse = scaled_for_rounding(model_dir, staging / "awq", quantize, graph_dtype, progress)
             if "skipped" in awq:  # the report, the card and any refusal then name plain rounding
                 quantize = replace(quantize, awq=False)
+            quantize = quantize.covering(coarse)  # the weights rounded in the scales' own blocks
+            quantizer = WeightQuantizer(quantize, graph_dtype)
         files = build_onnx(
             weights_dir, config, final, graph_dtype, graph_class, quantizer, progress, positions, logits, str(source)
         )
@@ -404,11 +406,12 @@ def export_model(
 
 def scaled_for_rounding(
     model_dir: Path, output: Path, quantize: QuantizeSpec, graph_dtype: torch.dtype, progress: bool
-) -> tuple[Path, dict]:
-    """``model_dir``'s Thinker scaled for rounding (export/awq.py) in ``output``, and its figures for the report;
-    ``model_dir`` itself and the reason in ``skipped`` where it cannot be: the largest part of the model the scales
-    hold at once (a decoder layer, the embeddings or the head, in float32) does not fit in memory, or no projection
-    of the model reads an input whose scale folds away."""
+) -> tuple[Path, dict, frozenset[str]]:
+    """``model_dir``'s Thinker scaled for rounding (export/awq.py) in ``output``, its figures for the report, and
+    the weights scaled for ``quantize.scaled_block_size``; ``model_dir`` itself and the reason in ``skipped`` where
+    it cannot be: the largest part of the model the scales hold at once (a decoder layer, the embeddings or the
+    head, in float32) does not fit in memory, or no projection of the model reads an input whose scale folds
+    away."""
     from converter.parity import memory_budget
 
     from .awq import MEMORY_FACTOR, held_bytes, scale_for_rounding
@@ -416,22 +419,30 @@ def scaled_for_rounding(
     needed = held_bytes(model_dir)
     budget = memory_budget(share=1.0)
     if needed * MEMORY_FACTOR > budget:
-        return model_dir, {
-            "skipped": f"activation-aware scales (--awq) skipped: they read the model a part at a time, and its "
-            f"largest part (a decoder layer, the embeddings or the head) takes {human_size(needed)} in float32, with "
+        skipped = (
+            f"activation-aware scales (--awq) skipped: they read the model a part at a time, and its largest part (a "
+            f"decoder layer, the embeddings or the head) takes {human_size(needed)} in float32, with "
             f"{human_size(budget)} of memory available; the weights are plain round-to-nearest (--no-awq asks for "
             "that without this note)"
-        }
+        )
+        return model_dir, {"skipped": skipped}, frozenset()
     scaled = scale_for_rounding(
-        model_dir, output, quantize.bits, quantize.block_size, progress, graph_dtype=graph_dtype
+        model_dir,
+        output,
+        quantize.bits,
+        quantize.block_size,
+        progress,
+        graph_dtype=graph_dtype,
+        coarse_block_size=quantize.scaled_block_size,
     )
     if scaled is None:
-        return model_dir, {
-            "skipped": "activation-aware scales (--awq) skipped: no projection of this model reads an input whose "
-            "scale folds away (export/awq.py: Gated DeltaNet, routed experts, indexers, hyper-connections and "
-            "per-layer embeddings keep plain rounding); the weights are plain round-to-nearest"
-        }
-    return scaled.folder, scaled.report
+        skipped = (
+            "activation-aware scales (--awq) skipped: no projection of this model reads an input whose scale folds "
+            "away (export/awq.py: Gated DeltaNet, routed experts, indexers, hyper-connections and per-layer "
+            "embeddings keep plain rounding); the weights are plain round-to-nearest"
+        )
+        return model_dir, {"skipped": skipped}, frozenset()
+    return scaled.folder, scaled.report, scaled.coarse
 
 
 def half_failure_advice(dtype: torch.dtype, failure: str) -> str:

@@ -53,11 +53,12 @@ class Layout:
 
 
 def asked_layout(name: str, stored: Layout, asked: QuantizeSpec) -> Layout:
-    """The layout ``asked`` names for weight ``name`` of ``stored``'s rows: the body at its bits, block size and
-    algorithm (zero points for rtn-asym and hqq); the head at its own bits where it has them, symmetric (the
-    quantizer writes a head of other bits than the body's with RTN), its first ``head_int8_rows`` at 8 bits."""
+    """The layout ``asked`` names for weight ``name`` of ``stored``'s rows: the body at its bits, block size
+    (``QuantizeSpec.block_for``: the scales' own where they cover it) and algorithm (zero points for rtn-asym and
+    hqq); the head at its own bits where it has them, symmetric (the quantizer writes a head of other bits than the
+    body's with RTN), its first ``head_int8_rows`` at 8 bits."""
     rows = stored.rows[-1][1]
-    block = asked.block_size
+    block = asked.block_for(name)
     if name != HEAD or not (asked.head_bits or asked.head_int8_rows):
         return Layout(
             stored.op_type, ((0, rows, asked.bits, block),), asked.algo != "rtn", float_zero_points=asked.algo == "hqq"

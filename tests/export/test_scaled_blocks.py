@@ -1,0 +1,179 @@
+"""int4's default blocks: 64 for the projections the activation-aware scales cover, 32 for every other weight.
+
+What must hold: only ``--quantize int4`` with the scales on and no ``--block-size`` takes the coarser block; the
+scales are searched at the block each projection is then rounded in (64 only where its group's inputs are whole
+blocks of 64); the graph stores exactly that (a packed q/k/v at 64 when its three parts are); the head, routed
+experts, and every weight of a model the scales skip stay at 32; and the export's layout check holds a graph to
+it, failing one whose scaled projections came out in blocks of 32."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from export import awq
+from export.quantize import HEAD, SCALED_INT4_BLOCK_SIZE, QuantizeSpec, WeightQuantizer
+from export.quantized_layout import Layout, layout_failures
+from thinker_common.cli import main
+
+# the quality gate open: a tiny random model's near-ties make its top-1 agreement a coin toss
+OPEN_GATE = ("--min-top1", "0", "--max-perplexity-increase", "1000")
+# hidden 64 (q/k/v and gate/up read whole blocks of 64), 8 heads of 12 (o_proj reads 96) and an MLP of 96 (down_proj
+# reads 96): one model with groups on both sides of the rule
+WIDTHS = {"hidden_size": 64, "intermediate_size": 96}
+COARSE = {"qkv_proj", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+
+
+def run_export(*args: str):
+    return CliRunner().invoke(main, ["export", *args], catch_exceptions=False)
+
+
+def stored_blocks(folder: Path) -> dict[str, int]:
+    """Each MatMulNBits' block size, by the module its weight belongs to (``qkv_proj``, ``down_proj``, ``lm_head``)."""
+    blocks: dict[str, set[int]] = {}
+    for node in onnx.load(folder / "model.onnx", load_external_data=False).graph.node:
+        if node.op_type == "MatMulNBits":
+            attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            weight = node.input[1]
+            module = "lm_head" if weight.startswith("lm_head") else weight.rsplit(".", 2)[-2]
+            blocks.setdefault(module, set()).add(attributes["block_size"])
+    assert all(len(sizes) == 1 for sizes in blocks.values()), blocks  # one block per module across the layers
+    return {module: sizes.pop() for module, sizes in blocks.items()}
+
+
+@pytest.mark.parametrize(
+    "words, expected",
+    [
+        ({}, (32, SCALED_INT4_BLOCK_SIZE)),
+        ({"block_size": 32}, (32, None)),  # given: every weight takes it
+        ({"block_size": 64}, (64, None)),
+        ({"awq": False}, (32, None)),  # plain rounding keeps blocks of 32
+        ({"dtype": "float16"}, (32, None)),  # no scales by default in a half graph
+        ({"algo": "hqq"}, (32, None)),
+        ({"quantize": "int8"}, (32, None)),
+    ],
+    ids=["default", "given-32", "given-64", "no-awq", "float16", "hqq", "int8"],
+)
+def test_only_int4_scales_without_a_given_block_take_the_coarser_block(words, expected):
+    words = {"quantize": "int4"} | words
+    spec = QuantizeSpec.parse(words.pop("quantize"), **words)
+    assert (spec.block_size, spec.scaled_block_size) == expected
+
+
+def test_the_covered_weights_and_a_packed_qkv_of_covered_parts_take_the_coarser_block():
+    attention = "model.layers.0.self_attn"
+    covered = {f"{attention}.{p}_proj.weight" for p in "qkv"} | {"model.layers.1.self_attn.q_proj.weight"}
+    spec = QuantizeSpec.parse("int4").covering(frozenset(covered))
+    assert spec.block_for(f"{attention}.qkv_proj.weight") == 64
+    assert spec.for_weight(f"{attention}.q_proj.weight").block_size == 64
+    assert spec.block_for("model.layers.1.self_attn.q_proj.weight") == 64
+    assert spec.block_for("model.layers.1.self_attn.qkv_proj.weight") == 32  # k and v not covered
+    assert spec.block_for(f"{attention}.o_proj.weight") == 32
+    assert spec.block_for(HEAD) == spec.for_weight(HEAD).block_size == 32
+    assert spec.describe()["scaled_block_size"] == 64
+    assert "block 64 where the scales cover, 32 elsewhere" in spec.label()
+
+
+def test_scales_that_cover_nothing_leave_every_weight_at_the_block_size():
+    spec = QuantizeSpec.parse("int4").covering(frozenset())
+    assert spec.scaled_block_size is None
+    assert "scaled_block_size" not in spec.describe() and "block 32, mixed head" in spec.label()
+
+
+def test_the_layout_check_fails_a_covered_projection_stored_in_blocks_of_32():
+    """The verify's own check (export/quantized_layout.py) reads the block per weight from the spec."""
+    name = "model.layers.0.self_attn.q_proj.weight"
+    spec = QuantizeSpec.parse("int4").covering(frozenset({name}))
+    stored = {name: Layout("MatMulNBits", ((0, 64, 4, 32),), False, (4,))}
+    (failure,) = layout_failures(stored, spec)
+    assert "blocks of 32" in failure and "int4, blocks of 64, symmetric" in failure, failure
+    assert layout_failures({name: Layout("MatMulNBits", ((0, 64, 4, 64),), False, (4,))}, spec) == []
+
+
+def test_the_scales_are_searched_at_the_block_each_group_is_rounded_in(thinker_variant, tmp_path, monkeypatch):
+    searched, search = {}, awq.best_scale
+
+    def recorded(group, bits, block_size):
+        searched[group.name.rpartition(".")[2]] = block_size
+        return search(group, bits, block_size)
+
+    monkeypatch.setattr(awq, "best_scale", recorded)
+    folder = thinker_variant("qwen3", **WIDTHS)
+    scaled = awq.scale_for_rounding(folder, tmp_path / "scaled", bits=4, block_size=32, coarse_block_size=64)
+    assert searched == {"q_proj|k_proj|v_proj": 64, "o_proj": 32, "gate_proj|up_proj": 64, "down_proj": 32}
+    layers = range(3)
+    assert scaled.coarse == {
+        f"model.layers.{i}.{module}.{p}_proj.weight"
+        for i in layers
+        for module, projections in (("self_attn", "qkv"), ("mlp", ("gate", "up")))
+        for p in projections
+    }
+
+
+@pytest.mark.parametrize("graph", ["fused", "plain"])
+def test_the_default_int4_export_stores_the_scales_blocks_and_passes_its_checks(thinker_variant, tmp_path, graph):
+    folder = thinker_variant("qwen3", **WIDTHS)
+    out = tmp_path / "int4"
+    result = run_export(str(folder), str(out), "--graph", graph, "--quantize", "int4", *OPEN_GATE)
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "export_report.json").read_text())
+    assert report["quantize"]["block_size"] == 32 and report["quantize"]["scaled_block_size"] == 64
+    assert report["verify"]["passed"] is True
+    blocks = stored_blocks(out)
+    assert blocks == {module: 64 if module in COARSE else 32 for module in blocks}
+    assert {"down_proj", "o_proj", "lm_head"} <= blocks.keys() and blocks.keys() & COARSE
+
+
+def test_plain_rounding_and_a_given_block_keep_one_block_throughout(thinker_variant, tmp_path):
+    folder = thinker_variant("qwen3", **WIDTHS)
+    for name, options in (("rtn", ["--no-awq"]), ("given", ["--block-size", "32"])):
+        out = tmp_path / name
+        result = run_export(str(folder), str(out), "--quantize", "int4", "--no-verify", *options)
+        assert result.exit_code == 0, result.output
+        assert set(stored_blocks(out).values()) == {32}
+        assert "scaled_block_size" not in json.loads((out / "export_report.json").read_text())["quantize"]
+
+
+def test_a_model_the_scales_skip_keeps_blocks_of_32(thinker_variant, tmp_path, monkeypatch):
+    monkeypatch.setenv("THINKER_VERIFY_MEMORY", "1KB")  # too little memory for the scales: plain rounding
+    out = tmp_path / "out"
+    result = run_export(str(thinker_variant("qwen3", **WIDTHS)), str(out), "--quantize", "int4", "--no-verify")
+    assert result.exit_code == 0, result.output
+    quantize = json.loads((out / "export_report.json").read_text())["quantize"]
+    assert quantize["awq"] is False and "scaled_block_size" not in quantize
+    assert set(stored_blocks(out).values()) == {32}
+
+
+def test_routed_experts_keep_blocks_of_32_beside_coarser_attention(thinker_variant, tmp_path):
+    from export.dequantize import quantized_weights
+
+    folder = thinker_variant("qwen3_moe", hidden_size=64, moe_intermediate_size=64, intermediate_size=64)
+    out = tmp_path / "moe"
+    result = run_export(str(folder), str(out), "--quantize", "int4", "--no-verify")
+    assert result.exit_code == 0, result.output
+    blocks = stored_blocks(out)  # the dense layer's MLP is scaled, its down_proj reading 64 here
+    assert blocks["q_proj"] == blocks["gate_proj"] == blocks["down_proj"] == 64 and blocks["lm_head"] == 32, blocks
+    experts = {name: w.block_size for name, w in quantized_weights(out / "model.onnx").items() if ".experts." in name}
+    assert experts and set(experts.values()) == {32}, experts
+
+
+def test_the_export_check_fails_a_graph_whose_covered_projections_came_out_at_32(
+    thinker_variant, tmp_path, monkeypatch
+):
+    """A planted wiring bug: the quantizer handed the spec from before the scales (nothing covered, so every
+    projection at 32) while the check holds the graph to the spec after them."""
+    real_init = WeightQuantizer.__init__
+
+    def stale(self, spec, dtype):
+        real_init(self, spec.covering(frozenset()), dtype)
+
+    monkeypatch.setattr(WeightQuantizer, "__init__", stale)
+    out = tmp_path / "stale"
+    result = run_export(str(thinker_variant("qwen3", **WIDTHS)), str(out), "--quantize", "int4", *OPEN_GATE)
+    assert result.exit_code != 0
+    assert "is stored int4, blocks of 32" in result.output and "asks for int4, blocks of 64" in result.output
+    assert not out.exists()
