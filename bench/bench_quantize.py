@@ -55,7 +55,8 @@ VARIANTS = {
     "int4-h8": ["--quantize", "int4", "--quantize-head", "int8"],
     "int4-h4": ["--quantize", "int4", "--quantize-head", "int4"],
     "int4-asym": ["--quantize", "int4", "--algo", "rtn-asym"],
-    "int4-b64": ["--quantize", "int4", "--block-size", "64"],
+    "int4-b64": ["--quantize", "int4", "--block-size", "64"],  # the head and its int8 rows in blocks of 64 too
+    "int4-b64-rtn": ["--quantize", "int4", "--block-size", "64", "--no-awq"],  # blocks of 64 without the scales
     "int4-b64-h4": ["--quantize", "int4", "--block-size", "64", "--quantize-head", "int4"],
     "int4-b128": ["--quantize", "int4", "--block-size", "128"],
     "int4-hqq": ["--quantize", "int4", "--algo", "hqq"],
