@@ -216,7 +216,7 @@ costs against the float model on a fixed English paragraph (top-1 agreement, per
     help="--quantize: the head's precision. int4 graphs default to mixed: the vocabulary's first --head-int8-rows "
     "rows at int8, the rest at int4 (byte-level BPE vocabularies number tokens by frequency, so those are the "
     "tokens a model picks most). On SmolLM2 mixed keeps the int8 head's top-1 agreement with the float model "
-    "(82% against 69% for int4 over both texts of README, with the scales of --awq) at nearly the int4 head's "
+    "(78% against 67% for int4 over both texts of README, with the scales of --awq) at nearly the int4 head's "
     "decode speed; int8 halves the "
     "perplexity cost but reads 17% "
     "more bytes per token; int4 is the builder's layout. [default: mixed for int4, int8 for int8]",

@@ -256,7 +256,8 @@ def export_model(
         if quantize:  # known only now: whether a mixed head's int8 rows are the whole vocabulary (the quantizer
             quantize = quantize.for_vocab(config.vocab_size)  # writes such a head whole either way: head_rows)
         graph_class = resolve_name(GRAPHS[graph])
-        if verify and quantize:  # the memory, the graph's two sessions counted at the layout's size
+        if verify and quantize:  # the memory, the graph's two sessions counted at the layout's size (before the
+            # scales, so every projection at block_size: at most 10 % above the scales' coarser blocks, a bound still)
             standard_experts = graph_class.standard_experts(config)
             expected = expected_graph_bytes(model_dir, config, graph_dtype, quantize, standard_experts)
             plan = verify_plan(model_dir, graph_dtype, quantized=True, graph_bytes=expected)
@@ -271,8 +272,8 @@ def export_model(
         weights_dir, awq = model_dir, None
         if quantize and quantize.awq:
             weights_dir, awq, coarse = scaled_for_rounding(model_dir, staging / "awq", quantize, graph_dtype, progress)
-            if "skipped" in awq:  # the report, the card and any refusal then name plain rounding
-                quantize = replace(quantize, awq=False)
+            if "skipped" in awq:  # the report, the card and any refusal then name plain rounding, in blocks of 32
+                quantize = replace(quantize, awq=False, scaled_block_size=None)
             quantize = quantize.covering(coarse)  # the weights rounded in the scales' own blocks
             quantizer = WeightQuantizer(quantize, graph_dtype)
         files = build_onnx(

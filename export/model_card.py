@@ -106,7 +106,11 @@ def write_onnx_card(folder: Path, thinker_folder: Path, report: dict, name: str,
     precision = report["dtype"]
     if quantized:
         algo = quantized["algo"] + (", activation-aware scales" if quantized.get("awq") else "")
-        precision += f", weights {quantized['weights']} in blocks of {quantized['block_size']} ({algo})"
+        blocks = f"blocks of {quantized['block_size']}"
+        if quantized.get("scaled_block_size"):  # int4's default: the scales' projections in their own blocks
+            coarse, block = quantized["scaled_block_size"], quantized["block_size"]
+            blocks = f"blocks of {coarse} where the scales cover, {block} elsewhere"
+        precision += f", weights {quantized['weights']} in {blocks} ({algo})"
         precision += head_precision(quantized)
     files = (
         "`genai_config.json` for onnxruntime-genai"

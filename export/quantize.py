@@ -144,6 +144,8 @@ class QuantizeSpec:
     scaled_weights: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
+        if self.scaled_block_size and not self.awq:
+            raise ThinkerError("scaled_block_size is the block of the projections --awq's scales cover; set awq too")
         if self.awq and self.algo != "rtn":
             raise ThinkerError(
                 f"--awq searches scales for symmetric round-to-nearest (--algo rtn), and --algo {self.algo} fits "

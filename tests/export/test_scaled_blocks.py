@@ -19,10 +19,11 @@ from export import awq
 from export.quantize import HEAD, SCALED_INT4_BLOCK_SIZE, QuantizeSpec, WeightQuantizer
 from export.quantized_layout import Layout, layout_failures
 from thinker_common.cli import main
+from thinker_common.errors import ThinkerError
 
 # the quality gate open: a tiny random model's near-ties make its top-1 agreement a coin toss
 OPEN_GATE = ("--min-top1", "0", "--max-perplexity-increase", "1000")
-# hidden 64 (q/k/v and gate/up read whole blocks of 64), 8 heads of 12 (o_proj reads 96) and an MLP of 96 (down_proj
+# hidden 64 (q/k/v and gate/up read whole blocks of 64), 4 heads of 12 (o_proj reads 48) and an MLP of 96 (down_proj
 # reads 96): one model with groups on both sides of the rule
 WIDTHS = {"hidden_size": 64, "intermediate_size": 96}
 COARSE = {"qkv_proj", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
@@ -84,6 +85,11 @@ def test_scales_that_cover_nothing_leave_every_weight_at_the_block_size():
     assert "scaled_block_size" not in spec.describe() and "block 32, mixed head" in spec.label()
 
 
+def test_a_scaled_block_without_the_scales_is_refused():
+    with pytest.raises(ThinkerError, match="scaled_block_size is the block of the projections --awq's scales cover"):
+        QuantizeSpec(bits=4, awq=False, scaled_block_size=64)
+
+
 def test_the_layout_check_fails_a_covered_projection_stored_in_blocks_of_32():
     """The verify's own check (export/quantized_layout.py) reads the block per weight from the spec."""
     name = "model.layers.0.self_attn.q_proj.weight"
@@ -114,18 +120,32 @@ def test_the_scales_are_searched_at_the_block_each_group_is_rounded_in(thinker_v
     }
 
 
-@pytest.mark.parametrize("graph", ["fused", "plain"])
-def test_the_default_int4_export_stores_the_scales_blocks_and_passes_its_checks(thinker_variant, tmp_path, graph):
-    folder = thinker_variant("qwen3", **WIDTHS)
+@pytest.mark.parametrize(
+    "graph, widths, coarse",
+    [
+        ("fused", WIDTHS, COARSE),
+        ("plain", WIDTHS, COARSE),
+        # 4 heads of 16 and an MLP of 128: o_proj (its scale shared by the query heads of a key-value head) and
+        # down_proj read whole blocks of 64 too
+        ("fused", {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16}, COARSE | {"o_proj", "down_proj"}),
+    ],
+    ids=["fused", "plain", "every-group-64"],
+)
+def test_the_default_int4_export_stores_the_scales_blocks_and_passes_its_checks(
+    thinker_variant, tmp_path, graph, widths, coarse
+):
+    folder = thinker_variant("qwen3", **widths)
     out = tmp_path / "int4"
     result = run_export(str(folder), str(out), "--graph", graph, "--quantize", "int4", *OPEN_GATE)
     assert result.exit_code == 0, result.output
     report = json.loads((out / "export_report.json").read_text())
     assert report["quantize"]["block_size"] == 32 and report["quantize"]["scaled_block_size"] == 64
     assert report["verify"]["passed"] is True
+    card = (out / "README.md").read_text()
+    assert "weights int4 in blocks of 64 where the scales cover, 32 elsewhere" in card
     blocks = stored_blocks(out)
-    assert blocks == {module: 64 if module in COARSE else 32 for module in blocks}
-    assert {"down_proj", "o_proj", "lm_head"} <= blocks.keys() and blocks.keys() & COARSE
+    assert blocks == {module: 64 if module in coarse else 32 for module in blocks}
+    assert {"down_proj", "o_proj", "lm_head"} <= blocks.keys() and blocks.keys() & coarse
 
 
 def test_plain_rounding_and_a_given_block_keep_one_block_throughout(thinker_variant, tmp_path):
@@ -136,6 +156,7 @@ def test_plain_rounding_and_a_given_block_keep_one_block_throughout(thinker_vari
         assert result.exit_code == 0, result.output
         assert set(stored_blocks(out).values()) == {32}
         assert "scaled_block_size" not in json.loads((out / "export_report.json").read_text())["quantize"]
+        assert "weights int4 in blocks of 32 (" in (out / "README.md").read_text()
 
 
 def test_a_model_the_scales_skip_keeps_blocks_of_32(thinker_variant, tmp_path, monkeypatch):
@@ -153,12 +174,25 @@ def test_routed_experts_keep_blocks_of_32_beside_coarser_attention(thinker_varia
 
     folder = thinker_variant("qwen3_moe", hidden_size=64, moe_intermediate_size=64, intermediate_size=64)
     out = tmp_path / "moe"
-    result = run_export(str(folder), str(out), "--quantize", "int4", "--no-verify")
+    result = run_export(str(folder), str(out), "--quantize", "int4", *OPEN_GATE)
     assert result.exit_code == 0, result.output
+    assert json.loads((out / "export_report.json").read_text())["verify"]["passed"] is True
     blocks = stored_blocks(out)  # the dense layer's MLP is scaled, its down_proj reading 64 here
     assert blocks["q_proj"] == blocks["gate_proj"] == blocks["down_proj"] == 64 and blocks["lm_head"] == 32, blocks
     experts = {name: w.block_size for name, w in quantized_weights(out / "model.onnx").items() if ".experts." in name}
     assert experts and set(experts.values()) == {32}, experts
+
+
+def test_gated_deltanet_projections_keep_blocks_of_32_beside_coarser_attention(thinker_variant, tmp_path):
+    """Qwen3.5: the scales skip the linear-attention layers, whose projections stay at 32, and cover the full
+    attention (its q_proj twice as wide for the output gate, its input still the hidden size) and every MLP."""
+    out = tmp_path / "hybrid"
+    result = run_export(str(thinker_variant("qwen3_5", **WIDTHS)), str(out), "--quantize", "int4", *OPEN_GATE)
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "export_report.json").read_text())["verify"]["passed"] is True
+    blocks = stored_blocks(out)
+    assert blocks["in_proj_qkv"] == blocks["in_proj_z"] == blocks["out_proj"] == 32, blocks
+    assert blocks["qkv_proj"] == blocks["gate_proj"] == blocks["up_proj"] == 64, blocks
 
 
 def test_the_export_check_fails_a_graph_whose_covered_projections_came_out_at_32(
