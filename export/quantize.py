@@ -216,7 +216,7 @@ class QuantizeSpec:
         """This spec once the activation-aware scales were made for ``scaled_block_size``: ``weights`` (their
         names in the Thinker folder) take that block, and so does a packed projection all of whose parts do; where
         they cover none, every weight keeps ``block_size``, and the spec says so."""
-        if not weights:
+        if not weights or not self.scaled_block_size:
             return dataclasses.replace(self, scaled_block_size=None, scaled_weights=frozenset())
         packed = {
             f"{prefix}.{name}.weight"

@@ -79,6 +79,18 @@ def test_the_covered_weights_and_a_packed_qkv_of_covered_parts_take_the_coarser_
     assert "block 64 where the scales cover, 32 elsewhere" in spec.label()
 
 
+def test_a_given_block_is_every_weights_whatever_the_scales_cover():
+    name = "model.layers.0.self_attn.q_proj.weight"
+    spec = QuantizeSpec.parse("int4", block_size=32).covering(frozenset({name}))
+    assert spec.block_for(name) == spec.for_weight(name).block_size == 32
+
+
+@pytest.mark.parametrize("block", [0, 48])
+def test_a_block_size_onnxruntime_does_not_take_is_refused(block):
+    with pytest.raises(ThinkerError, match=f"--block-size {block}: expected one of 16, 32, 64, 128, 256"):
+        QuantizeSpec.parse("int4", block_size=block)
+
+
 def test_scales_that_cover_nothing_leave_every_weight_at_the_block_size():
     spec = QuantizeSpec.parse("int4").covering(frozenset())
     assert spec.scaled_block_size is None
