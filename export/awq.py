@@ -36,6 +36,7 @@ benchmark texts, and lowers the mean KL divergence at int4 and int8, with the sa
 
 from __future__ import annotations
 
+import copy
 import math
 import shutil
 import time
@@ -205,6 +206,25 @@ def scale_groups(model: nn.Module) -> list[ScaleGroup]:
     for group in groups:
         group.weights = tuple(f"{module_names[id(p)]}.weight" for p in group.projections)
     return groups
+
+
+def reads_whole_blocks(group: ScaleGroup, block: int) -> bool:
+    """Whether every projection of ``group`` reads whole blocks of ``block``: none narrower than it, which the
+    quantizer would leave float, and none padded. Such a group is scaled and rounded in blocks of a coarse block."""
+    return all(projection.in_features % block == 0 for projection in group.projections)
+
+
+def coarse_weights(config, coarse_block_size: int) -> frozenset[str]:
+    """The weights ``scale_for_rounding`` scales for rounding in blocks of ``coarse_block_size`` (its
+    ``ScaledModel.coarse``) where it runs, from the model's structure alone: the Thinker of ``config`` built on the
+    meta device (no memory, no weights read), its groups as ``scale_groups`` finds them. The export's memory plan,
+    made before the scales, counts the graph's size with them (export/exporter.py ``planned_layout``)."""
+    from thinker.modeling_thinker import ThinkerForCausalLM
+
+    with torch.device("meta"):
+        model = ThinkerForCausalLM(copy.deepcopy(config))  # a model's init sets fields of its config
+    groups = scale_groups(model)
+    return frozenset(name for group in groups if reads_whole_blocks(group, coarse_block_size) for name in group.weights)
 
 
 def calibration_ids(model_dir: Path, config) -> tuple[torch.Tensor, str]:
@@ -478,12 +498,10 @@ class Scaling:
         self.bar.update()
 
     def block_of(self, group: ScaleGroup) -> int:
-        """The block ``group``'s projections are rounded in: the coarse one where their inputs are whole blocks of
-        it (none narrower than it, which the quantizer would leave float, and none padded), else the block size."""
+        """The block ``group``'s projections are rounded in: the coarse one where it covers them
+        (``reads_whole_blocks``), else the block size."""
         coarse = self.coarse_block_size
-        if coarse and all(p.in_features % coarse == 0 for p in group.projections):
-            return coarse
-        return self.block_size
+        return coarse if coarse and reads_whole_blocks(group, coarse) else self.block_size
 
     def compare_logits(self, final: torch.Tensor, positions: torch.Tensor) -> None:
         """The scaled model's logits against the float model's (from ``final``, its last hidden state) at

@@ -256,10 +256,10 @@ def export_model(
         if quantize:  # known only now: whether a mixed head's int8 rows are the whole vocabulary (the quantizer
             quantize = quantize.for_vocab(config.vocab_size)  # writes such a head whole either way: head_rows)
         graph_class = resolve_name(GRAPHS[graph])
-        if verify and quantize:  # the memory, the graph's two sessions counted at the layout's size (before the
-            # scales, so every projection at block_size: at most 10 % above the scales' coarser blocks, a bound still)
+        if verify and quantize:  # the memory, the graph's two sessions counted at the layout's size
             standard_experts = graph_class.standard_experts(config)
-            expected = expected_graph_bytes(model_dir, config, graph_dtype, quantize, standard_experts)
+            layout = planned_layout(model_dir, config, quantize)
+            expected = expected_graph_bytes(model_dir, config, graph_dtype, layout, standard_experts)
             plan = verify_plan(model_dir, graph_dtype, quantized=True, graph_bytes=expected)
         elif verify:
             plan = verify_plan(model_dir, graph_dtype)
@@ -413,19 +413,10 @@ def scaled_for_rounding(
     it cannot be: the largest part of the model the scales hold at once (a decoder layer, the embeddings or the
     head, in float32) does not fit in memory, or no projection of the model reads an input whose scale folds
     away."""
-    from converter.parity import memory_budget
+    from .awq import scale_for_rounding
 
-    from .awq import MEMORY_FACTOR, held_bytes, scale_for_rounding
-
-    needed = held_bytes(model_dir)
-    budget = memory_budget(share=1.0)
-    if needed * MEMORY_FACTOR > budget:
-        skipped = (
-            f"activation-aware scales (--awq) skipped: they read the model a part at a time, and its largest part (a "
-            f"decoder layer, the embeddings or the head) takes {human_size(needed)} in float32, with "
-            f"{human_size(budget)} of memory available; the weights are plain round-to-nearest (--no-awq asks for "
-            "that without this note)"
-        )
+    skipped = scales_beyond_memory(model_dir)
+    if skipped:
         return model_dir, {"skipped": skipped}, frozenset()
     scaled = scale_for_rounding(
         model_dir,
@@ -444,6 +435,36 @@ def scaled_for_rounding(
         )
         return model_dir, {"skipped": skipped}, frozenset()
     return scaled.folder, scaled.report, scaled.coarse
+
+
+def scales_beyond_memory(model_dir: Path) -> str | None:
+    """Why the activation-aware scales are skipped for memory (the report's note), or None where they fit."""
+    from converter.parity import memory_budget
+
+    from .awq import MEMORY_FACTOR, held_bytes
+
+    needed = held_bytes(model_dir)
+    budget = memory_budget(share=1.0)
+    if needed * MEMORY_FACTOR <= budget:
+        return None
+    return (
+        f"activation-aware scales (--awq) skipped: they read the model a part at a time, and its largest part (a "
+        f"decoder layer, the embeddings or the head) takes {human_size(needed)} in float32, with "
+        f"{human_size(budget)} of memory available; the weights are plain round-to-nearest (--no-awq asks for "
+        "that without this note)"
+    )
+
+
+def planned_layout(model_dir: Path, config: ThinkerConfig, quantize: QuantizeSpec) -> QuantizeSpec:
+    """``quantize`` as the graph will store it, known before the scales run: under their coarser block, the
+    weights they will cover (export/awq.py ``coarse_weights``, from the model's structure), so that the memory plan
+    made before a byte is written counts those at the coarser block. Counted at ``block_size``, they overstated the
+    graph by up to 10 % and refused a streamed check that fits (bench/bench_verify_memory.py's int4 run)."""
+    if not quantize.awq or not quantize.scaled_block_size or scales_beyond_memory(model_dir):
+        return quantize
+    from .awq import coarse_weights
+
+    return quantize.covering(coarse_weights(config, quantize.scaled_block_size))
 
 
 def half_failure_advice(dtype: torch.dtype, failure: str) -> str:

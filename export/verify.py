@@ -728,8 +728,10 @@ def verify_plan(model_dir: Path, dtype: torch.dtype, quantized: bool = False, gr
     held together (the plan errs on the side of memory), and the float32 model, whose weights it replaces by
     the dequantized ones one at a time; or, streamed, one layer in both forms.
     Before a quantized graph is written the exporter passes the size its layout will have (an upper bound,
-    export/quantized_size.py), so that a budget too small is refused before the quantization and the size named is
-    the one needed; it asks again with the size written, which the accuracy guard's float fallbacks can raise."""
+    export/quantized_size.py, with the projections the activation-aware scales will cover at their coarser block:
+    export/exporter.py ``planned_layout``), so that a budget too small is refused before the quantization and the
+    size named is the one needed; it asks again with the size written, which the accuracy guard's float fallbacks
+    can raise."""
     if dtype == torch.bfloat16 and not cuda_usable():
         dtype = torch.float32  # the graph widened to float32 is what runs (verify_widened)
     whole, streamed, held = held_bytes(model_dir, dtype, quantized, graph_bytes)

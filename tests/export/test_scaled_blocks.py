@@ -223,3 +223,49 @@ def test_the_export_check_fails_a_graph_whose_covered_projections_came_out_at_32
     assert result.exit_code != 0
     assert "is stored int4, blocks of 32" in result.output and "asks for int4, blocks of 64" in result.output
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "family, widths",
+    [
+        ("qwen3", WIDTHS),
+        ("qwen3", {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16}),
+        ("qwen3_moe", {"hidden_size": 64, "moe_intermediate_size": 64, "intermediate_size": 64}),
+        ("qwen3_5", WIDTHS),
+    ],
+    ids=["some-groups", "every-group", "moe", "hybrid"],
+)
+def test_the_weights_the_scales_will_cover_are_known_from_the_structure(thinker_variant, tmp_path, family, widths):
+    """What the memory plan counts at the coarser block before the scales run is what they then cover."""
+    from thinker import ThinkerConfig
+
+    folder = thinker_variant(family, **widths)
+    predicted = awq.coarse_weights(ThinkerConfig.from_pretrained(folder), SCALED_INT4_BLOCK_SIZE)
+    scaled = awq.scale_for_rounding(folder, tmp_path / "scaled", bits=4, block_size=32, coarse_block_size=64)
+    assert predicted and predicted == scaled.coarse
+
+
+def test_a_streamed_check_that_fits_the_scales_blocks_is_not_refused_before_them(
+    thinker_variant, tmp_path, monkeypatch
+):
+    """The plan made before the scales counts the graph at the blocks they will give it: a budget that holds the
+    streamed check of that graph, and not of the same graph in blocks of 32 throughout, exports and checks it."""
+    import torch
+
+    from export.quantized_size import expected_graph_bytes
+    from export.verify import held_bytes
+    from thinker import ThinkerConfig
+
+    folder = thinker_variant("qwen3", **WIDTHS)
+    config = ThinkerConfig.from_pretrained(folder)
+    spec = QuantizeSpec.parse("int4").for_vocab(config.vocab_size)
+    layout = spec.covering(awq.coarse_weights(config, SCALED_INT4_BLOCK_SIZE))
+    graph = expected_graph_bytes(folder, config, torch.float32, layout)
+    assert expected_graph_bytes(folder, config, torch.float32, spec) > graph  # blocks of 32 throughout: more
+    _, streamed, _ = held_bytes(folder, torch.float32, quantized=True, graph_bytes=graph)
+    monkeypatch.setenv("THINKER_VERIFY_MEMORY", str(streamed))
+    out = tmp_path / "int4"
+    result = run_export(str(folder), str(out), "--quantize", "int4", "--verify", *OPEN_GATE)
+    assert result.exit_code == 0, result.output
+    verify = json.loads((out / "export_report.json").read_text())["verify"]
+    assert verify["passed"] is True and "layer by layer" in verify["reference"], verify["reference"]
