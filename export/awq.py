@@ -45,6 +45,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -60,6 +61,9 @@ from thinker_common.values import value_problem
 
 from .calibration_text import CALIBRATION_SOURCE, CALIBRATION_TEXT
 from .rounding import rtn_dequantized
+
+if TYPE_CHECKING:
+    from thinker.configuration_thinker import ThinkerConfig
 
 
 def search_dtype() -> torch.dtype:
@@ -214,7 +218,7 @@ def reads_whole_blocks(group: ScaleGroup, block: int) -> bool:
     return all(projection.in_features % block == 0 for projection in group.projections)
 
 
-def coarse_weights(config, coarse_block_size: int) -> frozenset[str]:
+def coarse_weights(config: ThinkerConfig, coarse_block_size: int) -> frozenset[str]:
     """The weights ``scale_for_rounding`` scales for rounding in blocks of ``coarse_block_size`` (its
     ``ScaledModel.coarse``) where it runs, from the model's structure alone: the Thinker of ``config`` built on the
     meta device (no memory, no weights read), its groups as ``scale_groups`` finds them. The export's memory plan,

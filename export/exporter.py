@@ -256,9 +256,11 @@ def export_model(
         if quantize:  # known only now: whether a mixed head's int8 rows are the whole vocabulary (the quantizer
             quantize = quantize.for_vocab(config.vocab_size)  # writes such a head whole either way: head_rows)
         graph_class = resolve_name(GRAPHS[graph])
+        # decided once: the memory plan below counts the graph the scales will give, and they then run or not
+        beyond_memory = scales_beyond_memory(model_dir) if quantize and quantize.awq else None
         if verify and quantize:  # the memory, the graph's two sessions counted at the layout's size
             standard_experts = graph_class.standard_experts(config)
-            layout = planned_layout(model_dir, config, quantize)
+            layout = planned_layout(config, quantize, beyond_memory)
             expected = expected_graph_bytes(model_dir, config, graph_dtype, layout, standard_experts)
             plan = verify_plan(model_dir, graph_dtype, quantized=True, graph_bytes=expected)
         elif verify:
@@ -271,7 +273,9 @@ def export_model(
         # the checks then hold the graph to; the tokenizer, card and report still come from the folder itself.
         weights_dir, awq = model_dir, None
         if quantize and quantize.awq:
-            weights_dir, awq, coarse = scaled_for_rounding(model_dir, staging / "awq", quantize, graph_dtype, progress)
+            weights_dir, awq, coarse = scaled_for_rounding(
+                model_dir, staging / "awq", quantize, graph_dtype, progress, beyond_memory
+            )
             if "skipped" in awq:  # the report, the card and any refusal then name plain rounding, in blocks of 32
                 quantize = replace(quantize, awq=False, scaled_block_size=None)
             quantize = quantize.covering(coarse)  # the weights rounded in the scales' own blocks
@@ -406,18 +410,22 @@ def export_model(
 
 
 def scaled_for_rounding(
-    model_dir: Path, output: Path, quantize: QuantizeSpec, graph_dtype: torch.dtype, progress: bool
+    model_dir: Path,
+    output: Path,
+    quantize: QuantizeSpec,
+    graph_dtype: torch.dtype,
+    progress: bool,
+    beyond_memory: str | None,
 ) -> tuple[Path, dict, frozenset[str]]:
     """``model_dir``'s Thinker scaled for rounding (export/awq.py) in ``output``, its figures for the report, and
     the weights scaled for ``quantize.scaled_block_size``; ``model_dir`` itself and the reason in ``skipped`` where
     it cannot be: the largest part of the model the scales hold at once (a decoder layer, the embeddings or the
-    head, in float32) does not fit in memory, or no projection of the model reads an input whose scale folds
-    away."""
+    head, in float32) does not fit in memory (``beyond_memory``, ``scales_beyond_memory``'s note, decided once by
+    the caller for the memory plan too), or no projection of the model reads an input whose scale folds away."""
     from .awq import scale_for_rounding
 
-    skipped = scales_beyond_memory(model_dir)
-    if skipped:
-        return model_dir, {"skipped": skipped}, frozenset()
+    if beyond_memory:  # scales_beyond_memory's note
+        return model_dir, {"skipped": beyond_memory}, frozenset()
     scaled = scale_for_rounding(
         model_dir,
         output,
@@ -455,12 +463,13 @@ def scales_beyond_memory(model_dir: Path) -> str | None:
     )
 
 
-def planned_layout(model_dir: Path, config: ThinkerConfig, quantize: QuantizeSpec) -> QuantizeSpec:
+def planned_layout(config: ThinkerConfig, quantize: QuantizeSpec, beyond_memory: str | None) -> QuantizeSpec:
     """``quantize`` as the graph will store it, known before the scales run: under their coarser block, the
     weights they will cover (export/awq.py ``coarse_weights``, from the model's structure), so that the memory plan
-    made before a byte is written counts those at the coarser block. Counted at ``block_size``, they overstated the
-    graph by up to 10 % and refused a streamed check that fits (bench/bench_verify_memory.py's int4 run)."""
-    if not quantize.awq or not quantize.scaled_block_size or scales_beyond_memory(model_dir):
+    made before a byte is written counts those at the coarser block; none where the scales are skipped for memory
+    (``beyond_memory``, ``scales_beyond_memory``'s note). Counted at ``block_size``, they overstated the graph by up
+    to a ninth and refused a streamed check that fits (bench/bench_verify_memory.py's int4 run)."""
+    if not quantize.awq or not quantize.scaled_block_size or beyond_memory:
         return quantize
     from .awq import coarse_weights
 

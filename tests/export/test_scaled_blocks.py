@@ -231,9 +231,11 @@ def test_the_export_check_fails_a_graph_whose_covered_projections_came_out_at_32
         ("qwen3", WIDTHS),
         ("qwen3", {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16}),
         ("qwen3_moe", {"hidden_size": 64, "moe_intermediate_size": 64, "intermediate_size": 64}),
+        ("qwen2_moe", {"hidden_size": 64, "moe_intermediate_size": 64, "intermediate_size": 64}),
         ("qwen3_5", WIDTHS),
+        ("qwen3_next", WIDTHS),
     ],
-    ids=["some-groups", "every-group", "moe", "hybrid"],
+    ids=["some-groups", "every-group", "moe", "shared-expert-moe", "hybrid", "next"],
 )
 def test_the_weights_the_scales_will_cover_are_known_from_the_structure(thinker_variant, tmp_path, family, widths):
     """What the memory plan counts at the coarser block before the scales run is what they then cover."""
@@ -269,3 +271,24 @@ def test_a_streamed_check_that_fits_the_scales_blocks_is_not_refused_before_them
     assert result.exit_code == 0, result.output
     verify = json.loads((out / "export_report.json").read_text())["verify"]
     assert verify["passed"] is True and "layer by layer" in verify["reference"], verify["reference"]
+
+
+def test_the_memory_plan_and_the_scales_take_one_decision_on_memory(thinker_variant, tmp_path, monkeypatch):
+    """Whether the scales fit in memory is asked once: the plan made before them and the scales themselves cannot
+    part (free memory read twice, a plan counting blocks of 64 for a graph written at 32)."""
+    from export import exporter
+
+    asked = []
+
+    def beyond_memory(model_dir):
+        asked.append(model_dir)
+        return "activation-aware scales (--awq) skipped: planted"
+
+    monkeypatch.setattr(exporter, "scales_beyond_memory", beyond_memory)
+    out = tmp_path / "int4"
+    result = run_export(str(thinker_variant("qwen3", **WIDTHS)), str(out), "--quantize", "int4", *OPEN_GATE)
+    assert result.exit_code == 0, result.output
+    assert len(asked) == 1
+    report = json.loads((out / "export_report.json").read_text())
+    assert report["quantize"]["awq"] is False and "skipped: planted" in " ".join(report["notes"])
+    assert set(stored_blocks(out).values()) == {32}
