@@ -23,6 +23,7 @@ from export.quantize import QuantizeSpec
 from thinker_common.cli import main
 from thinker_common.errors import ThinkerError
 from thinker_common.parity_inputs import RELATIVE_TOLERANCE
+from thinker_common.sizes import human_size
 
 # Each family's groups, by layer, as the module docstring's table gives them: Gated DeltaNet layers keep their
 # attention unscaled, routed-expert MLPs theirs, GPT-2 (LayerNorm, ungated MLP) all but o_proj, Qwen3.8 everything
@@ -247,9 +248,8 @@ def test_the_export_verifies_the_scaled_weights_and_says_what_it_did(thinker_fol
 
 def test_a_model_too_big_for_memory_is_quantized_plain_and_says_so(thinker_folder, tmp_path, monkeypatch):
     monkeypatch.setenv("THINKER_VERIFY_MEMORY", "1KB")
-    result = run_export(
-        str(thinker_folder("qwen3")), str(tmp_path / "out"), "--quantize", "int4", "--block-size", "16", "--no-verify"
-    )
+    folder = thinker_folder("qwen3")
+    result = run_export(str(folder), str(tmp_path / "out"), "--quantize", "int4", "--block-size", "16", "--no-verify")
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "out" / "export_report.json").read_text())
     assert report["quantize"]["awq"] is False
@@ -259,6 +259,7 @@ def test_a_model_too_big_for_memory_is_quantized_plain_and_says_so(thinker_folde
         "decoder layer, the embeddings or the head) takes "
     ), skipped
     assert skipped.endswith("the weights are plain round-to-nearest (--no-awq asks for that without this note)")
+    assert f"takes {human_size(awq.held_bytes(folder))} in float32, with 1000 B of memory available" in skipped
     assert f"note: {skipped}" in result.output and skipped in report["notes"]
     assert "activation-aware scales: " not in result.output
 
@@ -601,7 +602,12 @@ def test_the_memory_the_scales_need_is_their_largest_unit_in_float32(thinker_fol
     others = [t.numel() for n, t in tensors.items() if not n.startswith("model.layers.")]
     held = 4 * max(*layers, *others)
     assert awq.held_bytes(folder) == held
-    for factor, scaled in ((awq.MEMORY_FACTOR * 0.8, False), (awq.MEMORY_FACTOR * 1.1, True)):
+    # exactly MEMORY_FACTOR times: fits (held is a multiple of 4, so the budget is the product itself)
+    for factor, scaled in (
+        (awq.MEMORY_FACTOR * 0.8, False),
+        (awq.MEMORY_FACTOR, True),
+        (awq.MEMORY_FACTOR * 1.1, True),
+    ):
         monkeypatch.setenv("THINKER_VERIFY_MEMORY", str(int(held * factor)))
         out = tmp_path / f"x{factor}"
         result = run_export(str(folder), str(out), "--quantize", "int4", "--block-size", "16", "--no-verify")

@@ -292,3 +292,44 @@ def test_the_memory_plan_and_the_scales_take_one_decision_on_memory(thinker_vari
     report = json.loads((out / "export_report.json").read_text())
     assert report["quantize"]["awq"] is False and "skipped: planted" in " ".join(report["notes"])
     assert set(stored_blocks(out).values()) == {32}
+
+
+def test_the_prediction_builds_on_the_meta_device_and_leaves_the_config_as_it_was(thinker_variant, monkeypatch):
+    """No weight allocated (a model of billions of parameters would be, in float32), and the caller's config, which
+    the export goes on to use, untouched by the model's init."""
+    from thinker import ThinkerConfig
+
+    devices, groups_of = [], awq.scale_groups
+
+    def recorded(model):
+        devices.append({parameter.device.type for parameter in model.parameters()})
+        return groups_of(model)
+
+    monkeypatch.setattr(awq, "scale_groups", recorded)
+    config = ThinkerConfig.from_pretrained(thinker_variant("qwen3", **WIDTHS))
+    before = dict(vars(config))
+    awq.coarse_weights(config, SCALED_INT4_BLOCK_SIZE)
+    assert devices == [{"meta"}]
+    assert dict(vars(config)) == before
+
+
+def test_a_refusal_where_the_scales_do_not_fit_names_the_graph_in_blocks_of_32(thinker_variant, tmp_path, monkeypatch):
+    """The scales skipped for memory, the graph is plain rounding in blocks of 32 throughout: the plan counts (and
+    its refusal names) that graph, not the smaller one the scales would have given."""
+    import torch
+
+    from export.quantized_size import expected_graph_bytes
+    from export.verify import held_bytes
+    from thinker import ThinkerConfig
+    from thinker_common.sizes import human_size
+
+    folder = thinker_variant("qwen3", **WIDTHS)
+    config = ThinkerConfig.from_pretrained(folder)
+    spec = QuantizeSpec.parse("int4").for_vocab(config.vocab_size)
+    graph = expected_graph_bytes(folder, config, torch.float32, spec)
+    _, streamed, _ = held_bytes(folder, torch.float32, quantized=True, graph_bytes=graph)
+    monkeypatch.setenv("THINKER_VERIFY_MEMORY", "1KB")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["export", str(folder), str(out), "--quantize", "int4", "--verify"])
+    assert result.exit_code == 1 and not out.exists(), result.output
+    assert f"{human_size(streamed, round_up=True)} with the graph in float32" in result.output, result.output
