@@ -89,8 +89,11 @@ def test_a_staging_folder_that_cannot_be_made_leaves_no_parent_folders(qwen3_sou
     (tmp_path / "a-file").write_text("")
     monkeypatch.setattr(staging, "staging_path", lambda output: tmp_path / "a-file" / ".staging")
     result = thinker("convert", qwen3_source, tmp_path / "new" / "nested" / "out", "--no-verify")
-    assert_error(result, "cannot create", "Not a directory")
+    assert_error(result, f"{tmp_path}: cannot create new/nested/out in it (Not a directory)")
     assert sorted(os.listdir(tmp_path)) == ["a-file"]
+    # OUTPUT's parent there already: the message names OUTPUT itself in it
+    result = thinker("convert", qwen3_source, tmp_path / "out", "--no-verify")
+    assert_error(result, f"{tmp_path}: cannot create out in it (Not a directory)")
 
 
 def test_a_name_too_long_below_a_new_folder_leaves_no_folder(qwen3_source, tmp_path):

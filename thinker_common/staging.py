@@ -357,7 +357,7 @@ def work_folder(output: Path, needed: int | None = None) -> Iterator[Path]:
         _remove_empty(created)
         # Named where it failed: the folder that exists, which is OUTPUT's parent unless the run had to create that.
         where = next((folder for folder in output.parents if folder.exists()), output.parent)
-        what = "OUTPUT there" if where == output.parent else f"{os.path.relpath(output, where)} in it"
+        what = f"{os.path.relpath(output, where)} in it"  # OUTPUT's own name at least (/proc says ENOENT)
         if not where.is_dir():  # mkdir's "File exists" / "Not a directory" would not say which path is the file
             raise ThinkerError(
                 f"{where}: a file, not a folder, so {os.path.relpath(output, where)} cannot be created in it; "
