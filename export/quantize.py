@@ -239,9 +239,8 @@ class QuantizeSpec:
         if name == HEAD and (self.head_bits or self.head_int8_rows):
             bits = self.head_bits or self.bits
             return dataclasses.replace(self, bits=bits, algo="rtn", head_bits=None, head_int8_rows=0)
-        if self.block_for(name) != self.block_size:
-            return dataclasses.replace(self, block_size=self.block_for(name))
-        return self
+        block = self.block_for(name)
+        return self if block == self.block_size else dataclasses.replace(self, block_size=block)
 
     def for_vocab(self, vocab_size: int) -> QuantizeSpec:
         """This spec for a model of ``vocab_size`` rows: a mixed head whose int8 rows cover the whole vocabulary is
