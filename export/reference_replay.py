@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from thinker_common.staging import DISK_FULL
+
 Run = tuple[np.ndarray, np.ndarray | None]  # the reference's logits, and their half-precision spread (or None)
 
 
@@ -77,7 +79,16 @@ class ReferenceReplay:
             self.replayed += 1
             return self._read(key)
         logits, spread = make()
-        self._write(key, logits, spread)
+        try:
+            self._write(key, logits, spread)
+        except OSError as err:
+            if err.errno not in DISK_FULL:
+                raise
+            # The replay saves the check time and nothing else: a disk too full for it (its file is not in the
+            # export's free-space estimate) costs the later comparisons their own runs, not the export. Every run
+            # is forgotten, not just this one, so that no comparison reads back a prefill whose steps are missing.
+            self.close()
+            self.folder = None
         return logits, spread
 
     def holds(self, key: str) -> bool:

@@ -4,10 +4,13 @@ the whole check's figures are those of running the reference every time, with fe
 
 from __future__ import annotations
 
+import errno
+
 import numpy as np
 import pytest
 import torch
 
+from export import reference_replay
 from export.continuation import compare_continuation
 from export.names import GENAI_MODEL_FILE, MODEL_FILE
 from export.reference_replay import ReferenceReplay, run_key
@@ -272,3 +275,49 @@ def test_a_routed_graphs_deep_and_continuation_runs_are_never_kept(thinker_varia
     deep_cache_pass(model, decoder, torch.float16, most_slots=64, replay=replay)
     continuation_pass(model, decoder, replay=replay)
     assert replay.offsets == {}
+
+
+def _disk_fills_after(monkeypatch, saves: int) -> None:
+    """``np.save`` as the replay calls it, failing for lack of space from the ``saves + 1``-th call on."""
+    calls, save = [], np.save
+
+    def saving(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > saves:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        save(*args, **kwargs)
+
+    monkeypatch.setattr(reference_replay.np, "save", saving)
+
+
+def test_a_disk_too_full_for_the_replay_costs_runs_not_the_check(tmp_path, monkeypatch):
+    """The replay's file is not in the export's free-space estimate: a full disk makes every later run afresh (what
+    was recorded before included, so that no comparison reads back part of its runs) and returns the made run."""
+    replay, made = ReferenceReplay(tmp_path), []
+    runs = {key: (np.full((2, 3), index, np.float32), None) for index, key in enumerate("abc")}
+    _disk_fills_after(monkeypatch, 1)
+    for key in ("a", "b", "c", "a", "b"):
+        logits, _ = replay.run(key, False, lambda key=key: made.append(key) or runs[key])
+        np.testing.assert_array_equal(logits, runs[key][0])
+    assert made == ["a", "b", "c", "a", "b"] and replay.replayed == 0
+    assert not replay.holds("a") and list(tmp_path.iterdir()) == []
+
+
+def test_another_write_error_is_not_taken_for_a_full_disk(tmp_path, monkeypatch):
+    monkeypatch.setattr(reference_replay.np, "save", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EIO, "I/O")))
+    with pytest.raises(OSError, match="I/O"):
+        ReferenceReplay(tmp_path).run("a", False, lambda: (np.ones((1, 2), np.float32), None))
+
+
+def test_a_disk_that_fills_during_a_comparison_leaves_the_next_one_whole(thinker_variant, onnx_variant, tmp_path):
+    """The prefill recorded, a step not: the next comparison runs every run again with the same figures, where
+    reading back the prefill alone would leave its steps no cache to run from."""
+    model = ThinkerForCausalLM.from_pretrained(thinker_variant("qwen3", head_dim=16), dtype=torch.float32, **EAGER)
+    decoder = OnnxDecoder(onnx_variant("qwen3", head_dim=16) / MODEL_FILE, provider="cpu")
+    batch = parity_batch(model.config.vocab_size)
+    replay = ReferenceReplay(tmp_path)
+    with pytest.MonkeyPatch.context() as patch:
+        _disk_fills_after(patch, 1)
+        first = compare_decoders(model.eval(), decoder, *batch, steps=2, replay=replay)
+    assert compare_decoders(model, decoder, *batch, steps=2, replay=replay) == first
+    assert replay.replayed == 0
