@@ -335,3 +335,7 @@ def verify_command(
 thinker_convert = console_script(convert_command)  # the `thinker-convert` console script (pyproject.toml)
 
 __all__ = ["convert_command", "thinker_convert", "verify_command"]
+
+
+if __name__ == "__main__":  # python -m converter.cli SOURCE OUTPUT, as thinker-convert (it did nothing and exited 0)
+    thinker_convert()

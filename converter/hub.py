@@ -22,7 +22,6 @@ import re
 import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass
-from fnmatch import fnmatch
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from huggingface_hub import HfApi, constants, get_cached_repo_tree, snapshot_download
@@ -45,7 +44,7 @@ from huggingface_hub.utils import tqdm as hf_tqdm
 from thinker_common.errors import ADAPTER_CONFIG, ThinkerError, peft_adapter_error
 from thinker_common.gguf_split import is_split_shard, shard_name, split_gguf
 from thinker_common.model_card import CARD_FILE, LICENSE_FILES
-from thinker_common.side_files import CONFIG_FILES, TOKENIZER_FILES, TOKENIZER_PATTERNS, read_json
+from thinker_common.side_files import CONFIG_FILES, TOKENIZER_FILES, is_tokenizer_file, read_json
 from thinker_common.sources import (
     BIN_INDEX,
     LOAD_ORDER,
@@ -173,7 +172,7 @@ def pick_conversion_files(
             "belong to; check the repo id and revision (a GGUF repo needs none: its file's metadata is the config)"
         )
     else:
-        side_files = [n for n in top if n in _SIDE_FILES or any(fnmatch(n, p) for p in TOKENIZER_PATTERNS)]
+        side_files = [n for n in top if n in _SIDE_FILES] + [n for n in repo_files if is_tokenizer_file(n)]
     # the one index read: the taken format's, unless its whole file is taken (another format's would send
     # _resolve_repo to shards transformers does not load)
     read = {index for whole, index in LOAD_ORDER if whole not in weights and any(_of_format(n, whole) for n in weights)}

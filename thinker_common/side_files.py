@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,11 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
-TOKENIZER_PATTERNS = ("*.tiktoken",)  # tiktoken vocabularies are named after their encoding (cl100k_base.tiktoken)
+# tiktoken vocabularies are named after their encoding (cl100k_base.tiktoken); a tokenizer's named chat templates
+# besides its default one ("tool_use", "rag") lie in a folder of their own, which transformers' tokenizer and processor
+# read by name (``apply_chat_template(chat_template="tool_use")``; transformers.utils.hub CHAT_TEMPLATE_DIR)
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
+TOKENIZER_PATTERNS = ("*.tiktoken", f"{CHAT_TEMPLATE_DIR}/*.jinja")
 # The files among those that hold a vocabulary: without one, the others (a chat template, a tokenizer_config.json, the
 # special tokens) are no tokenizer AutoTokenizer can build.
 VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model")
@@ -43,11 +48,24 @@ def has_vocabulary(names: list[str]) -> bool:
     return any(name in VOCABULARY_FILES or name.endswith(".tiktoken") for name in names)
 
 
+def is_tokenizer_file(name: str) -> bool:
+    """Whether ``name``, a ``/``-separated path in a model folder (a Hub repo's listing), is one of its tokenizer files
+    by the lists above: a pattern's ``*`` stays within one folder level, as ``Path.glob``'s does."""
+    parts = name.split("/")
+    return name in TOKENIZER_FILES or any(
+        len(parts) == len(levels) and all(fnmatchcase(part, level) for part, level in zip(parts, levels, strict=True))
+        for levels in (pattern.split("/") for pattern in TOKENIZER_PATTERNS)
+    )
+
+
 def tokenizer_files(folder: Path) -> list[str]:
-    """The names of ``folder``'s tokenizer files, by the lists above; code or anything else is never picked. Each
-    is checked (``source_files.checked_file``): a symlink leading out of the folder, or a named pipe, is refused."""
+    """The paths of ``folder``'s tokenizer files within it (``/``-separated: a named chat template lies in a folder of
+    its own), by the lists above; code or anything else is never picked. Each is checked
+    (``source_files.checked_file``): a symlink leading out of the folder, or a named pipe, is refused."""
     names = [name for name in TOKENIZER_FILES if present(folder / name, folder)]
-    matches = sorted({path.name for pattern in TOKENIZER_PATTERNS for path in folder.glob(pattern)})
+    matches = sorted(
+        {path.relative_to(folder).as_posix() for pattern in TOKENIZER_PATTERNS for path in folder.glob(pattern)}
+    )
     for name in matches:
         checked_file(folder / name, folder)
     return names + matches
@@ -72,7 +90,7 @@ def readable_tokenizer_files(folder: Path) -> list[str]:
                     from tokenizers import Tokenizer
 
                     Tokenizer.from_str(text)
-            elif name == "chat_template.jinja" and (jinja := _jinja()) is not None:
+            elif name.endswith(".jinja") and (jinja := _jinja()) is not None:
                 jinja.Environment().parse(regular_file(path).read_text(encoding="utf-8"))
         except ThinkerError:
             raise
@@ -92,8 +110,10 @@ def _jinja():
 
 
 def copy_files(names: list[str], source: Path, destination: Path) -> list[str]:
-    """Copy the named files of ``source`` into ``destination``; returns the names."""
+    """Copy the named files of ``source`` (paths within it) into the same places in ``destination``; returns the
+    names."""
     for name in names:
+        (destination / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source / name, destination / name)
     return names
 

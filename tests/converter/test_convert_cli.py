@@ -118,6 +118,18 @@ def test_help_teaches(tmp_path):
     assert "parity.json" in CliRunner().invoke(verify_command, ["--help"]).output
 
 
+def test_the_module_runs_as_the_console_script(tmp_path):
+    """``python -m converter.cli`` is ``thinker-convert``: it printed nothing and exited 0, a run that converts
+    nothing passing for one that did (a QA run)."""
+    run = [sys.executable, "-m", "converter.cli"]
+    shown = subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "Examples:" in shown.stdout
+    missing = subprocess.run(
+        [*run, str(tmp_path / "nowhere"), str(tmp_path / "out")], capture_output=True, text=True, timeout=120
+    )
+    assert missing.returncode != 0 and "nowhere" in missing.stderr and not (tmp_path / "out").exists()
+
+
 def test_help_lists_every_registered_family():
     """The help's family list is written out (so that --help imports no family table) and held to the registry
     here: a family added without its line, or a line left behind, fails. The GGUF families share one line."""
@@ -308,6 +320,10 @@ def test_verify_refuses_a_folder_it_would_not_prove(source, tmp_path):
     templated = shutil.copytree(converted, tmp_path / "templated")  # a file beside the source's (found by a QA run)
     (templated / "chat_template.jinja").write_text("{{ messages }}")
     assert "chat_template.jinja: a tokenizer file its source does not give" in verify(templated)
+    (templated / "chat_template.jinja").unlink()  # a named template too, in the folder transformers reads it from
+    (templated / "additional_chat_templates").mkdir()
+    (templated / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages }}")
+    assert "tool_use.jinja: a tokenizer file its source does not give" in verify(templated)
 
     empty = shutil.copytree(converted, tmp_path / "empty")
     (empty / "model.safetensors").unlink()

@@ -495,6 +495,18 @@ def test_pick_conversion_files(files, expected):
             ["config.json", "model.safetensors", "chat_template.jinja", "trainer_state.json", "train_log.txt"],
             ["chat_template.jinja", "config.json", "model.safetensors"],
         ),
+        (  # a named chat template in its own folder (transformers' additional_chat_templates/), and nothing else there
+            [
+                "config.json",
+                "model.safetensors",
+                "additional_chat_templates/tool_use.jinja",
+                "additional_chat_templates/notes.txt",
+                "additional_chat_templates/old/rag.jinja",
+                "extra/tool_use.jinja",
+                "extra/x.tiktoken",
+            ],
+            ["additional_chat_templates/tool_use.jinja", "config.json", "model.safetensors"],
+        ),
     ],
 )
 def test_pick_conversion_files_as_transformers_reads_a_repo(files, expected):
@@ -721,3 +733,18 @@ def test_a_file_where_huggingface_hub_wants_a_folder_is_named_by_its_variable(wh
         monkeypatch.setenv(where, value)
     with pytest.raises(ThinkerError, match=rf"^{where}=.*a-file is a file, .*point {where} at a folder"):
         resolve_source("acme/a", **options)
+
+
+def test_a_named_chat_template_comes_down_with_the_tokenizer(fake_hub):
+    """transformers keeps a tokenizer's named chat templates in ``additional_chat_templates/``: fetched with the
+    tokenizer, where a file of another folder is not."""
+    config = json.dumps({"model_type": "qwen2"}).encode()
+    files = {
+        "config.json": config,
+        "model.safetensors": save({"a": np.zeros(2, np.float32)}),
+        "additional_chat_templates/tool_use.jinja": b"TOOL {{ messages }}",
+        "extra/rag.jinja": b"{{ messages }}",
+    }
+    fake_hub.add_repo(REPO, files)
+    path = resolve_source(REPO, progress=False)
+    assert files_in(path) == {"config.json", "model.safetensors", "additional_chat_templates/tool_use.jinja"}

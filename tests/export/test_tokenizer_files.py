@@ -84,3 +84,49 @@ def test_a_tiktoken_vocabulary_alone_is_a_tokenizer():
 
     assert has_vocabulary(["tokenizer_config.json", "cl100k_base.tiktoken"])
     assert not has_vocabulary(["tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"])
+
+
+def test_named_chat_templates_travel_and_are_found_by_name(tmp_path: Path):
+    """A tokenizer's named chat templates ("tool_use") lie in ``additional_chat_templates/``, where transformers
+    writes and reads them: without the folder, ``apply_chat_template(chat_template="tool_use")`` took the name for a
+    template and returned the text "tool_use" (a QA run). The converted and the exported folders answer as the
+    source does, and a template cut short there is refused by its path."""
+    import pytest
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    from converter.convert import convert
+    from export.exporter import export_model
+    from thinker_common.errors import ThinkerError
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+    )  # fmt: skip
+    source = tmp_path / "source"
+    Qwen3ForCausalLM(config).save_pretrained(source)
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = {
+        "default": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+        "tool_use": "TOOL {% for m in messages %}{{ m['content'] }}{% endfor %}",
+    }
+    tokenizer.save_pretrained(source)
+    assert (source / "additional_chat_templates" / "tool_use.jinja").is_file()  # where transformers puts it
+    messages = [{"role": "user", "content": "the cat"}]
+
+    def answers(folder: Path) -> tuple[str, str]:
+        loaded = AutoTokenizer.from_pretrained(folder)
+        return tuple(
+            loaded.apply_chat_template(messages, chat_template=n, tokenize=False) for n in ("default", "tool_use")
+        )
+
+    assert answers(source) == ("the cat", "TOOL the cat")
+    thinker = convert(source, tmp_path / "thinker", verify=False, progress=False).output
+    export_model(thinker, tmp_path / "onnx", verify=False)
+    for folder in (thinker, tmp_path / "onnx"):
+        assert answers(folder) == answers(source), folder.name
+
+    (source / "additional_chat_templates" / "tool_use.jinja").write_text("{% for m in messages %}{{ m }}")
+    with pytest.raises(ThinkerError, match=r"additional_chat_templates/tool_use\.jinja: not a readable tokenizer"):
+        convert(source, tmp_path / "again", verify=False, progress=False)
+    assert not (tmp_path / "again").exists()
