@@ -44,20 +44,26 @@ def tokenizer_files() -> dict[str, bytes]:
     }
 
 
-def test_export_keeps_every_tokenizer_file(tmp_path: Path):
+def tiny_source(folder: Path) -> Path:
+    """A seeded tiny Qwen3 checkpoint's weights and config in ``folder``, no tokenizer yet."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
-    from transformers.convert_slow_tokenizer import import_protobuf
-
-    from converter.convert import convert
-    from export.exporter import export_model
 
     torch.manual_seed(0)
     config = Qwen3Config(
         vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
     )  # fmt: skip
-    source = tmp_path / "source"
-    Qwen3ForCausalLM(config).save_pretrained(source)
+    Qwen3ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def test_export_keeps_every_tokenizer_file(tmp_path: Path):
+    from transformers.convert_slow_tokenizer import import_protobuf
+
+    from converter.convert import convert
+    from export.exporter import export_model
+
+    source = tiny_source(tmp_path / "source")
     make_tokenizer().save_pretrained(source)  # tokenizer.json, tokenizer_config.json (what `generate` loads)
     extras = tokenizer_files()
     for name, data in extras.items():
@@ -92,19 +98,13 @@ def test_named_chat_templates_travel_and_are_found_by_name(tmp_path: Path):
     template and returned the text "tool_use" (a QA run). The converted and the exported folders answer as the
     source does, and a template cut short there is refused by its path."""
     import pytest
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoTokenizer
 
     from converter.convert import convert
     from export.exporter import export_model
     from thinker_common.errors import ThinkerError
 
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-    )  # fmt: skip
-    source = tmp_path / "source"
-    Qwen3ForCausalLM(config).save_pretrained(source)
+    source = tiny_source(tmp_path / "source")
     tokenizer = make_tokenizer()
     tokenizer.chat_template = {
         "default": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
