@@ -260,15 +260,17 @@ def main() -> None:
 
 def console_script(command: click.Command) -> Callable[[], None]:
     """``command`` as a console script: click's standalone run, after which, the run over and its status decided,
-    Ctrl-C is ignored. One arriving while the interpreter shuts down printed a traceback from torch's atexit hook, or
-    gave a conversion already in place SIGINT's status, a QA run found."""
+    Ctrl-C, SIGTERM and SIGHUP are ignored. A Ctrl-C arriving while the interpreter shuts down printed a traceback
+    from torch's atexit hook, or gave a conversion already in place SIGINT's status; a SIGTERM there killed a
+    conversion already in place with -15 and nothing said (QA runs)."""
 
     def run() -> None:
         try:
             command.main()
         finally:
             if threading.current_thread() is threading.main_thread():
-                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                    signal.signal(signum, signal.SIG_IGN)
 
     return run
 
