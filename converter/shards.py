@@ -12,12 +12,14 @@ follow transformers' conventions.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
 import json
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -131,10 +133,11 @@ class ShardWriter:
             raise RuntimeError(f"{name}: {tensor.dtype} {tuple(tensor.shape)} does not fit its planned slot {slot}")
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         handle, start, _ = self._slot(name, len(data) if part else None)
-        for offset in range(0, len(data), _WRITE_PIECE):  # each piece handed to the disk as it is written
-            part = data[offset : offset + _WRITE_PIECE]
-            _write_all(handle.fileno(), memoryview(part.numpy()), start + offset)
-            start_writeback(handle.fileno(), start + offset, len(part))
+        with named_writes(handle):
+            for offset in range(0, len(data), _WRITE_PIECE):  # each piece handed to the disk as it is written
+                part = data[offset : offset + _WRITE_PIECE]
+                _write_all(handle.fileno(), memoryview(part.numpy()), start + offset)
+                start_writeback(handle.fileno(), start + offset, len(part))
         return self._filled(name, len(data))
 
     def copy_range(self, name: str, source: int, offset: int, length: int, part: bool = False) -> int:
@@ -147,19 +150,19 @@ class ShardWriter:
         if length != slot_length:
             raise RuntimeError(f"{name}: {length} bytes for its planned slot {self.layout.slots[name]}")
         done = 0
-        while done < length:
-            count = min(_COPY_PIECE, length - done)
-            try:
-                copied = os.copy_file_range(source, handle.fileno(), count, offset + done, start + done)
-            except (AttributeError, OSError) as err:
-                if isinstance(err, OSError) and err.errno not in _NO_KERNEL_COPY:
-                    # copy_file_range's error names no file: the shard's name (its folder is the staging one)
-                    raise OSError(err.errno, err.strerror, Path(handle.name).name) from err
-                copied = _copy_through_buffer(source, handle.fileno(), count, offset + done, start + done)
-            if copied == 0:
-                raise RuntimeError(f"{name}: the source ended {length - done} bytes early")
-            start_writeback(handle.fileno(), start + done, copied)
-            done += copied
+        with named_writes(handle):
+            while done < length:
+                count = min(_COPY_PIECE, length - done)
+                try:
+                    copied = os.copy_file_range(source, handle.fileno(), count, offset + done, start + done)
+                except (AttributeError, OSError) as err:
+                    if isinstance(err, OSError) and err.errno not in _NO_KERNEL_COPY:
+                        raise
+                    copied = _copy_through_buffer(source, handle.fileno(), count, offset + done, start + done)
+                if copied == 0:
+                    raise RuntimeError(f"{name}: the source ended {length - done} bytes early")
+                start_writeback(handle.fileno(), start + done, copied)
+                done += copied
         return self._filled(name, done)
 
     def _slot(self, name: str, part: int | None = None) -> tuple[BinaryIO, int, int]:
@@ -197,15 +200,17 @@ class ShardWriter:
         if shard not in self._files:
             header = self.layout.header(shard)
             handle = (self.folder / self.layout.file_name(shard)).open("wb", buffering=0)
-            preallocate(handle.fileno(), len(header) + self.layout.shard_size(shard))
-            _write_all(handle.fileno(), memoryview(header), 0)
+            with named_writes(handle):
+                preallocate(handle.fileno(), len(header) + self.layout.shard_size(shard))
+                _write_all(handle.fileno(), memoryview(header), 0)
             self._files[shard] = handle
             self._data_start[shard] = len(header)
         return self._files[shard]
 
     def _finish(self, shard: int) -> None:
         handle = self._open(shard)
-        os.fsync(handle.fileno())
+        with named_writes(handle):
+            os.fsync(handle.fileno())
         handle.close()
         del self._files[shard]
 
@@ -234,6 +239,19 @@ def _copy_through_buffer(source: int, target: int, count: int, source_offset: in
     data = os.pread(source, count, source_offset)
     _write_all(target, memoryview(data), target_offset)
     return len(data)
+
+
+@contextlib.contextmanager
+def named_writes(handle: BinaryIO) -> Iterator[None]:
+    """An OSError of a write to ``handle``'s shard with the shard's name on it: a descriptor's error (``pwrite``,
+    ``copy_file_range``, ``fallocate``, ``fsync``) names no file, and a full file-size limit then read "File too
+    large" and nothing more (a QA run). The name alone, as the folder is the staging one."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is not None:
+            raise
+        raise OSError(err.errno, err.strerror, Path(handle.name).name) from err
 
 
 def _write_all(descriptor: int, data: memoryview, offset: int) -> None:

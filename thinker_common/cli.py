@@ -133,7 +133,7 @@ def refuse_bad_hub_settings() -> None:
 _OS_ERROR_ADVICE = {
     errno.ENAMETOOLONG: "a name is longer than the file system takes (255 bytes a name): choose a shorter path",
     errno.EFBIG: "a file is larger than the file system (FAT32: 4 GiB) or the process's file-size limit takes: "
-    "write to another file system (thinker-convert: or with a smaller --max-shard-size)",
+    "write to another file system",
     errno.ELOOP: "a symlink there leads back to itself: fix or remove it",
     errno.EACCES: "permission denied: make it readable (and its folder writable)",
     errno.EPERM: "not permitted (an immutable or read-only file?): choose another path",
@@ -147,6 +147,8 @@ def os_error_line(err: OSError) -> str:
     """One line for an OSError: the file it names, what happened, and what to do."""
     where = f"{err.filename}: " if err.filename else ""
     advice = _OS_ERROR_ADVICE.get(err.errno)
+    if err.errno == errno.EFBIG and str(err.filename or "").endswith(".safetensors"):  # a shard, not model.onnx.data
+        advice += ", or convert with a smaller --max-shard-size"
     if err.errno == errno.ENAMETOOLONG and err.filename and not _a_name_too_long(err.filename):
         # every name fits: the whole path is what is too long (Linux's PATH_MAX, 4096 bytes)
         advice = "the whole path is longer than the system takes (4096 bytes): choose a shorter path"
