@@ -84,6 +84,7 @@ def read_thinker_config(folder: Path) -> ThinkerConfig:
     model_type = data.get("model_type") if isinstance(data, dict) else None
     if model_type != ThinkerConfig.model_type:
         raise ThinkerError(f"{path}: model_type is {model_type!r}, not 'thinker'; --to takes a Thinker folder")
+    check_model_config(data, str(path))  # its values by key first, before the config computes from them
     try:
         config = ThinkerConfig.from_pretrained(folder)
     except Exception as err:  # transformers' config loading raises many types for a damaged file

@@ -36,6 +36,7 @@ in float32), both models' caches for them, and their logits at the real position
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -47,8 +48,10 @@ import torch
 from thinker import ThinkerConfig, ThinkerForCausalLM
 from thinker_common.errors import ThinkerError
 from thinker_common.parity_inputs import GATE_TOLERANCE, gate_prompts, left_padded
+from thinker_common.side_files import read_json
 from thinker_common.sources import (
     BIN_INDEX,
+    LOAD_ORDER,
     SAFETENSORS_INDEX,
     bin_files,
     open_source,
@@ -191,6 +194,7 @@ def refuse_unloadable(folder: Path, label: str) -> None:
     (``transformers_weights_format``): the whole-model check cannot load it, and the layer check, which reads the
     files the converter reads, must not vouch for a checkpoint transformers never runs."""
     if transformers_weights_format(folder) is not None:
+        refuse_index_without_metadata(folder)
         return
     for index_name in (SAFETENSORS_INDEX, BIN_INDEX):
         if shards := unindexed_shards(folder, index_name):
@@ -204,6 +208,23 @@ def refuse_unloadable(folder: Path, label: str) -> None:
         "cannot load this checkpoint and there is no reference to verify against; give its weights one of those "
         f"names, or {NO_VERIFY}"
     )
+
+
+def refuse_index_without_metadata(folder: Path) -> None:
+    """Refuse an index transformers would read (no whole file before it, ``LOAD_ORDER``) that has no ``metadata``
+    object: its loader reads ``index["metadata"]`` with the shards' names, and the check said only that the reference
+    does not load ("'metadata'"), a QA run found. The converter reads the shards by ``weight_map`` alone."""
+    for whole, index_name in LOAD_ORDER:
+        if os.path.lexists(folder / whole):
+            return
+        index = read_json(folder / index_name)
+        if isinstance(index, dict) and not isinstance(index.get("metadata"), dict):
+            raise NoReference(
+                f'{folder / index_name}: no "metadata" object, which transformers reads to load the shards, so '
+                f'there is no reference to verify against; add "metadata": {{}} to it, or {NO_VERIFY}'
+            )
+        if index is not None:
+            return
 
 
 def refuse_other_weights_file(source: Path) -> None:

@@ -585,11 +585,15 @@ def local_source(
 
 # --- the model folder ---------------------------------------------------------------------------------------------
 def load_config(model_dir: Path) -> ThinkerConfig:
+    where = f"{model_dir}/config.json"
+    raw = read_json(Path(model_dir) / "config.json")
+    if isinstance(raw, dict):  # its values by key first, before the config computes from them
+        check_model_config(raw, where)
     try:
         config = ThinkerConfig.from_pretrained(model_dir)
-    except Exception as err:
-        raise ThinkerError(f"{model_dir}/config.json: not a readable Thinker config ({err})") from None
-    check_model_config(config.to_dict(), f"{model_dir}/config.json")
+    except Exception as err:  # transformers' config loading raises many types for a damaged file
+        raise ThinkerError(f"{where}: not a readable Thinker config ({' '.join(str(err).split())})") from None
+    check_model_config(config.to_dict(), where)
     return config
 
 

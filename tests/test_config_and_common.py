@@ -113,6 +113,26 @@ def test_config_refuses_by_name(fields, message):
 
 
 @pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"vocab_size": "64"}, "expected int, got str"),
+        ({"num_hidden_layers": True}, "expected int, got bool"),
+        ({"qk_norm": 1}, "expected bool, got int"),
+        ({"rms_norm_eps": "1e-6"}, "expected float, got str"),
+        ({"layer_types": "full_attention"}, "expected a list, got str"),
+        ({"num_key_value_heads": 2.0}, "expected int"),
+    ],
+)
+def test_config_fields_are_type_checked_as_transformers_configs_are(fields, expected):
+    """huggingface_hub's ``@strict`` checks each field against its annotation, as it does Qwen3Config's; annotations
+    that were strings (``from __future__ import annotations``) went unchecked, so a switch given as text passed for
+    true and a layer count as text failed later with a message that named another key (a QA run)."""
+    (name,) = fields
+    with pytest.raises(StrictDataclassError, match=rf"(?s)field '{name}'.*{expected}"):
+        ThinkerConfig(**fields)
+
+
+@pytest.mark.parametrize(
     "fields",
     [
         {"num_experts": 4, "num_experts_per_tok": 4},  # every expert for every token: Mixtral-style dense routing
@@ -389,8 +409,10 @@ def test_negative_indexer_sizes_are_refused_by_name(field):
     range', 'negative dimension')."""
     with pytest.raises(StrictDataclassError, match=f"need {field}=-[0-9]+ as positive integers"):
         ThinkerConfig(**{**QSA, field: -QSA[field]})
-    for wrong in ("8", True):  # a TypeError, or a size of 1
-        with pytest.raises(StrictDataclassError, match=f"need {field}={wrong!r} as positive integers"):
+    for wrong in ("8", True):  # a TypeError, or a size of 1: refused by the field's type, as transformers' configs are
+        with pytest.raises(
+            StrictDataclassError, match=f"(?s)field '{field}'.*expected int, got {type(wrong).__name__}"
+        ):
             ThinkerConfig(**{**QSA, field: wrong})
 
 
@@ -399,8 +421,9 @@ def test_negative_indexer_sizes_are_refused_by_name(field):
     [
         ({"num_attention_heads": 0}, "num_attention_heads=0"),
         ({"num_key_value_heads": 0}, "num_key_value_heads=0"),
-        ({"num_key_value_heads": None, "num_attention_heads": None}, "num_attention_heads=None"),
-        ({"num_attention_heads": "4"}, "num_attention_heads='4'"),
+        # None and text are refused by the field's type first (``test_config_fields_are_type_checked...``)
+        ({"num_key_value_heads": None, "num_attention_heads": None}, "field 'num_attention_heads'"),
+        ({"num_attention_heads": "4"}, "field 'num_attention_heads'"),
         (
             {"num_hidden_layers": 1, "layer_types": ["linear_attention"], "linear_num_key_heads": 0},
             "linear_num_key_heads=0",
@@ -411,7 +434,9 @@ def test_negative_indexer_sizes_are_refused_by_name(field):
 def test_a_zero_divisor_is_refused_by_name(fields, shown):
     """Zero raised a bare ZeroDivisionError naming no key, and None or a string a TypeError (the CLIs check these
     keys first; the Python API did not)."""
-    with pytest.raises(ValueError, match=f"{re.escape(shown)} must be a whole number, 1 or more"):
+    typed = shown.startswith("field")
+    expected = f"(?s){shown}.*expected int" if typed else f"{re.escape(shown)} must be a whole number, 1 or more"
+    with pytest.raises((ValueError, StrictDataclassError), match=expected):
         ThinkerConfig(**fields)
 
 

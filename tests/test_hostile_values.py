@@ -65,6 +65,27 @@ def test_an_index_with_an_empty_weight_map(source_copy, tmp_path):
     assert "no checkpoint here" not in message
 
 
+@pytest.mark.parametrize("metadata", ["absent", None, []])
+def test_an_index_without_transformers_metadata_is_named_for_the_check(metadata, source_copy, tmp_path):
+    """transformers' loader reads the index's "metadata" object, the converter its weight_map alone: the check named
+    neither the file nor the key ("the reference model does not load with transformers ('metadata')", a QA run). The
+    conversion itself still runs without the check."""
+    source = source_copy()
+    names = list(as_shard(source))
+    index = {"weight_map": dict.fromkeys(names, "model-a.safetensors")}
+    if metadata != "absent":
+        index["metadata"] = metadata
+    (source / "model.safetensors.index.json").write_text(json.dumps(index))
+    message = assert_error(
+        thinker("convert", source, tmp_path / "out"),
+        f'{source / "model.safetensors.index.json"}: no "metadata" object, which transformers reads',
+        'add "metadata": {} to it, or convert with --no-verify',
+    )
+    assert "does not load with transformers" not in message
+    assert_nothing_written(tmp_path / "out")
+    assert thinker("convert", source, tmp_path / "unchecked", "--no-verify").exit_code == 0
+
+
 # --- JSON nested past the recursion limit (issue 15) ---------------------------------------------------------------
 
 
@@ -119,6 +140,12 @@ BAD_VALUES = {
         {"rope_parameters": {"rope_type": "dynamic", "factor": "2", "rope_theta": 10000.0}},
         ["rope_parameters.factor='2'"],
     ),
+    # found by a QA run: "module 'torch' has no attribute 'float8'", the key unnamed
+    "a dtype torch lacks": ({"dtype": "float8"}, ["dtype='float8' is not a dtype torch has"]),
+    # found by a QA run: a Thinker folder's layer count as text read "layer_types must list one of ... for each of 2
+    # layers; got [two layers]", and a switch as text passed for true (its string annotations went unchecked)
+    "a layer count as text": ({"num_hidden_layers": "2"}, ["num_hidden_layers", "'2'"]),
+    "a switch as text": ({"tie_word_embeddings": "no"}, ["tie_word_embeddings", "expected bool, got str"]),
 }
 
 

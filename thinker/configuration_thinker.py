@@ -8,8 +8,9 @@ The architecture switches that Qwen hard-codes per class are explicit fields her
 μOmni ThinkerLM are configurations of the same model rather than other models.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: huggingface_hub's ``@strict`` checks each field's value against its
+# annotation, as it does transformers' own configs', and skips annotations that are strings, which that import makes
+# of all of them (a switch given as "no" then passed for true).
 from huggingface_hub.dataclasses import strict
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters

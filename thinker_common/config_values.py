@@ -46,9 +46,26 @@ def _real(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def dtype_problem(config: Mapping[str, Any]) -> str | None:
+    """A ``dtype`` (or the older ``torch_dtype``) of ``config`` that names no torch dtype, described with its key:
+    transformers' configs look the name up on torch and said only "module 'torch' has no attribute 'float8'" (a QA
+    run). None where each is absent, a torch.dtype or a name torch has."""
+    import torch
+
+    for key in ("dtype", "torch_dtype"):
+        value = config.get(key)
+        if value is None or isinstance(value, torch.dtype):
+            continue
+        if not (isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype)):
+            return f"{key}={value!r} is not a dtype torch has (such as float32, bfloat16 or float16)"
+    return None
+
+
 def config_problem(config: Mapping[str, Any]) -> str | None:
     """The first value of ``config`` (a Thinker config as a dict) that no model can work with, described with its
     key and what it must be; None when every value is usable."""
+    if problem := dtype_problem(config):
+        return problem
     for key in POSITIVE_SIZES:
         value = config.get(key)
         if value is not None and not (_whole(value) and value > 0):

@@ -22,6 +22,7 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import CONFIG_MAPPING, GenerationConfig, PreTrainedConfig
 
 from thinker import ThinkerConfig
+from thinker_common.config_values import dtype_problem
 from thinker_common.eager import EAGER
 from thinker_common.errors import ThinkerError
 
@@ -32,6 +33,8 @@ from ..special_tokens import SPECIAL_IDS
 
 def load_hf_config(source_config: Mapping[str, Any], model_type: str) -> PreTrainedConfig:
     """The source config dict as an instance of transformers' config class for ``model_type``."""
+    if problem := dtype_problem(source_config):
+        raise ThinkerError(f"the source config.json is not a valid {model_type} config: {problem}; correct the value")
     try:
         return CONFIG_MAPPING[model_type].from_dict(dict(source_config, model_type=model_type))
     except (TypeError, ValueError, KeyError, StrictDataclassError) as err:
