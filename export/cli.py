@@ -558,6 +558,13 @@ def max_new_tokens_option(default: int, help: str):
     "instruct model answers); without it the text is continued as it is.",
 )
 @click.option(
+    "--chat-template",
+    metavar="NAME",
+    default=None,
+    help="With --chat (implied): the tokenizer's chat template of this name (additional_chat_templates/NAME.jinja, "
+    "such as tool_use) in place of its default one.",
+)
+@click.option(
     "--provider",
     type=click.Choice(["auto", "cpu", "cuda"]),
     default="auto",
@@ -574,7 +581,13 @@ def max_new_tokens_option(default: int, help: str):
 )
 @reports_errors
 def generate_command(
-    folder: Path, prompt: str, max_new_tokens: int, provider: str, threads: int | None, chat: bool = False
+    folder: Path,
+    prompt: str,
+    max_new_tokens: int,
+    provider: str,
+    threads: int | None,
+    chat: bool = False,
+    chat_template: str | None = None,
 ) -> None:
     """Greedy continuation of --prompt with the model in FOLDER, using the tokenizer in FOLDER.
 
@@ -593,7 +606,11 @@ def generate_command(
     tokenizer = _load_tokenizer(folder)
     if prompt == "-":
         prompt = _stdin_prompt()
-    prompt_ids = _chat_ids(folder, tokenizer, prompt) if chat else tokenizer(prompt, return_tensors="np")["input_ids"]
+    chat = chat or chat_template is not None
+    if chat:
+        prompt_ids = _chat_ids(folder, tokenizer, prompt, chat_template)
+    else:
+        prompt_ids = tokenizer(prompt, return_tensors="np")["input_ids"]
     if prompt_ids.shape[1] == 0:
         raise ThinkerError("--prompt tokenizes to nothing; give some text")
     _check_prompt(folder, prompt_ids, max_new_tokens)
@@ -784,15 +801,30 @@ def _refuse_unreadable_config(folder: Path) -> None:
         load_config(folder)
 
 
-def _chat_ids(folder: Path, tokenizer, message: str):
-    """``message`` as one user turn of the tokenizer's own chat template, the assistant's turn opened."""
-    if not tokenizer.chat_template:
+def _chat_ids(folder: Path, tokenizer, message: str, name: str | None = None):
+    """``message`` as one user turn of the tokenizer's own chat template (its default, or the one called ``name``),
+    the assistant's turn opened."""
+    templates = tokenizer.chat_template
+    if not templates:
         raise ThinkerError(
             f"{folder}: its tokenizer has no chat template (chat_template.jinja, or chat_template in "
             "tokenizer_config.json); run without --chat, or copy the source model's template into the folder"
         )
+    # one template, or several by name (transformers' dict, "default" the one used unless another is named)
+    named = sorted(templates) if isinstance(templates, dict) else []
+    if name is not None and name not in named:
+        held = f"its named ones: {', '.join(named)}" if named else "it has its default one alone"
+        raise ThinkerError(f"{folder}: its tokenizer has no chat template named {name!r} ({held})")
+    if name is None and named and "default" not in named:
+        raise ThinkerError(
+            f"{folder}: its tokenizer's chat templates are all named ({', '.join(named)}), none the default; "
+            "pick one with --chat-template NAME"
+        )
     conversation = [{"role": "user", "content": message}]
-    return tokenizer.apply_chat_template(conversation, add_generation_prompt=True, return_tensors="np")["input_ids"]
+    ids = tokenizer.apply_chat_template(
+        conversation, chat_template=name, add_generation_prompt=True, return_tensors="np"
+    )
+    return ids["input_ids"]
 
 
 def _check_prompt(folder: Path, prompt_ids, max_new_tokens: int) -> None:

@@ -383,6 +383,46 @@ def test_generate_chat_puts_the_prompt_in_the_chat_template(runner, thinker_fold
     assert onnx_run.stdout.strip() and onnx_run.stdout == torch_run.stdout
 
 
+def test_generate_chat_takes_a_named_template(runner, thinker_folder, tmp_path):
+    """--chat-template NAME: the tokenizer's template of that name (additional_chat_templates/NAME.jinja), --chat
+    implied; a tokenizer whose templates are all named, none the default, got a traceback from transformers ("multiple
+    chat templates with no default specified"): now one line saying how to pick one, as for a name it lacks."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from export.cli import _chat_ids
+
+    source = tmp_path / "thinker"
+    shutil.copytree(thinker_folder("qwen3"), source)
+    (source / "additional_chat_templates").mkdir()
+    (source / "additional_chat_templates" / "tool_use.jinja").write_text(CHAT_TEMPLATE)
+    (source / "additional_chat_templates" / "rag.jinja").write_text(CHAT_TEMPLATE.replace("the ", "a "))
+    output = tmp_path / "onnx"
+    assert runner.invoke(main, ["export", str(source), str(output), "--no-verify"]).exit_code == 0
+    assert (output / "additional_chat_templates" / "tool_use.jinja").read_text() == CHAT_TEMPLATE
+
+    def generate(folder, *options):
+        return runner.invoke(main, ["generate", str(folder), "-p", "cat sat", "-n", "6", *options])
+
+    unnamed = generate(output, "--chat")
+    assert unnamed.exit_code == 1, unnamed.output
+    assert unnamed.stderr.strip() == (
+        f"error: {output}: its tokenizer's chat templates are all named (rag, tool_use), none the default; pick one "
+        "with --chat-template NAME"
+    )
+    named = generate(output, "--chat-template", "tool_use")
+    (source / "chat_template.jinja").write_text(CHAT_TEMPLATE)  # the same words as the default: the same tokens
+    assert named.exit_code == 0 and named.stdout.strip() and named.stdout == generate(source, "--chat").stdout
+    tokenizer = AutoTokenizer.from_pretrained(output)  # each name its own template's words
+    for name, words in (("rag", "a cat sat is a"), ("tool_use", "the cat sat is a")):
+        expected = tokenizer(words, return_tensors="np")["input_ids"].tolist()
+        assert _chat_ids(output, tokenizer, "cat sat", name).tolist() == expected
+    missing = generate(output, "--chat-template", "nope")
+    assert missing.exit_code == 1
+    assert "its tokenizer has no chat template named 'nope' (its named ones: rag, tool_use)" in missing.stderr
+
+
 def test_help_teaches(runner):
     result = runner.invoke(main, ["--help"])
     assert result.exit_code == 0
