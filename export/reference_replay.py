@@ -20,6 +20,7 @@ rows of 141 tokens) do not add to the check's peak while the passes between run.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import tempfile
 from collections.abc import Callable
@@ -96,7 +97,8 @@ class ReferenceReplay:
 
     def _write(self, key: str, logits: np.ndarray, spread: np.ndarray | None) -> None:
         if self.file is None:
-            self.file = tempfile.TemporaryFile(dir=self.folder)
+            # unbuffered: a full disk fails the write that met it, never a flush later (at close, or a seek to read)
+            self.file = tempfile.TemporaryFile(dir=self.folder, buffering=0)
         self.file.seek(0, 2)
         self.offsets[key] = (self.file.tell(), spread is not None)
         np.save(self.file, np.ascontiguousarray(logits), allow_pickle=False)
@@ -111,7 +113,8 @@ class ReferenceReplay:
 
     def close(self) -> None:
         if self.file is not None:
-            self.file.close()
+            with contextlib.suppress(OSError):  # an unnamed file: nothing of it outlives the close, whatever it says
+                self.file.close()
             self.file = None
         self.offsets.clear()
 

@@ -5,6 +5,7 @@ the whole check's figures are those of running the reference every time, with fe
 from __future__ import annotations
 
 import errno
+import io
 
 import numpy as np
 import pytest
@@ -301,6 +302,43 @@ def test_a_disk_too_full_for_the_replay_costs_runs_not_the_check(tmp_path, monke
         np.testing.assert_array_equal(logits, runs[key][0])
     assert made == ["a", "b", "c", "a", "b"] and replay.replayed == 0
     assert not replay.holds("a") and list(tmp_path.iterdir()) == []
+
+
+class FullDisk(io.BytesIO):
+    """A file on a disk with ``room`` bytes left: a write past them fails as a full disk's does, and so does the
+    close, as a buffered file's flush of what it still held would (a review's run on a full tmpfs)."""
+
+    def __init__(self, room: int) -> None:
+        super().__init__()
+        self.room = room
+
+    def write(self, data) -> int:
+        if self.tell() + memoryview(data).nbytes > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write(data)
+
+    def close(self) -> None:
+        super().close()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_that_fails_the_close_too_costs_runs_not_the_check(tmp_path, monkeypatch):
+    replay, made = ReferenceReplay(tmp_path), []
+    runs = {key: (np.full((2, 300), index, np.float32), None) for index, key in enumerate("abc")}
+    monkeypatch.setattr(reference_replay.tempfile, "TemporaryFile", lambda **options: FullDisk(room=3000))
+    for key in ("a", "b", "a", "c"):  # "a" fits, "b" does not
+        logits, _ = replay.run(key, False, lambda key=key: made.append(key) or runs[key])
+        np.testing.assert_array_equal(logits, runs[key][0])
+    assert made == ["a", "b", "a", "c"] and replay.replayed == 0
+    replay.close()
+
+
+def test_the_replays_file_is_unbuffered(tmp_path):
+    """What a write does not put on the disk at once would meet a full disk at a later flush, outside the handling."""
+    replay = ReferenceReplay(tmp_path)
+    replay.run("a", False, lambda: (np.ones((1, 2), np.float32), None))
+    assert isinstance(replay.file, io.FileIO)
+    replay.close()
 
 
 def test_another_write_error_is_not_taken_for_a_full_disk(tmp_path, monkeypatch):
