@@ -122,7 +122,7 @@ class ThinkerConfig(PreTrainedConfig):
     attention_output_bias: bool | None = None  # bias on o_proj; None: same as attention_bias (Llama, GPT-2)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     attention_output_gate: bool = False  # q_proj also yields a per-head gate; output * sigmoid(gate) (Qwen3.5)
-    attention_dropout: float | int = 0.0
+    attention_dropout: float | int | None = 0.0  # None (Llama's and Qwen2-VL's configs allow it): 0.0
 
     # --- positions --------------------------------------------------------------------------------------------
     position_embedding_type: str = "rope"  # "rope", or "learned" absolute positions (GPT-2 / PrimeGPT)
@@ -216,6 +216,8 @@ class ThinkerConfig(PreTrainedConfig):
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.attention_output_bias is None:
             self.attention_output_bias = self.attention_bias
+        if self.attention_dropout is None:
+            self.attention_dropout = 0.0
         if self.moe_intermediate_size is None:
             self.moe_intermediate_size = self.intermediate_size
         if self.mlp_only_layers is None:

@@ -323,6 +323,23 @@ def test_llama_with_biases_and_llama3_rope(save_reference, run_convert):
     assert_same_logits(model, result.output)
 
 
+def test_an_attention_dropout_of_null_converts_and_loads(save_reference, run_convert):
+    """Llama's and Qwen2-VL's configs allow ``"attention_dropout": null``: once the Thinker's fields were type-checked
+    (``@strict``) such a source no longer converted, nor did a folder converted from it load (a review). It reads as
+    0.0, as a dropout of None would not train."""
+    model, source = save_reference(LlamaConfig(**SMALL, intermediate_size=56, num_attention_heads=4))
+    config_file = source / "config.json"
+    config_file.write_text(config_file.read_text().replace('"attention_dropout": 0.0', '"attention_dropout": null'))
+    assert LlamaConfig.from_pretrained(source).attention_dropout is None
+    result = run_convert(source)
+    assert_verified(result, "llama")
+    assert ThinkerConfig.from_pretrained(result.output).attention_dropout == 0.0
+    written = result.output / "config.json"  # a folder converted before, its null kept
+    written.write_text(written.read_text().replace('"attention_dropout": 0.0', '"attention_dropout": null'))
+    assert '"attention_dropout": null' in written.read_text()
+    assert ThinkerForCausalLM.from_pretrained(result.output).config.attention_dropout == 0.0
+
+
 GPT2_SMALL = dict(
     vocab_size=71, n_embd=24, n_layer=3, n_head=3, n_positions=40, n_inner=40, bos_token_id=0, eos_token_id=0
 )
