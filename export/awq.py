@@ -90,7 +90,7 @@ UNTOKENIZED_TOKENS = 512
 ALPHAS = tuple(step / 10 for step in range(11))
 SEARCH_ROWS = 256
 SEARCH_DTYPE = search_dtype()
-SHARD_BYTES = 5 * 2**30  # the staged copy is read back by the export alone: any shard size does
+SHARD_BYTES = 2**31  # the staged copy is read back by the export alone: files any file system takes (FAT32: 4 GiB)
 MAGNITUDE_RANGE = 1e4  # the widest ratio of two channels' mean input magnitudes the scales follow
 # What the weights held at once (held_bytes) take beside them: a layer's activations over the calibration, its
 # groups' recorded rows, the search's rounded copies.

@@ -17,6 +17,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+import torch
 from cli_helpers import (
     REPO,
     assert_error,
@@ -442,7 +443,7 @@ def test_a_file_larger_than_the_file_system_takes(limit, qwen3_source, tmp_path)
     )  # written from memory, not copied by the kernel
     result = run_cli("convert", qwen3_source, tmp_path / "out", "--no-verify", *cast, file_size=file_size)
     line = assert_process_error(result, "model.safetensors: File too large", "write to another file system")
-    assert "or convert with a smaller --max-shard-size" in line
+    assert line.endswith("write to another file system, or with a smaller --max-shard-size")
     assert sorted(os.listdir(tmp_path)) == []
 
 
@@ -454,6 +455,30 @@ def test_an_export_larger_than_the_file_system_takes(qwen3_thinker, tmp_path):
     line = assert_process_error(result, "model.onnx.data: File too large", "write to another file system")
     assert "--max-shard-size" not in line  # a shard's remedy, no export option
     assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_an_exports_own_shards_past_the_limit_are_not_advised_a_shard_size(tmp_path):
+    """The activation-aware scales stage a float32 copy of the weights in .safetensors shards: past the limit, the
+    advice is the file system alone, as ``thinker export`` takes no --max-shard-size (a review: it advised one)."""
+    from cli_helpers import save_word_tokenizer
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from converter.convert import convert
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "source")
+    save_word_tokenizer(tmp_path / "source", config.vocab_size)
+    thinker = convert(tmp_path / "source", tmp_path / "thinker", verify=False, progress=False).output
+    weights = sum(path.stat().st_size for path in thinker.glob("*.safetensors"))  # bfloat16: half the staged copy
+    options = ["--quantize", "int4", "--awq", "--no-verify"]
+    result = run_cli("export", thinker, tmp_path / "onnx", *options, file_size=weights * 3 // 2)
+    line = assert_process_error(result, "model.safetensors: File too large", "write to another file system")
+    assert "--max-shard-size" not in line
+    assert not (tmp_path / "onnx").exists()
 
 
 def test_a_source_path_that_is_not_utf8(qwen3_source, tmp_path):

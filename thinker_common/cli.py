@@ -70,7 +70,9 @@ def reports_errors(command: Callable) -> Callable:
                 # gives a process SIGPIPE ends, as shell tools do. What was written stays written: a conversion's
                 # OUTPUT is in place before its summary is printed.
                 sys.exit(128 + signal.SIGPIPE)
-            click.secho(f"error: {os_error_line(err)}", fg="red", err=True)
+            context = click.get_current_context(silent=True)
+            sharded = context is not None and any(param.name == "max_shard_size" for param in context.command.params)
+            click.secho(f"error: {os_error_line(err, sharded)}", fg="red", err=True)
             sys.exit(1)
         except ModuleNotFoundError as err:  # a dependency uninstalled beside the tool (pip uninstall onnxruntime-gpu)
             if debug or err.name not in MISSING_PACKAGE_ADVICE:
@@ -143,12 +145,14 @@ _OS_ERROR_ADVICE = {
 }
 
 
-def os_error_line(err: OSError) -> str:
-    """One line for an OSError: the file it names, what happened, and what to do."""
+def os_error_line(err: OSError, sharded: bool = False) -> str:
+    """One line for an OSError: the file it names, what happened, and what to do. ``sharded``: the command takes
+    --max-shard-size (a conversion), whose shards are then advised smaller; an export's files are not its shards
+    (``model.onnx.data``, or the activation-aware scales' staged copy in shards of its own)."""
     where = f"{err.filename}: " if err.filename else ""
     advice = _OS_ERROR_ADVICE.get(err.errno)
-    if err.errno == errno.EFBIG and str(err.filename or "").endswith(".safetensors"):  # a shard, not model.onnx.data
-        advice += ", or convert with a smaller --max-shard-size"
+    if err.errno == errno.EFBIG and sharded and str(err.filename or "").endswith(".safetensors"):
+        advice += ", or with a smaller --max-shard-size"
     if err.errno == errno.ENAMETOOLONG and err.filename and not _a_name_too_long(err.filename):
         # every name fits: the whole path is what is too long (Linux's PATH_MAX, 4096 bytes)
         advice = "the whole path is longer than the system takes (4096 bytes): choose a shorter path"
