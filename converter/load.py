@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from thinker import ThinkerConfig, ThinkerForCausalLM, foreign
+from thinker_common.config_values import check_model_config
 from thinker_common.sources import open_source
 
 from .engine import plan_conversion, stream_tensors
@@ -49,6 +50,7 @@ def config_for(source: str | Path, *, revision: str | None = None, dtype: str = 
     try:
         source_config = tensor_source.config()
         if source_config.get("model_type") == ThinkerConfig.model_type:
+            check_model_config(source_config, f"{root}/config.json")  # by key, as thinker export reads the folder
             config = ThinkerConfig.from_pretrained(root)
             if (asked := folder_dtype(dtype, tensor_source)) != "auto":  # as load_thinker loads the folder
                 config.dtype = asked

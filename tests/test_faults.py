@@ -248,6 +248,8 @@ def test_signals_unwind_and_exit_with_the_shells_status(signum, words, signalled
 INTERRUPTED_AT_EXIT = """
 import atexit, signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)  # a pytest started with SIGINT ignored passes that on
+signal.signal(signal.SIGTERM, signal.SIG_DFL)  # and one under nohup SIGHUP ignored: each signal kills, as by default
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
 def late():
     print("exiting", flush=True)
     time.sleep(3)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -174,6 +175,26 @@ def test_config_limits_hold_at_their_edges(config, refused):
         assert problem is None
     else:
         assert problem is not None and problem.startswith(refused), problem
+
+
+@pytest.mark.parametrize(
+    ("config", "shown"),
+    [
+        ({"model_type": "qwen3_vl", "text_config": {"dtype": "float8"}}, "text_config.dtype='float8'"),
+        (
+            {"model_type": "qwen3_omni_moe", "thinker_config": {"text_config": {"torch_dtype": "half8"}}},
+            "thinker_config.text_config.torch_dtype='half8'",
+        ),
+    ],
+)
+def test_a_nested_configs_dtype_torch_lacks_is_named(config, shown):
+    """A vision-language or omni source's dtype lies in its text config too (a review: still "module 'torch' has no
+    attribute 'float8'" there)."""
+    from converter.families.common import load_hf_config
+    from thinker_common.errors import ThinkerError
+
+    with pytest.raises(ThinkerError, match=rf"{re.escape(shown)} is not a dtype torch has"):
+        load_hf_config(config, config["model_type"])
 
 
 @pytest.mark.parametrize("case", BAD_VALUES)

@@ -46,8 +46,9 @@ def _real(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def dtype_problem(config: Mapping[str, Any]) -> str | None:
-    """A ``dtype`` (or the older ``torch_dtype``) of ``config`` that names no torch dtype, described with its key:
+def dtype_problem(config: Mapping[str, Any], within: str = "") -> str | None:
+    """A ``dtype`` (or the older ``torch_dtype``) of ``config`` or of a config nested in it (``text_config``,
+    ``thinker_config`` ...: every key ending in ``_config``) that names no torch dtype, described with its key:
     transformers' configs look the name up on torch and said only "module 'torch' has no attribute 'float8'" (a QA
     run). None where each is absent, a torch.dtype or a name torch has."""
     import torch
@@ -57,7 +58,11 @@ def dtype_problem(config: Mapping[str, Any]) -> str | None:
         if value is None or isinstance(value, torch.dtype):
             continue
         if not (isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype)):
-            return f"{key}={value!r} is not a dtype torch has (such as float32, bfloat16 or float16)"
+            return f"{within}{key}={value!r} is not a dtype torch has (such as float32, bfloat16 or float16)"
+    for key, nested in config.items():
+        if isinstance(key, str) and key.endswith("_config") and isinstance(nested, Mapping):
+            if problem := dtype_problem(nested, f"{within}{key}."):
+                return problem
     return None
 
 

@@ -109,6 +109,21 @@ def test_auto_model_builds_the_thinker_from_a_qwen3_folder(save_reference):
     assert_same_padded_logits(reference, model)
 
 
+def test_config_for_names_a_thinker_folders_bad_value_by_key(save_reference, run_convert, tmp_path):
+    """A Thinker folder's config.json is read by key first, as ``thinker export`` reads it (a review: the Python
+    API gave the type check's words, or for a size as text one naming another key)."""
+    import json
+
+    from thinker_common.errors import ThinkerError
+
+    _, source = save_reference(Qwen3Config(vocab_size=67, hidden_size=32, num_hidden_layers=2, intermediate_size=40))
+    folder = run_convert(source, verify=False).output
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": "2"}))
+    with pytest.raises(ThinkerError, match=r"config\.json: num_hidden_layers='2' must be a whole number above 0"):
+        config_for(folder)
+
+
 def test_load_runs_the_converter_checks(tmp_path):
     """The same completeness checks as a conversion: a tensor no rule maps is an error that names it."""
     reference = uomni.ThinkerLM(uomni.tiny_config())
