@@ -129,9 +129,21 @@ class GGUFSource:
         # with it set and checked without (found by a benchmark run).
         for key in LOADING_KEYS:
             tokenizer.init_kwargs.pop(key, None)
-        before = set(os.listdir(folder))
+        if named := self.named_chat_templates():
+            default = tokenizer.chat_template
+            tokenizer.chat_template = {**named, **({"default": default} if isinstance(default, str) else {})}
+        before = _files_in(folder)
         tokenizer.save_pretrained(folder)
-        return sorted(set(os.listdir(folder)) - before)
+        return sorted(_files_in(folder) - before)
+
+    def named_chat_templates(self) -> dict[str, str]:
+        """The chat templates besides the default one that llama.cpp's converter writes from a checkpoint's
+        ``additional_chat_templates/`` (``tokenizer.chat_templates``, each ``tokenizer.chat_template.NAME``), by name;
+        transformers' GGUF tokenizer reads the default one alone, so ``apply_chat_template(chat_template="tool_use")``
+        took the name for a template (a review). The tokenizer then saves them where it reads them."""
+        names = self.metadata.get("tokenizer.chat_templates") or ()
+        found = {str(name): self.metadata.get(f"tokenizer.chat_template.{name}") for name in names}
+        return {name: template for name, template in found.items() if isinstance(template, str) and name != "default"}
 
     def _warn_unembeddable(self, tokenizer: Any, rows: int) -> None:
         """Ids the tokenizer can give that the embedding has no row for, told apart by where they come from: the
@@ -196,6 +208,11 @@ class GGUFSource:
 DEQUANTIZE_PIECE = 1 << 20
 # The keys of a tokenizer's init_kwargs that record how transformers loaded it (``save_tokenizer``).
 LOADING_KEYS = ("local_files_only", "is_local")
+
+
+def _files_in(folder: Path) -> set[str]:
+    """The paths of ``folder``'s files within it, ``/``-separated (named chat templates lie in a folder)."""
+    return {path.relative_to(folder).as_posix() for path in Path(folder).rglob("*") if path.is_file()}
 
 
 def dequantized(data: np.ndarray, kind: Any) -> torch.Tensor:

@@ -141,6 +141,39 @@ def test_a_gguf_tokenizer_is_the_same_files_offline_or_not(tmp_path, run_convert
         source.close()
 
 
+@pytest.mark.parametrize("default", [True, False])
+def test_a_gguf_files_named_chat_templates_travel(default, tmp_path, run_convert):
+    """llama.cpp writes a checkpoint's additional_chat_templates/ as ``tokenizer.chat_template.NAME`` (listed in
+    ``tokenizer.chat_templates``); transformers' GGUF tokenizer reads the default alone, so the named ones were
+    dropped and ``apply_chat_template(chat_template="tool_use")`` returned "tool_use" (a review). They come back where
+    transformers reads them, and ``thinker verify``'s rebuild of the tokenizer holds them too."""
+    from transformers import AutoTokenizer
+
+    from converter.convert import refuse_other_tokenizer
+    from thinker_common.gguf_reader import GGUFSource
+
+    metadata = {
+        **byte_pair_vocabulary(byte_pair_tokens(58)),
+        "tokenizer.chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}" if default else None,
+        "tokenizer.chat_templates": ["tool_use"],
+        "tokenizer.chat_template.tool_use": "TOOL {% for m in messages %}{{ m['content'] }}{% endfor %}",
+    }
+    (tmp_path / "gguf").mkdir()
+    path = write_gguf(build_reference(SYNTHETIC["llama"]), tmp_path / "gguf" / "tiny.gguf", "llama", metadata)
+    output = run_convert(path, verify=False).output
+    assert (output / "additional_chat_templates" / "tool_use.jinja").is_file()
+    tokenizer = AutoTokenizer.from_pretrained(output)
+    messages = [{"role": "user", "content": "ab"}]
+    assert tokenizer.apply_chat_template(messages, chat_template="tool_use", tokenize=False) == "TOOL ab"
+    if default:
+        assert tokenizer.apply_chat_template(messages, tokenize=False) == "ab"
+    source = GGUFSource(path)
+    try:
+        refuse_other_tokenizer(source, output)
+    finally:
+        source.close()
+
+
 SCALED = {  # RoPE scaling as a GGUF records it: (architecture, its keys, the Hugging Face parameters they stand for)
     "qwen2 yarn": (
         "qwen2",
