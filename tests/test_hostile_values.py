@@ -5,6 +5,7 @@ and no library warning before it, nothing at OUTPUT, in bounded time and memory.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -206,6 +207,46 @@ def test_convert_refuses_config_values_no_model_has(case, source_copy, tmp_path)
     message = assert_error(thinker("convert", source, output), "config.json", *fragments)
     assert "does not match its reference" not in message
     assert_nothing_written(output)
+
+
+@pytest.mark.parametrize("changes", [{"dtype": "Tensor"}, {"torch_dtype": "float8"}])
+def test_a_dtype_torch_lacks_is_named_under_either_key(changes, source_copy, tmp_path):
+    """transformers reads the older ``torch_dtype`` too, and looks any name up on torch, where "Tensor" is no dtype
+    (a mutation run)."""
+    source = source_copy()
+    edit_config(source, **changes)
+    ((key, value),) = changes.items()
+    assert_error(thinker("convert", source, tmp_path / "out"), f"{key}={value!r} is not a dtype torch has")
+
+
+def test_the_way_back_names_a_dtype_torch_lacks(qwen3_thinker, tmp_path):
+    folder = shutil.copytree(qwen3_thinker, tmp_path / "thinker")
+    edit_config(folder, dtype="float8")
+    result = thinker("convert", folder, tmp_path / "back", "--to", "qwen3", "--no-verify")
+    assert_error(result, str(folder / "config.json"), "dtype='float8' is not a dtype torch has")
+
+
+def test_a_stale_index_beside_the_whole_file_is_no_refusal(source_copy, tmp_path):
+    """transformers reads model.safetensors before any index: a bin index beside it, naming shards long gone, is
+    not the metadata check's to refuse (the layer check runs it before any load; a mutation run)."""
+    source = source_copy()
+    names = list(load_file(source / "model.safetensors"))
+    (source / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(names, "gone.bin")}))
+    result = thinker("convert", source, tmp_path / "out", "--verify-by-layer")
+    assert result.exit_code == 0, result.output
+
+
+def test_a_failed_fsync_names_the_shard(source_copy, tmp_path, monkeypatch):
+    """fsync's error names no file (NFS, a quota found at the flush): the shard's name is put on it (a mutation run)."""
+    from converter import shards
+
+    def failing(descriptor):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(shards.os, "fsync", failing)
+    result = thinker("convert", source_copy(), tmp_path / "out", "--no-verify")
+    assert_error(result, "model.safetensors: Input/output error")
+    assert_nothing_written(tmp_path / "out")
 
 
 @pytest.mark.parametrize("case", BAD_VALUES)

@@ -735,6 +735,16 @@ def test_a_file_where_huggingface_hub_wants_a_folder_is_named_by_its_variable(wh
         resolve_source("acme/a", **options)
 
 
+@pytest.mark.parametrize(
+    "name", ["additional_chat_templates", "x.tiktoken/vocab", "additional_chat_templates/a.jinja/b"]
+)
+def test_a_tokenizer_pattern_matches_whole_folder_levels_only(name):
+    """A folder named as a pattern's file, or a file below one, is no tokenizer file (a mutation run)."""
+    from thinker_common.side_files import is_tokenizer_file
+
+    assert not is_tokenizer_file(name)
+
+
 def test_a_named_chat_template_comes_down_with_the_tokenizer(fake_hub):
     """transformers keeps a tokenizer's named chat templates in ``additional_chat_templates/``: fetched with the
     tokenizer, where a file of another folder is not."""

@@ -341,6 +341,25 @@ def test_the_replays_file_is_unbuffered(tmp_path):
     replay.close()
 
 
+def test_a_disk_full_once_stops_the_recording_for_good(tmp_path, monkeypatch):
+    """Space that comes back after the failure records nothing more: a later run recorded alone would leave a
+    comparison reading back part of its runs (a mutation run)."""
+    calls, save = [], np.save
+
+    def once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        save(*args, **kwargs)
+
+    monkeypatch.setattr(reference_replay.np, "save", once)
+    replay, made = ReferenceReplay(tmp_path), []
+    runs = {key: (np.full((2, 3), index, np.float32), None) for index, key in enumerate("abc")}
+    for key in ("a", "b", "c", "c"):
+        replay.run(key, False, lambda key=key: made.append(key) or runs[key])
+    assert made == ["a", "b", "c", "c"] and replay.replayed == 0 and list(tmp_path.iterdir()) == []
+
+
 def test_another_write_error_is_not_taken_for_a_full_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(reference_replay.np, "save", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EIO, "I/O")))
     with pytest.raises(OSError, match="I/O"):
