@@ -137,6 +137,8 @@ def write_onnx_card(folder: Path, thinker_folder: Path, report: dict, name: str,
         prefix = report.get("genai_prompt_prefix") or []
         append = GENAI_APPEND_PREFIX.format(count=len(prefix), prefix=prefix) if prefix else GENAI_APPEND
         run = GENAI_RUN.format(name=name, max_length=genai_max_length(folder), append=append)
+        if "linear_attention" in (config.get("layer_types") or ()):
+            run += HYBRID_BEAMS
     else:
         run = ONNXRUNTIME_RUN.format(name=name)
     body = f"""# {name}
@@ -161,6 +163,15 @@ def embeds_run(name: str, report: dict, config: dict) -> str:
     positions = TEXT_POSITIONS if multimodal and report.get("positions") == "text" else ""
     deepstack = DEEPSTACK_RUN if config.get("deepstack_layers") else ""
     return EMBEDS_RUN.format(name=name, positions=positions, deepstack=deepstack)
+
+
+# onnxruntime-genai 0.18 reorders the KV cache by beam, not the linear-attention states (RecurrentState::Update):
+# test_onnx_genai.py pins it.
+HYBRID_BEAMS = (
+    "\nBeam search (`num_beams` above 1) goes wrong on this model under onnxruntime-genai 0.18, without an error: "
+    "it reorders the attention cache by beam but not the linear-attention states. Greedy search and sampling are "
+    "right.\n"
+)
 
 
 # --logits last: what a caller scoring a text must know before it reads the logits.

@@ -2,7 +2,8 @@
 test_onnx_hybrid.py.
 
 Reads [{"folder": ..., "prompt": [ids] or "prompts": [[ids], ...], "max_new_tokens": n, "provider": "cuda"
-(optional: the folder's own providers otherwise)}, ...] as JSON on stdin and
+(optional: the folder's own providers otherwise), "num_beams": k (optional, one prompt: beam search)}, ...] as JSON on
+stdin and
 prints, for each case, the full token sequence (one prompt) or the list of each row's new tokens (several prompts,
 padded with the model's pad id as a batch; "pad": "right" (the default) or "left"), as JSON: one process for every
 case, since loading onnxruntime-genai takes a while.
@@ -30,10 +31,14 @@ def load(folder: str, provider: str | None = None):
     return og.Model(config)
 
 
-def greedy(folder: str, prompt: list[int], max_new_tokens: int, provider: str | None = None) -> list[int]:
+def greedy(
+    folder: str, prompt: list[int], max_new_tokens: int, provider: str | None = None, num_beams: int = 1
+) -> list[int]:
+    """The one prompt's whole sequence, greedy; ``num_beams`` > 1: beam search's best beam (early stopping)."""
     model = load(folder, provider)
     params = og.GeneratorParams(model)
-    params.set_search_options(do_sample=False, max_length=len(prompt) + max_new_tokens)
+    beams = {"num_beams": num_beams, "early_stopping": True} if num_beams > 1 else {}
+    params.set_search_options(do_sample=False, max_length=len(prompt) + max_new_tokens, **beams)
     generator = og.Generator(model, params)
     generator.append_tokens(prompt)
     while not generator.is_done():
@@ -102,7 +107,9 @@ def run(case: dict):
     if "prompts" in case:
         args = case["folder"], case["prompts"], case["max_new_tokens"], case.get("provider"), case.get("pad", "right")
         return greedy_batch(*args)
-    return greedy(case["folder"], case["prompt"], case["max_new_tokens"], case.get("provider"))
+    return greedy(
+        case["folder"], case["prompt"], case["max_new_tokens"], case.get("provider"), case.get("num_beams", 1)
+    )
 
 
 if __name__ == "__main__":

@@ -111,6 +111,40 @@ def test_a_second_turn_under_genai_needs_a_rewind(
             assert rewound == expected, f"{name}, {way_round}: genai {rewound} != transformers {expected}"
 
 
+def test_beam_search_under_genai_is_wrong_on_hybrid_models_alone(genai_python, thinker_variant, onnx_variant):
+    """What README says of beam search under onnxruntime-genai 0.18: on a dense model its beams are transformers'
+    (``generate(num_beams=3)``); on a hybrid one they go wrong without an error, as genai reorders the KV cache by beam
+    but not the linear-attention states (``RecurrentState::Update`` swaps past and present alone; a QA run). This pins
+    both: should a later onnxruntime-genai reorder them, the hybrid assertion fails and README changes."""
+    from thinker import ThinkerForCausalLM
+
+    folders = {"qwen3": (onnx_variant("qwen3", head_dim=None), thinker_variant("qwen3"))}
+    folders["qwen3_5"] = (onnx_variant("qwen3_5", head_dim=None), thinker_variant("qwen3_5"))
+    prompt, new_tokens = [5, 6, 7, 8, 9, 10, 11], 10
+    cases = [
+        {"folder": str(onnx), "prompt": prompt, "max_new_tokens": new_tokens, "num_beams": 3}
+        for onnx, _ in folders.values()
+    ]
+    done = subprocess.run(
+        [str(genai_python), str(SCRIPT)], input=json.dumps(cases), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    beams = dict(zip(folders, json.loads(done.stdout), strict=True))
+    expected = {}
+    for name, (_, folder) in folders.items():
+        model = ThinkerForCausalLM.from_pretrained(folder).eval()
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt]), max_new_tokens=new_tokens, num_beams=3, early_stopping=True, do_sample=False
+            )
+        expected[name] = out[0].tolist()
+    assert beams["qwen3"] == expected["qwen3"], f"dense: genai {beams['qwen3']} != transformers {expected['qwen3']}"
+    assert beams["qwen3_5"] != expected["qwen3_5"], "onnxruntime-genai now reorders the recurrent states: update README"
+    warned = {name: "Beam search (`num_beams` above 1) goes wrong" in (onnx / "README.md").read_text()
+              for name, (onnx, _) in folders.items()}  # fmt: skip
+    assert warned == {"qwen3": False, "qwen3_5": True}, warned  # the export's card says so where it applies
+
+
 HYBRID_PROMPTS = [[5, 9, 17, 33, 4, 21, 8, 7], [11, 12, 13, 14, 15, 16, 17, 18]]  # no pad id (0): genai masks it
 HYBRID_NEW_TOKENS = 12
 
