@@ -116,6 +116,22 @@ def test_dynamic_int8_quantization_of_the_plain_graph(onnx_folder, tmp_path):
     assert relative(run(quantized), run(exported)) < 0.2  # measured 4.9e-2: int8 weights and activations
 
 
+def test_dynamic_int8_quantization_of_the_fused_graph_after_its_pre_processing(onnx_variant, tmp_path):
+    """The default (fused) graph's contrib ops leave onnxruntime's own shape inference without the types
+    ``quantize_dynamic`` asks for ("Unable to find data type for weight_name=...", a QA run): its
+    ``quant_pre_process`` with ``auto_merge`` (symbolic shapes) first, as README says."""
+    from onnxruntime.quantization import QuantType, quant_pre_process, quantize_dynamic
+
+    exported = onnx_variant("qwen3") / MODEL_FILE
+    with pytest.raises(RuntimeError, match="Unable to find data type"):  # onnxruntime's side: pinned, as above
+        quantize_dynamic(str(exported), str(tmp_path / "bare.onnx"), weight_type=QuantType.QInt8)
+    prepared, quantized = tmp_path / "prepared.onnx", tmp_path / "int8.onnx"
+    quant_pre_process(str(exported), str(prepared), auto_merge=True, save_as_external_data=True)
+    quantize_dynamic(str(prepared), str(quantized), weight_type=QuantType.QInt8, use_external_data_format=True)
+    assert any(node.op_type == "DynamicQuantizeLinear" for node in graph_nodes(quantized))
+    assert relative(run(quantized), run(exported)) < 0.2  # as the plain graph's
+
+
 def test_matmul_nbits_quantizer(float_export, tmp_path):
     """What ``--quantize int4`` runs for the projections, run by hand on a float export (without the head and
     embedding layouts, the accuracy guard and the check that ``--quantize`` adds)."""
