@@ -32,7 +32,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 
 from thinker import ThinkerConfig
-from thinker_common.config_values import check_model_config
+from thinker_common.config_values import load_thinker_config
 from thinker_common.dtypes import dtype_name
 from thinker_common.errors import ThinkerError
 from thinker_common.side_files import copy_files, read_json, readable_tokenizer_files
@@ -84,13 +84,7 @@ def read_thinker_config(folder: Path) -> ThinkerConfig:
     model_type = data.get("model_type") if isinstance(data, dict) else None
     if model_type != ThinkerConfig.model_type:
         raise ThinkerError(f"{path}: model_type is {model_type!r}, not 'thinker'; --to takes a Thinker folder")
-    check_model_config(data, str(path))  # its values by key first, before the config computes from them
-    try:
-        config = ThinkerConfig.from_pretrained(folder)
-    except Exception as err:  # transformers' config loading raises many types for a damaged file
-        raise ThinkerError(f"{path}: not a readable Thinker config ({' '.join(str(err).split())})") from None
-    check_model_config(config.to_dict(), str(path))
-    return config
+    return load_thinker_config(folder, data)
 
 
 def export_config(family: Family, config: ThinkerConfig) -> dict[str, Any]:

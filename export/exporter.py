@@ -25,7 +25,7 @@ import torch
 from converter.hub import local_checkpoint, normal_subfolder, refuse_empty_source, resolve_source
 from converter.model_card import source_top
 from thinker.configuration_thinker import ThinkerConfig
-from thinker_common.config_values import check_model_config
+from thinker_common.config_values import load_thinker_config
 from thinker_common.dtypes import FLOAT_DTYPES, dtype_name, torch_dtype
 from thinker_common.errors import ThinkerError
 from thinker_common.model_card import in_hub_snapshot
@@ -585,16 +585,7 @@ def local_source(
 
 # --- the model folder ---------------------------------------------------------------------------------------------
 def load_config(model_dir: Path) -> ThinkerConfig:
-    where = f"{model_dir}/config.json"
-    raw = read_json(Path(model_dir) / "config.json")
-    if isinstance(raw, dict):  # its values by key first, before the config computes from them
-        check_model_config(raw, where)
-    try:
-        config = ThinkerConfig.from_pretrained(model_dir)
-    except Exception as err:  # transformers' config loading raises many types for a damaged file
-        raise ThinkerError(f"{where}: not a readable Thinker config ({' '.join(str(err).split())})") from None
-    check_model_config(config.to_dict(), where)
-    return config
+    return load_thinker_config(model_dir)
 
 
 def weights_size(source: str | Path, dtype: torch.dtype) -> int | None:
