@@ -32,7 +32,6 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 
 from thinker import ThinkerConfig
-from thinker_common.config_values import load_thinker_config
 from thinker_common.dtypes import dtype_name
 from thinker_common.errors import ThinkerError
 from thinker_common.side_files import copy_files, read_json, readable_tokenizer_files
@@ -60,6 +59,7 @@ from .output_dtype import kept_wider, resolve_dtype
 from .parity import parity_gate, parity_mode, refuse_bad_memory_setting
 from .parity_report import BY_LAYER, PARITY_FILE
 from .spec import Family
+from .thinker_config import load_thinker_config
 
 
 def exportable_families() -> list[str]:

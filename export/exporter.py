@@ -24,8 +24,8 @@ import torch
 
 from converter.hub import local_checkpoint, normal_subfolder, refuse_empty_source, resolve_source
 from converter.model_card import source_top
+from converter.thinker_config import load_thinker_config
 from thinker.configuration_thinker import ThinkerConfig
-from thinker_common.config_values import load_thinker_config
 from thinker_common.dtypes import FLOAT_DTYPES, dtype_name, torch_dtype
 from thinker_common.errors import ThinkerError
 from thinker_common.model_card import in_hub_snapshot

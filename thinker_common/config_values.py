@@ -11,14 +11,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .errors import ThinkerError
-from .side_files import read_json
-
-if TYPE_CHECKING:
-    from thinker import ThinkerConfig
 
 # The longest context of any released model is 10,485,760 positions (Llama 4 Scout); Qwen's longest is ~1M. A value
 # beyond 2^24 is a typo or a sentinel, and the exported RoPE tables alone would take hundreds of GiB.
@@ -131,21 +126,3 @@ def check_model_config(config: Mapping[str, Any], where: str) -> None:
     problem = config_problem(config)
     if problem is not None:
         raise ThinkerError(f"{where}: {problem}; correct the value")
-
-
-def load_thinker_config(folder: Path, raw: Any = None) -> ThinkerConfig:
-    """A Thinker folder's config: config.json's values (``raw`` where the caller has read them) checked by key first,
-    before the config computes from them, then built and checked again as built; one line naming the file where
-    transformers cannot build it."""
-    from thinker import ThinkerConfig  # here, so that the command line's help imports no model
-
-    where = f"{folder}/config.json"
-    raw = read_json(Path(folder) / "config.json") if raw is None else raw
-    if isinstance(raw, Mapping):
-        check_model_config(raw, where)
-    try:
-        config = ThinkerConfig.from_pretrained(folder)
-    except Exception as err:  # transformers' config loading raises many types for a damaged file
-        raise ThinkerError(f"{where}: not a readable Thinker config ({' '.join(str(err).split())})") from None
-    check_model_config(config.to_dict(), where)
-    return config
