@@ -1017,7 +1017,9 @@ def refuse_pads_between_tokens(new_slots: np.ndarray, linear_attention: bool) ->
 
 
 def position_ids_from_mask(attention_mask: np.ndarray) -> np.ndarray:
-    """Each kept slot's position counts the kept slots before it; pads get 0 (any valid row of the tables)."""
+    """Each kept slot's position counts the kept slots before it. Pads before a row's tokens get 0 (any valid row
+    of the tables); pads after them repeat its last position, so that one past a row's last slot is one past its
+    last token in either padding (onnxruntime-genai's right-padded rows)."""
     return np.maximum(np.cumsum(attention_mask, axis=-1) - 1, 0).astype(np.int64)
 
 
