@@ -16,8 +16,6 @@ from thinker_common.errors import ThinkerError
 from thinker_common.gguf_reader import GGUFSource, gguf_read_once
 from thinker_common.staging import not_an_earlier_output, refuse_output_over_source
 
-DEFAULT_PROMPT = "The capital of France is"
-
 
 def run_demo(workdir: Path, prompt: str, max_new_tokens: int, generate) -> None:
     """Runs the four steps; ``generate(folder, prompt, max_new_tokens)`` prints a greedy continuation."""
