@@ -163,10 +163,10 @@ def float_experts_note(
     report) are its own line's to say: their widths fit."""
     if quantize is None or routed_experts(config, nodes_by_op, guard).get("routed_experts") != FLOAT_EXPERTS:
         return None
+    advice = WeightQuantizer(quantize, torch.float32).experts_advice(config.hidden_size, config.moe_intermediate_size)
     return (
         f"the routed experts stay float: their widths (hidden_size={config.hidden_size}, moe_intermediate_size="
-        f"{config.moe_intermediate_size}) are not whole blocks of --block-size {quantize.block_size} (or give fewer "
-        "than 16 outputs); a smaller --block-size quantizes them where the widths allow"
+        f"{config.moe_intermediate_size}) do not fit --block-size {quantize.block_size}; {advice}"
     )
 
 

@@ -61,7 +61,7 @@ import dataclasses
 import logging
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -515,6 +515,29 @@ class WeightQuantizer:
         (``applies_to_shape``)."""
         whole_blocks = self.spec.bits == 8 or in_features % self.spec.block_size == 0
         return whole_blocks and self.applies_to_shape((in_features, rows))
+
+    def experts_advice(self, hidden_size: int, expert_size: int) -> str:
+        """What quantizes routed experts of these widths that this spec left float (``applies_to_experts`` of both
+        stacks, (2I, C) and (C, I)): the widest --block-size that does, else int8 (a scale per row takes any
+        width), else why nothing does."""
+        stacks = ((2 * expert_size, hidden_size), (hidden_size, expert_size))
+        if min(rows for rows, _ in stacks) < MIN_OUTPUTS:
+            return f"an expert gives fewer than {MIN_OUTPUTS} outputs, which no --block-size changes"
+
+        def quantized(spec: QuantizeSpec) -> bool:
+            return all(WeightQuantizer(spec, self.dtype).applies_to_experts(*stack) for stack in stacks)
+
+        blocks = [block for block in BLOCK_SIZES if quantized(replace(self.spec, block_size=block))]
+        if blocks:
+            return f"--block-size {max(blocks)} quantizes them"
+        int8 = [block for block in BLOCK_SIZES if quantized(replace(self.spec, bits=8, block_size=block))]
+        if int8:  # int4 only here: int8 takes any block its widths hold (the one asked for, where it is among them)
+            flags = "" if self.spec.block_size in int8 else f" --block-size {max(int8)}"
+            return (
+                f"no --block-size divides both widths, as int4 experts need; --quantize int8{flags} quantizes them "
+                "(a scale per row where the widths are not whole blocks)"
+            )
+        return f"they are narrower than the smallest block ({min(BLOCK_SIZES)})"
 
     def experts_in_blocks(self, *in_features: int) -> bool:
         """Whether one QMoE's expert stacks, of these input widths, go in blocks along their inputs (its one

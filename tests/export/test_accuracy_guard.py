@@ -732,4 +732,31 @@ def test_experts_the_guard_moved_are_not_said_too_narrow():
     moved = {"experts_to_float_moe": ["/model/layers.0/moe/QMoE", "/model/layers.1/moe/QMoE"]}
     nodes_by_op = {"MoE": 2, "MatMulNBits": 8}
     assert float_experts_note(config, QuantizeSpec(bits=8), nodes_by_op, moved) is None
-    assert "not whole blocks of --block-size" in float_experts_note(config, QuantizeSpec(bits=8), nodes_by_op, None)
+    assert "do not fit --block-size" in float_experts_note(config, QuantizeSpec(bits=8), nodes_by_op, None)
+
+
+@pytest.mark.parametrize(
+    "widths, flags, advised",
+    [
+        ((48, 16), ["--quantize", "int4"], ["--block-size", "16"]),  # 16 alone among the sizes divides both
+        ((48, 40), ["--quantize", "int4", "--block-size", "16"], ["--quantize", "int8"]),  # none divides 40 and 48
+        ((48, 24), ["--quantize", "int4"], ["--quantize", "int8", "--block-size", "16"]),  # int8: inputs >= a block
+    ],
+)
+def test_the_float_experts_note_advises_what_quantizes_them(tmp_path, widths, flags, advised):
+    """The note on experts left float names what quantizes them, and the export so advised quantizes them: the
+    note said "a smaller --block-size" where no block size could (a QA run, widths 80 and 40 at blocks of 16)."""
+    from export_helpers import graph_nodes, save_thinker
+
+    hidden, expert = widths
+    folder = save_thinker(tmp_path / "moe", "qwen3_moe", hidden_size=hidden, moe_intermediate_size=expert)
+    first = CliRunner().invoke(main, ["export", str(folder), str(tmp_path / "first"), *flags, "--no-verify"])
+    assert first.exit_code == 0, first.output
+    note = next(line for line in first.output.splitlines() if "the routed experts stay float" in line)
+    assert " ".join(advised) in note, note
+    options = dict(zip(flags[::2], flags[1::2], strict=True)) | dict(zip(advised[::2], advised[1::2], strict=True))
+    again = [item for pair in options.items() for item in pair]
+    second = CliRunner().invoke(main, ["export", str(folder), str(tmp_path / "second"), *again, "--no-verify"])
+    assert second.exit_code == 0 and "the routed experts stay float" not in second.output, second.output
+    nodes = {node.op_type for node in graph_nodes(tmp_path / "second" / "model.onnx")}
+    assert "QMoE" in nodes and "MoE" not in nodes
