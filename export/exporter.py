@@ -361,6 +361,7 @@ def export_model(
                     embeds_positions_note(config, positions) if inputs_embeds else None,
                     cuda_experts_note(config, dtype, quantize, files.nodes_by_op),
                     quantizer.narrow_note() if quantizer else None,
+                    quantizer.few_outputs_head_note(config, head_is_quantized) if quantizer else None,
                     whole_head_note,
                     float_experts_note(config, quantize, files.nodes_by_op, guard),
                     awq.get("skipped") if awq else None,
@@ -368,6 +369,7 @@ def export_model(
                 if note
             ],
         }
+        described = f", {quantize.label(head_is_quantized)}" if quantize else ""  # what a failure names
         try:
             if verify and quantize:
                 from .quantized_verify import verify_quantized_export
@@ -392,15 +394,14 @@ def export_model(
             reason = " ".join(str(err).split())[:400]
             raise ThinkerError(
                 f"onnxruntime fails running the exported graph in its check ({type(err).__name__}: {reason}) "
-                f"({dtype}, {graph} graph{', ' + quantize.label() if quantize else ''}); the export was not written: "
-                f"{run_failure_advice(reason)}"
+                f"({dtype}, {graph} graph{described}); the export was not written: {run_failure_advice(reason)}"
             ) from None
         if verify and report["verify"].get("passed") is False:
             failure = report["verify"]["failure"]
             what = "the quantized export fails its check" if quantize else "onnxruntime disagrees with PyTorch"
             raise ThinkerError(
-                f"{what}: {failure} ({dtype}, {graph} graph{', ' + quantize.label() if quantize else ''}); the "
-                f"export was not written{half_failure_advice(graph_dtype, failure)}"
+                f"{what}: {failure} ({dtype}, {graph} graph{described}); the export was not written"
+                f"{half_failure_advice(graph_dtype, failure)}"
             )
         write_onnx_card(final, model_dir, report, output.name, top if model_dir == location else None)
         report["sizes"] = {p.name: p.stat().st_size for p in sorted(final.iterdir())}  # the card's too

@@ -287,10 +287,13 @@ class QuantizeSpec:
             "accuracy_level": self.accuracy_level,
         }
 
-    def label(self) -> str:
+    def label(self, head_quantized: bool = True) -> str:
+        """The spec in words; ``head_quantized`` False: the graph kept the head float (``describe``)."""
         head = f", int{self.head_bits} head" if self.head_bits else ""
         if self.head_int8_rows:
             head = f", mixed head (int8 for its first {self.head_int8_rows} rows)"
+        if not head_quantized:
+            head = ", float head"
         algo = f"{self.algo} with activation-aware scales" if self.awq else self.algo
         block = f"block {self.block_size}"
         if self.scaled_block_size:
@@ -412,6 +415,17 @@ class WeightQuantizer:
         if in_features < self.spec.block_size and out_features >= MIN_OUTPUTS and not name.endswith(KEPT_FLOAT):
             self.narrower_than_a_block[name] = in_features
         return self.applies_to_shape(tuple(weight.shape), name)
+
+    @staticmethod
+    def few_outputs_head_note(config, head_quantized: bool) -> str | None:
+        """What the export tells a user whose head stayed float for its vocabulary: fewer outputs than a quantized
+        kernel takes (a head narrower than a block is ``narrow_note``'s)."""
+        if head_quantized or config.vocab_size >= MIN_OUTPUTS:
+            return None
+        return (
+            f"the head stays float: its {config.vocab_size} outputs (vocab_size) are fewer than the {MIN_OUTPUTS} a "
+            "quantized projection takes, whatever --quantize-head says"
+        )
 
     def narrow_note(self) -> str | None:
         """What the export tells a user whose --block-size left projections float (a small model's widths)."""

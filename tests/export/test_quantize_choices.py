@@ -184,3 +184,24 @@ def test_the_cuda_block_note_is_for_int4_experts_only(bits, noted):
         )
     else:
         assert note is None
+
+
+def test_a_head_of_too_few_outputs_is_said_to_stay_float(tmp_path):
+    """A vocabulary under MIN_OUTPUTS keeps the head float whatever --quantize-head asks: the export says so, its
+    report and the label a failure names say a float head (they said an int4 one, with nothing on the console: a
+    QA run)."""
+    import json
+
+    from click.testing import CliRunner
+    from export_helpers import save_thinker
+
+    from thinker_common.cli import main
+
+    folder = save_thinker(tmp_path / "tiny", "qwen3", vocab_size=MIN_OUTPUTS - 3, tokenizer=False)
+    args = ["export", str(folder), str(tmp_path / "out"), "--quantize", "int4", "--quantize-head", "int4"]
+    result = CliRunner().invoke(main, [*args, "--no-verify"])
+    assert result.exit_code == 0, result.output
+    assert f"the head stays float: its {MIN_OUTPUTS - 3} outputs (vocab_size) are fewer than" in result.output
+    assert json.loads((tmp_path / "out" / "export_report.json").read_text())["quantize"]["head"] == "float"
+    spec = QuantizeSpec.parse("int4", head="int8")
+    assert spec.label(head_quantized=False).endswith(", float head") and spec.label().endswith(", int8 head")
