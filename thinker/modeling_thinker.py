@@ -601,17 +601,15 @@ class ThinkerGatedDeltaNet(nn.Module):
             padding=self.conv_kernel_size - 1,
             bias=False,
         )
+        self.in_proj_qkv = nn.Linear(config.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(config.hidden_size, self.value_dim, bias=False)  # output gate
+        self.in_proj_b = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)  # write strength beta
+        self.in_proj_a = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)  # decay step
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         # log of the decay rate A; its range keeps log(A) finite (transformers' initialisation)
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads).uniform_(0.01, 16).log_())
         self.norm = ThinkerRMSNormGated(self.head_v_dim, eps=config.rms_norm_eps, activation=config.output_gate_type)
         self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
-        # the projections registered last, as transformers' Qwen3.5 class does: modules in the same order make the
-        # same seeded initialisations of what walks them in order (a PEFT adapter's LoRA weights)
-        self.in_proj_qkv = nn.Linear(config.hidden_size, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(config.hidden_size, self.value_dim, bias=False)  # output gate
-        self.in_proj_b = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)  # write strength beta
-        self.in_proj_a = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)  # decay step
 
     @force_accelerate_hooks("conv1d")  # its weight is read directly by the conv kernels, not through forward()
     def forward(
