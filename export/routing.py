@@ -10,7 +10,8 @@ second and third experts 1.5e-4 apart in probability. PyTorch's own half-precisi
 export/half_spread.py) need not flip the same tokens, so it cannot excuse them.
 
 So for a half-precision graph with MoE layers the check reads what the graph routes by (its routers' logits where
-an MoE op takes them, their Softmax where the graph's own TopK picks: ``router_probes``), returned beside the
+an MoE op takes them, in float32 where onnxruntime runs the op in float32; their Softmax where the graph's own TopK
+picks: ``router_probes``), returned beside the
 logits (``OnnxDecoder(probes=...)``: the same nodes, with more outputs), and runs the reference after the graph, step
 by step: at each layer and kept token where the graph's top-k experts are not the reference's, the reference takes
 the graph's experts, weighted by its own probabilities. The comparison is then between the same discrete paths, and
@@ -49,7 +50,7 @@ from torch.nn import functional as F
 
 from thinker.modeling_thinker import ThinkerTopKRouter
 
-from .runtime import OnnxDecoder
+from .runtime import FLOAT32_VIEW, OnnxDecoder
 
 if TYPE_CHECKING:
     from .half_spread import HalfShadow
@@ -67,10 +68,11 @@ ROUTER_TOLERANCE = 0.2
 def router_probes(model: onnx.ModelProto) -> dict[int, tuple[str, int, bool]]:
     """Layer index -> (name, element type, whether they are probabilities) of the values each MoE layer of
     ``model``'s top-level graph picks its experts by: the router MatMul's output (over
-    ``model.layers.{i}.mlp.gate.weight``) where an MoE op takes it (the fused graph), the Softmax over it where the
-    graph's own TopK picks (the plain graph). Not the plain graph's MatMul output: onnxruntime's CPU provider computes
-    a float16 MatMul in float32 and drops the cast back to float16 when the Softmax's Cast to float32 follows, a
-    rounding a graph output would put back, so it is not what the TopK saw."""
+    ``model.layers.{i}.mlp.gate.weight``) where an MoE op takes it (the fused graph; a float32 view of a half
+    graph's MoE, which may take them in float32), the Softmax over it where the graph's own TopK picks (the plain
+    graph). Not the plain graph's MatMul output: onnxruntime's CPU provider computes a float16 MatMul in float32 and
+    drops the cast back to float16 when the Softmax's Cast to float32 follows, a rounding a graph output would put
+    back, so it is not what the TopK saw."""
     types = {tensor.name: tensor.data_type for tensor in model.graph.initializer}
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node in model.graph.node:
@@ -86,6 +88,14 @@ def router_probes(model: onnx.ModelProto) -> dict[int, tuple[str, int, bool]]:
             reader = readers[value][0]
             value, probabilities = reader.output[0], probabilities or reader.op_type == "Softmax"
             kind = onnx.TensorProto.FLOAT if reader.op_type == "Cast" else kind
+        if not probabilities and kind != onnx.TensorProto.FLOAT and any(r.op_type == "MoE" for r in readers[value]):
+            # onnxruntime's CPU provider has no float16 MoE kernel: it runs the router's MatMul and the MoE in
+            # float32 and drops the float16 rounding between them, which a graph output of the logits would keep
+            # (a QA run: two experts tied in float16, the op picked by the float32 logits, the reference followed
+            # the other). A float32 view (runtime.FLOAT32_VIEW) is read as the op reads them: the float32 values
+            # there, the float16 ones exactly where the op runs in float16 (CUDA). QMoE runs in float16 on the CPU
+            # too and reads the rounded logits, as the plain probe does.
+            value, kind = f"{value}{FLOAT32_VIEW}", onnx.TensorProto.FLOAT
         probes[int(found.group(1))] = (value, kind, probabilities)
     return probes
 

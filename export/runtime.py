@@ -197,9 +197,10 @@ class OnnxDecoder:
         if self.probe_names:
             variant = variant or onnx.ModelProto.FromString(model.SerializeToString())
             for name, output in zip(self.probe_names, self._probe_outputs, strict=True):
-                if output != name:
-                    variant.graph.node.append(onnx.helper.make_node("Cast", [name], [output], to=TensorProto.FLOAT))
-                kind = probes[name] if output == name else TensorProto.FLOAT
+                source = name.removesuffix(FLOAT32_VIEW)  # a view's tensor, or the probe's own
+                if output != source:
+                    variant.graph.node.append(onnx.helper.make_node("Cast", [source], [output], to=TensorProto.FLOAT))
+                kind = probes[name] if output == source else TensorProto.FLOAT
                 variant.graph.output.append(onnx.helper.make_tensor_value_info(output, kind, None))
         if variant is not None:
             source = variant.SerializeToString()
@@ -849,10 +850,18 @@ class OnnxDecoder:
         return new if input_ids is None else np.concatenate([prompt, new], axis=1)
 
 
+# A probe named TENSOR + FLOAT32_VIEW reads TENSOR through a Cast to float32, whatever its type; where onnxruntime
+# runs TENSOR's producer in float32 and rounds its output to float16 only for readers that keep float16 (the CPU
+# provider's inserted casts), the pair of casts is dropped and the view holds the float32 value those other readers
+# take (export/routing.py: what the MoE op routes by).
+FLOAT32_VIEW = "/float32"
+
+
 def probe_output(name: str, kind: int) -> str:
-    """The graph output that returns the probe ``name`` of element type ``kind``: itself, or for bfloat16 a float32
-    copy (exact), as numpy has no bfloat16 for ``session.run`` or ``OrtValue.numpy()`` to hand back."""
-    return f"{name}/float32" if kind == TensorProto.BFLOAT16 else name
+    """The graph output that returns the probe ``name`` of element type ``kind``: itself; a float32 view
+    (``FLOAT32_VIEW``); or for bfloat16 a float32 copy (exact), as numpy has no bfloat16 for ``session.run`` or
+    ``OrtValue.numpy()`` to hand back."""
+    return f"{name}{FLOAT32_VIEW}" if kind == TensorProto.BFLOAT16 and not name.endswith(FLOAT32_VIEW) else name
 
 
 def shared_kv_names(graph: onnx.GraphProto) -> frozenset[str]:

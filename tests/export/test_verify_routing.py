@@ -55,6 +55,36 @@ def test_a_router_bug_fails_although_the_reference_follows_the_routing(graph, th
     assert not output.exists()
 
 
+def test_a_float16_tie_the_moe_op_breaks_in_float32_is_followed_as_it_broke_it(thinker_variant, tmp_path):
+    """Two experts whose router rows differ by a hair tie in float16 at nearly every token, and onnxruntime's CPU
+    MoE, which has no float16 kernel, picks between them by the float32 logits it is handed (the cast between the
+    router and the op dropped). Read as float16, the probe showed ties, the follower took the later expert, and a
+    sound export failed its --verify (a QA run: 0.343 against the routers' tolerance of 0.2): the probe is a float32
+    view of the logits, which holds what the op picks by."""
+    from thinker import ThinkerForCausalLM
+
+    model = ThinkerForCausalLM.from_pretrained(thinker_variant("qwen3_next"))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None and hasattr(gate, "weight"):  # experts 2 and 3 a hair apart, either way per token
+                gate.weight[3] = gate.weight[2] + 2e-4 * torch.randn(gate.weight.shape[1], generator=generator)
+    folder = tmp_path / "tied"
+    model.save_pretrained(folder)
+    shutil.copy(thinker_variant("qwen3_next") / "tokenizer.json", folder)
+    shutil.copy(thinker_variant("qwen3_next") / "tokenizer_config.json", folder)
+    output = tmp_path / "onnx"
+    result = CliRunner().invoke(main, ["export", str(folder), str(output), "--dtype", "float16"])
+    assert result.exit_code == 0, result.output
+    probes = router_probes(onnx.load(output / "model.onnx", load_external_data=False))
+    assert all(name.endswith("/float32") and kind == onnx.TensorProto.FLOAT for name, kind, _ in probes.values())
+    decoder = OnnxDecoder(output, probes=checked_probes(output / "model.onnx", torch.float16))
+    decoder.prefill(*long_batch(96, 128))
+    logits = next(iter(decoder.probed.values())).astype(np.float32)
+    assert (logits != logits.astype(np.float16).astype(np.float32)).any()  # float32 values, not float16 ones
+
+
 def test_probes_read_what_the_graph_routes_by_and_change_no_logit(onnx_variant):
     """The plain graph's probe is the Softmax its TopK picks from (not the router MatMul's float16 output: the CPU
     provider drops that rounding inside the graph), the fused graph's the logits its MoE op takes; a float32 check
