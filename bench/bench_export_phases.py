@@ -56,6 +56,39 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM back to VmRSS
 
 
+class PhaseClock:
+    """Wall seconds, calls and peak RSS per phase. Each phase resets the high-water mark as it begins and as it ends
+    (``reset``), having first folded the mark so far into every phase still running (``peak``): a nested phase's
+    peak is its own, and the phase around it keeps the larger of its own and the nested one's."""
+
+    def __init__(self, phases: dict[str, dict], peak=lambda: status()["VmHWM"], reset=reset_peak) -> None:
+        self.phases, self.peak, self.reset = phases, peak, reset
+        self.running: list[str] = []  # outermost first
+
+    def fold(self) -> None:
+        mark = self.peak()
+        for name in self.running:
+            self.phases[name]["peak"] = max(self.phases[name]["peak"], mark)
+
+    def timed(self, name: str, function):
+        def run(*args, **kwargs):
+            phase = self.phases.setdefault(name, {"seconds": 0.0, "peak": 0, "calls": 0})
+            self.fold()
+            self.reset()
+            self.running.append(name)
+            entered = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                phase["seconds"] += time.perf_counter() - entered
+                phase["calls"] += 1
+                self.fold()
+                self.running.pop()
+                self.reset()
+
+        return run
+
+
 def child(arguments: list[str], record: Path) -> None:
     """One export in this process, its phases timed and their peaks read; the figures go to ``record``."""
     started = time.perf_counter()
@@ -63,39 +96,13 @@ def child(arguments: list[str], record: Path) -> None:
 
     from thinker_common.cli import main as cli
 
-    phases: dict[str, dict] = {"imports": {}}
+    phases: dict[str, dict] = {}
     modules = [importlib.import_module(module) for module, _ in PHASES]  # the export's own imports
     phases["imports"] = {"seconds": time.perf_counter() - started, "peak": status()["VmHWM"], "calls": 1}
     reset_peak()
-
-    open_phases: list[str] = []  # the phases running now, outermost first
-
-    def fold() -> None:
-        """The high-water mark since the last reset into every running phase's peak (before a reset loses it)."""
-        mark = status()["VmHWM"]
-        for name in open_phases:
-            phases[name]["peak"] = max(phases[name]["peak"], mark)
-
-    def timed(name: str, function):
-        def run(*args, **kwargs):
-            phase = phases.setdefault(name, {"seconds": 0.0, "peak": 0, "calls": 0})
-            fold()
-            reset_peak()
-            open_phases.append(name)
-            entered = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                phase["seconds"] += time.perf_counter() - entered
-                phase["calls"] += 1
-                fold()
-                open_phases.pop()
-                reset_peak()
-
-        return run
-
+    clock = PhaseClock(phases)
     for (_, name), module in zip(PHASES, modules, strict=True):
-        setattr(module, name, timed(name, getattr(module, name)))
+        setattr(module, name, clock.timed(name, getattr(module, name)))
     try:
         cli.main(["export", *arguments], prog_name="thinker", standalone_mode=False)
     finally:

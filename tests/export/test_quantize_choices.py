@@ -186,7 +186,7 @@ def test_the_cuda_block_note_is_for_int4_experts_only(bits, noted):
         assert note is None
 
 
-def test_a_head_of_too_few_outputs_is_said_to_stay_float(tmp_path):
+def test_a_head_of_too_few_outputs_is_said_to_stay_float(tmp_path, monkeypatch):
     """A vocabulary under MIN_OUTPUTS keeps the head float whatever --quantize-head asks: the export says so, its
     report and the label a failure names say a float head (they said an int4 one, with nothing on the console: a
     QA run)."""
@@ -203,5 +203,32 @@ def test_a_head_of_too_few_outputs_is_said_to_stay_float(tmp_path):
     assert result.exit_code == 0, result.output
     assert f"the head stays float: its {MIN_OUTPUTS - 3} outputs (vocab_size) are fewer than" in result.output
     assert json.loads((tmp_path / "out" / "export_report.json").read_text())["quantize"]["head"] == "float"
+    # a failed check names the layout as written: a float head
+    failing = {"passed": False, "failure": "planted"}
+    monkeypatch.setattr("export.quantized_verify.verify_quantized_export", lambda *args, **options: failing)
+    failed = CliRunner().invoke(main, [*args[:2], str(tmp_path / "again"), *args[3:]])
+    assert failed.exit_code == 1 and ", float head); the export was not written" in failed.output, failed.output
     spec = QuantizeSpec.parse("int4", head="int8")
     assert spec.label(head_quantized=False).endswith(", float head") and spec.label().endswith(", int8 head")
+
+
+@pytest.mark.parametrize(
+    ("quantize", "block", "widths", "advice"),
+    [
+        ("int4", 128, (64, 64), "--block-size 64 quantizes them"),  # the widest that fits, not the first
+        ("int4", 32, (16, 16), "--block-size 16 quantizes them"),  # 16 outputs are enough
+        ("int4", 64, (128, 40), "--quantize int8 --block-size 32 quantizes them"),  # int8's widest, 40 >= 32
+        ("int4", 64, (32, 8), "they are narrower than the smallest block (16)"),  # gate|up's 16 rows: outputs enough
+        ("int4", 32, (8, 8), f"an expert gives fewer than {MIN_OUTPUTS} outputs, which no --block-size changes"),
+    ],
+    ids=str,
+)
+def test_the_experts_advice_names_the_widest_block_that_quantizes_them(quantize, block, widths, advice):
+    spec = QuantizeSpec.parse(quantize, block_size=block)
+    assert advice in WeightQuantizer(spec, torch.float32).experts_advice(*widths)
+
+
+def test_the_few_outputs_note_and_the_float_head_label_at_their_edges():
+    assert WeightQuantizer.few_outputs_head_note(types.SimpleNamespace(vocab_size=MIN_OUTPUTS), False) is None
+    assert WeightQuantizer.few_outputs_head_note(types.SimpleNamespace(vocab_size=MIN_OUTPUTS - 1), True) is None
+    assert QuantizeSpec.parse("int4", head="mixed").label(head_quantized=False).endswith(", float head")
