@@ -147,6 +147,9 @@ class RouteFollower:
                 self.layer_of[module] = int(re.search(r"layers\.(\d+)\.", name).group(1))
         self.followed = 0
         self.router_max_abs_diff = 0.0  # of the routers' probabilities, the graph's from the reference's
+        # the first layer (in the model's order) whose router parts beyond ROUTER_TOLERANCE: where a failure is
+        # named, its router or its input, so a bug in that layer or before it (a wrong expert moves the next router)
+        self.first_layer_beyond: int | None = None
         self.recording = True  # False while a shadow run takes the routes: the figures are the reference's
 
     @contextlib.contextmanager
@@ -179,7 +182,7 @@ class RouteFollower:
             layer = follower.layer_of.get(router)
             if layer not in routed_by:  # a layer the graph does not probe
                 return original(router, hidden_states)
-            return follower.routed(router, hidden_states, *routed_by[layer], kept)
+            return follower.routed(router, hidden_states, *routed_by[layer], kept, layer)
 
         ThinkerTopKRouter.forward = forward
         try:
@@ -194,6 +197,7 @@ class RouteFollower:
         graph_values: torch.Tensor,
         probabilities: bool,
         kept: torch.Tensor,
+        layer: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """ThinkerTopKRouter's forward, its kept tokens' experts those the graph picked by ``graph_values`` (kept
         tokens, E: its router's probabilities, or its logits)."""
@@ -202,7 +206,12 @@ class RouteFollower:
         top_values, top_index = torch.topk(probs, router.top_k, dim=-1)
         if kept.any() and self.recording:  # a step whose tokens are all pads routes nothing the graph's probe holds
             graph_probs = graph_values if probabilities else F.softmax(graph_values, dim=-1)
-            self.router_max_abs_diff = max(self.router_max_abs_diff, float((graph_probs - probs[kept]).abs().max()))
+            distance = float((graph_probs - probs[kept]).abs().max())
+            self.router_max_abs_diff = max(self.router_max_abs_diff, distance)
+            if distance > ROUTER_TOLERANCE and layer is not None:
+                self.first_layer_beyond = min(
+                    layer, self.first_layer_beyond if self.first_layer_beyond is not None else layer
+                )
         graph_index = torch.from_numpy(graph_top_k(graph_values.numpy(), router.top_k, probabilities))
         differs = (graph_index.sort(-1).values != top_index[kept].sort(-1).values).any(-1)
         if differs.any():
@@ -235,4 +244,7 @@ class RouteFollower:
         """The routing figures a comparison reports (none for a no-op follower)."""
         if not self.probes:
             return {}
-        return {"routes_followed": self.followed, "router_max_abs_diff": self.router_max_abs_diff}
+        figures = {"routes_followed": self.followed, "router_max_abs_diff": self.router_max_abs_diff}
+        if self.first_layer_beyond is not None:
+            figures["router_first_layer_beyond"] = self.first_layer_beyond
+        return figures

@@ -223,9 +223,12 @@ def judge(figures: dict, tolerance: float, against: str = "") -> str | None:
     if router is not None:  # a half-precision MoE graph's routing, followed by the reference (export/routing.py)
         figures["router_tolerance"] = limit = ROUTER_TOLERANCE
         if router > limit:
+            first = figures.get("router_first_layer_beyond")
+            where = f", first at layer {first}'s router" if first is not None else ""
             return (
                 f"the graph's MoE routers' probabilities lie {router:.3g} from the reference's{against} > tolerance "
-                f"{limit:.3g} (a router computing other logits: its weight, its input or its layer)"
+                f"{limit:.3g}{where} (a router computing other logits: its weight or its layer, or its input, moved by "
+                "a bug in that layer or before it)"
             )
     excused = figures.pop("excused_differences", None)
     if excused is not None:

@@ -51,6 +51,7 @@ def test_a_router_bug_fails_although_the_reference_follows_the_routing(graph, th
         result = CliRunner().invoke(main, args)
     assert result.exit_code == 1, result.output
     assert "the graph's MoE routers' probabilities lie" in result.stderr, result.stderr
+    assert "first at layer 0's router" in result.stderr and "first at layer 1" not in result.stderr
     assert "the export was not written" in result.stderr
     assert not output.exists()
 

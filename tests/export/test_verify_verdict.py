@@ -106,10 +106,13 @@ def test_routers_beyond_their_tolerance_fail_whatever_the_logits():
     figures = {"max_abs_diff": 0.0, "positions": 1, "router_max_abs_diff": ROUTER_TOLERANCE * 1.25}
     failure = judge(figures, 1.0)
     assert figures["router_tolerance"] == ROUTER_TOLERANCE
+    cause = "(a router computing other logits: its weight or its layer, or its input, moved by a bug in that layer or "
     assert failure == (
         f"the graph's MoE routers' probabilities lie {ROUTER_TOLERANCE * 1.25:.3g} from the reference's > tolerance "
-        f"{ROUTER_TOLERANCE:.3g} (a router computing other logits: its weight, its input or its layer)"
+        f"{ROUTER_TOLERANCE:.3g} {cause}before it)"
     )
+    figures |= {"router_first_layer_beyond": 2}  # the first router beyond, whose input a bug before it may move
+    assert f"> tolerance {ROUTER_TOLERANCE:.3g}, first at layer 2's router {cause}" in judge(figures, 1.0)
     figures = {"max_abs_diff": 0.0, "positions": 1, "router_max_abs_diff": ROUTER_TOLERANCE}
     assert judge(figures, 1.0) is None
 
