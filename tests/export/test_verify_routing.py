@@ -187,6 +187,9 @@ def test_a_float16_export_with_int4_experts_verifies_on_genai_rows(thinker_varia
     assert result.exit_code == 0, result.output
     graph = json.loads((output / "export_report.json").read_text())["verify"]["graph"]
     assert graph["genai_graph"]["max_abs_diff"] <= graph["tolerance"], graph["genai_graph"]
+    # QMoE runs in float16 on the CPU and reads the rounded logits: its probe is the float16 one, not a float32 view
+    probes = router_probes(onnx.load(output / "model.onnx", load_external_data=False)).values()
+    assert probes and all(kind == onnx.TensorProto.FLOAT16 and "/float32" not in name for name, kind, _ in probes)
 
 
 def test_a_bug_that_moves_the_routing_does_not_widen_its_own_allowance(thinker_variant, onnx_variant, tmp_path):
