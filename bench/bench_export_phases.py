@@ -42,14 +42,13 @@ PHASES = (
 NESTED = {"best_scale": "scaled_for_rounding", "prefill": "guard_accuracy_level"}
 
 
-def status() -> dict[str, int]:
-    """VmRSS and VmHWM in bytes."""
-    values = {}
+def high_water_mark() -> int:
+    """The process's peak RSS since the last ``reset_peak`` (VmHWM), in bytes."""
     for line in Path("/proc/self/status").read_text().splitlines():
         key, _, rest = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            values[key] = int(rest.split()[0]) * 1024
-    return values
+        if key == "VmHWM":
+            return int(rest.split()[0]) * 1024
+    raise RuntimeError("/proc/self/status has no VmHWM")
 
 
 def reset_peak() -> None:
@@ -61,7 +60,7 @@ class PhaseClock:
     (``reset``), having first folded the mark so far into every phase still running (``peak``): a nested phase's
     peak is its own, and the phase around it keeps the larger of its own and the nested one's."""
 
-    def __init__(self, phases: dict[str, dict], peak=lambda: status()["VmHWM"], reset=reset_peak) -> None:
+    def __init__(self, phases: dict[str, dict], peak=high_water_mark, reset=reset_peak) -> None:
         self.phases, self.peak, self.reset = phases, peak, reset
         self.running: list[str] = []  # outermost first
 
@@ -98,7 +97,7 @@ def child(arguments: list[str], record: Path) -> None:
 
     phases: dict[str, dict] = {}
     modules = [importlib.import_module(module) for module, _ in PHASES]  # the export's own imports
-    phases["imports"] = {"seconds": time.perf_counter() - started, "peak": status()["VmHWM"], "calls": 1}
+    phases["imports"] = {"seconds": time.perf_counter() - started, "peak": high_water_mark(), "calls": 1}
     reset_peak()
     clock = PhaseClock(phases)
     for (_, name), module in zip(PHASES, modules, strict=True):

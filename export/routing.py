@@ -147,9 +147,9 @@ class RouteFollower:
                 self.layer_of[module] = int(re.search(r"layers\.(\d+)\.", name).group(1))
         self.followed = 0
         self.router_max_abs_diff = 0.0  # of the routers' probabilities, the graph's from the reference's
-        # the first layer (in the model's order) whose router parts beyond ROUTER_TOLERANCE: where a failure is
-        # named, its router or its input, so a bug in that layer or before it (a wrong expert moves the next router)
-        self.first_layer_beyond: int | None = None
+        # the layers whose routers part beyond ROUTER_TOLERANCE: a failure names the first, its router or its input,
+        # so a bug in that layer or before it (a wrong expert moves the next layer's router)
+        self.layers_beyond: set[int] = set()
         self.recording = True  # False while a shadow run takes the routes: the figures are the reference's
 
     @contextlib.contextmanager
@@ -182,7 +182,7 @@ class RouteFollower:
             layer = follower.layer_of.get(router)
             if layer not in routed_by:  # a layer the graph does not probe
                 return original(router, hidden_states)
-            return follower.routed(router, hidden_states, *routed_by[layer], kept, layer)
+            return follower.routed(router, hidden_states, *routed_by[layer], kept)
 
         ThinkerTopKRouter.forward = forward
         try:
@@ -197,7 +197,6 @@ class RouteFollower:
         graph_values: torch.Tensor,
         probabilities: bool,
         kept: torch.Tensor,
-        layer: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """ThinkerTopKRouter's forward, its kept tokens' experts those the graph picked by ``graph_values`` (kept
         tokens, E: its router's probabilities, or its logits)."""
@@ -208,10 +207,8 @@ class RouteFollower:
             graph_probs = graph_values if probabilities else F.softmax(graph_values, dim=-1)
             distance = float((graph_probs - probs[kept]).abs().max())
             self.router_max_abs_diff = max(self.router_max_abs_diff, distance)
-            if distance > ROUTER_TOLERANCE and layer is not None:
-                self.first_layer_beyond = min(
-                    layer, self.first_layer_beyond if self.first_layer_beyond is not None else layer
-                )
+            if distance > ROUTER_TOLERANCE and router in self.layer_of:
+                self.layers_beyond.add(self.layer_of[router])
         graph_index = torch.from_numpy(graph_top_k(graph_values.numpy(), router.top_k, probabilities))
         differs = (graph_index.sort(-1).values != top_index[kept].sort(-1).values).any(-1)
         if differs.any():
@@ -245,6 +242,6 @@ class RouteFollower:
         if not self.probes:
             return {}
         figures = {"routes_followed": self.followed, "router_max_abs_diff": self.router_max_abs_diff}
-        if self.first_layer_beyond is not None:
-            figures["router_first_layer_beyond"] = self.first_layer_beyond
+        if self.layers_beyond:
+            figures["router_first_layer_beyond"] = min(self.layers_beyond)
         return figures

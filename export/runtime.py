@@ -861,7 +861,7 @@ def probe_output(name: str, kind: int) -> str:
     """The graph output that returns the probe ``name`` of element type ``kind``: itself; a float32 view
     (``FLOAT32_VIEW``); or for bfloat16 a float32 copy (exact), as numpy has no bfloat16 for ``session.run`` or
     ``OrtValue.numpy()`` to hand back."""
-    return f"{name}{FLOAT32_VIEW}" if kind == TensorProto.BFLOAT16 and not name.endswith(FLOAT32_VIEW) else name
+    return f"{name}{FLOAT32_VIEW}" if kind == TensorProto.BFLOAT16 else name
 
 
 def shared_kv_names(graph: onnx.GraphProto) -> frozenset[str]:
