@@ -94,6 +94,7 @@ from .verify import (
     image_position_failures,
     indexer_failures,
     judge,
+    judged_beside,
     long_prompt_failures,
     long_prompts,
     padded_around_failures,
@@ -486,6 +487,7 @@ def _graph_check(
             if key in graph and "not_run" not in graph[key]:
                 graph[key] |= sensitivity_recorded(measured)
                 graph[key]["tolerance"] = graph_tolerance(graph[key], dtype)
+    judged_beside(graph)
     # judged here, where the model's config and the graph's dtype are known (with what lies beyond every prompt);
     # quantized_result reports them
     graph["rope_tables"], unprompted = unprompted_checks(onnx_path, dtype, model.config)

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import onnx
 import torch
 from seeded_weights import randomize_parameters
@@ -303,6 +304,19 @@ def export_planted(folder: Path, output: Path, monkeypatch, plant: Callable | No
             plant(patched)
         export_model(folder, output, verify=False, progress=False, **options)
     return output / MODEL_FILE
+
+
+def scale_graph_weight(path: Path, weight: str, factor: float) -> None:
+    """``path``'s graph (a half-precision one) with its initializer ``weight`` scaled by ``factor`` wherever its nodes
+    read it: a planted bug, the weights file untouched."""
+    from onnx import helper, numpy_helper
+
+    graph = onnx.load(path, load_external_data=False)
+    graph.graph.initializer.append(numpy_helper.from_array(np.array(factor, np.float16), f"{weight}/planted"))
+    for node in graph.graph.node:
+        node.input[:] = [f"{weight}/scaled" if name == weight else name for name in node.input]
+    graph.graph.node.insert(0, helper.make_node("Mul", [weight, f"{weight}/planted"], [f"{weight}/scaled"]))
+    onnx.save_model(graph, path)
 
 
 def save_bos_tokenizer(folder: Path):

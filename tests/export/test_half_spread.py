@@ -110,10 +110,12 @@ def test_a_sound_float16_export_of_an_ill_conditioned_model_passes_and_a_bug_in_
     """The tiny random Qwen3.5-VL in float16: at two continuation positions layer 0's delta rule cancels to almost
     nothing before a norm that multiplies it by about 1/sqrt(eps), and the sound graph lands 0.55 off float32 there
     (tolerance 0.38) where PyTorch's one float16 run lands 0.08: refused before the perturbed run joined the spread
-    (on an AVX-512 CPU; another CPU's roundings may keep it within the tolerance anyway). One full-attention layer's
-    output projection 3 % off still fails on that pass, beyond the spreads."""
-    import onnx
-    from onnx import helper, numpy_helper
+    (on an AVX-512 CPU; another CPU's roundings may keep it within the tolerance anyway). The last full-attention
+    layer's output projection 10 % off still fails on that pass, beyond the spreads (0.83 against 0.379). 3 % off
+    moved those two positions alone beyond the tolerance (0.617 where the sound graph lands 0.559), which one perturbed
+    sample's spread happened not to cover and PERTURBED_SAMPLES do: below float16's resolution on this model, as on
+    every other position; a float32 export's check is the one that tells it."""
+    from export_helpers import scale_graph_weight
     from references import hybrid
     from transformers import Qwen3_5ForConditionalGeneration
 
@@ -128,13 +130,7 @@ def test_a_sound_float16_export_of_an_ill_conditioned_model_passes_and_a_bug_in_
     assert report["passed"], report["failure"]
 
     path = tmp_path / "onnx" / "model.onnx"
-    graph = onnx.load(path, load_external_data=False)
-    weight = "model.layers.3.self_attn.o_proj.weight"
-    graph.graph.initializer.append(numpy_helper.from_array(np.array(1.03, np.float16), f"{weight}/planted"))
-    for node in graph.graph.node:
-        node.input[:] = [f"{weight}/scaled" if name == weight else name for name in node.input]
-    graph.graph.node.insert(0, helper.make_node("Mul", [weight, f"{weight}/planted"], [f"{weight}/scaled"]))
-    onnx.save_model(graph, path)
+    scale_graph_weight(path, "model.layers.3.self_attn.o_proj.weight", 1.1)
     result = verify_export(folder, path, torch.float16)
     assert result["passed"] is False and "a prompt of 10 tokens continued by 70" in result["failure"], result
 

@@ -199,20 +199,14 @@ def test_a_bug_that_moves_the_routing_does_not_widen_its_own_allowance(thinker_v
     prompts' spread at 2.1 and excused 6 of their 110 positions; the sound graph's was 1.0, itself a near tie a
     shadow run took the other way (a review). Now both are 0.012, and nothing is excused."""
     from conftest import FUSED_HEAD_DIM
-    from onnx import helper, numpy_helper
+    from export_helpers import scale_graph_weight
 
     from export.verify import verify_export
 
     folder = thinker_variant("qwen3_moe", head_dim=FUSED_HEAD_DIM)
     export = shutil.copytree(onnx_variant("qwen3_moe", dtype="float16", graph="plain"), tmp_path / "onnx")
     sound = verify_export(folder, export / "model.onnx", torch.float16)["long_prompts"]
-    graph = onnx.load(export / "model.onnx", load_external_data=False)
-    weight = "model.layers.0.self_attn.o_proj.weight"
-    graph.graph.initializer.append(numpy_helper.from_array(np.array(1.1, np.float16), f"{weight}/planted"))
-    for node in graph.graph.node:
-        node.input[:] = [f"{weight}/scaled" if name == weight else name for name in node.input]
-    graph.graph.node.insert(0, helper.make_node("Mul", [weight, f"{weight}/planted"], [f"{weight}/scaled"]))
-    onnx.save_model(graph, export / "model.onnx")
+    scale_graph_weight(export / "model.onnx", "model.layers.0.self_attn.o_proj.weight", 1.1)
     planted = verify_export(folder, export / "model.onnx", torch.float16)
     long = planted["long_prompts"]
     assert planted["passed"] is False

@@ -73,10 +73,8 @@ def qwen3_5_moe_config(**overrides) -> Qwen3_5MoeTextConfig:
 def qwen3_next_config(**overrides) -> Qwen3NextConfig:
     # Plain partial RoPE (Qwen3-Next has no multimodal sections); layer 2 dense among sparse layers (mlp_only_layers).
     rope = {key: value for key, value in HYBRID_SIZES["rope_parameters"].items() if not key.startswith("mrope")}
-    return Qwen3NextConfig(
-        **{**HYBRID_SIZES, **MOE_SIZES, "rope_parameters": rope, "intermediate_size": 40, "mlp_only_layers": [2]},
-        **{"norm_topk_prob": True, **overrides},
-    )
+    sizes = {**HYBRID_SIZES, **MOE_SIZES, "rope_parameters": rope, "intermediate_size": 40, "mlp_only_layers": [2]}
+    return Qwen3NextConfig(**{**sizes, "norm_topk_prob": True, **overrides})
 
 
 def qwen3_5_vl_config(**text_overrides) -> Qwen3_5Config:

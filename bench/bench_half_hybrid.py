@@ -1,0 +1,233 @@
+"""Float16 exports of tiny hybrid models under ``--verify``: which sound ones the check passes, with its rules as they
+are and as they were, and that a planted bug in either graph still fails.
+
+The builds are a QA run's, of other shapes than the tests' (tests/references/hybrid.py's configs with these
+widths; transformers' own classes, random weights from each seed): Qwen3.5 (hidden 64, MLP 72), Qwen3.5-MoE (a:
+hidden 64, 16 experts, top 4, expert width 24, shared 40; b: hidden 48, 5 experts, top 1, width 36, shared 20) and
+Qwen3-Next (a: hidden 64, 8 experts, top 3, width 40, shared 28; b: hidden 96, 4 experts, top 2, width 20, shared 52,
+not renormalised). Each is converted and exported ``--dtype float16`` with the fused graph, unchecked, and the check
+(export/verify.py ``verify_export``) then runs on it:
+
+- as it runs now;
+- with one perturbed sample per step (export/half_spread.py PERTURBED_SAMPLES = 1), as before;
+- with onnxruntime-genai's graph's passes judged alone (export/verify.py ``judged_beside`` and the excused
+  positions its counterpart allows left out), as before;
+- with both, the check as it was;
+- and, as it runs now, on a copy whose last full-attention layer's output projection is scaled 1.5x in model.onnx,
+  then in model.genai.onnx alone: each must fail.
+
+    python bench/bench_half_hybrid.py                # every build, seeds 0 and 1
+    python bench/bench_half_hybrid.py --builds qwen3_next-a --seeds 1
+    python bench/bench_half_hybrid.py --report       # README's table, from bench/results/half_hybrid.json
+
+Writes bench/results/half_hybrid.json and prints README's table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from results_io import command_line, machine_name, names_from, positive_int, writable_folder, write_result
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "tests" / "export")]  # the tests' model builders
+
+import torch  # noqa: E402
+from export_helpers import make_tokenizer, scale_graph_weight  # noqa: E402
+from references import hybrid  # noqa: E402
+from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM  # noqa: E402
+
+import export.verify as verify  # noqa: E402
+from converter.convert import convert  # noqa: E402
+from export import half_spread  # noqa: E402
+from export.exporter import export_model  # noqa: E402
+
+RESULTS = REPO / "bench" / "results" / "half_hybrid.json"
+PLANTED_WEIGHT = "model.layers.3.self_attn.o_proj.weight"  # the last full-attention layer's (hybrid.LAYER_TYPES)
+PLANT_FACTOR = 1.5
+BUILDS = {
+    "qwen3_5-a": (Qwen3_5ForCausalLM, lambda: hybrid.qwen3_5_config(hidden_size=64, intermediate_size=72)),
+    "qwen3_5_moe-a": (
+        Qwen3_5MoeForCausalLM,
+        lambda: hybrid.qwen3_5_moe_config(
+            hidden_size=64,
+            num_experts=16,
+            num_experts_per_tok=4,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+        ),
+    ),
+    "qwen3_5_moe-b": (
+        Qwen3_5MoeForCausalLM,
+        lambda: hybrid.qwen3_5_moe_config(
+            hidden_size=48,
+            num_experts=5,
+            num_experts_per_tok=1,
+            moe_intermediate_size=36,
+            shared_expert_intermediate_size=20,
+        ),
+    ),
+    "qwen3_next-a": (
+        Qwen3NextForCausalLM,
+        lambda: hybrid.qwen3_next_config(
+            hidden_size=64,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=40,
+            shared_expert_intermediate_size=28,
+        ),
+    ),
+    "qwen3_next-b": (
+        Qwen3NextForCausalLM,
+        lambda: hybrid.qwen3_next_config(
+            hidden_size=96,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=20,
+            shared_expert_intermediate_size=52,
+            norm_topk_prob=False,
+        ),
+    ),
+}
+
+
+@contextlib.contextmanager
+def one_perturbed_sample():
+    """One perturbed float32 run per step, as before PERTURBED_SAMPLES."""
+    original = half_spread.PERTURBED_SAMPLES
+    half_spread.PERTURBED_SAMPLES = 1
+    try:
+        yield
+    finally:
+        half_spread.PERTURBED_SAMPLES = original
+
+
+@contextlib.contextmanager
+def genai_passes_alone():
+    """onnxruntime-genai's graph's passes at their own tolerance and their own share of excused positions, as
+    before ``judged_beside``."""
+    judge, beside = verify.judge, verify.judged_beside
+    verify.judge = lambda figures, tolerance, against="", excusable=0: judge(figures, tolerance, against)
+    verify.judged_beside = lambda result: None
+    try:
+        yield
+    finally:
+        verify.judge, verify.judged_beside = judge, beside
+
+
+RULES = {
+    "now": contextlib.nullcontext,
+    "one_sample": one_perturbed_sample,
+    "genai_alone": genai_passes_alone,
+    "before": lambda: _both(one_perturbed_sample, genai_passes_alone),
+}
+
+
+@contextlib.contextmanager
+def _both(*contexts):
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context())
+        yield
+
+
+def build(root: Path, name: str, seed: int) -> Path:
+    """The build ``name`` with ``seed``'s weights, converted to a Thinker folder under ``root``."""
+    model_class, config = BUILDS[name]
+    source = root / f"{name}-{seed}-source"
+    hybrid.reference(model_class, config(), seed=seed).save_pretrained(source)
+    make_tokenizer().save_pretrained(source)
+    return convert(source, root / f"{name}-{seed}", verify=False, progress=False).output
+
+
+def checked(folder: Path, onnx_folder: Path) -> dict:
+    """The check's verdict on ``onnx_folder``'s graphs: passed, and the failure where it failed."""
+    result = verify.verify_export(folder, onnx_folder / "model.onnx", torch.float16, threads=1)
+    excused = {
+        key: f["positions_excused"] for key, f in result.items() if isinstance(f, dict) and f.get("positions_excused")
+    }
+    return {"passed": result["passed"], "failure": result.get("failure"), "positions_excused": excused}
+
+
+def measure(root: Path, name: str, seed: int) -> dict:
+    folder = build(root, name, seed)
+    onnx_folder = root / f"{name}-{seed}-onnx"
+    export_model(folder, onnx_folder, dtype="float16", progress=False, verify=False, threads=1)
+    row: dict = {"build": name, "seed": seed}
+    for rules, context in RULES.items():
+        with context():
+            row[rules] = checked(folder, onnx_folder)
+    for graph in ("model.onnx", "model.genai.onnx"):
+        planted = root / f"{name}-{seed}-planted"
+        shutil.rmtree(planted, ignore_errors=True)
+        shutil.copytree(onnx_folder, planted)
+        scale_graph_weight(planted / graph, PLANTED_WEIGHT, PLANT_FACTOR)
+        row[f"planted in {graph}"] = checked(folder, planted)
+    return row
+
+
+def said(run: dict) -> str:
+    if run["passed"]:
+        return "passes"
+    first = run["failure"].split(": ", 1)[0]
+    return f"fails ({first})"
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        "| build | seed | now | one perturbed sample | genai passes alone | before (both) | "
+        "o_proj 1.5x in model.onnx | in model.genai.onnx |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        cells = [row[key]["passed"] for key in RULES]
+        planted = [row[f"planted in {graph}"]["passed"] for graph in ("model.onnx", "model.genai.onnx")]
+        lines.append(
+            f"| {row['build']} | {row['seed']} | "
+            + " | ".join("passes" if passed else "refused" for passed in cells)
+            + " | "
+            + " | ".join("passes" if passed else "fails" for passed in planted)
+            + " |"
+        )
+    totals = [sum(row[key]["passed"] for row in rows) for key in RULES]
+    caught = [
+        sum(not row[f"planted in {graph}"]["passed"] for row in rows) for graph in ("model.onnx", "model.genai.onnx")
+    ]
+    lines.append(
+        f"| **sound exports passed** | | **{totals[0]} of {len(rows)}** | {totals[1]} | {totals[2]} | {totals[3]} | "
+        f"{caught[0]} of {len(rows)} fail | {caught[1]} of {len(rows)} fail |"
+    )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--builds", type=names_from(BUILDS), default=list(BUILDS))
+    parser.add_argument("--seeds", type=positive_int, default=2, help="seeds 0 .. N-1 of each build")
+    parser.add_argument("--report", action="store_true", help="print README's table from the last run's file")
+    args = parser.parse_args()
+    if args.report:
+        print(markdown(json.loads(RESULTS.read_text())["rows"]))
+        return
+    writable_folder(RESULTS.parent)
+    torch.set_num_threads(1)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="half-hybrid-") as tmp:
+        for name in args.builds:
+            for seed in range(args.seeds):
+                rows.append(measure(Path(tmp), name, seed))
+                print(json.dumps(rows[-1]), flush=True)
+    print("\n" + markdown(rows))
+    write_result(
+        RESULTS, json.dumps({"command": command_line(), "machine": machine_name(), "rows": rows}, indent=1) + "\n"
+    )
+
+
+if __name__ == "__main__":
+    main()
