@@ -12,9 +12,12 @@ move between commits that draw its random slots differently).
 
     python bench/bench_verify_time.py --before 375d6af          # about 12 minutes on 2 cores, models built
     python bench/bench_verify_time.py --report                  # the README table, from the results file
+    python bench/bench_verify_time.py --before b6cef91 --cases "smollm2 float16" \
+        --output bench/results/verify_time_half.json            # a half-precision check's cost
 
 Cases: the real SmolLM2-135M (float32 and int4) and the Qwen3-0.6B-shaped model (bench/models.py: 28 layers, random
-weights; float32 and int4, the quality gate open, as bench/bench_verify_memory.py runs it).
+weights; float32 and int4, the quality gate open, as bench/bench_verify_memory.py runs it); on request, SmolLM2 in
+float16, whose check runs the reference again in float16 and on perturbed inputs (export/half_spread.py).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 import models  # noqa: E402
 from bench_convert import load_average, run_measured  # noqa: E402
 from report import fmt, median_interval, ratio_cell, ratio_interval, table  # noqa: E402
-from results_io import command_line, machine_name, write_result  # noqa: E402
+from results_io import command_line, machine_name, result_file, write_result  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).with_name("results") / "verify_time.json"
@@ -43,15 +46,15 @@ EXPORT = [sys.executable, "-c", "from thinker_common.cli import main; main()", "
 CHECK = """
 import json, sys, torch
 from pathlib import Path
-model_dir, onnx_path, bits = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+model_dir, onnx_path, bits, dtype = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), getattr(torch, sys.argv[4])
 if bits:
     from export.quantized_verify import QualityGate, verify_quantized_export
     gate = QualityGate(min_top1=0.0, max_perplexity_increase=100.0)
-    result = verify_quantized_export(model_dir, onnx_path, torch.float32, bits, gate)
+    result = verify_quantized_export(model_dir, onnx_path, dtype, bits, gate)
     graph = result["graph"]
 else:
     from export.verify import verify_export
-    result = graph = verify_export(model_dir, onnx_path, torch.float32)
+    result = graph = verify_export(model_dir, onnx_path, dtype)
 import export.verify
 print(json.dumps({"code": export.verify.__file__, "passed": result["passed"], "failure": result.get("failure"),
                   "max_abs_diff": graph["max_abs_diff"], "tolerance": graph["tolerance"]}))
@@ -61,7 +64,10 @@ CASES = {  # name -> (model, export options, bits)
     "smollm2 int4": ("smollm2", ["--quantize", "int4", "--no-awq"], 4),
     "qwen3-0.6b float32": ("qwen3-0.6b", [], 0),
     "qwen3-0.6b int4": ("qwen3-0.6b", ["--quantize", "int4", "--no-awq"], 4),
+    # a half-precision check's own runs (export/half_spread.py): the reference again in float16, and perturbed
+    "smollm2 float16": ("smollm2", ["--dtype", "float16"], 0),
 }
+DEFAULT_CASES = [name for name in CASES if "float16" not in name]  # README's first table
 
 
 def bench_model(name: str):
@@ -109,7 +115,9 @@ def measure(before: str, reps: int, cases: list[str]) -> dict:
                 order = ("before", "after") if rep % 2 == 0 else ("after", "before")
                 for side in order:
                     env = base | {"PYTHONPATH": str(code[side])}
-                    command = [sys.executable, "-c", CHECK, str(model.thinker), str(output / "model.onnx"), str(bits)]
+                    dtype = options[options.index("--dtype") + 1] if "--dtype" in options else "float32"
+                    arguments = [str(model.thinker), str(output / "model.onnx"), str(bits), dtype]
+                    command = [sys.executable, "-c", CHECK, *arguments]
                     # run outside both trees: ``python -c`` puts its working directory before PYTHONPATH, which
                     # ran this checkout's code on both sides from the repository's root
                     seconds, peak, printed = run_measured(command, env, cwd=work)
@@ -175,8 +183,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", help="the commit whose check to time against this checkout's")
     parser.add_argument("--reps", type=int, default=2, help="fresh processes per side and case (default 2)")
-    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
-    parser.add_argument("--report", action="store_true", help="print the README table from the last run")
+    parser.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"comma-separated, of: {', '.join(CASES)}")
+    parser.add_argument(
+        "--output", type=result_file, default=RESULTS, help=f"the results file (default {RESULTS.relative_to(REPO)})"
+    )
+    parser.add_argument("--report", action="store_true", help="print the README table from the last run's file")
     args = parser.parse_args()
     if not args.report:
         if not args.before:
@@ -185,8 +196,8 @@ def main() -> None:
         unknown = [case for case in cases if case not in CASES]
         if unknown:
             parser.error(f"unknown case {unknown[0]!r}; choose from: {', '.join(CASES)}")
-        write_result(RESULTS, json.dumps(measure(args.before, args.reps, cases), indent=2) + "\n")
-    print(report(json.loads(RESULTS.read_text())))
+        write_result(args.output, json.dumps(measure(args.before, args.reps, cases), indent=2) + "\n")
+    print(report(json.loads(args.output.read_text())))
 
 
 if __name__ == "__main__":
