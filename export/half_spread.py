@@ -126,19 +126,22 @@ class HalfShadow:
         if "inputs_embeds" in inputs:  # the embeddings a half graph takes are cast to its dtype first thing
             half_inputs = {**inputs, "inputs_embeds": inputs["inputs_embeds"].to(self.dtype)}
         with running_in(self.model, self.dtype):
-            half = self.model(**half_inputs, use_cache=True, **cached(self.past))
-        self.past = getattr(half, CACHE_ARG)
+            out = self.model(**half_inputs, use_cache=True, **cached(self.past))
+        self.past = getattr(out, CACHE_ARG)
+        # each run's logits let go once measured: a long prompt's over a large vocabulary are tens of megabytes
+        spread = distance(out.logits, reference)
         several = reference.shape[1] > 1  # a prompt, or a continuation in one step: more roundings sampled
         before = copy.deepcopy(self.perturbed_past) if several and self.perturbed_past is not None else None
         moved = self.perturbed_inputs(inputs, self.step)
-        perturbed = self.model(**moved, use_cache=True, **cached(self.perturbed_past))
-        self.perturbed_past = getattr(perturbed, CACHE_ARG)
-        spread = torch.maximum(*((out.logits.float() - reference).abs().amax(-1) for out in (half, perturbed)))
+        out = self.model(**moved, use_cache=True, **cached(self.perturbed_past))
+        self.perturbed_past = getattr(out, CACHE_ARG)
+        spread = torch.maximum(spread, distance(out.logits, reference))
+        out = None
         for sample in range(1, PERTURBED_SAMPLES if several else 1):
             past = copy.deepcopy(before) if before is not None else None  # each sample extends its own copy
             moved = self.perturbed_inputs(inputs, self.step + sample * SAMPLE_SEED_STRIDE)
-            again = self.model(**moved, use_cache=past is not None, **cached(past))
-            spread = torch.maximum(spread, (again.logits.float() - reference).abs().amax(-1))
+            logits = self.model(**moved, use_cache=past is not None, **cached(past)).logits
+            spread = torch.maximum(spread, distance(logits, reference))
         self.spreads.append(spread.numpy())
         return self.spreads[-1]
 
@@ -153,6 +156,11 @@ class HalfShadow:
                 inputs["ple_input_ids"] = ids
         inputs["inputs_embeds"] = scaled_at_random(inputs["inputs_embeds"].float(), UNIT_ROUNDOFF[self.dtype], seed)
         return inputs
+
+
+def distance(logits: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """(B, T): max over the vocabulary of |``logits`` - ``reference``|, in float32."""
+    return (logits.float() - reference).abs().amax(-1)
 
 
 def scaled_at_random(embeddings: torch.Tensor, relative: float, seed: int) -> torch.Tensor:
