@@ -9,7 +9,9 @@ not renormalised). Each is converted and exported ``--dtype float16`` with the f
 (export/verify.py ``verify_export``) then runs on it:
 
 - as it runs now;
-- with one perturbed sample per step (export/half_spread.py PERTURBED_SAMPLES = 1), as before;
+- with four perturbed samples per step of several positions and no more where the graph lands beyond
+  (export/half_spread.py MOST_PERTURBED_SAMPLES = PERTURBED_SAMPLES);
+- with one perturbed sample per step, as before;
 - with onnxruntime-genai's graph's passes judged alone (export/verify.py ``judged_beside`` and the excused
   positions its counterpart allows left out), as before;
 - with both, the check as it was;
@@ -42,7 +44,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "tests" / "export")] 
 import torch  # noqa: E402
 from export_helpers import make_tokenizer, scale_graph_weight  # noqa: E402
 from references import hybrid  # noqa: E402
-from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM  # noqa: E402
+from references.hybrid import HALF_QA_BUILDS as BUILDS  # noqa: E402
 
 import export.verify as verify  # noqa: E402
 from converter.convert import convert  # noqa: E402
@@ -52,61 +54,24 @@ from export.exporter import export_model  # noqa: E402
 RESULTS = REPO / "bench" / "results" / "half_hybrid.json"
 PLANTED_WEIGHT = "model.layers.3.self_attn.o_proj.weight"  # the last full-attention layer's (hybrid.LAYER_TYPES)
 PLANT_FACTOR = 1.5
-BUILDS = {
-    "qwen3_5-a": (Qwen3_5ForCausalLM, lambda: hybrid.qwen3_5_config(hidden_size=64, intermediate_size=72)),
-    "qwen3_5_moe-a": (
-        Qwen3_5MoeForCausalLM,
-        lambda: hybrid.qwen3_5_moe_config(
-            hidden_size=64,
-            num_experts=16,
-            num_experts_per_tok=4,
-            moe_intermediate_size=24,
-            shared_expert_intermediate_size=40,
-        ),
-    ),
-    "qwen3_5_moe-b": (
-        Qwen3_5MoeForCausalLM,
-        lambda: hybrid.qwen3_5_moe_config(
-            hidden_size=48,
-            num_experts=5,
-            num_experts_per_tok=1,
-            moe_intermediate_size=36,
-            shared_expert_intermediate_size=20,
-        ),
-    ),
-    "qwen3_next-a": (
-        Qwen3NextForCausalLM,
-        lambda: hybrid.qwen3_next_config(
-            hidden_size=64,
-            num_experts=8,
-            num_experts_per_tok=3,
-            moe_intermediate_size=40,
-            shared_expert_intermediate_size=28,
-        ),
-    ),
-    "qwen3_next-b": (
-        Qwen3NextForCausalLM,
-        lambda: hybrid.qwen3_next_config(
-            hidden_size=96,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=20,
-            shared_expert_intermediate_size=52,
-            norm_topk_prob=False,
-        ),
-    ),
-}
 
 
 @contextlib.contextmanager
-def one_perturbed_sample():
-    """One perturbed float32 run per step, as before PERTURBED_SAMPLES."""
-    original = half_spread.PERTURBED_SAMPLES
-    half_spread.PERTURBED_SAMPLES = 1
+def samples(first: int | None, most: int | None = None):
+    """``first`` perturbed float32 runs per step of several positions, and no more than ``most`` where the graph
+    lands beyond (export/half_spread.py PERTURBED_SAMPLES, MOST_PERTURBED_SAMPLES; None: as they are)."""
+    original = half_spread.PERTURBED_SAMPLES, half_spread.MOST_PERTURBED_SAMPLES
+    first = first or original[0]
+    half_spread.PERTURBED_SAMPLES, half_spread.MOST_PERTURBED_SAMPLES = first, most or first
     try:
         yield
     finally:
-        half_spread.PERTURBED_SAMPLES = original
+        half_spread.PERTURBED_SAMPLES, half_spread.MOST_PERTURBED_SAMPLES = original
+
+
+def one_perturbed_sample():
+    """One perturbed float32 run per step, as before PERTURBED_SAMPLES."""
+    return samples(1)
 
 
 @contextlib.contextmanager
@@ -124,6 +89,7 @@ def genai_passes_alone():
 
 RULES = {
     "now": contextlib.nullcontext,
+    "no_more_samples": lambda: samples(None),
     "one_sample": one_perturbed_sample,
     "genai_alone": genai_passes_alone,
     "before": lambda: _both(one_perturbed_sample, genai_passes_alone),
@@ -194,9 +160,9 @@ def refusal(run: dict) -> str:
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| build | seed | now | one perturbed sample | genai passes alone | before (both) | refused now: the first "
-        "failure | o_proj 1.5x in model.onnx | in model.genai.onnx |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| build | seed | now | four samples, no more | one perturbed sample | genai passes alone | before (one "
+        "sample, genai alone) | refused now: the first failure | o_proj 1.5x in model.onnx | in model.genai.onnx |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     graphs = ("model.onnx", "model.genai.onnx")
     for row in rows:

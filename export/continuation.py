@@ -24,7 +24,7 @@ import torch
 from thinker.modeling_thinker import CACHE_ARG, lowest_block_wins_ties
 from thinker_common.parity_inputs import CONTINUATION_DECODE_STEPS, continuation_prompt
 
-from .half_spread import HalfShadow, cached
+from .half_spread import HalfShadow, cached, graph_distances
 from .reference_replay import ReferenceReplay, replay_of, run_key
 from .routing import RouteFollower
 from .runtime import OnnxDecoder
@@ -52,9 +52,11 @@ def compare_continuation(
     follower = RouteFollower.of(model, decoder)
     replay, follows, past = replay_of(replay), bool(follower.probes), None
 
-    def reference_step(ids: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray | None]:
+    def reference_step(
+        ids: np.ndarray, start: int, candidate: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray | None]:
         """The reference's run of the tokens the graph has just run (its routing followed: export/routing.py), on
-        the cache of the runs before it."""
+        the cache of the runs before it; ``candidate``: the graph's logits of the run, where compared."""
         nonlocal past
         if past is None and start:  # read back so far: the cache it would continue was never made
             raise AssertionError("the continuation pass's reference runs were recorded in part")
@@ -65,7 +67,13 @@ def compare_continuation(
         }
         with follower.reference(decoder.probed):
             out = model(**inputs, use_cache=True, **cached(past))
-            spread = follower.spread(shadow, out.logits, **inputs)
+            distances = None  # where the graph lands, for the spread to cover (HalfShadow.spread)
+            if shadow is not None and candidate is not None:
+                kept = np.ones(ids.shape, bool)
+                if decoder.last_logits_only:  # its last position alone
+                    kept[:, :-1] = False
+                distances = graph_distances(out.logits, candidate, kept, np.ones(candidate.shape[:2], bool))
+            spread = follower.spread(shadow, out.logits, distances, **inputs)
         past = getattr(out, CACHE_ARG)
         return out.logits.float().numpy(), spread
 
@@ -79,7 +87,7 @@ def compare_continuation(
         state.attention_mask = np.ones((1, first + then), np.int64)
         candidate = decoder.forward(continued, np.arange(first, first + then)[None], state)
         key = run_key(key, continued)
-        logits, spread = replay.run(key, follows, lambda: reference_step(continued, first))
+        logits, spread = replay.run(key, follows, lambda: reference_step(continued, first, candidate))
         state.next_position = state.next_position + then
         if decoder.last_logits_only:  # each row's last position alone
             logits, spread = logits[:, -1:], None if spread is None else spread[:, -1:]

@@ -222,18 +222,24 @@ class RouteFollower:
             top_values = top_values / top_values.sum(dim=-1, keepdim=True)
         return logits, top_values.to(logits.dtype), top_index
 
-    def spread(self, shadow: HalfShadow | None, reference_logits: torch.Tensor, **inputs) -> np.ndarray | None:
-        """Within ``reference``: ``shadow``'s spread of the step the reference has just run (None without a shadow),
-        its runs taking the graph's experts as the reference did, unrecorded. Routed on their own, a near tie one of
-        them took the other way widened every later position's spread, and a bug that moved the graph's routing
-        moved the reference away from them and so widened its own allowance (o_proj x 1.1 in the tiny Qwen3-MoE's
-        float16 graph: 6 of 110 long-prompt positions excused, at a spread of 2.1 where the sound graph's was 1.0
-        from a flip of the shadows' own: a review)."""
+    def spread(
+        self,
+        shadow: HalfShadow | None,
+        reference_logits: torch.Tensor,
+        graph_distance: np.ndarray | None = None,
+        **inputs,
+    ) -> np.ndarray | None:
+        """Within ``reference``: ``shadow``'s spread of the step the reference has just run (None without a shadow;
+        ``graph_distance``: HalfShadow.spread's), its runs taking the graph's experts as the reference did,
+        unrecorded. Routed on their own, a near tie one of them took the other way widened every later position's
+        spread, and a bug that moved the graph's routing moved the reference away from them and so widened its own
+        allowance (o_proj x 1.1 in the tiny Qwen3-MoE's float16 graph: 6 of 110 long-prompt positions excused, at a
+        spread of 2.1 where the sound graph's was 1.0 from a flip of the shadows' own: a review)."""
         if shadow is None:
             return None
         self.recording = False
         try:
-            return shadow.spread(reference_logits, **inputs)
+            return shadow.spread(reference_logits, graph_distance, **inputs)
         finally:
             self.recording = True
 

@@ -83,7 +83,7 @@ from .decoder_graph import rope_tables
 from .deep_cache import compare_deep, not_run_reason, slots_within
 from .genai_config_check import genai_config_failures
 from .genai_graph import takes_stream_positions
-from .half_spread import HALF_PRECISIONS, MAX_EXCUSED_SHARE, HalfShadow, excused, scaled_at_random
+from .half_spread import HALF_PRECISIONS, MAX_EXCUSED_SHARE, HalfShadow, excused, graph_distances, scaled_at_random
 from .names import EMBED_FILE, EMBEDS_MODEL_FILE, GENAI_MODEL_FILE, MODEL_FILE, ROPE_SIN_TABLE, ROPE_TABLE
 from .onnx_folder import graph_context
 from .providers import cuda_usable
@@ -352,7 +352,14 @@ def _compare_decoders(
     def prefill_reference() -> tuple[np.ndarray, np.ndarray | None]:
         with follower.reference(decoder.probed, given[1], attention_mask):
             out = model(**inputs, use_cache=True)
-            spread = follower.spread(shadow, out.logits, **inputs)  # (B, T)
+            distances = None  # where the graph lands, for the spread to cover (HalfShadow.spread)
+            if shadow is not None and decoder.last_logits_only:
+                alone = np.ones(candidate.shape[:2], bool)
+                distances = graph_distances(out.logits, candidate, last_kept_slots(attention_mask), alone)
+            elif shadow is not None:
+                kept = attention_mask.astype(bool)
+                distances = graph_distances(out.logits, candidate, kept, given[1].astype(bool))
+            spread = follower.spread(shadow, out.logits, distances, **inputs)  # (B, T)
         reference_past.append(getattr(out, CACHE_ARG))
         return out.logits.float().numpy(), spread
 
@@ -456,9 +463,16 @@ CANDIDATE_ROWS = {
 def at_last_kept(logits: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
     """(B, V): each row of (B, T, V) ``logits`` at its last position the mask keeps (the last for a row that keeps
     none), the position a ``--logits last`` graph picks."""
+    return logits[last_kept_slots(attention_mask)]
+
+
+def last_kept_slots(attention_mask: np.ndarray) -> np.ndarray:
+    """(B, T) bool: each row's last slot the mask keeps (its last slot, for a row that keeps none)."""
     numbered = attention_mask * np.arange(1, attention_mask.shape[1] + 1)
     last = numbered.max(axis=1) - 1
-    return logits[np.arange(len(logits)), np.where(last < 0, attention_mask.shape[1] - 1, last)]
+    slots = np.zeros(attention_mask.shape, bool)
+    slots[np.arange(len(slots)), np.where(last < 0, attention_mask.shape[1] - 1, last)] = True
+    return slots
 
 
 HALF_INDEXER_TIES = "a half-precision network may flip an indexer's near-tie; the float32 export is checked"

@@ -15,10 +15,13 @@ import torch
 from seeded_weights import randomize_parameters
 from transformers import (
     Qwen3_5Config,
+    Qwen3_5ForCausalLM,
     Qwen3_5MoeConfig,
+    Qwen3_5MoeForCausalLM,
     Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
     Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 VOCAB = 96
@@ -158,3 +161,51 @@ def text_image_text_positions(batch: int) -> torch.Tensor:
     block = image_positions(4, 1, 2, 3)
     positions = torch.cat([torch.arange(4).expand(3, -1), block, (torch.arange(5) + 7).expand(3, -1)], dim=1)
     return positions[:, None].expand(3, batch, -1)
+
+
+# A half-precision QA run's builds, of other shapes than the tests' own, by name: (class, its config); seeded by the
+# caller (bench/bench_half_hybrid.py, tests/export/test_half_spread_hybrid.py).
+HALF_QA_BUILDS = {
+    "qwen3_5-a": (Qwen3_5ForCausalLM, lambda: qwen3_5_config(hidden_size=64, intermediate_size=72)),
+    "qwen3_5_moe-a": (
+        Qwen3_5MoeForCausalLM,
+        lambda: qwen3_5_moe_config(
+            hidden_size=64,
+            num_experts=16,
+            num_experts_per_tok=4,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+        ),
+    ),
+    "qwen3_5_moe-b": (
+        Qwen3_5MoeForCausalLM,
+        lambda: qwen3_5_moe_config(
+            hidden_size=48,
+            num_experts=5,
+            num_experts_per_tok=1,
+            moe_intermediate_size=36,
+            shared_expert_intermediate_size=20,
+        ),
+    ),
+    "qwen3_next-a": (
+        Qwen3NextForCausalLM,
+        lambda: qwen3_next_config(
+            hidden_size=64,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=40,
+            shared_expert_intermediate_size=28,
+        ),
+    ),
+    "qwen3_next-b": (
+        Qwen3NextForCausalLM,
+        lambda: qwen3_next_config(
+            hidden_size=96,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=20,
+            shared_expert_intermediate_size=52,
+            norm_topk_prob=False,
+        ),
+    ),
+}
