@@ -7,6 +7,7 @@ still fails."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from contextlib import nullcontext
 
@@ -18,7 +19,7 @@ from references.hybrid import HALF_QA_BUILDS as BUILDS
 
 from export import half_spread
 from export.half_spread import MOST_PERTURBED_SAMPLES, PERTURBED_SAMPLES, SAMPLE_SEED_STRIDE, HalfShadow
-from export.verify import Agreement, judge, judged_beside, long_prompt_failures
+from export.verify import COUNTERPARTS, Agreement, judge, judged_beside, long_prompt_failures, side_graph_failures
 from thinker.modeling_thinker import CACHE_ARG
 from thinker_common.eager import EAGER
 
@@ -133,6 +134,25 @@ def test_the_genai_graphs_pass_may_excuse_as_many_positions_as_model_onnxs_pass_
     assert judge(figures(1, 0, 8), 1.0, excusable=1) is None and judge(figures(1, 0, 8), 1.0) is not None
 
 
+def test_the_genai_graph_on_the_batch_may_excuse_as_many_positions_as_model_onnx_and_the_embeds_graph_none():
+    """onnxruntime-genai's graph runs the batch's own prompts, as model.onnx's comparison (``result``) does; the
+    --inputs-embeds graph a prompt of its own, so model.onnx's excused positions do not carry over to it."""
+    tolerances = {"genai_graph": 1.0, "embeds_graph": 1.0}
+    result = figures(1, 0, 60)
+    assert judge(result, 1.0) is None and result["positions_excused"] == 1
+    result |= {"genai_graph": figures(1, 0, 8), "embeds_graph": figures(0, 0, 8)}
+    assert side_graph_failures(result, tolerances) == []
+    result["embeds_graph"] = figures(1, 0, 8)
+    (failure,) = side_graph_failures(result, tolerances)
+    assert failure.startswith("model.embeds.onnx") and "1 of 8 positions lie beyond the tolerance 1" in failure
+
+    alone = figures(0, 0, 60)
+    judge(alone, 1.0)
+    alone["genai_graph"] = figures(1, 0, 8)
+    (failure,) = side_graph_failures(alone, tolerances)
+    assert failure.startswith("model.genai.onnx") and "1 of 8 positions lie beyond the tolerance 1" in failure
+
+
 def test_the_genai_graphs_pass_takes_model_onnxs_tolerance_where_wider_and_never_narrower():
     result = {"long_prompts": figures(0, 0, 247, 0.438), "genai_graph_long_prompts": figures(0, 0, 8, 0.34)}
     result |= {"continuation": figures(0, 0, 72, 0.3), "genai_graph_continuation": figures(0, 0, 3, 0.35)}
@@ -186,6 +206,8 @@ def test_sound_float16_hybrid_exports_pass_and_a_bug_in_either_graph_fails(build
     report = export_model(folder, tmp_path / "onnx", dtype="float16", progress=False, threads=1)["verify"]
     assert report["passed"], report["failure"]
     assert report["continuation"]["positions_excused"] + report["long_prompts"]["positions_excused"] >= 1
+    for side, own in COUNTERPARTS.items():  # judged beside model.onnx's pass (the Qwen3.5-MoE's long prompts: 0.34)
+        assert report[side]["tolerance"] >= report[own]["tolerance"], (side, report[side], report[own])
 
     weight = "model.layers.3.self_attn.o_proj.weight"
     for graph in ("model.genai.onnx", "model.onnx"):
@@ -196,6 +218,11 @@ def test_sound_float16_hybrid_exports_pass_and_a_bug_in_either_graph_fails(build
         failure = result["failure"]
         assert result["passed"] is False and failure.startswith(f"{graph} "), failure
         assert graph == "model.onnx" or "model.onnx on" not in failure, failure  # the unplanted graph passes
+        # each failure at the tolerance the report gives: the genai passes judged once raised (judged_beside)
+        reported = {
+            f"{f['tolerance']:.3g}" for f in (result, *result.values()) if isinstance(f, dict) and "tolerance" in f
+        }
+        assert set(re.findall(r"> tolerance ([0-9.e-]+)", failure)) <= reported, (failure, reported)
 
     for name, value in (FIXED_BY[build] or {}).items():
         monkeypatch.setattr(half_spread, name, value)
