@@ -57,12 +57,12 @@ PLANT_FACTOR = 1.5
 
 
 @contextlib.contextmanager
-def samples(first: int | None, most: int | None = None):
-    """``first`` perturbed float32 runs per step of several positions, and no more than ``most`` where the graph
-    lands beyond (export/half_spread.py PERTURBED_SAMPLES, MOST_PERTURBED_SAMPLES; None: as they are)."""
+def samples(count: int | None = None):
+    """``count`` perturbed float32 runs per step of several positions (None: PERTURBED_SAMPLES), and no more where
+    the graph lands beyond (export/half_spread.py MOST_PERTURBED_SAMPLES)."""
     original = half_spread.PERTURBED_SAMPLES, half_spread.MOST_PERTURBED_SAMPLES
-    first = first or original[0]
-    half_spread.PERTURBED_SAMPLES, half_spread.MOST_PERTURBED_SAMPLES = first, most or first
+    count = count or original[0]
+    half_spread.PERTURBED_SAMPLES = half_spread.MOST_PERTURBED_SAMPLES = count
     try:
         yield
     finally:
@@ -89,7 +89,7 @@ def genai_passes_alone():
 
 RULES = {
     "now": contextlib.nullcontext,
-    "no_more_samples": lambda: samples(None),
+    "no_more_samples": samples,
     "one_sample": one_perturbed_sample,
     "genai_alone": genai_passes_alone,
     "before": lambda: _both(one_perturbed_sample, genai_passes_alone),
