@@ -42,12 +42,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "tests" / "export")]  # the tests' model builders
 
 import torch  # noqa: E402
-from export_helpers import make_tokenizer, scale_graph_weight  # noqa: E402
-from references import hybrid  # noqa: E402
+from export_helpers import qa_build, scale_graph_weight  # noqa: E402
 from references.hybrid import HALF_QA_BUILDS as BUILDS  # noqa: E402
 
 import export.verify as verify  # noqa: E402
-from converter.convert import convert  # noqa: E402
 from export import half_spread  # noqa: E402
 from export.exporter import export_model  # noqa: E402
 
@@ -104,15 +102,6 @@ def _both(*contexts):
         yield
 
 
-def build(root: Path, name: str, seed: int) -> Path:
-    """The build ``name`` with ``seed``'s weights, converted to a Thinker folder under ``root``."""
-    model_class, config = BUILDS[name]
-    source = root / f"{name}-{seed}-source"
-    hybrid.reference(model_class, config(), seed=seed).save_pretrained(source)
-    make_tokenizer().save_pretrained(source)
-    return convert(source, root / f"{name}-{seed}", verify=False, progress=False).output
-
-
 def checked(folder: Path, onnx_folder: Path) -> dict:
     """The check's verdict on ``onnx_folder``'s graphs: passed, and the failure where it failed."""
     result = verify.verify_export(folder, onnx_folder / "model.onnx", torch.float16, threads=1)
@@ -123,7 +112,7 @@ def checked(folder: Path, onnx_folder: Path) -> dict:
 
 
 def measure(root: Path, name: str, seed: int) -> dict:
-    folder = build(root, name, seed)
+    folder = qa_build(root, name, seed)
     onnx_folder = root / f"{name}-{seed}-onnx"
     export_model(folder, onnx_folder, dtype="float16", progress=False, verify=False, threads=1)
     row: dict = {"build": name, "seed": seed}

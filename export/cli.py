@@ -348,6 +348,7 @@ def export_command(
     The graph's inputs and outputs, and how each graph reads them, follow the options.
     """
     from .calibration_text import CALIBRATION_SOURCE
+    from .exact_reference import FLOAT32_REFUSAL
     from .exporter import export_model
     from .fidelity import FIDELITY_SOURCE
     from .quantize import QuantizeSpec
@@ -460,6 +461,11 @@ def export_command(
         )
         if "widened" in figures:  # a bfloat16 export checked where no CUDA runs
             click.echo(f"verify note: {figures['widened']}")
+        if FLOAT32_REFUSAL in figures:  # judged again against float64 (export/exact_reference.py)
+            click.echo(
+                f"verify note: against PyTorch's float32 run, {figures[FLOAT32_REFUSAL]}; the figures above are "
+                "against the same model run in float64, nearer the exact result than either float32 run"
+            )
 
 
 def held_figure(figures: dict) -> str:

@@ -53,23 +53,23 @@ def deep_cache_slots(model_context: int, graph_context: int | None, most: int = 
     return max(0, min(most, context - DEEP_PROMPT_LENGTH - DEEP_DECODE_STEPS))
 
 
-def deep_slot_bytes(config, dtype: torch.dtype) -> int:
+def deep_slot_bytes(config, dtype: torch.dtype, reference: torch.dtype = torch.float32) -> int:
     """What one random slot costs the pass beyond the check's models (a ThinkerConfig's): its keys and values in the
-    float32 reference's cache, in the graph's ``dtype`` twice (a step's pasts and presents), and for a half-precision
-    check in its shadow's two caches (export/half_spread.py: the half run's, and the float32 one of its run on
-    perturbed inputs) and in float32 to write them there; and a float32 copy more
-    for the layer being written and the allocator's slack. On the Qwen3-0.6B-shaped model (bench/bench_verify_memory.py)
-    4096 slots, 0.88 GiB a float32 copy, raised the float32 check's peak by 2.55 GiB (with the continuation pass),
-    about three copies: the fourth counted is a margin."""
+    reference's cache (float32, or ``reference``: export/exact_reference.py), in the graph's ``dtype`` twice (a
+    step's pasts and presents), and for a half-precision check in its shadow's two caches (export/half_spread.py: the
+    half run's, and the float32 one of its run on perturbed inputs) and in float32 to write them there; and a copy
+    more in the reference's dtype for the layer being written and the allocator's slack. On the Qwen3-0.6B-shaped
+    model (bench/bench_verify_memory.py) 4096 slots, 0.88 GiB a float32 copy, raised the float32 check's peak by
+    2.55 GiB (with the continuation pass), about three copies: the fourth counted is a margin."""
     values = config.layer_types.count("full_attention") * 2 * config.num_key_value_heads * config.head_dim
     shadow = dtype.itemsize + 2 * torch.float32.itemsize if dtype in HALF_PRECISIONS else 0
-    return values * (2 * torch.float32.itemsize + 2 * dtype.itemsize + shadow)
+    return values * (2 * reference.itemsize + 2 * dtype.itemsize + shadow)
 
 
-def slots_within(budget: int, config, dtype: torch.dtype) -> int:
+def slots_within(budget: int, config, dtype: torch.dtype, reference: torch.dtype = torch.float32) -> int:
     """The random slots ``budget`` bytes hold (the memory the check's models leave), DEEP_CACHE_SLOTS at most: the
     pass goes as deep as memory allows, rather than have a check refused that fits without it."""
-    each = deep_slot_bytes(config, dtype)  # 0 without a full-attention layer: no slot to hold
+    each = deep_slot_bytes(config, dtype, reference)  # 0 without a full-attention layer: no slot to hold
     return max(0, min(DEEP_CACHE_SLOTS, budget // each)) if each else DEEP_CACHE_SLOTS
 
 

@@ -81,6 +81,7 @@ from .beyond_prompts import attention_window_check, rope_table_check
 from .continuation import compare_continuation
 from .decoder_graph import rope_tables
 from .deep_cache import compare_deep, not_run_reason, slots_within
+from .exact_reference import EXACT_DTYPE, FLOAT32_REFUSAL, running_exactly
 from .genai_config_check import genai_config_failures
 from .genai_graph import takes_stream_positions
 from .half_spread import HALF_PRECISIONS, MAX_EXCUSED_SHARE, HalfShadow, excused, graph_distances, scaled_at_random
@@ -811,13 +812,19 @@ def held_bytes(
 
 
 def deep_slots(
-    model_dir: Path, dtype: torch.dtype, plan: str, quantized: bool = False, graph_bytes: int | None = None
+    model_dir: Path,
+    dtype: torch.dtype,
+    plan: str,
+    quantized: bool = False,
+    graph_bytes: int | None = None,
+    reference: torch.dtype = REFERENCE_DTYPE,
 ) -> int:
     """The deep-cache pass's random slots: as many as the memory ``plan`` leaves holds (export/deep_cache.py
-    ``slots_within``), so that the pass never has a check refused that fits without it."""
+    ``slots_within``; ``reference``: the dtype the reference runs in, its cache's), so that the pass never has a
+    check refused that fits without it."""
     whole, streamed, _ = held_bytes(model_dir, dtype, quantized, graph_bytes)
     left = memory_budget(share=1.0) - (streamed if plan == STREAMED else whole)
-    return slots_within(left, ThinkerConfig.from_pretrained(model_dir), dtype)
+    return slots_within(left, ThinkerConfig.from_pretrained(model_dir), dtype, reference)
 
 
 def model_bytes(model_dir: Path, dtype: torch.dtype) -> tuple[int, int]:
@@ -930,9 +937,31 @@ def verify_export(
     """The figures for the export report; ``passed`` is False beyond tolerance (``failure`` says how), None when it
     could not run. ``progress``: a bar over loading both models, the prefill and the decode steps; ``plan``: WHOLE
     or STREAMED (``verify_plan``); ``shipped``: (the graph as exported, its dtype) where ``onnx_path`` is a float32
-    copy of it (``verify_widened``). (A quantized export has its own checks: export/quantized_verify.py.)"""
+    copy of it (``verify_widened``). A float32 graph refused on its logits is checked again against the reference
+    run in float64, whose verdict stands (export/exact_reference.py). (A quantized export has its own checks:
+    export/quantized_verify.py.)"""
     if dtype == torch.bfloat16 and not cuda_usable():
         return verify_widened(model_dir, onnx_path, threads, progress, plan)
+    result, on_logits = checked_against(REFERENCE_DTYPE, model_dir, onnx_path, dtype, threads, progress, plan, shipped)
+    if result["passed"] or not on_logits or dtype != torch.float32 or shipped:
+        return result
+    exact, _ = checked_against(EXACT_DTYPE, model_dir, onnx_path, dtype, threads, progress, plan, shipped)
+    return {**exact, FLOAT32_REFUSAL: result["failure"]}
+
+
+def checked_against(
+    reference: torch.dtype,
+    model_dir: Path,
+    onnx_path: Path,
+    dtype: torch.dtype,
+    threads: int | None,
+    progress: bool,
+    plan: str,
+    shipped: tuple[Path, torch.dtype] | None,
+) -> tuple[dict, bool]:
+    """``verify_export``'s figures with the PyTorch Thinker run in ``reference`` (REFERENCE_DTYPE, or EXACT_DTYPE:
+    export/exact_reference.py), and whether a comparison with it failed (rather than alone the checks of what the
+    graph ships: its RoPE tables, windows and genai_config.json)."""
     held_as = WIDENED_BFLOAT16 if shipped else dtype  # the tolerance's key
     genai_path, embeds_path = genai_graph_of(onnx_path), embeds_graph_of(onnx_path)
     indexed = "indexed_attention" in (read_json(model_dir / "config.json").get("layer_types") or ())
@@ -943,10 +972,13 @@ def verify_export(
     steps += (1 + DECODE_STEPS) * (1 + streams)  # the padded-around pass, and the image-positions one
     steps += 1 + EDGE_DECODE_STEPS + 2  # the edges' pass, and the two prompts' rounding sensitivities
     long, further = {}, {}  # the long prompts; the deep-cache and continuation passes
-    most_slots = deep_slots(model_dir, dtype, plan)  # before the models are loaded: the memory they will leave
+    # before the models are loaded: the memory they will leave
+    most_slots = deep_slots(model_dir, dtype, plan, reference=reference)
+    exactly = reference == EXACT_DTYPE
     with (
-        progress_bar(steps, "verifying", unit="step", enabled=progress) as bar,
+        progress_bar(steps, "verifying in float64" if exactly else "verifying", unit="step", enabled=progress) as bar,
         pytorch_thinker(model_dir, REFERENCE_DTYPE, plan, shipped and shipped[1]) as model,
+        running_exactly(model) if exactly else contextlib.nullcontext(),
         contextlib.closing(ReferenceReplay(onnx_path.parent)) as replay,  # the second graph's passes read back
     ):
         bar.update()
@@ -1003,7 +1035,7 @@ def verify_export(
         held = f", its weights rounded to {dtype_name(shipped[1])} as the export's{held}"
     result = {
         "provider": device,
-        "reference": f"PyTorch ThinkerForCausalLM, {dtype_name(REFERENCE_DTYPE)}, CPU{held}",
+        "reference": f"PyTorch ThinkerForCausalLM, {dtype_name(reference)}, CPU{held}",
         **figures,
     }
     # the batch's and the long prompts' passes at their own prompts' rounding sensitivity (SENSITIVITY_MARGIN, up to
@@ -1045,13 +1077,14 @@ def verify_export(
     failures += long_prompt_failures(result, model.config, dtype)
     failures += deep_cache_failures(result) + continuation_failures(result, model.config, dtype)
     failures += image_position_failures(result) + padded_around_failures(result) + vocabulary_edge_failures(result)
+    on_logits = bool(failures)
     result["rope_tables"], unprompted = unprompted_checks(*(shipped or (onnx_path, dtype)), model.config)
     failures += unprompted
     result["passed"] = not failures
     result["failure"] = "; ".join(failures)
     if result["passed"]:
         del result["failure"]
-    return result
+    return result, on_logits
 
 
 def verify_widened(model_dir: Path, onnx_path: Path, threads: int | None, progress: bool, plan: str) -> dict:

@@ -11,6 +11,8 @@ that the reorder lives in one place.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from huggingface_hub.errors import StrictDataclassError
@@ -29,6 +31,7 @@ from references.hybrid import (
 )
 from seeded_weights import randomize_parameters
 from torch.testing import assert_close
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
     DynamicCache,
     Qwen3_5ForCausalLM,
@@ -486,3 +489,97 @@ def test_save_load_round_trip_keeps_the_hybrid_layout(tmp_path):
     ids = token_ids(length=9)
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, thinker(ids).logits)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# float64: the export check's second opinion on a float32 graph runs the Thinker so (export/exact_reference.py)
+
+
+class Float32Ops(TorchDispatchMode):
+    """Records each op that computes a float32 tensor, outside the modules ``allowed`` (while they run)."""
+
+    def __init__(self, model: torch.nn.Module, allowed: tuple[type, ...]) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+        self.inside = 0
+        for module in model.modules():
+            if isinstance(module, allowed):
+                module.register_forward_pre_hook(lambda *_: setattr(self, "inside", self.inside + 1))
+                module.register_forward_hook(lambda *_: setattr(self, "inside", self.inside - 1))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.inside:
+            tensors = out if isinstance(out, tuple | list) else (out,)
+            if any(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in tensors):
+                self.seen.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_a_float64_thinker_computes_in_float64_throughout(family):
+    """transformers' Qwen code computes its norms, softmaxes, decays and delta rule in float32 whatever the model's
+    dtype, and so did the Thinker: a float64 run rounded to float32 at each, and its float32 softmax turned a float64
+    mask's fully masked row (a left pad's) into NaN, which the recurrence carried into the row's tokens. Now no op
+    outside the RoPE tables (float32, as a graph ships them) computes a float32 tensor, a left-padded batch gives each
+    row's own logits, and prefill then decode agrees with one prefill to float64's precision (float32's parts by
+    1e-7 or so)."""
+    from thinker.modeling_thinker import ThinkerRotaryEmbedding
+
+    _, thinker = family_pair(family, "eager")
+    exact = copy.deepcopy(thinker).double()
+    rows = [token_ids(batch=1, length=n, seed=n)[0] for n in (80, 13)]
+    ids, mask = left_pad(rows)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    recorder = Float32Ops(exact, (ThinkerRotaryEmbedding,))
+    with torch.no_grad(), recorder:
+        batch = exact(ids, attention_mask=mask, position_ids=positions).logits
+    assert not recorder.seen, sorted(set(recorder.seen))
+    assert batch.dtype == torch.float64 and batch[mask.bool()].isfinite().all()
+    with torch.no_grad():
+        for i, row in enumerate(rows):
+            assert_close(batch[i, mask[i].bool()], exact(row[None]).logits[0], atol=1e-10, rtol=0)
+        float32 = thinker(ids, attention_mask=mask, position_ids=positions).logits  # the same model: its rounding
+        assert_close(batch.float()[mask.bool()], float32[mask.bool()], atol=1e-3, rtol=0)
+
+    ids = token_ids(batch=2, length=72, seed=3)
+    gaps = {}
+    with torch.no_grad():
+        for model in (thinker, exact):
+            cache = DynamicCache(config=model.config)
+            parts = [model(ids[:, :70], use_cache=True, **{CACHE_ARG: cache}).logits]
+            parts += [model(ids[:, t : t + 1], use_cache=True, **{CACHE_ARG: cache}).logits for t in (70, 71)]
+            gaps[model is exact] = float((torch.cat(parts, dim=1) - model(ids).logits).abs().max())
+    assert gaps[True] < 1e-11 < 1e-9 < gaps[False], gaps
+
+
+def test_the_float64_delta_rule_is_transformers_recurrent_one_in_its_inputs_dtype():
+    """``gated_delta_rule_in_own_dtype`` in float32 is transformers' token-by-token rule bit for bit; in float64 it
+    lies within float32's rounding of it and of transformers' chunked rule, grouped value heads and a carried state
+    included."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import (
+        torch_chunk_gated_delta_rule,
+        torch_recurrent_gated_delta_rule,
+    )
+
+    from thinker.modeling_thinker import gated_delta_rule_in_own_dtype
+
+    generator = torch.Generator().manual_seed(0)
+    batch, seq, key_heads, value_heads, key_dim, value_dim = 2, 9, 2, 4, 8, 6
+    query, key = (torch.randn(batch, seq, key_heads, key_dim, generator=generator) for _ in range(2))
+    value = torch.randn(batch, seq, value_heads, value_dim, generator=generator)
+    g, beta = -torch.rand(batch, seq, value_heads, generator=generator), torch.rand(batch, seq, value_heads)
+    state = torch.randn(batch, value_heads, key_dim, value_dim, generator=generator)
+    options = dict(initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ours = gated_delta_rule_in_own_dtype(query, key, value, g=g, beta=beta, **options)
+    theirs = torch_recurrent_gated_delta_rule(query, key, value, g=g, beta=beta, **options)
+    for mine, other in zip(ours, theirs, strict=True):
+        assert torch.equal(mine, other)
+    wide = [x.double() for x in (query, key, value, g, beta, state)]
+    exact = gated_delta_rule_in_own_dtype(*wide[:3], g=wide[3], beta=wide[4], **{**options, "initial_state": wide[5]})
+    chunked = torch_chunk_gated_delta_rule(query, key, value, g=g, beta=beta, **options)
+    for float64, *float32 in zip(exact, theirs, chunked, strict=True):
+        assert float64.dtype == torch.float64
+        for other in float32:
+            assert_close(float64, other.double(), atol=1e-5, rtol=0)
+            assert not torch.equal(float64, other.double())  # float64's own arithmetic, not float32's cast up

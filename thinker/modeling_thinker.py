@@ -100,14 +100,23 @@ def either_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | 
     return cache if cache is not None else past_key_values
 
 
+def computed_in(dtype: torch.dtype) -> torch.dtype:
+    """What the norms, softmaxes, decays and recurrences compute in for a model running in ``dtype``: float32, as
+    transformers' Qwen code computes them whatever the model's dtype, or ``dtype`` where wider. So a model run in
+    float64 (export/verify.py's second opinion on a float32 graph) keeps float64 throughout, where transformers' own
+    casts would round each norm and softmax to float32 (and its float32 softmax turns a float64 mask's fully masked
+    row, a left pad's, into NaN)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # norms
 
 
 class ThinkerRMSNorm(nn.Module):
-    """RMSNorm in float32. Plain: cast back, then scale by ``w`` (Qwen3's and Llama's order of operations).
-    Zero-centred: scale by ``1 + w`` in float32, then cast (Qwen3.5's, Qwen3-Next's and Gemma's order); the weight
-    is kept as the checkpoint stores it, so conversions stay bit-exact both ways."""
+    """RMSNorm in float32 (``computed_in``). Plain: cast back, then scale by ``w`` (Qwen3's and Llama's order of
+    operations). Zero-centred: scale by ``1 + w`` in float32, then cast (Qwen3.5's, Qwen3-Next's and Gemma's order);
+    the weight is kept as the checkpoint stores it, so conversions stay bit-exact both ways."""
 
     def __init__(self, dim: int, eps: float = 1e-6, zero_centered: bool = False, group_size: int | None = None) -> None:
         super().__init__()
@@ -118,14 +127,14 @@ class ThinkerRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
-        x = x.to(torch.float32)
+        x = x.to(computed_in(input_dtype))
         if self.group_size is not None:
             x = x.unflatten(-1, (-1, self.group_size))  # (..., groups, group_size)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         if self.group_size is not None:
             x = x.flatten(-2)
         if self.zero_centered:
-            return (x * (1.0 + self.weight.float())).to(input_dtype)
+            return (x * (1.0 + self.weight.to(x.dtype))).to(input_dtype)
         return self.weight * x.to(input_dtype)
 
     def extra_repr(self) -> str:
@@ -136,9 +145,9 @@ class ThinkerRMSNorm(nn.Module):
 
 @use_kernel_forward_from_hub("RMSNormGated")  # the hub kernel transformers offers for Qwen3.5's gated norm
 class ThinkerRMSNormGated(nn.Module):
-    """The Gated DeltaNet's output norm: RMSNorm in float32 with a plain weight (not zero-centred), then times
-    ``act(gate)`` in float32, ``act`` silu (Qwen3.5, Qwen3-Next) or sigmoid (a Qwen4-Exp setting);
-    Qwen3NextRMSNormGated's order of operations."""
+    """The Gated DeltaNet's output norm: RMSNorm in float32 (``computed_in``) with a plain weight (not
+    zero-centred), then times ``act(gate)`` in float32, ``act`` silu (Qwen3.5, Qwen3-Next) or sigmoid (a Qwen4-Exp
+    setting); Qwen3NextRMSNormGated's order of operations."""
 
     def __init__(self, dim: int, eps: float = 1e-6, activation: str = "silu") -> None:
         super().__init__()
@@ -149,10 +158,10 @@ class ThinkerRMSNormGated(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype
-        x = hidden_states.to(torch.float32)
+        x = hidden_states.to(computed_in(input_dtype))
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         x = self.weight * x.to(input_dtype)
-        return (x * self.act_fn(gate.to(torch.float32))).to(input_dtype)
+        return (x * self.act_fn(gate.to(computed_in(input_dtype)))).to(input_dtype)
 
 
 def make_norm(config: ThinkerConfig, dim: int, group_size: int | None = None) -> nn.Module:
@@ -277,7 +286,7 @@ def eager_attention_forward(
     weights = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, nh, T, S)
     if attention_mask is not None:
         weights = weights + attention_mask
-    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.softmax(weights, dim=-1, dtype=computed_in(query.dtype)).to(query.dtype)
     weights = F.dropout(weights, p=dropout, training=module.training)
     out = torch.matmul(weights, value).transpose(1, 2).contiguous()  # (B, T, nh, hs)
     return out, weights
@@ -568,6 +577,45 @@ def states_to_keep(cache: Cache | None, layer_idx: int) -> int:
     return (keep(layer_idx) or 0) if keep is not None else 0
 
 
+def gated_delta_rule_in_own_dtype(
+    query: torch.Tensor,  # (B, T, nk, hk)
+    key: torch.Tensor,
+    value: torch.Tensor,  # (B, T, nv, hv)
+    g: torch.Tensor,  # (B, T, nv) log decay
+    beta: torch.Tensor,  # (B, T, nv)
+    initial_state: torch.Tensor | None = None,  # (B, nv, hk, hv)
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gated delta rule token by token in its inputs' dtype: ``torch_recurrent_gated_delta_rule``'s definition
+    (l2-normed q and k, q over sqrt(hk), decay, then the delta update, then the read-out), which transformers'
+    forms and the hub kernels that replace them compute in float32 whatever their inputs. Written out for a model
+    run in float64 (``computed_in``), whose recurrence is then float64 throughout."""
+    if cu_seqlens is not None:
+        raise ValueError("packed sequences (cu_seqlens) run in float32 or half precision only")
+    groups = value.shape[2] // key.shape[2]  # each q/k head serves this many consecutive value heads
+    query, key = (x.repeat_interleave(groups, dim=2) for x in (query, key))
+    if use_qk_l2norm_in_kernel:
+        query, key = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (query, key))
+    query = query / query.shape[-1] ** 0.5
+    batch, seq, heads, k_dim = key.shape
+    state = (
+        initial_state.to(value.dtype)
+        if initial_state is not None
+        else value.new_zeros(batch, heads, k_dim, value.shape[-1])
+    )
+    outs = []
+    for t in range(seq):
+        state = state * g[:, t].exp()[..., None, None]
+        remembered = (state * key[:, t, ..., None]).sum(-2)  # (B, nv, hv): what the state recalls for this key
+        delta = (value[:, t] - remembered) * beta[:, t, :, None]
+        state = state + key[:, t, ..., None] * delta[..., None, :]
+        outs.append((state * query[:, t, ..., None]).sum(-2))
+    return torch.stack(outs, dim=1), state if output_final_state else None
+
+
 @use_kernelized_func(
     [torch_recurrent_gated_delta_rule, torch_chunk_gated_delta_rule, causal_conv1d_fn, causal_conv1d_update]
 )
@@ -645,12 +693,16 @@ class ThinkerGatedDeltaNet(nn.Module):
         value = value.reshape(batch, seq, -1, self.head_v_dim)  # (B, T, nv, hv)
 
         beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # log decay <= 0, in fp32
+        wide = computed_in(a.dtype)
+        g = -self.A_log.to(wide).exp() * F.softplus(a.to(wide) + self.dt_bias.to(wide))  # log decay <= 0, in fp32
         one_step = recurrent_state is not None and seq == 1  # decode; prefill runs the chunked form
         # Assisted decoding (transformers >= 5.25) keeps the states after each of the last few tokens, to roll the
         # state back to the last draft token accepted: those tokens run one step at a time after the chunked rest.
         stepped = 0 if one_step else min(states_to_keep(cache, self.layer_idx), seq)
         delta_rule = torch_recurrent_gated_delta_rule if one_step else torch_chunk_gated_delta_rule
+        stepwise = torch_recurrent_gated_delta_rule
+        if wide != torch.float32:  # transformers' forms would round a float64 model's recurrence to float32
+            delta_rule = stepwise = gated_delta_rule_in_own_dtype
         chunked = seq - stepped
         outs, last_state, states = [], recurrent_state, []
         if chunked:
@@ -669,7 +721,7 @@ class ThinkerGatedDeltaNet(nn.Module):
             outs.append(out)
         for t in range(chunked, seq):
             step = slice(t, t + 1)
-            out, last_state = torch_recurrent_gated_delta_rule(
+            out, last_state = stepwise(
                 query[:, step],
                 key[:, step],
                 value[:, step],
@@ -761,7 +813,7 @@ class ThinkerTopKRouter(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits = F.linear(hidden_states, self.weight)  # (N, E)
-        probs = F.softmax(logits, dim=-1, dtype=torch.float)
+        probs = F.softmax(logits, dim=-1, dtype=computed_in(logits.dtype))
         top_values, top_index = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
         if self.norm_topk_prob:
             top_values = top_values / top_values.sum(dim=-1, keepdim=True)

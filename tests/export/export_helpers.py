@@ -307,12 +307,14 @@ def export_planted(folder: Path, output: Path, monkeypatch, plant: Callable | No
 
 
 def scale_graph_weight(path: Path, weight: str, factor: float) -> None:
-    """``path``'s graph (a half-precision one) with its initializer ``weight`` scaled by ``factor`` wherever its nodes
-    read it: a planted bug, the weights file untouched."""
+    """``path``'s graph with its initializer ``weight`` scaled by ``factor`` (in the weight's dtype) wherever its
+    nodes read it: a planted bug, the weights file untouched."""
     from onnx import helper, numpy_helper
 
     graph = onnx.load(path, load_external_data=False)
-    graph.graph.initializer.append(numpy_helper.from_array(np.array(factor, np.float16), f"{weight}/planted"))
+    stored = next(tensor for tensor in graph.graph.initializer if tensor.name == weight)
+    scale = np.array(factor, helper.tensor_dtype_to_np_dtype(stored.data_type))
+    graph.graph.initializer.append(numpy_helper.from_array(scale, f"{weight}/planted"))
     for node in graph.graph.node:
         node.input[:] = [f"{weight}/scaled" if name == weight else name for name in node.input]
     graph.graph.node.insert(0, helper.make_node("Mul", [weight, f"{weight}/planted"], [f"{weight}/scaled"]))
@@ -336,3 +338,17 @@ def save_bos_tokenizer(folder: Path):
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
     tokenizer.save_pretrained(folder)
     return tokenizer
+
+
+def qa_build(root: Path, name: str, seed: int = 0) -> Path:
+    """The QA run's hybrid build ``name`` (tests/references/hybrid.py HALF_QA_BUILDS: transformers' own class, of
+    other widths than the tests' own) with ``seed``'s weights, converted to a Thinker folder under ``root``."""
+    from references import hybrid
+
+    from converter.convert import convert
+
+    model_class, config = hybrid.HALF_QA_BUILDS[name]
+    source = root / f"{name}-{seed}-source"
+    hybrid.reference(model_class, config(), seed=seed).save_pretrained(source)
+    make_tokenizer().save_pretrained(source)
+    return convert(source, root / f"{name}-{seed}", verify=False, progress=False).output

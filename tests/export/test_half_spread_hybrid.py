@@ -14,8 +14,7 @@ from contextlib import nullcontext
 import numpy as np
 import pytest
 import torch
-from export_helpers import scale_graph_weight
-from references.hybrid import HALF_QA_BUILDS as BUILDS
+from export_helpers import qa_build, scale_graph_weight
 
 from export import half_spread
 from export.half_spread import MOST_PERTURBED_SAMPLES, PERTURBED_SAMPLES, SAMPLE_SEED_STRIDE, HalfShadow
@@ -163,22 +162,6 @@ def test_the_genai_graphs_pass_takes_model_onnxs_tolerance_where_wider_and_never
     assert result["genai_graph_deep_cache"]["tolerance"] == 0.2
 
 
-def hybrid_thinker(tmp_path, build: str):
-    """A build of bench/bench_half_hybrid.py (the QA run's: qwen3_5-a, a Qwen3.5 of hidden 64; qwen3_5_moe-a, a
-    Qwen3.5-MoE of hidden 64 and 16 experts, top 4; qwen3_next-a, a Qwen3-Next of hidden 64 and 8 experts, top 3),
-    transformers' own class, seed 0, converted."""
-    from export_helpers import make_tokenizer
-    from references import hybrid
-
-    from converter.convert import convert
-
-    model_class, config = BUILDS[build]
-    source = tmp_path / "source"
-    hybrid.reference(model_class, config()).save_pretrained(source)
-    make_tokenizer().save_pretrained(source)
-    return convert(source, tmp_path / "thinker", verify=False, progress=False).output
-
-
 # What each build's sound export was refused for, and the rules it passes by (None: whichever)
 FIXED_BY = {
     "qwen3_5-a": {"PERTURBED_SAMPLES": 1, "MOST_PERTURBED_SAMPLES": 1},
@@ -202,7 +185,7 @@ def test_sound_float16_hybrid_exports_pass_and_a_bug_in_either_graph_fails(build
     from export.exporter import export_model
     from export.verify import verify_export
 
-    folder = hybrid_thinker(tmp_path, build)
+    folder = qa_build(tmp_path, build)  # seed 0
     report = export_model(folder, tmp_path / "onnx", dtype="float16", progress=False, threads=1)["verify"]
     assert report["passed"], report["failure"]
     assert report["continuation"]["positions_excused"] + report["long_prompts"]["positions_excused"] >= 1

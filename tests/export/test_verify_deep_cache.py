@@ -155,6 +155,7 @@ def test_where_the_pass_reaches_and_what_it_holds():
     values = 2 * 2 * 2 * 32  # a slot: two full-attention layers' keys and values
     assert deep_slot_bytes(config, torch.float32) == values * (2 * 4 + 2 * 4)
     assert deep_slot_bytes(config, torch.float16) == values * (2 * 4 + 2 * 2 + 2 + 4 + 4)  # the shadow: 2 caches
+    assert deep_slot_bytes(config, torch.float32, torch.float64) == values * (2 * 8 + 2 * 4)  # the second opinion
     assert slots_within(100 * deep_slot_bytes(config, torch.float32), config, torch.float32) == 100
     assert slots_within(10**15, config, torch.float32) == DEEP_CACHE_SLOTS
     assert slots_within(-5, config, torch.float32) == 0

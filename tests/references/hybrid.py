@@ -164,7 +164,8 @@ def text_image_text_positions(batch: int) -> torch.Tensor:
 
 
 # A half-precision QA run's builds, of other shapes than the tests' own, by name: (class, its config); seeded by the
-# caller (bench/bench_half_hybrid.py, tests/export/test_half_spread_hybrid.py).
+# caller (tests/export/export_helpers.py ``qa_build``: bench/bench_half_hybrid.py, bench/bench_exact_reference.py and
+# their tests).
 HALF_QA_BUILDS = {
     "qwen3_5-a": (Qwen3_5ForCausalLM, lambda: qwen3_5_config(hidden_size=64, intermediate_size=72)),
     "qwen3_5_moe-a": (

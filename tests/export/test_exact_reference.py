@@ -1,0 +1,87 @@
+"""A float32 export's check refused on logits runs again against the reference in float64, whose verdict stands
+(export/exact_reference.py): a sound export the float32 reference's own rounding refused passes, and a planted bug
+fails both runs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+from export_helpers import qa_build, scale_graph_weight
+
+from export import verify
+from export.exact_reference import FLOAT32_REFUSAL
+from thinker_common.cli import main
+
+# A QA run's build whose sound float32 export the float32 reference refused on the continuation pass (1.74e-3
+# against 7.51e-4, fused; the graph lies 3.4e-4 from the model run in float64): Qwen3.5-MoE of hidden 48, five
+# experts, top 1 (tests/references/hybrid.py HALF_QA_BUILDS), seed 1. (On an AVX-512 CPU; another CPU's roundings
+# may land elsewhere.)
+BUILD, SEED = "qwen3_5_moe-b", 1
+
+
+@pytest.fixture(scope="module")
+def refused_build(tmp_path_factory):
+    return qa_build(tmp_path_factory.mktemp("exact"), BUILD, SEED)
+
+
+@pytest.mark.parametrize("graph", ["fused", "plain"])
+def test_a_sound_export_the_float32_reference_refused_passes_against_float64(refused_build, graph, tmp_path):
+    """The export passes; the report and the command line say the float32 run refused it, on which pass, and that
+    the figures are float64's; every pass lies within the tolerance it had."""
+    output = tmp_path / "onnx"
+    result = CliRunner().invoke(main, ["export", str(refused_build), str(output), "--graph", graph, "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((output / "export_report.json").read_text())["verify"]
+    assert report["passed"] and report["reference"].startswith("PyTorch ThinkerForCausalLM, float64, CPU"), report
+    refusal = report[FLOAT32_REFUSAL]
+    assert refusal.startswith("model.onnx on a prompt of 10 tokens continued by 70 in one step"), refusal
+    assert report["continuation"]["max_abs_diff"] <= report["continuation"]["tolerance"]
+    assert f"verify note: against PyTorch's float32 run, {refusal}; the figures above are against" in result.output
+
+
+def test_a_bug_fails_against_float64_too(refused_build, tmp_path):
+    """The last full-attention layer's output projection 1 % off, in model.onnx, then in model.genai.onnx alone:
+    both runs refuse it, the float64 run's failure naming the planted graph's passes alone."""
+    from export.exporter import export_model
+
+    sound = tmp_path / "onnx"
+    export_model(refused_build, sound, verify=False, progress=False, threads=1)
+    for graph in ("model.genai.onnx", "model.onnx"):
+        planted = shutil.copytree(sound, tmp_path / graph)
+        scale_graph_weight(planted / graph, "model.layers.3.self_attn.o_proj.weight", 1.01)
+        result = verify.verify_export(refused_build, planted / "model.onnx", torch.float32, threads=1)
+        assert result["passed"] is False and FLOAT32_REFUSAL in result, result.get("failure")
+        assert result["reference"].startswith("PyTorch ThinkerForCausalLM, float64"), result["reference"]
+        failures = result["failure"].split("; ")
+        assert all(failure.startswith(f"{graph} ") for failure in failures), failures
+
+
+def test_only_a_float32_refusal_on_logits_is_judged_again(thinker_folder, tmp_path, monkeypatch):
+    """A float32 check refused by what the graph ships (its RoPE tables, windows, genai_config.json), or a float16
+    one, runs once: float64 cannot change either verdict."""
+    from export.exporter import export_model
+
+    references = []
+    checked_against = verify.checked_against
+
+    def counted(reference, *args):
+        references.append(reference)
+        return checked_against(reference, *args)
+
+    monkeypatch.setattr(verify, "checked_against", counted)
+    folder = thinker_folder("qwen3")
+    for dtype in ("float32", "float16"):
+        export_model(folder, tmp_path / dtype, dtype=dtype, verify=False, progress=False, threads=1)
+    monkeypatch.setattr(verify, "unprompted_checks", lambda *args: ({}, ["genai_config.json: planted"]))
+    result = verify.verify_export(folder, tmp_path / "float32" / "model.onnx", torch.float32, threads=1)
+    assert result["failure"] == "genai_config.json: planted" and references == [torch.float32]
+    assert FLOAT32_REFUSAL not in result
+
+    scale_graph_weight(tmp_path / "float16" / "model.onnx", "model.layers.1.self_attn.o_proj.weight", 1.5)
+    references.clear()
+    result = verify.verify_export(folder, tmp_path / "float16" / "model.onnx", torch.float16, threads=1)
+    assert result["passed"] is False and references == [torch.float32]
