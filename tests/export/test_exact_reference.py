@@ -85,3 +85,20 @@ def test_only_a_float32_refusal_on_logits_is_judged_again(thinker_folder, tmp_pa
     references.clear()
     result = verify.verify_export(folder, tmp_path / "float16" / "model.onnx", torch.float16, threads=1)
     assert result["passed"] is False and references == [torch.float32]
+
+
+def test_the_second_opinion_streamed_layer_by_layer_gives_the_whole_models_figures(refused_build, tmp_path):
+    """Where the check streams the PyTorch model one layer at a time (verify_plan's STREAMED), each layer is cast to
+    float64 as it is read and runs: the same verdict and the same figures as the model held whole."""
+    from export.exporter import export_model
+
+    export_model(refused_build, tmp_path / "onnx", verify=False, progress=False, threads=1)
+    results = {
+        plan: verify.verify_export(refused_build, tmp_path / "onnx" / "model.onnx", torch.float32, 1, plan=plan)
+        for plan in (verify.WHOLE, verify.STREAMED)
+    }
+    whole, streamed = results[verify.WHOLE], results[verify.STREAMED]
+    assert whole["passed"] and streamed["passed"] and FLOAT32_REFUSAL in streamed
+    assert streamed["reference"] == whole["reference"] + ", read layer by layer as it runs"
+    for key in ("continuation", "long_prompts", "deep_cache", "genai_graph_continuation"):
+        assert streamed[key]["max_abs_diff"] == pytest.approx(whole[key]["max_abs_diff"], rel=1e-6), key
