@@ -945,8 +945,26 @@ def verify_export(
     result, on_logits = checked_against(REFERENCE_DTYPE, model_dir, onnx_path, dtype, threads, progress, plan, shipped)
     if result["passed"] or not on_logits or dtype != torch.float32 or shipped:
         return result
+    no_room = float64_room(model_dir, dtype, plan)
+    if no_room:
+        return {**result, "failure": f"{result['failure']} ({no_room})"}
     exact, _ = checked_against(EXACT_DTYPE, model_dir, onnx_path, dtype, threads, progress, plan, shipped)
     return {**exact, FLOAT32_REFUSAL: result["failure"]}
+
+
+def float64_room(model_dir: Path, dtype: torch.dtype, plan: str) -> str | None:
+    """Why the float64 run (export/exact_reference.py) cannot run in the memory ``plan`` leaves, or None: beside
+    what the check holds, each unit of the model is cast to float64 as it runs, the largest (an embedding or head
+    over a large vocabulary) twice its float32 bytes. (Its deep-cache pass takes as many slots as the rest allows.)"""
+    whole, streamed, _ = held_bytes(model_dir, dtype)
+    left = memory_budget(share=1.0) - (streamed if plan == STREAMED else whole)
+    _, largest = model_bytes(model_dir, EXACT_DTYPE)
+    if largest <= left:
+        return None
+    return (
+        f"not judged again against the model run in float64: its largest layer in float64, "
+        f"{human_size(largest, round_up=True)}, does not fit in the {human_size(max(left, 0))} the check leaves"
+    )
 
 
 def checked_against(

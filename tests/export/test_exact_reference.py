@@ -102,3 +102,29 @@ def test_the_second_opinion_streamed_layer_by_layer_gives_the_whole_models_figur
     assert streamed["reference"] == whole["reference"] + ", read layer by layer as it runs"
     for key in ("continuation", "long_prompts", "deep_cache", "genai_graph_continuation"):
         assert streamed[key]["max_abs_diff"] == pytest.approx(whole[key]["max_abs_diff"], rel=1e-6), key
+
+
+def test_where_a_float64_layer_does_not_fit_the_float32_refusal_stands_and_says_why(
+    refused_build, tmp_path, monkeypatch
+):
+    """The float64 run casts each layer as it runs, the largest twice its float32 bytes beside what the check holds:
+    where the memory the plan leaves is smaller, it does not run, and the failure says why rather than the kernel
+    killing the check."""
+    from converter.parity import MEMORY_BUDGET_ENV
+    from export.exporter import export_model
+
+    export_model(refused_build, tmp_path / "onnx", verify=False, progress=False, threads=1)
+    whole, _, _ = verify.held_bytes(refused_build, torch.float32)
+    _, largest = verify.model_bytes(refused_build, torch.float64)
+    monkeypatch.setenv(MEMORY_BUDGET_ENV, str(whole + largest // 2))
+    assert verify.verify_plan(refused_build, torch.float32) == verify.WHOLE
+    result = verify.verify_export(refused_build, tmp_path / "onnx" / "model.onnx", torch.float32, threads=1)
+    assert result["passed"] is False and FLOAT32_REFUSAL not in result
+    assert result["reference"] == "PyTorch ThinkerForCausalLM, float32, CPU"
+    assert result["failure"].endswith(
+        "(not judged again against the model run in float64: its largest layer in float64, "
+        f"{verify.human_size(largest, round_up=True)}, does not fit in the {verify.human_size(largest // 2)} the "
+        "check leaves)"
+    ), result["failure"]
+    monkeypatch.setenv(MEMORY_BUDGET_ENV, str(whole + largest))
+    assert verify.verify_export(refused_build, tmp_path / "onnx" / "model.onnx", torch.float32, threads=1)["passed"]
