@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from export_helpers import qa_build, scale_graph_weight
 
 from export import verify
-from export.exact_reference import FLOAT32_REFUSAL
+from export.exact_reference import FLOAT32_REFUSAL, FLOAT64_REFUSAL, REFUSED_BY_BOTH
 from thinker_common.cli import main
 
 # A QA run's build whose sound float32 export the float32 reference refused on the continuation pass (1.74e-3
@@ -45,7 +45,8 @@ def test_a_sound_export_the_float32_reference_refused_passes_against_float64(ref
 
 def test_a_bug_fails_against_float64_too(refused_build, tmp_path):
     """The last full-attention layer's output projection 1 % off, in model.onnx, then in model.genai.onnx alone:
-    both runs refuse it, the float64 run's failure naming the planted graph's passes alone."""
+    both runs refuse it, each failure naming the planted graph's passes alone; the float32 run's failure is the
+    check's, said so, the float64 run's beside it in the report."""
     from export.exporter import export_model
 
     sound = tmp_path / "onnx"
@@ -54,10 +55,18 @@ def test_a_bug_fails_against_float64_too(refused_build, tmp_path):
         planted = shutil.copytree(sound, tmp_path / graph)
         scale_graph_weight(planted / graph, "model.layers.3.self_attn.o_proj.weight", 1.01)
         result = verify.verify_export(refused_build, planted / "model.onnx", torch.float32, threads=1)
-        assert result["passed"] is False and FLOAT32_REFUSAL in result, result.get("failure")
-        assert result["reference"].startswith("PyTorch ThinkerForCausalLM, float64"), result["reference"]
-        failures = result["failure"].split("; ")
-        assert all(failure.startswith(f"{graph} ") for failure in failures), failures
+        assert result["passed"] is False and FLOAT32_REFUSAL not in result, result.get("failure")
+        assert result["reference"] == "PyTorch ThinkerForCausalLM, float32, CPU"
+        assert result["failure"].endswith(f" ({REFUSED_BY_BOTH})"), result["failure"]
+        alone, _ = verify.checked_against(
+            verify.REFERENCE_DTYPE, refused_build, planted / "model.onnx", torch.float32, 1, False, verify.WHOLE, None
+        )
+        # the float32 run's figures, on the passes both runs refuse: the planted graph's (the float32 run also
+        # refuses model.onnx's continuation, as it refuses the sound export's)
+        planted_passes = [failure for failure in alone["failure"].split("; ") if failure.startswith(f"{graph} ")]
+        assert result["failure"] == f"{'; '.join(planted_passes)} ({REFUSED_BY_BOTH})"
+        for failure in result[FLOAT64_REFUSAL].split("; "):
+            assert failure.startswith(f"{graph} "), result[FLOAT64_REFUSAL]
 
 
 def test_only_a_float32_refusal_on_logits_is_judged_again(thinker_folder, tmp_path, monkeypatch):
@@ -104,12 +113,12 @@ def test_the_second_opinion_streamed_layer_by_layer_gives_the_whole_models_figur
         assert streamed[key]["max_abs_diff"] == pytest.approx(whole[key]["max_abs_diff"], rel=1e-6), key
 
 
-def test_where_a_float64_layer_does_not_fit_the_float32_refusal_stands_and_says_why(
+def test_where_the_float64_run_does_not_fit_the_float32_refusal_stands_and_says_why(
     refused_build, tmp_path, monkeypatch
 ):
-    """The float64 run casts each layer as it runs, the largest twice its float32 bytes beside what the check holds:
-    where the memory the plan leaves is smaller, it does not run, and the failure says why rather than the kernel
-    killing the check."""
+    """The float64 run casts each layer as it runs, the largest twice its float32 bytes beside what the check holds,
+    and holds the float32 run's deep-cache slots in a float64 cache: where the memory the plan leaves is smaller, it
+    does not run, and the failure says why rather than the kernel killing the check."""
     from converter.parity import MEMORY_BUDGET_ENV
     from export.exporter import export_model
 
@@ -126,5 +135,19 @@ def test_where_a_float64_layer_does_not_fit_the_float32_refusal_stands_and_says_
         f"{verify.human_size(largest, round_up=True)}, does not fit in the {verify.human_size(largest // 2)} the "
         "check leaves)"
     ), result["failure"]
+    # room for the layer, not for the float32 run's deep-cache slots in a float64 cache: the two runs' deep-cache
+    # passes would differ, so the float64 one does not run
     monkeypatch.setenv(MEMORY_BUDGET_ENV, str(whole + largest))
+    slots = {
+        dtype: verify.deep_slots(refused_build, torch.float32, verify.WHOLE, reference=dtype)
+        for dtype in (torch.float32, torch.float64)
+    }
+    assert slots[torch.float64] < slots[torch.float32], slots
+    result = verify.verify_export(refused_build, tmp_path / "onnx" / "model.onnx", torch.float32, threads=1)
+    assert result["passed"] is False and result["deep_cache"]["random_slots"] == slots[torch.float32]
+    assert result["failure"].endswith(
+        f"(not judged again against the model run in float64: its deep-cache pass's {slots[torch.float32]} slots in "
+        f"a float64 cache do not fit in the {verify.human_size(largest)} the check leaves)"
+    ), result["failure"]
+    monkeypatch.delenv(MEMORY_BUDGET_ENV)
     assert verify.verify_export(refused_build, tmp_path / "onnx" / "model.onnx", torch.float32, threads=1)["passed"]
