@@ -151,3 +151,27 @@ def test_where_the_float64_run_does_not_fit_the_float32_refusal_stands_and_says_
     ), result["failure"]
     monkeypatch.delenv(MEMORY_BUDGET_ENV)
     assert verify.verify_export(refused_build, tmp_path / "onnx" / "model.onnx", torch.float32, threads=1)["passed"]
+
+
+@pytest.mark.parametrize(
+    ("float64_refusals", "standing"),
+    [
+        (["B: w", "C: v"], "B: y"),  # the passes both refuse, at the float32 run's figures
+        (["C: v"], "A: x; B: y"),  # none refused by both: every float32 refusal stands
+    ],
+)
+def test_refused_by_both_the_float32_runs_figures_stand_on_the_passes_both_refuse(
+    float64_refusals, standing, monkeypatch, tmp_path
+):
+    """A pass the float64 run passes lies within the tolerance of the exact model's stand-in, and is dropped from the
+    failure; the passes both refuse keep the float32 run's figures (the check's; the float64 run's can be 5x them
+    where the graph's own rounding parts), said so, and what the graph ships alone (its RoPE tables) stays."""
+    runs = {
+        verify.REFERENCE_DTYPE: ({"passed": False, "failure": "A: x; B: y; rope: z"}, ["A: x", "B: y"]),
+        torch.float64: ({"passed": False, "failure": "; ".join(float64_refusals)}, float64_refusals),
+    }
+    monkeypatch.setattr(verify, "checked_against", lambda reference, *args, **options: runs[reference])
+    monkeypatch.setattr(verify, "float64_room", lambda *args: None)
+    result = verify.verify_export(tmp_path, tmp_path / "model.onnx", torch.float32)
+    assert result["failure"] == f"{standing}; rope: z ({REFUSED_BY_BOTH})"
+    assert result[FLOAT64_REFUSAL] == "; ".join(float64_refusals) and FLOAT32_REFUSAL not in result
