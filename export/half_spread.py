@@ -110,6 +110,8 @@ class HalfShadow:
         self.model, self.dtype = model, dtype
         self.past, self.perturbed_past = None, None  # the half run's cache, the perturbed float32 run's
         self.spreads: list[np.ndarray] = []
+        # each step's MoE routers' own spread (export/routing.py RouteFollower.spread keeps them): layer -> (tokens,)
+        self.router_spreads: list[dict[int, torch.Tensor]] = []
         self.step = 0
         self.replayed = False  # whether the last call read a kept spread back rather than run
 

@@ -221,16 +221,18 @@ def judge(figures: dict, tolerance: float, against: str = "", excusable: int = 0
             f"positions{against}: the graph overflows (export float32, or bfloat16 on CUDA, for a model whose "
             "activations float16 cannot hold)"
         )
-    router = figures.get("router_max_abs_diff")
+    router = figures.get("router_max_abs_diff_beyond_spread", figures.get("router_max_abs_diff"))
     if router is not None:  # a half-precision MoE graph's routing, followed by the reference (export/routing.py)
         figures["router_tolerance"] = limit = ROUTER_TOLERANCE
         if router > limit:
             first = figures.get("router_first_layer_beyond")
             where = f", first at layer {first}'s router" if first is not None else ""
+            left_out = " (leaving out tokens within twice the reference's own half-precision rounding)"
             return (
-                f"the graph's MoE routers' probabilities lie {router:.3g} from the reference's{against} > tolerance "
-                f"{limit:.3g}{where} (a router computing other logits: its weight or its layer, or its input, moved by "
-                "a bug in that layer or before it)"
+                f"the graph's MoE routers' probabilities lie {router:.3g} from the reference's{against}"
+                f"{left_out if figures.get('routers_excused') else ''} > tolerance {limit:.3g}{where} (a router "
+                "computing other logits: its weight or its layer, or its input, moved by a bug in that layer or "
+                "before it)"
             )
     excused = figures.pop("excused_differences", None)
     if excused is not None:
