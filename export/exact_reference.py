@@ -27,7 +27,7 @@ float64, and its deep-cache pass's slots in a float64 cache, fit in the memory t
 
 The model stays as held, whole or streamed layer by layer, in float32: each unit's parameters are cast to float64 as
 it runs and put back after (export/half_spread.py ``running_in``), and the floating inputs it is called with (a
-prompt's input embeddings, Qwen3-VL's deepstack features) cast too; the Thinker's norms, softmaxes, decays and
+prompt's input embeddings) cast too; the Thinker's norms, softmaxes, decays and
 recurrence then compute in float64 (thinker/modeling_thinker.py ``computed_in``). The RoPE tables stay float32's,
 as the graph ships them, as do Qwen3.8's indexer scores (their choice is compared exactly, apart from the logits).
 """
@@ -66,9 +66,8 @@ def running_exactly(model: nn.Module) -> Iterator[None]:
 
 
 def _widened(value):
-    """``value`` in float64 where it is a floating tensor, or a list or tuple of them (deepstack features)."""
-    if isinstance(value, torch.Tensor):
-        return value.to(EXACT_DTYPE) if value.is_floating_point() else value
-    if isinstance(value, list | tuple):
-        return type(value)(_widened(item) for item in value)
+    """``value`` in float64 where it is a floating tensor (input embeddings; Qwen3-VL's deepstack features, a list,
+    the Thinker casts to its hidden states' dtype itself)."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.to(EXACT_DTYPE)
     return value

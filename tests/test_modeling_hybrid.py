@@ -583,3 +583,31 @@ def test_the_float64_delta_rule_is_transformers_recurrent_one_in_its_inputs_dtyp
         for other in float32:
             assert_close(float64, other.double(), atol=1e-5, rtol=0)
             assert not torch.equal(float64, other.double())  # float64's own arithmetic, not float32's cast up
+
+
+def test_a_float64_thinker_keeps_float64_in_the_states_it_records(monkeypatch):
+    """Where the cache records the last tokens' states (assisted decoding, transformers >= 5.25), those tokens run
+    one step at a time after the chunked rest: in float64 too (transformers' stepwise rule rounded them to float32,
+    six ops of it: a mutation run)."""
+    import thinker.modeling_thinker as modeling
+    from thinker.modeling_thinker import ThinkerRotaryEmbedding
+
+    _, thinker = family_pair("qwen3_5_moe", "eager")
+    exact = copy.deepcopy(thinker).double()
+    monkeypatch.setattr(modeling, "states_to_keep", lambda cache, layer_idx: 3)
+    recorder = Float32Ops(exact, (ThinkerRotaryEmbedding,))
+    with torch.no_grad(), recorder:
+        exact(token_ids(batch=1, length=12, seed=1), use_cache=True, **{CACHE_ARG: DynamicCache(config=exact.config)})
+    assert not recorder.seen, sorted(set(recorder.seen))
+
+
+def test_the_float64_delta_rule_refuses_packed_sequences():
+    """Packed sequences (``cu_seqlens``) would carry one sequence's state into the next in the token-by-token form:
+    refused, naming them."""
+    from thinker.modeling_thinker import gated_delta_rule_in_own_dtype
+
+    query = key = torch.randn(1, 6, 2, 4, dtype=torch.float64)
+    value = torch.randn(1, 6, 2, 4, dtype=torch.float64)
+    g, beta = -torch.rand(1, 6, 2, dtype=torch.float64), torch.rand(1, 6, 2, dtype=torch.float64)
+    with pytest.raises(ValueError, match="packed sequences"):
+        gated_delta_rule_in_own_dtype(query, key, value, g=g, beta=beta, cu_seqlens=torch.tensor([0, 2, 6]))

@@ -4,6 +4,7 @@ fails both runs."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 
@@ -175,3 +176,69 @@ def test_refused_by_both_the_float32_runs_figures_stand_on_the_passes_both_refus
     result = verify.verify_export(tmp_path, tmp_path / "model.onnx", torch.float32)
     assert result["failure"] == f"{standing}; rope: z ({REFUSED_BY_BOTH})"
     assert result[FLOAT64_REFUSAL] == "; ".join(float64_refusals) and FLOAT32_REFUSAL not in result
+
+
+def test_the_embeds_graphs_pass_runs_in_float64_too(refused_build, tmp_path):
+    """model.embeds.onnx's pass gives the model float32 input embeddings, which the float64 run widens (left as they
+    were, its first layer refused them: float against double, a mutation run)."""
+    from export.exporter import export_model
+
+    export_model(refused_build, tmp_path / "onnx", verify=False, progress=False, threads=1, inputs_embeds=True)
+    result = verify.verify_export(refused_build, tmp_path / "onnx" / "model.onnx", torch.float32, threads=1)
+    assert result["passed"] and FLOAT32_REFUSAL in result and "embeds_graph" in result
+    assert result["reference"].startswith("PyTorch ThinkerForCausalLM, float64")
+
+
+def test_a_widened_bfloat16_check_refused_on_logits_runs_once(refused_build, tmp_path, monkeypatch):
+    """A bfloat16 export checked widened to float32 where no CUDA runs is held to one bfloat16 ulp, not to float32's
+    rounding: it is judged once."""
+    from export.exporter import export_model
+
+    references = []
+    checked_against = verify.checked_against
+    monkeypatch.setattr(verify, "checked_against", lambda ref, *a: references.append(ref) or checked_against(ref, *a))
+    monkeypatch.setattr(verify, "padded_around_failures", lambda result: ["model.onnx planted: on logits"])
+    monkeypatch.setattr(verify, "cuda_usable", lambda: False)
+    export_model(refused_build, tmp_path / "bf16", dtype="bfloat16", verify=False, progress=False, threads=1)
+    result = verify.verify_export(refused_build, tmp_path / "bf16" / "model.onnx", torch.bfloat16, threads=1)
+    assert result["passed"] is False and references == [torch.float32] and FLOAT32_REFUSAL not in result
+
+
+def test_the_float64_runs_deep_cache_is_counted_in_float64(refused_build, monkeypatch):
+    """A budget holding the check's models and 300 slots of the float64 run's deep cache holds 450 of the float32
+    run's, whose cache is half as wide (a float32 copy more for the layer being written, and the graph's two, are
+    counted in both): ``float64_room`` then refuses the float64 run, which would need the float32 run's 450."""
+    from converter.parity import MEMORY_BUDGET_ENV
+    from export.deep_cache import deep_slot_bytes, slots_within
+
+    config = verify.ThinkerConfig.from_pretrained(refused_build)
+    each = deep_slot_bytes(config, torch.float32, torch.float64)
+    assert slots_within(100 * each, config, torch.float32, torch.float64) == 100
+    whole = verify.held_bytes(refused_build, torch.float32)[0]
+    monkeypatch.setenv(MEMORY_BUDGET_ENV, str(whole + 300 * each))
+    slots = {
+        dtype: verify.deep_slots(refused_build, torch.float32, verify.WHOLE, reference=dtype)
+        for dtype in (torch.float32, torch.float64)
+    }
+    assert slots == {torch.float32: 450, torch.float64: 300}
+    assert verify.float64_room(refused_build, torch.float32, verify.WHOLE, 300) is None
+    assert "deep-cache pass's 450 slots" in verify.float64_room(refused_build, torch.float32, verify.WHOLE, 450)
+
+
+def test_the_model_stays_held_in_float32_while_it_runs_in_float64(refused_build, tmp_path, monkeypatch):
+    """The float64 run casts each layer as it runs: the model as held (what verify_plan counted) stays float32."""
+    from export.exporter import export_model
+
+    held = []
+    running_exactly = verify.running_exactly
+
+    @contextlib.contextmanager
+    def recorded(model):
+        held.append({parameter.dtype for parameter in model.parameters()})
+        with running_exactly(model):
+            yield
+
+    monkeypatch.setattr(verify, "running_exactly", recorded)
+    export_model(refused_build, tmp_path / "onnx", verify=False, progress=False, threads=1)
+    result = verify.verify_export(refused_build, tmp_path / "onnx" / "model.onnx", torch.float32, threads=1)
+    assert FLOAT32_REFUSAL in result and held == [{torch.float32}]
