@@ -26,7 +26,8 @@ says it on its verify line).
 
 Rounding moves a router too: at a badly conditioned token PyTorch's own half-precision run of a router can lie as
 far from the float32 reference's as a sound graph's does (a tiny Qwen3-Next's float16 graph 0.307 at one token of
-the vocabulary's edges, its own float16 run 0.297: a QA build refused for it). So the shadow's runs (the spread's:
+the vocabulary's edges, its own float16 run 0.297: a QA build refused for it, and refused now for that prompt's
+logits, which half precision cannot hold). So the shadow's runs (the spread's:
 export/half_spread.py) measure, token by token and layer by layer, how far their routers lie from the reference's
 (``routed``, unrecorded; read back with the spreads where a second graph's comparison replays them), and at the end
 of each step a graph router's distance within HALF_SPREAD_MARGIN times that is excused (``settle``;

@@ -212,3 +212,21 @@ def test_sound_float16_hybrid_exports_pass_and_a_bug_in_either_graph_fails(build
     if FIXED_BY[build]:
         result = verify_export(folder, tmp_path / "onnx" / "model.onnx", torch.float16, threads=1)
         assert result["passed"] is False, build
+
+
+def test_a_sound_graphs_router_that_half_precision_moves_as_far_is_excused(tmp_path):
+    """A QA build's sound float16 Qwen3-Next (b, seed 1) was refused on its router at one token of the vocabulary's
+    edges (0.307 against 0.2) where PyTorch's own float16 run of that router lies 0.297: now excused there
+    (export/routing.py ``settle``). The build is still refused, on that prompt's logits, four of whose five positions
+    half precision cannot hold. (On an AVX-512 CPU; another CPU's roundings may land elsewhere.)"""
+    from export.exporter import export_model
+    from export.routing import ROUTER_TOLERANCE
+    from export.verify import verify_export
+
+    folder = qa_build(tmp_path, "qwen3_next-b", seed=1)
+    export_model(folder, tmp_path / "onnx", dtype="float16", verify=False, progress=False, threads=1)
+    result = verify_export(folder, tmp_path / "onnx" / "model.onnx", torch.float16, threads=1)
+    edges = result["vocabulary_edges"]
+    assert edges["router_max_abs_diff"] > ROUTER_TOLERANCE and edges["routers_excused"] >= 1, edges
+    assert edges["router_max_abs_diff_beyond_spread"] <= ROUTER_TOLERANCE, edges
+    assert "routers' probabilities" not in result["failure"] and "positions lie beyond" in result["failure"]

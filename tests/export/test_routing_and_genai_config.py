@@ -412,3 +412,61 @@ def test_a_replayed_shadow_step_gives_back_its_routers_spread(routers):
     second = RouteFollower(routers, {0: ("probe", True)})
     second.spread(shadow, torch.zeros(1))
     assert second.router_spreads == {0: measured} and len(shadow.router_spreads) == 1
+
+
+def far_graph(router: ThinkerTopKRouter, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The graph's probabilities, every token's far off the reference's (rolled by one expert), and how far."""
+    probs = reference_probs(router, states)
+    graph = probs.roll(1, dims=-1)
+    distance = (graph - probs).abs().amax(-1)
+    assert (distance > ROUTER_TOLERANCE).all(), distance
+    return graph, distance
+
+
+def test_the_excuse_is_twice_the_shadows_spread_not_once(routers):
+    """Token 0's shadow moved 0.6 of the graph's distance (excused at twice, not at once), token 1's 0.45 (not
+    excused: held, and failing), token 2's not at all."""
+    router = routers.layers[0].mlp.gate
+    states = hidden(3, router.weight.shape[1])
+    graph, distance = far_graph(router, states)
+    follower = RouteFollower(routers, {0: ("probe", True)})
+    follower.routed(router, states, graph, True, torch.ones(3, dtype=torch.bool))
+    follower.router_spreads = {0: distance * torch.tensor([0.6, 0.45, 0.0])}
+    follower.settle()
+    figures = follower.figures()
+    assert figures["routers_excused"] == 1
+    assert figures["router_max_abs_diff_beyond_spread"] == pytest.approx(float(distance[1:].max()))
+
+
+def test_the_shadows_spread_is_the_furthest_of_its_runs(routers):
+    """Two shadow runs of a step (the half run, a perturbed one), each moving another token's router: the spread
+    is the furthest at each token, not the last run's or the nearest."""
+    router = routers.layers[0].mlp.gate
+    states = hidden(3, router.weight.shape[1])
+    graph, _ = far_graph(router, states)
+    follower = RouteFollower(routers, {0: ("probe", True)})
+    kept = torch.ones(3, dtype=torch.bool)
+    follower.routed(router, states, graph, True, kept)
+    follower.recording = False
+    first, second = states.clone(), states.clone()
+    first[1], second[2] = -states[1], -states[2]
+    follower.routed(router, first, graph, True, kept)
+    follower.routed(router, second, graph, True, kept)
+    probs = reference_probs(router, states)
+    moved = [(reference_probs(router, run) - probs).abs().amax(-1) for run in (first, second)]
+    torch.testing.assert_close(follower.router_spreads[0], torch.maximum(*moved))
+
+
+def test_an_excused_layer_is_not_named_and_the_furthest_step_beyond_is_kept(routers):
+    """Layer 0 far off but excused, layer 1 beyond at 0.3, then quieter steps: the failure names layer 1, at 0.3."""
+    follower = RouteFollower(routers, {0: ("probe", True), 1: ("probe", True)})
+    follower.pending = {0: (None, torch.tensor([0.5])), 1: (None, torch.tensor([0.3]))}
+    follower.router_spreads = {0: torch.tensor([0.3])}
+    follower.settle()
+    for quiet in (0.01, 0.02):
+        follower.pending = {layer: (None, torch.tensor([quiet])) for layer in (1, 0)}
+        follower.settle()
+    figures = follower.figures()
+    assert figures["router_first_layer_beyond"] == 1
+    assert figures["router_max_abs_diff_beyond_spread"] == pytest.approx(0.3)
+    assert figures["routers_excused"] == 1
