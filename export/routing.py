@@ -215,11 +215,9 @@ class RouteFollower:
         ROUTER_TOLERANCE."""
         for layer, (_, distance) in self.pending.items():
             spread = self.router_spreads.get(layer)
-            excused = (
-                distance <= HALF_SPREAD_MARGIN * spread
-                if spread is not None
-                else torch.zeros_like(distance, dtype=torch.bool)
-            )
+            if spread is None or spread.shape != distance.shape:  # no shadow ran, or one of other tokens: none
+                spread = torch.zeros_like(distance)
+            excused = distance <= HALF_SPREAD_MARGIN * spread
             self.routers_excused += int((excused & (distance > ROUTER_TOLERANCE)).sum())
             held = float(distance[~excused].max()) if (~excused).any() else 0.0
             self.router_beyond_spread = max(self.router_beyond_spread, held)
