@@ -27,9 +27,9 @@ float64, and its deep-cache pass's slots in a float64 cache, fit in the memory t
 
 The model stays as held, whole or streamed layer by layer, in float32: each unit's parameters are cast to float64 as
 it runs and put back after (export/half_spread.py ``running_in``), and the floating inputs it is called with (a
-prompt's input embeddings) cast too; the Thinker's norms, softmaxes, decays and
-recurrence then compute in float64 (thinker/modeling_thinker.py ``computed_in``). The RoPE tables stay float32's,
-as the graph ships them, as do Qwen3.8's indexer scores (their choice is compared exactly, apart from the logits).
+prompt's input embeddings) cast too; the Thinker's norms, softmaxes, decays and recurrence then compute in float64
+(thinker/modeling_thinker.py ``computed_in``). The RoPE tables stay float32's, as the graph ships them, as do
+Qwen3.8's indexer scores (their choice is compared exactly, apart from the logits).
 """
 
 from __future__ import annotations
