@@ -338,9 +338,10 @@ def _guard(model_dir, onnx_path, vocab_size, max_positions, min_agreement, threa
             bar.refresh()
             result["float_fallback_bytes"] = replace_with_fallbacks(model, onnx_path, to_float, experts_to_float)
             bar.update()
+            # the chosen levels' agreement before the rewrite (its experts kept at int8 activations where they stay)
+            result["agreement_at_level_1"] = agreement
             agreement = top1_agreement(reference, prefill(model, onnx_path, {}, ids, threads))
             bar.update()
-            result["agreement_at_level_1"] = tried[low]
         result["nodes_to_float_matmul"] = to_float
         result["experts_to_float_moe"] = experts_to_float
         onnx.save_model(model, str(onnx_path))

@@ -238,6 +238,95 @@ def test_the_ranking_rounds_activations_per_block(outlier_int4):
     assert got == pytest.approx(max(errors), rel=1e-5)
 
 
+def routed_moe_by_hand(x, logits, fc1, fc2, k: int, block: int | None = None) -> np.ndarray:
+    """A MoE token by token, as QMoE routes where the model renormalises: softmax, top k, the k weights made to sum
+    to 1, SiLU(gate) * up through each picked expert; its input and its SwiGLU output rounded as level 4 rounds them
+    (per block of ``block``) where ``block`` is given."""
+    from export.accuracy_guard import int8_blockwise
+
+    def rounded(a: np.ndarray) -> np.ndarray:
+        return a if block is None else int8_blockwise(a[None], block)[0]
+
+    out = np.zeros_like(x)
+    for t in range(len(x)):
+        p = np.exp(logits[t] - logits[t].max())
+        p /= p.sum()
+        top = np.argsort(-p, kind="stable")[:k]
+        for weight, expert in zip(p[top] / p[top].sum(), top, strict=True):
+            gate, up = np.split(fc1[expert] @ rounded(x[t]), 2)
+            out[t] += weight * (fc2[expert] @ rounded(gate / (1 + np.exp(-gate)) * up))
+    return out
+
+
+def test_the_ranking_of_4_bit_experts_is_their_routed_moes_rounding():
+    """``qmoe_rounding_error``, a QMoE's figure in the ranking, against a MoE written out token by token: the top k
+    experts (not the bottom), their weights renormalised, the input and the SwiGLU output both rounded per block, the
+    error over the exact output's norm (mutations of each of these passed every test: the MoE guard test checks
+    only which layer ranks first; helper-243)."""
+    from export.accuracy_guard import qmoe_rounding_error, relative_difference
+
+    rng = np.random.default_rng(0)
+    experts, hidden, inner, tokens, k, block = 4, 32, 32, 6, 2, 16
+    x = rng.normal(size=(tokens, hidden)).astype(np.float32)
+    x[:, 3] *= 50  # an outlier channel: its blocks' other channels lose their levels
+    logits = (2 * rng.normal(size=(tokens, experts))).astype(np.float32)
+    fc1 = rng.normal(size=(experts, 2 * inner, hidden)).astype(np.float32)
+    fc2 = rng.normal(size=(experts, hidden, inner)).astype(np.float32)
+    exact = routed_moe_by_hand(x, logits, fc1, fc2, k)
+    rounded = routed_moe_by_hand(x, logits, fc1, fc2, k, block)
+    expected = np.linalg.norm(rounded - exact) / np.linalg.norm(exact)
+    got = qmoe_rounding_error({"block_size": block, "k": k}, x, logits, fc1, fc2)
+    assert got == pytest.approx(expected, rel=1e-4)
+    assert relative_difference(np.array([3.0, 0.0]), np.array([1.0, 0.0])) == 2.0  # over the exact one's norm
+
+
+def test_an_all_zero_block_of_activations_rounds_to_zero():
+    """A block of zeros (an all-zero embedding row, normalised) has no scale: it stays zeros, not NaN, which would
+    make the ranking NaN (a mutation dropping the guard on a zero scale passed every test)."""
+    from export.accuracy_guard import int8_blockwise
+
+    a = np.zeros((2, 40), dtype=np.float32)
+    a[1, 20:] = np.linspace(-1, 1, 20)
+    got = int8_blockwise(a, 16)
+    assert np.isfinite(got).all() and (got[0] == 0).all() and (got[1, :16] == 0).all()
+
+
+def test_units_are_named_by_their_whole_layer_number():
+    """Layers 10 and up are units of their own (the tests' models have fewer layers: a pattern reading one digit
+    put them in "other" and passed every test)."""
+    from export.accuracy_guard import matmul_units
+
+    nodes = [
+        helper.make_node("MatMulNBits", ["x"], ["y"], name=f"/model/layers.{i}/mlp/down_proj/MatMulNBits")
+        for i in (1, 10, 12)
+    ]
+    model = helper.make_model(helper.make_graph(nodes, "g", [], []))
+    assert list(matmul_units(model)) == ["layers.1", "layers.10", "layers.12"]
+
+
+def test_a_single_token_paragraph_falls_back_to_random_ids(thinker_variant):
+    """A context of one position leaves the paragraph a single token, nothing to predict: random ids, and the
+    report says why."""
+    from export.accuracy_guard import guard_token_ids
+
+    ids, text = guard_token_ids(thinker_variant("qwen3"), 10**6, 1)
+    assert text == "random ids (seed 0; the paragraph is a single token)" and len(ids) == 1
+
+
+def test_set_levels_moves_4_bit_experts_too(onnx_variant):
+    """A moved unit's 4-bit QMoE goes to level 1 with its projections, the reference's included (a mutation
+    leaving QMoE out passed every test)."""
+    from export.accuracy_guard import set_levels
+
+    folder = onnx_variant("qwen3_moe", quantize=QuantizeSpec(bits=4, block_size=16), head_dim=16)
+    model = onnx.load(folder / "model.onnx", load_external_data=False)
+    experts = [node for node in model.graph.node if node.op_type == "QMoE"]
+    assert experts
+    set_levels(model, {node.name: 1 for node in experts})
+    levels = [helper.get_attribute_value(a) for node in experts for a in node.attribute if a.name == "accuracy_level"]
+    assert len(levels) == len(experts) and set(levels) == {1}, levels
+
+
 def test_mean_kl_a_few_rows_at_a_time_is_the_whole_mean():
     from export.accuracy_guard import mean_kl
     from export.fidelity import log_softmax
@@ -418,6 +507,25 @@ def test_a_half_precision_graph_keeps_its_moved_8_bit_projections_at_level_1(onn
     assert names and float_fallback_nodes(model, names) == []
     float32 = onnx.load(onnx_variant("qwen3", quantize=INT8) / "model.onnx", load_external_data=False)
     assert sorted(float_fallback_nodes(float32, names)) == sorted(names)  # the same nodes in a float32 graph
+
+
+def test_the_guard_measures_the_graph_it_wrote_and_fails_a_wrong_float_fallback(thinker_variant, tmp_path, monkeypatch):
+    """A planted bug in the written fallback (its float weights zeroed): the guard measures the rewritten graph once
+    more and reports its agreement, and that it fails, beside the chosen levels' own (mutations dropping that
+    measurement, reporting the levels' agreement as the graph's, or passing it regardless passed every test, since a
+    sound fallback computes level 1's function to 1e-6; helper-243)."""
+    import export.float_fallback as float_fallback
+    from export.exporter import export_model
+
+    folder = with_outlier(thinker_variant("qwen3", head_dim=16), tmp_path / "outlier", PLANTED_LAYER)
+    export_model(folder, tmp_path / "out", graph="fused", quantize=INT8, verify=False, accuracy_guard=None)
+    real = float_fallback.dequantize_matmul_nbits
+    monkeypatch.setattr(float_fallback, "dequantize_matmul_nbits", lambda *args: real(*args) * 0)
+    report = guard_on_copy(folder, tmp_path / "out", tmp_path / "guarded", min_agreement=0.9)
+    assert report["nodes_to_float_matmul"], report
+    moved = len(report["moved_to_level_1"])
+    assert report["agreement_at_level_1"] == report["agreement_by_units_moved"][moved] >= 0.9, report
+    assert report["agreement"] < 0.9 and report["passed"] is False, report
 
 
 def test_the_verify_fails_a_float_fallback_with_the_wrong_weight(thinker_variant, tmp_path, monkeypatch):
