@@ -48,6 +48,7 @@ import numpy as np
 import onnx
 
 from thinker_common.progress import progress_bar
+from thinker_common.staging import write_fully
 
 from .dequantize import attributes, constant_reader, dequantize_matmul_nbits, dequantize_qmoe
 from .fidelity import fidelity_token_ids, mean_kl
@@ -237,7 +238,7 @@ class SetAside:
         self.rows, self.width = logits.shape
         self.dtype = logits.dtype
         self.file = tempfile.TemporaryFile(dir=folder)
-        np.ascontiguousarray(logits).tofile(self.file)
+        write_fully(self.file, np.ascontiguousarray(logits))  # a full disk's error with its errno (not tofile's)
 
     def __len__(self) -> int:
         return self.rows

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from thinker_common.staging import DISK_FULL
+from thinker_common.staging import DISK_FULL, WritesFully
 
 Run = tuple[np.ndarray, np.ndarray | None]  # the reference's logits, and their half-precision spread (or None)
 
@@ -101,9 +101,10 @@ class ReferenceReplay:
             self.file = tempfile.TemporaryFile(dir=self.folder, buffering=0)
         self.file.seek(0, 2)
         self.offsets[key] = (self.file.tell(), spread is not None)
-        np.save(self.file, np.ascontiguousarray(logits), allow_pickle=False)
+        # through write (WritesFully): np.save on a real file writes with tofile, whose full-disk error has no errno
+        np.save(WritesFully(self.file), np.ascontiguousarray(logits), allow_pickle=False)
         if spread is not None:
-            np.save(self.file, np.ascontiguousarray(spread), allow_pickle=False)
+            np.save(WritesFully(self.file), np.ascontiguousarray(spread), allow_pickle=False)
 
     def _read(self, key: str) -> Run:
         offset, with_spread = self.offsets[key]

@@ -4,8 +4,11 @@ of a mutation run on thinker_common's staging.py, side_files.py, processes.py, p
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 from cli_helpers import assert_error, thinker
@@ -234,3 +237,97 @@ def test_integer_tensors_are_not_judged_by_the_float16_range():
     scan.update(packed)
     scan.update(torch.tensor([1.5, -2.0]))
     assert (scan.low, scan.high, scan.problem(torch.float16)) == (-2.0, 1.5, None)
+
+
+def interrupted_once(monkeypatch, signal_exception: BaseException) -> list[str]:
+    """shutil.rmtree as the staging module calls it, stopped by ``signal_exception`` the first time part way (one
+    file removed), as a signal's exception stops it; the calls' paths are returned as they come."""
+    import thinker_common.staging as staging
+
+    real, calls = shutil.rmtree, []
+
+    def rmtree(path, *args, **kwargs):
+        calls.append(str(path))
+        if len(calls) == 1:
+            next(p for p in Path(path).iterdir() if p.is_file()).unlink()
+            raise signal_exception
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(staging.shutil, "rmtree", rmtree)
+    return calls
+
+
+def staged(work: Path) -> None:
+    for name in ("a", "b"):
+        (work / name).write_text(name)
+
+
+@pytest.mark.parametrize("signalled", ["SIGINT", "SIGTERM"])
+def test_a_signal_while_a_finished_runs_staging_folder_goes_leaves_nothing_and_the_run_finished(
+    signalled, tmp_path, monkeypatch
+):
+    """Ctrl-C or SIGTERM just after OUTPUT is in place, while the staging folder is removed: the removal goes to the
+    end and the run stays the finished one it is (the signal stopped rmtree part way, left the staging folder beside
+    OUTPUT, a float32 copy of the model for an export with the activation-aware scales, and failed the run;
+    helper-242)."""
+    import signal
+
+    from thinker_common.cli import Terminated
+    from thinker_common.staging import work_folder
+
+    exception = KeyboardInterrupt() if signalled == "SIGINT" else Terminated(signal.SIGTERM)
+    calls = interrupted_once(monkeypatch, exception)
+    output = tmp_path / "out"
+    with work_folder(output) as work:
+        staged(work)
+        (work / "result").mkdir()
+        os.rename(work / "result", output)  # the run's install
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and len(calls) == 2, calls
+
+
+def test_a_signal_while_a_failed_runs_staging_folder_goes_leaves_nothing_and_the_error_stands(tmp_path, monkeypatch):
+    """The same signal while a failing run's staging folder is removed: nothing is left, not even the parent folder
+    the run made, and the run's own error is what comes out."""
+    from thinker_common.errors import ThinkerError
+    from thinker_common.staging import work_folder
+
+    calls = interrupted_once(monkeypatch, KeyboardInterrupt())
+    with pytest.raises(ThinkerError, match="the run's own error"), work_folder(tmp_path / "new" / "out") as work:
+        staged(work)
+        raise ThinkerError("the run's own error")
+    assert list(tmp_path.iterdir()) == [] and len(calls) == 2, calls
+
+
+class ShortWrites:
+    """A raw file on a disk with ``room`` bytes left that writes at most ``most`` bytes a call, as a raw file may:
+    the write that finds no room left raises ENOSPC, the one before it writes what fits and says so by its count."""
+
+    def __init__(self, room: int, most: int) -> None:
+        self.room, self.most, self.data = room, most, bytearray()
+
+    def write(self, data) -> int:
+        count = min(len(data), self.most, self.room - len(self.data))
+        if count == 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.data += bytes(data[:count])
+        return count
+
+
+def test_write_fully_writes_everything_and_a_full_disk_keeps_its_errno():
+    """Short writes are carried on to the end, in order; a full disk's error comes out with ENOSPC, which the
+    disk-full line is chosen by (numpy's tofile said only "... requested and ... written": helper-242)."""
+    import numpy as np
+
+    from thinker_common.staging import WritesFully, write_fully
+
+    values = np.arange(100, dtype=np.float32)
+    file = ShortWrites(room=10**6, most=7)
+    write_fully(file, values)
+    assert bytes(file.data) == values.tobytes()
+    file = ShortWrites(room=100, most=7)
+    with pytest.raises(OSError) as raised:
+        write_fully(file, values)
+    assert raised.value.errno == errno.ENOSPC and bytes(file.data) == values.tobytes()[:100]
+    file = ShortWrites(room=10**6, most=7)
+    np.save(WritesFully(file), values, allow_pickle=False)
+    assert np.array_equal(np.load(io.BytesIO(bytes(file.data))), values)

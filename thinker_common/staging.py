@@ -281,6 +281,29 @@ def _remove(path: Path) -> None:
 DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}  # no space, or over the user's quota
 
 
+def write_fully(file, data) -> None:
+    """All of ``data`` (bytes or a C-contiguous array) written to ``file``: a raw file's write may write part of it
+    and say so only by its count, and only the next write raises the full disk's ENOSPC. numpy's own writers
+    (``ndarray.tofile``, ``np.save`` on a real file) raise an OSError without an errno there, only their message
+    ("... requested and ... written"), which no caller can tell from another failure (an export on a full disk said
+    numpy's words, not the disk-full line: helper-242); through here the OSError keeps its errno."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[file.write(view) :]
+
+
+class WritesFully:
+    """``file`` as numpy's writers see a file-like object (``np.save(WritesFully(file), ...)``): they then write
+    through ``write`` in chunks, and each chunk goes through ``write_fully``."""
+
+    def __init__(self, file) -> None:
+        self.file = file
+
+    def write(self, data) -> int:
+        write_fully(self.file, data)
+        return memoryview(data).nbytes
+
+
 def free_bytes(folder: Path) -> int:
     return shutil.disk_usage(folder).free
 
@@ -377,11 +400,28 @@ def work_folder(output: Path, needed: int | None = None) -> Iterator[Path]:
                 raise disk_full(output.parent, needed) from None
             raise
     except BaseException:
-        _remove(staging)
+        _remove_to_the_end(staging)
         _remove_empty(created)  # a run that wrote nothing leaves no folders behind, not even OUTPUT's parents
         raise
-    finally:
-        _remove(staging)
+    # The run's result is in place: its staging folder (an export's float32 copy for the activation-aware scales, or
+    # the OUTPUT --force replaced) goes to the end whatever arrives meanwhile, and the run stays the finished one it is
+    _remove_to_the_end(staging)
+
+
+def _remove_to_the_end(path: Path) -> None:
+    """``_remove(path)`` carried to the end through Ctrl-C, SIGTERM and SIGHUP, which arrive as exceptions
+    (KeyboardInterrupt, thinker_common.cli's Terminated) and stopped the removal part way: a signal just after an
+    export's OUTPUT was in place left its staging folder beside it, a copy of the model at worst, which no later run
+    into another OUTPUT removes, and failed a finished run (helper-242). Those are dropped: the caller is either done
+    or already unwinding from its own exception."""
+    while True:
+        try:
+            _remove(path)
+            return
+        except Exception:
+            raise
+        except BaseException:  # a signal's exception (not an error, which rmtree ignores here): remove the rest
+            continue
 
 
 def make_parents(folder: Path, made: list[Path]) -> None:

@@ -322,6 +322,27 @@ class FullDisk(io.BytesIO):
         raise OSError(errno.ENOSPC, "No space left on device")
 
 
+class FullDiskFile(io.FileIO):
+    """A real file (np.save on one writes its header through ``write`` and its data to its descriptor with tofile,
+    past ``write``) on a disk with room for a header and no more."""
+
+    def write(self, data) -> int:
+        if self.tell() + memoryview(data).nbytes > 256:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write(data)
+
+
+def test_a_real_file_on_a_full_disk_costs_runs_not_the_check(tmp_path, monkeypatch):
+    """np.save on a real file wrote with tofile, whose full-disk error has no errno: the replay took it for another
+    failure and failed the export; written through the file's write, it is the full disk it is."""
+    replay, made = ReferenceReplay(tmp_path), []
+    file = tmp_path / "replay"
+    monkeypatch.setattr(reference_replay.tempfile, "TemporaryFile", lambda **options: FullDiskFile(file, "w+b"))
+    logits, _ = replay.run("a", False, lambda: made.append("a") or (np.ones((2, 300), np.float32), None))
+    np.testing.assert_array_equal(logits, np.ones((2, 300), np.float32))
+    assert made == ["a"] and not replay.holds("a")
+
+
 def test_a_full_disk_that_fails_the_close_too_costs_runs_not_the_check(tmp_path, monkeypatch):
     replay, made = ReferenceReplay(tmp_path), []
     runs = {key: (np.full((2, 300), index, np.float32), None) for index, key in enumerate("abc")}
