@@ -30,6 +30,9 @@ from cli_helpers import (
     thinker_meeting_pipes,
 )
 
+from thinker_common.errors import ThinkerError
+from thinker_common.source_files import checked_file, hub_caches_of, present
+
 # --- OUTPUT over the source (issue 15) -----------------------------------------------------------------------------
 
 
@@ -784,3 +787,46 @@ def test_force_without_an_atomic_exchange_leaves_only_the_new_output(qwen3_sourc
     assert result.exit_code == 0, result.output
     assert "mine.txt" not in os.listdir(output) and (output / "model.safetensors").is_file()
     assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+# --- what a folder's links may reach (helper-244) -------------------------------------------------------------------
+
+
+def fake_cache(root: Path) -> tuple[Path, Path]:
+    """root/cache/models--o--n/{blobs/b, snapshots/c/config.json -> ../../blobs/b}: (cache, snapshot)."""
+    repo = root / "cache" / "models--o--n"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "blobs" / "b").write_text("{}")
+    snapshot = repo / "snapshots" / "c"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").symlink_to(Path("../../blobs/b"))
+    return root / "cache", snapshot
+
+
+def test_a_folder_named_snapshots_outside_a_cache_grants_nothing(tmp_path):
+    """Only a models--/datasets--/spaces-- repo folder makes a Hub cache whose blobs a snapshot's links may reach:
+    /data/mine/snapshots/v1 is a plain folder, and a link out of it is refused (a pattern taking any name passed every
+    test: helper-244)."""
+    (tmp_path / "secret.txt").write_text("key")
+    folder = tmp_path / "mine" / "snapshots" / "v1"
+    folder.mkdir(parents=True)
+    (folder / "merges.txt").symlink_to(tmp_path / "secret.txt")
+    assert hub_caches_of(folder) == []
+    with pytest.raises(ThinkerError, match="outside"):
+        checked_file(folder / "merges.txt", folder)
+
+
+def test_an_optional_file_that_is_a_broken_symlink_is_an_error(tmp_path):
+    """An optional file that is a broken link is named, not taken for absent."""
+    (tmp_path / "generation_config.json").symlink_to(tmp_path / "nowhere.json")
+    with pytest.raises(ThinkerError, match="broken symlink"):
+        present(tmp_path / "generation_config.json", tmp_path)
+
+
+def test_a_symlink_to_a_snapshot_reads_the_snapshots_blobs(tmp_path):
+    """SOURCE named through a link to a Hub snapshot (~/qwen -> cache/.../snapshots/c) still reads its blobs."""
+    cache, snapshot = fake_cache(tmp_path)
+    alias = tmp_path / "alias"
+    alias.symlink_to(snapshot)
+    assert hub_caches_of(alias) == [cache.resolve()]
+    assert checked_file(alias / "config.json", alias) == alias / "config.json"

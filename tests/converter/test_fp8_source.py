@@ -29,6 +29,7 @@ from thinker import ThinkerConfig
 from thinker_common.errors import ThinkerError
 from thinker_common.fp8_source import DequantizedFP8Source
 from thinker_common.sources import open_source
+from thinker_common.values import ValueScan
 
 BLOCK = [32, 32]
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
@@ -375,3 +376,112 @@ def test_from_pretrained_converts_an_fp8_checkpoint_on_load(tmp_path):
     reference = AutoModelForCausalLM.from_pretrained(source)
     assert converted.dtype == torch.bfloat16 and getattr(converted.config, "quantization_config", None) is None
     assert torch.equal(converted(ids).logits, reference(ids).logits)
+
+
+# --- the block layout's edges, one tensor at a time (helper-244) ----------------------------------------
+
+
+def fp8_folder(folder: Path, tensors: dict, block) -> Path:
+    """A folder of ``tensors`` in one safetensors file, its config naming FP8 blocks of ``block`` (None: the
+    block read from the grid)."""
+    folder.mkdir()
+    save_file(tensors, folder / "model.safetensors")
+    quantization = {"quant_method": "fp8", "weight_block_size": block}
+    (folder / "config.json").write_text(json.dumps({"dtype": "bfloat16", "quantization_config": quantization}))
+    return folder
+
+
+def fp8_values(rows, columns, dtype=torch.float8_e4m3fn, seed=0):
+    return (torch.randn(rows, columns, generator=torch.Generator().manual_seed(seed)) * 8).to(dtype)
+
+
+def by_element(stored, scales, block):
+    """Each stored value times its own block's scale, one element at a time: the definition, not a reshape."""
+    rows, columns = stored.shape
+    expected = stored.float().clone()
+    for r in range(rows):
+        for c in range(columns):
+            expected[r, c] *= scales[r // block[0], c // block[1]]
+    return expected
+
+
+def distinct_scales(grid):
+    return (torch.arange(grid[0] * grid[1], dtype=torch.float32).reshape(grid) + 1) / 8
+
+
+@pytest.mark.parametrize(
+    ("shape", "block"),
+    [((64, 96), [16, 32]), ((40, 72), [16, 32]), ((40, 72), [32, 16])],
+    ids=["whole", "partial", "partial-tall"],
+)
+def test_a_block_that_is_not_square_maps_rows_to_rows(tmp_path, shape, block):
+    """A block that is not square, whole and partial: rows go with rows and columns with columns, each value times its
+    own block's scale (every FP8 fixture had a square block, where a block read as (columns, rows), or a partial
+    block's rows repeated by the column block, passed every test: helper-244)."""
+    stored = fp8_values(*shape)
+    grid = (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
+    scales = distinct_scales(grid)
+    source = open_source(fp8_folder(tmp_path / "f", {"w.weight": stored, "w.weight_scale_inv": scales}, block))
+    try:
+        loaded = source.load("w.weight")
+    finally:
+        source.close()
+    assert torch.equal(loaded, by_element(stored, scales, block))
+
+
+def test_a_grid_derived_block_that_is_not_square(tmp_path):
+    """No weight_block_size: a 64 x 96 weight over a (4, 3) grid of scales is in blocks of 16 x 32, not 32 x 16."""
+    stored, scales = fp8_values(64, 96), distinct_scales((4, 3))
+    source = open_source(fp8_folder(tmp_path / "f", {"w.weight": stored, "w.weight_scale_inv": scales}, None))
+    try:
+        loaded = source.load("w.weight")
+    finally:
+        source.close()
+    assert torch.equal(loaded, by_element(stored, scales, (16, 32)))
+
+
+def test_e5m2_weights_are_dequantized_too(tmp_path):
+    """float8_e5m2 is FP8 too: such a weight beside its scale reads as floats, its scale not a tensor of its own."""
+    stored, scales = fp8_values(32, 32, torch.float8_e5m2), torch.tensor([[0.5]])
+    source = open_source(fp8_folder(tmp_path / "f", {"w.weight": stored, "w.weight_scale_inv": scales}, [32, 32]))
+    try:
+        assert source.names() == ["w.weight"] and source.dtype("w.weight") == torch.bfloat16
+        assert torch.equal(source.load("w.weight"), stored.float() * 0.5)
+    finally:
+        source.close()
+
+
+def test_a_missing_scale_names_the_file_holding_the_weight(tmp_path):
+    """A weight in FP8 without its scale is refused naming the file that holds it, not the folder."""
+    tensors = {"a.weight": fp8_values(32, 32), "a.weight_scale_inv": torch.ones(1, 1), "b.weight": fp8_values(32, 32)}
+    folder = fp8_folder(tmp_path / "f", tensors, [32, 32])
+    with pytest.raises(ThinkerError) as err:
+        open_source(folder)
+    assert str(err.value).startswith(f"{folder / 'model.safetensors'}: tensor 'b.weight' is stored in FP8 with no")
+
+
+def test_the_values_scan_sees_the_dequantized_fp8_values(tmp_path):
+    """The values scan the converter trusts for tensors it only moves (converter/engine.py) sees the dequantized
+    values: an FP8 NaN byte is found, not written (a mutation skipping the scan passed every test)."""
+    stored = fp8_values(32, 32)
+    stored.view(torch.uint8)[3, 4] = 0x7F  # float8_e4m3fn NaN
+    source = open_source(
+        fp8_folder(tmp_path / "f", {"w.weight": stored, "w.weight_scale_inv": torch.ones(1, 1)}, [32, 32])
+    )
+    try:
+        scan = ValueScan()
+        source.load("w.weight", scan=scan)
+    finally:
+        source.close()
+    assert scan.problem(torch.bfloat16) == "holds NaN or Inf values"
+
+
+def test_a_vector_with_several_scales_is_refused_by_name(tmp_path):
+    """A 1-D FP8 tensor takes one scale: two are refused naming the scale, not a reshape's crash."""
+    tensors = {"v.weight": fp8_values(1, 64)[0].clone(), "v.weight_scale_inv": torch.ones(2)}
+    source = open_source(fp8_folder(tmp_path / "f", tensors, [32, 32]))
+    try:
+        with pytest.raises(ThinkerError, match=r"'v.weight_scale_inv' holds \(2,\) scales for 'v.weight'"):
+            source.load("v.weight")
+    finally:
+        source.close()
