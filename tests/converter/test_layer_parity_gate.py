@@ -18,9 +18,11 @@ from convert_helpers import build_reference
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
+import thinker.modeling_thinker as modeling
 from converter.convert import convert
+from converter.layer_parity import _Stage
 from converter.parity import check_parity, run_prompts
-from converter.parity_report import BY_LAYER, LAYER_DECODE_STEPS
+from converter.parity_report import BY_LAYER, GREEDY_ONLY, LAYER_DECODE_STEPS
 from converter.unreached import stage as unreached_stage
 from thinker import ThinkerForCausalLM
 from thinker.modeling_thinker import CACHE_ARG
@@ -229,3 +231,97 @@ def test_an_unreached_stage_is_held_at_its_largest_difference_and_the_references
     actual[-1, -1], actual[0, 1] = 0.0, 50.0
     widened = unreached_stage("probe", expected, actual, torch.float32)
     assert not widened.passed and widened.tolerance == pytest.approx(RELATIVE * 2.0)
+
+
+# --- which stage is named, and a NaN decode (helper-245) ----------------------------------------------------------
+
+HEAD_STAGE = "final norm and head"
+
+
+def by_layer(source, converted):
+    """The layer-by-layer gate's report, its float32 result, and that result's stages by name."""
+    report = check_parity(source, converted, mode=BY_LAYER)
+    fp32 = report.results[0]
+    return report, fp32, {stage.name: stage for stage in fp32.layers}
+
+
+def test_an_altered_embedding_is_named_embeddings(folders, tmp_path):
+    """Untied: the embedding table scaled; every layer and the head run on the reference's hidden states, so only the
+    embeddings stage (the Thinker's own input to layer 0) sees it (stages compared on the wrong stream still failed
+    the model, naming another stage: helper-245)."""
+    source, converted = folders
+    report, fp32, stages = by_layer(
+        source, altered_copy(converted, tmp_path / "emb", {"model.embed_tokens.weight": 1.5})
+    )
+    assert not report.passed and fp32.first_divergence == "embeddings", report.table()
+    assert stages["embeddings"].max_abs_diff > stages["embeddings"].tolerance
+    assert stages["layer 0"].passed and stages[HEAD_STAGE].passed
+
+
+def test_the_head_stage_runs_on_the_references_last_hidden_state(folders, tmp_path):
+    """Layer 1 alone altered: the Thinker's own stream is off from layer 1 on, the head stage (on the reference's last
+    hidden state) is not."""
+    source, converted = folders
+    report, fp32, stages = by_layer(source, altered_copy(converted, tmp_path / "l1", {ALTERED: 3.0}))
+    assert not report.passed and fp32.first_divergence == "layer 1"
+    assert stages[HEAD_STAGE].passed and stages[HEAD_STAGE].max_abs_diff <= stages[HEAD_STAGE].tolerance, stages[
+        HEAD_STAGE
+    ]
+    assert fp32.max_abs_diff > fp32.tolerance  # the end-to-end logits do differ
+
+
+def attention_patched(monkeypatch, change):
+    """The Thinker's eager attention with ``change`` applied to its query, key, value and mask, and its output
+    multiplied by the factor ``change`` returns."""
+    eager = modeling.eager_attention_forward
+
+    def patched(module, query, key, value, attention_mask, *args, **kwargs):
+        query, key, value, attention_mask, scale_out = change(query, key, value, attention_mask)
+        out, weights = eager(module, query, key, value, attention_mask, *args, **kwargs)
+        return out * scale_out, weights
+
+    monkeypatch.setattr(modeling, "eager_attention_forward", patched)
+
+
+def test_a_decode_step_gone_nan_fails(folders, monkeypatch):
+    """The Thinker's attention NaN at decode steps only (one query over a cache): the prompts agree exactly, the
+    decode steps' max |Δ| is NaN, which must fail, not pass as "not above the tolerance" (a mutation comparing so
+    passed every test: helper-245)."""
+    source, converted = folders
+    attention_patched(
+        monkeypatch,
+        lambda q, k, v, m: (q, k, v, m, float("nan") if q.shape[2] == 1 and k.shape[2] > 1 else 1.0),
+    )
+    report, fp32, stages = by_layer(source, converted)
+    assert all(stage.passed for stage in stages.values())
+    assert math.isnan(fp32.decode_max_abs_diff)
+    assert not report.passed and fp32.first_divergence == GREEDY_ONLY
+
+
+def test_a_mask_that_lets_each_token_see_the_next_is_named_at_layer_0(folders, monkeypatch):
+    """The Thinker's causal mask one slot too wide on the prompts (token i sees i + 1): every real position but each
+    row's last differs, so layer 0 fails on the reference's own hidden states."""
+    source, converted = folders
+
+    def leak(q, k, v, mask):
+        if mask is not None and q.shape[2] == k.shape[2] > 1:
+            mask = mask.clone()
+            slots = torch.arange(q.shape[2] - 1)
+            mask[..., slots, slots + 1] = 0
+        return q, k, v, mask, 1.0
+
+    attention_patched(monkeypatch, leak)
+    report, fp32, stages = by_layer(source, converted)
+    assert not report.passed and fp32.first_divergence == "layer 0", report.table()
+    assert not stages["layer 0"].passed
+
+
+def test_a_stages_stream_figure_is_its_largest_over_every_batch():
+    """A reference fed one prompt at a time adds each stage once a batch: the largest stream difference is kept."""
+    stage = _Stage("layer 0")
+    expected, real = torch.zeros(1, 3, 4), torch.ones(1, 3, dtype=torch.bool)
+    stage.add(expected, expected, real, torch.full((1, 3, 4), 2.0))
+    stage.add(expected, expected, real, torch.full((1, 3, 4), 0.5))
+    assert stage.stream_max_abs_diff == 2.0
+    stage.add(expected, None, real)  # the converted model produced nothing comparable: infinitely off
+    assert stage.max_abs_diff == math.inf and not stage.result(1e-4).passed
