@@ -20,6 +20,7 @@ from transformers import Qwen3Config
 
 import thinker.modeling_thinker as modeling
 from converter.convert import convert
+from converter.layer_parity import HEAD as HEAD_STAGE
 from converter.layer_parity import _Stage
 from converter.parity import check_parity, run_prompts
 from converter.parity_report import BY_LAYER, GREEDY_ONLY, LAYER_DECODE_STEPS
@@ -235,8 +236,6 @@ def test_an_unreached_stage_is_held_at_its_largest_difference_and_the_references
 
 # --- which stage is named, and a NaN decode (helper-245) ----------------------------------------------------------
 
-HEAD_STAGE = "final norm and head"
-
 
 def by_layer(source, converted):
     """The layer-by-layer gate's report, its float32 result, and that result's stages by name."""
@@ -264,9 +263,8 @@ def test_the_head_stage_runs_on_the_references_last_hidden_state(folders, tmp_pa
     source, converted = folders
     report, fp32, stages = by_layer(source, altered_copy(converted, tmp_path / "l1", {ALTERED: 3.0}))
     assert not report.passed and fp32.first_divergence == "layer 1"
-    assert stages[HEAD_STAGE].passed and stages[HEAD_STAGE].max_abs_diff <= stages[HEAD_STAGE].tolerance, stages[
-        HEAD_STAGE
-    ]
+    head = stages[HEAD_STAGE]
+    assert head.passed and head.max_abs_diff <= head.tolerance, head
     assert fp32.max_abs_diff > fp32.tolerance  # the end-to-end logits do differ
 
 
