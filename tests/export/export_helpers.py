@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -352,3 +354,16 @@ def qa_build(root: Path, name: str, seed: int = 0) -> Path:
     hybrid.reference(model_class, config(), seed=seed).save_pretrained(source)
     make_tokenizer().save_pretrained(source)
     return convert(source, root / f"{name}-{seed}", verify=False, progress=False).output
+
+
+class FullDiskFile(io.FileIO):
+    """A real file on a disk with room for 256 bytes (a .npy header) and no more: a ``write`` past them raises
+    ENOSPC, as a full disk's does. numpy's tofile, and np.save on a real file, write its data to the descriptor, past
+    ``write``, where a full disk's error came without its errno (helper-242's run on a full tmpfs)."""
+
+    ROOM = 256
+
+    def write(self, data) -> int:
+        if self.tell() + memoryview(data).nbytes > self.ROOM:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write(data)

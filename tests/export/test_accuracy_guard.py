@@ -10,7 +10,6 @@ model without the outlier nothing moves.
 from __future__ import annotations
 
 import errno
-import io
 import json
 import shutil
 from pathlib import Path
@@ -20,6 +19,7 @@ import onnx
 import pytest
 import torch
 from click.testing import CliRunner
+from export_helpers import FullDiskFile
 from onnx import helper
 
 from export.quantize import QuantizeSpec
@@ -361,14 +361,6 @@ def test_set_aside_logits_read_back_as_written_and_leave_no_file(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-class FullDiskFile(io.FileIO):
-    """A real file (numpy's tofile writes to its descriptor, past ``write``) on a disk that is full: ``write``
-    raises ENOSPC, as a full disk's does."""
-
-    def write(self, data) -> int:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-
 def test_set_aside_logits_on_a_full_disk_say_so_with_its_errno(tmp_path, monkeypatch):
     """The reference's logits on a full disk: the error keeps ENOSPC, so that the export says the disk is full
     rather than numpy's "... requested and ... written" without an errno (helper-242's run on a full tmpfs)."""
@@ -376,7 +368,7 @@ def test_set_aside_logits_on_a_full_disk_say_so_with_its_errno(tmp_path, monkeyp
 
     monkeypatch.setattr(guard.tempfile, "TemporaryFile", lambda **options: FullDiskFile(tmp_path / "aside", "w+b"))
     with pytest.raises(OSError) as raised:
-        guard.SetAside(np.ones((4, 8), np.float32), tmp_path)
+        guard.SetAside(np.ones((4, 100), np.float32), tmp_path)  # past the room
     assert raised.value.errno == errno.ENOSPC
 
 

@@ -10,6 +10,7 @@ import io
 import numpy as np
 import pytest
 import torch
+from export_helpers import FullDiskFile
 
 from export import reference_replay
 from export.continuation import compare_continuation
@@ -320,16 +321,6 @@ class FullDisk(io.BytesIO):
     def close(self) -> None:
         super().close()
         raise OSError(errno.ENOSPC, "No space left on device")
-
-
-class FullDiskFile(io.FileIO):
-    """A real file (np.save on one writes its header through ``write`` and its data to its descriptor with tofile,
-    past ``write``) on a disk with room for a header and no more."""
-
-    def write(self, data) -> int:
-        if self.tell() + memoryview(data).nbytes > 256:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return super().write(data)
 
 
 def test_a_real_file_on_a_full_disk_costs_runs_not_the_check(tmp_path, monkeypatch):
