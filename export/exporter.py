@@ -235,8 +235,11 @@ def export_model(
     started = time.perf_counter()
     if not quantize:
         needed = weights_size(location, graph_dtype)
-    elif quantize.awq:  # the scaled model staged in float32 (the graph itself is smaller)
-        needed = weights_size(location, torch.float32)
+    elif quantize.awq:  # the scaled model staged in float32, and the graph written beside it: every weight there
+        # takes at least its bits (helper-242: a disk-full message counting the copy alone read "needs more than the
+        # 513.1 MiB of its weights, 663.5 MiB free")
+        staged = weights_size(location, torch.float32)
+        needed = None if staged is None else staged + staged * quantize.bits // 32
     else:  # smaller than the float weights, by how much varies
         needed = None
     with work_folder(output, needed) as staging, thinker_folder(location, staging, top) as model_dir:
@@ -244,6 +247,8 @@ def export_model(
         config = load_config(model_dir)
         check_thinker_folder(model_dir, config, graph_dtype, verify)  # the structure, before a byte is written
         readable_tokenizer_files(model_dir)  # and the tokenizer copied beside the graph
+        if verify and quantize and quality is not None and quality.required:
+            refuse_unmeasurable_cost(model_dir, config)  # before the export, not after it (helper-242)
         if inputs_embeds and embeds_refusal(config):
             raise ThinkerError(embeds_refusal(config))
         check_search(model_dir / "generation_config.json", config)  # its sampling keys and max_length
@@ -587,6 +592,21 @@ def local_source(
 # --- the model folder ---------------------------------------------------------------------------------------------
 def load_config(model_dir: Path) -> ThinkerConfig:
     return load_thinker_config(model_dir)
+
+
+def refuse_unmeasurable_cost(model_dir: Path, config) -> None:
+    """Limits the user set on the quantization cost hold only where the cost is measured: the fidelity paragraph
+    through the folder's own tokenizer (export/fidelity.py). Without one the verify would fail at its end, the whole
+    export spent; refused here instead."""
+    from .fidelity import fidelity_token_ids
+
+    ids, why = fidelity_token_ids(model_dir, config.vocab_size, config.max_position_embeddings)
+    if ids is None:
+        raise ThinkerError(
+            f"--min-top1 / --max-perplexity-increase limit the quantization cost, which cannot be measured here: "
+            f"{why}; copy the source model's tokenizer files into the folder, or drop the limits (the default ones "
+            "pass with a note)"
+        )
 
 
 def weights_size(source: str | Path, dtype: torch.dtype) -> int | None:

@@ -368,6 +368,23 @@ def test_disk_full_before_writing(qwen3_source, tmp_path, monkeypatch):
     assert_nothing_written(output)
 
 
+def test_disk_full_before_a_scaled_export_counts_its_graph_too(qwen3_thinker, tmp_path, monkeypatch):
+    """A quantized export with the activation-aware scales stages the model in float32 and writes the graph beside
+    it, every weight at least its bits: room for the copy alone is refused up front, by the sum (it was let through
+    and then ran out, saying "needs more than the ... of its weights" with more than that free; helper-242)."""
+    import torch
+
+    from export.exporter import weights_size
+
+    staged = weights_size(qwen3_thinker, torch.float32)
+    monkeypatch.setattr("thinker_common.staging.free_bytes", lambda folder: staged)
+    output = tmp_path / "onnx"
+    result = thinker("export", qwen3_thinker, output, "--quantize", "int8", "--no-verify")
+    expected = f"needs about {(staged + staged // 4) / 2**20:.1f} MiB, {staged / 2**20:.1f} MiB free"
+    assert_error(result, f"the disk is full at {tmp_path}", expected)
+    assert_nothing_written(output)
+
+
 def test_disk_full_while_exporting(qwen3_thinker, tmp_path, monkeypatch):
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")

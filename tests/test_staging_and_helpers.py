@@ -263,13 +263,13 @@ def staged(work: Path) -> None:
 
 
 @pytest.mark.parametrize("signalled", ["SIGINT", "SIGTERM"])
-def test_a_signal_while_a_finished_runs_staging_folder_goes_leaves_nothing_and_the_run_finished(
+def test_a_signal_while_a_finished_runs_staging_folder_goes_leaves_nothing_and_then_stops_the_caller(
     signalled, tmp_path, monkeypatch
 ):
     """Ctrl-C or SIGTERM just after OUTPUT is in place, while the staging folder is removed: the removal goes to the
-    end and the run stays the finished one it is (the signal stopped rmtree part way, left the staging folder beside
-    OUTPUT, a float32 copy of the model for an export with the activation-aware scales, and failed the run;
-    helper-242)."""
+    end, OUTPUT stays, and then the signal goes on to the caller (the signal stopped rmtree part way and left the
+    staging folder beside OUTPUT, a float32 copy of the model for an export with the activation-aware scales,
+    helper-242; then the fix dropped it, and `thinker demo` went on to its next step)."""
     import signal
 
     from thinker_common.cli import Terminated
@@ -278,10 +278,11 @@ def test_a_signal_while_a_finished_runs_staging_folder_goes_leaves_nothing_and_t
     exception = KeyboardInterrupt() if signalled == "SIGINT" else Terminated(signal.SIGTERM)
     calls = interrupted_once(monkeypatch, exception)
     output = tmp_path / "out"
-    with work_folder(output) as work:
+    with pytest.raises(type(exception)) as raised, work_folder(output) as work:
         staged(work)
         (work / "result").mkdir()
         os.rename(work / "result", output)  # the run's install
+    assert raised.value is exception
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and len(calls) == 2, calls
 
 

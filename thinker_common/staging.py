@@ -400,28 +400,32 @@ def work_folder(output: Path, needed: int | None = None) -> Iterator[Path]:
                 raise disk_full(output.parent, needed) from None
             raise
     except BaseException:
-        _remove_to_the_end(staging)
+        _remove_to_the_end(staging)  # a signal meanwhile gives way to the run's own exception, which goes on
         _remove_empty(created)  # a run that wrote nothing leaves no folders behind, not even OUTPUT's parents
         raise
     # The run's result is in place: its staging folder (an export's float32 copy for the activation-aware scales, or
-    # the OUTPUT --force replaced) goes to the end whatever arrives meanwhile, and the run stays the finished one it is
-    _remove_to_the_end(staging)
+    # the OUTPUT --force replaced) goes to the end whatever arrives meanwhile; a signal that arrived then is raised
+    # once it is gone, so that the caller stops as asked (`thinker demo` went on to its next step), OUTPUT complete
+    signalled = _remove_to_the_end(staging)
+    if signalled is not None:
+        raise signalled
 
 
-def _remove_to_the_end(path: Path) -> None:
+def _remove_to_the_end(path: Path) -> BaseException | None:
     """``_remove(path)`` carried to the end through Ctrl-C, SIGTERM and SIGHUP, which arrive as exceptions
     (KeyboardInterrupt, thinker_common.cli's Terminated) and stopped the removal part way: a signal just after an
     export's OUTPUT was in place left its staging folder beside it, a copy of the model at worst, which no later run
-    into another OUTPUT removes, and failed a finished run (helper-242). Those are dropped: the caller is either done
-    or already unwinding from its own exception."""
+    into another OUTPUT removes (helper-242). Returns the first such exception, for the caller to raise once the
+    folder is gone (a failing run's own error goes on instead), or None."""
+    signalled = None
     while True:
         try:
             _remove(path)
-            return
+            return signalled
         except Exception:
             raise
-        except BaseException:  # a signal's exception (not an error, which rmtree ignores here): remove the rest
-            continue
+        except BaseException as err:  # a signal's exception (not an error, which rmtree ignores here): remove the rest
+            signalled = signalled or err
 
 
 def make_parents(folder: Path, made: list[Path]) -> None:

@@ -483,8 +483,36 @@ def test_quality_limits_given_by_name_need_the_cost_measured(runner, thinker_fol
     default = runner.invoke(main, ["export", str(folder), str(tmp_path / "default"), *quantized])
     assert default.exit_code == 0 and "quantization cost not measured" in default.stderr, default.output
     limited = runner.invoke(main, ["export", str(folder), str(tmp_path / "limited"), *quantized, "--min-top1", "0"])
-    assert limited.exit_code == 1 and "was not measured" in limited.stderr, limited.output
+    assert limited.exit_code == 1 and "which cannot be measured here: no usable tokenizer" in limited.stderr, (
+        limited.output
+    )
     assert not (tmp_path / "limited").exists()
+
+
+def test_quality_limits_without_a_tokenizer_are_refused_before_the_export(
+    runner, thinker_folder, tmp_path, monkeypatch
+):
+    """Refused first, not after the whole export and its verify ran (helper-242); the verify's own refusal stays
+    behind it for a cost skipped otherwise."""
+    import shutil
+
+    import export.exporter
+
+    folder = shutil.copytree(thinker_folder("qwen3"), tmp_path / "thinker")
+    for path in folder.glob("tokenizer*"):
+        path.unlink()
+
+    def no_graph(*args, **kwargs):
+        raise AssertionError("the graph was built")
+
+    monkeypatch.setattr(export.exporter, "build_onnx", no_graph)
+    monkeypatch.setattr(export.exporter, "scaled_for_rounding", no_graph)
+    args = ["export", str(folder), str(tmp_path / "out"), "--quantize", "int4", "--max-perplexity-increase", "1"]
+    result = runner.invoke(main, args)
+    assert result.exit_code == 1 and "limit the quantization cost, which cannot be measured here" in result.stderr, (
+        result.output
+    )
+    assert not (tmp_path / "out").exists()
 
 
 def test_each_option_reaches_what_it_controls(runner, thinker_folder, tmp_path):
