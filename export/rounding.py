@@ -23,7 +23,8 @@ def rtn_dequantized(
     ``bits``, in blocks of ``block_size`` along K, as onnxruntime's blockwise quantizer rounds (MLAS: symmetric,
     the block's value of largest magnitude at -2^(bits-1) steps; asymmetric, the block's range widened to hold 0
     over 2^bits - 1 steps, an integer zero point; C's roundf, ties away from 0). ``block_size`` 0: one scale per
-    row, the largest magnitude at 2^(bits-1) - 1 steps (export/quantize.py ``column_wise_int8``). The scale is the
+    row, the largest magnitude at 2^(bits-1) - 1 steps, rounded as export/quantize.py ``column_wise_int8`` rounds
+    (halves to even). The scale is the
     one stored, in ``scale_dtype`` (the graph's), and the values are rounded at it, as MLAS does: a float16 graph's
     scale of a block of small weights is subnormal, its rounding then larger than the values' (a review: modelled
     in float32, a sound graph's blocks measured 1.3-5x)."""
@@ -44,6 +45,8 @@ def rtn_dequantized(
     else:
         scale, zero = stored(torch.where(high.abs() > low.abs(), high, low) / -middle), middle
     scale = torch.where(scale != 0, scale, torch.ones_like(scale))
+    if not block_size:  # column_wise_int8's own rounding, torch.round's: halves to even (helper-246)
+        return (blocks / scale).round_().clamp_(lowest - zero, top - zero).mul_(scale)
     # _round's halves away from 0, in place and in one pass each (6-8x faster, the activation-aware scales' search
     # rounds every weight eleven times): for values >= 0 it is floor(v + 0.5) exactly, and a value below 0 comes
     # out of either at most 0, which the clamp to ``lowest`` >= 0 takes to the same level.

@@ -8,6 +8,7 @@ weights through its own checks, records what it did, and ``--no-awq`` gives plai
 from __future__ import annotations
 
 import json
+import math
 from functools import partial
 from itertools import pairwise
 from pathlib import Path
@@ -640,3 +641,79 @@ def test_alphas_of_equal_error_keep_the_smallest():
     weight = torch.randn(24, 32, generator=generator)
     s, alpha, error, plain = awq.best_scale(one_projection_group(inputs, weight), bits=4, block_size=16)
     assert alpha == 0.0 and error == plain and torch.equal(s, torch.ones_like(s))
+
+
+def test_the_search_rounds_as_the_export_does():
+    """``rounded``, the search's rounding, is onnxruntime's symmetric RTN of the weight as the export quantizes it
+    (not the asymmetric one, which the scales are refused with), a width the block does not divide cut back."""
+    from test_rounding import onnxruntime_dequantized
+
+    weight = torch.randn(24, 40, generator=torch.Generator().manual_seed(4))
+    for bits in (4, 8):
+        assert torch.equal(awq.rounded(weight, bits, 16), onnxruntime_dequantized(weight, bits, 16, "rtn")), bits
+
+
+def test_indexed_attention_and_per_layer_embeddings_keep_plain_rounding_without_hyper_connections(
+    tmp_path, monkeypatch
+):
+    """Qwen3.8's layers with one stream (no hyper-connections to skip them by): the indexed attention keeps s = 1
+    (its indexer reads the attention's input) and so does the dense MLP of a PLE layer; the plain dense MLP is
+    scaled. Planted: the indexer taken for a plain child, the q/k/v fold changes what it reads, and the check
+    refuses it."""
+    from export_helpers import save_thinker
+
+    folder = save_thinker(tmp_path / "thinker", "qwen4_exp", hc_count=1, mlp_only_layers=[0, 1])
+    assert [group.name for group in awq.scale_groups(load(folder))] == [f"model.layers.1.{name}" for name in MLP]
+    monkeypatch.setattr(awq, "PLAIN_ATTENTION", awq.PLAIN_ATTENTION | {"indexer"})
+    with pytest.raises(ThinkerError, match="changed the float model's logits by"):
+        awq.scale_for_rounding(folder, tmp_path / "scaled", bits=4, block_size=16)
+    assert not (tmp_path / "scaled").exists()
+
+
+def test_a_context_longer_than_the_text_calibrates_on_the_whole_text_in_one_row(thinker_folder):
+    """A real model's context (thousands of tokens) holds the whole calibration text: one row of all of it, not
+    whole windows of the context (of which there are none)."""
+    from transformers import AutoTokenizer
+
+    from export.calibration_text import CALIBRATION_TEXT
+    from thinker import ThinkerConfig
+
+    folder = thinker_folder("qwen3")
+    config = ThinkerConfig.from_pretrained(folder)
+    config.max_position_embeddings = 32768
+    expected = AutoTokenizer.from_pretrained(folder)(CALIBRATION_TEXT)["input_ids"]
+    ids, _ = awq.calibration_ids(folder, config)
+    assert len(expected) < 32768 and ids.tolist() == [expected]
+
+
+def test_a_fold_a_fraction_of_a_percent_off_is_refused(thinker_folder, tmp_path, monkeypatch):
+    """The check's bar is the float32 export's (1e-4 of the logits' scale), not a looser one: one channel of layer
+    0's q/k/v scale folded 0.3 % off moves the logits by about 0.3 % of their scale, 9x the limit, and is refused."""
+    divide = awq.divide_norm
+
+    def off(norm, s):
+        s = s.clone()
+        s[0] *= 1.003
+        divide(norm, s)
+
+    first_fold_planted(monkeypatch, off)
+    with pytest.raises(ThinkerError, match="changed the float model's logits by"):
+        awq.scale_for_rounding(thinker_folder("qwen3"), tmp_path / "scaled", bits=4, block_size=16)
+
+
+def test_an_alpha_whose_error_is_not_finite_is_never_kept(monkeypatch):
+    """``least``: the alpha of least finite error. Planted: plain RTN's error (the first measured) NaN; a NaN
+    compares neither below nor above, so kept first it would stay; the search keeps the best finite alpha."""
+    calls, rounded = [], awq.rounded
+
+    def nan_first(weight, bits, block_size):
+        calls.append(block_size)
+        result = rounded(weight, bits, block_size)
+        return result.fill_(float("nan")) if len(calls) == 1 else result
+
+    monkeypatch.setattr(awq, "rounded", nan_first)
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(64, 32, generator=generator) * torch.linspace(0.5, 4.0, 32)
+    weight = torch.randn(24, 32, generator=generator)
+    s, alpha, error, plain = awq.best_scale(one_projection_group(inputs, weight), bits=4, block_size=16)
+    assert math.isnan(plain) and math.isfinite(error) and alpha > 0
