@@ -35,6 +35,7 @@ from thinker_common.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from thinker_common.sources import TensorSource, open_source
 from thinker_common.staging import (
     not_an_earlier_output,
+    outside_staging,
     refuse_existing_output,
     refuse_output_over_source,
     staged_output,
@@ -189,7 +190,9 @@ def convert(
                     "it takes token ids; copy the model's tokenizer files into it for text"
                 )
             if verify:
-                failure = f"{output}: does not match its reference; nothing written"
+                # named by SOURCE where OUTPUT is an export's staging folder (converted on the way), gone when read
+                named = output if outside_staging(output) == output else source
+                failure = f"{named}: does not match its reference; nothing written"
                 report = parity_gate(root, staging, plan.family, staging / PARITY_FILE, failure, mode, note)
             skipped = no_reference or "converted with --no-verify"
             files += write_thinker_card(

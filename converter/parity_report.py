@@ -77,6 +77,17 @@ def reference_of_other_shapes(
     )
 
 
+def reference_missing_weights(label: object, built_class: str, missing: list[str]) -> NoReference:
+    """transformers builds ``built_class`` from ``label`` and finds ``missing`` (sorted) nowhere in it: that class
+    is not the checkpoint's (config.json's model_type names another model than its weights), so no reference."""
+    more = f" and {len(missing) - 2} more" if len(missing) > 2 else ""
+    return NoReference(
+        f"{label}: transformers builds {built_class} from it, and the checkpoint lacks weights that class needs "
+        f"({', '.join(missing[:2])}{more}), so there is no reference to verify against; check that config.json's "
+        f"model_type names the model of these weights, or {NO_VERIFY}"
+    )
+
+
 # The stages that compare positions beyond the prompts' (converter/unreached.py ``position_stages``).
 POSITION_ROWS = "every position-embedding row"
 CONTEXT_STAGE = "the context (max_position_embeddings)"

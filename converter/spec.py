@@ -144,12 +144,20 @@ class Family:
     derived_back: DerivedTensors | None = None
 
     def recognises(self, config: Mapping[str, Any], tensor_names: Collection[str]) -> bool:
-        declared = config.get(self.model_type_key) in self.model_types or any(
+        declared = self.named_by_model_type(config) or any(
             architecture in self.architectures for architecture in config.get("architectures") or ()
         )
         if not declared and self.config_keys and not config.get(self.model_type_key):
             declared = all(key in config for key in self.config_keys)
-        return declared and (not self.tensor_hints or any(hint in tensor_names for hint in self.tensor_hints))
+        return declared and self.tensors_fit(tensor_names)
+
+    def named_by_model_type(self, config: Mapping[str, Any]) -> bool:
+        """Whether the config's model type (``model_type_key``) is one of this family's: what transformers picks a
+        class by, over ``architectures``."""
+        return config.get(self.model_type_key) in self.model_types
+
+    def tensors_fit(self, tensor_names: Collection[str]) -> bool:
+        return not self.tensor_hints or any(hint in tensor_names for hint in self.tensor_hints)
 
     def head_in(self, tensor_names: Collection[str]) -> str | None:
         """The head's name in the layout ``tensor_names`` are in (``head`` where none of them is present)."""

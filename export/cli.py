@@ -125,7 +125,8 @@ costs against the float model on a fixed English paragraph (top-1 agreement, per
     "PyTorch model is held whole beside the graph where both fit in the memory available (or "
     "THINKER_VERIFY_MEMORY, e.g. 8GB), "
     "else read layer by layer as it runs; a quantized export's check holds the float model and its dequantized "
-    "weights.",
+    "weights. A SOURCE converted on the way is also checked against its family's own transformers class, as "
+    "`thinker convert` checks it; --no-verify skips both.",
 )
 @click.option(
     "--graph",

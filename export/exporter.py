@@ -242,7 +242,7 @@ def export_model(
         needed = None if staged is None else staged + staged * quantize.bits // 32
     else:  # smaller than the float weights, by how much varies
         needed = None
-    with work_folder(output, needed) as staging, thinker_folder(location, staging, top) as model_dir:
+    with work_folder(output, needed) as staging, thinker_folder(location, staging, top, verify) as model_dir:
         check_paths(model_dir)
         config = load_config(model_dir)
         check_thinker_folder(model_dir, config, graph_dtype, verify)  # the structure, before a byte is written
@@ -627,9 +627,10 @@ def is_thinker_folder(path: Path) -> bool:
 
 
 @contextmanager
-def thinker_folder(source: str | Path, staging: Path, top: Path | None = None) -> Iterator[Path]:
+def thinker_folder(source: str | Path, staging: Path, top: Path | None = None, verify: bool = True) -> Iterator[Path]:
     """``source`` itself when it is a Thinker folder, else a Thinker folder converted from it into ``staging``
-    (a Hub repo id or any checkpoint thinker-convert reads; the converter checks its own parity when it fits).
+    (a Hub repo id or any checkpoint thinker-convert reads; with ``verify``, the converter checks its own parity
+    when it fits: export's --no-verify skips it too, whose refusals advised a --no-verify the user had given).
     ``top``: the folder SOURCE names where ``source`` is a part of it, whose card and license cover it."""
     path = Path(source)
     if is_thinker_folder(path):
@@ -646,7 +647,7 @@ def thinker_folder(source: str | Path, staging: Path, top: Path | None = None) -
         check_search(config_path.parent / "generation_config.json", config, "the source")  # names: a file it has
 
     converted = staging / "thinker"
-    convert(path, converted, check_config=check_source, card_top=top)
+    convert(path, converted, verify=verify, check_config=check_source, card_top=top)
     yield converted
 
 

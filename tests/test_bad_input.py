@@ -1063,3 +1063,30 @@ def test_one_shard_as_source_is_named_as_a_shard(command, qwen3_source, tmp_path
     refused = thinker(command, shards[1], output, "--no-verify")
     assert_error(refused, f"{shards[1]}: one of the {len(shards)} shards model.safetensors.index.json names")
     assert_nothing_written(output)
+
+
+def test_export_no_verify_skips_the_conversion_on_the_ways_check_too(qwen3_source, tmp_path, monkeypatch):
+    """A SOURCE converted on the way was checked against its reference whatever export's --no-verify said, and a
+    source without a reference was refused with advice to "convert with --no-verify" (helper-248)."""
+
+    def no_check(*args, **kwargs):
+        raise AssertionError("the conversion's parity check ran")
+
+    monkeypatch.setattr("converter.convert.parity_gate", no_check)
+    output = tmp_path / "onnx"
+    result = thinker("export", qwen3_source, output, "--no-verify")
+    assert result.exit_code == 0, result.output
+    assert (output / "model.onnx").is_file()
+
+
+def test_a_conversion_on_the_way_that_fails_its_check_names_the_source(qwen3_source, tmp_path, monkeypatch):
+    """Not the export's staging folder, gone by the time the message is read (helper-248)."""
+    from converter.parity import ParityFailed
+
+    def failing(root, staging, family, report, failure, *args, **kwargs):
+        raise ParityFailed(failure, None)
+
+    monkeypatch.setattr("converter.convert.parity_gate", failing)
+    result = thinker("export", qwen3_source, tmp_path / "onnx")
+    assert_error(result, f"{qwen3_source}: does not match its reference; nothing written")
+    assert ".partial" not in result.output

@@ -62,6 +62,12 @@ FAMILIES: tuple[Family, ...] = (
 def detect_family(source_config: Mapping[str, Any], tensor_names: Collection[str]) -> Family:
     """The family whose recognition rules match the source config and tensor names."""
     _check_identity_keys(source_config)
+    # By the model type first, as transformers picks its class (and the parity check its reference), then by the
+    # architectures or config keys: a config whose two disagree (a hand edit) was converted by whichever family came
+    # first in FAMILIES, another than the reference's (helper-248)
+    for family in FAMILIES:
+        if family.named_by_model_type(source_config) and family.tensors_fit(tensor_names):
+            return family
     for family in FAMILIES:
         if family.recognises(source_config, tensor_names):
             return family

@@ -120,3 +120,38 @@ def test_a_peft_adapter_is_named_as_one() -> None:
     names = ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
     with pytest.raises(ThinkerError, match=r"holds a PEFT adapter .*merge_and_unload\(\)"):
         detect_family({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}, names)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "architecture", "expected"),
+    [
+        ("qwen3_5_moe_text", "Qwen3_5ForCausalLM", "qwen3_5_moe"),  # the MoE class transformers loads, 0 keys missing
+        ("qwen3_next", "Qwen3_5ForCausalLM", "qwen3_next"),  # the reference the parity check loads
+        ("qwen3", "Qwen3_5ForCausalLM", "qwen3"),
+    ],
+)
+def test_the_model_type_names_the_family_over_the_architectures(model_type, architecture, expected):
+    """transformers picks its class (and the parity check its reference) by model_type; a config whose
+    architectures say otherwise (a hand edit) was converted by whichever family came first in FAMILIES: a Qwen3.5-MoE
+    refused for lacking dense MLP tensors, a Qwen3-Next written with Qwen3.5's table (helper-248)."""
+    names = ["model.embed_tokens.weight", "model.layers.0.linear_attn.in_proj_qkv.weight", "lm_head.weight"]
+    config = {"model_type": model_type, "architectures": [architecture]}
+    assert detect_family(config, names).name == expected
+
+
+def test_a_reference_that_lacks_weights_its_class_needs_is_refused(tmp_path):
+    """transformers draws the weights a checkpoint lacks at random and loads: the parity check then compared the
+    conversion with a random reference and blamed the conversion (helper-248). Refused, naming the class and the
+    weights."""
+    from safetensors.torch import load_file
+
+    from converter.parity import reference_from_pretrained
+
+    folder = tmp_path / "source"
+    build_reference(CONFIG).save_pretrained(folder)
+    weights = load_file(folder / "model.safetensors")
+    dropped = "model.layers.1.mlp.down_proj.weight"
+    del weights[dropped]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ThinkerError, match=rf"builds Qwen3ForCausalLM from it, and the checkpoint lacks .*{dropped}"):
+        reference_from_pretrained(folder, folder)
