@@ -436,6 +436,23 @@ def test_verify_fails_on_a_planted_bug(planted, file, embeds_export, tmp_path, m
     assert result["embeds_graph"]["max_abs_diff"] > 10 * result["tolerance"]
 
 
+def test_the_quantized_verify_fails_a_planted_bug_in_the_embeds_graph(thinker_folder, tmp_path):
+    """The quantized check judges the embeds graph as the float check does: its inputs_embeds read 1 % larger fails
+    it, model.onnx sound (a mutation leaving the side graphs' failures out of the quantized verdict passed every
+    test: only the embeds graph's own comparison sees this)."""
+    from export.quantized_verify import QualityGate, verify_quantized_export
+
+    source, folder = thinker_folder("gpt2"), tmp_path / "onnx"
+    spec = QuantizeSpec(bits=4, block_size=16)  # no activation-aware scales: the graph holds the source's weights
+    export_model(source, folder, quantize=spec, inputs_embeds=True, verify=False, progress=False)
+    _rewrite(folder / EMBEDS_MODEL_FILE, _scale_the_input)
+    result = verify_quantized_export(source, folder / "model.onnx", torch.float32, 4, QualityGate(0.0, float("inf")))
+    graph = result["graph"]
+    assert graph["max_abs_diff"] <= graph["tolerance"] < graph["embeds_graph"]["max_abs_diff"], graph
+    assert result["passed"] is False, result
+    assert f"{EMBEDS_MODEL_FILE} with {EMBED_FILE} (a prompt with foreign embeddings): " in result["failure"], result
+
+
 def test_the_foreign_block_fits_rows_of_any_length():
     """A row too short for a block keeps its tokens (one or two kept slots), a longer one gets up to FOREIGN_BLOCK."""
     mask = np.array([[0, 0, 0, 0, 1], [0, 0, 0, 1, 1], [0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])

@@ -652,6 +652,13 @@ def test_a_float16_scale_is_rounded_as_onnxruntime_stores_it(magnitude):
     error = in_blocks(torch.from_numpy(dequantized.reshape(n, k)) - rows, block).norm(dim=-1)
     rounding = block_rounding_error(rows, 8, block, asymmetric=False, scale_dtype=torch.float16)
     torch.testing.assert_close(error, rounding, rtol=1e-5, atol=1e-12)
+    # The verify's per-row check models a float16 weight's scales as float16 (a mutation modelling them as float32
+    # measured a sound block 4.8x its rounding at 1e-4 and passed every test: the tiny models' weights are larger)
+    from export.dequantize import QuantizedWeight
+    from export.quantized_verify import BLOCK_ROUNDING_LIMIT, worst_rounding
+
+    stored = QuantizedWeight("MatMulNBits", 8, torch.from_numpy(dequantized.reshape(n, k).astype(np.float16)), block)
+    assert worst_rounding(stored, rows)["block"][0] <= (BLOCK_ROUNDING_LIMIT + 1) / 2
 
 
 def test_a_float16_quantized_export_is_judged_against_the_float32_model(thinker_variant, onnx_variant):
@@ -973,3 +980,50 @@ def test_the_layout_check_names_three_wrong_weights_and_counts_the_rest():
     failures = layout_failures(weights, QuantizeSpec(bits=4, block_size=16))
     assert len(failures) == 4 and failures[-1] == "and 2 more weights", failures
     assert [f.split(" ")[2] for f in failures[:3]] == list(weights)[:3], failures
+
+
+def test_a_weight_without_its_grid_is_held_to_its_bits_limit(thinker_variant, onnx_variant, tmp_path):
+    """A float fallback whose node records no grid (a graph exported before ``record_grid``) has no per-row check:
+    its whole-weight error against int8's limit is all that judges it. o_proj's fallback 15 % off passes the graph
+    check (the model runs the same weights) and must fail there (mutations loosening int8's limit to int4's, or
+    ranking the weights by their raw error so no margin exceeded 1, passed it; elsewhere the row check hid them)."""
+    from export.dequantize import DEQUANTIZED, constant_reader, dequantize_matmul_nbits
+    from export.quantized_verify import verify_quantized_export
+
+    def o_proj_as_float(model: onnx.ModelProto) -> None:
+        node = next(n for n in model.graph.node if n.op_type == "MatMulNBits" and "o_proj" in n.input[1])
+        read, inputs = constant_reader(model.graph), [*node.input[1:4], ""][:3]
+        weight = dequantize_matmul_nbits(attributes(node), *(read(name) if name else None for name in inputs))
+        model.graph.initializer.append(numpy_helper.from_array(weight * 1.15, node.input[1] + DEQUANTIZED))
+        matmul = helper.make_node("MatMul", [node.input[0], node.input[1] + DEQUANTIZED], [node.output[0]])
+        model.graph.node.insert(list(model.graph.node).index(node), matmul)
+        model.graph.node.remove(node)
+
+    o_proj = "model.layers.0.self_attn.o_proj.weight"
+    path = planted(onnx_variant("qwen3", graph="fused", quantize=INT8), tmp_path / "bug", o_proj_as_float)
+    broken = verify_quantized_export(thinker_variant("qwen3", head_dim=16), path, torch.float32, 8, NO_GATE)
+    assert broken["weights"]["worst"] == o_proj and broken["weights"]["limit"] == 0.02, broken["weights"]
+    assert "worst_row" not in broken["weights"] or broken["weights"]["worst_row"]["weight"] != o_proj, broken
+    assert broken["graph"]["max_abs_diff"] <= broken["graph"]["tolerance"], broken["graph"]
+    assert broken["passed"] is False, broken
+    assert f"quantized weight {o_proj} is 0.15 off the float one (> 0.02)" in broken["failure"], broken["failure"]
+
+
+def test_a_subtle_graph_bug_fails_the_parity_batch_at_the_float_tolerance(thinker_variant, onnx_variant, tmp_path):
+    """GroupQueryAttention's scale 0.3 % off: tens of times the float graphs' tolerance, not hundreds, and the parity
+    batch's own judgement names it (the planted bugs above lie thousands of times beyond it, so a mutation judging
+    the batch at 100x its tolerance passed every test)."""
+    from export.quantized_verify import verify_quantized_export
+
+    def nudge_attention(model: onnx.ModelProto) -> None:
+        for node in model.graph.node:
+            for attribute in node.attribute:
+                if node.op_type == "GroupQueryAttention" and attribute.name == "scale":
+                    attribute.f *= 1.003
+
+    path = planted(onnx_variant("qwen3", graph="fused", quantize=INT4), tmp_path / "bug", nudge_attention)
+    broken = verify_quantized_export(thinker_variant("qwen3", head_dim=16), path, torch.float32, 4, NO_GATE)
+    graph = broken["graph"]
+    assert 2 * graph["tolerance"] < graph["max_abs_diff"] < 100 * graph["tolerance"], graph
+    assert broken["passed"] is False, broken
+    assert "against the model with the same dequantized weights > tolerance" in broken["failure"], broken["failure"]

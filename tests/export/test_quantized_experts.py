@@ -376,3 +376,31 @@ def test_per_row_int8_experts_round_against_the_scale_they_store(scale_dtype):
     nearest = np.clip(np.round(stack.numpy() / stored), -127, 127)
     np.testing.assert_array_equal(packed.astype(np.int64) - 128, nearest)
     assert (np.abs(packed.astype(np.int64) - 128).max(-1) == 127).all()  # each row's largest weight takes the end
+
+
+def scale_one_expert(model: onnx.ModelProto) -> None:
+    """One expert of the first layer's down-projection stack with scales 15 % off, in either graph: QMoE's FC2
+    scales (E, N, K / block) or the plain graph's ``..._scales`` (E, K / block, N)."""
+    tensors = {t.name: t for t in model.graph.initializer}
+    node = next((n for n in model.graph.node if n.op_type == "QMoE"), None)
+    name = node.input[6] if node is not None else next(t for t in tensors if t.endswith("experts.down_proj_scales"))
+    values = numpy_helper.to_array(tensors[name]).copy()
+    values[1] *= 1.15
+    tensors[name].CopyFrom(numpy_helper.from_array(values, name))
+
+
+@pytest.mark.parametrize("graph", ["fused", "plain"])
+def test_one_experts_scales_fail_the_row_check(graph, thinker_variant, onnx_variant, tmp_path):
+    """One expert of a 4-bit stack with scales 15 % off: within int4's whole-tensor limit and sound as a graph (the
+    model runs the same weights), so only the per-row check of the experts' own rounding sees it (a mutation reading
+    the plain graph's stacks without their grid, which skips that check, passed every test)."""
+    model_dir = thinker_variant("qwen3_moe", head_dim=16)
+    folder = onnx_variant("qwen3_moe", graph=graph, quantize=INT4)
+    sound = verify_quantized_export(model_dir, folder / "model.onnx", torch.float32, 4, NO_GATE)
+    assert sound["passed"] is True, sound
+    broken_path = planted(folder, tmp_path / "bug", scale_one_expert)
+    broken = verify_quantized_export(model_dir, broken_path, torch.float32, 4, NO_GATE)
+    weights = broken["weights"]
+    assert weights["relative_error"] <= weights["limit"], weights  # the whole-tensor check alone passes it
+    assert broken["passed"] is False and "experts.down_proj is" in broken["failure"], broken["failure"]
+    assert "as far from the float row as round-to-nearest" in broken["failure"], broken["failure"]

@@ -286,6 +286,17 @@ def test_mean_kl_is_the_reference_against_the_candidate_over_every_position():
         assert mean_kl(reference, candidate, rows=rows) == pytest.approx(kl / 3, rel=1e-9), rows
 
 
+def test_mean_kl_of_float32_logits_is_taken_in_float64():
+    """Graphs give float32 logits; KL between two close distributions over a large vocabulary is a small difference
+    of large sums, which float32 carries to 1e-3 of itself here (a mutation leaving the logits in their own type
+    passed every test)."""
+    rng = np.random.default_rng(0)
+    reference = (rng.standard_normal((4, 49152)) * 5).astype(np.float32)
+    candidate = reference + (rng.standard_normal(reference.shape) * 1e-2).astype(np.float32)
+    exact = mean_kl(reference.astype(np.float64), candidate.astype(np.float64))
+    assert mean_kl(reference, candidate) == pytest.approx(exact, rel=1e-9)
+
+
 def test_prefill_logits_refuses_a_graph_that_gives_the_last_position_only():
     decoder = SimpleNamespace(last_logits_only=True, model_path="out/model.onnx")
     with pytest.raises(ValueError, match="gives the last position's logits only; open it with all_positions"):
