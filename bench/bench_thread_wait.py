@@ -8,15 +8,19 @@ every one of a decode step's hundreds of parallel regions (greedy decoding in Py
 with a Thinker folder, and the parity checks of `convert`, `verify` and `export` run their reference model so).
 
 This times, in fresh processes, greedy decoding of SmolLM2-135M (its real weights) with each wait policy, on the idle
-machine and beside one low-priority (nice 19) busy process per core:
+machine, beside one low-priority (nice 19) busy loop per core ("busy"), and beside another PyTorch program at nice 19
+whose threads spin as ours do ("torch-busy": small matrix products without end, as a test suite's or a job's):
   torch-spin      transformers' ``generate`` on the Thinker folder, libgomp's default waits (the variable unset)
   torch-passive   the same with ``OMP_WAIT_POLICY=PASSIVE``
+  torch-spin-10k  the same with ``GOMP_SPINCOUNT=10000``, a shorter spin before sleeping (libgomp's default is 300000)
   ort-spin        onnxruntime over the fused float32 export (export/runtime.py ``OnnxDecoder``), its default
   ort-passive     the same with ``session.intra_op.allow_spinning`` 0
 Each variant's processes take turns, rep by rep; the figures are medians of the tokens' seconds (after one warm-up
 generation in each process) and each variant's ratio to its default's, per condition. Whether the commands should
 wait passively by default is what this measures: a passive wait costs a wake-up at each parallel region on an idle
 machine, and saves the spinning on a busy one. Run it with nothing else running (the idle rows are only that then).
+The answer so far (README, "Thread waits"): the defaults, spinning, are faster in every condition here, so the
+commands keep them.
 
     python bench/bench_thread_wait.py                    # 3 reps, 24 tokens
     python bench/bench_thread_wait.py --reps 5 --tokens 32
@@ -46,12 +50,16 @@ RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = {  # name -> (runtime, environment added, onnxruntime's allow_spinning)
     "torch-spin": ("torch", {}, None),
     "torch-passive": ("torch", {"OMP_WAIT_POLICY": "PASSIVE"}, None),
+    "torch-spin-10k": ("torch", {"GOMP_SPINCOUNT": "10000"}, None),
     "ort-spin": ("ort", {}, "1"),
     "ort-passive": ("ort", {}, "0"),
 }
-DEFAULTS = {"torch-passive": "torch-spin", "ort-passive": "ort-spin"}  # what each ratio is taken against
-CONDITIONS = ("idle", "busy")
+# what each ratio is taken against
+DEFAULTS = {"torch-passive": "torch-spin", "torch-spin-10k": "torch-spin", "ort-passive": "ort-spin"}
+CONDITIONS = ("idle", "busy", "torch-busy")
 PROMPT = "The capital of France is"
+# A test suite's or a training job's PyTorch beside the run: small matrix products on every core, without end.
+TORCH_LOOP = "import torch\na = torch.randn(256, 256)\nwhile True: a = torch.tanh(a @ a)"
 
 
 def child(runtime: str, folder: Path, tokens: int, spinning: str | None) -> None:
@@ -106,10 +114,13 @@ def busy_cores(condition: str) -> Iterator[None]:
     if condition == "idle":
         yield
         return
-    loops = [
-        subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: pass"])
-        for _ in range(os.cpu_count() or 1)
-    ]
+    if condition == "torch-busy":  # another PyTorch program, its OpenMP threads spinning as ours do
+        loops = [subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", TORCH_LOOP])]
+    else:
+        loops = [
+            subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: pass"])
+            for _ in range(os.cpu_count() or 1)
+        ]
     try:
         time.sleep(1)  # the loops running before the timed process starts
         yield
@@ -123,7 +134,8 @@ def markdown(results: dict) -> str:
     lines = [
         f"Command: `{results['command']}` on {results['machine']} ({results['cores']} cores); {results['tokens']} "
         f"greedy tokens of SmolLM2-135M, fresh processes taking turns, {results['reps']} each; median seconds and "
-        "each passive variant's time over its default's (below 1: faster). Busy: one busy loop per core at nice 19.",
+        "each variant's time over its default's (below 1: faster). Busy: one busy loop per core at nice 19; "
+        "torch-busy: a PyTorch program's matrix products at nice 19.",
         "",
         "| variant | " + " | ".join(f"{c} s | {c} ratio" for c in CONDITIONS) + " |",
         "|---|" + "---|---|" * len(CONDITIONS),
