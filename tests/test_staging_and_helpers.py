@@ -286,6 +286,45 @@ def test_a_signal_while_a_finished_runs_staging_folder_goes_leaves_nothing_and_t
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and len(calls) == 2, calls
 
 
+@pytest.mark.parametrize("signalled", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("when", ["before OUTPUT is in place", "after OUTPUT is in place"])
+def test_an_interrupted_command_says_which_outputs_are_complete(signalled, when, tmp_path, monkeypatch):
+    """A command stopped by a signal exits with the shell's status for it, and names what it had put in place in
+    full: with --force, a Ctrl-C while the replaced folder was removed said "Aborted!" alone of an OUTPUT that was
+    the new, complete folder (helper-248). Stopped before the install, the words are the signal's alone."""
+    import signal
+
+    import click
+    from click.testing import CliRunner
+
+    from thinker_common.cli import Terminated, reports_errors
+    from thinker_common.staging import staged_output
+
+    exception = KeyboardInterrupt() if signalled == "SIGINT" else Terminated(signal.SIGTERM)
+    output = tmp_path / "out"
+    output.mkdir()  # an earlier output, which --force replaces
+    (output / "old").write_text("old")
+    monkeypatch.setattr("thinker_common.staging.refuse_replacing_another_folder", lambda path: None)
+    if when == "after OUTPUT is in place":
+        interrupted_once(monkeypatch, exception)  # while the replaced folder, now at the staging name, goes
+
+    @click.command()
+    @reports_errors
+    def write() -> None:
+        with staged_output(output, force=True) as work:
+            staged(work)
+            if when == "before OUTPUT is in place":
+                raise exception
+
+    result = CliRunner().invoke(write, [])
+    words = "Aborted!" if signalled == "SIGINT" else "Terminated."
+    complete = f" ({output}: written in full before the interrupt)" if when.startswith("after") else ""
+    assert result.exit_code == 128 + getattr(signal, signalled), result.output
+    assert result.stderr.strip() == words + complete
+    assert sorted(p.name for p in output.iterdir()) == (["a", "b"] if complete else ["old"])
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
 def test_a_signal_while_a_failed_runs_staging_folder_goes_leaves_nothing_and_the_error_stands(tmp_path, monkeypatch):
     """The same signal while a failing run's staging folder is removed: nothing is left, not even the parent folder
     the run made, and the run's own error is what comes out."""

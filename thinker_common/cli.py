@@ -27,6 +27,7 @@ from pkgutil import resolve_name
 
 import click
 
+from . import staging
 from .errors import ThinkerError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
@@ -50,6 +51,7 @@ def reports_errors(command: Callable) -> Callable:
     @functools.wraps(command)
     def run(*args, debug: bool = False, **kwargs):
         logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s: %(message)s")
+        outputs_before = len(staging.INSTALLED)
         try:
             refuse_bad_hub_settings()  # before huggingface_hub is imported, which parses them with int()
             if not debug:
@@ -57,10 +59,11 @@ def reports_errors(command: Callable) -> Callable:
             with held_warnings(hold=not debug), sigterm_unwinds():
                 return command(*args, **kwargs)
         except KeyboardInterrupt:
-            click.echo("Aborted!", err=True)  # click's words, with the shell's status for a SIGINT (click exits 1)
+            # click's words, with the shell's status for a SIGINT (click exits 1)
+            click.echo("Aborted!" + _complete_outputs(outputs_before), err=True)
             sys.exit(128 + signal.SIGINT)
         except Terminated as signalled:
-            click.echo(signalled.words, err=True)
+            click.echo(signalled.words + _complete_outputs(outputs_before), err=True)
             sys.exit(128 + signalled.signum)
         except OSError as err:  # what no check foresaw (a name too long, a file too large for the file system ...)
             if debug:
@@ -95,6 +98,16 @@ def reports_errors(command: Callable) -> Callable:
             sys.exit(1)
 
     return debug_option(run)
+
+
+def _complete_outputs(before: int) -> str:
+    """What an interrupted command had already put in place, in full (``staging.INSTALLED`` past ``before``): a
+    signal just after OUTPUT was renamed into place (while the folder it replaced was removed, or the summary
+    printed) said "Aborted!" alone, and the user took a complete OUTPUT for a partial one (helper-248)."""
+    done = staging.INSTALLED[before:]
+    if not done:
+        return ""
+    return f" ({', '.join(map(str, done))}: written in full before the interrupt)"
 
 
 def stdout_gone() -> bool:

@@ -462,6 +462,11 @@ def staged_output(output: Path, force: bool, needed: int | None = None) -> Itera
         install(staging, output, force)
 
 
+# Every OUTPUT this process has put in place, in order: a command interrupted after one was in place says so
+# (thinker_common.cli), rather than leaving the user to take a complete folder for a partial one.
+INSTALLED: list[Path] = []
+
+
 def install(staging: Path, output: Path, force: bool) -> None:
     """Put the finished ``staging`` folder at ``output``; with ``force``, an existing ``output`` is replaced.
 
@@ -478,6 +483,7 @@ def install(staging: Path, output: Path, force: bool) -> None:
             # never over a folder that appeared since the look above (a plain rename replaces an empty one)
             if not _renameat2(staging, output, _RENAME_NOREPLACE):
                 staging.rename(output)  # no renameat2 here: that window stays open
+            INSTALLED.append(output)
             return
         except FileExistsError:
             pass  # it did appear: as below
@@ -486,6 +492,7 @@ def install(staging: Path, output: Path, force: bool) -> None:
     refuse_replacing_another_folder(output)  # again: it may have changed, or appeared, since the look before the work
     try:
         if _exchange(staging, output):
+            INSTALLED.append(output)
             return  # the old OUTPUT is at ``staging`` now and goes with it
         # Not a staging name: were the run killed between the two renames, the old folder must survive the next run.
         retired = output.with_name(f".{_label(output.name)}.{uuid.uuid4().hex[:8]}.old")
@@ -496,6 +503,7 @@ def install(staging: Path, output: Path, force: bool) -> None:
             "another path, or into a folder inside this one"
         ) from None
     staging.rename(output)
+    INSTALLED.append(output)
     _remove(retired)
 
 
