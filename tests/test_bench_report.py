@@ -132,7 +132,8 @@ def test_pooled_top1_weighs_each_text_by_its_predictions():
 def test_the_export_helps_fidelity_figures_are_the_benchmarks():
     """`thinker export --help` quotes SmolLM2's pooled top-1 agreement for --awq and --quantize-head; they are
     bench/results/quant_texts.json's (`python bench/bench_quant_texts.py`), rounded: a rerun that moves them fails
-    here until the help says what the file says (the help said 97% at int8 where the file said 96.4%)."""
+    here until the help says what the file says (the help said 97% at int8 where the file said 96.4%); the head's
+    perplexity costs and bytes likewise, from quant_texts.json and quantize.json (`python bench/bench_quantize.py`)."""
     import json
 
     from export.cli import export_command
@@ -146,3 +147,22 @@ def test_the_export_helps_fidelity_figures_are_the_benchmarks():
     )
     assert f"from {pooled['int8-rtn']}% to {pooled['int8']}% at int8" in helps["awq"]
     assert f"({pooled['int4']}% against {pooled['int4-h4']}% for int4" in helps["quantize_head"]
+    cost = {
+        name: [f"+{round(100 * text['perplexity_change'])}%" for text in graph["texts"].values()]
+        for name, graph in results["graphs"].items()
+    }
+    assert (
+        f"({' and '.join(cost['int4-h8'])} on the two texts, against mixed's {' and '.join(cost['int4'])})"
+        in (helps["quantize_head"])
+    )
+    sizes = json.loads((Path(report.__file__).parent / "results" / "quantize.json").read_text())["exports"]
+    more = round(100 * (sizes["int4-h8"]["model_bytes"] / sizes["int4"]["model_bytes"] - 1))
+    assert f"reads {more}% more bytes per token" in helps["quantize_head"]
+    paragraph = {
+        name: 100 * graph["texts"]["paragraph"]["perplexity_change"] for name, graph in results["graphs"].items()
+    }
+    megabytes = {name: round(export["model_bytes"] / 1e6) for name, export in sizes.items()}
+    assert (
+        f"(perplexity +{paragraph['int8-femb-rtn']:.1f}% against +{paragraph['int8-rtn']:.1f}%, "
+        f"{megabytes['int8-femb-rtn']} against {megabytes['int8-rtn']} MB)" in helps["embedding"]
+    )
