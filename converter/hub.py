@@ -45,6 +45,7 @@ from thinker_common.errors import ADAPTER_CONFIG, ThinkerError, peft_adapter_err
 from thinker_common.gguf_split import is_split_shard, shard_name, split_gguf
 from thinker_common.model_card import CARD_FILE, LICENSE_FILES
 from thinker_common.side_files import CONFIG_FILES, TOKENIZER_FILES, is_tokenizer_file, read_json
+from thinker_common.source_files import checked_file
 from thinker_common.sources import (
     BIN_INDEX,
     LOAD_ORDER,
@@ -360,7 +361,9 @@ def _gguf_in(path: Path, gguf_file: str | None, label: str) -> Path:
     if not file.is_file():
         held = sorted(entry.relative_to(path).as_posix() for entry in path.glob("**/*.gguf"))
         raise ThinkerError(f"{label}: no GGUF file {gguf_file!r} in {path}; {_ggufs_held(held)}")
-    return file
+    # by the rule for every file of a source folder: a link out of it is refused, as it was when the folder's only
+    # GGUF was found without --gguf-file, which read the same link (helper-251)
+    return checked_file(file, path)
 
 
 def _resolve_repo(

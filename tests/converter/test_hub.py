@@ -683,6 +683,24 @@ def test_gguf_file_in_a_local_folder(tmp_path):
             resolve_source(str(tmp_path), gguf_file=bad)
 
 
+def test_gguf_file_naming_a_link_out_of_the_folder_is_refused(tmp_path):
+    """--gguf-file reads by the rule for every file of a source folder: a link to a file outside it is refused, as
+    it was when the folder's only GGUF was found without --gguf-file (helper-251: named, the same link was read);
+    a link inside the folder is followed."""
+    elsewhere, folder = tmp_path / "elsewhere", tmp_path / "repo"
+    elsewhere.mkdir()
+    folder.mkdir()
+    (elsewhere / "tiny-Q8_0.gguf").write_bytes(GGUF_REPO["tiny-Q8_0.gguf"])
+    (folder / "a.gguf").symlink_to(elsewhere / "tiny-Q8_0.gguf")
+    with pytest.raises(
+        ThinkerError, match=r"a\.gguf: a symlink to .*tiny-Q8_0\.gguf, outside .*repo; refusing to read"
+    ):
+        resolve_source(str(folder), gguf_file="a.gguf")
+    (folder / "b.gguf").write_bytes(GGUF_REPO["tiny-Q8_0.gguf"])
+    (folder / "c.gguf").symlink_to("b.gguf")
+    assert resolve_source(str(folder), gguf_file="c.gguf") == folder / "c.gguf"
+
+
 def test_gguf_file_as_a_path_inside_the_source(fake_hub, tmp_path):
     """GGUF repos often keep each quantisation in a folder of its own: --gguf-file takes the path in the repo."""
     in_folders = {"README.md": b"#", **{f"{name[5:-5]}/{name}": content for name, content in GGUF_REPO.items()}}
