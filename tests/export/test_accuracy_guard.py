@@ -487,8 +487,11 @@ def test_the_float_fallback_computes_what_level_1_computes(spec, thinker_variant
     model = onnx.load(tmp_path / "float" / "model.onnx", load_external_data=False)
     chosen = float_fallback_nodes(model, names)
     assert sorted(chosen) == sorted(names)  # every projection and the head: all 8-bit, float32 scales
-    assert replace_with_fallbacks(model, tmp_path / "float" / "model.onnx", chosen, []) > 0
+    written = replace_with_fallbacks(model, tmp_path / "float" / "model.onnx", chosen, [])
     onnx.save_model(model, tmp_path / "float" / "model.onnx")
+    # the bytes reported (the CLI's "MiB" and the report's float_fallback_bytes) are every new weight's, not the last's
+    ranges, _ = external_ranges(tmp_path / "float" / "model.onnx")
+    assert written == sum(length for name, (_, length) in ranges.items() if name.endswith(DEQUANTIZED)) > 0
     as_float = prefill(model, tmp_path / "float" / "model.onnx", {}, ids, threads=1)
     scale = np.abs(at_level_1).max()
     assert np.abs(as_float - at_level_1).max() <= 1e-6 * scale
@@ -505,6 +508,29 @@ def test_the_float_fallback_computes_what_level_1_computes(spec, thinker_variant
     verified = verify_quantized_export(folder, alone / "model.onnx", torch.float32, 8, NO_GATE, asked=spec)
     assert verified["passed"] is True, verified.get("failure")
     assert verified["weights"]["worst_row"]["error_over_rounding"] == pytest.approx(1.0, abs=1e-4), verified["weights"]
+
+
+def test_the_fallback_keeps_the_weights_a_subgraph_reads(onnx_variant, tmp_path):
+    """The plain hybrid graph's delta rule runs in If branches that read tensors of the main graph: the rewritten
+    weights file keeps every tensor any node reads, a branch's nodes included (a mutation run that counted the main
+    graph's nodes alone passed every test, whose fallbacks were all on graphs without branches)."""
+    from export.accuracy_guard import matmul_units, prefill
+    from export.float_fallback import float_fallback_nodes, replace_with_fallbacks
+    from export.graph_walk import all_nodes
+
+    export = onnx_variant("qwen3_5", graph="plain", quantize=INT8, head_dim=None)
+    shutil.copytree(export, tmp_path / "float")
+    path = tmp_path / "float" / "model.onnx"
+    model = onnx.load(path, load_external_data=False)
+    branches = {name for node in all_nodes(model.graph) for name in node.input} - {
+        name for node in model.graph.node for name in node.input
+    }
+    assert branches & {tensor.name for tensor in model.graph.initializer}  # what this test is about
+    names = [name for names in matmul_units(model).values() for name in names]
+    assert replace_with_fallbacks(model, path, float_fallback_nodes(model, names), []) > 0
+    onnx.save_model(model, path)
+    ids = np.random.default_rng(0).integers(0, 90, size=70)  # 64 tokens or more: the chunked branch runs
+    assert np.isfinite(prefill(model, path, {}, ids, threads=1)).all()
 
 
 def test_a_half_precision_graph_keeps_its_moved_8_bit_projections_at_level_1(onnx_variant):

@@ -371,6 +371,20 @@ def test_any_attention_window_is_a_fault(window, tmp_path):
         )
 
 
+def test_a_window_in_a_later_layer_alone_is_a_fault(tmp_path):
+    """Every GroupQueryAttention is read, not the first alone: a window planted in the last layer only (a mutation
+    run that returned after the first node passed every test, whose plants put the window in every layer)."""
+    nodes = [
+        helper.make_node("GroupQueryAttention", ["q"], [f"out{i}"], name=f"/model/layers.{i}/attn/GQA", **extra)
+        for i, extra in enumerate([{}, {"local_window_size": -1}, {"local_window_size": 64}])
+    ]
+    outputs = [helper.make_tensor_value_info(f"out{i}", TensorProto.FLOAT, None) for i in range(3)]
+    onnx.save(helper.make_model(helper.make_graph(nodes, "window", [], outputs)), str(tmp_path / "model.onnx"))
+    said = attention_window_check(tmp_path / "model.onnx")
+    assert said is not None, "the last layer's window was not read"
+    assert said.startswith("model.onnx: /model/layers.2/attn/GQA attends to a window of its last 64 keys"), said
+
+
 # --- export/quantized_size.py -------------------------------------------------------------------------------------
 
 

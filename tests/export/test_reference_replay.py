@@ -52,6 +52,13 @@ def test_a_runs_key_tells_apart_every_input_that_decides_it():
     assert repr(long) == repr(moved) and run_key("", long) != run_key("", moved)
 
 
+def test_a_runs_key_keeps_its_parts_apart():
+    """Each part ends where it ends: two runs whose parts' texts only concatenate alike are two runs (a mutation run
+    that dropped the separator after each part passed every test)."""
+    assert run_key("", 12, 3) != run_key("", 1, 23)
+    assert run_key("", "deep cache", 12, True) != run_key("", "deep cache", 1, 2, True)
+
+
 def test_a_run_is_read_back_bit_for_bit_from_an_unnamed_file_in_the_folder(tmp_path):
     replay, made = ReferenceReplay(tmp_path), []
     rng = np.random.default_rng(0)

@@ -89,3 +89,22 @@ def test_each_slice_holds_at_most_its_bytes_in_float32(int8_export):
     widths = [next(helper.get_attribute_value(a) for a in n.attribute if a.name == "N") for n in slices]
     assert max(widths) * 4 * attrs["K"] <= slice_bytes and max(widths) == 7, widths
     assert sum(widths) == attrs["N"], widths
+
+
+def test_sliced_matmuls_with_zero_points_give_the_unsliced_logits(thinker_variant, tmp_path):
+    """``--algo rtn-asym``: each slice reads its own rows' zero points (a flat uint8 run per row), not the first
+    slice's (a mutation run that left the zero points unsliced, or cut them by the packed weight's first axis, passed
+    every test: the module's fixture is symmetric, with no zero points)."""
+    from export.exporter import export_model
+
+    spec = QuantizeSpec(bits=8, block_size=16, algo="rtn-asym")
+    export_model(thinker_variant("qwen3", head_dim=16), tmp_path / "asym", graph="fused", quantize=spec, verify=False)
+    path = tmp_path / "asym" / "model.onnx"
+    model = onnx.load(path, load_external_data=False)
+    head = next(n for n in model.graph.node if n.name == "/lm_head/MatMulNBits")
+    assert len(head.input) > 3 and head.input[3], list(head.input)  # zero points
+    k = next(helper.get_attribute_value(a) for a in head.attribute if a.name == "K")
+    expected, _ = float_activation_logits(model, path, None)
+    logits, split = float_activation_logits(model, path, 7 * 4 * k)
+    assert "/lm_head/MatMulNBits" in split, split
+    np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
