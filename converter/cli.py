@@ -182,11 +182,12 @@ gguf_file_option = click.option(
     type=click.Choice(["auto", *FLOAT_DTYPES]),
     default="auto",
     show_default=True,
-    help="Output dtype. auto keeps the dtype the source config declares where it is float32, bfloat16 or float16 "
-    "(else, a float64 config or none, the one of those three holding most of the source tensors' bytes, float32 if "
-    "none; GGUF dequantizes to float32), and keeps tensors the source stores in a dtype it cannot hold as they are "
-    "(Qwen3.5's float32 A_log and norms beside bfloat16 weights; float16 beside bfloat16). A dtype named casts every "
-    "tensor; float16 refuses tensors whose values exceed ±65504, naming them.",
+    help="Output dtype. auto rounds no tensor: config.json keeps the dtype the source config declares where it is "
+    "float32, bfloat16 or float16 (else, a float64 config or none, the one of those three holding most of the "
+    "source tensors' bytes, float32 if none; GGUF dequantizes to float32), and a tensor the source stores in a dtype "
+    "that one cannot hold as it is stays as stored (Qwen3.5's float32 A_log and norms beside bfloat16 weights; "
+    "float16 beside bfloat16; every tensor, where a config says bfloat16 of float32 weights). A dtype named casts "
+    "every tensor; float16 refuses tensors whose values exceed ±65504, naming them.",
 )
 @click.option(
     "--max-shard-size",

@@ -110,7 +110,9 @@ costs against the float model on a fixed English paragraph (top-1 agreement, per
     type=click.Choice(FLOAT_DTYPES),
     default="float32",
     show_default=True,
-    help="Precision of the graph's weights, activations and KV cache (logits are always float32).",
+    help="Precision of the graph's weights, activations and KV cache (logits are always float32). float32 and "
+    "float16 run on onnxruntime's CPU and CUDA providers; bfloat16 on CUDA only (the CPU provider has no bfloat16 "
+    "kernels, so `thinker generate` refuses such a folder where no CUDA runs).",
 )
 @click.option(
     "--verify/--no-verify",
