@@ -325,6 +325,31 @@ def test_an_interrupted_command_says_which_outputs_are_complete(signalled, when,
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
+def test_an_output_installed_inside_a_staging_folder_is_not_named_complete(tmp_path):
+    """An export converts its source on the way into a folder inside its own staging folder, installed there as
+    any conversion's OUTPUT is; interrupted after that, the export has put nothing in place, and says so."""
+    import click
+    from click.testing import CliRunner
+
+    from thinker_common.cli import reports_errors
+    from thinker_common.staging import staged_output
+
+    output = tmp_path / "onnx"
+
+    @click.command()
+    @reports_errors
+    def export() -> None:
+        with staged_output(output, force=False) as work:
+            with staged_output(work / "thinker", force=False) as converted:
+                staged(converted)
+            assert (work / "thinker" / "a").is_file()  # the conversion on the way is in place, in the staging folder
+            raise KeyboardInterrupt
+
+    result = CliRunner().invoke(export, [])
+    assert result.exit_code == 130 and result.stderr.strip() == "Aborted!", result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_signal_while_a_failed_runs_staging_folder_goes_leaves_nothing_and_the_error_stands(tmp_path, monkeypatch):
     """The same signal while a failing run's staging folder is removed: nothing is left, not even the parent folder
     the run made, and the run's own error is what comes out."""

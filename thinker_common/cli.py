@@ -104,7 +104,8 @@ def _complete_outputs(before: int) -> str:
     """What an interrupted command had already put in place, in full (``staging.INSTALLED`` past ``before``): a
     signal just after OUTPUT was renamed into place (while the folder it replaced was removed, or the summary
     printed) said "Aborted!" alone, and the user took a complete OUTPUT for a partial one (helper-248)."""
-    done = staging.INSTALLED[before:]
+    # not a folder installed inside another run's staging folder (an export's conversion on the way), gone with it
+    done = [path for path in staging.INSTALLED[before:] if staging.outside_staging(path) == path]
     if not done:
         return ""
     return f" ({', '.join(map(str, done))}: written in full before the interrupt)"
