@@ -492,3 +492,23 @@ def test_a_shared_reader_handed_out_again_holds_none_of_the_file_resident(tmp_pa
         read = resident_kib()
         assert mapped_reader(path) is reader
         assert read > 4 * resident_kib() and read * 1024 > path.stat().st_size / 2, (read, resident_kib())
+
+
+def test_a_file_rewritten_within_one_read_once_block_is_parsed_again(tmp_path):
+    """``gguf_read_once`` shares one reader per file, told apart by its identity: a file rewritten in place (the same
+    inode, other bytes) is parsed afresh, not read through the stale header of the first parse."""
+    from thinker_common.gguf_reader import GGUFSource, gguf_read_once, mapped_reader
+
+    path = write_gguf(build_reference(SYNTHETIC["qwen2"]), tmp_path / "tiny.gguf", "qwen2")
+    inode = path.stat().st_ino
+    with gguf_read_once():
+        first = mapped_reader(path)
+        assert mapped_reader(path) is first
+        write_gguf(build_reference(SYNTHETIC["llama"]), path, "llama")  # GGUFWriter opens "wb": the same inode
+        assert path.stat().st_ino == inode
+        assert mapped_reader(path) is not first
+        source = GGUFSource(path)
+        try:
+            assert source.config()["general.architecture"] == "llama"
+        finally:
+            source.close()

@@ -171,6 +171,22 @@ def test_an_impossible_value_is_named(tmp_path):
     assert_error(convert(path, tmp_path / "out", "--no-verify"), "'qwen35.ssm.group_count'", "corrupt")
 
 
+def test_a_boolean_size_is_named(tmp_path):
+    """A GGUF bool where a size belongs (Python's bool is an int: True would be read as 1)."""
+    from converter.families.gguf import gguf_to_hf_config
+    from thinker_common.errors import ThinkerError
+    from thinker_common.gguf_reader import GGUFSource
+
+    _, path = gguf_file(tmp_path, "qwen35")
+    source = GGUFSource(path)
+    try:
+        metadata, names = source.config(), source.names()
+    finally:
+        source.close()
+    with pytest.raises(ThinkerError, match="'qwen35.ssm.group_count' is True; a model needs a whole number above 0"):
+        gguf_to_hf_config({**metadata, "qwen35.ssm.group_count": True}, names)
+
+
 def test_rope_scaling_is_refused_by_its_key(tmp_path):
     """transformers' GGUF loading of a qwen35 file with RoPE scaling loses its multimodal sections and partial rotary:
     with no reference, the conversion is refused by key, with --no-verify too, rather than written unscaled."""
@@ -265,6 +281,26 @@ def test_a_section_of_no_frequencies_keeps_its_place(tmp_path):
     output = tmp_path / "out"
     assert convert(path, output, "--no-verify").exit_code == 0
     assert json.loads((output / "config.json").read_text())["rope_parameters"]["mrope_section"] == [3, 1, 0]
+
+
+def test_the_norm_epsilon_is_written_as_its_short_decimal(tmp_path):
+    """GGUF stores eps as float32 (1e-6 reads back as 9.999999974752427e-07): config.json holds the decimal the
+    original config held, as for the other architectures."""
+    from converter.families.gguf import gguf_to_hf_config
+    from thinker_common.gguf_reader import GGUFSource
+
+    model, path = gguf_file(tmp_path, "qwen35")
+    source = GGUFSource(path)
+    try:
+        config = gguf_to_hf_config(source.config(), source.names())
+    finally:
+        source.close()
+    assert config["rms_norm_eps"] == model.config.rms_norm_eps == 1e-06
+
+
+def test_a_file_of_the_multi_token_prediction_block_alone_is_refused(tmp_path):
+    _, path = gguf_file(tmp_path, "qwen35", mtp_layers=1, metadata={"qwen35.block_count": 1})
+    assert_error(convert(path, tmp_path / "out", "--no-verify"), "'qwen35.block_count' counts 1 blocks", "no decoder")
 
 
 def test_one_quantisation_of_a_hub_gguf_repo(fake_hub, tmp_path):

@@ -131,6 +131,14 @@ def test_per_layer_head_counts_are_refused(key):
         gguf_to_hf_config(metadata(**{key: [4, 2]}), [])
 
 
+@pytest.mark.parametrize("value", [True, -1], ids=["bool", "negative"])
+def test_a_special_token_id_that_is_no_id_is_refused(value):
+    """A GGUF bool where a token id belongs (Python's bool is an int: True would be read as token id 1)."""
+    key = "tokenizer.ggml.eos_token_id"
+    with pytest.raises(ThinkerError, match=f"^GGUF metadata '{key}' is {value!r}, not a token id"):
+        gguf_to_hf_config(metadata(**{key: value}), [])
+
+
 # --- RoPE scaling keys ---------------------------------------------------------------------------------------------
 
 
@@ -146,9 +154,29 @@ def test_yarn_ext_factor_at_llama_cpps_default_scales_nothing():
         gguf_to_hf_config(metadata(**{key: 0.5}), [])
 
 
+@pytest.mark.parametrize(
+    "key, neutral",
+    [("attn_factor", 1.0), ("yarn_attn_factor", 1.0), ("yarn_log_multiplier", 0.0), ("yarn_ext_factor", -1.0)],
+)
+def test_each_untranslated_scaling_key_at_its_neutral_value_scales_nothing(key, neutral):
+    """llama.cpp's defaults of the keys no Hugging Face field carries: read as nothing, any other value refused."""
+    key = f"llama.rope.scaling.{key}"
+    assert gguf_to_hf_config(metadata(**{key: neutral}), [])["rope_parameters"]["rope_type"] == "default"
+    with pytest.raises(ThinkerError, match=f"^GGUF metadata '{key}' is {neutral + 0.5}: RoPE scaling that no"):
+        gguf_to_hf_config(metadata(**{key: neutral + 0.5}), [])
+
+
 def test_a_rope_scaling_type_other_than_linear_or_yarn_is_refused():
     scaled = metadata(**{"llama.rope.scaling.type": "longrope", "llama.rope.scaling.factor": 4.0})
     with pytest.raises(ThinkerError, match=r"^GGUF RoPE scaling 'longrope' \(factor 4.0\) is not supported; supported"):
+        gguf_to_hf_config(scaled, [])
+
+
+def test_an_infinite_rope_scaling_factor_is_refused():
+    """inf passes ``factor > 0``: written, it would scale every position to 0 (and config.json would hold Infinity)."""
+    key = "llama.rope.scaling.factor"
+    scaled = metadata(**{"llama.rope.scaling.type": "linear", key: float("inf")})
+    with pytest.raises(ThinkerError, match=f"^GGUF metadata '{key}' is inf; RoPE scaling needs a positive number"):
         gguf_to_hf_config(scaled, [])
 
 
