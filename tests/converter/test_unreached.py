@@ -211,3 +211,22 @@ def test_a_learned_position_row_no_prompt_reaches(mode, save_reference, run_conv
     changed(converted, "model.embed_positions.weight", lambda table: table[63].zero_())
 
     only_the_probe_fails(source, converted, mode, POSITION_ROWS)
+
+
+def test_a_low_frequency_short_factor_is_compared_across_the_trained_length(save_reference, run_convert):
+    """A short factor translated wrong in the lowest frequency (theta 1e6): over the first eight positions its sine
+    moves less than the tolerance, across the trained length's middle and end it does not; the probe takes those
+    too (a mutation probing the first eight positions alone passed every test, the tiny models' theta 1e4 showing
+    every factor at once)."""
+    rope = {"rope_type": "longrope", "rope_theta": 1e6, "original_max_position_embeddings": 32}
+    rope |= {"short_factor": [1.0] * 4, "long_factor": [1.0, 1.5, 2.0, 2.5]}
+    _, source = save_reference(
+        Qwen2Config(**TINY, num_hidden_layers=2, max_position_embeddings=256, rope_parameters=rope)
+    )
+    converted = run_convert(source, verify=False).output
+    edit_config(converted, rope_parameters={"short_factor": [1.0, 1.0, 1.0, 1.5]})
+
+    report = check_parity(source, converted)
+    assert not report.passed and ROTARY_STAGE in [
+        stage.name for stage in report.results[0].unreached if not stage.passed
+    ], report.table()
