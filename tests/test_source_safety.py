@@ -673,6 +673,30 @@ def test_a_snapshot_linking_outside_its_cache_is_refused(fake_hub, qwen3_source,
     assert_nothing_written(output)
 
 
+def test_a_folder_laid_out_like_a_cache_reaches_no_file_beside_its_blob_stores(source_copy, secret, tmp_path):
+    """A snapshot's links are followed into its cache's blob stores only, not into the whole folder above
+    ``models--owner--name``: a stranger's folder laid out like a cache, extracted into the home folder, linked
+    ``merges.txt`` to ``~/.ssh/id_rsa`` and the key was converted into OUTPUT (helper-253). Its own blobs/ serve."""
+    home = secret.parent.parent
+    snapshot = home / "models--stranger--tiny" / "snapshots" / "main"
+    shutil.copytree(source_copy(), snapshot)
+    (snapshot / "merges.txt").unlink(missing_ok=True)
+    (snapshot / "merges.txt").symlink_to(Path("..", "..", "..", ".ssh", "id_rsa"))
+    output = tmp_path / "out"
+    assert_error(thinker("convert", snapshot, output, "--no-verify"), "merges.txt", "outside")
+    assert_nothing_written(output)
+    assert_secret_absent(tmp_path)
+
+    (snapshot / "merges.txt").unlink()  # the same file through the repo's blob store, as huggingface_hub links it
+    blobs = snapshot.parent.parent / "blobs"
+    blobs.mkdir()
+    (snapshot / "tokenizer.json").rename(blobs / "0123abcd")
+    (snapshot / "tokenizer.json").symlink_to(Path("..", "..", "blobs", "0123abcd"))
+    result = thinker("convert", snapshot, output, "--no-verify")
+    assert result.exit_code == 0, result.output
+    assert (output / "tokenizer.json").is_file() and not (output / "tokenizer.json").is_symlink()
+
+
 # --- what is not a regular file (issues 15 and 16) ------------------------------------------------------------------
 
 

@@ -3,9 +3,10 @@
 Users convert folders they downloaded from strangers and publish what comes out, so every file read from a
 folder, or copied out of it (weights, shard index, ``config.json``, the tokenizer), passes ``checked_file``:
 
-- a symlink is followed only when it resolves inside the folder itself, or inside the Hugging Face cache that holds
-  the folder (a snapshot's files are symlinks into the cache's ``blobs/``). A link to anything else (``merges.txt``
-  -> ``~/.ssh/id_rsa``) would carry a file the user never meant to publish into OUTPUT, so it is refused by name;
+- a symlink is followed only when it resolves inside the folder itself, or inside the blob stores of the Hugging Face
+  cache that holds the folder (a snapshot's files are symlinks into the repo's ``blobs/``). A link to anything else
+  (``merges.txt`` -> ``~/.ssh/id_rsa``) would carry a file the user never meant to publish into OUTPUT, so it is
+  refused by name;
 - what it resolves to must be a regular file: reading a named pipe blocks forever, a device never ends, and a
   folder named ``model.safetensors`` is not weights.
 
@@ -28,18 +29,39 @@ from .errors import ThinkerError
 _CACHE_REPO_FOLDER = re.compile(r"(models|datasets|spaces)--.+")
 
 
-def hub_caches_of(folder: Path) -> list[Path]:
-    """Where a folder in a Hugging Face cache may read its files from, resolved: the cache its path names (the folder
-    above ``models--owner--name``), and, where a symlink keeps that repo folder elsewhere (on a bigger disk, say), the
-    repo folder it really is, which holds the repo's ``blobs/``. Empty outside any cache."""
+def _cache_repo_of(folder: Path) -> tuple[Path, Path] | None:
+    """(the cache, the repo folder) a folder's path places it in, as ``models--owner--name/snapshots/...`` names
+    them, resolved (a symlink may keep the repo folder elsewhere, on a bigger disk, say); None outside any cache."""
     for form in (Path(os.path.abspath(folder)), Path(folder).resolve()):  # the path named, else where it leads
         parts = form.parts
         for index in range(len(parts) - 2, 0, -1):
             if parts[index] == "snapshots" and _CACHE_REPO_FOLDER.fullmatch(parts[index - 1]):
                 repo = Path(*parts[:index])
-                cache, real_repo = repo.parent.resolve(), repo.resolve()
-                return [cache] if _inside(real_repo, cache) else [cache, real_repo]
-    return []
+                return repo.parent.resolve(), repo.resolve()
+    return None
+
+
+def hub_caches_of(folder: Path) -> list[Path]:
+    """What of a Hugging Face cache a folder in it stands on, resolved: the cache its path names (the folder above
+    ``models--owner--name``), and, where a symlink keeps that repo folder elsewhere, the repo folder it really is.
+    What a run must not write into; empty outside any cache."""
+    found = _cache_repo_of(folder)
+    if found is None:
+        return []
+    cache, repo = found
+    return [cache] if _inside(repo, cache) else [cache, repo]
+
+
+def hub_blob_stores_of(folder: Path) -> list[Path]:
+    """Where a folder in a Hugging Face cache may read its files from besides itself: the blob stores a snapshot's
+    links lead into, the repo's ``blobs/`` and the cache-wide ``blobs/``, resolved. Not the whole cache: a folder
+    merely laid out like one (``~/models--stranger--tiny/snapshots/main``, extracted from an archive) would let a
+    link reach anything beside it, a key in ``~/.ssh`` included (helper-253). Empty outside any cache."""
+    found = _cache_repo_of(folder)
+    if found is None:
+        return []
+    cache, repo = found
+    return [(repo / "blobs").resolve(), (cache / "blobs").resolve()]
 
 
 def redownload(path: Path | str) -> str:
@@ -131,10 +153,12 @@ def checked_file(path: Path, folder: Path) -> Path:
     """``path`` (a file in ``folder``, possibly in a sub-folder), if it may be read; see the module's rules."""
     path, folder = Path(path), Path(folder)
     target = path.resolve()
-    caches = hub_caches_of(folder)
-    allowed = [folder.resolve(), *caches]
+    stores = hub_blob_stores_of(folder)
+    allowed = [folder.resolve(), *stores]
     if not any(_inside(target, root) for root in allowed):
-        where = f"{folder}" + (f" and the Hugging Face cache {caches[0]} holding it" if caches else "")
+        where = f"{folder}" + (
+            f" and the blob stores of the Hugging Face cache holding it ({stores[0]})" if stores else ""
+        )
         raise ThinkerError(
             f"{path}: a symlink to {target}, outside {where}; refusing to read it (what a file from elsewhere holds "
             "would be written into OUTPUT, converted or copied): put the file itself into the folder if it belongs to "
