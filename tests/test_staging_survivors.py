@@ -188,3 +188,37 @@ def test_a_dangling_link_at_output_is_refused_before_the_work(tmp_path):
     with pytest.raises(ThinkerError, match="a link to"):
         refuse_existing_output(output, force=False)
     assert output.is_symlink() and not (tmp_path / "nowhere").exists()
+
+
+def test_a_card_without_a_record_line_is_stamped_as_it_will_read_back(tmp_path):
+    """A card of thinker's whose record line is missing (typed over by hand, before the folder was stamped) gains the
+    line with a blank line before it: the card's digest must be taken of the card so laid out, or the stamped folder
+    reads as edited and --force refuses thinker's own output. A card holding the line keeps the digest it always had,
+    so the folders written before read as they did."""
+    from thinker_common.card_format import (
+        CHECK_END,
+        CHECK_START,
+        Record,
+        _card_digest,
+        changes_since_written,
+        read_record,
+        stamped_card,
+    )
+    from thinker_common.staging import write_atomically
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text("{}")
+    (bare / "README.md").write_text(f"# model\n{CHECK_START}\nno checks\n{CHECK_END}\n")
+    write_atomically(bare / "README.md", stamped_card(bare))
+    assert read_record(bare) is not None
+    assert changes_since_written(bare, os.listdir(bare)) is None
+
+    placed = tmp_path / "placed"
+    placed.mkdir()
+    (placed / "config.json").write_text("{}")
+    card = f"# model\n{CHECK_START}\nno checks\n{CHECK_END}\n\n{Record().line()}\n"
+    (placed / "README.md").write_text(card)
+    write_atomically(placed / "README.md", stamped_card(placed))
+    assert read_record(placed).card == _card_digest(card.encode())
+    assert changes_since_written(placed, os.listdir(placed)) is None

@@ -132,12 +132,23 @@ def read_record(folder: Path) -> Record | None:
     return None if match is None else Record(int(match[1]), match[2].decode(), match[3].decode())
 
 
+def _with_line(card: bytes, record: Record) -> bytes:
+    line = record.line().encode()
+    return _RECORD.sub(line + b"\n", card, count=1) if _RECORD.search(card) else card + b"\n" + line + b"\n"
+
+
 def with_record(card: bytes, record: Record) -> str:
     """``card`` with ``record`` in place of the one it holds (or added), as text for ``staging.write_atomically``:
     bytes that are not UTF-8 (a card edited in another encoding) carried through as they are."""
-    line = record.line().encode()
-    updated = _RECORD.sub(line + b"\n", card, count=1) if _RECORD.search(card) else card + b"\n" + line + b"\n"
-    return updated.decode("utf-8", "surrogateescape")
+    return _with_line(card, record).decode("utf-8", "surrogateescape")
+
+
+def _recorded(card: bytes, time_ns: int, files: str) -> str:
+    """``card`` recording a write at ``time_ns`` of the files ``files`` digests, and the card's own digest as it will
+    read back: taken with the record line in place, which a card that held none gains with a blank line before it
+    (the record itself is left out of the digest, so which record holds the place does not matter)."""
+    placed = _with_line(card, Record(time_ns, files))
+    return with_record(card, Record(time_ns, files, _card_digest(placed)))
 
 
 def stamped_card(folder: Path) -> str | None:
@@ -148,7 +159,7 @@ def stamped_card(folder: Path) -> str | None:
     files = _files(folder)
     newest = max((info.st_ctime_ns for info in files.values()), default=0)
     card = card_text(folder)
-    return with_record(card, Record(newest, _names_digest(list(files)), _card_digest(card)))
+    return _recorded(card, newest, _names_digest(list(files)))
 
 
 def card_after_verify(folder: Path, before: Record, card_before: bytes) -> str | None:
@@ -166,7 +177,7 @@ def card_after_verify(folder: Path, before: Record, card_before: bytes) -> str |
     ):
         return None
     reports = [info.st_ctime_ns for name, info in files.items() if name in REPORT_FILES]
-    return with_record(card, Record(max([before.time_ns, *reports]), before.files, _card_digest(card)))
+    return _recorded(card, max([before.time_ns, *reports]), before.files)
 
 
 def changes_since_written(folder: Path, names: list[str]) -> str | None:
