@@ -119,7 +119,9 @@ class DecoderState:
     attention_mask: np.ndarray  # (B, S) int64
     next_position: np.ndarray  # (B,) int64, or (3, B): one per multimodal stream (``next_positions``)
     cache: dict[str, object] = field(default_factory=dict)  # past_key_values.* name -> np.ndarray or OrtValue
-    cached: int | None = None  # the slots the cache holds, which the mask must cover (None: taken from the mask)
+    # the slots the cache holds, which the mask must cover; None (a state built by hand): a KV cache's own length,
+    # or the mask's where every KV is a shared buffer
+    cached: int | None = None
 
 
 class OnnxDecoder:
@@ -365,10 +367,11 @@ class OnnxDecoder:
             positions = for_every_row(self.graph_positions(position_ids), batch)
             self._check_positions(positions, batch, steps, np.shape(position_ids), what)
             feeds["position_ids"] = np.ascontiguousarray(positions, dtype=np.int64)
-        if state.cached is not None and state.attention_mask.shape[1] != state.cached + steps:
+        cached = self._slots_cached(state)
+        if cached is not None and state.attention_mask.shape[1] != cached + steps:
             raise ThinkerError(
-                f"attention_mask covers {state.attention_mask.shape[1]} slots, but the cache holds {state.cached} and "
-                f"{steps} new token(s) follow: it must cover {state.cached + steps} (a step's mask is the last one "
+                f"attention_mask covers {state.attention_mask.shape[1]} slots, but the cache holds {cached} and "
+                f"{steps} new token(s) follow: it must cover {cached + steps} (a step's mask is the last one "
                 "with a column per new token appended)"
             )
         if self.device == "cuda" or self.shared_kv:
@@ -516,6 +519,19 @@ class OnnxDecoder:
             raise ThinkerError(
                 f"state: its cache {held}: a state from another model's decoder; start one with this decoder's prefill"
             )
+
+    def _slots_cached(self, state: DecoderState) -> int | None:
+        """The slots ``state``'s cache holds: as the decoder recorded them, else (a state built by hand) the sequence
+        axis of a KV cache that is not a shared buffer (which holds unused slots past the mask's length); None where
+        neither says (no KV but shared buffers, or none at all)."""
+        if state.cached is not None:
+            return state.cached
+        for name in self.past_names:
+            if name.rsplit(".", 1)[-1] in KV_KINDS and name not in self.shared_kv:
+                value = state.cache[name]
+                shape = value.shape() if isinstance(value, ort.OrtValue) else np.shape(value)
+                return int(shape[2]) if len(shape) == 4 else None  # (batch, kv heads, slots, head dim)
+        return None
 
     def _check_mask(self, mask: np.ndarray, batch: int, steps: int, what: str) -> None:
         if mask.ndim != 2 or mask.shape[0] != batch or mask.shape[1] < steps:
