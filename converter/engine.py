@@ -190,6 +190,7 @@ def plan_conversion(
     check_float_sources(family, steps, source)
     duplicate_head = _duplicate_tied_head(family, config, steps, source)
     _check_sources_used(family, config, steps, names, duplicate_head)
+    _check_shared_expert_empty(family, config, source, set(names))
     if family.check_source is not None:
         family.check_source(config, source)
     _check_targets_produced(family, steps, expected)
@@ -376,14 +377,32 @@ def _extra_layer(family: Family) -> re.Pattern | None:
     return re.compile(re.escape(before) + r"(\d+)" + re.escape(after))
 
 
+def _empty_shared_expert(family: Family, config: ThinkerConfig, part: str = ".shared_expert") -> list[Step]:
+    """A shared expert 0 wide adds exactly 0 (its gate scales an empty product), yet Qwen2-MoE's class writes its
+    empty projections and its gate: the Thinker, which has none, drops them. The steps that would read them (those
+    whose targets name ``part``), where the config says 0."""
+    if not config.num_experts or config.shared_expert_intermediate_size:
+        return []
+    return expand_rules(tuple(rule for rule in family.tensors if any(part in t for t in rule.targets)), config)
+
+
 def _dropped_names(family: Family, config: ThinkerConfig) -> set[str]:
     rules = tuple(TensorRule((name,), ()) for name in family.dropped)
-    if config.num_experts and not config.shared_expert_intermediate_size:
-        # A shared expert 0 wide adds exactly 0 (its gate scales an empty product), yet Qwen2-MoE's class writes its
-        # empty projections and its gate: the Thinker, which has none, drops them.
-        rules += tuple(rule for rule in family.tensors if any(".shared_expert" in t for t in rule.targets))
-    dropped = expand_rules(rules, config)
+    dropped = expand_rules(rules, config) + _empty_shared_expert(family, config)
     return {name for step in dropped for name in step.sources}
+
+
+def _check_shared_expert_empty(family: Family, config: ThinkerConfig, source: TensorSource, names: set[str]) -> None:
+    """The shared expert the config calls 0 wide is dropped: its projections must then be empty in the checkpoint,
+    or real weights would leave the model unsaid (a config.json edited, or another checkpoint's)."""
+    for step in _empty_shared_expert(family, config, ".shared_expert."):  # the projections; the gate is (1, hidden)
+        for name in step.sources:
+            if name in names and math.prod(shape := source.shape(name)):
+                raise ThinkerError(
+                    f"its {family.config_label} gives shared_expert_intermediate_size 0, but the checkpoint's "
+                    f"shared expert has width: {name} is {tuple(shape)}; set the width its weights have (or convert "
+                    "with the config.json saved beside these weights)"
+                )
 
 
 def _dropped_by_prefix(family: Family, names: list[str], config: ThinkerConfig) -> set[str]:

@@ -413,3 +413,14 @@ def test_export_converts_the_named_gguf_on_the_way(tmp_path):
     assert json.loads((output / "config.json").read_text())["linear_num_value_heads"] == 4
     missing = CliRunner().invoke(main, ["export", str(path.parent), str(tmp_path / "x"), "--gguf-file", "q.gguf"])
     assert_error(missing, "no GGUF file 'q.gguf'", "other.gguf")
+
+
+def test_a_nan_through_a_computing_operation_is_named(tmp_path):
+    """The zero-centred norms go through an operation that computes (weight - 1), whose output no scan of the source
+    bytes has checked: a NaN there is refused by the output check, naming the GGUF tensor (a mutation run)."""
+    model = source_model("qwen35")
+    with torch.no_grad():
+        model.model.norm.weight[3] = float("nan")
+    path = write_hybrid_gguf(model, tmp_path / "nan.gguf")
+    assert_error(convert(path, tmp_path / "out", "--no-verify"), "output_norm.weight", "NaN")
+    assert not (tmp_path / "out").exists()

@@ -210,6 +210,15 @@ def test_the_tables_pieces_are_written_in_place_never_joined_in_memory(source_co
     assert torch.equal(safetensors_of(tmp_path / "out")[TABLE + ".weight"], joined)
 
 
+def test_a_nan_in_a_table_piece_cast_alone_is_named(source_copy, tmp_path):
+    """A piece not copied as bytes (another dtype than the output's) is read, checked and cast alone: a NaN in it is
+    refused naming the piece, as a NaN in a piece copied by the kernel is (a mutation run)."""
+    rewrite(source_copy, lambda t: t[f"{TABLE}.shard_1.weight"].view(-1)[5:6].fill_(float("nan")))
+    result = cli(convert_command, source_copy, tmp_path / "out", "--dtype", "bfloat16", "--no-verify")
+    assert result.exit_code == 1 and not (tmp_path / "out").exists()
+    assert f"{TABLE}.shard_1.weight" in result.output and "NaN" in result.output, result.output
+
+
 def test_hash_buffers_the_config_does_not_imply_are_refused_by_name(source_copy, tmp_path):
     """transformers runs the hash buffers a checkpoint stores; the Thinker derives them. A checkpoint whose buffers
     disagree with its config would be another model: refused before anything is written, naming the tensor."""
