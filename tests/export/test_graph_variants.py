@@ -16,7 +16,7 @@ import torch
 from onnx import helper
 
 from export.deep_cache import compare_deep, write_random_slots
-from export.embeds_graph import check_reads_shape_only
+from export.embeds_graph import check_reads_shape_only, write_embeds_graphs
 from export.half_spread import UNIT_ROUNDOFF, HalfShadow, scaled_at_random
 from export.names import DTYPE_KEY, EXPORT_ID_KEY, GENAI_MODEL_FILE, PADDING_KEY
 from export.runtime import OnnxDecoder
@@ -176,6 +176,26 @@ def test_the_cut_refuses_a_node_reading_more_of_the_ids_than_their_batch_and_seq
     else:
         with pytest.raises(RuntimeError, match=r"node /planted \(" + op + r"\) reads the token ids themselves"):
             check_reads_shape_only(node)
+
+
+def test_the_cut_refuses_a_decoder_reading_the_ids_values(tmp_path):
+    """write_embeds_graphs runs the guard on every node of the cut decoder that reads input_ids: a graph that reads
+    the ids' values outside the token lookup (as Qwen3.8's n-gram hash does) is refused, not cut into a graph that
+    reads the embeddings in their place."""
+    ids = helper.make_tensor_value_info("input_ids", onnx.TensorProto.INT64, ["batch", "seq"])
+    out = helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["batch", "seq", 4])
+    table = helper.make_tensor("table", onnx.TensorProto.FLOAT, [8, 4], [0.5] * 32)
+    nodes = [
+        helper.make_node("Gather", ["table", "input_ids"], ["rows"], "/model/embed/tokens/Gather"),
+        helper.make_node("Cast", ["input_ids"], ["id_values"], "/model/hash/Cast", to=onnx.TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["id_values", "last"], ["id_column"], "/model/hash/Unsqueeze"),
+        helper.make_node("Add", ["rows", "id_column"], ["logits"], "/model/Add"),
+    ]
+    last = helper.make_tensor("last", onnx.TensorProto.INT64, [1], [-1])
+    graph = helper.make_graph(nodes, "planted", [ids], [out], [table, last])
+    onnx.save(helper.make_model(graph), tmp_path / "model.onnx")
+    with pytest.raises(RuntimeError, match=r"node /model/hash/Cast \(Cast\) reads the token ids themselves"):
+        write_embeds_graphs(tmp_path / "model.onnx", torch.float32, hidden_size=4)
 
 
 # --- genai_graph: model.onnx's stamps, and the padding it takes -------------------------------------------------

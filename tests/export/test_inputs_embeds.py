@@ -686,3 +686,21 @@ def test_a_text_positions_card_says_which_prompts_it_takes(tmp_path):
     export_model(source, tmp_path / "onnx", inputs_embeds=True, positions="text", verify=False, progress=False)
     card = (tmp_path / "onnx" / "README.md").read_text()
     assert "This export takes text positions (`--positions text`)" in card and "DeepStack" not in card
+
+
+def test_a_bfloat16_export_writes_both_graphs_with_float32_embeddings(thinker_folder, tmp_path):
+    """bfloat16, like float16, is a half dtype: embed.onnx casts its rows out to float32 and model.embeds.onnx casts
+    its float32 input in first thing (a cut that took only float16 for half wrote a bfloat16 lookup under a float32
+    output and a float32 input into bfloat16 nodes, which save_checked let through). The CPU runs no bfloat16 MatMul:
+    the graphs are read, not run."""
+    folder = tmp_path / "onnx"
+    export_model(thinker_folder("qwen3"), folder, dtype="bfloat16", inputs_embeds=True, verify=False, progress=False)
+    embed = onnx.load(folder / EMBED_FILE, load_external_data=False).graph
+    decoder = onnx.load(folder / EMBEDS_MODEL_FILE, load_external_data=False).graph
+    assert [(v.name, v.type.tensor_type.elem_type) for v in embed.output] == [(INPUTS_EMBEDS, onnx.TensorProto.FLOAT)]
+    assert embed.node[-1].op_type == "Cast" and embed.node[-1].output[0] == INPUTS_EMBEDS
+    embeds_input = next(value for value in decoder.input if value.name == INPUTS_EMBEDS)
+    assert embeds_input.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    cast = decoder.node[0]
+    assert cast.op_type == "Cast" and list(cast.input) == [INPUTS_EMBEDS]
+    assert helper.get_attribute_value(cast.attribute[0]) == onnx.TensorProto.BFLOAT16
