@@ -117,6 +117,41 @@ def test_the_cached_call_continues_a_prompt_as_a_whole_pass_over_it_would(source
     assert torch.allclose(step[:, -1], whole[:, -1], atol=1e-5, rtol=1e-5), (step[:, -1] - whole[:, -1]).abs().max()
 
 
+def test_the_observer_sees_each_units_own_output(source):
+    """What an observer is handed as a unit's output is that unit's: the head's is the logits, and each layer's is
+    the next layer's input (the layer check compares these)."""
+    streamed = load_layered_reference(source, torch.float32)
+    inputs, outputs = {}, {}
+
+    def observe(unit, args, kwargs, output):
+        inputs[unit.name] = (args[0] if args else kwargs["hidden_states"]).clone()
+        outputs[unit.name] = (output[0] if isinstance(output, tuple) else output).clone()
+
+    with streamed.streaming(observe):
+        logits = streamed(*batch())
+    assert torch.equal(outputs["lm_head"], logits)
+    for index in range(LAYERS - 1):
+        assert torch.equal(outputs[f"model.layers.{index}"], inputs[f"model.layers.{index + 1}"]), index
+    assert not torch.equal(outputs["model.layers.0"], inputs["model.layers.0"])
+
+
+def test_after_load_sees_the_unit_widened_to_the_compute_dtype(source):
+    """``after_load`` runs once the unit is in the compute dtype, so weights it puts in take that dtype."""
+    streamed = load_layered_reference(source, torch.bfloat16)
+    streamed.compute_dtype = torch.float32
+    seen = set()
+    streamed.after_load = lambda unit: seen.update(streamed.get_tensor(name).dtype for name in unit.tensors)
+    with streamed.streaming():
+        streamed(*batch())
+    assert seen == {torch.float32}
+
+
+def test_empty_model_builds_the_attention_asked():
+    model = empty_model(AutoModelForCausalLM.from_config, QWEN3, torch.float32, attention="sdpa")
+    assert model.config._attn_implementation == "sdpa"
+    assert empty_model(AutoModelForCausalLM.from_config, QWEN3, torch.float32).config._attn_implementation == "eager"
+
+
 # --- memory --------------------------------------------------------------------------------------------------------
 
 
@@ -372,3 +407,40 @@ def test_load_thinker_keeps_the_sources_dtype_and_the_one_asked_in_eval_mode(sou
     native = load_thinker(tmp_path / "thinker", dtype="float32")
     assert not native.training
     assert {parameter.dtype for parameter in native.parameters()} == {torch.float32}
+
+
+def test_a_key_the_legacy_renames_would_change_loads_under_its_own_name():
+    """A key the model holds as it is (``LayerNorm.gamma``), which transformers' legacy renaming would turn into one
+    it does not hold (``LayerNorm.weight``), loads under its own name, as ``from_pretrained`` loads it."""
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    class Config(PretrainedConfig):
+        model_type = "streamed_gamma"
+
+    class Gamma(PreTrainedModel):
+        config_class = Config
+        base_model_prefix = "model"
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.LayerNorm = Scale()
+
+        def forward(self, x):
+            return self.LayerNorm(x)
+
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gamma = nn.Parameter(torch.empty(4))
+
+        def forward(self, x):
+            return x * self.gamma
+
+    with torch.device("meta"):
+        model = Gamma(Config())
+    stored = torch.arange(4.0)
+    tensors = {"LayerNorm.gamma": LazyTensor(lambda: stored, stored.shape, stored.dtype)}
+    streamed = StreamedModel(model, tensors, layer_classes=(), call=lambda module, ids, mask, positions: module(ids))
+    assert [unit.keys for unit in streamed.units] == [["LayerNorm.gamma"]]
+    with streamed.streaming():
+        assert torch.equal(streamed(torch.ones(4), None, None), stored)
