@@ -50,10 +50,16 @@ REFUSED = [
         dict(layer_types=["linear_attention", "full_attention", "full_attention"], hidden_act="gelu"),
         r"hidden_act='gelu' with linear_attention layers: .* silu / swish only",
     ),
+    (
+        dict(head_dim=16, rope_parameters={**PARTIAL, "partial_rotary_factor": 1.25}),
+        r"partial_rotary_factor=1.25 rotates 20 channels of a head of head_dim=16; it must be at most 1",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("overrides", "message"), REFUSED, ids=["dynamic", "longrope", "linear-gelu"])
+@pytest.mark.parametrize(
+    ("overrides", "message"), REFUSED, ids=["dynamic", "longrope", "linear-gelu", "rotary-above-1"]
+)
 def test_unsupported_configs_are_refused(overrides, message, tmp_path):
     folder = save_thinker(tmp_path / "thinker", "qwen3", tokenizer=False, **overrides)
     with pytest.raises(ThinkerError, match=message):

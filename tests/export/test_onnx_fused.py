@@ -151,6 +151,44 @@ def test_left_padded_rows_equal_rows_alone(family, onnx_variant):
             )
 
 
+def test_a_left_padded_first_row(onnx_variant):
+    """GroupQueryAttention rotates a prompt's tokens by the first element of position_ids, row 0's, for every row
+    (parity_batch pads its second row): with the first row left-padded, its pads must still be given their slots
+    (0 at slot 0), or every row's prompt is rotated a pad count past the positions its decode steps are rotated by."""
+    decoder = OnnxDecoder(onnx_variant("qwen3"), provider="cpu")
+    input_ids, attention_mask = (np.ascontiguousarray(a[::-1]) for a in parity_batch(96))  # the padded row first
+    assert not attention_mask[0, 0]
+    batch_logits, state = decoder.prefill(input_ids, attention_mask)
+    batch_step = decoder.decode_one_token(np.array([11, 12]), state)
+    for row, token in enumerate([11, 12]):
+        kept = attention_mask[row].astype(bool)
+        alone, alone_state = decoder.prefill(input_ids[row : row + 1, kept], attention_mask[row : row + 1, kept])
+        np.testing.assert_allclose(batch_logits[row, kept], alone[0], atol=1e-4)
+        np.testing.assert_allclose(
+            batch_step[row], decoder.decode_one_token(np.array([token]), alone_state)[0], atol=1e-4
+        )
+
+
+@pytest.mark.parametrize(("family", "graph"), [("qwen3", "fused"), ("gpt2", "fused"), ("gpt2", "plain")])
+def test_every_norm_takes_the_configs_epsilon(family, graph, thinker_variant, onnx_variant):
+    """rms_norm_eps 0.5, far from the ops' defaults (1e-5 for LayerNormalization, gpt2's own; 1e-12 for the contrib
+    norms): (Skip)SimplifiedLayerNormalization, SkipLayerNormalization and LayerNormalization each read it."""
+    model = load_thinker(thinker_variant(family, head_dim=16, rms_norm_eps=0.5))
+    decoder = OnnxDecoder(onnx_variant(family, graph=graph, rms_norm_eps=0.5), provider="cpu")
+    figures = compare_decoders(model, decoder, *parity_batch(model.config.vocab_size), steps=1)
+    assert figures["max_abs_diff"] <= 1e-3, figures
+
+
+def test_gated_experts_of_another_activation_keep_the_loop(thinker_variant, onnx_variant):
+    """onnxruntime's MoE op applies SwiGLU (SiLU) only: gated experts with another hidden_act (tanh GELU here) take
+    the plain graph's Loop, and match PyTorch."""
+    model = load_thinker(thinker_variant("qwen3_moe", head_dim=16, hidden_act="gelu_pytorch_tanh"))
+    folder = onnx_variant("qwen3_moe", hidden_act="gelu_pytorch_tanh")
+    assert ops(folder)["MoE"] == 0 and ops(folder)["Loop"] == 2
+    figures = compare_decoders(model, OnnxDecoder(folder, provider="cpu"), *parity_batch(96), steps=2)
+    assert figures["max_abs_diff"] <= 1e-3 and figures["top1_agreement"] == 1.0, figures
+
+
 def test_a_pad_between_a_prompts_tokens(onnx_variant):
     """A mask with a pad between a row's tokens: the plain graph (positions from the mask) gives the row without the
     pad; the fused graph's GroupQueryAttention numbers a prompt's tokens by slot, so every token after the pad was
