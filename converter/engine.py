@@ -377,13 +377,15 @@ def _extra_layer(family: Family) -> re.Pattern | None:
     return re.compile(re.escape(before) + r"(\d+)" + re.escape(after))
 
 
-def _empty_shared_expert(family: Family, config: ThinkerConfig, part: str = ".shared_expert") -> list[Step]:
+def _empty_shared_expert(family: Family, config: ThinkerConfig) -> list[Step]:
     """A shared expert 0 wide adds exactly 0 (its gate scales an empty product), yet Qwen2-MoE's class writes its
-    empty projections and its gate: the Thinker, which has none, drops them. The steps that would read them (those
-    whose targets name ``part``), where the config says 0."""
+    empty projections and its gate: the Thinker, which has none, drops them. The steps that would read them, where
+    the config says 0."""
     if not config.num_experts or config.shared_expert_intermediate_size:
         return []
-    return expand_rules(tuple(rule for rule in family.tensors if any(part in t for t in rule.targets)), config)
+    return expand_rules(
+        tuple(rule for rule in family.tensors if any(".shared_expert" in t for t in rule.targets)), config
+    )
 
 
 def _dropped_names(family: Family, config: ThinkerConfig) -> set[str]:
@@ -395,7 +397,8 @@ def _dropped_names(family: Family, config: ThinkerConfig) -> set[str]:
 def _check_shared_expert_empty(family: Family, config: ThinkerConfig, source: TensorSource, names: set[str]) -> None:
     """The shared expert the config calls 0 wide is dropped: its projections must then be empty in the checkpoint,
     or real weights would leave the model unsaid (a config.json edited, or another checkpoint's)."""
-    for step in _empty_shared_expert(family, config, ".shared_expert."):  # the projections; the gate is (1, hidden)
+    projections = (s for s in _empty_shared_expert(family, config) if any(".shared_expert." in t for t in s.targets))
+    for step in projections:  # not the gate, (1, hidden) whatever the width
         for name in step.sources:
             if name in names and math.prod(shape := source.shape(name)):
                 raise ThinkerError(
